@@ -1,0 +1,51 @@
+#pragma once
+// Shared set-up for simulator tests: a device whose numbers make timings easy to check by hand.
+
+#include <vector>
+
+#include "ferry/sim/simulator.hpp"
+
+namespace ferry::sim::testing {
+
+/// 1 byte per ns both ways (pageable at half), no latencies, no host overheads, 1 GiB memory.
+inline DeviceProfile simple_profile() {
+  DeviceProfile p;
+  p.name = "simple";
+  p.memory = Bytes(1LL << 30);
+  p.flops_per_s = 1'000'000'000'000;
+  p.memory_bandwidth = Bandwidth(1'000'000'000'000);
+  p.h2d = CopyPath{Bandwidth(1'000'000'000), SimTime(0), 1000};
+  p.d2h = CopyPath{Bandwidth(1'000'000'000), SimTime(0), 1000};
+  p.pageable_h2d = Bandwidth(500'000'000);
+  p.pageable_d2h = Bandwidth(500'000'000);
+  p.d2d = CopyPath{Bandwidth(10'000'000'000), SimTime(0), 1000};
+  p.peer = CopyPath{Bandwidth(2'000'000'000), SimTime(0), 1000};
+  p.pinned_host_capacity = Bytes(1LL << 30);
+  return p;
+}
+
+inline Simulator simple_sim(int devices = 1, SimOptions options = {},
+                            DeviceProfile profile = simple_profile()) {
+  std::vector<DeviceSpec> specs;
+  for (int i = 0; i < devices; ++i) specs.push_back(DeviceSpec{"gpu" + std::to_string(i), profile});
+  return Simulator(std::move(specs), {}, options);
+}
+
+inline Region whole(const Simulator& sim, BufferId id) {
+  return Region{id, Bytes(0), sim.buffers()[id.value()].bytes};
+}
+
+inline BufferId device_buffer(Simulator& sim, StreamId stream, std::int64_t bytes,
+                              const char* name = "buf") {
+  return sim.alloc(MemoryKind::Device, sim.stream_device(stream), Bytes(bytes), stream,
+                   PinnedPool::Caching, name)
+      .value();
+}
+
+inline BufferId pinned_buffer(Simulator& sim, std::int64_t bytes, const char* name = "host") {
+  return sim.alloc(MemoryKind::Pinned, DeviceId(), Bytes(bytes), StreamId(), PinnedPool::Exact,
+                   name)
+      .value();
+}
+
+}  // namespace ferry::sim::testing
