@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ferry/result.hpp"
 #include "ferry/sim/device_profile.hpp"
@@ -28,5 +29,18 @@ Result<Program> parse_program(std::string_view text, std::string_view source,
 /// Reads and parses a program file.
 Result<Program> load_program(const std::filesystem::path& path,
                              const std::filesystem::path& profile_dir);
+
+/// The bundled profile names in `profile_dir` (file names without ".json"), sorted.
+[[nodiscard]] std::vector<std::string> list_device_profiles(
+    const std::filesystem::path& profile_dir);
+
+/// A device profile as a JSON document that parse_device_profile reads back unchanged. Fixed key
+/// order, integers only: the same profile always gives the same bytes.
+[[nodiscard]] std::string device_profile_to_json(const DeviceProfile& profile);
+
+/// A program as a JSON document that parse_program reads back unchanged, with every device's
+/// profile inline. Fixed key order: the same program always gives the same bytes. The program
+/// must be well formed (every id in range), as parse_program returns them.
+[[nodiscard]] std::string program_to_json(const Program& program);
 
 }  // namespace ferry::sim
