@@ -271,7 +271,6 @@ std::vector<Bytes> run_device(const std::vector<Op>& ops, Bytes capacity, Alloca
         if (!r.ok()) {
           RC_ASSERT(r.error().message.rfind("out of memory: tried to allocate", 0) == 0);
           RC_ASSERT(alloc.stats().ooms == ooms + 1);
-          RC_TAG("oom");
           break;
         }
         const DeviceAllocation a = r.value();
@@ -320,6 +319,9 @@ std::vector<Bytes> run_device(const std::vector<Op>& ops, Bytes capacity, Alloca
     check_device(alloc, live);
   }
 
+  RC_CLASSIFY(alloc.stats().deferred_frees > 0, "deferred frees");
+  RC_CLASSIFY(alloc.stats().segment_frees > 0, "segments released");
+  RC_CLASSIFY(alloc.stats().ooms > 0, "out of memory");
   for (const Live& l : live) {
     alloc.free(BlockId(l.block), progress);
   }
@@ -415,7 +417,6 @@ void run_host(const std::vector<Op>& ops, Bytes capacity, AllocatorFaults faults
         if (!r.ok()) {
           RC_ASSERT(r.error().message.rfind("pinned host memory cap of", 0) == 0);
           RC_ASSERT(alloc.stats().cap_refusals == refusals + 1);
-          RC_TAG("cap refusal");
           break;
         }
         const HostAllocation a = r.value();
@@ -463,6 +464,9 @@ void run_host(const std::vector<Op>& ops, Bytes capacity, AllocatorFaults faults
     check_host(alloc, live);
   }
 
+  RC_CLASSIFY(alloc.stats().deferred_frees > 0, "deferred frees");
+  RC_CLASSIFY(alloc.stats().host_frees > 0, "blocks unpinned");
+  RC_CLASSIFY(alloc.stats().cap_refusals > 0, "cap refusals");
   for (const Live& l : live) {
     alloc.free(HostBlockId(l.block), progress);
   }

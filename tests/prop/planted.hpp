@@ -2,6 +2,7 @@
 // Running a property that a planted fault must break.
 
 #include <rapidcheck.h>
+#include <rapidcheck/detail/TestListener.h>
 
 #include <cstdint>
 #include <sstream>
@@ -9,6 +10,14 @@
 #include <utility>
 
 namespace ferry::testing {
+
+/// Listens to nothing: a planted fault's expected failure must not be reported as a failure.
+class QuietListener final : public rc::detail::TestListener {
+ public:
+  void onTestCaseFinished(const rc::detail::CaseDescription&) override {}
+  void onShrinkTried(const rc::detail::CaseDescription&, bool) override {}
+  void onTestFinished(const rc::detail::TestMetadata&, const rc::detail::TestResult&) override {}
+};
 
 /// Checks `property` with a fixed seed and up to `tests` cases. Returns the shrunk
 /// counterexample as RapidCheck prints it, or "" when the property held every time (the
@@ -21,8 +30,9 @@ std::string counterexample(Property&& property, std::uint64_t seed = 20261121, i
   rc::detail::TestMetadata metadata;
   metadata.id = "planted-fault";
   metadata.description = "property under a planted fault";
-  const rc::detail::TestResult result =
-      rc::detail::checkTestable(std::forward<Property>(property), metadata, params);
+  QuietListener listener;
+  const rc::detail::TestResult result = rc::detail::checkTestable(
+      std::forward<Property>(property), metadata, params, listener);
   rc::detail::FailureResult failure;
   if (!result.match(failure)) return {};
   std::ostringstream out;
