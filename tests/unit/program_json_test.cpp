@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <fstream>
 #include <iostream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -586,6 +588,25 @@ TEST(ProgramJson, SyntaxErrorPositionsCountLinesAndBytes) {
   const auto unterminated = parse_json_text("[1, 2", "x.json");
   ASSERT_FALSE(unterminated.ok());
   EXPECT_EQ(unterminated.error().message.rfind("x.json:1:", 0), 0U) << unterminated.error().message;
+}
+
+TEST(ProgramJson, TheDocumentedExampleParses) {
+  const std::filesystem::path doc = FERRY_TESTS_DIR "/../docs/program-format.md";
+  std::ifstream in(doc);
+  ASSERT_TRUE(in) << doc;
+  std::stringstream contents;
+  contents << in.rdbuf();
+  const std::string text = contents.str();
+  const std::string fence = "```json\n";
+  const auto begin = text.find(fence);
+  ASSERT_NE(begin, std::string::npos);
+  const auto end = text.find("```", begin + fence.size());
+  ASSERT_NE(end, std::string::npos);
+  const auto example = text.substr(begin + fence.size(), end - begin - fence.size());
+  const auto program = parse_program(example, "program-format.md", kProfileDir);
+  ASSERT_TRUE(program.ok()) << program.error().message;
+  EXPECT_EQ(program.value().streams.size(), 3U);
+  EXPECT_EQ(program.value().ops.size(), 24U);
 }
 
 TEST(ProgramJson, LoadProgramNamesAMissingFile) {
