@@ -120,6 +120,7 @@ class CachingAllocator {
   /// Waits for pending frees, then returns every fully free segment to the device.
   void empty_cache(StreamMarkers& markers);
 
+  /// Current counters; pending frees count as allocated.
   [[nodiscard]] const AllocatorStats& stats() const { return stats_; }
   /// All segments, in address order.
   [[nodiscard]] std::vector<SegmentInfo> segments() const;

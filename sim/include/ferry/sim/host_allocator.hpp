@@ -74,6 +74,7 @@ class PinnedHostAllocator {
   /// Waits for pending frees, then unpins every cached free block.
   void empty_cache(StreamMarkers& markers);
 
+  /// Current counters; pending frees count as allocated.
   [[nodiscard]] const HostAllocatorStats& stats() const { return stats_; }
   [[nodiscard]] std::vector<HostBlockInfo> blocks() const;  ///< all blocks, address order
   /// Most bytes that may be pinned at once.
