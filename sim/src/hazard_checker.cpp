@@ -78,7 +78,7 @@ void HazardChecker::coalesce(Shadow& shadow, std::int64_t lo, std::int64_t hi) {
     if (next == shadow.end()) break;
     Segment& a = it->second;
     const Segment& b = next->second;
-    if (a.hi.count() == next->first && same(a.reads, b.reads) && same(a.writes, b.writes)) {
+    if (a.hi.count() == next->first && a.reads == b.reads && a.writes == b.writes) {
       a.hi = b.hi;
       shadow.erase(next);
     } else {
@@ -139,8 +139,8 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
         if (!ordered_before(r, now)) emit(r, Conflict::WriteAfterRead, pos, seg_hi);
       }
     }
-    std::vector<Access>& frontier = write ? seg.writes : seg.reads;
-    std::erase_if(frontier, [&](const Access& a) { return ordered_before(a, now); });
+    AccessSet& frontier = write ? seg.writes : seg.reads;
+    frontier.erase_if([&](const Access& a) { return ordered_before(a, now); });
     frontier.push_back(self);
     pos = seg_hi;
     ++it;
@@ -162,15 +162,14 @@ std::size_t HazardChecker::tracked_entries() const {
   return n;
 }
 
-bool HazardChecker::same(const std::vector<Access>& a, const std::vector<Access>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (a[i].thread != b[i].thread || a[i].epoch != b[i].epoch || a[i].op != b[i].op ||
-        a[i].buffer != b[i].buffer || a[i].origin != b[i].origin) {
-      return false;
-    }
+void HazardChecker::AccessSet::push_back(const Access& a) {
+  if (spill_.empty() && size_ < kInline) {
+    inline_[size_++] = a;
+    return;
   }
-  return true;
+  if (spill_.empty()) spill_.assign(inline_, inline_ + size_);
+  spill_.push_back(a);
+  ++size_;
 }
 
 }  // namespace ferry::sim

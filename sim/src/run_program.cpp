@@ -24,22 +24,27 @@ Result<ProgramRun> run_program(const Program& program, SimOptions options) {
   for (const ProgramStream& s : program.streams) sim.add_stream(s.device, s.name);
   for (const ProgramEvent& e : program.events) sim.add_event(e.name);
 
+  sim.reserve(program.ops.size());
   std::vector<BufferId> slot(program.buffers.size());
   std::vector<Region> reads;
   std::vector<Region> writes;
 
-  // Resolves slot ranges; false (after reporting) when a slot holds no memory yet.
+  // Resolves one slot range; false (after reporting) when the slot holds no memory yet.
+  auto resolve_one = [&](const SlotRange& r, std::vector<Region>& out, const ProgramOp& op) {
+    const BufferId id = slot[r.slot.value()];
+    if (!id.valid()) {
+      sim.report_misuse(HazardKind::UseBeforeAlloc, op.kind,
+                        op.label.empty() ? program.buffers[r.slot.value()].name : op.label);
+      return false;
+    }
+    out.push_back(Region{id, r.offset, r.bytes});
+    return true;
+  };
   auto resolve = [&](const std::vector<SlotRange>& ranges, std::vector<Region>& out,
                      const ProgramOp& op) {
     out.clear();
     for (const SlotRange& r : ranges) {
-      const BufferId id = slot[r.slot.value()];
-      if (!id.valid()) {
-        sim.report_misuse(HazardKind::UseBeforeAlloc, op.kind,
-                          op.label.empty() ? program.buffers[r.slot.value()].name : op.label);
-        return false;
-      }
-      out.push_back(Region{id, r.offset, r.bytes});
+      if (!resolve_one(r, out, op)) return false;
     }
     return true;
   };
@@ -92,14 +97,12 @@ Result<ProgramRun> run_program(const Program& program, SimOptions options) {
           sim.kernel(op.stream, op.duration, reads, writes, op.label);
         }
         break;
-      case OpKind::Copy: {
-        std::vector<Region> src;
-        std::vector<Region> dst;
-        if (resolve({op.src}, src, op) && resolve({op.dst}, dst, op)) {
-          sim.copy(op.stream, src[0], dst[0], op.label);
+      case OpKind::Copy:
+        reads.clear();
+        if (resolve_one(op.src, reads, op) && resolve_one(op.dst, reads, op)) {
+          sim.copy(op.stream, reads[0], reads[1], op.label);
         }
         break;
-      }
       case OpKind::Record: sim.record(op.event, op.stream, op.label); break;
       case OpKind::Wait: sim.wait(op.stream, op.event, op.label); break;
       case OpKind::SyncStream: sim.sync_stream(op.stream, op.label); break;

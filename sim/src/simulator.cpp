@@ -594,6 +594,11 @@ StreamId Simulator::add_stream(DeviceId device, std::string name) {
   return StreamId(static_cast<std::uint32_t>(s.streams.size() - 1));
 }
 
+void Simulator::reserve(std::size_t ops) {
+  state_->ops.reserve(ops);
+  state_->exec.reserve(ops);
+}
+
 EventId Simulator::add_event(std::string name) {
   State& s = *state_;
   s.events.push_back(EventState{std::move(name), false, kNone, 0, 0});

@@ -88,22 +88,56 @@ class HazardChecker {
 
  private:
   struct Access {
-    ThreadIndex thread;
-    std::uint32_t epoch;
+    ThreadIndex thread = 0;
+    std::uint32_t epoch = 0;
     OpId op;
     BufferId buffer;
-    AccessOrigin origin;
+    AccessOrigin origin = AccessOrigin::Kernel;
+    friend bool operator==(const Access&, const Access&) = default;
+  };
+  // An access set: at most one entry per thread, nearly always one or two. The first
+  // kInline entries live in the segment itself, so splitting a segment allocates nothing.
+  class AccessSet {
+   public:
+    [[nodiscard]] std::size_t size() const { return size_; }
+    [[nodiscard]] const Access* begin() const { return data(); }
+    [[nodiscard]] const Access* end() const { return data() + size_; }
+    void push_back(const Access& a);
+    template <class Pred>
+    void erase_if(Pred pred) {
+      Access* d = data();
+      std::size_t kept = 0;
+      for (std::size_t i = 0; i < size_; ++i) {
+        if (!pred(d[i])) d[kept++] = d[i];
+      }
+      size_ = kept;
+      if (!spill_.empty()) spill_.resize(size_);
+    }
+    friend bool operator==(const AccessSet& a, const AccessSet& b) {
+      if (a.size_ != b.size_) return false;
+      for (std::size_t i = 0; i < a.size_; ++i) {
+        if (!(a.data()[i] == b.data()[i])) return false;
+      }
+      return true;
+    }
+
+   private:
+    static constexpr std::size_t kInline = 3;
+    [[nodiscard]] const Access* data() const { return spill_.empty() ? inline_ : spill_.data(); }
+    Access* data() { return spill_.empty() ? inline_ : spill_.data(); }
+    Access inline_[kInline]{};
+    std::size_t size_ = 0;
+    std::vector<Access> spill_;  // holds all entries once there are more than kInline
   };
   struct Segment {
     Bytes hi;
-    std::vector<Access> reads;
-    std::vector<Access> writes;
+    AccessSet reads;
+    AccessSet writes;
   };
   using Clock = std::vector<std::uint32_t>;
   using Shadow = std::map<std::int64_t, Segment>;  // keyed by first byte
 
   static void join(Clock& into, const Clock& from);
-  static bool same(const std::vector<Access>& a, const std::vector<Access>& b);
   [[nodiscard]] bool ordered_before(const Access& a, const Clock& now) const;
   Shadow::iterator split(Shadow& shadow, std::int64_t at);
   void coalesce(Shadow& shadow, std::int64_t lo, std::int64_t hi);

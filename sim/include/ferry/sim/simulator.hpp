@@ -120,6 +120,9 @@ class Simulator {
   StreamId add_stream(DeviceId device, std::string name);
   EventId add_event(std::string name);
 
+  /// Reserves room for `ops` API calls (avoids regrowth on long programs).
+  void reserve(std::size_t ops);
+
   // Host API calls, in host order.
   /// Allocates from the device's caching allocator (on `stream`), the pinned allocator
   /// (`pool`) or pageable memory. The error is the allocator's out-of-memory report.
