@@ -180,7 +180,7 @@ std::string summary_text(const ProgramRun& run, std::string_view source) {
     copies += r.kind == OpKind::Copy;
   }
   std::string out = fmt::format("ferry check: {}\n", source);
-  out += fmt::format("ops: {} ({} kernels, {} copies, {} other) on {} device(s), {} stream(s)\n",
+  out += fmt::format("ops: {} (kernels {}, copies {}, other {}) on {} device(s), {} stream(s)\n",
                      sim.ops().size(), kernels, copies, sim.ops().size() - kernels - copies,
                      sim.device_count(), sim.stream_count());
   out += fmt::format("makespan: {} ({} ns)\n", format_time(sim.makespan()), sim.makespan().ns());

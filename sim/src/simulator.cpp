@@ -630,13 +630,13 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
     info.device = device;
     auto got = s.devices[device.value()].allocator.malloc(stream, bytes, s);
     s.end_host_call(op);
-    if (!got) return Error{fmt::format("op {}: {}", op, got.error().message)};
+    if (!got) return got.error();
     info.address = got.value().address;
     block = got.value().block;
   } else if (kind == MemoryKind::Pinned) {
     auto got = s.pinned.malloc(bytes, pool, s);
     s.end_host_call(op);
-    if (!got) return Error{fmt::format("op {}: {}", op, got.error().message)};
+    if (!got) return got.error();
     info.address = got.value().address;
     host_block = got.value().block;
   } else {

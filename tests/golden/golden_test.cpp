@@ -1,0 +1,112 @@
+// Golden tests: every bundled example program -> summary text, summary JSON and trace bytes,
+// compared with tests/golden/expected/. Racy examples must report exactly their planted hazard.
+// To accept new output after an intended change: scripts/update-golden.sh (it sets
+// FERRY_UPDATE_GOLDEN=1 for this test, which then rewrites the expected files).
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "ferry/sim/program_json.hpp"
+#include "ferry/sim/report.hpp"
+#include "ferry/sim/run_program.hpp"
+
+namespace ferry::sim {
+namespace {
+
+namespace fs = std::filesystem;
+
+const fs::path kScenarios = FERRY_SCENARIOS_DIR;
+const fs::path kExpected = fs::path(FERRY_TESTS_DIR) / "golden" / "expected";
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+bool updating() {
+  const char* v = std::getenv("FERRY_UPDATE_GOLDEN");
+  return v != nullptr && std::string(v) == "1";
+}
+
+void expect_golden(const fs::path& file, const std::string& actual) {
+  if (updating()) {
+    std::ofstream(file, std::ios::binary) << actual;
+    return;
+  }
+  ASSERT_TRUE(fs::exists(file)) << file << " is missing; run scripts/update-golden.sh";
+  const std::string expected = read_file(file);
+  if (expected != actual) {
+    const fs::path got = fs::path(file.string() + ".actual");
+    std::ofstream(got, std::ios::binary) << actual;
+    FAIL() << file << " differs from the output, written to " << got
+           << " (diff them; if the change is intended, run scripts/update-golden.sh)";
+  }
+}
+
+struct Expected {
+  const char* program;
+  std::vector<std::tuple<HazardKind, Conflict, std::uint32_t, std::uint32_t>> hazards;
+};
+
+// The hazard each racy example plants (kind, conflict, earlier op, later op); safe ones none.
+const std::vector<Expected>& expectations() {
+  static const std::vector<Expected> all = {
+      {"offload_step", {}},
+      {"free_with_record_stream", {}},
+      {"pageable_copy", {}},
+      {"two_gpu_pipeline", {}},
+      {"bidirectional_copies", {}},
+      {"reload_without_wait", {{HazardKind::Race, Conflict::ReadAfterWrite, 4, 6}}},
+      {"free_during_offload", {{HazardKind::Reuse, Conflict::WriteAfterRead, 5, 8}}},
+      {"host_reads_pinned_early", {{HazardKind::HostBeforeCopy, Conflict::ReadAfterWrite, 5, 7}}},
+      {"wait_before_record", {{HazardKind::Race, Conflict::ReadAfterWrite, 2, 4}}},
+      {"use_after_free",
+       {{HazardKind::UseAfterFree, Conflict::None, 3, 4}, {HazardKind::DoubleFree, Conflict::None, 3, 5}}},
+  };
+  return all;
+}
+
+class Golden : public ::testing::TestWithParam<Expected> {};
+
+TEST_P(Golden, ProgramMatchesExpectedHazardsSummaryAndTrace) {
+  const Expected& e = GetParam();
+  const std::string name = e.program;
+  const fs::path rel = fs::path("scenarios") / "programs" / (name + ".json");
+  auto program = load_program(kScenarios / "programs" / (name + ".json"), kScenarios / "devices");
+  ASSERT_TRUE(program.ok()) << program.error().message;
+  auto run = run_program(program.value());
+  ASSERT_TRUE(run.ok()) << run.error().message;
+  const auto& hazards = run.value().sim.hazards();
+  ASSERT_EQ(hazards.size(), e.hazards.size()) << summary_text(run.value(), rel.string());
+  for (std::size_t i = 0; i < hazards.size(); ++i) {
+    const auto& [kind, conflict, first, second] = e.hazards[i];
+    EXPECT_EQ(hazards[i].kind, kind) << i;
+    EXPECT_EQ(hazards[i].conflict, conflict) << i;
+    EXPECT_EQ(hazards[i].first.value(), first) << i;
+    EXPECT_EQ(hazards[i].second.value(), second) << i;
+  }
+  expect_golden(kExpected / (name + ".txt"), summary_text(run.value(), rel.string()));
+  expect_golden(kExpected / (name + ".json"), summary_json(run.value(), rel.string()));
+  expect_golden(kExpected / (name + ".trace.json"), chrome_trace(run.value().sim));
+}
+
+INSTANTIATE_TEST_SUITE_P(Examples, Golden, ::testing::ValuesIn(expectations()),
+                         [](const auto& test) { return std::string(test.param.program); });
+
+TEST(Golden, EveryBundledProgramHasAnExpectation) {
+  for (const auto& entry : fs::directory_iterator(kScenarios / "programs")) {
+    const std::string stem = entry.path().stem().string();
+    bool found = false;
+    for (const Expected& e : expectations()) found = found || stem == e.program;
+    EXPECT_TRUE(found) << stem << " has no entry in expectations()";
+  }
+}
+
+}  // namespace
+}  // namespace ferry::sim
