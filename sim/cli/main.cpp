@@ -51,6 +51,7 @@ int run_check(const CheckArgs& args) {
   const std::string out = args.json ? ferry::sim::summary_json(run.value(), source)
                                     : ferry::sim::summary_text(run.value(), source);
   std::fwrite(out.data(), 1, out.size(), stdout);
+  std::fflush(stdout);
   if (!args.trace.empty()) {
     std::ofstream file(args.trace, std::ios::binary);
     const std::string trace = ferry::sim::chrome_trace(run.value().sim);

@@ -72,23 +72,17 @@ Result<ProgramRun> run_program(const Program& program, SimOptions options) {
         slot[op.slot.value()] = got.value();
         break;
       }
-      case OpKind::Free: {
-        const BufferId id = slot[op.slot.value()];
-        const std::string& name = program.buffers[op.slot.value()].name;
-        if (!id.valid()) {
-          sim.report_misuse(HazardKind::UseBeforeAlloc, op.kind, op.label.empty() ? name : op.label);
-        } else {
-          sim.free(id, op.label.empty() ? name : op.label);
-        }
-        break;
-      }
+      case OpKind::Free:
       case OpKind::RecordStream: {
         const BufferId id = slot[op.slot.value()];
-        const std::string& name = program.buffers[op.slot.value()].name;
+        const std::string& name =
+            op.label.empty() ? program.buffers[op.slot.value()].name : op.label;
         if (!id.valid()) {
-          sim.report_misuse(HazardKind::UseBeforeAlloc, op.kind, op.label.empty() ? name : op.label);
+          sim.report_misuse(HazardKind::UseBeforeAlloc, op.kind, name);
+        } else if (op.kind == OpKind::Free) {
+          sim.free(id, name);
         } else {
-          sim.record_stream(id, op.stream, op.label.empty() ? name : op.label);
+          sim.record_stream(id, op.stream, name);
         }
         break;
       }
