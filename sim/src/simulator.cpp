@@ -74,6 +74,7 @@ struct WriteRange {
   SpaceIndex space;
   std::int64_t lo;
   std::int64_t hi;
+  std::uint64_t content;
 };
 
 struct StreamState {
@@ -162,7 +163,16 @@ struct Simulator::State final : StreamMarkers {
   std::int64_t pageable_next = kPageableBase;
   HazardChecker checker;
   std::vector<ContentMap> content;
-  std::uint64_t next_content = 1;
+  // Expectations checked when a kernel starts: kernel op -> (space, address, region, pieces).
+  struct Expectation {
+    SpaceIndex space;
+    std::int64_t address;
+    Region region;
+    std::vector<ContentPiece> expected;
+  };
+  std::map<std::uint32_t, std::vector<Expectation>> expectations;
+  std::vector<Expectation> pending_expectations;  // for the next kernel
+  std::vector<ContentMismatch> mismatches;
   std::priority_queue<QueuedEvent, std::vector<QueuedEvent>, Later> queue;
   std::uint64_t seq = 0;
   std::int64_t now = 0;
@@ -354,6 +364,7 @@ struct Simulator::State final : StreamMarkers {
     c.ready.pop_front();
     c.busy = true;
     ops[op].start = SimTime(now);
+    if (!expectations.empty()) check_expectations(op);
     schedule(now + exec[op].duration, EventType::KernelDone, op, 0);
   }
 
@@ -524,6 +535,19 @@ struct Simulator::State final : StreamMarkers {
     return out;
   }
 
+  void check_expectations(std::uint32_t op) {
+    auto it = expectations.find(op);
+    if (it == expectations.end()) return;
+    for (Expectation& e : it->second) {
+      auto actual = read_content(e.space, e.address, e.address + e.region.bytes.count());
+      if (actual != e.expected) {
+        mismatches.push_back(
+            ContentMismatch{OpId(op), e.region, std::move(e.expected), std::move(actual)});
+      }
+    }
+    expectations.erase(it);
+  }
+
   void apply_content(std::uint32_t op) {
     const Exec& e = exec[op];
     if (e.kind == ExecKind::Copy) {
@@ -536,7 +560,7 @@ struct Simulator::State final : StreamMarkers {
     } else if (e.kind == ExecKind::Kernel) {
       for (std::uint32_t i = 0; i < e.write_count; ++i) {
         const WriteRange& w = write_ranges[e.first_write + i];
-        write_content(w.space, w.lo, w.hi, next_content++, 0);
+        write_content(w.space, w.lo, w.hi, w.content, 0);
       }
     }
   }
@@ -712,13 +736,20 @@ OpId Simulator::kernel(StreamId stream, SimTime duration, std::span<const Region
   if (s.options.check_hazards) s.checker.begin_op(thread);
   for (const Region& r : reads) s.touch(op, thread, AccessOrigin::Kernel, r, false);
   e.first_write = static_cast<std::uint32_t>(s.write_ranges.size());
-  for (const Region& r : writes) {
+  FERRY_CHECK(writes.size() < 256, "a kernel writes at most 255 ranges");
+  for (std::uint32_t i = 0; i < writes.size(); ++i) {
+    const Region& r = writes[i];
     if (!s.touch(op, thread, AccessOrigin::Kernel, r, true)) continue;
     const BufferInfo& b = s.buffer(r.buffer);
     const std::int64_t lo = (b.address + r.offset).count();
-    s.write_ranges.push_back(WriteRange{s.space_of(b), lo, lo + r.bytes.count()});
+    s.write_ranges.push_back(
+        WriteRange{s.space_of(b), lo, lo + r.bytes.count(), written_content(OpId(op), i)});
   }
   e.write_count = static_cast<std::uint32_t>(s.write_ranges.size()) - e.first_write;
+  if (!s.pending_expectations.empty()) {
+    s.expectations.emplace(op, std::move(s.pending_expectations));
+    s.pending_expectations.clear();
+  }
   s.submit(op);
   return OpId(op);
 }
@@ -899,13 +930,15 @@ void Simulator::host_write(std::span<const Region> regions, std::string_view lab
   const std::uint32_t op =
       s.begin_call(OpKind::HostWrite, s.overheads(0).host_access.ns(), label);
   if (s.options.check_hazards) s.checker.begin_op(kHostThread);
-  for (const Region& r : regions) {
+  FERRY_CHECK(regions.size() < 256, "a host write covers at most 255 ranges");
+  for (std::uint32_t i = 0; i < regions.size(); ++i) {
+    const Region& r = regions[i];
     const BufferInfo& b = s.buffer(r.buffer);
     FERRY_CHECK(b.kind != MemoryKind::Device, "the host cannot write device memory directly");
     if (!s.touch(op, kHostThread, AccessOrigin::Host, r, true)) continue;
     if (s.options.track_content) {
       const std::int64_t lo = (b.address + r.offset).count();
-      s.write_content(s.host_space(), lo, lo + r.bytes.count(), s.next_content++, 0);
+      s.write_content(s.host_space(), lo, lo + r.bytes.count(), written_content(OpId(op), i), 0);
     }
   }
 }
@@ -918,6 +951,15 @@ void Simulator::empty_cache(DeviceId device, std::string_view label) {
   s.devices[device.value()].allocator.empty_cache(s);
   s.sample(device);
   s.end_host_call(op);
+}
+
+void Simulator::expect_content_at_next_kernel(Region region, std::vector<ContentPiece> expected) {
+  State& s = *state_;
+  if (!s.options.track_content) return;
+  s.check_region(region);
+  const BufferInfo& b = s.buffer(region.buffer);
+  s.pending_expectations.push_back(State::Expectation{
+      s.space_of(b), (b.address + region.offset).count(), region, std::move(expected)});
 }
 
 OpId Simulator::report_misuse(HazardKind kind, OpKind op_kind, std::string_view label) {
@@ -946,6 +988,9 @@ SimTime Simulator::makespan() const {
 }
 
 const std::vector<Hazard>& Simulator::hazards() const { return state_->checker.hazards(); }
+const std::vector<ContentMismatch>& Simulator::content_mismatches() const {
+  return state_->mismatches;
+}
 const std::vector<OpRecord>& Simulator::ops() const { return state_->ops; }
 const std::vector<BufferInfo>& Simulator::buffers() const { return state_->buffers; }
 const std::vector<EngineInfo>& Simulator::engines() const { return state_->engine_info; }
@@ -959,6 +1004,7 @@ const DeviceProfile& Simulator::device_profile(DeviceId device) const {
   return state_->devices.at(device.value()).profile;
 }
 std::size_t Simulator::stream_count() const { return state_->streams.size(); }
+std::size_t Simulator::event_count() const { return state_->events.size(); }
 const std::string& Simulator::stream_name(StreamId stream) const {
   return state_->streams.at(stream.value()).name;
 }

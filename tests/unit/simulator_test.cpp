@@ -288,3 +288,33 @@ TEST(Simulator, SameProgramGivesByteIdenticalTraces) {
 
 }  // namespace
 }  // namespace ferry::sim
+
+namespace ferry::sim {
+namespace {
+
+TEST(Simulator, ContentExpectationIsCheckedWhenTheKernelStarts) {
+  Simulator sim = testing::simple_sim();
+  const StreamId compute = sim.add_stream(DeviceId(0), "compute");
+  const StreamId h2d = sim.add_stream(DeviceId(0), "h2d");
+  const BufferId host = testing::pinned_buffer(sim, 1000);
+  const BufferId act = testing::device_buffer(sim, compute, 1000, "act");
+  const EventId done = sim.add_event("done");
+  sim.host_write(std::vector<Region>{testing::whole(sim, host)});
+  const OpId write = OpId(static_cast<std::uint32_t>(sim.ops().size() - 1));
+  const std::vector<ContentPiece> saved{
+      ContentPiece{Bytes(0), Bytes(1000), written_content(write, 0), Bytes(0)}};
+  sim.copy(h2d, testing::whole(sim, host), testing::whole(sim, act));
+  sim.record(done, h2d);
+  // Without the wait the kernel starts before the copy lands: it reads stale bytes.
+  sim.expect_content_at_next_kernel(testing::whole(sim, act), saved);
+  sim.kernel(compute, SimTime(10), std::vector<Region>{testing::whole(sim, act)}, {});
+  sim.wait(compute, done);
+  sim.expect_content_at_next_kernel(testing::whole(sim, act), saved);
+  sim.kernel(compute, SimTime(10), std::vector<Region>{testing::whole(sim, act)}, {});
+  sim.finish();
+  ASSERT_EQ(sim.content_mismatches().size(), 1U);
+  EXPECT_EQ(sim.content_mismatches()[0].actual[0].id, 0U);
+}
+
+}  // namespace
+}  // namespace ferry::sim

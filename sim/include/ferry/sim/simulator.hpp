@@ -67,6 +67,20 @@ struct ContentPiece {
   friend bool operator==(const ContentPiece&, const ContentPiece&) = default;
 };
 
+/// The content id the `index`-th write range of op `op` gives its bytes (kernels and host
+/// writes): predictable at issue time, so callers can state what a later read must see.
+[[nodiscard]] constexpr std::uint64_t written_content(OpId op, std::uint32_t index) {
+  return (static_cast<std::uint64_t>(op.value()) << 8) + index + 1;
+}
+
+/// A kernel that, when it started, read bytes other than the ones expected.
+struct ContentMismatch {
+  OpId kernel;
+  Region region;
+  std::vector<ContentPiece> expected;
+  std::vector<ContentPiece> actual;
+};
+
 /// Memory in use at one moment, for traces. `device` invalid means pinned host memory.
 struct MemorySample {
   SimTime time;
@@ -142,6 +156,9 @@ class Simulator {
   void host_read(std::span<const Region> regions, std::string_view label = {});
   void host_write(std::span<const Region> regions, std::string_view label = {});
   void empty_cache(DeviceId device, std::string_view label = {});
+  /// When the next kernel issued starts on the device, `region` must hold exactly `expected`;
+  /// otherwise a ContentMismatch is recorded. A no-op without track_content.
+  void expect_content_at_next_kernel(Region region, std::vector<ContentPiece> expected);
   /// Records a misuse found above the simulator (e.g. a program naming an empty slot).
   OpId report_misuse(HazardKind kind, OpKind op_kind, std::string_view label);
 
@@ -152,6 +169,7 @@ class Simulator {
   [[nodiscard]] SimTime host_time() const;
   [[nodiscard]] SimTime makespan() const;
   [[nodiscard]] const std::vector<Hazard>& hazards() const;
+  [[nodiscard]] const std::vector<ContentMismatch>& content_mismatches() const;
   [[nodiscard]] const std::vector<OpRecord>& ops() const;
   [[nodiscard]] const std::vector<BufferInfo>& buffers() const;
   [[nodiscard]] const std::vector<EngineInfo>& engines() const;
@@ -161,6 +179,7 @@ class Simulator {
   [[nodiscard]] const std::string& device_name(DeviceId device) const;
   [[nodiscard]] const DeviceProfile& device_profile(DeviceId device) const;
   [[nodiscard]] std::size_t stream_count() const;
+  [[nodiscard]] std::size_t event_count() const;
   [[nodiscard]] const std::string& stream_name(StreamId stream) const;
   [[nodiscard]] DeviceId stream_device(StreamId stream) const;
   [[nodiscard]] const CachingAllocator& device_allocator(DeviceId device) const;

@@ -1,0 +1,80 @@
+#pragma once
+/// Options, facts, telemetry and errors of the offload scheduler.
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "ferry/ids.hpp"
+#include "ferry/units.hpp"
+
+namespace ferry {
+
+enum class Policy : std::uint8_t {
+  None,   ///< keep every saved tensor on the device
+  Trl,    ///< a faithful model of the reference hook-based offloader
+  Ferry,  ///< ferry's scheduler (the default)
+};
+
+/// "none", "trl", "ferry".
+[[nodiscard]] const char* policy_name(Policy policy);
+
+/// Test-only switches that drop one synchronization each (planted faults).
+struct OffloadFaults {
+  bool skip_offload_wait = false;     ///< the copy stream does not wait for the producer
+  bool skip_reload_wait = false;      ///< compute does not wait for the reload copy
+  bool skip_forward_guard = false;    ///< the device original is freed without waiting for D2H
+  bool skip_backward_guard = false;   ///< a reloaded buffer is freed without waiting for compute
+  bool skip_record_stream = false;    ///< an escaped view's storage is freed with no record_stream
+  bool skip_host_guard = false;       ///< host memory reused/reloaded before its copy finished
+};
+
+struct OffloadOptions {
+  Policy policy = Policy::Ferry;
+  Bytes min_bytes{1024};              ///< smaller tensors stay on the device
+  std::int32_t trl_stash_count = 5;   ///< trl: forward stash size, in tensors (>= 1)
+  Bytes window_bytes{1LL << 30};      ///< ferry: device bytes of offloads in flight in forward
+  Bytes prefetch_bytes{1LL << 30};    ///< ferry: bytes of reloads issued ahead of demand
+  Bytes host_cap{1LL << 40};          ///< ferry: pinned host memory the pool may hold
+  bool dedup = true;                  ///< ferry: one copy per storage for views sharing it
+  bool prefetch = true;               ///< ferry: reload ahead of demand
+  OffloadFaults faults;
+};
+
+/// What the autograd knows about a saved tensor when it packs it.
+struct TensorFacts {
+  Bytes bytes;               ///< logical bytes of the tensor
+  Bytes storage_bytes;       ///< bytes of its storage (>= bytes + view_offset)
+  Bytes view_offset;         ///< where the tensor starts in its storage
+  std::uint64_t storage = 0; ///< identity of the storage (dedup key)
+  bool on_device = true;
+  bool is_param = false;     ///< parameters and module buffers are never offloaded
+  bool no_offload = false;   ///< per-tensor opt-out
+  NodeId node;               ///< the backward node that saves it
+};
+
+/// Counters of one offloader; bytes are storage bytes moved.
+struct OffloadTelemetry {
+  std::int64_t packed = 0;
+  std::int64_t offloaded = 0;        ///< storages copied to the host
+  std::int64_t kept = 0;             ///< saved tensors left on the device (by rule)
+  std::int64_t deduplicated = 0;     ///< packs that shared an already tracked storage
+  std::int64_t host_fallbacks = 0;   ///< kept on the device because the host cap was reached
+  std::int64_t prefetched = 0;       ///< reloads issued ahead of demand
+  std::int64_t on_demand = 0;        ///< reloads issued at unpack
+  std::int64_t stash_hits = 0;       ///< unpacks served by a still-resident original
+  std::int64_t record_stream_fallbacks = 0;
+  Bytes bytes_d2h;
+  Bytes bytes_h2d;
+  Bytes pinned_bytes;                ///< host bytes held now
+  Bytes pinned_peak;
+};
+
+/// Misuse the reference offloader also rejects (an untracked id, a tracker not empty at the
+/// next forward, a bad option).
+class OffloadError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace ferry
