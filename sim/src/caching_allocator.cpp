@@ -307,6 +307,7 @@ DeviceAllocation CachingAllocator::hand_out(Bytes address, Bytes size, Bytes req
   live_.emplace(b.id, address);
   stats_.allocated += b.size;
   stats_.requested += requested;
+  stats_.requested_peak = std::max(stats_.requested_peak, stats_.requested);
   stats_.pool_allocated[pool_index(b.pool)] += b.size;
   raise_peak(stats_.allocated_peak, stats_.allocated);
   return DeviceAllocation{b.id, address, b.size};

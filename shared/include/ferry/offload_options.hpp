@@ -33,8 +33,8 @@ struct OffloadOptions {
   Policy policy = Policy::Ferry;
   Bytes min_bytes{1024};              ///< smaller tensors stay on the device
   std::int32_t trl_stash_count = 5;   ///< trl: forward stash size, in tensors (>= 1)
-  Bytes window_bytes{1LL << 30};      ///< ferry: device bytes of offloads in flight in forward
-  Bytes prefetch_bytes{1LL << 30};    ///< ferry: bytes of reloads issued ahead of demand
+  Bytes window_bytes{512LL << 20};    ///< ferry: device bytes of offloads in flight in forward
+  Bytes prefetch_bytes{512LL << 20};  ///< ferry: bytes of reloads issued ahead of demand
   Bytes host_cap{1LL << 40};          ///< ferry: pinned host memory the pool may hold
   bool dedup = true;                  ///< ferry: one copy per storage for views sharing it
   bool prefetch = true;               ///< ferry: reload ahead of demand

@@ -63,6 +63,7 @@ struct AllocatorStats {
   Bytes allocated;  ///< bytes in blocks handed out (rounded sizes)
   Bytes requested;  ///< bytes the callers asked for
   Bytes reserved;   ///< bytes in segments obtained from the device
+  Bytes requested_peak;  ///< most bytes callers held at once, before rounding
   Bytes allocated_peak;
   Bytes reserved_peak;
   std::array<Bytes, 2> pool_allocated{};  ///< indexed by PoolKind

@@ -1,0 +1,30 @@
+#pragma once
+// Random models for offload property tests, built from lists of small choices so that
+// shrinking a list shrinks the model.
+
+#include <cstdint>
+#include <vector>
+
+#include "ferry/sim/model.hpp"
+
+namespace ferry::sim::testing {
+
+struct LayerChoice {
+  std::uint32_t input = 0;   ///< which earlier activation to read (from the newest back)
+  std::uint32_t extra = 0;   ///< a second input, a param, or none
+  std::uint32_t size = 0;    ///< output size class
+  std::uint32_t save = 0;    ///< bit set: save input, save output, save a view, save the param
+  std::uint32_t flags = 0;   ///< bit set: view output, no-offload op, opt-out tensor, side branch
+  std::uint32_t time = 0;    ///< duration class
+};
+
+struct ModelOptions {
+  /// Allow outputs that never reach the loss (unused branches) and ops reading older
+  /// activations; without, every op reads the previous op's output.
+  bool side_branches = true;
+};
+
+/// Interprets `choices` as a model: every choice adds one op.
+Model build_random_model(const std::vector<LayerChoice>& choices, const ModelOptions& options);
+
+}  // namespace ferry::sim::testing

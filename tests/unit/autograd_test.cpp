@@ -1,0 +1,100 @@
+#include "ferry/sim/autograd.hpp"
+
+#include <gtest/gtest.h>
+
+#include "sim_fixtures.hpp"
+#include "sim_models.hpp"
+
+namespace ferry::sim {
+namespace {
+
+TrainingOptions with(Policy policy) {
+  TrainingOptions o;
+  o.offload.policy = policy;
+  o.offload.window_bytes = Bytes(2LL << 20);
+  o.offload.prefetch_bytes = Bytes(16LL << 20);
+  o.steps = 2;
+  return o;
+}
+
+void expect_clean(const TrainingRun& run) {
+  EXPECT_FALSE(run.failure) << *run.failure;
+  EXPECT_TRUE(run.sim.hazards().empty()) << run.sim.hazards().size() << " hazards";
+  EXPECT_TRUE(run.sim.content_mismatches().empty());
+  for (std::size_t s = 0; s < run.allocated_after.size(); ++s) {
+    EXPECT_EQ(run.allocated_after[s], run.baseline_allocated) << "step " << s;
+    EXPECT_EQ(run.tracked_after[s], 0U) << "step " << s;
+  }
+}
+
+class EveryPolicy : public ::testing::TestWithParam<Policy> {};
+
+TEST_P(EveryPolicy, ChainTrainsWithoutHazardsAndReturnsToBaseline) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  auto run = simulate_training(m, testing::simple_profile(), with(GetParam()));
+  ASSERT_TRUE(run.ok()) << run.error().message;
+  expect_clean(run.value());
+  EXPECT_EQ(run.value().steps.size(), 2U);
+}
+
+TEST_P(EveryPolicy, RandomBackwardOrdersStayClean) {
+  const Model m = testing::chain_model(5, 1 << 20);
+  TrainingOptions o = with(GetParam());
+  o.order_seed = 7;
+  auto run = simulate_training(m, testing::simple_profile(), o);
+  ASSERT_TRUE(run.ok());
+  expect_clean(run.value());
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, EveryPolicy,
+                         ::testing::Values(Policy::None, Policy::Trl, Policy::Ferry),
+                         [](const auto& p) { return std::string(policy_name(p.param)); });
+
+TEST(Autograd, OffloadLowersPeakMemory) {
+  const Model m = testing::chain_model(8, 8 << 20);
+  auto none = simulate_training(m, testing::simple_profile(), with(Policy::None));
+  auto ferry = simulate_training(m, testing::simple_profile(), with(Policy::Ferry));
+  ASSERT_TRUE(none.ok() && ferry.ok());
+  const Bytes peak_none = none.value().sim.device_allocator(DeviceId(0)).stats().allocated_peak;
+  const Bytes peak_ferry = ferry.value().sim.device_allocator(DeviceId(0)).stats().allocated_peak;
+  EXPECT_LT(peak_ferry, peak_none);
+  EXPECT_GT(ferry.value().telemetry.offloaded, 0);
+}
+
+TEST(Autograd, RetainGraphWorksWithFerryAndFailsWithTrlAsTheReferenceDoes) {
+  const Model m = testing::chain_model(4, 1 << 20);
+  TrainingOptions o = with(Policy::Ferry);
+  o.retain_graph = true;
+  auto ferry = simulate_training(m, testing::simple_profile(), o);
+  ASSERT_TRUE(ferry.ok());
+  expect_clean(ferry.value());
+  o.offload.policy = Policy::Trl;
+  auto trl = simulate_training(m, testing::simple_profile(), o);
+  ASSERT_TRUE(trl.ok());
+  ASSERT_TRUE(trl.value().failure);
+  EXPECT_NE(trl.value().failure->find("untracked tensor with id"), std::string::npos);
+}
+
+TEST(Autograd, EscapedViewsAreProtectedByRecordStream) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  for (const Policy p : {Policy::Trl, Policy::Ferry}) {
+    TrainingOptions o = with(p);
+    o.escape_period = 2;
+    auto run = simulate_training(m, testing::simple_profile(), o);
+    ASSERT_TRUE(run.ok());
+    expect_clean(run.value());
+    EXPECT_GT(run.value().telemetry.record_stream_fallbacks, 0) << policy_name(p);
+  }
+}
+
+TEST(Autograd, PlantedFaultSkippingTheReloadWaitIsCaught) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  TrainingOptions o = with(Policy::Ferry);
+  o.offload.faults.skip_reload_wait = true;
+  auto run = simulate_training(m, testing::simple_profile(), o);
+  ASSERT_TRUE(run.ok());
+  EXPECT_FALSE(run.value().sim.hazards().empty());
+}
+
+}  // namespace
+}  // namespace ferry::sim
