@@ -1,7 +1,9 @@
 // ferry: command-line entry point.
-//   ferry check [PROGRAM.json] [--json] [--trace FILE] [--devices-dir DIR]
-// Exit codes: 0 no hazards, 1 hazards found or the program failed (out of memory),
-// 2 bad input or usage, 3 internal error.
+//   ferry check [PROGRAM.json] [--json] [--trace FILE] [--scenarios DIR]
+//   ferry simulate [--model M] [--device D] [--policy P] [knobs] [--json] [--trace FILE]
+//   ferry compare [--model M] [--device D] [--json]
+// Exit codes: 0 fine, 1 hazards found or the run failed (out of memory), 2 bad input or
+// usage, 3 internal error.
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -10,8 +12,10 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 
+#include "ferry/sim/compare.hpp"
 #include "ferry/sim/program_json.hpp"
 #include "ferry/sim/report.hpp"
 #include "ferry/sim/run_program.hpp"
@@ -66,6 +70,148 @@ int run_check(const CheckArgs& args) {
   return clean ? 0 : kExitHazards;
 }
 
+struct PlanArgs {
+  std::string model = "llama3-8b-s8192";
+  std::string device = "h100-sxm-pcie5";
+  std::string policy = "ferry";
+  std::string scenarios = FERRY_DEFAULT_SCENARIOS_DIR;
+  std::string trace;
+  std::int64_t min_bytes = 1024;
+  std::int64_t window_mib = 512;
+  std::int64_t prefetch_mib = 512;
+  std::int64_t host_cap_gib = 1024;
+  std::int32_t stash = 5;
+  std::int32_t steps = 2;
+  bool no_prefetch = false;
+  bool no_dedup = false;
+  bool json = false;
+  bool no_checker = false;
+};
+
+// A preset name, or a path to a model JSON file.
+ferry::Result<ferry::sim::Model> load_model(const std::string& spec) {
+  if (spec.ends_with(".json")) {
+    std::ifstream in(spec, std::ios::binary);
+    if (!in) return ferry::Error{fmt::format("cannot read model file {}", spec)};
+    std::ostringstream text;
+    text << in.rdbuf();
+    return ferry::sim::parse_model(text.str(), spec);
+  }
+  return ferry::sim::model_preset(spec);
+}
+
+// A bundled profile name, or a path to a profile JSON file.
+ferry::Result<ferry::sim::DeviceProfile> load_device(const std::string& spec,
+                                                     const std::filesystem::path& scenarios) {
+  if (spec.ends_with(".json")) {
+    std::ifstream in(spec, std::ios::binary);
+    if (!in) return ferry::Error{fmt::format("cannot read device file {}", spec)};
+    std::ostringstream text;
+    text << in.rdbuf();
+    return ferry::sim::parse_device_profile(text.str(), spec);
+  }
+  return ferry::sim::load_device_profile(scenarios / "devices", spec);
+}
+
+ferry::sim::TrainingOptions training_options(const PlanArgs& args) {
+  ferry::sim::TrainingOptions o;
+  o.steps = args.steps;
+  o.sim.check_hazards = !args.no_checker;
+  o.sim.track_content = !args.no_checker;
+  o.offload.min_bytes = ferry::Bytes(args.min_bytes);
+  o.offload.window_bytes = args.window_mib * ferry::kMiB;
+  o.offload.prefetch_bytes = args.prefetch_mib * ferry::kMiB;
+  o.offload.host_cap = args.host_cap_gib * ferry::kGiB;
+  o.offload.trl_stash_count = args.stash;
+  o.offload.prefetch = !args.no_prefetch;
+  o.offload.dedup = !args.no_dedup;
+  return o;
+}
+
+int run_plan(const PlanArgs& args, bool compare) {
+  auto model = load_model(args.model);
+  if (!model) {
+    fmt::print(stderr, "ferry: error: {}\n", model.error().message);
+    return kExitBadInput;
+  }
+  auto device = load_device(args.device, args.scenarios);
+  if (!device) {
+    fmt::print(stderr, "ferry: error: {}\n", device.error().message);
+    return kExitBadInput;
+  }
+  ferry::sim::assign_roofline_durations(model.value(), device.value());
+  const ferry::sim::TrainingOptions base = training_options(args);
+  std::string out;
+  bool clean = true;
+  if (compare) {
+    std::vector<ferry::sim::RowResult> rows;
+    for (const auto& row : ferry::sim::default_rows(base)) {
+      if (!args.json) fmt::print(stderr, "simulating {} ...\n", row.name);
+      rows.push_back(ferry::sim::run_row(model.value(), device.value(), row));
+      clean = clean && rows.back().hazards == 0;
+    }
+    out = args.json ? ferry::sim::compare_json(rows, model.value(), device.value())
+                    : ferry::sim::compare_text(rows, model.value(), device.value());
+  } else {
+    ferry::sim::PolicyRow row{args.policy, base};
+    if (args.policy == "none") {
+      row.options.offload.policy = ferry::Policy::None;
+    } else if (args.policy == "trl") {
+      row.options.offload.policy = ferry::Policy::Trl;
+    } else if (args.policy == "ferry") {
+      row.options.offload.policy = ferry::Policy::Ferry;
+    } else {
+      fmt::print(stderr, "ferry simulate: error: unknown policy \"{}\" (none, trl, ferry)\n",
+                 args.policy);
+      return kExitBadInput;
+    }
+    const auto result = ferry::sim::run_row(model.value(), device.value(), row);
+    clean = result.hazards == 0 && !result.failure;
+    out = args.json ? ferry::sim::simulate_json(result, model.value(), device.value())
+                    : ferry::sim::simulate_text(result, model.value(), device.value());
+    if (!args.trace.empty()) {
+      auto run = ferry::sim::simulate_training(model.value(), device.value(), row.options);
+      if (run.ok()) {
+        std::ofstream file(args.trace, std::ios::binary);
+        file << ferry::sim::chrome_trace(run.value().sim);
+        if (!file) {
+          fmt::print(stderr, "ferry simulate: error: cannot write trace to {}\n", args.trace);
+          return kExitBadInput;
+        }
+      }
+    }
+  }
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return clean ? 0 : kExitHazards;
+}
+
+void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
+  cmd->add_option("--model", a.model, "Model preset or model JSON file")
+      ->capture_default_str();
+  cmd->add_option("--device", a.device, "Device profile name or JSON file")->capture_default_str();
+  if (with_policy) {
+    cmd->add_option("--policy", a.policy, "none, trl or ferry")->capture_default_str();
+    cmd->add_option("--trace", a.trace, "Write a Chrome/Perfetto trace JSON to FILE");
+  }
+  cmd->add_option("--min-bytes", a.min_bytes, "Saved tensors smaller than this stay on the device")
+      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 50));
+  cmd->add_option("--window-mib", a.window_mib, "ferry: forward window of offloads in flight")
+      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
+  cmd->add_option("--prefetch-mib", a.prefetch_mib, "ferry: reload budget ahead of demand")
+      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
+  cmd->add_option("--host-cap-gib", a.host_cap_gib, "ferry: pinned host memory cap")
+      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 20));
+  cmd->add_option("--stash", a.stash, "trl: forward stash size in tensors")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--steps", a.steps, "Training steps to simulate (the last is reported)")
+      ->capture_default_str()->check(CLI::Range(1, 1000));
+  cmd->add_flag("--no-prefetch", a.no_prefetch, "ferry: reload on demand only");
+  cmd->add_flag("--no-dedup", a.no_dedup, "ferry: copy views sharing a storage separately");
+  cmd->add_flag("--json", a.json, "Print the results as one JSON document");
+  cmd->add_flag("--no-checker", a.no_checker, "Time only; skip hazard and content checks");
+  cmd->add_option("--scenarios", a.scenarios, "Folder with devices/ (bundled by default)");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,6 +228,14 @@ int main(int argc, char** argv) {
   check_cmd->add_option("--scenarios", check.scenarios,
                         "Folder with devices/ and programs/ (bundled scenarios by default)");
   check_cmd->add_flag("--no-checker", check.no_checker, "Time only; skip hazard checking");
+  PlanArgs simulate;
+  CLI::App* simulate_cmd = app.add_subcommand(
+      "simulate", "Simulate training steps of a model under one offload policy");
+  add_plan_options(simulate_cmd, simulate, true);
+  PlanArgs compare;
+  CLI::App* compare_cmd = app.add_subcommand(
+      "compare", "Compare offload policies on a model: time and memory as ratios to none");
+  add_plan_options(compare_cmd, compare, false);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -94,6 +248,8 @@ int main(int argc, char** argv) {
   }
   try {
     if (check_cmd->parsed()) return run_check(check);
+    if (simulate_cmd->parsed()) return run_plan(simulate, false);
+    if (compare_cmd->parsed()) return run_plan(compare, true);
   } catch (const std::exception& e) {
     fmt::print(stderr, "ferry: internal error: {}\n", e.what());
     return kExitInternal;

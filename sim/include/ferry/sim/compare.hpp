@@ -1,0 +1,58 @@
+#pragma once
+/// What-if runs of a model under offload policies: `ferry simulate` and `ferry compare`.
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/sim/autograd.hpp"
+
+namespace ferry::sim {
+
+/// One configuration to simulate.
+struct PolicyRow {
+  std::string name;
+  TrainingOptions options;
+};
+
+/// What one configuration costs. Times are of the last simulated step (the steady state).
+struct RowResult {
+  std::string name;
+  Policy policy = Policy::None;
+  std::optional<std::string> failure;  ///< out of memory, or an offloader error
+  bool fits = true;                    ///< false: ran out of device memory on this device
+  SimTime step_time;
+  SimTime forward_time;
+  SimTime backward_stall;              ///< compute stream blocked on reloads in backward
+  SimTime forward_stall;               ///< compute stream blocked on offload guards in forward
+  std::int64_t overlap_permille = 0;   ///< copy time overlapped with compute
+  Bytes peak_allocated;
+  Bytes peak_reserved;
+  Bytes pinned_peak;
+  Bytes d2h;
+  Bytes h2d;
+  std::size_t hazards = 0;
+  OffloadTelemetry telemetry;
+};
+
+/// The rows of `ferry compare`: none, trl, ferry, and ferry knob variants.
+[[nodiscard]] std::vector<PolicyRow> default_rows(const TrainingOptions& base);
+
+/// Runs one row. A configuration that runs out of device memory is run again on a device
+/// with room to spare, so the table can say how much it would need (fits = false).
+[[nodiscard]] RowResult run_row(const Model& model, const DeviceProfile& device,
+                                const PolicyRow& row);
+
+/// Summary of one run as text / JSON (`ferry simulate`).
+[[nodiscard]] std::string simulate_text(const RowResult& row, const Model& model,
+                                        const DeviceProfile& device);
+[[nodiscard]] std::string simulate_json(const RowResult& row, const Model& model,
+                                        const DeviceProfile& device);
+
+/// The comparison table as text / JSON (`ferry compare`); ratios are to the "none" row.
+[[nodiscard]] std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
+                                       const DeviceProfile& device);
+[[nodiscard]] std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
+                                       const DeviceProfile& device);
+
+}  // namespace ferry::sim

@@ -1,0 +1,218 @@
+#include "ferry/sim/compare.hpp"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "ferry/sim/report.hpp"
+
+namespace ferry::sim {
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+RowResult measure(const TrainingRun& run, const PolicyRow& row) {
+  RowResult r;
+  r.name = row.name;
+  r.policy = row.options.offload.policy;
+  r.failure = run.failure;
+  const Simulator& sim = run.sim;
+  if (!run.steps.empty()) {
+    const StepTimes& last = run.steps.back();
+    r.step_time = last.end - last.start;
+    r.forward_time = last.forward_end - last.start;
+    const StreamId compute(0);
+    r.forward_stall = compute_stall(sim, compute, last.start, last.forward_end);
+    r.backward_stall = compute_stall(sim, compute, last.forward_end, last.end);
+  }
+  r.overlap_permille = copy_overlap_permille(sim);
+  const AllocatorStats& st = sim.device_allocator(DeviceId(0)).stats();
+  r.peak_allocated = st.allocated_peak;
+  r.peak_reserved = st.reserved_peak;
+  r.pinned_peak = sim.pinned_allocator().stats().reserved_peak;
+  r.d2h = sim.copied().d2h;
+  r.h2d = sim.copied().h2d;
+  r.hazards = sim.hazards().size();
+  r.telemetry = run.telemetry;
+  return r;
+}
+
+std::string ratio(std::int64_t value, std::int64_t base) {
+  if (base <= 0) return "-";
+  const std::int64_t thousandths = (value * 1000 + base / 2) / base;
+  return fmt::format("{}.{:03}", thousandths / 1000, thousandths % 1000);
+}
+
+std::string percent(std::int64_t permille) {
+  return fmt::format("{}.{}%", permille / 10, permille % 10);
+}
+
+const RowResult* baseline(const std::vector<RowResult>& rows) {
+  for (const RowResult& r : rows) {
+    if (r.policy == Policy::None && r.step_time.ns() > 0) return &r;
+  }
+  return nullptr;
+}
+
+Json row_json(const RowResult& r, const RowResult* base) {
+  Json j;
+  j["name"] = r.name;
+  j["policy"] = policy_name(r.policy);
+  j["fits"] = r.fits;
+  j["failure"] = r.failure ? Json(*r.failure) : Json(nullptr);
+  j["step_time_ns"] = r.step_time.ns();
+  j["forward_time_ns"] = r.forward_time.ns();
+  j["forward_stall_ns"] = r.forward_stall.ns();
+  j["backward_stall_ns"] = r.backward_stall.ns();
+  j["overlap_permille"] = r.overlap_permille;
+  j["peak_allocated_bytes"] = r.peak_allocated.count();
+  j["peak_reserved_bytes"] = r.peak_reserved.count();
+  j["pinned_peak_bytes"] = r.pinned_peak.count();
+  j["d2h_bytes"] = r.d2h.count();
+  j["h2d_bytes"] = r.h2d.count();
+  j["hazards"] = r.hazards;
+  if (base != nullptr) {
+    j["time_vs_none_permille"] = base->step_time.ns() > 0 ? r.step_time.ns() * 1000 / base->step_time.ns() : 0;
+    j["memory_vs_none_permille"] =
+        base->peak_allocated.count() > 0 ? r.peak_allocated.count() * 1000 / base->peak_allocated.count() : 0;
+  }
+  const OffloadTelemetry& t = r.telemetry;
+  j["telemetry"] = {{"packed", t.packed},
+                    {"offloaded", t.offloaded},
+                    {"kept", t.kept},
+                    {"deduplicated", t.deduplicated},
+                    {"host_fallbacks", t.host_fallbacks},
+                    {"prefetched", t.prefetched},
+                    {"on_demand", t.on_demand},
+                    {"stash_hits", t.stash_hits},
+                    {"record_stream_fallbacks", t.record_stream_fallbacks}};
+  return j;
+}
+
+Json context_json(const Model& model, const DeviceProfile& device) {
+  Json j;
+  j["model"] = model.name;
+  j["device"] = device.name;
+  j["device_memory_bytes"] = device.memory.count();
+  return j;
+}
+
+}  // namespace
+
+std::vector<PolicyRow> default_rows(const TrainingOptions& base) {
+  std::vector<PolicyRow> rows;
+  auto add = [&](std::string name, Policy policy, auto tweak) {
+    PolicyRow row{std::move(name), base};
+    row.options.offload.policy = policy;
+    tweak(row.options.offload);
+    rows.push_back(std::move(row));
+  };
+  add("none", Policy::None, [](OffloadOptions&) {});
+  add("trl", Policy::Trl, [](OffloadOptions& o) {
+    o.min_bytes = Bytes(1024);
+    o.trl_stash_count = 5;
+  });
+  add("ferry", Policy::Ferry, [](OffloadOptions&) {});
+  add("ferry no-prefetch", Policy::Ferry, [](OffloadOptions& o) { o.prefetch = false; });
+  add("ferry window=128MiB", Policy::Ferry, [](OffloadOptions& o) { o.window_bytes = 128 * kMiB; });
+  add("ferry prefetch=2GiB", Policy::Ferry, [](OffloadOptions& o) { o.prefetch_bytes = 2 * kGiB; });
+  add("ferry min=16MiB", Policy::Ferry, [](OffloadOptions& o) { o.min_bytes = 16 * kMiB; });
+  return rows;
+}
+
+RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyRow& row) {
+  auto run = simulate_training(model, device, row.options);
+  if (!run.ok()) {
+    RowResult r;
+    r.name = row.name;
+    r.policy = row.options.offload.policy;
+    r.failure = run.error().message;
+    return r;
+  }
+  RowResult result = measure(run.value(), row);
+  if (result.failure && result.failure->find("out of memory") != std::string::npos) {
+    // What would it need? Run again with ample memory.
+    DeviceProfile roomy = device;
+    roomy.memory = Bytes(device.memory.count() * 8);
+    auto again = simulate_training(model, roomy, row.options);
+    if (again.ok() && !again.value().failure) {
+      result = measure(again.value(), row);
+      result.fits = false;
+      result.failure = run.value().failure;
+    }
+  }
+  return result;
+}
+
+std::string simulate_text(const RowResult& r, const Model& model, const DeviceProfile& device) {
+  std::string out = fmt::format("ferry simulate: {} on {}, policy {}\n", model.name, device.name, r.name);
+  if (r.failure) out += fmt::format("failure: {}\n", *r.failure);
+  if (!r.fits) out += fmt::format("does not fit in {}: the figures below need more memory\n", format_bytes(device.memory));
+  out += fmt::format("step time: {} (forward {})\n", format_time(r.step_time), format_time(r.forward_time));
+  out += fmt::format("peak device memory: allocated {}, reserved {}\n", format_bytes(r.peak_allocated),
+                     format_bytes(r.peak_reserved));
+  out += fmt::format("peak pinned host memory: {}\n", format_bytes(r.pinned_peak));
+  out += fmt::format("moved: D2H {}, H2D {}\n", format_bytes(r.d2h), format_bytes(r.h2d));
+  out += fmt::format("stall: forward {}, backward {}; copy/compute overlap {}\n",
+                     format_time(r.forward_stall), format_time(r.backward_stall), percent(r.overlap_permille));
+  const OffloadTelemetry& t = r.telemetry;
+  out += fmt::format(
+      "saved tensors: {} packed, {} offloaded, {} kept, {} deduplicated, {} host-cap fallbacks\n",
+      t.packed, t.offloaded, t.kept, t.deduplicated, t.host_fallbacks);
+  out += fmt::format("reloads: {} prefetched, {} on demand, {} forward-stash hits, {} record_stream fallbacks\n",
+                     t.prefetched, t.on_demand, t.stash_hits, t.record_stream_fallbacks);
+  out += fmt::format("hazards: {}\n", r.hazards);
+  return out;
+}
+
+std::string simulate_json(const RowResult& r, const Model& model, const DeviceProfile& device) {
+  Json j;
+  j["format"] = "ferry.simulate/1";
+  j.update(context_json(model, device));
+  j["result"] = row_json(r, nullptr);
+  return j.dump(2) + "\n";
+}
+
+std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
+                         const DeviceProfile& device) {
+  const RowResult* base = baseline(rows);
+  std::string out = fmt::format("ferry compare: {} on {} ({} device memory)\n", model.name,
+                                device.name, format_bytes(device.memory));
+  out += fmt::format("{:<22} {:>12} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>11} {:>8} {}\n",
+                     "policy", "step", "time", "peak alloc", "memory", "peak pinned", "D2H", "H2D",
+                     "bwd stall", "overlap", "note");
+  for (const RowResult& r : rows) {
+    std::string note;
+    if (!r.fits) {
+      note = "does not fit";
+    } else if (r.failure) {
+      note = "failed: " + *r.failure;
+    } else if (r.hazards > 0) {
+      note = fmt::format("{} hazards", r.hazards);
+    }
+    out += fmt::format("{:<22} {:>12} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>11} {:>8} {}\n",
+                       r.name, format_time(r.step_time),
+                       base ? ratio(r.step_time.ns(), base->step_time.ns()) : "-",
+                       format_bytes(r.peak_allocated),
+                       base ? ratio(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
+                       format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
+                       format_time(r.backward_stall), percent(r.overlap_permille), note);
+  }
+  out += "time and memory are ratios to the none row; step = the last simulated step\n";
+  return out;
+}
+
+std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
+                         const DeviceProfile& device) {
+  const RowResult* base = baseline(rows);
+  Json j;
+  j["format"] = "ferry.compare/1";
+  j.update(context_json(model, device));
+  Json list = Json::array();
+  for (const RowResult& r : rows) list.push_back(row_json(r, base));
+  j["rows"] = std::move(list);
+  return j.dump(2) + "\n";
+}
+
+}  // namespace ferry::sim
