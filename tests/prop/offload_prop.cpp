@@ -223,10 +223,21 @@ TEST_P(PlantedOffloadFault, IsCaughtWithASmallCounterexample) {
             << "\", shrunk counterexample:\n" << found << "\n";
 }
 
+// trl carries both directions on one side stream, so its next offload is stream-ordered after
+// the reload that read a host block: the host guard (record_stream on the freed pinned block)
+// only protects against other users of pinned memory, which these runs do not have. It is
+// planted for ferry, whose reload and offload streams differ.
 INSTANTIATE_TEST_SUITE_P(
-    Faults, PlantedOffloadFault,
-    ::testing::Combine(::testing::Values(Policy::Trl, Policy::Ferry),
-                       ::testing::Range<std::size_t>(0, 6)),
+    TrlFaults, PlantedOffloadFault,
+    ::testing::Combine(::testing::Values(Policy::Trl), ::testing::Range<std::size_t>(0, 5)),
+    [](const auto& p) {
+      return std::string(policy_name(std::get<0>(p.param))) + "_" +
+             std::to_string(std::get<1>(p.param));
+    });
+
+INSTANTIATE_TEST_SUITE_P(
+    FerryFaults, PlantedOffloadFault,
+    ::testing::Combine(::testing::Values(Policy::Ferry), ::testing::Range<std::size_t>(0, 6)),
     [](const auto& p) {
       return std::string(policy_name(std::get<0>(p.param))) + "_" +
              std::to_string(std::get<1>(p.param));

@@ -75,8 +75,9 @@ class Offloader {
   TensorId pack(const TensorFacts& facts, const Buffer& storage) {
     if (options_.policy == Policy::Trl) trl_phase_for_pack();
     ++telemetry_.packed;
-    const TensorId id(static_cast<std::uint32_t>(id_to_record_.size()));
+    const TensorId id(static_cast<std::uint32_t>(id_base_ + id_to_record_.size()));
     id_offset_.push_back(facts.view_offset);
+    ++tracked_;
     const bool small = facts.bytes < options_.min_bytes;
     const bool keep = options_.policy == Policy::None || !facts.on_device || facts.is_param ||
                       small || no_offload_depth_ > 0 ||
@@ -102,13 +103,13 @@ class Offloader {
     }
     Record* rec = lookup(id);
     if (rec == nullptr) throw OffloadError(fmt::format("untracked tensor with id {}", id.value()));
-    Unpacked<Buffer> out{rec->device, id_offset_[id.value()]};
+    Unpacked<Buffer> out{rec->device, id_offset_[slot(id)]};
     if (options_.policy == Policy::Trl) {
       out = trl_unpack(id, *rec, node);
     } else if (rec->kept) {
       backend_.hold(rec->device);
     } else {
-      out = Unpacked<Buffer>{ferry_unpack(*rec, node), id_offset_[id.value()]};
+      out = Unpacked<Buffer>{ferry_unpack(*rec, node), id_offset_[slot(id)]};
     }
     return out;
   }
@@ -120,7 +121,7 @@ class Offloader {
     if (options_.policy == Policy::Trl) return;
     Record* rec = lookup(id);
     if (rec == nullptr) return;  // already released
-    id_to_record_[id.value()] = kNoRecord;
+    forget(id);
     if (--rec->ids > 0) return;
     finish_record(*rec);
   }
@@ -140,25 +141,22 @@ class Offloader {
     if (options_.policy != Policy::Ferry) return;
     for (Record& r : records_) r.unpacks_left = r.ids;
     prefetch_queue_.clear();
-    for (auto it = node_records_.begin(); it != node_records_.end();) {
-      std::erase_if(it->second, [&](std::uint32_t r) { return !records_[r].live; });
-      it = it->second.empty() ? node_records_.erase(it) : std::next(it);
-    }
-    std::vector<NodeId> nodes(order.begin(), order.end());
-    if (nodes.empty()) {
-      for (const auto& [node, list] : node_records_) nodes.push_back(node);
-      std::reverse(nodes.begin(), nodes.end());
-    }
-    std::vector<bool> queued(records_.size(), false);
-    for (const NodeId node : nodes) {
-      auto it = node_records_.find(node);
-      if (it == node_records_.end()) continue;
-      for (const std::uint32_t r : it->second) {
-        if (!queued[r] && records_[r].live && records_[r].host_valid) {
-          queued[r] = true;
+    queued_.assign(records_.size(), false);
+    auto enqueue = [&](NodeId node) {
+      if (!node.valid() || node.value() >= node_records_.size()) return;
+      for (const std::uint32_t r : node_records_[node.value()]) {
+        if (!queued_[r] && records_[r].live && records_[r].host_valid) {
+          queued_[r] = true;
           prefetch_queue_.push_back(r);
         }
       }
+    };
+    if (order.empty()) {
+      for (std::size_t n = node_records_.size(); n-- > 0;) {
+        enqueue(NodeId(static_cast<std::uint32_t>(n)));
+      }
+    } else {
+      for (const NodeId node : order) enqueue(node);
     }
     prefetch();
   }
@@ -169,21 +167,25 @@ class Offloader {
       for (const auto& [id, r] : trl_bwd_stash_) {
         auto ev = trl_bwd_events_.find(id);
         if (ev != trl_bwd_events_.end()) backend_.wait(reload_stream_, ev->second);
-        backend_.drop(records_[r].device);
-        records_[r].device_valid = false;
+        Record& rec = records_[static_cast<std::size_t>(r)];
+        backend_.drop(rec.device);
+        rec.device_valid = false;
+        recycle(rec);
       }
       trl_bwd_stash_.clear();
       trl_bwd_events_.clear();
+      reclaim();
       return;
     }
     if (options_.policy != Policy::Ferry) return;
     for (Record& r : records_) {
       if (r.live && r.reloaded) free_reloaded(r);
     }
-    node_uses_.clear();
+    for (auto& uses : node_uses_) uses.clear();
     prefetch_queue_.clear();
     prefetch_bytes_ = Bytes(0);
     std::erase_if(window_, [&](std::uint32_t r) { return !records_[r].resident; });
+    reclaim();
   }
 
   /// Saved tensors packed while at least one region is open stay on the device.
@@ -195,11 +197,7 @@ class Offloader {
 
   [[nodiscard]] const OffloadTelemetry& telemetry() const { return telemetry_; }
   /// Ids packed and neither unpacked for good (trl) nor released (ferry).
-  [[nodiscard]] std::size_t tracked() const {
-    return static_cast<std::size_t>(
-        std::count_if(id_to_record_.begin(), id_to_record_.end(),
-                      [](std::int32_t r) { return r != kNoRecord; }));
-  }
+  [[nodiscard]] std::size_t tracked() const { return tracked_; }
   [[nodiscard]] const OffloadOptions& options() const { return options_; }
   [[nodiscard]] Stream offload_stream() const { return offload_stream_; }
   [[nodiscard]] Stream reload_stream() const { return reload_stream_; }
@@ -235,15 +233,67 @@ class Offloader {
     bool has_read;
   };
 
+  // Ids grow monotonically (the reference retires its stash by id distance); the table keeps
+  // only the span from the oldest id still tracked.
+  [[nodiscard]] std::size_t slot(TensorId id) const { return id.value() - id_base_; }
+
   Record* lookup(TensorId id) {
-    if (!id.valid() || id.value() >= id_to_record_.size()) return nullptr;
-    const std::int32_t r = id_to_record_[id.value()];
+    if (!id.valid() || id.value() < id_base_ || slot(id) >= id_to_record_.size()) return nullptr;
+    const std::int32_t r = id_to_record_[slot(id)];
     return r == kNoRecord ? nullptr : &records_[static_cast<std::size_t>(r)];
   }
 
+  void forget(TensorId id) {
+    id_to_record_[slot(id)] = kNoRecord;
+    --tracked_;
+    while (!id_to_record_.empty() && id_to_record_.front() == kNoRecord) {
+      id_to_record_.pop_front();
+      id_offset_.pop_front();
+      ++id_base_;
+    }
+  }
+
   std::int32_t add_record(Record rec) {
+    if (!free_records_.empty()) {
+      const std::uint32_t r = free_records_.back();
+      free_records_.pop_back();
+      records_[r] = rec;
+      return static_cast<std::int32_t>(r);
+    }
     records_.push_back(rec);
     return static_cast<std::int32_t>(records_.size() - 1);
+  }
+
+  static std::vector<std::uint32_t>& at(std::vector<std::vector<std::uint32_t>>& table,
+                                        NodeId node) {
+    FERRY_CHECK(node.valid(), "a saved tensor needs the node that saves it");
+    if (table.size() <= node.value()) table.resize(node.value() + 1);
+    return table[node.value()];
+  }
+
+  // A record no id refers to any more. Queues may still hold its index, so it is reused only
+  // after the end-of-backward callback pruned them (reclaim()).
+  void recycle(Record& rec) {
+    rec.live = false;
+    dead_records_.push_back(static_cast<std::uint32_t>(&rec - records_.data()));
+  }
+
+  void reclaim() {
+    for (auto& list : node_records_) {
+      std::erase_if(list, [&](std::uint32_t r) { return !records_[r].live; });
+    }
+    std::erase_if(dead_records_, [&](std::uint32_t r) {
+      const auto in = [r](const auto& queue, auto index) {
+        return std::any_of(queue.begin(), queue.end(), [&](const auto& e) { return index(e) == r; });
+      };
+      if (in(window_, [](std::uint32_t e) { return e; }) ||
+          in(trl_fwd_stash_, [](const auto& e) { return static_cast<std::uint32_t>(e.second); }) ||
+          in(trl_bwd_stash_, [](const auto& e) { return static_cast<std::uint32_t>(e.second); })) {
+        return false;
+      }
+      free_records_.push_back(r);
+      return true;
+    });
   }
 
   std::int32_t keep_record(const TensorFacts& facts, const Buffer& storage) {
@@ -316,11 +366,11 @@ class Offloader {
   }
 
   Unpacked<Buffer> trl_unpack(TensorId id, Record& rec, NodeId node) {
-    const std::int32_t r = id_to_record_[id.value()];
-    Unpacked<Buffer> out{rec.device, id_offset_[id.value()]};
+    const std::int32_t r = id_to_record_[slot(id)];
+    Unpacked<Buffer> out{rec.device, id_offset_[slot(id)]};
     if (rec.kept) {
-      id_to_record_[id.value()] = kNoRecord;  // the tracker's reference moves to the caller
-      rec.live = false;
+      forget(id);  // the tracker's reference moves to the caller
+      recycle(rec);
       return out;
     }
     std::vector<TensorId> previous;
@@ -359,7 +409,8 @@ class Offloader {
     if (!options_.faults.skip_host_guard) backend_.record_stream(rec.host, offload_stream_);
     backend_.drop(rec.host);
     rec.host_valid = false;
-    id_to_record_[id.value()] = kNoRecord;
+    forget(id);
+    if (!brought_back) recycle(rec);  // a reload stays in the stash until its drain
     return out;
   }
 
@@ -383,6 +434,7 @@ class Offloader {
           backend_.drop(rec.device);
           rec.device_valid = false;
           trl_bwd_stash_.erase(stash);
+          recycle(rec);
         } else {
           Event e = backend_.make_event();
           backend_.record(e, compute_);
@@ -402,6 +454,7 @@ class Offloader {
         rec.device_valid = false;
         trl_bwd_stash_.erase(stash);
         trl_bwd_events_.erase(prev);
+        recycle(rec);
       }
     }
     trl_hooks_.erase(it);
@@ -416,7 +469,7 @@ class Offloader {
         Record& rec = records_[it->second];
         ++rec.ids;
         ++telemetry_.deduplicated;
-        node_records_[facts.node].push_back(it->second);
+        at(node_records_, facts.node).push_back(it->second);
         return static_cast<std::int32_t>(it->second);
       }
     }
@@ -451,26 +504,28 @@ class Offloader {
     window_.push_back(ur);
     window_bytes_ += size;
     if (options_.dedup) storage_index_.emplace(facts.storage, ur);
-    node_records_[facts.node].push_back(ur);
+    at(node_records_, facts.node).push_back(ur);
     return r;
   }
 
   // A host buffer of exactly `size` bytes from the pool, a new one, or none (cap reached).
   std::optional<HostSlot> take_host(Bytes size) {
     auto it = host_pool_.find(size.count());
-    if (it != host_pool_.end()) {
-      HostSlot slot = it->second;
-      host_pool_.erase(it);
+    if (it != host_pool_.end() && !it->second.empty()) {
+      HostSlot slot = it->second.back();
+      it->second.pop_back();
       return slot;
     }
     if (telemetry_.pinned_bytes + size > options_.host_cap) {
       // Unpin cached buffers of other sizes before giving up.
-      while (!host_pool_.empty() && telemetry_.pinned_bytes + size > options_.host_cap) {
-        auto victim = host_pool_.begin();
-        if (victim->second.has_read) backend_.record_stream(victim->second.buffer, reload_stream_);
-        backend_.drop(victim->second.buffer);
-        telemetry_.pinned_bytes -= Bytes(victim->first);
-        host_pool_.erase(victim);
+      for (auto& [bytes, slots] : host_pool_) {
+        while (!slots.empty() && telemetry_.pinned_bytes + size > options_.host_cap) {
+          const HostSlot victim = slots.back();
+          slots.pop_back();
+          if (victim.has_read) backend_.record_stream(victim.buffer, reload_stream_);
+          backend_.drop(victim.buffer);
+          telemetry_.pinned_bytes -= Bytes(bytes);
+        }
       }
       if (telemetry_.pinned_bytes + size > options_.host_cap) return std::nullopt;
     }
@@ -533,7 +588,7 @@ class Offloader {
   Buffer ferry_unpack(Record& rec, NodeId node) {
     const auto r = static_cast<std::uint32_t>(&rec - records_.data());
     if (rec.unpacks_left > 0) --rec.unpacks_left;
-    node_uses_[node].push_back(r);
+    at(node_uses_, node).push_back(r);
     if (rec.resident) {
       ++telemetry_.stash_hits;
     } else {
@@ -575,9 +630,9 @@ class Offloader {
   }
 
   void ferry_node_done(NodeId node) {
-    auto it = node_uses_.find(node);
-    if (it == node_uses_.end()) return;
-    for (const std::uint32_t r : it->second) {
+    if (!node.valid() || node.value() >= node_uses_.size()) return;
+    std::vector<std::uint32_t>& uses = node_uses_[node.value()];
+    for (const std::uint32_t r : uses) {
       Record& rec = records_[r];
       if (!rec.live || rec.unpacks_left > 0) continue;
       if (rec.reloaded) {
@@ -587,12 +642,12 @@ class Offloader {
         release_original(rec);
       }
     }
-    node_uses_.erase(it);
+    uses.clear();
   }
 
   // Every id of the record was released: give back device and host memory.
   void finish_record(Record& rec) {
-    rec.live = false;
+    recycle(rec);
     if (rec.kept) {
       backend_.drop(rec.device);
       rec.device_valid = false;
@@ -604,8 +659,7 @@ class Offloader {
     }
     if (rec.reloaded) free_reloaded(rec);
     if (rec.host_valid) {
-      HostSlot slot{rec.host, rec.h2d_done, rec.ever_reloaded};
-      host_pool_.emplace(rec.bytes.count(), slot);
+      host_pool_[rec.bytes.count()].push_back(HostSlot{rec.host, rec.h2d_done, rec.ever_reloaded});
       rec.host_valid = false;
     }
   }
@@ -617,8 +671,12 @@ class Offloader {
   Stream reload_stream_{};
   OffloadTelemetry telemetry_;
   std::vector<Record> records_;
-  std::vector<std::int32_t> id_to_record_;
-  std::vector<Bytes> id_offset_;  // where each packed tensor starts in its storage
+  std::deque<std::int32_t> id_to_record_;  // from id_base_ on
+  std::deque<Bytes> id_offset_;            // where each packed tensor starts in its storage
+  std::uint32_t id_base_ = 0;
+  std::size_t tracked_ = 0;
+  std::vector<std::uint32_t> free_records_;
+  std::vector<std::uint32_t> dead_records_;
   int no_offload_depth_ = 0;
 
   // trl state
@@ -634,10 +692,13 @@ class Offloader {
   std::deque<std::uint32_t> window_;
   Bytes window_bytes_;
   std::map<std::uint64_t, std::uint32_t> storage_index_;
-  std::multimap<std::int64_t, HostSlot> host_pool_;
-  std::map<NodeId, std::vector<std::uint32_t>> node_records_;
-  std::map<NodeId, std::vector<std::uint32_t>> node_uses_;
+  std::map<std::int64_t, std::vector<HostSlot>> host_pool_;  // free buffers by exact size
+  // By node id (small dense integers, as autograd sequence numbers are); inner vectors keep
+  // their capacity from step to step.
+  std::vector<std::vector<std::uint32_t>> node_records_;
+  std::vector<std::vector<std::uint32_t>> node_uses_;
   std::deque<std::uint32_t> prefetch_queue_;
+  std::vector<bool> queued_;
   Bytes prefetch_bytes_;
 };
 
