@@ -9,6 +9,8 @@
 #include <cstring>
 #include <random>
 
+#include "ferry/sim/autograd.hpp"
+#include "ferry/sim/program_json.hpp"
 #include "ferry/sim/run_program.hpp"
 #include "prop/random_program.hpp"
 
@@ -82,6 +84,38 @@ void BM_CheckerOverhead(benchmark::State& state) {
   state.counters["same_makespan"] = makespan_off == makespan_on ? 1 : 0;
 }
 BENCHMARK(BM_CheckerOverhead)->Unit(benchmark::kMillisecond);
+
+// One training step of the 32-layer Llama-3-8B-like preset (seq 8192) on the H100 profile,
+// with the hazard checker and content checks on.
+void BM_Llama8BStep(benchmark::State& state) {
+  const auto policy = static_cast<ferry::Policy>(state.range(0));
+  auto device = ferry::sim::load_device_profile(FERRY_BENCH_SCENARIOS "/devices", "h100-sxm-pcie5");
+  auto model = ferry::sim::model_preset("llama3-8b-s8192");
+  if (!device.ok() || !model.ok()) {
+    state.SkipWithError("preset or profile missing");
+    return;
+  }
+  ferry::sim::assign_roofline_durations(model.value(), device.value());
+  ferry::sim::TrainingOptions options;
+  options.offload.policy = policy;
+  options.steps = 1;
+  std::size_t ops = 0;
+  std::size_t hazards = 0;
+  for (auto _ : state) {
+    auto run = ferry::sim::simulate_training(model.value(), device.value(), options);
+    ops = run.value().sim.ops().size();
+    hazards = run.value().sim.hazards().size();
+    benchmark::DoNotOptimize(ops);
+  }
+  state.counters["sim_ops"] = static_cast<double>(ops);
+  state.counters["hazards"] = static_cast<double>(hazards);
+}
+BENCHMARK(BM_Llama8BStep)
+    ->ArgName("policy")
+    ->Arg(static_cast<int>(ferry::Policy::None))
+    ->Arg(static_cast<int>(ferry::Policy::Trl))
+    ->Arg(static_cast<int>(ferry::Policy::Ferry))
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

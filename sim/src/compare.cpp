@@ -31,8 +31,15 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
   r.peak_allocated = st.allocated_peak;
   r.peak_reserved = st.reserved_peak;
   r.pinned_peak = sim.pinned_allocator().stats().reserved_peak;
-  r.d2h = sim.copied().d2h;
-  r.h2d = sim.copied().h2d;
+  if (!run.steps.empty()) {
+    // Bytes moved by copies issued during the last step.
+    const StepTimes& last = run.steps.back();
+    for (const OpRecord& op : sim.ops()) {
+      if (op.kind != OpKind::Copy || op.issued < last.start || op.issued > last.end) continue;
+      if (op.direction == CopyDirection::DeviceToHost) r.d2h += op.bytes;
+      if (op.direction == CopyDirection::HostToDevice) r.h2d += op.bytes;
+    }
+  }
   r.hazards = sim.hazards().size();
   r.telemetry = run.telemetry;
   return r;

@@ -5,11 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "ferry/sim/compare.hpp"
 #include "ferry/sim/program_json.hpp"
 #include "ferry/sim/report.hpp"
 #include "ferry/sim/run_program.hpp"
@@ -107,6 +109,37 @@ TEST(Golden, EveryBundledProgramHasAnExpectation) {
     EXPECT_TRUE(found) << stem << " has no entry in expectations()";
   }
 }
+
+// `ferry compare` on two presets: the whole table, as text and JSON, is pinned.
+class GoldenCompare : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GoldenCompare, TableMatchesExpectedBytes) {
+  const std::string preset = GetParam();
+  auto model = model_preset(preset);
+  auto device = load_device_profile(kScenarios / "devices", "h100-sxm-pcie5");
+  ASSERT_TRUE(model.ok() && device.ok());
+  assign_roofline_durations(model.value(), device.value());
+  TrainingOptions base;
+  base.steps = 2;
+  std::vector<RowResult> rows;
+  for (const PolicyRow& row : default_rows(base)) {
+    rows.push_back(run_row(model.value(), device.value(), row));
+    EXPECT_EQ(rows.back().hazards, 0U) << row.name;
+    EXPECT_FALSE(rows.back().failure) << row.name << ": " << *rows.back().failure;
+  }
+  expect_golden(kExpected / ("compare_" + preset + ".txt"),
+                compare_text(rows, model.value(), device.value()));
+  expect_golden(kExpected / ("compare_" + preset + ".json"),
+                compare_json(rows, model.value(), device.value()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, GoldenCompare,
+                         ::testing::Values("tiny-gpt", "gpt2-small-s1024"),
+                         [](const auto& test) {
+                           std::string name = test.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace ferry::sim

@@ -29,8 +29,8 @@ struct RowResult {
   Bytes peak_allocated;
   Bytes peak_reserved;
   Bytes pinned_peak;
-  Bytes d2h;
-  Bytes h2d;
+  Bytes d2h;                           ///< moved off the device in the last step
+  Bytes h2d;                           ///< moved back in the last step
   std::size_t hazards = 0;
   OffloadTelemetry telemetry;
 };
