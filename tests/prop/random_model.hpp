@@ -3,6 +3,7 @@
 // shrinking a list shrinks the model.
 
 #include <cstdint>
+#include <ostream>
 #include <vector>
 
 #include "ferry/sim/model.hpp"
@@ -23,6 +24,11 @@ struct ModelOptions {
   /// activations; without, every op reads the previous op's output.
   bool side_branches = true;
 };
+
+inline void showValue(const LayerChoice& c, std::ostream& os) {
+  os << "{in " << c.input << ", extra " << c.extra << ", size " << c.size << ", save " << c.save
+     << ", flags " << c.flags << ", time " << c.time << "}";
+}
 
 /// Interprets `choices` as a model: every choice adds one op.
 Model build_random_model(const std::vector<LayerChoice>& choices, const ModelOptions& options);
