@@ -720,7 +720,8 @@ void Simulator::record_stream(BufferId buffer, StreamId stream, std::string_view
 }
 
 OpId Simulator::kernel(StreamId stream, SimTime duration, std::span<const Region> reads,
-                       std::span<const Region> writes, std::string_view label) {
+                       std::span<const Region> writes, std::string_view label,
+                       std::span<const std::uint64_t> values) {
   State& s = *state_;
   FERRY_CHECK(stream.valid() && stream.value() < s.streams.size(), "unknown stream");
   FERRY_CHECK(duration.ns() >= 0, "negative kernel duration");
@@ -737,13 +738,16 @@ OpId Simulator::kernel(StreamId stream, SimTime duration, std::span<const Region
   for (const Region& r : reads) s.touch(op, thread, AccessOrigin::Kernel, r, false);
   e.first_write = static_cast<std::uint32_t>(s.write_ranges.size());
   FERRY_CHECK(writes.size() < 256, "a kernel writes at most 255 ranges");
+  FERRY_CHECK(values.empty() || values.size() == writes.size(),
+              "{} content values for {} writes", values.size(), writes.size());
   for (std::uint32_t i = 0; i < writes.size(); ++i) {
     const Region& r = writes[i];
     if (!s.touch(op, thread, AccessOrigin::Kernel, r, true)) continue;
     const BufferInfo& b = s.buffer(r.buffer);
     const std::int64_t lo = (b.address + r.offset).count();
     s.write_ranges.push_back(
-        WriteRange{s.space_of(b), lo, lo + r.bytes.count(), written_content(OpId(op), i)});
+        WriteRange{s.space_of(b), lo, lo + r.bytes.count(),
+                   values.empty() ? written_content(OpId(op), i) : values[i]});
   }
   e.write_count = static_cast<std::uint32_t>(s.write_ranges.size()) - e.first_write;
   if (!s.pending_expectations.empty()) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -15,8 +16,47 @@
 
 namespace ferry::sim {
 
+/// What selective checkpointing does with one op inside a checkpointed region.
+enum class OpPolicy : std::uint8_t {
+  PreferRecompute,  ///< re-run it in backward (plain checkpointing)
+  MustSave,         ///< keep its outputs from forward; recompute reads them instead
+  Offload,          ///< keep its outputs on the host; recompute reloads them
+};
+
+/// A checkpointed range of ops [first_op, end_op).
+struct CheckpointRegion {
+  std::uint32_t first_op = 0;
+  std::uint32_t end_op = 0;
+  bool reentrant = false;             ///< the reentrant variant: no graph inside, full recompute
+  std::optional<bool> early_stop;     ///< per call; unset: true
+};
+
+/// Where and how to checkpoint, with test-only switches that break it on purpose.
+struct CheckpointPlan {
+  std::vector<CheckpointRegion> regions;  ///< non-reentrant regions may nest; no overlaps
+  std::optional<bool> global_early_stop;  ///< set_checkpoint_early_stop: overrides per call
+  bool preserve_rng = true;
+  bool determinism_check = true;
+  bool content_check = false;             ///< also compare content hashes on recompute
+  std::vector<OpPolicy> op_policy;        ///< by op index; missing: PreferRecompute
+  bool skip_rng_restore = false;          ///< planted fault: recompute draws fresh randomness
+  std::int32_t drop_recomputed = -1;      ///< test: this region's replay saves one tensor fewer
+  bool alter_recomputed_meta = false;     ///< test: replays report another size
+  bool lazy_device_rng = false;           ///< the device generator starts at its first draw
+};
+
+/// One region per `k` transformer layers (ops with layer >= 0), non-reentrant.
+[[nodiscard]] CheckpointPlan checkpoint_every(const Model& model, std::int32_t k);
+/// checkpoint_sequential: `segments` contiguous segments, every one but the last checkpointed.
+[[nodiscard]] CheckpointPlan checkpoint_segments(const Model& model, std::int32_t segments,
+                                                 bool reentrant);
+/// Megatron-style selective policy inside regions: the attention core (scores, softmax and its
+/// dropout, attention over values) is recomputed, everything else saved.
+void apply_selective_policy(CheckpointPlan& plan, const Model& model);
+
 struct TrainingOptions {
   OffloadOptions offload;
+  CheckpointPlan checkpoint;
   SimOptions sim;
   std::int32_t steps = 1;
   /// Keep the graph after backward and run backward on it a second time (retain_graph=True).
@@ -52,6 +92,13 @@ struct TrainingRun {
   std::vector<Bytes> allocated_after;
   std::vector<std::size_t> tracked_after; ///< ids the offloader still tracks after each step
   std::vector<std::uint32_t> backward_order;  ///< node order of the last backward
+  SimTime recompute_time;                  ///< kernel time spent recomputing, last step
+  std::int64_t recomputations = 0;         ///< region replays, all steps
+  /// For each replay in the last step: the last op it ran and the last op of its region
+  /// that saves a tensor (equal with early stop).
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> replay_stops;
+  /// Content value of every parameter's gradient and of the batch's gradient, last step.
+  std::vector<std::uint64_t> gradient_values;
 };
 
 /// Runs `options.steps` training steps of `model` (durations must be assigned) on one device.

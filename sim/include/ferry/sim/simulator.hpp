@@ -73,6 +73,15 @@ struct ContentPiece {
   return (static_cast<std::uint64_t>(op.value()) << 8) + index + 1;
 }
 
+/// Combines content ids into a new one (never 0): the value an op computes from its inputs.
+[[nodiscard]] constexpr std::uint64_t mix_content(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t z = a * 0x9e3779b97f4a7c15ULL + b + 0x632be59bd9b4e019ULL;
+  z = (z ^ (z >> 30U)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27U)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31U;
+  return z == 0 ? 1 : z;
+}
+
 /// A kernel that, when it started, read bytes other than the ones expected.
 struct ContentMismatch {
   OpId kernel;
@@ -144,8 +153,12 @@ class Simulator {
                          PinnedPool pool, std::string_view label);
   void free(BufferId buffer, std::string_view label = {});
   void record_stream(BufferId buffer, StreamId stream, std::string_view label = {});
+  /// `values`, when given (one per write, non-zero), are the content ids the writes produce,
+  /// so that recomputing a tensor yields the same content as computing it the first time;
+  /// otherwise each write gets written_content(op, index).
   OpId kernel(StreamId stream, SimTime duration, std::span<const Region> reads,
-              std::span<const Region> writes, std::string_view label = {});
+              std::span<const Region> writes, std::string_view label = {},
+              std::span<const std::uint64_t> values = {});
   OpId copy(StreamId stream, Region src, Region dst, std::string_view label = {});
   void record(EventId event, StreamId stream, std::string_view label = {});
   void wait(StreamId stream, EventId event, std::string_view label = {});
