@@ -18,8 +18,10 @@ namespace {
 
 using Pieces = std::vector<ContentPiece>;
 
-// Overwrites [lo, hi) of a piece list (offsets relative to a storage) with value `id`.
-void overwrite(Pieces& pieces, std::int64_t lo, std::int64_t hi, std::uint64_t id) {
+// Overwrites [lo, hi) of a piece list (offsets relative to a storage) with bytes
+// [base, base + hi - lo) of value `id`.
+void overwrite(Pieces& pieces, std::int64_t lo, std::int64_t hi, std::uint64_t id,
+               std::int64_t base = 0) {
   Pieces out;
   for (const ContentPiece& p : pieces) {
     const std::int64_t plo = p.offset.count();
@@ -33,7 +35,7 @@ void overwrite(Pieces& pieces, std::int64_t lo, std::int64_t hi, std::uint64_t i
       out.push_back(ContentPiece{Bytes(hi), Bytes(phi - hi), p.id, p.base + Bytes(hi - plo)});
     }
   }
-  out.push_back(ContentPiece{Bytes(lo), Bytes(hi - lo), id, Bytes(0)});
+  out.push_back(ContentPiece{Bytes(lo), Bytes(hi - lo), id, Bytes(base)});
   std::sort(out.begin(), out.end(),
             [](const ContentPiece& a, const ContentPiece& b) { return a.offset < b.offset; });
   pieces = std::move(out);
@@ -276,6 +278,16 @@ class Trainer {
 
   void note_write(Device::Buffer buf, Bytes offset, Bytes bytes, std::uint64_t value) {
     overwrite(content_[buf.id.value()], offset.count(), (offset + bytes).count(), value);
+  }
+
+  // A tensor came back (reloaded, or served from forward) at `where`: it holds what it held
+  // when it was saved.
+  void note_arrival(const Bound& where, const Pieces& saved) {
+    Pieces& pieces = content_[where.buffer.id.value()];
+    for (const ContentPiece& p : saved) {
+      const std::int64_t lo = (where.offset + p.offset).count();
+      overwrite(pieces, lo, lo + p.bytes.count(), p.id, p.base.count());
+    }
   }
 
   Pieces expected_of(std::uint32_t t) const {
@@ -531,7 +543,9 @@ class Trainer {
   Bound unpack(const Saved& s, std::uint32_t node) {
     if (s.kind == Saved::Kind::Offload) {
       auto u = offloader_.unpack(s.id, NodeId(node));
-      return Bound{u.storage, u.offset, tensor_value(s.expected)};
+      const Bound b{u.storage, u.offset, tensor_value(s.expected)};
+      note_arrival(b, s.expected);
+      return b;
     }
     const FrameId frame = checkpointer_.frame_of(s.holder);
     if (!checkpointer_.recomputed(frame, gid_)) recompute(frame, node);
@@ -699,10 +713,7 @@ class Trainer {
     std::uint64_t g = mix_content(kGradSalt, n + 1);
     for (const Saved& s : saved_[n]) {
       const Bound b = unpack(s, n);
-      if (options_.unpack_twice && s.kind == Saved::Kind::Offload) {
-        auto again = offloader_.unpack(s.id, NodeId(n));
-        device_.drop(again.storage);
-      }
+      if (options_.unpack_twice) device_.drop(unpack(s, n).buffer);  // a holder refuses this
       const Region r{b.buffer.id, b.offset, model_.tensors[s.tensor].bytes};
       run_.sim.expect_content_at_next_kernel(r, s.expected);
       reads.push_back(r);

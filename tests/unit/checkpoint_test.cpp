@@ -1,0 +1,231 @@
+// Checkpointing through the simulated autograd: recompute, the nestable rules, early stop,
+// RNG, the reference's errors, the reentrant variant, selective policies, and composition
+// with offload.
+
+#include <gtest/gtest.h>
+
+#include "ferry/sim/autograd.hpp"
+#include "sim_fixtures.hpp"
+
+namespace ferry::sim {
+namespace {
+
+Model tiny() {
+  Model m = model_preset("tiny-gpt").value();
+  assign_roofline_durations(m, testing::simple_profile());
+  return m;
+}
+
+TrainingRun train(const Model& m, TrainingOptions o) {
+  auto run = simulate_training(m, testing::simple_profile(), o);
+  EXPECT_TRUE(run.ok()) << (run.ok() ? "" : run.error().message);
+  return std::move(run).value();
+}
+
+TrainingOptions plain(Policy offload = Policy::None) {
+  TrainingOptions o;
+  o.offload.policy = offload;
+  o.steps = 2;
+  return o;
+}
+
+void expect_clean(const TrainingRun& r) {
+  ASSERT_FALSE(r.failure) << *r.failure;
+  EXPECT_TRUE(r.sim.hazards().empty());
+  EXPECT_TRUE(r.sim.content_mismatches().empty());
+  for (std::size_t s = 0; s < r.allocated_after.size(); ++s) {
+    EXPECT_EQ(r.allocated_after[s], r.baseline_allocated);
+  }
+}
+
+Bytes peak(const TrainingRun& r) {
+  return r.sim.device_allocator(DeviceId(0)).stats().requested_peak;
+}
+
+TEST(Checkpoint, EveryLayerGivesTheSameGradientsWithLessMemory) {
+  const Model m = tiny();
+  const TrainingRun base = train(m, plain());
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_every(m, 1);
+  const TrainingRun ck = train(m, o);
+  expect_clean(ck);
+  EXPECT_EQ(ck.gradient_values, base.gradient_values);
+  EXPECT_LT(peak(ck), peak(base));
+  EXPECT_GT(ck.recompute_time.ns(), 0);
+  EXPECT_EQ(ck.recomputations, 2 * static_cast<std::int64_t>(o.checkpoint.regions.size()));
+}
+
+TEST(Checkpoint, EarlyStopEndsTheReplayAtTheLastSavedTensor) {
+  const Model m = tiny();
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_every(m, 1);
+  const TrainingRun early = train(m, o);
+  ASSERT_FALSE(early.replay_stops.empty());
+  for (const auto& [ran, last_saving] : early.replay_stops) EXPECT_EQ(ran, last_saving);
+  o.checkpoint.global_early_stop = false;
+  const TrainingRun full = train(m, o);
+  expect_clean(full);
+  EXPECT_GE(full.recompute_time, early.recompute_time);
+  EXPECT_EQ(full.gradient_values, early.gradient_values);
+}
+
+TEST(Checkpoint, NestedRegionsRecomputeTheParentForTheChildsInputs) {
+  const Model m = tiny();
+  const TrainingRun base = train(m, plain());
+  TrainingOptions o = plain();
+  CheckpointPlan layers = checkpoint_every(m, 1);
+  ASSERT_GE(layers.regions.size(), 2U);
+  // One outer region over both layers, each layer checkpointed inside it.
+  o.checkpoint.regions.push_back(
+      CheckpointRegion{layers.regions[0].first_op, layers.regions[1].end_op, false, std::nullopt});
+  for (const auto& r : layers.regions) o.checkpoint.regions.push_back(r);
+  const TrainingRun ck = train(m, o);
+  expect_clean(ck);
+  EXPECT_EQ(ck.gradient_values, base.gradient_values);
+  EXPECT_GT(ck.recomputations, 2 * static_cast<std::int64_t>(layers.regions.size()));
+}
+
+TEST(Checkpoint, RetainGraphRecomputesForEachBackward) {
+  const Model m = tiny();
+  TrainingOptions o = plain();
+  o.steps = 1;
+  o.checkpoint = checkpoint_every(m, 1);
+  o.retain_graph = true;
+  const TrainingRun ck = train(m, o);
+  expect_clean(ck);
+  EXPECT_EQ(ck.recomputations, 2 * static_cast<std::int64_t>(o.checkpoint.regions.size()));
+}
+
+TEST(Checkpoint, RandomBackwardOrdersStillMatch) {
+  const Model m = tiny();
+  const TrainingRun base = train(m, plain());
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_every(m, 1);
+  o.order_seed = 11;
+  const TrainingRun ck = train(m, o);
+  expect_clean(ck);
+  EXPECT_EQ(ck.gradient_values, base.gradient_values);
+}
+
+TEST(Checkpoint, PlantedFaultSkippingTheRngRestoreChangesWhatBackwardReads) {
+  const Model m = tiny();
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_every(m, 1);
+  o.checkpoint.skip_rng_restore = true;
+  const TrainingRun bad = train(m, o);
+  EXPECT_FALSE(bad.sim.content_mismatches().empty());
+  EXPECT_NE(bad.gradient_values, train(m, plain()).gradient_values);
+}
+
+TEST(Checkpoint, UnpackingTwiceWithoutARecomputeIsAnError) {
+  const Model m = tiny();
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_every(m, 1);
+  o.unpack_twice = true;
+  const TrainingRun r = train(m, o);
+  ASSERT_TRUE(r.failure);
+  EXPECT_NE(r.failure->find("already unpacked once"), std::string::npos) << *r.failure;
+}
+
+TEST(Checkpoint, ADifferentNumberOfSavedTensorsOnRecomputeIsAnError) {
+  const Model m = tiny();
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_every(m, 1);
+  o.checkpoint.drop_recomputed = 0;
+  o.checkpoint.global_early_stop = false;
+  const TrainingRun r = train(m, o);
+  ASSERT_TRUE(r.failure);
+  EXPECT_NE(r.failure->find("A different number of tensors"), std::string::npos) << *r.failure;
+}
+
+TEST(Checkpoint, MetadataMismatchOnRecomputeIsAnError) {
+  const Model m = tiny();
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_every(m, 1);
+  o.checkpoint.alter_recomputed_meta = true;
+  const TrainingRun r = train(m, o);
+  ASSERT_TRUE(r.failure);
+  EXPECT_NE(r.failure->find("different metadata"), std::string::npos) << *r.failure;
+}
+
+TEST(Checkpoint, DeviceStateFirstInitializedInsideARegionIsAnError) {
+  const Model m = tiny();
+  TrainingOptions o = plain();
+  // One region from the first op, so the model's first random draw happens inside it.
+  o.checkpoint.regions = {CheckpointRegion{0, checkpoint_every(m, 1).regions[0].end_op, false,
+                                           std::nullopt}};
+  o.checkpoint.lazy_device_rng = true;
+  const TrainingRun r = train(m, o);
+  ASSERT_TRUE(r.failure);
+  EXPECT_NE(r.failure->find("device state was initialized in the forward pass"), std::string::npos);
+  o.checkpoint.preserve_rng = false;  // without RNG preservation the reference allows it
+  expect_clean(train(m, o));
+}
+
+TEST(Checkpoint, ReentrantVariantRecomputesWholeRegions) {
+  const Model m = tiny();
+  const TrainingRun base = train(m, plain());
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_segments(m, 3, true);
+  ASSERT_EQ(o.checkpoint.regions.size(), 2U) << "the last segment is not checkpointed";
+  const TrainingRun ck = train(m, o);
+  expect_clean(ck);
+  EXPECT_EQ(ck.gradient_values, base.gradient_values);
+  EXPECT_LT(peak(ck), peak(base));
+}
+
+TEST(Checkpoint, SelectivePolicyRecomputesOnlyTheAttentionCore) {
+  const Model m = tiny();
+  TrainingOptions full = plain();
+  full.checkpoint = checkpoint_every(m, 1);
+  TrainingOptions selective = full;
+  apply_selective_policy(selective.checkpoint, m);
+  const TrainingRun a = train(m, full);
+  const TrainingRun b = train(m, selective);
+  expect_clean(b);
+  EXPECT_EQ(a.gradient_values, b.gradient_values);
+  EXPECT_LT(b.recompute_time, a.recompute_time);
+  EXPECT_GE(peak(b), peak(a));
+}
+
+TEST(Checkpoint, OffloadPolicyOpsAreReloadedForTheReplay) {
+  const Model m = tiny();
+  TrainingOptions o = plain(Policy::Ferry);
+  o.offload.min_bytes = Bytes(0);
+  o.checkpoint = checkpoint_every(m, 1);
+  o.checkpoint.op_policy.assign(m.ops.size(), OpPolicy::Offload);
+  const TrainingRun r = train(m, o);
+  expect_clean(r);
+  EXPECT_EQ(r.gradient_values, train(m, plain()).gradient_values);
+  EXPECT_GT(r.telemetry.offloaded, 0);
+}
+
+TEST(Checkpoint, ComposesWithOffloadOfTheRegionInputs) {
+  const Model m = tiny();
+  const TrainingRun base = train(m, plain());
+  for (const Policy p : {Policy::Trl, Policy::Ferry}) {
+    TrainingOptions o = plain(p);
+    o.offload.min_bytes = Bytes(0);
+    o.checkpoint = checkpoint_every(m, 1);
+    const TrainingRun r = train(m, o);
+    expect_clean(r);
+    EXPECT_EQ(r.gradient_values, base.gradient_values) << policy_name(p);
+    // Inside regions nothing reaches the offloader; the region inputs do, and come back
+    // during the recompute.
+    EXPECT_GT(r.telemetry.offloaded, 0) << policy_name(p);
+    EXPECT_GT(r.telemetry.on_demand + r.telemetry.prefetched + r.telemetry.stash_hits, 0);
+  }
+}
+
+TEST(Checkpoint, OverlappingRegionsAreRejected) {
+  const Model m = tiny();
+  TrainingOptions o = plain();
+  o.checkpoint.regions = {CheckpointRegion{0, 4, false, std::nullopt},
+                          CheckpointRegion{2, 6, false, std::nullopt}};
+  auto run = simulate_training(m, testing::simple_profile(), o);
+  ASSERT_FALSE(run.ok());
+  EXPECT_NE(run.error().message.find("overlap"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ferry::sim
