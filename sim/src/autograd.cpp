@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <random>
 #include <utility>
@@ -100,6 +101,9 @@ struct FrameInfo {
   std::uint64_t rng = 0;              // device generator state at the region's start
   std::map<std::uint32_t, Bound> cache;       // MustSave outputs (forward references)
   std::map<std::uint32_t, Saved> offloaded;   // Offload-policy outputs
+  std::uint32_t last_pack_op = 0;             // op during which its last holder was packed
+  std::size_t taken = 0;                      // holders taken in the current backward
+  bool released = false;                      // inputs and caches let go
 };
 
 constexpr std::uint64_t kGradSalt = 0x67726164;  // "grad"
@@ -179,9 +183,11 @@ class Trainer {
         const CheckpointRegion& b = regions[q];
         const bool disjoint = a.first_op >= b.end_op || b.first_op >= a.end_op;
         const bool nested = b.first_op <= a.first_op && a.end_op <= b.end_op;
-        if (!disjoint && !nested) {
-          return Error{fmt::format("checkpoint regions {} and {} overlap without nesting "
-                                   "(list outer regions first)", q, r)};
+        const bool inside_later = a.first_op <= b.first_op && b.end_op <= a.end_op &&
+                                  (a.first_op != b.first_op || a.end_op != b.end_op);
+        if ((!disjoint && !nested) || inside_later) {
+          return Error{fmt::format("checkpoint regions {} and {} overlap without nesting, or the "
+                                   "inner one is listed first (list outer regions first)", q, r)};
         }
         if (!disjoint && (a.reentrant || b.reentrant)) {
           return Error{fmt::format("checkpoint region {}: reentrant regions do not nest", r)};
@@ -353,6 +359,7 @@ class Trainer {
     if (top != nullptr && top->kind == Context::Kind::Frame) {
       saved.kind = Saved::Kind::Holder;
       saved.holder = checkpointer_.pack(top->frame, meta_of(t, where.value));
+      frames_[top->frame.value()].last_pack_op = current_op_;
       return saved;
     }
     if (top != nullptr && top->kind == Context::Kind::Recompute) {
@@ -419,14 +426,14 @@ class Trainer {
                                               std::uint32_t within_end, std::int32_t except) const {
     std::vector<std::uint32_t> out;
     const auto& regions = options_.checkpoint.regions;
-    for (std::uint32_t r = 0; r < regions.size(); ++r) {
-      if (static_cast<std::int32_t>(r) == except) continue;
+    // Inside a replay of region `except`, only regions listed after it (nested in it) begin.
+    for (auto r = static_cast<std::uint32_t>(except + 1); r < regions.size(); ++r) {
       if (regions[r].first_op == i && regions[r].first_op >= within_first &&
           regions[r].end_op <= within_end) {
         out.push_back(r);
       }
     }
-    std::sort(out.begin(), out.end(), [&](std::uint32_t a, std::uint32_t b) {
+    std::stable_sort(out.begin(), out.end(), [&](std::uint32_t a, std::uint32_t b) {
       return regions[a].end_op > regions[b].end_op;  // outermost first
     });
     return out;
@@ -461,7 +468,11 @@ class Trainer {
     const OpenRegion open = open_.back();
     open_.pop_back();
     contexts_.pop_back();
-    if (open.frame.valid()) checkpointer_.end(open.frame);
+    if (open.frame.valid()) {
+      checkpointer_.end(open.frame);
+      // A region that saved nothing is referenced by no holder: its inputs go now.
+      if (checkpointer_.saved_count(open.frame) == 0) release_frame(frames_[open.frame.value()]);
+    }
     if (options_.checkpoint.preserve_rng && !open.had_device_rng && device_rng_initialized_ &&
         !replaying()) {
       throw CheckpointError(
@@ -522,6 +533,7 @@ class Trainer {
     saved_.assign(model_.ops.size(), {});
     for (std::uint32_t i = 0; i < model_.ops.size(); ++i) {
       const ModelOp& op = model_.ops[i];
+      current_op_ = i;
       for (const std::uint32_t r : regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
         begin_region(r);
       }
@@ -550,7 +562,21 @@ class Trainer {
     const FrameId frame = checkpointer_.frame_of(s.holder);
     if (!checkpointer_.recomputed(frame, gid_)) recompute(frame, node);
     const Recomputed r = checkpointer_.take(s.holder, gid_);
+    FrameInfo& info = frames_[frame.value()];
+    // The last holder of a frame unpacked by a backward that frees the graph: nothing needs
+    // the frame any more, so its saved inputs go now (the frame dies with its last node).
+    if (++info.taken == checkpointer_.saved_count(frame) && last_pass_) release_frame(info);
     return Bound{r.buffer, r.offset, r.value};
+  }
+
+  void release_frame(FrameInfo& info) {
+    if (info.released) return;
+    info.released = true;
+    for (const Saved& s : info.inputs) {
+      if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
+    }
+    for (const auto& [t, b] : info.cache) device_.drop(b.buffer);
+    for (const auto& [t, s] : info.offloaded) offloader_.release(s.id);
   }
 
   // What a saved tensor's bytes amount to, from their content pieces: the same whether it
@@ -584,12 +610,10 @@ class Trainer {
     stop_replay_ = false;
     dropped_in_replay_ = 0;
     std::uint32_t last_run = reg.first_op;
-    std::uint32_t last_saving = reg.first_op;
+    const std::uint32_t last_saving = info.last_pack_op;
     const std::size_t open_before = open_.size();
-    for (std::uint32_t i = reg.first_op; i < reg.end_op; ++i) {
-      if (!model_.ops[i].saved.empty()) last_saving = i;
-    }
     for (std::uint32_t i = reg.first_op; i < reg.end_op && !stop_replay_; ++i) {
+      current_op_ = i;
       for (const std::uint32_t r :
            regions_starting(i, reg.first_op, reg.end_op, static_cast<std::int32_t>(info.region))) {
         begin_region(r);
@@ -654,36 +678,47 @@ class Trainer {
       }
       return order;
     }
-    // A random valid order: a node runs once every needed op reading its outputs has run.
-    std::vector<std::int32_t> waiting(model_.ops.size(), 0);
-    std::vector<std::vector<std::uint32_t>> producers_of(model_.ops.size());
+    // A random valid order: a node runs once every needed op reading its outputs has run. A
+    // reentrant region is one node of the outer graph: its ops form one unit, expanded in
+    // reverse order when the unit runs.
+    const auto ops = static_cast<std::uint32_t>(model_.ops.size());
+    std::vector<std::uint32_t> unit(ops);
+    for (std::uint32_t i = 0; i < ops; ++i) {
+      const std::int32_t r = reentrant_region_of(i);
+      unit[i] = r >= 0 ? options_.checkpoint.regions[static_cast<std::size_t>(r)].end_op - 1 : i;
+    }
+    std::vector<std::int32_t> waiting(ops, 0);
+    std::vector<std::vector<std::uint32_t>> producers_of(ops);
     std::vector<std::int32_t> producer(model_.tensors.size(), -1);
-    for (std::uint32_t i = 0; i < model_.ops.size(); ++i) {
+    for (std::uint32_t i = 0; i < ops; ++i) {
       for (const std::uint32_t t : model_.ops[i].outputs) producer[base(t)] = static_cast<std::int32_t>(i);
     }
-    for (std::uint32_t j = 0; j < model_.ops.size(); ++j) {
+    for (std::uint32_t j = 0; j < ops; ++j) {
       if (!needed_[j]) continue;
-      std::vector<std::uint32_t> seen;
+      const std::uint32_t uj = unit[j];
       for (const std::uint32_t t : model_.ops[j].inputs) {
         const std::int32_t p = producer[base(t)];
-        if (p < 0 || static_cast<std::uint32_t>(p) == j || !needed_[static_cast<std::size_t>(p)]) continue;
-        const auto up = static_cast<std::uint32_t>(p);
-        if (std::find(seen.begin(), seen.end(), up) != seen.end()) continue;
-        seen.push_back(up);
+        if (p < 0 || !needed_[static_cast<std::size_t>(p)]) continue;
+        const std::uint32_t up = unit[static_cast<std::uint32_t>(p)];
+        if (up == uj) continue;
+        auto& list = producers_of[uj];
+        if (std::find(list.begin(), list.end(), up) != list.end()) continue;
+        list.push_back(up);
         ++waiting[up];
-        producers_of[j].push_back(up);
       }
     }
     std::mt19937_64 rng(options_.order_seed);
     std::vector<std::uint32_t> ready;
-    for (std::uint32_t i = 0; i < model_.ops.size(); ++i) {
-      if (needed_[i] && waiting[i] == 0) ready.push_back(i);
+    for (std::uint32_t i = 0; i < ops; ++i) {
+      if (needed_[i] && unit[i] == i && waiting[i] == 0) ready.push_back(i);
     }
     while (!ready.empty()) {
       const std::size_t pick = static_cast<std::size_t>(rng() % ready.size());
       const std::uint32_t n = ready[pick];
       ready.erase(ready.begin() + static_cast<std::ptrdiff_t>(pick));
-      order.push_back(n);
+      for (std::uint32_t i = n + 1; i-- > 0 && unit[i] == n;) {
+        if (needed_[i]) order.push_back(i);
+      }
       for (const std::uint32_t up : producers_of[n]) {
         if (--waiting[up] == 0) ready.push_back(up);
       }
@@ -798,21 +833,26 @@ class Trainer {
     device_rng_ = outer_rng;
     if (in_last_step_) run_.replay_stops.emplace_back(reg.end_op - 1, reg.end_op - 1);
     for (std::uint32_t i = reg.end_op; i-- > reg.first_op;) {
-      if (needed_[i]) run_node(i, true, k);
+      if (needed_[i]) {
+        run_node(i, true, k);
+      } else {
+        // Off the path to the loss: the replay's graph frees what it saved.
+        for (const Saved& s : saved_[i]) {
+          if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
+        }
+      }
       saved_[i].clear();
     }
     Scope scope = std::move(scopes_.back());
     scopes_.pop_back();
     for (const Device::Buffer& b : scope.owned) device_.drop(b);
-    if (last_pass) {
-      for (const Saved& s : info.inputs) {
-        if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
-      }
-    }
+    if (last_pass) release_frame(info);
   }
 
   void backward(bool last_pass) {
     ++gid_;
+    last_pass_ = last_pass;
+    for (FrameInfo& info : frames_) info.taken = 0;
     const std::vector<std::uint32_t> order = backward_order();
     run_.backward_order = order;
     std::vector<NodeId> nodes;
@@ -856,12 +896,9 @@ class Trainer {
         if (s.kind == Saved::Kind::Offload && !needed_[n]) offloader_.release(s.id);
       }
     }
-    for (FrameInfo& info : frames_) {
-      for (const Saved& s : info.inputs) {
-        if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
-      }
-      for (const auto& [t, b] : info.cache) device_.drop(b.buffer);
-      for (const auto& [t, s] : info.offloaded) offloader_.release(s.id);
+    for (FrameInfo& info : frames_) release_frame(info);
+    for (auto& [r, info] : reentrant_inputs_) {
+      if (!done_region[r]) release_frame(info);  // none of its nodes ran
     }
     device_.drop(scopes_[0].bound.at(loss).buffer);
     for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
@@ -921,7 +958,8 @@ class Trainer {
   std::vector<std::int32_t> region_of_op_;
   std::vector<Context> contexts_;
   std::vector<OpenRegion> open_;
-  std::vector<FrameInfo> frames_;  // by FrameId
+  // By FrameId. A deque: replays begin new frames while references to older ones are held.
+  std::deque<FrameInfo> frames_;
   std::map<std::uint32_t, FrameInfo> reentrant_inputs_;
   std::optional<Device::Buffer> escaped_;
   std::uint64_t device_rng_ = 0;
@@ -931,6 +969,8 @@ class Trainer {
   bool in_last_step_ = false;
   bool stop_replay_ = false;
   int dropped_in_replay_ = 0;
+  std::uint32_t current_op_ = 0;  // the forward op being run or replayed
+  bool last_pass_ = true;         // the current backward frees the graph
 };
 
 }  // namespace
