@@ -76,6 +76,7 @@ struct PlanArgs {
   std::string policy = "ferry";
   std::string scenarios = FERRY_DEFAULT_SCENARIOS_DIR;
   std::string trace;
+  std::string checkpoint = "none";
   std::int64_t min_bytes = 1024;
   std::int64_t window_mib = 512;
   std::int64_t prefetch_mib = 512;
@@ -84,6 +85,7 @@ struct PlanArgs {
   std::int32_t steps = 2;
   bool no_prefetch = false;
   bool no_dedup = false;
+  bool no_early_stop = false;
   bool json = false;
   bool no_checker = false;
 };
@@ -140,12 +142,21 @@ int run_plan(const PlanArgs& args, bool compare) {
     return kExitBadInput;
   }
   ferry::sim::assign_roofline_durations(model.value(), device.value());
-  const ferry::sim::TrainingOptions base = training_options(args);
+  ferry::sim::TrainingOptions base = training_options(args);
+  if (!compare) {
+    auto plan = ferry::sim::parse_checkpoint_spec(args.checkpoint, model.value());
+    if (!plan) {
+      fmt::print(stderr, "ferry: error: --checkpoint: {}\n", plan.error().message);
+      return kExitBadInput;
+    }
+    base.checkpoint = std::move(plan).value();
+  }
+  if (args.no_early_stop) base.checkpoint.global_early_stop = false;
   std::string out;
   bool clean = true;
   if (compare) {
     std::vector<ferry::sim::RowResult> rows;
-    for (const auto& row : ferry::sim::default_rows(base)) {
+    for (const auto& row : ferry::sim::default_rows(base, model.value())) {
       if (!args.json) fmt::print(stderr, "simulating {} ...\n", row.name);
       rows.push_back(ferry::sim::run_row(model.value(), device.value(), row));
       clean = clean && rows.back().hazards == 0;
@@ -192,7 +203,11 @@ void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
   if (with_policy) {
     cmd->add_option("--policy", a.policy, "none, trl or ferry")->capture_default_str();
     cmd->add_option("--trace", a.trace, "Write a Chrome/Perfetto trace JSON to FILE");
+    cmd->add_option("--checkpoint", a.checkpoint,
+                    "none, every:K, selective, segments:N or reentrant-segments:N")
+        ->capture_default_str();
   }
+  cmd->add_flag("--no-early-stop", a.no_early_stop, "Recompute whole checkpointed regions");
   cmd->add_option("--min-bytes", a.min_bytes, "Saved tensors smaller than this stay on the device")
       ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 50));
   cmd->add_option("--window-mib", a.window_mib, "ferry: forward window of offloads in flight")

@@ -26,6 +26,7 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
     r.forward_stall = compute_stall(sim, compute, last.start, last.forward_end);
     r.backward_stall = compute_stall(sim, compute, last.forward_end, last.end);
   }
+  r.recompute_time = run.recompute_time;
   r.overlap_permille = copy_overlap_permille(sim);
   const AllocatorStats& st = sim.device_allocator(DeviceId(0)).stats();
   r.peak_allocated = st.allocated_peak;
@@ -72,6 +73,7 @@ Json row_json(const RowResult& r, const RowResult* base) {
   j["forward_time_ns"] = r.forward_time.ns();
   j["forward_stall_ns"] = r.forward_stall.ns();
   j["backward_stall_ns"] = r.backward_stall.ns();
+  j["recompute_ns"] = r.recompute_time.ns();
   j["overlap_permille"] = r.overlap_permille;
   j["peak_allocated_bytes"] = r.peak_allocated.count();
   j["peak_reserved_bytes"] = r.peak_reserved.count();
@@ -107,7 +109,31 @@ Json context_json(const Model& model, const DeviceProfile& device) {
 
 }  // namespace
 
-std::vector<PolicyRow> default_rows(const TrainingOptions& base) {
+Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model& model) {
+  auto number = [&](std::string_view prefix) -> std::optional<std::int32_t> {
+    if (spec.substr(0, prefix.size()) != prefix) return std::nullopt;
+    const std::string digits(spec.substr(prefix.size()));
+    if (digits.empty() || digits.size() > 6 ||
+        digits.find_first_not_of("0123456789") != std::string::npos) {
+      return std::nullopt;
+    }
+    const int n = std::stoi(digits);
+    return n >= 1 ? std::optional<std::int32_t>(n) : std::nullopt;
+  };
+  if (spec == "none") return CheckpointPlan{};
+  if (spec == "selective") {
+    CheckpointPlan plan = checkpoint_every(model, 1);
+    apply_selective_policy(plan, model);
+    return plan;
+  }
+  if (auto k = number("every:")) return checkpoint_every(model, *k);
+  if (auto n = number("segments:")) return checkpoint_segments(model, *n, false);
+  if (auto n = number("reentrant-segments:")) return checkpoint_segments(model, *n, true);
+  return Error{fmt::format("unknown checkpoint spec \"{}\" (none, every:K, selective, "
+                           "segments:N, reentrant-segments:N)", spec)};
+}
+
+std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model) {
   std::vector<PolicyRow> rows;
   auto add = [&](std::string name, Policy policy, auto tweak) {
     PolicyRow row{std::move(name), base};
@@ -125,6 +151,17 @@ std::vector<PolicyRow> default_rows(const TrainingOptions& base) {
   add("ferry window=128MiB", Policy::Ferry, [](OffloadOptions& o) { o.window_bytes = 128 * kMiB; });
   add("ferry prefetch=2GiB", Policy::Ferry, [](OffloadOptions& o) { o.prefetch_bytes = 2 * kGiB; });
   add("ferry min=16MiB", Policy::Ferry, [](OffloadOptions& o) { o.min_bytes = 16 * kMiB; });
+  auto with_checkpoint = [&](std::string name, Policy policy, CheckpointPlan plan) {
+    PolicyRow row{std::move(name), base};
+    row.options.offload.policy = policy;
+    row.options.checkpoint = std::move(plan);
+    rows.push_back(std::move(row));
+  };
+  with_checkpoint("checkpoint every layer", Policy::None, checkpoint_every(model, 1));
+  CheckpointPlan selective = checkpoint_every(model, 1);
+  apply_selective_policy(selective, model);
+  with_checkpoint("checkpoint selective", Policy::None, selective);
+  with_checkpoint("ferry + checkpoint", Policy::Ferry, checkpoint_every(model, 1));
   return rows;
 }
 
@@ -161,6 +198,7 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
                      format_bytes(r.peak_reserved));
   out += fmt::format("peak pinned host memory: {}\n", format_bytes(r.pinned_peak));
   out += fmt::format("moved: D2H {}, H2D {}\n", format_bytes(r.d2h), format_bytes(r.h2d));
+  out += fmt::format("recompute: {}\n", format_time(r.recompute_time));
   out += fmt::format("stall: forward {}, backward {}; copy/compute overlap {}\n",
                      format_time(r.forward_stall), format_time(r.backward_stall), percent(r.overlap_permille));
   const OffloadTelemetry& t = r.telemetry;
@@ -186,9 +224,10 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
   const RowResult* base = baseline(rows);
   std::string out = fmt::format("ferry compare: {} on {} ({} device memory)\n", model.name,
                                 device.name, format_bytes(device.memory));
-  out += fmt::format("{:<22} {:>12} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>11} {:>8} {}\n",
-                     "policy", "step", "time", "peak alloc", "memory", "peak pinned", "D2H", "H2D",
-                     "bwd stall", "overlap", "note");
+  out += fmt::format(
+      "{:<22} {:>14} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>14} {:>14} {:>8} {}\n", "policy",
+      "step", "time", "peak alloc", "memory", "peak pinned", "D2H", "H2D", "recompute",
+      "bwd stall", "overlap", "note");
   for (const RowResult& r : rows) {
     std::string note;
     if (!r.fits) {
@@ -198,15 +237,17 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
     } else if (r.hazards > 0) {
       note = fmt::format("{} hazards", r.hazards);
     }
-    out += fmt::format("{:<22} {:>12} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>11} {:>8} {}\n",
-                       r.name, format_time(r.step_time),
-                       base ? ratio(r.step_time.ns(), base->step_time.ns()) : "-",
-                       format_bytes(r.peak_allocated),
-                       base ? ratio(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
-                       format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
-                       format_time(r.backward_stall), percent(r.overlap_permille), note);
+    out += fmt::format(
+        "{:<22} {:>14} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>14} {:>14} {:>8} {}\n", r.name,
+        format_time(r.step_time), base ? ratio(r.step_time.ns(), base->step_time.ns()) : "-",
+        format_bytes(r.peak_allocated),
+        base ? ratio(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
+        format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
+        format_time(r.recompute_time), format_time(r.backward_stall), percent(r.overlap_permille),
+        note);
   }
-  out += "time and memory are ratios to the none row; step = the last simulated step\n";
+  out += "time and memory are ratios to the none row; step, bytes moved and recompute are of "
+         "the last simulated step\n";
   return out;
 }
 

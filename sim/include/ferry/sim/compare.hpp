@@ -25,6 +25,7 @@ struct RowResult {
   SimTime forward_time;
   SimTime backward_stall;              ///< compute stream blocked on reloads in backward
   SimTime forward_stall;               ///< compute stream blocked on offload guards in forward
+  SimTime recompute_time;              ///< kernel time spent recomputing checkpointed regions
   std::int64_t overlap_permille = 0;   ///< copy time overlapped with compute
   Bytes peak_allocated;
   Bytes peak_reserved;
@@ -35,8 +36,14 @@ struct RowResult {
   OffloadTelemetry telemetry;
 };
 
-/// The rows of `ferry compare`: none, trl, ferry, and ferry knob variants.
-[[nodiscard]] std::vector<PolicyRow> default_rows(const TrainingOptions& base);
+/// The rows of `ferry compare`: none, trl, ferry, ferry knob variants, checkpointing every
+/// layer, selective checkpointing, and offload of checkpoint inputs with recompute inside.
+[[nodiscard]] std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model);
+
+/// Parses a checkpoint spec: "none", "every:K" (one region per K layers), "selective" (every
+/// layer, attention core recomputed), "segments:N" or "reentrant-segments:N"
+/// (checkpoint_sequential). The error names the accepted forms.
+Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model& model);
 
 /// Runs one row. A configuration that runs out of device memory is run again on a device
 /// with room to spare, so the table can say how much it would need (fits = false).
