@@ -13,22 +13,15 @@
 
 #include "ferry/sim/autograd.hpp"
 #include "prop/planted.hpp"
-#include "prop/random_model.hpp"
+#include "prop/rc_model_gens.hpp"
 #include "prop/random_program.hpp"
 
 namespace ferry::sim {
 namespace {
 
+using testing::gen_layer;
 using testing::LayerChoice;
 
-rc::Gen<LayerChoice> gen_layer() {
-  return rc::gen::apply(
-      [](std::uint32_t a, std::uint32_t b, std::uint32_t c, std::uint32_t d, std::uint32_t e,
-         std::uint32_t f) { return LayerChoice{a, b, c, d, e, f}; },
-      rc::gen::inRange<std::uint32_t>(0, 4), rc::gen::inRange<std::uint32_t>(0, 9),
-      rc::gen::inRange<std::uint32_t>(0, 6), rc::gen::inRange<std::uint32_t>(0, 16),
-      rc::gen::inRange<std::uint32_t>(0, 32), rc::gen::inRange<std::uint32_t>(0, 8));
-}
 
 struct Knobs {
   Policy policy = Policy::Ferry;

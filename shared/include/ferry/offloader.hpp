@@ -308,6 +308,28 @@ class Offloader {
     return add_record(rec);
   }
 
+  // Copies `bytes` of `storage` (from `offset`) into `host` on the offload stream, records
+  // the copy's event and keeps the original alive (resident) until it is known done.
+  std::int32_t start_offload(const Buffer& storage, Bytes offset, const Buffer& host, Bytes bytes,
+                             std::uint64_t key) {
+    backend_.copy(offload_stream_, storage, offset, host, Bytes(0), bytes, "offload");
+    Record rec;
+    rec.host = host;
+    rec.host_valid = true;
+    rec.bytes = bytes;
+    rec.storage = key;
+    rec.ids = 1;
+    rec.d2h_done = backend_.make_event();
+    backend_.record(rec.d2h_done, offload_stream_);
+    backend_.hold(storage);
+    rec.device = storage;
+    rec.device_valid = true;
+    rec.resident = true;
+    ++telemetry_.offloaded;
+    telemetry_.bytes_d2h += bytes;
+    return add_record(rec);
+  }
+
   void wait_for_compute(Stream stream) {
     Event e = backend_.make_event();
     backend_.record(e, compute_);
@@ -337,22 +359,8 @@ class Offloader {
     auto host = backend_.allocate(Place::PinnedHostCaching, facts.bytes, offload_stream_,
                                   "offloaded activation");
     if (!host) throw OffloadError("out of pinned host memory");
-    backend_.copy(offload_stream_, storage, facts.view_offset, *host, Bytes(0), facts.bytes,
-                  "offload");
-    Record rec;
-    rec.host = *host;
-    rec.host_valid = true;
-    rec.bytes = facts.bytes;
-    rec.ids = 1;
-    rec.d2h_done = backend_.make_event();
-    backend_.record(rec.d2h_done, offload_stream_);
-    backend_.hold(storage);
-    rec.device = storage;
-    rec.device_valid = true;
-    rec.resident = true;
-    ++telemetry_.offloaded;
-    telemetry_.bytes_d2h += facts.bytes;
-    const std::int32_t r = add_record(rec);
+    const std::int32_t r =
+        start_offload(storage, facts.view_offset, *host, facts.bytes, facts.storage);
     trl_fwd_stash_.emplace_back(id, r);
     return r;
   }
@@ -484,22 +492,7 @@ class Offloader {
     if (slot->has_read && !options_.faults.skip_host_guard) {
       backend_.wait(offload_stream_, slot->last_read);
     }
-    backend_.copy(offload_stream_, storage, Bytes(0), slot->buffer, Bytes(0), size, "offload");
-    Record rec;
-    rec.host = slot->buffer;
-    rec.host_valid = true;
-    rec.bytes = size;
-    rec.storage = facts.storage;
-    rec.ids = 1;
-    rec.d2h_done = backend_.make_event();
-    backend_.record(rec.d2h_done, offload_stream_);
-    backend_.hold(storage);
-    rec.device = storage;
-    rec.device_valid = true;
-    rec.resident = true;
-    ++telemetry_.offloaded;
-    telemetry_.bytes_d2h += size;
-    const std::int32_t r = add_record(rec);
+    const std::int32_t r = start_offload(storage, Bytes(0), slot->buffer, size, facts.storage);
     const auto ur = static_cast<std::uint32_t>(r);
     window_.push_back(ur);
     window_bytes_ += size;
