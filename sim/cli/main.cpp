@@ -83,6 +83,9 @@ struct PlanArgs {
   std::int64_t host_cap_gib = 1024;
   std::int32_t stash = 5;
   std::int32_t steps = 2;
+  std::int32_t devices = 1;
+  std::int32_t micro_batches = 4;
+  std::string pipeline_checkpoint = "except_last";
   bool no_prefetch = false;
   bool no_dedup = false;
   bool no_early_stop = false;
@@ -130,6 +133,31 @@ ferry::sim::TrainingOptions training_options(const PlanArgs& args) {
   return o;
 }
 
+int run_pipeline_cli(const PlanArgs& args, const ferry::sim::Model& model,
+                     const ferry::sim::DeviceProfile& device) {
+  auto mode = ferry::sim::parse_checkpoint_mode(args.pipeline_checkpoint);
+  if (!mode) {
+    fmt::print(stderr, "ferry: error: --pipeline-checkpoint: {}\n", mode.error().message);
+    return kExitBadInput;
+  }
+  ferry::sim::PipelineOptions o;
+  o.devices = args.devices;
+  o.micro_batches = args.micro_batches;
+  o.checkpoint = mode.value();
+  const auto row = ferry::sim::run_pipeline_row(
+      model, device,
+      fmt::format("gpipe {}x{} {}", o.devices, o.micro_batches, args.pipeline_checkpoint), o);
+  if (row.failure && row.step_time.ns() == 0) {
+    fmt::print(stderr, "ferry simulate: error: {}\n", *row.failure);
+    return kExitBadInput;
+  }
+  const std::string out = args.json ? "{\"format\": \"ferry.pipeline/1\", \"rows\": " +
+                                          ferry::sim::pipeline_json({row}) + "}\n"
+                                    : ferry::sim::pipeline_text({row});
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return row.hazards == 0 && !row.failure ? 0 : kExitHazards;
+}
+
 int run_plan(const PlanArgs& args, bool compare) {
   auto model = load_model(args.model);
   if (!model) {
@@ -152,6 +180,7 @@ int run_plan(const PlanArgs& args, bool compare) {
     base.checkpoint = std::move(plan).value();
   }
   if (args.no_early_stop) base.checkpoint.global_early_stop = false;
+  if (args.devices > 1 && !compare) return run_pipeline_cli(args, model.value(), device.value());
   std::string out;
   bool clean = true;
   if (compare) {
@@ -163,6 +192,19 @@ int run_plan(const PlanArgs& args, bool compare) {
     }
     out = args.json ? ferry::sim::compare_json(rows, model.value(), device.value())
                     : ferry::sim::compare_text(rows, model.value(), device.value());
+    if (args.devices > 1) {
+      if (!args.json) fmt::print(stderr, "simulating pipelines ...\n");
+      const auto prows = ferry::sim::pipeline_rows(model.value(), device.value(), args.devices,
+                                                   args.micro_batches);
+      for (const auto& p : prows) clean = clean && p.hazards == 0;
+      if (args.json) {
+        // One document: the compare object with a "pipeline" array before its closing brace.
+        out.erase(out.find_last_of('}'));
+        out += ",\n\"pipeline\": " + ferry::sim::pipeline_json(prows) + "\n}\n";
+      } else {
+        out += "\n" + ferry::sim::pipeline_text(prows);
+      }
+    }
   } else {
     ferry::sim::PolicyRow row{args.policy, base};
     if (args.policy == "none") {
@@ -208,6 +250,15 @@ void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
         ->capture_default_str();
   }
   cmd->add_flag("--no-early-stop", a.no_early_stop, "Recompute whole checkpointed regions");
+  cmd->add_option("--devices", a.devices, "Pipeline over N devices (GPipe); 1: no pipeline")
+      ->capture_default_str()->check(CLI::Range(1, 64));
+  cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches")
+      ->capture_default_str()->check(CLI::Range(1, 1024));
+  if (with_policy) {
+    cmd->add_option("--pipeline-checkpoint", a.pipeline_checkpoint,
+                    "Pipeline checkpoint mode: always, except_last or never")
+        ->capture_default_str();
+  }
   cmd->add_option("--min-bytes", a.min_bytes, "Saved tensors smaller than this stay on the device")
       ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 50));
   cmd->add_option("--window-mib", a.window_mib, "ferry: forward window of offloads in flight")

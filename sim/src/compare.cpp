@@ -263,4 +263,83 @@ std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
   return j.dump(2) + "\n";
 }
 
+PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device, std::string name,
+                             const PipelineOptions& options) {
+  PipelineRow row;
+  row.name = std::move(name);
+  row.options = options;
+  auto run = simulate_pipeline(model, device, options);
+  if (!run.ok()) {
+    row.failure = run.error().message;
+    return row;
+  }
+  const PipelineRun& r = run.value();
+  row.failure = r.failure;
+  row.step_time = r.step_time;
+  row.recompute_time = r.recompute_time;
+  row.hazards = r.hazards().size();
+  row.device_peaks = r.peak_allocated;
+  for (const Bytes b : r.peak_allocated) row.max_device_peak = std::max(row.max_device_peak, b);
+  return row;
+}
+
+Result<CheckpointMode> parse_checkpoint_mode(std::string_view text) {
+  for (const CheckpointMode m : {CheckpointMode::Always, CheckpointMode::ExceptLast, CheckpointMode::Never}) {
+    if (text == checkpoint_mode_name(m)) return m;
+  }
+  return Error{fmt::format("unknown pipeline checkpoint mode \"{}\" (always, except_last, never)",
+                           text)};
+}
+
+std::vector<PipelineRow> pipeline_rows(const Model& model, const DeviceProfile& device,
+                                       std::int32_t devices, std::int32_t micro_batches) {
+  std::vector<PipelineRow> rows;
+  for (const CheckpointMode m : {CheckpointMode::Never, CheckpointMode::ExceptLast, CheckpointMode::Always}) {
+    PipelineOptions o;
+    o.devices = devices;
+    o.micro_batches = micro_batches;
+    o.checkpoint = m;
+    rows.push_back(run_pipeline_row(
+        model, device,
+        fmt::format("gpipe {}x{} {}", devices, micro_batches, checkpoint_mode_name(m)), o));
+  }
+  return rows;
+}
+
+std::string pipeline_text(const std::vector<PipelineRow>& rows) {
+  std::string out = fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {}\n", "pipeline", "step",
+                                "per micro-batch", "max dev peak", "recompute", "note");
+  for (const PipelineRow& r : rows) {
+    std::string note = r.failure ? "failed: " + *r.failure
+                       : r.hazards > 0 ? fmt::format("{} hazards", r.hazards)
+                                       : std::string();
+    const std::int64_t mb = std::max(1, r.options.micro_batches);
+    out += fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {}\n", r.name, format_time(r.step_time),
+                       format_time(SimTime(r.step_time.ns() / mb)), format_bytes(r.max_device_peak),
+                       format_time(r.recompute_time), note);
+  }
+  out += "per-device peaks are allocated bytes; the model describes one micro-batch\n";
+  return out;
+}
+
+std::string pipeline_json(const std::vector<PipelineRow>& rows) {
+  Json list = Json::array();
+  for (const PipelineRow& r : rows) {
+    Json j;
+    j["name"] = r.name;
+    j["devices"] = r.options.devices;
+    j["micro_batches"] = r.options.micro_batches;
+    j["checkpoint"] = checkpoint_mode_name(r.options.checkpoint);
+    j["failure"] = r.failure ? Json(*r.failure) : Json(nullptr);
+    j["step_time_ns"] = r.step_time.ns();
+    j["recompute_ns"] = r.recompute_time.ns();
+    j["hazards"] = r.hazards;
+    Json peaks = Json::array();
+    for (const Bytes b : r.device_peaks) peaks.push_back(b.count());
+    j["device_peak_allocated_bytes"] = std::move(peaks);
+    list.push_back(std::move(j));
+  }
+  return list.dump(2);
+}
+
 }  // namespace ferry::sim

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "ferry/sim/autograd.hpp"
+#include "ferry/sim/pipeline.hpp"
 
 namespace ferry::sim {
 
@@ -61,5 +62,30 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
                                        const DeviceProfile& device);
 [[nodiscard]] std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
                                        const DeviceProfile& device);
+
+/// One pipeline configuration's cost (`ferry simulate --devices N`, `ferry compare --devices N`).
+struct PipelineRow {
+  std::string name;
+  PipelineOptions options;
+  std::optional<std::string> failure;
+  SimTime step_time;             ///< the whole step: every micro-batch
+  Bytes max_device_peak;         ///< the largest per-device allocated peak
+  SimTime recompute_time;
+  std::size_t hazards = 0;
+  std::vector<Bytes> device_peaks;
+};
+
+/// Runs a pipeline configuration.
+[[nodiscard]] PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device,
+                                           std::string name, const PipelineOptions& options);
+/// Parses "always", "except_last" or "never".
+Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
+/// The pipeline rows of `ferry compare --devices N --micro-batches M`: each checkpoint mode.
+[[nodiscard]] std::vector<PipelineRow> pipeline_rows(const Model& model, const DeviceProfile& device,
+                                                     std::int32_t devices,
+                                                     std::int32_t micro_batches);
+/// The pipeline table as text, and the rows as a JSON array (key "pipeline" of compare).
+[[nodiscard]] std::string pipeline_text(const std::vector<PipelineRow>& rows);
+[[nodiscard]] std::string pipeline_json(const std::vector<PipelineRow>& rows);
 
 }  // namespace ferry::sim
