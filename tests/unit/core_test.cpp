@@ -1,0 +1,56 @@
+// The core's basic types: strong ids, quantities, Result and FERRY_CHECK.
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "ferry/check.hpp"
+#include "ferry/ids.hpp"
+#include "ferry/result.hpp"
+#include "ferry/units.hpp"
+
+namespace ferry {
+namespace {
+
+TEST(StrongId, DefaultIsInvalidAndIdsCompareByValue) {
+  EXPECT_FALSE(TensorId().valid());
+  EXPECT_TRUE(TensorId(0).valid());
+  EXPECT_LT(StreamId(1), StreamId(2));
+  EXPECT_EQ(EventId(7), EventId(7));
+  static_assert(!std::is_convertible_v<std::uint32_t, TensorId>, "explicit construction only");
+  static_assert(!std::is_same_v<TensorId, StreamId>, "ids of different things do not mix");
+}
+
+TEST(TransferTime, RoundsUpToTheNextNanosecond) {
+  EXPECT_EQ(transfer_time(Bytes(1000), Bandwidth(1'000'000'000)).ns(), 1000);
+  EXPECT_EQ(transfer_time(Bytes(1000), Bandwidth(3'000'000'000)).ns(), 334);
+  EXPECT_EQ(transfer_time(Bytes(0), Bandwidth(1)).ns(), 0);
+  // 80 GB at 55.2 GB/s: needs more than 64 bits in the intermediate product.
+  EXPECT_EQ(transfer_time(Bytes(80'000'000'000), Bandwidth(55'200'000'000)).ns(), 1'449'275'363);
+}
+
+TEST(Result, HoldsAValueOrAnError) {
+  Result<int> good = 5;
+  Result<int> bad = Error{"no"};
+  EXPECT_TRUE(good.ok());
+  EXPECT_EQ(good.value(), 5);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().message, "no");
+  EXPECT_THROW((void)bad.value(), InvariantError);
+  EXPECT_THROW((void)good.error(), InvariantError);
+}
+
+TEST(Check, NamesTheConditionAndTheMessage) {
+  try {
+    FERRY_CHECK(1 + 1 == 3, "arithmetic is {}", "broken");
+    FAIL();
+  } catch (const InvariantError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("1 + 1 == 3"), std::string::npos);
+    EXPECT_NE(what.find("arithmetic is broken"), std::string::npos);
+    EXPECT_NE(what.find("core_test.cpp"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace ferry
