@@ -257,6 +257,39 @@ void check_device(const CachingAllocator& alloc, const std::vector<Live>& live) 
 
 /// Runs `ops` against a fresh caching allocator and checks it after every step; returns the
 /// addresses handed out, for determinism checks.
+// Frees the op's live block; blocks used on other streams leave a guard: the allocator must
+// not hand their bytes out before those streams' work at free time completed.
+template <class Id, class Alloc>
+void model_free(Alloc& alloc, std::vector<Live>& live, std::vector<Guard>& guards,
+                StreamProgress& progress, const Op& op) {
+  if (live.empty()) return;
+  const auto at = live.begin() + static_cast<std::ptrdiff_t>(op.index % live.size());
+  if (!at->other_streams.empty()) {
+    Guard guard{at->address, at->size, {}};
+    for (const std::uint32_t s : at->other_streams) {
+      guard.waits.emplace_back(s, progress.submitted(s));
+    }
+    guards.push_back(std::move(guard));
+  }
+  alloc.free(Id(at->block), progress);
+  live.erase(at);
+}
+
+// Records a use of the op's live block on another stream (work is submitted there). A device
+// block's own allocation stream needs no guard; a pinned block has no own stream.
+template <class Id, class Alloc>
+void model_record_stream(Alloc& alloc, std::vector<Live>& live, StreamProgress& progress,
+                         const Op& op, bool has_own_stream = true) {
+  if (live.empty()) return;
+  Live& l = live[op.index % live.size()];
+  progress.submit(op.stream);
+  alloc.record_stream(Id(l.block), StreamId(op.stream));
+  if ((!has_own_stream || op.stream != l.stream) &&
+      std::find(l.other_streams.begin(), l.other_streams.end(), op.stream) == l.other_streams.end()) {
+    l.other_streams.push_back(op.stream);
+  }
+}
+
 std::vector<Bytes> run_device(const std::vector<Op>& ops, Bytes capacity, AllocatorFaults faults) {
   CachingAllocator alloc(capacity, kDeviceBase, faults);
   StreamProgress progress;
@@ -280,35 +313,12 @@ std::vector<Bytes> run_device(const std::vector<Op>& ops, Bytes capacity, Alloca
         addresses.push_back(a.address);
         break;
       }
-      case Op::Kind::Free: {
-        if (live.empty()) {
-          break;
-        }
-        const auto at = live.begin() + static_cast<std::ptrdiff_t>(op.index % live.size());
-        if (!at->other_streams.empty()) {
-          Guard guard{at->address, at->size, {}};
-          for (const std::uint32_t s : at->other_streams) {
-            guard.waits.emplace_back(s, progress.submitted(s));
-          }
-          guards.push_back(std::move(guard));
-        }
-        alloc.free(BlockId(at->block), progress);
-        live.erase(at);
+      case Op::Kind::Free:
+        model_free<BlockId>(alloc, live, guards, progress, op);
         break;
-      }
-      case Op::Kind::RecordStream: {
-        if (live.empty()) {
-          break;
-        }
-        Live& l = live[op.index % live.size()];
-        progress.submit(op.stream);  // the block is used by work on that stream
-        alloc.record_stream(BlockId(l.block), StreamId(op.stream));
-        if (op.stream != l.stream && std::find(l.other_streams.begin(), l.other_streams.end(),
-                                               op.stream) == l.other_streams.end()) {
-          l.other_streams.push_back(op.stream);
-        }
+      case Op::Kind::RecordStream:
+        model_record_stream<BlockId>(alloc, live, progress, op);
         break;
-      }
       case Op::Kind::Complete:
         progress.complete(op.stream);
         break;
@@ -425,35 +435,12 @@ void run_host(const std::vector<Op>& ops, Bytes capacity, AllocatorFaults faults
         live.push_back(Live{a.block.value(), a.address, a.size, Bytes(op.size), 0, {}});
         break;
       }
-      case Op::Kind::Free: {
-        if (live.empty()) {
-          break;
-        }
-        const auto at = live.begin() + static_cast<std::ptrdiff_t>(op.index % live.size());
-        if (!at->other_streams.empty()) {
-          Guard guard{at->address, at->size, {}};
-          for (const std::uint32_t s : at->other_streams) {
-            guard.waits.emplace_back(s, progress.submitted(s));
-          }
-          guards.push_back(std::move(guard));
-        }
-        alloc.free(HostBlockId(at->block), progress);
-        live.erase(at);
+      case Op::Kind::Free:
+        model_free<HostBlockId>(alloc, live, guards, progress, op);
         break;
-      }
-      case Op::Kind::RecordStream: {
-        if (live.empty()) {
-          break;
-        }
-        Live& l = live[op.index % live.size()];
-        progress.submit(op.stream);
-        alloc.record_stream(HostBlockId(l.block), StreamId(op.stream));
-        if (std::find(l.other_streams.begin(), l.other_streams.end(), op.stream) ==
-            l.other_streams.end()) {
-          l.other_streams.push_back(op.stream);  // a pinned block has no own stream
-        }
+      case Op::Kind::RecordStream:
+        model_record_stream<HostBlockId>(alloc, live, progress, op, false);  // no own stream
         break;
-      }
       case Op::Kind::Complete:
         progress.complete(op.stream);
         break;
