@@ -12,6 +12,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -218,15 +219,16 @@ int run_plan(const PlanArgs& args, bool compare) {
                  args.policy);
       return kExitBadInput;
     }
-    const auto result = ferry::sim::run_row(model.value(), device.value(), row);
+    std::optional<ferry::sim::TrainingRun> run;
+    const auto result = ferry::sim::run_row(model.value(), device.value(), row,
+                                            args.trace.empty() ? nullptr : &run);
     clean = result.hazards == 0 && !result.failure;
     out = args.json ? ferry::sim::simulate_json(result, model.value(), device.value())
                     : ferry::sim::simulate_text(result, model.value(), device.value());
     if (!args.trace.empty()) {
-      auto run = ferry::sim::simulate_training(model.value(), device.value(), row.options);
-      if (run.ok()) {
+      if (run) {
         std::ofstream file(args.trace, std::ios::binary);
-        file << ferry::sim::chrome_trace(run.value().sim);
+        file << ferry::sim::chrome_trace(run->sim);
         if (!file) {
           fmt::print(stderr, "ferry simulate: error: cannot write trace to {}\n", args.trace);
           return kExitBadInput;

@@ -165,7 +165,8 @@ std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& mo
   return rows;
 }
 
-RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyRow& row) {
+RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyRow& row,
+                  std::optional<TrainingRun>* keep) {
   auto run = simulate_training(model, device, row.options);
   if (!run.ok()) {
     RowResult r;
@@ -184,8 +185,11 @@ RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyR
       result = measure(again.value(), row);
       result.fits = false;
       result.failure = run.value().failure;
+      if (keep != nullptr) keep->emplace(std::move(again).value());
+      return result;
     }
   }
+  if (keep != nullptr) keep->emplace(std::move(run).value());
   return result;
 }
 

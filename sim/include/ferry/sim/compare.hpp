@@ -47,9 +47,10 @@ struct RowResult {
 Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model& model);
 
 /// Runs one row. A configuration that runs out of device memory is run again on a device
-/// with room to spare, so the table can say how much it would need (fits = false).
+/// with room to spare, so the table can say how much it would need (fits = false). With
+/// `keep`, the run the figures come from is moved there (for its trace).
 [[nodiscard]] RowResult run_row(const Model& model, const DeviceProfile& device,
-                                const PolicyRow& row);
+                                const PolicyRow& row, std::optional<TrainingRun>* keep = nullptr);
 
 /// Summary of one run as text / JSON (`ferry simulate`).
 [[nodiscard]] std::string simulate_text(const RowResult& row, const Model& model,
