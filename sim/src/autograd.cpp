@@ -372,11 +372,10 @@ class Trainer {
       }
       SavedMeta meta = meta_of(t, where.value);
       if (options_.checkpoint.alter_recomputed_meta) meta.bytes += Bytes(1);
-      device_.hold(where.buffer);
       const Recomputed kept{where.buffer, where.offset, tensor_value(expected_of(t))};
-      if (!checkpointer_.recompute_pack(meta, kept)) {
-        stop_replay_ = true;
-      }
+      const RecomputePack done = checkpointer_.recompute_pack(meta, kept);
+      if (done != RecomputePack::Ignored) device_.hold(where.buffer);  // the checkpointer's
+      if (done == RecomputePack::KeptLast) stop_replay_ = true;
       return saved;
     }
     const ModelTensor& storage = model_.tensors[b];
@@ -541,6 +540,7 @@ class Trainer {
       run_op(i, false);
       save_op(i);
       if (op.no_offload) offloader_.pop_no_offload();
+      if (options_.backward_inside_op == static_cast<std::int32_t>(i)) backward_inside(i);
       while (!open_.empty() && options_.checkpoint.regions[open_.back().region].end_op == i + 1) {
         end_region();
       }
@@ -809,6 +809,33 @@ class Trainer {
         if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
       }
     }
+  }
+
+  // A backward through node k in a graph task of its own, in the middle of forward: its saved
+  // tensors come back (a frame still running is recomputed from its inputs), its kernel runs
+  // into a scratch result, and nothing is released: the real backward needs them again.
+  void backward_inside(std::uint32_t k) {
+    ++gid_;
+    const bool outer_last_pass = last_pass_;
+    last_pass_ = false;
+    std::vector<Region> reads;
+    std::vector<Device::Buffer> unpacked;
+    for (const Saved& s : saved_[k]) {
+      const Bound b = unpack(s, k);
+      const Region r{b.buffer.id, b.offset, model_.tensors[s.tensor].bytes};
+      run_.sim.expect_content_at_next_kernel(r, s.expected);
+      reads.push_back(r);
+      unpacked.push_back(b.buffer);
+    }
+    const Device::Buffer scratch = must_allocate(Bytes(512), "grad inside forward");
+    run_.sim.kernel(compute_, model_.ops[k].backward_duration, reads,
+                    std::vector<Region>{Region{scratch.id, Bytes(0), Bytes(512)}},
+                    model_.ops[k].name + " backward inside forward");
+    for (const Device::Buffer& b : unpacked) device_.drop(b);
+    device_.drop(scratch);
+    offloader_.node_done(NodeId(k));
+    for (const Recomputed& left : checkpointer_.drain(gid_)) device_.drop(left.buffer);
+    last_pass_ = outer_last_pass;
   }
 
   // The reentrant variant: at the region's last node, re-run its forward (with the ambient

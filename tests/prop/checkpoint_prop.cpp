@@ -1,6 +1,6 @@
 // Checkpointing on random models with random (nested) regions, early-stop settings,
 // retain_graph, backward orders and offload policies: every gradient equals the run without
-// checkpointing; no hazard; every unpacked tensor holds what forward saved; memory returns to
+// checkpointing (also with a backward run inside a region during its forward); no hazard; every unpacked tensor holds what forward saved; memory returns to
 // its baseline; the peak stays within the schedule's bound; with early stop each replay ends
 // exactly at the op that saved its frame's last tensor. Planted fault: skipping the RNG
 // restore is caught. The reference offloader (trl) is left out here: it never hears of saved
@@ -56,27 +56,30 @@ struct Setup {
   std::uint32_t global_early = 0;  // 0 unset, 1 on, 2 off
   bool retain_graph = false;
   std::uint64_t device_seed = 1;
+  std::int32_t inside = -1;  // an op after whose forward a backward runs (-1: none)
 };
 
 void showValue(const Setup& s, std::ostream& os) {
   os << policy_name(s.offload) << " order " << s.order_seed << " global_early " << s.global_early
-     << " retain " << s.retain_graph << " device " << s.device_seed;
+     << " retain " << s.retain_graph << " device " << s.device_seed << " inside " << s.inside;
 }
 
 rc::Gen<Setup> gen_setup() {
   return rc::gen::apply(
-      [](int p, std::uint64_t order, std::uint32_t early, bool retain, std::uint64_t dev) {
+      [](int p, std::uint64_t order, std::uint32_t early, bool retain, std::uint64_t dev,
+         std::int32_t inside) {
         Setup s;
         s.offload = p == 0 ? Policy::None : Policy::Ferry;
         s.order_seed = order;
         s.global_early = early;
         s.retain_graph = retain && s.offload != Policy::Trl;
         s.device_seed = dev;
+        s.inside = inside;
         return s;
       },
       rc::gen::inRange(0, 2), rc::gen::inRange<std::uint64_t>(0, 3),
       rc::gen::inRange<std::uint32_t>(0, 3), rc::gen::arbitrary<bool>(),
-      rc::gen::inRange<std::uint64_t>(1, 1000));
+      rc::gen::inRange<std::uint64_t>(1, 1000), rc::gen::inRange<std::int32_t>(-3, 12));
 }
 
 std::optional<bool> early(std::uint32_t code) {
@@ -162,6 +165,9 @@ void checkpoint_is_faithful(const std::vector<LayerChoice>& layers,
   base.offload.min_bytes = Bytes(0);
   base.order_seed = setup.order_seed;
   base.retain_graph = setup.retain_graph;
+  if (setup.inside >= 0) {
+    base.backward_inside_op = setup.inside % static_cast<std::int32_t>(model.ops.size());
+  }
   TrainingOptions ck = base;
   ck.checkpoint = plan_for(model, regions);
   ck.checkpoint.global_early_stop = early(setup.global_early);

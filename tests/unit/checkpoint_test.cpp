@@ -217,6 +217,26 @@ TEST(Checkpoint, ComposesWithOffloadOfTheRegionInputs) {
   }
 }
 
+TEST(Checkpoint, BackwardInsideARegionWhileItsForwardRuns) {
+  const Model m = tiny();
+  const CheckpointPlan layers = checkpoint_every(m, 1);
+  const std::uint32_t inside = layers.regions[1].first_op + 3;  // mid-way through layer 1
+  TrainingOptions base = plain();
+  base.backward_inside_op = static_cast<std::int32_t>(inside);
+  const TrainingRun reference = train(m, base);
+  expect_clean(reference);
+  for (const bool early : {true, false}) {
+    TrainingOptions o = base;
+    o.checkpoint = layers;
+    o.checkpoint.global_early_stop = early;
+    const TrainingRun r = train(m, o);
+    expect_clean(r);
+    EXPECT_EQ(r.gradient_values, reference.gradient_values);
+    // One more replay per step: the region recomputed for the backward inside its forward.
+    EXPECT_EQ(r.recomputations, 2 * static_cast<std::int64_t>(layers.regions.size() + 1));
+  }
+}
+
 TEST(Checkpoint, OverlappingRegionsAreRejected) {
   const Model m = tiny();
   TrainingOptions o = plain();

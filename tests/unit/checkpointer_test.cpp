@@ -17,8 +17,8 @@ TEST(Checkpointer, RecomputeFillsHoldersInOrderAndTakingClearsThem) {
   c.end(f);
   EXPECT_FALSE(c.recomputed(f, 1));
   c.recompute_begin(f, 1);
-  EXPECT_TRUE(c.recompute_pack(meta(10), 100));
-  EXPECT_FALSE(c.recompute_pack(meta(20), 200)) << "early stop after the last holder";
+  EXPECT_EQ(c.recompute_pack(meta(10), 100), RecomputePack::Kept);
+  EXPECT_EQ(c.recompute_pack(meta(20), 200), RecomputePack::KeptLast) << "early stop after the last holder";
   c.recompute_end();
   EXPECT_EQ(c.take(b, 1), 200);
   EXPECT_EQ(c.take(a, 1), 100);
@@ -68,7 +68,7 @@ TEST(Checkpointer, SavingMoreThanForwardIsAnErrorWithoutEarlyStop) {
   c.pack(f, meta(10));
   c.end(f);
   c.recompute_begin(f, 1);
-  EXPECT_TRUE(c.recompute_pack(meta(10), 1)) << "no early stop: the replay goes on";
+  EXPECT_EQ(c.recompute_pack(meta(10), 1), RecomputePack::Kept) << "no early stop: the replay goes on";
   EXPECT_THROW(c.recompute_pack(meta(10), 2), CheckpointError);
 }
 
@@ -114,8 +114,23 @@ TEST(Checkpointer, GlobalEarlyStopOverridesThePerCallOption) {
   c.pack(f, meta(10));
   c.end(f);
   c.recompute_begin(f, 1);
-  EXPECT_TRUE(c.recompute_pack(meta(10), 1)) << "the global switch turned early stop off";
+  EXPECT_EQ(c.recompute_pack(meta(10), 1), RecomputePack::Kept)
+      << "the global switch turned early stop off";
   c.recompute_end();
+}
+
+TEST(Checkpointer, AFrameStillRunningIgnoresWhatItHasNotSavedYet) {
+  Checkpointer<int> c;
+  FrameOptions o;
+  o.early_stop = false;
+  const FrameId f = c.begin(o);
+  const HolderId a = c.pack(f, meta(10));
+  c.recompute_begin(f, 1);  // a backward inside the region, before it ends
+  EXPECT_EQ(c.recompute_pack(meta(10), 1), RecomputePack::Kept);
+  EXPECT_EQ(c.recompute_pack(meta(20), 2), RecomputePack::Ignored);
+  EXPECT_NO_THROW(c.recompute_end());
+  EXPECT_EQ(c.take(a, 1), 1);
+  c.end(f);
 }
 
 TEST(Checkpointer, RegionsMustNest) {

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -43,6 +44,13 @@ struct FrameOptions {
   bool content_check = false;     ///< also compare content hashes
 };
 
+/// What recompute_pack did with a recomputed tensor.
+enum class RecomputePack : std::uint8_t {
+  Kept,      ///< stored for its holder
+  KeptLast,  ///< stored, and early stop says the replay can end now
+  Ignored,   ///< past what a still-running frame has saved: not stored, the caller lets it go
+};
+
 // Note [Nestable checkpoint]
 // Saved tensors belong to the innermost active frame: pack returns a holder and keeps nothing.
 // The inputs of an inner frame are saved by its parent (they are packed before the frame
@@ -51,7 +59,9 @@ struct FrameOptions {
 // packing through recompute_pack, and frames begun during that replay are new frames that
 // checkpoint as usual. Each backward graph task (gid) gets its own recomputation; a holder
 // can be taken once per gid, and taking it clears it, even when the graph is retained. With
-// early stop the replay ends as soon as the last holder is filled.
+// early stop the replay ends as soon as the last holder is filled. A backward may also run
+// inside a region whose forward is not over (torch.autograd.grad inside the checkpointed
+// function): its replay fills the holders saved so far and ignores the rest.
 
 template <class Tensor>
 class Checkpointer {
@@ -89,6 +99,11 @@ class Checkpointer {
     return frames_.at(frame.value()).done.count(gid) != 0;
   }
 
+  /// Whether `frame`'s forward is still running (it was begun and not ended).
+  [[nodiscard]] bool open(FrameId frame) const {
+    return std::find(stack_.begin(), stack_.end(), frame) != stack_.end();
+  }
+
   [[nodiscard]] FrameId frame_of(HolderId holder) const { return holders_.at(holder.value()).frame; }
   [[nodiscard]] std::size_t saved_count(FrameId frame) const {
     return frames_.at(frame.value()).metas.size();
@@ -103,20 +118,23 @@ class Checkpointer {
     recompute_stack_.push_back(std::make_pair(frame, gid));
   }
 
-  /// During recomputation: the replay saved `tensor`. Returns false when early stop says the
-  /// replay can end now (every holder is filled).
-  bool recompute_pack(const SavedMeta& meta, const Tensor& tensor) {
+  /// During recomputation: the replay saved `tensor`.
+  RecomputePack recompute_pack(const SavedMeta& meta, const Tensor& tensor) {
     FERRY_CHECK(!recompute_stack_.empty(), "recompute_pack outside a recomputation");
     const auto [frame, gid] = recompute_stack_.back();
     Frame& f = frames_.at(frame.value());
     const std::size_t index = f.counter++;
     if (index >= f.metas.size()) {
+      // Backward inside the region while its forward is still running: the replay goes past
+      // what forward has saved so far; those tensors are not needed.
+      if (open(frame)) return RecomputePack::Ignored;
       throw CheckpointError(
           "torch.utils.checkpoint: trying to save more tensors during recomputation than "
           "during the original forward pass.");
     }
     f.recomputed[gid][index] = Slot{tensor, meta};
-    return !(f.options.early_stop && f.counter == f.metas.size());
+    return f.options.early_stop && f.counter == f.metas.size() ? RecomputePack::KeptLast
+                                                                : RecomputePack::Kept;
   }
 
   /// During recomputation: the replay of the innermost recomputing frame is over. Runs the
@@ -127,7 +145,7 @@ class Checkpointer {
     recompute_stack_.pop_back();
     Frame& f = frames_.at(frame.value());
     f.done[gid] = true;
-    if (!f.options.determinism_check) return;
+    if (!f.options.determinism_check || open(frame)) return;
     if (f.counter != f.metas.size()) {
       throw CheckpointError(fmt::format(
           "torch.utils.checkpoint: A different number of tensors was saved during the original "

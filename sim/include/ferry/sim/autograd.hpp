@@ -72,6 +72,9 @@ struct TrainingOptions {
   bool unpack_twice = false;
   /// Synchronize the device at the end of each step (as loss.item() does).
   bool sync_each_step = true;
+  /// Right after this op's forward, run its backward node in a graph task of its own, as
+  /// torch.autograd.grad inside a checkpointed function would (-1: never).
+  std::int32_t backward_inside_op = -1;
 };
 
 struct StepTimes {
