@@ -575,6 +575,27 @@ struct Simulator::State final : StreamMarkers {
     }
   }
 
+  // Waits for every stream of `device` (a device synchronize) and orders the host after it.
+  void synchronize_device(std::uint32_t device) {
+    for (StreamState& st : streams) {
+      if (st.device.value() != device) continue;
+      const std::uint64_t target = st.submitted;
+      run_until([&] { return st.completed >= target; });
+      if (options.check_hazards) checker.host_joins(st.thread);
+    }
+  }
+
+  // Note [cudaFree synchronizes]
+  // Returning a segment to the device (cudaFree, in empty_cache or in an out-of-memory retry)
+  // synchronizes the whole device. Calls that may do so compare the allocator's segment-free
+  // count before and after, and when it moved, the host waits for the device and is ordered
+  // after all of its work, in time and in happens-before.
+  void after_segment_frees(std::uint32_t op, std::uint32_t device, std::int64_t frees_before) {
+    if (devices[device].allocator.stats().segment_frees == frees_before) return;
+    synchronize_device(device);
+    ops[op].device_synchronized = true;
+  }
+
   // --- StreamMarkers: what the allocators use to defer frees --------------------------------
 
   MarkerId record(StreamId stream) override {
@@ -652,7 +673,9 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
                 "a device allocation needs a stream of its device");
     s.ops[op].stream = stream;
     info.device = device;
+    const std::int64_t frees = s.devices[device.value()].allocator.stats().segment_frees;
     auto got = s.devices[device.value()].allocator.malloc(stream, bytes, s);
+    s.after_segment_frees(op, device.value(), frees);
     s.end_host_call(op);
     if (!got) return got.error();
     info.address = got.value().address;
@@ -897,12 +920,7 @@ void Simulator::sync_device(DeviceId device, std::string_view label) {
   FERRY_CHECK(device.valid() && device.value() < s.devices.size(), "unknown device");
   const std::uint32_t op =
       s.begin_call(OpKind::SyncDevice, s.overheads(device.value()).synchronize.ns(), label);
-  for (StreamState& st : s.streams) {
-    if (st.device != device) continue;
-    const std::uint64_t target = st.submitted;
-    s.run_until([&] { return st.completed >= target; });
-    if (s.options.check_hazards) s.checker.host_joins(st.thread);
-  }
+  s.synchronize_device(device.value());
   s.end_host_call(op);
 }
 
@@ -952,7 +970,9 @@ void Simulator::empty_cache(DeviceId device, std::string_view label) {
   FERRY_CHECK(device.valid() && device.value() < s.devices.size(), "unknown device");
   const std::uint32_t op =
       s.begin_call(OpKind::EmptyCache, s.overheads(device.value()).free.ns(), label);
+  const std::int64_t frees = s.devices[device.value()].allocator.stats().segment_frees;
   s.devices[device.value()].allocator.empty_cache(s);
+  s.after_segment_frees(op, device.value(), frees);
   s.sample(device);
   s.end_host_call(op);
 }

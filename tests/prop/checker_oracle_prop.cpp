@@ -144,6 +144,18 @@ Oracle build_oracle(const Program& p, const Simulator& sim) {
         n = host_node();
         break;
     }
+    // A call that returned device segments (cudaFree) synchronized that device; whether it
+    // did is the allocator's state, which the oracle takes from the run (like addresses).
+    if (sim.ops()[i].device_synchronized) {
+      const std::uint32_t device = op.kind == OpKind::EmptyCache
+                                       ? op.device.value()
+                                       : p.buffers[op.slot.value()].device.value();
+      for (std::size_t st = 0; st < p.streams.size(); ++st) {
+        if (p.streams[st].device.value() == device && last_on_stream[st]) {
+          preds[n].push_back(*last_on_stream[st]);
+        }
+      }
+    }
     o.node_of_op[i] = static_cast<std::int64_t>(n);
   }
   // Transitive closure: nodes are created in an order consistent with every edge.

@@ -168,6 +168,27 @@ TEST(HazardChecker, SuccessfulQueryOrdersTheHostAfterTheEvent) {
   EXPECT_TRUE(sim.hazards().empty());
 }
 
+TEST(HazardChecker, EmptyCacheThatFreesASegmentSynchronizesTheDevice) {
+  // See Note [cudaFree synchronizes]: after it, the host may read what a copy wrote.
+  for (const bool free_segment : {false, true}) {
+    Simulator sim = simple_sim();
+    const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
+    const BufferId act = device_buffer(sim, d2h, 4096, "act");
+    const BufferId scratch = device_buffer(sim, d2h, 4096, "scratch");
+    const BufferId host = pinned_buffer(sim, 4096);
+    sim.copy(d2h, whole(sim, act), whole(sim, host));
+    if (free_segment) {
+      sim.free(act);
+      sim.free(scratch);  // the whole 2 MiB segment is free now
+    }
+    sim.empty_cache(DeviceId(0));
+    sim.host_read(one(whole(sim, host)));
+    sim.finish();
+    EXPECT_EQ(sim.hazards().size(), free_segment ? 0U : 1U) << free_segment;
+    EXPECT_EQ(sim.ops()[sim.ops().size() - 2].device_synchronized, free_segment);
+  }
+}
+
 TEST(HazardChecker, UseAfterFreeAndDoubleFree) {
   Simulator sim = simple_sim();
   const StreamId s = sim.add_stream(DeviceId(0), "s");

@@ -55,6 +55,9 @@ struct OpRecord {
   SimTime end;               ///< stream ops: completion; host ops: when the host went on
   Bytes bytes;               ///< copies and allocations
   BufferId buffer;           ///< alloc, free, record_stream
+  /// The call returned device memory segments (cudaFree), which synchronizes the device:
+  /// the host went on only after all of that device's work (alloc, empty_cache).
+  bool device_synchronized = false;
 };
 
 /// A piece of shadow content: bytes [offset, offset+bytes) of a region hold bytes
