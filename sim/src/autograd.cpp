@@ -99,6 +99,7 @@ struct FrameInfo {
   std::uint32_t region = 0;
   std::vector<Saved> inputs;          // the region's inputs, saved by the parent
   std::uint64_t rng = 0;              // device generator state at the region's start
+  std::uint64_t cpu_rng = 0;          // CPU generator state at the region's start
   std::map<std::uint32_t, Bound> cache;       // MustSave outputs (forward references)
   std::map<std::uint32_t, Saved> offloaded;   // Offload-policy outputs
   std::uint32_t last_pack_op = 0;             // op during which its last holder was packed
@@ -321,6 +322,7 @@ class Trainer {
       if (!device_rng_initialized_) device_rng_initialized_ = true;
       seed = mix_content(seed, mix_content(0x726e67, device_rng_++));
     }
+    if (op.draws_cpu_rng) seed = mix_content(seed, mix_content(0x637075, cpu_rng_++));
     std::vector<Region> reads;
     std::vector<Region> writes;
     std::vector<std::uint64_t> values;
@@ -443,6 +445,7 @@ class Trainer {
     FrameInfo info;
     info.region = r;
     info.rng = device_rng_;
+    info.cpu_rng = cpu_rng_;
     for (const std::uint32_t t : region_inputs(reg.first_op, reg.end_op)) {
       info.inputs.push_back(pack(reg.end_op - 1, t));
     }
@@ -603,7 +606,11 @@ class Trainer {
       scopes_.back().owned.push_back(b.buffer);
     }
     const std::uint64_t outer_rng = device_rng_;
-    if (!options_.checkpoint.skip_rng_restore) device_rng_ = info.rng;
+    const std::uint64_t outer_cpu_rng = cpu_rng_;
+    if (!options_.checkpoint.skip_rng_restore) {
+      device_rng_ = info.rng;
+      cpu_rng_ = info.cpu_rng;
+    }
     contexts_.push_back(Context{Context::Kind::Recompute, frame});
     checkpointer_.recompute_begin(frame, gid_);
     const bool saved_stop = stop_replay_;
@@ -629,6 +636,7 @@ class Trainer {
     contexts_.pop_back();
     stop_replay_ = saved_stop;
     device_rng_ = outer_rng;
+    cpu_rng_ = outer_cpu_rng;
     if (in_last_step_) run_.replay_stops.emplace_back(last_run, last_saving);
     // The replay's own references go once its kernels are issued.
     Scope scope = std::move(scopes_.back());
@@ -852,12 +860,17 @@ class Trainer {
       scopes_.back().owned.push_back(b.buffer);
     }
     const std::uint64_t outer_rng = device_rng_;
-    if (!options_.checkpoint.skip_rng_restore) device_rng_ = info.rng;
+    const std::uint64_t outer_cpu_rng = cpu_rng_;
+    if (!options_.checkpoint.skip_rng_restore) {
+      device_rng_ = info.rng;
+      cpu_rng_ = info.cpu_rng;
+    }
     for (std::uint32_t i = reg.first_op; i < reg.end_op; ++i) {
       run_op(i, true);
       for (const std::uint32_t t : model_.ops[i].saved) saved_[i].push_back(pack(i, t));
     }
     device_rng_ = outer_rng;
+    cpu_rng_ = outer_cpu_rng;
     if (in_last_step_) run_.replay_stops.emplace_back(reg.end_op - 1, reg.end_op - 1);
     for (std::uint32_t i = reg.end_op; i-- > reg.first_op;) {
       if (needed_[i]) {
@@ -990,6 +1003,7 @@ class Trainer {
   std::map<std::uint32_t, FrameInfo> reentrant_inputs_;
   std::optional<Device::Buffer> escaped_;
   std::uint64_t device_rng_ = 0;
+  std::uint64_t cpu_rng_ = 0;
   bool device_rng_initialized_ = true;
   std::uint64_t gid_ = 0;
   std::int32_t step_ = 0;

@@ -117,7 +117,8 @@ class ModelReader {
     FERRY_JSON_TRY(const auto object,
                    value.object({"name", "layer", "flops", "bytes", "backward_flops",
                                  "backward_bytes", "duration_ns", "backward_duration_ns", "inputs",
-                                 "outputs", "saved", "no_offload", "draws_rng"}));
+                                 "outputs", "saved", "no_offload", "draws_rng",
+                                 "draws_cpu_rng"}));
     ModelOp op;
     FERRY_JSON_TRY(op.name, object.required_name("name"));
     FERRY_JSON_TRY(const auto layer, object.optional_integer("layer", -1, -1, kMaxLayer));
@@ -140,6 +141,7 @@ class ModelReader {
     FERRY_JSON_TRY(op.saved, read_tensor_list(object, "saved"));
     FERRY_JSON_TRY(op.no_offload, object.optional_boolean("no_offload", false));
     FERRY_JSON_TRY(op.draws_rng, object.optional_boolean("draws_rng", false));
+    FERRY_JSON_TRY(op.draws_cpu_rng, object.optional_boolean("draws_cpu_rng", false));
     return op;
   }
 
@@ -221,6 +223,7 @@ OrderedJson op_json(const Model& model, const ModelOp& op) {
   out["saved"] = names_json(model, op.saved);
   if (op.no_offload) out["no_offload"] = true;
   if (op.draws_rng) out["draws_rng"] = true;
+  if (op.draws_cpu_rng) out["draws_cpu_rng"] = true;
   return out;
 }
 

@@ -56,6 +56,7 @@ Model build_random_model(const std::vector<LayerChoice>& choices, const ModelOpt
     }
     op.no_offload = (c.flags & 2U) != 0;
     op.draws_rng = (c.flags & 16U) != 0;
+    op.draws_cpu_rng = (c.flags & 32U) != 0;
     op.flops = 1;
     m.ops.push_back(op);
     const bool side = options.side_branches && (c.flags & 8U) != 0 && i + 1 < choices.size();

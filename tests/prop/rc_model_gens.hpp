@@ -13,7 +13,7 @@ inline rc::Gen<LayerChoice> gen_layer() {
          std::uint32_t f) { return LayerChoice{a, b, c, d, e, f}; },
       rc::gen::inRange<std::uint32_t>(0, 4), rc::gen::inRange<std::uint32_t>(0, 9),
       rc::gen::inRange<std::uint32_t>(0, 6), rc::gen::inRange<std::uint32_t>(0, 16),
-      rc::gen::inRange<std::uint32_t>(0, 32), rc::gen::inRange<std::uint32_t>(0, 8));
+      rc::gen::inRange<std::uint32_t>(0, 64), rc::gen::inRange<std::uint32_t>(0, 8));
 }
 
 }  // namespace ferry::sim::testing

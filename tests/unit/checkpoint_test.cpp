@@ -117,6 +117,20 @@ TEST(Checkpoint, PlantedFaultSkippingTheRngRestoreChangesWhatBackwardReads) {
   EXPECT_NE(bad.gradient_values, train(m, plain()).gradient_values);
 }
 
+TEST(Checkpoint, CpuGeneratorStateIsRestoredForRecomputeToo) {
+  Model m = tiny();
+  for (ModelOp& op : m.ops) op.draws_cpu_rng = op.layer >= 0 && op.name.find("ln") != std::string::npos;
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_every(m, 1);
+  const TrainingRun base = train(m, plain());
+  const TrainingRun good = train(m, o);
+  expect_clean(good);
+  EXPECT_EQ(good.gradient_values, base.gradient_values);
+  o.checkpoint.skip_rng_restore = true;
+  const TrainingRun bad = train(m, o);
+  EXPECT_FALSE(bad.sim.content_mismatches().empty());
+}
+
 TEST(Checkpoint, UnpackingTwiceWithoutARecomputeIsAnError) {
   const Model m = tiny();
   TrainingOptions o = plain();

@@ -60,7 +60,8 @@ struct ModelOp {
   std::vector<std::uint32_t> outputs;  ///< tensors produced (activations, views allowed)
   std::vector<std::uint32_t> saved;    ///< tensors saved for backward
   bool no_offload = false;             ///< runs inside a no-offload region (e.g. the output head)
-  bool draws_rng = false;              ///< uses a random generator (dropout)
+  bool draws_rng = false;              ///< draws from the device's random generator (dropout)
+  bool draws_cpu_rng = false;          ///< draws from the CPU generator (e.g. host-side sampling)
 
   friend bool operator==(const ModelOp&, const ModelOp&) = default;
 };
