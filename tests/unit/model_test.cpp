@@ -663,7 +663,7 @@ std::vector<BadCase> bad_cases() {
       {"unknown key in an op", valid_with(R"("saved": [])", R"("saves": [])"),
        R"(toy.json: ops[1]: unknown key "saves" (allowed: name, layer, flops, bytes, )"
        "backward_flops, backward_bytes, duration_ns, backward_duration_ns, inputs, outputs, "
-       "saved, no_offload, draws_rng)"},
+       "saved, no_offload, draws_rng, draws_cpu_rng)"},
       {"unknown top-level key", valid_with(R"("loss": "y")", R"("loss": "y", "step": 1)"),
        R"(toy.json: unknown key "step" (allowed: format, name, tensors, ops, loss))"},
       {"missing loss",
