@@ -95,11 +95,16 @@ struct Context {
   FrameId frame;
 };
 
+// The random generators' states (draws so far): the device's and the CPU's.
+struct Generators {
+  std::uint64_t device = 0;
+  std::uint64_t cpu = 0;
+};
+
 struct FrameInfo {
   std::uint32_t region = 0;
   std::vector<Saved> inputs;          // the region's inputs, saved by the parent
-  std::uint64_t rng = 0;              // device generator state at the region's start
-  std::uint64_t cpu_rng = 0;          // CPU generator state at the region's start
+  Generators generators;              // at the region's start
   std::map<std::uint32_t, Bound> cache;       // MustSave outputs (forward references)
   std::map<std::uint32_t, Saved> offloaded;   // Offload-policy outputs
   std::uint32_t last_pack_op = 0;             // op during which its last holder was packed
@@ -320,9 +325,9 @@ class Trainer {
     for (const std::uint32_t t : op.inputs) seed = mix_content(seed, lookup(t).value);
     if (op.draws_rng) {
       if (!device_rng_initialized_) device_rng_initialized_ = true;
-      seed = mix_content(seed, mix_content(0x726e67, device_rng_++));
+      seed = mix_content(seed, mix_content(0x726e67, generators_.device++));
     }
-    if (op.draws_cpu_rng) seed = mix_content(seed, mix_content(0x637075, cpu_rng_++));
+    if (op.draws_cpu_rng) seed = mix_content(seed, mix_content(0x637075, generators_.cpu++));
     std::vector<Region> reads;
     std::vector<Region> writes;
     std::vector<std::uint64_t> values;
@@ -444,8 +449,7 @@ class Trainer {
     const CheckpointRegion& reg = options_.checkpoint.regions[r];
     FrameInfo info;
     info.region = r;
-    info.rng = device_rng_;
-    info.cpu_rng = cpu_rng_;
+    info.generators = generators_;
     for (const std::uint32_t t : region_inputs(reg.first_op, reg.end_op)) {
       info.inputs.push_back(pack(reg.end_op - 1, t));
     }
@@ -593,11 +597,10 @@ class Trainer {
     return v;
   }
 
-  void recompute(FrameId frame, std::uint32_t node) {
-    FrameInfo& info = frames_[frame.value()];
-    const CheckpointRegion& reg = options_.checkpoint.regions[info.region];
-    ++run_.recomputations;
-    // Inputs first: this may recompute the parent (Note [Nestable checkpoint]).
+  // Opens a replay of a region: its saved inputs come back (which may first recompute a parent,
+  // Note [Nestable checkpoint]) into a new scope that owns those references, and the
+  // generators go back to where they stood when the region began. Returns the live states.
+  Generators open_replay(const FrameInfo& info, std::uint32_t node) {
     std::vector<std::pair<std::uint32_t, Bound>> inputs;
     for (const Saved& s : info.inputs) inputs.emplace_back(s.tensor, unpack(s, node));
     scopes_.emplace_back();
@@ -605,12 +608,23 @@ class Trainer {
       scopes_.back().bound[t] = b;
       scopes_.back().owned.push_back(b.buffer);
     }
-    const std::uint64_t outer_rng = device_rng_;
-    const std::uint64_t outer_cpu_rng = cpu_rng_;
-    if (!options_.checkpoint.skip_rng_restore) {
-      device_rng_ = info.rng;
-      cpu_rng_ = info.cpu_rng;
-    }
+    const Generators outer = generators_;
+    if (!options_.checkpoint.skip_rng_restore) generators_ = info.generators;
+    return outer;
+  }
+
+  // Ends the innermost scope, dropping the references it owns.
+  void close_scope() {
+    Scope scope = std::move(scopes_.back());
+    scopes_.pop_back();
+    for (const Device::Buffer& b : scope.owned) device_.drop(b);
+  }
+
+  void recompute(FrameId frame, std::uint32_t node) {
+    FrameInfo& info = frames_[frame.value()];
+    const CheckpointRegion& reg = options_.checkpoint.regions[info.region];
+    ++run_.recomputations;
+    const Generators outer = open_replay(info, node);
     contexts_.push_back(Context{Context::Kind::Recompute, frame});
     checkpointer_.recompute_begin(frame, gid_);
     const bool saved_stop = stop_replay_;
@@ -635,13 +649,9 @@ class Trainer {
     while (open_.size() > open_before) end_region();  // early stop inside an inner region
     contexts_.pop_back();
     stop_replay_ = saved_stop;
-    device_rng_ = outer_rng;
-    cpu_rng_ = outer_cpu_rng;
+    generators_ = outer;
     if (in_last_step_) run_.replay_stops.emplace_back(last_run, last_saving);
-    // The replay's own references go once its kernels are issued.
-    Scope scope = std::move(scopes_.back());
-    scopes_.pop_back();
-    for (const Device::Buffer& b : scope.owned) device_.drop(b);
+    close_scope();  // the replay's own references go once its kernels are issued
     checkpointer_.recompute_end();
   }
 
@@ -852,25 +862,12 @@ class Trainer {
     const CheckpointRegion& reg = options_.checkpoint.regions[r];
     FrameInfo& info = reentrant_inputs_.at(r);
     ++run_.recomputations;
-    std::vector<std::pair<std::uint32_t, Bound>> inputs;
-    for (const Saved& s : info.inputs) inputs.emplace_back(s.tensor, unpack(s, reg.end_op - 1));
-    scopes_.emplace_back();
-    for (const auto& [t, b] : inputs) {
-      scopes_.back().bound[t] = b;
-      scopes_.back().owned.push_back(b.buffer);
-    }
-    const std::uint64_t outer_rng = device_rng_;
-    const std::uint64_t outer_cpu_rng = cpu_rng_;
-    if (!options_.checkpoint.skip_rng_restore) {
-      device_rng_ = info.rng;
-      cpu_rng_ = info.cpu_rng;
-    }
+    const Generators outer = open_replay(info, reg.end_op - 1);
     for (std::uint32_t i = reg.first_op; i < reg.end_op; ++i) {
       run_op(i, true);
       for (const std::uint32_t t : model_.ops[i].saved) saved_[i].push_back(pack(i, t));
     }
-    device_rng_ = outer_rng;
-    cpu_rng_ = outer_cpu_rng;
+    generators_ = outer;
     if (in_last_step_) run_.replay_stops.emplace_back(reg.end_op - 1, reg.end_op - 1);
     for (std::uint32_t i = reg.end_op; i-- > reg.first_op;) {
       if (needed_[i]) {
@@ -883,9 +880,7 @@ class Trainer {
       }
       saved_[i].clear();
     }
-    Scope scope = std::move(scopes_.back());
-    scopes_.pop_back();
-    for (const Device::Buffer& b : scope.owned) device_.drop(b);
+    close_scope();
     if (last_pass) release_frame(info);
   }
 
@@ -1002,8 +997,7 @@ class Trainer {
   std::deque<FrameInfo> frames_;
   std::map<std::uint32_t, FrameInfo> reentrant_inputs_;
   std::optional<Device::Buffer> escaped_;
-  std::uint64_t device_rng_ = 0;
-  std::uint64_t cpu_rng_ = 0;
+  Generators generators_;
   bool device_rng_initialized_ = true;
   std::uint64_t gid_ = 0;
   std::int32_t step_ = 0;
