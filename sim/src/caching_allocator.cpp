@@ -60,28 +60,6 @@ Bytes segment_size_for(Bytes size) {
   return round_up(size, kRoundLarge);
 }
 
-std::string human_bytes(Bytes bytes) {
-  const std::int64_t n = bytes.count();
-  if (n < kKiB.count()) {
-    return fmt::format("{} B", n);
-  }
-  struct Unit {
-    std::int64_t size;
-    const char* name;
-  };
-  constexpr std::array<Unit, 4> kUnits{{{std::int64_t{1} << 40, "TiB"},
-                                        {std::int64_t{1} << 30, "GiB"},
-                                        {std::int64_t{1} << 20, "MiB"},
-                                        {std::int64_t{1} << 10, "KiB"}}};
-  for (const Unit& unit : kUnits) {
-    if (n >= unit.size) {
-      const std::int64_t hundredths = (n % unit.size) * 100 / unit.size;
-      return fmt::format("{}.{:02} {}", n / unit.size, hundredths, unit.name);
-    }
-  }
-  return fmt::format("{} B", n);
-}
-
 AddressRangeAllocator::AddressRangeAllocator(Bytes base, Bytes capacity)
     : base_(base), limit_(base + capacity) {
   FERRY_CHECK(base >= Bytes(0) && capacity >= Bytes(0), "address range [{}, +{}) is negative",
@@ -403,19 +381,19 @@ Error CachingAllocator::out_of_memory(StreamId stream, Bytes requested, Bytes si
   const Bytes free_bytes = capacity_ - stats_.reserved;
   std::string why =
       segment_size > free_bytes
-          ? fmt::format("only {} ({} B) is not reserved", human_bytes(free_bytes),
+          ? fmt::format("only {} ({} B) is not reserved", format_bytes(free_bytes),
                         free_bytes.count())
           : fmt::format(
                 "{} is not reserved but no free address range is that long (the device "
                 "range is fragmented)",
-                human_bytes(free_bytes));
+                format_bytes(free_bytes));
   std::string message = fmt::format(
       "out of memory: tried to allocate {} ({} B) on stream {}; capacity {}, reserved {}, "
       "allocated {}; the {} B block needs a new {} segment and {}; {} is reserved but unallocated "
       "in partly used segments. Free or shrink live tensors, or give the device more memory.",
-      human_bytes(requested), requested.count(), stream.value(), human_bytes(capacity_),
-      human_bytes(stats_.reserved), human_bytes(stats_.allocated), size.count(),
-      human_bytes(segment_size), why, human_bytes(stats_.reserved - stats_.allocated));
+      format_bytes(requested), requested.count(), stream.value(), format_bytes(capacity_),
+      format_bytes(stats_.reserved), format_bytes(stats_.allocated), size.count(),
+      format_bytes(segment_size), why, format_bytes(stats_.reserved - stats_.allocated));
   const std::vector<BlockInfo> live = live_blocks();
   message += fmt::format("\nlive blocks ({}, by address):", live.size());
   for (std::size_t i = 0; i < live.size() && i < kOomListedBlocks; ++i) {

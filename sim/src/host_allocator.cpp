@@ -57,19 +57,19 @@ Result<HostAllocation> PinnedHostAllocator::malloc(Bytes requested, PinnedPool p
   const std::string request =
       fmt::format("request {} B (a {} B block)", requested.count(), size.count());
   const std::string held =
-      fmt::format("{} ({} B) pinned, {} of it waiting on streams", human_bytes(stats_.reserved),
-                  stats_.reserved.count(), human_bytes(pending_bytes));
+      fmt::format("{} ({} B) pinned, {} of it waiting on streams", format_bytes(stats_.reserved),
+                  stats_.reserved.count(), format_bytes(pending_bytes));
   if (stats_.reserved + size > capacity_) {
     return Error{
         fmt::format("pinned host memory cap of {} ({} B) reached: {}, {}. Free pinned "
                     "buffers (or let their streams finish), or raise the cap.",
-                    human_bytes(capacity_), capacity_.count(), held, request)};
+                    format_bytes(capacity_), capacity_.count(), held, request)};
   }
   return Error{
       fmt::format("pinned host memory cap of {} ({} B): {}, {}; the bytes fit under the "
                   "cap but no free address range is that long (fragmented). Use fewer "
                   "distinct sizes, or raise the cap.",
-                  human_bytes(capacity_), capacity_.count(), held, request)};
+                  format_bytes(capacity_), capacity_.count(), held, request)};
 }
 
 void PinnedHostAllocator::record_stream(HostBlockId block, StreamId stream) {

@@ -150,20 +150,6 @@ Json op_json(const Simulator& sim, OpId id, BufferId buffer) {
 
 }  // namespace
 
-std::string format_bytes(Bytes bytes) {
-  const std::int64_t n = bytes.count();
-  if (n < 1024) return fmt::format("{} B", n);
-  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
-  std::int64_t unit = 1024;
-  std::size_t i = 0;
-  while (i + 1 < std::size(kUnits) && n >= unit * 1024) {
-    unit *= 1024;
-    ++i;
-  }
-  const std::int64_t hundredths = (n % unit) * 100 / unit;
-  return fmt::format("{}.{:02} {}", n / unit, hundredths, kUnits[i]);
-}
-
 std::string format_time(SimTime time) {
   const std::int64_t ns = time.ns();
   if (ns < 1'000'000) return fmt::format("{}.{:03} us", ns / 1000, ns % 1000);

@@ -53,14 +53,6 @@ TEST(CachingAllocatorSizes, SegmentSizeDependsOnPoolAndSize) {
   EXPECT_EQ(segment_size_for(20 * kMiB), 20 * kMiB);
 }
 
-TEST(CachingAllocatorSizes, HumanBytesUsesBinaryUnitsWithTwoDecimals) {
-  EXPECT_EQ(human_bytes(Bytes(0)), "0 B");
-  EXPECT_EQ(human_bytes(Bytes(1023)), "1023 B");
-  EXPECT_EQ(human_bytes(Bytes(1536)), "1.50 KiB");
-  EXPECT_EQ(human_bytes(20 * kMiB), "20.00 MiB");
-  EXPECT_EQ(human_bytes(80 * kGiB), "80.00 GiB");
-}
-
 TEST(AddressRangeAllocator, TakesFirstFitAndCoalescesReleasedRanges) {
   AddressRangeAllocator ranges(Bytes(1000), Bytes(100));
   EXPECT_EQ(ranges.allocate(Bytes(30)), Bytes(1000));

@@ -29,6 +29,14 @@ TEST(TransferTime, RoundsUpToTheNextNanosecond) {
   EXPECT_EQ(transfer_time(Bytes(80'000'000'000), Bandwidth(55'200'000'000)).ns(), 1'449'275'363);
 }
 
+TEST(FormatBytes, UsesBinaryUnitsWithTwoDecimals) {
+  EXPECT_EQ(format_bytes(Bytes(0)), "0 B");
+  EXPECT_EQ(format_bytes(Bytes(1023)), "1023 B");
+  EXPECT_EQ(format_bytes(Bytes(1536)), "1.50 KiB");
+  EXPECT_EQ(format_bytes(20 * kMiB), "20.00 MiB");
+  EXPECT_EQ(format_bytes(80 * kGiB), "80.00 GiB");
+}
+
 TEST(Result, HoldsAValueOrAnError) {
   Result<int> good = 5;
   Result<int> bad = Error{"no"};

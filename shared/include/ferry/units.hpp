@@ -3,6 +3,7 @@
 
 #include <compare>
 #include <cstdint>
+#include <string>
 
 namespace ferry {
 
@@ -73,5 +74,8 @@ class Bandwidth {
   const Wide r = static_cast<Wide>(rate.bytes_per_s());
   return SimTime(static_cast<std::int64_t>((scaled + r - 1) / r));
 }
+
+/// "512 B", "1.50 MiB": bytes for people, exact integer arithmetic, two decimals.
+[[nodiscard]] std::string format_bytes(Bytes bytes);
 
 }  // namespace ferry

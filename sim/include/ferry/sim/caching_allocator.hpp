@@ -193,7 +193,5 @@ class CachingAllocator {
 [[nodiscard]] Bytes segment_size_for(Bytes size);
 /// Which pool serves a (rounded) request.
 [[nodiscard]] PoolKind pool_for(Bytes size);
-/// A byte count for people: "512 B", "1.50 MiB" (two decimals, truncated; integer arithmetic).
-[[nodiscard]] std::string human_bytes(Bytes bytes);
 
 }  // namespace ferry::sim

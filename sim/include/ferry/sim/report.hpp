@@ -20,8 +20,6 @@ namespace ferry::sim {
 /// copy engine, instant marks for event records and hazards, memory counters.
 [[nodiscard]] std::string chrome_trace(const Simulator& sim);
 
-/// "1.50 MiB", "512 B": exact integer formatting, two decimals.
-[[nodiscard]] std::string format_bytes(Bytes bytes);
 /// "12.345 us", "1.234567 ms": exact integer formatting of simulated time.
 [[nodiscard]] std::string format_time(SimTime time);
 
