@@ -1,7 +1,5 @@
 #include "ferry/sim/device.hpp"
 
-#include <algorithm>
-
 #include "ferry/check.hpp"
 
 namespace ferry::sim {
@@ -60,10 +58,6 @@ long Device::use_count(Buffer buffer) const {
 
 void Device::record_stream(Buffer buffer, Stream stream) {
   sim_.record_stream(buffer.id, stream.id);
-}
-
-std::size_t Device::live_storages() const {
-  return static_cast<std::size_t>(std::count_if(refs_.begin(), refs_.end(), [](long r) { return r > 0; }));
 }
 
 }  // namespace ferry::sim

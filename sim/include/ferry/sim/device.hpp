@@ -47,8 +47,6 @@ class Device {
   [[nodiscard]] DeviceId device() const { return device_; }
   /// The message of the last failed allocate().
   [[nodiscard]] const std::string& last_error() const { return last_error_; }
-  /// Storages with a reference right now.
-  [[nodiscard]] std::size_t live_storages() const;
 
  private:
   Simulator& sim_;
