@@ -1,0 +1,105 @@
+#pragma once
+/// Real devices for the scheduler core: the CPU loopback device (CPU tensors play device
+/// tensors, "host" copies go to other CPU buffers, streams run synchronously) and, in
+/// cuda_device.hpp, the CUDA device. Both satisfy ferry::Backend.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "ferry/backend.hpp"
+#include "ferry/real/recorder.hpp"
+#include "ferry/units.hpp"
+
+namespace ferry::real {
+
+/// One storage the scheduler refers to. The core counts its references with hold/drop; the
+/// entry keeps the storage alive only while that count is positive, so a stale handle never
+/// pins memory.
+struct BufferEntry {
+  at::Storage storage;
+  long holds = 0;
+  Place place = Place::Device;
+  Bytes bytes;
+  std::uint32_t slot = 0;  ///< recorder slot
+};
+
+/// A buffer handle: cheap to copy, empty by default.
+using BufferHandle = std::shared_ptr<BufferEntry>;
+
+/// What the real devices share: reference counting, views and recording.
+class DeviceBase {
+ public:
+  struct Stream {
+    std::uint32_t index = 0;
+  };
+
+  explicit DeviceBase(std::unique_ptr<Recorder> recorder);
+  virtual ~DeviceBase() = default;
+  DeviceBase(const DeviceBase&) = delete;
+  DeviceBase& operator=(const DeviceBase&) = delete;
+
+  [[nodiscard]] Stream compute_stream() const { return Stream{0}; }
+
+  void hold(const BufferHandle& buffer);
+  void drop(const BufferHandle& buffer);
+  [[nodiscard]] long use_count(const BufferHandle& buffer) const;
+
+  /// A handle for the storage of `tensor` (a saved activation written by compute), with no
+  /// scheduler reference yet.
+  BufferHandle adopt(const at::Tensor& tensor);
+  /// The tensor `like` describes, rebuilt over `buffer` starting `offset` bytes in.
+  [[nodiscard]] static at::Tensor view(const BufferHandle& buffer, Bytes offset,
+                                       at::IntArrayRef sizes, at::IntArrayRef strides,
+                                       at::ScalarType dtype);
+  /// Compute reads `bytes` of `buffer` from `offset` (recorded only).
+  void consume(const BufferHandle& buffer, Bytes offset, Bytes bytes);
+
+  /// Buffers with scheduler references, by where they live.
+  [[nodiscard]] std::int64_t live_device_buffers() const { return live_device_; }
+  [[nodiscard]] std::int64_t live_host_buffers() const { return live_host_; }
+
+  [[nodiscard]] Recorder* recorder() const { return recorder_.get(); }
+
+ protected:
+  BufferHandle make_entry(at::Storage storage, Place place, Bytes bytes, std::int64_t stream);
+  std::uint32_t new_stream(std::string_view name);
+  static std::uint8_t* bytes_of(const BufferHandle& buffer);
+
+  std::unique_ptr<Recorder> recorder_;
+
+ private:
+  std::uint32_t streams_ = 0;
+  std::int64_t live_device_ = 0;
+  std::int64_t live_host_ = 0;
+};
+
+/// CPU tensors as device tensors: the whole autograd integration without a GPU.
+class LoopbackDevice : public DeviceBase {
+ public:
+  struct Event {
+    std::uint32_t index = 0;
+  };
+  using Buffer = BufferHandle;
+
+  explicit LoopbackDevice(std::unique_ptr<Recorder> recorder = nullptr);
+
+  Stream make_stream(std::string_view name) { return Stream{new_stream(name)}; }
+  Event make_event();
+  std::optional<Buffer> allocate(Place place, Bytes bytes, Stream stream, std::string_view name);
+  void copy(Stream stream, const Buffer& src, Bytes src_offset, const Buffer& dst,
+            Bytes dst_offset, Bytes bytes, std::string_view name);
+  void record(Event event, Stream stream);
+  void wait(Stream stream, Event event);
+  void record_stream(const Buffer& buffer, Stream stream);
+  /// Which tensors this device treats as device tensors.
+  [[nodiscard]] static bool is_device_tensor(const at::Tensor& t) { return t.is_cpu(); }
+};
+
+static_assert(Backend<LoopbackDevice>);
+
+}  // namespace ferry::real

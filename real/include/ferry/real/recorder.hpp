@@ -1,0 +1,57 @@
+#pragma once
+/// Writes the stream operations of a real run in the simulator's program format
+/// (`ferry.program/1`, docs/program-format.md), so that `ferry check` audits them.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/backend.hpp"
+#include "ferry/units.hpp"
+
+namespace ferry::real {
+
+// Note [Recording a real run]
+// A real device only sees the copies, events and allocations the scheduler asks for; the
+// kernels that produce and consume activations run inside the framework. The recorder stands
+// them in with two kernels on the compute stream: one that writes a storage when it is handed
+// to the scheduler (its producer ran before the pack hook), and one that reads the range a
+// backward node gets back (its consumer runs after the unpack hook). Every buffer handle gets
+// its own slot; a slot is allocated when the handle is created and freed when its last
+// scheduler reference is dropped.
+class Recorder {
+ public:
+  explicit Recorder(std::string profile = "h100-sxm-pcie5");
+
+  std::uint32_t add_stream(std::string_view name);
+  std::uint32_t add_event();
+  std::uint32_t add_buffer(Place place, Bytes bytes);
+
+  void alloc(std::uint32_t buffer, std::int64_t stream);  ///< stream < 0: a host buffer
+  void free(std::uint32_t buffer);
+  void produce(std::uint32_t stream, std::uint32_t buffer, Bytes offset, Bytes bytes);
+  void consume(std::uint32_t stream, std::uint32_t buffer, Bytes offset, Bytes bytes);
+  void copy(std::uint32_t stream, std::uint32_t src, Bytes src_offset, std::uint32_t dst,
+            Bytes dst_offset, Bytes bytes);
+  void record(std::uint32_t event, std::uint32_t stream);
+  void wait(std::uint32_t stream, std::uint32_t event);
+  void record_stream(std::uint32_t buffer, std::uint32_t stream);
+  void sync_device();
+
+  /// The program so far, as a JSON document.
+  [[nodiscard]] std::string json() const;
+  [[nodiscard]] std::size_t op_count() const { return ops_.size(); }
+
+ private:
+  [[nodiscard]] const std::string& stream_name(std::int64_t stream) const;
+
+  std::string profile_;
+  std::vector<std::string> stream_names_;
+  std::vector<std::string> streams_;
+  std::vector<std::string> buffers_;
+  std::uint32_t events_ = 0;
+  std::vector<std::string> ops_;
+};
+
+}  // namespace ferry::real

@@ -1,0 +1,114 @@
+#pragma once
+/// The autograd side of the real backend, shared by the C++ API and the Python extension:
+/// offload sessions, checkpoint frames and the per-thread stack of active regions that decides
+/// what a saved tensor's pack hook does.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/checkpoint.hpp"
+#include "ferry/ids.hpp"
+#include "ferry/offload_options.hpp"
+
+namespace ferry {
+
+/// Options of one offload session on the real backend.
+struct RealOptions {
+  OffloadOptions offload;
+  /// Treat CPU tensors as device tensors and "offload" them to other CPU buffers, with
+  /// synchronous streams: the whole integration without a GPU.
+  bool loopback = false;
+  /// Record the session's stream operations in the program format (`ferry check`).
+  bool record = false;
+  /// The device profile named in the recorded program.
+  std::string profile = "h100-sxm-pcie5";
+};
+
+/// Options of one checkpointed region (torch.utils.checkpoint's, non-reentrant).
+struct CheckpointOptions {
+  bool early_stop = true;          ///< stop the replay once every saved tensor is back
+  bool determinism_check = true;   ///< compare count, bytes, dtype and device of saved tensors
+  bool preserve_rng_state = true;  ///< replay with the random state the forward saw
+};
+
+}  // namespace ferry
+
+namespace ferry::real {
+
+/// The stand-in a pack hook returns for a saved tensor.
+class Packed {
+ public:
+  virtual ~Packed() = default;
+  virtual at::Tensor unpack() = 0;
+};
+using PackedPtr = std::shared_ptr<Packed>;
+
+/// Thrown by a replay's pack hook once early stop has every tensor it needs.
+class StopRecompute : public std::exception {
+ public:
+  [[nodiscard]] const char* what() const noexcept override {
+    return "checkpoint recomputation stopped early";
+  }
+};
+
+/// One offload session: an Offloader over a loopback or CUDA device.
+class Session {
+ public:
+  virtual ~Session() = default;
+  /// A loopback session, or a CUDA one on the current device (throws when there is none).
+  static std::shared_ptr<Session> create(const RealOptions& options);
+
+  virtual PackedPtr pack(const at::Tensor& tensor) = 0;
+  /// Parameters and module buffers: storages never offloaded.
+  virtual void exclude(const at::Tensor& tensor) = 0;
+  [[nodiscard]] virtual OffloadTelemetry telemetry() const = 0;
+  /// Saved tensors the scheduler still tracks.
+  [[nodiscard]] virtual std::size_t tracked() const = 0;
+  /// Storages the scheduler holds a reference to, on the device and in host memory.
+  [[nodiscard]] virtual std::int64_t live_device_buffers() const = 0;
+  [[nodiscard]] virtual std::int64_t live_host_buffers() const = 0;
+  /// The recorded program (empty unless RealOptions::record).
+  [[nodiscard]] virtual std::string program_json() const = 0;
+  [[nodiscard]] virtual const RealOptions& options() const = 0;
+};
+
+class CheckpointState;
+
+/// An active region on this thread's stack; the innermost decides what packing does.
+struct Context {
+  enum class Kind : std::uint8_t { Offload, NoOffload, Frame, Recompute };
+  Kind kind = Kind::NoOffload;
+  std::shared_ptr<Session> session;       // Offload
+  std::shared_ptr<CheckpointState> ckpt;  // Frame, Recompute
+  FrameId frame;                          // Frame
+};
+
+void push_context(Context context);
+/// Pops the innermost region, which must be of `kind` (regions nest).
+void pop_context(Context::Kind kind);
+/// Whether the innermost region wants saved tensors packed by ferry (not a no-offload region).
+bool packing_active();
+/// The pack hook: what the innermost region does with a saved tensor (kept as is when none).
+PackedPtr pack_saved(const at::Tensor& tensor);
+
+/// An open checkpoint frame.
+struct FrameToken {
+  std::shared_ptr<CheckpointState> state;
+  FrameId frame;
+};
+
+/// Opens a checkpointed region on this thread. `replay` re-runs the region's forward with grad
+/// enabled (from detached copies of its inputs); `inputs` tell which devices' random state to
+/// preserve.
+FrameToken frame_begin(const CheckpointOptions& options, std::function<void()> replay,
+                       const std::vector<at::Tensor>& inputs);
+/// Closes the region `token` opened (the innermost one).
+void frame_end(const FrameToken& token);
+
+}  // namespace ferry::real

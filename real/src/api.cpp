@@ -1,0 +1,130 @@
+#include "ferry/real/api.hpp"
+
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/SequenceNumber.h>
+#include <c10/util/Type.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+
+#include <mutex>
+#include <stdexcept>
+#include <typeinfo>
+
+namespace ferry {
+
+namespace {
+
+using torch::autograd::Engine;
+
+// The saved-variable hooks ferry's engine hands autograd: pack and unpack go through the
+// innermost region of the thread that saves the tensor.
+class EngineHooks final : public torch::autograd::SavedVariableHooks {
+ public:
+  void call_pack_hook(const at::Tensor& tensor) override { packed_ = real::pack_saved(tensor); }
+  at::Tensor call_unpack_hook() override { return packed_->unpack(); }
+
+ private:
+  real::PackedPtr packed_;
+};
+
+// Note [Default saved-tensor hooks in C++]
+// Autograd asks the default engine for hooks each time it saves a tensor; the base engine has
+// none, and only Python's saved_tensors_hooks can push some. An engine subclass installed with
+// set_default_engine_stub answers with ferry's hooks while a region is open on the saving
+// thread, and honors torch's own switch that disables saved-tensor hooks.
+class FerryEngine final : public Engine {
+ public:
+  ~FerryEngine() override { stop(); }
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks()
+      override {
+    if (!at::SavedTensorDefaultHooks::is_enabled() || !real::packing_active()) return nullptr;
+    return std::make_unique<EngineHooks>();
+  }
+  static Engine& get() {
+    static FerryEngine engine;
+    return engine;
+  }
+};
+
+std::mutex install_mutex;
+
+}  // namespace
+
+bool installed() {
+  return dynamic_cast<FerryEngine*>(&Engine::get_default_engine()) != nullptr;
+}
+
+void install() {
+  std::lock_guard lock(install_mutex);
+  Engine& current = Engine::get_default_engine();
+  if (dynamic_cast<FerryEngine*>(&current) != nullptr) return;
+  if (typeid(current) != typeid(Engine)) {
+    throw std::logic_error(fmt::format(
+        "ferry::install: another autograd engine ({}) already took the default-engine slot; "
+        "ferry's C++ hooks cannot be installed in this process (from Python, use the ferry "
+        "module instead)",
+        c10::demangle(typeid(current).name())));
+  }
+  if (const std::uint64_t used = at::sequence_number::peek(); used != 0) {
+    throw std::logic_error(fmt::format(
+        "ferry::install: called too late: autograd already recorded {} operation(s) on this "
+        "thread; call ferry::install() before any autograd use (first thing in main)",
+        used));
+  }
+  torch::autograd::set_default_engine_stub(&FerryEngine::get);
+}
+
+Offload::Offload(RealOptions options) : session_(real::Session::create(options)) {}
+
+void Offload::exclude(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) session_->exclude(t);
+}
+
+OffloadGuard::OffloadGuard(Offload& offload) : offload_(&offload) {
+  install();
+  real::push_context(real::Context{real::Context::Kind::Offload, offload_->session(), nullptr, {}});
+}
+
+OffloadGuard::OffloadGuard(RealOptions options)
+    : owned_(std::make_shared<Offload>(std::move(options))), offload_(owned_.get()) {
+  install();
+  real::push_context(real::Context{real::Context::Kind::Offload, offload_->session(), nullptr, {}});
+}
+
+OffloadGuard::~OffloadGuard() { real::pop_context(real::Context::Kind::Offload); }
+
+NoOffloadGuard::NoOffloadGuard() { real::push_context(real::Context{}); }
+
+NoOffloadGuard::~NoOffloadGuard() { real::pop_context(real::Context::Kind::NoOffload); }
+
+std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
+                                   CheckpointOptions options) {
+  install();
+  auto replay = [fn, inputs] {
+    std::vector<at::Tensor> detached;
+    detached.reserve(inputs.size());
+    for (const at::Tensor& t : inputs) {
+      detached.push_back(t.defined() ? t.detach().requires_grad_(t.requires_grad()) : t);
+    }
+    (void)fn(detached);
+  };
+  const real::FrameToken token = real::frame_begin(options, std::move(replay), inputs);
+  std::vector<at::Tensor> out;
+  try {
+    out = fn(inputs);
+  } catch (...) {
+    real::frame_end(token);
+    throw;
+  }
+  real::frame_end(token);
+  return out;
+}
+
+at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
+                      const at::Tensor& input, CheckpointOptions options) {
+  return checkpoint([fn](const std::vector<at::Tensor>& in) { return std::vector{fn(in[0])}; },
+                    {input}, options)[0];
+}
+
+}  // namespace ferry

@@ -1,0 +1,116 @@
+#include "ferry/real/device.hpp"
+
+#include <cstring>
+
+#include "ferry/check.hpp"
+
+namespace ferry::real {
+
+DeviceBase::DeviceBase(std::unique_ptr<Recorder> recorder) : recorder_(std::move(recorder)) {
+  new_stream("compute");
+}
+
+std::uint32_t DeviceBase::new_stream(std::string_view name) {
+  if (recorder_) recorder_->add_stream(name);
+  return streams_++;
+}
+
+BufferHandle DeviceBase::make_entry(at::Storage storage, Place place, Bytes bytes,
+                                    std::int64_t stream) {
+  auto entry = std::make_shared<BufferEntry>();
+  entry->storage = std::move(storage);
+  entry->place = place;
+  entry->bytes = bytes;
+  if (recorder_) {
+    entry->slot = recorder_->add_buffer(place, bytes);
+    recorder_->alloc(entry->slot, place == Place::Device ? stream : -1);
+  }
+  return entry;
+}
+
+void DeviceBase::hold(const BufferHandle& buffer) {
+  FERRY_CHECK(buffer && buffer->storage, "hold of a freed buffer");
+  if (buffer->holds++ == 0) ++(buffer->place == Place::Device ? live_device_ : live_host_);
+}
+
+void DeviceBase::drop(const BufferHandle& buffer) {
+  FERRY_CHECK(buffer && buffer->holds > 0, "drop of a buffer with no references");
+  if (--buffer->holds > 0) return;
+  --(buffer->place == Place::Device ? live_device_ : live_host_);
+  buffer->storage = at::Storage();
+  if (recorder_) recorder_->free(buffer->slot);
+}
+
+long DeviceBase::use_count(const BufferHandle& buffer) const {
+  if (!buffer || !buffer->storage) return 0;
+  return static_cast<long>(buffer->storage.use_count());
+}
+
+BufferHandle DeviceBase::adopt(const at::Tensor& tensor) {
+  at::Storage storage = tensor.storage();
+  const Bytes bytes(static_cast<std::int64_t>(storage.nbytes()));
+  BufferHandle entry = make_entry(std::move(storage), Place::Device, bytes, 0);
+  if (recorder_) recorder_->produce(0, entry->slot, Bytes(0), bytes);
+  return entry;
+}
+
+at::Tensor DeviceBase::view(const BufferHandle& buffer, Bytes offset, at::IntArrayRef sizes,
+                            at::IntArrayRef strides, at::ScalarType dtype) {
+  const std::int64_t item = static_cast<std::int64_t>(c10::elementSize(dtype));
+  FERRY_CHECK(offset.count() % item == 0, "a view offset that is not a whole element");
+  at::Tensor out = at::empty({0}, at::TensorOptions().dtype(dtype).device(
+                                      buffer->storage.device()));
+  out.set_(buffer->storage, offset.count() / item, sizes, strides);
+  return out;
+}
+
+void DeviceBase::consume(const BufferHandle& buffer, Bytes offset, Bytes bytes) {
+  if (recorder_) recorder_->consume(0, buffer->slot, offset, bytes);
+}
+
+std::uint8_t* DeviceBase::bytes_of(const BufferHandle& buffer) {
+  return static_cast<std::uint8_t*>(buffer->storage.mutable_data());
+}
+
+// --- loopback ------------------------------------------------------------------------------
+
+LoopbackDevice::LoopbackDevice(std::unique_ptr<Recorder> recorder)
+    : DeviceBase(std::move(recorder)) {}
+
+LoopbackDevice::Event LoopbackDevice::make_event() {
+  return Event{recorder_ ? recorder_->add_event() : 0};
+}
+
+std::optional<LoopbackDevice::Buffer> LoopbackDevice::allocate(Place place, Bytes bytes,
+                                                               Stream stream, std::string_view) {
+  at::Tensor t = at::empty({std::max<std::int64_t>(bytes.count(), 0)}, at::kByte);
+  BufferHandle entry = make_entry(t.storage(), place, bytes, stream.index);
+  hold(entry);
+  return entry;
+}
+
+void LoopbackDevice::copy(Stream stream, const Buffer& src, Bytes src_offset, const Buffer& dst,
+                          Bytes dst_offset, Bytes bytes, std::string_view) {
+  FERRY_CHECK(src_offset + bytes <= Bytes(static_cast<std::int64_t>(src->storage.nbytes())) &&
+                  dst_offset + bytes <= Bytes(static_cast<std::int64_t>(dst->storage.nbytes())),
+              "copy out of bounds");
+  if (bytes.count() > 0) {
+    std::memcpy(bytes_of(dst) + dst_offset.count(), bytes_of(src) + src_offset.count(),
+                static_cast<std::size_t>(bytes.count()));
+  }
+  if (recorder_) recorder_->copy(stream.index, src->slot, src_offset, dst->slot, dst_offset, bytes);
+}
+
+void LoopbackDevice::record(Event event, Stream stream) {
+  if (recorder_) recorder_->record(event.index, stream.index);
+}
+
+void LoopbackDevice::wait(Stream stream, Event event) {
+  if (recorder_) recorder_->wait(stream.index, event.index);
+}
+
+void LoopbackDevice::record_stream(const Buffer& buffer, Stream stream) {
+  if (recorder_) recorder_->record_stream(buffer->slot, stream.index);
+}
+
+}  // namespace ferry::real

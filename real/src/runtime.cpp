@@ -1,0 +1,511 @@
+#include "ferry/real/runtime.hpp"
+
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/SequenceNumber.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "ferry/check.hpp"
+#include "ferry/offloader.hpp"
+#include "ferry/real/device.hpp"
+#ifdef FERRY_HAVE_CUDA
+#include "ferry/real/cuda_device.hpp"
+#endif
+
+namespace ferry::real {
+
+namespace {
+
+thread_local std::vector<Context> tl_stack;
+
+// A saved tensor kept as it is.
+class KeptAsIs final : public Packed {
+ public:
+  explicit KeptAsIs(at::Tensor tensor) : tensor_(std::move(tensor)) {}
+  at::Tensor unpack() override { return tensor_; }
+
+ private:
+  at::Tensor tensor_;
+};
+
+// How to rebuild a saved tensor over its storage.
+struct TensorMeta {
+  std::vector<std::int64_t> sizes;
+  std::vector<std::int64_t> strides;
+  at::ScalarType dtype = at::kFloat;
+  Bytes span;  // bytes from the first to one past the last element
+};
+
+Bytes span_of(const at::Tensor& t) {
+  if (t.numel() == 0) return Bytes(0);
+  std::int64_t last = 0;
+  for (std::int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return Bytes((last + 1) * static_cast<std::int64_t>(t.element_size()));
+}
+
+// The graph task of the backward running on this thread; -1 outside backward.
+int current_graph_task() { return torch::autograd::get_current_graph_task_id(); }
+
+}  // namespace
+
+// --- offload sessions ------------------------------------------------------------------------
+
+namespace {
+
+class SessionBase : public Session, public std::enable_shared_from_this<SessionBase> {
+ public:
+  virtual at::Tensor unpack(TensorId id, const TensorMeta& meta) = 0;
+  virtual void release(TensorId id) = 0;
+};
+
+class OffloadedTensor final : public Packed {
+ public:
+  OffloadedTensor(std::shared_ptr<SessionBase> session, TensorId id, TensorMeta meta)
+      : session_(std::move(session)), id_(id), meta_(std::move(meta)) {}
+  ~OffloadedTensor() override { session_->release(id_); }
+  OffloadedTensor(const OffloadedTensor&) = delete;
+  OffloadedTensor& operator=(const OffloadedTensor&) = delete;
+  at::Tensor unpack() override { return session_->unpack(id_, meta_); }
+
+ private:
+  std::shared_ptr<SessionBase> session_;
+  TensorId id_;
+  TensorMeta meta_;
+};
+
+// Note [Nodes and backward passes]
+// The core names the backward node that saves a tensor. At pack time that node was the last
+// one created on this thread, so its sequence number is the next one minus one; sequence
+// numbers map to small dense node ids, reset when a new step starts (nothing is tracked).
+// At unpack the engine tells the current node; the first unpack of a graph task starts the
+// core's backward and queues its end as an end-of-backward callback, and each node gets a
+// post-hook that reports it done.
+template <class Device>
+class SessionImpl final : public SessionBase {
+ public:
+  explicit SessionImpl(const RealOptions& options)
+      : options_(options),
+        device_(options.record ? std::make_unique<Recorder>(options.profile) : nullptr),
+        core_(device_, options.offload) {}
+
+  PackedPtr pack(const at::Tensor& t) override {
+    if (!t.has_storage() || t.layout() != at::kStrided || t.is_quantized()) {
+      return std::make_shared<KeptAsIs>(t);
+    }
+    std::lock_guard lock(mutex_);
+    if (core_.tracked() == 0) {
+      nodes_.clear();
+      hooked_.clear();
+    }
+    const std::uint64_t seq = at::sequence_number::peek();
+    const NodeId node = node_id(seq == 0 ? 0 : seq - 1, /*create=*/true);
+    const auto item = static_cast<std::int64_t>(t.element_size());
+    TensorFacts facts;
+    facts.storage_bytes = Bytes(static_cast<std::int64_t>(t.storage().nbytes()));
+    facts.view_offset = Bytes(t.storage_offset() * item);
+    facts.storage = reinterpret_cast<std::uint64_t>(t.storage().unsafeGetStorageImpl());
+    TensorMeta meta{t.sizes().vec(), t.strides().vec(), t.scalar_type(), span_of(t)};
+    // trl copies the tensor's own bytes (its span); ferry the whole storage.
+    facts.bytes = options_.offload.policy == Policy::Trl ? meta.span : Bytes(t.numel() * item);
+    facts.on_device = device_.is_device_tensor(t);
+    facts.is_param = (t.is_leaf() && t.requires_grad()) ||
+                     excluded_.count(t.storage().unsafeGetStorageImpl()) != 0;
+    facts.node = node;
+    BufferHandle storage = device_.adopt(t);
+    const TensorId id = core_.pack(facts, storage);
+    return std::make_shared<OffloadedTensor>(shared_from_this(), id, std::move(meta));
+  }
+
+  at::Tensor unpack(TensorId id, const TensorMeta& meta) override {
+    std::lock_guard lock(mutex_);
+    NodeId node(0);
+    if (std::shared_ptr<torch::autograd::Node> current = torch::autograd::get_current_node()) {
+      node = node_id(current->sequence_nr(), /*create=*/false);
+      const int gid = current_graph_task();
+      if (gid != graph_task_) {
+        graph_task_ = gid;
+        core_.backward_begin({});
+        std::weak_ptr<SessionBase> weak = weak_from_this();
+        torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+          if (auto s = weak.lock()) static_cast<SessionImpl&>(*s).end_backward();
+        });
+      }
+      if (hooked_.insert(current.get()).second) {
+        std::weak_ptr<SessionBase> weak = weak_from_this();
+        current->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [weak, node](const torch::autograd::variable_list& outputs,
+                         const torch::autograd::variable_list&) {
+              if (auto s = weak.lock()) static_cast<SessionImpl&>(*s).node_done(node);
+              return outputs;
+            }));
+      }
+    }
+    const Unpacked<BufferHandle> u = core_.unpack(id, node);
+    device_.consume(u.storage, u.offset, meta.span);
+    at::Tensor out = DeviceBase::view(u.storage, u.offset, meta.sizes, meta.strides, meta.dtype);
+    device_.drop(u.storage);  // the tensor holds the storage now
+    return out;
+  }
+
+  void release(TensorId id) override {
+    std::lock_guard lock(mutex_);
+    core_.release(id);
+  }
+
+  void node_done(NodeId node) {
+    std::lock_guard lock(mutex_);
+    core_.node_done(node);
+  }
+
+  void end_backward() {
+    std::lock_guard lock(mutex_);
+    core_.backward_end();
+    graph_task_ = -1;
+    hooked_.clear();
+  }
+
+  void exclude(const at::Tensor& t) override {
+    if (!t.has_storage()) return;
+    std::lock_guard lock(mutex_);
+    excluded_.insert(t.storage().unsafeGetStorageImpl());
+  }
+
+  [[nodiscard]] OffloadTelemetry telemetry() const override {
+    std::lock_guard lock(mutex_);
+    return core_.telemetry();
+  }
+  [[nodiscard]] std::size_t tracked() const override {
+    std::lock_guard lock(mutex_);
+    return core_.tracked();
+  }
+  [[nodiscard]] std::int64_t live_device_buffers() const override {
+    std::lock_guard lock(mutex_);
+    return device_.live_device_buffers();
+  }
+  [[nodiscard]] std::int64_t live_host_buffers() const override {
+    std::lock_guard lock(mutex_);
+    return device_.live_host_buffers();
+  }
+  [[nodiscard]] std::string program_json() const override {
+    std::lock_guard lock(mutex_);
+    return device_.recorder() != nullptr ? device_.recorder()->json() : std::string();
+  }
+  [[nodiscard]] const RealOptions& options() const override { return options_; }
+
+ private:
+  NodeId node_id(std::uint64_t seq, bool create) {
+    auto it = nodes_.find(seq);
+    if (it != nodes_.end()) return it->second;
+    if (!create) return NodeId(0);  // a node that saved nothing through this session
+    const NodeId id(static_cast<std::uint32_t>(nodes_.size() + 1));
+    nodes_.emplace(seq, id);
+    return id;
+  }
+
+  RealOptions options_;
+  mutable std::recursive_mutex mutex_;
+  Device device_;
+  Offloader<Device> core_;
+  std::unordered_map<std::uint64_t, NodeId> nodes_;
+  std::unordered_set<const torch::autograd::Node*> hooked_;
+  std::unordered_set<const void*> excluded_;
+  int graph_task_ = -1;
+};
+
+}  // namespace
+
+std::shared_ptr<Session> Session::create(const RealOptions& options) {
+  if (options.offload.policy == Policy::Trl && options.offload.trl_stash_count < 1) {
+    throw OffloadError("max_fwd_stash_size should be at least 1");
+  }
+  if (options.loopback) return std::make_shared<SessionImpl<LoopbackDevice>>(options);
+#ifdef FERRY_HAVE_CUDA
+  if (cuda_available()) return std::make_shared<SessionImpl<CudaDevice>>(options);
+#endif
+  throw std::invalid_argument(
+      "ferry: no CUDA device is available; use the CPU loopback device (C++: "
+      "RealOptions::loopback = true, Python: ferry.offload(loopback=True))");
+}
+
+// --- the region stack ------------------------------------------------------------------------
+
+void push_context(Context context) { tl_stack.push_back(std::move(context)); }
+
+void pop_context(Context::Kind kind) {
+  if (tl_stack.empty() || tl_stack.back().kind != kind) {
+    throw std::logic_error(
+        "ferry: regions must nest: the region being closed is not the innermost one");
+  }
+  tl_stack.pop_back();
+}
+
+bool packing_active() { return !tl_stack.empty() && tl_stack.back().kind != Context::Kind::NoOffload; }
+
+// --- checkpoint --------------------------------------------------------------------------------
+
+namespace {
+
+// The random state a region's forward saw, to replay it (CPU and the CUDA devices its inputs
+// live on).
+struct RngState {
+  at::Tensor cpu;
+  std::vector<std::pair<c10::DeviceIndex, at::Tensor>> cuda;
+};
+
+at::Tensor generator_state(at::Generator gen) {
+  std::lock_guard lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_generator_state(at::Generator gen, const at::Tensor& state) {
+  std::lock_guard lock(gen.mutex());
+  gen.set_state(state);
+}
+
+RngState capture_rng(const std::vector<at::Tensor>& inputs) {
+  RngState state;
+  state.cpu = generator_state(at::detail::getDefaultCPUGenerator());
+  for (const at::Tensor& t : inputs) {
+    if (!t.defined() || !t.is_cuda()) continue;
+    const c10::DeviceIndex index = t.device().index();
+    if (std::any_of(state.cuda.begin(), state.cuda.end(),
+                    [&](const auto& e) { return e.first == index; })) {
+      continue;
+    }
+    state.cuda.emplace_back(
+        index, generator_state(at::globalContext().defaultGenerator(at::Device(at::kCUDA, index))));
+  }
+  return state;
+}
+
+void restore_rng(const RngState& state) {
+  set_generator_state(at::detail::getDefaultCPUGenerator(), state.cpu);
+  for (const auto& [index, s] : state.cuda) {
+    set_generator_state(at::globalContext().defaultGenerator(at::Device(at::kCUDA, index)), s);
+  }
+}
+
+SavedMeta saved_meta(const at::Tensor& t) {
+  SavedMeta meta;
+  meta.bytes = Bytes(t.numel() * static_cast<std::int64_t>(t.element_size()));
+  meta.dtype = static_cast<std::uint8_t>(t.scalar_type());
+  meta.device = static_cast<std::uint32_t>(t.device().type()) * 256U +
+                static_cast<std::uint32_t>(t.device().index() + 1);
+  return meta;
+}
+
+}  // namespace
+
+// Note [Real checkpoint]
+// Frames of one outermost region share a CheckpointState (nested regions find it on the
+// thread's stack). The region's inputs are kept by its replay closure; saved tensors are not
+// kept at all: pack returns a holder. The first unpack of a holder in a graph task replays the
+// region with the forward's random state, and the replay's pack hook hands the recomputed
+// tensors to the core, which stops the replay early once the last one is back. Tensors
+// recomputed but never taken are dropped at the end of the backward. The frames are forgotten
+// when no holder is left.
+class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
+ public:
+  FrameId begin(const CheckpointOptions& options, std::function<void()> replay, RngState rng) {
+    std::lock_guard lock(mutex_);
+    FrameOptions frame_options;
+    frame_options.early_stop = options.early_stop;
+    frame_options.determinism_check = options.determinism_check;
+    const FrameId id = core_.begin(frame_options);
+    frames_.resize(std::max<std::size_t>(frames_.size(), id.value() + 1));
+    frames_[id.value()] = FrameInfo{std::move(replay), std::move(rng), options.preserve_rng_state};
+    ++open_;
+    return id;
+  }
+
+  void end(FrameId frame) {
+    std::lock_guard lock(mutex_);
+    core_.end(frame);
+    --open_;
+    maybe_reset();
+  }
+
+  PackedPtr pack(FrameId frame, const at::Tensor& t);
+  PackedPtr recompute_pack(const at::Tensor& t) {
+    RecomputePack result;
+    {
+      std::lock_guard lock(mutex_);
+      result = core_.recompute_pack(saved_meta(t), t.detach());
+    }
+    if (result == RecomputePack::KeptLast) throw StopRecompute();
+    return std::make_shared<KeptAsIs>(t);
+  }
+
+  at::Tensor unpack(HolderId holder) {
+    const int task = current_graph_task();
+    std::uint64_t gid = 0;
+    FrameId frame;
+    bool again = false;
+    {
+      std::lock_guard lock(mutex_);
+      gid = task >= 0 ? static_cast<std::uint64_t>(task) : (1ULL << 62) + outside_++;
+      frame = core_.frame_of(holder);
+      again = !core_.recomputed(frame, gid);
+      if (again && task >= 0 && drained_.insert(gid).second) {
+        std::weak_ptr<CheckpointState> weak = weak_from_this();
+        torch::autograd::Engine::get_default_engine().queue_callback([weak, gid] {
+          if (auto s = weak.lock()) s->drain(gid);
+        });
+      }
+    }
+    if (again) recompute(frame, gid);
+    std::lock_guard lock(mutex_);
+    at::Tensor out = core_.take(holder, gid);
+    if (task < 0) drain(gid);
+    return out;
+  }
+
+  void release() {
+    std::lock_guard lock(mutex_);
+    --live_holders_;
+    maybe_reset();
+  }
+
+ private:
+  struct FrameInfo {
+    std::function<void()> replay;
+    RngState rng;
+    bool preserve_rng = true;
+  };
+
+  void recompute(FrameId frame, std::uint64_t gid) {
+    FrameInfo info;
+    {
+      std::lock_guard lock(mutex_);
+      core_.recompute_begin(frame, gid);
+      info = frames_.at(frame.value());
+      ++replaying_;
+    }
+    RngState outer;
+    if (info.preserve_rng) {
+      outer = capture_rng({});
+      for (const auto& [index, s] : info.rng.cuda) {
+        outer.cuda.emplace_back(index, generator_state(at::globalContext().defaultGenerator(
+                                           at::Device(at::kCUDA, index))));
+      }
+      restore_rng(info.rng);
+    }
+    push_context(Context{Context::Kind::Recompute, nullptr, shared_from_this(), frame});
+    const auto finish = [&] {
+      pop_context(Context::Kind::Recompute);
+      if (info.preserve_rng) restore_rng(outer);
+      std::lock_guard lock(mutex_);
+      --replaying_;
+      core_.recompute_end();
+    };
+    try {
+      at::AutoGradMode grad(true);
+      info.replay();
+    } catch (const StopRecompute&) {
+      // early stop: every saved tensor is back
+    } catch (...) {
+      try {
+        finish();
+      } catch (...) {  // the replay's own error is the one to report
+      }
+      throw;
+    }
+    finish();
+  }
+
+  void drain(std::uint64_t gid) {
+    std::vector<at::Tensor> left;
+    {
+      std::lock_guard lock(mutex_);
+      left = core_.drain(gid);
+      drained_.erase(gid);
+    }
+  }
+
+  void maybe_reset() {
+    if (live_holders_ == 0 && open_ == 0 && replaying_ == 0) {
+      core_.reset();
+      frames_.clear();
+    }
+  }
+
+  std::recursive_mutex mutex_;
+  Checkpointer<at::Tensor> core_;
+  std::vector<FrameInfo> frames_;
+  std::int64_t live_holders_ = 0;
+  int open_ = 0;
+  int replaying_ = 0;
+  std::uint64_t outside_ = 0;
+  std::unordered_set<std::uint64_t> drained_;
+
+  friend class Holder;
+};
+
+namespace {
+
+class Holder final : public Packed {
+ public:
+  Holder(std::shared_ptr<CheckpointState> state, HolderId id)
+      : state_(std::move(state)), id_(id) {}
+  ~Holder() override { state_->release(); }
+  Holder(const Holder&) = delete;
+  Holder& operator=(const Holder&) = delete;
+  at::Tensor unpack() override { return state_->unpack(id_); }
+
+ private:
+  std::shared_ptr<CheckpointState> state_;
+  HolderId id_;
+};
+
+}  // namespace
+
+PackedPtr CheckpointState::pack(FrameId frame, const at::Tensor& t) {
+  std::lock_guard lock(mutex_);
+  const HolderId id = core_.pack(frame, saved_meta(t));
+  ++live_holders_;
+  return std::make_shared<Holder>(shared_from_this(), id);
+}
+
+FrameToken frame_begin(const CheckpointOptions& options, std::function<void()> replay,
+                       const std::vector<at::Tensor>& inputs) {
+  std::shared_ptr<CheckpointState> state;
+  for (auto it = tl_stack.rbegin(); it != tl_stack.rend() && !state; ++it) {
+    if (it->kind == Context::Kind::Frame || it->kind == Context::Kind::Recompute) state = it->ckpt;
+  }
+  if (!state) state = std::make_shared<CheckpointState>();
+  RngState rng = options.preserve_rng_state ? capture_rng(inputs) : RngState{};
+  const FrameId frame = state->begin(options, std::move(replay), std::move(rng));
+  push_context(Context{Context::Kind::Frame, nullptr, state, frame});
+  return FrameToken{state, frame};
+}
+
+void frame_end(const FrameToken& token) {
+  pop_context(Context::Kind::Frame);
+  token.state->end(token.frame);
+}
+
+PackedPtr pack_saved(const at::Tensor& tensor) {
+  if (tl_stack.empty()) return std::make_shared<KeptAsIs>(tensor);
+  const Context& top = tl_stack.back();
+  switch (top.kind) {
+    case Context::Kind::Offload:
+      return top.session->pack(tensor);
+    case Context::Kind::NoOffload:
+      return std::make_shared<KeptAsIs>(tensor);
+    case Context::Kind::Frame:
+      return top.ckpt->pack(top.frame, tensor);
+    case Context::Kind::Recompute:
+      return top.ckpt->recompute_pack(tensor);
+  }
+  return std::make_shared<KeptAsIs>(tensor);
+}
+
+}  // namespace ferry::real
