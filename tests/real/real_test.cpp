@@ -1,0 +1,444 @@
+// The real backend on the CPU loopback device: gradients bitwise equal to runs without ferry,
+// bookkeeping back to empty after every step, and the reference's errors for misuse.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ferry/real/api.hpp"
+
+namespace {
+
+using Tensors = std::vector<torch::Tensor>;
+
+ferry::RealOptions loopback(ferry::Policy policy, std::int64_t min_bytes = 0) {
+  ferry::RealOptions o;
+  o.loopback = true;
+  o.offload.policy = policy;
+  o.offload.min_bytes = ferry::Bytes(min_bytes);
+  // No original stays on the device for backward: every offloaded tensor comes back through
+  // its host copy.
+  o.offload.window_bytes = ferry::Bytes(0);
+  o.offload.trl_stash_count = 1;
+  return o;
+}
+
+// Gradients of `leaves` after backward of `loss_fn()`.
+Tensors grads_of(const Tensors& leaves, const std::function<torch::Tensor()>& loss_fn) {
+  for (const auto& l : leaves) {
+    if (l.grad().defined()) l.mutable_grad().reset();
+  }
+  loss_fn().backward();
+  Tensors out;
+  for (const auto& l : leaves) out.push_back(l.grad().clone());
+  return out;
+}
+
+void expect_bitwise_equal(const Tensors& want, const Tensors& got) {
+  ASSERT_EQ(want.size(), got.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    ASSERT_TRUE(want[i].defined() && got[i].defined()) << "gradient " << i;
+    EXPECT_TRUE(torch::equal(want[i], got[i])) << "gradient " << i << " differs";
+  }
+}
+
+class Real : public ::testing::TestWithParam<ferry::Policy> {
+ protected:
+  void SetUp() override {
+    ferry::install();
+    torch::manual_seed(0);
+  }
+
+  // Reference gradients, then the same forward under an offload session (backward outside
+  // the guard, as the reference offloader is used); the session must be empty afterwards.
+  void check(const Tensors& leaves, const std::function<torch::Tensor()>& forward,
+             ferry::RealOptions options) {
+    const Tensors want = grads_of(leaves, forward);
+    ferry::Offload offload(std::move(options));
+    const Tensors got = grads_of(leaves, [&] {
+      ferry::OffloadGuard guard(offload);
+      return forward();
+    });
+    expect_bitwise_equal(want, got);
+    EXPECT_GT(offload.telemetry().packed, 0);
+    EXPECT_EQ(offload.tracked(), 0U);
+    EXPECT_EQ(offload.live_device_buffers(), 0);
+    telemetry_ = offload.telemetry();
+    if (offload.session()->options().offload.policy != ferry::Policy::None) {
+      EXPECT_GT(telemetry_.bytes_h2d.count(), 0) << "nothing came back from host memory";
+    }
+  }
+
+  ferry::OffloadTelemetry telemetry_;
+};
+
+TEST_P(Real, MlpGradientsAreBitwiseEqual) {
+  auto w1 = torch::randn({32, 64}, torch::requires_grad());
+  auto w2 = torch::randn({64, 16}, torch::requires_grad());
+  auto x = torch::randn({8, 32}, torch::requires_grad());
+  check({w1, w2, x}, [&] { return (x.matmul(w1).relu().matmul(w2).tanh() * 3).sum(); },
+        loopback(GetParam()));
+  if (GetParam() != ferry::Policy::None) {
+    EXPECT_GT(telemetry_.offloaded, 0);
+  }
+}
+
+TEST_P(Real, TransformerBlockWithAttention) {
+  const std::int64_t b = 2, s = 16, d = 32, h = 4;
+  torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({d}));
+  torch::nn::Linear qkv(d, 3 * d), proj(d, d), up(d, 4 * d), down(4 * d, d);
+  auto x = torch::randn({b, s, d}, torch::requires_grad());
+  Tensors leaves{x};
+  for (auto* m : std::initializer_list<torch::nn::Module*>{ln.get(), qkv.get(), proj.get(),
+                                                           up.get(), down.get()}) {
+    for (const auto& p : m->parameters()) leaves.push_back(p);
+  }
+  auto block = [&] {
+    auto q = qkv->forward(ln->forward(x)).view({b, s, 3, h, d / h}).permute({2, 0, 3, 1, 4});
+    auto att = q[0].matmul(q[1].transpose(-2, -1)) / std::sqrt(8.0);
+    att = att.masked_fill(torch::ones({s, s}, torch::kBool).triu(1), -1e9).softmax(-1);
+    auto y = x + proj->forward(att.matmul(q[2]).transpose(1, 2).reshape({b, s, d}));
+    return (y + down->forward(torch::gelu(up->forward(ln->forward(y))))).pow(2).mean();
+  };
+  check(leaves, block, loopback(GetParam()));
+}
+
+TEST_P(Real, ViewsBroadcastsAndNonContiguousSavedTensors) {
+  auto base = torch::randn({6, 10}, torch::requires_grad());
+  auto row = torch::randn({10}, torch::requires_grad());
+  check({base, row},
+        [&] {
+          auto t = base * 2;                              // a fresh storage
+          auto tr = t.t();                                // transposed view
+          auto sl = t.narrow(0, 2, 3);                    // a view at an offset
+          auto ex = row.unsqueeze(0).expand({6, 10});     // stride 0
+          auto st = t.as_strided({3, 3}, {7, 2}, 1);      // arbitrary strides
+          return (tr.sin() * 1.5).sum() + (sl * sl).sum() + (ex * t).exp().sum() +
+                 st.cos().pow(3).sum();
+        },
+        loopback(GetParam()));
+}
+
+TEST_P(Real, ParametersAndExcludedBuffersAreKept) {
+  auto w = torch::randn({16, 16}, torch::requires_grad());  // a leaf that needs grad
+  auto running = torch::randn({16});                          // a module buffer
+  auto x0 = torch::randn({4, 16}, torch::requires_grad());
+  ferry::RealOptions o = loopback(GetParam());
+  const Tensors want = grads_of({w, x0}, [&] { return ((x0 * 1).matmul(w) * running).sum(); });
+  ferry::Offload offload(o);
+  offload.exclude({running});
+  const Tensors got = grads_of({w, x0}, [&] {
+    ferry::OffloadGuard guard(offload);
+    return ((x0 * 1).matmul(w) * running).sum();
+  });
+  expect_bitwise_equal(want, got);
+  const auto t = offload.telemetry();
+  // Saved: mm saves x (offloaded) and w (a parameter, kept); mul saves the buffer (excluded,
+  // kept) for the product's gradient.
+  EXPECT_EQ(t.packed, 3);
+  if (GetParam() != ferry::Policy::None) {
+    EXPECT_EQ(t.offloaded, 1);
+    EXPECT_EQ(t.kept, 2);
+  }
+}
+
+TEST_P(Real, SharedStorages) {
+  auto x = torch::randn({8, 8}, torch::requires_grad());
+  check({x},
+        [&] {
+          auto t = x.exp();
+          auto a = t.narrow(0, 0, 4);
+          auto b = t.narrow(0, 4, 4);
+          return (a * b).sum() + (a.t() * 2).sin().sum();
+        },
+        loopback(GetParam()));
+  if (GetParam() == ferry::Policy::Ferry) {
+    EXPECT_GT(telemetry_.deduplicated, 0);
+  }
+}
+
+TEST_P(Real, NoOffloadRegionKeepsItsTensors) {
+  auto x = torch::randn({8, 8}, torch::requires_grad());
+  auto forward = [&](bool region) {
+    auto a = x.sin();
+    torch::Tensor b;
+    {
+      std::optional<ferry::NoOffloadGuard> keep;
+      if (region) keep.emplace();
+      b = a.exp() * a;
+    }
+    return (b.tanh() * a).sum();
+  };
+  const Tensors want = grads_of({x}, [&] { return forward(false); });
+  ferry::Offload offload(loopback(GetParam()));
+  const Tensors got = grads_of({x}, [&] {
+    ferry::OffloadGuard guard(offload);
+    return forward(true);
+  });
+  expect_bitwise_equal(want, got);
+  // exp's result and the inner mul's two inputs are saved inside the region: the session never
+  // sees them. It sees sin's input, tanh's result and the last mul's two inputs.
+  EXPECT_EQ(offload.telemetry().packed, 4);
+  EXPECT_EQ(offload.tracked(), 0U);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, Real,
+                         ::testing::Values(ferry::Policy::Ferry, ferry::Policy::Trl,
+                                           ferry::Policy::None),
+                         [](const auto& p) { return std::string(ferry::policy_name(p.param)); });
+
+class RealFerry : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ferry::install();
+    torch::manual_seed(0);
+  }
+};
+
+TEST_F(RealFerry, RetainGraphAndDoubleBackward) {
+  auto x = torch::randn({6, 6}, torch::requires_grad());
+  auto forward = [&] { return (x.sin() * x.exp()).matmul(x).sum(); };
+  // Reference: two backwards over one graph, then a gradient of a gradient.
+  auto y = forward();
+  y.backward({}, /*retain_graph=*/true);
+  y.backward();
+  const auto want_twice = x.grad().clone();
+  x.mutable_grad().reset();
+  auto g = torch::autograd::grad({forward()}, {x}, {}, true, true)[0];
+  g.pow(2).sum().backward();
+  const auto want_double = x.grad().clone();
+  x.mutable_grad().reset();
+
+  ferry::Offload offload(loopback(ferry::Policy::Ferry));
+  torch::Tensor y2;
+  {
+    ferry::OffloadGuard guard(offload);
+    y2 = forward();
+  }
+  y2.backward({}, true);
+  y2.backward();
+  EXPECT_TRUE(torch::equal(x.grad(), want_twice));
+  x.mutable_grad().reset();
+  torch::Tensor y3;
+  {
+    ferry::OffloadGuard guard(offload);
+    y3 = forward();
+  }
+  auto g2 = torch::autograd::grad({y3}, {x}, {}, true, true)[0];
+  g2.pow(2).sum().backward();
+  EXPECT_TRUE(torch::equal(x.grad(), want_double));
+  y2 = y3 = g2 = torch::Tensor();
+  EXPECT_EQ(offload.tracked(), 0U);
+  EXPECT_EQ(offload.live_device_buffers(), 0);
+}
+
+TEST_F(RealFerry, TrlRejectsASecondUnpackLikeTheReference) {
+  auto x = torch::randn({64}, torch::requires_grad());
+  ferry::Offload offload(loopback(ferry::Policy::Trl));
+  torch::Tensor y;
+  {
+    ferry::OffloadGuard guard(offload);
+    y = (x.exp() * 2).sum();
+  }
+  y.backward({}, true);
+  try {
+    y.backward();
+    FAIL() << "a second backward through trl must fail";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("untracked tensor with id"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_F(RealFerry, TrlRejectsANewForwardWithATrackerNotEmpty) {
+  auto x = torch::randn({64}, torch::requires_grad());
+  ferry::Offload offload(loopback(ferry::Policy::Trl));
+  torch::Tensor used, unused;
+  {
+    ferry::OffloadGuard guard(offload);
+    used = (x.exp() * 2).sum();
+    unused = (x.sin() * 2).sum();  // never backpropagated: its saved tensors stay tracked
+  }
+  used.backward();
+  EXPECT_GT(offload.tracked(), 0U);
+  ferry::OffloadGuard guard(offload);
+  try {
+    (void)(x.cos() * 2);
+    FAIL() << "the next forward must fail while the tracker is not empty";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "Backward pass should have cleared tracker of all tensors"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_F(RealFerry, TrlStashSizeMustBePositive) {
+  ferry::RealOptions o = loopback(ferry::Policy::Trl);
+  o.offload.trl_stash_count = 0;
+  EXPECT_THROW(
+      {
+        try {
+          ferry::Offload offload(o);
+        } catch (const ferry::OffloadError& e) {
+          EXPECT_STREQ(e.what(), "max_fwd_stash_size should be at least 1");
+          throw;
+        }
+      },
+      ferry::OffloadError);
+}
+
+TEST_F(RealFerry, NoCudaWithoutLoopbackIsAClearError) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a CUDA device is present";
+  ferry::RealOptions o;
+  try {
+    ferry::Offload offload(o);
+    FAIL() << "a CUDA session without CUDA must fail";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("loopback"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(RealFerry, RegionsMustNest) {
+  ferry::Offload offload(loopback(ferry::Policy::Ferry));
+  auto guard = std::make_unique<ferry::OffloadGuard>(offload);
+  auto keep = std::make_unique<ferry::NoOffloadGuard>();
+  EXPECT_THROW(ferry::real::pop_context(ferry::real::Context::Kind::Offload), std::logic_error);
+  keep.reset();
+  guard.reset();
+}
+
+TEST_F(RealFerry, FiftyStepsLeaveNothingBehind) {
+  for (const ferry::Policy policy : {ferry::Policy::Ferry, ferry::Policy::Trl}) {
+    torch::nn::Sequential mlp(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                              torch::nn::Linear(64, 64), torch::nn::GELU(),
+                              torch::nn::Linear(64, 8));
+    torch::optim::SGD sgd(mlp->parameters(), 0.01);
+    ferry::RealOptions o = loopback(policy);
+    o.offload.window_bytes = ferry::Bytes(0);  // every original leaves: backward reloads
+    ferry::Offload offload(o);
+    std::int64_t host_after_first = -1;
+    for (int step = 0; step < 50; ++step) {
+      auto x = torch::randn({16, 32});
+      sgd.zero_grad();
+      torch::Tensor loss;
+      {
+        ferry::OffloadGuard guard(offload);
+        loss = mlp->forward(x).pow(2).mean();
+      }
+      loss.backward();
+      sgd.step();
+      loss = torch::Tensor();
+      ASSERT_EQ(offload.tracked(), 0U) << "step " << step;
+      ASSERT_EQ(offload.live_device_buffers(), 0) << "step " << step;
+      if (host_after_first < 0) host_after_first = offload.live_host_buffers();
+      ASSERT_EQ(offload.live_host_buffers(), host_after_first) << "step " << step;
+    }
+    const auto t = offload.telemetry();
+    EXPECT_GT(t.bytes_h2d.count(), 0) << ferry::policy_name(policy);
+    if (policy == ferry::Policy::Trl) {
+      EXPECT_EQ(host_after_first, 0);
+    }
+  }
+}
+
+// --- checkpoint ------------------------------------------------------------------------------
+
+TEST_F(RealFerry, CheckpointGradientsAreBitwiseEqual) {
+  auto w = torch::randn({16, 16}, torch::requires_grad());
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  auto block = [&](const torch::Tensor& h) { return h.matmul(w).tanh().matmul(w).sigmoid(); };
+  const Tensors want = grads_of({w, x}, [&] { return block(block(x)).sum(); });
+  const Tensors got =
+      grads_of({w, x}, [&] { return ferry::checkpoint(block, ferry::checkpoint(block, x)).sum(); });
+  expect_bitwise_equal(want, got);
+}
+
+TEST_F(RealFerry, NestedCheckpointWithAndWithoutEarlyStop) {
+  auto w = torch::randn({12, 12}, torch::requires_grad());
+  auto x = torch::randn({3, 12}, torch::requires_grad());
+  auto inner = [&](const torch::Tensor& h) { return h.matmul(w).sin() * h; };
+  auto outer_plain = [&](const torch::Tensor& h) { return inner(inner(h).exp()).cos(); };
+  const Tensors want = grads_of({w, x}, [&] { return outer_plain(x).sum(); });
+  for (const bool early_stop : {true, false}) {
+    ferry::CheckpointOptions opts;
+    opts.early_stop = early_stop;
+    auto outer = [&](const torch::Tensor& h) {
+      auto a = ferry::checkpoint(inner, h, opts).exp();
+      return ferry::checkpoint(inner, a, opts).cos();
+    };
+    const Tensors got = grads_of({w, x}, [&] { return ferry::checkpoint(outer, x, opts).sum(); });
+    expect_bitwise_equal(want, got);
+  }
+}
+
+TEST_F(RealFerry, DropoutUnderCheckpointReplaysTheSameMask) {
+  auto w = torch::randn({32, 32}, torch::requires_grad());
+  auto x = torch::randn({8, 32}, torch::requires_grad());
+  auto block = [&](const torch::Tensor& h) {
+    return torch::dropout(h.matmul(w), 0.5, /*train=*/true).relu().matmul(w);
+  };
+  torch::manual_seed(7);
+  const Tensors want = grads_of({w, x}, [&] { return block(x).pow(2).sum(); });
+  torch::manual_seed(7);
+  const Tensors got = grads_of({w, x}, [&] { return ferry::checkpoint(block, x).pow(2).sum(); });
+  expect_bitwise_equal(want, got);
+}
+
+TEST_F(RealFerry, CheckpointInsideAnOffloadRegion) {
+  auto w = torch::randn({16, 16}, torch::requires_grad());
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  auto block = [&](const torch::Tensor& h) { return h.matmul(w).tanh() * h; };
+  const Tensors want = grads_of({w, x}, [&] { return block(block(x * 1)).sum(); });
+  ferry::Offload offload(loopback(ferry::Policy::Ferry));
+  const Tensors got = grads_of({w, x}, [&] {
+    ferry::OffloadGuard guard(offload);
+    return ferry::checkpoint(block, block(x * 1)).sum();
+  });
+  expect_bitwise_equal(want, got);
+  EXPECT_GT(offload.telemetry().offloaded, 0);
+  EXPECT_EQ(offload.tracked(), 0U);
+}
+
+TEST_F(RealFerry, ReplaySavingMoreTensorsIsAnError) {
+  auto x = torch::randn({8}, torch::requires_grad());
+  int calls = 0;
+  auto fn = [&](const torch::Tensor& h) {
+    auto y = h.sin();
+    if (calls++ > 0) y = y.exp();  // the replay saves one tensor more
+    return y;
+  };
+  ferry::CheckpointOptions opts;
+  opts.early_stop = false;
+  auto out = ferry::checkpoint(fn, x, opts).sum();
+  try {
+    out.backward();
+    FAIL() << "a replay that saves more tensors must fail";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("trying to save more tensors during recomputation"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_F(RealFerry, ReplayWithOtherShapesFailsTheDeterminismCheck) {
+  auto x = torch::randn({8}, torch::requires_grad());
+  int calls = 0;
+  auto fn = [&](const torch::Tensor& h) {
+    return calls++ == 0 ? h.sin() : h.narrow(0, 0, 4).sin();
+  };
+  ferry::CheckpointOptions opts;
+  opts.early_stop = false;
+  auto out = ferry::checkpoint(fn, x, opts).sum();
+  try {
+    out.backward();
+    FAIL() << "a replay with other metadata must fail";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("different metadata"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
