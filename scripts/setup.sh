@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Installs the build dependencies that are missing; does nothing when all are present.
+# Installs the build dependencies that are missing; does nothing when all are present:
+# Debian packages, then LibTorch for the real backend (the PyPI torch wheel, in the project's
+# .venv). FERRY_TORCH=0 skips LibTorch: the simulator-only build needs none of it.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 packages=(cmake ninja-build g++ libfmt-dev nlohmann-json3-dev libcli11-dev
           libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev)
@@ -8,11 +11,32 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 done
-if ((${#missing[@]} == 0)); then
+if ((${#missing[@]} > 0)); then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo=""
+  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >&2
+fi
+
+if [[ ${FERRY_TORCH:-1} == 0 ]]; then
   exit 0
 fi
-echo "setup: installing ${missing[*]}" >&2
-sudo=""
-if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+# torch 2.11.0 (the version of the GPU hosts) without its declared dependencies: the CUDA 13
+# runtime libraries come from the system CUDA toolkit, so only the three the toolkit lacks are
+# added. About 760 MB to download, 1.6 GB installed (docs/real.md).
+torch_version=2.11.0
+python=${FERRY_SETUP_PYTHON:-python3}
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" \
+    >/dev/null 2>&1; then
+  echo "setup: installing torch==$torch_version into .venv" >&2
+  "$python" -m venv .venv
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps \
+    "torch==$torch_version" typing_extensions nvidia-cufile==1.15.1.6 \
+    nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 >&2
+fi
+# Building and testing the Python extension.
+if ! .venv/bin/python -c "import pytest, wheel" >/dev/null 2>&1; then
+  .venv/bin/pip install --quiet --disable-pip-version-check pytest wheel ninja >&2
+fi
