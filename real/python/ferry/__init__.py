@@ -1,0 +1,260 @@
+"""ferry: activation offload and checkpointing for PyTorch autograd.
+
+Saved tensors of the ops run under a ferry region go through ferry's runtime (``ferry._C``):
+
+    ctx = ferry.offload_model(model)          # or ferry.offload(), then update_model_params
+    for batch in data:
+        with ctx:
+            loss = model(batch)
+        loss.backward()
+
+``offload`` moves saved activations to host memory and brings them back for backward (on a
+CPU-only machine, ``loopback=True`` runs the same protocol between CPU buffers).
+``no_offload`` keeps the saved tensors of a sub-region as they are, and ``checkpoint`` keeps
+none: backward recomputes them, as ``torch.utils.checkpoint(use_reentrant=False)`` does.
+"""
+
+import warnings
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from . import _C
+
+__all__ = ["offload", "no_offload", "checkpoint", "offload_model"]
+__version__ = "0.1.0"
+
+
+class offload(saved_tensors_hooks):
+    """Offloads the saved tensors of the ops run inside it.
+
+    The object is meant to be reused step after step (``with ctx:`` around each forward); it
+    keeps one scheduler session, whose state can be read with ``telemetry()``, ``tracked()``,
+    ``live_device_buffers()`` and ``live_host_buffers()``.
+
+    Options: ``policy`` is ``"ferry"`` (ferry's scheduler), ``"trl"`` (a faithful model of the
+    reference hook-based offloader) or ``"none"`` (keep everything); tensors under
+    ``min_bytes`` stay; ``max_fwd_stash_size`` is the reference's forward stash (trl);
+    ``window_bytes``, ``prefetch_bytes``, ``host_cap``, ``dedup`` and ``prefetch`` tune the
+    ferry policy. ``loopback=True`` treats CPU tensors as device tensors (no GPU needed);
+    ``record=True`` records the stream program for ``ferry check`` (see ``write_program``).
+    Keyword arguments ``skip_*`` plant synchronization faults, for tests of the checker only.
+    """
+
+    def __init__(
+        self,
+        *,
+        policy="ferry",
+        min_bytes=1024,
+        max_fwd_stash_size=5,
+        window_bytes=None,
+        prefetch_bytes=None,
+        host_cap=None,
+        dedup=True,
+        prefetch=True,
+        loopback=False,
+        record=False,
+        profile=None,
+        **faults,
+    ):
+        options = dict(
+            policy=policy,
+            min_bytes=min_bytes,
+            max_fwd_stash_size=max_fwd_stash_size,
+            dedup=dedup,
+            prefetch=prefetch,
+            loopback=loopback,
+            record=record,
+        )
+        for name, value in (
+            ("window_bytes", window_bytes),
+            ("prefetch_bytes", prefetch_bytes),
+            ("host_cap", host_cap),
+            ("profile", profile),
+        ):
+            if value is not None:
+                options[name] = value
+        for name in faults:
+            if not name.startswith("skip_"):
+                raise TypeError(f"offload() got an unexpected keyword argument '{name}'")
+        self._session = _C.Session(**options, **faults)
+        super().__init__(_C._pack, _C._unpack)
+
+    def __enter__(self):
+        _C._push_offload(self._session)
+        try:
+            super().__enter__()
+        except BaseException:
+            _C._pop("offload")
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            super().__exit__(*exc)
+        finally:
+            _C._pop("offload")
+
+    def telemetry(self):
+        """The scheduler's counters, as a dict (bytes as ints)."""
+        return self._session.telemetry()
+
+    def tracked(self):
+        """Saved tensors the scheduler still tracks."""
+        return self._session.tracked()
+
+    def live_device_buffers(self):
+        """Device storages the scheduler holds a reference to."""
+        return self._session.live_device_buffers()
+
+    def live_host_buffers(self):
+        """Host buffers the scheduler holds (ferry's pool keeps them across steps)."""
+        return self._session.live_host_buffers()
+
+    def program_json(self):
+        """The recorded stream program (empty unless ``record=True``)."""
+        return self._session.program_json()
+
+    def write_program(self, path):
+        """Writes the recorded program to ``path``, for ``ferry check``."""
+        text = self.program_json()
+        if not text:
+            raise ValueError("ferry.offload: nothing recorded; create it with record=True")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    def update_model_params(self, model):
+        """Never offload ``model``'s parameters and buffers (frozen ones included)."""
+        for p in model.parameters():
+            self._session.exclude(p)
+        for b in model.buffers():
+            self._session.exclude(b)
+
+
+class no_offload(saved_tensors_hooks):
+    """Inside an offload region: the saved tensors of ops run inside it are kept as they are."""
+
+    def __init__(self):
+        super().__init__(_C._pack, _C._unpack)
+
+    def __enter__(self):
+        _C._push_no_offload()
+        try:
+            super().__enter__()
+        except BaseException:
+            _C._pop("no_offload")
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            super().__exit__(*exc)
+        finally:
+            _C._pop("no_offload")
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
+
+def checkpoint(
+    fn,
+    *args,
+    use_reentrant=False,
+    early_stop=True,
+    preserve_rng_state=True,
+    determinism_check="default",
+    **kwargs,
+):
+    """Runs ``fn(*args, **kwargs)`` keeping none of its saved tensors; backward recomputes them.
+
+    Behaves as ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``: nestable,
+    stops recomputing once every saved tensor is back (``early_stop``), replays with the random
+    state the forward saw (``preserve_rng_state``), and checks that the recomputation saves the
+    same tensors (``determinism_check="default"``; ``"none"`` turns the check off).
+    """
+    if use_reentrant:
+        raise ValueError("ferry.checkpoint is non-reentrant; use_reentrant=True is not supported")
+    if determinism_check not in ("default", "none"):
+        raise ValueError(
+            f"determinism_check should be one of ['default', 'none'], but got {determinism_check!r}"
+        )
+    inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+
+    def replay():
+        replay_args = [_detached(a) for a in args]
+        replay_kwargs = {k: _detached(v) for k, v in kwargs.items()}
+        with torch.enable_grad(), saved_tensors_hooks(_C._pack, _C._unpack):
+            fn(*replay_args, **replay_kwargs)
+
+    token = _C._frame_begin(
+        replay, inputs, early_stop, determinism_check == "default", preserve_rng_state
+    )
+    try:
+        with saved_tensors_hooks(_C._pack, _C._unpack):
+            out = fn(*args, **kwargs)
+    finally:
+        _C._frame_end(token)
+    return out
+
+
+def _output_head(model):
+    """The module whose saved tensors are not worth offloading (the reference's search)."""
+    nn = torch.nn
+    if hasattr(model, "output"):
+        if isinstance(model.output, nn.Module):
+            return model.output
+        linear = getattr(model.output, "linear", None)
+        return linear if isinstance(linear, nn.Module) else None
+    if hasattr(model, "lm_head"):
+        return model.lm_head if isinstance(model.lm_head, nn.Module) else None
+    if hasattr(model, "decoder"):
+        decoder = model.decoder
+        for name in ("output", "lm_head"):
+            head = getattr(decoder, name, None)
+            if isinstance(head, nn.Module):
+                return head
+        return None
+    if hasattr(model, "final_layer_norm") or hasattr(model, "ln_f"):
+        head = getattr(model, "final_layer_norm", None) or getattr(model, "ln_f", None)
+        return head if isinstance(head, nn.Module) else None
+    head = getattr(model, "head", None)
+    return head if isinstance(head, nn.Module) else None
+
+
+def offload_model(model, *, warn_if_no_head=True, **options):
+    """An ``offload`` set up for ``model`` the way the reference offloader is used.
+
+    Like TRL's ``get_act_offloading_ctx_manager``: parameters and buffers are excluded, and the
+    output head (``output``, ``lm_head``, ``decoder.output``/``decoder.lm_head``,
+    ``final_layer_norm``/``ln_f``, ``head``) runs in a no-offload region, since its activations
+    are needed again right away. ``options`` are ``offload``'s. Use the result as
+    ``with ctx: loss = model(x)``.
+    """
+    ctx = offload(**options)
+    ctx.update_model_params(model)
+    unwrapped = getattr(model, "module", model)  # DDP / FSDP wrappers
+    if hasattr(unwrapped, "base_model") and hasattr(unwrapped, "peft_config"):
+        unwrapped = unwrapped.base_model  # PEFT
+    head = _output_head(unwrapped)
+    if head is None:
+        if warn_if_no_head:
+            warnings.warn(
+                "ferry.offload_model: no output head was detected; every saved tensor of the "
+                "model is a candidate for offload, the last ones included",
+                stacklevel=2,
+            )
+        return ctx
+    region = no_offload()
+
+    def enter(module, args):
+        region.__enter__()  # returns nothing: a pre-hook's result would replace the inputs
+
+    def leave(module, args, output):
+        region.__exit__(None, None, None)  # returns nothing: the output stays
+
+    head.register_forward_pre_hook(enter)
+    head.register_forward_hook(leave, always_call=True)
+    return ctx

@@ -1,0 +1,197 @@
+// ferry._C: the real backend's runtime (offload sessions, checkpoint frames and the per-thread
+// region stack of ferry/real/runtime.hpp) for Python. The Python package installs the pack and
+// unpack hooks with torch.autograd.graph.saved_tensors_hooks; this module only does the work.
+
+#include <torch/extension.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ferry/checkpoint.hpp"
+#include "ferry/offload_options.hpp"
+#include "ferry/real/runtime.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+using ferry::real::Context;
+using ferry::real::FrameToken;
+using ferry::real::Packed;
+using ferry::real::Session;
+
+// The Python type of ferry._C._StopRecomputation (owned by the module, never released).
+PyObject* stop_type = nullptr;
+
+ferry::Policy parse_policy(const std::string& name) {
+  if (name == "ferry") return ferry::Policy::Ferry;
+  if (name == "trl") return ferry::Policy::Trl;
+  if (name == "none") return ferry::Policy::None;
+  throw std::invalid_argument("ferry: unknown policy '" + name +
+                              "' (expected 'ferry', 'trl' or 'none')");
+}
+
+Context::Kind parse_kind(const std::string& name) {
+  if (name == "offload") return Context::Kind::Offload;
+  if (name == "no_offload") return Context::Kind::NoOffload;
+  throw std::invalid_argument("ferry: unknown region kind '" + name +
+                              "' (expected 'offload' or 'no_offload')");
+}
+
+py::dict telemetry_dict(const ferry::OffloadTelemetry& t) {
+  py::dict d;
+  d["packed"] = t.packed;
+  d["offloaded"] = t.offloaded;
+  d["kept"] = t.kept;
+  d["deduplicated"] = t.deduplicated;
+  d["host_fallbacks"] = t.host_fallbacks;
+  d["prefetched"] = t.prefetched;
+  d["on_demand"] = t.on_demand;
+  d["stash_hits"] = t.stash_hits;
+  d["record_stream_fallbacks"] = t.record_stream_fallbacks;
+  d["bytes_d2h"] = t.bytes_d2h.count();
+  d["bytes_h2d"] = t.bytes_h2d.count();
+  d["pinned_bytes"] = t.pinned_bytes.count();
+  d["pinned_peak"] = t.pinned_peak.count();
+  return d;
+}
+
+// Note [Python replay]
+// The runtime copies and destroys a frame's replay wherever its books say so, possibly without
+// the GIL (an autograd worker thread, the last holder freed in C++). The Python callable is
+// therefore held through a shared pointer whose deleter takes the GIL, and called with it; the
+// stop exception raised by the replay's pack hook (translated to Python on its way out of
+// _pack) becomes ferry::real::StopRecompute again here.
+std::function<void()> make_replay(py::object callable) {
+  std::shared_ptr<py::object> fn(new py::object(std::move(callable)), [](py::object* o) {
+    py::gil_scoped_acquire gil;
+    delete o;
+  });
+  return [fn] {
+    py::gil_scoped_acquire gil;
+    try {
+      (*fn)();
+    } catch (py::error_already_set& e) {
+      if (stop_type != nullptr && e.matches(stop_type)) throw ferry::real::StopRecompute();
+      throw;
+    }
+  };
+}
+
+std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t min_bytes,
+                                      std::int32_t max_fwd_stash_size, std::int64_t window_bytes,
+                                      std::int64_t prefetch_bytes, std::int64_t host_cap,
+                                      bool dedup, bool prefetch, bool loopback, bool record,
+                                      const std::string& profile, bool skip_reload_wait,
+                                      bool skip_offload_wait, bool skip_forward_guard,
+                                      bool skip_backward_guard, bool skip_record_stream,
+                                      bool skip_host_guard) {
+  ferry::RealOptions options;
+  options.offload.policy = parse_policy(policy);
+  options.offload.min_bytes = ferry::Bytes(min_bytes);
+  options.offload.trl_stash_count = max_fwd_stash_size;
+  options.offload.window_bytes = ferry::Bytes(window_bytes);
+  options.offload.prefetch_bytes = ferry::Bytes(prefetch_bytes);
+  options.offload.host_cap = ferry::Bytes(host_cap);
+  options.offload.dedup = dedup;
+  options.offload.prefetch = prefetch;
+  options.offload.faults.skip_reload_wait = skip_reload_wait;
+  options.offload.faults.skip_offload_wait = skip_offload_wait;
+  options.offload.faults.skip_forward_guard = skip_forward_guard;
+  options.offload.faults.skip_backward_guard = skip_backward_guard;
+  options.offload.faults.skip_record_stream = skip_record_stream;
+  options.offload.faults.skip_host_guard = skip_host_guard;
+  options.loopback = loopback;
+  options.record = record;
+  options.profile = profile;
+  return Session::create(options);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ferry's real backend: offload sessions and checkpoint frames over saved tensors";
+
+  // Python exceptions for the runtime's errors, as the reference implementations raise them.
+  static py::exception<ferry::real::StopRecompute>& stop =
+      py::register_local_exception<ferry::real::StopRecompute>(m, "_StopRecomputation");
+  stop_type = stop.ptr();
+  Py_INCREF(stop_type);
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ferry::OffloadError& e) {
+      // The reference offloader raises ValueError for these misuses.
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const ferry::CheckpointError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::logic_error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  py::class_<Packed, std::shared_ptr<Packed>>(m, "_Packed",
+                                              "What a pack hook returned for a saved tensor.");
+
+  m.def("_pack", &ferry::real::pack_saved, py::arg("tensor"),
+        "The pack hook: what the innermost region does with a saved tensor.");
+  m.def(
+      "_unpack", [](const std::shared_ptr<Packed>& p) { return p->unpack(); }, py::arg("packed"),
+      "The unpack hook: the saved tensor back.");
+
+  const ferry::RealOptions defaults;
+  const ferry::OffloadOptions& d = defaults.offload;
+  py::class_<Session, std::shared_ptr<Session>>(m, "Session", "One offload session.")
+      .def(py::init(&make_session), py::kw_only(), py::arg("policy") = "ferry",
+           py::arg("min_bytes") = d.min_bytes.count(),
+           py::arg("max_fwd_stash_size") = d.trl_stash_count,
+           py::arg("window_bytes") = d.window_bytes.count(),
+           py::arg("prefetch_bytes") = d.prefetch_bytes.count(),
+           py::arg("host_cap") = d.host_cap.count(), py::arg("dedup") = d.dedup,
+           py::arg("prefetch") = d.prefetch, py::arg("loopback") = defaults.loopback,
+           py::arg("record") = defaults.record, py::arg("profile") = defaults.profile,
+           py::arg("skip_reload_wait") = false, py::arg("skip_offload_wait") = false,
+           py::arg("skip_forward_guard") = false, py::arg("skip_backward_guard") = false,
+           py::arg("skip_record_stream") = false, py::arg("skip_host_guard") = false)
+      .def("exclude", &Session::exclude, py::arg("tensor"),
+           "Never offload this tensor's storage (parameters, module buffers).")
+      .def(
+          "telemetry", [](const Session& s) { return telemetry_dict(s.telemetry()); },
+          "The scheduler's counters (bytes as ints).")
+      .def("tracked", &Session::tracked, "Saved tensors the scheduler still tracks.")
+      .def("live_device_buffers", &Session::live_device_buffers)
+      .def("live_host_buffers", &Session::live_host_buffers)
+      .def("program_json", &Session::program_json,
+           "The recorded program (empty unless record=True).");
+
+  m.def(
+      "_push_offload",
+      [](const std::shared_ptr<Session>& session) {
+        ferry::real::push_context(Context{Context::Kind::Offload, session, nullptr, {}});
+      },
+      py::arg("session"));
+  m.def("_push_no_offload", [] { ferry::real::push_context(Context{}); });
+  m.def(
+      "_pop", [](const std::string& kind) { ferry::real::pop_context(parse_kind(kind)); },
+      py::arg("kind"));
+
+  py::class_<FrameToken>(m, "_FrameToken", "An open checkpoint frame.");
+  m.def(
+      "_frame_begin",
+      [](py::object replay, const std::vector<at::Tensor>& inputs, bool early_stop,
+         bool determinism_check, bool preserve_rng_state) {
+        ferry::CheckpointOptions options;
+        options.early_stop = early_stop;
+        options.determinism_check = determinism_check;
+        options.preserve_rng_state = preserve_rng_state;
+        return ferry::real::frame_begin(options, make_replay(std::move(replay)), inputs);
+      },
+      py::arg("replay"), py::arg("inputs"), py::arg("early_stop") = true,
+      py::arg("determinism_check") = true, py::arg("preserve_rng_state") = true);
+  m.def("_frame_end", &ferry::real::frame_end, py::arg("token"));
+}

@@ -1,0 +1,45 @@
+"""Shared setup of ferry's Python tests.
+
+Nothing is skipped silently: the only skips are the `gpu` tests on a machine without CUDA and
+the CPU-only misuse test on a machine with it, each with its reason (pytest.ini shows them).
+A missing `ferry` module is an error, never a skip: install it first with
+`.venv/bin/pip install --no-build-isolation ./real/python`.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ferry  # noqa: E402  (an ImportError here fails the whole run, as it should)
+
+HAVE_CUDA = torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA device (skipped, with the reason shown, when torch sees none)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False")
+    for item in items:
+        if "gpu" in item.keywords and not HAVE_CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    """Each test starts from the same random state and leaves no region open behind it."""
+    torch.manual_seed(0)
+    yield
+    # A region left open would change what the next test's saved tensors go through: both
+    # ferry's region stack (per thread; _pop of an empty stack raises) and torch's stack of
+    # saved-tensor hooks must be empty between tests.
+    with pytest.raises(RuntimeError, match="regions must nest"):
+        ferry._C._pop("offload")
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

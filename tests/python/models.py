@@ -1,0 +1,121 @@
+"""Tiny models and the gradient comparison the tests share."""
+
+import contextlib
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d=32, hidden=64):
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(F.gelu(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block with causal self-attention written out by hand."""
+
+    def __init__(self, d=32, heads=4, max_len=16):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+        self.register_buffer("mask", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)))
+
+    def attention(self, x):
+        b, t, d = x.shape
+        hd = d // self.heads
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q = q.view(b, t, self.heads, hd).transpose(1, 2)
+        k = k.view(b, t, self.heads, hd).transpose(1, 2)
+        v = v.view(b, t, self.heads, hd).transpose(1, 2)
+        att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
+        att = torch.softmax(att, dim=-1)
+        y = torch.matmul(att, v).transpose(1, 2).reshape(b, t, d)
+        return self.proj(y)
+
+    def forward(self, x):
+        x = x + self.attention(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    """Two blocks and an `lm_head`, the shape offload_model looks for."""
+
+    def __init__(self, d=32, vocab=48):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def loss_of(out):
+    return out.square().mean()
+
+
+def assert_same_grads(ref_model, model, ref_inputs=(), inputs=()):
+    """Every parameter and input gradient bitwise equal."""
+    ref_params = dict(ref_model.named_parameters()) if ref_model is not None else {}
+    params = dict(model.named_parameters()) if model is not None else {}
+    assert ref_params.keys() == params.keys()
+    for name, p in params.items():
+        r = ref_params[name]
+        assert (r.grad is None) == (p.grad is None), name
+        if r.grad is not None:
+            assert torch.equal(r.grad, p.grad), f"gradient of {name} differs"
+    for i, (r, x) in enumerate(zip(ref_inputs, inputs)):
+        assert r.grad is not None and x.grad is not None, f"input {i} has no gradient"
+        assert torch.equal(r.grad, x.grad), f"gradient of input {i} differs"
+
+
+def twin(make_model, make_input, seed=0):
+    """A model and input, and an identical copy of both (weights copied, not re-drawn)."""
+    torch.manual_seed(seed)
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_x = make_input().requires_grad_()
+    x = ref_x.detach().clone().requires_grad_()
+    return ref, model, ref_x, x
+
+
+def step(model, x, ctx=None, loss=loss_of):
+    """One forward (under `ctx` when given) and backward; returns the loss."""
+    with ctx if ctx is not None else contextlib.nullcontext():
+        value = loss(model(x))
+    value.backward()
+    return value
+
+
+def check_against_plain(make_model, make_input, ctx, steps=1, device="cpu"):
+    """Trains a copy of a model under `ctx` and without it; every step's grads match bitwise."""
+    ref, model, ref_x, x = twin(make_model, make_input)
+    ref, model = ref.to(device), model.to(device)
+    ref_x = ref_x.detach().to(device).requires_grad_()
+    x = x.detach().to(device).requires_grad_()
+    for _ in range(steps):
+        for m, inp in ((ref, ref_x), (model, x)):
+            m.zero_grad(set_to_none=True)
+            inp.grad = None
+        ref_loss = step(ref, ref_x)
+        got_loss = step(model, x, ctx)
+        assert torch.equal(ref_loss, got_loss)
+        assert_same_grads(ref, model, [ref_x], [x])
+    return model

@@ -1,0 +1,70 @@
+"""The stream program a loopback session records is one `ferry check` proves safe, and a
+planted fault is one it catches."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+import ferry
+from models import MLP, loss_of
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+DEFAULT_CLI = os.path.join(REPO, "build", "release", "sim", "ferry")
+
+
+def cli():
+    """The `ferry` CLI: FERRY_CLI when set (then it must exist), else the release build."""
+    path = os.environ.get("FERRY_CLI")
+    if path:
+        assert os.access(path, os.X_OK), f"FERRY_CLI={path} is not an executable"
+        return path
+    if not os.access(DEFAULT_CLI, os.X_OK):
+        pytest.skip(
+            f"the ferry CLI is not built ({DEFAULT_CLI}); build it with "
+            "`cmake --build build/release --target ferry` or set FERRY_CLI"
+        )
+    return DEFAULT_CLI
+
+
+def record_step(tmp_path, policy, **faults):
+    torch.manual_seed(9)
+    model = MLP(16, 32)
+    # A one-byte window and a one-tensor stash: originals leave the device during forward, so
+    # backward reloads them and the reload synchronization matters.
+    ctx = ferry.offload(
+        policy=policy, loopback=True, record=True, min_bytes=0, window_bytes=1,
+        max_fwd_stash_size=1, **faults,
+    )
+    ctx.update_model_params(model)
+    with ctx:
+        loss = loss_of(model(torch.randn(4, 16)))
+    loss.backward()
+    assert ctx.tracked() == 0
+    path = tmp_path / f"{policy}.json"
+    ctx.write_program(path)
+    json.loads(path.read_text())  # well-formed
+    return path
+
+
+def check(path):
+    return subprocess.run([cli(), "check", str(path)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("policy", ["ferry", "trl"])
+def test_recorded_program_is_safe(tmp_path, policy):
+    result = check(record_step(tmp_path, policy))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("policy", ["ferry", "trl"])
+def test_planted_reload_fault_is_caught(tmp_path, policy):
+    result = check(record_step(tmp_path, policy, skip_reload_wait=True))
+    assert result.returncode == 1, result.stdout + result.stderr
+
+
+def test_program_empty_without_record():
+    ctx = ferry.offload(loopback=True)
+    assert ctx.program_json() == ""
