@@ -73,16 +73,12 @@ std::optional<CudaDevice::Buffer> CudaDevice::allocate(Place place, Bytes bytes,
   } catch (const c10::OutOfMemoryError&) {
     return std::nullopt;
   }
-  BufferHandle entry = make_entry(std::move(storage), place, bytes, stream.index);
-  hold(entry);
-  return entry;
+  return allocated(std::move(storage), place, bytes, stream.index);
 }
 
 void CudaDevice::copy(Stream stream, const Buffer& src, Bytes src_offset, const Buffer& dst,
                       Bytes dst_offset, Bytes bytes, std::string_view) {
-  FERRY_CHECK(src_offset + bytes <= Bytes(static_cast<std::int64_t>(src->storage.nbytes())) &&
-                  dst_offset + bytes <= Bytes(static_cast<std::int64_t>(dst->storage.nbytes())),
-              "copy out of bounds");
+  check_copy(src, src_offset, dst, dst_offset, bytes);
   const c10::cuda::CUDAStream s = streams_.at(stream.index);
   if (bytes.count() > 0) {
     check_cuda(cudaMemcpyAsync(bytes_of(dst) + dst_offset.count(),

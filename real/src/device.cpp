@@ -68,6 +68,23 @@ void DeviceBase::consume(const BufferHandle& buffer, Bytes offset, Bytes bytes) 
   if (recorder_) recorder_->consume(0, buffer->slot, offset, bytes);
 }
 
+BufferHandle DeviceBase::allocated(at::Storage storage, Place place, Bytes bytes,
+                                   std::uint32_t stream) {
+  BufferHandle entry = make_entry(std::move(storage), place, bytes, stream);
+  hold(entry);
+  return entry;
+}
+
+void DeviceBase::check_copy(const BufferHandle& src, Bytes src_offset, const BufferHandle& dst,
+                            Bytes dst_offset, Bytes bytes) {
+  const auto size = [](const BufferHandle& b) {
+    return Bytes(static_cast<std::int64_t>(b->storage.nbytes()));
+  };
+  FERRY_CHECK(src && src->storage && dst && dst->storage, "copy of a freed buffer");
+  FERRY_CHECK(src_offset + bytes <= size(src) && dst_offset + bytes <= size(dst),
+              "copy out of bounds");
+}
+
 std::uint8_t* DeviceBase::bytes_of(const BufferHandle& buffer) {
   return static_cast<std::uint8_t*>(buffer->storage.mutable_data());
 }
@@ -84,16 +101,12 @@ LoopbackDevice::Event LoopbackDevice::make_event() {
 std::optional<LoopbackDevice::Buffer> LoopbackDevice::allocate(Place place, Bytes bytes,
                                                                Stream stream, std::string_view) {
   at::Tensor t = at::empty({std::max<std::int64_t>(bytes.count(), 0)}, at::kByte);
-  BufferHandle entry = make_entry(t.storage(), place, bytes, stream.index);
-  hold(entry);
-  return entry;
+  return allocated(t.storage(), place, bytes, stream.index);
 }
 
 void LoopbackDevice::copy(Stream stream, const Buffer& src, Bytes src_offset, const Buffer& dst,
                           Bytes dst_offset, Bytes bytes, std::string_view) {
-  FERRY_CHECK(src_offset + bytes <= Bytes(static_cast<std::int64_t>(src->storage.nbytes())) &&
-                  dst_offset + bytes <= Bytes(static_cast<std::int64_t>(dst->storage.nbytes())),
-              "copy out of bounds");
+  check_copy(src, src_offset, dst, dst_offset, bytes);
   if (bytes.count() > 0) {
     std::memcpy(bytes_of(dst) + dst_offset.count(), bytes_of(src) + src_offset.count(),
                 static_cast<std::size_t>(bytes.count()));

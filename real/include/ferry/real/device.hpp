@@ -67,6 +67,10 @@ class DeviceBase {
 
  protected:
   BufferHandle make_entry(at::Storage storage, Place place, Bytes bytes, std::int64_t stream);
+  /// A new buffer over `storage` holding one reference (what allocate returns).
+  BufferHandle allocated(at::Storage storage, Place place, Bytes bytes, std::uint32_t stream);
+  static void check_copy(const BufferHandle& src, Bytes src_offset, const BufferHandle& dst,
+                         Bytes dst_offset, Bytes bytes);
   std::uint32_t new_stream(std::string_view name);
   static std::uint8_t* bytes_of(const BufferHandle& buffer);
 
