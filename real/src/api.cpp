@@ -101,10 +101,10 @@ NoOffloadGuard::~NoOffloadGuard() { real::pop_context(real::Context::Kind::NoOff
 std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
                                    CheckpointOptions options) {
   install();
-  auto replay = [fn, inputs] {
+  auto replay = [fn](const std::vector<at::Tensor>& saved) {
     std::vector<at::Tensor> detached;
-    detached.reserve(inputs.size());
-    for (const at::Tensor& t : inputs) {
+    detached.reserve(saved.size());
+    for (const at::Tensor& t : saved) {
       detached.push_back(t.defined() ? t.detach().requires_grad_(t.requires_grad()) : t);
     }
     (void)fn(detached);

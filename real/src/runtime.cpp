@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -306,22 +307,33 @@ SavedMeta saved_meta(const at::Tensor& t) {
 
 // Note [Real checkpoint]
 // Frames of one outermost region share a CheckpointState (nested regions find it on the
-// thread's stack). The region's inputs are kept by its replay closure; saved tensors are not
-// kept at all: pack returns a holder. The first unpack of a holder in a graph task replays the
-// region with the forward's random state, and the replay's pack hook hands the recomputed
-// tensors to the core, which stops the replay early once the last one is back. Tensors
-// recomputed but never taken are dropped at the end of the backward. The frames are forgotten
-// when no holder is left.
+// thread's stack). The region's inputs are kept for its replay: by the frame when the region is
+// outermost, else saved by the parent frame (a holder id, as torch.utils.checkpoint saves them
+// through the parent's hooks), so that no frame holds a graph whose holders hold the frames.
+// Saved tensors are not kept at all: pack returns a holder. The first unpack of a holder in a
+// graph task replays the region with the forward's random state, and the replay's pack hook
+// hands the recomputed tensors to the core, which stops the replay early once the last one is
+// back. Tensors recomputed but never taken are dropped at the end of the backward. The frames
+// are forgotten when no holder is left.
 class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
  public:
-  FrameId begin(const CheckpointOptions& options, std::function<void()> replay, RngState rng) {
+  // A region input: kept, or saved by the parent frame.
+  struct Input {
+    at::Tensor tensor;
+    std::optional<HolderId> holder;
+    bool requires_grad = false;  // the input's (recomputed tensors come back detached)
+  };
+
+  FrameId begin(const CheckpointOptions& options, Replay replay, RngState rng,
+                std::vector<Input> inputs) {
     std::lock_guard lock(mutex_);
     FrameOptions frame_options;
     frame_options.early_stop = options.early_stop;
     frame_options.determinism_check = options.determinism_check;
     const FrameId id = core_.begin(frame_options);
     frames_.resize(std::max<std::size_t>(frames_.size(), id.value() + 1));
-    frames_[id.value()] = FrameInfo{std::move(replay), std::move(rng), options.preserve_rng_state};
+    frames_[id.value()] = FrameInfo{std::move(replay), std::move(rng), options.preserve_rng_state,
+                                    std::move(inputs)};
     ++open_;
     return id;
   }
@@ -334,6 +346,12 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
   }
 
   PackedPtr pack(FrameId frame, const at::Tensor& t);
+  /// An inner region's input, saved by `frame` like its other tensors, but held by the inner
+  /// frame (an id: no holder object, which would keep this state alive).
+  HolderId pack_input(FrameId frame, const at::Tensor& t) {
+    std::lock_guard lock(mutex_);
+    return core_.pack(frame, saved_meta(t));
+  }
   PackedPtr recompute_pack(const at::Tensor& t) {
     RecomputePack result;
     {
@@ -376,17 +394,28 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
 
  private:
   struct FrameInfo {
-    std::function<void()> replay;
+    Replay replay;
     RngState rng;
     bool preserve_rng = true;
+    std::vector<Input> inputs;
   };
 
   void recompute(FrameId frame, std::uint64_t gid) {
     FrameInfo info;
     {
       std::lock_guard lock(mutex_);
-      core_.recompute_begin(frame, gid);
       info = frames_.at(frame.value());
+    }
+    // Inputs saved by the parent come back first (which may recompute the parent).
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(info.inputs.size());
+    for (const Input& in : info.inputs) {
+      inputs.push_back(in.holder ? unpack(*in.holder).detach().requires_grad_(in.requires_grad)
+                                 : in.tensor);
+    }
+    {
+      std::lock_guard lock(mutex_);
+      core_.recompute_begin(frame, gid);
       ++replaying_;
     }
     RngState outer;
@@ -408,7 +437,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     };
     try {
       at::AutoGradMode grad(true);
-      info.replay();
+      info.replay(inputs);
     } catch (const StopRecompute&) {
       // early stop: every saved tensor is back
     } catch (...) {
@@ -474,15 +503,30 @@ PackedPtr CheckpointState::pack(FrameId frame, const at::Tensor& t) {
   return std::make_shared<Holder>(shared_from_this(), id);
 }
 
-FrameToken frame_begin(const CheckpointOptions& options, std::function<void()> replay,
+FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
                        const std::vector<at::Tensor>& inputs) {
   std::shared_ptr<CheckpointState> state;
   for (auto it = tl_stack.rbegin(); it != tl_stack.rend() && !state; ++it) {
     if (it->kind == Context::Kind::Frame || it->kind == Context::Kind::Recompute) state = it->ckpt;
   }
   if (!state) state = std::make_shared<CheckpointState>();
+  // The inputs are saved by the innermost region when it is a checkpoint frame; in its replay
+  // they are recomputed tensors like the others (which may end the replay early, here).
+  std::vector<CheckpointState::Input> saved;
+  saved.reserve(inputs.size());
+  const Context* top = tl_stack.empty() ? nullptr : &tl_stack.back();
+  for (const at::Tensor& t : inputs) {
+    if (t.defined() && top != nullptr && top->kind == Context::Kind::Frame) {
+      saved.push_back({at::Tensor(), state->pack_input(top->frame, t), t.requires_grad()});
+      continue;
+    }
+    if (t.defined() && top != nullptr && top->kind == Context::Kind::Recompute) {
+      (void)state->recompute_pack(t);
+    }
+    saved.push_back({t, std::nullopt, t.defined() && t.requires_grad()});
+  }
   RngState rng = options.preserve_rng_state ? capture_rng(inputs) : RngState{};
-  const FrameId frame = state->begin(options, std::move(replay), std::move(rng));
+  const FrameId frame = state->begin(options, std::move(replay), std::move(rng), std::move(saved));
   push_context(Context{Context::Kind::Frame, nullptr, state, frame});
   return FrameToken{state, frame};
 }

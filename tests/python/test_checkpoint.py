@@ -303,11 +303,6 @@ def test_replay_freed_without_backward():
     assert replay_freed(nested=False, backward=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known runtime leak: an inner frame's replay holds its inputs, whose graph holds the "
-    "outer frame's holders, which hold the frames (a C++ cycle); freed only by a backward",
-)
 def test_nested_replay_freed_without_backward():
     import gc
 

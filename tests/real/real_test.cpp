@@ -375,6 +375,25 @@ TEST_F(RealFerry, NestedCheckpointWithAndWithoutEarlyStop) {
   }
 }
 
+// A forward that never gets a backward leaves nothing alive: the inner region's input is saved
+// by the outer region (an id), not held by the inner frame, so no frame holds a graph that
+// holds the frames.
+TEST_F(RealFerry, NestedCheckpointWithoutBackwardFreesEverything) {
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  auto x = torch::randn({2, 8}, torch::requires_grad());
+  c10::weak_intrusive_ptr<c10::TensorImpl> inner_input(c10::make_intrusive<c10::TensorImpl>(
+      c10::DispatchKeySet(), caffe2::TypeMeta(), std::nullopt));
+  {
+    auto inner = [&](const torch::Tensor& h) {
+      inner_input = c10::weak_intrusive_ptr<c10::TensorImpl>(h.getIntrusivePtr());
+      return h.matmul(w).sin();
+    };
+    auto outer = [&](const torch::Tensor& h) { return ferry::checkpoint(inner, h.exp()).cos(); };
+    auto out = ferry::checkpoint(outer, x).sum();
+  }
+  EXPECT_TRUE(inner_input.expired()) << "the inner region's input outlived its graph";
+}
+
 TEST_F(RealFerry, DropoutUnderCheckpointReplaysTheSameMask) {
   auto w = torch::randn({32, 32}, torch::requires_grad());
   auto x = torch::randn({8, 32}, torch::requires_grad());

@@ -153,12 +153,6 @@ class no_offload(saved_tensors_hooks):
             _C._pop("no_offload")
 
 
-def _detached(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
-    return value
-
-
 def checkpoint(
     fn,
     *args,
@@ -181,11 +175,18 @@ def checkpoint(
         raise ValueError(
             f"determinism_check should be one of ['default', 'none'], but got {determinism_check!r}"
         )
+    # The tensor inputs go to the runtime, which keeps them for the replay (inside another
+    # checkpoint, saved by it) and hands them back; the replay keeps only the rest.
     inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    arg_slots = [None if isinstance(a, torch.Tensor) else a for a in args]
+    kwarg_slots = {k: None if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    tensor_args = [isinstance(a, torch.Tensor) for a in args]
+    tensor_kwargs = {k: isinstance(v, torch.Tensor) for k, v in kwargs.items()}
 
-    def replay():
-        replay_args = [_detached(a) for a in args]
-        replay_kwargs = {k: _detached(v) for k, v in kwargs.items()}
+    def replay(saved):
+        saved = iter([t.detach().requires_grad_(t.requires_grad) for t in saved])
+        replay_args = [next(saved) if is_t else a for a, is_t in zip(arg_slots, tensor_args)]
+        replay_kwargs = {k: next(saved) if tensor_kwargs[k] else v for k, v in kwarg_slots.items()}
         with torch.enable_grad(), saved_tensors_hooks(_C._pack, _C._unpack):
             fn(*replay_args, **replay_kwargs)
 

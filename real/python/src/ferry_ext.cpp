@@ -65,15 +65,15 @@ py::dict telemetry_dict(const ferry::OffloadTelemetry& t) {
 // therefore held through a shared pointer whose deleter takes the GIL, and called with it; the
 // stop exception raised by the replay's pack hook (translated to Python on its way out of
 // _pack) becomes ferry::real::StopRecompute again here.
-std::function<void()> make_replay(py::object callable) {
+ferry::real::Replay make_replay(py::object callable) {
   std::shared_ptr<py::object> fn(new py::object(std::move(callable)), [](py::object* o) {
     py::gil_scoped_acquire gil;
     delete o;
   });
-  return [fn] {
+  return [fn](const std::vector<at::Tensor>& inputs) {
     py::gil_scoped_acquire gil;
     try {
-      (*fn)();
+      (*fn)(inputs);
     } catch (py::error_already_set& e) {
       if (stop_type != nullptr && e.matches(stop_type)) throw ferry::real::StopRecompute();
       throw;

@@ -103,10 +103,15 @@ struct FrameToken {
   FrameId frame;
 };
 
-/// Opens a checkpointed region on this thread. `replay` re-runs the region's forward with grad
-/// enabled (from detached copies of its inputs); `inputs` tell which devices' random state to
-/// preserve.
-FrameToken frame_begin(const CheckpointOptions& options, std::function<void()> replay,
+/// Re-runs a region's forward with grad enabled, from detached copies of `inputs` (the tensors
+/// given to frame_begin, given back in the same order).
+using Replay = std::function<void(const std::vector<at::Tensor>& inputs)>;
+
+/// Opens a checkpointed region on this thread. `inputs` are the region's tensor inputs: they
+/// tell which devices' random state to preserve, and are kept for the replay (inside another
+/// region they are saved by it, as torch.utils.checkpoint saves them through the parent's
+/// hooks, so the frames never hold a graph that holds them).
+FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
                        const std::vector<at::Tensor>& inputs);
 /// Closes the region `token` opened (the innermost one).
 void frame_end(const FrameToken& token);
