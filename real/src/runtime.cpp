@@ -27,10 +27,12 @@ namespace {
 
 thread_local std::vector<Context> tl_stack;
 
-// A saved tensor kept as it is.
+// A saved tensor kept as it is. Detached: a saved output carries the node that saves it, and
+// holding it from that node's own saved variable would make a cycle nothing frees (autograd
+// gives an unpacked tensor its grad_fn back from the saved variable's metadata).
 class KeptAsIs final : public Packed {
  public:
-  explicit KeptAsIs(at::Tensor tensor) : tensor_(std::move(tensor)) {}
+  explicit KeptAsIs(const at::Tensor& tensor) : tensor_(tensor.detach()) {}
   at::Tensor unpack() override { return tensor_; }
 
  private:
@@ -410,8 +412,8 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     std::vector<at::Tensor> inputs;
     inputs.reserve(info.inputs.size());
     for (const Input& in : info.inputs) {
-      inputs.push_back(in.holder ? unpack(*in.holder).detach().requires_grad_(in.requires_grad)
-                                 : in.tensor);
+      at::Tensor t = in.holder ? unpack(*in.holder) : in.tensor;
+      inputs.push_back(t.defined() ? t.detach().requires_grad_(in.requires_grad) : t);
     }
     {
       std::lock_guard lock(mutex_);
@@ -523,7 +525,9 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
     if (t.defined() && top != nullptr && top->kind == Context::Kind::Recompute) {
       (void)state->recompute_pack(t);
     }
-    saved.push_back({t, std::nullopt, t.defined() && t.requires_grad()});
+    // Detached: a frame begun during a replay would otherwise hold the replay's graph, whose
+    // holders hold this state (a cycle).
+    saved.push_back({t.defined() ? t.detach() : t, std::nullopt, t.defined() && t.requires_grad()});
   }
   RngState rng = options.preserve_rng_state ? capture_rng(inputs) : RngState{};
   const FrameId frame = state->begin(options, std::move(replay), std::move(rng), std::move(saved));
