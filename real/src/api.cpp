@@ -92,11 +92,11 @@ OffloadGuard::OffloadGuard(RealOptions options)
   real::push_context(real::Context{real::Context::Kind::Offload, offload_->session(), nullptr, {}});
 }
 
-OffloadGuard::~OffloadGuard() { real::pop_context(real::Context::Kind::Offload); }
+OffloadGuard::~OffloadGuard() { real::close_context(real::Context::Kind::Offload); }
 
 NoOffloadGuard::NoOffloadGuard() { real::push_context(real::Context{}); }
 
-NoOffloadGuard::~NoOffloadGuard() { real::pop_context(real::Context::Kind::NoOffload); }
+NoOffloadGuard::~NoOffloadGuard() { real::close_context(real::Context::Kind::NoOffload); }
 
 std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
                                    CheckpointOptions options) {

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -248,6 +249,19 @@ void pop_context(Context::Kind kind) {
         "ferry: regions must nest: the region being closed is not the innermost one");
   }
   tl_stack.pop_back();
+}
+
+void close_context(Context::Kind kind) noexcept {
+  for (auto it = tl_stack.rbegin(); it != tl_stack.rend(); ++it) {
+    if (it->kind != kind) continue;
+    if (it != tl_stack.rbegin()) {
+      std::fputs("ferry: warning: a region guard was destroyed while a region opened after it "
+                 "is still open; regions must nest\n",
+                 stderr);
+    }
+    tl_stack.erase(std::next(it).base());
+    return;
+  }
 }
 
 bool packing_active() { return !tl_stack.empty() && tl_stack.back().kind != Context::Kind::NoOffload; }

@@ -307,8 +307,13 @@ TEST_F(RealFerry, RegionsMustNest) {
   auto guard = std::make_unique<ferry::OffloadGuard>(offload);
   auto keep = std::make_unique<ferry::NoOffloadGuard>();
   EXPECT_THROW(ferry::real::pop_context(ferry::real::Context::Kind::Offload), std::logic_error);
-  keep.reset();
+  // Guards destroyed out of order close their own region (with a warning), never throw.
   guard.reset();
+  EXPECT_FALSE(ferry::real::packing_active());  // the no-offload region is still open
+  keep.reset();
+  auto x = torch::randn({64}, torch::requires_grad());
+  (void)(x.exp() * 2).sum();
+  EXPECT_EQ(offload.telemetry().packed, 0);  // nothing open: nothing reached the session
 }
 
 TEST_F(RealFerry, FiftyStepsLeaveNothingBehind) {

@@ -92,6 +92,9 @@ struct Context {
 void push_context(Context context);
 /// Pops the innermost region, which must be of `kind` (regions nest).
 void pop_context(Context::Kind kind);
+/// For destructors: removes the innermost region of `kind`, warning on stderr when it is not the
+/// innermost one (a guard destroyed out of order); never throws.
+void close_context(Context::Kind kind) noexcept;
 /// Whether the innermost region wants saved tensors packed by ferry (not a no-offload region).
 bool packing_active();
 /// The pack hook: what the innermost region does with a saved tensor (kept as is when none).
