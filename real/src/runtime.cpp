@@ -227,6 +227,16 @@ class SessionImpl final : public SessionBase {
 }  // namespace
 
 std::shared_ptr<Session> Session::create(const RealOptions& options) {
+  const OffloadOptions& o = options.offload;
+  for (const auto& [name, value] : {std::pair{"min_bytes", o.min_bytes},
+                                    std::pair{"window_bytes", o.window_bytes},
+                                    std::pair{"prefetch_bytes", o.prefetch_bytes},
+                                    std::pair{"host_cap", o.host_cap}}) {
+    if (value.count() < 0) {
+      throw std::invalid_argument(
+          fmt::format("ferry: option {} must not be negative (got {})", name, value.count()));
+    }
+  }
   if (options.offload.policy == Policy::Trl && options.offload.trl_stash_count < 1) {
     throw OffloadError("max_fwd_stash_size should be at least 1");
   }

@@ -468,6 +468,12 @@ def test_unknown_policy_and_option():
         ferry.offload(loopback=True, bogus=True)
 
 
+@pytest.mark.parametrize("option", ["min_bytes", "window_bytes", "prefetch_bytes", "host_cap"])
+def test_negative_sizes_are_rejected_by_name(option):
+    with pytest.raises(ValueError, match=f"{option} must not be negative"):
+        ferry.offload(loopback=True, **{option: -1})
+
+
 def test_write_program_needs_record(tmp_path):
     with pytest.raises(ValueError, match="record=True"):
         loopback("ferry").write_program(tmp_path / "p.json")

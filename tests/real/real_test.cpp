@@ -291,6 +291,18 @@ TEST_F(RealFerry, TrlStashSizeMustBePositive) {
       ferry::OffloadError);
 }
 
+TEST_F(RealFerry, NegativeSizesAreRejectedByName) {
+  ferry::RealOptions o = loopback(ferry::Policy::Ferry);
+  o.offload.window_bytes = ferry::Bytes(-5);
+  try {
+    ferry::Offload offload(o);
+    FAIL() << "a negative window must be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("window_bytes must not be negative"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(RealFerry, NoCudaWithoutLoopbackIsAClearError) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "a CUDA device is present";
   ferry::RealOptions o;
