@@ -25,7 +25,32 @@ __all__ = ["offload", "no_offload", "checkpoint", "offload_model"]
 __version__ = "0.1.0"
 
 
-class offload(saved_tensors_hooks):
+class _Region(saved_tensors_hooks):
+    """A ferry region: its entry on the C++ region stack and torch's saved-tensor hooks (whose
+    pack and unpack are ferry's), entered and left together."""
+
+    _kind = None
+
+    def _push(self):
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._push()
+        try:
+            super().__enter__()
+        except BaseException:
+            _C._pop(self._kind)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            super().__exit__(*exc)
+        finally:
+            _C._pop(self._kind)
+
+
+class offload(_Region):
     """Offloads the saved tensors of the ops run inside it.
 
     The object is meant to be reused step after step (``with ctx:`` around each forward); it
@@ -40,6 +65,8 @@ class offload(saved_tensors_hooks):
     ``record=True`` records the stream program for ``ferry check`` (see ``write_program``).
     Keyword arguments ``skip_*`` plant synchronization faults, for tests of the checker only.
     """
+
+    _kind = "offload"
 
     def __init__(
         self,
@@ -80,20 +107,8 @@ class offload(saved_tensors_hooks):
         self._session = _C.Session(**options, **faults)
         super().__init__(_C._pack, _C._unpack)
 
-    def __enter__(self):
+    def _push(self):
         _C._push_offload(self._session)
-        try:
-            super().__enter__()
-        except BaseException:
-            _C._pop("offload")
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            super().__exit__(*exc)
-        finally:
-            _C._pop("offload")
 
     def telemetry(self):
         """The scheduler's counters, as a dict (bytes as ints)."""
@@ -131,26 +146,16 @@ class offload(saved_tensors_hooks):
             self._session.exclude(b)
 
 
-class no_offload(saved_tensors_hooks):
+class no_offload(_Region):
     """Inside an offload region: the saved tensors of ops run inside it are kept as they are."""
+
+    _kind = "no_offload"
 
     def __init__(self):
         super().__init__(_C._pack, _C._unpack)
 
-    def __enter__(self):
+    def _push(self):
         _C._push_no_offload()
-        try:
-            super().__enter__()
-        except BaseException:
-            _C._pop("no_offload")
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            super().__exit__(*exc)
-        finally:
-            _C._pop("no_offload")
 
 
 def checkpoint(
