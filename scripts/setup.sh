@@ -32,12 +32,12 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
     >/dev/null 2>&1; then
   echo "setup: installing torch==$torch_version into .venv" >&2
   "$python" -m venv .venv
-  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps \
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-warn-conflicts --no-deps \
     "torch==$torch_version" typing_extensions nvidia-cufile==1.15.1.6 \
     nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 >&2
 fi
 # Building and testing the Python extension (sympy: torch.utils.checkpoint, which the tests
 # compare against, imports torch._dynamo).
 if ! .venv/bin/python -c "import pytest, wheel, sympy" >/dev/null 2>&1; then
-  .venv/bin/pip install --quiet --disable-pip-version-check pytest wheel ninja sympy==1.14.0 >&2
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-warn-conflicts pytest wheel ninja sympy==1.14.0 >&2
 fi

@@ -18,7 +18,7 @@ export RC_PARAMS=${RC_PARAMS:-max_success=500}
 ctest --preset "$preset" -j2
 if [[ $real == ON && $preset != asan ]]; then
   echo "test: building the Python extension (pip install ./real/python)" >&2
-  MAX_JOBS=2 .venv/bin/pip install --quiet --disable-pip-version-check --no-build-isolation \
+  MAX_JOBS=2 .venv/bin/pip install --quiet --disable-pip-version-check --no-warn-conflicts --no-build-isolation \
     ./real/python
   FERRY_CLI="$PWD/build/$preset/sim/ferry" .venv/bin/python -m pytest -q tests/python
 fi
