@@ -39,5 +39,6 @@ fi
 # Building and testing the Python extension (sympy: torch.utils.checkpoint, which the tests
 # compare against, imports torch._dynamo).
 if ! .venv/bin/python -c "import pytest, wheel, sympy" >/dev/null 2>&1; then
-  .venv/bin/pip install --quiet --disable-pip-version-check --no-warn-conflicts pytest wheel ninja sympy==1.14.0 >&2
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-warn-conflicts \
+    pytest wheel ninja sympy==1.14.0 >&2
 fi
