@@ -333,9 +333,10 @@ SavedMeta saved_meta(const at::Tensor& t) {
 
 // Note [Real checkpoint]
 // Frames of one outermost region share a CheckpointState (nested regions find it on the
-// thread's stack). The region's inputs are kept for its replay: by the frame when the region is
-// outermost, else saved by the parent frame (a holder id, as torch.utils.checkpoint saves them
-// through the parent's hooks), so that no frame holds a graph whose holders hold the frames.
+// thread's stack). The region's inputs are kept for its replay: saved by the parent frame (a
+// holder id, as torch.utils.checkpoint saves them through the parent's hooks) or by the offload
+// session the region runs in, else kept detached by the frame; so no frame holds a graph whose
+// holders hold the frames.
 // Saved tensors are not kept at all: pack returns a holder. The first unpack of a holder in a
 // graph task replays the region with the forward's random state, and the replay's pack hook
 // hands the recomputed tensors to the core, which stops the replay early once the last one is
@@ -348,6 +349,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     at::Tensor tensor;
     std::optional<HolderId> holder;
     bool requires_grad = false;  // the input's (recomputed tensors come back detached)
+    PackedPtr packed;            // saved by the offload session the region runs in
   };
 
   FrameId begin(const CheckpointOptions& options, Replay replay, RngState rng,
@@ -436,7 +438,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     std::vector<at::Tensor> inputs;
     inputs.reserve(info.inputs.size());
     for (const Input& in : info.inputs) {
-      at::Tensor t = in.holder ? unpack(*in.holder) : in.tensor;
+      at::Tensor t = in.holder ? unpack(*in.holder) : in.packed ? in.packed->unpack() : in.tensor;
       inputs.push_back(t.defined() ? t.detach().requires_grad_(in.requires_grad) : t);
     }
     {
@@ -543,7 +545,12 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
   const Context* top = tl_stack.empty() ? nullptr : &tl_stack.back();
   for (const at::Tensor& t : inputs) {
     if (t.defined() && top != nullptr && top->kind == Context::Kind::Frame) {
-      saved.push_back({at::Tensor(), state->pack_input(top->frame, t), t.requires_grad()});
+      saved.push_back({at::Tensor(), state->pack_input(top->frame, t), t.requires_grad(), {}});
+      continue;
+    }
+    if (t.defined() && top != nullptr && top->kind == Context::Kind::Offload) {
+      // In an offload region the inputs are offloaded like the region's other saved tensors.
+      saved.push_back({at::Tensor(), std::nullopt, t.requires_grad(), top->session->pack(t)});
       continue;
     }
     if (t.defined() && top != nullptr && top->kind == Context::Kind::Recompute) {
@@ -551,7 +558,8 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
     }
     // Detached: a frame begun during a replay would otherwise hold the replay's graph, whose
     // holders hold this state (a cycle).
-    saved.push_back({t.defined() ? t.detach() : t, std::nullopt, t.defined() && t.requires_grad()});
+    saved.push_back(
+        {t.defined() ? t.detach() : t, std::nullopt, t.defined() && t.requires_grad(), {}});
   }
   RngState rng = options.preserve_rng_state ? capture_rng(inputs) : RngState{};
   const FrameId frame = state->begin(options, std::move(replay), std::move(rng), std::move(saved));

@@ -435,8 +435,14 @@ TEST_F(RealFerry, CheckpointInsideAnOffloadRegion) {
     return ferry::checkpoint(block, block(x * 1)).sum();
   });
   expect_bitwise_equal(want, got);
-  EXPECT_GT(offload.telemetry().offloaded, 0);
+  // The outer block saves 5 tensors (mm: its input and w; tanh: its result; mul: both
+  // operands); the region's input is the 6th: the session offloads it too.
+  EXPECT_EQ(offload.telemetry().packed, 6);
+  // All but w; with a zero window each original leaves at once, so tanh's result, saved twice,
+  // is copied twice (no resident original to share).
+  EXPECT_EQ(offload.telemetry().offloaded, 5);
   EXPECT_EQ(offload.tracked(), 0U);
+  EXPECT_EQ(offload.live_device_buffers(), 0);
 }
 
 TEST_F(RealFerry, ReplaySavingMoreTensorsIsAnError) {
