@@ -29,7 +29,7 @@ def cli():
     return DEFAULT_CLI
 
 
-def record_step(tmp_path, policy, **faults):
+def record_step(tmp_path, policy, steps=1, **faults):
     torch.manual_seed(9)
     model = MLP(16, 32)
     # A one-byte window and a one-tensor stash: originals leave the device during forward, so
@@ -39,10 +39,11 @@ def record_step(tmp_path, policy, **faults):
         max_fwd_stash_size=1, **faults,
     )
     ctx.update_model_params(model)
-    with ctx:
-        loss = loss_of(model(torch.randn(4, 16)))
-    loss.backward()
-    assert ctx.tracked() == 0
+    for _ in range(steps):
+        with ctx:
+            loss = loss_of(model(torch.randn(4, 16)))
+        loss.backward()
+        assert ctx.tracked() == 0
     path = tmp_path / f"{policy}.json"
     ctx.write_program(path)
     json.loads(path.read_text())  # well-formed
@@ -63,6 +64,25 @@ def test_recorded_program_is_safe(tmp_path, policy):
 def test_planted_reload_fault_is_caught(tmp_path, policy):
     result = check(record_step(tmp_path, policy, skip_reload_wait=True))
     assert result.returncode == 1, result.stdout + result.stderr
+
+
+# Each synchronization the policy relies on, dropped, in a two-step recording (the second step
+# reuses host buffers and allocator blocks of the first). The others do not show in this
+# workload: ferry's backward guard (no reload reuses a block freed too early) and the
+# record_stream fallback (no view escapes); trl's host guard protects a reuse on the same
+# single stream, already ordered.
+PLANTED = [("ferry", f) for f in ("skip_offload_wait", "skip_reload_wait", "skip_forward_guard",
+                                  "skip_host_guard")] + \
+          [("trl", f) for f in ("skip_offload_wait", "skip_reload_wait", "skip_forward_guard",
+                                "skip_backward_guard")]
+
+
+@pytest.mark.parametrize("policy,fault", PLANTED)
+def test_planted_faults_are_caught(tmp_path, policy, fault):
+    assert check(record_step(tmp_path, policy, steps=2)).returncode == 0
+    result = check(record_step(tmp_path, policy, steps=2, **{fault: True}))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "hazards found" in result.stdout
 
 
 def test_program_empty_without_record():
