@@ -297,20 +297,27 @@ void set_generator_state(at::Generator gen, const at::Tensor& state) {
   gen.set_state(state);
 }
 
-RngState capture_rng(const std::vector<at::Tensor>& inputs) {
+// The CPU state and that of each CUDA device in `devices`.
+RngState capture_rng(const std::vector<c10::DeviceIndex>& devices) {
   RngState state;
   state.cpu = generator_state(at::detail::getDefaultCPUGenerator());
-  for (const at::Tensor& t : inputs) {
-    if (!t.defined() || !t.is_cuda()) continue;
-    const c10::DeviceIndex index = t.device().index();
-    if (std::any_of(state.cuda.begin(), state.cuda.end(),
-                    [&](const auto& e) { return e.first == index; })) {
-      continue;
-    }
+  for (const c10::DeviceIndex index : devices) {
     state.cuda.emplace_back(
         index, generator_state(at::globalContext().defaultGenerator(at::Device(at::kCUDA, index))));
   }
   return state;
+}
+
+// The CUDA devices of `inputs`, each once.
+std::vector<c10::DeviceIndex> cuda_devices(const std::vector<at::Tensor>& inputs) {
+  std::vector<c10::DeviceIndex> devices;
+  for (const at::Tensor& t : inputs) {
+    if (t.defined() && t.is_cuda() &&
+        std::find(devices.begin(), devices.end(), t.device().index()) == devices.end()) {
+      devices.push_back(t.device().index());
+    }
+  }
+  return devices;
 }
 
 void restore_rng(const RngState& state) {
@@ -448,11 +455,9 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     }
     RngState outer;
     if (info.preserve_rng) {
-      outer = capture_rng({});
-      for (const auto& [index, s] : info.rng.cuda) {
-        outer.cuda.emplace_back(index, generator_state(at::globalContext().defaultGenerator(
-                                           at::Device(at::kCUDA, index))));
-      }
+      std::vector<c10::DeviceIndex> devices;
+      for (const auto& entry : info.rng.cuda) devices.push_back(entry.first);
+      outer = capture_rng(devices);
       restore_rng(info.rng);
     }
     push_context(Context{Context::Kind::Recompute, nullptr, shared_from_this(), frame});
@@ -503,7 +508,6 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
   std::uint64_t outside_ = 0;
   std::unordered_set<std::uint64_t> drained_;
 
-  friend class Holder;
 };
 
 namespace {
@@ -561,7 +565,7 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
     saved.push_back(
         {t.defined() ? t.detach() : t, std::nullopt, t.defined() && t.requires_grad(), {}});
   }
-  RngState rng = options.preserve_rng_state ? capture_rng(inputs) : RngState{};
+  RngState rng = options.preserve_rng_state ? capture_rng(cuda_devices(inputs)) : RngState{};
   const FrameId frame = state->begin(options, std::move(replay), std::move(rng), std::move(saved));
   push_context(Context{Context::Kind::Frame, nullptr, state, frame});
   return FrameToken{state, frame};
