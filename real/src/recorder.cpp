@@ -91,10 +91,6 @@ void Recorder::record_stream(std::uint32_t buffer, std::uint32_t stream) {
                              buffer, stream_name(stream)));
 }
 
-void Recorder::sync_device() {
-  ops_.push_back(R"({"op": "sync_device", "device": "gpu0"})");
-}
-
 const std::string& Recorder::stream_name(std::int64_t stream) const {
   return stream_names_.at(static_cast<std::size_t>(stream));
 }

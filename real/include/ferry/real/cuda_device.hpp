@@ -34,7 +34,6 @@ class CudaDevice : public DeviceBase {
   [[nodiscard]] bool is_device_tensor(const at::Tensor& t) const {
     return t.is_cuda() && t.get_device() == device_;
   }
-  [[nodiscard]] c10::cuda::CUDAStream stream(Stream s) const { return streams_.at(s.index); }
 
  private:
   c10::DeviceIndex device_;

@@ -37,11 +37,9 @@ class Recorder {
   void record(std::uint32_t event, std::uint32_t stream);
   void wait(std::uint32_t stream, std::uint32_t event);
   void record_stream(std::uint32_t buffer, std::uint32_t stream);
-  void sync_device();
 
   /// The program so far, as a JSON document.
   [[nodiscard]] std::string json() const;
-  [[nodiscard]] std::size_t op_count() const { return ops_.size(); }
 
  private:
   [[nodiscard]] const std::string& stream_name(std::int64_t stream) const;
