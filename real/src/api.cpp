@@ -87,9 +87,10 @@ OffloadGuard::OffloadGuard(Offload& offload) : offload_(&offload) {
 }
 
 OffloadGuard::OffloadGuard(RealOptions options)
-    : owned_(std::make_shared<Offload>(std::move(options))), offload_(owned_.get()) {
-  install();
-  real::push_context(real::Context{real::Context::Kind::Offload, offload_->session(), nullptr, {}});
+    : OffloadGuard(std::make_shared<Offload>(std::move(options))) {}
+
+OffloadGuard::OffloadGuard(std::shared_ptr<Offload> owned) : OffloadGuard(*owned) {
+  owned_ = std::move(owned);
 }
 
 OffloadGuard::~OffloadGuard() { real::close_context(real::Context::Kind::Offload); }

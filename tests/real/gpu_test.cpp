@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "ferry/real/api.hpp"
+#include "grads.hpp"
 
 namespace {
 
@@ -19,17 +20,6 @@ class Gpu : public ::testing::TestWithParam<ferry::Policy> {
   }
 };
 
-std::vector<torch::Tensor> grads(const std::vector<torch::Tensor>& leaves,
-                                 const std::function<torch::Tensor()>& loss) {
-  for (const auto& l : leaves) {
-    if (l.grad().defined()) l.mutable_grad().reset();
-  }
-  loss().backward();
-  std::vector<torch::Tensor> out;
-  for (const auto& l : leaves) out.push_back(l.grad().clone());
-  return out;
-}
-
 TEST_P(Gpu, GradientsAreBitwiseEqualOnCuda) {
   const auto opts = torch::TensorOptions().device(torch::kCUDA).requires_grad(true);
   auto w1 = torch::randn({256, 512}, opts);
@@ -41,19 +31,19 @@ TEST_P(Gpu, GradientsAreBitwiseEqualOnCuda) {
     auto a = h.narrow(0, 8, 32);
     return (v.matmul(w2).tanh() * 3).sum() + (a * a).sum() + torch::gelu(h).mean();
   };
-  const auto want = grads({w1, w2, x}, forward);
+  const auto want = ferry::testing::grads_of({w1, w2, x}, forward);
   ferry::RealOptions o;
   o.offload.policy = GetParam();
   o.offload.min_bytes = ferry::Bytes(0);
   o.offload.window_bytes = ferry::Bytes(0);
   ferry::Offload offload(o);
   for (int step = 0; step < 3; ++step) {
-    const auto got = grads({w1, w2, x}, [&] {
+    const auto got = ferry::testing::grads_of({w1, w2, x}, [&] {
       ferry::OffloadGuard guard(offload);
       return forward();
     });
     torch::cuda::synchronize();
-    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(torch::equal(want[i], got[i])) << i;
+    ferry::testing::expect_bitwise_equal(want, got);
     EXPECT_EQ(offload.tracked(), 0U);
     EXPECT_EQ(offload.live_device_buffers(), 0);
   }
@@ -68,16 +58,16 @@ TEST_P(Gpu, CheckpointWithDropoutOnCuda) {
     return torch::dropout(h.matmul(w), 0.3, true).sin().matmul(w);
   };
   torch::manual_seed(3);
-  const auto want = grads({w, x}, [&] { return block(x).pow(2).sum(); });
+  const auto want = ferry::testing::grads_of({w, x}, [&] { return block(x).pow(2).sum(); });
   ferry::RealOptions o;
   o.offload.policy = GetParam();
   ferry::Offload offload(o);
   torch::manual_seed(3);
-  const auto got = grads({w, x}, [&] {
+  const auto got = ferry::testing::grads_of({w, x}, [&] {
     ferry::OffloadGuard guard(offload);
     return ferry::checkpoint(block, x * 1).pow(2).sum();
   });
-  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(torch::equal(want[i], got[i])) << i;
+  ferry::testing::expect_bitwise_equal(want, got);
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, Gpu, ::testing::Values(ferry::Policy::Ferry, ferry::Policy::Trl),

@@ -9,10 +9,13 @@
 #include <vector>
 
 #include "ferry/real/api.hpp"
+#include "grads.hpp"
 
 namespace {
 
-using Tensors = std::vector<torch::Tensor>;
+using ferry::testing::expect_bitwise_equal;
+using ferry::testing::grads_of;
+using ferry::testing::Tensors;
 
 ferry::RealOptions loopback(ferry::Policy policy, std::int64_t min_bytes = 0) {
   ferry::RealOptions o;
@@ -24,25 +27,6 @@ ferry::RealOptions loopback(ferry::Policy policy, std::int64_t min_bytes = 0) {
   o.offload.window_bytes = ferry::Bytes(0);
   o.offload.trl_stash_count = 1;
   return o;
-}
-
-// Gradients of `leaves` after backward of `loss_fn()`.
-Tensors grads_of(const Tensors& leaves, const std::function<torch::Tensor()>& loss_fn) {
-  for (const auto& l : leaves) {
-    if (l.grad().defined()) l.mutable_grad().reset();
-  }
-  loss_fn().backward();
-  Tensors out;
-  for (const auto& l : leaves) out.push_back(l.grad().clone());
-  return out;
-}
-
-void expect_bitwise_equal(const Tensors& want, const Tensors& got) {
-  ASSERT_EQ(want.size(), got.size());
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    ASSERT_TRUE(want[i].defined() && got[i].defined()) << "gradient " << i;
-    EXPECT_TRUE(torch::equal(want[i], got[i])) << "gradient " << i << " differs";
-  }
 }
 
 class Real : public ::testing::TestWithParam<ferry::Policy> {

@@ -59,6 +59,8 @@ class OffloadGuard {
   [[nodiscard]] Offload& offload() { return *offload_; }
 
  private:
+  explicit OffloadGuard(std::shared_ptr<Offload> owned);
+
   std::shared_ptr<Offload> owned_;
   Offload* offload_;
 };
