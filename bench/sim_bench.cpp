@@ -10,6 +10,7 @@
 #include <random>
 
 #include "ferry/sim/autograd.hpp"
+#include "ferry/sim/model.hpp"
 #include "ferry/sim/program_json.hpp"
 #include "ferry/sim/run_program.hpp"
 #include "prop/random_program.hpp"
@@ -116,6 +117,23 @@ BENCHMARK(BM_Llama8BStep)
     ->Arg(static_cast<int>(ferry::Policy::Trl))
     ->Arg(static_cast<int>(ferry::Policy::Ferry))
     ->Unit(benchmark::kMillisecond);
+
+// Building and validating the largest preset (Llama-3-70B-like, 80 layers, seq 8192): a few
+// milliseconds in a release build.
+void BM_BuildLargestPreset(benchmark::State& state) {
+  std::size_t ops = 0;
+  for (auto _ : state) {
+    auto model = ferry::sim::model_preset("llama-70b-s8192");
+    if (!model.ok() || !ferry::sim::validate_model(model.value()).ok()) {
+      state.SkipWithError("preset missing or invalid");
+      return;
+    }
+    ops = model.value().ops.size();
+    benchmark::DoNotOptimize(ops);
+  }
+  state.counters["ops"] = static_cast<double>(ops);
+}
+BENCHMARK(BM_BuildLargestPreset)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -15,8 +15,9 @@ if ((${#missing[@]} > 0)); then
   echo "setup: installing ${missing[*]}" >&2
   sudo=""
   if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
-  $sudo apt-get update -qq
+  $sudo apt-get update -qq -o Acquire::Retries=5
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    -o Acquire::Retries=5 \
     "${missing[@]}" >&2
 fi
 
@@ -28,17 +29,18 @@ fi
 # added. About 760 MB to download, 1.6 GB installed (docs/real.md).
 torch_version=2.11.0
 python=${FERRY_SETUP_PYTHON:-python3}
+# A slow or briefly failing index must not fail the set-up: more retries, a longer timeout.
+pip_flags=(--quiet --disable-pip-version-check --no-warn-conflicts --retries 10 --timeout 60)
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" \
     >/dev/null 2>&1; then
   echo "setup: installing torch==$torch_version into .venv" >&2
   "$python" -m venv .venv
-  .venv/bin/pip install --quiet --disable-pip-version-check --no-warn-conflicts --no-deps \
+  .venv/bin/pip install "${pip_flags[@]}" --no-deps \
     "torch==$torch_version" typing_extensions nvidia-cufile==1.15.1.6 \
     nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 >&2
 fi
 # Building and testing the Python extension (sympy: torch.utils.checkpoint, which the tests
 # compare against, imports torch._dynamo).
 if ! .venv/bin/python -c "import pytest, wheel, sympy" >/dev/null 2>&1; then
-  .venv/bin/pip install --quiet --disable-pip-version-check --no-warn-conflicts \
-    pytest wheel ninja sympy==1.14.0 >&2
+  .venv/bin/pip install "${pip_flags[@]}" pytest wheel ninja sympy==1.14.0 >&2
 fi

@@ -8,17 +8,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-release}
-scripts/setup.sh
+# timed PART CMD...: runs CMD and prints its wall time on stderr (CI's time limit is shared by
+# every part, so each part's share is printed).
+timed() {
+  local part=$1 start=$SECONDS
+  shift
+  "$@"
+  echo "time: $preset $part $((SECONDS - start)) s" >&2
+}
+timed setup scripts/setup.sh
 real=ON
 if [[ ${FERRY_TORCH:-1} == 0 ]]; then real=OFF; fi
-cmake --preset "$preset" -DFERRY_REAL=$real >/dev/null
-cmake --build --preset "$preset"
+timed configure cmake --preset "$preset" -DFERRY_REAL=$real >/dev/null
+timed build cmake --build --preset "$preset"
 # More random cases than RapidCheck's default 100 per property.
 export RC_PARAMS=${RC_PARAMS:-max_success=500}
-ctest --preset "$preset" -j2
+timed ctest ctest --preset "$preset" -j2
 if [[ $real == ON && $preset != asan ]]; then
   echo "test: building the Python extension (pip install ./real/python)" >&2
-  MAX_JOBS=2 .venv/bin/pip install --quiet --disable-pip-version-check --no-warn-conflicts --no-build-isolation \
-    ./real/python
-  FERRY_CLI="$PWD/build/$preset/sim/ferry" .venv/bin/python -m pytest -q tests/python
+  MAX_JOBS=2 timed python-build .venv/bin/pip install --quiet --disable-pip-version-check \
+    --no-warn-conflicts --no-build-isolation ./real/python
+  FERRY_CLI="$PWD/build/$preset/sim/ferry" timed pytest .venv/bin/python -m pytest -q tests/python
 fi

@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -241,13 +240,11 @@ TEST(MakeTransformer, RefusesShapesItCannotBuild) {
   EXPECT_THROW((void)make_transformer(masks, "masks"), InvariantError);
 }
 
-TEST(Presets, LargestPresetBuildsInMilliseconds) {
-  const auto start = std::chrono::steady_clock::now();
+// How fast it builds is measured by bench_sim's BM_BuildLargestPreset, not here.
+TEST(Presets, LargestPresetBuildsAndValidates) {
   const auto model = model_preset("llama-70b-s8192");
   ASSERT_TRUE(model.ok());
   ASSERT_TRUE(validate_model(model.value()).ok());
-  const auto elapsed = std::chrono::steady_clock::now() - start;
-  EXPECT_LT(elapsed, std::chrono::milliseconds(500));  // a few ms in a release build
   EXPECT_EQ(model.value().ops.size(), 80U * 13 + 4);
 }
 
