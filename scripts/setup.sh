@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(cmake ninja-build g++ libfmt-dev nlohmann-json3-dev libcli11-dev
+packages=(cmake ninja-build g++ clang-format clang-tidy libfmt-dev nlohmann-json3-dev libcli11-dev
           libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev)
 missing=()
 for p in "${packages[@]}"; do

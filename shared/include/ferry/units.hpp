@@ -31,7 +31,7 @@ class Bytes {
 };
 
 constexpr Bytes kKiB{1024};
-constexpr Bytes kMiB{1024 * 1024};
+constexpr Bytes kMiB{1024LL * 1024};
 constexpr Bytes kGiB{1024LL * 1024 * 1024};
 constexpr Bytes operator*(std::int64_t n, Bytes b) { return Bytes(n * b.count()); }
 
