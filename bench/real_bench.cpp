@@ -49,7 +49,7 @@ void reset_peak([[maybe_unused]] bool cuda) {
 
 void BM_GptStep(benchmark::State& state, bool cuda) {
   ferry::install();
-  const Shape shape = small ? Shape{2, 64, 64, 2, 256}
+  const Shape shape = small  ? Shape{2, 64, 64, 2, 256}
                       : cuda ? Shape{8, 1024, 2048, 4, 8192}
                              : Shape{4, 256, 256, 4, 1024};
   const torch::Device device = cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
@@ -78,8 +78,8 @@ void BM_GptStep(benchmark::State& state, bool cuda) {
     reset_peak(cuda);
     const auto start = std::chrono::steady_clock::now();
     auto logits = model->forward(tokens, offload);
-    auto loss = torch::nn::functional::cross_entropy(logits.view({-1, shape.vocab}),
-                                                     targets.view({-1}));
+    auto loss =
+        torch::nn::functional::cross_entropy(logits.view({-1, shape.vocab}), targets.view({-1}));
     loss.backward();
     synchronize(cuda);
     const double s =

@@ -78,7 +78,8 @@ void BM_CheckerOverhead(benchmark::State& state) {
     off += run_seconds(program, false, makespan_off);
     on += run_seconds(program, true, makespan_on);
   }
-  const double ops = static_cast<double>(program.ops.size()) * static_cast<double>(state.iterations());
+  const double ops =
+      static_cast<double>(program.ops.size()) * static_cast<double>(state.iterations());
   state.counters["ops_per_s_checker_off"] = ops / off;
   state.counters["ops_per_s_checker_on"] = ops / on;
   state.counters["on_over_off_time"] = on / off;

@@ -49,7 +49,8 @@ class FakeBackend {
   void wait(Stream s, Event e) { log.push_back(fmt::format("wait s{} e{}", s.id, e.id)); }
   void hold(Buffer b) { ++refs.at(static_cast<std::size_t>(b.id)); }
   void drop(Buffer b) {
-    if (--refs.at(static_cast<std::size_t>(b.id)) == 0) log.push_back(fmt::format("free b{}", b.id));
+    if (--refs.at(static_cast<std::size_t>(b.id)) == 0)
+      log.push_back(fmt::format("free b{}", b.id));
   }
   long use_count(Buffer b) const { return refs.at(static_cast<std::size_t>(b.id)); }
   void record_stream(Buffer b, Stream s) {

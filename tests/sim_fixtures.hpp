@@ -37,14 +37,15 @@ inline Region whole(const Simulator& sim, BufferId id) {
 
 inline BufferId device_buffer(Simulator& sim, StreamId stream, std::int64_t bytes,
                               const char* name = "buf") {
-  return sim.alloc(MemoryKind::Device, sim.stream_device(stream), Bytes(bytes), stream,
-                   PinnedPool::Caching, name)
+  return sim
+      .alloc(MemoryKind::Device, sim.stream_device(stream), Bytes(bytes), stream,
+             PinnedPool::Caching, name)
       .value();
 }
 
 inline BufferId pinned_buffer(Simulator& sim, std::int64_t bytes, const char* name = "host") {
-  return sim.alloc(MemoryKind::Pinned, DeviceId(), Bytes(bytes), StreamId(), PinnedPool::Exact,
-                   name)
+  return sim
+      .alloc(MemoryKind::Pinned, DeviceId(), Bytes(bytes), StreamId(), PinnedPool::Exact, name)
       .value();
 }
 

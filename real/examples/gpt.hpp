@@ -77,5 +77,4 @@ struct GptImpl : torch::nn::Module {
 };
 TORCH_MODULE(Gpt);
 
-
 }  // namespace ferry::examples

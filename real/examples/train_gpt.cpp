@@ -6,9 +6,9 @@
 //             [--window-bytes B] [--loopback] [--no-checkpoint] [--record FILE]
 //             [--plant-missing-wait]
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
+#include <CLI/CLI.hpp>
 #ifdef FERRY_HAVE_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
@@ -81,7 +81,8 @@ int main(int argc, char** argv) {
              width, seq, batch, policy, cuda ? "cuda" : "cpu (loopback)",
              no_checkpoint ? "" : "; MLPs checkpointed");
   for (int step = 1; step <= steps; ++step) {
-    auto tokens = torch::randint(vocab, {batch, seq}, torch::TensorOptions().dtype(torch::kLong).device(device));
+    auto tokens = torch::randint(vocab, {batch, seq},
+                                 torch::TensorOptions().dtype(torch::kLong).device(device));
     auto targets = tokens.roll(-1, 1);
 #ifdef FERRY_HAVE_CUDA
     if (cuda) {
@@ -104,16 +105,16 @@ int main(int argc, char** argv) {
 #ifdef FERRY_HAVE_CUDA
     if (cuda) {
       const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
-      peak = fmt::format("{:.1f} MiB",
-                         static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 20));
+      peak =
+          fmt::format("{:.1f} MiB", static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 20));
     }
 #endif
     const ferry::OffloadTelemetry t = offload.telemetry();
-    fmt::print("step {}: loss {:.4f}  peak memory {}  step time {:.1f} ms  offloaded {:.1f} MiB "
-               "total, host pool peak {:.1f} MiB, tracked after step {}\n",
-               step, loss.item<double>(), peak, ms,
-               static_cast<double>(t.bytes_d2h.count()) / (1 << 20),
-               static_cast<double>(t.pinned_peak.count()) / (1 << 20), offload.tracked());
+    fmt::print(
+        "step {}: loss {:.4f}  peak memory {}  step time {:.1f} ms  offloaded {:.1f} MiB "
+        "total, host pool peak {:.1f} MiB, tracked after step {}\n",
+        step, loss.item<double>(), peak, ms, static_cast<double>(t.bytes_d2h.count()) / (1 << 20),
+        static_cast<double>(t.pinned_peak.count()) / (1 << 20), offload.tracked());
   }
   if (!record.empty()) {
     std::ofstream out(record);

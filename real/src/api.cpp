@@ -36,8 +36,7 @@ class EngineHooks final : public torch::autograd::SavedVariableHooks {
 class FerryEngine final : public Engine {
  public:
   ~FerryEngine() override { stop(); }
-  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks()
-      override {
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
     if (!at::SavedTensorDefaultHooks::is_enabled() || !real::packing_active()) return nullptr;
     return std::make_unique<EngineHooks>();
   }
@@ -51,9 +50,7 @@ std::mutex install_mutex;
 
 }  // namespace
 
-bool installed() {
-  return dynamic_cast<FerryEngine*>(&Engine::get_default_engine()) != nullptr;
-}
+bool installed() { return dynamic_cast<FerryEngine*>(&Engine::get_default_engine()) != nullptr; }
 
 void install() {
   std::lock_guard lock(install_mutex);

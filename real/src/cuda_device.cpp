@@ -61,13 +61,13 @@ std::optional<CudaDevice::Buffer> CudaDevice::allocate(Place place, Bytes bytes,
           (void)cudaGetLastError();
           return std::nullopt;
         }
-        storage = at::from_blob(ptr, {n}, free_host, at::TensorOptions().dtype(at::kByte))
-                      .storage();
+        storage =
+            at::from_blob(ptr, {n}, free_host, at::TensorOptions().dtype(at::kByte)).storage();
         break;
       }
       case Place::PinnedHostCaching:
-        storage = at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true))
-                      .storage();
+        storage =
+            at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)).storage();
         break;
     }
   } catch (const c10::OutOfMemoryError&) {
@@ -81,11 +81,10 @@ void CudaDevice::copy(Stream stream, const Buffer& src, Bytes src_offset, const 
   check_copy(src, src_offset, dst, dst_offset, bytes);
   const c10::cuda::CUDAStream s = streams_.at(stream.index);
   if (bytes.count() > 0) {
-    check_cuda(cudaMemcpyAsync(bytes_of(dst) + dst_offset.count(),
-                               bytes_of(src) + src_offset.count(),
-                               static_cast<std::size_t>(bytes.count()), cudaMemcpyDefault,
-                               s.stream()),
-               "cudaMemcpyAsync");
+    check_cuda(
+        cudaMemcpyAsync(bytes_of(dst) + dst_offset.count(), bytes_of(src) + src_offset.count(),
+                        static_cast<std::size_t>(bytes.count()), cudaMemcpyDefault, s.stream()),
+        "cudaMemcpyAsync");
     // Blocks of the caching host allocator are reused only after the copies that use them.
     for (const Buffer* b : {&src, &dst}) {
       if ((*b)->place == Place::PinnedHostCaching) {

@@ -58,8 +58,8 @@ at::Tensor DeviceBase::view(const BufferHandle& buffer, Bytes offset, at::IntArr
                             at::IntArrayRef strides, at::ScalarType dtype) {
   const std::int64_t item = static_cast<std::int64_t>(c10::elementSize(dtype));
   FERRY_CHECK(offset.count() % item == 0, "a view offset that is not a whole element");
-  at::Tensor out = at::empty({0}, at::TensorOptions().dtype(dtype).device(
-                                      buffer->storage.device()));
+  at::Tensor out =
+      at::empty({0}, at::TensorOptions().dtype(dtype).device(buffer->storage.device()));
   out.set_(buffer->storage, offset.count() / item, sizes, strides);
   return out;
 }

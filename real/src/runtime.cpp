@@ -228,10 +228,9 @@ class SessionImpl final : public SessionBase {
 
 std::shared_ptr<Session> Session::create(const RealOptions& options) {
   const OffloadOptions& o = options.offload;
-  for (const auto& [name, value] : {std::pair{"min_bytes", o.min_bytes},
-                                    std::pair{"window_bytes", o.window_bytes},
-                                    std::pair{"prefetch_bytes", o.prefetch_bytes},
-                                    std::pair{"host_cap", o.host_cap}}) {
+  for (const auto& [name, value] :
+       {std::pair{"min_bytes", o.min_bytes}, std::pair{"window_bytes", o.window_bytes},
+        std::pair{"prefetch_bytes", o.prefetch_bytes}, std::pair{"host_cap", o.host_cap}}) {
     if (value.count() < 0) {
       throw std::invalid_argument(
           fmt::format("ferry: option {} must not be negative (got {})", name, value.count()));
@@ -265,16 +264,19 @@ void close_context(Context::Kind kind) noexcept {
   for (auto it = tl_stack.rbegin(); it != tl_stack.rend(); ++it) {
     if (it->kind != kind) continue;
     if (it != tl_stack.rbegin()) {
-      std::fputs("ferry: warning: a region guard was destroyed while a region opened after it "
-                 "is still open; regions must nest\n",
-                 stderr);
+      std::fputs(
+          "ferry: warning: a region guard was destroyed while a region opened after it "
+          "is still open; regions must nest\n",
+          stderr);
     }
     tl_stack.erase(std::next(it).base());
     return;
   }
 }
 
-bool packing_active() { return !tl_stack.empty() && tl_stack.back().kind != Context::Kind::NoOffload; }
+bool packing_active() {
+  return !tl_stack.empty() && tl_stack.back().kind != Context::Kind::NoOffload;
+}
 
 // --- checkpoint --------------------------------------------------------------------------------
 
@@ -367,8 +369,8 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     frame_options.determinism_check = options.determinism_check;
     const FrameId id = core_.begin(frame_options);
     frames_.resize(std::max<std::size_t>(frames_.size(), id.value() + 1));
-    frames_[id.value()] = FrameInfo{std::move(replay), std::move(rng), options.preserve_rng_state,
-                                    std::move(inputs)};
+    frames_[id.value()] =
+        FrameInfo{std::move(replay), std::move(rng), options.preserve_rng_state, std::move(inputs)};
     ++open_;
     return id;
   }
@@ -507,15 +509,13 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
   int replaying_ = 0;
   std::uint64_t outside_ = 0;
   std::unordered_set<std::uint64_t> drained_;
-
 };
 
 namespace {
 
 class Holder final : public Packed {
  public:
-  Holder(std::shared_ptr<CheckpointState> state, HolderId id)
-      : state_(std::move(state)), id_(id) {}
+  Holder(std::shared_ptr<CheckpointState> state, HolderId id) : state_(std::move(state)), id_(id) {}
   ~Holder() override { state_->release(); }
   Holder(const Holder&) = delete;
   Holder& operator=(const Holder&) = delete;

@@ -4,9 +4,12 @@ namespace ferry {
 
 const char* policy_name(Policy policy) {
   switch (policy) {
-    case Policy::None: return "none";
-    case Policy::Trl: return "trl";
-    case Policy::Ferry: return "ferry";
+    case Policy::None:
+      return "none";
+    case Policy::Trl:
+      return "trl";
+    case Policy::Ferry:
+      return "ferry";
   }
   return "?";
 }

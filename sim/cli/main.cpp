@@ -5,8 +5,8 @@
 // Exit codes: 0 fine, 1 hazards found or the run failed (out of memory), 2 bad input or
 // usage, 3 internal error.
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <exception>
@@ -241,8 +241,7 @@ int run_plan(const PlanArgs& args, bool compare) {
 }
 
 void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
-  cmd->add_option("--model", a.model, "Model preset or model JSON file")
-      ->capture_default_str();
+  cmd->add_option("--model", a.model, "Model preset or model JSON file")->capture_default_str();
   cmd->add_option("--device", a.device, "Device profile name or JSON file")->capture_default_str();
   if (with_policy) {
     cmd->add_option("--policy", a.policy, "none, trl or ferry")->capture_default_str();
@@ -253,26 +252,34 @@ void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
   }
   cmd->add_flag("--no-early-stop", a.no_early_stop, "Recompute whole checkpointed regions");
   cmd->add_option("--devices", a.devices, "Pipeline over N devices (GPipe); 1: no pipeline")
-      ->capture_default_str()->check(CLI::Range(1, 64));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches")
-      ->capture_default_str()->check(CLI::Range(1, 1024));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
   if (with_policy) {
     cmd->add_option("--pipeline-checkpoint", a.pipeline_checkpoint,
                     "Pipeline checkpoint mode: always, except_last or never")
         ->capture_default_str();
   }
   cmd->add_option("--min-bytes", a.min_bytes, "Saved tensors smaller than this stay on the device")
-      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 50));
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 50));
   cmd->add_option("--window-mib", a.window_mib, "ferry: forward window of offloads in flight")
-      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
   cmd->add_option("--prefetch-mib", a.prefetch_mib, "ferry: reload budget ahead of demand")
-      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
   cmd->add_option("--host-cap-gib", a.host_cap_gib, "ferry: pinned host memory cap")
-      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 20));
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 20));
   cmd->add_option("--stash", a.stash, "trl: forward stash size in tensors")
-      ->capture_default_str()->check(CLI::Range(1, 1 << 20));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--steps", a.steps, "Training steps to simulate (the last is reported)")
-      ->capture_default_str()->check(CLI::Range(1, 1000));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   cmd->add_flag("--no-prefetch", a.no_prefetch, "ferry: reload on demand only");
   cmd->add_flag("--no-dedup", a.no_dedup, "ferry: copy views sharing a storage separately");
   cmd->add_flag("--json", a.json, "Print the results as one JSON document");
@@ -283,8 +290,9 @@ void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"ferry: offload and checkpoint scheduling, with a simulated GPU that proves "
-               "stream schedules safe"};
+  CLI::App app{
+      "ferry: offload and checkpoint scheduling, with a simulated GPU that proves "
+      "stream schedules safe"};
   app.require_subcommand(1);
   CheckArgs check;
   CLI::App* check_cmd = app.add_subcommand(
@@ -297,8 +305,8 @@ int main(int argc, char** argv) {
                         "Folder with devices/ and programs/ (bundled scenarios by default)");
   check_cmd->add_flag("--no-checker", check.no_checker, "Time only; skip hazard checking");
   PlanArgs simulate;
-  CLI::App* simulate_cmd = app.add_subcommand(
-      "simulate", "Simulate training steps of a model under one offload policy");
+  CLI::App* simulate_cmd =
+      app.add_subcommand("simulate", "Simulate training steps of a model under one offload policy");
   add_plan_options(simulate_cmd, simulate, true);
   PlanArgs compare;
   CLI::App* compare_cmd = app.add_subcommand(

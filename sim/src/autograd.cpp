@@ -51,7 +51,8 @@ Pieces slice(const Pieces& pieces, std::int64_t lo, std::int64_t hi) {
     const std::int64_t b = std::min(hi, p.offset.count() + p.bytes.count());
     if (a >= b) continue;
     if (a > pos) out.push_back(ContentPiece{Bytes(pos - lo), Bytes(a - pos), 0, Bytes(0)});
-    out.push_back(ContentPiece{Bytes(a - lo), Bytes(b - a), p.id, p.base + Bytes(a - p.offset.count())});
+    out.push_back(
+        ContentPiece{Bytes(a - lo), Bytes(b - a), p.id, p.base + Bytes(a - p.offset.count())});
     pos = b;
   }
   if (pos < hi) out.push_back(ContentPiece{Bytes(pos - lo), Bytes(hi - pos), 0, Bytes(0)});
@@ -103,13 +104,13 @@ struct Generators {
 
 struct FrameInfo {
   std::uint32_t region = 0;
-  std::vector<Saved> inputs;          // the region's inputs, saved by the parent
-  Generators generators;              // at the region's start
-  std::map<std::uint32_t, Bound> cache;       // MustSave outputs (forward references)
-  std::map<std::uint32_t, Saved> offloaded;   // Offload-policy outputs
-  std::uint32_t last_pack_op = 0;             // op during which its last holder was packed
-  std::size_t taken = 0;                      // holders taken in the current backward
-  bool released = false;                      // inputs and caches let go
+  std::vector<Saved> inputs;                 // the region's inputs, saved by the parent
+  Generators generators;                     // at the region's start
+  std::map<std::uint32_t, Bound> cache;      // MustSave outputs (forward references)
+  std::map<std::uint32_t, Saved> offloaded;  // Offload-policy outputs
+  std::uint32_t last_pack_op = 0;            // op during which its last holder was packed
+  std::size_t taken = 0;                     // holders taken in the current backward
+  bool released = false;                     // inputs and caches let go
 };
 
 constexpr std::uint64_t kGradSalt = 0x67726164;  // "grad"
@@ -119,7 +120,18 @@ class Trainer {
   Trainer(const Model& model, const DeviceProfile& profile, const TrainingOptions& options)
       : model_(model),
         options_(options),
-        run_{Simulator({DeviceSpec{"gpu0", profile}}, {}, options.sim), {}, std::nullopt, {}, {}, {}, {}, {}, {}, 0, {}, {}},
+        run_{Simulator({DeviceSpec{"gpu0", profile}}, {}, options.sim),
+             {},
+             std::nullopt,
+             {},
+             {},
+             {},
+             {},
+             {},
+             {},
+             0,
+             {},
+             {}},
         compute_(run_.sim.add_stream(DeviceId(0), "compute")),
         device_(run_.sim, DeviceId(0), compute_),
         offloader_(device_, options.offload) {
@@ -129,9 +141,11 @@ class Trainer {
     last_use_.assign(n, -1);
     for (std::uint32_t i = 0; i < model.ops.size(); ++i) {
       for (const std::uint32_t t : model.ops[i].outputs) {
-        last_use_[base(t)] = std::max<std::int32_t>(last_use_[base(t)], static_cast<std::int32_t>(i));
+        last_use_[base(t)] =
+            std::max<std::int32_t>(last_use_[base(t)], static_cast<std::int32_t>(i));
       }
-      for (const std::uint32_t t : model.ops[i].inputs) last_use_[base(t)] = static_cast<std::int32_t>(i);
+      for (const std::uint32_t t : model.ops[i].inputs)
+        last_use_[base(t)] = static_cast<std::int32_t>(i);
     }
     drop_after_.resize(model.ops.size());
     for (std::uint32_t t = 0; t < n; ++t) {
@@ -169,7 +183,8 @@ class Trainer {
       run_.failure = e.what();
     }
     run_.sim.finish();
-    if (!options_.sync_each_step && !run_.steps.empty()) run_.steps.back().end = run_.sim.makespan();
+    if (!options_.sync_each_step && !run_.steps.empty())
+      run_.steps.back().end = run_.sim.makespan();
     run_.telemetry = offloader_.telemetry();
     return std::move(run_);
   }
@@ -192,8 +207,10 @@ class Trainer {
         const bool inside_later = a.first_op <= b.first_op && b.end_op <= a.end_op &&
                                   (a.first_op != b.first_op || a.end_op != b.end_op);
         if ((!disjoint && !nested) || inside_later) {
-          return Error{fmt::format("checkpoint regions {} and {} overlap without nesting, or the "
-                                   "inner one is listed first (list outer regions first)", q, r)};
+          return Error{
+              fmt::format("checkpoint regions {} and {} overlap without nesting, or the "
+                          "inner one is listed first (list outer regions first)",
+                          q, r)};
         }
         if (!disjoint && (a.reentrant || b.reentrant)) {
           return Error{fmt::format("checkpoint region {}: reentrant regions do not nest", r)};
@@ -311,8 +328,8 @@ class Trainer {
   }
 
   struct Scope {
-    std::map<std::uint32_t, Bound> bound;       // tensor -> where it lives in this scope
-    std::vector<Device::Buffer> owned;          // references this scope drops at its end
+    std::map<std::uint32_t, Bound> bound;  // tensor -> where it lives in this scope
+    std::vector<Device::Buffer> owned;     // references this scope drops at its end
   };
 
   // --- forward ops ----------------------------------------------------------------------------
@@ -540,7 +557,8 @@ class Trainer {
     for (std::uint32_t i = 0; i < model_.ops.size(); ++i) {
       const ModelOp& op = model_.ops[i];
       current_op_ = i;
-      for (const std::uint32_t r : regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
+      for (const std::uint32_t r :
+           regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
         begin_region(r);
       }
       if (op.no_offload) offloader_.push_no_offload();
@@ -664,8 +682,8 @@ class Trainer {
       for (const std::uint32_t t : op.outputs) {
         if (model_.tensors[t].view_of >= 0) {
           const Bound b = lookup(base(t));
-          scope.bound[t] = Bound{b.buffer, b.offset + model_.tensors[t].view_offset,
-                                 mix_content(b.value, t)};
+          scope.bound[t] =
+              Bound{b.buffer, b.offset + model_.tensors[t].view_offset, mix_content(b.value, t)};
           continue;
         }
         Bound b;
@@ -709,7 +727,8 @@ class Trainer {
     std::vector<std::vector<std::uint32_t>> producers_of(ops);
     std::vector<std::int32_t> producer(model_.tensors.size(), -1);
     for (std::uint32_t i = 0; i < ops; ++i) {
-      for (const std::uint32_t t : model_.ops[i].outputs) producer[base(t)] = static_cast<std::int32_t>(i);
+      for (const std::uint32_t t : model_.ops[i].outputs)
+        producer[base(t)] = static_cast<std::int32_t>(i);
     }
     for (std::uint32_t j = 0; j < ops; ++j) {
       if (!needed_[j]) continue;
@@ -746,7 +765,8 @@ class Trainer {
 
   Device::Buffer& grad(std::uint32_t t) {
     const std::uint32_t b = base(t);
-    if (!grads_[b]) grads_[b] = must_allocate(model_.tensors[b].bytes, model_.tensors[b].name + ".grad");
+    if (!grads_[b])
+      grads_[b] = must_allocate(model_.tensors[b].bytes, model_.tensors[b].name + ".grad");
     return *grads_[b];
   }
 
@@ -896,8 +916,10 @@ class Trainer {
                                                       : std::span<const NodeId>());
     const std::uint32_t loss = base(model_.loss);
     grad_values_[loss] = mix_content(kGradSalt, 0);
-    run_.sim.kernel(compute_, SimTime(1), {}, std::vector<Region>{Region{grad(loss).id, Bytes(0), model_.tensors[loss].bytes}},
-                    "loss grad", std::vector<std::uint64_t>{grad_values_[loss]});
+    run_.sim.kernel(
+        compute_, SimTime(1), {},
+        std::vector<Region>{Region{grad(loss).id, Bytes(0), model_.tensors[loss].bytes}},
+        "loss grad", std::vector<std::uint64_t>{grad_values_[loss]});
     std::vector<bool> done_region(options_.checkpoint.regions.size(), false);
     for (std::size_t k = 0; k < order.size(); ++k) {
       const std::uint32_t n = order[k];
@@ -938,7 +960,8 @@ class Trainer {
     device_.drop(scopes_[0].bound.at(loss).buffer);
     for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
       const ModelTensor& tensor = model_.tensors[t];
-      if (tensor.role == TensorRole::Input && tensor.view_of < 0) device_.drop(scopes_[0].bound.at(t).buffer);
+      if (tensor.role == TensorRole::Input && tensor.view_of < 0)
+        device_.drop(scopes_[0].bound.at(t).buffer);
     }
     scopes_[0].bound.clear();
   }
@@ -1033,7 +1056,8 @@ CheckpointPlan checkpoint_segments(const Model& model, std::int32_t segments, bo
   const auto n = static_cast<std::uint32_t>(model.ops.size());
   if (segments <= 1 || n < 2) return plan;
   const std::uint32_t size = std::max<std::uint32_t>(1, n / static_cast<std::uint32_t>(segments));
-  for (std::uint32_t start = 0; start + size < n && plan.regions.size() + 1 < static_cast<std::size_t>(segments);
+  for (std::uint32_t start = 0;
+       start + size < n && plan.regions.size() + 1 < static_cast<std::size_t>(segments);
        start += size) {
     plan.regions.push_back(CheckpointRegion{start, start + size, reentrant, std::nullopt});
   }

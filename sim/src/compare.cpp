@@ -82,9 +82,12 @@ Json row_json(const RowResult& r, const RowResult* base) {
   j["h2d_bytes"] = r.h2d.count();
   j["hazards"] = r.hazards;
   if (base != nullptr) {
-    j["time_vs_none_permille"] = base->step_time.ns() > 0 ? r.step_time.ns() * 1000 / base->step_time.ns() : 0;
+    j["time_vs_none_permille"] =
+        base->step_time.ns() > 0 ? r.step_time.ns() * 1000 / base->step_time.ns() : 0;
     j["memory_vs_none_permille"] =
-        base->peak_allocated.count() > 0 ? r.peak_allocated.count() * 1000 / base->peak_allocated.count() : 0;
+        base->peak_allocated.count() > 0
+            ? r.peak_allocated.count() * 1000 / base->peak_allocated.count()
+            : 0;
   }
   const OffloadTelemetry& t = r.telemetry;
   j["telemetry"] = {{"packed", t.packed},
@@ -129,8 +132,10 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
   if (auto k = number("every:")) return checkpoint_every(model, *k);
   if (auto n = number("segments:")) return checkpoint_segments(model, *n, false);
   if (auto n = number("reentrant-segments:")) return checkpoint_segments(model, *n, true);
-  return Error{fmt::format("unknown checkpoint spec \"{}\" (none, every:K, selective, "
-                           "segments:N, reentrant-segments:N)", spec)};
+  return Error{
+      fmt::format("unknown checkpoint spec \"{}\" (none, every:K, selective, "
+                  "segments:N, reentrant-segments:N)",
+                  spec)};
 }
 
 std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model) {
@@ -194,23 +199,29 @@ RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyR
 }
 
 std::string simulate_text(const RowResult& r, const Model& model, const DeviceProfile& device) {
-  std::string out = fmt::format("ferry simulate: {} on {}, policy {}\n", model.name, device.name, r.name);
+  std::string out =
+      fmt::format("ferry simulate: {} on {}, policy {}\n", model.name, device.name, r.name);
   if (r.failure) out += fmt::format("failure: {}\n", *r.failure);
-  if (!r.fits) out += fmt::format("does not fit in {}: the figures below need more memory\n", format_bytes(device.memory));
-  out += fmt::format("step time: {} (forward {})\n", format_time(r.step_time), format_time(r.forward_time));
-  out += fmt::format("peak device memory: allocated {}, reserved {}\n", format_bytes(r.peak_allocated),
-                     format_bytes(r.peak_reserved));
+  if (!r.fits)
+    out += fmt::format("does not fit in {}: the figures below need more memory\n",
+                       format_bytes(device.memory));
+  out += fmt::format("step time: {} (forward {})\n", format_time(r.step_time),
+                     format_time(r.forward_time));
+  out += fmt::format("peak device memory: allocated {}, reserved {}\n",
+                     format_bytes(r.peak_allocated), format_bytes(r.peak_reserved));
   out += fmt::format("peak pinned host memory: {}\n", format_bytes(r.pinned_peak));
   out += fmt::format("moved: D2H {}, H2D {}\n", format_bytes(r.d2h), format_bytes(r.h2d));
   out += fmt::format("recompute: {}\n", format_time(r.recompute_time));
   out += fmt::format("stall: forward {}, backward {}; copy/compute overlap {}\n",
-                     format_time(r.forward_stall), format_time(r.backward_stall), percent(r.overlap_permille));
+                     format_time(r.forward_stall), format_time(r.backward_stall),
+                     percent(r.overlap_permille));
   const OffloadTelemetry& t = r.telemetry;
   out += fmt::format(
       "saved tensors: {} packed, {} offloaded, {} kept, {} deduplicated, {} host-cap fallbacks\n",
       t.packed, t.offloaded, t.kept, t.deduplicated, t.host_fallbacks);
-  out += fmt::format("reloads: {} prefetched, {} on demand, {} forward-stash hits, {} record_stream fallbacks\n",
-                     t.prefetched, t.on_demand, t.stash_hits, t.record_stream_fallbacks);
+  out += fmt::format(
+      "reloads: {} prefetched, {} on demand, {} forward-stash hits, {} record_stream fallbacks\n",
+      t.prefetched, t.on_demand, t.stash_hits, t.record_stream_fallbacks);
   out += fmt::format("hazards: {}\n", r.hazards);
   return out;
 }
@@ -228,10 +239,10 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
   const RowResult* base = baseline(rows);
   std::string out = fmt::format("ferry compare: {} on {} ({} device memory)\n", model.name,
                                 device.name, format_bytes(device.memory));
-  out += fmt::format(
-      "{:<22} {:>14} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>14} {:>14} {:>8} {}\n", "policy",
-      "step", "time", "peak alloc", "memory", "peak pinned", "D2H", "H2D", "recompute",
-      "bwd stall", "overlap", "note");
+  out +=
+      fmt::format("{:<22} {:>14} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>14} {:>14} {:>8} {}\n",
+                  "policy", "step", "time", "peak alloc", "memory", "peak pinned", "D2H", "H2D",
+                  "recompute", "bwd stall", "overlap", "note");
   for (const RowResult& r : rows) {
     std::string note;
     if (!r.fits) {
@@ -250,8 +261,9 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
         format_time(r.recompute_time), format_time(r.backward_stall), percent(r.overlap_permille),
         note);
   }
-  out += "time and memory are ratios to the none row; step, bytes moved and recompute are of "
-         "the last simulated step\n";
+  out +=
+      "time and memory are ratios to the none row; step, bytes moved and recompute are of "
+      "the last simulated step\n";
   return out;
 }
 
@@ -288,17 +300,19 @@ PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device, st
 }
 
 Result<CheckpointMode> parse_checkpoint_mode(std::string_view text) {
-  for (const CheckpointMode m : {CheckpointMode::Always, CheckpointMode::ExceptLast, CheckpointMode::Never}) {
+  for (const CheckpointMode m :
+       {CheckpointMode::Always, CheckpointMode::ExceptLast, CheckpointMode::Never}) {
     if (text == checkpoint_mode_name(m)) return m;
   }
-  return Error{fmt::format("unknown pipeline checkpoint mode \"{}\" (always, except_last, never)",
-                           text)};
+  return Error{
+      fmt::format("unknown pipeline checkpoint mode \"{}\" (always, except_last, never)", text)};
 }
 
 std::vector<PipelineRow> pipeline_rows(const Model& model, const DeviceProfile& device,
                                        std::int32_t devices, std::int32_t micro_batches) {
   std::vector<PipelineRow> rows;
-  for (const CheckpointMode m : {CheckpointMode::Never, CheckpointMode::ExceptLast, CheckpointMode::Always}) {
+  for (const CheckpointMode m :
+       {CheckpointMode::Never, CheckpointMode::ExceptLast, CheckpointMode::Always}) {
     PipelineOptions o;
     o.devices = devices;
     o.micro_batches = micro_batches;
@@ -314,7 +328,7 @@ std::string pipeline_text(const std::vector<PipelineRow>& rows) {
   std::string out = fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {}\n", "pipeline", "step",
                                 "per micro-batch", "max dev peak", "recompute", "note");
   for (const PipelineRow& r : rows) {
-    std::string note = r.failure ? "failed: " + *r.failure
+    std::string note = r.failure       ? "failed: " + *r.failure
                        : r.hazards > 0 ? fmt::format("{} hazards", r.hazards)
                                        : std::string();
     const std::int64_t mb = std::max(1, r.options.micro_batches);

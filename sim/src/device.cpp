@@ -18,9 +18,10 @@ Device::Event Device::make_event() {
 std::optional<Device::Buffer> Device::allocate(Place place, Bytes bytes, Stream stream,
                                                std::string_view name) {
   const MemoryKind kind = place == Place::Device ? MemoryKind::Device : MemoryKind::Pinned;
-  const PinnedPool pool = place == Place::PinnedHostCaching ? PinnedPool::Caching : PinnedPool::Exact;
-  auto got = sim_.alloc(kind, device_, bytes, place == Place::Device ? stream.id : StreamId(), pool,
-                        name);
+  const PinnedPool pool =
+      place == Place::PinnedHostCaching ? PinnedPool::Caching : PinnedPool::Exact;
+  auto got =
+      sim_.alloc(kind, device_, bytes, place == Place::Device ? stream.id : StreamId(), pool, name);
   if (!got) {
     last_error_ = got.error().message;
     return std::nullopt;

@@ -117,8 +117,7 @@ class ModelReader {
     FERRY_JSON_TRY(const auto object,
                    value.object({"name", "layer", "flops", "bytes", "backward_flops",
                                  "backward_bytes", "duration_ns", "backward_duration_ns", "inputs",
-                                 "outputs", "saved", "no_offload", "draws_rng",
-                                 "draws_cpu_rng"}));
+                                 "outputs", "saved", "no_offload", "draws_rng", "draws_cpu_rng"}));
     ModelOp op;
     FERRY_JSON_TRY(op.name, object.required_name("name"));
     FERRY_JSON_TRY(const auto layer, object.optional_integer("layer", -1, -1, kMaxLayer));

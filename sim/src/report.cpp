@@ -12,22 +12,32 @@ using Json = nlohmann::ordered_json;
 
 const char* kind_name(HazardKind kind) {
   switch (kind) {
-    case HazardKind::Race: return "race";
-    case HazardKind::Reuse: return "reuse";
-    case HazardKind::HostBeforeCopy: return "host-before-copy";
-    case HazardKind::UseAfterFree: return "use-after-free";
-    case HazardKind::DoubleFree: return "double-free";
-    case HazardKind::UseBeforeAlloc: return "use-before-alloc";
+    case HazardKind::Race:
+      return "race";
+    case HazardKind::Reuse:
+      return "reuse";
+    case HazardKind::HostBeforeCopy:
+      return "host-before-copy";
+    case HazardKind::UseAfterFree:
+      return "use-after-free";
+    case HazardKind::DoubleFree:
+      return "double-free";
+    case HazardKind::UseBeforeAlloc:
+      return "use-before-alloc";
   }
   return "?";
 }
 
 const char* conflict_name(Conflict conflict) {
   switch (conflict) {
-    case Conflict::None: return "none";
-    case Conflict::ReadAfterWrite: return "read-after-write";
-    case Conflict::WriteAfterRead: return "write-after-read";
-    case Conflict::WriteAfterWrite: return "write-after-write";
+    case Conflict::None:
+      return "none";
+    case Conflict::ReadAfterWrite:
+      return "read-after-write";
+    case Conflict::WriteAfterRead:
+      return "write-after-read";
+    case Conflict::WriteAfterWrite:
+      return "write-after-write";
   }
   return "?";
 }
@@ -68,15 +78,17 @@ std::string hint(const Simulator& sim, const Hazard& h) {
       const OpRecord& a = ops[h.first.value()];
       const OpRecord& b = ops[h.second.value()];
       if (is_stream_work(a) && is_stream_work(b)) {
-        return fmt::format("record an event on stream {} after op {} and make stream {} wait "
-                           "for it before op {}",
-                           sim.stream_name(a.stream), h.first.value(),
-                           sim.stream_name(b.stream), h.second.value());
+        return fmt::format(
+            "record an event on stream {} after op {} and make stream {} wait "
+            "for it before op {}",
+            sim.stream_name(a.stream), h.first.value(), sim.stream_name(b.stream),
+            h.second.value());
       }
       if (is_stream_work(a)) {
-        return fmt::format("synchronize with stream {} (or an event recorded after op {}) "
-                           "before op {}",
-                           sim.stream_name(a.stream), h.first.value(), h.second.value());
+        return fmt::format(
+            "synchronize with stream {} (or an event recorded after op {}) "
+            "before op {}",
+            sim.stream_name(a.stream), h.first.value(), h.second.value());
       }
       return "order the two accesses";
     }
@@ -85,15 +97,17 @@ std::string hint(const Simulator& sim, const Hazard& h) {
       const OpRecord& a = ops[h.first.value()];
       std::string who = is_stream_work(a) ? fmt::format("stream {}", sim.stream_name(a.stream))
                                           : std::string("the host");
-      return fmt::format("buffer {} was freed by op {} while {} could still use it: call "
-                         "record_stream for that stream before the free, or order the free "
-                         "after that work",
-                         json_quote(sim.label(old.label)), old.freed_by.value(), who);
+      return fmt::format(
+          "buffer {} was freed by op {} while {} could still use it: call "
+          "record_stream for that stream before the free, or order the free "
+          "after that work",
+          json_quote(sim.label(old.label)), old.freed_by.value(), who);
     }
     case HazardKind::HostBeforeCopy:
-      return fmt::format("synchronize on an event recorded after op {} (or on its stream) "
-                         "before the host touches the buffer",
-                         h.first.value());
+      return fmt::format(
+          "synchronize on an event recorded after op {} (or on its stream) "
+          "before the host touches the buffer",
+          h.first.value());
     case HazardKind::UseAfterFree:
       return fmt::format("the buffer was freed by op {}; free it after its last use",
                          h.first.value());
@@ -207,7 +221,7 @@ std::string summary_text(const ProgramRun& run, std::string_view source) {
   const CopyTotals c = sim.copied();
   out += fmt::format("copies: H2D {}, D2H {}, D2D {}, peer {}\n", format_bytes(c.h2d),
                      format_bytes(c.d2h), format_bytes(c.d2d), format_bytes(c.peer));
-  out += fmt::format("result: {}\n", run.failure         ? "failed (out of memory)"
+  out += fmt::format("result: {}\n", run.failure       ? "failed (out of memory)"
                                      : hazards.empty() ? "no hazards"
                                                        : "hazards found");
   return out;

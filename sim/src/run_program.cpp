@@ -56,9 +56,10 @@ Result<ProgramRun> run_program(const Program& program, SimOptions options) {
         const ProgramBuffer& b = program.buffers[op.slot.value()];
         const BufferId held = slot[op.slot.value()];
         if (held.valid() && sim.buffers()[held.value()].live) {
-          return Error{fmt::format("ops[{}]: alloc of buffer \"{}\", which already holds memory "
-                                   "(allocated by ops[{}]); free it first",
-                                   i, b.name, sim.buffers()[held.value()].allocated_by.value())};
+          return Error{
+              fmt::format("ops[{}]: alloc of buffer \"{}\", which already holds memory "
+                          "(allocated by ops[{}]); free it first",
+                          i, b.name, sim.buffers()[held.value()].allocated_by.value())};
         }
         auto got = sim.alloc(b.kind, b.device, b.bytes, op.stream, b.pool,
                              op.label.empty() ? b.name : op.label);
@@ -97,19 +98,33 @@ Result<ProgramRun> run_program(const Program& program, SimOptions options) {
           sim.copy(op.stream, reads[0], reads[1], op.label);
         }
         break;
-      case OpKind::Record: sim.record(op.event, op.stream, op.label); break;
-      case OpKind::Wait: sim.wait(op.stream, op.event, op.label); break;
-      case OpKind::SyncStream: sim.sync_stream(op.stream, op.label); break;
-      case OpKind::SyncEvent: sim.sync_event(op.event, op.label); break;
-      case OpKind::SyncDevice: sim.sync_device(op.device, op.label); break;
-      case OpKind::Query: (void)sim.query(op.event, op.label); break;
+      case OpKind::Record:
+        sim.record(op.event, op.stream, op.label);
+        break;
+      case OpKind::Wait:
+        sim.wait(op.stream, op.event, op.label);
+        break;
+      case OpKind::SyncStream:
+        sim.sync_stream(op.stream, op.label);
+        break;
+      case OpKind::SyncEvent:
+        sim.sync_event(op.event, op.label);
+        break;
+      case OpKind::SyncDevice:
+        sim.sync_device(op.device, op.label);
+        break;
+      case OpKind::Query:
+        (void)sim.query(op.event, op.label);
+        break;
       case OpKind::HostRead:
         if (resolve(op.reads, reads, op)) sim.host_read(reads, op.label);
         break;
       case OpKind::HostWrite:
         if (resolve(op.writes, writes, op)) sim.host_write(writes, op.label);
         break;
-      case OpKind::EmptyCache: sim.empty_cache(op.device, op.label); break;
+      case OpKind::EmptyCache:
+        sim.empty_cache(op.device, op.label);
+        break;
     }
   }
   run.issued = program.ops.size();

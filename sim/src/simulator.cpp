@@ -29,9 +29,9 @@ namespace {
 __extension__ using Wide = __int128;
 constexpr std::uint32_t kNone = 0xffffffffU;
 constexpr std::int64_t kNsPerSecond = 1'000'000'000;
-constexpr std::int64_t kDeviceBase = 0x1'0000'0000;        // first device address
-constexpr std::int64_t kPinnedBase = 0x2000'0000'0000;     // pinned host memory
-constexpr std::int64_t kPageableBase = 0x3000'0000'0000;   // pageable host memory
+constexpr std::int64_t kDeviceBase = 0x1'0000'0000;       // first device address
+constexpr std::int64_t kPinnedBase = 0x2000'0000'0000;    // pinned host memory
+constexpr std::int64_t kPageableBase = 0x3000'0000'0000;  // pageable host memory
 
 enum class EventType : std::uint8_t { KernelDone, CopyPhaseDone };
 
@@ -84,7 +84,7 @@ struct StreamState {
   std::deque<std::uint32_t> queue;  // submitted, not yet started; head may be a blocked wait
   std::uint64_t submitted = 0;
   std::uint64_t completed = 0;
-  bool busy = false;  // head op handed to an engine
+  bool busy = false;                                             // head op handed to an engine
   std::vector<std::pair<std::uint64_t, std::uint32_t>> waiters;  // (count, waiting stream)
 };
 
@@ -149,8 +149,8 @@ struct Simulator::State final : StreamMarkers {
   std::vector<StreamState> streams;
   std::vector<EventState> events;
   std::vector<BufferInfo> buffers;
-  std::vector<BlockId> device_blocks;     // per buffer, Device kind
-  std::vector<HostBlockId> host_blocks;   // per buffer, Pinned kind
+  std::vector<BlockId> device_blocks;    // per buffer, Device kind
+  std::vector<HostBlockId> host_blocks;  // per buffer, Pinned kind
   std::vector<OpRecord> ops;
   std::vector<Exec> exec;
   std::vector<WriteRange> write_ranges;
@@ -189,8 +189,13 @@ struct Simulator::State final : StreamMarkers {
     FERRY_CHECK(!specs.empty(), "a simulation needs at least one device");
     for (auto& spec : specs) {
       const Bytes memory = spec.profile.memory;
-      devices.push_back(DeviceState{std::move(spec.name), std::move(spec.profile),
-                                    CachingAllocator(memory, Bytes(kDeviceBase)), {}, -1, -1, -1});
+      devices.push_back(DeviceState{std::move(spec.name),
+                                    std::move(spec.profile),
+                                    CachingAllocator(memory, Bytes(kDeviceBase)),
+                                    {},
+                                    -1,
+                                    -1,
+                                    -1});
     }
     for (std::uint32_t d = 0; d < devices.size(); ++d) {
       DeviceState& dev = devices[d];
@@ -221,9 +226,7 @@ struct Simulator::State final : StreamMarkers {
     return static_cast<std::int32_t>(engines.size() - 1);
   }
 
-  [[nodiscard]] SpaceIndex host_space() const {
-    return static_cast<SpaceIndex>(devices.size());
-  }
+  [[nodiscard]] SpaceIndex host_space() const { return static_cast<SpaceIndex>(devices.size()); }
   [[nodiscard]] const LaunchOverheads& overheads(std::uint32_t device) const {
     return devices[device].profile.overheads;
   }
@@ -387,8 +390,8 @@ struct Simulator::State final : StreamMarkers {
     const std::int64_t base = exec[e.current].rate;
     const bool contended =
         e.partner >= 0 && engines[static_cast<std::size_t>(e.partner)].phase == Phase::Transfer;
-    e.rate = contended ? std::max<std::int64_t>(1, base / 1000 * e.permille +
-                                                       base % 1000 * e.permille / 1000)
+    e.rate = contended ? std::max<std::int64_t>(
+                             1, base / 1000 * e.permille + base % 1000 * e.permille / 1000)
                        : base;
   }
 
@@ -443,8 +446,8 @@ struct Simulator::State final : StreamMarkers {
   std::int32_t peer_engine(std::uint32_t from, std::uint32_t to) {
     auto it = peer_engines.find({from, to});
     if (it != peer_engines.end()) return it->second;
-    const std::int32_t index = add_engine(devices[from].name + "->" + devices[to].name, from,
-                                          CopyDirection::Peer, 1000);
+    const std::int32_t index =
+        add_engine(devices[from].name + "->" + devices[to].name, from, CopyDirection::Peer, 1000);
     peer_engines.emplace(std::make_pair(from, to), index);
     return index;
   }
@@ -452,8 +455,7 @@ struct Simulator::State final : StreamMarkers {
   // --- memory, content and checking --------------------------------------------------------
 
   [[nodiscard]] SpaceIndex space_of(const BufferInfo& b) const {
-    return b.kind == MemoryKind::Device ? static_cast<SpaceIndex>(b.device.value())
-                                        : host_space();
+    return b.kind == MemoryKind::Device ? static_cast<SpaceIndex>(b.device.value()) : host_space();
   }
 
   const BufferInfo& buffer(BufferId id) const {
@@ -465,8 +467,8 @@ struct Simulator::State final : StreamMarkers {
     const BufferInfo& b = buffer(r.buffer);
     FERRY_CHECK(r.offset.count() >= 0 && r.bytes.count() >= 0 &&
                     r.offset.count() + r.bytes.count() <= b.bytes.count(),
-                "region [{}, +{}) exceeds the buffer's {} bytes", r.offset.count(),
-                r.bytes.count(), b.bytes.count());
+                "region [{}, +{}) exceeds the buffer's {} bytes", r.offset.count(), r.bytes.count(),
+                b.bytes.count());
   }
 
   // Checks one access; false when the buffer is no longer live (reported as use after free).
@@ -650,8 +652,8 @@ EventId Simulator::add_event(std::string name) {
   return EventId(static_cast<std::uint32_t>(s.events.size() - 1));
 }
 
-Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
-                                  StreamId stream, PinnedPool pool, std::string_view label) {
+Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes, StreamId stream,
+                                  PinnedPool pool, std::string_view label) {
   State& s = *state_;
   FERRY_CHECK(bytes.count() >= 0, "negative allocation size");
   const std::uint32_t overhead_device = device.valid() ? device.value() : 0;
@@ -707,9 +709,8 @@ void Simulator::free(BufferId buffer, std::string_view label) {
   s.ops[op].buffer = buffer;
   BufferInfo& info = s.buffers[buffer.value()];
   if (!info.live) {
-    s.checker.report(Hazard{HazardKind::DoubleFree, Conflict::None, info.freed_by, OpId(op),
-                            buffer, buffer, s.space_of(info), info.address,
-                            info.address + info.bytes});
+    s.checker.report(Hazard{HazardKind::DoubleFree, Conflict::None, info.freed_by, OpId(op), buffer,
+                            buffer, s.space_of(info), info.address, info.address + info.bytes});
     return;
   }
   info.live = false;
@@ -731,8 +732,8 @@ void Simulator::record_stream(BufferId buffer, StreamId stream, std::string_view
   s.ops[op].stream = stream;
   const BufferInfo& b = s.buffer(buffer);
   if (!b.live) {
-    s.checker.report(Hazard{HazardKind::UseAfterFree, Conflict::None, b.freed_by, OpId(op),
-                            buffer, buffer, s.space_of(b), b.address, b.address + b.bytes});
+    s.checker.report(Hazard{HazardKind::UseAfterFree, Conflict::None, b.freed_by, OpId(op), buffer,
+                            buffer, s.space_of(b), b.address, b.address + b.bytes});
     return;
   }
   if (b.kind == MemoryKind::Device) {
@@ -761,16 +762,15 @@ OpId Simulator::kernel(StreamId stream, SimTime duration, std::span<const Region
   for (const Region& r : reads) s.touch(op, thread, AccessOrigin::Kernel, r, false);
   e.first_write = static_cast<std::uint32_t>(s.write_ranges.size());
   FERRY_CHECK(writes.size() < 256, "a kernel writes at most 255 ranges");
-  FERRY_CHECK(values.empty() || values.size() == writes.size(),
-              "{} content values for {} writes", values.size(), writes.size());
+  FERRY_CHECK(values.empty() || values.size() == writes.size(), "{} content values for {} writes",
+              values.size(), writes.size());
   for (std::uint32_t i = 0; i < writes.size(); ++i) {
     const Region& r = writes[i];
     if (!s.touch(op, thread, AccessOrigin::Kernel, r, true)) continue;
     const BufferInfo& b = s.buffer(r.buffer);
     const std::int64_t lo = (b.address + r.offset).count();
-    s.write_ranges.push_back(
-        WriteRange{s.space_of(b), lo, lo + r.bytes.count(),
-                   values.empty() ? written_content(OpId(op), i) : values[i]});
+    s.write_ranges.push_back(WriteRange{s.space_of(b), lo, lo + r.bytes.count(),
+                                        values.empty() ? written_content(OpId(op), i) : values[i]});
   }
   e.write_count = static_cast<std::uint32_t>(s.write_ranges.size()) - e.first_write;
   if (!s.pending_expectations.empty()) {
@@ -937,8 +937,7 @@ bool Simulator::query(EventId event, std::string_view label) {
 
 void Simulator::host_read(std::span<const Region> regions, std::string_view label) {
   State& s = *state_;
-  const std::uint32_t op =
-      s.begin_call(OpKind::HostRead, s.overheads(0).host_access.ns(), label);
+  const std::uint32_t op = s.begin_call(OpKind::HostRead, s.overheads(0).host_access.ns(), label);
   if (s.options.check_hazards) s.checker.begin_op(kHostThread);
   for (const Region& r : regions) {
     FERRY_CHECK(s.buffer(r.buffer).kind != MemoryKind::Device,
@@ -949,8 +948,7 @@ void Simulator::host_read(std::span<const Region> regions, std::string_view labe
 
 void Simulator::host_write(std::span<const Region> regions, std::string_view label) {
   State& s = *state_;
-  const std::uint32_t op =
-      s.begin_call(OpKind::HostWrite, s.overheads(0).host_access.ns(), label);
+  const std::uint32_t op = s.begin_call(OpKind::HostWrite, s.overheads(0).host_access.ns(), label);
   if (s.options.check_hazards) s.checker.begin_op(kHostThread);
   FERRY_CHECK(regions.size() < 256, "a host write covers at most 255 ranges");
   for (std::uint32_t i = 0; i < regions.size(); ++i) {

@@ -75,8 +75,8 @@ std::string chrome_trace(const Simulator& sim) {
             json_quote(name), op_kind_name(r.kind), pid, tid, micros(r.start),
             micros(r.end - r.start), args);
       };
-      w.event(slice(device_pid(sim.stream_device(r.stream)),
-                    static_cast<int>(r.stream.value()) + 1));
+      w.event(
+          slice(device_pid(sim.stream_device(r.stream)), static_cast<int>(r.stream.value()) + 1));
       if (r.kind == OpKind::Copy) {
         const EngineInfo& engine = sim.engines()[static_cast<std::size_t>(r.engine)];
         w.event(slice(device_pid(engine.device), kEngineTidBase + r.engine));

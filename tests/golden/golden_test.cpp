@@ -69,7 +69,8 @@ const std::vector<Expected>& expectations() {
       {"host_reads_pinned_early", {{HazardKind::HostBeforeCopy, Conflict::ReadAfterWrite, 5, 7}}},
       {"wait_before_record", {{HazardKind::Race, Conflict::ReadAfterWrite, 2, 4}}},
       {"use_after_free",
-       {{HazardKind::UseAfterFree, Conflict::None, 3, 4}, {HazardKind::DoubleFree, Conflict::None, 3, 5}}},
+       {{HazardKind::UseAfterFree, Conflict::None, 3, 4},
+        {HazardKind::DoubleFree, Conflict::None, 3, 5}}},
   };
   return all;
 }
@@ -133,8 +134,7 @@ TEST_P(GoldenCompare, TableMatchesExpectedBytes) {
                 compare_json(rows, model.value(), device.value()));
 }
 
-INSTANTIATE_TEST_SUITE_P(Presets, GoldenCompare,
-                         ::testing::Values("tiny-gpt", "gpt2-small-s1024"),
+INSTANTIATE_TEST_SUITE_P(Presets, GoldenCompare, ::testing::Values("tiny-gpt", "gpt2-small-s1024"),
                          [](const auto& test) {
                            std::string name = test.param;
                            std::replace(name.begin(), name.end(), '-', '_');

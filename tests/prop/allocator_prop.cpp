@@ -285,7 +285,8 @@ void model_record_stream(Alloc& alloc, std::vector<Live>& live, StreamProgress& 
   progress.submit(op.stream);
   alloc.record_stream(Id(l.block), StreamId(op.stream));
   if ((!has_own_stream || op.stream != l.stream) &&
-      std::find(l.other_streams.begin(), l.other_streams.end(), op.stream) == l.other_streams.end()) {
+      std::find(l.other_streams.begin(), l.other_streams.end(), op.stream) ==
+          l.other_streams.end()) {
     l.other_streams.push_back(op.stream);
   }
 }

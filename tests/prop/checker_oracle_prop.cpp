@@ -5,8 +5,8 @@
 // frontiers] for how a report can stand for an earlier access of the same kind).
 
 #include <gtest/gtest.h>
-#include <iostream>
 #include <rapidcheck/gtest.h>
+#include <iostream>
 
 #include <algorithm>
 #include <optional>
@@ -73,8 +73,8 @@ Oracle build_oracle(const Program& p, const Simulator& sim) {
   };
   auto add_access = [&](std::uint32_t op, const SlotRange& r, bool write) {
     const BufferInfo& b = sim.buffers()[slot[r.slot.value()].value()];
-    const SpaceIndex space = b.kind == MemoryKind::Device ? b.device.value()
-                                                          : static_cast<SpaceIndex>(p.devices.size());
+    const SpaceIndex space =
+        b.kind == MemoryKind::Device ? b.device.value() : static_cast<SpaceIndex>(p.devices.size());
     const std::int64_t lo = (b.address + r.offset).count();
     o.accesses.push_back(OracleAccess{op, space, lo, lo + r.bytes.count(), write});
   };
@@ -118,7 +118,8 @@ Oracle build_oracle(const Program& p, const Simulator& sim) {
       }
       case OpKind::SyncStream:
         n = host_node();
-        if (last_on_stream[op.stream.value()]) preds[n].push_back(*last_on_stream[op.stream.value()]);
+        if (last_on_stream[op.stream.value()])
+          preds[n].push_back(*last_on_stream[op.stream.value()]);
         break;
       case OpKind::SyncEvent:
         n = host_node();
@@ -127,7 +128,8 @@ Oracle build_oracle(const Program& p, const Simulator& sim) {
       case OpKind::SyncDevice:
         n = host_node();
         for (std::size_t s = 0; s < p.streams.size(); ++s) {
-          if (p.streams[s].device == op.device && last_on_stream[s]) preds[n].push_back(*last_on_stream[s]);
+          if (p.streams[s].device == op.device && last_on_stream[s])
+            preds[n].push_back(*last_on_stream[s]);
         }
         break;
       case OpKind::HostRead:
@@ -245,19 +247,22 @@ std::string compare(const Program& p, const Simulator& sim) {
 
 std::string describe(const Program& p) {
   std::ostringstream out;
-  out << p.devices.size() << " device(s), " << p.streams.size() << " streams, "
-      << p.buffers.size() << " buffers\n";
+  out << p.devices.size() << " device(s), " << p.streams.size() << " streams, " << p.buffers.size()
+      << " buffers\n";
   for (std::size_t i = 0; i < p.ops.size(); ++i) {
     const ProgramOp& op = p.ops[i];
     out << "  " << i << ": " << op_kind_name(op.kind);
     if (op.stream.valid()) out << " s" << op.stream.value();
     if (op.event.valid()) out << " e" << op.event.value();
     if (op.slot.valid()) out << " b" << op.slot.value();
-    for (const SlotRange& r : op.reads) out << " R(b" << r.slot.value() << "+" << r.offset.count() << ":" << r.bytes.count() << ")";
-    for (const SlotRange& r : op.writes) out << " W(b" << r.slot.value() << "+" << r.offset.count() << ":" << r.bytes.count() << ")";
+    for (const SlotRange& r : op.reads)
+      out << " R(b" << r.slot.value() << "+" << r.offset.count() << ":" << r.bytes.count() << ")";
+    for (const SlotRange& r : op.writes)
+      out << " W(b" << r.slot.value() << "+" << r.offset.count() << ":" << r.bytes.count() << ")";
     if (op.kind == OpKind::Copy) {
       out << " b" << op.src.slot.value() << "+" << op.src.offset.count() << " -> b"
-          << op.dst.slot.value() << "+" << op.dst.offset.count() << " (" << op.src.bytes.count() << ")";
+          << op.dst.slot.value() << "+" << op.dst.offset.count() << " (" << op.src.bytes.count()
+          << ")";
     }
     out << "\n";
   }
@@ -289,7 +294,8 @@ TEST(CheckerOracle, RandomProgramsAreOftenRacyAndOftenNot) {
   int racy = 0;
   constexpr int kPrograms = 300;
   for (int i = 0; i < kPrograms; ++i) {
-    const ProgramShape shape = testing::random_shape(rng, 2 + static_cast<std::uint32_t>(rng() % 5));
+    const ProgramShape shape =
+        testing::random_shape(rng, 2 + static_cast<std::uint32_t>(rng() % 5));
     const auto choices = testing::random_choices(rng, 1 + rng() % 60);
     auto run = run_program(build_random_program(shape, choices, RandomProgramOptions{}));
     ASSERT_TRUE(run.ok());
@@ -302,9 +308,8 @@ TEST(CheckerOracle, RandomProgramsAreOftenRacyAndOftenNot) {
 TEST(CheckerOracle, PlantedFaultIgnoringEventWaitsIsCaught) {
   CheckerFaults faults;
   faults.ignore_event_waits = true;
-  const std::string found = ferry::testing::counterexample([&] {
-    checker_matches_oracle(*testing::gen_shape(), *testing::gen_choices(), faults);
-  });
+  const std::string found = ferry::testing::counterexample(
+      [&] { checker_matches_oracle(*testing::gen_shape(), *testing::gen_choices(), faults); });
   ASSERT_FALSE(found.empty()) << "checker ignoring waits: the property did not notice";
   std::cout << "checker ignoring waits, shrunk counterexample:\n" << found << "\n";
 }
@@ -312,9 +317,8 @@ TEST(CheckerOracle, PlantedFaultIgnoringEventWaitsIsCaught) {
 TEST(CheckerOracle, PlantedFaultSkippingWriteAfterReadIsCaught) {
   CheckerFaults faults;
   faults.skip_write_after_read = true;
-  const std::string found = ferry::testing::counterexample([&] {
-    checker_matches_oracle(*testing::gen_shape(), *testing::gen_choices(), faults);
-  });
+  const std::string found = ferry::testing::counterexample(
+      [&] { checker_matches_oracle(*testing::gen_shape(), *testing::gen_choices(), faults); });
   ASSERT_FALSE(found.empty()) << "checker skipping write-after-read: the property did not notice";
   std::cout << "checker skipping write-after-read, shrunk counterexample:\n" << found << "\n";
 }

@@ -1,12 +1,13 @@
 // Checkpointing on random models with random (nested) regions, early-stop settings,
 // retain_graph, backward orders and offload policies: every gradient equals the run without
-// checkpointing (also with a backward run inside a region during its forward); no hazard; every unpacked tensor holds what forward saved; memory returns to
-// its baseline; the peak stays within the schedule's bound; with early stop each replay ends
-// exactly at the op that saved its frame's last tensor. Planted fault: skipping the RNG
-// restore is caught. The reference offloader (trl) is left out here: it never hears of saved
-// tensors freed without an unpack (a frame's inputs when the frame saved nothing), and rejects
-// packs during backward (the reentrant recompute), as the seed version does; its composition
-// with checkpointing is covered by unit tests (tests/unit/checkpoint_test.cpp).
+// checkpointing (also with a backward run inside a region during its forward); no hazard; every
+// unpacked tensor holds what forward saved; memory returns to its baseline; the peak stays within
+// the schedule's bound; with early stop each replay ends exactly at the op that saved its frame's
+// last tensor. Planted fault: skipping the RNG restore is caught. The reference offloader (trl) is
+// left out here: it never hears of saved tensors freed without an unpack (a frame's inputs when the
+// frame saved nothing), and rejects packs during backward (the reentrant recompute), as the seed
+// version does; its composition with checkpointing is covered by unit tests
+// (tests/unit/checkpoint_test.cpp).
 
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
@@ -17,8 +18,8 @@
 
 #include "ferry/sim/autograd.hpp"
 #include "prop/planted.hpp"
-#include "prop/rc_model_gens.hpp"
 #include "prop/random_program.hpp"
+#include "prop/rc_model_gens.hpp"
 
 namespace ferry::sim {
 namespace {
@@ -26,12 +27,11 @@ namespace {
 using testing::gen_layer;
 using testing::LayerChoice;
 
-
 struct RegionChoice {
   std::uint32_t start = 0;
   std::uint32_t length = 1;
-  std::uint32_t inner = 0;     // 0: none; else an inner region's offset (and length 1..)
-  std::uint32_t early = 0;     // 0 default, 1 on, 2 off
+  std::uint32_t inner = 0;  // 0: none; else an inner region's offset (and length 1..)
+  std::uint32_t early = 0;  // 0 default, 1 on, 2 off
   bool reentrant = false;
 };
 
@@ -127,7 +127,8 @@ Bytes region_bytes(const Model& m, const CheckpointPlan& plan) {
       for (std::uint32_t i = r.first_op; i < r.end_op; ++i) {
         for (const auto t : m.ops[i].inputs) {
           const auto& tensor = m.tensors[t];
-          const std::uint32_t b = tensor.view_of >= 0 ? static_cast<std::uint32_t>(tensor.view_of) : t;
+          const std::uint32_t b =
+              tensor.view_of >= 0 ? static_cast<std::uint32_t>(tensor.view_of) : t;
           if (m.tensors[b].role == TensorRole::Param) continue;
           if (std::find(produced.begin(), produced.end(), b) != produced.end()) continue;
           if (std::find(counted.begin(), counted.end(), b) != counted.end()) continue;
@@ -182,7 +183,8 @@ void checkpoint_is_faithful(const std::vector<LayerChoice>& layers,
   RC_ASSERT(r.sim.hazards().empty());
   RC_ASSERT(r.sim.content_mismatches().empty());
   RC_ASSERT(r.gradient_values == plain.value().gradient_values);
-  for (std::size_t s = 0; s < r.steps.size(); ++s) RC_ASSERT(r.allocated_after[s] == r.baseline_allocated);
+  for (std::size_t s = 0; s < r.steps.size(); ++s)
+    RC_ASSERT(r.allocated_after[s] == r.baseline_allocated);
   const Bytes peak = r.sim.device_allocator(DeviceId(0)).stats().requested_peak;
   const Bytes base_peak = plain.value().sim.device_allocator(DeviceId(0)).stats().requested_peak;
   RC_ASSERT(peak <= base_peak + region_bytes(model, ck.checkpoint));
@@ -201,8 +203,8 @@ void checkpoint_is_faithful(const std::vector<LayerChoice>& layers,
 
 RC_GTEST_PROP(CheckpointProperty, RecomputeIsFaithfulOnRandomModelsAndRegions, ()) {
   checkpoint_is_faithful(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()),
-                         *rc::gen::container<std::vector<RegionChoice>>(gen_region()),
-                         *gen_setup(), false);
+                         *rc::gen::container<std::vector<RegionChoice>>(gen_region()), *gen_setup(),
+                         false);
 }
 
 TEST(CheckpointProperty, PlantedFaultDroppingTheRngRestoreIsCaught) {

@@ -13,15 +13,14 @@
 
 #include "ferry/sim/autograd.hpp"
 #include "prop/planted.hpp"
-#include "prop/rc_model_gens.hpp"
 #include "prop/random_program.hpp"
+#include "prop/rc_model_gens.hpp"
 
 namespace ferry::sim {
 namespace {
 
 using testing::gen_layer;
 using testing::LayerChoice;
-
 
 struct Knobs {
   Policy policy = Policy::Ferry;
@@ -50,8 +49,8 @@ void showValue(const Knobs& k, std::ostream& os) {
 rc::Gen<Knobs> gen_knobs(Policy policy) {
   return rc::gen::apply(
       [policy](std::int64_t window, std::int64_t prefetch, std::int64_t cap, std::int32_t stash,
-               std::uint64_t order, std::uint64_t dev, std::int32_t escape, bool retain,
-               bool twice, bool announce, bool dedup, bool sync) {
+               std::uint64_t order, std::uint64_t dev, std::int32_t escape, bool retain, bool twice,
+               bool announce, bool dedup, bool sync) {
         Knobs k;
         k.policy = policy;
         k.window = window;
@@ -72,9 +71,8 @@ rc::Gen<Knobs> gen_knobs(Policy policy) {
       rc::gen::inRange<std::int64_t>(1, 8LL << 20), rc::gen::inRange<std::int64_t>(0, 8LL << 20),
       rc::gen::inRange<std::int64_t>(0, 16LL << 20), rc::gen::inRange<std::int32_t>(1, 6),
       rc::gen::inRange<std::uint64_t>(0, 4), rc::gen::inRange<std::uint64_t>(1, 1000),
-      rc::gen::inRange<std::int32_t>(0, 4), rc::gen::arbitrary<bool>(),
-      rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(),
-      rc::gen::arbitrary<bool>());
+      rc::gen::inRange<std::int32_t>(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(),
+      rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>());
 }
 
 TrainingOptions training(const Knobs& k, const OffloadFaults& faults) {
@@ -102,7 +100,8 @@ std::string describe(const Model& m) {
     out << "  " << op.name << (op.no_offload ? " [no offload]" : "") << ": in";
     for (const auto t : op.inputs) out << " " << m.tensors[t].name;
     out << " -> out";
-    for (const auto t : op.outputs) out << " " << m.tensors[t].name << "(" << m.tensors[t].bytes.count() << ")";
+    for (const auto t : op.outputs)
+      out << " " << m.tensors[t].name << "(" << m.tensors[t].bytes.count() << ")";
     out << "; saves";
     for (const auto t : op.saved) out << " " << m.tensors[t].name;
     out << "\n";
@@ -117,7 +116,8 @@ Bytes node_bytes(const Model& m) {
     Bytes sum;
     for (const auto t : op.saved) {
       const ModelTensor& tensor = m.tensors[t];
-      sum += tensor.view_of >= 0 ? m.tensors[static_cast<std::size_t>(tensor.view_of)].bytes : tensor.bytes;
+      sum += tensor.view_of >= 0 ? m.tensors[static_cast<std::size_t>(tensor.view_of)].bytes
+                                 : tensor.bytes;
     }
     most = std::max(most, sum);
   }
@@ -187,55 +187,61 @@ std::vector<Fault> faults() {
     set(f);
     all.push_back(Fault{name, f});
   };
-  add("offload copy does not wait for the producer", [](OffloadFaults& f) { f.skip_offload_wait = true; });
+  add("offload copy does not wait for the producer",
+      [](OffloadFaults& f) { f.skip_offload_wait = true; });
   add("compute does not wait for the reload", [](OffloadFaults& f) { f.skip_reload_wait = true; });
-  add("original freed without waiting for its offload", [](OffloadFaults& f) { f.skip_forward_guard = true; });
-  add("reload freed without waiting for compute", [](OffloadFaults& f) { f.skip_backward_guard = true; });
-  add("escaped storage freed without record_stream", [](OffloadFaults& f) { f.skip_record_stream = true; });
-  add("host memory reused before its copy finished", [](OffloadFaults& f) { f.skip_host_guard = true; });
+  add("original freed without waiting for its offload",
+      [](OffloadFaults& f) { f.skip_forward_guard = true; });
+  add("reload freed without waiting for compute",
+      [](OffloadFaults& f) { f.skip_backward_guard = true; });
+  add("escaped storage freed without record_stream",
+      [](OffloadFaults& f) { f.skip_record_stream = true; });
+  add("host memory reused before its copy finished",
+      [](OffloadFaults& f) { f.skip_host_guard = true; });
   return all;
 }
 
-class PlantedOffloadFault
-    : public ::testing::TestWithParam<std::tuple<Policy, std::size_t>> {};
+class PlantedOffloadFault : public ::testing::TestWithParam<std::tuple<Policy, std::size_t>> {};
 
 TEST_P(PlantedOffloadFault, IsCaughtWithASmallCounterexample) {
   const auto [policy, index] = GetParam();
   const Fault fault = faults()[index];
   const std::string found = ferry::testing::counterexample([&] {
-    offload_is_safe(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()),
-                    *gen_knobs(policy), fault.faults);
+    offload_is_safe(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_knobs(policy),
+                    fault.faults);
   });
   ASSERT_FALSE(found.empty()) << policy_name(policy) << ": " << fault.name << " went unnoticed";
   // Small: the shrunk model has a handful of ops (its description lists one op per line).
   std::size_t ops = 0;
-  for (std::size_t at = found.find("\n  op"); at != std::string::npos; at = found.find("\n  op", at + 1)) {
+  for (std::size_t at = found.find("\n  op"); at != std::string::npos;
+       at = found.find("\n  op", at + 1)) {
     ++ops;
   }
   EXPECT_LE(ops, 8U) << found;
   std::cout << policy_name(policy) << ", planted fault \"" << fault.name
-            << "\", shrunk counterexample:\n" << found << "\n";
+            << "\", shrunk counterexample:\n"
+            << found << "\n";
 }
 
 // trl carries both directions on one side stream, so its next offload is stream-ordered after
 // the reload that read a host block: the host guard (record_stream on the freed pinned block)
 // only protects against other users of pinned memory, which these runs do not have. It is
 // planted for ferry, whose reload and offload streams differ.
-INSTANTIATE_TEST_SUITE_P(
-    TrlFaults, PlantedOffloadFault,
-    ::testing::Combine(::testing::Values(Policy::Trl), ::testing::Range<std::size_t>(0, 5)),
-    [](const auto& p) {
-      return std::string(policy_name(std::get<0>(p.param))) + "_" +
-             std::to_string(std::get<1>(p.param));
-    });
+INSTANTIATE_TEST_SUITE_P(TrlFaults, PlantedOffloadFault,
+                         ::testing::Combine(::testing::Values(Policy::Trl),
+                                            ::testing::Range<std::size_t>(0, 5)),
+                         [](const auto& p) {
+                           return std::string(policy_name(std::get<0>(p.param))) + "_" +
+                                  std::to_string(std::get<1>(p.param));
+                         });
 
-INSTANTIATE_TEST_SUITE_P(
-    FerryFaults, PlantedOffloadFault,
-    ::testing::Combine(::testing::Values(Policy::Ferry), ::testing::Range<std::size_t>(0, 6)),
-    [](const auto& p) {
-      return std::string(policy_name(std::get<0>(p.param))) + "_" +
-             std::to_string(std::get<1>(p.param));
-    });
+INSTANTIATE_TEST_SUITE_P(FerryFaults, PlantedOffloadFault,
+                         ::testing::Combine(::testing::Values(Policy::Ferry),
+                                            ::testing::Range<std::size_t>(0, 6)),
+                         [](const auto& p) {
+                           return std::string(policy_name(std::get<0>(p.param))) + "_" +
+                                  std::to_string(std::get<1>(p.param));
+                         });
 
 }  // namespace
 }  // namespace ferry::sim

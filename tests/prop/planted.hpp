@@ -31,8 +31,8 @@ std::string counterexample(Property&& property, std::uint64_t seed = 20261121, i
   metadata.id = "planted-fault";
   metadata.description = "property under a planted fault";
   QuietListener listener;
-  const rc::detail::TestResult result = rc::detail::checkTestable(
-      std::forward<Property>(property), metadata, params, listener);
+  const rc::detail::TestResult result =
+      rc::detail::checkTestable(std::forward<Property>(property), metadata, params, listener);
   rc::detail::FailureResult failure;
   if (!result.match(failure)) return {};
   std::ostringstream out;

@@ -11,8 +11,8 @@ constexpr std::int64_t kSizes[] = {600, 4096, 64 * 1024, 512 * 1024, 1536 * 1024
 
 std::uint32_t add_tensor(Model& m, std::string name, std::int64_t bytes, TensorRole role,
                          std::int32_t view_of = -1, std::int64_t offset = 0) {
-  m.tensors.push_back(ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, view_of,
-                                  Bytes(offset), false});
+  m.tensors.push_back(
+      ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, view_of, Bytes(offset), false});
   return static_cast<std::uint32_t>(m.tensors.size() - 1);
 }
 
@@ -33,10 +33,11 @@ Model build_random_model(const std::vector<LayerChoice>& choices, const ModelOpt
     op.duration = SimTime(1000 + 20'000 * static_cast<std::int64_t>(c.time % 8));
     op.backward_duration = SimTime(2 * op.duration.ns());
     // Without side branches every output feeds the next op, so every node runs in backward.
-    const std::uint32_t in = options.side_branches ? main[main.size() - 1 - c.input % main.size()]
-                                                   : main.back();
+    const std::uint32_t in =
+        options.side_branches ? main[main.size() - 1 - c.input % main.size()] : main.back();
     op.inputs.push_back(in);
-    if (c.extra % 3 == 1 && main.size() > 1) op.inputs.push_back(main[main.size() - 1 - (c.extra / 3) % main.size()]);
+    if (c.extra % 3 == 1 && main.size() > 1)
+      op.inputs.push_back(main[main.size() - 1 - (c.extra / 3) % main.size()]);
     if (c.extra % 3 == 2) op.inputs.push_back(param);
     const std::int64_t bytes = kSizes[c.size % std::size(kSizes)];
     const std::uint32_t out = add_tensor(m, name + ".out", bytes, TensorRole::Activation);
@@ -51,7 +52,8 @@ Model build_random_model(const std::vector<LayerChoice>& choices, const ModelOpt
     if ((c.save & 1U) != 0) op.saved.push_back(in);
     if ((c.save & 2U) != 0) op.saved.push_back(out);
     if ((c.save & 4U) != 0 && view != out) op.saved.push_back(view);
-    if ((c.save & 8U) != 0 && std::find(op.inputs.begin(), op.inputs.end(), param) != op.inputs.end()) {
+    if ((c.save & 8U) != 0 &&
+        std::find(op.inputs.begin(), op.inputs.end(), param) != op.inputs.end()) {
       op.saved.push_back(param);
     }
     op.no_offload = (c.flags & 2U) != 0;

@@ -11,14 +11,14 @@
 namespace ferry::sim::testing {
 
 struct LayerChoice {
-  std::uint32_t input = 0;   ///< which earlier activation to read (from the newest back)
-  std::uint32_t extra = 0;   ///< a second input, a param, or none
-  std::uint32_t size = 0;    ///< output size class
-  std::uint32_t save = 0;    ///< bit set: save input, save output, save a view, save the param
+  std::uint32_t input = 0;  ///< which earlier activation to read (from the newest back)
+  std::uint32_t extra = 0;  ///< a second input, a param, or none
+  std::uint32_t size = 0;   ///< output size class
+  std::uint32_t save = 0;   ///< bit set: save input, save output, save a view, save the param
   /// bit set: view output, no-offload op, opt-out tensor, side branch, draws from the device
   /// generator, draws from the CPU generator
   std::uint32_t flags = 0;
-  std::uint32_t time = 0;    ///< duration class
+  std::uint32_t time = 0;  ///< duration class
 };
 
 struct ModelOptions {

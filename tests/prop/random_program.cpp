@@ -86,9 +86,8 @@ struct Builder {
       }
       case 6:
       case 7: {  // copy
-        const SlotId dev = live_slot(c.a, [](const SlotShape& s) {
-          return s.kind == MemoryKind::Device;
-        });
+        const SlotId dev =
+            live_slot(c.a, [](const SlotShape& s) { return s.kind == MemoryKind::Device; });
         const SlotId other = live_slot(c.b, [](const SlotShape&) { return true; });
         if (!dev.valid() || !other.valid() || dev == other) return;
         op.kind = OpKind::Copy;
@@ -132,9 +131,8 @@ struct Builder {
         break;
       }
       case 12: {  // host access
-        const SlotId s = live_slot(c.a, [](const SlotShape& sh) {
-          return sh.kind != MemoryKind::Device;
-        });
+        const SlotId s =
+            live_slot(c.a, [](const SlotShape& sh) { return sh.kind != MemoryKind::Device; });
         if (!s.valid()) return;
         if (c.b % 2 == 0) {
           op.kind = OpKind::HostRead;
@@ -147,7 +145,8 @@ struct Builder {
       }
       case 13: {
         if (options.record_stream && c.a % 2 == 0) {
-          op.slot = live_slot(c.b, [](const SlotShape& s) { return s.kind != MemoryKind::Pageable; });
+          op.slot =
+              live_slot(c.b, [](const SlotShape& s) { return s.kind != MemoryKind::Pageable; });
           if (!op.slot.valid()) return;
           op.kind = OpKind::RecordStream;
           op.stream = StreamId(c.c % shape.streams);
@@ -176,7 +175,8 @@ Program build_random_program(const ProgramShape& shape, std::span<const OpChoice
   for (std::uint32_t s = 0; s < shape.streams; ++s) {
     p.streams.push_back(ProgramStream{"s" + std::to_string(s), DeviceId(s % shape.devices)});
   }
-  for (std::uint32_t e = 0; e < shape.events; ++e) p.events.push_back(ProgramEvent{"e" + std::to_string(e)});
+  for (std::uint32_t e = 0; e < shape.events; ++e)
+    p.events.push_back(ProgramEvent{"e" + std::to_string(e)});
   for (std::size_t i = 0; i < shape.slots.size(); ++i) {
     const SlotShape& s = shape.slots[i];
     p.buffers.push_back(ProgramBuffer{"b" + std::to_string(i), s.kind, DeviceId(s.device),
@@ -213,11 +213,10 @@ DeviceProfile random_profile(std::mt19937_64& rng) {
   p.d2d = CopyPath{Bandwidth(pick(100, 2000) * 1'000'000'000), SimTime(pick(0, 1000)), 1000};
   p.peer = CopyPath{Bandwidth(pick(10, 400) * 1'000'000'000), SimTime(pick(0, 5000)), 1000};
   p.pinned_host_capacity = Bytes(1LL << 30);
-  p.overheads = LaunchOverheads{SimTime(pick(0, 5000)), SimTime(pick(0, 7000)),
-                                SimTime(pick(0, 500)),  SimTime(pick(0, 500)),
-                                SimTime(pick(0, 1000)), SimTime(pick(0, 2000)),
-                                SimTime(pick(0, 500)),  SimTime(pick(0, 500)),
-                                SimTime(pick(0, 500))};
+  p.overheads =
+      LaunchOverheads{SimTime(pick(0, 5000)), SimTime(pick(0, 7000)), SimTime(pick(0, 500)),
+                      SimTime(pick(0, 500)),  SimTime(pick(0, 1000)), SimTime(pick(0, 2000)),
+                      SimTime(pick(0, 500)),  SimTime(pick(0, 500)),  SimTime(pick(0, 500))};
   return p;
 }
 

@@ -7,8 +7,8 @@
 //  - Two runs of one program give byte-identical traces and summaries.
 
 #include <gtest/gtest.h>
-#include <iostream>
 #include <rapidcheck/gtest.h>
+#include <iostream>
 
 #include <algorithm>
 
@@ -30,20 +30,31 @@ struct Bounds {
 
 std::int64_t overhead_of(const LaunchOverheads& o, OpKind kind) {
   switch (kind) {
-    case OpKind::Alloc: return o.malloc.ns();
-    case OpKind::Free: return o.free.ns();
-    case OpKind::RecordStream: return 0;
-    case OpKind::Kernel: return o.kernel.ns();
-    case OpKind::Copy: return o.copy.ns();
-    case OpKind::Record: return o.event_record.ns();
-    case OpKind::Wait: return o.stream_wait.ns();
+    case OpKind::Alloc:
+      return o.malloc.ns();
+    case OpKind::Free:
+      return o.free.ns();
+    case OpKind::RecordStream:
+      return 0;
+    case OpKind::Kernel:
+      return o.kernel.ns();
+    case OpKind::Copy:
+      return o.copy.ns();
+    case OpKind::Record:
+      return o.event_record.ns();
+    case OpKind::Wait:
+      return o.stream_wait.ns();
     case OpKind::SyncStream:
     case OpKind::SyncEvent:
-    case OpKind::SyncDevice: return o.synchronize.ns();
-    case OpKind::Query: return o.event_query.ns();
+    case OpKind::SyncDevice:
+      return o.synchronize.ns();
+    case OpKind::Query:
+      return o.event_query.ns();
     case OpKind::HostRead:
-    case OpKind::HostWrite: return o.host_access.ns();
-    case OpKind::EmptyCache: return o.free.ns();
+    case OpKind::HostWrite:
+      return o.host_access.ns();
+    case OpKind::EmptyCache:
+      return o.free.ns();
   }
   return 0;
 }
@@ -80,8 +91,8 @@ Bounds bounds(const Program& p) {
         rate = pageable ? prof.pageable_d2h : prof.d2h.bandwidth;
       }
       fast = path.latency.ns() + transfer_time(op.src.bytes, rate).ns();
-      const Bandwidth slowest(std::max<std::int64_t>(1, rate.bytes_per_s() / 1000 *
-                                                            path.bidirectional_permille));
+      const Bandwidth slowest(
+          std::max<std::int64_t>(1, rate.bytes_per_s() / 1000 * path.bidirectional_permille));
       slow = path.latency.ns() + transfer_time(op.src.bytes, slowest).ns() + 1;
     }
     if (op.kind == OpKind::Kernel || op.kind == OpKind::Copy) {
@@ -158,9 +169,8 @@ RC_GTEST_PROP(Timing, TwoRunsGiveIdenticalTraceAndSummaryBytes, ()) {
 TEST(Timing, PlantedFaultIgnoringWaitsBreaksTheCriticalPathBound) {
   SimOptions options;
   options.timing_ignores_waits = true;
-  const std::string found = ferry::testing::counterexample([&] {
-    timing_is_sane(*testing::gen_shape(), *testing::gen_choices(), options);
-  });
+  const std::string found = ferry::testing::counterexample(
+      [&] { timing_is_sane(*testing::gen_shape(), *testing::gen_choices(), options); });
   ASSERT_FALSE(found.empty()) << "timing ignoring waits: the property did not notice";
   std::cout << "timing ignoring waits, shrunk counterexample:\n" << found << "\n";
 }

@@ -63,8 +63,9 @@ TEST_P(Real, MlpGradientsAreBitwiseEqual) {
   auto w1 = torch::randn({32, 64}, torch::requires_grad());
   auto w2 = torch::randn({64, 16}, torch::requires_grad());
   auto x = torch::randn({8, 32}, torch::requires_grad());
-  check({w1, w2, x}, [&] { return (x.matmul(w1).relu().matmul(w2).tanh() * 3).sum(); },
-        loopback(GetParam()));
+  check(
+      {w1, w2, x}, [&] { return (x.matmul(w1).relu().matmul(w2).tanh() * 3).sum(); },
+      loopback(GetParam()));
   if (GetParam() != ferry::Policy::None) {
     EXPECT_GT(telemetry_.offloaded, 0);
   }
@@ -93,22 +94,23 @@ TEST_P(Real, TransformerBlockWithAttention) {
 TEST_P(Real, ViewsBroadcastsAndNonContiguousSavedTensors) {
   auto base = torch::randn({6, 10}, torch::requires_grad());
   auto row = torch::randn({10}, torch::requires_grad());
-  check({base, row},
-        [&] {
-          auto t = base * 2;                              // a fresh storage
-          auto tr = t.t();                                // transposed view
-          auto sl = t.narrow(0, 2, 3);                    // a view at an offset
-          auto ex = row.unsqueeze(0).expand({6, 10});     // stride 0
-          auto st = t.as_strided({3, 3}, {7, 2}, 1);      // arbitrary strides
-          return (tr.sin() * 1.5).sum() + (sl * sl).sum() + (ex * t).exp().sum() +
-                 st.cos().pow(3).sum();
-        },
-        loopback(GetParam()));
+  check(
+      {base, row},
+      [&] {
+        auto t = base * 2;                           // a fresh storage
+        auto tr = t.t();                             // transposed view
+        auto sl = t.narrow(0, 2, 3);                 // a view at an offset
+        auto ex = row.unsqueeze(0).expand({6, 10});  // stride 0
+        auto st = t.as_strided({3, 3}, {7, 2}, 1);   // arbitrary strides
+        return (tr.sin() * 1.5).sum() + (sl * sl).sum() + (ex * t).exp().sum() +
+               st.cos().pow(3).sum();
+      },
+      loopback(GetParam()));
 }
 
 TEST_P(Real, ParametersAndExcludedBuffersAreKept) {
   auto w = torch::randn({16, 16}, torch::requires_grad());  // a leaf that needs grad
-  auto running = torch::randn({16});                          // a module buffer
+  auto running = torch::randn({16});                        // a module buffer
   auto x0 = torch::randn({4, 16}, torch::requires_grad());
   ferry::RealOptions o = loopback(GetParam());
   const Tensors want = grads_of({w, x0}, [&] { return ((x0 * 1).matmul(w) * running).sum(); });
@@ -131,14 +133,15 @@ TEST_P(Real, ParametersAndExcludedBuffersAreKept) {
 
 TEST_P(Real, SharedStorages) {
   auto x = torch::randn({8, 8}, torch::requires_grad());
-  check({x},
-        [&] {
-          auto t = x.exp();
-          auto a = t.narrow(0, 0, 4);
-          auto b = t.narrow(0, 4, 4);
-          return (a * b).sum() + (a.t() * 2).sin().sum();
-        },
-        loopback(GetParam()));
+  check(
+      {x},
+      [&] {
+        auto t = x.exp();
+        auto a = t.narrow(0, 0, 4);
+        auto b = t.narrow(0, 4, 4);
+        return (a * b).sum() + (a.t() * 2).sin().sum();
+      },
+      loopback(GetParam()));
   if (GetParam() == ferry::Policy::Ferry) {
     EXPECT_GT(telemetry_.deduplicated, 0);
   }
@@ -253,9 +256,9 @@ TEST_F(RealFerry, TrlRejectsANewForwardWithATrackerNotEmpty) {
     (void)(x.cos() * 2);
     FAIL() << "the next forward must fail while the tracker is not empty";
   } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find(
-                  "Backward pass should have cleared tracker of all tensors"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("Backward pass should have cleared tracker of all tensors"),
+        std::string::npos)
         << e.what();
   }
 }

@@ -119,7 +119,8 @@ TEST(Checkpoint, PlantedFaultSkippingTheRngRestoreChangesWhatBackwardReads) {
 
 TEST(Checkpoint, CpuGeneratorStateIsRestoredForRecomputeToo) {
   Model m = tiny();
-  for (ModelOp& op : m.ops) op.draws_cpu_rng = op.layer >= 0 && op.name.find("ln") != std::string::npos;
+  for (ModelOp& op : m.ops)
+    op.draws_cpu_rng = op.layer >= 0 && op.name.find("ln") != std::string::npos;
   TrainingOptions o = plain();
   o.checkpoint = checkpoint_every(m, 1);
   const TrainingRun base = train(m, plain());
@@ -166,8 +167,8 @@ TEST(Checkpoint, DeviceStateFirstInitializedInsideARegionIsAnError) {
   const Model m = tiny();
   TrainingOptions o = plain();
   // One region from the first op, so the model's first random draw happens inside it.
-  o.checkpoint.regions = {CheckpointRegion{0, checkpoint_every(m, 1).regions[0].end_op, false,
-                                           std::nullopt}};
+  o.checkpoint.regions = {
+      CheckpointRegion{0, checkpoint_every(m, 1).regions[0].end_op, false, std::nullopt}};
   o.checkpoint.lazy_device_rng = true;
   const TrainingRun r = train(m, o);
   ASSERT_TRUE(r.failure);

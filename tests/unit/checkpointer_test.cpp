@@ -7,7 +7,9 @@
 namespace ferry {
 namespace {
 
-SavedMeta meta(std::int64_t bytes, std::uint64_t hash = 0) { return SavedMeta{Bytes(bytes), 1, 0, hash}; }
+SavedMeta meta(std::int64_t bytes, std::uint64_t hash = 0) {
+  return SavedMeta{Bytes(bytes), 1, 0, hash};
+}
 
 TEST(Checkpointer, RecomputeFillsHoldersInOrderAndTakingClearsThem) {
   Checkpointer<int> c;
@@ -18,7 +20,8 @@ TEST(Checkpointer, RecomputeFillsHoldersInOrderAndTakingClearsThem) {
   EXPECT_FALSE(c.recomputed(f, 1));
   c.recompute_begin(f, 1);
   EXPECT_EQ(c.recompute_pack(meta(10), 100), RecomputePack::Kept);
-  EXPECT_EQ(c.recompute_pack(meta(20), 200), RecomputePack::KeptLast) << "early stop after the last holder";
+  EXPECT_EQ(c.recompute_pack(meta(20), 200), RecomputePack::KeptLast)
+      << "early stop after the last holder";
   c.recompute_end();
   EXPECT_EQ(c.take(b, 1), 200);
   EXPECT_EQ(c.take(a, 1), 100);
@@ -68,7 +71,8 @@ TEST(Checkpointer, SavingMoreThanForwardIsAnErrorWithoutEarlyStop) {
   c.pack(f, meta(10));
   c.end(f);
   c.recompute_begin(f, 1);
-  EXPECT_EQ(c.recompute_pack(meta(10), 1), RecomputePack::Kept) << "no early stop: the replay goes on";
+  EXPECT_EQ(c.recompute_pack(meta(10), 1), RecomputePack::Kept)
+      << "no early stop: the replay goes on";
   EXPECT_THROW(c.recompute_pack(meta(10), 2), CheckpointError);
 }
 

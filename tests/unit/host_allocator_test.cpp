@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "ferry/check.hpp"
 #include "fake_markers.hpp"
+#include "ferry/check.hpp"
 
 namespace ferry::sim {
 namespace {

@@ -40,7 +40,8 @@ std::vector<TensorId> forward(Off& off, FakeBackend& b, int n, std::int64_t byte
   std::vector<TensorId> ids;
   for (int i = 0; i < n; ++i) {
     const auto t = b.tensor();
-    ids.push_back(off.pack(facts(bytes, static_cast<std::uint32_t>(i), static_cast<std::uint64_t>(t.id)), t));
+    ids.push_back(
+        off.pack(facts(bytes, static_cast<std::uint32_t>(i), static_cast<std::uint64_t>(t.id)), t));
     b.drop(t);
   }
   return ids;

@@ -176,7 +176,7 @@ TEST(Simulator, LaunchOverheadsAdvanceTheHostClock) {
   const OpId k2 = sim.kernel(s, SimTime(1), kNone, kNone);
   EXPECT_EQ(sim.host_time().ns(), 12);
   sim.finish();
-  EXPECT_EQ(sim.ops()[k.value()].start.ns(), 5);   // work starts once the launch returns
+  EXPECT_EQ(sim.ops()[k.value()].start.ns(), 5);  // work starts once the launch returns
   EXPECT_EQ(sim.ops()[k2.value()].start.ns(), 15);
 }
 
@@ -184,10 +184,9 @@ TEST(Simulator, PageableCopyBlocksTheHostAndRunsAtPageableBandwidth) {
   Simulator sim = simple_sim();
   const StreamId s = sim.add_stream(DeviceId(0), "s");
   const BufferId d = device_buffer(sim, s, 1000);
-  const BufferId page =
-      sim.alloc(MemoryKind::Pageable, DeviceId(), Bytes(1000), StreamId(), PinnedPool::Caching,
-                "page")
-          .value();
+  const BufferId page = sim.alloc(MemoryKind::Pageable, DeviceId(), Bytes(1000), StreamId(),
+                                  PinnedPool::Caching, "page")
+                            .value();
   sim.kernel(s, SimTime(100), kNone, std::vector<Region>{whole(sim, d)});
   const OpId c = sim.copy(s, whole(sim, d), whole(sim, page));
   EXPECT_EQ(sim.ops()[c.value()].end.ns(), 100 + 2000);  // 0.5 bytes/ns

@@ -12,8 +12,8 @@ namespace ferry {
 
 /// Where a buffer lives.
 enum class Place : std::uint8_t {
-  Device,      ///< device memory, from the caching allocator of the allocation stream
-  PinnedHost,  ///< page-locked host memory sized exactly (ferry's pool)
+  Device,             ///< device memory, from the caching allocator of the allocation stream
+  PinnedHost,         ///< page-locked host memory sized exactly (ferry's pool)
   PinnedHostCaching,  ///< page-locked host memory from the caching host allocator (power of 2)
 };
 

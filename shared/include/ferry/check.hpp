@@ -19,10 +19,11 @@ class InvariantError : public std::logic_error {
 
 }  // namespace ferry
 
-/// Throws ferry::InvariantError naming the place when `cond` is false. The message is fmt-formatted.
-#define FERRY_CHECK(cond, ...)                                                 \
-  do {                                                                         \
-    if (!(cond)) [[unlikely]] {                                                \
+/// Throws ferry::InvariantError naming the place when `cond` is false. The message is
+/// fmt-formatted.
+#define FERRY_CHECK(cond, ...)                                                    \
+  do {                                                                            \
+    if (!(cond)) [[unlikely]] {                                                   \
       ::ferry::fail_check(__FILE__, __LINE__, #cond, ::fmt::format(__VA_ARGS__)); \
-    }                                                                          \
+    }                                                                             \
   } while (false)

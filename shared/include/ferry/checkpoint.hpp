@@ -104,7 +104,9 @@ class Checkpointer {
     return std::find(stack_.begin(), stack_.end(), frame) != stack_.end();
   }
 
-  [[nodiscard]] FrameId frame_of(HolderId holder) const { return holders_.at(holder.value()).frame; }
+  [[nodiscard]] FrameId frame_of(HolderId holder) const {
+    return holders_.at(holder.value()).frame;
+  }
   [[nodiscard]] std::size_t saved_count(FrameId frame) const {
     return frames_.at(frame.value()).metas.size();
   }
@@ -134,7 +136,7 @@ class Checkpointer {
     }
     f.recomputed[gid][index] = Slot{tensor, meta};
     return f.options.early_stop && f.counter == f.metas.size() ? RecomputePack::KeptLast
-                                                                : RecomputePack::Kept;
+                                                               : RecomputePack::Kept;
   }
 
   /// During recomputation: the replay of the innermost recomputing frame is over. Runs the
@@ -168,7 +170,8 @@ class Checkpointer {
     if (!bad.empty()) {
       throw CheckpointError(
           "torch.utils.checkpoint: Recomputed values for the following tensors have different "
-          "metadata than during the forward pass.\n" + bad);
+          "metadata than during the forward pass.\n" +
+          bad);
     }
   }
 

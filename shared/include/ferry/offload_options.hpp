@@ -21,12 +21,12 @@ enum class Policy : std::uint8_t {
 
 /// Test-only switches that drop one synchronization each (planted faults).
 struct OffloadFaults {
-  bool skip_offload_wait = false;     ///< the copy stream does not wait for the producer
-  bool skip_reload_wait = false;      ///< compute does not wait for the reload copy
-  bool skip_forward_guard = false;    ///< the device original is freed without waiting for D2H
-  bool skip_backward_guard = false;   ///< a reloaded buffer is freed without waiting for compute
-  bool skip_record_stream = false;    ///< an escaped view's storage is freed with no record_stream
-  bool skip_host_guard = false;       ///< host memory reused/reloaded before its copy finished
+  bool skip_offload_wait = false;    ///< the copy stream does not wait for the producer
+  bool skip_reload_wait = false;     ///< compute does not wait for the reload copy
+  bool skip_forward_guard = false;   ///< the device original is freed without waiting for D2H
+  bool skip_backward_guard = false;  ///< a reloaded buffer is freed without waiting for compute
+  bool skip_record_stream = false;   ///< an escaped view's storage is freed with no record_stream
+  bool skip_host_guard = false;      ///< host memory reused/reloaded before its copy finished
 };
 
 struct OffloadOptions {
@@ -43,30 +43,30 @@ struct OffloadOptions {
 
 /// What the autograd knows about a saved tensor when it packs it.
 struct TensorFacts {
-  Bytes bytes;               ///< logical bytes of the tensor
-  Bytes storage_bytes;       ///< bytes of its storage (>= bytes + view_offset)
-  Bytes view_offset;         ///< where the tensor starts in its storage
-  std::uint64_t storage = 0; ///< identity of the storage (dedup key)
+  Bytes bytes;                ///< logical bytes of the tensor
+  Bytes storage_bytes;        ///< bytes of its storage (>= bytes + view_offset)
+  Bytes view_offset;          ///< where the tensor starts in its storage
+  std::uint64_t storage = 0;  ///< identity of the storage (dedup key)
   bool on_device = true;
-  bool is_param = false;     ///< parameters and module buffers are never offloaded
-  bool no_offload = false;   ///< per-tensor opt-out
-  NodeId node;               ///< the backward node that saves it
+  bool is_param = false;    ///< parameters and module buffers are never offloaded
+  bool no_offload = false;  ///< per-tensor opt-out
+  NodeId node;              ///< the backward node that saves it
 };
 
 /// Counters of one offloader; bytes are storage bytes moved.
 struct OffloadTelemetry {
   std::int64_t packed = 0;
-  std::int64_t offloaded = 0;        ///< storages copied to the host
-  std::int64_t kept = 0;             ///< saved tensors left on the device (by rule)
-  std::int64_t deduplicated = 0;     ///< packs that shared an already tracked storage
-  std::int64_t host_fallbacks = 0;   ///< kept on the device because the host cap was reached
-  std::int64_t prefetched = 0;       ///< reloads issued ahead of demand
-  std::int64_t on_demand = 0;        ///< reloads issued at unpack
-  std::int64_t stash_hits = 0;       ///< unpacks served by a still-resident original
+  std::int64_t offloaded = 0;       ///< storages copied to the host
+  std::int64_t kept = 0;            ///< saved tensors left on the device (by rule)
+  std::int64_t deduplicated = 0;    ///< packs that shared an already tracked storage
+  std::int64_t host_fallbacks = 0;  ///< kept on the device because the host cap was reached
+  std::int64_t prefetched = 0;      ///< reloads issued ahead of demand
+  std::int64_t on_demand = 0;       ///< reloads issued at unpack
+  std::int64_t stash_hits = 0;      ///< unpacks served by a still-resident original
   std::int64_t record_stream_fallbacks = 0;
   Bytes bytes_d2h;
   Bytes bytes_h2d;
-  Bytes pinned_bytes;                ///< host bytes held now
+  Bytes pinned_bytes;  ///< host bytes held now
   Bytes pinned_peak;
 };
 

@@ -207,21 +207,21 @@ class Offloader {
 
   // One storage on its way off the device and back (trl: one tensor).
   struct Record {
-    Buffer device{};          // original (kept / in window) or reloaded copy; core's reference
+    Buffer device{};  // original (kept / in window) or reloaded copy; core's reference
     Buffer host{};
     Event d2h_done{};
     Event h2d_done{};
-    Bytes bytes;              // bytes moved
+    Bytes bytes;  // bytes moved
     std::uint64_t storage = 0;
-    long snapshot = 0;        // use count right after the reload (escape check)
-    std::int32_t ids = 0;     // live packed ids sharing this record
+    long snapshot = 0;     // use count right after the reload (escape check)
+    std::int32_t ids = 0;  // live packed ids sharing this record
     std::int32_t unpacks_left = 0;
     bool live = true;
     bool kept = false;
     bool device_valid = false;
     bool host_valid = false;
-    bool resident = false;    // device holds the original
-    bool reloaded = false;    // device holds a reloaded copy
+    bool resident = false;  // device holds the original
+    bool reloaded = false;  // device holds a reloaded copy
     bool compute_waited = false;
     bool prefetched = false;
     bool ever_reloaded = false;
@@ -284,7 +284,8 @@ class Offloader {
     }
     std::erase_if(dead_records_, [&](std::uint32_t r) {
       const auto in = [r](const auto& queue, auto index) {
-        return std::any_of(queue.begin(), queue.end(), [&](const auto& e) { return index(e) == r; });
+        return std::any_of(queue.begin(), queue.end(),
+                           [&](const auto& e) { return index(e) == r; });
       };
       if (in(window_, [](std::uint32_t e) { return e; }) ||
           in(trl_fwd_stash_, [](const auto& e) { return static_cast<std::uint32_t>(e.second); }) ||
@@ -350,8 +351,9 @@ class Offloader {
   std::int32_t trl_offload(const TensorFacts& facts, const Buffer& storage, TensorId id) {
     // Retire stash entries that are max_fwd_stash_size ids old.
     while (!trl_fwd_stash_.empty() &&
-           trl_fwd_stash_.front().first.value() + static_cast<std::uint32_t>(
-                                                      options_.trl_stash_count) <= id.value()) {
+           trl_fwd_stash_.front().first.value() +
+                   static_cast<std::uint32_t>(options_.trl_stash_count) <=
+               id.value()) {
       trl_retire(trl_fwd_stash_.front());
       trl_fwd_stash_.pop_front();
     }
@@ -395,7 +397,8 @@ class Offloader {
       backend_.hold(rec.device);
     } else {
       auto buf = backend_.allocate(Place::Device, rec.bytes, reload_stream_, "reloaded activation");
-      if (!buf) throw OffloadError(fmt::format("out of device memory reloading tensor {}", id.value()));
+      if (!buf)
+        throw OffloadError(fmt::format("out of device memory reloading tensor {}", id.value()));
       backend_.copy(reload_stream_, rec.host, Bytes(0), *buf, Bytes(0), rec.bytes, "reload");
       if (!options_.faults.skip_reload_wait) {
         Event e = backend_.make_event();

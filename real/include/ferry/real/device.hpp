@@ -95,8 +95,8 @@ class LoopbackDevice : public DeviceBase {
   Stream make_stream(std::string_view name) { return Stream{new_stream(name)}; }
   Event make_event();
   std::optional<Buffer> allocate(Place place, Bytes bytes, Stream stream, std::string_view name);
-  void copy(Stream stream, const Buffer& src, Bytes src_offset, const Buffer& dst,
-            Bytes dst_offset, Bytes bytes, std::string_view name);
+  void copy(Stream stream, const Buffer& src, Bytes src_offset, const Buffer& dst, Bytes dst_offset,
+            Bytes bytes, std::string_view name);
   void record(Event event, Stream stream);
   void wait(Stream stream, Event event);
   void record_stream(const Buffer& buffer, Stream stream);

@@ -5,8 +5,8 @@
 
 #include <cstdint>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/offload_options.hpp"
@@ -27,8 +27,8 @@ enum class OpPolicy : std::uint8_t {
 struct CheckpointRegion {
   std::uint32_t first_op = 0;
   std::uint32_t end_op = 0;
-  bool reentrant = false;             ///< the reentrant variant: no graph inside, full recompute
-  std::optional<bool> early_stop;     ///< per call; unset: true
+  bool reentrant = false;          ///< the reentrant variant: no graph inside, full recompute
+  std::optional<bool> early_stop;  ///< per call; unset: true
 };
 
 /// Where and how to checkpoint, with test-only switches that break it on purpose.
@@ -37,12 +37,12 @@ struct CheckpointPlan {
   std::optional<bool> global_early_stop;  ///< set_checkpoint_early_stop: overrides per call
   bool preserve_rng = true;
   bool determinism_check = true;
-  bool content_check = false;             ///< also compare content hashes on recompute
-  std::vector<OpPolicy> op_policy;        ///< by op index; missing: PreferRecompute
-  bool skip_rng_restore = false;          ///< planted fault: recompute draws fresh randomness
-  std::int32_t drop_recomputed = -1;      ///< test: this region's replay saves one tensor fewer
-  bool alter_recomputed_meta = false;     ///< test: replays report another size
-  bool lazy_device_rng = false;           ///< the device generator starts at its first draw
+  bool content_check = false;          ///< also compare content hashes on recompute
+  std::vector<OpPolicy> op_policy;     ///< by op index; missing: PreferRecompute
+  bool skip_rng_restore = false;       ///< planted fault: recompute draws fresh randomness
+  std::int32_t drop_recomputed = -1;   ///< test: this region's replay saves one tensor fewer
+  bool alter_recomputed_meta = false;  ///< test: replays report another size
+  bool lazy_device_rng = false;        ///< the device generator starts at its first draw
 };
 
 /// One region per `k` transformer layers (ops with layer >= 0), non-reentrant.
@@ -89,14 +89,14 @@ struct TrainingRun {
   /// Set when the run stopped early: out of memory, or an error the offloader raised.
   std::optional<std::string> failure;
   std::vector<StepTimes> steps;
-  Bytes baseline_allocated;               ///< device bytes allocated before the first forward
+  Bytes baseline_allocated;  ///< device bytes allocated before the first forward
   /// Device bytes allocated after each step, less frees deferred by record_stream (they
   /// return at the next allocation).
   std::vector<Bytes> allocated_after;
-  std::vector<std::size_t> tracked_after; ///< ids the offloader still tracks after each step
+  std::vector<std::size_t> tracked_after;     ///< ids the offloader still tracks after each step
   std::vector<std::uint32_t> backward_order;  ///< node order of the last backward
-  SimTime recompute_time;                  ///< kernel time spent recomputing, last step
-  std::int64_t recomputations = 0;         ///< region replays, all steps
+  SimTime recompute_time;                     ///< kernel time spent recomputing, last step
+  std::int64_t recomputations = 0;            ///< region replays, all steps
   /// For each replay in the last step: the last op it ran and the last op of its region
   /// that saves a tensor (equal with early stop).
   std::vector<std::pair<std::uint32_t, std::uint32_t>> replay_stops;

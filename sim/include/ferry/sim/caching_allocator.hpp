@@ -60,9 +60,9 @@ struct SegmentInfo {
 
 /// Counters in the spirit of torch.cuda.memory_stats. Pending frees count as allocated.
 struct AllocatorStats {
-  Bytes allocated;  ///< bytes in blocks handed out (rounded sizes)
-  Bytes requested;  ///< bytes the callers asked for
-  Bytes reserved;   ///< bytes in segments obtained from the device
+  Bytes allocated;       ///< bytes in blocks handed out (rounded sizes)
+  Bytes requested;       ///< bytes the callers asked for
+  Bytes reserved;        ///< bytes in segments obtained from the device
   Bytes requested_peak;  ///< most bytes callers held at once, before rounding
   Bytes allocated_peak;
   Bytes reserved_peak;

@@ -24,15 +24,15 @@ struct RowResult {
   bool fits = true;                    ///< false: ran out of device memory on this device
   SimTime step_time;
   SimTime forward_time;
-  SimTime backward_stall;              ///< compute stream blocked on reloads in backward
-  SimTime forward_stall;               ///< compute stream blocked on offload guards in forward
-  SimTime recompute_time;              ///< kernel time spent recomputing checkpointed regions
-  std::int64_t overlap_permille = 0;   ///< copy time overlapped with compute
+  SimTime backward_stall;             ///< compute stream blocked on reloads in backward
+  SimTime forward_stall;              ///< compute stream blocked on offload guards in forward
+  SimTime recompute_time;             ///< kernel time spent recomputing checkpointed regions
+  std::int64_t overlap_permille = 0;  ///< copy time overlapped with compute
   Bytes peak_allocated;
   Bytes peak_reserved;
   Bytes pinned_peak;
-  Bytes d2h;                           ///< moved off the device in the last step
-  Bytes h2d;                           ///< moved back in the last step
+  Bytes d2h;  ///< moved off the device in the last step
+  Bytes h2d;  ///< moved back in the last step
   std::size_t hazards = 0;
   OffloadTelemetry telemetry;
 };
@@ -69,8 +69,8 @@ struct PipelineRow {
   std::string name;
   PipelineOptions options;
   std::optional<std::string> failure;
-  SimTime step_time;             ///< the whole step: every micro-batch
-  Bytes max_device_peak;         ///< the largest per-device allocated peak
+  SimTime step_time;      ///< the whole step: every micro-batch
+  Bytes max_device_peak;  ///< the largest per-device allocated peak
   SimTime recompute_time;
   std::size_t hazards = 0;
   std::vector<Bytes> device_peaks;
@@ -82,7 +82,8 @@ struct PipelineRow {
 /// Parses "always", "except_last" or "never".
 Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
 /// The pipeline rows of `ferry compare --devices N --micro-batches M`: each checkpoint mode.
-[[nodiscard]] std::vector<PipelineRow> pipeline_rows(const Model& model, const DeviceProfile& device,
+[[nodiscard]] std::vector<PipelineRow> pipeline_rows(const Model& model,
+                                                     const DeviceProfile& device,
                                                      std::int32_t devices,
                                                      std::int32_t micro_batches);
 /// The pipeline table as text, and the rows as a JSON array (key "pipeline" of compare).

@@ -32,18 +32,18 @@ struct LaunchOverheads {
 
 /// A device profile: everything the simulator needs to time work on one GPU.
 struct DeviceProfile {
-  std::string name;                ///< short id, e.g. "h100-sxm-pcie5"
-  std::string description;         ///< one line for humans, with the source of the figures
-  Bytes memory;                    ///< device memory the caching allocator may reserve
-  std::int64_t flops_per_s = 0;    ///< dense 16-bit peak, FLOP per second (for roofline timing)
-  Bandwidth memory_bandwidth;      ///< device memory bandwidth (HBM)
-  CopyPath h2d;                    ///< pinned host -> device copy engine
-  CopyPath d2h;                    ///< device -> pinned host copy engine
-  Bandwidth pageable_h2d;          ///< host -> device rate from pageable memory (host blocks)
-  Bandwidth pageable_d2h;          ///< device -> host rate into pageable memory (host blocks)
-  CopyPath d2d;                    ///< copy within this device's memory
-  CopyPath peer;                   ///< default link to another device (per direction)
-  Bytes pinned_host_capacity;      ///< cap on page-locked host memory
+  std::string name;              ///< short id, e.g. "h100-sxm-pcie5"
+  std::string description;       ///< one line for humans, with the source of the figures
+  Bytes memory;                  ///< device memory the caching allocator may reserve
+  std::int64_t flops_per_s = 0;  ///< dense 16-bit peak, FLOP per second (for roofline timing)
+  Bandwidth memory_bandwidth;    ///< device memory bandwidth (HBM)
+  CopyPath h2d;                  ///< pinned host -> device copy engine
+  CopyPath d2h;                  ///< device -> pinned host copy engine
+  Bandwidth pageable_h2d;        ///< host -> device rate from pageable memory (host blocks)
+  Bandwidth pageable_d2h;        ///< device -> host rate into pageable memory (host blocks)
+  CopyPath d2d;                  ///< copy within this device's memory
+  CopyPath peer;                 ///< default link to another device (per direction)
+  Bytes pinned_host_capacity;    ///< cap on page-locked host memory
   LaunchOverheads overheads;
 };
 

@@ -46,8 +46,8 @@ struct Hazard {
   BufferId first_buffer;  ///< allocation the earlier op touched
   BufferId second_buffer;
   SpaceIndex space = 0;
-  Bytes lo;               ///< first byte address of the shared range
-  Bytes hi;               ///< one past the last byte
+  Bytes lo;  ///< first byte address of the shared range
+  Bytes hi;  ///< one past the last byte
 };
 
 /// Test-only switches that break the checker on purpose (planted faults).
@@ -68,8 +68,8 @@ class HazardChecker {
   /// host did before the launch. Must precede that operation's access() calls.
   void begin_op(ThreadIndex thread);
   /// Checks and records one access of the current operation of `thread`.
-  void access(ThreadIndex thread, OpId op, AccessOrigin origin, BufferId buffer,
-              SpaceIndex space, Bytes lo, Bytes hi, bool write);
+  void access(ThreadIndex thread, OpId op, AccessOrigin origin, BufferId buffer, SpaceIndex space,
+              Bytes lo, Bytes hi, bool write);
 
   /// Snapshot of `thread`'s clock joined with the host's (an event record issued now).
   [[nodiscard]] std::uint32_t capture(ThreadIndex thread);

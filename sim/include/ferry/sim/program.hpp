@@ -13,7 +13,8 @@
 
 namespace ferry::sim {
 
-/// Index of a buffer declared by a program. A slot names a tensor; each `alloc` gives it new memory.
+/// Index of a buffer declared by a program. A slot names a tensor; each `alloc` gives it new
+/// memory.
 using SlotId = StrongId<struct SlotTag>;
 
 enum class MemoryKind : std::uint8_t {
@@ -35,9 +36,9 @@ struct ProgramStream {
 struct ProgramBuffer {
   std::string name;
   MemoryKind kind = MemoryKind::Device;
-  DeviceId device;                         ///< Device kind only
+  DeviceId device;  ///< Device kind only
   Bytes bytes;
-  PinnedPool pool = PinnedPool::Caching;   ///< Pinned kind only
+  PinnedPool pool = PinnedPool::Caching;  ///< Pinned kind only
 };
 
 struct ProgramEvent {

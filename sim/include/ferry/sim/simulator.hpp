@@ -50,11 +50,11 @@ struct OpRecord {
   std::uint32_t label = 0;   ///< index into labels(); 0 is the empty label
   std::int32_t engine = -1;  ///< copy engine index, for copies
   CopyDirection direction = CopyDirection::HostToDevice;
-  SimTime issued;            ///< host time at which the call took effect
-  SimTime start;             ///< stream ops: start on the engine; host ops: issued
-  SimTime end;               ///< stream ops: completion; host ops: when the host went on
-  Bytes bytes;               ///< copies and allocations
-  BufferId buffer;           ///< alloc, free, record_stream
+  SimTime issued;   ///< host time at which the call took effect
+  SimTime start;    ///< stream ops: start on the engine; host ops: issued
+  SimTime end;      ///< stream ops: completion; host ops: when the host went on
+  Bytes bytes;      ///< copies and allocations
+  BufferId buffer;  ///< alloc, free, record_stream
   /// The call returned device memory segments (cudaFree), which synchronizes the device:
   /// the host went on only after all of that device's work (alloc, empty_cache).
   bool device_synchronized = false;
