@@ -2,6 +2,7 @@
 
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -329,6 +330,60 @@ void restore_rng(const RngState& state) {
   }
 }
 
+// Note [Autocast in replays]
+// A region's replay runs in backward, outside the autocast context its forward ran in. Without
+// that context a mixed-precision forward's ops recompute in float32, the saved tensors differ
+// in dtype and the determinism check refuses them. So the forward's autocast state (enabled and
+// dtype, for CPU and for CUDA, and the cast cache switch) is captured when the region begins
+// and re-entered around its replay, as torch.utils.checkpoint does. Entering counts as one
+// autocast nesting level: leaving the outermost level clears the cast cache, as leaving
+// `torch.autocast` does.
+struct AutocastState {
+  struct PerDevice {
+    bool enabled = false;
+    at::ScalarType dtype = at::kFloat;
+  };
+  PerDevice cpu;
+  PerDevice cuda;
+  bool cache_enabled = true;
+};
+
+AutocastState capture_autocast() {
+  const auto per_device = [](at::DeviceType type) {
+    return AutocastState::PerDevice{at::autocast::is_autocast_enabled(type),
+                                    at::autocast::get_autocast_dtype(type)};
+  };
+  return AutocastState{per_device(at::kCPU), per_device(at::kCUDA),
+                       at::autocast::is_autocast_cache_enabled()};
+}
+
+void set_autocast(const AutocastState& state) {
+  at::autocast::set_autocast_enabled(at::kCPU, state.cpu.enabled);
+  at::autocast::set_autocast_dtype(at::kCPU, state.cpu.dtype);
+  at::autocast::set_autocast_enabled(at::kCUDA, state.cuda.enabled);
+  at::autocast::set_autocast_dtype(at::kCUDA, state.cuda.dtype);
+  at::autocast::set_autocast_cache_enabled(state.cache_enabled);
+}
+
+// Enters a captured autocast state for a scope; restores the one it found. See
+// Note [Autocast in replays].
+class AutocastScope {
+ public:
+  explicit AutocastScope(const AutocastState& state) : outer_(capture_autocast()) {
+    set_autocast(state);
+    at::autocast::increment_nesting();
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+  ~AutocastScope() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    set_autocast(outer_);
+  }
+
+ private:
+  AutocastState outer_;
+};
+
 SavedMeta saved_meta(const at::Tensor& t) {
   SavedMeta meta;
   meta.bytes = Bytes(t.numel() * static_cast<std::int64_t>(t.element_size()));
@@ -362,15 +417,15 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
   };
 
   FrameId begin(const CheckpointOptions& options, Replay replay, RngState rng,
-                std::vector<Input> inputs) {
+                AutocastState autocast, std::vector<Input> inputs) {
     std::lock_guard lock(mutex_);
     FrameOptions frame_options;
     frame_options.early_stop = options.early_stop;
     frame_options.determinism_check = options.determinism_check;
     const FrameId id = core_.begin(frame_options);
     frames_.resize(std::max<std::size_t>(frames_.size(), id.value() + 1));
-    frames_[id.value()] =
-        FrameInfo{std::move(replay), std::move(rng), options.preserve_rng_state, std::move(inputs)};
+    frames_[id.value()] = FrameInfo{std::move(replay), std::move(rng), options.preserve_rng_state,
+                                    autocast, std::move(inputs)};
     ++open_;
     return id;
   }
@@ -434,6 +489,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     Replay replay;
     RngState rng;
     bool preserve_rng = true;
+    AutocastState autocast;  // the forward's; see Note [Autocast in replays]
     std::vector<Input> inputs;
   };
 
@@ -472,6 +528,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     };
     try {
       at::AutoGradMode grad(true);
+      AutocastScope autocast(info.autocast);
       info.replay(inputs);
     } catch (const StopRecompute&) {
       // early stop: every saved tensor is back
@@ -566,7 +623,8 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
         {t.defined() ? t.detach() : t, std::nullopt, t.defined() && t.requires_grad(), {}});
   }
   RngState rng = options.preserve_rng_state ? capture_rng(cuda_devices(inputs)) : RngState{};
-  const FrameId frame = state->begin(options, std::move(replay), std::move(rng), std::move(saved));
+  const FrameId frame = state->begin(options, std::move(replay), std::move(rng), capture_autocast(),
+                                     std::move(saved));
   push_context(Context{Context::Kind::Frame, nullptr, state, frame});
   return FrameToken{state, frame};
 }

@@ -1,6 +1,7 @@
 // The real backend on the CPU loopback device: gradients bitwise equal to runs without ferry,
 // bookkeeping back to empty after every step, and the reference's errors for misuse.
 
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -409,6 +410,48 @@ TEST_F(RealFerry, DropoutUnderCheckpointReplaysTheSameMask) {
   torch::manual_seed(7);
   const Tensors got = grads_of({w, x}, [&] { return ferry::checkpoint(block, x).pow(2).sum(); });
   expect_bitwise_equal(want, got);
+}
+
+// CPU autocast to bfloat16 for a scope, as `torch.autocast("cpu", dtype=torch.bfloat16)`.
+class CpuAutocast {
+ public:
+  CpuAutocast()
+      : enabled_(at::autocast::is_autocast_enabled(at::kCPU)),
+        dtype_(at::autocast::get_autocast_dtype(at::kCPU)) {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::increment_nesting();
+  }
+  CpuAutocast(const CpuAutocast&) = delete;
+  CpuAutocast& operator=(const CpuAutocast&) = delete;
+  ~CpuAutocast() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCPU, enabled_);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype_);
+  }
+
+ private:
+  bool enabled_;
+  at::ScalarType dtype_;
+};
+
+// The replay runs in backward, outside the forward's autocast scope: it must re-enter the
+// forward's state (Note [Autocast in replays]), or it recomputes in float32 and the
+// determinism check refuses the saved tensors.
+TEST_F(RealFerry, CheckpointUnderAutocastReplaysInTheForwardsPrecision) {
+  auto w = torch::randn({16, 16}, torch::requires_grad());
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  auto block = [&](const torch::Tensor& h) { return h.matmul(w).tanh().matmul(w).sigmoid(); };
+  const auto forward = [&](bool checkpointed) {
+    CpuAutocast autocast;
+    auto h = checkpointed ? ferry::checkpoint(block, ferry::checkpoint(block, x)) : block(block(x));
+    EXPECT_EQ(h.scalar_type(), at::kBFloat16);
+    return h.to(at::kFloat).sum();
+  };
+  const Tensors want = grads_of({w, x}, [&] { return forward(false); });
+  const Tensors got = grads_of({w, x}, [&] { return forward(true); });
+  expect_bitwise_equal(want, got);
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "the replay left autocast on";
 }
 
 TEST_F(RealFerry, CheckpointInsideAnOffloadRegion) {
