@@ -28,14 +28,14 @@ def assert_all_equal(a, b):
 def test_single_region_mlp():
     ref, model, ref_x, x = twin(MLP, lambda: torch.randn(8, 32))
     loss_of(ref(ref_x)).backward()
-    loss_of(ferry.checkpoint(model, x)).backward()
+    loss_of(ferry.checkpoint(model, x, use_reentrant=False)).backward()
     assert_same_grads(ref, model, [ref_x], [x])
 
 
 def test_transformer_block():
     ref, model, ref_x, x = twin(Block, lambda: torch.randn(2, 16, 32))
     loss_of(ref(ref_x)).backward()
-    loss_of(ferry.checkpoint(model, x)).backward()
+    loss_of(ferry.checkpoint(model, x, use_reentrant=False)).backward()
     assert_same_grads(ref, model, [ref_x], [x])
 
 
@@ -53,7 +53,7 @@ def make_outer(ckpt, early_stop):
 
 def ferry_ckpt(fn, *args):
     *args, early_stop = args
-    return ferry.checkpoint(fn, *args, early_stop=early_stop)
+    return ferry.checkpoint(fn, *args, early_stop=early_stop, use_reentrant=False)
 
 
 def torch_ckpt(fn, *args):
@@ -104,7 +104,7 @@ def test_early_stop_ends_the_replay(early_stop):
         return y
 
     x = torch.randn(16, requires_grad=True)
-    ferry.checkpoint(fn, x, early_stop=early_stop).sum().backward()
+    ferry.checkpoint(fn, x, early_stop=early_stop, use_reentrant=False).sum().backward()
     # forward, plus the replay only when it ran to the end
     assert len(reached_end) == (1 if early_stop else 2)
     xr = x.detach().clone().requires_grad_()
@@ -127,7 +127,7 @@ def dropout_grads(**options):
     loss_of(dropout_fn(x_ref, w_ref)).backward()
     x, w = leaves(x0, w0)
     torch.manual_seed(123)
-    loss = loss_of(ferry.checkpoint(dropout_fn, x, w, **options))
+    loss = loss_of(ferry.checkpoint(dropout_fn, x, w, **options, use_reentrant=False))
     torch.rand(100)
     loss.backward()
     return grads(x, w), grads(x_ref, w_ref)
@@ -161,7 +161,7 @@ def test_checkpoint_inside_offload(policy):
             m.zero_grad(set_to_none=True)
         x.grad = None
         with ctx:
-            h = ferry.checkpoint(model, x)
+            h = ferry.checkpoint(model, x, use_reentrant=False)
             loss = loss_of(mlp(h))
         loss.backward()
         assert ctx.tracked() == 0
@@ -180,7 +180,7 @@ def test_checkpoint_kwargs_and_non_tensor_args():
     x_ref, w_ref, b_ref = leaves(x0, w0, b0)
     fn(x_ref, 0.5, w=w_ref, bias=b_ref).sum().backward()
     x, w, b = leaves(x0, w0, b0)
-    ferry.checkpoint(fn, x, 0.5, w=w, bias=b).sum().backward()
+    ferry.checkpoint(fn, x, 0.5, w=w, bias=b, use_reentrant=False).sum().backward()
     assert_all_equal(grads(x, w, b), grads(x_ref, w_ref, b_ref))
 
 
@@ -195,23 +195,17 @@ def test_checkpoint_tuple_output_and_retain_graph():
     (a.sum() + b.sum()).backward(retain_graph=True)
     (a.sum() + b.sum()).backward()
     x, = leaves(x0)
-    a, b = ferry.checkpoint(fn, x)
+    a, b = ferry.checkpoint(fn, x, use_reentrant=False)
     loss = a.sum() + b.sum()
     loss.backward(retain_graph=True)
     loss.backward()  # a second graph task recomputes again
     assert torch.equal(x.grad, x_ref.grad)
 
 
-def test_use_reentrant_rejected():
-    x = torch.randn(4, requires_grad=True)
-    with pytest.raises(ValueError, match="use_reentrant=True is not supported"):
-        ferry.checkpoint(torch.sin, x, use_reentrant=True)
-
-
 def test_bad_determinism_check_option():
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(ValueError, match="determinism_check"):
-        ferry.checkpoint(torch.sin, x, determinism_check="strict")
+        ferry.checkpoint(torch.sin, x, determinism_check="strict", use_reentrant=False)
 
 
 @pytest.mark.parametrize("early_stop", [True, False])
@@ -226,7 +220,7 @@ def test_replay_saving_fewer_tensors_is_an_error(early_stop):
         return y * 2.0
 
     x = torch.randn(8, requires_grad=True)
-    y = ferry.checkpoint(fn, x, early_stop=early_stop).sum()
+    y = ferry.checkpoint(fn, x, early_stop=early_stop, use_reentrant=False).sum()
     with pytest.raises(RuntimeError, match="different number of tensors"):
         y.backward()
 
@@ -240,7 +234,7 @@ def test_replay_saving_other_dtype_is_an_error():
         return h.sin().float()
 
     x = torch.randn(8, requires_grad=True)
-    y = ferry.checkpoint(fn, x).sum()
+    y = ferry.checkpoint(fn, x, use_reentrant=False).sum()
     with pytest.raises(RuntimeError, match="different metadata"):
         y.backward()
 
@@ -255,7 +249,7 @@ def test_replay_error_propagates():
         return x.sin().exp()
 
     x = torch.randn(8, requires_grad=True)
-    y = ferry.checkpoint(fn, x).sum()
+    y = ferry.checkpoint(fn, x, use_reentrant=False).sum()
     with pytest.raises(KeyError, match="replay failed"):
         y.backward()
 
@@ -277,11 +271,11 @@ def replay_freed(nested, backward):
 
     inner = Fn(lambda h: h.sin() * h)
     if nested:
-        outer = Fn(lambda x: ferry.checkpoint(inner, x.exp()).cos() * 2.0)
+        outer = Fn(lambda x: ferry.checkpoint(inner, x.exp(), use_reentrant=False).cos() * 2.0)
     else:
         outer = Fn(lambda x: inner(x.exp()).cos() * 2.0)
     x = torch.randn(8, requires_grad=True)
-    y = ferry.checkpoint(outer, x).sum()
+    y = ferry.checkpoint(outer, x, use_reentrant=False).sum()
     if backward:
         y.backward()
     del y

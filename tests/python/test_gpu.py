@@ -52,7 +52,7 @@ def test_cuda_checkpoint_inside_offload():
     ctx = ferry.offload(min_bytes=0)
     ctx.update_model_params(model)
     with ctx:
-        loss = loss_of(ferry.checkpoint(model, x) * 1.0)
+        loss = loss_of(ferry.checkpoint(model, x, use_reentrant=False) * 1.0)
     loss.backward()
     assert torch.equal(x.grad, x_ref.grad)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):

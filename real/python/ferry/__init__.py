@@ -11,7 +11,8 @@ Saved tensors of the ops run under a ferry region go through ferry's runtime (``
 ``offload`` moves saved activations to host memory and brings them back for backward (on a
 CPU-only machine, ``loopback=True`` runs the same protocol between CPU buffers).
 ``no_offload`` keeps the saved tensors of a sub-region as they are, and ``checkpoint`` keeps
-none: backward recomputes them, as ``torch.utils.checkpoint(use_reentrant=False)`` does.
+none: backward recomputes them, as ``torch.utils.checkpoint`` does (``checkpoint_sequential``
+too).
 """
 
 import warnings
@@ -20,8 +21,9 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from . import _C
+from ._checkpoint import checkpoint, checkpoint_sequential
 
-__all__ = ["offload", "no_offload", "checkpoint", "offload_model"]
+__all__ = ["offload", "no_offload", "checkpoint", "checkpoint_sequential", "offload_model"]
 __version__ = "0.1.0"
 
 
@@ -156,54 +158,6 @@ class no_offload(_Region):
 
     def _push(self):
         _C._push_no_offload()
-
-
-def checkpoint(
-    fn,
-    *args,
-    use_reentrant=False,
-    early_stop=True,
-    preserve_rng_state=True,
-    determinism_check="default",
-    **kwargs,
-):
-    """Runs ``fn(*args, **kwargs)`` keeping none of its saved tensors; backward recomputes them.
-
-    Behaves as ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``: nestable,
-    stops recomputing once every saved tensor is back (``early_stop``), replays with the random
-    state the forward saw (``preserve_rng_state``), and checks that the recomputation saves the
-    same tensors (``determinism_check="default"``; ``"none"`` turns the check off).
-    """
-    if use_reentrant:
-        raise ValueError("ferry.checkpoint is non-reentrant; use_reentrant=True is not supported")
-    if determinism_check not in ("default", "none"):
-        raise ValueError(
-            f"determinism_check should be one of ['default', 'none'], but got {determinism_check!r}"
-        )
-    # The tensor inputs go to the runtime, which keeps them for the replay (inside another
-    # checkpoint, saved by it) and hands them back; the replay keeps only the rest.
-    inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-    arg_slots = [None if isinstance(a, torch.Tensor) else a for a in args]
-    kwarg_slots = {k: None if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    tensor_args = [isinstance(a, torch.Tensor) for a in args]
-    tensor_kwargs = {k: isinstance(v, torch.Tensor) for k, v in kwargs.items()}
-
-    def replay(saved):
-        saved = iter([t.detach().requires_grad_(t.requires_grad) for t in saved])
-        replay_args = [next(saved) if is_t else a for a, is_t in zip(arg_slots, tensor_args)]
-        replay_kwargs = {k: next(saved) if tensor_kwargs[k] else v for k, v in kwarg_slots.items()}
-        with torch.enable_grad(), saved_tensors_hooks(_C._pack, _C._unpack):
-            fn(*replay_args, **replay_kwargs)
-
-    token = _C._frame_begin(
-        replay, inputs, early_stop, determinism_check == "default", preserve_rng_state
-    )
-    try:
-        with saved_tensors_hooks(_C._pack, _C._unpack):
-            out = fn(*args, **kwargs)
-    finally:
-        _C._frame_end(token)
-    return out
 
 
 def _output_head(model):

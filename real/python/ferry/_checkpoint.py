@@ -1,0 +1,240 @@
+"""ferry.checkpoint and ferry.checkpoint_sequential, with torch.utils.checkpoint's interface.
+
+The non-reentrant variant goes through ferry's runtime (checkpoint frames in ``ferry._C``): its
+saved tensors are dropped and recomputed, nestable, with early stop, random-state replay, the
+forward's autocast state and a determinism check. The reentrant variant is an autograd
+Function that runs the forward without grad and recomputes it, whole, in backward.
+"""
+
+import contextlib
+import warnings
+
+import torch
+import torch.utils.checkpoint as _tc
+from torch.autograd.graph import saved_tensors_hooks
+
+from . import _C
+
+_DETERMINISM_CHECKS = ("default", "none")
+
+
+def _no_context():
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def _global_early_stop(early_stop):
+    # torch.utils.checkpoint.set_checkpoint_early_stop overrides the per-call argument.
+    forced = getattr(_tc, "_enable_checkpoint_early_stop", None)
+    return early_stop if forced is None else forced
+
+
+def checkpoint(
+    fn,
+    *args,
+    use_reentrant=None,
+    context_fn=_no_context,
+    determinism_check="default",
+    debug=False,
+    early_stop=True,
+    preserve_rng_state=True,
+    **kwargs,
+):
+    """Runs ``fn(*args, **kwargs)`` keeping none of its saved tensors; backward recomputes them.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint``. ``use_reentrant=False`` (recommended):
+    nestable, stops recomputing once every saved tensor is back (``early_stop``, or
+    ``torch.utils.checkpoint.set_checkpoint_early_stop``), replays with the random state and
+    the autocast state the forward saw, checks that the recomputation saves the same tensors
+    (``determinism_check``), and takes a ``context_fn`` returning the contexts of the forward
+    and of the recomputation (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+    ``use_reentrant=True``: the whole region is recomputed in backward, as torch's reentrant
+    variant does. Left out, ``use_reentrant`` warns and is True, as in torch 2.11.
+    Under ``torch.no_grad()`` the function just runs.
+    """
+    if use_reentrant is None:
+        warnings.warn(
+            "ferry.checkpoint: the use_reentrant parameter should be passed explicitly; as in "
+            "torch.utils.checkpoint it defaults to True. use_reentrant=False is recommended.",
+            stacklevel=2,
+        )
+        use_reentrant = True
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(
+            "ferry.checkpoint: determinism_check should be one of "
+            f"{list(_DETERMINISM_CHECKS)}, but got {determinism_check!r}"
+        )
+    if use_reentrant:
+        if context_fn is not _no_context or debug:
+            raise ValueError(
+                "ferry.checkpoint: passing `context_fn` or `debug` is only supported when "
+                "use_reentrant=False"
+            )
+        if kwargs:
+            raise ValueError("ferry.checkpoint: unexpected keyword arguments: " + ",".join(kwargs))
+        return _reentrant(fn, preserve_rng_state, *args)
+    if debug and context_fn is not _no_context:
+        raise ValueError("ferry.checkpoint: debug=True is incompatible with a non-default context_fn")
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    return _non_reentrant(
+        fn, args, kwargs, context_fn, determinism_check, _global_early_stop(early_stop),
+        preserve_rng_state,
+    )
+
+
+def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, preserve):
+    forward_context, recompute_context = context_fn()
+    # The tensor inputs go to the runtime, which keeps them for the replay (inside another
+    # checkpoint, saved by it) and hands them back; the replay keeps only the rest.
+    inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    arg_slots = [None if isinstance(a, torch.Tensor) else a for a in args]
+    kwarg_slots = {k: None if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    tensor_args = [isinstance(a, torch.Tensor) for a in args]
+    tensor_kwargs = {k: isinstance(v, torch.Tensor) for k, v in kwargs.items()}
+
+    def replay(saved):
+        saved = iter([t.detach().requires_grad_(t.requires_grad) for t in saved])
+        replay_args = [next(saved) if is_t else a for a, is_t in zip(arg_slots, tensor_args)]
+        replay_kwargs = {k: next(saved) if tensor_kwargs[k] else v for k, v in kwarg_slots.items()}
+        with torch.enable_grad(), recompute_context, saved_tensors_hooks(_C._pack, _C._unpack):
+            fn(*replay_args, **replay_kwargs)
+
+    token = _C._frame_begin(replay, inputs, early_stop, determinism_check == "default", preserve)
+    try:
+        with forward_context, saved_tensors_hooks(_C._pack, _C._unpack):
+            out = fn(*args, **kwargs)
+    finally:
+        _C._frame_end(token)
+    return out
+
+
+def _autocast_state():
+    """The autocast state to replay: per device type, (enabled, dtype); and the cache switch."""
+    return {
+        device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device in ("cpu", "cuda")
+    }, torch.is_autocast_cache_enabled()
+
+
+def _autocast_contexts(state):
+    per_device, cache = state
+    return [
+        torch.autocast(device, enabled=enabled, dtype=dtype, cache_enabled=cache)
+        for device, (enabled, dtype) in per_device.items()
+        if device == "cpu" or torch.cuda.is_available()
+    ]
+
+
+class _Reentrant(torch.autograd.Function):
+    """The reentrant variant: forward without grad; backward reruns the region with grad and
+    backpropagates through the rerun."""
+
+    @staticmethod
+    def forward(ctx, fn, preserve, *args):
+        ctx.fn = fn
+        ctx.preserve = preserve
+        ctx.autocast = _autocast_state()
+        ctx.devices = sorted(
+            {a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda}
+        )
+        if preserve:
+            ctx.cpu_rng = torch.get_rng_state()
+            ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.devices]
+        ctx.tensor_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.save_for_backward(*[args[i] for i in ctx.tensor_slots])
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "ferry.checkpoint: use_reentrant=True is incompatible with .grad() or with "
+                "passing `inputs` to .backward(); use use_reentrant=False, or call .backward() "
+                "without `inputs`"
+            )
+        args = list(ctx.others)
+        for slot, saved in zip(ctx.tensor_slots, ctx.saved_tensors):
+            args[slot] = saved.detach().requires_grad_(saved.requires_grad)
+        with torch.random.fork_rng(devices=ctx.devices, enabled=ctx.preserve):
+            if ctx.preserve:
+                torch.set_rng_state(ctx.cpu_rng)
+                for device, state in zip(ctx.devices, ctx.cuda_rng):
+                    torch.cuda.set_rng_state(state, device)
+            with torch.enable_grad(), contextlib.ExitStack() as stack:
+                for autocast in _autocast_contexts(ctx.autocast):
+                    stack.enter_context(autocast)
+                outputs = ctx.fn(*args)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        pairs = [
+            (out, grad)
+            for out, grad in zip(outputs, grad_outputs)
+            if isinstance(out, torch.Tensor) and out.requires_grad
+        ]
+        if not pairs:
+            raise RuntimeError(
+                "ferry.checkpoint: none of the outputs requires grad; this checkpoint is not "
+                "necessary"
+            )
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in args)
+        return (None, None) + grads
+
+
+def _reentrant(fn, preserve, *args):
+    if torch.is_grad_enabled() and not any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args
+    ):
+        warnings.warn(
+            "ferry.checkpoint: none of the inputs has requires_grad=True; gradients will be None",
+            stacklevel=3,
+        )
+    return _Reentrant.apply(fn, preserve, *args)
+
+
+def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwargs):
+    """Checkpoints a sequence of modules or functions in ``segments`` parts; the last part is
+    not checkpointed (its saved tensors are needed at once). As torch's
+    ``checkpoint_sequential``: ``functions`` is an ``nn.Sequential`` or a list, and the only
+    extra keyword is ``preserve_rng_state``."""
+    if use_reentrant is None:
+        warnings.warn(
+            "ferry.checkpoint_sequential: the use_reentrant parameter should be passed "
+            "explicitly; as in torch.utils.checkpoint it defaults to True. use_reentrant=False "
+            "is recommended.",
+            stacklevel=2,
+        )
+        use_reentrant = True
+    preserve = kwargs.pop("preserve_rng_state", True)
+    if kwargs:
+        raise ValueError(
+            "ferry.checkpoint_sequential: unexpected keyword arguments: " + ",".join(kwargs)
+        )
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    functions = list(functions)
+    if not 1 <= segments <= max(len(functions), 1):
+        raise ValueError(
+            f"ferry.checkpoint_sequential: segments must be between 1 and the number of "
+            f"functions ({len(functions)}), got {segments}"
+        )
+
+    def run(start, end):
+        def forward(x):
+            for f in functions[start:end]:
+                x = f(x)
+            return x
+
+        return forward
+
+    size = len(functions) // segments
+    start = 0
+    for _ in range(segments - 1):
+        input = checkpoint(
+            run(start, start + size), input, use_reentrant=use_reentrant,
+            preserve_rng_state=preserve,
+        )
+        start += size
+    return run(start, len(functions))(input)
