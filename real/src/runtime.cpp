@@ -237,9 +237,7 @@ std::shared_ptr<Session> Session::create(const RealOptions& options) {
           fmt::format("ferry: option {} must not be negative (got {})", name, value.count()));
     }
   }
-  if (options.offload.policy == Policy::Trl && options.offload.trl_stash_count < 1) {
-    throw OffloadError("max_fwd_stash_size should be at least 1");
-  }
+  check_offload_options(options.offload);
   if (options.loopback) return std::make_shared<SessionImpl<LoopbackDevice>>(options);
 #ifdef FERRY_HAVE_CUDA
   if (cuda_available()) return std::make_shared<SessionImpl<CudaDevice>>(options);

@@ -14,4 +14,10 @@ const char* policy_name(Policy policy) {
   return "?";
 }
 
+void check_offload_options(const OffloadOptions& options) {
+  if (options.policy == Policy::Trl && options.use_streams && options.trl_stash_count < 1) {
+    throw OffloadError("max_fwd_stash_size should be at least 1");
+  }
+}
+
 }  // namespace ferry

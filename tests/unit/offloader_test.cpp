@@ -182,6 +182,34 @@ TEST(TrlPolicy, RejectsAStashSizeBelowOne) {
   EXPECT_THROW(Off(b, trl(0)), OffloadError);
 }
 
+// The reference checks the stash size only when copies have their own stream.
+TEST(TrlPolicy, AcceptsAnyStashSizeWithoutStreams) {
+  FakeBackend b;
+  OffloadOptions o = trl(0);
+  o.use_streams = false;
+  EXPECT_NO_THROW(Off(b, o));
+}
+
+// use_streams = false: no stream is made; the copies both ways run on the compute stream s0.
+TEST(Offloader, WithoutStreamsCopiesRunOnTheComputeStream) {
+  for (OffloadOptions o : {trl(1), ferry_policy()}) {
+    o.use_streams = false;
+    o.window_bytes = Bytes(0);
+    FakeBackend b;
+    Off off(b, o);
+    EXPECT_EQ(b.streams, 0) << policy_name(o.policy);
+    const auto ids = forward(off, b, 3);
+    (void)off.unpack(ids[0], NodeId(10));
+    int copies = 0;
+    for (const std::string& line : b.log) {
+      if (!line.starts_with("copy ")) continue;
+      ++copies;
+      EXPECT_TRUE(line.starts_with("copy s0 ")) << line;
+    }
+    EXPECT_EQ(copies, 4) << b.dump();  // three offloads, one reload
+  }
+}
+
 // --- ferry ----------------------------------------------------------------------------------
 
 TEST(FerryPolicy, UsesSeparateOffloadAndReloadStreams) {

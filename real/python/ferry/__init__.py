@@ -23,7 +23,16 @@ from torch.autograd.graph import saved_tensors_hooks
 from . import _C
 from ._checkpoint import checkpoint, checkpoint_sequential
 
-__all__ = ["offload", "no_offload", "checkpoint", "checkpoint_sequential", "offload_model"]
+__all__ = [
+    "offload",
+    "no_offload",
+    "checkpoint",
+    "checkpoint_sequential",
+    "offload_model",
+    "OffloadActivations",
+    "NoOpManager",
+    "get_act_offloading_ctx_manager",
+]
 __version__ = "0.1.0"
 
 
@@ -65,6 +74,9 @@ class offload(_Region):
     ``window_bytes``, ``prefetch_bytes``, ``host_cap``, ``dedup`` and ``prefetch`` tune the
     ferry policy. ``loopback=True`` treats CPU tensors as device tensors (no GPU needed);
     ``record=True`` records the stream program for ``ferry check`` (see ``write_program``).
+    The reference offloader's names are accepted too: ``min_offload_size`` (``min_bytes``),
+    ``use_streams`` (False: copies on the compute stream, in order with the kernels) and
+    ``use_pin_memory`` (host copies are always pinned: False is refused).
     Keyword arguments ``skip_*`` plant synchronization faults, for tests of the checker only.
     """
 
@@ -74,8 +86,11 @@ class offload(_Region):
         self,
         *,
         policy="ferry",
-        min_bytes=1024,
+        min_bytes=None,
         max_fwd_stash_size=5,
+        min_offload_size=None,
+        use_streams=True,
+        use_pin_memory=True,
         window_bytes=None,
         prefetch_bytes=None,
         host_cap=None,
@@ -86,9 +101,21 @@ class offload(_Region):
         profile=None,
         **faults,
     ):
+        if min_bytes is not None and min_offload_size is not None and min_bytes != min_offload_size:
+            raise TypeError(
+                "ferry.offload: min_bytes and min_offload_size name the same threshold; give one"
+            )
+        if not use_pin_memory:
+            raise ValueError(
+                "ferry.offload: use_pin_memory=False is not supported: ferry copies to pinned "
+                "host memory only (pageable copies cannot overlap compute)"
+            )
+        if min_bytes is None:
+            min_bytes = 1024 if min_offload_size is None else min_offload_size
         options = dict(
             policy=policy,
             min_bytes=min_bytes,
+            use_streams=use_streams,
             max_fwd_stash_size=max_fwd_stash_size,
             dedup=dedup,
             prefetch=prefetch,
@@ -218,3 +245,52 @@ def offload_model(model, *, warn_if_no_head=True, **options):
     head.register_forward_pre_hook(enter)
     head.register_forward_hook(leave, always_call=True)
     return ctx
+
+
+# The reference offloader's names (TRL's activation_offloading module), for existing scripts.
+
+
+class OffloadActivations(offload):
+    """``offload`` under the reference's name and signature. The scheduler is ferry's unless
+    ``policy="trl"`` asks for the reference's own; other ``offload`` options pass through."""
+
+    def __init__(
+        self,
+        use_pin_memory=True,
+        use_streams=True,
+        min_offload_size=1024,
+        max_fwd_stash_size=5,
+        **options,
+    ):
+        super().__init__(
+            use_pin_memory=use_pin_memory,
+            use_streams=use_streams,
+            min_offload_size=min_offload_size,
+            max_fwd_stash_size=max_fwd_stash_size,
+            **options,
+        )
+
+
+class NoOpManager(no_offload):
+    """``no_offload`` under the reference's name: saved tensors inside it stay as they are."""
+
+
+def get_act_offloading_ctx_manager(
+    model,
+    use_pin_memory=True,
+    use_streams=True,
+    min_offload_size=1024,
+    max_fwd_stash_size=5,
+    warn_if_no_head=True,
+    **options,
+):
+    """``offload_model`` under the reference's name and signature."""
+    return offload_model(
+        model,
+        warn_if_no_head=warn_if_no_head,
+        use_pin_memory=use_pin_memory,
+        use_streams=use_streams,
+        min_offload_size=min_offload_size,
+        max_fwd_stash_size=max_fwd_stash_size,
+        **options,
+    )

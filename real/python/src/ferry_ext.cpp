@@ -84,11 +84,11 @@ ferry::real::Replay make_replay(py::object callable) {
 std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t min_bytes,
                                       std::int32_t max_fwd_stash_size, std::int64_t window_bytes,
                                       std::int64_t prefetch_bytes, std::int64_t host_cap,
-                                      bool dedup, bool prefetch, bool loopback, bool record,
-                                      const std::string& profile, bool skip_reload_wait,
-                                      bool skip_offload_wait, bool skip_forward_guard,
-                                      bool skip_backward_guard, bool skip_record_stream,
-                                      bool skip_host_guard) {
+                                      bool dedup, bool prefetch, bool use_streams, bool loopback,
+                                      bool record, const std::string& profile,
+                                      bool skip_reload_wait, bool skip_offload_wait,
+                                      bool skip_forward_guard, bool skip_backward_guard,
+                                      bool skip_record_stream, bool skip_host_guard) {
   ferry::RealOptions options;
   options.offload.policy = parse_policy(policy);
   options.offload.min_bytes = ferry::Bytes(min_bytes);
@@ -98,6 +98,7 @@ std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t mi
   options.offload.host_cap = ferry::Bytes(host_cap);
   options.offload.dedup = dedup;
   options.offload.prefetch = prefetch;
+  options.offload.use_streams = use_streams;
   options.offload.faults.skip_reload_wait = skip_reload_wait;
   options.offload.faults.skip_offload_wait = skip_offload_wait;
   options.offload.faults.skip_forward_guard = skip_forward_guard;
@@ -153,11 +154,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("window_bytes") = d.window_bytes.count(),
            py::arg("prefetch_bytes") = d.prefetch_bytes.count(),
            py::arg("host_cap") = d.host_cap.count(), py::arg("dedup") = d.dedup,
-           py::arg("prefetch") = d.prefetch, py::arg("loopback") = defaults.loopback,
-           py::arg("record") = defaults.record, py::arg("profile") = defaults.profile,
-           py::arg("skip_reload_wait") = false, py::arg("skip_offload_wait") = false,
-           py::arg("skip_forward_guard") = false, py::arg("skip_backward_guard") = false,
-           py::arg("skip_record_stream") = false, py::arg("skip_host_guard") = false)
+           py::arg("prefetch") = d.prefetch, py::arg("use_streams") = d.use_streams,
+           py::arg("loopback") = defaults.loopback, py::arg("record") = defaults.record,
+           py::arg("profile") = defaults.profile, py::arg("skip_reload_wait") = false,
+           py::arg("skip_offload_wait") = false, py::arg("skip_forward_guard") = false,
+           py::arg("skip_backward_guard") = false, py::arg("skip_record_stream") = false,
+           py::arg("skip_host_guard") = false)
       .def("exclude", &Session::exclude, py::arg("tensor"),
            "Never offload this tensor's storage (parameters, module buffers).")
       .def(

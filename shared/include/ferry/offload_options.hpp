@@ -38,6 +38,9 @@ struct OffloadOptions {
   Bytes host_cap{1LL << 40};          ///< ferry: pinned host memory the pool may hold
   bool dedup = true;                  ///< ferry: one copy per storage for views sharing it
   bool prefetch = true;               ///< ferry: reload ahead of demand
+  /// Copies on their own streams (overlapping compute); false: on the compute stream, in order
+  /// with the kernels (the reference's `use_streams=False`).
+  bool use_streams = true;
   OffloadFaults faults;
 };
 
@@ -76,5 +79,9 @@ class OffloadError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+/// Throws OffloadError for options the reference offloader rejects (a trl stash below one
+/// tensor, checked only when copies have their own stream, as the reference does).
+void check_offload_options(const OffloadOptions& options);
 
 }  // namespace ferry

@@ -57,10 +57,11 @@ class Offloader {
 
   Offloader(B& backend, OffloadOptions options)
       : backend_(backend), options_(options), compute_(backend.compute_stream()) {
-    if (options_.policy == Policy::Trl && options_.trl_stash_count < 1) {
-      throw OffloadError("max_fwd_stash_size should be at least 1");
-    }
-    if (options_.policy == Policy::Trl) {
+    check_offload_options(options_);
+    if (options_.policy != Policy::None && !options_.use_streams) {
+      // Copies in order with the kernels: every wait below is then on the stream's own work.
+      offload_stream_ = reload_stream_ = compute_;
+    } else if (options_.policy == Policy::Trl) {
       offload_stream_ = reload_stream_ = backend_.make_stream("offload");
     } else if (options_.policy == Policy::Ferry) {
       offload_stream_ = backend_.make_stream("d2h");
