@@ -382,6 +382,15 @@ class AutocastScope {
   AutocastState outer_;
 };
 
+// dtype and device in words, as torch prints them: {bytes: 512, dtype: bfloat16, device: cpu}.
+std::string describe_meta(const SavedMeta& m) {
+  const auto dtype = static_cast<at::ScalarType>(m.dtype);
+  const c10::Device device(static_cast<c10::DeviceType>(m.device / 256U),
+                           static_cast<c10::DeviceIndex>(static_cast<int>(m.device % 256U) - 1));
+  return fmt::format("{{bytes: {}, dtype: {}, device: {}}}", m.bytes.count(),
+                     c10::getDtypeNames(dtype).first, device.str());
+}
+
 SavedMeta saved_meta(const at::Tensor& t) {
   SavedMeta meta;
   meta.bytes = Bytes(t.numel() * static_cast<std::int64_t>(t.element_size()));
@@ -557,7 +566,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
   }
 
   std::recursive_mutex mutex_;
-  Checkpointer<at::Tensor> core_;
+  Checkpointer<at::Tensor> core_{describe_meta};
   std::vector<FrameInfo> frames_;
   std::int64_t live_holders_ = 0;
   int open_ = 0;

@@ -235,8 +235,13 @@ def test_replay_saving_other_dtype_is_an_error():
 
     x = torch.randn(8, requires_grad=True)
     y = ferry.checkpoint(fn, x, use_reentrant=False).sum()
-    with pytest.raises(RuntimeError, match="different metadata"):
+    with pytest.raises(RuntimeError, match="different metadata") as error:
         y.backward()
+    # Named as torch names them, under ferry's name.
+    message = str(error.value)
+    assert "ferry.checkpoint: Recomputed values" in message
+    assert "saved metadata: {bytes: 32, dtype: float32, device: cpu}" in message
+    assert "recomputed metadata: {bytes: 64, dtype: float64, device: cpu}" in message
 
 
 def test_replay_error_propagates():

@@ -66,6 +66,13 @@ enum class RecomputePack : std::uint8_t {
 template <class Tensor>
 class Checkpointer {
  public:
+  /// Names a saved tensor's metadata for an error message; the backend knows its dtypes and
+  /// devices by name (`bfloat16`, `cuda:0`).
+  using Describe = std::string (*)(const SavedMeta&);
+
+  /// `names` names metadata in the determinism check's message; null prints the codes.
+  explicit Checkpointer(Describe names = nullptr) : describe_(names) {}
+
   /// The global early-stop switch (set_checkpoint_early_stop): when set, it overrides the
   /// per-call option of frames begun afterwards.
   void set_global_early_stop(std::optional<bool> value) { global_early_stop_ = value; }
@@ -131,7 +138,7 @@ class Checkpointer {
       // what forward has saved so far; those tensors are not needed.
       if (open(frame)) return RecomputePack::Ignored;
       throw CheckpointError(
-          "torch.utils.checkpoint: trying to save more tensors during recomputation than "
+          "ferry.checkpoint: trying to save more tensors during recomputation than "
           "during the original forward pass.");
     }
     f.recomputed[gid][index] = Slot{tensor, meta};
@@ -150,7 +157,7 @@ class Checkpointer {
     if (!f.options.determinism_check || open(frame)) return;
     if (f.counter != f.metas.size()) {
       throw CheckpointError(fmt::format(
-          "torch.utils.checkpoint: A different number of tensors was saved during the original "
+          "ferry.checkpoint: A different number of tensors was saved during the original "
           "forward and recomputation.\nNumber of tensors saved during forward: {}\nNumber of "
           "tensors saved during recomputation: {}",
           f.metas.size(), f.counter));
@@ -164,12 +171,13 @@ class Checkpointer {
       if (!f.options.content_check) want.hash = got.hash = 0;
       if (want != got) {
         bad += fmt::format("tensor at position {}:\nsaved metadata: {}\nrecomputed metadata: {}\n",
-                           i, describe(want), describe(got));
+                           i, describe_ ? describe_(want) : describe(want),
+                           describe_ ? describe_(got) : describe(got));
       }
     }
     if (!bad.empty()) {
       throw CheckpointError(
-          "torch.utils.checkpoint: Recomputed values for the following tensors have different "
+          "ferry.checkpoint: Recomputed values for the following tensors have different "
           "metadata than during the forward pass.\n" +
           bad);
     }
@@ -184,7 +192,7 @@ class Checkpointer {
     auto& slot = it->second.at(h.index);
     if (!slot) {
       throw CheckpointError(
-          "torch.utils.checkpoint: Unpack is being triggered for a tensor that was already "
+          "ferry.checkpoint: Unpack is being triggered for a tensor that was already "
           "unpacked once. If you are calling ctx.saved_tensors in backward, make sure to do so "
           "only once. Otherwise please open an issue with details on your use case.");
     }
@@ -241,6 +249,7 @@ class Checkpointer {
                        m.hash != 0 ? fmt::format(", hash: {:#x}", m.hash) : std::string());
   }
 
+  Describe describe_ = nullptr;
   std::optional<bool> global_early_stop_;
   std::vector<Frame> frames_;
   std::vector<Holder> holders_;
