@@ -101,7 +101,7 @@ class SessionImpl final : public SessionBase {
         device_(options.record ? std::make_unique<Recorder>(options.profile) : nullptr),
         core_(device_, options.offload) {}
 
-  PackedPtr pack(const at::Tensor& t) override {
+  PackedPtr pack(const at::Tensor& t, TensorKind kind) override {
     if (!t.has_storage() || t.layout() != at::kStrided || t.is_quantized()) {
       return std::make_shared<KeptAsIs>(t);
     }
@@ -121,7 +121,8 @@ class SessionImpl final : public SessionBase {
     // trl copies the tensor's own bytes (its span); ferry the whole storage.
     facts.bytes = options_.offload.policy == Policy::Trl ? meta.span : Bytes(t.numel() * item);
     facts.on_device = device_.is_device_tensor(t);
-    facts.is_param = (t.is_leaf() && t.requires_grad()) ||
+    facts.is_param = kind == TensorKind::Parameter ||
+                     (kind == TensorKind::Unknown && t.is_leaf() && t.requires_grad()) ||
                      excluded_.count(t.storage().unsafeGetStorageImpl()) != 0;
     facts.node = node;
     BufferHandle storage = device_.adopt(t);
@@ -641,12 +642,12 @@ void frame_end(const FrameToken& token) {
   token.state->end(token.frame);
 }
 
-PackedPtr pack_saved(const at::Tensor& tensor) {
+PackedPtr pack_saved(const at::Tensor& tensor, TensorKind kind) {
   if (tl_stack.empty()) return std::make_shared<KeptAsIs>(tensor);
   const Context& top = tl_stack.back();
   switch (top.kind) {
     case Context::Kind::Offload:
-      return top.session->pack(tensor);
+      return top.session->pack(tensor, kind);
     case Context::Kind::NoOffload:
       return std::make_shared<KeptAsIs>(tensor);
     case Context::Kind::Frame:

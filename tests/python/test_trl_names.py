@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 import ferry
 from models import MLP, TinyLM, check_against_plain, loss_of
@@ -106,3 +107,23 @@ def test_get_act_offloading_ctx_manager_excludes_the_head():
     assert ctx.tracked() == 0
     with pytest.warns(UserWarning, match="no output head"):
         ferry.get_act_offloading_ctx_manager(MLP(), loopback=True)
+
+
+@pytest.mark.parametrize("policy", ["ferry", "trl"])
+def test_parameters_are_recognised_as_torch_does(policy):
+    # An nn.Parameter, frozen or not, is never offloaded (no update_model_params needed); an
+    # input leaf that requires grad is an activation like any other and is offloaded.
+    weight = nn.Parameter(torch.randn(64, 64))
+    frozen = nn.Parameter(torch.randn(1, 64), requires_grad=False)
+    x = torch.randn(64, 64, requires_grad=True)
+    ctx = ferry.offload(policy=policy, loopback=True, min_bytes=0, window_bytes=0,
+                        max_fwd_stash_size=1)
+    with ctx:
+        loss = (x * weight * frozen).sum()  # saves x, weight and frozen
+    t = ctx.telemetry()
+    assert t["packed"] == 3
+    assert t["offloaded"] == 1
+    assert t["bytes_d2h"] == x.numel() * x.element_size()
+    loss.backward()
+    assert torch.equal(x.grad, (weight * frozen).detach())
+    assert ctx.tracked() == 0

@@ -139,8 +139,19 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Packed, std::shared_ptr<Packed>>(m, "_Packed",
                                               "What a pack hook returned for a saved tensor.");
 
-  m.def("_pack", &ferry::real::pack_saved, py::arg("tensor"),
-        "The pack hook: what the innermost region does with a saved tensor.");
+  // torch.nn.Parameter, looked up once; kept for the module's life (never released).
+  const py::handle parameter =
+      py::object(py::module_::import("torch.nn").attr("Parameter")).release();
+  m.def(
+      "_pack",
+      [parameter](const py::handle& tensor) {
+        // Python knows a parameter (frozen or not) when it sees one; any other tensor is an
+        // activation, a leaf input that requires grad included, as the reference treats it.
+        const auto kind = py::isinstance(tensor, parameter) ? ferry::real::TensorKind::Parameter
+                                                            : ferry::real::TensorKind::Activation;
+        return ferry::real::pack_saved(tensor.cast<at::Tensor>(), kind);
+      },
+      py::arg("tensor"), "The pack hook: what the innermost region does with a saved tensor.");
   m.def(
       "_unpack", [](const std::shared_ptr<Packed>& p) { return p->unpack(); }, py::arg("packed"),
       "The unpack hook: the saved tensor back.");

@@ -57,6 +57,14 @@ class StopRecompute : public std::exception {
   }
 };
 
+/// What the caller of a pack hook knows of the tensor's kind. Python knows an `nn.Parameter`
+/// when it sees one; C++ cannot tell one from a leaf that requires grad.
+enum class TensorKind : std::uint8_t {
+  Unknown,     ///< a leaf that requires grad counts as a parameter
+  Parameter,   ///< never offloaded
+  Activation,  ///< offloaded by the usual rules, even a leaf that requires grad (an input)
+};
+
 /// One offload session: an Offloader over a loopback or CUDA device.
 class Session {
  public:
@@ -64,7 +72,7 @@ class Session {
   /// A loopback session, or a CUDA one on the current device (throws when there is none).
   static std::shared_ptr<Session> create(const RealOptions& options);
 
-  virtual PackedPtr pack(const at::Tensor& tensor) = 0;
+  virtual PackedPtr pack(const at::Tensor& tensor, TensorKind kind = TensorKind::Unknown) = 0;
   /// Parameters and module buffers: storages never offloaded.
   virtual void exclude(const at::Tensor& tensor) = 0;
   [[nodiscard]] virtual OffloadTelemetry telemetry() const = 0;
@@ -98,7 +106,7 @@ void close_context(Context::Kind kind) noexcept;
 /// Whether the innermost region wants saved tensors packed by ferry (not a no-offload region).
 bool packing_active();
 /// The pack hook: what the innermost region does with a saved tensor (kept as is when none).
-PackedPtr pack_saved(const at::Tensor& tensor);
+PackedPtr pack_saved(const at::Tensor& tensor, TensorKind kind = TensorKind::Unknown);
 
 /// An open checkpoint frame.
 struct FrameToken {
