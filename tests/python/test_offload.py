@@ -257,6 +257,26 @@ def test_trl_second_unpack_is_untracked():
         loss.backward()
 
 
+def test_unpack_outside_backward():
+    """Reading a saved tensor outside backward (grad_fn._saved_*) brings it back. ferry keeps
+    its host copy until autograd releases it, so backward still works; trl forgets it at that
+    first unpack, as the reference does, and backward then finds it untracked."""
+    for policy in POLICIES:
+        x = torch.randn(64, 64, requires_grad=True)
+        ctx = loopback(policy, min_bytes=0, window_bytes=0, max_fwd_stash_size=1)
+        with ctx:
+            y = x.sin()
+            z = y.cos()
+        assert torch.equal(z.grad_fn._saved_self, y)
+        if policy == "ferry":
+            z.sum().backward()
+            assert torch.equal(x.grad, -y.sin() * x.cos())
+            assert ctx.tracked() == 0
+        else:
+            with pytest.raises(ValueError, match="untracked tensor"):
+                z.sum().backward()
+
+
 def test_trl_double_backward_is_untracked():
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
     x = torch.randn(4, 16, requires_grad=True)
