@@ -40,7 +40,11 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
     nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 >&2
 fi
 # Building and testing the Python extension (sympy: torch.utils.checkpoint, which the tests
-# compare against, imports torch._dynamo).
-if ! .venv/bin/python -c "import pytest, wheel, sympy" >/dev/null 2>&1; then
-  .venv/bin/pip install "${pip_flags[@]}" pytest wheel ninja sympy==1.14.0 >&2
+# compare against, imports torch._dynamo; filelock, networkx, jinja2, fsspec: torch.compile,
+# which the tests run under ferry's regions — torch's own declared dependencies, none of which
+# pulls a CUDA wheel).
+if ! .venv/bin/python -c "import pytest, wheel, sympy, filelock, networkx, jinja2, fsspec" \
+    >/dev/null 2>&1; then
+  .venv/bin/pip install "${pip_flags[@]}" pytest wheel ninja sympy==1.14.0 filelock networkx \
+    jinja2 fsspec >&2
 fi
