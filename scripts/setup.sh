@@ -48,3 +48,11 @@ if ! .venv/bin/python -c "import pytest, wheel, sympy, filelock, networkx, jinja
   .venv/bin/pip install "${pip_flags[@]}" pytest wheel ninja sympy==1.14.0 filelock networkx \
     jinja2 fsspec >&2
 fi
+# Test-only: small Hugging Face models built from configs (no downloads) with and without LoRA.
+# peft and accelerate declare torch as a dependency, so they are installed without dependencies
+# (pip must never replace the torch above or pull CUDA wheels); what they need besides torch
+# comes with transformers and psutil.
+if ! .venv/bin/python -c "import transformers, peft" >/dev/null 2>&1; then
+  .venv/bin/pip install "${pip_flags[@]}" transformers==5.23.0 psutil >&2
+  .venv/bin/pip install "${pip_flags[@]}" --no-deps peft==0.21.2 accelerate==1.15.0 >&2
+fi

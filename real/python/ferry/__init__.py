@@ -15,6 +15,7 @@ none: backward recomputes them, as ``torch.utils.checkpoint`` does (``checkpoint
 too).
 """
 
+import functools
 import warnings
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "OffloadActivations",
     "NoOpManager",
     "get_act_offloading_ctx_manager",
+    "enable_gradient_checkpointing",
 ]
 __version__ = "0.1.0"
 
@@ -294,3 +296,31 @@ def get_act_offloading_ctx_manager(
         max_fwd_stash_size=max_fwd_stash_size,
         **options,
     )
+
+
+def enable_gradient_checkpointing(model, use_reentrant=False, **checkpoint_kwargs):
+    """A Hugging Face model's gradient checkpointing, done by ``ferry.checkpoint``.
+
+    Enables it the model's own way (``activation_checkpointing_enable``, or
+    ``gradient_checkpointing_enable`` in older versions; PEFT models forward it to their base
+    model), then makes every module that checkpoints call ``ferry.checkpoint`` with
+    ``use_reentrant`` and ``checkpoint_kwargs``. Returns the model.
+    """
+    kwargs = {"use_reentrant": use_reentrant, **checkpoint_kwargs}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    func = functools.partial(checkpoint, **kwargs)
+    found = False
+    for module in model.modules():
+        if hasattr(module, "gradient_checkpointing"):
+            module._gradient_checkpointing_func = func
+            found = True
+    if not found:
+        raise ValueError(
+            f"ferry.enable_gradient_checkpointing: {type(model).__name__} has no module that "
+            "supports gradient checkpointing"
+        )
+    return model
