@@ -198,3 +198,20 @@ def test_selective_checkpoint_saves_matmuls_instead_of_recomputing_them():
 
     assert _addmms_in_backward(ferry._checkpoint._no_context) == 3  # the replay reruns them
     assert _addmms_in_backward(selective) == 0  # saved in forward, handed back in the replay
+
+
+def test_cuda_first_initialized_inside_the_region_is_refused(monkeypatch):
+    # Simulated on CPU: CUDA reads as initialized only once the region's forward ran.
+    state = {"initialized": False}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state["initialized"])
+
+    def fn(v):
+        state["initialized"] = True
+        return v.sin()
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="CUDA state was initialized in the forward pass"):
+        ferry.checkpoint(fn, x, use_reentrant=False)
+    state["initialized"] = False
+    ferry.checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False).sum().backward()
+    ferry.checkpoint(fn, x, use_reentrant=False).sum().backward()  # initialized before: fine

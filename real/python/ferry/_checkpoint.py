@@ -99,12 +99,21 @@ def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, 
         with torch.enable_grad(), recompute_context, saved_tensors_hooks(_C._pack, _C._unpack):
             fn(*replay_args, **replay_kwargs)
 
+    # The replay restores the random state of the CUDA devices the forward saw: a forward that
+    # first initializes CUDA has no state to restore, which torch refuses too.
+    had_cuda = torch.cuda.is_initialized()
     token = _C._frame_begin(replay, inputs, early_stop, determinism_check == "default", preserve)
     try:
         with forward_context, saved_tensors_hooks(_C._pack, _C._unpack):
             out = fn(*args, **kwargs)
     finally:
         _C._frame_end(token)
+    if preserve and not had_cuda and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "ferry.checkpoint: CUDA state was initialized in the forward pass of a checkpointed "
+            "region, which is not allowed with preserve_rng_state=True; initialize CUDA before "
+            "the region (e.g. torch.cuda.init()) or pass preserve_rng_state=False"
+        )
     return out
 
 
