@@ -7,7 +7,7 @@
 #include <string_view>
 #include <vector>
 
-#include "ferry/offloader.hpp"
+#include "ferry/offload/offloader.hpp"
 
 namespace {
 

@@ -70,9 +70,10 @@ int main(int argc, char** argv) {
                            : policy == "none" ? ferry::Policy::None
                                               : ferry::Policy::Ferry;
   if (window >= 0) options.offload.window_bytes = ferry::Bytes(window);
-  options.offload.faults.skip_reload_wait = plant;
   options.record = !record.empty();
-  ferry::Offload offload(options);
+  ferry::OffloadFaults faults;
+  faults.skip_reload_wait = plant;
+  ferry::Offload offload(options, faults);
   std::vector<torch::Tensor> excluded = model->parameters();
   for (const auto& b : model->buffers()) excluded.push_back(b);
   offload.exclude(excluded);

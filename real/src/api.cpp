@@ -74,6 +74,9 @@ void install() {
 
 Offload::Offload(RealOptions options) : session_(real::Session::create(options)) {}
 
+Offload::Offload(RealOptions options, const OffloadFaults& faults)
+    : session_(real::Session::create(options, faults)) {}
+
 void Offload::exclude(const std::vector<at::Tensor>& tensors) {
   for (const at::Tensor& t : tensors) session_->exclude(t);
 }

@@ -17,7 +17,7 @@
 #include <unordered_set>
 
 #include "ferry/check.hpp"
-#include "ferry/offloader.hpp"
+#include "ferry/offload/offloader.hpp"
 #include "ferry/real/device.hpp"
 #ifdef FERRY_HAVE_CUDA
 #include "ferry/real/cuda_device.hpp"
@@ -96,10 +96,10 @@ class OffloadedTensor final : public Packed {
 template <class Device>
 class SessionImpl final : public SessionBase {
  public:
-  explicit SessionImpl(const RealOptions& options)
+  SessionImpl(const RealOptions& options, const OffloadFaults& faults)
       : options_(options),
         device_(options.record ? std::make_unique<Recorder>(options.profile) : nullptr),
-        core_(device_, options.offload) {}
+        core_(device_, options.offload, faults) {}
 
   PackedPtr pack(const at::Tensor& t, TensorKind kind) override {
     if (!t.has_storage() || t.layout() != at::kStrided || t.is_quantized()) {
@@ -228,7 +228,7 @@ class SessionImpl final : public SessionBase {
 
 }  // namespace
 
-std::shared_ptr<Session> Session::create(const RealOptions& options) {
+std::shared_ptr<Session> Session::create(const RealOptions& options, const OffloadFaults& faults) {
   const OffloadOptions& o = options.offload;
   for (const auto& [name, value] :
        {std::pair{"min_bytes", o.min_bytes}, std::pair{"window_bytes", o.window_bytes},
@@ -239,9 +239,9 @@ std::shared_ptr<Session> Session::create(const RealOptions& options) {
     }
   }
   check_offload_options(options.offload);
-  if (options.loopback) return std::make_shared<SessionImpl<LoopbackDevice>>(options);
+  if (options.loopback) return std::make_shared<SessionImpl<LoopbackDevice>>(options, faults);
 #ifdef FERRY_HAVE_CUDA
-  if (cuda_available()) return std::make_shared<SessionImpl<CudaDevice>>(options);
+  if (cuda_available()) return std::make_shared<SessionImpl<CudaDevice>>(options, faults);
 #endif
   throw std::invalid_argument(
       "ferry: no CUDA device is available; use the CPU loopback device (C++: "

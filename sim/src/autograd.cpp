@@ -10,7 +10,7 @@
 
 #include "ferry/check.hpp"
 #include "ferry/checkpoint.hpp"
-#include "ferry/offloader.hpp"
+#include "ferry/offload/offloader.hpp"
 #include "ferry/sim/device.hpp"
 
 namespace ferry::sim {
@@ -117,7 +117,8 @@ constexpr std::uint64_t kGradSalt = 0x67726164;  // "grad"
 
 class Trainer {
  public:
-  Trainer(const Model& model, const DeviceProfile& profile, const TrainingOptions& options)
+  Trainer(const Model& model, const DeviceProfile& profile, const TrainingOptions& options,
+          const TrainingFaults& faults)
       : model_(model),
         options_(options),
         run_{Simulator({DeviceSpec{"gpu0", profile}}, {}, options.sim),
@@ -134,7 +135,8 @@ class Trainer {
              {}},
         compute_(run_.sim.add_stream(DeviceId(0), "compute")),
         device_(run_.sim, DeviceId(0), compute_),
-        offloader_(device_, options.offload) {
+        offloader_(device_, options.offload, faults.offload),
+        faults_(faults) {
     const std::size_t n = model.tensors.size();
     // An activation's forward reference ends after its last forward use (at once if unused);
     // the loss lives until the graph is freed.
@@ -390,12 +392,12 @@ class Trainer {
       // The replay fills the frame's holders; the checkpointer keeps a reference.
       saved.kind = Saved::Kind::Holder;
       const FrameInfo& info = frames_.at(top->frame.value());
-      if (options_.checkpoint.drop_recomputed == static_cast<std::int32_t>(info.region) &&
+      if (faults_.drop_recomputed == static_cast<std::int32_t>(info.region) &&
           ++dropped_in_replay_ == 1) {
         return saved;  // test: one tensor fewer
       }
       SavedMeta meta = meta_of(t, where.value);
-      if (options_.checkpoint.alter_recomputed_meta) meta.bytes += Bytes(1);
+      if (faults_.alter_recomputed_meta) meta.bytes += Bytes(1);
       const Recomputed kept{where.buffer, where.offset, tensor_value(expected_of(t))};
       const RecomputePack done = checkpointer_.recompute_pack(meta, kept);
       if (done != RecomputePack::Ignored) device_.hold(where.buffer);  // the checkpointer's
@@ -627,7 +629,7 @@ class Trainer {
       scopes_.back().owned.push_back(b.buffer);
     }
     const Generators outer = generators_;
-    if (!options_.checkpoint.skip_rng_restore) generators_ = info.generators;
+    if (!faults_.skip_rng_restore) generators_ = info.generators;
     return outer;
   }
 
@@ -1001,6 +1003,7 @@ class Trainer {
   StreamId compute_;
   Device device_;
   Offloader<Device> offloader_;
+  TrainingFaults faults_;
   Checkpointer<Recomputed> checkpointer_;
   std::vector<Scope> scopes_;
   std::map<std::uint32_t, Bound> params_;
@@ -1075,9 +1078,10 @@ void apply_selective_policy(CheckpointPlan& plan, const Model& model) {
 }
 
 Result<TrainingRun> simulate_training(const Model& model, const DeviceProfile& device,
-                                      const TrainingOptions& options) {
+                                      const TrainingOptions& options,
+                                      const TrainingFaults& faults) {
   if (auto valid = validate_model(model); !valid) return valid.error();
-  Trainer trainer(model, device, options);
+  Trainer trainer(model, device, options, faults);
   return trainer.run();
 }
 

@@ -172,10 +172,11 @@ void checkpoint_is_faithful(const std::vector<LayerChoice>& layers,
   TrainingOptions ck = base;
   ck.checkpoint = plan_for(model, regions);
   ck.checkpoint.global_early_stop = early(setup.global_early);
-  ck.checkpoint.skip_rng_restore = skip_rng_restore;
+  TrainingFaults faults;
+  faults.skip_rng_restore = skip_rng_restore;
   RC_TAG(ck.checkpoint.regions.size());
   auto plain = simulate_training(model, device, base);
-  auto run = simulate_training(model, device, ck);
+  auto run = simulate_training(model, device, ck, faults);
   RC_ASSERT(plain.ok() && run.ok());
   const TrainingRun& r = run.value();
   if (r.failure) RC_FAIL("run failed: " + *r.failure);

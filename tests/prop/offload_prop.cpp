@@ -75,7 +75,7 @@ rc::Gen<Knobs> gen_knobs(Policy policy) {
       rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>());
 }
 
-TrainingOptions training(const Knobs& k, const OffloadFaults& faults) {
+TrainingOptions training(const Knobs& k) {
   TrainingOptions o;
   o.offload.policy = k.policy;
   o.offload.window_bytes = Bytes(k.window);
@@ -83,7 +83,6 @@ TrainingOptions training(const Knobs& k, const OffloadFaults& faults) {
   o.offload.host_cap = Bytes(k.host_cap);
   o.offload.trl_stash_count = k.stash;
   o.offload.dedup = k.dedup;
-  o.offload.faults = faults;
   o.steps = 2;
   o.order_seed = k.order_seed;
   o.escape_period = k.escape_period;
@@ -131,7 +130,7 @@ void offload_is_safe(const std::vector<LayerChoice>& choices, const Knobs& knobs
   const Model model = build_random_model(choices, model_options);
   std::mt19937_64 rng(knobs.device_seed);
   const DeviceProfile device = testing::random_profile(rng);
-  auto run = simulate_training(model, device, training(knobs, faults));
+  auto run = simulate_training(model, device, training(knobs), TrainingFaults{.offload = faults});
   RC_ASSERT(run.ok());
   const TrainingRun& r = run.value();
   RC_LOG() << describe(model);
@@ -156,7 +155,7 @@ void offload_is_safe(const std::vector<LayerChoice>& choices, const Knobs& knobs
   if (knobs.escape_period > 0) return;
   Knobs none = knobs;
   none.policy = Policy::None;
-  auto base = simulate_training(model, device, training(none, {}));
+  auto base = simulate_training(model, device, training(none));
   RC_ASSERT(base.ok() && !base.value().failure);
   const Bytes peak = r.sim.device_allocator(DeviceId(0)).stats().requested_peak;
   const Bytes base_peak = base.value().sim.device_allocator(DeviceId(0)).stats().requested_peak;

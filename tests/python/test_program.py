@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ferry
+import ferry.testing
 from models import MLP, loss_of
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -29,15 +30,17 @@ def cli():
     return DEFAULT_CLI
 
 
-def record_step(tmp_path, policy, steps=1, **faults):
+def record_step(tmp_path, policy, steps=1, faults=()):
     torch.manual_seed(9)
     model = MLP(16, 32)
     # A one-byte window and a one-tensor stash: originals leave the device during forward, so
     # backward reloads them and the reload synchronization matters.
-    ctx = ferry.offload(
+    options = dict(
         policy=policy, loopback=True, record=True, min_bytes=0, window_bytes=1,
-        max_fwd_stash_size=1, **faults,
+        max_fwd_stash_size=1,
     )
+    ctx = (ferry.testing.planted_offload(faults=faults, **options) if faults
+           else ferry.offload(**options))
     ctx.update_model_params(model)
     for _ in range(steps):
         with ctx:
@@ -62,7 +65,7 @@ def test_recorded_program_is_safe(tmp_path, policy):
 
 @pytest.mark.parametrize("policy", ["ferry", "trl"])
 def test_planted_reload_fault_is_caught(tmp_path, policy):
-    result = check(record_step(tmp_path, policy, skip_reload_wait=True))
+    result = check(record_step(tmp_path, policy, faults=["skip_reload_wait"]))
     assert result.returncode == 1, result.stdout + result.stderr
 
 
@@ -80,7 +83,7 @@ PLANTED = [("ferry", f) for f in ("skip_offload_wait", "skip_reload_wait", "skip
 @pytest.mark.parametrize("policy,fault", PLANTED)
 def test_planted_faults_are_caught(tmp_path, policy, fault):
     assert check(record_step(tmp_path, policy, steps=2)).returncode == 0
-    result = check(record_step(tmp_path, policy, steps=2, **{fault: True}))
+    result = check(record_step(tmp_path, policy, steps=2, faults=[fault]))
     assert result.returncode == 1, result.stdout + result.stderr
     assert "hazards found" in result.stdout
 
@@ -88,3 +91,10 @@ def test_planted_faults_are_caught(tmp_path, policy, fault):
 def test_program_empty_without_record():
     ctx = ferry.offload(loopback=True)
     assert ctx.program_json() == ""
+
+
+def test_offload_takes_no_fault_switches():
+    with pytest.raises(TypeError):
+        ferry.offload(loopback=True, skip_reload_wait=True)
+    with pytest.raises(ValueError, match="unknown fault"):
+        ferry.testing.planted_offload(faults=["skip_everything"], loopback=True)

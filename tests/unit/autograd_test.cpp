@@ -90,8 +90,9 @@ TEST(Autograd, EscapedViewsAreProtectedByRecordStream) {
 TEST(Autograd, PlantedFaultSkippingTheReloadWaitIsCaught) {
   const Model m = testing::chain_model(6, 1 << 20);
   TrainingOptions o = with(Policy::Ferry);
-  o.offload.faults.skip_reload_wait = true;
-  auto run = simulate_training(m, testing::simple_profile(), o);
+  TrainingFaults faults;
+  faults.offload.skip_reload_wait = true;
+  auto run = simulate_training(m, testing::simple_profile(), o, faults);
   ASSERT_TRUE(run.ok());
   EXPECT_FALSE(run.value().sim.hazards().empty());
 }

@@ -16,8 +16,8 @@ Model tiny() {
   return m;
 }
 
-TrainingRun train(const Model& m, TrainingOptions o) {
-  auto run = simulate_training(m, testing::simple_profile(), o);
+TrainingRun train(const Model& m, TrainingOptions o, const TrainingFaults& faults = {}) {
+  auto run = simulate_training(m, testing::simple_profile(), o, faults);
   EXPECT_TRUE(run.ok()) << (run.ok() ? "" : run.error().message);
   return std::move(run).value();
 }
@@ -111,8 +111,9 @@ TEST(Checkpoint, PlantedFaultSkippingTheRngRestoreChangesWhatBackwardReads) {
   const Model m = tiny();
   TrainingOptions o = plain();
   o.checkpoint = checkpoint_every(m, 1);
-  o.checkpoint.skip_rng_restore = true;
-  const TrainingRun bad = train(m, o);
+  TrainingFaults faults;
+  faults.skip_rng_restore = true;
+  const TrainingRun bad = train(m, o, faults);
   EXPECT_FALSE(bad.sim.content_mismatches().empty());
   EXPECT_NE(bad.gradient_values, train(m, plain()).gradient_values);
 }
@@ -127,8 +128,9 @@ TEST(Checkpoint, CpuGeneratorStateIsRestoredForRecomputeToo) {
   const TrainingRun good = train(m, o);
   expect_clean(good);
   EXPECT_EQ(good.gradient_values, base.gradient_values);
-  o.checkpoint.skip_rng_restore = true;
-  const TrainingRun bad = train(m, o);
+  TrainingFaults faults;
+  faults.skip_rng_restore = true;
+  const TrainingRun bad = train(m, o, faults);
   EXPECT_FALSE(bad.sim.content_mismatches().empty());
 }
 
@@ -146,9 +148,10 @@ TEST(Checkpoint, ADifferentNumberOfSavedTensorsOnRecomputeIsAnError) {
   const Model m = tiny();
   TrainingOptions o = plain();
   o.checkpoint = checkpoint_every(m, 1);
-  o.checkpoint.drop_recomputed = 0;
   o.checkpoint.global_early_stop = false;
-  const TrainingRun r = train(m, o);
+  TrainingFaults faults;
+  faults.drop_recomputed = 0;
+  const TrainingRun r = train(m, o, faults);
   ASSERT_TRUE(r.failure);
   EXPECT_NE(r.failure->find("A different number of tensors"), std::string::npos) << *r.failure;
 }
@@ -157,8 +160,9 @@ TEST(Checkpoint, MetadataMismatchOnRecomputeIsAnError) {
   const Model m = tiny();
   TrainingOptions o = plain();
   o.checkpoint = checkpoint_every(m, 1);
-  o.checkpoint.alter_recomputed_meta = true;
-  const TrainingRun r = train(m, o);
+  TrainingFaults faults;
+  faults.alter_recomputed_meta = true;
+  const TrainingRun r = train(m, o, faults);
   ASSERT_TRUE(r.failure);
   EXPECT_NE(r.failure->find("different metadata"), std::string::npos) << *r.failure;
 }

@@ -1,6 +1,6 @@
 // The scheduler core on its own, against a backend that writes down each command.
 
-#include "ferry/offloader.hpp"
+#include "ferry/offload/offloader.hpp"
 
 #include <gtest/gtest.h>
 
@@ -380,6 +380,35 @@ TEST(FerryPolicy, ReusesAPooledHostBufferOnlyAfterItsReloadFinished) {
   ASSERT_GE(wait, 0) << b.dump();
   EXPECT_LT(wait, copy);
   EXPECT_EQ(off.telemetry().pinned_peak, Bytes(8192));
+}
+
+// --- the record lifecycle -------------------------------------------------------------------
+
+TEST(RecordLifecycle, FollowsTheNoteAndRefusesAnyOtherTransition) {
+  Record<int, int> rec;
+  for (const RecordState next :
+       {RecordState::Offloading, RecordState::OnHost, RecordState::Reloading, RecordState::Reloaded,
+        RecordState::OnHost, RecordState::Dropped, RecordState::Free}) {
+    rec.move_to(next);
+  }
+  EXPECT_THROW(rec.move_to(RecordState::Reloaded), InvariantError);
+  rec.move_to(RecordState::Kept);
+  EXPECT_THROW(rec.move_to(RecordState::OnHost), InvariantError);
+  EXPECT_FALSE(record_transition_allowed(RecordState::Offloading, RecordState::Reloading));
+  EXPECT_FALSE(record_transition_allowed(RecordState::Returned, RecordState::OnHost));
+}
+
+TEST(RecordTable, ReusesASlotOnlyOnceNoQueueNamesIt) {
+  RecordTable<int, int> table;
+  Record<int, int> rec;
+  rec.state = RecordState::Kept;
+  const RecordId a = table.add(rec);
+  table[a].move_to(RecordState::Dropped);
+  table.retire(a);
+  table.reclaim([&](RecordId r) { return r == a; });  // still in a queue
+  EXPECT_NE(table.add(rec), a);
+  table.reclaim([](RecordId) { return false; });
+  EXPECT_EQ(table.add(rec), a);
 }
 
 }  // namespace

@@ -79,7 +79,6 @@ class offload(_Region):
     The reference offloader's names are accepted too: ``min_offload_size`` (``min_bytes``),
     ``use_streams`` (False: copies on the compute stream, in order with the kernels) and
     ``use_pin_memory`` (host copies are always pinned: False is refused).
-    Keyword arguments ``skip_*`` plant synchronization faults, for tests of the checker only.
     """
 
     _kind = "offload"
@@ -101,7 +100,6 @@ class offload(_Region):
         loopback=False,
         record=False,
         profile=None,
-        **faults,
     ):
         if min_bytes is not None and min_offload_size is not None and min_bytes != min_offload_size:
             raise TypeError(
@@ -132,11 +130,12 @@ class offload(_Region):
         ):
             if value is not None:
                 options[name] = value
-        for name in faults:
-            if not name.startswith("skip_"):
-                raise TypeError(f"offload() got an unexpected keyword argument '{name}'")
-        self._session = _C.Session(**options, **faults)
+        self._session = self._make_session(options)
         super().__init__(_C._pack, _C._unpack)
+
+    @staticmethod
+    def _make_session(options):
+        return _C.Session(**options)
 
     def _push(self):
         _C._push_offload(self._session)

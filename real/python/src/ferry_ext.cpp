@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "ferry/checkpoint.hpp"
-#include "ferry/offload_options.hpp"
+#include "ferry/offload/options.hpp"
 #include "ferry/real/runtime.hpp"
 
 namespace py = pybind11;
@@ -86,9 +86,7 @@ std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t mi
                                       std::int64_t prefetch_bytes, std::int64_t host_cap,
                                       bool dedup, bool prefetch, bool use_streams, bool loopback,
                                       bool record, const std::string& profile,
-                                      bool skip_reload_wait, bool skip_offload_wait,
-                                      bool skip_forward_guard, bool skip_backward_guard,
-                                      bool skip_record_stream, bool skip_host_guard) {
+                                      const ferry::OffloadFaults& faults) {
   ferry::RealOptions options;
   options.offload.policy = parse_policy(policy);
   options.offload.min_bytes = ferry::Bytes(min_bytes);
@@ -99,16 +97,10 @@ std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t mi
   options.offload.dedup = dedup;
   options.offload.prefetch = prefetch;
   options.offload.use_streams = use_streams;
-  options.offload.faults.skip_reload_wait = skip_reload_wait;
-  options.offload.faults.skip_offload_wait = skip_offload_wait;
-  options.offload.faults.skip_forward_guard = skip_forward_guard;
-  options.offload.faults.skip_backward_guard = skip_backward_guard;
-  options.offload.faults.skip_record_stream = skip_record_stream;
-  options.offload.faults.skip_host_guard = skip_host_guard;
   options.loopback = loopback;
   options.record = record;
   options.profile = profile;
-  return Session::create(options);
+  return Session::create(options, faults);
 }
 
 }  // namespace
@@ -156,6 +148,19 @@ PYBIND11_MODULE(_C, m) {
       "_unpack", [](const std::shared_ptr<Packed>& p) { return p->unpack(); }, py::arg("packed"),
       "The unpack hook: the saved tensor back.");
 
+  // Planted faults, for tests of the checker only (ferry.testing); not an option of
+  // ferry.offload.
+  py::class_<ferry::OffloadFaults>(m, "_Faults", "Synchronizations dropped on purpose (tests).")
+      .def(py::init([](bool skip_offload_wait, bool skip_reload_wait, bool skip_forward_guard,
+                       bool skip_backward_guard, bool skip_record_stream, bool skip_host_guard) {
+             return ferry::OffloadFaults{skip_offload_wait,  skip_reload_wait,
+                                         skip_forward_guard, skip_backward_guard,
+                                         skip_record_stream, skip_host_guard};
+           }),
+           py::kw_only(), py::arg("skip_offload_wait") = false, py::arg("skip_reload_wait") = false,
+           py::arg("skip_forward_guard") = false, py::arg("skip_backward_guard") = false,
+           py::arg("skip_record_stream") = false, py::arg("skip_host_guard") = false);
+
   const ferry::RealOptions defaults;
   const ferry::OffloadOptions& d = defaults.offload;
   py::class_<Session, std::shared_ptr<Session>>(m, "Session", "One offload session.")
@@ -167,10 +172,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("host_cap") = d.host_cap.count(), py::arg("dedup") = d.dedup,
            py::arg("prefetch") = d.prefetch, py::arg("use_streams") = d.use_streams,
            py::arg("loopback") = defaults.loopback, py::arg("record") = defaults.record,
-           py::arg("profile") = defaults.profile, py::arg("skip_reload_wait") = false,
-           py::arg("skip_offload_wait") = false, py::arg("skip_forward_guard") = false,
-           py::arg("skip_backward_guard") = false, py::arg("skip_record_stream") = false,
-           py::arg("skip_host_guard") = false)
+           py::arg("profile") = defaults.profile, py::arg("faults") = ferry::OffloadFaults{})
       .def("exclude", &Session::exclude, py::arg("tensor"),
            "Never offload this tensor's storage (parameters, module buffers).")
       .def(

@@ -32,6 +32,8 @@ bool installed();
 class Offload {
  public:
   explicit Offload(RealOptions options = {});
+  /// As above, with synchronization faults planted: tests and demonstrations of the checker.
+  Offload(RealOptions options, const OffloadFaults& faults);
 
   /// Never offload these (parameters, module buffers): their storages are remembered.
   void exclude(const std::vector<at::Tensor>& tensors);

@@ -14,7 +14,8 @@
 
 #include "ferry/checkpoint.hpp"
 #include "ferry/ids.hpp"
-#include "ferry/offload_options.hpp"
+#include "ferry/offload/faults.hpp"
+#include "ferry/offload/options.hpp"
 
 namespace ferry {
 
@@ -70,7 +71,9 @@ class Session {
  public:
   virtual ~Session() = default;
   /// A loopback session, or a CUDA one on the current device (throws when there is none).
-  static std::shared_ptr<Session> create(const RealOptions& options);
+  /// `faults` plants synchronization faults: tests only.
+  static std::shared_ptr<Session> create(const RealOptions& options,
+                                         const OffloadFaults& faults = {});
 
   virtual PackedPtr pack(const at::Tensor& tensor, TensorKind kind = TensorKind::Unknown) = 0;
   /// Parameters and module buffers: storages never offloaded.

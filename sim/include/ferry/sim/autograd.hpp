@@ -9,7 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "ferry/offload_options.hpp"
+#include "ferry/offload/faults.hpp"
+#include "ferry/offload/options.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/model.hpp"
 #include "ferry/sim/simulator.hpp"
@@ -31,18 +32,15 @@ struct CheckpointRegion {
   std::optional<bool> early_stop;  ///< per call; unset: true
 };
 
-/// Where and how to checkpoint, with test-only switches that break it on purpose.
+/// Where and how to checkpoint.
 struct CheckpointPlan {
   std::vector<CheckpointRegion> regions;  ///< non-reentrant regions may nest; no overlaps
   std::optional<bool> global_early_stop;  ///< set_checkpoint_early_stop: overrides per call
   bool preserve_rng = true;
   bool determinism_check = true;
-  bool content_check = false;          ///< also compare content hashes on recompute
-  std::vector<OpPolicy> op_policy;     ///< by op index; missing: PreferRecompute
-  bool skip_rng_restore = false;       ///< planted fault: recompute draws fresh randomness
-  std::int32_t drop_recomputed = -1;   ///< test: this region's replay saves one tensor fewer
-  bool alter_recomputed_meta = false;  ///< test: replays report another size
-  bool lazy_device_rng = false;        ///< the device generator starts at its first draw
+  bool content_check = false;       ///< also compare content hashes on recompute
+  std::vector<OpPolicy> op_policy;  ///< by op index; missing: PreferRecompute
+  bool lazy_device_rng = false;     ///< the device generator starts at its first draw
 };
 
 /// One region per `k` transformer layers (ops with layer >= 0), non-reentrant.
@@ -104,9 +102,20 @@ struct TrainingRun {
   std::vector<std::uint64_t> gradient_values;
 };
 
-/// Runs `options.steps` training steps of `model` (durations must be assigned) on one device.
+/// Test-only switches that break a training run on purpose (planted faults), kept out of the
+/// options that production code builds.
+struct TrainingFaults {
+  OffloadFaults offload;
+  bool skip_rng_restore = false;       ///< recompute draws fresh randomness
+  std::int32_t drop_recomputed = -1;   ///< this region's replay saves one tensor fewer
+  bool alter_recomputed_meta = false;  ///< replays report another size
+};
+
+/// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;
+/// `faults` is for tests only.
 Result<TrainingRun> simulate_training(const Model& model, const DeviceProfile& device,
-                                      const TrainingOptions& options);
+                                      const TrainingOptions& options,
+                                      const TrainingFaults& faults = {});
 
 /// Time the compute stream spent blocked in waits between `from` and `to` (stall).
 [[nodiscard]] SimTime compute_stall(const Simulator& sim, StreamId compute, SimTime from,

@@ -19,16 +19,6 @@ enum class Policy : std::uint8_t {
 /// "none", "trl", "ferry".
 [[nodiscard]] const char* policy_name(Policy policy);
 
-/// Test-only switches that drop one synchronization each (planted faults).
-struct OffloadFaults {
-  bool skip_offload_wait = false;    ///< the copy stream does not wait for the producer
-  bool skip_reload_wait = false;     ///< compute does not wait for the reload copy
-  bool skip_forward_guard = false;   ///< the device original is freed without waiting for D2H
-  bool skip_backward_guard = false;  ///< a reloaded buffer is freed without waiting for compute
-  bool skip_record_stream = false;   ///< an escaped view's storage is freed with no record_stream
-  bool skip_host_guard = false;      ///< host memory reused/reloaded before its copy finished
-};
-
 struct OffloadOptions {
   Policy policy = Policy::Ferry;
   Bytes min_bytes{1024};              ///< smaller tensors stay on the device
@@ -41,7 +31,6 @@ struct OffloadOptions {
   /// Copies on their own streams (overlapping compute); false: on the compute stream, in order
   /// with the kernels (the reference's `use_streams=False`).
   bool use_streams = true;
-  OffloadFaults faults;
 };
 
 /// What the autograd knows about a saved tensor when it packs it.

@@ -1,4 +1,4 @@
-#include "ferry/offload_options.hpp"
+#include "ferry/offload/options.hpp"
 
 namespace ferry {
 

@@ -1,0 +1,32 @@
+"""Test-only helpers: offload regions with synchronization faults planted on purpose, so that a
+test can show `ferry check` catches each one. Not for training."""
+
+from . import _C, offload
+
+__all__ = ["FAULTS", "planted_offload"]
+
+#: The synchronizations a fault can drop (see ferry/offload/faults.hpp).
+FAULTS = (
+    "skip_offload_wait",
+    "skip_reload_wait",
+    "skip_forward_guard",
+    "skip_backward_guard",
+    "skip_record_stream",
+    "skip_host_guard",
+)
+
+
+class planted_offload(offload):
+    """``ferry.offload(**options)`` whose scheduler drops the synchronizations named in
+    ``faults`` (an iterable of names from ``FAULTS``)."""
+
+    def __init__(self, *, faults, **options):
+        faults = tuple(faults)
+        unknown = [f for f in faults if f not in FAULTS]
+        if unknown:
+            raise ValueError(f"ferry.testing: unknown fault {unknown[0]!r}; known: {FAULTS}")
+        self._faults = _C._Faults(**{f: True for f in faults})
+        super().__init__(**options)
+
+    def _make_session(self, options):
+        return _C.Session(**options, faults=self._faults)

@@ -1,0 +1,17 @@
+#pragma once
+/// Planted faults of the offload scheduler: test-only switches, each dropping one
+/// synchronization, so that tests can show the checker catches its absence. Production code
+/// never constructs one; the scheduler takes it as a separate constructor argument.
+
+namespace ferry {
+
+struct OffloadFaults {
+  bool skip_offload_wait = false;    ///< the copy stream does not wait for the producer
+  bool skip_reload_wait = false;     ///< compute does not wait for the reload copy
+  bool skip_forward_guard = false;   ///< the device original is freed without waiting for D2H
+  bool skip_backward_guard = false;  ///< a reloaded buffer is freed without waiting for compute
+  bool skip_record_stream = false;   ///< an escaped view's storage is freed with no record_stream
+  bool skip_host_guard = false;      ///< host memory reused/reloaded before its copy finished
+};
+
+}  // namespace ferry

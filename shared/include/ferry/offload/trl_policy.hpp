@@ -1,0 +1,250 @@
+#pragma once
+/// The `trl` policy: a faithful model of the reference hook-based offloader (seed files 000 and
+/// 001): one side stream for both directions, a forward stash of the last N offloaded tensors,
+/// reload on demand at unpack, the previous node's reloads freed after an event, record_stream
+/// when a view escaped, and a drain at the end of backward.
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "ferry/offload/tracker.hpp"
+
+namespace ferry {
+
+template <Backend B>
+class TrlPolicy {
+ public:
+  using Event = typename B::Event;
+  using Buffer = typename B::Buffer;
+
+  /// One side stream carries both directions; with `use_streams` false, the compute stream.
+  TrlPolicy(B& backend, const OffloadOptions& options, const OffloadFaults& faults)
+      : t_(backend, options, faults, streams(backend, options)) {}
+  TrlPolicy(const TrlPolicy&) = delete;
+  TrlPolicy& operator=(const TrlPolicy&) = delete;
+
+  TensorId pack(const TensorFacts& facts, const Buffer& storage, bool in_region) {
+    begin_forward_if_first();
+    ++t_.telemetry.packed;
+    // The reference knows no per-tensor opt-out.
+    const RecordId r = t_.stays(facts, in_region, /*opt_out=*/false)
+                           ? t_.keep(facts, storage)
+                           : offload(facts, storage, t_.ids.next());
+    return t_.ids.add(r, facts.view_offset);
+  }
+
+  Unpacked<Buffer> unpack(TensorId id, NodeId node) {
+    if (first_backward_call_) {
+      first_backward_call_ = false;
+      first_forward_call_ = true;
+      node_ = NodeId();
+    }
+    const RecordId r = t_.find(id);
+    auto& rec = t_.records[r];
+    Unpacked<Buffer> out{rec.device, t_.ids.offset(id)};
+    if (rec.state == RecordState::Kept) {
+      forget(id, r);  // the tracker's reference moves to the caller
+      rec.move_to(RecordState::Dropped);
+      t_.records.retire(r);
+      return out;
+    }
+    std::vector<TensorId> previous;
+    if (node != node_) {
+      node_ = node;
+      for (const auto& [prev, unused] : bwd_stash_) previous.push_back(prev);
+    }
+    const bool stashed = std::any_of(fwd_stash_.begin(), fwd_stash_.end(),
+                                     [&](const auto& e) { return e.first == id; });
+    long snapshot = 0;
+    if (stashed) {
+      ++t_.telemetry.stash_hits;
+      t_.backend.hold(rec.device);
+    } else {
+      out = Unpacked<Buffer>{reload(id, r), Bytes(0)};
+      snapshot = t_.backend.use_count(rec.device);
+      t_.backend.hold(rec.device);
+    }
+    hooks_[node].push_back(Hook{id, !stashed, snapshot, std::move(previous)});
+    // The tracker entry goes; its host copy is freed once the copy stream is done with it.
+    if (!t_.faults.skip_host_guard) t_.backend.record_stream(rec.host, t_.offload_stream);
+    t_.backend.drop(rec.host);
+    forget(id, r);
+    if (stashed) {
+      rec.move_to(RecordState::Original);
+      t_.records.retire(r);  // the original stays in the stash until it retires
+    } else {
+      rec.move_to(RecordState::Returned);  // the reload stays until its drain
+    }
+    return out;
+  }
+
+  /// The reference never hears of a release: an entry never unpacked stays tracked (hence its
+  /// "tracker not empty" error at the next forward).
+  void release(TensorId /*id*/) {}
+
+  void node_done(NodeId node) {
+    auto it = hooks_.find(node);
+    if (it == hooks_.end()) return;
+    for (const Hook& hook : it->second) {
+      if (hook.brought_back) after_reloaded_use(hook);
+      for (const auto& entry : fwd_stash_) retire_stashed(entry.second);
+      fwd_stash_.clear();
+      for (const TensorId prev : hook.previous) {
+        auto stash = bwd_stash_.find(prev);
+        if (stash == bwd_stash_.end()) continue;
+        auto event = bwd_events_.find(prev);
+        FERRY_CHECK(event != bwd_events_.end(),
+                    "trl: node {} unpacked before the post-hook of the node that used tensor {}",
+                    node.value(), prev.value());
+        if (!t_.faults.skip_backward_guard) t_.backend.wait(t_.reload_stream, event->second);
+        drop_returned(stash->second);
+        bwd_stash_.erase(stash);
+        bwd_events_.erase(event);
+      }
+    }
+    hooks_.erase(it);
+  }
+
+  void backward_begin(std::span<const NodeId> /*order*/) {}
+
+  /// The end-of-backward callback: every reload still held is let go.
+  void backward_end() {
+    for (const auto& [id, r] : bwd_stash_) {
+      auto ev = bwd_events_.find(id);
+      if (ev != bwd_events_.end()) t_.backend.wait(t_.reload_stream, ev->second);
+      drop_returned(r);
+    }
+    bwd_stash_.clear();
+    bwd_events_.clear();
+    t_.records.reclaim([&](RecordId r) {
+      const auto named = [r](const auto& queue) {
+        return std::any_of(queue.begin(), queue.end(),
+                           [&](const auto& e) { return e.second == r; });
+      };
+      return named(fwd_stash_) || named(bwd_stash_);
+    });
+  }
+
+  [[nodiscard]] const Tracker<B>& tracker() const { return t_; }
+
+ private:
+  // What the reference's per-node post-hook remembers of one unpack.
+  struct Hook {
+    TensorId id;
+    bool brought_back;
+    long snapshot;
+    std::vector<TensorId> previous;
+  };
+
+  static std::pair<typename B::Stream, typename B::Stream> streams(B& backend,
+                                                                   const OffloadOptions& options) {
+    const auto side =
+        options.use_streams ? backend.make_stream("offload") : backend.compute_stream();
+    return {side, side};
+  }
+
+  // The first pack after a backward: the tracker must be empty.
+  void begin_forward_if_first() {
+    if (!first_forward_call_) return;
+    if (t_.ids.tracked() != 0) {
+      throw OffloadError("Backward pass should have cleared tracker of all tensors");
+    }
+    first_forward_call_ = false;
+    first_backward_call_ = true;
+  }
+
+  RecordId offload(const TensorFacts& facts, const Buffer& storage, TensorId id) {
+    // Retire stash entries that are max_fwd_stash_size ids old.
+    while (!fwd_stash_.empty() && fwd_stash_.front().first.value() +
+                                          static_cast<std::uint32_t>(t_.options.trl_stash_count) <=
+                                      id.value()) {
+      retire_stashed(fwd_stash_.front().second);
+      fwd_stash_.pop_front();
+    }
+    if (!t_.faults.skip_offload_wait) t_.wait_for_compute(t_.offload_stream);
+    auto host = t_.backend.allocate(Place::PinnedHostCaching, facts.bytes, t_.offload_stream,
+                                    "offloaded activation");
+    if (!host) throw OffloadError("out of pinned host memory");
+    const RecordId r =
+        t_.start_offload(storage, facts.view_offset, *host, facts.bytes, facts.storage);
+    fwd_stash_.emplace_back(id, r);
+    return r;
+  }
+
+  // The stash lets an original go once its copy is done.
+  void retire_stashed(RecordId r) {
+    auto& rec = t_.records[r];
+    if (!t_.faults.skip_forward_guard) t_.backend.wait(t_.compute, rec.d2h_done);
+    t_.backend.drop(rec.device);
+    rec.move_to(rec.state == RecordState::Offloading ? RecordState::OnHost : RecordState::Dropped);
+  }
+
+  // Copies the host copy back into a new buffer on the side stream; compute waits for it.
+  Buffer reload(TensorId id, RecordId r) {
+    auto& rec = t_.records[r];
+    auto buf =
+        t_.backend.allocate(Place::Device, rec.bytes, t_.reload_stream, "reloaded activation");
+    if (!buf) {
+      throw OffloadError(fmt::format("out of device memory reloading tensor {}", id.value()));
+    }
+    t_.backend.copy(t_.reload_stream, rec.host, Bytes(0), *buf, Bytes(0), rec.bytes, "reload");
+    if (!t_.faults.skip_reload_wait) {
+      Event e = t_.backend.make_event();
+      t_.backend.record(e, t_.reload_stream);
+      t_.backend.wait(t_.compute, e);
+    }
+    rec.device = *buf;
+    bwd_stash_.emplace(id, r);
+    ++t_.telemetry.on_demand;
+    t_.telemetry.bytes_h2d += rec.bytes;
+    return *buf;
+  }
+
+  // The node that used a reload ran: if a view of it escaped, free it with record_stream now;
+  // else record when compute is done with it, for the next node's hook.
+  void after_reloaded_use(const Hook& hook) {
+    auto stash = bwd_stash_.find(hook.id);
+    if (stash == bwd_stash_.end()) return;  // the end-of-backward drain let it go already
+    const RecordId r = stash->second;
+    if (t_.backend.use_count(t_.records[r].device) > hook.snapshot) {
+      ++t_.telemetry.record_stream_fallbacks;
+      if (!t_.faults.skip_record_stream) {
+        t_.backend.record_stream(t_.records[r].device, t_.compute);
+      }
+      drop_returned(r);
+      bwd_stash_.erase(stash);
+    } else {
+      Event e = t_.backend.make_event();
+      t_.backend.record(e, t_.compute);
+      bwd_events_[hook.id] = e;
+    }
+  }
+
+  void drop_returned(RecordId r) {
+    t_.backend.drop(t_.records[r].device);
+    t_.records[r].move_to(RecordState::Dropped);
+    t_.records.retire(r);
+  }
+
+  void forget(TensorId id, RecordId r) {
+    t_.ids.forget(id);
+    --t_.records[r].ids;
+  }
+
+  Tracker<B> t_;
+  bool first_forward_call_ = true;
+  bool first_backward_call_ = false;
+  NodeId node_;
+  std::deque<std::pair<TensorId, RecordId>> fwd_stash_;
+  std::map<TensorId, RecordId> bwd_stash_;
+  std::map<TensorId, Event> bwd_events_;
+  std::map<NodeId, std::vector<Hook>> hooks_;
+};
+
+}  // namespace ferry
