@@ -9,10 +9,10 @@
 #include <cstring>
 #include <random>
 
-#include "ferry/sim/autograd.hpp"
-#include "ferry/sim/model.hpp"
-#include "ferry/sim/program_json.hpp"
-#include "ferry/sim/run_program.hpp"
+#include "ferry/sim/analysis/run_program.hpp"
+#include "ferry/sim/autograd/autograd.hpp"
+#include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/workload/model.hpp"
 #include "prop/random_program.hpp"
 
 namespace {

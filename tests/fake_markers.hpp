@@ -4,7 +4,7 @@
 #include <ostream>
 #include <vector>
 
-#include "ferry/sim/stream_markers.hpp"
+#include "ferry/sim/memory/stream_markers.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry {

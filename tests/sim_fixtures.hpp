@@ -3,7 +3,7 @@
 
 #include <vector>
 
-#include "ferry/sim/simulator.hpp"
+#include "ferry/sim/engine/simulator.hpp"
 
 namespace ferry::sim::testing {
 

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "ferry/sim/model.hpp"
+#include "ferry/sim/workload/model.hpp"
 
 namespace ferry::sim::testing {
 

@@ -16,10 +16,11 @@
 #include <sstream>
 #include <string>
 
-#include "ferry/sim/compare.hpp"
-#include "ferry/sim/program_json.hpp"
-#include "ferry/sim/report.hpp"
-#include "ferry/sim/run_program.hpp"
+#include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/analysis/report.hpp"
+#include "ferry/sim/analysis/run_program.hpp"
+#include "ferry/sim/io/model_json.hpp"
+#include "ferry/sim/io/program_json.hpp"
 
 namespace {
 

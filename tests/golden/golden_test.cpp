@@ -11,10 +11,10 @@
 #include <fstream>
 #include <sstream>
 
-#include "ferry/sim/compare.hpp"
-#include "ferry/sim/program_json.hpp"
-#include "ferry/sim/report.hpp"
-#include "ferry/sim/run_program.hpp"
+#include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/analysis/report.hpp"
+#include "ferry/sim/analysis/run_program.hpp"
+#include "ferry/sim/io/program_json.hpp"
 
 namespace ferry::sim {
 namespace {

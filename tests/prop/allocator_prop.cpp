@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "ferry/sim/caching_allocator.hpp"
-#include "ferry/sim/host_allocator.hpp"
+#include "ferry/sim/memory/caching_allocator.hpp"
+#include "ferry/sim/memory/host_allocator.hpp"
 
 namespace ferry::sim {
 namespace {

@@ -13,7 +13,7 @@
 #include <random>
 #include <sstream>
 
-#include "ferry/sim/run_program.hpp"
+#include "ferry/sim/analysis/run_program.hpp"
 #include "prop/planted.hpp"
 #include "prop/rc_gens.hpp"
 

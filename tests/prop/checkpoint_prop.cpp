@@ -16,7 +16,7 @@
 #include <iostream>
 #include <random>
 
-#include "ferry/sim/autograd.hpp"
+#include "ferry/sim/autograd/autograd.hpp"
 #include "prop/planted.hpp"
 #include "prop/random_program.hpp"
 #include "prop/rc_model_gens.hpp"

@@ -11,7 +11,7 @@
 #include <random>
 #include <sstream>
 
-#include "ferry/sim/autograd.hpp"
+#include "ferry/sim/autograd/autograd.hpp"
 #include "prop/planted.hpp"
 #include "prop/random_program.hpp"
 #include "prop/rc_model_gens.hpp"

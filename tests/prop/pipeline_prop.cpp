@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "ferry/sim/pipeline.hpp"
+#include "ferry/sim/autograd/pipeline.hpp"
 #include "prop/planted.hpp"
 #include "sim_fixtures.hpp"
 

@@ -6,7 +6,7 @@
 #include <ostream>
 #include <vector>
 
-#include "ferry/sim/model.hpp"
+#include "ferry/sim/workload/model.hpp"
 
 namespace ferry::sim::testing {
 

@@ -9,7 +9,7 @@
 #include <span>
 #include <vector>
 
-#include "ferry/sim/program.hpp"
+#include "ferry/sim/engine/program.hpp"
 
 namespace ferry::sim::testing {
 

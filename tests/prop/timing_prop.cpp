@@ -12,8 +12,8 @@
 
 #include <algorithm>
 
-#include "ferry/sim/report.hpp"
-#include "ferry/sim/run_program.hpp"
+#include "ferry/sim/analysis/report.hpp"
+#include "ferry/sim/analysis/run_program.hpp"
 #include "prop/planted.hpp"
 #include "prop/rc_gens.hpp"
 

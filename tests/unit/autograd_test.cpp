@@ -1,4 +1,4 @@
-#include "ferry/sim/autograd.hpp"
+#include "ferry/sim/autograd/autograd.hpp"
 
 #include <gtest/gtest.h>
 

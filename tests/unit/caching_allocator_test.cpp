@@ -1,4 +1,4 @@
-#include "ferry/sim/caching_allocator.hpp"
+#include "ferry/sim/memory/caching_allocator.hpp"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "ferry/sim/autograd.hpp"
+#include "ferry/sim/autograd/autograd.hpp"
 #include "sim_fixtures.hpp"
 
 namespace ferry::sim {

@@ -1,4 +1,4 @@
-#include "ferry/sim/host_allocator.hpp"
+#include "ferry/sim/memory/host_allocator.hpp"
 
 #include <gtest/gtest.h>
 

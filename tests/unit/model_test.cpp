@@ -1,4 +1,5 @@
-#include "ferry/sim/model.hpp"
+#include "ferry/sim/workload/model.hpp"
+#include "ferry/sim/io/model_json.hpp"
 
 #include <gtest/gtest.h>
 
@@ -14,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "ferry/sim/program_json.hpp"
+#include "ferry/sim/io/program_json.hpp"
 
 namespace ferry::sim {
 namespace {

@@ -9,8 +9,8 @@
 #include <set>
 #include <string>
 
-#include "ferry/sim/pipeline.hpp"
-#include "ferry/sim/program_json.hpp"
+#include "ferry/sim/autograd/pipeline.hpp"
+#include "ferry/sim/io/program_json.hpp"
 #include "sim_fixtures.hpp"
 
 namespace ferry::sim {

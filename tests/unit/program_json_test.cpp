@@ -1,4 +1,4 @@
-#include "ferry/sim/program_json.hpp"
+#include "ferry/sim/io/program_json.hpp"
 
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-#include "ferry/sim/json_reader.hpp"
+#include "ferry/sim/json/json_reader.hpp"
 
 namespace ferry::sim {
 namespace {

@@ -1,0 +1,93 @@
+#pragma once
+/// What-if runs of a model under offload policies: `ferry simulate` and `ferry compare`.
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/sim/autograd/autograd.hpp"
+#include "ferry/sim/autograd/pipeline.hpp"
+
+namespace ferry::sim {
+
+/// One configuration to simulate.
+struct PolicyRow {
+  std::string name;
+  TrainingOptions options;
+};
+
+/// What one configuration costs. Times are of the last simulated step (the steady state).
+struct RowResult {
+  std::string name;
+  Policy policy = Policy::None;
+  std::optional<std::string> failure;  ///< out of memory, or an offloader error
+  bool fits = true;                    ///< false: ran out of device memory on this device
+  SimTime step_time;
+  SimTime forward_time;
+  SimTime backward_stall;             ///< compute stream blocked on reloads in backward
+  SimTime forward_stall;              ///< compute stream blocked on offload guards in forward
+  SimTime recompute_time;             ///< kernel time spent recomputing checkpointed regions
+  std::int64_t overlap_permille = 0;  ///< copy time overlapped with compute
+  Bytes peak_allocated;
+  Bytes peak_reserved;
+  Bytes pinned_peak;
+  Bytes d2h;  ///< moved off the device in the last step
+  Bytes h2d;  ///< moved back in the last step
+  std::size_t hazards = 0;
+  OffloadTelemetry telemetry;
+};
+
+/// The rows of `ferry compare`: none, trl, ferry, ferry knob variants, checkpointing every
+/// layer, selective checkpointing, and offload of checkpoint inputs with recompute inside.
+[[nodiscard]] std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model);
+
+/// Parses a checkpoint spec: "none", "every:K" (one region per K layers), "selective" (every
+/// layer, attention core recomputed), "segments:N" or "reentrant-segments:N"
+/// (checkpoint_sequential). The error names the accepted forms.
+Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model& model);
+
+/// Runs one row. A configuration that runs out of device memory is run again on a device
+/// with room to spare, so the table can say how much it would need (fits = false). With
+/// `keep`, the run the figures come from is moved there (for its trace).
+[[nodiscard]] RowResult run_row(const Model& model, const DeviceProfile& device,
+                                const PolicyRow& row, std::optional<TrainingRun>* keep = nullptr);
+
+/// Summary of one run as text / JSON (`ferry simulate`).
+[[nodiscard]] std::string simulate_text(const RowResult& row, const Model& model,
+                                        const DeviceProfile& device);
+[[nodiscard]] std::string simulate_json(const RowResult& row, const Model& model,
+                                        const DeviceProfile& device);
+
+/// The comparison table as text / JSON (`ferry compare`); ratios are to the "none" row.
+[[nodiscard]] std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
+                                       const DeviceProfile& device);
+[[nodiscard]] std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
+                                       const DeviceProfile& device);
+
+/// One pipeline configuration's cost (`ferry simulate --devices N`, `ferry compare --devices N`).
+struct PipelineRow {
+  std::string name;
+  PipelineOptions options;
+  std::optional<std::string> failure;
+  SimTime step_time;      ///< the whole step: every micro-batch
+  Bytes max_device_peak;  ///< the largest per-device allocated peak
+  SimTime recompute_time;
+  std::size_t hazards = 0;
+  std::vector<Bytes> device_peaks;
+};
+
+/// Runs a pipeline configuration.
+[[nodiscard]] PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device,
+                                           std::string name, const PipelineOptions& options);
+/// Parses "always", "except_last" or "never".
+Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
+/// The pipeline rows of `ferry compare --devices N --micro-batches M`: each checkpoint mode.
+[[nodiscard]] std::vector<PipelineRow> pipeline_rows(const Model& model,
+                                                     const DeviceProfile& device,
+                                                     std::int32_t devices,
+                                                     std::int32_t micro_batches);
+/// The pipeline table as text, and the rows as a JSON array (key "pipeline" of compare).
+[[nodiscard]] std::string pipeline_text(const std::vector<PipelineRow>& rows);
+[[nodiscard]] std::string pipeline_json(const std::vector<PipelineRow>& rows);
+
+}  // namespace ferry::sim

@@ -1,0 +1,88 @@
+#pragma once
+/// The simulated autograd: replays a model's training steps on the simulated device, with the
+/// offloader's pack/unpack hooks, post-hooks and end-of-backward callback, as PyTorch's engine
+/// would call them.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ferry/offload/faults.hpp"
+#include "ferry/offload/options.hpp"
+#include "ferry/result.hpp"
+#include "ferry/sim/autograd/checkpoint_plan.hpp"
+#include "ferry/sim/engine/simulator.hpp"
+#include "ferry/sim/workload/model.hpp"
+
+namespace ferry::sim {
+
+struct TrainingOptions {
+  OffloadOptions offload;
+  CheckpointPlan checkpoint;
+  SimOptions sim;
+  std::int32_t steps = 1;
+  /// Keep the graph after backward and run backward on it a second time (retain_graph=True).
+  bool retain_graph = false;
+  /// 0: backward nodes in reverse forward order; otherwise a random valid topological order.
+  std::uint64_t order_seed = 0;
+  /// Tell the offloader the node order at backward start (else it assumes decreasing ids).
+  bool announce_order = true;
+  /// Every n-th backward node keeps a view of its first unpacked tensor for one more node
+  /// (0: never): the case where the reference offloader falls back to record_stream.
+  std::int32_t escape_period = 0;
+  /// Unpack every saved tensor twice (as when hooks read grad_fn._saved_* too).
+  bool unpack_twice = false;
+  /// Synchronize the device at the end of each step (as loss.item() does).
+  bool sync_each_step = true;
+  /// Right after this op's forward, run its backward node in a graph task of its own, as
+  /// torch.autograd.grad inside a checkpointed function would (-1: never).
+  std::int32_t backward_inside_op = -1;
+};
+
+struct StepTimes {
+  SimTime start;
+  SimTime forward_end;
+  SimTime end;
+};
+
+struct TrainingRun {
+  Simulator sim;
+  DeviceId device{};   ///< the device it trained on, in `sim`
+  StreamId compute{};  ///< that device's compute stream
+  OffloadTelemetry telemetry{};
+  /// Set when the run stopped early: out of memory, or an error the offloader raised.
+  std::optional<std::string> failure{};
+  std::vector<StepTimes> steps{};
+  Bytes baseline_allocated{};  ///< device bytes allocated before the first forward
+  /// Device bytes allocated after each step, less frees deferred by record_stream (they
+  /// return at the next allocation).
+  std::vector<Bytes> allocated_after{};
+  std::vector<std::size_t> tracked_after{};     ///< ids the offloader still tracks after each step
+  std::vector<std::uint32_t> backward_order{};  ///< node order of the last backward
+  SimTime recompute_time{};                     ///< kernel time spent recomputing, last step
+  std::int64_t recomputations = 0;              ///< region replays, all steps
+  /// For each replay in the last step: the last op it ran and the last op of its region
+  /// that saves a tensor (equal with early stop).
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> replay_stops{};
+  /// Content value of every parameter's gradient and of the batch's gradient, last step.
+  std::vector<std::uint64_t> gradient_values{};
+};
+
+/// Test-only switches that break a training run on purpose (planted faults), kept out of the
+/// options that production code builds.
+struct TrainingFaults {
+  OffloadFaults offload;
+  bool skip_rng_restore = false;       ///< recompute draws fresh randomness
+  std::int32_t drop_recomputed = -1;   ///< this region's replay saves one tensor fewer
+  bool alter_recomputed_meta = false;  ///< replays report another size
+};
+
+/// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;
+/// `faults` is for tests only.
+Result<TrainingRun> simulate_training(const Model& model, const DeviceProfile& device,
+                                      const TrainingOptions& options,
+                                      const TrainingFaults& faults = {});
+
+}  // namespace ferry::sim

@@ -1,0 +1,122 @@
+#pragma once
+/// GPipe pipeline training on simulated devices: a model split into contiguous partitions, one
+/// per device, micro-batches on the fill-drain clock, copy streams between devices, checkpoint
+/// and recompute, and skip connections through portals. See docs/pipeline.md.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/ids.hpp"
+#include "ferry/portal.hpp"
+#include "ferry/result.hpp"
+#include "ferry/sim/engine/simulator.hpp"
+#include "ferry/sim/workload/model.hpp"
+#include "ferry/units.hpp"
+
+namespace ferry::sim {
+
+/// Which micro-batches run their partitions under checkpoint (torchgpipe's `checkpoint=`).
+enum class CheckpointMode : std::uint8_t {
+  Always,      ///< every micro-batch
+  ExceptLast,  ///< all but the last (its recompute would follow its forward at once)
+  Never,       ///< none: every partition keeps what its ops save
+};
+
+/// "always", "except_last", "never".
+[[nodiscard]] const char* checkpoint_mode_name(CheckpointMode mode);
+
+/// A skip connection: `consumer` reads `tensor` through a portal instead of the partition chain.
+struct SkipConnection {
+  std::uint32_t tensor = 0;    ///< the stashed activation (a model tensor index, not a view)
+  std::uint32_t consumer = 0;  ///< the op that pops it (a model op index); it reads `tensor`
+
+  friend bool operator==(const SkipConnection&, const SkipConnection&) = default;
+};
+
+/// Test-only switches that each drop one safety rule (planted faults).
+struct PipelineFaults {
+  bool skip_rng_restore = false;          ///< recompute draws from the live generator
+  bool skip_portal_copy_wait = false;     ///< PortalCopy does not wait for the stashing compute
+  bool skip_portal_arrival_wait = false;  ///< the popping compute does not wait for PortalCopy
+  PortalFaults portal;                    ///< wrong tensor lives
+};
+
+struct PipelineOptions {
+  std::int32_t devices = 2;        ///< devices, one partition each (at most the op count)
+  std::int32_t micro_batches = 4;  ///< micro-batches; the model describes one
+  CheckpointMode checkpoint = CheckpointMode::ExceptLast;
+  std::vector<SkipConnection> skips;  ///< portal routes; see Note [Portal tensor life]
+  SimOptions sim;
+  PipelineFaults faults;
+};
+
+/// One buffer a portal held: when its last user was issued and when it was freed.
+struct PortalLifetime {
+  PortalKey key;
+  bool gradient = false;  ///< a gradient in the portal rather than the tensor
+  DeviceId device;
+  BufferId buffer;
+  OpId last_use;         ///< the last kernel or copy that touched it
+  OpId freed;            ///< the free call (invalid: never freed)
+  SimTime last_use_end;  ///< when the last use completed on the device
+  /// Host time of the free call. It may precede last_use_end: the allocator hands the block
+  /// out again only in stream order or after record_stream's marker (Note [Receive buffers
+  /// and record_stream] in pipeline.cpp), which the hazard checker verifies.
+  SimTime freed_at;
+  /// The free was requested when the step ended (the portal or a holder leaked it).
+  bool freed_at_step_end = false;
+};
+
+/// A parameter's gradient after the step: its content id (summed over micro-batches and over
+/// the devices that hold a replica). Equal values mean equal gradients (Note [Gradient sums]).
+struct ParamGradient {
+  std::uint32_t tensor = 0;  ///< model tensor index
+  std::uint64_t value = 0;   ///< content id
+
+  friend bool operator==(const ParamGradient&, const ParamGradient&) = default;
+};
+
+struct PipelineRun {
+  Simulator sim;
+  /// Set when the step stopped early: out of memory, or a portal misuse (PortalError).
+  std::optional<std::string> failure;
+  /// Partition j runs ops [partition_starts[j], partition_starts[j + 1]); devices + 1 entries.
+  std::vector<std::uint32_t> partition_starts;
+  SimTime step_time;                    ///< from the first forward call to the end of the step
+  std::vector<Bytes> peak_allocated;    ///< per device: the caching allocator's allocated peak
+  std::vector<Bytes> peak_activations;  ///< per device: most forward-tensor bytes held at once
+  SimTime recompute_time;               ///< summed kernel time of recomputed forward ops
+  PortalStats portal_stats;             ///< the portal table's counters
+  std::int64_t portal_frees = 0;        ///< buffers a portal held that were freed
+  /// Device buffers other than parameters and their gradients still held when the step ended
+  /// (freed then): 0 unless a failure stopped the step or a holder leaked.
+  std::int64_t buffers_left = 0;
+  std::vector<ParamGradient> param_grads;        ///< by tensor index
+  std::vector<PortalLifetime> portal_lifetimes;  ///< in the order the portals took them
+
+  [[nodiscard]] const std::vector<Hazard>& hazards() const { return sim.hazards(); }
+  [[nodiscard]] const std::vector<ContentMismatch>& content_mismatches() const {
+    return sim.content_mismatches();
+  }
+};
+
+/// Splits the ops into `partitions` contiguous non-empty ranges that minimize the largest sum
+/// of forward durations. Returns partitions + 1 start indices (the last is the op count).
+Result<std::vector<std::uint32_t>> balance_by_duration(const Model& model, std::int32_t partitions);
+
+/// Simulates one GPipe training step of `model` (durations assigned) on `options.devices`
+/// devices with the same profile. Bad options or models are errors; a failure during the step
+/// is reported in PipelineRun::failure.
+Result<PipelineRun> simulate_pipeline(const Model& model, const DeviceProfile& device,
+                                      const PipelineOptions& options);
+
+/// The single-device reference: one device, one stream, the micro-batches one after another
+/// (forward, then backward), no checkpoint, copies or portals. Ops draw random numbers from the
+/// generator of the partition they belong to in the `options.devices` layout, so that both runs
+/// draw the same numbers. Faults and the checkpoint mode are ignored.
+Result<PipelineRun> simulate_reference(const Model& model, const DeviceProfile& device,
+                                       const PipelineOptions& options);
+
+}  // namespace ferry::sim

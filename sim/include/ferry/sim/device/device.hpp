@@ -1,0 +1,61 @@
+#pragma once
+/// One simulated GPU as a ferry::Backend: streams, events and reference-counted storages over
+/// a Simulator (see Note [Backend handles]).
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/backend.hpp"
+#include "ferry/sim/engine/simulator.hpp"
+
+namespace ferry::sim {
+
+class Device {
+ public:
+  struct Stream {
+    StreamId id;
+    friend bool operator==(Stream, Stream) = default;
+  };
+  struct Event {
+    EventId id;
+    friend bool operator==(Event, Event) = default;
+  };
+  struct Buffer {
+    BufferId id;
+    friend bool operator==(Buffer, Buffer) = default;
+  };
+
+  /// Drives device `device` of `sim`; `compute` is the stream autograd runs on.
+  Device(Simulator& sim, DeviceId device, StreamId compute);
+
+  Stream compute_stream() const { return Stream{compute_}; }
+  Stream make_stream(std::string_view name);
+  Event make_event();
+  std::optional<Buffer> allocate(Place place, Bytes bytes, Stream stream, std::string_view name);
+  void copy(Stream stream, Buffer src, Bytes src_offset, Buffer dst, Bytes dst_offset, Bytes bytes,
+            std::string_view name);
+  void record(Event event, Stream stream);
+  void wait(Stream stream, Event event);
+  void hold(Buffer buffer);
+  void drop(Buffer buffer);
+  [[nodiscard]] long use_count(Buffer buffer) const;
+  void record_stream(Buffer buffer, Stream stream);
+
+  [[nodiscard]] Simulator& sim() { return sim_; }
+  [[nodiscard]] DeviceId device() const { return device_; }
+  /// The message of the last failed allocate().
+  [[nodiscard]] const std::string& last_error() const { return last_error_; }
+
+ private:
+  Simulator& sim_;
+  DeviceId device_;
+  StreamId compute_;
+  std::vector<long> refs_;  // by BufferId
+  std::string last_error_;
+};
+
+static_assert(Backend<Device>);
+
+}  // namespace ferry::sim

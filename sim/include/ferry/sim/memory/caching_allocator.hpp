@@ -1,0 +1,197 @@
+#pragma once
+/// A model of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp), used to
+/// predict reserved memory, fragmentation and record_stream behaviour.
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "ferry/ids.hpp"
+#include "ferry/result.hpp"
+#include "ferry/sim/memory/stream_markers.hpp"
+#include "ferry/units.hpp"
+
+namespace ferry::sim {
+
+/// Allocator constants, as in PyTorch's caching allocator.
+inline constexpr Bytes kMinBlockSize{512};             ///< all sizes round up to this
+inline constexpr Bytes kSmallSize{1024 * 1024};        ///< largest request served by the small pool
+inline constexpr Bytes kSmallBuffer{2 * 1024 * 1024};  ///< segment size of the small pool
+inline constexpr Bytes kMinLargeAlloc{10 * 1024 * 1024};  ///< below this, large requests get...
+inline constexpr Bytes kLargeBuffer{20 * 1024 * 1024};    ///< ...a 20 MiB segment
+inline constexpr Bytes kRoundLarge{2 * 1024 * 1024};      ///< larger segments round to 2 MiB
+
+/// Identifies one allocated block until it is freed.
+using BlockId = StrongId<struct BlockTag>;
+
+/// The two size classes of the allocator, each with its own segments and free blocks.
+enum class PoolKind : std::uint8_t { Small = 0, Large = 1 };
+
+/// What malloc hands out.
+struct DeviceAllocation {
+  BlockId block;
+  Bytes address;  ///< device address of the block's first byte
+  Bytes size;     ///< rounded size actually reserved for the caller (>= requested)
+};
+
+/// A block as seen from outside, for reports and tests.
+struct BlockInfo {
+  enum class State : std::uint8_t { Allocated, PendingFree, Free };
+  Bytes address;
+  Bytes size;
+  Bytes requested;  ///< size the caller asked for (0 when Free)
+  StreamId stream;  ///< allocation stream
+  State state = State::Free;
+};
+
+/// One cudaMalloc'ed segment and the blocks it is split into, in address order.
+struct SegmentInfo {
+  Bytes address;
+  Bytes size;
+  StreamId stream;
+  PoolKind pool = PoolKind::Small;
+  std::vector<BlockInfo> blocks;
+};
+
+/// Counters in the spirit of torch.cuda.memory_stats. Pending frees count as allocated.
+struct AllocatorStats {
+  Bytes allocated;       ///< bytes in blocks handed out (rounded sizes)
+  Bytes requested;       ///< bytes the callers asked for
+  Bytes reserved;        ///< bytes in segments obtained from the device
+  Bytes requested_peak;  ///< most bytes callers held at once, before rounding
+  Bytes allocated_peak;
+  Bytes reserved_peak;
+  std::array<Bytes, 2> pool_allocated{};  ///< indexed by PoolKind
+  std::array<Bytes, 2> pool_reserved{};
+  std::array<Bytes, 2> pool_reserved_peak{};
+  std::int64_t segment_allocs = 0;  ///< cudaMalloc calls
+  std::int64_t segment_frees = 0;   ///< cudaFree calls
+  std::int64_t deferred_frees = 0;  ///< frees delayed by record_stream
+  std::int64_t ooms = 0;
+};
+
+/// Test-only switches that each drop one safety rule, so that property tests can show they catch
+/// the fault. Production code uses the default (no fault).
+struct AllocatorFaults {
+  bool ignore_record_stream = false;  ///< free returns blocks at once, ignoring record_stream
+};
+
+/// First-fit allocator of address ranges inside [base, base + capacity): where segments (and
+/// pinned blocks) are placed. Released ranges coalesce and are reused, lowest address first.
+class AddressRangeAllocator {
+ public:
+  /// Manages [base, base + capacity).
+  AddressRangeAllocator(Bytes base, Bytes capacity);
+  /// The lowest address of a free range of `size` bytes, now taken; nullopt when none is long
+  /// enough. Linear in the number of free ranges (holes), which stays small.
+  [[nodiscard]] std::optional<Bytes> allocate(Bytes size);
+  /// Gives back a range obtained from allocate.
+  void release(Bytes address, Bytes size);
+
+ private:
+  Bytes base_;
+  Bytes limit_;                  // one past the last byte
+  std::map<Bytes, Bytes> free_;  // start -> end of each maximal free range
+};
+
+/// The caching allocator of one device. Blocks are reusable only on their allocation stream.
+class CachingAllocator {
+ public:
+  /// `capacity`: bytes of device memory segments may occupy; `base`: address of the first byte.
+  CachingAllocator(Bytes capacity, Bytes base);
+  /// As above, with test-only faults planted.
+  CachingAllocator(Bytes capacity, Bytes base, AllocatorFaults faults);
+
+  /// Allocates `requested` bytes for use on `stream`. First hands back deferred frees whose
+  /// markers completed; on exhaustion releases cached segments (synchronizing pending frees)
+  /// and retries. The error lists what is live.
+  Result<DeviceAllocation> malloc(StreamId stream, Bytes requested, StreamMarkers& markers);
+
+  /// Marks the block as used on `stream` too: its free will wait for that stream's work.
+  void record_stream(BlockId block, StreamId stream);
+
+  /// Returns the block to its pool, or defers that behind markers on the recorded streams.
+  void free(BlockId block, StreamMarkers& markers);
+
+  /// Waits for pending frees, then returns every fully free segment to the device.
+  void empty_cache(StreamMarkers& markers);
+
+  /// Current counters; pending frees count as allocated.
+  [[nodiscard]] const AllocatorStats& stats() const { return stats_; }
+  /// All segments, in address order.
+  [[nodiscard]] std::vector<SegmentInfo> segments() const;
+  /// Allocated and pending-free blocks, in address order.
+  [[nodiscard]] std::vector<BlockInfo> live_blocks() const;
+  /// The block's current size and address; the block must be allocated.
+  [[nodiscard]] DeviceAllocation describe(BlockId block) const;
+  /// Bytes of device memory segments may occupy.
+  [[nodiscard]] Bytes capacity() const { return capacity_; }
+  /// Address of the first byte segments may occupy.
+  [[nodiscard]] Bytes base() const { return base_; }
+
+ private:
+  /// A piece of a segment: handed out, pending behind markers, or free in its pool.
+  struct Block {
+    Bytes size;
+    Bytes requested;  // 0 unless handed out
+    Bytes segment;    // address of the enclosing segment
+    StreamId stream;  // allocation stream (that of the segment)
+    PoolKind pool = PoolKind::Small;
+    BlockInfo::State state = BlockInfo::State::Free;
+    BlockId id;                         // valid while Allocated
+    std::vector<StreamId> stream_uses;  // record_stream targets, sorted, never `stream`
+    std::vector<MarkerId> markers;      // outstanding markers of a pending free
+  };
+  struct Segment {
+    Bytes size;
+    StreamId stream;
+    PoolKind pool = PoolKind::Small;
+  };
+  /// Orders free blocks as the best-fit search needs them: per pool and stream, by size, then
+  /// address.
+  struct FreeKey {
+    PoolKind pool = PoolKind::Small;
+    StreamId stream;
+    Bytes size;
+    Bytes address;
+    friend auto operator<=>(const FreeKey&, const FreeKey&) = default;
+  };
+  using BlockMap = std::map<Bytes, Block>;
+
+  std::optional<Bytes> take_free_block(StreamId stream, PoolKind pool, Bytes size);
+  std::optional<Bytes> new_segment(StreamId stream, PoolKind pool, Bytes segment_size);
+  DeviceAllocation hand_out(Bytes address, Bytes size, Bytes requested);
+  void release_block(BlockMap::iterator it);
+  void process_pending(StreamMarkers& markers);
+  void synchronize_pending(StreamMarkers& markers);
+  void release_free_segments();
+  [[nodiscard]] Error out_of_memory(StreamId stream, Bytes requested, Bytes size,
+                                    Bytes segment_size) const;
+  [[nodiscard]] static BlockInfo info(Bytes address, const Block& block);
+
+  Bytes capacity_;
+  Bytes base_;
+  AllocatorFaults faults_;
+  AddressRangeAllocator ranges_;
+  BlockMap blocks_;                          // every block of every segment, by address
+  std::map<Bytes, Segment> segments_;        // by address
+  std::set<FreeKey> free_;                   // Free blocks only
+  std::unordered_map<BlockId, Bytes> live_;  // Allocated blocks -> address; lookup only
+  std::vector<Bytes> pending_;               // PendingFree blocks, in order of free
+  BlockId::rep_type next_id_ = 0;
+  AllocatorStats stats_;
+};
+
+/// Size rounding of the caching allocator: at least 512 B, a multiple of 512 B.
+[[nodiscard]] Bytes round_size(Bytes requested);
+/// Segment size requested from the device for a block of (rounded) `size`.
+[[nodiscard]] Bytes segment_size_for(Bytes size);
+/// Which pool serves a (rounded) request.
+[[nodiscard]] PoolKind pool_for(Bytes size);
+
+}  // namespace ferry::sim

@@ -1,0 +1,134 @@
+#pragma once
+/// A model scenario: the tensors and ops of one training step's forward, with what each op
+/// saves for backward. Input of the simulated autograd; JSON form in docs/model-format.md.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/ids.hpp"
+#include "ferry/result.hpp"
+#include "ferry/sim/engine/device_profile.hpp"
+#include "ferry/units.hpp"
+
+namespace ferry::sim {
+
+/// Element type of a tensor.
+enum class DType : std::uint8_t { F32, BF16, F16, U8, I64 };
+
+/// Bytes per element of a dtype.
+[[nodiscard]] std::int64_t dtype_size(DType dtype);
+/// "f32", "bf16", "f16", "u8", "i64".
+[[nodiscard]] const char* dtype_name(DType dtype);
+
+/// What a tensor is to the step: who allocates it and whether it may be offloaded.
+enum class TensorRole : std::uint8_t {
+  Input,       ///< the batch: allocated before forward, lives for the step
+  Param,       ///< a weight: resident, never offloaded (excluded like nn.Parameter)
+  Buffer,      ///< a module buffer (e.g. running stats): resident, never offloaded
+  Activation,  ///< produced by a forward op
+};
+
+/// "input", "param", "buffer", "activation".
+[[nodiscard]] const char* tensor_role_name(TensorRole role);
+
+/// A tensor. A view shares its base's storage (its bytes lie inside the base's).
+struct ModelTensor {
+  std::string name;                          ///< unique in the model
+  Bytes bytes;                               ///< logical bytes (elements x dtype size)
+  DType dtype = DType::BF16;                 ///< element type
+  TensorRole role = TensorRole::Activation;  ///< who allocates it
+  std::int32_t view_of = -1;  ///< base tensor's index, or -1: a tensor with its own storage
+  Bytes view_offset;          ///< byte offset in the base's storage
+  bool no_offload = false;    ///< per-tensor opt-out
+
+  friend bool operator==(const ModelTensor&, const ModelTensor&) = default;
+};
+
+/// One forward op and its backward node.
+struct ModelOp {
+  std::string name;                    ///< unique in the model
+  std::int32_t layer = -1;             ///< transformer layer, -1 outside the stack
+  std::int64_t flops = 0;              ///< forward FLOPs
+  Bytes bytes;                         ///< forward bytes read + written (for the roofline)
+  std::int64_t backward_flops = 0;     ///< backward FLOPs
+  Bytes backward_bytes;                ///< backward bytes read + written
+  SimTime duration;                    ///< forward time on the device (from the roofline)
+  SimTime backward_duration;           ///< backward time on the device
+  std::vector<std::uint32_t> inputs;   ///< tensors read (activations, params, inputs)
+  std::vector<std::uint32_t> outputs;  ///< tensors produced (activations, views allowed)
+  std::vector<std::uint32_t> saved;    ///< tensors saved for backward
+  bool no_offload = false;             ///< runs inside a no-offload region (e.g. the output head)
+  bool draws_rng = false;              ///< draws from the device's random generator (dropout)
+  bool draws_cpu_rng = false;          ///< draws from the CPU generator (e.g. host-side sampling)
+
+  friend bool operator==(const ModelOp&, const ModelOp&) = default;
+};
+
+/// A training step's forward: tensors, ops in forward order and the loss.
+struct Model {
+  std::string name;                  ///< e.g. the preset name
+  std::vector<ModelTensor> tensors;  ///< ops refer to tensors by index here
+  std::vector<ModelOp> ops;          ///< in forward order; backward runs them in reverse
+  /// Tensor whose gradient starts backward (the loss); must be produced by the last op.
+  std::uint32_t loss = 0;
+
+  friend bool operator==(const Model&, const Model&) = default;
+};
+
+/// Shapes of a transformer stack.
+struct TransformerShape {
+  /// GPT-2 (LayerNorm, GeLU MLP, dropout) or Llama (RMSNorm, GQA, rotary, SwiGLU).
+  enum class Kind : std::uint8_t { Gpt, Llama } kind = Kind::Gpt;
+  std::int64_t layers = 1;       ///< transformer blocks
+  std::int64_t hidden = 768;     ///< h
+  std::int64_t heads = 12;       ///< a, attention heads (divides h)
+  std::int64_t kv_heads = 12;    ///< Llama: grouped-query attention (divides heads); GPT ignores it
+  std::int64_t ffn = 3072;       ///< MLP inner size (GPT: 4h; Llama: SwiGLU size)
+  std::int64_t vocab = 50257;    ///< vocabulary size
+  std::int64_t sequence = 1024;  ///< s, tokens per sequence
+  std::int64_t micro_batch = 1;  ///< b, sequences per step
+  DType dtype = DType::BF16;     ///< activations and params (f32, bf16 or f16)
+  bool flash_attention = false;  ///< no s^2 tensors saved (Llama presets use it)
+};
+
+/// Builds a transformer training step (embedding, `layers` blocks, final norm, output head
+/// inside a no-offload region, loss). Timing is left zero: see assign_roofline_durations.
+[[nodiscard]] Model make_transformer(const TransformerShape& shape, std::string name);
+
+/// Per-layer bytes the Korthikanti et al. (2022) formula gives: s*b*h*(34 + 5*a*s/h).
+[[nodiscard]] Bytes korthikanti_layer_bytes(const TransformerShape& shape);
+
+/// Sum of the bytes of the distinct activation tensors saved by the ops of `layer`
+/// (ModelOp::layer), each tensor counted once and with its own bytes (a view counts its bytes, not
+/// its base's). The accounting of Korthikanti et al.; see Note [Counting saved bytes] in model.cpp.
+[[nodiscard]] Bytes saved_activation_bytes(const Model& model, std::int32_t layer);
+
+/// Assumed fraction of peak FLOP/s a kernel reaches, in thousandths (an assumption, not measured).
+inline constexpr std::int64_t kRooflineFlopsPermille = 600;
+/// Assumed fraction of memory bandwidth a kernel reaches, in thousandths (an assumption).
+inline constexpr std::int64_t kRooflineBandwidthPermille = 800;
+
+/// Sets every op's forward and backward duration from the device's peak FLOP/s and memory
+/// bandwidth: max(flops / (peak x 0.6), bytes / (bandwidth x 0.8)), rounded up to whole
+/// nanoseconds and at least 1 ns. See docs/model-format.md.
+void assign_roofline_durations(Model& model, const DeviceProfile& device);
+
+/// Names of the built-in presets ("gpt2-small-s1024", "llama3-8b-s8192", ...).
+[[nodiscard]] std::vector<std::string> model_preset_names();
+/// A built-in preset by name; the error lists the names.
+Result<Model> model_preset(std::string_view name);
+/// The shape a built-in preset is made from; the error lists the names.
+Result<TransformerShape> model_preset_shape(std::string_view name);
+
+/// Largest FLOP count of one op (forward or backward): 10^18, a million seconds at 1 PFLOP/s.
+/// Byte counts are bounded by kMaxJsonBytes and durations by kMaxJsonNanoseconds, as in JSON.
+inline constexpr std::int64_t kMaxModelFlops = 1'000'000'000'000'000'000;
+
+/// Checks a model's consistency (indices in range, counts within bounds, views inside bases, each
+/// activation produced once before use, the loss produced by the last op); the error names the
+/// place. A valid model survives model_to_json and parse_model unchanged.
+Status validate_model(const Model& model);
+
+}  // namespace ferry::sim

@@ -1,0 +1,363 @@
+#include "ferry/sim/analysis/compare.hpp"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "ferry/sim/analysis/metrics.hpp"
+#include "ferry/sim/analysis/report.hpp"
+
+namespace ferry::sim {
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+RowResult measure(const TrainingRun& run, const PolicyRow& row) {
+  RowResult r;
+  r.name = row.name;
+  r.policy = row.options.offload.policy;
+  r.failure = run.failure;
+  const Simulator& sim = run.sim;
+  if (!run.steps.empty()) {
+    const StepTimes& last = run.steps.back();
+    r.step_time = last.end - last.start;
+    r.forward_time = last.forward_end - last.start;
+    r.forward_stall = compute_stall(sim, run.compute, last.start, last.forward_end);
+    r.backward_stall = compute_stall(sim, run.compute, last.forward_end, last.end);
+  }
+  r.recompute_time = run.recompute_time;
+  r.overlap_permille = copy_overlap_permille(sim);
+  const AllocatorStats& st = sim.device_allocator(run.device).stats();
+  r.peak_allocated = st.allocated_peak;
+  r.peak_reserved = st.reserved_peak;
+  r.pinned_peak = sim.pinned_allocator().stats().reserved_peak;
+  if (!run.steps.empty()) {
+    // Bytes moved by copies issued during the last step.
+    const StepTimes& last = run.steps.back();
+    for (const OpRecord& op : sim.ops()) {
+      if (op.kind != OpKind::Copy || op.issued < last.start || op.issued > last.end) continue;
+      if (op.direction == CopyDirection::DeviceToHost) r.d2h += op.bytes;
+      if (op.direction == CopyDirection::HostToDevice) r.h2d += op.bytes;
+    }
+  }
+  r.hazards = sim.hazards().size();
+  r.telemetry = run.telemetry;
+  return r;
+}
+
+std::string ratio(std::int64_t value, std::int64_t base) {
+  if (base <= 0) return "-";
+  const std::int64_t thousandths = (value * 1000 + base / 2) / base;
+  return fmt::format("{}.{:03}", thousandths / 1000, thousandths % 1000);
+}
+
+std::string percent(std::int64_t permille) {
+  return fmt::format("{}.{}%", permille / 10, permille % 10);
+}
+
+const RowResult* baseline(const std::vector<RowResult>& rows) {
+  for (const RowResult& r : rows) {
+    if (r.policy == Policy::None && r.step_time.ns() > 0) return &r;
+  }
+  return nullptr;
+}
+
+Json row_json(const RowResult& r, const RowResult* base) {
+  Json j;
+  j["name"] = r.name;
+  j["policy"] = policy_name(r.policy);
+  j["fits"] = r.fits;
+  j["failure"] = r.failure ? Json(*r.failure) : Json(nullptr);
+  j["step_time_ns"] = r.step_time.ns();
+  j["forward_time_ns"] = r.forward_time.ns();
+  j["forward_stall_ns"] = r.forward_stall.ns();
+  j["backward_stall_ns"] = r.backward_stall.ns();
+  j["recompute_ns"] = r.recompute_time.ns();
+  j["overlap_permille"] = r.overlap_permille;
+  j["peak_allocated_bytes"] = r.peak_allocated.count();
+  j["peak_reserved_bytes"] = r.peak_reserved.count();
+  j["pinned_peak_bytes"] = r.pinned_peak.count();
+  j["d2h_bytes"] = r.d2h.count();
+  j["h2d_bytes"] = r.h2d.count();
+  j["hazards"] = r.hazards;
+  if (base != nullptr) {
+    j["time_vs_none_permille"] =
+        base->step_time.ns() > 0 ? r.step_time.ns() * 1000 / base->step_time.ns() : 0;
+    j["memory_vs_none_permille"] =
+        base->peak_allocated.count() > 0
+            ? r.peak_allocated.count() * 1000 / base->peak_allocated.count()
+            : 0;
+  }
+  const OffloadTelemetry& t = r.telemetry;
+  j["telemetry"] = {{"packed", t.packed},
+                    {"offloaded", t.offloaded},
+                    {"kept", t.kept},
+                    {"deduplicated", t.deduplicated},
+                    {"host_fallbacks", t.host_fallbacks},
+                    {"prefetched", t.prefetched},
+                    {"on_demand", t.on_demand},
+                    {"stash_hits", t.stash_hits},
+                    {"record_stream_fallbacks", t.record_stream_fallbacks}};
+  return j;
+}
+
+Json context_json(const Model& model, const DeviceProfile& device) {
+  Json j;
+  j["model"] = model.name;
+  j["device"] = device.name;
+  j["device_memory_bytes"] = device.memory.count();
+  return j;
+}
+
+}  // namespace
+
+Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model& model) {
+  auto number = [&](std::string_view prefix) -> std::optional<std::int32_t> {
+    if (spec.substr(0, prefix.size()) != prefix) return std::nullopt;
+    const std::string digits(spec.substr(prefix.size()));
+    if (digits.empty() || digits.size() > 6 ||
+        digits.find_first_not_of("0123456789") != std::string::npos) {
+      return std::nullopt;
+    }
+    const int n = std::stoi(digits);
+    return n >= 1 ? std::optional<std::int32_t>(n) : std::nullopt;
+  };
+  if (spec == "none") return CheckpointPlan{};
+  if (spec == "selective") {
+    CheckpointPlan plan = checkpoint_every(model, 1);
+    apply_selective_policy(plan, model);
+    return plan;
+  }
+  if (auto k = number("every:")) return checkpoint_every(model, *k);
+  if (auto n = number("segments:")) return checkpoint_segments(model, *n, false);
+  if (auto n = number("reentrant-segments:")) return checkpoint_segments(model, *n, true);
+  return Error{
+      fmt::format("unknown checkpoint spec \"{}\" (none, every:K, selective, "
+                  "segments:N, reentrant-segments:N)",
+                  spec)};
+}
+
+std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model) {
+  std::vector<PolicyRow> rows;
+  auto add = [&](std::string name, Policy policy, auto tweak) {
+    PolicyRow row{std::move(name), base};
+    row.options.offload.policy = policy;
+    tweak(row.options.offload);
+    rows.push_back(std::move(row));
+  };
+  add("none", Policy::None, [](OffloadOptions&) {});
+  add("trl", Policy::Trl, [](OffloadOptions& o) {
+    o.min_bytes = Bytes(1024);
+    o.trl_stash_count = 5;
+  });
+  add("ferry", Policy::Ferry, [](OffloadOptions&) {});
+  add("ferry no-prefetch", Policy::Ferry, [](OffloadOptions& o) { o.prefetch = false; });
+  add("ferry window=128MiB", Policy::Ferry, [](OffloadOptions& o) { o.window_bytes = 128 * kMiB; });
+  add("ferry prefetch=2GiB", Policy::Ferry, [](OffloadOptions& o) { o.prefetch_bytes = 2 * kGiB; });
+  add("ferry min=16MiB", Policy::Ferry, [](OffloadOptions& o) { o.min_bytes = 16 * kMiB; });
+  auto with_checkpoint = [&](std::string name, Policy policy, CheckpointPlan plan) {
+    PolicyRow row{std::move(name), base};
+    row.options.offload.policy = policy;
+    row.options.checkpoint = std::move(plan);
+    rows.push_back(std::move(row));
+  };
+  with_checkpoint("checkpoint every layer", Policy::None, checkpoint_every(model, 1));
+  CheckpointPlan selective = checkpoint_every(model, 1);
+  apply_selective_policy(selective, model);
+  with_checkpoint("checkpoint selective", Policy::None, selective);
+  with_checkpoint("ferry + checkpoint", Policy::Ferry, checkpoint_every(model, 1));
+  return rows;
+}
+
+RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyRow& row,
+                  std::optional<TrainingRun>* keep) {
+  auto run = simulate_training(model, device, row.options);
+  if (!run.ok()) {
+    RowResult r;
+    r.name = row.name;
+    r.policy = row.options.offload.policy;
+    r.failure = run.error().message;
+    return r;
+  }
+  RowResult result = measure(run.value(), row);
+  if (result.failure && result.failure->find("out of memory") != std::string::npos) {
+    // What would it need? Run again with ample memory.
+    DeviceProfile roomy = device;
+    roomy.memory = Bytes(device.memory.count() * 8);
+    auto again = simulate_training(model, roomy, row.options);
+    if (again.ok() && !again.value().failure) {
+      result = measure(again.value(), row);
+      result.fits = false;
+      result.failure = run.value().failure;
+      if (keep != nullptr) keep->emplace(std::move(again).value());
+      return result;
+    }
+  }
+  if (keep != nullptr) keep->emplace(std::move(run).value());
+  return result;
+}
+
+std::string simulate_text(const RowResult& r, const Model& model, const DeviceProfile& device) {
+  std::string out =
+      fmt::format("ferry simulate: {} on {}, policy {}\n", model.name, device.name, r.name);
+  if (r.failure) out += fmt::format("failure: {}\n", *r.failure);
+  if (!r.fits)
+    out += fmt::format("does not fit in {}: the figures below need more memory\n",
+                       format_bytes(device.memory));
+  out += fmt::format("step time: {} (forward {})\n", format_time(r.step_time),
+                     format_time(r.forward_time));
+  out += fmt::format("peak device memory: allocated {}, reserved {}\n",
+                     format_bytes(r.peak_allocated), format_bytes(r.peak_reserved));
+  out += fmt::format("peak pinned host memory: {}\n", format_bytes(r.pinned_peak));
+  out += fmt::format("moved: D2H {}, H2D {}\n", format_bytes(r.d2h), format_bytes(r.h2d));
+  out += fmt::format("recompute: {}\n", format_time(r.recompute_time));
+  out += fmt::format("stall: forward {}, backward {}; copy/compute overlap {}\n",
+                     format_time(r.forward_stall), format_time(r.backward_stall),
+                     percent(r.overlap_permille));
+  const OffloadTelemetry& t = r.telemetry;
+  out += fmt::format(
+      "saved tensors: {} packed, {} offloaded, {} kept, {} deduplicated, {} host-cap fallbacks\n",
+      t.packed, t.offloaded, t.kept, t.deduplicated, t.host_fallbacks);
+  out += fmt::format(
+      "reloads: {} prefetched, {} on demand, {} forward-stash hits, {} record_stream fallbacks\n",
+      t.prefetched, t.on_demand, t.stash_hits, t.record_stream_fallbacks);
+  out += fmt::format("hazards: {}\n", r.hazards);
+  return out;
+}
+
+std::string simulate_json(const RowResult& r, const Model& model, const DeviceProfile& device) {
+  Json j;
+  j["format"] = "ferry.simulate/1";
+  j.update(context_json(model, device));
+  j["result"] = row_json(r, nullptr);
+  return j.dump(2) + "\n";
+}
+
+std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
+                         const DeviceProfile& device) {
+  const RowResult* base = baseline(rows);
+  std::string out = fmt::format("ferry compare: {} on {} ({} device memory)\n", model.name,
+                                device.name, format_bytes(device.memory));
+  out +=
+      fmt::format("{:<22} {:>14} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>14} {:>14} {:>8} {}\n",
+                  "policy", "step", "time", "peak alloc", "memory", "peak pinned", "D2H", "H2D",
+                  "recompute", "bwd stall", "overlap", "note");
+  for (const RowResult& r : rows) {
+    std::string note;
+    if (!r.fits) {
+      note = "does not fit";
+    } else if (r.failure) {
+      note = "failed: " + *r.failure;
+    } else if (r.hazards > 0) {
+      note = fmt::format("{} hazards", r.hazards);
+    }
+    out += fmt::format(
+        "{:<22} {:>14} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>14} {:>14} {:>8} {}\n", r.name,
+        format_time(r.step_time), base ? ratio(r.step_time.ns(), base->step_time.ns()) : "-",
+        format_bytes(r.peak_allocated),
+        base ? ratio(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
+        format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
+        format_time(r.recompute_time), format_time(r.backward_stall), percent(r.overlap_permille),
+        note);
+  }
+  out +=
+      "time and memory are ratios to the none row; step, bytes moved and recompute are of "
+      "the last simulated step\n";
+  return out;
+}
+
+std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
+                         const DeviceProfile& device) {
+  const RowResult* base = baseline(rows);
+  Json j;
+  j["format"] = "ferry.compare/1";
+  j.update(context_json(model, device));
+  Json list = Json::array();
+  for (const RowResult& r : rows) list.push_back(row_json(r, base));
+  j["rows"] = std::move(list);
+  return j.dump(2) + "\n";
+}
+
+PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device, std::string name,
+                             const PipelineOptions& options) {
+  PipelineRow row;
+  row.name = std::move(name);
+  row.options = options;
+  auto run = simulate_pipeline(model, device, options);
+  if (!run.ok()) {
+    row.failure = run.error().message;
+    return row;
+  }
+  const PipelineRun& r = run.value();
+  row.failure = r.failure;
+  row.step_time = r.step_time;
+  row.recompute_time = r.recompute_time;
+  row.hazards = r.hazards().size();
+  row.device_peaks = r.peak_allocated;
+  for (const Bytes b : r.peak_allocated) row.max_device_peak = std::max(row.max_device_peak, b);
+  return row;
+}
+
+Result<CheckpointMode> parse_checkpoint_mode(std::string_view text) {
+  for (const CheckpointMode m :
+       {CheckpointMode::Always, CheckpointMode::ExceptLast, CheckpointMode::Never}) {
+    if (text == checkpoint_mode_name(m)) return m;
+  }
+  return Error{
+      fmt::format("unknown pipeline checkpoint mode \"{}\" (always, except_last, never)", text)};
+}
+
+std::vector<PipelineRow> pipeline_rows(const Model& model, const DeviceProfile& device,
+                                       std::int32_t devices, std::int32_t micro_batches) {
+  std::vector<PipelineRow> rows;
+  for (const CheckpointMode m :
+       {CheckpointMode::Never, CheckpointMode::ExceptLast, CheckpointMode::Always}) {
+    PipelineOptions o;
+    o.devices = devices;
+    o.micro_batches = micro_batches;
+    o.checkpoint = m;
+    rows.push_back(run_pipeline_row(
+        model, device,
+        fmt::format("gpipe {}x{} {}", devices, micro_batches, checkpoint_mode_name(m)), o));
+  }
+  return rows;
+}
+
+std::string pipeline_text(const std::vector<PipelineRow>& rows) {
+  std::string out = fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {}\n", "pipeline", "step",
+                                "per micro-batch", "max dev peak", "recompute", "note");
+  for (const PipelineRow& r : rows) {
+    std::string note = r.failure       ? "failed: " + *r.failure
+                       : r.hazards > 0 ? fmt::format("{} hazards", r.hazards)
+                                       : std::string();
+    const std::int64_t mb = std::max(1, r.options.micro_batches);
+    out += fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {}\n", r.name, format_time(r.step_time),
+                       format_time(SimTime(r.step_time.ns() / mb)), format_bytes(r.max_device_peak),
+                       format_time(r.recompute_time), note);
+  }
+  out += "per-device peaks are allocated bytes; the model describes one micro-batch\n";
+  return out;
+}
+
+std::string pipeline_json(const std::vector<PipelineRow>& rows) {
+  Json list = Json::array();
+  for (const PipelineRow& r : rows) {
+    Json j;
+    j["name"] = r.name;
+    j["devices"] = r.options.devices;
+    j["micro_batches"] = r.options.micro_batches;
+    j["checkpoint"] = checkpoint_mode_name(r.options.checkpoint);
+    j["failure"] = r.failure ? Json(*r.failure) : Json(nullptr);
+    j["step_time_ns"] = r.step_time.ns();
+    j["recompute_ns"] = r.recompute_time.ns();
+    j["hazards"] = r.hazards;
+    Json peaks = Json::array();
+    for (const Bytes b : r.device_peaks) peaks.push_back(b.count());
+    j["device_peak_allocated_bytes"] = std::move(peaks);
+    list.push_back(std::move(j));
+  }
+  return list.dump(2);
+}
+
+}  // namespace ferry::sim

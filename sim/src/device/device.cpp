@@ -1,0 +1,64 @@
+#include "ferry/sim/device/device.hpp"
+
+#include "ferry/check.hpp"
+
+namespace ferry::sim {
+
+Device::Device(Simulator& sim, DeviceId device, StreamId compute)
+    : sim_(sim), device_(device), compute_(compute) {}
+
+Device::Stream Device::make_stream(std::string_view name) {
+  return Stream{sim_.add_stream(device_, std::string(name))};
+}
+
+Device::Event Device::make_event() {
+  return Event{sim_.add_event("e" + std::to_string(sim_.event_count()))};
+}
+
+std::optional<Device::Buffer> Device::allocate(Place place, Bytes bytes, Stream stream,
+                                               std::string_view name) {
+  const MemoryKind kind = place == Place::Device ? MemoryKind::Device : MemoryKind::Pinned;
+  const PinnedPool pool =
+      place == Place::PinnedHostCaching ? PinnedPool::Caching : PinnedPool::Exact;
+  auto got =
+      sim_.alloc(kind, device_, bytes, place == Place::Device ? stream.id : StreamId(), pool, name);
+  if (!got) {
+    last_error_ = got.error().message;
+    return std::nullopt;
+  }
+  const BufferId id = got.value();
+  if (refs_.size() <= id.value()) refs_.resize(id.value() + 1, 0);
+  refs_[id.value()] = 1;
+  return Buffer{id};
+}
+
+void Device::copy(Stream stream, Buffer src, Bytes src_offset, Buffer dst, Bytes dst_offset,
+                  Bytes bytes, std::string_view name) {
+  sim_.copy(stream.id, Region{src.id, src_offset, bytes}, Region{dst.id, dst_offset, bytes}, name);
+}
+
+void Device::record(Event event, Stream stream) { sim_.record(event.id, stream.id); }
+
+void Device::wait(Stream stream, Event event) { sim_.wait(stream.id, event.id); }
+
+void Device::hold(Buffer buffer) {
+  FERRY_CHECK(buffer.id.valid() && buffer.id.value() < refs_.size() && refs_[buffer.id.value()] > 0,
+              "hold of a storage that is not live");
+  ++refs_[buffer.id.value()];
+}
+
+void Device::drop(Buffer buffer) {
+  FERRY_CHECK(buffer.id.valid() && buffer.id.value() < refs_.size() && refs_[buffer.id.value()] > 0,
+              "drop of a storage that is not live");
+  if (--refs_[buffer.id.value()] == 0) sim_.free(buffer.id);
+}
+
+long Device::use_count(Buffer buffer) const {
+  return buffer.id.valid() && buffer.id.value() < refs_.size() ? refs_[buffer.id.value()] : 0;
+}
+
+void Device::record_stream(Buffer buffer, Stream stream) {
+  sim_.record_stream(buffer.id, stream.id);
+}
+
+}  // namespace ferry::sim

@@ -1,0 +1,253 @@
+#include "ferry/sim/io/model_json.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <array>
+#include <functional>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ferry/check.hpp"
+#include "ferry/sim/json/json_reader.hpp"
+#include "ferry/sim/workload/model.hpp"
+
+namespace ferry::sim {
+namespace {
+
+constexpr std::string_view kModelFormat = "ferry.model/1";
+/// Largest layer index accepted.
+constexpr std::int64_t kMaxLayer = std::numeric_limits<std::int32_t>::max();
+
+constexpr std::array kDTypes{DType::F32, DType::BF16, DType::F16, DType::U8, DType::I64};
+constexpr std::array kRoles{TensorRole::Input, TensorRole::Param, TensorRole::Buffer,
+                            TensorRole::Activation};
+
+/// The enumerator of `values` whose name (by `name_of`) is the string at `value`.
+template <class Enum, std::size_t N>
+Result<Enum> read_enum(const JsonValue& value, const std::array<Enum, N>& values,
+                       const char* (*name_of)(Enum), std::string_view what) {
+  FERRY_JSON_TRY(const auto text, value.string());
+  std::vector<std::string_view> names;
+  for (const Enum candidate : values) {
+    if (text == name_of(candidate)) return candidate;
+    names.emplace_back(name_of(candidate));
+  }
+  return value.error("unknown {} {} (allowed: {})", what, json_quote(text), fmt::join(names, ", "));
+}
+
+/// Reads one model document, resolving tensor names to indices.
+class ModelReader {
+ public:
+  Result<Model> read(const JsonValue& root) {
+    FERRY_JSON_TRY(const auto first_look, root.object_with_any_keys());
+    FERRY_JSON_TRY(const auto format_value, first_look.required("format"));
+    FERRY_JSON_TRY(const auto format, format_value.string());
+    if (format != kModelFormat) {
+      return format_value.error("expected {}, got {}", json_quote(kModelFormat),
+                                json_quote(format));
+    }
+    FERRY_JSON_TRY(const auto object, root.object({"format", "name", "tensors", "ops", "loss"}));
+    FERRY_JSON_TRY(model_.name, object.required_name("name"));
+    FERRY_JSON_RETURN_IF_ERROR(read_tensors(object));
+    FERRY_JSON_RETURN_IF_ERROR(read_ops(object));
+    FERRY_JSON_TRY(const auto loss_value, object.required("loss"));
+    FERRY_JSON_TRY(model_.loss, resolve(loss_value));
+    // The checks that need the whole model: producers, views inside their bases, the loss.
+    // Its paths are the document's, since tensors and ops keep their order.
+    if (auto status = validate_model(model_); !status.ok()) {
+      return root.error_message(status.error().message);
+    }
+    return std::move(model_);
+  }
+
+ private:
+  Status read_tensors(const JsonObject& root) {
+    FERRY_JSON_TRY(const auto tensors, root.required_array("tensors"));
+    model_.tensors.reserve(tensors.size());
+    // Bases are resolved once every name is declared, so a view may precede its base.
+    std::vector<std::optional<JsonValue>> bases;
+    bases.reserve(tensors.size());
+    for (const JsonValue& value : tensors) {
+      FERRY_JSON_TRY(const auto object, value.object({"name", "bytes", "dtype", "role", "view_of",
+                                                      "view_offset", "no_offload"}));
+      ModelTensor tensor;
+      FERRY_JSON_TRY(const auto name_value, object.required("name"));
+      FERRY_JSON_RETURN_IF_ERROR(declare(name_value));
+      FERRY_JSON_TRY(tensor.name, name_value.name());
+      FERRY_JSON_TRY(const auto bytes, object.required_integer("bytes", 1, kMaxJsonBytes));
+      tensor.bytes = Bytes(bytes);
+      FERRY_JSON_TRY(const auto dtype_value, object.required("dtype"));
+      FERRY_JSON_TRY(tensor.dtype, read_enum(dtype_value, kDTypes, &dtype_name, "dtype"));
+      FERRY_JSON_TRY(const auto role_value, object.required("role"));
+      FERRY_JSON_TRY(tensor.role, read_enum(role_value, kRoles, &tensor_role_name, "role"));
+      bases.push_back(object.optional("view_of"));
+      if (const auto offset_value = object.optional("view_offset")) {
+        if (!bases.back()) {
+          return offset_value->error("\"view_offset\" applies to views only: add \"view_of\"");
+        }
+        FERRY_JSON_TRY(const auto offset, offset_value->integer(0, kMaxJsonBytes));
+        tensor.view_offset = Bytes(offset);
+      }
+      FERRY_JSON_TRY(tensor.no_offload, object.optional_boolean("no_offload", false));
+      model_.tensors.push_back(std::move(tensor));
+    }
+    for (std::size_t i = 0; i < bases.size(); ++i) {
+      if (!bases[i]) continue;
+      FERRY_JSON_TRY(const auto base, resolve(*bases[i]));
+      model_.tensors[i].view_of = static_cast<std::int32_t>(base);
+    }
+    return Ok{};
+  }
+
+  Status read_ops(const JsonObject& root) {
+    FERRY_JSON_TRY(const auto ops, root.required_array("ops"));
+    model_.ops.reserve(ops.size());
+    for (const JsonValue& value : ops) {
+      FERRY_JSON_TRY(auto op, read_op(value));
+      model_.ops.push_back(std::move(op));
+    }
+    return Ok{};
+  }
+
+  Result<ModelOp> read_op(const JsonValue& value) const {
+    FERRY_JSON_TRY(const auto object,
+                   value.object({"name", "layer", "flops", "bytes", "backward_flops",
+                                 "backward_bytes", "duration_ns", "backward_duration_ns", "inputs",
+                                 "outputs", "saved", "no_offload", "draws_rng", "draws_cpu_rng"}));
+    ModelOp op;
+    FERRY_JSON_TRY(op.name, object.required_name("name"));
+    FERRY_JSON_TRY(const auto layer, object.optional_integer("layer", -1, -1, kMaxLayer));
+    op.layer = static_cast<std::int32_t>(layer);
+    FERRY_JSON_TRY(op.flops, object.required_integer("flops", 0, kMaxModelFlops));
+    FERRY_JSON_TRY(const auto bytes, object.required_integer("bytes", 0, kMaxJsonBytes));
+    op.bytes = Bytes(bytes);
+    FERRY_JSON_TRY(op.backward_flops, object.required_integer("backward_flops", 0, kMaxModelFlops));
+    FERRY_JSON_TRY(const auto backward_bytes,
+                   object.required_integer("backward_bytes", 0, kMaxJsonBytes));
+    op.backward_bytes = Bytes(backward_bytes);
+    FERRY_JSON_TRY(const auto duration,
+                   object.optional_integer("duration_ns", 0, 0, kMaxJsonNanoseconds));
+    op.duration = SimTime(duration);
+    FERRY_JSON_TRY(const auto backward_duration,
+                   object.optional_integer("backward_duration_ns", 0, 0, kMaxJsonNanoseconds));
+    op.backward_duration = SimTime(backward_duration);
+    FERRY_JSON_TRY(op.inputs, read_tensor_list(object, "inputs"));
+    FERRY_JSON_TRY(op.outputs, read_tensor_list(object, "outputs"));
+    FERRY_JSON_TRY(op.saved, read_tensor_list(object, "saved"));
+    FERRY_JSON_TRY(op.no_offload, object.optional_boolean("no_offload", false));
+    FERRY_JSON_TRY(op.draws_rng, object.optional_boolean("draws_rng", false));
+    FERRY_JSON_TRY(op.draws_cpu_rng, object.optional_boolean("draws_cpu_rng", false));
+    return op;
+  }
+
+  Result<std::vector<std::uint32_t>> read_tensor_list(const JsonObject& object,
+                                                      std::string_view key) const {
+    FERRY_JSON_TRY(const auto elements, object.optional_array(key));
+    std::vector<std::uint32_t> indices;
+    indices.reserve(elements.size());
+    for (const JsonValue& element : elements) {
+      FERRY_JSON_TRY(const auto index, resolve(element));
+      indices.push_back(index);
+    }
+    return indices;
+  }
+
+  Status declare(const JsonValue& at) {
+    FERRY_JSON_TRY(auto name, at.name());
+    if (const auto it = index_.find(name); it != index_.end()) {
+      return at.error("duplicate tensor name {} (first declared at {})", json_quote(name),
+                      json_member_path(json_element_path("tensors", it->second), "name"));
+    }
+    if (index_.size() >= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+      return at.error("too many tensors");
+    }
+    index_.emplace(std::move(name), static_cast<std::uint32_t>(index_.size()));
+    return Ok{};
+  }
+
+  [[nodiscard]] Result<std::uint32_t> resolve(const JsonValue& at) const {
+    FERRY_JSON_TRY(const auto name, at.name());
+    if (const auto it = index_.find(name); it != index_.end()) return it->second;
+    return at.error("unknown tensor {}", json_quote(name));
+  }
+
+  Model model_;
+  std::map<std::string, std::uint32_t, std::less<>> index_;
+};
+
+using OrderedJson = nlohmann::ordered_json;
+
+const std::string& tensor_name(const Model& model, std::uint32_t index) {
+  FERRY_CHECK(index < model.tensors.size(), "tensor index {} out of range ({} tensors)", index,
+              model.tensors.size());
+  return model.tensors[index].name;
+}
+
+OrderedJson names_json(const Model& model, const std::vector<std::uint32_t>& indices) {
+  OrderedJson out = OrderedJson::array();
+  for (const std::uint32_t index : indices) out.push_back(tensor_name(model, index));
+  return out;
+}
+
+OrderedJson tensor_json(const Model& model, const ModelTensor& tensor) {
+  OrderedJson out;
+  out["name"] = tensor.name;
+  out["bytes"] = tensor.bytes.count();
+  out["dtype"] = dtype_name(tensor.dtype);
+  out["role"] = tensor_role_name(tensor.role);
+  if (tensor.view_of >= 0) {
+    out["view_of"] = tensor_name(model, static_cast<std::uint32_t>(tensor.view_of));
+    out["view_offset"] = tensor.view_offset.count();
+  }
+  if (tensor.no_offload) out["no_offload"] = true;
+  return out;
+}
+
+OrderedJson op_json(const Model& model, const ModelOp& op) {
+  OrderedJson out;
+  out["name"] = op.name;
+  if (op.layer != -1) out["layer"] = op.layer;
+  out["flops"] = op.flops;
+  out["bytes"] = op.bytes.count();
+  out["backward_flops"] = op.backward_flops;
+  out["backward_bytes"] = op.backward_bytes.count();
+  if (op.duration.ns() != 0) out["duration_ns"] = op.duration.ns();
+  if (op.backward_duration.ns() != 0) out["backward_duration_ns"] = op.backward_duration.ns();
+  out["inputs"] = names_json(model, op.inputs);
+  out["outputs"] = names_json(model, op.outputs);
+  out["saved"] = names_json(model, op.saved);
+  if (op.no_offload) out["no_offload"] = true;
+  if (op.draws_rng) out["draws_rng"] = true;
+  if (op.draws_cpu_rng) out["draws_cpu_rng"] = true;
+  return out;
+}
+
+}  // namespace
+
+Result<Model> parse_model(std::string_view text, std::string_view source) {
+  FERRY_JSON_TRY(const auto document, parse_json_text(text, source));
+  ModelReader reader;
+  return reader.read(JsonValue(document, source));
+}
+
+std::string model_to_json(const Model& model) {
+  OrderedJson out;
+  out["format"] = std::string(kModelFormat);
+  out["name"] = model.name;
+  OrderedJson tensors = OrderedJson::array();
+  for (const ModelTensor& tensor : model.tensors) tensors.push_back(tensor_json(model, tensor));
+  out["tensors"] = std::move(tensors);
+  OrderedJson ops = OrderedJson::array();
+  for (const ModelOp& op : model.ops) ops.push_back(op_json(model, op));
+  out["ops"] = std::move(ops);
+  out["loss"] = tensor_name(model, model.loss);
+  return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
+}
+
+}  // namespace ferry::sim

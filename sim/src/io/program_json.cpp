@@ -1,0 +1,836 @@
+#include "ferry/sim/io/program_json.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <system_error>
+#include <utility>
+
+#include "ferry/sim/json/json_reader.hpp"
+
+namespace ferry::sim {
+namespace {
+
+constexpr std::string_view kProgramFormat = "ferry.program/1";
+/// At most this many declared names are listed after an unknown one.
+constexpr std::size_t kListedNames = 8;
+
+// ---------------------------------------------------------------------------------------------
+// Device profiles
+
+struct OverheadField {
+  std::string_view key;
+  SimTime LaunchOverheads::*field;
+};
+
+constexpr std::array kOverheadFields{
+    OverheadField{"kernel", &LaunchOverheads::kernel},
+    OverheadField{"copy", &LaunchOverheads::copy},
+    OverheadField{"event_record", &LaunchOverheads::event_record},
+    OverheadField{"stream_wait", &LaunchOverheads::stream_wait},
+    OverheadField{"event_query", &LaunchOverheads::event_query},
+    OverheadField{"synchronize", &LaunchOverheads::synchronize},
+    OverheadField{"malloc", &LaunchOverheads::malloc},
+    OverheadField{"free", &LaunchOverheads::free},
+    OverheadField{"host_access", &LaunchOverheads::host_access},
+};
+
+constexpr auto kOverheadKeys = [] {
+  std::array<std::string_view, kOverheadFields.size()> keys{};
+  for (std::size_t i = 0; i < kOverheadFields.size(); ++i) keys[i] = kOverheadFields[i].key;
+  return keys;
+}();
+
+/// Profile names double as file names: lower-case letters, digits, '-', '_', '.', not leading '.'.
+bool is_profile_name(std::string_view name) {
+  if (name.empty() || name.front() == '.') return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '_' || c == '.';
+  });
+}
+
+Result<std::int64_t> read_rate(const JsonObject& object, std::string_view key) {
+  return object.required_integer(key, kMinJsonRate, kMaxJsonRate);
+}
+
+Result<std::int64_t> read_nanoseconds(const JsonObject& object, std::string_view key) {
+  return object.required_integer(key, 0, kMaxJsonNanoseconds);
+}
+
+Result<CopyPath> read_copy_path(const JsonObject& parent, std::string_view key,
+                                bool with_permille) {
+  FERRY_JSON_TRY(const auto object,
+                 with_permille ? parent.required_object(
+                                     key, {"bytes_per_s", "latency_ns", "bidirectional_permille"})
+                               : parent.required_object(key, {"bytes_per_s", "latency_ns"}));
+  CopyPath path;
+  FERRY_JSON_TRY(const auto rate, read_rate(object, "bytes_per_s"));
+  FERRY_JSON_TRY(const auto latency, read_nanoseconds(object, "latency_ns"));
+  path.bandwidth = Bandwidth(rate);
+  path.latency = SimTime(latency);
+  if (with_permille) {
+    FERRY_JSON_TRY(const auto permille,
+                   object.optional_integer("bidirectional_permille", 1000, 1, 1000));
+    path.bidirectional_permille = static_cast<std::int32_t>(permille);
+  }
+  return path;
+}
+
+Result<DeviceProfile> read_profile(const JsonValue& value) {
+  FERRY_JSON_TRY(const auto object,
+                 value.object({"name", "description", "memory_bytes", "flops_per_s",
+                               "memory_bytes_per_s", "h2d", "d2h", "pageable", "d2d", "peer",
+                               "pinned_host_capacity_bytes", "overheads_ns"}));
+  DeviceProfile profile;
+  FERRY_JSON_TRY(const auto name_value, object.required("name"));
+  FERRY_JSON_TRY(profile.name, name_value.name());
+  if (!is_profile_name(profile.name)) {
+    return name_value.error(
+        "profile names use lower-case letters, digits, '-', '_' and '.', got {}",
+        json_quote(profile.name));
+  }
+  FERRY_JSON_TRY(profile.description, object.optional_string("description", {}));
+  FERRY_JSON_TRY(const auto memory, object.required_integer("memory_bytes", 1, kMaxJsonBytes));
+  profile.memory = Bytes(memory);
+  FERRY_JSON_TRY(profile.flops_per_s, read_rate(object, "flops_per_s"));
+  FERRY_JSON_TRY(const auto hbm, read_rate(object, "memory_bytes_per_s"));
+  profile.memory_bandwidth = Bandwidth(hbm);
+  FERRY_JSON_TRY(profile.h2d, read_copy_path(object, "h2d", true));
+  FERRY_JSON_TRY(profile.d2h, read_copy_path(object, "d2h", true));
+  FERRY_JSON_TRY(const auto pageable,
+                 object.required_object("pageable", {"h2d_bytes_per_s", "d2h_bytes_per_s"}));
+  FERRY_JSON_TRY(const auto pageable_h2d, read_rate(pageable, "h2d_bytes_per_s"));
+  FERRY_JSON_TRY(const auto pageable_d2h, read_rate(pageable, "d2h_bytes_per_s"));
+  profile.pageable_h2d = Bandwidth(pageable_h2d);
+  profile.pageable_d2h = Bandwidth(pageable_d2h);
+  FERRY_JSON_TRY(profile.d2d, read_copy_path(object, "d2d", false));
+  FERRY_JSON_TRY(profile.peer, read_copy_path(object, "peer", false));
+  FERRY_JSON_TRY(const auto pinned,
+                 object.required_integer("pinned_host_capacity_bytes", 0, kMaxJsonBytes));
+  profile.pinned_host_capacity = Bytes(pinned);
+  FERRY_JSON_TRY(const auto overheads_value, object.required("overheads_ns"));
+  FERRY_JSON_TRY(const auto overheads,
+                 overheads_value.object(std::span<const std::string_view>(kOverheadKeys)));
+  for (const OverheadField& field : kOverheadFields) {
+    FERRY_JSON_TRY(const auto ns, read_nanoseconds(overheads, field.key));
+    profile.overheads.*field.field = SimTime(ns);
+  }
+  return profile;
+}
+
+Result<std::string> read_text_file(const std::filesystem::path& path) {
+  std::error_code error;
+  const auto status = std::filesystem::status(path, error);
+  if (error) return Error{fmt::format("{}: cannot read: {}", path.string(), error.message())};
+  if (!std::filesystem::is_regular_file(status)) {
+    return Error{fmt::format("{}: cannot read: not a regular file", path.string())};
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return Error{fmt::format("{}: cannot open: {}", path.string(),
+                             std::error_code(errno, std::generic_category()).message())};
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Error{fmt::format("{}: read error", path.string())};
+  return std::move(text).str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Programs
+
+/// Declared names of one kind (devices, streams, buffers, events) and their indices.
+class NameTable {
+ public:
+  explicit NameTable(std::string_view what) : what_(what) {}
+
+  /// Declares the name held by `at`; a second declaration of a name is an error.
+  Result<std::uint32_t> declare(const JsonValue& at) {
+    FERRY_JSON_TRY(auto name, at.name());
+    if (const auto it = index_.find(name); it != index_.end()) {
+      return at.error("duplicate {} name {} (first declared at {})", what_, json_quote(name),
+                      paths_[it->second]);
+    }
+    if (names_.size() >= static_cast<std::size_t>(StreamId::kInvalid)) {
+      return at.error("too many {}s", what_);
+    }
+    const auto index = static_cast<std::uint32_t>(names_.size());
+    index_.emplace(name, index);
+    names_.push_back(std::move(name));
+    paths_.push_back(at.path());
+    return index;
+  }
+
+  /// The index of the declared name held by `at`.
+  [[nodiscard]] Result<std::uint32_t> resolve(const JsonValue& at) const {
+    FERRY_JSON_TRY(const auto name, at.name());
+    if (const auto it = index_.find(name); it != index_.end()) return it->second;
+    if (names_.empty()) return at.error("unknown {} {} (none declared)", what_, json_quote(name));
+    std::vector<std::string> shown;
+    for (std::size_t i = 0; i < names_.size() && i < kListedNames; ++i) {
+      shown.push_back(json_quote(names_[i]));
+    }
+    if (names_.size() > kListedNames) shown.emplace_back("...");
+    return at.error("unknown {} {} (declared: {})", what_, json_quote(name),
+                    fmt::join(shown, ", "));
+  }
+
+  [[nodiscard]] const std::string& name(std::uint32_t index) const { return names_.at(index); }
+
+ private:
+  std::string_view what_;
+  std::map<std::string, std::uint32_t, std::less<>> index_;
+  std::vector<std::string> names_;
+  std::vector<std::string> paths_;
+};
+
+struct OpSpec {
+  std::string_view name;
+  OpKind kind;
+  std::array<std::string_view, 6> keys;
+  std::size_t key_count;
+};
+
+constexpr std::array kOpSpecs{
+    OpSpec{"alloc", OpKind::Alloc, {"op", "label", "buffer", "stream"}, 4},
+    OpSpec{"free", OpKind::Free, {"op", "label", "buffer"}, 3},
+    OpSpec{"record_stream", OpKind::RecordStream, {"op", "label", "buffer", "stream"}, 4},
+    OpSpec{
+        "kernel", OpKind::Kernel, {"op", "label", "stream", "duration_ns", "reads", "writes"}, 6},
+    OpSpec{"copy", OpKind::Copy, {"op", "label", "stream", "src", "dst"}, 5},
+    OpSpec{"record", OpKind::Record, {"op", "label", "event", "stream"}, 4},
+    OpSpec{"wait", OpKind::Wait, {"op", "label", "stream", "event"}, 4},
+    OpSpec{"sync_stream", OpKind::SyncStream, {"op", "label", "stream"}, 3},
+    OpSpec{"sync_event", OpKind::SyncEvent, {"op", "label", "event"}, 3},
+    OpSpec{"sync_device", OpKind::SyncDevice, {"op", "label", "device"}, 3},
+    OpSpec{"query", OpKind::Query, {"op", "label", "event"}, 3},
+    OpSpec{"host_read", OpKind::HostRead, {"op", "label", "reads"}, 3},
+    OpSpec{"host_write", OpKind::HostWrite, {"op", "label", "writes"}, 3},
+    OpSpec{"empty_cache", OpKind::EmptyCache, {"op", "label", "device"}, 3},
+};
+
+const OpSpec* find_op(std::string_view name) {
+  for (const OpSpec& spec : kOpSpecs) {
+    if (spec.name == name) return &spec;
+  }
+  return nullptr;
+}
+
+std::string known_ops() {
+  std::vector<std::string_view> names;
+  for (const OpSpec& spec : kOpSpecs) names.push_back(spec.name);
+  return fmt::format("{}", fmt::join(names, ", "));
+}
+
+bool is_host(MemoryKind kind) { return kind != MemoryKind::Device; }
+
+/// Reads one program document into a Program, resolving names in declaration order.
+class ProgramReader {
+ public:
+  explicit ProgramReader(const std::filesystem::path& profile_dir) : profile_dir_(profile_dir) {}
+
+  Result<Program> read(const JsonValue& root) {
+    FERRY_JSON_TRY(const auto first_look, root.object_with_any_keys());
+    FERRY_JSON_TRY(const auto format_value, first_look.required("format"));
+    FERRY_JSON_TRY(const auto format, format_value.string());
+    if (format != kProgramFormat) {
+      return format_value.error("expected {}, got {}", json_quote(kProgramFormat),
+                                json_quote(format));
+    }
+    FERRY_JSON_TRY(const auto object, root.object({"format", "description", "devices", "links",
+                                                   "streams", "buffers", "events", "ops"}));
+    FERRY_JSON_RETURN_IF_ERROR(object.optional_string("description", {}));
+    FERRY_JSON_RETURN_IF_ERROR(read_devices(object));
+    FERRY_JSON_RETURN_IF_ERROR(read_links(object));
+    FERRY_JSON_RETURN_IF_ERROR(read_streams(object));
+    FERRY_JSON_RETURN_IF_ERROR(read_buffers(object));
+    FERRY_JSON_RETURN_IF_ERROR(read_events(object));
+    FERRY_JSON_RETURN_IF_ERROR(read_ops(object));
+    return std::move(program_);
+  }
+
+ private:
+  Status read_devices(const JsonObject& root) {
+    FERRY_JSON_TRY(const auto devices_value, root.required("devices"));
+    FERRY_JSON_TRY(const auto devices, devices_value.array());
+    if (devices.empty()) return devices_value.error("a program needs at least one device");
+    for (const JsonValue& value : devices) {
+      FERRY_JSON_TRY(const auto object, value.object({"name", "profile"}));
+      FERRY_JSON_TRY(const auto name_value, object.required("name"));
+      FERRY_JSON_RETURN_IF_ERROR(devices_.declare(name_value));
+      ProgramDevice device;
+      FERRY_JSON_TRY(device.name, name_value.name());
+      FERRY_JSON_TRY(const auto profile_value, object.required("profile"));
+      FERRY_JSON_TRY(device.profile, read_profile_reference(profile_value));
+      program_.devices.push_back(std::move(device));
+    }
+    return Ok{};
+  }
+
+  Result<DeviceProfile> read_profile_reference(const JsonValue& value) {
+    if (value.json().is_object()) return read_profile(value);
+    if (!value.json().is_string()) {
+      return value.error("expected a bundled profile name or a profile object, got {}",
+                         describe_json(value.json()));
+    }
+    FERRY_JSON_TRY(const auto name, value.name());
+    if (const auto it = loaded_profiles_.find(name); it != loaded_profiles_.end()) {
+      return it->second;
+    }
+    auto loaded = load_device_profile(profile_dir_, name);
+    if (!loaded) return value.error_message(loaded.error().message);
+    loaded_profiles_.emplace(name, loaded.value());
+    return loaded;
+  }
+
+  Status read_links(const JsonObject& root) {
+    FERRY_JSON_TRY(const auto links, root.optional_array("links"));
+    for (const JsonValue& value : links) {
+      FERRY_JSON_TRY(const auto object, value.object({"from", "to", "bytes_per_s", "latency_ns"}));
+      ProgramLink link;
+      FERRY_JSON_TRY(const auto from_value, object.required("from"));
+      FERRY_JSON_TRY(const auto from, devices_.resolve(from_value));
+      FERRY_JSON_TRY(const auto to_value, object.required("to"));
+      FERRY_JSON_TRY(const auto to, devices_.resolve(to_value));
+      if (from == to) return to_value.error("a link joins two different devices");
+      link.from = DeviceId(from);
+      link.to = DeviceId(to);
+      for (const ProgramLink& earlier : program_.links) {
+        if (earlier.from == link.from && earlier.to == link.to) {
+          return value.error("duplicate link from {} to {}", json_quote(devices_.name(from)),
+                             json_quote(devices_.name(to)));
+        }
+      }
+      FERRY_JSON_TRY(const auto rate, read_rate(object, "bytes_per_s"));
+      FERRY_JSON_TRY(const auto latency, read_nanoseconds(object, "latency_ns"));
+      link.bandwidth = Bandwidth(rate);
+      link.latency = SimTime(latency);
+      program_.links.push_back(link);
+    }
+    return Ok{};
+  }
+
+  Status read_streams(const JsonObject& root) {
+    FERRY_JSON_TRY(const auto streams, root.required_array("streams"));
+    for (const JsonValue& value : streams) {
+      FERRY_JSON_TRY(const auto object, value.object({"name", "device"}));
+      FERRY_JSON_TRY(const auto name_value, object.required("name"));
+      FERRY_JSON_RETURN_IF_ERROR(streams_.declare(name_value));
+      ProgramStream stream;
+      FERRY_JSON_TRY(stream.name, name_value.name());
+      FERRY_JSON_TRY(const auto device_value, object.required("device"));
+      FERRY_JSON_TRY(const auto device, devices_.resolve(device_value));
+      stream.device = DeviceId(device);
+      program_.streams.push_back(std::move(stream));
+    }
+    return Ok{};
+  }
+
+  Status read_buffers(const JsonObject& root) {
+    FERRY_JSON_TRY(const auto buffers, root.optional_array("buffers"));
+    for (const JsonValue& value : buffers) {
+      FERRY_JSON_TRY(const auto object, value.object({"name", "kind", "device", "bytes", "pool"}));
+      FERRY_JSON_TRY(const auto name_value, object.required("name"));
+      FERRY_JSON_RETURN_IF_ERROR(buffers_.declare(name_value));
+      ProgramBuffer buffer;
+      FERRY_JSON_TRY(buffer.name, name_value.name());
+      FERRY_JSON_TRY(const auto kind_value, object.required("kind"));
+      FERRY_JSON_TRY(const auto kind, kind_value.string());
+      if (kind == "device") {
+        buffer.kind = MemoryKind::Device;
+      } else if (kind == "pinned") {
+        buffer.kind = MemoryKind::Pinned;
+      } else if (kind == "pageable") {
+        buffer.kind = MemoryKind::Pageable;
+      } else {
+        return kind_value.error("unknown memory kind {} (allowed: device, pinned, pageable)",
+                                json_quote(kind));
+      }
+      FERRY_JSON_TRY(const auto bytes, object.required_integer("bytes", 1, kMaxJsonBytes));
+      buffer.bytes = Bytes(bytes);
+      if (buffer.kind == MemoryKind::Device) {
+        FERRY_JSON_TRY(const auto device_value, object.required("device"));
+        FERRY_JSON_TRY(const auto device, devices_.resolve(device_value));
+        buffer.device = DeviceId(device);
+      } else if (const auto device_value = object.optional("device")) {
+        return device_value->error("a {} buffer lives in host memory: remove \"device\"", kind);
+      }
+      if (const auto pool_value = object.optional("pool")) {
+        if (buffer.kind != MemoryKind::Pinned) {
+          return pool_value->error("\"pool\" applies to pinned buffers only");
+        }
+        FERRY_JSON_TRY(const auto pool, pool_value->string());
+        if (pool == "caching") {
+          buffer.pool = PinnedPool::Caching;
+        } else if (pool == "exact") {
+          buffer.pool = PinnedPool::Exact;
+        } else {
+          return pool_value->error("unknown pinned pool {} (allowed: caching, exact)",
+                                   json_quote(pool));
+        }
+      }
+      program_.buffers.push_back(std::move(buffer));
+    }
+    return Ok{};
+  }
+
+  Status read_events(const JsonObject& root) {
+    FERRY_JSON_TRY(const auto events, root.optional_array("events"));
+    for (const JsonValue& value : events) {
+      FERRY_JSON_RETURN_IF_ERROR(events_.declare(value));
+      FERRY_JSON_TRY(auto name, value.name());
+      program_.events.push_back(ProgramEvent{std::move(name)});
+    }
+    return Ok{};
+  }
+
+  Status read_ops(const JsonObject& root) {
+    FERRY_JSON_TRY(const auto ops, root.required_array("ops"));
+    program_.ops.reserve(ops.size());
+    for (const JsonValue& value : ops) {
+      FERRY_JSON_TRY(auto op, read_op(value));
+      program_.ops.push_back(std::move(op));
+    }
+    return Ok{};
+  }
+
+  Result<ProgramOp> read_op(const JsonValue& value) {
+    FERRY_JSON_TRY(const auto first_look, value.object_with_any_keys());
+    FERRY_JSON_TRY(const auto kind_value, first_look.required("op"));
+    FERRY_JSON_TRY(const auto kind_name, kind_value.string());
+    const OpSpec* spec = find_op(kind_name);
+    if (spec == nullptr) {
+      return kind_value.error("unknown op {} (known: {})", json_quote(kind_name), known_ops());
+    }
+    FERRY_JSON_TRY(const auto object, value.object(std::span<const std::string_view>(
+                                          spec->keys.data(), spec->key_count)));
+    ProgramOp op;
+    op.kind = spec->kind;
+    FERRY_JSON_TRY(op.label, object.optional_string("label", {}));
+    switch (op.kind) {
+      case OpKind::Alloc: {
+        FERRY_JSON_TRY(op.slot, read_slot(object));
+        const ProgramBuffer& buffer = program_.buffers[op.slot.value()];
+        if (buffer.kind == MemoryKind::Device) {
+          FERRY_JSON_TRY(const auto stream_value, object.required("stream"));
+          FERRY_JSON_TRY(op.stream, read_stream(stream_value));
+          const DeviceId stream_device = program_.streams[op.stream.value()].device;
+          if (stream_device != buffer.device) {
+            return stream_value.error("stream {} is on device {} but buffer {} lives on device {}",
+                                      json_quote(streams_.name(op.stream.value())),
+                                      json_quote(devices_.name(stream_device.value())),
+                                      json_quote(buffer.name),
+                                      json_quote(devices_.name(buffer.device.value())));
+          }
+        } else if (const auto stream_value = object.optional("stream")) {
+          return stream_value->error(
+              "buffer {} is {} host memory, allocated by the host: remove \"stream\"",
+              json_quote(buffer.name), memory_kind_name(buffer.kind));
+        }
+        break;
+      }
+      case OpKind::Free: {
+        FERRY_JSON_TRY(op.slot, read_slot(object));
+        break;
+      }
+      case OpKind::RecordStream: {
+        FERRY_JSON_TRY(op.slot, read_slot(object));
+        const ProgramBuffer& buffer = program_.buffers[op.slot.value()];
+        if (buffer.kind == MemoryKind::Pageable) {
+          FERRY_JSON_TRY(const auto buffer_value, object.required("buffer"));
+          return buffer_value.error("record_stream needs a device or pinned buffer; {} is pageable",
+                                    json_quote(buffer.name));
+        }
+        FERRY_JSON_TRY(const auto stream_value, object.required("stream"));
+        FERRY_JSON_TRY(op.stream, read_stream(stream_value));
+        break;
+      }
+      case OpKind::Kernel: {
+        FERRY_JSON_TRY(const auto stream_value, object.required("stream"));
+        FERRY_JSON_TRY(op.stream, read_stream(stream_value));
+        FERRY_JSON_TRY(const auto duration, read_nanoseconds(object, "duration_ns"));
+        op.duration = SimTime(duration);
+        FERRY_JSON_TRY(op.reads, read_ranges(object, "reads", false, false));
+        FERRY_JSON_TRY(op.writes, read_ranges(object, "writes", false, false));
+        break;
+      }
+      case OpKind::Copy: {
+        FERRY_JSON_RETURN_IF_ERROR(read_copy(object, op));
+        break;
+      }
+      case OpKind::Record:
+      case OpKind::Wait: {
+        FERRY_JSON_TRY(const auto event_value, object.required("event"));
+        FERRY_JSON_TRY(op.event, read_event(event_value));
+        FERRY_JSON_TRY(const auto stream_value, object.required("stream"));
+        FERRY_JSON_TRY(op.stream, read_stream(stream_value));
+        break;
+      }
+      case OpKind::SyncStream: {
+        FERRY_JSON_TRY(const auto stream_value, object.required("stream"));
+        FERRY_JSON_TRY(op.stream, read_stream(stream_value));
+        break;
+      }
+      case OpKind::SyncEvent:
+      case OpKind::Query: {
+        FERRY_JSON_TRY(const auto event_value, object.required("event"));
+        FERRY_JSON_TRY(op.event, read_event(event_value));
+        break;
+      }
+      case OpKind::SyncDevice:
+      case OpKind::EmptyCache: {
+        FERRY_JSON_TRY(const auto device_value, object.required("device"));
+        FERRY_JSON_TRY(const auto device, devices_.resolve(device_value));
+        op.device = DeviceId(device);
+        break;
+      }
+      case OpKind::HostRead: {
+        FERRY_JSON_TRY(op.reads, read_ranges(object, "reads", true, true));
+        break;
+      }
+      case OpKind::HostWrite: {
+        FERRY_JSON_TRY(op.writes, read_ranges(object, "writes", true, true));
+        break;
+      }
+    }
+    return op;
+  }
+
+  Status read_copy(const JsonObject& object, ProgramOp& op) {
+    FERRY_JSON_TRY(const auto stream_value, object.required("stream"));
+    FERRY_JSON_TRY(op.stream, read_stream(stream_value));
+    FERRY_JSON_TRY(const auto src_value, object.required("src"));
+    FERRY_JSON_TRY(op.src, read_range(src_value));
+    FERRY_JSON_TRY(const auto dst_value, object.required("dst"));
+    FERRY_JSON_TRY(op.dst, read_range(dst_value));
+    const ProgramBuffer& src = program_.buffers[op.src.slot.value()];
+    const ProgramBuffer& dst = program_.buffers[op.dst.slot.value()];
+    if (is_host(src.kind) && is_host(dst.kind)) {
+      return object.error("a copy needs at least one device buffer (src {} is {}, dst {} is {})",
+                          json_quote(src.name), memory_kind_name(src.kind), json_quote(dst.name),
+                          memory_kind_name(dst.kind));
+    }
+    if (op.src.bytes != op.dst.bytes) {
+      return object.error("copy sizes differ: src has {} bytes, dst has {} bytes",
+                          op.src.bytes.count(), op.dst.bytes.count());
+    }
+    if (op.src.slot == op.dst.slot && op.src.offset < op.dst.offset + op.dst.bytes &&
+        op.dst.offset < op.src.offset + op.src.bytes) {
+      return object.error("src and dst overlap in buffer {}", json_quote(src.name));
+    }
+    return Ok{};
+  }
+
+  Result<SlotId> read_slot(const JsonObject& object) {
+    FERRY_JSON_TRY(const auto buffer_value, object.required("buffer"));
+    FERRY_JSON_TRY(const auto index, buffers_.resolve(buffer_value));
+    return SlotId(index);
+  }
+
+  Result<StreamId> read_stream(const JsonValue& value) const {
+    FERRY_JSON_TRY(const auto index, streams_.resolve(value));
+    return StreamId(index);
+  }
+
+  Result<EventId> read_event(const JsonValue& value) const {
+    FERRY_JSON_TRY(const auto index, events_.resolve(value));
+    return EventId(index);
+  }
+
+  Result<SlotRange> read_range(const JsonValue& value) const {
+    FERRY_JSON_TRY(const auto object, value.object({"buffer", "offset", "bytes"}));
+    FERRY_JSON_TRY(const auto buffer_value, object.required("buffer"));
+    FERRY_JSON_TRY(const auto index, buffers_.resolve(buffer_value));
+    const ProgramBuffer& buffer = program_.buffers[index];
+    const std::int64_t size = buffer.bytes.count();
+    FERRY_JSON_TRY(const auto offset, object.optional_integer("offset", 0, 0, kMaxJsonBytes));
+    if (offset >= size) {
+      return object.optional("offset")->error(
+          "offset {} is at or past the end of buffer {} ({} bytes)", offset,
+          json_quote(buffer.name), size);
+    }
+    FERRY_JSON_TRY(const auto bytes,
+                   object.optional_integer("bytes", size - offset, 1, kMaxJsonBytes));
+    if (offset + bytes > size) {
+      return object.optional("bytes")->error(
+          "range [{}, {}) ends past the end of buffer {} ({} bytes)", offset, offset + bytes,
+          json_quote(buffer.name), size);
+    }
+    return SlotRange{SlotId(index), Bytes(offset), Bytes(bytes)};
+  }
+
+  Result<std::vector<SlotRange>> read_ranges(const JsonObject& object, std::string_view key,
+                                             bool required, bool host_only) const {
+    std::vector<SlotRange> ranges;
+    if (!required && !object.has(key)) return ranges;
+    FERRY_JSON_TRY(const auto array_value, object.required(key));
+    FERRY_JSON_TRY(const auto elements, array_value.array());
+    if (required && elements.empty()) {
+      return array_value.error("expected at least one range");
+    }
+    for (const JsonValue& element : elements) {
+      FERRY_JSON_TRY(const auto range, read_range(element));
+      const ProgramBuffer& buffer = program_.buffers[range.slot.value()];
+      if (host_only && !is_host(buffer.kind)) {
+        return element.member("buffer")->error(
+            "the host can only access host buffers (pinned or pageable); {} is a device buffer",
+            json_quote(buffer.name));
+      }
+      ranges.push_back(range);
+    }
+    return ranges;
+  }
+
+  const std::filesystem::path& profile_dir_;
+  Program program_;
+  NameTable devices_{"device"};
+  NameTable streams_{"stream"};
+  NameTable buffers_{"buffer"};
+  NameTable events_{"event"};
+  std::map<std::string, DeviceProfile, std::less<>> loaded_profiles_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Writing
+
+using OrderedJson = nlohmann::ordered_json;
+
+OrderedJson copy_path_json(const CopyPath& path, bool with_permille) {
+  OrderedJson out;
+  out["bytes_per_s"] = path.bandwidth.bytes_per_s();
+  out["latency_ns"] = path.latency.ns();
+  if (with_permille) out["bidirectional_permille"] = path.bidirectional_permille;
+  return out;
+}
+
+OrderedJson profile_json(const DeviceProfile& profile) {
+  OrderedJson out;
+  out["name"] = profile.name;
+  if (!profile.description.empty()) out["description"] = profile.description;
+  out["memory_bytes"] = profile.memory.count();
+  out["flops_per_s"] = profile.flops_per_s;
+  out["memory_bytes_per_s"] = profile.memory_bandwidth.bytes_per_s();
+  out["h2d"] = copy_path_json(profile.h2d, true);
+  out["d2h"] = copy_path_json(profile.d2h, true);
+  out["pageable"]["h2d_bytes_per_s"] = profile.pageable_h2d.bytes_per_s();
+  out["pageable"]["d2h_bytes_per_s"] = profile.pageable_d2h.bytes_per_s();
+  out["d2d"] = copy_path_json(profile.d2d, false);
+  out["peer"] = copy_path_json(profile.peer, false);
+  out["pinned_host_capacity_bytes"] = profile.pinned_host_capacity.count();
+  OrderedJson overheads = OrderedJson::object();
+  for (const OverheadField& field : kOverheadFields) {
+    overheads[std::string(field.key)] = (profile.overheads.*field.field).ns();
+  }
+  out["overheads_ns"] = std::move(overheads);
+  return out;
+}
+
+std::string dump_document(const OrderedJson& document) {
+  return document.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
+}
+
+template <class Item, class Id>
+const Item& item_at(const std::vector<Item>& items, Id id, std::string_view what) {
+  FERRY_CHECK(id.valid() && id.value() < items.size(), "{} id {} out of range ({} declared)", what,
+              id.value(), items.size());
+  return items[id.value()];
+}
+
+OrderedJson range_json(const Program& program, const SlotRange& range) {
+  const ProgramBuffer& buffer = item_at(program.buffers, range.slot, "buffer");
+  OrderedJson out;
+  out["buffer"] = buffer.name;
+  if (range.offset.count() != 0) out["offset"] = range.offset.count();
+  if (range.bytes != buffer.bytes - range.offset) out["bytes"] = range.bytes.count();
+  return out;
+}
+
+OrderedJson ranges_json(const Program& program, const std::vector<SlotRange>& ranges) {
+  OrderedJson out = OrderedJson::array();
+  for (const SlotRange& range : ranges) out.push_back(range_json(program, range));
+  return out;
+}
+
+OrderedJson op_json(const Program& program, const ProgramOp& op) {
+  OrderedJson out;
+  out["op"] = op_kind_name(op.kind);
+  if (!op.label.empty()) out["label"] = op.label;
+  const auto stream = [&] { return item_at(program.streams, op.stream, "stream").name; };
+  const auto event = [&] { return item_at(program.events, op.event, "event").name; };
+  const auto buffer = [&] { return item_at(program.buffers, op.slot, "buffer").name; };
+  const auto device = [&] { return item_at(program.devices, op.device, "device").name; };
+  switch (op.kind) {
+    case OpKind::Alloc:
+      out["buffer"] = buffer();
+      if (op.stream.valid()) out["stream"] = stream();
+      break;
+    case OpKind::Free:
+      out["buffer"] = buffer();
+      break;
+    case OpKind::RecordStream:
+      out["buffer"] = buffer();
+      out["stream"] = stream();
+      break;
+    case OpKind::Kernel:
+      out["stream"] = stream();
+      out["duration_ns"] = op.duration.ns();
+      if (!op.reads.empty()) out["reads"] = ranges_json(program, op.reads);
+      if (!op.writes.empty()) out["writes"] = ranges_json(program, op.writes);
+      break;
+    case OpKind::Copy:
+      out["stream"] = stream();
+      out["src"] = range_json(program, op.src);
+      out["dst"] = range_json(program, op.dst);
+      break;
+    case OpKind::Record:
+      out["event"] = event();
+      out["stream"] = stream();
+      break;
+    case OpKind::Wait:
+      out["stream"] = stream();
+      out["event"] = event();
+      break;
+    case OpKind::SyncStream:
+      out["stream"] = stream();
+      break;
+    case OpKind::SyncEvent:
+    case OpKind::Query:
+      out["event"] = event();
+      break;
+    case OpKind::SyncDevice:
+    case OpKind::EmptyCache:
+      out["device"] = device();
+      break;
+    case OpKind::HostRead:
+      out["reads"] = ranges_json(program, op.reads);
+      break;
+    case OpKind::HostWrite:
+      out["writes"] = ranges_json(program, op.writes);
+      break;
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<DeviceProfile> parse_device_profile(std::string_view text, std::string_view source) {
+  FERRY_JSON_TRY(const auto document, parse_json_text(text, source));
+  return read_profile(JsonValue(document, source));
+}
+
+std::vector<std::string> list_device_profiles(const std::filesystem::path& profile_dir) {
+  std::vector<std::string> names;
+  std::error_code error;
+  std::filesystem::directory_iterator it(profile_dir, error);
+  for (; !error && it != std::filesystem::directory_iterator(); it.increment(error)) {
+    const auto& path = it->path();
+    if (path.extension() != ".json") continue;
+    std::string stem = path.stem().string();
+    if (is_profile_name(stem)) names.push_back(std::move(stem));
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+Result<DeviceProfile> load_device_profile(const std::filesystem::path& profile_dir,
+                                          std::string_view name) {
+  const auto bundled = [&] {
+    const auto names = list_device_profiles(profile_dir);
+    if (names.empty()) return fmt::format("no profiles in {}", profile_dir.string());
+    return fmt::format("bundled: {}", fmt::join(names, ", "));
+  };
+  if (!is_profile_name(name)) {
+    return Error{fmt::format(
+        "invalid device profile name {}: use lower-case letters, digits, '-', '_', '.' ({})",
+        json_quote(name), bundled())};
+  }
+  const auto path = profile_dir / (std::string(name) + ".json");
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) {
+    return Error{fmt::format("unknown device profile {} ({})", json_quote(name), bundled())};
+  }
+  FERRY_JSON_TRY(const auto text, read_text_file(path));
+  const std::string source = path.string();
+  FERRY_JSON_TRY(auto profile, parse_device_profile(text, source));
+  if (profile.name != name) {
+    return Error{fmt::format("{}: name: {} does not match the file name {}", source,
+                             json_quote(profile.name), json_quote(name))};
+  }
+  return profile;
+}
+
+Result<Program> parse_program(std::string_view text, std::string_view source,
+                              const std::filesystem::path& profile_dir) {
+  FERRY_JSON_TRY(const auto document, parse_json_text(text, source));
+  ProgramReader reader(profile_dir);
+  return reader.read(JsonValue(document, source));
+}
+
+Result<Program> load_program(const std::filesystem::path& path,
+                             const std::filesystem::path& profile_dir) {
+  FERRY_JSON_TRY(const auto text, read_text_file(path));
+  return parse_program(text, path.string(), profile_dir);
+}
+
+std::string device_profile_to_json(const DeviceProfile& profile) {
+  return dump_document(profile_json(profile));
+}
+
+std::string program_to_json(const Program& program) {
+  OrderedJson out;
+  out["format"] = std::string(kProgramFormat);
+  OrderedJson devices = OrderedJson::array();
+  for (const ProgramDevice& device : program.devices) {
+    devices.push_back({{"name", device.name}, {"profile", profile_json(device.profile)}});
+  }
+  out["devices"] = std::move(devices);
+  if (!program.links.empty()) {
+    OrderedJson links = OrderedJson::array();
+    for (const ProgramLink& link : program.links) {
+      OrderedJson item;
+      item["from"] = item_at(program.devices, link.from, "device").name;
+      item["to"] = item_at(program.devices, link.to, "device").name;
+      item["bytes_per_s"] = link.bandwidth.bytes_per_s();
+      item["latency_ns"] = link.latency.ns();
+      links.push_back(std::move(item));
+    }
+    out["links"] = std::move(links);
+  }
+  OrderedJson streams = OrderedJson::array();
+  for (const ProgramStream& stream : program.streams) {
+    streams.push_back({{"name", stream.name},
+                       {"device", item_at(program.devices, stream.device, "device").name}});
+  }
+  out["streams"] = std::move(streams);
+  OrderedJson buffers = OrderedJson::array();
+  for (const ProgramBuffer& buffer : program.buffers) {
+    OrderedJson item;
+    item["name"] = buffer.name;
+    item["kind"] = memory_kind_name(buffer.kind);
+    if (buffer.kind == MemoryKind::Device) {
+      item["device"] = item_at(program.devices, buffer.device, "device").name;
+    }
+    item["bytes"] = buffer.bytes.count();
+    if (buffer.kind == MemoryKind::Pinned) {
+      item["pool"] = buffer.pool == PinnedPool::Exact ? "exact" : "caching";
+    }
+    buffers.push_back(std::move(item));
+  }
+  out["buffers"] = std::move(buffers);
+  OrderedJson events = OrderedJson::array();
+  for (const ProgramEvent& event : program.events) events.push_back(event.name);
+  out["events"] = std::move(events);
+  OrderedJson ops = OrderedJson::array();
+  for (const ProgramOp& op : program.ops) ops.push_back(op_json(program, op));
+  out["ops"] = std::move(ops);
+  return dump_document(out);
+}
+
+}  // namespace ferry::sim

@@ -1,0 +1,415 @@
+#include "ferry/sim/memory/caching_allocator.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <iterator>
+#include <utility>
+
+namespace ferry::sim {
+
+namespace {
+
+/// Requests above this are caller bugs (and would overflow the rounding arithmetic).
+constexpr Bytes kMaxRequest{std::int64_t{1} << 60};
+/// How many live blocks an out-of-memory message lists before summarizing the rest.
+constexpr std::size_t kOomListedBlocks = 20;
+
+Bytes round_up(Bytes size, Bytes unit) {
+  return Bytes((size.count() + unit.count() - 1) / unit.count() * unit.count());
+}
+
+std::size_t pool_index(PoolKind pool) { return static_cast<std::size_t>(pool); }
+
+const char* state_name(BlockInfo::State state) {
+  switch (state) {
+    case BlockInfo::State::Allocated:
+      return "allocated";
+    case BlockInfo::State::PendingFree:
+      return "pending_free";
+    case BlockInfo::State::Free:
+      return "free";
+  }
+  return "?";
+}
+
+void raise_peak(Bytes& peak, Bytes value) { peak = std::max(peak, value); }
+
+}  // namespace
+
+Bytes round_size(Bytes requested) {
+  FERRY_CHECK(requested >= Bytes(0) && requested <= kMaxRequest,
+              "allocation request of {} B is negative or absurdly large", requested.count());
+  // PyTorch hands out no block for 0 bytes; here a 0-byte request gets a real 512 B block so that
+  // it has an id and an address like any other.
+  if (requested < kMinBlockSize) {
+    return kMinBlockSize;
+  }
+  return round_up(requested, kMinBlockSize);
+}
+
+PoolKind pool_for(Bytes size) { return size <= kSmallSize ? PoolKind::Small : PoolKind::Large; }
+
+Bytes segment_size_for(Bytes size) {
+  if (pool_for(size) == PoolKind::Small) {
+    return kSmallBuffer;
+  }
+  if (size < kMinLargeAlloc) {
+    return kLargeBuffer;
+  }
+  return round_up(size, kRoundLarge);
+}
+
+AddressRangeAllocator::AddressRangeAllocator(Bytes base, Bytes capacity)
+    : base_(base), limit_(base + capacity) {
+  FERRY_CHECK(base >= Bytes(0) && capacity >= Bytes(0), "address range [{}, +{}) is negative",
+              base.count(), capacity.count());
+  if (capacity > Bytes(0)) {
+    free_.emplace(base, limit_);
+  }
+}
+
+std::optional<Bytes> AddressRangeAllocator::allocate(Bytes size) {
+  FERRY_CHECK(size > Bytes(0), "address range of {} B requested", size.count());
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    const auto [start, end] = *it;
+    if (end - start >= size) {
+      free_.erase(it);
+      if (start + size < end) {
+        free_.emplace(start + size, end);
+      }
+      return start;
+    }
+  }
+  return std::nullopt;
+}
+
+void AddressRangeAllocator::release(Bytes address, Bytes size) {
+  Bytes start = address;
+  Bytes end = address + size;
+  FERRY_CHECK(size > Bytes(0) && start >= base_ && end <= limit_,
+              "released range [{:#x}, {:#x}) is empty or outside [{:#x}, {:#x})", start.count(),
+              end.count(), base_.count(), limit_.count());
+  auto next = free_.lower_bound(start);
+  FERRY_CHECK(next == free_.end() || next->first >= end,
+              "released range [{:#x}, {:#x}) overlaps a free range", start.count(), end.count());
+  if (next != free_.begin()) {
+    const auto prev = std::prev(next);
+    FERRY_CHECK(prev->second <= start, "released range [{:#x}, {:#x}) overlaps a free range",
+                start.count(), end.count());
+    if (prev->second == start) {
+      start = prev->first;
+      free_.erase(prev);
+    }
+  }
+  if (next != free_.end() && next->first == end) {
+    end = next->second;
+    free_.erase(next);
+  }
+  free_.emplace(start, end);
+}
+
+CachingAllocator::CachingAllocator(Bytes capacity, Bytes base)
+    : CachingAllocator(capacity, base, AllocatorFaults{}) {}
+
+CachingAllocator::CachingAllocator(Bytes capacity, Bytes base, AllocatorFaults faults)
+    : capacity_(capacity), base_(base), faults_(faults), ranges_(base, capacity) {}
+
+Result<DeviceAllocation> CachingAllocator::malloc(StreamId stream, Bytes requested,
+                                                  StreamMarkers& markers) {
+  FERRY_CHECK(stream.valid(), "malloc of {} B on an invalid stream", requested.count());
+  const Bytes size = round_size(requested);
+  const PoolKind pool = pool_for(size);
+  // See Note [record_stream deferral]: the next malloc is where deferred frees come back.
+  process_pending(markers);
+  if (const auto address = take_free_block(stream, pool, size)) {
+    return hand_out(*address, size, requested);
+  }
+  const Bytes segment_size = segment_size_for(size);
+  auto segment = new_segment(stream, pool, segment_size);
+  if (!segment) {
+    // Note [OOM retry]
+    // As PyTorch does when cudaMalloc fails: wait for every deferred free, then return every
+    // fully free cached segment (of all streams and pools) to the device, and try once more.
+    // The pool is not searched again: a block that the synchronization freed either completed
+    // a whole segment (released just now, its range reusable) or sits in a segment that is still
+    // partly used, where PyTorch would not look either. These releases stay done even if the
+    // retry fails; they are what the real allocator does, and nothing else changes on OOM.
+    synchronize_pending(markers);
+    release_free_segments();
+    segment = new_segment(stream, pool, segment_size);
+  }
+  if (!segment) {
+    ++stats_.ooms;
+    return out_of_memory(stream, requested, size, segment_size);
+  }
+  return hand_out(*segment, size, requested);
+}
+
+void CachingAllocator::record_stream(BlockId block, StreamId stream) {
+  FERRY_CHECK(stream.valid(), "record_stream of block {} on an invalid stream", block.value());
+  const auto found = live_.find(block);
+  FERRY_CHECK(found != live_.end(), "record_stream on block {}, which is not allocated",
+              block.value());
+  Block& b = blocks_.at(found->second);
+  if (stream == b.stream) {
+    return;
+  }
+  const auto at = std::lower_bound(b.stream_uses.begin(), b.stream_uses.end(), stream);
+  if (at == b.stream_uses.end() || *at != stream) {
+    b.stream_uses.insert(at, stream);
+  }
+}
+
+void CachingAllocator::free(BlockId block, StreamMarkers& markers) {
+  const auto found = live_.find(block);
+  FERRY_CHECK(found != live_.end(),
+              "free of block {}, which is not allocated (unknown id or "
+              "already freed)",
+              block.value());
+  const Bytes address = found->second;
+  live_.erase(found);
+  const auto it = blocks_.find(address);
+  FERRY_CHECK(it != blocks_.end(), "allocated block {} has no entry at {:#x}", block.value(),
+              address.count());
+  Block& b = it->second;
+  if (b.stream_uses.empty() || faults_.ignore_record_stream) {
+    release_block(it);
+    return;
+  }
+  // See Note [record_stream deferral]. Markers are recorded in increasing stream order so that
+  // the simulated device sees the same calls on every run.
+  b.state = BlockInfo::State::PendingFree;
+  b.id = BlockId{};
+  for (const StreamId used : b.stream_uses) {
+    b.markers.push_back(markers.record(used));
+  }
+  pending_.push_back(address);
+  ++stats_.deferred_frees;
+}
+
+void CachingAllocator::empty_cache(StreamMarkers& markers) {
+  synchronize_pending(markers);
+  release_free_segments();
+}
+
+std::vector<SegmentInfo> CachingAllocator::segments() const {
+  std::vector<SegmentInfo> out;
+  out.reserve(segments_.size());
+  for (const auto& [address, segment] : segments_) {
+    SegmentInfo info_out{address, segment.size, segment.stream, segment.pool, {}};
+    for (auto it = blocks_.lower_bound(address);
+         it != blocks_.end() && it->first < address + segment.size; ++it) {
+      info_out.blocks.push_back(info(it->first, it->second));
+    }
+    out.push_back(std::move(info_out));
+  }
+  return out;
+}
+
+std::vector<BlockInfo> CachingAllocator::live_blocks() const {
+  std::vector<BlockInfo> out;
+  for (const auto& [address, block] : blocks_) {
+    if (block.state != BlockInfo::State::Free) {
+      out.push_back(info(address, block));
+    }
+  }
+  return out;
+}
+
+DeviceAllocation CachingAllocator::describe(BlockId block) const {
+  const auto found = live_.find(block);
+  FERRY_CHECK(found != live_.end(), "describe of block {}, which is not allocated", block.value());
+  return DeviceAllocation{block, found->second, blocks_.at(found->second).size};
+}
+
+std::optional<Bytes> CachingAllocator::take_free_block(StreamId stream, PoolKind pool, Bytes size) {
+  // Best fit: the smallest free block of this pool and stream that is large enough, the lowest
+  // address among equals (the key order).
+  const auto it = free_.lower_bound(FreeKey{pool, stream, size, Bytes(0)});
+  if (it == free_.end() || it->pool != pool || it->stream != stream) {
+    return std::nullopt;
+  }
+  return it->address;
+}
+
+std::optional<Bytes> CachingAllocator::new_segment(StreamId stream, PoolKind pool,
+                                                   Bytes segment_size) {
+  if (stats_.reserved + segment_size > capacity_) {
+    return std::nullopt;
+  }
+  const auto address = ranges_.allocate(segment_size);
+  if (!address) {
+    return std::nullopt;
+  }
+  segments_.emplace(*address, Segment{segment_size, stream, pool});
+  Block block;
+  block.size = segment_size;
+  block.segment = *address;
+  block.stream = stream;
+  block.pool = pool;
+  blocks_.emplace(*address, std::move(block));
+  free_.insert(FreeKey{pool, stream, segment_size, *address});
+  ++stats_.segment_allocs;
+  stats_.reserved += segment_size;
+  stats_.pool_reserved[pool_index(pool)] += segment_size;
+  raise_peak(stats_.reserved_peak, stats_.reserved);
+  raise_peak(stats_.pool_reserved_peak[pool_index(pool)], stats_.pool_reserved[pool_index(pool)]);
+  return address;
+}
+
+DeviceAllocation CachingAllocator::hand_out(Bytes address, Bytes size, Bytes requested) {
+  const auto it = blocks_.find(address);
+  FERRY_CHECK(
+      it != blocks_.end() && it->second.state == BlockInfo::State::Free && it->second.size >= size,
+      "no free block of at least {} B at {:#x}", size.count(), address.count());
+  Block& b = it->second;
+  free_.erase(FreeKey{b.pool, b.stream, b.size, address});
+  const Bytes remainder = b.size - size;
+  const bool split =
+      b.pool == PoolKind::Small ? remainder >= kMinBlockSize : remainder > kSmallSize;
+  if (split) {
+    Block rest;
+    rest.size = remainder;
+    rest.segment = b.segment;
+    rest.stream = b.stream;
+    rest.pool = b.pool;
+    blocks_.emplace_hint(std::next(it), address + size, std::move(rest));
+    free_.insert(FreeKey{b.pool, b.stream, remainder, address + size});
+    b.size = size;
+  }
+  FERRY_CHECK(next_id_ < BlockId::kInvalid, "block ids exhausted");
+  b.state = BlockInfo::State::Allocated;
+  b.requested = requested;
+  b.id = BlockId(next_id_++);
+  live_.emplace(b.id, address);
+  stats_.allocated += b.size;
+  stats_.requested += requested;
+  stats_.requested_peak = std::max(stats_.requested_peak, stats_.requested);
+  stats_.pool_allocated[pool_index(b.pool)] += b.size;
+  raise_peak(stats_.allocated_peak, stats_.allocated);
+  return DeviceAllocation{b.id, address, b.size};
+}
+
+void CachingAllocator::release_block(BlockMap::iterator it) {
+  Block& b = it->second;
+  stats_.allocated -= b.size;
+  stats_.requested -= b.requested;
+  stats_.pool_allocated[pool_index(b.pool)] -= b.size;
+  b.state = BlockInfo::State::Free;
+  b.requested = Bytes(0);
+  b.id = BlockId{};
+  b.stream_uses.clear();
+  b.markers.clear();
+  // Merge with free neighbours of the same segment; allocated and pending ones stay apart.
+  if (it != blocks_.begin()) {
+    const auto prev = std::prev(it);
+    Block& p = prev->second;
+    if (p.segment == b.segment && p.state == BlockInfo::State::Free) {
+      free_.erase(FreeKey{p.pool, p.stream, p.size, prev->first});
+      p.size += b.size;
+      blocks_.erase(it);
+      it = prev;
+    }
+  }
+  Block& merged = it->second;
+  const auto next = std::next(it);
+  if (next != blocks_.end() && next->second.segment == merged.segment &&
+      next->second.state == BlockInfo::State::Free) {
+    free_.erase(FreeKey{next->second.pool, next->second.stream, next->second.size, next->first});
+    merged.size += next->second.size;
+    blocks_.erase(next);
+  }
+  free_.insert(FreeKey{merged.pool, merged.stream, merged.size, it->first});
+}
+
+void CachingAllocator::process_pending(StreamMarkers& markers) {
+  if (pending_.empty()) {
+    return;
+  }
+  // A marker that answered "done" is dropped (it was observed once, as PyTorch drops a
+  // completed event); the block returns when none is left.
+  std::vector<Bytes> still_pending;
+  for (const Bytes address : pending_) {
+    const auto it = blocks_.find(address);
+    FERRY_CHECK(it != blocks_.end() && it->second.state == BlockInfo::State::PendingFree,
+                "pending free at {:#x} is missing", address.count());
+    std::erase_if(it->second.markers, [&markers](MarkerId m) { return markers.query(m); });
+    if (it->second.markers.empty()) {
+      release_block(it);
+    } else {
+      still_pending.push_back(address);
+    }
+  }
+  pending_ = std::move(still_pending);
+}
+
+void CachingAllocator::synchronize_pending(StreamMarkers& markers) {
+  for (const Bytes address : pending_) {
+    const auto it = blocks_.find(address);
+    FERRY_CHECK(it != blocks_.end() && it->second.state == BlockInfo::State::PendingFree,
+                "pending free at {:#x} is missing", address.count());
+    for (const MarkerId m : it->second.markers) {
+      markers.synchronize(m);
+    }
+    release_block(it);
+  }
+  pending_.clear();
+}
+
+void CachingAllocator::release_free_segments() {
+  for (auto seg = segments_.begin(); seg != segments_.end();) {
+    const auto block = blocks_.find(seg->first);
+    FERRY_CHECK(block != blocks_.end(), "segment at {:#x} has no first block", seg->first.count());
+    const Segment& s = seg->second;
+    if (block->second.state != BlockInfo::State::Free || block->second.size != s.size) {
+      ++seg;
+      continue;
+    }
+    free_.erase(FreeKey{s.pool, s.stream, s.size, seg->first});
+    blocks_.erase(block);
+    ranges_.release(seg->first, s.size);
+    ++stats_.segment_frees;
+    stats_.reserved -= s.size;
+    stats_.pool_reserved[pool_index(s.pool)] -= s.size;
+    seg = segments_.erase(seg);
+  }
+}
+
+Error CachingAllocator::out_of_memory(StreamId stream, Bytes requested, Bytes size,
+                                      Bytes segment_size) const {
+  const Bytes free_bytes = capacity_ - stats_.reserved;
+  std::string why =
+      segment_size > free_bytes
+          ? fmt::format("only {} ({} B) is not reserved", format_bytes(free_bytes),
+                        free_bytes.count())
+          : fmt::format(
+                "{} is not reserved but no free address range is that long (the device "
+                "range is fragmented)",
+                format_bytes(free_bytes));
+  std::string message = fmt::format(
+      "out of memory: tried to allocate {} ({} B) on stream {}; capacity {}, reserved {}, "
+      "allocated {}; the {} B block needs a new {} segment and {}; {} is reserved but unallocated "
+      "in partly used segments. Free or shrink live tensors, or give the device more memory.",
+      format_bytes(requested), requested.count(), stream.value(), format_bytes(capacity_),
+      format_bytes(stats_.reserved), format_bytes(stats_.allocated), size.count(),
+      format_bytes(segment_size), why, format_bytes(stats_.reserved - stats_.allocated));
+  const std::vector<BlockInfo> live = live_blocks();
+  message += fmt::format("\nlive blocks ({}, by address):", live.size());
+  for (std::size_t i = 0; i < live.size() && i < kOomListedBlocks; ++i) {
+    const BlockInfo& b = live[i];
+    message +=
+        fmt::format("\n  {:#x} size {} B requested {} B stream {} {}", b.address.count(),
+                    b.size.count(), b.requested.count(), b.stream.value(), state_name(b.state));
+  }
+  if (live.size() > kOomListedBlocks) {
+    message += fmt::format("\n  ... and {} more", live.size() - kOomListedBlocks);
+  }
+  return Error{std::move(message)};
+}
+
+BlockInfo CachingAllocator::info(Bytes address, const Block& block) {
+  return BlockInfo{address, block.size, block.requested, block.stream, block.state};
+}
+
+}  // namespace ferry::sim

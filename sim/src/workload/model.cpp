@@ -1,0 +1,371 @@
+#include "ferry/sim/workload/model.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ferry/check.hpp"
+#include "ferry/sim/json/json_reader.hpp"
+
+namespace ferry::sim {
+namespace {
+
+/// An error at `path` ("ops[3].inputs[1]: ..."), without a source: parse_model adds that.
+template <class... Args>
+Error error_at(std::string_view path, fmt::format_string<Args...> format, Args&&... args) {
+  return Error{fmt::format("{}: {}", path, fmt::format(format, std::forward<Args>(args)...))};
+}
+
+std::string tensor_path(std::size_t index) { return json_element_path("tensors", index); }
+
+std::string op_path(std::size_t index) { return json_element_path("ops", index); }
+
+/// `ops[i] "name"`, for messages that point at another op.
+std::string op_label(const Model& model, std::size_t index) {
+  return fmt::format("{} {}", op_path(index), json_quote(model.ops[index].name));
+}
+
+/// Whether `name` is free in `seen`; otherwise an error at `path` that names the first user.
+Status declare_name(std::map<std::string_view, std::size_t, std::less<>>& seen,
+                    std::string_view name, std::size_t index, std::string_view what,
+                    std::string_view path, std::string (*first_path)(std::size_t)) {
+  if (name.empty()) return error_at(path, "a {} needs a non-empty name", what);
+  const auto [it, inserted] = seen.emplace(name, index);
+  if (!inserted) {
+    return error_at(path, "duplicate {} name {} (first at {})", what, json_quote(name),
+                    first_path(it->second));
+  }
+  return Ok{};
+}
+
+Status check_tensor(const Model& model, std::size_t index) {
+  const ModelTensor& tensor = model.tensors[index];
+  const std::string path = tensor_path(index);
+  const std::int64_t bytes = tensor.bytes.count();
+  if (bytes <= 0) {
+    return error_at(json_member_path(path, "bytes"), "expected a positive byte count, got {}",
+                    bytes);
+  }
+  if (bytes > kMaxJsonBytes) {
+    return error_at(json_member_path(path, "bytes"), "{} is above the limit of {}", bytes,
+                    kMaxJsonBytes);
+  }
+  const std::int64_t element = dtype_size(tensor.dtype);
+  if (bytes % element != 0) {
+    return error_at(json_member_path(path, "bytes"),
+                    "{} bytes is not a whole number of {} elements ({} bytes each)", bytes,
+                    dtype_name(tensor.dtype), element);
+  }
+  const std::int64_t offset = tensor.view_offset.count();
+  if (tensor.view_of == -1) {
+    if (offset != 0) {
+      return error_at(json_member_path(path, "view_offset"),
+                      "only a view has an offset; {} has its own storage", json_quote(tensor.name));
+    }
+    return Ok{};
+  }
+  const std::string view_path = json_member_path(path, "view_of");
+  if (tensor.view_of < 0 || static_cast<std::size_t>(tensor.view_of) >= model.tensors.size()) {
+    return error_at(view_path, "base index {} out of range ({} tensors)", tensor.view_of,
+                    model.tensors.size());
+  }
+  const auto base_index = static_cast<std::size_t>(tensor.view_of);
+  const ModelTensor& base = model.tensors[base_index];
+  if (base_index == index) return error_at(view_path, "a tensor cannot be a view of itself");
+  if (base.view_of != -1) {
+    const std::string root =
+        base.view_of >= 0 && static_cast<std::size_t>(base.view_of) < model.tensors.size()
+            ? json_quote(model.tensors[static_cast<std::size_t>(base.view_of)].name)
+            : std::string("another tensor");
+    return error_at(view_path, "base {} is itself a view (of {}); take the view of {} instead",
+                    json_quote(base.name), root, root);
+  }
+  if (base.role != tensor.role) {
+    return error_at(view_path, "a view has its base's role: {} is {}, base {} is {}",
+                    json_quote(tensor.name), tensor_role_name(tensor.role), json_quote(base.name),
+                    tensor_role_name(base.role));
+  }
+  if (offset < 0) {
+    return error_at(json_member_path(path, "view_offset"), "expected a non-negative offset, got {}",
+                    offset);
+  }
+  if (offset > base.bytes.count() - bytes) {
+    return error_at(json_member_path(path, "view_offset"),
+                    "{} bytes at offset {} lie outside its base {} ({} bytes)", bytes, offset,
+                    json_quote(base.name), base.bytes.count());
+  }
+  return Ok{};
+}
+
+/// One of an op's counters (FLOPs, bytes, nanoseconds) and the largest value the JSON form takes.
+struct Count {
+  std::string_view key;
+  std::int64_t value;
+  std::int64_t max;
+};
+
+Status check_op_counts(const ModelOp& op, std::string_view path) {
+  if (op.layer < -1) {
+    return error_at(json_member_path(path, "layer"),
+                    "expected -1 (outside the stack) or a layer index, got {}", op.layer);
+  }
+  for (const Count& count :
+       {Count{"flops", op.flops, kMaxModelFlops}, Count{"bytes", op.bytes.count(), kMaxJsonBytes},
+        Count{"backward_flops", op.backward_flops, kMaxModelFlops},
+        Count{"backward_bytes", op.backward_bytes.count(), kMaxJsonBytes},
+        Count{"duration_ns", op.duration.ns(), kMaxJsonNanoseconds},
+        Count{"backward_duration_ns", op.backward_duration.ns(), kMaxJsonNanoseconds}}) {
+    const std::string at = json_member_path(path, count.key);
+    if (count.value < 0) {
+      return error_at(at, "expected a non-negative count, got {}", count.value);
+    }
+    if (count.value > count.max) {
+      return error_at(at, "{} is above the limit of {}", count.value, count.max);
+    }
+  }
+  return Ok{};
+}
+
+/// The tensor index at `path`, checked to be in range.
+Result<std::size_t> tensor_index(const Model& model, std::uint32_t index, std::string_view path) {
+  if (index >= model.tensors.size()) {
+    return error_at(path, "tensor index {} out of range ({} tensors)", index, model.tensors.size());
+  }
+  return static_cast<std::size_t>(index);
+}
+
+constexpr std::int64_t kNotProduced = -1;
+
+/// Checks each op's references in forward order against the ops that produced each activation.
+/// `producer[t]` is the op that produced tensor t, or kNotProduced.
+Status check_ops(const Model& model, std::vector<std::int64_t>& producer) {
+  std::map<std::string_view, std::size_t, std::less<>> names;
+  for (std::size_t i = 0; i < model.ops.size(); ++i) {
+    const ModelOp& op = model.ops[i];
+    const std::string path = op_path(i);
+    FERRY_JSON_RETURN_IF_ERROR(
+        declare_name(names, op.name, i, "op", json_member_path(path, "name"), op_path));
+    FERRY_JSON_RETURN_IF_ERROR(check_op_counts(op, path));
+
+    for (std::size_t j = 0; j < op.inputs.size(); ++j) {
+      const std::string at = json_element_path(json_member_path(path, "inputs"), j);
+      FERRY_JSON_TRY(const auto t, tensor_index(model, op.inputs[j], at));
+      const ModelTensor& tensor = model.tensors[t];
+      if (tensor.role == TensorRole::Activation && producer[t] == kNotProduced) {
+        return error_at(at, "activation {} is read before it is produced", json_quote(tensor.name));
+      }
+    }
+
+    for (std::size_t j = 0; j < op.outputs.size(); ++j) {
+      const std::string at = json_element_path(json_member_path(path, "outputs"), j);
+      FERRY_JSON_TRY(const auto t, tensor_index(model, op.outputs[j], at));
+      const ModelTensor& tensor = model.tensors[t];
+      if (tensor.role != TensorRole::Activation) {
+        return error_at(at, "{} is {} {}; ops produce activations only", json_quote(tensor.name),
+                        tensor.role == TensorRole::Input ? "an" : "a",
+                        tensor_role_name(tensor.role));
+      }
+      if (producer[t] != kNotProduced) {
+        return error_at(at, "activation {} is produced twice (first by {})",
+                        json_quote(tensor.name),
+                        op_label(model, static_cast<std::size_t>(producer[t])));
+      }
+      producer[t] = static_cast<std::int64_t>(i);
+    }
+    // A view may come with its base from the same op, listed in either order.
+    for (std::size_t j = 0; j < op.outputs.size(); ++j) {
+      const ModelTensor& tensor = model.tensors[op.outputs[j]];
+      if (tensor.view_of < 0) continue;
+      const auto base = static_cast<std::size_t>(tensor.view_of);
+      if (producer[base] == kNotProduced) {
+        return error_at(json_element_path(json_member_path(path, "outputs"), j),
+                        "view {} is produced before its base {}", json_quote(tensor.name),
+                        json_quote(model.tensors[base].name));
+      }
+    }
+
+    for (std::size_t j = 0; j < op.saved.size(); ++j) {
+      const std::string at = json_element_path(json_member_path(path, "saved"), j);
+      FERRY_JSON_TRY(const auto t, tensor_index(model, op.saved[j], at));
+      const ModelTensor& tensor = model.tensors[t];
+      const auto first = std::find(op.saved.begin(),
+                                   op.saved.begin() + static_cast<std::ptrdiff_t>(j), op.saved[j]);
+      if (first != op.saved.begin() + static_cast<std::ptrdiff_t>(j)) {
+        return error_at(at, "{} is already saved by this op (saved[{}])", json_quote(tensor.name),
+                        first - op.saved.begin());
+      }
+      if (tensor.role == TensorRole::Activation && producer[t] == kNotProduced) {
+        return error_at(at, "activation {} is saved before it is produced",
+                        json_quote(tensor.name));
+      }
+    }
+  }
+  return Ok{};
+}
+
+}  // namespace
+
+std::int64_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+      return 4;
+    case DType::BF16:
+      return 2;
+    case DType::F16:
+      return 2;
+    case DType::U8:
+      return 1;
+    case DType::I64:
+      return 8;
+  }
+  fail_check(__FILE__, __LINE__, "dtype", fmt::format("unknown dtype {}", static_cast<int>(dtype)));
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+      return "f32";
+    case DType::BF16:
+      return "bf16";
+    case DType::F16:
+      return "f16";
+    case DType::U8:
+      return "u8";
+    case DType::I64:
+      return "i64";
+  }
+  return "?";
+}
+
+const char* tensor_role_name(TensorRole role) {
+  switch (role) {
+    case TensorRole::Input:
+      return "input";
+    case TensorRole::Param:
+      return "param";
+    case TensorRole::Buffer:
+      return "buffer";
+    case TensorRole::Activation:
+      return "activation";
+  }
+  return "?";
+}
+
+Status validate_model(const Model& model) {
+  if (model.name.empty()) return Error{"name: a model needs a non-empty name"};
+  if (model.tensors.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+    return Error{fmt::format("tensors: {} tensors is more than a model may have ({})",
+                             model.tensors.size(), std::numeric_limits<std::int32_t>::max())};
+  }
+  std::map<std::string_view, std::size_t, std::less<>> names;
+  for (std::size_t i = 0; i < model.tensors.size(); ++i) {
+    FERRY_JSON_RETURN_IF_ERROR(declare_name(names, model.tensors[i].name, i, "tensor",
+                                            json_member_path(tensor_path(i), "name"), tensor_path));
+    FERRY_JSON_RETURN_IF_ERROR(check_tensor(model, i));
+  }
+  if (model.ops.empty()) return Error{"ops: a model needs at least one op"};
+
+  std::vector<std::int64_t> producer(model.tensors.size(), kNotProduced);
+  FERRY_JSON_RETURN_IF_ERROR(check_ops(model, producer));
+  for (std::size_t i = 0; i < model.tensors.size(); ++i) {
+    const ModelTensor& tensor = model.tensors[i];
+    if (tensor.role == TensorRole::Activation && producer[i] == kNotProduced) {
+      return error_at(tensor_path(i), "activation {} is never produced by an op",
+                      json_quote(tensor.name));
+    }
+  }
+
+  FERRY_JSON_TRY(const auto loss, tensor_index(model, model.loss, "loss"));
+  const ModelTensor& tensor = model.tensors[loss];
+  if (tensor.role != TensorRole::Activation) {
+    return error_at("loss", "{} is {} {}; the loss is an activation", json_quote(tensor.name),
+                    tensor.role == TensorRole::Input ? "an" : "a", tensor_role_name(tensor.role));
+  }
+  const std::size_t last = model.ops.size() - 1;
+  if (producer[loss] != static_cast<std::int64_t>(last)) {
+    return error_at(
+        "loss", "{} is produced by {}, not by the last op ({})", json_quote(tensor.name),
+        op_label(model, static_cast<std::size_t>(producer[loss])), op_label(model, last));
+  }
+  return Ok{};
+}
+
+// Note [Counting saved bytes]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Korthikanti et al. (2022, Section 4.1) count what each op of a layer keeps for backward, term
+// by term: the LayerNorm input (the residual stream, produced by the layer before) is a term of
+// this layer; Q and K are 2sbh each although both live inside the QKV output; the dropout
+// output and V are separate terms. saved_activation_bytes reproduces that accounting:
+//
+//   * the tensors saved by the ops whose `layer` is the given one, whoever produced them;
+//   * activations only (params, buffers and the batch are not activation memory);
+//   * each tensor once, however many ops save it (o_proj and flash attention both save the
+//     attention output: it is one tensor and one term);
+//   * a view with its own bytes, not its base's. Q, K and V are views of the QKV output, and the
+//     formula counts exactly those slices.
+//
+// This is a logical count. Storage can be shared (a view and its base, or two views of one
+// base, both saved), so an offloader that moves storages may move fewer or more bytes; the
+// transformer generator never saves both a view and its base, so here the two counts agree.
+
+Bytes saved_activation_bytes(const Model& model, std::int32_t layer) {
+  std::vector<bool> counted(model.tensors.size(), false);
+  Bytes total;
+  for (const ModelOp& op : model.ops) {
+    if (op.layer != layer) continue;
+    for (const std::uint32_t t : op.saved) {
+      FERRY_CHECK(t < model.tensors.size(), "op {} saves tensor {} of {}", op.name, t,
+                  model.tensors.size());
+      const ModelTensor& tensor = model.tensors[t];
+      if (tensor.role != TensorRole::Activation || counted[t]) continue;
+      counted[t] = true;
+      total += tensor.bytes;
+    }
+  }
+  return total;
+}
+
+namespace {
+
+/// ceil(amount x 10^9 x 1000 / (rate x permille)) nanoseconds: `amount` FLOPs or bytes moved at
+/// `permille` thousandths of `rate` per second.
+std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t permille) {
+  // 128-bit: amount x 10^12 overflows 64 bits above ~9.2e6 FLOPs.
+  __extension__ using Wide = unsigned __int128;
+  const Wide scaled = static_cast<Wide>(amount) * 1'000'000'000U * 1000U;
+  const Wide divisor = static_cast<Wide>(rate) * static_cast<Wide>(permille);
+  const Wide ns = (scaled + divisor - 1) / divisor;
+  FERRY_CHECK(ns <= static_cast<Wide>(std::numeric_limits<std::int64_t>::max()),
+              "roofline time of {} at rate {} does not fit in 64 bits", amount, rate);
+  return static_cast<std::int64_t>(ns);
+}
+
+SimTime roofline_time(std::int64_t flops, Bytes bytes, const DeviceProfile& device) {
+  const std::int64_t compute = roofline_ns(flops, device.flops_per_s, kRooflineFlopsPermille);
+  const std::int64_t memory =
+      roofline_ns(bytes.count(), device.memory_bandwidth.bytes_per_s(), kRooflineBandwidthPermille);
+  return SimTime(std::max({compute, memory, std::int64_t{1}}));
+}
+
+}  // namespace
+
+void assign_roofline_durations(Model& model, const DeviceProfile& device) {
+  FERRY_CHECK(device.flops_per_s > 0 && device.memory_bandwidth.bytes_per_s() > 0,
+              "device profile {} needs positive flops_per_s and memory bandwidth", device.name);
+  for (ModelOp& op : model.ops) {
+    FERRY_CHECK(op.flops >= 0 && op.bytes.count() >= 0 && op.backward_flops >= 0 &&
+                    op.backward_bytes.count() >= 0,
+                "op {} has a negative FLOP or byte count", op.name);
+    op.duration = roofline_time(op.flops, op.bytes, device);
+    op.backward_duration = roofline_time(op.backward_flops, op.backward_bytes, device);
+  }
+}
+
+}  // namespace ferry::sim
