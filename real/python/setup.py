@@ -32,6 +32,7 @@ sources = [
     _src(REAL, "src", "device.cpp"),
     _src(REAL, "src", "runtime.cpp"),
     _src(SHARED, "src", "check.cpp"),
+    _src(SHARED, "src", "failure.cpp"),
     _src(SHARED, "src", "offload", "options.cpp"),
     _src(SHARED, "src", "offload", "record.cpp"),
     _src(SHARED, "src", "units.cpp"),

@@ -150,7 +150,7 @@ int run_pipeline_cli(const PlanArgs& args, const ferry::sim::Model& model,
       model, device,
       fmt::format("gpipe {}x{} {}", o.devices, o.micro_batches, args.pipeline_checkpoint), o);
   if (row.failure && row.step_time.ns() == 0) {
-    fmt::print(stderr, "ferry simulate: error: {}\n", *row.failure);
+    fmt::print(stderr, "ferry simulate: error: {}\n", row.failure->message);
     return kExitBadInput;
   }
   const std::string out = args.json ? "{\"format\": \"ferry.pipeline/1\", \"rows\": " +

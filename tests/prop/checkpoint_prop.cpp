@@ -179,7 +179,7 @@ void checkpoint_is_faithful(const std::vector<LayerChoice>& layers,
   auto run = simulate_training(model, device, ck, faults);
   RC_ASSERT(plain.ok() && run.ok());
   const TrainingRun& r = run.value();
-  if (r.failure) RC_FAIL("run failed: " + *r.failure);
+  if (r.failure) RC_FAIL("run failed: " + r.failure->message);
   RC_ASSERT(!plain.value().failure);
   RC_ASSERT(r.sim.hazards().empty());
   RC_ASSERT(r.sim.content_mismatches().empty());

@@ -134,7 +134,7 @@ void offload_is_safe(const std::vector<LayerChoice>& choices, const Knobs& knobs
   RC_ASSERT(run.ok());
   const TrainingRun& r = run.value();
   RC_LOG() << describe(model);
-  if (r.failure) RC_FAIL("run failed: " + *r.failure);
+  if (r.failure) RC_FAIL("run failed: " + r.failure->message);
   if (!r.sim.hazards().empty()) {
     const Hazard& h = r.sim.hazards()[0];
     RC_FAIL("hazard between op " + std::to_string(h.first.value()) + " (" +

@@ -230,7 +230,7 @@ Runs run_case(const Case& c, const PipelineFaults& faults) {
 }
 
 void step_completed(const PipelineRun& run) {
-  if (run.failure) RC_FAIL("the step failed: " + *run.failure);
+  if (run.failure) RC_FAIL("the step failed: " + run.failure->message);
 }
 
 // Every buffer a portal held is freed by the step, and only frees and record_stream calls lie

@@ -18,7 +18,7 @@ TrainingOptions with(Policy policy) {
 }
 
 void expect_clean(const TrainingRun& run) {
-  EXPECT_FALSE(run.failure) << *run.failure;
+  EXPECT_FALSE(run.failure) << run.failure->message;
   EXPECT_TRUE(run.sim.hazards().empty()) << run.sim.hazards().size() << " hazards";
   EXPECT_TRUE(run.sim.content_mismatches().empty());
   for (std::size_t s = 0; s < run.allocated_after.size(); ++s) {
@@ -72,7 +72,8 @@ TEST(Autograd, RetainGraphWorksWithFerryAndFailsWithTrlAsTheReferenceDoes) {
   auto trl = simulate_training(m, testing::simple_profile(), o);
   ASSERT_TRUE(trl.ok());
   ASSERT_TRUE(trl.value().failure);
-  EXPECT_NE(trl.value().failure->find("untracked tensor with id"), std::string::npos);
+  EXPECT_NE(trl.value().failure->message.find("untracked tensor with id"), std::string::npos);
+  EXPECT_EQ(trl.value().failure->kind, FailureKind::Misuse);
 }
 
 TEST(Autograd, EscapedViewsAreProtectedByRecordStream) {
@@ -85,6 +86,18 @@ TEST(Autograd, EscapedViewsAreProtectedByRecordStream) {
     expect_clean(run.value());
     EXPECT_GT(run.value().telemetry.record_stream_fallbacks, 0) << policy_name(p);
   }
+}
+
+TEST(Autograd, RunningOutOfDeviceMemoryIsAFailureOfThatKind) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  DeviceProfile small = testing::simple_profile();
+  small.memory = Bytes(2 << 20);
+  auto run = simulate_training(m, small, with(Policy::None));
+  ASSERT_TRUE(run.ok());
+  ASSERT_TRUE(run.value().failure);
+  EXPECT_EQ(run.value().failure->kind, FailureKind::OutOfMemory);
+  EXPECT_NE(run.value().failure->message.find("out of memory"), std::string::npos)
+      << run.value().failure->message;
 }
 
 TEST(Autograd, PlantedFaultSkippingTheReloadWaitIsCaught) {

@@ -188,7 +188,7 @@ TEST(Pipeline, TinyGptMatchesTheSingleDeviceRunOnTwoToFourDevices) {
       const PipelineOptions o = options(devices, 4, mode, residual_skips(model));
       const PipelineRun run = simulate_pipeline(model, device, o).value();
       const PipelineRun reference = simulate_reference(model, device, o).value();
-      ASSERT_FALSE(run.failure) << *run.failure;
+      ASSERT_FALSE(run.failure) << run.failure->message;
       EXPECT_EQ(run.partition_starts.size(), static_cast<std::size_t>(devices) + 1);
       EXPECT_TRUE(run.hazards().empty()) << first_hazard(run);
       EXPECT_TRUE(run.content_mismatches().empty());
@@ -211,7 +211,7 @@ TEST(Pipeline, PortalsAreFreedRightAfterTheirLastUse) {
       const PipelineRun run =
           simulate_pipeline(model, device, options(devices, 4, mode, residual_skips(model)))
               .value();
-      ASSERT_FALSE(run.failure) << *run.failure;
+      ASSERT_FALSE(run.failure) << run.failure->message;
       EXPECT_FALSE(run.portal_lifetimes.empty());
       EXPECT_EQ(portal_free_problem(run), "");
       EXPECT_EQ(run.portal_frees, static_cast<std::int64_t>(run.portal_lifetimes.size()));
@@ -226,7 +226,7 @@ TEST(Pipeline, LongSkipIsCopiedStraightToTheConsumersDevice) {
       simulate_pipeline(model, simple_profile(),
                         options(3, 2, CheckpointMode::Never, {SkipConnection{4, 5}}))
           .value();
-  ASSERT_FALSE(run.failure) << *run.failure;
+  ASSERT_FALSE(run.failure) << run.failure->message;
   EXPECT_EQ(run.partition_starts, (std::vector<std::uint32_t>{0, 2, 4, 7}));
   std::int32_t forward = 0;
   std::int32_t backward = 0;
@@ -256,7 +256,7 @@ TEST(Pipeline, CheckpointedSkipCopyLivesUntilTheConsumersRecompute) {
     const PipelineRun run =
         simulate_pipeline(model, simple_profile(), options(3, 2, mode, {SkipConnection{4, 5}}))
             .value();
-    ASSERT_FALSE(run.failure) << *run.failure;
+    ASSERT_FALSE(run.failure) << run.failure->message;
     for (const PortalLifetime& l : run.portal_lifetimes) {
       if (l.gradient || l.device != DeviceId(2)) continue;
       const std::string last(run.sim.label(run.sim.ops()[l.last_use.value()].label));
@@ -281,7 +281,7 @@ TEST(Pipeline, PortalCountsFollowTheTensorLives) {
     const PipelineRun run =
         simulate_pipeline(model, simple_profile(), options(3, 4, mode, {SkipConnection{4, 5}}))
             .value();
-    ASSERT_FALSE(run.failure) << *run.failure;
+    ASSERT_FALSE(run.failure) << run.failure->message;
     EXPECT_EQ(run.portal_stats.puts, counts.first) << checkpoint_mode_name(mode);
     EXPECT_EQ(run.portal_stats.uses, counts.second) << checkpoint_mode_name(mode);
     EXPECT_EQ(run.portal_stats.copies, m);
@@ -340,7 +340,8 @@ TEST(Pipeline, OutOfMemoryStopsTheStepWithTheAllocatorsReport) {
       simulate_pipeline(model, small, options(3, 2, CheckpointMode::Never, {SkipConnection{4, 5}}))
           .value();
   ASSERT_TRUE(run.failure);
-  EXPECT_NE(run.failure->find("out of memory"), std::string::npos) << *run.failure;
+  EXPECT_NE(run.failure->message.find("out of memory"), std::string::npos) << run.failure->message;
+  EXPECT_EQ(run.failure->kind, FailureKind::OutOfMemory);
   EXPECT_GT(run.buffers_left, 0);
 }
 
@@ -429,7 +430,7 @@ TEST(PipelineFault, WrongTensorLifeStopsTheStepWithThePortalError) {
   o.faults.portal.fixed_life = true;
   const PipelineRun run = simulate_pipeline(model, simple_profile(), o).value();
   ASSERT_TRUE(run.failure);
-  EXPECT_NE(run.failure->find("tensor in portal has been removed"), std::string::npos);
+  EXPECT_NE(run.failure->message.find("tensor in portal has been removed"), std::string::npos);
   o.checkpoint = CheckpointMode::Never;  // life 2 is right without checkpoint
   EXPECT_FALSE(simulate_pipeline(model, simple_profile(), o).value().failure);
 }
@@ -445,7 +446,7 @@ TEST(PipelineFigures, PresetsOnH100) {
       for (const CheckpointMode mode : kModes) {
         const PipelineOptions o = options(devices, 4, mode, residual_skips(model));
         const PipelineRun run = simulate_pipeline(model, device, o).value();
-        ASSERT_FALSE(run.failure) << *run.failure;
+        ASSERT_FALSE(run.failure) << run.failure->message;
         EXPECT_TRUE(run.hazards().empty()) << first_hazard(run);
         EXPECT_TRUE(run.content_mismatches().empty());
         const PipelineRun reference = simulate_reference(model, device, o).value();

@@ -68,7 +68,7 @@ Json row_json(const RowResult& r, const RowResult* base) {
   j["name"] = r.name;
   j["policy"] = policy_name(r.policy);
   j["fits"] = r.fits;
-  j["failure"] = r.failure ? Json(*r.failure) : Json(nullptr);
+  j["failure"] = r.failure ? Json(r.failure->message) : Json(nullptr);
   j["step_time_ns"] = r.step_time.ns();
   j["forward_time_ns"] = r.forward_time.ns();
   j["forward_stall_ns"] = r.forward_stall.ns();
@@ -177,11 +177,11 @@ RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyR
     RowResult r;
     r.name = row.name;
     r.policy = row.options.offload.policy;
-    r.failure = run.error().message;
+    r.failure = Failure{FailureKind::Infeasible, run.error().message};
     return r;
   }
   RowResult result = measure(run.value(), row);
-  if (result.failure && result.failure->find("out of memory") != std::string::npos) {
+  if (result.failure && result.failure->kind == FailureKind::OutOfMemory) {
     // What would it need? Run again with ample memory.
     DeviceProfile roomy = device;
     roomy.memory = Bytes(device.memory.count() * 8);
@@ -201,7 +201,7 @@ RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyR
 std::string simulate_text(const RowResult& r, const Model& model, const DeviceProfile& device) {
   std::string out =
       fmt::format("ferry simulate: {} on {}, policy {}\n", model.name, device.name, r.name);
-  if (r.failure) out += fmt::format("failure: {}\n", *r.failure);
+  if (r.failure) out += fmt::format("failure: {}\n", r.failure->message);
   if (!r.fits)
     out += fmt::format("does not fit in {}: the figures below need more memory\n",
                        format_bytes(device.memory));
@@ -248,7 +248,7 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
     if (!r.fits) {
       note = "does not fit";
     } else if (r.failure) {
-      note = "failed: " + *r.failure;
+      note = "failed: " + r.failure->message;
     } else if (r.hazards > 0) {
       note = fmt::format("{} hazards", r.hazards);
     }
@@ -286,7 +286,7 @@ PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device, st
   row.options = options;
   auto run = simulate_pipeline(model, device, options);
   if (!run.ok()) {
-    row.failure = run.error().message;
+    row.failure = Failure{FailureKind::Infeasible, run.error().message};
     return row;
   }
   const PipelineRun& r = run.value();
@@ -328,7 +328,7 @@ std::string pipeline_text(const std::vector<PipelineRow>& rows) {
   std::string out = fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {}\n", "pipeline", "step",
                                 "per micro-batch", "max dev peak", "recompute", "note");
   for (const PipelineRow& r : rows) {
-    std::string note = r.failure       ? "failed: " + *r.failure
+    std::string note = r.failure       ? "failed: " + r.failure->message
                        : r.hazards > 0 ? fmt::format("{} hazards", r.hazards)
                                        : std::string();
     const std::int64_t mb = std::max(1, r.options.micro_batches);
@@ -348,7 +348,7 @@ std::string pipeline_json(const std::vector<PipelineRow>& rows) {
     j["devices"] = r.options.devices;
     j["micro_batches"] = r.options.micro_batches;
     j["checkpoint"] = checkpoint_mode_name(r.options.checkpoint);
-    j["failure"] = r.failure ? Json(*r.failure) : Json(nullptr);
+    j["failure"] = r.failure ? Json(r.failure->message) : Json(nullptr);
     j["step_time_ns"] = r.step_time.ns();
     j["recompute_ns"] = r.recompute_time.ns();
     j["hazards"] = r.hazards;

@@ -184,7 +184,7 @@ std::string summary_text(const ProgramRun& run, std::string_view source) {
                      sim.ops().size(), kernels, copies, sim.ops().size() - kernels - copies,
                      sim.device_count(), sim.stream_count());
   out += fmt::format("makespan: {} ({} ns)\n", format_time(sim.makespan()), sim.makespan().ns());
-  if (run.failure) out += fmt::format("failure: {}\n", *run.failure);
+  if (run.failure) out += fmt::format("failure: {}\n", run.failure->message);
 
   const auto& hazards = sim.hazards();
   out += fmt::format("hazards: {}\n", hazards.size());
@@ -234,7 +234,7 @@ std::string summary_json(const ProgramRun& run, std::string_view source) {
   j["source"] = std::string(source);
   j["ops"] = sim.ops().size();
   j["makespan_ns"] = sim.makespan().ns();
-  j["failure"] = run.failure ? Json(*run.failure) : Json(nullptr);
+  j["failure"] = run.failure ? Json(run.failure->message) : Json(nullptr);
   Json hazards = Json::array();
   for (const Hazard& h : sim.hazards()) {
     Json hj;

@@ -64,8 +64,9 @@ Result<ProgramRun> run_program(const Program& program, SimOptions options) {
         auto got = sim.alloc(b.kind, b.device, b.bytes, op.stream, b.pool,
                              op.label.empty() ? b.name : op.label);
         if (!got) {
-          run.failure = fmt::format("ops[{}]: alloc of buffer \"{}\" failed: {}", i, b.name,
-                                    got.error().message);
+          run.failure = Failure{FailureKind::OutOfMemory,
+                                fmt::format("ops[{}]: alloc of buffer \"{}\" failed: {}", i, b.name,
+                                            got.error().message)};
           run.issued = i + 1;
           sim.finish();
           return run;

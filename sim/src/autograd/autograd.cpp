@@ -12,6 +12,7 @@
 #include "ferry/checkpoint.hpp"
 #include "ferry/offload/offloader.hpp"
 #include "ferry/sim/device/device.hpp"
+#include "step_failure.hpp"
 
 namespace ferry::sim {
 
@@ -172,10 +173,12 @@ class Trainer {
       setup();
       run_.baseline_allocated = allocated();
       for (std::int32_t step = 0; step < options_.steps && !run_.failure; ++step) this->step();
+    } catch (const StepFailure& e) {
+      run_.failure = e.failure;
     } catch (const OffloadError& e) {
-      run_.failure = e.what();
+      run_.failure = Failure{e.kind(), e.what()};
     } catch (const CheckpointError& e) {
-      run_.failure = e.what();
+      run_.failure = Failure{FailureKind::Misuse, e.what()};
     }
     run_.sim.finish();
     if (!options_.sync_each_step && !run_.steps.empty())
@@ -235,9 +238,9 @@ class Trainer {
   }
 
   Device::Buffer must_allocate(Bytes bytes, const std::string& name) {
-    auto buf = device_.allocate(Place::Device, bytes, Device::Stream{compute_}, name);
-    if (!buf) throw OffloadError(device_.last_error());
-    return *buf;
+    auto buf = device_.try_allocate(Place::Device, bytes, Device::Stream{compute_}, name);
+    if (!buf) out_of_memory(buf.error().message);
+    return buf.value();
   }
 
   std::vector<bool> needed_nodes() const {

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "ferry/check.hpp"
+#include "step_failure.hpp"
 
 namespace ferry::sim {
 
@@ -398,11 +399,6 @@ Plan make_plan(const Model& model, std::vector<std::uint32_t> starts,
   return plan;
 }
 
-/// Stops the step: out of device memory.
-struct StepFailure {
-  std::string message;
-};
-
 enum class Kind : std::uint8_t { Static, Activation, Gradient };
 
 enum class Pass : std::uint8_t {
@@ -522,7 +518,7 @@ class Executor {
   }
 
   PipelineRun run() {
-    std::optional<std::string> failure;
+    std::optional<Failure> failure;
     SimTime start;
     try {
       setup();
@@ -539,9 +535,9 @@ class Executor {
       }
       finish_step();
     } catch (const StepFailure& e) {
-      failure = e.message;
+      failure = e.failure;
     } catch (const PortalError& e) {
-      failure = e.what();
+      failure = Failure{FailureKind::Misuse, e.what()};
     }
     const SimTime step_time = sim_.host_time() - start;
     const std::int64_t left = release_leftovers();
@@ -556,18 +552,18 @@ class Executor {
     }
     std::int64_t portal_frees = 0;
     for (const PortalLifetime& l : lifetimes_) portal_frees += l.freed.valid() ? 1 : 0;
-    return PipelineRun{std::move(sim_),
-                       std::move(failure),
-                       plan_.starts,
-                       step_time,
-                       std::move(peak_allocated),
-                       peak_activations_,
-                       recompute_time_,
-                       portals_.stats(),
-                       portal_frees,
-                       left,
-                       param_gradients(),
-                       lifetimes_};
+    return PipelineRun{.sim = std::move(sim_),
+                       .failure = std::move(failure),
+                       .partition_starts = plan_.starts,
+                       .step_time = step_time,
+                       .peak_allocated = std::move(peak_allocated),
+                       .peak_activations = peak_activations_,
+                       .recompute_time = recompute_time_,
+                       .portal_stats = portals_.stats(),
+                       .portal_frees = portal_frees,
+                       .buffers_left = left,
+                       .param_grads = param_gradients(),
+                       .portal_lifetimes = lifetimes_};
   }
 
  private:
@@ -579,7 +575,7 @@ class Executor {
                     std::int32_t holds, const std::string& label) {
     auto got =
         sim_.alloc(MemoryKind::Device, DeviceId(device), bytes, stream, PinnedPool::Caching, label);
-    if (!got.ok()) throw StepFailure{got.error().message};
+    if (!got.ok()) out_of_memory(got.error().message);
     Buf b;
     b.id = got.value();
     b.device = device;

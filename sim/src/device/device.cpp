@@ -17,15 +17,19 @@ Device::Event Device::make_event() {
 
 std::optional<Device::Buffer> Device::allocate(Place place, Bytes bytes, Stream stream,
                                                std::string_view name) {
+  auto got = try_allocate(place, bytes, stream, name);
+  if (!got) return std::nullopt;
+  return got.value();
+}
+
+Result<Device::Buffer> Device::try_allocate(Place place, Bytes bytes, Stream stream,
+                                            std::string_view name) {
   const MemoryKind kind = place == Place::Device ? MemoryKind::Device : MemoryKind::Pinned;
   const PinnedPool pool =
       place == Place::PinnedHostCaching ? PinnedPool::Caching : PinnedPool::Exact;
   auto got =
       sim_.alloc(kind, device_, bytes, place == Place::Device ? stream.id : StreamId(), pool, name);
-  if (!got) {
-    last_error_ = got.error().message;
-    return std::nullopt;
-  }
+  if (!got) return got.error();
   const BufferId id = got.value();
   if (refs_.size() <= id.value()) refs_.resize(id.value() + 1, 0);
   refs_[id.value()] = 1;

@@ -189,7 +189,9 @@ class FerryPolicy {
     auto& rec = t_.records[r];
     auto buf =
         t_.backend.allocate(Place::Device, rec.bytes, t_.reload_stream, "reloaded activation");
-    if (!buf) throw OffloadError("out of device memory reloading an offloaded activation");
+    if (!buf)
+      throw OffloadError("out of device memory reloading an offloaded activation",
+                         FailureKind::OutOfMemory);
     if (!t_.faults.skip_host_guard) t_.backend.wait(t_.reload_stream, rec.d2h_done);
     t_.backend.copy(t_.reload_stream, rec.host, Bytes(0), *buf, Bytes(0), rec.bytes, "reload");
     rec.h2d_done = t_.backend.make_event();

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ferry/failure.hpp"
 #include "ferry/ids.hpp"
 #include "ferry/units.hpp"
 
@@ -66,7 +67,13 @@ struct OffloadTelemetry {
 /// next forward, a bad option).
 class OffloadError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit OffloadError(const std::string& message, FailureKind kind = FailureKind::Misuse)
+      : std::runtime_error(message), kind_(kind) {}
+  /// OutOfMemory when an allocation found no room; Misuse otherwise.
+  [[nodiscard]] FailureKind kind() const { return kind_; }
+
+ private:
+  FailureKind kind_;
 };
 
 /// Throws OffloadError for options the reference offloader rejects (a trl stash below one

@@ -170,7 +170,7 @@ class TrlPolicy {
     if (!t_.faults.skip_offload_wait) t_.wait_for_compute(t_.offload_stream);
     auto host = t_.backend.allocate(Place::PinnedHostCaching, facts.bytes, t_.offload_stream,
                                     "offloaded activation");
-    if (!host) throw OffloadError("out of pinned host memory");
+    if (!host) throw OffloadError("out of pinned host memory", FailureKind::OutOfMemory);
     const RecordId r =
         t_.start_offload(storage, facts.view_offset, *host, facts.bytes, facts.storage);
     fwd_stash_.emplace_back(id, r);
@@ -191,7 +191,8 @@ class TrlPolicy {
     auto buf =
         t_.backend.allocate(Place::Device, rec.bytes, t_.reload_stream, "reloaded activation");
     if (!buf) {
-      throw OffloadError(fmt::format("out of device memory reloading tensor {}", id.value()));
+      throw OffloadError(fmt::format("out of device memory reloading tensor {}", id.value()),
+                         FailureKind::OutOfMemory);
     }
     t_.backend.copy(t_.reload_stream, rec.host, Bytes(0), *buf, Bytes(0), rec.bytes, "reload");
     if (!t_.faults.skip_reload_wait) {

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/failure.hpp"
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/autograd/pipeline.hpp"
 
@@ -20,8 +21,8 @@ struct PolicyRow {
 struct RowResult {
   std::string name;
   Policy policy = Policy::None;
-  std::optional<std::string> failure;  ///< out of memory, or an offloader error
-  bool fits = true;                    ///< false: ran out of device memory on this device
+  std::optional<Failure> failure;  ///< out of memory, or an offloader error
+  bool fits = true;                ///< false: ran out of device memory on this device
   SimTime step_time;
   SimTime forward_time;
   SimTime backward_stall;             ///< compute stream blocked on reloads in backward
@@ -68,7 +69,7 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
 struct PipelineRow {
   std::string name;
   PipelineOptions options;
-  std::optional<std::string> failure;
+  std::optional<Failure> failure;
   SimTime step_time;      ///< the whole step: every micro-batch
   Bytes max_device_peak;  ///< the largest per-device allocated peak
   SimTime recompute_time;

@@ -4,6 +4,7 @@
 #include <optional>
 #include <string>
 
+#include "ferry/failure.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/program.hpp"
 #include "ferry/sim/engine/simulator.hpp"
@@ -14,7 +15,7 @@ namespace ferry::sim {
 struct ProgramRun {
   Simulator sim;
   /// Set when the program stopped early: an allocation failed (out of memory).
-  std::optional<std::string> failure;
+  std::optional<Failure> failure;
   /// Number of program ops issued (all of them unless `failure`).
   std::size_t issued = 0;
 };

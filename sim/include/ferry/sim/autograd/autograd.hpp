@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/failure.hpp"
 #include "ferry/offload/faults.hpp"
 #include "ferry/offload/options.hpp"
 #include "ferry/result.hpp"
@@ -53,7 +54,7 @@ struct TrainingRun {
   StreamId compute{};  ///< that device's compute stream
   OffloadTelemetry telemetry{};
   /// Set when the run stopped early: out of memory, or an error the offloader raised.
-  std::optional<std::string> failure{};
+  std::optional<Failure> failure{};
   std::vector<StepTimes> steps{};
   Bytes baseline_allocated{};  ///< device bytes allocated before the first forward
   /// Device bytes allocated after each step, less frees deferred by record_stream (they

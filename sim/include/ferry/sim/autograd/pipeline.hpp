@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/failure.hpp"
 #include "ferry/ids.hpp"
 #include "ferry/portal.hpp"
 #include "ferry/result.hpp"
@@ -81,7 +82,7 @@ struct ParamGradient {
 struct PipelineRun {
   Simulator sim;
   /// Set when the step stopped early: out of memory, or a portal misuse (PortalError).
-  std::optional<std::string> failure;
+  std::optional<Failure> failure;
   /// Partition j runs ops [partition_starts[j], partition_starts[j + 1]); devices + 1 entries.
   std::vector<std::uint32_t> partition_starts;
   SimTime step_time;                    ///< from the first forward call to the end of the step

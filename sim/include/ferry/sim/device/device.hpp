@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ferry/backend.hpp"
+#include "ferry/result.hpp"
 #include "ferry/sim/engine/simulator.hpp"
 
 namespace ferry::sim {
@@ -34,6 +35,8 @@ class Device {
   Stream make_stream(std::string_view name);
   Event make_event();
   std::optional<Buffer> allocate(Place place, Bytes bytes, Stream stream, std::string_view name);
+  /// As allocate(), with the allocator's message (what was live, what was asked) on failure.
+  Result<Buffer> try_allocate(Place place, Bytes bytes, Stream stream, std::string_view name);
   void copy(Stream stream, Buffer src, Bytes src_offset, Buffer dst, Bytes dst_offset, Bytes bytes,
             std::string_view name);
   void record(Event event, Stream stream);
@@ -45,15 +48,12 @@ class Device {
 
   [[nodiscard]] Simulator& sim() { return sim_; }
   [[nodiscard]] DeviceId device() const { return device_; }
-  /// The message of the last failed allocate().
-  [[nodiscard]] const std::string& last_error() const { return last_error_; }
 
  private:
   Simulator& sim_;
   DeviceId device_;
   StreamId compute_;
   std::vector<long> refs_;  // by BufferId
-  std::string last_error_;
 };
 
 static_assert(Backend<Device>);
