@@ -28,7 +28,6 @@ def _src(*parts):
 # The C++ engine install (real/src/api.cpp) stays out: Python's saved_tensors_hooks do its job.
 sources = [
     _src(HERE, "src", "ferry_ext.cpp"),
-    _src(REAL, "src", "recorder.cpp"),
     _src(REAL, "src", "device.cpp"),
     _src(REAL, "src", "runtime.cpp"),
     _src(SHARED, "src", "check.cpp"),
@@ -36,6 +35,9 @@ sources = [
     _src(SHARED, "src", "offload", "options.cpp"),
     _src(SHARED, "src", "offload", "record.cpp"),
     _src(SHARED, "src", "units.cpp"),
+    _src(SHARED, "src", "program", "program.cpp"),
+    _src(SHARED, "src", "program", "program_json.cpp"),
+    _src(SHARED, "src", "program", "recorder.cpp"),
 ]
 
 # torch's bundled fmt (its include dir comes first, before /usr/include), used header-only so

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ferry/program/recorder.hpp"
 #include "ferry/sim/json/json_reader.hpp"
 
 namespace ferry::sim {
@@ -200,6 +201,53 @@ TEST(ProgramJson, ParsesEveryOpKindAndResolvesNamesInDeclarationOrder) {
   EXPECT_EQ(ops[18].device, DeviceId(1));
   EXPECT_EQ(ops[19].device, DeviceId(0));
   EXPECT_EQ(ops[20].slot, SlotId(2));
+}
+
+// What a real run records, the simulator's reader reads, and the core's writer writes back to
+// the same bytes; the program it reads is the one the recorder built, and it runs.
+TEST(ProgramJson, RecordedProgramsReadBackAndWriteBackToTheSameBytes) {
+  Recorder recorder("h100-sxm-pcie5");
+  const auto compute = recorder.add_stream("compute");
+  const auto d2h = recorder.add_stream("d2h");
+  const auto h2d = recorder.add_stream("h2d");
+  const auto original = recorder.add_buffer(Place::Device, Bytes(4096));
+  const auto host = recorder.add_buffer(Place::PinnedHost, Bytes(4096));
+  const auto cached = recorder.add_buffer(Place::PinnedHostCaching, Bytes(0));
+  const auto reload = recorder.add_buffer(Place::Device, Bytes(4096));
+  recorder.alloc(original, compute);
+  recorder.produce(compute, original, Bytes(0), Bytes(4096));
+  recorder.alloc(host, -1);
+  recorder.alloc(cached, -1);
+  const auto written = recorder.add_event();
+  recorder.record(written, compute);
+  recorder.wait(d2h, written);
+  recorder.copy(d2h, original, Bytes(1024), host, Bytes(0), Bytes(3072));
+  const auto copied = recorder.add_event();
+  recorder.record(copied, d2h);
+  recorder.wait(compute, copied);
+  recorder.free(original);
+  recorder.alloc(reload, h2d);
+  recorder.wait(h2d, copied);
+  recorder.copy(h2d, host, Bytes(0), reload, Bytes(0), Bytes(3072));
+  recorder.record_stream(reload, compute);
+  recorder.consume(compute, reload, Bytes(16), Bytes(100));
+  recorder.free(reload);
+  recorder.free(host);
+  recorder.free(cached);
+
+  const std::string json = recorder.json();
+  const auto read = parse_program(json, "recorded.json", kProfileDir);
+  ASSERT_TRUE(read.ok()) << read.error().message << "\n" << json;
+  EXPECT_EQ(program_to_json(read.value()), json);
+  const Program& p = read.value();
+  EXPECT_EQ(p.devices.at(0).profile.name, "h100-sxm-pcie5");
+  EXPECT_GT(p.devices.at(0).profile.memory, Bytes(0));  // loaded from the bundled file
+  ASSERT_EQ(p.ops.size(), recorder.program().ops.size());
+  for (std::size_t i = 0; i < p.ops.size(); ++i) {
+    EXPECT_EQ(p.ops[i].kind, recorder.program().ops[i].kind) << "ops[" << i << "]";
+  }
+  EXPECT_EQ(p.buffers.at(cached).bytes, Bytes(1));  // an empty buffer is recorded as one byte
+  EXPECT_EQ(p.buffers.at(host).pool, PinnedPool::Exact);
 }
 
 TEST(ProgramJson, WritesProgramsThatReadBackToTheSameBytes) {

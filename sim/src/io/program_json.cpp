@@ -1,5 +1,7 @@
 #include "ferry/sim/io/program_json.hpp"
 
+#include "ferry/program/program_json.hpp"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -18,29 +20,11 @@
 namespace ferry::sim {
 namespace {
 
-constexpr std::string_view kProgramFormat = "ferry.program/1";
 /// At most this many declared names are listed after an unknown one.
 constexpr std::size_t kListedNames = 8;
 
 // ---------------------------------------------------------------------------------------------
 // Device profiles
-
-struct OverheadField {
-  std::string_view key;
-  SimTime LaunchOverheads::*field;
-};
-
-constexpr std::array kOverheadFields{
-    OverheadField{"kernel", &LaunchOverheads::kernel},
-    OverheadField{"copy", &LaunchOverheads::copy},
-    OverheadField{"event_record", &LaunchOverheads::event_record},
-    OverheadField{"stream_wait", &LaunchOverheads::stream_wait},
-    OverheadField{"event_query", &LaunchOverheads::event_query},
-    OverheadField{"synchronize", &LaunchOverheads::synchronize},
-    OverheadField{"malloc", &LaunchOverheads::malloc},
-    OverheadField{"free", &LaunchOverheads::free},
-    OverheadField{"host_access", &LaunchOverheads::host_access},
-};
 
 constexpr auto kOverheadKeys = [] {
   std::array<std::string_view, kOverheadFields.size()> keys{};
@@ -246,7 +230,7 @@ class ProgramReader {
     }
     FERRY_JSON_TRY(const auto object, root.object({"format", "description", "devices", "links",
                                                    "streams", "buffers", "events", "ops"}));
-    FERRY_JSON_RETURN_IF_ERROR(object.optional_string("description", {}));
+    FERRY_JSON_TRY(program_.description, object.optional_string("description", {}));
     FERRY_JSON_RETURN_IF_ERROR(read_devices(object));
     FERRY_JSON_RETURN_IF_ERROR(read_links(object));
     FERRY_JSON_RETURN_IF_ERROR(read_streams(object));
@@ -269,6 +253,7 @@ class ProgramReader {
       FERRY_JSON_TRY(device.name, name_value.name());
       FERRY_JSON_TRY(const auto profile_value, object.required("profile"));
       FERRY_JSON_TRY(device.profile, read_profile_reference(profile_value));
+      if (profile_value.json().is_string()) device.profile_name = device.profile.name;
       program_.devices.push_back(std::move(device));
     }
     return Ok{};
@@ -597,127 +582,6 @@ class ProgramReader {
   std::map<std::string, DeviceProfile, std::less<>> loaded_profiles_;
 };
 
-// ---------------------------------------------------------------------------------------------
-// Writing
-
-using OrderedJson = nlohmann::ordered_json;
-
-OrderedJson copy_path_json(const CopyPath& path, bool with_permille) {
-  OrderedJson out;
-  out["bytes_per_s"] = path.bandwidth.bytes_per_s();
-  out["latency_ns"] = path.latency.ns();
-  if (with_permille) out["bidirectional_permille"] = path.bidirectional_permille;
-  return out;
-}
-
-OrderedJson profile_json(const DeviceProfile& profile) {
-  OrderedJson out;
-  out["name"] = profile.name;
-  if (!profile.description.empty()) out["description"] = profile.description;
-  out["memory_bytes"] = profile.memory.count();
-  out["flops_per_s"] = profile.flops_per_s;
-  out["memory_bytes_per_s"] = profile.memory_bandwidth.bytes_per_s();
-  out["h2d"] = copy_path_json(profile.h2d, true);
-  out["d2h"] = copy_path_json(profile.d2h, true);
-  out["pageable"]["h2d_bytes_per_s"] = profile.pageable_h2d.bytes_per_s();
-  out["pageable"]["d2h_bytes_per_s"] = profile.pageable_d2h.bytes_per_s();
-  out["d2d"] = copy_path_json(profile.d2d, false);
-  out["peer"] = copy_path_json(profile.peer, false);
-  out["pinned_host_capacity_bytes"] = profile.pinned_host_capacity.count();
-  OrderedJson overheads = OrderedJson::object();
-  for (const OverheadField& field : kOverheadFields) {
-    overheads[std::string(field.key)] = (profile.overheads.*field.field).ns();
-  }
-  out["overheads_ns"] = std::move(overheads);
-  return out;
-}
-
-std::string dump_document(const OrderedJson& document) {
-  return document.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
-}
-
-template <class Item, class Id>
-const Item& item_at(const std::vector<Item>& items, Id id, std::string_view what) {
-  FERRY_CHECK(id.valid() && id.value() < items.size(), "{} id {} out of range ({} declared)", what,
-              id.value(), items.size());
-  return items[id.value()];
-}
-
-OrderedJson range_json(const Program& program, const SlotRange& range) {
-  const ProgramBuffer& buffer = item_at(program.buffers, range.slot, "buffer");
-  OrderedJson out;
-  out["buffer"] = buffer.name;
-  if (range.offset.count() != 0) out["offset"] = range.offset.count();
-  if (range.bytes != buffer.bytes - range.offset) out["bytes"] = range.bytes.count();
-  return out;
-}
-
-OrderedJson ranges_json(const Program& program, const std::vector<SlotRange>& ranges) {
-  OrderedJson out = OrderedJson::array();
-  for (const SlotRange& range : ranges) out.push_back(range_json(program, range));
-  return out;
-}
-
-OrderedJson op_json(const Program& program, const ProgramOp& op) {
-  OrderedJson out;
-  out["op"] = op_kind_name(op.kind);
-  if (!op.label.empty()) out["label"] = op.label;
-  const auto stream = [&] { return item_at(program.streams, op.stream, "stream").name; };
-  const auto event = [&] { return item_at(program.events, op.event, "event").name; };
-  const auto buffer = [&] { return item_at(program.buffers, op.slot, "buffer").name; };
-  const auto device = [&] { return item_at(program.devices, op.device, "device").name; };
-  switch (op.kind) {
-    case OpKind::Alloc:
-      out["buffer"] = buffer();
-      if (op.stream.valid()) out["stream"] = stream();
-      break;
-    case OpKind::Free:
-      out["buffer"] = buffer();
-      break;
-    case OpKind::RecordStream:
-      out["buffer"] = buffer();
-      out["stream"] = stream();
-      break;
-    case OpKind::Kernel:
-      out["stream"] = stream();
-      out["duration_ns"] = op.duration.ns();
-      if (!op.reads.empty()) out["reads"] = ranges_json(program, op.reads);
-      if (!op.writes.empty()) out["writes"] = ranges_json(program, op.writes);
-      break;
-    case OpKind::Copy:
-      out["stream"] = stream();
-      out["src"] = range_json(program, op.src);
-      out["dst"] = range_json(program, op.dst);
-      break;
-    case OpKind::Record:
-      out["event"] = event();
-      out["stream"] = stream();
-      break;
-    case OpKind::Wait:
-      out["stream"] = stream();
-      out["event"] = event();
-      break;
-    case OpKind::SyncStream:
-      out["stream"] = stream();
-      break;
-    case OpKind::SyncEvent:
-    case OpKind::Query:
-      out["event"] = event();
-      break;
-    case OpKind::SyncDevice:
-    case OpKind::EmptyCache:
-      out["device"] = device();
-      break;
-    case OpKind::HostRead:
-      out["reads"] = ranges_json(program, op.reads);
-      break;
-    case OpKind::HostWrite:
-      out["writes"] = ranges_json(program, op.writes);
-      break;
-  }
-  return out;
-}
-
 }  // namespace
 
 Result<DeviceProfile> parse_device_profile(std::string_view text, std::string_view source) {
@@ -777,60 +641,6 @@ Result<Program> load_program(const std::filesystem::path& path,
                              const std::filesystem::path& profile_dir) {
   FERRY_JSON_TRY(const auto text, read_text_file(path));
   return parse_program(text, path.string(), profile_dir);
-}
-
-std::string device_profile_to_json(const DeviceProfile& profile) {
-  return dump_document(profile_json(profile));
-}
-
-std::string program_to_json(const Program& program) {
-  OrderedJson out;
-  out["format"] = std::string(kProgramFormat);
-  OrderedJson devices = OrderedJson::array();
-  for (const ProgramDevice& device : program.devices) {
-    devices.push_back({{"name", device.name}, {"profile", profile_json(device.profile)}});
-  }
-  out["devices"] = std::move(devices);
-  if (!program.links.empty()) {
-    OrderedJson links = OrderedJson::array();
-    for (const ProgramLink& link : program.links) {
-      OrderedJson item;
-      item["from"] = item_at(program.devices, link.from, "device").name;
-      item["to"] = item_at(program.devices, link.to, "device").name;
-      item["bytes_per_s"] = link.bandwidth.bytes_per_s();
-      item["latency_ns"] = link.latency.ns();
-      links.push_back(std::move(item));
-    }
-    out["links"] = std::move(links);
-  }
-  OrderedJson streams = OrderedJson::array();
-  for (const ProgramStream& stream : program.streams) {
-    streams.push_back({{"name", stream.name},
-                       {"device", item_at(program.devices, stream.device, "device").name}});
-  }
-  out["streams"] = std::move(streams);
-  OrderedJson buffers = OrderedJson::array();
-  for (const ProgramBuffer& buffer : program.buffers) {
-    OrderedJson item;
-    item["name"] = buffer.name;
-    item["kind"] = memory_kind_name(buffer.kind);
-    if (buffer.kind == MemoryKind::Device) {
-      item["device"] = item_at(program.devices, buffer.device, "device").name;
-    }
-    item["bytes"] = buffer.bytes.count();
-    if (buffer.kind == MemoryKind::Pinned) {
-      item["pool"] = buffer.pool == PinnedPool::Exact ? "exact" : "caching";
-    }
-    buffers.push_back(std::move(item));
-  }
-  out["buffers"] = std::move(buffers);
-  OrderedJson events = OrderedJson::array();
-  for (const ProgramEvent& event : program.events) events.push_back(event.name);
-  out["events"] = std::move(events);
-  OrderedJson ops = OrderedJson::array();
-  for (const ProgramOp& op : program.ops) ops.push_back(op_json(program, op));
-  out["ops"] = std::move(ops);
-  return dump_document(out);
 }
 
 }  // namespace ferry::sim

@@ -12,7 +12,7 @@
 #include <string_view>
 
 #include "ferry/backend.hpp"
-#include "ferry/real/recorder.hpp"
+#include "ferry/program/recorder.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::real {

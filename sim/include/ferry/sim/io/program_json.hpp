@@ -6,6 +6,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ferry/program/program_json.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/device_profile.hpp"
 #include "ferry/sim/engine/program.hpp"
@@ -34,13 +35,9 @@ Result<Program> load_program(const std::filesystem::path& path,
 [[nodiscard]] std::vector<std::string> list_device_profiles(
     const std::filesystem::path& profile_dir);
 
-/// A device profile as a JSON document that parse_device_profile reads back unchanged. Fixed key
-/// order, integers only: the same profile always gives the same bytes.
-[[nodiscard]] std::string device_profile_to_json(const DeviceProfile& profile);
-
-/// A program as a JSON document that parse_program reads back unchanged, with every device's
-/// profile inline. Fixed key order: the same program always gives the same bytes. The program
-/// must be well formed (every id in range), as parse_program returns them.
-[[nodiscard]] std::string program_to_json(const Program& program);
+/// The writers are the core's (ferry/program/program_json.hpp): what they write, the
+/// functions above read back equal.
+using ferry::device_profile_to_json;
+using ferry::program_to_json;
 
 }  // namespace ferry::sim

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ferry/ids.hpp"
+#include "ferry/program/program.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/memory/caching_allocator.hpp"
 #include "ferry/sim/memory/stream_markers.hpp"
@@ -19,10 +20,7 @@
 namespace ferry::sim {
 
 /// How a pinned request is sized.
-enum class PinnedPool : std::uint8_t {
-  Caching,  ///< PyTorch's CachingHostAllocator: round up to a power of two, cache by size
-  Exact,    ///< ferry's pool: exactly the requested size, cached and reused for that size
-};
+using ferry::PinnedPool;
 
 /// Identifies one pinned block until it is freed.
 using HostBlockId = StrongId<struct HostBlockTag>;

@@ -1,6 +1,6 @@
 #pragma once
-/// Writes the stream operations of a real run in the simulator's program format
-/// (`ferry.program/1`, docs/program-format.md), so that `ferry check` audits them.
+/// Records the stream operations a backend is asked for as a program (`ferry.program/1`,
+/// docs/program-format.md), so that `ferry check` audits a real run.
 
 #include <cstdint>
 #include <string>
@@ -8,9 +8,10 @@
 #include <vector>
 
 #include "ferry/backend.hpp"
+#include "ferry/program/program.hpp"
 #include "ferry/units.hpp"
 
-namespace ferry::real {
+namespace ferry {
 
 // Note [Recording a real run]
 // A real device only sees the copies, events and allocations the scheduler asks for; the
@@ -38,18 +39,16 @@ class Recorder {
   void wait(std::uint32_t stream, std::uint32_t event);
   void record_stream(std::uint32_t buffer, std::uint32_t stream);
 
-  /// The program so far, as a JSON document.
+  /// The program so far.
+  [[nodiscard]] const Program& program() const { return program_; }
+  /// The program so far, as a JSON document (program_to_json).
   [[nodiscard]] std::string json() const;
 
  private:
-  [[nodiscard]] const std::string& stream_name(std::int64_t stream) const;
+  void kernel(const char* label, std::uint32_t stream, SlotRange range, bool writes);
+  [[nodiscard]] SlotRange range(std::uint32_t buffer, Bytes offset, Bytes bytes) const;
 
-  std::string profile_;
-  std::vector<std::string> stream_names_;
-  std::vector<std::string> streams_;
-  std::vector<std::string> buffers_;
-  std::uint32_t events_ = 0;
-  std::vector<std::string> ops_;
+  Program program_;
 };
 
-}  // namespace ferry::real
+}  // namespace ferry

@@ -1,6 +1,6 @@
-#include "ferry/sim/engine/program.hpp"
+#include "ferry/program/program.hpp"
 
-namespace ferry::sim {
+namespace ferry {
 
 const char* op_kind_name(OpKind kind) {
   switch (kind) {
@@ -48,4 +48,4 @@ const char* memory_kind_name(MemoryKind kind) {
   return "?";
 }
 
-}  // namespace ferry::sim
+}  // namespace ferry

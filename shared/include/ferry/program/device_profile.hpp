@@ -1,0 +1,69 @@
+#pragma once
+/// The measured characteristics of one GPU and its host link, as the simulator times them.
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "ferry/units.hpp"
+
+namespace ferry {
+
+/// One direction of a copy path: rate, fixed per-copy latency, and slowdown under contention.
+struct CopyPath {
+  Bandwidth bandwidth;  ///< sustained rate of a large copy, bytes per second
+  SimTime latency;      ///< fixed cost of each copy before data moves
+  /// Rate multiplier, in thousandths, while the opposite direction also moves data
+  /// (1000 = no slowdown). See docs/devices.md for where the figures come from.
+  std::int32_t bidirectional_permille = 1000;
+};
+
+/// Host-side cost of each API call: the host thread is busy for this long per call.
+struct LaunchOverheads {
+  SimTime kernel;        ///< kernel launch
+  SimTime copy;          ///< cudaMemcpyAsync submission
+  SimTime event_record;  ///< cudaEventRecord (timing disabled)
+  SimTime stream_wait;   ///< cudaStreamWaitEvent
+  SimTime event_query;   ///< cudaEventQuery
+  SimTime synchronize;   ///< stream, event or device synchronize (on top of the wait itself)
+  SimTime malloc;        ///< caching-allocator malloc (a cache hit)
+  SimTime free;          ///< caching-allocator free
+  SimTime host_access;   ///< a host read or write of a buffer, per call
+};
+
+/// A device profile: everything the simulator needs to time work on one GPU.
+struct DeviceProfile {
+  std::string name;              ///< short id, e.g. "h100-sxm-pcie5"
+  std::string description;       ///< one line for humans, with the source of the figures
+  Bytes memory;                  ///< device memory the caching allocator may reserve
+  std::int64_t flops_per_s = 0;  ///< dense 16-bit peak, FLOP per second (for roofline timing)
+  Bandwidth memory_bandwidth;    ///< device memory bandwidth (HBM)
+  CopyPath h2d;                  ///< pinned host -> device copy engine
+  CopyPath d2h;                  ///< device -> pinned host copy engine
+  Bandwidth pageable_h2d;        ///< host -> device rate from pageable memory (host blocks)
+  Bandwidth pageable_d2h;        ///< device -> host rate into pageable memory (host blocks)
+  CopyPath d2d;                  ///< copy within this device's memory
+  CopyPath peer;                 ///< default link to another device (per direction)
+  Bytes pinned_host_capacity;    ///< cap on page-locked host memory
+  LaunchOverheads overheads;
+};
+
+/// The keys of LaunchOverheads in the profile format ("overheads_ns"), in file order.
+struct OverheadField {
+  std::string_view key;
+  SimTime LaunchOverheads::*field;
+};
+inline constexpr std::array kOverheadFields{
+    OverheadField{"kernel", &LaunchOverheads::kernel},
+    OverheadField{"copy", &LaunchOverheads::copy},
+    OverheadField{"event_record", &LaunchOverheads::event_record},
+    OverheadField{"stream_wait", &LaunchOverheads::stream_wait},
+    OverheadField{"event_query", &LaunchOverheads::event_query},
+    OverheadField{"synchronize", &LaunchOverheads::synchronize},
+    OverheadField{"malloc", &LaunchOverheads::malloc},
+    OverheadField{"free", &LaunchOverheads::free},
+    OverheadField{"host_access", &LaunchOverheads::host_access},
+};
+
+}  // namespace ferry
