@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend_handles.hpp"
 #include "ferry/backend.hpp"
 
 namespace ferry::testing {
@@ -33,18 +34,9 @@ namespace ferry::testing {
 // by record_stream: the free then waits for all work the recorded stream has been given.
 class CheckedBackend {
  public:
-  struct Stream {
-    int id = -1;
-    friend bool operator==(Stream, Stream) = default;
-  };
-  struct Event {
-    int id = -1;
-    friend bool operator==(Event, Event) = default;
-  };
-  struct Buffer {
-    int id = -1;
-    friend bool operator==(Buffer, Buffer) = default;
-  };
+  using Stream = StreamHandle;
+  using Event = EventHandle;
+  using Buffer = BufferHandle;
 
   CheckedBackend() { clocks_.assign(2, Clock(2, 0)); }
 

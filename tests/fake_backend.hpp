@@ -8,24 +8,16 @@
 #include <string_view>
 #include <vector>
 
+#include "backend_handles.hpp"
 #include "ferry/backend.hpp"
 
 namespace ferry::testing {
 
 class FakeBackend {
  public:
-  struct Stream {
-    int id = -1;
-    friend bool operator==(Stream, Stream) = default;
-  };
-  struct Event {
-    int id = -1;
-    friend bool operator==(Event, Event) = default;
-  };
-  struct Buffer {
-    int id = -1;
-    friend bool operator==(Buffer, Buffer) = default;
-  };
+  using Stream = StreamHandle;
+  using Event = EventHandle;
+  using Buffer = BufferHandle;
 
   Stream compute_stream() const { return Stream{0}; }
   Stream make_stream(std::string_view name) {

@@ -52,18 +52,12 @@ std::uint32_t Recorder::add_buffer(Place place, Bytes bytes) {
 }
 
 void Recorder::alloc(std::uint32_t buffer, std::int64_t stream) {
-  ProgramOp op;
-  op.kind = OpKind::Alloc;
-  op.slot = SlotId(buffer);
-  if (stream >= 0) op.stream = StreamId(static_cast<std::uint32_t>(stream));
-  program_.ops.push_back(std::move(op));
+  add(OpKind::Alloc, stream >= 0 ? StreamId(static_cast<std::uint32_t>(stream)) : StreamId(),
+      EventId(), SlotId(buffer));
 }
 
 void Recorder::free(std::uint32_t buffer) {
-  ProgramOp op;
-  op.kind = OpKind::Free;
-  op.slot = SlotId(buffer);
-  program_.ops.push_back(std::move(op));
+  add(OpKind::Free, StreamId(), EventId(), SlotId(buffer));
 }
 
 void Recorder::produce(std::uint32_t stream, std::uint32_t buffer, Bytes offset, Bytes bytes) {
@@ -87,30 +81,27 @@ void Recorder::copy(std::uint32_t stream, std::uint32_t src, Bytes src_offset, s
 }
 
 void Recorder::record(std::uint32_t event, std::uint32_t stream) {
-  ProgramOp op;
-  op.kind = OpKind::Record;
-  op.event = EventId(event);
-  op.stream = StreamId(stream);
-  program_.ops.push_back(std::move(op));
+  add(OpKind::Record, StreamId(stream), EventId(event), SlotId());
 }
 
 void Recorder::wait(std::uint32_t stream, std::uint32_t event) {
-  ProgramOp op;
-  op.kind = OpKind::Wait;
-  op.stream = StreamId(stream);
-  op.event = EventId(event);
-  program_.ops.push_back(std::move(op));
+  add(OpKind::Wait, StreamId(stream), EventId(event), SlotId());
 }
 
 void Recorder::record_stream(std::uint32_t buffer, std::uint32_t stream) {
-  ProgramOp op;
-  op.kind = OpKind::RecordStream;
-  op.slot = SlotId(buffer);
-  op.stream = StreamId(stream);
-  program_.ops.push_back(std::move(op));
+  add(OpKind::RecordStream, StreamId(stream), EventId(), SlotId(buffer));
 }
 
 std::string Recorder::json() const { return program_to_json(program_); }
+
+void Recorder::add(OpKind kind, StreamId stream, EventId event, SlotId slot) {
+  ProgramOp op;
+  op.kind = kind;
+  op.stream = stream;
+  op.event = event;
+  op.slot = slot;
+  program_.ops.push_back(std::move(op));
+}
 
 void Recorder::kernel(const char* label, std::uint32_t stream, SlotRange range, bool writes) {
   ProgramOp op;

@@ -45,6 +45,7 @@ class Recorder {
   [[nodiscard]] std::string json() const;
 
  private:
+  void add(OpKind kind, StreamId stream, EventId event, SlotId slot);
   void kernel(const char* label, std::uint32_t stream, SlotRange range, bool writes);
   [[nodiscard]] SlotRange range(std::uint32_t buffer, Bytes offset, Bytes bytes) const;
 
