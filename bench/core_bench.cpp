@@ -39,6 +39,7 @@ class NoopBackend {
   void drop(Buffer) {}
   long use_count(Buffer) const { return 1; }
   void record_stream(Buffer, Stream) {}
+  void synchronize(Stream) {}
 
  private:
   int streams_ = 0;

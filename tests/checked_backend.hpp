@@ -89,6 +89,8 @@ class CheckedBackend {
   }
   long use_count(Buffer b) const { return buffers_.at(static_cast<std::size_t>(b.id)).refs; }
   void record_stream(Buffer b, Stream s) { info(b).recorded.insert(timeline(s)); }
+  /// The host waits for the stream: it knows all the stream's work so far is done.
+  void synchronize(Stream s) { join(kHost, timeline(s)); }
 
   /// A storage the autograd produces on the compute stream (one reference), holding `values`
   /// at their offsets.
@@ -148,7 +150,14 @@ class CheckedBackend {
            clocks_[static_cast<std::size_t>(t)][static_cast<std::size_t>(a.timeline)] >= a.tick;
   }
 
+  void join(int into, int from) {
+    Clock& c = clocks_[static_cast<std::size_t>(into)];
+    const Clock& f = clocks_[static_cast<std::size_t>(from)];
+    for (std::size_t k = 0; k < c.size(); ++k) c[k] = std::max(c[k], f[k]);
+  }
+
   void access(int t, Buffer b, bool write, const char* what) {
+    join(t, kHost);  // the host issues it: what the host knows is done comes before it
     Info& i = info(b);
     if (i.refs <= 0) hazards.push_back(fmt::format("{} b{} after it was freed", what, b.id));
     auto conflict = [&](const Stamp& earlier) {
@@ -174,7 +183,9 @@ class CheckedBackend {
   void free(Buffer b) {
     const Info& i = info(b);
     auto covered = [&](const Stamp& a) {
-      if (ordered(a, i.owner) || i.recorded.count(a.timeline) > 0) return true;
+      if (ordered(a, i.owner) || ordered(a, kHost) || i.recorded.count(a.timeline) > 0) {
+        return true;
+      }
       return std::any_of(i.recorded.begin(), i.recorded.end(),
                          [&](int t) { return ordered(a, t); });
     };

@@ -45,6 +45,7 @@ class FakeBackend {
       log.push_back(fmt::format("free b{}", b.id));
   }
   long use_count(Buffer b) const { return refs.at(static_cast<std::size_t>(b.id)); }
+  void synchronize(Stream s) { log.push_back(fmt::format("sync s{}", s.id)); }
   void record_stream(Buffer b, Stream s) {
     log.push_back(fmt::format("record_stream b{} s{}", b.id, s.id));
   }

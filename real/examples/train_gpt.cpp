@@ -66,9 +66,7 @@ int main(int argc, char** argv) {
 
   ferry::RealOptions options;
   options.loopback = !cuda;
-  options.offload.policy = policy == "trl"    ? ferry::Policy::Trl
-                           : policy == "none" ? ferry::Policy::None
-                                              : ferry::Policy::Ferry;
+  options.offload.policy = ferry::parse_policy(policy).value_or(ferry::Policy::Ferry);
   if (window >= 0) options.offload.window_bytes = ferry::Bytes(window);
   options.record = !record.empty();
   ferry::OffloadFaults faults;

@@ -7,6 +7,8 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
+#include <cstdio>
+#include <exception>
 #include <mutex>
 #include <stdexcept>
 #include <typeinfo>
@@ -83,6 +85,7 @@ void Offload::exclude(const std::vector<at::Tensor>& tensors) {
 
 OffloadGuard::OffloadGuard(Offload& offload) : offload_(&offload) {
   install();
+  offload_->session()->enter();
   real::push_context(real::Context{real::Context::Kind::Offload, offload_->session(), nullptr, {}});
 }
 
@@ -93,7 +96,14 @@ OffloadGuard::OffloadGuard(std::shared_ptr<Offload> owned) : OffloadGuard(*owned
   owned_ = std::move(owned);
 }
 
-OffloadGuard::~OffloadGuard() { real::close_context(real::Context::Kind::Offload); }
+OffloadGuard::~OffloadGuard() {
+  real::close_context(real::Context::Kind::Offload);
+  try {
+    offload_->session()->exit();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ferry: warning: leaving an offload region failed: %s\n", e.what());
+  }
+}
 
 NoOffloadGuard::NoOffloadGuard() { real::push_context(real::Context{}); }
 

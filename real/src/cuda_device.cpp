@@ -106,6 +106,11 @@ void CudaDevice::wait(Stream stream, Event event) {
   if (recorder_) recorder_->wait(stream.index, event.index);
 }
 
+void CudaDevice::synchronize(Stream stream) {
+  streams_.at(stream.index).synchronize();
+  if (recorder_) recorder_->synchronize(stream.index);
+}
+
 void CudaDevice::record_stream(const Buffer& buffer, Stream stream) {
   if (buffer->storage && buffer->place == Place::Device) {
     c10::cuda::CUDACachingAllocator::recordStream(buffer->storage.data_ptr(),

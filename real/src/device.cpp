@@ -122,6 +122,10 @@ void LoopbackDevice::wait(Stream stream, Event event) {
   if (recorder_) recorder_->wait(stream.index, event.index);
 }
 
+void LoopbackDevice::synchronize(Stream stream) {
+  if (recorder_) recorder_->synchronize(stream.index);
+}
+
 void LoopbackDevice::record_stream(const Buffer& buffer, Stream stream) {
   if (recorder_) recorder_->record_stream(buffer->slot, stream.index);
 }

@@ -119,7 +119,7 @@ class SessionImpl final : public SessionBase {
     facts.storage = reinterpret_cast<std::uint64_t>(t.storage().unsafeGetStorageImpl());
     TensorMeta meta{t.sizes().vec(), t.strides().vec(), t.scalar_type(), span_of(t)};
     // trl copies the tensor's own bytes (its span); ferry the whole storage.
-    facts.bytes = options_.offload.policy == Policy::Trl ? meta.span : Bytes(t.numel() * item);
+    facts.bytes = is_trl(options_.offload.policy) ? meta.span : Bytes(t.numel() * item);
     facts.on_device = device_.is_device_tensor(t);
     facts.is_param = kind == TensorKind::Parameter ||
                      (kind == TensorKind::Unknown && t.is_leaf() && t.requires_grad()) ||
@@ -205,6 +205,14 @@ class SessionImpl final : public SessionBase {
     return device_.recorder() != nullptr ? device_.recorder()->json() : std::string();
   }
   [[nodiscard]] const RealOptions& options() const override { return options_; }
+  void enter() override {
+    std::lock_guard lock(mutex_);
+    core_.enter();
+  }
+  void exit() override {
+    std::lock_guard lock(mutex_);
+    core_.exit();
+  }
 
  private:
   NodeId node_id(std::uint64_t seq, bool create) {

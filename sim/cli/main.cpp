@@ -209,14 +209,11 @@ int run_plan(const PlanArgs& args, bool compare) {
     }
   } else {
     ferry::sim::PolicyRow row{args.policy, base};
-    if (args.policy == "none") {
-      row.options.offload.policy = ferry::Policy::None;
-    } else if (args.policy == "trl") {
-      row.options.offload.policy = ferry::Policy::Trl;
-    } else if (args.policy == "ferry") {
-      row.options.offload.policy = ferry::Policy::Ferry;
+    if (auto policy = ferry::parse_policy(args.policy)) {
+      row.options.offload.policy = *policy;
     } else {
-      fmt::print(stderr, "ferry simulate: error: unknown policy \"{}\" (none, trl, ferry)\n",
+      fmt::print(stderr,
+                 "ferry simulate: error: unknown policy \"{}\" (none, trl, trl-seed, ferry)\n",
                  args.policy);
       return kExitBadInput;
     }
@@ -245,7 +242,7 @@ void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
   cmd->add_option("--model", a.model, "Model preset or model JSON file")->capture_default_str();
   cmd->add_option("--device", a.device, "Device profile name or JSON file")->capture_default_str();
   if (with_policy) {
-    cmd->add_option("--policy", a.policy, "none, trl or ferry")->capture_default_str();
+    cmd->add_option("--policy", a.policy, "none, trl, trl-seed or ferry")->capture_default_str();
     cmd->add_option("--trace", a.trace, "Write a Chrome/Perfetto trace JSON to FILE");
     cmd->add_option("--checkpoint", a.checkpoint,
                     "none, every:K, selective, segments:N or reentrant-segments:N")

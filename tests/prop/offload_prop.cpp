@@ -126,7 +126,8 @@ Bytes node_bytes(const Model& m) {
 void offload_is_safe(const std::vector<LayerChoice>& choices, const Knobs& knobs,
                      const OffloadFaults& faults) {
   testing::ModelOptions model_options;
-  model_options.side_branches = knobs.policy != Policy::Trl;  // trl then fails by design
+  // trl keeps an unused branch's entries until the next step enters, by design.
+  model_options.side_branches = knobs.policy != Policy::Trl;
   const Model model = build_random_model(choices, model_options);
   std::mt19937_64 rng(knobs.device_seed);
   const DeviceProfile device = testing::random_profile(rng);

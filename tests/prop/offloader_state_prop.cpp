@@ -54,12 +54,13 @@ struct Model {
   std::vector<std::uint32_t> order;  // backward: nodes still to run, in order
   bool retain = false;               // this backward keeps the graph
   std::int64_t stale = 0;            // trl: ids of freed graphs never unpacked
-  bool trl_new_forward = true;       // trl: the next pack starts a forward
-  bool poisoned = false;             // trl: a forward was refused (tracker not empty)
+  bool trl_new_forward = true;       // trl-seed: the next pack starts a forward
+  bool poisoned = false;             // trl-seed: a forward was refused (tracker not empty)
+  bool open = false;                 // inside the offload context (packs happen only there)
 
   [[nodiscard]] std::int64_t tracked() const {
     std::int64_t n = stale;
-    for (const Saved& s : saved) n += policy == Policy::Trl ? !s.ever_unpacked : !s.released;
+    for (const Saved& s : saved) n += is_trl(policy) ? !s.ever_unpacked : !s.released;
     return n;
   }
 };
@@ -128,10 +129,15 @@ struct Pack final : Command {
     share_previous = *rc::gen::weightedElement<bool>({{1, true}, {3, false}});
   }
 
-  void checkPreconditions(const Model& m) const override { RC_PRE(!m.backward && !m.poisoned); }
+  void checkPreconditions(const Model& m) const override {
+    RC_PRE(!m.backward);
+    RC_PRE(!m.poisoned);
+    RC_PRE(m.open);
+  }
 
+  // Only the seed refuses: today's reference starts a new forward once the tracker is empty.
   [[nodiscard]] static bool refused(const Model& m) {
-    return m.policy == Policy::Trl && m.trl_new_forward && m.tracked() > 0;
+    return m.policy == Policy::TrlSeed && m.trl_new_forward && m.tracked() > 0;
   }
 
   void apply(Model& m) const override {
@@ -307,7 +313,7 @@ struct RunNode final : Command {
     m.order.erase(m.order.begin());
     for (Saved& s : m.saved) {
       if (s.node != node || s.released) continue;
-      if (m.policy == Policy::Trl) m.trl_new_forward = true;
+      if (m.policy == Policy::TrlSeed) m.trl_new_forward = true;
       s.ever_unpacked = true;
       if (!m.retain) s.released = true;
     }
@@ -351,7 +357,7 @@ struct EndBackward final : Command {
     m.backward = false;
     m.order.clear();
     if (m.retain) return;
-    for (const Saved& s : m.saved) m.stale += m.policy == Policy::Trl && !s.ever_unpacked;
+    for (const Saved& s : m.saved) m.stale += is_trl(m.policy) && !s.ever_unpacked;
     m.saved.clear();
     m.next_node = 0;
   }
@@ -376,6 +382,40 @@ struct EndBackward final : Command {
   void show(std::ostream& os) const override { os << "EndBackward"; }
 };
 
+// A step begins: the offload context is entered, once the previous graph was freed.
+struct Enter final : Command {
+  void checkPreconditions(const Model& m) const override {
+    RC_PRE(!m.open);
+    RC_PRE(!m.backward);
+    RC_PRE(m.saved.empty());
+    RC_PRE(!m.poisoned);
+  }
+  void apply(Model& m) const override {
+    m.open = true;
+    if (m.policy == Policy::Trl) m.stale = 0;  // today's reference clears what is left
+  }
+  void run(const Model& m, Sut& sut) const override {
+    sut.off.enter();
+    sut.expect(after(*this, m));
+  }
+  void show(std::ostream& os) const override { os << "EnterContext"; }
+};
+
+// The context is left: after backward, as the reference's trainer does, or before it.
+struct Exit final : Command {
+  void checkPreconditions(const Model& m) const override {
+    RC_PRE(m.open);
+    RC_PRE(!m.backward);
+    RC_PRE(m.depth == 0);
+  }
+  void apply(Model& m) const override { m.open = false; }
+  void run(const Model& m, Sut& sut) const override {
+    sut.off.exit();
+    sut.expect(after(*this, m));
+  }
+  void show(std::ostream& os) const override { os << "ExitContext"; }
+};
+
 // Options worth varying: small windows, budgets and caps make every path run.
 rc::Gen<OffloadOptions> options_for(Policy policy) {
   return rc::gen::exec([policy] {
@@ -398,14 +438,18 @@ void offloader_follows_the_model(Policy policy, const OffloadFaults& faults) {
   Model initial;
   initial.policy = policy;
   Sut sut(options, faults);
-  rc::state::check(
-      initial, sut,
-      rc::state::gen::execOneOfWithArgs<Pack, Pack, Pack, EnterRegion, ExitRegion, Release,
-                                        BeginBackward, RunNode, RunNode, RunNode, EndBackward>());
+  rc::state::check(initial, sut,
+                   rc::state::gen::execOneOfWithArgs<Enter, Exit, Pack, Pack, Pack, EnterRegion,
+                                                     ExitRegion, Release, BeginBackward, RunNode,
+                                                     RunNode, RunNode, EndBackward>());
 }
 
 RC_GTEST_PROP(OffloaderState, TrlFollowsTheModelAndIsSafeForEveryTiming, ()) {
   offloader_follows_the_model(Policy::Trl, {});
+}
+
+RC_GTEST_PROP(OffloaderState, TrlSeedFollowsTheModelAndIsSafeForEveryTiming, ()) {
+  offloader_follows_the_model(Policy::TrlSeed, {});
 }
 
 RC_GTEST_PROP(OffloaderState, FerryFollowsTheModelAndIsSafeForEveryTiming, ()) {
@@ -441,11 +485,13 @@ TEST_P(PlantedOffloaderFault, IsCaughtAndShrunkToAShortSequence) {
 }
 
 INSTANTIATE_TEST_SUITE_P(BothPolicies, PlantedOffloaderFault,
-                         ::testing::Combine(::testing::Values(Policy::Trl, Policy::Ferry),
+                         ::testing::Combine(::testing::Values(Policy::Trl, Policy::TrlSeed,
+                                                              Policy::Ferry),
                                             ::testing::ValuesIn(kPlanted)),
                          [](const auto& test) {
-                           return std::string(policy_name(std::get<0>(test.param))) + "_" +
-                                  std::get<1>(test.param).name;
+                           std::string name = policy_name(std::get<0>(test.param));
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name + "_" + std::get<1>(test.param).name;
                          });
 
 }  // namespace

@@ -241,9 +241,29 @@ TEST_F(RealFerry, TrlRejectsASecondUnpackLikeTheReference) {
   }
 }
 
-TEST_F(RealFerry, TrlRejectsANewForwardWithATrackerNotEmpty) {
+// Today's reference clears what an unused branch left when the context is entered again.
+TEST_F(RealFerry, TrlClearsAStaleTrackerOnTheNextEntry) {
   auto x = torch::randn({64}, torch::requires_grad());
   ferry::Offload offload(loopback(ferry::Policy::Trl));
+  torch::Tensor used, unused;
+  {
+    ferry::OffloadGuard guard(offload);
+    used = (x.exp() * 2).sum();
+    unused = (x.sin() * 2).sum();  // never backpropagated: its saved tensors stay tracked
+  }
+  used.backward();
+  EXPECT_GT(offload.tracked(), 0U);
+  ferry::OffloadGuard guard(offload);
+  EXPECT_EQ(offload.tracked(), 0U);
+  auto next = (x.cos() * 2).sum();
+  next.backward();
+  EXPECT_EQ(offload.tracked(), 0U);
+}
+
+// As first released, the reference refused the next forward instead.
+TEST_F(RealFerry, TrlSeedRejectsANewForwardWithATrackerNotEmpty) {
+  auto x = torch::randn({64}, torch::requires_grad());
+  ferry::Offload offload(loopback(ferry::Policy::TrlSeed));
   torch::Tensor used, unused;
   {
     ferry::OffloadGuard guard(offload);

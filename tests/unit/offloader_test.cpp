@@ -166,15 +166,92 @@ TEST(TrlPolicy, UnpackingAnUntrackedOrConsumedIdIsAnError) {
   EXPECT_THROW((void)off.unpack(TensorId(99), NodeId(0)), OffloadError);
 }
 
-TEST(TrlPolicy, ANonEmptyTrackerAtTheNextForwardIsAnError) {
+TEST(TrlSeedPolicy, ANonEmptyTrackerAtTheNextForwardIsAnError) {
   FakeBackend b;
-  Off off(b, trl());
+  OffloadOptions o = trl();
+  o.policy = Policy::TrlSeed;
+  Off off(b, o);
   const auto ids = forward(off, b, 2);
   b.drop(off.unpack(ids[1], NodeId(1)).storage);  // ids[0]'s node never ran (unused branch)
   off.node_done(NodeId(1));
   off.backward_end();
   off.release(ids[0]);  // the reference offloader does not hear of it
   EXPECT_THROW(forward(off, b, 1), OffloadError);
+}
+
+// Today's reference starts a new forward only once the tracker is empty, and entering the
+// context clears what an unused branch left behind.
+TEST(TrlPolicy, AStaleEntryIsClearedOnEnteringTheContextNotRefused) {
+  FakeBackend b;
+  Off off(b, trl(1));
+  off.enter();
+  const auto ids = forward(off, b, 2);
+  b.drop(off.unpack(ids[1], NodeId(1)).storage);  // ids[0]'s node never ran (unused branch)
+  off.node_done(NodeId(1));
+  off.backward_end();
+  off.exit();
+  EXPECT_EQ(off.tracked(), 1U);
+  off.enter();
+  EXPECT_EQ(off.tracked(), 0U);
+  EXPECT_GE(b.find("free b1"), 0) << "the stale host copy goes\n" << b.dump();
+  EXPECT_NO_THROW(forward(off, b, 1));
+}
+
+// A recompute during backward packs before the tracker is empty: not a new forward.
+TEST(TrlPolicy, PacksDuringBackwardAreNotTakenForANewForward) {
+  FakeBackend b;
+  Off off(b, trl());
+  const auto ids = forward(off, b, 2);
+  b.drop(off.unpack(ids[1], NodeId(1)).storage);
+  EXPECT_NO_THROW(forward(off, b, 1));  // a checkpointed region replays
+  OffloadOptions seed = trl();
+  seed.policy = Policy::TrlSeed;
+  FakeBackend sb;
+  Off seeded(sb, seed);
+  const auto sids = forward(seeded, sb, 2);
+  sb.drop(seeded.unpack(sids[1], NodeId(1)).storage);
+  EXPECT_THROW(forward(seeded, sb, 1), OffloadError);
+}
+
+// The same view of a storage still in the forward stash is not copied again: it stays.
+TEST(TrlPolicy, DeduplicatesAViewWhoseOriginalIsStillStashed) {
+  FakeBackend b;
+  Off off(b, trl(2));
+  const auto t = b.tensor();
+  off.pack(facts(4096, 0, 7), t);
+  off.pack(facts(4096, 1, 7), t);
+  b.drop(t);
+  EXPECT_EQ(off.telemetry().offloaded, 1);
+  EXPECT_EQ(off.telemetry().deduplicated, 1);
+  forward(off, b, 2);  // the stash moves on: storage 7's original leaves, its key with it
+  const auto u = b.tensor();
+  off.pack(facts(4096, 5, 7), u);
+  EXPECT_EQ(off.telemetry().offloaded, 4);
+  OffloadOptions seed = trl(2);
+  seed.policy = Policy::TrlSeed;
+  FakeBackend sb;
+  Off seeded(sb, seed);
+  const auto st = sb.tensor();
+  seeded.pack(facts(4096, 0, 7), st);
+  seeded.pack(facts(4096, 1, 7), st);
+  EXPECT_EQ(seeded.telemetry().offloaded, 2);
+}
+
+// Leaving the context, the host waits for both streams; the stashes let go without waiting.
+TEST(TrlPolicy, LeavingTheContextSynchronizesAndEmptiesTheStashes) {
+  FakeBackend b;
+  Off off(b, trl(5));
+  off.enter();
+  const auto ids = forward(off, b, 2);
+  off.exit();
+  EXPECT_GE(b.find("sync s0"), 0) << b.dump();
+  EXPECT_GT(b.find("sync s1"), b.find("sync s0")) << b.dump();
+  EXPECT_GT(b.find("free b0"), b.find("sync s1")) << b.dump();
+  // Backward after the context closed reloads from the host copies.
+  auto u = off.unpack(ids[1], NodeId(1));
+  EXPECT_EQ(off.telemetry().stash_hits, 0);
+  EXPECT_EQ(off.telemetry().on_demand, 1);
+  b.drop(u.storage);
 }
 
 TEST(TrlPolicy, RejectsAStashSizeBelowOne) {

@@ -71,7 +71,8 @@ class offload(_Region):
     ``live_device_buffers()`` and ``live_host_buffers()``.
 
     Options: ``policy`` is ``"ferry"`` (ferry's scheduler), ``"trl"`` (a faithful model of the
-    reference hook-based offloader) or ``"none"`` (keep everything); tensors under
+    reference hook-based offloader as TRL ships it; ``"trl-seed"``: as first released) or
+    ``"none"`` (keep everything); tensors under
     ``min_bytes`` stay; ``max_fwd_stash_size`` is the reference's forward stash (trl);
     ``window_bytes``, ``prefetch_bytes``, ``host_cap``, ``dedup`` and ``prefetch`` tune the
     ferry policy. ``loopback=True`` treats CPU tensors as device tensors (no GPU needed);
@@ -139,6 +140,12 @@ class offload(_Region):
 
     def _push(self):
         _C._push_offload(self._session)
+
+    def __exit__(self, *exc):
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._session._exit()
 
     def telemetry(self):
         """The scheduler's counters, as a dict (bytes as ints)."""

@@ -27,11 +27,9 @@ using ferry::real::Session;
 PyObject* stop_type = nullptr;
 
 ferry::Policy parse_policy(const std::string& name) {
-  if (name == "ferry") return ferry::Policy::Ferry;
-  if (name == "trl") return ferry::Policy::Trl;
-  if (name == "none") return ferry::Policy::None;
+  if (auto policy = ferry::parse_policy(name)) return *policy;
   throw std::invalid_argument("ferry: unknown policy '" + name +
-                              "' (expected 'ferry', 'trl' or 'none')");
+                              "' (expected 'ferry', 'trl', 'trl-seed' or 'none')");
 }
 
 Context::Kind parse_kind(const std::string& name) {
@@ -181,12 +179,14 @@ PYBIND11_MODULE(_C, m) {
       .def("tracked", &Session::tracked, "Saved tensors the scheduler still tracks.")
       .def("live_device_buffers", &Session::live_device_buffers)
       .def("live_host_buffers", &Session::live_host_buffers)
+      .def("_exit", &Session::exit, "The offload context was left.")
       .def("program_json", &Session::program_json,
            "The recorded program (empty unless record=True).");
 
   m.def(
       "_push_offload",
       [](const std::shared_ptr<Session>& session) {
+        session->enter();
         ferry::real::push_context(Context{Context::Kind::Offload, session, nullptr, {}});
       },
       py::arg("session"));

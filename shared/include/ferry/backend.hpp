@@ -44,6 +44,8 @@ concept Backend = requires(B& b, const B& cb, typename B::Stream s, typename B::
   { b.drop(buf) } -> std::same_as<void>;
   { cb.use_count(buf) } -> std::same_as<long>;
   { b.record_stream(buf, s) } -> std::same_as<void>;
+  /// The host waits until the work submitted to s so far is done.
+  { b.synchronize(s) } -> std::same_as<void>;
 };
 
 }  // namespace ferry

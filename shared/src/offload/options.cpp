@@ -8,14 +8,23 @@ const char* policy_name(Policy policy) {
       return "none";
     case Policy::Trl:
       return "trl";
+    case Policy::TrlSeed:
+      return "trl-seed";
     case Policy::Ferry:
       return "ferry";
   }
   return "?";
 }
 
+std::optional<Policy> parse_policy(std::string_view name) {
+  for (const Policy p : {Policy::None, Policy::Trl, Policy::TrlSeed, Policy::Ferry}) {
+    if (name == policy_name(p)) return p;
+  }
+  return std::nullopt;
+}
+
 void check_offload_options(const OffloadOptions& options) {
-  if (options.policy == Policy::Trl && options.use_streams && options.trl_stash_count < 1) {
+  if (is_trl(options.policy) && options.use_streams && options.trl_stash_count < 1) {
     throw OffloadError("max_fwd_stash_size should be at least 1");
   }
 }

@@ -35,7 +35,7 @@ bool record_transition_allowed(RecordState from, RecordState to) {
     case S::Kept:
       return to == S::Dropped;
     case S::Offloading:
-      return to == S::OnHost || to == S::Original;
+      return to == S::OnHost || to == S::Original || to == S::Dropped;
     case S::Original:
       return to == S::Dropped;
     case S::OnHost:

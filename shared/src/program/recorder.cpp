@@ -92,6 +92,10 @@ void Recorder::record_stream(std::uint32_t buffer, std::uint32_t stream) {
   add(OpKind::RecordStream, StreamId(stream), EventId(), SlotId(buffer));
 }
 
+void Recorder::synchronize(std::uint32_t stream) {
+  add(OpKind::SyncStream, StreamId(stream), EventId(), SlotId());
+}
+
 std::string Recorder::json() const { return program_to_json(program_); }
 
 void Recorder::add(OpKind kind, StreamId stream, EventId event, SlotId slot) {

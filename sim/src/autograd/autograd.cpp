@@ -972,11 +972,15 @@ class Trainer {
     }
     StepTimes times;
     times.start = run_.sim.host_time();
+    // The offload context spans the step, forward and backward, as the reference's trainer
+    // enters it.
+    offloader_.enter();
     forward();
     times.forward_end = run_.sim.host_time();
     param_grad_values_.clear();
     const int passes = options_.retain_graph ? 2 : 1;
     for (int pass = 0; pass < passes; ++pass) backward(pass == passes - 1);
+    offloader_.exit();
     if (options_.sync_each_step) run_.sim.sync_device(kDevice);
     times.end = run_.sim.host_time();
     run_.steps.push_back(times);

@@ -61,6 +61,8 @@ long Device::use_count(Buffer buffer) const {
   return buffer.id.valid() && buffer.id.value() < refs_.size() ? refs_[buffer.id.value()] : 0;
 }
 
+void Device::synchronize(Stream stream) { sim_.sync_stream(stream.id); }
+
 void Device::record_stream(Buffer buffer, Stream stream) {
   sim_.record_stream(buffer.id, stream.id);
 }

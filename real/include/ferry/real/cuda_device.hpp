@@ -31,6 +31,7 @@ class CudaDevice : public DeviceBase {
   void record(Event event, Stream stream);
   void wait(Stream stream, Event event);
   void record_stream(const Buffer& buffer, Stream stream);
+  void synchronize(Stream stream);
   [[nodiscard]] bool is_device_tensor(const at::Tensor& t) const {
     return t.is_cuda() && t.get_device() == device_;
   }

@@ -100,6 +100,8 @@ class LoopbackDevice : public DeviceBase {
   void record(Event event, Stream stream);
   void wait(Stream stream, Event event);
   void record_stream(const Buffer& buffer, Stream stream);
+  /// Loopback copies are synchronous: nothing to wait for (recorded all the same).
+  void synchronize(Stream stream);
   /// Which tensors this device treats as device tensors.
   [[nodiscard]] static bool is_device_tensor(const at::Tensor& t) { return t.is_cpu(); }
 };

@@ -87,6 +87,10 @@ class Session {
   /// The recorded program (empty unless RealOptions::record).
   [[nodiscard]] virtual std::string program_json() const = 0;
   [[nodiscard]] virtual const RealOptions& options() const = 0;
+  /// The offload context is entered (a step begins) / left (it ends): the policy's own
+  /// bookkeeping (today's reference clears stale state on entry and synchronizes on exit).
+  virtual void enter() = 0;
+  virtual void exit() = 0;
 };
 
 class CheckpointState;

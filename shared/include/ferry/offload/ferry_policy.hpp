@@ -114,6 +114,9 @@ class FerryPolicy {
         [&](RecordId r) { return std::find(window_.begin(), window_.end(), r) != window_.end(); });
   }
 
+  void enter() {}
+  void exit() {}
+
   [[nodiscard]] const Tracker<B>& tracker() const { return t_; }
 
  private:

@@ -79,6 +79,16 @@ class Offloader {
     std::visit([](auto& p) { p.backward_end(); }, policy_);
   }
 
+  /// The offload context is entered (a training step begins) / left (it ends). The current
+  /// reference clears stale state on entry and, leaving, waits for its streams and lets its
+  /// stashes go; the others do nothing.
+  void enter() {
+    std::visit([](auto& p) { p.enter(); }, policy_);
+  }
+  void exit() {
+    std::visit([](auto& p) { p.exit(); }, policy_);
+  }
+
   /// Saved tensors packed while at least one region is open stay on the device.
   void push_no_offload() { ++no_offload_depth_; }
   void pop_no_offload() {
@@ -98,7 +108,7 @@ class Offloader {
 
   static Policies make(B& backend, const OffloadOptions& options, const OffloadFaults& faults) {
     check_offload_options(options);
-    if (options.policy == Policy::Trl) {
+    if (is_trl(options.policy)) {
       return Policies(std::in_place_type<TrlPolicy<B>>, backend, options, faults);
     }
     return Policies(std::in_place_type<FerryPolicy<B>>, backend, options, faults);

@@ -2,8 +2,10 @@
 /// Options, facts, telemetry and errors of the offload scheduler.
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include "ferry/failure.hpp"
 #include "ferry/ids.hpp"
@@ -12,13 +14,20 @@
 namespace ferry {
 
 enum class Policy : std::uint8_t {
-  None,   ///< keep every saved tensor on the device
-  Trl,    ///< a faithful model of the reference hook-based offloader
-  Ferry,  ///< ferry's scheduler (the default)
+  None,     ///< keep every saved tensor on the device
+  Trl,      ///< a faithful model of the reference hook-based offloader as TRL ships it today
+  TrlSeed,  ///< the same, as first released (no dedup, no state cleared on entry)
+  Ferry,    ///< ferry's scheduler (the default)
 };
 
-/// "none", "trl", "ferry".
+/// "none", "trl", "trl-seed", "ferry".
 [[nodiscard]] const char* policy_name(Policy policy);
+/// The policy named `name` (as policy_name() spells it), or nullopt.
+[[nodiscard]] std::optional<Policy> parse_policy(std::string_view name);
+/// Whether `policy` models the reference offloader (either version).
+[[nodiscard]] constexpr bool is_trl(Policy policy) {
+  return policy == Policy::Trl || policy == Policy::TrlSeed;
+}
 
 struct OffloadOptions {
   Policy policy = Policy::Ferry;

@@ -37,6 +37,8 @@ using RecordId = StrongId<struct RecordTag>;
 //                                                      it, backward consumed it (ferry), the
 //                                                      stash retires it (trl)
 //   Offloading -> Original                             trl: unpacked from the forward stash
+//   Offloading -> Dropped                              trl today: a step left it, and entering
+//                                                      the context clears it
 //   Original -> Dropped                                trl: the stash retires it
 //   OnHost -> Reloading                                reload issued (prefetch or unpack)
 //   Reloading -> Reloaded                              unpack: compute waits for the copy
@@ -185,6 +187,13 @@ class IdTable {
   }
   /// Ids added and not forgotten.
   [[nodiscard]] std::size_t tracked() const { return tracked_; }
+  /// Forgets every id; later ids still never repeat an earlier one.
+  void clear() {
+    base_ += static_cast<std::uint32_t>(records_.size());
+    records_.clear();
+    offsets_.clear();
+    tracked_ = 0;
+  }
 
  private:
   [[nodiscard]] std::size_t slot(TensorId id) const { return id.value() - base_; }

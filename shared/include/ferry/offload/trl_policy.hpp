@@ -1,8 +1,9 @@
 #pragma once
-/// The `trl` policy: a faithful model of the reference hook-based offloader (seed files 000 and
-/// 001): one side stream for both directions, a forward stash of the last N offloaded tensors,
-/// reload on demand at unpack, the previous node's reloads freed after an event, record_stream
-/// when a view escaped, and a drain at the end of backward.
+/// The `trl` policy: a faithful model of the reference hook-based offloader: one side stream for
+/// both directions, a forward stash of the last N offloaded tensors, reload on demand at unpack,
+/// the previous node's reloads freed after an event, record_stream when a view escaped, and a
+/// drain at the end of backward. `trl` is TRL as it ships today (see Note [TRL today]);
+/// `trl-seed` is the version first released (seed files 000 and 001).
 
 #include <fmt/format.h>
 
@@ -17,6 +18,18 @@
 
 namespace ferry {
 
+// Note [TRL today]
+// Three changes to the reference since its first release (docs/offload.md cites them):
+// * Dedup, with streams only: a pack whose (storage, view offset) is already offloaded and its
+//   original still in the forward stash keeps the tensor on the device (a new reference, no
+//   copy); the key goes when that stash entry retires.
+// * The phase flag: the next pack starts a new forward only once the tracker is empty again,
+//   so recompute packs during backward (checkpointing) are not taken for a new forward.
+// * Entering the context clears what a previous step left (tracker, stashes, dedup keys,
+//   flags); leaving it, with streams, the host waits for the compute and side streams and the
+//   stashes let go of what they hold. The tracker itself survives leaving, so backward may run
+//   after the context closed.
+
 template <Backend B>
 class TrlPolicy {
  public:
@@ -25,24 +38,30 @@ class TrlPolicy {
 
   /// One side stream carries both directions; with `use_streams` false, the compute stream.
   TrlPolicy(B& backend, const OffloadOptions& options, const OffloadFaults& faults)
-      : t_(backend, options, faults, streams(backend, options)) {}
+      : t_(backend, options, faults, streams(backend, options)),
+        today_(options.policy == Policy::Trl) {}
   TrlPolicy(const TrlPolicy&) = delete;
   TrlPolicy& operator=(const TrlPolicy&) = delete;
 
   TensorId pack(const TensorFacts& facts, const Buffer& storage, bool in_region) {
     begin_forward_if_first();
     ++t_.telemetry.packed;
+    const Key key{facts.storage, facts.view_offset.count()};
+    if (dedup() && dedup_.contains(key)) {
+      ++t_.telemetry.deduplicated;
+      return t_.ids.add(t_.keep(facts, storage), facts.view_offset);
+    }
     // The reference knows no per-tensor opt-out.
-    const RecordId r = t_.stays(facts, in_region, /*opt_out=*/false)
-                           ? t_.keep(facts, storage)
-                           : offload(facts, storage, t_.ids.next());
+    const bool stays = t_.stays(facts, in_region, /*opt_out=*/false);
+    const RecordId r = stays ? t_.keep(facts, storage) : offload(facts, storage, t_.ids.next());
+    if (!stays && dedup()) dedup_.emplace(key, r);
     return t_.ids.add(r, facts.view_offset);
   }
 
   Unpacked<Buffer> unpack(TensorId id, NodeId node) {
     if (first_backward_call_) {
       first_backward_call_ = false;
-      first_forward_call_ = true;
+      if (!today_) first_forward_call_ = true;
       node_ = NodeId();
     }
     const RecordId r = t_.find(id);
@@ -113,6 +132,46 @@ class TrlPolicy {
 
   void backward_begin(std::span<const NodeId> /*order*/) {}
 
+  /// Today's reference clears what a previous step left; the seed does nothing.
+  void enter() {
+    if (!today_) return;
+    for (std::uint32_t i = 0; i < t_.records.size(); ++i) {
+      auto& rec = t_.records[RecordId(i)];
+      if (rec.state == RecordState::Free || rec.state == RecordState::Dropped) continue;
+      if (holds_device(rec.state)) t_.backend.drop(rec.device);
+      if (holds_host(rec.state)) {
+        // As the copy into it recorded its stream on the block (without streams, leaving the
+        // context did not wait for it).
+        if (!t_.faults.skip_host_guard) t_.backend.record_stream(rec.host, t_.offload_stream);
+        t_.backend.drop(rec.host);
+      }
+      rec.move_to(RecordState::Dropped);
+      t_.records.retire(RecordId(i));
+    }
+    t_.ids.clear();
+    fwd_stash_.clear();
+    bwd_stash_.clear();
+    bwd_events_.clear();
+    hooks_.clear();
+    dedup_.clear();
+    t_.records.reclaim([](RecordId) { return false; });
+    first_forward_call_ = true;
+    first_backward_call_ = false;
+  }
+
+  /// Today's reference, with streams, waits for both streams, then its stashes let go.
+  void exit() {
+    if (!today_ || !t_.options.use_streams) return;
+    t_.backend.synchronize(t_.compute);
+    t_.backend.synchronize(t_.offload_stream);
+    for (const auto& entry : fwd_stash_) let_go_stashed(entry.second);
+    fwd_stash_.clear();
+    dedup_.clear();
+    for (const auto& [id, r] : bwd_stash_) drop_returned(r);
+    bwd_stash_.clear();
+    bwd_events_.clear();
+  }
+
   /// The end-of-backward callback: every reload still held is let go.
   void backward_end() {
     for (const auto& [id, r] : bwd_stash_) {
@@ -179,10 +238,16 @@ class TrlPolicy {
 
   // The stash lets an original go once its copy is done.
   void retire_stashed(RecordId r) {
+    if (!t_.faults.skip_forward_guard) t_.backend.wait(t_.compute, t_.records[r].d2h_done);
+    let_go_stashed(r);
+  }
+
+  // The stash drops its reference to an original (its copy is known done) and its dedup key.
+  void let_go_stashed(RecordId r) {
     auto& rec = t_.records[r];
-    if (!t_.faults.skip_forward_guard) t_.backend.wait(t_.compute, rec.d2h_done);
     t_.backend.drop(rec.device);
     rec.move_to(rec.state == RecordState::Offloading ? RecordState::OnHost : RecordState::Dropped);
+    std::erase_if(dedup_, [&](const auto& e) { return e.second == r; });
   }
 
   // Copies the host copy back into a new buffer on the side stream; compute waits for it.
@@ -236,9 +301,19 @@ class TrlPolicy {
   void forget(TensorId id, RecordId r) {
     t_.ids.forget(id);
     --t_.records[r].ids;
+    // Today's reference starts a new forward only once the tracker is empty again.
+    if (today_ && t_.ids.tracked() == 0) first_forward_call_ = true;
   }
 
+  [[nodiscard]] bool dedup() const { return today_ && t_.options.use_streams; }
+
+  // A view's place: storage identity and offset in it (the reference adds the dtype, which
+  // views at one offset of one storage share in practice).
+  using Key = std::pair<std::uint64_t, std::int64_t>;
+
   Tracker<B> t_;
+  const bool today_;
+  std::map<Key, RecordId> dedup_;  // offloaded views whose original is in the forward stash
   bool first_forward_call_ = true;
   bool first_backward_call_ = false;
   NodeId node_;

@@ -38,6 +38,7 @@ class Recorder {
   void record(std::uint32_t event, std::uint32_t stream);
   void wait(std::uint32_t stream, std::uint32_t event);
   void record_stream(std::uint32_t buffer, std::uint32_t stream);
+  void synchronize(std::uint32_t stream);  ///< the host waits for the stream
 
   /// The program so far.
   [[nodiscard]] const Program& program() const { return program_; }

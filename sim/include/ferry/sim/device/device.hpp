@@ -45,6 +45,7 @@ class Device {
   void drop(Buffer buffer);
   [[nodiscard]] long use_count(Buffer buffer) const;
   void record_stream(Buffer buffer, Stream stream);
+  void synchronize(Stream stream);
 
   [[nodiscard]] Simulator& sim() { return sim_; }
   [[nodiscard]] DeviceId device() const { return device_; }
