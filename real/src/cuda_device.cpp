@@ -41,6 +41,7 @@ CudaDevice::Event CudaDevice::make_event() {
 
 std::optional<CudaDevice::Buffer> CudaDevice::allocate(Place place, Bytes bytes, Stream stream,
                                                        std::string_view) {
+  if (place != Place::Device && !host_room(bytes)) return std::nullopt;
   const std::int64_t n = std::max<std::int64_t>(bytes.count(), 0);
   at::Storage storage;
   try {

@@ -1,6 +1,8 @@
 #include "ferry/real/device.hpp"
 
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include "ferry/check.hpp"
 
@@ -26,6 +28,30 @@ BufferHandle DeviceBase::make_entry(at::Storage storage, Place place, Bytes byte
     recorder_->alloc(entry->slot, place == Place::Device ? stream : -1);
   }
   return entry;
+}
+
+namespace {
+
+// MemAvailable from /proc/meminfo, in bytes; nullopt where the kernel does not say.
+std::optional<std::int64_t> host_available() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  std::int64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+bool DeviceBase::host_room(Bytes bytes) {
+  if (host_reserve_.count() <= 0) return true;
+  const auto available = host_available();
+  if (!available || *available - bytes.count() >= host_reserve_.count()) return true;
+  ++host_refusals_;
+  return false;
 }
 
 void DeviceBase::hold(const BufferHandle& buffer) {
@@ -100,6 +126,7 @@ LoopbackDevice::Event LoopbackDevice::make_event() {
 
 std::optional<LoopbackDevice::Buffer> LoopbackDevice::allocate(Place place, Bytes bytes,
                                                                Stream stream, std::string_view) {
+  if (place != Place::Device && !host_room(bytes)) return std::nullopt;
   at::Tensor t = at::empty({std::max<std::int64_t>(bytes.count(), 0)}, at::kByte);
   return allocated(t.storage(), place, bytes, stream.index);
 }

@@ -99,7 +99,9 @@ class SessionImpl final : public SessionBase {
   SessionImpl(const RealOptions& options, const OffloadFaults& faults)
       : options_(options),
         device_(options.record ? std::make_unique<Recorder>(options.profile) : nullptr),
-        core_(device_, options.offload, faults) {}
+        core_(device_, options.offload, faults) {
+    device_.set_host_reserve(options.host_reserve);
+  }
 
   PackedPtr pack(const at::Tensor& t, TensorKind kind) override {
     if (!t.has_storage() || t.layout() != at::kStrided || t.is_quantized()) {
@@ -240,7 +242,8 @@ std::shared_ptr<Session> Session::create(const RealOptions& options, const Offlo
   const OffloadOptions& o = options.offload;
   for (const auto& [name, value] :
        {std::pair{"min_bytes", o.min_bytes}, std::pair{"window_bytes", o.window_bytes},
-        std::pair{"prefetch_bytes", o.prefetch_bytes}, std::pair{"host_cap", o.host_cap}}) {
+        std::pair{"prefetch_bytes", o.prefetch_bytes}, std::pair{"host_cap", o.host_cap},
+        std::pair{"host_reserve_bytes", options.host_reserve}}) {
     if (value.count() < 0) {
       throw std::invalid_argument(
           fmt::format("ferry: option {} must not be negative (got {})", name, value.count()));

@@ -554,3 +554,30 @@ def test_mixed_dtypes_and_empty_tensors(policy, dtype):
     assert_same_grads(ref, model)
     assert ctx.telemetry()["offloaded"] > 0
     assert ctx.tracked() == 0 and ctx.live_device_buffers() == 0
+
+
+def test_host_memory_check_keeps_tensors_on_the_device_or_refuses():
+    """A reserve above the machine's available memory refuses every pin: ferry keeps the
+    tensors where they are and says so; trl raises, naming the tensor."""
+    torch.manual_seed(11)
+    model = MLP()
+    x = torch.randn(8, 32, requires_grad=True)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    everything = 1 << 62
+    ctx = loopback("ferry", min_bytes=0, host_reserve_bytes=everything)
+    ctx.update_model_params(model)
+    with ctx:
+        loss = model(x).sum()
+    loss.backward()
+    t = ctx.telemetry()
+    assert t["offloaded"] == 0 and t["host_fallbacks"] > 0 and t["pinned_bytes"] == 0
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+    assert ctx.tracked() == 0 and ctx.live_host_buffers() == 0
+    trl = loopback("trl", min_bytes=0, host_reserve_bytes=everything)
+    with pytest.raises(ValueError, match="out of pinned host memory: could not pin"):
+        with trl:
+            model(x).sum()
+    with pytest.raises(ValueError, match="host_reserve_bytes must not be negative"):
+        loopback("ferry", host_reserve_bytes=-1)

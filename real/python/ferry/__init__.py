@@ -75,7 +75,9 @@ class offload(_Region):
     ``"none"`` (keep everything); tensors under
     ``min_bytes`` stay; ``max_fwd_stash_size`` is the reference's forward stash (trl);
     ``window_bytes``, ``prefetch_bytes``, ``host_cap``, ``dedup`` and ``prefetch`` tune the
-    ferry policy. ``loopback=True`` treats CPU tensors as device tensors (no GPU needed);
+    ferry policy. Pinning is refused when it would leave less than ``host_reserve_bytes`` (1 GiB)
+    of the host's available memory: ferry then keeps the tensor on the device (counted in
+    ``host_fallbacks``), trl raises. ``loopback=True`` treats CPU tensors as device tensors (no GPU needed);
     ``record=True`` records the stream program for ``ferry check`` (see ``write_program``).
     The reference offloader's names are accepted too: ``min_offload_size`` (``min_bytes``),
     ``use_streams`` (False: copies on the compute stream, in order with the kernels) and
@@ -96,6 +98,7 @@ class offload(_Region):
         window_bytes=None,
         prefetch_bytes=None,
         host_cap=None,
+        host_reserve_bytes=None,
         dedup=True,
         prefetch=True,
         loopback=False,
@@ -127,6 +130,7 @@ class offload(_Region):
             ("window_bytes", window_bytes),
             ("prefetch_bytes", prefetch_bytes),
             ("host_cap", host_cap),
+            ("host_reserve_bytes", host_reserve_bytes),
             ("profile", profile),
         ):
             if value is not None:

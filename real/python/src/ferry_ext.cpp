@@ -84,6 +84,7 @@ std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t mi
                                       std::int64_t prefetch_bytes, std::int64_t host_cap,
                                       bool dedup, bool prefetch, bool use_streams, bool loopback,
                                       bool record, const std::string& profile,
+                                      std::int64_t host_reserve_bytes,
                                       const ferry::OffloadFaults& faults) {
   ferry::RealOptions options;
   options.offload.policy = parse_policy(policy);
@@ -98,6 +99,7 @@ std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t mi
   options.loopback = loopback;
   options.record = record;
   options.profile = profile;
+  options.host_reserve = ferry::Bytes(host_reserve_bytes);
   return Session::create(options, faults);
 }
 
@@ -170,7 +172,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("host_cap") = d.host_cap.count(), py::arg("dedup") = d.dedup,
            py::arg("prefetch") = d.prefetch, py::arg("use_streams") = d.use_streams,
            py::arg("loopback") = defaults.loopback, py::arg("record") = defaults.record,
-           py::arg("profile") = defaults.profile, py::arg("faults") = ferry::OffloadFaults{})
+           py::arg("profile") = defaults.profile,
+           py::arg("host_reserve_bytes") = defaults.host_reserve.count(),
+           py::arg("faults") = ferry::OffloadFaults{})
       .def("exclude", &Session::exclude, py::arg("tensor"),
            "Never offload this tensor's storage (parameters, module buffers).")
       .def(

@@ -65,8 +65,16 @@ class DeviceBase {
 
   [[nodiscard]] Recorder* recorder() const { return recorder_.get(); }
 
+  /// Pinned allocations are refused (allocate returns nullopt) when they would leave less than
+  /// `reserve` bytes of the host's available memory (MemAvailable in /proc/meminfo).
+  void set_host_reserve(Bytes reserve) { host_reserve_ = reserve; }
+  /// Pinned allocations refused so far for lack of host memory.
+  [[nodiscard]] std::int64_t host_refusals() const { return host_refusals_; }
+
  protected:
   BufferHandle make_entry(at::Storage storage, Place place, Bytes bytes, std::int64_t stream);
+  /// Whether `bytes` of pinned memory leave the reserve free (counts a refusal when not).
+  bool host_room(Bytes bytes);
   /// A new buffer over `storage` holding one reference (what allocate returns).
   BufferHandle allocated(at::Storage storage, Place place, Bytes bytes, std::uint32_t stream);
   static void check_copy(const BufferHandle& src, Bytes src_offset, const BufferHandle& dst,
@@ -75,6 +83,8 @@ class DeviceBase {
   static std::uint8_t* bytes_of(const BufferHandle& buffer);
 
   std::unique_ptr<Recorder> recorder_;
+  Bytes host_reserve_;
+  std::int64_t host_refusals_ = 0;
 
  private:
   std::uint32_t streams_ = 0;

@@ -29,6 +29,9 @@ struct RealOptions {
   bool record = false;
   /// The device profile named in the recorded program.
   std::string profile = "h100-sxm-pcie5";
+  /// Host memory pinning must leave free (MemAvailable); a pin that would not is refused: the
+  /// ferry policy keeps the tensor on the device (host_fallbacks), trl raises.
+  Bytes host_reserve{1LL << 30};
 };
 
 /// Options of one checkpointed region (torch.utils.checkpoint's, non-reentrant).

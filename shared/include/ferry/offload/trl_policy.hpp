@@ -229,7 +229,12 @@ class TrlPolicy {
     if (!t_.faults.skip_offload_wait) t_.wait_for_compute(t_.offload_stream);
     auto host = t_.backend.allocate(Place::PinnedHostCaching, facts.bytes, t_.offload_stream,
                                     "offloaded activation");
-    if (!host) throw OffloadError("out of pinned host memory", FailureKind::OutOfMemory);
+    if (!host) {
+      throw OffloadError(fmt::format("out of pinned host memory: could not pin {} bytes for "
+                                     "tensor {} (the host has too little memory left)",
+                                     facts.bytes.count(), id.value()),
+                         FailureKind::OutOfMemory);
+    }
     const RecordId r =
         t_.start_offload(storage, facts.view_offset, *host, facts.bytes, facts.storage);
     fwd_stash_.emplace_back(id, r);
