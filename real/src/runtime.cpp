@@ -433,6 +433,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     std::optional<HolderId> holder;
     bool requires_grad = false;  // the input's (recomputed tensors come back detached)
     PackedPtr packed;            // saved by the offload session the region runs in
+    bool same = false;           // a leaf: the replay gets this very tensor, as torch's does
   };
 
   FrameId begin(const CheckpointOptions& options, Replay replay, RngState rng,
@@ -523,7 +524,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     inputs.reserve(info.inputs.size());
     for (const Input& in : info.inputs) {
       at::Tensor t = in.holder ? unpack(*in.holder) : in.packed ? in.packed->unpack() : in.tensor;
-      inputs.push_back(t.defined() ? t.detach().requires_grad_(in.requires_grad) : t);
+      inputs.push_back(!t.defined() || in.same ? t : t.detach().requires_grad_(in.requires_grad));
     }
     {
       std::lock_guard lock(mutex_);
@@ -636,10 +637,15 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
     if (t.defined() && top != nullptr && top->kind == Context::Kind::Recompute) {
       (void)state->recompute_pack(t);
     }
-    // Detached: a frame begun during a replay would otherwise hold the replay's graph, whose
-    // holders hold this state (a cycle).
-    saved.push_back(
-        {t.defined() ? t.detach() : t, std::nullopt, t.defined() && t.requires_grad(), {}});
+    // A leaf as it is (no graph to hold; the replay gets the same object, as torch's does);
+    // anything else detached: a frame begun during a replay would otherwise hold the replay's
+    // graph, whose holders hold this state (a cycle).
+    const bool leaf = t.defined() && t.is_leaf();
+    saved.push_back({leaf || !t.defined() ? t : t.detach(),
+                     std::nullopt,
+                     t.defined() && t.requires_grad(),
+                     {},
+                     leaf});
   }
   RngState rng = options.preserve_rng_state ? capture_rng(cuda_devices(inputs)) : RngState{};
   const FrameId frame = state->begin(options, std::move(replay), std::move(rng), capture_autocast(),

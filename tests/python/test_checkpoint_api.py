@@ -215,3 +215,26 @@ def test_cuda_first_initialized_inside_the_region_is_refused(monkeypatch):
     state["initialized"] = False
     ferry.checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False).sum().backward()
     ferry.checkpoint(fn, x, use_reentrant=False).sum().backward()  # initialized before: fine
+
+
+def test_leaf_inputs_reach_the_replay_as_the_same_objects_as_in_torch():
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(4)
+    h = w * 2  # not a leaf: the replay gets another object over the same storage
+
+    def run(checkpoint):
+        seen = []
+
+        def fn(a, b, c):
+            seen.append((a, b, c))
+            return (a * b * c).sin().sum()
+
+        checkpoint(fn, w, x, h, use_reentrant=False).backward(retain_graph=True)
+        assert len(seen) == 2  # forward, then the replay
+        return seen[1]
+
+    ours = run(ferry.checkpoint)
+    theirs = run(tc.checkpoint)
+    assert ours[0] is w and ours[1] is x
+    assert theirs[0] is w and theirs[1] is x
+    assert ours[2] is not h and ours[2].data_ptr() == h.data_ptr()

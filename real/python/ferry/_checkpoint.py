@@ -93,7 +93,7 @@ def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, 
     tensor_kwargs = {k: isinstance(v, torch.Tensor) for k, v in kwargs.items()}
 
     def replay(saved):
-        saved = iter([t.detach().requires_grad_(t.requires_grad) for t in saved])
+        saved = iter(saved)  # detached by the runtime, leaves excepted (the same objects)
         replay_args = [next(saved) if is_t else a for a, is_t in zip(arg_slots, tensor_args)]
         replay_kwargs = {k: next(saved) if tensor_kwargs[k] else v for k, v in kwarg_slots.items()}
         with torch.enable_grad(), recompute_context, saved_tensors_hooks(_C._pack, _C._unpack):
