@@ -25,10 +25,10 @@ inline DeviceProfile simple_profile() {
 }
 
 inline Simulator simple_sim(int devices = 1, SimOptions options = {},
-                            DeviceProfile profile = simple_profile()) {
+                            DeviceProfile profile = simple_profile(), SimFaults faults = {}) {
   std::vector<DeviceSpec> specs;
   for (int i = 0; i < devices; ++i) specs.push_back(DeviceSpec{"gpu" + std::to_string(i), profile});
-  return Simulator(std::move(specs), {}, options);
+  return Simulator(std::move(specs), {}, options, faults);
 }
 
 inline Region whole(const Simulator& sim, BufferId id) {

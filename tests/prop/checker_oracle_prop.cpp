@@ -273,9 +273,7 @@ std::string describe(const Program& p) {
 void checker_matches_oracle(const ProgramShape& shape, const std::vector<OpChoice>& choices,
                             CheckerFaults faults) {
   const Program program = build_random_program(shape, choices, RandomProgramOptions{});
-  SimOptions options;
-  options.checker_faults = faults;
-  auto run = run_program(program, options);
+  auto run = run_program(program, {}, SimFaults{.checker = faults});
   RC_ASSERT(run.ok());
   const std::string diff = compare(program, run.value().sim);
   if (!diff.empty()) RC_FAIL(describe(program) + diff);

@@ -218,8 +218,7 @@ Runs run_case(const Case& c, const PipelineFaults& faults) {
   o.micro_batches = c.micro_batches;
   o.checkpoint = c.mode;
   o.skips = skips;
-  o.faults = faults;
-  auto pipeline = simulate_pipeline(model, profile(c), o);
+  auto pipeline = simulate_pipeline(model, profile(c), o, faults);
   auto reference = simulate_reference(model, profile(c), o);
   RC_ASSERT(pipeline.ok());
   RC_ASSERT(reference.ok());

@@ -139,9 +139,9 @@ void schedule_respects_dependencies(const Program& p, const Simulator& sim) {
 }
 
 void timing_is_sane(const ProgramShape& shape, const std::vector<OpChoice>& choices,
-                    SimOptions options) {
+                    SimFaults faults) {
   const Program program = build_random_program(shape, choices, {});
-  auto run = run_program(program, options);
+  auto run = run_program(program, {}, faults);
   RC_ASSERT(run.ok());
   schedule_respects_dependencies(program, run.value().sim);
   const Bounds b = bounds(program);
@@ -151,7 +151,7 @@ void timing_is_sane(const ProgramShape& shape, const std::vector<OpChoice>& choi
 }
 
 RC_GTEST_PROP(Timing, MakespanLiesBetweenCriticalPathAndSerialSum, ()) {
-  timing_is_sane(*testing::gen_shape(), *testing::gen_choices(), SimOptions{});
+  timing_is_sane(*testing::gen_shape(), *testing::gen_choices(), SimFaults{});
 }
 
 RC_GTEST_PROP(Timing, TwoRunsGiveIdenticalTraceAndSummaryBytes, ()) {
@@ -167,10 +167,10 @@ RC_GTEST_PROP(Timing, TwoRunsGiveIdenticalTraceAndSummaryBytes, ()) {
 }
 
 TEST(Timing, PlantedFaultIgnoringWaitsBreaksTheCriticalPathBound) {
-  SimOptions options;
-  options.timing_ignores_waits = true;
+  SimFaults faults;
+  faults.timing_ignores_waits = true;
   const std::string found = ferry::testing::counterexample(
-      [&] { timing_is_sane(*testing::gen_shape(), *testing::gen_choices(), options); });
+      [&] { timing_is_sane(*testing::gen_shape(), *testing::gen_choices(), faults); });
   ASSERT_FALSE(found.empty()) << "timing ignoring waits: the property did not notice";
   std::cout << "timing ignoring waits, shrunk counterexample:\n" << found << "\n";
 }

@@ -24,9 +24,8 @@ struct Reload {
 };
 
 Reload reload(bool wait, CheckerFaults faults = {}) {
-  SimOptions options;
-  options.checker_faults = faults;
-  Reload r{simple_sim(1, options), {}, {}, {}, {}};
+  Reload r{
+      simple_sim(1, {}, testing::simple_profile(), SimFaults{.checker = faults}), {}, {}, {}, {}};
   Simulator& sim = r.sim;
   r.compute = sim.add_stream(DeviceId(0), "compute");
   r.h2d = sim.add_stream(DeviceId(0), "h2d");

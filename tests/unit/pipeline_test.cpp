@@ -407,8 +407,9 @@ TEST(Pipeline, RejectsBadOptionsWithTheirReason) {
 TEST(PipelineFault, DroppedRngRestoreRecomputesOtherNumbers) {
   const Model model = skip_model();
   PipelineOptions o = options(3, 2, CheckpointMode::Always, {SkipConnection{4, 5}});
-  o.faults.skip_rng_restore = true;
-  const PipelineRun run = simulate_pipeline(model, simple_profile(), o).value();
+  PipelineFaults faults;
+  faults.skip_rng_restore = true;
+  const PipelineRun run = simulate_pipeline(model, simple_profile(), o, faults).value();
   const PipelineRun reference = simulate_reference(model, simple_profile(), o).value();
   EXPECT_FALSE(run.content_mismatches().empty());
   EXPECT_NE(run.param_grads, reference.param_grads);
@@ -417,18 +418,20 @@ TEST(PipelineFault, DroppedRngRestoreRecomputesOtherNumbers) {
 TEST(PipelineFault, DroppedPortalCopyWaitIsARace) {
   const Model model = skip_model();
   PipelineOptions o = options(3, 2, CheckpointMode::Never, {SkipConnection{4, 5}});
-  o.faults.skip_portal_copy_wait = true;
-  EXPECT_FALSE(simulate_pipeline(model, simple_profile(), o).value().hazards().empty());
-  o.faults = {};
-  o.faults.skip_portal_arrival_wait = true;
-  EXPECT_FALSE(simulate_pipeline(model, simple_profile(), o).value().hazards().empty());
+  PipelineFaults faults;
+  faults.skip_portal_copy_wait = true;
+  EXPECT_FALSE(simulate_pipeline(model, simple_profile(), o, faults).value().hazards().empty());
+  faults = {};
+  faults.skip_portal_arrival_wait = true;
+  EXPECT_FALSE(simulate_pipeline(model, simple_profile(), o, faults).value().hazards().empty());
 }
 
 TEST(PipelineFault, WrongTensorLifeStopsTheStepWithThePortalError) {
   const Model model = skip_model();
   PipelineOptions o = options(3, 2, CheckpointMode::Always, {SkipConnection{4, 5}});
-  o.faults.portal.fixed_life = true;
-  const PipelineRun run = simulate_pipeline(model, simple_profile(), o).value();
+  PipelineFaults faults;
+  faults.portal.fixed_life = true;
+  const PipelineRun run = simulate_pipeline(model, simple_profile(), o, faults).value();
   ASSERT_TRUE(run.failure);
   EXPECT_NE(run.failure->message.find("tensor in portal has been removed"), std::string::npos);
   o.checkpoint = CheckpointMode::Never;  // life 2 is right without checkpoint

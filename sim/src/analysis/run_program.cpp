@@ -17,9 +17,9 @@ std::vector<DeviceSpec> device_specs(const Program& program) {
 
 }  // namespace
 
-Result<ProgramRun> run_program(const Program& program, SimOptions options) {
+Result<ProgramRun> run_program(const Program& program, SimOptions options, SimFaults faults) {
   if (program.devices.empty()) return Error{"program declares no devices"};
-  ProgramRun run{Simulator(device_specs(program), program.links, options), std::nullopt, 0};
+  ProgramRun run{Simulator(device_specs(program), program.links, options, faults), std::nullopt, 0};
   Simulator& sim = run.sim;
   for (const ProgramStream& s : program.streams) sim.add_stream(s.device, s.name);
   for (const ProgramEvent& e : program.events) sim.add_event(e.name);

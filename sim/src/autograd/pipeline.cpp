@@ -486,17 +486,18 @@ std::vector<DeviceSpec> device_specs(const DeviceProfile& profile, std::uint32_t
 class Executor {
  public:
   Executor(const Model& model, const DeviceProfile& profile, const PipelineOptions& options,
-           Plan plan, Schedule schedule, std::int32_t checkpoint_stop)
+           const PipelineFaults& faults, Plan plan, Schedule schedule, std::int32_t checkpoint_stop)
       : model_(model),
         profile_(profile),
         options_(options),
+        faults_(faults),
         plan_(std::move(plan)),
         schedule_(schedule),
         checkpoint_stop_(checkpoint_stop),
         micro_batches_(static_cast<std::uint32_t>(options.micro_batches)),
         parts_(plan_.partitions()),
         sim_(device_specs(profile, plan_.partitions()), {}, options.sim),
-        portals_(options.faults.portal) {
+        portals_(faults.portal) {
     for (std::uint32_t j = 0; j < parts_; ++j) {
       compute_.push_back(sim_.add_stream(DeviceId(j), "compute"));
     }
@@ -784,7 +785,7 @@ class Executor {
     for (const std::uint32_t s : plan_.skips_into[j]) {
       const SkipPlan& skip = plan_.skips[s];
       const StreamId stream = copy_[skip.from][j];
-      if (!options_.faults.skip_portal_copy_wait) {
+      if (!faults_.skip_portal_copy_wait) {
         wait_once(stream, tasks_[i][skip.from].forward_done);
       }
       const ModelTensor& t = model_.tensors[skip.tensor];
@@ -796,7 +797,7 @@ class Executor {
            mb_label(i, fmt::format("portal {} gpu{}->gpu{}", t.name, skip.from, j)));
       release(src);
       const EventId arrived = record(stream, mb_label(i, fmt::format("portal {} copied", s)));
-      if (!options_.faults.skip_portal_arrival_wait) task.arrivals.push_back(arrived);
+      if (!faults_.skip_portal_arrival_wait) task.arrivals.push_back(arrived);
     }
     if (j == 0 || plan_.chain_in[j].empty()) return;
     const StreamId stream = copy_[j - 1][j];
@@ -1010,9 +1011,9 @@ class Executor {
     // The recompute needs no gradient: it is issued before the waits for the incoming ones.
     if (task.checkpointed) {
       const std::vector<std::uint64_t> outer = rng_;
-      if (!options_.faults.skip_rng_restore) rng_ = task.rng;
+      if (!faults_.skip_rng_restore) rng_ = task.rng;
       run_ops(i, j, Pass::Recompute);
-      if (!options_.faults.skip_rng_restore) rng_ = outer;
+      if (!faults_.skip_rng_restore) rng_ = outer;
     }
     for (const EventId e : task.arrivals) sim_.wait(compute_[j], e);
     task.arrivals.clear();
@@ -1203,6 +1204,7 @@ class Executor {
   const Model& model_;
   const DeviceProfile& profile_;
   const PipelineOptions& options_;
+  PipelineFaults faults_;
   Plan plan_;
   Schedule schedule_;
   std::int32_t checkpoint_stop_;
@@ -1246,7 +1248,8 @@ Status check_options(const Model& model, const PipelineOptions& options) {
 }  // namespace
 
 Result<PipelineRun> simulate_pipeline(const Model& model, const DeviceProfile& device,
-                                      const PipelineOptions& options) {
+                                      const PipelineOptions& options,
+                                      const PipelineFaults& faults) {
   Status valid = check_options(model, options);
   if (!valid.ok()) return valid.error();
   auto starts = balance_by_duration(model, options.devices);
@@ -1257,7 +1260,7 @@ Result<PipelineRun> simulate_pipeline(const Model& model, const DeviceProfile& d
                             : options.checkpoint == CheckpointMode::ExceptLast ? m - 1
                                                                                : 0;
   Executor executor(
-      model, device, options,
+      model, device, options, faults,
       make_plan(model, std::move(starts).value(), std::move(generator_of), options.skips),
       Schedule::GPipe, stop);
   return executor.run();
@@ -1272,9 +1275,8 @@ Result<PipelineRun> simulate_reference(const Model& model, const DeviceProfile& 
   std::vector<std::uint32_t> generator_of = generators_by_partition(starts.value());
   PipelineOptions reference = options;
   reference.devices = 1;
-  reference.faults = {};
   std::vector<std::uint32_t> single = {0, static_cast<std::uint32_t>(model.ops.size())};
-  Executor executor(model, device, reference,
+  Executor executor(model, device, reference, PipelineFaults{},
                     make_plan(model, std::move(single), std::move(generator_of), reference.skips),
                     Schedule::Sequential, 0);
   return executor.run();

@@ -144,6 +144,7 @@ using ContentMap = std::map<std::int64_t, ContentSeg>;
 
 struct Simulator::State final : StreamMarkers {
   SimOptions options;
+  SimFaults faults;
   std::vector<DeviceState> devices;
   std::vector<ProgramLink> links;
   std::vector<StreamState> streams;
@@ -181,11 +182,13 @@ struct Simulator::State final : StreamMarkers {
   std::vector<MemorySample> samples;
   CopyTotals totals;
 
-  State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> link_list, SimOptions opts)
+  State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> link_list, SimOptions opts,
+        SimFaults planted)
       : options(opts),
+        faults(planted),
         links(std::move(link_list)),
         pinned(pinned_capacity(specs), Bytes(kPinnedBase)),
-        checker(opts.checker_faults) {
+        checker(planted.checker) {
     FERRY_CHECK(!specs.empty(), "a simulation needs at least one device");
     for (auto& spec : specs) {
       const Bytes memory = spec.profile.memory;
@@ -311,7 +314,7 @@ struct Simulator::State final : StreamMarkers {
       const Exec& e = exec[op];
       if (e.kind == ExecKind::Wait) {
         StreamState& target = streams[e.target_stream];
-        if (!options.timing_ignores_waits && target.completed < e.target_count) {
+        if (!faults.timing_ignores_waits && target.completed < e.target_count) {
           target.waiters.emplace_back(e.target_count, sid);
           return;
         }
@@ -624,8 +627,8 @@ struct Simulator::State final : StreamMarkers {
 // --- Simulator ------------------------------------------------------------------------------
 
 Simulator::Simulator(std::vector<DeviceSpec> devices, std::vector<ProgramLink> links,
-                     SimOptions options)
-    : state_(std::make_unique<State>(std::move(devices), std::move(links), options)) {}
+                     SimOptions options, SimFaults faults)
+    : state_(std::make_unique<State>(std::move(devices), std::move(links), options, faults)) {}
 Simulator::~Simulator() = default;
 Simulator::Simulator(Simulator&&) noexcept = default;
 Simulator& Simulator::operator=(Simulator&&) noexcept = default;

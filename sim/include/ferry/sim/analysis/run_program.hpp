@@ -23,6 +23,7 @@ struct ProgramRun {
 /// Runs every op of `program` in order, then lets the devices drain. Misuse the simulator can
 /// see at run time (use before alloc, use after free, double free, races) becomes hazards;
 /// an alloc of a slot that already holds memory is an error naming the op.
-Result<ProgramRun> run_program(const Program& program, SimOptions options = {});
+Result<ProgramRun> run_program(const Program& program, SimOptions options = {},
+                               SimFaults faults = {});
 
 }  // namespace ferry::sim

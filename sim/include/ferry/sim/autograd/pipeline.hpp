@@ -36,7 +36,8 @@ struct SkipConnection {
   friend bool operator==(const SkipConnection&, const SkipConnection&) = default;
 };
 
-/// Test-only switches that each drop one safety rule (planted faults).
+/// Test-only switches that each drop one safety rule (planted faults), passed apart from the
+/// options.
 struct PipelineFaults {
   bool skip_rng_restore = false;          ///< recompute draws from the live generator
   bool skip_portal_copy_wait = false;     ///< PortalCopy does not wait for the stashing compute
@@ -50,7 +51,6 @@ struct PipelineOptions {
   CheckpointMode checkpoint = CheckpointMode::ExceptLast;
   std::vector<SkipConnection> skips;  ///< portal routes; see Note [Portal tensor life]
   SimOptions sim;
-  PipelineFaults faults;
 };
 
 /// One buffer a portal held: when its last user was issued and when it was freed.
@@ -111,7 +111,8 @@ Result<std::vector<std::uint32_t>> balance_by_duration(const Model& model, std::
 /// devices with the same profile. Bad options or models are errors; a failure during the step
 /// is reported in PipelineRun::failure.
 Result<PipelineRun> simulate_pipeline(const Model& model, const DeviceProfile& device,
-                                      const PipelineOptions& options);
+                                      const PipelineOptions& options,
+                                      const PipelineFaults& faults = {});
 
 /// The single-device reference: one device, one stream, the micro-batches one after another
 /// (forward, then backward), no checkpoint, copies or portals. Ops draw random numbers from the

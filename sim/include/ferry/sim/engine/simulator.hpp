@@ -38,9 +38,13 @@ enum class CopyDirection : std::uint8_t { HostToDevice, DeviceToHost, DeviceToDe
 struct SimOptions {
   bool check_hazards = true;  ///< run the happens-before checker on every access
   bool track_content = true;  ///< keep shadow content ids per byte range
-  CheckerFaults checker_faults;
-  /// Planted fault for tests: streams start work without honouring event waits.
-  bool timing_ignores_waits = false;
+};
+
+/// Test-only switches that break the simulator on purpose (planted faults), passed apart from
+/// the options.
+struct SimFaults {
+  CheckerFaults checker;
+  bool timing_ignores_waits = false;  ///< streams start work without honouring event waits
 };
 
 /// One API call as the simulator saw it; stream work also has its execution interval.
@@ -135,7 +139,7 @@ struct DeviceSpec {
 class Simulator {
  public:
   Simulator(std::vector<DeviceSpec> devices, std::vector<ProgramLink> links,
-            SimOptions options = {});
+            SimOptions options = {}, SimFaults faults = {});
   ~Simulator();
   Simulator(Simulator&&) noexcept;
   Simulator& operator=(Simulator&&) noexcept;
