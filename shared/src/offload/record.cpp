@@ -26,30 +26,4 @@ const char* record_state_name(RecordState state) {
   return "?";
 }
 
-// The table of Note [Record lifecycle].
-bool record_transition_allowed(RecordState from, RecordState to) {
-  using S = RecordState;
-  switch (from) {
-    case S::Free:
-      return to == S::Kept || to == S::Offloading;
-    case S::Kept:
-      return to == S::Dropped;
-    case S::Offloading:
-      return to == S::OnHost || to == S::Original || to == S::Dropped;
-    case S::Original:
-      return to == S::Dropped;
-    case S::OnHost:
-      return to == S::Reloading || to == S::Returned || to == S::Dropped;
-    case S::Reloading:
-      return to == S::Reloaded || to == S::OnHost;
-    case S::Reloaded:
-      return to == S::OnHost;
-    case S::Returned:
-      return to == S::Dropped;
-    case S::Dropped:
-      return to == S::Free;
-  }
-  return false;
-}
-
 }  // namespace ferry

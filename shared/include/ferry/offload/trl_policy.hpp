@@ -47,14 +47,15 @@ class TrlPolicy {
     begin_forward_if_first();
     ++t_.telemetry.packed;
     const Key key{facts.storage, facts.view_offset.count()};
-    if (dedup() && dedup_.contains(key)) {
+    if (dedup() &&
+        std::any_of(dedup_.begin(), dedup_.end(), [&](const auto& e) { return e.first == key; })) {
       ++t_.telemetry.deduplicated;
       return t_.ids.add(t_.keep(facts, storage), facts.view_offset);
     }
     // The reference knows no per-tensor opt-out.
     const bool stays = t_.stays(facts, in_region, /*opt_out=*/false);
     const RecordId r = stays ? t_.keep(facts, storage) : offload(facts, storage, t_.ids.next());
-    if (!stays && dedup()) dedup_.emplace(key, r);
+    if (!stays && dedup()) dedup_.emplace_back(key, r);
     return t_.ids.add(r, facts.view_offset);
   }
 
@@ -318,7 +319,9 @@ class TrlPolicy {
 
   Tracker<B> t_;
   const bool today_;
-  std::map<Key, RecordId> dedup_;  // offloaded views whose original is in the forward stash
+  // Offloaded views whose original is in the forward stash: at most max_fwd_stash_size, so a
+  // short list.
+  std::vector<std::pair<Key, RecordId>> dedup_;
   bool first_forward_call_ = true;
   bool first_backward_call_ = false;
   NodeId node_;
