@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <mutex>
@@ -112,14 +113,8 @@ NoOffloadGuard::~NoOffloadGuard() { real::close_context(real::Context::Kind::NoO
 std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
                                    CheckpointOptions options) {
   install();
-  auto replay = [fn](const std::vector<at::Tensor>& saved) {
-    std::vector<at::Tensor> detached;
-    detached.reserve(saved.size());
-    for (const at::Tensor& t : saved) {
-      detached.push_back(t.defined() ? t.detach().requires_grad_(t.requires_grad()) : t);
-    }
-    (void)fn(detached);
-  };
+  // The runtime hands the inputs back detached, leaves excepted (the same objects, as torch).
+  auto replay = [fn](const std::vector<at::Tensor>& saved) { (void)fn(saved); };
   const real::FrameToken token = real::frame_begin(options, std::move(replay), inputs);
   std::vector<at::Tensor> out;
   try {
@@ -136,6 +131,33 @@ at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
                       const at::Tensor& input, CheckpointOptions options) {
   return checkpoint([fn](const std::vector<at::Tensor>& in) { return std::vector{fn(in[0])}; },
                     {input}, options)[0];
+}
+
+at::Tensor checkpoint_sequential(const std::vector<SequentialFn>& functions, std::int64_t segments,
+                                 const at::Tensor& input, CheckpointOptions options) {
+  const auto n = static_cast<std::int64_t>(functions.size());
+  if (segments < 1 || segments > std::max<std::int64_t>(n, 1)) {
+    throw std::invalid_argument(fmt::format(
+        "ferry.checkpoint_sequential: segments must be between 1 and the number of functions "
+        "({}), got {}",
+        n, segments));
+  }
+  // Each part owns its functions: its replay runs in backward, after this call returned.
+  const auto run = [&functions](std::int64_t start, std::int64_t end) {
+    std::vector<SequentialFn> part(functions.begin() + start, functions.begin() + end);
+    return [part = std::move(part)](const at::Tensor& x) {
+      at::Tensor y = x;
+      for (const SequentialFn& f : part) y = f(y);
+      return y;
+    };
+  };
+  const std::int64_t size = n / segments;
+  std::int64_t start = 0;
+  at::Tensor x = input;
+  for (std::int64_t s = 0; s + 1 < segments; ++s, start += size) {
+    x = checkpoint(run(start, start + size), x, options);
+  }
+  return run(start, n)(x);
 }
 
 }  // namespace ferry

@@ -382,6 +382,42 @@ TEST_F(RealFerry, CheckpointGradientsAreBitwiseEqual) {
   expect_bitwise_equal(want, got);
 }
 
+// checkpoint_sequential as torch's: len / segments functions a part, the last part plain.
+TEST_F(RealFerry, CheckpointSequentialGradientsAreBitwiseEqual) {
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  auto x = torch::randn({2, 8}, torch::requires_grad());
+  std::vector<ferry::SequentialFn> layers;
+  for (int i = 0; i < 5; ++i) {
+    layers.emplace_back([&w, i](const torch::Tensor& h) { return (h.matmul(w) + i).tanh(); });
+  }
+  const Tensors want = grads_of({w, x}, [&] {
+    torch::Tensor h = x;
+    for (const auto& f : layers) h = f(h);
+    return h.sum();
+  });
+  for (const std::int64_t segments : {1, 2, 3, 5}) {
+    const Tensors got =
+        grads_of({w, x}, [&] { return ferry::checkpoint_sequential(layers, segments, x).sum(); });
+    expect_bitwise_equal(want, got);
+  }
+  EXPECT_THROW((void)ferry::checkpoint_sequential(layers, 0, x), std::invalid_argument);
+  EXPECT_THROW((void)ferry::checkpoint_sequential(layers, 6, x), std::invalid_argument);
+}
+
+// The parts own their functions: the caller's list may be gone before backward.
+TEST_F(RealFerry, CheckpointSequentialOutlivesItsFunctionList) {
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  auto x = torch::randn({2, 8}, torch::requires_grad());
+  torch::Tensor loss;
+  {
+    std::vector<ferry::SequentialFn> layers(
+        4, [&w](const torch::Tensor& h) { return h.matmul(w).sin(); });
+    loss = ferry::checkpoint_sequential(layers, 2, x).sum();
+  }
+  loss.backward();
+  EXPECT_TRUE(w.grad().defined());
+}
+
 TEST_F(RealFerry, NestedCheckpointWithAndWithoutEarlyStop) {
   auto w = torch::randn({12, 12}, torch::requires_grad());
   auto x = torch::randn({3, 12}, torch::requires_grad());

@@ -85,4 +85,13 @@ std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at:
 at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
                       const at::Tensor& input, CheckpointOptions options = {});
 
+using SequentialFn = std::function<at::Tensor(const at::Tensor&)>;
+
+/// torch.utils.checkpoint.checkpoint_sequential (non-reentrant): runs `functions` in order on
+/// `input`, in `segments` contiguous parts of len / segments functions, the last taking the
+/// rest; every part but the last is checkpointed. Throws std::invalid_argument unless
+/// 1 <= segments <= max(len, 1).
+at::Tensor checkpoint_sequential(const std::vector<SequentialFn>& functions, std::int64_t segments,
+                                 const at::Tensor& input, CheckpointOptions options = {});
+
 }  // namespace ferry
