@@ -484,6 +484,16 @@ TEST_P(PlantedOffloaderFault, IsCaughtAndShrunkToAShortSequence) {
   RecordProperty("counterexample", found);
 }
 
+// Today's reference alone synchronizes on leaving the context, before its stash lets go.
+TEST(PlantedOffloaderFault, TrlLeavingTheContextWithoutTheHostSyncIsCaught) {
+  OffloadFaults faults;
+  faults.skip_exit_sync = true;
+  const std::string found =
+      testing::counterexample([faults] { offloader_follows_the_model(Policy::Trl, faults); });
+  EXPECT_FALSE(found.empty()) << "skip_exit_sync went unnoticed under trl";
+  RecordProperty("counterexample", found);
+}
+
 INSTANTIATE_TEST_SUITE_P(BothPolicies, PlantedOffloaderFault,
                          ::testing::Combine(::testing::Values(Policy::Trl, Policy::TrlSeed,
                                                               Policy::Ferry),

@@ -466,15 +466,22 @@ def test_trl_stash_size_at_least_one():
         loopback("trl", max_fwd_stash_size=0)
 
 
-def test_trl_clears_a_stale_tracker_on_entry():
+def step_with_an_unused_branch(policy):
+    """An offload context after one step whose second branch is never backpropagated, and
+    what the next step runs on."""
     model = MLP()
     x = torch.randn(8, 32, requires_grad=True)
-    ctx = loopback("trl", min_bytes=0)
+    ctx = loopback(policy, min_bytes=0)
     with ctx:
         loss = loss_of(model(x))
         x.exp().sum()  # saves exp's result, which the backward below never unpacks
     loss.backward()
     assert ctx.tracked() > 0
+    return ctx, model, x
+
+
+def test_trl_clears_a_stale_tracker_on_entry():
+    ctx, model, x = step_with_an_unused_branch("trl")
     with ctx:
         assert ctx.tracked() == 0  # today's reference clears it on entry
         loss = loss_of(model(x))
@@ -483,14 +490,7 @@ def test_trl_clears_a_stale_tracker_on_entry():
 
 
 def test_trl_seed_tracker_not_cleared():
-    model = MLP()
-    x = torch.randn(8, 32, requires_grad=True)
-    ctx = loopback("trl-seed", min_bytes=0)
-    with ctx:
-        loss = loss_of(model(x))
-        x.exp().sum()  # saves exp's result, which the backward below never unpacks
-    loss.backward()
-    assert ctx.tracked() > 0
+    ctx, model, x = step_with_an_unused_branch("trl-seed")
     with pytest.raises(ValueError, match="Backward pass should have cleared tracker of all tensors"):
         with ctx:
             loss_of(model(x))

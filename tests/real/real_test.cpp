@@ -242,17 +242,22 @@ TEST_F(RealFerry, TrlRejectsASecondUnpackLikeTheReference) {
 }
 
 // Today's reference clears what an unused branch left when the context is entered again.
-TEST_F(RealFerry, TrlClearsAStaleTrackerOnTheNextEntry) {
-  auto x = torch::randn({64}, torch::requires_grad());
-  ferry::Offload offload(loopback(ferry::Policy::Trl));
+// One step whose second branch is never backpropagated: its saved tensors stay tracked.
+void step_with_an_unused_branch(ferry::Offload& offload, const torch::Tensor& x) {
   torch::Tensor used, unused;
   {
     ferry::OffloadGuard guard(offload);
     used = (x.exp() * 2).sum();
-    unused = (x.sin() * 2).sum();  // never backpropagated: its saved tensors stay tracked
+    unused = (x.sin() * 2).sum();
   }
   used.backward();
   EXPECT_GT(offload.tracked(), 0U);
+}
+
+TEST_F(RealFerry, TrlClearsAStaleTrackerOnTheNextEntry) {
+  auto x = torch::randn({64}, torch::requires_grad());
+  ferry::Offload offload(loopback(ferry::Policy::Trl));
+  step_with_an_unused_branch(offload, x);
   ferry::OffloadGuard guard(offload);
   EXPECT_EQ(offload.tracked(), 0U);
   auto next = (x.cos() * 2).sum();
@@ -264,14 +269,7 @@ TEST_F(RealFerry, TrlClearsAStaleTrackerOnTheNextEntry) {
 TEST_F(RealFerry, TrlSeedRejectsANewForwardWithATrackerNotEmpty) {
   auto x = torch::randn({64}, torch::requires_grad());
   ferry::Offload offload(loopback(ferry::Policy::TrlSeed));
-  torch::Tensor used, unused;
-  {
-    ferry::OffloadGuard guard(offload);
-    used = (x.exp() * 2).sum();
-    unused = (x.sin() * 2).sum();  // never backpropagated: its saved tensors stay tracked
-  }
-  used.backward();
-  EXPECT_GT(offload.tracked(), 0U);
+  step_with_an_unused_branch(offload, x);
   ferry::OffloadGuard guard(offload);
   try {
     (void)(x.cos() * 2);

@@ -13,6 +13,7 @@ FAULTS = (
     "skip_backward_guard",
     "skip_record_stream",
     "skip_host_guard",
+    "skip_exit_sync",
 )
 
 

@@ -152,14 +152,16 @@ PYBIND11_MODULE(_C, m) {
   // ferry.offload.
   py::class_<ferry::OffloadFaults>(m, "_Faults", "Synchronizations dropped on purpose (tests).")
       .def(py::init([](bool skip_offload_wait, bool skip_reload_wait, bool skip_forward_guard,
-                       bool skip_backward_guard, bool skip_record_stream, bool skip_host_guard) {
-             return ferry::OffloadFaults{skip_offload_wait,  skip_reload_wait,
-                                         skip_forward_guard, skip_backward_guard,
-                                         skip_record_stream, skip_host_guard};
+                       bool skip_backward_guard, bool skip_record_stream, bool skip_host_guard,
+                       bool skip_exit_sync) {
+             return ferry::OffloadFaults{
+                 skip_offload_wait,  skip_reload_wait, skip_forward_guard, skip_backward_guard,
+                 skip_record_stream, skip_host_guard,  skip_exit_sync};
            }),
            py::kw_only(), py::arg("skip_offload_wait") = false, py::arg("skip_reload_wait") = false,
            py::arg("skip_forward_guard") = false, py::arg("skip_backward_guard") = false,
-           py::arg("skip_record_stream") = false, py::arg("skip_host_guard") = false);
+           py::arg("skip_record_stream") = false, py::arg("skip_host_guard") = false,
+           py::arg("skip_exit_sync") = false);
 
   const ferry::RealOptions defaults;
   const ferry::OffloadOptions& d = defaults.offload;

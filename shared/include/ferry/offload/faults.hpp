@@ -12,6 +12,7 @@ struct OffloadFaults {
   bool skip_backward_guard = false;  ///< a reloaded buffer is freed without waiting for compute
   bool skip_record_stream = false;   ///< an escaped view's storage is freed with no record_stream
   bool skip_host_guard = false;      ///< host memory reused/reloaded before its copy finished
+  bool skip_exit_sync = false;  ///< trl: leaving the context lets the stash go without a host sync
 };
 
 }  // namespace ferry

@@ -181,7 +181,7 @@ class IdTable {
  public:
   /// A new id naming `r`, for a tensor starting at `offset` in its storage.
   TensorId add(RecordId r, Bytes offset) {
-    const TensorId id(static_cast<std::uint32_t>(base_ + records_.size()));
+    const TensorId id = next();
     records_.push_back(r);
     offsets_.push_back(offset);
     ++tracked_;

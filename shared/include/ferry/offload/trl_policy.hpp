@@ -38,8 +38,7 @@ class TrlPolicy {
 
   /// One side stream carries both directions; with `use_streams` false, the compute stream.
   TrlPolicy(B& backend, const OffloadOptions& options, const OffloadFaults& faults)
-      : t_(backend, options, faults, streams(backend, options)),
-        today_(options.policy == Policy::Trl) {}
+      : t_(backend, options, faults, streams(backend, options)) {}
   TrlPolicy(const TrlPolicy&) = delete;
   TrlPolicy& operator=(const TrlPolicy&) = delete;
 
@@ -62,7 +61,7 @@ class TrlPolicy {
   Unpacked<Buffer> unpack(TensorId id, NodeId node) {
     if (first_backward_call_) {
       first_backward_call_ = false;
-      if (!today_) first_forward_call_ = true;
+      if (!today()) first_forward_call_ = true;
       node_ = NodeId();
     }
     const RecordId r = t_.find(id);
@@ -84,12 +83,11 @@ class TrlPolicy {
     long snapshot = 0;
     if (stashed) {
       ++t_.telemetry.stash_hits;
-      t_.backend.hold(rec.device);
     } else {
       out = Unpacked<Buffer>{reload(id, r), Bytes(0)};
       snapshot = t_.backend.use_count(rec.device);
-      t_.backend.hold(rec.device);
     }
+    t_.backend.hold(rec.device);  // the caller's reference
     hooks_[node].push_back(Hook{id, !stashed, snapshot, std::move(previous)});
     // The tracker entry goes; its host copy is freed once the copy stream is done with it.
     if (!t_.faults.skip_host_guard) t_.backend.record_stream(rec.host, t_.offload_stream);
@@ -104,8 +102,8 @@ class TrlPolicy {
     return out;
   }
 
-  /// The reference never hears of a release: an entry never unpacked stays tracked (hence its
-  /// "tracker not empty" error at the next forward).
+  /// The reference never hears of a release: an entry never unpacked stays tracked (until the
+  /// next entry clears it; the seed refuses the next forward instead).
   void release(TensorId /*id*/) {}
 
   void node_done(NodeId node) {
@@ -135,7 +133,7 @@ class TrlPolicy {
 
   /// Today's reference clears what a previous step left; the seed does nothing.
   void enter() {
-    if (!today_) return;
+    if (!today()) return;
     for (std::uint32_t i = 0; i < t_.records.size(); ++i) {
       auto& rec = t_.records[RecordId(i)];
       if (rec.state == RecordState::Free || rec.state == RecordState::Dropped) continue;
@@ -162,9 +160,11 @@ class TrlPolicy {
 
   /// Today's reference, with streams, waits for both streams, then its stashes let go.
   void exit() {
-    if (!today_ || !t_.options.use_streams) return;
-    t_.backend.synchronize(t_.compute);
-    t_.backend.synchronize(t_.offload_stream);
+    if (!today() || !t_.options.use_streams) return;
+    if (!t_.faults.skip_exit_sync) {
+      t_.backend.synchronize(t_.compute);
+      t_.backend.synchronize(t_.offload_stream);
+    }
     for (const auto& entry : fwd_stash_) let_go_stashed(entry.second);
     fwd_stash_.clear();
     dedup_.clear();
@@ -308,17 +308,18 @@ class TrlPolicy {
     t_.ids.forget(id);
     --t_.records[r].ids;
     // Today's reference starts a new forward only once the tracker is empty again.
-    if (today_ && t_.ids.tracked() == 0) first_forward_call_ = true;
+    if (today() && t_.ids.tracked() == 0) first_forward_call_ = true;
   }
 
-  [[nodiscard]] bool dedup() const { return today_ && t_.options.use_streams; }
+  // TRL as it ships today, not its first release (Note [TRL today]).
+  [[nodiscard]] bool today() const { return t_.options.policy == Policy::Trl; }
+  [[nodiscard]] bool dedup() const { return today() && t_.options.use_streams; }
 
   // A view's place: storage identity and offset in it (the reference adds the dtype, which
   // views at one offset of one storage share in practice).
   using Key = std::pair<std::uint64_t, std::int64_t>;
 
   Tracker<B> t_;
-  const bool today_;
   // Offloaded views whose original is in the forward stash: at most max_fwd_stash_size, so a
   // short list.
   std::vector<std::pair<Key, RecordId>> dedup_;
