@@ -19,6 +19,7 @@
 #include "ferry/sim/analysis/compare.hpp"
 #include "ferry/sim/analysis/report.hpp"
 #include "ferry/sim/analysis/run_program.hpp"
+#include "ferry/sim/analysis/trace.hpp"
 #include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
 
@@ -48,7 +49,9 @@ int run_check(const CheckArgs& args) {
   }
   ferry::sim::SimOptions options;
   options.check_hazards = !args.no_checker;
-  auto run = ferry::sim::run_program(program.value(), options);
+  ferry::sim::ChromeTrace trace;
+  auto run =
+      ferry::sim::run_program(program.value(), options, {}, args.trace.empty() ? nullptr : &trace);
   if (!run) {
     fmt::print(stderr, "ferry check: error: {}: {}\n", program_path.string(), run.error().message);
     return kExitBadInput;
@@ -60,8 +63,8 @@ int run_check(const CheckArgs& args) {
   std::fflush(stdout);
   if (!args.trace.empty()) {
     std::ofstream file(args.trace, std::ios::binary);
-    const std::string trace = ferry::sim::chrome_trace(run.value().sim);
-    file.write(trace.data(), static_cast<std::streamsize>(trace.size()));
+    const std::string json = trace.json(run.value().sim);
+    file.write(json.data(), static_cast<std::streamsize>(json.size()));
     if (!file) {
       fmt::print(stderr, "ferry check: error: cannot write trace to {}\n", args.trace);
       return kExitBadInput;

@@ -17,10 +17,12 @@ std::vector<DeviceSpec> device_specs(const Program& program) {
 
 }  // namespace
 
-Result<ProgramRun> run_program(const Program& program, SimOptions options, SimFaults faults) {
+Result<ProgramRun> run_program(const Program& program, SimOptions options, SimFaults faults,
+                               SimObserver* observer) {
   if (program.devices.empty()) return Error{"program declares no devices"};
   ProgramRun run{Simulator(device_specs(program), program.links, options, faults), std::nullopt, 0};
   Simulator& sim = run.sim;
+  if (observer != nullptr) sim.observe(*observer);
   for (const ProgramStream& s : program.streams) sim.add_stream(s.device, s.name);
   for (const ProgramEvent& e : program.events) sim.add_event(e.name);
 

@@ -1,5 +1,7 @@
 #include <fmt/format.h>
 
+#include "ferry/sim/analysis/trace.hpp"
+
 #include "ferry/sim/analysis/report.hpp"
 
 namespace ferry::sim {
@@ -38,7 +40,19 @@ void name_track(TraceWriter& w, int pid, int tid, std::string_view name, int sor
 
 }  // namespace
 
-std::string chrome_trace(const Simulator& sim) {
+void ChromeTrace::engine_added(EngineId engine, const EngineInfo& info) {
+  if (engine.value() >= engines_.size()) engines_.resize(engine.value() + 1);
+  engines_[engine.value()] = info;
+}
+
+void ChromeTrace::op_finished(OpId op, const OpRecord& record) {
+  if (op.value() >= ops_.size()) ops_.resize(op.value() + 1);
+  ops_[op.value()] = record;
+}
+
+void ChromeTrace::memory_sampled(const MemorySample& sample) { samples_.push_back(sample); }
+
+std::string ChromeTrace::json(const Simulator& sim) const {
   TraceWriter w;
   w.event(fmt::format(R"({{"ph":"M","name":"process_name","pid":{},"args":{{"name":"host"}}}})",
                       kHostPid));
@@ -53,13 +67,13 @@ std::string chrome_trace(const Simulator& sim) {
     name_track(w, device_pid(sim.stream_device(id)), static_cast<int>(s) + 1,
                "stream " + sim.stream_name(id), static_cast<int>(s) + 1);
   }
-  for (std::size_t e = 0; e < sim.engines().size(); ++e) {
-    const EngineInfo& info = sim.engines()[e];
+  for (std::size_t e = 0; e < engines_.size(); ++e) {
+    const EngineInfo& info = engines_[e];
     name_track(w, device_pid(info.device), kEngineTidBase + static_cast<int>(e),
                "engine " + info.name, kEngineTidBase + static_cast<int>(e));
   }
 
-  const auto& ops = sim.ops();
+  const auto& ops = ops_;
   for (std::size_t i = 0; i < ops.size(); ++i) {
     const OpRecord& r = ops[i];
     const std::string name =
@@ -78,8 +92,9 @@ std::string chrome_trace(const Simulator& sim) {
       w.event(
           slice(device_pid(sim.stream_device(r.stream)), static_cast<int>(r.stream.value()) + 1));
       if (r.kind == OpKind::Copy) {
-        const EngineInfo& engine = sim.engines()[static_cast<std::size_t>(r.engine)];
-        w.event(slice(device_pid(engine.device), kEngineTidBase + r.engine));
+        const EngineInfo& engine = engines_[r.engine.value()];
+        w.event(
+            slice(device_pid(engine.device), kEngineTidBase + static_cast<int>(r.engine.value())));
       }
     } else if (r.kind == OpKind::Record || r.kind == OpKind::Wait) {
       w.event(fmt::format(
@@ -94,14 +109,14 @@ std::string chrome_trace(const Simulator& sim) {
   }
 
   for (const Hazard& h : sim.hazards()) {
-    const OpRecord& r = ops[h.second.value()];
+    const OpRecord& r = ops.at(h.second.value());
     w.event(fmt::format(
         R"({{"ph":"i","s":"g","name":"hazard: op {} vs op {}","cat":"hazard","pid":{},"tid":0,"ts":{}}})",
         h.first.valid() ? static_cast<std::int64_t>(h.first.value()) : -1, h.second.value(),
         kHostPid, micros(r.start)));
   }
 
-  for (const MemorySample& m : sim.memory_samples()) {
+  for (const MemorySample& m : samples_) {
     const int pid = m.device.valid() ? device_pid(m.device) : kHostPid;
     const char* what = m.device.valid() ? "device memory" : "pinned host memory";
     w.event(fmt::format(
@@ -109,6 +124,12 @@ std::string chrome_trace(const Simulator& sim) {
         what, pid, micros(m.time), m.allocated.count(), m.reserved.count()));
   }
   return w.finish();
+}
+
+std::string chrome_trace(const Simulator& sim) {
+  ChromeTrace trace;
+  sim.replay(trace);
+  return trace.json(sim);
 }
 
 }  // namespace ferry::sim

@@ -22,8 +22,9 @@ struct ProgramRun {
 
 /// Runs every op of `program` in order, then lets the devices drain. Misuse the simulator can
 /// see at run time (use before alloc, use after free, double free, races) becomes hazards;
-/// an alloc of a slot that already holds memory is an error naming the op.
+/// an alloc of a slot that already holds memory is an error naming the op. `observer`, when
+/// given, hears the whole run (a trace writer, say).
 Result<ProgramRun> run_program(const Program& program, SimOptions options = {},
-                               SimFaults faults = {});
+                               SimFaults faults = {}, SimObserver* observer = nullptr);
 
 }  // namespace ferry::sim

@@ -18,21 +18,14 @@
 #include "ferry/result.hpp"
 #include "ferry/sim/check/hazard_checker.hpp"
 #include "ferry/sim/engine/device_profile.hpp"
+#include "ferry/sim/engine/observer.hpp"
 #include "ferry/sim/engine/program.hpp"
+#include "ferry/sim/engine/records.hpp"
 #include "ferry/sim/memory/caching_allocator.hpp"
 #include "ferry/sim/memory/host_allocator.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
-
-/// A byte range of a live allocation.
-struct Region {
-  BufferId buffer;
-  Bytes offset;
-  Bytes bytes;
-};
-
-enum class CopyDirection : std::uint8_t { HostToDevice, DeviceToHost, DeviceToDevice, Peer };
 
 /// What the simulator does, beyond timing.
 struct SimOptions {
@@ -47,95 +40,7 @@ struct SimFaults {
   bool timing_ignores_waits = false;  ///< streams start work without honouring event waits
 };
 
-/// One API call as the simulator saw it; stream work also has its execution interval.
-struct OpRecord {
-  OpKind kind = OpKind::Kernel;
-  StreamId stream;           ///< stream ops, record, record_stream, alloc (device)
-  std::uint32_t label = 0;   ///< index into labels(); 0 is the empty label
-  std::int32_t engine = -1;  ///< copy engine index, for copies
-  CopyDirection direction = CopyDirection::HostToDevice;
-  SimTime issued;   ///< host time at which the call took effect
-  SimTime start;    ///< stream ops: start on the engine; host ops: issued
-  SimTime end;      ///< stream ops: completion; host ops: when the host went on
-  Bytes bytes;      ///< copies and allocations
-  BufferId buffer;  ///< alloc, free, record_stream
-  /// The call returned device memory segments (cudaFree), which synchronizes the device:
-  /// the host went on only after all of that device's work (alloc, empty_cache).
-  bool device_synchronized = false;
-};
-
-/// A piece of shadow content: bytes [offset, offset+bytes) of a region hold bytes
-/// [base, base+bytes) of the value identified by `id` (0: never written).
-struct ContentPiece {
-  Bytes offset;
-  Bytes bytes;
-  std::uint64_t id = 0;
-  Bytes base;
-  friend bool operator==(const ContentPiece&, const ContentPiece&) = default;
-};
-
-/// The content id the `index`-th write range of op `op` gives its bytes (kernels and host
-/// writes): predictable at issue time, so callers can state what a later read must see.
-[[nodiscard]] constexpr std::uint64_t written_content(OpId op, std::uint32_t index) {
-  return (static_cast<std::uint64_t>(op.value()) << 8) + index + 1;
-}
-
-/// Combines content ids into a new one (never 0): the value an op computes from its inputs.
-[[nodiscard]] constexpr std::uint64_t mix_content(std::uint64_t a, std::uint64_t b) {
-  std::uint64_t z = a * 0x9e3779b97f4a7c15ULL + b + 0x632be59bd9b4e019ULL;
-  z = (z ^ (z >> 30U)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27U)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31U;
-  return z == 0 ? 1 : z;
-}
-
-/// A kernel that, when it started, read bytes other than the ones expected.
-struct ContentMismatch {
-  OpId kernel;
-  Region region;
-  std::vector<ContentPiece> expected;
-  std::vector<ContentPiece> actual;
-};
-
-/// Memory in use at one moment, for traces. `device` invalid means pinned host memory.
-struct MemorySample {
-  SimTime time;
-  DeviceId device;
-  Bytes allocated;
-  Bytes reserved;
-};
-
-/// A copy engine (or peer link) and what it is called in reports.
-struct EngineInfo {
-  std::string name;  ///< e.g. "gpu0 H2D", "gpu0->gpu1"
-  DeviceId device;
-};
-
-/// An allocation as the simulator tracks it.
-struct BufferInfo {
-  MemoryKind kind = MemoryKind::Device;
-  DeviceId device;
-  Bytes address;
-  Bytes bytes;
-  std::uint32_t label = 0;
-  bool live = false;
-  OpId allocated_by;
-  OpId freed_by;
-};
-
-/// Bytes moved, per copy direction.
-struct CopyTotals {
-  Bytes h2d;
-  Bytes d2h;
-  Bytes d2d;
-  Bytes peer;
-};
-
-struct DeviceSpec {
-  std::string name;
-  DeviceProfile profile;
-};
-
+/// The simulated machine; see the top of this header.
 class Simulator {
  public:
   Simulator(std::vector<DeviceSpec> devices, std::vector<ProgramLink> links,
@@ -152,6 +57,9 @@ class Simulator {
 
   /// Reserves room for `ops` API calls (avoids regrowth on long programs).
   void reserve(std::size_t ops);
+  /// Attaches `observer` (not owned; it must outlive the run) and announces the engines that
+  /// exist so far. See Note [Observers].
+  void observe(SimObserver& observer);
 
   // Host API calls, in host order.
   /// Allocates from the device's caching allocator (on `stream`), the pinned allocator
@@ -184,6 +92,9 @@ class Simulator {
 
   /// Runs all submitted work to completion.
   void finish();
+  /// Feeds what has happened so far to `observer`, as if it had been attached from the start:
+  /// the engines, each op's record in op order, the memory samples.
+  void replay(SimObserver& observer) const;
 
   // Results and names.
   [[nodiscard]] SimTime host_time() const;

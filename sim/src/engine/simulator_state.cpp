@@ -1,0 +1,321 @@
+#include "simulator_state.hpp"
+
+#include <algorithm>
+#include <utility>
+
+namespace ferry::sim {
+
+// Note [Simulated time]
+// Time is an integer count of nanoseconds. The host thread has its own clock, host_time; the
+// devices advance through a queue of completion events ordered by (time, sequence number), so
+// events at equal times run in the order they were scheduled, never by address. Before the
+// host acts at host_time, every device event at or before host_time has run: a host call
+// sees exactly the device state a real host would see then. Work a call submits may start no
+// earlier than the call's issue time. Blocking calls run the queue until their condition
+// holds and move host_time to that moment.
+//
+// What happens is kept apart from how long it takes: the stream scheduler decides when an op
+// may start (stream order, waits); the compute engines and the copy engines (Note [Fluid copy
+// engines]) decide when it ends, and report back through the event queue.
+
+namespace {
+
+constexpr Bytes kDeviceBase{0x1'0000'0000};       // first device address
+constexpr Bytes kPinnedBase{0x2000'0000'0000};    // pinned host memory
+constexpr Bytes kPageableBase{0x3000'0000'0000};  // pageable host memory
+
+Bytes pinned_capacity(const std::vector<DeviceSpec>& specs) {
+  Bytes cap;
+  for (const auto& s : specs) cap = std::max(cap, s.profile.pinned_host_capacity);
+  return cap;
+}
+
+}  // namespace
+
+namespace engine_detail {
+
+std::uint32_t LabelTable::intern(std::string_view label) {
+  if (label.empty()) return 0;
+  auto it = index_.find(label);
+  if (it != index_.end()) return it->second;
+  const auto index = static_cast<std::uint32_t>(labels_.size());
+  labels_.emplace_back(label);
+  index_.emplace(std::string(label), index);
+  return index;
+}
+
+}  // namespace engine_detail
+
+Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> link_list,
+                        SimOptions opts, SimFaults planted)
+    : options(opts),
+      faults(planted),
+      links(std::move(link_list)),
+      pinned(pinned_capacity(specs), kPinnedBase),
+      pageable_next(kPageableBase),
+      checker(planted.checker),
+      streams(planted.timing_ignores_waits),
+      compute(specs.size()),
+      copies(queue) {
+  FERRY_CHECK(!specs.empty(), "a simulation needs at least one device");
+  for (auto& spec : specs) {
+    const Bytes capacity = spec.profile.memory;
+    devices.push_back(DeviceState{.name = std::move(spec.name),
+                                  .profile = std::move(spec.profile),
+                                  .allocator = CachingAllocator(capacity, kDeviceBase)});
+  }
+  for (std::uint32_t d = 0; d < devices.size(); ++d) {
+    DeviceState& dev = devices[d];
+    const DeviceId id(d);
+    dev.h2d = copies.add(EngineInfo{dev.name + " H2D", id}, dev.profile.h2d.bidirectional_permille);
+    dev.d2h = copies.add(EngineInfo{dev.name + " D2H", id}, dev.profile.d2h.bidirectional_permille);
+    dev.d2d = copies.add(EngineInfo{dev.name + " D2D", id}, 1000);
+    copies.pair(dev.h2d, dev.d2h);
+  }
+  content.resize(devices.size() + 1);
+}
+
+void Simulator::State::check_region(const Region& r) const {
+  const BufferInfo& b = buffer(r.buffer);
+  FERRY_CHECK(r.offset.count() >= 0 && r.bytes.count() >= 0 &&
+                  r.offset.count() + r.bytes.count() <= b.bytes.count(),
+              "region [{}, +{}) exceeds the buffer's {} bytes", r.offset.count(), r.bytes.count(),
+              b.bytes.count());
+}
+
+// --- the host side ------------------------------------------------------------------------
+
+// Starts an API call: the host spends `overhead`, then the call takes effect.
+OpId Simulator::State::begin_call(OpKind kind, SimTime overhead, std::string_view label) {
+  host_time += overhead;
+  advance_to(host_time);
+  OpRecord rec;
+  rec.kind = kind;
+  rec.label = labels.intern(label);
+  rec.issued = rec.start = rec.end = host_time;
+  ops.push_back(rec);
+  exec.emplace_back();
+  return OpId(static_cast<std::uint32_t>(ops.size() - 1));
+}
+
+// Ends a call that submitted no stream work: the host goes on now. See Note [Observers].
+void Simulator::State::end_host_call(OpId op) {
+  OpRecord& rec = ops[op.value()];
+  rec.end = host_time;
+  if (!observers.empty()) observers.op_finished(op, rec);
+}
+
+// Waits for every stream of `device` (a device synchronize) and orders the host after it.
+void Simulator::State::synchronize_device(DeviceId device) {
+  for (std::uint32_t s = 0; s < streams.size(); ++s) {
+    const StreamId stream(s);
+    if (streams.device(stream) != device) continue;
+    wait_for(streams.submitted(stream));
+    if (options.check_hazards) checker.host_joins(streams.thread(stream));
+  }
+}
+
+// Note [cudaFree synchronizes]
+// Returning a segment to the device (cudaFree, in empty_cache or in an out-of-memory retry)
+// synchronizes the whole device. Calls that may do so compare the allocator's segment-free
+// count before and after, and when it moved, the host waits for the device and is ordered
+// after all of its work, in time and in happens-before.
+void Simulator::State::after_segment_frees(OpId op, DeviceId device, std::int64_t frees_before) {
+  if (devices[device.value()].allocator.stats().segment_frees == frees_before) return;
+  synchronize_device(device);
+  ops[op.value()].device_synchronized = true;
+}
+
+void Simulator::State::sample(DeviceId device) {
+  if (device.valid()) {
+    memory.device(host_time, device, devices[device.value()].allocator, observers);
+  } else {
+    memory.pinned(host_time, pinned, observers);
+  }
+}
+
+// --- the device side ------------------------------------------------------------------------
+
+void Simulator::State::advance_to(SimTime t) {
+  while (queue.due(t)) process(queue.pop());
+  now = std::max(now, t);
+}
+
+void Simulator::State::process(const DeviceEventQueue::Entry& ev) {
+  now = ev.time;
+  if (ev.payload.kind == DeviceEvent::Kind::KernelDone) {
+    const DeviceId device = ev.payload.device;
+    complete(compute.finish(device));
+    start_kernel(device);
+    return;
+  }
+  const EngineId engine = ev.payload.engine;
+  const std::optional<OpId> done = copies.phase_done(engine, ev.payload.generation, now);
+  if (!done) return;
+  const OpRecord& rec = ops[done->value()];
+  Bytes& total = rec.direction == CopyDirection::HostToDevice   ? totals.h2d
+                 : rec.direction == CopyDirection::DeviceToHost ? totals.d2h
+                 : rec.direction == CopyDirection::Peer         ? totals.peer
+                                                                : totals.d2d;
+  total += rec.bytes;
+  complete(*done);
+  start_copy(engine);
+}
+
+void Simulator::State::submit(OpId op, std::optional<StreamPosition> until) {
+  streams.submit(ops[op.value()].stream, op, until, started);
+  run_started();
+}
+
+// Hands what the scheduler started to the engines, in the order it started. Engines only
+// schedule events here, never call back into the scheduler, so `started` is stable.
+void Simulator::State::run_started() {
+  for (const StreamStart& s : started) {
+    OpRecord& rec = ops[s.op.value()];
+    if (s.wait_done) {
+      rec.start = rec.end = now;
+      if (!observers.empty()) observers.op_finished(s.op, rec);
+      continue;
+    }
+    const Exec& e = exec[s.op.value()];
+    if (e.kind == engine_detail::ExecKind::Kernel) {
+      const DeviceId device = streams.device(rec.stream);
+      compute.enqueue(device, s.op, e.duration);
+      start_kernel(device);
+    } else {
+      copies.enqueue(rec.engine, CopyJob{s.op, rec.bytes, e.rate, e.latency});
+      start_copy(rec.engine);
+    }
+  }
+  started.clear();
+}
+
+void Simulator::State::start_kernel(DeviceId device) {
+  const std::optional<OpId> op = compute.try_start(device, now, queue);
+  if (!op) return;
+  ops[op->value()].start = now;
+  if (!expectations.empty()) check_expectations(*op);
+}
+
+void Simulator::State::start_copy(EngineId engine) {
+  if (const std::optional<OpId> op = copies.try_start(engine, now)) ops[op->value()].start = now;
+}
+
+void Simulator::State::complete(OpId op) {
+  OpRecord& rec = ops[op.value()];
+  rec.end = now;
+  if (options.track_content) apply_content(op);
+  if (!observers.empty()) observers.op_finished(op, rec);
+  streams.complete(rec.stream, started);
+  run_started();
+}
+
+// Picks the engine of a copy between `from` and `to` and its uncontended rate and latency.
+EngineId Simulator::State::copy_engine(OpRecord& rec, Exec& e, const BufferInfo& from,
+                                       const BufferInfo& to) {
+  const bool pageable = from.kind == MemoryKind::Pageable || to.kind == MemoryKind::Pageable;
+  if (from.kind == MemoryKind::Device && to.kind == MemoryKind::Device) {
+    const DeviceState& dev = devices[from.device.value()];
+    if (from.device == to.device) {
+      rec.direction = CopyDirection::DeviceToDevice;
+      e.rate = dev.profile.d2d.bandwidth;
+      e.latency = dev.profile.d2d.latency;
+      return dev.d2d;
+    }
+    rec.direction = CopyDirection::Peer;
+    e.rate = dev.profile.peer.bandwidth;
+    e.latency = dev.profile.peer.latency;
+    for (const ProgramLink& l : links) {
+      if (l.from == from.device && l.to == to.device) {
+        e.rate = l.bandwidth;
+        e.latency = l.latency;
+      }
+    }
+    if (auto engine = copies.peer(from.device, to.device)) return *engine;
+    const EngineInfo info{dev.name + "->" + devices[to.device.value()].name, from.device};
+    const EngineId engine = copies.add_peer(from.device, to.device, info);
+    if (!observers.empty()) observers.engine_added(engine, info);
+    return engine;
+  }
+  if (to.kind == MemoryKind::Device) {
+    const DeviceState& dev = devices[to.device.value()];
+    rec.direction = CopyDirection::HostToDevice;
+    e.rate = pageable ? dev.profile.pageable_h2d : dev.profile.h2d.bandwidth;
+    e.latency = dev.profile.h2d.latency;
+    return dev.h2d;
+  }
+  const DeviceState& dev = devices[from.device.value()];
+  rec.direction = CopyDirection::DeviceToHost;
+  e.rate = pageable ? dev.profile.pageable_d2h : dev.profile.d2h.bandwidth;
+  e.latency = dev.profile.d2h.latency;
+  return dev.d2h;
+}
+
+// --- accesses, checking and content -----------------------------------------------------------
+
+// Checks one access; false when the buffer is no longer live (reported as use after free).
+bool Simulator::State::touch(OpId op, ThreadIndex thread, AccessOrigin origin, const Region& r,
+                             bool write) {
+  check_region(r);
+  const BufferInfo& b = buffer(r.buffer);
+  if (!b.live) {
+    checker.report(Hazard{HazardKind::UseAfterFree, Conflict::None, b.freed_by, op, r.buffer,
+                          r.buffer, space_of(b), b.address + r.offset,
+                          b.address + r.offset + r.bytes});
+    return false;
+  }
+  if (options.check_hazards) {
+    checker.access(thread, op, origin, r.buffer, space_of(b), b.address + r.offset,
+                   b.address + r.offset + r.bytes, write);
+  }
+  return true;
+}
+
+void Simulator::State::check_expectations(OpId op) {
+  auto it = expectations.find(op);
+  if (it == expectations.end()) return;
+  for (Expectation& e : it->second) {
+    auto actual = content[e.space].read(e.address, e.address + e.region.bytes);
+    if (actual != e.expected) {
+      mismatches.push_back(ContentMismatch{op, e.region, std::move(e.expected), std::move(actual)});
+    }
+  }
+  expectations.erase(it);
+}
+
+void Simulator::State::apply_content(OpId op) {
+  const Exec& e = exec[op.value()];
+  if (e.kind == engine_detail::ExecKind::Copy) {
+    content[e.dst_space].copy_from(content[e.src_space], e.src_addr, e.dst_addr,
+                                   ops[op.value()].bytes);
+  } else if (e.kind == engine_detail::ExecKind::Kernel) {
+    for (std::uint32_t i = 0; i < e.write_count; ++i) {
+      const engine_detail::WriteRange& w = write_ranges[e.first_write + i];
+      content[w.space].write(w.lo, w.hi, w.content, Bytes(0));
+    }
+  }
+}
+
+// --- StreamMarkers ----------------------------------------------------------------------------
+
+MarkerId Simulator::State::record(StreamId stream) {
+  const std::uint32_t snapshot =
+      options.check_hazards ? checker.capture(streams.thread(stream)) : 0;
+  markers.push_back(engine_detail::Marker{streams.submitted(stream), snapshot});
+  return MarkerId(static_cast<std::uint32_t>(markers.size() - 1));
+}
+
+bool Simulator::State::query(MarkerId id) {
+  const engine_detail::Marker& m = markers[id.value()];
+  if (!streams.reached(m.position)) return false;
+  if (options.check_hazards) checker.host_observes(m.snapshot);
+  return true;
+}
+
+void Simulator::State::synchronize(MarkerId id) {
+  const engine_detail::Marker m = markers[id.value()];
+  wait_for(m.position);
+  if (options.check_hazards) checker.host_observes(m.snapshot);
+}
+
+}  // namespace ferry::sim

@@ -1,0 +1,192 @@
+#pragma once
+/// The simulator's machine, assembled from its parts: the event queue, the stream scheduler,
+/// the compute and copy engines (resource models), the content shadow, memory sampling and the
+/// hazard checker. Private to the engine; the public face is ferry/sim/engine/simulator.hpp.
+
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/check.hpp"
+#include "ferry/sim/engine/compute_engines.hpp"
+#include "ferry/sim/engine/content_shadow.hpp"
+#include "ferry/sim/engine/copy_engines.hpp"
+#include "ferry/sim/engine/event_queue.hpp"
+#include "ferry/sim/engine/memory_sampling.hpp"
+#include "ferry/sim/engine/observer.hpp"
+#include "ferry/sim/engine/simulator.hpp"
+#include "ferry/sim/engine/stream_scheduler.hpp"
+
+namespace ferry::sim {
+
+namespace engine_detail {
+
+/// Interned op labels; index 0 is the empty label.
+class LabelTable {
+ public:
+  std::uint32_t intern(std::string_view label);
+  [[nodiscard]] std::string_view operator[](std::uint32_t index) const { return labels_.at(index); }
+
+ private:
+  std::vector<std::string> labels_{std::string()};
+  std::map<std::string, std::uint32_t, std::less<>> index_;
+};
+
+enum class ExecKind : std::uint8_t { None, Kernel, Copy };
+
+/// How a submitted kernel or copy executes and what it does to shadow content when it
+/// completes: copies move src -> dst; kernels write fresh values into
+/// write_ranges[first_write, first_write + write_count). Kept beside OpRecord, same index.
+struct Exec {
+  ExecKind kind = ExecKind::None;
+  SimTime duration;  ///< Kernel
+  Bandwidth rate;    ///< Copy, uncontended
+  SimTime latency;   ///< Copy
+  SpaceIndex src_space = 0;
+  SpaceIndex dst_space = 0;
+  Bytes src_addr;
+  Bytes dst_addr;
+  std::uint32_t first_write = 0;
+  std::uint32_t write_count = 0;
+};
+
+/// A kernel's write: bytes [lo, hi) of `space` receive value `content`.
+struct WriteRange {
+  SpaceIndex space = 0;
+  Bytes lo;
+  Bytes hi;
+  std::uint64_t content = 0;
+};
+
+struct DeviceState {
+  std::string name;
+  DeviceProfile profile;
+  CachingAllocator allocator;
+  EngineId h2d{};
+  EngineId d2h{};
+  EngineId d2d{};
+};
+
+struct EventState {
+  std::string name;
+  std::optional<StreamPosition> recorded{};  ///< what the last record captured
+  std::uint32_t snapshot = 0;                ///< the checker's clock at that record
+};
+
+/// A position the allocators captured to defer a free (Note [record_stream deferral]).
+struct Marker {
+  StreamPosition position;
+  std::uint32_t snapshot = 0;
+};
+
+/// Checked when a kernel starts: `region` (at `address` of `space`) must hold `expected`.
+struct Expectation {
+  SpaceIndex space = 0;
+  Bytes address;
+  Region region;
+  std::vector<ContentPiece> expected;
+};
+
+}  // namespace engine_detail
+
+struct Simulator::State final : StreamMarkers {
+  using DeviceState = engine_detail::DeviceState;
+  using EventState = engine_detail::EventState;
+  using Exec = engine_detail::Exec;
+  using Expectation = engine_detail::Expectation;
+
+  State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> link_list, SimOptions opts,
+        SimFaults planted);
+
+  SimOptions options;
+  SimFaults faults;
+  std::vector<DeviceState> devices;
+  std::vector<ProgramLink> links;
+  std::vector<EventState> events;
+  std::vector<BufferInfo> buffers;
+  std::vector<BlockId> device_blocks;    // per buffer, Device kind
+  std::vector<HostBlockId> host_blocks;  // per buffer, Pinned kind
+  std::vector<OpRecord> ops;
+  std::vector<Exec> exec;
+  std::vector<engine_detail::WriteRange> write_ranges;
+  engine_detail::LabelTable labels;
+  PinnedHostAllocator pinned;
+  Bytes pageable_next;
+  HazardChecker checker;
+  DeviceEventQueue queue;
+  StreamScheduler streams;
+  ComputeEngines compute;
+  CopyEngines copies;
+  std::vector<StreamStart> started;    // scratch: what the scheduler just started
+  std::vector<ContentShadow> content;  // per memory space; the host is the last
+  std::map<OpId, std::vector<Expectation>> expectations;  // kernel -> checked at its start
+  std::vector<Expectation> pending_expectations;          // for the next kernel
+  std::vector<ContentMismatch> mismatches;
+  SimTime now;
+  SimTime host_time;
+  std::vector<engine_detail::Marker> markers;
+  MemorySampling memory;
+  ObserverList observers;
+  CopyTotals totals;
+
+  // Look-ups that check their argument, once each.
+  DeviceState& device(DeviceId id) {
+    FERRY_CHECK(id.valid() && id.value() < devices.size(), "unknown device");
+    return devices[id.value()];
+  }
+  EventState& event(EventId id) {
+    FERRY_CHECK(id.valid() && id.value() < events.size(), "unknown event");
+    return events[id.value()];
+  }
+  [[nodiscard]] const BufferInfo& buffer(BufferId id) const {
+    FERRY_CHECK(id.valid() && id.value() < buffers.size(), "unknown buffer id");
+    return buffers[id.value()];
+  }
+  void check_region(const Region& r) const;
+  [[nodiscard]] SpaceIndex host_space() const { return static_cast<SpaceIndex>(devices.size()); }
+  [[nodiscard]] SpaceIndex space_of(const BufferInfo& b) const {
+    return b.kind == MemoryKind::Device ? static_cast<SpaceIndex>(b.device.value()) : host_space();
+  }
+  [[nodiscard]] const LaunchOverheads& overheads(DeviceId device) const {
+    return devices[device.value()].profile.overheads;
+  }
+
+  // The host side of API calls (simulator_state.cpp).
+  OpId begin_call(OpKind kind, SimTime overhead, std::string_view label);
+  void end_host_call(OpId op);
+  template <class Done>
+  void run_until(Done done) {
+    while (!done()) process(queue.pop());
+    host_time = std::max(host_time, now);
+  }
+  void wait_for(StreamPosition position) {
+    run_until([&] { return streams.reached(position); });
+  }
+  void synchronize_device(DeviceId device);
+  void after_segment_frees(OpId op, DeviceId device, std::int64_t frees_before);
+  void sample(DeviceId device);
+
+  // The device side: events, streams and engines.
+  void advance_to(SimTime t);
+  void process(const DeviceEventQueue::Entry& ev);
+  void submit(OpId op, std::optional<StreamPosition> until = std::nullopt);
+  void run_started();
+  void start_kernel(DeviceId device);
+  void start_copy(EngineId engine);
+  void complete(OpId op);
+  EngineId copy_engine(OpRecord& rec, Exec& e, const BufferInfo& from, const BufferInfo& to);
+
+  // Accesses, checking and content.
+  bool touch(OpId op, ThreadIndex thread, AccessOrigin origin, const Region& r, bool write);
+  void check_expectations(OpId op);
+  void apply_content(OpId op);
+
+  // StreamMarkers: what the allocators use to defer frees.
+  MarkerId record(StreamId stream) override;
+  bool query(MarkerId id) override;
+  void synchronize(MarkerId id) override;
+};
+
+}  // namespace ferry::sim

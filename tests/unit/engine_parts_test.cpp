@@ -1,0 +1,247 @@
+// The simulator's engine parts on their own: the event queue, the stream scheduler, the copy
+// engines' contention model, the content shadow, and the observer interface.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "ferry/sim/analysis/report.hpp"
+#include "ferry/sim/analysis/trace.hpp"
+#include "ferry/sim/engine/content_shadow.hpp"
+#include "ferry/sim/engine/copy_engines.hpp"
+#include "ferry/sim/engine/event_queue.hpp"
+#include "ferry/sim/engine/stream_scheduler.hpp"
+#include "sim_fixtures.hpp"
+
+namespace ferry::sim {
+namespace {
+
+TEST(EventQueue, EqualTimesComeOutInSchedulingOrder) {
+  EventQueue<int> q;
+  q.schedule(SimTime(20), 1);
+  q.schedule(SimTime(10), 2);
+  q.schedule(SimTime(20), 3);
+  q.schedule(SimTime(10), 4);
+  std::vector<int> order;
+  while (!q.empty()) order.push_back(q.pop().payload);
+  EXPECT_EQ(order, (std::vector<int>{2, 4, 1, 3}));
+}
+
+TEST(EventQueue, DueSeesOnlyEventsAtOrBeforeTheTime) {
+  EventQueue<int> q;
+  EXPECT_FALSE(q.due(SimTime(100)));
+  q.schedule(SimTime(50), 0);
+  EXPECT_FALSE(q.due(SimTime(49)));
+  EXPECT_TRUE(q.due(SimTime(50)));
+}
+
+TEST(EventQueue, PoppingAnEmptyQueueIsAnError) {
+  EventQueue<int> q;
+  EXPECT_ANY_THROW(q.pop());
+}
+
+TEST(ContentShadow, UnwrittenBytesReadAsIdZero) {
+  ContentShadow shadow;
+  EXPECT_EQ(shadow.read(Bytes(10), Bytes(20)),
+            (std::vector<ContentPiece>{{Bytes(0), Bytes(10), 0, Bytes(0)}}));
+}
+
+TEST(ContentShadow, AnOverwriteSplitsTheRunItLandsIn) {
+  ContentShadow shadow;
+  shadow.write(Bytes(0), Bytes(100), 7, Bytes(0));
+  shadow.write(Bytes(40), Bytes(60), 9, Bytes(0));
+  EXPECT_EQ(shadow.read(Bytes(0), Bytes(100)),
+            (std::vector<ContentPiece>{{Bytes(0), Bytes(40), 7, Bytes(0)},
+                                       {Bytes(40), Bytes(20), 9, Bytes(0)},
+                                       {Bytes(60), Bytes(40), 7, Bytes(60)}}));
+}
+
+TEST(ContentShadow, WritingIdZeroForgetsTheBytes) {
+  ContentShadow shadow;
+  shadow.write(Bytes(0), Bytes(100), 7, Bytes(0));
+  shadow.write(Bytes(0), Bytes(50), 0, Bytes(0));
+  EXPECT_EQ(shadow.read(Bytes(0), Bytes(100)),
+            (std::vector<ContentPiece>{{Bytes(0), Bytes(50), 0, Bytes(0)},
+                                       {Bytes(50), Bytes(50), 7, Bytes(50)}}));
+}
+
+TEST(ContentShadow, CopyMovesPiecesWithTheirBase) {
+  ContentShadow from;
+  ContentShadow to;
+  from.write(Bytes(100), Bytes(200), 5, Bytes(0));
+  to.copy_from(from, Bytes(150), Bytes(0), Bytes(100));
+  EXPECT_EQ(to.read(Bytes(0), Bytes(100)),
+            (std::vector<ContentPiece>{{Bytes(0), Bytes(50), 5, Bytes(50)},
+                                       {Bytes(50), Bytes(50), 0, Bytes(0)}}));
+}
+
+TEST(ContentShadow, CopyWithinOneSpaceReadsBeforeItWrites) {
+  ContentShadow shadow;
+  shadow.write(Bytes(0), Bytes(10), 1, Bytes(0));
+  shadow.write(Bytes(10), Bytes(20), 2, Bytes(0));
+  shadow.copy_from(shadow, Bytes(0), Bytes(5), Bytes(20));
+  EXPECT_EQ(shadow.read(Bytes(0), Bytes(25)),
+            (std::vector<ContentPiece>{{Bytes(0), Bytes(5), 1, Bytes(0)},
+                                       {Bytes(5), Bytes(10), 1, Bytes(0)},
+                                       {Bytes(15), Bytes(10), 2, Bytes(0)}}));
+}
+
+TEST(StreamScheduler, AWaitHoldsItsStreamUntilTheOtherStreamGetsThere) {
+  StreamScheduler s(false);
+  const StreamId a = s.add("a", DeviceId(0), 1);
+  const StreamId b = s.add("b", DeviceId(0), 2);
+  std::vector<StreamStart> started;
+  s.submit(a, OpId(0), std::nullopt, started);
+  const StreamPosition after_first = s.submitted(a);
+  s.submit(b, OpId(1), after_first, started);
+  s.submit(b, OpId(2), std::nullopt, started);
+  ASSERT_EQ(started.size(), 1U);  // only a's op; b is held
+  EXPECT_EQ(started[0].op, OpId(0));
+  started.clear();
+  s.complete(a, started);
+  ASSERT_EQ(started.size(), 2U);
+  EXPECT_TRUE(started[0].wait_done);
+  EXPECT_EQ(started[0].op, OpId(1));
+  EXPECT_EQ(started[1].op, OpId(2));
+  EXPECT_TRUE(s.reached(after_first));
+}
+
+TEST(StreamScheduler, IgnoringWaitsIsAPlantedFaultThatReleasesAtOnce) {
+  StreamScheduler s(true);
+  const StreamId a = s.add("a", DeviceId(0), 1);
+  const StreamId b = s.add("b", DeviceId(0), 2);
+  std::vector<StreamStart> started;
+  s.submit(a, OpId(0), std::nullopt, started);
+  s.submit(b, OpId(1), s.submitted(a), started);
+  ASSERT_EQ(started.size(), 2U);
+  EXPECT_TRUE(started[1].wait_done);
+}
+
+TEST(StreamScheduler, OneOpAtATimePerStream) {
+  StreamScheduler s(false);
+  const StreamId a = s.add("a", DeviceId(0), 1);
+  std::vector<StreamStart> started;
+  s.submit(a, OpId(0), std::nullopt, started);
+  s.submit(a, OpId(1), std::nullopt, started);
+  EXPECT_EQ(started.size(), 1U);
+  EXPECT_FALSE(s.reached(s.submitted(a)));
+}
+
+// Runs the queue until the copy engines report completions; returns (op, time) pairs.
+std::vector<std::pair<OpId, SimTime>> drain(DeviceEventQueue& q, CopyEngines& engines) {
+  std::vector<std::pair<OpId, SimTime>> done;
+  while (!q.empty()) {
+    const auto ev = q.pop();
+    if (auto op = engines.phase_done(ev.payload.engine, ev.payload.generation, ev.time)) {
+      done.emplace_back(*op, ev.time);
+      (void)engines.try_start(ev.payload.engine, ev.time);
+    }
+  }
+  return done;
+}
+
+TEST(CopyEngines, OppositeDirectionsSlowEachOtherWhileBothTransfer) {
+  DeviceEventQueue q;
+  CopyEngines engines(q);
+  const EngineId h2d = engines.add(EngineInfo{"h2d", DeviceId(0)}, 500);
+  const EngineId d2h = engines.add(EngineInfo{"d2h", DeviceId(0)}, 500);
+  engines.pair(h2d, d2h);
+  // 1000 bytes at 1 byte/ns each; both at half rate while they overlap.
+  engines.enqueue(h2d, CopyJob{OpId(0), Bytes(1000), Bandwidth(1'000'000'000), SimTime(0)});
+  engines.enqueue(d2h, CopyJob{OpId(1), Bytes(1000), Bandwidth(1'000'000'000), SimTime(0)});
+  EXPECT_EQ(engines.try_start(h2d, SimTime(0)), OpId(0));
+  EXPECT_EQ(engines.try_start(d2h, SimTime(0)), OpId(1));
+  const auto done = drain(q, engines);
+  ASSERT_EQ(done.size(), 2U);
+  EXPECT_EQ(done[0].second, SimTime(2000));
+  EXPECT_EQ(done[1].second, SimTime(2000));
+}
+
+TEST(CopyEngines, AnEngineRunsOneCopyAtATimeAfterItsLatency) {
+  DeviceEventQueue q;
+  CopyEngines engines(q);
+  const EngineId e = engines.add(EngineInfo{"e", DeviceId(0)}, 1000);
+  engines.enqueue(e, CopyJob{OpId(0), Bytes(100), Bandwidth(1'000'000'000), SimTime(10)});
+  engines.enqueue(e, CopyJob{OpId(1), Bytes(100), Bandwidth(1'000'000'000), SimTime(10)});
+  EXPECT_EQ(engines.try_start(e, SimTime(0)), OpId(0));
+  EXPECT_EQ(engines.try_start(e, SimTime(0)), std::nullopt);
+  const auto done = drain(q, engines);
+  ASSERT_EQ(done.size(), 2U);
+  EXPECT_EQ(done[0], std::make_pair(OpId(0), SimTime(110)));
+  EXPECT_EQ(done[1], std::make_pair(OpId(1), SimTime(220)));
+}
+
+TEST(CopyEngines, PeerLinksAreCreatedOncePerDirection) {
+  DeviceEventQueue q;
+  CopyEngines engines(q);
+  EXPECT_EQ(engines.peer(DeviceId(0), DeviceId(1)), std::nullopt);
+  const EngineId link = engines.add_peer(DeviceId(0), DeviceId(1), EngineInfo{"0->1", DeviceId(0)});
+  EXPECT_EQ(engines.peer(DeviceId(0), DeviceId(1)), link);
+  EXPECT_EQ(engines.peer(DeviceId(1), DeviceId(0)), std::nullopt);
+}
+
+// Counts what it hears.
+class CountingObserver final : public SimObserver {
+ public:
+  void engine_added(EngineId /*engine*/, const EngineInfo& /*info*/) override { ++engines; }
+  void op_finished(OpId op, const OpRecord& record) override {
+    finished.push_back(op);
+    last_end = record.end;
+  }
+  void memory_sampled(const MemorySample& /*sample*/) override { ++samples; }
+  int engines = 0;
+  int samples = 0;
+  std::vector<OpId> finished;
+  SimTime last_end;
+};
+
+TEST(SimObserver, HearsEveryOpOnceWhenItsRecordIsFinal) {
+  Simulator sim = testing::simple_sim(2);
+  CountingObserver counter;
+  sim.observe(counter);
+  EXPECT_EQ(counter.engines, 6);  // H2D, D2H, D2D per device
+  const StreamId a = sim.add_stream(DeviceId(0), "a");
+  const StreamId b = sim.add_stream(DeviceId(1), "b");
+  const BufferId d0 = testing::device_buffer(sim, a, 1000);
+  const BufferId d1 = testing::device_buffer(sim, b, 1000);
+  const EventId e = sim.add_event("e");
+  sim.kernel(a, SimTime(500), {}, std::vector<Region>{testing::whole(sim, d0)}, "k");
+  sim.record(e, a);
+  sim.wait(b, e);
+  sim.copy(b, testing::whole(sim, d0), testing::whole(sim, d1), "peer");
+  sim.free(d0);
+  sim.finish();
+  EXPECT_EQ(counter.engines, 7);  // and the peer link, when first used
+  EXPECT_EQ(counter.samples, 3);  // two allocs, one free
+  std::vector<OpId> sorted = counter.finished;
+  std::sort(sorted.begin(), sorted.end());
+  ASSERT_EQ(sorted.size(), sim.ops().size());
+  for (std::uint32_t i = 0; i < sorted.size(); ++i) EXPECT_EQ(sorted[i], OpId(i));
+  EXPECT_EQ(counter.last_end, sim.makespan());  // the copy finishes last
+}
+
+TEST(ChromeTrace, AnAttachedTraceEqualsOneReplayedAfterTheRun) {
+  Simulator sim = testing::simple_sim(2);
+  ChromeTrace live;
+  sim.observe(live);
+  const StreamId a = sim.add_stream(DeviceId(0), "a");
+  const StreamId b = sim.add_stream(DeviceId(1), "b");
+  const BufferId d0 = testing::device_buffer(sim, a, 4000);
+  const BufferId d1 = testing::device_buffer(sim, b, 4000);
+  const BufferId h = testing::pinned_buffer(sim, 4000);
+  const EventId e = sim.add_event("e");
+  for (int i = 0; i < 5; ++i) {
+    sim.kernel(a, SimTime(100 + i), {}, std::vector<Region>{testing::whole(sim, d0)}, "k");
+    sim.copy(a, testing::whole(sim, d0), testing::whole(sim, h), "d2h");
+    sim.record(e, a);
+    sim.wait(b, e);
+    sim.copy(b, testing::whole(sim, d0), testing::whole(sim, d1), "peer");
+  }
+  sim.free(h);
+  sim.finish();
+  EXPECT_EQ(live.json(sim), chrome_trace(sim));
+}
+
+}  // namespace
+}  // namespace ferry::sim
