@@ -87,23 +87,30 @@ TEST(ContentShadow, CopyWithinOneSpaceReadsBeforeItWrites) {
                                        {Bytes(15), Bytes(10), 2, Bytes(0)}}));
 }
 
+// What a scheduler started, in order.
+struct Started {
+  std::vector<std::pair<OpId, bool>> ops;  // (op, wait_done)
+  auto sink() {
+    return [this](OpId op, bool wait_done) { ops.emplace_back(op, wait_done); };
+  }
+};
+
 TEST(StreamScheduler, AWaitHoldsItsStreamUntilTheOtherStreamGetsThere) {
   StreamScheduler s(false);
   const StreamId a = s.add("a", DeviceId(0), 1);
   const StreamId b = s.add("b", DeviceId(0), 2);
-  std::vector<StreamStart> started;
-  s.submit(a, OpId(0), std::nullopt, started);
+  Started started;
+  s.submit(a, OpId(0), std::nullopt, started.sink());
   const StreamPosition after_first = s.submitted(a);
-  s.submit(b, OpId(1), after_first, started);
-  s.submit(b, OpId(2), std::nullopt, started);
-  ASSERT_EQ(started.size(), 1U);  // only a's op; b is held
-  EXPECT_EQ(started[0].op, OpId(0));
-  started.clear();
-  s.complete(a, started);
-  ASSERT_EQ(started.size(), 2U);
-  EXPECT_TRUE(started[0].wait_done);
-  EXPECT_EQ(started[0].op, OpId(1));
-  EXPECT_EQ(started[1].op, OpId(2));
+  s.submit(b, OpId(1), after_first, started.sink());
+  s.submit(b, OpId(2), std::nullopt, started.sink());
+  ASSERT_EQ(started.ops.size(), 1U);  // only a's op; b is held
+  EXPECT_EQ(started.ops[0].first, OpId(0));
+  started.ops.clear();
+  s.complete(a, started.sink());
+  ASSERT_EQ(started.ops.size(), 2U);
+  EXPECT_EQ(started.ops[0], std::make_pair(OpId(1), true));
+  EXPECT_EQ(started.ops[1], std::make_pair(OpId(2), false));
   EXPECT_TRUE(s.reached(after_first));
 }
 
@@ -111,20 +118,20 @@ TEST(StreamScheduler, IgnoringWaitsIsAPlantedFaultThatReleasesAtOnce) {
   StreamScheduler s(true);
   const StreamId a = s.add("a", DeviceId(0), 1);
   const StreamId b = s.add("b", DeviceId(0), 2);
-  std::vector<StreamStart> started;
-  s.submit(a, OpId(0), std::nullopt, started);
-  s.submit(b, OpId(1), s.submitted(a), started);
-  ASSERT_EQ(started.size(), 2U);
-  EXPECT_TRUE(started[1].wait_done);
+  Started started;
+  s.submit(a, OpId(0), std::nullopt, started.sink());
+  s.submit(b, OpId(1), s.submitted(a), started.sink());
+  ASSERT_EQ(started.ops.size(), 2U);
+  EXPECT_TRUE(started.ops[1].second);
 }
 
 TEST(StreamScheduler, OneOpAtATimePerStream) {
   StreamScheduler s(false);
   const StreamId a = s.add("a", DeviceId(0), 1);
-  std::vector<StreamStart> started;
-  s.submit(a, OpId(0), std::nullopt, started);
-  s.submit(a, OpId(1), std::nullopt, started);
-  EXPECT_EQ(started.size(), 1U);
+  Started started;
+  s.submit(a, OpId(0), std::nullopt, started.sink());
+  s.submit(a, OpId(1), std::nullopt, started.sink());
+  EXPECT_EQ(started.ops.size(), 1U);
   EXPECT_FALSE(s.reached(s.submitted(a)));
 }
 

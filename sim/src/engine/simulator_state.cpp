@@ -163,31 +163,28 @@ void Simulator::State::process(const DeviceEventQueue::Entry& ev) {
 }
 
 void Simulator::State::submit(OpId op, std::optional<StreamPosition> until) {
-  streams.submit(ops[op.value()].stream, op, until, started);
-  run_started();
+  streams.submit(ops[op.value()].stream, op, until,
+                 [this](OpId started, bool wait_done) { start_op(started, wait_done); });
 }
 
-// Hands what the scheduler started to the engines, in the order it started. Engines only
-// schedule events here, never call back into the scheduler, so `started` is stable.
-void Simulator::State::run_started() {
-  for (const StreamStart& s : started) {
-    OpRecord& rec = ops[s.op.value()];
-    if (s.wait_done) {
-      rec.start = rec.end = now;
-      if (!observers.empty()) observers.op_finished(s.op, rec);
-      continue;
-    }
-    const Exec& e = exec[s.op.value()];
-    if (e.kind == engine_detail::ExecKind::Kernel) {
-      const DeviceId device = streams.device(rec.stream);
-      compute.enqueue(device, s.op, e.duration);
-      start_kernel(device);
-    } else {
-      copies.enqueue(rec.engine, CopyJob{s.op, rec.bytes, e.rate, e.latency});
-      start_copy(rec.engine);
-    }
+// The scheduler started `op`: a wait is done; a kernel or copy goes to its engine. Engines
+// only schedule events here, never call back into the scheduler.
+void Simulator::State::start_op(OpId op, bool wait_done) {
+  OpRecord& rec = ops[op.value()];
+  if (wait_done) {
+    rec.start = rec.end = now;
+    if (!observers.empty()) observers.op_finished(op, rec);
+    return;
   }
-  started.clear();
+  const Exec& e = exec[op.value()];
+  if (e.kind == engine_detail::ExecKind::Kernel) {
+    const DeviceId device = streams.device(rec.stream);
+    compute.enqueue(device, op, e.duration);
+    start_kernel(device);
+  } else {
+    copies.enqueue(rec.engine, CopyJob{op, rec.bytes, e.rate, e.latency});
+    start_copy(rec.engine);
+  }
 }
 
 void Simulator::State::start_kernel(DeviceId device) {
@@ -206,8 +203,8 @@ void Simulator::State::complete(OpId op) {
   rec.end = now;
   if (options.track_content) apply_content(op);
   if (!observers.empty()) observers.op_finished(op, rec);
-  streams.complete(rec.stream, started);
-  run_started();
+  streams.complete(rec.stream,
+                   [this](OpId started, bool wait_done) { start_op(started, wait_done); });
 }
 
 // Picks the engine of a copy between `from` and `to` and its uncontended rate and latency.

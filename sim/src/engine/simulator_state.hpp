@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "ferry/check.hpp"
@@ -23,15 +24,20 @@ namespace ferry::sim {
 
 namespace engine_detail {
 
-/// Interned op labels; index 0 is the empty label.
+/// Interned op labels; index 0 is the empty label. Indices follow first appearance; the hash
+/// index is only looked up, never iterated.
 class LabelTable {
  public:
   std::uint32_t intern(std::string_view label);
   [[nodiscard]] std::string_view operator[](std::uint32_t index) const { return labels_.at(index); }
 
  private:
+  struct Hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
   std::vector<std::string> labels_{std::string()};
-  std::map<std::string, std::uint32_t, std::less<>> index_;
+  std::unordered_map<std::string, std::uint32_t, Hash, std::equal_to<>> index_;
 };
 
 enum class ExecKind : std::uint8_t { None, Kernel, Copy };
@@ -119,8 +125,7 @@ struct Simulator::State final : StreamMarkers {
   StreamScheduler streams;
   ComputeEngines compute;
   CopyEngines copies;
-  std::vector<StreamStart> started;    // scratch: what the scheduler just started
-  std::vector<ContentShadow> content;  // per memory space; the host is the last
+  std::vector<ContentShadow> content;                     // per memory space; the host is the last
   std::map<OpId, std::vector<Expectation>> expectations;  // kernel -> checked at its start
   std::vector<Expectation> pending_expectations;          // for the next kernel
   std::vector<ContentMismatch> mismatches;
@@ -172,7 +177,7 @@ struct Simulator::State final : StreamMarkers {
   void advance_to(SimTime t);
   void process(const DeviceEventQueue::Entry& ev);
   void submit(OpId op, std::optional<StreamPosition> until = std::nullopt);
-  void run_started();
+  void start_op(OpId op, bool wait_done);
   void start_kernel(DeviceId device);
   void start_copy(EngineId engine);
   void complete(OpId op);

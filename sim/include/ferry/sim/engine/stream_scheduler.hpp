@@ -22,14 +22,10 @@ struct StreamPosition {
   std::uint64_t count = 0;
 };
 
-/// An op that left its stream's queue: handed to an engine, or a wait that has been satisfied
-/// (and so has completed, taking no time).
-struct StreamStart {
-  OpId op;
-  bool wait_done = false;
-};
-
-/// The streams of the machine and their queues.
+/// The streams of the machine and their queues. An op that leaves its stream's queue is
+/// handed to `start(op, wait_done)`: to an engine, or, with `wait_done`, a wait that has been
+/// satisfied (and so has completed, taking no time). `start` must not call back into the
+/// scheduler; the calls come in the order the ops start.
 class StreamScheduler {
  public:
   /// With `ignore_waits` (a planted fault), waits never hold their stream.
@@ -55,16 +51,28 @@ class StreamScheduler {
   }
 
   /// Submits `op` to `stream`; a wait (`until` set) holds the stream until `until` is reached.
-  /// Ops that start now are appended to `started`, in the order they start.
-  void submit(StreamId stream, OpId op, std::optional<StreamPosition> until,
-              std::vector<StreamStart>& started);
-  /// The op `stream` handed to an engine completed; appends what starts next to `started`.
-  void complete(StreamId stream, std::vector<StreamStart>& started);
+  template <class Start>
+  void submit(StreamId stream, OpId op, std::optional<StreamPosition> until, Start&& start) {
+    Stream& s = streams_[stream.value()];
+    s.queue.push_back(Queued{op, until ? *until : StreamPosition{}});
+    ++s.submitted;
+    if (!s.busy && s.queue.size() == 1) advance(stream, start);
+  }
+
+  /// The op `stream` handed to an engine completed; starts what comes next.
+  template <class Start>
+  void complete(StreamId stream, Start&& start) {
+    Stream& s = streams_[stream.value()];
+    s.busy = false;
+    ++s.completed;
+    notify_waiters(stream, start);
+    advance(stream, start);
+  }
 
  private:
   struct Queued {
     OpId op;
-    std::optional<StreamPosition> until;  // set for waits
+    StreamPosition until;  // a wait when until.stream is valid
   };
   struct Stream {
     std::string name;
@@ -77,8 +85,41 @@ class StreamScheduler {
     std::vector<std::pair<std::uint64_t, StreamId>> waiters;  // (count, stream held by a wait)
   };
 
-  void advance(StreamId stream, std::vector<StreamStart>& started);
-  void notify_waiters(StreamId stream, std::vector<StreamStart>& started);
+  template <class Start>
+  void advance(StreamId stream, Start& start) {
+    Stream& s = streams_[stream.value()];
+    while (!s.busy && !s.queue.empty()) {
+      const Queued head = s.queue.front();
+      if (head.until.stream.valid()) {
+        Stream& target = streams_[head.until.stream.value()];
+        if (!ignore_waits_ && target.completed < head.until.count) {
+          target.waiters.emplace_back(head.until.count, stream);
+          return;
+        }
+        s.queue.pop_front();
+        ++s.completed;
+        start(head.op, true);
+        notify_waiters(stream, start);
+        continue;
+      }
+      s.queue.pop_front();
+      s.busy = true;
+      start(head.op, false);
+    }
+  }
+
+  template <class Start>
+  void notify_waiters(StreamId stream, Start& start) {
+    Stream& s = streams_[stream.value()];
+    if (s.waiters.empty()) return;
+    std::vector<StreamId> woken;
+    std::erase_if(s.waiters, [&](const std::pair<std::uint64_t, StreamId>& w) {
+      if (w.first > s.completed) return false;
+      woken.push_back(w.second);
+      return true;
+    });
+    for (const StreamId w : woken) advance(w, start);
+  }
 
   std::vector<Stream> streams_;
   bool ignore_waits_;
