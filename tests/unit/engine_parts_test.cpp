@@ -36,11 +36,6 @@ TEST(EventQueue, DueSeesOnlyEventsAtOrBeforeTheTime) {
   EXPECT_TRUE(q.due(SimTime(50)));
 }
 
-TEST(EventQueue, PoppingAnEmptyQueueIsAnError) {
-  EventQueue<int> q;
-  EXPECT_ANY_THROW(q.pop());
-}
-
 TEST(ContentShadow, UnwrittenBytesReadAsIdZero) {
   ContentShadow shadow;
   EXPECT_EQ(shadow.read(Bytes(10), Bytes(20)),

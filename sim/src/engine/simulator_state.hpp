@@ -163,7 +163,10 @@ struct Simulator::State final : StreamMarkers {
   void end_host_call(OpId op);
   template <class Done>
   void run_until(Done done) {
-    while (!done()) process(queue.pop());
+    while (!done()) {
+      FERRY_CHECK(!queue.empty(), "host waits for work that can never complete");
+      process(queue.pop());
+    }
     host_time = std::max(host_time, now);
   }
   void wait_for(StreamPosition position) {

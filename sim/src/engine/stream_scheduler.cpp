@@ -1,7 +1,5 @@
 #include "ferry/sim/engine/stream_scheduler.hpp"
 
-#include "ferry/check.hpp"
-
 namespace ferry::sim {
 
 StreamId StreamScheduler::add(std::string name, DeviceId device, ThreadIndex thread) {
@@ -11,10 +9,6 @@ StreamId StreamScheduler::add(std::string name, DeviceId device, ThreadIndex thr
   s.thread = thread;
   streams_.push_back(std::move(s));
   return StreamId(static_cast<std::uint32_t>(streams_.size() - 1));
-}
-
-void StreamScheduler::check(StreamId stream) const {
-  FERRY_CHECK(stream.valid() && stream.value() < streams_.size(), "unknown stream");
 }
 
 }  // namespace ferry::sim

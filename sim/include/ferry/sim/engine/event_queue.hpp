@@ -5,7 +5,6 @@
 #include <queue>
 #include <vector>
 
-#include "ferry/check.hpp"
 #include "ferry/ids.hpp"
 #include "ferry/sim/engine/records.hpp"
 #include "ferry/units.hpp"
@@ -31,9 +30,8 @@ class EventQueue {
   /// True when an event is due at or before `time`.
   [[nodiscard]] bool due(SimTime time) const { return !heap_.empty() && heap_.top().time <= time; }
 
-  /// Removes and returns the earliest event; the queue must not be empty.
+  /// Removes and returns the earliest event; the queue must not be empty (see `due`, `empty`).
   Entry pop() {
-    FERRY_CHECK(!heap_.empty(), "host waits for work that can never complete");
     Entry e = heap_.top();
     heap_.pop();
     return e;

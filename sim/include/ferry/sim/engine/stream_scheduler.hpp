@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/check.hpp"
 #include "ferry/ids.hpp"
 #include "ferry/sim/check/hazard_checker.hpp"
 
@@ -35,7 +36,9 @@ class StreamScheduler {
   StreamId add(std::string name, DeviceId device, ThreadIndex thread);
 
   /// FERRY_CHECKs that `stream` exists.
-  void check(StreamId stream) const;
+  void check(StreamId stream) const {
+    FERRY_CHECK(stream.valid() && stream.value() < streams_.size(), "unknown stream");
+  }
   [[nodiscard]] std::size_t size() const { return streams_.size(); }
   [[nodiscard]] const std::string& name(StreamId s) const { return streams_[s.value()].name; }
   [[nodiscard]] DeviceId device(StreamId s) const { return streams_[s.value()].device; }
@@ -54,7 +57,7 @@ class StreamScheduler {
   template <class Start>
   void submit(StreamId stream, OpId op, std::optional<StreamPosition> until, Start&& start) {
     Stream& s = streams_[stream.value()];
-    s.queue.push_back(Queued{op, until ? *until : StreamPosition{}});
+    s.queue.push_back(until ? Queued{op, until->stream, until->count} : Queued{op, {}, 0});
     ++s.submitted;
     if (!s.busy && s.queue.size() == 1) advance(stream, start);
   }
@@ -65,14 +68,15 @@ class StreamScheduler {
     Stream& s = streams_[stream.value()];
     s.busy = false;
     ++s.completed;
-    notify_waiters(stream, start);
+    if (!s.waiters.empty()) notify_waiters(stream, start);
     advance(stream, start);
   }
 
  private:
   struct Queued {
     OpId op;
-    StreamPosition until;  // a wait when until.stream is valid
+    StreamId until;  // a wait, for the first `count` ops of `until`, when valid
+    std::uint64_t count = 0;
   };
   struct Stream {
     std::string name;
@@ -90,16 +94,16 @@ class StreamScheduler {
     Stream& s = streams_[stream.value()];
     while (!s.busy && !s.queue.empty()) {
       const Queued head = s.queue.front();
-      if (head.until.stream.valid()) {
-        Stream& target = streams_[head.until.stream.value()];
-        if (!ignore_waits_ && target.completed < head.until.count) {
-          target.waiters.emplace_back(head.until.count, stream);
+      if (head.until.valid()) {
+        Stream& target = streams_[head.until.value()];
+        if (!ignore_waits_ && target.completed < head.count) {
+          target.waiters.emplace_back(head.count, stream);
           return;
         }
         s.queue.pop_front();
         ++s.completed;
         start(head.op, true);
-        notify_waiters(stream, start);
+        if (!s.waiters.empty()) notify_waiters(stream, start);
         continue;
       }
       s.queue.pop_front();
@@ -111,7 +115,6 @@ class StreamScheduler {
   template <class Start>
   void notify_waiters(StreamId stream, Start& start) {
     Stream& s = streams_[stream.value()];
-    if (s.waiters.empty()) return;
     std::vector<StreamId> woken;
     std::erase_if(s.waiters, [&](const std::pair<std::uint64_t, StreamId>& w) {
       if (w.first > s.completed) return false;
