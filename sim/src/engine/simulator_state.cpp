@@ -75,35 +75,7 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
   content.resize(devices.size() + 1);
 }
 
-void Simulator::State::check_region(const Region& r) const {
-  const BufferInfo& b = buffer(r.buffer);
-  FERRY_CHECK(r.offset.count() >= 0 && r.bytes.count() >= 0 &&
-                  r.offset.count() + r.bytes.count() <= b.bytes.count(),
-              "region [{}, +{}) exceeds the buffer's {} bytes", r.offset.count(), r.bytes.count(),
-              b.bytes.count());
-}
-
 // --- the host side ------------------------------------------------------------------------
-
-// Starts an API call: the host spends `overhead`, then the call takes effect.
-OpId Simulator::State::begin_call(OpKind kind, SimTime overhead, std::string_view label) {
-  host_time += overhead;
-  advance_to(host_time);
-  OpRecord rec;
-  rec.kind = kind;
-  rec.label = labels.intern(label);
-  rec.issued = rec.start = rec.end = host_time;
-  ops.push_back(rec);
-  exec.emplace_back();
-  return OpId(static_cast<std::uint32_t>(ops.size() - 1));
-}
-
-// Ends a call that submitted no stream work: the host goes on now. See Note [Observers].
-void Simulator::State::end_host_call(OpId op) {
-  OpRecord& rec = ops[op.value()];
-  rec.end = host_time;
-  if (!observers.empty()) observers.op_finished(op, rec);
-}
 
 // Waits for every stream of `device` (a device synchronize) and orders the host after it.
 void Simulator::State::synchronize_device(DeviceId device) {
@@ -136,11 +108,6 @@ void Simulator::State::sample(DeviceId device) {
 
 // --- the device side ------------------------------------------------------------------------
 
-void Simulator::State::advance_to(SimTime t) {
-  while (queue.due(t)) process(queue.pop());
-  now = std::max(now, t);
-}
-
 void Simulator::State::process(const DeviceEventQueue::Entry& ev) {
   now = ev.time;
   if (ev.payload.kind == DeviceEvent::Kind::KernelDone) {
@@ -160,11 +127,6 @@ void Simulator::State::process(const DeviceEventQueue::Entry& ev) {
   total += rec.bytes;
   complete(*done);
   start_copy(engine);
-}
-
-void Simulator::State::submit(OpId op, std::optional<StreamPosition> until) {
-  streams.submit(ops[op.value()].stream, op, until,
-                 [this](OpId started, bool wait_done) { start_op(started, wait_done); });
 }
 
 // The scheduler started `op`: a wait is done; a kernel or copy goes to its engine. Engines
@@ -249,24 +211,6 @@ EngineId Simulator::State::copy_engine(OpRecord& rec, Exec& e, const BufferInfo&
 }
 
 // --- accesses, checking and content -----------------------------------------------------------
-
-// Checks one access; false when the buffer is no longer live (reported as use after free).
-bool Simulator::State::touch(OpId op, ThreadIndex thread, AccessOrigin origin, const Region& r,
-                             bool write) {
-  check_region(r);
-  const BufferInfo& b = buffer(r.buffer);
-  if (!b.live) {
-    checker.report(Hazard{HazardKind::UseAfterFree, Conflict::None, b.freed_by, op, r.buffer,
-                          r.buffer, space_of(b), b.address + r.offset,
-                          b.address + r.offset + r.bytes});
-    return false;
-  }
-  if (options.check_hazards) {
-    checker.access(thread, op, origin, r.buffer, space_of(b), b.address + r.offset,
-                   b.address + r.offset + r.bytes, write);
-  }
-  return true;
-}
 
 void Simulator::State::check_expectations(OpId op) {
   auto it = expectations.find(op);

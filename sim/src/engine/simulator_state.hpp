@@ -197,4 +197,62 @@ struct Simulator::State final : StreamMarkers {
   void synchronize(MarkerId id) override;
 };
 
+// Inline: every API call goes through these.
+
+// Starts an API call: the host spends `overhead`, then the call takes effect.
+inline OpId Simulator::State::begin_call(OpKind kind, SimTime overhead, std::string_view label) {
+  host_time += overhead;
+  advance_to(host_time);
+  OpRecord rec;
+  rec.kind = kind;
+  rec.label = labels.intern(label);
+  rec.issued = rec.start = rec.end = host_time;
+  ops.push_back(rec);
+  exec.emplace_back();
+  return OpId(static_cast<std::uint32_t>(ops.size() - 1));
+}
+
+// Ends a call that submitted no stream work: the host goes on now. See Note [Observers].
+inline void Simulator::State::end_host_call(OpId op) {
+  OpRecord& rec = ops[op.value()];
+  rec.end = host_time;
+  if (!observers.empty()) observers.op_finished(op, rec);
+}
+
+inline void Simulator::State::advance_to(SimTime t) {
+  while (queue.due(t)) process(queue.pop());
+  now = std::max(now, t);
+}
+
+inline void Simulator::State::check_region(const Region& r) const {
+  const BufferInfo& b = buffer(r.buffer);
+  FERRY_CHECK(r.offset.count() >= 0 && r.bytes.count() >= 0 &&
+                  r.offset.count() + r.bytes.count() <= b.bytes.count(),
+              "region [{}, +{}) exceeds the buffer's {} bytes", r.offset.count(), r.bytes.count(),
+              b.bytes.count());
+}
+
+// Checks one access; false when the buffer is no longer live (reported as use after free).
+inline bool Simulator::State::touch(OpId op, ThreadIndex thread, AccessOrigin origin,
+                                    const Region& r, bool write) {
+  check_region(r);
+  const BufferInfo& b = buffer(r.buffer);
+  if (!b.live) {
+    checker.report(Hazard{HazardKind::UseAfterFree, Conflict::None, b.freed_by, op, r.buffer,
+                          r.buffer, space_of(b), b.address + r.offset,
+                          b.address + r.offset + r.bytes});
+    return false;
+  }
+  if (options.check_hazards) {
+    checker.access(thread, op, origin, r.buffer, space_of(b), b.address + r.offset,
+                   b.address + r.offset + r.bytes, write);
+  }
+  return true;
+}
+
+inline void Simulator::State::submit(OpId op, std::optional<StreamPosition> until) {
+  streams.submit(ops[op.value()].stream, op, until,
+                 [this](OpId started, bool wait_done) { start_op(started, wait_done); });
+}
+
 }  // namespace ferry::sim
