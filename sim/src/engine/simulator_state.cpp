@@ -34,8 +34,7 @@ Bytes pinned_capacity(const std::vector<DeviceSpec>& specs) {
 
 namespace engine_detail {
 
-std::uint32_t LabelTable::intern(std::string_view label) {
-  if (label.empty()) return 0;
+std::uint32_t LabelTable::find_or_add(std::string_view label) {
   auto it = index_.find(label);
   if (it != index_.end()) return it->second;
   const auto index = static_cast<std::uint32_t>(labels_.size());

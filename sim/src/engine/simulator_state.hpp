@@ -28,7 +28,7 @@ namespace engine_detail {
 /// index is only looked up, never iterated.
 class LabelTable {
  public:
-  std::uint32_t intern(std::string_view label);
+  std::uint32_t intern(std::string_view label) { return label.empty() ? 0 : find_or_add(label); }
   [[nodiscard]] std::string_view operator[](std::uint32_t index) const { return labels_.at(index); }
 
  private:
@@ -36,6 +36,8 @@ class LabelTable {
     using is_transparent = void;
     std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
   };
+  std::uint32_t find_or_add(std::string_view label);
+
   std::vector<std::string> labels_{std::string()};
   std::unordered_map<std::string, std::uint32_t, Hash, std::equal_to<>> index_;
 };
