@@ -5,13 +5,20 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <string_view>
 #include <utility>
 
 #include "ferry/check.hpp"
+#include "ferry/offload/offloader.hpp"
+#include "ferry/pipeline/schedule.hpp"
+#include "ferry/pipeline/streams.hpp"
+#include "ferry/sim/device/device.hpp"
+#include "graph.hpp"
 #include "step_failure.hpp"
+#include "values.hpp"
 
 namespace ferry::sim {
 
@@ -71,24 +78,7 @@ Result<std::vector<std::uint32_t>> balance_by_duration(const Model& model,
 
 namespace {
 
-// Note [Content values]
-// Every tensor's content id is a function of what computed it, never of when or where: an op's
-// outputs mix the op index, the micro-batch, the content of every input it read and, for ops
-// that draw random numbers, the draw; a parameter's content is its index, a batch input's its
-// index and micro-batch. Recomputing an op from the same inputs with the same generator state
-// therefore writes the same ids it wrote in forward, and a pipeline and the single-device
-// reference that execute the same computation hold the same ids.
-//
-// Note [Gradient sums]
-// A gradient is modelled as a sum: each backward kernel contributes, for each input slot, a
-// value mixed from what it read (its saved tensors, its outputs' gradients); a gradient buffer
-// holds grad_content(sum of contributions). The sum is taken modulo 2^64, which is associative
-// and commutative: exact arithmetic, where the order in which contributions arrive (micro-batch
-// order, device order, partial sums sent back down the chain, a tied parameter's replicas
-// reduced at the end) cannot change the result. Real floating-point accumulation would differ
-// in its last bits between schedules; the model deliberately asks for more, so that any
-// difference from the reference means a contribution was lost, doubled or computed from wrong
-// data.
+// See Note [Content values] in values.hpp.
 constexpr std::uint64_t kForwardTag = 0x46;
 constexpr std::uint64_t kBackwardTag = 0x42;
 constexpr std::uint64_t kParamTag = 0x50;
@@ -236,33 +226,11 @@ Plan make_plan(const Model& model, std::vector<std::uint32_t> starts,
   for (std::uint32_t j = 0; j < parts; ++j) {
     for (std::uint32_t k = plan.starts[j]; k < plan.starts[j + 1]; ++k) plan.partition_of[k] = j;
   }
-  plan.base.resize(tensors);
-  for (std::uint32_t t = 0; t < tensors; ++t) {
-    const std::int32_t view_of = model.tensors[t].view_of;
-    plan.base[t] = view_of >= 0 ? static_cast<std::uint32_t>(view_of) : t;
-  }
-  plan.producer.assign(tensors, -1);
-  for (std::uint32_t k = 0; k < ops; ++k) {
-    for (const std::uint32_t t : model.ops[k].outputs) {
-      if (model.tensors[t].view_of < 0) plan.producer[t] = static_cast<std::int32_t>(k);
-    }
-  }
-  // Backward nodes that run: those with an output on the path to the loss.
-  plan.needed.assign(ops, false);
-  plan.grad_flows.assign(tensors, false);
-  plan.grad_flows[plan.base[model.loss]] = true;
-  for (std::size_t k = ops; k-- > 0;) {
-    const ModelOp& op = model.ops[k];
-    for (const std::uint32_t t : op.outputs) {
-      plan.needed[k] = plan.needed[k] || plan.grad_flows[plan.base[t]];
-    }
-    if (!plan.needed[k]) continue;
-    for (const std::uint32_t t : op.inputs) {
-      if (model.tensors[plan.base[t]].role == TensorRole::Activation) {
-        plan.grad_flows[plan.base[t]] = true;
-      }
-    }
-  }
+  Graph graph = make_graph(model);
+  plan.base = std::move(graph.base);
+  plan.producer = std::move(graph.producer);
+  plan.needed = std::move(graph.needed);
+  plan.grad_flows = std::move(graph.grad_flows);
   plan.pops.resize(ops);
   plan.stashes.resize(ops);
   plan.skips_into.resize(parts);
@@ -407,32 +375,29 @@ enum class Pass : std::uint8_t {
   Recompute,  ///< the checkpointed partition again, right before its backward
 };
 
-enum class Schedule : std::uint8_t {
-  GPipe,       ///< fill-drain clock cycles over the partitions
-  Sequential,  ///< one micro-batch after another, forward then backward
-};
+using pipeline::Cell;
+using pipeline::Phase;
+using pipeline::StreamRef;
+using Streams = pipeline::Choreography<Device>;
+using Holders = pipeline::SharedBuffers<Device>;
 
-// A device buffer and who still holds it. It is freed when the last holder lets go; see
-// Note [Receive buffers and record_stream].
+// A device buffer the pipeline holds. Who holds it, and on which streams it was used, is the
+// core's (pipeline::SharedBuffers); see Note [Receive buffers and record_stream].
 struct Buf {
   BufferId id;
   std::uint32_t device = 0;
-  StreamId stream;  ///< the stream it was allocated on (its pool)
   Bytes bytes;
   Kind kind = Kind::Static;
-  std::int32_t holds = 0;
-  std::vector<StreamId> users;  ///< other streams that touched it, by id
   OpId last_use;
-  std::uint64_t content = 0;           ///< what it holds, if every write so far landed
-  std::uint64_t sum = 0;               ///< gradients: the sum behind `content`
+  std::uint64_t sum = 0;               ///< gradients: the sum behind its content
   std::vector<std::size_t> lifetimes;  ///< PortalLifetime records naming it
-  bool live = true;
 };
 
 struct SavedRef {
   Access access;
   TensorId handle;
   std::uint64_t expected = 0;  ///< the storage's content at forward
+  TensorId offloaded;          ///< the offloader's id when the stage's offloader packed it
 };
 
 struct Task {
@@ -443,11 +408,8 @@ struct Task {
   std::map<std::uint32_t, TensorId> inputs;  ///< base -> batch input loaded here
   std::vector<std::vector<SavedRef>> saved;  ///< per op of the partition
   std::map<std::uint32_t, TensorId> grads;   ///< base -> its gradient on this device
-  std::vector<EventId> arrivals;             ///< copies the compute stream waits for next
-  std::vector<std::uint64_t> rng;            ///< generator counters when the forward began
-  EventId forward_done;
-  EventId backward_done;
-  std::optional<TensorId> output;  ///< the loss, held for the backward
+  Generators rng;                            ///< the generators when the forward began
+  std::optional<TensorId> output;            ///< the loss, held for the backward
 };
 
 std::vector<DeviceSpec> device_specs(const DeviceProfile& profile, std::uint32_t devices) {
@@ -458,35 +420,26 @@ std::vector<DeviceSpec> device_specs(const DeviceProfile& profile, std::uint32_t
   return specs;
 }
 
-// Note [Receive buffers and record_stream]
-// Each ordered device pair (a, b) has one copy stream, created on b. Whatever crosses from a to
-// b (chain activations, a portal's tensor, gradients going back) is allocated on that stream,
-// so that the caching allocator hands the block back to that stream's pool. The copy stream
-// waits for the event a's compute stream recorded after the task that produced the data;
-// b's compute stream waits for an event the copy stream recorded after the copies; backward
-// mirrors both with the streams of the reverse pair (torchgpipe's Copy and Wait).
+// Streams, events and the holders of shared buffers are the core's: Note [Pipeline streams]
+// and Note [Receive buffers and record_stream] in ferry/pipeline/streams.hpp. With an offload
+// policy, each stage's saved tensors go through an Offloader on that stage's device: see
+// Note [Offload in stages].
 //
-// A received buffer is then used on b's compute stream, not on the stream it was allocated on,
-// and a sent buffer is read by a copy stream other than its own. When the last holder lets go,
-// the buffer is freed with record_stream on every other stream that touched it, as torchgpipe's
-// Copy does (record_stream on both sides). The alternative, an event-guarded free (record an
-// event on the user's stream, make the allocating stream wait for it, then free), would make
-// the copy stream wait for b's compute at every free: the next micro-batch's copy into b would
-// queue behind b's current task and the pipeline would lose its copy/compute overlap.
-// record_stream costs nothing on any stream; the block only counts as allocated until the next
-// allocation on that device finds the recorded marker passed.
-//
-// Holders are counted when a buffer appears: the ops of the partition that will read it, the
-// saved-tensor slots that will keep it (grad mode only), the copy that sends it on, a portal.
-// Each lets go right after its kernel or copy is issued, so the free follows the last use with
-// nothing in between. Two holders end later than the last read, as in PyTorch: a checkpointed
-// partition keeps its input until its backward is done (Checkpoint saves it), and tensors saved
-// by a node whose backward never runs go when the micro-batch's graph is freed.
+// Note [Offload in stages]
+// Each device runs the offload policy on its own: one Offloader over the stage's Backend, its
+// own copy streams. A tensor a partition produced and one of its ops saves in grad-mode forward
+// is packed (node id: micro-batch * ops + op, unique within the step); the saved slot's holder
+// then lets go, the offloader keeping its own reference. The stage's backward of a micro-batch
+// is one backward pass for the offloader (backward_begin with its nodes in order, node_done
+// after each, backward_end), and the step is one offload context (enter, exit). What crossed
+// devices (chain, portal), parameters, the batch, and what a recompute saves stay as they are:
+// a recompute's saved tensors are used at once, and a checkpointed forward saves nothing.
 
 class Executor {
  public:
   Executor(const Model& model, const DeviceProfile& profile, const PipelineOptions& options,
-           const PipelineFaults& faults, Plan plan, Schedule schedule, std::int32_t checkpoint_stop)
+           const PipelineFaults& faults, Plan plan, pipeline::Schedule schedule,
+           std::int32_t checkpoint_stop)
       : model_(model),
         profile_(profile),
         options_(options),
@@ -497,16 +450,23 @@ class Executor {
         micro_batches_(static_cast<std::uint32_t>(options.micro_batches)),
         parts_(plan_.partitions()),
         sim_(device_specs(profile, plan_.partitions()), {}, options.sim),
-        portals_(faults.portal) {
+        portals_(faults.portal),
+        rng_(plan_.generators) {
+    std::vector<StreamId> compute;
     for (std::uint32_t j = 0; j < parts_; ++j) {
-      compute_.push_back(sim_.add_stream(DeviceId(j), "compute"));
+      compute.push_back(sim_.add_stream(DeviceId(j), "compute"));
     }
-    copy_.resize(parts_);
-    for (std::uint32_t a = 0; a < parts_; ++a) {
-      for (std::uint32_t b = 0; b < parts_; ++b) {
-        copy_[a].push_back(
-            a == b ? StreamId()
-                   : sim_.add_stream(DeviceId(b), fmt::format("copy gpu{}->gpu{}", a, b)));
+    std::vector<Device*> devices;
+    for (std::uint32_t j = 0; j < parts_; ++j) {
+      devices_.push_back(std::make_unique<Device>(sim_, DeviceId(j), compute[j]));
+      devices.push_back(devices_.back().get());
+    }
+    streams_ = std::make_unique<Streams>(std::move(devices));
+    holders_ = std::make_unique<Holders>(*streams_);
+    if (options.offload.policy != Policy::None) {
+      for (std::uint32_t j = 0; j < parts_; ++j) {
+        offloaders_.push_back(
+            std::make_unique<Offloader<Device>>(*devices_[j], options.offload, faults.offload));
       }
     }
     tasks_.assign(micro_batches_, std::vector<Task>(parts_));
@@ -515,7 +475,6 @@ class Executor {
     param_grads_.resize(parts_);
     live_activations_.assign(parts_, Bytes(0));
     peak_activations_.assign(parts_, Bytes(0));
-    rng_.assign(plan_.generators, 0);
   }
 
   PipelineRun run() {
@@ -524,26 +483,33 @@ class Executor {
     try {
       setup();
       start = sim_.host_time();
-      if (schedule_ == Schedule::GPipe) {
-        gpipe();
-      } else {
-        for (std::uint32_t i = 0; i < micro_batches_; ++i) {
-          forward_fence(i, 0);
-          forward_compute(i, 0);
-          backward_fence(i, 0);
-          backward_compute(i, 0);
+      for (const auto& off : offloaders_) off->enter();
+      for (const pipeline::Tick& tick : pipeline::clock(schedule_, micro_batches_, parts_)) {
+        const bool forward = tick.phase == pipeline::Phase::Forward;
+        for (const pipeline::Cell c : tick.cells) {
+          forward ? forward_fence(c.micro_batch, c.partition)
+                  : backward_fence(c.micro_batch, c.partition);
+        }
+        for (const pipeline::Cell c : tick.cells) {
+          forward ? forward_compute(c.micro_batch, c.partition)
+                  : backward_compute(c.micro_batch, c.partition);
         }
       }
+      for (const auto& off : offloaders_) off->exit();
       finish_step();
     } catch (const StepFailure& e) {
       failure = e.failure;
     } catch (const PortalError& e) {
       failure = Failure{FailureKind::Misuse, e.what()};
+    } catch (const OffloadError& e) {
+      failure = Failure{e.kind(), e.what()};
     }
     const SimTime step_time = sim_.host_time() - start;
     const std::int64_t left = release_leftovers();
     sim_.finish();
     for (PortalLifetime& l : lifetimes_) {
+      // Freed when the last reference went: the pipeline's holders', or an offloader's.
+      l.freed = sim_.buffers()[l.buffer.value()].freed_by;
       if (l.last_use.valid()) l.last_use_end = sim_.ops()[l.last_use.value()].end;
       if (l.freed.valid()) l.freed_at = sim_.ops()[l.freed.value()].issued;
     }
@@ -564,7 +530,8 @@ class Executor {
                        .portal_frees = portal_frees,
                        .buffers_left = left,
                        .param_grads = param_gradients(),
-                       .portal_lifetimes = lifetimes_};
+                       .portal_lifetimes = lifetimes_,
+                       .telemetry = telemetry()};
   }
 
  private:
@@ -572,19 +539,19 @@ class Executor {
 
   Buf& buf(TensorId h) { return bufs_[h.value()]; }
 
-  TensorId allocate(std::uint32_t device, StreamId stream, Bytes bytes, Kind kind,
+  TensorId allocate(std::uint32_t device, StreamRef stream, Bytes bytes, Kind kind,
                     std::int32_t holds, const std::string& label) {
     auto got =
-        sim_.alloc(MemoryKind::Device, DeviceId(device), bytes, stream, PinnedPool::Caching, label);
+        devices_[device]->try_allocate(Place::Device, bytes, streams_->stream(stream), label);
     if (!got.ok()) out_of_memory(got.error().message);
     Buf b;
-    b.id = got.value();
+    b.id = got.value().id;
     b.device = device;
-    b.stream = stream;
     b.bytes = bytes;
     b.kind = kind;
-    b.holds = holds;
     bufs_.push_back(std::move(b));
+    const auto handle = holders_->adopt(got.value(), stream, holds);
+    FERRY_CHECK(handle + 1 == bufs_.size(), "buffer handles out of step");
     if (kind == Kind::Activation) {
       live_activations_[device] += bytes;
       peak_activations_[device] = std::max(peak_activations_[device], live_activations_[device]);
@@ -592,38 +559,41 @@ class Executor {
     return TensorId(static_cast<std::uint32_t>(bufs_.size() - 1));
   }
 
-  void hold(TensorId h, std::int32_t n = 1) {
-    Buf& b = buf(h);
-    FERRY_CHECK(b.live, "holding freed buffer {}", b.id.value());
-    b.holds += n;
-  }
+  void hold(TensorId h, std::int32_t n = 1) { holders_->hold(h.value(), n); }
 
   void release(TensorId h) {
-    Buf& b = buf(h);
-    FERRY_CHECK(b.live && b.holds > 0, "releasing buffer {} with no holder", b.id.value());
-    if (--b.holds == 0) free_buffer(h, false);
+    if (holders_->release(h.value())) let_go(h, false);
   }
 
   void free_buffer(TensorId h, bool at_step_end) {
+    holders_->let_go(h.value());
+    let_go(h, at_step_end);
+  }
+
+  // The pipeline's holders let go of `h`: the storage is freed unless an offloader keeps it.
+  void let_go(TensorId h, bool at_step_end) {
     Buf& b = buf(h);
-    for (const StreamId s : b.users) sim_.record_stream(b.id, s);
-    sim_.free(b.id);
-    b.live = false;
-    b.holds = 0;
     if (b.kind == Kind::Activation) live_activations_[b.device] -= b.bytes;
     for (const std::size_t l : b.lifetimes) {
       lifetimes_[l].last_use = b.last_use;
-      lifetimes_[l].freed = sim_.buffers()[b.id.value()].freed_by;
       lifetimes_[l].freed_at_step_end = at_step_end;
     }
   }
 
-  void touched(TensorId h, StreamId stream, OpId op) {
-    Buf& b = buf(h);
-    b.last_use = op;
-    if (stream == b.stream) return;
-    const auto at = std::lower_bound(b.users.begin(), b.users.end(), stream);
-    if (at == b.users.end() || *at != stream) b.users.insert(at, stream);
+  /// What buffer `h` holds as a whole (Note [Content values]).
+  std::uint64_t content(TensorId h) const {
+    const Buf& b = bufs_[h.value()];
+    return content_.value(b.id, Bytes(0), b.bytes);
+  }
+
+  void set_content(TensorId h, std::uint64_t value) {
+    const Buf& b = bufs_[h.value()];
+    content_.write(b.id, Bytes(0), b.bytes, value);
+  }
+
+  void touched(TensorId h, StreamRef stream, OpId op) {
+    buf(h).last_use = op;
+    holders_->used_on(h.value(), stream);
   }
 
   void track(TensorId h, PortalKey key, bool gradient) {
@@ -651,16 +621,21 @@ class Executor {
 
   /// The value a kernel folds in for reading `tensor` from `h`.
   std::uint64_t read_value(TensorId h, std::uint32_t tensor) const {
-    const std::uint64_t content = bufs_[h.value()].content;
+    const std::uint64_t content = this->content(h);
     return model_.tensors[tensor].view_of >= 0 ? mix_content(content, tensor) : content;
   }
 
   // ----- kernels and copies -----
 
   struct Read {
+    Read(TensorId h, Region r, std::uint64_t e, Bytes base = Bytes(0))
+        : handle(h), region(r), expected(e), expected_base(base) {}
     TensorId handle;
     Region region;
     std::uint64_t expected = 0;  ///< content id of the storage the region lies in
+    /// Where the region started in that storage when it was computed (a reload may put it
+    /// elsewhere); read when `handle` is invalid (a storage the pipeline does not hold).
+    Bytes expected_base;
   };
   struct Write {
     TensorId handle;
@@ -675,8 +650,9 @@ class Executor {
     std::vector<std::uint64_t> values;
     for (const Read& r : reads) {
       if (r.region.bytes.count() > 0) {
+        const Bytes base = r.handle.valid() ? r.region.offset : r.expected_base;
         sim_.expect_content_at_next_kernel(
-            r.region, {ContentPiece{Bytes(0), r.region.bytes, r.expected, r.region.offset}});
+            r.region, {ContentPiece{Bytes(0), r.region.bytes, r.expected, base}});
       }
       read_regions.push_back(r.region);
     }
@@ -684,34 +660,31 @@ class Executor {
       write_regions.push_back(whole(w.handle));
       values.push_back(w.value);
     }
-    const StreamId stream = compute_[device];
-    const OpId op = sim_.kernel(stream, duration, read_regions, write_regions, label, values);
-    for (const Read& r : reads) touched(r.handle, stream, op);
+    const StreamRef stream = streams_->compute(device);
+    const OpId op = sim_.kernel(streams_->stream(stream).id, duration, read_regions, write_regions,
+                                label, values);
+    for (const Read& r : reads) {
+      if (r.handle.valid()) touched(r.handle, stream, op);
+    }
     for (const Write& w : writes) {
       touched(w.handle, stream, op);
-      buf(w.handle).content = w.value;
+      set_content(w.handle, w.value);
       buf(w.handle).sum = w.sum;
     }
     return op;
   }
 
-  void copy(StreamId stream, TensorId src, TensorId dst, const std::string& label) {
-    const OpId op = sim_.copy(stream, whole(src), whole(dst), label);
+  void copy(StreamRef stream, TensorId src, TensorId dst, const std::string& label) {
+    const Buf& from = buf(src);
+    const Buf& to = buf(dst);
+    streams_->device(streams_->device_of(stream))
+        .copy(streams_->stream(stream), Device::Buffer{from.id}, Bytes(0), Device::Buffer{to.id},
+              Bytes(0), from.bytes, label);
+    const OpId op(static_cast<std::uint32_t>(sim_.ops().size() - 1));
     touched(src, stream, op);
     touched(dst, stream, op);
-    buf(dst).content = buf(src).content;
+    content_.arrive(to.id, Bytes(0), content_.slice(from.id, Bytes(0), from.bytes));
     buf(dst).sum = buf(src).sum;
-  }
-
-  EventId record(StreamId stream, const std::string& name) {
-    const EventId event = sim_.add_event(name);
-    sim_.record(event, stream);
-    return event;
-  }
-
-  void wait_once(StreamId stream, EventId event) {
-    if (!waited_.insert({stream.value(), event.value()}).second) return;
-    sim_.wait(stream, event);
   }
 
   // ----- set-up and schedule -----
@@ -723,13 +696,14 @@ class Executor {
       std::vector<Write> writes;
       for (const std::uint32_t b : plan_.params_of[j]) {
         const ModelTensor& t = model_.tensors[b];
-        const TensorId h = allocate(j, compute_[j], t.bytes, Kind::Static, 1, t.name);
+        const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Static, 1, t.name);
         resident_[j][b] = h;
         writes.push_back(Write{h, mix_content(kParamTag, b), 0});
       }
       for (const std::uint32_t b : plan_.grads_of[j]) {
         const ModelTensor& t = model_.tensors[b];
-        const TensorId h = allocate(j, compute_[j], t.bytes, Kind::Static, 1, t.name + ".grad");
+        const TensorId h =
+            allocate(j, streams_->compute(j), t.bytes, Kind::Static, 1, t.name + ".grad");
         param_grads_[j][b] = h;
         writes.push_back(Write{h, grad_content(0), 0});
       }
@@ -741,30 +715,6 @@ class Executor {
                std::vector<Write>(writes.begin() + static_cast<std::ptrdiff_t>(at), end),
                "init parameters and gradients");
       }
-    }
-  }
-
-  void gpipe() {
-    const std::uint32_t m = micro_batches_;
-    const std::uint32_t n = parts_;
-    const std::uint32_t clocks = m + n - 1;
-    // Clock k runs (i, j) with i + j = k: the forward diagonal.
-    for (std::uint32_t k = 0; k < clocks; ++k) {
-      std::vector<std::pair<std::uint32_t, std::uint32_t>> tick;
-      for (std::uint32_t j = 0; j < n; ++j) {
-        if (k >= j && k - j < m) tick.emplace_back(k - j, j);
-      }
-      for (const auto& [i, j] : tick) forward_fence(i, j);
-      for (const auto& [i, j] : tick) forward_compute(i, j);
-    }
-    // Backward: the same diagonals in reverse, later partitions first.
-    for (std::uint32_t k = clocks; k-- > 0;) {
-      std::vector<std::pair<std::uint32_t, std::uint32_t>> tick;
-      for (std::uint32_t j = n; j-- > 0;) {
-        if (k >= j && k - j < m) tick.emplace_back(k - j, j);
-      }
-      for (const auto& [i, j] : tick) backward_fence(i, j);
-      for (const auto& [i, j] : tick) backward_compute(i, j);
     }
   }
 
@@ -780,13 +730,13 @@ class Executor {
 
   void forward_fence(std::uint32_t i, std::uint32_t j) {
     Task& task = tasks_[i][j];
-    waited_.clear();
+    streams_->begin_fence();
     // Skip tensors first, by source partition (PortalCopy), then the chain (Copy).
     for (const std::uint32_t s : plan_.skips_into[j]) {
       const SkipPlan& skip = plan_.skips[s];
-      const StreamId stream = copy_[skip.from][j];
+      const StreamRef stream = streams_->copy(skip.from, j);
       if (!faults_.skip_portal_copy_wait) {
-        wait_once(stream, tasks_[i][skip.from].forward_done);
+        streams_->wait_for(stream, Phase::Forward, Cell{i, skip.from});
       }
       const ModelTensor& t = model_.tensors[skip.tensor];
       const TensorId dst = allocate(j, stream, t.bytes, Kind::Activation, 1,
@@ -796,13 +746,11 @@ class Executor {
       copy(stream, src, dst,
            mb_label(i, fmt::format("portal {} gpu{}->gpu{}", t.name, skip.from, j)));
       release(src);
-      const EventId arrived = record(stream, mb_label(i, fmt::format("portal {} copied", s)));
-      if (!faults_.skip_portal_arrival_wait) task.arrivals.push_back(arrived);
+      if (!faults_.skip_portal_arrival_wait) streams_->arrived(Cell{i, j}, stream);
     }
     if (j == 0 || plan_.chain_in[j].empty()) return;
-    const StreamId stream = copy_[j - 1][j];
+    const StreamRef stream = streams_->copy_after(Phase::Forward, Cell{i, j - 1}, j);
     Task& prev = tasks_[i][j - 1];
-    wait_once(stream, prev.forward_done);
     const bool checkpointed = static_cast<std::int32_t>(i) < checkpoint_stop_;
     for (const std::uint32_t b : plan_.chain_in[j]) {
       const ModelTensor& t = model_.tensors[b];
@@ -820,18 +768,17 @@ class Executor {
       release(src);
       task.chain[b] = dst;
     }
-    task.arrivals.push_back(record(stream, mb_label(i, fmt::format("chain into gpu{}", j))));
+    streams_->arrived(Cell{i, j}, stream);
   }
 
   void forward_compute(std::uint32_t i, std::uint32_t j) {
     Task& task = tasks_[i][j];
     task.checkpointed = static_cast<std::int32_t>(i) < checkpoint_stop_;
-    for (const EventId e : task.arrivals) sim_.wait(compute_[j], e);
-    task.arrivals.clear();
+    streams_->start(Cell{i, j});
     task.rng = rng_;
     load_inputs(i, j);
     run_ops(i, j, task.checkpointed ? Pass::NoGrad : Pass::Forward);
-    task.forward_done = record(compute_[j], mb_label(i, fmt::format("forward gpu{} done", j)));
+    streams_->finish(Phase::Forward, Cell{i, j});
   }
 
   void load_inputs(std::uint32_t i, std::uint32_t j) {
@@ -840,7 +787,7 @@ class Executor {
     for (const std::uint32_t b : plan_.inputs_of[j]) {
       const ModelTensor& t = model_.tensors[b];
       const TensorId h =
-          allocate(j, compute_[j], t.bytes, Kind::Activation, 1, mb_label(i, t.name));
+          allocate(j, streams_->compute(j), t.bytes, Kind::Activation, 1, mb_label(i, t.name));
       task.inputs[b] = h;
       writes.push_back(Write{h, mix_content(mix_content(kInputTag, b), i), 0});
     }
@@ -868,7 +815,7 @@ class Executor {
   std::uint64_t forward_content(std::uint32_t i, const Task& task, std::uint32_t j,
                                 const Access& a) const {
     if (a.route == Route::Resident || a.route == Route::Input) {
-      return bufs_[source(task, j, a).value()].content;
+      return content(source(task, j, a));
     }
     return forward_values_[i][a.base];
   }
@@ -915,11 +862,11 @@ class Executor {
           continue;
         }
         read_tensors.push_back(a.tensor);
-        reads.push_back(Read{h, region(h, a.tensor), bufs_[h.value()].content});
+        reads.push_back(Read{h, region(h, a.tensor), content(h)});
       }
       if (op.draws_rng) {
         const std::uint32_t g = plan_.generator_of[k];
-        value = mix_content(value, mix_content(mix_content(kRngTag, g), rng_[g]++));
+        value = mix_content(value, mix_content(mix_content(kRngTag, g), rng_.draw(g)));
       }
       for (std::uint32_t o = 0; o < op.outputs.size(); ++o) {
         const std::uint32_t b = op.outputs[o];
@@ -933,7 +880,7 @@ class Executor {
           holds += sent ? 1 : 0;
           holds += b == plan_.base[model_.loss] ? 1 : 0;
         }
-        const TensorId h = allocate(j, compute_[j], t.bytes, Kind::Activation, holds,
+        const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Activation, holds,
                                     mb_label(i, t.name + suffix));
         const std::uint64_t content = mix_content(value, o + 1);
         writes.push_back(Write{h, content, 0});
@@ -947,8 +894,11 @@ class Executor {
       for (const Access& a : plan_.uses[k]) release(source(task, j, a));
       if (grad) {
         for (const Access& a : plan_.saves[k]) {
-          task.saved[k - first].push_back(
-              SavedRef{a, source(task, j, a), forward_content(i, task, j, a)});
+          SavedRef ref{a, source(task, j, a), forward_content(i, task, j, a), TensorId()};
+          if (!recompute && a.route == Route::Local && !offloaders_.empty()) {
+            ref.offloaded = pack(i, j, k, ref);
+          }
+          task.saved[k - first].push_back(ref);
         }
       }
       // The stash: put into the portal, then blue() takes it out once.
@@ -969,11 +919,10 @@ class Executor {
 
   void backward_fence(std::uint32_t i, std::uint32_t j) {
     Task& task = tasks_[i][j];
-    waited_.clear();
+    streams_->begin_fence();
     if (j + 1 < parts_ && !plan_.grad_back[j + 1].empty()) {
       Task& next = tasks_[i][j + 1];
-      const StreamId stream = copy_[j + 1][j];
-      wait_once(stream, next.backward_done);
+      const StreamRef stream = streams_->copy_after(Phase::Backward, Cell{i, j + 1}, j);
       for (const std::uint32_t b : plan_.grad_back[j + 1]) {
         const ModelTensor& t = model_.tensors[b];
         const TensorId src = next.grads.at(b);
@@ -984,13 +933,12 @@ class Executor {
         next.grads.erase(b);
         task.grads[b] = dst;
       }
-      task.arrivals.push_back(record(stream, mb_label(i, fmt::format("grads into gpu{}", j))));
+      streams_->arrived(Cell{i, j}, stream);
     }
     // PortalCopy's backward: the gradient the orange node put goes back to the stash's device.
     for (const std::uint32_t s : plan_.skips_from[j]) {
       const SkipPlan& skip = plan_.skips[s];
-      const StreamId stream = copy_[skip.to][j];
-      wait_once(stream, tasks_[i][skip.to].backward_done);
+      const StreamRef stream = streams_->copy_after(Phase::Backward, Cell{i, skip.to}, j);
       const ModelTensor& t = model_.tensors[skip.tensor];
       const TensorId src = portals_.use_grad(key(s, i));
       const TensorId dst = allocate(j, stream, t.bytes, Kind::Gradient, 1,
@@ -1000,7 +948,7 @@ class Executor {
       release(src);
       track(dst, key(s, i), true);
       if (const auto dropped = portals_.put_grad(key(s, i), dst)) release(*dropped);
-      task.arrivals.push_back(record(stream, mb_label(i, fmt::format("portal {} grad copied", s))));
+      streams_->arrived(Cell{i, j}, stream);
     }
   }
 
@@ -1010,18 +958,23 @@ class Executor {
     const std::uint32_t last = plan_.starts[j + 1];
     // The recompute needs no gradient: it is issued before the waits for the incoming ones.
     if (task.checkpointed) {
-      const std::vector<std::uint64_t> outer = rng_;
-      if (!faults_.skip_rng_restore) rng_ = task.rng;
+      const Generators outer = begin_replay(rng_, task.rng, !faults_.skip_rng_restore);
       run_ops(i, j, Pass::Recompute);
-      if (!faults_.skip_rng_restore) rng_ = outer;
+      rng_ = outer;
     }
-    for (const EventId e : task.arrivals) sim_.wait(compute_[j], e);
-    task.arrivals.clear();
+    streams_->start(Cell{i, j});
+    if (!offloaders_.empty()) {
+      std::vector<NodeId> order;
+      for (std::uint32_t k = last; k-- > first;) {
+        if (plan_.needed[k]) order.push_back(node_id(i, k));
+      }
+      offloaders_[j]->backward_begin(order);
+    }
     if (j + 1 == parts_) {
       const std::uint32_t loss = plan_.base[model_.loss];
       const ModelTensor& t = model_.tensors[loss];
-      const TensorId h =
-          allocate(j, compute_[j], t.bytes, Kind::Gradient, 1, mb_label(i, t.name + ".grad"));
+      const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
+                                  mb_label(i, t.name + ".grad"));
       const std::uint64_t seed = mix_content(kLossTag, i);
       launch(j, SimTime(1), {}, {Write{h, grad_content(seed), seed}}, mb_label(i, "loss grad"));
       task.grads[loss] = h;
@@ -1033,15 +986,14 @@ class Executor {
       blue_backward(i, j, k);
       op_backward(i, j, k);
     }
-    task.backward_done = record(compute_[j], mb_label(i, fmt::format("backward gpu{} done", j)));
+    if (!offloaders_.empty()) offloaders_[j]->backward_end();
+    streams_->finish(Phase::Backward, Cell{i, j});
     // The graph is freed: the checkpoint's kept input, what nodes that never ran saved, the batch.
     if (task.checkpointed) {
       for (const std::uint32_t b : plan_.chain_in[j]) release(task.chain.at(b));
     }
     for (auto& refs : task.saved) {
-      for (const SavedRef& ref : refs) {
-        if (ref.access.held()) release(ref.handle);
-      }
+      for (const SavedRef& ref : refs) let_go_saved(j, ref);
       refs.clear();
     }
     for (const auto& [b, h] : task.inputs) release(h);
@@ -1071,12 +1023,75 @@ class Executor {
                                    ? std::max(SimTime(1), transfer_time(Bytes(3 * bytes.count()),
                                                                         profile_.memory_bandwidth))
                                    : SimTime(1);
-      launch(j, duration,
-             {Read{g, whole(g), buf(g).content}, Read{acc, whole(acc), buf(acc).content}},
+      launch(j, duration, {Read{g, whole(g), content(g)}, Read{acc, whole(acc), content(acc)}},
              {Write{acc, grad_content(sum), sum}},
              mb_label(i, fmt::format("{}.grad += portal grad", model_.tensors[b].name)));
       release(g);
     }
+  }
+
+  // ----- offload in stages (Note [Offload in stages]) -----
+
+  [[nodiscard]] NodeId node_id(std::uint32_t i, std::uint32_t k) const {
+    return NodeId(static_cast<std::uint32_t>(i * model_.ops.size() + k));
+  }
+
+  /// Packs a saved tensor the partition produced through its stage's offloader; the saved
+  /// slot's holder lets go (the offloader keeps its own reference).
+  TensorId pack(std::uint32_t i, std::uint32_t j, std::uint32_t k, const SavedRef& ref) {
+    const ModelTensor& t = model_.tensors[ref.access.tensor];
+    const Buf& b = buf(ref.handle);
+    TensorFacts facts;
+    facts.bytes = t.bytes;
+    facts.storage_bytes = b.bytes;
+    facts.view_offset = t.view_of >= 0 ? t.view_offset : Bytes(0);
+    facts.storage = b.id.value();
+    facts.no_offload = t.no_offload;
+    facts.node = node_id(i, k);
+    Offloader<Device>& off = *offloaders_[j];
+    const bool region = model_.ops[k].no_offload;
+    if (region) off.push_no_offload();
+    const TensorId id = off.pack(facts, Device::Buffer{b.id});
+    if (region) off.pop_no_offload();
+    release(ref.handle);
+    return id;
+  }
+
+  /// The saved tensors of node k as the kernel reads them; folds their values into `h`.
+  /// Returns the storages unpacked from the offloader (the caller drops one reference each).
+  std::vector<Device::Buffer> unpack_saved(std::uint32_t i, std::uint32_t j, std::uint32_t k,
+                                           std::vector<Read>& reads, std::uint64_t& h) {
+    std::vector<Device::Buffer> unpacked;
+    for (const SavedRef& ref : tasks_[i][j].saved[k - plan_.starts[j]]) {
+      if (!ref.offloaded.valid()) {
+        reads.push_back(Read{ref.handle, region(ref.handle, ref.access.tensor), ref.expected});
+        h = mix_content(h, read_value(ref.handle, ref.access.tensor));
+        continue;
+      }
+      const Unpacked<Device::Buffer> u = offloaders_[j]->unpack(ref.offloaded, node_id(i, k));
+      const ModelTensor& t = model_.tensors[ref.access.tensor];
+      const bool view = t.view_of >= 0;
+      reads.push_back(Read{TensorId(), Region{u.storage.id, u.offset, t.bytes}, ref.expected,
+                           view ? t.view_offset : Bytes(0)});
+      h = mix_content(h, view ? mix_content(ref.expected, ref.access.tensor) : ref.expected);
+      unpacked.push_back(u.storage);
+    }
+    return unpacked;
+  }
+
+  /// The graph lets go of a saved tensor: its holder, or its offloader id.
+  void let_go_saved(std::uint32_t j, const SavedRef& ref) {
+    if (ref.offloaded.valid()) {
+      offloaders_[j]->release(ref.offloaded);
+    } else if (ref.access.held()) {
+      release(ref.handle);
+    }
+  }
+
+  [[nodiscard]] std::vector<OffloadTelemetry> telemetry() const {
+    std::vector<OffloadTelemetry> out;
+    for (const auto& off : offloaders_) out.push_back(off->telemetry());
+    return out;
   }
 
   void op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
@@ -1085,10 +1100,7 @@ class Executor {
     const std::uint32_t first = plan_.starts[j];
     std::vector<Read> reads;
     std::uint64_t h = mix_content(mix_content(kBackwardTag, k), i);
-    for (const SavedRef& ref : task.saved[k - first]) {
-      reads.push_back(Read{ref.handle, region(ref.handle, ref.access.tensor), ref.expected});
-      h = mix_content(h, read_value(ref.handle, ref.access.tensor));
-    }
+    const std::vector<Device::Buffer> unpacked = unpack_saved(i, j, k, reads, h);
     std::vector<std::uint32_t> out_bases;
     for (const std::uint32_t t : op.outputs) {
       const std::uint32_t b = plan_.base[t];
@@ -1098,8 +1110,8 @@ class Executor {
       const auto it = task.grads.find(b);
       FERRY_CHECK(it != task.grads.end(), "no gradient for '{}' at the backward of '{}'",
                   model_.tensors[b].name, op.name);
-      reads.push_back(Read{it->second, whole(it->second), buf(it->second).content});
-      h = mix_content(h, buf(it->second).content);
+      reads.push_back(Read{it->second, whole(it->second), content(it->second)});
+      h = mix_content(h, content(it->second));
     }
     // Contributions per target buffer; a target created here starts from zero.
     std::map<std::uint32_t, std::uint64_t> add;  // buffer handle -> contribution
@@ -1119,7 +1131,7 @@ class Executor {
         if (it == portal_grads.end()) {
           const ModelTensor& t = model_.tensors[a.base];
           it = portal_grads
-                   .emplace(a.skip, allocate(j, compute_[j], t.bytes, Kind::Gradient, 1,
+                   .emplace(a.skip, allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
                                              mb_label(i, t.name + ".grad (portal)")))
                    .first;
           fresh.insert(it->second.value());
@@ -1130,7 +1142,7 @@ class Executor {
         if (it == task.grads.end()) {
           const ModelTensor& t = model_.tensors[a.base];
           it = task.grads
-                   .emplace(a.base, allocate(j, compute_[j], t.bytes, Kind::Gradient, 1,
+                   .emplace(a.base, allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
                                              mb_label(i, t.name + ".grad")))
                    .first;
           fresh.insert(it->second.value());
@@ -1144,14 +1156,14 @@ class Executor {
       const TensorId target(handle);
       const std::uint64_t before = fresh.contains(handle) ? 0 : buf(target).sum;
       if (!fresh.contains(handle)) {
-        reads.push_back(Read{target, whole(target), buf(target).content});
+        reads.push_back(Read{target, whole(target), content(target)});
       }
       writes.push_back(Write{target, grad_content(before + c), before + c});
     }
     launch(j, op.backward_duration, reads, writes, mb_label(i, op.name + " backward"));
-    for (const SavedRef& ref : task.saved[k - first]) {
-      if (ref.access.held()) release(ref.handle);
-    }
+    for (const Device::Buffer& b : unpacked) devices_[j]->drop(b);
+    if (!offloaders_.empty()) offloaders_[j]->node_done(node_id(i, k));
+    for (const SavedRef& ref : task.saved[k - first]) let_go_saved(j, ref);
     task.saved[k - first].clear();
     for (const std::uint32_t b : out_bases) {
       release(task.grads.at(b));
@@ -1170,7 +1182,7 @@ class Executor {
     // The optimizer reads every parameter gradient: each must hold its full sum.
     for (std::uint32_t j = 0; j < parts_; ++j) {
       std::vector<Read> reads;
-      for (const auto& [b, h] : param_grads_[j]) reads.push_back(Read{h, whole(h), buf(h).content});
+      for (const auto& [b, h] : param_grads_[j]) reads.push_back(Read{h, whole(h), content(h)});
       if (!reads.empty()) launch(j, SimTime(1), reads, {}, "optimizer step");
     }
     for (std::uint32_t j = 0; j < parts_; ++j) sim_.sync_device(DeviceId(j));
@@ -1184,7 +1196,7 @@ class Executor {
     std::int64_t left = 0;
     for (std::uint32_t h = 0; h < bufs_.size(); ++h) {
       const Buf& b = bufs_[h];
-      if (!b.live || b.kind == Kind::Static) continue;
+      if (!holders_->live(h) || b.kind == Kind::Static) continue;
       free_buffer(TensorId(h), true);
       ++left;
     }
@@ -1206,22 +1218,24 @@ class Executor {
   const PipelineOptions& options_;
   PipelineFaults faults_;
   Plan plan_;
-  Schedule schedule_;
+  pipeline::Schedule schedule_;
   std::int32_t checkpoint_stop_;
   std::uint32_t micro_batches_;
   std::uint32_t parts_;
   Simulator sim_;
   PortalTable portals_;
-  std::vector<StreamId> compute_;
-  std::vector<std::vector<StreamId>> copy_;  ///< [from][to], on the destination device
-  std::vector<std::vector<Task>> tasks_;     ///< [micro-batch][partition]
+  std::vector<std::unique_ptr<Device>> devices_;                ///< one Backend per device
+  std::unique_ptr<Streams> streams_;                            ///< the core's choreography
+  std::unique_ptr<Holders> holders_;                            ///< who holds each buffer
+  std::vector<std::unique_ptr<Offloader<Device>>> offloaders_;  ///< per device, with a policy
+  std::vector<std::vector<Task>> tasks_;                        ///< [micro-batch][partition]
   std::vector<std::vector<std::uint64_t>> forward_values_;      ///< [micro-batch][base]
   std::vector<std::map<std::uint32_t, TensorId>> resident_;     ///< per device
   std::vector<std::map<std::uint32_t, TensorId>> param_grads_;  ///< per device
-  std::vector<std::uint64_t> rng_;                              ///< per generator: draws so far
+  Generators rng_;                                              ///< per generator: draws so far
+  ContentMap content_;
   std::vector<Buf> bufs_;
   std::vector<PortalLifetime> lifetimes_;
-  std::set<std::pair<std::uint32_t, std::uint32_t>> waited_;
   std::vector<Bytes> live_activations_;
   std::vector<Bytes> peak_activations_;
   SimTime recompute_time_;
@@ -1262,7 +1276,7 @@ Result<PipelineRun> simulate_pipeline(const Model& model, const DeviceProfile& d
   Executor executor(
       model, device, options, faults,
       make_plan(model, std::move(starts).value(), std::move(generator_of), options.skips),
-      Schedule::GPipe, stop);
+      pipeline::Schedule::GPipe, stop);
   return executor.run();
 }
 
@@ -1278,7 +1292,7 @@ Result<PipelineRun> simulate_reference(const Model& model, const DeviceProfile& 
   std::vector<std::uint32_t> single = {0, static_cast<std::uint32_t>(model.ops.size())};
   Executor executor(model, device, reference, PipelineFaults{},
                     make_plan(model, std::move(single), std::move(generator_of), reference.skips),
-                    Schedule::Sequential, 0);
+                    pipeline::Schedule::Sequential, 0);
   return executor.run();
 }
 

@@ -10,6 +10,8 @@
 
 #include "ferry/failure.hpp"
 #include "ferry/ids.hpp"
+#include "ferry/offload/faults.hpp"
+#include "ferry/offload/options.hpp"
 #include "ferry/portal.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/simulator.hpp"
@@ -43,6 +45,7 @@ struct PipelineFaults {
   bool skip_portal_copy_wait = false;     ///< PortalCopy does not wait for the stashing compute
   bool skip_portal_arrival_wait = false;  ///< the popping compute does not wait for PortalCopy
   PortalFaults portal;                    ///< wrong tensor lives
+  OffloadFaults offload;                  ///< each stage's offloader (with an offload policy)
 };
 
 struct PipelineOptions {
@@ -50,6 +53,8 @@ struct PipelineOptions {
   std::int32_t micro_batches = 4;  ///< micro-batches; the model describes one
   CheckpointMode checkpoint = CheckpointMode::ExceptLast;
   std::vector<SkipConnection> skips;  ///< portal routes; see Note [Portal tensor life]
+  /// Each stage's offload policy and knobs; none by default (Note [Offload in stages]).
+  OffloadOptions offload{.policy = Policy::None};
   SimOptions sim;
 };
 
@@ -71,7 +76,7 @@ struct PortalLifetime {
 };
 
 /// A parameter's gradient after the step: its content id (summed over micro-batches and over
-/// the devices that hold a replica). Equal values mean equal gradients (Note [Gradient sums]).
+/// the devices that hold a replica). Equal values mean equal gradients (Note [Content values]).
 struct ParamGradient {
   std::uint32_t tensor = 0;  ///< model tensor index
   std::uint64_t value = 0;   ///< content id
@@ -96,6 +101,7 @@ struct PipelineRun {
   std::int64_t buffers_left = 0;
   std::vector<ParamGradient> param_grads;        ///< by tensor index
   std::vector<PortalLifetime> portal_lifetimes;  ///< in the order the portals took them
+  std::vector<OffloadTelemetry> telemetry;       ///< per device; empty without a policy
 
   [[nodiscard]] const std::vector<Hazard>& hazards() const { return sim.hazards(); }
   [[nodiscard]] const std::vector<ContentMismatch>& content_mismatches() const {
