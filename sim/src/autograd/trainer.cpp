@@ -107,7 +107,7 @@ Status Trainer::validate_plan() const {
 }
 
 Bytes Trainer::allocated() const {
-  const CachingAllocator& alloc = run_.sim.device_allocator(kDevice);
+  const CachingAllocator& alloc = run_.sim.device_allocator(run_.device);
   Bytes pending;
   for (const BlockInfo& b : alloc.live_blocks()) {
     if (b.state == BlockInfo::State::PendingFree) pending += b.size;

@@ -393,7 +393,7 @@ void Trainer::step() {
   const int passes = options_.retain_graph ? 2 : 1;
   for (int pass = 0; pass < passes; ++pass) backward(pass == passes - 1);
   offloader_.exit();
-  if (options_.sync_each_step) run_.sim.sync_device(kDevice);
+  if (options_.sync_each_step) run_.sim.sync_device(run_.device);
   times.end = run_.sim.host_time();
   run_.steps.push_back(times);
   run_.allocated_after.push_back(allocated());
