@@ -92,9 +92,11 @@ struct Task {
 // is packed (node id: micro-batch * ops + op, unique within the step); the saved slot's holder
 // then lets go, the offloader keeping its own reference. The stage's backward of a micro-batch
 // is one backward pass for the offloader (backward_begin with its nodes in order, node_done
-// after each, backward_end), and the step is one offload context (enter, exit). What crossed
-// devices (chain, portal), parameters, the batch, and what a recompute saves stay as they are:
-// a recompute's saved tensors are used at once, and a checkpointed forward saves nothing.
+// after each, backward_end), and the step is one offload context (enter, exit). In a node's
+// backward the pipeline's holders let go before the offloader's post-hook, so what the
+// pipeline frees is still freed right after its last use. What crossed devices (chain,
+// portal), parameters, the batch, and what a recompute saves stay as they are: a recompute's
+// saved tensors are used at once, and a checkpointed forward saves nothing.
 
 class Executor {
  public:

@@ -69,7 +69,7 @@ struct PortalLifetime {
   SimTime last_use_end;  ///< when the last use completed on the device
   /// Host time of the free call. It may precede last_use_end: the allocator hands the block
   /// out again only in stream order or after record_stream's marker (Note [Receive buffers
-  /// and record_stream] in pipeline.cpp), which the hazard checker verifies.
+  /// and record_stream] in ferry/pipeline/streams.hpp), which the hazard checker verifies.
   SimTime freed_at;
   /// The free was requested when the step ended (the portal or a holder leaked it).
   bool freed_at_step_end = false;
