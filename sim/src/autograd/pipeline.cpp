@@ -64,6 +64,7 @@ Result<PipelineRun> simulate_reference(const Model& model, const DeviceProfile& 
   std::vector<std::uint32_t> generator_of = generators_by_partition(starts.value());
   PipelineOptions reference = options;
   reference.devices = 1;
+  reference.offload.policy = Policy::None;  // the computation as written, nothing moved
   std::vector<std::uint32_t> single = {0, static_cast<std::uint32_t>(model.ops.size())};
   Executor executor(model, device, reference, PipelineFaults{},
                     make_plan(model, std::move(single), std::move(generator_of), reference.skips),

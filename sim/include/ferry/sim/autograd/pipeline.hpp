@@ -123,7 +123,7 @@ Result<PipelineRun> simulate_pipeline(const Model& model, const DeviceProfile& d
 /// The single-device reference: one device, one stream, the micro-batches one after another
 /// (forward, then backward), no checkpoint, copies or portals. Ops draw random numbers from the
 /// generator of the partition they belong to in the `options.devices` layout, so that both runs
-/// draw the same numbers. Faults and the checkpoint mode are ignored.
+/// draw the same numbers. Faults, the checkpoint mode and the offload policy are ignored.
 Result<PipelineRun> simulate_reference(const Model& model, const DeviceProfile& device,
                                        const PipelineOptions& options);
 
