@@ -114,12 +114,12 @@ class Choreography {
     B& dev = device_of_stream(s);
     const Event e = dev.make_event();
     dev.record(e, streams_[s]);
-    arrivals_[key_of(Phase::Forward, into)].push_back(e);
+    arrivals_[cell_key(into)].push_back(e);
   }
 
   /// Task `task` starts its compute: its stream waits for every copy that arrived for it.
   void start(Cell task) {
-    auto& list = arrivals_[key_of(Phase::Forward, task)];
+    auto& list = arrivals_[cell_key(task)];
     for (const Event& e : list) devices_[task.partition]->wait(streams_[task.partition], e);
     list.clear();
   }
@@ -136,13 +136,14 @@ class Choreography {
   static std::array<std::uint32_t, 3> key_of(Phase phase, Cell c) {
     return {static_cast<std::uint32_t>(phase), c.micro_batch, c.partition};
   }
+  static std::array<std::uint32_t, 2> cell_key(Cell c) { return {c.micro_batch, c.partition}; }
   B& device_of_stream(StreamRef s) const { return *devices_[device_of(s)]; }
 
   std::vector<B*> devices_;
-  std::vector<Stream> streams_;  // by StreamRef
-  std::map<std::array<std::uint32_t, 3>, Event> done_;
-  std::map<std::array<std::uint32_t, 3>, std::vector<Event>> arrivals_;
-  std::set<std::array<std::uint32_t, 4>> waited_;
+  std::vector<Stream> streams_;                         // by StreamRef
+  std::map<std::array<std::uint32_t, 3>, Event> done_;  // (phase, cell): the task finished
+  std::map<std::array<std::uint32_t, 2>, std::vector<Event>> arrivals_;  // cell: copies in
+  std::set<std::array<std::uint32_t, 4>> waited_;  // (copy stream, phase, cell) this fence
 };
 
 /// The pipeline's holders of device buffers (Note [Receive buffers and record_stream]).
