@@ -139,7 +139,8 @@ ferry::sim::TrainingOptions training_options(const PlanArgs& args) {
 }
 
 int run_pipeline_cli(const PlanArgs& args, const ferry::sim::Model& model,
-                     const ferry::sim::DeviceProfile& device) {
+                     const ferry::sim::DeviceProfile& device,
+                     const ferry::sim::TrainingOptions& base) {
   auto mode = ferry::sim::parse_checkpoint_mode(args.pipeline_checkpoint);
   if (!mode) {
     fmt::print(stderr, "ferry: error: --pipeline-checkpoint: {}\n", mode.error().message);
@@ -149,9 +150,17 @@ int run_pipeline_cli(const PlanArgs& args, const ferry::sim::Model& model,
   o.devices = args.devices;
   o.micro_batches = args.micro_batches;
   o.checkpoint = mode.value();
-  const auto row = ferry::sim::run_pipeline_row(
-      model, device,
-      fmt::format("gpipe {}x{} {}", o.devices, o.micro_batches, args.pipeline_checkpoint), o);
+  o.sim = base.sim;
+  o.offload = base.offload;
+  if (auto policy = ferry::parse_policy(args.policy)) {
+    o.offload.policy = *policy;
+  } else {
+    fmt::print(stderr,
+               "ferry simulate: error: unknown policy \"{}\" (none, trl, trl-seed, ferry)\n",
+               args.policy);
+    return kExitBadInput;
+  }
+  const auto row = ferry::sim::run_pipeline_row(model, device, ferry::sim::pipeline_row_name(o), o);
   if (row.failure && row.step_time.ns() == 0) {
     fmt::print(stderr, "ferry simulate: error: {}\n", row.failure->message);
     return kExitBadInput;
@@ -185,7 +194,8 @@ int run_plan(const PlanArgs& args, bool compare) {
     base.checkpoint = std::move(plan).value();
   }
   if (args.no_early_stop) base.checkpoint.global_early_stop = false;
-  if (args.devices > 1 && !compare) return run_pipeline_cli(args, model.value(), device.value());
+  if (args.devices > 1 && !compare)
+    return run_pipeline_cli(args, model.value(), device.value(), base);
   std::string out;
   bool clean = true;
   if (compare) {

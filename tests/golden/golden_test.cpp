@@ -145,5 +145,27 @@ INSTANTIATE_TEST_SUITE_P(Presets, GoldenCompare, ::testing::Values("tiny-gpt", "
                            return name;
                          });
 
+// `ferry compare --devices 4` on gpt2-small: the pipeline rows, with and without offload in
+// every stage, are pinned too; every row runs hazard-free.
+TEST(GoldenComparePipeline, Gpt2SmallOnFourDevicesMatchesExpectedBytes) {
+  auto model = model_preset("gpt2-small-s1024");
+  auto device = load_device_profile(kScenarios / "devices", "h100-sxm-pcie5");
+  ASSERT_TRUE(model.ok() && device.ok());
+  assign_roofline_durations(model.value(), device.value());
+  const std::vector<PipelineRow> rows = pipeline_rows(model.value(), device.value(), 4, 4);
+  std::size_t offloading = 0;
+  for (const PipelineRow& row : rows) {
+    EXPECT_EQ(row.hazards, 0U) << row.name;
+    EXPECT_FALSE(row.failure) << row.name << ": " << row.failure->message;
+    if (row.options.offload.policy != Policy::None) {
+      ++offloading;
+      EXPECT_GT(row.d2h.count(), 0) << row.name;
+    }
+  }
+  EXPECT_EQ(offloading, 4U);
+  expect_golden(kExpected / "compare_pipeline_gpt2-small-s1024.txt", pipeline_text(rows));
+  expect_golden(kExpected / "compare_pipeline_gpt2-small-s1024.json", pipeline_json(rows) + "\n");
+}
+
 }  // namespace
 }  // namespace ferry::sim

@@ -1,8 +1,10 @@
 // GPipe on random small models, 1-4 devices, 1-4 micro-batches, every checkpoint mode and
-// random skip connections. For every run: every buffer a portal held is freed right after its
-// last use; no hazard; every kernel reads what it should; parameter gradients equal the
-// single-device run's. Each planted fault (RNG restore dropped, a portal copy wait dropped, a
-// wrong tensor life) must be caught with a small shrunk counterexample.
+// random skip connections, without offload and with trl or ferry offloading in every stage.
+// For every run: every buffer a portal held is freed right after its last use; no hazard;
+// every kernel reads what it should; parameter gradients equal the single-device run's. Each
+// planted fault (RNG restore dropped, a portal copy wait dropped, a wrong tensor life, and
+// under offload each dropped offload synchronization) must be caught with a small shrunk
+// counterexample.
 
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
@@ -40,7 +42,10 @@ struct Case {
   std::int32_t devices = 1;
   std::int32_t micro_batches = 1;
   CheckpointMode mode = CheckpointMode::Never;
-  std::int64_t launch_ns = 0;  ///< host cost of every API call: shifts device timing
+  std::int64_t launch_ns = 0;    ///< host cost of every API call: shifts device timing
+  Policy policy = Policy::None;  ///< every stage's offload policy
+  std::int64_t min_bytes = 0;    ///< smaller saved tensors stay
+  std::int64_t window = 0;       ///< ferry: forward window and prefetch bytes
 };
 
 void showValue(const Case& c, std::ostream& os) {
@@ -53,6 +58,9 @@ void showValue(const Case& c, std::ostream& os) {
   for (std::size_t s = 0; s < c.skips.size(); ++s) os << (s ? ", " : "") << c.skips[s];
   os << "], " << c.devices << " device(s), " << c.micro_batches << " micro-batch(es), checkpoint "
      << checkpoint_mode_name(c.mode) << ", launch " << c.launch_ns << " ns";
+  if (c.policy != Policy::None) {
+    os << ", offload " << policy_name(c.policy) << " min " << c.min_bytes << " window " << c.window;
+  }
 }
 
 constexpr std::uint32_t kRng = 1;
@@ -195,6 +203,20 @@ rc::Gen<Case> gen_case() {
       rc::gen::inRange<std::uint32_t>(0, 3), rc::gen::element<std::int64_t>(0, 500, 3000));
 }
 
+// A case whose stages offload: trl or ferry, with small thresholds and windows so that
+// tensors are offloaded, guarded and reloaded while later ones are packed.
+rc::Gen<Case> gen_offload_case() {
+  return rc::gen::apply(
+      [](Case c, bool trl, std::int64_t min_bytes, std::int64_t window) {
+        c.policy = trl ? Policy::Trl : Policy::Ferry;
+        c.min_bytes = min_bytes;
+        c.window = window;
+        return c;
+      },
+      gen_case(), rc::gen::arbitrary<bool>(), rc::gen::element<std::int64_t>(0, 600, 1024),
+      rc::gen::element<std::int64_t>(512, 4096, 1 << 20));
+}
+
 DeviceProfile profile(const Case& c) {
   DeviceProfile p = testing::simple_profile();
   const SimTime launch(c.launch_ns);
@@ -218,6 +240,10 @@ Runs run_case(const Case& c, const PipelineFaults& faults) {
   o.micro_batches = c.micro_batches;
   o.checkpoint = c.mode;
   o.skips = skips;
+  o.offload.policy = c.policy;
+  o.offload.min_bytes = Bytes(c.min_bytes);
+  o.offload.window_bytes = Bytes(c.window);
+  o.offload.prefetch_bytes = Bytes(c.window);
   auto pipeline = simulate_pipeline(model, profile(c), o, faults);
   auto reference = simulate_reference(model, profile(c), o);
   RC_ASSERT(pipeline.ok());
@@ -296,6 +322,50 @@ RC_GTEST_PROP(PipelineProperty, ParameterGradientsEqualTheSingleDeviceRun, ()) {
   gradients_equal_reference(run_case(*gen_case(), {}));
 }
 
+// Under offload in every stage, with or without checkpoint: all of the above at once.
+void offload_is_safe(const Runs& runs) {
+  no_hazard(runs.pipeline);
+  no_content_mismatch(runs.pipeline);
+  gradients_equal_reference(runs);
+  portals_freed_after_last_use(runs.pipeline);
+}
+
+RC_GTEST_PROP(PipelineOffloadProperty, StagesOffloadWithoutHazardAndTrainAsOneDevice, ()) {
+  offload_is_safe(run_case(*gen_offload_case(), {}));
+}
+
+RC_GTEST_PROP(PipelineOffloadProperty, StagesOffloadWhatTheirForwardSaves, ()) {
+  const Case c = *gen_offload_case();
+  const Runs runs = run_case(c, {});
+  step_completed(runs.pipeline);
+  RC_ASSERT(runs.pipeline.telemetry.size() == runs.pipeline.partition_starts.size() - 1);
+  std::int64_t packed = 0;
+  for (const OffloadTelemetry& t : runs.pipeline.telemetry) packed += t.packed;
+  // Each saved entry naming a tensor its own partition produced, once per micro-batch whose
+  // forward runs in grad mode; nothing that crossed devices, no parameter, no batch input.
+  const Model& m = runs.model;
+  const std::vector<std::uint32_t>& starts = runs.pipeline.partition_starts;
+  const auto partition = [&](std::uint32_t op) {
+    return std::upper_bound(starts.begin(), starts.end(), op) - starts.begin() - 1;
+  };
+  std::int64_t local_saves = 0;
+  for (std::uint32_t k = 0; k < m.ops.size(); ++k) {
+    for (const std::uint32_t t : m.ops[k].saved) {
+      const std::int32_t view_of = m.tensors[t].view_of;
+      const std::uint32_t base = view_of >= 0 ? static_cast<std::uint32_t>(view_of) : t;
+      for (std::uint32_t p = 0; p < m.ops.size(); ++p) {
+        const auto& outs = m.ops[p].outputs;
+        if (std::find(outs.begin(), outs.end(), base) == outs.end()) continue;
+        if (partition(p) == partition(k)) ++local_saves;
+      }
+    }
+  }
+  const std::int64_t grad_mode = c.mode == CheckpointMode::Never        ? c.micro_batches
+                                 : c.mode == CheckpointMode::ExceptLast ? 1
+                                                                        : 0;
+  RC_ASSERT(packed == local_saves * grad_mode);
+}
+
 // Counts the op lines of a counterexample's model description.
 std::size_t ops_in(const std::string& counterexample) {
   std::size_t ops = 0;
@@ -352,6 +422,41 @@ TEST(PlantedPipelineFault, WrongTensorLifeBreaksThePortalFrees) {
   expect_small("every stash gets life 2", ferry::testing::counterexample([&] {
                  portals_freed_after_last_use(run_case(*gen_case(), faults).pipeline);
                }));
+}
+
+void expect_offload_fault_caught(const std::string& fault, const PipelineFaults& faults) {
+  expect_small(fault, ferry::testing::counterexample(
+                          [&] { offload_is_safe(run_case(*gen_offload_case(), faults)); }));
+}
+
+TEST(PlantedPipelineOffloadFault, DroppedOffloadWaitIsCaught) {
+  PipelineFaults faults;
+  faults.offload.skip_offload_wait = true;
+  expect_offload_fault_caught("the offload copy does not wait for the producer", faults);
+}
+
+TEST(PlantedPipelineOffloadFault, DroppedReloadWaitIsCaught) {
+  PipelineFaults faults;
+  faults.offload.skip_reload_wait = true;
+  expect_offload_fault_caught("compute does not wait for the reload", faults);
+}
+
+TEST(PlantedPipelineOffloadFault, DroppedForwardGuardIsCaught) {
+  PipelineFaults faults;
+  faults.offload.skip_forward_guard = true;
+  expect_offload_fault_caught("the original is freed before its offload copy ends", faults);
+}
+
+TEST(PlantedPipelineOffloadFault, DroppedBackwardGuardIsCaught) {
+  PipelineFaults faults;
+  faults.offload.skip_backward_guard = true;
+  expect_offload_fault_caught("a reloaded buffer is freed before compute read it", faults);
+}
+
+TEST(PlantedPipelineOffloadFault, DroppedRngRestoreUnderOffloadIsCaught) {
+  PipelineFaults faults;
+  faults.skip_rng_restore = true;
+  expect_offload_fault_caught("recompute without the RNG restore, stages offloading", faults);
 }
 
 }  // namespace

@@ -296,6 +296,7 @@ PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device, st
   row.hazards = r.hazards().size();
   row.device_peaks = r.peak_allocated;
   for (const Bytes b : r.peak_allocated) row.max_device_peak = std::max(row.max_device_peak, b);
+  for (const OffloadTelemetry& t : r.telemetry) row.d2h += t.bytes_d2h;
   return row;
 }
 
@@ -308,35 +309,59 @@ Result<CheckpointMode> parse_checkpoint_mode(std::string_view text) {
       fmt::format("unknown pipeline checkpoint mode \"{}\" (always, except_last, never)", text)};
 }
 
+std::string pipeline_row_name(const PipelineOptions& options) {
+  std::string name = fmt::format("gpipe {}x{} {}", options.devices, options.micro_batches,
+                                 checkpoint_mode_name(options.checkpoint));
+  if (options.offload.policy != Policy::None)
+    name += fmt::format(" {}", policy_name(options.offload.policy));
+  return name;
+}
+
 std::vector<PipelineRow> pipeline_rows(const Model& model, const DeviceProfile& device,
                                        std::int32_t devices, std::int32_t micro_batches) {
-  std::vector<PipelineRow> rows;
+  std::vector<PipelineOptions> configs;
   for (const CheckpointMode m :
        {CheckpointMode::Never, CheckpointMode::ExceptLast, CheckpointMode::Always}) {
     PipelineOptions o;
     o.devices = devices;
     o.micro_batches = micro_batches;
     o.checkpoint = m;
-    rows.push_back(run_pipeline_row(
-        model, device,
-        fmt::format("gpipe {}x{} {}", devices, micro_batches, checkpoint_mode_name(m)), o));
+    configs.push_back(o);
+  }
+  // Each stage offloading what its grad-mode forwards save (Note [Offload in stages]), with
+  // the knobs of the single-device trl and ferry rows.
+  for (const CheckpointMode m : {CheckpointMode::Never, CheckpointMode::ExceptLast}) {
+    for (const Policy policy : {Policy::Trl, Policy::Ferry}) {
+      PipelineOptions o = configs[m == CheckpointMode::Never ? 0 : 1];
+      o.offload = OffloadOptions{};
+      o.offload.policy = policy;
+      configs.push_back(o);
+    }
+  }
+  std::vector<PipelineRow> rows;
+  for (const PipelineOptions& o : configs) {
+    rows.push_back(run_pipeline_row(model, device, pipeline_row_name(o), o));
   }
   return rows;
 }
 
 std::string pipeline_text(const std::vector<PipelineRow>& rows) {
-  std::string out = fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {}\n", "pipeline", "step",
-                                "per micro-batch", "max dev peak", "recompute", "note");
+  std::string out =
+      fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {:>11} {}\n", "pipeline", "step",
+                  "per micro-batch", "max dev peak", "recompute", "D2H", "note");
   for (const PipelineRow& r : rows) {
     std::string note = r.failure       ? "failed: " + r.failure->message
                        : r.hazards > 0 ? fmt::format("{} hazards", r.hazards)
                                        : std::string();
     const std::int64_t mb = std::max(1, r.options.micro_batches);
-    out += fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {}\n", r.name, format_time(r.step_time),
-                       format_time(SimTime(r.step_time.ns() / mb)), format_bytes(r.max_device_peak),
-                       format_time(r.recompute_time), note);
+    out += fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {:>11} {}\n", r.name,
+                       format_time(r.step_time), format_time(SimTime(r.step_time.ns() / mb)),
+                       format_bytes(r.max_device_peak), format_time(r.recompute_time),
+                       format_bytes(r.d2h), note);
   }
-  out += "per-device peaks are allocated bytes; the model describes one micro-batch\n";
+  out +=
+      "per-device peaks are allocated bytes; D2H is offloaded bytes, all stages; the model "
+      "describes one micro-batch\n";
   return out;
 }
 
@@ -348,10 +373,12 @@ std::string pipeline_json(const std::vector<PipelineRow>& rows) {
     j["devices"] = r.options.devices;
     j["micro_batches"] = r.options.micro_batches;
     j["checkpoint"] = checkpoint_mode_name(r.options.checkpoint);
+    j["policy"] = policy_name(r.options.offload.policy);
     j["failure"] = r.failure ? Json(r.failure->message) : Json(nullptr);
     j["step_time_ns"] = r.step_time.ns();
     j["recompute_ns"] = r.recompute_time.ns();
     j["hazards"] = r.hazards;
+    j["d2h_bytes"] = r.d2h.count();
     Json peaks = Json::array();
     for (const Bytes b : r.device_peaks) peaks.push_back(b.count());
     j["device_peak_allocated_bytes"] = std::move(peaks);

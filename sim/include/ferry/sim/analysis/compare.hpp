@@ -75,14 +75,18 @@ struct PipelineRow {
   SimTime recompute_time;
   std::size_t hazards = 0;
   std::vector<Bytes> device_peaks;
+  Bytes d2h;  ///< offloaded by every stage's offloader
 };
 
 /// Runs a pipeline configuration.
 [[nodiscard]] PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device,
                                            std::string name, const PipelineOptions& options);
+/// "gpipe DxM MODE", and the offload policy when there is one.
+[[nodiscard]] std::string pipeline_row_name(const PipelineOptions& options);
 /// Parses "always", "except_last" or "never".
 Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
-/// The pipeline rows of `ferry compare --devices N --micro-batches M`: each checkpoint mode.
+/// The pipeline rows of `ferry compare --devices N --micro-batches M`: each checkpoint mode,
+/// then trl and ferry offload in every stage, without checkpoint and except the last.
 [[nodiscard]] std::vector<PipelineRow> pipeline_rows(const Model& model,
                                                      const DeviceProfile& device,
                                                      std::int32_t devices,

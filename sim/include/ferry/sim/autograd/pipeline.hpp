@@ -10,6 +10,8 @@
 
 #include "ferry/failure.hpp"
 #include "ferry/ids.hpp"
+#include "ferry/offload/faults.hpp"
+#include "ferry/offload/options.hpp"
 #include "ferry/portal.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/simulator.hpp"
@@ -43,6 +45,7 @@ struct PipelineFaults {
   bool skip_portal_copy_wait = false;     ///< PortalCopy does not wait for the stashing compute
   bool skip_portal_arrival_wait = false;  ///< the popping compute does not wait for PortalCopy
   PortalFaults portal;                    ///< wrong tensor lives
+  OffloadFaults offload;                  ///< each stage's offloader (with an offload policy)
 };
 
 struct PipelineOptions {
@@ -50,6 +53,8 @@ struct PipelineOptions {
   std::int32_t micro_batches = 4;  ///< micro-batches; the model describes one
   CheckpointMode checkpoint = CheckpointMode::ExceptLast;
   std::vector<SkipConnection> skips;  ///< portal routes; see Note [Portal tensor life]
+  /// Each stage's offload policy and knobs; none by default (Note [Offload in stages]).
+  OffloadOptions offload{.policy = Policy::None};
   SimOptions sim;
 };
 
@@ -64,14 +69,14 @@ struct PortalLifetime {
   SimTime last_use_end;  ///< when the last use completed on the device
   /// Host time of the free call. It may precede last_use_end: the allocator hands the block
   /// out again only in stream order or after record_stream's marker (Note [Receive buffers
-  /// and record_stream] in pipeline.cpp), which the hazard checker verifies.
+  /// and record_stream] in ferry/pipeline/streams.hpp), which the hazard checker verifies.
   SimTime freed_at;
   /// The free was requested when the step ended (the portal or a holder leaked it).
   bool freed_at_step_end = false;
 };
 
 /// A parameter's gradient after the step: its content id (summed over micro-batches and over
-/// the devices that hold a replica). Equal values mean equal gradients (Note [Gradient sums]).
+/// the devices that hold a replica). Equal values mean equal gradients (Note [Content values]).
 struct ParamGradient {
   std::uint32_t tensor = 0;  ///< model tensor index
   std::uint64_t value = 0;   ///< content id
@@ -96,6 +101,7 @@ struct PipelineRun {
   std::int64_t buffers_left = 0;
   std::vector<ParamGradient> param_grads;        ///< by tensor index
   std::vector<PortalLifetime> portal_lifetimes;  ///< in the order the portals took them
+  std::vector<OffloadTelemetry> telemetry;       ///< per device; empty without a policy
 
   [[nodiscard]] const std::vector<Hazard>& hazards() const { return sim.hazards(); }
   [[nodiscard]] const std::vector<ContentMismatch>& content_mismatches() const {
@@ -117,7 +123,7 @@ Result<PipelineRun> simulate_pipeline(const Model& model, const DeviceProfile& d
 /// The single-device reference: one device, one stream, the micro-batches one after another
 /// (forward, then backward), no checkpoint, copies or portals. Ops draw random numbers from the
 /// generator of the partition they belong to in the `options.devices` layout, so that both runs
-/// draw the same numbers. Faults and the checkpoint mode are ignored.
+/// draw the same numbers. Faults, the checkpoint mode and the offload policy are ignored.
 Result<PipelineRun> simulate_reference(const Model& model, const DeviceProfile& device,
                                        const PipelineOptions& options);
 

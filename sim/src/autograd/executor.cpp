@@ -1,0 +1,469 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "executor.hpp"
+#include "ferry/check.hpp"
+#include "step_failure.hpp"
+
+namespace ferry::sim::pipelining {
+
+namespace {
+
+std::vector<DeviceSpec> device_specs(const DeviceProfile& profile, std::uint32_t devices) {
+  std::vector<DeviceSpec> specs;
+  for (std::uint32_t j = 0; j < devices; ++j) {
+    specs.push_back(DeviceSpec{fmt::format("gpu{}", j), profile});
+  }
+  return specs;
+}
+
+}  // namespace
+
+// Set-up, buffers, kernels and copies, the schedule, and forward. Backward:
+// executor_backward.cpp.
+
+Executor::Executor(const Model& model, const DeviceProfile& profile, const PipelineOptions& options,
+                   const PipelineFaults& faults, Plan plan, pipeline::Schedule schedule,
+                   std::int32_t checkpoint_stop)
+    : model_(model),
+      profile_(profile),
+      options_(options),
+      faults_(faults),
+      plan_(std::move(plan)),
+      schedule_(schedule),
+      checkpoint_stop_(checkpoint_stop),
+      micro_batches_(static_cast<std::uint32_t>(options.micro_batches)),
+      parts_(plan_.partitions()),
+      sim_(device_specs(profile, plan_.partitions()), {}, options.sim),
+      portals_(faults.portal),
+      rng_(plan_.generators) {
+  std::vector<StreamId> compute;
+  for (std::uint32_t j = 0; j < parts_; ++j) {
+    compute.push_back(sim_.add_stream(DeviceId(j), "compute"));
+  }
+  std::vector<Device*> devices;
+  for (std::uint32_t j = 0; j < parts_; ++j) {
+    devices_.push_back(std::make_unique<Device>(sim_, DeviceId(j), compute[j]));
+    devices.push_back(devices_.back().get());
+  }
+  streams_ = std::make_unique<Streams>(std::move(devices));
+  holders_ = std::make_unique<Holders>(*streams_);
+  if (options.offload.policy != Policy::None) {
+    for (std::uint32_t j = 0; j < parts_; ++j) {
+      offloaders_.push_back(
+          std::make_unique<Offloader<Device>>(*devices_[j], options.offload, faults.offload));
+    }
+  }
+  tasks_.assign(micro_batches_, std::vector<Task>(parts_));
+  forward_values_.assign(micro_batches_, std::vector<std::uint64_t>(model.tensors.size(), 0));
+  resident_.resize(parts_);
+  param_grads_.resize(parts_);
+  live_activations_.assign(parts_, Bytes(0));
+  peak_activations_.assign(parts_, Bytes(0));
+}
+
+PipelineRun Executor::run() {
+  std::optional<Failure> failure;
+  SimTime start;
+  try {
+    setup();
+    start = sim_.host_time();
+    for (const auto& off : offloaders_) off->enter();
+    for (const pipeline::Tick& tick : pipeline::clock(schedule_, micro_batches_, parts_)) {
+      const bool forward = tick.phase == pipeline::Phase::Forward;
+      for (const pipeline::Cell c : tick.cells) {
+        forward ? forward_fence(c.micro_batch, c.partition)
+                : backward_fence(c.micro_batch, c.partition);
+      }
+      for (const pipeline::Cell c : tick.cells) {
+        forward ? forward_compute(c.micro_batch, c.partition)
+                : backward_compute(c.micro_batch, c.partition);
+      }
+    }
+    for (const auto& off : offloaders_) off->exit();
+    finish_step();
+  } catch (const StepFailure& e) {
+    failure = e.failure;
+  } catch (const PortalError& e) {
+    failure = Failure{FailureKind::Misuse, e.what()};
+  } catch (const OffloadError& e) {
+    failure = Failure{e.kind(), e.what()};
+  }
+  const SimTime step_time = sim_.host_time() - start;
+  const std::int64_t left = release_leftovers();
+  sim_.finish();
+  for (PortalLifetime& l : lifetimes_) {
+    // Freed when the last reference went: the pipeline's holders', or an offloader's.
+    l.freed = sim_.buffers()[l.buffer.value()].freed_by;
+    if (l.last_use.valid()) l.last_use_end = sim_.ops()[l.last_use.value()].end;
+    if (l.freed.valid()) l.freed_at = sim_.ops()[l.freed.value()].issued;
+  }
+  std::vector<Bytes> peak_allocated;
+  for (std::uint32_t j = 0; j < parts_; ++j) {
+    peak_allocated.push_back(sim_.device_allocator(DeviceId(j)).stats().allocated_peak);
+  }
+  std::int64_t portal_frees = 0;
+  for (const PortalLifetime& l : lifetimes_) portal_frees += l.freed.valid() ? 1 : 0;
+  return PipelineRun{.sim = std::move(sim_),
+                     .failure = std::move(failure),
+                     .partition_starts = plan_.starts,
+                     .step_time = step_time,
+                     .peak_allocated = std::move(peak_allocated),
+                     .peak_activations = peak_activations_,
+                     .recompute_time = recompute_time_,
+                     .portal_stats = portals_.stats(),
+                     .portal_frees = portal_frees,
+                     .buffers_left = left,
+                     .param_grads = param_gradients(),
+                     .portal_lifetimes = lifetimes_,
+                     .telemetry = telemetry()};
+}
+
+TensorId Executor::allocate(std::uint32_t device, StreamRef stream, Bytes bytes, Kind kind,
+                            std::int32_t holds, const std::string& label) {
+  auto got = devices_[device]->try_allocate(Place::Device, bytes, streams_->stream(stream), label);
+  if (!got.ok()) out_of_memory(got.error().message);
+  Buf b;
+  b.id = got.value().id;
+  b.device = device;
+  b.bytes = bytes;
+  b.kind = kind;
+  bufs_.push_back(std::move(b));
+  const auto handle = holders_->adopt(got.value(), stream, holds);
+  FERRY_CHECK(handle + 1 == bufs_.size(), "buffer handles out of step");
+  if (kind == Kind::Activation) {
+    live_activations_[device] += bytes;
+    peak_activations_[device] = std::max(peak_activations_[device], live_activations_[device]);
+  }
+  return TensorId(static_cast<std::uint32_t>(bufs_.size() - 1));
+}
+
+void Executor::release(TensorId h) {
+  if (holders_->release(h.value())) let_go(h, false);
+}
+
+void Executor::free_buffer(TensorId h, bool at_step_end) {
+  holders_->let_go(h.value());
+  let_go(h, at_step_end);
+}
+
+void Executor::let_go(TensorId h, bool at_step_end) {
+  Buf& b = buf(h);
+  if (b.kind == Kind::Activation) live_activations_[b.device] -= b.bytes;
+  for (const std::size_t l : b.lifetimes) {
+    lifetimes_[l].last_use = b.last_use;
+    lifetimes_[l].freed_at_step_end = at_step_end;
+  }
+}
+
+std::uint64_t Executor::content(TensorId h) const {
+  const Buf& b = bufs_[h.value()];
+  return content_.value(b.id, Bytes(0), b.bytes);
+}
+
+void Executor::set_content(TensorId h, std::uint64_t value) {
+  const Buf& b = bufs_[h.value()];
+  content_.write(b.id, Bytes(0), b.bytes, value);
+}
+
+void Executor::touched(TensorId h, StreamRef stream, OpId op) {
+  buf(h).last_use = op;
+  holders_->used_on(h.value(), stream);
+}
+
+void Executor::track(TensorId h, PortalKey key, bool gradient) {
+  Buf& b = buf(h);
+  PortalLifetime l;
+  l.key = key;
+  l.gradient = gradient;
+  l.device = DeviceId(b.device);
+  l.buffer = b.id;
+  lifetimes_.push_back(l);
+  b.lifetimes.push_back(lifetimes_.size() - 1);
+}
+
+Region Executor::region(TensorId h, std::uint32_t tensor) const {
+  const Buf& b = bufs_[h.value()];
+  const ModelTensor& t = model_.tensors[tensor];
+  const bool view = t.view_of >= 0;
+  return Region{b.id, view ? t.view_offset : Bytes(0), view ? t.bytes : b.bytes};
+}
+
+Region Executor::whole(TensorId h) const {
+  const Buf& b = bufs_[h.value()];
+  return Region{b.id, Bytes(0), b.bytes};
+}
+
+std::uint64_t Executor::read_value(TensorId h, std::uint32_t tensor) const {
+  const std::uint64_t content = this->content(h);
+  return model_.tensors[tensor].view_of >= 0 ? mix_content(content, tensor) : content;
+}
+
+OpId Executor::launch(std::uint32_t device, SimTime duration, const std::vector<Read>& reads,
+                      const std::vector<Write>& writes, const std::string& label) {
+  std::vector<Region> read_regions;
+  std::vector<Region> write_regions;
+  std::vector<std::uint64_t> values;
+  for (const Read& r : reads) {
+    if (r.region.bytes.count() > 0) {
+      const Bytes base = r.handle.valid() ? r.region.offset : r.expected_base;
+      sim_.expect_content_at_next_kernel(
+          r.region, {ContentPiece{Bytes(0), r.region.bytes, r.expected, base}});
+    }
+    read_regions.push_back(r.region);
+  }
+  for (const Write& w : writes) {
+    write_regions.push_back(whole(w.handle));
+    values.push_back(w.value);
+  }
+  const StreamRef stream = streams_->compute(device);
+  const OpId op = sim_.kernel(streams_->stream(stream).id, duration, read_regions, write_regions,
+                              label, values);
+  for (const Read& r : reads) {
+    if (r.handle.valid()) touched(r.handle, stream, op);
+  }
+  for (const Write& w : writes) {
+    touched(w.handle, stream, op);
+    set_content(w.handle, w.value);
+    buf(w.handle).sum = w.sum;
+  }
+  return op;
+}
+
+void Executor::copy(StreamRef stream, TensorId src, TensorId dst, const std::string& label) {
+  const Buf& from = buf(src);
+  const Buf& to = buf(dst);
+  streams_->device(streams_->device_of(stream))
+      .copy(streams_->stream(stream), Device::Buffer{from.id}, Bytes(0), Device::Buffer{to.id},
+            Bytes(0), from.bytes, label);
+  const OpId op(static_cast<std::uint32_t>(sim_.ops().size() - 1));
+  touched(src, stream, op);
+  touched(dst, stream, op);
+  content_.arrive(to.id, Bytes(0), content_.slice(from.id, Bytes(0), from.bytes));
+  buf(dst).sum = buf(src).sum;
+}
+
+void Executor::setup() {
+  for (std::uint32_t j = 0; j < parts_; ++j) {
+    std::vector<Write> writes;
+    for (const std::uint32_t b : plan_.params_of[j]) {
+      const ModelTensor& t = model_.tensors[b];
+      const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Static, 1, t.name);
+      resident_[j][b] = h;
+      writes.push_back(Write{h, mix_content(kParamTag, b), 0});
+    }
+    for (const std::uint32_t b : plan_.grads_of[j]) {
+      const ModelTensor& t = model_.tensors[b];
+      const TensorId h =
+          allocate(j, streams_->compute(j), t.bytes, Kind::Static, 1, t.name + ".grad");
+      param_grads_[j][b] = h;
+      writes.push_back(Write{h, grad_content(0), 0});
+    }
+    // A kernel writes at most 255 ranges: initialize in chunks.
+    for (std::size_t at = 0; at < writes.size(); at += kMaxWrites) {
+      const auto end =
+          writes.begin() + static_cast<std::ptrdiff_t>(std::min(writes.size(), at + kMaxWrites));
+      launch(j, SimTime(1), {},
+             std::vector<Write>(writes.begin() + static_cast<std::ptrdiff_t>(at), end),
+             "init parameters and gradients");
+    }
+  }
+}
+
+PortalKey Executor::key(std::uint32_t skip, std::uint32_t i) const { return PortalKey{skip, i}; }
+
+std::string Executor::mb_label(std::uint32_t i, std::string_view what) const {
+  return fmt::format("mb{} {}", i, what);
+}
+
+void Executor::forward_fence(std::uint32_t i, std::uint32_t j) {
+  Task& task = tasks_[i][j];
+  streams_->begin_fence();
+  // Skip tensors first, by source partition (PortalCopy), then the chain (Copy).
+  for (const std::uint32_t s : plan_.skips_into[j]) {
+    const SkipPlan& skip = plan_.skips[s];
+    const StreamRef stream = streams_->copy(skip.from, j);
+    if (!faults_.skip_portal_copy_wait) {
+      streams_->wait_for(stream, Phase::Forward, Cell{i, skip.from});
+    }
+    const ModelTensor& t = model_.tensors[skip.tensor];
+    const TensorId dst = allocate(j, stream, t.bytes, Kind::Activation, 1,
+                                  mb_label(i, fmt::format("{} (portal copy)", t.name)));
+    track(dst, key(s, i), false);
+    const TensorId src = portals_.copy_tensor(key(s, i), dst);
+    copy(stream, src, dst,
+         mb_label(i, fmt::format("portal {} gpu{}->gpu{}", t.name, skip.from, j)));
+    release(src);
+    if (!faults_.skip_portal_arrival_wait) streams_->arrived(Cell{i, j}, stream);
+  }
+  if (j == 0 || plan_.chain_in[j].empty()) return;
+  const StreamRef stream = streams_->copy_after(Phase::Forward, Cell{i, j - 1}, j);
+  Task& prev = tasks_[i][j - 1];
+  const bool checkpointed = static_cast<std::int32_t>(i) < checkpoint_stop_;
+  for (const std::uint32_t b : plan_.chain_in[j]) {
+    const ModelTensor& t = model_.tensors[b];
+    const Counts counts =
+        plan_.chain_counts[j].contains(b) ? plan_.chain_counts[j].at(b) : Counts{};
+    const bool relay = j + 1 < parts_ && std::binary_search(plan_.chain_in[j + 1].begin(),
+                                                            plan_.chain_in[j + 1].end(), b);
+    const std::int32_t holds = counts.reads + (checkpointed ? 1 : counts.saves) + (relay ? 1 : 0);
+    const TensorId dst = allocate(j, stream, t.bytes, Kind::Activation, holds,
+                                  mb_label(i, fmt::format("{} (received)", t.name)));
+    const bool produced_before =
+        plan_.partition_of[static_cast<std::uint32_t>(plan_.producer[b])] == j - 1;
+    const TensorId src = produced_before ? prev.local.at(b) : prev.chain.at(b);
+    copy(stream, src, dst, mb_label(i, fmt::format("{} gpu{}->gpu{}", t.name, j - 1, j)));
+    release(src);
+    task.chain[b] = dst;
+  }
+  streams_->arrived(Cell{i, j}, stream);
+}
+
+void Executor::forward_compute(std::uint32_t i, std::uint32_t j) {
+  Task& task = tasks_[i][j];
+  task.checkpointed = static_cast<std::int32_t>(i) < checkpoint_stop_;
+  streams_->start(Cell{i, j});
+  task.rng = rng_;
+  load_inputs(i, j);
+  run_ops(i, j, task.checkpointed ? Pass::NoGrad : Pass::Forward);
+  streams_->finish(Phase::Forward, Cell{i, j});
+}
+
+void Executor::load_inputs(std::uint32_t i, std::uint32_t j) {
+  Task& task = tasks_[i][j];
+  std::vector<Write> writes;
+  for (const std::uint32_t b : plan_.inputs_of[j]) {
+    const ModelTensor& t = model_.tensors[b];
+    const TensorId h =
+        allocate(j, streams_->compute(j), t.bytes, Kind::Activation, 1, mb_label(i, t.name));
+    task.inputs[b] = h;
+    writes.push_back(Write{h, mix_content(mix_content(kInputTag, b), i), 0});
+  }
+  FERRY_CHECK(writes.size() <= kMaxWrites, "{} batch inputs on one device", writes.size());
+  if (!writes.empty()) launch(j, SimTime(1), {}, writes, mb_label(i, "load batch"));
+}
+
+TensorId Executor::source(const Task& task, std::uint32_t j, const Access& a) const {
+  switch (a.route) {
+    case Route::Resident:
+      return resident_[j].at(a.base);
+    case Route::Input:
+      return task.inputs.at(a.base);
+    case Route::Local:
+      return task.local.at(a.base);
+    case Route::Chain:
+      return task.chain.at(a.base);
+    case Route::Portal:
+      return task.popped.at(a.skip);
+  }
+  return TensorId();
+}
+
+std::uint64_t Executor::forward_content(std::uint32_t i, const Task& task, std::uint32_t j,
+                                        const Access& a) const {
+  if (a.route == Route::Resident || a.route == Route::Input) {
+    return content(source(task, j, a));
+  }
+  return forward_values_[i][a.base];
+}
+
+void Executor::run_ops(std::uint32_t i, std::uint32_t j, Pass pass) {
+  Task& task = tasks_[i][j];
+  const bool grad = pass != Pass::NoGrad;
+  const bool recompute = pass == Pass::Recompute;
+  const std::uint32_t first = plan_.starts[j];
+  const std::uint32_t last = plan_.starts[j + 1];
+  task.local.clear();
+  task.popped.clear();
+  if (grad) task.saved.assign(last - first, {});
+  if (recompute) {
+    for (const std::uint32_t b : plan_.chain_in[j]) {
+      const auto it = plan_.chain_counts[j].find(b);
+      if (it == plan_.chain_counts[j].end()) continue;
+      const std::int32_t n = it->second.reads + it->second.saves;
+      if (n > 0) hold(task.chain.at(b), n);
+    }
+  }
+  const char* suffix = recompute ? " (recompute)" : grad ? "" : " (no grad)";
+  std::vector<Read> reads;
+  std::vector<Write> writes;
+  std::vector<TensorId> created;
+  for (std::uint32_t k = first; k < last; ++k) {
+    const ModelOp& op = model_.ops[k];
+    // orange(): the consumer takes the skip tensor out of its portal.
+    for (const std::uint32_t s : plan_.pops[k]) {
+      const PortalUse use = portals_.use_tensor(key(s, i));
+      hold(use.tensor, 1 + (grad ? plan_.portal_saves[s] : 0));
+      if (use.released) release(use.tensor);
+      task.popped[s] = use.tensor;
+    }
+    reads.clear();
+    writes.clear();
+    created.clear();
+    std::uint64_t value = mix_content(mix_content(kForwardTag, k), i);
+    std::vector<std::uint32_t> read_tensors;
+    for (const Access& a : plan_.reads[k]) {
+      const TensorId h = source(task, j, a);
+      value = mix_content(value, read_value(h, a.tensor));
+      if (std::find(read_tensors.begin(), read_tensors.end(), a.tensor) != read_tensors.end()) {
+        continue;
+      }
+      read_tensors.push_back(a.tensor);
+      reads.push_back(Read{h, region(h, a.tensor), content(h)});
+    }
+    if (op.draws_rng) {
+      const std::uint32_t g = plan_.generator_of[k];
+      value = mix_content(value, mix_content(mix_content(kRngTag, g), rng_.draw(g)));
+    }
+    for (std::uint32_t o = 0; o < op.outputs.size(); ++o) {
+      const std::uint32_t b = op.outputs[o];
+      const ModelTensor& t = model_.tensors[b];
+      if (t.view_of >= 0) continue;
+      std::int32_t holds = 1 + plan_.local_counts[b].reads;
+      if (grad) holds += plan_.local_counts[b].saves;
+      if (!recompute) {
+        const bool sent = j + 1 < parts_ && std::binary_search(plan_.chain_in[j + 1].begin(),
+                                                               plan_.chain_in[j + 1].end(), b);
+        holds += sent ? 1 : 0;
+        holds += b == plan_.base[model_.loss] ? 1 : 0;
+      }
+      const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Activation, holds,
+                                  mb_label(i, t.name + suffix));
+      const std::uint64_t content = mix_content(value, o + 1);
+      writes.push_back(Write{h, content, 0});
+      created.push_back(h);
+      task.local[b] = h;
+      if (!recompute) forward_values_[i][b] = content;
+      if (!recompute && b == plan_.base[model_.loss]) task.output = h;
+    }
+    launch(j, op.duration, reads, writes, mb_label(i, op.name + suffix));
+    if (recompute) recompute_time_ += op.duration;
+    for (const Access& a : plan_.uses[k]) release(source(task, j, a));
+    if (grad) {
+      for (const Access& a : plan_.saves[k]) {
+        SavedRef ref{a, source(task, j, a), forward_content(i, task, j, a), TensorId()};
+        if (!recompute && a.route == Route::Local && !offloaders_.empty()) {
+          ref.offloaded = pack(i, j, k, ref);
+        }
+        task.saved[k - first].push_back(ref);
+      }
+    }
+    // The stash: put into the portal, then blue() takes it out once.
+    for (const std::uint32_t s : plan_.stashes[k]) {
+      const TensorId h = task.local.at(plan_.skips[s].tensor);
+      const PortalStash stash = portals_.stash(key(s, i), h, pass == Pass::NoGrad);
+      hold(h);
+      track(h, key(s, i), false);
+      if (stash.dropped) release(*stash.dropped);
+      const PortalUse blue = portals_.use_tensor(key(s, i));
+      if (blue.released) release(blue.tensor);
+    }
+    for (const TensorId h : created) release(h);
+  }
+}
+
+}  // namespace ferry::sim::pipelining

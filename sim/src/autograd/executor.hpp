@@ -1,0 +1,258 @@
+#pragma once
+// Private to the simulated autograd: the pipeline driver. It runs a GPipe step over one
+// sim::Device per partition, on the toolkit it shares with the single-device Trainer
+// (graph.hpp, values.hpp), with the core's choreography (ferry/pipeline) and, per stage, the
+// core's Offloader.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/offload/offloader.hpp"
+#include "ferry/pipeline/schedule.hpp"
+#include "ferry/pipeline/streams.hpp"
+#include "ferry/portal.hpp"
+#include "ferry/sim/autograd/pipeline.hpp"
+#include "ferry/sim/device/device.hpp"
+#include "pipeline_plan.hpp"
+#include "values.hpp"
+
+namespace ferry::sim::pipelining {
+
+// See Note [Content values] in values.hpp.
+inline constexpr std::uint64_t kForwardTag = 0x46;
+inline constexpr std::uint64_t kBackwardTag = 0x42;
+inline constexpr std::uint64_t kParamTag = 0x50;
+inline constexpr std::uint64_t kInputTag = 0x49;
+inline constexpr std::uint64_t kRngTag = 0x52;
+inline constexpr std::uint64_t kGradTag = 0x47;
+inline constexpr std::uint64_t kLossTag = 0x4c;
+
+[[nodiscard]] inline std::uint64_t grad_content(std::uint64_t sum) {
+  return mix_content(kGradTag, sum);
+}
+
+enum class Kind : std::uint8_t { Static, Activation, Gradient };
+
+enum class Pass : std::uint8_t {
+  Forward,    ///< grad mode: ops keep what they save
+  NoGrad,     ///< the forward of a checkpointed partition: only its input is kept
+  Recompute,  ///< the checkpointed partition again, right before its backward
+};
+
+using pipeline::Cell;
+using pipeline::Phase;
+using pipeline::StreamRef;
+using Streams = pipeline::Choreography<Device>;
+using Holders = pipeline::SharedBuffers<Device>;
+
+// A device buffer the pipeline holds. Who holds it, and on which streams it was used, is the
+// core's (pipeline::SharedBuffers); see Note [Receive buffers and record_stream].
+struct Buf {
+  BufferId id;
+  std::uint32_t device = 0;
+  Bytes bytes;
+  Kind kind = Kind::Static;
+  OpId last_use;
+  std::uint64_t sum = 0;               ///< gradients: the sum behind its content
+  std::vector<std::size_t> lifetimes;  ///< PortalLifetime records naming it
+};
+
+struct SavedRef {
+  Access access;
+  TensorId handle;
+  std::uint64_t expected = 0;  ///< the storage's content at forward
+  TensorId offloaded;          ///< the offloader's id when the stage's offloader packed it
+};
+
+struct Task {
+  bool checkpointed = false;
+  std::map<std::uint32_t, TensorId> local;   ///< base -> produced in the current pass
+  std::map<std::uint32_t, TensorId> chain;   ///< base -> received from the previous partition
+  std::map<std::uint32_t, TensorId> popped;  ///< skip -> taken from its portal this pass
+  std::map<std::uint32_t, TensorId> inputs;  ///< base -> batch input loaded here
+  std::vector<std::vector<SavedRef>> saved;  ///< per op of the partition
+  std::map<std::uint32_t, TensorId> grads;   ///< base -> its gradient on this device
+  Generators rng;                            ///< the generators when the forward began
+  std::optional<TensorId> output;            ///< the loss, held for the backward
+};
+
+// Streams, events and the holders of shared buffers are the core's: Note [Pipeline streams]
+// and Note [Receive buffers and record_stream] in ferry/pipeline/streams.hpp. With an offload
+// policy, each stage's saved tensors go through an Offloader on that stage's device: see
+// Note [Offload in stages].
+//
+// Note [Offload in stages]
+// Each device runs the offload policy on its own: one Offloader over the stage's Backend, its
+// own copy streams. A tensor a partition produced and one of its ops saves in grad-mode forward
+// is packed (node id: micro-batch * ops + op, unique within the step); the saved slot's holder
+// then lets go, the offloader keeping its own reference. The stage's backward of a micro-batch
+// is one backward pass for the offloader (backward_begin with its nodes in order, node_done
+// after each, backward_end), and the step is one offload context (enter, exit). In a node's
+// backward the pipeline's holders let go before the offloader's post-hook, so what the
+// pipeline frees is still freed right after its last use. What crossed devices (chain,
+// portal), parameters, the batch, and what a recompute saves stay as they are: a recompute's
+// saved tensors are used at once, and a checkpointed forward saves nothing.
+
+class Executor {
+ public:
+  Executor(const Model& model, const DeviceProfile& profile, const PipelineOptions& options,
+           const PipelineFaults& faults, Plan plan, pipeline::Schedule schedule,
+           std::int32_t checkpoint_stop);
+
+  PipelineRun run();
+
+ private:
+  // ----- buffers -----
+
+  Buf& buf(TensorId h) { return bufs_[h.value()]; }
+
+  TensorId allocate(std::uint32_t device, StreamRef stream, Bytes bytes, Kind kind,
+                    std::int32_t holds, const std::string& label);
+
+  void hold(TensorId h, std::int32_t n = 1) { holders_->hold(h.value(), n); }
+
+  void release(TensorId h);
+
+  void free_buffer(TensorId h, bool at_step_end);
+
+  // The pipeline's holders let go of `h`: the storage is freed unless an offloader keeps it.
+  void let_go(TensorId h, bool at_step_end);
+
+  /// What buffer `h` holds as a whole (Note [Content values]).
+  std::uint64_t content(TensorId h) const;
+
+  void set_content(TensorId h, std::uint64_t value);
+
+  void touched(TensorId h, StreamRef stream, OpId op);
+
+  void track(TensorId h, PortalKey key, bool gradient);
+
+  Region region(TensorId h, std::uint32_t tensor) const;
+
+  Region whole(TensorId h) const;
+
+  /// The value a kernel folds in for reading `tensor` from `h`.
+  std::uint64_t read_value(TensorId h, std::uint32_t tensor) const;
+
+  // ----- kernels and copies -----
+
+  struct Read {
+    Read(TensorId h, Region r, std::uint64_t e, Bytes base = Bytes(0))
+        : handle(h), region(r), expected(e), expected_base(base) {}
+    TensorId handle;
+    Region region;
+    std::uint64_t expected = 0;  ///< content id of the storage the region lies in
+    /// Where the region started in that storage when it was computed (a reload may put it
+    /// elsewhere); read when `handle` is invalid (a storage the pipeline does not hold).
+    Bytes expected_base;
+  };
+  struct Write {
+    TensorId handle;
+    std::uint64_t value = 0;
+    std::uint64_t sum = 0;
+  };
+
+  OpId launch(std::uint32_t device, SimTime duration, const std::vector<Read>& reads,
+              const std::vector<Write>& writes, const std::string& label);
+
+  void copy(StreamRef stream, TensorId src, TensorId dst, const std::string& label);
+
+  // ----- set-up and schedule -----
+
+  static constexpr std::size_t kMaxWrites = 128;
+
+  void setup();
+
+  [[nodiscard]] PortalKey key(std::uint32_t skip, std::uint32_t i) const;
+
+  std::string mb_label(std::uint32_t i, std::string_view what) const;
+
+  // ----- forward -----
+
+  void forward_fence(std::uint32_t i, std::uint32_t j);
+
+  void forward_compute(std::uint32_t i, std::uint32_t j);
+
+  void load_inputs(std::uint32_t i, std::uint32_t j);
+
+  TensorId source(const Task& task, std::uint32_t j, const Access& a) const;
+
+  /// What a saved tensor held at forward: backward expects the same bytes, recomputed or not.
+  std::uint64_t forward_content(std::uint32_t i, const Task& task, std::uint32_t j,
+                                const Access& a) const;
+
+  void run_ops(std::uint32_t i, std::uint32_t j, Pass pass);
+
+  // ----- backward -----
+
+  void backward_fence(std::uint32_t i, std::uint32_t j);
+
+  void backward_compute(std::uint32_t i, std::uint32_t j);
+
+  /// PortalBlue's backward: the gradient from the skip's consumer joins the local one.
+  void blue_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k);
+
+  // ----- offload in stages (Note [Offload in stages]) -----
+
+  [[nodiscard]] NodeId node_id(std::uint32_t i, std::uint32_t k) const;
+
+  /// Packs a saved tensor the partition produced through its stage's offloader; the saved
+  /// slot's holder lets go (the offloader keeps its own reference).
+  TensorId pack(std::uint32_t i, std::uint32_t j, std::uint32_t k, const SavedRef& ref);
+
+  /// The saved tensors of node k as the kernel reads them; folds their values into `h`.
+  /// Returns the storages unpacked from the offloader (the caller drops one reference each).
+  std::vector<Device::Buffer> unpack_saved(std::uint32_t i, std::uint32_t j, std::uint32_t k,
+                                           std::vector<Read>& reads, std::uint64_t& h);
+
+  /// The graph lets go of a saved tensor: its holder, or its offloader id.
+  void let_go_saved(std::uint32_t j, const SavedRef& ref);
+
+  [[nodiscard]] std::vector<OffloadTelemetry> telemetry() const;
+
+  void op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k);
+
+  // ----- end of step -----
+
+  void finish_step();
+
+  /// Frees what is still held when the step ends (after a failure, or what a portal leaked);
+  /// returns how many buffers that was.
+  std::int64_t release_leftovers();
+
+  std::vector<ParamGradient> param_gradients() const;
+
+  const Model& model_;
+  const DeviceProfile& profile_;
+  const PipelineOptions& options_;
+  PipelineFaults faults_;
+  Plan plan_;
+  pipeline::Schedule schedule_;
+  std::int32_t checkpoint_stop_;
+  std::uint32_t micro_batches_;
+  std::uint32_t parts_;
+  Simulator sim_;
+  PortalTable portals_;
+  std::vector<std::unique_ptr<Device>> devices_;                ///< one Backend per device
+  std::unique_ptr<Streams> streams_;                            ///< the core's choreography
+  std::unique_ptr<Holders> holders_;                            ///< who holds each buffer
+  std::vector<std::unique_ptr<Offloader<Device>>> offloaders_;  ///< per device, with a policy
+  std::vector<std::vector<Task>> tasks_;                        ///< [micro-batch][partition]
+  std::vector<std::vector<std::uint64_t>> forward_values_;      ///< [micro-batch][base]
+  std::vector<std::map<std::uint32_t, TensorId>> resident_;     ///< per device
+  std::vector<std::map<std::uint32_t, TensorId>> param_grads_;  ///< per device
+  Generators rng_;                                              ///< per generator: draws so far
+  ContentMap content_;
+  std::vector<Buf> bufs_;
+  std::vector<PortalLifetime> lifetimes_;
+  std::vector<Bytes> live_activations_;
+  std::vector<Bytes> peak_activations_;
+  SimTime recompute_time_;
+};
+
+}  // namespace ferry::sim::pipelining

@@ -1,0 +1,308 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "executor.hpp"
+#include "ferry/check.hpp"
+#include "step_failure.hpp"
+
+namespace ferry::sim::pipelining {
+
+// Backward, offload in stages, and the end of the step.
+
+void Executor::backward_fence(std::uint32_t i, std::uint32_t j) {
+  Task& task = tasks_[i][j];
+  streams_->begin_fence();
+  if (j + 1 < parts_ && !plan_.grad_back[j + 1].empty()) {
+    Task& next = tasks_[i][j + 1];
+    const StreamRef stream = streams_->copy_after(Phase::Backward, Cell{i, j + 1}, j);
+    for (const std::uint32_t b : plan_.grad_back[j + 1]) {
+      const ModelTensor& t = model_.tensors[b];
+      const TensorId src = next.grads.at(b);
+      const TensorId dst = allocate(j, stream, t.bytes, Kind::Gradient, 1,
+                                    mb_label(i, fmt::format("{}.grad (received)", t.name)));
+      copy(stream, src, dst, mb_label(i, fmt::format("{}.grad gpu{}->gpu{}", t.name, j + 1, j)));
+      release(src);
+      next.grads.erase(b);
+      task.grads[b] = dst;
+    }
+    streams_->arrived(Cell{i, j}, stream);
+  }
+  // PortalCopy's backward: the gradient the orange node put goes back to the stash's device.
+  for (const std::uint32_t s : plan_.skips_from[j]) {
+    const SkipPlan& skip = plan_.skips[s];
+    const StreamRef stream = streams_->copy_after(Phase::Backward, Cell{i, skip.to}, j);
+    const ModelTensor& t = model_.tensors[skip.tensor];
+    const TensorId src = portals_.use_grad(key(s, i));
+    const TensorId dst = allocate(j, stream, t.bytes, Kind::Gradient, 1,
+                                  mb_label(i, fmt::format("{}.grad (portal copy)", t.name)));
+    copy(stream, src, dst,
+         mb_label(i, fmt::format("portal {}.grad gpu{}->gpu{}", t.name, skip.to, j)));
+    release(src);
+    track(dst, key(s, i), true);
+    if (const auto dropped = portals_.put_grad(key(s, i), dst)) release(*dropped);
+    streams_->arrived(Cell{i, j}, stream);
+  }
+}
+
+void Executor::backward_compute(std::uint32_t i, std::uint32_t j) {
+  Task& task = tasks_[i][j];
+  const std::uint32_t first = plan_.starts[j];
+  const std::uint32_t last = plan_.starts[j + 1];
+  // The recompute needs no gradient: it is issued before the waits for the incoming ones.
+  if (task.checkpointed) {
+    const Generators outer = begin_replay(rng_, task.rng, !faults_.skip_rng_restore);
+    run_ops(i, j, Pass::Recompute);
+    rng_ = outer;
+  }
+  streams_->start(Cell{i, j});
+  if (!offloaders_.empty()) {
+    std::vector<NodeId> order;
+    for (std::uint32_t k = last; k-- > first;) {
+      if (plan_.needed[k]) order.push_back(node_id(i, k));
+    }
+    offloaders_[j]->backward_begin(order);
+  }
+  if (j + 1 == parts_) {
+    const std::uint32_t loss = plan_.base[model_.loss];
+    const ModelTensor& t = model_.tensors[loss];
+    const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
+                                mb_label(i, t.name + ".grad"));
+    const std::uint64_t seed = mix_content(kLossTag, i);
+    launch(j, SimTime(1), {}, {Write{h, grad_content(seed), seed}}, mb_label(i, "loss grad"));
+    task.grads[loss] = h;
+    if (task.output) release(*task.output);
+    task.output.reset();
+  }
+  for (std::uint32_t k = last; k-- > first;) {
+    if (!plan_.needed[k]) continue;
+    blue_backward(i, j, k);
+    op_backward(i, j, k);
+  }
+  if (!offloaders_.empty()) offloaders_[j]->backward_end();
+  streams_->finish(Phase::Backward, Cell{i, j});
+  // The graph is freed: the checkpoint's kept input, what nodes that never ran saved, the batch.
+  if (task.checkpointed) {
+    for (const std::uint32_t b : plan_.chain_in[j]) release(task.chain.at(b));
+  }
+  for (auto& refs : task.saved) {
+    for (const SavedRef& ref : refs) let_go_saved(j, ref);
+    refs.clear();
+  }
+  for (const auto& [b, h] : task.inputs) release(h);
+  task.inputs.clear();
+  for (const auto& [b, h] : task.grads) {
+    FERRY_CHECK(std::binary_search(plan_.grad_back[j].begin(), plan_.grad_back[j].end(), b),
+                "gradient of '{}' left on gpu{} after its backward", model_.tensors[b].name, j);
+  }
+}
+
+void Executor::blue_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
+  Task& task = tasks_[i][j];
+  for (const std::uint32_t s : plan_.stashes[k]) {
+    if (!plan_.skips[s].grad) continue;
+    const std::uint32_t b = plan_.skips[s].tensor;
+    const TensorId g = portals_.use_grad(key(s, i));
+    const auto it = task.grads.find(b);
+    if (it == task.grads.end()) {
+      task.grads[b] = g;
+      continue;
+    }
+    const TensorId acc = it->second;
+    const std::uint64_t sum = buf(acc).sum + buf(g).sum;
+    const Bytes bytes = model_.tensors[b].bytes;
+    const SimTime duration = profile_.memory_bandwidth.bytes_per_s() > 0
+                                 ? std::max(SimTime(1), transfer_time(Bytes(3 * bytes.count()),
+                                                                      profile_.memory_bandwidth))
+                                 : SimTime(1);
+    launch(j, duration, {Read{g, whole(g), content(g)}, Read{acc, whole(acc), content(acc)}},
+           {Write{acc, grad_content(sum), sum}},
+           mb_label(i, fmt::format("{}.grad += portal grad", model_.tensors[b].name)));
+    release(g);
+  }
+}
+
+NodeId Executor::node_id(std::uint32_t i, std::uint32_t k) const {
+  return NodeId(static_cast<std::uint32_t>(i * model_.ops.size() + k));
+}
+
+TensorId Executor::pack(std::uint32_t i, std::uint32_t j, std::uint32_t k, const SavedRef& ref) {
+  const ModelTensor& t = model_.tensors[ref.access.tensor];
+  const Buf& b = buf(ref.handle);
+  TensorFacts facts;
+  facts.bytes = t.bytes;
+  facts.storage_bytes = b.bytes;
+  facts.view_offset = t.view_of >= 0 ? t.view_offset : Bytes(0);
+  facts.storage = b.id.value();
+  facts.no_offload = t.no_offload;
+  facts.node = node_id(i, k);
+  Offloader<Device>& off = *offloaders_[j];
+  const bool region = model_.ops[k].no_offload;
+  if (region) off.push_no_offload();
+  const TensorId id = off.pack(facts, Device::Buffer{b.id});
+  if (region) off.pop_no_offload();
+  release(ref.handle);
+  return id;
+}
+
+std::vector<Device::Buffer> Executor::unpack_saved(std::uint32_t i, std::uint32_t j,
+                                                   std::uint32_t k, std::vector<Read>& reads,
+                                                   std::uint64_t& h) {
+  std::vector<Device::Buffer> unpacked;
+  for (const SavedRef& ref : tasks_[i][j].saved[k - plan_.starts[j]]) {
+    if (!ref.offloaded.valid()) {
+      reads.push_back(Read{ref.handle, region(ref.handle, ref.access.tensor), ref.expected});
+      h = mix_content(h, read_value(ref.handle, ref.access.tensor));
+      continue;
+    }
+    const Unpacked<Device::Buffer> u = offloaders_[j]->unpack(ref.offloaded, node_id(i, k));
+    const ModelTensor& t = model_.tensors[ref.access.tensor];
+    const bool view = t.view_of >= 0;
+    reads.push_back(Read{TensorId(), Region{u.storage.id, u.offset, t.bytes}, ref.expected,
+                         view ? t.view_offset : Bytes(0)});
+    h = mix_content(h, view ? mix_content(ref.expected, ref.access.tensor) : ref.expected);
+    unpacked.push_back(u.storage);
+  }
+  return unpacked;
+}
+
+void Executor::let_go_saved(std::uint32_t j, const SavedRef& ref) {
+  if (ref.offloaded.valid()) {
+    offloaders_[j]->release(ref.offloaded);
+  } else if (ref.access.held()) {
+    release(ref.handle);
+  }
+}
+
+std::vector<OffloadTelemetry> Executor::telemetry() const {
+  std::vector<OffloadTelemetry> out;
+  for (const auto& off : offloaders_) out.push_back(off->telemetry());
+  return out;
+}
+
+void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
+  Task& task = tasks_[i][j];
+  const ModelOp& op = model_.ops[k];
+  const std::uint32_t first = plan_.starts[j];
+  std::vector<Read> reads;
+  std::uint64_t h = mix_content(mix_content(kBackwardTag, k), i);
+  const std::vector<Device::Buffer> unpacked = unpack_saved(i, j, k, reads, h);
+  std::vector<std::uint32_t> out_bases;
+  for (const std::uint32_t t : op.outputs) {
+    const std::uint32_t b = plan_.base[t];
+    if (!plan_.grad_flows[b]) continue;
+    if (std::find(out_bases.begin(), out_bases.end(), b) != out_bases.end()) continue;
+    out_bases.push_back(b);
+    const auto it = task.grads.find(b);
+    FERRY_CHECK(it != task.grads.end(), "no gradient for '{}' at the backward of '{}'",
+                model_.tensors[b].name, op.name);
+    reads.push_back(Read{it->second, whole(it->second), content(it->second)});
+    h = mix_content(h, content(it->second));
+  }
+  // Contributions per target buffer; a target created here starts from zero.
+  std::map<std::uint32_t, std::uint64_t> add;  // buffer handle -> contribution
+  std::set<std::uint32_t> fresh;
+  std::map<std::uint32_t, TensorId> portal_grads;  // skip -> gradient for its portal
+  for (std::uint32_t slot = 0; slot < op.inputs.size(); ++slot) {
+    const Access& a = plan_.reads[k][slot];
+    const std::uint64_t c = mix_content(h, slot + 1);
+    const TensorRole role = model_.tensors[a.base].role;
+    TensorId target;
+    if (role == TensorRole::Param) {
+      target = param_grads_[j].at(a.base);
+    } else if (role != TensorRole::Activation) {
+      continue;
+    } else if (a.route == Route::Portal) {
+      auto it = portal_grads.find(a.skip);
+      if (it == portal_grads.end()) {
+        const ModelTensor& t = model_.tensors[a.base];
+        it = portal_grads
+                 .emplace(a.skip, allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
+                                           mb_label(i, t.name + ".grad (portal)")))
+                 .first;
+        fresh.insert(it->second.value());
+      }
+      target = it->second;
+    } else {
+      auto it = task.grads.find(a.base);
+      if (it == task.grads.end()) {
+        const ModelTensor& t = model_.tensors[a.base];
+        it = task.grads
+                 .emplace(a.base, allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
+                                           mb_label(i, t.name + ".grad")))
+                 .first;
+        fresh.insert(it->second.value());
+      }
+      target = it->second;
+    }
+    add[target.value()] += c;
+  }
+  std::vector<Write> writes;
+  for (const auto& [handle, c] : add) {
+    const TensorId target(handle);
+    const std::uint64_t before = fresh.contains(handle) ? 0 : buf(target).sum;
+    if (!fresh.contains(handle)) {
+      reads.push_back(Read{target, whole(target), content(target)});
+    }
+    writes.push_back(Write{target, grad_content(before + c), before + c});
+  }
+  launch(j, op.backward_duration, reads, writes, mb_label(i, op.name + " backward"));
+  // The pipeline's holders let go first, so each free follows its last use at once; then the
+  // offloader's post-hook runs (Note [Offload in stages]).
+  for (const SavedRef& ref : task.saved[k - first]) {
+    if (!ref.offloaded.valid()) let_go_saved(j, ref);
+  }
+  for (const std::uint32_t b : out_bases) {
+    release(task.grads.at(b));
+    task.grads.erase(b);
+  }
+  // The orange node's backward puts the gradient into the portal.
+  for (const auto& [s, g] : portal_grads) {
+    track(g, key(s, i), true);
+    if (const auto dropped = portals_.put_grad(key(s, i), g)) release(*dropped);
+  }
+  for (const Device::Buffer& b : unpacked) devices_[j]->drop(b);
+  if (!offloaders_.empty()) offloaders_[j]->node_done(node_id(i, k));
+  for (const SavedRef& ref : task.saved[k - first]) {
+    if (ref.offloaded.valid()) let_go_saved(j, ref);
+  }
+  task.saved[k - first].clear();
+}
+
+void Executor::finish_step() {
+  // The optimizer reads every parameter gradient: each must hold its full sum.
+  for (std::uint32_t j = 0; j < parts_; ++j) {
+    std::vector<Read> reads;
+    for (const auto& [b, h] : param_grads_[j]) reads.push_back(Read{h, whole(h), content(h)});
+    if (!reads.empty()) launch(j, SimTime(1), reads, {}, "optimizer step");
+  }
+  for (std::uint32_t j = 0; j < parts_; ++j) sim_.sync_device(DeviceId(j));
+}
+
+std::int64_t Executor::release_leftovers() {
+  // The portal's own references end with the step (torchgpipe makes new trackers per batch).
+  static_cast<void>(portals_.clear());
+  std::int64_t left = 0;
+  for (std::uint32_t h = 0; h < bufs_.size(); ++h) {
+    const Buf& b = bufs_[h];
+    if (!holders_->live(h) || b.kind == Kind::Static) continue;
+    free_buffer(TensorId(h), true);
+    ++left;
+  }
+  return left;
+}
+
+std::vector<ParamGradient> Executor::param_gradients() const {
+  std::map<std::uint32_t, std::uint64_t> sums;
+  for (std::uint32_t j = 0; j < parts_; ++j) {
+    for (const auto& [b, h] : param_grads_[j]) sums[b] += bufs_[h.value()].sum;
+  }
+  std::vector<ParamGradient> grads;
+  for (const auto& [b, sum] : sums) grads.push_back(ParamGradient{b, grad_content(sum)});
+  return grads;
+}
+
+}  // namespace ferry::sim::pipelining

@@ -1,0 +1,414 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "ferry/check.hpp"
+#include "step_failure.hpp"
+#include "trainer.hpp"
+
+namespace ferry::sim::training {
+
+// Set-up, forward, saving and checkpoint regions. Backward: trainer_backward.cpp.
+
+Trainer::Trainer(const Model& model, const DeviceProfile& profile, const TrainingOptions& options,
+                 const TrainingFaults& faults)
+    : model_(model),
+      options_(options),
+      graph_(make_graph(model)),
+      run_{.sim = Simulator({DeviceSpec{"gpu0", profile}}, {}, options.sim), .device = kDevice},
+      compute_(run_.sim.add_stream(kDevice, "compute")),
+      device_(run_.sim, kDevice, compute_),
+      offloader_(device_, options.offload, faults.offload),
+      faults_(faults) {
+  run_.compute = compute_;
+  const std::size_t n = model.tensors.size();
+  // An activation's forward reference ends after its last forward use (at once if unused);
+  // the loss lives until the graph is freed.
+  last_use_.assign(n, -1);
+  for (std::uint32_t i = 0; i < model.ops.size(); ++i) {
+    for (const std::uint32_t t : model.ops[i].outputs) {
+      last_use_[base(t)] = std::max<std::int32_t>(last_use_[base(t)], static_cast<std::int32_t>(i));
+    }
+    for (const std::uint32_t t : model.ops[i].inputs)
+      last_use_[base(t)] = static_cast<std::int32_t>(i);
+  }
+  drop_after_.resize(model.ops.size());
+  for (std::uint32_t t = 0; t < n; ++t) {
+    const ModelTensor& tensor = model.tensors[t];
+    if (tensor.view_of >= 0 || tensor.role != TensorRole::Activation || t == base(model.loss) ||
+        last_use_[t] < 0) {
+      continue;
+    }
+    drop_after_[static_cast<std::size_t>(last_use_[t])].push_back(t);
+  }
+  grads_.resize(n);
+  grad_values_.assign(n, 0);
+  const CheckpointPlan& plan = options.checkpoint;
+  region_of_op_.assign(model.ops.size(), -1);
+  for (std::size_t r = 0; r < plan.regions.size(); ++r) {
+    const CheckpointRegion& reg = plan.regions[r];
+    for (std::uint32_t i = reg.first_op; i < reg.end_op; ++i) {
+      // The innermost region wins (regions are listed outer before inner).
+      region_of_op_[i] = static_cast<std::int32_t>(r);
+    }
+  }
+  checkpointer_.set_global_early_stop(plan.global_early_stop);
+}
+
+Result<TrainingRun> Trainer::run() {
+  if (auto valid = validate_plan(); !valid) return valid.error();
+  try {
+    setup();
+    run_.baseline_allocated = allocated();
+    for (std::int32_t step = 0; step < options_.steps && !run_.failure; ++step) this->step();
+  } catch (const StepFailure& e) {
+    run_.failure = e.failure;
+  } catch (const OffloadError& e) {
+    run_.failure = Failure{e.kind(), e.what()};
+  } catch (const CheckpointError& e) {
+    run_.failure = Failure{FailureKind::Misuse, e.what()};
+  }
+  run_.sim.finish();
+  if (!options_.sync_each_step && !run_.steps.empty()) run_.steps.back().end = run_.sim.makespan();
+  run_.telemetry = offloader_.telemetry();
+  return std::move(run_);
+}
+
+Status Trainer::validate_plan() const {
+  const auto& regions = options_.checkpoint.regions;
+  for (std::size_t r = 0; r < regions.size(); ++r) {
+    const CheckpointRegion& a = regions[r];
+    if (a.first_op >= a.end_op || a.end_op > model_.ops.size()) {
+      return Error{fmt::format("checkpoint region {}: ops [{}, {}) is empty or out of range", r,
+                               a.first_op, a.end_op)};
+    }
+    for (std::size_t q = 0; q < r; ++q) {
+      const CheckpointRegion& b = regions[q];
+      const bool disjoint = a.first_op >= b.end_op || b.first_op >= a.end_op;
+      const bool nested = b.first_op <= a.first_op && a.end_op <= b.end_op;
+      const bool inside_later = a.first_op <= b.first_op && b.end_op <= a.end_op &&
+                                (a.first_op != b.first_op || a.end_op != b.end_op);
+      if ((!disjoint && !nested) || inside_later) {
+        return Error{
+            fmt::format("checkpoint regions {} and {} overlap without nesting, or the "
+                        "inner one is listed first (list outer regions first)",
+                        q, r)};
+      }
+      if (!disjoint && (a.reentrant || b.reentrant)) {
+        return Error{fmt::format("checkpoint region {}: reentrant regions do not nest", r)};
+      }
+    }
+    if (a.reentrant && model_.ops[a.end_op - 1].outputs.empty()) {
+      return Error{fmt::format("checkpoint region {}: needs an output", r)};
+    }
+  }
+  return Ok{};
+}
+
+Bytes Trainer::allocated() const {
+  const CachingAllocator& alloc = run_.sim.device_allocator(run_.device);
+  Bytes pending;
+  for (const BlockInfo& b : alloc.live_blocks()) {
+    if (b.state == BlockInfo::State::PendingFree) pending += b.size;
+  }
+  return alloc.stats().allocated - pending;
+}
+
+Device::Buffer Trainer::must_allocate(Bytes bytes, const std::string& name) {
+  auto buf = device_.try_allocate(Place::Device, bytes, Device::Stream{compute_}, name);
+  if (!buf) out_of_memory(buf.error().message);
+  return buf.value();
+}
+
+void Trainer::setup() {
+  scopes_.emplace_back();
+  std::vector<Region> writes;
+  std::vector<std::uint64_t> values;
+  for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
+    const ModelTensor& tensor = model_.tensors[t];
+    if (tensor.view_of >= 0) continue;
+    if (tensor.role == TensorRole::Param || tensor.role == TensorRole::Buffer) {
+      const Device::Buffer buf = must_allocate(tensor.bytes, tensor.name);
+      params_[t] = Bound{buf, Bytes(0), mix_content(0x706172616d, t)};
+      writes.push_back(Region{buf.id, Bytes(0), tensor.bytes});
+      values.push_back(params_[t].value);
+      note_write(buf, Bytes(0), tensor.bytes, params_[t].value);
+      if (tensor.role == TensorRole::Param) {
+        param_grads_.emplace(t, must_allocate(tensor.bytes, tensor.name + ".grad"));
+      }
+    }
+  }
+  run_.sim.kernel(compute_, SimTime(1), {}, writes, "init parameters", values);
+  device_rng_initialized_ = !options_.checkpoint.lazy_device_rng;
+}
+
+Bound Trainer::lookup(std::uint32_t t) const {
+  const ModelTensor& tensor = model_.tensors[t];
+  if (tensor.role == TensorRole::Param || tensor.role == TensorRole::Buffer) {
+    const std::uint32_t b = base(t);
+    const Bound& p = params_.at(b);
+    return Bound{p.buffer, tensor.view_offset, p.value};
+  }
+  for (std::size_t s = scopes_.size(); s-- > 0;) {
+    auto it = scopes_[s].bound.find(t);
+    if (it != scopes_[s].bound.end()) return it->second;
+  }
+  FERRY_CHECK(false, "tensor {} is not live", tensor.name);
+  return {};
+}
+
+Region Trainer::region(std::uint32_t t) const {
+  const Bound b = lookup(t);
+  return Region{b.buffer.id, b.offset, model_.tensors[t].bytes};
+}
+
+void Trainer::note_write(Device::Buffer buf, Bytes offset, Bytes bytes, std::uint64_t value) {
+  content_.write(buf.id, offset, bytes, value);
+}
+
+void Trainer::note_arrival(const Bound& where, const Pieces& saved) {
+  content_.arrive(where.buffer.id, where.offset, saved);
+}
+
+Pieces Trainer::expected_of(std::uint32_t t) const {
+  const Bound b = lookup(t);
+  return content_.slice(b.buffer.id, b.offset, model_.tensors[t].bytes);
+}
+
+void Trainer::run_op(std::uint32_t i, bool replay) {
+  const ModelOp& op = model_.ops[i];
+  Scope& scope = scopes_.back();
+  std::uint64_t seed = mix_content(0x6f70, i + 1);
+  for (const std::uint32_t t : op.inputs) seed = mix_content(seed, lookup(t).value);
+  if (op.draws_rng) {
+    if (!device_rng_initialized_) device_rng_initialized_ = true;
+    seed = mix_content(seed, mix_content(0x726e67, generators_.draw(kDeviceRng)));
+  }
+  if (op.draws_cpu_rng) seed = mix_content(seed, mix_content(0x637075, generators_.draw(kCpuRng)));
+  std::vector<Region> reads;
+  std::vector<Region> writes;
+  std::vector<std::uint64_t> values;
+  for (const std::uint32_t t : op.inputs) reads.push_back(region(t));
+  for (std::uint32_t k = 0; k < op.outputs.size(); ++k) {
+    const std::uint32_t t = op.outputs[k];
+    const ModelTensor& tensor = model_.tensors[t];
+    const std::uint64_t value = mix_content(seed, k);
+    if (tensor.view_of < 0) {
+      const Device::Buffer buf = must_allocate(tensor.bytes, tensor.name);
+      scope.bound[t] = Bound{buf, Bytes(0), value};
+      if (replay) scope.owned.push_back(buf);
+    } else {
+      const Bound b = lookup(base(t));
+      scope.bound[t] = Bound{b.buffer, b.offset + tensor.view_offset, value};
+    }
+    const Bound out = scope.bound[t];
+    writes.push_back(Region{out.buffer.id, out.offset, tensor.bytes});
+    values.push_back(value);
+    note_write(out.buffer, out.offset, tensor.bytes, value);
+  }
+  run_.sim.kernel(compute_, op.duration, reads, writes, replay ? op.name + " recompute" : op.name,
+                  values);
+  if (replay && in_last_step_) run_.recompute_time += op.duration;
+}
+
+Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
+  const ModelTensor& tensor = model_.tensors[t];
+  const std::uint32_t b = base(t);
+  const Bound where = lookup(t);
+  Saved saved;
+  saved.tensor = t;
+  saved.expected = expected_of(t);
+  const Context* top = contexts_.empty() ? nullptr : &contexts_.back();
+  if (top != nullptr && top->kind == Context::Kind::Frame) {
+    saved.kind = Saved::Kind::Holder;
+    saved.holder = checkpointer_.pack(top->frame, meta_of(t, where.value));
+    frames_[top->frame.value()].last_pack_op = current_op_;
+    return saved;
+  }
+  if (top != nullptr && top->kind == Context::Kind::Recompute) {
+    // The replay fills the frame's holders; the checkpointer keeps a reference.
+    saved.kind = Saved::Kind::Holder;
+    const FrameInfo& info = frames_.at(top->frame.value());
+    if (faults_.drop_recomputed == static_cast<std::int32_t>(info.region) &&
+        ++dropped_in_replay_ == 1) {
+      return saved;  // test: one tensor fewer
+    }
+    SavedMeta meta = meta_of(t, where.value);
+    if (faults_.alter_recomputed_meta) meta.bytes += Bytes(1);
+    const Recomputed kept{where.buffer, where.offset, value_of(expected_of(t))};
+    const RecomputePack done = checkpointer_.recompute_pack(meta, kept);
+    if (done != RecomputePack::Ignored) device_.hold(where.buffer);  // the checkpointer's
+    if (done == RecomputePack::KeptLast) stop_replay_ = true;
+    return saved;
+  }
+  const ModelTensor& storage = model_.tensors[b];
+  TensorFacts facts;
+  facts.bytes = tensor.bytes;
+  facts.storage_bytes = tensor.role == TensorRole::Param || tensor.role == TensorRole::Buffer
+                            ? storage.bytes
+                            : run_.sim.buffers()[where.buffer.id.value()].bytes;
+  facts.view_offset = where.offset;
+  facts.storage = where.buffer.id.value();
+  facts.is_param = storage.role == TensorRole::Param || storage.role == TensorRole::Buffer;
+  facts.no_offload = tensor.no_offload;
+  facts.node = NodeId(node);
+  saved.kind = Saved::Kind::Offload;
+  saved.id = offloader_.pack(facts, where.buffer);
+  return saved;
+}
+
+SavedMeta Trainer::meta_of(std::uint32_t t, std::uint64_t value) const {
+  const ModelTensor& tensor = model_.tensors[t];
+  return SavedMeta{tensor.bytes, static_cast<std::uint8_t>(tensor.dtype), 0, value};
+}
+
+std::vector<std::uint32_t> Trainer::region_inputs(std::uint32_t first, std::uint32_t end) const {
+  std::vector<std::uint32_t> produced;
+  std::vector<std::uint32_t> inputs;
+  for (std::uint32_t i = first; i < end; ++i) {
+    for (const std::uint32_t t : model_.ops[i].inputs) {
+      const TensorRole role = model_.tensors[base(t)].role;
+      if (role == TensorRole::Param || role == TensorRole::Buffer) continue;
+      if (std::find(produced.begin(), produced.end(), t) != produced.end()) continue;
+      if (std::find(inputs.begin(), inputs.end(), t) == inputs.end()) inputs.push_back(t);
+    }
+    for (const std::uint32_t t : model_.ops[i].outputs) produced.push_back(t);
+  }
+  return inputs;
+}
+
+OpPolicy Trainer::policy(std::uint32_t op) const {
+  const auto& p = options_.checkpoint.op_policy;
+  return op < p.size() ? p[op] : OpPolicy::PreferRecompute;
+}
+
+std::vector<std::uint32_t> Trainer::regions_starting(std::uint32_t i, std::uint32_t within_first,
+                                                     std::uint32_t within_end,
+                                                     std::int32_t except) const {
+  std::vector<std::uint32_t> out;
+  const auto& regions = options_.checkpoint.regions;
+  // Inside a replay of region `except`, only regions listed after it (nested in it) begin.
+  for (auto r = static_cast<std::uint32_t>(except + 1); r < regions.size(); ++r) {
+    if (regions[r].first_op == i && regions[r].first_op >= within_first &&
+        regions[r].end_op <= within_end) {
+      out.push_back(r);
+    }
+  }
+  std::stable_sort(out.begin(), out.end(), [&](std::uint32_t a, std::uint32_t b) {
+    return regions[a].end_op > regions[b].end_op;  // outermost first
+  });
+  return out;
+}
+
+void Trainer::begin_region(std::uint32_t r) {
+  const CheckpointRegion& reg = options_.checkpoint.regions[r];
+  FrameInfo info;
+  info.region = r;
+  info.generators = generators_;
+  for (const std::uint32_t t : region_inputs(reg.first_op, reg.end_op)) {
+    info.inputs.push_back(pack(reg.end_op - 1, t));
+  }
+  if (reg.reentrant) {
+    contexts_.push_back(Context{Context::Kind::NoGrad, FrameId()});
+    open_.push_back(OpenRegion{r, FrameId(), device_rng_initialized_});
+    reentrant_inputs_[r] = std::move(info);
+    return;
+  }
+  FrameOptions fo;
+  fo.early_stop = reg.early_stop.value_or(true);
+  fo.determinism_check = options_.checkpoint.determinism_check;
+  fo.content_check = options_.checkpoint.content_check;
+  const FrameId frame = checkpointer_.begin(fo);
+  if (frames_.size() <= frame.value()) frames_.resize(frame.value() + 1);
+  frames_[frame.value()] = std::move(info);
+  contexts_.push_back(Context{Context::Kind::Frame, frame});
+  open_.push_back(OpenRegion{r, frame, device_rng_initialized_});
+}
+
+void Trainer::end_region() {
+  const OpenRegion open = open_.back();
+  open_.pop_back();
+  contexts_.pop_back();
+  if (open.frame.valid()) {
+    checkpointer_.end(open.frame);
+    // A region that saved nothing is referenced by no holder: its inputs go now.
+    if (checkpointer_.saved_count(open.frame) == 0) release_frame(frames_[open.frame.value()]);
+  }
+  if (options_.checkpoint.preserve_rng && !open.had_device_rng && device_rng_initialized_ &&
+      !replaying()) {
+    throw CheckpointError(
+        "PyTorch's device state was initialized in the forward pass of a Checkpoint, which is "
+        "not allowed. Please open an issue if you need this feature.");
+  }
+}
+
+bool Trainer::replaying() const {
+  return std::any_of(contexts_.begin(), contexts_.end(),
+                     [](const Context& c) { return c.kind == Context::Kind::Recompute; });
+}
+
+void Trainer::save_op(std::uint32_t i) {
+  const ModelOp& op = model_.ops[i];
+  const bool in_frame = !contexts_.empty() && contexts_.back().kind == Context::Kind::Frame;
+  if (!contexts_.empty() && contexts_.back().kind == Context::Kind::NoGrad) return;
+  if (in_frame && policy(i) != OpPolicy::PreferRecompute) {
+    FrameInfo& info = frames_[contexts_.back().frame.value()];
+    for (const std::uint32_t t : op.outputs) {
+      if (model_.tensors[t].view_of >= 0) continue;
+      const Bound b = lookup(t);
+      if (policy(i) == OpPolicy::MustSave) {
+        device_.hold(b.buffer);
+        info.cache[t] = b;
+      } else {
+        // Offloaded through the ambient offloader, not through the frame.
+        const std::vector<Context> saved_contexts = std::exchange(contexts_, {});
+        info.offloaded[t] = pack(i, t);
+        contexts_ = saved_contexts;
+      }
+    }
+  }
+  auto& list = saved_[i];
+  for (const std::uint32_t t : op.saved) list.push_back(pack(i, t));
+}
+
+void Trainer::forward() {
+  checkpointer_.reset();
+  frames_.clear();
+  reentrant_inputs_.clear();
+  // The batch.
+  std::vector<Region> batch;
+  std::vector<std::uint64_t> values;
+  for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
+    const ModelTensor& tensor = model_.tensors[t];
+    if (tensor.role != TensorRole::Input || tensor.view_of >= 0) continue;
+    const Device::Buffer buf = must_allocate(tensor.bytes, tensor.name);
+    const std::uint64_t value = mix_content(mix_content(0x6261746368, step_), t);
+    scopes_[0].bound[t] = Bound{buf, Bytes(0), value};
+    batch.push_back(Region{buf.id, Bytes(0), tensor.bytes});
+    values.push_back(value);
+    note_write(buf, Bytes(0), tensor.bytes, value);
+  }
+  run_.sim.kernel(compute_, SimTime(1), {}, batch, "load batch", values);
+
+  saved_.assign(model_.ops.size(), {});
+  for (std::uint32_t i = 0; i < model_.ops.size(); ++i) {
+    const ModelOp& op = model_.ops[i];
+    current_op_ = i;
+    for (const std::uint32_t r :
+         regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
+      begin_region(r);
+    }
+    if (op.no_offload) offloader_.push_no_offload();
+    run_op(i, false);
+    save_op(i);
+    if (op.no_offload) offloader_.pop_no_offload();
+    if (options_.backward_inside_op == static_cast<std::int32_t>(i)) backward_inside(i);
+    while (!open_.empty() && options_.checkpoint.regions[open_.back().region].end_op == i + 1) {
+      end_region();
+    }
+    for (const std::uint32_t b : drop_after_[i]) device_.drop(scopes_[0].bound.at(b).buffer);
+  }
+}
+
+}  // namespace ferry::sim::training

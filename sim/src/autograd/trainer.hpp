@@ -1,0 +1,230 @@
+#pragma once
+// Private to the simulated autograd: the single-device driver. It replays a model's forward
+// and backward as PyTorch's engine would, with the offloader's hooks and checkpoint frames,
+// on the toolkit it shares with the pipeline executor (graph.hpp, values.hpp).
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/checkpoint.hpp"
+#include "ferry/offload/offloader.hpp"
+#include "ferry/sim/autograd/autograd.hpp"
+#include "ferry/sim/device/device.hpp"
+#include "graph.hpp"
+#include "values.hpp"
+
+namespace ferry::sim::training {
+
+// See Note [Content values] in values.hpp.
+
+struct Bound {
+  Device::Buffer buffer;
+  Bytes offset;
+  std::uint64_t value = 0;
+};
+
+// How a saved tensor was packed.
+struct Saved {
+  enum class Kind : std::uint8_t { Offload, Holder } kind = Kind::Offload;
+  TensorId id;
+  HolderId holder;
+  std::uint32_t tensor = 0;
+  Pieces expected;  // what its bytes held in forward
+};
+
+// What the checkpointer keeps for a recomputed tensor: a storage reference and the value.
+struct Recomputed {
+  Device::Buffer buffer;
+  Bytes offset;
+  std::uint64_t value = 0;
+};
+
+// The innermost saved-tensor hook: the offloader (none pushed), a frame, or a recomputation.
+struct Context {
+  enum class Kind : std::uint8_t { Frame, Recompute, NoGrad } kind;
+  FrameId frame;
+};
+
+// The random generators: the device's and the CPU's.
+constexpr std::size_t kDeviceRng = 0;
+constexpr std::size_t kCpuRng = 1;
+
+struct FrameInfo {
+  std::uint32_t region = 0;
+  std::vector<Saved> inputs;                 // the region's inputs, saved by the parent
+  Generators generators{2};                  // at the region's start
+  std::map<std::uint32_t, Bound> cache;      // MustSave outputs (forward references)
+  std::map<std::uint32_t, Saved> offloaded;  // Offload-policy outputs
+  std::uint32_t last_pack_op = 0;            // op during which its last holder was packed
+  std::size_t taken = 0;                     // holders taken in the current backward
+  bool released = false;                     // inputs and caches let go
+};
+
+constexpr std::uint64_t kGradSalt = 0x67726164;  // "grad"
+
+// The one device: the simulator numbers devices in the order of their specs.
+constexpr DeviceId kDevice(0);
+
+class Trainer {
+ public:
+  Trainer(const Model& model, const DeviceProfile& profile, const TrainingOptions& options,
+          const TrainingFaults& faults);
+
+  Result<TrainingRun> run();
+
+ private:
+  // --- set-up and validation --------------------------------------------------------------
+
+  Status validate_plan() const;
+
+  std::uint32_t base(std::uint32_t t) const { return graph_.base[t]; }
+
+  // Device bytes allocated, less blocks whose free waits behind record_stream markers: those
+  // return at the next allocation (as in PyTorch), so they are not held by the step.
+  Bytes allocated() const;
+
+  Device::Buffer must_allocate(Bytes bytes, const std::string& name);
+
+  void setup();
+
+  // --- tensors, scopes and content ----------------------------------------------------------
+
+  // Where tensor t lives now: the innermost scope binding it (views through their base).
+  Bound lookup(std::uint32_t t) const;
+
+  Region region(std::uint32_t t) const;
+
+  void note_write(Device::Buffer buf, Bytes offset, Bytes bytes, std::uint64_t value);
+
+  // A tensor came back (reloaded, or served from forward) at `where`: it holds what it held
+  // when it was saved.
+  void note_arrival(const Bound& where, const Pieces& saved);
+
+  Pieces expected_of(std::uint32_t t) const;
+
+  struct Scope {
+    std::map<std::uint32_t, Bound> bound;  // tensor -> where it lives in this scope
+    std::vector<Device::Buffer> owned;     // references this scope drops at its end
+  };
+
+  // --- forward ops ----------------------------------------------------------------------------
+
+  // Runs forward op i in the innermost scope. In a replay, outputs are owned by the scope.
+  void run_op(std::uint32_t i, bool replay);
+
+  // Saves tensor t of op `node` through the innermost hook.
+  Saved pack(std::uint32_t node, std::uint32_t t);
+
+  SavedMeta meta_of(std::uint32_t t, std::uint64_t value) const;
+
+  // Inputs of ops [first, end) produced before `first` (activations and the batch).
+  std::vector<std::uint32_t> region_inputs(std::uint32_t first, std::uint32_t end) const;
+
+  OpPolicy policy(std::uint32_t op) const;
+
+  // Regions that start at op i, outermost first / end at op i + 1, innermost first.
+  std::vector<std::uint32_t> regions_starting(std::uint32_t i, std::uint32_t within_first,
+                                              std::uint32_t within_end, std::int32_t except) const;
+
+  void begin_region(std::uint32_t r);
+
+  void end_region();
+
+  bool replaying() const;
+
+  // Saves the op's tensors, honouring the selective policy inside a frame.
+  void save_op(std::uint32_t i);
+
+  void forward();
+
+  // --- backward ---------------------------------------------------------------------------
+
+  // Gets a saved tensor back for node `node`: from the offloader, or from its frame (which is
+  // recomputed first if this graph task has not done so). The caller owns one reference.
+  Bound unpack(const Saved& s, std::uint32_t node);
+
+  void release_frame(FrameInfo& info);
+
+  // Opens a replay of a region: its saved inputs come back (which may first recompute a parent,
+  // Note [Nestable checkpoint]) into a new scope that owns those references, and the
+  // generators go back to where they stood when the region began. Returns the live states.
+  Generators open_replay(const FrameInfo& info, std::uint32_t node);
+
+  // Ends the innermost scope, dropping the references it owns.
+  void close_scope();
+
+  void recompute(FrameId frame, std::uint32_t node);
+
+  void replay_op(std::uint32_t i, FrameInfo& info);
+
+  std::vector<std::uint32_t> backward_order();
+
+  Device::Buffer& grad(std::uint32_t t);
+
+  std::int32_t reentrant_region_of(std::uint32_t op) const;
+
+  // Backward node n: unpack, one kernel reading what it needs and writing gradients, drop,
+  // post-hook, release.
+  void run_node(std::uint32_t n, bool last_pass, std::size_t k);
+
+  // A backward through node k in a graph task of its own, in the middle of forward: its saved
+  // tensors come back (a frame still running is recomputed from its inputs), its kernel runs
+  // into a scratch result, and nothing is released: the real backward needs them again.
+  void backward_inside(std::uint32_t k);
+
+  // The reentrant variant: at the region's last node, re-run its forward (with the ambient
+  // hooks), then its nodes in reverse, as a nested backward would.
+  void run_reentrant(std::uint32_t r, bool last_pass, std::size_t k);
+
+  void backward(bool last_pass);
+
+  void step();
+
+  struct OpenRegion {
+    std::uint32_t region;
+    FrameId frame;
+    bool had_device_rng;
+  };
+
+  const Model& model_;
+  const TrainingOptions& options_;
+  Graph graph_;
+  TrainingRun run_;
+  StreamId compute_;
+  Device device_;
+  Offloader<Device> offloader_;
+  TrainingFaults faults_;
+  Checkpointer<Recomputed> checkpointer_;
+  std::vector<Scope> scopes_;
+  std::map<std::uint32_t, Bound> params_;
+  std::map<std::uint32_t, Device::Buffer> param_grads_;
+  std::map<std::uint32_t, std::uint64_t> param_grad_values_;
+  ContentMap content_;
+  std::vector<std::optional<Device::Buffer>> grads_;
+  std::vector<std::uint64_t> grad_values_;
+  std::vector<std::int32_t> last_use_;
+  std::vector<std::vector<std::uint32_t>> drop_after_;
+  std::vector<std::vector<Saved>> saved_;
+  std::vector<std::int32_t> region_of_op_;
+  std::vector<Context> contexts_;
+  std::vector<OpenRegion> open_;
+  // By FrameId. A deque: replays begin new frames while references to older ones are held.
+  std::deque<FrameInfo> frames_;
+  std::map<std::uint32_t, FrameInfo> reentrant_inputs_;
+  std::optional<Device::Buffer> escaped_;
+  Generators generators_{2};
+  bool device_rng_initialized_ = true;
+  std::uint64_t gid_ = 0;
+  std::int32_t step_ = 0;
+  bool in_last_step_ = false;
+  bool stop_replay_ = false;
+  int dropped_in_replay_ = 0;
+  std::uint32_t current_op_ = 0;  // the forward op being run or replayed
+  bool last_pass_ = true;         // the current backward frees the graph
+};
+
+}  // namespace ferry::sim::training

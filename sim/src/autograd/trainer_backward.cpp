@@ -1,0 +1,406 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <random>
+#include <utility>
+
+#include "ferry/check.hpp"
+#include "step_failure.hpp"
+#include "trainer.hpp"
+
+namespace ferry::sim::training {
+
+// Backward: unpacking, recomputation, the node order, gradients and the end of a step.
+
+Bound Trainer::unpack(const Saved& s, std::uint32_t node) {
+  if (s.kind == Saved::Kind::Offload) {
+    auto u = offloader_.unpack(s.id, NodeId(node));
+    const Bound b{u.storage, u.offset, value_of(s.expected)};
+    note_arrival(b, s.expected);
+    return b;
+  }
+  const FrameId frame = checkpointer_.frame_of(s.holder);
+  if (!checkpointer_.recomputed(frame, gid_)) recompute(frame, node);
+  const Recomputed r = checkpointer_.take(s.holder, gid_);
+  FrameInfo& info = frames_[frame.value()];
+  // The last holder of a frame unpacked by a backward that frees the graph: nothing needs
+  // the frame any more, so its saved inputs go now (the frame dies with its last node).
+  if (++info.taken == checkpointer_.saved_count(frame) && last_pass_) release_frame(info);
+  return Bound{r.buffer, r.offset, r.value};
+}
+
+void Trainer::release_frame(FrameInfo& info) {
+  if (info.released) return;
+  info.released = true;
+  for (const Saved& s : info.inputs) {
+    if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
+  }
+  for (const auto& [t, b] : info.cache) device_.drop(b.buffer);
+  for (const auto& [t, s] : info.offloaded) offloader_.release(s.id);
+}
+
+Generators Trainer::open_replay(const FrameInfo& info, std::uint32_t node) {
+  std::vector<std::pair<std::uint32_t, Bound>> inputs;
+  for (const Saved& s : info.inputs) inputs.emplace_back(s.tensor, unpack(s, node));
+  scopes_.emplace_back();
+  for (const auto& [t, b] : inputs) {
+    scopes_.back().bound[t] = b;
+    scopes_.back().owned.push_back(b.buffer);
+  }
+  return begin_replay(generators_, info.generators, !faults_.skip_rng_restore);
+}
+
+void Trainer::close_scope() {
+  Scope scope = std::move(scopes_.back());
+  scopes_.pop_back();
+  for (const Device::Buffer& b : scope.owned) device_.drop(b);
+}
+
+void Trainer::recompute(FrameId frame, std::uint32_t node) {
+  FrameInfo& info = frames_[frame.value()];
+  const CheckpointRegion& reg = options_.checkpoint.regions[info.region];
+  ++run_.recomputations;
+  const Generators outer = open_replay(info, node);
+  contexts_.push_back(Context{Context::Kind::Recompute, frame});
+  checkpointer_.recompute_begin(frame, gid_);
+  const bool saved_stop = stop_replay_;
+  stop_replay_ = false;
+  dropped_in_replay_ = 0;
+  std::uint32_t last_run = reg.first_op;
+  const std::uint32_t last_saving = info.last_pack_op;
+  const std::size_t open_before = open_.size();
+  for (std::uint32_t i = reg.first_op; i < reg.end_op && !stop_replay_; ++i) {
+    current_op_ = i;
+    for (const std::uint32_t r :
+         regions_starting(i, reg.first_op, reg.end_op, static_cast<std::int32_t>(info.region))) {
+      begin_region(r);
+    }
+    replay_op(i, info);
+    last_run = i;
+    while (open_.size() > open_before &&
+           options_.checkpoint.regions[open_.back().region].end_op == i + 1) {
+      end_region();
+    }
+  }
+  while (open_.size() > open_before) end_region();  // early stop inside an inner region
+  contexts_.pop_back();
+  stop_replay_ = saved_stop;
+  generators_ = outer;
+  if (in_last_step_) run_.replay_stops.emplace_back(last_run, last_saving);
+  close_scope();  // the replay's own references go once its kernels are issued
+  checkpointer_.recompute_end();
+}
+
+void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {
+  const ModelOp& op = model_.ops[i];
+  Scope& scope = scopes_.back();
+  const OpPolicy p = policy(i);
+  if (p == OpPolicy::MustSave || p == OpPolicy::Offload) {
+    // Served from forward instead of re-run.
+    for (const std::uint32_t t : op.outputs) {
+      if (model_.tensors[t].view_of >= 0) {
+        const Bound b = lookup(base(t));
+        scope.bound[t] =
+            Bound{b.buffer, b.offset + model_.tensors[t].view_offset, mix_content(b.value, t)};
+        continue;
+      }
+      Bound b;
+      if (p == OpPolicy::MustSave) {
+        b = info.cache.at(t);
+        device_.hold(b.buffer);
+      } else {
+        b = unpack(info.offloaded.at(t), i);
+      }
+      scope.bound[t] = b;
+      scope.owned.push_back(b.buffer);
+    }
+    for (const std::uint32_t t : op.saved) (void)pack(i, t);
+    return;
+  }
+  run_op(i, true);
+  for (const std::uint32_t t : op.saved) {
+    (void)pack(i, t);
+    if (stop_replay_) break;
+  }
+}
+
+std::vector<std::uint32_t> Trainer::backward_order() {
+  std::vector<std::uint32_t> order;
+  if (options_.order_seed == 0) {
+    for (std::size_t i = model_.ops.size(); i-- > 0;) {
+      if (graph_.needed[i]) order.push_back(static_cast<std::uint32_t>(i));
+    }
+    return order;
+  }
+  // A random valid order: a node runs once every needed op reading its outputs has run. A
+  // reentrant region is one node of the outer graph: its ops form one unit, expanded in
+  // reverse order when the unit runs.
+  const auto ops = static_cast<std::uint32_t>(model_.ops.size());
+  std::vector<std::uint32_t> unit(ops);
+  for (std::uint32_t i = 0; i < ops; ++i) {
+    const std::int32_t r = reentrant_region_of(i);
+    unit[i] = r >= 0 ? options_.checkpoint.regions[static_cast<std::size_t>(r)].end_op - 1 : i;
+  }
+  std::vector<std::int32_t> waiting(ops, 0);
+  std::vector<std::vector<std::uint32_t>> producers_of(ops);
+  std::vector<std::int32_t> producer(model_.tensors.size(), -1);
+  for (std::uint32_t i = 0; i < ops; ++i) {
+    for (const std::uint32_t t : model_.ops[i].outputs)
+      producer[base(t)] = static_cast<std::int32_t>(i);
+  }
+  for (std::uint32_t j = 0; j < ops; ++j) {
+    if (!graph_.needed[j]) continue;
+    const std::uint32_t uj = unit[j];
+    for (const std::uint32_t t : model_.ops[j].inputs) {
+      const std::int32_t p = producer[base(t)];
+      if (p < 0 || !graph_.needed[static_cast<std::size_t>(p)]) continue;
+      const std::uint32_t up = unit[static_cast<std::uint32_t>(p)];
+      if (up == uj) continue;
+      auto& list = producers_of[uj];
+      if (std::find(list.begin(), list.end(), up) != list.end()) continue;
+      list.push_back(up);
+      ++waiting[up];
+    }
+  }
+  std::mt19937_64 rng(options_.order_seed);
+  std::vector<std::uint32_t> ready;
+  for (std::uint32_t i = 0; i < ops; ++i) {
+    if (graph_.needed[i] && unit[i] == i && waiting[i] == 0) ready.push_back(i);
+  }
+  while (!ready.empty()) {
+    const std::size_t pick = static_cast<std::size_t>(rng() % ready.size());
+    const std::uint32_t n = ready[pick];
+    ready.erase(ready.begin() + static_cast<std::ptrdiff_t>(pick));
+    for (std::uint32_t i = n + 1; i-- > 0 && unit[i] == n;) {
+      if (graph_.needed[i]) order.push_back(i);
+    }
+    for (const std::uint32_t up : producers_of[n]) {
+      if (--waiting[up] == 0) ready.push_back(up);
+    }
+  }
+  return order;
+}
+
+Device::Buffer& Trainer::grad(std::uint32_t t) {
+  const std::uint32_t b = base(t);
+  if (!grads_[b])
+    grads_[b] = must_allocate(model_.tensors[b].bytes, model_.tensors[b].name + ".grad");
+  return *grads_[b];
+}
+
+std::int32_t Trainer::reentrant_region_of(std::uint32_t op) const {
+  const std::int32_t r = region_of_op_[op];
+  return r >= 0 && options_.checkpoint.regions[static_cast<std::size_t>(r)].reentrant ? r : -1;
+}
+
+void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
+  const ModelOp& op = model_.ops[n];
+  std::vector<Region> reads;
+  std::vector<Region> writes;
+  std::vector<std::uint64_t> values;
+  std::vector<Device::Buffer> unpacked;
+  std::uint64_t g = mix_content(kGradSalt, n + 1);
+  for (const Saved& s : saved_[n]) {
+    const Bound b = unpack(s, n);
+    if (options_.unpack_twice) device_.drop(unpack(s, n).buffer);  // a holder refuses this
+    const Region r{b.buffer.id, b.offset, model_.tensors[s.tensor].bytes};
+    run_.sim.expect_content_at_next_kernel(r, s.expected);
+    reads.push_back(r);
+    unpacked.push_back(b.buffer);
+    g = mix_content(g, b.value);
+  }
+  if (escaped_) reads.push_back(Region{escaped_->id, Bytes(0), Bytes(1)});
+  for (const std::uint32_t t : op.outputs) {
+    const std::uint32_t b = base(t);
+    if (grads_[b]) {
+      reads.push_back(Region{grads_[b]->id, Bytes(0), model_.tensors[b].bytes});
+      g = mix_content(g, grad_values_[b]);
+    }
+  }
+  std::vector<std::uint32_t> written;
+  for (const std::uint32_t t : op.inputs) {
+    const std::uint32_t b = base(t);
+    if (std::find(written.begin(), written.end(), b) != written.end()) continue;
+    const TensorRole role = model_.tensors[b].role;
+    if (role == TensorRole::Activation || role == TensorRole::Input) {
+      written.push_back(b);
+      const std::uint64_t v = mix_content(g, b);
+      // A gradient reaching a tensor from several consumers accumulates (sum).
+      grad_values_[b] = grads_[b] ? grad_values_[b] + v : v;
+      writes.push_back(Region{grad(b).id, Bytes(0), model_.tensors[b].bytes});
+      values.push_back(grad_values_[b]);
+    } else if (role == TensorRole::Param) {
+      written.push_back(b);
+      param_grad_values_[b] += mix_content(g, b);
+      writes.push_back(Region{param_grads_.at(b).id, Bytes(0), model_.tensors[b].bytes});
+      values.push_back(param_grad_values_[b]);
+    }
+  }
+  run_.sim.kernel(compute_, op.backward_duration, reads, writes, op.name + " backward", values);
+  if (escaped_) {
+    device_.drop(*escaped_);
+    escaped_.reset();
+  }
+  const bool escape = options_.escape_period > 0 && !unpacked.empty() &&
+                      k % static_cast<std::size_t>(options_.escape_period) == 0;
+  for (std::size_t u = 0; u < unpacked.size(); ++u) {
+    if (escape && u == 0) {
+      escaped_ = unpacked[u];  // a view of it lives on into the next node
+    } else {
+      device_.drop(unpacked[u]);
+    }
+  }
+  for (const std::uint32_t t : op.outputs) {
+    const std::uint32_t b = base(t);
+    if (grads_[b] && b != base(model_.loss)) {
+      device_.drop(*grads_[b]);
+      grads_[b].reset();
+    }
+  }
+  offloader_.node_done(NodeId(n));
+  if (last_pass) {
+    for (const Saved& s : saved_[n]) {
+      if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
+    }
+  }
+}
+
+void Trainer::backward_inside(std::uint32_t k) {
+  ++gid_;
+  const bool outer_last_pass = last_pass_;
+  last_pass_ = false;
+  std::vector<Region> reads;
+  std::vector<Device::Buffer> unpacked;
+  for (const Saved& s : saved_[k]) {
+    const Bound b = unpack(s, k);
+    const Region r{b.buffer.id, b.offset, model_.tensors[s.tensor].bytes};
+    run_.sim.expect_content_at_next_kernel(r, s.expected);
+    reads.push_back(r);
+    unpacked.push_back(b.buffer);
+  }
+  const Device::Buffer scratch = must_allocate(Bytes(512), "grad inside forward");
+  run_.sim.kernel(compute_, model_.ops[k].backward_duration, reads,
+                  std::vector<Region>{Region{scratch.id, Bytes(0), Bytes(512)}},
+                  model_.ops[k].name + " backward inside forward");
+  for (const Device::Buffer& b : unpacked) device_.drop(b);
+  device_.drop(scratch);
+  offloader_.node_done(NodeId(k));
+  for (const Recomputed& left : checkpointer_.drain(gid_)) device_.drop(left.buffer);
+  last_pass_ = outer_last_pass;
+}
+
+void Trainer::run_reentrant(std::uint32_t r, bool last_pass, std::size_t k) {
+  const CheckpointRegion& reg = options_.checkpoint.regions[r];
+  FrameInfo& info = reentrant_inputs_.at(r);
+  ++run_.recomputations;
+  const Generators outer = open_replay(info, reg.end_op - 1);
+  for (std::uint32_t i = reg.first_op; i < reg.end_op; ++i) {
+    run_op(i, true);
+    for (const std::uint32_t t : model_.ops[i].saved) saved_[i].push_back(pack(i, t));
+  }
+  generators_ = outer;
+  if (in_last_step_) run_.replay_stops.emplace_back(reg.end_op - 1, reg.end_op - 1);
+  for (std::uint32_t i = reg.end_op; i-- > reg.first_op;) {
+    if (graph_.needed[i]) {
+      run_node(i, true, k);
+    } else {
+      // Off the path to the loss: the replay's graph frees what it saved.
+      for (const Saved& s : saved_[i]) {
+        if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
+      }
+    }
+    saved_[i].clear();
+  }
+  close_scope();
+  if (last_pass) release_frame(info);
+}
+
+void Trainer::backward(bool last_pass) {
+  ++gid_;
+  last_pass_ = last_pass;
+  for (FrameInfo& info : frames_) info.taken = 0;
+  const std::vector<std::uint32_t> order = backward_order();
+  run_.backward_order = order;
+  std::vector<NodeId> nodes;
+  for (const std::uint32_t n : order) nodes.push_back(NodeId(n));
+  offloader_.backward_begin(options_.announce_order ? std::span<const NodeId>(nodes)
+                                                    : std::span<const NodeId>());
+  const std::uint32_t loss = base(model_.loss);
+  grad_values_[loss] = mix_content(kGradSalt, 0);
+  run_.sim.kernel(compute_, SimTime(1), {},
+                  std::vector<Region>{Region{grad(loss).id, Bytes(0), model_.tensors[loss].bytes}},
+                  "loss grad", std::vector<std::uint64_t>{grad_values_[loss]});
+  std::vector<bool> done_region(options_.checkpoint.regions.size(), false);
+  for (std::size_t k = 0; k < order.size(); ++k) {
+    const std::uint32_t n = order[k];
+    const std::int32_t r = reentrant_region_of(n);
+    if (r >= 0) {
+      if (!done_region[static_cast<std::size_t>(r)]) {
+        done_region[static_cast<std::size_t>(r)] = true;
+        run_reentrant(static_cast<std::uint32_t>(r), last_pass, k);
+      }
+      continue;
+    }
+    run_node(n, last_pass, k);
+  }
+  if (escaped_) {
+    device_.drop(*escaped_);
+    escaped_.reset();
+  }
+  offloader_.backward_end();
+  for (const Recomputed& left : checkpointer_.drain(gid_)) device_.drop(left.buffer);
+  for (auto& g : grads_) {
+    if (g) {
+      device_.drop(*g);
+      g.reset();
+    }
+  }
+  if (!last_pass) return;
+  // The graph is freed: saved tensors of nodes that never ran go too, and the frames'
+  // saved inputs and caches.
+  for (std::uint32_t n = 0; n < saved_.size(); ++n) {
+    for (const Saved& s : saved_[n]) {
+      if (s.kind == Saved::Kind::Offload && !graph_.needed[n]) offloader_.release(s.id);
+    }
+  }
+  for (FrameInfo& info : frames_) release_frame(info);
+  for (auto& [r, info] : reentrant_inputs_) {
+    if (!done_region[r]) release_frame(info);  // none of its nodes ran
+  }
+  device_.drop(scopes_[0].bound.at(loss).buffer);
+  for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
+    const ModelTensor& tensor = model_.tensors[t];
+    if (tensor.role == TensorRole::Input && tensor.view_of < 0)
+      device_.drop(scopes_[0].bound.at(t).buffer);
+  }
+  scopes_[0].bound.clear();
+}
+
+void Trainer::step() {
+  in_last_step_ = step_ + 1 == options_.steps;
+  if (in_last_step_) {
+    run_.recompute_time = SimTime(0);
+    run_.replay_stops.clear();
+  }
+  StepTimes times;
+  times.start = run_.sim.host_time();
+  // The offload context spans the step, forward and backward, as the reference's trainer
+  // enters it.
+  offloader_.enter();
+  forward();
+  times.forward_end = run_.sim.host_time();
+  param_grad_values_.clear();
+  const int passes = options_.retain_graph ? 2 : 1;
+  for (int pass = 0; pass < passes; ++pass) backward(pass == passes - 1);
+  offloader_.exit();
+  if (options_.sync_each_step) run_.sim.sync_device(run_.device);
+  times.end = run_.sim.host_time();
+  run_.steps.push_back(times);
+  run_.allocated_after.push_back(allocated());
+  run_.tracked_after.push_back(offloader_.tracked());
+  run_.gradient_values.clear();
+  for (const auto& [p, v] : param_grad_values_) run_.gradient_values.push_back(v);
+  ++step_;
+}
+
+}  // namespace ferry::sim::training
