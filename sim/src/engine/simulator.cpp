@@ -611,10 +611,10 @@ struct Simulator::State final : StreamMarkers {
   }
 
   bool query(MarkerId id) override {
+    // A poll's answer depends on timing: it orders only the bytes' next owner (checker's
+    // allocated()), not the host. See Note [Latent reuse].
     const Marker& m = markers[id.value()];
-    if (streams[m.stream].completed < m.count) return false;
-    if (options.check_hazards) checker.host_observes(m.snapshot);
-    return true;
+    return streams[m.stream].completed >= m.count;
   }
 
   void synchronize(MarkerId id) override {
@@ -700,6 +700,10 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
   s.buffers.push_back(info);
   s.device_blocks.push_back(block);
   s.host_blocks.push_back(host_block);
+  // Checker: bytes a deferred free returned are ordered after its markers (Note [Latent reuse]).
+  if (s.options.check_hazards && kind != MemoryKind::Pageable) {
+    s.checker.allocated(id, s.space_of(info), info.address, info.address + bytes);
+  }
   if (kind != MemoryKind::Pageable) s.sample(info.device);
   return id;
 }
@@ -718,6 +722,20 @@ void Simulator::free(BufferId buffer, std::string_view label) {
   }
   info.live = false;
   info.freed_by = OpId(op);
+  // Checker: judge the free for latent reuse before the allocator forgets the block's
+  // record_stream streams (Note [Latent reuse]).
+  if (s.options.check_hazards && info.kind != MemoryKind::Pageable) {
+    const bool on_device = info.kind == MemoryKind::Device;
+    const std::span<const StreamId> deferring =
+        on_device ? s.devices[device].allocator.deferring_streams(s.device_blocks[buffer.value()])
+                  : s.pinned.deferring_streams(s.host_blocks[buffer.value()]);
+    std::vector<ThreadIndex> deferred;
+    for (const StreamId d : deferring) deferred.push_back(s.streams[d.value()].thread);
+    const ThreadIndex alloc_thread =
+        on_device ? s.streams[s.ops[info.allocated_by.value()].stream.value()].thread : 0;
+    s.checker.release(OpId(op), buffer, s.space_of(info), info.address, info.address + info.bytes,
+                      std::span<const ThreadIndex>(&alloc_thread, on_device ? 1 : 0), deferred);
+  }
   if (info.kind == MemoryKind::Device) {
     s.devices[device].allocator.free(s.device_blocks[buffer.value()], s);
     s.sample(info.device);
