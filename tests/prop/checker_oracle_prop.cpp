@@ -332,17 +332,21 @@ std::string compare(const Program& p, const Simulator& sim) {
            << h.lo.count() << ", " << h.hi.count() << ")\n";
     }
   }
-  // Latent reports that cover access `a` of a freed buffer: from a or a later access of the
-  // same kind it happens before (Note [Access frontiers]), bytes intersected with [lo, hi).
+  // Latent reports that cover access `a`, bytes intersected with [lo, hi): reports on `a` or on
+  // a later access of the same kind it happens before (Note [Access frontiers]). With a free
+  // op: the reports of that free (on `a`'s buffer). Without, for a pair (a, b) across a free:
+  // any latent report on such a later access that b is not ordered after either; b's meeting
+  // it was folded into that report (reused_by), and b races a only if it races that access.
   auto latent_cover = [&](const OracleAccess& a, std::int64_t lo, std::int64_t hi,
-                          std::optional<std::uint32_t> free_op) {
+                          std::optional<std::uint32_t> free_op, const OracleAccess* b) {
     std::vector<std::pair<std::int64_t, std::int64_t>> covered;
     for (const Hazard& h : sim.hazards()) {
-      if (h.kind != HazardKind::LatentReuse || h.first_buffer != a.buffer || h.space != a.space ||
+      if (h.kind != HazardKind::LatentReuse || h.space != a.space ||
           (h.conflict != Conflict::WriteAfterRead) != a.write) {
         continue;
       }
-      if (free_op && h.second.value() != *free_op) continue;
+      if (free_op && (h.second.value() != *free_op || h.first_buffer != a.buffer)) continue;
+      if (b && (h.first.value() >= b->op || o.before(h.first.value(), b->op, b->buffer))) continue;
       if (!o.before(a.op, h.first.value(), h.first_buffer)) continue;
       covered.emplace_back(std::max(lo, h.lo.count()), std::min(hi, h.hi.count()));
     }
@@ -354,7 +358,7 @@ std::string compare(const Program& p, const Simulator& sim) {
     for (const OracleAccess& a : o.accesses) {
       if (!o.latent(a, f) || a.lo >= a.hi) continue;
       std::int64_t pos = 0;
-      if (!covers_all(latent_cover(a, a.lo, a.hi, f.op), a.lo, a.hi, pos)) {
+      if (!covers_all(latent_cover(a, a.lo, a.hi, f.op, nullptr), a.lo, a.hi, pos)) {
         diff << "missed latent reuse: op " << a.op << " (" << (a.write ? "write" : "read")
              << ") freed by op " << f.op << " bytes [" << pos << ", " << a.hi << ")\n";
       }
@@ -380,7 +384,7 @@ std::string compare(const Program& p, const Simulator& sim) {
         covered.emplace_back(std::max(lo, h.lo.count()), std::min(hi, h.hi.count()));
       }
       if (a.buffer != b.buffer) {
-        const auto more = latent_cover(a, lo, hi, std::nullopt);
+        const auto more = latent_cover(a, lo, hi, std::nullopt, &b);
         covered.insert(covered.end(), more.begin(), more.end());
       }
       std::int64_t pos = 0;

@@ -146,6 +146,10 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
   }
   const Clock& now = floored ? scratch_ : clocks_.at(thread);
   const Access self{thread, clocks_[thread][thread], op, buffer, origin};
+  if (last_access_.size() <= buffer.value()) last_access_.resize(buffer.value() + 1);
+  std::vector<std::uint32_t>& last = last_access_[buffer.value()];
+  if (last.size() <= thread) last.resize(thread + 1, 0);
+  last[thread] = self.epoch;
   const std::size_t first_new = hazards_.size();
 
   auto emit = [&](const Access& earlier, Conflict conflict, std::int64_t seg_lo,
@@ -162,8 +166,9 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
     if (earlier.buffer != buffer) {
       kind = HazardKind::Reuse;
       // See Note [Latent reuse]: the defect was reported at the free.
-      const auto latent = latent_.find(
-          {earlier.op.value(), earlier.buffer.value(), conflict != Conflict::WriteAfterRead});
+      const auto latent = earlier.latent ? latent_.find({earlier.op.value(), earlier.buffer.value(),
+                                                         conflict != Conflict::WriteAfterRead})
+                                         : latent_.end();
       if (latent != latent_.end()) {
         Hazard& h = hazards_[latent->second];
         if (!h.reused_by.valid()) {
@@ -215,7 +220,8 @@ void HazardChecker::release(OpId free_op, BufferId buffer, SpaceIndex space, Byt
   // See Note [Latent reuse].
   const std::int64_t lo = lo_bytes.count();
   const std::int64_t hi = hi_bytes.count();
-  Clock reuse = clocks_[kHostThread];
+  Clock& reuse = reuse_;
+  reuse = clocks_[kHostThread];
   for (const ThreadIndex t : alloc_threads) join(reuse, clocks_.at(t));
   for (const ThreadIndex t : deferred) join(reuse, clocks_.at(t));
   if (faults_.deferral_covers_every_stream && !deferred.empty()) {
@@ -236,10 +242,20 @@ void HazardChecker::release(OpId free_op, BufferId buffer, SpaceIndex space, Byt
     floors.ranges.emplace(lo, Floor{hi, static_cast<std::uint32_t>(snapshots_.size() - 1)});
     floors.longest = std::max(floors.longest, hi - lo);
   }
-  if (lo >= hi || space >= spaces_.size()) return;
-  const Shadow& shadow = spaces_[space];
+  if (lo >= hi || space >= spaces_.size() || buffer.value() >= last_access_.size()) return;
+  // Each thread's latest access to the buffer follows its earlier ones: when all of those are
+  // ordered before the reuse point, so is every access.
+  std::vector<std::uint32_t> last = std::move(last_access_[buffer.value()]);
+  last_access_[buffer.value()] = {};
+  bool unordered = false;
+  for (ThreadIndex t = 0; t < last.size(); ++t) {
+    unordered = unordered || (last[t] != 0 && (t >= reuse.size() || last[t] > reuse[t]));
+  }
+  if (!unordered) return;
+  Shadow& shadow = spaces_[space];
   const std::size_t first_new = hazards_.size();
-  auto emit = [&](const Access& a, bool write, std::int64_t seg_lo, std::int64_t seg_hi) {
+  auto emit = [&](Access& a, bool write, std::int64_t seg_lo, std::int64_t seg_hi) {
+    a.latent = true;
     const Conflict conflict = write ? Conflict::WriteAfterWrite : Conflict::WriteAfterRead;
     for (std::size_t i = first_new; i < hazards_.size(); ++i) {
       Hazard& h = hazards_[i];
@@ -258,10 +274,10 @@ void HazardChecker::release(OpId free_op, BufferId buffer, SpaceIndex space, Byt
     const std::int64_t seg_lo = std::max(it->first, lo);
     const std::int64_t seg_hi = std::min(it->second.hi.count(), hi);
     if (seg_lo >= seg_hi) continue;
-    for (const Access& w : it->second.writes) {
+    for (Access& w : it->second.writes) {
       if (w.buffer == buffer && !ordered_before(w, reuse)) emit(w, true, seg_lo, seg_hi);
     }
-    for (const Access& r : it->second.reads) {
+    for (Access& r : it->second.reads) {
       if (r.buffer == buffer && !ordered_before(r, reuse)) emit(r, false, seg_lo, seg_hi);
     }
   }

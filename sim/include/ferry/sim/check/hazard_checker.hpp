@@ -122,6 +122,7 @@ class HazardChecker {
     OpId op;
     BufferId buffer;
     AccessOrigin origin = AccessOrigin::Kernel;
+    bool latent = false;  // reported as LatentReuse at its buffer's free (fits the padding)
     friend bool operator==(const Access&, const Access&) = default;
   };
   // An access set: at most one entry per thread, nearly always one or two. The first
@@ -131,6 +132,8 @@ class HazardChecker {
     [[nodiscard]] std::size_t size() const { return size_; }
     [[nodiscard]] const Access* begin() const { return data(); }
     [[nodiscard]] const Access* end() const { return data() + size_; }
+    Access* begin() { return data(); }
+    Access* end() { return data() + size_; }
     void push_back(const Access& a);
     template <class Pred>
     void erase_if(Pred pred) {
@@ -190,6 +193,10 @@ class HazardChecker {
   std::vector<FloorMap> floors_;             // per space
   std::vector<std::uint32_t> buffer_floor_;  // per buffer: snapshot, or kNoFloor
   Clock scratch_;                            // a thread's clock joined with a floor
+  Clock reuse_;                              // a free's reuse point
+  // Per buffer, per thread: the epoch of the thread's latest access to it (0: none). A free
+  // whose reuse point is after every one needs no look at the shadow.
+  std::vector<std::vector<std::uint32_t>> last_access_;
   // LatentReuse reports by (access op, its buffer, whether it wrote): an observed reuse of
   // the same access adds to that report rather than making a second one.
   std::map<std::tuple<std::uint32_t, std::uint32_t, bool>, std::size_t> latent_;
