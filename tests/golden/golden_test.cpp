@@ -66,7 +66,12 @@ const std::vector<Expected>& expectations() {
       {"two_gpu_pipeline", {}},
       {"bidirectional_copies", {}},
       {"reload_without_wait", {{HazardKind::Race, Conflict::ReadAfterWrite, 4, 6}}},
-      {"free_during_offload", {{HazardKind::Reuse, Conflict::WriteAfterRead, 5, 8}}},
+      // Reported at the free (op 6); the simulated reuse by op 8 is the report's reused_by.
+      {"free_during_offload", {{HazardKind::LatentReuse, Conflict::WriteAfterRead, 5, 6}}},
+      // The two scenarios of Note [Latent reuse]: whatever the durations, no reuse needed.
+      {"free_while_side_stream_reads", {{HazardKind::LatentReuse, Conflict::WriteAfterRead, 4, 5}}},
+      {"record_stream_on_one_of_two_readers",
+       {{HazardKind::LatentReuse, Conflict::WriteAfterRead, 9, 11}}},
       {"host_reads_pinned_early", {{HazardKind::HostBeforeCopy, Conflict::ReadAfterWrite, 5, 7}}},
       {"wait_before_record", {{HazardKind::Race, Conflict::ReadAfterWrite, 2, 4}}},
       {"use_after_free",

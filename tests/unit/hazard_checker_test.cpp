@@ -230,11 +230,40 @@ FreeDuringOffload free_during_offload(bool record_stream) {
 }
 
 TEST(HazardChecker, ReuseOfAFreedBlockByTheAllocatingStreamWhileACopyReadsIt) {
+  // Reported at the free, as latent reuse; the simulated reuse by act1's kernel is the same
+  // defect and only adds reused_by (Note [Latent reuse]).
   const FreeDuringOffload f = free_during_offload(false);
   EXPECT_EQ(f.sim.buffers()[f.act0.value()].address, f.sim.buffers()[f.act1.value()].address);
   ASSERT_EQ(f.sim.hazards().size(), 1U);
-  EXPECT_EQ(f.sim.hazards()[0].kind, HazardKind::Reuse);
-  EXPECT_EQ(f.sim.hazards()[0].conflict, Conflict::WriteAfterRead);
+  const Hazard& h = f.sim.hazards()[0];
+  EXPECT_EQ(h.kind, HazardKind::LatentReuse);
+  EXPECT_EQ(h.conflict, Conflict::WriteAfterRead);
+  EXPECT_EQ(h.second, f.sim.buffers()[f.act0.value()].freed_by);
+  ASSERT_TRUE(h.reused_by.valid());
+  EXPECT_EQ(f.sim.ops()[h.reused_by.value()].kind, OpKind::Kernel);
+}
+
+TEST(HazardChecker, ANewOwnerOnAnUnorderedStreamIsStillAReuse) {
+  // The free is safe (the allocation stream waited for the copy), but the next owner writes
+  // the block on another stream that is ordered after neither: a reuse the free could not
+  // foresee, reported when it happens.
+  Simulator sim = simple_sim();
+  const StreamId compute = sim.add_stream(DeviceId(0), "compute");
+  const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
+  const StreamId other = sim.add_stream(DeviceId(0), "other");
+  const EventId copied = sim.add_event("copied");
+  const BufferId act0 = device_buffer(sim, compute, 4096, "act0");
+  const BufferId host = pinned_buffer(sim, 4096);
+  sim.copy(d2h, whole(sim, act0), whole(sim, host));
+  sim.record(copied, d2h);
+  sim.wait(compute, copied);
+  sim.free(act0);
+  const BufferId act1 = device_buffer(sim, compute, 4096, "act1");
+  const OpId write = sim.kernel(other, SimTime(10), kNone, one(whole(sim, act1)));
+  sim.finish();
+  ASSERT_EQ(sim.hazards().size(), 1U);
+  EXPECT_EQ(sim.hazards()[0].kind, HazardKind::Reuse);
+  EXPECT_EQ(sim.hazards()[0].second, write);
 }
 
 TEST(HazardChecker, RecordStreamDefersTheReuseAndMakesItSafe) {

@@ -4,6 +4,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <map>
+#include <utility>
+#include <vector>
+
 namespace ferry::sim {
 
 namespace {
@@ -24,6 +28,8 @@ const char* kind_name(HazardKind kind) {
       return "double-free";
     case HazardKind::UseBeforeAlloc:
       return "use-before-alloc";
+    case HazardKind::LatentReuse:
+      return "latent-reuse";
   }
   return "?";
 }
@@ -115,6 +121,30 @@ std::string hint(const Simulator& sim, const Hazard& h) {
       return fmt::format("the buffer was already freed by op {}", h.first.value());
     case HazardKind::UseBeforeAlloc:
       return "the buffer holds no memory here: alloc it first";
+    case HazardKind::LatentReuse: {
+      const BufferInfo& b = sim.buffers()[h.first_buffer.value()];
+      const OpRecord& a = ops[h.first.value()];
+      const std::string name = json_quote(sim.label(b.label));
+      const std::string used = fmt::format(
+          "op {} on stream {} may still {} it", h.first.value(), sim.stream_name(a.stream),
+          h.conflict == Conflict::WriteAfterRead ? "read" : "write");
+      if (b.kind == MemoryKind::Device) {
+        const StreamId owner = ops[b.allocated_by.value()].stream;
+        return fmt::format(
+            "buffer {} is freed by op {} while {}, and the allocator may hand these bytes to the "
+            "next allocation on stream {} at once: call record_stream({}, {}) before the free, "
+            "or record an event on stream {} after op {} and make stream {} wait for it before "
+            "the free",
+            name, h.second.value(), used, sim.stream_name(owner), name, sim.stream_name(a.stream),
+            sim.stream_name(a.stream), h.first.value(), sim.stream_name(owner));
+      }
+      return fmt::format(
+          "pinned buffer {} is freed by op {} while {}, and the pool may hand these bytes to the "
+          "host's next request at once: call record_stream({}, {}) before the free, or "
+          "synchronize the host with an event recorded on stream {} after op {} before the free",
+          name, h.second.value(), used, name, sim.stream_name(a.stream), sim.stream_name(a.stream),
+          h.first.value());
+    }
   }
   return "";
 }
@@ -141,6 +171,36 @@ PeakMemory device_peaks(const Simulator& sim, DeviceId d) {
 }
 
 std::string hex(Bytes address) { return fmt::format("{:#x}", address.count()); }
+
+// A label with every run of digits replaced by '#': "offload layer 12" -> "offload layer #".
+std::string label_shape(std::string_view label) {
+  std::string out;
+  bool in_digits = false;
+  for (const char c : label) {
+    const bool digit = c >= '0' && c <= '9';
+    if (!digit) out += c;
+    if (digit && !in_digits) out += '#';
+    in_digits = digit;
+  }
+  return out;
+}
+
+// What makes two reports the same defect repeated (in every layer, or every step): the same
+// kind and conflict, the same streams, and op and buffer labels equal but for their numbers.
+std::string defect_key(const Simulator& sim, const Hazard& h) {
+  auto op_part = [&](OpId id) -> std::string {
+    if (!id.valid()) return "-";
+    const OpRecord& r = sim.ops()[id.value()];
+    const std::string stream = is_stream_work(r) ? sim.stream_name(r.stream) : "host";
+    return fmt::format("{}|{}|{}", op_kind_name(r.kind), stream, label_shape(sim.label(r.label)));
+  };
+  auto buffer_part = [&](BufferId id) -> std::string {
+    return id.valid() ? label_shape(buffer_name(sim, id)) : "-";
+  };
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}", static_cast<int>(h.kind), static_cast<int>(h.conflict),
+                     h.space, op_part(h.first), op_part(h.second), buffer_part(h.first_buffer),
+                     buffer_part(h.second_buffer));
+}
 
 Json op_json(const Simulator& sim, OpId id, BufferId buffer) {
   Json j = Json::object();
@@ -187,11 +247,26 @@ std::string summary_text(const ProgramRun& run, std::string_view source) {
   if (run.failure) out += fmt::format("failure: {}\n", run.failure->message);
 
   const auto& hazards = sim.hazards();
-  out += fmt::format("hazards: {}\n", hazards.size());
+  // One entry per defect, in order of its first report; see defect_key.
+  std::vector<std::pair<std::size_t, std::size_t>> groups;  // (first report, count)
+  {
+    std::map<std::string, std::size_t> index;
+    for (std::size_t i = 0; i < hazards.size(); ++i) {
+      const auto [it, fresh] = index.emplace(defect_key(sim, hazards[i]), groups.size());
+      if (fresh) {
+        groups.emplace_back(i, 1);
+      } else {
+        ++groups[it->second].second;
+      }
+    }
+  }
+  out += fmt::format("hazards: {}", hazards.size());
+  if (groups.size() < hazards.size()) out += fmt::format(" ({} distinct)", groups.size());
+  out += '\n';
   constexpr std::size_t kShown = 50;
-  for (std::size_t i = 0; i < hazards.size() && i < kShown; ++i) {
-    const Hazard& h = hazards[i];
-    out += fmt::format("  {}. {}", i + 1, kind_name(h.kind));
+  for (std::size_t g = 0; g < groups.size() && g < kShown; ++g) {
+    const Hazard& h = hazards[groups[g].first];
+    out += fmt::format("  {}. {}", g + 1, kind_name(h.kind));
     if (h.conflict != Conflict::None) out += fmt::format(", {}", conflict_name(h.conflict));
     if (h.hi > h.lo) {
       out += fmt::format(", {} [{}, {}) {} of buffer {}", space_name(sim, h.space), hex(h.lo),
@@ -201,9 +276,21 @@ std::string summary_text(const ProgramRun& run, std::string_view source) {
     out += '\n';
     if (h.first.valid()) out += fmt::format("     earlier: {}\n", describe_op(sim, h.first));
     out += fmt::format("     later:   {}\n", describe_op(sim, h.second));
+    if (h.reused_by.valid()) {
+      out += fmt::format("     reused:  {} (the simulated run did hand the bytes out again)\n",
+                         describe_op(sim, h.reused_by));
+    }
     out += fmt::format("     fix: {}\n", hint(sim, h));
+    if (groups[g].second > 1) {
+      out += fmt::format(
+          "     repeated: {} times in all, the same ops on the same buffer but for their "
+          "numbers (layers or steps); this is the first, --json lists each\n",
+          groups[g].second);
+    }
   }
-  if (hazards.size() > kShown) out += fmt::format("  ... and {} more\n", hazards.size() - kShown);
+  if (groups.size() > kShown) {
+    out += fmt::format("  ... and {} more distinct\n", groups.size() - kShown);
+  }
 
   out += "memory:\n";
   for (std::size_t d = 0; d < sim.device_count(); ++d) {
@@ -246,6 +333,10 @@ std::string summary_json(const ProgramRun& run, std::string_view source) {
     hj["bytes"] = (h.hi - h.lo).count();
     hj["first"] = op_json(sim, h.first, h.first_buffer);
     hj["second"] = op_json(sim, h.second, h.second_buffer);
+    if (h.kind == HazardKind::LatentReuse) {
+      hj["reused_by"] =
+          h.reused_by.valid() ? op_json(sim, h.reused_by, h.reused_buffer) : Json(nullptr);
+    }
     hj["fix"] = hint(sim, h);
     hazards.push_back(std::move(hj));
   }

@@ -19,6 +19,49 @@ namespace ferry::sim {
 // Each set is an antichain, at most one entry per thread: memory is bounded by the number of
 // streams, whatever the program's length.
 
+// Note [Latent reuse]
+// A free is judged when it is issued, for every timing, not by whether the simulated
+// allocator happens to hand the bytes out again while an access may still run. Let F free
+// buffer B and let R be the join of the host's clock at F with the clocks, at F, of the threads
+// that guard the reuse: a device block's allocation stream s0 (the caching allocator hands the
+// block only to later allocations on s0, whose work is stream-ordered after s0's past), and each
+// stream record_stream named (the allocator records a marker there at F and hands the bytes
+// out only once the markers completed). Pinned blocks have no allocation stream: the pool hands
+// them to the host. Claim: no later owner of B's bytes can race an access A of B, in any
+// timing, iff A happens before R.
+//  (if) A later owner's access Y is issued after the bytes were handed out. Device, not
+//  deferred: the hand-out is an allocation on s0 issued after F, and its owner uses the block
+//  on s0 (or orders its other streams after s0, as the allocator requires), so Y's clock
+//  includes the host's and s0's at F. Deferred, or pinned: the hand-out follows F on the host
+//  and, when deferred, the host seeing every marker complete, so Y includes R too. Then
+//  A -> R -> Y.
+//  (only if) If A is not ordered before R, let every access not ordered before R run as slowly
+//  as it likes: the host, s0 and the recorded streams reach R without waiting for A, the next
+//  allocation of that size on s0 (or the next pinned request) gets B's bytes, and a write to
+//  them by the new owner overlaps A. Training's next step makes that allocation.
+// So at F every access to B in the shadow is compared with R: any not ordered before it is a
+// LatentReuse. The frontiers lose no verdict: if A was evicted by A' of the same kind with
+// A -> A', and A is not ordered before R, neither is A' (A' -> R would give A -> R), so A is
+// reported through A' as in Note [Access frontiers]. Nothing but B touches the bytes between
+// its allocation and F, so no other buffer's access evicted one of B's.
+//
+// Marker queries. The allocator learns that a deferred free's markers completed by polling
+// (cudaEventQuery) at its next malloc; whether a poll says "done" depends on timing. So a poll
+// does not order the host after the marker: a free issued later would otherwise look ordered
+// after stream work only because a poll happened to succeed. What the poll does order is the
+// hand-out: only a buffer that gets bytes of a deferred free holds them after the markers, in
+// every timing in which it gets them. The checker keeps, per space, the byte ranges of
+// deferred frees with a snapshot of their markers (a floor); allocated() gives a new buffer
+// the join of the floors its bytes overlap, and its accesses are checked with the floor joined
+// to their thread's clock. A floor also joins the freed buffer's own floor, so a newer floor
+// over the same bytes subsumes an older one, which is dropped. Blocking waits for markers
+// (empty_cache, an out-of-memory retry) are synchronizations and order the host as before.
+//
+// Observed reuse. When the simulated run does reuse the bytes, the new owner's access meets
+// the old access in the shadow; if that access was already reported as latent at its free,
+// it is the same defect: the access becomes the report's reused_by instead of a second
+// report.
+
 ThreadIndex HazardChecker::add_thread() {
   clocks_.emplace_back(clocks_.size() + 1, 0);
   return static_cast<ThreadIndex>(clocks_.size() - 1);
@@ -94,8 +137,19 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
   if (lo >= hi) return;
   if (spaces_.size() <= space) spaces_.resize(space + 1);
   Shadow& shadow = spaces_[space];
-  const Clock& now = clocks_.at(thread);
-  const Access self{thread, now[thread], op, buffer, origin};
+  // A buffer holding bytes of a deferred free is ordered after its markers (a floor).
+  const bool floored =
+      buffer.value() < buffer_floor_.size() && buffer_floor_[buffer.value()] != kNoFloor;
+  if (floored) {
+    scratch_ = clocks_.at(thread);
+    join(scratch_, snapshots_[buffer_floor_[buffer.value()]]);
+  }
+  const Clock& now = floored ? scratch_ : clocks_.at(thread);
+  const Access self{thread, clocks_[thread][thread], op, buffer, origin};
+  if (last_access_.size() <= buffer.value()) last_access_.resize(buffer.value() + 1);
+  std::vector<std::uint32_t>& last = last_access_[buffer.value()];
+  if (last.size() <= thread) last.resize(thread + 1, 0);
+  last[thread] = self.epoch;
   const std::size_t first_new = hazards_.size();
 
   auto emit = [&](const Access& earlier, Conflict conflict, std::int64_t seg_lo,
@@ -111,6 +165,18 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
     HazardKind kind = HazardKind::Race;
     if (earlier.buffer != buffer) {
       kind = HazardKind::Reuse;
+      // See Note [Latent reuse]: the defect was reported at the free.
+      const auto latent = earlier.latent ? latent_.find({earlier.op.value(), earlier.buffer.value(),
+                                                         conflict != Conflict::WriteAfterRead})
+                                         : latent_.end();
+      if (latent != latent_.end()) {
+        Hazard& h = hazards_[latent->second];
+        if (!h.reused_by.valid()) {
+          h.reused_by = op;
+          h.reused_buffer = buffer;
+        }
+        return;
+      }
     } else if (origin == AccessOrigin::Host && earlier.origin == AccessOrigin::Copy) {
       kind = HazardKind::HostBeforeCopy;
     }
@@ -146,6 +212,96 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
     ++it;
   }
   coalesce(shadow, lo, hi);
+}
+
+void HazardChecker::release(OpId free_op, BufferId buffer, SpaceIndex space, Bytes lo_bytes,
+                            Bytes hi_bytes, std::span<const ThreadIndex> alloc_threads,
+                            std::span<const ThreadIndex> deferred) {
+  // See Note [Latent reuse].
+  const std::int64_t lo = lo_bytes.count();
+  const std::int64_t hi = hi_bytes.count();
+  Clock& reuse = reuse_;
+  reuse = clocks_[kHostThread];
+  for (const ThreadIndex t : alloc_threads) join(reuse, clocks_.at(t));
+  for (const ThreadIndex t : deferred) join(reuse, clocks_.at(t));
+  if (faults_.deferral_covers_every_stream && !deferred.empty()) {
+    for (const Clock& c : clocks_) join(reuse, c);
+  }
+  if (!deferred.empty() && lo < hi) {
+    Clock floor = clocks_[kHostThread];
+    for (const ThreadIndex t : deferred) join(floor, clocks_.at(t));
+    if (buffer.value() < buffer_floor_.size() && buffer_floor_[buffer.value()] != kNoFloor) {
+      join(floor, snapshots_[buffer_floor_[buffer.value()]]);
+    }
+    snapshots_.push_back(std::move(floor));
+    if (floors_.size() <= space) floors_.resize(space + 1);
+    FloorMap& floors = floors_[space];
+    for (auto it = floors.ranges.lower_bound(lo); it != floors.ranges.end() && it->first < hi;) {
+      it = it->second.hi <= hi ? floors.ranges.erase(it) : std::next(it);
+    }
+    floors.ranges.emplace(lo, Floor{hi, static_cast<std::uint32_t>(snapshots_.size() - 1)});
+    floors.longest = std::max(floors.longest, hi - lo);
+  }
+  if (lo >= hi || space >= spaces_.size() || buffer.value() >= last_access_.size()) return;
+  // Each thread's latest access to the buffer follows its earlier ones: when all of those are
+  // ordered before the reuse point, so is every access.
+  std::vector<std::uint32_t> last = std::move(last_access_[buffer.value()]);
+  last_access_[buffer.value()] = {};
+  bool unordered = false;
+  for (ThreadIndex t = 0; t < last.size(); ++t) {
+    unordered = unordered || (last[t] != 0 && (t >= reuse.size() || last[t] > reuse[t]));
+  }
+  if (!unordered) return;
+  Shadow& shadow = spaces_[space];
+  const std::size_t first_new = hazards_.size();
+  auto emit = [&](Access& a, bool write, std::int64_t seg_lo, std::int64_t seg_hi) {
+    a.latent = true;
+    const Conflict conflict = write ? Conflict::WriteAfterWrite : Conflict::WriteAfterRead;
+    for (std::size_t i = first_new; i < hazards_.size(); ++i) {
+      Hazard& h = hazards_[i];
+      if (h.first == a.op && h.conflict == conflict && h.hi.count() == seg_lo) {
+        h.hi = Bytes(seg_hi);
+        return;
+      }
+    }
+    latent_.emplace(std::make_tuple(a.op.value(), buffer.value(), write), hazards_.size());
+    hazards_.push_back(Hazard{HazardKind::LatentReuse, conflict, a.op, free_op, buffer, buffer,
+                              space, Bytes(seg_lo), Bytes(seg_hi)});
+  };
+  auto it = shadow.upper_bound(lo);
+  if (it != shadow.begin()) --it;
+  for (; it != shadow.end() && it->first < hi; ++it) {
+    const std::int64_t seg_lo = std::max(it->first, lo);
+    const std::int64_t seg_hi = std::min(it->second.hi.count(), hi);
+    if (seg_lo >= seg_hi) continue;
+    for (Access& w : it->second.writes) {
+      if (w.buffer == buffer && !ordered_before(w, reuse)) emit(w, true, seg_lo, seg_hi);
+    }
+    for (Access& r : it->second.reads) {
+      if (r.buffer == buffer && !ordered_before(r, reuse)) emit(r, false, seg_lo, seg_hi);
+    }
+  }
+}
+
+void HazardChecker::allocated(BufferId buffer, SpaceIndex space, Bytes lo_bytes, Bytes hi_bytes) {
+  // See Note [Latent reuse]: the buffer is ordered after every deferred free it overlaps.
+  const std::int64_t lo = lo_bytes.count();
+  const std::int64_t hi = hi_bytes.count();
+  if (lo >= hi || space >= floors_.size() || floors_[space].ranges.empty()) return;
+  if (faults_.ignore_floors) return;
+  const FloorMap& floors = floors_[space];
+  Clock floor;
+  bool any = false;
+  for (auto it = floors.ranges.lower_bound(lo - floors.longest);
+       it != floors.ranges.end() && it->first < hi; ++it) {
+    if (it->second.hi <= lo) continue;
+    join(floor, snapshots_[it->second.snapshot]);
+    any = true;
+  }
+  if (!any) return;
+  snapshots_.push_back(std::move(floor));
+  if (buffer_floor_.size() <= buffer.value()) buffer_floor_.resize(buffer.value() + 1, kNoFloor);
+  buffer_floor_[buffer.value()] = static_cast<std::uint32_t>(snapshots_.size() - 1);
 }
 
 std::size_t HazardChecker::tracked_segments() const {

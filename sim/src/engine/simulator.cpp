@@ -1,7 +1,9 @@
 #include "ferry/sim/engine/simulator.hpp"
 
 #include <algorithm>
+#include <span>
 #include <utility>
+#include <vector>
 
 #include "ferry/check.hpp"
 #include "simulator_state.hpp"
@@ -93,6 +95,10 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
   s.buffers.push_back(info);
   s.device_blocks.push_back(block);
   s.host_blocks.push_back(host_block);
+  // Checker: bytes a deferred free returned are ordered after its markers (Note [Latent reuse]).
+  if (s.options.check_hazards && kind != MemoryKind::Pageable) {
+    s.checker.allocated(id, s.space_of(info), info.address, info.address + bytes);
+  }
   if (kind != MemoryKind::Pageable) s.sample(info.device);
   s.end_host_call(op);
   return id;
@@ -113,6 +119,22 @@ void Simulator::free(BufferId buffer, std::string_view label) {
   }
   info.live = false;
   info.freed_by = op;
+  // Checker: judge the free for latent reuse before the allocator forgets the block's
+  // record_stream streams (Note [Latent reuse]).
+  if (s.options.check_hazards && info.kind != MemoryKind::Pageable) {
+    const bool on_device = info.kind == MemoryKind::Device;
+    const std::span<const StreamId> deferring =
+        on_device
+            ? s.devices[device.value()].allocator.deferring_streams(s.device_blocks[buffer.value()])
+            : s.pinned.deferring_streams(s.host_blocks[buffer.value()]);
+    std::vector<ThreadIndex> deferred;
+    deferred.reserve(deferring.size());
+    for (const StreamId d : deferring) deferred.push_back(s.streams.thread(d));
+    const ThreadIndex alloc_thread =
+        on_device ? s.streams.thread(s.ops[info.allocated_by.value()].stream) : kHostThread;
+    s.checker.release(op, buffer, s.space_of(info), info.address, info.address + info.bytes,
+                      std::span<const ThreadIndex>(&alloc_thread, on_device ? 1 : 0), deferred);
+  }
   if (info.kind == MemoryKind::Device) {
     s.devices[device.value()].allocator.free(s.device_blocks[buffer.value()], s);
     s.sample(info.device);

@@ -161,6 +161,15 @@ void CachingAllocator::record_stream(BlockId block, StreamId stream) {
   }
 }
 
+std::span<const StreamId> CachingAllocator::deferring_streams(BlockId block) const {
+  const auto found = live_.find(block);
+  FERRY_CHECK(found != live_.end(), "block {} is not allocated", block.value());
+  if (faults_.ignore_record_stream) {
+    return {};
+  }
+  return blocks_.at(found->second).stream_uses;
+}
+
 void CachingAllocator::free(BlockId block, StreamMarkers& markers) {
   const auto found = live_.find(block);
   FERRY_CHECK(found != live_.end(),

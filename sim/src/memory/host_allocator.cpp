@@ -85,6 +85,15 @@ void PinnedHostAllocator::record_stream(HostBlockId block, StreamId stream) {
   }
 }
 
+std::span<const StreamId> PinnedHostAllocator::deferring_streams(HostBlockId block) const {
+  const auto found = live_.find(block);
+  FERRY_CHECK(found != live_.end(), "pinned block {} is not allocated", block.value());
+  if (faults_.ignore_record_stream) {
+    return {};
+  }
+  return blocks_.at(found->second).streams;
+}
+
 void PinnedHostAllocator::free(HostBlockId block, StreamMarkers& markers) {
   const auto found = live_.find(block);
   FERRY_CHECK(found != live_.end(),

@@ -6,9 +6,15 @@
 /// The verdicts depend only on the happens-before graph (program order, launches, event
 /// waits, synchronizations), never on simulated timing, so a program is judged for every
 /// interleaving its synchronization allows. See Note [Access frontiers].
+///
+/// Frees are judged the same way: at each free the checker decides whether every access to
+/// the freed bytes is ordered before the point where the allocator may hand them out again,
+/// whether or not the simulated run does reuse them. See Note [Latent reuse].
 
 #include <cstdint>
 #include <map>
+#include <span>
+#include <tuple>
 #include <vector>
 
 #include "ferry/ids.hpp"
@@ -33,6 +39,7 @@ enum class HazardKind : std::uint8_t {
   UseAfterFree,    ///< an operation named an allocation that was already freed
   DoubleFree,      ///< an allocation freed twice
   UseBeforeAlloc,  ///< an operation named a buffer slot with no memory
+  LatentReuse,     ///< memory freed while an access to it may still run: a later owner races
 };
 
 enum class Conflict : std::uint8_t { None, ReadAfterWrite, WriteAfterRead, WriteAfterWrite };
@@ -40,20 +47,30 @@ enum class Conflict : std::uint8_t { None, ReadAfterWrite, WriteAfterRead, Write
 /// One finding: the earlier and the later operation, and the bytes they share.
 struct Hazard {
   HazardKind kind = HazardKind::Race;
+  /// For LatentReuse: the earlier access against a write by the next owner (WriteAfterRead or
+  /// WriteAfterWrite).
   Conflict conflict = Conflict::None;
   OpId first;             ///< earlier access (or the free, for UseAfterFree/DoubleFree)
-  OpId second;            ///< later access
+  OpId second;            ///< later access (the free, for LatentReuse)
   BufferId first_buffer;  ///< allocation the earlier op touched
   BufferId second_buffer;
   SpaceIndex space = 0;
   Bytes lo;  ///< first byte address of the shared range
   Bytes hi;  ///< one past the last byte
+  /// For LatentReuse: the first access by a later owner of these bytes that the earlier access
+  /// was not ordered before (the simulated run did reuse them); invalid when none was seen.
+  OpId reused_by{};
+  BufferId reused_buffer{};  ///< the allocation reused_by touched
 };
 
 /// Test-only switches that break the checker on purpose (planted faults).
 struct CheckerFaults {
   bool ignore_event_waits = false;  ///< forget every stream-waits-event edge
   bool skip_write_after_read = false;
+  /// A free deferred by record_stream on one stream is taken to wait for every stream.
+  bool deferral_covers_every_stream = false;
+  /// The next owner of a deferred free's bytes is not ordered after its markers.
+  bool ignore_floors = false;
 };
 
 class HazardChecker {
@@ -80,6 +97,18 @@ class HazardChecker {
   /// The host learns that everything issued so far on `thread` completed (stream sync).
   void host_joins(ThreadIndex thread);
 
+  /// The host frees `buffer`, which held [lo, hi) of `space`, in op `free_op`. The allocator
+  /// may hand the bytes out once the host has reached this point and every thread in
+  /// `alloc_threads` (whose later work is stream-ordered after the reuse: a device block's
+  /// allocation stream) and in `deferred` (record_stream: the allocator waits for markers on
+  /// them) has finished the work issued so far. Reports a LatentReuse hazard for each access
+  /// to the buffer not ordered before that point. See Note [Latent reuse].
+  void release(OpId free_op, BufferId buffer, SpaceIndex space, Bytes lo, Bytes hi,
+               std::span<const ThreadIndex> alloc_threads, std::span<const ThreadIndex> deferred);
+  /// `buffer` now holds [lo, hi) of `space`. Bytes a deferred free returned are handed out only
+  /// after its markers completed, so the buffer's accesses are ordered after them.
+  void allocated(BufferId buffer, SpaceIndex space, Bytes lo, Bytes hi);
+
   void report(Hazard hazard) { hazards_.push_back(hazard); }
   [[nodiscard]] const std::vector<Hazard>& hazards() const { return hazards_; }
   /// Byte-range segments and access entries currently tracked (memory use of the shadow).
@@ -93,6 +122,7 @@ class HazardChecker {
     OpId op;
     BufferId buffer;
     AccessOrigin origin = AccessOrigin::Kernel;
+    bool latent = false;  // reported as LatentReuse at its buffer's free (fits the padding)
     friend bool operator==(const Access&, const Access&) = default;
   };
   // An access set: at most one entry per thread, nearly always one or two. The first
@@ -102,6 +132,8 @@ class HazardChecker {
     [[nodiscard]] std::size_t size() const { return size_; }
     [[nodiscard]] const Access* begin() const { return data(); }
     [[nodiscard]] const Access* end() const { return data() + size_; }
+    Access* begin() { return data(); }
+    Access* end() { return data() + size_; }
     void push_back(const Access& a);
     template <class Pred>
     void erase_if(Pred pred) {
@@ -142,11 +174,32 @@ class HazardChecker {
   Shadow::iterator split(Shadow& shadow, std::int64_t at);
   void coalesce(Shadow& shadow, std::int64_t lo, std::int64_t hi);
 
+  // The bytes [lo, hi) of a deferred free, and what its markers captured.
+  struct Floor {
+    std::int64_t hi;
+    std::uint32_t snapshot;
+  };
+  struct FloorMap {
+    std::multimap<std::int64_t, Floor> ranges;  // by first byte; none inside a newer one
+    std::int64_t longest = 0;                   // longest range, to bound an overlap search
+  };
+  static constexpr std::uint32_t kNoFloor = 0xffffffffU;
+
   CheckerFaults faults_;
   std::vector<Clock> clocks_{Clock(1, 0)};
   std::vector<Clock> snapshots_;
   std::vector<Shadow> spaces_;
   std::vector<Hazard> hazards_;
+  std::vector<FloorMap> floors_;             // per space
+  std::vector<std::uint32_t> buffer_floor_;  // per buffer: snapshot, or kNoFloor
+  Clock scratch_;                            // a thread's clock joined with a floor
+  Clock reuse_;                              // a free's reuse point
+  // Per buffer, per thread: the epoch of the thread's latest access to it (0: none). A free
+  // whose reuse point is after every one needs no look at the shadow.
+  std::vector<std::vector<std::uint32_t>> last_access_;
+  // LatentReuse reports by (access op, its buffer, whether it wrote): an observed reuse of
+  // the same access adds to that report rather than making a second one.
+  std::map<std::tuple<std::uint32_t, std::uint32_t, bool>, std::size_t> latent_;
 };
 
 }  // namespace ferry::sim

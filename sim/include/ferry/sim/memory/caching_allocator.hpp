@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -117,6 +118,9 @@ class CachingAllocator {
 
   /// Returns the block to its pool, or defers that behind markers on the recorded streams.
   void free(BlockId block, StreamMarkers& markers);
+  /// The streams a free of the (allocated) block will wait for, sorted: those record_stream
+  /// named, other than the allocation stream; none when frees ignore record_stream.
+  [[nodiscard]] std::span<const StreamId> deferring_streams(BlockId block) const;
 
   /// Waits for pending frees, then returns every fully free segment to the device.
   void empty_cache(StreamMarkers& markers);

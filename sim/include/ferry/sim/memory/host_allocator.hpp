@@ -6,6 +6,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <span>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -69,6 +70,9 @@ class PinnedHostAllocator {
   void record_stream(HostBlockId block, StreamId stream);
   /// Caches the block for reuse, or defers that behind markers on the recorded streams.
   void free(HostBlockId block, StreamMarkers& markers);
+  /// The streams a free of the (allocated) block will wait for, sorted; none when frees ignore
+  /// record_stream.
+  [[nodiscard]] std::span<const StreamId> deferring_streams(HostBlockId block) const;
   /// Waits for pending frees, then unpins every cached free block.
   void empty_cache(StreamMarkers& markers);
 

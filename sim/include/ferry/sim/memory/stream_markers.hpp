@@ -13,9 +13,10 @@ using MarkerId = StrongId<struct MarkerTag>;
 // cannot go back to its pool when the host frees it: those streams may still be reading it.
 // The allocator records a marker on each such stream at free time and hands the block back
 // only once every marker has completed, which it learns by querying at the next malloc (or,
-// under memory pressure and in empty_cache, by synchronizing). A query that answers "done"
-// is a real host observation, so the simulator merges the marker's happens-before clock into
-// the host's: that is what makes the later reuse ordered after the other streams' work.
+// under memory pressure and in empty_cache, by synchronizing). Whether a query answers "done"
+// depends on timing, so the hazard checker does not order the host after a queried marker;
+// it orders only the buffer that later gets the returned bytes after the markers, and a
+// blocking synchronize orders the host. See Note [Latent reuse] in the hazard checker.
 
 /// Implemented by the simulated device; called by the allocators.
 class StreamMarkers {
