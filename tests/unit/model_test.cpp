@@ -624,7 +624,18 @@ std::vector<BadCase> bad_cases() {
       {"saved twice", valid_with(R"("saved": ["x", "w"])", R"("saved": ["x", "w", "x"])"),
        R"(toy.json: ops[0].saved[2]: "x" is already saved by this op (saved[0]))"},
       {"saved before produced", valid_with(R"("saved": ["x", "w"])", R"("saved": ["x", "w", "y"])"),
-       R"(toy.json: ops[0].saved[2]: activation "y" is saved before it is produced)"},
+       R"(toy.json: ops[0].saved[2]: "y" is neither an input nor an output of this op; an op )"
+       "saves only tensors it reads or produces"},
+      {"saved activation the op does not touch",
+       valid_with(R"("inputs": ["h_lo"], "outputs": ["y"], "saved": [])",
+                  R"("inputs": ["h_lo"], "outputs": ["y"], "saved": ["h"])"),
+       R"(toy.json: ops[1].saved[0]: "h" is neither an input nor an output of this op; an op )"
+       "saves only tensors it reads or produces"},
+      {"saved param the op does not read",
+       valid_with(R"("inputs": ["h_lo"], "outputs": ["y"], "saved": [])",
+                  R"("inputs": ["h_lo"], "outputs": ["y"], "saved": ["w"])"),
+       R"(toy.json: ops[1].saved[0]: "w" is neither an input nor an output of this op; an op )"
+       "saves only tensors it reads or produces"},
       {"loss not produced by the last op", valid_with(R"("loss": "y")", R"("loss": "h")"),
        R"(toy.json: loss: "h" is produced by ops[0] "fc", not by the last op (ops[1] "sum"))"},
       {"loss is a param", valid_with(R"("loss": "y")", R"("loss": "w")"),

@@ -143,6 +143,19 @@ Result<std::size_t> tensor_index(const Model& model, std::uint32_t index, std::s
 
 constexpr std::int64_t kNotProduced = -1;
 
+bool contains(const std::vector<std::uint32_t>& list, std::uint32_t t) {
+  return std::find(list.begin(), list.end(), t) != list.end();
+}
+
+// Note [What a node saves]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// An autograd node keeps SavedVariables of its forward's inputs and outputs: nothing else of the
+// model exists for it to hold. The simulated autograd relies on that for lifetimes: an
+// activation's storage is released after the last op that produces or reads it (its last
+// forward use), and a pack then holds a storage that is live. A tensor saved by an op that
+// neither reads nor produces it may already be gone (its last forward use was earlier), so the
+// rule is checked here rather than discovered as a dead storage in the middle of a run.
+
 /// Checks each op's references in forward order against the ops that produced each activation.
 /// `producer[t]` is the op that produced tensor t, or kNotProduced.
 Status check_ops(const Model& model, std::vector<std::int64_t>& producer) {
@@ -201,8 +214,11 @@ Status check_ops(const Model& model, std::vector<std::int64_t>& producer) {
         return error_at(at, "{} is already saved by this op (saved[{}])", json_quote(tensor.name),
                         first - op.saved.begin());
       }
-      if (tensor.role == TensorRole::Activation && producer[t] == kNotProduced) {
-        return error_at(at, "activation {} is saved before it is produced",
+      // See Note [What a node saves].
+      if (!contains(op.inputs, op.saved[j]) && !contains(op.outputs, op.saved[j])) {
+        return error_at(at,
+                        "{} is neither an input nor an output of this op; an op saves only "
+                        "tensors it reads or produces",
                         json_quote(tensor.name));
       }
     }
