@@ -720,6 +720,45 @@ Model small_valid_model() {
   return parsed.value();
 }
 
+// The models the rules of docs/model-format.md allow, one test each.
+
+TEST(ModelRules, LayersNeedNotStartAtZeroBeContiguousOrInOrder) {
+  Model model = small_valid_model();
+  model.ops[0].layer = 7;
+  model.ops[1].layer = 3;
+  EXPECT_TRUE(validate_model(model).ok());
+  EXPECT_EQ(saved_activation_bytes(model, 7), Bytes(0));  // fc saves the batch and a param
+}
+
+TEST(ModelRules, AViewMayBeProducedByALaterOpThanItsBase) {
+  Model model = small_valid_model();
+  model.ops[0].outputs = {2};  // fc: h
+  ModelOp slice;
+  slice.name = "slice";
+  slice.inputs = {2};
+  slice.outputs = {3};  // h_lo, a view of h
+  model.ops.insert(model.ops.begin() + 1, slice);
+  const Status status = validate_model(model);
+  EXPECT_TRUE(status.ok()) << status.error().message;
+}
+
+TEST(ModelRules, AnOpSavesItsInputsAndOutputsOfAnyRole) {
+  Model model = small_valid_model();
+  model.ops[0].saved = {0, 1, 2, 3};  // the batch, a param, its output and a view of it
+  model.ops[1].saved = {3, 4};        // its input and its output (the loss)
+  const Status status = validate_model(model);
+  EXPECT_TRUE(status.ok()) << status.error().message;
+}
+
+TEST(ModelRules, TwoOpsMaySaveTheSameTensorAndItCountsOnce) {
+  Model model = small_valid_model();
+  model.ops[0].saved = {3};
+  model.ops[1].saved = {3};
+  model.ops[1].layer = 0;
+  ASSERT_TRUE(validate_model(model).ok());
+  EXPECT_EQ(saved_activation_bytes(model, 0), Bytes(32));
+}
+
 TEST(ValidateModel, RejectsIndicesOutOfRange) {
   Model model = small_valid_model();
   model.ops[1].inputs.push_back(9);
