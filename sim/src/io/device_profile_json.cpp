@@ -135,7 +135,6 @@ Result<std::string> read_text_file(const std::filesystem::path& path) {
 
 }  // namespace io_detail
 
-
 Result<DeviceProfile> parse_device_profile(std::string_view text, std::string_view source) {
   FERRY_JSON_TRY(const auto document, parse_json_text(text, source));
   return io_detail::read_profile(JsonValue(document, source));
