@@ -61,9 +61,14 @@ inline TrainingOptions cli_training_options() {
 }
 
 /// What `ferry compare` and `ferry simulate --checkpoint ... --devices 2` do with a model that
-/// loaded: every row of compare, the checkpoint specs compare leaves out, the pipeline rows,
-/// and every report. Durations come from the device's roofline, as in the CLI.
+/// loaded and whose ops' roofline times on the device are within the format's bounds: every row of
+/// compare, the checkpoint specs compare leaves out, the pipeline rows, and every report. Durations
+/// come from the device's roofline, as in the CLI.
 inline void simulate_model(Model model, const DeviceProfile& device) {
+  if (const Status fits = check_roofline(model, device); !fits.ok()) {
+    if (!fits.error().message.starts_with("ops[")) fail("roofline error names no op");
+    return;
+  }
   assign_roofline_durations(model, device);
   const TrainingOptions base = cli_training_options();
   std::vector<PolicyRow> rows = default_rows(base, model);

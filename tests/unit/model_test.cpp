@@ -720,6 +720,25 @@ Model small_valid_model() {
   return parsed.value();
 }
 
+TEST(Roofline, AnOpLongerThanTheFormatAllowsOnTheDeviceIsAnError) {
+  Model model = small_valid_model();
+  model.ops[1].backward_flops = kMaxModelFlops;
+  const DeviceProfile fast = round_device(1'000'000'000'000'000, 1'000'000'000'000);
+  EXPECT_TRUE(check_roofline(model, fast).ok());  // 10^18 FLOP at 0.6 PFLOP/s: 1.7e12 ns
+  DeviceProfile slow = round_device(1'000'000, 1'000'000'000'000);  // the slowest rate allowed
+  slow.name = "slow";
+  EXPECT_EQ(check_roofline(model, slow).error().message,
+            "ops[1].backward_flops: 1000000000000000000 FLOP at 1000000 FLOP/s x 600/1000 on "
+            "device \"slow\" take over 1000000000000000 ns, the longest duration a model op may "
+            "have");
+  model.ops[1].backward_flops = 0;
+  model.ops[0].bytes = Bytes(std::int64_t{1} << 50);
+  EXPECT_EQ(check_roofline(model, round_device(1'000'000'000'000'000, 1'000'000))
+                .error()
+                .message.substr(0, 45),
+            "ops[0].bytes: 1125899906842624 bytes at 10000");
+}
+
 // The models the rules of docs/model-format.md allow, one test each.
 
 TEST(ModelRules, LayersNeedNotStartAtZeroBeContiguousOrInOrder) {
