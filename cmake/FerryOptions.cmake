@@ -12,3 +12,10 @@ if(FERRY_SANITIZE)
                                                  -fno-omit-frame-pointer)
   target_link_options(ferry_options INTERFACE -fsanitize=address,undefined)
 endif()
+if(FERRY_FUZZ)
+  # Coverage for libFuzzer on every ferry target; the harnesses add the fuzzer's main.
+  target_compile_options(ferry_options INTERFACE -fsanitize=fuzzer-no-link,address,undefined
+                                                 -fno-sanitize-recover=undefined
+                                                 -fno-omit-frame-pointer)
+  target_link_options(ferry_options INTERFACE -fsanitize=address,undefined)
+endif()

@@ -5,8 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# clang and libclang-rt-dev: the libFuzzer harnesses (scripts/fuzz.sh).
 packages=(cmake ninja-build g++ clang-format clang-tidy libfmt-dev nlohmann-json3-dev
-          libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev)
+          libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
+          clang libclang-rt-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

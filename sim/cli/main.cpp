@@ -183,6 +183,10 @@ int run_plan(const PlanArgs& args, bool compare) {
     fmt::print(stderr, "ferry: error: {}\n", device.error().message);
     return kExitBadInput;
   }
+  if (auto fits = ferry::sim::check_roofline(model.value(), device.value()); !fits.ok()) {
+    fmt::print(stderr, "ferry: error: {}: {}\n", args.model, fits.error().message);
+    return kExitBadInput;
+  }
   ferry::sim::assign_roofline_durations(model.value(), device.value());
   ferry::sim::TrainingOptions base = training_options(args);
   if (!compare) {

@@ -624,7 +624,18 @@ std::vector<BadCase> bad_cases() {
       {"saved twice", valid_with(R"("saved": ["x", "w"])", R"("saved": ["x", "w", "x"])"),
        R"(toy.json: ops[0].saved[2]: "x" is already saved by this op (saved[0]))"},
       {"saved before produced", valid_with(R"("saved": ["x", "w"])", R"("saved": ["x", "w", "y"])"),
-       R"(toy.json: ops[0].saved[2]: activation "y" is saved before it is produced)"},
+       R"(toy.json: ops[0].saved[2]: "y" is neither an input nor an output of this op; an op )"
+       "saves only tensors it reads or produces"},
+      {"saved activation the op does not touch",
+       valid_with(R"("inputs": ["h_lo"], "outputs": ["y"], "saved": [])",
+                  R"("inputs": ["h_lo"], "outputs": ["y"], "saved": ["h"])"),
+       R"(toy.json: ops[1].saved[0]: "h" is neither an input nor an output of this op; an op )"
+       "saves only tensors it reads or produces"},
+      {"saved param the op does not read",
+       valid_with(R"("inputs": ["h_lo"], "outputs": ["y"], "saved": [])",
+                  R"("inputs": ["h_lo"], "outputs": ["y"], "saved": ["w"])"),
+       R"(toy.json: ops[1].saved[0]: "w" is neither an input nor an output of this op; an op )"
+       "saves only tensors it reads or produces"},
       {"loss not produced by the last op", valid_with(R"("loss": "y")", R"("loss": "h")"),
        R"(toy.json: loss: "h" is produced by ops[0] "fc", not by the last op (ops[1] "sum"))"},
       {"loss is a param", valid_with(R"("loss": "y")", R"("loss": "w")"),
@@ -707,6 +718,64 @@ Model small_valid_model() {
   const auto parsed = parse_model(kValidModel, "toy.json");
   EXPECT_TRUE(parsed.ok());
   return parsed.value();
+}
+
+TEST(Roofline, AnOpLongerThanTheFormatAllowsOnTheDeviceIsAnError) {
+  Model model = small_valid_model();
+  model.ops[1].backward_flops = kMaxModelFlops;
+  const DeviceProfile fast = round_device(1'000'000'000'000'000, 1'000'000'000'000);
+  EXPECT_TRUE(check_roofline(model, fast).ok());  // 10^18 FLOP at 0.6 PFLOP/s: 1.7e12 ns
+  DeviceProfile slow = round_device(1'000'000, 1'000'000'000'000);  // the slowest rate allowed
+  slow.name = "slow";
+  EXPECT_EQ(check_roofline(model, slow).error().message,
+            "ops[1].backward_flops: 1000000000000000000 FLOP at 1000000 FLOP/s x 600/1000 on "
+            "device \"slow\" take over 1000000000000000 ns, the longest duration a model op may "
+            "have");
+  model.ops[1].backward_flops = 0;
+  model.ops[0].bytes = Bytes(std::int64_t{1} << 50);
+  EXPECT_EQ(check_roofline(model, round_device(1'000'000'000'000'000, 1'000'000))
+                .error()
+                .message.substr(0, 45),
+            "ops[0].bytes: 1125899906842624 bytes at 10000");
+}
+
+// The models the rules of docs/model-format.md allow, one test each.
+
+TEST(ModelRules, LayersNeedNotStartAtZeroBeContiguousOrInOrder) {
+  Model model = small_valid_model();
+  model.ops[0].layer = 7;
+  model.ops[1].layer = 3;
+  EXPECT_TRUE(validate_model(model).ok());
+  EXPECT_EQ(saved_activation_bytes(model, 7), Bytes(0));  // fc saves the batch and a param
+}
+
+TEST(ModelRules, AViewMayBeProducedByALaterOpThanItsBase) {
+  Model model = small_valid_model();
+  model.ops[0].outputs = {2};  // fc: h
+  ModelOp slice;
+  slice.name = "slice";
+  slice.inputs = {2};
+  slice.outputs = {3};  // h_lo, a view of h
+  model.ops.insert(model.ops.begin() + 1, slice);
+  const Status status = validate_model(model);
+  EXPECT_TRUE(status.ok()) << status.error().message;
+}
+
+TEST(ModelRules, AnOpSavesItsInputsAndOutputsOfAnyRole) {
+  Model model = small_valid_model();
+  model.ops[0].saved = {0, 1, 2, 3};  // the batch, a param, its output and a view of it
+  model.ops[1].saved = {3, 4};        // its input and its output (the loss)
+  const Status status = validate_model(model);
+  EXPECT_TRUE(status.ok()) << status.error().message;
+}
+
+TEST(ModelRules, TwoOpsMaySaveTheSameTensorAndItCountsOnce) {
+  Model model = small_valid_model();
+  model.ops[0].saved = {3};
+  model.ops[1].saved = {3};
+  model.ops[1].layer = 0;
+  ASSERT_TRUE(validate_model(model).ok());
+  EXPECT_EQ(saved_activation_bytes(model, 0), Bytes(32));
 }
 
 TEST(ValidateModel, RejectsIndicesOutOfRange) {

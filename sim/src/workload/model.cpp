@@ -143,6 +143,19 @@ Result<std::size_t> tensor_index(const Model& model, std::uint32_t index, std::s
 
 constexpr std::int64_t kNotProduced = -1;
 
+bool contains(const std::vector<std::uint32_t>& list, std::uint32_t t) {
+  return std::find(list.begin(), list.end(), t) != list.end();
+}
+
+// Note [What a node saves]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// An autograd node keeps SavedVariables of its forward's inputs and outputs: nothing else of the
+// model exists for it to hold. The simulated autograd relies on that for lifetimes: an
+// activation's storage is released after the last op that produces or reads it (its last
+// forward use), and a pack then holds a storage that is live. A tensor saved by an op that
+// neither reads nor produces it may already be gone (its last forward use was earlier), so the
+// rule is checked here rather than discovered as a dead storage in the middle of a run.
+
 /// Checks each op's references in forward order against the ops that produced each activation.
 /// `producer[t]` is the op that produced tensor t, or kNotProduced.
 Status check_ops(const Model& model, std::vector<std::int64_t>& producer) {
@@ -201,8 +214,11 @@ Status check_ops(const Model& model, std::vector<std::int64_t>& producer) {
         return error_at(at, "{} is already saved by this op (saved[{}])", json_quote(tensor.name),
                         first - op.saved.begin());
       }
-      if (tensor.role == TensorRole::Activation && producer[t] == kNotProduced) {
-        return error_at(at, "activation {} is saved before it is produced",
+      // See Note [What a node saves].
+      if (!contains(op.inputs, op.saved[j]) && !contains(op.outputs, op.saved[j])) {
+        return error_at(at,
+                        "{} is neither an input nor an output of this op; an op saves only "
+                        "tensors it reads or produces",
                         json_quote(tensor.name));
       }
     }
@@ -334,16 +350,22 @@ Bytes saved_activation_bytes(const Model& model, std::int32_t layer) {
 
 namespace {
 
+__extension__ using Wide = unsigned __int128;
+
 /// ceil(amount x 10^9 x 1000 / (rate x permille)) nanoseconds: `amount` FLOPs or bytes moved at
-/// `permille` thousandths of `rate` per second.
-std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t permille) {
-  // 128-bit: amount x 10^12 overflows 64 bits above ~9.2e6 FLOPs.
-  __extension__ using Wide = unsigned __int128;
+/// `permille` thousandths of `rate` per second. 128-bit: amount x 10^12 overflows 64 bits above
+/// ~9.2e6 FLOPs, and the result does too for the slowest rates a profile may give.
+Wide roofline_ns_wide(std::int64_t amount, std::int64_t rate, std::int64_t permille) {
   const Wide scaled = static_cast<Wide>(amount) * 1'000'000'000U * 1000U;
   const Wide divisor = static_cast<Wide>(rate) * static_cast<Wide>(permille);
-  const Wide ns = (scaled + divisor - 1) / divisor;
-  FERRY_CHECK(ns <= static_cast<Wide>(std::numeric_limits<std::int64_t>::max()),
-              "roofline time of {} at rate {} does not fit in 64 bits", amount, rate);
+  return (scaled + divisor - 1) / divisor;
+}
+
+std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t permille) {
+  const Wide ns = roofline_ns_wide(amount, rate, permille);
+  FERRY_CHECK(ns <= static_cast<Wide>(kMaxJsonNanoseconds),
+              "roofline time of {} at rate {} is above {} ns: check_roofline first", amount, rate,
+              kMaxJsonNanoseconds);
   return static_cast<std::int64_t>(ns);
 }
 
@@ -354,7 +376,44 @@ SimTime roofline_time(std::int64_t flops, Bytes bytes, const DeviceProfile& devi
   return SimTime(std::max({compute, memory, std::int64_t{1}}));
 }
 
+/// An error when `amount` (the op's member `key`) takes longer than the format's longest
+/// duration at `permille` of `rate` (`unit` per second).
+Status check_roofline_term(std::string_view path, std::string_view key, std::int64_t amount,
+                           std::int64_t rate, std::int64_t permille, std::string_view unit,
+                           const DeviceProfile& device) {
+  const Wide ns = roofline_ns_wide(amount, rate, permille);
+  if (ns <= static_cast<Wide>(kMaxJsonNanoseconds)) return Ok{};
+  return error_at(json_member_path(path, key),
+                  "{} {} at {} {}/s x {}/1000 on device {} take over {} ns, the longest duration "
+                  "a model op may have",
+                  amount, unit, rate, unit, permille, json_quote(device.name), kMaxJsonNanoseconds);
+}
+
 }  // namespace
+
+Status check_roofline(const Model& model, const DeviceProfile& device) {
+  const std::int64_t flops_rate = device.flops_per_s;
+  const std::int64_t byte_rate = device.memory_bandwidth.bytes_per_s();
+  if (flops_rate <= 0 || byte_rate <= 0) {
+    return Error{fmt::format("device profile {} needs positive flops_per_s and memory bandwidth",
+                             json_quote(device.name))};
+  }
+  for (std::size_t i = 0; i < model.ops.size(); ++i) {
+    const ModelOp& op = model.ops[i];
+    const std::string path = op_path(i);
+    FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "flops", op.flops, flops_rate,
+                                                   kRooflineFlopsPermille, "FLOP", device));
+    FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "bytes", op.bytes.count(), byte_rate,
+                                                   kRooflineBandwidthPermille, "bytes", device));
+    FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "backward_flops", op.backward_flops,
+                                                   flops_rate, kRooflineFlopsPermille, "FLOP",
+                                                   device));
+    FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "backward_bytes",
+                                                   op.backward_bytes.count(), byte_rate,
+                                                   kRooflineBandwidthPermille, "bytes", device));
+  }
+  return Ok{};
+}
 
 void assign_roofline_durations(Model& model, const DeviceProfile& device) {
   FERRY_CHECK(device.flops_per_s > 0 && device.memory_bandwidth.bytes_per_s() > 0,

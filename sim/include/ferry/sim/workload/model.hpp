@@ -110,9 +110,15 @@ inline constexpr std::int64_t kRooflineFlopsPermille = 600;
 /// Assumed fraction of memory bandwidth a kernel reaches, in thousandths (an assumption).
 inline constexpr std::int64_t kRooflineBandwidthPermille = 800;
 
+/// Whether every op's roofline times on `device` are at most kMaxJsonNanoseconds, the longest
+/// duration the format allows (a slow device profile and a large op can give more); the error
+/// names the op's count ("ops[3].flops: ..."). Call before assign_roofline_durations.
+Status check_roofline(const Model& model, const DeviceProfile& device);
+
 /// Sets every op's forward and backward duration from the device's peak FLOP/s and memory
 /// bandwidth: max(flops / (peak x 0.6), bytes / (bandwidth x 0.8)), rounded up to whole
-/// nanoseconds and at least 1 ns. See docs/model-format.md.
+/// nanoseconds and at least 1 ns. See docs/model-format.md. The model must pass
+/// check_roofline on `device`.
 void assign_roofline_durations(Model& model, const DeviceProfile& device);
 
 /// Names of the built-in presets ("gpt2-small-s1024", "llama3-8b-s8192", ...).

@@ -1,0 +1,184 @@
+// Device profiles (scenarios/devices/*.json): reading, and finding the bundled ones by name.
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <fstream>
+#include <sstream>
+#include <system_error>
+#include <utility>
+
+#include "ferry/sim/io/program_json.hpp"
+#include "json_files.hpp"
+
+namespace ferry::sim {
+namespace {
+
+constexpr auto kOverheadKeys = [] {
+  std::array<std::string_view, kOverheadFields.size()> keys{};
+  for (std::size_t i = 0; i < kOverheadFields.size(); ++i) keys[i] = kOverheadFields[i].key;
+  return keys;
+}();
+
+/// Profile names double as file names: lower-case letters, digits, '-', '_', '.', not leading '.'.
+bool is_profile_name(std::string_view name) {
+  if (name.empty() || name.front() == '.') return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '_' || c == '.';
+  });
+}
+
+}  // namespace
+
+namespace io_detail {
+
+Result<std::int64_t> read_rate(const JsonObject& object, std::string_view key) {
+  return object.required_integer(key, kMinJsonRate, kMaxJsonRate);
+}
+
+Result<std::int64_t> read_nanoseconds(const JsonObject& object, std::string_view key) {
+  return object.required_integer(key, 0, kMaxJsonNanoseconds);
+}
+
+}  // namespace io_detail
+
+namespace {
+
+using io_detail::read_nanoseconds;
+using io_detail::read_rate;
+
+Result<CopyPath> read_copy_path(const JsonObject& parent, std::string_view key,
+                                bool with_permille) {
+  FERRY_JSON_TRY(const auto object,
+                 with_permille ? parent.required_object(
+                                     key, {"bytes_per_s", "latency_ns", "bidirectional_permille"})
+                               : parent.required_object(key, {"bytes_per_s", "latency_ns"}));
+  CopyPath path;
+  FERRY_JSON_TRY(const auto rate, read_rate(object, "bytes_per_s"));
+  FERRY_JSON_TRY(const auto latency, read_nanoseconds(object, "latency_ns"));
+  path.bandwidth = Bandwidth(rate);
+  path.latency = SimTime(latency);
+  if (with_permille) {
+    FERRY_JSON_TRY(const auto permille,
+                   object.optional_integer("bidirectional_permille", 1000, 1, 1000));
+    path.bidirectional_permille = static_cast<std::int32_t>(permille);
+  }
+  return path;
+}
+
+}  // namespace
+
+namespace io_detail {
+
+Result<DeviceProfile> read_profile(const JsonValue& value) {
+  FERRY_JSON_TRY(const auto object,
+                 value.object({"name", "description", "memory_bytes", "flops_per_s",
+                               "memory_bytes_per_s", "h2d", "d2h", "pageable", "d2d", "peer",
+                               "pinned_host_capacity_bytes", "overheads_ns"}));
+  DeviceProfile profile;
+  FERRY_JSON_TRY(const auto name_value, object.required("name"));
+  FERRY_JSON_TRY(profile.name, name_value.name());
+  if (!is_profile_name(profile.name)) {
+    return name_value.error(
+        "profile names use lower-case letters, digits, '-', '_' and '.', got {}",
+        json_quote(profile.name));
+  }
+  FERRY_JSON_TRY(profile.description, object.optional_string("description", {}));
+  FERRY_JSON_TRY(const auto memory, object.required_integer("memory_bytes", 1, kMaxJsonBytes));
+  profile.memory = Bytes(memory);
+  FERRY_JSON_TRY(profile.flops_per_s, read_rate(object, "flops_per_s"));
+  FERRY_JSON_TRY(const auto hbm, read_rate(object, "memory_bytes_per_s"));
+  profile.memory_bandwidth = Bandwidth(hbm);
+  FERRY_JSON_TRY(profile.h2d, read_copy_path(object, "h2d", true));
+  FERRY_JSON_TRY(profile.d2h, read_copy_path(object, "d2h", true));
+  FERRY_JSON_TRY(const auto pageable,
+                 object.required_object("pageable", {"h2d_bytes_per_s", "d2h_bytes_per_s"}));
+  FERRY_JSON_TRY(const auto pageable_h2d, read_rate(pageable, "h2d_bytes_per_s"));
+  FERRY_JSON_TRY(const auto pageable_d2h, read_rate(pageable, "d2h_bytes_per_s"));
+  profile.pageable_h2d = Bandwidth(pageable_h2d);
+  profile.pageable_d2h = Bandwidth(pageable_d2h);
+  FERRY_JSON_TRY(profile.d2d, read_copy_path(object, "d2d", false));
+  FERRY_JSON_TRY(profile.peer, read_copy_path(object, "peer", false));
+  FERRY_JSON_TRY(const auto pinned,
+                 object.required_integer("pinned_host_capacity_bytes", 0, kMaxJsonBytes));
+  profile.pinned_host_capacity = Bytes(pinned);
+  FERRY_JSON_TRY(const auto overheads_value, object.required("overheads_ns"));
+  FERRY_JSON_TRY(const auto overheads,
+                 overheads_value.object(std::span<const std::string_view>(kOverheadKeys)));
+  for (const OverheadField& field : kOverheadFields) {
+    FERRY_JSON_TRY(const auto ns, read_nanoseconds(overheads, field.key));
+    profile.overheads.*field.field = SimTime(ns);
+  }
+  return profile;
+}
+
+Result<std::string> read_text_file(const std::filesystem::path& path) {
+  std::error_code error;
+  const auto status = std::filesystem::status(path, error);
+  if (error) return Error{fmt::format("{}: cannot read: {}", path.string(), error.message())};
+  if (!std::filesystem::is_regular_file(status)) {
+    return Error{fmt::format("{}: cannot read: not a regular file", path.string())};
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return Error{fmt::format("{}: cannot open: {}", path.string(),
+                             std::error_code(errno, std::generic_category()).message())};
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Error{fmt::format("{}: read error", path.string())};
+  return std::move(text).str();
+}
+
+}  // namespace io_detail
+
+Result<DeviceProfile> parse_device_profile(std::string_view text, std::string_view source) {
+  FERRY_JSON_TRY(const auto document, parse_json_text(text, source));
+  return io_detail::read_profile(JsonValue(document, source));
+}
+
+std::vector<std::string> list_device_profiles(const std::filesystem::path& profile_dir) {
+  std::vector<std::string> names;
+  std::error_code error;
+  std::filesystem::directory_iterator it(profile_dir, error);
+  for (; !error && it != std::filesystem::directory_iterator(); it.increment(error)) {
+    const auto& path = it->path();
+    if (path.extension() != ".json") continue;
+    std::string stem = path.stem().string();
+    if (is_profile_name(stem)) names.push_back(std::move(stem));
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+Result<DeviceProfile> load_device_profile(const std::filesystem::path& profile_dir,
+                                          std::string_view name) {
+  const auto bundled = [&] {
+    const auto names = list_device_profiles(profile_dir);
+    if (names.empty()) return fmt::format("no profiles in {}", profile_dir.string());
+    return fmt::format("bundled: {}", fmt::join(names, ", "));
+  };
+  if (!is_profile_name(name)) {
+    return Error{fmt::format(
+        "invalid device profile name {}: use lower-case letters, digits, '-', '_', '.' ({})",
+        json_quote(name), bundled())};
+  }
+  const auto path = profile_dir / (std::string(name) + ".json");
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) {
+    return Error{fmt::format("unknown device profile {} ({})", json_quote(name), bundled())};
+  }
+  FERRY_JSON_TRY(const auto text, io_detail::read_text_file(path));
+  const std::string source = path.string();
+  FERRY_JSON_TRY(auto profile, parse_device_profile(text, source));
+  if (profile.name != name) {
+    return Error{fmt::format("{}: name: {} does not match the file name {}", source,
+                             json_quote(profile.name), json_quote(name))};
+  }
+  return profile;
+}
+
+}  // namespace ferry::sim
