@@ -113,6 +113,7 @@ NoOffloadGuard::~NoOffloadGuard() { real::close_context(real::Context::Kind::NoO
 std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
                                    CheckpointOptions options) {
   install();
+  if (options.use_reentrant) return real::checkpoint_reentrant(fn, inputs, options);
   // The runtime hands the inputs back detached, leaves excepted (the same objects, as torch).
   auto replay = [fn](const std::vector<at::Tensor>& saved) { (void)fn(saved); };
   const real::FrameToken token = real::frame_begin(options, std::move(replay), inputs);

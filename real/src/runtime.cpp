@@ -4,12 +4,16 @@
 #include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <mutex>
 #include <optional>
@@ -28,6 +32,9 @@ namespace ferry::real {
 namespace {
 
 thread_local std::vector<Context> tl_stack;
+
+// CheckpointStates alive (live_checkpoint_states()).
+std::atomic<std::int64_t> g_live_states{0};
 
 // A saved tensor kept as it is. Detached: a saved output carries the node that saves it, and
 // holding it from that node's own saved variable would make a cycle nothing frees (autograd
@@ -113,7 +120,7 @@ class SessionImpl final : public SessionBase {
       hooked_.clear();
     }
     const std::uint64_t seq = at::sequence_number::peek();
-    const NodeId node = node_id(seq == 0 ? 0 : seq - 1, /*create=*/true);
+    const NodeId node = node_id(seq == 0 ? 0 : seq - 1);
     const auto item = static_cast<std::int64_t>(t.element_size());
     TensorFacts facts;
     facts.storage_bytes = Bytes(static_cast<std::int64_t>(t.storage().nbytes()));
@@ -136,7 +143,10 @@ class SessionImpl final : public SessionBase {
     std::lock_guard lock(mutex_);
     NodeId node(0);
     if (std::shared_ptr<torch::autograd::Node> current = torch::autograd::get_current_node()) {
-      node = node_id(current->sequence_nr(), /*create=*/false);
+      // A node that saved nothing through this session (a replay's, the unpack of an offloaded
+      // output in selective checkpointing) gets an id of its own too: the trl policy tells
+      // nodes apart as the reference compares node objects.
+      node = node_id(current->sequence_nr());
       const int gid = current_graph_task();
       if (gid != graph_task_) {
         graph_task_ = gid;
@@ -217,10 +227,9 @@ class SessionImpl final : public SessionBase {
   }
 
  private:
-  NodeId node_id(std::uint64_t seq, bool create) {
+  NodeId node_id(std::uint64_t seq) {
     auto it = nodes_.find(seq);
     if (it != nodes_.end()) return it->second;
-    if (!create) return NodeId(0);  // a node that saved nothing through this session
     const NodeId id(static_cast<std::uint32_t>(nodes_.size() + 1));
     nodes_.emplace(seq, id);
     return id;
@@ -284,6 +293,52 @@ void close_context(Context::Kind kind) noexcept {
     return;
   }
 }
+
+std::shared_ptr<Session> enclosing_session(bool* in_no_offload) {
+  if (in_no_offload != nullptr) *in_no_offload = false;
+  for (auto it = tl_stack.rbegin(); it != tl_stack.rend(); ++it) {
+    if (it->kind == Context::Kind::Offload) return it->session;
+    if (it->kind == Context::Kind::NoOffload) {
+      if (in_no_offload != nullptr) *in_no_offload = true;
+      return nullptr;
+    }
+  }
+  return nullptr;
+}
+
+// --- selective checkpointing's offload choice -------------------------------------------------
+
+// Note [Offloaded outputs]
+// Selective checkpointing keeps the outputs of the ops its policy saves and hands them back when
+// the region is recomputed. An op whose policy is to offload has its output packed by an offload
+// session instead: as an activation of the autograd node the op just created (the session names
+// nodes by sequence number, see Note [Nodes and backward passes]), so it is copied to the host in
+// forward and prefetched for backward like a saved tensor. The replay takes it back at the op,
+// and lets it go at once: the session sees a reloaded storage still referenced (the replay's
+// tensor) and frees it with record_stream on the compute stream when that reference dies.
+OffloadedOutput::OffloadedOutput(const std::shared_ptr<Session>& session, const at::Tensor& output)
+    : packed_(session->pack(output, TensorKind::Activation)),
+      version_(output.unsafeGetTensorImpl()->version_counter()),
+      saved_version_(version_.current_version()) {}
+
+at::Tensor OffloadedOutput::take(bool allow_mutation) {
+  if (!packed_) {
+    throw std::logic_error(
+        "ferry.checkpoint: an offloaded output of a selectively checkpointed region was taken "
+        "twice; a region computed under selective checkpointing can be backpropagated once");
+  }
+  if (!allow_mutation && version_.current_version() != saved_version_) {
+    throw std::logic_error(
+        "ferry.checkpoint: Tensor cached during selective activation checkpoint has been "
+        "mutated (an output the policy offloaded was modified in place after the op; pass "
+        "allow_cache_entry_mutation=True to create_selective_checkpoint_contexts to allow it)");
+  }
+  const PackedPtr packed = std::move(packed_);
+  packed_.reset();
+  return packed->unpack();
+}
+
+std::int64_t live_checkpoint_states() { return g_live_states.load(); }
 
 bool packing_active() {
   return !tl_stack.empty() && tl_stack.back().kind != Context::Kind::NoOffload;
@@ -394,18 +449,20 @@ class AutocastScope {
   AutocastState outer_;
 };
 
-// dtype and device in words, as torch prints them: {bytes: 512, dtype: bfloat16, device: cpu}.
+// Shape, dtype and device in words, as torch prints them:
+// {shape: [2, 8], dtype: bfloat16, device: cuda:0}.
 std::string describe_meta(const SavedMeta& m) {
   const auto dtype = static_cast<at::ScalarType>(m.dtype);
   const c10::Device device(static_cast<c10::DeviceType>(m.device / 256U),
                            static_cast<c10::DeviceIndex>(static_cast<int>(m.device % 256U) - 1));
-  return fmt::format("{{bytes: {}, dtype: {}, device: {}}}", m.bytes.count(),
+  return fmt::format("{{shape: [{}], dtype: {}, device: {}}}", fmt::join(m.shape, ", "),
                      c10::getDtypeNames(dtype).first, device.str());
 }
 
 SavedMeta saved_meta(const at::Tensor& t) {
   SavedMeta meta;
   meta.bytes = Bytes(t.numel() * static_cast<std::int64_t>(t.element_size()));
+  meta.shape = t.sizes().vec();
   meta.dtype = static_cast<std::uint8_t>(t.scalar_type());
   meta.device = static_cast<std::uint32_t>(t.device().type()) * 256U +
                 static_cast<std::uint32_t>(t.device().index() + 1);
@@ -427,6 +484,11 @@ SavedMeta saved_meta(const at::Tensor& t) {
 // are forgotten when no holder is left.
 class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
  public:
+  CheckpointState() { ++g_live_states; }
+  ~CheckpointState() { --g_live_states; }
+  CheckpointState(const CheckpointState&) = delete;
+  CheckpointState& operator=(const CheckpointState&) = delete;
+
   // A region input: kept, or saved by the parent frame.
   struct Input {
     at::Tensor tensor;
@@ -657,6 +719,111 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
 void frame_end(const FrameToken& token) {
   pop_context(Context::Kind::Frame);
   token.state->end(token.frame);
+}
+
+// --- reentrant checkpoint ----------------------------------------------------------------------
+
+namespace {
+
+// What the backward of a reentrant region needs besides its inputs (held by autograd's context
+// as a capsule).
+struct ReentrantRegion : torch::CustomClassHolder {
+  RegionFn fn;
+  bool preserve_rng = true;
+  RngState rng;
+  AutocastState autocast;
+};
+
+// Note [Reentrant checkpoint]
+// As torch's CheckpointFunction: forward runs the region without grad (a custom Function's
+// forward does) and saves only its inputs; backward reruns the region with grad, under the
+// forward's random and autocast state, from detached inputs, and backpropagates through the
+// rerun with a nested backward call. That nested call is why .grad() and backward(inputs=...)
+// cannot work: the engine says whether the outer call may be reentered.
+struct ReentrantFunction : torch::autograd::Function<ReentrantFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const c10::intrusive_ptr<ReentrantRegion>& region,
+                                                at::TensorList inputs) {
+    ctx->saved_data["region"] = c10::IValue::make_capsule(region);
+    std::vector<at::Tensor> in = inputs.vec();
+    ctx->save_for_backward(in);
+    return region->fn(in);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
+      throw std::runtime_error(
+          "ferry.checkpoint: use_reentrant=True is incompatible with .grad() or with passing "
+          "`inputs` to .backward(); use use_reentrant=False, or call .backward() without "
+          "`inputs`");
+    }
+    const auto region =
+        c10::static_intrusive_pointer_cast<ReentrantRegion>(ctx->saved_data["region"].toCapsule());
+    std::vector<at::Tensor> inputs;
+    for (const at::Tensor& saved : ctx->get_saved_variables()) {
+      inputs.push_back(saved.defined() ? saved.detach().requires_grad_(saved.requires_grad())
+                                       : saved);
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      RngState outer;
+      if (region->preserve_rng) {
+        std::vector<c10::DeviceIndex> devices;
+        for (const auto& entry : region->rng.cuda) devices.push_back(entry.first);
+        outer = capture_rng(devices);
+        restore_rng(region->rng);
+      }
+      try {
+        at::AutoGradMode grad(true);
+        AutocastScope autocast(region->autocast);
+        outputs = region->fn(inputs);
+      } catch (...) {
+        if (region->preserve_rng) restore_rng(outer);
+        throw;
+      }
+      if (region->preserve_rng) restore_rng(outer);
+    }
+    std::vector<at::Tensor> roots;
+    std::vector<at::Tensor> root_grads;
+    for (std::size_t i = 0; i < outputs.size() && i < grads.size(); ++i) {
+      if (outputs[i].defined() && outputs[i].requires_grad()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grads[i]);
+      }
+    }
+    if (roots.empty()) {
+      throw std::runtime_error(
+          "ferry.checkpoint: none of the outputs requires grad; this checkpoint is not "
+          "necessary");
+    }
+    torch::autograd::backward(roots, root_grads);
+    torch::autograd::variable_list result{at::Tensor()};  // the region: not a tensor
+    for (const at::Tensor& in : inputs) result.push_back(in.defined() ? in.grad() : at::Tensor());
+    return result;
+  }
+};
+
+}  // namespace
+
+std::vector<at::Tensor> checkpoint_reentrant(const RegionFn& fn,
+                                             const std::vector<at::Tensor>& inputs,
+                                             const CheckpointOptions& options) {
+  if (at::GradMode::is_enabled() &&
+      std::none_of(inputs.begin(), inputs.end(),
+                   [](const at::Tensor& t) { return t.defined() && t.requires_grad(); })) {
+    TORCH_WARN(
+        "ferry.checkpoint: none of the inputs has requires_grad=True; gradients will be "
+        "None");
+  }
+  auto region = c10::make_intrusive<ReentrantRegion>();
+  region->fn = fn;
+  region->preserve_rng = options.preserve_rng_state;
+  if (options.preserve_rng_state) region->rng = capture_rng(cuda_devices(inputs));
+  region->autocast = capture_autocast();
+  // A TensorList: each input is an autograd input of the Function (a vector would be one
+  // opaque argument).
+  return ReentrantFunction::apply(region, at::TensorList(inputs));
 }
 
 PackedPtr pack_saved(const at::Tensor& tensor, TensorKind kind) {

@@ -240,8 +240,29 @@ def test_replay_saving_other_dtype_is_an_error():
     # Named as torch names them, under ferry's name.
     message = str(error.value)
     assert "ferry.checkpoint: Recomputed values" in message
-    assert "saved metadata: {bytes: 32, dtype: float32, device: cpu}" in message
-    assert "recomputed metadata: {bytes: 64, dtype: float64, device: cpu}" in message
+    assert "saved metadata: {shape: [8], dtype: float32, device: cpu}" in message
+    assert "recomputed metadata: {shape: [8], dtype: float64, device: cpu}" in message
+
+
+def test_replay_saving_another_shape_is_an_error_as_in_torch():
+    # The same bytes, dtype and device: only the shape tells the saved tensors apart.
+    def make(calls):
+        def fn(x):
+            calls.append(True)
+            h = x if len(calls) == 1 else x.view(2, 4)
+            return h.sin().sum()
+
+        return fn
+
+    for checkpoint, error in ((tc.checkpoint, "different metadata"),
+                              (ferry.checkpoint, "ferry.checkpoint: Recomputed values")):
+        x = torch.randn(8, requires_grad=True)
+        y = checkpoint(make([]), x, use_reentrant=False)
+        with pytest.raises(RuntimeError, match=error) as caught:
+            y.backward()
+    message = str(caught.value)
+    assert "saved metadata: {shape: [8], dtype: float32, device: cpu}" in message
+    assert "recomputed metadata: {shape: [2, 4], dtype: float32, device: cpu}" in message
 
 
 def test_replay_error_propagates():

@@ -3,6 +3,7 @@ default and warning, the reentrant variant, checkpoint_sequential, no_grad, the 
 stop switch, context_fn (selective checkpointing) and keywords that never reach the function."""
 
 import contextlib
+import logging
 import warnings
 
 import pytest
@@ -69,7 +70,7 @@ def test_reentrant_refuses_what_torch_refuses():
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(ValueError, match="unexpected keyword arguments: scale"):
         ferry.checkpoint(lambda v, scale: v * scale, x, scale=2.0, use_reentrant=True)
-    with pytest.raises(ValueError, match="`context_fn` or `debug`"):
+    with pytest.raises(ValueError, match="`context_fn`, `debug` or `offload`"):
         ferry.checkpoint(torch.sin, x, use_reentrant=True, debug=True)
     y = ferry.checkpoint(torch.sin, x, use_reentrant=True).sum()
     with pytest.raises(RuntimeError, match="use_reentrant=True is incompatible with .grad()"):
@@ -238,3 +239,51 @@ def test_leaf_inputs_reach_the_replay_as_the_same_objects_as_in_torch():
     assert ours[0] is w and ours[1] is x
     assert theirs[0] is w and theirs[1] is x
     assert ours[2] is not h and ours[2].data_ptr() == h.data_ptr()
+
+
+def _differs_in_replay():
+    calls = []
+
+    def fn(v):
+        calls.append(True)
+        h = v if len(calls) == 1 else v.double()  # the replay saves a float64 tensor
+        return h.sin().float()
+
+    return fn
+
+
+def _debug_failure(checkpoint, match="different metadata", **kwargs):
+    x = torch.randn(8, requires_grad=True)
+    y = checkpoint(_differs_in_replay(), x, use_reentrant=False, **kwargs).sum()
+    with pytest.raises(RuntimeError, match=match) as error:
+        y.backward()
+    return str(error.value)
+
+
+def test_debug_lists_the_operations_of_the_forward_and_of_the_recomputation(monkeypatch):
+    # torch's debug mode lists both sides' operations; so does ferry's.
+    # torch's debug mode logs each op with arguments pytest's log capture cannot format: it
+    # stays with torch's own handler here.
+    monkeypatch.setattr(logging.getLogger("LoggingTensor"), "propagate", False)
+    _debug_failure(tc.checkpoint, match="Operations executed during the original forward",
+                   debug=True)
+    message = _debug_failure(ferry.checkpoint, debug=True)
+    assert message.startswith("ferry.checkpoint: Recomputed values")
+    forward = message.split("Operations executed during the original forward:")[1]
+    forward, recompute = forward.split("Operations executed during recomputation:")
+    assert "aten.sin.default" in forward and "aten._to_copy.default" not in forward
+    assert "aten._to_copy.default" in recompute  # early stop: sin's save ends the replay
+    assert "test_checkpoint_api.py" in recompute  # the user's line that ran the op
+    # Without debug, no listing; torch's global switch turns it on.
+    assert "Operations executed" not in _debug_failure(ferry.checkpoint)
+    with tc.set_checkpoint_debug_enabled(True):
+        assert "Operations executed" in _debug_failure(ferry.checkpoint)
+    with tc.set_checkpoint_debug_enabled(False):
+        assert "Operations executed" not in _debug_failure(ferry.checkpoint, debug=True)
+
+
+def test_debug_mode_trains_like_torch(monkeypatch):
+    monkeypatch.setattr(logging.getLogger("LoggingTensor"), "propagate", False)
+    run_twice(MLP, lambda: torch.randn(8, 32),
+              lambda m, v: tc.checkpoint(m, v, use_reentrant=False, debug=True),
+              lambda m, v: ferry.checkpoint(m, v, use_reentrant=False, debug=True))

@@ -1,10 +1,12 @@
 """Small random-initialised Hugging Face models (Llama, GPT-2, Qwen2, BERT, from configs: no
 downloads), with and without LoRA, under fp32 and bf16 autocast: every configuration of ferry
-(offload with either policy, checkpoint reentrant or not, offload + checkpoint) trains 3
-optimizer steps with the losses and gradients of the same configuration done by torch alone,
-bit for bit, and leaves nothing in the session."""
+(offload with either policy, checkpoint reentrant or not, selective checkpoint with offloaded
+matmuls, offload + checkpoint) trains 3 optimizer steps with the losses and gradients of the
+same configuration done by torch alone, bit for bit, and leaves nothing in the session after
+each step: no tracked tensor, no device buffer, no host buffer in use, no checkpoint state."""
 
 import contextlib
+import functools
 import warnings
 
 import peft  # test dependencies, installed by scripts/setup.sh: missing is an error
@@ -46,29 +48,76 @@ def build(arch, lora):
     return model
 
 
+def _selective_policy(ctx, op, *args, **kwargs):
+    """The matmuls' outputs are offloaded (torch recomputes them in eager mode), the rest is
+    recomputed."""
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return torch.utils.checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
+    return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+SELECTIVE = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
+                              _selective_policy)
+
+
+def session(policy):
+    # A zero window and a one-tensor stash: every offloaded tensor comes back from the host.
+    return dict(policy=policy, loopback=True, min_bytes=0, window_bytes=0, max_fwd_stash_size=1)
+
+
+class Empty:
+    """Checks that nothing is left in a session between steps: no tracked tensor, no device
+    buffer, no host buffer in use (ferry's pool keeps its buffers for the next step: it must
+    not grow; trl's host copies are gone), and no checkpoint state alive."""
+
+    def __init__(self, ctx, policy):
+        self.ctx, self.policy = ctx, policy
+        self.states = ferry._C._live_checkpoint_states()
+        self.pool = None
+
+    def check(self, step):
+        assert ferry._C._live_checkpoint_states() == self.states, f"step {step}"
+        if self.ctx is None:
+            return
+        ctx = self.ctx
+        assert ctx.tracked() == 0 and ctx.live_device_buffers() == 0, f"step {step}"
+        pool = (ctx.live_host_buffers(), ctx.telemetry()["pinned_bytes"])
+        if self.policy == "trl":
+            assert pool[0] == 0, f"step {step}: trl holds host copies"
+        elif self.pool is None:
+            self.pool = pool
+        else:
+            assert pool == self.pool, f"step {step}: the host pool grew"
+
+
 def train(arch, lora, autocast, checkpoint=None, offload=None, by_ferry=False):
-    """Losses and gradients of 3 SGD steps. checkpoint: None, "non-reentrant" or "reentrant",
-    done by ferry.checkpoint when by_ferry else torch's; offload: None or a ferry policy."""
+    """Losses and gradients of 3 SGD steps. checkpoint: None, "non-reentrant", "reentrant" or
+    "selective" (non-reentrant, the matmuls' outputs offloaded), done by ferry.checkpoint when
+    by_ferry else torch's; offload: None or a ferry policy."""
     model = build(arch, lora)
+    ctx = selective = None
     if checkpoint is not None:
-        use_reentrant = checkpoint == "reentrant"
+        kwargs = {"use_reentrant": checkpoint == "reentrant"}
+        if checkpoint == "selective":
+            kwargs["context_fn"] = SELECTIVE
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             if by_ferry:
-                ferry.enable_gradient_checkpointing(model, use_reentrant=use_reentrant)
+                if checkpoint == "selective":
+                    selective = ferry.offload(**session("ferry"))
+                    kwargs["offload"] = selective
+                ferry.enable_gradient_checkpointing(model, **kwargs)
             else:
-                model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    ctx = None
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if offload is not None:
-        ctx = ferry.offload_model(model, policy=offload, loopback=True, min_bytes=0,
-                                  window_bytes=0, max_fwd_stash_size=1)
+        ctx = ferry.offload_model(model, **session(offload))
+    checks = [Empty(ctx, offload), Empty(selective, "ferry")]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.05)
     generator = torch.Generator().manual_seed(1)
     losses, grads = [], []
     torch.manual_seed(2)  # dropout
-    for _ in range(3):
+    for step in range(3):
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
         opt.zero_grad(set_to_none=True)
         amp = (torch.autocast("cpu", dtype=torch.bfloat16) if autocast
@@ -76,14 +125,16 @@ def train(arch, lora, autocast, checkpoint=None, offload=None, by_ferry=False):
         with amp, ctx if ctx is not None else contextlib.nullcontext():
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        if ctx is not None:
-            assert ctx.tracked() == 0
-            assert ctx.live_device_buffers() == 0
         losses.append(loss.detach())
         grads.append([p.grad.clone() for p in params])
+        del loss  # the graph goes: what the session still holds now is left over
+        for check in checks:
+            check.check(step)
         opt.step()
-    if ctx is not None:
-        assert ctx.telemetry()["offloaded"] > 0
+    for used in (ctx, selective):
+        if used is not None:
+            assert used.telemetry()["offloaded"] > 0
+            assert used.telemetry()["bytes_h2d"] > 0  # really back from the host
     return losses, grads
 
 
@@ -101,6 +152,7 @@ CONFIGS = {
     "offload-trl": dict(offload="trl"),
     "checkpoint": dict(checkpoint="non-reentrant"),
     "checkpoint-reentrant": dict(checkpoint="reentrant"),
+    "selective+offload": dict(checkpoint="selective"),
     "offload+checkpoint": dict(offload="ferry", checkpoint="non-reentrant"),
 }
 

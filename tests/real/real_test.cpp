@@ -402,6 +402,126 @@ TEST_F(RealFerry, CheckpointSequentialGradientsAreBitwiseEqual) {
   EXPECT_THROW((void)ferry::checkpoint_sequential(layers, 6, x), std::invalid_argument);
 }
 
+// The reentrant variant (torch's use_reentrant=True): forward without grad, the whole region
+// rerun in backward; checkpoint_sequential takes it too.
+TEST_F(RealFerry, ReentrantCheckpointGradientsAreBitwiseEqual) {
+  // Each weight is used inside one region only: a reentrant region's backward accumulates its
+  // own weights' gradients before the rest of the graph does, as torch's reentrant variant.
+  auto w1 = torch::randn({16, 16}, torch::requires_grad());
+  auto w2 = torch::randn({16, 16}, torch::requires_grad());
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  auto block = [](const torch::Tensor& w) {
+    return [w](const torch::Tensor& h) {
+      return torch::dropout(h.matmul(w).tanh(), 0.25, /*train=*/true).matmul(w).sigmoid();
+    };
+  };
+  ferry::CheckpointOptions opts;
+  opts.use_reentrant = true;
+  torch::manual_seed(3);
+  const Tensors want = grads_of({w1, w2, x}, [&] { return block(w2)(block(w1)(x)).sum(); });
+  torch::manual_seed(3);
+  const Tensors got = grads_of({w1, w2, x}, [&] {
+    return ferry::checkpoint(block(w2), ferry::checkpoint(block(w1), x, opts), opts).sum();
+  });
+  expect_bitwise_equal(want, got);
+
+  Tensors weights;
+  std::vector<ferry::SequentialFn> layers;
+  for (int i = 0; i < 4; ++i) {
+    weights.push_back(torch::randn({16, 16}, torch::requires_grad()));
+    layers.emplace_back([w = weights.back()](const torch::Tensor& h) { return h.matmul(w).sin(); });
+  }
+  Tensors leaves = weights;
+  leaves.push_back(x);
+  const Tensors plain = grads_of(leaves, [&] {
+    torch::Tensor h = x;
+    for (const auto& f : layers) h = f(h);
+    return h.sum();
+  });
+  for (const std::int64_t segments : {1, 2, 4}) {
+    const Tensors seq = grads_of(
+        leaves, [&] { return ferry::checkpoint_sequential(layers, segments, x, opts).sum(); });
+    expect_bitwise_equal(plain, seq);
+  }
+}
+
+TEST_F(RealFerry, ReentrantCheckpointRecomputesTheWholeRegionInBackward) {
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  auto x = torch::randn({2, 8}, torch::requires_grad());
+  int runs = 0;
+  bool grad_in_forward = true;
+  auto fn = [&](const torch::Tensor& h) {
+    if (runs++ == 0) grad_in_forward = at::GradMode::is_enabled();
+    return h.matmul(w).exp().matmul(w);
+  };
+  ferry::CheckpointOptions opts;
+  opts.use_reentrant = true;
+  auto loss = ferry::checkpoint(fn, x, opts).sum();
+  EXPECT_EQ(runs, 1);
+  EXPECT_FALSE(grad_in_forward);  // the forward saves nothing
+  loss.backward();
+  EXPECT_EQ(runs, 2);
+}
+
+TEST_F(RealFerry, ReentrantCheckpointRefusesGradAsTorchDoes) {
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  auto x = torch::randn({2, 8}, torch::requires_grad());
+  ferry::CheckpointOptions opts;
+  opts.use_reentrant = true;
+  auto fn = [&](const torch::Tensor& h) { return h.matmul(w).sin(); };
+  auto loss = ferry::checkpoint(fn, x, opts).sum();
+  try {
+    (void)torch::autograd::grad({loss}, {x});
+    FAIL() << "torch.autograd.grad through a reentrant region must fail";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "ferry.checkpoint: use_reentrant=True is incompatible with .grad()"),
+              std::string::npos)
+        << e.what();
+  }
+  // Outputs that need no grad: nothing to backpropagate, torch says the checkpoint is useless.
+  auto frozen = torch::randn({2, 8});
+  auto out = ferry::checkpoint([](const torch::Tensor& h) { return h.sin(); }, frozen, opts);
+  EXPECT_FALSE(out.requires_grad());
+}
+
+TEST_F(RealFerry, ReentrantCheckpointUnderAutocastAndInsideAnOffloadRegion) {
+  auto w = torch::randn({16, 16}, torch::requires_grad());
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  auto block = [&](const torch::Tensor& h) { return h.matmul(w).relu().matmul(w); };
+  ferry::CheckpointOptions opts;
+  opts.use_reentrant = true;
+  const Tensors want = grads_of({w, x}, [&] {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::increment_nesting();
+    auto out = block(x.tanh()).to(at::kFloat);
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    return out.pow(2).sum();
+  });
+  ferry::Offload offload(loopback(ferry::Policy::Ferry));
+  const Tensors got = grads_of({w, x}, [&] {
+    torch::Tensor out;
+    {
+      ferry::OffloadGuard guard(offload);
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      at::autocast::increment_nesting();
+      out = ferry::checkpoint(block, x.tanh(), opts).to(at::kFloat);
+      if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+    }
+    return out.pow(2).sum();
+  });
+  expect_bitwise_equal(want, got);
+  // The region's input (tanh's output, saved by the region's node and by tanh: one storage)
+  // went through the session; nothing of the region itself did.
+  EXPECT_GT(offload.telemetry().offloaded, 0);
+  EXPECT_EQ(offload.tracked(), 0U);
+  EXPECT_EQ(offload.live_device_buffers(), 0);
+}
+
 // The parts own their functions: the caller's list may be gone before backward.
 TEST_F(RealFerry, CheckpointSequentialOutlivesItsFunctionList) {
   auto w = torch::randn({8, 8}, torch::requires_grad());
@@ -563,7 +683,31 @@ TEST_F(RealFerry, ReplayWithOtherShapesFailsTheDeterminismCheck) {
     out.backward();
     FAIL() << "a replay with other metadata must fail";
   } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("different metadata"), std::string::npos) << e.what();
+    const std::string message = e.what();
+    EXPECT_NE(message.find("different metadata"), std::string::npos) << message;
+    EXPECT_NE(message.find("saved metadata: {shape: [8], dtype: float32, device: cpu}"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("recomputed metadata: {shape: [4], dtype: float32, device: cpu}"),
+              std::string::npos)
+        << message;
+  }
+}
+
+// Only the shape differs (same bytes, dtype and device): torch's check compares shapes too.
+TEST_F(RealFerry, ReplayWithAnotherShapeOfTheSameSizeFailsTheDeterminismCheck) {
+  auto x = torch::randn({8}, torch::requires_grad());
+  int calls = 0;
+  auto fn = [&](const torch::Tensor& h) { return calls++ == 0 ? h.sin() : h.view({2, 4}).sin(); };
+  ferry::CheckpointOptions opts;
+  opts.early_stop = false;
+  auto out = ferry::checkpoint(fn, x, opts).sum();
+  try {
+    out.backward();
+    FAIL() << "a replay saving another shape must fail";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("recomputed metadata: {shape: [2, 4]"), std::string::npos)
+        << e.what();
   }
 }
 

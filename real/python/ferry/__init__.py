@@ -314,14 +314,18 @@ def enable_gradient_checkpointing(model, use_reentrant=False, **checkpoint_kwarg
     Enables it the model's own way (``activation_checkpointing_enable``, or
     ``gradient_checkpointing_enable`` in older versions; PEFT models forward it to their base
     model), then makes every module that checkpoints call ``ferry.checkpoint`` with
-    ``use_reentrant`` and ``checkpoint_kwargs``. Returns the model.
+    ``use_reentrant`` and ``checkpoint_kwargs`` (torch's, such as ``context_fn`` for selective
+    checkpointing, and ferry's ``offload``: the session of the ops a selective policy
+    offloads). Returns the model.
     """
     kwargs = {"use_reentrant": use_reentrant, **checkpoint_kwargs}
+    # ferry's own keywords (the session of selective offload) mean nothing to the model.
+    theirs = {k: v for k, v in kwargs.items() if k not in ("offload", "early_stop")}
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
+        enable(activation_checkpointing_kwargs=theirs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=theirs)
     func = functools.partial(checkpoint, **kwargs)
     found = False
     for module in model.modules():

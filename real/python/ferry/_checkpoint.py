@@ -7,11 +7,15 @@ Function that runs the forward without grad and recomputes it, whole, in backwar
 """
 
 import contextlib
+import os
+import traceback
 import warnings
 
 import torch
 import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from . import _C
 
@@ -20,6 +24,182 @@ _DETERMINISM_CHECKS = ("default", "none")
 
 def _no_context():
     return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+_Policy = _tc.CheckpointPolicy
+_SAVE = (_Policy.MUST_SAVE, _Policy.PREFER_SAVE)
+_OFFLOAD = (_Policy.MUST_CPU_OFFLOAD, _Policy.PREFER_CPU_OFFLOAD)
+
+
+def _decide(policy_fn, is_recompute, func, args, kwargs):
+    policy = policy_fn(_tc.SelectiveCheckpointContext(is_recompute=is_recompute), func, *args,
+                       **kwargs)
+    if isinstance(policy, bool):  # the older boolean policies: True saves
+        policy = _Policy.MUST_SAVE if policy else _Policy.PREFER_RECOMPUTE
+    return policy
+
+
+def _returns_alias(func):
+    """Whether the op's outputs may alias its inputs (views, in-place ops)."""
+    if isinstance(func, torch._ops.HigherOrderOperator):
+        return False
+    return any(ret.alias_info is not None for ret in func._schema.returns)
+
+
+class _Offloaded:
+    """A storage entry whose tensor went through the offload session."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self, saved):
+        self.saved = saved
+
+    def get_val(self, allow_cache_entry_mutation):
+        return self.saved.take(allow_cache_entry_mutation)
+
+
+# Note [Selective offload]
+# torch's create_selective_checkpoint_contexts returns a pair of dispatch modes: the forward's
+# keeps the outputs of the ops its policy saves, the recomputation's hands them back instead of
+# running the op. torch 2.11 names a third choice, {MUST,PREFER}_CPU_OFFLOAD, but recomputes
+# those ops in eager mode. ferry.checkpoint replaces torch's pair by the pair below, built on
+# the same policy function and storage: an op the policy offloads has its output packed by the
+# region's offload session (Note [Offloaded outputs] in real/src/runtime.cpp) and taken back,
+# reloaded, when the recomputation reaches the op. Ops whose outputs alias their inputs (views,
+# in-place ops) are saved instead: their outputs share memory that stays on the device anyway.
+# Under torch.compile both modes defer to torch's own.
+
+
+class _SelectiveForward(TorchDispatchMode):
+    def __init__(self, torch_mode, session):
+        super().__init__()
+        self._torch_mode = torch_mode
+        self._policy_fn = torch_mode.policy_fn
+        self._storage = torch_mode.storage
+        self._session = session  # a _C.Session, "no_offload" (save instead) or None
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        if func in _tc.SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        if _tc._is_compiling(func, args, kwargs):
+            return self._torch_mode.__torch_dispatch__(func, types, args, kwargs)
+        policy = _decide(self._policy_fn, False, func, args, kwargs)
+        out = func(*args, **kwargs)
+        aliases = _returns_alias(func)
+        if policy in _OFFLOAD and not aliases and not isinstance(self._session, str):
+            if self._session is None:
+                raise RuntimeError(
+                    f"ferry.checkpoint: the selective checkpoint policy chose {policy.name} for "
+                    f"{func}, but the region runs in no offload session: pass "
+                    "offload=ferry.offload(...) to ferry.checkpoint, or run it inside "
+                    "`with ferry.offload(...)`"
+                )
+            self._storage[func].append(tree_map(self._offload, out))
+        elif policy in _SAVE or policy in _OFFLOAD:
+            self._storage[func].append(
+                tree_map(lambda x: _tc._VersionWrapper(_tc._maybe_detach(x, aliases)), out))
+        return out
+
+    def _offload(self, x):
+        if isinstance(x, torch.Tensor):
+            return _Offloaded(_C._OffloadedOutput(self._session, x))
+        return _tc._VersionWrapper(x)
+
+
+class _SelectiveRecompute(TorchDispatchMode):
+    def __init__(self, torch_mode):
+        super().__init__()
+        self._torch_mode = torch_mode
+        self._policy_fn = torch_mode.policy_fn
+        self._storage = torch_mode.storage
+        self._allow_mutation = torch_mode.allow_cache_entry_mutation
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        if func in _tc.SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        if _tc._is_compiling(func, args, kwargs):
+            return self._torch_mode.__torch_dispatch__(func, types, args, kwargs)
+        policy = _decide(self._policy_fn, True, func, args, kwargs)
+        if policy not in _SAVE and policy not in _OFFLOAD:
+            return func(*args, **kwargs)
+        entries = self._storage.get(func)
+        if entries is None:
+            raise RuntimeError(
+                f"ferry.checkpoint: {func} encountered during backward, but not found in storage "
+                "(the selective checkpoint policy saved or offloaded it in the recomputation "
+                "only)"
+            )
+        if not entries:
+            raise RuntimeError(
+                "ferry.checkpoint: Trying to backward an extra time. You are only allowed to "
+                "backward once on any region computed under selective activation checkpoint."
+            )
+        return tree_map(lambda entry: entry.get_val(self._allow_mutation), entries.pop(0))
+
+
+def _selective_contexts(forward_context, recompute_context, offload):
+    """torch's selective checkpoint contexts, replaced by ferry's (Note [Selective offload]);
+    any other contexts as they are."""
+    caching = getattr(_tc, "_CachingTorchDispatchMode", None)
+    cached = getattr(_tc, "_CachedTorchDispatchMode", None)
+    if caching is None or not (
+        isinstance(forward_context, caching) and isinstance(recompute_context, cached)
+    ):
+        return forward_context, recompute_context
+    if offload is not None:
+        session = offload._session
+    else:
+        session = _C._enclosing_session()
+    return _SelectiveForward(forward_context, session), _SelectiveRecompute(recompute_context)
+
+
+class _OpLog(TorchDispatchMode):
+    """debug=True: the aten ops a region runs, each with the innermost line of user code that
+    ran it."""
+
+    def __init__(self, log):
+        super().__init__()
+        self._log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        where = ""
+        for frame in reversed(traceback.extract_stack()[:-1]):
+            if not any(part in frame.filename for part in _LIBRARY_PATHS):
+                where = f"   {frame.filename}:{frame.lineno} in {frame.name}"
+                break
+        self._log.append(f"{func}{where}")
+        return func(*args, **(kwargs or {}))
+
+
+_LIBRARY_PATHS = (os.sep + "torch" + os.sep, os.sep + "ferry" + os.sep + "_checkpoint.py")
+
+
+def _debug_error(error, forward_ops, recompute_ops):
+    def listing(ops):
+        return "\n".join(f"{i + 1}. {op}" for i, op in enumerate(ops)) or "(none)"
+
+    return RuntimeError(
+        f"{error}\n\nferry.checkpoint (debug=True): the forward and the recomputation saved "
+        "different tensors. Compare the operations they ran:\n\n"
+        f"Operations executed during the original forward:\n\n{listing(forward_ops)}\n\n"
+        f"Operations executed during recomputation:\n\n{listing(recompute_ops)}\n"
+    )
+
+
+def _debug_enabled(debug):
+    # torch.utils.checkpoint.set_checkpoint_debug_enabled overrides the per-call argument.
+    forced = getattr(_tc, "_checkpoint_debug_enabled", None)
+    return debug if forced is None else forced
 
 
 def _global_early_stop(early_stop):
@@ -37,6 +217,7 @@ def checkpoint(
     debug=False,
     early_stop=True,
     preserve_rng_state=True,
+    offload=None,
     **kwargs,
 ):
     """Runs ``fn(*args, **kwargs)`` keeping none of its saved tensors; backward recomputes them.
@@ -50,6 +231,13 @@ def checkpoint(
     ``use_reentrant=True``: the whole region is recomputed in backward, as torch's reentrant
     variant does. Left out, ``use_reentrant`` warns and is True, as in torch 2.11.
     Under ``torch.no_grad()`` the function just runs.
+
+    Selective checkpointing (``context_fn=functools.partial(create_selective_checkpoint_contexts,
+    policy_fn)``) has a third choice per op besides saving and recomputing:
+    ``CheckpointPolicy.MUST_CPU_OFFLOAD`` (or ``PREFER_CPU_OFFLOAD``) saves the op's output
+    through an offload session, copied to the host in forward and reloaded for the
+    recomputation. The session is ``offload`` (a ``ferry.offload``) when given, else that of the
+    offload region the call runs in; inside a ``ferry.no_offload`` region such outputs are saved.
     """
     if use_reentrant is None:
         warnings.warn(
@@ -63,27 +251,50 @@ def checkpoint(
             "ferry.checkpoint: determinism_check should be one of "
             f"{list(_DETERMINISM_CHECKS)}, but got {determinism_check!r}"
         )
+    if offload is not None and not hasattr(offload, "_session"):
+        raise TypeError(
+            f"ferry.checkpoint: offload should be a ferry.offload, got {type(offload).__name__}"
+        )
     if use_reentrant:
-        if context_fn is not _no_context or debug:
+        if context_fn is not _no_context or debug or offload is not None:
             raise ValueError(
-                "ferry.checkpoint: passing `context_fn` or `debug` is only supported when "
-                "use_reentrant=False"
+                "ferry.checkpoint: passing `context_fn`, `debug` or `offload` is only supported "
+                "when use_reentrant=False"
             )
         if kwargs:
             raise ValueError("ferry.checkpoint: unexpected keyword arguments: " + ",".join(kwargs))
         return _reentrant(fn, preserve_rng_state, *args)
+    debug = _debug_enabled(debug)
     if debug and context_fn is not _no_context:
         raise ValueError("ferry.checkpoint: debug=True is incompatible with a non-default context_fn")
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     return _non_reentrant(
         fn, args, kwargs, context_fn, determinism_check, _global_early_stop(early_stop),
-        preserve_rng_state,
+        preserve_rng_state, offload, debug,
     )
 
 
-def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, preserve):
-    forward_context, recompute_context = context_fn()
+def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, preserve,
+                   offload=None, debug=False):
+    unpack = _C._unpack
+    if debug:
+        # The ops of the forward and of the latest recomputation, shown when the determinism
+        # check fails on unpacking one of this region's saved tensors.
+        forward_ops, recompute_ops = [], []
+
+        def context_fn():
+            return _OpLog(forward_ops), _OpLog(recompute_ops)
+
+        def unpack(packed):
+            try:
+                return _C._unpack(packed)
+            except RuntimeError as e:
+                if "ferry.checkpoint:" not in str(e) or "Operations executed" in str(e):
+                    raise
+                raise _debug_error(e, forward_ops, recompute_ops) from e
+
+    forward_context, recompute_context = _selective_contexts(*context_fn(), offload)
     # The tensor inputs go to the runtime, which keeps them for the replay (inside another
     # checkpoint, saved by it) and hands them back; the replay keeps only the rest.
     inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -93,6 +304,8 @@ def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, 
     tensor_kwargs = {k: isinstance(v, torch.Tensor) for k, v in kwargs.items()}
 
     def replay(saved):
+        if debug:
+            recompute_ops.clear()
         saved = iter(saved)  # detached by the runtime, leaves excepted (the same objects)
         replay_args = [next(saved) if is_t else a for a, is_t in zip(arg_slots, tensor_args)]
         replay_kwargs = {k: next(saved) if tensor_kwargs[k] else v for k, v in kwarg_slots.items()}
@@ -104,7 +317,7 @@ def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, 
     had_cuda = torch.cuda.is_initialized()
     token = _C._frame_begin(replay, inputs, early_stop, determinism_check == "default", preserve)
     try:
-        with forward_context, saved_tensors_hooks(_C._pack, _C._unpack):
+        with forward_context, saved_tensors_hooks(_C._pack, unpack):
             out = fn(*args, **kwargs)
     finally:
         _C._frame_end(token)

@@ -57,14 +57,29 @@ py::dict telemetry_dict(const ferry::OffloadTelemetry& t) {
   return d;
 }
 
+// Whether Python code may still run: the interpreter is initialized and not finalizing.
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() != 0 && Py_IsFinalizing() == 0;
+#else
+  return Py_IsInitialized() != 0 && _Py_IsFinalizing() == 0;
+#endif
+}
+
 // Note [Python replay]
 // The runtime copies and destroys a frame's replay wherever its books say so, possibly without
 // the GIL (an autograd worker thread, the last holder freed in C++). The Python callable is
-// therefore held through a shared pointer whose deleter takes the GIL, and called with it; the
-// stop exception raised by the replay's pack hook (translated to Python on its way out of
-// _pack) becomes ferry::real::StopRecompute again here.
+// therefore held through a shared pointer whose deleter takes the GIL, unless the interpreter
+// is finalizing or gone (a frame freed at exit: no Python code can run, the object is leaked),
+// and called with the GIL; the stop exception raised by the replay's pack hook (translated to
+// Python on its way out of _pack) becomes ferry::real::StopRecompute again here.
 ferry::real::Replay make_replay(py::object callable) {
   std::shared_ptr<py::object> fn(new py::object(std::move(callable)), [](py::object* o) {
+    if (!python_alive()) {
+      o->release();  // Python is gone (a frame freed at exit): nothing can run, leak it
+      delete o;
+      return;
+    }
     py::gil_scoped_acquire gil;
     delete o;
   });
@@ -200,6 +215,25 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_pop", [](const std::string& kind) { ferry::real::pop_context(parse_kind(kind)); },
       py::arg("kind"));
+
+  py::class_<ferry::real::OffloadedOutput, std::shared_ptr<ferry::real::OffloadedOutput>>(
+      m, "_OffloadedOutput", "An op's output saved through an offload session (selective).")
+      .def(py::init<const std::shared_ptr<Session>&, const at::Tensor&>(), py::arg("session"),
+           py::arg("output"))
+      .def("take", &ferry::real::OffloadedOutput::take, py::arg("allow_mutation") = false,
+           "The output back, reloaded; refused when it was mutated after the save.");
+  m.def(
+      "_enclosing_session",
+      []() -> py::object {
+        bool in_no_offload = false;
+        if (auto session = ferry::real::enclosing_session(&in_no_offload)) return py::cast(session);
+        if (in_no_offload) return py::str("no_offload");
+        return py::none();
+      },
+      "The session of the innermost offload region on this thread (through checkpoint frames), "
+      "'no_offload' when a no-offload region comes first, else None.");
+  m.def("_live_checkpoint_states", &ferry::real::live_checkpoint_states,
+        "Checkpoint states alive in this process: zero once every checkpointed graph is freed.");
 
   py::class_<FrameToken>(m, "_FrameToken", "An open checkpoint frame.");
   m.def(

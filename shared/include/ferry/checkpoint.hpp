@@ -34,13 +34,16 @@ struct SavedMeta {
   std::uint8_t dtype = 0;
   std::uint32_t device = 0;
   std::uint64_t hash = 0;  ///< content hash, compared only with the content check on
+  /// The tensor's sizes where the autograd knows them (torch compares shapes); empty in the
+  /// simulator, whose tensors have bytes only.
+  std::vector<std::int64_t> shape = {};
   friend bool operator==(const SavedMeta&, const SavedMeta&) = default;
 };
 
 /// Per-call options of one checkpointed region.
 struct FrameOptions {
   bool early_stop = true;         ///< stop recomputing once every saved tensor exists
-  bool determinism_check = true;  ///< compare count, size, dtype and device
+  bool determinism_check = true;  ///< compare count, size (and shape), dtype and device
   bool content_check = false;     ///< also compare content hashes
 };
 

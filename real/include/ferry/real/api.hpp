@@ -79,7 +79,9 @@ class NoOffloadGuard {
 using CheckpointFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 /// Runs `fn(inputs)` keeping none of its saved tensors; backward recomputes them (non-reentrant,
-/// nestable, early stop by default), as torch.utils.checkpoint(use_reentrant=False) does.
+/// nestable, early stop by default), as torch.utils.checkpoint(use_reentrant=False) does. With
+/// `options.use_reentrant`, torch's reentrant variant: the forward runs without grad and
+/// backward reruns the whole region (no .grad(), no backward(inputs=...)).
 std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
                                    CheckpointOptions options = {});
 at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
@@ -87,10 +89,10 @@ at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
 
 using SequentialFn = std::function<at::Tensor(const at::Tensor&)>;
 
-/// torch.utils.checkpoint.checkpoint_sequential (non-reentrant): runs `functions` in order on
-/// `input`, in `segments` contiguous parts of len / segments functions, the last taking the
-/// rest; every part but the last is checkpointed. Throws std::invalid_argument unless
-/// 1 <= segments <= max(len, 1).
+/// torch.utils.checkpoint.checkpoint_sequential (either variant, `options.use_reentrant`): runs
+/// `functions` in order on `input`, in `segments` contiguous parts of len / segments functions, the
+/// last taking the rest; every part but the last is checkpointed. Throws std::invalid_argument
+/// unless 1 <= segments <= max(len, 1).
 at::Tensor checkpoint_sequential(const std::vector<SequentialFn>& functions, std::int64_t segments,
                                  const at::Tensor& input, CheckpointOptions options = {});
 

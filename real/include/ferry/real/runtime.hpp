@@ -34,11 +34,14 @@ struct RealOptions {
   Bytes host_reserve{1LL << 30};
 };
 
-/// Options of one checkpointed region (torch.utils.checkpoint's, non-reentrant).
+/// Options of one checkpointed region (torch.utils.checkpoint's).
 struct CheckpointOptions {
   bool early_stop = true;          ///< stop the replay once every saved tensor is back
-  bool determinism_check = true;   ///< compare count, bytes, dtype and device of saved tensors
+  bool determinism_check = true;   ///< compare count, shape, dtype and device of saved tensors
   bool preserve_rng_state = true;  ///< replay with the random state the forward saw
+  /// torch's reentrant variant: the forward runs without grad and backward reruns the whole
+  /// region and backpropagates through the rerun (early_stop and determinism_check unused).
+  bool use_reentrant = false;
 };
 
 }  // namespace ferry
@@ -96,6 +99,32 @@ class Session {
   virtual void exit() = 0;
 };
 
+/// Selective checkpointing's third choice per op: the op's output is saved through an offload
+/// session (copied to the host in forward, reloaded when the region is recomputed) instead of
+/// kept on the device or recomputed. It holds the output's version counter, not its memory, so
+/// that a mutation after the save is reported as torch reports one of a cached output.
+class OffloadedOutput {
+ public:
+  OffloadedOutput(const std::shared_ptr<Session>& session, const at::Tensor& output);
+  /// The output back (reloaded); throws std::logic_error when it was mutated after the save,
+  /// unless `allow_mutation`, or when it was taken already.
+  at::Tensor take(bool allow_mutation);
+
+ private:
+  PackedPtr packed_;
+  c10::VariableVersion version_;
+  std::uint32_t saved_version_;
+};
+
+/// The offload session of the innermost offload region open on this thread, looking through
+/// checkpoint frames and replays; null when there is none or a no-offload region comes first
+/// (`in_no_offload` says which).
+std::shared_ptr<Session> enclosing_session(bool* in_no_offload = nullptr);
+
+/// Checkpoint states alive in this process (frames of outermost regions not yet forgotten):
+/// zero once every checkpointed graph is freed.
+std::int64_t live_checkpoint_states();
+
 class CheckpointState;
 
 /// An active region on this thread's stack; the innermost decides what packing does.
@@ -136,5 +165,14 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
                        const std::vector<at::Tensor>& inputs);
 /// Closes the region `token` opened (the innermost one).
 void frame_end(const FrameToken& token);
+
+/// The reentrant variant of checkpoint (torch.utils.checkpoint with use_reentrant=True): runs
+/// `fn(inputs)` without grad; backward reruns it with grad, with the forward's random and
+/// autocast state, and backpropagates through the rerun. Refuses torch.autograd.grad and
+/// backward(inputs=...) as torch does.
+using RegionFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+std::vector<at::Tensor> checkpoint_reentrant(const RegionFn& fn,
+                                             const std::vector<at::Tensor>& inputs,
+                                             const CheckpointOptions& options);
 
 }  // namespace ferry::real
