@@ -48,8 +48,11 @@ const char* conflict_name(Conflict conflict) {
   return "?";
 }
 
+// Stream work that ran. A kernel or copy refused before it reached a stream (it named a
+// buffer with no memory) has no stream and is described as a host call.
 bool is_stream_work(const OpRecord& r) {
-  return r.kind == OpKind::Kernel || r.kind == OpKind::Copy || r.kind == OpKind::Wait;
+  return (r.kind == OpKind::Kernel || r.kind == OpKind::Copy || r.kind == OpKind::Wait) &&
+         r.stream.valid();
 }
 
 std::string space_name(const Simulator& sim, SpaceIndex space) {

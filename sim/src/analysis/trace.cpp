@@ -82,7 +82,11 @@ std::string ChromeTrace::json(const Simulator& sim) const {
                                          r.kind == OpKind::Copy || r.kind == OpKind::Alloc
                                              ? fmt::format(R"(,"bytes":{})", r.bytes.count())
                                              : std::string());
-    if (r.kind == OpKind::Kernel || r.kind == OpKind::Copy) {
+    if (!r.stream.valid()) {  // refused before it reached a stream: drawn on the host track
+      w.event(fmt::format(
+          R"({{"ph":"i","s":"t","name":{},"cat":"host","pid":{},"tid":0,"ts":{},"args":{}}})",
+          json_quote(name), kHostPid, micros(r.issued), args));
+    } else if (r.kind == OpKind::Kernel || r.kind == OpKind::Copy) {
       auto slice = [&](int pid, int tid) {
         return fmt::format(
             R"({{"ph":"X","name":{},"cat":"{}","pid":{},"tid":{},"ts":{},"dur":{},"args":{}}})",
