@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "ferry/sim/analysis/metrics.hpp"
 #include "ferry/sim/analysis/report.hpp"
 #include "ferry/sim/analysis/trace.hpp"
 #include "ferry/sim/engine/content_shadow.hpp"
@@ -243,6 +244,47 @@ TEST(ChromeTrace, AnAttachedTraceEqualsOneReplayedAfterTheRun) {
   sim.free(h);
   sim.finish();
   EXPECT_EQ(live.json(sim), chrome_trace(sim));
+}
+
+TEST(TimelineMetrics, AnAttachedCollectorEqualsOneReplayedAfterTheRun) {
+  Simulator sim = testing::simple_sim();
+  const StreamId compute = sim.add_stream(DeviceId(0), "compute");
+  const StreamId side = sim.add_stream(DeviceId(0), "side");
+  TimelineMetrics live(compute);
+  sim.observe(live);
+  const BufferId d = testing::device_buffer(sim, compute, 1 << 20);
+  const BufferId h = testing::pinned_buffer(sim, 1 << 20);
+  const EventId e = sim.add_event("copied");
+  const SimTime start = sim.host_time();
+  sim.kernel(compute, SimTime(1000), {}, std::vector<Region>{testing::whole(sim, d)}, "k0");
+  sim.copy(side, testing::whole(sim, d), testing::whole(sim, h), "d2h");
+  sim.record(e, side);
+  sim.wait(compute, e);  // the compute stream stalls until the copy is done
+  sim.kernel(compute, SimTime(1000), std::vector<Region>{testing::whole(sim, d)}, {}, "k1");
+  sim.finish();
+  const SimTime end = sim.makespan();
+
+  TimelineMetrics replayed(compute);
+  sim.replay(replayed);
+  EXPECT_EQ(live.stall(start, end), replayed.stall(start, end));
+  EXPECT_EQ(live.copy_overlap_permille(), replayed.copy_overlap_permille());
+  EXPECT_EQ(live.copied(CopyDirection::DeviceToHost, start, end), Bytes(1 << 20));
+  EXPECT_EQ(live.copied(CopyDirection::HostToDevice, start, end), Bytes(0));
+
+  // The stall is the time from the wait's issue (or the end of k0) to the copy's end.
+  SimTime copy_end;
+  SimTime k0_end;
+  SimTime wait_issued;
+  for (const OpRecord& r : sim.ops()) {
+    if (r.kind == OpKind::Copy) copy_end = r.end;
+    if (r.kind == OpKind::Kernel && k0_end == SimTime()) k0_end = r.end;
+    if (r.kind == OpKind::Wait) wait_issued = r.issued;
+  }
+  const SimTime ready = std::max(k0_end, wait_issued);
+  ASSERT_GT(copy_end, ready);
+  EXPECT_EQ(live.stall(start, end), copy_end - ready);
+  EXPECT_EQ(compute_stall(sim, compute, start, end), copy_end - ready);
+  EXPECT_EQ(live.stall(end, end + SimTime(1)), SimTime(0));  // no wait issued then
 }
 
 }  // namespace

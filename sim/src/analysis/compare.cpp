@@ -19,28 +19,24 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
   r.policy = row.options.offload.policy;
   r.failure = run.failure;
   const Simulator& sim = run.sim;
+  TimelineMetrics metrics(run.compute);
+  sim.replay(metrics);
   if (!run.steps.empty()) {
+    // Times, stall and bytes moved by copies issued during the last step.
     const StepTimes& last = run.steps.back();
     r.step_time = last.end - last.start;
     r.forward_time = last.forward_end - last.start;
-    r.forward_stall = compute_stall(sim, run.compute, last.start, last.forward_end);
-    r.backward_stall = compute_stall(sim, run.compute, last.forward_end, last.end);
+    r.forward_stall = metrics.stall(last.start, last.forward_end);
+    r.backward_stall = metrics.stall(last.forward_end, last.end);
+    r.d2h = metrics.copied(CopyDirection::DeviceToHost, last.start, last.end);
+    r.h2d = metrics.copied(CopyDirection::HostToDevice, last.start, last.end);
   }
   r.recompute_time = run.recompute_time;
-  r.overlap_permille = copy_overlap_permille(sim);
+  r.overlap_permille = metrics.copy_overlap_permille();
   const AllocatorStats& st = sim.device_allocator(run.device).stats();
   r.peak_allocated = st.allocated_peak;
   r.peak_reserved = st.reserved_peak;
   r.pinned_peak = sim.pinned_allocator().stats().reserved_peak;
-  if (!run.steps.empty()) {
-    // Bytes moved by copies issued during the last step.
-    const StepTimes& last = run.steps.back();
-    for (const OpRecord& op : sim.ops()) {
-      if (op.kind != OpKind::Copy || op.issued < last.start || op.issued > last.end) continue;
-      if (op.direction == CopyDirection::DeviceToHost) r.d2h += op.bytes;
-      if (op.direction == CopyDirection::HostToDevice) r.h2d += op.bytes;
-    }
-  }
   r.hazards = sim.hazards().size();
   r.telemetry = run.telemetry;
   return r;

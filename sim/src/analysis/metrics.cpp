@@ -2,39 +2,52 @@
 
 #include <algorithm>
 #include <utility>
-#include <vector>
 
 namespace ferry::sim {
 
-SimTime compute_stall(const Simulator& sim, StreamId compute, SimTime from, SimTime to) {
+void TimelineMetrics::op_finished(OpId op, const OpRecord& r) {
+  if (r.stream == compute_ && (r.kind == OpKind::Kernel || r.kind == OpKind::Wait)) {
+    compute_ops_.push_back({.op = op, .kind = r.kind, .issued = r.issued, .end = r.end});
+  }
+  if (r.kind == OpKind::Copy) {
+    copies_.push_back({.issued = r.issued, .direction = r.direction, .bytes = r.bytes});
+  }
+  if (r.end <= r.start) return;
+  if (r.kind == OpKind::Kernel) kernels_.push_back({.start = r.start, .end = r.end});
+  if (r.kind == OpKind::Copy) copy_intervals_.push_back({.start = r.start, .end = r.end});
+}
+
+SimTime TimelineMetrics::stall(SimTime from, SimTime to) const {
+  // A wait stalls the stream from when it could have run (issued, and the stream's previous
+  // work done) to when its event completed. Stream order is op order.
+  std::vector<ComputeOp> ops = compute_ops_;
+  std::sort(ops.begin(), ops.end(),
+            [](const ComputeOp& a, const ComputeOp& b) { return a.op < b.op; });
   std::int64_t stall = 0;
   std::int64_t last_end = 0;
-  for (const OpRecord& r : sim.ops()) {
-    if (r.stream != compute) continue;
+  for (const ComputeOp& r : ops) {
     if (r.kind == OpKind::Kernel) {
       last_end = r.end.ns();
-    } else if (r.kind == OpKind::Wait) {
-      const std::int64_t ready = std::max(r.issued.ns(), last_end);
-      if (r.end.ns() > ready && r.issued >= from && r.issued < to) stall += r.end.ns() - ready;
-      last_end = std::max(last_end, r.end.ns());
+      continue;
     }
+    const std::int64_t ready = std::max(r.issued.ns(), last_end);
+    if (r.end.ns() > ready && r.issued >= from && r.issued < to) stall += r.end.ns() - ready;
+    last_end = std::max(last_end, r.end.ns());
   }
   return SimTime(stall);
 }
 
-std::int64_t copy_overlap_permille(const Simulator& sim) {
+std::int64_t TimelineMetrics::copy_overlap_permille() const {
   std::vector<std::pair<std::int64_t, std::int64_t>> kernels;
-  std::vector<std::pair<std::int64_t, std::int64_t>> copies;
-  for (const OpRecord& r : sim.ops()) {
-    if (r.end <= r.start) continue;
-    if (r.kind == OpKind::Kernel) kernels.emplace_back(r.start.ns(), r.end.ns());
-    if (r.kind == OpKind::Copy) copies.emplace_back(r.start.ns(), r.end.ns());
-  }
+  kernels.reserve(kernels_.size());
+  for (const Interval& k : kernels_) kernels.emplace_back(k.start.ns(), k.end.ns());
   std::sort(kernels.begin(), kernels.end());
   // Kernels of one device never overlap each other (one compute engine).
   std::int64_t total = 0;
   std::int64_t overlapped = 0;
-  for (const auto& [lo, hi] : copies) {
+  for (const Interval& c : copy_intervals_) {
+    const std::int64_t lo = c.start.ns();
+    const std::int64_t hi = c.end.ns();
     total += hi - lo;
     auto it = std::lower_bound(kernels.begin(), kernels.end(), std::make_pair(lo, std::int64_t{0}));
     if (it != kernels.begin()) --it;
@@ -43,6 +56,26 @@ std::int64_t copy_overlap_permille(const Simulator& sim) {
     }
   }
   return total == 0 ? 0 : overlapped * 1000 / total;
+}
+
+Bytes TimelineMetrics::copied(CopyDirection direction, SimTime from, SimTime to) const {
+  Bytes sum;
+  for (const Copy& c : copies_) {
+    if (c.direction == direction && c.issued >= from && c.issued <= to) sum += c.bytes;
+  }
+  return sum;
+}
+
+SimTime compute_stall(const Simulator& sim, StreamId compute, SimTime from, SimTime to) {
+  TimelineMetrics metrics(compute);
+  sim.replay(metrics);
+  return metrics.stall(from, to);
+}
+
+std::int64_t copy_overlap_permille(const Simulator& sim) {
+  TimelineMetrics metrics{StreamId()};
+  sim.replay(metrics);
+  return metrics.copy_overlap_permille();
 }
 
 }  // namespace ferry::sim

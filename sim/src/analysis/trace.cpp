@@ -82,11 +82,9 @@ std::string ChromeTrace::json(const Simulator& sim) const {
                                          r.kind == OpKind::Copy || r.kind == OpKind::Alloc
                                              ? fmt::format(R"(,"bytes":{})", r.bytes.count())
                                              : std::string());
-    if (!r.stream.valid()) {  // refused before it reached a stream: drawn on the host track
-      w.event(fmt::format(
-          R"({{"ph":"i","s":"t","name":{},"cat":"host","pid":{},"tid":0,"ts":{},"args":{}}})",
-          json_quote(name), kHostPid, micros(r.issued), args));
-    } else if (r.kind == OpKind::Kernel || r.kind == OpKind::Copy) {
+    // Stream work refused before it reached a stream (it named a buffer with no memory) has
+    // no stream: it is drawn on the host's track like a host call.
+    if ((r.kind == OpKind::Kernel || r.kind == OpKind::Copy) && r.stream.valid()) {
       auto slice = [&](int pid, int tid) {
         return fmt::format(
             R"({{"ph":"X","name":{},"cat":"{}","pid":{},"tid":{},"ts":{},"dur":{},"args":{}}})",
@@ -100,7 +98,7 @@ std::string ChromeTrace::json(const Simulator& sim) const {
         w.event(
             slice(device_pid(engine.device), kEngineTidBase + static_cast<int>(r.engine.value())));
       }
-    } else if (r.kind == OpKind::Record || r.kind == OpKind::Wait) {
+    } else if ((r.kind == OpKind::Record || r.kind == OpKind::Wait) && r.stream.valid()) {
       w.event(fmt::format(
           R"({{"ph":"i","s":"t","name":{},"cat":"{}","pid":{},"tid":{},"ts":{},"args":{}}})",
           json_quote(name), op_kind_name(r.kind), device_pid(sim.stream_device(r.stream)),

@@ -1,13 +1,57 @@
 #pragma once
-/// Metrics read from a simulated timeline after the run.
+/// Metrics of a simulated timeline, collected by an observer (Note [Observers]): attached to a
+/// running Simulator, or fed a finished run with `Simulator::replay`.
 
 #include <cstdint>
+#include <vector>
 
 #include "ferry/ids.hpp"
+#include "ferry/sim/engine/observer.hpp"
 #include "ferry/sim/engine/simulator.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
+
+/// Listens for kernels, copies and the waits of one compute stream; answers stall, overlap and
+/// bytes moved. Order-independent: ops may arrive in completion order (live) or op order
+/// (replay).
+class TimelineMetrics final : public SimObserver {
+ public:
+  /// `compute`: the stream whose waits count as stall.
+  explicit TimelineMetrics(StreamId compute) : compute_(compute) {}
+
+  void op_finished(OpId op, const OpRecord& record) override;
+
+  /// Time the compute stream spent blocked in waits issued in [from, to) (stall).
+  [[nodiscard]] SimTime stall(SimTime from, SimTime to) const;
+  /// Thousandths of copy time that overlapped kernel time.
+  [[nodiscard]] std::int64_t copy_overlap_permille() const;
+  /// Bytes copied in `direction` by copies issued in [from, to].
+  [[nodiscard]] Bytes copied(CopyDirection direction, SimTime from, SimTime to) const;
+
+ private:
+  struct Interval {
+    SimTime start;
+    SimTime end;
+  };
+  struct ComputeOp {  // a kernel or wait of the compute stream
+    OpId op;
+    OpKind kind = OpKind::Kernel;
+    SimTime issued;
+    SimTime end;
+  };
+  struct Copy {
+    SimTime issued;
+    CopyDirection direction = CopyDirection::HostToDevice;
+    Bytes bytes;
+  };
+
+  StreamId compute_;
+  std::vector<ComputeOp> compute_ops_;
+  std::vector<Interval> kernels_;
+  std::vector<Interval> copy_intervals_;
+  std::vector<Copy> copies_;
+};
 
 /// Time the compute stream spent blocked in waits between `from` and `to` (stall).
 [[nodiscard]] SimTime compute_stall(const Simulator& sim, StreamId compute, SimTime from,
