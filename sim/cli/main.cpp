@@ -198,8 +198,17 @@ int run_plan(const PlanArgs& args, bool compare) {
     base.checkpoint = std::move(plan).value();
   }
   if (args.no_early_stop) base.checkpoint.global_early_stop = false;
-  if (args.devices > 1 && !compare)
+  if (args.devices > 1 && !compare) {
+    if (!args.trace.empty()) {
+      // The trace draws one single-device run; a pipeline's would be silently missing.
+      fmt::print(stderr,
+                 "ferry simulate: error: --trace draws a single-device run; a pipeline "
+                 "(--devices {}) has no trace yet\n",
+                 args.devices);
+      return kExitBadInput;
+    }
     return run_pipeline_cli(args, model.value(), device.value(), base);
+  }
   std::string out;
   bool clean = true;
   if (compare) {
@@ -248,6 +257,9 @@ int run_plan(const PlanArgs& args, bool compare) {
           fmt::print(stderr, "ferry simulate: error: cannot write trace to {}\n", args.trace);
           return kExitBadInput;
         }
+      } else {
+        fmt::print(stderr, "ferry simulate: no trace written to {}: the run did not complete\n",
+                   args.trace);
       }
     }
   }
