@@ -7,14 +7,14 @@ the same checks catch it."""
 
 import contextlib
 import gc
+import os
 import weakref
 
-import os
+import pytest
 import torch
 from torch import nn
 
 import ferry
-import pytest
 
 STEPS = 1000
 WARMUP = 200  # allocator arenas, the pool and torch's lazily grown caches settle before this
