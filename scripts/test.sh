@@ -24,6 +24,20 @@ timed build cmake --build --preset "$preset"
 # More random cases than RapidCheck's default 100 per property.
 export RC_PARAMS=${RC_PARAMS:-max_success=500}
 timed ctest ctest --preset "$preset" -j2
+if [[ $preset == ci ]]; then
+  # The installed package, used as another CMake project would: install to a prefix under build/,
+  # then configure, build and run tests/consumer against it.
+  consumer() {
+    local prefix=build/ci-install
+    rm -rf "$prefix" build/ci-consumer
+    cmake --install build/ci --prefix "$prefix" >/dev/null
+    cmake -S tests/consumer -B build/ci-consumer -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DCMAKE_PREFIX_PATH="$PWD/$prefix" >/dev/null
+    cmake --build build/ci-consumer
+    build/ci-consumer/ferry_consumer scenarios/programs/offload_step.json scenarios/devices
+  }
+  timed consumer consumer
+fi
 if [[ $real == ON && $preset != asan ]]; then
   echo "test: building the Python extension (pip install ./real/python)" >&2
   MAX_JOBS=2 timed python-build .venv/bin/pip install --quiet --disable-pip-version-check \

@@ -6,6 +6,7 @@ Install from the repository root (the venv's torch must be the one compiled agai
 """
 
 import os
+import re
 
 from setuptools import setup
 
@@ -17,6 +18,16 @@ REAL = os.path.normpath(os.path.join(HERE, ".."))
 SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "shared"))
 # Package paths below are relative to this directory, wherever setup.py is run from.
 os.chdir(HERE)
+
+
+def _version():
+    # The one version number is the top-level CMakeLists.txt's project(ferry VERSION x.y.z): the
+    # C++ package config, `ferry --version` and this package all read it.
+    with open(os.path.join(HERE, "..", "..", "CMakeLists.txt"), encoding="utf-8") as f:
+        match = re.search(r"project\(ferry\s+VERSION\s+([0-9][0-9.]*)", f.read())
+    if match is None:
+        raise RuntimeError("no project(ferry VERSION x.y.z) in the top-level CMakeLists.txt")
+    return match.group(1)
 
 
 def _src(*parts):
@@ -70,7 +81,7 @@ ext = Extension(
 
 setup(
     name="ferry",
-    version="0.1.0",
+    version=_version(),
     description="ferry: activation offload and checkpointing for PyTorch autograd",
     packages=["ferry"],
     ext_modules=[ext],

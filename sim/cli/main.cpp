@@ -320,6 +320,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "ferry: offload and checkpoint scheduling, with a simulated GPU that proves "
       "stream schedules safe"};
+  app.set_version_flag("--version", std::string{"ferry "} + FERRY_VERSION);
   app.require_subcommand(1);
   CheckArgs check;
   CLI::App* check_cmd = app.add_subcommand(
@@ -344,6 +345,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);

@@ -16,6 +16,7 @@ too).
 """
 
 import functools
+import importlib.metadata as _metadata
 import warnings
 
 import torch
@@ -35,7 +36,11 @@ __all__ = [
     "get_act_offloading_ctx_manager",
     "enable_gradient_checkpointing",
 ]
-__version__ = "0.1.0"
+try:
+    # setup.py takes the version from the top-level CMakeLists.txt, ferry's one version number.
+    __version__ = _metadata.version("ferry")
+except _metadata.PackageNotFoundError:  # imported from a source tree, not installed
+    __version__ = "unknown"
 
 
 class _Region(saved_tensors_hooks):
