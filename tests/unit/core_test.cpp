@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <string>
 
 #include "ferry/check.hpp"
@@ -32,9 +33,35 @@ TEST(TransferTime, RoundsUpToTheNextNanosecond) {
 TEST(FormatBytes, UsesBinaryUnitsWithTwoDecimals) {
   EXPECT_EQ(format_bytes(Bytes(0)), "0 B");
   EXPECT_EQ(format_bytes(Bytes(1023)), "1023 B");
+  EXPECT_EQ(format_bytes(Bytes(1024)), "1.00 KiB");
   EXPECT_EQ(format_bytes(Bytes(1536)), "1.50 KiB");
-  EXPECT_EQ(format_bytes(20 * kMiB), "20.00 MiB");
-  EXPECT_EQ(format_bytes(80 * kGiB), "80.00 GiB");
+  EXPECT_EQ(format_bytes(20 * kMiB), "20.0 MiB");
+  EXPECT_EQ(format_bytes(80 * kGiB), "80.0 GiB");
+  EXPECT_EQ(format_bytes(Bytes(37'473'918'976)), "34.9 GiB");
+  EXPECT_EQ(format_bytes(512 * kMiB), "512 MiB");
+  EXPECT_EQ(format_bytes(1000 * kKiB), "1000 KiB");  // four digits below the next unit
+  EXPECT_EQ(format_bytes(1023 * kKiB), "1023 KiB");
+  EXPECT_EQ(format_bytes(Bytes(1023 * 1024 + 511)), "1023 KiB");
+  EXPECT_EQ(format_bytes(Bytes(1023 * 1024 + 512)), "1.00 MiB");  // rounding carries
+  EXPECT_EQ(format_bytes(Bytes(10 * 1024 - 6)), "9.99 KiB");
+  EXPECT_EQ(format_bytes(Bytes(10 * 1024 - 5)), "10.0 KiB");  // 9.995 rounds half up
+  EXPECT_EQ(format_bytes(2 * 1024 * kGiB), "2.00 TiB");
+  EXPECT_EQ(format_bytes(Bytes(INT64_MAX)), "8192 PiB");
+}
+
+TEST(Units, FormatTimeKeepsThreeSignificantDigits) {
+  EXPECT_EQ(format_time(SimTime(0)), "0 ns");
+  EXPECT_EQ(format_time(SimTime(999)), "999 ns");
+  EXPECT_EQ(format_time(SimTime(1000)), "1.00 us");
+  EXPECT_EQ(format_time(SimTime(8'100)), "8.10 us");
+  EXPECT_EQ(format_time(SimTime(161'601)), "162 us");
+  EXPECT_EQ(format_time(SimTime(904'224'737)), "904 ms");
+  EXPECT_EQ(format_time(SimTime(273'730'208)), "274 ms");
+  EXPECT_EQ(format_time(SimTime(2'024'497'225)), "2.02 s");
+  EXPECT_EQ(format_time(SimTime(999'499'999)), "999 ms");
+  EXPECT_EQ(format_time(SimTime(999'500'000)), "1.00 s");  // rounding carries
+  EXPECT_EQ(format_time(SimTime(999'999)), "1.00 ms");
+  EXPECT_EQ(format_time(SimTime(12'345'678'901'234)), "12346 s");
 }
 
 TEST(Result, HoldsAValueOrAnError) {

@@ -75,7 +75,19 @@ class Bandwidth {
   return SimTime(static_cast<std::int64_t>((scaled + r - 1) / r));
 }
 
-/// "512 B", "1.50 MiB": bytes for people, exact integer arithmetic, two decimals.
+/// Note [Units for people]: text output shows a quantity with three significant digits in
+/// the largest unit it reaches ("1.50 KiB", "34.9 GiB", "904 ms", "2.02 s"), the unit in the
+/// string. Rounding is half up on the exact integer, in integer arithmetic (no locale, no
+/// floating point), and carries into the next unit: 999.5 ms prints "1.00 s", 1023.5 KiB
+/// prints "1.00 MiB". A value at or above 1000 of the largest unit keeps all its integer
+/// digits; so does a count of the smallest unit (bytes below 1 KiB, nanoseconds below 1 us).
+/// Bytes between 1000 and 1023 of a unit print with four digits ("1020 KiB"). JSON output
+/// keeps the exact integers.
+
+/// "512 B", "1.50 KiB", "34.9 GiB", "1020 MiB" (Note [Units for people]).
 [[nodiscard]] std::string format_bytes(Bytes bytes);
+
+/// "512 ns", "8.10 us", "904 ms", "2.02 s" (Note [Units for people]).
+[[nodiscard]] std::string format_time(SimTime time);
 
 }  // namespace ferry

@@ -25,7 +25,9 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
     // Times, stall and bytes moved by copies issued during the last step.
     const StepTimes& last = run.steps.back();
     r.step_time = last.end - last.start;
-    r.forward_time = last.forward_end - last.start;
+    // The host returns from forward long before the device finishes it: the forward pass ends
+    // when its last kernel does.
+    r.forward_time = metrics.kernels_done(last.start, last.forward_end) - last.start;
     r.forward_stall = metrics.stall(last.start, last.forward_end);
     r.backward_stall = metrics.stall(last.forward_end, last.end);
     r.d2h = metrics.copied(CopyDirection::DeviceToHost, last.start, last.end);
@@ -201,16 +203,19 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
   if (!r.fits)
     out += fmt::format("does not fit in {}: the figures below need more memory\n",
                        format_bytes(device.memory));
-  out += fmt::format("step time: {} (forward {})\n", format_time(r.step_time),
-                     format_time(r.forward_time));
+  out += fmt::format(
+      "step time: {}, forward pass done on the device at {} (simulated time from "
+      "the last step's start)\n",
+      format_time(r.step_time), format_time(r.forward_time));
   out += fmt::format("peak device memory: allocated {}, reserved {}\n",
                      format_bytes(r.peak_allocated), format_bytes(r.peak_reserved));
   out += fmt::format("peak pinned host memory: {}\n", format_bytes(r.pinned_peak));
   out += fmt::format("moved: D2H {}, H2D {}\n", format_bytes(r.d2h), format_bytes(r.h2d));
   out += fmt::format("recompute: {}\n", format_time(r.recompute_time));
-  out += fmt::format("stall: forward {}, backward {}; copy/compute overlap {}\n",
-                     format_time(r.forward_stall), format_time(r.backward_stall),
-                     percent(r.overlap_permille));
+  out += fmt::format(
+      "stall (compute stream waiting on copies): forward {}, backward {}; copy/compute overlap "
+      "{}\n",
+      format_time(r.forward_stall), format_time(r.backward_stall), percent(r.overlap_permille));
   const OffloadTelemetry& t = r.telemetry;
   out += fmt::format(
       "saved tensors: {} packed, {} offloaded, {} kept, {} deduplicated, {} host-cap fallbacks\n",
@@ -235,10 +240,9 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
   const RowResult* base = baseline(rows);
   std::string out = fmt::format("ferry compare: {} on {} ({} device memory)\n", model.name,
                                 device.name, format_bytes(device.memory));
-  out +=
-      fmt::format("{:<22} {:>14} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>14} {:>14} {:>8} {}\n",
-                  "policy", "step", "time", "peak alloc", "memory", "peak pinned", "D2H", "H2D",
-                  "recompute", "bwd stall", "overlap", "note");
+  out += fmt::format("{:<22} {:>9} {:>6} {:>10} {:>6} {:>11} {:>9} {:>9} {:>9} {:>9} {:>7} {}\n",
+                     "policy", "step", "time", "peak alloc", "memory", "peak pinned", "D2H", "H2D",
+                     "recompute", "bwd stall", "overlap", "note");
   for (const RowResult& r : rows) {
     std::string note;
     if (!r.fits) {
@@ -248,18 +252,19 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
     } else if (r.hazards > 0) {
       note = fmt::format("{} hazards", r.hazards);
     }
-    out += fmt::format(
-        "{:<22} {:>14} {:>7} {:>12} {:>7} {:>12} {:>11} {:>11} {:>14} {:>14} {:>8} {}\n", r.name,
-        format_time(r.step_time), base ? ratio(r.step_time.ns(), base->step_time.ns()) : "-",
-        format_bytes(r.peak_allocated),
-        base ? ratio(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
-        format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
-        format_time(r.recompute_time), format_time(r.backward_stall), percent(r.overlap_permille),
-        note);
+    out += fmt::format("{:<22} {:>9} {:>6} {:>10} {:>6} {:>11} {:>9} {:>9} {:>9} {:>9} {:>7} {}\n",
+                       r.name, format_time(r.step_time),
+                       base ? ratio(r.step_time.ns(), base->step_time.ns()) : "-",
+                       format_bytes(r.peak_allocated),
+                       base ? ratio(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
+                       format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
+                       format_time(r.recompute_time), format_time(r.backward_stall),
+                       percent(r.overlap_permille), note);
   }
   out +=
-      "time and memory are ratios to the none row; step, bytes moved and recompute are of "
-      "the last simulated step\n";
+      "time and memory are ratios to the none row; step (simulated device time), bytes moved, "
+      "recompute and bwd stall (compute stream waiting on copies) are of the last simulated "
+      "step\n";
   return out;
 }
 
@@ -342,18 +347,17 @@ std::vector<PipelineRow> pipeline_rows(const Model& model, const DeviceProfile& 
 }
 
 std::string pipeline_text(const std::vector<PipelineRow>& rows) {
-  std::string out =
-      fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {:>11} {}\n", "pipeline", "step",
-                  "per micro-batch", "max dev peak", "recompute", "D2H", "note");
+  std::string out = fmt::format("{:<28} {:>9} {:>15} {:>12} {:>9} {:>9} {}\n", "pipeline", "step",
+                                "per micro-batch", "max dev peak", "recompute", "D2H", "note");
   for (const PipelineRow& r : rows) {
     std::string note = r.failure       ? "failed: " + r.failure->message
                        : r.hazards > 0 ? fmt::format("{} hazards", r.hazards)
                                        : std::string();
     const std::int64_t mb = std::max(1, r.options.micro_batches);
-    out += fmt::format("{:<28} {:>14} {:>14} {:>14} {:>14} {:>11} {}\n", r.name,
-                       format_time(r.step_time), format_time(SimTime(r.step_time.ns() / mb)),
-                       format_bytes(r.max_device_peak), format_time(r.recompute_time),
-                       format_bytes(r.d2h), note);
+    out +=
+        fmt::format("{:<28} {:>9} {:>15} {:>12} {:>9} {:>9} {}\n", r.name, format_time(r.step_time),
+                    format_time(SimTime(r.step_time.ns() / mb)), format_bytes(r.max_device_peak),
+                    format_time(r.recompute_time), format_bytes(r.d2h), note);
   }
   out +=
       "per-device peaks are allocated bytes; D2H is offloaded bytes, all stages; the model "

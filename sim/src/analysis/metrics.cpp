@@ -37,6 +37,14 @@ SimTime TimelineMetrics::stall(SimTime from, SimTime to) const {
   return SimTime(stall);
 }
 
+SimTime TimelineMetrics::kernels_done(SimTime from, SimTime to) const {
+  SimTime done = from;
+  for (const ComputeOp& r : compute_ops_) {
+    if (r.kind == OpKind::Kernel && r.issued >= from && r.issued < to) done = std::max(done, r.end);
+  }
+  return done;
+}
+
 std::int64_t TimelineMetrics::copy_overlap_permille() const {
   std::vector<std::pair<std::int64_t, std::int64_t>> kernels;
   kernels.reserve(kernels_.size());

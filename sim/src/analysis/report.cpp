@@ -227,13 +227,6 @@ Json op_json(const Simulator& sim, OpId id, BufferId buffer) {
 
 }  // namespace
 
-std::string format_time(SimTime time) {
-  const std::int64_t ns = time.ns();
-  if (ns < 1'000'000) return fmt::format("{}.{:03} us", ns / 1000, ns % 1000);
-  if (ns < 1'000'000'000) return fmt::format("{}.{:06} ms", ns / 1'000'000, ns % 1'000'000);
-  return fmt::format("{}.{:09} s", ns / 1'000'000'000, ns % 1'000'000'000);
-}
-
 std::string summary_text(const ProgramRun& run, std::string_view source) {
   const Simulator& sim = run.sim;
   std::size_t kernels = 0;

@@ -23,11 +23,11 @@ struct RowResult {
   Policy policy = Policy::None;
   std::optional<Failure> failure;  ///< out of memory, or an offloader error
   bool fits = true;                ///< false: ran out of device memory on this device
-  SimTime step_time;
-  SimTime forward_time;
-  SimTime backward_stall;             ///< compute stream blocked on reloads in backward
-  SimTime forward_stall;              ///< compute stream blocked on offload guards in forward
-  SimTime recompute_time;             ///< kernel time spent recomputing checkpointed regions
+  SimTime step_time;       ///< simulated time from the step's start to its end (device synced)
+  SimTime forward_time;    ///< from the step's start to the forward pass's last kernel's end
+  SimTime backward_stall;  ///< compute stream blocked on reloads in backward
+  SimTime forward_stall;   ///< compute stream blocked on offload guards in forward
+  SimTime recompute_time;  ///< kernel time spent recomputing checkpointed regions
   std::int64_t overlap_permille = 0;  ///< copy time overlapped with compute
   Bytes peak_allocated;
   Bytes peak_reserved;

@@ -24,6 +24,10 @@ class TimelineMetrics final : public SimObserver {
 
   /// Time the compute stream spent blocked in waits issued in [from, to) (stall).
   [[nodiscard]] SimTime stall(SimTime from, SimTime to) const;
+  /// When the last compute-stream kernel issued in [from, to) finished on the device; `from`
+  /// when there is none. The host issues ahead of the device, so this is when work the host
+  /// issued in the span is done, not when the host got past it.
+  [[nodiscard]] SimTime kernels_done(SimTime from, SimTime to) const;
   /// Thousandths of copy time that overlapped kernel time.
   [[nodiscard]] std::int64_t copy_overlap_permille() const;
   /// Bytes copied in `direction` by copies issued in [from, to].

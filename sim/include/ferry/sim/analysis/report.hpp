@@ -20,7 +20,4 @@ namespace ferry::sim {
 /// copy engine, instant marks for event records and hazards, memory counters.
 [[nodiscard]] std::string chrome_trace(const Simulator& sim);
 
-/// "12.345 us", "1.234567 ms": exact integer formatting of simulated time.
-[[nodiscard]] std::string format_time(SimTime time);
-
 }  // namespace ferry::sim
