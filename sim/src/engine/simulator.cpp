@@ -127,8 +127,8 @@ void Simulator::free(BufferId buffer, std::string_view label) {
         on_device
             ? s.devices[device.value()].allocator.deferring_streams(s.device_blocks[buffer.value()])
             : s.pinned.deferring_streams(s.host_blocks[buffer.value()]);
-    std::vector<ThreadIndex> deferred;
-    deferred.reserve(deferring.size());
+    std::vector<ThreadIndex>& deferred = s.free_threads;
+    deferred.clear();
     for (const StreamId d : deferring) deferred.push_back(s.streams.thread(d));
     const ThreadIndex alloc_thread =
         on_device ? s.streams.thread(s.ops[info.allocated_by.value()].stream) : kHostThread;

@@ -114,8 +114,9 @@ struct Simulator::State final : StreamMarkers {
   std::vector<ProgramLink> links;
   std::vector<EventState> events;
   std::vector<BufferInfo> buffers;
-  std::vector<BlockId> device_blocks;    // per buffer, Device kind
-  std::vector<HostBlockId> host_blocks;  // per buffer, Pinned kind
+  std::vector<BlockId> device_blocks;     // per buffer, Device kind
+  std::vector<HostBlockId> host_blocks;   // per buffer, Pinned kind
+  std::vector<ThreadIndex> free_threads;  // scratch of free(): reused, never reallocated per call
   std::vector<OpRecord> ops;
   std::vector<Exec> exec;
   std::vector<engine_detail::WriteRange> write_ranges;
