@@ -113,9 +113,7 @@ HazardChecker::Shadow::iterator HazardChecker::split(Shadow& shadow, std::int64_
   return shadow.emplace_hint(it, at, std::move(tail));
 }
 
-void HazardChecker::coalesce(Shadow& shadow, std::int64_t lo, std::int64_t hi) {
-  auto it = shadow.lower_bound(lo);
-  if (it != shadow.begin()) --it;
+void HazardChecker::coalesce(Shadow& shadow, Shadow::iterator it, std::int64_t hi) {
   while (it != shadow.end() && it->first <= hi) {
     auto next = std::next(it);
     if (next == shadow.end()) break;
@@ -135,7 +133,7 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
   const std::int64_t lo = lo_bytes.count();
   const std::int64_t hi = hi_bytes.count();
   if (lo >= hi) return;
-  if (spaces_.size() <= space) spaces_.resize(space + 1);
+  while (spaces_.size() <= space) spaces_.emplace_back(Shadow::allocator_type(pool_.get()));
   Shadow& shadow = spaces_[space];
   // A buffer holding bytes of a deferred free is ordered after its markers (a floor).
   const bool floored =
@@ -184,15 +182,21 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
                               Bytes(seg_lo), Bytes(seg_hi)});
   };
 
-  split(shadow, lo);
-  split(shadow, hi);
+  // One look-up: the segment holding `lo` (split there), then a walk to `hi` that fills gaps
+  // and splits the last segment at `hi` before it is touched.
+  auto it = split(shadow, lo);
+  auto at_lo = shadow.end();
   std::int64_t pos = lo;
-  auto it = shadow.lower_bound(lo);
   while (pos < hi) {
     if (it == shadow.end() || it->first > pos) {
       const std::int64_t gap_hi = it == shadow.end() ? hi : std::min(it->first, hi);
       it = shadow.emplace_hint(it, pos, Segment{Bytes(gap_hi), {}, {}});
+    } else if (it->second.hi.count() > hi) {
+      Segment tail = it->second;
+      it->second.hi = Bytes(hi);
+      shadow.emplace_hint(std::next(it), hi, std::move(tail));
     }
+    if (pos == lo) at_lo = it;
     Segment& seg = it->second;
     const std::int64_t seg_hi = seg.hi.count();
     for (const Access& w : seg.writes) {
@@ -211,7 +215,8 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
     pos = seg_hi;
     ++it;
   }
-  coalesce(shadow, lo, hi);
+  // Merging starts at the neighbour before the segment at `lo`.
+  coalesce(shadow, at_lo == shadow.begin() ? at_lo : std::prev(at_lo), hi);
 }
 
 void HazardChecker::release(OpId free_op, BufferId buffer, SpaceIndex space, Bytes lo_bytes,

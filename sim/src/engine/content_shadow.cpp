@@ -6,8 +6,18 @@
 namespace ferry::sim {
 
 void ContentShadow::write(Bytes lo, Bytes hi, std::uint64_t id, Bytes base) {
-  // Trim runs overlapping [lo, hi), keeping their outside parts.
   auto it = runs_.lower_bound(lo);
+  // The usual case, a buffer written whole again: one run is exactly [lo, hi).
+  if (it != runs_.end() && it->first == lo && it->second.hi == hi) {
+    if (id == 0) {
+      runs_.erase(it);
+    } else {
+      it->second.id = id;
+      it->second.base = base;
+    }
+    return;
+  }
+  // Trim runs overlapping [lo, hi), keeping their outside parts.
   if (it != runs_.begin()) {
     auto prev = std::prev(it);
     if (prev->second.hi > lo) {

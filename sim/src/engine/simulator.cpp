@@ -379,11 +379,7 @@ void Simulator::replay(SimObserver& observer) const {
 
 SimTime Simulator::host_time() const { return state_->host_time; }
 
-SimTime Simulator::makespan() const {
-  SimTime end = state_->host_time;
-  for (const OpRecord& r : state_->ops) end = std::max(end, r.end);
-  return end;
-}
+SimTime Simulator::makespan() const { return std::max(state_->host_time, state_->latest_end); }
 
 const std::vector<Hazard>& Simulator::hazards() const { return state_->checker.hazards(); }
 const std::vector<ContentMismatch>& Simulator::content_mismatches() const {

@@ -134,6 +134,7 @@ void Simulator::State::start_op(OpId op, bool wait_done) {
   OpRecord& rec = ops[op.value()];
   if (wait_done) {
     rec.start = rec.end = now;
+    latest_end = std::max(latest_end, now);
     if (!observers.empty()) observers.op_finished(op, rec);
     return;
   }
@@ -162,6 +163,7 @@ void Simulator::State::start_copy(EngineId engine) {
 void Simulator::State::complete(OpId op) {
   OpRecord& rec = ops[op.value()];
   rec.end = now;
+  latest_end = std::max(latest_end, now);
   if (options.track_content) apply_content(op);
   if (!observers.empty()) observers.op_finished(op, rec);
   streams.complete(rec.stream,

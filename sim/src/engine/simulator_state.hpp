@@ -134,6 +134,7 @@ struct Simulator::State final : StreamMarkers {
   std::vector<ContentMismatch> mismatches;
   SimTime now;
   SimTime host_time;
+  SimTime latest_end;  // the latest end of a stream op; host calls end by host_time
   std::vector<engine_detail::Marker> markers;
   MemorySampling memory;
   ObserverList observers;

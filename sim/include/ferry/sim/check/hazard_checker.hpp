@@ -13,11 +13,13 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <span>
 #include <tuple>
 #include <vector>
 
 #include "ferry/ids.hpp"
+#include "ferry/sim/engine/node_pool.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
@@ -76,6 +78,9 @@ struct CheckerFaults {
 class HazardChecker {
  public:
   explicit HazardChecker(CheckerFaults faults = {}) : faults_(faults) {}
+  // Move-only, and not move-assignable: the shadow's nodes live in the pool it owns.
+  HazardChecker(HazardChecker&&) noexcept = default;
+  HazardChecker& operator=(HazardChecker&&) = delete;
 
   /// Adds a stream timeline; returns its thread index.
   ThreadIndex add_thread();
@@ -167,12 +172,15 @@ class HazardChecker {
     AccessSet writes;
   };
   using Clock = std::vector<std::uint32_t>;
-  using Shadow = std::map<std::int64_t, Segment>;  // keyed by first byte
+  // Keyed by first byte; nodes from pool_ (Note [Node pools] in node_pool.hpp).
+  using Shadow = std::map<std::int64_t, Segment, std::less<>,
+                          NodePoolAllocator<std::pair<const std::int64_t, Segment>>>;
 
   static void join(Clock& into, const Clock& from);
   [[nodiscard]] bool ordered_before(const Access& a, const Clock& now) const;
   Shadow::iterator split(Shadow& shadow, std::int64_t at);
-  void coalesce(Shadow& shadow, std::int64_t lo, std::int64_t hi);
+  /// Merges equal neighbours from `it` through the segment that starts at `hi`.
+  void coalesce(Shadow& shadow, Shadow::iterator it, std::int64_t hi);
 
   // The bytes [lo, hi) of a deferred free, and what its markers captured.
   struct Floor {
@@ -188,6 +196,7 @@ class HazardChecker {
   CheckerFaults faults_;
   std::vector<Clock> clocks_{Clock(1, 0)};
   std::vector<Clock> snapshots_;
+  std::unique_ptr<NodePool> pool_ = std::make_unique<NodePool>();
   std::vector<Shadow> spaces_;
   std::vector<Hazard> hazards_;
   std::vector<FloorMap> floors_;             // per space

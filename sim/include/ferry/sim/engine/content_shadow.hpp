@@ -4,8 +4,10 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <vector>
 
+#include "ferry/sim/engine/node_pool.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
@@ -33,6 +35,11 @@ struct ContentPiece {
 /// overlapping; bytes never written hold id 0 and take no room.
 class ContentShadow {
  public:
+  ContentShadow() = default;
+  // Move-only, and not move-assignable: the map's nodes live in the pool it owns.
+  ContentShadow(ContentShadow&&) noexcept = default;
+  ContentShadow& operator=(ContentShadow&&) = delete;
+
   /// Bytes [lo, hi) now hold bytes [base, base + (hi - lo)) of value `id` (0 forgets them).
   void write(Bytes lo, Bytes hi, std::uint64_t id, Bytes base);
   /// Copies what [src, src + bytes) of `from` holds into [dst, dst + bytes) of this space.
@@ -47,7 +54,10 @@ class ContentShadow {
     std::uint64_t id = 0;
     Bytes base;
   };
-  std::map<Bytes, Run> runs_;  // start -> run
+  // start -> run; nodes from pool_ (Note [Node pools] in node_pool.hpp)
+  std::unique_ptr<NodePool> pool_ = std::make_unique<NodePool>();
+  std::map<Bytes, Run, std::less<>, NodePoolAllocator<std::pair<const Bytes, Run>>> runs_{
+      NodePoolAllocator<std::pair<const Bytes, Run>>(pool_.get())};
 };
 
 }  // namespace ferry::sim

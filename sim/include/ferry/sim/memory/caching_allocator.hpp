@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <span>
@@ -14,6 +15,7 @@
 
 #include "ferry/ids.hpp"
 #include "ferry/result.hpp"
+#include "ferry/sim/engine/node_pool.hpp"
 #include "ferry/sim/memory/stream_markers.hpp"
 #include "ferry/units.hpp"
 
@@ -105,6 +107,9 @@ class CachingAllocator {
  public:
   /// `capacity`: bytes of device memory segments may occupy; `base`: address of the first byte.
   CachingAllocator(Bytes capacity, Bytes base);
+  // Move-only, and not move-assignable: its maps' nodes live in pools it owns.
+  CachingAllocator(CachingAllocator&&) noexcept = default;
+  CachingAllocator& operator=(CachingAllocator&&) = delete;
   /// As above, with test-only faults planted.
   CachingAllocator(Bytes capacity, Bytes base, AllocatorFaults faults);
 
@@ -165,7 +170,7 @@ class CachingAllocator {
     Bytes address;
     friend auto operator<=>(const FreeKey&, const FreeKey&) = default;
   };
-  using BlockMap = std::map<Bytes, Block>;
+  using BlockMap = PooledMap<Bytes, Block>;
 
   std::optional<Bytes> take_free_block(StreamId stream, PoolKind pool, Bytes size);
   std::optional<Bytes> new_segment(StreamId stream, PoolKind pool, Bytes segment_size);
@@ -182,9 +187,16 @@ class CachingAllocator {
   Bytes base_;
   AllocatorFaults faults_;
   AddressRangeAllocator ranges_;
-  BlockMap blocks_;                          // every block of every segment, by address
-  std::map<Bytes, Segment> segments_;        // by address
-  std::set<FreeKey> free_;                   // Free blocks only
+  // The maps below change on every malloc and free: their nodes come from pools of their own
+  // (Note [Node pools] in node_pool.hpp), declared first so that they outlive the maps.
+  std::unique_ptr<NodePool> block_nodes_ = std::make_unique<NodePool>();
+  std::unique_ptr<NodePool> segment_nodes_ = std::make_unique<NodePool>();
+  std::unique_ptr<NodePool> free_nodes_ = std::make_unique<NodePool>();
+  BlockMap blocks_{BlockMap::allocator_type(block_nodes_.get())};  // every block, by address
+  PooledMap<Bytes, Segment> segments_{
+      // by address
+      PooledMap<Bytes, Segment>::allocator_type(segment_nodes_.get())};
+  PooledSet<FreeKey> free_{PooledSet<FreeKey>::allocator_type(free_nodes_.get())};  // Free only
   std::unordered_map<BlockId, Bytes> live_;  // Allocated blocks -> address; lookup only
   std::vector<Bytes> pending_;               // PendingFree blocks, in order of free
   BlockId::rep_type next_id_ = 0;
