@@ -18,6 +18,7 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
   r.name = row.name;
   r.policy = row.options.offload.policy;
   r.failure = run.failure;
+  r.fits = !(run.failure && run.failure->kind == FailureKind::OutOfMemory);
   const Simulator& sim = run.sim;
   TimelineMetrics metrics(run.compute);
   sim.replay(metrics);

@@ -263,7 +263,7 @@ void Executor::setup() {
       param_grads_[j][b] = h;
       writes.push_back(Write{h, grad_content(0), 0});
     }
-    // A kernel writes at most 255 ranges: initialize in chunks.
+    // Initialization runs as kernels of at most kMaxWrites ranges each.
     for (std::size_t at = 0; at < writes.size(); at += kMaxWrites) {
       const auto end =
           writes.begin() + static_cast<std::ptrdiff_t>(std::min(writes.size(), at + kMaxWrites));

@@ -177,7 +177,7 @@ OpId Simulator::kernel(StreamId stream, SimTime duration, std::span<const Region
   if (s.options.check_hazards) s.checker.begin_op(thread);
   for (const Region& r : reads) s.touch(op, thread, AccessOrigin::Kernel, r, false);
   e.first_write = static_cast<std::uint32_t>(s.write_ranges.size());
-  FERRY_CHECK(writes.size() < 256, "a kernel writes at most 255 ranges");
+  FERRY_CHECK(writes.size() < 0xffffffffU, "a kernel writes {} ranges", writes.size());
   FERRY_CHECK(values.empty() || values.size() == writes.size(), "{} content values for {} writes",
               values.size(), writes.size());
   for (std::uint32_t i = 0; i < writes.size(); ++i) {
@@ -321,7 +321,7 @@ void Simulator::host_write(std::span<const Region> regions, std::string_view lab
   State& s = *state_;
   const OpId op = s.begin_call(OpKind::HostWrite, s.overheads(DeviceId(0)).host_access, label);
   if (s.options.check_hazards) s.checker.begin_op(kHostThread);
-  FERRY_CHECK(regions.size() < 256, "a host write covers at most 255 ranges");
+  FERRY_CHECK(regions.size() < 0xffffffffU, "a host write covers {} ranges", regions.size());
   for (std::uint32_t i = 0; i < regions.size(); ++i) {
     const Region& r = regions[i];
     const BufferInfo& b = s.buffer(r.buffer);

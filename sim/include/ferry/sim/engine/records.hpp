@@ -43,9 +43,10 @@ struct OpRecord {
 };
 
 /// The content id the `index`-th write range of op `op` gives its bytes (kernels and host
-/// writes): predictable at issue time, so callers can state what a later read must see.
+/// writes): predictable at issue time, so callers can state what a later read must see. Distinct
+/// for every (op, index) with index below 2^32 - 1, and never 0.
 [[nodiscard]] constexpr std::uint64_t written_content(OpId op, std::uint32_t index) {
-  return (static_cast<std::uint64_t>(op.value()) << 8) + index + 1;
+  return (static_cast<std::uint64_t>(op.value()) << 32U) + index + 1;
 }
 
 /// A kernel that, when it started, read bytes other than the ones expected.
