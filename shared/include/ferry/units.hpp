@@ -4,6 +4,9 @@
 #include <compare>
 #include <cstdint>
 #include <string>
+#include <string_view>
+
+#include "ferry/result.hpp"
 
 namespace ferry {
 
@@ -89,5 +92,12 @@ class Bandwidth {
 
 /// "512 ns", "8.10 us", "904 ms", "2.02 s" (Note [Units for people]).
 [[nodiscard]] std::string format_time(SimTime time);
+
+/// Parses a byte count written for people: "40GiB", "40 GiB", "1.5 GiB", "512MiB", "4e10",
+/// "4e10 B", "40GB" (decimal units: kB, MB, GB, TB; binary: KiB, MiB, GiB, TiB; B or none for
+/// bytes). A fraction of a unit is rounded down to whole bytes; a fraction of a byte is an
+/// error, and so is anything above 2^50. The error quotes the text and names the accepted
+/// forms; `what` names the argument.
+Result<Bytes> parse_bytes(std::string_view text, std::string_view what);
 
 }  // namespace ferry
