@@ -6,9 +6,9 @@
 #include <benchmark/benchmark.h>
 
 #include <chrono>
-#include <cstring>
 #include <random>
 
+#include "bench_main.hpp"
 #include "ferry/sim/analysis/run_program.hpp"
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/io/program_json.hpp"
@@ -139,18 +139,5 @@ BENCHMARK(BM_BuildLargestPreset)->Unit(benchmark::kMillisecond);
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<char*> args;
-  for (int i = 0; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--smoke") == 0) {
-      g_choices = 2'000;
-    } else {
-      args.push_back(argv[i]);
-    }
-  }
-  int n = static_cast<int>(args.size());
-  benchmark::Initialize(&n, args.data());
-  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return ferry::bench::run_benchmarks(argc, argv, [] { g_choices = 2'000; });
 }

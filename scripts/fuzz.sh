@@ -3,14 +3,14 @@
 # Sanitizer) in build/fuzz and runs each for a bounded time on a fresh corpus seeded from
 # tests/fuzz/corpus/<format>. A finding (crash, sanitizer report, leak, timeout) stops that
 # harness, is written to build/fuzz/findings/<format>/ and fails the script.
-# Usage: scripts/fuzz.sh [SECONDS per harness, default 60] [FORMAT...]   (model program device)
+# Usage: scripts/fuzz.sh [SECONDS per harness, default 60] [FORMAT...]   (model program device plan)
 # Replay one input: build/fuzz/tests/fuzz/fuzz_model FILE
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 formats=("$@")
-if ((${#formats[@]} == 0)); then formats=(model program device); fi
+if ((${#formats[@]} == 0)); then formats=(model program device plan); fi
 
 build=build/fuzz
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=None \

@@ -306,9 +306,13 @@ void Trainer::begin_region(std::uint32_t r) {
   FrameInfo info;
   info.region = r;
   info.generators = generators_;
+  const auto& chosen = options_.offload_selection.region_inputs;
+  const bool keep_inputs = r < chosen.size() && !chosen[r];
+  if (keep_inputs) offloader_.push_no_offload();
   for (const std::uint32_t t : region_inputs(reg.first_op, reg.end_op)) {
     info.inputs.push_back(pack(reg.end_op - 1, t));
   }
+  if (keep_inputs) offloader_.pop_no_offload();
   if (reg.reentrant) {
     contexts_.push_back(Context{Context::Kind::NoGrad, FrameId()});
     open_.push_back(OpenRegion{r, FrameId(), device_rng_initialized_});
@@ -355,7 +359,11 @@ void Trainer::save_op(std::uint32_t i) {
   if (in_frame && policy(i) != OpPolicy::PreferRecompute) {
     FrameInfo& info = frames_[contexts_.back().frame.value()];
     for (const std::uint32_t t : op.outputs) {
-      if (model_.tensors[t].view_of >= 0) continue;
+      if (model_.tensors[t].view_of >= 0) {
+        // A replay serves the view from its base with the value forward gave it.
+        info.view_values[t] = lookup(t).value;
+        continue;
+      }
       const Bound b = lookup(t);
       if (policy(i) == OpPolicy::MustSave) {
         device_.hold(b.buffer);
@@ -390,6 +398,13 @@ void Trainer::forward() {
     note_write(buf, Bytes(0), tensor.bytes, value);
   }
   run_.sim.kernel(compute_, SimTime(1), {}, batch, "load batch", values);
+  // Views of the batch: bytes of their base's buffer, as views of parameters are.
+  for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
+    const ModelTensor& tensor = model_.tensors[t];
+    if (tensor.role != TensorRole::Input || tensor.view_of < 0) continue;
+    const Bound& whole = scopes_[0].bound.at(base(t));
+    scopes_[0].bound[t] = Bound{whole.buffer, tensor.view_offset, whole.value};
+  }
 
   saved_.assign(model_.ops.size(), {});
   for (std::uint32_t i = 0; i < model_.ops.size(); ++i) {
@@ -399,10 +414,15 @@ void Trainer::forward() {
          regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
       begin_region(r);
     }
-    if (op.no_offload) offloader_.push_no_offload();
+    // Note [Offload selection]: a plan keeps an op's saved tensors on the device the way a
+    // no-offload region does, so the offloader's own rules (size, params, host cap) still apply
+    // to the rest. Region inputs are chosen per region in begin_region.
+    const auto& chosen = options_.offload_selection.ops;
+    const bool keep = op.no_offload || (i < chosen.size() && !chosen[i]);
+    if (keep) offloader_.push_no_offload();
     run_op(i, false);
     save_op(i);
-    if (op.no_offload) offloader_.pop_no_offload();
+    if (keep) offloader_.pop_no_offload();
     if (options_.backward_inside_op == static_cast<std::int32_t>(i)) backward_inside(i);
     while (!open_.empty() && options_.checkpoint.regions[open_.back().region].end_op == i + 1) {
       end_region();

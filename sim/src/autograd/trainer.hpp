@@ -55,13 +55,14 @@ constexpr std::size_t kCpuRng = 1;
 
 struct FrameInfo {
   std::uint32_t region = 0;
-  std::vector<Saved> inputs;                 // the region's inputs, saved by the parent
-  Generators generators{2};                  // at the region's start
-  std::map<std::uint32_t, Bound> cache;      // MustSave outputs (forward references)
-  std::map<std::uint32_t, Saved> offloaded;  // Offload-policy outputs
-  std::uint32_t last_pack_op = 0;            // op during which its last holder was packed
-  std::size_t taken = 0;                     // holders taken in the current backward
-  bool released = false;                     // inputs and caches let go
+  std::vector<Saved> inputs;                           // the region's inputs, saved by the parent
+  Generators generators{2};                            // at the region's start
+  std::map<std::uint32_t, Bound> cache;                // MustSave outputs (forward references)
+  std::map<std::uint32_t, Saved> offloaded;            // Offload-policy outputs
+  std::map<std::uint32_t, std::uint64_t> view_values;  // their views' forward content values
+  std::uint32_t last_pack_op = 0;                      // op during which its last holder was packed
+  std::size_t taken = 0;                               // holders taken in the current backward
+  bool released = false;                               // inputs and caches let go
 };
 
 constexpr std::uint64_t kGradSalt = 0x67726164;  // "grad"

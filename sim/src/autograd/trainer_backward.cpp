@@ -100,8 +100,10 @@ void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {
     for (const std::uint32_t t : op.outputs) {
       if (model_.tensors[t].view_of >= 0) {
         const Bound b = lookup(base(t));
-        scope.bound[t] =
-            Bound{b.buffer, b.offset + model_.tensors[t].view_offset, mix_content(b.value, t)};
+        const auto forward = info.view_values.find(t);
+        const std::uint64_t value =
+            forward != info.view_values.end() ? forward->second : mix_content(b.value, t);
+        scope.bound[t] = Bound{b.buffer, b.offset + model_.tensors[t].view_offset, value};
         continue;
       }
       Bound b;

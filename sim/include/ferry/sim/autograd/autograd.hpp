@@ -19,9 +19,17 @@
 
 namespace ferry::sim {
 
+/// Which of the offloader's packs may go to the host, as a plan decides (Note [Offload
+/// selection] in trainer.cpp). Empty vectors: every pack may, as the policy's rules decide.
+struct OffloadSelection {
+  std::vector<bool> ops;            ///< by op index: its saved tensors and Offload-policy outputs
+  std::vector<bool> region_inputs;  ///< by checkpoint region index: the region's inputs
+};
+
 struct TrainingOptions {
   OffloadOptions offload;
   CheckpointPlan checkpoint;
+  OffloadSelection offload_selection;
   SimOptions sim;
   std::int32_t steps = 1;
   /// Keep the graph after backward and run backward on it a second time (retain_graph=True).

@@ -1,0 +1,73 @@
+// Planning time: `ferry plan` on the Llama-3-8B-like (32 layers) and Llama-3-70B-like
+// (80 layers) presets at sequence 8192 on the H100 profile, at the budget of checkpointing every
+// layer (its peak reserved). Counters: the plan's step time and the checkpointed one's as
+// ratios to no offload, the gap to the lower bound, and the simulations the search ran. The
+// 70B model is planned on the H100 profile with enough memory for its no-offload peak.
+//   bench_plan [--smoke] [google-benchmark flags]
+// --smoke plans gpt2-small-s1024 instead (a quick check that the benchmark still runs).
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "bench_main.hpp"
+#include "ferry/sim/analysis/planner.hpp"
+#include "ferry/sim/io/program_json.hpp"
+
+namespace {
+
+bool g_smoke = false;
+
+void BM_Plan(benchmark::State& state, const char* preset) {
+  const std::string name = g_smoke ? "gpt2-small-s1024" : preset;
+  auto device = ferry::sim::load_device_profile(FERRY_BENCH_SCENARIOS "/devices", "h100-sxm-pcie5");
+  auto model = ferry::sim::model_preset(name);
+  if (!device.ok() || !model.ok()) {
+    state.SkipWithError("preset or profile missing");
+    return;
+  }
+  ferry::sim::assign_roofline_durations(model.value(), device.value());
+  ferry::sim::TrainingOptions base;
+  base.steps = 2;
+  base.sim.check_hazards = false;
+  base.sim.track_content = false;
+  const auto rows = ferry::sim::default_rows(base, model.value());
+  const auto none = ferry::sim::run_row(model.value(), device.value(), rows.front());
+  // The 70B model's weights, gradients and activations outgrow one H100: it is planned on the
+  // same profile with the memory of its no-offload peak (a device that does not exist; what
+  // is measured here is the search).
+  device.value().memory = std::max(device.value().memory, none.peak_reserved);
+  ferry::sim::RowResult every;
+  for (const auto& row : rows) {
+    if (row.name == "checkpoint every layer") {
+      every = ferry::sim::run_row(model.value(), device.value(), row);
+    }
+  }
+  const ferry::sim::PlannerOptions options{every.peak_reserved, std::nullopt, 2};
+  ferry::Result<ferry::sim::PlanOutcome> outcome = ferry::Error{"not run"};
+  for (auto _ : state) {
+    outcome = ferry::sim::make_plan(model.value(), device.value(), options);
+    benchmark::DoNotOptimize(outcome);
+  }
+  if (!outcome.ok()) {
+    state.SkipWithError(outcome.error().message.c_str());
+    return;
+  }
+  const auto& o = outcome.value();
+  const double base_ns = static_cast<double>(none.step_time.ns());
+  state.counters["plan_vs_none"] = static_cast<double>(o.row.step_time.ns()) / base_ns;
+  state.counters["checkpoint_vs_none"] = static_cast<double>(every.step_time.ns()) / base_ns;
+  state.counters["plan_vs_bound"] =
+      static_cast<double>(o.row.step_time.ns()) / static_cast<double>(o.lower_bound.ns());
+  state.counters["simulations"] = static_cast<double>(o.simulations);
+}
+BENCHMARK_CAPTURE(BM_Plan, llama3_8b, "llama3-8b-s8192")->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_Plan, llama_70b, "llama-70b-s8192")->Iterations(1)->Unit(benchmark::kSecond);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return ferry::bench::run_benchmarks(argc, argv, [] { g_smoke = true; });
+}

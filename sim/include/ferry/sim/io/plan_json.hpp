@@ -1,0 +1,20 @@
+#pragma once
+/// The `ferry.plan/1` file: writing a plan and reading it back with errors that name the JSON
+/// path (docs/plan-format.md).
+
+#include <string>
+#include <string_view>
+
+#include "ferry/plan/plan.hpp"
+#include "ferry/result.hpp"
+
+namespace ferry::sim {
+
+/// The plan as a `ferry.plan/1` document (fixed key order, integers as integers).
+[[nodiscard]] std::string plan_to_json(const Plan& plan);
+
+/// Parses a `ferry.plan/1` document; unknown keys, wrong types, out-of-range numbers and
+/// inconsistent regions are errors naming `source` and the path ("regions[1].end_op: ...").
+Result<Plan> parse_plan(std::string_view text, std::string_view source);
+
+}  // namespace ferry::sim

@@ -1,0 +1,120 @@
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "ferry/sim/analysis/planner.hpp"
+#include "ferry/sim/io/plan_json.hpp"
+
+namespace ferry::sim {
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+// value / base as "1.234x" in integer thousandths, half up.
+std::string times(std::int64_t value, std::int64_t base) {
+  if (base <= 0) return "-";
+  const std::int64_t t = (value * 1000 + base / 2) / base;
+  return fmt::format("{}.{:03}x", t / 1000, t % 1000);
+}
+
+std::string layer_name(std::int32_t layer) {
+  return layer < 0 ? std::string("other") : fmt::format("{}", layer);
+}
+
+}  // namespace
+
+const RowResult* best_fixed(const PlanOutcome& o) {
+  const RowResult* best = nullptr;
+  for (const RowResult& r : o.fixed) {
+    if (r.failure || !r.fits || r.peak_reserved > o.plan.budget) continue;
+    if (o.plan.host_budget && r.pinned_peak > *o.plan.host_budget) continue;
+    if (best == nullptr || r.step_time < best->step_time) best = &r;
+  }
+  return best;
+}
+
+std::string plan_text(const PlanOutcome& o, const Model& model, const DeviceProfile& device) {
+  const RowResult& r = o.row;
+  const RowResult* none = o.fixed.empty() ? nullptr : &o.fixed.front();
+  std::string out = fmt::format("ferry plan: {} on {}, budget {} peak reserved", model.name,
+                                device.name, format_bytes(o.plan.budget));
+  if (o.plan.host_budget) out += fmt::format(", {} pinned host", format_bytes(*o.plan.host_budget));
+  out += "\n";
+  out += fmt::format("step time: {}", format_time(r.step_time));
+  if (none != nullptr) {
+    out += fmt::format(" ({} the no-offload step, {})",
+                       times(r.step_time.ns(), none->step_time.ns()), format_time(none->step_time));
+  }
+  out += "\n";
+  out += fmt::format("lower bound: {} (the plan is at {} of it)\n", format_time(o.lower_bound),
+                     times(r.step_time.ns(), o.lower_bound.ns()));
+  out += fmt::format("peak device memory: reserved {}, allocated {}\n",
+                     format_bytes(r.peak_reserved), format_bytes(r.peak_allocated));
+  out += fmt::format("peak pinned host memory: {}\n", format_bytes(r.pinned_peak));
+  out += fmt::format("moved: D2H {}, H2D {}\n", format_bytes(r.d2h), format_bytes(r.h2d));
+  out += fmt::format("recompute: {}\n", format_time(r.recompute_time));
+  out += fmt::format("stall (compute stream waiting on copies): forward {}, backward {}\n",
+                     format_time(r.forward_stall), format_time(r.backward_stall));
+  if (const RowResult* best = best_fixed(o)) {
+    out += fmt::format("best fixed policy that fits: {}, {} ({})\n", best->name,
+                       format_time(best->step_time), format_bytes(best->peak_reserved));
+  } else {
+    out += "best fixed policy that fits: none of them fits\n";
+  }
+  out += fmt::format(
+      "hazards: {} (final run checked: hazard checker and content checks on); "
+      "{} simulations\n",
+      r.hazards, o.simulations);
+  out += fmt::format("{:<6} {:>10} {:>10} {:>10}\n", "layer", "kept", "offloaded", "recomputed");
+  for (const LayerSummary& s : o.layers) {
+    out += fmt::format("{:<6} {:>10} {:>10} {:>10}\n", layer_name(s.layer), format_bytes(s.kept),
+                       format_bytes(s.offloaded), format_bytes(s.recomputed));
+  }
+  out += "bytes are of saved activations, each storage counted once in its producing op's layer\n";
+  return out;
+}
+
+std::string plan_report_json(const PlanOutcome& o, const Model& model,
+                             const DeviceProfile& device) {
+  const RowResult& r = o.row;
+  Json j;
+  j["format"] = "ferry.plan-report/1";
+  j["model"] = model.name;
+  j["device"] = device.name;
+  j["budget_bytes"] = o.plan.budget.count();
+  j["host_budget_bytes"] = o.plan.host_budget ? Json(o.plan.host_budget->count()) : Json(nullptr);
+  j["step_time_ns"] = r.step_time.ns();
+  j["lower_bound_ns"] = o.lower_bound.ns();
+  j["peak_reserved_bytes"] = r.peak_reserved.count();
+  j["peak_allocated_bytes"] = r.peak_allocated.count();
+  j["pinned_peak_bytes"] = r.pinned_peak.count();
+  j["d2h_bytes"] = r.d2h.count();
+  j["h2d_bytes"] = r.h2d.count();
+  j["recompute_ns"] = r.recompute_time.ns();
+  j["forward_stall_ns"] = r.forward_stall.ns();
+  j["backward_stall_ns"] = r.backward_stall.ns();
+  j["hazards"] = r.hazards;
+  j["simulations"] = o.simulations;
+  Json layers = Json::array();
+  for (const LayerSummary& s : o.layers) {
+    layers.push_back({{"layer", s.layer},
+                      {"kept_bytes", s.kept.count()},
+                      {"offloaded_bytes", s.offloaded.count()},
+                      {"recomputed_bytes", s.recomputed.count()}});
+  }
+  j["layers"] = std::move(layers);
+  Json fixed = Json::array();
+  for (const RowResult& f : o.fixed) {
+    fixed.push_back({{"name", f.name},
+                     {"fits", f.fits && !f.failure && f.peak_reserved <= o.plan.budget},
+                     {"step_time_ns", f.step_time.ns()},
+                     {"peak_reserved_bytes", f.peak_reserved.count()},
+                     {"pinned_peak_bytes", f.pinned_peak.count()}});
+  }
+  j["fixed"] = std::move(fixed);
+  j["plan"] = Json::parse(plan_to_json(o.plan));
+  return j.dump(2) + "\n";
+}
+
+}  // namespace ferry::sim

@@ -1,0 +1,282 @@
+// The plan format (round trip, every validation error names its JSON path), byte counts for
+// people, and the planner on gpt2-small-s1024: never slower than a fixed policy that fits the
+// same budget, infeasible budgets named with the floor.
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "ferry/plan/plan.hpp"
+#include "ferry/sim/analysis/planner.hpp"
+#include "ferry/sim/io/plan_json.hpp"
+#include "ferry/sim/io/program_json.hpp"
+
+namespace ferry::sim {
+namespace {
+
+DeviceProfile profile(const std::string& name) {
+  auto p = load_device_profile(std::string(FERRY_SCENARIOS_DIR) + "/devices", name);
+  EXPECT_TRUE(p.ok()) << (p.ok() ? "" : p.error().message);
+  return p.value();
+}
+
+Model preset(const std::string& name, const DeviceProfile& device) {
+  auto m = model_preset(name);
+  EXPECT_TRUE(m.ok());
+  Model model = m.value();
+  assign_roofline_durations(model, device);
+  return model;
+}
+
+// A plan over tiny-gpt with every kind of decision.
+Plan sample_plan() {
+  const DeviceProfile device = profile("h100-sxm-pcie5");
+  const Model model = preset("tiny-gpt", device);
+  Plan plan = keep_everything_plan(model, device);
+  plan.budget = Bytes(123456789);
+  plan.host_budget = Bytes(987654321);
+  plan.knobs.window_bytes = 128 * kMiB;
+  plan.knobs.prefetch = false;
+  plan.ops[1].saved = SavedDecision::Offload;
+  plan.regions.push_back(PlanRegion{2, 5, SavedDecision::Offload});
+  plan.ops[3].saved = SavedDecision::Recompute;
+  plan.ops[4].saved = SavedDecision::Offload;
+  plan.predicted.step_time = SimTime(1000);
+  plan.predicted.peak_reserved = Bytes(4096);
+  return plan;
+}
+
+TEST(PlanFormat, RoundTripsEveryField) {
+  const Plan plan = sample_plan();
+  const std::string text = plan_to_json(plan);
+  auto back = parse_plan(text, "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message;
+  EXPECT_EQ(back.value(), plan);
+  EXPECT_EQ(plan_to_json(back.value()), text);  // byte-stable
+}
+
+// Replaces the first occurrence of `from` in the sample plan's JSON by `to`.
+std::string mutated(const std::string& from, const std::string& to) {
+  std::string text = plan_to_json(sample_plan());
+  const auto at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  text.replace(at, from.size(), to);
+  return text;
+}
+
+TEST(PlanFormat, EachValidationErrorNamesItsPath) {
+  struct Case {
+    std::string from, to, path;
+  };
+  const Case cases[] = {
+      {"\"ferry.plan/1\"", "\"ferry.plan/2\"", "format"},
+      {"\"budget_bytes\": 123456789", "\"budget_bytes\": -1", "budget_bytes"},
+      {"\"host_budget_bytes\": 987654321", "\"host_budget_bytes\": \"lots\"", "host_budget_bytes"},
+      {"\"window_bytes\": 134217728", "\"window_bytes\": 1.5", "knobs.window_bytes"},
+      {"\"prefetch\": false", "\"prefetch\": 0", "knobs.prefetch"},
+      {"\"saved\": \"offload\"", "\"saved\": \"evict\"", "ops[1].saved"},
+      {"\"saved\": \"keep\"", "\"saved\": \"recompute\"", "ops[0].saved"},
+      {"\"first_op\": 2", "\"first_op\": 99", "regions[0].first_op"},
+      {"\"end_op\": 5", "\"end_op\": 2", "regions[0].end_op"},
+      {"\"inputs\": \"offload\"", "\"inputs\": \"recompute\"", "regions[0].inputs"},
+      {"\"name\": \"embed\"", "\"name\": \"\"", "ops[0].name"},
+      {"\"name\": \"embed\"", "\"name\": \"embed\", \"why\": 1", "ops[0]"},
+      {"\"step_time_ns\": 1000", "\"step_time_ns\": -3", "predicted.step_time_ns"},
+      {"\"model\": \"tiny-gpt\",", "", "missing required key \"model\""},
+  };
+  for (const Case& c : cases) {
+    auto plan = parse_plan(mutated(c.from, c.to), "plan.json");
+    ASSERT_FALSE(plan.ok()) << c.to;
+    // At the root the message names the key itself.
+    EXPECT_NE(plan.error().message.find("plan.json: " + c.path), std::string::npos)
+        << c.to << " -> " << plan.error().message;
+  }
+}
+
+TEST(PlanFormat, OverlappingRegionsNameTheSecond) {
+  Plan plan = sample_plan();
+  plan.regions.push_back(PlanRegion{4, 6, SavedDecision::Keep});
+  auto back = parse_plan(plan_to_json(plan), "p.json");
+  ASSERT_FALSE(back.ok());
+  EXPECT_NE(back.error().message.find("p.json: regions[1].first_op"), std::string::npos)
+      << back.error().message;
+}
+
+TEST(PlanFormat, PlanForAnotherModelNamesTheOp) {
+  const DeviceProfile device = profile("h100-sxm-pcie5");
+  Plan plan = sample_plan();
+  plan.ops[2].name = "not_an_op";
+  auto options = plan_training_options(plan, preset("tiny-gpt", device), TrainingOptions{});
+  ASSERT_FALSE(options.ok());
+  EXPECT_NE(options.error().message.find("ops[2].name"), std::string::npos);
+  plan.ops.pop_back();
+  options = plan_training_options(plan, preset("tiny-gpt", device), TrainingOptions{});
+  ASSERT_FALSE(options.ok());
+  EXPECT_NE(options.error().message.find("ops:"), std::string::npos);
+}
+
+// A replay re-runs only the random ops it recomputes: recomputing a later dropout while an
+// earlier one is served from forward would give it the earlier one's numbers.
+TEST(PlanFormat, RecomputedRandomOpsMustComeFirstInTheirRegion) {
+  const DeviceProfile device = profile("h100-sxm-pcie5");
+  const Model model = preset("tiny-gpt", device);
+  Plan plan = keep_everything_plan(model, device);
+  std::uint32_t first = 0;
+  std::uint32_t end = 0;
+  std::vector<std::uint32_t> random;
+  for (std::uint32_t i = 0; i < model.ops.size(); ++i) {
+    if (model.ops[i].layer != 0) continue;
+    if (end == 0) first = i;
+    end = i + 1;
+    if (model.ops[i].draws_rng) random.push_back(i);
+  }
+  ASSERT_GE(random.size(), 2U);
+  plan.regions.push_back(PlanRegion{first, end, SavedDecision::Keep});
+  plan.ops[random.back()].saved = SavedDecision::Recompute;
+  auto options = plan_training_options(plan, model, TrainingOptions{});
+  ASSERT_FALSE(options.ok());
+  EXPECT_NE(options.error().message.find(fmt::format("ops[{}].saved", random.back())),
+            std::string::npos)
+      << options.error().message;
+  EXPECT_NE(options.error().message.find(fmt::format("(ops[{}])", random.front())),
+            std::string::npos)
+      << options.error().message;
+  recompute_random_prefix(plan, model);
+  for (const std::uint32_t i : random) EXPECT_EQ(plan.ops[i].saved, SavedDecision::Recompute);
+  options = plan_training_options(plan, model, TrainingOptions{});
+  ASSERT_TRUE(options.ok()) << options.error().message;
+  auto run = simulate_training(model, device, options.value());
+  ASSERT_TRUE(run.ok());
+  EXPECT_TRUE(run.value().sim.content_mismatches().empty());
+  EXPECT_TRUE(run.value().sim.hazards().empty());
+}
+
+TEST(ParseBytes, AcceptsTheUsualSpellings) {
+  EXPECT_EQ(parse_bytes("40GiB", "--budget").value(), 40 * kGiB);
+  EXPECT_EQ(parse_bytes("40 GiB", "--budget").value(), 40 * kGiB);
+  EXPECT_EQ(parse_bytes("1.5GiB", "--budget").value(), Bytes(3 * kGiB.count() / 2));
+  EXPECT_EQ(parse_bytes("4e10", "--budget").value(), Bytes(40'000'000'000));
+  EXPECT_EQ(parse_bytes("4e10 B", "--budget").value(), Bytes(40'000'000'000));
+  EXPECT_EQ(parse_bytes("40GB", "--budget").value(), Bytes(40'000'000'000));
+  EXPECT_EQ(parse_bytes("512MiB", "--budget").value(), 512 * kMiB);
+  EXPECT_EQ(parse_bytes("1024", "--budget").value(), Bytes(1024));
+  EXPECT_EQ(parse_bytes("0.5 KiB", "--budget").value(), Bytes(512));
+  // A fraction of a unit rounds down to whole bytes: 0.001 KiB is 1.024 bytes.
+  EXPECT_EQ(parse_bytes("0.001KiB", "--budget").value(), Bytes(1));
+  EXPECT_EQ(parse_bytes("35.74GiB", "--budget").value(), Bytes(38375532789));
+}
+
+TEST(ParseBytes, RefusesWithTheArgumentAndTheText) {
+  for (const char* bad : {"", "GiB", "40 parsecs", "1.3 B", "-1GiB", "4e", "2e20", "40 GiB x"}) {
+    auto b = parse_bytes(bad, "--host-budget");
+    ASSERT_FALSE(b.ok()) << bad;
+    EXPECT_NE(b.error().message.find("--host-budget: \"" + std::string(bad) + "\""),
+              std::string::npos)
+        << b.error().message;
+  }
+}
+
+RowResult fixed_row(const Model& model, const DeviceProfile& device, const PolicyRow& row) {
+  PolicyRow unchecked = row;
+  unchecked.options.sim.check_hazards = false;
+  unchecked.options.sim.track_content = false;
+  return run_row(model, device, unchecked);
+}
+
+TEST(Planner, NeverSlowerThanAFixedPolicyThatFitsOnGpt2Small) {
+  const DeviceProfile device = profile("h100-sxm-pcie5");
+  const Model model = preset("gpt2-small-s1024", device);
+  TrainingOptions base;
+  base.steps = 2;
+  std::vector<RowResult> fixed;
+  for (const PolicyRow& row : default_rows(base, model)) {
+    fixed.push_back(fixed_row(model, device, row));
+  }
+  const RowResult& none = fixed.front();
+  Bytes smallest = none.peak_reserved;
+  for (const RowResult& r : fixed) smallest = std::min(smallest, r.peak_reserved);
+  // Each fixed peak up to the no-offload one, and three budgets between the smallest and it.
+  std::vector<Bytes> budgets;
+  for (int i = 1; i <= 3; ++i) {
+    budgets.push_back(smallest + Bytes((none.peak_reserved - smallest).count() * i / 4));
+  }
+  for (const RowResult& r : fixed) {
+    if (r.peak_reserved <= none.peak_reserved) budgets.push_back(r.peak_reserved);
+  }
+  std::sort(budgets.begin(), budgets.end());
+  budgets.erase(std::unique(budgets.begin(), budgets.end()), budgets.end());
+  for (const Bytes budget : budgets) {
+    auto outcome = make_plan(model, device, PlannerOptions{budget, std::nullopt, 2});
+    ASSERT_TRUE(outcome.ok()) << format_bytes(budget) << ": " << outcome.error().message;
+    const RowResult& plan = outcome.value().row;
+    EXPECT_EQ(plan.hazards, 0U);
+    EXPECT_LE(plan.peak_reserved, budget);
+    EXPECT_GE(plan.step_time, outcome.value().lower_bound);
+    for (const RowResult& r : fixed) {
+      if (r.failure || r.peak_reserved > budget) continue;
+      EXPECT_LE(plan.step_time, r.step_time)
+          << "budget " << format_bytes(budget) << ": fixed " << r.name << " is faster";
+    }
+  }
+}
+
+TEST(Planner, InfeasibleBudgetNamesTheFloor) {
+  const DeviceProfile device = profile("h100-sxm-pcie5");
+  const Model model = preset("gpt2-small-s1024", device);
+  auto outcome = make_plan(model, device, PlannerOptions{kMiB, std::nullopt, 2});
+  ASSERT_FALSE(outcome.ok());
+  EXPECT_NE(outcome.error().message.find("infeasible"), std::string::npos);
+  EXPECT_NE(outcome.error().message.find("floor"), std::string::npos);
+}
+
+TEST(Planner, ReplayOfTheWrittenPlanMeasuresWhatThePlannerDid) {
+  const DeviceProfile device = profile("h100-sxm-pcie5");
+  const Model model = preset("gpt2-small-s1024", device);
+  const RowResult none = fixed_row(model, device, default_rows(TrainingOptions{}, model).front());
+  const Bytes budget = Bytes(none.peak_reserved.count() * 3 / 4);
+  auto outcome = make_plan(model, device, PlannerOptions{budget, std::nullopt, 2});
+  ASSERT_TRUE(outcome.ok()) << outcome.error().message;
+  auto plan = parse_plan(plan_to_json(outcome.value().plan), "plan.json");
+  ASSERT_TRUE(plan.ok()) << plan.error().message;
+  TrainingOptions base;
+  base.steps = 2;
+  DeviceProfile capped = device;
+  capped.memory = budget;
+  auto row = replay_plan(plan.value(), model, capped, base);
+  ASSERT_TRUE(row.ok()) << row.error().message;
+  EXPECT_EQ(row.value().step_time, outcome.value().row.step_time);
+  EXPECT_EQ(row.value().peak_reserved, outcome.value().row.peak_reserved);
+  EXPECT_EQ(row.value().hazards, 0U);
+  EXPECT_EQ(plan.value().predicted.step_time, row.value().step_time);
+}
+
+TEST(Planner, SweepRunsFromTheFloorToTheNoOffloadPeak) {
+  const DeviceProfile device = profile("h100-sxm-pcie5");
+  const Model model = preset("gpt2-small-s1024", device);
+  std::size_t heard = 0;
+  const auto points =
+      plan_sweep(model, device, PlannerOptions{}, 3, [&](std::size_t i, std::size_t n, Bytes) {
+        EXPECT_EQ(i, heard++);
+        EXPECT_EQ(n, 3U);
+      });
+  ASSERT_EQ(points.size(), 3U);
+  EXPECT_EQ(heard, 3U);
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    ASSERT_TRUE(points[i].outcome) << format_bytes(points[i].budget) << ": " << points[i].failure;
+    EXPECT_LE(points[i].outcome->row.peak_reserved, points[i].budget);
+    EXPECT_EQ(points[i].outcome->row.hazards, 0U);
+    if (i > 0) {
+      EXPECT_GT(points[i].budget, points[i - 1].budget);
+    }
+  }
+  // At the no-offload peak the plan is no offload.
+  const PlanOutcome& top = *points.back().outcome;
+  EXPECT_EQ(top.row.step_time, top.fixed.front().step_time);
+  EXPECT_EQ(points.back().budget, top.fixed.front().peak_reserved);
+  EXPECT_NE(sweep_text(points, model, device).find("gpt2-small-s1024"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ferry::sim
