@@ -1,7 +1,9 @@
 // ferry: command-line entry point.
-//   ferry check [PROGRAM.json] [--json] [--trace FILE] [--scenarios DIR]
+//   ferry check [PROGRAM.json] [--json] [--trace FILE] [--memory-snapshot FILE] [--scenarios DIR]
 //   ferry simulate [--model M] [--device D] [--policy P] [knobs] [--json] [--trace FILE]
+//                  [--memory-snapshot FILE]
 //   ferry compare [--model M] [--device D] [--json]
+//   ferry plan --budget B [--model M] [--device D] [--host-budget B] [--json] [--out FILE]
 // Exit codes: 0 fine, 1 hazards found or the run failed (out of memory), 2 bad input or
 // usage, 3 internal error.
 
@@ -15,15 +17,22 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/analysis/memory_snapshot.hpp"
 #include "ferry/sim/analysis/report.hpp"
 #include "ferry/sim/analysis/run_program.hpp"
 #include "ferry/sim/analysis/trace.hpp"
 #include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "plan_command.hpp"
+#include "snapshot_file.hpp"
 
 namespace {
+
+using ferry::cli::unwritable;
+using ferry::cli::write_memory_snapshot;
 
 constexpr int kExitHazards = 1;
 constexpr int kExitBadInput = 2;
@@ -32,6 +41,7 @@ constexpr int kExitInternal = 3;
 struct CheckArgs {
   std::string program;
   std::string trace;
+  std::string memory_snapshot;
   std::string scenarios = FERRY_DEFAULT_SCENARIOS_DIR;
   bool json = false;
   bool no_checker = false;
@@ -47,6 +57,11 @@ int run_check(const CheckArgs& args) {
     fmt::print(stderr, "ferry check: error: {}\n", program.error().message);
     return kExitBadInput;
   }
+  if (const std::string why = args.memory_snapshot.empty() ? "" : unwritable(args.memory_snapshot);
+      !why.empty()) {
+    fmt::print(stderr, "ferry check: error: --memory-snapshot: {}\n", why);
+    return kExitBadInput;
+  }
   ferry::sim::SimOptions options;
   options.check_hazards = !args.no_checker;
   ferry::sim::ChromeTrace trace;
@@ -55,6 +70,13 @@ int run_check(const CheckArgs& args) {
   if (!run) {
     fmt::print(stderr, "ferry check: error: {}: {}\n", program_path.string(), run.error().message);
     return kExitBadInput;
+  }
+  // Before the summary: a run the snapshot cannot describe is bad input, with no summary.
+  if (!args.memory_snapshot.empty()) {
+    if (const int rc =
+            write_memory_snapshot(run.value().sim, args.memory_snapshot, "check", args.json)) {
+      return rc;
+    }
   }
   const std::string source = program_path.string();
   const std::string out = args.json ? ferry::sim::summary_json(run.value(), source)
@@ -81,7 +103,9 @@ struct PlanArgs {
   std::string policy = "ferry";
   std::string scenarios = FERRY_DEFAULT_SCENARIOS_DIR;
   std::string trace;
+  std::string memory_snapshot;
   std::string checkpoint = "none";
+  std::string plan;  // simulate --plan FILE
   std::int64_t min_bytes = 1024;
   std::int64_t window_mib = 512;
   std::int64_t prefetch_mib = 512;
@@ -198,12 +222,22 @@ int run_plan(const PlanArgs& args, bool compare) {
     base.checkpoint = std::move(plan).value();
   }
   if (args.no_early_stop) base.checkpoint.global_early_stop = false;
+  if (!args.plan.empty()) {
+    return ferry::cli::replay_plan_file(args.plan, model.value(), device.value(), base, args.json);
+  }
   if (args.devices > 1 && !compare) {
     if (!args.trace.empty()) {
       // The trace draws one single-device run; a pipeline's would be silently missing.
       fmt::print(stderr,
                  "ferry simulate: error: --trace draws a single-device run; a pipeline "
                  "(--devices {}) has no trace yet\n",
+                 args.devices);
+      return kExitBadInput;
+    }
+    if (!args.memory_snapshot.empty()) {
+      fmt::print(stderr,
+                 "ferry simulate: error: --memory-snapshot replays a single-device run; a "
+                 "pipeline (--devices {}) has no memory snapshot yet\n",
                  args.devices);
       return kExitBadInput;
     }
@@ -243,9 +277,16 @@ int run_plan(const PlanArgs& args, bool compare) {
                  args.policy);
       return kExitBadInput;
     }
+    if (const std::string why =
+            args.memory_snapshot.empty() ? "" : unwritable(args.memory_snapshot);
+        !why.empty()) {
+      fmt::print(stderr, "ferry simulate: error: --memory-snapshot: {}\n", why);
+      return kExitBadInput;
+    }
     std::optional<ferry::sim::TrainingRun> run;
-    const auto result = ferry::sim::run_row(model.value(), device.value(), row,
-                                            args.trace.empty() ? nullptr : &run);
+    const bool keep = !args.trace.empty() || !args.memory_snapshot.empty();
+    const auto result =
+        ferry::sim::run_row(model.value(), device.value(), row, keep ? &run : nullptr);
     clean = result.hazards == 0 && !result.failure;
     out = args.json ? ferry::sim::simulate_json(result, model.value(), device.value())
                     : ferry::sim::simulate_text(result, model.value(), device.value());
@@ -262,6 +303,17 @@ int run_plan(const PlanArgs& args, bool compare) {
                    args.trace);
       }
     }
+    if (!args.memory_snapshot.empty()) {
+      if (!run) {
+        fmt::print(stderr,
+                   "ferry simulate: no memory snapshot written to {}: the run did not "
+                   "start\n",
+                   args.memory_snapshot);
+      } else if (const int rc =
+                     write_memory_snapshot(run->sim, args.memory_snapshot, "simulate", args.json)) {
+        return rc;
+      }
+    }
   }
   std::fwrite(out.data(), 1, out.size(), stdout);
   return clean ? 0 : kExitHazards;
@@ -273,6 +325,10 @@ void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
   if (with_policy) {
     cmd->add_option("--policy", a.policy, "none, trl, trl-seed or ferry")->capture_default_str();
     cmd->add_option("--trace", a.trace, "Write a Chrome/Perfetto trace JSON to FILE");
+    cmd->add_option("--memory-snapshot", a.memory_snapshot,
+                    "Write the device memory history to FILE as a PyTorch memory snapshot "
+                    "pickle (pytorch.org/memory_viz)");
+    cmd->add_option("--plan", a.plan, "Replay a plan file (ferry.plan/1) written by ferry plan");
     cmd->add_option("--checkpoint", a.checkpoint,
                     "none, every:K, selective, segments:N or reentrant-segments:N")
         ->capture_default_str();
@@ -329,6 +385,9 @@ int main(int argc, char** argv) {
                         "Stream program JSON (default: the bundled offload_step example)");
   check_cmd->add_flag("--json", check.json, "Print the summary as one JSON document");
   check_cmd->add_option("--trace", check.trace, "Write a Chrome/Perfetto trace JSON to FILE");
+  check_cmd->add_option("--memory-snapshot", check.memory_snapshot,
+                        "Write the device memory history to FILE as a PyTorch memory snapshot "
+                        "pickle (pytorch.org/memory_viz)");
   check_cmd->add_option("--scenarios", check.scenarios,
                         "Folder with devices/ and programs/ (bundled scenarios by default)");
   check_cmd->add_flag("--no-checker", check.no_checker, "Time only; skip hazard checking");
@@ -340,6 +399,8 @@ int main(int argc, char** argv) {
   CLI::App* compare_cmd = app.add_subcommand(
       "compare", "Compare offload policies on a model: time and memory as ratios to none");
   add_plan_options(compare_cmd, compare, false);
+  ferry::cli::PlanCommandArgs plan;
+  CLI::App* plan_cmd = ferry::cli::add_plan_command(app, plan, FERRY_DEFAULT_SCENARIOS_DIR);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -356,6 +417,9 @@ int main(int argc, char** argv) {
     if (check_cmd->parsed()) return run_check(check);
     if (simulate_cmd->parsed()) return run_plan(simulate, false);
     if (compare_cmd->parsed()) return run_plan(compare, true);
+    if (plan_cmd->parsed()) {
+      return ferry::cli::run_plan_command(plan, {load_model, load_device});
+    }
   } catch (const std::exception& e) {
     fmt::print(stderr, "ferry: internal error: {}\n", e.what());
     return kExitInternal;
