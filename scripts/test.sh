@@ -39,8 +39,9 @@ if [[ $preset == ci ]]; then
   timed consumer consumer
 fi
 if [[ $real == ON && $preset != asan ]]; then
-  echo "test: building the Python extension (pip install ./real/python)" >&2
-  MAX_JOBS=2 timed python-build .venv/bin/pip install --quiet --disable-pip-version-check \
-    --no-warn-conflicts --no-build-isolation ./real/python
+  # The package takes ferry._C and the CLI from this preset's build (built above).
+  echo "test: packaging the Python extension (pip install ./real/python)" >&2
+  FERRY_BUILD_DIR="$PWD/build/$preset" MAX_JOBS=2 timed python-build .venv/bin/pip install \
+    --quiet --disable-pip-version-check --no-warn-conflicts --no-build-isolation ./real/python
   FERRY_CLI="$PWD/build/$preset/sim/ferry" timed pytest .venv/bin/python -m pytest -q tests/python
 fi

@@ -1,21 +1,29 @@
-"""Build of the `ferry` Python package: the real backend's runtime as the extension `ferry._C`.
-
-Install from the repository root (the venv's torch must be the one compiled against):
+"""Packaging of the `ferry` Python package from the CMake build: nothing is compiled here.
 
     .venv/bin/pip install --no-build-isolation ./real/python
+
+The extension `ferry._C` is the CMake target `ferry_python` (real/python/CMakeLists.txt), built
+over the same runtime objects as the C++ library. setup.py builds that target in the CMake
+build directory FERRY_BUILD_DIR (a relative path is taken from the repository root); unset, in
+build/release when that is configured, else in build/python. A directory without a
+CMakeCache.txt is configured first, for the package only (Release, no tests or benchmarks).
+The module is then copied into the package; when that build has the `ferry` CLI, it is brought
+up to date and shipped too, as ferry/bin/ferry, which `python -m ferry` runs. The copies are
+stripped of debug information (the build keeps it).
 """
 
 import os
 import re
+import shutil
+import subprocess
+import sys
+import sysconfig
 
-from setuptools import setup
-
-import torch
-from torch.utils import cpp_extension
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REAL = os.path.normpath(os.path.join(HERE, ".."))
-SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "shared"))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 # Package paths below are relative to this directory, wherever setup.py is run from.
 os.chdir(HERE)
 
@@ -23,69 +31,114 @@ os.chdir(HERE)
 def _version():
     # The one version number is the top-level CMakeLists.txt's project(ferry VERSION x.y.z): the
     # C++ package config, `ferry --version` and this package all read it.
-    with open(os.path.join(HERE, "..", "..", "CMakeLists.txt"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "CMakeLists.txt"), encoding="utf-8") as f:
         match = re.search(r"project\(ferry\s+VERSION\s+([0-9][0-9.]*)", f.read())
     if match is None:
         raise RuntimeError("no project(ferry VERSION x.y.z) in the top-level CMakeLists.txt")
     return match.group(1)
 
 
-def _src(*parts):
-    # Absolute paths from this file's directory: pip may run setup.py from elsewhere, and object
-    # files of absolute sources stay under build/ (relative "../" ones would not).
-    return os.path.normpath(os.path.join(*parts))
+def _build_dir():
+    """FERRY_BUILD_DIR; else build/release once configured; else build/python."""
+    named = os.environ.get("FERRY_BUILD_DIR")
+    if named:
+        return os.path.normpath(os.path.join(ROOT, named))
+    release = os.path.join(ROOT, "build", "release")
+    if os.path.exists(os.path.join(release, "CMakeCache.txt")):
+        return release
+    return os.path.join(ROOT, "build", "python")
 
 
-# The C++ engine install (real/src/api.cpp) stays out: Python's saved_tensors_hooks do its job.
-sources = [
-    _src(HERE, "src", "ferry_ext.cpp"),
-    _src(REAL, "src", "device.cpp"),
-    _src(REAL, "src", "runtime.cpp"),
-    _src(SHARED, "src", "check.cpp"),
-    _src(SHARED, "src", "failure.cpp"),
-    _src(SHARED, "src", "offload", "options.cpp"),
-    _src(SHARED, "src", "offload", "record.cpp"),
-    _src(SHARED, "src", "units.cpp"),
-    _src(SHARED, "src", "program", "program.cpp"),
-    _src(SHARED, "src", "program", "program_json.cpp"),
-    _src(SHARED, "src", "program", "recorder.cpp"),
-]
+def _run(cmd):
+    print("ferry setup: " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
 
-# torch's bundled fmt (its include dir comes first, before /usr/include), used header-only so
-# that it never meets the system library of another version.
-define_macros = [("FMT_HEADER_ONLY", "1")]
-extra_compile_args = ["-std=c++20", "-O2", "-g0"]  # -g0: no debug info, a faster build
 
-use_cuda = bool(torch.version.cuda) and cpp_extension.CUDA_HOME is not None
-if use_cuda:
-    # ferry compiles no CUDA kernels; naming an architecture keeps torch from probing GPUs.
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    sources.append(_src(REAL, "src", "cuda_device.cpp"))
-    define_macros.append(("FERRY_HAVE_CUDA", "1"))
-    Extension = cpp_extension.CUDAExtension
-else:
-    Extension = cpp_extension.CppExtension
+def _cache_value(build_dir, name):
+    """A variable of the build directory's CMakeCache.txt, or None."""
+    with open(os.path.join(build_dir, "CMakeCache.txt"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return line.split("=", 1)[1].strip()
+    return None
 
-# Two cores are the norm on small build machines: let the user raise it with MAX_JOBS.
-os.environ.setdefault("MAX_JOBS", "2")
 
-ext = Extension(
-    name="ferry._C",
-    sources=sources,
-    include_dirs=[os.path.join(REAL, "include"), os.path.join(SHARED, "include")],
-    define_macros=define_macros,
-    extra_compile_args={"cxx": extra_compile_args, "nvcc": ["-std=c++20", "-O2"]}
-    if use_cuda
-    else extra_compile_args,
-)
+def _configure(build_dir):
+    """Configures a new build directory for the package: this Python's torch, an optimized build
+    without debug information, tests or benchmarks (the build's own preset folders keep those)."""
+    try:
+        import torch  # noqa: F401  (the configure step asks this Python for LibTorch)
+    except ImportError:
+        raise RuntimeError(
+            f"ferry setup: configuring {build_dir} needs torch in {sys.executable}, the Python "
+            "running setup.py, which has none (under pip's build isolation: install with "
+            "--no-build-isolation), or a build of the CMake target ferry_python named by "
+            "FERRY_BUILD_DIR"
+        ) from None
+    cmd = ["cmake", "-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release", "-DFERRY_REAL=ON",
+           f"-DFERRY_PYTHON={sys.executable}", "-DFERRY_BUILD_TESTS=OFF",
+           "-DFERRY_BUILD_BENCH=OFF"]
+    if shutil.which("ninja"):
+        cmd += ["-G", "Ninja"]
+    _run(cmd)
+
+
+def _strip_copy(src, dst):
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    shutil.copy2(src, dst)
+    strip = shutil.which("strip")
+    if strip and sys.platform.startswith("linux"):
+        subprocess.run([strip, "--strip-debug", dst], check=True)
+
+
+class CMakeBuild(build_ext):
+    """Builds ferry._C with CMake and copies it (and the CLI) where setuptools expects it."""
+
+    def build_extension(self, ext):
+        if shutil.which("cmake") is None:
+            raise RuntimeError("ferry setup: cmake is not on PATH (scripts/setup.sh installs it)")
+        build_dir = _build_dir()
+        if not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
+            _configure(build_dir)
+        # CMake makes a folder for each target it generates; none means no module in this build.
+        if not os.path.isdir(os.path.join(build_dir, "real", "python", "CMakeFiles",
+                                          "ferry_python.dir")):
+            raise RuntimeError(
+                f"ferry setup: the CMake build {build_dir} has no target ferry_python: configure "
+                "it with -DFERRY_REAL=ON, without sanitizers, for a Python with headers (its "
+                "configure output names what is missing), or point FERRY_BUILD_DIR at another "
+                "build (a new folder is configured for the package)"
+            )
+        cli = os.path.join(build_dir, "sim", "ferry")
+        targets = ["ferry_python"] + (["ferry"] if os.path.exists(cli) else [])
+        jobs = os.environ.get("MAX_JOBS", "2")  # two cores are the norm on small build machines
+        _run(["cmake", "--build", build_dir, "--target", *targets, "--parallel", jobs])
+
+        module = os.path.join(build_dir, "real", "python",
+                              "_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+        if not os.path.exists(module):
+            raise RuntimeError(
+                f"ferry setup: no {os.path.basename(module)} in {os.path.dirname(module)}: the "
+                f"build {build_dir} is for the Python {_cache_value(build_dir, 'FERRY_PYTHON')}, "
+                f"not {sys.executable}; set FERRY_BUILD_DIR to a build for this one"
+            )
+        target = self.get_ext_fullpath(ext.name)
+        _strip_copy(module, target)
+        shipped_cli = os.path.join(os.path.dirname(target), "bin", "ferry")
+        if os.path.exists(cli):
+            _strip_copy(cli, shipped_cli)
+        elif os.path.exists(shipped_cli):  # left by an earlier build in setuptools' build folder
+            os.remove(shipped_cli)
+
 
 setup(
     name="ferry",
     version=_version(),
     description="ferry: activation offload and checkpointing for PyTorch autograd",
-    packages=["ferry"],
-    ext_modules=[ext],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    packages=["ferry", "ferry.examples"],
+    package_data={"ferry": ["configs/*.json"]},  # the model configs `python -m ferry trace` names
+    ext_modules=[Extension("ferry._C", sources=[])],
+    cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
     zip_safe=False,
 )
