@@ -2,11 +2,12 @@
 
 import contextlib
 import copy
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ferry.examples._gpt import Block as ExampleBlock
 
 
 class MLP(nn.Module):
@@ -20,36 +21,12 @@ class MLP(nn.Module):
         return self.fc3(torch.relu(self.fc2(F.gelu(self.fc1(x)))))
 
 
-class Block(nn.Module):
-    """A pre-LayerNorm transformer block with causal self-attention written out by hand."""
+class Block(ExampleBlock):
+    """The example GPT's pre-LayerNorm block (causal self-attention written out by hand), with
+    small defaults."""
 
     def __init__(self, d=32, heads=4, max_len=16):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-        self.register_buffer("mask", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)))
-
-    def attention(self, x):
-        b, t, d = x.shape
-        hd = d // self.heads
-        q, k, v = self.qkv(x).split(d, dim=-1)
-        q = q.view(b, t, self.heads, hd).transpose(1, 2)
-        k = k.view(b, t, self.heads, hd).transpose(1, 2)
-        v = v.view(b, t, self.heads, hd).transpose(1, 2)
-        att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
-        att = torch.softmax(att, dim=-1)
-        y = torch.matmul(att, v).transpose(1, 2).reshape(b, t, d)
-        return self.proj(y)
-
-    def forward(self, x):
-        x = x + self.attention(self.ln1(x))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        super().__init__(d, heads, max_len)
 
 
 class TinyLM(nn.Module):

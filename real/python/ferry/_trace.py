@@ -1,0 +1,197 @@
+"""Traces a PyTorch model into a ``ferry.model/1`` document (see docs/trace.md).
+
+One forward and one backward run under ``FakeTensorMode``: every tensor has its shape, dtype and
+storage but no memory, so a model of billions of parameters traces on a small host. A dispatch
+mode records each aten op; a ``saved_tensors_hooks`` pack hook records each tensor autograd saves,
+where it saves it. Which op a saved tensor belongs to is read back from the autograd graph: the
+node an op created unpacks the tensors it saved (Note [Which op saved a tensor]).
+
+The module is free of ``ferry._C``: tracing needs torch only.
+"""
+
+import collections
+import contextlib
+
+import torch
+
+from ._trace_model import TracedModel, _document
+from ._trace_record import _Tracer, _Recorder, layer_of
+
+__all__ = ["trace", "TracedModel", "layer_of"]
+
+
+def _loss_of(out, loss_fn):
+    if loss_fn is not None:
+        loss = loss_fn(out)
+        where = "loss_fn(output)"
+    elif isinstance(out, torch.Tensor):
+        loss, where = out, "the model's output"
+    elif isinstance(getattr(out, "loss", None), torch.Tensor):
+        loss, where = out.loss, "the model's output .loss"
+    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        loss, where = out[0], "the model's output [0]"
+    else:
+        raise TypeError(
+            f"ferry.trace: cannot find the loss in the model's output ({type(out).__name__}); "
+            "pass loss_fn=, a function of the output that returns a scalar tensor"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"ferry.trace: {where} is not a scalar tensor (got {shape}); pass loss_fn= to reduce "
+            "it to the loss"
+        )
+    if not loss.requires_grad:
+        raise ValueError(f"ferry.trace: {where} does not require grad: nothing to trace backward")
+    return loss
+
+
+def _fake(fake_mode, t):
+    """A fake CPU tensor of ``t``'s shape, dtype and requires_grad (meta tensors included)."""
+    if isinstance(t, torch.Tensor) and t.device.type == "meta":
+        with fake_mode:
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        return out.requires_grad_(t.requires_grad)
+    return fake_mode.from_tensor(t)
+
+
+def _head_of(model):
+    """The output head the offloader keeps on the device (``ferry.offload_model``'s search)."""
+    try:
+        from . import _output_head
+    except ImportError:
+        return None
+    unwrapped = getattr(model, "module", model)
+    if hasattr(unwrapped, "base_model") and hasattr(unwrapped, "peft_config"):
+        unwrapped = unwrapped.base_model
+    return _output_head(unwrapped)
+
+
+def _module_hooks(model, tracer):
+    head = _head_of(model)
+    handles = []
+    for path, module in model.named_modules():  # a shared module under its first name
+        is_head = module is head
+
+        def enter(module, args, path=path, is_head=is_head):
+            tracer.modules.append(path)
+            tracer.heads += is_head
+
+        def leave(module, args, output, is_head=is_head):
+            tracer.modules.pop()
+            tracer.heads -= is_head
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    return handles
+
+
+def _optimizer_state(optimizer, fake_of):
+    """The optimizer's state tensors after one step over the fake parameters, by parameter."""
+    groups = []
+    for group in optimizer.param_groups:
+        params = [fake_of[id(p)] for p in group["params"] if id(p) in fake_of]
+        groups.append({**group, "params": params})
+    # A shallow copy with its own groups and an empty state: the user's optimizer keeps its own.
+    twin = object.__new__(type(optimizer))
+    twin.__dict__.update(optimizer.__dict__)
+    twin.param_groups = groups
+    twin.state = collections.defaultdict(dict)
+    twin.step()
+    return twin.state
+
+
+# Note [Dropout as the device runs it]
+# `F.dropout` decides by device: on an accelerator, for 0 < p < 1 out of place, it runs the fused
+# `native_dropout`, which saves a one-byte mask; on the CPU it multiplies by a noise tensor it
+# saves in the input's dtype (two bytes an element in bf16). The trace runs on CPU tensors, so
+# for a device scenario `F.dropout` is swapped, for the trace only, for the device's choice.
+
+
+@contextlib.contextmanager
+def _device_dropout():
+    functional = torch.nn.functional
+    host = functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1 and not inplace and input.numel() > 0:
+            return torch.native_dropout(input, p, True)[0]
+        return host(input, p, training, inplace)
+
+    functional.dropout = dropout
+    try:
+        yield
+    finally:
+        functional.dropout = host
+
+
+def trace(model, *example_inputs, loss_fn=None, optimizer=None, name=None, target="device",
+          **kwargs):
+    """Traces one training step of ``model`` into a ``ferry.model/1`` document.
+
+    Runs ``model(*example_inputs, **kwargs)``, the loss (``loss_fn(output)``, else the output
+    itself when it is a scalar, its ``.loss`` or its first element) and ``loss.backward()``
+    under ``FakeTensorMode``: nothing is allocated, parameters on the meta device are welcome,
+    and the model is left untouched (no gradients, no optimizer step). Autocast and dtypes in
+    effect around the call are traced as they run. With ``optimizer``, a copy of it steps once
+    over the fake parameters and its state (Adam's moments, ...) becomes static memory.
+    ``target`` is where the scenario runs: ``"device"`` (an accelerator: random ops draw from
+    the device's generator, and dropout is the device's fused kernel, Note [Dropout as the
+    device runs it]) or ``"host"`` (the CPU, as the trace itself runs). Returns a
+    ``TracedModel``.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.nn.utils.stateless import _reparametrize_module
+    from torch.utils._pytree import tree_map
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"ferry.trace: model must be a torch.nn.Module, got {type(model).__name__}")
+    if target not in ("device", "host"):
+        raise ValueError(f"ferry.trace: target must be \"device\" or \"host\", got {target!r}")
+    tracer = _Tracer("device" if target == "device" else "cpu")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_of = {}
+    state = {}
+    for param_name, p in model.named_parameters():
+        fake_of[id(p)] = state[param_name] = _fake(fake_mode, p)
+        # A frozen parameter is resident and gets no gradient: what the format calls a buffer.
+        tracer.declare(state[param_name], param_name, "param" if p.requires_grad else "buffer")
+    for buffer_name, b in model.named_buffers():
+        state[buffer_name] = _fake(fake_mode, b)
+        tracer.declare(state[buffer_name], buffer_name, "buffer")
+
+    def fake_input(prefix):
+        counter = iter(range(1 << 30))
+
+        def convert(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            t = _fake(fake_mode, x)
+            k = next(counter)
+            tracer.declare(t, prefix if k == 0 else f"{prefix}.{k}", "input")
+            return t
+
+        return convert
+
+    args = tuple(tree_map(fake_input(f"input.{i}"), a) for i, a in enumerate(example_inputs))
+    kw = {key: tree_map(fake_input(f"input.{key}"), v) for key, v in kwargs.items()}
+    handles = _module_hooks(model, tracer)
+    try:
+        # The fake parameters stand in for the model's through backward too: a checkpointed
+        # region runs its forward again there.
+        dropout = _device_dropout() if target == "device" else contextlib.nullcontext()
+        with fake_mode, _reparametrize_module(model, state, tie_weights=True), dropout:
+            with _Recorder(tracer), saved_tensors_hooks(tracer.pack, tracer.unpack):
+                out = model(*args, **kw)
+                loss = _loss_of(out, loss_fn)
+            tracer.end_forward()
+            tracer.phase = "backward"
+            with _Recorder(tracer):
+                loss.backward()
+            tracer.phase = "done"
+            optimizer_state = _optimizer_state(optimizer, fake_of) if optimizer else {}
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _document(tracer, name or type(model).__name__, loss, state, optimizer_state)

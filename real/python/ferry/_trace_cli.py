@@ -1,0 +1,188 @@
+"""``python -m ferry trace``: a Hugging Face config becomes a ferry scenario (docs/trace.md).
+
+The model is built from a local ``config.json`` (or a bundled one, by name) on the meta device,
+so no weight is downloaded, initialized or allocated, and traced with ``ferry.trace``.
+``transformers`` (and ``peft`` for ``--lora-rank``) are needed by this command only.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+_DTYPES = ("bf16", "f16", "f32")
+
+
+def bundled_configs():
+    """Names of the bundled configs (``configs/<name>.json``), sorted; none where the package
+    was installed without its data."""
+    if not os.path.isdir(CONFIG_DIR):
+        return []
+    return sorted(f[: -len(".json")] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
+
+
+def _parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m ferry trace",
+        description="Trace a Hugging Face causal LM, built from its config.json without "
+        "weights, into a ferry.model/1 scenario for `ferry simulate` / `ferry compare --model`.",
+    )
+    parser.add_argument(
+        "config",
+        help="a config.json path, or a bundled config: " + ", ".join(bundled_configs()),
+    )
+    parser.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
+    parser.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
+    parser.add_argument("--dtype", choices=_DTYPES, default="bf16", help="parameter dtype")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train LoRA adapters of this rank (needs peft); 0: full training")
+    parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                        help="comma-separated module names LoRA adapts")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="checkpoint every decoder layer (the model's own, non-reentrant)")
+    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"),
+                        help="the model's attention implementation (default sdpa)")
+    parser.add_argument("--optimizer", default="none", choices=("none", "adamw", "sgd"),
+                        help="add this optimizer's state as static memory (default none)")
+    parser.add_argument("--target", default="device", choices=("device", "host"),
+                        help="where the scenario runs: an accelerator (default) or the CPU")
+    parser.add_argument("--name", help="the scenario's name (default: config, seq and batch)")
+    parser.add_argument("--out", required=True, help="where to write the scenario ('-': stdout)")
+    return parser
+
+
+class UsageError(Exception):
+    """A bad argument or config: reported as one line, exit status 2."""
+
+
+def _load_config(spec):
+    path = spec
+    if not os.path.exists(path):
+        bundled = os.path.join(CONFIG_DIR, spec + ".json")
+        if not os.path.exists(bundled):
+            raise UsageError(
+                f"config: {spec!r} is neither a file nor a bundled config "
+                f"(bundled: {', '.join(bundled_configs())})"
+            )
+        path = bundled
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{path}: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise UsageError(f"{path}: model_type: expected a string naming the architecture")
+    return path, data
+
+
+def _config_errors():
+    """What transformers raises for a config it rejects (its own checks and the hub's)."""
+    errors = (ValueError, TypeError, KeyError)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return errors
+    return errors + (StrictDataclassError,)
+
+
+def build_model(data, args, source="config"):
+    """The causal LM of config ``data`` (read from ``source``) on the meta device, in training
+    mode, as ``args`` ask."""
+    import torch
+
+    try:
+        from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+        from transformers import __version__ as transformers_version
+    except ImportError:
+        raise UsageError(
+            "python -m ferry trace needs the transformers package: pip install transformers"
+        ) from None
+    if data["model_type"] not in CONFIG_MAPPING:
+        raise UsageError(f"{source}: model_type: {data['model_type']!r} is not an architecture "
+                         f"transformers {transformers_version} knows")
+    # `use_cache` stays the config's: transformers takes another attention-mask path without
+    # the cache (see docs/trace.md), and the trace shows the one the config asks for.
+    fields = {k: v for k, v in data.items() if k != "model_type"}
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        config = AutoConfig.for_model(data["model_type"], **fields)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attention)
+    except _config_errors() as error:
+        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        raise UsageError(f"{source}: {message}") from None
+    finally:
+        torch.set_default_dtype(previous)
+    model.to(dtype)
+    model.train()
+    if args.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # older transformers
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora_rank:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise UsageError("--lora-rank needs the peft package: pip install peft") from None
+        targets = [t for t in args.lora_targets.split(",") if t]
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
+                          target_modules=targets, task_type="CAUSAL_LM")
+        with torch.device("meta"):
+            model = get_peft_model(model, lora)
+    return model
+
+
+def _check(args):
+    for flag, value, low in (("--seq", args.seq, 1), ("--batch", args.batch, 1),
+                             ("--lora-rank", args.lora_rank, 0)):
+        if value < low:
+            raise UsageError(f"{flag}: expected an integer >= {low}, got {value}")
+
+
+def main(argv=None):
+    """Runs the command; returns the exit status (0 done, 2 bad arguments or config)."""
+    import torch
+
+    from ._trace import trace
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        _check(args)
+        path, data = _load_config(args.config)
+        model = build_model(data, args, path)
+        with torch.device("meta"):
+            ids = torch.zeros((args.batch, args.seq), dtype=torch.long)
+        optimizer = None
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if args.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(trainable, foreach=False)
+        elif args.optimizer == "sgd":
+            optimizer = torch.optim.SGD(trainable, lr=1e-3, momentum=0.9, foreach=False)
+        stem = os.path.splitext(os.path.basename(path))[0]
+        name = args.name or f"{stem}-s{args.seq}-b{args.batch}"
+        traced = trace(model, ids, labels=ids, optimizer=optimizer, name=name,
+                       target=args.target)
+    except UsageError as error:
+        print(f"python -m ferry trace: {error}", file=sys.stderr)
+        return 2
+    text = traced.to_json()
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.out, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+    doc = traced.document
+    print(
+        f"{name}: {len(doc['ops'])} ops, {len(doc['tensors'])} tensors, "
+        f"{traced.saved_bytes()} saved activation bytes -> {args.out}",
+        file=sys.stderr,
+    )
+    return 0

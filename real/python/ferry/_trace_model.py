@@ -1,0 +1,166 @@
+"""The traced model: the ``ferry.model/1`` document a trace writes, and the counts taken on the
+way (docs/trace.md)."""
+
+import json
+
+import torch
+
+from ._trace_record import FORMAT, _DTYPES, _Op, _Tensor, _nbytes
+
+
+class TracedModel:
+    """A traced model: the ``ferry.model/1`` document and what the trace counted on the way.
+
+    ``document`` is the JSON object (a dict with the format's key order). ``packed_count`` and
+    ``packed_bytes`` are the saved tensors the pack hook received (logical bytes, each pack
+    counted), ``optimizer_state_bytes`` the optimizer state written as static memory, and
+    ``unattributed_backward_flops`` the FLOPs of backward ops run by no forward op's node
+    (gradient accumulation), which no op carries.
+    """
+
+    def __init__(self, document, packed_count=0, packed_bytes=0, optimizer_state_bytes=0,
+                 unattributed_backward_flops=0):
+        self.document = document
+        self.packed_count = packed_count
+        self.packed_bytes = packed_bytes
+        self.optimizer_state_bytes = optimizer_state_bytes
+        self.unattributed_backward_flops = unattributed_backward_flops
+
+    def to_json(self):
+        """The document as text: two-space indent, keys in the format's order, a final newline.
+        The same model and inputs give the same bytes."""
+        return json.dumps(self.document, indent=2, ensure_ascii=True) + "\n"
+
+    def save(self, path):
+        """Writes ``to_json()`` to ``path``."""
+        with open(path, "w", encoding="utf-8", newline="\n") as f:
+            f.write(self.to_json())
+
+    def _tensor_table(self):
+        return {t["name"]: t for t in self.document["tensors"]}
+
+    def saved_bytes(self, layer=None, roles=("activation",), logical=False):
+        """Bytes saved for backward by the ops of ``layer`` (all ops when None), of tensors of
+        the given roles. By default the storage they hold: the union of the byte ranges saved
+        in each storage, so that two views of one storage (the input of the q, k and v
+        projections) count once. ``logical=True`` counts each tensor with its own bytes, once,
+        as ``saved_activation_bytes`` does."""
+        tensors = self._tensor_table()
+        chosen = {}
+        for op in self.document["ops"]:
+            if layer is not None and op.get("layer", -1) != layer:
+                continue
+            for name in op["saved"]:
+                if tensors[name]["role"] in roles:
+                    chosen[name] = tensors[name]
+        if logical:
+            return sum(t["bytes"] for t in chosen.values())
+        ranges = {}
+        for t in chosen.values():
+            base = t.get("view_of", t["name"])
+            start = t.get("view_offset", 0)
+            ranges.setdefault(base, []).append((start, start + t["bytes"]))
+        total = 0
+        for spans in ranges.values():
+            end = 0
+            for lo, hi in sorted(spans):
+                lo = max(lo, end)
+                if hi > lo:
+                    total += hi - lo
+                    end = hi
+        return total
+
+    def flops(self, layer=None):
+        """Forward and backward FLOPs of the ops of ``layer`` (all ops when None)."""
+        ops = [op for op in self.document["ops"] if layer is None or op.get("layer", -1) == layer]
+        return sum(op["flops"] for op in ops), sum(op["backward_flops"] for op in ops)
+
+    def layers(self):
+        """The layer indices that occur, in increasing order."""
+        return sorted({op["layer"] for op in self.document["ops"] if "layer" in op})
+
+
+def _document(tracer, name, loss, state, optimizer_state):
+    ops = [op for op in tracer.ops if _kept(op)]
+    loss_record = tracer.tensors.get(id(loss))
+    if loss_record is None or loss_record.producer is None:
+        raise ValueError("ferry.trace: the loss was not produced by a traced op")
+    if not ops or loss_record not in ops[-1].outputs:
+        # Ops ran after the loss (a detach, a cast for logging): a last op hands the loss on.
+        last = _Op("loss", -1, False, False)
+        last.inputs.append(loss_record)
+        record = _Tensor(tracer._unique("loss"), None, loss_record.dtype, loss_record.bytes,
+                         "activation")
+        tracer.order.append(record)
+        last.outputs.append(record)
+        ops.append(last)
+        loss_record = record
+    static = []
+    param_names = {id(t): n for n, t in state.items()}
+    optimizer_bytes = 0
+    by_name = sorted(optimizer_state.items(), key=lambda kv: param_names.get(id(kv[0]), ""))
+    for p, entries in by_name:
+        owner = param_names.get(id(p), "param")
+        for key in sorted(entries):
+            value = entries[key]
+            # Scalars (Adam's step count) live on the host unless the optimizer is capturable.
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and _nbytes(value) > 0:
+                dtype = _DTYPES.get(value.dtype, "u8")
+                static.append({"name": tracer._unique(f"optimizer.{owner}.{key}"),
+                               "bytes": _nbytes(value), "dtype": dtype, "role": "buffer"})
+                optimizer_bytes += _nbytes(value)
+    used = set()
+    for op in ops:
+        for record in op.inputs + op.outputs + op.saved:
+            used.add(id(record))
+            if record.view_of is not None:
+                used.add(id(record.view_of))
+    tensors = []
+    for record in tracer.order:
+        # What the model holds stays, read or not (it is memory); a constant or an activation
+        # only where an op names it.
+        held = record.role != "activation" and id(record) not in tracer.constants
+        if held or id(record) in used:
+            tensors.append(_tensor_json(record))
+    tensors.extend(static)
+    document = {
+        "format": FORMAT,
+        "name": name,
+        "tensors": tensors,
+        "ops": [_op_json(op, tracer.rng) for op in ops],
+        "loss": loss_record.name,
+    }
+    packed_bytes = sum(_nbytes(p.tensor) for p in tracer.packs)
+    return TracedModel(document, len(tracer.packs), packed_bytes, optimizer_bytes,
+                       tracer.unattributed_backward_flops)
+
+
+def _kept(op):
+    return bool(op.outputs or op.saved or op.rng or op.flops or op.bytes or op.backward_flops
+                or op.backward_bytes)
+
+
+def _tensor_json(record):
+    out = {"name": record.name, "bytes": record.bytes, "dtype": record.dtype, "role": record.role}
+    if record.view_of is not None:
+        out["view_of"] = record.view_of.name
+        out["view_offset"] = record.view_offset
+    return out
+
+
+def _op_json(op, rng):
+    out = {"name": op.name}
+    if op.layer != -1:
+        out["layer"] = op.layer
+    out["flops"] = op.flops
+    out["bytes"] = op.bytes
+    out["backward_flops"] = op.backward_flops
+    out["backward_bytes"] = op.backward_bytes
+    out["inputs"] = [r.name for r in op.inputs]
+    out["outputs"] = [r.name for r in op.outputs]
+    out["saved"] = [r.name for r in op.saved]
+    if op.head:
+        out["no_offload"] = True
+    if op.rng:
+        out["draws_rng" if rng == "device" else "draws_cpu_rng"] = True
+    return out

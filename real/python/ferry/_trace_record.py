@@ -1,0 +1,437 @@
+"""What a trace records: every aten op forward runs, every tensor it meets (with storages and
+views followed), every tensor autograd saves and which op saved it, and the backward ops of
+each op's node (docs/trace.md). ``_trace.trace`` drives it; ``_trace_model`` writes the
+document. Free of ``ferry._C``: tracing needs torch only.
+"""
+
+import logging
+import re
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+FORMAT = "ferry.model/1"
+
+# The format's dtypes. Any other dtype is written as u8 of the same byte count (bool masks, int32
+# indices, float64): the bytes are what the simulator allocates and copies.
+_DTYPES = {
+    torch.float32: "f32",
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.uint8: "u8",
+    torch.int64: "i64",
+}
+_ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "i64": 8}
+
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_of(path):
+    """The layer index of a module path: its first integer component (-1 if none)."""
+    match = _LAYER.search(path)
+    return int(match.group(1)) if match else -1
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def _storage_key(t):
+    return t.untyped_storage()._cdata
+
+
+# Note [Strided views]
+# The format models a view as a contiguous byte range of its base. Q, K and V split out of a
+# fused projection are strided: each row of the base holds a piece of every one of them. At
+# their storage offsets (0, h, 2h elements) they would be three ranges that nearly coincide,
+# and a count of the storage they hold would find one third of it. So a view whose rows are
+# narrower than its base's (its innermost contiguous dims span fewer elements than the next
+# stride, the row) stands for the slice of the base at the fraction its first column is of the
+# row: Q the first third, K the second, V the last, as the generator lays them out.
+
+
+def _view_offset(t, offset, base_bytes):
+    # The dims by stride; the innermost ones that are contiguous with each other make a row.
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1 and st > 0)
+    if not dims or dims[0][0] != 1:
+        return offset
+    width = 1
+    for stride, size in dims:
+        if stride != width:
+            break
+        width *= size
+    else:
+        return offset  # contiguous
+    row = stride
+    column = t.storage_offset() % row
+    return column * base_bytes // row // t.element_size() * t.element_size()
+
+
+class _Tensor:
+    """One tensor of the document: a Python tensor object the trace met."""
+
+    __slots__ = ("name", "ref", "dtype", "bytes", "role", "view_of", "view_offset", "producer")
+
+    def __init__(self, name, ref, dtype, nbytes, role, view_of=None, view_offset=0):
+        self.name = name
+        self.ref = ref  # keeps the object alive, so that ids and storages stay unique
+        self.dtype = dtype
+        self.bytes = nbytes
+        self.role = role
+        self.view_of = view_of  # the base _Tensor, or None
+        self.view_offset = view_offset
+        self.producer = None  # index of the op that produced it (activations)
+
+
+class _Op:
+    __slots__ = (
+        "name", "layer", "head", "inputs", "outputs", "saved", "flops", "bytes",
+        "backward_flops", "backward_bytes", "rng", "out_refs", "mine",
+    )
+
+    def __init__(self, name, layer, head, mine):
+        self.name = name
+        self.layer = layer
+        self.head = head
+        self.mine = mine  # the trace's pack hook was the innermost when the op ran
+        self.inputs = []
+        self.outputs = []
+        self.saved = []
+        self.flops = 0
+        self.bytes = 0
+        self.backward_flops = 0
+        self.backward_bytes = 0
+        self.rng = False
+        self.out_refs = []
+
+
+def _flop_table():
+    # Importing the counter warns that triton is missing (it matters for triton kernels only).
+    logger = logging.getLogger("torch.utils.flop_counter")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import flop_counter
+    finally:
+        logger.setLevel(level)
+
+    table = dict(flop_counter.flop_registry)
+    aten = torch.ops.aten
+    # The CPU flash attention kernel (what SDPA runs on the host) counts as SDPA does on a GPU.
+    cpu_fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    cpu_bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    # Counted with the query's heads, so that grouped-query attention (fewer key/value heads,
+    # which the shared SDPA count rejects) counts what runs: every query head against its keys.
+    if cpu_fwd is not None and cpu_fwd not in table:
+
+        def forward(query, key, value, *args, out_val=None, **kwargs):
+            b, h, sq, d = query.shape
+            sk, dv = key.shape[-2], value.shape[-1]
+            return 2 * b * h * sq * sk * (d + dv)  # Q K^T and P V
+
+        table[cpu_fwd] = forward
+    if cpu_bwd is not None and cpu_bwd not in table:
+
+        def backward(grad_out, query, key, value, *args, out_val=None, **kwargs):
+            b, h, sq, d = query.shape
+            sk, dv = key.shape[-2], value.shape[-1]
+            # Q K^T again, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
+            return 2 * b * h * sq * sk * (3 * d + 2 * dv)
+
+        table[cpu_bwd] = backward
+    return table
+
+
+class _Recorder(TorchDispatchMode):
+    """Hands every aten op, with its arguments and result, to the tracer."""
+
+    def __init__(self, tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.tracer.on_op(func, args, kwargs, out)
+        return out
+
+
+# Note [Views are produced where their storage is written]
+# In the format the op that produces a tensor writes it. A view op (view, transpose, split,
+# expand) writes nothing: its output aliases a storage an earlier op wrote. So a view is listed
+# among the outputs of the op that wrote its storage, which the format allows ("a view is
+# produced by the op that produces its base or by a later one"), and the view op only reads.
+# Listed as the view op's output, the view would be written again while an offloader may be
+# copying the storage, a race the simulator's hazard checker rightly reports.
+
+
+class _Packed:
+    """What the pack hook returns: the tensor and the op that was last to run when it was
+    packed (the fallback owner)."""
+
+    __slots__ = ("tensor", "index", "after_op")
+
+    def __init__(self, tensor, index, after_op):
+        self.tensor = tensor
+        self.index = index
+        self.after_op = after_op
+
+
+# Note [Which op saved a tensor]
+# The pack hook runs inside the autograd kernel of an op: before the op is dispatched for the
+# inputs it saves and after for its outputs, so the order of hooks and dispatches alone cannot
+# tell whether a tensor packed between two ops is the output the first saves or the input the
+# second saves. The graph can: every packed tensor is held by one node, and reading a node's
+# `_saved_*` attributes calls the unpack hook with what the pack hook returned. So each op's
+# node (its outputs' grad_fn) is asked for its saved tensors once it is complete, and what it
+# unpacks is that op's. Nodes of ops run under another pack hook (a checkpointed region) are
+# never asked: their unpack would recompute. A pack no node claims (a custom Function's saved
+# tensors, whose node sits on a tensor an earlier op produced) goes to the op that ran last
+# before it, which then reads the tensor.
+
+
+class _Tracer:
+    def __init__(self, rng):
+        self.rng = rng  # "device" or "cpu": which generator random ops draw from
+        self.tensors = {}  # id(tensor) -> _Tensor
+        self.order = []  # _Tensor in declaration order
+        self.storages = {}  # storage key -> the base _Tensor of that storage
+        self.names = set()
+        self.ops = []
+        self.op_names = {}
+        self.modules = []  # stack of module paths
+        self.heads = 0  # depth inside the output head
+        self.phase = "forward"
+        self.packs = []
+        self.claimed = {}  # pack index -> op index
+        self.claiming = None
+        self.nodes = {}  # id(node) -> op index
+        self.node_refs = []
+        self.pending = 0  # the first op whose node is not yet asked
+        self.later = []  # ops asked once without a node, asked again at the end of forward
+        self.constants = set()  # ids of the _Tensors first met as arguments of an op
+        self.flop_table = _flop_table()
+        self.unattributed_backward_flops = 0
+
+    # Tensors ---------------------------------------------------------------------------
+
+    def _unique(self, name):
+        candidate, k = name, 1
+        while candidate in self.names:
+            candidate = f"{name}#{k}"
+            k += 1
+        self.names.add(candidate)
+        return candidate
+
+    def declare(self, t, name, role):
+        """Declares a tensor the model holds before forward (input, param, buffer)."""
+        if id(t) in self.tensors:
+            return self.tensors[id(t)]
+        return self._register(t, name, role)
+
+    def _register(self, t, name, role):
+        dtype = _DTYPES.get(t.dtype, "u8")
+        esz = _ELEMENT_BYTES[dtype]
+        nbytes = _nbytes(t)
+        if nbytes == 0:
+            return None
+        key = _storage_key(t)
+        storage_bytes = t.untyped_storage().nbytes()
+        offset = t.storage_offset() * t.element_size()
+        base = self.storages.get(key)
+        if base is None and (offset != 0 or nbytes != storage_bytes):
+            base_dtype = dtype if storage_bytes % esz == 0 else "u8"
+            base = _Tensor(self._unique(name + ".storage"), None, base_dtype, storage_bytes, role)
+            self.order.append(base)
+            self.storages[key] = base
+        if base is not None and base.role == "input":
+            # The simulator binds inputs by their own storage: a view of an input (labels
+            # reshaped) is written as an input of its own, of the same bytes.
+            record = _Tensor(self._unique(name), t, dtype, nbytes, "input")
+        elif base is None:
+            record = _Tensor(self._unique(name), t, dtype, nbytes, role)
+            self.storages[key] = record
+        else:
+            # A view: the byte range of its base it stands for (Note [Strided views]),
+            # clipped to the base (an expanded view covers fewer bytes than its elements).
+            offset = _view_offset(t, offset, base.bytes)
+            offset = min(offset, base.bytes - esz) if base.bytes >= esz else 0
+            size = min(nbytes, base.bytes - offset) // esz * esz
+            if size == 0:
+                dtype, size = "u8", min(nbytes, base.bytes - offset)
+            record = _Tensor(self._unique(name), t, dtype, size, base.role, base, offset)
+        self.tensors[id(t)] = record
+        self.order.append(record)
+        return record
+
+    def _lookup_input(self, t):
+        record = self.tensors.get(id(t))
+        if record is None:
+            # A tensor the model holds outside its parameters and buffers (a constant), or a
+            # view of an activation made where the trace does not see (then it is produced with
+            # its base).
+            record = self._register(t, "constant", "buffer")
+            if record is not None:
+                self.constants.add(id(record))
+            if record is not None and record.role == "activation":
+                base = record.view_of
+                if base is not None and base.producer is not None:
+                    record.producer = base.producer
+                    self.ops[base.producer].outputs.append(record)
+        return record
+
+    # Ops ---------------------------------------------------------------------------------
+
+    def on_op(self, func, args, kwargs, out):
+        if self.phase == "backward":
+            self._on_backward_op(func, args, kwargs, out)
+            return
+        if self.phase != "forward":
+            return
+        flat_out = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if not flat_out and not _writes(func):
+            # A query (prim.device, sym sizes): no op. It may run inside another op's autograd
+            # kernel, before that op's node exists, so it must not ask for nodes either.
+            return
+        self._ask_nodes(complete=False)
+        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        path = self.modules[-1] if self.modules else ""
+        packet = func._overloadpacket.__name__
+        base_name = f"{path}/{packet}" if path else packet
+        count = self.op_names.get(base_name, 0)
+        self.op_names[base_name] = count + 1
+        name = base_name if count == 0 else f"{base_name}#{count}"
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        mine = top is not None and getattr(top[0], "__self__", None) is self
+        op = _Op(name, layer_of(path), self.heads > 0, mine)
+        seen = set()
+        traffic = 0
+        for t in flat_in:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            record = self._lookup_input(t)
+            if record is not None:
+                op.inputs.append(record)
+            traffic += _nbytes(t)
+        fresh = 0
+        for k, t in enumerate(flat_out):
+            if id(t) in self.tensors:  # an in-place op returns its input
+                continue
+            suffix = ".out" if len(flat_out) == 1 else f".out{k}"
+            known_storage = _storage_key(t) in self.storages
+            record = self._register(t, name + suffix, "activation")
+            if record is None:
+                continue
+            if not known_storage:
+                fresh += _nbytes(t)
+            if record.role == "activation":
+                base = record.view_of
+                if base is not None and base.producer is None:
+                    base.producer = len(self.ops)  # the storage this op allocated
+                    op.outputs.append(base)
+                if base is not None and base.producer != len(self.ops):
+                    # A view of a storage an earlier op wrote (Note [Views are produced where
+                    # their storage is written]).
+                    record.producer = base.producer
+                    self.ops[base.producer].outputs.append(record)
+                else:
+                    record.producer = len(self.ops)
+                    op.outputs.append(record)
+        op.out_refs = flat_out
+        is_view = func.is_view or fresh == 0 and not _writes(func)
+        op.bytes = 0 if is_view else traffic + fresh
+        flops = self.flop_table.get(func._overloadpacket)
+        if flops is not None:
+            op.flops = int(flops(*args, **kwargs, out_val=out))
+        op.rng = torch.Tag.nondeterministic_seeded in func.tags
+        self.ops.append(op)
+
+    def _ask_nodes(self, complete):
+        """Maps the nodes of the ops run so far to them and claims what those nodes saved
+        (Note [Which op saved a tensor]). An op whose outputs have no node yet is asked again
+        at the end of forward (``complete``): a custom Function sets its node on return."""
+        if complete:
+            indices, self.later = self.later, []
+        else:
+            indices = range(self.pending, len(self.ops))
+            self.pending = len(self.ops)
+        for index in indices:
+            op = self.ops[index]
+            node = None
+            for t in op.out_refs:
+                fn = t.grad_fn
+                if fn is not None and id(fn) not in self.nodes:
+                    node = fn
+                    break
+            if node is None:
+                if not complete:
+                    self.later.append(index)
+                continue
+            self.nodes[id(node)] = index
+            self.node_refs.append(node)
+            if op.mine:
+                self._claim(node, index)
+
+    def _claim(self, node, index):
+        self.claiming = index
+        try:
+            names = [a for a in dir(node) if a.startswith("_saved_")]
+            if hasattr(node, "saved_tensors"):
+                names.append("saved_tensors")
+            for attr in names:
+                try:
+                    getattr(node, attr)
+                except RuntimeError:
+                    pass
+        finally:
+            self.claiming = None
+
+    def pack(self, t):
+        packed = _Packed(t, len(self.packs), len(self.ops) - 1)
+        self.packs.append(packed)
+        return packed
+
+    def unpack(self, packed):
+        if self.claiming is not None and packed.index not in self.claimed:
+            self.claimed[packed.index] = self.claiming
+        return packed.tensor
+
+    def end_forward(self):
+        self._ask_nodes(complete=False)
+        self._ask_nodes(complete=True)
+        for packed in self.packs:
+            if _nbytes(packed.tensor) == 0:
+                continue
+            index = self.claimed.get(packed.index, max(packed.after_op, 0))
+            op = self.ops[index]
+            record = self._lookup_input(packed.tensor)
+            if record is None or record in op.saved:
+                continue
+            if record not in op.inputs and record not in op.outputs:
+                op.inputs.append(record)
+            op.saved.append(record)
+
+    def _on_backward_op(self, func, args, kwargs, out):
+        node = torch._C._current_autograd_node()
+        index = self.nodes.get(id(node)) if node is not None else None
+        flops = self.flop_table.get(func._overloadpacket)
+        count = int(flops(*args, **kwargs, out_val=out)) if flops is not None else 0
+        if index is None:
+            self.unattributed_backward_flops += count
+            return
+        op = self.ops[index]
+        op.backward_flops += count
+        if func.is_view:
+            return
+        seen = set()
+        for t in tree_flatten((args, kwargs, out))[0]:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                op.backward_bytes += _nbytes(t)
+
+
+def _writes(func):
+    """Whether an op writes one of its arguments (in place or out=)."""
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)

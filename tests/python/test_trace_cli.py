@@ -1,0 +1,167 @@
+"""python -m ferry trace: a Hugging Face config.json becomes a ferry scenario (docs/trace.md)."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from test_trace import accepted_by_cli, real_packs
+
+transformers = pytest.importorskip("transformers")
+
+from ferry._trace import TracedModel, trace  # noqa: E402
+from ferry._trace_cli import bundled_configs, main  # noqa: E402
+
+TINY_LLAMA = {
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+    "max_position_embeddings": 256, "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return str(path)
+
+
+def run(tmp_path, *argv):
+    out = tmp_path / "scenario.json"
+    assert main([*argv, "--out", str(out)]) == 0
+    document = json.loads(out.read_text())
+    return out, TracedModel(document)
+
+
+def test_writes_a_scenario_the_simulator_accepts(config, tmp_path):
+    out, traced = run(tmp_path, config, "--seq", "64", "--batch", "2")
+    doc = traced.document
+    assert doc["name"] == "config-s64-b2"
+    names = {t["name"]: t for t in doc["tensors"]}
+    assert names["model.layers.1.mlp.down_proj.weight"]["dtype"] == "bf16"
+    assert names["input.0"]["bytes"] == 2 * 64 * 8  # the token ids, i64
+    assert traced.layers() == [0, 1]
+    assert "model.layers.1.mlp.down_proj/mm" in {op["name"] for op in doc["ops"]}
+    accepted_by_cli(traced_from(out), tmp_path)
+
+
+def traced_from(path):
+    return TracedModel(json.loads(path.read_text()))
+
+
+def test_same_arguments_give_the_same_bytes(config, tmp_path):
+    first, _ = run(tmp_path, config, "--seq", "32")
+    text = first.read_text()
+    again, _ = run(tmp_path, config, "--seq", "32")
+    assert again.read_text() == text
+
+
+def test_out_dash_writes_to_stdout(config, capsys):
+    assert main([config, "--seq", "16", "--name", "tiny", "--out", "-"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert (doc["format"], doc["name"]) == ("ferry.model/1", "tiny")
+    assert "tiny: " in captured.err  # the summary goes to stderr
+
+
+def test_dtype_sets_what_runs(config, tmp_path):
+    _, traced = run(tmp_path, config, "--seq", "32", "--dtype", "f32")
+    dtypes = {t["dtype"] for t in traced.document["tensors"] if t["role"] == "param"}
+    assert dtypes == {"f32"}
+
+
+def test_gradient_checkpointing_keeps_the_layer_inputs_and_recomputes(config, tmp_path):
+    _, plain = run(tmp_path, config, "--seq", "64")
+    out, checkpointed = run(tmp_path, config, "--seq", "64", "--gradient-checkpointing")
+    assert checkpointed.saved_bytes() < plain.saved_bytes() / 2
+    forward, backward = plain.flops()
+    assert checkpointed.flops()[0] == forward
+    # Backward runs each layer's forward again, up to the last tensor it needs: all but the
+    # down projection, whose output nothing in the layer's backward reads (torch's early stop).
+    recomputed = sum(plain.flops(layer)[0] for layer in plain.layers())
+    last = sum(op["flops"] for op in plain.document["ops"] if op["name"].endswith("down_proj/mm"))
+    assert checkpointed.flops()[1] == backward + recomputed - last
+    accepted_by_cli(traced_from(out), tmp_path)
+
+
+def test_gradient_checkpointing_saves_what_a_real_run_saves():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        k: v for k, v in TINY_LLAMA.items() if k != "model_type"})).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 512, (2, 64))
+    traced = trace(model, ids, labels=ids)
+    count, nbytes = real_packs(lambda: model(ids, labels=ids).loss)
+    assert (traced.packed_count, traced.packed_bytes) == (count, nbytes)
+    tensors = {t["name"]: t for t in traced.document["tensors"]}
+    names = [n for op in traced.document["ops"] for n in op["saved"]]
+    held = real_packs(lambda: model(ids, labels=ids).loss, held=True)
+    assert (len(names), sum(tensors[n]["bytes"] for n in names)) == held
+
+
+def test_lora_trains_the_adapters_only(config, tmp_path):
+    pytest.importorskip("peft")
+    out, traced = run(tmp_path, config, "--seq", "32", "--lora-rank", "4", "--optimizer", "adamw")
+    tensors = traced.document["tensors"]
+    trained = {t["name"] for t in tensors if t["role"] == "param"}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    frozen = {t["name"]: t["role"] for t in tensors}
+    assert frozen["base_model.model.model.layers.0.mlp.down_proj.weight"] == "buffer"
+    state = sum(t["bytes"] for t in tensors if t["name"].startswith("optimizer."))
+    assert state == 2 * sum(t["bytes"] for t in tensors if t["role"] == "param"
+                            and "view_of" not in t)
+    accepted_by_cli(traced_from(out), tmp_path)
+
+
+def test_bundled_configs_are_selectable_by_name(tmp_path):
+    assert bundled_configs() == ["gpt2", "llama3-70b", "llama3-8b", "mistral-7b", "qwen2.5-7b"]
+    out, traced = run(tmp_path, "gpt2", "--seq", "16")
+    params = sum(t["bytes"] for t in traced.document["tensors"]
+                 if t["role"] == "param" and "view_of" not in t)
+    assert params == 124_439_808 * 2  # GPT-2 small, bf16, head tied to the token embedding
+    assert any(op.get("draws_rng") for op in traced.document["ops"])  # its dropout
+    accepted_by_cli(traced_from(out), tmp_path)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "qwen2.5-7b", "mistral-7b"])
+def test_bundled_configs_have_the_published_parameter_counts(name):
+    from ferry._trace_cli import CONFIG_DIR
+
+    with open(f"{CONFIG_DIR}/{name}.json") as f:
+        data = json.load(f)
+    config = transformers.AutoConfig.for_model(**data)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    published = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+                 "qwen2.5-7b": 7_615_616_512, "mistral-7b": 7_248_023_552}
+    assert count == published[name]
+
+
+def test_without_transformers_the_command_says_what_to_install(config, tmp_path, capsys,
+                                                               monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
+    assert main([config, "--seq", "8", "--out", str(tmp_path / "x.json")]) == 2
+    assert "needs the transformers package" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_named(config, tmp_path, capsys):
+    assert main(["no-such-model", "--seq", "8", "--out", str(tmp_path / "x.json")]) == 2
+    assert "'no-such-model' is neither a file nor a bundled config" in capsys.readouterr().err
+    assert main([config, "--seq", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--seq: expected an integer >= 1, got 0" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hidden_size": 8}')
+    assert main([str(bad), "--seq", "8", "--out", str(tmp_path / "x.json")]) == 2
+    assert "model_type: expected a string" in capsys.readouterr().err
+    bad.write_text('{"model_type": "no-such-architecture"}')
+    assert main([str(bad), "--seq", "8", "--out", str(tmp_path / "x.json")]) == 2
+    assert "model_type: 'no-such-architecture' is not an architecture" in capsys.readouterr().err
+    bad.write_text(json.dumps({**TINY_LLAMA, "hidden_size": 66}))  # not a multiple of 4 heads
+    assert main([str(bad), "--seq", "8", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m ferry trace: {bad}: ") and "hidden size (66)" in err
+    assert len(err.splitlines()) == 1
+    with pytest.raises(SystemExit):
+        main([config, "--out", str(tmp_path / "x.json")])  # --seq is required
