@@ -1,0 +1,315 @@
+"""Predictions checked against real runs (docs/validation.md).
+
+A model is trained for a few steps for real under each policy (on the CPU loopback device
+without a GPU), traced with ``ferry.trace``, and the traced model simulated under the same
+policies by the ``ferry`` CLI. ``validate`` returns both sides of every policy; ``mismatches``
+lists the counts and bytes that differ where they must be equal.
+"""
+
+import contextlib
+import copy
+import importlib
+import json
+import os
+import subprocess
+import tempfile
+import time
+
+import torch
+
+# name -> (offload policy, simulator checkpoint): what `validate` runs by default.
+POLICIES = {
+    "none": ("none", None),
+    "ferry": ("ferry", None),
+    "trl": ("trl", None),
+    "checkpoint": ("none", "every:1"),
+    "ferry+checkpoint": ("ferry", "every:1"),
+}
+
+# The scheduler's counters, each compared over all steps, and the bytes, of the last step.
+COUNTERS = ("packed", "offloaded", "kept", "deduplicated", "host_fallbacks", "prefetched",
+            "on_demand", "stash_hits")
+BYTES = ("bytes_d2h", "bytes_h2d", "pinned_peak")
+
+
+class ModelSpecError(ValueError):
+    """MODEL names no bundled example and no importable factory, or the factory's result is
+    not (model, inputs[, loss_fn])."""
+
+
+def load(spec):
+    """(model, inputs, loss_fn) of a bundled example name or of ``pkg.mod:fn``."""
+    from .examples import EXAMPLES
+
+    if spec in EXAMPLES:
+        factory, where = EXAMPLES[spec], f"example {spec!r}"
+    elif ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        if not module_name or not attr:
+            raise ModelSpecError(f"MODEL {spec!r}: a factory is written pkg.module:function")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ModelSpecError(f"MODEL {spec!r}: cannot import {module_name}: {e}") from e
+        factory = getattr(module, attr, None)
+        if not callable(factory):
+            raise ModelSpecError(f"MODEL {spec!r}: {module_name} has no function {attr}")
+        where = f"factory {spec}"
+    else:
+        raise ModelSpecError(
+            f"MODEL {spec!r} is neither a bundled example ({', '.join(EXAMPLES)}) nor a "
+            "factory pkg.module:function"
+        )
+    made = factory()
+    if not isinstance(made, (tuple, list)) or len(made) not in (2, 3):
+        raise ModelSpecError(
+            f"MODEL {spec!r}: the {where} returned {type(made).__name__}, not "
+            "(model, inputs[, loss_fn])"
+        )
+    model, inputs = made[0], made[1]
+    loss_fn = made[2] if len(made) == 3 else None
+    if not isinstance(model, torch.nn.Module):
+        raise ModelSpecError(f"MODEL {spec!r}: the {where} returned no torch.nn.Module first")
+    return model, inputs, loss_fn
+
+
+def _call_args(inputs):
+    if isinstance(inputs, dict):
+        return (), inputs
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    return tuple(inputs), {}
+
+
+def _layer_list(model):
+    """The first ModuleList of ``model``: the layers checkpointing wraps."""
+    for _, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
+            return module
+    raise ModelSpecError(
+        f"{type(model).__name__} has no nn.ModuleList of layers to checkpoint every layer of"
+    )
+
+
+def _checkpoint_layers(model):
+    """Checkpoints every layer with ``ferry.checkpoint`` (non-reentrant): a Hugging Face
+    model its own way (``ferry.enable_gradient_checkpointing``), any other model by wrapping
+    the forward of each module of its first ModuleList."""
+    import ferry
+    from ._checkpoint import checkpoint
+
+    if getattr(model, "supports_gradient_checkpointing", False):
+        ferry.enable_gradient_checkpointing(model)
+        return
+    for layer in _layer_list(model):
+        inner = layer.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+
+
+def _saved_at_end_of_forward(model, inputs, loss_fn):
+    """Bytes of the distinct storages of the saved activations a plain forward holds (the
+    parameters' and buffers' own storages left out)."""
+    from ._trace import _loss_of
+
+    owned = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    owned |= {t.untyped_storage().data_ptr() for t in model.buffers()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in owned and s.nbytes() > 0:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    args, kwargs = _call_args(inputs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _loss_of(model(*args, **kwargs), loss_fn)
+    del loss
+    return sum(storages.values())
+
+
+def run_real(model, inputs, loss_fn, policy, checkpoint, steps):
+    """Trains a copy of ``model`` for ``steps`` steps under ``policy`` on the CPU loopback
+    device; the offload context spans forward and backward, as the simulator's step does.
+    Returns the counters over all steps, the bytes of the last step and its time."""
+    import ferry
+
+    from ._trace import _loss_of
+
+    model = copy.deepcopy(model)
+    if checkpoint:
+        _checkpoint_layers(model)
+    ctx = ferry.offload_model(model, policy=policy, loopback=True, warn_if_no_head=False)
+    args, kwargs = _call_args(inputs)
+    before, step_ns = ctx.telemetry(), 0
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        before = ctx.telemetry()
+        start = time.perf_counter_ns()
+        with ctx:
+            loss = _loss_of(model(*args, **kwargs), loss_fn)
+            loss.backward()
+        step_ns = time.perf_counter_ns() - start
+    after = ctx.telemetry()
+    if ctx.tracked() != 0:
+        raise RuntimeError(f"ferry validate: {ctx.tracked()} saved tensors still tracked after "
+                           f"the last step under {policy}")
+    out = {name: after[name] for name in COUNTERS}
+    out["bytes_d2h"] = after["bytes_d2h"] - before["bytes_d2h"]
+    out["bytes_h2d"] = after["bytes_h2d"] - before["bytes_h2d"]
+    out["pinned_peak"] = after["pinned_peak"]
+    out["step_time_ns"] = step_ns
+    return out
+
+
+def _run_cli(path, policy, checkpoint, steps, cli, device, extra=()):
+    from .__main__ import find_cli
+
+    command = [cli or find_cli(), "simulate", "--model", path, "--policy", policy,
+               "--steps", str(steps), "--json", *extra]
+    if checkpoint:
+        command += ["--checkpoint", checkpoint]
+    if device:
+        command += ["--device", device]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"ferry validate: `{' '.join(command)}` failed "
+                           f"(exit {done.returncode}): {done.stderr.strip()}")
+    return json.loads(done.stdout)["result"]
+
+
+def simulated_saved_peak(path, document, cli=None, device=None):
+    """The most bytes of saved activation storages the simulator holds at once, in one step
+    without offload: read from its memory history (``--memory-snapshot``), each allocation of a
+    storage a saved activation or input lives in counted with the document's bytes (the
+    allocator's rounding left out)."""
+    import pickle
+
+    tensors = {t["name"]: t for t in document["tensors"]}
+    saved = set()
+    for op in document["ops"]:
+        for name in op["saved"]:
+            t = tensors[name]
+            if t["role"] in ("activation", "input"):
+                saved.add(t.get("view_of", name))
+    snapshot = os.path.join(os.path.dirname(path), "saved.pickle")
+    _run_cli(path, "none", None, 1, cli, device, ("--memory-snapshot", snapshot))
+    with open(snapshot, "rb") as f:
+        events = pickle.load(f)["device_traces"][0]
+    live, peak, at = 0, 0, {}
+    for event in events:
+        name = event["frames"][0]["name"] if event["frames"] else None
+        if name not in saved:
+            continue
+        if event["action"] == "alloc":
+            at[event["addr"]] = name
+            live += tensors[name]["bytes"]
+        elif event["action"] == "free_requested" and at.get(event["addr"]) == name:
+            del at[event["addr"]]
+            live -= tensors[name]["bytes"]
+        peak = max(peak, live)
+    return peak
+
+
+def simulate(path, policy, checkpoint, steps, cli=None, device=None):
+    """The simulator's run of the model document at ``path`` (``ferry simulate --json``)."""
+    result = _run_cli(path, policy, checkpoint, steps, cli, device)
+    out = {name: result["telemetry"][name] for name in COUNTERS}
+    out["bytes_d2h"] = result["d2h_bytes"]
+    out["bytes_h2d"] = result["h2d_bytes"]
+    out["pinned_peak"] = result["pinned_peak_bytes"]
+    out["step_time_ns"] = result["step_time_ns"]
+    out["peak_allocated_bytes"] = result["peak_allocated_bytes"]
+    out["peak_reserved_bytes"] = result["peak_reserved_bytes"]
+    return out
+
+
+def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2, cli=None,
+             device=None, keep=None, trace=None):
+    """Real and simulated runs of a model under each policy (names of ``POLICIES``).
+
+    ``spec_or_model``: an example name or ``pkg.mod:fn``, or a model with its ``inputs`` and
+    ``loss_fn``. ``trace`` replaces ``ferry.trace`` (a function of the same arguments; tests
+    plant mismatches with it). ``keep``: a path to write the traced document to. Returns a dict:
+    ``model``, ``steps``, ``saved_at_end_of_forward`` (real, traced and simulated),
+    ``head_saves_per_step`` (Note [Saves in a no-offload region]) and ``policies``, each with
+    ``real``, ``simulated`` (as the simulator reports it) and ``mismatches``.
+    """
+    from ._trace import trace as ferry_trace
+
+    if isinstance(spec_or_model, str):
+        name = spec_or_model
+        model, inputs, loss_fn = load(spec_or_model)
+    elif isinstance(spec_or_model, torch.nn.Module) and inputs is not None:
+        model, name = spec_or_model, type(spec_or_model).__name__
+    else:
+        raise TypeError("ferry validate: give a MODEL name, or a torch.nn.Module with its inputs")
+    policies = list(POLICIES) if policies is None else list(policies)
+    for policy in policies:
+        if policy not in POLICIES:
+            raise ValueError(f"ferry validate: unknown policy {policy!r} "
+                             f"(policies: {', '.join(POLICIES)})")
+    if steps < 1:
+        raise ValueError(f"ferry validate: steps must be at least 1 (got {steps})")
+    args, kwargs = _call_args(inputs)
+    traced = (trace or ferry_trace)(model, *args, loss_fn=loss_fn, target="host", **kwargs)
+    document = traced.document
+    report = {"model": name, "steps": steps, "policies": {}}
+    with contextlib.ExitStack() as stack:
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="ferry-validate-"))
+        path = os.path.join(folder, "traced.json")
+        traced.save(path)
+        if keep is not None:
+            traced.save(keep)
+        report["saved_at_end_of_forward"] = {
+            "real": _saved_at_end_of_forward(copy.deepcopy(model), inputs, loss_fn),
+            "traced": traced.saved_bytes(roles=("activation", "input")),
+            "simulated": simulated_saved_peak(path, document, cli, device),
+        }
+        head_saves = _head_saves(document)
+        report["head_saves_per_step"] = head_saves
+        for policy in policies:
+            offload_policy, checkpoint = POLICIES[policy]
+            real = run_real(model, inputs, loss_fn, offload_policy, checkpoint, steps)
+            sim = simulate(path, offload_policy, checkpoint, steps, cli=cli, device=device)
+            report["policies"][policy] = {
+                "real": real,
+                "simulated": sim,
+                "mismatches": mismatches(real, sim, head_saves * steps, offload_policy),
+            }
+    return report
+
+
+def _head_saves(document):
+    """Saved tensors of the ops in the output head's no-offload region, per step. The real
+    backend's no-offload region keeps them from the scheduler; the simulator packs them and
+    keeps them (Note [Saves in a no-offload region])."""
+    return sum(len(op["saved"]) for op in document["ops"] if op.get("no_offload"))
+
+
+# Note [Saves in a no-offload region]
+# Under `ferry.no_offload` (the output head of `offload_model`) the real backend's pack hook
+# does not hand a saved tensor to the session at all, so the scheduler never counts it; the
+# simulator hands it to the offloader marked "in a no-offload region", which counts it as
+# packed and kept. The tensor stays on the device either way: only the counting differs, and
+# by exactly the head's saves per step, which the comparison takes off the simulated side.
+
+
+def mismatches(real, sim, head_packs, policy="ferry"):
+    """The counts and bytes that differ, as "name: real R, simulated S" strings. The host
+    pool's peak is ferry's alone: the real backend counts no pool under trl (its host copies
+    are not pooled), while the simulator reports the pinned memory trl allocates."""
+    out = []
+    for name in COUNTERS + BYTES:
+        if name == "pinned_peak" and policy != "ferry":
+            continue
+        expected = sim[name]
+        if name in ("packed", "kept"):
+            expected -= head_packs
+        if real[name] != expected:
+            out.append(f"{name}: real {real[name]}, simulated {expected}")
+    return out
