@@ -35,12 +35,30 @@ __all__ = [
     "NoOpManager",
     "get_act_offloading_ctx_manager",
     "enable_gradient_checkpointing",
+    "trace",
+    "auto",
 ]
 try:
     # setup.py takes the version from the top-level CMakeLists.txt, ferry's one version number.
     __version__ = _metadata.version("ferry")
 except _metadata.PackageNotFoundError:  # imported from a source tree, not installed
     __version__ = "unknown"
+
+
+def trace(model, *example_inputs, **options):
+    """Traces one training step of ``model`` into a ``ferry.model/1`` scenario without running
+    it for real (see ``ferry._trace.trace`` and docs/trace.md)."""
+    from ._trace import trace as _trace
+
+    return _trace(model, *example_inputs, **options)
+
+
+def auto(model, *example_inputs, **options):
+    """Traces ``model``, plans it under a memory budget with ``ferry plan`` and returns an
+    ``offload`` that applies the plan (see ``ferry._auto.auto`` and docs/plan.md)."""
+    from ._auto import auto as _auto
+
+    return _auto(model, *example_inputs, **options)
 
 
 class _Region(saved_tensors_hooks):
@@ -87,6 +105,13 @@ class offload(_Region):
     The reference offloader's names are accepted too: ``min_offload_size`` (``min_bytes``),
     ``use_streams`` (False: copies on the compute stream, in order with the kernels) and
     ``use_pin_memory`` (host copies are always pinned: False is refused).
+
+    ``plan`` applies a ``ferry.plan/1`` (a path or a loaded dict, as ``ferry plan --out``
+    writes for a traced model): each op's saved tensors are kept or offloaded, and the plan's
+    checkpoint regions recompute what it says (docs/plan.md, "Applying a plan"). Its knobs are
+    the defaults of the options above. ``model`` names the model the plan was traced from (else
+    the first module called inside the region is taken); run the whole traced step, loss
+    included, inside it.
     """
 
     _kind = "offload"
@@ -109,7 +134,25 @@ class offload(_Region):
         loopback=False,
         record=False,
         profile=None,
+        plan=None,
+        model=None,
     ):
+        self._plan_run = None
+        if plan is not None:
+            from ._plan_apply import offload_options, load_plan
+
+            plan = load_plan(plan)
+            fixed = offload_options(plan)
+            if policy == "ferry":
+                policy = fixed["policy"]
+            min_bytes = fixed.get("min_bytes") if min_bytes is None else min_bytes
+            window_bytes = fixed.get("window_bytes") if window_bytes is None else window_bytes
+            if prefetch_bytes is None:
+                prefetch_bytes = fixed.get("prefetch_bytes")
+            host_cap = fixed.get("host_cap") if host_cap is None else host_cap
+            prefetch = fixed.get("prefetch", prefetch)
+        elif model is not None:
+            raise TypeError("ferry.offload: model= goes with plan=")
         if min_bytes is not None and min_offload_size is not None and min_bytes != min_offload_size:
             raise TypeError(
                 "ferry.offload: min_bytes and min_offload_size name the same threshold; give one"
@@ -141,7 +184,13 @@ class offload(_Region):
             if value is not None:
                 options[name] = value
         self._session = self._make_session(options)
-        super().__init__(_C._pack, _C._unpack)
+        if plan is None:
+            super().__init__(_C._pack, _C._unpack)
+            return
+        from ._plan_apply import PlanRun
+
+        self._plan_run = PlanRun(plan, self, model)
+        super().__init__(self._plan_run.pack, self._plan_run.unpack)
 
     @staticmethod
     def _make_session(options):
@@ -150,11 +199,34 @@ class offload(_Region):
     def _push(self):
         _C._push_offload(self._session)
 
+    def __enter__(self):
+        super().__enter__()
+        if self._plan_run is not None:
+            try:
+                self._plan_run.enter()
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
+        return self
+
     def __exit__(self, *exc):
         try:
-            super().__exit__(*exc)
+            if self._plan_run is not None and self._plan_run.active():
+                self._plan_run.exit(failed=exc[0] is not None)
         finally:
-            self._session._exit()
+            try:
+                super().__exit__(*exc)
+            finally:
+                self._session._exit()
+
+    def plan_counts(self):
+        """With ``plan=``: what the last forward under it did, by the plan's decision
+        (``kept``, ``offloaded``: distinct tensors saved outside regions; ``saved_outputs``,
+        ``offloaded_outputs``: region ops whose outputs were kept or offloaded;
+        ``recomputed``: region ops re-run in backward so far)."""
+        if self._plan_run is None:
+            raise ValueError("ferry.offload: plan_counts() needs plan=")
+        return self._plan_run.counts()
 
     def telemetry(self):
         """The scheduler's counters, as a dict (bytes as ints)."""

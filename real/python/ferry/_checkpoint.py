@@ -26,6 +26,14 @@ def _no_context():
     return contextlib.nullcontext(), contextlib.nullcontext()
 
 
+def _runtime_call(fn, *args):
+    """Calls into ferry's runtime out of sight of dispatch modes: the host buffers it allocates
+    and the state it copies are not ops of the model (a mode naming the model's ops, as
+    ``ferry.offload(plan=...)`` does, must not count them)."""
+    with torch._C._DisableTorchDispatch():
+        return fn(*args)
+
+
 _Policy = _tc.CheckpointPolicy
 _SAVE = (_Policy.MUST_SAVE, _Policy.PREFER_SAVE)
 _OFFLOAD = (_Policy.MUST_CPU_OFFLOAD, _Policy.PREFER_CPU_OFFLOAD)
@@ -107,7 +115,7 @@ class _SelectiveForward(TorchDispatchMode):
 
     def _offload(self, x):
         if isinstance(x, torch.Tensor):
-            return _Offloaded(_C._OffloadedOutput(self._session, x))
+            return _Offloaded(_runtime_call(_C._OffloadedOutput, self._session, x))
         return _tc._VersionWrapper(x)
 
 
@@ -315,7 +323,8 @@ def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, 
     # The replay restores the random state of the CUDA devices the forward saw: a forward that
     # first initializes CUDA has no state to restore, which torch refuses too.
     had_cuda = torch.cuda.is_initialized()
-    token = _C._frame_begin(replay, inputs, early_stop, determinism_check == "default", preserve)
+    token = _runtime_call(_C._frame_begin, replay, inputs, early_stop,
+                          determinism_check == "default", preserve)
     try:
         with forward_context, saved_tensors_hooks(_C._pack, unpack):
             out = fn(*args, **kwargs)

@@ -1,0 +1,61 @@
+"""``python -m ferry auto``: trace a Hugging Face config and plan it under a memory budget.
+
+``python -m ferry auto CONFIG --seq N --budget B --out scenario.json --plan plan.json`` is
+``python -m ferry trace`` (every option of it, the scenario written to ``--out``) followed by
+``ferry plan --model scenario.json --budget B --out plan.json`` (with ``--device`` and
+``--host-budget`` when given); it prints the planner's report. Apply the plan to the model with
+``ferry.offload(plan="plan.json", model=model)`` (docs/plan.md, "Applying a plan").
+
+Exit codes: 0 planned; 1 the budget is below the floor (the message names it); 2 bad arguments
+or config; 127 no ``ferry`` CLI.
+"""
+
+import argparse
+import sys
+
+EXIT_NO_CLI = 127
+
+
+def _parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m ferry auto",
+        description="Trace a Hugging Face config (every option of `python -m ferry trace`), then "
+        "plan it with `ferry plan` under a budget of peak reserved device memory.",
+        epilog="The other options are those of `python -m ferry trace` (see its --help).")
+    parser.add_argument("--budget", required=True, help="device budget: 40GiB, 4e10, ...")
+    parser.add_argument("--device", help="the device profile to plan for (the CLI's default)")
+    parser.add_argument("--host-budget", help="pinned host memory budget")
+    parser.add_argument("--plan", required=True, help="where to write the plan (ferry.plan/1)")
+    return parser
+
+
+def main(argv=None):
+    """Runs the command; returns the exit status."""
+    from . import _trace_cli
+    from .__main__ import CliNotFound, find_cli
+    from ._auto import run_planner
+    from ._plan_apply import PlanError
+
+    args, rest = _parser().parse_known_args(argv)
+    try:
+        find_cli()
+    except CliNotFound as e:
+        print(f"python -m ferry auto: {e}", file=sys.stderr)
+        return EXIT_NO_CLI
+    trace_args = _trace_cli._parser().parse_args(rest)
+    if trace_args.out == "-":
+        print("python -m ferry auto: --out must name a file (the planner reads it)",
+              file=sys.stderr)
+        return 2
+    code = _trace_cli.main(rest)
+    if code != 0:
+        return code
+    try:
+        report = run_planner(trace_args.out, args.budget, args.plan, args.device,
+                             args.host_budget)
+    except PlanError as e:
+        print(f"python -m ferry auto: {e}", file=sys.stderr)
+        return e.exit_code
+    sys.stdout.write(report)
+    print(f"plan written to {args.plan}", file=sys.stderr)
+    return 0

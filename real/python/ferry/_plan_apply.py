@@ -1,0 +1,555 @@
+"""Applies a ``ferry.plan/1`` to a real forward (``ferry.offload(plan=...)``, docs/plan.md).
+
+A plan names the ops of a traced model (``ferry.trace``): ``<module path>/<aten op>#k``. The real
+forward is named the same way while it runs (Note [Naming the real ops]), and each op is matched
+to the plan's op of that name in forward order; the first op that differs is an error naming
+both. Outside the plan's checkpoint regions, the tensors an op saves are kept or handed to the
+offload session (Note [Which op is saving]); each region is the call of one module, checkpointed
+by ``ferry.checkpoint`` with a selective policy per op (keep: saved, offload: offloaded through
+the session, recompute: re-run in backward).
+"""
+
+import contextlib
+import functools
+import json
+import os
+
+import torch
+import torch.utils.checkpoint as _tc
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import _C
+from ._checkpoint import _runtime_call
+from ._trace_record import _writes
+
+FORMAT = "ferry.plan/1"
+_DECISIONS = ("keep", "offload", "recompute")
+_INPUTS = ("keep", "offload")
+_KNOBS = ("min_bytes", "window_bytes", "prefetch_bytes", "prefetch")
+_POLICY = {
+    "keep": _tc.CheckpointPolicy.MUST_SAVE,
+    "offload": _tc.CheckpointPolicy.MUST_CPU_OFFLOAD,
+    "recompute": _tc.CheckpointPolicy.PREFER_RECOMPUTE,
+}
+# The op a trace adds when ops ran after the loss: it hands the loss on and runs nothing.
+_LOSS_OP = "loss"
+
+
+class PlanError(ValueError):
+    """A plan that cannot be read, or that does not fit the model it is applied to."""
+
+
+def _fail(where, message):
+    raise PlanError(f"ferry.offload(plan=...): {where}: {message}")
+
+
+def load_plan(plan):
+    """The plan as a checked dict: ``plan`` is a path or an already loaded ``ferry.plan/1``."""
+    where = "plan"
+    if isinstance(plan, (str, os.PathLike)):
+        where = os.fspath(plan)
+        try:
+            with open(plan, encoding="utf-8") as f:
+                plan = json.load(f)
+        except OSError as e:
+            _fail(where, f"cannot read it ({e.strerror})")
+        except json.JSONDecodeError as e:
+            _fail(where, f"not JSON ({e})")
+    if not isinstance(plan, dict):
+        _fail(where, f"a plan is a JSON object, got {type(plan).__name__}")
+    if plan.get("format") != FORMAT:
+        _fail(f"{where}: format", f"{plan.get('format')!r}, expected {FORMAT!r}")
+    ops = plan.get("ops")
+    if not isinstance(ops, list) or not ops:
+        _fail(f"{where}: ops", "missing or empty")
+    for i, op in enumerate(ops):
+        if not isinstance(op, dict) or not isinstance(op.get("name"), str) or not op["name"]:
+            _fail(f"{where}: ops[{i}]", "needs a non-empty string name")
+        if op.get("saved") not in _DECISIONS:
+            _fail(f"{where}: ops[{i}].saved",
+                  f"unknown decision {op.get('saved')!r} (allowed: {', '.join(_DECISIONS)})")
+    regions = plan.get("regions", [])
+    if not isinstance(regions, list):
+        _fail(f"{where}: regions", "must be a list")
+    end = 0
+    for r, region in enumerate(regions):
+        first, stop = region.get("first_op"), region.get("end_op")
+        if not isinstance(first, int) or not isinstance(stop, int) or not 0 <= first < stop <= len(
+                ops):
+            _fail(f"{where}: regions[{r}]",
+                  f"needs 0 <= first_op < end_op <= {len(ops)}, got {first!r}, {stop!r}")
+        if first < end:
+            _fail(f"{where}: regions[{r}].first_op",
+                  f"{first} overlaps or precedes regions[{r - 1}]")
+        if region.get("inputs", "keep") not in _INPUTS:
+            _fail(f"{where}: regions[{r}].inputs",
+                  f"{region.get('inputs')!r} (allowed: {', '.join(_INPUTS)})")
+        end = stop
+    inside = set()
+    for region in regions:
+        inside.update(range(region["first_op"], region["end_op"]))
+    for i, op in enumerate(ops):
+        if op["saved"] == "recompute" and i not in inside:
+            _fail(f"{where}: ops[{i}].saved",
+                  f"op {op['name']!r} is recomputed but lies in no checkpoint region")
+    knobs = plan.get("knobs", {})
+    for key in knobs:
+        if key not in _KNOBS:
+            _fail(f"{where}: knobs.{key}", f"unknown knob (known: {', '.join(_KNOBS)})")
+    return plan
+
+
+def offload_options(plan):
+    """``ferry.offload``'s options that the plan fixes: its knobs and its pinned host budget."""
+    knobs = plan.get("knobs", {})
+    options = {key: knobs[key] for key in ("min_bytes", "window_bytes", "prefetch_bytes")
+               if key in knobs}
+    if "prefetch" in knobs:
+        options["prefetch"] = bool(knobs["prefetch"])
+    if "host_budget_bytes" in plan:
+        options["host_cap"] = plan["host_budget_bytes"]
+    offloads = any(op["saved"] == "offload" for op in plan["ops"]) or any(
+        r.get("inputs") == "offload" for r in plan.get("regions", []))
+    options["policy"] = "ferry" if offloads else "none"
+    return options
+
+
+def _path_of(name):
+    return name.rpartition("/")[0]
+
+
+def _under(path, prefix):
+    return path == prefix or path.startswith(prefix + ".")
+
+
+class _Region:
+    """A checkpoint region of the plan: ops [first, end) of one module's call."""
+
+    def __init__(self, index, first, end, inputs, path):
+        self.index = index
+        self.first = first
+        self.end = end
+        self.inputs = inputs
+        self.path = path
+
+
+def _regions_of(plan):
+    """Each region of the plan, with the module whose call it is: the deepest module holding
+    all its ops and no op outside it."""
+    ops = plan["ops"]
+    paths = [_path_of(op["name"]) for op in ops]
+    regions = []
+    for r, region in enumerate(plan.get("regions", [])):
+        first, end = region["first_op"], region["end_op"]
+        parts = paths[first].split(".") if paths[first] else []
+        for p in paths[first + 1:end]:
+            other = p.split(".") if p else []
+            k = 0
+            while k < min(len(parts), len(other)) and parts[k] == other[k]:
+                k += 1
+            parts = parts[:k]
+        prefix = ".".join(parts)
+        outside = [i for i in list(range(first)) + list(range(end, len(ops)))
+                   if prefix and _under(paths[i], prefix)]
+        if not prefix or outside:
+            why = (f"op {ops[outside[0]]['name']!r} (ops[{outside[0]}]) lies outside it"
+                   if outside else "its ops belong to no one submodule")
+            _fail(f"regions[{r}]", f"ops {first}..{end - 1} are not the call of one module "
+                  f"({why}); a region is applied by checkpointing a module's call")
+        regions.append(_Region(r, first, end, region.get("inputs", "keep"), prefix))
+    return regions
+
+
+# Note [Naming the real ops]
+# A trace names each aten op forward runs `<module path>/<op>`, with `#k` for the k-th repeat in
+# one module, counting every op that returns a tensor or writes one (docs/trace.md), and leaves
+# out of its document the ops that produce, save and cost nothing. The real forward is named the
+# same way: forward hooks on every module keep the module path, a dispatch mode counts the ops.
+# The plan's ops are then a subsequence of the real ones, in the same order. The real forward
+# may also run ops the trace did not: code that branches on values takes another path on the
+# trace's fake tensors (Hugging Face's mask preparation checks whether a mask is all ones for
+# real, and skips the check under a trace), which shifts the `#k` of later ops in that module.
+# So a real op is matched by its name without `#k` to the next plan op not yet met; one that
+# does not match is an op the plan lacks, allowed as long as it saves nothing for backward.
+#
+# Note [Which op is saving]
+# Autograd saves an op's inputs in the op's autograd kernel before the op reaches the dispatch
+# mode, and its outputs after; the node being filled is the last one created on the thread
+# (sequence number minus one). If that node was created before the last op the mode saw ran, the
+# tensor is that op's output (or a custom Function's, saved after its forward's ops ran); if
+# after, the op saving it has not reached the mode yet. Such a tensor is held as it is until the
+# op arrives, matched to the plan, and then kept or packed by the session: no node is created in
+# between, so the session names the same node as at the save.
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, run):
+        super().__init__()
+        self._run = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch._C._current_autograd_node() is None:  # forward only, not a replay in backward
+            flat = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+            if flat or _writes(func):
+                self._run.on_op(func)
+        return out
+
+
+def _returns_tensor(func):
+    return any("Tensor" in str(ret.type) for ret in func._schema.returns)
+
+
+class _Saved:
+    """What the pack hook returns: the tensor kept as it is, or what the session packed."""
+
+    __slots__ = ("tensor", "packed")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.packed = None
+
+
+class _RegionPolicy:
+    """The selective checkpoint policy of one region's call. Forward decides by the op's name;
+    the recomputation repeats forward's decisions call by call (Note [Naming the real ops]:
+    names are counted in forward only)."""
+
+    def __init__(self, run, region):
+        self._run = run
+        self._region = region
+        self.forward = []  # (func, policy, plan op index or None)
+        self.cursor = 0
+
+    def __call__(self, ctx, func, *args, **kwargs):
+        if not ctx.is_recompute:
+            index = self._run.peek(func) if _returns_tensor(func) else None
+            choice = _tc.CheckpointPolicy.PREFER_RECOMPUTE
+            if index is not None and self._region.first <= index < self._region.end:
+                choice = _POLICY[self._run.ops[index]["saved"]]
+            self.forward.append((func, choice, index))
+            return choice
+        k = self.cursor
+        self.cursor += 1
+        if k >= len(self.forward) or self.forward[k][0] is not func:
+            ran = self.forward[k][0] if k < len(self.forward) else "nothing"
+            raise RuntimeError(
+                f"ferry.offload(plan=...): the recomputation of regions[{self._region.index}] "
+                f"(module {self._region.path!r}) ran {func} as its call {k}, where forward ran "
+                f"{ran}")
+        _, choice, index = self.forward[k]
+        if index is not None and choice == _tc.CheckpointPolicy.PREFER_RECOMPUTE:
+            self._run.recomputed[index] = self._run.recomputed.get(index, 0) + 1
+        return choice
+
+
+class PlanRun:
+    """What ``ferry.offload(plan=...)`` does around each forward: names the real ops, matches
+    them to the plan, decides each saved tensor, and checkpoints the plan's regions."""
+
+    def __init__(self, plan, session_region, model=None):
+        self.plan = load_plan(plan)
+        self.ops = self.plan["ops"]
+        self._index = {}
+        for i, op in enumerate(self.ops):
+            if op["name"] in self._index:
+                _fail(f"ops[{i}].name", f"{op['name']!r} is also ops[{self._index[op['name']]}]")
+            self._index[op["name"]] = i
+        self._bases = [op["name"].partition("#")[0] for op in self.ops]
+        self.regions = _regions_of(self.plan)
+        self._region_of = {}
+        for region in self.regions:
+            for i in range(region.first, region.end):
+                self._region_of[i] = region
+        self._session_region = session_region
+        self._model = model
+        self._exit_stack = None
+        self._root = None
+        self._head = None
+        self._reset()
+
+    def _reset(self):
+        self.saved = {}  # plan op index -> ids of the distinct tensors it saved (this forward)
+        self.recomputed = {}  # plan op index -> times it was re-run in backward
+        self._policies = []
+        self._paths = []
+        self._counts = {}
+        self._cursor = 0
+        self._last = None  # plan index of the last op met (None: an op the plan lacks)
+        self._last_name = None
+        self._last_base = None
+        self._last_seq = -1
+        self._active = None
+        self._deferred = []
+
+    # Entering and leaving ------------------------------------------------------------------
+
+    def enter(self):
+        self._reset()
+        stack = contextlib.ExitStack()
+        try:
+            if self._model is not None:
+                self._attach(stack, self._model)
+            else:
+                # The first module called inside is the model: its paths name the ops.
+                def first_call(module, args):
+                    if self._root is None:
+                        self._root = module
+                        self._attach(stack, module)
+                        self._paths.append("")  # its own pre-hook comes from the next call
+
+                self._root = None
+                stack.callback(
+                    torch.nn.modules.module.register_module_forward_pre_hook(first_call).remove)
+            stack.enter_context(_Recorder(self))
+        except BaseException:
+            stack.close()
+            raise
+        self._exit_stack = stack
+
+    def active(self):
+        return self._exit_stack is not None
+
+    def exit(self, failed):
+        stack, self._exit_stack = self._exit_stack, None
+        stack.close()
+        if failed:
+            return
+        remaining = [i for i in range(self._cursor, len(self.ops))
+                     if not (i == len(self.ops) - 1 and self.ops[i]["name"] == _LOSS_OP)]
+        if self._cursor > 0 and remaining:
+            i = remaining[0]
+            raise PlanError(
+                f"ferry.offload(plan=...): the forward ended before op {self.ops[i]['name']!r} "
+                f"(ops[{i}]) of the plan ran ({self._cursor} of {len(self.ops)} ops met); run "
+                "the whole step the plan was made for inside the region, the loss included")
+
+    def _attach(self, stack, root):
+        head = _head_path(root)
+        self._head = head
+        for p in list(root.parameters()) + list(root.buffers()):
+            self._session_region._session.exclude(p)
+        modules = dict(root.named_modules())
+        for path, module in modules.items():
+            stack.callback(module.register_forward_pre_hook(
+                functools.partial(self._pre, path)).remove)
+            stack.callback(module.register_forward_hook(
+                self._post, always_call=True).remove)
+        for region in self.regions:
+            module = modules.get(region.path)
+            if module is None:
+                _fail(f"regions[{region.index}]",
+                      f"the model has no module {region.path!r} (ops[{region.first}] is "
+                      f"{self.ops[region.first]['name']!r}); the plan was made for another model")
+            self._wrap(stack, module, region)
+
+    def _pre(self, path, module, args):
+        self._paths.append(path)
+
+    def _post(self, module, args, output):
+        if self._paths:
+            self._paths.pop()
+
+    # Naming and matching (Note [Naming the real ops]) ---------------------------------------
+
+    def _name(self, func):
+        path = self._paths[-1] if self._paths else ""
+        packet = func._overloadpacket.__name__
+        base = f"{path}/{packet}" if path else packet
+        count = self._counts.get(base, 0)
+        return base, (base if count == 0 else f"{base}#{count}")
+
+    def _match(self, base, ahead=False):
+        """The plan index the op of this base name is: the next plan op not yet met; with
+        ``ahead`` (the op saves tensors, so the plan must have it), a later one of the same
+        base name before the next region boundary, the plan ops between having not run for
+        real. None: an op the plan lacks."""
+        if self._cursor < len(self.ops) and self._bases[self._cursor] == base:
+            return self._cursor
+        if not ahead:
+            return None
+        region = self._region_of.get(self._cursor)
+        if region is not None:
+            limit = region.end
+        else:
+            later = [r.first for r in self.regions if r.first >= self._cursor]
+            limit = min(later, default=len(self.ops))
+        for k in range(self._cursor, limit):
+            if self._bases[k] == base:
+                return k
+        return None
+
+    def peek(self, func):
+        """The plan index of the op ``func`` is about to be (None: the plan lacks it)."""
+        return self._match(self._name(func)[0])
+
+    def on_op(self, func):
+        base, name = self._name(func)
+        self._counts[base] = self._counts.get(base, 0) + 1
+        deferred, self._deferred = self._deferred, []
+        index = self._match(base, ahead=bool(deferred))
+        if deferred and index is None:
+            at = (f"ops[{self._cursor}] ({self.ops[self._cursor]['name']!r})"
+                  if self._cursor < len(self.ops) else "past its last op")
+            raise PlanError(
+                f"ferry.offload(plan=...): the model ran {name!r}, which saves tensors for "
+                f"backward, where the plan is at {at} and has no op of that name before its next "
+                "region boundary; the plan was made for another model or other inputs")
+        self._meet(index, name)
+        for saved in deferred:
+            self._decide(saved, index)
+        self._last = index
+        self._last_base = base
+        self._last_name = name
+        self._last_seq = torch._C._autograd._get_sequence_nr()
+
+    def _meet(self, index, name):
+        """Op ``index`` of the plan ran, as ``name``."""
+        if index is not None:
+            region = self._region_of.get(index)
+            if region is not self._active:
+                want = (f"inside regions[{region.index}] (the call of {region.path!r})"
+                        if region is not None else "outside every region")
+                raise PlanError(
+                    f"ferry.offload(plan=...): op {name!r} (ops[{index}]) ran "
+                    f"{'outside' if region is not None else 'inside'} the checkpointed call it "
+                    f"belongs to: the plan has it {want}")
+            self._cursor = index + 1
+
+    # Saved tensors (Note [Which op is saving]) ---------------------------------------------
+
+    def pack(self, t):
+        if t.numel() == 0:
+            return t
+        node = torch._C._autograd._get_sequence_nr() - 1
+        if self._last_seq <= node:
+            # Saved by the op about to reach the dispatch mode: decided when it does (the
+            # session then still names the same node, the last one created).
+            saved = _Saved(t)
+            self._deferred.append(saved)
+            return saved
+        if self._last is None:
+            # An op that saves only its outputs, not matched when it ran: the plan has it later.
+            self._last = self._match(self._last_base, ahead=True)
+            self._meet(self._last, self._last_name)
+        if self._last is None:
+            raise PlanError(
+                f"ferry.offload(plan=...): op {self._last_name!r} saved a tensor for backward, "
+                "but the plan has no op of that name here; the plan was made for another model "
+                "or other inputs")
+        return self._decide(_Saved(t), self._last)
+
+    def _decide(self, saved, owner):
+        self.saved.setdefault(owner, set()).add(id(saved.tensor))
+        if self._offloads(owner):
+            saved.packed = _runtime_call(_C._pack, saved.tensor)
+            saved.tensor = None
+        return saved
+
+    def _offloads(self, index):
+        """Whether op ``index``'s saved tensors go to the session: the plan offloads them and
+        the op is not in the output head (which the offloader keeps, as the simulator does)."""
+        head = self._head is not None and _under(_path_of(self.ops[index]["name"]), self._head)
+        return self.ops[index]["saved"] == "offload" and not head
+
+    def unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        if saved.packed is None:
+            return saved.tensor
+        return _C._unpack(saved.packed)
+
+    # Regions ---------------------------------------------------------------------------------
+
+    def _wrap(self, stack, module, region):
+        from ._checkpoint import checkpoint
+        from . import no_offload
+
+        forward = module.forward
+        had_own = "forward" in module.__dict__
+
+        def checkpointed(*args, **kwargs):
+            if self._active is not None or self._cursor > region.first:
+                at = (self.ops[self._cursor]["name"] if self._cursor < len(self.ops)
+                      else "the end of the plan")
+                raise PlanError(
+                    f"ferry.offload(plan=...): module {region.path!r} (regions[{region.index}]) "
+                    f"was called where the plan is at ops[{self._cursor}] ({at!r}), not at its "
+                    f"first op ops[{region.first}]")
+            self._cursor = region.first  # plan ops before it that did not run saved nothing
+            policy = _RegionPolicy(self, region)
+            self._policies.append(policy)
+            calls = [0]
+
+            def run(*a, **k):
+                if calls[0] > 0:  # a recomputation
+                    policy.cursor = 0
+                calls[0] += 1
+                return forward(*a, **k)
+
+            keep = no_offload() if region.inputs == "keep" else contextlib.nullcontext()
+            context = functools.partial(_tc.create_selective_checkpoint_contexts, policy)
+            self._active = region
+            try:
+                with keep:
+                    out = checkpoint(run, *args, use_reentrant=False, context_fn=context,
+                                     offload=self._session_region, **kwargs)
+            finally:
+                self._active = None
+            if self._cursor != region.end:
+                i = self._cursor
+                raise PlanError(
+                    f"ferry.offload(plan=...): the call of {region.path!r} (regions"
+                    f"[{region.index}]) ended before ops[{i}] ({self.ops[i]['name']!r}) of the "
+                    "plan ran")
+            return out
+
+        module.forward = checkpointed
+
+        def restore():
+            if had_own:
+                module.forward = forward
+            else:
+                del module.forward
+
+        stack.callback(restore)
+
+    # Counts ----------------------------------------------------------------------------------
+
+    def counts(self):
+        """What the last forward (and its backward so far) did, by the plan's decision: the
+        distinct tensors saved by ops outside regions that were kept and offloaded, the region
+        ops whose outputs were saved, offloaded and recomputed (each op once), and the ops
+        re-run in backward."""
+        out = {"kept": 0, "offloaded": 0, "saved_outputs": 0, "offloaded_outputs": 0,
+               "recomputed": 0}
+        for index, ids in self.saved.items():
+            out["offloaded" if self._offloads(index) else "kept"] += len(ids)
+        seen = set()
+        for policy in self._policies:
+            for _, choice, index in policy.forward:
+                if index is None or index in seen:
+                    continue
+                seen.add(index)
+                if choice == _POLICY["keep"]:
+                    out["saved_outputs"] += 1
+                elif choice == _POLICY["offload"]:
+                    out["offloaded_outputs"] += 1
+        out["recomputed"] = len(self.recomputed)
+        return out
+
+
+def _head_path(root):
+    from . import _output_head
+
+    unwrapped = getattr(root, "module", root)
+    if hasattr(unwrapped, "base_model") and hasattr(unwrapped, "peft_config"):
+        unwrapped = unwrapped.base_model
+    head = _output_head(unwrapped)
+    if head is None:
+        return None
+    for path, module in root.named_modules():
+        if module is head:
+            return path
+    return None

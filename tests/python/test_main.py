@@ -1,0 +1,137 @@
+"""`python -m ferry`: one entry point for the `ferry` CLI's commands and the package's own, with
+the CLI's output and exit codes passed through unchanged."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import ferry
+import ferry.__main__ as entry
+
+
+@pytest.fixture
+def cli():
+    """The CLI binary `python -m ferry` finds (FERRY_CLI, the package's copy, or PATH)."""
+    try:
+        return entry.find_cli()
+    except entry.CliNotFound as e:
+        pytest.skip(f"no ferry CLI to compare with: {e}")
+
+
+def run_module(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def env_with(**values):
+    env = dict(os.environ)
+    env.update(values)
+    return env
+
+
+def listed(name, text):
+    return re.search(rf"^  {re.escape(name)}(\s|$)", text, re.MULTILINE) is not None
+
+
+def test_help_lists_the_cli_and_python_commands(cli):
+    out = run_module("--help", env=env_with(FERRY_CLI=cli))
+    assert out.returncode == 0, out.stderr
+    commands = [name for name, _ in entry.cli_commands(cli)]
+    assert {"check", "simulate", "compare"} <= set(commands)
+    for name in commands:
+        assert listed(name, out.stdout), f"{name} missing from:\n{out.stdout}"
+    present = {name for name, _ in entry.python_commands()}
+    for name in entry.PYTHON_COMMANDS:
+        assert listed(name, out.stdout) == (name in present), name
+
+
+def test_python_commands_are_listed_only_when_their_module_exists(tmp_path, monkeypatch, capsys):
+    (tmp_path / "ferry_test_hello.py").write_text(
+        '"""Says hello and returns 7.\n\nMore text."""\n'
+        "calls = []\n"
+        "def main(argv):\n"
+        "    calls.append(argv)\n"
+        "    return 7\n"
+    )
+    (tmp_path / "ferry_test_greet.py").write_text(
+        '"""``python -m ferry greet``: greets."""\ndef main(argv):\n    return 0\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(entry, "PYTHON_COMMANDS", {
+        "hello": "ferry_test_hello:main",
+        "absent": "ferry_test_no_such_module:main",
+        "greet": "ferry_test_greet:main",
+    })
+    assert entry.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^  hello\s+Says hello and returns 7\.$", text, re.MULTILINE), text
+    assert re.search(r"^  greet\s+greets\.$", text, re.MULTILINE), text  # not the name twice
+    assert not listed("absent", text)
+    assert "ferry_test_hello" not in sys.modules  # --help imports no command
+
+    assert entry.main(["hello", "--flag", "x"]) == 7
+    assert sys.modules["ferry_test_hello"].calls == [["--flag", "x"]]
+
+
+@pytest.mark.parametrize("args", [
+    ["simulate", "--model", "tiny-gpt", "--steps", "1"],
+    ["simulate", "--model", "tiny-gpt", "--policy", "lifo"],  # bad input: exit 2
+    ["compare", "--help"],
+])
+def test_cli_commands_give_the_binarys_output_and_exit_code(cli, args):
+    direct = subprocess.run([cli, *args], capture_output=True, text=True, timeout=120)
+    through = run_module(*args, env=env_with(FERRY_CLI=cli))
+    assert (through.returncode, through.stdout, through.stderr) == (
+        direct.returncode, direct.stdout, direct.stderr)
+    assert direct.stdout or direct.stderr
+
+
+def test_version_is_the_packages_and_the_clis(cli):
+    out = run_module("--version", env=env_with(FERRY_CLI=cli))
+    assert out.returncode == 0
+    assert out.stdout == f"ferry {ferry.__version__}\n"
+    direct = subprocess.run([cli, "--version"], capture_output=True, text=True, timeout=60)
+    assert direct.stdout == out.stdout
+
+
+def test_an_unknown_command_exits_2_naming_it(cli):
+    out = run_module("no-such-command", "--x", env=env_with(FERRY_CLI=cli))
+    assert out.returncode == 2
+    assert "unknown command 'no-such-command'" in out.stderr
+    assert "simulate" in out.stderr and "--help" in out.stderr
+    assert out.stdout == ""
+
+
+def test_no_command_exits_2_with_the_usage():
+    out = run_module()
+    assert out.returncode == 2
+    assert out.stderr.startswith("usage: python -m ferry COMMAND")
+
+
+def test_a_missing_cli_named_by_ferry_cli_is_a_clear_error(tmp_path):
+    missing = tmp_path / "bin" / "ferry"
+    out = run_module("simulate", "--model", "tiny-gpt", env=env_with(FERRY_CLI=str(missing)))
+    assert out.returncode == 127
+    assert f"FERRY_CLI={missing} is not an executable file" in out.stderr
+
+
+def test_a_missing_cli_names_every_place_searched(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("FERRY_CLI", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no `ferry` on PATH
+    packaged = tmp_path / "ferry" / "bin" / "ferry"
+    monkeypatch.setattr(entry, "PACKAGED_CLI", str(packaged))
+    with pytest.raises(entry.CliNotFound) as e:
+        entry.find_cli()
+    assert "FERRY_CLI is not set" in str(e.value)
+    assert str(packaged) in str(e.value)
+    assert "no `ferry` is on PATH" in str(e.value)
+
+    assert entry.main(["simulate", "--model", "tiny-gpt"]) == 127
+    err = capsys.readouterr().err
+    assert "'simulate' is no command of the Python package" in err and str(packaged) in err
+
+    assert entry.main(["--help"]) == 0  # the Python commands are still listed
+    assert "Commands of the ferry CLI: none, the ferry CLI binary was not found" in (
+        capsys.readouterr().out)
