@@ -4,10 +4,12 @@
 //                  [--memory-snapshot FILE]
 //   ferry compare [--model M] [--device D] [--json]
 //   ferry plan --budget B [--model M] [--device D] [--host-budget B] [--json] [--out FILE]
+//   ferry probe [--device cpu|cuda[:N]] [--out FILE] [...]: runs ferry-probe (the real backend)
 // Exit codes: 0 fine, 1 hazards found or the run failed (out of memory), 2 bad input or
 // usage, 3 internal error.
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -18,6 +20,9 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include <unistd.h>
 
 #include "ferry/sim/analysis/compare.hpp"
 #include "ferry/sim/analysis/memory_snapshot.hpp"
@@ -37,6 +42,42 @@ using ferry::cli::write_memory_snapshot;
 constexpr int kExitHazards = 1;
 constexpr int kExitBadInput = 2;
 constexpr int kExitInternal = 3;
+constexpr int kExitNoProbe = 127;  // what a shell answers for a command it cannot find
+
+// `ferry probe ARGS`: this process becomes ferry-probe (it links torch; this CLI does not), so
+// the probe's output and exit code are its own. Looked for beside this executable (an
+// install), then where the build put it, then on PATH.
+int run_probe(int argc, char** argv) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> candidates;
+  std::error_code error;
+  const fs::path self = fs::read_symlink("/proc/self/exe", error);
+  if (!error) candidates.push_back((self.parent_path() / "ferry-probe").string());
+#ifdef FERRY_PROBE_PATH
+  candidates.emplace_back(FERRY_PROBE_PATH);
+#endif
+  std::vector<char*> args = {const_cast<char*>("ferry-probe")};
+  for (int i = 0; i < argc; ++i) args.push_back(argv[i]);
+  args.push_back(nullptr);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  for (const std::string& path : candidates) {
+    if (::access(path.c_str(), X_OK) == 0) {
+      ::execv(path.c_str(), args.data());
+      fmt::print(stderr, "ferry probe: error: cannot run {}: {}\n", path,
+                 std::error_code(errno, std::generic_category()).message());
+      return kExitNoProbe;
+    }
+  }
+  ::execvp("ferry-probe", args.data());
+  fmt::print(stderr,
+             "ferry probe: error: ferry-probe was not found ({}, nor on PATH): the probe needs "
+             "the LibTorch backend; build with -DFERRY_REAL=ON (target ferry-probe) or run "
+             "python -m ferry probe\n",
+             candidates.empty() ? std::string("no build path compiled in")
+                                : fmt::format("looked for {}", fmt::join(candidates, ", ")));
+  return kExitNoProbe;
+}
 
 struct CheckArgs {
   std::string program;
@@ -373,6 +414,8 @@ void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Every argument after "probe" is the probe's own (see run_probe).
+  if (argc >= 2 && std::string_view(argv[1]) == "probe") return run_probe(argc - 2, argv + 2);
   CLI::App app{
       "ferry: offload and checkpoint scheduling, with a simulated GPU that proves "
       "stream schedules safe"};
@@ -401,6 +444,10 @@ int main(int argc, char** argv) {
   add_plan_options(compare_cmd, compare, false);
   ferry::cli::PlanCommandArgs plan;
   CLI::App* plan_cmd = ferry::cli::add_plan_command(app, plan, FERRY_DEFAULT_SCENARIOS_DIR);
+  // Listed in --help only: main() hands `ferry probe ...` to run_probe before parsing.
+  app.add_subcommand("probe",
+                     "Measure this device and write a device profile (runs ferry-probe, built "
+                     "with the LibTorch backend; ferry probe --help)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
