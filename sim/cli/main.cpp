@@ -445,9 +445,7 @@ int main(int argc, char** argv) {
   ferry::cli::PlanCommandArgs plan;
   CLI::App* plan_cmd = ferry::cli::add_plan_command(app, plan, FERRY_DEFAULT_SCENARIOS_DIR);
   // Listed in --help only: main() hands `ferry probe ...` to run_probe before parsing.
-  app.add_subcommand("probe",
-                     "Measure this device and write a device profile (runs ferry-probe, built "
-                     "with the LibTorch backend; ferry probe --help)");
+  app.add_subcommand("probe", "Measure this device and write a device profile (runs ferry-probe)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
