@@ -37,6 +37,7 @@ __all__ = [
     "enable_gradient_checkpointing",
     "trace",
     "auto",
+    "probe",
 ]
 try:
     # setup.py takes the version from the top-level CMakeLists.txt, ferry's one version number.
@@ -59,6 +60,15 @@ def auto(model, *example_inputs, **options):
     from ._auto import auto as _auto
 
     return _auto(model, *example_inputs, **options)
+
+
+def probe(device=None, **options):
+    """Measures this device (a GPU, or the CPU loopback device) and returns the
+    ``ferry.probe/1`` report, the device profile under ``"profile"`` (see
+    ``ferry._probe_cli.probe`` and docs/devices.md, "Measuring a device: ferry probe")."""
+    from ._probe_cli import probe as _probe
+
+    return _probe(device, **options)
 
 
 class _Region(saved_tensors_hooks):

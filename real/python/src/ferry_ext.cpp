@@ -4,14 +4,17 @@
 
 #include <torch/extension.h>
 
+#include <cstdio>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "ferry/checkpoint.hpp"
 #include "ferry/offload/options.hpp"
+#include "ferry/real/probe.hpp"
 #include "ferry/real/runtime.hpp"
 
 namespace py = pybind11;
@@ -92,6 +95,42 @@ ferry::real::Replay make_replay(py::object callable) {
       throw;
     }
   };
+}
+
+// ferry probe on this process's device: (the ferry.probe/1 report, the profile) as JSON texts.
+std::pair<std::string, std::string> probe(const std::string& device, std::int32_t repeats,
+                                          const std::string& bytes,
+                                          const std::vector<std::int64_t>& matmul,
+                                          const std::string& name, bool progress) {
+  ferry::real::ProbeOptions options;
+  options.device = device;
+  options.repeats = repeats;
+  if (!bytes.empty()) {
+    auto parsed = ferry::parse_bytes(bytes, "bytes");
+    if (!parsed) throw std::invalid_argument("ferry.probe: " + parsed.error().message);
+    options.copy_bytes = parsed.value();
+  }
+  if (!matmul.empty()) {
+    if (matmul.size() != 3) {
+      throw std::invalid_argument("ferry.probe: matmul: expected (m, k, n)");
+    }
+    options.matmul = {matmul[0], matmul[1], matmul[2]};
+  }
+  if (!ferry::real::is_profile_name(name)) {
+    throw std::invalid_argument("ferry.probe: name: '" + name +
+                                "' is no profile name (lower-case letters, digits, '-', '_', "
+                                "'.', not starting with '.')");
+  }
+  if (progress) {
+    options.progress = [](std::string_view line) {
+      std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
+    };
+  }
+  py::gil_scoped_release release;  // the probe runs no Python code
+  auto result = ferry::real::run_probe(options);
+  if (!result) throw std::invalid_argument("ferry.probe: " + result.error().message);
+  return {ferry::real::report_json(result.value(), name),
+          ferry::real::profile_json(result.value(), name)};
 }
 
 std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t min_bytes,
@@ -249,4 +288,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("replay"), py::arg("inputs"), py::arg("early_stop") = true,
       py::arg("determinism_check") = true, py::arg("preserve_rng_state") = true);
   m.def("_frame_end", &ferry::real::frame_end, py::arg("token"));
+
+  m.def(
+      "_probe_main",
+      [](const std::vector<std::string>& args) {
+        py::gil_scoped_release release;  // the probe runs no Python code
+        return ferry::real::probe_main(args);
+      },
+      py::arg("args"),
+      "ferry probe's command line (args[0] is the program's name); returns the exit code.");
+  m.def("_probe", &probe, py::kw_only(), py::arg("device") = "", py::arg("repeats") = 5,
+        py::arg("bytes") = "", py::arg("matmul") = std::vector<std::int64_t>{},
+        py::arg("name") = "probe", py::arg("progress") = false,
+        "Measures the device: (the ferry.probe/1 report, the device profile) as JSON texts.");
 }
