@@ -95,7 +95,7 @@ struct Probe {
   bool may_be_unsupported = false;  ///< a torch error at warm-up skips it with a note
 };
 
-/// What a target found besides its probes: single readings, assumptions, notes.
+/// What a target found besides its probes: single readings (capacities) and notes.
 struct Readings {
   std::vector<Measurement> once;
   std::vector<std::string> notes;
