@@ -80,8 +80,19 @@ def _run(rank, store_path, out_dir, wrapper):
                 for (wl, wg), (gl, gg) in zip(want, got)
             )
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        # Both ranks are done with every collective before either leaves.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # A rank that finished ends here, without the interpreter's shutdown: gloo's worker threads
+    # may still drop their last references to finished work (tensors that hold Python objects)
+    # while the interpreter finalizes; such a thread is stopped by pthread_exit, whose unwinding
+    # through a noexcept frame aborts the process ("terminate called without an active
+    # exception", pytorch/pytorch#190489 and #179291). The results are already on disk; an
+    # exception above still propagates and fails the test.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
