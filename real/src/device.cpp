@@ -30,10 +30,7 @@ BufferHandle DeviceBase::make_entry(at::Storage storage, Place place, Bytes byte
   return entry;
 }
 
-namespace {
-
-// MemAvailable from /proc/meminfo, in bytes; nullopt where the kernel does not say.
-std::optional<std::int64_t> host_available() {
+std::optional<std::int64_t> host_available_bytes() {
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
   std::int64_t kib = 0;
@@ -44,11 +41,9 @@ std::optional<std::int64_t> host_available() {
   return std::nullopt;
 }
 
-}  // namespace
-
 bool DeviceBase::host_room(Bytes bytes) {
   if (host_reserve_.count() <= 0) return true;
-  const auto available = host_available();
+  const auto available = host_available_bytes();
   if (!available || *available - bytes.count() >= host_reserve_.count()) return true;
   ++host_refusals_;
   return false;

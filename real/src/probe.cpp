@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "ferry/check.hpp"
+#include "ferry/json_quote.hpp"
 
 namespace ferry::real {
 
@@ -73,34 +74,6 @@ const Measurement* find(std::span<const Measurement> measurements, std::string_v
 
 std::int64_t median_of(const Measurement& m) { return spread_of(m.samples).median; }
 
-// A string as a JSON string literal.
-std::string quote(std::string_view text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
-
 std::int64_t figure(const ProbeResult& result, std::string_view key) {
   for (const ProfileFigure& f : result.figures) {
     if (f.key == key) return f.value;
@@ -135,8 +108,8 @@ std::string profile_object(const ProbeResult& result, std::string_view name,
   const auto line = [&](std::string_view key, const std::string& value, bool last = false) {
     out += fmt::format("{}  \"{}\": {}{}\n", indent, key, value, last ? "" : ",");
   };
-  line("name", quote(name));
-  line("description", quote(description_of(result)));
+  line("name", json_quote(name));
+  line("description", json_quote(description_of(result)));
   line("memory_bytes", std::to_string(v("memory_bytes")));
   line("flops_per_s", std::to_string(v("flops_per_s")));
   line("memory_bytes_per_s", std::to_string(v("memory_bytes_per_s")));
@@ -176,6 +149,13 @@ Spread spread_of(std::span<const std::int64_t> samples) {
   // Rounded down without overflow, whatever the signs.
   const std::int64_t median = lower + (upper - lower) / 2;
   return Spread{sorted.front(), median, sorted.back()};
+}
+
+std::optional<std::int64_t> median_of(std::span<const Measurement> measurements,
+                                      std::string_view key) {
+  const Measurement* m = find(measurements, key);
+  if (m == nullptr) return std::nullopt;
+  return median_of(*m);
 }
 
 std::span<const std::string_view> profile_keys() { return kProfileKeys; }
@@ -245,9 +225,9 @@ std::string profile_json(const ProbeResult& result, std::string_view name) {
 std::string report_json(const ProbeResult& result, std::string_view name) {
   std::string out = "{\n";
   out += "  \"format\": \"ferry.probe/1\",\n";
-  out += fmt::format("  \"name\": {},\n", quote(name));
-  out += fmt::format("  \"device\": {},\n", quote(result.device));
-  out += fmt::format("  \"device_name\": {},\n", quote(result.device_name));
+  out += fmt::format("  \"name\": {},\n", json_quote(name));
+  out += fmt::format("  \"device\": {},\n", json_quote(result.device));
+  out += fmt::format("  \"device_name\": {},\n", json_quote(result.device_name));
   out += fmt::format("  \"loopback\": {},\n", result.loopback ? "true" : "false");
   out += fmt::format("  \"repeats\": {},\n", result.repeats);
   out += fmt::format("  \"copy_bytes\": {},\n", result.copy_bytes.count());
@@ -260,21 +240,21 @@ std::string report_json(const ProbeResult& result, std::string_view name) {
     out += fmt::format(
         "{}\n    {{\"key\": {}, \"unit\": {}, \"min\": {}, \"median\": {}, \"max\": {}, "
         "\"samples\": {}, \"method\": {}}}",
-        i == 0 ? "" : ",", quote(m.key), quote(m.unit), s.min, s.median, s.max,
-        json_array(m.samples), quote(m.method));
+        i == 0 ? "" : ",", json_quote(m.key), json_quote(m.unit), s.min, s.median, s.max,
+        json_array(m.samples), json_quote(m.method));
   }
   out += result.measurements.empty() ? "],\n" : "\n  ],\n";
   out += "  \"profile_keys\": [";
   for (std::size_t i = 0; i < result.figures.size(); ++i) {
     const ProfileFigure& f = result.figures[i];
     out += fmt::format("{}\n    {{\"key\": {}, \"value\": {}, \"measured\": {}, \"source\": {}}}",
-                       i == 0 ? "" : ",", quote(f.key), f.value, f.measured ? "true" : "false",
-                       quote(f.source));
+                       i == 0 ? "" : ",", json_quote(f.key), f.value, f.measured ? "true" : "false",
+                       json_quote(f.source));
   }
   out += result.figures.empty() ? "],\n" : "\n  ],\n";
   out += "  \"notes\": [";
   for (std::size_t i = 0; i < result.notes.size(); ++i) {
-    out += fmt::format("{}\n    {}", i == 0 ? "" : ",", quote(result.notes[i]));
+    out += fmt::format("{}\n    {}", i == 0 ? "" : ",", json_quote(result.notes[i]));
   }
   out += result.notes.empty() ? "],\n" : "\n  ],\n";
   out += fmt::format("  \"profile\": {}\n}}\n", profile_object(result, name, "  "));

@@ -11,7 +11,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -70,18 +69,6 @@ std::int64_t per_call_ns(std::int64_t count, Fn&& fn) {
   for (std::int64_t i = 0; i < count; ++i) fn();
   const std::int64_t total = since(start);
   return (total + count / 2) / count;
-}
-
-// MemAvailable from /proc/meminfo, in bytes; nullopt where the kernel does not say.
-std::optional<std::int64_t> host_available() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  std::int64_t kib = 0;
-  std::string unit;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return std::nullopt;
 }
 
 std::uint8_t* bytes_of(const at::Tensor& t) { return static_cast<std::uint8_t*>(t.data_ptr()); }
@@ -232,7 +219,7 @@ class LoopbackTarget {
 
   static Readings readings() {
     Readings r;
-    if (const auto available = host_available()) {
+    if (const auto available = host_available_bytes()) {
       r.once.push_back({"memory_bytes",
                         "bytes",
                         "MemAvailable of /proc/meminfo: loopback device memory is host memory",
@@ -248,12 +235,7 @@ class LoopbackTarget {
   }
 
   static std::vector<Assumption> assumptions(std::span<const Measurement> measured) {
-    const auto median = [&](std::string_view key) -> std::optional<std::int64_t> {
-      for (const Measurement& m : measured) {
-        if (m.key == key) return spread_of(m.samples).median;
-      }
-      return std::nullopt;
-    };
+    const auto median = [&](std::string_view key) { return median_of(measured, key); };
     const std::string same =
         "loopback: every device is this host's memory, so a peer copy is "
         "the measured d2d copy";
@@ -524,7 +506,7 @@ class CudaTarget {
                       "bytes",
                       "total bytes of cudaMemGetInfo",
                       {static_cast<std::int64_t>(total_)}});
-    if (const auto available = host_available()) {
+    if (const auto available = host_available_bytes()) {
       r.once.push_back({"pinned_host_capacity_bytes",
                         "bytes",
                         "MemAvailable of /proc/meminfo less the runtime's 1 GiB host reserve "
@@ -538,12 +520,7 @@ class CudaTarget {
   }
 
   static std::vector<Assumption> assumptions(std::span<const Measurement> measured) {
-    const auto median = [&](std::string_view key) -> std::optional<std::int64_t> {
-      for (const Measurement& m : measured) {
-        if (m.key == key) return spread_of(m.samples).median;
-      }
-      return std::nullopt;
-    };
+    const auto median = [&](std::string_view key) { return median_of(measured, key); };
     return {
         {"peer.bytes_per_s", median("h2d.bytes_per_s").value_or(1'000'000'000),
          "one device: a peer copy assumed to go no faster than the measured pinned h2d link"},

@@ -6,48 +6,20 @@
 #include <vector>
 
 #include "ferry/check.hpp"
+#include "ferry/json_quote.hpp"
 
 namespace ferry {
 
 namespace {
 
-// A JSON string: quotes, backslashes and control characters escaped; other bytes as they are
-// (names come from a reader that accepted them as UTF-8, or from the recorder).
-std::string quote(std::string_view text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
-
 // One JSON object on one line, members in the order they are added.
 class Object {
  public:
   Object& raw(std::string_view key, std::string_view json) {
-    text_ += fmt::format("{}{}: {}", text_.empty() ? "" : ", ", quote(key), json);
+    text_ += fmt::format("{}{}: {}", text_.empty() ? "" : ", ", json_quote(key), json);
     return *this;
   }
-  Object& str(std::string_view key, std::string_view value) { return raw(key, quote(value)); }
+  Object& str(std::string_view key, std::string_view value) { return raw(key, json_quote(value)); }
   Object& num(std::string_view key, std::int64_t value) { return raw(key, std::to_string(value)); }
   [[nodiscard]] std::string json() const { return "{" + text_ + "}"; }
 
@@ -179,7 +151,7 @@ std::string op_json(const Program& program, const ProgramOp& op) {
 // `"key": [` then one item a line, as the last member or not.
 void member_lines(std::string& out, std::string_view key, const std::vector<std::string>& items,
                   bool last) {
-  out += fmt::format("  {}: [", quote(key));
+  out += fmt::format("  {}: [", json_quote(key));
   for (std::size_t i = 0; i < items.size(); ++i) out += (i == 0 ? "\n    " : ",\n    ") + items[i];
   out += items.empty() ? "]" : "\n  ]";
   out += last ? "\n" : ",\n";
@@ -190,17 +162,17 @@ void member_lines(std::string& out, std::string_view key, const std::vector<std:
 std::string device_profile_to_json(const DeviceProfile& p) { return profile(p) + "\n"; }
 
 std::string program_to_json(const Program& program) {
-  std::string out = fmt::format("{{\n  \"format\": {},\n", quote(kProgramFormat));
+  std::string out = fmt::format("{{\n  \"format\": {},\n", json_quote(kProgramFormat));
   if (!program.description.empty()) {
-    out += fmt::format("  \"description\": {},\n", quote(program.description));
+    out += fmt::format("  \"description\": {},\n", json_quote(program.description));
   }
   std::vector<std::string> items;
   for (const ProgramDevice& d : program.devices) {
-    items.push_back(
-        Object()
-            .str("name", d.name)
-            .raw("profile", d.profile_name.empty() ? profile(d.profile) : quote(d.profile_name))
-            .json());
+    items.push_back(Object()
+                        .str("name", d.name)
+                        .raw("profile", d.profile_name.empty() ? profile(d.profile)
+                                                               : json_quote(d.profile_name))
+                        .json());
   }
   member_lines(out, "devices", items, false);
   if (!program.links.empty()) {
@@ -237,7 +209,7 @@ std::string program_to_json(const Program& program) {
   }
   member_lines(out, "buffers", items, false);
   items.clear();
-  for (const ProgramEvent& e : program.events) items.push_back(quote(e.name));
+  for (const ProgramEvent& e : program.events) items.push_back(json_quote(e.name));
   member_lines(out, "events", items, false);
   items.clear();
   for (const ProgramOp& op : program.ops) items.push_back(op_json(program, op));

@@ -31,6 +31,10 @@ struct BufferEntry {
 /// A buffer handle: cheap to copy, empty by default.
 using BufferHandle = std::shared_ptr<BufferEntry>;
 
+/// MemAvailable of /proc/meminfo in bytes: the host memory free for new allocations, pinned
+/// ones included; nullopt where the kernel does not say.
+[[nodiscard]] std::optional<std::int64_t> host_available_bytes();
+
 /// What the real devices share: reference counting, views and recording.
 class DeviceBase {
  public:

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -48,6 +49,10 @@ struct ProfileFigure {
   bool measured = false;
   std::string source;  ///< measured: the measurements it derives from; assumed: the reason
 };
+
+/// The median of the measurement `key` of `measurements`; nullopt when it was not taken.
+[[nodiscard]] std::optional<std::int64_t> median_of(std::span<const Measurement> measurements,
+                                                    std::string_view key);
 
 /// The profile keys in the order of the format (docs/devices.md), `name` and `description`
 /// left out.
