@@ -314,6 +314,9 @@ void Trainer::run_reentrant(std::uint32_t r, bool last_pass, std::size_t k) {
     saved_[i].clear();
   }
   close_scope();
+  // The checkpoint node itself (it unpacked the region's inputs as node end_op - 1) is done
+  // once its inner backward is: its post-hook. A no-op when that op's own node ran it already.
+  offloader_.node_done(NodeId(reg.end_op - 1));
   if (last_pass) release_frame(info);
 }
 
