@@ -109,6 +109,16 @@ class SnapshotWriter {
   }
 
  private:
+  // One dict entry: its key, then its value.
+  void int_item(std::string_view key, std::int64_t value) {
+    p_.str(key);
+    p_.integer(value);
+  }
+  void str_item(std::string_view key, std::string_view value) {
+    p_.str(key);
+    p_.str(value);
+  }
+
   // The frames of the call `op` (Note [Snapshot frames]); written once, then recalled.
   void frames_of(OpId op) {
     if (const auto it = frames_.find(op.value()); it != frames_.end()) {
@@ -132,22 +142,14 @@ class SnapshotWriter {
       }
     }
     p_.begin_dict();
-    p_.str("device");
-    p_.integer(h.device.value());
-    p_.str("address");
-    p_.integer(s.address.count());
-    p_.str("total_size");
-    p_.integer(s.size.count());
-    p_.str("allocated_size");
-    p_.integer(allocated.count());
-    p_.str("active_size");
-    p_.integer(active.count());
-    p_.str("requested_size");
-    p_.integer(requested.count());
-    p_.str("stream");
-    p_.integer(s.stream.value());
-    p_.str("segment_type");
-    p_.str(s.pool == PoolKind::Large ? "large" : "small");
+    int_item("device", h.device.value());
+    int_item("address", s.address.count());
+    int_item("total_size", s.size.count());
+    int_item("allocated_size", allocated.count());
+    int_item("active_size", active.count());
+    int_item("requested_size", requested.count());
+    int_item("stream", s.stream.value());
+    str_item("segment_type", s.pool == PoolKind::Large ? "large" : "small");
     p_.str("segment_pool_id");
     p_.begin_tuple();
     p_.integer(0);
@@ -161,14 +163,10 @@ class SnapshotWriter {
     p_.begin_list();
     for (const BlockInfo& b : s.blocks) {
       p_.begin_dict();
-      p_.str("address");
-      p_.integer(b.address.count());
-      p_.str("size");
-      p_.integer(b.size.count());
-      p_.str("requested_size");
-      p_.integer(b.requested.count());
-      p_.str("state");
-      p_.str(state_name(b.state));
+      int_item("address", b.address.count());
+      int_item("size", b.size.count());
+      int_item("requested_size", b.requested.count());
+      str_item("state", state_name(b.state));
       p_.str("frames");
       if (b.state == BlockInfo::State::Free) {
         p_.begin_list();
@@ -184,21 +182,15 @@ class SnapshotWriter {
 
   void event(const AllocatorEvent& e) {
     p_.begin_dict();
-    p_.str("action");
-    p_.str(action_name(e.action));
+    str_item("action", action_name(e.action));
     // PyTorch puts the bytes the device still has free where other actions have the address.
     p_.str(e.action == Action::Oom ? "device_free" : "addr");
     p_.integer(e.address.count());
-    p_.str("size");
-    p_.integer(e.size.count());
-    p_.str("stream");
-    p_.integer(e.stream.value());
-    p_.str("compile_context");
-    p_.str("");
-    p_.str("user_metadata");
-    p_.str("");
-    p_.str("time_us");
-    p_.integer(e.time.ns() / 1000);
+    int_item("size", e.size.count());
+    int_item("stream", e.stream.value());
+    str_item("compile_context", "");
+    str_item("user_metadata", "");
+    int_item("time_us", e.time.ns() / 1000);
     p_.str("frames");
     if (e.buffer.valid()) {
       frames_of(e.buffer);
@@ -216,14 +208,12 @@ class SnapshotWriter {
     p_.begin_dict();
     p_.str("PYTORCH_CUDA_ALLOC_CONF");
     p_.str("");
-    p_.str("max_split_size");
-    p_.integer(-1);
+    int_item("max_split_size", -1);
     p_.str("garbage_collection_threshold");
     p_.real(0.0);
     p_.str("expandable_segments");
     p_.boolean(false);
-    p_.str("pinned_num_register_threads");
-    p_.integer(1);
+    int_item("pinned_num_register_threads", 1);
     p_.str("release_lock_on_cudamalloc");
     p_.boolean(false);
     p_.str("pinned_use_cuda_host_register");
