@@ -88,6 +88,20 @@ struct Readings {
   std::vector<std::string> notes;
 };
 
+/// The mean host time of one allocation (`malloc`) or one free of a 1 MiB tensor with
+/// `options`, over 100 of each.
+std::int64_t alloc_or_free_ns(const at::TensorOptions& options, bool malloc) {
+  std::vector<at::Tensor> held;
+  held.reserve(100);
+  const auto start = Clock::now();
+  for (int i = 0; i < 100; ++i) held.push_back(at::empty({kAllocBytes}, options));
+  const std::int64_t alloc = since(start);
+  const auto freed = Clock::now();
+  held.clear();
+  const std::int64_t free = since(freed);
+  return ((malloc ? alloc : free) + 50) / 100;
+}
+
 std::int64_t matmul_flops(const MatmulShape& s) { return 2 * s.m * s.k * s.n; }
 
 std::string matmul_method(const MatmulShape& s, std::string_view how) {
@@ -306,15 +320,7 @@ class LoopbackTarget {
   }
 
   static std::int64_t alloc_ns(bool malloc) {
-    std::vector<at::Tensor> held;
-    held.reserve(100);
-    const auto start = Clock::now();
-    for (int i = 0; i < 100; ++i) held.push_back(at::empty({kAllocBytes}, at::kByte));
-    const std::int64_t alloc = since(start);
-    const auto freed = Clock::now();
-    held.clear();
-    const std::int64_t free = since(freed);
-    return ((malloc ? alloc : free) + 50) / 100;
+    return alloc_or_free_ns(at::TensorOptions().dtype(at::kByte), malloc);
   }
 
   std::int64_t bytes_;
@@ -632,16 +638,7 @@ class CudaTarget {
 
   std::int64_t alloc_ns(bool malloc) {
     c10::cuda::CUDAStreamGuard on(stream_a_);
-    const auto options = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, index_);
-    std::vector<at::Tensor> held;
-    held.reserve(100);
-    const auto start = Clock::now();
-    for (int i = 0; i < 100; ++i) held.push_back(at::empty({kAllocBytes}, options));
-    const std::int64_t alloc = since(start);
-    const auto freed = Clock::now();
-    held.clear();
-    const std::int64_t free = since(freed);
-    return ((malloc ? alloc : free) + 50) / 100;
+    return alloc_or_free_ns(at::TensorOptions().dtype(at::kByte).device(at::kCUDA, index_), malloc);
   }
 
   c10::DeviceIndex index_;
