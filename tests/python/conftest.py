@@ -7,6 +7,7 @@ A missing `ferry` module is an error, never a skip: install it first with
 """
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ferry  # noqa: E402  (an ImportError here fails the whole run, as it should)
+import ferry.__main__ as entry  # noqa: E402
 
 HAVE_CUDA = torch.cuda.is_available()
 
@@ -43,3 +45,19 @@ def _deterministic():
     with pytest.raises(RuntimeError, match="regions must nest"):
         ferry._C._pop("offload")
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.fixture
+def cli():
+    """The CLI binary `python -m ferry` finds (FERRY_CLI, the package's copy, or PATH); the test
+    is skipped, with the places searched, where there is none (CI sets FERRY_CLI)."""
+    try:
+        return entry.find_cli()
+    except entry.CliNotFound as e:
+        pytest.skip(f"no ferry CLI: {e}")
+
+
+def run_module(*args, env=None, timeout=300):
+    """`python -m ferry ARGS...` in a child process, its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)

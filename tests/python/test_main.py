@@ -10,20 +10,7 @@ import pytest
 
 import ferry
 import ferry.__main__ as entry
-
-
-@pytest.fixture
-def cli():
-    """The CLI binary `python -m ferry` finds (FERRY_CLI, the package's copy, or PATH)."""
-    try:
-        return entry.find_cli()
-    except entry.CliNotFound as e:
-        pytest.skip(f"no ferry CLI to compare with: {e}")
-
-
-def run_module(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+from conftest import run_module
 
 
 def env_with(**values):

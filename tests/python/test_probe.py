@@ -5,12 +5,11 @@ in a fixed layout; bad options are refused naming the option."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 import ferry
-import ferry.__main__ as entry
+from conftest import run_module
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUNDLED = os.path.join(REPO, "scenarios", "devices", "h100-sxm-pcie5.json")
@@ -18,20 +17,6 @@ SMALL = ["--device", "cpu", "--repeats", "3", "--bytes", "256KiB", "--matmul", "
 # What a loopback probe cannot measure (docs/devices.md, "Measuring a device: ferry probe").
 LOOPBACK_ASSUMED = {"peer.bytes_per_s", "peer.latency_ns", "overheads_ns.event_query",
                     "overheads_ns.host_access"}
-
-
-@pytest.fixture
-def cli():
-    """The CLI binary the profile is checked with (FERRY_CLI, the package's copy, or PATH)."""
-    try:
-        return entry.find_cli()
-    except entry.CliNotFound as e:
-        pytest.skip(f"no ferry CLI to check the profile with: {e}")
-
-
-def run_module(*args):
-    return subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True,
-                          timeout=300)
 
 
 def probe_files(tmp_path, stem="probed-cpu", *extra):
