@@ -6,7 +6,7 @@
 //   ferry plan --budget B [--model M] [--device D] [--host-budget B] [--json] [--out FILE]
 //   ferry probe [--device cpu|cuda[:N]] [--out FILE] [...]: runs ferry-probe (the real backend)
 // Exit codes: 0 fine, 1 hazards found or the run failed (out of memory), 2 bad input or
-// usage, 3 internal error.
+// usage, 3 internal error; ferry probe: the probe's own, or 127 when there is no ferry-probe.
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
