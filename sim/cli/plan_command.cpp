@@ -18,6 +18,16 @@ namespace {
 constexpr int kExitFailed = 1;
 constexpr int kExitBadInput = 2;
 
+// Refuses an empty byte count: "--budget ''" is a mistake, not "no budget" (which is leaving the
+// option out).
+const CLI::Validator kByteCount(
+    [](const std::string& text) {
+      return text.find_first_not_of(" \t") == std::string::npos
+                 ? std::string("empty; give a byte count such as 40GiB, or leave the option out")
+                 : std::string();
+    },
+    "BYTES");
+
 void print(const std::string& text) {
   std::fwrite(text.data(), 1, text.size(), stdout);
   std::fflush(stdout);
@@ -34,12 +44,14 @@ CLI::App* add_plan_command(CLI::App& app, PlanCommandArgs& a, std::string defaul
   cmd->add_option("--device", a.device, "Device profile name or JSON file")->capture_default_str();
   cmd->add_option("--budget", a.budget,
                   "Device budget, peak reserved: 40GiB, \"40 GiB\", 40GB, 4e10 (bytes); default: "
-                  "the device's memory");
+                  "the device's memory")
+      ->check(kByteCount);
   cmd->add_option("--sweep", a.sweep,
                   "Plan at N budgets from the floor to the no-offload peak (no --budget)")
       ->check(CLI::Range(2, 100));
   cmd->add_option("--plot", a.plot, "With --sweep: write the curve as an SVG plot to FILE");
-  cmd->add_option("--host-budget", a.host_budget, "Pinned host memory budget, as --budget");
+  cmd->add_option("--host-budget", a.host_budget, "Pinned host memory budget, as --budget")
+      ->check(kByteCount);
   cmd->add_option("--out", a.out, "Write the plan (ferry.plan/1 JSON) to FILE");
   cmd->add_option("--memory-snapshot", a.memory_snapshot,
                   "Write the plan's simulated run as a PyTorch memory snapshot (pickle) to FILE");
