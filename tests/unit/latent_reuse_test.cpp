@@ -350,5 +350,66 @@ TEST(LatentReuse, RepeatedDefectsAreGroupedInTextAndListedInJson) {
   EXPECT_EQ(instances, kLayers) << json;
 }
 
+// An alloc op's label names the call, not the buffer (docs/program-format.md): reports and
+// the suggested fix name the buffer by its declared name, and the alloc op keeps its label.
+TEST(LatentReuse, ReportsNameTheBufferNotTheLabelOfItsAlloc) {
+  Program p;
+  p.devices.push_back(ProgramDevice{"gpu0", testing::simple_profile()});
+  p.streams.push_back(ProgramStream{"compute", DeviceId(0)});
+  p.streams.push_back(ProgramStream{"side", DeviceId(0)});
+  p.events.push_back(ProgramEvent{"produced"});
+  p.buffers.push_back(
+      ProgramBuffer{"act", MemoryKind::Device, DeviceId(0), Bytes(4096), PinnedPool::Exact});
+  const SlotRange act{SlotId(0), Bytes(0), Bytes(4096)};
+  ProgramOp alloc;
+  alloc.kind = OpKind::Alloc;
+  alloc.label = "alloc layer 0 output";
+  alloc.slot = act.slot;
+  alloc.stream = StreamId(0);
+  p.ops.push_back(alloc);
+  ProgramOp forward;
+  forward.kind = OpKind::Kernel;
+  forward.label = "forward";
+  forward.stream = StreamId(0);
+  forward.duration = SimTime(1000);
+  forward.writes.push_back(act);
+  p.ops.push_back(forward);
+  ProgramOp record;
+  record.kind = OpKind::Record;
+  record.event = EventId(0);
+  record.stream = StreamId(0);
+  p.ops.push_back(record);
+  ProgramOp wait;
+  wait.kind = OpKind::Wait;
+  wait.event = EventId(0);
+  wait.stream = StreamId(1);
+  p.ops.push_back(wait);
+  ProgramOp read;
+  read.kind = OpKind::Kernel;
+  read.label = "side read";
+  read.stream = StreamId(1);
+  read.duration = SimTime(1000);
+  read.reads.push_back(act);
+  p.ops.push_back(read);
+  ProgramOp free;
+  free.kind = OpKind::Free;
+  free.slot = act.slot;
+  p.ops.push_back(free);
+
+  auto run = run_program(p);
+  ASSERT_TRUE(run.ok());
+  const Simulator& sim = run.value().sim;
+  ASSERT_EQ(sim.hazards().size(), 1U);
+  EXPECT_EQ(sim.label(sim.ops()[0].label), "alloc layer 0 output");
+  const std::string text = summary_text(run.value(), "labelled alloc");
+  EXPECT_NE(text.find("of buffer \"act\""), std::string::npos) << text;
+  EXPECT_NE(text.find("buffer \"act\" is freed by op 5"), std::string::npos) << text;
+  EXPECT_NE(text.find("record_stream(\"act\", side)"), std::string::npos) << text;
+  EXPECT_EQ(text.find("\"alloc layer 0 output\""), std::string::npos) << text;
+  const std::string json = summary_json(run.value(), "labelled alloc");
+  EXPECT_NE(json.find("\"buffer\": \"act\""), std::string::npos) << json;
+  EXPECT_EQ(json.find("alloc layer 0 output"), std::string::npos) << json;
+}
+
 }  // namespace
 }  // namespace ferry::sim

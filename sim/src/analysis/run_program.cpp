@@ -63,8 +63,9 @@ Result<ProgramRun> run_program(const Program& program, SimOptions options, SimFa
                           "(allocated by ops[{}]); free it first",
                           i, b.name, sim.buffers()[held.value()].allocated_by.value())};
         }
+        // The op's label names the call; reports name the buffer by its declared name.
         auto got = sim.alloc(b.kind, b.device, b.bytes, op.stream, b.pool,
-                             op.label.empty() ? b.name : op.label);
+                             op.label.empty() ? b.name : op.label, b.name);
         if (!got) {
           run.failure = Failure{FailureKind::OutOfMemory,
                                 fmt::format("ops[{}]: alloc of buffer \"{}\" failed: {}", i, b.name,

@@ -45,7 +45,7 @@ EventId Simulator::add_event(std::string name) {
 }
 
 Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes, StreamId stream,
-                                  PinnedPool pool, std::string_view label) {
+                                  PinnedPool pool, std::string_view label, std::string_view name) {
   State& s = *state_;
   FERRY_CHECK(bytes.count() >= 0, "negative allocation size");
   const OpId op =
@@ -56,7 +56,7 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
                   .device = DeviceId(),
                   .address = Bytes(),
                   .bytes = bytes,
-                  .label = rec.label,
+                  .label = name.empty() ? rec.label : s.labels.intern(name),
                   .live = true,
                   .allocated_by = op,
                   .freed_by = OpId()};

@@ -77,7 +77,7 @@ struct BufferInfo {
   DeviceId device;
   Bytes address;
   Bytes bytes;
-  std::uint32_t label = 0;
+  std::uint32_t label = 0;  ///< index into labels(): the buffer's name in reports
   bool live = false;
   OpId allocated_by;
   OpId freed_by;

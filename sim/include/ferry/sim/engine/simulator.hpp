@@ -63,9 +63,10 @@ class Simulator {
 
   // Host API calls, in host order.
   /// Allocates from the device's caching allocator (on `stream`), the pinned allocator
-  /// (`pool`) or pageable memory. The error is the allocator's out-of-memory report.
+  /// (`pool`) or pageable memory. `label` is the call's label; `name`, the buffer's name in
+  /// reports, is the label when empty. The error is the allocator's out-of-memory report.
   Result<BufferId> alloc(MemoryKind kind, DeviceId device, Bytes bytes, StreamId stream,
-                         PinnedPool pool, std::string_view label);
+                         PinnedPool pool, std::string_view label, std::string_view name = {});
   void free(BufferId buffer, std::string_view label = {});
   void record_stream(BufferId buffer, StreamId stream, std::string_view label = {});
   /// `values`, when given (one per write, non-zero), are the content ids the writes produce,
