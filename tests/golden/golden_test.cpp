@@ -113,6 +113,8 @@ INSTANTIATE_TEST_SUITE_P(Examples, Golden, ::testing::ValuesIn(expectations()),
 
 TEST(Golden, EveryBundledProgramHasAnExpectation) {
   for (const auto& entry : fs::directory_iterator(kScenarios / "programs")) {
+    // Subfolders (field/: pairs from upstream bugs) are checked by the CLI tests instead.
+    if (!entry.is_regular_file()) continue;
     const std::string stem = entry.path().stem().string();
     bool found = false;
     for (const Expected& e : expectations()) found = found || stem == e.program;
