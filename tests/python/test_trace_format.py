@@ -81,7 +81,11 @@ def run(*args):
     return result
 
 
-@pytest.mark.parametrize("program", sorted(os.listdir(PROGRAMS)))
+# Every bundled program, the field pairs' of scenarios/programs/field/ included.
+@pytest.mark.parametrize(
+    "program",
+    sorted(os.path.relpath(os.path.join(d, f), PROGRAMS)
+           for d, _, files in os.walk(PROGRAMS) for f in files if f.endswith(".json")))
 def test_check_trace(tmp_path, program):
     path = tmp_path / "trace.json"
     source = json.loads(open(os.path.join(PROGRAMS, program)).read())
