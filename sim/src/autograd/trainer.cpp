@@ -207,6 +207,16 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
     values.push_back(value);
     note_write(out.buffer, out.offset, tensor.bytes, value);
   }
+  // Outputs that share bytes (a storage and its views, or several views of one storage, as a
+  // trace lists the views of a storage where it is written): the later writes win, so each
+  // output's value is what its bytes hold once the op is done, which is also what a save of it
+  // records. An output no later one overlaps keeps its own value.
+  if (op.outputs.size() > 1) {
+    for (const std::uint32_t t : op.outputs) {
+      Bound& out = scope.bound[t];
+      out.value = content_.value(out.buffer.id, out.offset, model_.tensors[t].bytes);
+    }
+  }
   run_.sim.kernel(compute_, op.duration, reads, writes, replay ? op.name + " recompute" : op.name,
                   values);
   if (replay && in_last_step_) run_.recompute_time += op.duration;
