@@ -17,6 +17,7 @@ too).
 
 import functools
 import importlib.metadata as _metadata
+import threading
 import warnings
 
 import torch
@@ -71,29 +72,143 @@ def probe(device=None, **options):
     return _probe(device, **options)
 
 
+# Note [Regions on two stacks]
+# A region is an entry on ferry's region stack (C++, per thread: what _C._pack does with a saved
+# tensor) and a pair of hooks on torch's stack of saved-tensor hooks (per thread: who packs at
+# all). Both must hold the same open regions in the same order, whatever the caller does, or a
+# later pack goes to a region that was left (a selective checkpoint offloading into a closed
+# session, say). So the open entries of this thread are listed here, each with the hook object
+# it pushed on torch's stack (a partial made for it: its identity finds the entry again), and
+# __exit__ removes its own entry from both stacks even when it is not the innermost one:
+# torch's hooks above it are popped and pushed back; on ferry's stack, which can only be popped
+# from the top (checkpoint frames of the C++ runtime sit on it too), the entry is marked closed
+# and popped as soon as it is on top again (when the regions above it are left, or at the next
+# enter). Packing asks only the innermost entry, which is never a closed one while a region is
+# open above it. Leaving out of order still raises "regions must nest", after the cleanup.
+_open = threading.local()
+
+
+class _Entry:
+    """An open region on this thread: the region and the pack hook it pushed on torch's stack."""
+
+    __slots__ = ("region", "pack", "closed")
+
+    def __init__(self, region, pack):
+        self.region = region
+        self.pack = pack
+        self.closed = False
+
+
+def _entries():
+    """This thread's open regions, innermost last (closed ones not yet popped included)."""
+    entries = getattr(_open, "entries", None)
+    if entries is None:
+        entries = _open.entries = []
+    return entries
+
+
+def _pop_closed(entries):
+    """Pops the closed entries on top of ferry's stack (see Note [Regions on two stacks])."""
+    while entries and entries[-1].closed:
+        try:
+            _C._pop(entries[-1].region._kind)
+        except RuntimeError:  # a checkpoint frame is on top: popped once it is gone
+            return
+        entries.pop()
+
+
+def _remove_hooks(pack):
+    """Removes the hooks whose pack is ``pack`` from torch's stack, keeping the ones above it.
+    Returns whether they were the innermost."""
+    autograd = torch._C._autograd
+    above = []
+    try:
+        while True:
+            top = autograd._top_saved_tensors_default_hooks(True)
+            if top is None:
+                return False  # someone else popped them
+            autograd._pop_saved_tensors_default_hooks()
+            if top[0] is pack:
+                return not above
+            above.append(top)
+    finally:
+        for hooks in reversed(above):
+            autograd._push_saved_tensors_default_hooks(*hooks)
+
+
 class _Region(saved_tensors_hooks):
-    """A ferry region: its entry on the C++ region stack and torch's saved-tensor hooks (whose
-    pack and unpack are ferry's), entered and left together."""
+    """A ferry region: its entry on ferry's region stack and its hooks on torch's stack of
+    saved-tensor hooks (whose pack and unpack are ferry's), entered and left together.
+
+    Leaving a region that is not the innermost raises "regions must nest", and the region is
+    gone from both stacks all the same; leaving one that is not open on this thread raises
+    without touching either. Entered while torch's ``allow_mutation_on_saved_tensors`` is on, a
+    region saves tensors through the hooks in effect when it is entered (that mode's), so that
+    a mutated saved tensor is cloned first, as without ferry."""
 
     _kind = None
+    # Whether the region may be entered again while it is open on the same thread (an offload
+    # may not: its session follows one forward at a time).
+    _reentrant = True
 
     def _push(self):
         raise NotImplementedError
 
+    def _hooks(self):
+        """The pack and unpack hooks of an entry starting now."""
+        if torch.autograd.graph._allow_mutation_on_saved_tensors_enabled:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            if top is not None:
+                return top
+        return self.pack_hook, self.unpack_hook
+
+    def _is_open(self):
+        return any(e.region is self and not e.closed for e in _entries())
+
+    def _open_entry(self):
+        """This region's innermost open entry on this thread; raises when there is none."""
+        for entry in reversed(_entries()):
+            if entry.region is self and not entry.closed:
+                return entry
+        raise RuntimeError(
+            "ferry: regions must nest: the region being closed is not open on this thread "
+            "(left twice, or entered on another thread)"
+        )
+
     def __enter__(self):
+        entries = _entries()
+        _pop_closed(entries)
+        if not self._reentrant and self._is_open():
+            name = type(self).__name__
+            raise RuntimeError(
+                f"ferry: this {name} region is already open on this thread: it cannot be entered "
+                f"again before it is left; use another {name}"
+            )
+        pack, unpack = self._hooks()
+        pack = functools.partial(pack)  # this entry's own object: see Note [Regions on two stacks]
         self._push()
         try:
-            super().__enter__()
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
         except BaseException:
             _C._pop(self._kind)
             raise
+        entries.append(_Entry(self, pack))
         return self
 
     def __exit__(self, *exc):
+        entry = self._open_entry()
+        entries = _entries()
+        entry.closed = True
+        innermost = False
         try:
-            super().__exit__(*exc)
+            innermost = _remove_hooks(entry.pack) and entries[-1] is entry
         finally:
-            _C._pop(self._kind)
+            _pop_closed(entries)
+        if not innermost:
+            raise RuntimeError(
+                "ferry: regions must nest: the region being closed is not the innermost one "
+                "(it was closed all the same)"
+            )
 
 
 class offload(_Region):
@@ -116,6 +231,14 @@ class offload(_Region):
     ``use_streams`` (False: copies on the compute stream, in order with the kernels) and
     ``use_pin_memory`` (host copies are always pinned: False is refused).
 
+    Entered while ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is on, the region
+    offloads nothing: its saved tensors go through that mode's hooks, which keep them and clone
+    one before it is mutated, so backward sees the values of the forward, as without ferry (the
+    same holds for ``no_offload`` and the head region of ``offload_model``). The region is open
+    once at a time on a thread: entering it again before it is left raises (``no_offload`` may
+    nest in itself). Leaving regions out of order raises "regions must nest"; the region left
+    is closed all the same.
+
     ``plan`` applies a ``ferry.plan/1`` (a path or a loaded dict, as ``ferry plan --out``
     writes for a traced model): each op's saved tensors are kept or offloaded, and the plan's
     checkpoint regions recompute what it says (docs/plan.md, "Applying a plan"). Its knobs are
@@ -125,6 +248,7 @@ class offload(_Region):
     """
 
     _kind = "offload"
+    _reentrant = False
 
     def __init__(
         self,
@@ -220,6 +344,7 @@ class offload(_Region):
         return self
 
     def __exit__(self, *exc):
+        self._open_entry()  # raises when it is not open, leaving the session alone
         try:
             if self._plan_run is not None and self._plan_run.active():
                 self._plan_run.exit(failed=exc[0] is not None)
