@@ -32,6 +32,16 @@ def _on_cpu(model, example_inputs):
     return all(t.device.type in ("cpu", "meta") for t in tensors)
 
 
+def check_budget(value, what):
+    """Refuses an empty budget (``ferry plan`` would take it as no budget: the device's whole
+    memory); ``what`` names the argument in the message. The planner checks the rest."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(
+            f'{what}: "{value}" is not a byte count (empty); write e.g. 40GiB, "40 GiB", 1.5GiB, '
+            "512MiB, 40GB or 4e10 (bytes)"
+        )
+
+
 def run_planner(model_path, budget, out_path, device=None, host_budget=None):
     """Runs ``ferry plan`` on a ``ferry.model/1`` file and returns what it printed; raises
     ``PlanError`` with its message and ``exit_code`` when it refuses (an infeasible budget,
@@ -73,6 +83,9 @@ def auto(model, *example_inputs, budget="40GiB", device=None, loss_fn=None, host
     """
     from . import trace
 
+    check_budget(budget, "ferry.auto: budget")
+    if host_budget is not None:
+        check_budget(host_budget, "ferry.auto: host_budget")
     on_cpu = _on_cpu(model, example_inputs)
     traced = trace(model, *example_inputs, loss_fn=loss_fn, target="host" if on_cpu else "device")
     with tempfile.TemporaryDirectory(prefix="ferry-auto-") as scratch:

@@ -33,10 +33,17 @@ def main(argv=None):
     """Runs the command; returns the exit status."""
     from . import _trace_cli
     from .__main__ import CliNotFound, find_cli
-    from ._auto import run_planner
+    from ._auto import check_budget, run_planner
     from ._plan_apply import PlanError
 
     args, rest = _parser().parse_known_args(argv)
+    try:
+        check_budget(args.budget, "--budget")
+        if args.host_budget is not None:
+            check_budget(args.host_budget, "--host-budget")
+    except ValueError as e:
+        print(f"python -m ferry auto: {e}", file=sys.stderr)
+        return 2
     try:
         find_cli()
     except CliNotFound as e:

@@ -1,0 +1,43 @@
+"""An empty budget is refused before anything is traced or planned, naming the argument:
+``ferry plan`` would take it as no budget at all (the device's whole memory)."""
+
+import pytest
+import torch
+
+import ferry
+from ferry import _auto_cli, _trace_cli
+from models import TinyLM, loss_of
+
+
+@pytest.fixture
+def no_trace(monkeypatch):
+    """Tracing fails the test: the budget is checked first."""
+
+    def trace(*args, **kwargs):
+        raise AssertionError("traced before the budget was checked")
+
+    monkeypatch.setattr(ferry, "trace", trace)
+
+
+@pytest.mark.parametrize("budget", ["", "  "])
+def test_auto_refuses_an_empty_budget(no_trace, budget):
+    with pytest.raises(ValueError, match=f'^ferry.auto: budget: "{budget}" is not a byte count'):
+        ferry.auto(TinyLM(), torch.randn(2, 16, 32), budget=budget, loss_fn=loss_of)
+
+
+def test_auto_refuses_an_empty_host_budget(no_trace):
+    with pytest.raises(ValueError, match='^ferry.auto: host_budget: "" is not a byte count'):
+        ferry.auto(TinyLM(), torch.randn(2, 16, 32), budget="1GiB", host_budget="",
+                   loss_fn=loss_of)
+
+
+@pytest.mark.parametrize("budgets", [["--budget", ""], ["--budget", "1GiB", "--host-budget", ""]],
+                         ids=["budget", "host-budget"])
+def test_python_m_ferry_auto_refuses_an_empty_budget(monkeypatch, capsys, budgets):
+    def trace_main(argv):
+        raise AssertionError("traced before the budget was checked")
+
+    monkeypatch.setattr(_trace_cli, "main", trace_main)
+    args = [*budgets, "--plan", "plan.json", "--out", "model.json", "config.json"]
+    assert _auto_cli.main(args) == 2
+    assert f'python -m ferry auto: {budgets[-2]}: "" is not a byte count' in capsys.readouterr().err
