@@ -143,7 +143,7 @@ class FerryPolicy {
 
   RecordId offload(const TensorFacts& facts, const Buffer& storage) {
     if (t_.options.dedup) {
-      auto it = storage_index_.find(facts.storage);
+      auto it = storage_index_.find({facts.storage, version_key(facts)});
       if (it != storage_index_.end()) {
         ++t_.records[it->second].ids;
         ++t_.telemetry.deduplicated;
@@ -165,7 +165,7 @@ class FerryPolicy {
     const RecordId r = t_.start_offload(storage, Bytes(0), slot->buffer, size, facts.storage);
     window_.push_back(r);
     window_bytes_ += size;
-    if (t_.options.dedup) storage_index_.emplace(facts.storage, r);
+    if (t_.options.dedup) storage_index_.emplace(std::pair{facts.storage, version_key(facts)}, r);
     at(node_records_, facts.node).push_back(r);
     return r;
   }
@@ -184,7 +184,23 @@ class FerryPolicy {
     if (!t_.faults.skip_forward_guard) t_.backend.wait(t_.compute, rec.d2h_done);
     t_.backend.drop(rec.device);
     rec.move_to(RecordState::OnHost);
-    if (t_.options.dedup) storage_index_.erase(rec.storage);
+    if (t_.options.dedup) forget_storage(rec.storage, r);
+  }
+
+  // The version part of the dedup key (the planted fault ignores versions).
+  [[nodiscard]] std::uint32_t version_key(const TensorFacts& facts) const {
+    return t_.faults.dedup_across_versions ? 0 : facts.version;
+  }
+
+  // Drops `r` from the dedup index (one entry per version of its storage at most).
+  void forget_storage(std::uint64_t storage, RecordId r) {
+    for (auto it = storage_index_.lower_bound({storage, 0});
+         it != storage_index_.end() && it->first.first == storage; ++it) {
+      if (it->second == r) {
+        storage_index_.erase(it);
+        return;
+      }
+    }
   }
 
   // OnHost -> Reloading.
@@ -288,7 +304,9 @@ class FerryPolicy {
   HostPool<B> pool_;
   std::deque<RecordId> window_;  // offloads whose original may still be resident
   Bytes window_bytes_;
-  std::map<std::uint64_t, RecordId> storage_index_;
+  // Offloads whose original is still resident, by (storage, version): see Note [Saved-tensor
+  // contract] in real/src/runtime.cpp.
+  std::map<std::pair<std::uint64_t, std::uint32_t>, RecordId> storage_index_;
   // By node id (small dense integers, as autograd sequence numbers are); inner vectors keep
   // their capacity from step to step.
   std::vector<std::vector<RecordId>> node_records_;

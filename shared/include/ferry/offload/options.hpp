@@ -49,6 +49,9 @@ struct TensorFacts {
   Bytes storage_bytes;        ///< bytes of its storage (>= bytes + view_offset)
   Bytes view_offset;          ///< where the tensor starts in its storage
   std::uint64_t storage = 0;  ///< identity of the storage (dedup key)
+  /// The tensor's version counter when saved: packs of one storage deduplicate only at one
+  /// version (an in-place change between two saves makes the second a different tensor).
+  std::uint32_t version = 0;
   bool on_device = true;
   bool is_param = false;    ///< parameters and module buffers are never offloaded
   bool no_offload = false;  ///< per-tensor opt-out
@@ -66,6 +69,10 @@ struct OffloadTelemetry {
   std::int64_t on_demand = 0;       ///< reloads issued at unpack
   std::int64_t stash_hits = 0;      ///< unpacks served by a still-resident original
   std::int64_t record_stream_fallbacks = 0;
+  /// Saved tensors a backend kept as they are without asking the scheduler, for want of a
+  /// storage it can copy (the real backend: tensor subclasses whose data lives in other
+  /// tensors, sparse and quantized tensors). Not counted in `packed`.
+  std::int64_t kept_as_is = 0;
   Bytes bytes_d2h;
   Bytes bytes_h2d;
   Bytes pinned_bytes;  ///< host bytes held now

@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <span>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -45,7 +46,8 @@ class TrlPolicy {
   TensorId pack(const TensorFacts& facts, const Buffer& storage, bool in_region) {
     begin_forward_if_first();
     ++t_.telemetry.packed;
-    const Key key{facts.storage, facts.view_offset.count()};
+    const Key key{facts.storage, facts.view_offset.count(),
+                  t_.faults.dedup_across_versions ? 0 : facts.version};
     if (dedup() &&
         std::any_of(dedup_.begin(), dedup_.end(), [&](const auto& e) { return e.first == key; })) {
       ++t_.telemetry.deduplicated;
@@ -319,8 +321,10 @@ class TrlPolicy {
   [[nodiscard]] bool dedup() const { return today() && t_.options.use_streams; }
 
   // A view's place: storage identity and offset in it (the reference adds the dtype, which
-  // views at one offset of one storage share in practice).
-  using Key = std::pair<std::uint64_t, std::int64_t>;
+  // views at one offset of one storage share in practice), and its version: unlike the
+  // reference, a storage changed in place between two saves is not deduplicated (the second
+  // save would get the first's bytes; see Note [Saved-tensor contract] in real/src/runtime.cpp).
+  using Key = std::tuple<std::uint64_t, std::int64_t, std::uint32_t>;
 
   Tracker<B> t_;
   // Offloaded views whose original is in the forward stash: at most max_fwd_stash_size, so a
