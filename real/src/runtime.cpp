@@ -5,6 +5,7 @@
 #include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
@@ -17,6 +18,8 @@
 #include <cstdio>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -36,24 +39,123 @@ thread_local std::vector<Context> tl_stack;
 // CheckpointStates alive (live_checkpoint_states()).
 std::atomic<std::int64_t> g_live_states{0};
 
+// Note [Saved-tensor contract]
+// Under saved-tensor hooks torch checks nothing of what an unpack hook returns: the hook owns
+// the value. What autograd gets back from ferry must still be what it would get without ferry,
+// or torch's own error, in every region and under every policy:
+// * Versions. Each pack records the tensor's version counter and its version then
+//   (SavedVersion); each unpack compares, and a tensor changed in place since it was saved
+//   raises torch's error ("one of the variables needed for gradient computation has been
+//   modified by an inplace operation: ..."), whether it was kept, offloaded or deduplicated,
+//   and for a checkpointed region's inputs at its recompute. What a checkpointed region
+//   recomputes is not checked, as torch.utils.checkpoint does not check it.
+// * Deduplication. Two packs share one copy only at one version of one storage
+//   (TensorFacts::version): a storage changed in place between two saves is copied again.
+// * Views. A tensor rebuilt over its storage gets back its sizes, strides, offset and dtype,
+//   and its conjugate and negative bits (TensorMeta).
+// * What has no storage ferry can copy is kept as it is and counted (kept_as_is in the
+//   telemetry): subclasses whose data lives in other tensors (wrapper subclasses such as
+//   DTensor), sparse, quantized and zero tensors.
+// * torch.autograd.graph.allow_mutation_on_saved_tensors: a region entered under it leaves its
+//   saved tensors to torch's own hooks (ferry/__init__.py, _Region), which clone a saved tensor
+//   before it is changed in place.
+
+// The tensor's type as torch's error messages print it: its legacy type name where the dtype has
+// one (torch.FloatTensor, torch.cuda.HalfTensor), else the dispatch key's (CPUBFloat16Type,
+// CUDAComplexFloatType).
+std::string type_name(at::ScalarType dtype, bool cuda) {
+  switch (dtype) {
+    case at::kByte:
+    case at::kChar:
+    case at::kShort:
+    case at::kInt:
+    case at::kLong:
+    case at::kHalf:
+    case at::kFloat:
+    case at::kDouble:
+    case at::kBool:
+      return fmt::format("torch.{}{}Tensor", cuda ? "cuda." : "", c10::toString(dtype));
+    default:
+      return fmt::format("{}{}Type", cuda ? "CUDA" : "CPU", c10::toString(dtype));
+  }
+}
+
+// A saved tensor's version counter and its version when saved, and what torch names it by in
+// its error. See Note [Saved-tensor contract].
+class SavedVersion {
+ public:
+  explicit SavedVersion(const at::Tensor& t)
+      : counter_(t.unsafeGetTensorImpl()->version_counter()),
+        saved_(counter_.enabled() ? counter_.current_version() : 0),
+        grad_fn_(t.grad_fn()),
+        output_nr_(static_cast<std::uint32_t>(t.output_nr())),
+        cuda_(t.is_cuda()) {}
+
+  [[nodiscard]] std::uint32_t saved() const { return saved_; }
+
+  /// Throws torch's error when the tensor changed in place since it was saved; `sizes` and
+  /// `dtype` are the saved tensor's, for the message.
+  void check(at::IntArrayRef sizes, at::ScalarType dtype) const {
+    if (!counter_.enabled()) return;
+    const std::uint32_t now = counter_.current_version();
+    if (now == saved_) return;
+    std::string origin;
+    if (const std::shared_ptr<torch::autograd::Node> fn = grad_fn_.lock()) {
+      origin = fmt::format(", which is output {} of {},", output_nr_, fn->name());
+    }
+    const char* hint =
+        torch::autograd::AnomalyMode::is_enabled()
+            ? "Hint: the backtrace further above shows the operation that failed to compute its "
+              "gradient. The variable in question was changed in there or anywhere later. Good "
+              "luck!"
+            : "Hint: enable anomaly detection to find the operation that failed to compute its "
+              "gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False).";
+    throw std::runtime_error(fmt::format(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        "operation: [{} [{}]]{} is at version {}; expected version {} instead. {}",
+        type_name(dtype, cuda_), fmt::join(sizes, ", "), origin, now, saved_, hint));
+  }
+
+ private:
+  c10::VariableVersion counter_;
+  std::uint32_t saved_;
+  std::weak_ptr<torch::autograd::Node> grad_fn_;  // weak: a saved output's node saves it
+  std::uint32_t output_nr_;
+  bool cuda_;
+};
+
 // A saved tensor kept as it is. Detached: a saved output carries the node that saves it, and
 // holding it from that node's own saved variable would make a cycle nothing frees (autograd
 // gives an unpacked tensor its grad_fn back from the saved variable's metadata).
 class KeptAsIs final : public Packed {
  public:
-  explicit KeptAsIs(const at::Tensor& tensor) : tensor_(tensor.detach()) {}
-  at::Tensor unpack() override { return tensor_; }
+  explicit KeptAsIs(const at::Tensor& tensor) : tensor_(tensor.detach()), version_(tensor) {}
+  at::Tensor unpack() override {
+    version_.check(tensor_.sizes(), tensor_.scalar_type());
+    return tensor_;
+  }
 
  private:
   at::Tensor tensor_;
+  SavedVersion version_;
 };
 
-// How to rebuild a saved tensor over its storage.
+// Whether ferry can copy the tensor through its storage: a dense strided tensor whose data is
+// its own (not a subclass whose data lives in other tensors, not a zero tensor).
+bool copyable(const at::Tensor& t) {
+  return t.has_storage() && t.layout() == at::kStrided && !t.is_quantized() &&
+         !t.key_set().has(c10::DispatchKey::Python) && !t._is_zerotensor() &&
+         (t.numel() == 0 || t.storage().data() != nullptr);
+}
+
+// How to rebuild a saved tensor over its storage. See Note [Saved-tensor contract].
 struct TensorMeta {
   std::vector<std::int64_t> sizes;
   std::vector<std::int64_t> strides;
   at::ScalarType dtype = at::kFloat;
   Bytes span;  // bytes from the first to one past the last element
+  bool conj = false;
+  bool neg = false;
 };
 
 Bytes span_of(const at::Tensor& t) {
@@ -61,6 +163,15 @@ Bytes span_of(const at::Tensor& t) {
   std::int64_t last = 0;
   for (std::int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   return Bytes((last + 1) * static_cast<std::int64_t>(t.element_size()));
+}
+
+// `plain` (a view of the storage, no bits set) with the bits `meta` records.
+at::Tensor with_view_bits(at::Tensor plain, const TensorMeta& meta) {
+  if (!meta.conj && !meta.neg) return plain;
+  at::AutoDispatchBelowADInplaceOrView guard;  // bits only: no autograd view of it
+  if (meta.conj) plain = at::_conj(plain);
+  if (meta.neg) plain = at::_neg_view(plain);
+  return plain;
 }
 
 // The graph task of the backward running on this thread; -1 outside backward.
@@ -80,17 +191,22 @@ class SessionBase : public Session, public std::enable_shared_from_this<SessionB
 
 class OffloadedTensor final : public Packed {
  public:
-  OffloadedTensor(std::shared_ptr<SessionBase> session, TensorId id, TensorMeta meta)
-      : session_(std::move(session)), id_(id), meta_(std::move(meta)) {}
+  OffloadedTensor(std::shared_ptr<SessionBase> session, TensorId id, TensorMeta meta,
+                  std::optional<SavedVersion> version)
+      : session_(std::move(session)), id_(id), meta_(std::move(meta)), version_(std::move(version)) {}
   ~OffloadedTensor() override { session_->release(id_); }
   OffloadedTensor(const OffloadedTensor&) = delete;
   OffloadedTensor& operator=(const OffloadedTensor&) = delete;
-  at::Tensor unpack() override { return session_->unpack(id_, meta_); }
+  at::Tensor unpack() override {
+    if (version_) version_->check(meta_.sizes, meta_.dtype);
+    return session_->unpack(id_, meta_);
+  }
 
  private:
   std::shared_ptr<SessionBase> session_;
   TensorId id_;
   TensorMeta meta_;
+  std::optional<SavedVersion> version_;  // none only with the planted skip_version_check
 };
 
 // Note [Nodes and backward passes]
@@ -106,12 +222,15 @@ class SessionImpl final : public SessionBase {
   SessionImpl(const RealOptions& options, const OffloadFaults& faults)
       : options_(options),
         device_(options.record ? std::make_unique<Recorder>(options.profile) : nullptr),
-        core_(device_, options.offload, faults) {
+        core_(device_, options.offload, faults),
+        faults_(faults) {
     device_.set_host_reserve(options.host_reserve);
   }
 
-  PackedPtr pack(const at::Tensor& t, TensorKind kind) override {
-    if (!t.has_storage() || t.layout() != at::kStrided || t.is_quantized()) {
+  PackedPtr pack(const at::Tensor& t, TensorKind kind, bool check_version) override {
+    if (!copyable(t)) {
+      std::lock_guard lock(mutex_);
+      ++kept_as_is_;
       return std::make_shared<KeptAsIs>(t);
     }
     std::lock_guard lock(mutex_);
@@ -126,7 +245,10 @@ class SessionImpl final : public SessionBase {
     facts.storage_bytes = Bytes(static_cast<std::int64_t>(t.storage().nbytes()));
     facts.view_offset = Bytes(t.storage_offset() * item);
     facts.storage = reinterpret_cast<std::uint64_t>(t.storage().unsafeGetStorageImpl());
-    TensorMeta meta{t.sizes().vec(), t.strides().vec(), t.scalar_type(), span_of(t)};
+    TensorMeta meta{t.sizes().vec(), t.strides().vec(), t.scalar_type(), span_of(t),
+                    t.is_conj() && !faults_.drop_view_bits, t.is_neg() && !faults_.drop_view_bits};
+    SavedVersion version(t);
+    facts.version = version.saved();
     // trl copies the tensor's own bytes (its span); ferry the whole storage.
     facts.bytes = is_trl(options_.offload.policy) ? meta.span : Bytes(t.numel() * item);
     facts.on_device = device_.is_device_tensor(t);
@@ -136,7 +258,10 @@ class SessionImpl final : public SessionBase {
     facts.node = node;
     BufferHandle storage = device_.adopt(t);
     const TensorId id = core_.pack(facts, storage);
-    return std::make_shared<OffloadedTensor>(shared_from_this(), id, std::move(meta));
+    return std::make_shared<OffloadedTensor>(
+        shared_from_this(), id, std::move(meta),
+        faults_.skip_version_check || !check_version ? std::nullopt
+                                                     : std::optional(std::move(version)));
   }
 
   at::Tensor unpack(TensorId id, const TensorMeta& meta) override {
@@ -168,7 +293,8 @@ class SessionImpl final : public SessionBase {
     }
     const Unpacked<BufferHandle> u = core_.unpack(id, node);
     device_.consume(u.storage, u.offset, meta.span);
-    at::Tensor out = DeviceBase::view(u.storage, u.offset, meta.sizes, meta.strides, meta.dtype);
+    at::Tensor out = with_view_bits(
+        DeviceBase::view(u.storage, u.offset, meta.sizes, meta.strides, meta.dtype), meta);
     device_.drop(u.storage);  // the tensor holds the storage now
     return out;
   }
@@ -198,7 +324,9 @@ class SessionImpl final : public SessionBase {
 
   [[nodiscard]] OffloadTelemetry telemetry() const override {
     std::lock_guard lock(mutex_);
-    return core_.telemetry();
+    OffloadTelemetry t = core_.telemetry();
+    t.kept_as_is = kept_as_is_;
+    return t;
   }
   [[nodiscard]] std::size_t tracked() const override {
     std::lock_guard lock(mutex_);
@@ -242,6 +370,8 @@ class SessionImpl final : public SessionBase {
   std::unordered_map<std::uint64_t, NodeId> nodes_;
   std::unordered_set<const torch::autograd::Node*> hooked_;
   std::unordered_set<const void*> excluded_;
+  OffloadFaults faults_;          // the contract's planted breaches (tests only)
+  std::int64_t kept_as_is_ = 0;  // see Note [Saved-tensor contract]
   int graph_task_ = -1;
 };
 
@@ -278,6 +408,18 @@ void pop_context(Context::Kind kind) {
         "ferry: regions must nest: the region being closed is not the innermost one");
   }
   tl_stack.pop_back();
+}
+
+void remove_region(Context::Kind kind, std::size_t index) {
+  std::size_t seen = 0;
+  for (auto it = tl_stack.begin(); it != tl_stack.end(); ++it) {
+    if (it->kind != Context::Kind::Offload && it->kind != Context::Kind::NoOffload) continue;
+    if (seen++ != index) continue;
+    if (it->kind != kind) break;
+    tl_stack.erase(it);
+    return;
+  }
+  throw std::logic_error("ferry: regions must nest: no such region on this thread's stack");
 }
 
 void close_context(Context::Kind kind) noexcept {
@@ -317,7 +459,7 @@ std::shared_ptr<Session> enclosing_session(bool* in_no_offload) {
 // and lets it go at once: the session sees a reloaded storage still referenced (the replay's
 // tensor) and frees it with record_stream on the compute stream when that reference dies.
 OffloadedOutput::OffloadedOutput(const std::shared_ptr<Session>& session, const at::Tensor& output)
-    : packed_(session->pack(output, TensorKind::Activation)),
+    : packed_(session->pack(output, TensorKind::Activation, /*check_version=*/false)),
       version_(output.unsafeGetTensorImpl()->version_counter()),
       saved_version_(version_.current_version()) {}
 
@@ -496,6 +638,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     bool requires_grad = false;  // the input's (recomputed tensors come back detached)
     PackedPtr packed;            // saved by the offload session the region runs in
     bool same = false;           // a leaf: the replay gets this very tensor, as torch's does
+    std::optional<SavedVersion> version;  // of `tensor`: see Note [Saved-tensor contract]
   };
 
   FrameId begin(const CheckpointOptions& options, Replay replay, RngState rng,
@@ -585,6 +728,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     std::vector<at::Tensor> inputs;
     inputs.reserve(info.inputs.size());
     for (const Input& in : info.inputs) {
+      if (in.version) in.version->check(in.tensor.sizes(), in.tensor.scalar_type());
       at::Tensor t = in.holder ? unpack(*in.holder) : in.packed ? in.packed->unpack() : in.tensor;
       inputs.push_back(!t.defined() || in.same ? t : t.detach().requires_grad_(in.requires_grad));
     }
@@ -688,12 +832,15 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
   const Context* top = tl_stack.empty() ? nullptr : &tl_stack.back();
   for (const at::Tensor& t : inputs) {
     if (t.defined() && top != nullptr && top->kind == Context::Kind::Frame) {
-      saved.push_back({at::Tensor(), state->pack_input(top->frame, t), t.requires_grad(), {}});
+      saved.push_back({at::Tensor(), state->pack_input(top->frame, t), t.requires_grad(), {},
+                       false, std::nullopt});
       continue;
     }
-    if (t.defined() && top != nullptr && top->kind == Context::Kind::Offload) {
+    if (t.defined() && top != nullptr && top->kind == Context::Kind::Offload &&
+        options.check_inputs) {
       // In an offload region the inputs are offloaded like the region's other saved tensors.
-      saved.push_back({at::Tensor(), std::nullopt, t.requires_grad(), top->session->pack(t)});
+      saved.push_back({at::Tensor(), std::nullopt, t.requires_grad(), top->session->pack(t), false,
+                       std::nullopt});
       continue;
     }
     if (t.defined() && top != nullptr && top->kind == Context::Kind::Recompute) {
@@ -703,11 +850,11 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
     // anything else detached: a frame begun during a replay would otherwise hold the replay's
     // graph, whose holders hold this state (a cycle).
     const bool leaf = t.defined() && t.is_leaf();
-    saved.push_back({leaf || !t.defined() ? t : t.detach(),
-                     std::nullopt,
-                     t.defined() && t.requires_grad(),
-                     {},
-                     leaf});
+    saved.push_back({leaf || !t.defined() ? t : t.detach(), std::nullopt,
+                     t.defined() && t.requires_grad(), {}, leaf,
+                     t.defined() && options.check_inputs
+                         ? std::optional<SavedVersion>(std::in_place, t)
+                         : std::nullopt});
   }
   RngState rng = options.preserve_rng_state ? capture_rng(cuda_devices(inputs)) : RngState{};
   const FrameId frame = state->begin(options, std::move(replay), std::move(rng), capture_autocast(),

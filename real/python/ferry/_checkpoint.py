@@ -7,6 +7,7 @@ Function that runs the forward without grad and recomputes it, whole, in backwar
 """
 
 import contextlib
+import functools
 import os
 import traceback
 import warnings
@@ -311,9 +312,19 @@ def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, 
     tensor_args = [isinstance(a, torch.Tensor) for a in args]
     tensor_kwargs = {k: isinstance(v, torch.Tensor) for k, v in kwargs.items()}
 
+    # Under torch.autograd.graph.allow_mutation_on_saved_tensors the inputs are saved through
+    # its hooks, as torch.utils.checkpoint saves them: a later in-place change then clones the
+    # forward's value for the replay instead of failing the version check.
+    kept_by_torch = _allow_mutation_hooks()
+    handles = None
+    if kept_by_torch is not None:
+        handles = [(t, kept_by_torch[0](t)) for t in inputs]
+
     def replay(saved):
         if debug:
             recompute_ops.clear()
+        if handles is not None:
+            saved = [_as_replay_input(t, kept_by_torch[1](h)) for t, h in handles]
         saved = iter(saved)  # detached by the runtime, leaves excepted (the same objects)
         replay_args = [next(saved) if is_t else a for a, is_t in zip(arg_slots, tensor_args)]
         replay_kwargs = {k: next(saved) if tensor_kwargs[k] else v for k, v in kwarg_slots.items()}
@@ -324,7 +335,7 @@ def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, 
     # first initializes CUDA has no state to restore, which torch refuses too.
     had_cuda = torch.cuda.is_initialized()
     token = _runtime_call(_C._frame_begin, replay, inputs, early_stop,
-                          determinism_check == "default", preserve)
+                          determinism_check == "default", preserve, handles is None)
     try:
         with forward_context, saved_tensors_hooks(_C._pack, unpack):
             out = fn(*args, **kwargs)
@@ -337,6 +348,30 @@ def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, 
             "the region (e.g. torch.cuda.init()) or pass preserve_rng_state=False"
         )
     return out
+
+
+def _allow_mutation_hooks():
+    """The (pack, unpack) hooks of ``torch.autograd.graph.allow_mutation_on_saved_tensors`` when
+    they are the saved-tensor hooks in force (innermost), else None."""
+    if not getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False):
+        return None
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return None
+    pack = top[0]
+    while isinstance(pack, functools.partial):  # a ferry region's own object for the hook
+        pack = pack.func
+    if "_swap_with_cloned" not in getattr(pack, "__qualname__", ""):
+        return None
+    return top
+
+
+def _as_replay_input(forward_input, value):
+    """``value`` (the forward's input or its clone) as the replay gets an input: a leaf as the
+    very object, anything else detached, requiring grad as the forward's input did."""
+    if value is forward_input and forward_input.is_leaf:
+        return value
+    return value.detach().requires_grad_(forward_input.requires_grad)
 
 
 def _autocast_state():

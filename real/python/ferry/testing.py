@@ -1,5 +1,6 @@
-"""Test-only helpers: offload regions with synchronization faults planted on purpose, so that a
-test can show `ferry check` catches each one. Not for training."""
+"""Test-only helpers: offload regions with faults planted on purpose (a dropped synchronization,
+a breach of the saved-tensor contract), so that a test can show that `ferry check` or a
+property catches each one. Not for training."""
 
 from . import _C, offload
 
@@ -14,6 +15,10 @@ FAULTS = (
     "skip_record_stream",
     "skip_host_guard",
     "skip_exit_sync",
+    # Breaches of the saved-tensor contract (Note [Saved-tensor contract]).
+    "dedup_across_versions",
+    "skip_version_check",
+    "drop_view_bits",
 )
 
 

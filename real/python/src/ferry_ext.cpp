@@ -53,6 +53,7 @@ py::dict telemetry_dict(const ferry::OffloadTelemetry& t) {
   d["on_demand"] = t.on_demand;
   d["stash_hits"] = t.stash_hits;
   d["record_stream_fallbacks"] = t.record_stream_fallbacks;
+  d["kept_as_is"] = t.kept_as_is;
   d["bytes_d2h"] = t.bytes_d2h.count();
   d["bytes_h2d"] = t.bytes_h2d.count();
   d["pinned_bytes"] = t.pinned_bytes.count();
@@ -207,15 +208,19 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ferry::OffloadFaults>(m, "_Faults", "Synchronizations dropped on purpose (tests).")
       .def(py::init([](bool skip_offload_wait, bool skip_reload_wait, bool skip_forward_guard,
                        bool skip_backward_guard, bool skip_record_stream, bool skip_host_guard,
-                       bool skip_exit_sync) {
-             return ferry::OffloadFaults{
-                 skip_offload_wait,  skip_reload_wait, skip_forward_guard, skip_backward_guard,
-                 skip_record_stream, skip_host_guard,  skip_exit_sync};
+                       bool skip_exit_sync, bool dedup_across_versions, bool skip_version_check,
+                       bool drop_view_bits) {
+             return ferry::OffloadFaults{skip_offload_wait,     skip_reload_wait,
+                                         skip_forward_guard,    skip_backward_guard,
+                                         skip_record_stream,    skip_host_guard,
+                                         skip_exit_sync,        dedup_across_versions,
+                                         skip_version_check,    drop_view_bits};
            }),
            py::kw_only(), py::arg("skip_offload_wait") = false, py::arg("skip_reload_wait") = false,
            py::arg("skip_forward_guard") = false, py::arg("skip_backward_guard") = false,
            py::arg("skip_record_stream") = false, py::arg("skip_host_guard") = false,
-           py::arg("skip_exit_sync") = false);
+           py::arg("skip_exit_sync") = false, py::arg("dedup_across_versions") = false,
+           py::arg("skip_version_check") = false, py::arg("drop_view_bits") = false);
 
   const ferry::RealOptions defaults;
   const ferry::OffloadOptions& d = defaults.offload;
@@ -254,6 +259,14 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_pop", [](const std::string& kind) { ferry::real::pop_context(parse_kind(kind)); },
       py::arg("kind"));
+  m.def(
+      "_remove",
+      [](const std::string& kind, std::size_t index) {
+        ferry::real::remove_region(parse_kind(kind), index);
+      },
+      py::arg("kind"), py::arg("index"),
+      "Removes the index-th offload or no-offload region of this thread (from the outermost), "
+      "which must be of `kind`: a region left out of order.");
 
   py::class_<ferry::real::OffloadedOutput, std::shared_ptr<ferry::real::OffloadedOutput>>(
       m, "_OffloadedOutput", "An op's output saved through an offload session (selective).")
@@ -278,15 +291,17 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_frame_begin",
       [](py::object replay, const std::vector<at::Tensor>& inputs, bool early_stop,
-         bool determinism_check, bool preserve_rng_state) {
+         bool determinism_check, bool preserve_rng_state, bool check_inputs) {
         ferry::CheckpointOptions options;
         options.early_stop = early_stop;
         options.determinism_check = determinism_check;
         options.preserve_rng_state = preserve_rng_state;
+        options.check_inputs = check_inputs;
         return ferry::real::frame_begin(options, make_replay(std::move(replay)), inputs);
       },
       py::arg("replay"), py::arg("inputs"), py::arg("early_stop") = true,
-      py::arg("determinism_check") = true, py::arg("preserve_rng_state") = true);
+      py::arg("determinism_check") = true, py::arg("preserve_rng_state") = true,
+      py::arg("check_inputs") = true);
   m.def("_frame_end", &ferry::real::frame_end, py::arg("token"));
 
   m.def(

@@ -42,6 +42,10 @@ struct CheckpointOptions {
   /// torch's reentrant variant: the forward runs without grad and backward reruns the whole
   /// region and backpropagates through the rerun (early_stop and determinism_check unused).
   bool use_reentrant = false;
+  /// Compare the inputs' versions when the region is recomputed (torch's error for an input
+  /// changed in place since the forward); off where the inputs' values are kept by other means
+  /// (torch's allow_mutation_on_saved_tensors). See Note [Saved-tensor contract].
+  bool check_inputs = true;
 };
 
 }  // namespace ferry
@@ -81,7 +85,11 @@ class Session {
   static std::shared_ptr<Session> create(const RealOptions& options,
                                          const OffloadFaults& faults = {});
 
-  virtual PackedPtr pack(const at::Tensor& tensor, TensorKind kind = TensorKind::Unknown) = 0;
+  /// A saved tensor to the scheduler. Its unpack raises torch's error when the tensor changed
+  /// in place since (Note [Saved-tensor contract]), unless `check_version` is false: for a
+  /// caller that checks versions its own way (OffloadedOutput).
+  virtual PackedPtr pack(const at::Tensor& tensor, TensorKind kind = TensorKind::Unknown,
+                         bool check_version = true) = 0;
   /// Parameters and module buffers: storages never offloaded.
   virtual void exclude(const at::Tensor& tensor) = 0;
   [[nodiscard]] virtual OffloadTelemetry telemetry() const = 0;
@@ -139,6 +147,10 @@ struct Context {
 void push_context(Context context);
 /// Pops the innermost region, which must be of `kind` (regions nest).
 void pop_context(Context::Kind kind);
+/// Removes this thread's `index`-th offload or no-offload region, counted from the outermost
+/// (checkpoint frames and replays not counted), which must be of `kind`: a region left out of
+/// order. Throws std::logic_error when there is no such region.
+void remove_region(Context::Kind kind, std::size_t index);
 /// For destructors: removes the innermost region of `kind`, warning on stderr when it is not the
 /// innermost one (a guard destroyed out of order); never throws.
 void close_context(Context::Kind kind) noexcept;
