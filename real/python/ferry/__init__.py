@@ -80,41 +80,28 @@ def probe(device=None, **options):
 # session, say). So the open entries of this thread are listed here, each with the hook object
 # it pushed on torch's stack (a partial made for it: its identity finds the entry again), and
 # __exit__ removes its own entry from both stacks even when it is not the innermost one:
-# torch's hooks above it are popped and pushed back; on ferry's stack, which can only be popped
-# from the top (checkpoint frames of the C++ runtime sit on it too), the entry is marked closed
-# and popped as soon as it is on top again (when the regions above it are left, or at the next
-# enter). Packing asks only the innermost entry, which is never a closed one while a region is
-# open above it. Leaving out of order still raises "regions must nest", after the cleanup.
+# torch's hooks above it are popped and pushed back, and ferry's entry is removed where it is
+# (_C._remove, by its position among this thread's regions). Leaving out of order still raises
+# "regions must nest", after the cleanup.
 _open = threading.local()
 
 
 class _Entry:
     """An open region on this thread: the region and the pack hook it pushed on torch's stack."""
 
-    __slots__ = ("region", "pack", "closed")
+    __slots__ = ("region", "pack")
 
     def __init__(self, region, pack):
         self.region = region
         self.pack = pack
-        self.closed = False
 
 
 def _entries():
-    """This thread's open regions, innermost last (closed ones not yet popped included)."""
+    """This thread's open regions, innermost last."""
     entries = getattr(_open, "entries", None)
     if entries is None:
         entries = _open.entries = []
     return entries
-
-
-def _pop_closed(entries):
-    """Pops the closed entries on top of ferry's stack (see Note [Regions on two stacks])."""
-    while entries and entries[-1].closed:
-        try:
-            _C._pop(entries[-1].region._kind)
-        except RuntimeError:  # a checkpoint frame is on top: popped once it is gone
-            return
-        entries.pop()
 
 
 def _remove_hooks(pack):
@@ -163,12 +150,12 @@ class _Region(saved_tensors_hooks):
         return self.pack_hook, self.unpack_hook
 
     def _is_open(self):
-        return any(e.region is self and not e.closed for e in _entries())
+        return any(e.region is self for e in _entries())
 
     def _open_entry(self):
         """This region's innermost open entry on this thread; raises when there is none."""
         for entry in reversed(_entries()):
-            if entry.region is self and not entry.closed:
+            if entry.region is self:
                 return entry
         raise RuntimeError(
             "ferry: regions must nest: the region being closed is not open on this thread "
@@ -177,7 +164,6 @@ class _Region(saved_tensors_hooks):
 
     def __enter__(self):
         entries = _entries()
-        _pop_closed(entries)
         if not self._reentrant and self._is_open():
             name = type(self).__name__
             raise RuntimeError(
@@ -198,12 +184,12 @@ class _Region(saved_tensors_hooks):
     def __exit__(self, *exc):
         entry = self._open_entry()
         entries = _entries()
-        entry.closed = True
         innermost = False
         try:
             innermost = _remove_hooks(entry.pack) and entries[-1] is entry
         finally:
-            _pop_closed(entries)
+            _C._remove(self._kind, entries.index(entry))
+            entries.remove(entry)
         if not innermost:
             raise RuntimeError(
                 "ferry: regions must nest: the region being closed is not the innermost one "
