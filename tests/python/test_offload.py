@@ -438,8 +438,8 @@ def test_telemetry_fields():
     t = ctx.telemetry()
     assert set(t) == {
         "packed", "offloaded", "kept", "deduplicated", "host_fallbacks", "prefetched",
-        "on_demand", "stash_hits", "record_stream_fallbacks", "bytes_d2h", "bytes_h2d",
-        "pinned_bytes", "pinned_peak",
+        "on_demand", "stash_hits", "record_stream_fallbacks", "kept_as_is", "bytes_d2h",
+        "bytes_h2d", "pinned_bytes", "pinned_peak",
     }
     assert all(isinstance(v, int) and v == 0 for v in t.values())
 
