@@ -193,7 +193,10 @@ class OffloadedTensor final : public Packed {
  public:
   OffloadedTensor(std::shared_ptr<SessionBase> session, TensorId id, TensorMeta meta,
                   std::optional<SavedVersion> version)
-      : session_(std::move(session)), id_(id), meta_(std::move(meta)), version_(std::move(version)) {}
+      : session_(std::move(session)),
+        id_(id),
+        meta_(std::move(meta)),
+        version_(std::move(version)) {}
   ~OffloadedTensor() override { session_->release(id_); }
   OffloadedTensor(const OffloadedTensor&) = delete;
   OffloadedTensor& operator=(const OffloadedTensor&) = delete;
@@ -245,8 +248,12 @@ class SessionImpl final : public SessionBase {
     facts.storage_bytes = Bytes(static_cast<std::int64_t>(t.storage().nbytes()));
     facts.view_offset = Bytes(t.storage_offset() * item);
     facts.storage = reinterpret_cast<std::uint64_t>(t.storage().unsafeGetStorageImpl());
-    TensorMeta meta{t.sizes().vec(), t.strides().vec(), t.scalar_type(), span_of(t),
-                    t.is_conj() && !faults_.drop_view_bits, t.is_neg() && !faults_.drop_view_bits};
+    TensorMeta meta{t.sizes().vec(),
+                    t.strides().vec(),
+                    t.scalar_type(),
+                    span_of(t),
+                    t.is_conj() && !faults_.drop_view_bits,
+                    t.is_neg() && !faults_.drop_view_bits};
     SavedVersion version(t);
     facts.version = version.saved();
     // trl copies the tensor's own bytes (its span); ferry the whole storage.
@@ -258,10 +265,10 @@ class SessionImpl final : public SessionBase {
     facts.node = node;
     BufferHandle storage = device_.adopt(t);
     const TensorId id = core_.pack(facts, storage);
-    return std::make_shared<OffloadedTensor>(
-        shared_from_this(), id, std::move(meta),
-        faults_.skip_version_check || !check_version ? std::nullopt
-                                                     : std::optional(std::move(version)));
+    return std::make_shared<OffloadedTensor>(shared_from_this(), id, std::move(meta),
+                                             faults_.skip_version_check || !check_version
+                                                 ? std::nullopt
+                                                 : std::optional(std::move(version)));
   }
 
   at::Tensor unpack(TensorId id, const TensorMeta& meta) override {
@@ -370,7 +377,7 @@ class SessionImpl final : public SessionBase {
   std::unordered_map<std::uint64_t, NodeId> nodes_;
   std::unordered_set<const torch::autograd::Node*> hooked_;
   std::unordered_set<const void*> excluded_;
-  OffloadFaults faults_;          // the contract's planted breaches (tests only)
+  OffloadFaults faults_;         // the contract's planted breaches (tests only)
   std::int64_t kept_as_is_ = 0;  // see Note [Saved-tensor contract]
   int graph_task_ = -1;
 };
@@ -832,8 +839,12 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
   const Context* top = tl_stack.empty() ? nullptr : &tl_stack.back();
   for (const at::Tensor& t : inputs) {
     if (t.defined() && top != nullptr && top->kind == Context::Kind::Frame) {
-      saved.push_back({at::Tensor(), state->pack_input(top->frame, t), t.requires_grad(), {},
-                       false, std::nullopt});
+      saved.push_back({at::Tensor(),
+                       state->pack_input(top->frame, t),
+                       t.requires_grad(),
+                       {},
+                       false,
+                       std::nullopt});
       continue;
     }
     if (t.defined() && top != nullptr && top->kind == Context::Kind::Offload &&
@@ -850,8 +861,11 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
     // anything else detached: a frame begun during a replay would otherwise hold the replay's
     // graph, whose holders hold this state (a cycle).
     const bool leaf = t.defined() && t.is_leaf();
-    saved.push_back({leaf || !t.defined() ? t : t.detach(), std::nullopt,
-                     t.defined() && t.requires_grad(), {}, leaf,
+    saved.push_back({leaf || !t.defined() ? t : t.detach(),
+                     std::nullopt,
+                     t.defined() && t.requires_grad(),
+                     {},
+                     leaf,
                      t.defined() && options.check_inputs
                          ? std::optional<SavedVersion>(std::in_place, t)
                          : std::nullopt});

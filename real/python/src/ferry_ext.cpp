@@ -210,11 +210,10 @@ PYBIND11_MODULE(_C, m) {
                        bool skip_backward_guard, bool skip_record_stream, bool skip_host_guard,
                        bool skip_exit_sync, bool dedup_across_versions, bool skip_version_check,
                        bool drop_view_bits) {
-             return ferry::OffloadFaults{skip_offload_wait,     skip_reload_wait,
-                                         skip_forward_guard,    skip_backward_guard,
-                                         skip_record_stream,    skip_host_guard,
-                                         skip_exit_sync,        dedup_across_versions,
-                                         skip_version_check,    drop_view_bits};
+             return ferry::OffloadFaults{
+                 skip_offload_wait,  skip_reload_wait, skip_forward_guard, skip_backward_guard,
+                 skip_record_stream, skip_host_guard,  skip_exit_sync,     dedup_across_versions,
+                 skip_version_check, drop_view_bits};
            }),
            py::kw_only(), py::arg("skip_offload_wait") = false, py::arg("skip_reload_wait") = false,
            py::arg("skip_forward_guard") = false, py::arg("skip_backward_guard") = false,
