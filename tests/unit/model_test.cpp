@@ -163,7 +163,8 @@ TEST(Presets, EveryPresetValidates) {
   const std::vector<std::string> expected = {
       "gpt2-small-s1024", "gpt2-small-s2048", "llama3-8b-s4096",
       "llama3-8b-s8192",  "llama3-8b-s16384", "llama-70b-s4096",
-      "llama-70b-s8192",  "tiny-gpt",         "tiny-llama"};
+      "llama-70b-s8192",  "llama3.2-3b-traced-s4096-b2", "tiny-gpt",
+      "tiny-llama"};
   EXPECT_EQ(model_preset_names(), expected);
   for (const std::string& name : model_preset_names()) {
     SCOPED_TRACE(name);
@@ -175,6 +176,8 @@ TEST(Presets, EveryPresetValidates) {
     for (const ModelOp& op : model.value().ops) {
       EXPECT_EQ(op.duration, SimTime(0)) << op.name;  // durations depend on the device
       EXPECT_GE(op.flops, 0) << op.name;
+      // Only a traced model lists ops that move nothing (views: t, view, transpose).
+      if (op.outputs.empty() && name.find("traced") != std::string::npos) continue;
       EXPECT_GT(op.bytes.count(), 0) << op.name;
     }
   }
@@ -832,6 +835,45 @@ TEST(ValidateModel, RejectsNegativeCountsAndEmptyModels) {
   model = small_valid_model();
   model.name.clear();
   EXPECT_EQ(validate_model(model).error().message, "name: a model needs a non-empty name");
+}
+
+TEST(TracedLlama, ListsWhatATraceOfAHuggingFaceLlamaLists) {
+  // Note [A Llama as a trace lists it]: the ops of one layer, the views of one storage that the
+  // rotary op writes for every layer, the head without offload and the float loss after it.
+  TransformerShape shape = llama_shape(128, true);
+  shape.kind = TransformerShape::Kind::LlamaTraced;
+  shape.layers = 3;
+  const Model m = make_transformer(shape, "traced");
+  ASSERT_TRUE(validate_model(m).ok()) << validate_model(m).error().message;
+  for (std::int32_t layer = 0; layer < 3; ++layer) {
+    EXPECT_EQ(std::count_if(m.ops.begin(), m.ops.end(),
+                            [&](const ModelOp& op) { return op.layer == layer; }),
+              74);
+  }
+  const ModelOp& cos = m.ops[index_of(m.ops, "model.rotary_emb/_to_copy#2")];
+  EXPECT_EQ(cos.outputs.size(), 1U + 3U);
+  for (std::size_t k = 1; k < cos.outputs.size(); ++k) {
+    EXPECT_EQ(m.tensors[cos.outputs[k]].view_of, static_cast<std::int32_t>(cos.outputs[0]));
+  }
+  EXPECT_TRUE(m.ops[index_of(m.ops, "lm_head/mm")].no_offload);
+  const ModelOp& log_softmax = m.ops[index_of(m.ops, "_log_softmax")];
+  EXPECT_FALSE(log_softmax.no_offload);
+  ASSERT_EQ(log_softmax.saved.size(), 1U);
+  EXPECT_EQ(m.tensors[log_softmax.saved[0]].bytes, Bytes(128 * 2 * 1000 * 4));
+  // Nobody saves the norms' float intermediates or the projections' outputs.
+  const std::size_t pow = index_of(m.tensors, "model.layers.1.input_layernorm/pow.out");
+  const std::size_t q = index_of(m.tensors, "model.layers.1.self_attn.q_proj/mm.out");
+  for (const ModelOp& op : m.ops) {
+    for (const std::uint32_t t : op.saved) {
+      EXPECT_NE(t, pow);
+      EXPECT_NE(t, q);
+    }
+  }
+  // The preset saves, per layer, what the trace of Llama-3.2-3B at sequence 4096 and batch 2
+  // (`python -m ferry trace`, transformers 5.23) saves: 23 tensors, 1,278,017,536 bytes.
+  const auto preset = model_preset("llama3.2-3b-traced-s4096-b2");
+  ASSERT_TRUE(preset.ok());
+  EXPECT_EQ(saved_activation_bytes(preset.value(), 0), Bytes(1'278'017'536));
 }
 
 }  // namespace

@@ -278,5 +278,88 @@ TEST(Planner, SweepRunsFromTheFloorToTheNoOffloadPeak) {
   EXPECT_NE(sweep_text(points, model, device).find("gpt2-small-s1024"), std::string::npos);
 }
 
+// A Llama as a trace lists a Hugging Face one (Note [A Llama as a trace lists it]), small.
+Model traced_llama(const DeviceProfile& device) {
+  TransformerShape shape;
+  shape.kind = TransformerShape::Kind::LlamaTraced;
+  shape.layers = 4;
+  shape.hidden = 256;
+  shape.heads = 8;
+  shape.kv_heads = 2;
+  shape.ffn = 704;
+  shape.vocab = 4096;
+  shape.sequence = 512;
+  shape.micro_batch = 2;
+  Model model = make_transformer(shape, "traced-llama");
+  assign_roofline_durations(model, device);
+  return model;
+}
+
+TEST(Planner, AtEachFixedRowsPeakThePlanIsNoSlowerThanTheRowOnATracedShape) {
+  // The planner takes each row of `ferry compare` that a plan can express as that plan's run.
+  const DeviceProfile device = profile("a100-pcie4");
+  const Model model = traced_llama(device);
+  ASSERT_TRUE(validate_model(model).ok());
+  Planner planner(model, device, 2);
+  const std::vector<RowResult>& rows = planner.fixed();
+  ASSERT_EQ(rows.size(), default_rows(TrainingOptions{}, model).size());
+  // At the no-offload peak the plan is the no-offload run itself.
+  auto top = planner.plan(PlannerOptions{rows.front().peak_reserved, std::nullopt, 2});
+  ASSERT_TRUE(top.ok()) << top.error().message;
+  EXPECT_EQ(top.value().row.step_time, rows.front().step_time);
+  for (const RowResult& r : rows) {
+    if (r.failure || !r.fits || is_trl(r.policy)) continue;
+    // At a row's own peak, the plan is at most as slow as it.
+    auto outcome = planner.plan(PlannerOptions{r.peak_reserved, std::nullopt, 2});
+    ASSERT_TRUE(outcome.ok()) << r.name << ": " << outcome.error().message;
+    EXPECT_LE(outcome.value().row.step_time, r.step_time) << r.name;
+    EXPECT_EQ(outcome.value().row.hazards, 0U) << r.name;
+  }
+}
+
+TEST(Planner, ALaterBudgetReusesTheFixedRowsAndTheRunsOfAnEarlierOne) {
+  const DeviceProfile device = profile("a100-pcie4");
+  const Model model = traced_llama(device);
+  Planner planner(model, device, 2);
+  const Bytes every = [&] {
+    for (const RowResult& r : planner.fixed()) {
+      if (r.name == "checkpoint every layer") return r.peak_reserved;
+    }
+    return Bytes(0);
+  }();
+  ASSERT_GT(every, Bytes(0));
+  const std::int64_t before = planner.simulations();
+  auto first = planner.plan(PlannerOptions{every, std::nullopt, 2});
+  ASSERT_TRUE(first.ok()) << first.error().message;
+  EXPECT_EQ(first.value().simulations, planner.simulations() - before);
+  // The same budget again: nothing new is simulated.
+  auto again = planner.plan(PlannerOptions{every, std::nullopt, 2});
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value().simulations, 0);
+  EXPECT_GT(again.value().reused, 0);
+  EXPECT_EQ(again.value().plan, first.value().plan);
+  EXPECT_EQ(again.value().row.step_time, first.value().row.step_time);
+  // A looser budget reuses part of what the first one ran.
+  auto looser = planner.plan(PlannerOptions{Bytes(every.count() * 11 / 10), std::nullopt, 2});
+  ASSERT_TRUE(looser.ok()) << looser.error().message;
+  EXPECT_GT(looser.value().reused, 0);
+  EXPECT_LE(looser.value().row.step_time, first.value().row.step_time);
+}
+
+TEST(Planner, NoRefusalNamesAFloorUnderItsBudget) {
+  // At the floor itself, either a plan is returned or the refusal says why the plans that
+  // reached it failed; it never names a floor (a peak some plan reached) under the budget.
+  const DeviceProfile device = profile("a100-pcie4");
+  const Model model = traced_llama(device);
+  Bytes floor;
+  auto tiny = make_plan(model, device, PlannerOptions{Bytes(1), std::nullopt, 2}, &floor);
+  ASSERT_FALSE(tiny.ok());
+  auto at_floor = make_plan(model, device, PlannerOptions{floor, std::nullopt, 2});
+  if (!at_floor.ok()) {
+    EXPECT_EQ(at_floor.error().message.find("the floor"), std::string::npos)
+        << at_floor.error().message;
+  }
+}
+
 }  // namespace
 }  // namespace ferry::sim

@@ -64,8 +64,8 @@ std::string plan_text(const PlanOutcome& o, const Model& model, const DeviceProf
   }
   out += fmt::format(
       "hazards: {} (final run checked: hazard checker and content checks on); "
-      "{} simulations\n",
-      r.hazards, o.simulations);
+      "{} simulations ({} more reused)\n",
+      r.hazards, o.simulations, o.reused);
   out += fmt::format("{:<6} {:>10} {:>10} {:>10}\n", "layer", "kept", "offloaded", "recomputed");
   for (const LayerSummary& s : o.layers) {
     out += fmt::format("{:<6} {:>10} {:>10} {:>10}\n", layer_name(s.layer), format_bytes(s.kept),
@@ -96,6 +96,7 @@ std::string plan_report_json(const PlanOutcome& o, const Model& model,
   j["backward_stall_ns"] = r.backward_stall.ns();
   j["hazards"] = r.hazards;
   j["simulations"] = o.simulations;
+  j["reused_simulations"] = o.reused;
   Json layers = Json::array();
   for (const LayerSummary& s : o.layers) {
     layers.push_back({{"layer", s.layer},

@@ -36,15 +36,14 @@ std::vector<SweepPoint> plan_sweep(
     const Model& model, const DeviceProfile& device, const PlannerOptions& options,
     std::int32_t points, const std::function<void(std::size_t, std::size_t, Bytes)>& progress) {
   points = std::max(points, 2);
+  // One planner for every budget: the fixed configurations run once, and a simulation one
+  // budget made serves the others.
+  Planner planner(model, device, options.steps);
   PlannerOptions tiny = options;
   tiny.budget = Bytes(1);
   Bytes floor;
-  (void)make_plan(model, device, tiny, &floor);
-  TrainingOptions base;
-  base.steps = options.steps;
-  base.sim.check_hazards = false;
-  base.sim.track_content = false;
-  const RowResult none = run_row(model, device, default_rows(base, model).front());
+  (void)planner.plan(tiny, &floor);
+  const RowResult& none = planner.fixed().front();
   const Bytes peak = std::max(none.peak_reserved, floor);
   std::vector<SweepPoint> out;
   const auto count = static_cast<std::size_t>(points);
@@ -55,7 +54,7 @@ std::vector<SweepPoint> plan_sweep(
     if (progress) progress(i, count, point.budget);
     PlannerOptions o = options;
     o.budget = point.budget;
-    auto outcome = make_plan(model, device, o);
+    auto outcome = planner.plan(o);
     if (outcome) {
       point.outcome = std::move(outcome).value();
     } else {

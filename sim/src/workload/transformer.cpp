@@ -12,140 +12,12 @@
 #include "ferry/check.hpp"
 #include "ferry/sim/json/json_reader.hpp"
 #include "ferry/sim/workload/model.hpp"
+#include "model_builder.hpp"
 
 namespace ferry::sim {
 namespace {
 
-using Kind = TransformerShape::Kind;
-using Tensors = std::initializer_list<std::uint32_t>;
-
-/// Forward FLOPs per element of the elementwise and normalization kernels. Rough counts; they
-/// only matter where an op is compute-bound, which these never are.
-constexpr std::int64_t kNormFlops = 5;
-constexpr std::int64_t kSoftmaxFlops = 5;
-constexpr std::int64_t kGeluFlops = 8;
-constexpr std::int64_t kSiluFlops = 4;
-constexpr std::int64_t kRotaryFlops = 3;
-constexpr std::int64_t kDropoutFlops = 2;
-constexpr std::int64_t kCrossEntropyFlops = 5;
-
-/// Appends tensors and ops to a Model, tracking indices so that nothing is looked up by name.
-class ModelBuilder {
- public:
-  ModelBuilder(std::string name, DType dtype) : element_(dtype_size(dtype)), dtype_(dtype) {
-    model_.name = std::move(name);
-  }
-
-  /// A tensor of `elements` elements of the model's dtype.
-  std::uint32_t tensor(std::string name, std::int64_t elements, TensorRole role) {
-    return tensor(std::move(name), elements, dtype_, role);
-  }
-
-  std::uint32_t tensor(std::string name, std::int64_t elements, DType dtype, TensorRole role) {
-    ModelTensor tensor;
-    tensor.name = std::move(name);
-    tensor.bytes = Bytes(elements * dtype_size(dtype));
-    tensor.dtype = dtype;
-    tensor.role = role;
-    model_.tensors.push_back(std::move(tensor));
-    return static_cast<std::uint32_t>(model_.tensors.size() - 1);
-  }
-
-  std::uint32_t activation(std::string name, std::int64_t elements) {
-    return tensor(std::move(name), elements, TensorRole::Activation);
-  }
-
-  std::uint32_t param(std::string name, std::int64_t elements) {
-    return tensor(std::move(name), elements, TensorRole::Param);
-  }
-
-  /// A view of `elements` elements starting `offset_elements` into `base`.
-  std::uint32_t view(std::string name, std::uint32_t base, std::int64_t offset_elements,
-                     std::int64_t elements) {
-    const std::uint32_t index = activation(std::move(name), elements);
-    ModelTensor& tensor = model_.tensors[index];
-    tensor.view_of = static_cast<std::int32_t>(base);
-    tensor.view_offset = Bytes(offset_elements * element_);
-    return index;
-  }
-
-  /// Appends an op; costs are set by the caller (see cost()).
-  ModelOp& op(std::string name, std::int32_t layer, Tensors inputs, Tensors outputs,
-              Tensors saved) {
-    ModelOp op;
-    op.name = std::move(name);
-    op.layer = layer;
-    op.inputs = inputs;
-    op.outputs = outputs;
-    op.saved = saved;
-    model_.ops.push_back(std::move(op));
-    return model_.ops.back();
-  }
-
-  /// The op appended last.
-  ModelOp& last_op() { return model_.ops.back(); }
-
-  [[nodiscard]] std::int64_t element() const { return element_; }
-  [[nodiscard]] std::int64_t bytes(std::uint32_t tensor) const {
-    return model_.tensors[tensor].bytes.count();
-  }
-
-  Model finish(std::uint32_t loss) && {
-    model_.loss = loss;
-    return std::move(model_);
-  }
-
-  void reserve(std::size_t tensors, std::size_t ops) {
-    model_.tensors.reserve(tensors);
-    model_.ops.reserve(ops);
-  }
-
- private:
-  Model model_;
-  std::int64_t element_;
-  DType dtype_;
-};
-
-/// Sets an op's forward cost and the backward as twice the forward (see docs/model-format.md).
-void cost(ModelOp& op, std::int64_t flops, std::int64_t bytes) {
-  op.flops = flops;
-  op.bytes = Bytes(bytes);
-  op.backward_flops = 2 * flops;
-  op.backward_bytes = Bytes(2 * bytes);
-}
-
-/// A [m, k] x [k, n] matmul (plus a bias of n): 2mkn FLOPs, every operand read or written once.
-void matmul_cost(ModelOp& op, std::int64_t m, std::int64_t k, std::int64_t n, bool bias,
-                 std::int64_t element) {
-  cost(op, 2 * m * k * n, (m * k + k * n + m * n + (bias ? n : 0)) * element);
-}
-
-/// Sizes shared by every block of one stack.
-struct Dims {
-  std::int64_t s;       ///< sequence
-  std::int64_t b;       ///< micro-batch
-  std::int64_t h;       ///< hidden
-  std::int64_t a;       ///< heads
-  std::int64_t kv;      ///< key/value heads (Llama)
-  std::int64_t d;       ///< head size h / a
-  std::int64_t f;       ///< MLP inner size
-  std::int64_t tokens;  ///< s x b
-  std::int64_t e;       ///< bytes per element
-};
-
-Dims dims_of(const TransformerShape& shape) {
-  Dims dims{};
-  dims.s = shape.sequence;
-  dims.b = shape.micro_batch;
-  dims.h = shape.hidden;
-  dims.a = shape.heads;
-  dims.kv = shape.kind == Kind::Llama ? shape.kv_heads : shape.heads;
-  dims.d = shape.hidden / shape.heads;
-  dims.f = shape.ffn;
-  dims.tokens = shape.sequence * shape.micro_batch;
-  dims.e = dtype_size(shape.dtype);
-  return dims;
-}
+using namespace workload_detail;
 
 void check_shape(const TransformerShape& shape) {
   FERRY_CHECK(shape.layers >= 1 && shape.hidden >= 1 && shape.heads >= 1 && shape.ffn >= 1 &&
@@ -154,7 +26,7 @@ void check_shape(const TransformerShape& shape) {
   FERRY_CHECK(shape.layers <= 1'000'000, "{} layers is too many", shape.layers);
   FERRY_CHECK(shape.hidden % shape.heads == 0, "hidden {} is not a multiple of heads {}",
               shape.hidden, shape.heads);
-  if (shape.kind == Kind::Llama) {
+  if (shape.kind != Kind::Gpt) {
     FERRY_CHECK(shape.kv_heads >= 1 && shape.heads % shape.kv_heads == 0,
                 "heads {} is not a multiple of kv_heads {}", shape.heads, shape.kv_heads);
   }
@@ -385,6 +257,7 @@ std::uint32_t embedding(ModelBuilder& m, const Dims& x, const TransformerShape& 
 
 Model make_transformer(const TransformerShape& shape, std::string name) {
   check_shape(shape);
+  if (shape.kind == Kind::LlamaTraced) return make_traced_llama(shape, std::move(name));
   const Dims x = dims_of(shape);
   const bool gpt = shape.kind == Kind::Gpt;
   ModelBuilder m(std::move(name), shape.dtype);
@@ -472,6 +345,20 @@ TransformerShape llama_70b(std::int64_t sequence) {
   return shape;
 }
 
+/// Llama-3.2-3B (tied embeddings) at batch 2 as a trace lists it: torchtune's published
+/// one-A100 set-up (docs/validation.md).
+TransformerShape llama32_3b_traced(std::int64_t sequence, std::int64_t batch) {
+  TransformerShape shape = llama3_8b(sequence);
+  shape.kind = Kind::LlamaTraced;
+  shape.layers = 28;
+  shape.hidden = 3072;
+  shape.heads = 24;
+  shape.kv_heads = 8;
+  shape.ffn = 8192;
+  shape.micro_batch = batch;
+  return shape;
+}
+
 /// Two small layers with a 4h MLP, for tests.
 TransformerShape tiny_gpt() {
   TransformerShape shape;
@@ -507,7 +394,9 @@ std::vector<Preset> presets() {
       {"gpt2-small-s1024", gpt2_small(1024)}, {"gpt2-small-s2048", gpt2_small(2048)},
       {"llama3-8b-s4096", llama3_8b(4096)},   {"llama3-8b-s8192", llama3_8b(8192)},
       {"llama3-8b-s16384", llama3_8b(16384)}, {"llama-70b-s4096", llama_70b(4096)},
-      {"llama-70b-s8192", llama_70b(8192)},   {"tiny-gpt", tiny_gpt()},
+      {"llama-70b-s8192", llama_70b(8192)},
+      {"llama3.2-3b-traced-s4096-b2", llama32_3b_traced(4096, 2)},
+      {"tiny-gpt", tiny_gpt()},
       {"tiny-llama", tiny_llama()},
   };
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +14,10 @@
 #include "ferry/sim/analysis/compare.hpp"
 
 namespace ferry::sim {
+
+namespace planning {
+struct PlannerState;  // planner.cpp
+}  // namespace planning
 
 /// What to plan for.
 struct PlannerOptions {
@@ -35,7 +40,8 @@ struct PlanOutcome {
   RowResult row;        ///< the final run: hazard checker and content checks on
   SimTime lower_bound;  ///< see step_lower_bound
   std::vector<LayerSummary> layers;
-  std::int64_t simulations = 0;  ///< runs the search made
+  std::int64_t simulations = 0;  ///< runs the search made for this budget (checked runs included)
+  std::int64_t reused = 0;       ///< runs it took from earlier ones instead (same inputs)
   /// The fixed configurations of `ferry compare` the search started from, as measured.
   std::vector<RowResult> fixed;
 };
@@ -68,10 +74,36 @@ void recompute_random_prefix(Plan& plan, const Model& model);
 [[nodiscard]] SimTime step_lower_bound(const Model& model, const DeviceProfile& device,
                                        const RowResult& none, Bytes budget);
 
-/// Finds the fastest plan it can whose checked simulation has zero hazards, completes, and
-/// peaks within the budgets. The error says the budget is infeasible and names the floor (the
-/// smallest peak reserved the planner reached), which `floor` (when not null) also receives.
-/// `model` must have durations assigned.
+/// Plans one model on one device, at one budget or several (a sweep): the fixed
+/// configurations of `ferry compare` are simulated once, on the first plan, and every
+/// simulation is kept by its inputs (the plan's decisions and knobs, and the device memory of a
+/// checked run), so a plan for another budget reuses what an earlier one ran. `model` must have
+/// durations assigned and outlive the planner.
+class Planner {
+ public:
+  /// `steps`: training steps per simulation (the last is measured).
+  Planner(const Model& model, const DeviceProfile& device, std::int32_t steps = 2);
+  ~Planner();
+  Planner(const Planner&) = delete;
+  Planner& operator=(const Planner&) = delete;
+
+  /// Finds the fastest plan it can whose checked simulation has zero hazards, completes, and
+  /// peaks within the budgets; never slower than the fastest fixed configuration of `ferry
+  /// compare` that a plan can express and that fits. The error says the budget is infeasible
+  /// and names the floor (the smallest peak reserved any run reached), which `floor` (when
+  /// not null) also receives. `options.steps` is the planner's.
+  Result<PlanOutcome> plan(const PlannerOptions& options, Bytes* floor = nullptr);
+
+  /// The rows of `ferry compare` (default_rows, checker off) as measured on the device.
+  [[nodiscard]] const std::vector<RowResult>& fixed();
+  /// Simulations run so far, checked runs included.
+  [[nodiscard]] std::int64_t simulations() const;
+
+ private:
+  std::unique_ptr<planning::PlannerState> state_;
+};
+
+/// Plans at one budget: `Planner(model, device, options.steps).plan(options, floor)`.
 Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,
                               const PlannerOptions& options, Bytes* floor = nullptr);
 

@@ -79,8 +79,10 @@ struct Model {
 
 /// Shapes of a transformer stack.
 struct TransformerShape {
-  /// GPT-2 (LayerNorm, GeLU MLP, dropout) or Llama (RMSNorm, GQA, rotary, SwiGLU).
-  enum class Kind : std::uint8_t { Gpt, Llama } kind = Kind::Gpt;
+  /// GPT-2 (LayerNorm, GeLU MLP, dropout), Llama (RMSNorm, GQA, rotary, SwiGLU; one op per
+  /// module), or a Llama as `python -m ferry trace` lists a Hugging Face one (aten ops, float32
+  /// norms and loss, the head tied to the embedding, AdamW state; flash attention).
+  enum class Kind : std::uint8_t { Gpt, Llama, LlamaTraced } kind = Kind::Gpt;
   std::int64_t layers = 1;       ///< transformer blocks
   std::int64_t hidden = 768;     ///< h
   std::int64_t heads = 12;       ///< a, attention heads (divides h)

@@ -1,0 +1,288 @@
+#include <fmt/format.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model_builder.hpp"
+
+namespace ferry::sim::workload_detail {
+
+// Note [A Llama as a trace lists it]
+// `python -m ferry trace` lists a Hugging Face LlamaForCausalLM op by op at the aten level, and
+// the presets' Llama (one op per module) hides what such a trace shows the planner and the
+// offloader: RMSNorm computed in float32 through eight ops whose intermediates nobody saves
+// (pow, mean, the float product), separate Q, K and V projections whose outputs nobody saves,
+// rotary embedding through slices, negations and concatenations, the grouped key and value
+// heads repeated for attention, the rotary cos and sin of every layer listed as views of one
+// storage written by one op, transposed weights as views of the parameters, the loss computed
+// in float32 outside the output head (a log-softmax saving batch x sequence x vocabulary
+// floats), and the optimizer's state as buffers. This generator lists the same ops, in the
+// same order, with the same saved tensors, and names them as the trace does, so that the
+// planner's benchmark and tests can run a model of that shape without tracing one. Costs come
+// from the same roofline as the other generators (backward twice forward), not from the trace.
+
+namespace {
+
+class Tracer {
+ public:
+  Tracer(ModelBuilder& m, const Dims& x) : m_(m), x_(x) {}
+
+  /// An elementwise op (`elements` outputs of `dtype`), reading every input once.
+  std::uint32_t eltwise(const std::string& name, std::int32_t layer, Tensors inputs,
+                        std::int64_t elements, DType dtype, Tensors saved) {
+    const std::uint32_t out = m_.tensor(name + ".out", elements, dtype, TensorRole::Activation);
+    ModelOp& op = m_.op(name, layer, inputs, {out}, saved);
+    std::int64_t bytes = m_.bytes(out);
+    for (const std::uint32_t t : inputs) bytes += m_.bytes(t);
+    cost(op, elements, bytes);
+    return out;
+  }
+
+  /// An op that only makes a view (the trace lists it with no output: the view is an output
+  /// of the op that wrote its storage, added there by `view_of`).
+  void view_op(const std::string& name, std::int32_t layer, std::uint32_t in) {
+    m_.op(name, layer, {in}, {}, {});
+  }
+
+  /// A view of `base` (`elements` at `offset`), listed as an output of `producer`.
+  std::uint32_t view_of(const std::string& name, std::size_t producer, std::uint32_t base,
+                        std::int64_t offset, std::int64_t elements) {
+    const std::uint32_t v = m_.view(name, base, offset, elements);
+    ModelOp& op = ops()[producer];
+    op.outputs.push_back(v);
+    return v;
+  }
+
+  /// RMSNorm in float32 as Hugging Face computes it; returns the normalized output.
+  std::uint32_t rms_norm(const std::string& p, std::int32_t layer, std::uint32_t in,
+                         std::size_t& producer) {
+    const std::int64_t n = x_.tokens * x_.h;
+    const std::uint32_t weight = m_.param(p + ".weight", x_.h);
+    const std::uint32_t wide = eltwise(p + "/_to_copy", layer, {in}, n, DType::F32, {});
+    const std::uint32_t squared = eltwise(p + "/pow", layer, {wide}, n, DType::F32, {wide});
+    const std::uint32_t mean = eltwise(p + "/mean", layer, {squared}, x_.tokens, DType::F32, {});
+    const std::uint32_t eps = eltwise(p + "/add", layer, {mean}, x_.tokens, DType::F32, {});
+    const std::uint32_t rstd = m_.tensor(p + "/rsqrt.out", x_.tokens, DType::F32,
+                                         TensorRole::Activation);
+    cost(m_.op(p + "/rsqrt", layer, {eps}, {rstd}, {rstd}), x_.tokens, 2 * m_.bytes(rstd));
+    const std::uint32_t scaled =
+        eltwise(p + "/mul", layer, {wide, rstd}, n, DType::F32, {rstd, wide});
+    const std::uint32_t narrow = eltwise(p + "/_to_copy#1", layer, {scaled}, n, x_dtype(), {});
+    const std::uint32_t out =
+        eltwise(p + "/mul#1", layer, {weight, narrow}, n, x_dtype(), {narrow, weight});
+    producer = ops().size() - 1;
+    return out;
+  }
+
+  /// A bias-free linear layer as the trace lists it (t, view, mm, _unsafe_view); `in` is a
+  /// view of the input made by the input's producer. Returns mm's output and its producer.
+  std::pair<std::uint32_t, std::size_t> linear(const std::string& p, std::int32_t layer,
+                                               std::uint32_t in, std::int64_t in_features,
+                                               std::int64_t out_features) {
+    const std::uint32_t weight = m_.param(p + ".weight", in_features * out_features);
+    const std::uint32_t t = m_.tensor(p + "/t.out", in_features * out_features, x_dtype(),
+                                      TensorRole::Param);
+    m_.view_param(t, weight);
+    m_.op(p + "/t", layer, {weight}, {}, {});
+    view_op(p + "/view", layer, base_of(in));
+    const std::uint32_t out = m_.activation(p + "/mm.out", x_.tokens * out_features);
+    matmul_cost(m_.op(p + "/mm", layer, {in, t}, {out}, {t, in}), x_.tokens, in_features,
+                out_features, false, m_.element());
+    const std::size_t producer = ops().size() - 1;
+    view_op(p + "/_unsafe_view", layer, out);
+    return {out, producer};
+  }
+
+  [[nodiscard]] std::uint32_t base_of(std::uint32_t t) const {
+    const auto& tensors = model().tensors;
+    while (tensors[t].view_of >= 0) t = static_cast<std::uint32_t>(tensors[t].view_of);
+    return t;
+  }
+
+  [[nodiscard]] DType x_dtype() const { return m_.dtype(); }
+  std::vector<ModelOp>& ops() { return m_.ops(); }
+  [[nodiscard]] const Model& model() const { return m_.model(); }
+  ModelBuilder& builder() { return m_; }
+
+ private:
+  ModelBuilder& m_;
+  const Dims& x_;
+};
+
+void traced_layer(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t& stream,
+                  std::uint32_t cos, std::uint32_t sin) {
+  ModelBuilder& m = tr.builder();
+  const std::string p = fmt::format("model.layers.{}", layer);
+  const std::string a = p + ".self_attn";
+  const std::int64_t kv_width = x.kv * x.d;
+  const std::int64_t half = x.tokens * x.h / 2;
+  const std::int64_t kv_half = x.tokens * kv_width / 2;
+  const DType e = tr.x_dtype();
+
+  std::size_t normed_by = 0;
+  const std::uint32_t normed = tr.rms_norm(p + ".input_layernorm", layer, stream, normed_by);
+  const std::uint32_t n1 = tr.view_of(p + ".input_layernorm/view.out", normed_by, normed, 0,
+                                      x.tokens * x.h);
+  auto [q, q_by] = tr.linear(a + ".q_proj", layer, n1, x.h, x.h);
+  const std::uint32_t qt = tr.view_of(a + "/transpose.out", q_by, q, 0, x.tokens * x.h);
+  const std::uint32_t q1 = tr.view_of(a + "/slice.out", q_by, q, 0, half);
+  const std::uint32_t q2 = tr.view_of(a + "/slice#1.out", q_by, q, half, half);
+  tr.view_op(a + "/view", layer, q);
+  tr.view_op(a + "/transpose", layer, q);
+  auto [k, k_by] = tr.linear(a + ".k_proj", layer, n1, x.h, kv_width);
+  const std::uint32_t kt = tr.view_of(a + "/transpose#1.out", k_by, k, 0, x.tokens * kv_width);
+  const std::uint32_t k1 = tr.view_of(a + "/slice#2.out", k_by, k, 0, kv_half);
+  const std::uint32_t k2 = tr.view_of(a + "/slice#3.out", k_by, k, kv_half, kv_half);
+  tr.view_op(a + "/view#1", layer, k);
+  tr.view_op(a + "/transpose#1", layer, k);
+  auto [v, v_by] = tr.linear(a + ".v_proj", layer, n1, x.h, kv_width);
+  const std::uint32_t vt = tr.view_of(a + "/transpose#2.out", v_by, v, 0, x.tokens * kv_width);
+  tr.view_op(a + "/view#2", layer, v);
+  tr.view_op(a + "/transpose#2", layer, v);
+
+  // Rotary: q * cos + rotate_half(q) * sin, and the same for k.
+  const std::uint32_t qc = tr.eltwise(a + "/mul", layer, {qt, cos}, x.tokens * x.h, e, {cos});
+  tr.view_op(a + "/slice", layer, q);
+  tr.view_op(a + "/slice#1", layer, q);
+  const std::uint32_t qn = tr.eltwise(a + "/neg", layer, {q2}, half, e, {});
+  const std::uint32_t qr = tr.eltwise(a + "/cat", layer, {qn, q1}, x.tokens * x.h, e, {});
+  const std::uint32_t qs = tr.eltwise(a + "/mul#1", layer, {qr, sin}, x.tokens * x.h, e, {sin});
+  const std::uint32_t q_rot = tr.eltwise(a + "/add", layer, {qc, qs}, x.tokens * x.h, e, {});
+  const std::uint32_t kc = tr.eltwise(a + "/mul#2", layer, {kt, cos}, x.tokens * kv_width, e, {cos});
+  tr.view_op(a + "/slice#2", layer, k);
+  tr.view_op(a + "/slice#3", layer, k);
+  const std::uint32_t kn = tr.eltwise(a + "/neg#1", layer, {k2}, kv_half, e, {});
+  const std::uint32_t kr = tr.eltwise(a + "/cat#1", layer, {kn, k1}, x.tokens * kv_width, e, {});
+  const std::uint32_t ks =
+      tr.eltwise(a + "/mul#3", layer, {kr, sin}, x.tokens * kv_width, e, {sin});
+  const std::uint32_t k_rot = tr.eltwise(a + "/add#1", layer, {kc, ks}, x.tokens * kv_width, e, {});
+  // The grouped key and value heads as the trace lists them (Hugging Face's repeat_kv).
+  const std::uint32_t k_rep = tr.eltwise(a + "/cat#2", layer, {k_rot}, x.tokens * kv_width, e, {});
+  const std::uint32_t v_rep = tr.eltwise(a + "/cat#3", layer, {vt}, x.tokens * kv_width, e, {});
+
+  const std::string sdpa = a + "/_scaled_dot_product_flash_attention";
+  const std::uint32_t out = m.activation(sdpa + ".out0", x.tokens * x.h);
+  const std::uint32_t lse =
+      m.tensor(sdpa + ".out1", x.a * x.s * x.b, DType::F32, TensorRole::Activation);
+  const std::int64_t qk_flops = 2 * x.b * x.s * x.s * x.h;
+  ModelOp& attn = m.op(sdpa, layer, {q_rot, k_rep, v_rep}, {out, lse},
+                       {k_rep, q_rot, v_rep, lse, out});
+  cost(attn, 2 * qk_flops,
+       m.bytes(q_rot) + m.bytes(k_rep) + m.bytes(v_rep) + m.bytes(out) + m.bytes(lse));
+  attn.backward_flops = 5 * qk_flops;
+  const std::size_t attn_by = tr.ops().size() - 1;
+  const std::uint32_t context = tr.view_of(a + ".o_proj/view.out", attn_by, out, 0, x.tokens * x.h);
+  tr.view_op(a + "/view#3", layer, out);
+  tr.view_op(a + "/transpose#3", layer, out);
+  tr.view_op(a + "/view#4", layer, out);
+  auto [o, o_by] = tr.linear(a + ".o_proj", layer, context, x.h, x.h);
+  (void)o_by;
+  const std::uint32_t resid = tr.eltwise(p + "/add", layer, {stream, o}, x.tokens * x.h, e, {});
+
+  const std::uint32_t normed2 =
+      tr.rms_norm(p + ".post_attention_layernorm", layer, resid, normed_by);
+  const std::uint32_t n2 = tr.view_of(p + ".post_attention_layernorm/view.out", normed_by,
+                                      normed2, 0, x.tokens * x.h);
+  auto [gate, gate_by] = tr.linear(p + ".mlp.gate_proj", layer, n2, x.h, x.f);
+  const std::uint32_t gate_v =
+      tr.view_of(p + ".mlp.gate_proj/_unsafe_view.out", gate_by, gate, 0, x.tokens * x.f);
+  const std::uint32_t silu =
+      tr.eltwise(p + ".mlp.act_fn/silu", layer, {gate_v}, x.tokens * x.f, e, {gate_v});
+  auto [up, up_by] = tr.linear(p + ".mlp.up_proj", layer, n2, x.h, x.f);
+  const std::uint32_t up_v =
+      tr.view_of(p + ".mlp.up_proj/_unsafe_view.out", up_by, up, 0, x.tokens * x.f);
+  const std::uint32_t product =
+      tr.eltwise(p + ".mlp/mul", layer, {silu, up_v}, x.tokens * x.f, e, {up_v, silu});
+  const std::uint32_t product_v = tr.view_of(p + ".mlp.down_proj/view.out", tr.ops().size() - 1,
+                                             product, 0, x.tokens * x.f);
+  auto [down, down_by] = tr.linear(p + ".mlp.down_proj", layer, product_v, x.f, x.h);
+  (void)down_by;
+  stream = tr.eltwise(p + "/add#1", layer, {resid, down}, x.tokens * x.h, e, {});
+}
+
+}  // namespace
+
+Model make_traced_llama(const TransformerShape& shape, std::string name) {
+  const Dims x = dims_of(shape);
+  ModelBuilder m(std::move(name), shape.dtype);
+  Tracer tr(m, x);
+  const auto layers = static_cast<std::size_t>(shape.layers);
+  m.reserve(layers * 110 + 80, layers * 80 + 30);
+  const DType e = shape.dtype;
+
+  const std::uint32_t tokens = m.tensor("input.0", x.tokens, DType::I64, TensorRole::Input);
+  const std::uint32_t labels = m.tensor("input.labels", x.tokens, DType::I64, TensorRole::Input);
+  const std::uint32_t table = m.param("model.embed_tokens.weight", shape.vocab * x.h);
+  const std::uint32_t inv_freq =
+      m.tensor("model.rotary_emb.inv_freq", x.d / 2, DType::F32, TensorRole::Buffer);
+  std::uint32_t stream = m.activation("model.embed_tokens/embedding.out", x.tokens * x.h);
+  cost(m.op("model.embed_tokens/embedding", -1, {table, tokens}, {stream}, {tokens}), 0,
+       m.bytes(tokens) + 2 * m.bytes(stream));
+
+  // Rotary cos and sin (float32, then the model's dtype), one view of each per layer.
+  const std::uint32_t freqs = tr.eltwise("model.rotary_emb/mul", -1, {inv_freq}, x.s * x.d / 2,
+                                         DType::F32, {});
+  const std::uint32_t angles =
+      tr.eltwise("model.rotary_emb/cat", -1, {freqs}, x.s * x.d, DType::F32, {});
+  const std::uint32_t cos32 =
+      tr.eltwise("model.rotary_emb/cos", -1, {angles}, x.s * x.d, DType::F32, {});
+  const std::uint32_t sin32 =
+      tr.eltwise("model.rotary_emb/sin", -1, {angles}, x.s * x.d, DType::F32, {});
+  const std::uint32_t cos = tr.eltwise("model.rotary_emb/_to_copy#2", -1, {cos32}, x.s * x.d, e, {});
+  const std::size_t cos_by = m.ops().size() - 1;
+  const std::uint32_t sin = tr.eltwise("model.rotary_emb/_to_copy#3", -1, {sin32}, x.s * x.d, e, {});
+  const std::size_t sin_by = m.ops().size() - 1;
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> rope;
+  for (std::int64_t layer = 0; layer < shape.layers; ++layer) {
+    const std::string a = fmt::format("model.layers.{}.self_attn", layer);
+    rope.emplace_back(tr.view_of(a + "/unsqueeze.out", cos_by, cos, 0, x.s * x.d),
+                      tr.view_of(a + "/unsqueeze#1.out", sin_by, sin, 0, x.s * x.d));
+  }
+
+  for (std::int64_t layer = 0; layer < shape.layers; ++layer) {
+    const auto l = static_cast<std::size_t>(layer);
+    traced_layer(tr, x, static_cast<std::int32_t>(layer), stream, rope[l].first, rope[l].second);
+  }
+  std::size_t normed_by = 0;
+  const std::uint32_t normed = tr.rms_norm("model.norm", -1, stream, normed_by);
+  const std::uint32_t head_in = tr.view_of("lm_head/view.out", normed_by, normed, 0, x.tokens * x.h);
+
+  // The output head (tied to the embedding) in the no-offload region, the loss after it.
+  const std::uint32_t t =
+      m.tensor("lm_head/t.out", shape.vocab * x.h, shape.dtype, TensorRole::Param);
+  m.view_param(t, table);
+  m.op("lm_head/t", -1, {table}, {}, {}).no_offload = true;
+  m.op("lm_head/view", -1, {head_in}, {}, {}).no_offload = true;
+  const std::uint32_t logits = m.activation("lm_head/mm.out", x.tokens * shape.vocab);
+  ModelOp& head = m.op("lm_head/mm", -1, {head_in, t}, {logits}, {t, head_in});
+  matmul_cost(head, x.tokens, x.h, shape.vocab, false, x.e);
+  head.no_offload = true;
+  m.op("lm_head/_unsafe_view", -1, {logits}, {}, {}).no_offload = true;
+  const std::uint32_t wide =
+      tr.eltwise("_to_copy", -1, {logits}, x.tokens * shape.vocab, DType::F32, {});
+  const std::uint32_t log_probs = m.tensor("_log_softmax.out", x.tokens * shape.vocab,
+                                           DType::F32, TensorRole::Activation);
+  cost(m.op("_log_softmax", -1, {wide}, {log_probs}, {log_probs}),
+       kCrossEntropyFlops * x.tokens * shape.vocab, 2 * m.bytes(wide));
+  const std::uint32_t loss = m.tensor("nll_loss_forward.out0", 1, DType::F32,
+                                      TensorRole::Activation);
+  const std::uint32_t total =
+      m.tensor("nll_loss_forward.out1", 1, DType::F32, TensorRole::Activation);
+  cost(m.op("nll_loss_forward", -1, {log_probs, labels}, {loss, total}, {log_probs, labels, total}),
+       x.tokens, m.bytes(log_probs) + m.bytes(labels));
+
+  // AdamW's two moments per parameter, held for the whole step.
+  const std::size_t count = m.model().tensors.size();
+  for (std::size_t i = 0; i < count; ++i) {
+    const ModelTensor& tensor = m.model().tensors[i];
+    if (tensor.role != TensorRole::Param || tensor.view_of >= 0) continue;
+    const std::int64_t elements = tensor.bytes.count() / dtype_size(tensor.dtype);
+    const std::string param = tensor.name;
+    m.tensor("optimizer." + param + ".exp_avg", elements, TensorRole::Buffer);
+    m.tensor("optimizer." + param + ".exp_avg_sq", elements, TensorRole::Buffer);
+  }
+  return std::move(m).finish(loss);
+}
+
+}  // namespace ferry::sim::workload_detail
