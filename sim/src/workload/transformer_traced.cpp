@@ -75,29 +75,27 @@ class Tracer {
     return out;
   }
 
-  /// A bias-free linear layer as the trace lists it (t, view, mm, _unsafe_view); `in` is a
-  /// view of the input made by the input's producer. Returns mm's output and its producer.
+  /// A bias-free linear layer as the trace lists it (t, view, mm, _unsafe_view) over `input`,
+  /// which op `producer` wrote: the view it saves is its own tensor, an output of `producer`.
+  /// Returns mm's output and its producer.
   std::pair<std::uint32_t, std::size_t> linear(const std::string& p, std::int32_t layer,
-                                               std::uint32_t in, std::int64_t in_features,
+                                               std::uint32_t input, std::size_t producer,
+                                               std::int64_t in_features,
                                                std::int64_t out_features) {
+    const std::uint32_t in =
+        view_of(p + "/view.out", producer, input, 0, x_.tokens * in_features);
     const std::uint32_t weight = m_.param(p + ".weight", in_features * out_features);
     const std::uint32_t t = m_.tensor(p + "/t.out", in_features * out_features, x_dtype(),
                                       TensorRole::Param);
     m_.view_param(t, weight);
     m_.op(p + "/t", layer, {weight}, {}, {});
-    view_op(p + "/view", layer, base_of(in));
+    view_op(p + "/view", layer, input);
     const std::uint32_t out = m_.activation(p + "/mm.out", x_.tokens * out_features);
     matmul_cost(m_.op(p + "/mm", layer, {in, t}, {out}, {t, in}), x_.tokens, in_features,
                 out_features, false, m_.element());
-    const std::size_t producer = ops().size() - 1;
+    const std::size_t mm = ops().size() - 1;
     view_op(p + "/_unsafe_view", layer, out);
-    return {out, producer};
-  }
-
-  [[nodiscard]] std::uint32_t base_of(std::uint32_t t) const {
-    const auto& tensors = model().tensors;
-    while (tensors[t].view_of >= 0) t = static_cast<std::uint32_t>(tensors[t].view_of);
-    return t;
+    return {out, mm};
   }
 
   [[nodiscard]] DType x_dtype() const { return m_.dtype(); }
@@ -122,21 +120,19 @@ void traced_layer(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t& 
 
   std::size_t normed_by = 0;
   const std::uint32_t normed = tr.rms_norm(p + ".input_layernorm", layer, stream, normed_by);
-  const std::uint32_t n1 = tr.view_of(p + ".input_layernorm/view.out", normed_by, normed, 0,
-                                      x.tokens * x.h);
-  auto [q, q_by] = tr.linear(a + ".q_proj", layer, n1, x.h, x.h);
+  auto [q, q_by] = tr.linear(a + ".q_proj", layer, normed, normed_by, x.h, x.h);
   const std::uint32_t qt = tr.view_of(a + "/transpose.out", q_by, q, 0, x.tokens * x.h);
   const std::uint32_t q1 = tr.view_of(a + "/slice.out", q_by, q, 0, half);
   const std::uint32_t q2 = tr.view_of(a + "/slice#1.out", q_by, q, half, half);
   tr.view_op(a + "/view", layer, q);
   tr.view_op(a + "/transpose", layer, q);
-  auto [k, k_by] = tr.linear(a + ".k_proj", layer, n1, x.h, kv_width);
+  auto [k, k_by] = tr.linear(a + ".k_proj", layer, normed, normed_by, x.h, kv_width);
   const std::uint32_t kt = tr.view_of(a + "/transpose#1.out", k_by, k, 0, x.tokens * kv_width);
   const std::uint32_t k1 = tr.view_of(a + "/slice#2.out", k_by, k, 0, kv_half);
   const std::uint32_t k2 = tr.view_of(a + "/slice#3.out", k_by, k, kv_half, kv_half);
   tr.view_op(a + "/view#1", layer, k);
   tr.view_op(a + "/transpose#1", layer, k);
-  auto [v, v_by] = tr.linear(a + ".v_proj", layer, n1, x.h, kv_width);
+  auto [v, v_by] = tr.linear(a + ".v_proj", layer, normed, normed_by, x.h, kv_width);
   const std::uint32_t vt = tr.view_of(a + "/transpose#2.out", v_by, v, 0, x.tokens * kv_width);
   tr.view_op(a + "/view#2", layer, v);
   tr.view_op(a + "/transpose#2", layer, v);
@@ -172,31 +168,28 @@ void traced_layer(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t& 
        m.bytes(q_rot) + m.bytes(k_rep) + m.bytes(v_rep) + m.bytes(out) + m.bytes(lse));
   attn.backward_flops = 5 * qk_flops;
   const std::size_t attn_by = tr.ops().size() - 1;
-  const std::uint32_t context = tr.view_of(a + ".o_proj/view.out", attn_by, out, 0, x.tokens * x.h);
   tr.view_op(a + "/view#3", layer, out);
   tr.view_op(a + "/transpose#3", layer, out);
   tr.view_op(a + "/view#4", layer, out);
-  auto [o, o_by] = tr.linear(a + ".o_proj", layer, context, x.h, x.h);
+  auto [o, o_by] = tr.linear(a + ".o_proj", layer, out, attn_by, x.h, x.h);
   (void)o_by;
   const std::uint32_t resid = tr.eltwise(p + "/add", layer, {stream, o}, x.tokens * x.h, e, {});
 
   const std::uint32_t normed2 =
       tr.rms_norm(p + ".post_attention_layernorm", layer, resid, normed_by);
-  const std::uint32_t n2 = tr.view_of(p + ".post_attention_layernorm/view.out", normed_by,
-                                      normed2, 0, x.tokens * x.h);
-  auto [gate, gate_by] = tr.linear(p + ".mlp.gate_proj", layer, n2, x.h, x.f);
+  auto [gate, gate_by] =
+      tr.linear(p + ".mlp.gate_proj", layer, normed2, normed_by, x.h, x.f);
   const std::uint32_t gate_v =
       tr.view_of(p + ".mlp.gate_proj/_unsafe_view.out", gate_by, gate, 0, x.tokens * x.f);
   const std::uint32_t silu =
       tr.eltwise(p + ".mlp.act_fn/silu", layer, {gate_v}, x.tokens * x.f, e, {gate_v});
-  auto [up, up_by] = tr.linear(p + ".mlp.up_proj", layer, n2, x.h, x.f);
+  auto [up, up_by] = tr.linear(p + ".mlp.up_proj", layer, normed2, normed_by, x.h, x.f);
   const std::uint32_t up_v =
       tr.view_of(p + ".mlp.up_proj/_unsafe_view.out", up_by, up, 0, x.tokens * x.f);
   const std::uint32_t product =
       tr.eltwise(p + ".mlp/mul", layer, {silu, up_v}, x.tokens * x.f, e, {up_v, silu});
-  const std::uint32_t product_v = tr.view_of(p + ".mlp.down_proj/view.out", tr.ops().size() - 1,
-                                             product, 0, x.tokens * x.f);
-  auto [down, down_by] = tr.linear(p + ".mlp.down_proj", layer, product_v, x.f, x.h);
+  auto [down, down_by] =
+      tr.linear(p + ".mlp.down_proj", layer, product, tr.ops().size() - 1, x.f, x.h);
   (void)down_by;
   stream = tr.eltwise(p + "/add#1", layer, {resid, down}, x.tokens * x.h, e, {});
 }
