@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -171,6 +172,46 @@ TEST_P(Real, NoOffloadRegionKeepsItsTensors) {
   // sees them. It sees sin's input, tanh's result and the last mul's two inputs.
   EXPECT_EQ(offload.telemetry().packed, 4);
   EXPECT_EQ(offload.tracked(), 0U);
+}
+
+// What the exception of `fn` says (empty when it throws none).
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+// Note [Saved-tensor contract]: a saved tensor changed in place fails backward as it does
+// without ferry, whether it stayed on the device or came back from the host.
+TEST_P(Real, ASavedTensorChangedInPlaceFailsBackwardAsWithoutFerry) {
+  const auto step = [](bool offloaded, ferry::Offload* offload) {
+    auto w = torch::randn({8, 8}, torch::requires_grad());
+    auto x = torch::randn({4, 8}, torch::requires_grad());
+    torch::Tensor loss;
+    {
+      std::optional<ferry::OffloadGuard> guard;
+      if (offloaded) guard.emplace(*offload);
+      auto h = x.mm(w);
+      auto y = h.sin();
+      {
+        torch::NoGradGuard no_grad;
+        h.mul_(2);
+      }
+      loss = y.sum();
+    }
+    loss.backward();
+  };
+  const std::string plain = error_of([&] { step(false, nullptr); });
+  ferry::Offload offload(loopback(GetParam()));
+  const std::string ours = error_of([&] { step(true, &offload); });
+  ASSERT_NE(plain.find("modified by an inplace operation"), std::string::npos) << plain;
+  EXPECT_NE(ours.find("modified by an inplace operation"), std::string::npos) << ours;
+  EXPECT_NE(ours.find("which is output 0 of MmBackward0, is at version 1; expected version 0"),
+            std::string::npos)
+      << ours;
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, Real,
