@@ -33,7 +33,7 @@ void BM_Plan(benchmark::State& state, const char* preset) {
   base.steps = 2;
   base.sim.check_hazards = false;
   base.sim.track_content = false;
-  const auto rows = ferry::sim::default_rows(base, model.value());
+  const auto rows = ferry::sim::default_rows(base, model.value(), device.value());
   const auto none = ferry::sim::run_row(model.value(), device.value(), rows.front());
   // The 70B model's weights, gradients and activations outgrow one H100: it is planned on the
   // same profile with the memory of its no-offload peak (a device that does not exist; what

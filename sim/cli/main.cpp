@@ -16,6 +16,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -158,6 +159,7 @@ struct PlanArgs {
   std::string pipeline_checkpoint = "except_last";
   bool no_prefetch = false;
   bool no_dedup = false;
+  std::string horizon = "auto";  // ferry: auto (derived), none, or a byte count
   bool no_early_stop = false;
   bool json = false;
   bool no_checker = false;
@@ -263,6 +265,16 @@ int run_plan(const PlanArgs& args, bool compare) {
     base.checkpoint = std::move(plan).value();
   }
   if (args.no_early_stop) base.checkpoint.global_early_stop = false;
+  if (args.horizon == "none") {
+    base.offload.horizon_bytes = ferry::Bytes(std::numeric_limits<std::int64_t>::max());
+  } else if (args.horizon != "auto") {
+    auto horizon = ferry::parse_bytes(args.horizon, "--horizon");
+    if (!horizon) {
+      fmt::print(stderr, "ferry: error: {} (or auto, none)\n", horizon.error().message);
+      return kExitBadInput;
+    }
+    base.offload.horizon_bytes = horizon.value();
+  }
   if (!args.plan.empty()) {
     return ferry::cli::replay_plan_file(args.plan, model.value(), device.value(), base, args.json);
   }
@@ -288,7 +300,7 @@ int run_plan(const PlanArgs& args, bool compare) {
   bool clean = true;
   if (compare) {
     std::vector<ferry::sim::RowResult> rows;
-    for (const auto& row : ferry::sim::default_rows(base, model.value())) {
+    for (const auto& row : ferry::sim::default_rows(base, model.value(), device.value())) {
       if (!args.json) fmt::print(stderr, "simulating {} ...\n", row.name);
       rows.push_back(ferry::sim::run_row(model.value(), device.value(), row));
       clean = clean && rows.back().hazards == 0;
@@ -312,6 +324,10 @@ int run_plan(const PlanArgs& args, bool compare) {
     ferry::sim::PolicyRow row{args.policy, base};
     if (auto policy = ferry::parse_policy(args.policy)) {
       row.options.offload.policy = *policy;
+      if (!row.options.offload.horizon_bytes) {
+        row.options.offload.horizon_bytes =
+            ferry::sim::offload_horizon(model.value(), device.value(), row.options);
+      }
     } else {
       fmt::print(stderr,
                  "ferry simulate: error: unknown policy \"{}\" (none, trl, trl-seed, ferry)\n",
@@ -406,6 +422,10 @@ void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
       ->check(CLI::Range(1, 1000));
   cmd->add_flag("--no-prefetch", a.no_prefetch, "ferry: reload on demand only");
   cmd->add_flag("--no-dedup", a.no_dedup, "ferry: copy views sharing a storage separately");
+  cmd->add_option("--horizon", a.horizon,
+                  "ferry: bytes a forward may copy out before the rest stays on the device: "
+                  "auto (what the link can hide, derived), none, or a byte count")
+      ->capture_default_str();
   cmd->add_flag("--json", a.json, "Print the results as one JSON document");
   cmd->add_flag("--no-checker", a.no_checker, "Time only; skip hazard and content checks");
   cmd->add_option("--scenarios", a.scenarios, "Folder with devices/ (bundled by default)");

@@ -71,7 +71,7 @@ inline void simulate_model(Model model, const DeviceProfile& device) {
   }
   assign_roofline_durations(model, device);
   const TrainingOptions base = cli_training_options();
-  std::vector<PolicyRow> rows = default_rows(base, model);
+  std::vector<PolicyRow> rows = default_rows(base, model, device);
   rows.push_back(PolicyRow{"trl-seed", base});
   rows.back().options.offload.policy = Policy::TrlSeed;
   for (const char* spec : {"segments:2", "reentrant-segments:2", "every:2"}) {

@@ -134,7 +134,7 @@ TEST_P(GoldenCompare, TableMatchesExpectedBytes) {
   TrainingOptions base;
   base.steps = 2;
   std::vector<RowResult> rows;
-  for (const PolicyRow& row : default_rows(base, model.value())) {
+  for (const PolicyRow& row : default_rows(base, model.value(), device.value())) {
     rows.push_back(run_row(model.value(), device.value(), row));
     EXPECT_EQ(rows.back().hazards, 0U) << row.name;
     EXPECT_FALSE(rows.back().failure) << row.name << ": " << rows.back().failure->message;

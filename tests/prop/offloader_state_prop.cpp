@@ -29,6 +29,7 @@ void showValue(const OffloadOptions& o, std::ostream& os) {
      << o.prefetch_bytes.count() << (o.prefetch ? "" : " (off)") << ", host_cap "
      << o.host_cap.count() << (o.dedup ? ", dedup" : "")
      << (o.use_streams ? "" : ", on the compute stream");
+  if (o.horizon_bytes) os << ", horizon " << o.horizon_bytes->count();
 }
 
 namespace {
@@ -429,6 +430,9 @@ rc::Gen<OffloadOptions> options_for(Policy policy) {
     o.dedup = *rc::gen::arbitrary<bool>();
     o.prefetch = *rc::gen::arbitrary<bool>();
     o.use_streams = *rc::gen::weightedElement<bool>({{6, true}, {1, false}});
+    // Note [Offload horizon]: none, or one that stops a forward early or midway.
+    const std::int64_t horizon = *rc::gen::element<std::int64_t>(-1, 0, 8192, 65536);
+    if (horizon >= 0) o.horizon_bytes = Bytes(horizon);
     return o;
   });
 }

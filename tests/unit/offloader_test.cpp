@@ -399,6 +399,70 @@ TEST(FerryPolicy, PerTensorOptOutStaysOnTheDevice) {
   EXPECT_EQ(off.telemetry().offloaded, 0);
 }
 
+TEST(FerryPolicy, PacksPastTheOffloadHorizonStayOnTheDevice) {
+  // Note [Offload horizon]: 2 x 4096 fit in 10000 bytes; the third pack would copy past it,
+  // so it and every later pack of the forward stay, a small one that would still fit included.
+  FakeBackend b;
+  OffloadOptions o = ferry_policy();
+  o.horizon_bytes = Bytes(10000);
+  Off off(b, o);
+  forward(off, b, 3);
+  const auto small = b.tensor();
+  off.pack(facts(1024, 3, static_cast<std::uint64_t>(small.id)), small);
+  EXPECT_EQ(off.telemetry().offloaded, 2);
+  EXPECT_EQ(off.telemetry().kept, 2);
+  EXPECT_EQ(off.telemetry().past_horizon, 2);
+  EXPECT_EQ(off.telemetry().bytes_d2h, Bytes(8192));
+}
+
+TEST(FerryPolicy, TheHorizonCountsEachForwardAfreshAndNotRecomputation) {
+  FakeBackend b;
+  OffloadOptions o = ferry_policy();
+  o.horizon_bytes = Bytes(4096);
+  o.window_bytes = Bytes(4096);
+  Off off(b, o);
+  const auto first = forward(off, b, 2);
+  EXPECT_EQ(off.telemetry().offloaded, 1);
+  off.backward_begin({});
+  // A pack during backward (a checkpoint's recomputation) neither counts nor stops.
+  const auto t = b.tensor();
+  const TensorId recomputed = off.pack(facts(4096, 5, static_cast<std::uint64_t>(t.id)), t);
+  b.drop(t);
+  EXPECT_EQ(off.telemetry().offloaded, 2);
+  off.release(recomputed);
+  for (const TensorId id : first) off.release(id);
+  off.backward_end();
+  // The next forward copies up to the horizon again.
+  const auto second = forward(off, b, 2);
+  EXPECT_EQ(off.telemetry().offloaded, 3);
+  EXPECT_EQ(off.telemetry().past_horizon, 2);
+  for (const TensorId id : second) off.release(id);
+}
+
+TEST(FerryPolicy, AViewOfAStorageCopiedBeforeTheHorizonStillSharesItsCopy) {
+  // A dedup hit copies nothing, so it does not trip the horizon; once tripped, it stays.
+  FakeBackend b;
+  OffloadOptions o = ferry_policy();
+  o.horizon_bytes = Bytes(8192);
+  Off off(b, o);
+  const auto t = b.tensor();
+  TensorFacts whole = facts(8192, 0, 7);
+  TensorFacts view = whole;
+  view.node = NodeId(1);
+  off.pack(whole, t);
+  off.pack(view, t);
+  EXPECT_EQ(off.telemetry().deduplicated, 1);
+  const auto other = b.tensor();
+  off.pack(facts(4096, 2, static_cast<std::uint64_t>(other.id)), other);  // past: trips
+  view.node = NodeId(3);
+  off.pack(view, t);
+  EXPECT_EQ(off.telemetry().offloaded, 1);
+  EXPECT_EQ(off.telemetry().deduplicated, 1);
+  EXPECT_EQ(off.telemetry().past_horizon, 2);
+  b.drop(t);
+  b.drop(other);
+}
+
 TEST(FerryPolicy, RetainGraphReloadsAgainFromTheKeptHostCopy) {
   FakeBackend b;
   OffloadOptions o = ferry_policy();

@@ -42,6 +42,7 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
   r.pinned_peak = sim.pinned_allocator().stats().reserved_peak;
   r.hazards = sim.hazards().size();
   r.telemetry = run.telemetry;
+  if (row.options.offload.policy == Policy::Ferry) r.horizon = row.options.offload.horizon_bytes;
   return r;
 }
 
@@ -80,6 +81,7 @@ Json row_json(const RowResult& r, const RowResult* base) {
   j["d2h_bytes"] = r.d2h.count();
   j["h2d_bytes"] = r.h2d.count();
   j["hazards"] = r.hazards;
+  j["horizon_bytes"] = r.horizon ? Json(r.horizon->count()) : Json(nullptr);
   if (base != nullptr) {
     j["time_vs_none_permille"] =
         base->step_time.ns() > 0 ? r.step_time.ns() * 1000 / base->step_time.ns() : 0;
@@ -97,7 +99,8 @@ Json row_json(const RowResult& r, const RowResult* base) {
                     {"prefetched", t.prefetched},
                     {"on_demand", t.on_demand},
                     {"stash_hits", t.stash_hits},
-                    {"record_stream_fallbacks", t.record_stream_fallbacks}};
+                    {"record_stream_fallbacks", t.record_stream_fallbacks},
+                    {"past_horizon", t.past_horizon}};
   return j;
 }
 
@@ -137,7 +140,8 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
                   spec)};
 }
 
-std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model) {
+std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model,
+                                    const DeviceProfile& device) {
   std::vector<PolicyRow> rows;
   auto add = [&](std::string name, Policy policy, auto tweak) {
     PolicyRow row{std::move(name), base};
@@ -166,6 +170,11 @@ std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& mo
   apply_selective_policy(selective, model);
   with_checkpoint("checkpoint selective", Policy::None, selective);
   with_checkpoint("ferry + checkpoint", Policy::Ferry, checkpoint_every(model, 1));
+  for (PolicyRow& row : rows) {
+    if (!row.options.offload.horizon_bytes) {
+      row.options.offload.horizon_bytes = offload_horizon(model, device, row.options);
+    }
+  }
   return rows;
 }
 
@@ -221,6 +230,12 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
   out += fmt::format(
       "saved tensors: {} packed, {} offloaded, {} kept, {} deduplicated, {} host-cap fallbacks\n",
       t.packed, t.offloaded, t.kept, t.deduplicated, t.host_fallbacks);
+  if (r.horizon) {
+    out += fmt::format(
+        "offload horizon: {} a forward ({} bytes; {} saved tensors after it kept on the "
+        "device)\n",
+        format_bytes(*r.horizon), r.horizon->count(), t.past_horizon);
+  }
   out += fmt::format(
       "reloads: {} prefetched, {} on demand, {} forward-stash hits, {} record_stream fallbacks\n",
       t.prefetched, t.on_demand, t.stash_hits, t.record_stream_fallbacks);

@@ -96,6 +96,7 @@ Result<TrainingOptions> plan_training_options(const Plan& plan, const Model& mod
   o.offload.window_bytes = plan.knobs.window_bytes;
   o.offload.prefetch_bytes = plan.knobs.prefetch_bytes;
   o.offload.prefetch = plan.knobs.prefetch;
+  o.offload.horizon_bytes = plan.knobs.horizon_bytes;
   if (plan.host_budget) o.offload.host_cap = *plan.host_budget;
   o.checkpoint = CheckpointPlan{};
   o.checkpoint.op_policy.assign(model.ops.size(), OpPolicy::MustSave);

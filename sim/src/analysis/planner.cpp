@@ -191,8 +191,9 @@ std::string key_of(const Plan& plan) {
     key += fmt::format("|{},{},{}", r.first_op, r.end_op, static_cast<int>(r.inputs));
   }
   const PlanKnobs& k = plan.knobs;
-  key += fmt::format("|{},{},{},{}", k.min_bytes.count(), k.window_bytes.count(),
-                     k.prefetch_bytes.count(), k.prefetch ? 1 : 0);
+  key += fmt::format("|{},{},{},{},{}", k.min_bytes.count(), k.window_bytes.count(),
+                     k.prefetch_bytes.count(), k.prefetch ? 1 : 0,
+                     k.horizon_bytes ? k.horizon_bytes->count() : -1);
   key += fmt::format("|{}", plan.host_budget ? plan.host_budget->count() : -1);
   return key;
 }
@@ -204,6 +205,7 @@ PlanKnobs knobs_of(const OffloadOptions& o) {
   k.window_bytes = o.window_bytes;
   k.prefetch_bytes = o.prefetch_bytes;
   k.prefetch = o.prefetch;
+  k.horizon_bytes = o.horizon_bytes;
   return k;
 }
 
@@ -353,7 +355,7 @@ struct planning::PlannerState {
   void ensure_fixed() {
     if (rows) return;
     rows.emplace();
-    const std::vector<PolicyRow> policy_rows = default_rows(base, model);
+    const std::vector<PolicyRow> policy_rows = default_rows(base, model, device);
     for (const PolicyRow& row : policy_rows) rows->push_back(run_row(model, device, row));
     for (std::size_t i = 0; i < policy_rows.size(); ++i) {
       auto form = form_of(policy_rows[i].options);

@@ -64,6 +64,7 @@ std::string plan_to_json(const Plan& plan) {
                 {"window_bytes", plan.knobs.window_bytes.count()},
                 {"prefetch_bytes", plan.knobs.prefetch_bytes.count()},
                 {"prefetch", plan.knobs.prefetch}};
+  if (plan.knobs.horizon_bytes) j["knobs"]["horizon_bytes"] = plan.knobs.horizon_bytes->count();
   // Regions and ops one per line: a plan of a large model stays readable and diffable.
   std::string regions;
   for (const PlanRegion& r : plan.regions) {
@@ -124,7 +125,8 @@ Result<Plan> parse_plan(std::string_view text, std::string_view source) {
   if (object.has("knobs")) {
     FERRY_JSON_TRY(const auto knobs,
                    object.required_object(
-                       "knobs", {"min_bytes", "window_bytes", "prefetch_bytes", "prefetch"}));
+                       "knobs", {"min_bytes", "window_bytes", "prefetch_bytes", "prefetch",
+                                 "horizon_bytes"}));
     const PlanKnobs defaults;
     FERRY_JSON_TRY(plan.knobs.min_bytes, read_bytes(knobs, "min_bytes", defaults.min_bytes));
     FERRY_JSON_TRY(plan.knobs.window_bytes,
@@ -132,6 +134,11 @@ Result<Plan> parse_plan(std::string_view text, std::string_view source) {
     FERRY_JSON_TRY(plan.knobs.prefetch_bytes,
                    read_bytes(knobs, "prefetch_bytes", defaults.prefetch_bytes));
     FERRY_JSON_TRY(plan.knobs.prefetch, knobs.optional_boolean("prefetch", defaults.prefetch));
+    if (knobs.has("horizon_bytes")) {
+      FERRY_JSON_TRY(const auto horizon,
+                     knobs.required_integer("horizon_bytes", 0, kMaxJsonBytes));
+      plan.knobs.horizon_bytes = Bytes(horizon);
+    }
   }
   FERRY_JSON_TRY(const auto ops, object.required_array("ops"));
   for (const JsonValue& value : ops) {

@@ -33,8 +33,15 @@ class FerryPolicy {
 
   TensorId pack(const TensorFacts& facts, const Buffer& storage, bool in_region) {
     ++t_.telemetry.packed;
-    const RecordId r = t_.stays(facts, in_region, /*opt_out=*/true) ? t_.keep(facts, storage)
-                                                                    : offload(facts, storage);
+    RecordId r;
+    if (t_.stays(facts, in_region, /*opt_out=*/true)) {
+      r = t_.keep(facts, storage);
+    } else if (past_horizon(facts)) {
+      ++t_.telemetry.past_horizon;
+      r = t_.keep(facts, storage);
+    } else {
+      r = offload(facts, storage);
+    }
     return t_.ids.add(r, facts.view_offset);
   }
 
@@ -74,6 +81,7 @@ class FerryPolicy {
   /// `order` is the node order the engine will follow (empty: decreasing id order, as
   /// PyTorch's engine orders by sequence number); prefetch follows it.
   void backward_begin(std::span<const NodeId> order) {
+    in_backward_ = true;
     for (auto& rec : t_.records.all()) rec.unpacks_left = rec.ids;
     prefetch_queue_.clear();
     queued_.assign(t_.records.size(), false);
@@ -98,6 +106,7 @@ class FerryPolicy {
 
   /// The end-of-backward callback: everything reloaded for this backward is let go.
   void backward_end() {
+    new_forward();
     for (std::uint32_t i = 0; i < t_.records.size(); ++i) {
       const RecordId r(i);
       if (t_.records[r].ids > 0 && reloaded(t_.records[r].state)) free_reloaded(r);
@@ -114,7 +123,7 @@ class FerryPolicy {
         [&](RecordId r) { return std::find(window_.begin(), window_.end(), r) != window_.end(); });
   }
 
-  void enter() {}
+  void enter() { new_forward(); }
   void exit() {}
 
   [[nodiscard]] const Tracker<B>& tracker() const { return t_; }
@@ -129,6 +138,41 @@ class FerryPolicy {
     const auto d2h = backend.make_stream("d2h");
     const auto h2d = backend.make_stream("h2d");
     return {d2h, h2d};
+  }
+
+  // Note [Offload horizon]
+  // A copy to the host hides behind compute only if it ends before backward needs the tensor
+  // again; a tensor saved near the end of forward (the last layers, the loss's log-softmax)
+  // comes back at once, and copying it out stalls compute twice: the forward window waits for
+  // the copy, and so does backward before it may use or free the original. TRL's forward stash
+  // keeps the last few offloaded originals for that reason, by count. ferry keeps on the device
+  // everything saved after a horizon in bytes: a forward copies saved storages in pack order
+  // while the bytes copied so far, this one included, stay within `horizon_bytes`; the first
+  // pack past it, and every later pack of that forward (views of storages already copied
+  // included), stay as in a no-offload region. The core knows no time, so the horizon is an
+  // option: the simulator derives it from the link's bandwidth and latency and the forward and
+  // backward work left after each saved tensor (sim::offload_horizon), and a real run given
+  // the same number makes the same decisions on the same packs. The count starts again at the
+  // next forward (after backward_end, or on entering the context); packs during backward
+  // (recomputation) neither count nor stop.
+
+  // Whether the pack of `facts` (which does not stay by rule) comes after the horizon.
+  bool past_horizon(const TensorFacts& facts) {
+    if (!t_.options.horizon_bytes || in_backward_) return false;
+    if (beyond_horizon_) return true;
+    const bool copies =
+        !(t_.options.dedup && storage_index_.contains({facts.storage, version_key(facts)}));
+    if (copies && forward_copied_ + facts.storage_bytes > *t_.options.horizon_bytes) {
+      beyond_horizon_ = true;
+    }
+    return beyond_horizon_;
+  }
+
+  // A new forward: the horizon counts from zero again.
+  void new_forward() {
+    in_backward_ = false;
+    beyond_horizon_ = false;
+    forward_copied_ = Bytes(0);
   }
 
   static constexpr bool reloaded(RecordState s) {
@@ -165,6 +209,7 @@ class FerryPolicy {
     const RecordId r = t_.start_offload(storage, Bytes(0), slot->buffer, size, facts.storage);
     window_.push_back(r);
     window_bytes_ += size;
+    if (!in_backward_) forward_copied_ += size;
     if (t_.options.dedup) storage_index_.emplace(std::pair{facts.storage, version_key(facts)}, r);
     at(node_records_, facts.node).push_back(r);
     return r;
@@ -314,6 +359,10 @@ class FerryPolicy {
   std::deque<RecordId> prefetch_queue_;
   std::vector<bool> queued_;
   Bytes prefetch_bytes_;
+  // Note [Offload horizon]: this forward's copied bytes, and whether it went past the horizon.
+  bool in_backward_ = false;
+  bool beyond_horizon_ = false;
+  Bytes forward_copied_;
 };
 
 }  // namespace ferry

@@ -38,6 +38,11 @@ struct OffloadOptions {
   Bytes host_cap{1LL << 40};          ///< ferry: pinned host memory the pool may hold
   bool dedup = true;                  ///< ferry: one copy per storage for views sharing it
   bool prefetch = true;               ///< ferry: reload ahead of demand
+  /// ferry: bytes of saved storages one forward may copy to the host, counted in pack order;
+  /// the first pack that would copy past it, and every later pack of that forward, stay on the
+  /// device (Note [Offload horizon] in ferry_policy.hpp). Unset: no limit. The simulator
+  /// derives it from the link's speed and the work left in forward (sim::offload_horizon).
+  std::optional<Bytes> horizon_bytes = std::nullopt;
   /// Copies on their own streams (overlapping compute); false: on the compute stream, in order
   /// with the kernels (the reference's `use_streams=False`).
   bool use_streams = true;
@@ -69,6 +74,7 @@ struct OffloadTelemetry {
   std::int64_t on_demand = 0;       ///< reloads issued at unpack
   std::int64_t stash_hits = 0;      ///< unpacks served by a still-resident original
   std::int64_t record_stream_fallbacks = 0;
+  std::int64_t past_horizon = 0;    ///< of `kept`: saved after the forward's offload horizon
   /// Saved tensors a backend kept as they are without asking the scheduler, for want of a
   /// storage it can copy (the real backend: tensor subclasses whose data lives in other
   /// tensors, sparse and quantized tensors). Not counted in `packed`.

@@ -52,6 +52,9 @@ struct PlanKnobs {
   Bytes window_bytes{512LL << 20};    ///< device bytes of offloads in flight in forward
   Bytes prefetch_bytes{512LL << 20};  ///< bytes of reloads issued ahead of demand
   bool prefetch = true;               ///< reload ahead of demand
+  /// Bytes a forward may copy to the host before the rest stays (Note [Offload horizon]);
+  /// unset: no limit beyond the per-op decisions.
+  std::optional<Bytes> horizon_bytes = std::nullopt;
 
   friend bool operator==(const PlanKnobs&, const PlanKnobs&) = default;
 };

@@ -36,11 +36,23 @@ struct RowResult {
   Bytes h2d;  ///< moved back in the last step
   std::size_t hazards = 0;
   OffloadTelemetry telemetry;
+  /// The ferry policy's offload horizon the run used (OffloadOptions::horizon_bytes).
+  std::optional<Bytes> horizon;
 };
 
 /// The rows of `ferry compare`: none, trl, ferry, ferry knob variants, checkpointing every
-/// layer, selective checkpointing, and offload of checkpoint inputs with recompute inside.
-[[nodiscard]] std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model);
+/// layer, selective checkpointing, and offload of checkpoint inputs with recompute inside. The
+/// ferry rows offload up to the horizon offload_horizon derives for them on `device`.
+[[nodiscard]] std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model,
+                                                  const DeviceProfile& device);
+
+/// The ferry policy's offload horizon (OffloadOptions::horizon_bytes) for `options` on
+/// `device`: the bytes of the saved storages whose copies, queued on the device-to-host link in
+/// pack order, end before backward needs them again (Note [Deriving the offload horizon] in
+/// horizon.cpp). Unset when every copy is hidden, and for other policies. `model` must have
+/// durations assigned.
+[[nodiscard]] std::optional<Bytes> offload_horizon(const Model& model, const DeviceProfile& device,
+                                                   const TrainingOptions& options);
 
 /// Parses a checkpoint spec: "none", "every:K" (one region per K layers), "selective" (every
 /// layer, attention core recomputed), "segments:N" or "reentrant-segments:N"

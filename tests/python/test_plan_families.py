@@ -1,0 +1,125 @@
+"""The planner and the ferry policy on traced Hugging Face models of five families.
+
+For Qwen2, Mistral, Phi-3, Gemma-2 and GPT-2 (each config as its model card gives it, cut to
+four layers, traced at sequence 1024 with AdamW state) and the bundled presets, on three device
+profiles, and at budgets of 1.0x, 1.1x and 1.3x the peak reserved of checkpointing every layer:
+
+* the plan is never slower than the fastest row of `ferry compare` that fits the budget
+  (0.5 % slack), is hazard-free and peaks within the budget (docs/plan.md);
+* the `ferry` row is no slower than `trl` (0.5 % slack, for the 8B preset on gh200), and
+  `ferry + checkpoint` is at most 1.02x checkpointing every layer (docs/offload.md, "The offload
+  horizon").
+
+The models are traced in this process (no download: configs written here); the CLI is the one
+`python -m ferry` finds (FERRY_CLI in CI).
+"""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from ferry import _trace_cli
+
+BUNDLED = _trace_cli.CONFIG_DIR
+DEVICES = ("a100-pcie4", "h100-sxm-pcie5", "gh200")
+FACTORS = (1.0, 1.1, 1.3)
+SLACK = 1.005
+
+# Phi-3-mini-4k and Gemma-2-2b as their model cards' config.json give them (layers cut below).
+PHI3 = {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
+    "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "num_hidden_layers": 32, "vocab_size": 32064, "max_position_embeddings": 4096,
+    "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "sliding_window": 2047,
+    "attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "pad_token_id": 32000,
+    "bos_token_id": 1, "eos_token_id": 32000,
+}
+GEMMA2 = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304,
+    "intermediate_size": 9216, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "num_hidden_layers": 26, "vocab_size": 256000,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+    "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+    "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0,
+    "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
+}
+
+
+def _bundled(name):
+    with open(os.path.join(BUNDLED, name + ".json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+# family -> (config, attention implementation); Gemma-2 has no SDPA path in transformers.
+FAMILIES = {
+    "qwen2": (lambda: _bundled("qwen2.5-7b"), "sdpa"),
+    "mistral": (lambda: _bundled("mistral-7b"), "sdpa"),
+    "phi3": (lambda: dict(PHI3), "sdpa"),
+    "gemma2": (lambda: dict(GEMMA2), "eager"),
+    "gpt2": (lambda: _bundled("gpt2"), "eager"),
+}
+
+
+def _four_layers(config):
+    key = "n_layer" if "n_layer" in config else "num_hidden_layers"
+    config[key] = 4
+    return config
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """family -> the traced model's path."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for family, (config, attention) in FAMILIES.items():
+        cfg = root / f"{family}.json"
+        cfg.write_text(json.dumps(_four_layers(config())))
+        model = root / f"{family}.model.json"
+        status = _trace_cli.main([str(cfg), "--seq", "1024", "--batch", "1", "--dtype", "bf16",
+                                  "--optimizer", "adamw", "--attention", attention,
+                                  "--out", str(model)])
+        assert status == 0, family
+        out[family] = str(model)
+    return out
+
+
+def _json(cli, *args):
+    run = subprocess.run([cli, *args, "--json"], capture_output=True, text=True, timeout=600)
+    return run.returncode, (json.loads(run.stdout) if run.stdout.strip() else None), run.stderr
+
+
+# The bundled presets too: the issue's case (Llama-3.2-3B at sequence 4096, batch 2, as a trace
+# lists it), a GPT-2 and a Llama-3-8B.
+PRESETS = ("llama3.2-3b-traced-s4096-b2", "gpt2-small-s1024", "llama3-8b-s8192")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", sorted(FAMILIES) + list(PRESETS))
+def test_plan_never_loses_to_a_fixed_row_and_ferry_to_trl(cli, traced, family, device):
+    model = family if family in PRESETS else traced[family]
+    code, compare, err = _json(cli, "compare", "--model", model, "--device", device)
+    assert code == 0, err
+    rows = {r["name"]: r for r in compare["rows"]}
+    every = rows["checkpoint every layer"]
+    # 0.5 % slack: on gh200 the 8B preset's ferry row waits 18.5 ms in forward for its 512 MiB
+    # window where trl's five-tensor stash holds 1.1 GB (docs/offload.md): 0.4 % slower.
+    assert rows["ferry"]["step_time_ns"] <= rows["trl"]["step_time_ns"] * SLACK, rows["ferry"]
+    assert rows["ferry + checkpoint"]["step_time_ns"] * 100 <= every["step_time_ns"] * 102
+    for factor in FACTORS:
+        budget = int(every["peak_reserved_bytes"] * factor)
+        code, plan, err = _json(cli, "plan", "--model", model, "--device", device,
+                                "--budget", str(budget))
+        assert code == 0, f"{family} on {device} at {factor}x: {err}"
+        assert plan["hazards"] == 0
+        assert plan["peak_reserved_bytes"] <= budget
+        fitting = [r for r in compare["rows"]
+                   if r["fits"] and r["failure"] is None and r["peak_reserved_bytes"] <= budget]
+        fastest = min(fitting, key=lambda r: r["step_time_ns"])
+        assert plan["step_time_ns"] <= fastest["step_time_ns"] * SLACK, (
+            f"{family} on {device} at {factor}x: plan {plan['step_time_ns']} ns, "
+            f"{fastest['name']} {fastest['step_time_ns']} ns")
+        assert plan["lower_bound_ns"] <= plan["step_time_ns"]
