@@ -235,7 +235,8 @@ TEST(Planner, InfeasibleBudgetNamesTheFloor) {
 TEST(Planner, ReplayOfTheWrittenPlanMeasuresWhatThePlannerDid) {
   const DeviceProfile device = profile("h100-sxm-pcie5");
   const Model model = preset("gpt2-small-s1024", device);
-  const RowResult none = fixed_row(model, device, default_rows(TrainingOptions{}, model, device).front());
+  const RowResult none =
+      fixed_row(model, device, default_rows(TrainingOptions{}, model, device).front());
   const Bytes budget = Bytes(none.peak_reserved.count() * 3 / 4);
   auto outcome = make_plan(model, device, PlannerOptions{budget, std::nullopt, 2});
   ASSERT_TRUE(outcome.ok()) << outcome.error().message;
@@ -371,8 +372,8 @@ TEST(OffloadHorizon, KeepsATensorSavedAtTheEndOfForwardThatTheLinkCannotCarryInT
   Model m;
   m.name = "tail";
   auto tensor = [&](std::string name, std::int64_t bytes, TensorRole role) {
-    m.tensors.push_back(ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1,
-                                    Bytes(0), false});
+    m.tensors.push_back(
+        ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1, Bytes(0), false});
     return static_cast<std::uint32_t>(m.tensors.size() - 1);
   };
   const std::uint32_t x = tensor("x", 1 << 20, TensorRole::Input);

@@ -87,7 +87,8 @@ std::optional<Bytes> offload_horizon(const Model& model, const DeviceProfile& de
   for (std::uint32_t i = n - 1; i-- > 0;) {
     const std::uint32_t j = i + 1;
     std::int64_t work = model.ops[j].backward_duration.ns();
-    if (region[j] >= 0 && policy(j) == OpPolicy::PreferRecompute) work += model.ops[j].duration.ns();
+    if (region[j] >= 0 && policy(j) == OpPolicy::PreferRecompute)
+      work += model.ops[j].duration.ns();
     after[i] = after[j] + work;
   }
 
@@ -127,7 +128,8 @@ std::optional<Bytes> offload_horizon(const Model& model, const DeviceProfile& de
     const auto& chosen = options.offload_selection.ops;
     const bool selected = !op.no_offload && (i >= chosen.size() || chosen[i]);
     if (region[i] < 0 && selected) {
-      for (const std::uint32_t s : op.saved) hidden = queue(s, end[i], forward + after[i]) && hidden;
+      for (const std::uint32_t s : op.saved)
+        hidden = queue(s, end[i], forward + after[i]) && hidden;
     } else if (region[i] >= 0 && selected && policy(i) == OpPolicy::Offload) {
       const RegionSpan& r = spans[static_cast<std::size_t>(region[i])];
       for (const std::uint32_t o : op.outputs) {

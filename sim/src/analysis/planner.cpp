@@ -137,7 +137,8 @@ std::vector<std::size_t> levels_of(const Model& model, const Layer& layer) {
   // With a region at level k: its inputs, and the outputs of the ops it serves from forward.
   std::int64_t held = 0;
   for (const std::uint32_t t : inputs) held += model.tensors[t].bytes.count();
-  for (const std::uint32_t p : layer.ranking) held += held_by(model, p, layer.first, layer.end).count();
+  for (const std::uint32_t p : layer.ranking)
+    held += held_by(model, p, layer.first, layer.end).count();
   // Every point below `without` where the held bytes fall; at most kMaxLevels of them, each
   // at least 1/kMaxLevels of `without` below the last.
   std::vector<std::pair<std::size_t, std::int64_t>> falls;
@@ -186,7 +187,8 @@ std::vector<Layer> find_layers(const Model& model) {
 std::string key_of(const Plan& plan) {
   std::string key;
   key.reserve(plan.ops.size() + 16 * plan.regions.size() + 64);
-  for (const PlanOp& op : plan.ops) key.push_back(static_cast<char>('0' + static_cast<int>(op.saved)));
+  for (const PlanOp& op : plan.ops)
+    key.push_back(static_cast<char>('0' + static_cast<int>(op.saved)));
   for (const PlanRegion& r : plan.regions) {
     key += fmt::format("|{},{},{}", r.first_op, r.end_op, static_cast<int>(r.inputs));
   }
@@ -295,7 +297,8 @@ struct planning::PlannerState {
       for (std::uint32_t i = layer.first; i < layer.end; ++i) plan.ops[i].saved = stored;
       const std::size_t k = layer.levels[c.level];
       if (k == 0) continue;
-      for (std::size_t r = 0; r < k; ++r) plan.ops[layer.ranking[r]].saved = SavedDecision::Recompute;
+      for (std::size_t r = 0; r < k; ++r)
+        plan.ops[layer.ranking[r]].saved = SavedDecision::Recompute;
       plan.regions.push_back(PlanRegion{layer.first, layer.end, stored});
     }
     recompute_random_prefix(plan, model);
@@ -344,8 +347,9 @@ struct planning::PlannerState {
     std::optional<TrainingRun> run;
     RowResult row = run_row(model, capped, PolicyRow{"plan", std::move(training).value()}, &run);
     if (!row.failure && run && !run->sim.content_mismatches().empty()) {
-      row.failure = Failure{FailureKind::Infeasible,
-                            fmt::format("{} content mismatches", run->sim.content_mismatches().size())};
+      row.failure =
+          Failure{FailureKind::Infeasible,
+                  fmt::format("{} content mismatches", run->sim.content_mismatches().size())};
     }
     if (!run && !row.failure) row.failure = Failure{FailureKind::Infeasible, "no run"};
     return checked_rows.emplace(std::move(key), std::move(row)).first->second;
@@ -393,9 +397,9 @@ struct planning::PlannerState {
       if (region.reentrant || region.early_stop == false) return std::nullopt;
       const auto& inputs = o.offload_selection.region_inputs;
       const bool offload_inputs = ferry && (r >= inputs.size() || inputs[r]);
-      form.plan.regions.push_back(PlanRegion{region.first_op, region.end_op,
-                                             offload_inputs ? SavedDecision::Offload
-                                                            : SavedDecision::Keep});
+      form.plan.regions.push_back(
+          PlanRegion{region.first_op, region.end_op,
+                     offload_inputs ? SavedDecision::Offload : SavedDecision::Keep});
       for (std::uint32_t i = region.first_op; i < region.end_op; ++i) {
         const OpPolicy p = i < policy.size() ? policy[i] : OpPolicy::PreferRecompute;
         form.plan.ops[i].saved = p == OpPolicy::PreferRecompute ? SavedDecision::Recompute
@@ -439,7 +443,8 @@ struct Candidate {
 // One plan call: the budgets, the candidates found, and the search's moves.
 class Search {
  public:
-  Search(planning::PlannerState& impl, const PlannerOptions& options) : p_(impl), options_(options) {}
+  Search(planning::PlannerState& impl, const PlannerOptions& options)
+      : p_(impl), options_(options) {}
 
   const std::vector<Layer>& layers() const { return p_.layers; }
 
@@ -570,8 +575,8 @@ void local_search(Search& search, std::vector<LayerConfig>& state, Sample& curre
           std::vector<LayerConfig> next = state;
           for (std::size_t m = lo; m < hi; ++m) {
             const std::size_t l = members[m];
-            next[l] = LayerConfig{std::min(to.level, search.layers()[l].levels.size() - 1),
-                                  to.offload};
+            next[l] =
+                LayerConfig{std::min(to.level, search.layers()[l].levels.size() - 1), to.offload};
           }
           const Sample s = search.evaluate(search.plan_of(next, knobs));
           if (!search.fits(s) || s.time >= current.time) continue;
@@ -799,9 +804,9 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& options, Bytes* floor_ou
   const std::vector<const Candidate*> ranked = search.ranked();
   for (const Candidate* c : ranked) {
     const RowResult& row = p.checked(c->plan, capped);
-    std::string why = row.failure                    ? row.failure->message
-                      : !row.fits                    ? std::string("out of device memory")
-                      : row.hazards > 0              ? fmt::format("{} hazards", row.hazards)
+    std::string why = row.failure       ? row.failure->message
+                      : !row.fits       ? std::string("out of device memory")
+                      : row.hazards > 0 ? fmt::format("{} hazards", row.hazards)
                       : row.peak_reserved > options.budget
                           ? fmt::format("peak reserved {}", format_bytes(row.peak_reserved))
                       : options.host_budget && row.pinned_peak > *options.host_budget
@@ -817,7 +822,8 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& options, Bytes* floor_ou
     outcome.row.name = "plan";
     outcome.layers = summarize_layers(c->plan, p.model);
     outcome.fixed = *p.rows;
-    outcome.lower_bound = step_lower_bound(p.model, p.device, outcome.fixed.front(), options.budget);
+    outcome.lower_bound =
+        step_lower_bound(p.model, p.device, outcome.fixed.front(), options.budget);
     outcome.simulations = p.simulations - simulations_before;
     outcome.reused = p.reused - reused_before;
     const RowResult& r = outcome.row;

@@ -124,9 +124,8 @@ Result<Plan> parse_plan(std::string_view text, std::string_view source) {
   }
   if (object.has("knobs")) {
     FERRY_JSON_TRY(const auto knobs,
-                   object.required_object(
-                       "knobs", {"min_bytes", "window_bytes", "prefetch_bytes", "prefetch",
-                                 "horizon_bytes"}));
+                   object.required_object("knobs", {"min_bytes", "window_bytes", "prefetch_bytes",
+                                                    "prefetch", "horizon_bytes"}));
     const PlanKnobs defaults;
     FERRY_JSON_TRY(plan.knobs.min_bytes, read_bytes(knobs, "min_bytes", defaults.min_bytes));
     FERRY_JSON_TRY(plan.knobs.window_bytes,
@@ -135,8 +134,7 @@ Result<Plan> parse_plan(std::string_view text, std::string_view source) {
                    read_bytes(knobs, "prefetch_bytes", defaults.prefetch_bytes));
     FERRY_JSON_TRY(plan.knobs.prefetch, knobs.optional_boolean("prefetch", defaults.prefetch));
     if (knobs.has("horizon_bytes")) {
-      FERRY_JSON_TRY(const auto horizon,
-                     knobs.required_integer("horizon_bytes", 0, kMaxJsonBytes));
+      FERRY_JSON_TRY(const auto horizon, knobs.required_integer("horizon_bytes", 0, kMaxJsonBytes));
       plan.knobs.horizon_bytes = Bytes(horizon);
     }
   }

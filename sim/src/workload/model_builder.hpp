@@ -121,7 +121,7 @@ inline void cost(ModelOp& op, std::int64_t flops, std::int64_t bytes) {
 
 /// A [m, k] x [k, n] matmul (plus a bias of n): 2mkn FLOPs, every operand read or written once.
 inline void matmul_cost(ModelOp& op, std::int64_t m, std::int64_t k, std::int64_t n, bool bias,
-                 std::int64_t element) {
+                        std::int64_t element) {
   cost(op, 2 * m * k * n, (m * k + k * n + m * n + (bias ? n : 0)) * element);
 }
 

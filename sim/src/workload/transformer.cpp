@@ -391,9 +391,12 @@ struct Preset {
 
 std::vector<Preset> presets() {
   return {
-      {"gpt2-small-s1024", gpt2_small(1024)}, {"gpt2-small-s2048", gpt2_small(2048)},
-      {"llama3-8b-s4096", llama3_8b(4096)},   {"llama3-8b-s8192", llama3_8b(8192)},
-      {"llama3-8b-s16384", llama3_8b(16384)}, {"llama-70b-s4096", llama_70b(4096)},
+      {"gpt2-small-s1024", gpt2_small(1024)},
+      {"gpt2-small-s2048", gpt2_small(2048)},
+      {"llama3-8b-s4096", llama3_8b(4096)},
+      {"llama3-8b-s8192", llama3_8b(8192)},
+      {"llama3-8b-s16384", llama3_8b(16384)},
+      {"llama-70b-s4096", llama_70b(4096)},
       {"llama-70b-s8192", llama_70b(8192)},
       {"llama3.2-3b-traced-s4096-b2", llama32_3b_traced(4096, 2)},
       {"tiny-gpt", tiny_gpt()},

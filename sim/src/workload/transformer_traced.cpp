@@ -63,8 +63,8 @@ class Tracer {
     const std::uint32_t squared = eltwise(p + "/pow", layer, {wide}, n, DType::F32, {wide});
     const std::uint32_t mean = eltwise(p + "/mean", layer, {squared}, x_.tokens, DType::F32, {});
     const std::uint32_t eps = eltwise(p + "/add", layer, {mean}, x_.tokens, DType::F32, {});
-    const std::uint32_t rstd = m_.tensor(p + "/rsqrt.out", x_.tokens, DType::F32,
-                                         TensorRole::Activation);
+    const std::uint32_t rstd =
+        m_.tensor(p + "/rsqrt.out", x_.tokens, DType::F32, TensorRole::Activation);
     cost(m_.op(p + "/rsqrt", layer, {eps}, {rstd}, {rstd}), x_.tokens, 2 * m_.bytes(rstd));
     const std::uint32_t scaled =
         eltwise(p + "/mul", layer, {wide, rstd}, n, DType::F32, {rstd, wide});
@@ -82,11 +82,10 @@ class Tracer {
                                                std::uint32_t input, std::size_t producer,
                                                std::int64_t in_features,
                                                std::int64_t out_features) {
-    const std::uint32_t in =
-        view_of(p + "/view.out", producer, input, 0, x_.tokens * in_features);
+    const std::uint32_t in = view_of(p + "/view.out", producer, input, 0, x_.tokens * in_features);
     const std::uint32_t weight = m_.param(p + ".weight", in_features * out_features);
-    const std::uint32_t t = m_.tensor(p + "/t.out", in_features * out_features, x_dtype(),
-                                      TensorRole::Param);
+    const std::uint32_t t =
+        m_.tensor(p + "/t.out", in_features * out_features, x_dtype(), TensorRole::Param);
     m_.view_param(t, weight);
     m_.op(p + "/t", layer, {weight}, {}, {});
     view_op(p + "/view", layer, input);
@@ -145,7 +144,8 @@ void traced_layer(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t& 
   const std::uint32_t qr = tr.eltwise(a + "/cat", layer, {qn, q1}, x.tokens * x.h, e, {});
   const std::uint32_t qs = tr.eltwise(a + "/mul#1", layer, {qr, sin}, x.tokens * x.h, e, {sin});
   const std::uint32_t q_rot = tr.eltwise(a + "/add", layer, {qc, qs}, x.tokens * x.h, e, {});
-  const std::uint32_t kc = tr.eltwise(a + "/mul#2", layer, {kt, cos}, x.tokens * kv_width, e, {cos});
+  const std::uint32_t kc =
+      tr.eltwise(a + "/mul#2", layer, {kt, cos}, x.tokens * kv_width, e, {cos});
   tr.view_op(a + "/slice#2", layer, k);
   tr.view_op(a + "/slice#3", layer, k);
   const std::uint32_t kn = tr.eltwise(a + "/neg#1", layer, {k2}, kv_half, e, {});
@@ -162,8 +162,8 @@ void traced_layer(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t& 
   const std::uint32_t lse =
       m.tensor(sdpa + ".out1", x.a * x.s * x.b, DType::F32, TensorRole::Activation);
   const std::int64_t qk_flops = 2 * x.b * x.s * x.s * x.h;
-  ModelOp& attn = m.op(sdpa, layer, {q_rot, k_rep, v_rep}, {out, lse},
-                       {k_rep, q_rot, v_rep, lse, out});
+  ModelOp& attn =
+      m.op(sdpa, layer, {q_rot, k_rep, v_rep}, {out, lse}, {k_rep, q_rot, v_rep, lse, out});
   cost(attn, 2 * qk_flops,
        m.bytes(q_rot) + m.bytes(k_rep) + m.bytes(v_rep) + m.bytes(out) + m.bytes(lse));
   attn.backward_flops = 5 * qk_flops;
@@ -177,8 +177,7 @@ void traced_layer(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t& 
 
   const std::uint32_t normed2 =
       tr.rms_norm(p + ".post_attention_layernorm", layer, resid, normed_by);
-  auto [gate, gate_by] =
-      tr.linear(p + ".mlp.gate_proj", layer, normed2, normed_by, x.h, x.f);
+  auto [gate, gate_by] = tr.linear(p + ".mlp.gate_proj", layer, normed2, normed_by, x.h, x.f);
   const std::uint32_t gate_v =
       tr.view_of(p + ".mlp.gate_proj/_unsafe_view.out", gate_by, gate, 0, x.tokens * x.f);
   const std::uint32_t silu =
@@ -214,17 +213,19 @@ Model make_traced_llama(const TransformerShape& shape, std::string name) {
        m.bytes(tokens) + 2 * m.bytes(stream));
 
   // Rotary cos and sin (float32, then the model's dtype), one view of each per layer.
-  const std::uint32_t freqs = tr.eltwise("model.rotary_emb/mul", -1, {inv_freq}, x.s * x.d / 2,
-                                         DType::F32, {});
+  const std::uint32_t freqs =
+      tr.eltwise("model.rotary_emb/mul", -1, {inv_freq}, x.s * x.d / 2, DType::F32, {});
   const std::uint32_t angles =
       tr.eltwise("model.rotary_emb/cat", -1, {freqs}, x.s * x.d, DType::F32, {});
   const std::uint32_t cos32 =
       tr.eltwise("model.rotary_emb/cos", -1, {angles}, x.s * x.d, DType::F32, {});
   const std::uint32_t sin32 =
       tr.eltwise("model.rotary_emb/sin", -1, {angles}, x.s * x.d, DType::F32, {});
-  const std::uint32_t cos = tr.eltwise("model.rotary_emb/_to_copy#2", -1, {cos32}, x.s * x.d, e, {});
+  const std::uint32_t cos =
+      tr.eltwise("model.rotary_emb/_to_copy#2", -1, {cos32}, x.s * x.d, e, {});
   const std::size_t cos_by = m.ops().size() - 1;
-  const std::uint32_t sin = tr.eltwise("model.rotary_emb/_to_copy#3", -1, {sin32}, x.s * x.d, e, {});
+  const std::uint32_t sin =
+      tr.eltwise("model.rotary_emb/_to_copy#3", -1, {sin32}, x.s * x.d, e, {});
   const std::size_t sin_by = m.ops().size() - 1;
   std::vector<std::pair<std::uint32_t, std::uint32_t>> rope;
   for (std::int64_t layer = 0; layer < shape.layers; ++layer) {
@@ -239,7 +240,8 @@ Model make_traced_llama(const TransformerShape& shape, std::string name) {
   }
   std::size_t normed_by = 0;
   const std::uint32_t normed = tr.rms_norm("model.norm", -1, stream, normed_by);
-  const std::uint32_t head_in = tr.view_of("lm_head/view.out", normed_by, normed, 0, x.tokens * x.h);
+  const std::uint32_t head_in =
+      tr.view_of("lm_head/view.out", normed_by, normed, 0, x.tokens * x.h);
 
   // The output head (tied to the embedding) in the no-offload region, the loss after it.
   const std::uint32_t t =
@@ -254,12 +256,12 @@ Model make_traced_llama(const TransformerShape& shape, std::string name) {
   m.op("lm_head/_unsafe_view", -1, {logits}, {}, {}).no_offload = true;
   const std::uint32_t wide =
       tr.eltwise("_to_copy", -1, {logits}, x.tokens * shape.vocab, DType::F32, {});
-  const std::uint32_t log_probs = m.tensor("_log_softmax.out", x.tokens * shape.vocab,
-                                           DType::F32, TensorRole::Activation);
+  const std::uint32_t log_probs =
+      m.tensor("_log_softmax.out", x.tokens * shape.vocab, DType::F32, TensorRole::Activation);
   cost(m.op("_log_softmax", -1, {wide}, {log_probs}, {log_probs}),
        kCrossEntropyFlops * x.tokens * shape.vocab, 2 * m.bytes(wide));
-  const std::uint32_t loss = m.tensor("nll_loss_forward.out0", 1, DType::F32,
-                                      TensorRole::Activation);
+  const std::uint32_t loss =
+      m.tensor("nll_loss_forward.out0", 1, DType::F32, TensorRole::Activation);
   const std::uint32_t total =
       m.tensor("nll_loss_forward.out1", 1, DType::F32, TensorRole::Activation);
   cost(m.op("nll_loss_forward", -1, {log_probs, labels}, {loss, total}, {log_probs, labels, total}),

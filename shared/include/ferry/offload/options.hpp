@@ -74,7 +74,7 @@ struct OffloadTelemetry {
   std::int64_t on_demand = 0;       ///< reloads issued at unpack
   std::int64_t stash_hits = 0;      ///< unpacks served by a still-resident original
   std::int64_t record_stream_fallbacks = 0;
-  std::int64_t past_horizon = 0;    ///< of `kept`: saved after the forward's offload horizon
+  std::int64_t past_horizon = 0;  ///< of `kept`: saved after the forward's offload horizon
   /// Saved tensors a backend kept as they are without asking the scheduler, for want of a
   /// storage it can copy (the real backend: tensor subclasses whose data lives in other
   /// tensors, sparse and quantized tensors). Not counted in `packed`.
