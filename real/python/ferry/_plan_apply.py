@@ -10,6 +10,7 @@ the session, recompute: re-run in backward).
 """
 
 import contextlib
+import copy
 import functools
 import json
 import os
@@ -172,6 +173,38 @@ def _regions_of(plan):
 # real, and skips the check under a trace), which shifts the `#k` of later ops in that module.
 # So a real op is matched by its name without `#k` to the next plan op not yet met; one that
 # does not match is an op the plan lacks, allowed as long as it saves nothing for backward.
+# The trace may also run ops the real forward does not, on the same grounds: Hugging Face's
+# check for packed sequences cannot read the trace's position ids either, so the trace builds
+# a causal mask and attention expands K and V for it, where the real forward runs SDPA causal.
+# The ops after such a branch have their own names again (`self_attn/view#3` follows SDPA in
+# both), so a real op whose full name, `#k` included, is a later plan op of the same module,
+# with only ops of that module between, is that op: the plan ops between did not run. Plan
+# ops of a region that its call did not run are skipped alike when the call ends.
+#
+# Note [A cache written in a region]
+# A Hugging Face layer called with a key/value cache (`past_key_values`, which the model makes
+# by default, `use_cache=True`, in training too) appends its keys and values to it:
+# `DynamicLayer.update` creates the empty tensors on its first call (`lift_fresh`) and
+# concatenates. A checkpointed region's replay would append them a second time and run other
+# ops (`cat` where forward ran `lift_fresh`), on twice the keys. Transformers' own gradient
+# checkpointing drops the cache (`use_cache=False`); that changes the forward's ops from the
+# traced ones, and its bits (attention gets the rotary output, not the contiguous copy the
+# cache returns). Instead the forward runs with the cache as traced, and each replay gets a
+# copy of the cache as the call found it: its objects, lists and dicts copied, its tensors
+# shared (a dynamic cache rebinds them, never writes them). The replay then runs forward's
+# ops on forward's values and leaves the model's cache as forward left it.
+#
+# Note [Kept outputs written in place]
+# Selective checkpointing hands a kept (or offloaded) output back to the replay as forward
+# stored it, and refuses one that changed since ("Tensor cached during selective activation
+# checkpoint has been mutated"). Forward may write such an output later in the region: the
+# CPU's dropout fills `empty_like`'s output with `bernoulli_` and scales it with `div_`. So
+# when an op is about to write an output of an earlier op of the call, the outputs kept or
+# offloaded that share its storage leave the checkpoint's storage and are recomputed, and so
+# is the writing op: handing back its stored output would skip the write on the replay's
+# tensor, which the code after it reads (dropout multiplies by its noise tensor, not by what
+# `div_` returned). An op writing what the call did not make (a batch norm's running
+# statistics) keeps the plan's decision: kept, the replay does not write it a second time.
 #
 # Note [Which op is saving]
 # Autograd saves an op's inputs in the op's autograd kernel before the op reaches the dispatch
@@ -193,7 +226,7 @@ class _Recorder(TorchDispatchMode):
         if torch._C._current_autograd_node() is None:  # forward only, not a replay in backward
             flat = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
             if flat or _writes(func):
-                self._run.on_op(func)
+                self._run.on_op(func, flat)
         return out
 
 
@@ -214,21 +247,33 @@ class _Saved:
 class _RegionPolicy:
     """The selective checkpoint policy of one region's call. Forward decides by the op's name;
     the recomputation repeats forward's decisions call by call (Note [Naming the real ops]:
-    names are counted in forward only)."""
+    names are counted in forward only). An op that writes an output of an earlier op of the
+    call is recomputed, and so is that output where it was kept or offloaded (Note [Kept
+    outputs written in place])."""
 
     def __init__(self, run, region):
         self._run = run
         self._region = region
-        self.forward = []  # (func, policy, plan op index or None)
+        self.forward = []  # [func, policy, plan op index or None, storages of its outputs]
         self.cursor = 0
+        self.storage = None  # the selective checkpoint's outputs by op, during forward
+
+    def contexts(self):
+        """The selective checkpoint's contexts, whose storage this policy edits."""
+        forward, recompute = _tc.create_selective_checkpoint_contexts(self)
+        self.storage = forward.storage
+        return forward, recompute
 
     def __call__(self, ctx, func, *args, **kwargs):
         if not ctx.is_recompute:
             index = self._run.peek(func) if _returns_tensor(func) else None
             choice = _tc.CheckpointPolicy.PREFER_RECOMPUTE
-            if index is not None and self._region.first <= index < self._region.end:
+            writes = isinstance(func, torch._ops.OpOverload) and _writes(func)
+            if writes and self._unsave(func, args, kwargs):
+                pass  # it writes what this call made: recomputed
+            elif index is not None and self._region.first <= index < self._region.end:
                 choice = _POLICY[self._run.ops[index]["saved"]]
-            self.forward.append((func, choice, index))
+            self.forward.append([func, choice, index, None])
             return choice
         k = self.cursor
         self.cursor += 1
@@ -238,10 +283,48 @@ class _RegionPolicy:
                 f"ferry.offload(plan=...): the recomputation of regions[{self._region.index}] "
                 f"(module {self._region.path!r}) ran {func} as its call {k}, where forward ran "
                 f"{ran}")
-        _, choice, index = self.forward[k]
+        _, choice, index, _ = self.forward[k]
         if index is not None and choice == _tc.CheckpointPolicy.PREFER_RECOMPUTE:
             self._run.recomputed[index] = self._run.recomputed.get(index, 0) + 1
         return choice
+
+    def outputs(self, func, tensors):
+        """The op this policy decided last ran and returned ``tensors``."""
+        if self.forward and self.forward[-1][0] is func:
+            self.forward[-1][3] = {_storage_of(t) for t in tensors}
+
+    def _unsave(self, func, args, kwargs):
+        """``func`` is about to write its arguments. Whether it writes an output of an earlier
+        op of this call; the outputs kept or offloaded that it writes are dropped from the
+        checkpoint's storage and recomputed."""
+        schema = func._schema.arguments
+        values = list(args) + [kwargs.get(a.name) for a in schema[len(args):]]
+        written = {_storage_of(v) for a, v in zip(schema, values)
+                   if a.alias_info is not None and a.alias_info.is_write
+                   and isinstance(v, torch.Tensor)} - {None}
+        made_here = False
+        stored = {}  # per op, how many of its entries come before
+        for record in self.forward:
+            op, choice, _, storages = record
+            hit = bool(storages and storages & written)
+            made_here |= hit
+            if choice == _tc.CheckpointPolicy.PREFER_RECOMPUTE:
+                continue
+            position = stored.get(op, 0)
+            if hit:
+                del self.storage[op][position]
+                record[1] = _tc.CheckpointPolicy.PREFER_RECOMPUTE
+            else:
+                stored[op] = position + 1
+        return made_here
+
+
+def _storage_of(t):
+    """What identifies ``t``'s storage (None for a tensor without one of its own)."""
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class PlanRun:
@@ -257,6 +340,7 @@ class PlanRun:
                 _fail(f"ops[{i}].name", f"{op['name']!r} is also ops[{self._index[op['name']]}]")
             self._index[op["name"]] = i
         self._bases = [op["name"].partition("#")[0] for op in self.ops]
+        self._paths_of = [_path_of(base) for base in self._bases]
         self.regions = _regions_of(self.plan)
         self._region_of = {}
         for region in self.regions:
@@ -360,21 +444,27 @@ class PlanRun:
         count = self._counts.get(base, 0)
         return base, (base if count == 0 else f"{base}#{count}")
 
-    def _match(self, base, ahead=False):
-        """The plan index the op of this base name is: the next plan op not yet met; with
+    def _match(self, base, name, ahead=False):
+        """The plan index the op of this base name is: the next plan op not yet met; else the
+        plan op of its full name when only ops of its module lie between; else, with
         ``ahead`` (the op saves tensors, so the plan must have it), a later one of the same
-        base name before the next region boundary, the plan ops between having not run for
-        real. None: an op the plan lacks."""
+        base name before the next region boundary. The plan ops skipped did not run for real
+        (Note [Naming the real ops]). None: an op the plan lacks."""
         if self._cursor < len(self.ops) and self._bases[self._cursor] == base:
             return self._cursor
-        if not ahead:
-            return None
         region = self._region_of.get(self._cursor)
         if region is not None:
             limit = region.end
         else:
             later = [r.first for r in self.regions if r.first >= self._cursor]
             limit = min(later, default=len(self.ops))
+        k = self._index.get(name)
+        if k is not None and self._cursor < k < limit:
+            path = _path_of(base)
+            if all(self._paths_of[i] == path for i in range(self._cursor, k)):
+                return k
+        if not ahead:
+            return None
         for k in range(self._cursor, limit):
             if self._bases[k] == base:
                 return k
@@ -382,13 +472,15 @@ class PlanRun:
 
     def peek(self, func):
         """The plan index of the op ``func`` is about to be (None: the plan lacks it)."""
-        return self._match(self._name(func)[0])
+        return self._match(*self._name(func))
 
-    def on_op(self, func):
+    def on_op(self, func, outputs=()):
+        if self._active is not None and self._policies:
+            self._policies[-1].outputs(func, outputs)
         base, name = self._name(func)
         self._counts[base] = self._counts.get(base, 0) + 1
         deferred, self._deferred = self._deferred, []
-        index = self._match(base, ahead=bool(deferred))
+        index = self._match(base, name, ahead=bool(deferred))
         if deferred and index is None:
             at = (f"ops[{self._cursor}] ({self.ops[self._cursor]['name']!r})"
                   if self._cursor < len(self.ops) else "past its last op")
@@ -431,7 +523,7 @@ class PlanRun:
             return saved
         if self._last is None:
             # An op that saves only its outputs, not matched when it ran: the plan has it later.
-            self._last = self._match(self._last_base, ahead=True)
+            self._last = self._match(self._last_base, self._last_name, ahead=True)
             self._meet(self._last, self._last_name)
         if self._last is None:
             raise PlanError(
@@ -481,15 +573,23 @@ class PlanRun:
             policy = _RegionPolicy(self, region)
             self._policies.append(policy)
             calls = [0]
+            caches = []  # (the cache argument, a copy of it as the call found it)
 
             def run(*a, **k):
-                if calls[0] > 0:  # a recomputation
+                if calls[0] == 0:
+                    # Note [A cache written in a region]
+                    caches.extend((v, _copy_cache(v)) for v in list(a) + list(k.values())
+                                  if _is_cache(v))
+                else:  # a recomputation
                     policy.cursor = 0
+                    if caches:
+                        a = [_replay_cache(v, caches) for v in a]
+                        k = {key: _replay_cache(v, caches) for key, v in k.items()}
                 calls[0] += 1
                 return forward(*a, **k)
 
             keep = no_offload() if region.inputs == "keep" else contextlib.nullcontext()
-            context = functools.partial(_tc.create_selective_checkpoint_contexts, policy)
+            context = policy.contexts
             self._active = region
             try:
                 with keep:
@@ -497,12 +597,16 @@ class PlanRun:
                                      offload=self._session_region, **kwargs)
             finally:
                 self._active = None
-            if self._cursor != region.end:
-                i = self._cursor
+                policy.storage = None  # the checkpoint's own, freed with it after backward
+            if self._cursor == region.first:
                 raise PlanError(
                     f"ferry.offload(plan=...): the call of {region.path!r} (regions"
-                    f"[{region.index}]) ended before ops[{i}] ({self.ops[i]['name']!r}) of the "
-                    "plan ran")
+                    f"[{region.index}]) ran none of the plan's ops {region.first}..{region.end - 1}"
+                    f" (the first: {self.ops[region.first]['name']!r}); the plan was made for "
+                    "another model or other inputs")
+            # Its plan ops the call did not run are a branch the real forward did not take
+            # (Note [Naming the real ops]).
+            self._cursor = region.end
             return out
 
         module.forward = checkpointed
@@ -528,7 +632,7 @@ class PlanRun:
             out["offloaded" if self._offloads(index) else "kept"] += len(ids)
         seen = set()
         for policy in self._policies:
-            for _, choice, index in policy.forward:
+            for _, choice, index, _ in policy.forward:
                 if index is None or index in seen:
                     continue
                 seen.add(index)
@@ -538,6 +642,47 @@ class PlanRun:
                     out["offloaded_outputs"] += 1
         out["recomputed"] = len(self.recomputed)
         return out
+
+
+def _is_cache(value):
+    """Whether ``value`` is a Hugging Face key/value cache (a ``transformers`` ``Cache``)."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.")
+               for c in type(value).__mro__)
+
+
+def _cache_part(value):
+    return not isinstance(value, torch.nn.Module) and any(
+        c.__module__.startswith("transformers.") and "cache" in c.__module__
+        for c in type(value).__mro__)
+
+
+def _copy_cache(value, memo=None):
+    """A copy of a cache's state (Note [A cache written in a region]): the cache's objects and
+    their lists, tuples and dicts copied, anything else (tensors included) shared."""
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
+    if type(value) in (list, tuple, set):
+        out = type(value)(_copy_cache(v, memo) for v in value)
+    elif type(value) is dict:
+        out = {key: _copy_cache(v, memo) for key, v in value.items()}
+    elif _cache_part(value) and hasattr(value, "__dict__"):
+        out = copy.copy(value)
+        memo[id(value)] = out
+        out.__dict__.update({key: _copy_cache(v, memo) for key, v in vars(value).items()})
+    else:
+        return value
+    memo[id(value)] = out
+    return out
+
+
+def _replay_cache(value, caches):
+    """What a replay passes for the argument ``value``: a fresh copy of the cache as forward
+    found it, or ``value`` itself."""
+    for cache, found in caches:
+        if value is cache:
+            return _copy_cache(found)
+    return value
 
 
 def _head_path(root):
