@@ -2,6 +2,7 @@
 plan to the real forward (docs/plan.md, "Applying a plan")."""
 
 import os
+import re
 import subprocess
 import tempfile
 
@@ -10,8 +11,11 @@ import torch
 from . import offload
 from ._plan_apply import PlanError, load_plan
 
-# `ferry plan`'s exit code for a budget below the floor.
+# `ferry plan`'s exit code for a budget no plan fits.
 EXIT_INFEASIBLE = 1
+# How `ferry plan` names the floor when it refuses a budget below it.
+_FLOOR = re.compile(
+    r"the floor \(the smallest peak reserved the planner reached\) is [^(]*\((\d+) bytes\)")
 
 
 class AutoOffload(offload):
@@ -44,8 +48,9 @@ def check_budget(value, what):
 
 def run_planner(model_path, budget, out_path, device=None, host_budget=None):
     """Runs ``ferry plan`` on a ``ferry.model/1`` file and returns what it printed; raises
-    ``PlanError`` with its message and ``exit_code`` when it refuses (an infeasible budget,
-    exit code 1, names the floor)."""
+    ``PlanError`` with its message, ``exit_code`` and ``floor`` when it refuses (exit code 1:
+    no plan fits the budget; ``floor`` is the smallest peak reserved in bytes the planner
+    reached, above the budget, when it names one, else None)."""
     from .__main__ import CliNotFound, find_cli
 
     try:
@@ -60,11 +65,14 @@ def run_planner(model_path, budget, out_path, device=None, host_budget=None):
         command += ["--host-budget", str(host_budget)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        said = (done.stderr.strip() or done.stdout.strip()).splitlines()
-        what = "the budget is below what any plan reaches" if (
+        said = " / ".join((done.stderr.strip() or done.stdout.strip()).splitlines())
+        floor = _FLOOR.search(said) if done.returncode == EXIT_INFEASIBLE else None
+        # Without a floor the planner says why the plans that reached the budget failed.
+        what = ("the budget is below the floor" if floor else "no plan fits the budget") if (
             done.returncode == EXIT_INFEASIBLE) else f"exit code {done.returncode}"
-        error = PlanError(f"ferry.auto: ferry plan refused ({what}): " + " / ".join(said))
+        error = PlanError(f"ferry.auto: ferry plan refused ({what}): " + said)
         error.exit_code = done.returncode
+        error.floor = int(floor.group(1)) if floor else None
         raise error
     return done.stdout
 
