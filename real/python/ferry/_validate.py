@@ -132,10 +132,59 @@ def _saved_at_end_of_forward(model, inputs, loss_fn):
     return sum(storages.values())
 
 
-def run_real(model, inputs, loss_fn, policy, checkpoint, steps):
+# The per-layer decisions compared (Note [Decisions per layer]).
+LAYER_COUNTERS = ("packed", "offloaded", "kept", "deduplicated")
+
+
+# Note [Decisions per layer]
+# Besides the totals, `validate` compares what the scheduler decided for the saved tensors of
+# each layer: packed, offloaded, kept and deduplicated. The real run snapshots the session's
+# counters when each module of the model's first ModuleList (the layers checkpointing wraps)
+# starts and ends its forward, and charges the difference to that layer, by its index in the
+# list; whatever is left is the rest of the model (-1). The simulator charges each pack to the
+# layer of the op that packs it (`ferry simulate --json`, `result.layers`), which is the first
+# integer of the traced op's module path: the same index. A checkpointed layer's inputs are
+# packed when its call starts on both sides; recomputation packs into the checkpoint, not the
+# scheduler, and counts on neither. Layers are compared where the totals agree (a difference
+# in the totals is named by them).
+
+
+def _layer_counts(model, ctx):
+    """Hooks on each layer that charge the session's counter increments to it; returns the
+    dict they fill (layer index -> counters) and a function that removes the hooks."""
+    counts = {}
+    open_at = {}
+    handles = []
+
+    def snapshot():
+        t = ctx.telemetry()
+        return {name: t[name] for name in LAYER_COUNTERS}
+
+    for index, layer in enumerate(_layer_list(model)):
+        def enter(module, args, index=index):
+            open_at.setdefault(index, []).append(snapshot())
+
+        def leave(module, args, output, index=index):
+            start, now = open_at[index].pop(), snapshot()
+            row = counts.setdefault(index, dict.fromkeys(LAYER_COUNTERS, 0))
+            for name in LAYER_COUNTERS:
+                row[name] += now[name] - start[name]
+
+        handles.append(layer.register_forward_pre_hook(enter))
+        handles.append(layer.register_forward_hook(leave, always_call=True))
+
+    def remove():
+        for h in handles:
+            h.remove()
+
+    return counts, remove
+
+
+def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
     """Trains a copy of ``model`` for ``steps`` steps under ``policy`` on the CPU loopback
     device; the offload context spans forward and backward, as the simulator's step does.
-    Returns the counters over all steps, the bytes of the last step and its time."""
+    ``horizon``: the ferry policy's offload horizon in bytes (None: none). Returns the counters
+    over all steps, the bytes of the last step, its time, and the counters per layer."""
     import ferry
 
     from ._trace import _loss_of
@@ -143,7 +192,10 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps):
     model = copy.deepcopy(model)
     if checkpoint:
         _checkpoint_layers(model)
-    ctx = ferry.offload_model(model, policy=policy, loopback=True, warn_if_no_head=False)
+    options = {} if horizon is None else {"horizon_bytes": horizon}
+    ctx = ferry.offload_model(model, policy=policy, loopback=True, warn_if_no_head=False,
+                              **options)
+    per_layer, unhook = _layer_counts(model, ctx)
     args, kwargs = _call_args(inputs)
     before, step_ns = ctx.telemetry(), 0
     for _ in range(steps):
@@ -155,6 +207,7 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps):
             loss.backward()
         step_ns = time.perf_counter_ns() - start
     after = ctx.telemetry()
+    unhook()
     if ctx.tracked() != 0:
         raise RuntimeError(f"ferry validate: {ctx.tracked()} saved tensors still tracked after "
                            f"the last step under {policy}")
@@ -163,6 +216,9 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps):
     out["bytes_h2d"] = after["bytes_h2d"] - before["bytes_h2d"]
     out["pinned_peak"] = after["pinned_peak"]
     out["step_time_ns"] = step_ns
+    rest = {name: after[name] - sum(c[name] for c in per_layer.values())
+            for name in LAYER_COUNTERS}
+    out["layers"] = {**per_layer, -1: rest}
     return out
 
 
@@ -215,9 +271,12 @@ def simulated_saved_peak(path, document, cli=None, device=None):
     return peak
 
 
-def simulate(path, policy, checkpoint, steps, cli=None, device=None):
-    """The simulator's run of the model document at ``path`` (``ferry simulate --json``)."""
-    result = _run_cli(path, policy, checkpoint, steps, cli, device)
+def simulate(path, policy, checkpoint, steps, cli=None, device=None, horizon="none"):
+    """The simulator's run of the model document at ``path`` (``ferry simulate --json``).
+    ``horizon``: ``--horizon`` (``none``, ``auto`` or a byte count; Note [Offload horizon in
+    validate])."""
+    result = _run_cli(path, policy, checkpoint, steps, cli, device,
+                      ("--horizon", str(horizon)))
     out = {name: result["telemetry"][name] for name in COUNTERS}
     out["bytes_d2h"] = result["d2h_bytes"]
     out["bytes_h2d"] = result["h2d_bytes"]
@@ -225,7 +284,26 @@ def simulate(path, policy, checkpoint, steps, cli=None, device=None):
     out["step_time_ns"] = result["step_time_ns"]
     out["peak_allocated_bytes"] = result["peak_allocated_bytes"]
     out["peak_reserved_bytes"] = result["peak_reserved_bytes"]
+    out["horizon_bytes"] = result.get("horizon_bytes")
+    out["layers"] = {row["layer"]: {name: row[name] for name in LAYER_COUNTERS}
+                     for row in result.get("layers", [])}
     return out
+
+
+# Note [Offload horizon in validate]
+# The simulator's ferry rows offload only up to the horizon it derives from the device profile
+# (docs/offload.md); the real run makes the same decisions only when it is given the same
+# number. Where `ferry.offload` takes `horizon_bytes`, validate derives the horizon with the
+# simulator (`--horizon auto`) and runs both sides with it; otherwise both sides run without one
+# (`--horizon none`), which is what `ferry.offload_model` does by default.
+
+
+def _real_takes_horizon():
+    import inspect
+
+    import ferry
+
+    return "horizon_bytes" in inspect.signature(ferry.offload.__init__).parameters
 
 
 def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2, cli=None,
@@ -272,10 +350,17 @@ def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2
         }
         head_saves = _head_saves(document)
         report["head_saves_per_step"] = head_saves
+        with_horizon = _real_takes_horizon()
         for policy in policies:
             offload_policy, checkpoint = POLICIES[policy]
-            real = run_real(model, inputs, loss_fn, offload_policy, checkpoint, steps)
-            sim = simulate(path, offload_policy, checkpoint, steps, cli=cli, device=device)
+            horizon = None
+            if with_horizon and offload_policy == "ferry":
+                derived = simulate(path, offload_policy, checkpoint, steps, cli=cli,
+                                   device=device, horizon="auto")
+                horizon = derived["horizon_bytes"]
+            real = run_real(model, inputs, loss_fn, offload_policy, checkpoint, steps, horizon)
+            sim = simulate(path, offload_policy, checkpoint, steps, cli=cli, device=device,
+                           horizon="none" if horizon is None else horizon)
             report["policies"][policy] = {
                 "real": real,
                 "simulated": sim,
@@ -312,4 +397,16 @@ def mismatches(real, sim, head_packs, policy="ferry"):
             expected -= head_packs
         if real[name] != expected:
             out.append(f"{name}: real {real[name]}, simulated {expected}")
+    # Note [Decisions per layer]; the head's saves are the rest of the model's (-1). Where the
+    # totals differ, they say it; where they agree, a difference between layers is named.
+    real_layers, sim_layers = real.get("layers"), sim.get("layers")
+    if out or real_layers is None or sim_layers is None:
+        return out
+    zero = dict.fromkeys(LAYER_COUNTERS, 0)
+    for layer in sorted(set(real_layers) | set(sim_layers)):
+        r, s = real_layers.get(layer, zero), sim_layers.get(layer, zero)
+        for name in LAYER_COUNTERS:
+            expected = s[name] - (head_packs if layer == -1 and name in ("packed", "kept") else 0)
+            if r[name] != expected:
+                out.append(f"layer {layer}: {name}: real {r[name]}, simulated {expected}")
     return out

@@ -43,6 +43,7 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
   r.hazards = sim.hazards().size();
   r.telemetry = run.telemetry;
   if (row.options.offload.policy == Policy::Ferry) r.horizon = row.options.offload.horizon_bytes;
+  r.layers = run.layer_decisions;
   return r;
 }
 
@@ -248,6 +249,17 @@ std::string simulate_json(const RowResult& r, const Model& model, const DevicePr
   j["format"] = "ferry.simulate/1";
   j.update(context_json(model, device));
   j["result"] = row_json(r, nullptr);
+  // Per layer of the packing op (-1: outside the layers), all steps: what
+  // `python -m ferry validate` compares with a real run's.
+  Json layers = Json::array();
+  for (const auto& [layer, d] : r.layers) {
+    layers.push_back({{"layer", layer},
+                      {"packed", d.packed},
+                      {"offloaded", d.offloaded},
+                      {"kept", d.kept},
+                      {"deduplicated", d.deduplicated}});
+  }
+  j["result"]["layers"] = std::move(layers);
   return j.dump(2) + "\n";
 }
 

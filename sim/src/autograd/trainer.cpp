@@ -264,7 +264,18 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
   facts.no_offload = tensor.no_offload;
   facts.node = NodeId(node);
   saved.kind = Saved::Kind::Offload;
+  const OffloadTelemetry before = offloader_.telemetry();
   saved.id = offloader_.pack(facts, where.buffer);
+  if (!replaying()) {
+    // Per layer of the packing op, as a real run attributes each pack to the layer whose
+    // forward is running (`python -m ferry validate`).
+    const OffloadTelemetry& after = offloader_.telemetry();
+    LayerDecisions& d = run_.layer_decisions[model_.ops[node].layer];
+    d.packed += after.packed - before.packed;
+    d.offloaded += after.offloaded - before.offloaded;
+    d.kept += after.kept - before.kept;
+    d.deduplicated += after.deduplicated - before.deduplicated;
+  }
   return saved;
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 /// What-if runs of a model under offload policies: `ferry simulate` and `ferry compare`.
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,6 +39,8 @@ struct RowResult {
   OffloadTelemetry telemetry;
   /// The ferry policy's offload horizon the run used (OffloadOptions::horizon_bytes).
   std::optional<Bytes> horizon;
+  /// The offloader's decisions per layer (TrainingRun::layer_decisions), all steps.
+  std::map<std::int32_t, LayerDecisions> layers;
 };
 
 /// The rows of `ferry compare`: none, trl, ferry, ferry knob variants, checkpointing every

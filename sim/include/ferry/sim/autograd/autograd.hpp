@@ -4,6 +4,7 @@
 /// would call them.
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -56,6 +57,15 @@ struct StepTimes {
   SimTime end;
 };
 
+/// The offloader's decisions for the saved tensors one layer's ops packed in forward.
+struct LayerDecisions {
+  std::int64_t packed = 0;
+  std::int64_t offloaded = 0;  ///< storages copied to the host
+  std::int64_t kept = 0;       ///< left on the device (by rule, host cap, or past the horizon)
+  std::int64_t deduplicated = 0;
+  friend bool operator==(const LayerDecisions&, const LayerDecisions&) = default;
+};
+
 struct TrainingRun {
   Simulator sim;
   DeviceId device{};   ///< the device it trained on, in `sim`
@@ -77,6 +87,9 @@ struct TrainingRun {
   std::vector<std::pair<std::uint32_t, std::uint32_t>> replay_stops{};
   /// Content value of every parameter's gradient and of the batch's gradient, last step.
   std::vector<std::uint64_t> gradient_values{};
+  /// What the offloader decided for the saved tensors packed in forward, per layer of the
+  /// packing op (ModelOp::layer; -1 outside the layers), all steps.
+  std::map<std::int32_t, LayerDecisions> layer_decisions{};
 };
 
 /// Test-only switches that break a training run on purpose (planted faults), kept out of the
