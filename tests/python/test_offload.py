@@ -438,10 +438,33 @@ def test_telemetry_fields():
     t = ctx.telemetry()
     assert set(t) == {
         "packed", "offloaded", "kept", "deduplicated", "host_fallbacks", "prefetched",
-        "on_demand", "stash_hits", "record_stream_fallbacks", "kept_as_is", "bytes_d2h",
-        "bytes_h2d", "pinned_bytes", "pinned_peak",
+        "on_demand", "stash_hits", "record_stream_fallbacks", "kept_as_is", "past_horizon",
+        "bytes_d2h", "bytes_h2d", "pinned_bytes", "pinned_peak",
     }
     assert all(isinstance(v, int) and v == 0 for v in t.values())
+
+
+@pytest.mark.parametrize("horizon", [0, 3000])
+def test_an_offload_horizon_keeps_what_is_saved_after_it(horizon):
+    x = torch.randn(16, 16, requires_grad=True)
+
+    def forward():
+        return (x.sin().exp().tanh().cos() * x).sum()
+
+    forward().backward()
+    plain = x.grad.clone()
+    x.grad = None
+    ctx = ferry.offload(loopback=True, min_bytes=0, window_bytes=0, horizon_bytes=horizon)
+    with ctx:
+        loss = forward()
+    loss.backward()
+    assert torch.equal(x.grad, plain)
+    t = ctx.telemetry()
+    assert t["past_horizon"] > 0
+    # Each storage is 1 KiB: a horizon of 3000 bytes lets two of them out, 0 none.
+    assert t["offloaded"] == horizon // 1024
+    with pytest.raises(ValueError, match="horizon_bytes must not be negative"):
+        ferry.offload(loopback=True, horizon_bytes=-1)
 
 
 def test_region_stack_consistent_after_error():

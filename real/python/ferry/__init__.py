@@ -208,8 +208,10 @@ class offload(_Region):
     reference hook-based offloader as TRL ships it; ``"trl-seed"``: as first released) or
     ``"none"`` (keep everything); tensors under
     ``min_bytes`` stay; ``max_fwd_stash_size`` is the reference's forward stash (trl);
-    ``window_bytes``, ``prefetch_bytes``, ``host_cap``, ``dedup`` and ``prefetch`` tune the
-    ferry policy. Pinning is refused when it would leave less than ``host_reserve_bytes`` (1 GiB)
+    ``window_bytes``, ``prefetch_bytes``, ``host_cap``, ``dedup``, ``prefetch`` and
+    ``horizon_bytes`` tune the ferry policy (``horizon_bytes``: the bytes one forward may copy
+    out before the rest of its saved tensors stay on the device, as ``ferry compare`` derives it
+    from the link; Note [Offload horizon]). Pinning is refused when it would leave less than ``host_reserve_bytes`` (1 GiB)
     of the host's available memory: ferry then keeps the tensor on the device (counted in
     ``host_fallbacks``), trl raises. ``loopback=True`` treats CPU tensors as device tensors (no GPU needed);
     ``record=True`` records the stream program for ``ferry check`` (see ``write_program``).
@@ -251,6 +253,7 @@ class offload(_Region):
         host_reserve_bytes=None,
         dedup=True,
         prefetch=True,
+        horizon_bytes=None,
         loopback=False,
         record=False,
         profile=None,
@@ -271,6 +274,8 @@ class offload(_Region):
                 prefetch_bytes = fixed.get("prefetch_bytes")
             host_cap = fixed.get("host_cap") if host_cap is None else host_cap
             prefetch = fixed.get("prefetch", prefetch)
+            if horizon_bytes is None:
+                horizon_bytes = fixed.get("horizon_bytes")
         elif model is not None:
             raise TypeError("ferry.offload: model= goes with plan=")
         if min_bytes is not None and min_offload_size is not None and min_bytes != min_offload_size:
@@ -299,6 +304,7 @@ class offload(_Region):
             ("prefetch_bytes", prefetch_bytes),
             ("host_cap", host_cap),
             ("host_reserve_bytes", host_reserve_bytes),
+            ("horizon_bytes", horizon_bytes),
             ("profile", profile),
         ):
             if value is not None:

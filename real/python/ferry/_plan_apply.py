@@ -27,7 +27,7 @@ from ._trace_record import _writes
 FORMAT = "ferry.plan/1"
 _DECISIONS = ("keep", "offload", "recompute")
 _INPUTS = ("keep", "offload")
-_KNOBS = ("min_bytes", "window_bytes", "prefetch_bytes", "prefetch")
+_KNOBS = ("min_bytes", "window_bytes", "prefetch_bytes", "prefetch", "horizon_bytes")
 _POLICY = {
     "keep": _tc.CheckpointPolicy.MUST_SAVE,
     "offload": _tc.CheckpointPolicy.MUST_CPU_OFFLOAD,
@@ -104,7 +104,8 @@ def load_plan(plan):
 def offload_options(plan):
     """``ferry.offload``'s options that the plan fixes: its knobs and its pinned host budget."""
     knobs = plan.get("knobs", {})
-    options = {key: knobs[key] for key in ("min_bytes", "window_bytes", "prefetch_bytes")
+    options = {key: knobs[key]
+               for key in ("min_bytes", "window_bytes", "prefetch_bytes", "horizon_bytes")
                if key in knobs}
     if "prefetch" in knobs:
         options["prefetch"] = bool(knobs["prefetch"])

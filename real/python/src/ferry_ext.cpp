@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -54,6 +55,7 @@ py::dict telemetry_dict(const ferry::OffloadTelemetry& t) {
   d["stash_hits"] = t.stash_hits;
   d["record_stream_fallbacks"] = t.record_stream_fallbacks;
   d["kept_as_is"] = t.kept_as_is;
+  d["past_horizon"] = t.past_horizon;
   d["bytes_d2h"] = t.bytes_d2h.count();
   d["bytes_h2d"] = t.bytes_h2d.count();
   d["pinned_bytes"] = t.pinned_bytes.count();
@@ -140,6 +142,7 @@ std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t mi
                                       bool dedup, bool prefetch, bool use_streams, bool loopback,
                                       bool record, const std::string& profile,
                                       std::int64_t host_reserve_bytes,
+                                      std::optional<std::int64_t> horizon_bytes,
                                       const ferry::OffloadFaults& faults) {
   ferry::RealOptions options;
   options.offload.policy = parse_policy(policy);
@@ -155,6 +158,13 @@ std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t mi
   options.record = record;
   options.profile = profile;
   options.host_reserve = ferry::Bytes(host_reserve_bytes);
+  if (horizon_bytes) {
+    if (*horizon_bytes < 0) {
+      throw std::invalid_argument("ferry: option horizon_bytes must not be negative (got " +
+                                  std::to_string(*horizon_bytes) + ")");
+    }
+    options.offload.horizon_bytes = ferry::Bytes(*horizon_bytes);
+  }
   return Session::create(options, faults);
 }
 
@@ -234,6 +244,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("loopback") = defaults.loopback, py::arg("record") = defaults.record,
            py::arg("profile") = defaults.profile,
            py::arg("host_reserve_bytes") = defaults.host_reserve.count(),
+           py::arg("horizon_bytes") = std::optional<std::int64_t>{},
            py::arg("faults") = ferry::OffloadFaults{})
       .def("exclude", &Session::exclude, py::arg("tensor"),
            "Never offload this tensor's storage (parameters, module buffers).")
