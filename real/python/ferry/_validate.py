@@ -293,17 +293,11 @@ def simulate(path, policy, checkpoint, steps, cli=None, device=None, horizon="no
 # Note [Offload horizon in validate]
 # The simulator's ferry rows offload only up to the horizon it derives from the device profile
 # (docs/offload.md); the real run makes the same decisions only when it is given the same
-# number. Where `ferry.offload` takes `horizon_bytes`, validate derives the horizon with the
-# simulator (`--horizon auto`) and runs both sides with it; otherwise both sides run without one
-# (`--horizon none`), which is what `ferry.offload_model` does by default.
-
-
-def _real_takes_horizon():
-    import inspect
-
-    import ferry
-
-    return "horizon_bytes" in inspect.signature(ferry.offload.__init__).parameters
+# number. Validate runs both sides without one (`--horizon none`), which is what
+# `ferry.offload` and `ferry.offload_model` do by default. With the derived horizon on both
+# sides the counts do not match yet (on the bundled GPT the real run offloads 8 storages, the
+# simulated row 6): the horizon counts storage bytes in pack order, and the two sides do not
+# yet pack the same storages in the same order up to it.
 
 
 def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2, cli=None,
@@ -350,17 +344,12 @@ def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2
         }
         head_saves = _head_saves(document)
         report["head_saves_per_step"] = head_saves
-        with_horizon = _real_takes_horizon()
         for policy in policies:
             offload_policy, checkpoint = POLICIES[policy]
-            horizon = None
-            if with_horizon and offload_policy == "ferry":
-                derived = simulate(path, offload_policy, checkpoint, steps, cli=cli,
-                                   device=device, horizon="auto")
-                horizon = derived["horizon_bytes"]
-            real = run_real(model, inputs, loss_fn, offload_policy, checkpoint, steps, horizon)
+            # See Note [Offload horizon in validate].
+            real = run_real(model, inputs, loss_fn, offload_policy, checkpoint, steps)
             sim = simulate(path, offload_policy, checkpoint, steps, cli=cli, device=device,
-                           horizon="none" if horizon is None else horizon)
+                           horizon="none")
             report["policies"][policy] = {
                 "real": real,
                 "simulated": sim,
