@@ -9,6 +9,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,29 @@
 namespace {
 
 bool g_smoke = false;
+
+// Plans `model` in each iteration of `state`; the last outcome, or null (the state then says
+// why the benchmark was skipped). Sets the counters every case reports: the plan's gap to the
+// lower bound and the simulations the search ran.
+std::optional<ferry::sim::PlanOutcome> timed_plan(benchmark::State& state,
+                                                  const ferry::sim::Model& model,
+                                                  const ferry::DeviceProfile& device,
+                                                  const ferry::sim::PlannerOptions& options) {
+  ferry::Result<ferry::sim::PlanOutcome> outcome = ferry::Error{"not run"};
+  for (auto _ : state) {
+    outcome = ferry::sim::make_plan(model, device, options);
+    benchmark::DoNotOptimize(outcome);
+  }
+  if (!outcome.ok()) {
+    state.SkipWithError(outcome.error().message.c_str());
+    return std::nullopt;
+  }
+  const auto& o = outcome.value();
+  state.counters["plan_vs_bound"] =
+      static_cast<double>(o.row.step_time.ns()) / static_cast<double>(o.lower_bound.ns());
+  state.counters["simulations"] = static_cast<double>(o.simulations);
+  return o;
+}
 
 void BM_Plan(benchmark::State& state, const char* preset) {
   const std::string name = g_smoke ? "gpt2-small-s1024" : preset;
@@ -46,22 +70,12 @@ void BM_Plan(benchmark::State& state, const char* preset) {
     }
   }
   const ferry::sim::PlannerOptions options{every.peak_reserved, std::nullopt, 2};
-  ferry::Result<ferry::sim::PlanOutcome> outcome = ferry::Error{"not run"};
-  for (auto _ : state) {
-    outcome = ferry::sim::make_plan(model.value(), device.value(), options);
-    benchmark::DoNotOptimize(outcome);
-  }
-  if (!outcome.ok()) {
-    state.SkipWithError(outcome.error().message.c_str());
-    return;
-  }
-  const auto& o = outcome.value();
+  const auto planned = timed_plan(state, model.value(), device.value(), options);
+  if (!planned) return;
+  const auto& o = *planned;
   const double base_ns = static_cast<double>(none.step_time.ns());
   state.counters["plan_vs_none"] = static_cast<double>(o.row.step_time.ns()) / base_ns;
   state.counters["checkpoint_vs_none"] = static_cast<double>(every.step_time.ns()) / base_ns;
-  state.counters["plan_vs_bound"] =
-      static_cast<double>(o.row.step_time.ns()) / static_cast<double>(o.lower_bound.ns());
-  state.counters["simulations"] = static_cast<double>(o.simulations);
 }
 // `ferry plan --budget 41GiB --device a100-pcie4` on a Llama-3.2-3B at sequence 4096, batch 2,
 // as `python -m ferry trace` lists a Hugging Face one (2,104 ops; the generator's preset of
@@ -78,24 +92,14 @@ void BM_PlanTraced(benchmark::State& state) {
   ferry::sim::assign_roofline_durations(model.value(), device.value());
   const ferry::Bytes budget = g_smoke ? ferry::Bytes(1LL << 30) : ferry::Bytes(41LL << 30);
   const ferry::sim::PlannerOptions options{budget, std::nullopt, 2};
-  ferry::Result<ferry::sim::PlanOutcome> outcome = ferry::Error{"not run"};
-  for (auto _ : state) {
-    outcome = ferry::sim::make_plan(model.value(), device.value(), options);
-    benchmark::DoNotOptimize(outcome);
-  }
-  if (!outcome.ok()) {
-    state.SkipWithError(outcome.error().message.c_str());
-    return;
-  }
-  const auto& o = outcome.value();
+  const auto planned = timed_plan(state, model.value(), device.value(), options);
+  if (!planned) return;
+  const auto& o = *planned;
   const double base_ns = static_cast<double>(o.fixed.front().step_time.ns());
   state.counters["plan_vs_none"] = static_cast<double>(o.row.step_time.ns()) / base_ns;
   if (const ferry::sim::RowResult* best = ferry::sim::best_fixed(o)) {
     state.counters["best_fixed_vs_none"] = static_cast<double>(best->step_time.ns()) / base_ns;
   }
-  state.counters["plan_vs_bound"] =
-      static_cast<double>(o.row.step_time.ns()) / static_cast<double>(o.lower_bound.ns());
-  state.counters["simulations"] = static_cast<double>(o.simulations);
 }
 
 BENCHMARK_CAPTURE(BM_Plan, llama3_8b, "llama3-8b-s8192")->Iterations(1)->Unit(benchmark::kSecond);
