@@ -363,6 +363,27 @@ TEST(Planner, NoRefusalNamesAFloorUnderItsBudget) {
   }
 }
 
+TEST(Planner, AFloorUnderAHostBudgetCountsOnlyPlansWithinIt) {
+  // With no pinned host memory at all, nothing can be offloaded: the floor is a peak some plan
+  // without offload reached, above the floor with host memory to spare (on Llama-3-8B the
+  // lowest peaks offload checkpointed inputs), and a refusal at that floor never names a floor
+  // under its budget.
+  const DeviceProfile device = profile("a100-pcie4");
+  const Model model = preset("llama3-8b-s4096", device);
+  Bytes with_host;
+  Bytes without_host;
+  ASSERT_FALSE(make_plan(model, device, PlannerOptions{Bytes(1), std::nullopt, 2}, &with_host).ok());
+  ASSERT_FALSE(make_plan(model, device, PlannerOptions{Bytes(1), Bytes(0), 2}, &without_host).ok());
+  EXPECT_GT(without_host, with_host);
+  auto at_floor = make_plan(model, device, PlannerOptions{without_host, Bytes(0), 2});
+  if (at_floor.ok()) {
+    EXPECT_EQ(at_floor.value().row.pinned_peak, Bytes(0));
+  } else {
+    EXPECT_EQ(at_floor.error().message.find("the floor"), std::string::npos)
+        << at_floor.error().message;
+  }
+}
+
 // --- the ferry policy's offload horizon (Note [Deriving the offload horizon]) ---------------
 
 TEST(OffloadHorizon, KeepsATensorSavedAtTheEndOfForwardThatTheLinkCannotCarryInTime) {

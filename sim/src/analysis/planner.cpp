@@ -461,9 +461,11 @@ class Search {
     return s;
   }
 
-  /// Takes a measured plan: a candidate when it fits; its peak lowers the floor.
+  /// Takes a measured plan: a candidate when it fits; its peak lowers the floor when its
+  /// pinned memory is within the host budget (a plan over the host budget reached nothing a
+  /// refusal may point to).
   void note(const Plan& plan, const Sample& s) {
-    if (s.ok) floor_ = std::min(floor_, s.reserved);
+    if (s.ok && within_host(s)) floor_ = std::min(floor_, s.reserved);
     if (!fits(s)) return;
     std::string key = key_of(plan);
     if (auto it = candidates_.find(key); it == candidates_.end()) {
@@ -473,9 +475,12 @@ class Search {
     }
   }
 
+  bool within_host(const Sample& s) const {
+    return !options_.host_budget || s.pinned <= *options_.host_budget;
+  }
+
   bool fits(const Sample& s) const {
-    return s.ok && s.reserved <= options_.budget &&
-           (!options_.host_budget || s.pinned <= *options_.host_budget);
+    return s.ok && s.reserved <= options_.budget && within_host(s);
   }
 
   /// The candidates, fastest first (ties by key, for a stable choice).
