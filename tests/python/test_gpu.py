@@ -33,7 +33,7 @@ def test_cuda_grads_bitwise(policy, make):
 
 @pytest.mark.parametrize("policy", ["ferry", "trl"])
 def test_cuda_reloads_with_small_window(policy):
-    ctx = ferry.offload(policy=policy, min_bytes=0, window_bytes=1, max_fwd_stash_size=1)
+    ctx = ferry.offload(policy=policy, min_bytes=0, window_bytes=0, max_fwd_stash_size=1)
     check_against_plain(MLP, lambda: torch.randn(64, 32), ctx, steps=3, device="cuda")
     t = ctx.telemetry()
     assert t["bytes_h2d"] > 0

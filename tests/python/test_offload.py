@@ -110,7 +110,7 @@ def test_views_with_window_retired(policy):
     x = x_ref.detach().clone().requires_grad_()
     w = w_ref.detach().clone().requires_grad_()
     views_fn(x_ref, w_ref).backward()
-    ctx = loopback(policy, min_bytes=0, window_bytes=1, max_fwd_stash_size=1)
+    ctx = loopback(policy, min_bytes=0, window_bytes=0, max_fwd_stash_size=1)
     with ctx:
         y = views_fn(x, w)
     y.backward()
@@ -216,7 +216,7 @@ def test_retain_graph_twice_ferry():
     loss = loss_of(ref(ref_x))
     loss.backward(retain_graph=True)
     loss.backward()
-    ctx = loopback("ferry", min_bytes=0, window_bytes=1)
+    ctx = loopback("ferry", min_bytes=0, window_bytes=0)
     with ctx:
         loss = loss_of(model(x))
     loss.backward(retain_graph=True)
@@ -239,7 +239,7 @@ def test_double_backward_ferry():
 
     ref, model, ref_x, x = twin(make, lambda: torch.randn(4, 16))
     double_backward(ref, ref_x)
-    ctx = loopback("ferry", min_bytes=0, window_bytes=1)
+    ctx = loopback("ferry", min_bytes=0, window_bytes=0)
     with ctx:
         out = loss_of(model(x))
     (g,) = torch.autograd.grad(out, x, create_graph=True)
@@ -570,7 +570,7 @@ def test_mixed_dtypes_and_empty_tensors(policy, dtype):
     model.load_state_dict(ref.state_dict())
     idx, target = torch.randint(0, 50, (4, 7)), torch.randint(0, 50, (4, 7))
     ref(idx, target).backward()
-    ctx = loopback(policy, min_bytes=0, window_bytes=1, max_fwd_stash_size=1)
+    ctx = loopback(policy, min_bytes=0, window_bytes=0, max_fwd_stash_size=1)
     with ctx:
         loss = model(idx, target)
     loss.backward()

@@ -33,10 +33,10 @@ def cli():
 def record_step(tmp_path, policy, steps=1, faults=()):
     torch.manual_seed(9)
     model = MLP(16, 32)
-    # A one-byte window and a one-tensor stash: originals leave the device during forward, so
+    # A zero-byte window and a one-tensor stash: originals leave the device during forward, so
     # backward reloads them and the reload synchronization matters.
     options = dict(
-        policy=policy, loopback=True, record=True, min_bytes=0, window_bytes=1,
+        policy=policy, loopback=True, record=True, min_bytes=0, window_bytes=0,
         max_fwd_stash_size=1,
     )
     ctx = (ferry.testing.planted_offload(faults=faults, **options) if faults

@@ -28,9 +28,12 @@ OffloadOptions trl(int stash = 5) {
   return o;
 }
 
+// The byte bounds alone (one tensor in flight at least): the tests below count bytes; the
+// floor of tensors in flight has tests of its own.
 OffloadOptions ferry_policy() {
   OffloadOptions o;
   o.policy = Policy::Ferry;
+  o.min_in_flight = 1;
   return o;
 }
 
@@ -336,6 +339,57 @@ TEST(FerryPolicy, PrefetchesInTheAnnouncedNodeOrderWithinItsBudget) {
   EXPECT_EQ(off.telemetry().prefetched, 3);
   EXPECT_EQ(off.telemetry().stash_hits, 1);
   off.backward_end();
+}
+
+// Note [Tensors in flight]: a window smaller than one tensor still lets three be in flight
+// before the oldest original must go, and a prefetch budget smaller than one tensor still
+// reloads three ahead; budgets of zero bytes still mean none.
+TEST(FerryPolicy, WindowAndPrefetchAdmitThreeTensorsWhateverTheirBytes) {
+  FakeBackend b;
+  OffloadOptions o;
+  o.policy = Policy::Ferry;
+  o.window_bytes = Bytes(1024);
+  o.prefetch_bytes = Bytes(1024);
+  ASSERT_EQ(o.min_in_flight, 3);
+  Off off(b, o);
+  forward(off, b, 3);
+  EXPECT_EQ(b.find("free b0"), -1) << b.dump();
+  forward(off, b, 1);  // a fourth: the oldest of the three leaves
+  EXPECT_GE(b.find("free b0"), 0) << b.dump();
+  EXPECT_EQ(b.find("free b2"), -1) << b.dump();
+  forward(off, b, 3);  // three more: six offloads, three of them now on the host alone
+  off.backward_begin({});
+  EXPECT_EQ(off.telemetry().prefetched, 3);
+  off.backward_end();
+}
+
+TEST(FerryPolicy, ZeroByteWindowAndPrefetchStillHoldNothing) {
+  FakeBackend b;
+  OffloadOptions o;
+  o.policy = Policy::Ferry;
+  o.window_bytes = Bytes(0);
+  o.prefetch_bytes = Bytes(0);
+  Off off(b, o);
+  forward(off, b, 2);
+  EXPECT_GE(b.find("free b0"), 0) << b.dump();  // the second pack waited for the first copy
+  off.backward_begin({});
+  EXPECT_EQ(off.telemetry().prefetched, 0);
+  off.backward_end();
+}
+
+TEST(FerryPolicy, RefusesFewerThanOneTensorInFlight) {
+  FakeBackend b;
+  OffloadOptions o;
+  o.policy = Policy::Ferry;
+  o.min_in_flight = 0;
+  try {
+    Off off(b, o);
+    FAIL() << "min_in_flight 0 accepted";
+  } catch (const OffloadError& e) {
+    EXPECT_NE(std::string(e.what()).find("min_in_flight should be at least 1 (got 0)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(FerryPolicy, ReloadedStorageIsFreedAfterComputeFinishesWithIt) {

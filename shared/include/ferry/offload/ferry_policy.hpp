@@ -71,7 +71,7 @@ class FerryPolicy {
       if (reloaded(rec.state)) {
         free_reloaded(r);
       } else if (rec.state == RecordState::Offloading) {
-        window_bytes_ -= rec.bytes;
+        leave_window(rec.bytes);
         release_original(r);
       }
     }
@@ -114,6 +114,7 @@ class FerryPolicy {
     for (auto& uses : node_uses_) uses.clear();
     prefetch_queue_.clear();
     prefetch_bytes_ = Bytes(0);
+    prefetch_count_ = 0;
     std::erase_if(window_,
                   [&](RecordId r) { return t_.records[r].state != RecordState::Offloading; });
     for (auto& list : node_records_) {
@@ -201,7 +202,11 @@ class FerryPolicy {
       ++t_.telemetry.host_fallbacks;
       return t_.keep(facts, storage);
     }
-    while (window_bytes_ + size > t_.options.window_bytes && !window_.empty()) retire_oldest();
+    // Note [Tensors in flight]
+    while (window_bytes_ + size > t_.options.window_bytes && !window_.empty() &&
+           (window_count_ >= t_.options.min_in_flight || t_.options.window_bytes.count() == 0)) {
+      retire_oldest();
+    }
     if (!t_.faults.skip_offload_wait) t_.wait_for_compute(t_.offload_stream);
     if (slot->read && !t_.faults.skip_host_guard) {
       t_.backend.wait(t_.offload_stream, slot->last_read);
@@ -209,17 +214,40 @@ class FerryPolicy {
     const RecordId r = t_.start_offload(storage, Bytes(0), slot->buffer, size, facts.storage);
     window_.push_back(r);
     window_bytes_ += size;
+    ++window_count_;
     if (!in_backward_) forward_copied_ += size;
     if (t_.options.dedup) storage_index_.emplace(std::pair{facts.storage, version_key(facts)}, r);
     at(node_records_, facts.node).push_back(r);
     return r;
   }
 
+  // Note [Tensors in flight]
+  // The forward window and the prefetch budget are bounds in bytes, but a bound that holds
+  // fewer than three tensors serialises the link with compute: one tensor is on the link, the
+  // next must be queued behind it so the link never idles, and a third is the one compute is
+  // producing (forward) or about to read (backward). Below that, each copy waits for the one
+  // before it to end, and compute waits for both (at sequence 16384 a Llama-3-8B saves tensors
+  // of 448 MiB and more, so a 512 MiB window held one). So both always admit
+  // `min_in_flight` tensors (three by default), whatever their bytes, and the byte bound
+  // applies beyond that; TRL's stash holds five by count alone. A bound of zero bytes still
+  // means none: every copy waited for at once, every reload on demand (what tests of the
+  // reload path ask for).
+
+  void leave_window(Bytes bytes) {
+    window_bytes_ -= bytes;
+    --window_count_;
+  }
+
+  void leave_prefetch(Bytes bytes) {
+    prefetch_bytes_ -= bytes;
+    --prefetch_count_;
+  }
+
   void retire_oldest() {
     const RecordId r = window_.front();
     window_.pop_front();
     if (t_.records[r].state != RecordState::Offloading) return;  // consumed or released
-    window_bytes_ -= t_.records[r].bytes;
+    leave_window(t_.records[r].bytes);
     release_original(r);
   }
 
@@ -277,9 +305,13 @@ class FerryPolicy {
         prefetch_queue_.pop_front();
         continue;
       }
-      if (prefetch_bytes_ + rec.bytes > t_.options.prefetch_bytes) break;
+      if (prefetch_bytes_ + rec.bytes > t_.options.prefetch_bytes &&
+          (prefetch_count_ >= t_.options.min_in_flight || t_.options.prefetch_bytes.count() == 0)) {
+        break;  // Note [Tensors in flight]
+      }
       reload(r);
       prefetch_bytes_ += rec.bytes;
+      ++prefetch_count_;
       ++t_.telemetry.prefetched;
       prefetch_queue_.pop_front();
     }
@@ -298,7 +330,7 @@ class FerryPolicy {
         ++t_.telemetry.on_demand;
         reload(r);
       } else if (rec.state == RecordState::Reloading) {
-        prefetch_bytes_ -= rec.bytes;  // a prefetched reload, now in use
+        leave_prefetch(rec.bytes);  // a prefetched reload, now in use
       }
       if (rec.state == RecordState::Reloading) {
         if (!t_.faults.skip_reload_wait) t_.backend.wait(t_.compute, rec.h2d_done);
@@ -323,7 +355,7 @@ class FerryPolicy {
       if (!t_.faults.skip_backward_guard) t_.backend.wait(t_.reload_stream, e);
     }
     t_.backend.drop(rec.device);
-    if (rec.state == RecordState::Reloading) prefetch_bytes_ -= rec.bytes;
+    if (rec.state == RecordState::Reloading) leave_prefetch(rec.bytes);
     rec.move_to(RecordState::OnHost);
   }
 
@@ -337,7 +369,7 @@ class FerryPolicy {
       return;
     }
     if (rec.state == RecordState::Offloading) {
-      window_bytes_ -= rec.bytes;
+      leave_window(rec.bytes);
       release_original(r);
     }
     if (reloaded(rec.state)) free_reloaded(r);
@@ -348,7 +380,8 @@ class FerryPolicy {
   Tracker<B> t_;
   HostPool<B> pool_;
   std::deque<RecordId> window_;  // offloads whose original may still be resident
-  Bytes window_bytes_;
+  Bytes window_bytes_;           // bytes and count of those still Offloading
+  std::int32_t window_count_ = 0;
   // Offloads whose original is still resident, by (storage, version): see Note [Saved-tensor
   // contract] in real/src/runtime.cpp.
   std::map<std::pair<std::uint64_t, std::uint32_t>, RecordId> storage_index_;
@@ -358,7 +391,8 @@ class FerryPolicy {
   std::vector<std::vector<RecordId>> node_uses_;
   std::deque<RecordId> prefetch_queue_;
   std::vector<bool> queued_;
-  Bytes prefetch_bytes_;
+  Bytes prefetch_bytes_;  // bytes and count of prefetched reloads not yet in use
+  std::int32_t prefetch_count_ = 0;
   // Note [Offload horizon]: this forward's copied bytes, and whether it went past the horizon.
   bool in_backward_ = false;
   bool beyond_horizon_ = false;

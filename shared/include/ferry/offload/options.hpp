@@ -35,6 +35,9 @@ struct OffloadOptions {
   std::int32_t trl_stash_count = 5;   ///< trl: forward stash size, in tensors (>= 1)
   Bytes window_bytes{512LL << 20};    ///< ferry: device bytes of offloads in flight in forward
   Bytes prefetch_bytes{512LL << 20};  ///< ferry: bytes of reloads issued ahead of demand
+  /// ferry: a window or prefetch budget of more than zero bytes always admits this many
+  /// tensors, whatever their bytes (Note [Tensors in flight] in ferry_policy.hpp); >= 1.
+  std::int32_t min_in_flight = 3;
   Bytes host_cap{1LL << 40};          ///< ferry: pinned host memory the pool may hold
   bool dedup = true;                  ///< ferry: one copy per storage for views sharing it
   bool prefetch = true;               ///< ferry: reload ahead of demand
