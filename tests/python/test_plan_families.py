@@ -6,9 +6,9 @@ profiles, and at budgets of 1.0x, 1.1x and 1.3x the peak reserved of checkpointi
 
 * the plan is never slower than the fastest row of `ferry compare` that fits the budget
   (0.5 % slack), is hazard-free and peaks within the budget (docs/plan.md);
-* the `ferry` row is no slower than `trl` (0.5 % slack, for the 8B preset on gh200), and
-  `ferry + checkpoint` is at most 1.02x checkpointing every layer (docs/offload.md, "The offload
-  horizon").
+* the `ferry` row is no slower than `trl`, and `ferry + checkpoint` is at most 1.02x
+  checkpointing every layer (docs/offload.md, "The offload horizon", "Tensors in flight"); also
+  on Llama-3-8B at sequence 16384, whose saved tensors outgrow a 512 MiB window.
 
 The models are traced in this process (no download: configs written here); the CLI is the one
 `python -m ferry` finds (FERRY_CLI in CI).
@@ -98,6 +98,17 @@ PRESETS = ("llama3.2-3b-traced-s4096-b2", "gpt2-small-s1024", "llama3-8b-s8192")
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_ferry_is_no_slower_than_trl_with_tensors_larger_than_its_window(cli, device):
+    code, compare, err = _json(cli, "compare", "--model", "llama3-8b-s16384", "--device", device,
+                               "--no-checker")
+    assert code == 0, err
+    rows = {r["name"]: r for r in compare["rows"]}
+    assert rows["ferry"]["step_time_ns"] <= rows["trl"]["step_time_ns"], rows["ferry"]
+    every = rows["checkpoint every layer"]
+    assert rows["ferry + checkpoint"]["step_time_ns"] * 100 <= every["step_time_ns"] * 102
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", sorted(FAMILIES) + list(PRESETS))
 def test_plan_never_loses_to_a_fixed_row_and_ferry_to_trl(cli, traced, family, device):
     model = family if family in PRESETS else traced[family]
@@ -105,9 +116,7 @@ def test_plan_never_loses_to_a_fixed_row_and_ferry_to_trl(cli, traced, family, d
     assert code == 0, err
     rows = {r["name"]: r for r in compare["rows"]}
     every = rows["checkpoint every layer"]
-    # 0.5 % slack: on gh200 the 8B preset's ferry row waits 18.5 ms in forward for its 512 MiB
-    # window where trl's five-tensor stash holds 1.1 GB (docs/offload.md): 0.4 % slower.
-    assert rows["ferry"]["step_time_ns"] <= rows["trl"]["step_time_ns"] * SLACK, rows["ferry"]
+    assert rows["ferry"]["step_time_ns"] <= rows["trl"]["step_time_ns"], rows["ferry"]
     assert rows["ferry + checkpoint"]["step_time_ns"] * 100 <= every["step_time_ns"] * 102
     for factor in FACTORS:
         budget = int(every["peak_reserved_bytes"] * factor)
