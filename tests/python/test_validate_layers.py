@@ -33,17 +33,28 @@ def _layers(report, policy):
     ("gpt2", ["none", "ferry", "trl", "checkpoint", "ferry+checkpoint"]),
     ("llama", ["none", "ferry", "trl"]),
 ])
-def test_every_layer_decides_alike(model, policies):
-    report = validate(model, policies=policies, steps=2)
+@pytest.mark.parametrize("horizon", ["auto", "none"])
+def test_every_layer_decides_alike(model, policies, horizon):
+    report = validate(model, policies=policies, steps=2, horizon=horizon)
     for policy in policies:
         real, sim = _layers(report, policy)
         assert report["policies"][policy]["mismatches"] == [], policy
         layers = sorted(layer for layer in real if layer >= 0)
         assert layers == sorted(layer for layer in sim if layer >= 0) and len(layers) >= 2, policy
         assert all(real[layer]["packed"] > 0 for layer in layers), policy
-    # The ferry rows offload from every layer here: the comparison is not of empty rows.
     real, _ = _layers(report, "ferry")
-    assert all(real[layer]["offloaded"] > 0 for layer in real if layer >= 0)
+    row = report["policies"]["ferry"]
+    if horizon == "none":
+        # Without a horizon the ferry rows offload from every layer: the comparison is not of
+        # empty rows.
+        assert row["simulated"]["horizon_bytes"] is None
+        assert all(real[layer]["offloaded"] > 0 for layer in real if layer >= 0)
+    else:
+        # With the derived one, the first layer offloads and the tensors past the horizon stay:
+        # both decisions are made, and made alike.
+        assert row["simulated"]["horizon_bytes"] is not None
+        assert real[0]["offloaded"] > 0
+        assert any(real[layer]["kept"] > 0 for layer in real if layer >= 0)
 
 
 def test_a_tensor_charged_to_another_layer_is_caught_by_layer():

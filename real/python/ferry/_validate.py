@@ -284,7 +284,9 @@ def simulate(path, policy, checkpoint, steps, cli=None, device=None, horizon="no
     out["step_time_ns"] = result["step_time_ns"]
     out["peak_allocated_bytes"] = result["peak_allocated_bytes"]
     out["peak_reserved_bytes"] = result["peak_reserved_bytes"]
-    out["horizon_bytes"] = result.get("horizon_bytes")
+    # `--horizon none` runs with the largest byte count as its horizon: no limit.
+    limit = result.get("horizon_bytes")
+    out["horizon_bytes"] = None if limit is not None and limit >= (1 << 63) - 1 else limit
     out["layers"] = {row["layer"]: {name: row[name] for name in LAYER_COUNTERS}
                      for row in result.get("layers", [])}
     return out
@@ -292,21 +294,24 @@ def simulate(path, policy, checkpoint, steps, cli=None, device=None, horizon="no
 
 # Note [Offload horizon in validate]
 # The simulator's ferry rows offload only up to the horizon it derives from the device profile
-# (docs/offload.md); the real run makes the same decisions only when it is given the same
-# number. Validate runs both sides without one (`--horizon none`), which is what
-# `ferry.offload` and `ferry.offload_model` do by default. With the derived horizon on both
-# sides the counts do not match yet (on the bundled GPT the real run offloads 8 storages, the
-# simulated row 6): the horizon counts storage bytes in pack order, and the two sides do not
-# yet pack the same storages in the same order up to it.
+# (docs/offload.md, "The offload horizon"); the real run makes the same decisions when it is
+# given the same number. Validate simulates each policy with the derived horizon
+# (`--horizon auto`) and runs the real side with the `horizon_bytes` the simulation reports
+# (None for the policies without one), so both sides are what `ferry compare`'s rows and
+# `ferry.offload(horizon_bytes=...)` do. The horizon counts storage bytes in pack order, so the
+# two sides agree layer by layer only where they pack the same storages in the same order: they
+# do on the bundled GPT, GPT-2 and the Hugging Face Llama (tests/python/test_validate_layers.py).
 
 
 def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2, cli=None,
-             device=None, keep=None, trace=None):
+             device=None, keep=None, trace=None, horizon="auto"):
     """Real and simulated runs of a model under each policy (names of ``POLICIES``).
 
     ``spec_or_model``: an example name or ``pkg.mod:fn``, or a model with its ``inputs`` and
     ``loss_fn``. ``trace`` replaces ``ferry.trace`` (a function of the same arguments; tests
-    plant mismatches with it). ``keep``: a path to write the traced document to. Returns a dict:
+    plant mismatches with it). ``keep``: a path to write the traced document to. ``horizon``:
+    ``"auto"`` (the horizon the simulator derives, given to the real run too) or ``"none"``
+    (neither side has one; Note [Offload horizon in validate]). Returns a dict:
     ``model``, ``steps``, ``saved_at_end_of_forward`` (real, traced and simulated),
     ``head_saves_per_step`` (Note [Saves in a no-offload region]) and ``policies``, each with
     ``real``, ``simulated`` (as the simulator reports it) and ``mismatches``.
@@ -327,6 +332,8 @@ def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2
                              f"(policies: {', '.join(POLICIES)})")
     if steps < 1:
         raise ValueError(f"ferry validate: steps must be at least 1 (got {steps})")
+    if horizon not in ("auto", "none"):
+        raise ValueError(f"ferry validate: horizon must be 'auto' or 'none' (got {horizon!r})")
     args, kwargs = _call_args(inputs)
     traced = (trace or ferry_trace)(model, *args, loss_fn=loss_fn, target="host", **kwargs)
     document = traced.document
@@ -347,9 +354,10 @@ def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2
         for policy in policies:
             offload_policy, checkpoint = POLICIES[policy]
             # See Note [Offload horizon in validate].
-            real = run_real(model, inputs, loss_fn, offload_policy, checkpoint, steps)
             sim = simulate(path, offload_policy, checkpoint, steps, cli=cli, device=device,
-                           horizon="none")
+                           horizon=horizon)
+            real = run_real(model, inputs, loss_fn, offload_policy, checkpoint, steps,
+                            horizon=sim["horizon_bytes"])
             report["policies"][policy] = {
                 "real": real,
                 "simulated": sim,

@@ -29,6 +29,9 @@ def _parser():
     parser.add_argument("--policy", action="append", choices=list(POLICIES),
                         help="a policy to run (repeatable; default: all)")
     parser.add_argument("--device", help="the simulator's device profile (name or file)")
+    parser.add_argument("--horizon", choices=("auto", "none"), default="auto",
+                        help="the ferry policy's offload horizon: the one the simulator derives, "
+                             "given to the real run too (auto), or none on either side")
     parser.add_argument("--keep", metavar="PATH", help="also write the traced model to PATH")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     return parser
@@ -90,7 +93,7 @@ def main(argv=None):
         return 2
     try:
         report = validate(args.model, policies=args.policy, steps=args.steps,
-                          device=args.device, keep=args.keep)
+                          device=args.device, keep=args.keep, horizon=args.horizon)
     except (ModelSpecError, ImportError) as e:
         print(f"python -m ferry validate: {e}", file=sys.stderr)
         return 2
