@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Writes the "Plan against the fixed policies (measured)" tables of docs/plan.md.
+
+For each model and device: `ferry compare --json` gives every fixed configuration's time and
+peak reserved; the budgets are the peaks of the fixed rows that fit the device, at or above the
+smallest of them, and eight evenly spaced budgets from that smallest peak to the no-offload
+peak. Each budget is planned with `ferry plan --budget BYTES --json`; the row gives the plan's
+time, its ratio to no offload, the fastest fixed row whose peak fits, and the lower bound.
+
+Usage: scripts/plan_tables.py [--cli build/release/sim/ferry] > tables.md
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+
+CASES = (
+    ("llama3-8b-s8192", "h100-sxm-pcie5"),
+    ("llama3-8b-s8192", "a100-pcie4"),
+    ("llama3-8b-s8192", "gh200"),
+    ("gpt2-small-s1024", "h100-sxm-pcie5"),
+    ("gpt2-small-s1024", "a100-pcie4"),
+    ("gpt2-small-s1024", "gh200"),
+)
+GIB = 1 << 30
+
+
+def run(cli, *args):
+    out = subprocess.run([cli, *args, "--json"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def duration(ns, unit):
+    return f"{ns / 1e6:.0f} ms" if unit == "ms" else f"{ns / 1e6:.2f} ms"
+
+
+def table(cli, model, device):
+    rows = run(cli, "compare", "--model", model, "--device", device)["rows"]
+    none = next(r for r in rows if r["name"] == "none")
+    fixed = [r for r in rows if r["fits"] and r["failure"] is None]
+    low = min(r["peak_reserved_bytes"] for r in fixed)
+    high = none["peak_reserved_bytes"]
+    budgets = {r["peak_reserved_bytes"] for r in fixed}
+    budgets |= {low + (high - low) * i // 7 for i in range(8)}
+    unit = "ms" if none["step_time_ns"] >= 100e6 else "small"
+    lines = [f"**{model} on {device}**", "",
+             "| budget (peak reserved) | plan | plan / none | best fixed policy that fits "
+             "| its time | lower bound | plan / bound |",
+             "|---|---|---|---|---|---|---|"]
+    for budget in sorted(b for b in budgets if low <= b <= high):
+        plan = run(cli, "plan", "--model", model, "--device", device, "--budget", str(budget))
+        fits = [r for r in fixed if r["peak_reserved_bytes"] <= budget]
+        best = min(fits, key=lambda r: r["step_time_ns"])
+        t, bound = plan["step_time_ns"], plan["lower_bound_ns"]
+        lines.append(
+            f"| {budget / GIB:.2f} GiB | {duration(t, unit)} | {t / none['step_time_ns']:.3f}x "
+            f"| {best['name']} | {duration(best['step_time_ns'], unit)} "
+            f"| {duration(bound, unit)} | {t / bound:.3f} |")
+        print(f"{model} on {device}: {budget} bytes planned", file=sys.stderr)
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cli", default="build/release/sim/ferry")
+    args = parser.parse_args()
+    print("\n\n".join(table(args.cli, model, device) for model, device in CASES))
+
+
+if __name__ == "__main__":
+    main()
