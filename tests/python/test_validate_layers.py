@@ -80,4 +80,25 @@ def test_a_tensor_charged_to_another_layer_is_caught_by_layer():
 
 
 def test_layer_counters_are_the_ones_compared():
-    assert _validate.LAYER_COUNTERS == ("packed", "offloaded", "kept", "deduplicated")
+    assert _validate.LAYER_COUNTERS == ("packed", "offloaded", "kept", "deduplicated",
+                                        "recomputed")
+
+
+def test_checkpointed_layers_are_recomputed_alike():
+    report = validate("gpt", policies=["checkpoint"], steps=2)
+    real, sim = _layers(report, "checkpoint")
+    # Two steps, one replay of each layer's region a step, on both sides.
+    assert {k: v["recomputed"] for k, v in real.items() if k >= 0} == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert {k: v["recomputed"] for k, v in sim.items() if k >= 0} == {0: 2, 1: 2, 2: 2, 3: 2}
+
+
+def test_a_layer_recomputed_on_one_side_only_is_named():
+    # Equal totals, one layer's replays moved to another: the layer rows name both.
+    counts = dict.fromkeys(_validate.COUNTERS + _validate.BYTES, 0)
+    row = dict.fromkeys(_validate.LAYER_COUNTERS, 0)
+    real = {**counts, "layers": {0: {**row, "recomputed": 2}, 1: {**row, "recomputed": 2}}}
+    sim = {**counts, "layers": {0: {**row, "recomputed": 4}, 1: dict(row)}}
+    assert _validate.mismatches(real, sim, 0) == [
+        "layer 0: recomputed: real 2, simulated 4",
+        "layer 1: recomputed: real 2, simulated 0",
+    ]

@@ -98,14 +98,29 @@ def _checkpoint_layers(model):
     import ferry
     from ._checkpoint import checkpoint
 
+    def replaying(fn, layer):
+        # `fn` called again inside backward is the checkpoint's recomputation of `layer`
+        # (Note [Decisions per layer]); the layer's hooks, when validate installed them, count it.
+        def replay(*args, **kwargs):
+            if torch._C._current_graph_task_id() != -1:
+                getattr(layer, "_ferry_replayed", lambda: None)()
+            return fn(*args, **kwargs)
+
+        return replay
+
     if getattr(model, "supports_gradient_checkpointing", False):
         ferry.enable_gradient_checkpointing(model)
+        # Hugging Face layers checkpoint their forward through their _gradient_checkpointing_func.
+        for layer in _layer_list(model):
+            through = getattr(layer, "_gradient_checkpointing_func", None)
+            if through is not None:
+                layer._gradient_checkpointing_func = (
+                    lambda fn, *args, _through=through, _layer=layer, **kwargs:
+                    _through(replaying(fn, _layer), *args, **kwargs))
         return
     for layer in _layer_list(model):
-        inner = layer.forward
-
-        def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        def forward(*args, _replay=replaying(layer.forward, layer), **kwargs):
+            return checkpoint(_replay, *args, use_reentrant=False, **kwargs)
 
         layer.forward = forward
 
@@ -133,20 +148,27 @@ def _saved_at_end_of_forward(model, inputs, loss_fn):
 
 
 # The per-layer decisions compared (Note [Decisions per layer]).
-LAYER_COUNTERS = ("packed", "offloaded", "kept", "deduplicated")
+LAYER_COUNTERS = ("packed", "offloaded", "kept", "deduplicated", "recomputed")
+# The scheduler's counters among them (the session's telemetry); "recomputed" is counted by the
+# layers' own hooks.
+_SCHEDULER_LAYER_COUNTERS = LAYER_COUNTERS[:-1]
 
 
 # Note [Decisions per layer]
 # Besides the totals, `validate` compares what the scheduler decided for the saved tensors of
-# each layer: packed, offloaded, kept and deduplicated. The real run snapshots the session's
+# each layer: packed, offloaded, kept and deduplicated, and how often backward recomputed it
+# (the replays of the checkpointed regions the layer starts). The real run snapshots the session's
 # counters when each module of the model's first ModuleList (the layers checkpointing wraps)
 # starts and ends its forward, and charges the difference to that layer, by its index in the
 # list; whatever is left is the rest of the model (-1). The simulator charges each pack to the
 # layer of the op that packs it (`ferry simulate --json`, `result.layers`), which is the first
 # integer of the traced op's module path: the same index. A checkpointed layer's inputs are
 # packed when its call starts on both sides; recomputation packs into the checkpoint, not the
-# scheduler, and counts on neither. Layers are compared where the totals agree (a difference
-# in the totals is named by them).
+# scheduler, and counts on neither. A call of a layer inside backward
+# (torch._C._current_graph_task_id() is not -1) is a recomputation: the checkpoint's replay of
+# the layer's forward; the simulator counts its region replays by the layer of the region's
+# first op. Layers are compared where the totals agree (a difference in the totals is named by
+# them).
 
 
 def _layer_counts(model, ctx):
@@ -158,17 +180,27 @@ def _layer_counts(model, ctx):
 
     def snapshot():
         t = ctx.telemetry()
-        return {name: t[name] for name in LAYER_COUNTERS}
+        return {name: t[name] for name in _SCHEDULER_LAYER_COUNTERS}
+
+    def row_of(index):
+        return counts.setdefault(index, dict.fromkeys(LAYER_COUNTERS, 0))
 
     for index, layer in enumerate(_layer_list(model)):
         def enter(module, args, index=index):
+            if torch._C._current_graph_task_id() != -1:
+                row_of(index)["recomputed"] += 1
             open_at.setdefault(index, []).append(snapshot())
 
         def leave(module, args, output, index=index):
             start, now = open_at[index].pop(), snapshot()
-            row = counts.setdefault(index, dict.fromkeys(LAYER_COUNTERS, 0))
-            for name in LAYER_COUNTERS:
+            row = row_of(index)
+            for name in _SCHEDULER_LAYER_COUNTERS:
                 row[name] += now[name] - start[name]
+
+        # A layer checkpointed by wrapping its forward (_checkpoint_layers) is replayed without
+        # its module hooks: the wrapper reports each replay.
+        layer._ferry_replayed = lambda index=index: row_of(index).__setitem__(
+            "recomputed", row_of(index)["recomputed"] + 1)
 
         handles.append(layer.register_forward_pre_hook(enter))
         handles.append(layer.register_forward_hook(leave, always_call=True))
@@ -176,6 +208,8 @@ def _layer_counts(model, ctx):
     def remove():
         for h in handles:
             h.remove()
+        for layer in _layer_list(model):
+            layer.__dict__.pop("_ferry_replayed", None)
 
     return counts, remove
 
@@ -217,7 +251,8 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
     out["pinned_peak"] = after["pinned_peak"]
     out["step_time_ns"] = step_ns
     rest = {name: after[name] - sum(c[name] for c in per_layer.values())
-            for name in LAYER_COUNTERS}
+            for name in _SCHEDULER_LAYER_COUNTERS}
+    rest["recomputed"] = 0  # only the layers are checkpointed (_checkpoint_layers)
     out["layers"] = {**per_layer, -1: rest}
     return out
 

@@ -257,7 +257,8 @@ std::string simulate_json(const RowResult& r, const Model& model, const DevicePr
                       {"packed", d.packed},
                       {"offloaded", d.offloaded},
                       {"kept", d.kept},
-                      {"deduplicated", d.deduplicated}});
+                      {"deduplicated", d.deduplicated},
+                      {"recomputed", d.recomputed}});
   }
   j["result"]["layers"] = std::move(layers);
   return j.dump(2) + "\n";

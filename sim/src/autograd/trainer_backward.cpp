@@ -60,6 +60,7 @@ void Trainer::recompute(FrameId frame, std::uint32_t node) {
   FrameInfo& info = frames_[frame.value()];
   const CheckpointRegion& reg = options_.checkpoint.regions[info.region];
   ++run_.recomputations;
+  ++run_.layer_decisions[model_.ops[reg.first_op].layer].recomputed;
   const Generators outer = open_replay(info, node);
   contexts_.push_back(Context{Context::Kind::Recompute, frame});
   checkpointer_.recompute_begin(frame, gid_);
@@ -295,6 +296,7 @@ void Trainer::run_reentrant(std::uint32_t r, bool last_pass, std::size_t k) {
   const CheckpointRegion& reg = options_.checkpoint.regions[r];
   FrameInfo& info = reentrant_inputs_.at(r);
   ++run_.recomputations;
+  ++run_.layer_decisions[model_.ops[reg.first_op].layer].recomputed;
   const Generators outer = open_replay(info, reg.end_op - 1);
   for (std::uint32_t i = reg.first_op; i < reg.end_op; ++i) {
     run_op(i, true);

@@ -63,6 +63,7 @@ struct LayerDecisions {
   std::int64_t offloaded = 0;  ///< storages copied to the host
   std::int64_t kept = 0;       ///< left on the device (by rule, host cap, or past the horizon)
   std::int64_t deduplicated = 0;
+  std::int64_t recomputed = 0;  ///< replays in backward of checkpointed regions the layer starts
   friend bool operator==(const LayerDecisions&, const LayerDecisions&) = default;
 };
 
