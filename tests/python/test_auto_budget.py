@@ -25,6 +25,18 @@ def test_auto_refuses_an_empty_budget(no_trace, budget):
         ferry.auto(TinyLM(), torch.randn(2, 16, 32), budget=budget, loss_fn=loss_of)
 
 
+@pytest.mark.parametrize("budget", [None, 4.5e9, True, b"40GiB"])
+def test_auto_refuses_a_budget_that_is_not_a_byte_count(no_trace, budget):
+    with pytest.raises(TypeError, match=r"^ferry.auto: budget: .* is not a byte count"):
+        ferry.auto(TinyLM(), torch.randn(2, 16, 32), budget=budget, loss_fn=loss_of)
+
+
+def test_auto_refuses_a_host_budget_that_is_not_a_byte_count(no_trace):
+    with pytest.raises(TypeError, match=r"^ferry.auto: host_budget: 1.5 is not a byte count"):
+        ferry.auto(TinyLM(), torch.randn(2, 16, 32), budget="1GiB", host_budget=1.5,
+                   loss_fn=loss_of)
+
+
 def test_auto_refuses_an_empty_host_budget(no_trace):
     with pytest.raises(ValueError, match='^ferry.auto: host_budget: "" is not a byte count'):
         ferry.auto(TinyLM(), torch.randn(2, 16, 32), budget="1GiB", host_budget="",

@@ -38,7 +38,14 @@ def _on_cpu(model, example_inputs):
 
 def check_budget(value, what):
     """Refuses an empty budget (``ferry plan`` would take it as no budget: the device's whole
-    memory); ``what`` names the argument in the message. The planner checks the rest."""
+    memory) and one that is neither a string nor an integer (``None`` would reach the planner
+    as the text "None"); ``what`` names the argument in the message. The planner checks the
+    rest."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(
+            f"{what}: {value!r} is not a byte count; give a string such as \"40GiB\" or an "
+            "integer number of bytes"
+        )
     if isinstance(value, str) and not value.strip():
         raise ValueError(
             f'{what}: "{value}" is not a byte count (empty); write e.g. 40GiB, "40 GiB", 1.5GiB, '
