@@ -5,7 +5,14 @@
 namespace ferry::sim {
 
 Device::Device(Simulator& sim, DeviceId device, StreamId compute)
-    : sim_(sim), device_(device), compute_(compute) {}
+    : sim_(sim), device_(device), current_(compute) {}
+
+void Device::set_current_stream(Stream stream) {
+  FERRY_CHECK(stream.id.valid() && stream.id.value() < sim_.stream_count() &&
+                  sim_.stream_device(stream.id) == device_,
+              "current stream {} is not a stream of this device", stream.id.value());
+  current_ = stream.id;
+}
 
 Device::Stream Device::make_stream(std::string_view name) {
   return Stream{sim_.add_stream(device_, std::string(name))};

@@ -28,10 +28,15 @@ class Device {
     friend bool operator==(Buffer, Buffer) = default;
   };
 
-  /// Drives device `device` of `sim`; `compute` is the stream autograd runs on.
+  /// Drives device `device` of `sim`; `compute` is the stream current at the start.
   Device(Simulator& sim, DeviceId device, StreamId compute);
 
-  Stream compute_stream() const { return Stream{compute_}; }
+  /// The current stream: the one work of the host thread goes to now (torch's
+  /// `current_stream()`), `compute` until set_current_stream() names another.
+  Stream compute_stream() const { return Stream{current_}; }
+  /// Makes `stream` current, as `torch.cuda.set_stream` (or entering `torch.cuda.stream(s)`)
+  /// does. Orders nothing: the caller makes the waits a stream switch needs.
+  void set_current_stream(Stream stream);
   Stream make_stream(std::string_view name);
   Event make_event();
   std::optional<Buffer> allocate(Place place, Bytes bytes, Stream stream, std::string_view name);
@@ -53,7 +58,7 @@ class Device {
  private:
   Simulator& sim_;
   DeviceId device_;
-  StreamId compute_;
+  StreamId current_;
   std::vector<long> refs_;  // by BufferId
 };
 
