@@ -18,10 +18,12 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
       graph_(make_graph(model)),
       run_{.sim = Simulator({DeviceSpec{"gpu0", profile}}, {}, options.sim), .device = kDevice},
       compute_(run_.sim.add_stream(kDevice, "compute")),
+      current_(compute_),
       device_(run_.sim, kDevice, compute_),
       offloader_(device_, options.offload, faults.offload),
       faults_(faults) {
   run_.compute = compute_;
+  if (options.side.any()) side_ = run_.sim.add_stream(kDevice, "side");
   const std::size_t n = model.tensors.size();
   // An activation's forward reference ends after its last forward use (at once if unused);
   // the loss lives until the graph is freed.
@@ -116,9 +118,70 @@ Bytes Trainer::allocated() const {
 }
 
 Device::Buffer Trainer::must_allocate(Bytes bytes, const std::string& name) {
-  auto buf = device_.try_allocate(Place::Device, bytes, Device::Stream{compute_}, name);
+  auto buf = device_.try_allocate(Place::Device, bytes, Device::Stream{current_}, name);
   if (!buf) out_of_memory(buf.error().message);
+  const std::uint32_t id = buf.value().id.value();
+  if (alloc_stream_.size() <= id) alloc_stream_.resize(id + 1);
+  alloc_stream_[id] = current_;
   return buf.value();
+}
+
+// Note [Side streams]
+// SideStreamOptions puts some of the model's work on a second compute stream, `side`, as code
+// inside `with torch.cuda.stream(side):` does (a layer's module, a checkpoint's recompute).
+// The trainer keeps a current stream and switches it at the boundaries of that work:
+//
+//  * A switch is `to.wait_stream(from)`: an event recorded on the stream that was current,
+//    waited on by the new one. Entering the side stream it is the wait code must write before
+//    using the side stream; leaving it, `current_stream().wait_stream(side)` after the block.
+//    In backward the engine runs a node on the stream its forward ran on and syncs a consumer's
+//    stream with its producer's (InputBuffer::add): the same edge at the same place.
+//  * Every kernel runs on the current stream, and what it allocates comes from the current
+//    stream's pool. A tensor the trainer allocated on one stream and used on the other gets
+//    record_stream for the other (once), as torch's notes on streams ask of such code; its
+//    free then waits for that stream's work.
+//  * The device's current stream follows (Device::set_current_stream): an offloader that asks
+//    `compute_stream()` at each pack and unpack gets the stream the work runs on, orders its
+//    D2H copy after the stream that produced the tensor and makes the stream that will read
+//    it wait for the reload.
+//
+// A recompute triggered by an unpack switches to the side stream for the whole replay (its
+// inputs' unpacks included) and back to the node's stream after. The planted faults drop one
+// part each: the wait on entering the side stream, the record_stream, or the device's current
+// stream (the offloader keeps ordering against the compute stream: the cached stream of TRL
+// before #7195).
+
+StreamId Trainer::op_stream(std::uint32_t i, bool replay) const {
+  if (!side_.valid()) return compute_;
+  if (options_.side.recompute && replay) return side_;
+  const auto& layers = options_.side.layers;
+  return std::find(layers.begin(), layers.end(), model_.ops[i].layer) != layers.end() ? side_
+                                                                                     : compute_;
+}
+
+StreamId Trainer::switch_to(StreamId to) {
+  const StreamId from = current_;
+  if (to == from) return from;
+  if (!(faults_.skip_side_stream_wait && to == side_)) {
+    const Device::Event e = device_.make_event();
+    device_.record(e, Device::Stream{from});
+    device_.wait(Device::Stream{to}, e);
+  }
+  current_ = to;
+  if (!faults_.stale_current_stream) device_.set_current_stream(Device::Stream{to});
+  return from;
+}
+
+void Trainer::used_on_current(const std::vector<Region>& regions) {
+  if (!side_.valid() || faults_.skip_cross_stream_record) return;
+  for (const Region& r : regions) {
+    const std::uint32_t id = r.buffer.value();
+    if (id >= alloc_stream_.size() || !alloc_stream_[id].valid() || alloc_stream_[id] == current_)
+      continue;
+    if (recorded_.emplace(id, current_.value()).second) {
+      device_.record_stream(Device::Buffer{r.buffer}, Device::Stream{current_});
+    }
+  }
 }
 
 void Trainer::setup() {
@@ -139,7 +202,7 @@ void Trainer::setup() {
       }
     }
   }
-  run_.sim.kernel(compute_, SimTime(1), {}, writes, "init parameters", values);
+  run_.sim.kernel(current_, SimTime(1), {}, writes, "init parameters", values);
   device_rng_initialized_ = !options_.checkpoint.lazy_device_rng;
 }
 
@@ -178,6 +241,7 @@ Pieces Trainer::expected_of(std::uint32_t t) const {
 
 void Trainer::run_op(std::uint32_t i, bool replay) {
   const ModelOp& op = model_.ops[i];
+  switch_to(op_stream(i, replay));
   Scope& scope = scopes_.back();
   std::uint64_t seed = mix_content(0x6f70, i + 1);
   for (const std::uint32_t t : op.inputs) seed = mix_content(seed, lookup(t).value);
@@ -217,7 +281,9 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
       out.value = content_.value(out.buffer.id, out.offset, model_.tensors[t].bytes);
     }
   }
-  run_.sim.kernel(compute_, op.duration, reads, writes, replay ? op.name + " recompute" : op.name,
+  used_on_current(reads);
+  used_on_current(writes);
+  run_.sim.kernel(current_, op.duration, reads, writes, replay ? op.name + " recompute" : op.name,
                   values);
   if (replay && in_last_step_) run_.recompute_time += op.duration;
 }
@@ -418,7 +484,7 @@ void Trainer::forward() {
     values.push_back(value);
     note_write(buf, Bytes(0), tensor.bytes, value);
   }
-  run_.sim.kernel(compute_, SimTime(1), {}, batch, "load batch", values);
+  run_.sim.kernel(current_, SimTime(1), {}, batch, "load batch", values);
   // Views of the batch: bytes of their base's buffer, as views of parameters are.
   for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
     const ModelTensor& tensor = model_.tensors[t];
@@ -431,6 +497,7 @@ void Trainer::forward() {
   for (std::uint32_t i = 0; i < model_.ops.size(); ++i) {
     const ModelOp& op = model_.ops[i];
     current_op_ = i;
+    switch_to(op_stream(i, false));  // a checkpoint call inside the block packs on its stream
     for (const std::uint32_t r :
          regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
       begin_region(r);
@@ -450,6 +517,7 @@ void Trainer::forward() {
     }
     for (const std::uint32_t b : drop_after_[i]) device_.drop(scopes_[0].bound.at(b).buffer);
   }
+  switch_to(compute_);
 }
 
 }  // namespace ferry::sim::training

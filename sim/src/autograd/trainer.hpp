@@ -7,6 +7,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -88,7 +89,21 @@ class Trainer {
   // return at the next allocation (as in PyTorch), so they are not held by the step.
   Bytes allocated() const;
 
+  // Allocates on the current stream, as the caching allocator does.
   Device::Buffer must_allocate(Bytes bytes, const std::string& name);
+
+  // --- streams (Note [Side streams] in trainer.cpp) -----------------------------------------
+
+  // The stream forward op i (or its backward node) runs on; a replay's ops run on the side
+  // stream when recomputes do.
+  StreamId op_stream(std::uint32_t i, bool replay) const;
+
+  // Makes `to` current after it waits for the current stream. Returns the stream that was.
+  StreamId switch_to(StreamId to);
+
+  // A kernel on the current stream touches these regions: a buffer the trainer allocated on
+  // another stream is record_stream'ed on this one (once).
+  void used_on_current(const std::vector<Region>& regions);
 
   void setup();
 
@@ -196,6 +211,8 @@ class Trainer {
   Graph graph_;
   TrainingRun run_;
   StreamId compute_;
+  StreamId side_;     // invalid unless options_.side asks for work there
+  StreamId current_;  // the stream current now: compute_ or side_
   Device device_;
   Offloader<Device> offloader_;
   TrainingFaults faults_;
@@ -205,6 +222,8 @@ class Trainer {
   std::map<std::uint32_t, Device::Buffer> param_grads_;
   std::map<std::uint32_t, std::uint64_t> param_grad_values_;
   ContentMap content_;
+  std::vector<StreamId> alloc_stream_;                  // by BufferId, for must_allocate's buffers
+  std::set<std::pair<std::uint32_t, std::uint32_t>> recorded_;  // (buffer, stream) record_stream'ed
   std::vector<std::optional<Device::Buffer>> grads_;
   std::vector<std::uint64_t> grad_values_;
   std::vector<std::int32_t> last_use_;

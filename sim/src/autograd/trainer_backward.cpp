@@ -61,6 +61,7 @@ void Trainer::recompute(FrameId frame, std::uint32_t node) {
   const CheckpointRegion& reg = options_.checkpoint.regions[info.region];
   ++run_.recomputations;
   ++run_.layer_decisions[model_.ops[reg.first_op].layer].recomputed;
+  const StreamId stream = options_.side.recompute ? switch_to(side_) : current_;
   const Generators outer = open_replay(info, node);
   contexts_.push_back(Context{Context::Kind::Recompute, frame});
   checkpointer_.recompute_begin(frame, gid_);
@@ -90,6 +91,7 @@ void Trainer::recompute(FrameId frame, std::uint32_t node) {
   if (in_last_step_) run_.replay_stops.emplace_back(last_run, last_saving);
   close_scope();  // the replay's own references go once its kernels are issued
   checkpointer_.recompute_end();
+  switch_to(stream);
 }
 
 void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {
@@ -203,6 +205,7 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
   std::vector<std::uint64_t> values;
   std::vector<Device::Buffer> unpacked;
   std::uint64_t g = mix_content(kGradSalt, n + 1);
+  switch_to(op_stream(n, false));  // the engine runs a node on its forward's stream
   for (const Saved& s : saved_[n]) {
     const Bound b = unpack(s, n);
     if (options_.unpack_twice) device_.drop(unpack(s, n).buffer);  // a holder refuses this
@@ -239,7 +242,9 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
       values.push_back(param_grad_values_[b]);
     }
   }
-  run_.sim.kernel(compute_, op.backward_duration, reads, writes, op.name + " backward", values);
+  used_on_current(reads);
+  used_on_current(writes);
+  run_.sim.kernel(current_, op.backward_duration, reads, writes, op.name + " backward", values);
   if (escaped_) {
     device_.drop(*escaped_);
     escaped_.reset();
@@ -274,6 +279,7 @@ void Trainer::backward_inside(std::uint32_t k) {
   last_pass_ = false;
   std::vector<Region> reads;
   std::vector<Device::Buffer> unpacked;
+  const StreamId stream = switch_to(op_stream(k, false));
   for (const Saved& s : saved_[k]) {
     const Bound b = unpack(s, k);
     const Region r{b.buffer.id, b.offset, model_.tensors[s.tensor].bytes};
@@ -282,7 +288,8 @@ void Trainer::backward_inside(std::uint32_t k) {
     unpacked.push_back(b.buffer);
   }
   const Device::Buffer scratch = must_allocate(Bytes(512), "grad inside forward");
-  run_.sim.kernel(compute_, model_.ops[k].backward_duration, reads,
+  used_on_current(reads);
+  run_.sim.kernel(current_, model_.ops[k].backward_duration, reads,
                   std::vector<Region>{Region{scratch.id, Bytes(0), Bytes(512)}},
                   model_.ops[k].name + " backward inside forward");
   for (const Device::Buffer& b : unpacked) device_.drop(b);
@@ -290,6 +297,7 @@ void Trainer::backward_inside(std::uint32_t k) {
   offloader_.node_done(NodeId(k));
   for (const Recomputed& left : checkpointer_.drain(gid_)) device_.drop(left.buffer);
   last_pass_ = outer_last_pass;
+  switch_to(stream);
 }
 
 void Trainer::run_reentrant(std::uint32_t r, bool last_pass, std::size_t k) {
@@ -297,11 +305,13 @@ void Trainer::run_reentrant(std::uint32_t r, bool last_pass, std::size_t k) {
   FrameInfo& info = reentrant_inputs_.at(r);
   ++run_.recomputations;
   ++run_.layer_decisions[model_.ops[reg.first_op].layer].recomputed;
+  const StreamId stream = options_.side.recompute ? switch_to(side_) : current_;
   const Generators outer = open_replay(info, reg.end_op - 1);
   for (std::uint32_t i = reg.first_op; i < reg.end_op; ++i) {
     run_op(i, true);
     for (const std::uint32_t t : model_.ops[i].saved) saved_[i].push_back(pack(i, t));
   }
+  switch_to(stream);
   generators_ = outer;
   if (in_last_step_) run_.replay_stops.emplace_back(reg.end_op - 1, reg.end_op - 1);
   for (std::uint32_t i = reg.end_op; i-- > reg.first_op;) {
@@ -334,7 +344,8 @@ void Trainer::backward(bool last_pass) {
                                                     : std::span<const NodeId>());
   const std::uint32_t loss = base(model_.loss);
   grad_values_[loss] = mix_content(kGradSalt, 0);
-  run_.sim.kernel(compute_, SimTime(1), {},
+  switch_to(compute_);
+  run_.sim.kernel(current_, SimTime(1), {},
                   std::vector<Region>{Region{grad(loss).id, Bytes(0), model_.tensors[loss].bytes}},
                   "loss grad", std::vector<std::uint64_t>{grad_values_[loss]});
   std::vector<bool> done_region(options_.checkpoint.regions.size(), false);
@@ -350,6 +361,7 @@ void Trainer::backward(bool last_pass) {
     }
     run_node(n, last_pass, k);
   }
+  switch_to(compute_);  // backward() returns on the caller's stream, synced with the leaves'
   if (escaped_) {
     device_.drop(*escaped_);
     escaped_.reset();

@@ -27,6 +27,15 @@ struct OffloadSelection {
   std::vector<bool> region_inputs;  ///< by checkpoint region index: the region's inputs
 };
 
+/// Work the simulated model runs on a second compute stream of its device, `side`, as code
+/// inside `with torch.cuda.stream(side):` does, with the edges torch and careful code add
+/// (Note [Side streams] in trainer.cpp). Empty: everything runs on the compute stream.
+struct SideStreamOptions {
+  std::vector<std::int32_t> layers;  ///< these layers' ops (ModelOp::layer), forward and backward
+  bool recompute = false;            ///< checkpoint replays, reentrant re-runs included
+  [[nodiscard]] bool any() const { return !layers.empty() || recompute; }
+};
+
 struct TrainingOptions {
   OffloadOptions offload;
   CheckpointPlan checkpoint;
@@ -49,6 +58,7 @@ struct TrainingOptions {
   /// Right after this op's forward, run its backward node in a graph task of its own, as
   /// torch.autograd.grad inside a checkpointed function would (-1: never).
   std::int32_t backward_inside_op = -1;
+  SideStreamOptions side;
 };
 
 struct StepTimes {
@@ -100,6 +110,12 @@ struct TrainingFaults {
   bool skip_rng_restore = false;       ///< recompute draws fresh randomness
   std::int32_t drop_recomputed = -1;   ///< this region's replay saves one tensor fewer
   bool alter_recomputed_meta = false;  ///< replays report another size
+  // Side streams (SideStreamOptions):
+  bool skip_side_stream_wait = false;    ///< side work does not wait for the stream before it
+  bool skip_cross_stream_record = false;  ///< no record_stream for a tensor used on another stream
+  /// The device's current stream stays the compute stream while side work runs, so the
+  /// offloader orders its copies after the compute stream (the cached stream before TRL #7195).
+  bool stale_current_stream = false;
 };
 
 /// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;
