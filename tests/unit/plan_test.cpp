@@ -384,37 +384,46 @@ TEST(Planner, AFloorUnderAHostBudgetCountsOnlyPlansWithinIt) {
   }
 }
 
+// A model written op by op: tensors by name, bytes and role; ops of 10 ms forward and 20 ms
+// backward that save their input.
+struct ModelBuilder {
+  Model m;
+
+  std::uint32_t tensor(std::string name, std::int64_t bytes, TensorRole role) {
+    m.tensors.push_back(
+        ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1, Bytes(0), false});
+    return static_cast<std::uint32_t>(m.tensors.size() - 1);
+  }
+
+  ModelOp& op(std::string name, std::int32_t layer, std::uint32_t in, std::uint32_t out) {
+    ModelOp o;
+    o.name = std::move(name);
+    o.layer = layer;
+    o.duration = SimTime(10'000'000);
+    o.backward_duration = SimTime(20'000'000);
+    o.inputs = {in};
+    o.outputs = {out};
+    o.saved = {in};
+    m.ops.push_back(o);
+    return m.ops.back();
+  }
+};
+
 // Note [What the link can carry in forward]: a storage saved as forward ends cannot leave the
 // device before backward, whatever the link's bandwidth times the forward's length.
 TEST(LowerBound, TheLinkCarriesOnlyWhatForwardHasSavedSoFar) {
   DeviceProfile device = profile("a100-pcie4");
-  Model m;
-  m.name = "late";
-  auto tensor = [&](std::string name, std::int64_t bytes, TensorRole role) {
-    m.tensors.push_back(
-        ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1, Bytes(0), false});
-    return static_cast<std::uint32_t>(m.tensors.size() - 1);
-  };
-  const std::uint32_t x = tensor("x", 1 << 10, TensorRole::Input);
-  const std::uint32_t h0 = tensor("h0", 1 << 10, TensorRole::Activation);
-  const std::uint32_t h1 = tensor("h1", std::int64_t{1} << 32, TensorRole::Activation);
-  const std::uint32_t loss = tensor("loss", 4, TensorRole::Activation);
-  auto op = [&](std::string name, std::uint32_t in, std::uint32_t out, bool saves) {
-    ModelOp o;
-    o.name = std::move(name);
-    o.duration = SimTime(10'000'000);  // 10 ms
-    o.backward_duration = SimTime(20'000'000);
-    o.inputs = {in};
-    o.outputs = {out};
-    if (saves) o.saved = {out};
-    m.ops.push_back(o);
-  };
-  op("l0", x, h0, false);
-  op("l1", h0, h1, false);
-  op("loss", h1, loss, false);
-  m.ops[2].saved = {h1};  // h1 (4 GiB) is saved by the last op, as forward ends
-  m.loss = loss;
-  ASSERT_TRUE(validate_model(m).ok());
+  ModelBuilder b;
+  b.m.name = "late";
+  const std::uint32_t x = b.tensor("x", 1 << 10, TensorRole::Input);
+  const std::uint32_t h0 = b.tensor("h0", 1 << 10, TensorRole::Activation);
+  const std::uint32_t h1 = b.tensor("h1", std::int64_t{1} << 32, TensorRole::Activation);
+  const std::uint32_t loss = b.tensor("loss", 4, TensorRole::Activation);
+  b.op("l0", -1, x, h0).saved.clear();
+  b.op("l1", -1, h0, h1).saved.clear();
+  b.op("loss", -1, h1, loss);  // h1 (4 GiB) is saved by the last op, as forward ends
+  b.m.loss = loss;
+  ASSERT_TRUE(validate_model(b.m).ok());
   RowResult none;
   none.step_time = SimTime(90'000'000);
   none.forward_time = SimTime(30'000'000);
@@ -422,7 +431,7 @@ TEST(LowerBound, TheLinkCarriesOnlyWhatForwardHasSavedSoFar) {
   // 512 MiB to free: 30 ms of a 25.5 GB/s link would carry 765 MB, but nothing is saved before
   // the last op ends, so the link must have a longer forward: 512 MiB at its bandwidth.
   const Bytes budget = none.peak_reserved - Bytes(512LL << 20);
-  const SimTime bound = step_lower_bound(m, device, none, budget);
+  const SimTime bound = step_lower_bound(b.m, device, none, budget);
   const std::int64_t link = (512LL << 20) * 1'000'000'000 / device.d2h.bandwidth.bytes_per_s();
   EXPECT_NEAR(static_cast<double>((bound - none.step_time).ns()), static_cast<double>(link), 1e3);
 }
@@ -433,31 +442,16 @@ TEST(OffloadHorizon, KeepsATensorSavedAtTheEndOfForwardThatTheLinkCannotCarryInT
   // x -> l0 -> l1 -> loss: the last layer saves a storage whose copy would take far longer
   // than the backward work left after it; the first layer's copy is hidden.
   DeviceProfile device = profile("a100-pcie4");
-  Model m;
+  ModelBuilder b;
+  Model& m = b.m;
   m.name = "tail";
-  auto tensor = [&](std::string name, std::int64_t bytes, TensorRole role) {
-    m.tensors.push_back(
-        ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1, Bytes(0), false});
-    return static_cast<std::uint32_t>(m.tensors.size() - 1);
-  };
-  const std::uint32_t x = tensor("x", 1 << 20, TensorRole::Input);
-  const std::uint32_t h0 = tensor("h0", 1 << 20, TensorRole::Activation);
-  const std::uint32_t h1 = tensor("h1", std::int64_t{1} << 32, TensorRole::Activation);
-  const std::uint32_t loss = tensor("loss", 4, TensorRole::Activation);
-  auto op = [&](std::string name, std::int32_t layer, std::uint32_t in, std::uint32_t out) {
-    ModelOp o;
-    o.name = std::move(name);
-    o.layer = layer;
-    o.duration = SimTime(10'000'000);  // 10 ms
-    o.backward_duration = SimTime(20'000'000);
-    o.inputs = {in};
-    o.outputs = {out};
-    o.saved = {in};
-    m.ops.push_back(o);
-  };
-  op("l0", 0, x, h0);
-  op("l1", 1, h0, h1);
-  op("loss", -1, h1, loss);
+  const std::uint32_t x = b.tensor("x", 1 << 20, TensorRole::Input);
+  const std::uint32_t h0 = b.tensor("h0", 1 << 20, TensorRole::Activation);
+  const std::uint32_t h1 = b.tensor("h1", std::int64_t{1} << 32, TensorRole::Activation);
+  const std::uint32_t loss = b.tensor("loss", 4, TensorRole::Activation);
+  b.op("l0", 0, x, h0);
+  b.op("l1", 1, h0, h1);
+  b.op("loss", -1, h1, loss);
   m.loss = loss;
   ASSERT_TRUE(validate_model(m).ok());
   TrainingOptions o;
