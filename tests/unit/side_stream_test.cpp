@@ -36,9 +36,32 @@ std::int64_t kernels_on(const TrainingRun& run, const std::string& stream) {
   return n;
 }
 
-bool reports(const TrainingRun& run, HazardKind kind, Conflict conflict) {
+std::string op_name(const TrainingRun& run, OpId id) {
+  const OpRecord& op = run.sim.ops()[id.value()];
+  const std::string stream = op.stream.valid() ? run.sim.stream_name(op.stream) : "host";
+  return std::string(run.sim.label(op.label)) + " on " + stream;
+}
+
+// The hazards, a line each, for failure messages.
+std::string describe(const TrainingRun& run) {
+  std::string out;
   for (const Hazard& h : run.sim.hazards()) {
-    if (h.kind == kind && h.conflict == conflict) return true;
+    out += std::to_string(static_cast<int>(h.kind)) + "/" +
+           std::to_string(static_cast<int>(h.conflict)) + ": " + op_name(run, h.first) +
+           " | " + op_name(run, h.second) + "\n";
+  }
+  return out;
+}
+
+// Whether the checker reports a hazard of this kind and conflict with an op on `stream`.
+bool reports(const TrainingRun& run, HazardKind kind, Conflict conflict,
+             const std::string& stream) {
+  for (const Hazard& h : run.sim.hazards()) {
+    if (h.kind != kind || h.conflict != conflict) continue;
+    for (const OpId op : {h.first, h.second}) {
+      const StreamId on = run.sim.ops()[op.value()].stream;
+      if (on.valid() && run.sim.stream_name(on) == stream) return true;
+    }
   }
   return false;
 }
@@ -79,7 +102,7 @@ TEST(SideStreams, PlantedMissingWaitBeforeSideLayerIsARace) {
   faults.skip_side_stream_wait = true;
   const TrainingRun run = train(m, o, faults);
   // The side layer reads what the compute stream just wrote.
-  EXPECT_TRUE(reports(run, HazardKind::Race, Conflict::ReadAfterWrite));
+  EXPECT_TRUE(reports(run, HazardKind::Race, Conflict::ReadAfterWrite, "side"));
 }
 
 TEST(SideStreams, PlantedMissingRecordStreamIsALatentReuse) {
@@ -89,7 +112,8 @@ TEST(SideStreams, PlantedMissingRecordStreamIsALatentReuse) {
   TrainingFaults faults;
   faults.skip_cross_stream_record = true;
   const TrainingRun run = train(m, o, faults);
-  EXPECT_TRUE(reports(run, HazardKind::LatentReuse, Conflict::WriteAfterRead));
+  EXPECT_TRUE(reports(run, HazardKind::LatentReuse, Conflict::WriteAfterRead, "side"))
+      << describe(run);
 }
 
 TEST(SideStreams, RecomputeOnTheSideStreamIsClean) {
@@ -115,9 +139,31 @@ TEST(SideStreams, PlantedRecomputeWithoutTheWaitIsARace) {
     faults.skip_side_stream_wait = true;
     const TrainingRun run = train(m, o, faults);
     // The replay reads the region's inputs, which the compute stream last wrote.
-    EXPECT_TRUE(reports(run, HazardKind::Race, Conflict::ReadAfterWrite))
+    EXPECT_TRUE(reports(run, HazardKind::Race, Conflict::ReadAfterWrite, "side"))
         << "reentrant " << reentrant;
   }
+}
+
+TEST(SideStreams, AllReducesOnTheCommStreamAreClean) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  TrainingOptions o = side_options(Policy::None);
+  o.side.all_reduce = true;
+  o.side.layers = {2};
+  const TrainingRun run = train(m, o);
+  expect_clean(run);
+  EXPECT_EQ(kernels_on(run, "comm"), 2 * 6);  // a gradient per layer, two steps
+  EXPECT_EQ(run.gradient_values, train(m, side_options(Policy::None)).gradient_values);
+}
+
+TEST(SideStreams, PlantedAllReduceWithoutTheWaitIsARace) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  TrainingOptions o = side_options(Policy::None);
+  o.side.all_reduce = true;
+  TrainingFaults faults;
+  faults.skip_side_stream_wait = true;
+  const TrainingRun run = train(m, o, faults);
+  // The all-reduce reads the gradient the backward kernel writes.
+  EXPECT_TRUE(reports(run, HazardKind::Race, Conflict::ReadAfterWrite, "comm"));
 }
 
 }  // namespace

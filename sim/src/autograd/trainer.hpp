@@ -105,6 +105,9 @@ class Trainer {
   // another stream is record_stream'ed on this one (once).
   void used_on_current(const std::vector<Region>& regions);
 
+  // All-reduces parameter p's final gradient on the comm stream.
+  void all_reduce(std::uint32_t p);
+
   void setup();
 
   // --- tensors, scopes and content ----------------------------------------------------------
@@ -213,6 +216,8 @@ class Trainer {
   StreamId compute_;
   StreamId side_;     // invalid unless options_.side asks for work there
   StreamId current_;  // the stream current now: compute_ or side_
+  StreamId comm_;     // invalid unless options_.side.all_reduce
+  std::map<std::uint32_t, std::uint32_t> last_grad_node_;  // parameter -> node writing it last
   Device device_;
   Offloader<Device> offloader_;
   TrainingFaults faults_;

@@ -245,6 +245,12 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
   used_on_current(reads);
   used_on_current(writes);
   run_.sim.kernel(current_, op.backward_duration, reads, writes, op.name + " backward", values);
+  if (comm_.valid() && last_pass) {
+    for (const std::uint32_t b : written) {
+      const auto last = last_grad_node_.find(b);
+      if (last != last_grad_node_.end() && last->second == n) all_reduce(b);
+    }
+  }
   if (escaped_) {
     device_.drop(*escaped_);
     escaped_.reset();
@@ -338,6 +344,12 @@ void Trainer::backward(bool last_pass) {
   for (FrameInfo& info : frames_) info.taken = 0;
   const std::vector<std::uint32_t> order = backward_order();
   run_.backward_order = order;
+  last_grad_node_.clear();
+  for (const std::uint32_t n : order) {
+    for (const std::uint32_t t : model_.ops[n].inputs) {
+      if (model_.tensors[base(t)].role == TensorRole::Param) last_grad_node_[base(t)] = n;
+    }
+  }
   std::vector<NodeId> nodes;
   for (const std::uint32_t n : order) nodes.push_back(NodeId(n));
   offloader_.backward_begin(options_.announce_order ? std::span<const NodeId>(nodes)
@@ -362,6 +374,12 @@ void Trainer::backward(bool last_pass) {
     run_node(n, last_pass, k);
   }
   switch_to(compute_);  // backward() returns on the caller's stream, synced with the leaves'
+  if (comm_.valid()) {
+    // DDP's finalize: the caller's stream waits for the last all-reduces.
+    const Device::Event e = device_.make_event();
+    device_.record(e, Device::Stream{comm_});
+    device_.wait(Device::Stream{compute_}, e);
+  }
   if (escaped_) {
     device_.drop(*escaped_);
     escaped_.reset();

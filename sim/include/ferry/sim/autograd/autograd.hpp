@@ -33,7 +33,10 @@ struct OffloadSelection {
 struct SideStreamOptions {
   std::vector<std::int32_t> layers;  ///< these layers' ops (ModelOp::layer), forward and backward
   bool recompute = false;            ///< checkpoint replays, reentrant re-runs included
-  [[nodiscard]] bool any() const { return !layers.empty() || recompute; }
+  /// Each parameter's gradient is all-reduced once final, on a stream of its own ("comm"), as
+  /// DDP does; the compute stream waits for the all-reduces at the end of backward.
+  bool all_reduce = false;
+  [[nodiscard]] bool any() const { return !layers.empty() || recompute || all_reduce; }
 };
 
 struct TrainingOptions {
@@ -111,7 +114,7 @@ struct TrainingFaults {
   std::int32_t drop_recomputed = -1;   ///< this region's replay saves one tensor fewer
   bool alter_recomputed_meta = false;  ///< replays report another size
   // Side streams (SideStreamOptions):
-  bool skip_side_stream_wait = false;    ///< side work does not wait for the stream before it
+  bool skip_side_stream_wait = false;  ///< side or comm work does not wait for the stream before it
   bool skip_cross_stream_record = false;  ///< no record_stream for a tensor used on another stream
   /// The device's current stream stays the compute stream while side work runs, so the
   /// offloader orders its copies after the compute stream (the cached stream before TRL #7195).
