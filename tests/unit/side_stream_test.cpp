@@ -166,5 +166,49 @@ TEST(SideStreams, PlantedAllReduceWithoutTheWaitIsARace) {
   EXPECT_TRUE(reports(run, HazardKind::Race, Conflict::ReadAfterWrite, "comm"));
 }
 
+// The offloader on a side stream. Clean only with an offloader that asks the backend's
+// compute_stream() at each pack and unpack: one that keeps the stream it was built with is the
+// planted fault below, and these stay disabled while the core's Tracker keeps it.
+class SideStreamsOffload : public ::testing::TestWithParam<Policy> {};
+
+TEST_P(SideStreamsOffload, DISABLED_OffloaderOrdersCopiesAfterTheCurrentStream) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  TrainingOptions o = side_options(GetParam());
+  o.side.layers = {1, 3};
+  o.side.all_reduce = true;
+  const TrainingRun run = train(m, o);
+  expect_clean(run);
+  EXPECT_GT(run.telemetry.offloaded, 0);
+  EXPECT_GT(kernels_on(run, "side"), 0);
+}
+
+TEST_P(SideStreamsOffload, DISABLED_RecomputeOnTheSideStreamReloadsForIt) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  for (const bool reentrant : {false, true}) {
+    TrainingOptions o = side_options(GetParam());
+    o.checkpoint = checkpoint_segments(m, 3, reentrant);
+    o.side.recompute = true;
+    const TrainingRun run = train(m, o);
+    expect_clean(run);
+    EXPECT_GT(run.telemetry.offloaded, 0);
+  }
+}
+
+TEST_P(SideStreamsOffload, DISABLED_PlantedCachedComputeStreamIsARace) {
+  // Before TRL #7195: the offloader orders against the stream current when it was built.
+  const Model m = testing::chain_model(6, 1 << 20);
+  TrainingOptions o = side_options(GetParam());
+  o.side.layers = {1, 3};
+  TrainingFaults faults;
+  faults.stale_current_stream = true;
+  const TrainingRun run = train(m, o, faults);
+  // The D2H copy reads what the side stream writes; the side stream's backward reads the
+  // reload.
+  EXPECT_TRUE(reports(run, HazardKind::Race, Conflict::ReadAfterWrite, "side")) << describe(run);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, SideStreamsOffload, ::testing::Values(Policy::Trl, Policy::Ferry),
+                         [](const auto& p) { return std::string(policy_name(p.param)); });
+
 }  // namespace
 }  // namespace ferry::sim
