@@ -46,9 +46,8 @@ rc::Gen<Setup> gen_setup() {
         return Setup{layers, recompute, all_reduce, segments, reentrant, order, device};
       },
       rc::gen::inRange<std::uint64_t>(0, 1 << 12), rc::gen::arbitrary<bool>(),
-      rc::gen::arbitrary<bool>(), rc::gen::inRange<std::int32_t>(0, 4),
-      rc::gen::arbitrary<bool>(), rc::gen::inRange<std::uint64_t>(0, 3),
-      rc::gen::inRange<std::uint64_t>(1, 1000));
+      rc::gen::arbitrary<bool>(), rc::gen::inRange<std::int32_t>(0, 4), rc::gen::arbitrary<bool>(),
+      rc::gen::inRange<std::uint64_t>(0, 3), rc::gen::inRange<std::uint64_t>(1, 1000));
 }
 
 void side_streams_are_clean(const std::vector<LayerChoice>& layers, const Setup& setup,

@@ -47,8 +47,8 @@ std::string describe(const TrainingRun& run) {
   std::string out;
   for (const Hazard& h : run.sim.hazards()) {
     out += std::to_string(static_cast<int>(h.kind)) + "/" +
-           std::to_string(static_cast<int>(h.conflict)) + ": " + op_name(run, h.first) +
-           " | " + op_name(run, h.second) + "\n";
+           std::to_string(static_cast<int>(h.conflict)) + ": " + op_name(run, h.first) + " | " +
+           op_name(run, h.second) + "\n";
   }
   return out;
 }
@@ -207,7 +207,8 @@ TEST_P(SideStreamsOffload, DISABLED_PlantedCachedComputeStreamIsARace) {
   EXPECT_TRUE(reports(run, HazardKind::Race, Conflict::ReadAfterWrite, "side")) << describe(run);
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, SideStreamsOffload, ::testing::Values(Policy::Trl, Policy::Ferry),
+INSTANTIATE_TEST_SUITE_P(Policies, SideStreamsOffload,
+                         ::testing::Values(Policy::Trl, Policy::Ferry),
                          [](const auto& p) { return std::string(policy_name(p.param)); });
 
 }  // namespace

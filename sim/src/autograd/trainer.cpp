@@ -159,7 +159,7 @@ StreamId Trainer::op_stream(std::uint32_t i, bool replay) const {
   if (options_.side.recompute && replay) return side_;
   const auto& layers = options_.side.layers;
   return std::find(layers.begin(), layers.end(), model_.ops[i].layer) != layers.end() ? side_
-                                                                                     : compute_;
+                                                                                      : compute_;
 }
 
 StreamId Trainer::switch_to(StreamId to) {

@@ -227,7 +227,7 @@ class Trainer {
   std::map<std::uint32_t, Device::Buffer> param_grads_;
   std::map<std::uint32_t, std::uint64_t> param_grad_values_;
   ContentMap content_;
-  std::vector<StreamId> alloc_stream_;                  // by BufferId, for must_allocate's buffers
+  std::vector<StreamId> alloc_stream_;  // by BufferId, for must_allocate's buffers
   std::set<std::pair<std::uint32_t, std::uint32_t>> recorded_;  // (buffer, stream) record_stream'ed
   std::vector<std::optional<Device::Buffer>> grads_;
   std::vector<std::uint64_t> grad_values_;
