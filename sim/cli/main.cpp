@@ -147,6 +147,7 @@ struct PlanArgs {
   std::string trace;
   std::string memory_snapshot;
   std::string checkpoint = "none";
+  std::string side_streams = "none";
   std::string plan;  // simulate --plan FILE
   std::int64_t min_bytes = 1024;
   std::int64_t window_mib = 512;
@@ -265,6 +266,12 @@ int run_plan(const PlanArgs& args, bool compare) {
     base.checkpoint = std::move(plan).value();
   }
   if (args.no_early_stop) base.checkpoint.global_early_stop = false;
+  auto side = ferry::sim::parse_side_streams(args.side_streams);
+  if (!side) {
+    fmt::print(stderr, "ferry: error: --side-streams: {}\n", side.error().message);
+    return kExitBadInput;
+  }
+  base.side = std::move(side).value();
   if (args.horizon == "none") {
     base.offload.horizon_bytes = ferry::Bytes(std::numeric_limits<std::int64_t>::max());
   } else if (args.horizon != "auto") {
@@ -279,6 +286,13 @@ int run_plan(const PlanArgs& args, bool compare) {
     return ferry::cli::replay_plan_file(args.plan, model.value(), device.value(), base, args.json);
   }
   if (args.devices > 1 && !compare) {
+    if (base.side.any()) {
+      fmt::print(stderr,
+                 "ferry simulate: error: --side-streams applies to a single-device run; a "
+                 "pipeline (--devices {}) runs one compute stream per device\n",
+                 args.devices);
+      return kExitBadInput;
+    }
     if (!args.trace.empty()) {
       // The trace draws one single-device run; a pipeline's would be silently missing.
       fmt::print(stderr,
@@ -388,6 +402,10 @@ void add_plan_options(CLI::App* cmd, PlanArgs& a, bool with_policy) {
     cmd->add_option("--plan", a.plan, "Replay a plan file (ferry.plan/1) written by ferry plan");
     cmd->add_option("--checkpoint", a.checkpoint,
                     "none, every:K, selective, segments:N or reentrant-segments:N")
+        ->capture_default_str();
+    cmd->add_option("--side-streams", a.side_streams,
+                    "Work on a side compute stream: none, or layers L and ranges A-B, "
+                    "recompute, all-reduce (comma-separated)")
         ->capture_default_str();
   }
   cmd->add_flag("--no-early-stop", a.no_early_stop, "Recompute whole checkpointed regions");

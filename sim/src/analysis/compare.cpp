@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
 
 #include "ferry/sim/analysis/metrics.hpp"
 #include "ferry/sim/analysis/report.hpp"
@@ -139,6 +142,43 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
       fmt::format("unknown checkpoint spec \"{}\" (none, every:K, selective, "
                   "segments:N, reentrant-segments:N)",
                   spec)};
+}
+
+Result<SideStreamOptions> parse_side_streams(std::string_view spec) {
+  SideStreamOptions side;
+  if (spec == "none") return side;
+  auto layer = [](std::string_view digits) -> std::optional<std::int32_t> {
+    if (digits.empty() || digits.size() > 6 ||
+        digits.find_first_not_of("0123456789") != std::string_view::npos) {
+      return std::nullopt;
+    }
+    return std::stoi(std::string(digits));
+  };
+  std::size_t start = 0;
+  while (start <= spec.size()) {
+    const std::size_t comma = std::min(spec.find(',', start), spec.size());
+    const std::string_view item = spec.substr(start, comma - start);
+    const std::size_t dash = item.find('-');
+    std::optional<std::int32_t> first;
+    std::optional<std::int32_t> last;
+    if (item == "recompute") {
+      side.recompute = true;
+    } else if (item == "all-reduce") {
+      side.all_reduce = true;
+    } else if (dash == std::string_view::npos && (first = layer(item))) {
+      side.layers.push_back(*first);
+    } else if (dash != std::string_view::npos && (first = layer(item.substr(0, dash))) &&
+               (last = layer(item.substr(dash + 1))) && *first <= *last) {
+      for (std::int32_t l = *first; l <= *last; ++l) side.layers.push_back(l);
+    } else {
+      return Error{fmt::format(
+          "unknown side-stream item \"{}\" in \"{}\" (none, or a comma-separated list of "
+          "layers L, ranges A-B, recompute, all-reduce)",
+          item, spec)};
+    }
+    start = comma + 1;
+  }
+  return side;
 }
 
 std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model,

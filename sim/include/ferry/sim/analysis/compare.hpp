@@ -62,6 +62,11 @@ struct RowResult {
 /// (checkpoint_sequential). The error names the accepted forms.
 Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model& model);
 
+/// Parses a side-stream spec: "none", or a comma-separated list of layers ("3") and layer
+/// ranges ("2-5") whose ops run on the side stream, "recompute" (checkpoint replays there) and
+/// "all-reduce" (parameter gradients all-reduced on a comm stream). The error names the forms.
+Result<SideStreamOptions> parse_side_streams(std::string_view spec);
+
 /// Runs one row. A configuration that runs out of device memory is run again on a device
 /// with room to spare, so the table can say how much it would need (fits = false). With
 /// `keep`, the run the figures come from is moved there (for its trace).
