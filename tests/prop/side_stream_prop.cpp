@@ -16,7 +16,11 @@
 #include "prop/random_program.hpp"
 #include "prop/rc_model_gens.hpp"
 
-namespace ferry::sim {
+namespace ferry {
+
+inline void showValue(Policy p, std::ostream& os) { os << policy_name(p); }
+
+namespace sim {
 namespace {
 
 using testing::gen_layer;
@@ -51,12 +55,15 @@ rc::Gen<Setup> gen_setup() {
 }
 
 void side_streams_are_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
-                            const TrainingFaults& faults) {
-  const Model model = build_random_model(layers, {});
+                            const TrainingFaults& faults, Policy policy = Policy::None) {
+  testing::ModelOptions mo;
+  mo.side_branches = policy != Policy::Trl;  // trl never hears of an unused branch's tensors
+  const Model model = build_random_model(layers, mo);
   std::mt19937_64 rng(setup.device_seed);
   const DeviceProfile device = testing::random_profile(rng);
   TrainingOptions one;
-  one.offload.policy = Policy::None;
+  one.offload.policy = policy;
+  one.offload.min_bytes = Bytes(0);
   one.steps = 2;
   one.order_seed = setup.order_seed;
   if (setup.segments >= 2) {
@@ -83,7 +90,8 @@ void side_streams_are_clean(const std::vector<LayerChoice>& layers, const Setup&
     };
     RC_FAIL("hazard " + std::to_string(static_cast<int>(h.kind)) + "/" +
             std::to_string(static_cast<int>(h.conflict)) + ": " + name(h.first) + " | " +
-            name(h.second));
+            name(h.second) + " on buffer " +
+            std::string(r.sim.label(r.sim.buffers()[h.first_buffer.value()].label)));
   }
   RC_ASSERT(r.sim.content_mismatches().empty());
   RC_ASSERT(r.gradient_values == plain.value().gradient_values);
@@ -94,6 +102,18 @@ void side_streams_are_clean(const std::vector<LayerChoice>& layers, const Setup&
 RC_GTEST_PROP(SideStreamProperty, SideStreamWorkWithItsEdgesIsClean, ()) {
   side_streams_are_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_setup(),
                          {});
+}
+
+// With the offloader. Needs an offloader that asks compute_stream() at each pack and unpack,
+// and whose frees are guarded on the streams current then, not at the release: an original
+// produced on the side stream and retired by a later pack on the compute stream goes back to
+// the side stream's pool, which the compute stream's wait for the copy does not order; a
+// reloaded tensor read by a node on the side stream and released after the switch back is
+// guarded by an event on the compute stream only. Both are latent-reuse reports.
+RC_GTEST_PROP(SideStreamProperty, DISABLED_SideStreamWorkWithTheOffloaderIsClean, ()) {
+  const Policy policy = *rc::gen::element(Policy::Ferry, Policy::Trl);
+  side_streams_are_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_setup(),
+                         {}, policy);
 }
 
 void expect_caught(const TrainingFaults& faults, const char* name) {
@@ -120,4 +140,5 @@ TEST(SideStreamProperty, PlantedMissingRecordStreamIsCaught) {
 }
 
 }  // namespace
-}  // namespace ferry::sim
+}  // namespace sim
+}  // namespace ferry
