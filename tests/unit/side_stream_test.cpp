@@ -94,6 +94,27 @@ TEST(SideStreams, GradientsAreThoseOfOneStream) {
   EXPECT_EQ(two.gradient_values, one.gradient_values);
 }
 
+TEST(SideStreams, SameOptionsGiveTheSameRun) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  TrainingOptions o = side_options(Policy::None);
+  o.checkpoint = checkpoint_segments(m, 3, false);
+  o.side.layers = {1, 4};
+  o.side.recompute = true;
+  o.side.all_reduce = true;
+  o.order_seed = 3;
+  const TrainingRun a = train(m, o);
+  const TrainingRun b = train(m, o);
+  ASSERT_EQ(a.sim.ops().size(), b.sim.ops().size());
+  for (std::size_t i = 0; i < a.sim.ops().size(); ++i) {
+    const OpRecord& x = a.sim.ops()[i];
+    const OpRecord& y = b.sim.ops()[i];
+    EXPECT_TRUE(x.kind == y.kind && x.stream == y.stream && x.label == y.label &&
+                x.start == y.start && x.end == y.end && x.buffer == y.buffer)
+        << "op " << i;
+  }
+  EXPECT_EQ(a.sim.makespan(), b.sim.makespan());
+}
+
 TEST(SideStreams, PlantedMissingWaitBeforeSideLayerIsARace) {
   const Model m = testing::chain_model(6, 1 << 20);
   TrainingOptions o = side_options(Policy::None);
