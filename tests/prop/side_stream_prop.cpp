@@ -104,13 +104,14 @@ RC_GTEST_PROP(SideStreamProperty, SideStreamWorkWithItsEdgesIsClean, ()) {
                          {});
 }
 
-// With the offloader. Needs an offloader that asks compute_stream() at each pack and unpack,
-// and whose frees are guarded on the streams current then, not at the release: an original
-// produced on the side stream and retired by a later pack on the compute stream goes back to
-// the side stream's pool, which the compute stream's wait for the copy does not order; a
-// reloaded tensor read by a node on the side stream and released after the switch back is
-// guarded by an event on the compute stream only. Both are latent-reuse reports.
-RC_GTEST_PROP(SideStreamProperty, DISABLED_SideStreamWorkWithTheOffloaderIsClean, ()) {
+// With the offloader, which asks compute_stream() at each pack and unpack and guards its frees
+// on the streams current then, not at the release (Note [The compute stream is the current
+// one]): otherwise an original produced on the side stream and retired by a later pack on the
+// compute stream goes back to the side stream's pool, which the compute stream's wait for the
+// copy does not order; and a reloaded tensor read by a node on the side stream and released
+// after the switch back is guarded by an event on the compute stream only. Both are
+// latent-reuse reports.
+RC_GTEST_PROP(SideStreamProperty, SideStreamWorkWithTheOffloaderIsClean, ()) {
   const Policy policy = *rc::gen::element(Policy::Ferry, Policy::Trl);
   side_streams_are_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_setup(),
                          {}, policy);

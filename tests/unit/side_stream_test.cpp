@@ -68,7 +68,7 @@ bool reports(const TrainingRun& run, HazardKind kind, Conflict conflict,
 
 void expect_clean(const TrainingRun& run) {
   EXPECT_FALSE(run.failure) << run.failure->message;
-  EXPECT_TRUE(run.sim.hazards().empty()) << run.sim.hazards().size() << " hazards";
+  EXPECT_TRUE(run.sim.hazards().empty()) << run.sim.hazards().size() << " hazards\n" << describe(run);
   EXPECT_TRUE(run.sim.content_mismatches().empty());
   for (std::size_t s = 0; s < run.allocated_after.size(); ++s) {
     EXPECT_EQ(run.allocated_after[s], run.baseline_allocated) << "step " << s;
@@ -187,12 +187,12 @@ TEST(SideStreams, PlantedAllReduceWithoutTheWaitIsARace) {
   EXPECT_TRUE(reports(run, HazardKind::Race, Conflict::ReadAfterWrite, "comm"));
 }
 
-// The offloader on a side stream. Clean only with an offloader that asks the backend's
-// compute_stream() at each pack and unpack: one that keeps the stream it was built with is the
-// planted fault below, and these stay disabled while the core's Tracker keeps it.
+// The offloader on a side stream: clean because it asks the backend's compute_stream() at each
+// pack and unpack (Note [The compute stream is the current one] in offload/tracker.hpp); one
+// that keeps the stream it was built with is the planted fault below.
 class SideStreamsOffload : public ::testing::TestWithParam<Policy> {};
 
-TEST_P(SideStreamsOffload, DISABLED_OffloaderOrdersCopiesAfterTheCurrentStream) {
+TEST_P(SideStreamsOffload, OffloaderOrdersCopiesAfterTheCurrentStream) {
   const Model m = testing::chain_model(6, 1 << 20);
   TrainingOptions o = side_options(GetParam());
   o.side.layers = {1, 3};
@@ -203,7 +203,7 @@ TEST_P(SideStreamsOffload, DISABLED_OffloaderOrdersCopiesAfterTheCurrentStream) 
   EXPECT_GT(kernels_on(run, "side"), 0);
 }
 
-TEST_P(SideStreamsOffload, DISABLED_RecomputeOnTheSideStreamReloadsForIt) {
+TEST_P(SideStreamsOffload, RecomputeOnTheSideStreamReloadsForIt) {
   const Model m = testing::chain_model(6, 1 << 20);
   for (const bool reentrant : {false, true}) {
     TrainingOptions o = side_options(GetParam());
@@ -215,13 +215,13 @@ TEST_P(SideStreamsOffload, DISABLED_RecomputeOnTheSideStreamReloadsForIt) {
   }
 }
 
-TEST_P(SideStreamsOffload, DISABLED_PlantedCachedComputeStreamIsARace) {
+TEST_P(SideStreamsOffload, PlantedCachedComputeStreamIsARace) {
   // Before TRL #7195: the offloader orders against the stream current when it was built.
   const Model m = testing::chain_model(6, 1 << 20);
   TrainingOptions o = side_options(GetParam());
   o.side.layers = {1, 3};
   TrainingFaults faults;
-  faults.stale_current_stream = true;
+  faults.offload.stale_compute_stream = true;
   const TrainingRun run = train(m, o, faults);
   // The D2H copy reads what the side stream writes; the side stream's backward reads the
   // reload.

@@ -19,6 +19,9 @@ FAULTS = (
     "dedup_across_versions",
     "skip_version_check",
     "drop_view_bits",
+    # The compute stream fixed when the session was made (Note [The compute stream is the
+    # current one]).
+    "stale_compute_stream",
 )
 
 

@@ -219,17 +219,18 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](bool skip_offload_wait, bool skip_reload_wait, bool skip_forward_guard,
                        bool skip_backward_guard, bool skip_record_stream, bool skip_host_guard,
                        bool skip_exit_sync, bool dedup_across_versions, bool skip_version_check,
-                       bool drop_view_bits) {
+                       bool drop_view_bits, bool stale_compute_stream) {
              return ferry::OffloadFaults{
                  skip_offload_wait,  skip_reload_wait, skip_forward_guard, skip_backward_guard,
                  skip_record_stream, skip_host_guard,  skip_exit_sync,     dedup_across_versions,
-                 skip_version_check, drop_view_bits};
+                 skip_version_check, drop_view_bits,     stale_compute_stream};
            }),
            py::kw_only(), py::arg("skip_offload_wait") = false, py::arg("skip_reload_wait") = false,
            py::arg("skip_forward_guard") = false, py::arg("skip_backward_guard") = false,
            py::arg("skip_record_stream") = false, py::arg("skip_host_guard") = false,
            py::arg("skip_exit_sync") = false, py::arg("dedup_across_versions") = false,
-           py::arg("skip_version_check") = false, py::arg("drop_view_bits") = false);
+           py::arg("skip_version_check") = false, py::arg("drop_view_bits") = false,
+           py::arg("stale_compute_stream") = false);
 
   const ferry::RealOptions defaults;
   const ferry::OffloadOptions& d = defaults.offload;

@@ -29,8 +29,11 @@ template <class B>
 concept Backend = requires(B& b, const B& cb, typename B::Stream s, typename B::Event e,
                            typename B::Buffer buf, Bytes n, Place place, std::string_view name) {
   requires std::semiregular<typename B::Stream>;
+  requires std::equality_comparable<typename B::Stream>;
   requires std::semiregular<typename B::Event>;
   requires std::semiregular<typename B::Buffer>;
+  /// The stream current now, on which the host's next compute runs (torch's current_stream();
+  /// Note [The compute stream is the current one] in offload/tracker.hpp).
   { b.compute_stream() } -> std::same_as<typename B::Stream>;
   { b.make_stream(name) } -> std::same_as<typename B::Stream>;
   { b.make_event() } -> std::same_as<typename B::Event>;

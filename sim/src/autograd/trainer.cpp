@@ -171,7 +171,7 @@ StreamId Trainer::switch_to(StreamId to) {
     device_.wait(Device::Stream{to}, e);
   }
   current_ = to;
-  if (!faults_.stale_current_stream) device_.set_current_stream(Device::Stream{to});
+  device_.set_current_stream(Device::Stream{to});
   return from;
 }
 

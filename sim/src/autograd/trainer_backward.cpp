@@ -15,6 +15,13 @@ namespace ferry::sim::training {
 Bound Trainer::unpack(const Saved& s, std::uint32_t node) {
   if (s.kind == Saved::Kind::Offload) {
     auto u = offloader_.unpack(s.id, NodeId(node));
+    // The offloader orders the storage for the stream current at the unpack (Note [The compute
+    // stream is the current one]); a use on another stream later (a recomputation's input
+    // that backward reads on a side stream) is the caller's to record, as for what it
+    // allocates itself (Note [Side streams]).
+    const std::uint32_t id = u.storage.id.value();
+    if (alloc_stream_.size() <= id) alloc_stream_.resize(id + 1);
+    if (!alloc_stream_[id].valid()) alloc_stream_[id] = current_;
     const Bound b{u.storage, u.offset, value_of(s.expected)};
     note_arrival(b, s.expected);
     return b;

@@ -40,6 +40,7 @@ class DeviceBase {
  public:
   struct Stream {
     std::uint32_t index = 0;
+    friend bool operator==(Stream, Stream) = default;
   };
 
   explicit DeviceBase(std::unique_ptr<Recorder> recorder);

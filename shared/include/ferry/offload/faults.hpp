@@ -17,6 +17,10 @@ struct OffloadFaults {
   bool dedup_across_versions = false;  ///< one copy serves a storage at every version
   bool skip_version_check = false;     ///< real backend: an unpack ignores in-place changes
   bool drop_view_bits = false;         ///< real backend: rebuilt views lose conj and neg bits
+  /// The compute stream is the one current when the scheduler was made, not the one current at
+  /// each pack and unpack (TRL before its PR #7195; Note [The compute stream is the current
+  /// one] in tracker.hpp).
+  bool stale_compute_stream = false;
 };
 
 }  // namespace ferry

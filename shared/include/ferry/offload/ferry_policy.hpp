@@ -254,7 +254,8 @@ class FerryPolicy {
   // Offloading -> OnHost: the original goes once its copy is done.
   void release_original(RecordId r) {
     auto& rec = t_.records[r];
-    if (!t_.faults.skip_forward_guard) t_.backend.wait(t_.compute, rec.d2h_done);
+    // The block returns to its producer's pool (Note [The compute stream is the current one]).
+    if (!t_.faults.skip_forward_guard) t_.backend.wait(t_.streams_of(r).producer, rec.d2h_done);
     t_.backend.drop(rec.device);
     rec.move_to(RecordState::OnHost);
     if (t_.options.dedup) forget_storage(rec.storage, r);
@@ -289,6 +290,7 @@ class FerryPolicy {
     rec.h2d_done = t_.backend.make_event();
     t_.backend.record(rec.h2d_done, t_.reload_stream);
     rec.device = *buf;
+    t_.streams_of(r).readers.clear();
     rec.move_to(RecordState::Reloading);
     rec.host_read = true;
     rec.snapshot = t_.backend.use_count(*buf);
@@ -332,10 +334,13 @@ class FerryPolicy {
       } else if (rec.state == RecordState::Reloading) {
         leave_prefetch(rec.bytes);  // a prefetched reload, now in use
       }
-      if (rec.state == RecordState::Reloading) {
-        if (!t_.faults.skip_reload_wait) t_.backend.wait(t_.compute, rec.h2d_done);
-        rec.move_to(RecordState::Reloaded);
+      // Each stream that reads the reloaded copy waits for it once (Note [The compute stream
+      // is the current one]).
+      const auto reader = t_.compute();
+      if (t_.new_reader(r, reader) && !t_.faults.skip_reload_wait) {
+        t_.backend.wait(reader, rec.h2d_done);
       }
+      if (rec.state == RecordState::Reloading) rec.move_to(RecordState::Reloaded);
     }
     prefetch();
     t_.backend.hold(rec.device);
@@ -346,13 +351,19 @@ class FerryPolicy {
   // with it (an event), or record_stream when a view escaped.
   void free_reloaded(RecordId r) {
     auto& rec = t_.records[r];
-    if (t_.backend.use_count(rec.device) > rec.snapshot) {
-      ++t_.telemetry.record_stream_fallbacks;
-      if (!t_.faults.skip_record_stream) t_.backend.record_stream(rec.device, t_.compute);
-    } else {
-      Event e = t_.backend.make_event();
-      t_.backend.record(e, t_.compute);
-      if (!t_.faults.skip_backward_guard) t_.backend.wait(t_.reload_stream, e);
+    const bool escaped = t_.backend.use_count(rec.device) > rec.snapshot;
+    if (escaped) ++t_.telemetry.record_stream_fallbacks;
+    // The stream current at the free reads it too when a view escaped there (a checkpoint's
+    // recomputation on a side stream hands the reloaded input to backward on this one).
+    t_.new_reader(r, t_.compute());
+    for (const auto& reader : t_.streams_of(r).readers) {
+      if (escaped) {
+        if (!t_.faults.skip_record_stream) t_.backend.record_stream(rec.device, reader);
+      } else {
+        Event e = t_.backend.make_event();
+        t_.backend.record(e, reader);
+        if (!t_.faults.skip_backward_guard) t_.backend.wait(t_.reload_stream, e);
+      }
     }
     t_.backend.drop(rec.device);
     if (rec.state == RecordState::Reloading) leave_prefetch(rec.bytes);

@@ -5,7 +5,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "ferry/backend.hpp"
 #include "ferry/offload/faults.hpp"
@@ -22,6 +24,21 @@ struct Unpacked {
   Bytes offset;
 };
 
+// Note [The compute stream is the current one]
+// The compute stream is not a fixed stream: it is the stream current when the work happens
+// (torch's current_stream()), which a checkpoint's recomputation, FSDP2, a custom autograd
+// Function or a user's `with torch.cuda.stream(s)` change. So the core asks the backend at each
+// step instead of remembering one: a pack orders its copy after the stream current at the pack
+// (the producer); the original is freed once that producer stream (whose pool the block
+// returns to) has waited for the copy; an unpack makes the stream current at the unpack (a
+// reader) wait for the reload, and every further reader on another stream waits too; the
+// reloaded block is freed after each reader and after the stream current at the free (an
+// event each, or record_stream on each when a view escaped: a recomputation on a side stream
+// hands the reloaded input to the backward on the stream current when the block is let go). A recomputation packs and unpacks like any other compute, on the stream
+// current then. The planted fault stale_compute_stream uses the stream current when the
+// scheduler was made instead (what TRL did before its PR #7195), which races as soon as work
+// runs on another stream.
+
 template <Backend B>
 struct Tracker {
   using Stream = typename B::Stream;
@@ -36,7 +53,7 @@ struct Tracker {
       : backend(device),
         options(opts),
         faults(planted),
-        compute(device.compute_stream()),
+        first_compute(device.compute_stream()),
         offload_stream(streams.first),
         reload_stream(streams.second) {}
 
@@ -46,6 +63,11 @@ struct Tracker {
   [[nodiscard]] bool stays(const TensorFacts& facts, bool in_region, bool opt_out) const {
     return options.policy == Policy::None || !facts.on_device || facts.is_param ||
            facts.bytes < options.min_bytes || in_region || (opt_out && facts.no_offload);
+  }
+
+  /// The stream current now (Note [The compute stream is the current one]).
+  [[nodiscard]] Stream compute() const {
+    return faults.stale_compute_stream ? first_compute : backend.compute_stream();
   }
 
   /// A Kept record holding a reference to `storage`.
@@ -77,13 +99,33 @@ struct Tracker {
     rec.device = storage;
     ++telemetry.offloaded;
     telemetry.bytes_d2h += bytes;
-    return records.add(rec);
+    const RecordId r = records.add(rec);
+    streams_of(r) = {compute(), {}};
+    return r;
   }
 
-  /// `stream` waits for the work submitted to the compute stream so far.
+  /// The producer (the stream current at the pack) and the readers of record `r`.
+  struct Streams {
+    Stream producer{};
+    std::vector<Stream> readers;
+  };
+  Streams& streams_of(RecordId r) {
+    if (record_streams.size() <= r.value()) record_streams.resize(r.value() + 1);
+    return record_streams[r.value()];
+  }
+
+  /// Whether `stream` has not read record `r` yet since its reload; notes it as a reader.
+  bool new_reader(RecordId r, Stream stream) {
+    std::vector<Stream>& readers = streams_of(r).readers;
+    if (std::find(readers.begin(), readers.end(), stream) != readers.end()) return false;
+    readers.push_back(stream);
+    return true;
+  }
+
+  /// `stream` waits for the work submitted to the current stream so far.
   void wait_for_compute(Stream stream) {
     Event e = backend.make_event();
-    backend.record(e, compute);
+    backend.record(e, compute());
     backend.wait(stream, e);
   }
 
@@ -97,11 +139,12 @@ struct Tracker {
   B& backend;
   const OffloadOptions options;
   const OffloadFaults faults;
-  const Stream compute;
+  const Stream first_compute;  ///< current when the scheduler was made (the planted fault's)
   const Stream offload_stream;
   const Stream reload_stream;
   OffloadTelemetry telemetry;
   RecordTable<Buffer, Event> records;
+  std::vector<Streams> record_streams;  ///< by record id
   IdTable ids;
 };
 

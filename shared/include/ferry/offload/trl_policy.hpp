@@ -167,7 +167,7 @@ class TrlPolicy {
   void exit() {
     if (!today() || !t_.options.use_streams) return;
     if (!t_.faults.skip_exit_sync) {
-      t_.backend.synchronize(t_.compute);
+      t_.backend.synchronize(t_.compute());
       t_.backend.synchronize(t_.offload_stream);
     }
     for (const auto& entry : fwd_stash_) let_go_stashed(entry.second);
@@ -249,7 +249,10 @@ class TrlPolicy {
 
   // The stash lets an original go once its copy is done.
   void retire_stashed(RecordId r) {
-    if (!t_.faults.skip_forward_guard) t_.backend.wait(t_.compute, t_.records[r].d2h_done);
+    // The block returns to its producer's pool (Note [The compute stream is the current one]).
+    if (!t_.faults.skip_forward_guard) {
+      t_.backend.wait(t_.streams_of(r).producer, t_.records[r].d2h_done);
+    }
     let_go_stashed(r);
   }
 
@@ -271,10 +274,13 @@ class TrlPolicy {
                          FailureKind::OutOfMemory);
     }
     t_.backend.copy(t_.reload_stream, rec.host, Bytes(0), *buf, Bytes(0), rec.bytes, "reload");
+    // The stream current at the unpack reads it (Note [The compute stream is the current one]).
+    const auto reader = t_.compute();
+    t_.streams_of(r).readers = {reader};
     if (!t_.faults.skip_reload_wait) {
       Event e = t_.backend.make_event();
       t_.backend.record(e, t_.reload_stream);
-      t_.backend.wait(t_.compute, e);
+      t_.backend.wait(reader, e);
     }
     rec.device = *buf;
     bwd_stash_.emplace(id, r);
@@ -289,16 +295,19 @@ class TrlPolicy {
     auto stash = bwd_stash_.find(hook.id);
     if (stash == bwd_stash_.end()) return;  // the end-of-backward drain let it go already
     const RecordId r = stash->second;
+    // The node read it on the stream current at its unpack, which may not be current now.
+    const auto reader = t_.streams_of(r).readers.front();
     if (t_.backend.use_count(t_.records[r].device) > hook.snapshot) {
       ++t_.telemetry.record_stream_fallbacks;
       if (!t_.faults.skip_record_stream) {
-        t_.backend.record_stream(t_.records[r].device, t_.compute);
+        t_.backend.record_stream(t_.records[r].device, reader);
+        if (!(t_.compute() == reader)) t_.backend.record_stream(t_.records[r].device, t_.compute());
       }
       drop_returned(r);
       bwd_stash_.erase(stash);
     } else {
       Event e = t_.backend.make_event();
-      t_.backend.record(e, t_.compute);
+      t_.backend.record(e, reader);
       bwd_events_[hook.id] = e;
     }
   }

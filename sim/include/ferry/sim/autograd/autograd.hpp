@@ -116,9 +116,6 @@ struct TrainingFaults {
   // Side streams (SideStreamOptions):
   bool skip_side_stream_wait = false;  ///< side or comm work does not wait for the stream before it
   bool skip_cross_stream_record = false;  ///< no record_stream for a tensor used on another stream
-  /// The device's current stream stays the compute stream while side work runs, so the
-  /// offloader orders its copies after the compute stream (the cached stream before TRL #7195).
-  bool stale_current_stream = false;
 };
 
 /// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;
