@@ -372,7 +372,8 @@ TEST(Planner, AFloorUnderAHostBudgetCountsOnlyPlansWithinIt) {
   const Model model = preset("llama3-8b-s4096", device);
   Bytes with_host;
   Bytes without_host;
-  ASSERT_FALSE(make_plan(model, device, PlannerOptions{Bytes(1), std::nullopt, 2}, &with_host).ok());
+  ASSERT_FALSE(
+      make_plan(model, device, PlannerOptions{Bytes(1), std::nullopt, 2}, &with_host).ok());
   ASSERT_FALSE(make_plan(model, device, PlannerOptions{Bytes(1), Bytes(0), 2}, &without_host).ok());
   EXPECT_GT(without_host, with_host);
   auto at_floor = make_plan(model, device, PlannerOptions{without_host, Bytes(0), 2});

@@ -68,7 +68,8 @@ bool reports(const TrainingRun& run, HazardKind kind, Conflict conflict,
 
 void expect_clean(const TrainingRun& run) {
   EXPECT_FALSE(run.failure) << run.failure->message;
-  EXPECT_TRUE(run.sim.hazards().empty()) << run.sim.hazards().size() << " hazards\n" << describe(run);
+  EXPECT_TRUE(run.sim.hazards().empty()) << run.sim.hazards().size() << " hazards\n"
+                                         << describe(run);
   EXPECT_TRUE(run.sim.content_mismatches().empty());
   for (std::size_t s = 0; s < run.allocated_after.size(); ++s) {
     EXPECT_EQ(run.allocated_after[s], run.baseline_allocated) << "step " << s;

@@ -221,9 +221,9 @@ PYBIND11_MODULE(_C, m) {
                        bool skip_exit_sync, bool dedup_across_versions, bool skip_version_check,
                        bool drop_view_bits, bool stale_compute_stream) {
              return ferry::OffloadFaults{
-                 skip_offload_wait,  skip_reload_wait, skip_forward_guard, skip_backward_guard,
-                 skip_record_stream, skip_host_guard,  skip_exit_sync,     dedup_across_versions,
-                 skip_version_check, drop_view_bits,     stale_compute_stream};
+                 skip_offload_wait,  skip_reload_wait, skip_forward_guard,  skip_backward_guard,
+                 skip_record_stream, skip_host_guard,  skip_exit_sync,      dedup_across_versions,
+                 skip_version_check, drop_view_bits,   stale_compute_stream};
            }),
            py::kw_only(), py::arg("skip_offload_wait") = false, py::arg("skip_reload_wait") = false,
            py::arg("skip_forward_guard") = false, py::arg("skip_backward_guard") = false,

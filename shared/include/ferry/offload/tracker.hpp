@@ -34,10 +34,11 @@ struct Unpacked {
 // reader) wait for the reload, and every further reader on another stream waits too; the
 // reloaded block is freed after each reader and after the stream current at the free (an
 // event each, or record_stream on each when a view escaped: a recomputation on a side stream
-// hands the reloaded input to the backward on the stream current when the block is let go). A recomputation packs and unpacks like any other compute, on the stream
-// current then. The planted fault stale_compute_stream uses the stream current when the
-// scheduler was made instead (what TRL did before its PR #7195), which races as soon as work
-// runs on another stream.
+// hands the reloaded input to the backward on the stream current when the block is let go).
+// A recomputation packs and unpacks like any other compute, on the stream current then. The
+// planted fault stale_compute_stream uses the stream current when the scheduler was made
+// instead (what TRL did before its PR #7195), which races as soon as work runs on another
+// stream.
 
 template <Backend B>
 struct Tracker {
