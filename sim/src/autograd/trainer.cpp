@@ -150,9 +150,9 @@ Device::Buffer Trainer::must_allocate(Bytes bytes, const std::string& name) {
 // inputs' unpacks included) and back to the node's stream after. An all-reduce of a finished
 // gradient goes to the comm stream after it waits for the stream that wrote the gradient, and
 // the compute stream waits for the comm stream at the end of backward (DDP's pattern); the
-// host's current stream does not change for it. The planted faults drop one part each: the
-// wait before side or comm work, the record_stream, or the device's current stream (the
-// offloader keeps ordering against the compute stream: the cached stream of TRL before #7195).
+// host's current stream does not change for it. The planted faults (TrainingFaults) drop one
+// part each: the wait before side or comm work, or the record_stream; the cached stream of TRL
+// before #7195 is the core's own planted fault (OffloadFaults::stale_compute_stream).
 
 StreamId Trainer::op_stream(std::uint32_t i, bool replay) const {
   if (!side_.valid()) return compute_;
