@@ -29,6 +29,15 @@ CudaDevice::CudaDevice(std::unique_ptr<Recorder> recorder)
   streams_.push_back(c10::cuda::getCurrentCUDAStream(device_));
 }
 
+std::uint32_t CudaDevice::current_index() {
+  const c10::cuda::CUDAStream live = c10::cuda::getCurrentCUDAStream(device_);
+  for (std::size_t i = 0; i < streams_.size(); ++i) {
+    if (streams_[i] == live) return static_cast<std::uint32_t>(i);
+  }
+  streams_.push_back(live);
+  return new_stream("compute " + std::to_string(live.id()));
+}
+
 DeviceBase::Stream CudaDevice::make_stream(std::string_view name) {
   streams_.push_back(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_));
   return Stream{new_stream(name)};

@@ -1,5 +1,6 @@
 #include "ferry/real/device.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -70,8 +71,9 @@ long DeviceBase::use_count(const BufferHandle& buffer) const {
 BufferHandle DeviceBase::adopt(const at::Tensor& tensor) {
   at::Storage storage = tensor.storage();
   const Bytes bytes(static_cast<std::int64_t>(storage.nbytes()));
-  BufferHandle entry = make_entry(std::move(storage), Place::Device, bytes, 0);
-  if (recorder_) recorder_->produce(0, entry->slot, Bytes(0), bytes);
+  const std::uint32_t stream = current_index();
+  BufferHandle entry = make_entry(std::move(storage), Place::Device, bytes, stream);
+  if (recorder_) recorder_->produce(stream, entry->slot, Bytes(0), bytes);
   return entry;
 }
 
@@ -86,7 +88,7 @@ at::Tensor DeviceBase::view(const BufferHandle& buffer, Bytes offset, at::IntArr
 }
 
 void DeviceBase::consume(const BufferHandle& buffer, Bytes offset, Bytes bytes) {
-  if (recorder_) recorder_->consume(0, buffer->slot, offset, bytes);
+  if (recorder_) recorder_->consume(current_index(), buffer->slot, offset, bytes);
 }
 
 BufferHandle DeviceBase::allocated(at::Storage storage, Place place, Bytes bytes,
@@ -114,6 +116,25 @@ std::uint8_t* DeviceBase::bytes_of(const BufferHandle& buffer) {
 
 LoopbackDevice::LoopbackDevice(std::unique_ptr<Recorder> recorder)
     : DeviceBase(std::move(recorder)) {}
+
+void LoopbackDevice::set_current_stream(std::string_view name) {
+  const std::uint32_t before = current_;
+  const auto known = std::find_if(compute_streams_.begin(), compute_streams_.end(),
+                                  [&](const auto& s) { return s.first == name; });
+  if (known != compute_streams_.end()) {
+    current_ = known->second;
+  } else {
+    current_ = new_stream(name);
+    compute_streams_.emplace_back(std::string(name), current_);
+  }
+  // The work on the new stream follows what was issued before (what a caller of
+  // `torch.cuda.stream(s)` does with `s.wait_stream(torch.cuda.current_stream())`).
+  if (current_ != before && recorder_) {
+    const Event e = make_event();
+    record(e, Stream{before});
+    wait(Stream{current_}, e);
+  }
+}
 
 LoopbackDevice::Event LoopbackDevice::make_event() {
   return Event{recorder_ ? recorder_->add_event() : 0};

@@ -20,6 +20,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -352,6 +353,16 @@ class SessionImpl final : public SessionBase {
     return device_.recorder() != nullptr ? device_.recorder()->json() : std::string();
   }
   [[nodiscard]] const RealOptions& options() const override { return options_; }
+  void set_current_stream(const std::string& name) override {
+    if constexpr (std::is_same_v<Device, LoopbackDevice>) {
+      std::lock_guard lock(mutex_);
+      device_.set_current_stream(name);
+    } else {
+      throw std::invalid_argument(
+          "set_current_stream: only a loopback session has streams of its own; on a GPU the "
+          "current stream is torch's (torch.cuda.stream)");
+    }
+  }
   void enter() override {
     std::lock_guard lock(mutex_);
     core_.enter();

@@ -2,9 +2,11 @@
 a breach of the saved-tensor contract), so that a test can show that `ferry check` or a
 property catches each one. Not for training."""
 
+import contextlib
+
 from . import _C, offload
 
-__all__ = ["FAULTS", "planted_offload"]
+__all__ = ["FAULTS", "planted_offload", "current_stream"]
 
 #: The synchronizations a fault can drop (see ferry/offload/faults.hpp).
 FAULTS = (
@@ -39,3 +41,20 @@ class planted_offload(offload):
 
     def _make_session(self, options):
         return _C.Session(**options, faults=self._faults)
+
+
+@contextlib.contextmanager
+def current_stream(ctx, name):
+    """Within the block, the loopback session of ``ctx`` (a ``ferry.offload`` with
+    ``loopback=True``) has the compute stream ``name`` current, as ``with torch.cuda.stream(s)``
+    has on a GPU: the packs and unpacks made meanwhile order the scheduler's copies after it and
+    the recorded program writes the compute on it (Note [The compute stream is the current
+    one]). The stream before is current again after the block. ``"compute"`` is the first."""
+    previous = getattr(ctx, "_current_stream", "compute")
+    ctx._session.set_current_stream(name)
+    ctx._current_stream = name
+    try:
+        yield
+    finally:
+        ctx._session.set_current_stream(previous)
+        ctx._current_stream = previous

@@ -257,7 +257,9 @@ PYBIND11_MODULE(_C, m) {
       .def("live_host_buffers", &Session::live_host_buffers)
       .def("_exit", &Session::exit, "The offload context was left.")
       .def("program_json", &Session::program_json,
-           "The recorded program (empty unless record=True).");
+           "The recorded program (empty unless record=True).")
+      .def("set_current_stream", &Session::set_current_stream, py::arg("name"),
+           "Loopback sessions: make the compute stream `name` current (\"compute\" first).");
 
   m.def(
       "_push_offload",

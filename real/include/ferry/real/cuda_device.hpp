@@ -20,7 +20,8 @@ class CudaDevice : public DeviceBase {
   };
   using Buffer = BufferHandle;
 
-  /// Drives the current device; its current stream is the compute stream.
+  /// Drives the current device; the compute stream is the CUDA stream current at each call
+  /// (Note [The compute stream is the current one]), each registered on first sight.
   explicit CudaDevice(std::unique_ptr<Recorder> recorder = nullptr);
 
   Stream make_stream(std::string_view name);
@@ -37,6 +38,8 @@ class CudaDevice : public DeviceBase {
   }
 
  private:
+  std::uint32_t current_index() override;
+
   c10::DeviceIndex device_;
   std::vector<c10::cuda::CUDAStream> streams_;
 };

@@ -1,7 +1,9 @@
 #pragma once
 /// Real devices for the scheduler core: the CPU loopback device (CPU tensors play device
 /// tensors, "host" copies go to other CPU buffers, streams run synchronously) and, in
-/// cuda_device.hpp, the CUDA device. Both satisfy ferry::Backend.
+/// cuda_device.hpp, the CUDA device. Both satisfy ferry::Backend. The compute stream is the
+/// stream current now (Note [The compute stream is the current one] in offload/tracker.hpp):
+/// the CUDA device's live current stream, the loopback device's set_current_stream().
 
 #include <ATen/ATen.h>
 
@@ -10,6 +12,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "ferry/backend.hpp"
 #include "ferry/program/recorder.hpp"
@@ -48,7 +52,8 @@ class DeviceBase {
   DeviceBase(const DeviceBase&) = delete;
   DeviceBase& operator=(const DeviceBase&) = delete;
 
-  [[nodiscard]] Stream compute_stream() const { return Stream{0}; }
+  /// The stream current now; the recorder writes compute on it.
+  Stream compute_stream() { return Stream{current_index()}; }
 
   void hold(const BufferHandle& buffer);
   void drop(const BufferHandle& buffer);
@@ -86,6 +91,11 @@ class DeviceBase {
                          Bytes dst_offset, Bytes bytes);
   std::uint32_t new_stream(std::string_view name);
   static std::uint8_t* bytes_of(const BufferHandle& buffer);
+  /// The index of the stream current now (registering it on first sight where the device
+  /// learns of streams made elsewhere).
+  virtual std::uint32_t current_index() { return current_; }
+
+  std::uint32_t current_ = 0;  ///< loopback: set_current_stream()
 
   std::unique_ptr<Recorder> recorder_;
   Bytes host_reserve_;
@@ -108,6 +118,12 @@ class LoopbackDevice : public DeviceBase {
   explicit LoopbackDevice(std::unique_ptr<Recorder> recorder = nullptr);
 
   Stream make_stream(std::string_view name) { return Stream{new_stream(name)}; }
+  /// Makes the compute stream named `name` current (made on first use; "compute" is the one
+  /// current at the start), as `torch.cuda.set_stream` does on a GPU: the compute that follows,
+  /// and the scheduler's packs and unpacks, are on it; the recorded program has the new stream
+  /// wait for the one before, as a caller of `torch.cuda.stream` makes it. A test's way to run
+  /// work on a second stream (CPU compute itself runs on the host thread whatever the stream).
+  void set_current_stream(std::string_view name);
   Event make_event();
   std::optional<Buffer> allocate(Place place, Bytes bytes, Stream stream, std::string_view name);
   void copy(Stream stream, const Buffer& src, Bytes src_offset, const Buffer& dst, Bytes dst_offset,
@@ -119,6 +135,10 @@ class LoopbackDevice : public DeviceBase {
   void synchronize(Stream stream);
   /// Which tensors this device treats as device tensors.
   [[nodiscard]] static bool is_device_tensor(const at::Tensor& t) { return t.is_cpu(); }
+
+ private:
+  /// The compute streams by name, with their indices (copy streams are not among them).
+  std::vector<std::pair<std::string, std::uint32_t>> compute_streams_{{"compute", 0}};
 };
 
 static_assert(Backend<LoopbackDevice>);

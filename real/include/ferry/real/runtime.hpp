@@ -101,6 +101,11 @@ class Session {
   /// The recorded program (empty unless RealOptions::record).
   [[nodiscard]] virtual std::string program_json() const = 0;
   [[nodiscard]] virtual const RealOptions& options() const = 0;
+  /// Loopback sessions: makes the compute stream named `name` current ("compute" is the first;
+  /// others are made on first use), as `with torch.cuda.stream(s)` does on a GPU (Note [The
+  /// compute stream is the current one]). A CUDA session refuses: its current stream is
+  /// torch's.
+  virtual void set_current_stream(const std::string& name) = 0;
   /// The offload context is entered (a step begins) / left (it ends): the policy's own
   /// bookkeeping (today's reference clears stale state on entry and synchronizes on exit).
   virtual void enter() = 0;
