@@ -28,8 +28,8 @@ void check_offload_options(const OffloadOptions& options) {
     throw OffloadError("max_fwd_stash_size should be at least 1");
   }
   if (options.policy == Policy::Ferry && options.min_in_flight < 1) {
-    throw OffloadError(fmt::format("min_in_flight should be at least 1 (got {})",
-                                   options.min_in_flight));
+    throw OffloadError(
+        fmt::format("min_in_flight should be at least 1 (got {})", options.min_in_flight));
   }
 }
 

@@ -257,8 +257,8 @@ SimTime step_lower_bound(const Model& model, const DeviceProfile& device, const 
   const Bytes excess = none.peak_reserved - budget;
   if (excess <= Bytes(0)) return none.step_time;
   // Note [What the link can carry in forward]
-  Wide left = static_cast<Wide>(excess.count()) -
-              carried_in_forward(model, device, none.forward_time);
+  Wide left =
+      static_cast<Wide>(excess.count()) - carried_in_forward(model, device, none.forward_time);
   if (left <= 0) return none.step_time;
   // The rest is recomputed, the ops that free the most bytes per ns first (fractionally), or
   // carried by a forward made longer for the link, at its bandwidth's cost per byte, whichever

@@ -38,9 +38,9 @@ struct OffloadOptions {
   /// ferry: a window or prefetch budget of more than zero bytes always admits this many
   /// tensors, whatever their bytes (Note [Tensors in flight] in ferry_policy.hpp); >= 1.
   std::int32_t min_in_flight = 3;
-  Bytes host_cap{1LL << 40};          ///< ferry: pinned host memory the pool may hold
-  bool dedup = true;                  ///< ferry: one copy per storage for views sharing it
-  bool prefetch = true;               ///< ferry: reload ahead of demand
+  Bytes host_cap{1LL << 40};  ///< ferry: pinned host memory the pool may hold
+  bool dedup = true;          ///< ferry: one copy per storage for views sharing it
+  bool prefetch = true;       ///< ferry: reload ahead of demand
   /// ferry: bytes of saved storages one forward may copy to the host, counted in pack order;
   /// the first pack that would copy past it, and every later pack of that forward, stay on the
   /// device (Note [Offload horizon] in ferry_policy.hpp). Unset: no limit. The simulator
