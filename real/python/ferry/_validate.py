@@ -319,9 +319,7 @@ def simulate(path, policy, checkpoint, steps, cli=None, device=None, horizon="no
     out["step_time_ns"] = result["step_time_ns"]
     out["peak_allocated_bytes"] = result["peak_allocated_bytes"]
     out["peak_reserved_bytes"] = result["peak_reserved_bytes"]
-    # `--horizon none` runs with the largest byte count as its horizon: no limit.
-    limit = result.get("horizon_bytes")
-    out["horizon_bytes"] = None if limit is not None and limit >= (1 << 63) - 1 else limit
+    out["horizon_bytes"] = result.get("horizon_bytes")  # None: no horizon
     out["layers"] = {row["layer"]: {name: row[name] for name in LAYER_COUNTERS}
                      for row in result.get("layers", [])}
     return out

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -45,7 +46,12 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
   r.pinned_peak = sim.pinned_allocator().stats().reserved_peak;
   r.hazards = sim.hazards().size();
   r.telemetry = run.telemetry;
-  if (row.options.offload.policy == Policy::Ferry) r.horizon = row.options.offload.horizon_bytes;
+  // `--horizon none` runs with the largest byte count, which is no horizon: reported as none.
+  const std::optional<Bytes>& horizon = row.options.offload.horizon_bytes;
+  if (row.options.offload.policy == Policy::Ferry && horizon &&
+      horizon->count() < std::numeric_limits<std::int64_t>::max()) {
+    r.horizon = horizon;
+  }
   r.layers = run.layer_decisions;
   return r;
 }
