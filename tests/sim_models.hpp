@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/workload/model.hpp"
 
 namespace ferry::sim::testing {
@@ -44,6 +45,17 @@ inline Model chain_model(int layers, std::int64_t bytes, std::int64_t ns = 100'0
   m.ops.push_back(head);
   m.loss = loss;
   return m;
+}
+
+/// Two training steps under `policy`, with a 2 MiB forward window and a 16 MiB prefetch
+/// budget: small enough that originals leave and reloads come back in the chain models.
+inline TrainingOptions two_steps(Policy policy) {
+  TrainingOptions o;
+  o.offload.policy = policy;
+  o.offload.window_bytes = Bytes(2LL << 20);
+  o.offload.prefetch_bytes = Bytes(16LL << 20);
+  o.steps = 2;
+  return o;
 }
 
 }  // namespace ferry::sim::testing

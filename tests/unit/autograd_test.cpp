@@ -8,14 +8,7 @@
 namespace ferry::sim {
 namespace {
 
-TrainingOptions with(Policy policy) {
-  TrainingOptions o;
-  o.offload.policy = policy;
-  o.offload.window_bytes = Bytes(2LL << 20);
-  o.offload.prefetch_bytes = Bytes(16LL << 20);
-  o.steps = 2;
-  return o;
-}
+TrainingOptions with(Policy policy) { return testing::two_steps(policy); }
 
 void expect_clean(const TrainingRun& run) {
   EXPECT_FALSE(run.failure) << run.failure->message;

@@ -13,14 +13,7 @@
 namespace ferry::sim {
 namespace {
 
-TrainingOptions side_options(Policy policy) {
-  TrainingOptions o;
-  o.offload.policy = policy;
-  o.offload.window_bytes = Bytes(2LL << 20);
-  o.offload.prefetch_bytes = Bytes(16LL << 20);
-  o.steps = 2;
-  return o;
-}
+TrainingOptions side_options(Policy policy) { return testing::two_steps(policy); }
 
 TrainingRun train(const Model& m, const TrainingOptions& o, const TrainingFaults& faults = {}) {
   auto run = simulate_training(m, testing::simple_profile(), o, faults);
