@@ -254,8 +254,8 @@ class FerryPolicy {
   // Offloading -> OnHost: the original goes once its copy is done.
   void release_original(RecordId r) {
     auto& rec = t_.records[r];
-    // The block returns to its producer's pool (Note [The compute stream is the current one]).
-    if (!t_.faults.skip_forward_guard) t_.backend.wait(t_.streams_of(r).producer, rec.d2h_done);
+    // Note [The compute stream is the current one]: every compute stream waits for the copy.
+    if (!t_.faults.skip_forward_guard) t_.guard_original(r, rec.d2h_done);
     t_.backend.drop(rec.device);
     rec.move_to(RecordState::OnHost);
     if (t_.options.dedup) forget_storage(rec.storage, r);

@@ -29,8 +29,10 @@ struct Unpacked {
 // (torch's current_stream()), which a checkpoint's recomputation, FSDP2, a custom autograd
 // Function or a user's `with torch.cuda.stream(s)` change. So the core asks the backend at each
 // step instead of remembering one: a pack orders its copy after the stream current at the pack
-// (the producer); the original is freed once that producer stream (whose pool the block
-// returns to) has waited for the copy; an unpack makes the stream current at the unpack (a
+// (the producer); the original is freed once every compute stream seen so far has waited for
+// the copy (the block returns to the pool of the stream it was allocated on, which the core
+// does not know: a checkpoint's inputs are packed on the stream current when the region
+// starts, not on the one that computed them); an unpack makes the stream current at the unpack (a
 // reader) wait for the reload, and every further reader on another stream waits too; the
 // reloaded block is freed after each reader and after the stream current at the free (an
 // event each, or record_stream on each when a view escaped: a recomputation on a side stream
@@ -68,7 +70,10 @@ struct Tracker {
 
   /// The stream current now (Note [The compute stream is the current one]).
   [[nodiscard]] Stream compute() const {
-    return faults.stale_compute_stream ? first_compute : backend.compute_stream();
+    if (faults.stale_compute_stream) return first_compute;
+    const Stream now = backend.compute_stream();
+    if (std::find(computes.begin(), computes.end(), now) == computes.end()) computes.push_back(now);
+    return now;
   }
 
   /// A Kept record holding a reference to `storage`.
@@ -115,6 +120,16 @@ struct Tracker {
     return record_streams[r.value()];
   }
 
+  /// The original of record `r` may be freed once its copy is done: every compute stream seen
+  /// so far waits for the copy. A storage belongs to the pool of the stream it was allocated
+  /// on, which the core does not know: the stream current at its pack (a checkpoint's inputs
+  /// are packed on the stream current when the region starts) need not be the one it was
+  /// computed on.
+  void guard_original(RecordId /*r*/, Event copied) {
+    if (computes.empty()) computes.push_back(first_compute);
+    for (const Stream& s : computes) backend.wait(s, copied);
+  }
+
   /// Whether `stream` has not read record `r` yet since its reload; notes it as a reader.
   bool new_reader(RecordId r, Stream stream) {
     std::vector<Stream>& readers = streams_of(r).readers;
@@ -141,6 +156,7 @@ struct Tracker {
   const OffloadOptions options;
   const OffloadFaults faults;
   const Stream first_compute;  ///< current when the scheduler was made (the planted fault's)
+  mutable std::vector<Stream> computes;  ///< every stream compute() returned, first seen first
   const Stream offload_stream;
   const Stream reload_stream;
   OffloadTelemetry telemetry;

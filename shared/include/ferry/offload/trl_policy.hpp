@@ -249,9 +249,9 @@ class TrlPolicy {
 
   // The stash lets an original go once its copy is done.
   void retire_stashed(RecordId r) {
-    // The block returns to its producer's pool (Note [The compute stream is the current one]).
+    // Note [The compute stream is the current one]: every compute stream waits for the copy.
     if (!t_.faults.skip_forward_guard) {
-      t_.backend.wait(t_.streams_of(r).producer, t_.records[r].d2h_done);
+      t_.guard_original(r, t_.records[r].d2h_done);
     }
     let_go_stashed(r);
   }
