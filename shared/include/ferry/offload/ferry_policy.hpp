@@ -255,7 +255,7 @@ class FerryPolicy {
   void release_original(RecordId r) {
     auto& rec = t_.records[r];
     // Note [The compute stream is the current one]: every compute stream waits for the copy.
-    if (!t_.faults.skip_forward_guard) t_.guard_original(r, rec.d2h_done);
+    if (!t_.faults.skip_forward_guard) t_.guard_original(rec.d2h_done);
     t_.backend.drop(rec.device);
     rec.move_to(RecordState::OnHost);
     if (t_.options.dedup) forget_storage(rec.storage, r);
@@ -290,7 +290,7 @@ class FerryPolicy {
     rec.h2d_done = t_.backend.make_event();
     t_.backend.record(rec.h2d_done, t_.reload_stream);
     rec.device = *buf;
-    t_.streams_of(r).readers.clear();
+    t_.readers_of(r).clear();
     rec.move_to(RecordState::Reloading);
     rec.host_read = true;
     rec.snapshot = t_.backend.use_count(*buf);
@@ -356,7 +356,7 @@ class FerryPolicy {
     // The stream current at the free reads it too when a view escaped there (a checkpoint's
     // recomputation on a side stream hands the reloaded input to backward on this one).
     t_.new_reader(r, t_.compute());
-    for (const auto& reader : t_.streams_of(r).readers) {
+    for (const auto& reader : t_.readers_of(r)) {
       if (escaped) {
         if (!t_.faults.skip_record_stream) t_.backend.record_stream(rec.device, reader);
       } else {

@@ -106,33 +106,30 @@ struct Tracker {
     ++telemetry.offloaded;
     telemetry.bytes_d2h += bytes;
     const RecordId r = records.add(rec);
-    streams_of(r) = {compute(), {}};
+    readers_of(r).clear();
+    (void)compute();  // the stream current at the pack is among those guard_original waits on
     return r;
   }
 
-  /// The producer (the stream current at the pack) and the readers of record `r`.
-  struct Streams {
-    Stream producer{};
-    std::vector<Stream> readers;
-  };
-  Streams& streams_of(RecordId r) {
-    if (record_streams.size() <= r.value()) record_streams.resize(r.value() + 1);
-    return record_streams[r.value()];
+  /// The streams that read record `r`'s reloaded copy since its last reload.
+  std::vector<Stream>& readers_of(RecordId r) {
+    if (record_readers.size() <= r.value()) record_readers.resize(r.value() + 1);
+    return record_readers[r.value()];
   }
 
-  /// The original of record `r` may be freed once its copy is done: every compute stream seen
-  /// so far waits for the copy. A storage belongs to the pool of the stream it was allocated
+  /// An original may be freed once its copy (`copied`) is done: every compute stream seen so
+  /// far waits for it. A storage belongs to the pool of the stream it was allocated
   /// on, which the core does not know: the stream current at its pack (a checkpoint's inputs
   /// are packed on the stream current when the region starts) need not be the one it was
   /// computed on.
-  void guard_original(RecordId /*r*/, Event copied) {
+  void guard_original(Event copied) {
     if (computes.empty()) computes.push_back(first_compute);
     for (const Stream& s : computes) backend.wait(s, copied);
   }
 
   /// Whether `stream` has not read record `r` yet since its reload; notes it as a reader.
   bool new_reader(RecordId r, Stream stream) {
-    std::vector<Stream>& readers = streams_of(r).readers;
+    std::vector<Stream>& readers = readers_of(r);
     if (std::find(readers.begin(), readers.end(), stream) != readers.end()) return false;
     readers.push_back(stream);
     return true;
@@ -161,7 +158,7 @@ struct Tracker {
   const Stream reload_stream;
   OffloadTelemetry telemetry;
   RecordTable<Buffer, Event> records;
-  std::vector<Streams> record_streams;  ///< by record id
+  std::vector<std::vector<Stream>> record_readers;  ///< by record id
   IdTable ids;
 };
 

@@ -251,7 +251,7 @@ class TrlPolicy {
   void retire_stashed(RecordId r) {
     // Note [The compute stream is the current one]: every compute stream waits for the copy.
     if (!t_.faults.skip_forward_guard) {
-      t_.guard_original(r, t_.records[r].d2h_done);
+      t_.guard_original(t_.records[r].d2h_done);
     }
     let_go_stashed(r);
   }
@@ -276,7 +276,7 @@ class TrlPolicy {
     t_.backend.copy(t_.reload_stream, rec.host, Bytes(0), *buf, Bytes(0), rec.bytes, "reload");
     // The stream current at the unpack reads it (Note [The compute stream is the current one]).
     const auto reader = t_.compute();
-    t_.streams_of(r).readers = {reader};
+    t_.readers_of(r) = {reader};
     if (!t_.faults.skip_reload_wait) {
       Event e = t_.backend.make_event();
       t_.backend.record(e, t_.reload_stream);
@@ -296,7 +296,7 @@ class TrlPolicy {
     if (stash == bwd_stash_.end()) return;  // the end-of-backward drain let it go already
     const RecordId r = stash->second;
     // The node read it on the stream current at its unpack, which may not be current now.
-    const auto reader = t_.streams_of(r).readers.front();
+    const auto reader = t_.readers_of(r).front();
     if (t_.backend.use_count(t_.records[r].device) > hook.snapshot) {
       ++t_.telemetry.record_stream_fallbacks;
       if (!t_.faults.skip_record_stream) {
