@@ -14,7 +14,9 @@
 #endif
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
+#include <stdexcept>
 
 #include "ferry/real/api.hpp"
 #include "gpt.hpp"
@@ -66,6 +68,16 @@ int main(int argc, char** argv) {
 
   ferry::RealOptions options;
   options.loopback = !cuda;
+  // FERRY_LOOPBACK=async[:SEED[:MAX_DELAY_US]] runs the loopback device's streams on worker
+  // threads (docs/real.md).
+  if (const char* streams = std::getenv("FERRY_LOOPBACK"); streams != nullptr && !cuda) {
+    try {
+      options.loopback_streams = ferry::real::parse_loopback_streams(streams, "FERRY_LOOPBACK");
+    } catch (const std::invalid_argument& e) {
+      fmt::print(stderr, "train_gpt: {}\n", e.what());
+      return 2;
+    }
+  }
   options.offload.policy = ferry::parse_policy(policy).value_or(ferry::Policy::Ferry);
   if (window >= 0) options.offload.window_bytes = ferry::Bytes(window);
   options.record = !record.empty();

@@ -24,6 +24,7 @@ BufferHandle DeviceBase::make_entry(at::Storage storage, Place place, Bytes byte
   entry->storage = std::move(storage);
   entry->place = place;
   entry->bytes = bytes;
+  entry->stream = static_cast<std::uint32_t>(std::max<std::int64_t>(stream, 0));
   if (recorder_) {
     entry->slot = recorder_->add_buffer(place, bytes);
     recorder_->alloc(entry->slot, place == Place::Device ? stream : -1);
@@ -59,7 +60,7 @@ void DeviceBase::drop(const BufferHandle& buffer) {
   FERRY_CHECK(buffer && buffer->holds > 0, "drop of a buffer with no references");
   if (--buffer->holds > 0) return;
   --(buffer->place == Place::Device ? live_device_ : live_host_);
-  buffer->storage = at::Storage();
+  free_storage(*buffer);
   if (recorder_) recorder_->free(buffer->slot);
 }
 
@@ -74,6 +75,7 @@ BufferHandle DeviceBase::adopt(const at::Tensor& tensor) {
   const std::uint32_t stream = current_index();
   BufferHandle entry = make_entry(std::move(storage), Place::Device, bytes, stream);
   if (recorder_) recorder_->produce(stream, entry->slot, Bytes(0), bytes);
+  produced(entry);
   return entry;
 }
 
@@ -89,6 +91,7 @@ at::Tensor DeviceBase::view(const BufferHandle& buffer, Bytes offset, at::IntArr
 
 void DeviceBase::consume(const BufferHandle& buffer, Bytes offset, Bytes bytes) {
   if (recorder_) recorder_->consume(current_index(), buffer->slot, offset, bytes);
+  consumed(buffer);
 }
 
 BufferHandle DeviceBase::allocated(at::Storage storage, Place place, Bytes bytes,
@@ -114,8 +117,22 @@ std::uint8_t* DeviceBase::bytes_of(const BufferHandle& buffer) {
 
 // --- loopback ------------------------------------------------------------------------------
 
-LoopbackDevice::LoopbackDevice(std::unique_ptr<Recorder> recorder)
-    : DeviceBase(std::move(recorder)) {}
+LoopbackDevice::LoopbackDevice(std::unique_ptr<Recorder> recorder, const LoopbackStreams& streams)
+    : DeviceBase(std::move(recorder)) {
+  if (streams.async) {
+    async_ = std::make_unique<AsyncStreams>(streams);
+    async_->add_stream(0, /*compute=*/true);
+  }
+}
+
+// The workers finish what was queued before the buffers the scheduler still holds go.
+LoopbackDevice::~LoopbackDevice() = default;
+
+LoopbackDevice::Stream LoopbackDevice::make_stream(std::string_view name) {
+  const Stream s{new_stream(name)};
+  if (async_) async_->add_stream(s.index, /*compute=*/false);
+  return s;
+}
 
 void LoopbackDevice::set_current_stream(std::string_view name) {
   const std::uint32_t before = current_;
@@ -126,31 +143,46 @@ void LoopbackDevice::set_current_stream(std::string_view name) {
   } else {
     current_ = new_stream(name);
     compute_streams_.emplace_back(std::string(name), current_);
+    if (async_) async_->add_stream(current_, /*compute=*/true);
   }
   // The work on the new stream follows what was issued before (what a caller of
   // `torch.cuda.stream(s)` does with `s.wait_stream(torch.cuda.current_stream())`).
-  if (current_ != before && recorder_) {
+  if (current_ != before) {
     const Event e = make_event();
     record(e, Stream{before});
     wait(Stream{current_}, e);
+    if (async_) async_->set_current(current_);
   }
 }
 
 LoopbackDevice::Event LoopbackDevice::make_event() {
-  return Event{recorder_ ? recorder_->add_event() : 0};
+  Event e{recorder_ ? recorder_->add_event() : 0, nullptr};
+  if (async_) e.last = std::make_shared<AsyncStreams::Token>();
+  return e;
+}
+
+AsyncStreams::Block LoopbackDevice::block_of(const BufferHandle& buffer) {
+  return AsyncStreams::Block{buffer->storage.unsafeGetStorageImpl(), bytes_of(buffer),
+                             buffer->storage.nbytes(), buffer};
 }
 
 std::optional<LoopbackDevice::Buffer> LoopbackDevice::allocate(Place place, Bytes bytes,
                                                                Stream stream, std::string_view) {
   if (place != Place::Device && !host_room(bytes)) return std::nullopt;
   at::Tensor t = at::empty({std::max<std::int64_t>(bytes.count(), 0)}, at::kByte);
-  return allocated(t.storage(), place, bytes, stream.index);
+  Buffer buffer = allocated(t.storage(), place, bytes, stream.index);
+  if (async_) AsyncStreams::poison(block_of(buffer));  // what a reader that is too early sees
+  return buffer;
 }
 
 void LoopbackDevice::copy(Stream stream, const Buffer& src, Bytes src_offset, const Buffer& dst,
                           Bytes dst_offset, Bytes bytes, std::string_view) {
   check_copy(src, src_offset, dst, dst_offset, bytes);
-  if (bytes.count() > 0) {
+  if (async_) {
+    async_->copy(stream.index, block_of(src), static_cast<std::size_t>(src_offset.count()),
+                 block_of(dst), static_cast<std::size_t>(dst_offset.count()),
+                 static_cast<std::size_t>(bytes.count()));
+  } else if (bytes.count() > 0) {
     std::memcpy(bytes_of(dst) + dst_offset.count(), bytes_of(src) + src_offset.count(),
                 static_cast<std::size_t>(bytes.count()));
   }
@@ -159,18 +191,54 @@ void LoopbackDevice::copy(Stream stream, const Buffer& src, Bytes src_offset, co
 
 void LoopbackDevice::record(Event event, Stream stream) {
   if (recorder_) recorder_->record(event.index, stream.index);
+  if (async_ && event.last) *event.last = async_->record(stream.index);
 }
 
 void LoopbackDevice::wait(Stream stream, Event event) {
   if (recorder_) recorder_->wait(stream.index, event.index);
+  if (async_ && event.last) async_->wait(stream.index, *event.last);
 }
 
 void LoopbackDevice::synchronize(Stream stream) {
   if (recorder_) recorder_->synchronize(stream.index);
+  if (async_) async_->synchronize(stream.index);
 }
 
 void LoopbackDevice::record_stream(const Buffer& buffer, Stream stream) {
   if (recorder_) recorder_->record_stream(buffer->slot, stream.index);
+  auto& recorded = buffer->recorded;
+  if (std::find(recorded.begin(), recorded.end(), stream.index) == recorded.end()) {
+    recorded.push_back(stream.index);
+  }
+}
+
+void LoopbackDevice::produced(const BufferHandle& buffer) {
+  if (async_) async_->produced(block_of(buffer));
+}
+
+void LoopbackDevice::consumed(const BufferHandle& buffer) {
+  if (async_) async_->consumed(block_of(buffer));
+}
+
+void LoopbackDevice::free_storage(BufferEntry& buffer) {
+  if (!async_) {
+    buffer.storage = at::Storage();
+    return;
+  }
+  // Stream-ordered, as the caching allocator frees: the block is reused once its allocation
+  // stream and every stream recorded for it reach this point.
+  std::vector<std::uint32_t> streams{buffer.stream};
+  for (const std::uint32_t s : buffer.recorded) {
+    if (s != buffer.stream) streams.push_back(s);
+  }
+  AsyncStreams::Block block{buffer.storage.unsafeGetStorageImpl(),
+                            static_cast<std::uint8_t*>(buffer.storage.mutable_data()),
+                            buffer.storage.nbytes(), nullptr};
+  auto held = std::make_shared<at::Storage>(std::move(buffer.storage));
+  buffer.storage = at::Storage();
+  async_->release(block, streams,
+                  AsyncStreams::Release{[held] { return held->use_count() == 1; },
+                                        [held] { *held = at::Storage(); }});
 }
 
 }  // namespace ferry::real

@@ -213,6 +213,18 @@ class OffloadedTensor final : public Packed {
   std::optional<SavedVersion> version_;  // none only with the planted skip_version_check
 };
 
+// The session's device: a loopback device runs its streams as the options say.
+template <class Device>
+Device make_device(const RealOptions& options) {
+  std::unique_ptr<Recorder> recorder =
+      options.record ? std::make_unique<Recorder>(options.profile) : nullptr;
+  if constexpr (std::is_same_v<Device, LoopbackDevice>) {
+    return LoopbackDevice(std::move(recorder), options.loopback_streams);
+  } else {
+    return Device(std::move(recorder));
+  }
+}
+
 // Note [Nodes and backward passes]
 // The core names the backward node that saves a tensor. At pack time that node was the last
 // one created on this thread, so its sequence number is the next one minus one; sequence
@@ -225,7 +237,7 @@ class SessionImpl final : public SessionBase {
  public:
   SessionImpl(const RealOptions& options, const OffloadFaults& faults)
       : options_(options),
-        device_(options.record ? std::make_unique<Recorder>(options.profile) : nullptr),
+        device_(make_device<Device>(options)),
         core_(device_, options.offload, faults),
         faults_(faults) {
     device_.set_host_reserve(options.host_reserve);
@@ -260,8 +272,16 @@ class SessionImpl final : public SessionBase {
     // trl copies the tensor's own bytes (its span); ferry the whole storage.
     facts.bytes = is_trl(options_.offload.policy) ? meta.span : Bytes(t.numel() * item);
     facts.on_device = device_.is_device_tensor(t);
-    facts.is_param = kind == TensorKind::Parameter ||
-                     (kind == TensorKind::Unknown && t.is_leaf() && t.requires_grad()) ||
+    // Note [Views of parameters]
+    // A parameter's view (a linear layer saves `weight.t()`) is the parameter's memory: copying
+    // it out frees nothing, and FSDP2 resizes an unsharded parameter's storage to zero after
+    // forward (gathering it again for backward), so a copy still in flight would read freed
+    // memory. It stays, as the parameter does; TRL checks the tensor's own class and copies
+    // such views.
+    const bool leaf_param = kind == TensorKind::Unknown && t.is_leaf() && t.requires_grad();
+    const bool view_of_leaf_param = kind == TensorKind::Unknown && t.is_view() &&
+                                    t._base().is_leaf() && t._base().requires_grad();
+    facts.is_param = kind == TensorKind::Parameter || leaf_param || view_of_leaf_param ||
                      excluded_.count(t.storage().unsafeGetStorageImpl()) != 0;
     facts.node = node;
     BufferHandle storage = device_.adopt(t);
@@ -353,6 +373,14 @@ class SessionImpl final : public SessionBase {
     return device_.recorder() != nullptr ? device_.recorder()->json() : std::string();
   }
   [[nodiscard]] const RealOptions& options() const override { return options_; }
+  [[nodiscard]] std::int64_t races() const override {
+    std::lock_guard lock(mutex_);
+    if constexpr (std::is_same_v<Device, LoopbackDevice>) {
+      return device_.races();
+    } else {
+      return 0;
+    }
+  }
   void set_current_stream(const std::string& name) override {
     if constexpr (std::is_same_v<Device, LoopbackDevice>) {
       std::lock_guard lock(mutex_);

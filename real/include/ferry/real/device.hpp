@@ -1,6 +1,7 @@
 #pragma once
 /// Real devices for the scheduler core: the CPU loopback device (CPU tensors play device
-/// tensors, "host" copies go to other CPU buffers, streams run synchronously) and, in
+/// tensors, "host" copies go to other CPU buffers; its streams run synchronously, or
+/// asynchronously on worker threads: Note [The asynchronous loopback device]) and, in
 /// cuda_device.hpp, the CUDA device. Both satisfy ferry::Backend. The compute stream is the
 /// stream current now (Note [The compute stream is the current one] in offload/tracker.hpp):
 /// the CUDA device's live current stream, the loopback device's set_current_stream().
@@ -17,6 +18,7 @@
 
 #include "ferry/backend.hpp"
 #include "ferry/program/recorder.hpp"
+#include "ferry/real/loopback_streams.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::real {
@@ -30,6 +32,8 @@ struct BufferEntry {
   Place place = Place::Device;
   Bytes bytes;
   std::uint32_t slot = 0;  ///< recorder slot
+  std::uint32_t stream = 0;  ///< allocated on (adopted: the stream current then)
+  std::vector<std::uint32_t> recorded;  ///< streams named by record_stream
 };
 
 /// A buffer handle: cheap to copy, empty by default.
@@ -94,6 +98,11 @@ class DeviceBase {
   /// The index of the stream current now (registering it on first sight where the device
   /// learns of streams made elsewhere).
   virtual std::uint32_t current_index() { return current_; }
+  /// Compute wrote `buffer` (adopt) / reads it (consume).
+  virtual void produced(const BufferHandle& /*buffer*/) {}
+  virtual void consumed(const BufferHandle& /*buffer*/) {}
+  /// The last reference to `buffer` went: give its storage back.
+  virtual void free_storage(BufferEntry& buffer) { buffer.storage = at::Storage(); }
 
   std::uint32_t current_ = 0;  ///< loopback: set_current_stream()
 
@@ -111,13 +120,21 @@ class DeviceBase {
 class LoopbackDevice : public DeviceBase {
  public:
   struct Event {
-    std::uint32_t index = 0;
+    std::uint32_t index = 0;  ///< the recorder's
+    /// Asynchronous streams: the point of the last record (shared by the event's copies).
+    std::shared_ptr<AsyncStreams::Token> last;
   };
   using Buffer = BufferHandle;
 
-  explicit LoopbackDevice(std::unique_ptr<Recorder> recorder = nullptr);
+  /// `streams` says whether copies run at once on the host or on worker threads (Note [The
+  /// asynchronous loopback device]).
+  explicit LoopbackDevice(std::unique_ptr<Recorder> recorder = nullptr,
+                          const LoopbackStreams& streams = {});
+  ~LoopbackDevice() override;
+  LoopbackDevice(const LoopbackDevice&) = delete;
+  LoopbackDevice& operator=(const LoopbackDevice&) = delete;
 
-  Stream make_stream(std::string_view name) { return Stream{new_stream(name)}; }
+  Stream make_stream(std::string_view name);
   /// Makes the compute stream named `name` current (made on first use; "compute" is the one
   /// current at the start), as `torch.cuda.set_stream` does on a GPU: the compute that follows,
   /// and the scheduler's packs and unpacks, are on it; the recorded program has the new stream
@@ -131,12 +148,19 @@ class LoopbackDevice : public DeviceBase {
   void record(Event event, Stream stream);
   void wait(Stream stream, Event event);
   void record_stream(const Buffer& buffer, Stream stream);
-  /// Loopback copies are synchronous: nothing to wait for (recorded all the same).
   void synchronize(Stream stream);
   /// Which tensors this device treats as device tensors.
   [[nodiscard]] static bool is_device_tensor(const at::Tensor& t) { return t.is_cpu(); }
+  /// Asynchronous streams: the races observed so far (each poisoned a buffer); 0 otherwise.
+  [[nodiscard]] std::int64_t races() const { return async_ ? async_->races() : 0; }
 
  private:
+  void produced(const BufferHandle& buffer) override;
+  void consumed(const BufferHandle& buffer) override;
+  void free_storage(BufferEntry& buffer) override;
+  static AsyncStreams::Block block_of(const BufferHandle& buffer);
+
+  std::unique_ptr<AsyncStreams> async_;  ///< null: synchronous
   /// The compute streams by name, with their indices (copy streams are not among them).
   std::vector<std::pair<std::string, std::uint32_t>> compute_streams_{{"compute", 0}};
 };

@@ -16,15 +16,20 @@
 #include "ferry/ids.hpp"
 #include "ferry/offload/faults.hpp"
 #include "ferry/offload/options.hpp"
+#include "ferry/real/loopback_streams.hpp"
 
 namespace ferry {
 
 /// Options of one offload session on the real backend.
 struct RealOptions {
   OffloadOptions offload;
-  /// Treat CPU tensors as device tensors and "offload" them to other CPU buffers, with
-  /// synchronous streams: the whole integration without a GPU.
+  /// Treat CPU tensors as device tensors and "offload" them to other CPU buffers: the whole
+  /// integration without a GPU.
   bool loopback = false;
+  /// How the loopback device runs its streams: synchronously (the default), or on worker
+  /// threads with seeded delays so that a missing wait shows (Note [The asynchronous loopback
+  /// device] in loopback_streams.hpp). Front ends read it from FERRY_LOOPBACK.
+  real::LoopbackStreams loopback_streams;
   /// Record the session's stream operations in the program format (`ferry check`).
   bool record = false;
   /// The device profile named in the recorded program.
@@ -101,6 +106,9 @@ class Session {
   /// The recorded program (empty unless RealOptions::record).
   [[nodiscard]] virtual std::string program_json() const = 0;
   [[nodiscard]] virtual const RealOptions& options() const = 0;
+  /// Asynchronous loopback sessions: the races the device observed (each poisoned a buffer:
+  /// Note [The asynchronous loopback device]); 0 on other devices.
+  [[nodiscard]] virtual std::int64_t races() const = 0;
   /// Loopback sessions: makes the compute stream named `name` current ("compute" is the first;
   /// others are made on first use), as `with torch.cuda.stream(s)` does on a GPU (Note [The
   /// compute stream is the current one]). A CUDA session refuses: its current stream is

@@ -1,0 +1,405 @@
+#include "ferry/real/loopback_streams.hpp"
+
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+
+#include "ferry/check.hpp"
+
+namespace ferry::real {
+
+namespace {
+
+std::uint64_t parse_number(std::string_view text, std::string_view what, std::string_view where,
+                           std::string_view whole) {
+  std::uint64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size()) {
+    throw std::invalid_argument(std::string(where) + ": " + std::string(what) + " \"" +
+                                std::string(text) + "\" in \"" + std::string(whole) +
+                                "\" is not a non-negative integer (expected sync, async, "
+                                "async:SEED or async:SEED:MAX_DELAY_US)");
+  }
+  return value;
+}
+
+}  // namespace
+
+LoopbackStreams parse_loopback_streams(std::string_view text, std::string_view where) {
+  LoopbackStreams out;
+  if (text.empty() || text == "sync") return out;
+  const std::string_view whole = text;
+  const auto next = [&text]() {
+    const std::size_t colon = text.find(':');
+    const std::string_view part = text.substr(0, colon);
+    text = colon == std::string_view::npos ? std::string_view() : text.substr(colon + 1);
+    return part;
+  };
+  if (next() != "async") {
+    throw std::invalid_argument(std::string(where) + ": \"" + std::string(whole) +
+                                "\" is not a loopback stream mode (expected sync, async, "
+                                "async:SEED or async:SEED:MAX_DELAY_US)");
+  }
+  out.async = true;
+  if (!text.empty() || whole.find(':') != std::string_view::npos) {
+    out.seed = parse_number(next(), "seed", where, whole);
+  }
+  if (!text.empty() || whole.find(':') != whole.rfind(':')) {
+    const std::uint64_t us = parse_number(next(), "delay", where, whole);
+    if (us > 1'000'000) {
+      throw std::invalid_argument(std::string(where) + ": a delay of " + std::to_string(us) +
+                                  " us in \"" + std::string(whole) + "\" is over the 1 s allowed");
+    }
+    out.max_delay = std::chrono::microseconds(us);
+  }
+  if (!text.empty()) {
+    throw std::invalid_argument(std::string(where) + ": \"" + std::string(whole) +
+                                "\" has more than three parts (expected async:SEED:MAX_DELAY_US)");
+  }
+  return out;
+}
+
+std::string to_string(const LoopbackStreams& streams) {
+  if (!streams.async) return "sync";
+  return "async:" + std::to_string(streams.seed) + ":" + std::to_string(streams.max_delay.count());
+}
+
+struct AsyncStreams::TokenState {
+  std::uint32_t stream = 0;
+  bool signalled = false;        ///< a worker reached it (always true on a compute stream)
+  Clock::time_point ready{};     ///< and not before this time
+  std::vector<Token> after;      ///< and not before these (a compute stream's pending waits)
+};
+
+struct AsyncStreams::Op {
+  enum class Kind : std::uint8_t { Copy, Signal, Wait };
+  Kind kind = Kind::Copy;
+  Token token;  ///< Copy: its end; Signal: the point reached; Wait: what to wait for
+  Block src, dst;
+  std::size_t src_offset = 0, dst_offset = 0, bytes = 0;
+  std::chrono::microseconds delay{0};
+  std::vector<Token> before;  ///< the accesses to its buffers it must come after
+  bool poison = false;        ///< a reader saw it unfinished: it writes poison
+};
+
+struct AsyncStreams::Worker {
+  std::uint32_t id = 0;
+  std::deque<std::shared_ptr<Op>> queue;
+  std::thread thread;
+};
+
+struct AsyncStreams::BlockState {
+  Token last_write;
+  std::shared_ptr<Op> writer;  ///< the copy that writes it last, until it ran
+  std::vector<Token> readers;  ///< reads since the last write
+  int in_flight = 0;           ///< queued copies that use it
+};
+
+struct AsyncStreams::Grave {
+  Block block;
+  std::vector<Token> points;  ///< the streams' points of the free
+  Release release;
+  bool poisoned = false;  ///< the points were reached (and the block poisoned if nobody else holds it)
+};
+
+AsyncStreams::AsyncStreams(const LoopbackStreams& config)
+    : config_(config), rng_(config.seed), poisoner_([this] { run_poisoner(); }) {}
+
+AsyncStreams::~AsyncStreams() {
+  {
+    std::unique_lock lock(mutex_);
+    stopping_ = true;
+    changed_.notify_all();
+  }
+  for (auto& worker : workers_) {
+    if (worker && worker->thread.joinable()) worker->thread.join();
+  }
+  if (poisoner_.joinable()) poisoner_.join();
+  std::unique_lock lock(mutex_);
+  for (Grave& grave : graves_) grave.release.let_go();
+}
+
+void AsyncStreams::add_stream(std::uint32_t id, bool compute) {
+  std::unique_lock lock(mutex_);
+  FERRY_CHECK(id == compute_.size(), "loopback streams are added in order (got {}, expected {})",
+              id, compute_.size());
+  compute_.push_back(compute);
+  pending_.emplace_back();
+  finish_.push_back(Clock::now());
+  workers_.push_back(nullptr);
+  if (!compute) {
+    workers_.back() = std::make_unique<Worker>();
+    Worker& worker = *workers_.back();
+    worker.id = id;
+    worker.thread = std::thread([this, &worker] { run_worker(worker); });
+  }
+}
+
+std::chrono::microseconds AsyncStreams::draw() {
+  if (config_.max_delay.count() <= 0) return std::chrono::microseconds(0);
+  std::uniform_int_distribution<std::int64_t> delay(0, config_.max_delay.count());
+  return std::chrono::microseconds(delay(rng_));
+}
+
+bool AsyncStreams::done(const Token& token, Clock::time_point now) const {
+  if (!token) return true;
+  if (!token->signalled || now < token->ready) return false;
+  for (const Token& t : token->after) {
+    if (!done(t, now)) return false;
+  }
+  token->after.clear();  // done for good
+  return true;
+}
+
+void AsyncStreams::block_until(std::unique_lock<std::mutex>& lock, const Token& token) {
+  while (!done(token, Clock::now())) {
+    // A compute stream's point is reached with time alone: poll as well as listen.
+    changed_.wait_for(lock, std::chrono::microseconds(200));
+  }
+}
+
+AsyncStreams::Token AsyncStreams::compute_point(std::uint32_t id) {
+  finish_[id] = std::max(finish_[id], Clock::now() + draw());
+  auto token = std::make_shared<TokenState>();
+  token->stream = id;
+  token->signalled = true;
+  token->ready = finish_[id];
+  token->after = pending_[id];
+  return token;
+}
+
+void AsyncStreams::set_current(std::uint32_t id) {
+  std::unique_lock lock(mutex_);
+  collect(lock);
+  for (const Token& t : pending_[id]) block_until(lock, t);
+  pending_[id].clear();
+  current_ = id;
+}
+
+AsyncStreams::Token AsyncStreams::record(std::uint32_t id) {
+  std::unique_lock lock(mutex_);
+  collect(lock);
+  if (compute_[id]) return compute_point(id);
+  auto op = std::make_shared<Op>();
+  op->kind = Op::Kind::Signal;
+  op->token = std::make_shared<TokenState>();
+  op->token->stream = id;
+  workers_[id]->queue.push_back(op);
+  changed_.notify_all();
+  return op->token;
+}
+
+void AsyncStreams::wait(std::uint32_t id, const Token& token) {
+  if (!token) return;
+  std::unique_lock lock(mutex_);
+  if (compute_[id]) {
+    if (id == current_) {
+      block_until(lock, token);
+    } else {
+      pending_[id].push_back(token);
+    }
+    return;
+  }
+  auto op = std::make_shared<Op>();
+  op->kind = Op::Kind::Wait;
+  op->token = token;
+  workers_[id]->queue.push_back(op);
+  changed_.notify_all();
+}
+
+void AsyncStreams::synchronize(std::uint32_t id) {
+  const Token point = record(id);
+  std::unique_lock lock(mutex_);
+  block_until(lock, point);
+}
+
+AsyncStreams::BlockState& AsyncStreams::state_of(const void* key) { return blocks_[key]; }
+
+void AsyncStreams::copy(std::uint32_t id, Block src, std::size_t src_offset, Block dst,
+                        std::size_t dst_offset, std::size_t bytes) {
+  std::unique_lock lock(mutex_);
+  collect(lock);
+  auto op = std::make_shared<Op>();
+  op->token = std::make_shared<TokenState>();
+  op->token->stream = id;
+  op->src = src;
+  op->dst = dst;
+  op->src_offset = src_offset;
+  op->dst_offset = dst_offset;
+  op->bytes = bytes;
+  BlockState& s = state_of(src.key);
+  BlockState& d = state_of(dst.key);
+  // What the copy must come after: the last write of each buffer and the reads of the one it
+  // writes. Only those of other streams can race: a stream runs its own work in order.
+  for (const Token* t : {&s.last_write, &d.last_write}) {
+    if (*t && (*t)->stream != id) op->before.push_back(*t);
+  }
+  for (const Token& t : d.readers) {
+    if (t->stream != id) op->before.push_back(t);
+  }
+  const Clock::time_point now = Clock::now();
+  std::erase_if(s.readers, [&](const Token& t) { return done(t, now); });
+  d.readers.clear();
+  if (compute_[id]) {
+    // The host is the compute stream: the copy runs now, after what the stream waits for.
+    for (const Token& t : pending_[id]) block_until(lock, t);
+    pending_[id].clear();
+    ++s.in_flight;
+    ++d.in_flight;
+    execute_copy(*op, lock);
+    Token end = compute_point(id);
+    s.readers.push_back(end);
+    d.last_write = end;
+    d.writer = nullptr;
+    return;
+  }
+  op->delay = draw();
+  ++s.in_flight;
+  ++d.in_flight;
+  s.readers.push_back(op->token);
+  d.last_write = op->token;
+  d.writer = op;
+  workers_[id]->queue.push_back(op);
+  changed_.notify_all();
+}
+
+void AsyncStreams::execute_copy(Op& op, std::unique_lock<std::mutex>& lock) {
+  const Clock::time_point now = Clock::now();
+  const bool race = std::any_of(op.before.begin(), op.before.end(),
+                                [&](const Token& t) { return !done(t, now); });
+  if (race) ++races_;
+  const Block& src = op.src;
+  const Block& dst = op.dst;
+  const bool poisoned = race || op.poison;
+  lock.unlock();
+  if (poisoned) {
+    std::memset(dst.data + op.dst_offset, 0xFF, op.bytes);
+  } else if (op.bytes > 0) {
+    std::memcpy(dst.data + op.dst_offset, src.data + op.src_offset, op.bytes);
+  }
+  lock.lock();
+  // A reader that saw this copy unfinished while it ran: what it wrote is poison too.
+  if (op.poison && !poisoned) std::memset(dst.data + op.dst_offset, 0xFF, op.bytes);
+  op.token->signalled = true;
+  op.before.clear();
+  op.src.owner = nullptr;
+  op.dst.owner = nullptr;
+  --blocks_[src.key].in_flight;
+  --blocks_[dst.key].in_flight;
+  BlockState& d = blocks_[dst.key];
+  if (d.writer.get() == &op) d.writer = nullptr;
+  changed_.notify_all();
+}
+
+void AsyncStreams::run_worker(Worker& worker) {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    changed_.wait(lock, [&] { return stopping_ || !worker.queue.empty(); });
+    if (worker.queue.empty()) return;  // stopping, and nothing left to run
+    const std::shared_ptr<Op> op = worker.queue.front();
+    switch (op->kind) {
+      case Op::Kind::Signal:
+        op->token->signalled = true;
+        changed_.notify_all();
+        break;
+      case Op::Kind::Wait:
+        block_until(lock, op->token);
+        break;
+      case Op::Kind::Copy:
+        if (op->delay.count() > 0) {
+          lock.unlock();
+          std::this_thread::sleep_for(op->delay);
+          lock.lock();
+        }
+        execute_copy(*op, lock);
+        break;
+    }
+    worker.queue.pop_front();
+  }
+}
+
+void AsyncStreams::produced(Block block) {
+  std::unique_lock lock(mutex_);
+  collect(lock);
+  BlockState& s = state_of(block.key);
+  s.last_write = compute_point(current_);
+  s.writer = nullptr;
+  s.readers.clear();
+}
+
+void AsyncStreams::consumed(Block block) {
+  std::unique_lock lock(mutex_);
+  BlockState& s = state_of(block.key);
+  if (s.last_write && s.last_write->stream != current_ && !done(s.last_write, Clock::now())) {
+    // Compute reads bytes still being written: what it sees, and what the writer leaves, is
+    // poison.
+    ++races_;
+    poison(block);
+    if (s.writer) s.writer->poison = true;
+  }
+  const Clock::time_point now = Clock::now();
+  std::erase_if(s.readers, [&](const Token& t) { return done(t, now); });
+  s.readers.push_back(compute_point(current_));
+}
+
+void AsyncStreams::poison(Block block) {
+  if (block.bytes > 0) std::memset(block.data, 0xFF, block.bytes);
+}
+
+void AsyncStreams::release(Block block, const std::vector<std::uint32_t>& streams,
+                           Release release) {
+  std::vector<Token> points;
+  points.reserve(streams.size());
+  for (const std::uint32_t s : streams) points.push_back(record(s));
+  std::unique_lock lock(mutex_);
+  graves_.push_back(Grave{block, std::move(points), std::move(release), false});
+  changed_.notify_all();
+}
+
+void AsyncStreams::run_poisoner() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    bool waiting = false;
+    const Clock::time_point now = Clock::now();
+    for (Grave& grave : graves_) {
+      if (grave.poisoned) continue;
+      if (!std::all_of(grave.points.begin(), grave.points.end(),
+                       [&](const Token& t) { return done(t, now); })) {
+        waiting = true;
+        continue;
+      }
+      // The block goes back to its pool: what the allocator's next user writes is poison.
+      if (grave.release.sole_holder()) poison(grave.block);
+      grave.poisoned = true;
+      grave.points.clear();
+    }
+    if (stopping_ && !waiting) return;
+    if (waiting) {
+      changed_.wait_for(lock, std::chrono::microseconds(200));
+    } else {
+      changed_.wait(lock);
+    }
+  }
+}
+
+void AsyncStreams::collect(std::unique_lock<std::mutex>& /*lock*/) {
+  std::erase_if(graves_, [&](Grave& grave) {
+    if (!grave.poisoned) return false;
+    auto it = blocks_.find(grave.block.key);
+    if (it != blocks_.end()) {
+      if (it->second.in_flight > 0) return false;
+      blocks_.erase(it);
+    }
+    grave.release.let_go();
+    return true;
+  });
+}
+
+std::int64_t AsyncStreams::races() const {
+  std::unique_lock lock(mutex_);
+  return races_;
+}
+
+}  // namespace ferry::real
