@@ -17,6 +17,7 @@ too).
 
 import functools
 import importlib.metadata as _metadata
+import os
 import threading
 import warnings
 
@@ -214,6 +215,9 @@ class offload(_Region):
     from the link; Note [Offload horizon]). Pinning is refused when it would leave less than ``host_reserve_bytes`` (1 GiB)
     of the host's available memory: ferry then keeps the tensor on the device (counted in
     ``host_fallbacks``), trl raises. ``loopback=True`` treats CPU tensors as device tensors (no GPU needed);
+    its streams run synchronously, or with ``FERRY_LOOPBACK=async[:SEED[:MAX_DELAY_US]]`` in the
+    environment on worker threads with seeded delays, where a missing wait shows as NaN
+    gradients (docs/real.md, "The asynchronous loopback device");
     ``record=True`` records the stream program for ``ferry check`` (see ``write_program``).
     The reference offloader's names are accepted too: ``min_offload_size`` (``min_bytes``),
     ``use_streams`` (False: copies on the compute stream, in order with the kernels) and
@@ -297,6 +301,10 @@ class offload(_Region):
             dedup=dedup,
             prefetch=prefetch,
             loopback=loopback,
+            # How the loopback device runs its streams: "sync" (default) or "async[:SEED[:US]]",
+            # copies on worker threads with seeded delays (Note [The asynchronous loopback
+            # device]).
+            loopback_streams=os.environ.get("FERRY_LOOPBACK", "sync") if loopback else "sync",
             record=record,
         )
         for name, value in (

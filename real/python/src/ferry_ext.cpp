@@ -143,6 +143,7 @@ std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t mi
                                       bool record, const std::string& profile,
                                       std::int64_t host_reserve_bytes,
                                       std::optional<std::int64_t> horizon_bytes,
+                                      const std::string& loopback_streams,
                                       const ferry::OffloadFaults& faults) {
   ferry::RealOptions options;
   options.offload.policy = parse_policy(policy);
@@ -155,6 +156,8 @@ std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t mi
   options.offload.prefetch = prefetch;
   options.offload.use_streams = use_streams;
   options.loopback = loopback;
+  options.loopback_streams =
+      ferry::real::parse_loopback_streams(loopback_streams, "ferry: loopback_streams (FERRY_LOOPBACK)");
   options.record = record;
   options.profile = profile;
   options.host_reserve = ferry::Bytes(host_reserve_bytes);
@@ -202,10 +205,14 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_pack",
       [parameter](const py::handle& tensor) {
-        // Python knows a parameter (frozen or not) when it sees one; any other tensor is an
-        // activation, a leaf input that requires grad included, as the reference treats it.
-        const auto kind = py::isinstance(tensor, parameter) ? ferry::real::TensorKind::Parameter
-                                                            : ferry::real::TensorKind::Activation;
+        // Python knows a parameter (frozen or not) when it sees one, and a view of one (a
+        // linear layer saves `weight.t()`); any other tensor is an activation, a leaf input that
+        // requires grad included, as the reference treats it. See Note [Views of parameters].
+        const py::object base = tensor.attr("_base");
+        const bool param =
+            py::isinstance(tensor, parameter) || (!base.is_none() && py::isinstance(base, parameter));
+        const auto kind =
+            param ? ferry::real::TensorKind::Parameter : ferry::real::TensorKind::Activation;
         return ferry::real::pack_saved(tensor.cast<at::Tensor>(), kind);
       },
       py::arg("tensor"), "The pack hook: what the innermost region does with a saved tensor.");
@@ -219,18 +226,18 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](bool skip_offload_wait, bool skip_reload_wait, bool skip_forward_guard,
                        bool skip_backward_guard, bool skip_record_stream, bool skip_host_guard,
                        bool skip_exit_sync, bool dedup_across_versions, bool skip_version_check,
-                       bool drop_view_bits, bool stale_compute_stream) {
+                       bool drop_view_bits, bool stale_compute_stream, bool reuse_pinned_early) {
              return ferry::OffloadFaults{
-                 skip_offload_wait,  skip_reload_wait, skip_forward_guard,  skip_backward_guard,
-                 skip_record_stream, skip_host_guard,  skip_exit_sync,      dedup_across_versions,
-                 skip_version_check, drop_view_bits,   stale_compute_stream};
+                 skip_offload_wait,  skip_reload_wait, skip_forward_guard,   skip_backward_guard,
+                 skip_record_stream, skip_host_guard,  skip_exit_sync,       dedup_across_versions,
+                 skip_version_check, drop_view_bits,   stale_compute_stream, reuse_pinned_early};
            }),
            py::kw_only(), py::arg("skip_offload_wait") = false, py::arg("skip_reload_wait") = false,
            py::arg("skip_forward_guard") = false, py::arg("skip_backward_guard") = false,
            py::arg("skip_record_stream") = false, py::arg("skip_host_guard") = false,
            py::arg("skip_exit_sync") = false, py::arg("dedup_across_versions") = false,
            py::arg("skip_version_check") = false, py::arg("drop_view_bits") = false,
-           py::arg("stale_compute_stream") = false);
+           py::arg("stale_compute_stream") = false, py::arg("reuse_pinned_early") = false);
 
   const ferry::RealOptions defaults;
   const ferry::OffloadOptions& d = defaults.offload;
@@ -246,6 +253,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("profile") = defaults.profile,
            py::arg("host_reserve_bytes") = defaults.host_reserve.count(),
            py::arg("horizon_bytes") = std::optional<std::int64_t>{},
+           py::arg("loopback_streams") = std::string("sync"),
            py::arg("faults") = ferry::OffloadFaults{})
       .def("exclude", &Session::exclude, py::arg("tensor"),
            "Never offload this tensor's storage (parameters, module buffers).")
@@ -258,6 +266,9 @@ PYBIND11_MODULE(_C, m) {
       .def("_exit", &Session::exit, "The offload context was left.")
       .def("program_json", &Session::program_json,
            "The recorded program (empty unless record=True).")
+      .def("races", &Session::races,
+           "Asynchronous loopback sessions: the races the device observed (each poisoned a "
+           "buffer); 0 otherwise.")
       .def("set_current_stream", &Session::set_current_stream, py::arg("name"),
            "Loopback sessions: make the compute stream `name` current (\"compute\" first).");
 

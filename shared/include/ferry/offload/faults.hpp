@@ -21,6 +21,9 @@ struct OffloadFaults {
   /// each pack and unpack (TRL before its PR #7195; Note [The compute stream is the current
   /// one] in tracker.hpp).
   bool stale_compute_stream = false;
+  /// ferry: the host pool hands a pinned buffer to the next copy-out without waiting for the
+  /// reload that last read it (skip_host_guard drops this wait and the reload's own).
+  bool reuse_pinned_early = false;
 };
 
 }  // namespace ferry

@@ -208,7 +208,7 @@ class FerryPolicy {
       retire_oldest();
     }
     if (!t_.faults.skip_offload_wait) t_.wait_for_compute(t_.offload_stream);
-    if (slot->read && !t_.faults.skip_host_guard) {
+    if (slot->read && !t_.faults.skip_host_guard && !t_.faults.reuse_pinned_early) {
       t_.backend.wait(t_.offload_stream, slot->last_read);
     }
     const RecordId r = t_.start_offload(storage, Bytes(0), slot->buffer, size, facts.storage);
