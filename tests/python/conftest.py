@@ -4,6 +4,11 @@ Nothing is skipped silently: the only skips are the `gpu` tests on a machine wit
 the CPU-only misuse test on a machine with it, each with its reason (pytest.ini shows them).
 A missing `ferry` module is an error, never a skip: install it first with
 `.venv/bin/pip install --no-build-isolation ./real/python`.
+
+Loopback sessions run their streams asynchronously (FERRY_LOOPBACK, default here "async:1";
+Note [The asynchronous loopback device]): copies on worker threads with seeded delays, so that
+a missing wait gives wrong gradients. CI runs the real-backend suites with several seeds. Every
+loopback session a test makes without planted faults must end with no race observed.
 """
 
 import os
@@ -14,6 +19,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+os.environ.setdefault("FERRY_LOOPBACK", "async:1")
 
 import ferry  # noqa: E402  (an ImportError here fails the whole run, as it should)
 import ferry.__main__ as entry  # noqa: E402
@@ -45,6 +52,24 @@ def _deterministic():
     with pytest.raises(RuntimeError, match="regions must nest"):
         ferry._C._pop("offload")
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.fixture(autouse=True)
+def _no_races(monkeypatch):
+    """Every session made through ferry.offload (planted faults aside) ends the test with no
+    race seen by the asynchronous loopback device."""
+    sessions = []
+    make = ferry.offload._make_session
+
+    def recording(options):
+        session = make(options)
+        sessions.append(session)
+        return session
+
+    monkeypatch.setattr(ferry.offload, "_make_session", staticmethod(recording))
+    yield
+    races = sum(s.races() for s in sessions)
+    assert races == 0, f"the asynchronous loopback device saw {races} race(s)"
 
 
 @pytest.fixture

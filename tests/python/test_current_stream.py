@@ -3,9 +3,9 @@ stream current for half of the layers, in forward and, as PyTorch's engine runs 
 on the stream of its forward op, in their backward, the recorded program orders each copy to
 the host after the stream that produced its tensor and each use of a reload after its copy
 back, and `ferry check` finds it hazard-free; with the stream fixed when the session was made
-(the planted `stale_compute_stream`, TRL before its PR #7195) it reports the race. Gradients
-equal plain PyTorch's either way on the CPU (the loopback device copies synchronously): only
-the program shows the ordering."""
+(the planted `stale_compute_stream`, TRL before its PR #7195) it reports the race, and on the
+asynchronous loopback device (Note [The asynchronous loopback device]) the race gives wrong
+gradients for one of a few seeds, where the right stream gives plain PyTorch's for each."""
 
 import json
 import subprocess
@@ -33,6 +33,7 @@ def run(tmp_path, policy, faults=()):
     """One recorded step, layers 1 and 3 on "side", the others on "compute", in forward and in
     backward. Returns the program's path, the model and its input."""
     model = make_model()
+    torch.manual_seed(0)
     options = dict(policy=policy, loopback=True, record=True, min_bytes=0, window_bytes=0,
                    max_fwd_stash_size=1)
     ctx = planted_offload(faults=faults, **options) if faults else ferry.offload(**options)
@@ -84,3 +85,22 @@ def test_planted_stale_compute_stream_is_a_race(tmp_path, policy):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "race" in result.stdout, result.stdout
 
+
+
+@pytest.mark.parametrize("policy", ["ferry", "trl"])
+def test_on_the_asynchronous_device_the_stale_stream_gives_wrong_gradients(tmp_path, policy,
+                                                                           monkeypatch):
+    """The race the checker reports, met: seeds until one shows it (at most ten), each seed's
+    run with the live stream right."""
+    ref = make_model()
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, requires_grad=True)
+    ref(x).square().sum().backward()
+    for seed in range(1, 11):
+        monkeypatch.setenv("FERRY_LOOPBACK", f"async:{seed}:2000")
+        _, model, _ = run(tmp_path, policy)
+        assert_same_grads(ref, model)
+        _, model, _ = run(tmp_path, policy, faults=["stale_compute_stream"])
+        if not all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters())):
+            return
+    pytest.fail("the stale compute stream gave right gradients with ten seeds")

@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <cstdlib>
+#include <ostream>
 #include <functional>
 #include <optional>
 #include <string>
@@ -19,9 +22,17 @@ using ferry::testing::expect_bitwise_equal;
 using ferry::testing::grads_of;
 using ferry::testing::Tensors;
 
+// The loopback device's streams: FERRY_LOOPBACK (sync, async, async:SEED[:MAX_DELAY_US]),
+// as ctest sets it for each run of this suite.
+ferry::real::LoopbackStreams loopback_streams() {
+  const char* text = std::getenv("FERRY_LOOPBACK");
+  return ferry::real::parse_loopback_streams(text == nullptr ? "" : text, "FERRY_LOOPBACK");
+}
+
 ferry::RealOptions loopback(ferry::Policy policy, std::int64_t min_bytes = 0) {
   ferry::RealOptions o;
   o.loopback = true;
+  o.loopback_streams = loopback_streams();
   o.offload.policy = policy;
   o.offload.min_bytes = ferry::Bytes(min_bytes);
   // No original stays on the device for backward: every offloaded tensor comes back through
@@ -52,6 +63,7 @@ class Real : public ::testing::TestWithParam<ferry::Policy> {
     EXPECT_GT(offload.telemetry().packed, 0);
     EXPECT_EQ(offload.tracked(), 0U);
     EXPECT_EQ(offload.live_device_buffers(), 0);
+    EXPECT_EQ(offload.session()->races(), 0) << "the asynchronous device saw a race";
     telemetry_ = offload.telemetry();
     if (offload.session()->options().offload.policy != ferry::Policy::None) {
       EXPECT_GT(telemetry_.bytes_h2d.count(), 0) << "nothing came back from host memory";
@@ -347,6 +359,135 @@ TEST_F(RealFerry, NegativeSizesAreRejectedByName) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("window_bytes must not be negative"), std::string::npos)
         << e.what();
+  }
+}
+
+// Note [The asynchronous loopback device]: with a synchronization dropped, copies that run
+// late on worker threads make a training step's gradients wrong (poison is NaN), where the
+// same step without the fault gives torch's gradients. A race shows with some probability per
+// copy, not with certainty (the threads' interleaving is the system's), so each fault gets up
+// to ten seeds and must show in one of them; the run without it must be right for each.
+struct PlantedOrdering {
+  const char* name;
+  ferry::Policy policy;
+  ferry::OffloadFaults faults;
+  bool side_stream = false;        // forward and backward on a second compute stream
+  bool frozen_first_step = false;  // the first step leaves a branch's reloads unread
+};
+
+void PrintTo(const PlantedOrdering& p, std::ostream* os) { *os << p.name; }
+
+class AsyncLoopback : public ::testing::TestWithParam<PlantedOrdering> {
+ protected:
+  void SetUp() override { ferry::install(); }
+};
+
+// One MLP step on the asynchronous device; true when every gradient is torch's.
+bool step_is_right(const PlantedOrdering& p, std::uint64_t seed, bool planted) {
+  torch::manual_seed(0);
+  const auto mlp = [] {
+    return torch::nn::Sequential(torch::nn::Linear(64, 256), torch::nn::GELU(),
+                                 torch::nn::Linear(256, 256), torch::nn::Tanh(),
+                                 torch::nn::Linear(256, 8));
+  };
+  // Two branches; the first step of a frozen-branch run asks for the gradients of `trained`
+  // only, so the tensors `frozen` saved are prefetched but never unpacked, and their host
+  // buffers go back to the pool while the reloads may still read them (the next forward packs
+  // `frozen` first and takes those buffers again).
+  torch::nn::Sequential frozen = mlp();
+  torch::nn::Sequential trained = mlp();
+  const Tensors all = [&] {
+    Tensors out = trained->parameters();
+    for (const auto& t : frozen->parameters()) out.push_back(t);
+    return out;
+  }();
+  const auto x = torch::randn({64, 64});
+  const auto loss = [&] {
+    return trained->forward(x).pow(2).mean() + frozen->forward(x).pow(2).mean();
+  };
+  const auto grads = [&](bool only_trained, const std::function<torch::Tensor()>& loss_fn) {
+    if (!only_trained) return grads_of(all, loss_fn);
+    return Tensors(torch::autograd::grad({loss_fn()}, trained->parameters()));
+  };
+  ferry::RealOptions o = loopback(p.policy);
+  o.loopback_streams = {.async = true, .seed = seed, .max_delay = std::chrono::microseconds(2000)};
+  o.offload.window_bytes = ferry::Bytes(1);  // every original leaves after a few copies
+  // Prefetch all of a frozen branch: each of its tensors is reloaded and left unread.
+  o.offload.prefetch_bytes = ferry::Bytes(p.frozen_first_step ? 1 << 20 : 1);
+  ferry::Offload offload(o, planted ? p.faults : ferry::OffloadFaults{});
+  offload.exclude(all);
+  // torch's gradients first: the steps under ferry follow each other with nothing between.
+  std::vector<Tensors> want;
+  for (int step = 0; step < 2; ++step) want.push_back(grads(p.frozen_first_step && step == 0, loss));
+  bool right = true;
+  for (int step = 0; step < 2; ++step) {
+    if (p.side_stream) offload.session()->set_current_stream("side");
+    const Tensors got = grads(p.frozen_first_step && step == 0, [&] {
+      ferry::OffloadGuard guard(offload);
+      return loss();
+    });
+    if (p.side_stream) offload.session()->set_current_stream("compute");
+    for (std::size_t i = 0; i < got.size(); ++i) right = right && torch::equal(want[step][i], got[i]);
+  }
+  return right;
+}
+
+TEST_P(AsyncLoopback, APlantedOrderingFaultGivesWrongGradients) {
+  const PlantedOrdering& p = GetParam();
+  bool noticed = false;
+  for (std::uint64_t seed = 1; seed <= 10 && !noticed; ++seed) {
+    ASSERT_TRUE(step_is_right(p, seed, /*planted=*/false)) << "seed " << seed << " without fault";
+    noticed = !step_is_right(p, seed, /*planted=*/true);
+  }
+  EXPECT_TRUE(noticed) << p.name << " went unnoticed with ten seeds";
+}
+
+ferry::OffloadFaults fault(bool ferry::OffloadFaults::*which) {
+  ferry::OffloadFaults f;
+  f.*which = true;
+  return f;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Faults, AsyncLoopback,
+    ::testing::Values(
+        PlantedOrdering{"ferry_skip_reload_wait", ferry::Policy::Ferry,
+                        fault(&ferry::OffloadFaults::skip_reload_wait), false},
+        PlantedOrdering{"trl_skip_reload_wait", ferry::Policy::Trl,
+                        fault(&ferry::OffloadFaults::skip_reload_wait), false},
+        PlantedOrdering{"ferry_skip_offload_wait", ferry::Policy::Ferry,
+                        fault(&ferry::OffloadFaults::skip_offload_wait), false},
+        PlantedOrdering{"trl_skip_offload_wait", ferry::Policy::Trl,
+                        fault(&ferry::OffloadFaults::skip_offload_wait), false},
+        PlantedOrdering{"ferry_skip_forward_guard", ferry::Policy::Ferry,
+                        fault(&ferry::OffloadFaults::skip_forward_guard), false},
+        PlantedOrdering{"trl_skip_forward_guard", ferry::Policy::Trl,
+                        fault(&ferry::OffloadFaults::skip_forward_guard), false},
+        PlantedOrdering{"ferry_reuse_pinned_early", ferry::Policy::Ferry,
+                        fault(&ferry::OffloadFaults::reuse_pinned_early), false, true},
+        PlantedOrdering{"ferry_stale_compute_stream", ferry::Policy::Ferry,
+                        fault(&ferry::OffloadFaults::stale_compute_stream), true},
+        PlantedOrdering{"trl_stale_compute_stream", ferry::Policy::Trl,
+                        fault(&ferry::OffloadFaults::stale_compute_stream), true}),
+    [](const auto& test) { return std::string(test.param.name); });
+
+TEST(LoopbackStreamsText, ParsesEveryFormAndNamesThePlaceOfAnError) {
+  using ferry::real::parse_loopback_streams;
+  EXPECT_FALSE(parse_loopback_streams("", "X").async);
+  EXPECT_FALSE(parse_loopback_streams("sync", "X").async);
+  EXPECT_EQ(parse_loopback_streams("async", "X").seed, 0U);
+  EXPECT_EQ(parse_loopback_streams("async:7", "X").seed, 7U);
+  const auto full = parse_loopback_streams("async:7:250", "X");
+  EXPECT_EQ(full.max_delay, std::chrono::microseconds(250));
+  EXPECT_EQ(ferry::real::to_string(full), "async:7:250");
+  for (const char* bad : {"asnyc", "async:", "async:x", "async:1:", "async:1:2:3", "async:-1",
+                          "async:1:2000000"}) {
+    try {
+      (void)parse_loopback_streams(bad, "FERRY_LOOPBACK");
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("FERRY_LOOPBACK"), std::string::npos) << e.what();
+    }
   }
 }
 
