@@ -10,9 +10,9 @@ import ferry
 from ferry.testing import planted_offload
 
 
-def mlp():
-    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.Tanh(),
-                         nn.Linear(256, 8))
+def mlp(width=256):
+    return nn.Sequential(nn.Linear(64, width), nn.GELU(), nn.Linear(width, width), nn.Tanh(),
+                         nn.Linear(width, 8))
 
 
 def steps(policy, faults, frozen_first_step):
@@ -21,11 +21,16 @@ def steps(policy, faults, frozen_first_step):
     never unpacked, and their pinned buffers go back to the pool while the reloads may still
     read them. Returns each step's gradients, torch's and ferry's."""
     torch.manual_seed(0)
-    trained, frozen = mlp(), mlp()
+    # The frozen branch's tensors have sizes of their own: the pool's buffers of those sizes
+    # are the ones its prefetched reloads read.
+    trained, frozen = mlp(), mlp(320)
     x = torch.randn(64, 64)
 
     def loss():
-        return trained(x).pow(2).mean() + frozen(x).pow(2).mean()
+        # The frozen branch first: backward reloads its tensors last, after every reload that
+        # compute waits for.
+        frozen_loss = frozen(x).pow(2).mean()
+        return trained(x).pow(2).mean() + frozen_loss
 
     def grads(step, fn):
         params = list(trained.parameters())
@@ -92,3 +97,17 @@ def test_ferry_loopback_does_not_touch_a_session_without_loopback(monkeypatch):
     monkeypatch.setenv("FERRY_LOOPBACK", "asnyc")
     with pytest.raises(ValueError, match="no CUDA device"):
         ferry.offload()
+
+
+def test_a_view_of_a_parameter_stays_as_the_parameter_does():
+    """Note [Views of parameters]: a linear layer saves `weight.t()`, the weight's own memory
+    (which FSDP2 frees after forward); only the input is copied out."""
+    layer = nn.Linear(64, 64)
+    x = torch.randn(8, 64, requires_grad=True)
+    ctx = ferry.offload(loopback=True, min_bytes=0, window_bytes=0)
+    with ctx:
+        loss = layer(x).sum()
+    loss.backward()
+    t = ctx.telemetry()
+    assert t["bytes_d2h"] == x.numel() * x.element_size()
+    assert t["kept"] >= 1

@@ -34,8 +34,10 @@ def run(tmp_path, policy, faults=()):
     backward. Returns the program's path, the model and its input."""
     model = make_model()
     torch.manual_seed(0)
+    # Reloads on demand: an unpack on the side stream reads a reload still on its way unless
+    # the side stream waited for it.
     options = dict(policy=policy, loopback=True, record=True, min_bytes=0, window_bytes=0,
-                   max_fwd_stash_size=1)
+                   max_fwd_stash_size=1, prefetch=False)
     ctx = planted_offload(faults=faults, **options) if faults else ferry.offload(**options)
     ctx.update_model_params(model)
     # A layer's backward runs on the stream its forward ran on (PyTorch's engine does so).

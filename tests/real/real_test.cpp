@@ -403,7 +403,10 @@ bool step_is_right(const PlantedOrdering& p, std::uint64_t seed, bool planted) {
   }();
   const auto x = torch::randn({64, 64});
   const auto loss = [&] {
-    return trained->forward(x).pow(2).mean() + frozen->forward(x).pow(2).mean();
+    // The frozen branch first: backward reloads its tensors last, after every reload that
+    // compute waits for.
+    const torch::Tensor frozen_loss = frozen->forward(x).pow(2).mean();
+    return trained->forward(x).pow(2).mean() + frozen_loss;
   };
   const auto grads = [&](bool only_trained, const std::function<torch::Tensor()>& loss_fn) {
     if (!only_trained) return grads_of(all, loss_fn);
@@ -500,6 +503,24 @@ TEST_F(RealFerry, NoCudaWithoutLoopbackIsAClearError) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("loopback"), std::string::npos) << e.what();
   }
+}
+
+// Note [Views of parameters]: `w.t()` is the weight's memory; only the input is copied out.
+TEST_F(RealFerry, AViewOfAParameterStaysAsTheParameterDoes) {
+  ferry::RealOptions o = loopback(ferry::Policy::Ferry);
+  ferry::Offload offload(o);
+  auto w = torch::randn({64, 64}, torch::requires_grad());
+  auto input = torch::randn({8, 64}, torch::requires_grad());
+  torch::Tensor loss;
+  torch::Tensor x;
+  {
+    ferry::OffloadGuard guard(offload);
+    x = input * 2;  // an activation (a leaf that requires grad counts as a parameter)
+    loss = torch::mm(x, w.t()).sum();
+  }
+  loss.backward();
+  EXPECT_EQ(offload.telemetry().bytes_d2h.count(), x.numel() * 4);
+  EXPECT_GE(offload.telemetry().kept, 1);
 }
 
 TEST_F(RealFerry, RegionsMustNest) {
