@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds everything and runs every test: the C++ suites (labels unit,
-# prop, golden, bench-smoke, gpu), then the Python extension's pytest suite.
+# prop, golden, bench-smoke, gpu), then the Python extension's pytest suite (the suites that
+# train on the asynchronous loopback device again with two more seeds).
 # Usage: scripts/test.sh [PRESET]   (release by default; ci adds -Werror; asan builds with
 # AddressSanitizer + UndefinedBehaviorSanitizer, including leak checks, skips bench-smoke and
 # the Python suite). FERRY_TORCH=0 builds and tests the simulator only.
@@ -49,5 +50,16 @@ if [[ $real == ON && $preset != asan ]]; then
   echo "test: packaging the Python extension (pip install ./real/python)" >&2
   FERRY_BUILD_DIR="$PWD/build/$preset" MAX_JOBS=2 timed python-build .venv/bin/pip install \
     --quiet --disable-pip-version-check --no-warn-conflicts --no-build-isolation ./real/python
+  # Loopback sessions run on the asynchronous device (tests/python/conftest.py: FERRY_LOOPBACK
+  # async:1 unless set); the suites that train on it run again with two more seeds.
   FERRY_CLI="$PWD/build/$preset/sim/ferry" timed pytest .venv/bin/python -m pytest -q tests/python
+  real_suites=(offload checkpoint checkpoint_api hf_models distributed saved_contract
+               current_stream async_loopback regions selective_offload trl_names threads autocast
+               compile auto_apply validate_layers)
+  real_files=()
+  for suite in "${real_suites[@]}"; do real_files+=("tests/python/test_$suite.py"); done
+  for seed in 2 3; do
+    FERRY_LOOPBACK=async:$seed FERRY_CLI="$PWD/build/$preset/sim/ferry" timed "pytest-async-$seed" \
+      .venv/bin/python -m pytest -q "${real_files[@]}"
+  done
 fi
