@@ -68,9 +68,9 @@ std::string to_string(const LoopbackStreams& streams) {
 
 struct AsyncStreams::TokenState {
   std::uint32_t stream = 0;
-  bool signalled = false;        ///< a worker reached it (always true on a compute stream)
-  Clock::time_point ready{};     ///< and not before this time
-  std::vector<Token> after;      ///< and not before these (a compute stream's pending waits)
+  bool signalled = false;     ///< a worker reached it (always true on a compute stream)
+  Clock::time_point ready{};  ///< and not before this time
+  std::vector<Token> after;   ///< and not before these (a compute stream's pending waits)
 };
 
 struct AsyncStreams::Op {
@@ -101,7 +101,8 @@ struct AsyncStreams::Grave {
   Block block;
   std::vector<Token> points;  ///< the streams' points of the free
   Release release;
-  bool poisoned = false;  ///< the points were reached (and the block poisoned if nobody else holds it)
+  bool poisoned =
+      false;  ///< the points were reached (and the block poisoned if nobody else holds it)
 };
 
 AsyncStreams::AsyncStreams(const LoopbackStreams& config)

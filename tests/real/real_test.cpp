@@ -7,9 +7,9 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <ostream>
 #include <functional>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -421,7 +421,8 @@ bool step_is_right(const PlantedOrdering& p, std::uint64_t seed, bool planted) {
   offload.exclude(all);
   // torch's gradients first: the steps under ferry follow each other with nothing between.
   std::vector<Tensors> want;
-  for (int step = 0; step < 2; ++step) want.push_back(grads(p.frozen_first_step && step == 0, loss));
+  for (int step = 0; step < 2; ++step)
+    want.push_back(grads(p.frozen_first_step && step == 0, loss));
   bool right = true;
   for (int step = 0; step < 2; ++step) {
     if (p.side_stream) offload.session()->set_current_stream("side");
@@ -430,7 +431,8 @@ bool step_is_right(const PlantedOrdering& p, std::uint64_t seed, bool planted) {
       return loss();
     });
     if (p.side_stream) offload.session()->set_current_stream("compute");
-    for (std::size_t i = 0; i < got.size(); ++i) right = right && torch::equal(want[step][i], got[i]);
+    for (std::size_t i = 0; i < got.size(); ++i)
+      right = right && torch::equal(want[step][i], got[i]);
   }
   return right;
 }
@@ -453,25 +455,25 @@ ferry::OffloadFaults fault(bool ferry::OffloadFaults::*which) {
 
 INSTANTIATE_TEST_SUITE_P(
     Faults, AsyncLoopback,
-    ::testing::Values(
-        PlantedOrdering{"ferry_skip_reload_wait", ferry::Policy::Ferry,
-                        fault(&ferry::OffloadFaults::skip_reload_wait), false},
-        PlantedOrdering{"trl_skip_reload_wait", ferry::Policy::Trl,
-                        fault(&ferry::OffloadFaults::skip_reload_wait), false},
-        PlantedOrdering{"ferry_skip_offload_wait", ferry::Policy::Ferry,
-                        fault(&ferry::OffloadFaults::skip_offload_wait), false},
-        PlantedOrdering{"trl_skip_offload_wait", ferry::Policy::Trl,
-                        fault(&ferry::OffloadFaults::skip_offload_wait), false},
-        PlantedOrdering{"ferry_skip_forward_guard", ferry::Policy::Ferry,
-                        fault(&ferry::OffloadFaults::skip_forward_guard), false},
-        PlantedOrdering{"trl_skip_forward_guard", ferry::Policy::Trl,
-                        fault(&ferry::OffloadFaults::skip_forward_guard), false},
-        PlantedOrdering{"ferry_reuse_pinned_early", ferry::Policy::Ferry,
-                        fault(&ferry::OffloadFaults::reuse_pinned_early), false, true},
-        PlantedOrdering{"ferry_stale_compute_stream", ferry::Policy::Ferry,
-                        fault(&ferry::OffloadFaults::stale_compute_stream), true},
-        PlantedOrdering{"trl_stale_compute_stream", ferry::Policy::Trl,
-                        fault(&ferry::OffloadFaults::stale_compute_stream), true}),
+    ::testing::Values(PlantedOrdering{"ferry_skip_reload_wait", ferry::Policy::Ferry,
+                                      fault(&ferry::OffloadFaults::skip_reload_wait), false},
+                      PlantedOrdering{"trl_skip_reload_wait", ferry::Policy::Trl,
+                                      fault(&ferry::OffloadFaults::skip_reload_wait), false},
+                      PlantedOrdering{"ferry_skip_offload_wait", ferry::Policy::Ferry,
+                                      fault(&ferry::OffloadFaults::skip_offload_wait), false},
+                      PlantedOrdering{"trl_skip_offload_wait", ferry::Policy::Trl,
+                                      fault(&ferry::OffloadFaults::skip_offload_wait), false},
+                      PlantedOrdering{"ferry_skip_forward_guard", ferry::Policy::Ferry,
+                                      fault(&ferry::OffloadFaults::skip_forward_guard), false},
+                      PlantedOrdering{"trl_skip_forward_guard", ferry::Policy::Trl,
+                                      fault(&ferry::OffloadFaults::skip_forward_guard), false},
+                      PlantedOrdering{"ferry_reuse_pinned_early", ferry::Policy::Ferry,
+                                      fault(&ferry::OffloadFaults::reuse_pinned_early), false,
+                                      true},
+                      PlantedOrdering{"ferry_stale_compute_stream", ferry::Policy::Ferry,
+                                      fault(&ferry::OffloadFaults::stale_compute_stream), true},
+                      PlantedOrdering{"trl_stale_compute_stream", ferry::Policy::Trl,
+                                      fault(&ferry::OffloadFaults::stale_compute_stream), true}),
     [](const auto& test) { return std::string(test.param.name); });
 
 TEST(LoopbackStreamsText, ParsesEveryFormAndNamesThePlaceOfAnError) {
@@ -483,8 +485,8 @@ TEST(LoopbackStreamsText, ParsesEveryFormAndNamesThePlaceOfAnError) {
   const auto full = parse_loopback_streams("async:7:250", "X");
   EXPECT_EQ(full.max_delay, std::chrono::microseconds(250));
   EXPECT_EQ(ferry::real::to_string(full), "async:7:250");
-  for (const char* bad : {"asnyc", "async:", "async:x", "async:1:", "async:1:2:3", "async:-1",
-                          "async:1:2000000"}) {
+  for (const char* bad :
+       {"asnyc", "async:", "async:x", "async:1:", "async:1:2:3", "async:-1", "async:1:2000000"}) {
     try {
       (void)parse_loopback_streams(bad, "FERRY_LOOPBACK");
       ADD_FAILURE() << bad << " was accepted";

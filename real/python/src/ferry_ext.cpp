@@ -136,15 +136,12 @@ std::pair<std::string, std::string> probe(const std::string& device, std::int32_
           ferry::real::profile_json(result.value(), name)};
 }
 
-std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t min_bytes,
-                                      std::int32_t max_fwd_stash_size, std::int64_t window_bytes,
-                                      std::int64_t prefetch_bytes, std::int64_t host_cap,
-                                      bool dedup, bool prefetch, bool use_streams, bool loopback,
-                                      bool record, const std::string& profile,
-                                      std::int64_t host_reserve_bytes,
-                                      std::optional<std::int64_t> horizon_bytes,
-                                      const std::string& loopback_streams,
-                                      const ferry::OffloadFaults& faults) {
+std::shared_ptr<Session> make_session(
+    const std::string& policy, std::int64_t min_bytes, std::int32_t max_fwd_stash_size,
+    std::int64_t window_bytes, std::int64_t prefetch_bytes, std::int64_t host_cap, bool dedup,
+    bool prefetch, bool use_streams, bool loopback, bool record, const std::string& profile,
+    std::int64_t host_reserve_bytes, std::optional<std::int64_t> horizon_bytes,
+    const std::string& loopback_streams, const ferry::OffloadFaults& faults) {
   ferry::RealOptions options;
   options.offload.policy = parse_policy(policy);
   options.offload.min_bytes = ferry::Bytes(min_bytes);
@@ -156,8 +153,8 @@ std::shared_ptr<Session> make_session(const std::string& policy, std::int64_t mi
   options.offload.prefetch = prefetch;
   options.offload.use_streams = use_streams;
   options.loopback = loopback;
-  options.loopback_streams =
-      ferry::real::parse_loopback_streams(loopback_streams, "ferry: loopback_streams (FERRY_LOOPBACK)");
+  options.loopback_streams = ferry::real::parse_loopback_streams(
+      loopback_streams, "ferry: loopback_streams (FERRY_LOOPBACK)");
   options.record = record;
   options.profile = profile;
   options.host_reserve = ferry::Bytes(host_reserve_bytes);
@@ -209,8 +206,8 @@ PYBIND11_MODULE(_C, m) {
         // linear layer saves `weight.t()`); any other tensor is an activation, a leaf input that
         // requires grad included, as the reference treats it. See Note [Views of parameters].
         const py::object base = tensor.attr("_base");
-        const bool param =
-            py::isinstance(tensor, parameter) || (!base.is_none() && py::isinstance(base, parameter));
+        const bool param = py::isinstance(tensor, parameter) ||
+                           (!base.is_none() && py::isinstance(base, parameter));
         const auto kind =
             param ? ferry::real::TensorKind::Parameter : ferry::real::TensorKind::Activation;
         return ferry::real::pack_saved(tensor.cast<at::Tensor>(), kind);

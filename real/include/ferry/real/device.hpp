@@ -31,8 +31,8 @@ struct BufferEntry {
   long holds = 0;
   Place place = Place::Device;
   Bytes bytes;
-  std::uint32_t slot = 0;  ///< recorder slot
-  std::uint32_t stream = 0;  ///< allocated on (adopted: the stream current then)
+  std::uint32_t slot = 0;               ///< recorder slot
+  std::uint32_t stream = 0;             ///< allocated on (adopted: the stream current then)
   std::vector<std::uint32_t> recorded;  ///< streams named by record_stream
 };
 

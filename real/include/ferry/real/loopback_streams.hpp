@@ -149,10 +149,10 @@ class AsyncStreams {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   bool stopping_ = false;
-  std::vector<bool> compute_;                  // by stream id
+  std::vector<bool> compute_;                     // by stream id
   std::vector<std::unique_ptr<Worker>> workers_;  // by stream id; null for compute streams
-  std::vector<std::vector<Token>> pending_;    // compute streams: waits not yet taken
-  std::vector<Clock::time_point> finish_;      // compute streams: when their work so far ends
+  std::vector<std::vector<Token>> pending_;       // compute streams: waits not yet taken
+  std::vector<Clock::time_point> finish_;         // compute streams: when their work so far ends
   std::uint32_t current_ = 0;
   std::map<const void*, BlockState> blocks_;
   std::deque<Grave> graves_;
