@@ -15,19 +15,12 @@ import torch
 import transformers
 
 import ferry
-from ferry.__main__ import CliNotFound, find_cli
 from ferry._plan_apply import PlanError
+from ferry_cli import cli_or_none
 from models import TinyLM, assert_same_grads, loss_of, twin
 
 
-def _cli():
-    try:
-        return find_cli()
-    except CliNotFound:
-        return None
-
-
-CLI = _cli()
+CLI = cli_or_none()
 
 
 def gpt():

@@ -17,7 +17,7 @@ from torch import nn
 import ferry
 from ferry.testing import current_stream, planted_offload
 from models import assert_same_grads
-from test_program import cli
+from ferry_cli import cli
 
 
 def make_model():

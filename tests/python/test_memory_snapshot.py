@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 from torch.cuda import _memory_viz
 
-from test_program import REPO, cli
+from ferry_cli import REPO, cli
 
 MODELS = os.path.join(REPO, "scenarios", "models")
 PROGRAMS = os.path.join(REPO, "scenarios", "programs")

@@ -2,7 +2,6 @@
 planted fault is one it catches."""
 
 import json
-import os
 import subprocess
 
 import pytest
@@ -10,24 +9,8 @@ import torch
 
 import ferry
 import ferry.testing
+from ferry_cli import cli
 from models import MLP, loss_of
-
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-DEFAULT_CLI = os.path.join(REPO, "build", "release", "sim", "ferry")
-
-
-def cli():
-    """The `ferry` CLI: FERRY_CLI when set (then it must exist), else the release build."""
-    path = os.environ.get("FERRY_CLI")
-    if path:
-        assert os.access(path, os.X_OK), f"FERRY_CLI={path} is not an executable"
-        return path
-    if not os.access(DEFAULT_CLI, os.X_OK):
-        pytest.skip(
-            f"the ferry CLI is not built ({DEFAULT_CLI}); build it with "
-            "`cmake --build build/release --target ferry` or set FERRY_CLI"
-        )
-    return DEFAULT_CLI
 
 
 def record_step(tmp_path, policy, steps=1, faults=()):

@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-import ferry.__main__ as entry
 from ferry import _trace_cli
+from ferry_cli import cli as ferry_cli
 
 GIB = 1 << 30
 TOKENS = 2 * 4096
@@ -37,10 +37,7 @@ OFFLOADED = (21.8, 7301)
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    try:
-        cli = entry.find_cli()
-    except entry.CliNotFound as e:
-        pytest.skip(f"no ferry CLI to simulate with: {e}")
+    cli = ferry_cli()
     root = tmp_path_factory.mktemp("published")
     config = root / "llama-3.2-3b.json"
     config.write_text(json.dumps(LLAMA_3_2_3B))

@@ -5,7 +5,6 @@ autograd saves, as a saved_tensors_hooks pack hook sees them, count and bytes, e
 """
 
 import json
-import os
 import subprocess
 
 import pytest
@@ -14,17 +13,7 @@ from torch import nn
 
 from models import TinyLM, loss_of
 from ferry._trace import layer_of, trace
-
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-DEFAULT_CLI = os.path.join(REPO, "build", "release", "sim", "ferry")
-
-
-def cli():
-    """The `ferry` CLI: FERRY_CLI when set, else the release build (skipped when absent)."""
-    path = os.environ.get("FERRY_CLI") or DEFAULT_CLI
-    if not os.access(path, os.X_OK):
-        pytest.skip(f"the ferry CLI is not built ({path}); build the `ferry` target")
-    return path
+from ferry_cli import cli
 
 
 def real_packs(run, held=False):

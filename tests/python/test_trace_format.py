@@ -10,7 +10,7 @@ from numbers import Number
 
 import pytest
 
-from test_program import REPO, cli
+from ferry_cli import REPO, cli
 
 PROGRAMS = os.path.join(REPO, "scenarios", "programs")
 MODELS = os.path.join(REPO, "scenarios", "models")

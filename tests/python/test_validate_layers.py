@@ -6,17 +6,14 @@ where the totals agree."""
 
 import pytest
 
-import ferry.__main__ as entry
 from ferry import _validate
 from ferry._validate import validate
+from ferry_cli import cli as ferry_cli
 
 
 @pytest.fixture(autouse=True)
 def cli(monkeypatch):
-    try:
-        path = entry.find_cli()
-    except entry.CliNotFound as e:
-        pytest.skip(f"no ferry CLI to simulate with: {e}")
+    path = ferry_cli()
     monkeypatch.setenv("FERRY_CLI", path)
     return path
 
