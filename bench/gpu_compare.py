@@ -99,7 +99,7 @@ def main():
 
     times = {name: [] for name in configs}
     peaks = {name: 0 for name in configs}
-    for name, ctx in configs.items():
+    for ctx in configs.values():
         step(ctx)  # warm-up
     for _ in range(args.steps):
         for name, ctx in configs.items():
@@ -109,13 +109,17 @@ def main():
 
     base_t = statistics.median(times["none"])
     base_m = peaks["none"] or 1
-    print(f"GPT {args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}, "
-          f"{dtype}, on {torch.cuda.get_device_name() if cuda else 'cpu (loopback)'}")
+    print(
+        f"GPT {args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}, "
+        f"{dtype}, on {torch.cuda.get_device_name() if cuda else 'cpu (loopback)'}"
+    )
     print(f"{'configuration':<18}{'step ms':>10}{'time':>8}{'peak MiB':>12}{'memory':>8}")
     for name in configs:
         t = statistics.median(times[name])
-        print(f"{name:<18}{1e3 * t:>10.1f}{t / base_t:>8.3f}{peaks[name] / 2**20:>12.0f}"
-              f"{peaks[name] / base_m:>8.3f}")
+        print(
+            f"{name:<18}{1e3 * t:>10.1f}{t / base_t:>8.3f}{peaks[name] / 2**20:>12.0f}"
+            f"{peaks[name] / base_m:>8.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Checks that every tracked C++ file is clang-formatted (.clang-format) and that the scheduler
-# core passes clang-tidy (.clang-tidy). Exits non-zero on any finding; `--fix` reformats instead
-# of checking the format. Needs clang-format and clang-tidy (scripts/setup.sh installs them).
+# Checks that every tracked C++ file is clang-formatted (.clang-format), that the scheduler core
+# passes clang-tidy (.clang-tidy), and that the Python (package, tests, scripts) passes ruff's
+# lint and format check (ruff.toml). Exits non-zero on any finding; `--fix` reformats instead
+# of checking the format. Needs clang-format, clang-tidy and .venv's ruff (scripts/setup.sh
+# installs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fix=0
@@ -9,6 +11,8 @@ if [[ ${1:-} == --fix ]]; then fix=1; fi
 mapfile -t files < <(git ls-files '*.cpp' '*.hpp')
 if ((fix)); then
   clang-format -i "${files[@]}"
+  .venv/bin/ruff format --no-cache .
+  .venv/bin/ruff check --no-cache --fix .
 else
   unformatted=()
   for f in "${files[@]}"; do
@@ -34,4 +38,8 @@ if ((status != 0)); then
   echo "lint: clang-tidy found problems in the core (above)" >&2
   exit "$status"
 fi
-echo "lint: clang-format and clang-tidy clean" >&2
+if ! .venv/bin/ruff format --no-cache --check --quiet . || ! .venv/bin/ruff check --no-cache --quiet .; then
+  echo "lint: ruff found problems in the Python (above; scripts/lint.sh --fix formats)" >&2
+  exit 1
+fi
+echo "lint: clang-format, clang-tidy and ruff clean" >&2

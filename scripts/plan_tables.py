@@ -44,10 +44,13 @@ def table(cli, model, device):
     budgets = {r["peak_reserved_bytes"] for r in fixed}
     budgets |= {low + (high - low) * i // 7 for i in range(8)}
     unit = "ms" if none["step_time_ns"] >= 100e6 else "small"
-    lines = [f"**{model} on {device}**", "",
-             "| budget (peak reserved) | plan | plan / none | best fixed policy that fits "
-             "| its time | lower bound | plan / bound |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**{model} on {device}**",
+        "",
+        "| budget (peak reserved) | plan | plan / none | best fixed policy that fits "
+        "| its time | lower bound | plan / bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for budget in sorted(b for b in budgets if low <= b <= high):
         plan = run(cli, "plan", "--model", model, "--device", device, "--budget", str(budget))
         fits = [r for r in fixed if r["peak_reserved_bytes"] <= budget]
@@ -56,7 +59,8 @@ def table(cli, model, device):
         lines.append(
             f"| {budget / GIB:.2f} GiB | {duration(t, unit)} | {t / none['step_time_ns']:.3f}x "
             f"| {best['name']} | {duration(best['step_time_ns'], unit)} "
-            f"| {duration(bound, unit)} | {t / bound:.3f} |")
+            f"| {duration(bound, unit)} | {t / bound:.3f} |"
+        )
         print(f"{model} on {device}: {budget} bytes planned", file=sys.stderr)
     return "\n".join(lines)
 

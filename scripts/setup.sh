@@ -50,6 +50,10 @@ if ! .venv/bin/python -c "import pytest, wheel, sympy, filelock, networkx, jinja
   .venv/bin/pip install "${pip_flags[@]}" pytest wheel ninja sympy==1.14.0 filelock networkx \
     jinja2 fsspec >&2
 fi
+# The Python linter and formatter (scripts/lint.sh), one static binary.
+if ! [[ $(.venv/bin/ruff --version 2>/dev/null) == "ruff 0.17.6" ]]; then
+  .venv/bin/pip install "${pip_flags[@]}" ruff==0.17.6 >&2
+fi
 # Test-only: small Hugging Face models built from configs (no downloads) with and without LoRA.
 # peft and accelerate declare torch as a dependency, so they are installed without dependencies
 # (pip must never replace the torch above or pull CUDA wheels); what they need besides torch

@@ -75,9 +75,18 @@ def _configure(build_dir):
             "--no-build-isolation), or a build of the CMake target ferry_python named by "
             "FERRY_BUILD_DIR"
         ) from None
-    cmd = ["cmake", "-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release", "-DFERRY_REAL=ON",
-           f"-DFERRY_PYTHON={sys.executable}", "-DFERRY_BUILD_TESTS=OFF",
-           "-DFERRY_BUILD_BENCH=OFF"]
+    cmd = [
+        "cmake",
+        "-S",
+        ROOT,
+        "-B",
+        build_dir,
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DFERRY_REAL=ON",
+        f"-DFERRY_PYTHON={sys.executable}",
+        "-DFERRY_BUILD_TESTS=OFF",
+        "-DFERRY_BUILD_BENCH=OFF",
+    ]
     if shutil.which("ninja"):
         cmd += ["-G", "Ninja"]
     _run(cmd)
@@ -101,8 +110,9 @@ class CMakeBuild(build_ext):
         if not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
             _configure(build_dir)
         # CMake makes a folder for each target it generates; none means no module in this build.
-        if not os.path.isdir(os.path.join(build_dir, "real", "python", "CMakeFiles",
-                                          "ferry_python.dir")):
+        if not os.path.isdir(
+            os.path.join(build_dir, "real", "python", "CMakeFiles", "ferry_python.dir")
+        ):
             raise RuntimeError(
                 f"ferry setup: the CMake build {build_dir} has no target ferry_python: configure "
                 "it with -DFERRY_REAL=ON, without sanitizers, for a Python with headers (its "
@@ -114,8 +124,9 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("MAX_JOBS", "2")  # two cores are the norm on small build machines
         _run(["cmake", "--build", build_dir, "--target", *targets, "--parallel", jobs])
 
-        module = os.path.join(build_dir, "real", "python",
-                              "_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+        module = os.path.join(
+            build_dir, "real", "python", "_C" + sysconfig.get_config_var("EXT_SUFFIX")
+        )
         if not os.path.exists(module):
             raise RuntimeError(
                 f"ferry setup: no {os.path.basename(module)} in {os.path.dirname(module)}: the "

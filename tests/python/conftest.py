@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FERRY_LOOPBACK", "async:1")
 
 import ferry  # noqa: E402  (an ImportError here fails the whole run, as it should)
-import ferry.__main__ as entry  # noqa: E402
 import ferry_cli  # noqa: E402
 
 HAVE_CUDA = torch.cuda.is_available()
@@ -82,5 +81,10 @@ def cli():
 
 def run_module(*args, env=None, timeout=300):
     """`python -m ferry ARGS...` in a child process, its output captured as text."""
-    return subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "ferry", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )

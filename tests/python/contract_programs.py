@@ -49,8 +49,9 @@ class Program:
         if r.random() < 0.5:
             self.options["window_bytes"] = 0
         cplx = r.random() < 0.35
-        self.leaves = [Value((4, 4), cplx and r.random() < 0.7, leaf=True)
-                       for _ in range(r.randint(1, 3))]
+        self.leaves = [
+            Value((4, 4), cplx and r.random() < 0.7, leaf=True) for _ in range(r.randint(1, 3))
+        ]
         pool = list(self.leaves)
         self.steps = []
         used = []  # operands of earlier steps: what an in-place change most often hits
@@ -64,9 +65,18 @@ class Program:
 
     def _step(self, r, pool, used):
         kind = r.choices(
-            ("unary", "mul", "matmul", "view", "inplace", "inplace_grad", "checkpoint",
-             "no_offload"),
-            weights=(6, 3, 2, 4, 3, 1, 2, 1))[0]
+            (
+                "unary",
+                "mul",
+                "matmul",
+                "view",
+                "inplace",
+                "inplace_grad",
+                "checkpoint",
+                "no_offload",
+            ),
+            weights=(6, 3, 2, 4, 3, 1, 2, 1),
+        )[0]
         i = r.randrange(len(pool))
         if kind in ("inplace", "inplace_grad") and used and r.random() < 0.7:
             i = r.choice(used)
@@ -81,8 +91,14 @@ class Program:
             pool.append(Value(v.shape, v.cplx or pool[j].cplx))
             return ("mul", i, j)
         if kind == "matmul":
-            fits = [j for j, w in enumerate(pool) if len(w.shape) == 2 and len(v.shape) == 2
-                    and w.shape[0] == v.shape[1] and w.cplx == v.cplx]
+            fits = [
+                j
+                for j, w in enumerate(pool)
+                if len(w.shape) == 2
+                and len(v.shape) == 2
+                and w.shape[0] == v.shape[1]
+                and w.cplx == v.cplx
+            ]
             if not fits:
                 return None
             j = r.choice(fits)
@@ -116,9 +132,10 @@ class Program:
         return ("no_offload", i, tuple(fns))
 
     def __str__(self):
-        lines = [f"seed {self.seed}: region {self.region}, options {self.options}",
-                 "leaves: " + ", ".join(f"{v.shape}{' complex' if v.cplx else ''}"
-                                        for v in self.leaves)]
+        lines = [
+            f"seed {self.seed}: region {self.region}, options {self.options}",
+            "leaves: " + ", ".join(f"{v.shape}{' complex' if v.cplx else ''}" for v in self.leaves),
+        ]
         lines += [f"  {step}" for step in self.steps]
         lines.append(f"  loss over {self.loss}")
         return "\n".join(lines)
@@ -166,12 +183,17 @@ def run(program, with_ferry, faults=()):
         leaves.append(torch.randn(v.shape, dtype=dtype, generator=gen).requires_grad_())
     session = None
     if with_ferry:
-        session = (planted_offload(faults=faults, **program.options) if faults
-                   else ferry.offload(**program.options))
-    outer = (torch.autograd.graph.allow_mutation_on_saved_tensors()
-             if program.region == "allow_mutation" else contextlib.nullcontext())
-    region = (session if with_ferry and program.region != "none"
-              else contextlib.nullcontext())
+        session = (
+            planted_offload(faults=faults, **program.options)
+            if faults
+            else ferry.offload(**program.options)
+        )
+    outer = (
+        torch.autograd.graph.allow_mutation_on_saved_tensors()
+        if program.region == "allow_mutation"
+        else contextlib.nullcontext()
+    )
+    region = session if with_ferry and program.region != "none" else contextlib.nullcontext()
     checkpoint = ferry.checkpoint if with_ferry else torch_checkpoint.checkpoint
     try:
         with outer:
@@ -195,12 +217,16 @@ def run(program, with_ferry, faults=()):
                     elif kind == "checkpoint":
                         pool.append(checkpoint(_chain(arg), t, use_reentrant=False))
                     else:  # no_offload
-                        inner = ferry.no_offload() if with_ferry and program.region != "none" \
+                        inner = (
+                            ferry.no_offload()
+                            if with_ferry and program.region != "none"
                             else contextlib.nullcontext()
+                        )
                         with inner:
                             pool.append(_chain(arg)(t))
-                loss = sum((pool[k].real if pool[k].is_complex() else pool[k]).sum()
-                           for k in program.loss)
+                loss = sum(
+                    (pool[k].real if pool[k].is_complex() else pool[k]).sum() for k in program.loss
+                )
             loss.backward()
     except Exception as e:  # noqa: BLE001 (any error is an outcome to compare)
         return ("error", type(e).__name__, str(e))
@@ -223,14 +249,19 @@ def same_outcome(a, b):
         return False
     if a[0] == "error":
         return a[1] == b[1] and without_node(a[2]) == without_node(b[2])
-    return all((x is None and y is None) or (x is not None and y is not None and _identical(x, y))
-               for x, y in zip(a[1], b[1]))
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and _identical(x, y))
+        for x, y in zip(a[1], b[1])
+    )
 
 
 def _identical(x, y):
     """Equal values, NaN where the other has NaN (programs may overflow, the same way in both)."""
-    return (x.shape == y.shape and x.dtype == y.dtype
-            and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
+    return (
+        x.shape == y.shape
+        and x.dtype == y.dtype
+        and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True)
+    )
 
 
 def first_failure(seeds, faults=()):

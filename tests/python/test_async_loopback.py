@@ -11,8 +11,9 @@ from ferry.testing import planted_offload
 
 
 def mlp(width=256):
-    return nn.Sequential(nn.Linear(64, width), nn.GELU(), nn.Linear(width, width), nn.Tanh(),
-                         nn.Linear(width, 8))
+    return nn.Sequential(
+        nn.Linear(64, width), nn.GELU(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 8)
+    )
 
 
 def steps(policy, faults, frozen_first_step):
@@ -39,8 +40,14 @@ def steps(policy, faults, frozen_first_step):
         return torch.autograd.grad(fn(), params)
 
     want = [grads(step, loss) for step in range(2)]
-    options = dict(policy=policy, loopback=True, min_bytes=0, window_bytes=1,
-                   prefetch_bytes=(1 << 20) if frozen_first_step else 1, max_fwd_stash_size=1)
+    options = dict(
+        policy=policy,
+        loopback=True,
+        min_bytes=0,
+        window_bytes=1,
+        prefetch_bytes=(1 << 20) if frozen_first_step else 1,
+        max_fwd_stash_size=1,
+    )
     ctx = planted_offload(faults=faults, **options) if faults else ferry.offload(**options)
     ctx.update_model_params(trained)
     ctx.update_model_params(frozen)
@@ -68,10 +75,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("policy,fault,frozen_first_step", CASES,
-                         ids=[f"{p}-{f}" for p, f, _ in CASES])
-def test_a_planted_ordering_fault_gives_wrong_gradients(policy, fault, frozen_first_step,
-                                                         monkeypatch):
+@pytest.mark.parametrize(
+    "policy,fault,frozen_first_step", CASES, ids=[f"{p}-{f}" for p, f, _ in CASES]
+)
+def test_a_planted_ordering_fault_gives_wrong_gradients(
+    policy, fault, frozen_first_step, monkeypatch
+):
     for seed in range(1, 11):
         monkeypatch.setenv("FERRY_LOOPBACK", f"async:{seed}:2000")
         assert right(*steps(policy, (), frozen_first_step)), f"seed {seed} without the fault"

@@ -19,7 +19,6 @@ from ferry._plan_apply import PlanError
 from ferry_cli import cli_or_none
 from models import TinyLM, assert_same_grads, loss_of, twin
 
-
 CLI = cli_or_none()
 
 
@@ -28,10 +27,18 @@ def gpt():
 
 
 def llama():
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, num_key_value_heads=2, max_position_embeddings=16,
-        attn_implementation="eager"))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            attn_implementation="eager",
+        )
+    )
     model.config.use_cache = False
     model.train()
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -60,7 +67,7 @@ def mixed_plan(doc):
     layer1 = [i for i, op in enumerate(ops) if op.get("layer") == 1]
     assert layer1 == list(range(layer1[0], layer1[-1] + 1))
     decisions = []
-    for i, op in enumerate(ops):
+    for i in range(len(ops)):
         decisions.append(("recompute", "keep", "offload")[i % 3] if i in layer1 else "offload")
     return {
         "format": "ferry.plan/1",
@@ -88,12 +95,10 @@ def expected(plan, doc, region_inputs=0):
     ops = doc["ops"]
     tensors = {t["name"]: t for t in doc["tensors"]}
     decision = [op["saved"] for op in plan["ops"]]
-    producer = {name: i for i, op in enumerate(ops) for name in op["outputs"]}
     inside = set()
     for region in plan.get("regions", []):
         inside.update(range(region["first_op"], region["end_op"]))
-    out = {"kept": 0, "offloaded": 0, "saved_outputs": 0, "offloaded_outputs": 0,
-           "recomputed": 0}
+    out = {"kept": 0, "offloaded": 0, "saved_outputs": 0, "offloaded_outputs": 0, "recomputed": 0}
     session = {"packed": region_inputs, "kept": 0}
     for i, op in enumerate(ops):
         if i in inside or not op["saved"]:
@@ -138,8 +143,10 @@ def run_plan(name, plan_of, steps=2):
         if region.inputs == "offload":
             model.get_submodule(region.path).register_forward_pre_hook(
                 lambda m, a, k: region_inputs.append(
-                    sum(isinstance(v, torch.Tensor) for v in list(a) + list(k.values()))),
-                with_kwargs=True)
+                    sum(isinstance(v, torch.Tensor) for v in list(a) + list(k.values()))
+                ),
+                with_kwargs=True,
+            )
     for _ in range(steps):
         for m in (ref, model):
             m.zero_grad(set_to_none=True)
@@ -175,13 +182,16 @@ def test_each_op_saves_what_the_trace_says_it_saves():
     plan, doc, ctx, _, _ = run_plan("gpt", mixed_plan, steps=1)
     inside = set(range(plan["regions"][0]["first_op"], plan["regions"][0]["end_op"]))
     saved = {i: len(ids) for i, ids in ctx._plan_run.saved.items()}
-    assert saved == {i: len(op["saved"]) for i, op in enumerate(doc["ops"])
-                     if op["saved"] and i not in inside}
+    assert saved == {
+        i: len(op["saved"]) for i, op in enumerate(doc["ops"]) if op["saved"] and i not in inside
+    }
 
 
 def keep_all(doc):
-    return {"format": "ferry.plan/1", "ops": [{"name": op["name"], "saved": "keep"}
-                                               for op in doc["ops"]]}
+    return {
+        "format": "ferry.plan/1",
+        "ops": [{"name": op["name"], "saved": "keep"} for op in doc["ops"]],
+    }
 
 
 def test_a_plan_that_offloads_nothing_runs_without_copies():
@@ -200,8 +210,11 @@ def test_an_op_the_model_does_not_run_is_named():
     model, x, plan = traced_plan()
     plan["ops"][3]["name"] = "blocks.0.qkv/not_an_op"
     ctx = ferry.offload(plan=plan, model=model, loopback=True)
-    with pytest.raises(PlanError, match=r"ran 'blocks.0.qkv/addmm', which saves .* plan is at "
-                       r"ops\[3\] \('blocks.0.qkv/not_an_op'\)"):
+    with pytest.raises(
+        PlanError,
+        match=r"ran 'blocks.0.qkv/addmm', which saves .* plan is at "
+        r"ops\[3\] \('blocks.0.qkv/not_an_op'\)",
+    ):
         with ctx:
             loss_of(model(x))
 
@@ -215,8 +228,11 @@ def test_a_plan_for_another_model_is_refused():
     # Same module names, other shapes of work: a model with one op more in its first block.
     wider = TinyLM(d=64)
     wider.blocks[0].ln1 = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.ReLU())
-    with pytest.raises(PlanError, match=r"ran 'blocks.0.ln1.0/native_layer_norm', which "
-                       r"saves .* plan is at ops\[0\]"):
+    with pytest.raises(
+        PlanError,
+        match=r"ran 'blocks.0.ln1.0/native_layer_norm', which "
+        r"saves .* plan is at ops\[0\]",
+    ):
         with ferry.offload(plan=plan, model=wider, loopback=True):
             loss_of(wider(x))
 
@@ -228,12 +244,15 @@ def test_a_forward_that_stops_early_is_refused():
             model(x)  # the loss, which the plan covers, is not computed
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"format": "ferry.plan/2"}, "format: 'ferry.plan/2'"),
-    ({"ops": [{"name": "x", "saved": "evict"}]}, r"ops\[0\].saved: unknown decision 'evict'"),
-    ({"ops": [{"name": "x", "saved": "recompute"}]}, "recomputed but lies in no checkpoint"),
-    ({"regions": [{"first_op": 0, "end_op": 9}]}, r"regions\[0\]: needs 0 <= first_op"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"format": "ferry.plan/2"}, "format: 'ferry.plan/2'"),
+        ({"ops": [{"name": "x", "saved": "evict"}]}, r"ops\[0\].saved: unknown decision 'evict'"),
+        ({"ops": [{"name": "x", "saved": "recompute"}]}, "recomputed but lies in no checkpoint"),
+        ({"regions": [{"first_op": 0, "end_op": 9}]}, r"regions\[0\]: needs 0 <= first_op"),
+    ],
+)
 def test_a_malformed_plan_is_refused_naming_the_place(bad, message):
     plan = {"format": "ferry.plan/1", "ops": [{"name": "x", "saved": "keep"}], **bad}
     with pytest.raises(PlanError, match=message):
@@ -255,8 +274,8 @@ def test_a_plan_is_read_from_a_file(tmp_path):
 
 
 needs_cli = pytest.mark.skipif(
-    CLI is None,
-    reason="no ferry CLI (FERRY_CLI, the package's ferry/bin/ferry, PATH) to plan with")
+    CLI is None, reason="no ferry CLI (FERRY_CLI, the package's ferry/bin/ferry, PATH) to plan with"
+)
 
 
 @needs_cli
@@ -296,9 +315,15 @@ def test_without_model_the_first_module_called_is_the_model():
 
 
 LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
-    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 256,
 }
 
 
@@ -306,18 +331,33 @@ LLAMA_CONFIG = {
 def test_python_m_ferry_auto_traces_and_plans(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_CONFIG))
-    common = [sys.executable, "-m", "ferry", "auto", str(config), "--seq", "256", "--batch", "4",
-              "--out", str(tmp_path / "scenario.json"), "--plan", str(tmp_path / "plan.json")]
+    common = [
+        sys.executable,
+        "-m",
+        "ferry",
+        "auto",
+        str(config),
+        "--seq",
+        "256",
+        "--batch",
+        "4",
+        "--out",
+        str(tmp_path / "scenario.json"),
+        "--plan",
+        str(tmp_path / "plan.json"),
+    ]
     env = dict(os.environ, FERRY_CLI=CLI)
-    done = subprocess.run(common + ["--budget", "1GiB"], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = subprocess.run(
+        common + ["--budget", "1GiB"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert "step time" in done.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())
     scenario = json.loads((tmp_path / "scenario.json").read_text())
     assert [op["name"] for op in plan["ops"]] == [op["name"] for op in scenario["ops"]]
-    done = subprocess.run(common + ["--budget", "1MiB"], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = subprocess.run(
+        common + ["--budget", "1MiB"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 1
     assert "the floor" in done.stderr
 

@@ -35,25 +35,46 @@ BATCH, SEQ = 2, 128
 
 def _decoder(config_class, model_class, **extra):
     def make():
-        config = config_class(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                              num_attention_heads=4, num_key_value_heads=2,
-                              intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ,
-                              **extra)
+        config = config_class(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=2 * HIDDEN,
+            max_position_embeddings=SEQ,
+            **extra,
+        )
         return model_class(config)
 
     return make
 
 
 def _gpt2():
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=SEQ,
-        bos_token_id=0, eos_token_id=0))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=4,
+            n_positions=SEQ,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def _bert():
-    return transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
-        intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ))
+    return transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            intermediate_size=2 * HIDDEN,
+            max_position_embeddings=SEQ,
+        )
+    )
 
 
 def _llama_without_cache():
@@ -69,11 +90,16 @@ FAMILIES = {
     "llama": _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "llama-no-cache": _llama_without_cache,
     "qwen2": _decoder(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "mistral": _decoder(transformers.MistralConfig, transformers.MistralForCausalLM,
-                        sliding_window=SEQ // 2),
+    "mistral": _decoder(
+        transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=SEQ // 2
+    ),
     "phi3": _decoder(transformers.Phi3Config, transformers.Phi3ForCausalLM, pad_token_id=0),
-    "gemma2": _decoder(transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
-                       head_dim=HIDDEN // 4, sliding_window=SEQ // 2),
+    "gemma2": _decoder(
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        head_dim=HIDDEN // 4,
+        sliding_window=SEQ // 2,
+    ),
     "gpt2": _gpt2,
     "bert": _bert,
 }
@@ -102,7 +128,7 @@ def train_step(model, ids, ctx=None, seed=2):
     return loss
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(family):
     """The model and its inputs, and a copy of the model after one step of plain training."""
     base, ids = build(family)
@@ -142,7 +168,7 @@ def test_auto_applies_every_plan_it_returns(cli, family):
     peak = top.plan["predicted"]["peak_reserved_bytes"]
     assert floor < peak
     for budget in (floor, (floor + peak) // 2):
-        ctx = check_bitwise(family, lambda model, ids: auto(model, ids, budget))
+        ctx = check_bitwise(family, lambda model, ids, budget=budget: auto(model, ids, budget))
         assert ctx.plan["predicted"]["peak_reserved_bytes"] <= budget
         # Below the no-offload peak the plan checkpoints (nothing offloads on models this
         # small): the regions were applied.
@@ -162,8 +188,9 @@ def random_plan(doc, rng):
         assert span == list(range(span[0], span[-1] + 1))
         if rng.random() < 0.5:
             continue
-        regions.append({"first_op": span[0], "end_op": span[-1] + 1,
-                        "inputs": rng.choice(("keep", "offload"))})
+        regions.append(
+            {"first_op": span[0], "end_op": span[-1] + 1, "inputs": rng.choice(("keep", "offload"))}
+        )
         for i in span:
             decisions[i] = rng.choice(("keep", "offload", "recompute"))
     return {
@@ -182,7 +209,11 @@ def test_random_plans_train_bitwise(family):
     for seed in (sorted(FAMILIES).index(family), len(FAMILIES) + sorted(FAMILIES).index(family)):
         plan = random_plan(doc, random.Random(seed))
         try:
-            check_bitwise(family, lambda model, ids: ferry.offload(
-                plan=plan, model=model, loopback=True, dedup=False))
+            check_bitwise(
+                family,
+                lambda model, ids, plan=plan: ferry.offload(
+                    plan=plan, model=model, loopback=True, dedup=False
+                ),
+            )
         except Exception as e:
             raise AssertionError(f"{family}: random plan of seed {seed} failed: {e}") from e

@@ -33,18 +33,21 @@ def test_auto_refuses_a_budget_that_is_not_a_byte_count(no_trace, budget):
 
 def test_auto_refuses_a_host_budget_that_is_not_a_byte_count(no_trace):
     with pytest.raises(TypeError, match=r"^ferry.auto: host_budget: 1.5 is not a byte count"):
-        ferry.auto(TinyLM(), torch.randn(2, 16, 32), budget="1GiB", host_budget=1.5,
-                   loss_fn=loss_of)
+        ferry.auto(
+            TinyLM(), torch.randn(2, 16, 32), budget="1GiB", host_budget=1.5, loss_fn=loss_of
+        )
 
 
 def test_auto_refuses_an_empty_host_budget(no_trace):
     with pytest.raises(ValueError, match='^ferry.auto: host_budget: "" is not a byte count'):
-        ferry.auto(TinyLM(), torch.randn(2, 16, 32), budget="1GiB", host_budget="",
-                   loss_fn=loss_of)
+        ferry.auto(TinyLM(), torch.randn(2, 16, 32), budget="1GiB", host_budget="", loss_fn=loss_of)
 
 
-@pytest.mark.parametrize("budgets", [["--budget", ""], ["--budget", "1GiB", "--host-budget", ""]],
-                         ids=["budget", "host-budget"])
+@pytest.mark.parametrize(
+    "budgets",
+    [["--budget", ""], ["--budget", "1GiB", "--host-budget", ""]],
+    ids=["budget", "host-budget"],
+)
 def test_python_m_ferry_auto_refuses_an_empty_budget(monkeypatch, capsys, budgets):
     def trace_main(argv):
         raise AssertionError("traced before the budget was checked")

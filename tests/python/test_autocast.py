@@ -75,8 +75,9 @@ def test_checkpoint_under_bf16_autocast_equals_plain_autocast():
 def test_offload_and_checkpoint_under_bf16_autocast(policy):
     ref, model, ref_x, x = twin(TinyLM, lambda: torch.randn(2, 16, 32))
     want = train(ref, ref_x, blockwise(torch_ckpt), BF16)
-    ctx = ferry.offload(policy=policy, loopback=True, min_bytes=0, window_bytes=0,
-                        max_fwd_stash_size=1)
+    ctx = ferry.offload(
+        policy=policy, loopback=True, min_bytes=0, window_bytes=0, max_fwd_stash_size=1
+    )
     ctx.update_model_params(model)
     got = train(model, x, blockwise(ferry_ckpt), BF16, ctx)
     assert [torch.equal(a, b) for a, b in zip(want, got)] == [True] * 3
@@ -134,11 +135,17 @@ def test_backward_leaves_the_callers_autocast_state_as_it_was():
     x = torch.randn(8, 32, requires_grad=True)
     with torch.autocast(**BF16):
         loss = loss_of(ferry_ckpt(model, x).float())
-    before = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-              torch.is_autocast_cache_enabled())
+    before = (
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_cache_enabled(),
+    )
     loss.backward()
-    after = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-             torch.is_autocast_cache_enabled())
+    after = (
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_cache_enabled(),
+    )
     assert after == before
     assert not after[0]
 

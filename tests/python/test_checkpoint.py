@@ -190,11 +190,11 @@ def test_checkpoint_tuple_output_and_retain_graph():
         return a * x, a.exp()
 
     x0 = torch.randn(16)
-    x_ref, = leaves(x0)
+    (x_ref,) = leaves(x0)
     a, b = fn(x_ref)
     (a.sum() + b.sum()).backward(retain_graph=True)
     (a.sum() + b.sum()).backward()
-    x, = leaves(x0)
+    (x,) = leaves(x0)
     a, b = ferry.checkpoint(fn, x, use_reentrant=False)
     loss = a.sum() + b.sum()
     loss.backward(retain_graph=True)
@@ -254,8 +254,10 @@ def test_replay_saving_another_shape_is_an_error_as_in_torch():
 
         return fn
 
-    for checkpoint, error in ((tc.checkpoint, "different metadata"),
-                              (ferry.checkpoint, "ferry.checkpoint: Recomputed values")):
+    for checkpoint, error in (
+        (tc.checkpoint, "different metadata"),
+        (ferry.checkpoint, "ferry.checkpoint: Recomputed values"),
+    ):
         x = torch.randn(8, requires_grad=True)
         y = checkpoint(make([]), x, use_reentrant=False)
         with pytest.raises(RuntimeError, match=error) as caught:
@@ -295,11 +297,12 @@ class Fn:
 def replay_freed(nested, backward):
     import weakref
 
+    # The lambdas run before `del inner` below (ruff's F821 sees only the del).
     inner = Fn(lambda h: h.sin() * h)
     if nested:
-        outer = Fn(lambda x: ferry.checkpoint(inner, x.exp(), use_reentrant=False).cos() * 2.0)
+        outer = Fn(lambda x: ferry.checkpoint(inner, x.exp(), use_reentrant=False).cos() * 2.0)  # noqa: F821
     else:
-        outer = Fn(lambda x: inner(x.exp()).cos() * 2.0)
+        outer = Fn(lambda x: inner(x.exp()).cos() * 2.0)  # noqa: F821
     x = torch.randn(8, requires_grad=True)
     y = ferry.checkpoint(outer, x, use_reentrant=False).sum()
     if backward:

@@ -40,13 +40,18 @@ def test_missing_use_reentrant_warns_and_is_reentrant_as_in_torch():
         ferry.checkpoint(torch.sin, x, use_reentrant=False)
 
 
-@pytest.mark.parametrize("make_model,make_input", [
-    (MLP, lambda: torch.randn(8, 32)), (Block, lambda: torch.randn(2, 16, 32))],
-    ids=["mlp", "block"])
+@pytest.mark.parametrize(
+    "make_model,make_input",
+    [(MLP, lambda: torch.randn(8, 32)), (Block, lambda: torch.randn(2, 16, 32))],
+    ids=["mlp", "block"],
+)
 def test_reentrant_equals_torch_reentrant(make_model, make_input):
-    run_twice(make_model, make_input,
-              lambda m, v: tc.checkpoint(m, v, use_reentrant=True),
-              lambda m, v: ferry.checkpoint(m, v, use_reentrant=True))
+    run_twice(
+        make_model,
+        make_input,
+        lambda m, v: tc.checkpoint(m, v, use_reentrant=True),
+        lambda m, v: ferry.checkpoint(m, v, use_reentrant=True),
+    )
 
 
 def test_reentrant_replays_dropout_and_autocast():
@@ -83,13 +88,16 @@ def test_reentrant_refuses_what_torch_refuses():
 @pytest.mark.parametrize("segments", [1, 2, 3])
 def test_checkpoint_sequential_equals_torch(use_reentrant, segments):
     def make():
-        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(),
-                             nn.Linear(32, 16))
+        return nn.Sequential(
+            nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 16)
+        )
 
-    run_twice(make, lambda: torch.randn(4, 16),
-              lambda m, v: tc.checkpoint_sequential(m, segments, v, use_reentrant=use_reentrant),
-              lambda m, v: ferry.checkpoint_sequential(m, segments, v,
-                                                       use_reentrant=use_reentrant))
+    run_twice(
+        make,
+        lambda: torch.randn(4, 16),
+        lambda m, v: tc.checkpoint_sequential(m, segments, v, use_reentrant=use_reentrant),
+        lambda m, v: ferry.checkpoint_sequential(m, segments, v, use_reentrant=use_reentrant),
+    )
 
 
 def test_checkpoint_sequential_refuses_unknown_keywords_and_bad_segments():
@@ -149,9 +157,17 @@ def test_torch_keywords_never_reach_the_function():
         return v.sin()
 
     x = torch.randn(3, requires_grad=True)
-    ferry.checkpoint(fn, x, use_reentrant=False, determinism_check="none", debug=False,
-                     context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext()),
-                     preserve_rng_state=False, early_stop=True, scale=1).sum().backward()
+    ferry.checkpoint(
+        fn,
+        x,
+        use_reentrant=False,
+        determinism_check="none",
+        debug=False,
+        context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext()),
+        preserve_rng_state=False,
+        early_stop=True,
+        scale=1,
+    ).sum().backward()
     assert seen == {"scale": 1}
 
 
@@ -165,9 +181,12 @@ def test_selective_checkpoint_context_equals_torch():
     def context():
         return tc.create_selective_checkpoint_contexts(_selective_policy)
 
-    run_twice(MLP, lambda: torch.randn(8, 32),
-              lambda m, v: tc.checkpoint(m, v, use_reentrant=False, context_fn=context),
-              lambda m, v: ferry.checkpoint(m, v, use_reentrant=False, context_fn=context))
+    run_twice(
+        MLP,
+        lambda: torch.randn(8, 32),
+        lambda m, v: tc.checkpoint(m, v, use_reentrant=False, context_fn=context),
+        lambda m, v: ferry.checkpoint(m, v, use_reentrant=False, context_fn=context),
+    )
 
 
 class _CountAddmm(torch.utils._python_dispatch.TorchDispatchMode):
@@ -265,8 +284,9 @@ def test_debug_lists_the_operations_of_the_forward_and_of_the_recomputation(monk
     # torch's debug mode logs each op with arguments pytest's log capture cannot format: it
     # stays with torch's own handler here.
     monkeypatch.setattr(logging.getLogger("LoggingTensor"), "propagate", False)
-    _debug_failure(tc.checkpoint, match="Operations executed during the original forward",
-                   debug=True)
+    _debug_failure(
+        tc.checkpoint, match="Operations executed during the original forward", debug=True
+    )
     message = _debug_failure(ferry.checkpoint, debug=True)
     assert message.startswith("ferry.checkpoint: Recomputed values")
     forward = message.split("Operations executed during the original forward:")[1]
@@ -284,6 +304,9 @@ def test_debug_lists_the_operations_of_the_forward_and_of_the_recomputation(monk
 
 def test_debug_mode_trains_like_torch(monkeypatch):
     monkeypatch.setattr(logging.getLogger("LoggingTensor"), "propagate", False)
-    run_twice(MLP, lambda: torch.randn(8, 32),
-              lambda m, v: tc.checkpoint(m, v, use_reentrant=False, debug=True),
-              lambda m, v: ferry.checkpoint(m, v, use_reentrant=False, debug=True))
+    run_twice(
+        MLP,
+        lambda: torch.randn(8, 32),
+        lambda m, v: tc.checkpoint(m, v, use_reentrant=False, debug=True),
+        lambda m, v: ferry.checkpoint(m, v, use_reentrant=False, debug=True),
+    )

@@ -29,8 +29,9 @@ def twins():
 
 
 def offload_ctx(policy):
-    return ferry.offload(policy=policy, loopback=True, min_bytes=0, window_bytes=0,
-                         max_fwd_stash_size=1)
+    return ferry.offload(
+        policy=policy, loopback=True, min_bytes=0, window_bytes=0, max_fwd_stash_size=1
+    )
 
 
 @pytest.mark.parametrize("mode", ["ferry", "trl", "checkpoint"])

@@ -16,8 +16,8 @@ from torch import nn
 
 import ferry
 from ferry.testing import current_stream, planted_offload
-from models import assert_same_grads
 from ferry_cli import cli
+from models import assert_same_grads
 
 
 def make_model():
@@ -36,14 +36,24 @@ def run(tmp_path, policy, faults=()):
     torch.manual_seed(0)
     # Reloads on demand: an unpack on the side stream reads a reload still on its way unless
     # the side stream waited for it.
-    options = dict(policy=policy, loopback=True, record=True, min_bytes=0, window_bytes=0,
-                   max_fwd_stash_size=1, prefetch=False)
+    options = dict(
+        policy=policy,
+        loopback=True,
+        record=True,
+        min_bytes=0,
+        window_bytes=0,
+        max_fwd_stash_size=1,
+        prefetch=False,
+    )
     ctx = planted_offload(faults=faults, **options) if faults else ferry.offload(**options)
     ctx.update_model_params(model)
     # A layer's backward runs on the stream its forward ran on (PyTorch's engine does so).
-    hooks = [layer.register_full_backward_pre_hook(
-        lambda module, grad, name=stream_of(i): ctx._session.set_current_stream(name))
-        for i, layer in enumerate(model)]
+    hooks = [
+        layer.register_full_backward_pre_hook(
+            lambda module, grad, name=stream_of(i): ctx._session.set_current_stream(name)  # noqa: B008
+        )
+        for i, layer in enumerate(model)
+    ]
     x = torch.randn(4, 16, requires_grad=True)
     with ctx:
         h = x
@@ -66,7 +76,9 @@ def check(path):
 
 
 def streams_of(path):
-    return [s["name"] if isinstance(s, dict) else s for s in json.loads(path.read_text())["streams"]]
+    return [
+        s["name"] if isinstance(s, dict) else s for s in json.loads(path.read_text())["streams"]
+    ]
 
 
 @pytest.mark.parametrize("policy", ["ferry", "trl"])
@@ -88,10 +100,10 @@ def test_planted_stale_compute_stream_is_a_race(tmp_path, policy):
     assert "race" in result.stdout, result.stdout
 
 
-
 @pytest.mark.parametrize("policy", ["ferry", "trl"])
-def test_on_the_asynchronous_device_the_stale_stream_gives_wrong_gradients(tmp_path, policy,
-                                                                           monkeypatch):
+def test_on_the_asynchronous_device_the_stale_stream_gives_wrong_gradients(
+    tmp_path, policy, monkeypatch
+):
     """The race the checker reports, met: seeds until one shows it (at most ten), each seed's
     run with the live stream right."""
     ref = make_model()
@@ -103,6 +115,8 @@ def test_on_the_asynchronous_device_the_stale_stream_gives_wrong_gradients(tmp_p
         _, model, _ = run(tmp_path, policy)
         assert_same_grads(ref, model)
         _, model, _ = run(tmp_path, policy, faults=["stale_compute_stream"])
-        if not all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters())):
+        if not all(
+            torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters())
+        ):
             return
     pytest.fail("the stale compute stream gave right gradients with ten seeds")

@@ -21,9 +21,9 @@ def _run(rank, store_path, out_dir, wrapper):
     from models import TinyLM, loss_of
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     try:
+
         class Model(TinyLM):
             """TinyLM whose blocks run through `checkpoint` when set: the wrapper's forward
             stays the entry point, as data-parallel training needs."""
@@ -44,13 +44,19 @@ def _run(rank, store_path, out_dir, wrapper):
                 model = torch.nn.parallel.DistributedDataParallel(model)
             else:
                 from torch.distributed.fsdp import fully_shard
+
                 for block in model.blocks:
                     fully_shard(block)
                 fully_shard(model)
             ctx = None
             if mode is not None and "offload" in mode:
-                ctx = ferry.offload(policy="trl" if "trl" in mode else "ferry", loopback=True,
-                                    min_bytes=0, window_bytes=0, max_fwd_stash_size=1)
+                ctx = ferry.offload(
+                    policy="trl" if "trl" in mode else "ferry",
+                    loopback=True,
+                    min_bytes=0,
+                    window_bytes=0,
+                    max_fwd_stash_size=1,
+                )
             gen = torch.Generator().manual_seed(100 + rank)
             out = []
             for _ in range(2):
@@ -97,8 +103,7 @@ def _run(rank, store_path, out_dir, wrapper):
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_data_parallel_training_is_unchanged(tmp_path, wrapper):
-    mp.spawn(_run, args=(str(tmp_path / "store"), str(tmp_path), wrapper), nprocs=WORLD,
-             join=True)
+    mp.spawn(_run, args=(str(tmp_path / "store"), str(tmp_path), wrapper), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results == {mode: True for mode in MODES}, (rank, results)

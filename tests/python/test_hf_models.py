@@ -20,20 +20,31 @@ SEQ, BATCH, VOCAB = 16, 2, 64
 
 
 def make(arch):
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=64)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+    )
     if arch == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            **common, num_key_value_heads=2, max_position_embeddings=SEQ)), ["q_proj", "v_proj"]
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**common, num_key_value_heads=2, max_position_embeddings=SEQ)
+        ), ["q_proj", "v_proj"]
     if arch == "qwen2":
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-            **common, num_key_value_heads=2, max_position_embeddings=SEQ)), ["q_proj", "v_proj"]
+        return transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**common, num_key_value_heads=2, max_position_embeddings=SEQ)
+        ), ["q_proj", "v_proj"]
     if arch == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ)), ["c_attn"]
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ
+            )
+        ), ["c_attn"]
     if arch == "bert":
-        return transformers.BertForMaskedLM(transformers.BertConfig(
-            **common, max_position_embeddings=SEQ)), ["query", "value"]
+        return transformers.BertForMaskedLM(
+            transformers.BertConfig(**common, max_position_embeddings=SEQ)
+        ), ["query", "value"]
     raise ValueError(arch)
 
 
@@ -43,7 +54,8 @@ def build(arch, lora):
     model.config.use_cache = False
     if lora:
         model = peft.get_peft_model(
-            model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+            model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+        )
     model.train()
     return model
 
@@ -56,8 +68,9 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
-SELECTIVE = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
-                              _selective_policy)
+SELECTIVE = functools.partial(
+    torch.utils.checkpoint.create_selective_checkpoint_contexts, _selective_policy
+)
 
 
 def session(policy):
@@ -120,8 +133,7 @@ def train(arch, lora, autocast, checkpoint=None, offload=None, by_ferry=False):
     for step in range(3):
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
         opt.zero_grad(set_to_none=True)
-        amp = (torch.autocast("cpu", dtype=torch.bfloat16) if autocast
-               else contextlib.nullcontext())
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with amp, ctx if ctx is not None else contextlib.nullcontext():
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()

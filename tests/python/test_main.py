@@ -44,13 +44,18 @@ def test_python_commands_are_listed_only_when_their_module_exists(tmp_path, monk
         "    return 7\n"
     )
     (tmp_path / "ferry_test_greet.py").write_text(
-        '"""``python -m ferry greet``: greets."""\ndef main(argv):\n    return 0\n')
+        '"""``python -m ferry greet``: greets."""\ndef main(argv):\n    return 0\n'
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(entry, "PYTHON_COMMANDS", {
-        "hello": "ferry_test_hello:main",
-        "absent": "ferry_test_no_such_module:main",
-        "greet": "ferry_test_greet:main",
-    })
+    monkeypatch.setattr(
+        entry,
+        "PYTHON_COMMANDS",
+        {
+            "hello": "ferry_test_hello:main",
+            "absent": "ferry_test_no_such_module:main",
+            "greet": "ferry_test_greet:main",
+        },
+    )
     assert entry.main(["--help"]) == 0
     text = capsys.readouterr().out
     assert re.search(r"^  hello\s+Says hello and returns 7\.$", text, re.MULTILINE), text
@@ -62,16 +67,22 @@ def test_python_commands_are_listed_only_when_their_module_exists(tmp_path, monk
     assert sys.modules["ferry_test_hello"].calls == [["--flag", "x"]]
 
 
-@pytest.mark.parametrize("args", [
-    ["simulate", "--model", "tiny-gpt", "--steps", "1"],
-    ["simulate", "--model", "tiny-gpt", "--policy", "lifo"],  # bad input: exit 2
-    ["compare", "--help"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["simulate", "--model", "tiny-gpt", "--steps", "1"],
+        ["simulate", "--model", "tiny-gpt", "--policy", "lifo"],  # bad input: exit 2
+        ["compare", "--help"],
+    ],
+)
 def test_cli_commands_give_the_binarys_output_and_exit_code(cli, args):
     direct = subprocess.run([cli, *args], capture_output=True, text=True, timeout=120)
     through = run_module(*args, env=env_with(FERRY_CLI=cli))
     assert (through.returncode, through.stdout, through.stderr) == (
-        direct.returncode, direct.stdout, direct.stderr)
+        direct.returncode,
+        direct.stdout,
+        direct.stderr,
+    )
     assert direct.stdout or direct.stderr
 
 
@@ -121,4 +132,5 @@ def test_a_missing_cli_names_every_place_searched(tmp_path, monkeypatch, capsys)
 
     assert entry.main(["--help"]) == 0  # the Python commands are still listed
     assert "Commands of the ferry CLI: none, the ferry CLI binary was not found" in (
-        capsys.readouterr().out)
+        capsys.readouterr().out
+    )

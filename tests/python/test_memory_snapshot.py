@@ -26,10 +26,22 @@ SCENARIOS = {
     "tiny-llama-trl": ["--model", "tiny-llama", "--policy", "trl"],
     "tiny-gpt-checkpoint": ["--model", "tiny-gpt", "--policy", "none", "--checkpoint", "every:1"],
     "llama3-8b-ferry": ["--model", "llama3-8b-s4096", "--policy", "ferry", "--steps", "1"],
-    "mlp-json-ferry": ["--model", os.path.join(MODELS, "mlp.json"), "--policy", "ferry",
-                       "--min-bytes", "0"],
-    "unused-branch-json-trl": ["--model", os.path.join(MODELS, "unused_branch.json"),
-                               "--policy", "trl", "--min-bytes", "0"],
+    "mlp-json-ferry": [
+        "--model",
+        os.path.join(MODELS, "mlp.json"),
+        "--policy",
+        "ferry",
+        "--min-bytes",
+        "0",
+    ],
+    "unused-branch-json-trl": [
+        "--model",
+        os.path.join(MODELS, "unused_branch.json"),
+        "--policy",
+        "trl",
+        "--min-bytes",
+        "0",
+    ],
 }
 ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom"}
 STATES = {"active_allocated", "active_pending_free", "inactive"}
@@ -39,7 +51,9 @@ def simulate(path, args):
     """Runs `ferry simulate ARGS --json --memory-snapshot PATH`; the --json document."""
     result = subprocess.run(
         [cli(), "simulate", *args, "--json", "--memory-snapshot", str(path)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)
@@ -87,8 +101,7 @@ def check_frames(frames, where):
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_snapshot_has_the_schema_pytorch_writes(runs, name):
     _, _, snap = runs[name]
-    assert list(snap) == ["segments", "device_traces", "allocator_settings",
-                          "external_annotations"]
+    assert list(snap) == ["segments", "device_traces", "allocator_settings", "external_annotations"]
     assert snap["external_annotations"] == []
     settings = snap["allocator_settings"]
     assert settings["PYTORCH_CUDA_ALLOC_CONF"] == ""
@@ -111,7 +124,8 @@ def test_snapshot_has_the_schema_pytorch_writes(runs, name):
         active = [b for b in seg["blocks"] if b["state"] != "inactive"]
         assert seg["active_size"] == sum(b["size"] for b in active), where
         assert seg["allocated_size"] == sum(
-            b["size"] for b in active if b["state"] == "active_allocated"), where
+            b["size"] for b in active if b["state"] == "active_allocated"
+        ), where
     times = []
     for i, e in enumerate(snap["device_traces"][0]):
         where = f"device_traces[0][{i}]"
@@ -148,8 +162,12 @@ def test_segments_are_the_state_where_the_trace_ends(runs, name):
         elif e["action"] == "segment_free":
             del segments[e["addr"]]
     assert segments == {s["address"]: s["total_size"] for s in snap["segments"]}
-    active = {b["address"]: b["size"] for s in snap["segments"] for b in s["blocks"]
-              if b["state"] != "inactive"}
+    active = {
+        b["address"]: b["size"]
+        for s in snap["segments"]
+        for b in s["blocks"]
+        if b["state"] != "inactive"
+    }
     assert blocks == active
     assert allocated == sum(active.values())
     assert reserved == sum(segments.values())
@@ -160,18 +178,28 @@ def check_program(path, program):
     loaded snapshot)."""
     result = subprocess.run(
         [cli(), "check", program, "--json", "--memory-snapshot", str(path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode in (0, 1), result.stdout + result.stderr
     with open(path, "rb") as f:
         return result.returncode, json.loads(result.stdout), pickle.load(f)
 
 
-@pytest.mark.parametrize("program", ["free_with_record_stream", "two_gpu_pipeline",
-                                     "record_stream_on_one_of_two_readers", "offload_step"])
+@pytest.mark.parametrize(
+    "program",
+    [
+        "free_with_record_stream",
+        "two_gpu_pipeline",
+        "record_stream_on_one_of_two_readers",
+        "offload_step",
+    ],
+)
 def test_check_writes_the_snapshot_of_a_program(tmp_path, program):
-    _, summary, snap = check_program(tmp_path / "p.pickle",
-                                     os.path.join(PROGRAMS, f"{program}.json"))
+    _, summary, snap = check_program(
+        tmp_path / "p.pickle", os.path.join(PROGRAMS, f"{program}.json")
+    )
     devices = summary["memory"]["devices"]
     assert len(snap["device_traces"]) == len(devices)
     for d, (trace, device) in enumerate(zip(snap["device_traces"], devices)):
@@ -183,8 +211,9 @@ def test_check_writes_the_snapshot_of_a_program(tmp_path, program):
 
 
 def test_record_stream_free_completes_after_the_other_streams_work(tmp_path):
-    _, summary, snap = check_program(tmp_path / "p.pickle",
-                                     os.path.join(PROGRAMS, "free_with_record_stream.json"))
+    _, summary, snap = check_program(
+        tmp_path / "p.pickle", os.path.join(PROGRAMS, "free_with_record_stream.json")
+    )
     assert summary["memory"]["devices"][0]["deferred_frees"] == 1
     trace = snap["device_traces"][0]
     requested = [i for i, e in enumerate(trace) if e["action"] == "free_requested"]
@@ -196,8 +225,9 @@ def test_record_stream_free_completes_after_the_other_streams_work(tmp_path):
 
 
 def test_out_of_memory_is_an_oom_event(tmp_path):
-    code, summary, snap = check_program(tmp_path / "oom.pickle",
-                                        os.path.join(REPO, "tests", "cli", "oom.json"))
+    code, summary, snap = check_program(
+        tmp_path / "oom.pickle", os.path.join(REPO, "tests", "cli", "oom.json")
+    )
     assert code == 1 and summary["memory"]["devices"][0]["ooms"] == 1
     ooms = [e for e in snap["device_traces"][0] if e["action"] == "oom"]
     assert len(ooms) == 1 and "addr" not in ooms[0]
@@ -219,9 +249,22 @@ def test_a_run_out_of_memory_ends_its_trace_with_the_oom(tmp_path):
     device.write_text(json.dumps(profile))
     path = tmp_path / "oom.pickle"
     result = subprocess.run(
-        [cli(), "simulate", "--model", "gpt2-small-s2048", "--device", str(device),
-         "--policy", "none", "--json", "--memory-snapshot", str(path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            cli(),
+            "simulate",
+            "--model",
+            "gpt2-small-s2048",
+            "--device",
+            str(device),
+            "--policy",
+            "none",
+            "--json",
+            "--memory-snapshot",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 1, result.stdout + result.stderr
     summary = json.loads(result.stdout)["result"]
@@ -251,8 +294,11 @@ def test_frames_name_the_call_and_the_layers(runs):
 @pytest.mark.parametrize("name", ["tiny-gpt-ferry", "mlp-json-ferry"])
 def test_memory_viz_draws_and_summarizes_it(runs, name):
     _, path, snap = runs[name]
-    for html in (_memory_viz.trace_plot(snap), _memory_viz.trace_plot(snap, plot_segments=True),
-                 _memory_viz.segment_plot(snap)):
+    for html in (
+        _memory_viz.trace_plot(snap),
+        _memory_viz.trace_plot(snap, plot_segments=True),
+        _memory_viz.segment_plot(snap),
+    ):
         assert html.startswith("\n<!DOCTYPE html>") and "snapshot.pickle" in html
     summary = _memory_viz.segsum(snap)
     assert f"segments: {len(snap['segments'])}" in summary
@@ -266,7 +312,9 @@ def test_memory_viz_draws_and_summarizes_it(runs, name):
     # As the command line tool reads it.
     result = subprocess.run(
         [os.sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "total_reserved" in result.stdout
@@ -276,8 +324,10 @@ def test_snapshot_uses_protocol_2_opcodes_only(runs):
     _, path, _ = runs["tiny-gpt-ferry"]
     data = path.read_bytes()
     opcodes = Counter(op.name for op, _, _ in pickletools.genops(data))
-    assert all(pickletools.opcodes[[o.name for o in pickletools.opcodes].index(n)].proto <= 2
-               for n in opcodes), opcodes
+    assert all(
+        pickletools.opcodes[[o.name for o in pickletools.opcodes].index(n)].proto <= 2
+        for n in opcodes
+    ), opcodes
     assert data[:2] == b"\x80\x02"
 
 
@@ -293,7 +343,9 @@ def test_same_input_gives_byte_identical_snapshots(tmp_path):
 def test_unwritable_path_is_bad_input(tmp_path, bad):
     result = subprocess.run(
         [cli(), "simulate", "--model", "tiny-gpt", "--memory-snapshot", str(tmp_path / bad)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "--memory-snapshot: cannot write" in result.stderr
@@ -301,9 +353,19 @@ def test_unwritable_path_is_bad_input(tmp_path, bad):
 
 def test_pipeline_says_it_has_no_snapshot(tmp_path):
     result = subprocess.run(
-        [cli(), "simulate", "--model", "tiny-gpt", "--devices", "2",
-         "--memory-snapshot", str(tmp_path / "p.pickle")],
-        capture_output=True, text=True, timeout=120,
+        [
+            cli(),
+            "simulate",
+            "--model",
+            "tiny-gpt",
+            "--devices",
+            "2",
+            "--memory-snapshot",
+            str(tmp_path / "p.pickle"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "no memory snapshot yet" in result.stderr
@@ -316,8 +378,7 @@ def test_golden_pickle_bytes_load_as_the_value_the_writer_was_given():
         data = bytes.fromhex(f.read().strip())
     value = pickle.loads(data)
     assert value == {
-        "ints": [0, 255, 256, 65535, 65536, -1, 2**31, -(2**31) - 1, 2**32, -(2**63),
-                 2**63 - 1],
+        "ints": [0, 255, 256, 65535, 65536, -1, 2**31, -(2**31) - 1, 2**32, -(2**63), 2**63 - 1],
         "float": -0.25,
         "flags": (True, False, None),
         "text": "caf\u00e9",
@@ -335,9 +396,20 @@ def test_plan_writes_the_snapshot_of_its_run(tmp_path, budget):
     """`ferry plan --memory-snapshot`: the plan's run, whose replayed peaks are the plan's."""
     path = tmp_path / "plan.pickle"
     result = subprocess.run(
-        [cli(), "plan", "--model", "tiny-llama", "--budget", budget, "--json",
-         "--memory-snapshot", str(path)],
-        capture_output=True, text=True, timeout=600,
+        [
+            cli(),
+            "plan",
+            "--model",
+            "tiny-llama",
+            "--budget",
+            budget,
+            "--json",
+            "--memory-snapshot",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
@@ -351,9 +423,19 @@ def test_plan_writes_the_snapshot_of_its_run(tmp_path, budget):
 
 def test_plan_sweep_has_no_snapshot(tmp_path):
     result = subprocess.run(
-        [cli(), "plan", "--model", "tiny-gpt", "--sweep", "2",
-         "--memory-snapshot", str(tmp_path / "s.pickle")],
-        capture_output=True, text=True, timeout=600,
+        [
+            cli(),
+            "plan",
+            "--model",
+            "tiny-gpt",
+            "--sweep",
+            "2",
+            "--memory-snapshot",
+            str(tmp_path / "s.pickle"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 2
     assert "not with --sweep" in result.stderr

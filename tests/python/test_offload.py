@@ -61,15 +61,15 @@ def test_transformer_block_grads_bitwise(policy, through_host):
 def views_fn(x, w):
     """Saves views of one fresh storage: transposed, broadcast, sliced with an offset,
     as_strided; and a non-contiguous view of another."""
-    a = x * 2.0                                   # (8, 16), fresh storage
-    y = (a.t() @ w).sum()                         # mm saves a.t() (non-contiguous)
-    e = a[:, :1].expand(8, 16)                    # broadcast, stride 0
-    y = y + (e * x).sum()                         # mul saves e and x
-    s = a[2:6, 3:]                                # offset 35 elements
-    y = y + s.sin().sum()                         # sin saves s
+    a = x * 2.0  # (8, 16), fresh storage
+    y = (a.t() @ w).sum()  # mm saves a.t() (non-contiguous)
+    e = a[:, :1].expand(8, 16)  # broadcast, stride 0
+    y = y + (e * x).sum()  # mul saves e and x
+    s = a[2:6, 3:]  # offset 35 elements
+    y = y + s.sin().sum()  # sin saves s
     st = torch.as_strided(a, (4, 3), (17, 5), 7)  # as_strided with an offset
-    y = y + st.cos().sum()                        # cos saves st
-    b = (x + 1.0).t()[1:, 2:]                     # non-contiguous with offset, own storage
+    y = y + st.cos().sum()  # cos saves st
+    b = (x + 1.0).t()[1:, 2:]  # non-contiguous with offset, own storage
     y = y + (b * b).sum()
     return y
 
@@ -438,9 +438,21 @@ def test_telemetry_fields():
     ctx = loopback("ferry")
     t = ctx.telemetry()
     assert set(t) == {
-        "packed", "offloaded", "kept", "deduplicated", "host_fallbacks", "prefetched",
-        "on_demand", "stash_hits", "record_stream_fallbacks", "kept_as_is", "past_horizon",
-        "bytes_d2h", "bytes_h2d", "pinned_bytes", "pinned_peak",
+        "packed",
+        "offloaded",
+        "kept",
+        "deduplicated",
+        "host_fallbacks",
+        "prefetched",
+        "on_demand",
+        "stash_hits",
+        "record_stream_fallbacks",
+        "kept_as_is",
+        "past_horizon",
+        "bytes_d2h",
+        "bytes_h2d",
+        "pinned_bytes",
+        "pinned_peak",
     }
     assert all(isinstance(v, int) and v == 0 for v in t.values())
 
@@ -515,7 +527,9 @@ def test_trl_clears_a_stale_tracker_on_entry():
 
 def test_trl_seed_tracker_not_cleared():
     ctx, model, x = step_with_an_unused_branch("trl-seed")
-    with pytest.raises(ValueError, match="Backward pass should have cleared tracker of all tensors"):
+    with pytest.raises(
+        ValueError, match="Backward pass should have cleared tracker of all tensors"
+    ):
         with ctx:
             loss_of(model(x))
 

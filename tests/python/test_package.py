@@ -11,9 +11,20 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 def build_ext(tmp_path, build_dir):
     env = dict(os.environ, FERRY_BUILD_DIR=str(build_dir))
     return subprocess.run(
-        [sys.executable, os.path.join(REPO, "real", "python", "setup.py"), "build_ext",
-         "--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "temp")],
-        capture_output=True, text=True, env=env, timeout=120)
+        [
+            sys.executable,
+            os.path.join(REPO, "real", "python", "setup.py"),
+            "build_ext",
+            "--build-lib",
+            str(tmp_path / "lib"),
+            "--build-temp",
+            str(tmp_path / "temp"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_a_build_without_the_module_target_is_refused_by_name(tmp_path):

@@ -29,23 +29,52 @@ SLACK = 1.005
 
 # Phi-3-mini-4k and Gemma-2-2b as their model cards' config.json give them (layers cut below).
 PHI3 = {
-    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
-    "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 32,
-    "num_hidden_layers": 32, "vocab_size": 32064, "max_position_embeddings": 4096,
-    "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
-    "hidden_act": "silu", "tie_word_embeddings": False, "sliding_window": 2047,
-    "attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "pad_token_id": 32000,
-    "bos_token_id": 1, "eos_token_id": 32000,
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "num_hidden_layers": 32,
+    "vocab_size": 32064,
+    "max_position_embeddings": 4096,
+    "original_max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "sliding_window": 2047,
+    "attention_dropout": 0.0,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "pad_token_id": 32000,
+    "bos_token_id": 1,
+    "eos_token_id": 32000,
 }
 GEMMA2 = {
-    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304,
-    "intermediate_size": 9216, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "head_dim": 256, "num_hidden_layers": 26, "vocab_size": 256000,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
-    "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
-    "sliding_window": 4096, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
-    "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0,
-    "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "num_hidden_layers": 26,
+    "vocab_size": 256000,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "pad_token_id": 0,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
 }
 
 
@@ -79,9 +108,23 @@ def traced(tmp_path_factory):
         cfg = root / f"{family}.json"
         cfg.write_text(json.dumps(_four_layers(config())))
         model = root / f"{family}.model.json"
-        status = _trace_cli.main([str(cfg), "--seq", "1024", "--batch", "1", "--dtype", "bf16",
-                                  "--optimizer", "adamw", "--attention", attention,
-                                  "--out", str(model)])
+        status = _trace_cli.main(
+            [
+                str(cfg),
+                "--seq",
+                "1024",
+                "--batch",
+                "1",
+                "--dtype",
+                "bf16",
+                "--optimizer",
+                "adamw",
+                "--attention",
+                attention,
+                "--out",
+                str(model),
+            ]
+        )
         assert status == 0, family
         out[family] = str(model)
     return out
@@ -99,8 +142,9 @@ PRESETS = ("llama3.2-3b-traced-s4096-b2", "gpt2-small-s1024", "llama3-8b-s8192")
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_ferry_is_no_slower_than_trl_with_tensors_larger_than_its_window(cli, device):
-    code, compare, err = _json(cli, "compare", "--model", "llama3-8b-s16384", "--device", device,
-                               "--no-checker")
+    code, compare, err = _json(
+        cli, "compare", "--model", "llama3-8b-s16384", "--device", device, "--no-checker"
+    )
     assert code == 0, err
     rows = {r["name"]: r for r in compare["rows"]}
     assert rows["ferry"]["step_time_ns"] <= rows["trl"]["step_time_ns"], rows["ferry"]
@@ -120,15 +164,20 @@ def test_plan_never_loses_to_a_fixed_row_and_ferry_to_trl(cli, traced, family, d
     assert rows["ferry + checkpoint"]["step_time_ns"] * 100 <= every["step_time_ns"] * 102
     for factor in FACTORS:
         budget = int(every["peak_reserved_bytes"] * factor)
-        code, plan, err = _json(cli, "plan", "--model", model, "--device", device,
-                                "--budget", str(budget))
+        code, plan, err = _json(
+            cli, "plan", "--model", model, "--device", device, "--budget", str(budget)
+        )
         assert code == 0, f"{family} on {device} at {factor}x: {err}"
         assert plan["hazards"] == 0
         assert plan["peak_reserved_bytes"] <= budget
-        fitting = [r for r in compare["rows"]
-                   if r["fits"] and r["failure"] is None and r["peak_reserved_bytes"] <= budget]
+        fitting = [
+            r
+            for r in compare["rows"]
+            if r["fits"] and r["failure"] is None and r["peak_reserved_bytes"] <= budget
+        ]
         fastest = min(fitting, key=lambda r: r["step_time_ns"])
         assert plan["step_time_ns"] <= fastest["step_time_ns"] * SLACK, (
             f"{family} on {device} at {factor}x: plan {plan['step_time_ns']} ns, "
-            f"{fastest['name']} {fastest['step_time_ns']} ns")
+            f"{fastest['name']} {fastest['step_time_ns']} ns"
+        )
         assert plan["lower_bound_ns"] <= plan["step_time_ns"]

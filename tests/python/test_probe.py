@@ -15,8 +15,12 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUNDLED = os.path.join(REPO, "scenarios", "devices", "h100-sxm-pcie5.json")
 SMALL = ["--device", "cpu", "--repeats", "3", "--bytes", "256KiB", "--matmul", "32x64x64"]
 # What a loopback probe cannot measure (docs/devices.md, "Measuring a device: ferry probe").
-LOOPBACK_ASSUMED = {"peer.bytes_per_s", "peer.latency_ns", "overheads_ns.event_query",
-                    "overheads_ns.host_access"}
+LOOPBACK_ASSUMED = {
+    "peer.bytes_per_s",
+    "peer.latency_ns",
+    "overheads_ns.event_query",
+    "overheads_ns.host_access",
+}
 
 
 def probe_files(tmp_path, stem="probed-cpu", *extra):
@@ -33,8 +37,9 @@ def probe_files(tmp_path, stem="probed-cpu", *extra):
 def layout(value, prefix=""):
     """The keys of a JSON document in order, with the type of each leaf."""
     if isinstance(value, dict):
-        return [item for k, v in value.items()
-                for item in [f"{prefix}{k}", *layout(v, f"{prefix}{k}.")]]
+        return [
+            item for k, v in value.items() for item in [f"{prefix}{k}", *layout(v, f"{prefix}{k}.")]
+        ]
     return [f"{prefix}:{type(value).__name__}"]
 
 
@@ -43,8 +48,9 @@ def test_loopback_profile_is_accepted_by_the_cli(tmp_path, cli):
     assert 'profile "probed-cpu": 21 keys measured, 4 assumed' in out.stdout
     path = tmp_path / "probed-cpu.json"
     for command in (["simulate", "--model", "tiny-gpt"], ["compare", "--model", "tiny-gpt"]):
-        run = subprocess.run([cli, *command, "--device", str(path)], capture_output=True,
-                             text=True, timeout=300)
+        run = subprocess.run(
+            [cli, *command, "--device", str(path)], capture_output=True, text=True, timeout=300
+        )
         assert run.returncode == 0, f"{command}: {run.stderr}"
     profile = json.loads(profile_text)
     assert profile["name"] == "probed-cpu"  # the --out file's name, as the format asks
@@ -83,8 +89,11 @@ def test_report_spreads_are_ordered_and_measured_keys_positive(tmp_path):
     assert assumed == LOOPBACK_ASSUMED
     for f in report["profile_keys"]:
         assert f["source"], f["key"]
-        if f["measured"] and not f["key"].startswith("overheads_ns.") \
-                and not f["key"].endswith("latency_ns"):
+        if (
+            f["measured"]
+            and not f["key"].startswith("overheads_ns.")
+            and not f["key"].endswith("latency_ns")
+        ):
             assert f["value"] > 0, f["key"]
 
 
@@ -96,13 +105,16 @@ def test_layout_is_the_same_from_run_to_run(tmp_path):
     _, profile_b, report_b = probe_files(second)
     # Values are measurements and differ; the keys, their order and the lines do not.
     assert layout(json.loads(profile_a)) == layout(json.loads(profile_b))
-    assert [line.split(":")[0] for line in profile_a.splitlines()] == \
-        [line.split(":")[0] for line in profile_b.splitlines()]
+    assert [line.split(":")[0] for line in profile_a.splitlines()] == [
+        line.split(":")[0] for line in profile_b.splitlines()
+    ]
     assert layout(report_a) == layout(report_b)
-    assert [m["key"] for m in report_a["measurements"]] == \
-        [m["key"] for m in report_b["measurements"]]
-    assert [f["key"] for f in report_a["profile_keys"]] == \
-        [f["key"] for f in report_b["profile_keys"]]
+    assert [m["key"] for m in report_a["measurements"]] == [
+        m["key"] for m in report_b["measurements"]
+    ]
+    assert [f["key"] for f in report_a["profile_keys"]] == [
+        f["key"] for f in report_b["profile_keys"]
+    ]
 
 
 def test_json_prints_the_report():
@@ -115,37 +127,44 @@ def test_json_prints_the_report():
 
 def test_python_function_returns_the_report_and_writes_the_profile(tmp_path):
     path = tmp_path / "fn.json"
-    report = ferry.probe("cpu", repeats=2, bytes="64KiB", matmul=(16, 16, 16), name="fn",
-                         out=str(path))
+    report = ferry.probe(
+        "cpu", repeats=2, bytes="64KiB", matmul=(16, 16, 16), name="fn", out=str(path)
+    )
     assert report["format"] == "ferry.probe/1" and report["repeats"] == 2
     with open(path, encoding="utf-8") as f:
         assert json.load(f) == report["profile"]
     assert report["profile"]["name"] == "fn"
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--repeats", "0"], "--repeats"),
-    (["--bytes", "12"], "--bytes"),
-    (["--bytes", "lots"], "--bytes"),
-    (["--matmul", "2x3"], "--matmul"),
-    (["--device", "tpu"], "--device"),
-    (["--name", "Bad"], "--name"),
-    (["--out", "/nonexistent/dir/p.json"], "--out"),
-    (["--bogus"], "--bogus"),
-])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--repeats", "0"], "--repeats"),
+        (["--bytes", "12"], "--bytes"),
+        (["--bytes", "lots"], "--bytes"),
+        (["--matmul", "2x3"], "--matmul"),
+        (["--device", "tpu"], "--device"),
+        (["--name", "Bad"], "--name"),
+        (["--out", "/nonexistent/dir/p.json"], "--out"),
+        (["--bogus"], "--bogus"),
+    ],
+)
 def test_bad_options_exit_2_naming_the_option(args, flag):
     out = run_module("probe", "--device", "cpu", *args)
     assert out.returncode == 2, out.stderr
     assert flag in out.stderr
 
 
-@pytest.mark.parametrize("options, word", [
-    ({"device": "tpu"}, "--device"),
-    ({"repeats": 0}, "--repeats"),
-    ({"name": "Bad"}, "name"),
-    ({"bytes": "12"}, "--bytes"),
-    ({"matmul": (1, 2)}, "matmul"),
-])
+@pytest.mark.parametrize(
+    "options, word",
+    [
+        ({"device": "tpu"}, "--device"),
+        ({"repeats": 0}, "--repeats"),
+        ({"name": "Bad"}, "name"),
+        ({"bytes": "12"}, "--bytes"),
+        ({"matmul": (1, 2)}, "matmul"),
+    ],
+)
 def test_bad_arguments_of_the_function_raise_value_error(options, word):
     with pytest.raises(ValueError, match=word):
         ferry.probe(**{"device": "cpu", **options})
@@ -153,8 +172,9 @@ def test_bad_arguments_of_the_function_raise_value_error(options, word):
 
 def test_the_cli_runs_the_probe_binary(cli):
     """`ferry probe` is the same command through the CLI binary (which runs ferry-probe)."""
-    run = subprocess.run([cli, "probe", *SMALL, "--json", "--quiet"], capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [cli, "probe", *SMALL, "--json", "--quiet"], capture_output=True, text=True, timeout=300
+    )
     if run.returncode == 127:
         pytest.skip(f"this CLI has no ferry-probe beside it: {run.stderr.strip()}")
     assert run.returncode == 0, run.stderr

@@ -19,11 +19,18 @@ def record_step(tmp_path, policy, steps=1, faults=()):
     # A zero-byte window and a one-tensor stash: originals leave the device during forward, so
     # backward reloads them and the reload synchronization matters.
     options = dict(
-        policy=policy, loopback=True, record=True, min_bytes=0, window_bytes=0,
+        policy=policy,
+        loopback=True,
+        record=True,
+        min_bytes=0,
+        window_bytes=0,
         max_fwd_stash_size=1,
     )
-    ctx = (ferry.testing.planted_offload(faults=faults, **options) if faults
-           else ferry.offload(**options))
+    ctx = (
+        ferry.testing.planted_offload(faults=faults, **options)
+        if faults
+        else ferry.offload(**options)
+    )
     ctx.update_model_params(model)
     for _ in range(steps):
         with ctx:
@@ -57,10 +64,13 @@ def test_planted_reload_fault_is_caught(tmp_path, policy):
 # workload: ferry's backward guard (no reload reuses a block freed too early) and the
 # record_stream fallback (no view escapes); trl's host guard protects a reuse on the same
 # single stream, already ordered.
-PLANTED = [("ferry", f) for f in ("skip_offload_wait", "skip_reload_wait", "skip_forward_guard",
-                                  "skip_host_guard")] + \
-          [("trl", f) for f in ("skip_offload_wait", "skip_reload_wait", "skip_forward_guard",
-                                "skip_backward_guard")]
+PLANTED = [
+    ("ferry", f)
+    for f in ("skip_offload_wait", "skip_reload_wait", "skip_forward_guard", "skip_host_guard")
+] + [
+    ("trl", f)
+    for f in ("skip_offload_wait", "skip_reload_wait", "skip_forward_guard", "skip_backward_guard")
+]
 
 
 @pytest.mark.parametrize("policy,fault", PLANTED)

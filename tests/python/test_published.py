@@ -18,14 +18,31 @@ from ferry_cli import cli as ferry_cli
 GIB = 1 << 30
 TOKENS = 2 * 4096
 LLAMA_3_2_3B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
-    "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "hidden_act": "silu",
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
-    "bos_token_id": 128000, "eos_token_id": 128001,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
 }
 # torchtune README, "Optimization flags": (peak active GiB, tokens per second).
 EAGER = (60.0, 7075)
@@ -42,10 +59,30 @@ def rows(tmp_path_factory):
     config = root / "llama-3.2-3b.json"
     config.write_text(json.dumps(LLAMA_3_2_3B))
     model = root / "model.json"
-    assert _trace_cli.main([str(config), "--seq", "4096", "--batch", "2", "--dtype", "bf16",
-                            "--optimizer", "adamw", "--out", str(model)]) == 0
-    run = subprocess.run([cli, "compare", "--model", str(model), "--device", "a100-pcie4",
-                          "--json"], capture_output=True, text=True, timeout=600)
+    assert (
+        _trace_cli.main(
+            [
+                str(config),
+                "--seq",
+                "4096",
+                "--batch",
+                "2",
+                "--dtype",
+                "bf16",
+                "--optimizer",
+                "adamw",
+                "--out",
+                str(model),
+            ]
+        )
+        == 0
+    )
+    run = subprocess.run(
+        [cli, "compare", "--model", str(model), "--device", "a100-pcie4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     return {r["name"]: r for r in json.loads(run.stdout)["rows"]}
 

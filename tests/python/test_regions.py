@@ -20,8 +20,10 @@ from models import MLP, TinyLM, loss_of
 P = tc.CheckpointPolicy
 OFFLOAD_ADDMM = functools.partial(
     tc.create_selective_checkpoint_contexts,
-    lambda ctx, op, *args, **kwargs: (P.MUST_CPU_OFFLOAD if op is torch.ops.aten.addmm.default
-                                      else P.PREFER_RECOMPUTE))
+    lambda ctx, op, *args, **kwargs: (
+        P.MUST_CPU_OFFLOAD if op is torch.ops.aten.addmm.default else P.PREFER_RECOMPUTE
+    ),
+)
 
 
 def torch_hooks():
@@ -69,14 +71,17 @@ def assert_no_region_left():
         ferry.checkpoint(MLP(), x, use_reentrant=False, context_fn=OFFLOAD_ADDMM)
 
 
-ORDERS = [(kinds, exits)
-          for n in (2, 3)
-          for kinds in itertools.product(("offload", "no_offload"), repeat=n)
-          for exits in itertools.permutations(range(n))]
+ORDERS = [
+    (kinds, exits)
+    for n in (2, 3)
+    for kinds in itertools.product(("offload", "no_offload"), repeat=n)
+    for exits in itertools.permutations(range(n))
+]
 
 
-@pytest.mark.parametrize("kinds,exits", ORDERS,
-                         ids=[f"{'-'.join(k)}:exit{''.join(map(str, e))}" for k, e in ORDERS])
+@pytest.mark.parametrize(
+    "kinds,exits", ORDERS, ids=[f"{'-'.join(k)}:exit{''.join(map(str, e))}" for k, e in ORDERS]
+)
 def test_regions_left_in_any_order_leave_both_stacks_as_the_open_ones_say(kinds, exits):
     regions = [make(kind) for kind in kinds]
     for region in regions:
@@ -245,8 +250,9 @@ REGIONS = {
     "ferry": lambda: ferry.offload(loopback=True, min_bytes=0),
     "ferry-window0": lambda: ferry.offload(loopback=True, min_bytes=0, window_bytes=0),
     "trl": lambda: ferry.offload(policy="trl", loopback=True, min_bytes=0),
-    "trl-window0": lambda: ferry.offload(policy="trl", loopback=True, min_bytes=0,
-                                         window_bytes=0, max_fwd_stash_size=1),
+    "trl-window0": lambda: ferry.offload(
+        policy="trl", loopback=True, min_bytes=0, window_bytes=0, max_fwd_stash_size=1
+    ),
     "no_offload": ferry.no_offload,
 }
 
@@ -289,8 +295,18 @@ def test_allow_mutation_on_saved_tensors_with_offload_model_and_a_step_before_ba
         model = TinyLM()
         x = torch.randn(2, 16, 32)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        ctx = (ferry.offload_model(model, policy=policy, loopback=True, min_bytes=0,
-                                   window_bytes=0, max_fwd_stash_size=1) if use_ferry else None)
+        ctx = (
+            ferry.offload_model(
+                model,
+                policy=policy,
+                loopback=True,
+                min_bytes=0,
+                window_bytes=0,
+                max_fwd_stash_size=1,
+            )
+            if use_ferry
+            else None
+        )
         with torch.autograd.graph.allow_mutation_on_saved_tensors():
             for _ in range(2):
                 opt.zero_grad()

@@ -42,8 +42,9 @@ def test_a_saved_tensor_changed_in_place_raises_torchs_error(policy, window_byte
 
     plain = _error(lambda: _mutated_after_save(contextlib.nullcontext()))
     options = {} if window_bytes is None else {"window_bytes": window_bytes}
-    ours = _error(lambda: _mutated_after_save(
-        ferry.offload(loopback=True, policy=policy, **options)))
+    ours = _error(
+        lambda: _mutated_after_save(ferry.offload(loopback=True, policy=policy, **options))
+    )
     assert MODIFIED in plain
     assert ours == plain
 
@@ -95,8 +96,12 @@ def test_an_optimizer_step_between_forward_and_backward_raises():
         loss.backward()
 
     plain = _error(lambda: step(copy.deepcopy(model), lambda m: contextlib.nullcontext()))
-    ours = _error(lambda: step(copy.deepcopy(model), lambda m: ferry.offload_model(
-        m, loopback=True, warn_if_no_head=False)))
+    ours = _error(
+        lambda: step(
+            copy.deepcopy(model),
+            lambda m: ferry.offload_model(m, loopback=True, warn_if_no_head=False),
+        )
+    )
     assert MODIFIED in plain
     # torch names the node of a view of a parameter changed in place as it finds it at unpack
     # (AsStridedBackward0, regenerated), ferry as it was at pack (TBackward0).
@@ -214,8 +219,9 @@ def test_a_dtensor_is_kept_and_counted(tmp_path):
     import torch.distributed as dist
     from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
     try:
         mesh = DeviceMesh("cpu", [0])
         x = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]).requires_grad_()
@@ -236,13 +242,14 @@ def test_the_property_finds_nothing_in_random_programs():
     failure = first_failure(range(PROPERTY_CASES))
     if failure is not None:
         program, plain, ours = failure
-        pytest.fail(f"ferry differs from plain torch on\n{program}\nplain: {plain[:2]} "
-                    f"{plain[2] if plain[0] == 'error' else ''}\nferry: {ours[:2]} "
-                    f"{ours[2] if ours[0] == 'error' else ''}")
+        pytest.fail(
+            f"ferry differs from plain torch on\n{program}\nplain: {plain[:2]} "
+            f"{plain[2] if plain[0] == 'error' else ''}\nferry: {ours[:2]} "
+            f"{ours[2] if ours[0] == 'error' else ''}"
+        )
 
 
-@pytest.mark.parametrize("fault", ["dedup_across_versions", "skip_version_check",
-                                   "drop_view_bits"])
+@pytest.mark.parametrize("fault", ["dedup_across_versions", "skip_version_check", "drop_view_bits"])
 def test_the_property_catches_each_planted_breach(fault, monkeypatch):
     # The synchronous device: a copy made at the pack holds the version packed. On the
     # asynchronous one a copy may run after a later in-place change, so a stale copy that a

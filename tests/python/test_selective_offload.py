@@ -49,8 +49,9 @@ class Count(TorchDispatchMode):
 def session(policy="ferry", **options):
     # A zero window and a one-tensor stash: every offloaded output leaves the device in forward
     # and comes back from its host copy.
-    return ferry.offload(policy=policy, loopback=True, min_bytes=0, window_bytes=0,
-                         max_fwd_stash_size=1, **options)
+    return ferry.offload(
+        policy=policy, loopback=True, min_bytes=0, window_bytes=0, max_fwd_stash_size=1, **options
+    )
 
 
 @pytest.mark.parametrize("policy", ["ferry", "trl"])
@@ -63,19 +64,28 @@ def test_gradients_equal_torch_checkpoint_and_plain(policy, make, must):
     plain, model, plain_x, x = twin(make, lambda: torch.randn(*shape))
     theirs, _, their_x, _ = twin(make, lambda: torch.randn(*shape))
     ctx = session(policy)
-    for step in range(2):
+    for _ in range(2):
         for m, v in ((plain, plain_x), (theirs, their_x), (model, x)):
             m.zero_grad(set_to_none=True)
             v.grad = None
         want = loss_of(plain(plain_x))
         want.backward()
-        torch_loss = loss_of(tc.checkpoint(theirs, their_x, use_reentrant=False,
-                                           context_fn=context))
+        torch_loss = loss_of(
+            tc.checkpoint(theirs, their_x, use_reentrant=False, context_fn=context)
+        )
         torch_loss.backward()
         # trl never hears of a release (as the reference): an output past the early stop,
         # never taken back, would stay tracked until the session is entered again.
-        got = loss_of(ferry.checkpoint(model, x, use_reentrant=False, context_fn=context,
-                                       offload=ctx, early_stop=policy == "ferry"))
+        got = loss_of(
+            ferry.checkpoint(
+                model,
+                x,
+                use_reentrant=False,
+                context_fn=context,
+                offload=ctx,
+                early_stop=policy == "ferry",
+            )
+        )
         got.backward()
         assert torch.equal(want, got) and torch.equal(torch_loss, got)
         assert_same_grads(plain, model, [plain_x], [x])
@@ -92,8 +102,9 @@ def run_counted(context, ctx=None, early_stop=False):
     forward, backward = Count(), Count()
     with forward:
         # No early stop: the whole region reruns in backward, the last Linear included.
-        out = ferry.checkpoint(model, x, use_reentrant=False, context_fn=context, offload=ctx,
-                               early_stop=early_stop)
+        out = ferry.checkpoint(
+            model, x, use_reentrant=False, context_fn=context, offload=ctx, early_stop=early_stop
+        )
     loss = loss_of(out)
     with backward:
         loss.backward()
@@ -157,8 +168,7 @@ def test_inside_no_offload_the_outputs_are_saved_and_without_a_session_it_is_ref
     model = MLP()
     x = torch.randn(8, 32, requires_grad=True)
     with ctx, ferry.no_offload():
-        out = ferry.checkpoint(model, x, use_reentrant=False, context_fn=context,
-                               early_stop=False)
+        out = ferry.checkpoint(model, x, use_reentrant=False, context_fn=context, early_stop=False)
     with Count() as backward:
         loss_of(out).backward()
     assert backward.runs.get(ADDMM, 0) == 0  # saved, not recomputed
@@ -181,9 +191,11 @@ def test_a_mutated_offloaded_output_is_refused_as_torch_refuses_a_saved_one():
         w = torch.randn(4, 4, requires_grad=True)
         context = functools.partial(
             tc.create_selective_checkpoint_contexts,
-            lambda ctx, op, *a, **k: choice if op is torch.ops.aten.mm.default
-            else P.PREFER_RECOMPUTE,
-            allow_cache_entry_mutation=allow)
+            lambda ctx, op, *a, **k: (
+                choice if op is torch.ops.aten.mm.default else P.PREFER_RECOMPUTE
+            ),
+            allow_cache_entry_mutation=allow,
+        )
         extra = {"offload": session()} if checkpoint is ferry.checkpoint else {}
         checkpoint(fn, v, w, use_reentrant=False, context_fn=context, **extra).sum().backward()
         return v.grad, w.grad
@@ -201,8 +213,9 @@ def test_a_second_backward_is_refused_as_torch_refuses_it():
     for checkpoint, extra in ((tc.checkpoint, {}), (ferry.checkpoint, {"offload": session()})):
         x = torch.randn(8, 32, requires_grad=True)
         # No early stop: every cached output is taken back by the first backward.
-        loss = loss_of(checkpoint(MLP(), x, use_reentrant=False, context_fn=context,
-                                  early_stop=False, **extra))
+        loss = loss_of(
+            checkpoint(MLP(), x, use_reentrant=False, context_fn=context, early_stop=False, **extra)
+        )
         if checkpoint is tc.checkpoint:
             # torch recomputes MUST_CPU_OFFLOAD in eager mode: nothing cached, twice is fine.
             loss.backward(retain_graph=True)
@@ -217,8 +230,13 @@ def test_forward_without_backward_leaves_nothing():
     ctx = session()
     states = ferry._C._live_checkpoint_states()
     x = torch.randn(8, 32, requires_grad=True)
-    out = ferry.checkpoint(MLP(), x, use_reentrant=False,
-                           context_fn=policy_of({ADDMM: P.MUST_CPU_OFFLOAD}), offload=ctx)
+    out = ferry.checkpoint(
+        MLP(),
+        x,
+        use_reentrant=False,
+        context_fn=policy_of({ADDMM: P.MUST_CPU_OFFLOAD}),
+        offload=ctx,
+    )
     assert ctx.tracked() == 3
     assert ferry._C._live_checkpoint_states() == states + 1
     del out
@@ -231,8 +249,7 @@ def test_backward_on_another_thread():
     ctx = session()
     context = policy_of({ADDMM: P.MUST_CPU_OFFLOAD, torch.ops.aten.bmm.default: P.MUST_SAVE})
     loss_of(ref(ref_x)).backward()
-    loss = loss_of(ferry.checkpoint(model, x, use_reentrant=False, context_fn=context,
-                                    offload=ctx))
+    loss = loss_of(ferry.checkpoint(model, x, use_reentrant=False, context_fn=context, offload=ctx))
     errors = []
 
     def run():
@@ -315,6 +332,8 @@ def test_cuda_selective_offload_overlaps_compute():
 
     copy_ms = timed(copies)
     hidden = compute_ms + copy_ms - offload_ms
-    print(f"selective offload: compute {compute_ms:.2f} ms, copies {copy_ms:.2f} ms, "
-          f"step {offload_ms:.2f} ms, hidden {hidden:.2f} ms")
+    print(
+        f"selective offload: compute {compute_ms:.2f} ms, copies {copy_ms:.2f} ms, "
+        f"step {offload_ms:.2f} ms, hidden {hidden:.2f} ms"
+    )
     assert hidden > 0.25 * min(compute_ms, copy_ms), (compute_ms, copy_ms, offload_ms)

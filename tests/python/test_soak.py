@@ -80,8 +80,7 @@ class Model(nn.Module):
 
     def forward(self, x):
         for block in self.blocks:
-            x = (ferry.checkpoint(block, x, use_reentrant=False) if self.checkpoint
-                 else block(x))
+            x = ferry.checkpoint(block, x, use_reentrant=False) if self.checkpoint else block(x)
         return x
 
 
@@ -101,8 +100,9 @@ def soak(offload=None, checkpoint=False, leak=None):
     ctx = None
     if offload is not None:
         # min_bytes=0 and a zero window: every saved activation is offloaded and reloaded.
-        ctx = ferry.offload(policy=offload, loopback=True, min_bytes=0, window_bytes=0,
-                            max_fwd_stash_size=1)
+        ctx = ferry.offload(
+            policy=offload, loopback=True, min_bytes=0, window_bytes=0, max_fwd_stash_size=1
+        )
         ctx.update_model_params(model)
     states = ferry._C._live_checkpoint_states()
     x = torch.randn(BATCH, WIDTH)
@@ -135,7 +135,8 @@ def soak(offload=None, checkpoint=False, leak=None):
                 gc_objects=len(gc.get_objects()),
                 live_nodes=sum(ref() is not None for ref in alive),
                 pool=(ctx.live_host_buffers(), ctx.telemetry()["pinned_bytes"])
-                if ctx is not None else None,
+                if ctx is not None
+                else None,
             )
     if ctx is not None:
         assert ctx.telemetry()["offloaded"] > 0
@@ -147,7 +148,8 @@ def assert_flat(warm, end):
     assert end["pool"] == warm["pool"], "the host pool grew after warm-up"
     assert end["gc_objects"] - warm["gc_objects"] <= GC_TOLERANCE, (warm, end)
     assert end["rss"] - warm["rss"] <= RSS_TOLERANCE, (
-        f"resident memory grew by {(end['rss'] - warm['rss']) / 1024:.0f} KiB after warm-up")
+        f"resident memory grew by {(end['rss'] - warm['rss']) / 1024:.0f} KiB after warm-up"
+    )
 
 
 def soak_in_a_fresh_process(config):
@@ -155,8 +157,9 @@ def soak_in_a_fresh_process(config):
     the process's: in a test process that already ran other suites (compiled models, transformers)
     the allocator's arenas move by megabytes for reasons of their own, so the soak gets a process
     of its own."""
-    done = subprocess.run([sys.executable, __file__, config], capture_output=True, text=True,
-                          timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, __file__, config], capture_output=True, text=True, timeout=600, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     samples = json.loads(done.stdout.strip().splitlines()[-1])
     return samples["warm"], samples["end"]

@@ -34,15 +34,23 @@ def checkpointed(model, x):
     return model.lm_head(model.ln_f(x))
 
 
-@pytest.mark.parametrize("mode,policy", [
-    ("offload", "ferry"), ("offload", "trl"), ("checkpoint", None),
-    ("offload+checkpoint", "ferry"), ("offload+checkpoint", "trl")])
+@pytest.mark.parametrize(
+    "mode,policy",
+    [
+        ("offload", "ferry"),
+        ("offload", "trl"),
+        ("checkpoint", None),
+        ("offload+checkpoint", "ferry"),
+        ("offload+checkpoint", "trl"),
+    ],
+)
 def test_forward_and_backward_on_different_threads(mode, policy):
     ref, model, ref_x, x = twin(TinyLM, lambda: torch.randn(2, 16, 32))
     ctx = None
     if "offload" in mode:
-        ctx = ferry.offload(policy=policy, loopback=True, min_bytes=0, window_bytes=0,
-                            max_fwd_stash_size=1)
+        ctx = ferry.offload(
+            policy=policy, loopback=True, min_bytes=0, window_bytes=0, max_fwd_stash_size=1
+        )
         ctx.update_model_params(model)
     forward = checkpointed if "checkpoint" in mode else (lambda m, v: m(v))
     for _ in range(2):

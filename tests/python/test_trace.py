@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from models import TinyLM, loss_of
 from ferry._trace import layer_of, trace
 from ferry_cli import cli
+from models import TinyLM, loss_of
 
 
 def real_packs(run, held=False):
@@ -47,8 +47,9 @@ def accepted_by_cli(traced, tmp_path):
     path = tmp_path / "model.json"
     traced.save(path)
     for command in (["simulate", "--policy", "ferry"], ["compare"]):
-        run = subprocess.run([cli(), *command, "--model", str(path)], capture_output=True,
-                             text=True)
+        run = subprocess.run(
+            [cli(), *command, "--model", str(path)], capture_output=True, text=True
+        )
         assert run.returncode == 0, (command, run.stderr)
 
 
@@ -111,8 +112,13 @@ def test_ops_are_named_by_module_path_and_aten_op_with_layers():
 
 @pytest.mark.parametrize(
     "path, layer",
-    [("model.layers.3.mlp.down_proj", 3), ("transformer.h.11.attn", 11), ("lm_head", -1),
-     ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default", 0), ("", -1)],
+    [
+        ("model.layers.3.mlp.down_proj", 3),
+        ("transformer.h.11.attn", 11),
+        ("lm_head", -1),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default", 0),
+        ("", -1),
+    ],
 )
 def test_layer_index_comes_from_the_module_path(path, layer):
     assert layer_of(path) == layer
@@ -259,8 +265,12 @@ def test_dropout_saves_the_mask_the_target_keeps():
 
     def saved_activations(traced):
         tensors = {t["name"]: t for t in traced.document["tensors"]}
-        return [(tensors[n]["dtype"], tensors[n]["bytes"]) for op in traced.document["ops"]
-                for n in op["saved"] if tensors[n]["role"] == "activation"]
+        return [
+            (tensors[n]["dtype"], tensors[n]["bytes"])
+            for op in traced.document["ops"]
+            for n in op["saved"]
+            if tensors[n]["role"] == "activation"
+        ]
 
     assert saved_activations(trace(model, x)) == [("u8", 32)]  # native_dropout: a byte each
     host = trace(model, x, target="host")
@@ -299,8 +309,10 @@ def test_ferry_exports_trace():
     import ferry
 
     model, x = tiny_lm()
-    assert ferry.trace(model, x, loss_fn=loss_of).to_json() == trace(
-        model, x, loss_fn=loss_of).to_json()
+    assert (
+        ferry.trace(model, x, loss_fn=loss_of).to_json()
+        == trace(model, x, loss_fn=loss_of).to_json()
+    )
 
 
 def test_save_writes_to_json(tmp_path):
@@ -311,7 +323,10 @@ def test_save_writes_to_json(tmp_path):
     assert text == traced.to_json()
     doc = json.loads(text)
     assert (doc["format"], doc["name"], list(doc)) == (
-        "ferry.model/1", "tiny", ["format", "name", "tensors", "ops", "loss"])
+        "ferry.model/1",
+        "tiny",
+        ["format", "name", "tensors", "ops", "loss"],
+    )
     assert doc["loss"] in doc["ops"][-1]["outputs"]
 
 
@@ -322,21 +337,39 @@ transformers = pytest.importorskip("transformers")
 
 def _hf_llama():
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def _hf_gpt2():
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512,
-                                     n_positions=256, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=512,
+        n_positions=256,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
 def _hf_bert():
-    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=128, vocab_size=512,
-                                     max_position_embeddings=256)
+    config = transformers.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
     return transformers.BertForMaskedLM(config)
 
 

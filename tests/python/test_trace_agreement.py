@@ -35,8 +35,11 @@ class _RMSNormFn(torch.autograd.Function):
         xhat = x.float() * rstd
         g = grad.float() * weight.float()
         dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        return dx.to(x.dtype), (grad.float() * xhat).sum(tuple(range(x.dim() - 1))).to(
-            weight.dtype), None
+        return (
+            dx.to(x.dtype),
+            (grad.float() * xhat).sum(tuple(range(x.dim() - 1))).to(weight.dtype),
+            None,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -218,8 +221,10 @@ def test_llama_trace_agrees_with_generator(shape, capsys):
 
     def report(layer, saved, fwd, bwd):
         with capsys.disabled():
-            print(f"\n{shape} layer {layer}: saved {saved} vs {want} ({saved / want - 1:+.3%}), "
-                  f"flops {fwd} vs {flops} ({fwd / flops - 1:+.3%}), backward {bwd}")
+            print(
+                f"\n{shape} layer {layer}: saved {saved} vs {want} ({saved / want - 1:+.3%}), "
+                f"flops {fwd} vs {flops} ({fwd / flops - 1:+.3%}), backward {bwd}"
+            )
 
     _agree(traced, want, flops, backward, report)
 
@@ -233,7 +238,9 @@ def test_gpt_trace_agrees_with_generator(shape, capsys):
 
     def report(layer, saved, fwd, bwd):
         with capsys.disabled():
-            print(f"\n{shape} layer {layer}: saved {saved} vs {want} ({saved / want - 1:+.3%}), "
-                  f"flops {fwd} vs {flops} ({fwd / flops - 1:+.3%}), backward {bwd}")
+            print(
+                f"\n{shape} layer {layer}: saved {saved} vs {want} ({saved / want - 1:+.3%}), "
+                f"flops {fwd} vs {flops} ({fwd / flops - 1:+.3%}), backward {bwd}"
+            )
 
     _agree(traced, want, flops, 2 * flops, report)

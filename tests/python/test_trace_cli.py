@@ -14,9 +14,15 @@ from ferry._trace import TracedModel, trace  # noqa: E402
 from ferry._trace_cli import bundled_configs, main  # noqa: E402
 
 TINY_LLAMA = {
-    "model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
-    "max_position_embeddings": 256, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
 }
 
 
@@ -87,8 +93,9 @@ def test_gradient_checkpointing_keeps_the_layer_inputs_and_recomputes(config, tm
 
 def test_gradient_checkpointing_saves_what_a_real_run_saves():
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
-        k: v for k, v in TINY_LLAMA.items() if k != "model_type"})).train()
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})
+    ).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, 512, (2, 64))
     traced = trace(model, ids, labels=ids)
@@ -109,16 +116,20 @@ def test_lora_trains_the_adapters_only(config, tmp_path):
     frozen = {t["name"]: t["role"] for t in tensors}
     assert frozen["base_model.model.model.layers.0.mlp.down_proj.weight"] == "buffer"
     state = sum(t["bytes"] for t in tensors if t["name"].startswith("optimizer."))
-    assert state == 2 * sum(t["bytes"] for t in tensors if t["role"] == "param"
-                            and "view_of" not in t)
+    assert state == 2 * sum(
+        t["bytes"] for t in tensors if t["role"] == "param" and "view_of" not in t
+    )
     accepted_by_cli(traced_from(out), tmp_path)
 
 
 def test_bundled_configs_are_selectable_by_name(tmp_path):
     assert bundled_configs() == ["gpt2", "llama3-70b", "llama3-8b", "mistral-7b", "qwen2.5-7b"]
     out, traced = run(tmp_path, "gpt2", "--seq", "16")
-    params = sum(t["bytes"] for t in traced.document["tensors"]
-                 if t["role"] == "param" and "view_of" not in t)
+    params = sum(
+        t["bytes"]
+        for t in traced.document["tensors"]
+        if t["role"] == "param" and "view_of" not in t
+    )
     assert params == 124_439_808 * 2  # GPT-2 small, bf16, head tied to the token embedding
     assert any(op.get("draws_rng") for op in traced.document["ops"])  # its dropout
     accepted_by_cli(traced_from(out), tmp_path)
@@ -134,13 +145,18 @@ def test_bundled_configs_have_the_published_parameter_counts(name):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     count = sum(p.numel() for p in model.parameters())
-    published = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
-                 "qwen2.5-7b": 7_615_616_512, "mistral-7b": 7_248_023_552}
+    published = {
+        "llama3-8b": 8_030_261_248,
+        "llama3-70b": 70_553_706_496,
+        "qwen2.5-7b": 7_615_616_512,
+        "mistral-7b": 7_248_023_552,
+    }
     assert count == published[name]
 
 
-def test_without_transformers_the_command_says_what_to_install(config, tmp_path, capsys,
-                                                               monkeypatch):
+def test_without_transformers_the_command_says_what_to_install(
+    config, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
     assert main([config, "--seq", "8", "--out", str(tmp_path / "x.json")]) == 2
     assert "needs the transformers package" in capsys.readouterr().err

@@ -84,8 +84,13 @@ def run(*args):
 # Every bundled program, the field pairs' of scenarios/programs/field/ included.
 @pytest.mark.parametrize(
     "program",
-    sorted(os.path.relpath(os.path.join(d, f), PROGRAMS)
-           for d, _, files in os.walk(PROGRAMS) for f in files if f.endswith(".json")))
+    sorted(
+        os.path.relpath(os.path.join(d, f), PROGRAMS)
+        for d, _, files in os.walk(PROGRAMS)
+        for f in files
+        if f.endswith(".json")
+    ),
+)
 def test_check_trace(tmp_path, program):
     path = tmp_path / "trace.json"
     source = json.loads(open(os.path.join(PROGRAMS, program)).read())
@@ -109,8 +114,17 @@ def test_simulate_trace(tmp_path, checkpoint):
     path = tmp_path / "trace.json"
     # No offload horizon: the small model's tensors all go to pinned host memory (with the
     # horizon the link derives, none of them would), so the trace has both memory counters.
-    result = run("simulate", "--model", os.path.join(MODELS, "mlp.json"), "--checkpoint",
-                 checkpoint, "--horizon", "none", "--trace", str(path))
+    result = run(
+        "simulate",
+        "--model",
+        os.path.join(MODELS, "mlp.json"),
+        "--checkpoint",
+        checkpoint,
+        "--horizon",
+        "none",
+        "--trace",
+        str(path),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     processes, threads, counters = validate(path)
     labels = Counter(threads.values())
@@ -122,8 +136,15 @@ def test_simulate_trace(tmp_path, checkpoint):
 
 def test_pipeline_trace_is_refused_not_silently_missing(tmp_path):
     path = tmp_path / "trace.json"
-    result = run("simulate", "--model", os.path.join(MODELS, "mlp.json"), "--devices", "2",
-                 "--trace", str(path))
+    result = run(
+        "simulate",
+        "--model",
+        os.path.join(MODELS, "mlp.json"),
+        "--devices",
+        "2",
+        "--trace",
+        str(path),
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "has no trace yet" in result.stderr
     assert not path.exists()
@@ -132,8 +153,10 @@ def test_pipeline_trace_is_refused_not_silently_missing(tmp_path):
 def test_validator_catches_malformed_traces(tmp_path):
     """The checks above are not vacuous: each defect of the format, planted, fails them."""
     good = tmp_path / "good.json"
-    assert run("check", os.path.join(PROGRAMS, "offload_step.json"), "--trace",
-               str(good)).returncode == 0
+    assert (
+        run("check", os.path.join(PROGRAMS, "offload_step.json"), "--trace", str(good)).returncode
+        == 0
+    )
     validate(good)
     events = events_of(good)
     thread = next(e for e in events if e["name"] == "thread_name")

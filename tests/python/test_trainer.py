@@ -22,13 +22,25 @@ SEQ, BATCH, VOCAB, STEPS, LAYERS = 16, 2, 64, 3, 2
 
 def llama(lora=False):
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
-        intermediate_size=64, num_key_value_heads=2, max_position_embeddings=SEQ))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+        )
+    )
     model.config.use_cache = False
     if lora:
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        model = peft.get_peft_model(
+            model,
+            peft.LoraConfig(
+                r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+            ),
+        )
     return model
 
 
@@ -66,8 +78,11 @@ def calls(monkeypatch):
     for name in ("_non_reentrant", "_reentrant"):
         monkeypatch.setattr(_checkpoint, name, spy(getattr(_checkpoint, name), name))
     # What the model's own enable binds (transformers.modeling_utils imports torch's checkpoint).
-    monkeypatch.setattr(transformers.modeling_utils, "checkpoint",
-                        spy(transformers.modeling_utils.checkpoint, "torch"))
+    monkeypatch.setattr(
+        transformers.modeling_utils,
+        "checkpoint",
+        spy(transformers.modeling_utils.checkpoint, "torch"),
+    )
     return counts
 
 
@@ -76,13 +91,25 @@ def train(tmp_path, lora, by_ferry, flags):
     if by_ferry:
         ferry.enable_gradient_checkpointing(model)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
-        learning_rate=0.05, report_to=[], use_cpu=True, save_strategy="no",
-        logging_strategy="no", seed=0, **flags)
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=0.05,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        seed=0,
+        **flags,
+    )
     ids = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ), generator=torch.Generator().manual_seed(1))
     grads = Grads()
-    trainer = Losses(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t}
-                                                            for t in ids], callbacks=[grads])
+    trainer = Losses(
+        model=model,
+        args=args,
+        train_dataset=[{"input_ids": t, "labels": t} for t in ids],
+        callbacks=[grads],
+    )
     trainer.losses = []
     trainer.train()
     return trainer.losses, grads.steps
@@ -91,7 +118,8 @@ def train(tmp_path, lora, by_ferry, flags):
 FLAGS = {
     "gradient_checkpointing": dict(gradient_checkpointing=True),
     "activation_checkpointing-reentrant": dict(
-        activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}),
+        activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}
+    ),
 }
 
 
@@ -117,8 +145,11 @@ def test_the_trainer_flag_keeps_ferry_checkpoint(tmp_path, calls, lora, flags):
 
 def checkpoint_funcs(model):
     """The checkpoint function of each layer that checkpoints."""
-    return [m._gradient_checkpointing_func for m in model.modules()
-            if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    return [
+        m._gradient_checkpointing_func
+        for m in model.modules()
+        if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+    ]
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -126,22 +157,29 @@ def checkpoint_funcs(model):
 def test_enabling_again_merges_its_keywords_over_ferry_ones(lora):
     model = llama(lora)
     session = ferry.offload(loopback=True)
-    ferry.enable_gradient_checkpointing(model, context_fn=_checkpoint._no_context,
-                                        offload=session)
+    ferry.enable_gradient_checkpointing(model, context_fn=_checkpoint._no_context, offload=session)
     model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False})
+        gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False}
+    )
     funcs = checkpoint_funcs(model)
     assert len(funcs) == LAYERS
     for func in funcs:
         assert isinstance(func, functools.partial) and func.func is ferry.checkpoint
-        assert func.keywords == {"use_reentrant": False, "context_fn": _checkpoint._no_context,
-                                 "offload": session, "preserve_rng_state": False}
+        assert func.keywords == {
+            "use_reentrant": False,
+            "context_fn": _checkpoint._no_context,
+            "offload": session,
+            "preserve_rng_state": False,
+        }
     # The Trainer's way, every other layer; then without keywords: ferry's own again.
     model.activation_checkpointing_enable(every_n_layers=2)
     funcs = checkpoint_funcs(model)
     assert len(funcs) == 1 and funcs[0].func is ferry.checkpoint
-    assert funcs[0].keywords == {"use_reentrant": False, "context_fn": _checkpoint._no_context,
-                                 "offload": session}
+    assert funcs[0].keywords == {
+        "use_reentrant": False,
+        "context_fn": _checkpoint._no_context,
+        "offload": session,
+    }
     # Disabled the model's way, enabled again: ferry's.
     model.gradient_checkpointing_disable()
     assert checkpoint_funcs(model) == []

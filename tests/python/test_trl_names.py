@@ -15,8 +15,9 @@ from test_program import check
 
 @pytest.mark.parametrize("policy", ["ferry", "trl"])
 def test_offload_activations_trains_like_plain(policy):
-    ctx = ferry.OffloadActivations(min_offload_size=0, max_fwd_stash_size=1, policy=policy,
-                                   loopback=True, window_bytes=0)
+    ctx = ferry.OffloadActivations(
+        min_offload_size=0, max_fwd_stash_size=1, policy=policy, loopback=True, window_bytes=0
+    )
     assert isinstance(ctx, ferry.offload)
     check_against_plain(MLP, lambda: torch.randn(8, 32), ctx, steps=3)
     assert ctx.telemetry()["offloaded"] > 0
@@ -54,8 +55,15 @@ def test_use_pin_memory_false_is_refused_with_the_reason():
 
 @pytest.mark.parametrize("policy", ["ferry", "trl"])
 def test_without_streams_copies_run_on_the_compute_stream(tmp_path, policy):
-    ctx = ferry.offload(policy=policy, loopback=True, use_streams=False, record=True,
-                        min_bytes=0, window_bytes=0, max_fwd_stash_size=1)
+    ctx = ferry.offload(
+        policy=policy,
+        loopback=True,
+        use_streams=False,
+        record=True,
+        min_bytes=0,
+        window_bytes=0,
+        max_fwd_stash_size=1,
+    )
     check_against_plain(MLP, lambda: torch.randn(8, 32), ctx, steps=2)
     program = json.loads(ctx.program_json())
     assert len(program["streams"]) == 1  # the compute stream only
@@ -116,8 +124,9 @@ def test_parameters_are_recognised_as_torch_does(policy):
     weight = nn.Parameter(torch.randn(64, 64))
     frozen = nn.Parameter(torch.randn(1, 64), requires_grad=False)
     x = torch.randn(64, 64, requires_grad=True)
-    ctx = ferry.offload(policy=policy, loopback=True, min_bytes=0, window_bytes=0,
-                        max_fwd_stash_size=1)
+    ctx = ferry.offload(
+        policy=policy, loopback=True, min_bytes=0, window_bytes=0, max_fwd_stash_size=1
+    )
     with ctx:
         loss = (x * weight * frozen).sum()  # saves x, weight and frozen
     t = ctx.telemetry()

@@ -140,8 +140,9 @@ def test_validate_a_module():
 
 
 def test_cli_table_for_a_factory(capsys):
-    code = _validate_cli.main(["test_validate:small_factory", "--policy", "ferry",
-                               "--policy", "checkpoint"])
+    code = _validate_cli.main(
+        ["test_validate:small_factory", "--policy", "ferry", "--policy", "checkpoint"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "model test_validate:small_factory, 2 steps" in out
@@ -154,8 +155,9 @@ def test_cli_table_for_a_factory(capsys):
 
 def test_cli_json(capsys, tmp_path):
     kept = tmp_path / "gpt.json"
-    code = _validate_cli.main(["gpt", "--policy", "trl", "--steps", "1", "--json",
-                               "--keep", str(kept)])
+    code = _validate_cli.main(
+        ["gpt", "--policy", "trl", "--steps", "1", "--json", "--keep", str(kept)]
+    )
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     assert json.loads(kept.read_text())["format"] == "ferry.model/1"
@@ -175,13 +177,16 @@ def test_cli_exit_1_on_a_mismatch(capsys, monkeypatch):
     assert "MISMATCH none: packed: real 111, simulated 113" in out
 
 
-@pytest.mark.parametrize("model, message", [
-    ("no-such-example", "neither a bundled example (gpt, llama, gpt2, bert) nor a factory"),
-    ("no_such_module_xyz:make", "cannot import no_such_module_xyz"),
-    ("test_validate:missing", "test_validate has no function missing"),
-    ("test_validate:not_a_pair", "returned Small, not (model, inputs[, loss_fn])"),
-    (":make", "a factory is written pkg.module:function"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("no-such-example", "neither a bundled example (gpt, llama, gpt2, bert) nor a factory"),
+        ("no_such_module_xyz:make", "cannot import no_such_module_xyz"),
+        ("test_validate:missing", "test_validate has no function missing"),
+        ("test_validate:not_a_pair", "returned Small, not (model, inputs[, loss_fn])"),
+        (":make", "a factory is written pkg.module:function"),
+    ],
+)
 def test_bad_model_argument(capsys, model, message):
     assert _validate_cli.main([model]) == 2
     err = capsys.readouterr().err
@@ -208,8 +213,9 @@ def test_expanded_view_at_the_size_threshold():
     # logical bytes against min_bytes (1024) and offloads it; the model format has one size, the
     # bytes it covers (512), so the simulator keeps it. Without the offload horizon, which
     # counts bytes in pack order and so would carry the difference on to later packs.
-    report = validate("test_validate:bert_without_token_types", policies=["ferry"], steps=2,
-                      horizon="none")
+    report = validate(
+        "test_validate:bert_without_token_types", policies=["ferry"], steps=2, horizon="none"
+    )
     real = report["policies"]["ferry"]["real"]
     assert report["policies"]["ferry"]["mismatches"] == [
         f"offloaded: real {real['offloaded']}, simulated {real['offloaded'] - 2}",

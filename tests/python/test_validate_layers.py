@@ -25,11 +25,14 @@ def _layers(report, policy):
 
 # The Hugging Face Llama's checkpointed layers pack their rotary tables differently in the real
 # run (a keyword argument; docs/validation.md, "Known differences"): offload policies only.
-@pytest.mark.parametrize("model, policies", [
-    ("gpt", ["none", "ferry", "trl", "checkpoint", "ferry+checkpoint"]),
-    ("gpt2", ["none", "ferry", "trl", "checkpoint", "ferry+checkpoint"]),
-    ("llama", ["none", "ferry", "trl"]),
-])
+@pytest.mark.parametrize(
+    "model, policies",
+    [
+        ("gpt", ["none", "ferry", "trl", "checkpoint", "ferry+checkpoint"]),
+        ("gpt2", ["none", "ferry", "trl", "checkpoint", "ferry+checkpoint"]),
+        ("llama", ["none", "ferry", "trl"]),
+    ],
+)
 @pytest.mark.parametrize("horizon", ["auto", "none"])
 def test_every_layer_decides_alike(model, policies, horizon):
     report = validate(model, policies=policies, steps=2, horizon=horizon)
@@ -77,8 +80,7 @@ def test_a_tensor_charged_to_another_layer_is_caught_by_layer():
 
 
 def test_layer_counters_are_the_ones_compared():
-    assert _validate.LAYER_COUNTERS == ("packed", "offloaded", "kept", "deduplicated",
-                                        "recomputed")
+    assert _validate.LAYER_COUNTERS == ("packed", "offloaded", "kept", "deduplicated", "recomputed")
 
 
 def test_checkpointed_layers_are_recomputed_alike():

@@ -212,9 +212,10 @@ class offload(_Region):
     ``window_bytes``, ``prefetch_bytes``, ``host_cap``, ``dedup``, ``prefetch`` and
     ``horizon_bytes`` tune the ferry policy (``horizon_bytes``: the bytes one forward may copy
     out before the rest of its saved tensors stay on the device, as ``ferry compare`` derives it
-    from the link; Note [Offload horizon]). Pinning is refused when it would leave less than ``host_reserve_bytes`` (1 GiB)
-    of the host's available memory: ferry then keeps the tensor on the device (counted in
-    ``host_fallbacks``), trl raises. ``loopback=True`` treats CPU tensors as device tensors (no GPU needed);
+    from the link; Note [Offload horizon]). Pinning is refused when it would leave less than
+    ``host_reserve_bytes`` (1 GiB) of the host's available memory: ferry then keeps the tensor
+    on the device (counted in ``host_fallbacks``), trl raises. ``loopback=True`` treats CPU
+    tensors as device tensors (no GPU needed);
     its streams run synchronously, or with ``FERRY_LOOPBACK=async[:SEED[:MAX_DELAY_US]]`` in the
     environment on worker threads with seeded delays, where a missing wait shows as NaN
     gradients (docs/real.md, "The asynchronous loopback device");
@@ -266,7 +267,7 @@ class offload(_Region):
     ):
         self._plan_run = None
         if plan is not None:
-            from ._plan_apply import offload_options, load_plan
+            from ._plan_apply import load_plan, offload_options
 
             plan = load_plan(plan)
             fixed = offload_options(plan)

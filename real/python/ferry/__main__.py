@@ -145,13 +145,18 @@ def main(argv=None):
     try:
         cli = find_cli()
     except CliNotFound as e:
-        print(f"python -m ferry: '{name}' is no command of the Python package, and {e}",
-              file=sys.stderr)
+        print(
+            f"python -m ferry: '{name}' is no command of the Python package, and {e}",
+            file=sys.stderr,
+        )
         return EXIT_NO_CLI
     known = [n for n, _ in cli_commands(cli)]
     if name not in known:
-        print(f"python -m ferry: unknown command '{name}' (commands: "
-              f"{', '.join(known + sorted(ours))}; see python -m ferry --help)", file=sys.stderr)
+        print(
+            f"python -m ferry: unknown command '{name}' (commands: "
+            f"{', '.join(known + sorted(ours))}; see python -m ferry --help)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     sys.stdout.flush()
     sys.stderr.flush()

@@ -15,7 +15,8 @@ from ._plan_apply import PlanError, load_plan
 EXIT_INFEASIBLE = 1
 # How `ferry plan` names the floor when it refuses a budget below it.
 _FLOOR = re.compile(
-    r"the floor \(the smallest peak reserved the planner reached\) is [^(]*\((\d+) bytes\)")
+    r"the floor \(the smallest peak reserved the planner reached\) is [^(]*\((\d+) bytes\)"
+)
 
 
 class AutoOffload(offload):
@@ -43,7 +44,7 @@ def check_budget(value, what):
     rest."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise TypeError(
-            f"{what}: {value!r} is not a byte count; give a string such as \"40GiB\" or an "
+            f'{what}: {value!r} is not a byte count; give a string such as "40GiB" or an '
             "integer number of bytes"
         )
     if isinstance(value, str) and not value.strip():
@@ -64,8 +65,16 @@ def run_planner(model_path, budget, out_path, device=None, host_budget=None):
         cli = find_cli()
     except CliNotFound as e:
         raise PlanError(f"ferry.auto: {e}") from None
-    command = [cli, "plan", "--model", os.fspath(model_path), "--budget", str(budget),
-               "--out", os.fspath(out_path)]
+    command = [
+        cli,
+        "plan",
+        "--model",
+        os.fspath(model_path),
+        "--budget",
+        str(budget),
+        "--out",
+        os.fspath(out_path),
+    ]
     if device is not None:
         command += ["--device", str(device)]
     if host_budget is not None:
@@ -75,8 +84,11 @@ def run_planner(model_path, budget, out_path, device=None, host_budget=None):
         said = " / ".join((done.stderr.strip() or done.stdout.strip()).splitlines())
         floor = _FLOOR.search(said) if done.returncode == EXIT_INFEASIBLE else None
         # Without a floor the planner says why the plans that reached the budget failed.
-        what = ("the budget is below the floor" if floor else "no plan fits the budget") if (
-            done.returncode == EXIT_INFEASIBLE) else f"exit code {done.returncode}"
+        what = (
+            ("the budget is below the floor" if floor else "no plan fits the budget")
+            if (done.returncode == EXIT_INFEASIBLE)
+            else f"exit code {done.returncode}"
+        )
         error = PlanError(f"ferry.auto: ferry plan refused ({what}): " + said)
         error.exit_code = done.returncode
         error.floor = int(floor.group(1)) if floor else None
@@ -84,8 +96,16 @@ def run_planner(model_path, budget, out_path, device=None, host_budget=None):
     return done.stdout
 
 
-def auto(model, *example_inputs, budget="40GiB", device=None, loss_fn=None, host_budget=None,
-         loopback=None, **options):
+def auto(
+    model,
+    *example_inputs,
+    budget="40GiB",
+    device=None,
+    loss_fn=None,
+    host_budget=None,
+    loopback=None,
+    **options,
+):
     """Traces one training step of ``model`` on ``example_inputs``, plans it with ``ferry plan``
     to fit ``budget`` (peak reserved device memory: ``"40GiB"``, bytes, ...) on the device
     profile ``device`` (the CLI's default when None), and returns an ``AutoOffload`` that

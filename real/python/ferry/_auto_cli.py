@@ -21,7 +21,8 @@ def _parser():
         prog="python -m ferry auto",
         description="Trace a Hugging Face config (every option of `python -m ferry trace`), then "
         "plan it with `ferry plan` under a budget of peak reserved device memory.",
-        epilog="The other options are those of `python -m ferry trace` (see its --help).")
+        epilog="The other options are those of `python -m ferry trace` (see its --help).",
+    )
     parser.add_argument("--budget", required=True, help="device budget: 40GiB, 4e10, ...")
     parser.add_argument("--device", help="the device profile to plan for (the CLI's default)")
     parser.add_argument("--host-budget", help="pinned host memory budget")
@@ -51,15 +52,15 @@ def main(argv=None):
         return EXIT_NO_CLI
     trace_args = _trace_cli._parser().parse_args(rest)
     if trace_args.out == "-":
-        print("python -m ferry auto: --out must name a file (the planner reads it)",
-              file=sys.stderr)
+        print(
+            "python -m ferry auto: --out must name a file (the planner reads it)", file=sys.stderr
+        )
         return 2
     code = _trace_cli.main(rest)
     if code != 0:
         return code
     try:
-        report = run_planner(trace_args.out, args.budget, args.plan, args.device,
-                             args.host_budget)
+        report = run_planner(trace_args.out, args.budget, args.plan, args.device, args.host_budget)
     except PlanError as e:
         print(f"python -m ferry auto: {e}", file=sys.stderr)
         return e.exit_code

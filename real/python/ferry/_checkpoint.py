@@ -41,8 +41,9 @@ _OFFLOAD = (_Policy.MUST_CPU_OFFLOAD, _Policy.PREFER_CPU_OFFLOAD)
 
 
 def _decide(policy_fn, is_recompute, func, args, kwargs):
-    policy = policy_fn(_tc.SelectiveCheckpointContext(is_recompute=is_recompute), func, *args,
-                       **kwargs)
+    policy = policy_fn(
+        _tc.SelectiveCheckpointContext(is_recompute=is_recompute), func, *args, **kwargs
+    )
     if isinstance(policy, bool):  # the older boolean policies: True saves
         policy = _Policy.MUST_SAVE if policy else _Policy.PREFER_RECOMPUTE
     return policy
@@ -111,7 +112,8 @@ class _SelectiveForward(TorchDispatchMode):
             self._storage[func].append(tree_map(self._offload, out))
         elif policy in _SAVE or policy in _OFFLOAD:
             self._storage[func].append(
-                tree_map(lambda x: _tc._VersionWrapper(_tc._maybe_detach(x, aliases)), out))
+                tree_map(lambda x: _tc._VersionWrapper(_tc._maybe_detach(x, aliases)), out)
+            )
         return out
 
     def _offload(self, x):
@@ -275,17 +277,27 @@ def checkpoint(
         return _reentrant(fn, preserve_rng_state, *args)
     debug = _debug_enabled(debug)
     if debug and context_fn is not _no_context:
-        raise ValueError("ferry.checkpoint: debug=True is incompatible with a non-default context_fn")
+        raise ValueError(
+            "ferry.checkpoint: debug=True is incompatible with a non-default context_fn"
+        )
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     return _non_reentrant(
-        fn, args, kwargs, context_fn, determinism_check, _global_early_stop(early_stop),
-        preserve_rng_state, offload, debug,
+        fn,
+        args,
+        kwargs,
+        context_fn,
+        determinism_check,
+        _global_early_stop(early_stop),
+        preserve_rng_state,
+        offload,
+        debug,
     )
 
 
-def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, preserve,
-                   offload=None, debug=False):
+def _non_reentrant(
+    fn, args, kwargs, context_fn, determinism_check, early_stop, preserve, offload=None, debug=False
+):
     unpack = _C._unpack
     if debug:
         # The ops of the forward and of the latest recomputation, shown when the determinism
@@ -334,8 +346,15 @@ def _non_reentrant(fn, args, kwargs, context_fn, determinism_check, early_stop, 
     # The replay restores the random state of the CUDA devices the forward saw: a forward that
     # first initializes CUDA has no state to restore, which torch refuses too.
     had_cuda = torch.cuda.is_initialized()
-    token = _runtime_call(_C._frame_begin, replay, inputs, early_stop,
-                          determinism_check == "default", preserve, handles is None)
+    token = _runtime_call(
+        _C._frame_begin,
+        replay,
+        inputs,
+        early_stop,
+        determinism_check == "default",
+        preserve,
+        handles is None,
+    )
     try:
         with forward_context, saved_tensors_hooks(_C._pack, unpack):
             out = fn(*args, **kwargs)
@@ -499,7 +518,9 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
     start = 0
     for _ in range(segments - 1):
         input = checkpoint(
-            run(start, start + size), input, use_reentrant=use_reentrant,
+            run(start, start + size),
+            input,
+            use_reentrant=use_reentrant,
             preserve_rng_state=preserve,
         )
         start += size

@@ -68,32 +68,44 @@ def load_plan(plan):
         if not isinstance(op, dict) or not isinstance(op.get("name"), str) or not op["name"]:
             _fail(f"{where}: ops[{i}]", "needs a non-empty string name")
         if op.get("saved") not in _DECISIONS:
-            _fail(f"{where}: ops[{i}].saved",
-                  f"unknown decision {op.get('saved')!r} (allowed: {', '.join(_DECISIONS)})")
+            _fail(
+                f"{where}: ops[{i}].saved",
+                f"unknown decision {op.get('saved')!r} (allowed: {', '.join(_DECISIONS)})",
+            )
     regions = plan.get("regions", [])
     if not isinstance(regions, list):
         _fail(f"{where}: regions", "must be a list")
     end = 0
     for r, region in enumerate(regions):
         first, stop = region.get("first_op"), region.get("end_op")
-        if not isinstance(first, int) or not isinstance(stop, int) or not 0 <= first < stop <= len(
-                ops):
-            _fail(f"{where}: regions[{r}]",
-                  f"needs 0 <= first_op < end_op <= {len(ops)}, got {first!r}, {stop!r}")
+        if (
+            not isinstance(first, int)
+            or not isinstance(stop, int)
+            or not 0 <= first < stop <= len(ops)
+        ):
+            _fail(
+                f"{where}: regions[{r}]",
+                f"needs 0 <= first_op < end_op <= {len(ops)}, got {first!r}, {stop!r}",
+            )
         if first < end:
-            _fail(f"{where}: regions[{r}].first_op",
-                  f"{first} overlaps or precedes regions[{r - 1}]")
+            _fail(
+                f"{where}: regions[{r}].first_op", f"{first} overlaps or precedes regions[{r - 1}]"
+            )
         if region.get("inputs", "keep") not in _INPUTS:
-            _fail(f"{where}: regions[{r}].inputs",
-                  f"{region.get('inputs')!r} (allowed: {', '.join(_INPUTS)})")
+            _fail(
+                f"{where}: regions[{r}].inputs",
+                f"{region.get('inputs')!r} (allowed: {', '.join(_INPUTS)})",
+            )
         end = stop
     inside = set()
     for region in regions:
         inside.update(range(region["first_op"], region["end_op"]))
     for i, op in enumerate(ops):
         if op["saved"] == "recompute" and i not in inside:
-            _fail(f"{where}: ops[{i}].saved",
-                  f"op {op['name']!r} is recomputed but lies in no checkpoint region")
+            _fail(
+                f"{where}: ops[{i}].saved",
+                f"op {op['name']!r} is recomputed but lies in no checkpoint region",
+            )
     knobs = plan.get("knobs", {})
     for key in knobs:
         if key not in _KNOBS:
@@ -104,15 +116,18 @@ def load_plan(plan):
 def offload_options(plan):
     """``ferry.offload``'s options that the plan fixes: its knobs and its pinned host budget."""
     knobs = plan.get("knobs", {})
-    options = {key: knobs[key]
-               for key in ("min_bytes", "window_bytes", "prefetch_bytes", "horizon_bytes")
-               if key in knobs}
+    options = {
+        key: knobs[key]
+        for key in ("min_bytes", "window_bytes", "prefetch_bytes", "horizon_bytes")
+        if key in knobs
+    }
     if "prefetch" in knobs:
         options["prefetch"] = bool(knobs["prefetch"])
     if "host_budget_bytes" in plan:
         options["host_cap"] = plan["host_budget_bytes"]
     offloads = any(op["saved"] == "offload" for op in plan["ops"]) or any(
-        r.get("inputs") == "offload" for r in plan.get("regions", []))
+        r.get("inputs") == "offload" for r in plan.get("regions", [])
+    )
     options["policy"] = "ferry" if offloads else "none"
     return options
 
@@ -145,20 +160,29 @@ def _regions_of(plan):
     for r, region in enumerate(plan.get("regions", [])):
         first, end = region["first_op"], region["end_op"]
         parts = paths[first].split(".") if paths[first] else []
-        for p in paths[first + 1:end]:
+        for p in paths[first + 1 : end]:
             other = p.split(".") if p else []
             k = 0
             while k < min(len(parts), len(other)) and parts[k] == other[k]:
                 k += 1
             parts = parts[:k]
         prefix = ".".join(parts)
-        outside = [i for i in list(range(first)) + list(range(end, len(ops)))
-                   if prefix and _under(paths[i], prefix)]
+        outside = [
+            i
+            for i in list(range(first)) + list(range(end, len(ops)))
+            if prefix and _under(paths[i], prefix)
+        ]
         if not prefix or outside:
-            why = (f"op {ops[outside[0]]['name']!r} (ops[{outside[0]}]) lies outside it"
-                   if outside else "its ops belong to no one submodule")
-            _fail(f"regions[{r}]", f"ops {first}..{end - 1} are not the call of one module "
-                  f"({why}); a region is applied by checkpointing a module's call")
+            why = (
+                f"op {ops[outside[0]]['name']!r} (ops[{outside[0]}]) lies outside it"
+                if outside
+                else "its ops belong to no one submodule"
+            )
+            _fail(
+                f"regions[{r}]",
+                f"ops {first}..{end - 1} are not the call of one module "
+                f"({why}); a region is applied by checkpointing a module's call",
+            )
         regions.append(_Region(r, first, end, region.get("inputs", "keep"), prefix))
     return regions
 
@@ -283,7 +307,8 @@ class _RegionPolicy:
             raise RuntimeError(
                 f"ferry.offload(plan=...): the recomputation of regions[{self._region.index}] "
                 f"(module {self._region.path!r}) ran {func} as its call {k}, where forward ran "
-                f"{ran}")
+                f"{ran}"
+            )
         _, choice, index, _ = self.forward[k]
         if index is not None and choice == _tc.CheckpointPolicy.PREFER_RECOMPUTE:
             self._run.recomputed[index] = self._run.recomputed.get(index, 0) + 1
@@ -299,10 +324,12 @@ class _RegionPolicy:
         op of this call; the outputs kept or offloaded that it writes are dropped from the
         checkpoint's storage and recomputed."""
         schema = func._schema.arguments
-        values = list(args) + [kwargs.get(a.name) for a in schema[len(args):]]
-        written = {_storage_of(v) for a, v in zip(schema, values)
-                   if a.alias_info is not None and a.alias_info.is_write
-                   and isinstance(v, torch.Tensor)} - {None}
+        values = list(args) + [kwargs.get(a.name) for a in schema[len(args) :]]
+        written = {
+            _storage_of(v)
+            for a, v in zip(schema, values)
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor)
+        } - {None}
         made_here = False
         stored = {}  # per op, how many of its entries come before
         for record in self.forward:
@@ -386,7 +413,8 @@ class PlanRun:
 
                 self._root = None
                 stack.callback(
-                    torch.nn.modules.module.register_module_forward_pre_hook(first_call).remove)
+                    torch.nn.modules.module.register_module_forward_pre_hook(first_call).remove
+                )
             stack.enter_context(_Recorder(self))
         except BaseException:
             stack.close()
@@ -401,14 +429,18 @@ class PlanRun:
         stack.close()
         if failed:
             return
-        remaining = [i for i in range(self._cursor, len(self.ops))
-                     if not (i == len(self.ops) - 1 and self.ops[i]["name"] == _LOSS_OP)]
+        remaining = [
+            i
+            for i in range(self._cursor, len(self.ops))
+            if not (i == len(self.ops) - 1 and self.ops[i]["name"] == _LOSS_OP)
+        ]
         if self._cursor > 0 and remaining:
             i = remaining[0]
             raise PlanError(
                 f"ferry.offload(plan=...): the forward ended before op {self.ops[i]['name']!r} "
                 f"(ops[{i}]) of the plan ran ({self._cursor} of {len(self.ops)} ops met); run "
-                "the whole step the plan was made for inside the region, the loss included")
+                "the whole step the plan was made for inside the region, the loss included"
+            )
 
     def _attach(self, stack, root):
         head = _head_path(root)
@@ -417,16 +449,18 @@ class PlanRun:
             self._session_region._session.exclude(p)
         modules = dict(root.named_modules())
         for path, module in modules.items():
-            stack.callback(module.register_forward_pre_hook(
-                functools.partial(self._pre, path)).remove)
-            stack.callback(module.register_forward_hook(
-                self._post, always_call=True).remove)
+            stack.callback(
+                module.register_forward_pre_hook(functools.partial(self._pre, path)).remove
+            )
+            stack.callback(module.register_forward_hook(self._post, always_call=True).remove)
         for region in self.regions:
             module = modules.get(region.path)
             if module is None:
-                _fail(f"regions[{region.index}]",
-                      f"the model has no module {region.path!r} (ops[{region.first}] is "
-                      f"{self.ops[region.first]['name']!r}); the plan was made for another model")
+                _fail(
+                    f"regions[{region.index}]",
+                    f"the model has no module {region.path!r} (ops[{region.first}] is "
+                    f"{self.ops[region.first]['name']!r}); the plan was made for another model",
+                )
             self._wrap(stack, module, region)
 
     def _pre(self, path, module, args):
@@ -483,12 +517,16 @@ class PlanRun:
         deferred, self._deferred = self._deferred, []
         index = self._match(base, name, ahead=bool(deferred))
         if deferred and index is None:
-            at = (f"ops[{self._cursor}] ({self.ops[self._cursor]['name']!r})"
-                  if self._cursor < len(self.ops) else "past its last op")
+            at = (
+                f"ops[{self._cursor}] ({self.ops[self._cursor]['name']!r})"
+                if self._cursor < len(self.ops)
+                else "past its last op"
+            )
             raise PlanError(
                 f"ferry.offload(plan=...): the model ran {name!r}, which saves tensors for "
                 f"backward, where the plan is at {at} and has no op of that name before its next "
-                "region boundary; the plan was made for another model or other inputs")
+                "region boundary; the plan was made for another model or other inputs"
+            )
         self._meet(index, name)
         for saved in deferred:
             self._decide(saved, index)
@@ -502,12 +540,16 @@ class PlanRun:
         if index is not None:
             region = self._region_of.get(index)
             if region is not self._active:
-                want = (f"inside regions[{region.index}] (the call of {region.path!r})"
-                        if region is not None else "outside every region")
+                want = (
+                    f"inside regions[{region.index}] (the call of {region.path!r})"
+                    if region is not None
+                    else "outside every region"
+                )
                 raise PlanError(
                     f"ferry.offload(plan=...): op {name!r} (ops[{index}]) ran "
                     f"{'outside' if region is not None else 'inside'} the checkpointed call it "
-                    f"belongs to: the plan has it {want}")
+                    f"belongs to: the plan has it {want}"
+                )
             self._cursor = index + 1
 
     # Saved tensors (Note [Which op is saving]) ---------------------------------------------
@@ -530,7 +572,8 @@ class PlanRun:
             raise PlanError(
                 f"ferry.offload(plan=...): op {self._last_name!r} saved a tensor for backward, "
                 "but the plan has no op of that name here; the plan was made for another model "
-                "or other inputs")
+                "or other inputs"
+            )
         return self._decide(_Saved(t), self._last)
 
     def _decide(self, saved, owner):
@@ -556,20 +599,24 @@ class PlanRun:
     # Regions ---------------------------------------------------------------------------------
 
     def _wrap(self, stack, module, region):
-        from ._checkpoint import checkpoint
         from . import no_offload
+        from ._checkpoint import checkpoint
 
         forward = module.forward
         had_own = "forward" in module.__dict__
 
         def checkpointed(*args, **kwargs):
             if self._active is not None or self._cursor > region.first:
-                at = (self.ops[self._cursor]["name"] if self._cursor < len(self.ops)
-                      else "the end of the plan")
+                at = (
+                    self.ops[self._cursor]["name"]
+                    if self._cursor < len(self.ops)
+                    else "the end of the plan"
+                )
                 raise PlanError(
                     f"ferry.offload(plan=...): module {region.path!r} (regions[{region.index}]) "
                     f"was called where the plan is at ops[{self._cursor}] ({at!r}), not at its "
-                    f"first op ops[{region.first}]")
+                    f"first op ops[{region.first}]"
+                )
             self._cursor = region.first  # plan ops before it that did not run saved nothing
             policy = _RegionPolicy(self, region)
             self._policies.append(policy)
@@ -579,8 +626,9 @@ class PlanRun:
             def run(*a, **k):
                 if calls[0] == 0:
                     # Note [A cache written in a region]
-                    caches.extend((v, _copy_cache(v)) for v in list(a) + list(k.values())
-                                  if _is_cache(v))
+                    caches.extend(
+                        (v, _copy_cache(v)) for v in list(a) + list(k.values()) if _is_cache(v)
+                    )
                 else:  # a recomputation
                     policy.cursor = 0
                     if caches:
@@ -594,8 +642,14 @@ class PlanRun:
             self._active = region
             try:
                 with keep:
-                    out = checkpoint(run, *args, use_reentrant=False, context_fn=context,
-                                     offload=self._session_region, **kwargs)
+                    out = checkpoint(
+                        run,
+                        *args,
+                        use_reentrant=False,
+                        context_fn=context,
+                        offload=self._session_region,
+                        **kwargs,
+                    )
             finally:
                 self._active = None
                 policy.storage = None  # the checkpoint's own, freed with it after backward
@@ -604,7 +658,8 @@ class PlanRun:
                     f"ferry.offload(plan=...): the call of {region.path!r} (regions"
                     f"[{region.index}]) ran none of the plan's ops {region.first}..{region.end - 1}"
                     f" (the first: {self.ops[region.first]['name']!r}); the plan was made for "
-                    "another model or other inputs")
+                    "another model or other inputs"
+                )
             # Its plan ops the call did not run are a branch the real forward did not take
             # (Note [Naming the real ops]).
             self._cursor = region.end
@@ -627,8 +682,13 @@ class PlanRun:
         distinct tensors saved by ops outside regions that were kept and offloaded, the region
         ops whose outputs were saved, offloaded and recomputed (each op once), and the ops
         re-run in backward."""
-        out = {"kept": 0, "offloaded": 0, "saved_outputs": 0, "offloaded_outputs": 0,
-               "recomputed": 0}
+        out = {
+            "kept": 0,
+            "offloaded": 0,
+            "saved_outputs": 0,
+            "offloaded_outputs": 0,
+            "recomputed": 0,
+        }
         for index, ids in self.saved.items():
             out["offloaded" if self._offloads(index) else "kept"] += len(ids)
         seen = set()
@@ -647,14 +707,17 @@ class PlanRun:
 
 def _is_cache(value):
     """Whether ``value`` is a Hugging Face key/value cache (a ``transformers`` ``Cache``)."""
-    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.")
-               for c in type(value).__mro__)
+    return any(
+        c.__name__ == "Cache" and c.__module__.startswith("transformers.")
+        for c in type(value).__mro__
+    )
 
 
 def _cache_part(value):
     return not isinstance(value, torch.nn.Module) and any(
         c.__module__.startswith("transformers.") and "cache" in c.__module__
-        for c in type(value).__mro__)
+        for c in type(value).__mro__
+    )
 
 
 def _copy_cache(value, memo=None):

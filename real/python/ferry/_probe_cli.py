@@ -10,8 +10,9 @@ import sys
 from . import _C
 
 
-def probe(device=None, *, repeats=5, bytes=None, matmul=None, name="probe", out=None,
-          progress=False):
+def probe(
+    device=None, *, repeats=5, bytes=None, matmul=None, name="probe", out=None, progress=False
+):
     """Measures the device ("cpu", "cuda" or "cuda:N"; default: cuda when a GPU is visible,
     else cpu) and returns the ``ferry.probe/1`` report as a dict: each measurement's samples
     and spread (min, median, max), each profile key's value and whether it was measured or

@@ -15,7 +15,7 @@ import contextlib
 import torch
 
 from ._trace_model import TracedModel, _document
-from ._trace_record import _Tracer, _Recorder, layer_of
+from ._trace_record import _Recorder, _Tracer, layer_of
 
 __all__ = ["trace", "TracedModel", "layer_of"]
 
@@ -125,8 +125,9 @@ def _device_dropout():
         functional.dropout = host
 
 
-def trace(model, *example_inputs, loss_fn=None, optimizer=None, name=None, target="device",
-          **kwargs):
+def trace(
+    model, *example_inputs, loss_fn=None, optimizer=None, name=None, target="device", **kwargs
+):
     """Traces one training step of ``model`` into a ``ferry.model/1`` document.
 
     Runs ``model(*example_inputs, **kwargs)``, the loss (``loss_fn(output)``, else the output
@@ -148,7 +149,7 @@ def trace(model, *example_inputs, loss_fn=None, optimizer=None, name=None, targe
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"ferry.trace: model must be a torch.nn.Module, got {type(model).__name__}")
     if target not in ("device", "host"):
-        raise ValueError(f"ferry.trace: target must be \"device\" or \"host\", got {target!r}")
+        raise ValueError(f'ferry.trace: target must be "device" or "host", got {target!r}')
     tracer = _Tracer("device" if target == "device" else "cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_of = {}

@@ -36,18 +36,40 @@ def _parser():
     parser.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
     parser.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
     parser.add_argument("--dtype", choices=_DTYPES, default="bf16", help="parameter dtype")
-    parser.add_argument("--lora-rank", type=int, default=0,
-                        help="train LoRA adapters of this rank (needs peft); 0: full training")
-    parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
-                        help="comma-separated module names LoRA adapts")
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="checkpoint every decoder layer (the model's own, non-reentrant)")
-    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"),
-                        help="the model's attention implementation (default sdpa)")
-    parser.add_argument("--optimizer", default="none", choices=("none", "adamw", "sgd"),
-                        help="add this optimizer's state as static memory (default none)")
-    parser.add_argument("--target", default="device", choices=("device", "host"),
-                        help="where the scenario runs: an accelerator (default) or the CPU")
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank (needs peft); 0: full training",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default="q_proj,k_proj,v_proj,o_proj",
+        help="comma-separated module names LoRA adapts",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="checkpoint every decoder layer (the model's own, non-reentrant)",
+    )
+    parser.add_argument(
+        "--attention",
+        default="sdpa",
+        choices=("sdpa", "eager"),
+        help="the model's attention implementation (default sdpa)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="none",
+        choices=("none", "adamw", "sgd"),
+        help="add this optimizer's state as static memory (default none)",
+    )
+    parser.add_argument(
+        "--target",
+        default="device",
+        choices=("device", "host"),
+        help="where the scenario runs: an accelerator (default) or the CPU",
+    )
     parser.add_argument("--name", help="the scenario's name (default: config, seq and batch)")
     parser.add_argument("--out", required=True, help="where to write the scenario ('-': stdout)")
     return parser
@@ -100,8 +122,10 @@ def build_model(data, args, source="config"):
             "python -m ferry trace needs the transformers package: pip install transformers"
         ) from None
     if data["model_type"] not in CONFIG_MAPPING:
-        raise UsageError(f"{source}: model_type: {data['model_type']!r} is not an architecture "
-                         f"transformers {transformers_version} knows")
+        raise UsageError(
+            f"{source}: model_type: {data['model_type']!r} is not an architecture "
+            f"transformers {transformers_version} knows"
+        )
     # `use_cache` stays the config's: transformers takes another attention-mask path without
     # the cache (see docs/trace.md), and the trace shows the one the config asks for.
     fields = {k: v for k, v in data.items() if k != "model_type"}
@@ -125,23 +149,32 @@ def build_model(data, args, source="config"):
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:  # older transformers
             model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     if args.lora_rank:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
             raise UsageError("--lora-rank needs the peft package: pip install peft") from None
         targets = [t for t in args.lora_targets.split(",") if t]
-        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
-                          target_modules=targets, task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=args.lora_rank,
+            lora_alpha=2 * args.lora_rank,
+            lora_dropout=0.0,
+            target_modules=targets,
+            task_type="CAUSAL_LM",
+        )
         with torch.device("meta"):
             model = get_peft_model(model, lora)
     return model
 
 
 def _check(args):
-    for flag, value, low in (("--seq", args.seq, 1), ("--batch", args.batch, 1),
-                             ("--lora-rank", args.lora_rank, 0)):
+    for flag, value, low in (
+        ("--seq", args.seq, 1),
+        ("--batch", args.batch, 1),
+        ("--lora-rank", args.lora_rank, 0),
+    ):
         if value < low:
             raise UsageError(f"{flag}: expected an integer >= {low}, got {value}")
 
@@ -168,8 +201,7 @@ def main(argv=None):
             optimizer = torch.optim.SGD(trainable, lr=1e-3, momentum=0.9, foreach=False)
         stem = os.path.splitext(os.path.basename(path))[0]
         name = args.name or f"{stem}-s{args.seq}-b{args.batch}"
-        traced = trace(model, ids, labels=ids, optimizer=optimizer, name=name,
-                       target=args.target)
+        traced = trace(model, ids, labels=ids, optimizer=optimizer, name=name, target=args.target)
     except UsageError as error:
         print(f"python -m ferry trace: {error}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from ._trace_record import FORMAT, _DTYPES, _Op, _Tensor, _nbytes
+from ._trace_record import _DTYPES, FORMAT, _nbytes, _Op, _Tensor
 
 
 class TracedModel:
@@ -18,8 +18,14 @@ class TracedModel:
     (gradient accumulation), which no op carries.
     """
 
-    def __init__(self, document, packed_count=0, packed_bytes=0, optimizer_state_bytes=0,
-                 unattributed_backward_flops=0):
+    def __init__(
+        self,
+        document,
+        packed_count=0,
+        packed_bytes=0,
+        optimizer_state_bytes=0,
+        unattributed_backward_flops=0,
+    ):
         self.document = document
         self.packed_count = packed_count
         self.packed_bytes = packed_bytes
@@ -89,8 +95,9 @@ def _document(tracer, name, loss, state, optimizer_state):
         # Ops ran after the loss (a detach, a cast for logging): a last op hands the loss on.
         last = _Op("loss", -1, False, False)
         last.inputs.append(loss_record)
-        record = _Tensor(tracer._unique("loss"), None, loss_record.dtype, loss_record.bytes,
-                         "activation")
+        record = _Tensor(
+            tracer._unique("loss"), None, loss_record.dtype, loss_record.bytes, "activation"
+        )
         tracer.order.append(record)
         last.outputs.append(record)
         ops.append(last)
@@ -106,8 +113,14 @@ def _document(tracer, name, loss, state, optimizer_state):
             # Scalars (Adam's step count) live on the host unless the optimizer is capturable.
             if isinstance(value, torch.Tensor) and value.dim() > 0 and _nbytes(value) > 0:
                 dtype = _DTYPES.get(value.dtype, "u8")
-                static.append({"name": tracer._unique(f"optimizer.{owner}.{key}"),
-                               "bytes": _nbytes(value), "dtype": dtype, "role": "buffer"})
+                static.append(
+                    {
+                        "name": tracer._unique(f"optimizer.{owner}.{key}"),
+                        "bytes": _nbytes(value),
+                        "dtype": dtype,
+                        "role": "buffer",
+                    }
+                )
                 optimizer_bytes += _nbytes(value)
     used = set()
     for op in ops:
@@ -131,13 +144,25 @@ def _document(tracer, name, loss, state, optimizer_state):
         "loss": loss_record.name,
     }
     packed_bytes = sum(_nbytes(p.tensor) for p in tracer.packs)
-    return TracedModel(document, len(tracer.packs), packed_bytes, optimizer_bytes,
-                       tracer.unattributed_backward_flops)
+    return TracedModel(
+        document,
+        len(tracer.packs),
+        packed_bytes,
+        optimizer_bytes,
+        tracer.unattributed_backward_flops,
+    )
 
 
 def _kept(op):
-    return bool(op.outputs or op.saved or op.rng or op.flops or op.bytes or op.backward_flops
-                or op.backward_bytes)
+    return bool(
+        op.outputs
+        or op.saved
+        or op.rng
+        or op.flops
+        or op.bytes
+        or op.backward_flops
+        or op.backward_bytes
+    )
 
 
 def _tensor_json(record):

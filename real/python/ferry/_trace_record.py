@@ -86,8 +86,19 @@ class _Tensor:
 
 class _Op:
     __slots__ = (
-        "name", "layer", "head", "inputs", "outputs", "saved", "flops", "bytes",
-        "backward_flops", "backward_bytes", "rng", "out_refs", "mine",
+        "name",
+        "layer",
+        "head",
+        "inputs",
+        "outputs",
+        "saved",
+        "flops",
+        "bytes",
+        "backward_flops",
+        "backward_bytes",
+        "rng",
+        "out_refs",
+        "mine",
     )
 
     def __init__(self, name, layer, head, mine):

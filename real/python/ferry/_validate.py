@@ -27,8 +27,16 @@ POLICIES = {
 }
 
 # The scheduler's counters, each compared over all steps, and the bytes, of the last step.
-COUNTERS = ("packed", "offloaded", "kept", "deduplicated", "host_fallbacks", "prefetched",
-            "on_demand", "stash_hits")
+COUNTERS = (
+    "packed",
+    "offloaded",
+    "kept",
+    "deduplicated",
+    "host_fallbacks",
+    "prefetched",
+    "on_demand",
+    "stash_hits",
+)
 BYTES = ("bytes_d2h", "bytes_h2d", "pinned_peak")
 
 
@@ -96,6 +104,7 @@ def _checkpoint_layers(model):
     model its own way (``ferry.enable_gradient_checkpointing``), any other model by wrapping
     the forward of each module of its first ModuleList."""
     import ferry
+
     from ._checkpoint import checkpoint
 
     def replaying(fn, layer):
@@ -115,11 +124,14 @@ def _checkpoint_layers(model):
             through = getattr(layer, "_gradient_checkpointing_func", None)
             if through is not None:
                 layer._gradient_checkpointing_func = (
-                    lambda fn, *args, _through=through, _layer=layer, **kwargs:
-                    _through(replaying(fn, _layer), *args, **kwargs))
+                    lambda fn, *args, _through=through, _layer=layer, **kwargs: _through(
+                        replaying(fn, _layer), *args, **kwargs
+                    )
+                )
         return
     for layer in _layer_list(model):
-        def forward(*args, _replay=replaying(layer.forward, layer), **kwargs):
+        # The default binds this layer (a closure would see the loop's last).
+        def forward(*args, _replay=replaying(layer.forward, layer), **kwargs):  # noqa: B008
             return checkpoint(_replay, *args, use_reentrant=False, **kwargs)
 
         layer.forward = forward
@@ -186,6 +198,7 @@ def _layer_counts(model, ctx):
         return counts.setdefault(index, dict.fromkeys(LAYER_COUNTERS, 0))
 
     for index, layer in enumerate(_layer_list(model)):
+
         def enter(module, args, index=index):
             if torch._C._current_graph_task_id() != -1:
                 row_of(index)["recomputed"] += 1
@@ -200,7 +213,8 @@ def _layer_counts(model, ctx):
         # A layer checkpointed by wrapping its forward (_checkpoint_layers) is replayed without
         # its module hooks: the wrapper reports each replay.
         layer._ferry_replayed = lambda index=index: row_of(index).__setitem__(
-            "recomputed", row_of(index)["recomputed"] + 1)
+            "recomputed", row_of(index)["recomputed"] + 1
+        )
 
         handles.append(layer.register_forward_pre_hook(enter))
         handles.append(layer.register_forward_hook(leave, always_call=True))
@@ -227,8 +241,7 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
     if checkpoint:
         _checkpoint_layers(model)
     options = {} if horizon is None else {"horizon_bytes": horizon}
-    ctx = ferry.offload_model(model, policy=policy, loopback=True, warn_if_no_head=False,
-                              **options)
+    ctx = ferry.offload_model(model, policy=policy, loopback=True, warn_if_no_head=False, **options)
     per_layer, unhook = _layer_counts(model, ctx)
     args, kwargs = _call_args(inputs)
     before, step_ns = ctx.telemetry(), 0
@@ -243,15 +256,19 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
     after = ctx.telemetry()
     unhook()
     if ctx.tracked() != 0:
-        raise RuntimeError(f"ferry validate: {ctx.tracked()} saved tensors still tracked after "
-                           f"the last step under {policy}")
+        raise RuntimeError(
+            f"ferry validate: {ctx.tracked()} saved tensors still tracked after "
+            f"the last step under {policy}"
+        )
     out = {name: after[name] for name in COUNTERS}
     out["bytes_d2h"] = after["bytes_d2h"] - before["bytes_d2h"]
     out["bytes_h2d"] = after["bytes_h2d"] - before["bytes_h2d"]
     out["pinned_peak"] = after["pinned_peak"]
     out["step_time_ns"] = step_ns
-    rest = {name: after[name] - sum(c[name] for c in per_layer.values())
-            for name in _SCHEDULER_LAYER_COUNTERS}
+    rest = {
+        name: after[name] - sum(c[name] for c in per_layer.values())
+        for name in _SCHEDULER_LAYER_COUNTERS
+    }
     rest["recomputed"] = 0  # only the layers are checkpointed (_checkpoint_layers)
     out["layers"] = {**per_layer, -1: rest}
     return out
@@ -260,16 +277,28 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
 def _run_cli(path, policy, checkpoint, steps, cli, device, extra=()):
     from .__main__ import find_cli
 
-    command = [cli or find_cli(), "simulate", "--model", path, "--policy", policy,
-               "--steps", str(steps), "--json", *extra]
+    command = [
+        cli or find_cli(),
+        "simulate",
+        "--model",
+        path,
+        "--policy",
+        policy,
+        "--steps",
+        str(steps),
+        "--json",
+        *extra,
+    ]
     if checkpoint:
         command += ["--checkpoint", checkpoint]
     if device:
         command += ["--device", device]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"ferry validate: `{' '.join(command)}` failed "
-                           f"(exit {done.returncode}): {done.stderr.strip()}")
+        raise RuntimeError(
+            f"ferry validate: `{' '.join(command)}` failed "
+            f"(exit {done.returncode}): {done.stderr.strip()}"
+        )
     return json.loads(done.stdout)["result"]
 
 
@@ -310,8 +339,7 @@ def simulate(path, policy, checkpoint, steps, cli=None, device=None, horizon="no
     """The simulator's run of the model document at ``path`` (``ferry simulate --json``).
     ``horizon``: ``--horizon`` (``none``, ``auto`` or a byte count; Note [Offload horizon in
     validate])."""
-    result = _run_cli(path, policy, checkpoint, steps, cli, device,
-                      ("--horizon", str(horizon)))
+    result = _run_cli(path, policy, checkpoint, steps, cli, device, ("--horizon", str(horizon)))
     out = {name: result["telemetry"][name] for name in COUNTERS}
     out["bytes_d2h"] = result["d2h_bytes"]
     out["bytes_h2d"] = result["h2d_bytes"]
@@ -320,8 +348,10 @@ def simulate(path, policy, checkpoint, steps, cli=None, device=None, horizon="no
     out["peak_allocated_bytes"] = result["peak_allocated_bytes"]
     out["peak_reserved_bytes"] = result["peak_reserved_bytes"]
     out["horizon_bytes"] = result.get("horizon_bytes")  # None: no horizon
-    out["layers"] = {row["layer"]: {name: row[name] for name in LAYER_COUNTERS}
-                     for row in result.get("layers", [])}
+    out["layers"] = {
+        row["layer"]: {name: row[name] for name in LAYER_COUNTERS}
+        for row in result.get("layers", [])
+    }
     return out
 
 
@@ -336,8 +366,19 @@ def simulate(path, policy, checkpoint, steps, cli=None, device=None, horizon="no
 # do on the bundled GPT, GPT-2 and the Hugging Face Llama (tests/python/test_validate_layers.py).
 
 
-def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2, cli=None,
-             device=None, keep=None, trace=None, horizon="auto"):
+def validate(
+    spec_or_model,
+    inputs=None,
+    loss_fn=None,
+    *,
+    policies=None,
+    steps=2,
+    cli=None,
+    device=None,
+    keep=None,
+    trace=None,
+    horizon="auto",
+):
     """Real and simulated runs of a model under each policy (names of ``POLICIES``).
 
     ``spec_or_model``: an example name or ``pkg.mod:fn``, or a model with its ``inputs`` and
@@ -361,8 +402,9 @@ def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2
     policies = list(POLICIES) if policies is None else list(policies)
     for policy in policies:
         if policy not in POLICIES:
-            raise ValueError(f"ferry validate: unknown policy {policy!r} "
-                             f"(policies: {', '.join(POLICIES)})")
+            raise ValueError(
+                f"ferry validate: unknown policy {policy!r} (policies: {', '.join(POLICIES)})"
+            )
     if steps < 1:
         raise ValueError(f"ferry validate: steps must be at least 1 (got {steps})")
     if horizon not in ("auto", "none"):
@@ -387,10 +429,18 @@ def validate(spec_or_model, inputs=None, loss_fn=None, *, policies=None, steps=2
         for policy in policies:
             offload_policy, checkpoint = POLICIES[policy]
             # See Note [Offload horizon in validate].
-            sim = simulate(path, offload_policy, checkpoint, steps, cli=cli, device=device,
-                           horizon=horizon)
-            real = run_real(model, inputs, loss_fn, offload_policy, checkpoint, steps,
-                            horizon=sim["horizon_bytes"])
+            sim = simulate(
+                path, offload_policy, checkpoint, steps, cli=cli, device=device, horizon=horizon
+            )
+            real = run_real(
+                model,
+                inputs,
+                loss_fn,
+                offload_policy,
+                checkpoint,
+                steps,
+                horizon=sim["horizon_bytes"],
+            )
             report["policies"][policy] = {
                 "real": real,
                 "simulated": sim,

@@ -22,16 +22,28 @@ def _parser():
         description="Train a model for real under each policy (CPU loopback device), trace "
         "it, simulate the trace under the same policies and compare.",
     )
-    parser.add_argument("model", help="a bundled example (" + ", ".join(EXAMPLES) + ") or a "
-                        "factory pkg.module:function returning (model, inputs[, loss_fn])")
-    parser.add_argument("--steps", type=int, default=2, help="training steps per policy "
-                        "(default 2)")
-    parser.add_argument("--policy", action="append", choices=list(POLICIES),
-                        help="a policy to run (repeatable; default: all)")
+    parser.add_argument(
+        "model",
+        help="a bundled example (" + ", ".join(EXAMPLES) + ") or a "
+        "factory pkg.module:function returning (model, inputs[, loss_fn])",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=2, help="training steps per policy (default 2)"
+    )
+    parser.add_argument(
+        "--policy",
+        action="append",
+        choices=list(POLICIES),
+        help="a policy to run (repeatable; default: all)",
+    )
     parser.add_argument("--device", help="the simulator's device profile (name or file)")
-    parser.add_argument("--horizon", choices=("auto", "none"), default="auto",
-                        help="the ferry policy's offload horizon: the one the simulator derives, "
-                             "given to the real run too (auto), or none on either side")
+    parser.add_argument(
+        "--horizon",
+        choices=("auto", "none"),
+        default="auto",
+        help="the ferry policy's offload horizon: the one the simulator derives, "
+        "given to the real run too (auto), or none on either side",
+    )
     parser.add_argument("--keep", metavar="PATH", help="also write the traced model to PATH")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     return parser
@@ -40,10 +52,15 @@ def _parser():
 def table(report):
     """The report as text: one row per policy, then the counts that differ."""
     steps = f"{report['steps']} step" + ("s" if report["steps"] != 1 else "")
-    lines = [f"model {report['model']}, {steps}, CPU loopback device "
-             "(times reported, not compared: loopback copies are synchronous)", ""]
-    header = (f"{'policy':<18}{'step ms pred':>13}{'step ms meas':>13}{'error':>9}"
-              f"{'peak alloc pred':>17}{'peak meas':>11}{'counts':>9}")
+    lines = [
+        f"model {report['model']}, {steps}, CPU loopback device "
+        "(times reported, not compared: loopback copies are synchronous)",
+        "",
+    ]
+    header = (
+        f"{'policy':<18}{'step ms pred':>13}{'step ms meas':>13}{'error':>9}"
+        f"{'peak alloc pred':>17}{'peak meas':>11}{'counts':>9}"
+    )
     lines += [header, "-" * len(header)]
     for name, row in report["policies"].items():
         sim, real = row["simulated"], row["real"]
@@ -54,11 +71,17 @@ def table(report):
         )
     saved = report["saved_at_end_of_forward"]
     equal = saved["real"] == saved["traced"] == saved["simulated"]
-    lines += ["", "saved activations held at the end of forward: "
-              f"real {saved['real']:,} B, traced {saved['traced']:,} B, simulated peak "
-              f"{saved['simulated']:,} B ({'equal' if equal else 'differ'})"]
-    lines += ["", "counts and bytes, real / simulated (the output head's saves taken off the "
-              "simulated packed and kept):"]
+    lines += [
+        "",
+        "saved activations held at the end of forward: "
+        f"real {saved['real']:,} B, traced {saved['traced']:,} B, simulated peak "
+        f"{saved['simulated']:,} B ({'equal' if equal else 'differ'})",
+    ]
+    lines += [
+        "",
+        "counts and bytes, real / simulated (the output head's saves taken off the "
+        "simulated packed and kept):",
+    ]
     names = COUNTERS + BYTES
     head = report["head_saves_per_step"] * report["steps"]
     rows = []
@@ -66,13 +89,17 @@ def table(report):
         sim, real = row["simulated"], row["real"]
         pool = POLICIES[name][0] == "ferry"  # only ferry's policy has a host pool
         sim = {n: sim[n] - head if n in ("packed", "kept") else sim[n] for n in names}
-        rows.append([name] + [f"{real[n] if n != 'pinned_peak' or pool else 'n/a'} / {sim[n]}"
-                              for n in names])
-    widths = [max(len(r[k]) for r in [["policy", *names], *rows]) + 2
-              for k in range(len(names) + 1)]
+        rows.append(
+            [name]
+            + [f"{real[n] if n != 'pinned_peak' or pool else 'n/a'} / {sim[n]}" for n in names]
+        )
+    widths = [
+        max(len(r[k]) for r in [["policy", *names], *rows]) + 2 for k in range(len(names) + 1)
+    ]
     for r in [["policy", *names], *rows]:
-        lines.append(f"{r[0]:<{widths[0]}}" + "".join(
-            f"{c:>{w}}" for c, w in zip(r[1:], widths[1:])))
+        lines.append(
+            f"{r[0]:<{widths[0]}}" + "".join(f"{c:>{w}}" for c, w in zip(r[1:], widths[1:]))
+        )
     for name, row in report["policies"].items():
         for m in row["mismatches"]:
             lines.append(f"MISMATCH {name}: {m}")
@@ -82,18 +109,27 @@ def table(report):
 def _exact(report):
     saved = report["saved_at_end_of_forward"]
     return saved["real"] == saved["traced"] == saved["simulated"] and all(
-        not row["mismatches"] for row in report["policies"].values())
+        not row["mismatches"] for row in report["policies"].values()
+    )
 
 
 def main(argv=None):
     args = _parser().parse_args(argv)
     if args.steps < 1:
-        print(f"python -m ferry validate: --steps must be at least 1 (got {args.steps})",
-              file=sys.stderr)
+        print(
+            f"python -m ferry validate: --steps must be at least 1 (got {args.steps})",
+            file=sys.stderr,
+        )
         return 2
     try:
-        report = validate(args.model, policies=args.policy, steps=args.steps,
-                          device=args.device, keep=args.keep, horizon=args.horizon)
+        report = validate(
+            args.model,
+            policies=args.policy,
+            steps=args.steps,
+            device=args.device,
+            keep=args.keep,
+            horizon=args.horizon,
+        )
     except (ModelSpecError, ImportError) as e:
         print(f"python -m ferry validate: {e}", file=sys.stderr)
         return 2
