@@ -6,7 +6,7 @@ bits), in-place changes with and without grad, checkpointed segments and no-offl
 all inside one region (none, an offload region of either policy, or an offload region under
 ``torch.autograd.graph.allow_mutation_on_saved_tensors``). Run plainly (no ferry;
 ``torch.utils.checkpoint`` for checkpointed segments) and under ferry, a program must give equal
-gradients, or the same error. See Note [Saved-tensor contract] in real/src/runtime.cpp.
+gradients, or the same error. See Note [Saved-tensor contract] in real/src/saved_tensors.hpp.
 """
 
 import contextlib

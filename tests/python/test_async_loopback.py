@@ -82,7 +82,10 @@ def test_a_planted_ordering_fault_gives_wrong_gradients(
     policy, fault, frozen_first_step, monkeypatch
 ):
     for seed in range(1, 11):
-        monkeypatch.setenv("FERRY_LOOPBACK", f"async:{seed}:2000")
+        # A frozen-branch run's delays dwarf the host's work between its steps, which the
+        # unread reloads must outlast.
+        delay = 20000 if frozen_first_step else 2000
+        monkeypatch.setenv("FERRY_LOOPBACK", f"async:{seed}:{delay}")
         assert right(*steps(policy, (), frozen_first_step)), f"seed {seed} without the fault"
         if not right(*steps(policy, (fault,), frozen_first_step)):
             return

@@ -1,5 +1,5 @@
 """Mixed precision: ferry.checkpoint replays a region under the autocast state its forward ran
-in (Note [Autocast in replays] in real/src/runtime.cpp), so that under torch.autocast the loss
+in (Note [Autocast in replays] in real/src/checkpoint.cpp), so that under torch.autocast the loss
 and gradients are bitwise equal to torch.utils.checkpoint's under the same autocast."""
 
 import contextlib

@@ -413,7 +413,10 @@ bool step_is_right(const PlantedOrdering& p, std::uint64_t seed, bool planted) {
     return Tensors(torch::autograd::grad({loss_fn()}, trained->parameters()));
   };
   ferry::RealOptions o = loopback(p.policy);
-  o.loopback_streams = {.async = true, .seed = seed, .max_delay = std::chrono::microseconds(2000)};
+  // Delays of a frozen-branch run dwarf the host's work between the steps (slow under the
+  // sanitizers), which the unread reloads must outlast.
+  const std::chrono::microseconds delay(p.frozen_first_step ? 20000 : 2000);
+  o.loopback_streams = {.async = true, .seed = seed, .max_delay = delay};
   o.offload.window_bytes = ferry::Bytes(1);  // every original leaves after a few copies
   // Prefetch all of a frozen branch: each of its tensors is reloaded and left unread.
   o.offload.prefetch_bytes = ferry::Bytes(p.frozen_first_step ? 1 << 20 : 1);

@@ -74,7 +74,7 @@ class _Offloaded:
 # running the op. torch 2.11 names a third choice, {MUST,PREFER}_CPU_OFFLOAD, but recomputes
 # those ops in eager mode. ferry.checkpoint replaces torch's pair by the pair below, built on
 # the same policy function and storage: an op the policy offloads has its output packed by the
-# region's offload session (Note [Offloaded outputs] in real/src/runtime.cpp) and taken back,
+# region's offload session (Note [Offloaded outputs] in real/src/regions.cpp) and taken back,
 # reloaded, when the recomputation reaches the op. Ops whose outputs alias their inputs (views,
 # in-place ops) are saved instead: their outputs share memory that stays on the device anyway.
 # Under torch.compile both modes defer to torch's own.

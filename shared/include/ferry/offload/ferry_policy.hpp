@@ -394,7 +394,7 @@ class FerryPolicy {
   Bytes window_bytes_;           // bytes and count of those still Offloading
   std::int32_t window_count_ = 0;
   // Offloads whose original is still resident, by (storage, version): see Note [Saved-tensor
-  // contract] in real/src/runtime.cpp.
+  // contract] in real/src/saved_tensors.hpp.
   std::map<std::pair<std::uint64_t, std::uint32_t>, RecordId> storage_index_;
   // By node id (small dense integers, as autograd sequence numbers are); inner vectors keep
   // their capacity from step to step.

@@ -1,0 +1,560 @@
+#include "ferry/real/runtime.hpp"
+// Checkpoint frames: the non-reentrant and the reentrant variant of torch.utils.checkpoint.
+
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/SequenceNumber.h>
+#include <ATen/autocast_mode.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "ferry/check.hpp"
+#include "ferry/offload/offloader.hpp"
+#include "ferry/real/device.hpp"
+#ifdef FERRY_HAVE_CUDA
+#include "ferry/real/cuda_device.hpp"
+#endif
+
+#include "saved_tensors.hpp"
+
+namespace ferry::real {
+
+namespace {
+
+// CheckpointStates alive (live_checkpoint_states()).
+std::atomic<std::int64_t> g_live_states{0};
+
+}  // namespace
+
+std::int64_t live_checkpoint_states() { return g_live_states.load(); }
+
+// --- checkpoint --------------------------------------------------------------------------------
+
+namespace {
+
+// The random state a region's forward saw, to replay it (CPU and the CUDA devices its inputs
+// live on).
+struct RngState {
+  at::Tensor cpu;
+  std::vector<std::pair<c10::DeviceIndex, at::Tensor>> cuda;
+};
+
+at::Tensor generator_state(at::Generator gen) {
+  std::lock_guard lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_generator_state(at::Generator gen, const at::Tensor& state) {
+  std::lock_guard lock(gen.mutex());
+  gen.set_state(state);
+}
+
+// The CPU state and that of each CUDA device in `devices`.
+RngState capture_rng(const std::vector<c10::DeviceIndex>& devices) {
+  RngState state;
+  state.cpu = generator_state(at::detail::getDefaultCPUGenerator());
+  for (const c10::DeviceIndex index : devices) {
+    state.cuda.emplace_back(
+        index, generator_state(at::globalContext().defaultGenerator(at::Device(at::kCUDA, index))));
+  }
+  return state;
+}
+
+// The CUDA devices of `inputs`, each once.
+std::vector<c10::DeviceIndex> cuda_devices(const std::vector<at::Tensor>& inputs) {
+  std::vector<c10::DeviceIndex> devices;
+  for (const at::Tensor& t : inputs) {
+    if (t.defined() && t.is_cuda() &&
+        std::find(devices.begin(), devices.end(), t.device().index()) == devices.end()) {
+      devices.push_back(t.device().index());
+    }
+  }
+  return devices;
+}
+
+void restore_rng(const RngState& state) {
+  set_generator_state(at::detail::getDefaultCPUGenerator(), state.cpu);
+  for (const auto& [index, s] : state.cuda) {
+    set_generator_state(at::globalContext().defaultGenerator(at::Device(at::kCUDA, index)), s);
+  }
+}
+
+// Note [Autocast in replays]
+// A region's replay runs in backward, outside the autocast context its forward ran in. Without
+// that context a mixed-precision forward's ops recompute in float32, the saved tensors differ
+// in dtype and the determinism check refuses them. So the forward's autocast state (enabled and
+// dtype, for CPU and for CUDA, and the cast cache switch) is captured when the region begins
+// and re-entered around its replay, as torch.utils.checkpoint does. Entering counts as one
+// autocast nesting level: leaving the outermost level clears the cast cache, as leaving
+// `torch.autocast` does.
+struct AutocastState {
+  struct PerDevice {
+    bool enabled = false;
+    at::ScalarType dtype = at::kFloat;
+  };
+  PerDevice cpu;
+  PerDevice cuda;
+  bool cache_enabled = true;
+};
+
+AutocastState capture_autocast() {
+  const auto per_device = [](at::DeviceType type) {
+    return AutocastState::PerDevice{at::autocast::is_autocast_enabled(type),
+                                    at::autocast::get_autocast_dtype(type)};
+  };
+  return AutocastState{per_device(at::kCPU), per_device(at::kCUDA),
+                       at::autocast::is_autocast_cache_enabled()};
+}
+
+void set_autocast(const AutocastState& state) {
+  at::autocast::set_autocast_enabled(at::kCPU, state.cpu.enabled);
+  at::autocast::set_autocast_dtype(at::kCPU, state.cpu.dtype);
+  at::autocast::set_autocast_enabled(at::kCUDA, state.cuda.enabled);
+  at::autocast::set_autocast_dtype(at::kCUDA, state.cuda.dtype);
+  at::autocast::set_autocast_cache_enabled(state.cache_enabled);
+}
+
+// Enters a captured autocast state for a scope; restores the one it found. See
+// Note [Autocast in replays].
+class AutocastScope {
+ public:
+  explicit AutocastScope(const AutocastState& state) : outer_(capture_autocast()) {
+    set_autocast(state);
+    at::autocast::increment_nesting();
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+  ~AutocastScope() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    set_autocast(outer_);
+  }
+
+ private:
+  AutocastState outer_;
+};
+
+// Shape, dtype and device in words, as torch prints them:
+// {shape: [2, 8], dtype: bfloat16, device: cuda:0}.
+std::string describe_meta(const SavedMeta& m) {
+  const auto dtype = static_cast<at::ScalarType>(m.dtype);
+  const c10::Device device(static_cast<c10::DeviceType>(m.device / 256U),
+                           static_cast<c10::DeviceIndex>(static_cast<int>(m.device % 256U) - 1));
+  return fmt::format("{{shape: [{}], dtype: {}, device: {}}}", fmt::join(m.shape, ", "),
+                     c10::getDtypeNames(dtype).first, device.str());
+}
+
+SavedMeta saved_meta(const at::Tensor& t) {
+  SavedMeta meta;
+  meta.bytes = Bytes(t.numel() * static_cast<std::int64_t>(t.element_size()));
+  meta.shape = t.sizes().vec();
+  meta.dtype = static_cast<std::uint8_t>(t.scalar_type());
+  meta.device = static_cast<std::uint32_t>(t.device().type()) * 256U +
+                static_cast<std::uint32_t>(t.device().index() + 1);
+  return meta;
+}
+
+}  // namespace
+
+// Note [Real checkpoint]
+// Frames of one outermost region share a CheckpointState (nested regions find it on the
+// thread's stack). The region's inputs are kept for its replay: saved by the parent frame (a
+// holder id, as torch.utils.checkpoint saves them through the parent's hooks) or by the offload
+// session the region runs in, else kept detached by the frame; so no frame holds a graph whose
+// holders hold the frames.
+// Saved tensors are not kept at all: pack returns a holder. The first unpack of a holder in a
+// graph task replays the region with the forward's random state, and the replay's pack hook
+// hands the recomputed tensors to the core, which stops the replay early once the last one is
+// back. Tensors recomputed but never taken are dropped at the end of the backward. The frames
+// are forgotten when no holder is left.
+class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
+ public:
+  CheckpointState() { ++g_live_states; }
+  ~CheckpointState() { --g_live_states; }
+  CheckpointState(const CheckpointState&) = delete;
+  CheckpointState& operator=(const CheckpointState&) = delete;
+
+  // A region input: kept, or saved by the parent frame.
+  struct Input {
+    at::Tensor tensor;
+    std::optional<HolderId> holder;
+    bool requires_grad = false;  // the input's (recomputed tensors come back detached)
+    PackedPtr packed;            // saved by the offload session the region runs in
+    bool same = false;           // a leaf: the replay gets this very tensor, as torch's does
+    std::optional<SavedVersion> version;  // of `tensor`: see Note [Saved-tensor contract]
+  };
+
+  FrameId begin(const CheckpointOptions& options, Replay replay, RngState rng,
+                AutocastState autocast, std::vector<Input> inputs) {
+    std::lock_guard lock(mutex_);
+    FrameOptions frame_options;
+    frame_options.early_stop = options.early_stop;
+    frame_options.determinism_check = options.determinism_check;
+    const FrameId id = core_.begin(frame_options);
+    frames_.resize(std::max<std::size_t>(frames_.size(), id.value() + 1));
+    frames_[id.value()] = FrameInfo{std::move(replay), std::move(rng), options.preserve_rng_state,
+                                    autocast, std::move(inputs)};
+    ++open_;
+    return id;
+  }
+
+  void end(FrameId frame) {
+    std::lock_guard lock(mutex_);
+    core_.end(frame);
+    --open_;
+    maybe_reset();
+  }
+
+  PackedPtr pack(FrameId frame, const at::Tensor& t);
+  /// An inner region's input, saved by `frame` like its other tensors, but held by the inner
+  /// frame (an id: no holder object, which would keep this state alive).
+  HolderId pack_input(FrameId frame, const at::Tensor& t) {
+    std::lock_guard lock(mutex_);
+    return core_.pack(frame, saved_meta(t));
+  }
+  PackedPtr recompute_pack(const at::Tensor& t) {
+    RecomputePack result;
+    {
+      std::lock_guard lock(mutex_);
+      result = core_.recompute_pack(saved_meta(t), t.detach());
+    }
+    if (result == RecomputePack::KeptLast) throw StopRecompute();
+    return std::make_shared<KeptAsIs>(t);
+  }
+
+  at::Tensor unpack(HolderId holder) {
+    const int task = current_graph_task();
+    std::uint64_t gid = 0;
+    FrameId frame;
+    bool again = false;
+    {
+      std::lock_guard lock(mutex_);
+      gid = task >= 0 ? static_cast<std::uint64_t>(task) : (1ULL << 62) + outside_++;
+      frame = core_.frame_of(holder);
+      again = !core_.recomputed(frame, gid);
+      if (again && task >= 0 && drained_.insert(gid).second) {
+        std::weak_ptr<CheckpointState> weak = weak_from_this();
+        torch::autograd::Engine::get_default_engine().queue_callback([weak, gid] {
+          if (auto s = weak.lock()) s->drain(gid);
+        });
+      }
+    }
+    if (again) recompute(frame, gid);
+    std::lock_guard lock(mutex_);
+    at::Tensor out = core_.take(holder, gid);
+    if (task < 0) drain(gid);
+    return out;
+  }
+
+  void release() {
+    std::lock_guard lock(mutex_);
+    --live_holders_;
+    maybe_reset();
+  }
+
+ private:
+  struct FrameInfo {
+    Replay replay;
+    RngState rng;
+    bool preserve_rng = true;
+    AutocastState autocast;  // the forward's; see Note [Autocast in replays]
+    std::vector<Input> inputs;
+  };
+
+  void recompute(FrameId frame, std::uint64_t gid) {
+    FrameInfo info;
+    {
+      std::lock_guard lock(mutex_);
+      info = frames_.at(frame.value());
+    }
+    // Inputs saved by the parent come back first (which may recompute the parent).
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(info.inputs.size());
+    for (const Input& in : info.inputs) {
+      if (in.version) in.version->check(in.tensor.sizes(), in.tensor.scalar_type());
+      at::Tensor t = in.holder ? unpack(*in.holder) : in.packed ? in.packed->unpack() : in.tensor;
+      inputs.push_back(!t.defined() || in.same ? t : t.detach().requires_grad_(in.requires_grad));
+    }
+    {
+      std::lock_guard lock(mutex_);
+      core_.recompute_begin(frame, gid);
+      ++replaying_;
+    }
+    RngState outer;
+    if (info.preserve_rng) {
+      std::vector<c10::DeviceIndex> devices;
+      for (const auto& entry : info.rng.cuda) devices.push_back(entry.first);
+      outer = capture_rng(devices);
+      restore_rng(info.rng);
+    }
+    push_context(Context{Context::Kind::Recompute, nullptr, shared_from_this(), frame});
+    const auto finish = [&] {
+      pop_context(Context::Kind::Recompute);
+      if (info.preserve_rng) restore_rng(outer);
+      std::lock_guard lock(mutex_);
+      --replaying_;
+      core_.recompute_end();
+    };
+    try {
+      at::AutoGradMode grad(true);
+      AutocastScope autocast(info.autocast);
+      info.replay(inputs);
+    } catch (const StopRecompute&) {
+      // early stop: every saved tensor is back
+    } catch (...) {
+      try {
+        finish();
+      } catch (...) {  // the replay's own error is the one to report
+      }
+      throw;
+    }
+    finish();
+  }
+
+  void drain(std::uint64_t gid) {
+    std::vector<at::Tensor> left;
+    {
+      std::lock_guard lock(mutex_);
+      left = core_.drain(gid);
+      drained_.erase(gid);
+    }
+  }
+
+  void maybe_reset() {
+    if (live_holders_ == 0 && open_ == 0 && replaying_ == 0) {
+      core_.reset();
+      frames_.clear();
+    }
+  }
+
+  std::recursive_mutex mutex_;
+  Checkpointer<at::Tensor> core_{describe_meta};
+  std::vector<FrameInfo> frames_;
+  std::int64_t live_holders_ = 0;
+  int open_ = 0;
+  int replaying_ = 0;
+  std::uint64_t outside_ = 0;
+  std::unordered_set<std::uint64_t> drained_;
+};
+
+namespace {
+
+class Holder final : public Packed {
+ public:
+  Holder(std::shared_ptr<CheckpointState> state, HolderId id) : state_(std::move(state)), id_(id) {}
+  ~Holder() override { state_->release(); }
+  Holder(const Holder&) = delete;
+  Holder& operator=(const Holder&) = delete;
+  at::Tensor unpack() override { return state_->unpack(id_); }
+
+ private:
+  std::shared_ptr<CheckpointState> state_;
+  HolderId id_;
+};
+
+}  // namespace
+
+PackedPtr CheckpointState::pack(FrameId frame, const at::Tensor& t) {
+  std::lock_guard lock(mutex_);
+  const HolderId id = core_.pack(frame, saved_meta(t));
+  ++live_holders_;
+  return std::make_shared<Holder>(shared_from_this(), id);
+}
+
+FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
+                       const std::vector<at::Tensor>& inputs) {
+  std::shared_ptr<CheckpointState> state;
+  for (auto it = region_stack().rbegin(); it != region_stack().rend() && !state; ++it) {
+    if (it->kind == Context::Kind::Frame || it->kind == Context::Kind::Recompute) state = it->ckpt;
+  }
+  if (!state) state = std::make_shared<CheckpointState>();
+  // The inputs are saved by the innermost region when it is a checkpoint frame; in its replay
+  // they are recomputed tensors like the others (which may end the replay early, here).
+  std::vector<CheckpointState::Input> saved;
+  saved.reserve(inputs.size());
+  const Context* top = region_stack().empty() ? nullptr : &region_stack().back();
+  for (const at::Tensor& t : inputs) {
+    if (t.defined() && top != nullptr && top->kind == Context::Kind::Frame) {
+      saved.push_back({at::Tensor(),
+                       state->pack_input(top->frame, t),
+                       t.requires_grad(),
+                       {},
+                       false,
+                       std::nullopt});
+      continue;
+    }
+    if (t.defined() && top != nullptr && top->kind == Context::Kind::Offload &&
+        options.check_inputs) {
+      // In an offload region the inputs are offloaded like the region's other saved tensors.
+      saved.push_back({at::Tensor(), std::nullopt, t.requires_grad(), top->session->pack(t), false,
+                       std::nullopt});
+      continue;
+    }
+    if (t.defined() && top != nullptr && top->kind == Context::Kind::Recompute) {
+      (void)state->recompute_pack(t);
+    }
+    // A leaf as it is (no graph to hold; the replay gets the same object, as torch's does);
+    // anything else detached: a frame begun during a replay would otherwise hold the replay's
+    // graph, whose holders hold this state (a cycle).
+    const bool leaf = t.defined() && t.is_leaf();
+    saved.push_back({leaf || !t.defined() ? t : t.detach(),
+                     std::nullopt,
+                     t.defined() && t.requires_grad(),
+                     {},
+                     leaf,
+                     t.defined() && options.check_inputs
+                         ? std::optional<SavedVersion>(std::in_place, t)
+                         : std::nullopt});
+  }
+  RngState rng = options.preserve_rng_state ? capture_rng(cuda_devices(inputs)) : RngState{};
+  const FrameId frame = state->begin(options, std::move(replay), std::move(rng), capture_autocast(),
+                                     std::move(saved));
+  push_context(Context{Context::Kind::Frame, nullptr, state, frame});
+  return FrameToken{state, frame};
+}
+
+void frame_end(const FrameToken& token) {
+  pop_context(Context::Kind::Frame);
+  token.state->end(token.frame);
+}
+
+// --- reentrant checkpoint ----------------------------------------------------------------------
+
+namespace {
+
+// What the backward of a reentrant region needs besides its inputs (held by autograd's context
+// as a capsule).
+struct ReentrantRegion : torch::CustomClassHolder {
+  RegionFn fn;
+  bool preserve_rng = true;
+  RngState rng;
+  AutocastState autocast;
+};
+
+// Note [Reentrant checkpoint]
+// As torch's CheckpointFunction: forward runs the region without grad (a custom Function's
+// forward does) and saves only its inputs; backward reruns the region with grad, under the
+// forward's random and autocast state, from detached inputs, and backpropagates through the
+// rerun with a nested backward call. That nested call is why .grad() and backward(inputs=...)
+// cannot work: the engine says whether the outer call may be reentered.
+struct ReentrantFunction : torch::autograd::Function<ReentrantFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const c10::intrusive_ptr<ReentrantRegion>& region,
+                                                at::TensorList inputs) {
+    ctx->saved_data["region"] = c10::IValue::make_capsule(region);
+    std::vector<at::Tensor> in = inputs.vec();
+    ctx->save_for_backward(in);
+    return region->fn(in);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
+      throw std::runtime_error(
+          "ferry.checkpoint: use_reentrant=True is incompatible with .grad() or with passing "
+          "`inputs` to .backward(); use use_reentrant=False, or call .backward() without "
+          "`inputs`");
+    }
+    const auto region =
+        c10::static_intrusive_pointer_cast<ReentrantRegion>(ctx->saved_data["region"].toCapsule());
+    std::vector<at::Tensor> inputs;
+    for (const at::Tensor& saved : ctx->get_saved_variables()) {
+      inputs.push_back(saved.defined() ? saved.detach().requires_grad_(saved.requires_grad())
+                                       : saved);
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      RngState outer;
+      if (region->preserve_rng) {
+        std::vector<c10::DeviceIndex> devices;
+        for (const auto& entry : region->rng.cuda) devices.push_back(entry.first);
+        outer = capture_rng(devices);
+        restore_rng(region->rng);
+      }
+      try {
+        at::AutoGradMode grad(true);
+        AutocastScope autocast(region->autocast);
+        outputs = region->fn(inputs);
+      } catch (...) {
+        if (region->preserve_rng) restore_rng(outer);
+        throw;
+      }
+      if (region->preserve_rng) restore_rng(outer);
+    }
+    std::vector<at::Tensor> roots;
+    std::vector<at::Tensor> root_grads;
+    for (std::size_t i = 0; i < outputs.size() && i < grads.size(); ++i) {
+      if (outputs[i].defined() && outputs[i].requires_grad()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grads[i]);
+      }
+    }
+    if (roots.empty()) {
+      throw std::runtime_error(
+          "ferry.checkpoint: none of the outputs requires grad; this checkpoint is not "
+          "necessary");
+    }
+    torch::autograd::backward(roots, root_grads);
+    torch::autograd::variable_list result{at::Tensor()};  // the region: not a tensor
+    for (const at::Tensor& in : inputs) result.push_back(in.defined() ? in.grad() : at::Tensor());
+    return result;
+  }
+};
+
+}  // namespace
+
+std::vector<at::Tensor> checkpoint_reentrant(const RegionFn& fn,
+                                             const std::vector<at::Tensor>& inputs,
+                                             const CheckpointOptions& options) {
+  if (at::GradMode::is_enabled() &&
+      std::none_of(inputs.begin(), inputs.end(),
+                   [](const at::Tensor& t) { return t.defined() && t.requires_grad(); })) {
+    TORCH_WARN(
+        "ferry.checkpoint: none of the inputs has requires_grad=True; gradients will be "
+        "None");
+  }
+  auto region = c10::make_intrusive<ReentrantRegion>();
+  region->fn = fn;
+  region->preserve_rng = options.preserve_rng_state;
+  if (options.preserve_rng_state) region->rng = capture_rng(cuda_devices(inputs));
+  region->autocast = capture_autocast();
+  // A TensorList: each input is an autograd input of the Function (a vector would be one
+  // opaque argument).
+  return ReentrantFunction::apply(region, at::TensorList(inputs));
+}
+
+// What the innermost region does with a saved tensor (its frame when a checkpoint's).
+PackedPtr pack_saved(const at::Tensor& tensor, TensorKind kind) {
+  const std::vector<Context>& stack = region_stack();
+  if (stack.empty()) return std::make_shared<KeptAsIs>(tensor);
+  const Context& top = stack.back();
+  switch (top.kind) {
+    case Context::Kind::Offload:
+      return top.session->pack(tensor, kind);
+    case Context::Kind::NoOffload:
+      return std::make_shared<KeptAsIs>(tensor);
+    case Context::Kind::Frame:
+      return top.ckpt->pack(top.frame, tensor);
+    case Context::Kind::Recompute:
+      return top.ckpt->recompute_pack(tensor);
+  }
+  return std::make_shared<KeptAsIs>(tensor);
+}
+
+}  // namespace ferry::real
