@@ -62,7 +62,7 @@ void BM_GptStep(benchmark::State& state, bool cuda) {
   std::vector<torch::Tensor> excluded = model->parameters();
   for (const auto& b : model->buffers()) excluded.push_back(b);
   auto session = [&](ferry::Policy policy) {
-    ferry::RealOptions o;
+    ferry::real::RealOptions o;
     o.loopback = !cuda;
     o.offload.policy = policy;
     auto offload = std::make_unique<ferry::Offload>(o);

@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
   model->to(device);
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-4));
 
-  ferry::RealOptions options;
+  ferry::real::RealOptions options;
   options.loopback = !cuda;
   // FERRY_LOOPBACK=async[:SEED[:MAX_DELAY_US]] runs the loopback device's streams on worker
   // threads (docs/real.md).

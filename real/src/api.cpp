@@ -75,9 +75,9 @@ void install() {
   torch::autograd::set_default_engine_stub(&FerryEngine::get);
 }
 
-Offload::Offload(RealOptions options) : session_(real::Session::create(options)) {}
+Offload::Offload(real::RealOptions options) : session_(real::Session::create(options)) {}
 
-Offload::Offload(RealOptions options, const OffloadFaults& faults)
+Offload::Offload(real::RealOptions options, const OffloadFaults& faults)
     : session_(real::Session::create(options, faults)) {}
 
 void Offload::exclude(const std::vector<at::Tensor>& tensors) {
@@ -90,7 +90,7 @@ OffloadGuard::OffloadGuard(Offload& offload) : offload_(&offload) {
   real::push_context(real::Context{real::Context::Kind::Offload, offload_->session(), nullptr, {}});
 }
 
-OffloadGuard::OffloadGuard(RealOptions options)
+OffloadGuard::OffloadGuard(real::RealOptions options)
     : OffloadGuard(std::make_shared<Offload>(std::move(options))) {}
 
 OffloadGuard::OffloadGuard(std::shared_ptr<Offload> owned) : OffloadGuard(*owned) {

@@ -32,7 +32,7 @@ TEST_P(Gpu, GradientsAreBitwiseEqualOnCuda) {
     return (v.matmul(w2).tanh() * 3).sum() + (a * a).sum() + torch::gelu(h).mean();
   };
   const auto want = ferry::testing::grads_of({w1, w2, x}, forward);
-  ferry::RealOptions o;
+  ferry::real::RealOptions o;
   o.offload.policy = GetParam();
   o.offload.min_bytes = ferry::Bytes(0);
   o.offload.window_bytes = ferry::Bytes(0);
@@ -59,7 +59,7 @@ TEST_P(Gpu, CheckpointWithDropoutOnCuda) {
   };
   torch::manual_seed(3);
   const auto want = ferry::testing::grads_of({w, x}, [&] { return block(x).pow(2).sum(); });
-  ferry::RealOptions o;
+  ferry::real::RealOptions o;
   o.offload.policy = GetParam();
   ferry::Offload offload(o);
   torch::manual_seed(3);
@@ -97,7 +97,7 @@ TEST(GpuOverlap, OffloadCopiesOverlapCompute) {
     for (int i = 0; i < 8; ++i) h = (h.matmul(w) * 1e-3).tanh();
     return h;
   };
-  ferry::RealOptions o;
+  ferry::real::RealOptions o;
   ferry::Offload offload(o);
   (void)timed([&] { (void)forward(); });  // warm-up
   const double compute = timed([&] { (void)forward(); });

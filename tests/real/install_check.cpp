@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
     ferry::install();  // idempotent
     std::cout << "installed: " << ferry::installed() << "\n";
     // Saved tensors now reach ferry: one offload round trip on the loopback device.
-    ferry::RealOptions o;
+    ferry::real::RealOptions o;
     o.loopback = true;
     o.offload.min_bytes = ferry::Bytes(0);
     ferry::Offload offload(o);

@@ -29,8 +29,8 @@ ferry::real::LoopbackStreams loopback_streams() {
   return ferry::real::parse_loopback_streams(text == nullptr ? "" : text, "FERRY_LOOPBACK");
 }
 
-ferry::RealOptions loopback(ferry::Policy policy, std::int64_t min_bytes = 0) {
-  ferry::RealOptions o;
+ferry::real::RealOptions loopback(ferry::Policy policy, std::int64_t min_bytes = 0) {
+  ferry::real::RealOptions o;
   o.loopback = true;
   o.loopback_streams = loopback_streams();
   o.offload.policy = policy;
@@ -52,7 +52,7 @@ class Real : public ::testing::TestWithParam<ferry::Policy> {
   // Reference gradients, then the same forward under an offload session (backward outside
   // the guard, as the reference offloader is used); the session must be empty afterwards.
   void check(const Tensors& leaves, const std::function<torch::Tensor()>& forward,
-             ferry::RealOptions options) {
+             ferry::real::RealOptions options) {
     const Tensors want = grads_of(leaves, forward);
     ferry::Offload offload(std::move(options));
     const Tensors got = grads_of(leaves, [&] {
@@ -126,7 +126,7 @@ TEST_P(Real, ParametersAndExcludedBuffersAreKept) {
   auto w = torch::randn({16, 16}, torch::requires_grad());  // a leaf that needs grad
   auto running = torch::randn({16});                        // a module buffer
   auto x0 = torch::randn({4, 16}, torch::requires_grad());
-  ferry::RealOptions o = loopback(GetParam());
+  ferry::real::RealOptions o = loopback(GetParam());
   const Tensors want = grads_of({w, x0}, [&] { return ((x0 * 1).matmul(w) * running).sum(); });
   ferry::Offload offload(o);
   offload.exclude({running});
@@ -336,7 +336,7 @@ TEST_F(RealFerry, TrlSeedRejectsANewForwardWithATrackerNotEmpty) {
 }
 
 TEST_F(RealFerry, TrlStashSizeMustBePositive) {
-  ferry::RealOptions o = loopback(ferry::Policy::Trl);
+  ferry::real::RealOptions o = loopback(ferry::Policy::Trl);
   o.offload.trl_stash_count = 0;
   EXPECT_THROW(
       {
@@ -351,7 +351,7 @@ TEST_F(RealFerry, TrlStashSizeMustBePositive) {
 }
 
 TEST_F(RealFerry, NegativeSizesAreRejectedByName) {
-  ferry::RealOptions o = loopback(ferry::Policy::Ferry);
+  ferry::real::RealOptions o = loopback(ferry::Policy::Ferry);
   o.offload.window_bytes = ferry::Bytes(-5);
   try {
     ferry::Offload offload(o);
@@ -412,7 +412,7 @@ bool step_is_right(const PlantedOrdering& p, std::uint64_t seed, bool planted) {
     if (!only_trained) return grads_of(all, loss_fn);
     return Tensors(torch::autograd::grad({loss_fn()}, trained->parameters()));
   };
-  ferry::RealOptions o = loopback(p.policy);
+  ferry::real::RealOptions o = loopback(p.policy);
   // Delays of a frozen-branch run dwarf the host's work between the steps (slow under the
   // sanitizers), which the unread reloads must outlast.
   const std::chrono::microseconds delay(p.frozen_first_step ? 20000 : 2000);
@@ -501,7 +501,7 @@ TEST(LoopbackStreamsText, ParsesEveryFormAndNamesThePlaceOfAnError) {
 
 TEST_F(RealFerry, NoCudaWithoutLoopbackIsAClearError) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "a CUDA device is present";
-  ferry::RealOptions o;
+  ferry::real::RealOptions o;
   try {
     ferry::Offload offload(o);
     FAIL() << "a CUDA session without CUDA must fail";
@@ -512,7 +512,7 @@ TEST_F(RealFerry, NoCudaWithoutLoopbackIsAClearError) {
 
 // Note [Views of parameters]: `w.t()` is the weight's memory; only the input is copied out.
 TEST_F(RealFerry, AViewOfAParameterStaysAsTheParameterDoes) {
-  ferry::RealOptions o = loopback(ferry::Policy::Ferry);
+  ferry::real::RealOptions o = loopback(ferry::Policy::Ferry);
   ferry::Offload offload(o);
   auto w = torch::randn({64, 64}, torch::requires_grad());
   auto input = torch::randn({8, 64}, torch::requires_grad());
@@ -548,7 +548,7 @@ TEST_F(RealFerry, FiftyStepsLeaveNothingBehind) {
                               torch::nn::Linear(64, 64), torch::nn::GELU(),
                               torch::nn::Linear(64, 8));
     torch::optim::SGD sgd(mlp->parameters(), 0.01);
-    ferry::RealOptions o = loopback(policy);
+    ferry::real::RealOptions o = loopback(policy);
     o.offload.window_bytes = ferry::Bytes(0);  // every original leaves: backward reloads
     ferry::Offload offload(o);
     std::int64_t host_after_first = -1;

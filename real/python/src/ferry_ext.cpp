@@ -142,7 +142,7 @@ std::shared_ptr<Session> make_session(
     bool prefetch, bool use_streams, bool loopback, bool record, const std::string& profile,
     std::int64_t host_reserve_bytes, std::optional<std::int64_t> horizon_bytes,
     const std::string& loopback_streams, const ferry::OffloadFaults& faults) {
-  ferry::RealOptions options;
+  ferry::real::RealOptions options;
   options.offload.policy = parse_policy(policy);
   options.offload.min_bytes = ferry::Bytes(min_bytes);
   options.offload.trl_stash_count = max_fwd_stash_size;
@@ -236,7 +236,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("skip_version_check") = false, py::arg("drop_view_bits") = false,
            py::arg("stale_compute_stream") = false, py::arg("reuse_pinned_early") = false);
 
-  const ferry::RealOptions defaults;
+  const ferry::real::RealOptions defaults;
   const ferry::OffloadOptions& d = defaults.offload;
   py::class_<Session, std::shared_ptr<Session>>(m, "Session", "One offload session.")
       .def(py::init(&make_session), py::kw_only(), py::arg("policy") = "ferry",

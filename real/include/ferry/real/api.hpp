@@ -31,9 +31,9 @@ bool installed();
 /// context object). Saved tensors packed under it stay its business until autograd frees them.
 class Offload {
  public:
-  explicit Offload(RealOptions options = {});
+  explicit Offload(real::RealOptions options = {});
   /// As above, with synchronization faults planted: tests and demonstrations of the checker.
-  Offload(RealOptions options, const OffloadFaults& faults);
+  Offload(real::RealOptions options, const OffloadFaults& faults);
 
   /// Never offload these (parameters, module buffers): their storages are remembered.
   void exclude(const std::vector<at::Tensor>& tensors);
@@ -53,7 +53,7 @@ class OffloadGuard {
  public:
   explicit OffloadGuard(Offload& offload);
   /// A guard with a session of its own.
-  explicit OffloadGuard(RealOptions options = {});
+  explicit OffloadGuard(real::RealOptions options = {});
   ~OffloadGuard();
   OffloadGuard(const OffloadGuard&) = delete;
   OffloadGuard& operator=(const OffloadGuard&) = delete;

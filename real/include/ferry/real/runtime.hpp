@@ -20,25 +20,6 @@
 
 namespace ferry {
 
-/// Options of one offload session on the real backend.
-struct RealOptions {
-  OffloadOptions offload;
-  /// Treat CPU tensors as device tensors and "offload" them to other CPU buffers: the whole
-  /// integration without a GPU.
-  bool loopback = false;
-  /// How the loopback device runs its streams: synchronously (the default), or on worker
-  /// threads with seeded delays so that a missing wait shows (Note [The asynchronous loopback
-  /// device] in loopback_streams.hpp). Front ends read it from FERRY_LOOPBACK.
-  real::LoopbackStreams loopback_streams;
-  /// Record the session's stream operations in the program format (`ferry check`).
-  bool record = false;
-  /// The device profile named in the recorded program.
-  std::string profile = "h100-sxm-pcie5";
-  /// Host memory pinning must leave free (MemAvailable); a pin that would not is refused: the
-  /// ferry policy keeps the tensor on the device (host_fallbacks), trl raises.
-  Bytes host_reserve{1LL << 30};
-};
-
 /// Options of one checkpointed region (torch.utils.checkpoint's).
 struct CheckpointOptions {
   bool early_stop = true;          ///< stop the replay once every saved tensor is back
@@ -56,6 +37,25 @@ struct CheckpointOptions {
 }  // namespace ferry
 
 namespace ferry::real {
+
+/// Options of one offload session on the real backend.
+struct RealOptions {
+  OffloadOptions offload;
+  /// Treat CPU tensors as device tensors and "offload" them to other CPU buffers: the whole
+  /// integration without a GPU.
+  bool loopback = false;
+  /// How the loopback device runs its streams: synchronously (the default), or on worker
+  /// threads with seeded delays so that a missing wait shows (Note [The asynchronous loopback
+  /// device] in loopback_streams.hpp). Front ends read it from FERRY_LOOPBACK.
+  LoopbackStreams loopback_streams;
+  /// Record the session's stream operations in the program format (`ferry check`).
+  bool record = false;
+  /// The device profile named in the recorded program.
+  std::string profile = "h100-sxm-pcie5";
+  /// Host memory pinning must leave free (MemAvailable); a pin that would not is refused: the
+  /// ferry policy keeps the tensor on the device (host_fallbacks), trl raises.
+  Bytes host_reserve{1LL << 30};
+};
 
 /// The stand-in a pack hook returns for a saved tensor.
 class Packed {
