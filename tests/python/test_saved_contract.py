@@ -1,6 +1,7 @@
-"""The saved-tensor contract (Note [Saved-tensor contract] in real/src/saved_tensors.hpp): what autograd
-gets back through ferry is what it would get without ferry, or torch's own error. The oracle is
-plain PyTorch: the same code without ferry (torch.utils.checkpoint for ferry.checkpoint)."""
+"""The saved-tensor contract (Note [Saved-tensor contract] in real/src/saved_tensors.hpp): what
+autograd gets back through ferry is what it would get without ferry, or torch's own error. The
+oracle is plain PyTorch: the same code without ferry (torch.utils.checkpoint for
+ferry.checkpoint)."""
 
 import pytest
 import torch

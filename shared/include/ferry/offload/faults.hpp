@@ -13,7 +13,8 @@ struct OffloadFaults {
   bool skip_record_stream = false;   ///< an escaped view's storage is freed with no record_stream
   bool skip_host_guard = false;      ///< host memory reused/reloaded before its copy finished
   bool skip_exit_sync = false;  ///< trl: leaving the context lets the stash go without a host sync
-  // Breaches of the saved-tensor contract (Note [Saved-tensor contract], real/src/saved_tensors.hpp):
+  // Breaches of the saved-tensor contract (Note [Saved-tensor contract],
+  // real/src/saved_tensors.hpp):
   bool dedup_across_versions = false;  ///< one copy serves a storage at every version
   bool skip_version_check = false;     ///< real backend: an unpack ignores in-place changes
   bool drop_view_bits = false;         ///< real backend: rebuilt views lose conj and neg bits

@@ -332,7 +332,8 @@ class TrlPolicy {
   // A view's place: storage identity and offset in it (the reference adds the dtype, which
   // views at one offset of one storage share in practice), and its version: unlike the
   // reference, a storage changed in place between two saves is not deduplicated (the second
-  // save would get the first's bytes; see Note [Saved-tensor contract] in real/src/saved_tensors.hpp).
+  // save would get the first's bytes; see Note [Saved-tensor contract] in
+  // real/src/saved_tensors.hpp).
   using Key = std::tuple<std::uint64_t, std::int64_t, std::uint32_t>;
 
   Tracker<B> t_;
