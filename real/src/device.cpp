@@ -130,7 +130,7 @@ LoopbackDevice::~LoopbackDevice() = default;
 
 LoopbackDevice::Stream LoopbackDevice::make_stream(std::string_view name) {
   const Stream s{new_stream(name)};
-  if (async_) async_->add_stream(s.index, /*compute=*/false);
+  if (async_) async_->add_stream(s.index, /*compute=*/false, name);
   return s;
 }
 

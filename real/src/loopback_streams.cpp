@@ -122,11 +122,12 @@ AsyncStreams::~AsyncStreams() {
   for (Grave& grave : graves_) grave.release.let_go();
 }
 
-void AsyncStreams::add_stream(std::uint32_t id, bool compute) {
+void AsyncStreams::add_stream(std::uint32_t id, bool compute, std::string_view name) {
   std::unique_lock lock(mutex_);
   FERRY_CHECK(id == compute_.size(), "loopback streams are added in order (got {}, expected {})",
               id, compute_.size());
   compute_.push_back(compute);
+  slow_.push_back(!compute && !config_.slow_stream.empty() && name == config_.slow_stream);
   pending_.emplace_back();
   finish_.push_back(Clock::now());
   workers_.push_back(nullptr);
@@ -256,7 +257,7 @@ void AsyncStreams::copy(std::uint32_t id, Block src, std::size_t src_offset, Blo
     d.writer = nullptr;
     return;
   }
-  op->delay = draw();
+  op->delay = draw() + (slow_[id] ? config_.slow_copy : std::chrono::microseconds(0));
   ++s.in_flight;
   ++d.in_flight;
   s.readers.push_back(op->token);

@@ -413,10 +413,15 @@ bool step_is_right(const PlantedOrdering& p, std::uint64_t seed, bool planted) {
     return Tensors(torch::autograd::grad({loss_fn()}, trained->parameters()));
   };
   ferry::real::RealOptions o = loopback(p.policy);
-  // Delays of a frozen-branch run dwarf the host's work between the steps (slow under the
-  // sanitizers), which the unread reloads must outlast.
-  const std::chrono::microseconds delay(p.frozen_first_step ? 20000 : 2000);
-  o.loopback_streams = {.async = true, .seed = seed, .max_delay = delay};
+  o.loopback_streams.async = true;
+  o.loopback_streams.seed = seed;
+  o.loopback_streams.max_delay = std::chrono::microseconds(2000);
+  if (p.frozen_first_step) {
+    // A congested reload link: the unread reloads outlast the host's work between the steps
+    // (however slow, under the sanitizers), so the next forward's copies meet them.
+    o.loopback_streams.slow_stream = "h2d";
+    o.loopback_streams.slow_copy = std::chrono::microseconds(50000);
+  }
   o.offload.window_bytes = ferry::Bytes(1);  // every original leaves after a few copies
   // Prefetch all of a frozen branch: each of its tensors is reloaded and left unread.
   o.offload.prefetch_bytes = ferry::Bytes(p.frozen_first_step ? 1 << 20 : 1);

@@ -28,6 +28,10 @@ struct LoopbackStreams {
   /// Each copy starts up to this long after the stream reaches it, and each compute stream's
   /// work issued so far ends up to this long after it was issued (seeded, uniform).
   std::chrono::microseconds max_delay{1000};
+  /// Each copy on the copy stream named `slow_stream` takes `slow_copy` longer (a congested
+  /// link): a test's way to keep one stream far behind the others. C++ only.
+  std::string slow_stream;
+  std::chrono::microseconds slow_copy{0};
 
   friend bool operator==(const LoopbackStreams&, const LoopbackStreams&) = default;
 };
@@ -92,9 +96,9 @@ class AsyncStreams {
   AsyncStreams(const AsyncStreams&) = delete;
   AsyncStreams& operator=(const AsyncStreams&) = delete;
 
-  /// Stream `id` (ids are dense, from 0): a compute stream runs on the host; a copy stream gets
-  /// a worker thread.
-  void add_stream(std::uint32_t id, bool compute);
+  /// Stream `id` (ids are dense, from 0) named `name`: a compute stream runs on the host; a
+  /// copy stream gets a worker thread.
+  void add_stream(std::uint32_t id, bool compute, std::string_view name = {});
   /// Compute stream `id` becomes current: the host waits for what it was told to wait for.
   void set_current(std::uint32_t id);
 
@@ -150,6 +154,7 @@ class AsyncStreams {
   std::condition_variable changed_;
   bool stopping_ = false;
   std::vector<bool> compute_;                     // by stream id
+  std::vector<bool> slow_;                        // by stream id: named slow_stream
   std::vector<std::unique_ptr<Worker>> workers_;  // by stream id; null for compute streams
   std::vector<std::vector<Token>> pending_;       // compute streams: waits not yet taken
   std::vector<Clock::time_point> finish_;         // compute streams: when their work so far ends
