@@ -1,22 +1,24 @@
-#include "plan_command.hpp"
+// `ferry plan`: the fastest keep / offload / recompute plan that fits a budget, or with --sweep
+// the curve of plans over budgets.
 
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <fstream>
+#include <cstdint>
+#include <memory>
 #include <optional>
-#include <sstream>
+#include <string>
+#include <utility>
 
+#include "command.hpp"
+#include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/analysis/planner.hpp"
 #include "ferry/sim/io/plan_json.hpp"
-#include "snapshot_file.hpp"
+#include "ferry/units.hpp"
+#include "io.hpp"
 
 namespace ferry::cli {
-
 namespace {
-
-constexpr int kExitFailed = 1;
-constexpr int kExitBadInput = 2;
 
 // Refuses an empty byte count: "--budget ''" is a mistake, not "no budget" (which is leaving the
 // option out).
@@ -28,179 +30,176 @@ const CLI::Validator kByteCount(
     },
     "BYTES");
 
-void print(const std::string& text) {
-  std::fwrite(text.data(), 1, text.size(), stdout);
-  std::fflush(stdout);
-}
+struct PlanArgs {
+  std::string model = "llama3-8b-s8192";
+  std::string device = "h100-sxm-pcie5";
+  std::string budget;
+  std::string host_budget;
+  std::string out;
+  std::string plot;             // --sweep: the SVG plot's file
+  std::string memory_snapshot;  // the plan's run as a PyTorch memory snapshot
+  std::string scenarios{kDefaultScenarios};
+  std::int32_t steps = 2;
+  std::int32_t sweep = 0;  // budgets of a sweep; 0: one plan at --budget
+  bool json = false;
+};
 
-}  // namespace
+class PlanCommand final : public Command {
+ public:
+  explicit PlanCommand(CLI::App* cmd);
 
-CLI::App* add_plan_command(CLI::App& app, PlanCommandArgs& a, std::string default_scenarios) {
-  a.scenarios = std::move(default_scenarios);
-  CLI::App* cmd = app.add_subcommand(
-      "plan",
-      "The fastest keep / offload / recompute plan whose peak reserved memory fits a budget");
-  cmd->add_option("--model", a.model, "Model preset or model JSON file")->capture_default_str();
-  cmd->add_option("--device", a.device, "Device profile name or JSON file")->capture_default_str();
-  cmd->add_option("--budget", a.budget,
+  [[nodiscard]] int run() const override;
+
+ private:
+  // Options that do not go together, or a file that cannot be written: why, or empty.
+  [[nodiscard]] std::string misuse() const;
+  // The budgets and steps of the command line (the device budget is left to the caller).
+  [[nodiscard]] Result<sim::PlannerOptions> planner_options() const;
+  [[nodiscard]] int sweep(const Workload& w, const sim::PlannerOptions& options) const;
+  [[nodiscard]] int plan(const Workload& w, const sim::PlannerOptions& options) const;
+  // The plan's checked run again, written as a memory snapshot; 0 or the exit code.
+  [[nodiscard]] int write_snapshot(const Workload& w, const sim::PlannerOptions& options,
+                                   const Plan& plan) const;
+
+  PlanArgs a_;
+};
+
+PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
+  cmd->add_option("--model", a_.model, "Model preset or model JSON file")->capture_default_str();
+  cmd->add_option("--device", a_.device, "Device profile name or JSON file")->capture_default_str();
+  cmd->add_option("--budget", a_.budget,
                   "Device budget, peak reserved: 40GiB, \"40 GiB\", 40GB, 4e10 (bytes); default: "
                   "the device's memory")
       ->check(kByteCount);
-  cmd->add_option("--sweep", a.sweep,
+  cmd->add_option("--sweep", a_.sweep,
                   "Plan at N budgets from the floor to the no-offload peak (no --budget)")
       ->check(CLI::Range(2, 100));
-  cmd->add_option("--plot", a.plot, "With --sweep: write the curve as an SVG plot to FILE");
-  cmd->add_option("--host-budget", a.host_budget, "Pinned host memory budget, as --budget")
+  cmd->add_option("--plot", a_.plot, "With --sweep: write the curve as an SVG plot to FILE");
+  cmd->add_option("--host-budget", a_.host_budget, "Pinned host memory budget, as --budget")
       ->check(kByteCount);
-  cmd->add_option("--out", a.out, "Write the plan (ferry.plan/1 JSON) to FILE");
-  cmd->add_option("--memory-snapshot", a.memory_snapshot,
+  cmd->add_option("--out", a_.out, "Write the plan (ferry.plan/1 JSON) to FILE");
+  cmd->add_option("--memory-snapshot", a_.memory_snapshot,
                   "Write the plan's simulated run as a PyTorch memory snapshot (pickle) to FILE");
-  cmd->add_option("--steps", a.steps, "Training steps per simulation (the last is measured)")
+  cmd->add_option("--steps", a_.steps, "Training steps per simulation (the last is measured)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
-  cmd->add_flag("--json", a.json, "Print the report as one JSON document");
-  cmd->add_option("--scenarios", a.scenarios, "Folder with devices/ (bundled by default)");
-  return cmd;
+  cmd->add_flag("--json", a_.json, "Print the report as one JSON document");
+  cmd->add_option("--scenarios", a_.scenarios, "Folder with devices/ (bundled by default)");
 }
 
-int run_plan_command(const PlanCommandArgs& args, const Loaders& loaders) {
-  if (args.sweep > 0 && (!args.budget.empty() || !args.out.empty())) {
-    fmt::print(stderr,
-               "ferry plan: error: --sweep plans its own budgets; it takes no --budget "
-               "or --out\n");
-    return kExitBadInput;
+std::string PlanCommand::misuse() const {
+  if (a_.sweep > 0 && (!a_.budget.empty() || !a_.out.empty())) {
+    return "--sweep plans its own budgets; it takes no --budget or --out";
   }
-  if (args.sweep > 0 && !args.memory_snapshot.empty()) {
-    fmt::print(stderr, "ferry plan: error: --memory-snapshot is of one plan: not with --sweep\n");
-    return kExitBadInput;
+  if (a_.sweep > 0 && !a_.memory_snapshot.empty()) {
+    return "--memory-snapshot is of one plan: not with --sweep";
   }
-  if (const std::string why = args.memory_snapshot.empty() ? "" : unwritable(args.memory_snapshot);
+  if (const std::string why = a_.memory_snapshot.empty() ? "" : unwritable(a_.memory_snapshot);
       !why.empty()) {
-    fmt::print(stderr, "ferry plan: error: --memory-snapshot: {}\n", why);
-    return kExitBadInput;
+    return "--memory-snapshot: " + why;
   }
-  if (args.sweep == 0 && !args.plot.empty()) {
-    fmt::print(stderr, "ferry plan: error: --plot draws a sweep: give --sweep N\n");
-    return kExitBadInput;
-  }
+  if (a_.sweep == 0 && !a_.plot.empty()) return "--plot draws a sweep: give --sweep N";
+  return {};
+}
+
+Result<sim::PlannerOptions> PlanCommand::planner_options() const {
   sim::PlannerOptions options;
-  if (args.sweep == 0 && !args.budget.empty()) {
-    auto budget = parse_bytes(args.budget, "--budget");
-    if (!budget) {
-      fmt::print(stderr, "ferry plan: error: {}\n", budget.error().message);
-      return kExitBadInput;
-    }
+  if (a_.sweep == 0 && !a_.budget.empty()) {
+    auto budget = parse_bytes(a_.budget, "--budget");
+    if (!budget) return budget.error();
     options.budget = budget.value();
   }
-  options.steps = args.steps;
-  if (!args.host_budget.empty()) {
-    auto host = parse_bytes(args.host_budget, "--host-budget");
-    if (!host) {
-      fmt::print(stderr, "ferry plan: error: {}\n", host.error().message);
-      return kExitBadInput;
-    }
+  options.steps = a_.steps;
+  if (!a_.host_budget.empty()) {
+    auto host = parse_bytes(a_.host_budget, "--host-budget");
+    if (!host) return host.error();
     options.host_budget = host.value();
   }
-  auto model = loaders.model(args.model);
-  if (!model) {
-    fmt::print(stderr, "ferry plan: error: {}\n", model.error().message);
+  return options;
+}
+
+int PlanCommand::run() const {
+  if (const std::string why = misuse(); !why.empty()) {
+    fmt::print(stderr, "ferry plan: error: {}\n", why);
     return kExitBadInput;
   }
-  auto device = loaders.device(args.device, args.scenarios);
-  if (!device) {
-    fmt::print(stderr, "ferry plan: error: {}\n", device.error().message);
+  auto options = planner_options();
+  if (!options) {
+    fmt::print(stderr, "ferry plan: error: {}\n", options.error().message);
     return kExitBadInput;
   }
-  if (auto fits = sim::check_roofline(model.value(), device.value()); !fits.ok()) {
-    fmt::print(stderr, "ferry plan: error: {}: {}\n", args.model, fits.error().message);
+  auto workload = load_workload(a_.model, a_.device, a_.scenarios);
+  if (!workload) {
+    fmt::print(stderr, "ferry plan: error: {}\n", workload.error().message);
     return kExitBadInput;
   }
+  if (a_.sweep > 0) return sweep(workload.value(), options.value());
   // No budget: the device's whole memory, the question "what is fastest that fits at all?".
-  if (args.sweep == 0 && args.budget.empty()) options.budget = device.value().memory;
-  sim::assign_roofline_durations(model.value(), device.value());
-  if (args.sweep > 0) {
-    const auto points = sim::plan_sweep(model.value(), device.value(), options, args.sweep,
-                                        [](std::size_t i, std::size_t n, Bytes budget) {
-                                          fmt::print(stderr, "planning {}/{}: budget {} ...\n",
-                                                     i + 1, n, format_bytes(budget));
-                                        });
-    print(args.json ? sim::sweep_json(points, model.value(), device.value())
-                    : sim::sweep_text(points, model.value(), device.value()));
-    if (!args.plot.empty()) {
-      std::ofstream file(args.plot, std::ios::binary);
-      file << sim::sweep_svg(points, model.value(), device.value());
-      if (!file) {
-        fmt::print(stderr, "ferry plan: error: cannot write the plot to {}\n", args.plot);
-        return kExitBadInput;
-      }
-      fmt::print(stderr, "plot written to {}\n", args.plot);
+  if (a_.budget.empty()) options.value().budget = workload.value().device.memory;
+  return plan(workload.value(), options.value());
+}
+
+int PlanCommand::sweep(const Workload& w, const sim::PlannerOptions& options) const {
+  const auto points = sim::plan_sweep(
+      w.model, w.device, options, a_.sweep, [](std::size_t i, std::size_t n, Bytes budget) {
+        fmt::print(stderr, "planning {}/{}: budget {} ...\n", i + 1, n, format_bytes(budget));
+      });
+  print(a_.json ? sim::sweep_json(points, w.model, w.device)
+                : sim::sweep_text(points, w.model, w.device));
+  if (!a_.plot.empty()) {
+    if (!write_output(a_.plot, sim::sweep_svg(points, w.model, w.device))) {
+      fmt::print(stderr, "ferry plan: error: cannot write the plot to {}\n", a_.plot);
+      return kExitBadInput;
     }
-    return 0;
+    fmt::print(stderr, "plot written to {}\n", a_.plot);
   }
-  auto outcome = sim::make_plan(model.value(), device.value(), options);
+  return 0;
+}
+
+int PlanCommand::plan(const Workload& w, const sim::PlannerOptions& options) const {
+  auto outcome = sim::make_plan(w.model, w.device, options);
   if (!outcome) {
     fmt::print(stderr, "ferry plan: {}\n", outcome.error().message);
     return kExitFailed;
   }
-  if (!args.out.empty()) {
-    std::ofstream file(args.out, std::ios::binary);
-    file << sim::plan_to_json(outcome.value().plan);
-    if (!file) {
-      fmt::print(stderr, "ferry plan: error: cannot write the plan to {}\n", args.out);
-      return kExitBadInput;
-    }
+  if (!a_.out.empty() && !write_output(a_.out, sim::plan_to_json(outcome.value().plan))) {
+    fmt::print(stderr, "ferry plan: error: cannot write the plan to {}\n", a_.out);
+    return kExitBadInput;
   }
-  if (!args.memory_snapshot.empty()) {
-    // The plan's checked run again, on the device as the planner checked it: its memory is the
-    // budget.
-    sim::DeviceProfile capped = device.value();
-    capped.memory = std::min(capped.memory, options.budget);
-    sim::TrainingOptions base;
-    base.steps = args.steps;
-    auto training = sim::plan_training_options(outcome.value().plan, model.value(), base);
-    std::optional<sim::TrainingRun> run;
-    if (training) {
-      (void)sim::run_row(model.value(), capped, sim::PolicyRow{"plan", std::move(training).value()},
-                         &run);
-    }
-    if (!run) {
-      fmt::print(stderr, "ferry plan: error: --memory-snapshot: the plan's run did not start\n");
-      return kExitFailed;
-    }
-    if (const int rc = write_memory_snapshot(run->sim, args.memory_snapshot, "plan", args.json)) {
-      return rc;
-    }
+  if (!a_.memory_snapshot.empty()) {
+    if (const int rc = write_snapshot(w, options, outcome.value().plan)) return rc;
   }
-  print(args.json ? sim::plan_report_json(outcome.value(), model.value(), device.value())
-                  : sim::plan_text(outcome.value(), model.value(), device.value()));
-  if (!args.out.empty() && !args.json) fmt::print(stderr, "plan written to {}\n", args.out);
+  print(a_.json ? sim::plan_report_json(outcome.value(), w.model, w.device)
+                : sim::plan_text(outcome.value(), w.model, w.device));
+  if (!a_.out.empty() && !a_.json) fmt::print(stderr, "plan written to {}\n", a_.out);
   return 0;
 }
 
-int replay_plan_file(const std::string& path, const sim::Model& model,
-                     const sim::DeviceProfile& device, const sim::TrainingOptions& base,
-                     bool json) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    fmt::print(stderr, "ferry simulate: error: cannot read plan file {}\n", path);
-    return kExitBadInput;
+int PlanCommand::write_snapshot(const Workload& w, const sim::PlannerOptions& options,
+                                const Plan& plan) const {
+  // On the device as the planner checked the plan: its memory is the budget.
+  sim::DeviceProfile capped = w.device;
+  capped.memory = std::min(capped.memory, options.budget);
+  sim::TrainingOptions base;
+  base.steps = a_.steps;
+  auto training = sim::plan_training_options(plan, w.model, base);
+  std::optional<sim::TrainingRun> run;
+  if (training) {
+    (void)sim::run_row(w.model, capped, sim::PolicyRow{"plan", std::move(training).value()}, &run);
   }
-  std::ostringstream text;
-  text << in.rdbuf();
-  auto plan = sim::parse_plan(text.str(), path);
-  if (!plan) {
-    fmt::print(stderr, "ferry simulate: error: {}\n", plan.error().message);
-    return kExitBadInput;
+  if (!run) {
+    fmt::print(stderr, "ferry plan: error: --memory-snapshot: the plan's run did not start\n");
+    return kExitFailed;
   }
-  auto row = sim::replay_plan(plan.value(), model, device, base);
-  if (!row) {
-    fmt::print(stderr, "ferry simulate: error: {}: {}\n", path, row.error().message);
-    return kExitBadInput;
-  }
-  row.value().name = "plan " + path;
-  print(json ? sim::simulate_json(row.value(), model, device)
-             : sim::simulate_text(row.value(), model, device));
-  return row.value().hazards == 0 && !row.value().failure ? 0 : kExitFailed;
+  return write_memory_snapshot(run->sim, a_.memory_snapshot, "plan", a_.json);
+}
+
+}  // namespace
+
+std::unique_ptr<Command> add_plan_command(CLI::App& app) {
+  return std::make_unique<PlanCommand>(app.add_subcommand(
+      "plan",
+      "The fastest keep / offload / recompute plan whose peak reserved memory fits a budget"));
 }
 
 }  // namespace ferry::cli

@@ -343,18 +343,6 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
   return out;
 }
 
-std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
-                         const DeviceProfile& device) {
-  const RowResult* base = baseline(rows);
-  Json j;
-  j["format"] = "ferry.compare/1";
-  j.update(context_json(model, device));
-  Json list = Json::array();
-  for (const RowResult& r : rows) list.push_back(row_json(r, base));
-  j["rows"] = std::move(list);
-  return j.dump(2) + "\n";
-}
-
 PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device, std::string name,
                              const PipelineOptions& options) {
   PipelineRow row;
@@ -440,7 +428,9 @@ std::string pipeline_text(const std::vector<PipelineRow>& rows) {
   return out;
 }
 
-std::string pipeline_json(const std::vector<PipelineRow>& rows) {
+namespace {
+
+Json pipeline_list(const std::vector<PipelineRow>& rows) {
   Json list = Json::array();
   for (const PipelineRow& r : rows) {
     Json j;
@@ -459,7 +449,33 @@ std::string pipeline_json(const std::vector<PipelineRow>& rows) {
     j["device_peak_allocated_bytes"] = std::move(peaks);
     list.push_back(std::move(j));
   }
-  return list.dump(2);
+  return list;
+}
+
+}  // namespace
+
+std::string pipeline_json(const std::vector<PipelineRow>& rows) {
+  return pipeline_list(rows).dump(2);
+}
+
+std::string pipeline_document(const std::vector<PipelineRow>& rows) {
+  Json j;
+  j["format"] = "ferry.pipeline/1";
+  j["rows"] = pipeline_list(rows);
+  return j.dump(2) + "\n";
+}
+
+std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
+                         const DeviceProfile& device, const std::vector<PipelineRow>& pipeline) {
+  const RowResult* base = baseline(rows);
+  Json j;
+  j["format"] = "ferry.compare/1";
+  j.update(context_json(model, device));
+  Json list = Json::array();
+  for (const RowResult& r : rows) list.push_back(row_json(r, base));
+  j["rows"] = std::move(list);
+  if (!pipeline.empty()) j["pipeline"] = pipeline_list(pipeline);
+  return j.dump(2) + "\n";
 }
 
 }  // namespace ferry::sim

@@ -5,13 +5,11 @@
 
 #include <algorithm>
 #include <array>
-#include <cerrno>
-#include <fstream>
-#include <sstream>
 #include <system_error>
 #include <utility>
 
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/io/text_file.hpp"
 #include "json_files.hpp"
 
 namespace ferry::sim {
@@ -115,24 +113,6 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
   return profile;
 }
 
-Result<std::string> read_text_file(const std::filesystem::path& path) {
-  std::error_code error;
-  const auto status = std::filesystem::status(path, error);
-  if (error) return Error{fmt::format("{}: cannot read: {}", path.string(), error.message())};
-  if (!std::filesystem::is_regular_file(status)) {
-    return Error{fmt::format("{}: cannot read: not a regular file", path.string())};
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return Error{fmt::format("{}: cannot open: {}", path.string(),
-                             std::error_code(errno, std::generic_category()).message())};
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Error{fmt::format("{}: read error", path.string())};
-  return std::move(text).str();
-}
-
 }  // namespace io_detail
 
 Result<DeviceProfile> parse_device_profile(std::string_view text, std::string_view source) {
@@ -171,7 +151,7 @@ Result<DeviceProfile> load_device_profile(const std::filesystem::path& profile_d
   if (!std::filesystem::is_regular_file(path, error)) {
     return Error{fmt::format("unknown device profile {} ({})", json_quote(name), bundled())};
   }
-  FERRY_JSON_TRY(const auto text, io_detail::read_text_file(path));
+  FERRY_JSON_TRY(const auto text, read_text_file(path));
   const std::string source = path.string();
   FERRY_JSON_TRY(auto profile, parse_device_profile(text, source));
   if (profile.name != name) {

@@ -17,7 +17,5 @@ Result<std::int64_t> read_rate(const JsonObject& object, std::string_view key);
 Result<std::int64_t> read_nanoseconds(const JsonObject& object, std::string_view key);
 /// A device profile object (the document of scenarios/devices/*.json, or one inline).
 Result<DeviceProfile> read_profile(const JsonValue& value);
-/// The whole of a regular file; the error names the path.
-Result<std::string> read_text_file(const std::filesystem::path& path);
 
 }  // namespace ferry::sim::io_detail

@@ -11,6 +11,7 @@
 #include <map>
 #include <utility>
 
+#include "ferry/sim/io/text_file.hpp"
 #include "ferry/sim/json/json_reader.hpp"
 #include "json_files.hpp"
 
@@ -501,7 +502,7 @@ Result<Program> parse_program(std::string_view text, std::string_view source,
 
 Result<Program> load_program(const std::filesystem::path& path,
                              const std::filesystem::path& profile_dir) {
-  FERRY_JSON_TRY(const auto text, io_detail::read_text_file(path));
+  FERRY_JSON_TRY(const auto text, read_text_file(path));
   return parse_program(text, path.string(), profile_dir);
 }
 

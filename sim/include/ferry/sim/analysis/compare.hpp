@@ -39,7 +39,7 @@ struct RowResult {
   OffloadTelemetry telemetry;
   /// The ferry policy's offload horizon the run used (OffloadOptions::horizon_bytes).
   std::optional<Bytes> horizon;
-  /// The offloader's decisions per layer (TrainingRun::layer_decisions), all steps.
+  /// The offloader's decisions per layer (TrainingRun::layer_decisions), last step.
   std::map<std::int32_t, LayerDecisions> layers;
 };
 
@@ -79,10 +79,8 @@ Result<SideStreamOptions> parse_side_streams(std::string_view spec);
 [[nodiscard]] std::string simulate_json(const RowResult& row, const Model& model,
                                         const DeviceProfile& device);
 
-/// The comparison table as text / JSON (`ferry compare`); ratios are to the "none" row.
+/// The comparison table as text (`ferry compare`); ratios are to the "none" row.
 [[nodiscard]] std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
-                                       const DeviceProfile& device);
-[[nodiscard]] std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
                                        const DeviceProfile& device);
 
 /// One pipeline configuration's cost (`ferry simulate --devices N`, `ferry compare --devices N`).
@@ -111,8 +109,16 @@ Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
                                                      const DeviceProfile& device,
                                                      std::int32_t devices,
                                                      std::int32_t micro_batches);
-/// The pipeline table as text, and the rows as a JSON array (key "pipeline" of compare).
+/// The pipeline table as text, and the rows as a JSON array.
 [[nodiscard]] std::string pipeline_text(const std::vector<PipelineRow>& rows);
 [[nodiscard]] std::string pipeline_json(const std::vector<PipelineRow>& rows);
+/// The document of `ferry simulate --devices N --json` ("ferry.pipeline/1"): the rows.
+[[nodiscard]] std::string pipeline_document(const std::vector<PipelineRow>& rows);
+
+/// The comparison as one JSON document ("ferry.compare/1"); ratios are to the "none" row. The
+/// `pipeline` rows (`ferry compare --devices N`), when there are any, are its "pipeline" array.
+[[nodiscard]] std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
+                                       const DeviceProfile& device,
+                                       const std::vector<PipelineRow>& pipeline = {});
 
 }  // namespace ferry::sim

@@ -1,0 +1,179 @@
+// `ferry simulate`: training steps of a model under one offload policy and checkpoint plan, on
+// one device or a GPipe pipeline; or, with --plan, a plan written by `ferry plan`.
+
+#include <fmt/format.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "command.hpp"
+#include "ferry/offload/options.hpp"
+#include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/analysis/planner.hpp"
+#include "ferry/sim/analysis/report.hpp"
+#include "ferry/sim/io/plan_json.hpp"
+#include "io.hpp"
+#include "run_options.hpp"
+
+namespace ferry::cli {
+namespace {
+
+constexpr std::string_view kPolicies = "none, trl, trl-seed, ferry";
+
+class SimulateCommand final : public Command {
+ public:
+  explicit SimulateCommand(CLI::App* cmd) : Command(cmd) { add_run_options(cmd, a_, true); }
+
+  [[nodiscard]] int run() const override;
+
+ private:
+  // The plan in the file at a_.plan, replayed on `w`.
+  [[nodiscard]] int replay_plan(const Workload& w, const sim::TrainingOptions& base) const;
+  [[nodiscard]] int run_pipeline(const Workload& w, const sim::TrainingOptions& base) const;
+  [[nodiscard]] int run_one_device(const Workload& w, const sim::TrainingOptions& base) const;
+  // Writes the kept run's trace and memory snapshot where asked; 0 or the exit code.
+  [[nodiscard]] int write_files(const std::optional<sim::TrainingRun>& run) const;
+
+  RunArgs a_;
+};
+
+int SimulateCommand::run() const {
+  auto workload = load_workload(a_.model, a_.device, a_.scenarios);
+  if (!workload) {
+    fmt::print(stderr, "ferry simulate: error: {}\n", workload.error().message);
+    return kExitBadInput;
+  }
+  auto base = run_options(a_, workload.value().model, true);
+  if (!base) {
+    fmt::print(stderr, "ferry simulate: error: {}\n", base.error().message);
+    return kExitBadInput;
+  }
+  if (!a_.plan.empty()) return replay_plan(workload.value(), base.value());
+  if (a_.devices > 1) return run_pipeline(workload.value(), base.value());
+  return run_one_device(workload.value(), base.value());
+}
+
+int SimulateCommand::replay_plan(const Workload& w, const sim::TrainingOptions& base) const {
+  auto text = read_input(a_.plan, "plan");
+  if (!text) {
+    fmt::print(stderr, "ferry simulate: error: {}\n", text.error().message);
+    return kExitBadInput;
+  }
+  auto plan = sim::parse_plan(text.value(), a_.plan);
+  if (!plan) {
+    fmt::print(stderr, "ferry simulate: error: {}\n", plan.error().message);
+    return kExitBadInput;
+  }
+  auto row = sim::replay_plan(plan.value(), w.model, w.device, base);
+  if (!row) {
+    fmt::print(stderr, "ferry simulate: error: {}: {}\n", a_.plan, row.error().message);
+    return kExitBadInput;
+  }
+  row.value().name = "plan " + a_.plan;
+  print(a_.json ? sim::simulate_json(row.value(), w.model, w.device)
+                : sim::simulate_text(row.value(), w.model, w.device));
+  return row.value().hazards == 0 && !row.value().failure ? 0 : kExitFailed;
+}
+
+int SimulateCommand::run_pipeline(const Workload& w, const sim::TrainingOptions& base) const {
+  // What draws or replays one device's run is refused rather than silently missing.
+  const auto refuse = [&](std::string_view what) {
+    fmt::print(stderr, "ferry simulate: error: {} (--devices {})\n", what, a_.devices);
+    return kExitBadInput;
+  };
+  if (base.side.any()) {
+    return refuse(
+        "--side-streams applies to a single-device run; a pipeline runs one compute stream per "
+        "device");
+  }
+  if (!a_.trace.empty())
+    return refuse("--trace draws a single-device run; a pipeline has no trace yet");
+  if (!a_.memory_snapshot.empty()) {
+    return refuse(
+        "--memory-snapshot replays a single-device run; a pipeline has no memory snapshot yet");
+  }
+  auto mode = sim::parse_checkpoint_mode(a_.pipeline_checkpoint);
+  if (!mode) {
+    fmt::print(stderr, "ferry simulate: error: --pipeline-checkpoint: {}\n", mode.error().message);
+    return kExitBadInput;
+  }
+  sim::PipelineOptions o;
+  o.devices = a_.devices;
+  o.micro_batches = a_.micro_batches;
+  o.checkpoint = mode.value();
+  o.sim = base.sim;
+  o.offload = base.offload;
+  const auto policy = parse_policy(a_.policy);
+  if (!policy) {
+    fmt::print(stderr, "ferry simulate: error: unknown policy \"{}\" ({})\n", a_.policy, kPolicies);
+    return kExitBadInput;
+  }
+  o.offload.policy = *policy;
+  const auto row = sim::run_pipeline_row(w.model, w.device, sim::pipeline_row_name(o), o);
+  if (row.failure && row.step_time.ns() == 0) {
+    fmt::print(stderr, "ferry simulate: error: {}\n", row.failure->message);
+    return kExitBadInput;
+  }
+  print(a_.json ? sim::pipeline_document({row}) : sim::pipeline_text({row}));
+  return row.hazards == 0 && !row.failure ? 0 : kExitFailed;
+}
+
+int SimulateCommand::run_one_device(const Workload& w, const sim::TrainingOptions& base) const {
+  sim::PolicyRow row{a_.policy, base};
+  const auto policy = parse_policy(a_.policy);
+  if (!policy) {
+    fmt::print(stderr, "ferry simulate: error: unknown policy \"{}\" ({})\n", a_.policy, kPolicies);
+    return kExitBadInput;
+  }
+  row.options.offload.policy = *policy;
+  if (!row.options.offload.horizon_bytes) {
+    row.options.offload.horizon_bytes = sim::offload_horizon(w.model, w.device, row.options);
+  }
+  if (const std::string why = a_.memory_snapshot.empty() ? "" : unwritable(a_.memory_snapshot);
+      !why.empty()) {
+    fmt::print(stderr, "ferry simulate: error: --memory-snapshot: {}\n", why);
+    return kExitBadInput;
+  }
+  std::optional<sim::TrainingRun> run;
+  const bool keep = !a_.trace.empty() || !a_.memory_snapshot.empty();
+  const auto result = sim::run_row(w.model, w.device, row, keep ? &run : nullptr);
+  const std::string out = a_.json ? sim::simulate_json(result, w.model, w.device)
+                                  : sim::simulate_text(result, w.model, w.device);
+  if (const int rc = write_files(run)) return rc;
+  print(out);
+  return result.hazards == 0 && !result.failure ? 0 : kExitFailed;
+}
+
+int SimulateCommand::write_files(const std::optional<sim::TrainingRun>& run) const {
+  if (!a_.trace.empty()) {
+    if (!run) {
+      fmt::print(stderr, "ferry simulate: no trace written to {}: the run did not complete\n",
+                 a_.trace);
+    } else if (!write_output(a_.trace, sim::chrome_trace(run->sim))) {
+      fmt::print(stderr, "ferry simulate: error: cannot write trace to {}\n", a_.trace);
+      return kExitBadInput;
+    }
+  }
+  if (!a_.memory_snapshot.empty()) {
+    if (!run) {
+      fmt::print(stderr,
+                 "ferry simulate: no memory snapshot written to {}: the run did not start\n",
+                 a_.memory_snapshot);
+    } else if (const int rc =
+                   write_memory_snapshot(run->sim, a_.memory_snapshot, "simulate", a_.json)) {
+      return rc;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::unique_ptr<Command> add_simulate_command(CLI::App& app) {
+  return std::make_unique<SimulateCommand>(app.add_subcommand(
+      "simulate", "Simulate training steps of a model under one offload policy"));
+}
+
+}  // namespace ferry::cli
