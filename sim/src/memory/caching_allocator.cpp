@@ -190,10 +190,7 @@ void CachingAllocator::free(BlockId block, StreamMarkers& markers) {
   // the simulated device sees the same calls on every run.
   b.state = BlockInfo::State::PendingFree;
   b.id = BlockId{};
-  for (const StreamId used : b.stream_uses) {
-    b.markers.push_back(markers.record(used));
-  }
-  pending_.push_back(address);
+  pending_.defer(address, b.stream_uses, b.markers, markers);
   ++stats_.deferred_frees;
 }
 
@@ -332,38 +329,23 @@ void CachingAllocator::release_block(BlockMap::iterator it) {
   free_.insert(FreeKey{merged.pool, merged.stream, merged.size, it->first});
 }
 
+std::vector<MarkerId>& CachingAllocator::pending_markers(Bytes address) {
+  const auto it = blocks_.find(address);
+  FERRY_CHECK(it != blocks_.end() && it->second.state == BlockInfo::State::PendingFree,
+              "pending free at {:#x} is missing", address.count());
+  return it->second.markers;
+}
+
 void CachingAllocator::process_pending(StreamMarkers& markers) {
-  if (pending_.empty()) {
-    return;
-  }
-  // A marker that answered "done" is dropped (it was observed once, as PyTorch drops a
-  // completed event); the block returns when none is left.
-  std::vector<Bytes> still_pending;
-  for (const Bytes address : pending_) {
-    const auto it = blocks_.find(address);
-    FERRY_CHECK(it != blocks_.end() && it->second.state == BlockInfo::State::PendingFree,
-                "pending free at {:#x} is missing", address.count());
-    std::erase_if(it->second.markers, [&markers](MarkerId m) { return markers.query(m); });
-    if (it->second.markers.empty()) {
-      release_block(it);
-    } else {
-      still_pending.push_back(address);
-    }
-  }
-  pending_ = std::move(still_pending);
+  pending_.process(
+      markers, [this](Bytes address) -> auto& { return pending_markers(address); },
+      [this](Bytes address) { release_block(blocks_.find(address)); });
 }
 
 void CachingAllocator::synchronize_pending(StreamMarkers& markers) {
-  for (const Bytes address : pending_) {
-    const auto it = blocks_.find(address);
-    FERRY_CHECK(it != blocks_.end() && it->second.state == BlockInfo::State::PendingFree,
-                "pending free at {:#x} is missing", address.count());
-    for (const MarkerId m : it->second.markers) {
-      markers.synchronize(m);
-    }
-    release_block(it);
-  }
-  pending_.clear();
+  pending_.synchronize(
+      markers, [this](Bytes address) -> auto& { return pending_markers(address); },
+      [this](Bytes address) { release_block(blocks_.find(address)); });
 }
 
 void CachingAllocator::release_free_segments() {

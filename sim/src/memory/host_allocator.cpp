@@ -51,7 +51,7 @@ Result<HostAllocation> PinnedHostAllocator::malloc(Bytes requested, PinnedPool p
   }
   ++stats_.cap_refusals;
   Bytes pending_bytes;
-  for (const Bytes pending : pending_) {
+  for (const Bytes pending : pending_.addresses()) {
     pending_bytes += blocks_.at(pending).size;
   }
   const std::string request =
@@ -110,10 +110,7 @@ void PinnedHostAllocator::free(HostBlockId block, StreamMarkers& markers) {
   // See Note [record_stream deferral]; markers in increasing stream order for determinism.
   b.state = HostBlockInfo::State::PendingFree;
   b.id = HostBlockId{};
-  for (const StreamId used : b.streams) {
-    b.markers.push_back(markers.record(used));
-  }
-  pending_.push_back(address);
+  pending_.defer(address, b.streams, b.markers, markers);
   ++stats_.deferred_frees;
 }
 
@@ -173,31 +170,15 @@ void PinnedHostAllocator::release_block(Bytes address, Block& block) {
 }
 
 void PinnedHostAllocator::process_pending(StreamMarkers& markers) {
-  if (pending_.empty()) {
-    return;
-  }
-  std::vector<Bytes> still_pending;
-  for (const Bytes address : pending_) {
-    Block& b = blocks_.at(address);
-    std::erase_if(b.markers, [&markers](MarkerId m) { return markers.query(m); });
-    if (b.markers.empty()) {
-      release_block(address, b);
-    } else {
-      still_pending.push_back(address);
-    }
-  }
-  pending_ = std::move(still_pending);
+  pending_.process(
+      markers, [this](Bytes address) -> auto& { return blocks_.at(address).markers; },
+      [this](Bytes address) { release_block(address, blocks_.at(address)); });
 }
 
 void PinnedHostAllocator::synchronize_pending(StreamMarkers& markers) {
-  for (const Bytes address : pending_) {
-    Block& b = blocks_.at(address);
-    for (const MarkerId m : b.markers) {
-      markers.synchronize(m);
-    }
-    release_block(address, b);
-  }
-  pending_.clear();
+  pending_.synchronize(
+      markers, [this](Bytes address) -> auto& { return blocks_.at(address).markers; },
+      [this](Bytes address) { release_block(address, blocks_.at(address)); });
 }
 
 void PinnedHostAllocator::unpin_cached() {

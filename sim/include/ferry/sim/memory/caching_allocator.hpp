@@ -176,6 +176,7 @@ class CachingAllocator {
   std::optional<Bytes> new_segment(StreamId stream, PoolKind pool, Bytes segment_size);
   DeviceAllocation hand_out(Bytes address, Bytes size, Bytes requested);
   void release_block(BlockMap::iterator it);
+  std::vector<MarkerId>& pending_markers(Bytes address);
   void process_pending(StreamMarkers& markers);
   void synchronize_pending(StreamMarkers& markers);
   void release_free_segments();
@@ -198,7 +199,7 @@ class CachingAllocator {
       PooledMap<Bytes, Segment>::allocator_type(segment_nodes_.get())};
   PooledSet<FreeKey> free_{PooledSet<FreeKey>::allocator_type(free_nodes_.get())};  // Free only
   std::unordered_map<BlockId, Bytes> live_;  // Allocated blocks -> address; lookup only
-  std::vector<Bytes> pending_;               // PendingFree blocks, in order of free
+  DeferredFrees pending_;                    // PendingFree blocks
   BlockId::rep_type next_id_ = 0;
   AllocatorStats stats_;
 };

@@ -109,7 +109,7 @@ class PinnedHostAllocator {
   std::map<Bytes, Block> blocks_;                // every pinned block, by address
   std::set<std::pair<Bytes, Bytes>> cached_;     // Free blocks as (size, address)
   std::unordered_map<HostBlockId, Bytes> live_;  // Allocated blocks -> address; lookup only
-  std::vector<Bytes> pending_;                   // PendingFree blocks, in order of free
+  DeferredFrees pending_;                        // PendingFree blocks
   HostBlockId::rep_type next_id_ = 0;
   HostAllocatorStats stats_;
 };
