@@ -168,12 +168,8 @@ std::shared_ptr<Session> make_session(
   return Session::create(options, faults);
 }
 
-}  // namespace
-
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "ferry's real backend: offload sessions and checkpoint frames over saved tensors";
-
-  // Python exceptions for the runtime's errors, as the reference implementations raise them.
+// The runtime's errors as the Python exceptions the reference implementations raise.
+void bind_errors(py::module_& m) {
   static py::exception<ferry::real::StopRecompute>& stop =
       py::register_local_exception<ferry::real::StopRecompute>(m, "_StopRecomputation");
   stop_type = stop.ptr();
@@ -192,7 +188,10 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
   });
+}
 
+// The pack and unpack hooks of saved tensors.
+void bind_saved_tensor_hooks(py::module_& m) {
   py::class_<Packed, std::shared_ptr<Packed>>(m, "_Packed",
                                               "What a pack hook returned for a saved tensor.");
 
@@ -216,9 +215,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_unpack", [](const std::shared_ptr<Packed>& p) { return p->unpack(); }, py::arg("packed"),
       "The unpack hook: the saved tensor back.");
+}
 
-  // Planted faults, for tests of the checker only (ferry.testing); not an option of
-  // ferry.offload.
+// Planted faults, for tests of the checker only (ferry.testing); not an option of ferry.offload.
+void bind_faults(py::module_& m) {
   py::class_<ferry::OffloadFaults>(m, "_Faults", "Synchronizations dropped on purpose (tests).")
       .def(py::init([](bool skip_offload_wait, bool skip_reload_wait, bool skip_forward_guard,
                        bool skip_backward_guard, bool skip_record_stream, bool skip_host_guard,
@@ -235,7 +235,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("skip_exit_sync") = false, py::arg("dedup_across_versions") = false,
            py::arg("skip_version_check") = false, py::arg("drop_view_bits") = false,
            py::arg("stale_compute_stream") = false, py::arg("reuse_pinned_early") = false);
+}
 
+// Offload sessions and their options.
+void bind_session(py::module_& m) {
   const ferry::real::RealOptions defaults;
   const ferry::OffloadOptions& d = defaults.offload;
   py::class_<Session, std::shared_ptr<Session>>(m, "Session", "One offload session.")
@@ -268,7 +271,10 @@ PYBIND11_MODULE(_C, m) {
            "buffer); 0 otherwise.")
       .def("set_current_stream", &Session::set_current_stream, py::arg("name"),
            "Loopback sessions: make the compute stream `name` current (\"compute\" first).");
+}
 
+// The region stack of each thread: offload and no-offload regions, offloaded outputs.
+void bind_regions(py::module_& m) {
   m.def(
       "_push_offload",
       [](const std::shared_ptr<Session>& session) {
@@ -305,6 +311,10 @@ PYBIND11_MODULE(_C, m) {
       },
       "The session of the innermost offload region on this thread (through checkpoint frames), "
       "'no_offload' when a no-offload region comes first, else None.");
+}
+
+// Checkpoint frames.
+void bind_checkpoint(py::module_& m) {
   m.def("_live_checkpoint_states", &ferry::real::live_checkpoint_states,
         "Checkpoint states alive in this process: zero once every checkpointed graph is freed.");
 
@@ -324,7 +334,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("determinism_check") = true, py::arg("preserve_rng_state") = true,
       py::arg("check_inputs") = true);
   m.def("_frame_end", &ferry::real::frame_end, py::arg("token"));
+}
 
+// ferry probe: the device measurement.
+void bind_probe(py::module_& m) {
   m.def(
       "_probe_main",
       [](const std::vector<std::string>& args) {
@@ -337,4 +350,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("bytes") = "", py::arg("matmul") = std::vector<std::int64_t>{},
         py::arg("name") = "probe", py::arg("progress") = false,
         "Measures the device: (the ferry.probe/1 report, the device profile) as JSON texts.");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ferry's real backend: offload sessions and checkpoint frames over saved tensors";
+  bind_errors(m);
+  bind_saved_tensor_hooks(m);
+  bind_faults(m);
+  bind_session(m);
+  bind_regions(m);
+  bind_checkpoint(m);
+  bind_probe(m);
 }
