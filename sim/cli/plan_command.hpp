@@ -7,7 +7,10 @@
 #include <functional>
 #include <string>
 
-#include "ferry/sim/analysis/planner.hpp"
+#include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/planner/planner.hpp"
+#include "ferry/sim/planner/report.hpp"
+#include "ferry/sim/planner/sweep.hpp"
 
 namespace ferry::cli {
 
