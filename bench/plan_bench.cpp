@@ -14,8 +14,10 @@
 #include <vector>
 
 #include "bench_main.hpp"
-#include "ferry/sim/analysis/planner.hpp"
+#include "ferry/sim/analysis/configurations.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/planner/planner.hpp"
+#include "ferry/sim/planner/report.hpp"
 
 namespace {
 
@@ -53,11 +55,8 @@ void BM_Plan(benchmark::State& state, const char* preset) {
     return;
   }
   ferry::sim::assign_roofline_durations(model.value(), device.value());
-  ferry::sim::TrainingOptions base;
-  base.steps = 2;
-  base.sim.check_hazards = false;
-  base.sim.track_content = false;
-  const auto rows = ferry::sim::default_rows(base, model.value(), device.value());
+  const auto rows =
+      ferry::sim::default_rows(ferry::sim::timing_only(2), model.value(), device.value());
   const auto none = ferry::sim::run_row(model.value(), device.value(), rows.front());
   // The 70B model's weights, gradients and activations outgrow one H100: it is planned on the
   // same profile with the memory of its no-offload peak (a device that does not exist; what

@@ -11,9 +11,9 @@
 #include "command.hpp"
 #include "ferry/offload/options.hpp"
 #include "ferry/sim/analysis/compare.hpp"
-#include "ferry/sim/analysis/planner.hpp"
 #include "ferry/sim/analysis/report.hpp"
 #include "ferry/sim/io/plan_json.hpp"
+#include "ferry/sim/planner/lower.hpp"
 #include "io.hpp"
 #include "run_options.hpp"
 

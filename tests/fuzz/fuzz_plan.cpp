@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <string_view>
 
-#include "ferry/sim/analysis/planner.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/planner/lower.hpp"
 #include "fuzz_common.hpp"
 
 namespace {

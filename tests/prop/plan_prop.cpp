@@ -10,8 +10,9 @@
 #include <algorithm>
 #include <string>
 
-#include "ferry/sim/analysis/planner.hpp"
+#include "ferry/sim/analysis/configurations.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/planner/planner.hpp"
 #include "prop/planted.hpp"
 #include "prop/rc_model_gens.hpp"
 
@@ -66,9 +67,7 @@ Bytes no_offload_peak(const Model& model, const DeviceProfile& device) {
   TrainingOptions o;
   o.offload.policy = Policy::None;
   o.sim.check_hazards = false;
-  DeviceProfile roomy = device;
-  roomy.memory = Bytes(device.memory.count() * 8);
-  auto run = simulate_training(model, roomy, o);
+  auto run = simulate_training(model, roomy(device), o);
   RC_ASSERT(run.ok());
   return run.value().sim.device_allocator(run.value().device).stats().reserved_peak;
 }

@@ -10,9 +10,13 @@
 #include <string>
 
 #include "ferry/plan/plan.hpp"
-#include "ferry/sim/analysis/planner.hpp"
+#include "ferry/sim/analysis/compare.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/planner/bound.hpp"
+#include "ferry/sim/planner/planner.hpp"
+#include "ferry/sim/planner/report.hpp"
+#include "ferry/sim/planner/sweep.hpp"
 
 namespace ferry::sim {
 namespace {

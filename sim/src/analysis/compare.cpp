@@ -3,12 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
-#include "ferry/sim/analysis/metrics.hpp"
 #include "ferry/sim/analysis/report.hpp"
 
 namespace ferry::sim {
@@ -16,45 +14,6 @@ namespace ferry::sim {
 namespace {
 
 using Json = nlohmann::ordered_json;
-
-RowResult measure(const TrainingRun& run, const PolicyRow& row) {
-  RowResult r;
-  r.name = row.name;
-  r.policy = row.options.offload.policy;
-  r.failure = run.failure;
-  r.fits = !(run.failure && run.failure->kind == FailureKind::OutOfMemory);
-  const Simulator& sim = run.sim;
-  TimelineMetrics metrics(run.compute);
-  sim.replay(metrics);
-  if (!run.steps.empty()) {
-    // Times, stall and bytes moved by copies issued during the last step.
-    const StepTimes& last = run.steps.back();
-    r.step_time = last.end - last.start;
-    // The host returns from forward long before the device finishes it: the forward pass ends
-    // when its last kernel does.
-    r.forward_time = metrics.kernels_done(last.start, last.forward_end) - last.start;
-    r.forward_stall = metrics.stall(last.start, last.forward_end);
-    r.backward_stall = metrics.stall(last.forward_end, last.end);
-    r.d2h = metrics.copied(CopyDirection::DeviceToHost, last.start, last.end);
-    r.h2d = metrics.copied(CopyDirection::HostToDevice, last.start, last.end);
-  }
-  r.recompute_time = run.recompute_time;
-  r.overlap_permille = metrics.copy_overlap_permille();
-  const AllocatorStats& st = sim.device_allocator(run.device).stats();
-  r.peak_allocated = st.allocated_peak;
-  r.peak_reserved = st.reserved_peak;
-  r.pinned_peak = sim.pinned_allocator().stats().reserved_peak;
-  r.hazards = sim.hazards().size();
-  r.telemetry = run.telemetry;
-  // `--horizon none` runs with the largest byte count, which is no horizon: reported as none.
-  const std::optional<Bytes>& horizon = row.options.offload.horizon_bytes;
-  if (row.options.offload.policy == Policy::Ferry && horizon &&
-      horizon->count() < std::numeric_limits<std::int64_t>::max()) {
-    r.horizon = horizon;
-  }
-  r.layers = run.layer_decisions;
-  return r;
-}
 
 std::string ratio(std::int64_t value, std::int64_t base) {
   if (base <= 0) return "-";
@@ -136,11 +95,7 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
     return n >= 1 ? std::optional<std::int32_t>(n) : std::nullopt;
   };
   if (spec == "none") return CheckpointPlan{};
-  if (spec == "selective") {
-    CheckpointPlan plan = checkpoint_every(model, 1);
-    apply_selective_policy(plan, model);
-    return plan;
-  }
+  if (spec == "selective") return checkpoint_selective(model);
   if (auto k = number("every:")) return checkpoint_every(model, *k);
   if (auto n = number("segments:")) return checkpoint_segments(model, *n, false);
   if (auto n = number("reentrant-segments:")) return checkpoint_segments(model, *n, true);
@@ -185,72 +140,6 @@ Result<SideStreamOptions> parse_side_streams(std::string_view spec) {
     start = comma + 1;
   }
   return side;
-}
-
-std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model,
-                                    const DeviceProfile& device) {
-  std::vector<PolicyRow> rows;
-  auto add = [&](std::string name, Policy policy, auto tweak) {
-    PolicyRow row{std::move(name), base};
-    row.options.offload.policy = policy;
-    tweak(row.options.offload);
-    rows.push_back(std::move(row));
-  };
-  add("none", Policy::None, [](OffloadOptions&) {});
-  add("trl", Policy::Trl, [](OffloadOptions& o) {
-    o.min_bytes = Bytes(1024);
-    o.trl_stash_count = 5;
-  });
-  add("ferry", Policy::Ferry, [](OffloadOptions&) {});
-  add("ferry no-prefetch", Policy::Ferry, [](OffloadOptions& o) { o.prefetch = false; });
-  add("ferry window=128MiB", Policy::Ferry, [](OffloadOptions& o) { o.window_bytes = 128 * kMiB; });
-  add("ferry prefetch=2GiB", Policy::Ferry, [](OffloadOptions& o) { o.prefetch_bytes = 2 * kGiB; });
-  add("ferry min=16MiB", Policy::Ferry, [](OffloadOptions& o) { o.min_bytes = 16 * kMiB; });
-  auto with_checkpoint = [&](std::string name, Policy policy, CheckpointPlan plan) {
-    PolicyRow row{std::move(name), base};
-    row.options.offload.policy = policy;
-    row.options.checkpoint = std::move(plan);
-    rows.push_back(std::move(row));
-  };
-  with_checkpoint("checkpoint every layer", Policy::None, checkpoint_every(model, 1));
-  CheckpointPlan selective = checkpoint_every(model, 1);
-  apply_selective_policy(selective, model);
-  with_checkpoint("checkpoint selective", Policy::None, selective);
-  with_checkpoint("ferry + checkpoint", Policy::Ferry, checkpoint_every(model, 1));
-  for (PolicyRow& row : rows) {
-    if (!row.options.offload.horizon_bytes) {
-      row.options.offload.horizon_bytes = offload_horizon(model, device, row.options);
-    }
-  }
-  return rows;
-}
-
-RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyRow& row,
-                  std::optional<TrainingRun>* keep) {
-  auto run = simulate_training(model, device, row.options);
-  if (!run.ok()) {
-    RowResult r;
-    r.name = row.name;
-    r.policy = row.options.offload.policy;
-    r.failure = Failure{FailureKind::Infeasible, run.error().message};
-    return r;
-  }
-  RowResult result = measure(run.value(), row);
-  if (result.failure && result.failure->kind == FailureKind::OutOfMemory) {
-    // What would it need? Run again with ample memory.
-    DeviceProfile roomy = device;
-    roomy.memory = Bytes(device.memory.count() * 8);
-    auto again = simulate_training(model, roomy, row.options);
-    if (again.ok() && !again.value().failure) {
-      result = measure(again.value(), row);
-      result.fits = false;
-      result.failure = run.value().failure;
-      if (keep != nullptr) keep->emplace(std::move(again).value());
-      return result;
-    }
-  }
-  if (keep != nullptr) keep->emplace(std::move(run).value());
-  return result;
 }
 
 std::string simulate_text(const RowResult& r, const Model& model, const DeviceProfile& device) {

@@ -2,7 +2,7 @@
 #include <set>
 #include <vector>
 
-#include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/analysis/horizon.hpp"
 
 namespace ferry::sim {
 

@@ -1,15 +1,14 @@
+#include "ferry/sim/planner/lower.hpp"
+
 #include <fmt/format.h>
 
 #include <map>
 #include <set>
 #include <utility>
 
-#include "ferry/sim/analysis/planner.hpp"
-#include "planner_model.hpp"
+#include "tensors.hpp"
 
 namespace ferry::sim {
-
-// Plans as training options, and what a plan does per layer. The search: planner.cpp.
 
 using planning::base_of;
 using planning::is_activation;
@@ -161,6 +160,7 @@ std::vector<LayerSummary> summarize_layers(const Plan& plan, const Model& model)
     }
   }
   std::vector<LayerSummary> out;
+  out.reserve(by_layer.size());
   for (const auto& [layer, s] : by_layer) out.push_back(s);
   return out;
 }

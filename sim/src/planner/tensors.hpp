@@ -18,4 +18,7 @@ inline bool is_activation(const Model& model, std::uint32_t t) {
   return model.tensors[base_of(model, t)].role == TensorRole::Activation;
 }
 
+/// 128-bit products of bytes and nanoseconds (or pixels).
+__extension__ using Wide = __int128;
+
 }  // namespace ferry::sim::planning

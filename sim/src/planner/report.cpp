@@ -1,22 +1,19 @@
+#include "ferry/sim/planner/report.hpp"
+
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
 
-#include "ferry/sim/analysis/planner.hpp"
 #include "ferry/sim/io/plan_json.hpp"
+#include "report_format.hpp"
 
 namespace ferry::sim {
 
 namespace {
 
 using Json = nlohmann::ordered_json;
-
-// value / base as "1.234x" in integer thousandths, half up.
-std::string times(std::int64_t value, std::int64_t base) {
-  if (base <= 0) return "-";
-  const std::int64_t t = (value * 1000 + base / 2) / base;
-  return fmt::format("{}.{:03}x", t / 1000, t % 1000);
-}
+using planning::none_time;
+using planning::times;
 
 std::string layer_name(std::int32_t layer) {
   return layer < 0 ? std::string("other") : fmt::format("{}", layer);
@@ -115,6 +112,65 @@ std::string plan_report_json(const PlanOutcome& o, const Model& model,
   }
   j["fixed"] = std::move(fixed);
   j["plan"] = Json::parse(plan_to_json(o.plan));
+  return j.dump(2) + "\n";
+}
+
+std::string sweep_text(const std::vector<SweepPoint>& points, const Model& model,
+                       const DeviceProfile& device) {
+  const SimTime none = none_time(points);
+  std::string out = fmt::format(
+      "ferry plan --sweep: {} on {}, {} budgets (peak reserved) from the floor to the no-offload "
+      "peak; no offload: {}\n",
+      model.name, device.name, points.size(), format_time(none));
+  out += fmt::format("{:>10} {:>9} {:>7} {:>11} {:>8}  {:<22} {:>9} {:>7}\n", "budget", "plan",
+                     "time", "lower bound", "vs bound", "best fixed that fits", "its time", "time");
+  for (const SweepPoint& p : points) {
+    if (!p.outcome) {
+      out += fmt::format("{:>10} no plan: {}\n", format_bytes(p.budget), p.failure);
+      continue;
+    }
+    const PlanOutcome& o = *p.outcome;
+    const RowResult* best = best_fixed(o);
+    out +=
+        fmt::format("{:>10} {:>9} {:>7} {:>11} {:>8}  {:<22} {:>9} {:>7}\n", format_bytes(p.budget),
+                    format_time(o.row.step_time), times(o.row.step_time.ns(), none.ns()),
+                    format_time(o.lower_bound), times(o.row.step_time.ns(), o.lower_bound.ns()),
+                    best ? best->name : "none fits", best ? format_time(best->step_time) : "-",
+                    best ? times(best->step_time.ns(), none.ns()) : "-");
+  }
+  out +=
+      "time is the ratio to the no-offload step; every plan was checked (hazard checker and "
+      "content checks on)\n";
+  return out;
+}
+
+std::string sweep_json(const std::vector<SweepPoint>& points, const Model& model,
+                       const DeviceProfile& device) {
+  Json j;
+  j["format"] = "ferry.plan-sweep/1";
+  j["model"] = model.name;
+  j["device"] = device.name;
+  j["none_step_time_ns"] = none_time(points).ns();
+  Json list = Json::array();
+  for (const SweepPoint& p : points) {
+    Json row;
+    row["budget_bytes"] = p.budget.count();
+    if (!p.outcome) {
+      row["failure"] = p.failure;
+      list.push_back(std::move(row));
+      continue;
+    }
+    const PlanOutcome& o = *p.outcome;
+    row["step_time_ns"] = o.row.step_time.ns();
+    row["lower_bound_ns"] = o.lower_bound.ns();
+    row["peak_reserved_bytes"] = o.row.peak_reserved.count();
+    row["pinned_peak_bytes"] = o.row.pinned_peak.count();
+    const RowResult* best = best_fixed(o);
+    row["best_fixed"] = best ? Json(best->name) : Json(nullptr);
+    row["best_fixed_step_time_ns"] = best ? Json(best->step_time.ns()) : Json(nullptr);
+    list.push_back(std::move(row));
+  }
+  j["points"] = std::move(list);
   return j.dump(2) + "\n";
 }
 

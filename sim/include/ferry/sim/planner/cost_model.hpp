@@ -1,0 +1,44 @@
+#pragma once
+/// What the planner's search asks of a plan: its cost (Note [The cost model]).
+
+#include <cstdint>
+
+#include "ferry/plan/plan.hpp"
+
+namespace ferry::sim::planning {
+
+// Note [The cost model]
+// The search (search.hpp) never runs the simulator itself: it asks a CostModel what each plan
+// it builds costs, and measures its own effort in the runs the model made. The planner's cost
+// model is the simulator (SimulatedCost in planner.cpp): an unchecked run on the roomy device,
+// kept by the plan's key, so that a plan two paths of the search reach, or a later budget of a
+// sweep reaches again, runs once; it counts only the runs it made. A test's cost model can be
+// a table. The search decides from the evaluations alone, so a cost model that answers alike
+// for plans with the same key (key_of) makes the search deterministic. It is a virtual
+// interface rather than a concept: a call costs a simulation (milliseconds), and the search is
+// compiled once, not once per cost model.
+
+/// What one plan costs.
+struct Evaluation {
+  bool ok = false;  ///< the run completed without failure
+  SimTime time;     ///< step time (of the last simulated step)
+  Bytes reserved;   ///< peak reserved device memory
+  Bytes pinned;     ///< peak pinned host memory
+};
+
+/// A plan's cost, as the search needs it.
+class CostModel {
+ public:
+  CostModel() = default;
+  CostModel(const CostModel&) = delete;
+  CostModel& operator=(const CostModel&) = delete;
+  virtual ~CostModel() = default;
+
+  /// What `plan` costs.
+  virtual Evaluation evaluate(const Plan& plan) = 0;
+  /// The evaluations made so far that ran something (not those answered from what an earlier
+  /// one ran): the effort the search's bounded stages count.
+  [[nodiscard]] virtual std::int64_t runs() const = 0;
+};
+
+}  // namespace ferry::sim::planning

@@ -1,0 +1,73 @@
+#pragma once
+/// `ferry plan`: the fastest plan (keep / offload / recompute per op, with the offload knobs)
+/// whose simulated peak reserved device memory fits a budget, found with the simulator as the
+/// cost model and checked end to end with the hazard checker on. Method: docs/plan.md.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "ferry/plan/plan.hpp"
+#include "ferry/sim/analysis/measure.hpp"
+#include "ferry/sim/planner/lower.hpp"
+
+namespace ferry::sim {
+
+namespace planning {
+struct PlannerState;  // planner.cpp
+}  // namespace planning
+
+/// What to plan for.
+struct PlannerOptions {
+  Bytes budget;                      ///< device: peak reserved bytes
+  std::optional<Bytes> host_budget;  ///< pinned host bytes (unset: no limit but the pool's)
+  std::int32_t steps = 2;            ///< training steps per simulation (the last is measured)
+};
+
+/// A plan and what its checked simulation measured.
+struct PlanOutcome {
+  Plan plan;
+  RowResult row;        ///< the final run: hazard checker and content checks on
+  SimTime lower_bound;  ///< see step_lower_bound
+  std::vector<LayerSummary> layers;
+  std::int64_t simulations = 0;  ///< runs the search made for this budget (checked runs included)
+  std::int64_t reused = 0;       ///< runs it took from earlier ones instead (same inputs)
+  /// The fixed configurations of `ferry compare` the search started from, as measured.
+  std::vector<RowResult> fixed;
+};
+
+/// Plans one model on one device, at one budget or several (a sweep): the fixed
+/// configurations of `ferry compare` are simulated once, on the first plan, and every
+/// simulation is kept by its inputs (the plan's decisions and knobs, and the device memory of a
+/// checked run), so a plan for another budget reuses what an earlier one ran. `model` must have
+/// durations assigned and outlive the planner.
+class Planner {
+ public:
+  /// `steps`: training steps per simulation (the last is measured).
+  Planner(const Model& model, const DeviceProfile& device, std::int32_t steps = 2);
+  ~Planner();
+  Planner(const Planner&) = delete;
+  Planner& operator=(const Planner&) = delete;
+
+  /// Finds the fastest plan it can whose checked simulation has zero hazards, completes, and
+  /// peaks within the budgets; never slower than the fastest fixed configuration of `ferry
+  /// compare` that a plan can express and that fits. The error says the budget is infeasible
+  /// and names the floor (the smallest peak reserved any run reached), which `floor` (when
+  /// not null) also receives. `options.steps` is the planner's.
+  Result<PlanOutcome> plan(const PlannerOptions& options, Bytes* floor = nullptr);
+
+  /// The rows of `ferry compare` (default_rows, checker off) as measured on the device.
+  [[nodiscard]] const std::vector<RowResult>& fixed();
+  /// Simulations run so far, checked runs included.
+  [[nodiscard]] std::int64_t simulations() const;
+
+ private:
+  std::unique_ptr<planning::PlannerState> state_;
+};
+
+/// Plans at one budget: `Planner(model, device, options.steps).plan(options, floor)`.
+Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,
+                              const PlannerOptions& options, Bytes* floor = nullptr);
+
+}  // namespace ferry::sim

@@ -1,0 +1,82 @@
+#pragma once
+/// The planner's search for the fastest plan that fits (Note [Planner search] in search.cpp),
+/// against a cost model (Note [The cost model] in cost_model.hpp).
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/sim/planner/cost_model.hpp"
+#include "ferry/sim/planner/seeds.hpp"
+#include "ferry/sim/planner/space.hpp"
+
+namespace ferry::sim::planning {
+
+/// The budgets a plan must fit.
+struct Budgets {
+  Bytes device;               ///< peak reserved bytes
+  std::optional<Bytes> host;  ///< pinned host bytes (unset: no limit)
+};
+
+/// A plan that fits, with what it costs.
+struct Candidate {
+  Plan plan;
+  Evaluation evaluation;
+};
+
+/// A point of the search: one configuration per layer, and what its plan costs.
+struct Position {
+  std::vector<LayerConfig> configs;
+  Evaluation evaluation;
+};
+
+/// One search, for one pair of budgets: the candidates found and the floor reached.
+class Search {
+ public:
+  /// `cost` and `space` must outlive the search.
+  Search(CostModel& cost, const PlanSpace& space, const Budgets& budgets);
+
+  [[nodiscard]] const std::vector<Layer>& layers() const { return space_->layers(); }
+  [[nodiscard]] const Budgets& budgets() const { return budgets_; }
+  [[nodiscard]] CostModel& cost() { return *cost_; }
+
+  /// The plan of `configs` under the search's budgets (PlanSpace::plan_of).
+  [[nodiscard]] Plan plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs& knobs,
+                             bool offload_outside = false) const;
+  /// What `plan` costs, taken as a candidate when it fits (see note).
+  Evaluation evaluate(const Plan& plan);
+  /// Takes a measured plan: a candidate when it fits; its peak lowers the floor when its
+  /// pinned memory is within the host budget (a plan over the host budget reached nothing a
+  /// refusal may point to).
+  void note(const Plan& plan, const Evaluation& evaluation);
+
+  [[nodiscard]] bool within_host(const Evaluation& e) const;
+  /// Completed, and within both budgets.
+  [[nodiscard]] bool fits(const Evaluation& e) const;
+
+  /// The candidates, fastest first (ties by key, for a stable choice).
+  [[nodiscard]] std::vector<const Candidate*> ranked() const;
+  /// The fastest candidate's time, or none.
+  [[nodiscard]] std::optional<SimTime> best_time() const;
+  /// The smallest peak reserved of the plans measured that completed within the host budget
+  /// (the largest byte count when none did).
+  [[nodiscard]] Bytes floor() const { return floor_; }
+
+ private:
+  CostModel* cost_;
+  const PlanSpace* space_;
+  Budgets budgets_;
+  std::map<std::string, Candidate> candidates_;
+  Bytes floor_;
+};
+
+/// Runs the search's stages on `search` (Note [Planner search] in search.cpp): the seeds (with
+/// their evaluations) as candidates, the greedy descent from everything kept, the local search
+/// from where it ended, from the best uniform plan and from the fastest seed that fits, then
+/// `knobs` (the knob variants) on the result. Afterwards `search.ranked()` lists what fits.
+void run_search(Search& search, const std::vector<Seed>& seeds,
+                const std::vector<PlanKnobs>& knobs);
+
+}  // namespace ferry::sim::planning

@@ -1,0 +1,99 @@
+#include "ferry/sim/planner/bound.hpp"
+
+#include <algorithm>
+#include <set>
+#include <utility>
+
+#include "tensors.hpp"
+
+namespace ferry::sim {
+
+namespace {
+
+using planning::base_of;
+using planning::Wide;
+
+// Note [What the link can carry in forward]
+// The bytes of saved activations the device-to-host link can copy before the forward pass
+// ends. A storage can be copied only once the op that first saves it has run: with the ops laid
+// out at their roofline durations (no launch overhead, so every release is as early as it can
+// be), each storage that could be offloaded (an activation, not in a no-offload region) joins
+// the link's queue when its op ends. The link works whenever something is queued, at the
+// profile's bandwidth, with no latency; the bytes it has copied by the measured forward time
+// `forward` are the same in any order (a busy link does the same work whatever it copies),
+// and a copy under way counts for its part done. Before, the bound let the link carry its
+// bandwidth times the whole forward, including the time before anything was saved and the
+// bytes saved in the last instants.
+Wide carried_in_forward(const Model& model, const DeviceProfile& device, SimTime forward) {
+  const Wide bandwidth = std::max<std::int64_t>(1, device.d2h.bandwidth.bytes_per_s());
+  std::set<std::uint32_t> queued;
+  Wide carried = 0;
+  Wide link_free = 0;  // in ns
+  std::int64_t t = 0;
+  for (const ModelOp& op : model.ops) {
+    t += op.duration.ns();
+    if (t >= forward.ns()) break;
+    if (op.no_offload) continue;
+    for (const std::uint32_t saved : op.saved) {
+      const std::uint32_t b = base_of(model, saved);
+      if (!planning::is_activation(model, saved) || model.tensors[saved].no_offload) continue;
+      if (!queued.insert(b).second) continue;
+      const Wide bytes = model.tensors[b].bytes.count();
+      const Wide start = std::max<Wide>(link_free, t);
+      const Wide room = (static_cast<Wide>(forward.ns()) - start) * bandwidth / 1'000'000'000;
+      carried += std::min(bytes, std::max<Wide>(room, 0));
+      link_free = start + bytes * 1'000'000'000 / bandwidth;
+    }
+  }
+  return carried;
+}
+
+}  // namespace
+
+SimTime step_lower_bound(const Model& model, const DeviceProfile& device, const RowResult& none,
+                         Bytes budget) {
+  return step_lower_bound(planning::find_layers(model), model, device, none, budget);
+}
+
+SimTime step_lower_bound(const std::vector<planning::Layer>& layers, const Model& model,
+                         const DeviceProfile& device, const RowResult& none, Bytes budget) {
+  const Bytes excess = none.peak_reserved - budget;
+  if (excess <= Bytes(0)) return none.step_time;
+  // Note [What the link can carry in forward]
+  Wide left =
+      static_cast<Wide>(excess.count()) - carried_in_forward(model, device, none.forward_time);
+  if (left <= 0) return none.step_time;
+  // The rest is recomputed, the ops that free the most bytes per ns first (fractionally), or
+  // carried by a forward made longer for the link, at its bandwidth's cost per byte, whichever
+  // is cheaper.
+  std::vector<std::pair<Bytes, SimTime>> items;
+  for (const planning::Layer& layer : layers) {
+    for (std::uint32_t p = layer.first; p < layer.end; ++p) {
+      const Bytes freed = planning::freed_by(model, p, layer.first, layer.end);
+      if (freed > Bytes(0)) items.emplace_back(freed, model.ops[p].duration);
+    }
+  }
+  // A forward lengthened by a ns lets the link carry bandwidth / 1e9 bytes more: an item as
+  // large as whatever is left, priced per byte as the link is.
+  const std::int64_t bandwidth = std::max<std::int64_t>(1, device.d2h.bandwidth.bytes_per_s());
+  const Bytes all(static_cast<std::int64_t>(left));
+  items.emplace_back(all, SimTime(static_cast<std::int64_t>(left * 1'000'000'000 / bandwidth)));
+  std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) {
+    return static_cast<Wide>(a.first.count()) * std::max<std::int64_t>(1, b.second.ns()) >
+           static_cast<Wide>(b.first.count()) * std::max<std::int64_t>(1, a.second.ns());
+  });
+  std::int64_t extra = 0;
+  for (const auto& [freed, time] : items) {
+    if (left <= 0) break;
+    if (left >= freed.count()) {
+      extra += time.ns();
+      left -= freed.count();
+    } else {
+      extra += static_cast<std::int64_t>(left * time.ns() / freed.count());
+      left = 0;
+    }
+  }
+  return none.step_time + SimTime(extra);
+}
+
+}  // namespace ferry::sim

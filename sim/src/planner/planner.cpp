@@ -1,0 +1,270 @@
+#include "ferry/sim/planner/planner.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "ferry/check.hpp"
+#include "ferry/sim/analysis/configurations.hpp"
+#include "ferry/sim/planner/bound.hpp"
+#include "ferry/sim/planner/search.hpp"
+
+namespace ferry::sim {
+
+namespace planning {
+
+/// The simulator as the planner's cost model (Note [The cost model]): unchecked runs on the
+/// roomy device, and the checked runs that decide which candidate becomes the plan, each kept
+/// by its inputs.
+class SimulatedCost final : public CostModel {
+ public:
+  SimulatedCost(const Model& model, const DeviceProfile& device, std::int32_t steps)
+      : model_(model),
+        device_(device),
+        roomy_(roomy(device)),
+        base_(timing_only(steps)),
+        steps_(steps) {}
+
+  /// The unchecked run of `plan` on the roomy device (once per distinct plan).
+  Evaluation evaluate(const Plan& plan) override {
+    std::string key = key_of(plan);
+    if (auto it = evaluations_.find(key); it != evaluations_.end()) {
+      ++reused_;
+      return it->second;
+    }
+    ++simulations_;
+    auto options = plan_training_options(plan, model_, base_);
+    FERRY_CHECK(options.ok(), "planner built an invalid plan: {}", options.error().message);
+    auto run = simulate_training(model_, roomy_, options.value());
+    Evaluation e;
+    if (run.ok() && !run.value().failure && !run.value().steps.empty()) {
+      const TrainingRun& r = run.value();
+      e.ok = true;
+      e.time = r.steps.back().end - r.steps.back().start;
+      e.reserved = r.sim.device_allocator(r.device).stats().reserved_peak;
+      e.pinned = r.sim.pinned_allocator().stats().reserved_peak;
+    }
+    evaluations_.emplace(std::move(key), e);
+    return e;
+  }
+
+  [[nodiscard]] std::int64_t runs() const override { return simulations_; }
+  [[nodiscard]] std::int64_t reused() const { return reused_; }
+
+  /// Keeps what a run made elsewhere measured as `plan`'s evaluation (unless it has one).
+  void remember(const Plan& plan, const Evaluation& e) { evaluations_.emplace(key_of(plan), e); }
+
+  /// The checked run of `plan` (hazard checker and content tracking on) on a device with
+  /// `memory`; the row's failure says why it cannot be the plan (hazards and content
+  /// mismatches included).
+  const RowResult& checked(const Plan& plan, Bytes memory) {
+    std::string key = fmt::format("{}|{}", key_of(plan), memory.count());
+    if (auto it = checked_.find(key); it != checked_.end()) {
+      ++reused_;
+      return it->second;
+    }
+    ++simulations_;
+    DeviceProfile capped = device_;
+    capped.memory = memory;
+    TrainingOptions options;
+    options.steps = steps_;
+    auto training = plan_training_options(plan, model_, options);
+    FERRY_CHECK(training.ok(), "planner built an invalid plan: {}", training.error().message);
+    std::optional<TrainingRun> run;
+    RowResult row = run_row(model_, capped, PolicyRow{"plan", std::move(training).value()}, &run);
+    if (!row.failure && run && !run->sim.content_mismatches().empty()) {
+      row.failure =
+          Failure{FailureKind::Infeasible,
+                  fmt::format("{} content mismatches", run->sim.content_mismatches().size())};
+    }
+    if (!run && !row.failure) row.failure = Failure{FailureKind::Infeasible, "no run"};
+    return checked_.emplace(std::move(key), std::move(row)).first->second;
+  }
+
+ private:
+  const Model& model_;
+  DeviceProfile device_;
+  DeviceProfile roomy_;   // plans are measured here: a plan that does not fit still says its peak
+  TrainingOptions base_;  // of the unchecked runs
+  std::int32_t steps_;
+  std::map<std::string, Evaluation> evaluations_;
+  std::map<std::string, RowResult> checked_;  // key and device memory -> the checked run
+  std::int64_t simulations_ = 0;
+  std::int64_t reused_ = 0;
+};
+
+/// What a Planner keeps from one budget to the next.
+struct PlannerState {
+  PlannerState(const Model& m, const DeviceProfile& d, std::int32_t s)
+      : model(m), device(d), steps(s), space(m, d), cost(m, d, s), knobs(knob_variants()) {}
+
+  const Model& model;
+  DeviceProfile device;
+  std::int32_t steps;
+  PlanSpace space;
+  SimulatedCost cost;
+  std::vector<PlanKnobs> knobs;                // the knob variants
+  std::optional<std::vector<RowResult>> rows;  // the rows of `ferry compare`, once measured
+  std::vector<Seed> seeds;
+
+  /// Measures the rows of `ferry compare`, and takes those a plan can express as seeds.
+  void ensure_fixed() {
+    if (rows) return;
+    rows.emplace();
+    const std::vector<PolicyRow> policy_rows = default_rows(timing_only(steps), model, device);
+    for (const PolicyRow& row : policy_rows) rows->push_back(run_row(model, device, row));
+    for (std::size_t i = 0; i < policy_rows.size(); ++i) {
+      std::optional<Seed> seed = seed_of(space, policy_rows[i].options);
+      if (!seed) continue;
+      seed->row = i;
+      const RowResult& r = (*rows)[i];
+      if (r.fits) {
+        // The row is this plan's run: keep it as the plan's evaluation.
+        seed->evaluation = Evaluation{!r.failure, r.step_time, r.peak_reserved, r.pinned_peak};
+        cost.remember(seed->plan, seed->evaluation);
+      } else {
+        seed->evaluation = cost.evaluate(seed->plan);
+      }
+      seeds.push_back(std::move(*seed));
+    }
+  }
+};
+
+}  // namespace planning
+
+namespace {
+
+// Why `row`, the checked run of a candidate, cannot be the plan; empty when it can.
+std::string refusal(const RowResult& row, const PlannerOptions& options) {
+  if (row.failure) return row.failure->message;
+  if (!row.fits) return "out of device memory";
+  if (row.hazards > 0) return fmt::format("{} hazards", row.hazards);
+  if (row.peak_reserved > options.budget) {
+    return fmt::format("peak reserved {}", format_bytes(row.peak_reserved));
+  }
+  if (options.host_budget && row.pinned_peak > *options.host_budget) {
+    return fmt::format("pinned peak {}", format_bytes(row.pinned_peak));
+  }
+  return {};
+}
+
+// The first candidate, fastest first, whose checked run on a device with `memory` passes.
+struct Pick {
+  const planning::Candidate* candidate = nullptr;
+  const RowResult* row = nullptr;
+  std::string refused;  // why the fastest candidate's checked run was refused
+};
+
+Pick pick_checked(planning::SimulatedCost& cost,
+                  const std::vector<const planning::Candidate*>& ranked,
+                  const PlannerOptions& options, Bytes memory) {
+  Pick pick;
+  for (const planning::Candidate* c : ranked) {
+    const RowResult& row = cost.checked(c->plan, memory);
+    std::string why = refusal(row, options);
+    if (why.empty()) {
+      pick.candidate = c;
+      pick.row = &row;
+      return pick;
+    }
+    if (pick.refused.empty()) pick.refused = std::move(why);
+  }
+  return pick;
+}
+
+// The outcome of the picked plan: its checked run, per-layer bytes, lower bound and prediction.
+PlanOutcome describe(const planning::PlannerState& p, const Pick& pick,
+                     const PlannerOptions& options) {
+  PlanOutcome outcome;
+  outcome.plan = pick.candidate->plan;
+  outcome.row = *pick.row;
+  outcome.row.name = "plan";
+  outcome.layers = summarize_layers(outcome.plan, p.model);
+  outcome.fixed = *p.rows;
+  outcome.lower_bound =
+      step_lower_bound(p.space.layers(), p.model, p.device, outcome.fixed.front(), options.budget);
+  const RowResult& r = outcome.row;
+  outcome.plan.predicted = PlanPrediction{.step_time = r.step_time,
+                                          .lower_bound = outcome.lower_bound,
+                                          .recompute_time = r.recompute_time,
+                                          .stall = r.forward_stall + r.backward_stall,
+                                          .peak_reserved = r.peak_reserved,
+                                          .peak_allocated = r.peak_allocated,
+                                          .pinned_peak = r.pinned_peak,
+                                          .d2h = r.d2h,
+                                          .h2d = r.h2d};
+  return outcome;
+}
+
+// The error for a budget no plan fits: why the checked runs were refused when some plans'
+// unchecked runs fit, else the floor.
+Error infeasible(const planning::PlannerState& p, const planning::Search& search,
+                 std::size_t candidates, const std::string& refused, const PlannerOptions& options,
+                 Bytes memory) {
+  const std::string host = options.host_budget ? fmt::format(" and {} of pinned host memory",
+                                                             format_bytes(*options.host_budget))
+                                               : std::string();
+  if (candidates > 0) {
+    // Plans reached the budget, and every one failed its checked run: the floor would not
+    // say why.
+    return Error{fmt::format(
+        "infeasible budget: no plan fits {} of peak reserved device memory{} on {}: the {} "
+        "plans whose unchecked runs fit failed their checked run on a device with {} (the "
+        "fastest: {})",
+        format_bytes(options.budget), host, p.device.name, candidates, format_bytes(memory),
+        refused)};
+  }
+  const Bytes floor = search.floor();
+  const bool known = floor.count() != std::numeric_limits<std::int64_t>::max();
+  return Error{fmt::format(
+      "infeasible budget: no plan fits {} of peak reserved device memory{} on {}; the floor (the "
+      "smallest peak reserved the planner reached) is {} ({} bytes)",
+      format_bytes(options.budget), host, p.device.name,
+      known ? format_bytes(floor) : std::string("unknown"), known ? floor.count() : 0)};
+}
+
+}  // namespace
+
+Planner::Planner(const Model& model, const DeviceProfile& device, std::int32_t steps)
+    : state_(std::make_unique<planning::PlannerState>(model, device, steps)) {}
+
+Planner::~Planner() = default;
+
+const std::vector<RowResult>& Planner::fixed() {
+  state_->ensure_fixed();
+  return *state_->rows;
+}
+
+std::int64_t Planner::simulations() const { return state_->cost.runs(); }
+
+Result<PlanOutcome> Planner::plan(const PlannerOptions& options, Bytes* floor) {
+  planning::PlannerState& p = *state_;
+  const std::int64_t simulations_before = p.cost.runs();
+  const std::int64_t reused_before = p.cost.reused();
+  p.ensure_fixed();
+  planning::Search search(p.cost, p.space, planning::Budgets{options.budget, options.host_budget});
+  planning::run_search(search, p.seeds, p.knobs);
+  const Bytes memory = std::min(p.device.memory, options.budget);
+  const std::vector<const planning::Candidate*> ranked = search.ranked();
+  const Pick pick = pick_checked(p.cost, ranked, options, memory);
+  if (pick.candidate != nullptr) {
+    PlanOutcome outcome = describe(p, pick, options);
+    outcome.simulations = p.cost.runs() - simulations_before;
+    outcome.reused = p.cost.reused() - reused_before;
+    return outcome;
+  }
+  if (floor != nullptr) *floor = search.floor();
+  return infeasible(p, search, ranked.size(), pick.refused, options, memory);
+}
+
+Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,
+                              const PlannerOptions& options, Bytes* floor) {
+  Planner planner(model, device, options.steps);
+  return planner.plan(options, floor);
+}
+
+}  // namespace ferry::sim

@@ -1,0 +1,408 @@
+#include "ferry/sim/planner/search.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "tensors.hpp"
+
+namespace ferry::sim::planning {
+
+// Note [Planner search]
+// A plan is searched for per transformer layer. A layer's configuration is a recompute level
+// and an offload flag (the saved tensors the layer keeps, and the region's inputs, go to pinned
+// host memory instead). Level 0 is no region; level k re-runs, in backward, the first ops of
+// the layer's recompute ranking inside a checkpoint region over the layer, and serves the
+// others' outputs from forward (must-save, which holds every output of theirs, saved or not:
+// what PyTorch's selective checkpoint caches). The ranking puts first the ops that free the most
+// bytes per nanosecond of recompute; the levels are the points of the ranking where the bytes
+// a region would hold fall, once they are below what the layer saves without a region (the
+// first ops of a traced layer's ranking free less than the region holds for the others), at
+// most 16 of them (a traced layer has dozens of ops: then only points at least a sixteenth of
+// the layer's saved bytes apart), and the top level, plain checkpointing. (space.cpp)
+//
+// The search, against a cost model (Note [The cost model]; the planner's is the simulator), in
+// stages. Seed: the fixed configurations of `ferry compare` that a plan can express are
+// candidates (simulated once per planner, with the rows of the report), so the plan is never
+// slower than the best of them that fits. Descend: a greedy descent from everything kept
+// evaluates two moves a round (recompute one level more on the layers with the lowest level,
+// the last of them first; offload the earliest layers not offloaded, since their copies have
+// the most forward time left to hide behind and are reloaded last) and takes the one that
+// costs the least step time per byte of peak reserved it frees; a move spans several layers
+// while the budget is far away (how many from the saving per layer the last move of its kind
+// measured), one layer near it. Refine: a local search over classes of layers with the same
+// configuration runs from where the greedy ended; uniform plans (every layer at one level, the
+// last layers offloaded) are searched too, and the local search runs again from the best
+// uniform plan and from the fastest fixed configuration that fits, each when it is faster than
+// the best so far. Knobs: the knob variants of `ferry compare` are tried on the result. A
+// cost model that keeps its runs by plan (the simulator's does) runs a configuration two paths
+// reach once. docs/plan.md has the whole method.
+
+namespace {
+
+// Runs each local search may spend.
+constexpr std::int64_t kLocalRuns = 40;
+
+// Layers with the same configuration, in the order of their first layer.
+std::vector<std::vector<std::size_t>> classes_of(const std::vector<LayerConfig>& configs) {
+  std::vector<std::vector<std::size_t>> classes;
+  for (std::size_t l = 0; l < configs.size(); ++l) {
+    auto it = std::find_if(classes.begin(), classes.end(),
+                           [&](const auto& c) { return configs[c.front()] == configs[l]; });
+    if (it == classes.end()) {
+      classes.push_back({l});
+    } else {
+      it->push_back(l);
+    }
+  }
+  return classes;
+}
+
+// The parts of a class of `size` layers a move takes, as [lo, hi) of its members: the whole
+// class, its first or second half, its first or last layer (each once).
+std::vector<std::pair<std::size_t, std::size_t>> parts_of(std::size_t size) {
+  const std::size_t half = size / 2;
+  std::vector<std::pair<std::size_t, std::size_t>> parts;
+  for (const auto& s :
+       {std::pair{std::size_t{0}, size}, {0, half}, {half, size}, {0, 1}, {size - 1, size}}) {
+    if (s.first < s.second && std::find(parts.begin(), parts.end(), s) == parts.end()) {
+      parts.push_back(s);
+    }
+  }
+  return parts;
+}
+
+// The configurations next to `from` (`top`: the layer's highest level): one level less or more,
+// offload on or off, or one level less traded for offload.
+std::vector<LayerConfig> neighbours_of(const LayerConfig& from, std::size_t top) {
+  std::vector<LayerConfig> neighbours;
+  if (from.level > 0) neighbours.push_back(LayerConfig{from.level - 1, from.offload});
+  if (from.level < top) neighbours.push_back(LayerConfig{from.level + 1, from.offload});
+  neighbours.push_back(LayerConfig{from.level, !from.offload});
+  if (from.level > 0 && !from.offload) neighbours.push_back(LayerConfig{from.level - 1, true});
+  if (from.level < top && from.offload) neighbours.push_back(LayerConfig{from.level + 1, false});
+  return neighbours;
+}
+
+enum class Step { Improved, Nothing, Spent };
+
+// Tries the moves of one class of layers in order and takes the first that still fits and is
+// faster; Spent when the runs up to `stop` ran out first.
+Step move_class(Search& search, Position& position, const std::vector<std::size_t>& members,
+                const PlanKnobs& knobs, std::int64_t stop) {
+  const LayerConfig from = position.configs[members.front()];
+  const std::size_t top = search.layers()[members.front()].levels.size() - 1;
+  const std::vector<LayerConfig> neighbours = neighbours_of(from, top);
+  for (const auto& [lo, hi] : parts_of(members.size())) {
+    for (const LayerConfig& to : neighbours) {
+      if (search.cost().runs() >= stop) return Step::Spent;
+      std::vector<LayerConfig> next = position.configs;
+      for (std::size_t m = lo; m < hi; ++m) {
+        const std::size_t l = members[m];
+        next[l] = LayerConfig{std::min(to.level, search.layers()[l].levels.size() - 1), to.offload};
+      }
+      const Evaluation e = search.evaluate(search.plan_of(next, knobs));
+      if (!search.fits(e) || e.time >= position.evaluation.time) continue;
+      position = Position{std::move(next), e};
+      return Step::Improved;
+    }
+  }
+  return Step::Nothing;
+}
+
+// Local search from a position that fits (Note [Planner search]): layers with the same
+// configuration form a class; a move takes a part of a class (parts_of) to a neighbouring
+// configuration (neighbours_of). The first move that still fits and is faster is taken, and
+// the search starts over, until no move helps or `runs` new runs are spent.
+void local_search(Search& search, Position& position, const PlanKnobs& knobs, std::int64_t runs) {
+  const std::int64_t stop = search.cost().runs() + runs;
+  bool improved = true;
+  while (improved && search.cost().runs() < stop) {
+    improved = false;
+    for (const auto& members : classes_of(position.configs)) {
+      const Step step = move_class(search, position, members, knobs, stop);
+      if (step == Step::Spent) return;
+      if (step == Step::Improved) {
+        improved = true;
+        break;
+      }
+    }
+  }
+}
+
+// The fastest uniform plan that fits (Note [Planner search]): every layer at level k, the last
+// m layers offloaded; for each k from 0 up, the smallest m that fits, found by bisection (the
+// peak falls as m grows, and as k does: the bisection for k starts from the m found for the
+// last level that fit). Stops at the first k that fits with nothing offloaded (a higher
+// level only recomputes more), and at the first k whose plan without offload is already no
+// faster than the best plan found so far (offload does not make a step faster, and a higher
+// level is slower still).
+std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
+  const std::size_t n = search.layers().size();
+  std::size_t top = 0;
+  for (const Layer& layer : search.layers()) top = std::max(top, layer.levels.size() - 1);
+  std::optional<Position> best;
+  std::size_t most = n;  // the fewest offloaded layers that fit at the last level that fit
+  for (std::size_t k = 0; k <= top && n > 0; ++k) {
+    auto config = [&](std::size_t m) {
+      std::vector<LayerConfig> c(n);
+      for (std::size_t l = 0; l < n; ++l) {
+        c[l] = LayerConfig{std::min(k, search.layers()[l].levels.size() - 1), l + m >= n};
+      }
+      return c;
+    };
+    auto try_m = [&](std::size_t m) {
+      const Evaluation e = search.evaluate(search.plan_of(config(m), knobs));
+      if (search.fits(e) && (!best || e.time < best->evaluation.time))
+        best = Position{config(m), e};
+      return search.fits(e);
+    };
+    const Evaluation none = search.evaluate(search.plan_of(config(0), knobs));
+    const std::optional<SimTime> fastest = search.best_time();
+    if (search.fits(none)) {
+      if (!best || none.time < best->evaluation.time) best = Position{config(0), none};
+      break;
+    }
+    if (none.ok && fastest && none.time >= *fastest) break;
+    // A higher level holds less: the fewest offloaded layers that fit do not grow with k.
+    if (!try_m(most)) continue;
+    std::size_t lo = 0;
+    std::size_t hi = most;
+    while (lo < hi) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (try_m(mid)) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    if (hi == 0) break;
+    most = hi;
+  }
+  return best;
+}
+
+// A move of the greedy descent: its layers' new configurations and what they cost.
+struct Move {
+  std::vector<LayerConfig> configs;
+  Evaluation evaluation;
+  std::size_t layers = 0;  // how many layers it changed
+  bool recompute = false;  // recompute one level more, else offload
+};
+
+// What the last move of each kind freed per layer, and its size in layers.
+struct MoveHistory {
+  std::int64_t per_layer_recompute = 0;
+  std::int64_t per_layer_offload = 0;
+  std::size_t last_recompute = 0;
+  std::size_t last_offload = 0;
+};
+
+// How many layers the next move of a kind spans, of `n` (Note [Planner search]): one at first
+// and while over the host budget; twice as many as last time when the last move freed nothing
+// at the peak (the peak lies elsewhere); else half the gap to the budget at what the last
+// move of the kind freed per layer.
+std::size_t batch_size(std::int64_t gap, bool over_host, std::size_t n, std::int64_t per_layer,
+                       std::size_t last) {
+  if (last == 0 || over_host) return 1;
+  if (per_layer <= 0) return std::min(n, 2 * last);
+  return static_cast<std::size_t>(
+      std::clamp<std::int64_t>(gap / per_layer / 2, 1, static_cast<std::int64_t>(n)));
+}
+
+// The greedy descent's moves from `current` (not yet evaluated).
+std::vector<Move> propose_moves(const Search& search, const Position& current,
+                                const MoveHistory& h) {
+  const std::size_t n = search.layers().size();
+  const Budgets& budgets = search.budgets();
+  const std::int64_t gap = (current.evaluation.reserved - budgets.device).count();
+  const bool over_host = budgets.host && current.evaluation.pinned > *budgets.host;
+  std::vector<Move> moves;
+  // Recompute one level more on the layers with the lowest level, the last layers first.
+  {
+    std::vector<std::size_t> order(n);
+    for (std::size_t l = 0; l < n; ++l) order[l] = n - 1 - l;
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return current.configs[a].level < current.configs[b].level;
+    });
+    const std::size_t batch =
+        batch_size(gap, over_host, n, h.per_layer_recompute, h.last_recompute);
+    Move m{current.configs, {}, 0, true};
+    for (const std::size_t l : order) {
+      if (m.layers == batch) break;
+      if (m.configs[l].level + 1 >= search.layers()[l].levels.size()) continue;
+      ++m.configs[l].level;
+      ++m.layers;
+    }
+    if (m.layers > 0) moves.push_back(std::move(m));
+  }
+  // Offload the earliest layers not offloaded (only while no pinned budget is exceeded).
+  if (!over_host) {
+    const std::size_t batch = batch_size(gap, over_host, n, h.per_layer_offload, h.last_offload);
+    Move m{current.configs, {}, 0, false};
+    for (std::size_t l = 0; l < n && m.layers < batch; ++l) {
+      if (m.configs[l].offload) continue;
+      m.configs[l].offload = true;
+      ++m.layers;
+    }
+    if (m.layers > 0) moves.push_back(std::move(m));
+  }
+  return moves;
+}
+
+// The move that adds the least step time per byte freed (memory and pinned host above its
+// budget count alike), or null when none completed.
+const Move* cheapest_move(const Search& search, const Position& current,
+                          const std::vector<Move>& moves) {
+  auto cost = [&](const Move& m) {
+    const std::int64_t freed =
+        (current.evaluation.reserved - m.evaluation.reserved).count() +
+        (search.budgets().host ? (current.evaluation.pinned - m.evaluation.pinned).count() : 0);
+    const std::int64_t added = (m.evaluation.time - current.evaluation.time).ns();
+    return std::pair<std::int64_t, std::int64_t>(added, std::max<std::int64_t>(freed, 1));
+  };
+  const Move* best = nullptr;
+  for (const Move& m : moves) {
+    if (!m.evaluation.ok) continue;
+    if (best == nullptr) {
+      best = &m;
+      continue;
+    }
+    const auto [a1, f1] = cost(m);
+    const auto [a0, f0] = cost(*best);
+    if (static_cast<Wide>(a1) * f0 < static_cast<Wide>(a0) * f1) best = &m;
+  }
+  return best;
+}
+
+// The greedy descent from everything kept (Note [Planner search]); returns where it ended.
+Position greedy_descent(Search& search) {
+  const PlanKnobs knobs;
+  Position current;
+  current.configs.assign(search.layers().size(), LayerConfig{});
+  current.evaluation = search.evaluate(search.plan_of(current.configs, knobs));
+  MoveHistory history;
+  while (current.evaluation.ok && !search.fits(current.evaluation)) {
+    std::vector<Move> moves = propose_moves(search, current, history);
+    if (moves.empty()) break;
+    for (Move& m : moves) m.evaluation = search.evaluate(search.plan_of(m.configs, knobs));
+    const Move* best = cheapest_move(search, current, moves);
+    if (best == nullptr) break;
+    for (const Move& m : moves) {
+      // Every move evaluated tells how much its kind frees per layer now.
+      const std::int64_t f =
+          m.evaluation.ok ? (current.evaluation.reserved - m.evaluation.reserved).count() : 0;
+      (m.recompute ? history.per_layer_recompute : history.per_layer_offload) =
+          f / static_cast<std::int64_t>(m.layers);
+      (m.recompute ? history.last_recompute : history.last_offload) = m.layers;
+    }
+    current = Position{best->configs, best->evaluation};
+  }
+  return current;
+}
+
+// Runs the local search from `start` when it fits and is no slower than the best candidate so
+// far; what it reaches replaces `best` when `best` does not fit or is slower.
+void improve_from(Search& search, Position start, Position& best) {
+  const std::optional<SimTime> fastest = search.best_time();
+  if (!search.fits(start.evaluation) || (fastest && start.evaluation.time > *fastest)) return;
+  local_search(search, start, PlanKnobs{}, kLocalRuns);
+  if (!search.fits(best.evaluation) || start.evaluation.time < best.evaluation.time) {
+    best = std::move(start);
+  }
+}
+
+// The fastest seed that fits and is a set of layer configurations (none under a host budget:
+// the seeds were measured without one).
+const Seed* fastest_seed(const Search& search, const std::vector<Seed>& seeds) {
+  const Seed* fastest = nullptr;
+  for (const Seed& seed : seeds) {
+    if (!seed.configs || !search.fits(seed.evaluation) || search.budgets().host) continue;
+    if (fastest == nullptr || seed.evaluation.time < fastest->evaluation.time) fastest = &seed;
+  }
+  return fastest;
+}
+
+}  // namespace
+
+Search::Search(CostModel& cost, const PlanSpace& space, const Budgets& budgets)
+    : cost_(&cost),
+      space_(&space),
+      budgets_(budgets),
+      floor_(std::numeric_limits<std::int64_t>::max()) {}
+
+Plan Search::plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs& knobs,
+                     bool offload_outside) const {
+  Plan plan = space_->plan_of(configs, knobs, budgets_.host, offload_outside);
+  plan.budget = budgets_.device;
+  return plan;
+}
+
+Evaluation Search::evaluate(const Plan& plan) {
+  const Evaluation e = cost_->evaluate(plan);
+  note(plan, e);
+  return e;
+}
+
+void Search::note(const Plan& plan, const Evaluation& e) {
+  if (e.ok && within_host(e)) floor_ = std::min(floor_, e.reserved);
+  if (!fits(e)) return;
+  std::string key = key_of(plan);
+  if (auto it = candidates_.find(key); it == candidates_.end()) {
+    Plan copy = plan;
+    copy.budget = budgets_.device;
+    candidates_.emplace(std::move(key), Candidate{std::move(copy), e});
+  }
+}
+
+bool Search::within_host(const Evaluation& e) const {
+  return !budgets_.host || e.pinned <= *budgets_.host;
+}
+
+bool Search::fits(const Evaluation& e) const {
+  return e.ok && e.reserved <= budgets_.device && within_host(e);
+}
+
+std::vector<const Candidate*> Search::ranked() const {
+  std::vector<const Candidate*> out;
+  for (const auto& [key, c] : candidates_) out.push_back(&c);
+  std::stable_sort(out.begin(), out.end(), [](const Candidate* a, const Candidate* b) {
+    return a->evaluation.time < b->evaluation.time;
+  });
+  return out;
+}
+
+std::optional<SimTime> Search::best_time() const {
+  std::optional<SimTime> best;
+  for (const auto& [key, c] : candidates_) {
+    if (!best || c.evaluation.time < *best) best = c.evaluation.time;
+  }
+  return best;
+}
+
+void run_search(Search& search, const std::vector<Seed>& seeds,
+                const std::vector<PlanKnobs>& knobs) {
+  // Seed.
+  for (const Seed& seed : seeds) {
+    Plan plan = seed.plan;
+    plan.host_budget = search.budgets().host;
+    // The seeds were measured without a pinned budget; with one, the plan caps the pool.
+    search.note(plan, search.budgets().host ? search.evaluate(plan) : seed.evaluation);
+  }
+  // Descend, then refine.
+  const PlanKnobs defaults;
+  Position position = greedy_descent(search);
+  if (search.fits(position.evaluation)) local_search(search, position, defaults, kLocalRuns);
+  if (auto uniform = best_uniform(search, defaults)) {
+    improve_from(search, std::move(*uniform), position);
+  }
+  const Seed* fastest = fastest_seed(search, seeds);
+  if (fastest != nullptr && fastest->plan.knobs == defaults) {
+    improve_from(search, Position{*fastest->configs, fastest->evaluation}, position);
+  }
+  // The knob variants on the plan found (or, when none fits, on the smallest it reached: a
+  // narrower window or no prefetch can lower the peak further).
+  for (const PlanKnobs& k : knobs) (void)search.evaluate(search.plan_of(position.configs, k));
+}
+
+}  // namespace ferry::sim::planning

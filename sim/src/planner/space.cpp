@@ -1,0 +1,172 @@
+#include "ferry/sim/planner/space.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <set>
+#include <utility>
+
+#include "ferry/sim/planner/lower.hpp"
+#include "tensors.hpp"
+
+namespace ferry::sim::planning {
+
+namespace {
+
+// Bytes a region over [first, end) holds for op `p` when it serves the op from forward: its
+// outputs that ops of the region read or save (an output only later layers read, the layer's
+// output, is the next region's input and held there anyway).
+Bytes held_by(const Model& model, std::uint32_t p, std::uint32_t first, std::uint32_t end) {
+  std::set<std::uint32_t> used;
+  for (std::uint32_t j = p + 1; j < end; ++j) {
+    for (const std::uint32_t t : model.ops[j].inputs) used.insert(base_of(model, t));
+  }
+  for (std::uint32_t j = first; j < end; ++j) {
+    for (const std::uint32_t t : model.ops[j].saved) used.insert(base_of(model, t));
+  }
+  Bytes bytes;
+  for (const std::uint32_t t : model.ops[p].outputs) {
+    if (model.tensors[t].view_of < 0 && used.contains(t)) bytes += model.tensors[t].bytes;
+  }
+  return bytes;
+}
+
+// Orders `ops` by bytes per ns of forward time, most first (compared exactly); ties by order.
+void rank(const Model& model, std::vector<std::pair<std::uint32_t, Bytes>>& scored) {
+  std::stable_sort(scored.begin(), scored.end(), [&](const auto& a, const auto& b) {
+    const Wide lhs = static_cast<Wide>(a.second.count()) *
+                     std::max<std::int64_t>(1, model.ops[b.first].duration.ns());
+    const Wide rhs = static_cast<Wide>(b.second.count()) *
+                     std::max<std::int64_t>(1, model.ops[a.first].duration.ns());
+    return lhs > rhs;
+  });
+}
+
+// The most levels a layer has (Note [Planner search] in search.cpp).
+constexpr std::size_t kMaxLevels = 16;
+
+// The levels of a layer (Note [Planner search] in search.cpp).
+std::vector<std::size_t> levels_of(const Model& model, const Layer& layer) {
+  // Without a region: the distinct activation storages its ops save.
+  std::set<std::uint32_t> saved;
+  std::set<std::uint32_t> produced;
+  std::set<std::uint32_t> inputs;
+  for (std::uint32_t j = layer.first; j < layer.end; ++j) {
+    for (const std::uint32_t t : model.ops[j].saved) {
+      if (is_activation(model, t)) saved.insert(base_of(model, t));
+    }
+    for (const std::uint32_t t : model.ops[j].inputs) {
+      const std::uint32_t b = base_of(model, t);
+      if (is_activation(model, t) && !produced.contains(b)) inputs.insert(b);
+    }
+    for (const std::uint32_t t : model.ops[j].outputs) produced.insert(base_of(model, t));
+  }
+  std::int64_t without = 0;
+  for (const std::uint32_t t : saved) without += model.tensors[t].bytes.count();
+  // With a region at level k: its inputs, and the outputs of the ops it serves from forward.
+  std::int64_t held = 0;
+  for (const std::uint32_t t : inputs) held += model.tensors[t].bytes.count();
+  for (const std::uint32_t p : layer.ranking)
+    held += held_by(model, p, layer.first, layer.end).count();
+  // Every point below `without` where the held bytes fall; at most kMaxLevels of them, each
+  // at least 1/kMaxLevels of `without` below the last.
+  std::vector<std::pair<std::size_t, std::int64_t>> falls;
+  for (std::size_t k = 1; k < layer.ranking.size(); ++k) {
+    const std::int64_t freed = held_by(model, layer.ranking[k - 1], layer.first, layer.end).count();
+    held -= freed;
+    if (freed > 0 && held < without) falls.emplace_back(k, held);
+  }
+  const std::int64_t step =
+      falls.size() + 1 < kMaxLevels
+          ? 1
+          : std::max<std::int64_t>(1, without / static_cast<std::int64_t>(kMaxLevels));
+  std::vector<std::size_t> levels{0};
+  std::int64_t last = without;
+  for (const auto& [k, h] : falls) {
+    if (last - h < step) continue;
+    levels.push_back(k);
+    last = h;
+  }
+  if (!layer.ranking.empty()) levels.push_back(layer.ranking.size());
+  return levels;
+}
+
+}  // namespace
+
+Bytes freed_by(const Model& model, std::uint32_t p, std::uint32_t first, std::uint32_t end) {
+  std::set<std::uint32_t> saved;
+  for (std::uint32_t j = first; j < end; ++j) {
+    for (const std::uint32_t t : model.ops[j].saved) saved.insert(base_of(model, t));
+  }
+  Bytes bytes;
+  for (const std::uint32_t t : model.ops[p].outputs) {
+    if (model.tensors[t].view_of < 0 && saved.contains(t)) bytes += model.tensors[t].bytes;
+  }
+  return bytes;
+}
+
+std::vector<Layer> find_layers(const Model& model) {
+  std::vector<Layer> layers;
+  for (std::uint32_t i = 0; i < model.ops.size(); ++i) {
+    const std::int32_t l = model.ops[i].layer;
+    if (l < 0 || model.ops[i].no_offload) continue;
+    if (layers.empty() || layers.back().layer != l || layers.back().end != i) {
+      layers.push_back(Layer{l, i, i + 1, {}, {}});
+    } else {
+      layers.back().end = i + 1;
+    }
+  }
+  for (Layer& layer : layers) {
+    std::vector<std::pair<std::uint32_t, Bytes>> scored;
+    for (std::uint32_t p = layer.first; p < layer.end; ++p) {
+      scored.emplace_back(p, held_by(model, p, layer.first, layer.end));
+    }
+    rank(model, scored);
+    for (const auto& [p, bytes] : scored) layer.ranking.push_back(p);
+    layer.levels = levels_of(model, layer);
+  }
+  return layers;
+}
+
+std::string key_of(const Plan& plan) {
+  std::string key;
+  key.reserve(plan.ops.size() + 16 * plan.regions.size() + 64);
+  for (const PlanOp& op : plan.ops)
+    key.push_back(static_cast<char>('0' + static_cast<int>(op.saved)));
+  for (const PlanRegion& r : plan.regions) {
+    key += fmt::format("|{},{},{}", r.first_op, r.end_op, static_cast<int>(r.inputs));
+  }
+  const PlanKnobs& k = plan.knobs;
+  key += fmt::format("|{},{},{},{},{}", k.min_bytes.count(), k.window_bytes.count(),
+                     k.prefetch_bytes.count(), k.prefetch ? 1 : 0,
+                     k.horizon_bytes ? k.horizon_bytes->count() : -1);
+  key += fmt::format("|{}", plan.host_budget ? plan.host_budget->count() : -1);
+  return key;
+}
+
+PlanSpace::PlanSpace(const Model& model, const DeviceProfile& device)
+    : model_(&model), kept_(keep_everything_plan(model, device)), layers_(find_layers(model)) {}
+
+Plan PlanSpace::plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs& knobs,
+                        std::optional<Bytes> host_budget, bool offload_outside) const {
+  Plan plan = kept_;
+  plan.host_budget = host_budget;
+  plan.knobs = knobs;
+  if (offload_outside) {
+    for (PlanOp& op : plan.ops) op.saved = SavedDecision::Offload;
+  }
+  for (std::size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& layer = layers_[l];
+    const LayerConfig& c = configs[l];
+    const SavedDecision stored = c.offload ? SavedDecision::Offload : SavedDecision::Keep;
+    for (std::uint32_t i = layer.first; i < layer.end; ++i) plan.ops[i].saved = stored;
+    const std::size_t k = layer.levels[c.level];
+    if (k == 0) continue;
+    for (std::size_t r = 0; r < k; ++r) plan.ops[layer.ranking[r]].saved = SavedDecision::Recompute;
+    plan.regions.push_back(PlanRegion{layer.first, layer.end, stored});
+  }
+  recompute_random_prefix(plan, *model_);
+  return plan;
+}
+
+}  // namespace ferry::sim::planning
