@@ -39,6 +39,31 @@ TEST_P(EveryPolicy, RandomBackwardOrdersStayClean) {
   expect_clean(run.value());
 }
 
+// The offloader's counters and per-layer decisions are of the last step, as the step time and
+// the peaks are: a third step changes none of them.
+TEST_P(EveryPolicy, CountersAreOfTheLastStep) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  TrainingOptions two = with(GetParam());
+  TrainingOptions three = two;
+  three.steps = 3;
+  auto a = simulate_training(m, testing::simple_profile(), two);
+  auto b = simulate_training(m, testing::simple_profile(), three);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const OffloadTelemetry& x = a.value().telemetry;
+  const OffloadTelemetry& y = b.value().telemetry;
+  if (GetParam() != Policy::None) EXPECT_GT(x.packed, 0);
+  EXPECT_EQ(x.packed, y.packed);
+  EXPECT_EQ(x.offloaded, y.offloaded);
+  EXPECT_EQ(x.kept, y.kept);
+  EXPECT_EQ(x.deduplicated, y.deduplicated);
+  EXPECT_EQ(x.prefetched, y.prefetched);
+  EXPECT_EQ(x.on_demand, y.on_demand);
+  EXPECT_EQ(x.stash_hits, y.stash_hits);
+  EXPECT_EQ(x.bytes_d2h, y.bytes_d2h);
+  EXPECT_EQ(x.bytes_h2d, y.bytes_h2d);
+  EXPECT_EQ(a.value().layer_decisions, b.value().layer_decisions);
+}
+
 INSTANTIATE_TEST_SUITE_P(Policies, EveryPolicy,
                          ::testing::Values(Policy::None, Policy::Trl, Policy::Ferry),
                          [](const auto& p) { return std::string(policy_name(p.param)); });

@@ -164,7 +164,8 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
       format_time(r.forward_stall), format_time(r.backward_stall), percent(r.overlap_permille));
   const OffloadTelemetry& t = r.telemetry;
   out += fmt::format(
-      "saved tensors: {} packed, {} offloaded, {} kept, {} deduplicated, {} host-cap fallbacks\n",
+      "saved tensors in the last step: {} packed, {} offloaded, {} kept, {} deduplicated, {} "
+      "host-cap fallbacks\n",
       t.packed, t.offloaded, t.kept, t.deduplicated, t.host_fallbacks);
   if (r.horizon) {
     out += fmt::format(
@@ -173,7 +174,8 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
         format_bytes(*r.horizon), r.horizon->count(), t.past_horizon);
   }
   out += fmt::format(
-      "reloads: {} prefetched, {} on demand, {} forward-stash hits, {} record_stream fallbacks\n",
+      "reloads in the last step: {} prefetched, {} on demand, {} forward-stash hits, {} "
+      "record_stream fallbacks\n",
       t.prefetched, t.on_demand, t.stash_hits, t.record_stream_fallbacks);
   out += fmt::format("hazards: {}\n", r.hazards);
   return out;
@@ -184,7 +186,7 @@ std::string simulate_json(const RowResult& r, const Model& model, const DevicePr
   j["format"] = "ferry.simulate/1";
   j.update(context_json(model, device));
   j["result"] = row_json(r, nullptr);
-  // Per layer of the packing op (-1: outside the layers), all steps: what
+  // Per layer of the packing op (-1: outside the layers), last step: what
   // `python -m ferry validate` compares with a real run's.
   Json layers = Json::array();
   for (const auto& [layer, d] : r.layers) {

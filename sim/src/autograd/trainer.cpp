@@ -74,7 +74,7 @@ Result<TrainingRun> Trainer::run() {
   }
   run_.sim.finish();
   if (!options_.sync_each_step && !run_.steps.empty()) run_.steps.back().end = run_.sim.makespan();
-  run_.telemetry = offloader_.telemetry();
+  run_.telemetry = telemetry_since(offloader_.telemetry(), step_start_telemetry_);
   return std::move(run_);
 }
 

@@ -246,6 +246,7 @@ class Trainer {
   std::uint64_t gid_ = 0;
   std::int32_t step_ = 0;
   bool in_last_step_ = false;
+  OffloadTelemetry step_start_telemetry_;  // the offloader's counters when this step began
   bool stop_replay_ = false;
   int dropped_in_replay_ = 0;
   std::uint32_t current_op_ = 0;  // the forward op being run or replayed

@@ -422,6 +422,10 @@ void Trainer::backward(bool last_pass) {
 
 void Trainer::step() {
   in_last_step_ = step_ + 1 == options_.steps;
+  // The offloader's counters and decisions are reported for the last step run, like every
+  // other figure of a run: the counts start again with each step.
+  step_start_telemetry_ = offloader_.telemetry();
+  run_.layer_decisions.clear();
   if (in_last_step_) {
     run_.recompute_time = SimTime(0);
     run_.replay_stops.clear();

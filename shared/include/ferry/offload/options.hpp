@@ -88,6 +88,11 @@ struct OffloadTelemetry {
   Bytes pinned_peak;
 };
 
+/// What the offloader counted since `start` (an earlier reading of the same counters): the
+/// counters and bytes moved are differences; `pinned_bytes` and `pinned_peak` are `now`'s.
+[[nodiscard]] OffloadTelemetry telemetry_since(const OffloadTelemetry& now,
+                                               const OffloadTelemetry& start);
+
 /// Misuse the reference offloader also rejects (an untracked id, a tracker not empty at the
 /// next forward, a bad option).
 class OffloadError : public std::runtime_error {

@@ -84,6 +84,8 @@ struct TrainingRun {
   Simulator sim;
   DeviceId device{};   ///< the device it trained on, in `sim`
   StreamId compute{};  ///< that device's compute stream
+  /// The offloader's counters over the last step run (pinned bytes: at the end, and the
+  /// run's peak).
   OffloadTelemetry telemetry{};
   /// Set when the run stopped early: out of memory, or an error the offloader raised.
   std::optional<Failure> failure{};
@@ -102,7 +104,8 @@ struct TrainingRun {
   /// Content value of every parameter's gradient and of the batch's gradient, last step.
   std::vector<std::uint64_t> gradient_values{};
   /// What the offloader decided for the saved tensors packed in forward, per layer of the
-  /// packing op (ModelOp::layer; -1 outside the layers), all steps.
+  /// packing op (ModelOp::layer; -1 outside the layers), and the replays of the regions each
+  /// layer starts: of the last step run.
   std::map<std::int32_t, LayerDecisions> layer_decisions{};
 };
 
