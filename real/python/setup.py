@@ -146,10 +146,11 @@ setup(
     name="ferry",
     version=_version(),
     description="ferry: activation offload and checkpointing for PyTorch autograd",
-    packages=["ferry", "ferry.examples"],
-    package_data={"ferry": ["configs/*.json"]},  # the model configs `python -m ferry trace` names
+    packages=["ferry", "ferry._cli", "ferry._trace", "ferry.compat", "ferry.examples"],
+    # The model configs `python -m ferry trace` names, and the marker of an annotated package.
+    package_data={"ferry": ["configs/*.json", "py.typed"]},
     ext_modules=[Extension("ferry._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     zip_safe=False,
 )

@@ -42,7 +42,7 @@ std::vector<Context>& region_stack();
 //   telemetry): subclasses whose data lives in other tensors (wrapper subclasses such as
 //   DTensor), sparse, quantized and zero tensors.
 // * torch.autograd.graph.allow_mutation_on_saved_tensors: a region entered under it leaves its
-//   saved tensors to torch's own hooks (ferry/__init__.py, _Region), which clone a saved tensor
+//   saved tensors to torch's own hooks (ferry/_regions.py, Region), which clone a saved tensor
 //   before it is changed in place.
 
 // The tensor's type as torch's error messages print it: its legacy type name where the dtype has

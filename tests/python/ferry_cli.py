@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-import ferry.__main__ as entry
+import ferry._sim as sim
 
 #: The repository's root (scenarios, scripts).
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -14,8 +14,8 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 def cli_or_none():
     """The CLI's path, or None where there is none."""
     try:
-        return entry.find_cli()
-    except entry.CliNotFound:
+        return sim.find_cli()
+    except sim.CliNotFound:
         return None
 
 
@@ -23,6 +23,6 @@ def cli():
     """The CLI's path; the calling test is skipped, naming every place searched, where there is
     none."""
     try:
-        return entry.find_cli()
-    except entry.CliNotFound as e:
+        return sim.find_cli()
+    except sim.CliNotFound as e:
         pytest.skip(f"no ferry CLI: {e}")

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import ferry
-from ferry._plan_apply import PlanError
+from ferry import PlanError
 from ferry_cli import cli_or_none
 from models import TinyLM, assert_same_grads, loss_of, twin
 

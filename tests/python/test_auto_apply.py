@@ -24,7 +24,7 @@ import torch
 import transformers
 
 import ferry
-from ferry._plan_apply import PlanError
+from ferry import PlanError
 from models import assert_same_grads
 
 VOCAB = 256

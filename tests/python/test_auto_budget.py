@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import ferry
-from ferry import _auto_cli, _trace_cli
+from ferry._cli import auto as auto_cli
+from ferry._cli import trace as trace_cli
 from models import TinyLM, loss_of
 
 
@@ -16,7 +17,7 @@ def no_trace(monkeypatch):
     def trace(*args, **kwargs):
         raise AssertionError("traced before the budget was checked")
 
-    monkeypatch.setattr(ferry, "trace", trace)
+    monkeypatch.setattr(ferry._auto, "trace", trace)
 
 
 @pytest.mark.parametrize("budget", ["", "  "])
@@ -52,7 +53,7 @@ def test_python_m_ferry_auto_refuses_an_empty_budget(monkeypatch, capsys, budget
     def trace_main(argv):
         raise AssertionError("traced before the budget was checked")
 
-    monkeypatch.setattr(_trace_cli, "main", trace_main)
+    monkeypatch.setattr(trace_cli, "main", trace_main)
     args = [*budgets, "--plan", "plan.json", "--out", "model.json", "config.json"]
-    assert _auto_cli.main(args) == 2
+    assert auto_cli.main(args) == 2
     assert f'python -m ferry auto: {budgets[-2]}: "" is not a byte count' in capsys.readouterr().err

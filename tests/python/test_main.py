@@ -9,7 +9,8 @@ import sys
 import pytest
 
 import ferry
-import ferry.__main__ as entry
+import ferry._cli.main as entry
+import ferry._sim as sim
 from conftest import run_module
 
 
@@ -119,9 +120,9 @@ def test_a_missing_cli_names_every_place_searched(tmp_path, monkeypatch, capsys)
     monkeypatch.delenv("FERRY_CLI", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no `ferry` on PATH
     packaged = tmp_path / "ferry" / "bin" / "ferry"
-    monkeypatch.setattr(entry, "PACKAGED_CLI", str(packaged))
-    with pytest.raises(entry.CliNotFound) as e:
-        entry.find_cli()
+    monkeypatch.setattr(sim, "PACKAGED_CLI", str(packaged))
+    with pytest.raises(sim.CliNotFound) as e:
+        sim.find_cli()
     assert "FERRY_CLI is not set" in str(e.value)
     assert str(packaged) in str(e.value)
     assert "no `ferry` is on PATH" in str(e.value)

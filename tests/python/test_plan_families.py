@@ -20,9 +20,9 @@ import subprocess
 
 import pytest
 
-from ferry import _trace_cli
+from ferry._cli import trace as trace_cli
 
-BUNDLED = _trace_cli.CONFIG_DIR
+BUNDLED = trace_cli.CONFIG_DIR
 DEVICES = ("a100-pcie4", "h100-sxm-pcie5", "gh200")
 FACTORS = (1.0, 1.1, 1.3)
 SLACK = 1.005
@@ -108,7 +108,7 @@ def traced(tmp_path_factory):
         cfg = root / f"{family}.json"
         cfg.write_text(json.dumps(_four_layers(config())))
         model = root / f"{family}.model.json"
-        status = _trace_cli.main(
+        status = trace_cli.main(
             [
                 str(cfg),
                 "--seq",

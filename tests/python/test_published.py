@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from ferry import _trace_cli
+from ferry._cli import trace as trace_cli
 from ferry_cli import cli as ferry_cli
 
 GIB = 1 << 30
@@ -60,7 +60,7 @@ def rows(tmp_path_factory):
     config.write_text(json.dumps(LLAMA_3_2_3B))
     model = root / "model.json"
     assert (
-        _trace_cli.main(
+        trace_cli.main(
             [
                 str(config),
                 "--seq",

@@ -199,11 +199,11 @@ def test_torch_hooks_opened_inside_a_region_survive_it_being_left_first():
 
 def test_a_failed_forward_under_a_plan_leaves_no_region(monkeypatch):
     """``offload(plan=...)``: its plan's enter failing leaves neither stack changed."""
-    from ferry import _plan_apply
+    from ferry import _plan
 
     calls = []
 
-    class Failing(_plan_apply.PlanRun):
+    class Failing(_plan.PlanRun):
         def __init__(self, plan, ctx, model):
             pass
 
@@ -214,9 +214,9 @@ def test_a_failed_forward_under_a_plan_leaves_no_region(monkeypatch):
         def active(self):
             return False
 
-    monkeypatch.setattr(_plan_apply, "PlanRun", Failing)
-    monkeypatch.setattr(_plan_apply, "load_plan", lambda plan: plan)
-    monkeypatch.setattr(_plan_apply, "offload_options", lambda plan: {"policy": "ferry"})
+    monkeypatch.setattr(_plan, "PlanRun", Failing)
+    monkeypatch.setattr(_plan, "load_plan", lambda plan: plan)
+    monkeypatch.setattr(_plan, "offload_options", lambda plan: {"policy": "ferry"})
     ctx = ferry.offload(plan={}, loopback=True)
     with pytest.raises(RuntimeError, match="plan refused"):
         with ctx:

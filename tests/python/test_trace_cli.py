@@ -10,8 +10,8 @@ from test_trace import accepted_by_cli, real_packs
 
 transformers = pytest.importorskip("transformers")
 
+from ferry._cli.trace import bundled_configs, main  # noqa: E402
 from ferry._trace import TracedModel, trace  # noqa: E402
-from ferry._trace_cli import bundled_configs, main  # noqa: E402
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -137,7 +137,7 @@ def test_bundled_configs_are_selectable_by_name(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "qwen2.5-7b", "mistral-7b"])
 def test_bundled_configs_have_the_published_parameter_counts(name):
-    from ferry._trace_cli import CONFIG_DIR
+    from ferry._cli.trace import CONFIG_DIR
 
     with open(f"{CONFIG_DIR}/{name}.json") as f:
         data = json.load(f)

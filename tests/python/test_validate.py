@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from ferry import _validate, _validate_cli
+from ferry import _validate
+from ferry._cli import validate as validate_cli
 from ferry._validate import validate
 from ferry_cli import cli as ferry_cli
 from ferry_cli import cli_or_none
@@ -140,7 +141,7 @@ def test_validate_a_module():
 
 
 def test_cli_table_for_a_factory(capsys):
-    code = _validate_cli.main(
+    code = validate_cli.main(
         ["test_validate:small_factory", "--policy", "ferry", "--policy", "checkpoint"]
     )
     out = capsys.readouterr().out
@@ -155,7 +156,7 @@ def test_cli_table_for_a_factory(capsys):
 
 def test_cli_json(capsys, tmp_path):
     kept = tmp_path / "gpt.json"
-    code = _validate_cli.main(
+    code = validate_cli.main(
         ["gpt", "--policy", "trl", "--steps", "1", "--json", "--keep", str(kept)]
     )
     report = json.loads(capsys.readouterr().out)
@@ -171,7 +172,7 @@ def test_cli_json(capsys, tmp_path):
 
 def test_cli_exit_1_on_a_mismatch(capsys, monkeypatch):
     monkeypatch.setattr(_validate, "_head_saves", lambda document: 0)  # a wrong correction
-    code = _validate_cli.main(["gpt", "--policy", "none", "--steps", "1"])
+    code = validate_cli.main(["gpt", "--policy", "none", "--steps", "1"])
     out = capsys.readouterr().out
     assert code == 1
     assert "MISMATCH none: packed: real 111, simulated 113" in out
@@ -188,14 +189,14 @@ def test_cli_exit_1_on_a_mismatch(capsys, monkeypatch):
     ],
 )
 def test_bad_model_argument(capsys, model, message):
-    assert _validate_cli.main([model]) == 2
+    assert validate_cli.main([model]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m ferry validate: MODEL ")
     assert message in err
 
 
 def test_bad_steps(capsys):
-    assert _validate_cli.main(["gpt", "--steps", "0"]) == 2
+    assert validate_cli.main(["gpt", "--steps", "0"]) == 2
     assert "--steps must be at least 1" in capsys.readouterr().err
 
 

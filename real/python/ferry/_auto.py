@@ -1,15 +1,21 @@
 """``ferry.auto``: trace a model, plan it under a memory budget with ``ferry plan``, and apply the
 plan to the real forward (docs/plan.md, "Applying a plan")."""
 
+from __future__ import annotations
+
 import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from . import offload
-from ._plan_apply import PlanError, load_plan
+from ._offload import offload
+from ._plan import PlanError, load_plan
+from ._sim import CliNotFound, find_cli
+from ._trace import TracedModel, trace
 
 # `ferry plan`'s exit code for a budget no plan fits.
 EXIT_INFEASIBLE = 1
@@ -20,24 +26,42 @@ _FLOOR = re.compile(
 
 
 class AutoOffload(offload):
-    """An ``offload`` applying the plan ``ferry.auto`` made: ``plan`` (the ``ferry.plan/1``
-    dict), ``report`` (what ``ferry plan`` printed: predicted step time, peaks, lower bound)
-    and ``traced`` (the ``TracedModel`` it was planned from)."""
+    """An ``offload`` applying the plan ``ferry.auto`` made.
 
-    def __init__(self, plan, model, report, traced, **options):
+    Attributes:
+        plan: The ``ferry.plan/1`` dict.
+        report: What ``ferry plan`` printed: predicted step time, peaks, lower bound.
+        traced: The ``TracedModel`` it was planned from.
+
+    Args:
+        plan: The plan.
+        model: The model the plan was traced from.
+        report: What ``ferry plan`` printed.
+        traced: The traced model.
+        **options: Further ``offload`` options.
+    """
+
+    def __init__(
+        self,
+        plan: dict[str, Any],
+        model: torch.nn.Module,
+        report: str,
+        traced: TracedModel,
+        **options: Any,
+    ) -> None:
         super().__init__(plan=plan, model=model, **options)
         self.plan = plan
         self.report = report
         self.traced = traced
 
 
-def _on_cpu(model, example_inputs):
+def _on_cpu(model: torch.nn.Module, example_inputs: Sequence[Any]) -> bool:
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [x for x in example_inputs if isinstance(x, torch.Tensor)]
     return all(t.device.type in ("cpu", "meta") for t in tensors)
 
 
-def check_budget(value, what):
+def check_budget(value: object, what: str) -> None:
     """Refuses an empty budget (``ferry plan`` would take it as no budget: the device's whole
     memory) and one that is neither a string nor an integer (``None`` would reach the planner
     as the text "None"); ``what`` names the argument in the message. The planner checks the
@@ -54,13 +78,17 @@ def check_budget(value, what):
         )
 
 
-def run_planner(model_path, budget, out_path, device=None, host_budget=None):
+def run_planner(
+    model_path: str | os.PathLike[str],
+    budget: str | int,
+    out_path: str | os.PathLike[str],
+    device: str | None = None,
+    host_budget: str | int | None = None,
+) -> str:
     """Runs ``ferry plan`` on a ``ferry.model/1`` file and returns what it printed; raises
     ``PlanError`` with its message, ``exit_code`` and ``floor`` when it refuses (exit code 1:
     no plan fits the budget; ``floor`` is the smallest peak reserved in bytes the planner
     reached, above the budget, when it names one, else None)."""
-    from .__main__ import CliNotFound, find_cli
-
     try:
         cli = find_cli()
     except CliNotFound as e:
@@ -97,27 +125,41 @@ def run_planner(model_path, budget, out_path, device=None, host_budget=None):
 
 
 def auto(
-    model,
-    *example_inputs,
-    budget="40GiB",
-    device=None,
-    loss_fn=None,
-    host_budget=None,
-    loopback=None,
-    **options,
-):
-    """Traces one training step of ``model`` on ``example_inputs``, plans it with ``ferry plan``
-    to fit ``budget`` (peak reserved device memory: ``"40GiB"``, bytes, ...) on the device
-    profile ``device`` (the CLI's default when None), and returns an ``AutoOffload`` that
-    applies the plan: ``with ctx: loss = loss_fn(model(*inputs))``, then ``loss.backward()``.
+    model: torch.nn.Module,
+    *example_inputs: Any,
+    budget: str | int = "40GiB",
+    device: str | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    host_budget: str | int | None = None,
+    loopback: bool | None = None,
+    **options: Any,
+) -> AutoOffload:
+    """Traces one training step of ``model``, plans it under a budget and applies the plan.
 
-    The CLI is ``$FERRY_CLI``, else the package's ``ferry/bin/ferry``, else ``ferry`` on PATH.
-    A budget below the floor raises ``PlanError`` with the planner's message, which names the
-    floor. ``loopback`` (default: the model is on the CPU) runs on the CPU loopback device; other
-    ``options`` go to ``ferry.offload``.
+    The step is traced on ``example_inputs`` and planned with ``ferry plan`` to fit ``budget``;
+    the result applies the plan: ``with ctx: loss = loss_fn(model(*inputs))``, then
+    ``loss.backward()``. The CLI is ``$FERRY_CLI``, else the package's ``ferry/bin/ferry``,
+    else ``ferry`` on PATH.
+
+    Args:
+        model: The model to plan.
+        *example_inputs: The inputs of one step.
+        budget: Peak reserved device memory: ``"40GiB"``, bytes, ...
+        device: The device profile to plan for (the CLI's default when None).
+        loss_fn: A function of the model's output that returns the scalar loss.
+        host_budget: The pinned host memory budget.
+        loopback: Run on the CPU loopback device (default: when the model is on the CPU).
+        **options: Further ``ferry.offload`` options.
+
+    Returns:
+        The ``offload`` region that applies the plan.
+
+    Raises:
+        TypeError: A budget that is no byte count.
+        ValueError: An empty budget.
+        PlanError: ``ferry plan`` refused (a budget below the floor: the message names the
+            floor, also in ``floor``), or there is no CLI.
     """
-    from . import trace
-
     check_budget(budget, "ferry.auto: budget")
     if host_budget is not None:
         check_budget(host_budget, "ferry.auto: host_budget")

@@ -6,11 +6,15 @@ forward's autocast state and a determinism check. The reentrant variant is an au
 Function that runs the forward without grad and recomputes it, whole, in backward.
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import os
 import traceback
 import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as _tc
@@ -19,15 +23,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from . import _C
+from ._offload import offload as Offload
 
 _DETERMINISM_CHECKS = ("default", "none")
 
 
-def _no_context():
+def _no_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     return contextlib.nullcontext(), contextlib.nullcontext()
 
 
-def _runtime_call(fn, *args):
+def runtime_call(fn: Callable[..., Any], *args: Any) -> Any:
     """Calls into ferry's runtime out of sight of dispatch modes: the host buffers it allocates
     and the state it copies are not ops of the model (a mode naming the model's ops, as
     ``ferry.offload(plan=...)`` does, must not count them)."""
@@ -118,7 +123,7 @@ class _SelectiveForward(TorchDispatchMode):
 
     def _offload(self, x):
         if isinstance(x, torch.Tensor):
-            return _Offloaded(_runtime_call(_C._OffloadedOutput, self._session, x))
+            return _Offloaded(runtime_call(_C._OffloadedOutput, self._session, x))
         return _tc._VersionWrapper(x)
 
 
@@ -220,17 +225,19 @@ def _global_early_stop(early_stop):
 
 
 def checkpoint(
-    fn,
-    *args,
-    use_reentrant=None,
-    context_fn=_no_context,
-    determinism_check="default",
-    debug=False,
-    early_stop=True,
-    preserve_rng_state=True,
-    offload=None,
-    **kwargs,
-):
+    fn: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: Callable[
+        [], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]
+    ] = _no_context,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+    offload: Offload | None = None,
+    **kwargs: Any,
+) -> Any:
     """Runs ``fn(*args, **kwargs)`` keeping none of its saved tensors; backward recomputes them.
 
     A drop-in for ``torch.utils.checkpoint.checkpoint``. ``use_reentrant=False`` (recommended):
@@ -249,6 +256,28 @@ def checkpoint(
     through an offload session, copied to the host in forward and reloaded for the
     recomputation. The session is ``offload`` (a ``ferry.offload``) when given, else that of the
     offload region the call runs in; inside a ``ferry.no_offload`` region such outputs are saved.
+
+    Args:
+        fn: The function (or module) to run.
+        *args: Its positional arguments.
+        use_reentrant: The variant; left out, it warns and is True.
+        context_fn: Returns the contexts of the forward and of the recomputation.
+        determinism_check: ``"default"`` (compare the saved tensors of the recomputation
+            with the forward's) or ``"none"``.
+        debug: List the operations both ran when the determinism check fails.
+        early_stop: Stop recomputing once every saved tensor is back.
+        preserve_rng_state: Replay with the random state the forward saw.
+        offload: The offload session of the ops a selective policy offloads.
+        **kwargs: Its keyword arguments (non-reentrant only).
+
+    Returns:
+        What ``fn`` returns.
+
+    Raises:
+        ValueError: An unknown ``determinism_check``, or an option the reentrant variant does
+            not take.
+        TypeError: ``offload`` is no ``ferry.offload``.
+        RuntimeError: CUDA was initialized inside the region with ``preserve_rng_state``.
     """
     if use_reentrant is None:
         warnings.warn(
@@ -346,7 +375,7 @@ def _non_reentrant(
     # The replay restores the random state of the CUDA devices the forward saw: a forward that
     # first initializes CUDA has no state to restore, which torch refuses too.
     had_cuda = torch.cuda.is_initialized()
-    token = _runtime_call(
+    token = runtime_call(
         _C._frame_begin,
         replay,
         inputs,
@@ -479,11 +508,30 @@ def _reentrant(fn, preserve, *args):
     return _Reentrant.apply(fn, preserve, *args)
 
 
-def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwargs):
+def checkpoint_sequential(
+    functions: torch.nn.Sequential | Iterable[Callable[[Any], Any]],
+    segments: int,
+    input: Any,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
     """Checkpoints a sequence of modules or functions in ``segments`` parts; the last part is
     not checkpointed (its saved tensors are needed at once). As torch's
-    ``checkpoint_sequential``: ``functions`` is an ``nn.Sequential`` or a list, and the only
-    extra keyword is ``preserve_rng_state``."""
+    ``checkpoint_sequential``.
+
+    Args:
+        functions: An ``nn.Sequential`` or a list of modules or functions.
+        segments: The number of parts, between 1 and the number of functions.
+        input: The input of the first function.
+        use_reentrant: ``checkpoint``'s variant; left out, it warns and is True.
+        **kwargs: ``preserve_rng_state`` only.
+
+    Returns:
+        The output of the last function.
+
+    Raises:
+        ValueError: A number of segments out of range, or another keyword.
+    """
     if use_reentrant is None:
         warnings.warn(
             "ferry.checkpoint_sequential: the use_reentrant parameter should be passed "

@@ -6,6 +6,8 @@ policies by the ``ferry`` CLI. ``validate`` returns both sides of every policy; 
 lists the counts and bytes that differ where they must be equal.
 """
 
+from __future__ import annotations
+
 import contextlib
 import copy
 import importlib
@@ -14,8 +16,17 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
+
+from ._checkpoint import checkpoint
+from ._offload import offload_model
+from ._sim import find_cli
+from ._trace import TracedModel, loss_of
+from ._trace import trace as ferry_trace
+from .compat.hf import enable_gradient_checkpointing
 
 # name -> (offload policy, simulator checkpoint): what `validate` runs by default.
 POLICIES = {
@@ -103,9 +114,6 @@ def _checkpoint_layers(model):
     """Checkpoints every layer with ``ferry.checkpoint`` (non-reentrant): a Hugging Face
     model its own way (``ferry.enable_gradient_checkpointing``), any other model by wrapping
     the forward of each module of its first ModuleList."""
-    import ferry
-
-    from ._checkpoint import checkpoint
 
     def replaying(fn, layer):
         # `fn` called again inside backward is the checkpoint's recomputation of `layer`
@@ -118,7 +126,7 @@ def _checkpoint_layers(model):
         return replay
 
     if getattr(model, "supports_gradient_checkpointing", False):
-        ferry.enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model)
         # Hugging Face layers checkpoint their forward through their _gradient_checkpointing_func.
         for layer in _layer_list(model):
             through = getattr(layer, "_gradient_checkpointing_func", None)
@@ -140,8 +148,6 @@ def _checkpoint_layers(model):
 def _saved_at_end_of_forward(model, inputs, loss_fn):
     """Bytes of the distinct storages of the saved activations a plain forward holds (the
     parameters' and buffers' own storages left out)."""
-    from ._trace import _loss_of
-
     owned = {t.untyped_storage().data_ptr() for t in model.parameters()}
     owned |= {t.untyped_storage().data_ptr() for t in model.buffers()}
     storages = {}
@@ -154,7 +160,7 @@ def _saved_at_end_of_forward(model, inputs, loss_fn):
 
     args, kwargs = _call_args(inputs)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _loss_of(model(*args, **kwargs), loss_fn)
+        loss = loss_of(model(*args, **kwargs), loss_fn)
     del loss
     return sum(storages.values())
 
@@ -233,15 +239,11 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
     device; the offload context spans forward and backward, as the simulator's step does.
     ``horizon``: the ferry policy's offload horizon in bytes (None: none). Returns the counters
     over all steps, the bytes of the last step, its time, and the counters per layer."""
-    import ferry
-
-    from ._trace import _loss_of
-
     model = copy.deepcopy(model)
     if checkpoint:
         _checkpoint_layers(model)
     options = {} if horizon is None else {"horizon_bytes": horizon}
-    ctx = ferry.offload_model(model, policy=policy, loopback=True, warn_if_no_head=False, **options)
+    ctx = offload_model(model, policy=policy, loopback=True, warn_if_no_head=False, **options)
     per_layer, unhook = _layer_counts(model, ctx)
     args, kwargs = _call_args(inputs)
     before, step_ns = ctx.telemetry(), 0
@@ -250,7 +252,7 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
         before = ctx.telemetry()
         start = time.perf_counter_ns()
         with ctx:
-            loss = _loss_of(model(*args, **kwargs), loss_fn)
+            loss = loss_of(model(*args, **kwargs), loss_fn)
             loss.backward()
         step_ns = time.perf_counter_ns() - start
     after = ctx.telemetry()
@@ -275,8 +277,6 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
 
 
 def _run_cli(path, policy, checkpoint, steps, cli, device, extra=()):
-    from .__main__ import find_cli
-
     command = [
         cli or find_cli(),
         "simulate",
@@ -367,31 +367,50 @@ def simulate(path, policy, checkpoint, steps, cli=None, device=None, horizon="no
 
 
 def validate(
-    spec_or_model,
-    inputs=None,
-    loss_fn=None,
+    spec_or_model: str | torch.nn.Module,
+    inputs: Any = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
-    policies=None,
-    steps=2,
-    cli=None,
-    device=None,
-    keep=None,
-    trace=None,
-    horizon="auto",
-):
-    """Real and simulated runs of a model under each policy (names of ``POLICIES``).
+    policies: Iterable[str] | None = None,
+    steps: int = 2,
+    cli: str | None = None,
+    device: str | None = None,
+    keep: str | os.PathLike[str] | None = None,
+    trace: Callable[..., TracedModel] | None = None,
+    horizon: str = "auto",
+) -> dict[str, Any]:
+    """Real and simulated runs of a model under each policy (docs/validation.md).
 
-    ``spec_or_model``: an example name or ``pkg.mod:fn``, or a model with its ``inputs`` and
-    ``loss_fn``. ``trace`` replaces ``ferry.trace`` (a function of the same arguments; tests
-    plant mismatches with it). ``keep``: a path to write the traced document to. ``horizon``:
-    ``"auto"`` (the horizon the simulator derives, given to the real run too) or ``"none"``
-    (neither side has one; Note [Offload horizon in validate]). Returns a dict:
-    ``model``, ``steps``, ``saved_at_end_of_forward`` (real, traced and simulated),
-    ``head_saves_per_step`` (Note [Saves in a no-offload region]) and ``policies``, each with
-    ``real``, ``simulated`` (as the simulator reports it) and ``mismatches``.
+    The model is trained for ``steps`` steps for real under each policy on the CPU loopback
+    device, traced, and the trace simulated under the same policies by the ``ferry`` CLI.
+
+    Args:
+        spec_or_model: A bundled example name or a factory ``pkg.mod:fn``, or a model.
+        inputs: With a model: its inputs (a tensor, a tuple of positional arguments or a dict
+            of keywords).
+        loss_fn: With a model: a function of its output that returns the loss.
+        policies: Names of ``POLICIES`` (default: all).
+        steps: Training steps per policy.
+        cli: The ``ferry`` CLI binary (default: the one ``python -m ferry`` finds).
+        device: The simulator's device profile (name or file).
+        keep: A path to write the traced document to.
+        trace: Replaces ``ferry.trace`` (a function of the same arguments; tests plant
+            mismatches with it).
+        horizon: ``"auto"`` (the horizon the simulator derives, given to the real run too) or
+            ``"none"`` (neither side has one; Note [Offload horizon in validate]).
+
+    Returns:
+        ``model``, ``steps``, ``saved_at_end_of_forward`` (real, traced and simulated),
+        ``head_saves_per_step`` (Note [Saves in a no-offload region]) and ``policies``, each
+        with ``real``, ``simulated`` (as the simulator reports it) and ``mismatches``.
+
+    Raises:
+        ModelSpecError: ``spec_or_model`` names no example or factory, or the factory's
+            result is not ``(model, inputs[, loss_fn])``.
+        TypeError: Neither a name nor a model with its inputs.
+        ValueError: An unknown policy, fewer than one step or a bad ``horizon``.
+        RuntimeError: The simulator failed, or saved tensors stayed tracked.
     """
-    from ._trace import trace as ferry_trace
-
     if isinstance(spec_or_model, str):
         name = spec_or_model
         model, inputs, loss_fn = load(spec_or_model)

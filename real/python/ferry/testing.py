@@ -4,7 +4,8 @@ property catches each one. Not for training."""
 
 import contextlib
 
-from . import _C, offload
+from . import _C
+from ._offload import offload
 
 __all__ = ["FAULTS", "planted_offload", "current_stream"]
 

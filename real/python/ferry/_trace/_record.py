@@ -1,8 +1,10 @@
 """What a trace records: every aten op forward runs, every tensor it meets (with storages and
 views followed), every tensor autograd saves and which op saved it, and the backward ops of
-each op's node (docs/trace.md). ``_trace.trace`` drives it; ``_trace_model`` writes the
+each op's node (docs/trace.md). ``ferry._trace.trace`` drives it; ``_document`` writes the
 document. Free of ``ferry._C``: tracing needs torch only.
 """
+
+from __future__ import annotations
 
 import logging
 import re
@@ -15,7 +17,7 @@ FORMAT = "ferry.model/1"
 
 # The format's dtypes. Any other dtype is written as u8 of the same byte count (bool masks, int32
 # indices, float64): the bytes are what the simulator allocates and copies.
-_DTYPES = {
+DTYPES = {
     torch.float32: "f32",
     torch.bfloat16: "bf16",
     torch.float16: "f16",
@@ -27,13 +29,21 @@ _ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "i64": 8}
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
-def layer_of(path):
-    """The layer index of a module path: its first integer component (-1 if none)."""
+def layer_of(path: str) -> int:
+    """The layer index of a module path.
+
+    Args:
+        path: A module path such as ``"model.layers.3.mlp"``.
+
+    Returns:
+        Its first integer component (-1 if none).
+    """
     match = _LAYER.search(path)
     return int(match.group(1)) if match else -1
 
 
-def _nbytes(t):
+def byte_count(t: torch.Tensor) -> int:
+    """The tensor's logical bytes (elements times element size)."""
     return t.numel() * t.element_size()
 
 
@@ -68,7 +78,7 @@ def _view_offset(t, offset, base_bytes):
     return column * base_bytes // row // t.element_size() * t.element_size()
 
 
-class _Tensor:
+class TensorRecord:
     """One tensor of the document: a Python tensor object the trace met."""
 
     __slots__ = ("name", "ref", "dtype", "bytes", "role", "view_of", "view_offset", "producer")
@@ -79,12 +89,12 @@ class _Tensor:
         self.dtype = dtype
         self.bytes = nbytes
         self.role = role
-        self.view_of = view_of  # the base _Tensor, or None
+        self.view_of = view_of  # the base TensorRecord, or None
         self.view_offset = view_offset
         self.producer = None  # index of the op that produced it (activations)
 
 
-class _Op:
+class OpRecord:
     __slots__ = (
         "name",
         "layer",
@@ -154,7 +164,7 @@ def _flop_table():
     return table
 
 
-class _Recorder(TorchDispatchMode):
+class TraceRecorder(TorchDispatchMode):
     """Hands every aten op, with its arguments and result, to the tracer."""
 
     def __init__(self, tracer):
@@ -202,12 +212,12 @@ class _Packed:
 # before it, which then reads the tensor.
 
 
-class _Tracer:
+class Tracer:
     def __init__(self, rng):
         self.rng = rng  # "device" or "cpu": which generator random ops draw from
-        self.tensors = {}  # id(tensor) -> _Tensor
-        self.order = []  # _Tensor in declaration order
-        self.storages = {}  # storage key -> the base _Tensor of that storage
+        self.tensors = {}  # id(tensor) -> TensorRecord
+        self.order = []  # TensorRecord in declaration order
+        self.storages = {}  # storage key -> the base TensorRecord of that storage
         self.names = set()
         self.ops = []
         self.op_names = {}
@@ -242,9 +252,9 @@ class _Tracer:
         return self._register(t, name, role)
 
     def _register(self, t, name, role):
-        dtype = _DTYPES.get(t.dtype, "u8")
+        dtype = DTYPES.get(t.dtype, "u8")
         esz = _ELEMENT_BYTES[dtype]
-        nbytes = _nbytes(t)
+        nbytes = byte_count(t)
         if nbytes == 0:
             return None
         key = _storage_key(t)
@@ -253,15 +263,17 @@ class _Tracer:
         base = self.storages.get(key)
         if base is None and (offset != 0 or nbytes != storage_bytes):
             base_dtype = dtype if storage_bytes % esz == 0 else "u8"
-            base = _Tensor(self._unique(name + ".storage"), None, base_dtype, storage_bytes, role)
+            base = TensorRecord(
+                self._unique(name + ".storage"), None, base_dtype, storage_bytes, role
+            )
             self.order.append(base)
             self.storages[key] = base
         if base is not None and base.role == "input":
             # The simulator binds inputs by their own storage: a view of an input (labels
             # reshaped) is written as an input of its own, of the same bytes.
-            record = _Tensor(self._unique(name), t, dtype, nbytes, "input")
+            record = TensorRecord(self._unique(name), t, dtype, nbytes, "input")
         elif base is None:
-            record = _Tensor(self._unique(name), t, dtype, nbytes, role)
+            record = TensorRecord(self._unique(name), t, dtype, nbytes, role)
             self.storages[key] = record
         else:
             # A view: the byte range of its base it stands for (Note [Strided views]),
@@ -271,7 +283,7 @@ class _Tracer:
             size = min(nbytes, base.bytes - offset) // esz * esz
             if size == 0:
                 dtype, size = "u8", min(nbytes, base.bytes - offset)
-            record = _Tensor(self._unique(name), t, dtype, size, base.role, base, offset)
+            record = TensorRecord(self._unique(name), t, dtype, size, base.role, base, offset)
         self.tensors[id(t)] = record
         self.order.append(record)
         return record
@@ -301,7 +313,7 @@ class _Tracer:
         if self.phase != "forward":
             return
         flat_out = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-        if not flat_out and not _writes(func):
+        if not flat_out and not writes(func):
             # A query (prim.device, sym sizes): no op. It may run inside another op's autograd
             # kernel, before that op's node exists, so it must not ask for nodes either.
             return
@@ -315,7 +327,7 @@ class _Tracer:
         name = base_name if count == 0 else f"{base_name}#{count}"
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         mine = top is not None and getattr(top[0], "__self__", None) is self
-        op = _Op(name, layer_of(path), self.heads > 0, mine)
+        op = OpRecord(name, layer_of(path), self.heads > 0, mine)
         seen = set()
         traffic = 0
         for t in flat_in:
@@ -325,7 +337,7 @@ class _Tracer:
             record = self._lookup_input(t)
             if record is not None:
                 op.inputs.append(record)
-            traffic += _nbytes(t)
+            traffic += byte_count(t)
         fresh = 0
         for k, t in enumerate(flat_out):
             if id(t) in self.tensors:  # an in-place op returns its input
@@ -336,7 +348,7 @@ class _Tracer:
             if record is None:
                 continue
             if not known_storage:
-                fresh += _nbytes(t)
+                fresh += byte_count(t)
             if record.role == "activation":
                 base = record.view_of
                 if base is not None and base.producer is None:
@@ -351,7 +363,7 @@ class _Tracer:
                     record.producer = len(self.ops)
                     op.outputs.append(record)
         op.out_refs = flat_out
-        is_view = func.is_view or fresh == 0 and not _writes(func)
+        is_view = func.is_view or fresh == 0 and not writes(func)
         op.bytes = 0 if is_view else traffic + fresh
         flops = self.flop_table.get(func._overloadpacket)
         if flops is not None:
@@ -413,7 +425,7 @@ class _Tracer:
         self._ask_nodes(complete=False)
         self._ask_nodes(complete=True)
         for packed in self.packs:
-            if _nbytes(packed.tensor) == 0:
+            if byte_count(packed.tensor) == 0:
                 continue
             index = self.claimed.get(packed.index, max(packed.after_op, 0))
             op = self.ops[index]
@@ -440,9 +452,9 @@ class _Tracer:
         for t in tree_flatten((args, kwargs, out))[0]:
             if isinstance(t, torch.Tensor) and id(t) not in seen:
                 seen.add(id(t))
-                op.backward_bytes += _nbytes(t)
+                op.backward_bytes += byte_count(t)
 
 
-def _writes(func):
+def writes(func: torch._ops.OpOverload) -> bool:
     """Whether an op writes one of its arguments (in place or out=)."""
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)

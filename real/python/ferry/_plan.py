@@ -9,11 +9,15 @@ by ``ferry.checkpoint`` with a selective policy per op (keep: saved, offload: of
 the session, recompute: re-run in backward).
 """
 
+from __future__ import annotations
+
 import contextlib
 import copy
 import functools
 import json
 import os
+from collections.abc import Mapping
+from typing import Any, NoReturn
 
 import torch
 import torch.utils.checkpoint as _tc
@@ -21,8 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import _C
-from ._checkpoint import _runtime_call
-from ._trace_record import _writes
+from ._checkpoint import checkpoint, runtime_call
+from ._modules import head_path
+from ._offload import no_offload
+from ._trace._record import writes
 
 FORMAT = "ferry.plan/1"
 _DECISIONS = ("keep", "offload", "recompute")
@@ -41,12 +47,23 @@ class PlanError(ValueError):
     """A plan that cannot be read, or that does not fit the model it is applied to."""
 
 
-def _fail(where, message):
+def _fail(where: str, message: str) -> NoReturn:
     raise PlanError(f"ferry.offload(plan=...): {where}: {message}")
 
 
-def load_plan(plan):
-    """The plan as a checked dict: ``plan`` is a path or an already loaded ``ferry.plan/1``."""
+def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Reads and checks a ``ferry.plan/1`` (docs/plan-format.md).
+
+    Args:
+        plan: A path to the plan, or an already loaded one.
+
+    Returns:
+        The plan as a checked dict.
+
+    Raises:
+        PlanError: The file cannot be read, is not JSON, or is not a valid ``ferry.plan/1``;
+            the message names the place.
+    """
     where = "plan"
     if isinstance(plan, (str, os.PathLike)):
         where = os.fspath(plan)
@@ -113,7 +130,7 @@ def load_plan(plan):
     return plan
 
 
-def offload_options(plan):
+def offload_options(plan: dict[str, Any]) -> dict[str, Any]:
     """``ferry.offload``'s options that the plan fixes: its knobs and its pinned host budget."""
     knobs = plan.get("knobs", {})
     options = {
@@ -140,7 +157,7 @@ def _under(path, prefix):
     return path == prefix or path.startswith(prefix + ".")
 
 
-class _Region:
+class _PlanRegion:
     """A checkpoint region of the plan: ops [first, end) of one module's call."""
 
     def __init__(self, index, first, end, inputs, path):
@@ -183,7 +200,7 @@ def _regions_of(plan):
                 f"ops {first}..{end - 1} are not the call of one module "
                 f"({why}); a region is applied by checkpointing a module's call",
             )
-        regions.append(_Region(r, first, end, region.get("inputs", "keep"), prefix))
+        regions.append(_PlanRegion(r, first, end, region.get("inputs", "keep"), prefix))
     return regions
 
 
@@ -241,7 +258,7 @@ def _regions_of(plan):
 # between, so the session names the same node as at the save.
 
 
-class _Recorder(TorchDispatchMode):
+class _OpNamer(TorchDispatchMode):
     def __init__(self, run):
         super().__init__()
         self._run = run
@@ -250,7 +267,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if torch._C._current_autograd_node() is None:  # forward only, not a replay in backward
             flat = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-            if flat or _writes(func):
+            if flat or writes(func):
                 self._run.on_op(func, flat)
         return out
 
@@ -293,8 +310,8 @@ class _RegionPolicy:
         if not ctx.is_recompute:
             index = self._run.peek(func) if _returns_tensor(func) else None
             choice = _tc.CheckpointPolicy.PREFER_RECOMPUTE
-            writes = isinstance(func, torch._ops.OpOverload) and _writes(func)
-            if writes and self._unsave(func, args, kwargs):
+            writing = isinstance(func, torch._ops.OpOverload) and writes(func)
+            if writing and self._unsave(func, args, kwargs):
                 pass  # it writes what this call made: recomputed
             elif index is not None and self._region.first <= index < self._region.end:
                 choice = _POLICY[self._run.ops[index]["saved"]]
@@ -415,7 +432,7 @@ class PlanRun:
                 stack.callback(
                     torch.nn.modules.module.register_module_forward_pre_hook(first_call).remove
                 )
-            stack.enter_context(_Recorder(self))
+            stack.enter_context(_OpNamer(self))
         except BaseException:
             stack.close()
             raise
@@ -443,7 +460,7 @@ class PlanRun:
             )
 
     def _attach(self, stack, root):
-        head = _head_path(root)
+        head = head_path(root)
         self._head = head
         for p in list(root.parameters()) + list(root.buffers()):
             self._session_region._session.exclude(p)
@@ -579,7 +596,7 @@ class PlanRun:
     def _decide(self, saved, owner):
         self.saved.setdefault(owner, set()).add(id(saved.tensor))
         if self._offloads(owner):
-            saved.packed = _runtime_call(_C._pack, saved.tensor)
+            saved.packed = runtime_call(_C._pack, saved.tensor)
             saved.tensor = None
         return saved
 
@@ -599,9 +616,6 @@ class PlanRun:
     # Regions ---------------------------------------------------------------------------------
 
     def _wrap(self, stack, module, region):
-        from . import no_offload
-        from ._checkpoint import checkpoint
-
         forward = module.forward
         had_own = "forward" in module.__dict__
 
@@ -747,18 +761,3 @@ def _replay_cache(value, caches):
         if value is cache:
             return _copy_cache(found)
     return value
-
-
-def _head_path(root):
-    from . import _output_head
-
-    unwrapped = getattr(root, "module", root)
-    if hasattr(unwrapped, "base_model") and hasattr(unwrapped, "peft_config"):
-        unwrapped = unwrapped.base_model
-    head = _output_head(unwrapped)
-    if head is None:
-        return None
-    for path, module in root.named_modules():
-        if module is head:
-            return path
-    return None

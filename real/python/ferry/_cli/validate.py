@@ -7,15 +7,19 @@ both sides. Exit status: 0 when every count and byte agrees, 1 when one differs,
 argument.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import sys
+from collections.abc import Sequence
+from typing import Any
 
-from ._validate import BYTES, COUNTERS, POLICIES, ModelSpecError, validate
+from .._validate import BYTES, COUNTERS, POLICIES, ModelSpecError, validate
 
 
-def _parser():
-    from .examples import EXAMPLES
+def _parser() -> argparse.ArgumentParser:
+    from ..examples import EXAMPLES
 
     parser = argparse.ArgumentParser(
         prog="python -m ferry validate",
@@ -49,7 +53,7 @@ def _parser():
     return parser
 
 
-def table(report):
+def table(report: dict[str, Any]) -> str:
     """The report as text: one row per policy, then the counts that differ."""
     steps = f"{report['steps']} step" + ("s" if report["steps"] != 1 else "")
     lines = [
@@ -106,14 +110,15 @@ def table(report):
     return "\n".join(lines) + "\n"
 
 
-def _exact(report):
+def _exact(report: dict[str, Any]) -> bool:
     saved = report["saved_at_end_of_forward"]
     return saved["real"] == saved["traced"] == saved["simulated"] and all(
         not row["mismatches"] for row in report["policies"].values()
     )
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command; returns the exit status (0 all agree, 1 one differs, 2 bad arguments)."""
     args = _parser().parse_args(argv)
     if args.steps < 1:
         print(

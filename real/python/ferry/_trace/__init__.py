@@ -6,21 +6,30 @@ mode records each aten op; a ``saved_tensors_hooks`` pack hook records each tens
 where it saves it. Which op a saved tensor belongs to is read back from the autograd graph: the
 node an op created unpacks the tensors it saved (Note [Which op saved a tensor]).
 
-The module is free of ``ferry._C``: tracing needs torch only.
+``_record`` records the step, ``_document`` writes the document (``TracedModel``). The package is
+free of ``ferry._C``: tracing needs torch only.
 """
+
+from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-from ._trace_model import TracedModel, _document
-from ._trace_record import _Recorder, _Tracer, layer_of
+from .._modules import head_of
+from ._document import TracedModel, traced_model
+from ._record import Tracer, TraceRecorder, layer_of
 
-__all__ = ["trace", "TracedModel", "layer_of"]
+__all__ = ["trace", "TracedModel", "layer_of", "loss_of"]
 
 
-def _loss_of(out, loss_fn):
+def loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+    """The loss of a model's output: ``loss_fn(output)``, else the output itself when it is a
+    tensor, its ``.loss`` or its first element. Raises TypeError or ValueError when that is no
+    scalar tensor that requires grad."""
     if loss_fn is not None:
         loss = loss_fn(out)
         where = "loss_fn(output)"
@@ -46,7 +55,7 @@ def _loss_of(out, loss_fn):
     return loss
 
 
-def _fake(fake_mode, t):
+def _fake(fake_mode: Any, t: torch.Tensor) -> torch.Tensor:
     """A fake CPU tensor of ``t``'s shape, dtype and requires_grad (meta tensors included)."""
     if isinstance(t, torch.Tensor) and t.device.type == "meta":
         with fake_mode:
@@ -55,20 +64,9 @@ def _fake(fake_mode, t):
     return fake_mode.from_tensor(t)
 
 
-def _head_of(model):
-    """The output head the offloader keeps on the device (``ferry.offload_model``'s search)."""
-    try:
-        from . import _output_head
-    except ImportError:
-        return None
-    unwrapped = getattr(model, "module", model)
-    if hasattr(unwrapped, "base_model") and hasattr(unwrapped, "peft_config"):
-        unwrapped = unwrapped.base_model
-    return _output_head(unwrapped)
-
-
-def _module_hooks(model, tracer):
-    head = _head_of(model)
+def _module_hooks(model: torch.nn.Module, tracer: Tracer) -> list[Any]:
+    # The output head the offloader keeps on the device (``ferry.offload_model``'s search).
+    head = head_of(model)
     handles = []
     for path, module in model.named_modules():  # a shared module under its first name
         is_head = module is head
@@ -86,7 +84,7 @@ def _module_hooks(model, tracer):
     return handles
 
 
-def _optimizer_state(optimizer, fake_of):
+def _optimizer_state(optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.Tensor]) -> Any:
     """The optimizer's state tensors after one step over the fake parameters, by parameter."""
     groups = []
     for group in optimizer.param_groups:
@@ -109,7 +107,7 @@ def _optimizer_state(optimizer, fake_of):
 
 
 @contextlib.contextmanager
-def _device_dropout():
+def _device_dropout() -> Iterator[None]:
     functional = torch.nn.functional
     host = functional.dropout
 
@@ -126,9 +124,15 @@ def _device_dropout():
 
 
 def trace(
-    model, *example_inputs, loss_fn=None, optimizer=None, name=None, target="device", **kwargs
-):
-    """Traces one training step of ``model`` into a ``ferry.model/1`` document.
+    model: torch.nn.Module,
+    *example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    name: str | None = None,
+    target: str = "device",
+    **kwargs: Any,
+) -> TracedModel:
+    """Traces one training step of ``model`` into a ``ferry.model/1`` document (docs/trace.md).
 
     Runs ``model(*example_inputs, **kwargs)``, the loss (``loss_fn(output)``, else the output
     itself when it is a scalar, its ``.loss`` or its first element) and ``loss.backward()``
@@ -138,8 +142,23 @@ def trace(
     over the fake parameters and its state (Adam's moments, ...) becomes static memory.
     ``target`` is where the scenario runs: ``"device"`` (an accelerator: random ops draw from
     the device's generator, and dropout is the device's fused kernel, Note [Dropout as the
-    device runs it]) or ``"host"`` (the CPU, as the trace itself runs). Returns a
-    ``TracedModel``.
+    device runs it]) or ``"host"`` (the CPU, as the trace itself runs).
+
+    Args:
+        model: The model; its parameters may be on the meta device.
+        *example_inputs: The positional inputs of one step.
+        loss_fn: A function of the model's output that returns the scalar loss.
+        optimizer: An optimizer whose state becomes static memory.
+        name: The document's name (default: the model's class name).
+        target: ``"device"`` or ``"host"``.
+        **kwargs: The keyword inputs of one step.
+
+    Returns:
+        The traced model.
+
+    Raises:
+        TypeError: ``model`` is no ``torch.nn.Module``, or the loss is not found in the output.
+        ValueError: A bad ``target``, or the loss is no scalar tensor that requires grad.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.autograd.graph import saved_tensors_hooks
@@ -150,7 +169,7 @@ def trace(
         raise TypeError(f"ferry.trace: model must be a torch.nn.Module, got {type(model).__name__}")
     if target not in ("device", "host"):
         raise ValueError(f'ferry.trace: target must be "device" or "host", got {target!r}')
-    tracer = _Tracer("device" if target == "device" else "cpu")
+    tracer = Tracer("device" if target == "device" else "cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_of = {}
     state = {}
@@ -183,16 +202,16 @@ def trace(
         # region runs its forward again there.
         dropout = _device_dropout() if target == "device" else contextlib.nullcontext()
         with fake_mode, _reparametrize_module(model, state, tie_weights=True), dropout:
-            with _Recorder(tracer), saved_tensors_hooks(tracer.pack, tracer.unpack):
+            with TraceRecorder(tracer), saved_tensors_hooks(tracer.pack, tracer.unpack):
                 out = model(*args, **kw)
-                loss = _loss_of(out, loss_fn)
+                loss = loss_of(out, loss_fn)
             tracer.end_forward()
             tracer.phase = "backward"
-            with _Recorder(tracer):
+            with TraceRecorder(tracer):
                 loss.backward()
             tracer.phase = "done"
             optimizer_state = _optimizer_state(optimizer, fake_of) if optimizer else {}
     finally:
         for handle in handles:
             handle.remove()
-    return _document(tracer, name or type(model).__name__, loss, state, optimizer_state)
+    return traced_model(tracer, name or type(model).__name__, loss, state, optimizer_state)

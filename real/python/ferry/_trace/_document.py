@@ -1,11 +1,16 @@
 """The traced model: the ``ferry.model/1`` document a trace writes, and the counts taken on the
 way (docs/trace.md)."""
 
+from __future__ import annotations
+
 import json
+import os
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from ._trace_record import _DTYPES, FORMAT, _nbytes, _Op, _Tensor
+from ._record import DTYPES, FORMAT, OpRecord, TensorRecord, Tracer, byte_count
 
 
 class TracedModel:
@@ -16,41 +21,69 @@ class TracedModel:
     counted), ``optimizer_state_bytes`` the optimizer state written as static memory, and
     ``unattributed_backward_flops`` the FLOPs of backward ops run by no forward op's node
     (gradient accumulation), which no op carries.
+
+    Args:
+        document: The ``ferry.model/1`` document.
+        packed_count: Saved tensors the pack hook received.
+        packed_bytes: Their logical bytes, each pack counted.
+        optimizer_state_bytes: The optimizer state written as static memory.
+        unattributed_backward_flops: Backward FLOPs no op carries.
     """
 
     def __init__(
         self,
-        document,
-        packed_count=0,
-        packed_bytes=0,
-        optimizer_state_bytes=0,
-        unattributed_backward_flops=0,
-    ):
+        document: dict[str, Any],
+        packed_count: int = 0,
+        packed_bytes: int = 0,
+        optimizer_state_bytes: int = 0,
+        unattributed_backward_flops: int = 0,
+    ) -> None:
         self.document = document
         self.packed_count = packed_count
         self.packed_bytes = packed_bytes
         self.optimizer_state_bytes = optimizer_state_bytes
         self.unattributed_backward_flops = unattributed_backward_flops
 
-    def to_json(self):
-        """The document as text: two-space indent, keys in the format's order, a final newline.
-        The same model and inputs give the same bytes."""
+    def to_json(self) -> str:
+        """The document as text.
+
+        Returns:
+            JSON with a two-space indent, keys in the format's order and a final newline. The
+            same model and inputs give the same bytes.
+        """
         return json.dumps(self.document, indent=2, ensure_ascii=True) + "\n"
 
-    def save(self, path):
-        """Writes ``to_json()`` to ``path``."""
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes ``to_json()`` to ``path``.
+
+        Args:
+            path: The file to write.
+        """
         with open(path, "w", encoding="utf-8", newline="\n") as f:
             f.write(self.to_json())
 
-    def _tensor_table(self):
+    def _tensor_table(self) -> dict[str, dict[str, Any]]:
         return {t["name"]: t for t in self.document["tensors"]}
 
-    def saved_bytes(self, layer=None, roles=("activation",), logical=False):
-        """Bytes saved for backward by the ops of ``layer`` (all ops when None), of tensors of
-        the given roles. By default the storage they hold: the union of the byte ranges saved
-        in each storage, so that two views of one storage (the input of the q, k and v
-        projections) count once. ``logical=True`` counts each tensor with its own bytes, once,
-        as ``saved_activation_bytes`` does."""
+    def saved_bytes(
+        self,
+        layer: int | None = None,
+        roles: Iterable[str] = ("activation",),
+        logical: bool = False,
+    ) -> int:
+        """Bytes saved for backward by the ops of ``layer``, of tensors of the given roles.
+
+        Args:
+            layer: A layer index; None: all ops.
+            roles: The roles of the tensors counted.
+            logical: False: the storage they hold, the union of the byte ranges saved in each
+                storage, so that two views of one storage (the input of the q, k and v
+                projections) count once. True: each tensor with its own bytes, once, as
+                ``saved_activation_bytes`` does.
+
+        Returns:
+            The bytes.
+        """
         tensors = self._tensor_table()
         chosen = {}
         for op in self.document["ops"]:
@@ -76,26 +109,45 @@ class TracedModel:
                     end = hi
         return total
 
-    def flops(self, layer=None):
-        """Forward and backward FLOPs of the ops of ``layer`` (all ops when None)."""
+    def flops(self, layer: int | None = None) -> tuple[int, int]:
+        """Forward and backward FLOPs of the ops of ``layer``.
+
+        Args:
+            layer: A layer index; None: all ops.
+
+        Returns:
+            (forward FLOPs, backward FLOPs).
+        """
         ops = [op for op in self.document["ops"] if layer is None or op.get("layer", -1) == layer]
         return sum(op["flops"] for op in ops), sum(op["backward_flops"] for op in ops)
 
-    def layers(self):
-        """The layer indices that occur, in increasing order."""
+    def layers(self) -> list[int]:
+        """The layer indices that occur.
+
+        Returns:
+            The indices, in increasing order.
+        """
         return sorted({op["layer"] for op in self.document["ops"] if "layer" in op})
 
 
-def _document(tracer, name, loss, state, optimizer_state):
+def traced_model(
+    tracer: Tracer,
+    name: str,
+    loss: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    optimizer_state: Any,
+) -> TracedModel:
+    """The ``TracedModel`` of a finished trace: its ops, the tensors they name, the optimizer
+    state as static memory, and the loss."""
     ops = [op for op in tracer.ops if _kept(op)]
     loss_record = tracer.tensors.get(id(loss))
     if loss_record is None or loss_record.producer is None:
         raise ValueError("ferry.trace: the loss was not produced by a traced op")
     if not ops or loss_record not in ops[-1].outputs:
         # Ops ran after the loss (a detach, a cast for logging): a last op hands the loss on.
-        last = _Op("loss", -1, False, False)
+        last = OpRecord("loss", -1, False, False)
         last.inputs.append(loss_record)
-        record = _Tensor(
+        record = TensorRecord(
             tracer._unique("loss"), None, loss_record.dtype, loss_record.bytes, "activation"
         )
         tracer.order.append(record)
@@ -111,17 +163,17 @@ def _document(tracer, name, loss, state, optimizer_state):
         for key in sorted(entries):
             value = entries[key]
             # Scalars (Adam's step count) live on the host unless the optimizer is capturable.
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and _nbytes(value) > 0:
-                dtype = _DTYPES.get(value.dtype, "u8")
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and byte_count(value) > 0:
+                dtype = DTYPES.get(value.dtype, "u8")
                 static.append(
                     {
                         "name": tracer._unique(f"optimizer.{owner}.{key}"),
-                        "bytes": _nbytes(value),
+                        "bytes": byte_count(value),
                         "dtype": dtype,
                         "role": "buffer",
                     }
                 )
-                optimizer_bytes += _nbytes(value)
+                optimizer_bytes += byte_count(value)
     used = set()
     for op in ops:
         for record in op.inputs + op.outputs + op.saved:
@@ -143,7 +195,7 @@ def _document(tracer, name, loss, state, optimizer_state):
         "ops": [_op_json(op, tracer.rng) for op in ops],
         "loss": loss_record.name,
     }
-    packed_bytes = sum(_nbytes(p.tensor) for p in tracer.packs)
+    packed_bytes = sum(byte_count(p.tensor) for p in tracer.packs)
     return TracedModel(
         document,
         len(tracer.packs),

@@ -5,17 +5,22 @@ so no weight is downloaded, initialized or allocated, and traced with ``ferry.tr
 ``transformers`` (and ``peft`` for ``--lora-rank``) are needed by this command only.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
+from typing import Any
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+# The package's configs/ (package data).
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 _DTYPES = ("bf16", "f16", "f32")
 
 
-def bundled_configs():
+def bundled_configs() -> list[str]:
     """Names of the bundled configs (``configs/<name>.json``), sorted; none where the package
     was installed without its data."""
     if not os.path.isdir(CONFIG_DIR):
@@ -23,7 +28,7 @@ def bundled_configs():
     return sorted(f[: -len(".json")] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
 
 
-def _parser():
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ferry trace",
         description="Trace a Hugging Face causal LM, built from its config.json without "
@@ -79,7 +84,7 @@ class UsageError(Exception):
     """A bad argument or config: reported as one line, exit status 2."""
 
 
-def _load_config(spec):
+def _load_config(spec: str) -> tuple[str, dict[str, Any]]:
     path = spec
     if not os.path.exists(path):
         bundled = os.path.join(CONFIG_DIR, spec + ".json")
@@ -99,7 +104,7 @@ def _load_config(spec):
     return path, data
 
 
-def _config_errors():
+def _config_errors() -> tuple[type[Exception], ...]:
     """What transformers raises for a config it rejects (its own checks and the hub's)."""
     errors = (ValueError, TypeError, KeyError)
     try:
@@ -109,7 +114,7 @@ def _config_errors():
     return errors + (StrictDataclassError,)
 
 
-def build_model(data, args, source="config"):
+def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "config") -> Any:
     """The causal LM of config ``data`` (read from ``source``) on the meta device, in training
     mode, as ``args`` ask."""
     import torch
@@ -169,7 +174,7 @@ def build_model(data, args, source="config"):
     return model
 
 
-def _check(args):
+def _check(args: argparse.Namespace) -> None:
     for flag, value, low in (
         ("--seq", args.seq, 1),
         ("--batch", args.batch, 1),
@@ -179,11 +184,11 @@ def _check(args):
             raise UsageError(f"{flag}: expected an integer >= {low}, got {value}")
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status (0 done, 2 bad arguments or config)."""
     import torch
 
-    from ._trace import trace
+    from .._trace import trace
 
     parser = _parser()
     args = parser.parse_args(argv)

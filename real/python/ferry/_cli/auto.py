@@ -10,13 +10,21 @@ Exit codes: 0 planned; 1 the budget is below the floor (the message names it); 2
 or config; 127 no ``ferry`` CLI.
 """
 
+from __future__ import annotations
+
 import argparse
 import sys
+from collections.abc import Sequence
+
+from .._auto import check_budget, run_planner
+from .._plan import PlanError
+from .._sim import CliNotFound, find_cli
+from . import trace as trace_cli
 
 EXIT_NO_CLI = 127
 
 
-def _parser():
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ferry auto",
         description="Trace a Hugging Face config (every option of `python -m ferry trace`), then "
@@ -30,13 +38,8 @@ def _parser():
     return parser
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status."""
-    from . import _trace_cli
-    from .__main__ import CliNotFound, find_cli
-    from ._auto import check_budget, run_planner
-    from ._plan_apply import PlanError
-
     args, rest = _parser().parse_known_args(argv)
     try:
         check_budget(args.budget, "--budget")
@@ -50,13 +53,13 @@ def main(argv=None):
     except CliNotFound as e:
         print(f"python -m ferry auto: {e}", file=sys.stderr)
         return EXIT_NO_CLI
-    trace_args = _trace_cli._parser().parse_args(rest)
+    trace_args = trace_cli._parser().parse_args(rest)
     if trace_args.out == "-":
         print(
             "python -m ferry auto: --out must name a file (the planner reads it)", file=sys.stderr
         )
         return 2
-    code = _trace_cli.main(rest)
+    code = trace_cli.main(rest)
     if code != 0:
         return code
     try:
