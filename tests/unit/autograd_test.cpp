@@ -51,7 +51,9 @@ TEST_P(EveryPolicy, CountersAreOfTheLastStep) {
   ASSERT_TRUE(a.ok() && b.ok());
   const OffloadTelemetry& x = a.value().telemetry;
   const OffloadTelemetry& y = b.value().telemetry;
-  if (GetParam() != Policy::None) EXPECT_GT(x.packed, 0);
+  if (GetParam() != Policy::None) {
+    EXPECT_GT(x.packed, 0);
+  }
   EXPECT_EQ(x.packed, y.packed);
   EXPECT_EQ(x.offloaded, y.offloaded);
   EXPECT_EQ(x.kept, y.kept);

@@ -37,7 +37,8 @@ POLICIES = {
     "ferry+checkpoint": ("ferry", "every:1"),
 }
 
-# The scheduler's counters, each compared over all steps, and the bytes, of the last step.
+# The scheduler's counters and the bytes, each compared over the last step (the simulator
+# reports the last step's, as it does every figure).
 COUNTERS = (
     "packed",
     "offloaded",
@@ -238,7 +239,7 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
     """Trains a copy of ``model`` for ``steps`` steps under ``policy`` on the CPU loopback
     device; the offload context spans forward and backward, as the simulator's step does.
     ``horizon``: the ferry policy's offload horizon in bytes (None: none). Returns the counters
-    over all steps, the bytes of the last step, its time, and the counters per layer."""
+    and bytes of the last step, its time, and its counters per layer."""
     model = copy.deepcopy(model)
     if checkpoint:
         _checkpoint_layers(model)
@@ -250,6 +251,7 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         before = ctx.telemetry()
+        per_layer.clear()  # the last step's, as the simulator counts them
         start = time.perf_counter_ns()
         with ctx:
             loss = loss_of(model(*args, **kwargs), loss_fn)
@@ -262,13 +264,13 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
             f"ferry validate: {ctx.tracked()} saved tensors still tracked after "
             f"the last step under {policy}"
         )
-    out = {name: after[name] for name in COUNTERS}
+    out = {name: after[name] - before[name] for name in COUNTERS}
     out["bytes_d2h"] = after["bytes_d2h"] - before["bytes_d2h"]
     out["bytes_h2d"] = after["bytes_h2d"] - before["bytes_h2d"]
     out["pinned_peak"] = after["pinned_peak"]
     out["step_time_ns"] = step_ns
     rest = {
-        name: after[name] - sum(c[name] for c in per_layer.values())
+        name: after[name] - before[name] - sum(c[name] for c in per_layer.values())
         for name in _SCHEDULER_LAYER_COUNTERS
     }
     rest["recomputed"] = 0  # only the layers are checkpointed (_checkpoint_layers)
@@ -463,7 +465,7 @@ def validate(
             report["policies"][policy] = {
                 "real": real,
                 "simulated": sim,
-                "mismatches": mismatches(real, sim, head_saves * steps, offload_policy),
+                "mismatches": mismatches(real, sim, head_saves, offload_policy),
             }
     return report
 
