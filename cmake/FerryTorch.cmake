@@ -1,8 +1,14 @@
 # Finds LibTorch from the `torch` wheel of a Python environment (the project's .venv, made by
-# scripts/setup.sh, unless FERRY_PYTHON names another interpreter), through
+# scripts/setup.sh, or the Python building the package; FERRY_PYTHON names another), through
 # torch.utils.cmake_prefix_path. Sets Torch_FOUND and FERRY_TORCH_CUDA.
 
-set(FERRY_PYTHON "${PROJECT_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH
+# A package build (scikit-build-core, pyproject.toml) takes the Python that runs it.
+if(SKBUILD AND Python_EXECUTABLE)
+  set(_ferry_default_python "${Python_EXECUTABLE}")
+else()
+  set(_ferry_default_python "${PROJECT_SOURCE_DIR}/.venv/bin/python")
+endif()
+set(FERRY_PYTHON "${_ferry_default_python}" CACHE FILEPATH
     "Python interpreter whose torch wheel provides LibTorch")
 
 if(EXISTS "${FERRY_PYTHON}")

@@ -21,7 +21,7 @@ struct CheckArgs {
   std::string program;
   std::string trace;
   std::string memory_snapshot;
-  std::string scenarios{kDefaultScenarios};
+  std::string scenarios = default_scenarios();
   bool json = false;
   bool no_checker = false;
 };

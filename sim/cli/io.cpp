@@ -13,6 +13,20 @@
 
 namespace ferry::cli {
 
+std::string default_scenarios() {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  const fs::path self = fs::read_symlink("/proc/self/exe", error);
+  if (!error) {
+    const fs::path prefix = self.parent_path().parent_path();
+    for (const fs::path& installed :
+         {prefix / "share" / "ferry" / "scenarios", prefix / "scenarios"}) {
+      if (fs::is_directory(installed / "devices", error)) return installed.string();
+    }
+  }
+  return FERRY_DEFAULT_SCENARIOS_DIR;
+}
+
 Result<std::string> read_input(const std::string& path, std::string_view what) {
   auto text = sim::read_text_file(path);
   if (!text) return Error{fmt::format("{} file {}", what, text.error().message)};

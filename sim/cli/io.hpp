@@ -13,8 +13,11 @@
 
 namespace ferry::cli {
 
-/// The bundled scenarios (devices/, programs/, models/): the default of every --scenarios.
-inline constexpr std::string_view kDefaultScenarios = FERRY_DEFAULT_SCENARIOS_DIR;
+/// The bundled scenarios (devices/, programs/, models/), the default of every --scenarios: those
+/// installed beside this executable (`bin/ferry` of a CMake install: `share/ferry/scenarios`;
+/// `ferry/bin/ferry` of the Python package: `ferry/scenarios`), else the source tree's the
+/// build was made from.
+[[nodiscard]] std::string default_scenarios();
 
 /// The whole of the `what` file at `path` ("plan", "model"): its error says which file it was.
 Result<std::string> read_input(const std::string& path, std::string_view what);

@@ -41,7 +41,7 @@ struct PlanArgs {
   std::string out;
   std::string plot;             // --sweep: the SVG plot's file
   std::string memory_snapshot;  // the plan's run as a PyTorch memory snapshot
-  std::string scenarios{kDefaultScenarios};
+  std::string scenarios = default_scenarios();
   std::int32_t steps = 2;
   std::int32_t sweep = 0;  // budgets of a sweep; 0: one plan at --budget
   bool json = false;

@@ -17,7 +17,7 @@ struct RunArgs {
   std::string model = "llama3-8b-s8192";
   std::string device = "h100-sxm-pcie5";
   std::string policy = "ferry";
-  std::string scenarios{kDefaultScenarios};
+  std::string scenarios = default_scenarios();
   std::string trace;
   std::string memory_snapshot;
   std::string checkpoint = "none";

@@ -116,6 +116,25 @@ def test_a_missing_cli_named_by_ferry_cli_is_a_clear_error(tmp_path):
     assert f"FERRY_CLI={missing} is not an executable file" in out.stderr
 
 
+def test_the_console_script_on_path_is_not_taken_for_the_cli(tmp_path, monkeypatch):
+    # `pip install .` puts a `ferry` script on PATH that runs this package: finding it as the
+    # CLI would run the package again, and again.
+    monkeypatch.delenv("FERRY_CLI", raising=False)
+    script = tmp_path / "ferry"
+    script.write_text("#!/usr/bin/python3\nimport sys\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sim, "PACKAGED_CLI", str(tmp_path / "none" / "ferry"))
+    with pytest.raises(sim.CliNotFound):
+        sim.find_cli()
+    binary = tmp_path / "bin" / "ferry"
+    binary.parent.mkdir()
+    binary.write_bytes(b"\x7fELF")
+    binary.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{binary.parent}")
+    assert sim.find_cli() == str(binary)
+
+
 def test_a_missing_cli_names_every_place_searched(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("FERRY_CLI", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no `ferry` on PATH
@@ -125,7 +144,7 @@ def test_a_missing_cli_names_every_place_searched(tmp_path, monkeypatch, capsys)
         sim.find_cli()
     assert "FERRY_CLI is not set" in str(e.value)
     assert str(packaged) in str(e.value)
-    assert "no `ferry` is on PATH" in str(e.value)
+    assert "no `ferry` binary is on PATH" in str(e.value)
 
     assert entry.main(["simulate", "--model", "tiny-gpt"]) == 127
     err = capsys.readouterr().err
