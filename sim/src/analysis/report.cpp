@@ -227,36 +227,29 @@ Json op_json(const Simulator& sim, OpId id, BufferId buffer) {
 
 }  // namespace
 
-std::string summary_text(const ProgramRun& run, std::string_view source) {
-  const Simulator& sim = run.sim;
-  std::size_t kernels = 0;
-  std::size_t copies = 0;
-  for (const OpRecord& r : sim.ops()) {
-    kernels += r.kind == OpKind::Kernel;
-    copies += r.kind == OpKind::Copy;
-  }
-  std::string out = fmt::format("ferry check: {}\n", source);
-  out += fmt::format("ops: {} (kernels {}, copies {}, other {}) on {} device(s), {} stream(s)\n",
-                     sim.ops().size(), kernels, copies, sim.ops().size() - kernels - copies,
-                     sim.device_count(), sim.stream_count());
-  out += fmt::format("makespan: {} ({} ns)\n", format_time(sim.makespan()), sim.makespan().ns());
-  if (run.failure) out += fmt::format("failure: {}\n", run.failure->message);
+namespace {
 
+// One entry per defect, in order of its first report (see defect_key): (first report, count).
+std::vector<std::pair<std::size_t, std::size_t>> defect_groups(const Simulator& sim) {
   const auto& hazards = sim.hazards();
-  // One entry per defect, in order of its first report; see defect_key.
-  std::vector<std::pair<std::size_t, std::size_t>> groups;  // (first report, count)
-  {
-    std::map<std::string, std::size_t> index;
-    for (std::size_t i = 0; i < hazards.size(); ++i) {
-      const auto [it, fresh] = index.emplace(defect_key(sim, hazards[i]), groups.size());
-      if (fresh) {
-        groups.emplace_back(i, 1);
-      } else {
-        ++groups[it->second].second;
-      }
+  std::vector<std::pair<std::size_t, std::size_t>> groups;
+  std::map<std::string, std::size_t> index;
+  for (std::size_t i = 0; i < hazards.size(); ++i) {
+    const auto [it, fresh] = index.emplace(defect_key(sim, hazards[i]), groups.size());
+    if (fresh) {
+      groups.emplace_back(i, 1);
+    } else {
+      ++groups[it->second].second;
     }
   }
-  out += fmt::format("hazards: {}", hazards.size());
+  return groups;
+}
+
+// The hazards section of the summary: the count, then each defect, up to 50.
+std::string hazards_text(const Simulator& sim) {
+  const auto& hazards = sim.hazards();
+  const auto groups = defect_groups(sim);
+  std::string out = fmt::format("hazards: {}", hazards.size());
   if (groups.size() < hazards.size()) out += fmt::format(" ({} distinct)", groups.size());
   out += '\n';
   constexpr std::size_t kShown = 50;
@@ -287,8 +280,12 @@ std::string summary_text(const ProgramRun& run, std::string_view source) {
   if (groups.size() > kShown) {
     out += fmt::format("  ... and {} more distinct\n", groups.size() - kShown);
   }
+  return out;
+}
 
-  out += "memory:\n";
+// The memory and copies sections of the summary.
+std::string memory_text(const Simulator& sim) {
+  std::string out = "memory:\n";
   for (std::size_t d = 0; d < sim.device_count(); ++d) {
     const PeakMemory p = device_peaks(sim, DeviceId(static_cast<std::uint32_t>(d)));
     out += fmt::format(
@@ -304,9 +301,30 @@ std::string summary_text(const ProgramRun& run, std::string_view source) {
   const CopyTotals c = sim.copied();
   out += fmt::format("copies: H2D {}, D2H {}, D2D {}, peer {}\n", format_bytes(c.h2d),
                      format_bytes(c.d2h), format_bytes(c.d2d), format_bytes(c.peer));
-  out += fmt::format("result: {}\n", run.failure       ? "failed (out of memory)"
-                                     : hazards.empty() ? "no hazards"
-                                                       : "hazards found");
+  return out;
+}
+
+}  // namespace
+
+std::string summary_text(const ProgramRun& run, std::string_view source) {
+  const Simulator& sim = run.sim;
+  std::size_t kernels = 0;
+  std::size_t copies = 0;
+  for (const OpRecord& r : sim.ops()) {
+    kernels += r.kind == OpKind::Kernel;
+    copies += r.kind == OpKind::Copy;
+  }
+  std::string out = fmt::format("ferry check: {}\n", source);
+  out += fmt::format("ops: {} (kernels {}, copies {}, other {}) on {} device(s), {} stream(s)\n",
+                     sim.ops().size(), kernels, copies, sim.ops().size() - kernels - copies,
+                     sim.device_count(), sim.stream_count());
+  out += fmt::format("makespan: {} ({} ns)\n", format_time(sim.makespan()), sim.makespan().ns());
+  if (run.failure) out += fmt::format("failure: {}\n", run.failure->message);
+  out += hazards_text(sim);
+  out += memory_text(sim);
+  out += fmt::format("result: {}\n", run.failure             ? "failed (out of memory)"
+                                     : sim.hazards().empty() ? "no hazards"
+                                                             : "hazards found");
   return out;
 }
 
