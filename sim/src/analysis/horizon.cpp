@@ -53,6 +53,93 @@ std::vector<std::uint32_t> region_inputs(const Model& model, const RegionSpan& r
   return inputs;
 }
 
+// The checkpoint regions of `options`: each one's span, and each op's outermost non-reentrant
+// region (-1: none).
+struct Regions {
+  std::vector<RegionSpan> spans;
+  std::vector<std::int32_t> of_op;
+};
+
+Regions outermost_regions(const TrainingOptions& options, std::uint32_t n) {
+  const CheckpointPlan& plan = options.checkpoint;
+  Regions out{{}, std::vector<std::int32_t>(n, -1)};
+  for (std::size_t r = 0; r < plan.regions.size(); ++r) {
+    const CheckpointRegion& reg = plan.regions[r];
+    const auto& chosen = options.offload_selection.region_inputs;
+    out.spans.push_back(RegionSpan{reg.first_op, reg.end_op, r >= chosen.size() || chosen[r]});
+    if (reg.reentrant) continue;
+    for (std::uint32_t i = reg.first_op; i < reg.end_op && i < n; ++i) {
+      if (out.of_op[i] < 0) out.of_op[i] = static_cast<std::int32_t>(r);
+    }
+  }
+  return out;
+}
+
+// The forward laid out op after op: when each op ends, and the backward work after it (the
+// later ops' backward, and their recomputation inside a region).
+struct Timeline {
+  std::vector<std::int64_t> end;
+  std::vector<std::int64_t> after;
+  std::int64_t forward = 0;
+};
+
+Timeline lay_out(const Model& model, const CheckpointPlan& plan,
+                 const std::vector<std::int32_t>& region) {
+  const auto n = static_cast<std::uint32_t>(model.ops.size());
+  Timeline tl{std::vector<std::int64_t>(n), std::vector<std::int64_t>(n, 0), 0};
+  for (std::uint32_t i = 0; i < n; ++i) {
+    tl.forward += model.ops[i].duration.ns();
+    tl.end[i] = tl.forward;
+  }
+  for (std::uint32_t i = n - 1; i-- > 0;) {
+    const std::uint32_t j = i + 1;
+    std::int64_t work = model.ops[j].backward_duration.ns();
+    const bool recomputed =
+        j >= plan.op_policy.size() || plan.op_policy[j] == OpPolicy::PreferRecompute;
+    if (region[j] >= 0 && recomputed) work += model.ops[j].duration.ns();
+    tl.after[i] = tl.after[j] + work;
+  }
+  return tl;
+}
+
+// The device-to-host link, copying the storages the policy would copy, each once, in order.
+class LinkQueue {
+ public:
+  LinkQueue(const Model& model, const DeviceProfile& device, Bytes min_bytes)
+      : model_(model),
+        bandwidth_(std::max<std::int64_t>(1, device.d2h.bandwidth.bytes_per_s())),
+        latency_(device.d2h.latency.ns()),
+        min_bytes_(min_bytes) {}
+
+  // Queues `tensor`'s storage at `at`; whether its copy ends by `need` (true for what the
+  // policy does not copy).
+  bool queue(std::uint32_t tensor, std::int64_t at, std::int64_t need) {
+    const std::uint32_t b = base_of(model_, tensor);
+    const ModelTensor& storage = model_.tensors[b];
+    if (storage.role == TensorRole::Param || storage.role == TensorRole::Buffer) return true;
+    if (model_.tensors[tensor].no_offload) return true;
+    if (model_.tensors[tensor].bytes < min_bytes_) return true;
+    if (!copied_.insert(b).second) return true;
+    const Wide copy = static_cast<Wide>(storage.bytes.count()) * 1'000'000'000 / bandwidth_;
+    const std::int64_t done = std::max(at, link_free_) + latency_ + static_cast<std::int64_t>(copy);
+    link_free_ = done;
+    total_ += storage.bytes;
+    return done <= need;
+  }
+
+  // The bytes queued so far.
+  [[nodiscard]] Bytes total() const { return total_; }
+
+ private:
+  const Model& model_;
+  std::int64_t bandwidth_;
+  std::int64_t latency_;
+  Bytes min_bytes_;
+  std::set<std::uint32_t> copied_;
+  std::int64_t link_free_ = 0;
+  Bytes total_;
+};
+
 }  // namespace
 
 std::optional<Bytes> offload_horizon(const Model& model, const DeviceProfile& device,
@@ -60,86 +147,43 @@ std::optional<Bytes> offload_horizon(const Model& model, const DeviceProfile& de
   if (options.offload.policy != Policy::Ferry || model.ops.empty()) return std::nullopt;
   const auto n = static_cast<std::uint32_t>(model.ops.size());
   const CheckpointPlan& plan = options.checkpoint;
-  // The outermost non-reentrant region of each op (-1: none).
-  std::vector<std::int32_t> region(n, -1);
-  std::vector<RegionSpan> spans;
-  for (std::size_t r = 0; r < plan.regions.size(); ++r) {
-    const CheckpointRegion& reg = plan.regions[r];
-    const auto& chosen = options.offload_selection.region_inputs;
-    spans.push_back(RegionSpan{reg.first_op, reg.end_op, r >= chosen.size() || chosen[r]});
-    if (reg.reentrant) continue;
-    for (std::uint32_t i = reg.first_op; i < reg.end_op && i < n; ++i) {
-      if (region[i] < 0) region[i] = static_cast<std::int32_t>(r);
-    }
-  }
-  auto policy = [&](std::uint32_t i) {
-    return i < plan.op_policy.size() ? plan.op_policy[i] : OpPolicy::PreferRecompute;
-  };
-  // When each op ends in forward, and the backward work after it.
-  std::vector<std::int64_t> end(n);
-  std::int64_t t = 0;
-  for (std::uint32_t i = 0; i < n; ++i) {
-    t += model.ops[i].duration.ns();
-    end[i] = t;
-  }
-  const std::int64_t forward = t;
-  std::vector<std::int64_t> after(n, 0);
-  for (std::uint32_t i = n - 1; i-- > 0;) {
-    const std::uint32_t j = i + 1;
-    std::int64_t work = model.ops[j].backward_duration.ns();
-    if (region[j] >= 0 && policy(j) == OpPolicy::PreferRecompute)
-      work += model.ops[j].duration.ns();
-    after[i] = after[j] + work;
-  }
-
-  const std::int64_t bandwidth = std::max<std::int64_t>(1, device.d2h.bandwidth.bytes_per_s());
-  const std::int64_t latency = device.d2h.latency.ns();
-  std::set<std::uint32_t> copied;
-  std::int64_t link_free = 0;
-  Bytes total;
+  const Regions regions = outermost_regions(options, n);
+  const std::vector<std::int32_t>& region = regions.of_op;
+  const Timeline tl = lay_out(model, plan, region);
+  LinkQueue link(model, device, options.offload.min_bytes);
   Bytes horizon;
-  // Queues `t`'s storage at `at`; whether its copy ends by `need`.
-  auto queue = [&](std::uint32_t tensor, std::int64_t at, std::int64_t need) {
-    const std::uint32_t b = base_of(model, tensor);
-    const ModelTensor& storage = model.tensors[b];
-    if (storage.role == TensorRole::Param || storage.role == TensorRole::Buffer) return true;
-    if (model.tensors[tensor].no_offload) return true;
-    if (model.tensors[tensor].bytes < options.offload.min_bytes) return true;
-    if (!copied.insert(b).second) return true;
-    const Wide copy = static_cast<Wide>(storage.bytes.count()) * 1'000'000'000 / bandwidth;
-    const std::int64_t done = std::max(at, link_free) + latency + static_cast<std::int64_t>(copy);
-    link_free = done;
-    total += storage.bytes;
-    return done <= need;
-  };
   for (std::uint32_t i = 0; i < n; ++i) {
     const ModelOp& op = model.ops[i];
     bool hidden = true;
-    for (std::size_t k = 0; k < spans.size(); ++k) {
+    for (std::size_t k = 0; k < regions.spans.size(); ++k) {
       // The inputs of a region inside another go to the outer region, not to the offloader.
-      const RegionSpan& r = spans[k];
+      const RegionSpan& r = regions.spans[k];
       if (r.first != i || region[i] != static_cast<std::int32_t>(k) || !r.offload_inputs) {
         continue;
       }
       for (const std::uint32_t in : region_inputs(model, r)) {
-        hidden = queue(in, i > 0 ? end[i - 1] : 0, forward + after[r.end - 1]) && hidden;
+        hidden =
+            link.queue(in, i > 0 ? tl.end[i - 1] : 0, tl.forward + tl.after[r.end - 1]) && hidden;
       }
     }
     const auto& chosen = options.offload_selection.ops;
     const bool selected = !op.no_offload && (i >= chosen.size() || chosen[i]);
+    const bool offloaded_output =
+        i < plan.op_policy.size() && plan.op_policy[i] == OpPolicy::Offload;
     if (region[i] < 0 && selected) {
-      for (const std::uint32_t s : op.saved)
-        hidden = queue(s, end[i], forward + after[i]) && hidden;
-    } else if (region[i] >= 0 && selected && policy(i) == OpPolicy::Offload) {
-      const RegionSpan& r = spans[static_cast<std::size_t>(region[i])];
+      for (const std::uint32_t s : op.saved) {
+        hidden = link.queue(s, tl.end[i], tl.forward + tl.after[i]) && hidden;
+      }
+    } else if (region[i] >= 0 && selected && offloaded_output) {
+      const RegionSpan& r = regions.spans[static_cast<std::size_t>(region[i])];
       for (const std::uint32_t o : op.outputs) {
         if (model.tensors[o].view_of < 0) {
-          hidden = queue(o, end[i], forward + after[r.end - 1]) && hidden;
+          hidden = link.queue(o, tl.end[i], tl.forward + tl.after[r.end - 1]) && hidden;
         }
       }
     }
     if (!hidden) return horizon;
-    horizon = total;
+    horizon = link.total();
   }
   return std::nullopt;  // every copy is hidden: no limit
 }
