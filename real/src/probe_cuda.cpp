@@ -68,6 +68,15 @@ class CudaTarget {
 
   std::vector<Probe> probes() {
     std::vector<Probe> p;
+    add_copy_probes(p);
+    add_compute_probes(p);
+    add_overhead_probes(p);
+    return p;
+  }
+
+  // The links: each direction alone and both at once, pageable copies, small copies' latency,
+  // on-device and peer copies.
+  void add_copy_probes(std::vector<Probe>& p) {
     const std::string ce =
         fmt::format("cudaMemcpyAsync of {} bytes on a side stream, timed with CUDA events", bytes_);
     p.push_back({"h2d.bytes_per_s", "bytes/s", "pinned host -> device: " + ce,
@@ -117,6 +126,10 @@ class CudaTarget {
            fmt::format("CUDA-event time of one cudaMemcpyPeerAsync of {} bytes", kSmallCopy),
            [this] { return peer_small_ns(); }});
     }
+  }
+
+  // Memory bandwidth and the matmul rate of each dtype.
+  void add_compute_probes(std::vector<Probe>& p) {
     p.push_back({"memory_bytes_per_s", "bytes/s",
                  fmt::format("at::neg_out over {} bytes of float on the device, read once and "
                              "written once (2 x bytes moved), CUDA events",
@@ -129,6 +142,10 @@ class CudaTarget {
                                  "CUDA events"),
                    [this, d = dtype] { return matmul_rate(d); }, true});
     }
+  }
+
+  // What the host pays per call: launch, copy submission, events, synchronize, the allocator.
+  void add_overhead_probes(std::vector<Probe>& p) {
     p.push_back({"overheads_ns.kernel", "ns",
                  "host time of one in-place add on a 1-element device tensor (torch dispatch and "
                  "launch), mean over 200",
@@ -176,7 +193,6 @@ class CudaTarget {
                              "caching allocator), mean over 100",
                              kAllocBytes),
                  [this] { return alloc_ns(false); }});
-    return p;
   }
 
   [[nodiscard]] Readings readings() const {
