@@ -45,21 +45,12 @@ Context::Kind parse_kind(const std::string& name) {
 
 py::dict telemetry_dict(const ferry::OffloadTelemetry& t) {
   py::dict d;
-  d["packed"] = t.packed;
-  d["offloaded"] = t.offloaded;
-  d["kept"] = t.kept;
-  d["deduplicated"] = t.deduplicated;
-  d["host_fallbacks"] = t.host_fallbacks;
-  d["prefetched"] = t.prefetched;
-  d["on_demand"] = t.on_demand;
-  d["stash_hits"] = t.stash_hits;
-  d["record_stream_fallbacks"] = t.record_stream_fallbacks;
-  d["kept_as_is"] = t.kept_as_is;
-  d["past_horizon"] = t.past_horizon;
-  d["bytes_d2h"] = t.bytes_d2h.count();
-  d["bytes_h2d"] = t.bytes_h2d.count();
-  d["pinned_bytes"] = t.pinned_bytes.count();
-  d["pinned_peak"] = t.pinned_peak.count();
+  for (const ferry::TelemetryCount& c : ferry::kTelemetryCounts) {
+    d[py::str(std::string(c.name))] = t.*c.field;
+  }
+  for (const ferry::TelemetryBytes& b : ferry::kTelemetryBytes) {
+    d[py::str(std::string(b.name))] = (t.*b.field).count();
+  }
   return d;
 }
 

@@ -35,19 +35,10 @@ void check_offload_options(const OffloadOptions& options) {
 
 OffloadTelemetry telemetry_since(const OffloadTelemetry& now, const OffloadTelemetry& start) {
   OffloadTelemetry t = now;
-  t.packed -= start.packed;
-  t.offloaded -= start.offloaded;
-  t.kept -= start.kept;
-  t.deduplicated -= start.deduplicated;
-  t.host_fallbacks -= start.host_fallbacks;
-  t.prefetched -= start.prefetched;
-  t.on_demand -= start.on_demand;
-  t.stash_hits -= start.stash_hits;
-  t.record_stream_fallbacks -= start.record_stream_fallbacks;
-  t.past_horizon -= start.past_horizon;
-  t.kept_as_is -= start.kept_as_is;
-  t.bytes_d2h = now.bytes_d2h - start.bytes_d2h;
-  t.bytes_h2d = now.bytes_h2d - start.bytes_h2d;
+  for (const TelemetryCount& c : kTelemetryCounts) t.*c.field -= start.*c.field;
+  for (const TelemetryBytes& b : kTelemetryBytes) {
+    if (!b.gauge) t.*b.field -= start.*b.field;
+  }
   return t;
 }
 

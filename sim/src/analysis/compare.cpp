@@ -60,16 +60,9 @@ Json row_json(const RowResult& r, const RowResult* base) {
             : 0;
   }
   const OffloadTelemetry& t = r.telemetry;
-  j["telemetry"] = {{"packed", t.packed},
-                    {"offloaded", t.offloaded},
-                    {"kept", t.kept},
-                    {"deduplicated", t.deduplicated},
-                    {"host_fallbacks", t.host_fallbacks},
-                    {"prefetched", t.prefetched},
-                    {"on_demand", t.on_demand},
-                    {"stash_hits", t.stash_hits},
-                    {"record_stream_fallbacks", t.record_stream_fallbacks},
-                    {"past_horizon", t.past_horizon}};
+  Json counts = Json::object();
+  for (const TelemetryCount& c : kTelemetryCounts) counts[std::string(c.name)] = t.*c.field;
+  j["telemetry"] = std::move(counts);
   return j;
 }
 

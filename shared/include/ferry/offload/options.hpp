@@ -1,6 +1,7 @@
 #pragma once
 /// Options, facts, telemetry and errors of the offload scheduler.
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -88,8 +89,41 @@ struct OffloadTelemetry {
   Bytes pinned_peak;
 };
 
+/// A field of OffloadTelemetry by name. Every report writes the fields by these tables, in
+/// their order (`ferry simulate`/`compare --json`, `ferry.offload`'s `telemetry()`), and
+/// telemetry_since takes them from here, so a new field is added in one place.
+struct TelemetryCount {
+  std::string_view name;
+  std::int64_t OffloadTelemetry::*field;
+};
+struct TelemetryBytes {
+  std::string_view name;
+  Bytes OffloadTelemetry::*field;
+  bool gauge;  ///< a level (held now, the peak), not a running total
+};
+inline constexpr std::array kTelemetryCounts = {
+    TelemetryCount{"packed", &OffloadTelemetry::packed},
+    TelemetryCount{"offloaded", &OffloadTelemetry::offloaded},
+    TelemetryCount{"kept", &OffloadTelemetry::kept},
+    TelemetryCount{"deduplicated", &OffloadTelemetry::deduplicated},
+    TelemetryCount{"host_fallbacks", &OffloadTelemetry::host_fallbacks},
+    TelemetryCount{"prefetched", &OffloadTelemetry::prefetched},
+    TelemetryCount{"on_demand", &OffloadTelemetry::on_demand},
+    TelemetryCount{"stash_hits", &OffloadTelemetry::stash_hits},
+    TelemetryCount{"record_stream_fallbacks", &OffloadTelemetry::record_stream_fallbacks},
+    TelemetryCount{"past_horizon", &OffloadTelemetry::past_horizon},
+    TelemetryCount{"kept_as_is", &OffloadTelemetry::kept_as_is},
+};
+inline constexpr std::array kTelemetryBytes = {
+    TelemetryBytes{"bytes_d2h", &OffloadTelemetry::bytes_d2h, false},
+    TelemetryBytes{"bytes_h2d", &OffloadTelemetry::bytes_h2d, false},
+    TelemetryBytes{"pinned_bytes", &OffloadTelemetry::pinned_bytes, true},
+    TelemetryBytes{"pinned_peak", &OffloadTelemetry::pinned_peak, true},
+};
+
 /// What the offloader counted since `start` (an earlier reading of the same counters): the
-/// counters and bytes moved are differences; `pinned_bytes` and `pinned_peak` are `now`'s.
+/// counts and bytes moved are differences; the gauges (`pinned_bytes`, `pinned_peak`) are
+/// `now`'s.
 [[nodiscard]] OffloadTelemetry telemetry_since(const OffloadTelemetry& now,
                                                const OffloadTelemetry& start);
 
