@@ -6,6 +6,7 @@
 #include <set>
 #include <utility>
 
+#include "ferry/plan/lower.hpp"
 #include "tensors.hpp"
 
 namespace ferry::sim {
@@ -90,13 +91,7 @@ Result<TrainingOptions> plan_training_options(const Plan& plan, const Model& mod
   }
   if (auto random = check_random_ops(plan, model); !random) return random.error();
   TrainingOptions o = std::move(base);
-  o.offload.policy = plan_offloads(plan) ? Policy::Ferry : Policy::None;
-  o.offload.min_bytes = plan.knobs.min_bytes;
-  o.offload.window_bytes = plan.knobs.window_bytes;
-  o.offload.prefetch_bytes = plan.knobs.prefetch_bytes;
-  o.offload.prefetch = plan.knobs.prefetch;
-  o.offload.horizon_bytes = plan.knobs.horizon_bytes;
-  if (plan.host_budget) o.offload.host_cap = *plan.host_budget;
+  o.offload = plan_offload_options(plan, o.offload);
   o.checkpoint = CheckpointPlan{};
   o.checkpoint.op_policy.assign(model.ops.size(), OpPolicy::MustSave);
   o.offload_selection.ops.assign(model.ops.size(), false);
