@@ -26,14 +26,14 @@ class CompareCommand final : public Command {
 };
 
 int CompareCommand::run() const {
-  auto workload = load_workload(a_.model, a_.device, a_.scenarios);
+  auto workload = sim::load_workload(a_.model, a_.device, a_.scenarios);
   if (!workload) {
     fmt::print(stderr, "ferry compare: error: {}\n", workload.error().message);
     return kExitBadInput;
   }
   const sim::Model& model = workload.value().model;
   const sim::DeviceProfile& device = workload.value().device;
-  auto base = run_options(a_, model, false);
+  auto base = sim::run_options(a_.run, model, false);
   if (!base) {
     fmt::print(stderr, "ferry compare: error: {}\n", base.error().message);
     return kExitBadInput;

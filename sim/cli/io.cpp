@@ -4,12 +4,8 @@
 
 #include <cstdio>
 #include <fstream>
-#include <utility>
 
 #include "ferry/sim/analysis/memory_snapshot.hpp"
-#include "ferry/sim/io/model_json.hpp"
-#include "ferry/sim/io/program_json.hpp"
-#include "ferry/sim/io/text_file.hpp"
 
 namespace ferry::cli {
 
@@ -25,41 +21,6 @@ std::string default_scenarios() {
     }
   }
   return FERRY_DEFAULT_SCENARIOS_DIR;
-}
-
-Result<std::string> read_input(const std::string& path, std::string_view what) {
-  auto text = sim::read_text_file(path);
-  if (!text) return Error{fmt::format("{} file {}", what, text.error().message)};
-  return text;
-}
-
-Result<sim::Model> load_model(const std::string& spec) {
-  if (!spec.ends_with(".json")) return sim::model_preset(spec);
-  auto text = read_input(spec, "model");
-  if (!text) return text.error();
-  return sim::parse_model(text.value(), spec);
-}
-
-Result<sim::DeviceProfile> load_device(const std::string& spec,
-                                       const std::filesystem::path& scenarios) {
-  if (!spec.ends_with(".json")) return sim::load_device_profile(scenarios / "devices", spec);
-  auto text = read_input(spec, "device");
-  if (!text) return text.error();
-  return sim::parse_device_profile(text.value(), spec);
-}
-
-Result<Workload> load_workload(const std::string& model, const std::string& device,
-                               const std::filesystem::path& scenarios) {
-  auto m = load_model(model);
-  if (!m) return m.error();
-  auto d = load_device(device, scenarios);
-  if (!d) return d.error();
-  if (auto fits = sim::check_roofline(m.value(), d.value()); !fits.ok()) {
-    return Error{fmt::format("{}: {}", model, fits.error().message)};
-  }
-  Workload workload{std::move(m).value(), std::move(d).value()};
-  sim::assign_roofline_durations(workload.model, workload.device);
-  return workload;
 }
 
 void print(std::string_view text) {

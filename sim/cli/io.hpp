@@ -1,15 +1,12 @@
 #pragma once
-// What the commands read and write: models, device profiles and plans given on the command line
-// (a bundled name or a file), and their output files. Each error names the file.
+// Where the commands find the bundled scenarios, and how they write their outputs (models,
+// devices and plans are read through ferry/sim/api/load.hpp).
 
 #include <filesystem>
 #include <string>
 #include <string_view>
 
-#include "ferry/result.hpp"
-#include "ferry/sim/engine/device_profile.hpp"
 #include "ferry/sim/engine/simulator.hpp"
-#include "ferry/sim/workload/model.hpp"
 
 namespace ferry::cli {
 
@@ -18,26 +15,6 @@ namespace ferry::cli {
 /// `ferry/bin/ferry` of the Python package: `ferry/scenarios`), else the source tree's the
 /// build was made from.
 [[nodiscard]] std::string default_scenarios();
-
-/// The whole of the `what` file at `path` ("plan", "model"): its error says which file it was.
-Result<std::string> read_input(const std::string& path, std::string_view what);
-
-/// A model preset name, or a path to a model file (`*.json`).
-Result<sim::Model> load_model(const std::string& spec);
-
-/// A bundled device profile's name (looked up in `scenarios`/devices), or a path to a profile
-/// file (`*.json`).
-Result<sim::DeviceProfile> load_device(const std::string& spec,
-                                       const std::filesystem::path& scenarios);
-
-/// A model and the device it runs on, read and checked against each other, with the model's
-/// durations taken from the device's roofline: what simulate, compare and plan run.
-struct Workload {
-  sim::Model model;
-  sim::DeviceProfile device;
-};
-Result<Workload> load_workload(const std::string& model, const std::string& device,
-                               const std::filesystem::path& scenarios);
 
 /// Writes `text` to stdout and flushes it.
 void print(std::string_view text);

@@ -12,6 +12,7 @@
 
 #include "command.hpp"
 #include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/api/load.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/planner/lower.hpp"
 #include "ferry/sim/planner/planner.hpp"
@@ -35,7 +36,7 @@ const CLI::Validator kByteCount(
 
 struct PlanArgs {
   std::string model = "llama3-8b-s8192";
-  std::string device = "h100-sxm-pcie5";
+  std::string device{sim::kDefaultDevice};
   std::string budget;
   std::string host_budget;
   std::string out;
@@ -58,10 +59,10 @@ class PlanCommand final : public Command {
   [[nodiscard]] std::string misuse() const;
   // The budgets and steps of the command line (the device budget is left to the caller).
   [[nodiscard]] Result<sim::PlannerOptions> planner_options() const;
-  [[nodiscard]] int sweep(const Workload& w, const sim::PlannerOptions& options) const;
-  [[nodiscard]] int plan(const Workload& w, const sim::PlannerOptions& options) const;
+  [[nodiscard]] int sweep(const sim::Workload& w, const sim::PlannerOptions& options) const;
+  [[nodiscard]] int plan(const sim::Workload& w, const sim::PlannerOptions& options) const;
   // The plan's checked run again, written as a memory snapshot; 0 or the exit code.
-  [[nodiscard]] int write_snapshot(const Workload& w, const sim::PlannerOptions& options,
+  [[nodiscard]] int write_snapshot(const sim::Workload& w, const sim::PlannerOptions& options,
                                    const Plan& plan) const;
 
   PlanArgs a_;
@@ -131,7 +132,7 @@ int PlanCommand::run() const {
     fmt::print(stderr, "ferry plan: error: {}\n", options.error().message);
     return kExitBadInput;
   }
-  auto workload = load_workload(a_.model, a_.device, a_.scenarios);
+  auto workload = sim::load_workload(a_.model, a_.device, a_.scenarios);
   if (!workload) {
     fmt::print(stderr, "ferry plan: error: {}\n", workload.error().message);
     return kExitBadInput;
@@ -142,7 +143,7 @@ int PlanCommand::run() const {
   return plan(workload.value(), options.value());
 }
 
-int PlanCommand::sweep(const Workload& w, const sim::PlannerOptions& options) const {
+int PlanCommand::sweep(const sim::Workload& w, const sim::PlannerOptions& options) const {
   const auto points = sim::plan_sweep(
       w.model, w.device, options, a_.sweep, [](std::size_t i, std::size_t n, Bytes budget) {
         fmt::print(stderr, "planning {}/{}: budget {} ...\n", i + 1, n, format_bytes(budget));
@@ -159,7 +160,7 @@ int PlanCommand::sweep(const Workload& w, const sim::PlannerOptions& options) co
   return 0;
 }
 
-int PlanCommand::plan(const Workload& w, const sim::PlannerOptions& options) const {
+int PlanCommand::plan(const sim::Workload& w, const sim::PlannerOptions& options) const {
   auto outcome = sim::make_plan(w.model, w.device, options);
   if (!outcome) {
     fmt::print(stderr, "ferry plan: {}\n", outcome.error().message);
@@ -178,7 +179,7 @@ int PlanCommand::plan(const Workload& w, const sim::PlannerOptions& options) con
   return 0;
 }
 
-int PlanCommand::write_snapshot(const Workload& w, const sim::PlannerOptions& options,
+int PlanCommand::write_snapshot(const sim::Workload& w, const sim::PlannerOptions& options,
                                 const Plan& plan) const {
   // On the device as the planner checked the plan: its memory is the budget.
   sim::DeviceProfile capped = w.device;

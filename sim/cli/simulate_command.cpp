@@ -20,8 +20,6 @@
 namespace ferry::cli {
 namespace {
 
-constexpr std::string_view kPolicies = "none, trl, trl-seed, ferry";
-
 class SimulateCommand final : public Command {
  public:
   explicit SimulateCommand(CLI::App* cmd) : Command(cmd) { add_run_options(cmd, a_, true); }
@@ -30,9 +28,9 @@ class SimulateCommand final : public Command {
 
  private:
   // The plan in the file at a_.plan, replayed on `w`.
-  [[nodiscard]] int replay_plan(const Workload& w, const sim::TrainingOptions& base) const;
-  [[nodiscard]] int run_pipeline(const Workload& w, const sim::TrainingOptions& base) const;
-  [[nodiscard]] int run_one_device(const Workload& w, const sim::TrainingOptions& base) const;
+  [[nodiscard]] int replay_plan(const sim::Workload& w, const sim::TrainingOptions& base) const;
+  [[nodiscard]] int run_pipeline(const sim::Workload& w, const sim::TrainingOptions& base) const;
+  [[nodiscard]] int run_one_device(const sim::Workload& w) const;
   // Writes the kept run's trace and memory snapshot where asked; 0 or the exit code.
   [[nodiscard]] int write_files(const std::optional<sim::TrainingRun>& run) const;
 
@@ -40,23 +38,23 @@ class SimulateCommand final : public Command {
 };
 
 int SimulateCommand::run() const {
-  auto workload = load_workload(a_.model, a_.device, a_.scenarios);
+  auto workload = sim::load_workload(a_.model, a_.device, a_.scenarios);
   if (!workload) {
     fmt::print(stderr, "ferry simulate: error: {}\n", workload.error().message);
     return kExitBadInput;
   }
-  auto base = run_options(a_, workload.value().model, true);
+  auto base = sim::run_options(a_.run, workload.value().model, true);
   if (!base) {
     fmt::print(stderr, "ferry simulate: error: {}\n", base.error().message);
     return kExitBadInput;
   }
   if (!a_.plan.empty()) return replay_plan(workload.value(), base.value());
   if (a_.devices > 1) return run_pipeline(workload.value(), base.value());
-  return run_one_device(workload.value(), base.value());
+  return run_one_device(workload.value());
 }
 
-int SimulateCommand::replay_plan(const Workload& w, const sim::TrainingOptions& base) const {
-  auto text = read_input(a_.plan, "plan");
+int SimulateCommand::replay_plan(const sim::Workload& w, const sim::TrainingOptions& base) const {
+  auto text = sim::read_input(a_.plan, "plan");
   if (!text) {
     fmt::print(stderr, "ferry simulate: error: {}\n", text.error().message);
     return kExitBadInput;
@@ -77,7 +75,7 @@ int SimulateCommand::replay_plan(const Workload& w, const sim::TrainingOptions& 
   return row.value().hazards == 0 && !row.value().failure ? 0 : kExitFailed;
 }
 
-int SimulateCommand::run_pipeline(const Workload& w, const sim::TrainingOptions& base) const {
+int SimulateCommand::run_pipeline(const sim::Workload& w, const sim::TrainingOptions& base) const {
   // What draws or replays one device's run is refused rather than silently missing.
   const auto refuse = [&](std::string_view what) {
     fmt::print(stderr, "ferry simulate: error: {} (--devices {})\n", what, a_.devices);
@@ -105,9 +103,10 @@ int SimulateCommand::run_pipeline(const Workload& w, const sim::TrainingOptions&
   o.checkpoint = mode.value();
   o.sim = base.sim;
   o.offload = base.offload;
-  const auto policy = parse_policy(a_.policy);
+  const auto policy = parse_policy(a_.run.policy);
   if (!policy) {
-    fmt::print(stderr, "ferry simulate: error: unknown policy \"{}\" ({})\n", a_.policy, kPolicies);
+    fmt::print(stderr, "ferry simulate: error: unknown policy \"{}\" ({})\n", a_.run.policy,
+               sim::kPolicyNames);
     return kExitBadInput;
   }
   o.offload.policy = *policy;
@@ -120,17 +119,7 @@ int SimulateCommand::run_pipeline(const Workload& w, const sim::TrainingOptions&
   return row.hazards == 0 && !row.failure ? 0 : kExitFailed;
 }
 
-int SimulateCommand::run_one_device(const Workload& w, const sim::TrainingOptions& base) const {
-  sim::PolicyRow row{a_.policy, base};
-  const auto policy = parse_policy(a_.policy);
-  if (!policy) {
-    fmt::print(stderr, "ferry simulate: error: unknown policy \"{}\" ({})\n", a_.policy, kPolicies);
-    return kExitBadInput;
-  }
-  row.options.offload.policy = *policy;
-  if (!row.options.offload.horizon_bytes) {
-    row.options.offload.horizon_bytes = sim::offload_horizon(w.model, w.device, row.options);
-  }
+int SimulateCommand::run_one_device(const sim::Workload& w) const {
   if (const std::string why = a_.memory_snapshot.empty() ? "" : unwritable(a_.memory_snapshot);
       !why.empty()) {
     fmt::print(stderr, "ferry simulate: error: --memory-snapshot: {}\n", why);
@@ -138,12 +127,16 @@ int SimulateCommand::run_one_device(const Workload& w, const sim::TrainingOption
   }
   std::optional<sim::TrainingRun> run;
   const bool keep = !a_.trace.empty() || !a_.memory_snapshot.empty();
-  const auto result = sim::run_row(w.model, w.device, row, keep ? &run : nullptr);
-  const std::string out = a_.json ? sim::simulate_json(result, w.model, w.device)
-                                  : sim::simulate_text(result, w.model, w.device);
+  const auto result = sim::simulate_one(w, a_.run, keep ? &run : nullptr);
+  if (!result) {
+    fmt::print(stderr, "ferry simulate: error: {}\n", result.error().message);
+    return kExitBadInput;
+  }
+  const std::string out = a_.json ? sim::simulate_json(result.value(), w.model, w.device)
+                                  : sim::simulate_text(result.value(), w.model, w.device);
   if (const int rc = write_files(run)) return rc;
   print(out);
-  return result.hazards == 0 && !result.failure ? 0 : kExitFailed;
+  return result.value().hazards == 0 && !result.value().failure ? 0 : kExitFailed;
 }
 
 int SimulateCommand::write_files(const std::optional<sim::TrainingRun>& run) const {

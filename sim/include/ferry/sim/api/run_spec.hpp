@@ -1,0 +1,49 @@
+#pragma once
+/// One simulated run as its options are written on a command line or passed from Python: the
+/// offload policy, the knobs of the scheduler core, the checkpoint plan and the simulator's
+/// checks, each as text or a number. `ferry simulate` / `ferry compare` and `ferry.simulate` /
+/// `ferry.compare` read the same fields with the same defaults.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "ferry/result.hpp"
+#include "ferry/sim/analysis/measure.hpp"
+#include "ferry/sim/api/load.hpp"
+
+namespace ferry::sim {
+
+/// The policies parse_policy knows, as errors name them.
+inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
+
+struct RunSpec {
+  std::string policy = "ferry";     ///< none, trl, trl-seed or ferry
+  std::string checkpoint = "none";  ///< none, every:K, selective, segments:N, ...
+  std::string side_streams = "none";
+  std::string horizon = "auto";  ///< ferry: auto (derived), none, or a byte count
+  std::int64_t min_bytes = 1024;
+  std::int64_t window_mib = 512;
+  std::int64_t prefetch_mib = 512;
+  std::int64_t host_cap_gib = 1024;
+  std::int32_t stash = 5;  ///< trl: forward stash size in tensors
+  std::int32_t steps = 2;  ///< the last is reported
+  bool no_prefetch = false;
+  bool no_dedup = false;
+  bool no_early_stop = false;
+  bool no_checker = false;  ///< time only: no hazard and content checks
+};
+
+/// The training options `spec` asks for on `model`; the checkpoint plan of `spec.checkpoint`
+/// only when `with_checkpoint` (compare runs its own). Errors name the option as the command
+/// line spells it (`--checkpoint: ...`).
+Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, bool with_checkpoint);
+
+/// `ferry simulate` on one device: the run `spec` asks for, under its policy, the ferry
+/// policy's horizon derived where `spec` leaves it to the simulator. With `keep`, the run the
+/// figures come from is moved there (for its trace or memory snapshot).
+Result<RowResult> simulate_one(const Workload& workload, const RunSpec& spec,
+                               std::optional<TrainingRun>* keep = nullptr);
+
+}  // namespace ferry::sim

@@ -1,0 +1,60 @@
+#include "ferry/sim/api/run_spec.hpp"
+
+#include <fmt/format.h>
+
+#include <limits>
+#include <utility>
+
+#include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/analysis/horizon.hpp"
+#include "ferry/units.hpp"
+
+namespace ferry::sim {
+
+Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, bool with_checkpoint) {
+  TrainingOptions o;
+  o.steps = spec.steps;
+  o.sim.check_hazards = !spec.no_checker;
+  o.sim.track_content = !spec.no_checker;
+  o.offload.min_bytes = Bytes(spec.min_bytes);
+  o.offload.window_bytes = spec.window_mib * kMiB;
+  o.offload.prefetch_bytes = spec.prefetch_mib * kMiB;
+  o.offload.host_cap = spec.host_cap_gib * kGiB;
+  o.offload.trl_stash_count = spec.stash;
+  o.offload.prefetch = !spec.no_prefetch;
+  o.offload.dedup = !spec.no_dedup;
+  if (with_checkpoint) {
+    auto plan = parse_checkpoint_spec(spec.checkpoint, model);
+    if (!plan) return Error{fmt::format("--checkpoint: {}", plan.error().message)};
+    o.checkpoint = std::move(plan).value();
+  }
+  if (spec.no_early_stop) o.checkpoint.global_early_stop = false;
+  auto side = parse_side_streams(spec.side_streams);
+  if (!side) return Error{fmt::format("--side-streams: {}", side.error().message)};
+  o.side = std::move(side).value();
+  if (spec.horizon == "none") {
+    o.offload.horizon_bytes = Bytes(std::numeric_limits<std::int64_t>::max());
+  } else if (spec.horizon != "auto") {
+    auto horizon = parse_bytes(spec.horizon, "--horizon");
+    if (!horizon) return Error{fmt::format("{} (or auto, none)", horizon.error().message)};
+    o.offload.horizon_bytes = horizon.value();
+  }
+  return o;
+}
+
+Result<RowResult> simulate_one(const Workload& workload, const RunSpec& spec,
+                               std::optional<TrainingRun>* keep) {
+  auto options = run_options(spec, workload.model, true);
+  if (!options) return options.error();
+  const auto policy = parse_policy(spec.policy);
+  if (!policy) return Error{fmt::format("unknown policy \"{}\" ({})", spec.policy, kPolicyNames)};
+  PolicyRow row{spec.policy, std::move(options).value()};
+  row.options.offload.policy = *policy;
+  if (!row.options.offload.horizon_bytes) {
+    row.options.offload.horizon_bytes =
+        offload_horizon(workload.model, workload.device, row.options);
+  }
+  return run_row(workload.model, workload.device, row, keep);
+}
+
+}  // namespace ferry::sim
