@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "bind_sim.hpp"
 #include "ferry/checkpoint.hpp"
 #include "ferry/offload/options.hpp"
 #include "ferry/real/probe.hpp"
@@ -354,4 +355,5 @@ PYBIND11_MODULE(_C, m) {
   bind_regions(m);
   bind_checkpoint(m);
   bind_probe(m);
+  ferry::python::bind_sim(m);
 }
