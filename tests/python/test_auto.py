@@ -7,6 +7,7 @@ first op that differs."""
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,10 +17,7 @@ import transformers
 
 import ferry
 from ferry import PlanError
-from ferry_cli import cli_or_none
 from models import TinyLM, assert_same_grads, loss_of, twin
-
-CLI = cli_or_none()
 
 
 def gpt():
@@ -72,6 +70,8 @@ def mixed_plan(doc):
     return {
         "format": "ferry.plan/1",
         "model": doc["name"],
+        "device": "h100-sxm-pcie5",
+        "budget_bytes": 0,
         "knobs": {"min_bytes": 0, "window_bytes": 0},
         "regions": [{"first_op": layer1[0], "end_op": layer1[-1] + 1, "inputs": "offload"}],
         "ops": [{"name": op["name"], "saved": d} for op, d in zip(ops, decisions)],
@@ -190,6 +190,9 @@ def test_each_op_saves_what_the_trace_says_it_saves():
 def keep_all(doc):
     return {
         "format": "ferry.plan/1",
+        "model": doc["name"],
+        "device": "h100-sxm-pcie5",
+        "budget_bytes": 0,
         "ops": [{"name": op["name"], "saved": "keep"} for op in doc["ops"]],
     }
 
@@ -247,16 +250,43 @@ def test_a_forward_that_stops_early_is_refused():
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ({"format": "ferry.plan/2"}, "format: 'ferry.plan/2'"),
-        ({"ops": [{"name": "x", "saved": "evict"}]}, r"ops\[0\].saved: unknown decision 'evict'"),
+        ({"format": "ferry.plan/2"}, 'format: expected "ferry.plan/1", got "ferry.plan/2"'),
+        ({"ops": [{"name": "x", "saved": "evict"}]}, r'ops\[0\].saved: unknown decision "evict"'),
         ({"ops": [{"name": "x", "saved": "recompute"}]}, "recomputed but lies in no checkpoint"),
-        ({"regions": [{"first_op": 0, "end_op": 9}]}, r"regions\[0\]: needs 0 <= first_op"),
+        ({"regions": [{"first_op": 0, "end_op": 9}]}, r"regions\[0\].end_op: 9 must be above"),
+        ({"knobs": {"windows": 1}}, r'knobs: unknown key "windows"'),
+        ({"device": None}, "device: expected a name"),
     ],
 )
 def test_a_malformed_plan_is_refused_naming_the_place(bad, message):
-    plan = {"format": "ferry.plan/1", "ops": [{"name": "x", "saved": "keep"}], **bad}
+    # The simulator's own checks (ferry simulate --plan reads plans with the same code).
+    plan = {
+        "format": "ferry.plan/1",
+        "model": "m",
+        "device": "h100-sxm-pcie5",
+        "budget_bytes": 0,
+        "ops": [{"name": "x", "saved": "keep"}],
+        **bad,
+    }
     with pytest.raises(PlanError, match=message):
         ferry.offload(plan=plan, loopback=True)
+    with pytest.raises(PlanError, match=re.escape("ferry.offload(plan=...): plan: ")):
+        ferry.offload(plan=plan, loopback=True)
+
+
+def test_a_plan_is_checked_once(monkeypatch):
+    model, x, plan = traced_plan()
+    checked = ferry.load_plan(plan)
+    calls = []
+    real = ferry._C._sim.validate_plan
+    monkeypatch.setattr(ferry._C._sim, "validate_plan", lambda *a: calls.append(a) or real(*a))
+    ref = copy.deepcopy(model)
+    loss_of(ref(x)).backward()
+    with ferry.offload(plan=checked, model=model, loopback=True):
+        loss = loss_of(model(x))
+    loss.backward()
+    assert_same_grads(ref, model)
+    assert calls == []
 
 
 def test_a_plan_is_read_from_a_file(tmp_path):
@@ -273,12 +303,6 @@ def test_a_plan_is_read_from_a_file(tmp_path):
         ferry.offload(plan=str(tmp_path / "missing.json"), loopback=True)
 
 
-needs_cli = pytest.mark.skipif(
-    CLI is None, reason="no ferry CLI (FERRY_CLI, the package's ferry/bin/ferry, PATH) to plan with"
-)
-
-
-@needs_cli
 def test_auto_plans_under_a_budget_and_trains_bitwise():
     ref, model, ref_x, x = twin(lambda: TinyLM(d=128), lambda: torch.randn(64, 16, 128))
     # Between the floor and the no-offload peak of this model: some ops must be recomputed.
@@ -295,7 +319,6 @@ def test_auto_plans_under_a_budget_and_trains_bitwise():
     assert ctx.plan_counts() == want and want["recomputed"] > 0
 
 
-@needs_cli
 def test_auto_below_the_floor_names_the_floor():
     model, x = TinyLM(d=128), torch.randn(64, 16, 128)
     with pytest.raises(PlanError, match="the floor .* is [0-9.]+ MiB"):
@@ -327,7 +350,6 @@ LLAMA_CONFIG = {
 }
 
 
-@needs_cli
 def test_python_m_ferry_auto_traces_and_plans(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_CONFIG))
@@ -346,7 +368,8 @@ def test_python_m_ferry_auto_traces_and_plans(tmp_path):
         "--plan",
         str(tmp_path / "plan.json"),
     ]
-    env = dict(os.environ, FERRY_CLI=CLI)
+    # The planner runs in the Python process: no ferry CLI binary is needed.
+    env = dict(os.environ, FERRY_CLI="/nonexistent/ferry")
     done = subprocess.run(
         common + ["--budget", "1GiB"], capture_output=True, text=True, env=env, timeout=300
     )

@@ -196,6 +196,8 @@ def random_plan(doc, rng):
     return {
         "format": "ferry.plan/1",
         "model": doc["name"],
+        "device": "h100-sxm-pcie5",
+        "budget_bytes": 0,
         "knobs": {"min_bytes": 0, "window_bytes": 0},
         "regions": regions,
         "ops": [{"name": op["name"], "saved": d} for op, d in zip(ops, decisions)],

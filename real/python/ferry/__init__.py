@@ -12,7 +12,8 @@ Saved tensors of the ops run under a ferry region go through ferry's runtime (``
 CPU-only machine, ``loopback=True`` runs the same protocol between CPU buffers).
 ``no_offload`` keeps the saved tensors of a sub-region as they are, and ``checkpoint`` keeps
 none: backward recomputes them, as ``torch.utils.checkpoint`` does (``checkpoint_sequential``
-too). ``trace`` turns a training step into a ``ferry.model/1`` scenario, ``auto`` plans it
+too). ``trace`` turns a training step into a ``ferry.model/1`` scenario; ``simulate``,
+``compare`` and ``plan`` run the simulator and planner on it in this process; ``auto`` plans it
 under a memory budget and applies the plan, ``validate`` checks the simulator's predictions
 against real runs and ``probe`` measures the device.
 
@@ -30,6 +31,7 @@ from ._checkpoint import checkpoint, checkpoint_sequential
 from ._offload import no_offload, offload, offload_model
 from ._plan import PlanError, load_plan
 from ._probe import probe
+from ._sim import compare, plan, simulate
 from ._trace import TracedModel, trace
 from ._validate import ModelSpecError, validate
 from .compat.hf import enable_gradient_checkpointing
@@ -42,9 +44,12 @@ __all__ = [
     "offload_model",
     "checkpoint",
     "checkpoint_sequential",
-    # Trace, plan, validate, measure.
+    # Trace, simulate, plan, validate, measure.
     "trace",
     "TracedModel",
+    "simulate",
+    "compare",
+    "plan",
     "auto",
     "AutoOffload",
     "load_plan",

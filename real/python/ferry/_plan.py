@@ -30,10 +30,6 @@ from ._modules import head_path
 from ._offload import no_offload
 from ._trace._record import writes
 
-FORMAT = "ferry.plan/1"
-_DECISIONS = ("keep", "offload", "recompute")
-_INPUTS = ("keep", "offload")
-_KNOBS = ("min_bytes", "window_bytes", "prefetch_bytes", "prefetch", "horizon_bytes")
 _POLICY = {
     "keep": _tc.CheckpointPolicy.MUST_SAVE,
     "offload": _tc.CheckpointPolicy.MUST_CPU_OFFLOAD,
@@ -51,102 +47,52 @@ def _fail(where: str, message: str) -> NoReturn:
     raise PlanError(f"ferry.offload(plan=...): {where}: {message}")
 
 
-def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
+class CheckedPlan(dict):
+    """A ``ferry.plan/1`` that ``load_plan`` checked: every field present, as ``ferry plan
+    --out`` writes it. ``load_plan`` hands one back as it is, so a plan is checked once."""
+
+
+def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> CheckedPlan:
     """Reads and checks a ``ferry.plan/1`` (docs/plan-format.md).
+
+    The checks are the simulator's own (``ferry simulate --plan`` reads plans with the same
+    code, in ``ferry._C``).
 
     Args:
         plan: A path to the plan, or an already loaded one.
 
     Returns:
-        The plan as a checked dict.
+        The plan as a checked dict, with every field the format has.
 
     Raises:
         PlanError: The file cannot be read, is not JSON, or is not a valid ``ferry.plan/1``;
             the message names the place.
     """
+    if isinstance(plan, CheckedPlan):
+        return plan
     where = "plan"
     if isinstance(plan, (str, os.PathLike)):
         where = os.fspath(plan)
         try:
             with open(plan, encoding="utf-8") as f:
-                plan = json.load(f)
+                text = f.read()
         except OSError as e:
             _fail(where, f"cannot read it ({e.strerror})")
-        except json.JSONDecodeError as e:
-            _fail(where, f"not JSON ({e})")
-    if not isinstance(plan, dict):
-        _fail(where, f"a plan is a JSON object, got {type(plan).__name__}")
-    if plan.get("format") != FORMAT:
-        _fail(f"{where}: format", f"{plan.get('format')!r}, expected {FORMAT!r}")
-    ops = plan.get("ops")
-    if not isinstance(ops, list) or not ops:
-        _fail(f"{where}: ops", "missing or empty")
-    for i, op in enumerate(ops):
-        if not isinstance(op, dict) or not isinstance(op.get("name"), str) or not op["name"]:
-            _fail(f"{where}: ops[{i}]", "needs a non-empty string name")
-        if op.get("saved") not in _DECISIONS:
-            _fail(
-                f"{where}: ops[{i}].saved",
-                f"unknown decision {op.get('saved')!r} (allowed: {', '.join(_DECISIONS)})",
-            )
-    regions = plan.get("regions", [])
-    if not isinstance(regions, list):
-        _fail(f"{where}: regions", "must be a list")
-    end = 0
-    for r, region in enumerate(regions):
-        first, stop = region.get("first_op"), region.get("end_op")
-        if (
-            not isinstance(first, int)
-            or not isinstance(stop, int)
-            or not 0 <= first < stop <= len(ops)
-        ):
-            _fail(
-                f"{where}: regions[{r}]",
-                f"needs 0 <= first_op < end_op <= {len(ops)}, got {first!r}, {stop!r}",
-            )
-        if first < end:
-            _fail(
-                f"{where}: regions[{r}].first_op", f"{first} overlaps or precedes regions[{r - 1}]"
-            )
-        if region.get("inputs", "keep") not in _INPUTS:
-            _fail(
-                f"{where}: regions[{r}].inputs",
-                f"{region.get('inputs')!r} (allowed: {', '.join(_INPUTS)})",
-            )
-        end = stop
-    inside = set()
-    for region in regions:
-        inside.update(range(region["first_op"], region["end_op"]))
-    for i, op in enumerate(ops):
-        if op["saved"] == "recompute" and i not in inside:
-            _fail(
-                f"{where}: ops[{i}].saved",
-                f"op {op['name']!r} is recomputed but lies in no checkpoint region",
-            )
-    knobs = plan.get("knobs", {})
-    for key in knobs:
-        if key not in _KNOBS:
-            _fail(f"{where}: knobs.{key}", f"unknown knob (known: {', '.join(_KNOBS)})")
-    return plan
+    elif isinstance(plan, Mapping):
+        text = json.dumps(dict(plan))
+    else:
+        _fail(where, f"a plan is a JSON object or a path, got {type(plan).__name__}")
+    try:
+        return CheckedPlan(_C._sim.validate_plan(text, where))
+    except ValueError as e:
+        raise PlanError(f"ferry.offload(plan=...): {e}") from None
 
 
-def offload_options(plan: dict[str, Any]) -> dict[str, Any]:
-    """``ferry.offload``'s options that the plan fixes: its knobs and its pinned host budget."""
-    knobs = plan.get("knobs", {})
-    options = {
-        key: knobs[key]
-        for key in ("min_bytes", "window_bytes", "prefetch_bytes", "horizon_bytes")
-        if key in knobs
-    }
-    if "prefetch" in knobs:
-        options["prefetch"] = bool(knobs["prefetch"])
-    if "host_budget_bytes" in plan:
-        options["host_cap"] = plan["host_budget_bytes"]
-    offloads = any(op["saved"] == "offload" for op in plan["ops"]) or any(
-        r.get("inputs") == "offload" for r in plan.get("regions", [])
-    )
-    options["policy"] = "ferry" if offloads else "none"
-    return options
+def offload_options(plan: CheckedPlan) -> dict[str, Any]:
+    """``ferry.offload``'s options that the plan fixes: its knobs, its pinned host budget, and
+    the ferry policy when anything offloads (``ferry::plan_offload_options``, which the
+    simulator's replay of a plan applies too)."""
+    return _C._sim.plan_offload_options(json.dumps(plan), "plan")
 
 
 def _path_of(name):

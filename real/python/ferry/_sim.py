@@ -1,10 +1,171 @@
-"""Where the simulator is: the ``ferry`` CLI binary, which ``ferry.auto``, ``ferry validate``
-and ``python -m ferry`` run."""
+"""The simulator and planner from Python: ``ferry.simulate``, ``ferry.compare`` and
+``ferry.plan`` run them in this process (``ferry._C._sim``, the CLI's own code) and return the
+documents ``ferry simulate / compare / plan --json`` print, as dicts. ``find_cli`` finds the
+``ferry`` CLI binary, which ``python -m ferry`` runs for the CLI's commands."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
+
+from . import _C
+from ._plan import CheckedPlan, PlanError
+from ._trace import TracedModel
+
+#: A model to simulate: a bundled preset's name (``llama3-8b-s8192``), a path to a
+#: ``ferry.model/1`` file, or a traced model (``ferry.trace``).
+ModelSource = str | os.PathLike[str] | TracedModel
+
+#: ``ferry plan``'s exit codes, which ``PlanError.exit_code`` carries: no plan fits; bad input.
+EXIT_INFEASIBLE = 1
+EXIT_BAD_INPUT = 2
+
+#: The device profile the CLI and these functions use when none is named.
+DEFAULT_DEVICE: str = _C._sim.default_device
+
+#: The bundled scenarios (devices/, models/) the package ships, else the source tree's.
+_PACKAGED_SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
+
+
+def scenarios_dir() -> str:
+    if os.path.isdir(os.path.join(_PACKAGED_SCENARIOS, "devices")):
+        return _PACKAGED_SCENARIOS
+    return _C._sim.source_scenarios
+
+
+def model_args(model: ModelSource) -> tuple[str, str | None]:
+    """(the name or path errors name it by, the document's text when it is traced)."""
+    if isinstance(model, TracedModel):
+        return model.document.get("name", "traced model"), model.to_json()
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model), None
+    raise TypeError(
+        f"a model is a preset name, a path to a ferry.model/1 file or a TracedModel, got "
+        f"{type(model).__name__}"
+    )
+
+
+def byte_count(value: str | int | None, what: str, allow_none: bool = True) -> str | None:
+    """``value`` as the planner reads a byte count, None as None. Refuses an empty one (the
+    planner would take it as no budget) and one that is neither a string nor an integer;
+    ``what`` names the argument in the message. The planner checks the rest."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(
+            f'{what}: {value!r} is not a byte count; give a string such as "40GiB" or an '
+            "integer number of bytes"
+        )
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(
+            f'{what}: "{value}" is not a byte count (empty); write e.g. 40GiB, "40 GiB", 1.5GiB, '
+            "512MiB, 40GB or 4e10 (bytes)"
+        )
+    return str(value)
+
+
+def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -> dict[str, Any]:
+    """Simulates training steps of a model under one offload policy (``ferry simulate``).
+
+    Args:
+        model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
+        device: A bundled device profile's name or a profile file.
+        **options: The run's options, as ``ferry simulate`` names them: ``policy`` ("none",
+            "trl", "trl-seed", "ferry"), ``checkpoint`` ("none", "every:K", "selective", ...),
+            ``horizon`` ("auto", "none", bytes), ``steps``, ``min_bytes``, ``window_mib``,
+            ``prefetch_mib``, ``host_cap_gib``, ``stash``, and the switches ``prefetch``,
+            ``dedup``, ``early_stop`` and ``check`` (hazard and content checks), all True by
+            default.
+
+    Returns:
+        The document ``ferry simulate --json`` prints (``result`` holds the figures).
+
+    Raises:
+        ValueError: A model, device or option the simulator refuses; the message names it.
+        TypeError: An option it does not know.
+    """
+    name, text = model_args(model)
+    document, _ = _C._sim.simulate(name, text, device, scenarios_dir(), **options)
+    return document
+
+
+def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -> dict[str, Any]:
+    """Simulates the fixed configurations of a model side by side (``ferry compare``).
+
+    Args:
+        model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
+        device: A bundled device profile's name or a profile file.
+        **options: ``steps``, ``min_bytes``, ``window_mib``, ``prefetch_mib``,
+            ``host_cap_gib``, ``stash`` and ``check``, as ``simulate`` takes them.
+
+    Returns:
+        The document ``ferry compare --json`` prints: one row per configuration.
+
+    Raises:
+        ValueError: A model, device or option the simulator refuses; the message names it.
+    """
+    name, text = model_args(model)
+    return _C._sim.compare(name, text, device, scenarios_dir(), **options)
+
+
+def plan(
+    model: ModelSource,
+    budget: str | int | None = None,
+    device: str = DEFAULT_DEVICE,
+    host_budget: str | int | None = None,
+    steps: int = 2,
+) -> dict[str, Any]:
+    """The fastest keep / offload / recompute plan whose peak reserved memory fits a budget
+    (``ferry plan``).
+
+    Args:
+        model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
+        budget: Peak reserved device memory: ``"40GiB"``, bytes, ...; None: the device's.
+        device: A bundled device profile's name or a profile file.
+        host_budget: The pinned host memory budget, as ``budget``; None: no limit.
+        steps: Training steps per simulation (the last is measured).
+
+    Returns:
+        The report ``ferry plan --json`` prints; the plan itself is under ``"plan"`` (what
+        ``ferry plan --out`` writes), checked: ``ferry.offload(plan=...)`` takes it as it is.
+
+    Raises:
+        PlanError: No plan fits the budget (``exit_code`` 1; ``floor`` is the smallest peak
+            reserved in bytes the planner reached, when it names one, else None), or the
+            planner refuses the model, device or budget (``exit_code`` 2).
+        TypeError: A budget that is no byte count.
+    """
+    return run_planner(model, budget, device, host_budget, steps)["report"]
+
+
+def run_planner(
+    model: ModelSource,
+    budget: str | int | None,
+    device: str,
+    host_budget: str | int | None,
+    steps: int = 2,
+) -> dict[str, Any]:
+    """``plan``'s run: {report (with the plan under "plan"), text (what ``ferry plan``
+    prints), plan_text (what ``ferry plan --out`` writes)}."""
+    name, text = model_args(model)
+    budget = byte_count(budget, "budget")
+    host_budget = byte_count(host_budget, "host_budget")
+    try:
+        made = _C._sim.plan(
+            name, text, device, scenarios_dir(), budget=budget, host_budget=host_budget, steps=steps
+        )
+    except ValueError as e:
+        error = PlanError(f"ferry plan: {e}")
+        error.exit_code, error.floor = EXIT_BAD_INPUT, None
+        raise error from None
+    if "refused" in made:
+        error = PlanError(f"ferry plan refused: {made['refused']}")
+        error.exit_code, error.floor = EXIT_INFEASIBLE, made["floor"]
+        raise error
+    made["report"]["plan"] = CheckedPlan(made["report"]["plan"])
+    return made
+
 
 #: The CLI binary the package ships (copied from the CMake build at install).
 PACKAGED_CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "ferry")

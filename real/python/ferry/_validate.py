@@ -2,28 +2,25 @@
 
 A model is trained for a few steps for real under each policy (on the CPU loopback device
 without a GPU), traced with ``ferry.trace``, and the traced model simulated under the same
-policies by the ``ferry`` CLI. ``validate`` returns both sides of every policy; ``mismatches``
-lists the counts and bytes that differ where they must be equal.
+policies by the simulator in this process (``ferry.simulate``). ``validate`` returns both sides
+of every policy; ``mismatches`` lists the counts and bytes that differ where they must be equal.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
-import json
 import os
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from . import _C
 from ._checkpoint import checkpoint
 from ._offload import offload_model
-from ._sim import find_cli
+from ._sim import DEFAULT_DEVICE, model_args, scenarios_dir
 from ._trace import TracedModel, loss_of
 from ._trace import trace as ferry_trace
 from .compat.hf import enable_gradient_checkpointing
@@ -278,39 +275,35 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
     return out
 
 
-def _run_cli(path, policy, checkpoint, steps, cli, device, extra=()):
-    command = [
-        cli or find_cli(),
-        "simulate",
-        "--model",
-        path,
-        "--policy",
-        policy,
-        "--steps",
-        str(steps),
-        "--json",
-        *extra,
-    ]
+def _simulated(traced, policy, checkpoint, steps, device, horizon, memory_snapshot=False):
+    """The simulator's run of the traced model, in this process: (``ferry simulate --json``'s
+    ``result``, the memory snapshot pickle or None)."""
+    options = {"policy": policy, "steps": steps, "horizon": str(horizon)}
     if checkpoint:
-        command += ["--checkpoint", checkpoint]
-    if device:
-        command += ["--device", device]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"ferry validate: `{' '.join(command)}` failed "
-            f"(exit {done.returncode}): {done.stderr.strip()}"
+        options["checkpoint"] = checkpoint
+    name, text = model_args(traced)
+    try:
+        document, pickle = _C._sim.simulate(
+            name,
+            text,
+            device or DEFAULT_DEVICE,
+            scenarios_dir(),
+            memory_snapshot=memory_snapshot,
+            **options,
         )
-    return json.loads(done.stdout)["result"]
+    except ValueError as e:
+        raise RuntimeError(f"ferry validate: the simulator refused {options}: {e}") from None
+    return document["result"], pickle
 
 
-def simulated_saved_peak(path, document, cli=None, device=None):
+def simulated_saved_peak(traced, device=None):
     """The most bytes of saved activation storages the simulator holds at once, in one step
     without offload: read from its memory history (``--memory-snapshot``), each allocation of a
     storage a saved activation or input lives in counted with the document's bytes (the
     allocator's rounding left out)."""
     import pickle
 
+    document = traced.document
     tensors = {t["name"]: t for t in document["tensors"]}
     saved = set()
     for op in document["ops"]:
@@ -318,10 +311,8 @@ def simulated_saved_peak(path, document, cli=None, device=None):
             t = tensors[name]
             if t["role"] in ("activation", "input"):
                 saved.add(t.get("view_of", name))
-    snapshot = os.path.join(os.path.dirname(path), "saved.pickle")
-    _run_cli(path, "none", None, 1, cli, device, ("--memory-snapshot", snapshot))
-    with open(snapshot, "rb") as f:
-        events = pickle.load(f)["device_traces"][0]
+    _, snapshot = _simulated(traced, "none", None, 1, device, "auto", memory_snapshot=True)
+    events = pickle.loads(snapshot)["device_traces"][0]
     live, peak, at = 0, 0, {}
     for event in events:
         name = event["frames"][0]["name"] if event["frames"] else None
@@ -337,11 +328,10 @@ def simulated_saved_peak(path, document, cli=None, device=None):
     return peak
 
 
-def simulate(path, policy, checkpoint, steps, cli=None, device=None, horizon="none"):
-    """The simulator's run of the model document at ``path`` (``ferry simulate --json``).
-    ``horizon``: ``--horizon`` (``none``, ``auto`` or a byte count; Note [Offload horizon in
-    validate])."""
-    result = _run_cli(path, policy, checkpoint, steps, cli, device, ("--horizon", str(horizon)))
+def simulate(traced, policy, checkpoint, steps, device=None, horizon="none"):
+    """The simulator's run of the traced model (``ferry.simulate``). ``horizon``: ``none``,
+    ``auto`` or a byte count (Note [Offload horizon in validate])."""
+    result, _ = _simulated(traced, policy, checkpoint, steps, device, horizon)
     out = {name: result["telemetry"][name] for name in COUNTERS}
     out["bytes_d2h"] = result["d2h_bytes"]
     out["bytes_h2d"] = result["h2d_bytes"]
@@ -375,7 +365,6 @@ def validate(
     *,
     policies: Iterable[str] | None = None,
     steps: int = 2,
-    cli: str | None = None,
     device: str | None = None,
     keep: str | os.PathLike[str] | None = None,
     trace: Callable[..., TracedModel] | None = None,
@@ -384,7 +373,8 @@ def validate(
     """Real and simulated runs of a model under each policy (docs/validation.md).
 
     The model is trained for ``steps`` steps for real under each policy on the CPU loopback
-    device, traced, and the trace simulated under the same policies by the ``ferry`` CLI.
+    device, traced, and the trace simulated under the same policies (``ferry.simulate``, in this
+    process).
 
     Args:
         spec_or_model: A bundled example name or a factory ``pkg.mod:fn``, or a model.
@@ -393,7 +383,6 @@ def validate(
         loss_fn: With a model: a function of its output that returns the loss.
         policies: Names of ``POLICIES`` (default: all).
         steps: Training steps per policy.
-        cli: The ``ferry`` CLI binary (default: the one ``python -m ferry`` finds).
         device: The simulator's device profile (name or file).
         keep: A path to write the traced document to.
         trace: Replaces ``ferry.trace`` (a function of the same arguments; tests plant
@@ -434,39 +423,27 @@ def validate(
     traced = (trace or ferry_trace)(model, *args, loss_fn=loss_fn, target="host", **kwargs)
     document = traced.document
     report = {"model": name, "steps": steps, "policies": {}}
-    with contextlib.ExitStack() as stack:
-        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="ferry-validate-"))
-        path = os.path.join(folder, "traced.json")
-        traced.save(path)
-        if keep is not None:
-            traced.save(keep)
-        report["saved_at_end_of_forward"] = {
-            "real": _saved_at_end_of_forward(copy.deepcopy(model), inputs, loss_fn),
-            "traced": traced.saved_bytes(roles=("activation", "input")),
-            "simulated": simulated_saved_peak(path, document, cli, device),
+    if keep is not None:
+        traced.save(keep)
+    report["saved_at_end_of_forward"] = {
+        "real": _saved_at_end_of_forward(copy.deepcopy(model), inputs, loss_fn),
+        "traced": traced.saved_bytes(roles=("activation", "input")),
+        "simulated": simulated_saved_peak(traced, device),
+    }
+    head_saves = _head_saves(document)
+    report["head_saves_per_step"] = head_saves
+    for policy in policies:
+        offload_policy, checkpoint = POLICIES[policy]
+        # See Note [Offload horizon in validate].
+        sim = simulate(traced, offload_policy, checkpoint, steps, device=device, horizon=horizon)
+        real = run_real(
+            model, inputs, loss_fn, offload_policy, checkpoint, steps, horizon=sim["horizon_bytes"]
+        )
+        report["policies"][policy] = {
+            "real": real,
+            "simulated": sim,
+            "mismatches": mismatches(real, sim, head_saves, offload_policy),
         }
-        head_saves = _head_saves(document)
-        report["head_saves_per_step"] = head_saves
-        for policy in policies:
-            offload_policy, checkpoint = POLICIES[policy]
-            # See Note [Offload horizon in validate].
-            sim = simulate(
-                path, offload_policy, checkpoint, steps, cli=cli, device=device, horizon=horizon
-            )
-            real = run_real(
-                model,
-                inputs,
-                loss_fn,
-                offload_policy,
-                checkpoint,
-                steps,
-                horizon=sim["horizon_bytes"],
-            )
-            report["policies"][policy] = {
-                "real": real,
-                "simulated": sim,
-                "mismatches": mismatches(real, sim, head_saves, offload_policy),
-            }
     return report
 
 

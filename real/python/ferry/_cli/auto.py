@@ -2,12 +2,13 @@
 
 ``python -m ferry auto CONFIG --seq N --budget B --out scenario.json --plan plan.json`` is
 ``python -m ferry trace`` (every option of it, the scenario written to ``--out``) followed by
-``ferry plan --model scenario.json --budget B --out plan.json`` (with ``--device`` and
-``--host-budget`` when given); it prints the planner's report. Apply the plan to the model with
+the planner of ``ferry plan --model scenario.json --budget B --out plan.json`` (with
+``--device`` and ``--host-budget`` when given), run in this process; it prints the planner's
+report. Apply the plan to the model with
 ``ferry.offload(plan="plan.json", model=model)`` (docs/plan.md, "Applying a plan").
 
 Exit codes: 0 planned; 1 the budget is below the floor (the message names it); 2 bad arguments
-or config; 127 no ``ferry`` CLI.
+or config.
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .._auto import check_budget, run_planner
 from .._plan import PlanError
-from .._sim import CliNotFound, find_cli
+from .._sim import DEFAULT_DEVICE, byte_count, run_planner
 from . import trace as trace_cli
-
-EXIT_NO_CLI = 127
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +30,11 @@ def _parser() -> argparse.ArgumentParser:
         epilog="The other options are those of `python -m ferry trace` (see its --help).",
     )
     parser.add_argument("--budget", required=True, help="device budget: 40GiB, 4e10, ...")
-    parser.add_argument("--device", help="the device profile to plan for (the CLI's default)")
+    parser.add_argument(
+        "--device",
+        default=DEFAULT_DEVICE,
+        help=f"the device profile to plan for ({DEFAULT_DEVICE})",
+    )
     parser.add_argument("--host-budget", help="pinned host memory budget")
     parser.add_argument("--plan", required=True, help="where to write the plan (ferry.plan/1)")
     return parser
@@ -42,17 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status."""
     args, rest = _parser().parse_known_args(argv)
     try:
-        check_budget(args.budget, "--budget")
-        if args.host_budget is not None:
-            check_budget(args.host_budget, "--host-budget")
+        byte_count(args.budget, "--budget")
+        byte_count(args.host_budget, "--host-budget")
     except ValueError as e:
         print(f"python -m ferry auto: {e}", file=sys.stderr)
         return 2
-    try:
-        find_cli()
-    except CliNotFound as e:
-        print(f"python -m ferry auto: {e}", file=sys.stderr)
-        return EXIT_NO_CLI
     trace_args = trace_cli._parser().parse_args(rest)
     if trace_args.out == "-":
         print(
@@ -63,10 +59,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code != 0:
         return code
     try:
-        report = run_planner(trace_args.out, args.budget, args.plan, args.device, args.host_budget)
+        made = run_planner(trace_args.out, args.budget, args.device, args.host_budget)
     except PlanError as e:
         print(f"python -m ferry auto: {e}", file=sys.stderr)
         return e.exit_code
-    sys.stdout.write(report)
+    try:
+        with open(args.plan, "w", encoding="utf-8") as f:
+            f.write(made["plan_text"])
+    except OSError as e:
+        print(f"python -m ferry auto: cannot write the plan to {args.plan}: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(made["text"])
     print(f"plan written to {args.plan}", file=sys.stderr)
     return 0

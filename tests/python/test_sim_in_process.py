@@ -1,0 +1,157 @@
+"""The simulator and planner inside `ferry._C`: `ferry.simulate`, `ferry.compare` and
+`ferry.plan` return the documents `ferry simulate / compare / plan --json` print, field for
+field, without a subprocess; plans are checked and lowered by the simulator's own code."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+import ferry
+from ferry_cli import cli
+from models import TinyLM, loss_of
+
+DEVICE = "a100-pcie4"
+
+
+def run_cli(*args):
+    done = subprocess.run([cli(), *args], capture_output=True, text=True, check=False)
+    return done.returncode, done.stdout, done.stderr
+
+
+def cli_json(*args):
+    code, out, err = run_cli(*args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    torch.manual_seed(0)
+    model, x = TinyLM(d=64), torch.randn(8, 16, 64)
+    t = ferry.trace(model, x, loss_fn=loss_of, target="host")
+    path = tmp_path_factory.mktemp("traced") / "model.json"
+    t.save(path)
+    return t, str(path)
+
+
+@pytest.mark.parametrize(
+    "options, flags",
+    [
+        ({}, []),
+        ({"policy": "trl", "steps": 3}, ["--policy", "trl", "--steps", "3"]),
+        (
+            {"checkpoint": "every:1", "horizon": "none"},
+            ["--checkpoint", "every:1", "--horizon", "none"],
+        ),
+        ({"prefetch": False, "check": False}, ["--no-prefetch", "--no-checker"]),
+    ],
+)
+def test_simulate_is_the_cli_document(options, flags):
+    got = ferry.simulate("tiny-gpt", device=DEVICE, **options)
+    assert got == cli_json("simulate", "--model", "tiny-gpt", "--device", DEVICE, *flags)
+    assert list(got) == list(
+        cli_json("simulate", "--model", "tiny-gpt", "--device", DEVICE, *flags)
+    )
+
+
+def test_a_traced_model_simulates_as_its_file_does(traced):
+    model, path = traced
+    assert ferry.simulate(model, device=DEVICE, policy="ferry") == ferry.simulate(
+        path, device=DEVICE, policy="ferry"
+    )
+    assert ferry.simulate(model, device=DEVICE)["result"]["hazards"] == 0
+
+
+def test_compare_is_the_cli_document():
+    assert ferry.compare("tiny-gpt", device=DEVICE) == cli_json(
+        "compare", "--model", "tiny-gpt", "--device", DEVICE
+    )
+
+
+def test_plan_is_the_cli_report_and_plan(traced, tmp_path):
+    _, path = traced
+    report = ferry.plan(path, budget="24MiB", device=DEVICE)
+    out = tmp_path / "plan.json"
+    want = cli_json(
+        "plan", "--model", path, "--budget", "24MiB", "--device", DEVICE, "--out", str(out)
+    )
+    assert report == want
+    plan = report["plan"]
+    assert plan == json.loads(out.read_text())
+    # The plan comes back checked: applying it checks nothing again.
+    assert ferry.load_plan(plan) is plan
+
+
+def test_bad_input_names_what_is_wrong():
+    with pytest.raises(ValueError, match=r'unknown policy "nope" \(none, trl, trl-seed, ferry\)'):
+        ferry.simulate("tiny-gpt", policy="nope")
+    with pytest.raises(ValueError, match="--checkpoint: "):
+        ferry.simulate("tiny-gpt", checkpoint="every:zero")
+    with pytest.raises(ValueError, match="no-such-device"):
+        ferry.simulate("tiny-gpt", device="no-such-device")
+    with pytest.raises(ValueError, match="no-such-model"):
+        ferry.compare("no-such-model")
+    with pytest.raises(TypeError):
+        ferry.simulate("tiny-gpt", polcy="ferry")
+    with pytest.raises(TypeError, match="TracedModel"):
+        ferry.simulate(42)
+    with pytest.raises(ferry.PlanError, match="budget") as e:
+        ferry.plan("tiny-gpt", budget="40 parsecs")
+    assert e.value.exit_code == 2
+
+
+def test_a_budget_below_the_floor_names_the_floor():
+    with pytest.raises(ferry.PlanError, match="the floor .* is [0-9.]+ [KM]iB") as e:
+        ferry.plan("tiny-gpt", budget="1KiB", device=DEVICE)
+    assert e.value.exit_code == 1
+    assert isinstance(e.value.floor, int) and e.value.floor > 1024
+    # The CLI refuses it with the same floor.
+    code, _, err = run_cli("plan", "--model", "tiny-gpt", "--budget", "1KiB", "--device", DEVICE)
+    assert code == 1 and f"({e.value.floor} bytes)" in err
+
+
+def test_auto_and_validate_run_no_subprocess(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a subprocess was started: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    model, x = TinyLM(d=64), torch.randn(8, 16, 64)
+    ctx = ferry.auto(model, x, budget="1GiB", loss_fn=loss_of)
+    assert "step time" in ctx.report
+    report = ferry.validate("gpt", policies=["none"], steps=1)
+    assert report["policies"]["none"]["simulated"]["step_time_ns"] > 0
+
+
+def lowered(**fields):
+    plan = {
+        "format": "ferry.plan/1",
+        "model": "m",
+        "device": DEVICE,
+        "budget_bytes": 0,
+        "ops": [{"name": "a/mm", "saved": "keep"}, {"name": "b/mm", "saved": "keep"}],
+        **fields,
+    }
+    return ferry._plan.offload_options(ferry.load_plan(plan))
+
+
+def test_a_plan_is_lowered_by_the_core_rule():
+    assert lowered()["policy"] == "none"
+    offloads = lowered(
+        ops=[{"name": "a/mm", "saved": "offload"}, {"name": "b/mm", "saved": "keep"}]
+    )
+    assert offloads["policy"] == "ferry"
+    inputs = lowered(regions=[{"first_op": 0, "end_op": 2, "inputs": "offload"}])
+    assert inputs["policy"] == "ferry"
+    knobs = lowered(
+        knobs={"min_bytes": 7, "prefetch": False, "horizon_bytes": 99}, host_budget_bytes=5
+    )
+    assert (knobs["min_bytes"], knobs["prefetch"], knobs["horizon_bytes"], knobs["host_cap"]) == (
+        7,
+        False,
+        99,
+        5,
+    )
+    assert "host_cap" not in lowered() and "horizon_bytes" not in lowered()
