@@ -1,14 +1,12 @@
 #include "ferry/real/runtime.hpp"
-// Checkpoint frames: the non-reentrant and the reentrant variant of torch.utils.checkpoint.
+// Checkpoint frames: the non-reentrant variant of torch.utils.checkpoint. The reentrant one:
+// checkpoint_reentrant.cpp.
 
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/SequenceNumber.h>
-#include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -32,6 +30,7 @@
 #include "ferry/real/cuda_device.hpp"
 #endif
 
+#include "replay_state.hpp"
 #include "saved_tensors.hpp"
 
 namespace ferry::real {
@@ -48,107 +47,6 @@ std::int64_t live_checkpoint_states() { return g_live_states.load(); }
 // --- checkpoint --------------------------------------------------------------------------------
 
 namespace {
-
-// The random state a region's forward saw, to replay it (CPU and the CUDA devices its inputs
-// live on).
-struct RngState {
-  at::Tensor cpu;
-  std::vector<std::pair<c10::DeviceIndex, at::Tensor>> cuda;
-};
-
-at::Tensor generator_state(at::Generator gen) {
-  std::lock_guard lock(gen.mutex());
-  return gen.get_state();
-}
-
-void set_generator_state(at::Generator gen, const at::Tensor& state) {
-  std::lock_guard lock(gen.mutex());
-  gen.set_state(state);
-}
-
-// The CPU state and that of each CUDA device in `devices`.
-RngState capture_rng(const std::vector<c10::DeviceIndex>& devices) {
-  RngState state;
-  state.cpu = generator_state(at::detail::getDefaultCPUGenerator());
-  for (const c10::DeviceIndex index : devices) {
-    state.cuda.emplace_back(
-        index, generator_state(at::globalContext().defaultGenerator(at::Device(at::kCUDA, index))));
-  }
-  return state;
-}
-
-// The CUDA devices of `inputs`, each once.
-std::vector<c10::DeviceIndex> cuda_devices(const std::vector<at::Tensor>& inputs) {
-  std::vector<c10::DeviceIndex> devices;
-  for (const at::Tensor& t : inputs) {
-    if (t.defined() && t.is_cuda() &&
-        std::find(devices.begin(), devices.end(), t.device().index()) == devices.end()) {
-      devices.push_back(t.device().index());
-    }
-  }
-  return devices;
-}
-
-void restore_rng(const RngState& state) {
-  set_generator_state(at::detail::getDefaultCPUGenerator(), state.cpu);
-  for (const auto& [index, s] : state.cuda) {
-    set_generator_state(at::globalContext().defaultGenerator(at::Device(at::kCUDA, index)), s);
-  }
-}
-
-// Note [Autocast in replays]
-// A region's replay runs in backward, outside the autocast context its forward ran in. Without
-// that context a mixed-precision forward's ops recompute in float32, the saved tensors differ
-// in dtype and the determinism check refuses them. So the forward's autocast state (enabled and
-// dtype, for CPU and for CUDA, and the cast cache switch) is captured when the region begins
-// and re-entered around its replay, as torch.utils.checkpoint does. Entering counts as one
-// autocast nesting level: leaving the outermost level clears the cast cache, as leaving
-// `torch.autocast` does.
-struct AutocastState {
-  struct PerDevice {
-    bool enabled = false;
-    at::ScalarType dtype = at::kFloat;
-  };
-  PerDevice cpu;
-  PerDevice cuda;
-  bool cache_enabled = true;
-};
-
-AutocastState capture_autocast() {
-  const auto per_device = [](at::DeviceType type) {
-    return AutocastState::PerDevice{at::autocast::is_autocast_enabled(type),
-                                    at::autocast::get_autocast_dtype(type)};
-  };
-  return AutocastState{per_device(at::kCPU), per_device(at::kCUDA),
-                       at::autocast::is_autocast_cache_enabled()};
-}
-
-void set_autocast(const AutocastState& state) {
-  at::autocast::set_autocast_enabled(at::kCPU, state.cpu.enabled);
-  at::autocast::set_autocast_dtype(at::kCPU, state.cpu.dtype);
-  at::autocast::set_autocast_enabled(at::kCUDA, state.cuda.enabled);
-  at::autocast::set_autocast_dtype(at::kCUDA, state.cuda.dtype);
-  at::autocast::set_autocast_cache_enabled(state.cache_enabled);
-}
-
-// Enters a captured autocast state for a scope; restores the one it found. See
-// Note [Autocast in replays].
-class AutocastScope {
- public:
-  explicit AutocastScope(const AutocastState& state) : outer_(capture_autocast()) {
-    set_autocast(state);
-    at::autocast::increment_nesting();
-  }
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
-  ~AutocastScope() {
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    set_autocast(outer_);
-  }
-
- private:
-  AutocastState outer_;
-};
 
 // Shape, dtype and device in words, as torch prints them:
 // {shape: [2, 8], dtype: bfloat16, device: cuda:0}.
@@ -432,111 +330,6 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
 void frame_end(const FrameToken& token) {
   pop_context(Context::Kind::Frame);
   token.state->end(token.frame);
-}
-
-// --- reentrant checkpoint ----------------------------------------------------------------------
-
-namespace {
-
-// What the backward of a reentrant region needs besides its inputs (held by autograd's context
-// as a capsule).
-struct ReentrantRegion : torch::CustomClassHolder {
-  RegionFn fn;
-  bool preserve_rng = true;
-  RngState rng;
-  AutocastState autocast;
-};
-
-// Note [Reentrant checkpoint]
-// As torch's CheckpointFunction: forward runs the region without grad (a custom Function's
-// forward does) and saves only its inputs; backward reruns the region with grad, under the
-// forward's random and autocast state, from detached inputs, and backpropagates through the
-// rerun with a nested backward call. That nested call is why .grad() and backward(inputs=...)
-// cannot work: the engine says whether the outer call may be reentered.
-struct ReentrantFunction : torch::autograd::Function<ReentrantFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const c10::intrusive_ptr<ReentrantRegion>& region,
-                                                at::TensorList inputs) {
-    ctx->saved_data["region"] = c10::IValue::make_capsule(region);
-    std::vector<at::Tensor> in = inputs.vec();
-    ctx->save_for_backward(in);
-    return region->fn(in);
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
-      throw std::runtime_error(
-          "ferry.checkpoint: use_reentrant=True is incompatible with .grad() or with passing "
-          "`inputs` to .backward(); use use_reentrant=False, or call .backward() without "
-          "`inputs`");
-    }
-    const auto region =
-        c10::static_intrusive_pointer_cast<ReentrantRegion>(ctx->saved_data["region"].toCapsule());
-    std::vector<at::Tensor> inputs;
-    for (const at::Tensor& saved : ctx->get_saved_variables()) {
-      inputs.push_back(saved.defined() ? saved.detach().requires_grad_(saved.requires_grad())
-                                       : saved);
-    }
-    std::vector<at::Tensor> outputs;
-    {
-      RngState outer;
-      if (region->preserve_rng) {
-        std::vector<c10::DeviceIndex> devices;
-        for (const auto& entry : region->rng.cuda) devices.push_back(entry.first);
-        outer = capture_rng(devices);
-        restore_rng(region->rng);
-      }
-      try {
-        at::AutoGradMode grad(true);
-        AutocastScope autocast(region->autocast);
-        outputs = region->fn(inputs);
-      } catch (...) {
-        if (region->preserve_rng) restore_rng(outer);
-        throw;
-      }
-      if (region->preserve_rng) restore_rng(outer);
-    }
-    std::vector<at::Tensor> roots;
-    std::vector<at::Tensor> root_grads;
-    for (std::size_t i = 0; i < outputs.size() && i < grads.size(); ++i) {
-      if (outputs[i].defined() && outputs[i].requires_grad()) {
-        roots.push_back(outputs[i]);
-        root_grads.push_back(grads[i]);
-      }
-    }
-    if (roots.empty()) {
-      throw std::runtime_error(
-          "ferry.checkpoint: none of the outputs requires grad; this checkpoint is not "
-          "necessary");
-    }
-    torch::autograd::backward(roots, root_grads);
-    torch::autograd::variable_list result{at::Tensor()};  // the region: not a tensor
-    for (const at::Tensor& in : inputs) result.push_back(in.defined() ? in.grad() : at::Tensor());
-    return result;
-  }
-};
-
-}  // namespace
-
-std::vector<at::Tensor> checkpoint_reentrant(const RegionFn& fn,
-                                             const std::vector<at::Tensor>& inputs,
-                                             const CheckpointOptions& options) {
-  if (at::GradMode::is_enabled() &&
-      std::none_of(inputs.begin(), inputs.end(),
-                   [](const at::Tensor& t) { return t.defined() && t.requires_grad(); })) {
-    TORCH_WARN(
-        "ferry.checkpoint: none of the inputs has requires_grad=True; gradients will be "
-        "None");
-  }
-  auto region = c10::make_intrusive<ReentrantRegion>();
-  region->fn = fn;
-  region->preserve_rng = options.preserve_rng_state;
-  if (options.preserve_rng_state) region->rng = capture_rng(cuda_devices(inputs));
-  region->autocast = capture_autocast();
-  // A TensorList: each input is an autograd input of the Function (a vector would be one
-  // opaque argument).
-  return ReentrantFunction::apply(region, at::TensorList(inputs));
 }
 
 // What the innermost region does with a saved tensor (its frame when a checkpoint's).

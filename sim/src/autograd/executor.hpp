@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -186,7 +187,33 @@ class Executor {
   std::uint64_t forward_content(std::uint32_t i, const Task& task, std::uint32_t j,
                                 const Access& a) const;
 
+  /// Runs partition j's ops for micro-batch i in one pass (Pass).
   void run_ops(std::uint32_t i, std::uint32_t j, Pass pass);
+
+  /// A recompute reads the chain inputs again: held once per read and save.
+  void hold_chain_inputs(Task& task, std::uint32_t j);
+
+  /// Takes op k's skip tensors out of their portals (orange()).
+  void pop_skips(std::uint32_t i, std::uint32_t k, Task& task, bool grad);
+
+  /// Op k's reads, once per tensor; returns the value its outputs derive from.
+  std::uint64_t gather_reads(std::uint32_t i, const Task& task, std::uint32_t j, std::uint32_t k,
+                             std::vector<Read>& reads);
+
+  /// Allocates op k's outputs, held by their readers (and savers, senders, the loss).
+  void allocate_outputs(std::uint32_t i, std::uint32_t j, std::uint32_t k, Pass pass,
+                        std::uint64_t value, Task& task, std::vector<Write>& writes,
+                        std::vector<TensorId>& created);
+
+  /// Records what op k saves; a grad-mode forward packs local tensors through the offloader.
+  void save_for_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k, Task& task,
+                         bool recompute);
+
+  /// Puts op k's skip tensors into their portals; blue() takes each out once.
+  void stash_skips(std::uint32_t i, std::uint32_t k, Task& task, Pass pass);
+
+  /// The label suffix of a pass: "", " (no grad)", " (recompute)".
+  static const char* pass_suffix(Pass pass);
 
   // ----- backward -----
 
@@ -215,7 +242,30 @@ class Executor {
 
   [[nodiscard]] std::vector<OffloadTelemetry> telemetry() const;
 
+  /// Node k's backward for micro-batch i on partition j: one kernel, then the let-gos.
   void op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k);
+
+  // The gradients one node's backward adds to.
+  struct GradTargets {
+    std::map<std::uint32_t, std::uint64_t> add;      ///< buffer handle -> contribution
+    std::set<std::uint32_t> fresh;                   ///< created here: they start from zero
+    std::map<std::uint32_t, TensorId> portal_grads;  ///< skip -> gradient for its portal
+  };
+
+  /// Reads the gradients of node k's outputs (each base once); returns those bases.
+  std::vector<std::uint32_t> read_output_grads(std::uint32_t i, std::uint32_t j, std::uint32_t k,
+                                               std::vector<Read>& reads, std::uint64_t& h);
+
+  /// The gradient buffer input `a` contributes to, allocated on first use; invalid when
+  /// the input takes no gradient.
+  TensorId grad_target(std::uint32_t i, std::uint32_t j, const Access& a, GradTargets& targets);
+
+  /// After node k's backward kernel: the holders let go, the portal gets its gradients, and
+  /// the offloader's post-hook runs.
+  void let_go_after_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k,
+                             const std::vector<std::uint32_t>& out_bases,
+                             const GradTargets& targets,
+                             const std::vector<Device::Buffer>& unpacked);
 
   // ----- end of step -----
 

@@ -183,13 +183,11 @@ std::vector<OffloadTelemetry> Executor::telemetry() const {
   return out;
 }
 
-void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
-  Task& task = tasks_[i][j];
+std::vector<std::uint32_t> Executor::read_output_grads(std::uint32_t i, std::uint32_t j,
+                                                       std::uint32_t k, std::vector<Read>& reads,
+                                                       std::uint64_t& h) {
+  const Task& task = tasks_[i][j];
   const ModelOp& op = model_.ops[k];
-  const std::uint32_t first = plan_.starts[j];
-  std::vector<Read> reads;
-  std::uint64_t h = mix_content(mix_content(kBackwardTag, k), i);
-  const std::vector<Device::Buffer> unpacked = unpack_saved(i, j, k, reads, h);
   std::vector<std::uint32_t> out_bases;
   for (const std::uint32_t t : op.outputs) {
     const std::uint32_t b = plan_.base[t];
@@ -202,57 +200,38 @@ void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
     reads.push_back(Read{it->second, whole(it->second), content(it->second)});
     h = mix_content(h, content(it->second));
   }
-  // Contributions per target buffer; a target created here starts from zero.
-  std::map<std::uint32_t, std::uint64_t> add;  // buffer handle -> contribution
-  std::set<std::uint32_t> fresh;
-  std::map<std::uint32_t, TensorId> portal_grads;  // skip -> gradient for its portal
-  for (std::uint32_t slot = 0; slot < op.inputs.size(); ++slot) {
-    const Access& a = plan_.reads[k][slot];
-    const std::uint64_t c = mix_content(h, slot + 1);
-    const TensorRole role = model_.tensors[a.base].role;
-    TensorId target;
-    if (role == TensorRole::Param) {
-      target = param_grads_[j].at(a.base);
-    } else if (role != TensorRole::Activation) {
-      continue;
-    } else if (a.route == Route::Portal) {
-      auto it = portal_grads.find(a.skip);
-      if (it == portal_grads.end()) {
-        const ModelTensor& t = model_.tensors[a.base];
-        it = portal_grads
-                 .emplace(a.skip, allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
-                                           mb_label(i, t.name + ".grad (portal)")))
-                 .first;
-        fresh.insert(it->second.value());
-      }
-      target = it->second;
-    } else {
-      auto it = task.grads.find(a.base);
-      if (it == task.grads.end()) {
-        const ModelTensor& t = model_.tensors[a.base];
-        it = task.grads
-                 .emplace(a.base, allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
-                                           mb_label(i, t.name + ".grad")))
-                 .first;
-        fresh.insert(it->second.value());
-      }
-      target = it->second;
-    }
-    add[target.value()] += c;
+  return out_bases;
+}
+
+TensorId Executor::grad_target(std::uint32_t i, std::uint32_t j, const Access& a,
+                               GradTargets& targets) {
+  const TensorRole role = model_.tensors[a.base].role;
+  if (role == TensorRole::Param) return param_grads_[j].at(a.base);
+  if (role != TensorRole::Activation) return TensorId();
+  const bool portal = a.route == Route::Portal;
+  std::map<std::uint32_t, TensorId>& grads = portal ? targets.portal_grads : tasks_[i][j].grads;
+  const std::uint32_t key = portal ? a.skip : a.base;
+  auto it = grads.find(key);
+  if (it == grads.end()) {
+    const ModelTensor& t = model_.tensors[a.base];
+    it = grads
+             .emplace(key, allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
+                                    mb_label(i, t.name + (portal ? ".grad (portal)" : ".grad"))))
+             .first;
+    targets.fresh.insert(it->second.value());
   }
-  std::vector<Write> writes;
-  for (const auto& [handle, c] : add) {
-    const TensorId target(handle);
-    const std::uint64_t before = fresh.contains(handle) ? 0 : buf(target).sum;
-    if (!fresh.contains(handle)) {
-      reads.push_back(Read{target, whole(target), content(target)});
-    }
-    writes.push_back(Write{target, grad_content(before + c), before + c});
-  }
-  launch(j, op.backward_duration, reads, writes, mb_label(i, op.name + " backward"));
+  return it->second;
+}
+
+void Executor::let_go_after_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k,
+                                     const std::vector<std::uint32_t>& out_bases,
+                                     const GradTargets& targets,
+                                     const std::vector<Device::Buffer>& unpacked) {
+  Task& task = tasks_[i][j];
+  std::vector<SavedRef>& saved = task.saved[k - plan_.starts[j]];
   // The pipeline's holders let go first, so each free follows its last use at once; then the
   // offloader's post-hook runs (Note [Offload in stages]).
-  for (const SavedRef& ref : task.saved[k - first]) {
+  for (const SavedRef& ref : saved) {
     if (!ref.offloaded.valid()) let_go_saved(j, ref);
   }
   for (const std::uint32_t b : out_bases) {
@@ -260,16 +239,40 @@ void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
     task.grads.erase(b);
   }
   // The orange node's backward puts the gradient into the portal.
-  for (const auto& [s, g] : portal_grads) {
+  for (const auto& [s, g] : targets.portal_grads) {
     track(g, key(s, i), true);
     if (const auto dropped = portals_.put_grad(key(s, i), g)) release(*dropped);
   }
   for (const Device::Buffer& b : unpacked) devices_[j]->drop(b);
   if (!offloaders_.empty()) offloaders_[j]->node_done(node_id(i, k));
-  for (const SavedRef& ref : task.saved[k - first]) {
+  for (const SavedRef& ref : saved) {
     if (ref.offloaded.valid()) let_go_saved(j, ref);
   }
-  task.saved[k - first].clear();
+  saved.clear();
+}
+
+void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
+  const ModelOp& op = model_.ops[k];
+  std::vector<Read> reads;
+  std::uint64_t h = mix_content(mix_content(kBackwardTag, k), i);
+  const std::vector<Device::Buffer> unpacked = unpack_saved(i, j, k, reads, h);
+  const std::vector<std::uint32_t> out_bases = read_output_grads(i, j, k, reads, h);
+  // Contributions per target buffer; a target created here starts from zero.
+  GradTargets targets;
+  for (std::uint32_t slot = 0; slot < op.inputs.size(); ++slot) {
+    const TensorId target = grad_target(i, j, plan_.reads[k][slot], targets);
+    if (target.valid()) targets.add[target.value()] += mix_content(h, slot + 1);
+  }
+  std::vector<Write> writes;
+  for (const auto& [handle, c] : targets.add) {
+    const TensorId target(handle);
+    const bool fresh = targets.fresh.contains(handle);
+    const std::uint64_t before = fresh ? 0 : buf(target).sum;
+    if (!fresh) reads.push_back(Read{target, whole(target), content(target)});
+    writes.push_back(Write{target, grad_content(before + c), before + c});
+  }
+  launch(j, op.backward_duration, reads, writes, mb_label(i, op.name + " backward"));
+  let_go_after_backward(i, j, k, out_bases, targets, unpacked);
 }
 
 void Executor::finish_step() {

@@ -163,90 +163,100 @@ struct RoutesIn {
   std::vector<std::set<std::uint32_t>> chain_in, inputs_of, params_of, grads_of;
 };
 
+// How op k reaches tensor t: resident, a batch input, or its producer's partition (local, the
+// chain, or a portal when t is a cross skip that k consumes).
+Access access_of(const Plan& plan, const Model& model, std::uint32_t k, std::uint32_t t) {
+  Access a;
+  a.tensor = t;
+  a.base = plan.base[t];
+  const ModelTensor& storage = model.tensors[a.base];
+  if (storage.role == TensorRole::Param || storage.role == TensorRole::Buffer) {
+    a.route = Route::Resident;
+  } else if (storage.role == TensorRole::Input) {
+    a.route = Route::Input;
+  } else {
+    FERRY_CHECK(plan.producer[a.base] >= 0, "op {} uses '{}', which no op produces", k,
+                storage.name);
+    const auto from = static_cast<std::uint32_t>(plan.producer[a.base]);
+    a.route = plan.partition_of[from] == plan.partition_of[k] ? Route::Local : Route::Chain;
+    for (const std::uint32_t s : plan.pops[k]) {
+      if (plan.skips[s].tensor == t) {
+        a.route = Route::Portal;
+        a.skip = s;
+      }
+    }
+  }
+  return a;
+}
+
+// Notes what op k's partition needs for access `a`: a batch input, a resident tensor, or a
+// chain tensor copied into every partition from its producer's to k's.
+void route_in(const Plan& plan, RoutesIn& routes, std::uint32_t k, const Access& a) {
+  const std::uint32_t j = plan.partition_of[k];
+  if (a.route == Route::Input) routes.inputs_of[j].insert(a.base);
+  if (a.route == Route::Resident) routes.params_of[j].insert(a.base);
+  if (a.route == Route::Chain) {
+    const std::uint32_t from = plan.partition_of[static_cast<std::uint32_t>(plan.producer[a.base])];
+    for (std::uint32_t p = from + 1; p <= j; ++p) routes.chain_in[p].insert(a.base);
+  }
+}
+
+// Op k's reads, and its uses: the distinct held sources, each counted once as a read.
+void plan_reads(Plan& plan, const Model& model, RoutesIn& routes, std::uint32_t k) {
+  const std::uint32_t j = plan.partition_of[k];
+  for (const std::uint32_t t : model.ops[k].inputs) {
+    const Access a = access_of(plan, model, k, t);
+    plan.reads[k].push_back(a);
+    route_in(plan, routes, k, a);
+    if (a.route == Route::Resident && model.tensors[a.base].role == TensorRole::Param) {
+      routes.grads_of[j].insert(a.base);
+    }
+    if (!a.held()) continue;
+    const bool seen = std::any_of(plan.uses[k].begin(), plan.uses[k].end(),
+                                  [&](const Access& u) { return u.same_source(a); });
+    if (seen) continue;
+    plan.uses[k].push_back(a);
+    if (a.route == Route::Local) ++plan.local_counts[a.base].reads;
+    if (a.route == Route::Chain) ++plan.chain_counts[j][a.base].reads;
+  }
+}
+
+// Op k's saved tensors, each counted as a save of its source.
+void plan_saves(Plan& plan, const Model& model, RoutesIn& routes, std::uint32_t k) {
+  const std::uint32_t j = plan.partition_of[k];
+  for (const std::uint32_t t : model.ops[k].saved) {
+    // A saved tensor is the one the op read, if it read it; else its own output or a tensor
+    // reachable like a read.
+    Access a = access_of(plan, model, k, t);
+    for (const Access& r : plan.reads[k]) {
+      if (r.tensor == t) a = r;
+    }
+    plan.saves[k].push_back(a);
+    route_in(plan, routes, k, a);
+    if (a.route == Route::Local) ++plan.local_counts[a.base].saves;
+    if (a.route == Route::Chain) ++plan.chain_counts[j][a.base].saves;
+    if (a.route == Route::Portal) ++plan.portal_saves[a.skip];
+  }
+}
+
 // How each op reaches what it reads and saves, and who holds each local and chain tensor.
 RoutesIn plan_accesses(Plan& plan, const Model& model, std::size_t skip_count) {
   const std::size_t ops = model.ops.size();
-  const std::size_t tensors = model.tensors.size();
   const std::uint32_t parts = plan.partitions();
-  const auto access = [&](std::uint32_t k, std::uint32_t t) {
-    Access a;
-    a.tensor = t;
-    a.base = plan.base[t];
-    const ModelTensor& storage = model.tensors[a.base];
-    if (storage.role == TensorRole::Param || storage.role == TensorRole::Buffer) {
-      a.route = Route::Resident;
-    } else if (storage.role == TensorRole::Input) {
-      a.route = Route::Input;
-    } else {
-      FERRY_CHECK(plan.producer[a.base] >= 0, "op {} uses '{}', which no op produces", k,
-                  storage.name);
-      const auto from = static_cast<std::uint32_t>(plan.producer[a.base]);
-      a.route = plan.partition_of[from] == plan.partition_of[k] ? Route::Local : Route::Chain;
-      for (const std::uint32_t s : plan.pops[k]) {
-        if (plan.skips[s].tensor == t) {
-          a.route = Route::Portal;
-          a.skip = s;
-        }
-      }
-    }
-    return a;
-  };
   plan.reads.resize(ops);
   plan.saves.resize(ops);
   plan.uses.resize(ops);
   plan.chain_counts.resize(parts);
-  plan.local_counts.resize(tensors);
+  plan.local_counts.resize(model.tensors.size());
   plan.portal_saves.assign(skip_count, 0);
   plan.chain_in.resize(parts);
   RoutesIn routes{.chain_in = std::vector<std::set<std::uint32_t>>(parts),
                   .inputs_of = std::vector<std::set<std::uint32_t>>(parts),
                   .params_of = std::vector<std::set<std::uint32_t>>(parts),
                   .grads_of = std::vector<std::set<std::uint32_t>>(parts)};
-  auto& chain_in = routes.chain_in;
-  auto& inputs_of = routes.inputs_of;
-  auto& params_of = routes.params_of;
-  auto& grads_of = routes.grads_of;
-  const auto route_in = [&](std::uint32_t k, const Access& a) {
-    const std::uint32_t j = plan.partition_of[k];
-    if (a.route == Route::Input) inputs_of[j].insert(a.base);
-    if (a.route == Route::Resident) params_of[j].insert(a.base);
-    if (a.route == Route::Chain) {
-      const std::uint32_t from =
-          plan.partition_of[static_cast<std::uint32_t>(plan.producer[a.base])];
-      for (std::uint32_t p = from + 1; p <= j; ++p) chain_in[p].insert(a.base);
-    }
-  };
   for (std::uint32_t k = 0; k < ops; ++k) {
-    const ModelOp& op = model.ops[k];
-    const std::uint32_t j = plan.partition_of[k];
-    for (const std::uint32_t t : op.inputs) {
-      const Access a = access(k, t);
-      plan.reads[k].push_back(a);
-      route_in(k, a);
-      if (a.route == Route::Resident && model.tensors[a.base].role == TensorRole::Param) {
-        grads_of[j].insert(a.base);
-      }
-      if (!a.held()) continue;
-      const bool seen = std::any_of(plan.uses[k].begin(), plan.uses[k].end(),
-                                    [&](const Access& u) { return u.same_source(a); });
-      if (seen) continue;
-      plan.uses[k].push_back(a);
-      if (a.route == Route::Local) ++plan.local_counts[a.base].reads;
-      if (a.route == Route::Chain) ++plan.chain_counts[j][a.base].reads;
-    }
-    for (const std::uint32_t t : op.saved) {
-      // A saved tensor is the one the op read, if it read it; else its own output or a tensor
-      // reachable like a read.
-      Access a = access(k, t);
-      for (const Access& r : plan.reads[k]) {
-        if (r.tensor == t) a = r;
-      }
-      plan.saves[k].push_back(a);
-      route_in(k, a);
-      if (a.route == Route::Local) ++plan.local_counts[a.base].saves;
-      if (a.route == Route::Chain) ++plan.chain_counts[j][a.base].saves;
-      if (a.route == Route::Portal) ++plan.portal_saves[a.skip];
-    }
+    plan_reads(plan, model, routes, k);
+    plan_saves(plan, model, routes, k);
   }
   return routes;
 }

@@ -190,6 +190,22 @@ class Trainer {
   // post-hook, release.
   void run_node(std::uint32_t n, bool last_pass, std::size_t k);
 
+  // Node n's saved tensors, unpacked and read by its kernel; their values fold into `g`. The
+  // caller owns one reference to each storage returned.
+  std::vector<Device::Buffer> unpack_node(std::uint32_t n, std::vector<Region>& reads,
+                                          std::uint64_t& g);
+
+  // The gradients node n writes for its inputs (each base once, summed over consumers);
+  // returns the bases written.
+  std::vector<std::uint32_t> write_input_grads(std::uint32_t n, std::uint64_t g,
+                                               std::vector<Region>& writes,
+                                               std::vector<std::uint64_t>& values);
+
+  // After node n's kernel: the unpacked storages go (one may escape into the next node), so do
+  // its outputs' gradients; the post-hook runs, and the last pass releases what it saved.
+  void let_go_after_node(std::uint32_t n, bool last_pass, std::size_t k,
+                         const std::vector<Device::Buffer>& unpacked);
+
   // A backward through node k in a graph task of its own, in the middle of forward: its saved
   // tensors come back (a frame still running is recomputed from its inputs), its kernel runs
   // into a scratch result, and nothing is released: the real backward needs them again.

@@ -205,14 +205,9 @@ std::int32_t Trainer::reentrant_region_of(std::uint32_t op) const {
   return r >= 0 && options_.checkpoint.regions[static_cast<std::size_t>(r)].reentrant ? r : -1;
 }
 
-void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
-  const ModelOp& op = model_.ops[n];
-  std::vector<Region> reads;
-  std::vector<Region> writes;
-  std::vector<std::uint64_t> values;
+std::vector<Device::Buffer> Trainer::unpack_node(std::uint32_t n, std::vector<Region>& reads,
+                                                 std::uint64_t& g) {
   std::vector<Device::Buffer> unpacked;
-  std::uint64_t g = mix_content(kGradSalt, n + 1);
-  switch_to(op_stream(n, false));  // the engine runs a node on its forward's stream
   for (const Saved& s : saved_[n]) {
     const Bound b = unpack(s, n);
     if (options_.unpack_twice) device_.drop(unpack(s, n).buffer);  // a holder refuses this
@@ -222,16 +217,14 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
     unpacked.push_back(b.buffer);
     g = mix_content(g, b.value);
   }
-  if (escaped_) reads.push_back(Region{escaped_->id, Bytes(0), Bytes(1)});
-  for (const std::uint32_t t : op.outputs) {
-    const std::uint32_t b = base(t);
-    if (grads_[b]) {
-      reads.push_back(Region{grads_[b]->id, Bytes(0), model_.tensors[b].bytes});
-      g = mix_content(g, grad_values_[b]);
-    }
-  }
+  return unpacked;
+}
+
+std::vector<std::uint32_t> Trainer::write_input_grads(std::uint32_t n, std::uint64_t g,
+                                                      std::vector<Region>& writes,
+                                                      std::vector<std::uint64_t>& values) {
   std::vector<std::uint32_t> written;
-  for (const std::uint32_t t : op.inputs) {
+  for (const std::uint32_t t : model_.ops[n].inputs) {
     const std::uint32_t b = base(t);
     if (std::find(written.begin(), written.end(), b) != written.end()) continue;
     const TensorRole role = model_.tensors[b].role;
@@ -249,15 +242,11 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
       values.push_back(param_grad_values_[b]);
     }
   }
-  used_on_current(reads);
-  used_on_current(writes);
-  run_.sim.kernel(current_, op.backward_duration, reads, writes, op.name + " backward", values);
-  if (comm_.valid() && last_pass) {
-    for (const std::uint32_t b : written) {
-      const auto last = last_grad_node_.find(b);
-      if (last != last_grad_node_.end() && last->second == n) all_reduce(b);
-    }
-  }
+  return written;
+}
+
+void Trainer::let_go_after_node(std::uint32_t n, bool last_pass, std::size_t k,
+                                const std::vector<Device::Buffer>& unpacked) {
   if (escaped_) {
     device_.drop(*escaped_);
     escaped_.reset();
@@ -271,7 +260,7 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
       device_.drop(unpacked[u]);
     }
   }
-  for (const std::uint32_t t : op.outputs) {
+  for (const std::uint32_t t : model_.ops[n].outputs) {
     const std::uint32_t b = base(t);
     if (grads_[b] && b != base(model_.loss)) {
       device_.drop(*grads_[b]);
@@ -284,6 +273,35 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
       if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
     }
   }
+}
+
+void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
+  const ModelOp& op = model_.ops[n];
+  std::vector<Region> reads;
+  std::vector<Region> writes;
+  std::vector<std::uint64_t> values;
+  std::uint64_t g = mix_content(kGradSalt, n + 1);
+  switch_to(op_stream(n, false));  // the engine runs a node on its forward's stream
+  const std::vector<Device::Buffer> unpacked = unpack_node(n, reads, g);
+  if (escaped_) reads.push_back(Region{escaped_->id, Bytes(0), Bytes(1)});
+  for (const std::uint32_t t : op.outputs) {
+    const std::uint32_t b = base(t);
+    if (grads_[b]) {
+      reads.push_back(Region{grads_[b]->id, Bytes(0), model_.tensors[b].bytes});
+      g = mix_content(g, grad_values_[b]);
+    }
+  }
+  const std::vector<std::uint32_t> written = write_input_grads(n, g, writes, values);
+  used_on_current(reads);
+  used_on_current(writes);
+  run_.sim.kernel(current_, op.backward_duration, reads, writes, op.name + " backward", values);
+  if (comm_.valid() && last_pass) {
+    for (const std::uint32_t b : written) {
+      const auto last = last_grad_node_.find(b);
+      if (last != last_grad_node_.end() && last->second == n) all_reduce(b);
+    }
+  }
+  let_go_after_node(n, last_pass, k, unpacked);
 }
 
 void Trainer::backward_inside(std::uint32_t k) {

@@ -128,6 +128,58 @@ void HazardChecker::coalesce(Shadow& shadow, Shadow::iterator it, std::int64_t h
   }
 }
 
+// access_clock and note_last_access run on every access: inline, as when they were part of it.
+inline const HazardChecker::Clock& HazardChecker::access_clock(ThreadIndex thread,
+                                                               BufferId buffer) {
+  // A buffer holding bytes of a deferred free is ordered after its markers (a floor).
+  const bool floored =
+      buffer.value() < buffer_floor_.size() && buffer_floor_[buffer.value()] != kNoFloor;
+  if (!floored) return clocks_.at(thread);
+  scratch_ = clocks_.at(thread);
+  join(scratch_, snapshots_[buffer_floor_[buffer.value()]]);
+  return scratch_;
+}
+
+inline void HazardChecker::note_last_access(const Access& self) {
+  if (last_access_.size() <= self.buffer.value()) last_access_.resize(self.buffer.value() + 1);
+  std::vector<std::uint32_t>& last = last_access_[self.buffer.value()];
+  if (last.size() <= self.thread) last.resize(self.thread + 1, 0);
+  last[self.thread] = self.epoch;
+}
+
+void HazardChecker::emit(const Access& earlier, const Access& self, SpaceIndex space,
+                         std::size_t first_new, Conflict conflict, std::int64_t lo,
+                         std::int64_t hi) {
+  // Ranges arrive in address order: extend the previous report of this pair when contiguous.
+  for (std::size_t i = first_new; i < hazards_.size(); ++i) {
+    Hazard& h = hazards_[i];
+    if (h.first == earlier.op && h.conflict == conflict && h.hi.count() == lo) {
+      h.hi = Bytes(hi);
+      return;
+    }
+  }
+  HazardKind kind = HazardKind::Race;
+  if (earlier.buffer != self.buffer) {
+    kind = HazardKind::Reuse;
+    // See Note [Latent reuse]: the defect was reported at the free.
+    const auto latent = earlier.latent ? latent_.find({earlier.op.value(), earlier.buffer.value(),
+                                                       conflict != Conflict::WriteAfterRead})
+                                       : latent_.end();
+    if (latent != latent_.end()) {
+      Hazard& h = hazards_[latent->second];
+      if (!h.reused_by.valid()) {
+        h.reused_by = self.op;
+        h.reused_buffer = self.buffer;
+      }
+      return;
+    }
+  } else if (self.origin == AccessOrigin::Host && earlier.origin == AccessOrigin::Copy) {
+    kind = HazardKind::HostBeforeCopy;
+  }
+  hazards_.push_back(Hazard{kind, conflict, earlier.op, self.op, earlier.buffer, self.buffer, space,
+                            Bytes(lo), Bytes(hi)});
+}
+
 void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, BufferId buffer,
                            SpaceIndex space, Bytes lo_bytes, Bytes hi_bytes, bool write) {
   const std::int64_t lo = lo_bytes.count();
@@ -135,51 +187,13 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
   if (lo >= hi) return;
   while (spaces_.size() <= space) spaces_.emplace_back(Shadow::allocator_type(pool_.get()));
   Shadow& shadow = spaces_[space];
-  // A buffer holding bytes of a deferred free is ordered after its markers (a floor).
-  const bool floored =
-      buffer.value() < buffer_floor_.size() && buffer_floor_[buffer.value()] != kNoFloor;
-  if (floored) {
-    scratch_ = clocks_.at(thread);
-    join(scratch_, snapshots_[buffer_floor_[buffer.value()]]);
-  }
-  const Clock& now = floored ? scratch_ : clocks_.at(thread);
+  const Clock& now = access_clock(thread, buffer);
   const Access self{thread, clocks_[thread][thread], op, buffer, origin};
-  if (last_access_.size() <= buffer.value()) last_access_.resize(buffer.value() + 1);
-  std::vector<std::uint32_t>& last = last_access_[buffer.value()];
-  if (last.size() <= thread) last.resize(thread + 1, 0);
-  last[thread] = self.epoch;
+  note_last_access(self);
   const std::size_t first_new = hazards_.size();
-
-  auto emit = [&](const Access& earlier, Conflict conflict, std::int64_t seg_lo,
-                  std::int64_t seg_hi) {
-    // Ranges arrive in address order: extend the previous report of this pair when contiguous.
-    for (std::size_t i = first_new; i < hazards_.size(); ++i) {
-      Hazard& h = hazards_[i];
-      if (h.first == earlier.op && h.conflict == conflict && h.hi.count() == seg_lo) {
-        h.hi = Bytes(seg_hi);
-        return;
-      }
-    }
-    HazardKind kind = HazardKind::Race;
-    if (earlier.buffer != buffer) {
-      kind = HazardKind::Reuse;
-      // See Note [Latent reuse]: the defect was reported at the free.
-      const auto latent = earlier.latent ? latent_.find({earlier.op.value(), earlier.buffer.value(),
-                                                         conflict != Conflict::WriteAfterRead})
-                                         : latent_.end();
-      if (latent != latent_.end()) {
-        Hazard& h = hazards_[latent->second];
-        if (!h.reused_by.valid()) {
-          h.reused_by = op;
-          h.reused_buffer = buffer;
-        }
-        return;
-      }
-    } else if (origin == AccessOrigin::Host && earlier.origin == AccessOrigin::Copy) {
-      kind = HazardKind::HostBeforeCopy;
-    }
-    hazards_.push_back(Hazard{kind, conflict, earlier.op, op, earlier.buffer, buffer, space,
-                              Bytes(seg_lo), Bytes(seg_hi)});
+  const auto report = [&](const Access& earlier, Conflict conflict, std::int64_t seg_lo,
+                          std::int64_t seg_hi) {
+    emit(earlier, self, space, first_new, conflict, seg_lo, seg_hi);
   };
 
   // One look-up: the segment holding `lo` (split there), then a walk to `hi` that fills gaps
@@ -201,12 +215,12 @@ void HazardChecker::access(ThreadIndex thread, OpId op, AccessOrigin origin, Buf
     const std::int64_t seg_hi = seg.hi.count();
     for (const Access& w : seg.writes) {
       if (!ordered_before(w, now)) {
-        emit(w, write ? Conflict::WriteAfterWrite : Conflict::ReadAfterWrite, pos, seg_hi);
+        report(w, write ? Conflict::WriteAfterWrite : Conflict::ReadAfterWrite, pos, seg_hi);
       }
     }
     if (write && !faults_.skip_write_after_read) {
       for (const Access& r : seg.reads) {
-        if (!ordered_before(r, now)) emit(r, Conflict::WriteAfterRead, pos, seg_hi);
+        if (!ordered_before(r, now)) report(r, Conflict::WriteAfterRead, pos, seg_hi);
       }
     }
     AccessSet& frontier = write ? seg.writes : seg.reads;

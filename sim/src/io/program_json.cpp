@@ -14,63 +14,17 @@
 #include "ferry/sim/io/text_file.hpp"
 #include "ferry/sim/json/json_reader.hpp"
 #include "json_files.hpp"
+#include "name_table.hpp"
 
 namespace ferry::sim {
 namespace {
 
+using io_detail::NameTable;
 using io_detail::read_nanoseconds;
 using io_detail::read_profile;
 using io_detail::read_rate;
 
-/// At most this many declared names are listed after an unknown one.
-constexpr std::size_t kListedNames = 8;
-
 // Programs
-
-/// Declared names of one kind (devices, streams, buffers, events) and their indices.
-class NameTable {
- public:
-  explicit NameTable(std::string_view what) : what_(what) {}
-
-  /// Declares the name held by `at`; a second declaration of a name is an error.
-  Result<std::uint32_t> declare(const JsonValue& at) {
-    FERRY_JSON_TRY(auto name, at.name());
-    if (const auto it = index_.find(name); it != index_.end()) {
-      return at.error("duplicate {} name {} (first declared at {})", what_, json_quote(name),
-                      paths_[it->second]);
-    }
-    if (names_.size() >= static_cast<std::size_t>(StreamId::kInvalid)) {
-      return at.error("too many {}s", what_);
-    }
-    const auto index = static_cast<std::uint32_t>(names_.size());
-    index_.emplace(name, index);
-    names_.push_back(std::move(name));
-    paths_.push_back(at.path());
-    return index;
-  }
-
-  /// The index of the declared name held by `at`.
-  [[nodiscard]] Result<std::uint32_t> resolve(const JsonValue& at) const {
-    FERRY_JSON_TRY(const auto name, at.name());
-    if (const auto it = index_.find(name); it != index_.end()) return it->second;
-    if (names_.empty()) return at.error("unknown {} {} (none declared)", what_, json_quote(name));
-    std::vector<std::string> shown;
-    for (std::size_t i = 0; i < names_.size() && i < kListedNames; ++i) {
-      shown.push_back(json_quote(names_[i]));
-    }
-    if (names_.size() > kListedNames) shown.emplace_back("...");
-    return at.error("unknown {} {} (declared: {})", what_, json_quote(name),
-                    fmt::join(shown, ", "));
-  }
-
-  [[nodiscard]] const std::string& name(std::uint32_t index) const { return names_.at(index); }
-
- private:
-  std::string_view what_;
-  std::map<std::string, std::uint32_t, std::less<>> index_;
-  std::vector<std::string> names_;
-  std::vector<std::string> paths_;
-};
 
 struct OpSpec {
   std::string_view name;

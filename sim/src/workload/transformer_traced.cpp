@@ -107,18 +107,18 @@ class Tracer {
   const Dims& x_;
 };
 
-void traced_layer(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t& stream,
-                  std::uint32_t cos, std::uint32_t sin) {
+/// Layer `layer`'s self-attention over `normed` (which op `normed_by` wrote): the Q, K and V
+/// projections, rotary embedding with `cos` and `sin`, the repeated key and value heads, flash
+/// attention and the output projection. Returns o_proj's output.
+std::uint32_t traced_attention(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t normed,
+                               std::size_t normed_by, std::uint32_t cos, std::uint32_t sin) {
   ModelBuilder& m = tr.builder();
-  const std::string p = fmt::format("model.layers.{}", layer);
-  const std::string a = p + ".self_attn";
+  const std::string a = fmt::format("model.layers.{}.self_attn", layer);
   const std::int64_t kv_width = x.kv * x.d;
   const std::int64_t half = x.tokens * x.h / 2;
   const std::int64_t kv_half = x.tokens * kv_width / 2;
   const DType e = tr.x_dtype();
 
-  std::size_t normed_by = 0;
-  const std::uint32_t normed = tr.rms_norm(p + ".input_layernorm", layer, stream, normed_by);
   auto [q, q_by] = tr.linear(a + ".q_proj", layer, normed, normed_by, x.h, x.h);
   const std::uint32_t qt = tr.view_of(a + "/transpose.out", q_by, q, 0, x.tokens * x.h);
   const std::uint32_t q1 = tr.view_of(a + "/slice.out", q_by, q, 0, half);
@@ -171,48 +171,49 @@ void traced_layer(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t& 
   tr.view_op(a + "/view#3", layer, out);
   tr.view_op(a + "/transpose#3", layer, out);
   tr.view_op(a + "/view#4", layer, out);
-  auto [o, o_by] = tr.linear(a + ".o_proj", layer, out, attn_by, x.h, x.h);
-  (void)o_by;
-  const std::uint32_t resid = tr.eltwise(p + "/add", layer, {stream, o}, x.tokens * x.h, e, {});
+  return tr.linear(a + ".o_proj", layer, out, attn_by, x.h, x.h).first;
+}
 
+/// Layer `layer`'s MLP over `normed` (which op `normed_by` wrote): gate and up projections,
+/// SiLU, their product, the down projection. Returns down_proj's output.
+std::uint32_t traced_mlp(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t normed,
+                         std::size_t normed_by) {
+  const std::string p = fmt::format("model.layers.{}.mlp", layer);
+  const DType e = tr.x_dtype();
+  auto [gate, gate_by] = tr.linear(p + ".gate_proj", layer, normed, normed_by, x.h, x.f);
+  const std::uint32_t gate_v =
+      tr.view_of(p + ".gate_proj/_unsafe_view.out", gate_by, gate, 0, x.tokens * x.f);
+  const std::uint32_t silu =
+      tr.eltwise(p + ".act_fn/silu", layer, {gate_v}, x.tokens * x.f, e, {gate_v});
+  auto [up, up_by] = tr.linear(p + ".up_proj", layer, normed, normed_by, x.h, x.f);
+  const std::uint32_t up_v =
+      tr.view_of(p + ".up_proj/_unsafe_view.out", up_by, up, 0, x.tokens * x.f);
+  const std::uint32_t product =
+      tr.eltwise(p + "/mul", layer, {silu, up_v}, x.tokens * x.f, e, {up_v, silu});
+  return tr.linear(p + ".down_proj", layer, product, tr.ops().size() - 1, x.f, x.h).first;
+}
+
+/// One decoder layer over the residual `stream`, which it advances.
+void traced_layer(Tracer& tr, const Dims& x, std::int32_t layer, std::uint32_t& stream,
+                  std::uint32_t cos, std::uint32_t sin) {
+  const std::string p = fmt::format("model.layers.{}", layer);
+  const DType e = tr.x_dtype();
+  std::size_t normed_by = 0;
+  const std::uint32_t normed = tr.rms_norm(p + ".input_layernorm", layer, stream, normed_by);
+  const std::uint32_t o = traced_attention(tr, x, layer, normed, normed_by, cos, sin);
+  const std::uint32_t resid = tr.eltwise(p + "/add", layer, {stream, o}, x.tokens * x.h, e, {});
   const std::uint32_t normed2 =
       tr.rms_norm(p + ".post_attention_layernorm", layer, resid, normed_by);
-  auto [gate, gate_by] = tr.linear(p + ".mlp.gate_proj", layer, normed2, normed_by, x.h, x.f);
-  const std::uint32_t gate_v =
-      tr.view_of(p + ".mlp.gate_proj/_unsafe_view.out", gate_by, gate, 0, x.tokens * x.f);
-  const std::uint32_t silu =
-      tr.eltwise(p + ".mlp.act_fn/silu", layer, {gate_v}, x.tokens * x.f, e, {gate_v});
-  auto [up, up_by] = tr.linear(p + ".mlp.up_proj", layer, normed2, normed_by, x.h, x.f);
-  const std::uint32_t up_v =
-      tr.view_of(p + ".mlp.up_proj/_unsafe_view.out", up_by, up, 0, x.tokens * x.f);
-  const std::uint32_t product =
-      tr.eltwise(p + ".mlp/mul", layer, {silu, up_v}, x.tokens * x.f, e, {up_v, silu});
-  auto [down, down_by] =
-      tr.linear(p + ".mlp.down_proj", layer, product, tr.ops().size() - 1, x.f, x.h);
-  (void)down_by;
+  const std::uint32_t down = traced_mlp(tr, x, layer, normed2, normed_by);
   stream = tr.eltwise(p + "/add#1", layer, {resid, down}, x.tokens * x.h, e, {});
 }
 
-}  // namespace
-
-Model make_traced_llama(const TransformerShape& shape, std::string name) {
-  const Dims x = dims_of(shape);
-  ModelBuilder m(std::move(name), shape.dtype);
-  Tracer tr(m, x);
-  const auto layers = static_cast<std::size_t>(shape.layers);
-  m.reserve(layers * 110 + 80, layers * 80 + 30);
-  const DType e = shape.dtype;
-
-  const std::uint32_t tokens = m.tensor("input.0", x.tokens, DType::I64, TensorRole::Input);
-  const std::uint32_t labels = m.tensor("input.labels", x.tokens, DType::I64, TensorRole::Input);
-  const std::uint32_t table = m.param("model.embed_tokens.weight", shape.vocab * x.h);
-  const std::uint32_t inv_freq =
-      m.tensor("model.rotary_emb.inv_freq", x.d / 2, DType::F32, TensorRole::Buffer);
-  std::uint32_t stream = m.activation("model.embed_tokens/embedding.out", x.tokens * x.h);
-  cost(m.op("model.embed_tokens/embedding", -1, {table, tokens}, {stream}, {tokens}), 0,
-       m.bytes(tokens) + 2 * m.bytes(stream));
-
-  // Rotary cos and sin (float32, then the model's dtype), one view of each per layer.
+/// The rotary cos and sin tables from `inv_freq` (float32, then the model's dtype); returns
+/// one view of each per layer.
+std::vector<std::pair<std::uint32_t, std::uint32_t>> traced_rotary(Tracer& tr, const Dims& x,
+                                                                   std::int64_t layers,
+                                                                   std::uint32_t inv_freq) {
+  const DType e = tr.x_dtype();
   const std::uint32_t freqs =
       tr.eltwise("model.rotary_emb/mul", -1, {inv_freq}, x.s * x.d / 2, DType::F32, {});
   const std::uint32_t angles =
@@ -223,51 +224,53 @@ Model make_traced_llama(const TransformerShape& shape, std::string name) {
       tr.eltwise("model.rotary_emb/sin", -1, {angles}, x.s * x.d, DType::F32, {});
   const std::uint32_t cos =
       tr.eltwise("model.rotary_emb/_to_copy#2", -1, {cos32}, x.s * x.d, e, {});
-  const std::size_t cos_by = m.ops().size() - 1;
+  const std::size_t cos_by = tr.ops().size() - 1;
   const std::uint32_t sin =
       tr.eltwise("model.rotary_emb/_to_copy#3", -1, {sin32}, x.s * x.d, e, {});
-  const std::size_t sin_by = m.ops().size() - 1;
+  const std::size_t sin_by = tr.ops().size() - 1;
   std::vector<std::pair<std::uint32_t, std::uint32_t>> rope;
-  for (std::int64_t layer = 0; layer < shape.layers; ++layer) {
+  for (std::int64_t layer = 0; layer < layers; ++layer) {
     const std::string a = fmt::format("model.layers.{}.self_attn", layer);
     rope.emplace_back(tr.view_of(a + "/unsqueeze.out", cos_by, cos, 0, x.s * x.d),
                       tr.view_of(a + "/unsqueeze#1.out", sin_by, sin, 0, x.s * x.d));
   }
+  return rope;
+}
 
-  for (std::int64_t layer = 0; layer < shape.layers; ++layer) {
-    const auto l = static_cast<std::size_t>(layer);
-    traced_layer(tr, x, static_cast<std::int32_t>(layer), stream, rope[l].first, rope[l].second);
-  }
-  std::size_t normed_by = 0;
-  const std::uint32_t normed = tr.rms_norm("model.norm", -1, stream, normed_by);
+/// The output head (tied to the embedding `table`) in the no-offload region over the final
+/// norm's output `normed` (written by op `normed_by`), then the loss in float32. Returns the
+/// loss.
+std::uint32_t traced_head_and_loss(Tracer& tr, const Dims& x, std::int64_t vocab,
+                                   std::uint32_t table, std::uint32_t labels, std::uint32_t normed,
+                                   std::size_t normed_by) {
+  ModelBuilder& m = tr.builder();
   const std::uint32_t head_in =
       tr.view_of("lm_head/view.out", normed_by, normed, 0, x.tokens * x.h);
-
-  // The output head (tied to the embedding) in the no-offload region, the loss after it.
-  const std::uint32_t t =
-      m.tensor("lm_head/t.out", shape.vocab * x.h, shape.dtype, TensorRole::Param);
+  const std::uint32_t t = m.tensor("lm_head/t.out", vocab * x.h, tr.x_dtype(), TensorRole::Param);
   m.view_param(t, table);
   m.op("lm_head/t", -1, {table}, {}, {}).no_offload = true;
   m.op("lm_head/view", -1, {head_in}, {}, {}).no_offload = true;
-  const std::uint32_t logits = m.activation("lm_head/mm.out", x.tokens * shape.vocab);
+  const std::uint32_t logits = m.activation("lm_head/mm.out", x.tokens * vocab);
   ModelOp& head = m.op("lm_head/mm", -1, {head_in, t}, {logits}, {t, head_in});
-  matmul_cost(head, x.tokens, x.h, shape.vocab, false, x.e);
+  matmul_cost(head, x.tokens, x.h, vocab, false, x.e);
   head.no_offload = true;
   m.op("lm_head/_unsafe_view", -1, {logits}, {}, {}).no_offload = true;
-  const std::uint32_t wide =
-      tr.eltwise("_to_copy", -1, {logits}, x.tokens * shape.vocab, DType::F32, {});
+  const std::uint32_t wide = tr.eltwise("_to_copy", -1, {logits}, x.tokens * vocab, DType::F32, {});
   const std::uint32_t log_probs =
-      m.tensor("_log_softmax.out", x.tokens * shape.vocab, DType::F32, TensorRole::Activation);
+      m.tensor("_log_softmax.out", x.tokens * vocab, DType::F32, TensorRole::Activation);
   cost(m.op("_log_softmax", -1, {wide}, {log_probs}, {log_probs}),
-       kCrossEntropyFlops * x.tokens * shape.vocab, 2 * m.bytes(wide));
+       kCrossEntropyFlops * x.tokens * vocab, 2 * m.bytes(wide));
   const std::uint32_t loss =
       m.tensor("nll_loss_forward.out0", 1, DType::F32, TensorRole::Activation);
   const std::uint32_t total =
       m.tensor("nll_loss_forward.out1", 1, DType::F32, TensorRole::Activation);
   cost(m.op("nll_loss_forward", -1, {log_probs, labels}, {loss, total}, {log_probs, labels, total}),
        x.tokens, m.bytes(log_probs) + m.bytes(labels));
+  return loss;
+}
 
-  // AdamW's two moments per parameter, held for the whole step.
+/// AdamW's two moments per parameter, held for the whole step.
+void add_optimizer_state(ModelBuilder& m) {
   const std::size_t count = m.model().tensors.size();
   for (std::size_t i = 0; i < count; ++i) {
     const ModelTensor& tensor = m.model().tensors[i];
@@ -277,6 +280,35 @@ Model make_traced_llama(const TransformerShape& shape, std::string name) {
     m.tensor("optimizer." + param + ".exp_avg", elements, TensorRole::Buffer);
     m.tensor("optimizer." + param + ".exp_avg_sq", elements, TensorRole::Buffer);
   }
+}
+
+}  // namespace
+
+Model make_traced_llama(const TransformerShape& shape, std::string name) {
+  const Dims x = dims_of(shape);
+  ModelBuilder m(std::move(name), shape.dtype);
+  Tracer tr(m, x);
+  const auto layers = static_cast<std::size_t>(shape.layers);
+  m.reserve(layers * 110 + 80, layers * 80 + 30);
+
+  const std::uint32_t tokens = m.tensor("input.0", x.tokens, DType::I64, TensorRole::Input);
+  const std::uint32_t labels = m.tensor("input.labels", x.tokens, DType::I64, TensorRole::Input);
+  const std::uint32_t table = m.param("model.embed_tokens.weight", shape.vocab * x.h);
+  const std::uint32_t inv_freq =
+      m.tensor("model.rotary_emb.inv_freq", x.d / 2, DType::F32, TensorRole::Buffer);
+  std::uint32_t stream = m.activation("model.embed_tokens/embedding.out", x.tokens * x.h);
+  cost(m.op("model.embed_tokens/embedding", -1, {table, tokens}, {stream}, {tokens}), 0,
+       m.bytes(tokens) + 2 * m.bytes(stream));
+  const auto rope = traced_rotary(tr, x, shape.layers, inv_freq);
+  for (std::int64_t layer = 0; layer < shape.layers; ++layer) {
+    const auto l = static_cast<std::size_t>(layer);
+    traced_layer(tr, x, static_cast<std::int32_t>(layer), stream, rope[l].first, rope[l].second);
+  }
+  std::size_t normed_by = 0;
+  const std::uint32_t normed = tr.rms_norm("model.norm", -1, stream, normed_by);
+  const std::uint32_t loss =
+      traced_head_and_loss(tr, x, shape.vocab, table, labels, normed, normed_by);
+  add_optimizer_state(m);
   return std::move(m).finish(loss);
 }
 

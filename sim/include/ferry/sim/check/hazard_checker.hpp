@@ -181,6 +181,16 @@ class HazardChecker {
   Shadow::iterator split(Shadow& shadow, std::int64_t at);
   /// Merges equal neighbours from `it` through the segment that starts at `hi`.
   void coalesce(Shadow& shadow, Shadow::iterator it, std::int64_t hi);
+  /// The clock `thread`'s access to `buffer` is ordered by: the thread's, joined with the
+  /// buffer's floor when it holds bytes of a deferred free (Note [Latent reuse]).
+  const Clock& access_clock(ThreadIndex thread, BufferId buffer);
+  /// Records `self` as its thread's latest access to its buffer (last_access_).
+  void note_last_access(const Access& self);
+  /// Reports that `self`, over [lo, hi) of `space`, is not ordered after `earlier`: extends a
+  /// report of this access made since hazards_[first_new], or joins a latent reuse reported
+  /// at the free, or adds a hazard.
+  void emit(const Access& earlier, const Access& self, SpaceIndex space, std::size_t first_new,
+            Conflict conflict, std::int64_t lo, std::int64_t hi);
 
   // The bytes [lo, hi) of a deferred free, and what its markers captured.
   struct Floor {
