@@ -64,6 +64,7 @@ int CheckCommand::run() const {
   }
   sim::SimOptions options;
   options.check_hazards = !a_.no_checker;
+  options.record_allocator = !a_.memory_snapshot.empty();
   sim::ChromeTrace trace;
   auto run = sim::run_program(program.value(), options, {}, a_.trace.empty() ? nullptr : &trace);
   if (!run) {

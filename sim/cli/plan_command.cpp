@@ -185,6 +185,7 @@ int PlanCommand::write_snapshot(const Workload& w, const sim::PlannerOptions& op
   capped.memory = std::min(capped.memory, options.budget);
   sim::TrainingOptions base;
   base.steps = a_.steps;
+  base.sim.record_allocator = true;
   auto training = sim::plan_training_options(plan, w.model, base);
   std::optional<sim::TrainingRun> run;
   if (training) {

@@ -92,7 +92,7 @@ int SimulateCommand::run_pipeline(const Workload& w, const sim::TrainingOptions&
     return refuse("--trace draws a single-device run; a pipeline has no trace yet");
   if (!a_.memory_snapshot.empty()) {
     return refuse(
-        "--memory-snapshot replays a single-device run; a pipeline has no memory snapshot yet");
+        "--memory-snapshot records a single-device run; a pipeline has no memory snapshot yet");
   }
   auto mode = sim::parse_checkpoint_mode(a_.pipeline_checkpoint);
   if (!mode) {
@@ -128,6 +128,7 @@ int SimulateCommand::run_one_device(const Workload& w, const sim::TrainingOption
     return kExitBadInput;
   }
   row.options.offload.policy = *policy;
+  row.options.sim.record_allocator = !a_.memory_snapshot.empty();
   if (!row.options.offload.horizon_bytes) {
     row.options.offload.horizon_bytes = sim::offload_horizon(w.model, w.device, row.options);
   }
