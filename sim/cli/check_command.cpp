@@ -8,10 +8,10 @@
 #include <string>
 
 #include "command.hpp"
-#include "ferry/sim/analysis/report.hpp"
-#include "ferry/sim/analysis/run_program.hpp"
-#include "ferry/sim/analysis/trace.hpp"
+#include "ferry/sim/export/trace.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/report/check_report.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 #include "io.hpp"
 
 namespace ferry::cli {

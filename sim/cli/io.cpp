@@ -6,7 +6,7 @@
 #include <fstream>
 #include <utility>
 
-#include "ferry/sim/analysis/memory_snapshot.hpp"
+#include "ferry/sim/export/memory_snapshot.hpp"
 #include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/io/text_file.hpp"

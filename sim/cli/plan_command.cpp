@@ -11,12 +11,12 @@
 #include <utility>
 
 #include "command.hpp"
-#include "ferry/sim/analysis/compare.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/planner/lower.hpp"
 #include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
+#include "ferry/sim/runs/measure.hpp"
 #include "ferry/units.hpp"
 #include "io.hpp"
 

@@ -5,7 +5,7 @@
 #include <limits>
 #include <utility>
 
-#include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::cli {

@@ -10,10 +10,11 @@
 
 #include "command.hpp"
 #include "ferry/offload/options.hpp"
-#include "ferry/sim/analysis/compare.hpp"
-#include "ferry/sim/analysis/report.hpp"
+#include "ferry/sim/export/trace.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/planner/lower.hpp"
+#include "ferry/sim/report/tables.hpp"
+#include "ferry/sim/runs/horizon.hpp"
 #include "io.hpp"
 #include "run_options.hpp"
 

@@ -9,8 +9,8 @@
 
 #include <algorithm>
 
-#include "ferry/sim/analysis/memory_snapshot.hpp"
-#include "ferry/sim/analysis/run_program.hpp"
+#include "ferry/sim/export/memory_snapshot.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 #include "prop/rc_gens.hpp"
 
 namespace ferry::sim {

@@ -1,4 +1,4 @@
-#include "ferry/sim/analysis/memory_snapshot.hpp"
+#include "ferry/sim/export/memory_snapshot.hpp"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 #include <string>
 #include <vector>
 
-#include "ferry/sim/analysis/memory_snapshot.hpp"
+#include "ferry/sim/export/memory_snapshot.hpp"
 
 namespace ferry::sim {
 
