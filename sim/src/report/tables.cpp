@@ -7,21 +7,13 @@
 #include <optional>
 #include <string>
 
+#include "ferry/sim/report/row_fields.hpp"
+
 namespace ferry::sim {
 
 namespace {
 
 using Json = nlohmann::ordered_json;
-
-std::string ratio(std::int64_t value, std::int64_t base) {
-  if (base <= 0) return "-";
-  const std::int64_t thousandths = (value * 1000 + base / 2) / base;
-  return fmt::format("{}.{:03}", thousandths / 1000, thousandths % 1000);
-}
-
-std::string percent(std::int64_t permille) {
-  return fmt::format("{}.{}%", permille / 10, permille % 10);
-}
 
 const RowResult* baseline(const std::vector<RowResult>& rows) {
   for (const RowResult& r : rows) {
@@ -32,23 +24,12 @@ const RowResult* baseline(const std::vector<RowResult>& rows) {
 
 Json row_json(const RowResult& r, const RowResult* base) {
   Json j;
-  j["name"] = r.name;
-  j["policy"] = policy_name(r.policy);
-  j["fits"] = r.fits;
-  j["failure"] = r.failure ? Json(r.failure->message) : Json(nullptr);
-  j["step_time_ns"] = r.step_time.ns();
-  j["forward_time_ns"] = r.forward_time.ns();
-  j["forward_stall_ns"] = r.forward_stall.ns();
-  j["backward_stall_ns"] = r.backward_stall.ns();
-  j["recompute_ns"] = r.recompute_time.ns();
-  j["overlap_permille"] = r.overlap_permille;
-  j["peak_allocated_bytes"] = r.peak_allocated.count();
-  j["peak_reserved_bytes"] = r.peak_reserved.count();
-  j["pinned_peak_bytes"] = r.pinned_peak.count();
-  j["d2h_bytes"] = r.d2h.count();
-  j["h2d_bytes"] = r.h2d.count();
-  j["hazards"] = r.hazards;
-  j["horizon_bytes"] = r.horizon ? Json(r.horizon->count()) : Json(nullptr);
+  put_row(
+      j, r,
+      {RowField::Name, RowField::Policy, RowField::Fits, RowField::Failure, RowField::StepTime,
+       RowField::ForwardTime, RowField::ForwardStall, RowField::BackwardStall, RowField::Recompute,
+       RowField::Overlap, RowField::PeakAllocated, RowField::PeakReserved, RowField::PinnedPeak,
+       RowField::D2h, RowField::H2d, RowField::Hazards, RowField::Horizon});
   if (base != nullptr) {
     j["time_vs_none_permille"] =
         base->step_time.ns() > 0 ? r.step_time.ns() * 1000 / base->step_time.ns() : 0;
@@ -57,10 +38,7 @@ Json row_json(const RowResult& r, const RowResult* base) {
             ? r.peak_allocated.count() * 1000 / base->peak_allocated.count()
             : 0;
   }
-  const OffloadTelemetry& t = r.telemetry;
-  Json counts = Json::object();
-  for (const TelemetryCount& c : kTelemetryCounts) counts[std::string(c.name)] = t.*c.field;
-  j["telemetry"] = std::move(counts);
+  put_row(j, r, {RowField::Telemetry});
   return j;
 }
 
@@ -85,15 +63,8 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
       "step time: {}, forward pass done on the device at {} (simulated time from "
       "the last step's start)\n",
       format_time(r.step_time), format_time(r.forward_time));
-  out += fmt::format("peak device memory: allocated {}, reserved {}\n",
-                     format_bytes(r.peak_allocated), format_bytes(r.peak_reserved));
-  out += fmt::format("peak pinned host memory: {}\n", format_bytes(r.pinned_peak));
-  out += fmt::format("moved: D2H {}, H2D {}\n", format_bytes(r.d2h), format_bytes(r.h2d));
-  out += fmt::format("recompute: {}\n", format_time(r.recompute_time));
-  out += fmt::format(
-      "stall (compute stream waiting on copies): forward {}, backward {}; copy/compute overlap "
-      "{}\n",
-      format_time(r.forward_stall), format_time(r.backward_stall), percent(r.overlap_permille));
+  out += row_lines(r, {RowLine::PeakAllocatedReserved, RowLine::PinnedPeak, RowLine::Moved,
+                       RowLine::Recompute, RowLine::StallOverlap});
   const OffloadTelemetry& t = r.telemetry;
   out += fmt::format(
       "saved tensors in the last step: {} packed, {} offloaded, {} kept, {} deduplicated, {} "
@@ -150,14 +121,14 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
     } else if (r.hazards > 0) {
       note = fmt::format("{} hazards", r.hazards);
     }
-    out += fmt::format("{:<22} {:>9} {:>6} {:>10} {:>6} {:>11} {:>9} {:>9} {:>9} {:>9} {:>7} {}\n",
-                       r.name, format_time(r.step_time),
-                       base ? ratio(r.step_time.ns(), base->step_time.ns()) : "-",
-                       format_bytes(r.peak_allocated),
-                       base ? ratio(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
-                       format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
-                       format_time(r.recompute_time), format_time(r.backward_stall),
-                       percent(r.overlap_permille), note);
+    out += fmt::format(
+        "{:<22} {:>9} {:>6} {:>10} {:>6} {:>11} {:>9} {:>9} {:>9} {:>9} {:>7} {}\n", r.name,
+        format_time(r.step_time), base ? ratio_text(r.step_time.ns(), base->step_time.ns()) : "-",
+        format_bytes(r.peak_allocated),
+        base ? ratio_text(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
+        format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
+        format_time(r.recompute_time), format_time(r.backward_stall),
+        percent_text(r.overlap_permille), note);
   }
   out +=
       "time and memory are ratios to the none row; step (simulated device time), bytes moved, "
