@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "bench_main.hpp"
-#include "ferry/sim/analysis/configurations.hpp"
 #include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/planner/report.hpp"
+#include "ferry/sim/runs/configurations.hpp"
 
 namespace {
 

@@ -9,9 +9,9 @@
 #include <random>
 
 #include "bench_main.hpp"
-#include "ferry/sim/analysis/run_program.hpp"
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 #include "ferry/sim/workload/model.hpp"
 #include "prop/random_program.hpp"
 

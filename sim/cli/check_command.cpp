@@ -8,10 +8,10 @@
 #include <string>
 
 #include "command.hpp"
-#include "ferry/sim/analysis/report.hpp"
-#include "ferry/sim/analysis/run_program.hpp"
-#include "ferry/sim/analysis/trace.hpp"
+#include "ferry/sim/export/trace.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/report/check_report.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 #include "io.hpp"
 
 namespace ferry::cli {
@@ -64,6 +64,7 @@ int CheckCommand::run() const {
   }
   sim::SimOptions options;
   options.check_hazards = !a_.no_checker;
+  options.record_allocator = !a_.memory_snapshot.empty();
   sim::ChromeTrace trace;
   auto run = sim::run_program(program.value(), options, {}, a_.trace.empty() ? nullptr : &trace);
   if (!run) {

@@ -8,7 +8,8 @@
 #include <vector>
 
 #include "command.hpp"
-#include "ferry/sim/analysis/compare.hpp"
+#include "ferry/sim/report/tables.hpp"
+#include "ferry/sim/runs/configurations.hpp"
 #include "io.hpp"
 #include "run_options.hpp"
 

@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <fstream>
 
-#include "ferry/sim/analysis/memory_snapshot.hpp"
+#include "ferry/sim/export/memory_snapshot.hpp"
 
 namespace ferry::cli {
 

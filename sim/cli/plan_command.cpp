@@ -11,13 +11,13 @@
 #include <utility>
 
 #include "command.hpp"
-#include "ferry/sim/analysis/compare.hpp"
 #include "ferry/sim/api/load.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/planner/lower.hpp"
 #include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
+#include "ferry/sim/runs/measure.hpp"
 #include "ferry/units.hpp"
 #include "io.hpp"
 
@@ -186,6 +186,7 @@ int PlanCommand::write_snapshot(const sim::Workload& w, const sim::PlannerOption
   capped.memory = std::min(capped.memory, options.budget);
   sim::TrainingOptions base;
   base.steps = a_.steps;
+  base.sim.record_allocator = true;
   auto training = sim::plan_training_options(plan, w.model, base);
   std::optional<sim::TrainingRun> run;
   if (training) {

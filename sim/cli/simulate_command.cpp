@@ -10,10 +10,11 @@
 
 #include "command.hpp"
 #include "ferry/offload/options.hpp"
-#include "ferry/sim/analysis/compare.hpp"
-#include "ferry/sim/analysis/report.hpp"
+#include "ferry/sim/export/trace.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/planner/lower.hpp"
+#include "ferry/sim/report/tables.hpp"
+#include "ferry/sim/runs/horizon.hpp"
 #include "io.hpp"
 #include "run_options.hpp"
 
@@ -90,7 +91,7 @@ int SimulateCommand::run_pipeline(const sim::Workload& w, const sim::TrainingOpt
     return refuse("--trace draws a single-device run; a pipeline has no trace yet");
   if (!a_.memory_snapshot.empty()) {
     return refuse(
-        "--memory-snapshot replays a single-device run; a pipeline has no memory snapshot yet");
+        "--memory-snapshot records a single-device run; a pipeline has no memory snapshot yet");
   }
   auto mode = sim::parse_checkpoint_mode(a_.pipeline_checkpoint);
   if (!mode) {
@@ -127,7 +128,8 @@ int SimulateCommand::run_one_device(const sim::Workload& w) const {
   }
   std::optional<sim::TrainingRun> run;
   const bool keep = !a_.trace.empty() || !a_.memory_snapshot.empty();
-  const auto result = sim::simulate_one(w, a_.run, keep ? &run : nullptr);
+  const auto result =
+      sim::simulate_one(w, a_.run, keep ? &run : nullptr, !a_.memory_snapshot.empty());
   if (!result) {
     fmt::print(stderr, "ferry simulate: error: {}\n", result.error().message);
     return kExitBadInput;

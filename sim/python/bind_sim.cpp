@@ -11,14 +11,15 @@
 #include <vector>
 
 #include "ferry/plan/lower.hpp"
-#include "ferry/sim/analysis/compare.hpp"
-#include "ferry/sim/analysis/memory_snapshot.hpp"
 #include "ferry/sim/api/load.hpp"
 #include "ferry/sim/api/run_spec.hpp"
+#include "ferry/sim/export/memory_snapshot.hpp"
 #include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/planner/report.hpp"
+#include "ferry/sim/report/tables.hpp"
+#include "ferry/sim/runs/configurations.hpp"
 #include "ferry/units.hpp"
 
 namespace py = pybind11;
@@ -89,8 +90,8 @@ py::tuple simulate(const std::string& model, const std::optional<std::string>& m
     py::gil_scoped_release unlocked;
     const sim::Workload w = workload(model, model_text, device, scenarios);
     std::optional<sim::TrainingRun> kept;
-    const sim::RowResult row =
-        value_or_raise(sim::simulate_one(w, run, memory_snapshot ? &kept : nullptr));
+    const sim::RowResult row = value_or_raise(
+        sim::simulate_one(w, run, memory_snapshot ? &kept : nullptr, memory_snapshot));
     out = sim::simulate_json(row, w.model, w.device);
     if (memory_snapshot && kept) pickle = value_or_raise(sim::memory_snapshot(kept->sim));
   }

@@ -4,8 +4,8 @@
 #include <filesystem>
 
 #include "ferry/result.hpp"
-#include "ferry/sim/analysis/run_program.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 #include "ferry/units.hpp"
 
 int main(int argc, char** argv) {

@@ -13,8 +13,9 @@
 #include <string_view>
 
 #include "ferry/result.hpp"
-#include "ferry/sim/analysis/compare.hpp"
 #include "ferry/sim/autograd/autograd.hpp"
+#include "ferry/sim/report/tables.hpp"
+#include "ferry/sim/runs/configurations.hpp"
 
 namespace ferry::sim::fuzz {
 

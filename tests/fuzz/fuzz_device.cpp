@@ -8,10 +8,10 @@
 #include <string_view>
 #include <vector>
 
-#include "ferry/sim/analysis/report.hpp"
-#include "ferry/sim/analysis/run_program.hpp"
 #include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/report/check_report.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 #include "fuzz_common.hpp"
 
 namespace {

@@ -6,9 +6,10 @@
 #include <cstdint>
 #include <string_view>
 
-#include "ferry/sim/analysis/report.hpp"
-#include "ferry/sim/analysis/run_program.hpp"
+#include "ferry/sim/export/trace.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/report/check_report.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 #include "fuzz_common.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -11,11 +11,12 @@
 #include <fstream>
 #include <sstream>
 
-#include "ferry/sim/analysis/compare.hpp"
-#include "ferry/sim/analysis/report.hpp"
-#include "ferry/sim/analysis/run_program.hpp"
-#include "ferry/sim/analysis/trace.hpp"
+#include "ferry/sim/export/trace.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/report/check_report.hpp"
+#include "ferry/sim/report/tables.hpp"
+#include "ferry/sim/runs/configurations.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 
 namespace ferry::sim {
 namespace {

@@ -20,7 +20,7 @@
 #include <random>
 #include <sstream>
 
-#include "ferry/sim/analysis/run_program.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 #include "prop/planted.hpp"
 #include "prop/rc_gens.hpp"
 

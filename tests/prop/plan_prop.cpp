@@ -10,9 +10,9 @@
 #include <algorithm>
 #include <string>
 
-#include "ferry/sim/analysis/configurations.hpp"
 #include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/planner/planner.hpp"
+#include "ferry/sim/runs/configurations.hpp"
 #include "prop/planted.hpp"
 #include "prop/rc_model_gens.hpp"
 

@@ -12,8 +12,9 @@
 
 #include <algorithm>
 
-#include "ferry/sim/analysis/report.hpp"
-#include "ferry/sim/analysis/run_program.hpp"
+#include "ferry/sim/export/trace.hpp"
+#include "ferry/sim/report/check_report.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 #include "prop/planted.hpp"
 #include "prop/rc_gens.hpp"
 

@@ -6,13 +6,12 @@
 #include <algorithm>
 #include <vector>
 
-#include "ferry/sim/analysis/metrics.hpp"
-#include "ferry/sim/analysis/report.hpp"
-#include "ferry/sim/analysis/trace.hpp"
 #include "ferry/sim/engine/content_shadow.hpp"
 #include "ferry/sim/engine/copy_engines.hpp"
 #include "ferry/sim/engine/event_queue.hpp"
 #include "ferry/sim/engine/stream_scheduler.hpp"
+#include "ferry/sim/export/trace.hpp"
+#include "ferry/sim/runs/metrics.hpp"
 #include "sim_fixtures.hpp"
 
 namespace ferry::sim {

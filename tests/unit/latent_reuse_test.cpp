@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "ferry/sim/analysis/report.hpp"
-#include "ferry/sim/analysis/run_program.hpp"
+#include "ferry/sim/report/check_report.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 #include "sim_fixtures.hpp"
 
 namespace ferry::sim {

@@ -1,4 +1,4 @@
-#include "ferry/sim/analysis/memory_snapshot.hpp"
+#include "ferry/sim/export/memory_snapshot.hpp"
 
 #include <gtest/gtest.h>
 
@@ -16,6 +16,11 @@ using testing::simple_sim;
 using testing::whole;
 using Action = AllocatorEvent::Action;
 
+// A simulator that keeps its allocator actions, for memory snapshots.
+Simulator recording_sim(int devices = 1, DeviceProfile profile = simple_profile()) {
+  return simple_sim(devices, SimOptions{.record_allocator = true}, profile);
+}
+
 std::vector<Action> actions(const AllocatorHistory& h) {
   std::vector<Action> out;
   for (const AllocatorEvent& e : h.events) out.push_back(e.action);
@@ -29,7 +34,7 @@ AllocatorHistory history_of(const Simulator& sim) {
 }
 
 TEST(AllocatorHistory, DeferredFreeCompletesAtTheFirstMallocAfterTheSideStreamIsDone) {
-  Simulator sim = simple_sim();
+  Simulator sim = recording_sim();
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId side = sim.add_stream(DeviceId(0), "side");
   const BufferId a = device_buffer(sim, compute, 1000, "layers.0.out");
@@ -61,7 +66,7 @@ TEST(AllocatorHistory, DeferredFreeCompletesAtTheFirstMallocAfterTheSideStreamIs
 }
 
 TEST(AllocatorHistory, AFreeWithoutRecordStreamCompletesAtOnce) {
-  Simulator sim = simple_sim();
+  Simulator sim = recording_sim();
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const BufferId a = device_buffer(sim, compute, 3 << 20, "a");
   sim.free(a);
@@ -80,7 +85,7 @@ TEST(AllocatorHistory, AFreeWithoutRecordStreamCompletesAtOnce) {
 TEST(AllocatorHistory, OutOfMemoryRetryAndFailureAreTraced) {
   DeviceProfile small = simple_profile();
   small.memory = Bytes(64 << 20);
-  Simulator sim = simple_sim(1, {}, small);
+  Simulator sim = recording_sim(1, small);
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const BufferId a = device_buffer(sim, compute, 40 << 20, "a");
   sim.free(a);                                 // cached: 40 MiB stay reserved
@@ -102,7 +107,7 @@ TEST(AllocatorHistory, OutOfMemoryRetryAndFailureAreTraced) {
 }
 
 TEST(AllocatorHistory, EventsAddUpToTheRunsPeaks) {
-  Simulator sim = simple_sim();
+  Simulator sim = recording_sim();
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   std::vector<BufferId> live;
   for (int i = 0; i < 12; ++i) {
@@ -131,7 +136,7 @@ TEST(AllocatorHistory, EventsAddUpToTheRunsPeaks) {
 }
 
 Simulator small_run() {
-  Simulator sim = simple_sim();
+  Simulator sim = recording_sim();
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const BufferId a = device_buffer(sim, compute, 5000, "layers.1.attn.out");
   device_buffer(sim, compute, 30 << 20, "layers.1.mlp.up.out");
@@ -153,16 +158,52 @@ TEST(MemorySnapshot, SameRunGivesSameBytes) {
   EXPECT_NE(a.value().find("layers.1.mlp"), std::string::npos) << "frames name the layers";
 }
 
-TEST(MemorySnapshot, EmptyCacheOnAMachineOfTwoDevicesIsRefusedWithAReason) {
-  Simulator sim = simple_sim(2);
+TEST(MemorySnapshot, EmptyCacheOnTheSecondOfTwoDevicesIsTracedOnThatDevice) {
+  Simulator sim = recording_sim(2);
   const StreamId s = sim.add_stream(DeviceId(1), "compute");
   sim.free(device_buffer(sim, s, 1000, "a"));
   sim.empty_cache(DeviceId(1));
   sim.finish();
+  auto histories = allocator_history(sim);
+  ASSERT_TRUE(histories.ok()) << histories.error().message;
+  EXPECT_TRUE(histories.value().at(0).events.empty());
+  EXPECT_EQ(actions(histories.value().at(1)),
+            (std::vector<Action>{Action::SegmentAlloc, Action::Alloc, Action::FreeRequested,
+                                 Action::FreeCompleted, Action::SegmentFree}));
+  EXPECT_EQ(histories.value().at(1).events.back().op, OpId(2)) << "the empty_cache call";
+  EXPECT_TRUE(memory_snapshot(sim).ok());
+}
+
+TEST(MemorySnapshot, ARunThatKeptNoAllocatorActionsIsRefusedWithAReason) {
+  Simulator sim = simple_sim();
+  const StreamId s = sim.add_stream(DeviceId(0), "compute");
+  device_buffer(sim, s, 1000, "a");
+  sim.finish();
   const auto snapshot = memory_snapshot(sim);
   ASSERT_FALSE(snapshot.ok());
-  EXPECT_NE(snapshot.error().message.find("op 2 empties a device's cache"), std::string::npos)
+  EXPECT_NE(snapshot.error().message.find("record_allocator"), std::string::npos)
       << snapshot.error().message;
+}
+
+TEST(AllocatorHistory, AnObserverHearsTheSameActionsAsTheLog) {
+  struct Listener final : SimObserver {
+    std::vector<AllocatorEvent> heard;
+    void allocator_action(DeviceId /*device*/, const AllocatorEvent& e) override {
+      heard.push_back(e);
+    }
+  } listener;
+  Simulator sim = recording_sim();
+  sim.observe(listener);
+  const StreamId compute = sim.add_stream(DeviceId(0), "compute");
+  sim.free(device_buffer(sim, compute, 5000, "a"));
+  sim.finish();
+  const AllocatorHistory h = history_of(sim);
+  ASSERT_EQ(listener.heard.size(), h.events.size());
+  for (std::size_t i = 0; i < h.events.size(); ++i) {
+    EXPECT_EQ(listener.heard[i].action, h.events[i].action);
+    EXPECT_EQ(listener.heard[i].time, h.events[i].time);
+    EXPECT_EQ(listener.heard[i].op, h.events[i].op);
+  }
 }
 
 }  // namespace

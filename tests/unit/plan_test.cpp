@@ -10,13 +10,14 @@
 #include <string>
 
 #include "ferry/plan/plan.hpp"
-#include "ferry/sim/analysis/compare.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/planner/bound.hpp"
 #include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
+#include "ferry/sim/runs/configurations.hpp"
+#include "ferry/sim/runs/horizon.hpp"
 
 namespace ferry::sim {
 namespace {

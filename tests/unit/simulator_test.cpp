@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "ferry/sim/analysis/report.hpp"
+#include "ferry/sim/export/trace.hpp"
 #include "sim_fixtures.hpp"
 
 namespace ferry::sim {

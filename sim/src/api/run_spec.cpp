@@ -5,8 +5,8 @@
 #include <limits>
 #include <utility>
 
-#include "ferry/sim/analysis/compare.hpp"
-#include "ferry/sim/analysis/horizon.hpp"
+#include "ferry/sim/runs/compare_runs.hpp"
+#include "ferry/sim/runs/horizon.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
@@ -43,13 +43,14 @@ Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, boo
 }
 
 Result<RowResult> simulate_one(const Workload& workload, const RunSpec& spec,
-                               std::optional<TrainingRun>* keep) {
+                               std::optional<TrainingRun>* keep, bool record_allocator) {
   auto options = run_options(spec, workload.model, true);
   if (!options) return options.error();
   const auto policy = parse_policy(spec.policy);
   if (!policy) return Error{fmt::format("unknown policy \"{}\" ({})", spec.policy, kPolicyNames)};
   PolicyRow row{spec.policy, std::move(options).value()};
   row.options.offload.policy = *policy;
+  row.options.sim.record_allocator = record_allocator;
   if (!row.options.offload.horizon_bytes) {
     row.options.offload.horizon_bytes =
         offload_horizon(workload.model, workload.device, row.options);

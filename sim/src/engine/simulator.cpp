@@ -31,12 +31,7 @@ void Simulator::reserve(std::size_t ops) {
   state_->exec.reserve(ops);
 }
 
-void Simulator::observe(SimObserver& observer) {
-  State& s = *state_;
-  s.observers.attach(observer);
-  const auto& engines = s.copies.info();
-  for (std::uint32_t e = 0; e < engines.size(); ++e) observer.engine_added(EngineId(e), engines[e]);
-}
+void Simulator::observe(SimObserver& observer) { state_->attach(observer); }
 
 EventId Simulator::add_event(std::string name) {
   State& s = *state_;
@@ -70,7 +65,8 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
     rec.stream = stream;
     info.device = device;
     const std::int64_t frees = allocator.stats().segment_frees;
-    auto got = allocator.malloc(stream, bytes, s);
+    auto got =
+        allocator.malloc(stream, bytes, s, BufferId(static_cast<std::uint32_t>(s.buffers.size())));
     s.after_segment_frees(op, device, frees);
     if (!got) {
       s.end_host_call(op);
@@ -413,6 +409,7 @@ const CachingAllocator& Simulator::device_allocator(DeviceId device) const {
   return state_->devices.at(device.value()).allocator;
 }
 const PinnedHostAllocator& Simulator::pinned_allocator() const { return state_->pinned; }
+const AllocatorLog* Simulator::allocator_log() const { return state_->allocator_log.get(); }
 CopyTotals Simulator::copied() const { return state_->totals; }
 
 std::vector<ContentPiece> Simulator::content(Region region) const {

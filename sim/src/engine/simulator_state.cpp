@@ -71,6 +71,10 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
     dev.d2d = copies.add(EngineInfo{dev.name + " D2D", id}, 1000);
     copies.pair(dev.h2d, dev.d2h);
   }
+  if (options.record_allocator) {
+    allocator_log = std::make_unique<AllocatorLog>(devices.size());
+    attach(*allocator_log);
+  }
   content.resize(devices.size() + 1);
 }
 
@@ -236,6 +240,25 @@ void Simulator::State::apply_content(OpId op) {
       content[w.space].write(w.lo, w.hi, w.content, Bytes(0));
     }
   }
+}
+
+void Simulator::State::attach(SimObserver& observer) {
+  if (observers.empty()) {
+    for (std::uint32_t d = 0; d < devices.size(); ++d) {
+      allocator_trackers.push_back(std::make_unique<AllocatorForwarder>(*this, DeviceId(d)));
+      devices[d].allocator.set_tracker(allocator_trackers.back().get());
+    }
+  }
+  observers.attach(observer);
+  const auto& engines = copies.info();
+  for (std::uint32_t e = 0; e < engines.size(); ++e) observer.engine_added(EngineId(e), engines[e]);
+}
+
+void Simulator::State::AllocatorForwarder::allocator_action(const AllocatorEvent& event) {
+  AllocatorEvent stamped = event;
+  stamped.time = state_->host_time;
+  stamped.op = OpId(static_cast<std::uint32_t>(state_->ops.size() - 1));
+  state_->observers.allocator_action(device_, stamped);
 }
 
 // --- StreamMarkers ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 /// hazard checker. Private to the engine; the public face is ferry/sim/engine/simulator.hpp.
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -138,6 +139,23 @@ struct Simulator::State final : StreamMarkers {
   std::vector<engine_detail::Marker> markers;
   MemorySampling memory;
   ObserverList observers;
+
+  /// Stamps one device allocator's actions with the host time and the current call and hands
+  /// them to the observers (Note [Allocator tracking]).
+  class AllocatorForwarder final : public AllocatorTracker {
+   public:
+    AllocatorForwarder(const State& state, DeviceId device) : state_(&state), device_(device) {}
+    void allocator_action(const AllocatorEvent& event) override;
+
+   private:
+    const State* state_;
+    DeviceId device_;
+  };
+  std::vector<std::unique_ptr<AllocatorForwarder>> allocator_trackers;  // by device, once observed
+  std::unique_ptr<AllocatorLog> allocator_log;  // with SimOptions::record_allocator
+
+  /// Attaches `observer` (Simulator::observe), the allocators' trackers with the first.
+  void attach(SimObserver& observer);
   CopyTotals totals;
 
   // Look-ups that check their argument, once each.

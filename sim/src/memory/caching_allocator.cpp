@@ -116,14 +116,14 @@ CachingAllocator::CachingAllocator(Bytes capacity, Bytes base, AllocatorFaults f
     : capacity_(capacity), base_(base), faults_(faults), ranges_(base, capacity) {}
 
 Result<DeviceAllocation> CachingAllocator::malloc(StreamId stream, Bytes requested,
-                                                  StreamMarkers& markers) {
+                                                  StreamMarkers& markers, BufferId buffer) {
   FERRY_CHECK(stream.valid(), "malloc of {} B on an invalid stream", requested.count());
   const Bytes size = round_size(requested);
   const PoolKind pool = pool_for(size);
   // See Note [record_stream deferral]: the next malloc is where deferred frees come back.
   process_pending(markers);
   if (const auto address = take_free_block(stream, pool, size)) {
-    return hand_out(*address, size, requested);
+    return hand_out(*address, size, requested, buffer);
   }
   const Bytes segment_size = segment_size_for(size);
   auto segment = new_segment(stream, pool, segment_size);
@@ -141,9 +141,10 @@ Result<DeviceAllocation> CachingAllocator::malloc(StreamId stream, Bytes request
   }
   if (!segment) {
     ++stats_.ooms;
+    track(AllocatorEvent::Action::Oom, capacity_ - stats_.reserved, size, stream, BufferId());
     return out_of_memory(stream, requested, size, segment_size);
   }
-  return hand_out(*segment, size, requested);
+  return hand_out(*segment, size, requested, buffer);
 }
 
 void CachingAllocator::record_stream(BlockId block, StreamId stream) {
@@ -182,6 +183,7 @@ void CachingAllocator::free(BlockId block, StreamMarkers& markers) {
   FERRY_CHECK(it != blocks_.end(), "allocated block {} has no entry at {:#x}", block.value(),
               address.count());
   Block& b = it->second;
+  track(AllocatorEvent::Action::FreeRequested, address, b.size, b.stream, b.buffer);
   if (b.stream_uses.empty() || faults_.ignore_record_stream) {
     release_block(it);
     return;
@@ -256,6 +258,7 @@ std::optional<Bytes> CachingAllocator::new_segment(StreamId stream, PoolKind poo
   block.pool = pool;
   blocks_.emplace(*address, std::move(block));
   free_.insert(FreeKey{pool, stream, segment_size, *address});
+  track(AllocatorEvent::Action::SegmentAlloc, *address, segment_size, stream, BufferId());
   ++stats_.segment_allocs;
   stats_.reserved += segment_size;
   stats_.pool_reserved[pool_index(pool)] += segment_size;
@@ -264,7 +267,8 @@ std::optional<Bytes> CachingAllocator::new_segment(StreamId stream, PoolKind poo
   return address;
 }
 
-DeviceAllocation CachingAllocator::hand_out(Bytes address, Bytes size, Bytes requested) {
+DeviceAllocation CachingAllocator::hand_out(Bytes address, Bytes size, Bytes requested,
+                                            BufferId buffer) {
   const auto it = blocks_.find(address);
   FERRY_CHECK(
       it != blocks_.end() && it->second.state == BlockInfo::State::Free && it->second.size >= size,
@@ -288,23 +292,27 @@ DeviceAllocation CachingAllocator::hand_out(Bytes address, Bytes size, Bytes req
   b.state = BlockInfo::State::Allocated;
   b.requested = requested;
   b.id = BlockId(next_id_++);
+  b.buffer = buffer;
   live_.emplace(b.id, address);
   stats_.allocated += b.size;
   stats_.requested += requested;
   stats_.requested_peak = std::max(stats_.requested_peak, stats_.requested);
   stats_.pool_allocated[pool_index(b.pool)] += b.size;
   raise_peak(stats_.allocated_peak, stats_.allocated);
+  track(AllocatorEvent::Action::Alloc, address, b.size, b.stream, buffer);
   return DeviceAllocation{b.id, address, b.size};
 }
 
 void CachingAllocator::release_block(BlockMap::iterator it) {
   Block& b = it->second;
+  track(AllocatorEvent::Action::FreeCompleted, it->first, b.size, b.stream, b.buffer);
   stats_.allocated -= b.size;
   stats_.requested -= b.requested;
   stats_.pool_allocated[pool_index(b.pool)] -= b.size;
   b.state = BlockInfo::State::Free;
   b.requested = Bytes(0);
   b.id = BlockId{};
+  b.buffer = BufferId{};
   b.stream_uses.clear();
   b.markers.clear();
   // Merge with free neighbours of the same segment; allocated and pending ones stay apart.
@@ -357,6 +365,7 @@ void CachingAllocator::release_free_segments() {
       ++seg;
       continue;
     }
+    track(AllocatorEvent::Action::SegmentFree, seg->first, s.size, s.stream, BufferId());
     free_.erase(FreeKey{s.pool, s.stream, s.size, seg->first});
     blocks_.erase(block);
     ranges_.release(seg->first, s.size);

@@ -9,9 +9,9 @@
 #include <utility>
 
 #include "ferry/check.hpp"
-#include "ferry/sim/analysis/configurations.hpp"
 #include "ferry/sim/planner/bound.hpp"
 #include "ferry/sim/planner/search.hpp"
+#include "ferry/sim/runs/configurations.hpp"
 
 namespace ferry::sim {
 

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ferry/sim/io/plan_json.hpp"
+#include "ferry/sim/report/row_fields.hpp"
 #include "report_format.hpp"
 
 namespace ferry::sim {
@@ -13,7 +14,6 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 using planning::none_time;
-using planning::times;
 
 std::string layer_name(std::int32_t layer) {
   return layer < 0 ? std::string("other") : fmt::format("{}", layer);
@@ -41,18 +41,14 @@ std::string plan_text(const PlanOutcome& o, const Model& model, const DeviceProf
   out += fmt::format("step time: {}", format_time(r.step_time));
   if (none != nullptr) {
     out += fmt::format(" ({} the no-offload step, {})",
-                       times(r.step_time.ns(), none->step_time.ns()), format_time(none->step_time));
+                       ratio_text(r.step_time.ns(), none->step_time.ns(), "x"),
+                       format_time(none->step_time));
   }
   out += "\n";
   out += fmt::format("lower bound: {} (the plan is at {} of it)\n", format_time(o.lower_bound),
-                     times(r.step_time.ns(), o.lower_bound.ns()));
-  out += fmt::format("peak device memory: reserved {}, allocated {}\n",
-                     format_bytes(r.peak_reserved), format_bytes(r.peak_allocated));
-  out += fmt::format("peak pinned host memory: {}\n", format_bytes(r.pinned_peak));
-  out += fmt::format("moved: D2H {}, H2D {}\n", format_bytes(r.d2h), format_bytes(r.h2d));
-  out += fmt::format("recompute: {}\n", format_time(r.recompute_time));
-  out += fmt::format("stall (compute stream waiting on copies): forward {}, backward {}\n",
-                     format_time(r.forward_stall), format_time(r.backward_stall));
+                     ratio_text(r.step_time.ns(), o.lower_bound.ns(), "x"));
+  out += row_lines(r, {RowLine::PeakReservedAllocated, RowLine::PinnedPeak, RowLine::Moved,
+                       RowLine::Recompute, RowLine::Stall});
   if (const RowResult* best = best_fixed(o)) {
     out += fmt::format("best fixed policy that fits: {}, {} ({})\n", best->name,
                        format_time(best->step_time), format_bytes(best->peak_reserved));
@@ -81,17 +77,12 @@ std::string plan_report_json(const PlanOutcome& o, const Model& model,
   j["device"] = device.name;
   j["budget_bytes"] = o.plan.budget.count();
   j["host_budget_bytes"] = o.plan.host_budget ? Json(o.plan.host_budget->count()) : Json(nullptr);
-  j["step_time_ns"] = r.step_time.ns();
+  put_row(j, r, {RowField::StepTime});
   j["lower_bound_ns"] = o.lower_bound.ns();
-  j["peak_reserved_bytes"] = r.peak_reserved.count();
-  j["peak_allocated_bytes"] = r.peak_allocated.count();
-  j["pinned_peak_bytes"] = r.pinned_peak.count();
-  j["d2h_bytes"] = r.d2h.count();
-  j["h2d_bytes"] = r.h2d.count();
-  j["recompute_ns"] = r.recompute_time.ns();
-  j["forward_stall_ns"] = r.forward_stall.ns();
-  j["backward_stall_ns"] = r.backward_stall.ns();
-  j["hazards"] = r.hazards;
+  put_row(j, r,
+          {RowField::PeakReserved, RowField::PeakAllocated, RowField::PinnedPeak, RowField::D2h,
+           RowField::H2d, RowField::Recompute, RowField::ForwardStall, RowField::BackwardStall,
+           RowField::Hazards});
   j["simulations"] = o.simulations;
   j["reused_simulations"] = o.reused;
   Json layers = Json::array();
@@ -131,12 +122,12 @@ std::string sweep_text(const std::vector<SweepPoint>& points, const Model& model
     }
     const PlanOutcome& o = *p.outcome;
     const RowResult* best = best_fixed(o);
-    out +=
-        fmt::format("{:>10} {:>9} {:>7} {:>11} {:>8}  {:<22} {:>9} {:>7}\n", format_bytes(p.budget),
-                    format_time(o.row.step_time), times(o.row.step_time.ns(), none.ns()),
-                    format_time(o.lower_bound), times(o.row.step_time.ns(), o.lower_bound.ns()),
-                    best ? best->name : "none fits", best ? format_time(best->step_time) : "-",
-                    best ? times(best->step_time.ns(), none.ns()) : "-");
+    out += fmt::format("{:>10} {:>9} {:>7} {:>11} {:>8}  {:<22} {:>9} {:>7}\n",
+                       format_bytes(p.budget), format_time(o.row.step_time),
+                       ratio_text(o.row.step_time.ns(), none.ns(), "x"), format_time(o.lower_bound),
+                       ratio_text(o.row.step_time.ns(), o.lower_bound.ns(), "x"),
+                       best ? best->name : "none fits", best ? format_time(best->step_time) : "-",
+                       best ? ratio_text(best->step_time.ns(), none.ns(), "x") : "-");
   }
   out +=
       "time is the ratio to the no-offload step; every plan was checked (hazard checker and "

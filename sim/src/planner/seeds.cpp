@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "ferry/sim/analysis/configurations.hpp"
 #include "ferry/sim/planner/lower.hpp"
+#include "ferry/sim/runs/configurations.hpp"
 
 namespace ferry::sim::planning {
 

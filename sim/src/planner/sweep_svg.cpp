@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "ferry/sim/planner/report.hpp"
+#include "ferry/sim/report/row_fields.hpp"
 #include "report_format.hpp"
 #include "tensors.hpp"
 
@@ -13,7 +14,6 @@ namespace ferry::sim {
 namespace {
 
 using planning::none_time;
-using planning::times;
 using planning::Wide;
 
 // Integer coordinates: the file is byte-stable. Plot area [kLeft, kLeft + kWidth] x
@@ -86,7 +86,7 @@ std::string axes(const Canvas& c, SimTime none) {
     out += fmt::format(
         "<path d=\"M{} {} H{}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{}\" "
         "text-anchor=\"end\">{}</text>\n",
-        kLeft, c.py(yt), kLeft + kWidth, kLeft - 6, c.py(yt) + 4, times(yt, none.ns()));
+        kLeft, c.py(yt), kLeft + kWidth, kLeft - 6, c.py(yt) + 4, ratio_text(yt, none.ns(), "x"));
   }
   out += fmt::format(
       "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">peak reserved device memory</text>\n",
@@ -134,7 +134,7 @@ std::string legend(const Canvas& c, const std::vector<RowResult>* fixed, SimTime
         "<rect x=\"{}\" y=\"{}\" width=\"8\" height=\"8\" fill=\"{}\"/><text x=\"{}\" "
         "y=\"{}\">{}</text>\n",
         lx + 6, ly - 4, colour, lx + 26, ly + 4,
-        fmt::format("{}: {}, {}", r.name, times(r.step_time.ns(), none.ns()),
+        fmt::format("{}: {}, {}", r.name, ratio_text(r.step_time.ns(), none.ns(), "x"),
                     format_bytes(r.peak_reserved)));
   }
   return out;

@@ -10,8 +10,8 @@
 #include <string_view>
 
 #include "ferry/result.hpp"
-#include "ferry/sim/analysis/measure.hpp"
 #include "ferry/sim/api/load.hpp"
+#include "ferry/sim/runs/measure.hpp"
 
 namespace ferry::sim {
 
@@ -42,8 +42,10 @@ Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, boo
 
 /// `ferry simulate` on one device: the run `spec` asks for, under its policy, the ferry
 /// policy's horizon derived where `spec` leaves it to the simulator. With `keep`, the run the
-/// figures come from is moved there (for its trace or memory snapshot).
+/// figures come from is moved there (for its trace); with `record_allocator` too, it records
+/// its allocators' actions (for a memory snapshot).
 Result<RowResult> simulate_one(const Workload& workload, const RunSpec& spec,
-                               std::optional<TrainingRun>* keep = nullptr);
+                               std::optional<TrainingRun>* keep = nullptr,
+                               bool record_allocator = false);
 
 }  // namespace ferry::sim

@@ -6,6 +6,7 @@
 
 #include "ferry/ids.hpp"
 #include "ferry/sim/engine/records.hpp"
+#include "ferry/sim/memory/allocator_event.hpp"
 
 namespace ferry::sim {
 
@@ -15,7 +16,10 @@ namespace ferry::sim {
 // order of those calls follows simulated time, not op order; an observer that writes op order
 // files by OpId. Engines are announced before the first op that uses them; memory samples in
 // the order they are taken. Observers only listen: they never call back into the simulator
-// while it runs, so attaching one changes no result.
+// while it runs, so attaching one changes no result. Allocator actions are heard as the
+// allocator takes them, in its order, inside the call that caused them (Note [Allocator
+// tracking]); Simulator::replay has none to feed, since the simulator keeps none unless
+// SimOptions::record_allocator asks it to.
 
 /// Listens to a running Simulator. Every hook has an empty default.
 class SimObserver {
@@ -33,6 +37,8 @@ class SimObserver {
   virtual void op_finished(OpId /*op*/, const OpRecord& /*record*/) {}
   /// Device or pinned host memory in use changed.
   virtual void memory_sampled(const MemorySample& /*sample*/) {}
+  /// `device`'s caching allocator took `event`, stamped with the host time and the call.
+  virtual void allocator_action(DeviceId /*device*/, const AllocatorEvent& /*event*/) {}
 };
 
 /// The observers attached to one simulator, in attachment order; each hook goes to all.
@@ -49,6 +55,9 @@ class ObserverList {
   }
   void memory_sampled(const MemorySample& sample) const {
     for (SimObserver* o : observers_) o->memory_sampled(sample);
+  }
+  void allocator_action(DeviceId device, const AllocatorEvent& event) const {
+    for (SimObserver* o : observers_) o->allocator_action(device, event);
   }
 
  private:

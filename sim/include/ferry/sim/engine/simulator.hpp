@@ -17,6 +17,7 @@
 #include "ferry/ids.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/check/hazard_checker.hpp"
+#include "ferry/sim/engine/allocator_log.hpp"
 #include "ferry/sim/engine/device_profile.hpp"
 #include "ferry/sim/engine/observer.hpp"
 #include "ferry/sim/engine/program.hpp"
@@ -31,6 +32,8 @@ namespace ferry::sim {
 struct SimOptions {
   bool check_hazards = true;  ///< run the happens-before checker on every access
   bool track_content = true;  ///< keep shadow content ids per byte range
+  /// Keep every caching allocator action (Simulator::allocator_log), for memory snapshots.
+  bool record_allocator = false;
 };
 
 /// Test-only switches that break the simulator on purpose (planted faults), passed apart from
@@ -116,6 +119,8 @@ class Simulator {
   [[nodiscard]] DeviceId stream_device(StreamId stream) const;
   [[nodiscard]] const CachingAllocator& device_allocator(DeviceId device) const;
   [[nodiscard]] const PinnedHostAllocator& pinned_allocator() const;
+  /// Every device allocator action of the run; null unless SimOptions::record_allocator.
+  [[nodiscard]] const AllocatorLog* allocator_log() const;
   [[nodiscard]] CopyTotals copied() const;
   /// Shadow content of a region, in offset order, as it stands now in simulated time.
   [[nodiscard]] std::vector<ContentPiece> content(Region region) const;

@@ -16,6 +16,7 @@
 #include "ferry/ids.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/node_pool.hpp"
+#include "ferry/sim/memory/allocator_event.hpp"
 #include "ferry/sim/memory/stream_markers.hpp"
 #include "ferry/units.hpp"
 
@@ -115,8 +116,9 @@ class CachingAllocator {
 
   /// Allocates `requested` bytes for use on `stream`. First hands back deferred frees whose
   /// markers completed; on exhaustion releases cached segments (synchronizing pending frees)
-  /// and retries. The error lists what is live.
-  Result<DeviceAllocation> malloc(StreamId stream, Bytes requested, StreamMarkers& markers);
+  /// and retries. The error lists what is live. `buffer` names the allocation to the tracker.
+  Result<DeviceAllocation> malloc(StreamId stream, Bytes requested, StreamMarkers& markers,
+                                  BufferId buffer = BufferId());
 
   /// Marks the block as used on `stream` too: its free will wait for that stream's work.
   void record_stream(BlockId block, StreamId stream);
@@ -142,6 +144,9 @@ class CachingAllocator {
   [[nodiscard]] Bytes capacity() const { return capacity_; }
   /// Address of the first byte segments may occupy.
   [[nodiscard]] Bytes base() const { return base_; }
+  /// Reports every action to `tracker` from now on (not owned; null: none). See Note
+  /// [Allocator tracking].
+  void set_tracker(AllocatorTracker* tracker) { tracker_ = tracker; }
 
  private:
   /// A piece of a segment: handed out, pending behind markers, or free in its pool.
@@ -153,6 +158,7 @@ class CachingAllocator {
     PoolKind pool = PoolKind::Small;
     BlockInfo::State state = BlockInfo::State::Free;
     BlockId id;                         // valid while Allocated
+    BufferId buffer;                    // what malloc's caller named it, until it is Free
     std::vector<StreamId> stream_uses;  // record_stream targets, sorted, never `stream`
     std::vector<MarkerId> markers;      // outstanding markers of a pending free
   };
@@ -174,7 +180,19 @@ class CachingAllocator {
 
   std::optional<Bytes> take_free_block(StreamId stream, PoolKind pool, Bytes size);
   std::optional<Bytes> new_segment(StreamId stream, PoolKind pool, Bytes segment_size);
-  DeviceAllocation hand_out(Bytes address, Bytes size, Bytes requested);
+  DeviceAllocation hand_out(Bytes address, Bytes size, Bytes requested, BufferId buffer);
+  void track(AllocatorEvent::Action action, Bytes address, Bytes size, StreamId stream,
+             BufferId buffer) const {
+    if (tracker_ != nullptr) {
+      tracker_->allocator_action(AllocatorEvent{.action = action,
+                                                .address = address,
+                                                .size = size,
+                                                .stream = stream,
+                                                .time = SimTime(),
+                                                .op = OpId(),
+                                                .buffer = buffer});
+    }
+  }
   void release_block(BlockMap::iterator it);
   std::vector<MarkerId>& pending_markers(Bytes address);
   void process_pending(StreamMarkers& markers);
@@ -187,6 +205,7 @@ class CachingAllocator {
   Bytes capacity_;
   Bytes base_;
   AllocatorFaults faults_;
+  AllocatorTracker* tracker_ = nullptr;  // not owned
   AddressRangeAllocator ranges_;
   // The maps below change on every malloc and free: their nodes come from pools of their own
   // (Note [Node pools] in node_pool.hpp), declared first so that they outlive the maps.

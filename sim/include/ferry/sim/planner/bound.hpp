@@ -3,8 +3,8 @@
 
 #include <vector>
 
-#include "ferry/sim/analysis/measure.hpp"
 #include "ferry/sim/planner/space.hpp"
+#include "ferry/sim/runs/measure.hpp"
 
 namespace ferry::sim {
 

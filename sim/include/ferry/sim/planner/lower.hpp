@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "ferry/plan/plan.hpp"
-#include "ferry/sim/analysis/measure.hpp"
+#include "ferry/sim/runs/measure.hpp"
 
 namespace ferry::sim {
 

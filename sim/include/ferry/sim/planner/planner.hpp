@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "ferry/plan/plan.hpp"
-#include "ferry/sim/analysis/measure.hpp"
 #include "ferry/sim/planner/lower.hpp"
+#include "ferry/sim/runs/measure.hpp"
 
 namespace ferry::sim {
 

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "ferry/sim/analysis/measure.hpp"
+#include "ferry/sim/runs/measure.hpp"
 
 namespace ferry::sim {
 

@@ -1,4 +1,4 @@
-#include "ferry/sim/analysis/run_program.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 
 #include <fmt/format.h>
 

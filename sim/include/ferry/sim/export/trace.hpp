@@ -28,4 +28,9 @@ class ChromeTrace final : public SimObserver {
   std::vector<MemorySample> samples_;  // in the order taken
 };
 
+/// The Chrome trace-event JSON of the finished run `sim` (a ChromeTrace fed with
+/// Simulator::replay): a process per device (plus the host), a track per stream and per
+/// copy engine, instant marks for event records and hazards, memory counters.
+[[nodiscard]] std::string chrome_trace(const Simulator& sim);
+
 }  // namespace ferry::sim

@@ -1,11 +1,11 @@
-#include "ferry/sim/analysis/configurations.hpp"
+#include "ferry/sim/runs/configurations.hpp"
 
 #include <array>
 #include <string>
 #include <utility>
 
-#include "ferry/sim/analysis/horizon.hpp"
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
+#include "ferry/sim/runs/horizon.hpp"
 
 namespace ferry::sim {
 

@@ -1,11 +1,11 @@
-#include "ferry/sim/analysis/memory_snapshot.hpp"
+#include "ferry/sim/export/memory_snapshot.hpp"
 
 #include <string>
 #include <string_view>
 #include <unordered_map>
 
-#include "ferry/sim/analysis/pickle.hpp"
 #include "ferry/sim/engine/program.hpp"
+#include "ferry/sim/export/pickle.hpp"
 
 namespace ferry::sim {
 

@@ -1,4 +1,4 @@
-#include "ferry/sim/analysis/pickle.hpp"
+#include "ferry/sim/export/pickle.hpp"
 
 #include <bit>
 #include <utility>

@@ -1,4 +1,4 @@
-#include "ferry/sim/analysis/report.hpp"
+#include "ferry/sim/report/check_report.hpp"
 
 #include <fmt/format.h>
 
@@ -7,6 +7,8 @@
 #include <map>
 #include <utility>
 #include <vector>
+
+#include "ferry/sim/json/json_reader.hpp"
 
 namespace ferry::sim {
 

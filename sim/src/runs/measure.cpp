@@ -1,11 +1,11 @@
-#include "ferry/sim/analysis/measure.hpp"
+#include "ferry/sim/runs/measure.hpp"
 
 #include <limits>
 #include <optional>
 #include <utility>
 
-#include "ferry/sim/analysis/configurations.hpp"
-#include "ferry/sim/analysis/metrics.hpp"
+#include "ferry/sim/runs/configurations.hpp"
+#include "ferry/sim/runs/metrics.hpp"
 
 namespace ferry::sim {
 

@@ -2,7 +2,7 @@
 #include <set>
 #include <vector>
 
-#include "ferry/sim/analysis/horizon.hpp"
+#include "ferry/sim/runs/horizon.hpp"
 
 namespace ferry::sim {
 

@@ -1,14 +1,16 @@
 #pragma once
-/// What-if runs of a model under offload policies: `ferry simulate` and `ferry compare`.
+/// What-if runs of a model under offload and checkpoint options, for `ferry simulate` and
+/// `ferry compare`: the parsers of their specs and the pipeline rows. The single-device rows are
+/// configurations.hpp's default_rows, run with measure.hpp's run_row.
 
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferry/failure.hpp"
-#include "ferry/sim/analysis/configurations.hpp"
-#include "ferry/sim/analysis/horizon.hpp"
-#include "ferry/sim/analysis/measure.hpp"
+#include "ferry/result.hpp"
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/autograd/pipeline.hpp"
 
@@ -23,16 +25,6 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
 /// ranges ("2-5") whose ops run on the side stream, "recompute" (checkpoint replays there) and
 /// "all-reduce" (parameter gradients all-reduced on a comm stream). The error names the forms.
 Result<SideStreamOptions> parse_side_streams(std::string_view spec);
-
-/// Summary of one run as text / JSON (`ferry simulate`).
-[[nodiscard]] std::string simulate_text(const RowResult& row, const Model& model,
-                                        const DeviceProfile& device);
-[[nodiscard]] std::string simulate_json(const RowResult& row, const Model& model,
-                                        const DeviceProfile& device);
-
-/// The comparison table as text (`ferry compare`); ratios are to the "none" row.
-[[nodiscard]] std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
-                                       const DeviceProfile& device);
 
 /// One pipeline configuration's cost (`ferry simulate --devices N`, `ferry compare --devices N`).
 struct PipelineRow {
@@ -60,16 +52,5 @@ Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
                                                      const DeviceProfile& device,
                                                      std::int32_t devices,
                                                      std::int32_t micro_batches);
-/// The pipeline table as text, and the rows as a JSON array.
-[[nodiscard]] std::string pipeline_text(const std::vector<PipelineRow>& rows);
-[[nodiscard]] std::string pipeline_json(const std::vector<PipelineRow>& rows);
-/// The document of `ferry simulate --devices N --json` ("ferry.pipeline/1"): the rows.
-[[nodiscard]] std::string pipeline_document(const std::vector<PipelineRow>& rows);
-
-/// The comparison as one JSON document ("ferry.compare/1"); ratios are to the "none" row. The
-/// `pipeline` rows (`ferry compare --devices N`), when there are any, are its "pipeline" array.
-[[nodiscard]] std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
-                                       const DeviceProfile& device,
-                                       const std::vector<PipelineRow>& pipeline = {});
 
 }  // namespace ferry::sim

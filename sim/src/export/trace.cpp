@@ -1,8 +1,7 @@
 #include <fmt/format.h>
 
-#include "ferry/sim/analysis/trace.hpp"
-
-#include "ferry/sim/analysis/report.hpp"
+#include "ferry/sim/export/trace.hpp"
+#include "ferry/sim/json/json_reader.hpp"
 
 namespace ferry::sim {
 

@@ -1,12 +1,11 @@
 #pragma once
-/// What `ferry check` prints: a summary as text or JSON, and a Chrome/Perfetto trace.
+/// What `ferry check` prints: a summary of a program run as text or JSON (its Chrome/Perfetto
+/// trace is export/trace.hpp's).
 
 #include <string>
 #include <string_view>
 
-#include "ferry/sim/analysis/run_program.hpp"
-#include "ferry/sim/json/json_reader.hpp"
-#include "ferry/units.hpp"
+#include "ferry/sim/runs/run_program.hpp"
 
 namespace ferry::sim {
 
@@ -15,9 +14,5 @@ namespace ferry::sim {
 
 /// The same facts as one JSON document with a fixed key order (docs/program-format.md).
 [[nodiscard]] std::string summary_json(const ProgramRun& run, std::string_view source);
-
-/// Chrome trace-event JSON: a process per device (plus the host), a track per stream and per
-/// copy engine, instant marks for event records and hazards, memory counters.
-[[nodiscard]] std::string chrome_trace(const Simulator& sim);
 
 }  // namespace ferry::sim

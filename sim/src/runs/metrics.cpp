@@ -1,4 +1,4 @@
-#include "ferry/sim/analysis/metrics.hpp"
+#include "ferry/sim/runs/metrics.hpp"
 
 #include <algorithm>
 #include <utility>

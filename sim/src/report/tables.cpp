@@ -1,0 +1,209 @@
+#include "ferry/sim/report/tables.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "ferry/sim/report/row_fields.hpp"
+
+namespace ferry::sim {
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+const RowResult* baseline(const std::vector<RowResult>& rows) {
+  for (const RowResult& r : rows) {
+    if (r.policy == Policy::None && r.step_time.ns() > 0) return &r;
+  }
+  return nullptr;
+}
+
+Json row_json(const RowResult& r, const RowResult* base) {
+  Json j;
+  put_row(
+      j, r,
+      {RowField::Name, RowField::Policy, RowField::Fits, RowField::Failure, RowField::StepTime,
+       RowField::ForwardTime, RowField::ForwardStall, RowField::BackwardStall, RowField::Recompute,
+       RowField::Overlap, RowField::PeakAllocated, RowField::PeakReserved, RowField::PinnedPeak,
+       RowField::D2h, RowField::H2d, RowField::Hazards, RowField::Horizon});
+  if (base != nullptr) {
+    j["time_vs_none_permille"] =
+        base->step_time.ns() > 0 ? r.step_time.ns() * 1000 / base->step_time.ns() : 0;
+    j["memory_vs_none_permille"] =
+        base->peak_allocated.count() > 0
+            ? r.peak_allocated.count() * 1000 / base->peak_allocated.count()
+            : 0;
+  }
+  put_row(j, r, {RowField::Telemetry});
+  return j;
+}
+
+Json context_json(const Model& model, const DeviceProfile& device) {
+  Json j;
+  j["model"] = model.name;
+  j["device"] = device.name;
+  j["device_memory_bytes"] = device.memory.count();
+  return j;
+}
+
+}  // namespace
+
+std::string simulate_text(const RowResult& r, const Model& model, const DeviceProfile& device) {
+  std::string out =
+      fmt::format("ferry simulate: {} on {}, policy {}\n", model.name, device.name, r.name);
+  if (r.failure) out += fmt::format("failure: {}\n", r.failure->message);
+  if (!r.fits)
+    out += fmt::format("does not fit in {}: the figures below need more memory\n",
+                       format_bytes(device.memory));
+  out += fmt::format(
+      "step time: {}, forward pass done on the device at {} (simulated time from "
+      "the last step's start)\n",
+      format_time(r.step_time), format_time(r.forward_time));
+  out += row_lines(r, {RowLine::PeakAllocatedReserved, RowLine::PinnedPeak, RowLine::Moved,
+                       RowLine::Recompute, RowLine::StallOverlap});
+  const OffloadTelemetry& t = r.telemetry;
+  out += fmt::format(
+      "saved tensors in the last step: {} packed, {} offloaded, {} kept, {} deduplicated, {} "
+      "host-cap fallbacks\n",
+      t.packed, t.offloaded, t.kept, t.deduplicated, t.host_fallbacks);
+  if (r.horizon) {
+    out += fmt::format(
+        "offload horizon: {} a forward ({} bytes; {} saved tensors after it kept on the "
+        "device)\n",
+        format_bytes(*r.horizon), r.horizon->count(), t.past_horizon);
+  }
+  out += fmt::format(
+      "reloads in the last step: {} prefetched, {} on demand, {} forward-stash hits, {} "
+      "record_stream fallbacks\n",
+      t.prefetched, t.on_demand, t.stash_hits, t.record_stream_fallbacks);
+  out += fmt::format("hazards: {}\n", r.hazards);
+  return out;
+}
+
+std::string simulate_json(const RowResult& r, const Model& model, const DeviceProfile& device) {
+  Json j;
+  j["format"] = "ferry.simulate/1";
+  j.update(context_json(model, device));
+  j["result"] = row_json(r, nullptr);
+  // Per layer of the packing op (-1: outside the layers), last step: what
+  // `python -m ferry validate` compares with a real run's.
+  Json layers = Json::array();
+  for (const auto& [layer, d] : r.layers) {
+    layers.push_back({{"layer", layer},
+                      {"packed", d.packed},
+                      {"offloaded", d.offloaded},
+                      {"kept", d.kept},
+                      {"deduplicated", d.deduplicated},
+                      {"recomputed", d.recomputed}});
+  }
+  j["result"]["layers"] = std::move(layers);
+  return j.dump(2) + "\n";
+}
+
+std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
+                         const DeviceProfile& device) {
+  const RowResult* base = baseline(rows);
+  std::string out = fmt::format("ferry compare: {} on {} ({} device memory)\n", model.name,
+                                device.name, format_bytes(device.memory));
+  out += fmt::format("{:<22} {:>9} {:>6} {:>10} {:>6} {:>11} {:>9} {:>9} {:>9} {:>9} {:>7} {}\n",
+                     "policy", "step", "time", "peak alloc", "memory", "peak pinned", "D2H", "H2D",
+                     "recompute", "bwd stall", "overlap", "note");
+  for (const RowResult& r : rows) {
+    std::string note;
+    if (!r.fits) {
+      note = "does not fit";
+    } else if (r.failure) {
+      note = "failed: " + r.failure->message;
+    } else if (r.hazards > 0) {
+      note = fmt::format("{} hazards", r.hazards);
+    }
+    out += fmt::format(
+        "{:<22} {:>9} {:>6} {:>10} {:>6} {:>11} {:>9} {:>9} {:>9} {:>9} {:>7} {}\n", r.name,
+        format_time(r.step_time), base ? ratio_text(r.step_time.ns(), base->step_time.ns()) : "-",
+        format_bytes(r.peak_allocated),
+        base ? ratio_text(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
+        format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
+        format_time(r.recompute_time), format_time(r.backward_stall),
+        percent_text(r.overlap_permille), note);
+  }
+  out +=
+      "time and memory are ratios to the none row; step (simulated device time), bytes moved, "
+      "recompute and bwd stall (compute stream waiting on copies) are of the last simulated "
+      "step\n";
+  return out;
+}
+
+std::string pipeline_text(const std::vector<PipelineRow>& rows) {
+  std::string out = fmt::format("{:<28} {:>9} {:>15} {:>12} {:>9} {:>9} {}\n", "pipeline", "step",
+                                "per micro-batch", "max dev peak", "recompute", "D2H", "note");
+  for (const PipelineRow& r : rows) {
+    std::string note = r.failure       ? "failed: " + r.failure->message
+                       : r.hazards > 0 ? fmt::format("{} hazards", r.hazards)
+                                       : std::string();
+    const std::int64_t mb = std::max(1, r.options.micro_batches);
+    out +=
+        fmt::format("{:<28} {:>9} {:>15} {:>12} {:>9} {:>9} {}\n", r.name, format_time(r.step_time),
+                    format_time(SimTime(r.step_time.ns() / mb)), format_bytes(r.max_device_peak),
+                    format_time(r.recompute_time), format_bytes(r.d2h), note);
+  }
+  out +=
+      "per-device peaks are allocated bytes; D2H is offloaded bytes, all stages; the model "
+      "describes one micro-batch\n";
+  return out;
+}
+
+namespace {
+
+Json pipeline_list(const std::vector<PipelineRow>& rows) {
+  Json list = Json::array();
+  for (const PipelineRow& r : rows) {
+    Json j;
+    j["name"] = r.name;
+    j["devices"] = r.options.devices;
+    j["micro_batches"] = r.options.micro_batches;
+    j["checkpoint"] = checkpoint_mode_name(r.options.checkpoint);
+    j["policy"] = policy_name(r.options.offload.policy);
+    j["failure"] = r.failure ? Json(r.failure->message) : Json(nullptr);
+    j["step_time_ns"] = r.step_time.ns();
+    j["recompute_ns"] = r.recompute_time.ns();
+    j["hazards"] = r.hazards;
+    j["d2h_bytes"] = r.d2h.count();
+    Json peaks = Json::array();
+    for (const Bytes b : r.device_peaks) peaks.push_back(b.count());
+    j["device_peak_allocated_bytes"] = std::move(peaks);
+    list.push_back(std::move(j));
+  }
+  return list;
+}
+
+}  // namespace
+
+std::string pipeline_json(const std::vector<PipelineRow>& rows) {
+  return pipeline_list(rows).dump(2);
+}
+
+std::string pipeline_document(const std::vector<PipelineRow>& rows) {
+  Json j;
+  j["format"] = "ferry.pipeline/1";
+  j["rows"] = pipeline_list(rows);
+  return j.dump(2) + "\n";
+}
+
+std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
+                         const DeviceProfile& device, const std::vector<PipelineRow>& pipeline) {
+  const RowResult* base = baseline(rows);
+  Json j;
+  j["format"] = "ferry.compare/1";
+  j.update(context_json(model, device));
+  Json list = Json::array();
+  for (const RowResult& r : rows) list.push_back(row_json(r, base));
+  j["rows"] = std::move(list);
+  if (!pipeline.empty()) j["pipeline"] = pipeline_list(pipeline);
+  return j.dump(2) + "\n";
+}
+
+}  // namespace ferry::sim
