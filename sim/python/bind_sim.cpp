@@ -175,6 +175,20 @@ py::dict offload_options(const std::string& text, const std::string& source) {
   return d;
 }
 
+// The keyword arguments simulate and compare share, as RunSpec's fields.
+sim::RunSpec knobs(std::int64_t min_bytes, std::int64_t window_mib, std::int64_t prefetch_mib,
+                   std::int64_t host_cap_gib, std::int32_t stash, std::int32_t steps, bool check) {
+  sim::RunSpec run;
+  run.min_bytes = min_bytes;
+  run.window_mib = window_mib;
+  run.prefetch_mib = prefetch_mib;
+  run.host_cap_gib = host_cap_gib;
+  run.stash = stash;
+  run.steps = steps;
+  run.no_checker = !check;
+  return run;
+}
+
 // simulate and compare: their keyword arguments are RunSpec's fields, with its defaults.
 void bind_runs(py::module_& m) {
   const sim::RunSpec d;
@@ -186,20 +200,14 @@ void bind_runs(py::module_& m) {
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
          std::int32_t stash, std::int32_t steps, bool prefetch, bool dedup, bool early_stop,
          bool check, bool memory_snapshot) {
-        sim::RunSpec run;
+        sim::RunSpec run =
+            knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check);
         run.policy = std::move(policy);
         run.checkpoint = std::move(checkpoint);
         run.horizon = std::move(horizon);
-        run.min_bytes = min_bytes;
-        run.window_mib = window_mib;
-        run.prefetch_mib = prefetch_mib;
-        run.host_cap_gib = host_cap_gib;
-        run.stash = stash;
-        run.steps = steps;
         run.no_prefetch = !prefetch;
         run.no_dedup = !dedup;
         run.no_early_stop = !early_stop;
-        run.no_checker = !check;
         return simulate(model, model_text, device, scenarios, run, memory_snapshot);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
@@ -217,15 +225,9 @@ void bind_runs(py::module_& m) {
          const std::string& device, const std::string& scenarios, std::int64_t min_bytes,
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
          std::int32_t stash, std::int32_t steps, bool check) {
-        sim::RunSpec run;
-        run.min_bytes = min_bytes;
-        run.window_mib = window_mib;
-        run.prefetch_mib = prefetch_mib;
-        run.host_cap_gib = host_cap_gib;
-        run.stash = stash;
-        run.steps = steps;
-        run.no_checker = !check;
-        return compare(model, model_text, device, scenarios, run);
+        return compare(
+            model, model_text, device, scenarios,
+            knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check));
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
       py::kw_only(), py::arg("min_bytes") = d.min_bytes, py::arg("window_mib") = d.window_mib,
