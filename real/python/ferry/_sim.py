@@ -85,9 +85,18 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
         ValueError: A model, device or option the simulator refuses; the message names it.
         TypeError: An option it does not know.
     """
+    return simulate_with_snapshot(model, device, False, **options)[0]
+
+
+def simulate_with_snapshot(
+    model: ModelSource, device: str, memory_snapshot: bool, **options: Any
+) -> tuple[dict[str, Any], bytes | None]:
+    """``simulate``'s run: (the document, the run's PyTorch memory snapshot pickle when
+    ``memory_snapshot``, else None)."""
     name, text = model_args(model)
-    document, _ = _C._sim.simulate(name, text, device, scenarios_dir(), **options)
-    return document
+    return _C._sim.simulate(
+        name, text, device, scenarios_dir(), memory_snapshot=memory_snapshot, **options
+    )
 
 
 def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -> dict[str, Any]:

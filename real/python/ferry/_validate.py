@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from . import _C
 from ._checkpoint import checkpoint
 from ._offload import offload_model
-from ._sim import DEFAULT_DEVICE, model_args, scenarios_dir
+from ._sim import DEFAULT_DEVICE, simulate_with_snapshot
 from ._trace import TracedModel, loss_of
 from ._trace import trace as ferry_trace
 from .compat.hf import enable_gradient_checkpointing
@@ -281,15 +280,9 @@ def _simulated(traced, policy, checkpoint, steps, device, horizon, memory_snapsh
     options = {"policy": policy, "steps": steps, "horizon": str(horizon)}
     if checkpoint:
         options["checkpoint"] = checkpoint
-    name, text = model_args(traced)
     try:
-        document, pickle = _C._sim.simulate(
-            name,
-            text,
-            device or DEFAULT_DEVICE,
-            scenarios_dir(),
-            memory_snapshot=memory_snapshot,
-            **options,
+        document, pickle = simulate_with_snapshot(
+            traced, device or DEFAULT_DEVICE, memory_snapshot, **options
         )
     except ValueError as e:
         raise RuntimeError(f"ferry validate: the simulator refused {options}: {e}") from None
