@@ -35,6 +35,9 @@ int CompareCommand::run() const {
   const sim::Model& model = workload.value().model;
   const sim::DeviceProfile& device = workload.value().device;
   auto base = sim::run_options(a_.run, model, false);
+  if (base) {
+    if (auto valid = sim::validate_fsdp(base.value().fsdp, device); !valid) base = valid.error();
+  }
   if (!base) {
     fmt::print(stderr, "ferry compare: error: {}\n", base.error().message);
     return kExitBadInput;

@@ -20,6 +20,7 @@
 #include "ferry/sim/runs/measure.hpp"
 #include "ferry/units.hpp"
 #include "io.hpp"
+#include "run_options.hpp"
 
 namespace ferry::cli {
 namespace {
@@ -46,6 +47,7 @@ struct PlanArgs {
   std::int32_t steps = 2;
   std::int32_t sweep = 0;  // budgets of a sweep; 0: one plan at --budget
   bool json = false;
+  sim::FsdpSpec fsdp;
 };
 
 class PlanCommand final : public Command {
@@ -89,6 +91,7 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
       ->check(CLI::Range(1, 100));
   cmd->add_flag("--json", a_.json, "Print the report as one JSON document");
   cmd->add_option("--scenarios", a_.scenarios, "Folder with devices/ (bundled by default)");
+  add_fsdp_options(cmd, a_.fsdp);
 }
 
 std::string PlanCommand::misuse() const {
@@ -114,6 +117,9 @@ Result<sim::PlannerOptions> PlanCommand::planner_options() const {
     options.budget = budget.value();
   }
   options.steps = a_.steps;
+  auto fsdp = sim::fsdp_options(a_.fsdp);
+  if (!fsdp) return fsdp.error();
+  options.fsdp = fsdp.value();
   if (!a_.host_budget.empty()) {
     auto host = parse_bytes(a_.host_budget, "--host-budget");
     if (!host) return host.error();
@@ -135,6 +141,10 @@ int PlanCommand::run() const {
   auto workload = sim::load_workload(a_.model, a_.device, a_.scenarios);
   if (!workload) {
     fmt::print(stderr, "ferry plan: error: {}\n", workload.error().message);
+    return kExitBadInput;
+  }
+  if (auto valid = sim::validate_fsdp(options.value().fsdp, workload.value().device); !valid) {
+    fmt::print(stderr, "ferry plan: error: {}\n", valid.error().message);
     return kExitBadInput;
   }
   if (a_.sweep > 0) return sweep(workload.value(), options.value());
@@ -186,6 +196,7 @@ int PlanCommand::write_snapshot(const sim::Workload& w, const sim::PlannerOption
   capped.memory = std::min(capped.memory, options.budget);
   sim::TrainingOptions base;
   base.steps = a_.steps;
+  base.fsdp = options.fsdp;
   base.sim.record_allocator = true;
   auto training = sim::plan_training_options(plan, w.model, base);
   std::optional<sim::TrainingRun> run;

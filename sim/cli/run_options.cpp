@@ -2,6 +2,23 @@
 
 namespace ferry::cli {
 
+void add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec) {
+  cmd->add_option("--fsdp", spec.ranks,
+                  "FSDP2 over N ranks: each layer and the root fully_shard'ed; figures are one "
+                  "rank's (docs/fsdp.md)")
+      ->check(CLI::Range(1, 1'000'000));
+  cmd->add_option("--nodes", spec.nodes,
+                  "With --fsdp: nodes the ranks span (default: as few as the device's "
+                  "gpus_per_node allow)")
+      ->check(CLI::Range(1, 1'000'000));
+  cmd->add_option("--hsdp", spec.replicas,
+                  "With --fsdp: HSDP replica groups (shard within a group, all-reduce across)")
+      ->check(CLI::Range(1, 1'000'000));
+  cmd->add_option("--reshard-after-forward", spec.reshard_after_forward,
+                  "With --fsdp: true, false, or K (keep a 1/K shard after forward)")
+      ->capture_default_str();
+}
+
 void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   sim::RunSpec& a = args.run;
   cmd->add_option("--model", args.model, "Model preset or model JSON file")->capture_default_str();
@@ -23,6 +40,7 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
         ->capture_default_str();
   }
   cmd->add_flag("--no-early-stop", a.no_early_stop, "Recompute whole checkpointed regions");
+  add_fsdp_options(cmd, a.fsdp);
   cmd->add_option("--devices", args.devices, "Pipeline over N devices (GPipe); 1: no pipeline")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));

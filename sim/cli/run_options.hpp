@@ -26,6 +26,9 @@ struct RunArgs {
   sim::RunSpec run;  // the run's own options, as `ferry.simulate` takes them too
 };
 
+/// Adds `--fsdp`, `--nodes`, `--hsdp` and `--reshard-after-forward` to `cmd`.
+void add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec);
+
 /// Adds the shared options to `cmd`; `simulate` adds those of one run (policy, checkpoint plan,
 /// side streams, trace and snapshot files, a plan to replay).
 void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate);

@@ -61,6 +61,20 @@ std::string profile(const DeviceProfile& p) {
     overheads.num(field.key, (p.overheads.*field.field).ns());
   }
   out.raw("overheads_ns", overheads.json());
+  const CollectiveLinks& c = p.collectives;
+  if (c.intra_node.known() || c.inter_node.known()) {
+    const auto link = [](const CollectiveLink& l) {
+      return Object()
+          .num("bytes_per_s", l.bandwidth.bytes_per_s())
+          .num("latency_ns", l.latency.ns())
+          .json();
+    };
+    out.raw("collectives", Object()
+                               .num("gpus_per_node", c.gpus_per_node)
+                               .raw("intra_node", link(c.intra_node))
+                               .raw("inter_node", link(c.inter_node))
+                               .json());
+  }
   return out.json();
 }
 

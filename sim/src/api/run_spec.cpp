@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <charconv>
 #include <limits>
 #include <utility>
 
@@ -10,6 +11,32 @@
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
+
+Result<FsdpOptions> fsdp_options(const FsdpSpec& spec) {
+  FsdpOptions f;
+  f.ranks = spec.ranks;
+  f.nodes = spec.nodes;
+  f.replicas = spec.replicas;
+  const std::string& r = spec.reshard_after_forward;
+  if (r == "true") {
+    f.reshard_after_forward = -1;
+  } else if (r == "false") {
+    f.reshard_after_forward = 0;
+  } else {
+    std::int32_t k = 0;
+    const auto [end, ec] = std::from_chars(r.data(), r.data() + r.size(), k);
+    if (ec != std::errc() || end != r.data() + r.size() || k < 2) {
+      return Error{fmt::format(
+          "--reshard-after-forward: \"{}\" is not true, false or a number of ranks (2 or more)",
+          r)};
+    }
+    f.reshard_after_forward = k;
+  }
+  if (!f.on() && (spec.nodes != 0 || spec.replicas != 1 || r != "true")) {
+    return Error{"--nodes, --hsdp and --reshard-after-forward need --fsdp N"};
+  }
+  return f;
+}
 
 Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, bool with_checkpoint) {
   TrainingOptions o;
@@ -32,6 +59,9 @@ Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, boo
   auto side = parse_side_streams(spec.side_streams);
   if (!side) return Error{fmt::format("--side-streams: {}", side.error().message)};
   o.side = std::move(side).value();
+  auto fsdp = fsdp_options(spec.fsdp);
+  if (!fsdp) return fsdp.error();
+  o.fsdp = fsdp.value();
   if (spec.horizon == "none") {
     o.offload.horizon_bytes = Bytes(std::numeric_limits<std::int64_t>::max());
   } else if (spec.horizon != "auto") {
@@ -48,6 +78,9 @@ Result<RowResult> simulate_one(const Workload& workload, const RunSpec& spec,
   if (!options) return options.error();
   const auto policy = parse_policy(spec.policy);
   if (!policy) return Error{fmt::format("unknown policy \"{}\" ({})", spec.policy, kPolicyNames)};
+  if (auto valid = validate_fsdp(options.value().fsdp, workload.device); !valid) {
+    return valid.error();
+  }
   PolicyRow row{spec.policy, std::move(options).value()};
   row.options.offload.policy = *policy;
   row.options.sim.record_allocator = record_allocator;

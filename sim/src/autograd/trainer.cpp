@@ -17,7 +17,9 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
     : model_(model),
       options_(options),
       graph_(make_graph(model)),
-      run_{.sim = Simulator({DeviceSpec{"gpu0", profile}}, {}, options.sim), .device = kDevice},
+      run_{.sim = Simulator({DeviceSpec{"gpu0", rank_profile(profile, options.fsdp)}}, {},
+                            options.sim),
+           .device = kDevice},
       compute_(run_.sim.add_stream(kDevice, "compute")),
       current_(compute_),
       device_(run_.sim, kDevice, compute_),
@@ -62,6 +64,12 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
 
 Result<TrainingRun> Trainer::run() {
   if (auto valid = validate_plan(); !valid) return valid.error();
+  if (auto valid = validate_fsdp(options_.fsdp, run_.sim.device_profile(kDevice)); !valid) {
+    return valid.error();
+  }
+  if (fsdp() && options_.side.all_reduce) {
+    return Error{"FSDP reduce-scatters gradients: DDP's all-reduce does not apply"};
+  }
   try {
     setup();
     run_.baseline_allocated = allocated();
@@ -211,6 +219,10 @@ void Trainer::setup() {
   for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
     const ModelTensor& tensor = model_.tensors[t];
     if (tensor.view_of >= 0) continue;
+    // With FSDP the parameters are sharded per unit and the optimizer's state is FSDP's own.
+    if (fsdp() && (tensor.role == TensorRole::Param || tensor.name.starts_with("optimizer."))) {
+      continue;
+    }
     if (tensor.role == TensorRole::Param || tensor.role == TensorRole::Buffer) {
       const Device::Buffer buf = must_allocate(tensor.bytes, tensor.name);
       params_[t] = Bound{buf, Bytes(0), mix_content(0x706172616d, t)};
@@ -222,6 +234,7 @@ void Trainer::setup() {
       }
     }
   }
+  if (fsdp()) fsdp_setup(writes, values);
   run_.sim.kernel(current_, SimTime(1), {}, writes, "init parameters", values);
   device_rng_initialized_ = !options_.checkpoint.lazy_device_rng;
 }
@@ -231,7 +244,7 @@ Bound Trainer::lookup(std::uint32_t t) const {
   if (tensor.role == TensorRole::Param || tensor.role == TensorRole::Buffer) {
     const std::uint32_t b = base(t);
     const Bound& p = params_.at(b);
-    return Bound{p.buffer, tensor.view_offset, p.value};
+    return Bound{p.buffer, p.offset + tensor.view_offset, p.value};
   }
   for (std::size_t s = scopes_.size(); s-- > 0;) {
     auto it = scopes_[s].bound.find(t);
@@ -262,6 +275,7 @@ Pieces Trainer::expected_of(std::uint32_t t) const {
 void Trainer::run_op(std::uint32_t i, bool replay) {
   const ModelOp& op = model_.ops[i];
   switch_to(op_stream(i, replay));
+  if (replay && fsdp()) fsdp_before_replay(i);
   Scope& scope = scopes_.back();
   std::uint64_t seed = mix_content(0x6f70, i + 1);
   for (const std::uint32_t t : op.inputs) seed = mix_content(seed, lookup(t).value);
@@ -336,6 +350,10 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
     const RecomputePack done = checkpointer_.recompute_pack(meta, kept);
     if (done != RecomputePack::Ignored) device_.hold(where.buffer);  // the checkpointer's
     if (done == RecomputePack::KeptLast) stop_replay_ = true;
+    return saved;
+  }
+  if (fsdp() && model_.tensors[b].role == TensorRole::Param) {
+    saved.kind = Saved::Kind::Param;
     return saved;
   }
   const ModelTensor& storage = model_.tensors[b];
@@ -429,6 +447,7 @@ void Trainer::forward() {
     const ModelOp& op = model_.ops[i];
     current_op_ = i;
     switch_to(op_stream(i, false));  // a checkpoint call inside the block packs on its stream
+    if (fsdp()) fsdp_before_op(i);
     for (const std::uint32_t r :
          regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
       begin_region(r);
@@ -446,6 +465,7 @@ void Trainer::forward() {
     while (!open_.empty() && options_.checkpoint.regions[open_.back().region].end_op == i + 1) {
       end_region();
     }
+    if (fsdp()) fsdp_after_op(i);
     for (const std::uint32_t b : drop_after_[i]) device_.drop(scopes_[0].bound.at(b).buffer);
   }
   switch_to(compute_);

@@ -28,9 +28,10 @@ struct Bound {
   std::uint64_t value = 0;
 };
 
-// How a saved tensor was packed.
+// How a saved tensor was packed. Param: an FSDP parameter, saved as the parameter object whose
+// storage FSDP frees and gathers again (Note [FSDP2, one rank]); unpacked where it lives then.
 struct Saved {
-  enum class Kind : std::uint8_t { Offload, Holder } kind = Kind::Offload;
+  enum class Kind : std::uint8_t { Offload, Holder, Param } kind = Kind::Offload;
   TensorId id;
   HolderId holder;
   std::uint32_t tensor = 0;
@@ -67,6 +68,44 @@ struct FrameInfo {
 };
 
 constexpr std::uint64_t kGradSalt = 0x67726164;  // "grad"
+
+// One fully_shard unit of FSDP2: a layer's parameters, or the root's (those outside the
+// layers). Note [FSDP2, one rank] in trainer_fsdp.cpp.
+struct FsdpUnit {
+  std::int32_t layer = -1;             // -1: the root
+  std::vector<std::uint32_t> params;   // base parameter tensors, in model order
+  std::vector<Bytes> offsets;          // each one's offset in the unsharded buffer
+  Bytes bytes;                         // unsharded, in the model's dtype
+  Bytes master;                        // unsharded, in the sharded dtype (f32 with mixed precision)
+  std::int32_t first_op = -1;          // its layer's forward ops [first_op, last_op]
+  std::int32_t last_op = -1;
+  Device::Buffer shard{};              // this rank's shard of the parameters, resident
+  std::optional<Device::Buffer> moments;      // AdamW's two moments of the shard
+  std::optional<Device::Buffer> sharded_grad;  // this rank's reduced gradient, until zero_grad
+  std::optional<Device::Buffer> unsharded;    // the parameters, gathered
+  std::optional<Device::Buffer> post_forward;  // the 1/k shard kept after forward
+  std::optional<Device::Event> post_forward_event;
+  std::optional<Device::Buffer> gathering;    // an all-gather's output, before its copy-out
+  std::optional<Device::Event> gathered;      // recorded after that all-gather
+};
+
+struct FsdpState {
+  std::vector<FsdpUnit> units;              // the root first, then the layers in forward order
+  std::map<std::int32_t, std::size_t> unit_of_layer;
+  StreamId copy_in, all_gather, reduce_scatter, all_reduce;
+  // FSDP2's all_gather_state: the previous forward all-gather's output, freed once the AG
+  // streams wait for its copy-out.
+  std::optional<Device::Buffer> prev_gather;
+  std::optional<Device::Event> prev_copy_out;
+  // FSDP2's reduce_scatter_state: the previous reduce-scatter's input and its event.
+  std::optional<Device::Buffer> prev_rs_input;
+  std::optional<Device::Event> prev_rs_event;
+  std::optional<Device::Event> last_reduce;  // the last reduce (and all-reduce) of backward
+  std::vector<std::size_t> backward_units;  // units by first node in backward order
+  std::vector<bool> pre_backward_done;
+  std::vector<std::int32_t> last_node;      // per unit: its last node in backward order
+  std::int32_t ranks_per_node = 1;
+};
 
 // The one device: the simulator numbers devices in the order of their specs.
 constexpr DeviceId kDevice(0);
@@ -109,6 +148,28 @@ class Trainer {
   void all_reduce(std::uint32_t p);
 
   void setup();
+
+  // --- FSDP2 (trainer_fsdp.cpp) -----------------------------------------------------------
+
+  bool fsdp() const { return options_.fsdp.on(); }
+  std::size_t unit_of_op(std::uint32_t i) const;
+  void fsdp_setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values);
+  void fsdp_before_op(std::uint32_t i);
+  void fsdp_after_op(std::uint32_t i);
+  void fsdp_backward_begin(const std::vector<std::uint32_t>& order);
+  void fsdp_before_node(std::uint32_t n);
+  void fsdp_after_node(std::size_t k, std::uint32_t n);
+  void fsdp_backward_end();
+  void fsdp_before_replay(std::uint32_t i);
+  void fsdp_optimizer_step();
+  void unshard(std::size_t u);
+  void wait_for_unshard(std::size_t u, bool forward);
+  void reshard(std::size_t u, bool after_forward);
+  void reduce_gradients(std::size_t u);
+  void bind_unit(std::size_t u, Device::Buffer buffer);
+  SimTime memory_time(Bytes bytes) const;
+  SimTime ring_time(Bytes bytes, std::int32_t ranks, std::int32_t passes) const;
+  void comm_wait(StreamId waiter, StreamId on);
 
   // --- tensors, scopes and content ----------------------------------------------------------
 
@@ -237,6 +298,7 @@ class Trainer {
   Device device_;
   Offloader<Device> offloader_;
   TrainingFaults faults_;
+  FsdpState fsdp_;
   Checkpointer<Recomputed> checkpointer_;
   std::vector<Scope> scopes_;
   std::map<std::uint32_t, Bound> params_;

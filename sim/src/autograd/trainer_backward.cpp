@@ -13,6 +13,13 @@ namespace ferry::sim::training {
 // Backward: unpacking, recomputation, the node order, gradients and the end of a step.
 
 Bound Trainer::unpack(const Saved& s, std::uint32_t node) {
+  if (s.kind == Saved::Kind::Param) {
+    const Bound b = lookup(s.tensor);
+    // The caller's reference. Not live only when a planted fault skipped the gather: the
+    // kernel's read of freed memory is then the checker's to report.
+    if (device_.use_count(b.buffer) > 0) device_.hold(b.buffer);
+    return b;
+  }
   if (s.kind == Saved::Kind::Offload) {
     auto u = offloader_.unpack(s.id, NodeId(node));
     // The offloader orders the storage for the stream current at the unpack (Note [The compute
@@ -237,6 +244,10 @@ std::vector<std::uint32_t> Trainer::write_input_grads(std::uint32_t n, std::uint
       values.push_back(grad_values_[b]);
     } else if (role == TensorRole::Param) {
       written.push_back(b);
+      if (!param_grads_.contains(b)) {  // FSDP: the unsharded gradient, until its reduce
+        param_grads_.emplace(b, must_allocate(model_.tensors[b].bytes,
+                                              model_.tensors[b].name + ".grad"));
+      }
       param_grad_values_[b] += mix_content(g, b);
       writes.push_back(Region{param_grads_.at(b).id, Bytes(0), model_.tensors[b].bytes});
       values.push_back(param_grad_values_[b]);
@@ -256,7 +267,7 @@ void Trainer::let_go_after_node(std::uint32_t n, bool last_pass, std::size_t k,
   for (std::size_t u = 0; u < unpacked.size(); ++u) {
     if (escape && u == 0) {
       escaped_ = unpacked[u];  // a view of it lives on into the next node
-    } else {
+    } else if (device_.use_count(unpacked[u]) > 0) {  // see unpack: a Param may not be held
       device_.drop(unpacked[u]);
     }
   }
@@ -386,19 +397,23 @@ void Trainer::backward(bool last_pass) {
                   std::vector<Region>{Region{grad(loss).id, Bytes(0), model_.tensors[loss].bytes}},
                   "loss grad", std::vector<std::uint64_t>{grad_values_[loss]});
   std::vector<bool> done_region(options_.checkpoint.regions.size(), false);
+  if (fsdp()) fsdp_backward_begin(order);
   for (std::size_t k = 0; k < order.size(); ++k) {
     const std::uint32_t n = order[k];
+    if (fsdp()) fsdp_before_node(n);
     const std::int32_t r = reentrant_region_of(n);
     if (r >= 0) {
       if (!done_region[static_cast<std::size_t>(r)]) {
         done_region[static_cast<std::size_t>(r)] = true;
         run_reentrant(static_cast<std::uint32_t>(r), last_pass, k);
       }
-      continue;
+    } else {
+      run_node(n, last_pass, k);
     }
-    run_node(n, last_pass, k);
+    if (fsdp()) fsdp_after_node(k, n);
   }
   switch_to(compute_);  // backward() returns on the caller's stream, synced with the leaves'
+  if (fsdp()) fsdp_backward_end();
   if (comm_.valid()) {
     // DDP's finalize: the caller's stream waits for the last all-reduces.
     const Device::Event e = device_.make_event();
@@ -459,6 +474,7 @@ void Trainer::step() {
   const int passes = options_.retain_graph ? 2 : 1;
   for (int pass = 0; pass < passes; ++pass) backward(pass == passes - 1);
   offloader_.exit();
+  if (fsdp()) fsdp_optimizer_step();
   if (options_.sync_each_step) run_.sim.sync_device(run_.device);
   times.end = run_.sim.host_time();
   run_.steps.push_back(times);

@@ -161,13 +161,36 @@ void Simulator::record_stream(BufferId buffer, StreamId stream, std::string_view
 OpId Simulator::kernel(StreamId stream, SimTime duration, std::span<const Region> reads,
                        std::span<const Region> writes, std::string_view label,
                        std::span<const std::uint64_t> values) {
-  State& s = *state_;
+  return state_->launch(engine_detail::ExecKind::Kernel, stream, duration, reads, writes, label,
+                        values);
+}
+
+// Note [Collectives]
+// A collective (an NCCL all-gather, reduce-scatter or all-reduce) is a kernel to the stream
+// scheduler and the checker: it reads and writes device ranges in stream order. It does not
+// run on the compute engine: NCCL's kernels run beside compute kernels, so each device has a
+// second engine of the same kind, one collective at a time (two collectives that overlap in
+// reality share the link, and finish together about when the two run back to back would).
+// Its duration is the caller's, from the link model (docs/fsdp.md); the SMs it takes from
+// compute kernels are not modelled.
+OpId Simulator::collective(StreamId stream, SimTime duration, std::span<const Region> reads,
+                           std::span<const Region> writes, std::string_view label,
+                           std::span<const std::uint64_t> values) {
+  return state_->launch(engine_detail::ExecKind::Collective, stream, duration, reads, writes,
+                        label, values);
+}
+
+OpId Simulator::State::launch(engine_detail::ExecKind kind, StreamId stream, SimTime duration,
+                              std::span<const Region> reads, std::span<const Region> writes,
+                              std::string_view label, std::span<const std::uint64_t> values) {
+  State& s = *this;
   s.streams.check(stream);
   FERRY_CHECK(duration.ns() >= 0, "negative kernel duration");
   const OpId op = s.begin_call(OpKind::Kernel, s.overheads(s.streams.device(stream)).kernel, label);
   s.ops[op.value()].stream = stream;
+  s.ops[op.value()].collective = kind == engine_detail::ExecKind::Collective;
   State::Exec& e = s.exec[op.value()];
-  e.kind = engine_detail::ExecKind::Kernel;
+  e.kind = kind;
   e.duration = duration;
   const ThreadIndex thread = s.streams.thread(stream);
   if (s.options.check_hazards) s.checker.begin_op(thread);

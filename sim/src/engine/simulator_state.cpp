@@ -55,6 +55,7 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
       checker(planted.checker),
       streams(planted.timing_ignores_waits),
       compute(specs.size()),
+      collectives(specs.size(), DeviceEvent::Kind::CollectiveDone),
       copies(queue) {
   FERRY_CHECK(!specs.empty(), "a simulation needs at least one device");
   for (auto& spec : specs) {
@@ -113,10 +114,12 @@ void Simulator::State::sample(DeviceId device) {
 
 void Simulator::State::process(const DeviceEventQueue::Entry& ev) {
   now = ev.time;
-  if (ev.payload.kind == DeviceEvent::Kind::KernelDone) {
+  if (ev.payload.kind != DeviceEvent::Kind::CopyPhaseDone) {
     const DeviceId device = ev.payload.device;
-    complete(compute.finish(device));
-    start_kernel(device);
+    ComputeEngines& engines =
+        ev.payload.kind == DeviceEvent::Kind::KernelDone ? compute : collectives;
+    complete(engines.finish(device));
+    start_kernel(engines, device);
     return;
   }
   const EngineId engine = ev.payload.engine;
@@ -143,18 +146,19 @@ void Simulator::State::start_op(OpId op, bool wait_done) {
     return;
   }
   const Exec& e = exec[op.value()];
-  if (e.kind == engine_detail::ExecKind::Kernel) {
+  if (e.kind == engine_detail::ExecKind::Kernel || e.kind == engine_detail::ExecKind::Collective) {
+    ComputeEngines& engines = e.kind == engine_detail::ExecKind::Kernel ? compute : collectives;
     const DeviceId device = streams.device(rec.stream);
-    compute.enqueue(device, op, e.duration);
-    start_kernel(device);
+    engines.enqueue(device, op, e.duration);
+    start_kernel(engines, device);
   } else {
     copies.enqueue(rec.engine, CopyJob{op, rec.bytes, e.rate, e.latency});
     start_copy(rec.engine);
   }
 }
 
-void Simulator::State::start_kernel(DeviceId device) {
-  const std::optional<OpId> op = compute.try_start(device, now, queue);
+void Simulator::State::start_kernel(ComputeEngines& engines, DeviceId device) {
+  const std::optional<OpId> op = engines.try_start(device, now, queue);
   if (!op) return;
   ops[op->value()].start = now;
   if (!expectations.empty()) check_expectations(*op);
@@ -234,7 +238,7 @@ void Simulator::State::apply_content(OpId op) {
   if (e.kind == engine_detail::ExecKind::Copy) {
     content[e.dst_space].copy_from(content[e.src_space], e.src_addr, e.dst_addr,
                                    ops[op.value()].bytes);
-  } else if (e.kind == engine_detail::ExecKind::Kernel) {
+  } else {
     for (std::uint32_t i = 0; i < e.write_count; ++i) {
       const engine_detail::WriteRange& w = write_ranges[e.first_write + i];
       content[w.space].write(w.lo, w.hi, w.content, Bytes(0));

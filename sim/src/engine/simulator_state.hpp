@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -43,14 +44,14 @@ class LabelTable {
   std::unordered_map<std::string, std::uint32_t, Hash, std::equal_to<>> index_;
 };
 
-enum class ExecKind : std::uint8_t { None, Kernel, Copy };
+enum class ExecKind : std::uint8_t { None, Kernel, Collective, Copy };
 
 /// How a submitted kernel or copy executes and what it does to shadow content when it
 /// completes: copies move src -> dst; kernels write fresh values into
 /// write_ranges[first_write, first_write + write_count). Kept beside OpRecord, same index.
 struct Exec {
   ExecKind kind = ExecKind::None;
-  SimTime duration;  ///< Kernel
+  SimTime duration;  ///< Kernel, Collective
   Bandwidth rate;    ///< Copy, uncontended
   SimTime latency;   ///< Copy
   SpaceIndex src_space = 0;
@@ -128,6 +129,7 @@ struct Simulator::State final : StreamMarkers {
   DeviceEventQueue queue;
   StreamScheduler streams;
   ComputeEngines compute;
+  ComputeEngines collectives;  // Note [Collectives]
   CopyEngines copies;
   std::vector<ContentShadow> content;                     // per memory space; the host is the last
   std::map<OpId, std::vector<Expectation>> expectations;  // kernel -> checked at its start
@@ -203,7 +205,11 @@ struct Simulator::State final : StreamMarkers {
   void process(const DeviceEventQueue::Entry& ev);
   void submit(OpId op, std::optional<StreamPosition> until = std::nullopt);
   void start_op(OpId op, bool wait_done);
-  void start_kernel(DeviceId device);
+  void start_kernel(ComputeEngines& engines, DeviceId device);
+  // Simulator::kernel and Simulator::collective: one call, on the engine `kind` names.
+  OpId launch(engine_detail::ExecKind kind, StreamId stream, SimTime duration,
+              std::span<const Region> reads, std::span<const Region> writes,
+              std::string_view label, std::span<const std::uint64_t> values);
   void start_copy(EngineId engine);
   void complete(OpId op);
   EngineId copy_engine(OpRecord& rec, Exec& e, const BufferInfo& from, const BufferInfo& to);

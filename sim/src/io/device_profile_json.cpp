@@ -67,6 +67,26 @@ Result<CopyPath> read_copy_path(const JsonObject& parent, std::string_view key,
   return path;
 }
 
+Result<CollectiveLink> read_collective_link(const JsonObject& parent, std::string_view key) {
+  FERRY_JSON_TRY(const auto object, parent.required_object(key, {"bytes_per_s", "latency_ns"}));
+  FERRY_JSON_TRY(const auto rate, read_rate(object, "bytes_per_s"));
+  FERRY_JSON_TRY(const auto latency, read_nanoseconds(object, "latency_ns"));
+  return CollectiveLink{Bandwidth(rate), SimTime(latency)};
+}
+
+// "collectives": {"gpus_per_node": 8, "intra_node": {...}, "inter_node": {...}}, optional.
+Result<CollectiveLinks> read_collectives(const JsonObject& profile) {
+  CollectiveLinks links;
+  if (!profile.has("collectives")) return links;
+  FERRY_JSON_TRY(const auto object, profile.required_object(
+                                        "collectives", {"gpus_per_node", "intra_node", "inter_node"}));
+  FERRY_JSON_TRY(const auto gpus, object.required_integer("gpus_per_node", 1, 1024));
+  links.gpus_per_node = static_cast<std::int32_t>(gpus);
+  FERRY_JSON_TRY(links.intra_node, read_collective_link(object, "intra_node"));
+  FERRY_JSON_TRY(links.inter_node, read_collective_link(object, "inter_node"));
+  return links;
+}
+
 }  // namespace
 
 namespace io_detail {
@@ -75,7 +95,7 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
   FERRY_JSON_TRY(const auto object,
                  value.object({"name", "description", "memory_bytes", "flops_per_s",
                                "memory_bytes_per_s", "h2d", "d2h", "pageable", "d2d", "peer",
-                               "pinned_host_capacity_bytes", "overheads_ns"}));
+                               "pinned_host_capacity_bytes", "overheads_ns", "collectives"}));
   DeviceProfile profile;
   FERRY_JSON_TRY(const auto name_value, object.required("name"));
   FERRY_JSON_TRY(profile.name, name_value.name());
@@ -110,6 +130,7 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
     FERRY_JSON_TRY(const auto ns, read_nanoseconds(overheads, field.key));
     profile.overheads.*field.field = SimTime(ns);
   }
+  FERRY_JSON_TRY(profile.collectives, read_collectives(object));
   return profile;
 }
 

@@ -22,12 +22,15 @@ namespace planning {
 /// by its inputs.
 class SimulatedCost final : public CostModel {
  public:
-  SimulatedCost(const Model& model, const DeviceProfile& device, std::int32_t steps)
+  SimulatedCost(const Model& model, const DeviceProfile& device, std::int32_t steps,
+                const FsdpOptions& fsdp)
       : model_(model),
         device_(device),
         roomy_(roomy(device)),
         base_(timing_only(steps)),
-        steps_(steps) {}
+        steps_(steps) {
+    base_.fsdp = fsdp;
+  }
 
   /// The unchecked run of `plan` on the roomy device (once per distinct plan).
   Evaluation evaluate(const Plan& plan) override {
@@ -72,6 +75,7 @@ class SimulatedCost final : public CostModel {
     capped.memory = memory;
     TrainingOptions options;
     options.steps = steps_;
+    options.fsdp = base_.fsdp;
     auto training = plan_training_options(plan, model_, options);
     FERRY_CHECK(training.ok(), "planner built an invalid plan: {}", training.error().message);
     std::optional<TrainingRun> run;
@@ -99,12 +103,19 @@ class SimulatedCost final : public CostModel {
 
 /// What a Planner keeps from one budget to the next.
 struct PlannerState {
-  PlannerState(const Model& m, const DeviceProfile& d, std::int32_t s)
-      : model(m), device(d), steps(s), space(m, d), cost(m, d, s), knobs(knob_variants()) {}
+  PlannerState(const Model& m, const DeviceProfile& d, std::int32_t s, const FsdpOptions& f)
+      : model(m),
+        device(d),
+        steps(s),
+        fsdp(f),
+        space(m, d),
+        cost(m, d, s, f),
+        knobs(knob_variants()) {}
 
   const Model& model;
   DeviceProfile device;
   std::int32_t steps;
+  FsdpOptions fsdp;
   PlanSpace space;
   SimulatedCost cost;
   std::vector<PlanKnobs> knobs;                // the knob variants
@@ -115,7 +126,9 @@ struct PlannerState {
   void ensure_fixed() {
     if (rows) return;
     rows.emplace();
-    const std::vector<PolicyRow> policy_rows = default_rows(timing_only(steps), model, device);
+    TrainingOptions base = timing_only(steps);
+    base.fsdp = fsdp;
+    const std::vector<PolicyRow> policy_rows = default_rows(base, model, device);
     for (const PolicyRow& row : policy_rows) rows->push_back(run_row(model, device, row));
     for (std::size_t i = 0; i < policy_rows.size(); ++i) {
       std::optional<Seed> seed = seed_of(space, policy_rows[i].options);
@@ -229,8 +242,9 @@ Error infeasible(const planning::PlannerState& p, const planning::Search& search
 
 }  // namespace
 
-Planner::Planner(const Model& model, const DeviceProfile& device, std::int32_t steps)
-    : state_(std::make_unique<planning::PlannerState>(model, device, steps)) {}
+Planner::Planner(const Model& model, const DeviceProfile& device, std::int32_t steps,
+                 const FsdpOptions& fsdp)
+    : state_(std::make_unique<planning::PlannerState>(model, device, steps, fsdp)) {}
 
 Planner::~Planner() = default;
 
@@ -241,8 +255,15 @@ const std::vector<RowResult>& Planner::fixed() {
 
 std::int64_t Planner::simulations() const { return state_->cost.runs(); }
 
-Result<PlanOutcome> Planner::plan(const PlannerOptions& options, Bytes* floor) {
+Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* floor) {
   planning::PlannerState& p = *state_;
+  // A node's pinned host memory is shared by its ranks: the run of one rank gets its part.
+  PlannerOptions options = node_options;
+  if (options.host_budget) {
+    DeviceProfile node = p.device;
+    node.pinned_host_capacity = *options.host_budget;
+    options.host_budget = rank_profile(node, p.fsdp).pinned_host_capacity;
+  }
   const std::int64_t simulations_before = p.cost.runs();
   const std::int64_t reused_before = p.cost.reused();
   p.ensure_fixed();
@@ -263,7 +284,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& options, Bytes* floor) {
 
 Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,
                               const PlannerOptions& options, Bytes* floor) {
-  Planner planner(model, device, options.steps);
+  Planner planner(model, device, options.steps, options.fsdp);
   return planner.plan(options, floor);
 }
 

@@ -6,6 +6,7 @@
 namespace ferry::sim {
 
 void TimelineMetrics::op_finished(OpId op, const OpRecord& r) {
+  if (r.collective) return;  // not compute: the link's time
   if (r.stream == compute_ && (r.kind == OpKind::Kernel || r.kind == OpKind::Wait)) {
     compute_ops_.push_back({.op = op, .kind = r.kind, .issued = r.issued, .end = r.end});
   }

@@ -32,6 +32,23 @@ struct LaunchOverheads {
   SimTime host_access;   ///< a host read or write of a buffer, per call
 };
 
+/// A link collectives run over, as a ring uses it: the bus bandwidth (NCCL's "busbw": the
+/// rate each GPU's share of a ring all-gather or reduce-scatter moves at) and the latency of
+/// one ring step. Zero bandwidth: not known for this device. See docs/fsdp.md.
+struct CollectiveLink {
+  Bandwidth bandwidth;
+  SimTime latency;
+  [[nodiscard]] bool known() const { return bandwidth.bytes_per_s() > 0; }
+  friend bool operator==(const CollectiveLink&, const CollectiveLink&) = default;
+};
+
+/// The links collectives use, apart from the PCIe host link of the offload copies.
+struct CollectiveLinks {
+  CollectiveLink intra_node;  ///< NVLink / NVSwitch between the GPUs of one node
+  CollectiveLink inter_node;  ///< the network between nodes, per GPU (the GPU's NIC)
+  std::int32_t gpus_per_node = 8;  ///< GPUs that share a node's NVLink domain and host
+};
+
 /// A device profile: everything the simulator needs to time work on one GPU.
 struct DeviceProfile {
   std::string name;              ///< short id, e.g. "h100-sxm-pcie5"
@@ -45,8 +62,9 @@ struct DeviceProfile {
   Bandwidth pageable_d2h;        ///< device -> host rate into pageable memory (host blocks)
   CopyPath d2d;                  ///< copy within this device's memory
   CopyPath peer;                 ///< default link to another device (per direction)
-  Bytes pinned_host_capacity;    ///< cap on page-locked host memory
+  Bytes pinned_host_capacity;    ///< cap on page-locked host memory (the node's, with FSDP)
   LaunchOverheads overheads;
+  CollectiveLinks collectives{};  ///< optional in the file ("collectives")
 };
 
 /// The keys of LaunchOverheads in the profile format ("overheads_ns"), in file order.

@@ -18,6 +18,18 @@ namespace ferry::sim {
 /// The policies parse_policy knows, as errors name them.
 inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
 
+/// FSDP2 as the command line writes it (`--fsdp N --nodes M --hsdp R
+/// --reshard-after-forward true|false|K`); ranks 0: no FSDP.
+struct FsdpSpec {
+  std::int32_t ranks = 0;
+  std::int32_t nodes = 0;  ///< 0: as few as the device's gpus_per_node allow
+  std::int32_t replicas = 1;
+  std::string reshard_after_forward = "true";
+};
+
+/// The FSDP options `spec` asks for; errors name the option.
+Result<FsdpOptions> fsdp_options(const FsdpSpec& spec);
+
 struct RunSpec {
   std::string policy = "ferry";     ///< none, trl, trl-seed or ferry
   std::string checkpoint = "none";  ///< none, every:K, selective, segments:N, ...
@@ -33,6 +45,7 @@ struct RunSpec {
   bool no_dedup = false;
   bool no_early_stop = false;
   bool no_checker = false;  ///< time only: no hazard and content checks
+  FsdpSpec fsdp{};
 };
 
 /// The training options `spec` asks for on `model`; the checkpoint plan of `spec.checkpoint`

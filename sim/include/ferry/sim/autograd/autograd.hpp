@@ -39,6 +39,33 @@ struct SideStreamOptions {
   [[nodiscard]] bool any() const { return !layers.empty() || recompute || all_reduce; }
 };
 
+/// FSDP2 (`fully_shard` on each transformer layer and on the root module), as one of `ranks`
+/// symmetric ranks runs it (Note [FSDP2, one rank] in trainer_fsdp.cpp). ranks == 0: no FSDP,
+/// the whole model on the device.
+struct FsdpOptions {
+  std::int32_t ranks = 0;     ///< data-parallel ranks in all (replicas x shard group)
+  std::int32_t nodes = 0;     ///< nodes they span; 0: as few as the profile's gpus_per_node allow
+  std::int32_t replicas = 1;  ///< HSDP: replica groups; parameters shard over ranks / replicas
+  /// After a layer's forward: -1 reshard to the shard group (FSDP2's True), 0 keep unsharded
+  /// (False), k >= 2 keep a 1/k shard and all-gather over k ranks in backward (an int).
+  std::int32_t reshard_after_forward = -1;
+  /// MixedPrecisionPolicy(param_dtype=model dtype, reduce_dtype=f32) over f32 parameters:
+  /// sharded parameters, gradients and AdamW moments are f32. Off: all in the model's dtype.
+  bool mixed_precision = true;
+  [[nodiscard]] bool on() const { return ranks > 0; }
+  [[nodiscard]] std::int32_t shard_group() const { return ranks / replicas; }
+  [[nodiscard]] std::int32_t node_count(std::int32_t gpus_per_node) const {
+    return nodes > 0 ? nodes : (ranks + gpus_per_node - 1) / gpus_per_node;
+  }
+  friend bool operator==(const FsdpOptions&, const FsdpOptions&) = default;
+};
+
+/// Checks FSDP options against a device profile's links; the error names the option.
+Status validate_fsdp(const FsdpOptions& fsdp, const DeviceProfile& device);
+
+/// The device as one rank sees it: with FSDP, its even part of the node's pinned host memory.
+[[nodiscard]] DeviceProfile rank_profile(DeviceProfile profile, const FsdpOptions& fsdp);
+
 struct TrainingOptions {
   OffloadOptions offload;
   CheckpointPlan checkpoint;
@@ -62,6 +89,7 @@ struct TrainingOptions {
   /// torch.autograd.grad inside a checkpointed function would (-1: never).
   std::int32_t backward_inside_op = -1;
   SideStreamOptions side;
+  FsdpOptions fsdp;
 };
 
 struct StepTimes {
@@ -119,6 +147,10 @@ struct TrainingFaults {
   // Side streams (SideStreamOptions):
   bool skip_side_stream_wait = false;  ///< side or comm work does not wait for the stream before it
   bool skip_cross_stream_record = false;  ///< no record_stream for a tensor used on another stream
+  // FSDP2 (FsdpOptions):
+  bool skip_all_gather_wait = false;    ///< a unit's copy-out does not wait for its all-gather
+  bool skip_backward_unshard = false;   ///< backward reads parameters resharded after forward
+  bool skip_reduce_scatter_wait = false;  ///< the reduce-scatter does not wait for the gradients
 };
 
 /// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;

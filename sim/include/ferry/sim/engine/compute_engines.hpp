@@ -1,6 +1,7 @@
 #pragma once
 /// The compute engine of each device: one kernel at a time, in the order streams hand them over.
-/// A kernel takes the duration it was issued with (the resource model of compute).
+/// A kernel takes the duration it was issued with (the resource model of compute). The same
+/// model, with its own engines, runs each device's collectives (Note [Collectives]).
 
 #include <deque>
 #include <optional>
@@ -15,8 +16,10 @@ namespace ferry::sim {
 /// One compute engine per device.
 class ComputeEngines {
  public:
-  /// Engines for `devices` devices, all idle.
-  explicit ComputeEngines(std::size_t devices) : engines_(devices) {}
+  /// Engines for `devices` devices, all idle; a finished kernel is announced as `done`.
+  explicit ComputeEngines(std::size_t devices,
+                          DeviceEvent::Kind done = DeviceEvent::Kind::KernelDone)
+      : engines_(devices), done_(done) {}
 
   /// Queues kernel `op` on `device`'s engine.
   void enqueue(DeviceId device, OpId op, SimTime duration) {
@@ -32,7 +35,7 @@ class ComputeEngines {
     e.ready.pop_front();
     e.running = k.op;
     queue.schedule(now + k.duration,
-                   DeviceEvent{.kind = DeviceEvent::Kind::KernelDone, .device = device});
+                   DeviceEvent{.kind = done_, .device = device});
     return k.op;
   }
 
@@ -54,6 +57,7 @@ class ComputeEngines {
     std::optional<OpId> running;
   };
   std::vector<Engine> engines_;
+  DeviceEvent::Kind done_;
 };
 
 }  // namespace ferry::sim

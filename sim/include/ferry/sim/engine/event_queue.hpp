@@ -50,9 +50,9 @@ class EventQueue {
 /// What wakes the device side: a kernel finishing on a device's compute engine, or a phase
 /// (latency or transfer) of a copy engine ending.
 struct DeviceEvent {
-  enum class Kind : std::uint8_t { KernelDone, CopyPhaseDone };
+  enum class Kind : std::uint8_t { KernelDone, CopyPhaseDone, CollectiveDone };
   Kind kind = Kind::KernelDone;
-  DeviceId device{};             ///< KernelDone
+  DeviceId device{};             ///< KernelDone, CollectiveDone
   EngineId engine{};             ///< CopyPhaseDone
   std::uint32_t generation = 0;  ///< CopyPhaseDone: stale when the engine re-rated since
 };

@@ -40,6 +40,9 @@ struct OpRecord {
   /// The call returned device memory segments (cudaFree), which synchronizes the device:
   /// the host went on only after all of that device's work (alloc, empty_cache).
   bool device_synchronized = false;
+  /// A kernel that ran on the device's collective engine (Simulator::collective), not on its
+  /// compute engine.
+  bool collective = false;
 };
 
 /// The content id the `index`-th write range of op `op` gives its bytes (kernels and host

@@ -23,6 +23,8 @@ struct PlannerOptions {
   Bytes budget;                      ///< device: peak reserved bytes
   std::optional<Bytes> host_budget;  ///< pinned host bytes (unset: no limit but the pool's)
   std::int32_t steps = 2;            ///< training steps per simulation (the last is measured)
+  /// FSDP2 over ranks: `budget` is each rank's, `host_budget` each node's (its ranks share it).
+  FsdpOptions fsdp{};
 };
 
 /// A plan and what its checked simulation measured.
@@ -44,8 +46,10 @@ struct PlanOutcome {
 /// durations assigned and outlive the planner.
 class Planner {
  public:
-  /// `steps`: training steps per simulation (the last is measured).
-  Planner(const Model& model, const DeviceProfile& device, std::int32_t steps = 2);
+  /// `steps`: training steps per simulation (the last is measured); `fsdp`: the parallelism
+  /// every run has.
+  Planner(const Model& model, const DeviceProfile& device, std::int32_t steps = 2,
+          const FsdpOptions& fsdp = {});
   ~Planner();
   Planner(const Planner&) = delete;
   Planner& operator=(const Planner&) = delete;

@@ -1,0 +1,465 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "step_failure.hpp"
+#include "trainer.hpp"
+
+namespace ferry::sim {
+
+Status validate_fsdp(const FsdpOptions& fsdp, const DeviceProfile& device) {
+  if (!fsdp.on()) return Ok{};
+  const CollectiveLinks& links = device.collectives;
+  if (fsdp.ranks < 1 || fsdp.ranks > 1'000'000) {
+    return Error{fmt::format("--fsdp: {} ranks (use 1 to 1000000)", fsdp.ranks)};
+  }
+  if (fsdp.replicas < 1 || fsdp.ranks % fsdp.replicas != 0) {
+    return Error{fmt::format("--hsdp: {} replica groups do not divide {} ranks", fsdp.replicas,
+                             fsdp.ranks)};
+  }
+  const std::int32_t nodes = fsdp.node_count(links.gpus_per_node);
+  if (nodes < 1 || fsdp.ranks % nodes != 0 || fsdp.ranks / nodes > links.gpus_per_node) {
+    return Error{fmt::format(
+        "--nodes: {} ranks over {} nodes of {} GPUs (device {}): the nodes must hold the ranks "
+        "evenly",
+        fsdp.ranks, nodes, links.gpus_per_node, device.name)};
+  }
+  const std::int32_t k = fsdp.reshard_after_forward;
+  if (k < -1 || k == 1 || (k >= 2 && fsdp.shard_group() % k != 0)) {
+    return Error{fmt::format(
+        "--reshard-after-forward: {} must be true, false or a number of ranks that divides the "
+        "shard group ({})",
+        k, fsdp.shard_group())};
+  }
+  if (fsdp.ranks > 1 && !links.intra_node.known()) {
+    return Error{fmt::format(
+        "device {} has no \"collectives\" links: --fsdp {} needs the intra-node (and, across "
+        "nodes, the inter-node) bandwidth (docs/device-format.md)",
+        device.name, fsdp.ranks)};
+  }
+  if (nodes > 1 && !links.inter_node.known()) {
+    return Error{fmt::format("device {} has no inter-node link: --fsdp {} spans {} nodes",
+                             device.name, fsdp.ranks, nodes)};
+  }
+  return Ok{};
+}
+
+DeviceProfile rank_profile(DeviceProfile profile, const FsdpOptions& fsdp) {
+  if (!fsdp.on()) return profile;
+  // The node's pinned host memory is shared by its ranks: each gets an even part.
+  const std::int32_t nodes = fsdp.node_count(profile.collectives.gpus_per_node);
+  const std::int32_t per_node = std::max(1, fsdp.ranks / std::max(1, nodes));
+  profile.pinned_host_capacity = Bytes(profile.pinned_host_capacity.count() / per_node);
+  return profile;
+}
+
+namespace training {
+
+// Note [FSDP2, one rank]
+// FSDP2 (`fully_shard` on every transformer layer, then on the root) as rank 0 of `ranks`
+// runs it. Ranks are symmetric: every rank runs the same program on its own shard, so one
+// rank is simulated and the others are the link model (skew between ranks is not modelled: a
+// collective starts when this rank reaches it and takes the ring time). Per unit (a layer's
+// parameters, or the root's: those read outside the layers), following torch 2.11's
+// `_fsdp_param_group.py` and `_fsdp_collectives.py`:
+//
+//  * resident: this rank's shard of the parameters and, from the first optimizer step, AdamW's
+//    two moments of it (f32 with mixed precision); the reduced gradient shard from the
+//    reduce-scatter to zero_grad.
+//  * unshard (pre-forward, pre-backward, backward prefetch): on the all-gather copy-in stream
+//    the all-gather output is allocated and this rank's part cast into it; the all-gather
+//    stream waits for the copy-in and runs the collective; an event is recorded.
+//  * wait_for_unshard: the current stream waits for that event and copies the output out into
+//    the unsharded parameters (allocated there). In forward the output stays until the next
+//    unit's wait (all_gather_state: the AG streams wait for this copy-out first), so the next
+//    all-gather overlaps this copy-out; in backward the AG streams wait for the copy-out and
+//    the output goes at once. The root's post-forward frees the last one.
+//  * reshard: after a layer's forward (not the root's), the unsharded parameters go; with an
+//    int k a 1/k shard is kept first (its event is waited for by the AG streams), and the
+//    backward all-gather is over k ranks. After a unit's backward they go in any case.
+//  * reduce (post-backward): the previous reduce-scatter input is freed once the current
+//    stream waits for it; on the current stream the gradients are copied into a reduce-scatter
+//    input in the reduce dtype and freed; the reduce-scatter stream waits and runs the
+//    collective into the new gradient shard; with replicas (HSDP) the all-reduce stream
+//    all-reduces that shard. At the end of backward the current stream waits for the last.
+//  * the optimizer step reads and writes the shards; zero_grad(set_to_none) frees the
+//    gradient shards.
+//
+// Collectives run on the device's collective engine (Note [Collectives]). The backward
+// prefetch is FSDP2's default, one unit ahead; forward has no explicit prefetch, the host
+// running ahead of the device issues the next all-gather early, as in a real run.
+
+namespace {
+
+Bytes ceil_div(Bytes bytes, std::int64_t parts) {
+  return Bytes((bytes.count() + parts - 1) / parts);
+}
+
+constexpr std::uint64_t kShardSalt = 0x7368617264;  // "shard"
+
+}  // namespace
+
+std::size_t Trainer::unit_of_op(std::uint32_t i) const {
+  const auto it = fsdp_.unit_of_layer.find(model_.ops[i].layer);
+  return it == fsdp_.unit_of_layer.end() ? 0 : it->second;
+}
+
+SimTime Trainer::memory_time(Bytes bytes) const {
+  const std::int64_t rate = run_.sim.device_profile(kDevice).memory_bandwidth.bytes_per_s() *
+                            kRooflineBandwidthPermille / 1000;
+  return std::max(SimTime(1), transfer_time(bytes, Bandwidth(std::max<std::int64_t>(rate, 1))));
+}
+
+// A ring collective over `ranks` ranks moving `bytes` (an all-gather's output, a
+// reduce-scatter's input; `passes` 2 for an all-reduce): each rank sends (ranks - 1) / ranks
+// of it over the group's slowest link, one latency per ring step.
+SimTime Trainer::ring_time(Bytes bytes, std::int32_t ranks, std::int32_t passes) const {
+  if (ranks <= 1) return SimTime(1);
+  const CollectiveLinks& links = run_.sim.device_profile(kDevice).collectives;
+  const CollectiveLink& link = ranks > fsdp_.ranks_per_node ? links.inter_node : links.intra_node;
+  const Bytes moved(bytes.count() / ranks * (ranks - 1));
+  const SimTime once =
+      transfer_time(moved, link.bandwidth) + SimTime(link.latency.ns() * (ranks - 1));
+  return SimTime(once.ns() * passes);
+}
+
+void Trainer::comm_wait(StreamId waiter, StreamId on) {
+  const Device::Event e = device_.make_event();
+  device_.record(e, Device::Stream{on});
+  device_.wait(Device::Stream{waiter}, e);
+}
+
+void Trainer::bind_unit(std::size_t u, Device::Buffer buffer) {
+  const FsdpUnit& unit = fsdp_.units[u];
+  for (std::size_t j = 0; j < unit.params.size(); ++j) {
+    Bound& p = params_[unit.params[j]];
+    p.buffer = buffer;
+    p.offset = unit.offsets[j];
+  }
+}
+
+void Trainer::fsdp_setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
+  const FsdpOptions& f = options_.fsdp;
+  const CollectiveLinks& links = run_.sim.device_profile(kDevice).collectives;
+  fsdp_.ranks_per_node = f.ranks / f.node_count(links.gpus_per_node);
+  fsdp_.copy_in = run_.sim.add_stream(kDevice, "all_gather_copy_in");
+  fsdp_.all_gather = run_.sim.add_stream(kDevice, "all_gather");
+  fsdp_.reduce_scatter = run_.sim.add_stream(kDevice, "reduce_scatter");
+  if (f.replicas > 1) fsdp_.all_reduce = run_.sim.add_stream(kDevice, "all_reduce");
+  // A parameter belongs to the layer whose ops read it, or to the root when read outside the
+  // layers or by several (a tied embedding).
+  std::map<std::uint32_t, std::int32_t> owner;
+  for (const ModelOp& op : model_.ops) {
+    for (const std::uint32_t t : op.inputs) {
+      const std::uint32_t b = base(t);
+      if (model_.tensors[b].role != TensorRole::Param) continue;
+      const auto [it, fresh] = owner.emplace(b, op.layer);
+      if (!fresh && it->second != op.layer) it->second = -1;
+    }
+  }
+  fsdp_.units.assign(1, FsdpUnit{});
+  for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
+    const ModelTensor& tensor = model_.tensors[t];
+    if (tensor.role != TensorRole::Param || tensor.view_of >= 0) continue;
+    const auto it = owner.find(t);
+    const std::int32_t layer = it == owner.end() ? -1 : it->second;
+    auto [slot, fresh] = fsdp_.unit_of_layer.emplace(layer, fsdp_.units.size());
+    if (layer < 0) slot->second = 0;
+    if (fresh && layer >= 0) fsdp_.units.emplace_back().layer = layer;
+    FsdpUnit& unit = fsdp_.units[slot->second];
+    unit.params.push_back(t);
+    unit.offsets.push_back(unit.bytes);
+    unit.bytes += tensor.bytes;
+    unit.master += f.mixed_precision ? Bytes(tensor.bytes.count() / dtype_size(tensor.dtype) * 4)
+                                     : tensor.bytes;
+  }
+  fsdp_.unit_of_layer[-1] = 0;
+  for (std::int32_t i = 0; i < static_cast<std::int32_t>(model_.ops.size()); ++i) {
+    FsdpUnit& unit = fsdp_.units[unit_of_op(static_cast<std::uint32_t>(i))];
+    if (unit.layer < 0) continue;
+    if (unit.first_op < 0) unit.first_op = i;
+    unit.last_op = i;
+  }
+  for (std::size_t u = 0; u < fsdp_.units.size(); ++u) {
+    FsdpUnit& unit = fsdp_.units[u];
+    const Bytes shard = std::max(Bytes(1), ceil_div(unit.master, f.shard_group()));
+    unit.shard = must_allocate(shard, fmt::format("unit {} shard", unit.layer));
+    writes.push_back(Region{unit.shard.id, Bytes(0), shard});
+    values.push_back(mix_content(kShardSalt, u));
+    note_write(unit.shard, Bytes(0), shard, values.back());
+    for (const std::uint32_t p : unit.params) {
+      params_[p] = Bound{unit.shard, Bytes(0), mix_content(0x706172616d, p)};
+    }
+  }
+}
+
+void Trainer::unshard(std::size_t u) {
+  FsdpUnit& unit = fsdp_.units[u];
+  if (unit.unsharded || unit.gathering || unit.params.empty()) return;
+  std::int32_t group = options_.fsdp.shard_group();
+  Region source{unit.shard.id, Bytes(0), ceil_div(unit.master, group)};
+  if (unit.post_forward) {
+    // Resharded to k ranks after forward: gather from that shard over them.
+    group = options_.fsdp.reshard_after_forward;
+    source = Region{unit.post_forward->id, Bytes(0), ceil_div(unit.bytes, group)};
+    device_.wait(Device::Stream{fsdp_.copy_in}, *unit.post_forward_event);
+    device_.wait(Device::Stream{fsdp_.all_gather}, *unit.post_forward_event);
+  }
+  const Bytes part = ceil_div(unit.bytes, group);
+  const std::string name = fmt::format("unit {} all-gather", unit.layer);
+  const StreamId was = std::exchange(current_, fsdp_.copy_in);
+  unit.gathering = must_allocate(std::int64_t{group} * part, name + " output");
+  current_ = was;
+  const Region mine{unit.gathering->id, Bytes(0), part};
+  const Region whole{unit.gathering->id, Bytes(0), std::int64_t{group} * part};
+  run_.sim.kernel(fsdp_.copy_in, memory_time(source.bytes + part), std::vector<Region>{source},
+                  std::vector<Region>{mine}, name + " copy-in");
+  comm_wait(fsdp_.all_gather, fsdp_.copy_in);
+  run_.sim.collective(fsdp_.all_gather, ring_time(std::int64_t{group} * part, group, 1),
+                      std::vector<Region>{mine}, std::vector<Region>{whole}, name);
+  unit.gathered = device_.make_event();
+  device_.record(*unit.gathered, Device::Stream{fsdp_.all_gather});
+}
+
+void Trainer::wait_for_unshard(std::size_t u, bool forward) {
+  FsdpUnit& unit = fsdp_.units[u];
+  if (!unit.gathering) return;
+  const std::vector<StreamId> ag_streams{fsdp_.copy_in, fsdp_.all_gather};
+  if (forward && fsdp_.prev_gather) {
+    for (const StreamId s : ag_streams) device_.wait(Device::Stream{s}, *fsdp_.prev_copy_out);
+    device_.drop(*fsdp_.prev_gather);
+    fsdp_.prev_gather.reset();
+  }
+  if (!faults_.skip_all_gather_wait) device_.wait(Device::Stream{current_}, *unit.gathered);
+  const Device::Buffer params = must_allocate(unit.bytes, fmt::format("unit {} params", unit.layer));
+  // Each parameter holds its own value again, whichever gather put it there.
+  std::vector<Region> writes;
+  std::vector<std::uint64_t> values;
+  for (std::size_t j = 0; j < unit.params.size(); ++j) {
+    const std::uint32_t p = unit.params[j];
+    writes.push_back(Region{params.id, unit.offsets[j], model_.tensors[p].bytes});
+    values.push_back(params_[p].value);
+    note_write(params, unit.offsets[j], model_.tensors[p].bytes, params_[p].value);
+  }
+  run_.sim.kernel(current_, memory_time(std::int64_t{2} * unit.bytes),
+                  std::vector<Region>{Region{unit.gathering->id, Bytes(0), unit.bytes}}, writes,
+                  fmt::format("unit {} all-gather copy-out", unit.layer), values);
+  unit.unsharded = params;
+  bind_unit(u, params);
+  if (unit.post_forward) {
+    device_.drop(*unit.post_forward);
+    unit.post_forward.reset();
+    unit.post_forward_event.reset();
+  }
+  const Device::Event copied = device_.make_event();
+  device_.record(copied, Device::Stream{current_});
+  if (forward) {
+    fsdp_.prev_gather = unit.gathering;
+    fsdp_.prev_copy_out = copied;
+  } else {
+    for (const StreamId s : ag_streams) device_.wait(Device::Stream{s}, copied);
+    device_.drop(*unit.gathering);
+  }
+  unit.gathering.reset();
+  unit.gathered.reset();
+}
+
+void Trainer::reshard(std::size_t u, bool after_forward) {
+  FsdpUnit& unit = fsdp_.units[u];
+  if (!unit.unsharded) return;
+  const std::int32_t k = options_.fsdp.reshard_after_forward;
+  if (after_forward && (unit.layer < 0 || k == 0)) return;  // the root stays unsharded
+  if (after_forward && k >= 2) {
+    const Bytes part = ceil_div(unit.bytes, k);
+    unit.post_forward = must_allocate(part, fmt::format("unit {} post-forward shard", unit.layer));
+    run_.sim.kernel(current_, memory_time(std::int64_t{2} * part),
+                    std::vector<Region>{Region{unit.unsharded->id, Bytes(0), part}},
+                    std::vector<Region>{Region{unit.post_forward->id, Bytes(0), part}},
+                    fmt::format("unit {} reshard to {}", unit.layer, k));
+    unit.post_forward_event = device_.make_event();
+    device_.record(*unit.post_forward_event, Device::Stream{current_});
+  }
+  // The bindings stay: a read before the next unshard is a read of freed memory, which the
+  // checker reports (the planted fault skip_backward_unshard).
+  device_.drop(*unit.unsharded);
+  unit.unsharded.reset();
+}
+
+void Trainer::reduce_gradients(std::size_t u) {
+  FsdpUnit& unit = fsdp_.units[u];
+  const FsdpOptions& f = options_.fsdp;
+  std::vector<Region> grads;
+  std::vector<Device::Buffer> held;
+  for (const std::uint32_t p : unit.params) {
+    const auto it = param_grads_.find(p);
+    if (it == param_grads_.end()) continue;
+    grads.push_back(Region{it->second.id, Bytes(0), model_.tensors[p].bytes});
+    held.push_back(it->second);
+    param_grads_.erase(it);
+  }
+  if (grads.empty()) return;
+  if (fsdp_.prev_rs_event) {
+    device_.wait(Device::Stream{current_}, *fsdp_.prev_rs_event);
+    device_.drop(*fsdp_.prev_rs_input);
+    fsdp_.prev_rs_input.reset();
+  }
+  const std::string name = fmt::format("unit {} reduce-scatter", unit.layer);
+  const Bytes input_bytes = f.mixed_precision ? unit.master : unit.bytes;
+  const Device::Buffer input = must_allocate(input_bytes, name + " input");
+  run_.sim.kernel(current_, memory_time(unit.bytes + input_bytes), grads,
+                  std::vector<Region>{Region{input.id, Bytes(0), input_bytes}}, name + " copy-in");
+  for (const Device::Buffer& g : held) device_.drop(g);
+  if (!faults_.skip_reduce_scatter_wait) comm_wait(fsdp_.reduce_scatter, current_);
+  const std::int32_t group = f.shard_group();
+  const Bytes out_bytes = ceil_div(input_bytes, group);
+  const StreamId was = std::exchange(current_, fsdp_.reduce_scatter);
+  const Device::Buffer out = must_allocate(out_bytes, fmt::format("unit {} grad shard", unit.layer));
+  current_ = was;
+  const Region out_region{out.id, Bytes(0), out_bytes};
+  run_.sim.collective(fsdp_.reduce_scatter, ring_time(input_bytes, group, 1),
+                      std::vector<Region>{Region{input.id, Bytes(0), input_bytes}},
+                      std::vector<Region>{out_region}, name);
+  fsdp_.prev_rs_event = device_.make_event();
+  device_.record(*fsdp_.prev_rs_event, Device::Stream{fsdp_.reduce_scatter});
+  fsdp_.prev_rs_input = input;
+  if (unit.sharded_grad) {
+    // A second backward (retain_graph): accumulate on the reduce-scatter stream.
+    const Region acc{unit.sharded_grad->id, Bytes(0), out_bytes};
+    run_.sim.kernel(fsdp_.reduce_scatter, memory_time(std::int64_t{3} * out_bytes),
+                    std::vector<Region>{out_region, acc}, std::vector<Region>{acc},
+                    name + " accumulate");
+    device_.drop(out);
+  } else {
+    unit.sharded_grad = out;
+  }
+  StreamId last = fsdp_.reduce_scatter;
+  if (f.replicas > 1) {
+    comm_wait(fsdp_.all_reduce, fsdp_.reduce_scatter);
+    const Region shard{unit.sharded_grad->id, Bytes(0), out_bytes};
+    run_.sim.collective(fsdp_.all_reduce, ring_time(out_bytes, f.replicas, 2),
+                        std::vector<Region>{shard}, std::vector<Region>{shard},
+                        fmt::format("unit {} all-reduce", unit.layer));
+    last = fsdp_.all_reduce;
+  }
+  fsdp_.last_reduce = device_.make_event();
+  device_.record(*fsdp_.last_reduce, Device::Stream{last});
+}
+
+void Trainer::fsdp_before_op(std::uint32_t i) {
+  if (i == 0) {
+    // The root's pre-forward: the AG streams wait for the current stream (the optimizer).
+    comm_wait(fsdp_.copy_in, current_);
+    comm_wait(fsdp_.all_gather, current_);
+    unshard(0);
+    wait_for_unshard(0, true);
+  }
+  const std::size_t u = unit_of_op(i);
+  if (u != 0 && fsdp_.units[u].first_op == static_cast<std::int32_t>(i)) {
+    unshard(u);
+    wait_for_unshard(u, true);
+  }
+}
+
+void Trainer::fsdp_after_op(std::uint32_t i) {
+  const std::size_t u = unit_of_op(i);
+  if (u != 0 && fsdp_.units[u].last_op == static_cast<std::int32_t>(i)) reshard(u, true);
+  if (i + 1 == model_.ops.size() && fsdp_.prev_gather) {
+    // The root's post-forward frees the last all-gather output.
+    for (const StreamId s : {fsdp_.copy_in, fsdp_.all_gather}) {
+      device_.wait(Device::Stream{s}, *fsdp_.prev_copy_out);
+    }
+    device_.drop(*fsdp_.prev_gather);
+    fsdp_.prev_gather.reset();
+  }
+}
+
+void Trainer::fsdp_backward_begin(const std::vector<std::uint32_t>& order) {
+  fsdp_.backward_units.clear();
+  fsdp_.pre_backward_done.assign(fsdp_.units.size(), false);
+  fsdp_.last_node.assign(fsdp_.units.size(), -1);
+  for (std::size_t k = 0; k < order.size(); ++k) {
+    const std::size_t u = unit_of_op(order[k]);
+    if (fsdp_.last_node[u] < 0) fsdp_.backward_units.push_back(u);
+    fsdp_.last_node[u] = static_cast<std::int32_t>(k);
+  }
+}
+
+void Trainer::fsdp_before_node(std::uint32_t n) {
+  const std::size_t u = unit_of_op(n);
+  if (fsdp_.pre_backward_done[u]) return;
+  fsdp_.pre_backward_done[u] = true;
+  if (faults_.skip_backward_unshard) return;
+  unshard(u);
+  wait_for_unshard(u, false);
+  // FSDP2's default backward prefetch: the next unit in backward order.
+  const auto& units = fsdp_.backward_units;
+  const auto at = std::find(units.begin(), units.end(), u);
+  if (at != units.end() && at + 1 != units.end()) unshard(*(at + 1));
+}
+
+void Trainer::fsdp_after_node(std::size_t k, std::uint32_t n) {
+  const std::size_t u = unit_of_op(n);
+  if (fsdp_.last_node[u] != static_cast<std::int32_t>(k)) return;
+  reshard(u, false);
+  reduce_gradients(u);
+}
+
+void Trainer::fsdp_backward_end() {
+  // The post-backward final callback: the current stream waits for the last reduction.
+  if (fsdp_.last_reduce) device_.wait(Device::Stream{current_}, *fsdp_.last_reduce);
+  fsdp_.last_reduce.reset();
+  if (fsdp_.prev_rs_input) device_.drop(*fsdp_.prev_rs_input);
+  fsdp_.prev_rs_input.reset();
+  fsdp_.prev_rs_event.reset();
+  // It reshards what is still unsharded (a unit no backward node reached).
+  for (std::size_t u = 0; u < fsdp_.units.size(); ++u) {
+    wait_for_unshard(u, false);
+    reshard(u, false);
+  }
+}
+
+void Trainer::fsdp_before_replay(std::uint32_t i) {
+  // A recompute runs the unit's forward again: its parameters must be there (FSDP2's
+  // pre-forward hook of an inner unit does the same for a replay that spans units).
+  if (faults_.skip_backward_unshard) return;
+  const std::size_t u = unit_of_op(i);
+  unshard(u);
+  wait_for_unshard(u, false);
+}
+
+
+void Trainer::fsdp_optimizer_step() {
+  std::vector<Region> reads;
+  std::vector<Region> writes;
+  Bytes moved;
+  for (std::size_t u = 0; u < fsdp_.units.size(); ++u) {
+    FsdpUnit& unit = fsdp_.units[u];
+    if (!unit.sharded_grad) continue;
+    const Bytes shard = run_.sim.buffers()[unit.shard.id.value()].bytes;
+    if (!unit.moments) {
+      unit.moments = must_allocate(std::int64_t{2} * shard, fmt::format("unit {} AdamW moments", unit.layer));
+    }
+    const Region params{unit.shard.id, Bytes(0), shard};
+    const Region moments{unit.moments->id, Bytes(0), std::int64_t{2} * shard};
+    const Region grad{unit.sharded_grad->id, Bytes(0),
+                      run_.sim.buffers()[unit.sharded_grad->id.value()].bytes};
+    reads.insert(reads.end(), {params, moments, grad});
+    writes.insert(writes.end(), {params, moments});
+    moved += std::int64_t{7} * shard + grad.bytes;  // read params, moments, grad; write params, moments
+  }
+  if (reads.empty()) return;
+  run_.sim.kernel(current_, memory_time(moved), reads, writes, "optimizer step (AdamW)");
+  // zero_grad(set_to_none=True) frees the gradient shards, which came from the reduce-scatter
+  // stream's pool: that stream waits for the optimizer first. FSDP2 makes this wait before
+  // the next reduce-scatter allocates (foreach_reduce); the checker judges a free where it is
+  // issued (Note [Latent reuse]), so it is made here.
+  comm_wait(fsdp_.reduce_scatter, current_);
+  for (FsdpUnit& unit : fsdp_.units) {
+    if (unit.sharded_grad) device_.drop(*unit.sharded_grad);
+    unit.sharded_grad.reset();
+  }
+}
+
+}  // namespace training
+}  // namespace ferry::sim

@@ -1,0 +1,184 @@
+// FSDP2 in the simulated autograd (FsdpOptions, Note [FSDP2, one rank]): one rank's memory is
+// its shards plus what is gathered, the collectives run on their own streams beside compute,
+// with the waits FSDP2 makes the run is hazard-free and its gradients are those of the run
+// without FSDP, and each planted fault is reported.
+
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "ferry/sim/autograd/autograd.hpp"
+#include "ferry/sim/autograd/checkpoint_plan.hpp"
+#include "sim_fixtures.hpp"
+#include "sim_models.hpp"
+
+namespace ferry::sim {
+namespace {
+
+DeviceProfile fsdp_profile() {
+  DeviceProfile p = testing::simple_profile();
+  p.collectives.gpus_per_node = 8;
+  p.collectives.intra_node = CollectiveLink{Bandwidth(100'000'000'000), SimTime(1000)};
+  p.collectives.inter_node = CollectiveLink{Bandwidth(10'000'000'000), SimTime(5000)};
+  return p;
+}
+
+TrainingOptions fsdp_options(std::int32_t ranks, Policy policy = Policy::None) {
+  TrainingOptions o = testing::two_steps(policy);
+  o.fsdp.ranks = ranks;
+  return o;
+}
+
+TrainingRun train(const Model& m, const TrainingOptions& o, const TrainingFaults& faults = {},
+                  const DeviceProfile& device = fsdp_profile()) {
+  auto run = simulate_training(m, device, o, faults);
+  EXPECT_TRUE(run.ok()) << run.error().message;
+  return std::move(run.value());
+}
+
+std::string op_name(const TrainingRun& run, OpId id) {
+  const OpRecord& op = run.sim.ops()[id.value()];
+  const std::string stream = op.stream.valid() ? run.sim.stream_name(op.stream) : "host";
+  return std::string(run.sim.label(op.label)) + " on " + stream;
+}
+
+std::string describe(const TrainingRun& run) {
+  std::string out;
+  for (const Hazard& h : run.sim.hazards()) {
+    out += std::to_string(static_cast<int>(h.kind)) + "/" +
+           std::to_string(static_cast<int>(h.conflict)) + ": " + op_name(run, h.first) + " | " +
+           op_name(run, h.second) + "\n";
+  }
+  return out;
+}
+
+void expect_clean(const TrainingRun& run) {
+  ASSERT_FALSE(run.failure) << run.failure->message;
+  EXPECT_TRUE(run.sim.hazards().empty()) << run.sim.hazards().size() << " hazards\n"
+                                         << describe(run);
+  EXPECT_TRUE(run.sim.content_mismatches().empty());
+}
+
+std::int64_t ops_on(const TrainingRun& run, const std::string& stream, bool collective) {
+  std::int64_t n = 0;
+  for (const OpRecord& op : run.sim.ops()) {
+    if (op.kind == OpKind::Kernel && op.collective == collective && op.stream.valid() &&
+        run.sim.stream_name(op.stream) == stream) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+TEST(Fsdp, EachLayerIsGatheredTwiceAndReducedOnceAStep) {
+  const Model m = testing::chain_model(4, 1 << 20);
+  const TrainingRun run = train(m, fsdp_options(4));
+  expect_clean(run);
+  // Four layer units, each all-gathered for forward and again for backward (resharded after
+  // forward), and reduce-scattered once; the root (the loss: no parameters) never. Two steps.
+  EXPECT_EQ(ops_on(run, "all_gather", true), 2 * 4 * 2);
+  EXPECT_EQ(ops_on(run, "reduce_scatter", true), 2 * 4);
+  EXPECT_EQ(ops_on(run, "compute", true), 0);
+}
+
+TEST(Fsdp, GradientsAreThoseOfTheRunWithoutFsdp) {
+  const Model m = testing::chain_model(5, 1 << 20);
+  TrainingOptions plain = testing::two_steps(Policy::Ferry);
+  const TrainingRun reference = train(m, plain);
+  for (const std::int32_t k : {-1, 0, 2}) {
+    TrainingOptions o = fsdp_options(4, Policy::Ferry);
+    o.fsdp.reshard_after_forward = k;
+    const TrainingRun run = train(m, o);
+    expect_clean(run);
+    EXPECT_EQ(run.gradient_values, reference.gradient_values) << "reshard " << k;
+  }
+}
+
+TEST(Fsdp, CheckpointedLayersRecomputeOnGatheredParameters) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  for (const bool reentrant : {false, true}) {
+    TrainingOptions o = fsdp_options(8, Policy::Ferry);
+    o.checkpoint = checkpoint_segments(m, 3, reentrant);
+    const TrainingRun run = train(m, o);
+    expect_clean(run);
+    EXPECT_GT(run.recomputations, 0);
+  }
+}
+
+TEST(Fsdp, MoreRanksHoldLessOfTheModel) {
+  // Large parameters, small activations: the shards dominate.
+  Model m = testing::chain_model(4, 1 << 10);
+  for (ModelTensor& t : m.tensors) {
+    if (t.role == TensorRole::Param) t.bytes = Bytes(16LL << 20);
+  }
+  Bytes last(std::numeric_limits<std::int64_t>::max());
+  for (const std::int32_t ranks : {1, 2, 8}) {
+    const TrainingRun run = train(m, fsdp_options(ranks));
+    expect_clean(run);
+    const Bytes peak = run.sim.device_allocator(run.device).stats().allocated_peak;
+    EXPECT_LT(peak, last) << ranks << " ranks";
+    last = peak;
+  }
+}
+
+TEST(Fsdp, CollectivesOverlapCompute) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  const TrainingRun run = train(m, fsdp_options(8));
+  expect_clean(run);
+  bool overlapped = false;
+  std::vector<const OpRecord*> kernels;
+  for (const OpRecord& op : run.sim.ops()) {
+    if (op.kind == OpKind::Kernel && !op.collective && op.end > op.start) kernels.push_back(&op);
+  }
+  for (const OpRecord& c : run.sim.ops()) {
+    if (!c.collective) continue;
+    for (const OpRecord* k : kernels) overlapped |= k->start < c.end && c.start < k->end;
+  }
+  EXPECT_TRUE(overlapped);
+}
+
+TEST(Fsdp, BadOptionsAreRefusedWithTheOptionNamed) {
+  const Model m = testing::chain_model(2, 1 << 10);
+  TrainingOptions o = fsdp_options(4);
+  o.fsdp.replicas = 3;
+  auto run = simulate_training(m, fsdp_profile(), o);
+  ASSERT_FALSE(run.ok());
+  EXPECT_NE(run.error().message.find("--hsdp"), std::string::npos);
+  o = fsdp_options(4);
+  auto bare = simulate_training(m, testing::simple_profile(), o);
+  ASSERT_FALSE(bare.ok());
+  EXPECT_NE(bare.error().message.find("collectives"), std::string::npos);
+  o = fsdp_options(16);
+  o.fsdp.nodes = 1;
+  auto crowded = simulate_training(m, fsdp_profile(), o);
+  ASSERT_FALSE(crowded.ok());
+  EXPECT_NE(crowded.error().message.find("--nodes"), std::string::npos);
+}
+
+bool reported_on(const TrainingRun& run, const std::string& stream) {
+  for (const Hazard& h : run.sim.hazards()) {
+    for (const OpId op : {h.first, h.second}) {
+      const StreamId on = run.sim.ops()[op.value()].stream;
+      if (on.valid() && run.sim.stream_name(on) == stream) return true;
+    }
+  }
+  return false;
+}
+
+TEST(Fsdp, PlantedFaultsAreReported) {
+  const Model m = testing::chain_model(4, 1 << 20);
+  TrainingFaults f;
+  f.skip_all_gather_wait = true;
+  EXPECT_TRUE(reported_on(train(m, fsdp_options(4), f), "all_gather"));
+  f = {};
+  f.skip_reduce_scatter_wait = true;
+  EXPECT_TRUE(reported_on(train(m, fsdp_options(4), f), "reduce_scatter"));
+  f = {};
+  f.skip_backward_unshard = true;
+  EXPECT_FALSE(train(m, fsdp_options(4), f).sim.hazards().empty());
+}
+
+}  // namespace
+}  // namespace ferry::sim
