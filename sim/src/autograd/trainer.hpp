@@ -72,25 +72,25 @@ constexpr std::uint64_t kGradSalt = 0x67726164;  // "grad"
 // One fully_shard unit of FSDP2: a layer's parameters, or the root's (those outside the
 // layers). Note [FSDP2, one rank] in trainer_fsdp.cpp.
 struct FsdpUnit {
-  std::int32_t layer = -1;             // -1: the root
-  std::vector<std::uint32_t> params;   // base parameter tensors, in model order
-  std::vector<Bytes> offsets;          // each one's offset in the unsharded buffer
-  Bytes bytes;                         // unsharded, in the model's dtype
-  Bytes master;                        // unsharded, in the sharded dtype (f32 with mixed precision)
-  std::int32_t first_op = -1;          // its layer's forward ops [first_op, last_op]
+  std::int32_t layer = -1;            // -1: the root
+  std::vector<std::uint32_t> params;  // base parameter tensors, in model order
+  std::vector<Bytes> offsets;         // each one's offset in the unsharded buffer
+  Bytes bytes;                        // unsharded, in the model's dtype
+  Bytes master;                       // unsharded, in the sharded dtype (f32 with mixed precision)
+  std::int32_t first_op = -1;         // its layer's forward ops [first_op, last_op]
   std::int32_t last_op = -1;
-  Device::Buffer shard{};              // this rank's shard of the parameters, resident
-  std::optional<Device::Buffer> moments;      // AdamW's two moments of the shard
+  Device::Buffer shard{};                      // this rank's shard of the parameters, resident
+  std::optional<Device::Buffer> moments;       // AdamW's two moments of the shard
   std::optional<Device::Buffer> sharded_grad;  // this rank's reduced gradient, until zero_grad
-  std::optional<Device::Buffer> unsharded;    // the parameters, gathered
+  std::optional<Device::Buffer> unsharded;     // the parameters, gathered
   std::optional<Device::Buffer> post_forward;  // the 1/k shard kept after forward
   std::optional<Device::Event> post_forward_event;
-  std::optional<Device::Buffer> gathering;    // an all-gather's output, before its copy-out
-  std::optional<Device::Event> gathered;      // recorded after that all-gather
+  std::optional<Device::Buffer> gathering;  // an all-gather's output, before its copy-out
+  std::optional<Device::Event> gathered;    // recorded after that all-gather
 };
 
 struct FsdpState {
-  std::vector<FsdpUnit> units;              // the root first, then the layers in forward order
+  std::vector<FsdpUnit> units;  // the root first, then the layers in forward order
   std::map<std::int32_t, std::size_t> unit_of_layer;
   StreamId copy_in, all_gather, reduce_scatter, all_reduce;
   // FSDP2's all_gather_state: the previous forward all-gather's output, freed once the AG
@@ -101,9 +101,9 @@ struct FsdpState {
   std::optional<Device::Buffer> prev_rs_input;
   std::optional<Device::Event> prev_rs_event;
   std::optional<Device::Event> last_reduce;  // the last reduce (and all-reduce) of backward
-  std::vector<std::size_t> backward_units;  // units by first node in backward order
+  std::vector<std::size_t> backward_units;   // units by first node in backward order
   std::vector<bool> pre_backward_done;
-  std::vector<std::int32_t> last_node;      // per unit: its last node in backward order
+  std::vector<std::int32_t> last_node;  // per unit: its last node in backward order
   std::int32_t ranks_per_node = 1;
 };
 

@@ -245,8 +245,8 @@ std::vector<std::uint32_t> Trainer::write_input_grads(std::uint32_t n, std::uint
     } else if (role == TensorRole::Param) {
       written.push_back(b);
       if (!param_grads_.contains(b)) {  // FSDP: the unsharded gradient, until its reduce
-        param_grads_.emplace(b, must_allocate(model_.tensors[b].bytes,
-                                              model_.tensors[b].name + ".grad"));
+        param_grads_.emplace(
+            b, must_allocate(model_.tensors[b].bytes, model_.tensors[b].name + ".grad"));
       }
       param_grad_values_[b] += mix_content(g, b);
       writes.push_back(Region{param_grads_.at(b).id, Bytes(0), model_.tensors[b].bytes});
@@ -266,7 +266,7 @@ void Trainer::let_go_after_node(std::uint32_t n, bool last_pass, std::size_t k,
                       k % static_cast<std::size_t>(options_.escape_period) == 0;
   for (std::size_t u = 0; u < unpacked.size(); ++u) {
     if (escape && u == 0) {
-      escaped_ = unpacked[u];  // a view of it lives on into the next node
+      escaped_ = unpacked[u];                         // a view of it lives on into the next node
     } else if (device_.use_count(unpacked[u]) > 0) {  // see unpack: a Param may not be held
       device_.drop(unpacked[u]);
     }

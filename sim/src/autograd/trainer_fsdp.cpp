@@ -15,8 +15,8 @@ Status validate_fsdp(const FsdpOptions& fsdp, const DeviceProfile& device) {
     return Error{fmt::format("--fsdp: {} ranks (use 1 to 1000000)", fsdp.ranks)};
   }
   if (fsdp.replicas < 1 || fsdp.ranks % fsdp.replicas != 0) {
-    return Error{fmt::format("--hsdp: {} replica groups do not divide {} ranks", fsdp.replicas,
-                             fsdp.ranks)};
+    return Error{
+        fmt::format("--hsdp: {} replica groups do not divide {} ranks", fsdp.replicas, fsdp.ranks)};
   }
   const std::int32_t nodes = fsdp.node_count(links.gpus_per_node);
   if (nodes < 1 || fsdp.ranks % nodes != 0 || fsdp.ranks / nodes > links.gpus_per_node) {
@@ -232,7 +232,8 @@ void Trainer::wait_for_unshard(std::size_t u, bool forward) {
     fsdp_.prev_gather.reset();
   }
   if (!faults_.skip_all_gather_wait) device_.wait(Device::Stream{current_}, *unit.gathered);
-  const Device::Buffer params = must_allocate(unit.bytes, fmt::format("unit {} params", unit.layer));
+  const Device::Buffer params =
+      must_allocate(unit.bytes, fmt::format("unit {} params", unit.layer));
   // Each parameter holds its own value again, whichever gather put it there.
   std::vector<Region> writes;
   std::vector<std::uint64_t> values;
@@ -314,7 +315,8 @@ void Trainer::reduce_gradients(std::size_t u) {
   const std::int32_t group = f.shard_group();
   const Bytes out_bytes = ceil_div(input_bytes, group);
   const StreamId was = std::exchange(current_, fsdp_.reduce_scatter);
-  const Device::Buffer out = must_allocate(out_bytes, fmt::format("unit {} grad shard", unit.layer));
+  const Device::Buffer out =
+      must_allocate(out_bytes, fmt::format("unit {} grad shard", unit.layer));
   current_ = was;
   const Region out_region{out.id, Bytes(0), out_bytes};
   run_.sim.collective(fsdp_.reduce_scatter, ring_time(input_bytes, group, 1),
@@ -428,7 +430,6 @@ void Trainer::fsdp_before_replay(std::uint32_t i) {
   wait_for_unshard(u, false);
 }
 
-
 void Trainer::fsdp_optimizer_step() {
   std::vector<Region> reads;
   std::vector<Region> writes;
@@ -438,7 +439,8 @@ void Trainer::fsdp_optimizer_step() {
     if (!unit.sharded_grad) continue;
     const Bytes shard = run_.sim.buffers()[unit.shard.id.value()].bytes;
     if (!unit.moments) {
-      unit.moments = must_allocate(std::int64_t{2} * shard, fmt::format("unit {} AdamW moments", unit.layer));
+      unit.moments =
+          must_allocate(std::int64_t{2} * shard, fmt::format("unit {} AdamW moments", unit.layer));
     }
     const Region params{unit.shard.id, Bytes(0), shard};
     const Region moments{unit.moments->id, Bytes(0), std::int64_t{2} * shard};
@@ -446,7 +448,8 @@ void Trainer::fsdp_optimizer_step() {
                       run_.sim.buffers()[unit.sharded_grad->id.value()].bytes};
     reads.insert(reads.end(), {params, moments, grad});
     writes.insert(writes.end(), {params, moments});
-    moved += std::int64_t{7} * shard + grad.bytes;  // read params, moments, grad; write params, moments
+    moved +=
+        std::int64_t{7} * shard + grad.bytes;  // read params, moments, grad; write params, moments
   }
   if (reads.empty()) return;
   run_.sim.kernel(current_, memory_time(moved), reads, writes, "optimizer step (AdamW)");

@@ -176,8 +176,8 @@ OpId Simulator::kernel(StreamId stream, SimTime duration, std::span<const Region
 OpId Simulator::collective(StreamId stream, SimTime duration, std::span<const Region> reads,
                            std::span<const Region> writes, std::string_view label,
                            std::span<const std::uint64_t> values) {
-  return state_->launch(engine_detail::ExecKind::Collective, stream, duration, reads, writes,
-                        label, values);
+  return state_->launch(engine_detail::ExecKind::Collective, stream, duration, reads, writes, label,
+                        values);
 }
 
 OpId Simulator::State::launch(engine_detail::ExecKind kind, StreamId stream, SimTime duration,

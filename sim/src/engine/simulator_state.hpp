@@ -208,8 +208,8 @@ struct Simulator::State final : StreamMarkers {
   void start_kernel(ComputeEngines& engines, DeviceId device);
   // Simulator::kernel and Simulator::collective: one call, on the engine `kind` names.
   OpId launch(engine_detail::ExecKind kind, StreamId stream, SimTime duration,
-              std::span<const Region> reads, std::span<const Region> writes,
-              std::string_view label, std::span<const std::uint64_t> values);
+              std::span<const Region> reads, std::span<const Region> writes, std::string_view label,
+              std::span<const std::uint64_t> values);
   void start_copy(EngineId engine);
   void complete(OpId op);
   EngineId copy_engine(OpRecord& rec, Exec& e, const BufferInfo& from, const BufferInfo& to);

@@ -78,8 +78,9 @@ Result<CollectiveLink> read_collective_link(const JsonObject& parent, std::strin
 Result<CollectiveLinks> read_collectives(const JsonObject& profile) {
   CollectiveLinks links;
   if (!profile.has("collectives")) return links;
-  FERRY_JSON_TRY(const auto object, profile.required_object(
-                                        "collectives", {"gpus_per_node", "intra_node", "inter_node"}));
+  FERRY_JSON_TRY(
+      const auto object,
+      profile.required_object("collectives", {"gpus_per_node", "intra_node", "inter_node"}));
   FERRY_JSON_TRY(const auto gpus, object.required_integer("gpus_per_node", 1, 1024));
   links.gpus_per_node = static_cast<std::int32_t>(gpus);
   FERRY_JSON_TRY(links.intra_node, read_collective_link(object, "intra_node"));

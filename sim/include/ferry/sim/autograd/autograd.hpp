@@ -148,8 +148,8 @@ struct TrainingFaults {
   bool skip_side_stream_wait = false;  ///< side or comm work does not wait for the stream before it
   bool skip_cross_stream_record = false;  ///< no record_stream for a tensor used on another stream
   // FSDP2 (FsdpOptions):
-  bool skip_all_gather_wait = false;    ///< a unit's copy-out does not wait for its all-gather
-  bool skip_backward_unshard = false;   ///< backward reads parameters resharded after forward
+  bool skip_all_gather_wait = false;      ///< a unit's copy-out does not wait for its all-gather
+  bool skip_backward_unshard = false;     ///< backward reads parameters resharded after forward
   bool skip_reduce_scatter_wait = false;  ///< the reduce-scatter does not wait for the gradients
 };
 

@@ -34,8 +34,7 @@ class ComputeEngines {
     const Kernel k = e.ready.front();
     e.ready.pop_front();
     e.running = k.op;
-    queue.schedule(now + k.duration,
-                   DeviceEvent{.kind = done_, .device = device});
+    queue.schedule(now + k.duration, DeviceEvent{.kind = done_, .device = device});
     return k.op;
   }
 
