@@ -59,7 +59,8 @@ int CompareCommand::run() const {
     print(sim::compare_json(rows, model, device, pipeline));
   } else {
     print(sim::compare_text(rows, model, device) +
-          (pipeline.empty() ? "" : "\n" + sim::pipeline_text(pipeline)));
+          (pipeline.empty() ? "" : "\n" + sim::pipeline_text(pipeline)) +
+          fsdp_line(a_.run.fsdp, device));
   }
   return clean ? 0 : kExitFailed;
 }

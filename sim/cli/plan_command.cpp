@@ -159,7 +159,7 @@ int PlanCommand::sweep(const sim::Workload& w, const sim::PlannerOptions& option
         fmt::print(stderr, "planning {}/{}: budget {} ...\n", i + 1, n, format_bytes(budget));
       });
   print(a_.json ? sim::sweep_json(points, w.model, w.device)
-                : sim::sweep_text(points, w.model, w.device));
+                : sim::sweep_text(points, w.model, w.device) + fsdp_line(a_.fsdp, w.device));
   if (!a_.plot.empty()) {
     if (!write_output(a_.plot, sim::sweep_svg(points, w.model, w.device))) {
       fmt::print(stderr, "ferry plan: error: cannot write the plot to {}\n", a_.plot);
@@ -183,8 +183,9 @@ int PlanCommand::plan(const sim::Workload& w, const sim::PlannerOptions& options
   if (!a_.memory_snapshot.empty()) {
     if (const int rc = write_snapshot(w, options, outcome.value().plan)) return rc;
   }
-  print(a_.json ? sim::plan_report_json(outcome.value(), w.model, w.device)
-                : sim::plan_text(outcome.value(), w.model, w.device));
+  print(a_.json
+            ? sim::plan_report_json(outcome.value(), w.model, w.device)
+            : sim::plan_text(outcome.value(), w.model, w.device) + fsdp_line(a_.fsdp, w.device));
   if (!a_.out.empty() && !a_.json) fmt::print(stderr, "plan written to {}\n", a_.out);
   return 0;
 }

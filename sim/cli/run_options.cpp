@@ -1,12 +1,28 @@
 #include "run_options.hpp"
 
+#include <fmt/format.h>
+
 namespace ferry::cli {
 
-void add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec) {
-  cmd->add_option("--fsdp", spec.ranks,
-                  "FSDP2 over N ranks: each layer and the root fully_shard'ed; figures are one "
-                  "rank's (docs/fsdp.md)")
-      ->check(CLI::Range(1, 1'000'000));
+std::string fsdp_line(const sim::FsdpSpec& spec, const sim::DeviceProfile& device) {
+  if (spec.ranks <= 0) return {};
+  const auto fsdp = sim::fsdp_options(spec);
+  if (!fsdp) return {};
+  const std::int32_t nodes = fsdp.value().node_count(device.collectives.gpus_per_node);
+  return fmt::format(
+      "FSDP2 over {} ranks on {} node{}{}, reshard after forward: {}; every figure is one "
+      "rank's (its pinned memory: its part of the node's)\n",
+      spec.ranks, nodes, nodes == 1 ? "" : "s",
+      spec.replicas > 1 ? fmt::format(", {} HSDP replica groups", spec.replicas) : "",
+      spec.reshard_after_forward);
+}
+
+CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec) {
+  CLI::Option* fsdp =
+      cmd->add_option("--fsdp", spec.ranks,
+                      "FSDP2 over N ranks: each layer and the root fully_shard'ed; figures are one "
+                      "rank's (docs/fsdp.md)")
+          ->check(CLI::Range(1, 1'000'000));
   cmd->add_option("--nodes", spec.nodes,
                   "With --fsdp: nodes the ranks span (default: as few as the device's "
                   "gpus_per_node allow)")
@@ -17,6 +33,7 @@ void add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec) {
   cmd->add_option("--reshard-after-forward", spec.reshard_after_forward,
                   "With --fsdp: true, false, or K (keep a 1/K shard after forward)")
       ->capture_default_str();
+  return fsdp;
 }
 
 void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
@@ -31,8 +48,10 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
                     "Write the device memory history to FILE as a PyTorch memory snapshot "
                     "pickle (pytorch.org/memory_viz)");
     cmd->add_option("--plan", args.plan, "Replay a plan file (ferry.plan/1) written by ferry plan");
-    cmd->add_option("--checkpoint", a.checkpoint,
-                    "none, every:K, selective, segments:N or reentrant-segments:N")
+    cmd->add_option(
+           "--checkpoint", a.checkpoint,
+           "none, every:K, selective, op-sac (torchtitan's op-level selective), segments:N "
+           "or reentrant-segments:N")
         ->capture_default_str();
     cmd->add_option("--side-streams", a.side_streams,
                     "Work on a side compute stream: none, or layers L and ranges A-B, "
@@ -40,10 +59,11 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
         ->capture_default_str();
   }
   cmd->add_flag("--no-early-stop", a.no_early_stop, "Recompute whole checkpointed regions");
-  add_fsdp_options(cmd, a.fsdp);
+  CLI::Option* fsdp = add_fsdp_options(cmd, a.fsdp);
   cmd->add_option("--devices", args.devices, "Pipeline over N devices (GPipe); 1: no pipeline")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64));
+      ->check(CLI::Range(1, 64))
+      ->excludes(fsdp);
   cmd->add_option("--micro-batches", args.micro_batches, "Pipeline micro-batches")
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));

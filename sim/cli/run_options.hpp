@@ -26,8 +26,12 @@ struct RunArgs {
   sim::RunSpec run;  // the run's own options, as `ferry.simulate` takes them too
 };
 
-/// Adds `--fsdp`, `--nodes`, `--hsdp` and `--reshard-after-forward` to `cmd`.
-void add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec);
+/// Adds `--fsdp`, `--nodes`, `--hsdp` and `--reshard-after-forward` to `cmd`; returns `--fsdp`.
+CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec);
+
+/// The line text reports end with under `--fsdp`: the parallelism, and that figures are one
+/// rank's. Empty without FSDP.
+[[nodiscard]] std::string fsdp_line(const sim::FsdpSpec& spec, const sim::DeviceProfile& device);
 
 /// Adds the shared options to `cmd`; `simulate` adds those of one run (policy, checkpoint plan,
 /// side streams, trace and snapshot files, a plan to replay).

@@ -72,7 +72,8 @@ int SimulateCommand::replay_plan(const sim::Workload& w, const sim::TrainingOpti
   }
   row.value().name = "plan " + a_.plan;
   print(a_.json ? sim::simulate_json(row.value(), w.model, w.device)
-                : sim::simulate_text(row.value(), w.model, w.device));
+                : sim::simulate_text(row.value(), w.model, w.device) +
+                      fsdp_line(a_.run.fsdp, w.device));
   return row.value().hazards == 0 && !row.value().failure ? 0 : kExitFailed;
 }
 
@@ -135,7 +136,8 @@ int SimulateCommand::run_one_device(const sim::Workload& w) const {
     return kExitBadInput;
   }
   const std::string out = a_.json ? sim::simulate_json(result.value(), w.model, w.device)
-                                  : sim::simulate_text(result.value(), w.model, w.device);
+                                  : sim::simulate_text(result.value(), w.model, w.device) +
+                                        fsdp_line(a_.run.fsdp, w.device);
   if (const int rc = write_files(run)) return rc;
   print(out);
   return result.value().hazards == 0 && !result.value().failure ? 0 : kExitFailed;

@@ -1,6 +1,7 @@
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
 
 #include <algorithm>
+#include <map>
 #include <string>
 
 namespace ferry::sim {
@@ -42,6 +43,33 @@ void apply_selective_policy(CheckpointPlan& plan, const Model& model) {
     const std::string& name = model.ops[i].name;
     for (const char* core : {"qk", "score", "softmax", "attn_dropout", "attn_v", "attention"}) {
       if (name.find(core) != std::string::npos) plan.op_policy[i] = OpPolicy::PreferRecompute;
+    }
+  }
+}
+
+void apply_op_sac_policy(CheckpointPlan& plan, const Model& model) {
+  plan.op_policy.assign(model.ops.size(), OpPolicy::PreferRecompute);
+  std::map<std::int32_t, std::int32_t> matmuls;  // by layer: the count so far
+  for (std::size_t i = 0; i < model.ops.size(); ++i) {
+    const ModelOp& op = model.ops[i];
+    if (op.layer < 0) {
+      plan.op_policy[i] = OpPolicy::MustSave;  // outside the regions
+      continue;
+    }
+    const std::string& name = op.name;
+    const bool attention = name.find("attn") != std::string::npos ||
+                           name.find("attention") != std::string::npos ||
+                           name.find("scaled_dot_product") != std::string::npos;
+    std::int64_t elements = 0;
+    for (const std::uint32_t t : op.outputs) {
+      const ModelTensor& out = model.tensors[t];
+      if (out.view_of < 0) elements += out.bytes.count() / dtype_size(out.dtype);
+    }
+    const bool matmul = !attention && elements > 0 && op.flops >= 64 * elements;
+    if (attention && name.find("dropout") == std::string::npos) {
+      plan.op_policy[i] = OpPolicy::MustSave;
+    } else if (matmul && ++matmuls[op.layer] % 2 == 1) {
+      plan.op_policy[i] = OpPolicy::MustSave;
     }
   }
 }

@@ -35,7 +35,7 @@ Status validate_fsdp(const FsdpOptions& fsdp, const DeviceProfile& device) {
   if (fsdp.ranks > 1 && !links.intra_node.known()) {
     return Error{fmt::format(
         "device {} has no \"collectives\" links: --fsdp {} needs the intra-node (and, across "
-        "nodes, the inter-node) bandwidth (docs/device-format.md)",
+        "nodes, the inter-node) bandwidth (docs/devices.md)",
         device.name, fsdp.ranks)};
   }
   if (nodes > 1 && !links.inter_node.known()) {

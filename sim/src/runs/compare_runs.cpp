@@ -24,12 +24,17 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
   };
   if (spec == "none") return CheckpointPlan{};
   if (spec == "selective") return checkpoint_selective(model);
+  if (spec == "op-sac") {
+    CheckpointPlan plan = checkpoint_every(model, 1);
+    apply_op_sac_policy(plan, model);
+    return plan;
+  }
   if (auto k = number("every:")) return checkpoint_every(model, *k);
   if (auto n = number("segments:")) return checkpoint_segments(model, *n, false);
   if (auto n = number("reentrant-segments:")) return checkpoint_segments(model, *n, true);
   return Error{
       fmt::format("unknown checkpoint spec \"{}\" (none, every:K, selective, "
-                  "segments:N, reentrant-segments:N)",
+                  "op-sac, segments:N, reentrant-segments:N)",
                   spec)};
 }
 

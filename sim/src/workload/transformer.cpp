@@ -290,6 +290,23 @@ Model make_transformer(const TransformerShape& shape, std::string name) {
   head.no_offload = true;
 
   const std::uint32_t loss = m.tensor("loss", 1, DType::F32, TensorRole::Activation);
+  if (shape.float32_loss) {
+    const std::int64_t elements = x.tokens * shape.vocab;
+    const std::uint32_t wide =
+        m.tensor("logits.float", elements, DType::F32, TensorRole::Activation);
+    ModelOp& upcast = m.op("logits_float", -1, {logits}, {wide}, {});
+    cost(upcast, elements, m.bytes(logits) + m.bytes(wide));
+    upcast.no_offload = true;
+    const std::uint32_t log_probs =
+        m.tensor("log_softmax.out", elements, DType::F32, TensorRole::Activation);
+    ModelOp& softmax = m.op("log_softmax", -1, {wide}, {log_probs}, {log_probs});
+    cost(softmax, kSoftmaxFlops * elements, 2 * m.bytes(wide));
+    softmax.no_offload = true;
+    ModelOp& nll = m.op("loss", -1, {log_probs, labels}, {loss}, {labels});
+    cost(nll, elements, m.bytes(log_probs) + m.bytes(labels));
+    nll.no_offload = true;
+    return std::move(m).finish(loss);
+  }
   ModelOp& loss_op = m.op("loss", -1, {logits, labels}, {loss}, {logits, labels});
   cost(loss_op, kCrossEntropyFlops * x.tokens * shape.vocab,
        m.bytes(logits) + m.bytes(labels) + m.bytes(loss));
@@ -332,6 +349,13 @@ TransformerShape llama3_8b(std::int64_t sequence) {
   shape.vocab = 128256;
   shape.sequence = sequence;
   shape.flash_attention = true;
+  return shape;
+}
+
+// torchtitan's Llama 3 8B training step: the loss in float32 (its `cross_entropy` upcasts).
+TransformerShape titan_llama3_8b(std::int64_t sequence) {
+  TransformerShape shape = llama3_8b(sequence);
+  shape.float32_loss = true;
   return shape;
 }
 
@@ -396,6 +420,7 @@ std::vector<Preset> presets() {
       {"llama3-8b-s4096", llama3_8b(4096)},
       {"llama3-8b-s8192", llama3_8b(8192)},
       {"llama3-8b-s16384", llama3_8b(16384)},
+      {"titan-llama3-8b-s8192", titan_llama3_8b(8192)},
       {"llama-70b-s4096", llama_70b(4096)},
       {"llama-70b-s8192", llama_70b(8192)},
       {"llama3.2-3b-traced-s4096-b2", llama32_3b_traced(4096, 2)},

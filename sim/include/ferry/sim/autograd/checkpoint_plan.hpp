@@ -44,4 +44,11 @@ struct CheckpointPlan {
 /// dropout, attention over values) is recomputed, everything else saved.
 void apply_selective_policy(CheckpointPlan& plan, const Model& model);
 
+/// torchtitan's op-level selective activation checkpointing (`--activation-checkpoint.mode
+/// selective --selective-ac-option op`): in each layer's region the attention op's outputs
+/// are saved, and of the matmuls (ops doing at least 64 FLOPs per output element) the first,
+/// third, fifth... are saved and the others recomputed; every other op is recomputed. See
+/// docs/fsdp.md for where this differs from torchtitan's (a fused QKV projection is one matmul).
+void apply_op_sac_policy(CheckpointPlan& plan, const Model& model);
+
 }  // namespace ferry::sim

@@ -93,6 +93,9 @@ struct TransformerShape {
   std::int64_t micro_batch = 1;  ///< b, sequences per step
   DType dtype = DType::BF16;     ///< activations and params (f32, bf16 or f16)
   bool flash_attention = false;  ///< no s^2 tensors saved (Llama presets use it)
+  /// The loss on float32 logits, as torchtitan's `cross_entropy(pred.float(), labels)`: the
+  /// logits upcast, their log-softmax saved for backward in float32.
+  bool float32_loss = false;
 };
 
 /// Builds a transformer training step (embedding, `layers` blocks, final norm, output head
