@@ -1,6 +1,7 @@
 #pragma once
 // Shared set-up for simulator tests: a device whose numbers make timings easy to check by hand.
 
+#include <string>
 #include <vector>
 
 #include "ferry/sim/engine/simulator.hpp"
@@ -29,6 +30,23 @@ inline Simulator simple_sim(int devices = 1, SimOptions options = {},
   std::vector<DeviceSpec> specs;
   for (int i = 0; i < devices; ++i) specs.push_back(DeviceSpec{"gpu" + std::to_string(i), profile});
   return Simulator(std::move(specs), {}, options, faults);
+}
+
+/// The hazards of `sim`, a line each ("kind/conflict: first op on stream | second op on
+/// stream"), for failure messages.
+inline std::string hazard_lines(const Simulator& sim) {
+  const auto name = [&](OpId id) {
+    const OpRecord& op = sim.ops()[id.value()];
+    const std::string stream = op.stream.valid() ? sim.stream_name(op.stream) : "host";
+    return std::string(sim.label(op.label)) + " on " + stream;
+  };
+  std::string out;
+  for (const Hazard& h : sim.hazards()) {
+    out += std::to_string(static_cast<int>(h.kind)) + "/" +
+           std::to_string(static_cast<int>(h.conflict)) + ": " + name(h.first) + " | " +
+           name(h.second) + "\n";
+  }
+  return out;
 }
 
 inline Region whole(const Simulator& sim, BufferId id) {

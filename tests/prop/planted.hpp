@@ -1,10 +1,12 @@
 #pragma once
 // Running a property that a planted fault must break.
 
+#include <gtest/gtest.h>
 #include <rapidcheck.h>
 #include <rapidcheck/detail/TestListener.h>
 
 #include <cstdint>
+#include <iostream>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -38,6 +40,16 @@ std::string counterexample(Property&& property, std::uint64_t seed = 20261121, i
   std::ostringstream out;
   rc::detail::printResultMessage(result, out);
   return out.str();
+}
+
+/// Expects `property` to fail under the planted fault `name` and prints the shrunk
+/// counterexample.
+template <class Property>
+void expect_planted_fault_caught(Property&& property, const char* name, std::uint64_t seed,
+                                 int tests) {
+  const std::string found = counterexample(std::forward<Property>(property), seed, tests);
+  ASSERT_FALSE(found.empty()) << "planted fault \"" << name << "\" went unnoticed";
+  std::cout << "planted fault \"" << name << "\", shrunk counterexample:\n" << found << "\n";
 }
 
 }  // namespace ferry::testing

@@ -38,26 +38,10 @@ TrainingRun train(const Model& m, const TrainingOptions& o, const TrainingFaults
   return std::move(run.value());
 }
 
-std::string op_name(const TrainingRun& run, OpId id) {
-  const OpRecord& op = run.sim.ops()[id.value()];
-  const std::string stream = op.stream.valid() ? run.sim.stream_name(op.stream) : "host";
-  return std::string(run.sim.label(op.label)) + " on " + stream;
-}
-
-std::string describe(const TrainingRun& run) {
-  std::string out;
-  for (const Hazard& h : run.sim.hazards()) {
-    out += std::to_string(static_cast<int>(h.kind)) + "/" +
-           std::to_string(static_cast<int>(h.conflict)) + ": " + op_name(run, h.first) + " | " +
-           op_name(run, h.second) + "\n";
-  }
-  return out;
-}
-
 void expect_clean(const TrainingRun& run) {
   ASSERT_FALSE(run.failure) << run.failure->message;
   EXPECT_TRUE(run.sim.hazards().empty()) << run.sim.hazards().size() << " hazards\n"
-                                         << describe(run);
+                                         << testing::hazard_lines(run.sim);
   EXPECT_TRUE(run.sim.content_mismatches().empty());
 }
 

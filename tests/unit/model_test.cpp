@@ -161,9 +161,10 @@ TEST(Korthikanti, ParamsAreSavedButNotCounted) {
 
 TEST(Presets, EveryPresetValidates) {
   const std::vector<std::string> expected = {
-      "gpt2-small-s1024", "gpt2-small-s2048", "llama3-8b-s4096", "llama3-8b-s8192",
-      "llama3-8b-s16384", "titan-llama3-8b-s8192", "llama-70b-s4096", "llama-70b-s8192",
-      "llama3.2-3b-traced-s4096-b2", "tiny-gpt", "tiny-llama"};
+      "gpt2-small-s1024", "gpt2-small-s2048", "llama3-8b-s4096",
+      "llama3-8b-s8192",  "llama3-8b-s16384", "titan-llama3-8b-s8192",
+      "llama-70b-s4096",  "llama-70b-s8192",  "llama3.2-3b-traced-s4096-b2",
+      "tiny-gpt",         "tiny-llama"};
   EXPECT_EQ(model_preset_names(), expected);
   for (const std::string& name : model_preset_names()) {
     SCOPED_TRACE(name);

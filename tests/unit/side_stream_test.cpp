@@ -29,22 +29,8 @@ std::int64_t kernels_on(const TrainingRun& run, const std::string& stream) {
   return n;
 }
 
-std::string op_name(const TrainingRun& run, OpId id) {
-  const OpRecord& op = run.sim.ops()[id.value()];
-  const std::string stream = op.stream.valid() ? run.sim.stream_name(op.stream) : "host";
-  return std::string(run.sim.label(op.label)) + " on " + stream;
-}
-
 // The hazards, a line each, for failure messages.
-std::string describe(const TrainingRun& run) {
-  std::string out;
-  for (const Hazard& h : run.sim.hazards()) {
-    out += std::to_string(static_cast<int>(h.kind)) + "/" +
-           std::to_string(static_cast<int>(h.conflict)) + ": " + op_name(run, h.first) + " | " +
-           op_name(run, h.second) + "\n";
-  }
-  return out;
-}
+std::string describe(const TrainingRun& run) { return testing::hazard_lines(run.sim); }
 
 // Whether the checker reports a hazard of this kind and conflict with an op on `stream`.
 bool reports(const TrainingRun& run, HazardKind kind, Conflict conflict,
