@@ -61,6 +61,9 @@ def test_profile_has_the_bundled_layout_with_integers_only(tmp_path):
     profile = json.loads(profile_text)
     with open(BUNDLED, encoding="utf-8") as f:
         bundled = json.load(f)
+    # The probe measures one device: the optional links of collectives (docs/fsdp.md) are not
+    # among its figures.
+    bundled.pop("collectives", None)
     assert layout(profile) == layout(bundled)
     for key, value in profile.items():
         if key not in ("name", "description"):
