@@ -17,6 +17,7 @@
 #include "prop/planted.hpp"
 #include "prop/random_program.hpp"
 #include "prop/rc_model_gens.hpp"
+#include "sim_fixtures.hpp"
 
 namespace ferry {
 
@@ -103,15 +104,7 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   const TrainingRun& r = run.value();
   if (r.failure) RC_FAIL("run failed: " + r.failure->message);
   RC_ASSERT(!reference.value().failure);
-  for (const Hazard& h : r.sim.hazards()) {
-    const auto name = [&](OpId id) {
-      const OpRecord& op = r.sim.ops()[id.value()];
-      return std::string(r.sim.label(op.label)) + " on " +
-             (op.stream.valid() ? r.sim.stream_name(op.stream) : std::string("host"));
-    };
-    RC_FAIL("hazard " + std::to_string(static_cast<int>(h.kind)) + ": " + name(h.first) + " | " +
-            name(h.second));
-  }
+  if (!r.sim.hazards().empty()) RC_FAIL("hazards:\n" + testing::hazard_lines(r.sim));
   RC_ASSERT(r.sim.content_mismatches().empty());
   RC_ASSERT(r.gradient_values == reference.value().gradient_values);
   // After the first step the memory is the shards and the optimizer's state: the same after

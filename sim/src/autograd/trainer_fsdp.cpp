@@ -159,14 +159,14 @@ void Trainer::fsdp_setup(std::vector<Region>& writes, std::vector<std::uint64_t>
     }
   }
   fsdp_.units.assign(1, FsdpUnit{});
+  fsdp_.unit_of_layer = {{-1, 0}};  // the root
   for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
     const ModelTensor& tensor = model_.tensors[t];
     if (tensor.role != TensorRole::Param || tensor.view_of >= 0) continue;
     const auto it = owner.find(t);
     const std::int32_t layer = it == owner.end() ? -1 : it->second;
-    auto [slot, fresh] = fsdp_.unit_of_layer.emplace(layer, fsdp_.units.size());
-    if (layer < 0) slot->second = 0;
-    if (fresh && layer >= 0) fsdp_.units.emplace_back().layer = layer;
+    const auto [slot, fresh] = fsdp_.unit_of_layer.emplace(layer, fsdp_.units.size());
+    if (fresh) fsdp_.units.emplace_back().layer = layer;
     FsdpUnit& unit = fsdp_.units[slot->second];
     unit.params.push_back(t);
     unit.offsets.push_back(unit.bytes);
@@ -174,7 +174,6 @@ void Trainer::fsdp_setup(std::vector<Region>& writes, std::vector<std::uint64_t>
     unit.master += f.mixed_precision ? Bytes(tensor.bytes.count() / dtype_size(tensor.dtype) * 4)
                                      : tensor.bytes;
   }
-  fsdp_.unit_of_layer[-1] = 0;
   for (std::int32_t i = 0; i < static_cast<std::int32_t>(model_.ops.size()); ++i) {
     FsdpUnit& unit = fsdp_.units[unit_of_op(static_cast<std::uint32_t>(i))];
     if (unit.layer < 0) continue;
