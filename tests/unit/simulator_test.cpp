@@ -315,5 +315,39 @@ TEST(Simulator, ContentExpectationIsCheckedWhenTheKernelStarts) {
   EXPECT_EQ(sim.content_mismatches()[0].actual[0].id, 0U);
 }
 
+// Note [Processes]: two ranks, one process each. Process 0 copies into its pinned buffer and
+// waits for the copy; process 1 then writes its own pinned buffer from the host.
+std::vector<Hazard> two_processes_write(bool shared_pool) {
+  SimFaults faults;
+  faults.shared_pinned_pool = shared_pool;
+  Simulator sim = simple_sim(2, SimOptions{.process_per_device = true}, simple_profile(), faults);
+  const StreamId s0 = sim.add_stream(DeviceId(0), "rank0");
+  sim.set_host(DeviceId(0));
+  const BufferId d0 = device_buffer(sim, s0, 4096);
+  const BufferId h0 = pinned_buffer(sim, 4096);
+  sim.copy(s0, whole(sim, d0), whole(sim, h0), "offload");
+  sim.sync_stream(s0);
+  sim.set_host(DeviceId(1));
+  const BufferId h1 = pinned_buffer(sim, 4096);
+  EXPECT_EQ(sim.buffers()[h0.value()].address == sim.buffers()[h1.value()].address, shared_pool);
+  const std::vector<Region> write{whole(sim, h1)};
+  sim.host_write(write);
+  sim.finish();
+  EXPECT_EQ(sim.pinned_allocator(DeviceId(1)).stats().allocated.count(), 4096);
+  return sim.hazards();
+}
+
+TEST(Simulator, ProcessesPinFromPoolsAtAddressesOfTheirOwn) {
+  EXPECT_TRUE(two_processes_write(false).empty());
+}
+
+TEST(Simulator, ProcessesAreOrderedOnlyThroughWhatTheyWaitFor) {
+  // Process 0's host waited for the copy; process 1's did not, so with the pools planted on
+  // the same addresses its write races the copy.
+  const std::vector<Hazard> hazards = two_processes_write(true);
+  ASSERT_EQ(hazards.size(), 1U);
+  EXPECT_EQ(hazards[0].conflict, Conflict::WriteAfterWrite);
+}
+
 }  // namespace
 }  // namespace ferry::sim

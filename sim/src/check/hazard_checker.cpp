@@ -79,14 +79,14 @@ bool HazardChecker::ordered_before(const Access& a, const Clock& now) const {
 void HazardChecker::begin_op(ThreadIndex thread) {
   FERRY_CHECK(thread < clocks_.size(), "unknown thread {}", thread);
   Clock& clock = clocks_[thread];
-  if (thread != kHostThread) join(clock, clocks_[kHostThread]);
+  if (thread != host_) join(clock, clocks_[host_]);
   if (clock.size() <= thread) clock.resize(thread + 1, 0);
   ++clock[thread];
 }
 
 std::uint32_t HazardChecker::capture(ThreadIndex thread) {
   Clock snapshot = clocks_[thread];
-  join(snapshot, clocks_[kHostThread]);
+  join(snapshot, clocks_[host_]);
   snapshots_.push_back(std::move(snapshot));
   return static_cast<std::uint32_t>(snapshots_.size() - 1);
 }
@@ -97,10 +97,15 @@ void HazardChecker::wait(ThreadIndex thread, std::uint32_t snapshot) {
 }
 
 void HazardChecker::host_observes(std::uint32_t snapshot) {
-  join(clocks_[kHostThread], snapshots_.at(snapshot));
+  join(clocks_[host_], snapshots_.at(snapshot));
 }
 
-void HazardChecker::host_joins(ThreadIndex thread) { join(clocks_[kHostThread], clocks_[thread]); }
+void HazardChecker::host_joins(ThreadIndex thread) { join(clocks_[host_], clocks_[thread]); }
+
+void HazardChecker::set_host(ThreadIndex thread) {
+  FERRY_CHECK(thread < clocks_.size(), "unknown thread {}", thread);
+  host_ = thread;
+}
 
 HazardChecker::Shadow::iterator HazardChecker::split(Shadow& shadow, std::int64_t at) {
   auto it = shadow.upper_bound(at);
@@ -240,14 +245,14 @@ void HazardChecker::release(OpId free_op, BufferId buffer, SpaceIndex space, Byt
   const std::int64_t lo = lo_bytes.count();
   const std::int64_t hi = hi_bytes.count();
   Clock& reuse = reuse_;
-  reuse = clocks_[kHostThread];
+  reuse = clocks_[host_];
   for (const ThreadIndex t : alloc_threads) join(reuse, clocks_.at(t));
   for (const ThreadIndex t : deferred) join(reuse, clocks_.at(t));
   if (faults_.deferral_covers_every_stream && !deferred.empty()) {
     for (const Clock& c : clocks_) join(reuse, c);
   }
   if (!deferred.empty() && lo < hi) {
-    Clock floor = clocks_[kHostThread];
+    Clock floor = clocks_[host_];
     for (const ThreadIndex t : deferred) join(floor, clocks_.at(t));
     if (buffer.value() < buffer_floor_.size() && buffer_floor_[buffer.value()] != kNoFloor) {
       join(floor, snapshots_[buffer_floor_[buffer.value()]]);

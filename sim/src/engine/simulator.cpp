@@ -26,6 +26,25 @@ StreamId Simulator::add_stream(DeviceId device, std::string name) {
   return s.streams.add(std::move(name), device, s.checker.add_thread());
 }
 
+// Note [Processes]
+// With SimOptions::process_per_device each device is driven by a process of its own, as the
+// ranks of FSDP or DDP are: set_host names the process whose host thread makes the calls that
+// follow. Each process has its own host thread in the checker, ordered with the others' only
+// through what its streams wait for, and its own pinned pool: the device profile's pinned
+// capacity at addresses of its own within the node's host memory, so two ranks' pinned
+// buffers never share bytes unless the pools are planted on the same addresses. One host
+// clock serves every process (calls interleave in the order they are made), so the timings of
+// such a run are not a prediction: it is a check of what the processes share.
+
+void Simulator::set_host(DeviceId device) {
+  State& s = *state_;
+  s.device(device);
+  FERRY_CHECK(s.options.process_per_device || device.value() == 0,
+              "set_host needs a process per device (SimOptions::process_per_device)");
+  s.caller = device.value();
+  s.checker.set_host(s.host_thread());
+}
+
 void Simulator::reserve(std::size_t ops) {
   state_->ops.reserve(ops);
   state_->exec.reserve(ops);
@@ -75,7 +94,7 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
     info.address = got.value().address;
     block = got.value().block;
   } else if (kind == MemoryKind::Pinned) {
-    auto got = s.pinned.malloc(bytes, pool, s);
+    auto got = s.pinned[s.options.process_per_device ? s.caller : 0].malloc(bytes, pool, s);
     if (!got) {
       s.end_host_call(op);
       return got.error();
@@ -91,6 +110,7 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
   s.buffers.push_back(info);
   s.device_blocks.push_back(block);
   s.host_blocks.push_back(host_block);
+  s.host_pools.push_back(s.options.process_per_device ? s.caller : 0);
   // Checker: bytes a deferred free returned are ordered after its markers (Note [Latent reuse]).
   if (s.options.check_hazards && kind != MemoryKind::Pageable) {
     s.checker.allocated(id, s.space_of(info), info.address, info.address + bytes);
@@ -122,12 +142,12 @@ void Simulator::free(BufferId buffer, std::string_view label) {
     const std::span<const StreamId> deferring =
         on_device
             ? s.devices[device.value()].allocator.deferring_streams(s.device_blocks[buffer.value()])
-            : s.pinned.deferring_streams(s.host_blocks[buffer.value()]);
+            : s.pinned_pool(buffer).deferring_streams(s.host_blocks[buffer.value()]);
     std::vector<ThreadIndex>& deferred = s.free_threads;
     deferred.clear();
     for (const StreamId d : deferring) deferred.push_back(s.streams.thread(d));
     const ThreadIndex alloc_thread =
-        on_device ? s.streams.thread(s.ops[info.allocated_by.value()].stream) : kHostThread;
+        on_device ? s.streams.thread(s.ops[info.allocated_by.value()].stream) : s.host_thread();
     s.checker.release(op, buffer, s.space_of(info), info.address, info.address + info.bytes,
                       std::span<const ThreadIndex>(&alloc_thread, on_device ? 1 : 0), deferred);
   }
@@ -135,7 +155,7 @@ void Simulator::free(BufferId buffer, std::string_view label) {
     s.devices[device.value()].allocator.free(s.device_blocks[buffer.value()], s);
     s.sample(info.device);
   } else if (info.kind == MemoryKind::Pinned) {
-    s.pinned.free(s.host_blocks[buffer.value()], s);
+    s.pinned_pool(buffer).free(s.host_blocks[buffer.value()], s);
     s.sample(DeviceId());
   }
   s.end_host_call(op);
@@ -153,7 +173,7 @@ void Simulator::record_stream(BufferId buffer, StreamId stream, std::string_view
   } else if (b.kind == MemoryKind::Device) {
     s.devices[b.device.value()].allocator.record_stream(s.device_blocks[buffer.value()], stream);
   } else if (b.kind == MemoryKind::Pinned) {
-    s.pinned.record_stream(s.host_blocks[buffer.value()], stream);
+    s.pinned_pool(buffer).record_stream(s.host_blocks[buffer.value()], stream);
   }
   s.end_host_call(op);
 }
@@ -327,11 +347,11 @@ bool Simulator::query(EventId event, std::string_view label) {
 void Simulator::host_read(std::span<const Region> regions, std::string_view label) {
   State& s = *state_;
   const OpId op = s.begin_call(OpKind::HostRead, s.overheads(DeviceId(0)).host_access, label);
-  if (s.options.check_hazards) s.checker.begin_op(kHostThread);
+  if (s.options.check_hazards) s.checker.begin_op(s.host_thread());
   for (const Region& r : regions) {
     FERRY_CHECK(s.buffer(r.buffer).kind != MemoryKind::Device,
                 "the host cannot read device memory directly");
-    s.touch(op, kHostThread, AccessOrigin::Host, r, false);
+    s.touch(op, s.host_thread(), AccessOrigin::Host, r, false);
   }
   s.end_host_call(op);
 }
@@ -339,13 +359,13 @@ void Simulator::host_read(std::span<const Region> regions, std::string_view labe
 void Simulator::host_write(std::span<const Region> regions, std::string_view label) {
   State& s = *state_;
   const OpId op = s.begin_call(OpKind::HostWrite, s.overheads(DeviceId(0)).host_access, label);
-  if (s.options.check_hazards) s.checker.begin_op(kHostThread);
+  if (s.options.check_hazards) s.checker.begin_op(s.host_thread());
   FERRY_CHECK(regions.size() < 0xffffffffU, "a host write covers {} ranges", regions.size());
   for (std::uint32_t i = 0; i < regions.size(); ++i) {
     const Region& r = regions[i];
     const BufferInfo& b = s.buffer(r.buffer);
     FERRY_CHECK(b.kind != MemoryKind::Device, "the host cannot write device memory directly");
-    if (!s.touch(op, kHostThread, AccessOrigin::Host, r, true)) continue;
+    if (!s.touch(op, s.host_thread(), AccessOrigin::Host, r, true)) continue;
     if (s.options.track_content) {
       const Bytes lo = b.address + r.offset;
       s.content[s.host_space()].write(lo, lo + r.bytes, written_content(op, i), Bytes(0));
@@ -431,7 +451,13 @@ DeviceId Simulator::stream_device(StreamId stream) const {
 const CachingAllocator& Simulator::device_allocator(DeviceId device) const {
   return state_->devices.at(device.value()).allocator;
 }
-const PinnedHostAllocator& Simulator::pinned_allocator() const { return state_->pinned; }
+const PinnedHostAllocator& Simulator::pinned_allocator() const { return state_->pinned[0]; }
+
+const PinnedHostAllocator& Simulator::pinned_allocator(DeviceId device) const {
+  const State& s = *state_;
+  FERRY_CHECK(device.valid() && device.value() < s.devices.size(), "unknown device");
+  return s.pinned[s.options.process_per_device ? device.value() : 0];
+}
 const AllocatorLog* Simulator::allocator_log() const { return state_->allocator_log.get(); }
 CopyTotals Simulator::copied() const { return state_->totals; }
 

@@ -30,6 +30,24 @@ Bytes pinned_capacity(const std::vector<DeviceSpec>& specs) {
   return cap;
 }
 
+// The pinned pools: one under the largest device's cap, or one per process, each at addresses
+// of its own (or all at the same one, a planted fault).
+std::vector<PinnedHostAllocator> pinned_pools(const std::vector<DeviceSpec>& specs,
+                                              bool per_process, bool shared_addresses) {
+  std::vector<PinnedHostAllocator> pools;
+  if (!per_process) {
+    pools.emplace_back(pinned_capacity(specs), kPinnedBase);
+    return pools;
+  }
+  Bytes base = kPinnedBase;
+  for (const auto& s : specs) {
+    pools.emplace_back(s.profile.pinned_host_capacity, base);
+    if (!shared_addresses)
+      base += Bytes((s.profile.pinned_host_capacity.count() + 511) / 512 * 512);
+  }
+  return pools;
+}
+
 }  // namespace
 
 namespace engine_detail {
@@ -50,7 +68,7 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
     : options(opts),
       faults(planted),
       links(std::move(link_list)),
-      pinned(pinned_capacity(specs), kPinnedBase),
+      pinned(pinned_pools(specs, opts.process_per_device, planted.shared_pinned_pool)),
       pageable_next(kPageableBase),
       checker(planted.checker),
       streams(planted.timing_ignores_waits),
@@ -77,6 +95,10 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
     attach(*allocator_log);
   }
   content.resize(devices.size() + 1);
+  hosts.push_back(kHostThread);
+  if (options.process_per_device) {
+    while (hosts.size() < devices.size()) hosts.push_back(checker.add_thread());
+  }
 }
 
 // --- the host side ------------------------------------------------------------------------
@@ -106,7 +128,7 @@ void Simulator::State::sample(DeviceId device) {
   if (device.valid()) {
     memory.device(host_time, device, devices[device.value()].allocator, observers);
   } else {
-    memory.pinned(host_time, pinned, observers);
+    memory.pinned(host_time, pinned[options.process_per_device ? caller : 0], observers);
   }
 }
 

@@ -118,12 +118,16 @@ struct Simulator::State final : StreamMarkers {
   std::vector<BufferInfo> buffers;
   std::vector<BlockId> device_blocks;     // per buffer, Device kind
   std::vector<HostBlockId> host_blocks;   // per buffer, Pinned kind
+  std::vector<std::uint32_t> host_pools;  // per buffer, Pinned kind: its process's pool
   std::vector<ThreadIndex> free_threads;  // scratch of free(): reused, never reallocated per call
   std::vector<OpRecord> ops;
   std::vector<Exec> exec;
   std::vector<engine_detail::WriteRange> write_ranges;
   engine_detail::LabelTable labels;
-  PinnedHostAllocator pinned;
+  // One pool, or one per process (SimOptions::process_per_device; Note [Processes]).
+  std::vector<PinnedHostAllocator> pinned;
+  std::vector<ThreadIndex> hosts;  // each process's host thread in the checker
+  std::uint32_t caller = 0;        // the process making calls now
   Bytes pageable_next;
   HazardChecker checker;
   DeviceEventQueue queue;
@@ -174,6 +178,10 @@ struct Simulator::State final : StreamMarkers {
     return buffers[id.value()];
   }
   void check_region(const Region& r) const;
+  [[nodiscard]] ThreadIndex host_thread() const { return hosts[caller]; }
+  [[nodiscard]] PinnedHostAllocator& pinned_pool(BufferId buffer) {
+    return pinned[host_pools[buffer.value()]];
+  }
   [[nodiscard]] SpaceIndex host_space() const { return static_cast<SpaceIndex>(devices.size()); }
   [[nodiscard]] SpaceIndex space_of(const BufferInfo& b) const {
     return b.kind == MemoryKind::Device ? static_cast<SpaceIndex>(b.device.value()) : host_space();

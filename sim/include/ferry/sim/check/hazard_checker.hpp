@@ -1,11 +1,11 @@
 #pragma once
 /// Happens-before race detection over byte ranges with vector clocks.
 ///
-/// Threads are the host (thread 0) and every stream. Each operation that touches memory is
-/// checked, at the moment the host issues it, against the earlier accesses to the same bytes.
-/// The verdicts depend only on the happens-before graph (program order, launches, event
-/// waits, synchronizations), never on simulated timing, so a program is judged for every
-/// interleaving its synchronization allows. See Note [Access frontiers].
+/// Threads are the host (thread 0, or one per process: set_host) and every stream. Each operation
+/// that touches memory is checked, at the moment the host issues it, against the earlier accesses
+/// to the same bytes. The verdicts depend only on the happens-before graph (program order,
+/// launches, event waits, synchronizations), never on simulated timing, so a program is judged for
+/// every interleaving its synchronization allows. See Note [Access frontiers].
 ///
 /// Frees are judged the same way: at each free the checker decides whether every access to
 /// the freed bytes is ordered before the point where the allocator may hand them out again,
@@ -85,6 +85,11 @@ class HazardChecker {
   /// Adds a stream timeline; returns its thread index.
   ThreadIndex add_thread();
   [[nodiscard]] std::size_t thread_count() const { return clocks_.size(); }
+
+  /// Makes `thread` the host thread issuing what follows: a process of its own, whose host is
+  /// ordered with the others' only through the streams it waits for. Thread 0 until called.
+  void set_host(ThreadIndex thread);
+  [[nodiscard]] ThreadIndex host() const { return host_; }
 
   /// Starts an operation on `thread` issued by the host now: a stream inherits everything the
   /// host did before the launch. Must precede that operation's access() calls.
@@ -204,6 +209,7 @@ class HazardChecker {
   static constexpr std::uint32_t kNoFloor = 0xffffffffU;
 
   CheckerFaults faults_;
+  ThreadIndex host_ = kHostThread;  // the host thread issuing calls now
   std::vector<Clock> clocks_{Clock(1, 0)};
   std::vector<Clock> snapshots_;
   std::unique_ptr<NodePool> pool_ = std::make_unique<NodePool>();

@@ -34,6 +34,10 @@ struct SimOptions {
   bool track_content = true;  ///< keep shadow content ids per byte range
   /// Keep every caching allocator action (Simulator::allocator_log), for memory snapshots.
   bool record_allocator = false;
+  /// Each device is driven by a process of its own, as the ranks of FSDP are: set_host names
+  /// the process making the calls that follow; each has its own host thread in the checker and
+  /// its own pinned pool, its device's pinned capacity (Note [Processes] in simulator.cpp).
+  bool process_per_device = false;
 };
 
 /// Test-only switches that break the simulator on purpose (planted faults), passed apart from
@@ -41,6 +45,9 @@ struct SimOptions {
 struct SimFaults {
   CheckerFaults checker;
   bool timing_ignores_waits = false;  ///< streams start work without honouring event waits
+  /// With process_per_device, every process's pinned pool starts at the same address: one
+  /// host buffer written by two ranks' offloads.
+  bool shared_pinned_pool = false;
 };
 
 /// The simulated machine; see the top of this header.
@@ -63,6 +70,9 @@ class Simulator {
   /// Attaches `observer` (not owned; it must outlive the run) and announces the engines that
   /// exist so far. See Note [Observers].
   void observe(SimObserver& observer);
+
+  /// With SimOptions::process_per_device: the calls that follow come from `device`'s process.
+  void set_host(DeviceId device);
 
   // Host API calls, in host order.
   /// Allocates from the device's caching allocator (on `stream`), the pinned allocator
@@ -125,6 +135,8 @@ class Simulator {
   [[nodiscard]] DeviceId stream_device(StreamId stream) const;
   [[nodiscard]] const CachingAllocator& device_allocator(DeviceId device) const;
   [[nodiscard]] const PinnedHostAllocator& pinned_allocator() const;
+  /// The pinned pool of `device`'s process (the one pool without process_per_device).
+  [[nodiscard]] const PinnedHostAllocator& pinned_allocator(DeviceId device) const;
   /// Every device allocator action of the run; null unless SimOptions::record_allocator.
   [[nodiscard]] const AllocatorLog* allocator_log() const;
   [[nodiscard]] CopyTotals copied() const;
