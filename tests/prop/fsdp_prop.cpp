@@ -4,7 +4,11 @@
 // waits there is no hazard, every unpacked tensor holds what was saved and the gradients are
 // those of the run without FSDP. Planted faults, each caught and shrunk: a unit's forward not
 // waiting for its all-gather, backward reading parameters resharded after forward, the
-// reduce-scatter reading gradients before backward wrote them.
+// reduce-scatter reading gradients before backward wrote them, and each free FSDP2 orders
+// behind a wait made without it (an all-gather output, a reduce-scatter input, the gradient
+// shards at zero_grad). Two ranks of a node side by side (simulate_node) share nothing, so no
+// hazard; planted fault: their pinned pools at the same addresses, one host buffer written by
+// both ranks' offloads.
 
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
@@ -82,6 +86,7 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
                    const TrainingFaults& faults) {
   testing::ModelOptions mo;
   mo.side_branches = setup.policy != Policy::Trl;
+  mo.param_per_layer = true;
   const Model model = build_random_model(layers, mo);
   std::mt19937_64 rng(setup.device_seed);
   const DeviceProfile device = with_links(testing::random_profile(rng), rng);
@@ -143,6 +148,74 @@ TEST(FsdpProperty, PlantedReduceScatterBeforeGradientsIsCaught) {
   TrainingFaults faults;
   faults.skip_reduce_scatter_wait = true;
   expect_caught(faults, "the reduce-scatter reads gradients before backward wrote them");
+}
+
+TEST(FsdpProperty, PlantedGatherOutputFreedBeforeItsCopyOutIsCaught) {
+  TrainingFaults faults;
+  faults.skip_gather_free_wait = true;
+  expect_caught(faults, "an all-gather output freed before the copy-out that reads it");
+}
+
+TEST(FsdpProperty, PlantedReduceInputFreedBeforeItsReduceScatterIsCaught) {
+  TrainingFaults faults;
+  faults.skip_reduce_input_free_wait = true;
+  expect_caught(faults, "a reduce-scatter input freed before the collective that reads it");
+}
+
+TEST(FsdpProperty, PlantedGradientShardsFreedBeforeTheOptimizerIsCaught) {
+  TrainingFaults faults;
+  faults.skip_grad_shard_free_wait = true;
+  expect_caught(faults, "zero_grad frees gradient shards the optimizer step still reads");
+}
+
+// Two or three ranks of a node, each offloading into its share of the node's pinned memory.
+void node_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
+                   std::int32_t node_ranks, const TrainingFaults& faults) {
+  const Model model = build_random_model(
+      layers, testing::ModelOptions{.side_branches = true, .param_per_layer = true});
+  std::mt19937_64 rng(setup.device_seed);
+  const DeviceProfile device = with_links(testing::random_profile(rng), rng);
+  TrainingOptions options;
+  options.offload.policy = Policy::Ferry;
+  options.offload.min_bytes = Bytes(0);
+  options.steps = 2;
+  options.order_seed = setup.order_seed;
+  if (setup.segments >= 2) {
+    options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
+  }
+  options.fsdp.ranks = std::max(setup.ranks, 8);
+  options.fsdp.replicas = setup.replicas;
+  options.fsdp.reshard_after_forward = setup.reshard;
+  auto one = simulate_training(model, device, options);
+  auto node = simulate_node(model, device, options, node_ranks, faults);
+  RC_ASSERT(one.ok());
+  if (!node.ok()) RC_FAIL("refused: " + node.error().message);
+  const NodeRun& n = node.value();
+  for (const auto& failure : n.failures) {
+    if (failure) RC_FAIL("a rank failed: " + failure->message);
+  }
+  if (!n.sim.hazards().empty()) RC_FAIL("hazards:\n" + testing::hazard_lines(n.sim));
+  RC_ASSERT(n.sim.content_mismatches().empty());
+  // Rank 0 loads the batch the one-rank run loads: its neighbours change nothing it computes.
+  RC_ASSERT(n.gradient_values[0] == one.value().gradient_values);
+  // Rank 1 loads a batch of its own.
+  if (!n.gradient_values[0].empty()) RC_ASSERT(n.gradient_values[1] != n.gradient_values[0]);
+}
+
+RC_GTEST_PROP(FsdpProperty, RanksOfANodeShareNoBytes, ()) {
+  node_is_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_setup(),
+                *rc::gen::inRange<std::int32_t>(2, 4), {});
+}
+
+TEST(FsdpProperty, PlantedPinnedBufferSharedByTwoRanksIsCaught) {
+  TrainingFaults faults;
+  faults.shared_pinned_pool = true;
+  ferry::testing::expect_planted_fault_caught(
+      [&] {
+        node_is_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_setup(),
+                      *rc::gen::inRange<std::int32_t>(2, 4), faults);
+      },
+      "a pinned host buffer shared by two ranks' offloads", 20261124, 500);
 }
 
 }  // namespace

@@ -39,6 +39,11 @@ Model build_random_model(const std::vector<LayerChoice>& choices, const ModelOpt
     if (c.extra % 3 == 1 && main.size() > 1)
       op.inputs.push_back(main[main.size() - 1 - (c.extra / 3) % main.size()]);
     if (c.extra % 3 == 2) op.inputs.push_back(param);
+    std::uint32_t own = param;
+    if (options.param_per_layer) {
+      own = add_tensor(m, "w" + std::to_string(i), 4096, TensorRole::Param);
+      op.inputs.push_back(own);
+    }
     const std::int64_t bytes = kSizes[c.size % std::size(kSizes)];
     const std::uint32_t out = add_tensor(m, name + ".out", bytes, TensorRole::Activation);
     op.outputs.push_back(out);
@@ -56,6 +61,7 @@ Model build_random_model(const std::vector<LayerChoice>& choices, const ModelOpt
         std::find(op.inputs.begin(), op.inputs.end(), param) != op.inputs.end()) {
       op.saved.push_back(param);
     }
+    if ((c.save & 8U) != 0 && own != param) op.saved.push_back(own);
     op.no_offload = (c.flags & 2U) != 0;
     op.draws_rng = (c.flags & 16U) != 0;
     op.draws_cpu_rng = (c.flags & 32U) != 0;

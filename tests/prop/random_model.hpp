@@ -25,6 +25,9 @@ struct ModelOptions {
   /// Allow outputs that never reach the loss (unused branches) and ops reading older
   /// activations; without, every op reads the previous op's output.
   bool side_branches = true;
+  /// Every op also reads a parameter of its own (so each layer is an FSDP unit with
+  /// parameters), saved for backward when the op saves its parameter.
+  bool param_per_layer = false;
 };
 
 inline void showValue(const LayerChoice& c, std::ostream& os) {

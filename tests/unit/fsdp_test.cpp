@@ -164,5 +164,50 @@ TEST(Fsdp, PlantedFaultsAreReported) {
   EXPECT_FALSE(train(m, fsdp_options(4), f).sim.hazards().empty());
 }
 
+TEST(Fsdp, OneRankGathersAndReduceScattersNothing) {
+  const Model m = testing::chain_model(4, 1 << 20);
+  const TrainingRun one = train(m, fsdp_options(1, Policy::Ferry));
+  expect_clean(one);
+  EXPECT_EQ(ops_on(one, "all_gather", true), 0);
+  EXPECT_EQ(ops_on(one, "reduce_scatter", true), 0);
+  EXPECT_GT(ops_on(one, "reduce_scatter", false), 0);  // the input copied to the shard
+  EXPECT_EQ(one.gradient_values, train(m, testing::two_steps(Policy::Ferry)).gradient_values);
+  // Two ranks do gather.
+  EXPECT_GT(ops_on(train(m, fsdp_options(2, Policy::Ferry)), "all_gather", true), 0);
+}
+
+TEST(Fsdp, RanksOfANodeRunSideBySideTheSameWayEveryTime) {
+  const Model m = testing::chain_model(4, 1 << 20);
+  TrainingOptions o = fsdp_options(8, Policy::Ferry);
+  o.offload.min_bytes = Bytes(0);
+  auto once = simulate_node(m, fsdp_profile(), o, 3);
+  auto again = simulate_node(m, fsdp_profile(), o, 3);
+  ASSERT_TRUE(once.ok()) << once.error().message;
+  ASSERT_TRUE(again.ok());
+  const Simulator& sim = once.value().sim;
+  EXPECT_EQ(sim.device_count(), 3U);
+  EXPECT_TRUE(sim.hazards().empty()) << testing::hazard_lines(sim);
+  EXPECT_TRUE(sim.content_mismatches().empty());
+  for (std::uint32_t r = 0; r < 3; ++r) {
+    EXPECT_FALSE(once.value().failures[r]);
+    EXPECT_GT(sim.pinned_allocator(DeviceId(r)).stats().allocated_peak.count(), 0) << r;
+  }
+  EXPECT_EQ(once.value().gradient_values, again.value().gradient_values);
+  ASSERT_EQ(sim.ops().size(), again.value().sim.ops().size());
+  for (std::size_t i = 0; i < sim.ops().size(); ++i) {
+    EXPECT_EQ(sim.ops()[i].end, again.value().sim.ops()[i].end) << i;
+  }
+}
+
+TEST(Fsdp, NodeRunsAreRefusedWithTheReason) {
+  const Model m = testing::chain_model(2, 1 << 10);
+  auto no_fsdp = simulate_node(m, fsdp_profile(), testing::two_steps(Policy::Ferry), 2);
+  ASSERT_FALSE(no_fsdp.ok());
+  EXPECT_NE(no_fsdp.error().message.find("fsdp"), std::string::npos);
+  auto crowded = simulate_node(m, fsdp_profile(), fsdp_options(4), 5);
+  ASSERT_FALSE(crowded.ok());
+  EXPECT_NE(crowded.error().message.find("2 to 4 ranks"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace ferry::sim

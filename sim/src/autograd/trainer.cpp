@@ -12,22 +12,37 @@ namespace ferry::sim::training {
 // Set-up, forward and saving. Checkpoint regions: trainer_regions.cpp. Backward:
 // trainer_backward.cpp.
 
+namespace {
+
+// A node run's ranks train on the shared simulator; their own is a placeholder that checks
+// nothing.
+SimOptions own_options(const TrainingOptions& options, const NodeRank& rank) {
+  if (rank.sim == nullptr) return options.sim;
+  return SimOptions{.check_hazards = false, .track_content = false};
+}
+
+}  // namespace
+
 Trainer::Trainer(const Model& model, const DeviceProfile& profile, const TrainingOptions& options,
-                 const TrainingFaults& faults)
+                 const TrainingFaults& faults, NodeRank rank)
     : model_(model),
       options_(options),
       graph_(make_graph(model)),
       run_{.sim = Simulator({DeviceSpec{"gpu0", rank_profile(profile, options.fsdp)}}, {},
-                            options.sim),
-           .device = kDevice},
-      compute_(run_.sim.add_stream(kDevice, "compute")),
+                            own_options(options, rank)),
+           .device = rank.sim != nullptr ? rank.device : DeviceId(0)},
+      sim_(rank.sim != nullptr ? *rank.sim : run_.sim),
+      dev_(run_.device),
+      rank_(dev_.value()),
+      take_turn_(std::move(rank.take_turn)),
+      compute_(sim_.add_stream(dev_, "compute")),
       current_(compute_),
-      device_(run_.sim, kDevice, compute_),
+      device_(sim_, dev_, compute_),
       offloader_(device_, options.offload, faults.offload),
       faults_(faults) {
   run_.compute = compute_;
-  if (options.side.any()) side_ = run_.sim.add_stream(kDevice, "side");
-  if (options.side.all_reduce) comm_ = run_.sim.add_stream(kDevice, "comm");
+  if (options.side.any()) side_ = sim_.add_stream(dev_, "side");
+  if (options.side.all_reduce) comm_ = sim_.add_stream(dev_, "comm");
   const std::size_t n = model.tensors.size();
   // An activation's forward reference ends after its last forward use (at once if unused);
   // the loss lives until the graph is freed.
@@ -64,13 +79,14 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
 
 Result<TrainingRun> Trainer::run() {
   if (auto valid = validate_plan(); !valid) return valid.error();
-  if (auto valid = validate_fsdp(options_.fsdp, run_.sim.device_profile(kDevice)); !valid) {
+  if (auto valid = validate_fsdp(options_.fsdp, sim_.device_profile(dev_)); !valid) {
     return valid.error();
   }
   if (fsdp() && options_.side.all_reduce) {
     return Error{"FSDP reduce-scatters gradients: DDP's all-reduce does not apply"};
   }
   try {
+    take_turn();
     setup();
     run_.baseline_allocated = allocated();
     for (std::int32_t step = 0; step < options_.steps && !run_.failure; ++step) this->step();
@@ -81,8 +97,10 @@ Result<TrainingRun> Trainer::run() {
   } catch (const CheckpointError& e) {
     run_.failure = Failure{FailureKind::Misuse, e.what()};
   }
-  run_.sim.finish();
-  if (!options_.sync_each_step && !run_.steps.empty()) run_.steps.back().end = run_.sim.makespan();
+  if (!take_turn_) {  // a node run finishes the shared simulator once every rank is done
+    sim_.finish();
+    if (!options_.sync_each_step && !run_.steps.empty()) run_.steps.back().end = sim_.makespan();
+  }
   run_.telemetry = telemetry_since(offloader_.telemetry(), step_start_telemetry_);
   return std::move(run_);
 }
@@ -119,7 +137,7 @@ Status Trainer::validate_plan() const {
 }
 
 Bytes Trainer::allocated() const {
-  const CachingAllocator& alloc = run_.sim.device_allocator(run_.device);
+  const CachingAllocator& alloc = sim_.device_allocator(dev_);
   Bytes pending;
   for (const BlockInfo& b : alloc.live_blocks()) {
     if (b.state == BlockInfo::State::PendingFree) pending += b.size;
@@ -195,9 +213,9 @@ void Trainer::all_reduce(std::uint32_t p) {
   // One rank: the sum is the gradient itself. 100 bytes per ns is an illustrative ring rate;
   // the checker's verdict does not depend on it.
   const std::vector<Region> regions{grad};
-  run_.sim.kernel(comm_, SimTime(std::max<std::int64_t>(1, bytes.count() / 100)), regions, regions,
-                  model_.tensors[p].name + ".grad all-reduce",
-                  std::vector<std::uint64_t>{param_grad_values_[p]});
+  sim_.kernel(comm_, SimTime(std::max<std::int64_t>(1, bytes.count() / 100)), regions, regions,
+              model_.tensors[p].name + ".grad all-reduce",
+              std::vector<std::uint64_t>{param_grad_values_[p]});
 }
 
 void Trainer::used_on_current(const std::vector<Region>& regions) {
@@ -235,7 +253,7 @@ void Trainer::setup() {
     }
   }
   if (fsdp()) fsdp_setup(writes, values);
-  run_.sim.kernel(current_, SimTime(1), {}, writes, "init parameters", values);
+  sim_.kernel(current_, SimTime(1), {}, writes, "init parameters", values);
   device_rng_initialized_ = !options_.checkpoint.lazy_device_rng;
 }
 
@@ -273,6 +291,7 @@ Pieces Trainer::expected_of(std::uint32_t t) const {
 }
 
 void Trainer::run_op(std::uint32_t i, bool replay) {
+  take_turn();
   const ModelOp& op = model_.ops[i];
   switch_to(op_stream(i, replay));
   if (replay && fsdp()) fsdp_before_replay(i);
@@ -317,8 +336,8 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
   }
   used_on_current(reads);
   used_on_current(writes);
-  run_.sim.kernel(current_, op.duration, reads, writes, replay ? op.name + " recompute" : op.name,
-                  values);
+  sim_.kernel(current_, op.duration, reads, writes, replay ? op.name + " recompute" : op.name,
+              values);
   if (replay && in_last_step_) run_.recompute_time += op.duration;
 }
 
@@ -361,7 +380,7 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
   facts.bytes = tensor.bytes;
   facts.storage_bytes = tensor.role == TensorRole::Param || tensor.role == TensorRole::Buffer
                             ? storage.bytes
-                            : run_.sim.buffers()[where.buffer.id.value()].bytes;
+                            : sim_.buffers()[where.buffer.id.value()].bytes;
   facts.view_offset = where.offset;
   facts.storage = where.buffer.id.value();
   facts.is_param = storage.role == TensorRole::Param || storage.role == TensorRole::Buffer;
@@ -427,13 +446,15 @@ void Trainer::forward() {
     const ModelTensor& tensor = model_.tensors[t];
     if (tensor.role != TensorRole::Input || tensor.view_of >= 0) continue;
     const Device::Buffer buf = must_allocate(tensor.bytes, tensor.name);
-    const std::uint64_t value = mix_content(mix_content(0x6261746368, step_), t);
+    // Each rank of a node run loads a batch of its own.
+    std::uint64_t value = mix_content(mix_content(0x6261746368, step_), t);
+    if (rank_ > 0) value = mix_content(value, rank_);
     scopes_[0].bound[t] = Bound{buf, Bytes(0), value};
     batch.push_back(Region{buf.id, Bytes(0), tensor.bytes});
     values.push_back(value);
     note_write(buf, Bytes(0), tensor.bytes, value);
   }
-  run_.sim.kernel(current_, SimTime(1), {}, batch, "load batch", values);
+  sim_.kernel(current_, SimTime(1), {}, batch, "load batch", values);
   // Views of the batch: bytes of their base's buffer, as views of parameters are.
   for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
     const ModelTensor& tensor = model_.tensors[t];

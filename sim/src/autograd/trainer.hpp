@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -107,13 +108,20 @@ struct FsdpState {
   std::int32_t ranks_per_node = 1;
 };
 
-// The one device: the simulator numbers devices in the order of their specs.
-constexpr DeviceId kDevice(0);
+// One rank of a node run (Note [Node run] in autograd.cpp): the simulator the ranks share,
+// this rank's device there, and the turn it takes before each forward op and backward node.
+struct NodeRank {
+  Simulator* sim = nullptr;
+  DeviceId device{};
+  std::function<void()> take_turn;
+};
 
 class Trainer {
  public:
+  // Trains on a simulator of its own, one device; or, given a node rank, on that rank's device
+  // of the shared simulator, which it leaves unfinished.
   Trainer(const Model& model, const DeviceProfile& profile, const TrainingOptions& options,
-          const TrainingFaults& faults);
+          const TrainingFaults& faults, NodeRank rank = {});
 
   Result<TrainingRun> run();
 
@@ -152,6 +160,10 @@ class Trainer {
   // --- FSDP2 (trainer_fsdp.cpp) -----------------------------------------------------------
 
   bool fsdp() const { return options_.fsdp.on(); }
+  // In a node run, waits for this rank's turn (Note [Node run]).
+  void take_turn() const {
+    if (take_turn_) take_turn_();
+  }
   std::size_t unit_of_op(std::uint32_t i) const;
   void fsdp_setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values);
   void fsdp_before_op(std::uint32_t i);
@@ -290,6 +302,10 @@ class Trainer {
   const TrainingOptions& options_;
   Graph graph_;
   TrainingRun run_;
+  Simulator& sim_;  // run_.sim, or a node run's
+  DeviceId dev_;    // this rank's device in sim_
+  std::uint64_t rank_ = 0;
+  std::function<void()> take_turn_;
   StreamId compute_;
   StreamId side_;     // invalid unless options_.side asks for work there
   StreamId current_;  // the stream current now: compute_ or side_

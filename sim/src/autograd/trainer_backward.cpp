@@ -219,7 +219,7 @@ std::vector<Device::Buffer> Trainer::unpack_node(std::uint32_t n, std::vector<Re
     const Bound b = unpack(s, n);
     if (options_.unpack_twice) device_.drop(unpack(s, n).buffer);  // a holder refuses this
     const Region r{b.buffer.id, b.offset, model_.tensors[s.tensor].bytes};
-    run_.sim.expect_content_at_next_kernel(r, s.expected);
+    sim_.expect_content_at_next_kernel(r, s.expected);
     reads.push_back(r);
     unpacked.push_back(b.buffer);
     g = mix_content(g, b.value);
@@ -287,6 +287,7 @@ void Trainer::let_go_after_node(std::uint32_t n, bool last_pass, std::size_t k,
 }
 
 void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
+  take_turn();
   const ModelOp& op = model_.ops[n];
   std::vector<Region> reads;
   std::vector<Region> writes;
@@ -305,7 +306,7 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
   const std::vector<std::uint32_t> written = write_input_grads(n, g, writes, values);
   used_on_current(reads);
   used_on_current(writes);
-  run_.sim.kernel(current_, op.backward_duration, reads, writes, op.name + " backward", values);
+  sim_.kernel(current_, op.backward_duration, reads, writes, op.name + " backward", values);
   if (comm_.valid() && last_pass) {
     for (const std::uint32_t b : written) {
       const auto last = last_grad_node_.find(b);
@@ -325,15 +326,15 @@ void Trainer::backward_inside(std::uint32_t k) {
   for (const Saved& s : saved_[k]) {
     const Bound b = unpack(s, k);
     const Region r{b.buffer.id, b.offset, model_.tensors[s.tensor].bytes};
-    run_.sim.expect_content_at_next_kernel(r, s.expected);
+    sim_.expect_content_at_next_kernel(r, s.expected);
     reads.push_back(r);
     unpacked.push_back(b.buffer);
   }
   const Device::Buffer scratch = must_allocate(Bytes(512), "grad inside forward");
   used_on_current(reads);
-  run_.sim.kernel(current_, model_.ops[k].backward_duration, reads,
-                  std::vector<Region>{Region{scratch.id, Bytes(0), Bytes(512)}},
-                  model_.ops[k].name + " backward inside forward");
+  sim_.kernel(current_, model_.ops[k].backward_duration, reads,
+              std::vector<Region>{Region{scratch.id, Bytes(0), Bytes(512)}},
+              model_.ops[k].name + " backward inside forward");
   for (const Device::Buffer& b : unpacked) device_.drop(b);
   device_.drop(scratch);
   offloader_.node_done(NodeId(k));
@@ -393,9 +394,9 @@ void Trainer::backward(bool last_pass) {
   const std::uint32_t loss = base(model_.loss);
   grad_values_[loss] = mix_content(kGradSalt, 0);
   switch_to(compute_);
-  run_.sim.kernel(current_, SimTime(1), {},
-                  std::vector<Region>{Region{grad(loss).id, Bytes(0), model_.tensors[loss].bytes}},
-                  "loss grad", std::vector<std::uint64_t>{grad_values_[loss]});
+  sim_.kernel(current_, SimTime(1), {},
+              std::vector<Region>{Region{grad(loss).id, Bytes(0), model_.tensors[loss].bytes}},
+              "loss grad", std::vector<std::uint64_t>{grad_values_[loss]});
   std::vector<bool> done_region(options_.checkpoint.regions.size(), false);
   if (fsdp()) fsdp_backward_begin(order);
   for (std::size_t k = 0; k < order.size(); ++k) {
@@ -464,19 +465,19 @@ void Trainer::step() {
     run_.replay_stops.clear();
   }
   StepTimes times;
-  times.start = run_.sim.host_time();
+  times.start = sim_.host_time();
   // The offload context spans the step, forward and backward, as the reference's trainer
   // enters it.
   offloader_.enter();
   forward();
-  times.forward_end = run_.sim.host_time();
+  times.forward_end = sim_.host_time();
   param_grad_values_.clear();
   const int passes = options_.retain_graph ? 2 : 1;
   for (int pass = 0; pass < passes; ++pass) backward(pass == passes - 1);
   offloader_.exit();
   if (fsdp()) fsdp_optimizer_step();
-  if (options_.sync_each_step) run_.sim.sync_device(run_.device);
-  times.end = run_.sim.host_time();
+  if (options_.sync_each_step) sim_.sync_device(dev_);
+  times.end = sim_.host_time();
   run_.steps.push_back(times);
   run_.allocated_after.push_back(allocated());
   run_.tracked_after.push_back(offloader_.tracked());

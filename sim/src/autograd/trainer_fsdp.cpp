@@ -77,7 +77,8 @@ namespace training {
 //    the output goes at once. The root's post-forward frees the last one.
 //  * reshard: after a layer's forward (not the root's), the unsharded parameters go; with an
 //    int k a 1/k shard is kept first (its event is waited for by the AG streams), and the
-//    backward all-gather is over k ranks. After a unit's backward they go in any case.
+//    backward all-gather is over k ranks. After a unit's backward they go in any case; the
+//    root's at the end of backward (FSDP2's final callback), since its forward spans them all.
 //  * reduce (post-backward): the previous reduce-scatter input is freed once the current
 //    stream waits for it; on the current stream the gradients are copied into a reduce-scatter
 //    input in the reduce dtype and freed; the reduce-scatter stream waits and runs the
@@ -85,6 +86,10 @@ namespace training {
 //    all-reduces that shard. At the end of backward the current stream waits for the last.
 //  * the optimizer step reads and writes the shards; zero_grad(set_to_none) frees the
 //    gradient shards.
+//
+// A shard group of one rank (--fsdp 1, or HSDP with one rank per group) gathers and
+// reduce-scatters nothing: the shard is copied into the unsharded parameters on the current
+// stream, and the reduce-scatter input into the gradient shard on the reduce-scatter stream.
 //
 // Collectives run on the device's collective engine (Note [Collectives]). The backward
 // prefetch is FSDP2's default, one unit ahead; forward has no explicit prefetch, the host
@@ -97,6 +102,7 @@ Bytes ceil_div(Bytes bytes, std::int64_t parts) {
 }
 
 constexpr std::uint64_t kShardSalt = 0x7368617264;  // "shard"
+constexpr std::size_t kRootUnit = 0;                // FsdpState::units: the root first
 
 }  // namespace
 
@@ -106,8 +112,8 @@ std::size_t Trainer::unit_of_op(std::uint32_t i) const {
 }
 
 SimTime Trainer::memory_time(Bytes bytes) const {
-  const std::int64_t rate = run_.sim.device_profile(kDevice).memory_bandwidth.bytes_per_s() *
-                            kRooflineBandwidthPermille / 1000;
+  const std::int64_t rate =
+      sim_.device_profile(dev_).memory_bandwidth.bytes_per_s() * kRooflineBandwidthPermille / 1000;
   return std::max(SimTime(1), transfer_time(bytes, Bandwidth(std::max<std::int64_t>(rate, 1))));
 }
 
@@ -116,7 +122,7 @@ SimTime Trainer::memory_time(Bytes bytes) const {
 // of it over the group's slowest link, one latency per ring step.
 SimTime Trainer::ring_time(Bytes bytes, std::int32_t ranks, std::int32_t passes) const {
   if (ranks <= 1) return SimTime(1);
-  const CollectiveLinks& links = run_.sim.device_profile(kDevice).collectives;
+  const CollectiveLinks& links = sim_.device_profile(dev_).collectives;
   const CollectiveLink& link = ranks > fsdp_.ranks_per_node ? links.inter_node : links.intra_node;
   const Bytes moved(bytes.count() / ranks * (ranks - 1));
   const SimTime once =
@@ -141,12 +147,12 @@ void Trainer::bind_unit(std::size_t u, Device::Buffer buffer) {
 
 void Trainer::fsdp_setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
   const FsdpOptions& f = options_.fsdp;
-  const CollectiveLinks& links = run_.sim.device_profile(kDevice).collectives;
+  const CollectiveLinks& links = sim_.device_profile(dev_).collectives;
   fsdp_.ranks_per_node = f.ranks / f.node_count(links.gpus_per_node);
-  fsdp_.copy_in = run_.sim.add_stream(kDevice, "all_gather_copy_in");
-  fsdp_.all_gather = run_.sim.add_stream(kDevice, "all_gather");
-  fsdp_.reduce_scatter = run_.sim.add_stream(kDevice, "reduce_scatter");
-  if (f.replicas > 1) fsdp_.all_reduce = run_.sim.add_stream(kDevice, "all_reduce");
+  fsdp_.copy_in = sim_.add_stream(dev_, "all_gather_copy_in");
+  fsdp_.all_gather = sim_.add_stream(dev_, "all_gather");
+  fsdp_.reduce_scatter = sim_.add_stream(dev_, "reduce_scatter");
+  if (f.replicas > 1) fsdp_.all_reduce = sim_.add_stream(dev_, "all_reduce");
   // A parameter belongs to the layer whose ops read it, or to the root when read outside the
   // layers or by several (a tied embedding).
   std::map<std::uint32_t, std::int32_t> owner;
@@ -197,6 +203,15 @@ void Trainer::unshard(std::size_t u) {
   FsdpUnit& unit = fsdp_.units[u];
   if (unit.unsharded || unit.gathering || unit.params.empty()) return;
   std::int32_t group = options_.fsdp.shard_group();
+  if (group == 1) {
+    // A shard group of one rank: FSDP2 gathers nothing. It records an event on the current
+    // stream, and wait_for_unshard copies the shard (cast) into the unsharded parameters.
+    device_.hold(unit.shard);
+    unit.gathering = unit.shard;
+    unit.gathered = device_.make_event();
+    device_.record(*unit.gathered, Device::Stream{current_});
+    return;
+  }
   Region source{unit.shard.id, Bytes(0), ceil_div(unit.master, group)};
   if (unit.post_forward) {
     // Resharded to k ranks after forward: gather from that shard over them.
@@ -212,11 +227,11 @@ void Trainer::unshard(std::size_t u) {
   current_ = was;
   const Region mine{unit.gathering->id, Bytes(0), part};
   const Region whole{unit.gathering->id, Bytes(0), std::int64_t{group} * part};
-  run_.sim.kernel(fsdp_.copy_in, memory_time(source.bytes + part), std::vector<Region>{source},
-                  std::vector<Region>{mine}, name + " copy-in");
+  sim_.kernel(fsdp_.copy_in, memory_time(source.bytes + part), std::vector<Region>{source},
+              std::vector<Region>{mine}, name + " copy-in");
   comm_wait(fsdp_.all_gather, fsdp_.copy_in);
-  run_.sim.collective(fsdp_.all_gather, ring_time(std::int64_t{group} * part, group, 1),
-                      std::vector<Region>{mine}, std::vector<Region>{whole}, name);
+  sim_.collective(fsdp_.all_gather, ring_time(std::int64_t{group} * part, group, 1),
+                  std::vector<Region>{mine}, std::vector<Region>{whole}, name);
   unit.gathered = device_.make_event();
   device_.record(*unit.gathered, Device::Stream{fsdp_.all_gather});
 }
@@ -226,7 +241,9 @@ void Trainer::wait_for_unshard(std::size_t u, bool forward) {
   if (!unit.gathering) return;
   const std::vector<StreamId> ag_streams{fsdp_.copy_in, fsdp_.all_gather};
   if (forward && fsdp_.prev_gather) {
-    for (const StreamId s : ag_streams) device_.wait(Device::Stream{s}, *fsdp_.prev_copy_out);
+    for (const StreamId s : ag_streams) {
+      if (!faults_.skip_gather_free_wait) device_.wait(Device::Stream{s}, *fsdp_.prev_copy_out);
+    }
     device_.drop(*fsdp_.prev_gather);
     fsdp_.prev_gather.reset();
   }
@@ -242,9 +259,9 @@ void Trainer::wait_for_unshard(std::size_t u, bool forward) {
     values.push_back(params_[p].value);
     note_write(params, unit.offsets[j], model_.tensors[p].bytes, params_[p].value);
   }
-  run_.sim.kernel(current_, memory_time(std::int64_t{2} * unit.bytes),
-                  std::vector<Region>{Region{unit.gathering->id, Bytes(0), unit.bytes}}, writes,
-                  fmt::format("unit {} all-gather copy-out", unit.layer), values);
+  sim_.kernel(current_, memory_time(std::int64_t{2} * unit.bytes),
+              std::vector<Region>{Region{unit.gathering->id, Bytes(0), unit.bytes}}, writes,
+              fmt::format("unit {} all-gather copy-out", unit.layer), values);
   unit.unsharded = params;
   bind_unit(u, params);
   if (unit.post_forward) {
@@ -273,10 +290,10 @@ void Trainer::reshard(std::size_t u, bool after_forward) {
   if (after_forward && k >= 2) {
     const Bytes part = ceil_div(unit.bytes, k);
     unit.post_forward = must_allocate(part, fmt::format("unit {} post-forward shard", unit.layer));
-    run_.sim.kernel(current_, memory_time(std::int64_t{2} * part),
-                    std::vector<Region>{Region{unit.unsharded->id, Bytes(0), part}},
-                    std::vector<Region>{Region{unit.post_forward->id, Bytes(0), part}},
-                    fmt::format("unit {} reshard to {}", unit.layer, k));
+    sim_.kernel(current_, memory_time(std::int64_t{2} * part),
+                std::vector<Region>{Region{unit.unsharded->id, Bytes(0), part}},
+                std::vector<Region>{Region{unit.post_forward->id, Bytes(0), part}},
+                fmt::format("unit {} reshard to {}", unit.layer, k));
     unit.post_forward_event = device_.make_event();
     device_.record(*unit.post_forward_event, Device::Stream{current_});
   }
@@ -300,15 +317,17 @@ void Trainer::reduce_gradients(std::size_t u) {
   }
   if (grads.empty()) return;
   if (fsdp_.prev_rs_event) {
-    device_.wait(Device::Stream{current_}, *fsdp_.prev_rs_event);
+    if (!faults_.skip_reduce_input_free_wait) {
+      device_.wait(Device::Stream{current_}, *fsdp_.prev_rs_event);
+    }
     device_.drop(*fsdp_.prev_rs_input);
     fsdp_.prev_rs_input.reset();
   }
   const std::string name = fmt::format("unit {} reduce-scatter", unit.layer);
   const Bytes input_bytes = f.mixed_precision ? unit.master : unit.bytes;
   const Device::Buffer input = must_allocate(input_bytes, name + " input");
-  run_.sim.kernel(current_, memory_time(unit.bytes + input_bytes), grads,
-                  std::vector<Region>{Region{input.id, Bytes(0), input_bytes}}, name + " copy-in");
+  sim_.kernel(current_, memory_time(unit.bytes + input_bytes), grads,
+              std::vector<Region>{Region{input.id, Bytes(0), input_bytes}}, name + " copy-in");
   for (const Device::Buffer& g : held) device_.drop(g);
   if (!faults_.skip_reduce_scatter_wait) comm_wait(fsdp_.reduce_scatter, current_);
   const std::int32_t group = f.shard_group();
@@ -318,18 +337,24 @@ void Trainer::reduce_gradients(std::size_t u) {
       must_allocate(out_bytes, fmt::format("unit {} grad shard", unit.layer));
   current_ = was;
   const Region out_region{out.id, Bytes(0), out_bytes};
-  run_.sim.collective(fsdp_.reduce_scatter, ring_time(input_bytes, group, 1),
-                      std::vector<Region>{Region{input.id, Bytes(0), input_bytes}},
-                      std::vector<Region>{out_region}, name);
+  const std::vector<Region> rs_reads{Region{input.id, Bytes(0), input_bytes}};
+  const std::vector<Region> rs_writes{out_region};
+  if (group > 1) {
+    sim_.collective(fsdp_.reduce_scatter, ring_time(input_bytes, group, 1), rs_reads, rs_writes,
+                    name);
+  } else {  // one rank: FSDP2 copies the input to the output on the reduce-scatter stream
+    sim_.kernel(fsdp_.reduce_scatter, memory_time(input_bytes + out_bytes), rs_reads, rs_writes,
+                name + " (one rank: a copy)");
+  }
   fsdp_.prev_rs_event = device_.make_event();
   device_.record(*fsdp_.prev_rs_event, Device::Stream{fsdp_.reduce_scatter});
   fsdp_.prev_rs_input = input;
   if (unit.sharded_grad) {
     // A second backward (retain_graph): accumulate on the reduce-scatter stream.
     const Region acc{unit.sharded_grad->id, Bytes(0), out_bytes};
-    run_.sim.kernel(fsdp_.reduce_scatter, memory_time(std::int64_t{3} * out_bytes),
-                    std::vector<Region>{out_region, acc}, std::vector<Region>{acc},
-                    name + " accumulate");
+    sim_.kernel(fsdp_.reduce_scatter, memory_time(std::int64_t{3} * out_bytes),
+                std::vector<Region>{out_region, acc}, std::vector<Region>{acc},
+                name + " accumulate");
     device_.drop(out);
   } else {
     unit.sharded_grad = out;
@@ -338,9 +363,9 @@ void Trainer::reduce_gradients(std::size_t u) {
   if (f.replicas > 1) {
     comm_wait(fsdp_.all_reduce, fsdp_.reduce_scatter);
     const Region shard{unit.sharded_grad->id, Bytes(0), out_bytes};
-    run_.sim.collective(fsdp_.all_reduce, ring_time(out_bytes, f.replicas, 2),
-                        std::vector<Region>{shard}, std::vector<Region>{shard},
-                        fmt::format("unit {} all-reduce", unit.layer));
+    sim_.collective(fsdp_.all_reduce, ring_time(out_bytes, f.replicas, 2),
+                    std::vector<Region>{shard}, std::vector<Region>{shard},
+                    fmt::format("unit {} all-reduce", unit.layer));
     last = fsdp_.all_reduce;
   }
   fsdp_.last_reduce = device_.make_event();
@@ -401,13 +426,20 @@ void Trainer::fsdp_before_node(std::uint32_t n) {
 
 void Trainer::fsdp_after_node(std::size_t k, std::uint32_t n) {
   const std::size_t u = unit_of_op(n);
-  if (fsdp_.last_node[u] != static_cast<std::int32_t>(k)) return;
+  // The root's post-backward is the final callback's (fsdp_backward_end).
+  if (u == kRootUnit || fsdp_.last_node[u] != static_cast<std::int32_t>(k)) return;
   reshard(u, false);
   reduce_gradients(u);
 }
 
 void Trainer::fsdp_backward_end() {
-  // The post-backward final callback: the current stream waits for the last reduction.
+  // The post-backward final callback. The root's post-backward runs in it: FSDP2 hooks a
+  // unit's post-backward on its forward's inputs, and the root's forward spans the model, so
+  // its parameters stay unsharded through backward, whichever layers read them (a parameter
+  // shared by several layers is the root's). Then the current stream waits for the last
+  // reduction.
+  reshard(kRootUnit, false);
+  reduce_gradients(kRootUnit);
   if (fsdp_.last_reduce) device_.wait(Device::Stream{current_}, *fsdp_.last_reduce);
   fsdp_.last_reduce.reset();
   if (fsdp_.prev_rs_input) device_.drop(*fsdp_.prev_rs_input);
@@ -436,7 +468,7 @@ void Trainer::fsdp_optimizer_step() {
   for (std::size_t u = 0; u < fsdp_.units.size(); ++u) {
     FsdpUnit& unit = fsdp_.units[u];
     if (!unit.sharded_grad) continue;
-    const Bytes shard = run_.sim.buffers()[unit.shard.id.value()].bytes;
+    const Bytes shard = sim_.buffers()[unit.shard.id.value()].bytes;
     if (!unit.moments) {
       unit.moments =
           must_allocate(std::int64_t{2} * shard, fmt::format("unit {} AdamW moments", unit.layer));
@@ -444,19 +476,19 @@ void Trainer::fsdp_optimizer_step() {
     const Region params{unit.shard.id, Bytes(0), shard};
     const Region moments{unit.moments->id, Bytes(0), std::int64_t{2} * shard};
     const Region grad{unit.sharded_grad->id, Bytes(0),
-                      run_.sim.buffers()[unit.sharded_grad->id.value()].bytes};
+                      sim_.buffers()[unit.sharded_grad->id.value()].bytes};
     reads.insert(reads.end(), {params, moments, grad});
     writes.insert(writes.end(), {params, moments});
     moved +=
         std::int64_t{7} * shard + grad.bytes;  // read params, moments, grad; write params, moments
   }
   if (reads.empty()) return;
-  run_.sim.kernel(current_, memory_time(moved), reads, writes, "optimizer step (AdamW)");
+  sim_.kernel(current_, memory_time(moved), reads, writes, "optimizer step (AdamW)");
   // zero_grad(set_to_none=True) frees the gradient shards, which came from the reduce-scatter
   // stream's pool: that stream waits for the optimizer first. FSDP2 makes this wait before
   // the next reduce-scatter allocates (foreach_reduce); the checker judges a free where it is
   // issued (Note [Latent reuse]), so it is made here.
-  comm_wait(fsdp_.reduce_scatter, current_);
+  if (!faults_.skip_grad_shard_free_wait) comm_wait(fsdp_.reduce_scatter, current_);
   for (FsdpUnit& unit : fsdp_.units) {
     if (unit.sharded_grad) device_.drop(*unit.sharded_grad);
     unit.sharded_grad.reset();

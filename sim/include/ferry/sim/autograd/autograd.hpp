@@ -151,6 +151,16 @@ struct TrainingFaults {
   bool skip_all_gather_wait = false;      ///< a unit's copy-out does not wait for its all-gather
   bool skip_backward_unshard = false;     ///< backward reads parameters resharded after forward
   bool skip_reduce_scatter_wait = false;  ///< the reduce-scatter does not wait for the gradients
+  /// The previous forward all-gather's output is freed before the all-gather streams wait for
+  /// its copy-out.
+  bool skip_gather_free_wait = false;
+  /// The previous reduce-scatter's input is freed before the current stream waits for it.
+  bool skip_reduce_input_free_wait = false;
+  /// zero_grad frees the gradient shards before the reduce-scatter stream waits for the
+  /// optimizer step that reads them.
+  bool skip_grad_shard_free_wait = false;
+  /// A node run's ranks pin host memory at the same addresses: one buffer for two offloads.
+  bool shared_pinned_pool = false;
 };
 
 /// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;
@@ -158,5 +168,22 @@ struct TrainingFaults {
 Result<TrainingRun> simulate_training(const Model& model, const DeviceProfile& device,
                                       const TrainingOptions& options,
                                       const TrainingFaults& faults = {});
+
+/// The ranks of one node in one simulation, each a process of its own on its own device.
+struct NodeRun {
+  /// Every rank's device; its hazards and content mismatches are the node's. Its timings are
+  /// not a prediction: the ranks' calls interleave on one host clock (Note [Processes]).
+  Simulator sim;
+  std::vector<std::optional<Failure>> failures;             ///< per rank
+  std::vector<std::vector<std::uint64_t>> gradient_values;  ///< per rank, as TrainingRun's
+};
+
+/// Runs `ranks` FSDP ranks of one node side by side, interleaved op by op, each loading a
+/// batch of its own and pinning host memory from its share of the node's: a check of what
+/// the ranks share, which a one-rank simulation cannot see (Note [Node run] in autograd.cpp).
+/// `options.fsdp` must be on, with at least `ranks` ranks per node.
+Result<NodeRun> simulate_node(const Model& model, const DeviceProfile& device,
+                              const TrainingOptions& options, std::int32_t ranks,
+                              const TrainingFaults& faults = {});
 
 }  // namespace ferry::sim
