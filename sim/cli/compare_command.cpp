@@ -34,7 +34,9 @@ int CompareCommand::run() const {
   }
   const sim::Model& model = workload.value().model;
   const sim::DeviceProfile& device = workload.value().device;
-  auto base = sim::run_options(a_.run, model, false);
+  sim::RunSpec spec = a_.run;
+  sim::adopt_model_parallelism(spec.fsdp, model, a_.devices);
+  auto base = sim::run_options(spec, model, false);
   if (base) {
     if (auto valid = sim::validate_fsdp(base.value().fsdp, device); !valid) base = valid.error();
   }
@@ -56,11 +58,11 @@ int CompareCommand::run() const {
     for (const auto& p : pipeline) clean = clean && p.hazards == 0;
   }
   if (a_.json) {
-    print(sim::compare_json(rows, model, device, pipeline));
+    print(sim::with_fsdp_json(sim::compare_json(rows, model, device, pipeline), spec.fsdp, device));
   } else {
     print(sim::compare_text(rows, model, device) +
           (pipeline.empty() ? "" : "\n" + sim::pipeline_text(pipeline)) +
-          fsdp_line(a_.run.fsdp, device));
+          fsdp_line(spec.fsdp, device));
   }
   return clean ? 0 : kExitFailed;
 }

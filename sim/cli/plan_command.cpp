@@ -59,10 +59,13 @@ class PlanCommand final : public Command {
  private:
   // Options that do not go together, or a file that cannot be written: why, or empty.
   [[nodiscard]] std::string misuse() const;
-  // The budgets and steps of the command line (the device budget is left to the caller).
-  [[nodiscard]] Result<sim::PlannerOptions> planner_options() const;
-  [[nodiscard]] int sweep(const sim::Workload& w, const sim::PlannerOptions& options) const;
-  [[nodiscard]] int plan(const sim::Workload& w, const sim::PlannerOptions& options) const;
+  // The budgets and steps of the command line (the device budget is left to the caller), with
+  // the parallelism `fsdp`.
+  [[nodiscard]] Result<sim::PlannerOptions> planner_options(const sim::FsdpSpec& fsdp) const;
+  [[nodiscard]] int sweep(const sim::Workload& w, const sim::PlannerOptions& options,
+                          const sim::FsdpSpec& fsdp) const;
+  [[nodiscard]] int plan(const sim::Workload& w, const sim::PlannerOptions& options,
+                         const sim::FsdpSpec& fsdp) const;
   // The plan's checked run again, written as a memory snapshot; 0 or the exit code.
   [[nodiscard]] int write_snapshot(const sim::Workload& w, const sim::PlannerOptions& options,
                                    const Plan& plan) const;
@@ -109,7 +112,7 @@ std::string PlanCommand::misuse() const {
   return {};
 }
 
-Result<sim::PlannerOptions> PlanCommand::planner_options() const {
+Result<sim::PlannerOptions> PlanCommand::planner_options(const sim::FsdpSpec& fsdp_spec) const {
   sim::PlannerOptions options;
   if (a_.sweep == 0 && !a_.budget.empty()) {
     auto budget = parse_bytes(a_.budget, "--budget");
@@ -117,7 +120,7 @@ Result<sim::PlannerOptions> PlanCommand::planner_options() const {
     options.budget = budget.value();
   }
   options.steps = a_.steps;
-  auto fsdp = sim::fsdp_options(a_.fsdp);
+  auto fsdp = sim::fsdp_options(fsdp_spec);
   if (!fsdp) return fsdp.error();
   options.fsdp = fsdp.value();
   if (!a_.host_budget.empty()) {
@@ -133,7 +136,7 @@ int PlanCommand::run() const {
     fmt::print(stderr, "ferry plan: error: {}\n", why);
     return kExitBadInput;
   }
-  auto options = planner_options();
+  auto options = planner_options(a_.fsdp);  // the flags, checked before any file is read
   if (!options) {
     fmt::print(stderr, "ferry plan: error: {}\n", options.error().message);
     return kExitBadInput;
@@ -143,23 +146,32 @@ int PlanCommand::run() const {
     fmt::print(stderr, "ferry plan: error: {}\n", workload.error().message);
     return kExitBadInput;
   }
+  sim::FsdpSpec fsdp = a_.fsdp;
+  sim::adopt_model_parallelism(fsdp, workload.value().model);
+  options = planner_options(fsdp);
+  if (!options) {
+    fmt::print(stderr, "ferry plan: error: {}: parallelism: {}\n", a_.model,
+               options.error().message);
+    return kExitBadInput;
+  }
   if (auto valid = sim::validate_fsdp(options.value().fsdp, workload.value().device); !valid) {
     fmt::print(stderr, "ferry plan: error: {}\n", valid.error().message);
     return kExitBadInput;
   }
-  if (a_.sweep > 0) return sweep(workload.value(), options.value());
+  if (a_.sweep > 0) return sweep(workload.value(), options.value(), fsdp);
   // No budget: the device's whole memory, the question "what is fastest that fits at all?".
   if (a_.budget.empty()) options.value().budget = workload.value().device.memory;
-  return plan(workload.value(), options.value());
+  return plan(workload.value(), options.value(), fsdp);
 }
 
-int PlanCommand::sweep(const sim::Workload& w, const sim::PlannerOptions& options) const {
+int PlanCommand::sweep(const sim::Workload& w, const sim::PlannerOptions& options,
+                       const sim::FsdpSpec& fsdp) const {
   const auto points = sim::plan_sweep(
       w.model, w.device, options, a_.sweep, [](std::size_t i, std::size_t n, Bytes budget) {
         fmt::print(stderr, "planning {}/{}: budget {} ...\n", i + 1, n, format_bytes(budget));
       });
-  print(a_.json ? sim::sweep_json(points, w.model, w.device)
-                : sim::sweep_text(points, w.model, w.device) + fsdp_line(a_.fsdp, w.device));
+  print(a_.json ? sim::with_fsdp_json(sim::sweep_json(points, w.model, w.device), fsdp, w.device)
+                : sim::sweep_text(points, w.model, w.device) + fsdp_line(fsdp, w.device));
   if (!a_.plot.empty()) {
     if (!write_output(a_.plot, sim::sweep_svg(points, w.model, w.device))) {
       fmt::print(stderr, "ferry plan: error: cannot write the plot to {}\n", a_.plot);
@@ -170,7 +182,8 @@ int PlanCommand::sweep(const sim::Workload& w, const sim::PlannerOptions& option
   return 0;
 }
 
-int PlanCommand::plan(const sim::Workload& w, const sim::PlannerOptions& options) const {
+int PlanCommand::plan(const sim::Workload& w, const sim::PlannerOptions& options,
+                      const sim::FsdpSpec& fsdp) const {
   auto outcome = sim::make_plan(w.model, w.device, options);
   if (!outcome) {
     fmt::print(stderr, "ferry plan: {}\n", outcome.error().message);
@@ -183,9 +196,9 @@ int PlanCommand::plan(const sim::Workload& w, const sim::PlannerOptions& options
   if (!a_.memory_snapshot.empty()) {
     if (const int rc = write_snapshot(w, options, outcome.value().plan)) return rc;
   }
-  print(a_.json
-            ? sim::plan_report_json(outcome.value(), w.model, w.device)
-            : sim::plan_text(outcome.value(), w.model, w.device) + fsdp_line(a_.fsdp, w.device));
+  print(a_.json ? sim::with_fsdp_json(sim::plan_report_json(outcome.value(), w.model, w.device),
+                                      fsdp, w.device)
+                : sim::plan_text(outcome.value(), w.model, w.device) + fsdp_line(fsdp, w.device));
   if (!a_.out.empty() && !a_.json) fmt::print(stderr, "plan written to {}\n", a_.out);
   return 0;
 }

@@ -29,9 +29,10 @@ class SimulateCommand final : public Command {
 
  private:
   // The plan in the file at a_.plan, replayed on `w`.
-  [[nodiscard]] int replay_plan(const sim::Workload& w, const sim::TrainingOptions& base) const;
+  [[nodiscard]] int replay_plan(const sim::Workload& w, const sim::TrainingOptions& base,
+                                const sim::RunSpec& spec) const;
   [[nodiscard]] int run_pipeline(const sim::Workload& w, const sim::TrainingOptions& base) const;
-  [[nodiscard]] int run_one_device(const sim::Workload& w) const;
+  [[nodiscard]] int run_one_device(const sim::Workload& w, const sim::RunSpec& spec) const;
   // Writes the kept run's trace and memory snapshot where asked; 0 or the exit code.
   [[nodiscard]] int write_files(const std::optional<sim::TrainingRun>& run) const;
 
@@ -44,17 +45,20 @@ int SimulateCommand::run() const {
     fmt::print(stderr, "ferry simulate: error: {}\n", workload.error().message);
     return kExitBadInput;
   }
-  auto base = sim::run_options(a_.run, workload.value().model, true);
+  sim::RunSpec spec = a_.run;
+  sim::adopt_model_parallelism(spec.fsdp, workload.value().model, a_.devices);
+  auto base = sim::run_options(spec, workload.value().model, true);
   if (!base) {
     fmt::print(stderr, "ferry simulate: error: {}\n", base.error().message);
     return kExitBadInput;
   }
-  if (!a_.plan.empty()) return replay_plan(workload.value(), base.value());
+  if (!a_.plan.empty()) return replay_plan(workload.value(), base.value(), spec);
   if (a_.devices > 1) return run_pipeline(workload.value(), base.value());
-  return run_one_device(workload.value());
+  return run_one_device(workload.value(), spec);
 }
 
-int SimulateCommand::replay_plan(const sim::Workload& w, const sim::TrainingOptions& base) const {
+int SimulateCommand::replay_plan(const sim::Workload& w, const sim::TrainingOptions& base,
+                                 const sim::RunSpec& spec) const {
   auto text = sim::read_input(a_.plan, "plan");
   if (!text) {
     fmt::print(stderr, "ferry simulate: error: {}\n", text.error().message);
@@ -71,9 +75,10 @@ int SimulateCommand::replay_plan(const sim::Workload& w, const sim::TrainingOpti
     return kExitBadInput;
   }
   row.value().name = "plan " + a_.plan;
-  print(a_.json ? sim::simulate_json(row.value(), w.model, w.device)
-                : sim::simulate_text(row.value(), w.model, w.device) +
-                      fsdp_line(a_.run.fsdp, w.device));
+  print(a_.json
+            ? sim::with_fsdp_json(sim::simulate_json(row.value(), w.model, w.device), spec.fsdp,
+                                  w.device)
+            : sim::simulate_text(row.value(), w.model, w.device) + fsdp_line(spec.fsdp, w.device));
   return row.value().hazards == 0 && !row.value().failure ? 0 : kExitFailed;
 }
 
@@ -121,7 +126,7 @@ int SimulateCommand::run_pipeline(const sim::Workload& w, const sim::TrainingOpt
   return row.hazards == 0 && !row.failure ? 0 : kExitFailed;
 }
 
-int SimulateCommand::run_one_device(const sim::Workload& w) const {
+int SimulateCommand::run_one_device(const sim::Workload& w, const sim::RunSpec& spec) const {
   if (const std::string why = a_.memory_snapshot.empty() ? "" : unwritable(a_.memory_snapshot);
       !why.empty()) {
     fmt::print(stderr, "ferry simulate: error: --memory-snapshot: {}\n", why);
@@ -130,14 +135,16 @@ int SimulateCommand::run_one_device(const sim::Workload& w) const {
   std::optional<sim::TrainingRun> run;
   const bool keep = !a_.trace.empty() || !a_.memory_snapshot.empty();
   const auto result =
-      sim::simulate_one(w, a_.run, keep ? &run : nullptr, !a_.memory_snapshot.empty());
+      sim::simulate_one(w, spec, keep ? &run : nullptr, !a_.memory_snapshot.empty());
   if (!result) {
     fmt::print(stderr, "ferry simulate: error: {}\n", result.error().message);
     return kExitBadInput;
   }
-  const std::string out = a_.json ? sim::simulate_json(result.value(), w.model, w.device)
-                                  : sim::simulate_text(result.value(), w.model, w.device) +
-                                        fsdp_line(a_.run.fsdp, w.device);
+  const std::string out =
+      a_.json
+          ? sim::with_fsdp_json(sim::simulate_json(result.value(), w.model, w.device), spec.fsdp,
+                                w.device)
+          : sim::simulate_text(result.value(), w.model, w.device) + fsdp_line(spec.fsdp, w.device);
   if (const int rc = write_files(run)) return rc;
   print(out);
   return result.value().hazards == 0 && !result.value().failure ? 0 : kExitFailed;

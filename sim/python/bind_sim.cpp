@@ -89,10 +89,12 @@ py::tuple simulate(const std::string& model, const std::optional<std::string>& m
   {
     py::gil_scoped_release unlocked;
     const sim::Workload w = workload(model, model_text, device, scenarios);
+    sim::RunSpec spec = run;
+    sim::adopt_model_parallelism(spec.fsdp, w.model);
     std::optional<sim::TrainingRun> kept;
     const sim::RowResult row = value_or_raise(
-        sim::simulate_one(w, run, memory_snapshot ? &kept : nullptr, memory_snapshot));
-    out = sim::simulate_json(row, w.model, w.device);
+        sim::simulate_one(w, spec, memory_snapshot ? &kept : nullptr, memory_snapshot));
+    out = sim::with_fsdp_json(sim::simulate_json(row, w.model, w.device), spec.fsdp, w.device);
     if (memory_snapshot && kept) pickle = value_or_raise(sim::memory_snapshot(kept->sim));
   }
   return py::make_tuple(document(out), pickle ? py::object(py::bytes(*pickle)) : py::none());
@@ -105,12 +107,17 @@ py::object compare(const std::string& model, const std::optional<std::string>& m
   {
     py::gil_scoped_release unlocked;
     const sim::Workload w = workload(model, model_text, device, scenarios);
-    const auto base = value_or_raise(sim::run_options(run, w.model, false));
+    sim::RunSpec spec = run;
+    sim::adopt_model_parallelism(spec.fsdp, w.model);
+    const auto base = value_or_raise(sim::run_options(spec, w.model, false));
+    if (auto valid = sim::validate_fsdp(base.fsdp, w.device); !valid) {
+      throw py::value_error(valid.error().message);
+    }
     std::vector<sim::RowResult> rows;
     for (const auto& row : sim::default_rows(base, w.model, w.device)) {
       rows.push_back(sim::run_row(w.model, w.device, row));
     }
-    out = sim::compare_json(rows, w.model, w.device, {});
+    out = sim::with_fsdp_json(sim::compare_json(rows, w.model, w.device, {}), spec.fsdp, w.device);
   }
   return document(out);
 }
@@ -121,7 +128,8 @@ py::object compare(const std::string& model, const std::optional<std::string>& m
 py::dict plan(const std::string& model, const std::optional<std::string>& model_text,
               const std::string& device, const std::string& scenarios,
               const std::optional<std::string>& budget,
-              const std::optional<std::string>& host_budget, std::int32_t steps) {
+              const std::optional<std::string>& host_budget, std::int32_t steps,
+              const sim::FsdpSpec& fsdp) {
   std::string report;
   std::string text;
   std::string plan_text;
@@ -134,9 +142,16 @@ py::dict plan(const std::string& model, const std::optional<std::string>& model_
     options.budget = budget ? value_or_raise(parse_bytes(*budget, "budget")) : w.device.memory;
     if (host_budget) options.host_budget = value_or_raise(parse_bytes(*host_budget, "host_budget"));
     options.steps = steps;
+    sim::FsdpSpec spec = fsdp;
+    sim::adopt_model_parallelism(spec, w.model);
+    options.fsdp = value_or_raise(sim::fsdp_options(spec));
+    if (auto valid = sim::validate_fsdp(options.fsdp, w.device); !valid) {
+      throw py::value_error(valid.error().message);
+    }
     auto outcome = sim::make_plan(w.model, w.device, options, &floor);
     if (outcome) {
-      report = sim::plan_report_json(outcome.value(), w.model, w.device);
+      report = sim::with_fsdp_json(sim::plan_report_json(outcome.value(), w.model, w.device), spec,
+                                   w.device);
       text = sim::plan_text(outcome.value(), w.model, w.device);
       plan_text = sim::plan_to_json(outcome.value().plan);
     } else {
@@ -175,10 +190,21 @@ py::dict offload_options(const std::string& text, const std::string& source) {
   return d;
 }
 
+// FSDP2 as the keyword arguments fsdp, nodes, hsdp and reshard_after_forward give it.
+sim::FsdpSpec fsdp_spec(std::int32_t ranks, std::int32_t nodes, std::int32_t hsdp,
+                        std::string reshard_after_forward) {
+  return sim::FsdpSpec{.ranks = ranks,
+                       .nodes = nodes,
+                       .replicas = hsdp,
+                       .reshard_after_forward = std::move(reshard_after_forward)};
+}
+
 // The keyword arguments simulate and compare share, as RunSpec's fields.
 sim::RunSpec knobs(std::int64_t min_bytes, std::int64_t window_mib, std::int64_t prefetch_mib,
-                   std::int64_t host_cap_gib, std::int32_t stash, std::int32_t steps, bool check) {
+                   std::int64_t host_cap_gib, std::int32_t stash, std::int32_t steps, bool check,
+                   sim::FsdpSpec fsdp) {
   sim::RunSpec run;
+  run.fsdp = std::move(fsdp);
   run.min_bytes = min_bytes;
   run.window_mib = window_mib;
   run.prefetch_mib = prefetch_mib;
@@ -199,9 +225,10 @@ void bind_runs(py::module_& m) {
          std::string checkpoint, std::string horizon, std::int64_t min_bytes,
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
          std::int32_t stash, std::int32_t steps, bool prefetch, bool dedup, bool early_stop,
-         bool check, bool memory_snapshot) {
-        sim::RunSpec run =
-            knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check);
+         bool check, bool memory_snapshot, std::int32_t fsdp, std::int32_t nodes, std::int32_t hsdp,
+         std::string reshard_after_forward) {
+        sim::RunSpec run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps,
+                                 check, fsdp_spec(fsdp, nodes, hsdp, reshard_after_forward));
         run.policy = std::move(policy);
         run.checkpoint = std::move(checkpoint);
         run.horizon = std::move(horizon);
@@ -218,29 +245,49 @@ void bind_runs(py::module_& m) {
       py::arg("steps") = d.steps, py::arg("prefetch") = !d.no_prefetch,
       py::arg("dedup") = !d.no_dedup, py::arg("early_stop") = !d.no_early_stop,
       py::arg("check") = !d.no_checker, py::arg("memory_snapshot") = false,
+      py::arg("fsdp") = d.fsdp.ranks, py::arg("nodes") = d.fsdp.nodes,
+      py::arg("hsdp") = d.fsdp.replicas,
+      py::arg("reshard_after_forward") = d.fsdp.reshard_after_forward,
       "(`ferry simulate --json`'s document, the memory snapshot pickle or None)");
   m.def(
       "compare",
       [](const std::string& model, const std::optional<std::string>& model_text,
          const std::string& device, const std::string& scenarios, std::int64_t min_bytes,
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
-         std::int32_t stash, std::int32_t steps, bool check) {
-        return compare(
-            model, model_text, device, scenarios,
-            knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check));
+         std::int32_t stash, std::int32_t steps, bool check, std::int32_t fsdp, std::int32_t nodes,
+         std::int32_t hsdp, std::string reshard_after_forward) {
+        return compare(model, model_text, device, scenarios,
+                       knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
+                             fsdp_spec(fsdp, nodes, hsdp, reshard_after_forward)));
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
       py::kw_only(), py::arg("min_bytes") = d.min_bytes, py::arg("window_mib") = d.window_mib,
       py::arg("prefetch_mib") = d.prefetch_mib, py::arg("host_cap_gib") = d.host_cap_gib,
       py::arg("stash") = d.stash, py::arg("steps") = d.steps, py::arg("check") = !d.no_checker,
+      py::arg("fsdp") = d.fsdp.ranks, py::arg("nodes") = d.fsdp.nodes,
+      py::arg("hsdp") = d.fsdp.replicas,
+      py::arg("reshard_after_forward") = d.fsdp.reshard_after_forward,
       "`ferry compare --json`'s document");
 }
 
 void bind_plans(py::module_& m) {
-  m.def("plan", &plan, py::arg("model"), py::arg("model_text"), py::arg("device"),
-        py::arg("scenarios"), py::kw_only(), py::arg("budget") = py::none(),
-        py::arg("host_budget") = py::none(), py::arg("steps") = sim::PlannerOptions{}.steps,
-        "{report, text, plan_text}, or {refused, floor} when no plan fits");
+  const sim::FsdpSpec d;
+  m.def(
+      "plan",
+      [](const std::string& model, const std::optional<std::string>& model_text,
+         const std::string& device, const std::string& scenarios,
+         const std::optional<std::string>& budget, const std::optional<std::string>& host_budget,
+         std::int32_t steps, std::int32_t fsdp, std::int32_t nodes, std::int32_t hsdp,
+         std::string reshard_after_forward) {
+        return plan(model, model_text, device, scenarios, budget, host_budget, steps,
+                    fsdp_spec(fsdp, nodes, hsdp, std::move(reshard_after_forward)));
+      },
+      py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
+      py::kw_only(), py::arg("budget") = py::none(), py::arg("host_budget") = py::none(),
+      py::arg("steps") = sim::PlannerOptions{}.steps, py::arg("fsdp") = d.ranks,
+      py::arg("nodes") = d.nodes, py::arg("hsdp") = d.replicas,
+      py::arg("reshard_after_forward") = d.reshard_after_forward,
+      "{report, text, plan_text}, or {refused, floor} when no plan fits");
   m.def(
       "validate_plan",
       [](const std::string& text, const std::string& source) {

@@ -155,3 +155,32 @@ def test_a_plan_is_lowered_by_the_core_rule():
         5,
     )
     assert "host_cap" not in lowered() and "horizon_bytes" not in lowered()
+
+
+def test_fsdp_arguments_are_the_cli_flags():
+    flags = ["--fsdp", "16", "--nodes", "2", "--reshard-after-forward", "8"]
+    options = {"fsdp": 16, "nodes": 2, "reshard_after_forward": 8}
+    model, device = "llama3.2-3b-traced-s4096-b2", "h100-sxm-pcie5"
+    got = ferry.simulate(model, device=device, **options)
+    assert got == cli_json("simulate", "--model", model, "--device", device, *flags)
+    assert got["fsdp"]["ranks"] == 16 and got["fsdp"]["per_rank"] is True
+    assert ferry.compare(model, device=device, fsdp=8, reshard_after_forward=False) == cli_json(
+        "compare",
+        "--model",
+        model,
+        "--device",
+        device,
+        "--fsdp",
+        "8",
+        "--reshard-after-forward",
+        "false",
+    )
+    report = ferry.plan(model, budget="30GiB", device=device, fsdp=8)
+    assert report["fsdp"]["ranks"] == 8
+    assert report == cli_json(
+        "plan", "--model", model, "--budget", "30GiB", "--device", device, "--fsdp", "8"
+    )
+    with pytest.raises(ValueError, match='gh200 has no "collectives" links'):
+        ferry.simulate("tiny-gpt", device="gh200", fsdp=4)
+    with pytest.raises(TypeError, match="reshard_after_forward"):
+        ferry.simulate("tiny-gpt", fsdp=4, reshard_after_forward="sometimes")

@@ -1,11 +1,13 @@
 """python -m ferry trace: a Hugging Face config.json becomes a ferry scenario (docs/trace.md)."""
 
 import json
+import subprocess
 import sys
 
 import pytest
 import torch
 
+from ferry_cli import cli
 from test_trace import accepted_by_cli, real_packs
 
 transformers = pytest.importorskip("transformers")
@@ -181,3 +183,44 @@ def test_bad_arguments_are_named(config, tmp_path, capsys):
     assert len(err.splitlines()) == 1
     with pytest.raises(SystemExit):
         main([config, "--out", str(tmp_path / "x.json")])  # --seq is required
+
+
+def test_fsdp_is_recorded_and_the_commands_run_it(config, tmp_path, capsys):
+    out, traced = run(
+        tmp_path, config, "--seq", "64", "--fsdp", "8", "--reshard-after-forward", "false"
+    )
+    assert traced.document["parallelism"] == {"fsdp": 8, "reshard_after_forward": False}
+    assert list(traced.document)[-1] == "parallelism"
+    assert "FSDP2 over 8 ranks in 3 units (2 layers and the root)" in capsys.readouterr().err
+    done = subprocess.run(
+        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    fsdp = json.loads(done.stdout)["fsdp"]
+    assert fsdp == {
+        "ranks": 8,
+        "nodes": 1,
+        "hsdp": 1,
+        "reshard_after_forward": False,
+        "per_rank": True,
+    }
+    # Without --fsdp nothing is recorded, and the scenario runs on one GPU.
+    _, plain = run(tmp_path, config, "--seq", "64")
+    assert "parallelism" not in plain.document
+
+
+def test_fsdp_arguments_are_checked(config, tmp_path, capsys):
+    x = str(tmp_path / "x.json")
+    assert main([config, "--seq", "8", "--nodes", "2", "--out", x]) == 2
+    assert "--nodes, --hsdp and --reshard-after-forward need --fsdp N" in capsys.readouterr().err
+    assert main([config, "--seq", "8", "--fsdp", "8", "--hsdp", "3", "--out", x]) == 2
+    assert "--hsdp: 3 replica groups do not divide 8 ranks" in capsys.readouterr().err
+    assert (
+        main([config, "--seq", "8", "--fsdp", "8", "--reshard-after-forward", "1", "--out", x]) == 2
+    )
+    assert "--reshard-after-forward: '1' is not true, false" in capsys.readouterr().err
+    assert main([config, "--seq", "8", "--fsdp", "-1", "--out", x]) == 2
+    assert "--fsdp: expected an integer >= 0, got -1" in capsys.readouterr().err

@@ -571,6 +571,48 @@ std::string valid_with(std::string_view from, std::string_view to) {
   return text;
 }
 
+TEST(ModelJson, TheParallelismSectionIsReadAndWrittenBack) {
+  const std::string text = valid_with(
+      R"("loss": "y")",
+      R"("loss": "y", "parallelism": {"fsdp": 16, "nodes": 2, "hsdp": 2, "reshard_after_forward": 4})");
+  auto model = parse_model(text, "toy.json");
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  EXPECT_EQ(model.value().parallelism,
+            (ModelParallelism{.fsdp = 16, .nodes = 2, .hsdp = 2, .reshard_after_forward = 4}));
+  auto again = parse_model(model_to_json(model.value()), "again.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value(), model.value());
+  auto kept = parse_model(
+      valid_with(R"("loss": "y")",
+                 R"("loss": "y", "parallelism": {"fsdp": 8, "reshard_after_forward": false})"),
+      "toy.json");
+  ASSERT_TRUE(kept.ok()) << kept.error().message;
+  EXPECT_EQ(kept.value().parallelism.reshard_after_forward, 0);
+  EXPECT_EQ(kept.value().parallelism.nodes, 0);
+  // Without the section: one GPU, and none is written.
+  auto plain = parse_model(std::string(kValidModel), "toy.json");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain.value().parallelism.fsdp, 0);
+  EXPECT_EQ(model_to_json(plain.value()).find("parallelism"), std::string::npos);
+}
+
+TEST(ModelJson, ABadParallelismSectionIsNamed) {
+  for (const auto& [section, where] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"fsdp": 0})", "parallelism.fsdp"},
+           {R"({"nodes": 2})", "fsdp"},
+           {R"({"fsdp": 8, "hsdp": 0})", "parallelism.hsdp"},
+           {R"({"fsdp": 8, "reshard_after_forward": 1})", "parallelism.reshard_after_forward"},
+           {R"({"fsdp": 8, "reshard_after_forward": "yes"})", "parallelism.reshard_after_forward"},
+           {R"({"fsdp": 8, "tp": 2})", "tp"},
+       }) {
+    auto model = parse_model(
+        valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": )" + section), "toy.json");
+    ASSERT_FALSE(model.ok()) << section;
+    EXPECT_NE(model.error().message.find(where), std::string::npos)
+        << section << ": " << model.error().message;
+  }
+}
+
 struct BadCase {
   std::string name;
   std::string text;
@@ -677,7 +719,7 @@ std::vector<BadCase> bad_cases() {
        "backward_flops, backward_bytes, duration_ns, backward_duration_ns, inputs, outputs, "
        "saved, no_offload, draws_rng, draws_cpu_rng)"},
       {"unknown top-level key", valid_with(R"("loss": "y")", R"("loss": "y", "step": 1)"),
-       R"(toy.json: unknown key "step" (allowed: format, name, tensors, ops, loss))"},
+       R"(toy.json: unknown key "step" (allowed: format, name, tensors, ops, loss, parallelism))"},
       {"missing loss",
        valid_with(R"(,
   "loss": "y")",

@@ -65,6 +65,23 @@ def byte_count(value: str | int | None, what: str, allow_none: bool = True) -> s
     return str(value)
 
 
+def fsdp_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``reshard_after_forward`` as the simulator reads it: True, False or a
+    number of ranks K become "true", "false" or "K"."""
+    value = options.get("reshard_after_forward")
+    if value is None:
+        return options
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, int):
+        text = str(value)
+    else:
+        raise TypeError(
+            f"reshard_after_forward: {value!r} is not True, False or a number of ranks (int)"
+        )
+    return {**options, "reshard_after_forward": text}
+
+
 def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -> dict[str, Any]:
     """Simulates training steps of a model under one offload policy (``ferry simulate``).
 
@@ -76,10 +93,13 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
             ``horizon`` ("auto", "none", bytes), ``steps``, ``min_bytes``, ``window_mib``,
             ``prefetch_mib``, ``host_cap_gib``, ``stash``, and the switches ``prefetch``,
             ``dedup``, ``early_stop`` and ``check`` (hazard and content checks), all True by
-            default.
+            default; FSDP2 as ``--fsdp`` sets it: ``fsdp`` (ranks), ``nodes``, ``hsdp`` and
+            ``reshard_after_forward`` (True, False or K), where a traced model's recorded
+            parallelism is the default (docs/fsdp.md).
 
     Returns:
-        The document ``ferry simulate --json`` prints (``result`` holds the figures).
+        The document ``ferry simulate --json`` prints (``result`` holds the figures, one
+        rank's under FSDP).
 
     Raises:
         ValueError: A model, device or option the simulator refuses; the message names it.
@@ -95,7 +115,12 @@ def simulate_with_snapshot(
     ``memory_snapshot``, else None)."""
     name, text = model_args(model)
     return _C._sim.simulate(
-        name, text, device, scenarios_dir(), memory_snapshot=memory_snapshot, **options
+        name,
+        text,
+        device,
+        scenarios_dir(),
+        memory_snapshot=memory_snapshot,
+        **fsdp_options(options),
     )
 
 
@@ -106,7 +131,8 @@ def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) ->
         model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
         device: A bundled device profile's name or a profile file.
         **options: ``steps``, ``min_bytes``, ``window_mib``, ``prefetch_mib``,
-            ``host_cap_gib``, ``stash`` and ``check``, as ``simulate`` takes them.
+            ``host_cap_gib``, ``stash``, ``check`` and the FSDP2 options, as ``simulate``
+            takes them.
 
     Returns:
         The document ``ferry compare --json`` prints: one row per configuration.
@@ -115,7 +141,7 @@ def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) ->
         ValueError: A model, device or option the simulator refuses; the message names it.
     """
     name, text = model_args(model)
-    return _C._sim.compare(name, text, device, scenarios_dir(), **options)
+    return _C._sim.compare(name, text, device, scenarios_dir(), **fsdp_options(options))
 
 
 def plan(
@@ -124,6 +150,7 @@ def plan(
     device: str = DEFAULT_DEVICE,
     host_budget: str | int | None = None,
     steps: int = 2,
+    **fsdp: Any,
 ) -> dict[str, Any]:
     """The fastest keep / offload / recompute plan whose peak reserved memory fits a budget
     (``ferry plan``).
@@ -134,6 +161,9 @@ def plan(
         device: A bundled device profile's name or a profile file.
         host_budget: The pinned host memory budget, as ``budget``; None: no limit.
         steps: Training steps per simulation (the last is measured).
+        **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
+            ``reshard_after_forward``): the plan is one rank's, ``budget`` per rank and
+            ``host_budget`` per node.
 
     Returns:
         The report ``ferry plan --json`` prints; the plan itself is under ``"plan"`` (what
@@ -145,7 +175,7 @@ def plan(
             planner refuses the model, device or budget (``exit_code`` 2).
         TypeError: A budget that is no byte count.
     """
-    return run_planner(model, budget, device, host_budget, steps)["report"]
+    return run_planner(model, budget, device, host_budget, steps, **fsdp)["report"]
 
 
 def run_planner(
@@ -154,6 +184,7 @@ def run_planner(
     device: str,
     host_budget: str | int | None,
     steps: int = 2,
+    **fsdp: Any,
 ) -> dict[str, Any]:
     """``plan``'s run: {report (with the plan under "plan"), text (what ``ferry plan``
     prints), plan_text (what ``ferry plan --out`` writes)}."""
@@ -162,7 +193,14 @@ def run_planner(
     host_budget = byte_count(host_budget, "host_budget")
     try:
         made = _C._sim.plan(
-            name, text, device, scenarios_dir(), budget=budget, host_budget=host_budget, steps=steps
+            name,
+            text,
+            device,
+            scenarios_dir(),
+            budget=budget,
+            host_budget=host_budget,
+            steps=steps,
+            **fsdp_options(fsdp),
         )
     except ValueError as e:
         error = PlanError(f"ferry plan: {e}")

@@ -4,6 +4,7 @@
 
 #include <charconv>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <utility>
 
 #include "ferry/sim/runs/compare_runs.hpp"
@@ -36,6 +37,37 @@ Result<FsdpOptions> fsdp_options(const FsdpSpec& spec) {
     return Error{"--nodes, --hsdp and --reshard-after-forward need --fsdp N"};
   }
   return f;
+}
+
+void adopt_model_parallelism(FsdpSpec& spec, const Model& model, std::int32_t devices) {
+  const ModelParallelism& p = model.parallelism;
+  if (p.fsdp == 0 || devices > 1) return;
+  if (spec.ranks == 0) spec.ranks = p.fsdp;
+  if (spec.nodes == 0) spec.nodes = p.nodes;
+  if (spec.replicas == 1) spec.replicas = p.hsdp;
+  if (spec.reshard_after_forward == "true" && p.reshard_after_forward >= 0) {
+    spec.reshard_after_forward =
+        p.reshard_after_forward == 0 ? "false" : std::to_string(p.reshard_after_forward);
+  }
+}
+
+std::string with_fsdp_json(std::string document, const FsdpSpec& spec,
+                           const DeviceProfile& device) {
+  const auto fsdp = fsdp_options(spec);
+  if (!fsdp || !fsdp.value().on()) return document;
+  const FsdpOptions& f = fsdp.value();
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(document);
+  nlohmann::ordered_json section;
+  section["ranks"] = f.ranks;
+  section["nodes"] = f.node_count(device.collectives.gpus_per_node);
+  section["hsdp"] = f.replicas;
+  section["reshard_after_forward"] = f.reshard_after_forward < 0 ? nlohmann::ordered_json(true)
+                                     : f.reshard_after_forward == 0
+                                         ? nlohmann::ordered_json(false)
+                                         : nlohmann::ordered_json(f.reshard_after_forward);
+  section["per_rank"] = true;
+  j["fsdp"] = std::move(section);
+  return j.dump(2) + "\n";
 }
 
 Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, bool with_checkpoint) {

@@ -52,12 +52,16 @@ class ModelReader {
       return format_value.error("expected {}, got {}", json_quote(kModelFormat),
                                 json_quote(format));
     }
-    FERRY_JSON_TRY(const auto object, root.object({"format", "name", "tensors", "ops", "loss"}));
+    FERRY_JSON_TRY(const auto object,
+                   root.object({"format", "name", "tensors", "ops", "loss", "parallelism"}));
     FERRY_JSON_TRY(model_.name, object.required_name("name"));
     FERRY_JSON_RETURN_IF_ERROR(read_tensors(object));
     FERRY_JSON_RETURN_IF_ERROR(read_ops(object));
     FERRY_JSON_TRY(const auto loss_value, object.required("loss"));
     FERRY_JSON_TRY(model_.loss, resolve(loss_value));
+    if (auto parallelism = object.optional("parallelism")) {
+      FERRY_JSON_TRY(model_.parallelism, read_parallelism(*parallelism));
+    }
     // The checks that need the whole model: producers, views inside their bases, the loss.
     // Its paths are the document's, since tensors and ops keep their order.
     if (auto status = validate_model(model_); !status.ok()) {
@@ -67,6 +71,29 @@ class ModelReader {
   }
 
  private:
+  // {"fsdp": N, "nodes": M, "hsdp": R, "reshard_after_forward": true | false | K}.
+  static Result<ModelParallelism> read_parallelism(const JsonValue& value) {
+    constexpr std::int64_t kMost = 1 << 20;
+    FERRY_JSON_TRY(const auto object,
+                   value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward"}));
+    ModelParallelism p;
+    FERRY_JSON_TRY(const auto ranks, object.required_integer("fsdp", 1, kMost));
+    FERRY_JSON_TRY(const auto nodes, object.optional_integer("nodes", 0, 1, kMost));
+    FERRY_JSON_TRY(const auto hsdp, object.optional_integer("hsdp", 1, 1, kMost));
+    p.fsdp = static_cast<std::int32_t>(ranks);
+    p.nodes = static_cast<std::int32_t>(nodes);
+    p.hsdp = static_cast<std::int32_t>(hsdp);
+    if (auto reshard = object.optional("reshard_after_forward")) {
+      if (reshard->json().is_boolean()) {
+        p.reshard_after_forward = reshard->json().get<bool>() ? -1 : 0;
+      } else {
+        FERRY_JSON_TRY(const auto k, reshard->integer(2, kMost));
+        p.reshard_after_forward = static_cast<std::int32_t>(k);
+      }
+    }
+    return p;
+  }
+
   Status read_tensors(const JsonObject& root) {
     FERRY_JSON_TRY(const auto tensors, root.required_array("tensors"));
     model_.tensors.reserve(tensors.size());
@@ -247,6 +274,17 @@ std::string model_to_json(const Model& model) {
   for (const ModelOp& op : model.ops) ops.push_back(op_json(model, op));
   out["ops"] = std::move(ops);
   out["loss"] = tensor_name(model, model.loss);
+  if (const ModelParallelism& p = model.parallelism; p.fsdp > 0) {
+    OrderedJson parallelism;
+    parallelism["fsdp"] = p.fsdp;
+    if (p.nodes > 0) parallelism["nodes"] = p.nodes;
+    if (p.hsdp > 1) parallelism["hsdp"] = p.hsdp;
+    if (p.reshard_after_forward >= 0) {
+      parallelism["reshard_after_forward"] =
+          p.reshard_after_forward == 0 ? OrderedJson(false) : OrderedJson(p.reshard_after_forward);
+    }
+    out["parallelism"] = std::move(parallelism);
+  }
   return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
 }
 

@@ -75,6 +75,22 @@ def _parser() -> argparse.ArgumentParser:
         choices=("device", "host"),
         help="where the scenario runs: an accelerator (default) or the CPU",
     )
+    parser.add_argument(
+        "--fsdp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="record FSDP2 over N ranks in the scenario: `ferry simulate / compare / plan` then "
+        "shard each decoder layer, and the root, over N ranks unless their own --fsdp says "
+        "otherwise (docs/fsdp.md)",
+    )
+    parser.add_argument("--nodes", type=int, default=0, help="with --fsdp: nodes the ranks span")
+    parser.add_argument("--hsdp", type=int, default=1, help="with --fsdp: HSDP replica groups")
+    parser.add_argument(
+        "--reshard-after-forward",
+        default="true",
+        help="with --fsdp: true, false, or K (keep a 1/K shard after forward)",
+    )
     parser.add_argument("--name", help="the scenario's name (default: config, seq and batch)")
     parser.add_argument("--out", required=True, help="where to write the scenario ('-': stdout)")
     return parser
@@ -179,9 +195,44 @@ def _check(args: argparse.Namespace) -> None:
         ("--seq", args.seq, 1),
         ("--batch", args.batch, 1),
         ("--lora-rank", args.lora_rank, 0),
+        ("--fsdp", args.fsdp, 0),
+        ("--nodes", args.nodes, 0),
+        ("--hsdp", args.hsdp, 1),
     ):
         if value < low:
             raise UsageError(f"{flag}: expected an integer >= {low}, got {value}")
+    if not args.fsdp and (args.nodes or args.hsdp != 1 or args.reshard_after_forward != "true"):
+        raise UsageError("--nodes, --hsdp and --reshard-after-forward need --fsdp N")
+
+
+def parallelism(args: argparse.Namespace, layers: list[int]) -> dict[str, Any] | None:
+    """The scenario's "parallelism" section (docs/model-format.md), or None without --fsdp.
+    FSDP2's units are the model's layers, as `fully_shard` is applied per decoder layer."""
+    if not args.fsdp:
+        return None
+    if not layers:
+        raise UsageError(
+            "--fsdp: the traced model has no layers to shard (fully_shard units follow the "
+            "decoder layers ferry.trace finds)"
+        )
+    if args.fsdp % args.hsdp:
+        raise UsageError(f"--hsdp: {args.hsdp} replica groups do not divide {args.fsdp} ranks")
+    section: dict[str, Any] = {"fsdp": args.fsdp}
+    if args.nodes:
+        section["nodes"] = args.nodes
+    if args.hsdp > 1:
+        section["hsdp"] = args.hsdp
+    reshard = args.reshard_after_forward
+    if reshard == "false":
+        section["reshard_after_forward"] = False
+    elif reshard != "true":
+        if not reshard.isdigit() or int(reshard) < 2:
+            raise UsageError(
+                f"--reshard-after-forward: {reshard!r} is not true, false or a number of "
+                "ranks (2 or more)"
+            )
+        section["reshard_after_forward"] = int(reshard)
+    return section
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -207,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stem = os.path.splitext(os.path.basename(path))[0]
         name = args.name or f"{stem}-s{args.seq}-b{args.batch}"
         traced = trace(model, ids, labels=ids, optimizer=optimizer, name=name, target=args.target)
+        section = parallelism(args, traced.layers())
+        if section is not None:
+            traced.document["parallelism"] = section
     except UsageError as error:
         print(f"python -m ferry trace: {error}", file=sys.stderr)
         return 2
@@ -217,9 +271,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.out, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
     doc = traced.document
+    sharded = (
+        f", FSDP2 over {args.fsdp} ranks in {len(traced.layers()) + 1} units "
+        f"({len(traced.layers())} layers and the root)"
+        if section is not None
+        else ""
+    )
     print(
         f"{name}: {len(doc['ops'])} ops, {len(doc['tensors'])} tensors, "
-        f"{traced.saved_bytes()} saved activation bytes -> {args.out}",
+        f"{traced.saved_bytes()} saved activation bytes{sharded} -> {args.out}",
         file=sys.stderr,
     )
     return 0

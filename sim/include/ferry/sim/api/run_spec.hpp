@@ -30,6 +30,16 @@ struct FsdpSpec {
 /// The FSDP options `spec` asks for; errors name the option.
 Result<FsdpOptions> fsdp_options(const FsdpSpec& spec);
 
+/// Fills what the command line left unsaid from the model file's parallelism section: its
+/// ranks when --fsdp is absent (and no pipeline runs over `devices` > 1), then its nodes, HSDP
+/// groups and resharding where the command line kept the defaults.
+void adopt_model_parallelism(FsdpSpec& spec, const Model& model, std::int32_t devices = 1);
+
+/// A report's JSON `document` with an "fsdp" member when `spec` shards: ranks, nodes, HSDP
+/// groups, resharding, and "per_rank": true (every figure is one rank's). Unchanged otherwise.
+[[nodiscard]] std::string with_fsdp_json(std::string document, const FsdpSpec& spec,
+                                         const DeviceProfile& device);
+
 struct RunSpec {
   std::string policy = "ferry";     ///< none, trl, trl-seed or ferry
   std::string checkpoint = "none";  ///< none, every:K, selective, segments:N, ...
