@@ -94,7 +94,7 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
     info.address = got.value().address;
     block = got.value().block;
   } else if (kind == MemoryKind::Pinned) {
-    auto got = s.pinned[s.options.process_per_device ? s.caller : 0].malloc(bytes, pool, s);
+    auto got = s.pinned_of(s.caller).malloc(bytes, pool, s);
     if (!got) {
       s.end_host_call(op);
       return got.error();
@@ -110,7 +110,7 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
   s.buffers.push_back(info);
   s.device_blocks.push_back(block);
   s.host_blocks.push_back(host_block);
-  s.host_pools.push_back(s.options.process_per_device ? s.caller : 0);
+  s.host_pools.push_back(s.caller);
   // Checker: bytes a deferred free returned are ordered after its markers (Note [Latent reuse]).
   if (s.options.check_hazards && kind != MemoryKind::Pageable) {
     s.checker.allocated(id, s.space_of(info), info.address, info.address + bytes);
@@ -451,12 +451,12 @@ DeviceId Simulator::stream_device(StreamId stream) const {
 const CachingAllocator& Simulator::device_allocator(DeviceId device) const {
   return state_->devices.at(device.value()).allocator;
 }
-const PinnedHostAllocator& Simulator::pinned_allocator() const { return state_->pinned[0]; }
+const PinnedHostAllocator& Simulator::pinned_allocator() const { return state_->pinned; }
 
 const PinnedHostAllocator& Simulator::pinned_allocator(DeviceId device) const {
-  const State& s = *state_;
+  State& s = *state_;
   FERRY_CHECK(device.valid() && device.value() < s.devices.size(), "unknown device");
-  return s.pinned[s.options.process_per_device ? device.value() : 0];
+  return s.pinned_of(s.options.process_per_device ? device.value() : 0);
 }
 const AllocatorLog* Simulator::allocator_log() const { return state_->allocator_log.get(); }
 CopyTotals Simulator::copied() const { return state_->totals; }

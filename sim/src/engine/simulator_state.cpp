@@ -30,23 +30,8 @@ Bytes pinned_capacity(const std::vector<DeviceSpec>& specs) {
   return cap;
 }
 
-// The pinned pools: one under the largest device's cap, or one per process, each at addresses
-// of its own (or all at the same one, a planted fault).
-std::vector<PinnedHostAllocator> pinned_pools(const std::vector<DeviceSpec>& specs,
-                                              bool per_process, bool shared_addresses) {
-  std::vector<PinnedHostAllocator> pools;
-  if (!per_process) {
-    pools.emplace_back(pinned_capacity(specs), kPinnedBase);
-    return pools;
-  }
-  Bytes base = kPinnedBase;
-  for (const auto& s : specs) {
-    pools.emplace_back(s.profile.pinned_host_capacity, base);
-    if (!shared_addresses)
-      base += Bytes((s.profile.pinned_host_capacity.count() + 511) / 512 * 512);
-  }
-  return pools;
-}
+// Bytes a process's pinned pool spans (its cap, 512 B aligned), with process_per_device.
+Bytes pool_span(Bytes capacity) { return Bytes((capacity.count() + 511) / 512 * 512); }
 
 }  // namespace
 
@@ -68,7 +53,9 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
     : options(opts),
       faults(planted),
       links(std::move(link_list)),
-      pinned(pinned_pools(specs, opts.process_per_device, planted.shared_pinned_pool)),
+      pinned(opts.process_per_device && !specs.empty() ? specs.front().profile.pinned_host_capacity
+                                                       : pinned_capacity(specs),
+             kPinnedBase),
       pageable_next(kPageableBase),
       checker(planted.checker),
       streams(planted.timing_ignores_waits),
@@ -97,7 +84,15 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
   content.resize(devices.size() + 1);
   hosts.push_back(kHostThread);
   if (options.process_per_device) {
-    while (hosts.size() < devices.size()) hosts.push_back(checker.add_thread());
+    // Each process's pool at addresses after the earlier ones' (or all at the same ones, a
+    // planted fault). Note [Processes].
+    Bytes base = kPinnedBase;
+    for (std::size_t p = 1; p < devices.size(); ++p) {
+      if (!planted.shared_pinned_pool)
+        base += pool_span(devices[p - 1].profile.pinned_host_capacity);
+      hosts.push_back(checker.add_thread());
+      other_pinned.emplace_back(devices[p].profile.pinned_host_capacity, base);
+    }
   }
 }
 
@@ -128,7 +123,7 @@ void Simulator::State::sample(DeviceId device) {
   if (device.valid()) {
     memory.device(host_time, device, devices[device.value()].allocator, observers);
   } else {
-    memory.pinned(host_time, pinned[options.process_per_device ? caller : 0], observers);
+    memory.pinned(host_time, pinned_of(caller), observers);
   }
 }
 

@@ -124,8 +124,10 @@ struct Simulator::State final : StreamMarkers {
   std::vector<Exec> exec;
   std::vector<engine_detail::WriteRange> write_ranges;
   engine_detail::LabelTable labels;
-  // One pool, or one per process (SimOptions::process_per_device; Note [Processes]).
-  std::vector<PinnedHostAllocator> pinned;
+  // One pool, or one per process (SimOptions::process_per_device; Note [Processes]): the
+  // first process's, then the others' (none without processes).
+  PinnedHostAllocator pinned;
+  std::vector<PinnedHostAllocator> other_pinned;
   std::vector<ThreadIndex> hosts;  // each process's host thread in the checker
   std::uint32_t caller = 0;        // the process making calls now
   Bytes pageable_next;
@@ -179,8 +181,11 @@ struct Simulator::State final : StreamMarkers {
   }
   void check_region(const Region& r) const;
   [[nodiscard]] ThreadIndex host_thread() const { return hosts[caller]; }
+  [[nodiscard]] PinnedHostAllocator& pinned_of(std::uint32_t process) {
+    return process == 0 ? pinned : other_pinned[process - 1];
+  }
   [[nodiscard]] PinnedHostAllocator& pinned_pool(BufferId buffer) {
-    return pinned[host_pools[buffer.value()]];
+    return pinned_of(host_pools[buffer.value()]);
   }
   [[nodiscard]] SpaceIndex host_space() const { return static_cast<SpaceIndex>(devices.size()); }
   [[nodiscard]] SpaceIndex space_of(const BufferInfo& b) const {
