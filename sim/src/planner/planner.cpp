@@ -79,14 +79,44 @@ class SimulatedCost final : public CostModel {
     auto training = plan_training_options(plan, model_, options);
     FERRY_CHECK(training.ok(), "planner built an invalid plan: {}", training.error().message);
     std::optional<TrainingRun> run;
-    RowResult row = run_row(model_, capped, PolicyRow{"plan", std::move(training).value()}, &run);
+    RowResult row = run_row(model_, capped, PolicyRow{"plan", training.value()}, &run);
     if (!row.failure && run && !run->sim.content_mismatches().empty()) {
       row.failure =
           Failure{FailureKind::Infeasible,
                   fmt::format("{} content mismatches", run->sim.content_mismatches().size())};
     }
     if (!run && !row.failure) row.failure = Failure{FailureKind::Infeasible, "no run"};
+    if (!row.failure && node_ranks() >= 2) {
+      if (auto why = node_check(capped, training.value()); !why.empty()) {
+        row.failure = Failure{FailureKind::Infeasible, std::move(why)};
+      }
+    }
     return checked_.emplace(std::move(key), std::move(row)).first->second;
+  }
+
+  /// Ranks of a node the checked runs also train side by side (Note [Node run]): 2 under FSDP
+  /// with two or more ranks per node, else 0.
+  [[nodiscard]] std::int32_t node_ranks() const {
+    const FsdpOptions& f = base_.fsdp;
+    if (!f.on()) return 0;
+    return f.ranks / f.node_count(device_.collectives.gpus_per_node) >= 2 ? 2 : 0;
+  }
+
+  /// Two ranks of a node running `options` side by side, each offloading into its part of the
+  /// node's pinned memory: why they cannot, or empty when they share no bytes.
+  std::string node_check(const DeviceProfile& device, TrainingOptions options) const {
+    options.steps = 1;
+    auto node = simulate_node(model_, device, options, node_ranks());
+    if (!node) return "node check: " + node.error().message;
+    const NodeRun& n = node.value();
+    for (const auto& failure : n.failures) {
+      if (failure) return "node check: " + failure->message;
+    }
+    if (!n.sim.hazards().empty() || !n.sim.content_mismatches().empty()) {
+      return fmt::format("node check: {} hazards, {} content mismatches between two ranks",
+                         n.sim.hazards().size(), n.sim.content_mismatches().size());
+    }
+    return {};
   }
 
  private:
@@ -274,6 +304,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   const Pick pick = pick_checked(p.cost, ranked, options, memory);
   if (pick.candidate != nullptr) {
     PlanOutcome outcome = describe(p, pick, options);
+    outcome.node_ranks = p.cost.node_ranks();
     outcome.simulations = p.cost.runs() - simulations_before;
     outcome.reused = p.cost.reused() - reused_before;
     return outcome;

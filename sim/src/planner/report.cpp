@@ -56,9 +56,11 @@ std::string plan_text(const PlanOutcome& o, const Model& model, const DeviceProf
     out += "best fixed policy that fits: none of them fits\n";
   }
   out += fmt::format(
-      "hazards: {} (final run checked: hazard checker and content checks on); "
+      "hazards: {} (final run checked: hazard checker and content checks on{}); "
       "{} simulations ({} more reused)\n",
-      r.hazards, o.simulations, o.reused);
+      r.hazards,
+      o.node_ranks > 0 ? fmt::format(", and {} ranks of a node side by side", o.node_ranks) : "",
+      o.simulations, o.reused);
   out += fmt::format("{:<6} {:>10} {:>10} {:>10}\n", "layer", "kept", "offloaded", "recomputed");
   for (const LayerSummary& s : o.layers) {
     out += fmt::format("{:<6} {:>10} {:>10} {:>10}\n", layer_name(s.layer), format_bytes(s.kept),
@@ -83,6 +85,7 @@ std::string plan_report_json(const PlanOutcome& o, const Model& model,
           {RowField::PeakReserved, RowField::PeakAllocated, RowField::PinnedPeak, RowField::D2h,
            RowField::H2d, RowField::Recompute, RowField::ForwardStall, RowField::BackwardStall,
            RowField::Hazards});
+  if (o.node_ranks > 0) j["node_check_ranks"] = o.node_ranks;
   j["simulations"] = o.simulations;
   j["reused_simulations"] = o.reused;
   Json layers = Json::array();

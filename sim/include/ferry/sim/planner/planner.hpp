@@ -30,7 +30,10 @@ struct PlannerOptions {
 /// A plan and what its checked simulation measured.
 struct PlanOutcome {
   Plan plan;
-  RowResult row;        ///< the final run: hazard checker and content checks on
+  RowResult row;  ///< the final run: hazard checker and content checks on
+  /// Under FSDP, the ranks of a node the final run was also checked with side by side
+  /// (simulate_node: no bytes shared, their pinned memory included); 0 when not.
+  std::int32_t node_ranks = 0;
   SimTime lower_bound;  ///< see step_lower_bound
   std::vector<LayerSummary> layers;
   std::int64_t simulations = 0;  ///< runs the search made for this budget (checked runs included)
