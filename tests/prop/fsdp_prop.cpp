@@ -132,41 +132,40 @@ void expect_caught(const TrainingFaults& faults, const char* name) {
       name, 20261124, 500);
 }
 
-TEST(FsdpProperty, PlantedForwardWithoutAllGatherWaitIsCaught) {
+// Each of FSDP2's waits, dropped by a planted fault: the name of the test, and the defect.
+struct PlantedWait {
+  const char* test;
+  bool TrainingFaults::*fault;
+  const char* defect;
+};
+
+constexpr PlantedWait kPlantedWaits[] = {
+    {"ForwardWithoutAllGatherWait", &TrainingFaults::skip_all_gather_wait,
+     "a unit's forward does not wait for its all-gather"},
+    {"BackwardOnReshardedParameters", &TrainingFaults::skip_backward_unshard,
+     "unsharded parameters freed before the backward that reads them"},
+    {"ReduceScatterBeforeGradients", &TrainingFaults::skip_reduce_scatter_wait,
+     "the reduce-scatter reads gradients before backward wrote them"},
+    {"GatherOutputFreedBeforeItsCopyOut", &TrainingFaults::skip_gather_free_wait,
+     "an all-gather output freed before the copy-out that reads it"},
+    {"ReduceInputFreedBeforeItsReduceScatter", &TrainingFaults::skip_reduce_input_free_wait,
+     "a reduce-scatter input freed before the collective that reads it"},
+    {"GradientShardsFreedBeforeTheOptimizer", &TrainingFaults::skip_grad_shard_free_wait,
+     "zero_grad frees gradient shards the optimizer step still reads"},
+};
+
+class PlantedFsdpFault : public ::testing::TestWithParam<PlantedWait> {};
+
+TEST_P(PlantedFsdpFault, IsCaught) {
   TrainingFaults faults;
-  faults.skip_all_gather_wait = true;
-  expect_caught(faults, "a unit's forward does not wait for its all-gather");
+  faults.*(GetParam().fault) = true;
+  expect_caught(faults, GetParam().defect);
 }
 
-TEST(FsdpProperty, PlantedBackwardOnReshardedParametersIsCaught) {
-  TrainingFaults faults;
-  faults.skip_backward_unshard = true;
-  expect_caught(faults, "unsharded parameters freed before the backward that reads them");
-}
-
-TEST(FsdpProperty, PlantedReduceScatterBeforeGradientsIsCaught) {
-  TrainingFaults faults;
-  faults.skip_reduce_scatter_wait = true;
-  expect_caught(faults, "the reduce-scatter reads gradients before backward wrote them");
-}
-
-TEST(FsdpProperty, PlantedGatherOutputFreedBeforeItsCopyOutIsCaught) {
-  TrainingFaults faults;
-  faults.skip_gather_free_wait = true;
-  expect_caught(faults, "an all-gather output freed before the copy-out that reads it");
-}
-
-TEST(FsdpProperty, PlantedReduceInputFreedBeforeItsReduceScatterIsCaught) {
-  TrainingFaults faults;
-  faults.skip_reduce_input_free_wait = true;
-  expect_caught(faults, "a reduce-scatter input freed before the collective that reads it");
-}
-
-TEST(FsdpProperty, PlantedGradientShardsFreedBeforeTheOptimizerIsCaught) {
-  TrainingFaults faults;
-  faults.skip_grad_shard_free_wait = true;
-  expect_caught(faults, "zero_grad frees gradient shards the optimizer step still reads");
-}
+INSTANTIATE_TEST_SUITE_P(FsdpProperty, PlantedFsdpFault, ::testing::ValuesIn(kPlantedWaits),
+                         [](const ::testing::TestParamInfo<PlantedWait>& param) {
+                           return std::string(param.param.test);
+                         });
 
 // Two or three ranks of a node, each offloading into its share of the node's pinned memory.
 void node_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
