@@ -69,16 +69,32 @@ int SimulateCommand::replay_plan(const sim::Workload& w, const sim::TrainingOpti
     fmt::print(stderr, "ferry simulate: error: {}\n", plan.error().message);
     return kExitBadInput;
   }
-  auto row = sim::replay_plan(plan.value(), w.model, w.device, base);
+  // The plan's parallelism where neither the command line nor the model file gave one.
+  sim::RunSpec replay = spec;
+  sim::adopt_parallelism(replay.fsdp, plan.value().parallelism);
+  sim::TrainingOptions options = base;
+  if (replay.fsdp.ranks != spec.fsdp.ranks) {
+    auto fsdp = sim::fsdp_options(replay.fsdp);
+    if (fsdp) {
+      if (auto valid = sim::validate_fsdp(fsdp.value(), w.device); !valid) fsdp = valid.error();
+    }
+    if (!fsdp) {
+      fmt::print(stderr, "ferry simulate: error: {}: parallelism: {}\n", a_.plan,
+                 fsdp.error().message);
+      return kExitBadInput;
+    }
+    options.fsdp = fsdp.value();
+  }
+  auto row = sim::replay_plan(plan.value(), w.model, w.device, options);
   if (!row) {
     fmt::print(stderr, "ferry simulate: error: {}: {}\n", a_.plan, row.error().message);
     return kExitBadInput;
   }
   row.value().name = "plan " + a_.plan;
-  print(a_.json
-            ? sim::with_fsdp_json(sim::simulate_json(row.value(), w.model, w.device), spec.fsdp,
-                                  w.device)
-            : sim::simulate_text(row.value(), w.model, w.device) + fsdp_line(spec.fsdp, w.device));
+  print(a_.json ? sim::with_fsdp_json(sim::simulate_json(row.value(), w.model, w.device),
+                                      replay.fsdp, w.device)
+                : sim::simulate_text(row.value(), w.model, w.device) +
+                      fsdp_line(replay.fsdp, w.device));
   return row.value().hazards == 0 && !row.value().failure ? 0 : kExitFailed;
 }
 

@@ -180,6 +180,27 @@ def test_fsdp_arguments_are_the_cli_flags():
     assert report == cli_json(
         "plan", "--model", model, "--budget", "30GiB", "--device", device, "--fsdp", "8"
     )
+    assert report["plan"]["parallelism"] == {"fsdp": 8}
+    assert report["node_check_ranks"] == 2
+
+
+def test_a_plan_replays_under_the_parallelism_it_was_made_for(tmp_path):
+    model, device = "llama3.2-3b-traced-s4096-b2", "h100-sxm-pcie5"
+    report = ferry.plan(model, budget="30GiB", device=device, fsdp=8, reshard_after_forward=2)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(dict(report["plan"])))
+    code, out, err = run_cli("simulate", "--model", model, "--device", device, "--plan", str(path))
+    assert code == 0, err
+    assert "FSDP2 over 8 ranks on 1 node, reshard after forward: 2" in out
+    # The file's parallelism is what the flags would give.
+    args = ["simulate", "--model", model, "--device", device, "--plan", str(path)]
+    replayed = cli_json(*args)
+    assert replayed == cli_json(*args, "--fsdp", "8", "--reshard-after-forward", "2")
+    assert replayed["fsdp"]["reshard_after_forward"] == 2
+    assert replayed != cli_json(*args, "--fsdp", "16")
+
+
+def test_fsdp_misuse_names_the_option():
     with pytest.raises(ValueError, match='gh200 has no "collectives" links'):
         ferry.simulate("tiny-gpt", device="gh200", fsdp=4)
     with pytest.raises(TypeError, match="reshard_after_forward"):

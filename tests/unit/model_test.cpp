@@ -578,7 +578,7 @@ TEST(ModelJson, TheParallelismSectionIsReadAndWrittenBack) {
   auto model = parse_model(text, "toy.json");
   ASSERT_TRUE(model.ok()) << model.error().message;
   EXPECT_EQ(model.value().parallelism,
-            (ModelParallelism{.fsdp = 16, .nodes = 2, .hsdp = 2, .reshard_after_forward = 4}));
+            (Parallelism{.fsdp = 16, .nodes = 2, .hsdp = 2, .reshard_after_forward = 4}));
   auto again = parse_model(model_to_json(model.value()), "again.json");
   ASSERT_TRUE(again.ok()) << again.error().message;
   EXPECT_EQ(again.value(), model.value());

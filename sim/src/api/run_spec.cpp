@@ -40,7 +40,10 @@ Result<FsdpOptions> fsdp_options(const FsdpSpec& spec) {
 }
 
 void adopt_model_parallelism(FsdpSpec& spec, const Model& model, std::int32_t devices) {
-  const ModelParallelism& p = model.parallelism;
+  adopt_parallelism(spec, model.parallelism, devices);
+}
+
+void adopt_parallelism(FsdpSpec& spec, const Parallelism& p, std::int32_t devices) {
   if (p.fsdp == 0 || devices > 1) return;
   if (spec.ranks == 0) spec.ranks = p.fsdp;
   if (spec.nodes == 0) spec.nodes = p.nodes;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ferry/check.hpp"
+#include "ferry/sim/io/parallelism_json.hpp"
 #include "ferry/sim/json/json_reader.hpp"
 #include "ferry/sim/workload/model.hpp"
 
@@ -71,29 +72,6 @@ class ModelReader {
   }
 
  private:
-  // {"fsdp": N, "nodes": M, "hsdp": R, "reshard_after_forward": true | false | K}.
-  static Result<ModelParallelism> read_parallelism(const JsonValue& value) {
-    constexpr std::int64_t kMost = 1 << 20;
-    FERRY_JSON_TRY(const auto object,
-                   value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward"}));
-    ModelParallelism p;
-    FERRY_JSON_TRY(const auto ranks, object.required_integer("fsdp", 1, kMost));
-    FERRY_JSON_TRY(const auto nodes, object.optional_integer("nodes", 0, 1, kMost));
-    FERRY_JSON_TRY(const auto hsdp, object.optional_integer("hsdp", 1, 1, kMost));
-    p.fsdp = static_cast<std::int32_t>(ranks);
-    p.nodes = static_cast<std::int32_t>(nodes);
-    p.hsdp = static_cast<std::int32_t>(hsdp);
-    if (auto reshard = object.optional("reshard_after_forward")) {
-      if (reshard->json().is_boolean()) {
-        p.reshard_after_forward = reshard->json().get<bool>() ? -1 : 0;
-      } else {
-        FERRY_JSON_TRY(const auto k, reshard->integer(2, kMost));
-        p.reshard_after_forward = static_cast<std::int32_t>(k);
-      }
-    }
-    return p;
-  }
-
   Status read_tensors(const JsonObject& root) {
     FERRY_JSON_TRY(const auto tensors, root.required_array("tensors"));
     model_.tensors.reserve(tensors.size());
@@ -274,17 +252,7 @@ std::string model_to_json(const Model& model) {
   for (const ModelOp& op : model.ops) ops.push_back(op_json(model, op));
   out["ops"] = std::move(ops);
   out["loss"] = tensor_name(model, model.loss);
-  if (const ModelParallelism& p = model.parallelism; p.fsdp > 0) {
-    OrderedJson parallelism;
-    parallelism["fsdp"] = p.fsdp;
-    if (p.nodes > 0) parallelism["nodes"] = p.nodes;
-    if (p.hsdp > 1) parallelism["hsdp"] = p.hsdp;
-    if (p.reshard_after_forward >= 0) {
-      parallelism["reshard_after_forward"] =
-          p.reshard_after_forward == 0 ? OrderedJson(false) : OrderedJson(p.reshard_after_forward);
-    }
-    out["parallelism"] = std::move(parallelism);
-  }
+  if (model.parallelism.fsdp > 0) out["parallelism"] = parallelism_json(model.parallelism);
   return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
 }
 

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ferry/sim/io/parallelism_json.hpp"
 #include "ferry/sim/json/json_reader.hpp"
 
 namespace ferry::sim {
@@ -65,6 +66,7 @@ std::string plan_to_json(const Plan& plan) {
                 {"prefetch_bytes", plan.knobs.prefetch_bytes.count()},
                 {"prefetch", plan.knobs.prefetch}};
   if (plan.knobs.horizon_bytes) j["knobs"]["horizon_bytes"] = plan.knobs.horizon_bytes->count();
+  if (plan.parallelism.fsdp > 0) j["parallelism"] = parallelism_json(plan.parallelism);
   // Regions and ops one per line: a plan of a large model stays readable and diffable.
   std::string regions;
   for (const PlanRegion& r : plan.regions) {
@@ -112,7 +114,7 @@ Result<Plan> parse_plan(std::string_view text, std::string_view source) {
   }
   FERRY_JSON_TRY(const auto object,
                  root.object({"format", "model", "device", "budget_bytes", "host_budget_bytes",
-                              "knobs", "regions", "ops", "predicted"}));
+                              "knobs", "parallelism", "regions", "ops", "predicted"}));
   Plan plan;
   FERRY_JSON_TRY(plan.model, object.required_name("model"));
   FERRY_JSON_TRY(plan.device, object.required_name("device"));
@@ -121,6 +123,9 @@ Result<Plan> parse_plan(std::string_view text, std::string_view source) {
   if (object.has("host_budget_bytes")) {
     FERRY_JSON_TRY(const auto host, object.required_integer("host_budget_bytes", 0, kMaxJsonBytes));
     plan.host_budget = Bytes(host);
+  }
+  if (auto parallelism = object.optional("parallelism")) {
+    FERRY_JSON_TRY(plan.parallelism, read_parallelism(*parallelism));
   }
   if (object.has("knobs")) {
     FERRY_JSON_TRY(const auto knobs,

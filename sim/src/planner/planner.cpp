@@ -305,6 +305,12 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   if (pick.candidate != nullptr) {
     PlanOutcome outcome = describe(p, pick, options);
     outcome.node_ranks = p.cost.node_ranks();
+    if (p.fsdp.on()) {
+      outcome.plan.parallelism = Parallelism{.fsdp = p.fsdp.ranks,
+                                             .nodes = p.fsdp.nodes,
+                                             .hsdp = p.fsdp.replicas,
+                                             .reshard_after_forward = p.fsdp.reshard_after_forward};
+    }
     outcome.simulations = p.cost.runs() - simulations_before;
     outcome.reused = p.cost.reused() - reused_before;
     return outcome;

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ferry/parallelism.hpp"
 #include "ferry/result.hpp"
 #include "ferry/units.hpp"
 
@@ -81,6 +82,8 @@ struct Plan {
   Bytes budget;                      ///< device budget: peak reserved bytes
   std::optional<Bytes> host_budget;  ///< pinned host budget, when one was given
   PlanKnobs knobs;
+  /// The parallelism the plan was made for (fsdp 0: one GPU); every figure is one rank's.
+  Parallelism parallelism{};
   std::vector<PlanOp> ops;          ///< one per model op, in forward order
   std::vector<PlanRegion> regions;  ///< sorted, disjoint
   PlanPrediction predicted;

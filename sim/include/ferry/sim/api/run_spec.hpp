@@ -30,9 +30,11 @@ struct FsdpSpec {
 /// The FSDP options `spec` asks for; errors name the option.
 Result<FsdpOptions> fsdp_options(const FsdpSpec& spec);
 
-/// Fills what the command line left unsaid from the model file's parallelism section: its
-/// ranks when --fsdp is absent (and no pipeline runs over `devices` > 1), then its nodes, HSDP
-/// groups and resharding where the command line kept the defaults.
+/// Fills what the command line left unsaid from a file's parallelism section: its ranks when
+/// --fsdp is absent (and no pipeline runs over `devices` > 1), then its nodes, HSDP groups and
+/// resharding where the command line kept the defaults.
+void adopt_parallelism(FsdpSpec& spec, const Parallelism& file, std::int32_t devices = 1);
+/// adopt_parallelism with the model file's section.
 void adopt_model_parallelism(FsdpSpec& spec, const Model& model, std::int32_t devices = 1);
 
 /// A report's JSON `document` with an "fsdp" member when `spec` shards: ranks, nodes, HSDP

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ferry/ids.hpp"
+#include "ferry/parallelism.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/device_profile.hpp"
 #include "ferry/units.hpp"
@@ -67,25 +68,15 @@ struct ModelOp {
 };
 
 /// A training step's forward: tensors, ops in forward order and the loss.
-/// How the scenario trains across GPUs: FSDP2 as `python -m ferry trace --fsdp N` records it
-/// in the model file (docs/fsdp.md). Commands train this way unless their own --fsdp says
-/// otherwise. fsdp 0: one GPU.
-struct ModelParallelism {
-  std::int32_t fsdp = 0;                    ///< ranks
-  std::int32_t nodes = 0;                   ///< 0: as few as the device's gpus_per_node allow
-  std::int32_t hsdp = 1;                    ///< replica groups
-  std::int32_t reshard_after_forward = -1;  ///< -1 true, 0 false, K: keep a 1/K shard
-
-  friend bool operator==(const ModelParallelism&, const ModelParallelism&) = default;
-};
-
 struct Model {
   std::string name;                  ///< e.g. the preset name
   std::vector<ModelTensor> tensors;  ///< ops refer to tensors by index here
   std::vector<ModelOp> ops;          ///< in forward order; backward runs them in reverse
   /// Tensor whose gradient starts backward (the loss); must be produced by the last op.
   std::uint32_t loss = 0;
-  ModelParallelism parallelism{};  ///< the file's "parallelism" section, if any
+  /// The file's "parallelism" section, if any (`python -m ferry trace --fsdp N` writes one):
+  /// commands train this way unless their own --fsdp says otherwise.
+  Parallelism parallelism{};
 
   friend bool operator==(const Model&, const Model&) = default;
 };
