@@ -109,8 +109,7 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
   s.ops[op.value()].buffer = id;
   s.buffers.push_back(info);
   s.device_blocks.push_back(block);
-  s.host_blocks.push_back(host_block);
-  s.host_pools.push_back(s.caller);
+  s.host_blocks.push_back(State::HostBlock{host_block, s.caller});
   // Checker: bytes a deferred free returned are ordered after its markers (Note [Latent reuse]).
   if (s.options.check_hazards && kind != MemoryKind::Pageable) {
     s.checker.allocated(id, s.space_of(info), info.address, info.address + bytes);
@@ -142,7 +141,7 @@ void Simulator::free(BufferId buffer, std::string_view label) {
     const std::span<const StreamId> deferring =
         on_device
             ? s.devices[device.value()].allocator.deferring_streams(s.device_blocks[buffer.value()])
-            : s.pinned_pool(buffer).deferring_streams(s.host_blocks[buffer.value()]);
+            : s.pinned_pool(buffer).deferring_streams(s.host_blocks[buffer.value()].block);
     std::vector<ThreadIndex>& deferred = s.free_threads;
     deferred.clear();
     for (const StreamId d : deferring) deferred.push_back(s.streams.thread(d));
@@ -155,7 +154,7 @@ void Simulator::free(BufferId buffer, std::string_view label) {
     s.devices[device.value()].allocator.free(s.device_blocks[buffer.value()], s);
     s.sample(info.device);
   } else if (info.kind == MemoryKind::Pinned) {
-    s.pinned_pool(buffer).free(s.host_blocks[buffer.value()], s);
+    s.pinned_pool(buffer).free(s.host_blocks[buffer.value()].block, s);
     s.sample(DeviceId());
   }
   s.end_host_call(op);
@@ -173,7 +172,7 @@ void Simulator::record_stream(BufferId buffer, StreamId stream, std::string_view
   } else if (b.kind == MemoryKind::Device) {
     s.devices[b.device.value()].allocator.record_stream(s.device_blocks[buffer.value()], stream);
   } else if (b.kind == MemoryKind::Pinned) {
-    s.pinned_pool(buffer).record_stream(s.host_blocks[buffer.value()], stream);
+    s.pinned_pool(buffer).record_stream(s.host_blocks[buffer.value()].block, stream);
   }
   s.end_host_call(op);
 }

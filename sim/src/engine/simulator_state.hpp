@@ -116,9 +116,13 @@ struct Simulator::State final : StreamMarkers {
   std::vector<ProgramLink> links;
   std::vector<EventState> events;
   std::vector<BufferInfo> buffers;
-  std::vector<BlockId> device_blocks;     // per buffer, Device kind
-  std::vector<HostBlockId> host_blocks;   // per buffer, Pinned kind
-  std::vector<std::uint32_t> host_pools;  // per buffer, Pinned kind: its process's pool
+  std::vector<BlockId> device_blocks;  // per buffer, Device kind
+  // Per buffer, Pinned kind: its block, and the pool of the process that allocated it.
+  struct HostBlock {
+    HostBlockId block;
+    std::uint32_t pool = 0;
+  };
+  std::vector<HostBlock> host_blocks;
   std::vector<ThreadIndex> free_threads;  // scratch of free(): reused, never reallocated per call
   std::vector<OpRecord> ops;
   std::vector<Exec> exec;
@@ -185,7 +189,7 @@ struct Simulator::State final : StreamMarkers {
     return process == 0 ? pinned : other_pinned[process - 1];
   }
   [[nodiscard]] PinnedHostAllocator& pinned_pool(BufferId buffer) {
-    return pinned_of(host_pools[buffer.value()]);
+    return pinned_of(host_blocks[buffer.value()].pool);
   }
   [[nodiscard]] SpaceIndex host_space() const { return static_cast<SpaceIndex>(devices.size()); }
   [[nodiscard]] SpaceIndex space_of(const BufferInfo& b) const {
