@@ -1,9 +1,19 @@
 #pragma once
-// RapidCheck generator for random models' layer choices.
+// RapidCheck generator for random models' layer choices, and how a counterexample prints an
+// offload policy.
 
 #include <rapidcheck.h>
 
+#include <ostream>
+
+#include "ferry/offload/options.hpp"
 #include "prop/random_model.hpp"
+
+namespace ferry {
+
+inline void showValue(Policy p, std::ostream& os) { os << policy_name(p); }
+
+}  // namespace ferry
 
 namespace ferry::sim::testing {
 

@@ -18,8 +18,6 @@
 
 namespace ferry {
 
-inline void showValue(Policy p, std::ostream& os) { os << policy_name(p); }
-
 namespace sim {
 namespace {
 

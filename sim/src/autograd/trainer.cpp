@@ -33,7 +33,6 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
            .device = rank.sim != nullptr ? rank.device : DeviceId(0)},
       sim_(rank.sim != nullptr ? *rank.sim : run_.sim),
       dev_(run_.device),
-      rank_(dev_.value()),
       take_turn_(std::move(rank.take_turn)),
       compute_(sim_.add_stream(dev_, "compute")),
       current_(compute_),
@@ -448,7 +447,7 @@ void Trainer::forward() {
     const Device::Buffer buf = must_allocate(tensor.bytes, tensor.name);
     // Each rank of a node run loads a batch of its own.
     std::uint64_t value = mix_content(mix_content(0x6261746368, step_), t);
-    if (rank_ > 0) value = mix_content(value, rank_);
+    if (dev_.value() > 0) value = mix_content(value, dev_.value());  // the rank
     scopes_[0].bound[t] = Bound{buf, Bytes(0), value};
     batch.push_back(Region{buf.id, Bytes(0), tensor.bytes});
     values.push_back(value);

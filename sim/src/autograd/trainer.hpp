@@ -304,7 +304,6 @@ class Trainer {
   TrainingRun run_;
   Simulator& sim_;  // run_.sim, or a node run's
   DeviceId dev_;    // this rank's device in sim_
-  std::uint64_t rank_ = 0;
   std::function<void()> take_turn_;
   StreamId compute_;
   StreamId side_;     // invalid unless options_.side asks for work there
