@@ -25,16 +25,6 @@
 namespace ferry::cli {
 namespace {
 
-// Refuses an empty byte count: "--budget ''" is a mistake, not "no budget" (which is leaving the
-// option out).
-const CLI::Validator kByteCount(
-    [](const std::string& text) {
-      return text.find_first_not_of(" \t") == std::string::npos
-                 ? std::string("empty; give a byte count such as 40GiB, or leave the option out")
-                 : std::string();
-    },
-    "BYTES");
-
 struct PlanArgs {
   std::string model = "llama3-8b-s8192";
   std::string device{sim::kDefaultDevice};
@@ -60,7 +50,7 @@ class PlanCommand final : public Command {
   // Options that do not go together, or a file that cannot be written: why, or empty.
   [[nodiscard]] std::string misuse() const;
   // The budgets and steps of the command line (the device budget is left to the caller), with
-  // the parallelism `fsdp`.
+  // the parallelism `fsdp`, checked as `ferry.plan` checks them.
   [[nodiscard]] Result<sim::PlannerOptions> planner_options(const sim::FsdpSpec& fsdp) const;
   [[nodiscard]] int sweep(const sim::Workload& w, const sim::PlannerOptions& options,
                           const sim::FsdpSpec& fsdp) const;
@@ -78,20 +68,18 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
   cmd->add_option("--device", a_.device, "Device profile name or JSON file")->capture_default_str();
   cmd->add_option("--budget", a_.budget,
                   "Device budget, peak reserved: 40GiB, \"40 GiB\", 40GB, 4e10 (bytes); default: "
-                  "the device's memory")
-      ->check(kByteCount);
+                  "the device's memory");
   cmd->add_option("--sweep", a_.sweep,
                   "Plan at N budgets from the floor to the no-offload peak (no --budget)")
       ->check(CLI::Range(2, 100));
   cmd->add_option("--plot", a_.plot, "With --sweep: write the curve as an SVG plot to FILE");
-  cmd->add_option("--host-budget", a_.host_budget, "Pinned host memory budget, as --budget")
-      ->check(kByteCount);
+  cmd->add_option("--host-budget", a_.host_budget, "Pinned host memory budget, as --budget");
   cmd->add_option("--out", a_.out, "Write the plan (ferry.plan/1 JSON) to FILE");
   cmd->add_option("--memory-snapshot", a_.memory_snapshot,
                   "Write the plan's simulated run as a PyTorch memory snapshot (pickle) to FILE");
-  cmd->add_option("--steps", a_.steps, "Training steps per simulation (the last is measured)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 100));
+  cmd->add_option("--steps", a_.steps,
+                  "Training steps per simulation, 1..100 (the last is measured)")
+      ->capture_default_str();
   cmd->add_flag("--json", a_.json, "Print the report as one JSON document");
   cmd->add_option("--scenarios", a_.scenarios, "Folder with devices/ (bundled by default)");
   add_fsdp_options(cmd, a_.fsdp);
@@ -112,23 +100,16 @@ std::string PlanCommand::misuse() const {
   return {};
 }
 
-Result<sim::PlannerOptions> PlanCommand::planner_options(const sim::FsdpSpec& fsdp_spec) const {
-  sim::PlannerOptions options;
-  if (a_.sweep == 0 && !a_.budget.empty()) {
-    auto budget = parse_bytes(a_.budget, "--budget");
-    if (!budget) return budget.error();
-    options.budget = budget.value();
-  }
-  options.steps = a_.steps;
-  auto fsdp = sim::fsdp_options(fsdp_spec);
-  if (!fsdp) return fsdp.error();
-  options.fsdp = fsdp.value();
-  if (!a_.host_budget.empty()) {
-    auto host = parse_bytes(a_.host_budget, "--host-budget");
-    if (!host) return host.error();
-    options.host_budget = host.value();
-  }
-  return options;
+Result<sim::PlannerOptions> PlanCommand::planner_options(const sim::FsdpSpec& fsdp) const {
+  // A given option has a value: CLI11 refuses `--budget=`.
+  const auto given = [](const std::string& text) {
+    return text.empty() ? std::nullopt : std::optional<std::string>(text);
+  };
+  return sim::planner_options(
+      sim::PlanSpec{.budget = a_.sweep == 0 ? given(a_.budget) : std::nullopt,
+                    .host_budget = given(a_.host_budget),
+                    .steps = a_.steps,
+                    .fsdp = fsdp});
 }
 
 int PlanCommand::run() const {

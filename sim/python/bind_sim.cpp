@@ -126,10 +126,7 @@ py::object compare(const std::string& model, const std::optional<std::string>& m
 // "plan"), the text report, and the plan as `--out` writes it; or {refused, floor} when no plan
 // fits the budget (floor: the smallest peak reserved reached, or None).
 py::dict plan(const std::string& model, const std::optional<std::string>& model_text,
-              const std::string& device, const std::string& scenarios,
-              const std::optional<std::string>& budget,
-              const std::optional<std::string>& host_budget, std::int32_t steps,
-              const sim::FsdpSpec& fsdp) {
+              const std::string& device, const std::string& scenarios, const sim::PlanSpec& asked) {
   std::string report;
   std::string text;
   std::string plan_text;
@@ -137,14 +134,18 @@ py::dict plan(const std::string& model, const std::optional<std::string>& model_
   Bytes floor{0};
   {
     py::gil_scoped_release unlocked;
+    // As `ferry plan`: the arguments checked before the model is read, then with its parallelism.
+    value_or_raise(sim::planner_options(asked));
     const sim::Workload w = workload(model, model_text, device, scenarios);
-    sim::PlannerOptions options;
-    options.budget = budget ? value_or_raise(parse_bytes(*budget, "budget")) : w.device.memory;
-    if (host_budget) options.host_budget = value_or_raise(parse_bytes(*host_budget, "host_budget"));
-    options.steps = steps;
-    sim::FsdpSpec spec = fsdp;
-    sim::adopt_model_parallelism(spec, w.model);
-    options.fsdp = value_or_raise(sim::fsdp_options(spec));
+    sim::PlanSpec adopted = asked;
+    sim::adopt_model_parallelism(adopted.fsdp, w.model);
+    auto planned = sim::planner_options(adopted);
+    if (!planned) {
+      throw py::value_error(fmt::format("{}: parallelism: {}", model, planned.error().message));
+    }
+    sim::PlannerOptions options = std::move(planned).value();
+    if (!asked.budget) options.budget = w.device.memory;
+    const sim::FsdpSpec& spec = adopted.fsdp;
     if (auto valid = sim::validate_fsdp(options.fsdp, w.device); !valid) {
       throw py::value_error(valid.error().message);
     }
@@ -190,9 +191,10 @@ py::dict offload_options(const std::string& text, const std::string& source) {
   return d;
 }
 
-// FSDP2 as the keyword arguments fsdp, nodes, hsdp and reshard_after_forward give it.
-sim::FsdpSpec fsdp_spec(std::int32_t ranks, std::int32_t nodes, std::int32_t hsdp,
-                        std::string reshard_after_forward) {
+// FSDP2 as the keyword arguments fsdp, nodes, hsdp and reshard_after_forward give it; None:
+// not given.
+sim::FsdpSpec fsdp_spec(std::optional<std::int32_t> ranks, std::optional<std::int32_t> nodes,
+                        std::int32_t hsdp, std::string reshard_after_forward) {
   return sim::FsdpSpec{.ranks = ranks,
                        .nodes = nodes,
                        .replicas = hsdp,
@@ -225,8 +227,8 @@ void bind_runs(py::module_& m) {
          std::string checkpoint, std::string horizon, std::int64_t min_bytes,
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
          std::int32_t stash, std::int32_t steps, bool prefetch, bool dedup, bool early_stop,
-         bool check, bool memory_snapshot, std::int32_t fsdp, std::int32_t nodes, std::int32_t hsdp,
-         std::string reshard_after_forward) {
+         bool check, bool memory_snapshot, std::optional<std::int32_t> fsdp,
+         std::optional<std::int32_t> nodes, std::int32_t hsdp, std::string reshard_after_forward) {
         sim::RunSpec run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps,
                                  check, fsdp_spec(fsdp, nodes, hsdp, reshard_after_forward));
         run.policy = std::move(policy);
@@ -245,7 +247,7 @@ void bind_runs(py::module_& m) {
       py::arg("steps") = d.steps, py::arg("prefetch") = !d.no_prefetch,
       py::arg("dedup") = !d.no_dedup, py::arg("early_stop") = !d.no_early_stop,
       py::arg("check") = !d.no_checker, py::arg("memory_snapshot") = false,
-      py::arg("fsdp") = d.fsdp.ranks, py::arg("nodes") = d.fsdp.nodes,
+      py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
       py::arg("hsdp") = d.fsdp.replicas,
       py::arg("reshard_after_forward") = d.fsdp.reshard_after_forward,
       "(`ferry simulate --json`'s document, the memory snapshot pickle or None)");
@@ -254,8 +256,8 @@ void bind_runs(py::module_& m) {
       [](const std::string& model, const std::optional<std::string>& model_text,
          const std::string& device, const std::string& scenarios, std::int64_t min_bytes,
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
-         std::int32_t stash, std::int32_t steps, bool check, std::int32_t fsdp, std::int32_t nodes,
-         std::int32_t hsdp, std::string reshard_after_forward) {
+         std::int32_t stash, std::int32_t steps, bool check, std::optional<std::int32_t> fsdp,
+         std::optional<std::int32_t> nodes, std::int32_t hsdp, std::string reshard_after_forward) {
         return compare(model, model_text, device, scenarios,
                        knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
                              fsdp_spec(fsdp, nodes, hsdp, reshard_after_forward)));
@@ -264,7 +266,7 @@ void bind_runs(py::module_& m) {
       py::kw_only(), py::arg("min_bytes") = d.min_bytes, py::arg("window_mib") = d.window_mib,
       py::arg("prefetch_mib") = d.prefetch_mib, py::arg("host_cap_gib") = d.host_cap_gib,
       py::arg("stash") = d.stash, py::arg("steps") = d.steps, py::arg("check") = !d.no_checker,
-      py::arg("fsdp") = d.fsdp.ranks, py::arg("nodes") = d.fsdp.nodes,
+      py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
       py::arg("hsdp") = d.fsdp.replicas,
       py::arg("reshard_after_forward") = d.fsdp.reshard_after_forward,
       "`ferry compare --json`'s document");
@@ -277,15 +279,19 @@ void bind_plans(py::module_& m) {
       [](const std::string& model, const std::optional<std::string>& model_text,
          const std::string& device, const std::string& scenarios,
          const std::optional<std::string>& budget, const std::optional<std::string>& host_budget,
-         std::int32_t steps, std::int32_t fsdp, std::int32_t nodes, std::int32_t hsdp,
-         std::string reshard_after_forward) {
-        return plan(model, model_text, device, scenarios, budget, host_budget, steps,
-                    fsdp_spec(fsdp, nodes, hsdp, std::move(reshard_after_forward)));
+         std::int32_t steps, std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes,
+         std::int32_t hsdp, std::string reshard_after_forward) {
+        return plan(
+            model, model_text, device, scenarios,
+            sim::PlanSpec{.budget = budget,
+                          .host_budget = host_budget,
+                          .steps = steps,
+                          .fsdp = fsdp_spec(fsdp, nodes, hsdp, std::move(reshard_after_forward))});
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
       py::kw_only(), py::arg("budget") = py::none(), py::arg("host_budget") = py::none(),
-      py::arg("steps") = sim::PlannerOptions{}.steps, py::arg("fsdp") = d.ranks,
-      py::arg("nodes") = d.nodes, py::arg("hsdp") = d.replicas,
+      py::arg("steps") = sim::PlanSpec{}.steps, py::arg("fsdp") = py::none(),
+      py::arg("nodes") = py::none(), py::arg("hsdp") = d.replicas,
       py::arg("reshard_after_forward") = d.reshard_after_forward,
       "{report, text, plan_text}, or {refused, floor} when no plan fits");
   m.def(

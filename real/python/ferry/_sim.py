@@ -46,10 +46,12 @@ def model_args(model: ModelSource) -> tuple[str, str | None]:
     )
 
 
-def byte_count(value: str | int | None, what: str, allow_none: bool = True) -> str | None:
-    """``value`` as the planner reads a byte count, None as None. Refuses an empty one (the
-    planner would take it as no budget) and one that is neither a string nor an integer;
-    ``what`` names the argument in the message. The planner checks the rest."""
+def byte_count(
+    value: str | int | None, what: str, allow_none: bool = True, refuse_empty: bool = True
+) -> str | None:
+    """``value`` as the planner reads a byte count, None as None. Refuses one that is neither a
+    string nor an integer, and with ``refuse_empty`` an empty one; ``what`` names the argument
+    in the message. The planner checks the rest, an empty one too, as ``ferry plan`` does."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -57,7 +59,7 @@ def byte_count(value: str | int | None, what: str, allow_none: bool = True) -> s
             f'{what}: {value!r} is not a byte count; give a string such as "40GiB" or an '
             "integer number of bytes"
         )
-    if isinstance(value, str) and not value.strip():
+    if refuse_empty and isinstance(value, str) and not value.strip():
         raise ValueError(
             f'{what}: "{value}" is not a byte count (empty); write e.g. 40GiB, "40 GiB", 1.5GiB, '
             "512MiB, 40GB or 4e10 (bytes)"
@@ -95,14 +97,18 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
             ``dedup``, ``early_stop`` and ``check`` (hazard and content checks), all True by
             default; FSDP2 as ``--fsdp`` sets it: ``fsdp`` (ranks), ``nodes``, ``hsdp`` and
             ``reshard_after_forward`` (True, False or K), where a traced model's recorded
-            parallelism is the default (docs/fsdp.md).
+            parallelism is the default (docs/fsdp.md). Numbers have the command line's bounds
+            (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes`` 0..2^50, ``window_mib`` and
+            ``prefetch_mib`` 0..2^30, ``host_cap_gib`` 0..2^20, ``fsdp``, ``nodes`` and
+            ``hsdp`` 1..1000000; None for ``fsdp`` and ``nodes``: not given).
 
     Returns:
         The document ``ferry simulate --json`` prints (``result`` holds the figures, one
         rank's under FSDP).
 
     Raises:
-        ValueError: A model, device or option the simulator refuses; the message names it.
+        ValueError: A model, device or option the simulator refuses; the message is what
+            ``ferry simulate`` prints after "error: " (``--steps: 0 is not in 1..1000``).
         TypeError: An option it does not know.
     """
     return simulate_with_snapshot(model, device, False, **options)[0]
@@ -160,7 +166,7 @@ def plan(
         budget: Peak reserved device memory: ``"40GiB"``, bytes, ...; None: the device's.
         device: A bundled device profile's name or a profile file.
         host_budget: The pinned host memory budget, as ``budget``; None: no limit.
-        steps: Training steps per simulation (the last is measured).
+        steps: Training steps per simulation, 1..100 (the last is measured).
         **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
             ``reshard_after_forward``): the plan is one rank's, ``budget`` per rank and
             ``host_budget`` per node.
@@ -189,8 +195,8 @@ def run_planner(
     """``plan``'s run: {report (with the plan under "plan"), text (what ``ferry plan``
     prints), plan_text (what ``ferry plan --out`` writes)}."""
     name, text = model_args(model)
-    budget = byte_count(budget, "budget")
-    host_budget = byte_count(host_budget, "host_budget")
+    budget = byte_count(budget, "budget", refuse_empty=False)
+    host_budget = byte_count(host_budget, "host_budget", refuse_empty=False)
     try:
         made = _C._sim.plan(
             name,

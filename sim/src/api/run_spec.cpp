@@ -12,11 +12,40 @@
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
+namespace {
+
+// `option`'s `value` within lo..hi, or the error that says it is not (Note [One check for both
+// edges]).
+Status in_bounds(std::string_view option, std::int64_t value, std::int64_t lo, std::int64_t hi) {
+  if (value >= lo && value <= hi) return Ok{};
+  return Error{fmt::format("{}: {} is not in {}..{}", option, value, lo, hi)};
+}
+
+Status in_bounds(std::string_view option, const std::optional<std::int32_t>& value, std::int64_t lo,
+                 std::int64_t hi) {
+  return value ? in_bounds(option, *value, lo, hi) : Status{Ok{}};
+}
+
+// The byte count `text` of the option `option`; blank is an error, not "none".
+Result<Bytes> byte_count(const std::string& text, std::string_view option) {
+  if (text.find_first_not_of(" \t") == std::string::npos) {
+    return Error{
+        fmt::format("{}: empty; give a byte count such as 40GiB, or leave the option out", option)};
+  }
+  return parse_bytes(text, option);
+}
+
+}  // namespace
 
 Result<FsdpOptions> fsdp_options(const FsdpSpec& spec) {
+  for (const Status& bounded : {in_bounds("--fsdp", spec.ranks, 1, 1'000'000),
+                                in_bounds("--nodes", spec.nodes, 1, 1'000'000),
+                                in_bounds("--hsdp", spec.replicas, 1, 1'000'000)}) {
+    if (!bounded) return bounded.error();
+  }
   FsdpOptions f;
-  f.ranks = spec.ranks;
-  f.nodes = spec.nodes;
+  f.ranks = spec.ranks.value_or(0);
+  f.nodes = spec.nodes.value_or(0);
   f.replicas = spec.replicas;
   const std::string& r = spec.reshard_after_forward;
   if (r == "true") {
@@ -33,7 +62,7 @@ Result<FsdpOptions> fsdp_options(const FsdpSpec& spec) {
     }
     f.reshard_after_forward = k;
   }
-  if (!f.on() && (spec.nodes != 0 || spec.replicas != 1 || r != "true")) {
+  if (!f.on() && (spec.nodes || spec.replicas != 1 || r != "true")) {
     return Error{"--nodes, --hsdp and --reshard-after-forward need --fsdp N"};
   }
   return f;
@@ -45,8 +74,8 @@ void adopt_model_parallelism(FsdpSpec& spec, const Model& model, std::int32_t de
 
 void adopt_parallelism(FsdpSpec& spec, const Parallelism& p, std::int32_t devices) {
   if (p.fsdp == 0 || devices > 1) return;
-  if (spec.ranks == 0) spec.ranks = p.fsdp;
-  if (spec.nodes == 0) spec.nodes = p.nodes;
+  if (!spec.ranks) spec.ranks = p.fsdp;
+  if (!spec.nodes && p.nodes > 0) spec.nodes = p.nodes;
   if (spec.replicas == 1) spec.replicas = p.hsdp;
   if (spec.reshard_after_forward == "true" && p.reshard_after_forward >= 0) {
     spec.reshard_after_forward =
@@ -73,7 +102,24 @@ std::string with_fsdp_json(std::string document, const FsdpSpec& spec,
   return j.dump(2) + "\n";
 }
 
+Status validate(const RunSpec& spec) {
+  for (const Status& bounded : {
+           in_bounds("--steps", spec.steps, 1, 1000),
+           in_bounds("--stash", spec.stash, 1, std::int64_t{1} << 20),
+           in_bounds("--min-bytes", spec.min_bytes, 0, std::int64_t{1} << 50),
+           in_bounds("--window-mib", spec.window_mib, 0, std::int64_t{1} << 30),
+           in_bounds("--prefetch-mib", spec.prefetch_mib, 0, std::int64_t{1} << 30),
+           in_bounds("--host-cap-gib", spec.host_cap_gib, 0, std::int64_t{1} << 20),
+       }) {
+    if (!bounded) return bounded;
+  }
+  auto fsdp = fsdp_options(spec.fsdp);
+  if (!fsdp) return fsdp.error();
+  return Ok{};
+}
+
 Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, bool with_checkpoint) {
+  if (auto valid = validate(spec); !valid) return valid.error();
   TrainingOptions o;
   o.steps = spec.steps;
   o.sim.check_hazards = !spec.no_checker;
@@ -105,6 +151,26 @@ Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, boo
     o.offload.horizon_bytes = horizon.value();
   }
   return o;
+}
+
+Result<PlannerOptions> planner_options(const PlanSpec& spec) {
+  PlannerOptions options;
+  if (spec.budget) {
+    auto budget = byte_count(*spec.budget, "--budget");
+    if (!budget) return budget.error();
+    options.budget = budget.value();
+  }
+  if (spec.host_budget) {
+    auto host = byte_count(*spec.host_budget, "--host-budget");
+    if (!host) return host.error();
+    options.host_budget = host.value();
+  }
+  if (auto steps = in_bounds("--steps", spec.steps, 1, 100); !steps) return steps.error();
+  options.steps = spec.steps;
+  auto fsdp = fsdp_options(spec.fsdp);
+  if (!fsdp) return fsdp.error();
+  options.fsdp = fsdp.value();
+  return options;
 }
 
 Result<RowResult> simulate_one(const Workload& workload, const RunSpec& spec,

@@ -11,6 +11,7 @@
 
 #include "ferry/result.hpp"
 #include "ferry/sim/api/load.hpp"
+#include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/runs/measure.hpp"
 
 namespace ferry::sim {
@@ -18,16 +19,26 @@ namespace ferry::sim {
 /// The policies parse_policy knows, as errors name them.
 inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
 
+// Note [One check for both edges]
+// `ferry simulate / compare / plan` and `ferry.simulate / compare / plan` hand what they were
+// given, unchecked, to the functions below, which check every number against its bounds before
+// anything runs: steps 1..1000 (a plan's 1..100), stash 1..2^20, min_bytes 0..2^50, window_mib
+// and prefetch_mib 0..2^30, host_cap_gib 0..2^20, fsdp, nodes and hsdp 1..1000000. The error
+// names the option as the command line spells it, `--steps: 0 is not in 1..1000`; the CLI
+// prints it after "ferry simulate: error: " and exits 2, Python raises it as a ValueError.
+// The command line parses types only, so the two edges cannot refuse different values.
+
 /// FSDP2 as the command line writes it (`--fsdp N --nodes M --hsdp R
-/// --reshard-after-forward true|false|K`); ranks 0: no FSDP.
+/// --reshard-after-forward true|false|K`); no ranks: no FSDP.
 struct FsdpSpec {
-  std::int32_t ranks = 0;
-  std::int32_t nodes = 0;  ///< 0: as few as the device's gpus_per_node allow
+  std::optional<std::int32_t> ranks;  ///< 1..1000000 when given
+  std::optional<std::int32_t> nodes;  ///< none: as few as the device's gpus_per_node allow
   std::int32_t replicas = 1;
   std::string reshard_after_forward = "true";
 };
 
-/// The FSDP options `spec` asks for; errors name the option.
+/// The FSDP options `spec` asks for, its numbers checked (Note [One check for both edges]);
+/// errors name the option.
 Result<FsdpOptions> fsdp_options(const FsdpSpec& spec);
 
 /// Fills what the command line left unsaid from a file's parallelism section: its ranks when
@@ -52,7 +63,7 @@ struct RunSpec {
   std::int64_t prefetch_mib = 512;
   std::int64_t host_cap_gib = 1024;
   std::int32_t stash = 5;  ///< trl: forward stash size in tensors
-  std::int32_t steps = 2;  ///< the last is reported
+  std::int32_t steps = 2;  ///< 1..1000; the last is reported
   bool no_prefetch = false;
   bool no_dedup = false;
   bool no_early_stop = false;
@@ -60,9 +71,13 @@ struct RunSpec {
   FsdpSpec fsdp{};
 };
 
-/// The training options `spec` asks for on `model`; the checkpoint plan of `spec.checkpoint`
-/// only when `with_checkpoint` (compare runs its own). Errors name the option as the command
-/// line spells it (`--checkpoint: ...`).
+/// Whether every number of `spec` (its FSDP's too) is in bounds (Note [One check for both
+/// edges]); the error names the first that is not.
+Status validate(const RunSpec& spec);
+
+/// The training options `spec` asks for on `model`, `spec` validated first; the checkpoint plan of
+/// `spec.checkpoint` only when `with_checkpoint` (compare runs its own). Errors name the option as
+/// the command line spells it (`--checkpoint: ...`).
 Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, bool with_checkpoint);
 
 /// `ferry simulate` on one device: the run `spec` asks for, under its policy, the ferry
@@ -72,5 +87,17 @@ Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, boo
 Result<RowResult> simulate_one(const Workload& workload, const RunSpec& spec,
                                std::optional<TrainingRun>* keep = nullptr,
                                bool record_allocator = false);
+
+/// `ferry plan`'s options as the command line writes them; `ferry.plan` takes the same.
+struct PlanSpec {
+  std::optional<std::string> budget;       ///< a byte count; none: the caller's default
+  std::optional<std::string> host_budget;  ///< a byte count; none: no limit but the pool's
+  std::int32_t steps = 2;                  ///< 1..100; per simulation, the last is measured
+  FsdpSpec fsdp{};
+};
+
+/// The planner options `spec` asks for, checked in the order budget, host budget, steps, FSDP
+/// (Note [One check for both edges]); the budget is 0 when `spec` gives none.
+Result<PlannerOptions> planner_options(const PlanSpec& spec);
 
 }  // namespace ferry::sim
