@@ -18,15 +18,16 @@ std::string fsdp_line(const sim::FsdpSpec& spec, const sim::DeviceProfile& devic
 }
 
 CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec) {
-  CLI::Option* fsdp =
-      cmd->add_option("--fsdp", spec.ranks,
-                      "FSDP2 over N ranks: each layer and the root fully_shard'ed; figures are one "
-                      "rank's (docs/fsdp.md)");
+  CLI::Option* fsdp = cmd->add_option(
+      "--fsdp", spec.ranks,
+      "FSDP2 over N ranks (1..1000000): each layer and the root fully_shard'ed; figures are one "
+      "rank's (docs/fsdp.md)");
   cmd->add_option("--nodes", spec.nodes,
-                  "With --fsdp: nodes the ranks span (default: as few as the device's "
+                  "With --fsdp: nodes the ranks span, 1..1000000 (default: as few as the device's "
                   "gpus_per_node allow)");
-  cmd->add_option("--hsdp", spec.replicas,
-                  "With --fsdp: HSDP replica groups (shard within a group, all-reduce across)");
+  cmd->add_option(
+      "--hsdp", spec.replicas,
+      "With --fsdp: HSDP replica groups, 1..1000000 (shard within a group, all-reduce across)");
   cmd->add_option("--reshard-after-forward", spec.reshard_after_forward,
                   "With --fsdp: true, false, or K (keep a 1/K shard after forward)")
       ->capture_default_str();
