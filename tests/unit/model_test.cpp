@@ -571,6 +571,31 @@ std::string valid_with(std::string_view from, std::string_view to) {
   return text;
 }
 
+TEST(ModelJson, AnOpsKindIsReadAndWrittenBack) {
+  const std::string text =
+      valid_with(R"("name": "fc",)", R"("name": "fc", "kind": "aten.mm.default",)");
+  auto model = parse_model(text, "toy.json");
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  EXPECT_EQ(model.value().ops[0].kind, "aten.mm.default");
+  EXPECT_EQ(model.value().ops[1].kind, "");
+  const std::string written = model_to_json(model.value());
+  EXPECT_NE(written.find(R"("name": "fc",
+      "kind": "aten.mm.default",
+      "layer": 0,)"),
+            std::string::npos)
+      << written;
+  auto again = parse_model(written, "again.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value(), model.value());
+  // Other namespaces and higher-order operators are operators too.
+  for (const char* kind : {"_c10d_functional.reduce_scatter_tensor.default",
+                           "higher_order.flex_attention", "ferry.rotary.default"}) {
+    Model other = model.value();
+    other.ops[0].kind = kind;
+    EXPECT_TRUE(validate_model(other).ok()) << kind;
+  }
+}
+
 TEST(ModelJson, TheParallelismSectionIsReadAndWrittenBack) {
   const std::string text = valid_with(
       R"("loss": "y")",
@@ -623,6 +648,14 @@ std::vector<BadCase> bad_cases() {
   const std::string more_tensors =
       R"({"name": "y", "bytes": 4, "dtype": "f32", "role": "activation"})";
   return {
+      {"kind not an operator", valid_with(R"("name": "fc",)", R"("name": "fc", "kind": "mm",)"),
+       R"(toy.json: ops[0].kind: expected an operator as namespace.name.overload ("aten.mm.default"), )"
+       R"(got "mm")"},
+      {"kind with a space", valid_with(R"("name": "fc",)", R"("name": "fc", "kind": "aten.mm x",)"),
+       R"(toy.json: ops[0].kind: expected an operator as namespace.name.overload ("aten.mm.default"), )"
+       R"(got "aten.mm x")"},
+      {"empty kind", valid_with(R"("name": "fc",)", R"("name": "fc", "kind": "",)"),
+       R"(toy.json: ops[0].kind: expected a non-empty name, got an empty string)"},
       {"unknown tensor in saved", valid_with(R"("saved": ["x", "w"])", R"("saved": ["x", "z"])"),
        R"(toy.json: ops[0].saved[1]: unknown tensor "z")"},
       {"unknown tensor in inputs", valid_with(R"("inputs": ["h_lo"])", R"("inputs": ["hi"])"),
@@ -715,7 +748,7 @@ std::vector<BadCase> bad_cases() {
        R"(toy.json: tensors[1]: unknown key "size" (allowed: name, bytes, dtype, role, view_of, )"
        "view_offset, no_offload)"},
       {"unknown key in an op", valid_with(R"("saved": [])", R"("saves": [])"),
-       R"(toy.json: ops[1]: unknown key "saves" (allowed: name, layer, flops, bytes, )"
+       R"(toy.json: ops[1]: unknown key "saves" (allowed: name, kind, layer, flops, bytes, )"
        "backward_flops, backward_bytes, duration_ns, backward_duration_ns, inputs, outputs, "
        "saved, no_offload, draws_rng, draws_cpu_rng)"},
       {"unknown top-level key", valid_with(R"("loss": "y")", R"("loss": "y", "step": 1)"),

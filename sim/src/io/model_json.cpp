@@ -122,11 +122,14 @@ class ModelReader {
 
   Result<ModelOp> read_op(const JsonValue& value) const {
     FERRY_JSON_TRY(const auto object,
-                   value.object({"name", "layer", "flops", "bytes", "backward_flops",
+                   value.object({"name", "kind", "layer", "flops", "bytes", "backward_flops",
                                  "backward_bytes", "duration_ns", "backward_duration_ns", "inputs",
                                  "outputs", "saved", "no_offload", "draws_rng", "draws_cpu_rng"}));
     ModelOp op;
     FERRY_JSON_TRY(op.name, object.required_name("name"));
+    if (const auto kind = object.optional("kind")) {
+      FERRY_JSON_TRY(op.kind, kind->name());
+    }
     FERRY_JSON_TRY(const auto layer, object.optional_integer("layer", -1, -1, kMaxLayer));
     op.layer = static_cast<std::int32_t>(layer);
     FERRY_JSON_TRY(op.flops, object.required_integer("flops", 0, kMaxModelFlops));
@@ -217,6 +220,7 @@ OrderedJson tensor_json(const Model& model, const ModelTensor& tensor) {
 OrderedJson op_json(const Model& model, const ModelOp& op) {
   OrderedJson out;
   out["name"] = op.name;
+  if (!op.kind.empty()) out["kind"] = op.kind;
   if (op.layer != -1) out["layer"] = op.layer;
   out["flops"] = op.flops;
   out["bytes"] = op.bytes.count();

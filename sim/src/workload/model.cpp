@@ -111,7 +111,31 @@ struct Count {
   std::int64_t max;
 };
 
+/// Whether `kind` reads `namespace.name[.overload]`: two or more identifiers joined by dots.
+bool is_operator_name(std::string_view kind) {
+  std::size_t parts = 0;
+  std::size_t start = 0;
+  while (start <= kind.size()) {
+    const std::size_t dot = std::min(kind.find('.', start), kind.size());
+    const std::string_view part = kind.substr(start, dot - start);
+    if (part.empty() || (part.front() >= '0' && part.front() <= '9')) return false;
+    for (const char c : part) {
+      const bool word =
+          (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+      if (!word) return false;
+    }
+    ++parts;
+    start = dot + 1;
+  }
+  return parts >= 2;
+}
+
 Status check_op_counts(const ModelOp& op, std::string_view path) {
+  if (!op.kind.empty() && !is_operator_name(op.kind)) {
+    return error_at(json_member_path(path, "kind"),
+                    "expected an operator as namespace.name.overload (\"aten.mm.default\"), got {}",
+                    json_quote(op.kind));
+  }
   if (op.layer < -1) {
     return error_at(json_member_path(path, "layer"),
                     "expected -1 (outside the stack) or a layer index, got {}", op.layer);

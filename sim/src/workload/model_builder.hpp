@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -14,6 +15,44 @@ namespace ferry::sim::workload_detail {
 
 using Kind = TransformerShape::Kind;
 using Tensors = std::initializer_list<std::uint32_t>;
+
+/// The operators the generated ops run (ModelOp::kind): what a trace of the same module records,
+/// or, for a fused op torch has no operator for, one of ferry's own (docs/model-format.md).
+namespace op_kind {
+inline constexpr std::string_view kMm = "aten.mm.default";
+inline constexpr std::string_view kAddmm = "aten.addmm.default";
+inline constexpr std::string_view kBmm = "aten.bmm.default";
+inline constexpr std::string_view kFlashAttention =
+    "aten._scaled_dot_product_flash_attention.default";
+inline constexpr std::string_view kSoftmax = "aten._softmax.default";
+inline constexpr std::string_view kLogSoftmax = "aten._log_softmax.default";
+inline constexpr std::string_view kDropout = "aten.native_dropout.default";
+inline constexpr std::string_view kLayerNorm = "aten.native_layer_norm.default";
+inline constexpr std::string_view kRmsNorm = "aten._fused_rms_norm.default";
+inline constexpr std::string_view kAdd = "aten.add.Tensor";
+inline constexpr std::string_view kMul = "aten.mul.Tensor";
+inline constexpr std::string_view kNeg = "aten.neg.default";
+inline constexpr std::string_view kPow = "aten.pow.Tensor_Scalar";
+inline constexpr std::string_view kMean = "aten.mean.dim";
+inline constexpr std::string_view kRsqrt = "aten.rsqrt.default";
+inline constexpr std::string_view kCat = "aten.cat.default";
+inline constexpr std::string_view kCos = "aten.cos.default";
+inline constexpr std::string_view kSin = "aten.sin.default";
+inline constexpr std::string_view kGelu = "aten.gelu.default";
+inline constexpr std::string_view kSilu = "aten.silu.default";
+inline constexpr std::string_view kToCopy = "aten._to_copy.default";
+inline constexpr std::string_view kEmbedding = "aten.embedding.default";
+inline constexpr std::string_view kCrossEntropy = "aten.cross_entropy_loss.default";
+inline constexpr std::string_view kNllLoss = "aten.nll_loss_forward.default";
+inline constexpr std::string_view kT = "aten.t.default";
+inline constexpr std::string_view kView = "aten.view.default";
+inline constexpr std::string_view kUnsafeView = "aten._unsafe_view.default";
+inline constexpr std::string_view kTranspose = "aten.transpose.int";
+inline constexpr std::string_view kSlice = "aten.slice.Tensor";
+inline constexpr std::string_view kUnsqueeze = "aten.unsqueeze.default";
+/// Rotary embedding of Q and K in one kernel: no torch operator does it.
+inline constexpr std::string_view kRotary = "ferry.rotary.default";
+}  // namespace op_kind
 
 /// Forward FLOPs per element of the elementwise and normalization kernels. Rough counts; they
 /// only matter where an op is compute-bound, which these never are.
@@ -65,11 +104,13 @@ class ModelBuilder {
     return index;
   }
 
-  /// Appends an op; costs are set by the caller (see cost()).
-  ModelOp& op(std::string name, std::int32_t layer, Tensors inputs, Tensors outputs,
-              Tensors saved) {
+  /// Appends an op running operator `kind` (Op kinds in docs/model-format.md); costs are set by
+  /// the caller (see cost()).
+  ModelOp& op(std::string name, std::string_view kind, std::int32_t layer, Tensors inputs,
+              Tensors outputs, Tensors saved) {
     ModelOp op;
     op.name = std::move(name);
+    op.kind = kind;
     op.layer = layer;
     op.inputs = inputs;
     op.outputs = outputs;

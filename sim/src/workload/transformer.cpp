@@ -61,7 +61,8 @@ std::uint32_t attention_core(ModelBuilder& m, const Dims& x, std::int32_t layer,
     const std::uint32_t out = m.activation(p + "attn.out", x.tokens * x.h);
     const std::uint32_t lse =
         m.tensor(p + "attn.lse", x.a * x.s * x.b, DType::F32, TensorRole::Activation);
-    ModelOp& op = m.op(p + "attn", layer, {q, k, v}, {out, lse}, {q, k, v, out, lse});
+    ModelOp& op = m.op(p + "attn", op_kind::kFlashAttention, layer, {q, k, v}, {out, lse},
+                       {q, k, v, out, lse});
     cost(op, 2 * qk_flops, m.bytes(q) + m.bytes(k) + m.bytes(v) + m.bytes(out) + m.bytes(lse));
     // FlashAttention's backward recomputes the scores: 5 matmuls against the forward's 2.
     op.backward_flops = 5 * qk_flops;
@@ -70,22 +71,23 @@ std::uint32_t attention_core(ModelBuilder& m, const Dims& x, std::int32_t layer,
   }
   const std::int64_t scores_elements = x.b * x.a * x.s * x.s;
   const std::uint32_t scores = m.activation(p + "scores.out", scores_elements);
-  cost(m.op(p + "scores", layer, {q, k}, {scores}, {q, k}), qk_flops,
+  cost(m.op(p + "scores", op_kind::kBmm, layer, {q, k}, {scores}, {q, k}), qk_flops,
        m.bytes(q) + m.bytes(k) + m.bytes(scores));
   const std::uint32_t probs = m.activation(p + "softmax.out", scores_elements);
-  cost(m.op(p + "softmax", layer, {scores}, {probs}, {probs}), kSoftmaxFlops * scores_elements,
-       2 * scores_elements * e);
+  cost(m.op(p + "softmax", op_kind::kSoftmax, layer, {scores}, {probs}, {probs}),
+       kSoftmaxFlops * scores_elements, 2 * scores_elements * e);
   std::uint32_t attended = probs;
   if (with_dropout) {
     attended = m.activation(p + "attn_dropout.out", scores_elements);
     const std::uint32_t mask =
         m.tensor(p + "attn_dropout.mask", scores_elements, DType::U8, TensorRole::Activation);
-    ModelOp& op = m.op(p + "attn_dropout", layer, {probs}, {attended, mask}, {mask});
+    ModelOp& op =
+        m.op(p + "attn_dropout", op_kind::kDropout, layer, {probs}, {attended, mask}, {mask});
     cost(op, kDropoutFlops * scores_elements, 2 * scores_elements * e + scores_elements);
     op.draws_rng = true;
   }
   const std::uint32_t out = m.activation(p + "attn_v.out", x.tokens * x.h);
-  cost(m.op(p + "attn_v", layer, {attended, v}, {out}, {attended, v}), qk_flops,
+  cost(m.op(p + "attn_v", op_kind::kBmm, layer, {attended, v}, {out}, {attended, v}), qk_flops,
        m.bytes(attended) + m.bytes(v) + m.bytes(out));
   return out;
 }
@@ -96,7 +98,7 @@ std::uint32_t dropout(ModelBuilder& m, const Dims& x, std::int32_t layer, const 
   const std::uint32_t out = m.activation(name + ".out", x.tokens * x.h);
   const std::uint32_t mask =
       m.tensor(name + ".mask", x.tokens * x.h, DType::U8, TensorRole::Activation);
-  ModelOp& op = m.op(name, layer, {in}, {out, mask}, {mask});
+  ModelOp& op = m.op(name, op_kind::kDropout, layer, {in}, {out, mask}, {mask});
   cost(op, kDropoutFlops * x.tokens * x.h, 2 * m.bytes(in) + m.bytes(mask));
   op.draws_rng = true;
   return out;
@@ -106,7 +108,8 @@ std::uint32_t dropout(ModelBuilder& m, const Dims& x, std::int32_t layer, const 
 std::uint32_t residual_add(ModelBuilder& m, const Dims& x, std::int32_t layer,
                            const std::string& name, std::uint32_t residual, std::uint32_t branch) {
   const std::uint32_t out = m.activation(name + ".out", x.tokens * x.h);
-  cost(m.op(name, layer, {residual, branch}, {out}, {}), x.tokens * x.h, 3 * m.bytes(out));
+  cost(m.op(name, op_kind::kAdd, layer, {residual, branch}, {out}, {}), x.tokens * x.h,
+       3 * m.bytes(out));
   return out;
 }
 
@@ -117,11 +120,11 @@ std::uint32_t norm(ModelBuilder& m, const Dims& x, std::int32_t layer, const std
   const std::uint32_t out = m.activation(name + ".out", x.tokens * x.h);
   if (with_bias) {
     const std::uint32_t bias = m.param(name + ".bias", x.h);
-    cost(m.op(name, layer, {in, weight, bias}, {out}, {in, weight}), kNormFlops * x.tokens * x.h,
-         2 * m.bytes(in) + 2 * m.bytes(weight));
+    cost(m.op(name, op_kind::kLayerNorm, layer, {in, weight, bias}, {out}, {in, weight}),
+         kNormFlops * x.tokens * x.h, 2 * m.bytes(in) + 2 * m.bytes(weight));
   } else {
-    cost(m.op(name, layer, {in, weight}, {out}, {in, weight}), (kNormFlops - 1) * x.tokens * x.h,
-         2 * m.bytes(in) + m.bytes(weight));
+    cost(m.op(name, op_kind::kRmsNorm, layer, {in, weight}, {out}, {in, weight}),
+         (kNormFlops - 1) * x.tokens * x.h, 2 * m.bytes(in) + m.bytes(weight));
   }
   return out;
 }
@@ -134,11 +137,11 @@ std::uint32_t linear(ModelBuilder& m, const Dims& x, std::int32_t layer, const s
   const std::uint32_t out = m.activation(name + ".out", x.tokens * out_features);
   if (with_bias) {
     const std::uint32_t bias = m.param(name + ".bias", out_features);
-    matmul_cost(m.op(name, layer, {in, weight, bias}, {out}, {in, weight}), x.tokens, in_features,
-                out_features, true, m.element());
+    matmul_cost(m.op(name, op_kind::kAddmm, layer, {in, weight, bias}, {out}, {in, weight}),
+                x.tokens, in_features, out_features, true, m.element());
   } else {
-    matmul_cost(m.op(name, layer, {in, weight}, {out}, {in, weight}), x.tokens, in_features,
-                out_features, false, m.element());
+    matmul_cost(m.op(name, op_kind::kMm, layer, {in, weight}, {out}, {in, weight}), x.tokens,
+                in_features, out_features, false, m.element());
   }
   return out;
 }
@@ -197,7 +200,7 @@ void gpt_block(ModelBuilder& m, const Dims& x, std::int32_t layer, std::uint32_t
   const std::uint32_t ln2 = norm(m, x, layer, p + "ln2", resid, true);
   const std::uint32_t fc1 = linear(m, x, layer, p + "fc1", ln2, x.h, x.f, true);
   const std::uint32_t gelu = m.activation(p + "gelu.out", x.tokens * x.f);
-  cost(m.op(p + "gelu", layer, {fc1}, {gelu}, {fc1}), kGeluFlops * x.tokens * x.f,
+  cost(m.op(p + "gelu", op_kind::kGelu, layer, {fc1}, {gelu}, {fc1}), kGeluFlops * x.tokens * x.f,
        m.bytes(fc1) + m.bytes(gelu));
   const std::uint32_t fc2 = linear(m, x, layer, p + "fc2", gelu, x.f, x.h, true);
   const std::uint32_t dropped2 = dropout(m, x, layer, p + "dropout2", fc2);
@@ -218,7 +221,7 @@ void llama_block(ModelBuilder& m, const Dims& x, std::int32_t layer, std::uint32
 
   const std::uint32_t q_rot = m.activation(p + "rotary.q", x.tokens * x.h);
   const std::uint32_t k_rot = m.activation(p + "rotary.k", x.tokens * kv_width);
-  cost(m.op(p + "rotary", layer, {q, k, rope}, {q_rot, k_rot}, {rope}),
+  cost(m.op(p + "rotary", op_kind::kRotary, layer, {q, k, rope}, {q_rot, k_rot}, {rope}),
        kRotaryFlops * x.tokens * (x.h + kv_width),
        m.bytes(q) + m.bytes(k) + m.bytes(q_rot) + m.bytes(k_rot) + m.bytes(rope));
   const std::uint32_t attended = attention_core(m, x, layer, p, q_rot, k_rot, v, flash, false);
@@ -229,10 +232,10 @@ void llama_block(ModelBuilder& m, const Dims& x, std::int32_t layer, std::uint32
   const std::uint32_t gate = linear(m, x, layer, p + "gate", n2, x.h, x.f, false);
   const std::uint32_t up = linear(m, x, layer, p + "up", n2, x.h, x.f, false);
   const std::uint32_t silu = m.activation(p + "silu.out", x.tokens * x.f);
-  cost(m.op(p + "silu", layer, {gate}, {silu}, {gate}), kSiluFlops * x.tokens * x.f,
+  cost(m.op(p + "silu", op_kind::kSilu, layer, {gate}, {silu}, {gate}), kSiluFlops * x.tokens * x.f,
        m.bytes(gate) + m.bytes(silu));
   const std::uint32_t product = m.activation(p + "mul.out", x.tokens * x.f);
-  cost(m.op(p + "mul", layer, {silu, up}, {product}, {silu, up}), x.tokens * x.f,
+  cost(m.op(p + "mul", op_kind::kMul, layer, {silu, up}, {product}, {silu, up}), x.tokens * x.f,
        3 * m.bytes(product));
   const std::uint32_t down = linear(m, x, layer, p + "down", product, x.f, x.h, false);
   stream = residual_add(m, x, layer, p + "mlp_residual", resid, down);
@@ -243,13 +246,13 @@ std::uint32_t embedding(ModelBuilder& m, const Dims& x, const TransformerShape& 
                         std::uint32_t tokens, std::uint32_t table) {
   const std::uint32_t out = m.activation("embed.out", x.tokens * x.h);
   if (shape.kind == Kind::Llama) {
-    cost(m.op("embed", -1, {tokens, table}, {out}, {tokens}), 0,
+    cost(m.op("embed", op_kind::kEmbedding, -1, {tokens, table}, {out}, {tokens}), 0,
          m.bytes(tokens) + 2 * m.bytes(out));
     return out;
   }
   const std::uint32_t positions = m.param("embed.position_weight", x.s * x.h);
-  cost(m.op("embed", -1, {tokens, table, positions}, {out}, {tokens}), x.tokens * x.h,
-       m.bytes(tokens) + 3 * m.bytes(out));
+  cost(m.op("embed", op_kind::kEmbedding, -1, {tokens, table, positions}, {out}, {tokens}),
+       x.tokens * x.h, m.bytes(tokens) + 3 * m.bytes(out));
   return dropout(m, x, -1, "embed_dropout", out);
 }
 
@@ -285,7 +288,8 @@ Model make_transformer(const TransformerShape& shape, std::string name) {
   // GPT-2 ties the output head to the token embedding; Llama 3 has its own.
   const std::uint32_t head_weight = gpt ? table : m.param("head.weight", shape.vocab * x.h);
   const std::uint32_t logits = m.activation("logits", x.tokens * shape.vocab);
-  ModelOp& head = m.op("head", -1, {final_norm, head_weight}, {logits}, {final_norm, head_weight});
+  ModelOp& head = m.op("head", op_kind::kMm, -1, {final_norm, head_weight}, {logits},
+                       {final_norm, head_weight});
   matmul_cost(head, x.tokens, x.h, shape.vocab, false, x.e);
   head.no_offload = true;
 
@@ -294,20 +298,22 @@ Model make_transformer(const TransformerShape& shape, std::string name) {
     const std::int64_t elements = x.tokens * shape.vocab;
     const std::uint32_t wide =
         m.tensor("logits.float", elements, DType::F32, TensorRole::Activation);
-    ModelOp& upcast = m.op("logits_float", -1, {logits}, {wide}, {});
+    ModelOp& upcast = m.op("logits_float", op_kind::kToCopy, -1, {logits}, {wide}, {});
     cost(upcast, elements, m.bytes(logits) + m.bytes(wide));
     upcast.no_offload = true;
     const std::uint32_t log_probs =
         m.tensor("log_softmax.out", elements, DType::F32, TensorRole::Activation);
-    ModelOp& softmax = m.op("log_softmax", -1, {wide}, {log_probs}, {log_probs});
+    ModelOp& softmax =
+        m.op("log_softmax", op_kind::kLogSoftmax, -1, {wide}, {log_probs}, {log_probs});
     cost(softmax, kSoftmaxFlops * elements, 2 * m.bytes(wide));
     softmax.no_offload = true;
-    ModelOp& nll = m.op("loss", -1, {log_probs, labels}, {loss}, {labels});
+    ModelOp& nll = m.op("loss", op_kind::kNllLoss, -1, {log_probs, labels}, {loss}, {labels});
     cost(nll, elements, m.bytes(log_probs) + m.bytes(labels));
     nll.no_offload = true;
     return std::move(m).finish(loss);
   }
-  ModelOp& loss_op = m.op("loss", -1, {logits, labels}, {loss}, {logits, labels});
+  ModelOp& loss_op =
+      m.op("loss", op_kind::kCrossEntropy, -1, {logits, labels}, {loss}, {logits, labels});
   cost(loss_op, kCrossEntropyFlops * x.tokens * shape.vocab,
        m.bytes(logits) + m.bytes(labels) + m.bytes(loss));
   loss_op.no_offload = true;

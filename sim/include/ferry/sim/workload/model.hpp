@@ -49,7 +49,10 @@ struct ModelTensor {
 
 /// One forward op and its backward node.
 struct ModelOp {
-  std::string name;                    ///< unique in the model
+  std::string name;  ///< unique in the model
+  /// The operator it runs, `namespace.name.overload` ("aten.mm.default"); empty: not known.
+  /// What the checkpoint policies go by (docs/model-format.md, Op kinds).
+  std::string kind;
   std::int32_t layer = -1;             ///< transformer layer, -1 outside the stack
   std::int64_t flops = 0;              ///< forward FLOPs
   Bytes bytes;                         ///< forward bytes read + written (for the roofline)
