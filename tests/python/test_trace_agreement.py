@@ -180,11 +180,13 @@ def llama_layer_bytes(h, a, kv, f, s, b):
 
 def llama_layer_flops(h, a, kv, f, s, b):
     """The generator's forward and backward FLOPs per Llama layer (its Costs table: backward
-    twice the forward, flash attention 2.5 times)."""
+    twice the forward, flash attention 2.5 times), with causal attention over the s(s+1)/2
+    pairs a causal kernel computes, as the trace counts it; the generator counts all s²
+    (docs/model-format.md, Costs)."""
     t, d = s * b, h // a
     linear = 2 * t * h * (h + 2 * kv * d) + 2 * t * h * h + 3 * 2 * t * h * f
     elementwise = 4 * t * h * 2 + 3 * t * (h + kv * d) + 4 * t * f + t * f + 2 * t * h
-    attention = 4 * b * s * s * h
+    attention = 4 * b * (s * (s + 1) // 2) * h
     return linear + attention + elementwise, 2 * (linear + elementwise) + 5 * attention // 2
 
 

@@ -282,4 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{traced.saved_bytes()} saved activation bytes{sharded} -> {args.out}",
         file=sys.stderr,
     )
+    if traced.uncosted:
+        listed = ", ".join(f"{op} ({calls} calls)" for op, calls in traced.uncosted.items())
+        print(
+            f"{name}: no cost model, so counted as free of FLOPs: {listed}",
+            file=sys.stderr,
+        )
     return 0

@@ -20,7 +20,9 @@ class TracedModel:
     ``packed_bytes`` are the saved tensors the pack hook received (logical bytes, each pack
     counted), ``optimizer_state_bytes`` the optimizer state written as static memory, and
     ``unattributed_backward_flops`` the FLOPs of backward ops run by no forward op's node
-    (gradient accumulation), which no op carries.
+    (gradient accumulation), which no op carries, and ``uncosted`` the operators, forward or
+    backward, that move data but have no cost model (Note [What an op costs] in ``_record``),
+    each with its number of calls: their time is counted too low.
 
     Args:
         document: The ``ferry.model/1`` document.
@@ -28,6 +30,7 @@ class TracedModel:
         packed_bytes: Their logical bytes, each pack counted.
         optimizer_state_bytes: The optimizer state written as static memory.
         unattributed_backward_flops: Backward FLOPs no op carries.
+        uncosted: Operator name (``aten._grouped_mm.default``) -> calls with no cost model.
     """
 
     def __init__(
@@ -37,12 +40,14 @@ class TracedModel:
         packed_bytes: int = 0,
         optimizer_state_bytes: int = 0,
         unattributed_backward_flops: int = 0,
+        uncosted: dict[str, int] | None = None,
     ) -> None:
         self.document = document
         self.packed_count = packed_count
         self.packed_bytes = packed_bytes
         self.optimizer_state_bytes = optimizer_state_bytes
         self.unattributed_backward_flops = unattributed_backward_flops
+        self.uncosted = dict(uncosted or {})
 
     def to_json(self) -> str:
         """The document as text.
@@ -202,6 +207,7 @@ def traced_model(
         packed_bytes,
         optimizer_bytes,
         tracer.unattributed_backward_flops,
+        dict(sorted(tracer.uncosted.items())),
     )
 
 
@@ -227,6 +233,8 @@ def _tensor_json(record):
 
 def _op_json(op, rng):
     out = {"name": op.name}
+    if op.kind is not None:
+        out["kind"] = op.kind
     if op.layer != -1:
         out["layer"] = op.layer
     out["flops"] = op.flops

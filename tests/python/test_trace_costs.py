@@ -1,0 +1,330 @@
+"""Every op a trace lists is costed (docs/trace.md, Costs; Note [What an op costs] in
+`ferry/_trace/_record.py`): the FLOPs of grouped and scaled matmuls and of every attention
+kernel equal an analytic count, causal attention counts the pairs a causal kernel computes, and
+the trace names any op that moves data with no cost model."""
+
+import pytest
+import torch
+from torch import nn
+
+from ferry._trace import _record, trace
+from traced_families import FAMILIES, trace_family
+
+transformers = pytest.importorskip("transformers")
+
+
+def causal_pairs(s):
+    return s * (s + 1) // 2
+
+
+# Attention pairs and formulas.
+
+
+def brute_pairs(sq, sk, causal, bottom_right):
+    shift = sk - sq if bottom_right else 0
+    if not causal:
+        return sq * sk
+    return sum(min(max(i + 1 + shift, 0), sk) for i in range(sq))
+
+
+@pytest.mark.parametrize("bottom_right", [False, True])
+def test_causal_pairs_are_the_unmasked_ones(bottom_right):
+    for sq in range(1, 12):
+        for sk in range(1, 12):
+            for causal in (False, True):
+                assert _record.attention_pairs(sq, sk, causal, bottom_right) == brute_pairs(
+                    sq, sk, causal, bottom_right
+                ), (sq, sk, causal)
+    assert _record.attention_pairs(8192, 8192, True) == 8192 * 8193 // 2
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def count(op, *args, **kwargs):
+    """The trace's FLOPs of one call of `op` (its formula, called as the trace calls it)."""
+    formula = _record._flop_table()[getattr(op, "_overloadpacket", op)]
+    return formula(op, args, kwargs, None)
+
+
+B, HQ, HKV, S, D = 2, 8, 2, 128, 32
+FULL = 2 * B * HQ * S * S * 2 * D
+CAUSAL = 2 * B * HQ * causal_pairs(S) * 2 * D
+
+
+def heads_first():
+    return meta(B, HQ, S, D), meta(B, HKV, S, D), meta(B, HKV, S, D)
+
+
+def seq_first():
+    return meta(B, S, HQ, D), meta(B, S, HKV, D), meta(B, S, HKV, D)
+
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    ],
+)
+def test_sdpa_flash_kernels_count_every_query_head_and_the_causal_half(op):
+    q, k, v = heads_first()
+    assert count(op, q, k, v, 0.0, False) == FULL
+    assert count(op, q, k, v, 0.0, True) == CAUSAL
+    assert count(op, q, k, v, is_causal=True) == CAUSAL
+
+
+def test_sdpa_efficient_and_cudnn_kernels_forward_and_backward():
+    q, k, v = heads_first()
+    assert count(aten._scaled_dot_product_efficient_attention.default, q, k, v, None, True) == FULL
+    assert (
+        count(aten._scaled_dot_product_efficient_attention.default, q, k, v, None, True, 0.0, True)
+        == CAUSAL
+    )
+    assert (
+        count(aten._scaled_dot_product_cudnn_attention.default, q, k, v, None, True, 0.0, True)
+        == CAUSAL
+    )
+    g, o, lse = meta(B, HQ, S, D), meta(B, HQ, S, D), meta(B, HQ, S, dtype=torch.float32)
+    seed = meta(2, dtype=torch.int64)
+    backward = 2 * B * HQ * causal_pairs(S) * 5 * D
+    efficient = aten._scaled_dot_product_efficient_attention_backward.default
+    assert count(efficient, g, q, k, v, None, o, lse, seed, seed, 0.0, [True] * 4, True) == (
+        backward
+    )
+    cudnn = aten._scaled_dot_product_cudnn_attention_backward.default
+    assert count(cudnn, g, q, k, v, o, lse, seed, seed, None, None, None, S, S, 0.0, True) == (
+        backward
+    )
+    flash = aten._scaled_dot_product_flash_attention_backward.default
+    assert count(flash, g, q, k, v, o, lse, None, None, S, S, 0.0, False, seed, seed) == (
+        2 * B * HQ * S * S * 5 * D
+    )
+
+
+def test_packed_attention_kernels_read_the_sequence_first_layout():
+    q, k, v = seq_first()
+    flash = aten._flash_attention_forward.default
+    assert count(flash, q, k, v, None, None, S, S, 0.0, True, False) == CAUSAL
+    assert count(flash, q, k, v, None, None, S, S, 0.0, False, False) == FULL
+    efficient = aten._efficient_attention_forward.default
+    assert count(efficient, q, k, v, None, None, None, S, S, 0.0, 1) == CAUSAL
+    assert count(efficient, q, k, v, None, None, None, S, S, 0.0, 0) == FULL
+    # Variable-length batches: the lengths are values, so there is no count.
+    cu = meta(B + 1, dtype=torch.int32)
+    assert count(flash, q[0], k[0], v[0], cu, cu, S, S, 0.0, True, False) is None
+
+
+def test_flex_attention_counts_every_block():
+    from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
+
+    q, k, v = heads_first()
+    assert count(flex_attention, q, k, v, None, None, 1.0, {}) == FULL
+    o, lse, g = meta(B, HQ, S, D), meta(B, HQ, S, dtype=torch.float32), meta(B, HQ, S, D)
+    assert count(flex_attention_backward, q, k, v, o, lse, g, None, None, None, None, 1.0, {}) == (
+        2 * B * HQ * S * S * 5 * D
+    )
+
+
+@pytest.mark.parametrize(
+    "a, b, out, flops",
+    [
+        ((96, 64), (4, 64, 32), (96, 32), 2 * 96 * 64 * 32),  # tokens x experts' weights
+        ((4, 96, 64), (64, 32), (96, 32 * 4), 2 * 96 * 64 * 32 * 4),  # 3-D x 2-D
+        ((4, 16, 64), (4, 64, 32), (4, 16, 32), 2 * 4 * 16 * 64 * 32),  # batched
+        ((64, 96), (96, 32), (4, 64, 32), 2 * 64 * 96 * 32),  # the weights' gradient
+    ],
+)
+def test_grouped_mm_counts_each_row_once(a, b, out, flops):
+    assert _record.grouped_mm_flops(a, b, out) == flops
+    offs = meta(4, dtype=torch.int32)
+    op = aten._grouped_mm.default
+    formula = _record._flop_table()[op._overloadpacket]
+    assert formula(op, (meta(*a), meta(*b), offs), {}, meta(*out)) == flops
+    scaled = aten._scaled_grouped_mm.default
+    formula = _record._flop_table()[scaled._overloadpacket]
+    args = (meta(*a), meta(*b), meta(1, dtype=torch.float32), meta(1, dtype=torch.float32))
+    assert formula(scaled, args, {"offs": offs}, meta(*out)) == flops
+
+
+# Traced models against analytic counts.
+
+
+def _decoder_counts(fields, batch, seq, mlp_flops_per_token):
+    """Forward and backward FLOPs of a Llama-like decoder (q, k, v, o projections, causal SDPA
+    over every query head, an MLP of `mlp_flops_per_token`, an untied head): every matmul's
+    backward is two of its size, attention's backward 5 matmuls against the forward's 2."""
+    h, a, kv = fields["hidden_size"], fields["num_attention_heads"], fields["num_key_value_heads"]
+    d = fields.get("head_dim", h // a)
+    t = batch * seq
+    projections = 2 * t * h * (2 * a * d + 2 * kv * d)
+    pairs = causal_pairs(seq)
+    attention = 2 * batch * a * pairs * 2 * d
+    attention_backward = 2 * batch * a * pairs * 5 * d
+    head = 2 * t * h * fields["vocab_size"]
+    layers = fields["num_hidden_layers"]
+    forward = layers * (projections + attention + mlp_flops_per_token * t) + head
+    backward = (
+        layers * (2 * projections + attention_backward + 2 * mlp_flops_per_token * t) + 2 * head
+    )
+    return forward, backward
+
+
+def _moe_mlp(fields, inner_key):
+    # The router (h -> experts), then every token through top-k experts' gate/up (h -> 2f) and
+    # down (f -> h) projections.
+    h, k = fields["hidden_size"], fields["num_experts_per_tok"]
+    experts = fields.get("num_local_experts", fields.get("num_experts"))
+    f = fields[inner_key]
+    return 2 * h * experts + k * (2 * h * 2 * f + 2 * f * h)
+
+
+@pytest.mark.parametrize(
+    "family, inner_key",
+    [("mixtral", "intermediate_size"), ("qwen3_moe", "moe_intermediate_size")],
+)
+def test_moe_experts_flops_equal_the_analytic_count(family, inner_key):
+    # bf16: the dtype the experts' grouped matmul runs in on a GPU.
+    batch, seq = 2, 64
+    traced = trace_family(family, batch, seq)
+    fields = FAMILIES[family][1]
+    forward, backward = _decoder_counts(fields, batch, seq, _moe_mlp(fields, inner_key))
+    got_forward, got_backward = traced.flops()
+    assert got_forward == pytest.approx(forward, rel=0.01)
+    assert got_backward == pytest.approx(backward, rel=0.01)
+    kinds = {op.get("kind") for op in traced.document["ops"]}
+    assert "aten._grouped_mm.default" in kinds
+    assert traced.uncosted == {}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_dense_decoder_flops_count_causal_attention_at_half(family):
+    batch, seq = 2, 64
+    traced = trace_family(family, batch, seq)
+    fields = FAMILIES[family][1]
+    h, f = fields["hidden_size"], fields["intermediate_size"]
+    forward, backward = _decoder_counts(fields, batch, seq, 3 * 2 * h * f)
+    assert traced.flops() == (forward, backward)
+
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _fp8(x):
+    scale = 448.0 / x.abs().max().float().clamp(min=1e-12)
+    return (x.float() * scale).to(E4M3), scale.reciprocal()
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """A float8 linear layer as float8 training recipes write it: inputs, weight and gradient
+    cast to e4m3 with a per-tensor scale (the amax), the three matmuls in `torch._scaled_mm`."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        xq, xs = _fp8(x)
+        wq, ws = _fp8(weight)
+        ctx.save_for_backward(xq, xs, wq, ws)
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xq, xs, wq, ws = ctx.saved_tensors
+        gq, gs = _fp8(grad)
+        grad_x = torch._scaled_mm(
+            gq, wq.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16
+        )
+        grad_w = torch._scaled_mm(
+            gq.t().contiguous(),
+            xq.t().contiguous().t(),
+            scale_a=gs,
+            scale_b=xs,
+            out_dtype=torch.bfloat16,
+        )
+        return grad_x, grad_w
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return _Fp8Linear.apply(x, self.weight)
+
+
+def test_scaled_mm_flops_equal_the_analytic_count():
+    tokens, h, f = 32, 64, 256
+    model = nn.Sequential(Fp8Linear(h, f), nn.ReLU(), Fp8Linear(f, h))
+    x = torch.randn(tokens, h, dtype=torch.bfloat16, requires_grad=True)
+    traced = trace(model, x, loss_fn=lambda y: y.float().square().mean())
+    matmuls = 2 * tokens * h * f * 2
+    assert traced.flops() == (matmuls, 2 * matmuls)
+    kinds = [op.get("kind") for op in traced.document["ops"]]
+    assert kinds.count("aten._scaled_mm.default") == 2
+    assert traced.uncosted == {}
+
+
+# Nothing uncosted, and what is uncosted is named.
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_no_family_has_an_op_without_a_cost_model(family):
+    assert trace_family(family).uncosted == {}
+
+
+def test_bert_and_gpt2_with_sdpa_have_no_op_without_a_cost_model():
+    config = transformers.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
+    ids = torch.zeros((2, 32), dtype=torch.long)
+    bert = transformers.BertForMaskedLM(config).train()
+    assert trace(bert, ids, labels=ids).uncosted == {}
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64)
+    ).train()
+    assert trace(gpt2, ids, labels=ids).uncosted == {}
+
+
+class _Solve(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(16) + 0.1)
+
+    def forward(self, x):
+        return torch.linalg.solve(self.weight, x)
+
+
+def test_an_op_with_no_cost_model_is_named():
+    traced = trace(_Solve(), torch.randn(16, 4), loss_fn=lambda y: y.sum())
+    # The solve forward, the solve with the LU factors in backward: math with no formula.
+    assert traced.uncosted == {
+        "aten._linalg_solve_ex.default": 1,
+        "aten.linalg_lu_solve.default": 1,
+    }
+
+
+def test_the_trace_command_lists_uncosted_ops(tmp_path, capsys, monkeypatch):
+    import json
+
+    from ferry._cli.trace import main
+
+    config = tmp_path / "config.json"
+    model_type, fields, _ = FAMILIES["llama"]
+    config.write_text(json.dumps({"model_type": model_type, **fields}))
+    out = str(tmp_path / "x.json")
+    assert main([str(config), "--seq", "16", "--out", out]) == 0
+    assert "no cost model" not in capsys.readouterr().err
+    # Without the rule that a copy's cost is its bytes, `_to_copy` has no cost model.
+    monkeypatch.setattr(_record, "_BY_BYTES", _record._BY_BYTES - {"_to_copy"})
+    assert main([str(config), "--seq", "16", "--out", out]) == 0
+    err = capsys.readouterr().err
+    assert "no cost model, so counted as free of FLOPs: aten._to_copy.default (" in err

@@ -1,0 +1,129 @@
+"""Tiny Hugging Face models of the families the trace tests cover, built from `transformers`
+configs on the meta device (nothing downloaded), and the traced models the C++ tests read.
+
+`python tests/python/traced_families.py` rewrites `tests/data/traced/<family>.json` (the traced
+models `tests/unit/op_sac_test.cpp` checks op-sac on); `test_op_sac_fixtures.py` fails when a
+fresh trace no longer lists the same ops.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+#: The fixtures' directory.
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "traced")
+
+_DECODER = {
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+}
+
+#: family -> (model_type, config fields, attention implementation). Gemma-2 has no SDPA path
+#: in transformers 5 (its logit soft-capping); GPT-2 runs eager, as the `tiny-gpt` preset does.
+FAMILIES = {
+    "llama": ("llama", {**_DECODER, "tie_word_embeddings": True}, "sdpa"),
+    "qwen2": ("qwen2", dict(_DECODER), "sdpa"),
+    "mistral": ("mistral", {**_DECODER, "sliding_window": None}, "sdpa"),
+    "gemma2": ("gemma2", {**_DECODER, "head_dim": 16}, "eager"),
+    "gpt2": (
+        "gpt2",
+        {
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "vocab_size": 512,
+            "n_positions": 256,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+        },
+        "eager",
+    ),
+    "mixtral": ("mixtral", {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2}, "sdpa"),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            **_DECODER,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+        "sdpa",
+    ),
+}
+
+#: The families written as fixtures for the C++ op-sac test.
+FIXTURE_FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt2")
+#: The fixtures' batch and sequence (GPT-2 at the `tiny-gpt` preset's).
+SHAPES = {"gpt2": (2, 128)}
+DEFAULT_SHAPE = (1, 32)
+
+
+def build(family, dtype=torch.bfloat16):
+    """The family's causal LM on the meta device, in training mode."""
+    import transformers
+
+    model_type, fields, attention = FAMILIES[family]
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation=attention
+            )
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(dtype).train()
+
+
+def trace_family(family, batch=None, seq=None, dtype=torch.bfloat16):
+    """The traced model of one training step with token ids as labels."""
+    from ferry._trace import trace
+
+    default_batch, default_seq = SHAPES.get(family, DEFAULT_SHAPE)
+    batch, seq = batch or default_batch, seq or default_seq
+    model = build(family, dtype)
+    with torch.device("meta"):
+        ids = torch.zeros((batch, seq), dtype=torch.long)
+    return trace(model, ids, labels=ids, name=f"{family}-tiny-s{seq}-b{batch}")
+
+
+def fixture_path(family):
+    return os.path.join(FIXTURES, f"{family}.json")
+
+
+def compact_json(document):
+    """The document with one tensor or op a line: the fixtures' form (a third of the indented
+    one's bytes)."""
+
+    def line(value):
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=True)
+
+    parts = []
+    for key, value in document.items():
+        if key in ("tensors", "ops"):
+            rows = ",\n".join(line(v) for v in value)
+            parts.append(f"{line(key)}:[\n{rows}\n]")
+        else:
+            parts.append(f"{line(key)}:{line(value)}")
+    return "{" + ",\n".join(parts) + "}\n"
+
+
+def main(argv):
+    os.makedirs(FIXTURES, exist_ok=True)
+    for family in argv or FIXTURE_FAMILIES:
+        with open(fixture_path(family), "w", encoding="utf-8", newline="\n") as f:
+            f.write(compact_json(trace_family(family).document))
+        print(fixture_path(family))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
