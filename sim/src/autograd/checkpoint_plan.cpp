@@ -1,8 +1,13 @@
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
-#include <map>
+#include <array>
+#include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 
 namespace ferry::sim {
 
@@ -37,41 +42,132 @@ CheckpointPlan checkpoint_segments(const Model& model, std::int32_t segments, bo
   return plan;  // the last segment runs without checkpointing
 }
 
+namespace {
+
+// Note [Ops by what they are]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The selective policies pick ops by the operator each runs (ModelOp::kind, "aten.mm.default"),
+// never by its name: a traced model names ops after module paths, and "attn" in a path says
+// nothing about which of the module's ops is the attention kernel (a trace of a Hugging Face
+// `self_attn` also lists its projections, rotary products and views; `post_attention_layernorm`
+// its float32 norm). docs/checkpoint.md describes both policies.
+
+// The ops torchtitan's op-level selective AC saves: `_get_default_save_ops` in
+// torchtitan/distributed/activation_checkpoint.py (pytorch/torchtitan, commit b5bcd76), which
+// is torch's compute-intensive operators (torch._functorch.partitioners.get_default_op_list()
+// in torch 2.11), the other SDPA kernels, `max` (the amax of float8 scaling), flex attention,
+// `linear`, `topk` (MoE routing), and the collectives and expert-parallel exchanges.
+constexpr std::array<std::string_view, 26> kOpSacSaved{
+    // torch's compute_intensive_ops
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten._scaled_mm.default",
+    "aten.convolution.default",
+    "aten.convolution_backward.default",
+    "aten.upsample_bilinear2d.default",
+    "aten._flash_attention_forward.default",
+    "aten._efficient_attention_forward.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    // torchtitan's own additions
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_attention_math.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default",
+    "aten.max.default",
+    "higher_order.flex_attention",
+    "aten.linear.default",
+    "aten.topk.default",
+    "higher_order.inductor_compiled_code",
+    "torch_attn._varlen_attn.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_to_all_single.default",
+    "deepep.dispatch.default",
+    "deepep.combine.default",
+    "hybridep.dispatch.default",
+    "hybridep.combine.default",
+};
+
+/// The matmuls torchtitan counts: of these it saves the first, third, fifth... of a block.
+constexpr std::array<std::string_view, 2> kOpSacAlternating{"aten.mm.default",
+                                                            "aten.linear.default"};
+
+bool listed(std::string_view kind, std::span<const std::string_view> list) {
+  return !kind.empty() && std::find(list.begin(), list.end(), kind) != list.end();
+}
+
+/// Batched matmuls: the two of eager attention (scores and scores times values).
+constexpr std::array<std::string_view, 2> kBatchedMatmul{"aten.bmm.default",
+                                                         "aten.baddbmm.default"};
+/// Softmax as autograd records it (`softmax` and `F.scaled_dot_product_attention`'s math path).
+constexpr std::array<std::string_view, 2> kSoftmax{"aten._softmax.default",
+                                                   "aten._safe_softmax.default"};
+/// Attention in one kernel: the whole core in one op.
+constexpr std::array<std::string_view, 9> kFusedAttention{
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default",
+    "aten._flash_attention_forward.default",
+    "aten._efficient_attention_forward.default",
+    "higher_order.flex_attention",
+    "torch_attn._varlen_attn.default",
+};
+
+}  // namespace
+
 void apply_selective_policy(CheckpointPlan& plan, const Model& model) {
   plan.op_policy.assign(model.ops.size(), OpPolicy::MustSave);
-  for (std::size_t i = 0; i < model.ops.size(); ++i) {
-    const std::string& name = model.ops[i].name;
-    for (const char* core : {"qk", "score", "softmax", "attn_dropout", "attn_v", "attention"}) {
-      if (name.find(core) != std::string::npos) plan.op_policy[i] = OpPolicy::PreferRecompute;
+  // The attention core: a fused attention kernel, or in eager attention the ops from the
+  // batched matmul before a softmax (the scores) to the one after it (times the values), with
+  // what lies between (scaling, the mask, the softmax, its dropout), within one run of ops of
+  // one layer.
+  const auto n = model.ops.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::int32_t layer = model.ops[i].layer;
+    if (layer >= 0 && listed(model.ops[i].kind, kFusedAttention)) {
+      plan.op_policy[i] = OpPolicy::PreferRecompute;
     }
+    if (layer < 0 || !listed(model.ops[i].kind, kSoftmax)) continue;
+    std::optional<std::size_t> first;
+    for (std::size_t j = i; j-- > 0 && model.ops[j].layer == layer;) {
+      if (listed(model.ops[j].kind, kBatchedMatmul)) {
+        first = j;
+        break;
+      }
+    }
+    std::optional<std::size_t> last;
+    for (std::size_t j = i + 1; j < n && model.ops[j].layer == layer; ++j) {
+      if (listed(model.ops[j].kind, kBatchedMatmul)) {
+        last = j;
+        break;
+      }
+    }
+    if (!first || !last) continue;
+    for (std::size_t j = *first; j <= *last; ++j) plan.op_policy[j] = OpPolicy::PreferRecompute;
   }
 }
 
-void apply_op_sac_policy(CheckpointPlan& plan, const Model& model) {
-  plan.op_policy.assign(model.ops.size(), OpPolicy::PreferRecompute);
-  std::map<std::int32_t, std::int32_t> matmuls;  // by layer: the count so far
-  for (std::size_t i = 0; i < model.ops.size(); ++i) {
-    const ModelOp& op = model.ops[i];
-    if (op.layer < 0) {
-      plan.op_policy[i] = OpPolicy::MustSave;  // outside the regions
-      continue;
-    }
-    const std::string& name = op.name;
-    const bool attention = name.find("attn") != std::string::npos ||
-                           name.find("attention") != std::string::npos ||
-                           name.find("scaled_dot_product") != std::string::npos;
-    std::int64_t elements = 0;
-    for (const std::uint32_t t : op.outputs) {
-      const ModelTensor& out = model.tensors[t];
-      if (out.view_of < 0) elements += out.bytes.count() / dtype_size(out.dtype);
-    }
-    const bool matmul = !attention && elements > 0 && op.flops >= 64 * elements;
-    if (attention && name.find("dropout") == std::string::npos) {
-      plan.op_policy[i] = OpPolicy::MustSave;
-    } else if (matmul && ++matmuls[op.layer] % 2 == 1) {
-      plan.op_policy[i] = OpPolicy::MustSave;
+Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model) {
+  plan.op_policy.assign(model.ops.size(), OpPolicy::MustSave);  // outside the regions
+  for (const CheckpointRegion& region : plan.regions) {
+    std::int64_t matmuls = 0;  // torchtitan counts per checkpointed block
+    for (std::uint32_t i = region.first_op; i < region.end_op; ++i) {
+      const ModelOp& op = model.ops[i];
+      if (op.kind.empty()) {
+        return Error{fmt::format(
+            "ops[{}] \"{}\": op-sac decides by the operator each op runs, and this op has no "
+            "\"kind\"; trace the model again (python -m ferry trace records every op's "
+            "operator) or add one (docs/model-format.md)",
+            i, op.name)};
+      }
+      const bool saved = listed(op.kind, kOpSacSaved) &&
+                         (!listed(op.kind, kOpSacAlternating) || ++matmuls % 2 == 1);
+      plan.op_policy[i] = saved ? OpPolicy::MustSave : OpPolicy::PreferRecompute;
     }
   }
+  return Ok{};
 }
 
 }  // namespace ferry::sim

@@ -26,7 +26,7 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
   if (spec == "selective") return checkpoint_selective(model);
   if (spec == "op-sac") {
     CheckpointPlan plan = checkpoint_every(model, 1);
-    apply_op_sac_policy(plan, model);
+    if (auto status = apply_op_sac_policy(plan, model); !status.ok()) return status.error();
     return plan;
   }
   if (auto k = number("every:")) return checkpoint_every(model, *k);

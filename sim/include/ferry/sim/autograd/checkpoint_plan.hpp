@@ -40,15 +40,18 @@ struct CheckpointPlan {
 /// checkpoint_sequential: `segments` contiguous segments, every one but the last checkpointed.
 [[nodiscard]] CheckpointPlan checkpoint_segments(const Model& model, std::int32_t segments,
                                                  bool reentrant);
-/// Megatron-style selective policy inside regions: the attention core (scores, softmax and its
-/// dropout, attention over values) is recomputed, everything else saved.
+/// Megatron-style selective policy inside regions: the attention core is recomputed, everything
+/// else saved. The core is a fused attention kernel, or in eager attention the batched matmuls
+/// before and after a softmax and the ops between (scaling, mask, softmax, its dropout). Ops are
+/// told apart by ModelOp::kind. See Note [Ops by what they are].
 void apply_selective_policy(CheckpointPlan& plan, const Model& model);
 
-/// torchtitan's op-level selective activation checkpointing (`--activation-checkpoint.mode
-/// selective --selective-ac-option op`): in each layer's region the attention op's outputs
-/// are saved, and of the matmuls (ops doing at least 64 FLOPs per output element) the first,
-/// third, fifth... are saved and the others recomputed; every other op is recomputed. See
-/// docs/fsdp.md for where this differs from torchtitan's (a fused QKV projection is one matmul).
-void apply_op_sac_policy(CheckpointPlan& plan, const Model& model);
+/// torchtitan's op-level selective activation checkpointing (`SelectiveAC`, the default
+/// selective mode): in each region the outputs of the operators on torchtitan's save list
+/// (matmuls, every attention kernel, `max`, `topk`, the collectives) are saved and every other
+/// op is recomputed, except that of `aten.mm` and `aten.linear` only the first, third, fifth...
+/// of the region are saved. Ops are told apart by ModelOp::kind; an op of a region without a
+/// kind is an error naming it. docs/checkpoint.md lists the operators and the source.
+[[nodiscard]] Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model);
 
 }  // namespace ferry::sim
