@@ -150,6 +150,44 @@ def _regions_of(plan):
     return regions
 
 
+def _callable(module):
+    """Whether calling ``module`` runs code of its own: a container (``ModuleList``,
+    ``ModuleDict``) has no forward and is never called; its children are."""
+    return type(module).forward is not torch.nn.Module.forward
+
+
+def _called_module(ops, modules, region):
+    """The module whose call the region is: the deepest module holding all its ops, or, when
+    that one is never called (a container such as a ``ModuleList`` of sublayers, as in T5's
+    blocks), the nearest module above it that is, provided it runs no op outside the region."""
+    path = region.path
+    while path in modules and not _callable(modules[path]):
+        path = path.rpartition(".")[0]
+        if not path:
+            break
+    if path == region.path:
+        return path
+    outside = [
+        i
+        for i in list(range(region.first)) + list(range(region.end, len(ops)))
+        if _under(_path_of(ops[i]["name"]), path)
+    ]
+    if not path or outside:
+        why = (
+            f"the nearest module called around it, {path!r}, also runs op "
+            f"{ops[outside[0]]['name']!r} (ops[{outside[0]}])"
+            if outside
+            else "no module called around it holds only its ops"
+        )
+        _fail(
+            f"regions[{region.index}]",
+            f"ops {region.first}..{region.end - 1} lie in {region.path!r}, which is never called "
+            f"(a container of modules), and {why}; a region is applied by checkpointing a "
+            "module's call",
+        )
+    return path
+
+
 # Note [Naming the real ops]
 # A trace names each aten op forward runs `<module path>/<op>`, with `#k` for the k-th repeat in
 # one module, counting every op that returns a tensor or writes one (docs/trace.md), and leaves
@@ -194,6 +232,16 @@ def _regions_of(plan):
 # `div_` returned). An op writing what the call did not make (a batch norm's running
 # statistics) keeps the plan's decision: kept, the replay does not write it a second time.
 #
+# Note [Kept tensors hold no graph]
+# What a pack hook returns is held by the autograd node that saved the tensor, and torch's
+# unpack rebuilds the tensor from what the unpack hook returns, with the node's grad_fn for an
+# output. An op that saves its own output would, if the hook kept that output as it is, make
+# a cycle through the autograd graph (output -> grad_fn -> saved value -> output) that Python's
+# collector cannot see: a forward whose graph is dropped without backward would never be freed,
+# nor the checkpoint states and offloaded tensors reachable from it. So a kept tensor is held
+# as `detach()` gives it, which shares its storage and version counter (the version check still
+# sees in-place changes) and holds no graph, as ferry's own KeptAsIs does in C++.
+#
 # Note [Which op is saving]
 # Autograd saves an op's inputs in the op's autograd kernel before the op reaches the dispatch
 # mode, and its outputs after; the node being filled is the last one created on the thread
@@ -223,13 +271,20 @@ def _returns_tensor(func):
 
 
 class _Saved:
-    """What the pack hook returns: the tensor kept as it is, or what the session packed."""
+    """What the pack hook returns: the tensor kept as it is, or what the session packed. Until
+    the op saving it is decided it holds the tensor itself; kept, a detached alias (Note [Kept
+    tensors hold no graph])."""
 
     __slots__ = ("tensor", "packed")
 
     def __init__(self, tensor):
         self.tensor = tensor
         self.packed = None
+
+    def keep(self):
+        """Holds the tensor as a detached alias: its storage and version counter, no grad_fn."""
+        if self.tensor is not None:
+            self.tensor = runtime_call(torch.Tensor.detach, self.tensor)
 
 
 class _RegionPolicy:
@@ -390,6 +445,11 @@ class PlanRun:
     def exit(self, failed):
         stack, self._exit_stack = self._exit_stack, None
         stack.close()
+        # Tensors saved by an op that never reached the dispatch mode stay kept, as detached
+        # aliases (Note [Kept tensors hold no graph]).
+        deferred, self._deferred = self._deferred, []
+        for saved in deferred:
+            saved.keep()
         if failed:
             return
         remaining = [
@@ -417,6 +477,7 @@ class PlanRun:
             )
             stack.callback(module.register_forward_hook(self._post, always_call=True).remove)
         for region in self.regions:
+            region.path = _called_module(self.ops, modules, region)
             module = modules.get(region.path)
             if module is None:
                 _fail(
@@ -519,7 +580,7 @@ class PlanRun:
 
     def pack(self, t):
         if t.numel() == 0:
-            return t
+            return runtime_call(torch.Tensor.detach, t)  # Note [Kept tensors hold no graph]
         node = torch._C._autograd._get_sequence_nr() - 1
         if self._last_seq <= node:
             # Saved by the op about to reach the dispatch mode: decided when it does (the
@@ -544,6 +605,8 @@ class PlanRun:
         if self._offloads(owner):
             saved.packed = runtime_call(_C._pack, saved.tensor)
             saved.tensor = None
+        else:
+            saved.keep()
         return saved
 
     def _offloads(self, index):
