@@ -29,10 +29,11 @@ class offload(Region):
     Entered while ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is on, the region
     offloads nothing: its saved tensors go through that mode's hooks, which keep them and clone
     one before it is mutated, so backward sees the values of the forward, as without ferry (the
-    same holds for ``no_offload`` and the head region of ``offload_model``). The region is open
-    once at a time on a thread: entering it again before it is left raises (``no_offload`` may
-    nest in itself). Leaving regions out of order raises "regions must nest"; the region left
-    is closed all the same.
+    same holds for ``no_offload`` and the head region of ``offload_model``). Entered again while
+    it is open on the same thread, the region nests in itself, as torch's saved-tensor hooks
+    do: the inner ``with`` saves through the same session and leaves the step to the outermost
+    one, which begins it on entry and ends it on exit. Leaving regions out of order raises
+    "regions must nest"; the region left is closed all the same.
 
     With ``plan``, a ``ferry.plan/1`` is applied: each op's saved tensors are kept or
     offloaded, and the plan's checkpoint regions recompute what it says (docs/plan.md,
@@ -77,7 +78,6 @@ class offload(Region):
     """
 
     _kind = "offload"
-    _reentrant = False
 
     def __init__(
         self,
@@ -168,12 +168,13 @@ class offload(Region):
     def _make_session(options: dict[str, Any]) -> _C.Session:
         return _C.Session(**options)
 
-    def _push(self) -> None:
-        _C._push_offload(self._session)
+    def _push(self, nested: bool) -> None:
+        _C._push_offload(self._session, begin_step=not nested)
 
     def __enter__(self) -> Self:
+        nested = self._open_count() > 0
         super().__enter__()
-        if self._plan_run is not None:
+        if self._plan_run is not None and not nested:
             try:
                 self._plan_run.enter()
             except BaseException:
@@ -183,6 +184,9 @@ class offload(Region):
 
     def __exit__(self, *exc: object) -> None:
         self._open_entry()  # raises when it is not open, leaving the session alone
+        if self._open_count() > 1:  # an inner entry: the outermost one ends the step
+            super().__exit__(*exc)
+            return
         try:
             if self._plan_run is not None and self._plan_run.active():
                 self._plan_run.exit(failed=exc[0] is not None)
@@ -282,7 +286,7 @@ class no_offload(Region):
     def __init__(self) -> None:
         super().__init__(_C._pack, _C._unpack)
 
-    def _push(self) -> None:
+    def _push(self, nested: bool) -> None:
         _C._push_no_offload()
 
 

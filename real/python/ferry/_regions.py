@@ -78,11 +78,9 @@ class Region(saved_tensors_hooks):
     a mutated saved tensor is cloned first, as without ferry."""
 
     _kind: str | None = None
-    # Whether the region may be entered again while it is open on the same thread (an offload
-    # may not: its session follows one forward at a time).
-    _reentrant = True
 
-    def _push(self) -> None:
+    def _push(self, nested: bool) -> None:
+        """Opens the region on ferry's stack; ``nested``: it is open on this thread already."""
         raise NotImplementedError
 
     def _hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
@@ -93,8 +91,10 @@ class Region(saved_tensors_hooks):
                 return top
         return self.pack_hook, self.unpack_hook
 
-    def _is_open(self) -> bool:
-        return any(e.region is self for e in _entries())
+    def _open_count(self) -> int:
+        """How many times the region is open on this thread (entered again while open, it
+        nests, as torch's saved-tensor hooks do)."""
+        return sum(1 for e in _entries() if e.region is self)
 
     def _open_entry(self) -> _Entry:
         """This region's innermost open entry on this thread; raises when there is none."""
@@ -108,15 +108,10 @@ class Region(saved_tensors_hooks):
 
     def __enter__(self) -> Self:
         entries = _entries()
-        if not self._reentrant and self._is_open():
-            name = type(self).__name__
-            raise RuntimeError(
-                f"ferry: this {name} region is already open on this thread: it cannot be entered "
-                f"again before it is left; use another {name}"
-            )
+        nested = self._open_count() > 0
         pack, unpack = self._hooks()
         pack = functools.partial(pack)  # this entry's own object: see Note [Regions on two stacks]
-        self._push()
+        self._push(nested)
         try:
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
         except BaseException:

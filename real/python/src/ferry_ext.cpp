@@ -269,11 +269,13 @@ void bind_session(py::module_& m) {
 void bind_regions(py::module_& m) {
   m.def(
       "_push_offload",
-      [](const std::shared_ptr<Session>& session) {
-        session->enter();
+      [](const std::shared_ptr<Session>& session, bool begin_step) {
+        if (begin_step) session->enter();
         ferry::real::push_context(Context{Context::Kind::Offload, session, nullptr, {}});
       },
-      py::arg("session"));
+      py::arg("session"), py::arg("begin_step") = true,
+      "Opens an offload region of `session` on this thread; `begin_step`: the session's step "
+      "begins (false for a region nested in an open one of the same session).");
   m.def("_push_no_offload", [] { ferry::real::push_context(Context{}); });
   m.def(
       "_pop", [](const std::string& kind) { ferry::real::pop_context(parse_kind(kind)); },
