@@ -304,6 +304,21 @@ def checkpoint(
         if kwargs:
             raise ValueError("ferry.checkpoint: unexpected keyword arguments: " + ",".join(kwargs))
         return _reentrant(fn, preserve_rng_state, *args)
+    if torch.compiler.is_compiling():
+        # Note [Checkpoints under torch.compile]
+        if context_fn is not _no_context:
+            kwargs = {"context_fn": context_fn, **kwargs}
+        return _tc.checkpoint(
+            fn,
+            *args,
+            use_reentrant=False,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+            preserve_rng_state=preserve_rng_state,
+            **kwargs,
+        )
+    _refuse_forward_ad(args, kwargs)
     debug = _debug_enabled(debug)
     if debug and context_fn is not _no_context:
         raise ValueError(
@@ -322,6 +337,36 @@ def checkpoint(
         offload,
         debug,
     )
+
+
+# Note [Checkpoints under torch.compile]
+# While dynamo traces a function, a checkpoint must be one that it can trace: torch's
+# non-reentrant checkpoint, which it turns into a higher-order op whose forward and
+# recomputation AOTAutograd partitions as one graph. ferry's runtime (frames in C++, saved
+# tensors packed through its hooks) is opaque to it: the graph breaks around the call and the
+# compiled pieces inside save other tensors than the ones the recomputation makes. So under
+# compilation ferry.checkpoint is torch's, with the same arguments; the selective policy's
+# offload choice then follows torch's rule (torch 2.11 recomputes those ops), and an offload
+# region around the compiled function still handles what the graph saves outside it.
+
+
+def _refuse_forward_ad(args, kwargs):
+    """Refuses dual tensors (forward-mode AD) among the inputs, as torch's checkpoint does: its
+    non-reentrant variant saves them through an autograd Function without a jvp, which raises
+    NotImplementedError before anything is saved."""
+    if torch.autograd.forward_ad._current_level < 0:
+        return
+    for a in list(args) + list(kwargs.values()):
+        if (
+            isinstance(a, torch.Tensor)
+            and torch.autograd.forward_ad.unpack_dual(a).tangent is not None
+        ):
+            raise NotImplementedError(
+                "ferry.checkpoint: forward-mode AD is not supported: an input is a dual tensor "
+                "(torch.autograd.forward_ad); torch.utils.checkpoint refuses it too. Run the "
+                "function without checkpointing, or compute the JVP with torch.func.jvp outside "
+                "the checkpoint"
+            )
 
 
 def _non_reentrant(
