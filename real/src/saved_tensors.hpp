@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -40,7 +41,12 @@ std::vector<Context>& region_stack();
 //   and its conjugate and negative bits (TensorMeta).
 // * What has no storage ferry can copy is kept as it is and counted (kept_as_is in the
 //   telemetry): subclasses whose data lives in other tensors (wrapper subclasses such as
-//   DTensor), sparse, quantized and zero tensors.
+//   DTensor, jagged nested tensors), sparse, quantized and zero tensors. It is held detached,
+//   so that a saved output holds no graph, and its sizes are read only as symbolic sizes.
+// * `x.data = other` after the save bumps no version and is not seen: backward gets the storage
+//   the tensor had at the save, copied (offloaded, as torch's save_on_cpu copies on a GPU) or
+//   held detached (kept). Plain torch holds an input's tensor object and would read the new
+//   data; no offloader can, so one rule holds for every saved tensor.
 // * torch.autograd.graph.allow_mutation_on_saved_tensors: a region entered under it leaves its
 //   saved tensors to torch's own hooks (ferry/_regions.py, Region), which clone a saved tensor
 //   before it is changed in place.
@@ -81,9 +87,28 @@ class SavedVersion {
   /// Throws torch's error when the tensor changed in place since it was saved; `sizes` and
   /// `dtype` are the saved tensor's, for the message.
   void check(at::IntArrayRef sizes, at::ScalarType dtype) const {
-    if (!counter_.enabled()) return;
+    if (changed()) fail(fmt::format("{}", fmt::join(sizes, ", ")), dtype);
+  }
+  /// check() for the saved tensor `t` itself: its sizes are read only for the message, as
+  /// symbolic sizes (a jagged nested tensor has no plain ones).
+  void check(const at::Tensor& t) const {
+    if (!changed()) return;
+    std::ostringstream sizes;
+    const char* sep = "";
+    for (const c10::SymInt& s : t.sym_sizes()) {
+      sizes << sep << s;
+      sep = ", ";
+    }
+    fail(sizes.str(), t.scalar_type());
+  }
+
+ private:
+  [[nodiscard]] bool changed() const {
+    return counter_.enabled() && counter_.current_version() != saved_;
+  }
+
+  [[noreturn]] void fail(const std::string& sizes, at::ScalarType dtype) const {
     const std::uint32_t now = counter_.current_version();
-    if (now == saved_) return;
     std::string origin;
     if (const std::shared_ptr<torch::autograd::Node> fn = grad_fn_.lock()) {
       origin = fmt::format(", which is output {} of {},", output_nr_, fn->name());
@@ -98,10 +123,9 @@ class SavedVersion {
     throw std::runtime_error(fmt::format(
         "one of the variables needed for gradient computation has been modified by an inplace "
         "operation: [{} [{}]]{} is at version {}; expected version {} instead. {}",
-        type_name(dtype, cuda_), fmt::join(sizes, ", "), origin, now, saved_, hint));
+        type_name(dtype, cuda_), sizes, origin, now, saved_, hint));
   }
 
- private:
   c10::VariableVersion counter_;
   std::uint32_t saved_;
   std::weak_ptr<torch::autograd::Node> grad_fn_;  // weak: a saved output's node saves it
@@ -116,7 +140,7 @@ class KeptAsIs final : public Packed {
  public:
   explicit KeptAsIs(const at::Tensor& tensor) : tensor_(tensor.detach()), version_(tensor) {}
   at::Tensor unpack() override {
-    version_.check(tensor_.sizes(), tensor_.scalar_type());
+    version_.check(tensor_);
     return tensor_;
   }
 
