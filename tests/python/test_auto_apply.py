@@ -1,7 +1,8 @@
 """`ferry.auto` applies every plan it returns. Tiny random Hugging Face models of several
-families, built as a user builds them (the config's defaults: a key/value cache, SDPA, dropout
-where the family has it; no attention mask), with the loss of the issue that found the breach
-(`out.logits.float().mean()`), on the CPU loopback device:
+families (decoders, the encoder-only BERT, the encoder-decoder T5 wrapped as a user wraps it
+for a step, the vision encoder ViT), built as a user builds them (the config's defaults: a
+key/value cache, SDPA, dropout where the family has it; no attention mask), with the loss of
+the issue that found the breach (`out.logits.float().mean()`), on the CPU loopback device:
 
 * below the floor `ferry.auto` refuses, naming the floor, a peak above the budget it refused;
 * at the floor, at the whole device (no offload) and halfway between their peaks, it returns a
@@ -86,6 +87,60 @@ def _llama_without_cache():
     return model
 
 
+class _T5(torch.nn.Module):
+    """An encoder-decoder as a user wraps it for a step: (input ids, decoder input ids)."""
+
+    def __init__(self):
+        super().__init__()
+        self.t5 = transformers.T5ForConditionalGeneration(
+            transformers.T5Config(
+                vocab_size=VOCAB,
+                d_model=HIDDEN,
+                d_kv=HIDDEN // 4,
+                d_ff=2 * HIDDEN,
+                num_layers=LAYERS,
+                num_decoder_layers=LAYERS,
+                num_heads=4,
+            )
+        )
+
+    def forward(self, ids, decoder_ids):
+        return self.t5(input_ids=ids, decoder_input_ids=decoder_ids)
+
+
+def _vit():
+    return transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            intermediate_size=2 * HIDDEN,
+            image_size=32,
+            patch_size=4,
+            num_labels=10,
+        )
+    )
+
+
+def _token_ids():
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)),)
+
+
+def _seq2seq_ids():
+    g = torch.Generator().manual_seed(1)
+    return (
+        torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        torch.randint(0, VOCAB, (BATCH, SEQ // 2), generator=g),
+    )
+
+
+def _images():
+    return (torch.randn(BATCH, 3, 32, 32, generator=torch.Generator().manual_seed(1)),)
+
+
+# Each family's inputs of one step, as a tuple (token ids unless named here).
+INPUTS = {"t5": _seq2seq_ids, "vit": _images}
+
 FAMILIES = {
     "llama": _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "llama-no-cache": _llama_without_cache,
@@ -102,6 +157,8 @@ FAMILIES = {
     ),
     "gpt2": _gpt2,
     "bert": _bert,
+    "t5": _T5,
+    "vit": _vit,
 }
 
 
@@ -113,17 +170,17 @@ def build(family):
     torch.manual_seed(0)
     model = FAMILIES[family]()
     model.train()
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    return model, ids
+    return model, INPUTS.get(family, _token_ids)()
 
 
 def train_step(model, ids, ctx=None, seed=2):
+    """One step on the inputs ``ids`` (a tuple), under ``ctx`` when given."""
     torch.manual_seed(seed)
     if ctx is None:
-        loss = loss_fn(model(ids))
+        loss = loss_fn(model(*ids))
     else:
         with ctx:
-            loss = loss_fn(model(ids))
+            loss = loss_fn(model(*ids))
     loss.backward()
     return loss
 
@@ -151,7 +208,7 @@ def check_bitwise(family, make_ctx):
 
 
 def auto(model, ids, budget):
-    return ferry.auto(model, ids, budget=str(budget), loss_fn=loss_fn)
+    return ferry.auto(model, *ids, budget=str(budget), loss_fn=loss_fn)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -176,16 +233,24 @@ def test_auto_applies_every_plan_it_returns(cli, family):
 
 
 def random_plan(doc, rng):
-    """Each layer a region (inputs kept or offloaded; ops kept, offloaded or recomputed) or
-    not (ops kept or offloaded); the ops outside layers kept or offloaded. Every byte may be
-    offloaded: no minimum size, no window."""
+    """Each layer's run of ops a region (inputs kept or offloaded; ops kept, offloaded or
+    recomputed) or not (ops kept or offloaded); the ops outside layers kept or offloaded. Every
+    byte may be offloaded: no minimum size, no window."""
     ops = doc["ops"]
-    layers = sorted({op["layer"] for op in ops if op.get("layer") is not None})
+    # A layer's ops in runs: an encoder-decoder numbers its encoder's and decoder's layers
+    # alike, so a layer number may have two runs of ops.
+    spans = []
+    for i, op in enumerate(ops):
+        layer = op.get("layer")
+        if layer is None:
+            continue
+        if spans and ops[spans[-1][-1]].get("layer") == layer and spans[-1][-1] == i - 1:
+            spans[-1].append(i)
+        else:
+            spans.append([i])
     decisions = [rng.choice(("keep", "offload")) for _ in ops]
     regions = []
-    for layer in layers:
-        span = [i for i, op in enumerate(ops) if op.get("layer") == layer]
-        assert span == list(range(span[0], span[-1] + 1))
+    for span in spans:
         if rng.random() < 0.5:
             continue
         regions.append(
@@ -207,7 +272,7 @@ def random_plan(doc, rng):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_random_plans_train_bitwise(family):
     base, ids, _, _ = reference(family)
-    doc = ferry.trace(base, ids, loss_fn=loss_fn, target="host").document
+    doc = ferry.trace(base, *ids, loss_fn=loss_fn, target="host").document
     for seed in (sorted(FAMILIES).index(family), len(FAMILIES) + sorted(FAMILIES).index(family)):
         plan = random_plan(doc, random.Random(seed))
         try:
