@@ -55,7 +55,7 @@ if [[ $real == ON && $preset != asan ]]; then
   FERRY_CLI="$PWD/build/$preset/sim/ferry" timed pytest .venv/bin/python -m pytest -q tests/python
   real_suites=(offload checkpoint checkpoint_api hf_models distributed saved_contract
                current_stream async_loopback regions selective_offload trl_names threads autocast
-               compile auto_apply validate_layers)
+               compile auto_apply validate_layers unusual_uses)
   real_files=()
   for suite in "${real_suites[@]}"; do real_files+=("tests/python/test_$suite.py"); done
   for seed in 2 3; do
