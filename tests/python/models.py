@@ -96,3 +96,18 @@ def check_against_plain(make_model, make_input, ctx, steps=1, device="cpu"):
         assert torch.equal(ref_loss, got_loss)
         assert_same_grads(ref, model, [ref_x], [x])
     return model
+
+
+def tiny_bert():
+    """A Hugging Face BERT masked LM of 2 layers, hidden 64, 4 heads, MLP 128, vocabulary 512."""
+    import transformers
+
+    config = transformers.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
+    return transformers.BertForMaskedLM(config)

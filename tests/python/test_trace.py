@@ -13,7 +13,7 @@ from torch import nn
 
 from ferry._trace import layer_of, trace
 from ferry_cli import cli
-from models import TinyLM, loss_of
+from models import TinyLM, loss_of, tiny_bert
 
 
 def real_packs(run, held=False):
@@ -361,19 +361,7 @@ def _hf_gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-def _hf_bert():
-    config = transformers.BertConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        vocab_size=512,
-        max_position_embeddings=256,
-    )
-    return transformers.BertForMaskedLM(config)
-
-
-@pytest.mark.parametrize("make", [_hf_llama, _hf_gpt2, _hf_bert], ids=["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("make", [_hf_llama, _hf_gpt2, tiny_bert], ids=["llama", "gpt2", "bert"])
 def test_hugging_face_models_match_a_real_run(make, tmp_path):
     torch.manual_seed(0)
     model = make().train()

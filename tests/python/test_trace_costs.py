@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ferry._trace import _record, trace
+from models import tiny_bert
 from traced_families import FAMILIES, trace_family
 
 transformers = pytest.importorskip("transformers")
@@ -277,16 +278,8 @@ def test_no_family_has_an_op_without_a_cost_model(family):
 
 
 def test_bert_and_gpt2_with_sdpa_have_no_op_without_a_cost_model():
-    config = transformers.BertConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        vocab_size=512,
-        max_position_embeddings=256,
-    )
     ids = torch.zeros((2, 32), dtype=torch.long)
-    bert = transformers.BertForMaskedLM(config).train()
+    bert = tiny_bert().train()
     assert trace(bert, ids, labels=ids).uncosted == {}
     gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64)
