@@ -191,12 +191,17 @@ void check_device(const CachingAllocator& alloc, const std::vector<Live>& live) 
   std::array<Bytes, 2> pool_allocated{};
   std::array<Bytes, 2> pool_reserved{};
   std::vector<BlockInfo> handed_out;
+  const bool expandable = alloc.mode() == AllocatorMode::Expandable;
   Bytes previous_end = alloc.base();
   for (const SegmentInfo& seg : segments) {
     RC_ASSERT(seg.address >= previous_end);  // address order, no overlap
     previous_end = seg.address + seg.size;
     const auto pool = static_cast<std::size_t>(seg.pool);
-    if (seg.pool == PoolKind::Small) {
+    RC_ASSERT(seg.expandable == expandable);
+    if (expandable) {
+      // A mapped range is whole pages of its pool.
+      RC_ASSERT(seg.size.count() % expandable_page_size(seg.pool).count() == 0);
+    } else if (seg.pool == PoolKind::Small) {
       RC_ASSERT(seg.size == kSmallBuffer);
     } else {
       RC_ASSERT(seg.size >= kMinLargeAlloc && seg.size.count() % kRoundLarge.count() == 0);
@@ -226,7 +231,8 @@ void check_device(const CachingAllocator& alloc, const std::vector<Live>& live) 
     }
     RC_ASSERT(cursor == seg.address + seg.size);
   }
-  RC_ASSERT(previous_end <= alloc.base() + alloc.capacity());
+  RC_ASSERT(previous_end <=
+            alloc.base() + (expandable ? kExpandableAddressSpan : alloc.capacity()));
   RC_ASSERT(stats.reserved == reserved);
   RC_ASSERT(stats.allocated == allocated);
   RC_ASSERT(stats.requested == requested);
@@ -238,8 +244,10 @@ void check_device(const CachingAllocator& alloc, const std::vector<Live>& live) 
   RC_ASSERT(stats.reserved_peak >= stats.reserved);
   RC_ASSERT(stats.pool_reserved_peak[0] >= stats.pool_reserved[0]);
   RC_ASSERT(stats.pool_reserved_peak[1] >= stats.pool_reserved[1]);
-  RC_ASSERT(stats.segment_allocs - stats.segment_frees ==
-            static_cast<std::int64_t>(segments.size()));
+  if (!expandable) {
+    RC_ASSERT(stats.segment_allocs - stats.segment_frees ==
+              static_cast<std::int64_t>(segments.size()));
+  }
 
   // What is handed out is exactly what the model holds.
   std::vector<Live> expected = live;
@@ -291,8 +299,9 @@ void model_record_stream(Alloc& alloc, std::vector<Live>& live, StreamProgress& 
   }
 }
 
-std::vector<Bytes> run_device(const std::vector<Op>& ops, Bytes capacity, AllocatorFaults faults) {
-  CachingAllocator alloc(capacity, kDeviceBase, faults);
+std::vector<Bytes> run_device(const std::vector<Op>& ops, Bytes capacity, AllocatorFaults faults,
+                              AllocatorMode mode = AllocatorMode::Default) {
+  CachingAllocator alloc(capacity, kDeviceBase, mode, faults);
   StreamProgress progress;
   std::vector<Live> live;
   std::vector<Guard> guards;
@@ -325,6 +334,10 @@ std::vector<Bytes> run_device(const std::vector<Op>& ops, Bytes capacity, Alloca
         break;
       case Op::Kind::EmptyCache:
         alloc.empty_cache(progress);
+        if (mode == AllocatorMode::Expandable && alloc.stats().allocated == Bytes(0)) {
+          // Nothing live and nothing pending: every page is unmapped.
+          RC_ASSERT(alloc.stats().reserved == Bytes(0));
+        }
         break;
     }
     check_device(alloc, live);
@@ -351,10 +364,10 @@ Bytes any_device_capacity() {
                kMiB.count());
 }
 
-void device_property(AllocatorFaults faults) {
+void device_property(AllocatorFaults faults, AllocatorMode mode = AllocatorMode::Default) {
   const Bytes capacity = any_device_capacity();
   const auto ops = *rc::gen::container<std::vector<Op>>(device_op());
-  run_device(ops, capacity, faults);
+  run_device(ops, capacity, faults, mode);
 }
 
 rc::Gen<std::int64_t> host_size() {
@@ -501,6 +514,18 @@ RC_GTEST_PROP(CachingAllocatorProperties, SameOperationsGiveSameAddresses, ()) {
             run_device(ops, capacity, AllocatorFaults{}));
 }
 
+RC_GTEST_PROP(CachingAllocatorProperties, InvariantsHoldWithExpandableSegments, ()) {
+  device_property(AllocatorFaults{}, AllocatorMode::Expandable);
+}
+
+RC_GTEST_PROP(CachingAllocatorProperties, SameOperationsGiveSameAddressesWithExpandableSegments,
+              ()) {
+  const Bytes capacity = any_device_capacity();
+  const auto ops = *rc::gen::container<std::vector<Op>>(device_op());
+  RC_ASSERT(run_device(ops, capacity, AllocatorFaults{}, AllocatorMode::Expandable) ==
+            run_device(ops, capacity, AllocatorFaults{}, AllocatorMode::Expandable));
+}
+
 RC_GTEST_PROP(PinnedHostAllocatorProperties, InvariantsHoldOverRandomOperations, ()) {
   host_property(AllocatorFaults{});
 }
@@ -508,6 +533,16 @@ RC_GTEST_PROP(PinnedHostAllocatorProperties, InvariantsHoldOverRandomOperations,
 TEST(CachingAllocatorProperties, CatchesAPlantedFaultThatIgnoresRecordStream) {
   const auto [held, report] =
       check_quietly([] { device_property(AllocatorFaults{.ignore_record_stream = true}); });
+  EXPECT_FALSE(held) << report;
+  EXPECT_NE(report.find("handed out before the marker"), std::string::npos) << report;
+  std::cout << "planted fault caught: " << falsified_line(report) << "\n";
+}
+
+TEST(CachingAllocatorProperties,
+     CatchesAPlantedFaultThatIgnoresRecordStreamWithExpandableSegments) {
+  const auto [held, report] = check_quietly([] {
+    device_property(AllocatorFaults{.ignore_record_stream = true}, AllocatorMode::Expandable);
+  });
   EXPECT_FALSE(held) << report;
   EXPECT_NE(report.find("handed out before the marker"), std::string::npos) << report;
   std::cout << "planted fault caught: " << falsified_line(report) << "\n";

@@ -18,6 +18,7 @@ Result<std::vector<AllocatorHistory>> allocator_history(const Simulator& sim) {
     h.device = DeviceId(d);
     h.events = log->events(h.device);
     h.segments = sim.device_allocator(h.device).segments();
+    h.mode = sim.device_allocator(h.device).mode();
     // The blocks still allocated or pending at the end, and who obtained each segment left.
     for (const AllocatorEvent& e : h.events) {
       switch (e.action) {
@@ -32,6 +33,15 @@ Result<std::vector<AllocatorHistory>> allocator_history(const Simulator& sim) {
           break;
         case AllocatorEvent::Action::SegmentFree:
           h.segment_ops.erase(e.address);
+          break;
+        case AllocatorEvent::Action::SegmentMap:
+          h.segment_ops[e.address] = e.op;
+          break;
+        case AllocatorEvent::Action::SegmentUnmap:
+          // The maps wholly inside the unmapped pages are gone; one that began before them
+          // still names the mapped range in front.
+          h.segment_ops.erase(h.segment_ops.lower_bound(e.address),
+                              h.segment_ops.lower_bound(e.address + e.size));
           break;
         default:
           break;

@@ -61,6 +61,10 @@ const char* action_name(Action a) {
       return "segment_alloc";
     case Action::SegmentFree:
       return "segment_free";
+    case Action::SegmentMap:
+      return "segment_map";
+    case Action::SegmentUnmap:
+      return "segment_unmap";
     case Action::Oom:
       return "oom";
   }
@@ -100,7 +104,7 @@ class SnapshotWriter {
     }
     p_.end_list();
     p_.str("allocator_settings");
-    allocator_settings();
+    allocator_settings(!histories.empty() && histories.front().mode == AllocatorMode::Expandable);
     p_.str("external_annotations");
     p_.begin_list();
     p_.end_list();
@@ -156,9 +160,12 @@ class SnapshotWriter {
     p_.integer(0);
     p_.end_tuple();
     p_.str("is_expandable");
-    p_.boolean(false);
+    p_.boolean(s.expandable);
     p_.str("frames");
-    frames_of(h.segment_ops.at(s.address));
+    // An expandable segment's mapped range starts where a map started, or where an unmap
+    // ended inside an earlier map: the frames are those of the map it lies in.
+    frames_of(s.expandable ? std::prev(h.segment_ops.upper_bound(s.address))->second
+                           : h.segment_ops.at(s.address));
     p_.str("blocks");
     p_.begin_list();
     for (const BlockInfo& b : s.blocks) {
@@ -200,19 +207,20 @@ class SnapshotWriter {
     p_.end_dict();
   }
 
-  // The caching allocator's settings as PyTorch reports them without PYTORCH_CUDA_ALLOC_CONF:
-  // no split limit (max_split_size is SIZE_MAX, -1 as a signed integer), no garbage
-  // collection, no expandable segments, no power-of-two rounding in any of the 16 size
-  // intervals. The simulated allocator models exactly that configuration (docs/allocators.md).
-  void allocator_settings() {
+  // The caching allocator's settings as PyTorch reports them without PYTORCH_CUDA_ALLOC_CONF
+  // (or, with `expandable`, with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): no split
+  // limit (max_split_size is SIZE_MAX, -1 as a signed integer), no garbage collection, no
+  // power-of-two rounding in any of the 16 size intervals. The simulated allocator models
+  // exactly that configuration (docs/allocators.md).
+  void allocator_settings(bool expandable) {
     p_.begin_dict();
     p_.str("PYTORCH_CUDA_ALLOC_CONF");
-    p_.str("");
+    p_.str(expandable ? "expandable_segments:True" : "");
     int_item("max_split_size", -1);
     p_.str("garbage_collection_threshold");
     p_.real(0.0);
     p_.str("expandable_segments");
-    p_.boolean(false);
+    p_.boolean(expandable);
     int_item("pinned_num_register_threads", 1);
     p_.str("release_lock_on_cudamalloc");
     p_.boolean(false);

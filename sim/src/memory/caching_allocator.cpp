@@ -19,6 +19,10 @@ Bytes round_up(Bytes size, Bytes unit) {
   return Bytes((size.count() + unit.count() - 1) / unit.count() * unit.count());
 }
 
+Bytes round_down(Bytes size, Bytes unit) {
+  return Bytes(size.count() / unit.count() * unit.count());
+}
+
 std::size_t pool_index(PoolKind pool) { return static_cast<std::size_t>(pool); }
 
 const char* state_name(BlockInfo::State state) {
@@ -46,6 +50,20 @@ Bytes round_size(Bytes requested) {
     return kMinBlockSize;
   }
   return round_up(requested, kMinBlockSize);
+}
+
+std::optional<AllocatorMode> parse_allocator_mode(std::string_view name) {
+  if (name == "default") return AllocatorMode::Default;
+  if (name == "expandable") return AllocatorMode::Expandable;
+  return std::nullopt;
+}
+
+std::string_view allocator_mode_name(AllocatorMode mode) {
+  return mode == AllocatorMode::Expandable ? "expandable" : "default";
+}
+
+Bytes expandable_page_size(PoolKind pool) {
+  return pool == PoolKind::Small ? kSmallBuffer : kLargeBuffer;
 }
 
 PoolKind pool_for(Bytes size) { return size <= kSmallSize ? PoolKind::Small : PoolKind::Large; }
@@ -113,7 +131,36 @@ CachingAllocator::CachingAllocator(Bytes capacity, Bytes base)
     : CachingAllocator(capacity, base, AllocatorFaults{}) {}
 
 CachingAllocator::CachingAllocator(Bytes capacity, Bytes base, AllocatorFaults faults)
-    : capacity_(capacity), base_(base), faults_(faults), ranges_(base, capacity) {}
+    : CachingAllocator(capacity, base, AllocatorMode::Default, faults) {}
+
+CachingAllocator::CachingAllocator(Bytes capacity, Bytes base, AllocatorMode mode,
+                                   AllocatorFaults faults)
+    : capacity_(capacity),
+      base_(base),
+      mode_(mode),
+      faults_(faults),
+      ranges_(base, mode == AllocatorMode::Expandable ? kExpandableAddressSpan : capacity) {}
+
+// Note [Expandable segments]
+// With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, c10's caching allocator
+// (c10/cuda/CUDACachingAllocator.cpp, torch 2.11) obtains memory not by cudaMalloc but by
+// mapping pages into a virtual range it reserved: an ExpandableSegment per stream and pool,
+// 1 1/8 of the device's memory long, whose page is the pool's segment size (kSmallBuffer for
+// the small pool, kLargeBuffer for the large one: find_expandable_block). What is modelled:
+//  * A request no free mapped block fits goes to try_allocate_expandable_block: the lowest
+//    unmapped range of the stream and pool, started at the free mapped block before it if there
+//    is one (find_expandable_block), whose free and unmapped blocks together hold the request.
+//    map_block maps just enough whole pages of it, merges them with the free neighbours, and
+//    reserved memory grows by the pages mapped (a SegmentMap action; segment_allocs counts it).
+//    Mapping fails, as cuMemCreate does, when the pages would take reserved past capacity.
+//  * should_split: every remainder of at least 512 B is split off, in both pools.
+//  * Blocks merge only with free neighbours that are mapped too.
+//  * free never unmaps. release_cached_blocks (empty_cache, and the retry after a failed map)
+//    unmaps the whole pages inside every free block (unmap_block, a SegmentUnmap action), large
+//    pool first; a segment left wholly unmapped is released (release_expandable_segment).
+//  * Its virtual range comes from kExpandableAddressSpan; only mapped pages count against the
+//    capacity. segments() reports each contiguous mapped range as a segment, as torch's
+//    snapshot does.
 
 Result<DeviceAllocation> CachingAllocator::malloc(StreamId stream, Bytes requested,
                                                   StreamMarkers& markers, BufferId buffer) {
@@ -124,6 +171,21 @@ Result<DeviceAllocation> CachingAllocator::malloc(StreamId stream, Bytes request
   process_pending(markers);
   if (const auto address = take_free_block(stream, pool, size)) {
     return hand_out(*address, size, requested, buffer);
+  }
+  if (mode_ == AllocatorMode::Expandable) {
+    // See Note [Expandable segments]; the retry is Note [OOM retry]'s.
+    auto grown = grow_expandable(stream, pool, size);
+    if (!grown) {
+      synchronize_pending(markers);
+      release_free_segments();
+      grown = grow_expandable(stream, pool, size);
+    }
+    if (!grown) {
+      ++stats_.ooms;
+      track(AllocatorEvent::Action::Oom, capacity_ - stats_.reserved, size, stream, BufferId());
+      return out_of_memory(stream, requested, size, round_up(size, expandable_page_size(pool)));
+    }
+    return hand_out(*grown, size, requested, buffer);
   }
   const Bytes segment_size = segment_size_for(size);
   auto segment = new_segment(stream, pool, segment_size);
@@ -205,6 +267,22 @@ std::vector<SegmentInfo> CachingAllocator::segments() const {
   std::vector<SegmentInfo> out;
   out.reserve(segments_.size());
   for (const auto& [address, segment] : segments_) {
+    if (segment.expandable) {
+      // One SegmentInfo per contiguous mapped range, as torch's snapshot reports them.
+      std::optional<SegmentInfo> run;
+      for (auto it = blocks_.lower_bound(address);
+           it != blocks_.end() && it->first < address + segment.size; ++it) {
+        if (!it->second.mapped) {
+          if (run) out.push_back(*std::exchange(run, std::nullopt));
+          continue;
+        }
+        if (!run) run = SegmentInfo{it->first, Bytes(0), segment.stream, segment.pool, {}, true};
+        run->size += it->second.size;
+        run->blocks.push_back(info(it->first, it->second));
+      }
+      if (run) out.push_back(std::move(*run));
+      continue;
+    }
     SegmentInfo info_out{address, segment.size, segment.stream, segment.pool, {}};
     for (auto it = blocks_.lower_bound(address);
          it != blocks_.end() && it->first < address + segment.size; ++it) {
@@ -276,8 +354,10 @@ DeviceAllocation CachingAllocator::hand_out(Bytes address, Bytes size, Bytes req
   Block& b = it->second;
   free_.erase(FreeKey{b.pool, b.stream, b.size, address});
   const Bytes remainder = b.size - size;
-  const bool split =
-      b.pool == PoolKind::Small ? remainder >= kMinBlockSize : remainder > kSmallSize;
+  // should_split: an expandable segment splits off every remainder of at least 512 B.
+  const bool split = b.pool == PoolKind::Small || mode_ == AllocatorMode::Expandable
+                         ? remainder >= kMinBlockSize
+                         : remainder > kSmallSize;
   if (split) {
     Block rest;
     rest.size = remainder;
@@ -315,26 +395,188 @@ void CachingAllocator::release_block(BlockMap::iterator it) {
   b.buffer = BufferId{};
   b.stream_uses.clear();
   b.markers.clear();
-  // Merge with free neighbours of the same segment; allocated and pending ones stay apart.
+  merge_free(it);
+}
+
+CachingAllocator::BlockMap::iterator CachingAllocator::merge_free(BlockMap::iterator it) {
+  // Merge with free mapped neighbours of the same segment; allocated, pending and unmapped ones
+  // stay apart.
+  const auto mergeable = [&](const Block& other, const Block& b) {
+    return other.segment == b.segment && other.state == BlockInfo::State::Free && other.mapped;
+  };
   if (it != blocks_.begin()) {
     const auto prev = std::prev(it);
     Block& p = prev->second;
-    if (p.segment == b.segment && p.state == BlockInfo::State::Free) {
+    if (mergeable(p, it->second)) {
       free_.erase(FreeKey{p.pool, p.stream, p.size, prev->first});
-      p.size += b.size;
+      p.size += it->second.size;
       blocks_.erase(it);
       it = prev;
     }
   }
   Block& merged = it->second;
   const auto next = std::next(it);
-  if (next != blocks_.end() && next->second.segment == merged.segment &&
-      next->second.state == BlockInfo::State::Free) {
+  if (next != blocks_.end() && mergeable(next->second, merged)) {
     free_.erase(FreeKey{next->second.pool, next->second.stream, next->second.size, next->first});
     merged.size += next->second.size;
     blocks_.erase(next);
   }
   free_.insert(FreeKey{merged.pool, merged.stream, merged.size, it->first});
+  return it;
+}
+
+std::optional<Bytes> CachingAllocator::grow_expandable(StreamId stream, PoolKind pool, Bytes size) {
+  // try_allocate_expandable_block: the candidate is unmapped, or free and followed by unmapped
+  // pages; map what the request still lacks until the merged free block holds it.
+  const auto candidate = find_expandable_block(stream, pool, size);
+  if (!candidate) return std::nullopt;
+  Bytes at = *candidate;
+  if (!blocks_.at(at).mapped) {
+    const auto mapped = map_block(at, std::min(blocks_.at(at).size, size));
+    if (!mapped) return std::nullopt;
+    at = *mapped;
+  }
+  while (blocks_.at(at).size < size) {
+    const auto it = blocks_.find(at);
+    const auto next = std::next(it);
+    FERRY_CHECK(
+        next != blocks_.end() && next->second.segment == it->second.segment && !next->second.mapped,
+        "expandable block at {:#x} is followed by no unmapped range", at.count());
+    const auto mapped = map_block(next->first, std::min(size - it->second.size, next->second.size));
+    if (!mapped) return std::nullopt;
+    at = *mapped;
+  }
+  return at;
+}
+
+std::optional<Bytes> CachingAllocator::find_expandable_block(StreamId stream, PoolKind pool,
+                                                             Bytes size) {
+  // The lowest unmapped range of this stream and pool (with the free block before it, if any)
+  // whose free and unmapped blocks hold `size`; else a new segment.
+  for (auto u = unmapped_.lower_bound(UnmappedKey{pool, stream, Bytes(0)});
+       u != unmapped_.end() && u->pool == pool && u->stream == stream; ++u) {
+    auto c = blocks_.find(u->address);
+    const Bytes segment = c->second.segment;
+    if (c != blocks_.begin()) {
+      const auto prev = std::prev(c);
+      if (prev->second.segment == segment && prev->second.state == BlockInfo::State::Free) {
+        c = prev;
+      }
+    }
+    Bytes bytes;
+    for (auto w = c; w != blocks_.end() && bytes < size && w->second.segment == segment &&
+                     w->second.state == BlockInfo::State::Free;
+         ++w) {
+      bytes += w->second.size;
+    }
+    if (bytes >= size) return c->first;
+  }
+  const Bytes page = expandable_page_size(pool);
+  const Bytes span = std::max(page, round_up(capacity_ + Bytes(capacity_.count() / 8), page));
+  const auto address = ranges_.allocate(span);
+  if (!address) return std::nullopt;
+  segments_.emplace(*address, Segment{span, stream, pool, true});
+  Block block;
+  block.size = span;
+  block.segment = *address;
+  block.stream = stream;
+  block.pool = pool;
+  block.mapped = false;
+  blocks_.emplace(*address, std::move(block));
+  unmapped_.insert(UnmappedKey{pool, stream, *address});
+  return address;
+}
+
+std::optional<Bytes> CachingAllocator::map_block(Bytes address, Bytes size) {
+  const auto it = blocks_.find(address);
+  FERRY_CHECK(it != blocks_.end() && !it->second.mapped, "no unmapped range at {:#x}",
+              address.count());
+  Block& b = it->second;
+  const Bytes mapped = std::min(b.size, round_up(size, expandable_page_size(b.pool)));
+  // cuMemCreate fails when the device has no room for the pages.
+  if (stats_.reserved + mapped > capacity_) return std::nullopt;
+  unmapped_.erase(UnmappedKey{b.pool, b.stream, address});
+  b.mapped = true;
+  if (mapped < b.size) {
+    Block rest;
+    rest.size = b.size - mapped;
+    rest.segment = b.segment;
+    rest.stream = b.stream;
+    rest.pool = b.pool;
+    rest.mapped = false;
+    blocks_.emplace_hint(std::next(it), address + mapped, std::move(rest));
+    unmapped_.insert(UnmappedKey{b.pool, b.stream, address + mapped});
+    b.size = mapped;
+  }
+  const PoolKind pool = b.pool;
+  track(AllocatorEvent::Action::SegmentMap, address, mapped, b.stream, BufferId());
+  ++stats_.segment_allocs;
+  stats_.reserved += mapped;
+  stats_.pool_reserved[pool_index(pool)] += mapped;
+  raise_peak(stats_.reserved_peak, stats_.reserved);
+  raise_peak(stats_.pool_reserved_peak[pool_index(pool)], stats_.pool_reserved[pool_index(pool)]);
+  return merge_free(it)->first;
+}
+
+void CachingAllocator::unmap_block(Bytes address) {
+  auto it = blocks_.find(address);
+  FERRY_CHECK(
+      it != blocks_.end() && it->second.mapped && it->second.state == BlockInfo::State::Free,
+      "no free mapped block at {:#x}", address.count());
+  Block proto = it->second;  // segment, stream, pool
+  const Bytes page = expandable_page_size(proto.pool);
+  const Bytes end_address = address + proto.size;
+  // ExpandableSegment::unmap: only the whole pages inside the block.
+  const Bytes begin = proto.segment + round_up(address - proto.segment, page);
+  const Bytes end = proto.segment + round_down(end_address - proto.segment, page);
+  if (end <= begin) return;
+  free_.erase(FreeKey{proto.pool, proto.stream, proto.size, address});
+  if (begin > address) {
+    it->second.size = begin - address;
+    free_.insert(FreeKey{proto.pool, proto.stream, it->second.size, address});
+    Block middle = proto;
+    it = blocks_.emplace_hint(std::next(it), begin, std::move(middle));
+  }
+  it->second.size = end - begin;
+  it->second.mapped = false;
+  if (end < end_address) {
+    Block after = proto;
+    after.size = end_address - end;
+    blocks_.emplace_hint(std::next(it), end, std::move(after));
+    free_.insert(FreeKey{proto.pool, proto.stream, end_address - end, end});
+  }
+  track(AllocatorEvent::Action::SegmentUnmap, begin, end - begin, proto.stream, BufferId());
+  ++stats_.segment_frees;
+  stats_.reserved -= end - begin;
+  stats_.pool_reserved[pool_index(proto.pool)] -= end - begin;
+  // Merge with unmapped neighbours of the same segment.
+  const auto unmapped_neighbour = [&](const Block& other) {
+    return other.segment == proto.segment && !other.mapped;
+  };
+  if (it != blocks_.begin()) {
+    const auto prev = std::prev(it);
+    if (unmapped_neighbour(prev->second)) {
+      prev->second.size += it->second.size;
+      blocks_.erase(it);
+      it = prev;
+    }
+  }
+  const auto next = std::next(it);
+  if (next != blocks_.end() && unmapped_neighbour(next->second)) {
+    unmapped_.erase(UnmappedKey{proto.pool, proto.stream, next->first});
+    it->second.size += next->second.size;
+    blocks_.erase(next);
+  }
+  const auto segment = segments_.find(proto.segment);
+  if (it->first == proto.segment && it->second.size == segment->second.size) {
+    // release_expandable_segment: nothing of it is mapped any more.
+    unmapped_.erase(UnmappedKey{proto.pool, proto.stream, it->first});
+    ranges_.release(proto.segment, segment->second.size);
+    blocks_.erase(it);
+    segments_.erase(segment);
+    return;
+  }
+  unmapped_.insert(UnmappedKey{proto.pool, proto.stream, it->first});
 }
 
 std::vector<MarkerId>& CachingAllocator::pending_markers(Bytes address) {
@@ -357,6 +599,19 @@ void CachingAllocator::synchronize_pending(StreamMarkers& markers) {
 }
 
 void CachingAllocator::release_free_segments() {
+  if (mode_ == AllocatorMode::Expandable) {
+    // release_cached_blocks: release_blocks of the large pool, then of the small one, unmapping
+    // the whole pages of every free block (Note [Expandable segments]). Unmapping one block
+    // leaves the others where they are.
+    std::vector<Bytes> to_unmap;
+    for (const PoolKind pool : {PoolKind::Large, PoolKind::Small}) {
+      for (const FreeKey& key : free_) {
+        if (key.pool == pool) to_unmap.push_back(key.address);
+      }
+    }
+    for (const Bytes address : to_unmap) unmap_block(address);
+    return;
+  }
   for (auto seg = segments_.begin(); seg != segments_.end();) {
     const auto block = blocks_.find(seg->first);
     FERRY_CHECK(block != blocks_.end(), "segment at {:#x} has no first block", seg->first.count());
@@ -380,20 +635,28 @@ Error CachingAllocator::out_of_memory(StreamId stream, Bytes requested, Bytes si
                                       Bytes segment_size) const {
   const Bytes free_bytes = capacity_ - stats_.reserved;
   std::string why =
-      segment_size > free_bytes
-          ? fmt::format("only {} ({} B) is not reserved", format_bytes(free_bytes),
-                        free_bytes.count())
+      segment_size > free_bytes ? fmt::format("only {} ({} B) is not reserved",
+                                              format_bytes(free_bytes), free_bytes.count())
+      : mode_ == AllocatorMode::Expandable
+          ? fmt::format(
+                "{} is not reserved but the virtual address space of expandable segments is "
+                "used up",
+                format_bytes(free_bytes))
           : fmt::format(
                 "{} is not reserved but no free address range is that long (the device "
                 "range is fragmented)",
                 format_bytes(free_bytes));
+  const std::string needed =
+      mode_ == AllocatorMode::Expandable
+          ? fmt::format("{} of pages mapped in an expandable segment", format_bytes(segment_size))
+          : fmt::format("a new {} segment", format_bytes(segment_size));
   std::string message = fmt::format(
       "out of memory: tried to allocate {} ({} B) on stream {}; capacity {}, reserved {}, "
-      "allocated {}; the {} B block needs a new {} segment and {}; {} is reserved but unallocated "
+      "allocated {}; the {} B block needs {} and {}; {} is reserved but unallocated "
       "in partly used segments. Free or shrink live tensors, or give the device more memory.",
       format_bytes(requested), requested.count(), stream.value(), format_bytes(capacity_),
-      format_bytes(stats_.reserved), format_bytes(stats_.allocated), size.count(),
-      format_bytes(segment_size), why, format_bytes(stats_.reserved - stats_.allocated));
+      format_bytes(stats_.reserved), format_bytes(stats_.allocated), size.count(), needed, why,
+      format_bytes(stats_.reserved - stats_.allocated));
   const std::vector<BlockInfo> live = live_blocks();
   message += fmt::format("\nlive blocks ({}, by address):", live.size());
   for (std::size_t i = 0; i < live.size() && i < kOomListedBlocks; ++i) {

@@ -20,11 +20,13 @@ namespace ferry::sim {
 
 /// What a device's caching allocator did during a run and how it stands at the end.
 struct AllocatorHistory {
-  DeviceId device;                          ///< the device whose allocator this is
-  std::span<const AllocatorEvent> events;   ///< in the order taken; the simulator owns them
-  std::vector<SegmentInfo> segments;        ///< at the end of the run, by address
-  std::map<Bytes, BufferId> block_buffers;  ///< allocated or pending block -> its buffer
-  std::map<Bytes, OpId> segment_ops;        ///< segment -> the call that obtained it
+  DeviceId device;                              ///< the device whose allocator this is
+  std::span<const AllocatorEvent> events;       ///< in the order taken; the simulator owns them
+  std::vector<SegmentInfo> segments;            ///< at the end of the run, by address
+  std::map<Bytes, BufferId> block_buffers;      ///< allocated or pending block -> its buffer
+  std::map<Bytes, OpId> segment_ops;            ///< segment (or mapped range) -> the call that
+                                                ///< obtained it
+  AllocatorMode mode = AllocatorMode::Default;  ///< how the allocator obtained memory
 };
 
 /// The allocator history of every device of the finished run `sim`, in device order: the

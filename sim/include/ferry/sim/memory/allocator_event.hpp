@@ -19,6 +19,8 @@ struct AllocatorEvent {
     SegmentAlloc,   ///< a segment obtained from the device (cudaMalloc)
     SegmentFree,    ///< a segment returned to the device (cudaFree)
     Oom,            ///< an allocation that failed
+    SegmentMap,     ///< pages mapped at the end of an expandable segment's mapped range
+    SegmentUnmap,   ///< pages of an expandable segment unmapped
   };
   Action action = Action::Alloc;
   Bytes address;    ///< of the block or segment; for Oom, the device bytes not reserved

@@ -10,6 +10,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -29,6 +30,19 @@ inline constexpr Bytes kSmallBuffer{2 * 1024 * 1024};  ///< segment size of the 
 inline constexpr Bytes kMinLargeAlloc{10 * 1024 * 1024};  ///< below this, large requests get...
 inline constexpr Bytes kLargeBuffer{20 * 1024 * 1024};    ///< ...a 20 MiB segment
 inline constexpr Bytes kRoundLarge{2 * 1024 * 1024};      ///< larger segments round to 2 MiB
+
+/// Virtual address space the expandable segments of one device may take, from the device's base:
+/// room for many segments of 1 1/8 of the device's memory, below the simulator's host ranges.
+inline constexpr Bytes kExpandableAddressSpan{std::int64_t{1} << 44};
+
+/// How the caching allocator obtains device memory: PyTorch's default (one cudaMalloc per
+/// segment) or `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (Note [Expandable segments]).
+enum class AllocatorMode : std::uint8_t { Default = 0, Expandable = 1 };
+
+/// The mode named `name` (`default`, `expandable`); nullopt for any other name.
+[[nodiscard]] std::optional<AllocatorMode> parse_allocator_mode(std::string_view name);
+/// The name parse_allocator_mode reads for `mode`.
+[[nodiscard]] std::string_view allocator_mode_name(AllocatorMode mode);
 
 /// Identifies one allocated block until it is freed.
 using BlockId = StrongId<struct BlockTag>;
@@ -53,13 +67,15 @@ struct BlockInfo {
   State state = State::Free;
 };
 
-/// One cudaMalloc'ed segment and the blocks it is split into, in address order.
+/// One cudaMalloc'ed segment and the blocks it is split into, in address order. Of an expandable
+/// segment, one contiguous mapped range (as PyTorch's snapshot reports it).
 struct SegmentInfo {
   Bytes address;
   Bytes size;
   StreamId stream;
   PoolKind pool = PoolKind::Small;
   std::vector<BlockInfo> blocks;
+  bool expandable = false;  ///< part of an expandable segment
 };
 
 /// Counters in the spirit of torch.cuda.memory_stats. Pending frees count as allocated.
@@ -73,8 +89,8 @@ struct AllocatorStats {
   std::array<Bytes, 2> pool_allocated{};  ///< indexed by PoolKind
   std::array<Bytes, 2> pool_reserved{};
   std::array<Bytes, 2> pool_reserved_peak{};
-  std::int64_t segment_allocs = 0;  ///< cudaMalloc calls
-  std::int64_t segment_frees = 0;   ///< cudaFree calls
+  std::int64_t segment_allocs = 0;  ///< cudaMalloc calls (expandable: page-range maps)
+  std::int64_t segment_frees = 0;   ///< cudaFree calls (expandable: page-range unmaps)
   std::int64_t deferred_frees = 0;  ///< frees delayed by record_stream
   std::int64_t ooms = 0;
 };
@@ -113,6 +129,8 @@ class CachingAllocator {
   CachingAllocator& operator=(CachingAllocator&&) = delete;
   /// As above, with test-only faults planted.
   CachingAllocator(Bytes capacity, Bytes base, AllocatorFaults faults);
+  /// As above, in `mode` (Note [Expandable segments]).
+  CachingAllocator(Bytes capacity, Bytes base, AllocatorMode mode, AllocatorFaults faults = {});
 
   /// Allocates `requested` bytes for use on `stream`. First hands back deferred frees whose
   /// markers completed; on exhaustion releases cached segments (synchronizing pending frees)
@@ -144,6 +162,8 @@ class CachingAllocator {
   [[nodiscard]] Bytes capacity() const { return capacity_; }
   /// Address of the first byte segments may occupy.
   [[nodiscard]] Bytes base() const { return base_; }
+  /// How the allocator obtains device memory.
+  [[nodiscard]] AllocatorMode mode() const { return mode_; }
   /// Reports every action to `tracker` from now on (not owned; null: none). See Note
   /// [Allocator tracking].
   void set_tracker(AllocatorTracker* tracker) { tracker_ = tracker; }
@@ -161,11 +181,13 @@ class CachingAllocator {
     BufferId buffer;                    // what malloc's caller named it, until it is Free
     std::vector<StreamId> stream_uses;  // record_stream targets, sorted, never `stream`
     std::vector<MarkerId> markers;      // outstanding markers of a pending free
+    bool mapped = true;                 // false: unmapped pages of an expandable segment (Free)
   };
   struct Segment {
-    Bytes size;
+    Bytes size;  // expandable: the whole virtual range, mapped or not
     StreamId stream;
     PoolKind pool = PoolKind::Small;
+    bool expandable = false;
   };
   /// Orders free blocks as the best-fit search needs them: per pool and stream, by size, then
   /// address.
@@ -175,6 +197,13 @@ class CachingAllocator {
     Bytes size;
     Bytes address;
     friend auto operator<=>(const FreeKey&, const FreeKey&) = default;
+  };
+  /// Orders the unmapped ranges of expandable segments as find_expandable_block walks them.
+  struct UnmappedKey {
+    PoolKind pool = PoolKind::Small;
+    StreamId stream;
+    Bytes address;
+    friend auto operator<=>(const UnmappedKey&, const UnmappedKey&) = default;
   };
   using BlockMap = PooledMap<Bytes, Block>;
 
@@ -194,6 +223,11 @@ class CachingAllocator {
     }
   }
   void release_block(BlockMap::iterator it);
+  BlockMap::iterator merge_free(BlockMap::iterator it);
+  std::optional<Bytes> grow_expandable(StreamId stream, PoolKind pool, Bytes size);
+  std::optional<Bytes> find_expandable_block(StreamId stream, PoolKind pool, Bytes size);
+  std::optional<Bytes> map_block(Bytes address, Bytes size);
+  void unmap_block(Bytes address);
   std::vector<MarkerId>& pending_markers(Bytes address);
   void process_pending(StreamMarkers& markers);
   void synchronize_pending(StreamMarkers& markers);
@@ -204,6 +238,7 @@ class CachingAllocator {
 
   Bytes capacity_;
   Bytes base_;
+  AllocatorMode mode_ = AllocatorMode::Default;
   AllocatorFaults faults_;
   AllocatorTracker* tracker_ = nullptr;  // not owned
   AddressRangeAllocator ranges_;
@@ -217,6 +252,7 @@ class CachingAllocator {
       // by address
       PooledMap<Bytes, Segment>::allocator_type(segment_nodes_.get())};
   PooledSet<FreeKey> free_{PooledSet<FreeKey>::allocator_type(free_nodes_.get())};  // Free only
+  std::set<UnmappedKey> unmapped_;           // unmapped blocks of expandable segments
   std::unordered_map<BlockId, Bytes> live_;  // Allocated blocks -> address; lookup only
   DeferredFrees pending_;                    // PendingFree blocks
   BlockId::rep_type next_id_ = 0;
@@ -229,5 +265,7 @@ class CachingAllocator {
 [[nodiscard]] Bytes segment_size_for(Bytes size);
 /// Which pool serves a (rounded) request.
 [[nodiscard]] PoolKind pool_for(Bytes size);
+/// The page an expandable segment of `pool` maps and unmaps at a time (its segment size).
+[[nodiscard]] Bytes expandable_page_size(PoolKind pool);
 
 }  // namespace ferry::sim
