@@ -36,9 +36,16 @@ int CompareCommand::run() const {
   const sim::DeviceProfile& device = workload.value().device;
   sim::RunSpec spec = a_.run;
   sim::adopt_model_parallelism(spec.fsdp, model, a_.devices);
+  sim::adopt_model_allocator(spec.allocator, model);
   auto base = sim::run_options(spec, model, false);
   if (base) {
     if (auto valid = sim::validate_fsdp(base.value().fsdp, device); !valid) base = valid.error();
+  }
+  if (base && a_.devices > 1 && base.value().sim.allocator != sim::AllocatorMode::Default) {
+    base = Error{fmt::format(
+        "--allocator expandable applies to a single-device or FSDP run; a pipeline runs the "
+        "default allocator (--devices {})",
+        a_.devices)};
   }
   if (!base) {
     fmt::print(stderr, "ferry compare: error: {}\n", base.error().message);

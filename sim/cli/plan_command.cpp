@@ -38,6 +38,7 @@ struct PlanArgs {
   std::int32_t sweep = 0;  // budgets of a sweep; 0: one plan at --budget
   bool json = false;
   sim::FsdpSpec fsdp;
+  std::optional<std::string> allocator;
 };
 
 class PlanCommand final : public Command {
@@ -50,8 +51,9 @@ class PlanCommand final : public Command {
   // Options that do not go together, or a file that cannot be written: why, or empty.
   [[nodiscard]] std::string misuse() const;
   // The budgets and steps of the command line (the device budget is left to the caller), with
-  // the parallelism `fsdp`, checked as `ferry.plan` checks them.
-  [[nodiscard]] Result<sim::PlannerOptions> planner_options(const sim::FsdpSpec& fsdp) const;
+  // the parallelism `fsdp` and the allocator `allocator`, checked as `ferry.plan` checks them.
+  [[nodiscard]] Result<sim::PlannerOptions> planner_options(
+      const sim::FsdpSpec& fsdp, const std::optional<std::string>& allocator) const;
   [[nodiscard]] int sweep(const sim::Workload& w, const sim::PlannerOptions& options,
                           const sim::FsdpSpec& fsdp) const;
   [[nodiscard]] int plan(const sim::Workload& w, const sim::PlannerOptions& options,
@@ -83,6 +85,7 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
   cmd->add_flag("--json", a_.json, "Print the report as one JSON document");
   cmd->add_option("--scenarios", a_.scenarios, "Folder with devices/ (bundled by default)");
   add_fsdp_options(cmd, a_.fsdp);
+  add_allocator_option(cmd, a_.allocator);
 }
 
 std::string PlanCommand::misuse() const {
@@ -100,7 +103,8 @@ std::string PlanCommand::misuse() const {
   return {};
 }
 
-Result<sim::PlannerOptions> PlanCommand::planner_options(const sim::FsdpSpec& fsdp) const {
+Result<sim::PlannerOptions> PlanCommand::planner_options(
+    const sim::FsdpSpec& fsdp, const std::optional<std::string>& allocator) const {
   // A given option has a value: CLI11 refuses `--budget=`.
   const auto given = [](const std::string& text) {
     return text.empty() ? std::nullopt : std::optional<std::string>(text);
@@ -109,7 +113,8 @@ Result<sim::PlannerOptions> PlanCommand::planner_options(const sim::FsdpSpec& fs
       sim::PlanSpec{.budget = a_.sweep == 0 ? given(a_.budget) : std::nullopt,
                     .host_budget = given(a_.host_budget),
                     .steps = a_.steps,
-                    .fsdp = fsdp});
+                    .fsdp = fsdp,
+                    .allocator = allocator});
 }
 
 int PlanCommand::run() const {
@@ -117,7 +122,8 @@ int PlanCommand::run() const {
     fmt::print(stderr, "ferry plan: error: {}\n", why);
     return kExitBadInput;
   }
-  auto options = planner_options(a_.fsdp);  // the flags, checked before any file is read
+  // The flags, checked before any file is read.
+  auto options = planner_options(a_.fsdp, a_.allocator);
   if (!options) {
     fmt::print(stderr, "ferry plan: error: {}\n", options.error().message);
     return kExitBadInput;
@@ -129,7 +135,9 @@ int PlanCommand::run() const {
   }
   sim::FsdpSpec fsdp = a_.fsdp;
   sim::adopt_model_parallelism(fsdp, workload.value().model);
-  options = planner_options(fsdp);
+  std::optional<std::string> allocator = a_.allocator;
+  sim::adopt_model_allocator(allocator, workload.value().model);
+  options = planner_options(fsdp, allocator);
   if (!options) {
     fmt::print(stderr, "ferry plan: error: {}: parallelism: {}\n", a_.model,
                options.error().message);
@@ -193,6 +201,7 @@ int PlanCommand::write_snapshot(const sim::Workload& w, const sim::PlannerOption
   base.steps = a_.steps;
   base.fsdp = options.fsdp;
   base.sim.record_allocator = true;
+  base.sim.allocator = options.allocator;
   auto training = sim::plan_training_options(plan, w.model, base);
   std::optional<sim::TrainingRun> run;
   if (training) {

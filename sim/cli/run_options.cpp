@@ -34,6 +34,13 @@ CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec) {
   return fsdp;
 }
 
+void add_allocator_option(CLI::App* cmd, std::optional<std::string>& name) {
+  cmd->add_option("--allocator", name,
+                  "The caching allocator's settings: default, or expandable "
+                  "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; docs/allocators.md). "
+                  "Default: the model file's \"allocator\", else default");
+}
+
 void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   sim::RunSpec& a = args.run;
   cmd->add_option("--model", args.model, "Model preset or model JSON file")->capture_default_str();
@@ -58,6 +65,7 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   }
   cmd->add_flag("--no-early-stop", a.no_early_stop, "Recompute whole checkpointed regions");
   CLI::Option* fsdp = add_fsdp_options(cmd, a.fsdp);
+  add_allocator_option(cmd, a.allocator);
   cmd->add_option("--devices", args.devices, "Pipeline over N devices (GPipe); 1: no pipeline")
       ->capture_default_str()
       ->check(CLI::Range(1, 64))

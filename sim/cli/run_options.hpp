@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "ferry/sim/api/run_spec.hpp"
@@ -28,6 +29,10 @@ struct RunArgs {
 
 /// Adds `--fsdp`, `--nodes`, `--hsdp` and `--reshard-after-forward` to `cmd`; returns `--fsdp`.
 CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec);
+
+/// Adds `--allocator default|expandable` to `cmd`, into `name` (checked by run_spec's
+/// allocator_mode, as Python's `allocator=` is).
+void add_allocator_option(CLI::App* cmd, std::optional<std::string>& name);
 
 /// The line text reports end with under `--fsdp`: the parallelism, and that figures are one
 /// rank's. Empty without FSDP.

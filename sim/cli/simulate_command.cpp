@@ -47,6 +47,7 @@ int SimulateCommand::run() const {
   }
   sim::RunSpec spec = a_.run;
   sim::adopt_model_parallelism(spec.fsdp, workload.value().model, a_.devices);
+  sim::adopt_model_allocator(spec.allocator, workload.value().model);
   auto base = sim::run_options(spec, workload.value().model, true);
   if (!base) {
     fmt::print(stderr, "ferry simulate: error: {}\n", base.error().message);
@@ -108,6 +109,11 @@ int SimulateCommand::run_pipeline(const sim::Workload& w, const sim::TrainingOpt
     return refuse(
         "--side-streams applies to a single-device run; a pipeline runs one compute stream per "
         "device");
+  }
+  if (base.sim.allocator != sim::AllocatorMode::Default) {
+    return refuse(
+        "--allocator expandable applies to a single-device or FSDP run; a pipeline "
+        "runs the default allocator");
   }
   if (!a_.trace.empty())
     return refuse("--trace draws a single-device run; a pipeline has no trace yet");

@@ -37,6 +37,16 @@ Result<Bytes> byte_count(const std::string& text, std::string_view option) {
 
 }  // namespace
 
+Result<AllocatorMode> allocator_mode(const std::optional<std::string>& name) {
+  if (!name) return AllocatorMode::Default;
+  if (const auto mode = parse_allocator_mode(*name)) return *mode;
+  return Error{fmt::format("--allocator: \"{}\" is not default or expandable", *name)};
+}
+
+void adopt_model_allocator(std::optional<std::string>& allocator, const Model& model) {
+  if (!allocator && !model.allocator.empty()) allocator = model.allocator;
+}
+
 Result<FsdpOptions> fsdp_options(const FsdpSpec& spec) {
   for (const Status& bounded : {in_bounds("--fsdp", spec.ranks, 1, 1'000'000),
                                 in_bounds("--nodes", spec.nodes, 1, 1'000'000),
@@ -115,6 +125,7 @@ Status validate(const RunSpec& spec) {
   }
   auto fsdp = fsdp_options(spec.fsdp);
   if (!fsdp) return fsdp.error();
+  if (auto mode = allocator_mode(spec.allocator); !mode) return mode.error();
   return Ok{};
 }
 
@@ -124,6 +135,7 @@ Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, boo
   o.steps = spec.steps;
   o.sim.check_hazards = !spec.no_checker;
   o.sim.track_content = !spec.no_checker;
+  o.sim.allocator = allocator_mode(spec.allocator).value();
   o.offload.min_bytes = Bytes(spec.min_bytes);
   o.offload.window_bytes = spec.window_mib * kMiB;
   o.offload.prefetch_bytes = spec.prefetch_mib * kMiB;
@@ -170,6 +182,9 @@ Result<PlannerOptions> planner_options(const PlanSpec& spec) {
   auto fsdp = fsdp_options(spec.fsdp);
   if (!fsdp) return fsdp.error();
   options.fsdp = fsdp.value();
+  auto mode = allocator_mode(spec.allocator);
+  if (!mode) return mode.error();
+  options.allocator = mode.value();
   return options;
 }
 

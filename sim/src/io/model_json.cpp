@@ -53,8 +53,8 @@ class ModelReader {
       return format_value.error("expected {}, got {}", json_quote(kModelFormat),
                                 json_quote(format));
     }
-    FERRY_JSON_TRY(const auto object,
-                   root.object({"format", "name", "tensors", "ops", "loss", "parallelism"}));
+    FERRY_JSON_TRY(const auto object, root.object({"format", "name", "tensors", "ops", "loss",
+                                                   "parallelism", "allocator"}));
     FERRY_JSON_TRY(model_.name, object.required_name("name"));
     FERRY_JSON_RETURN_IF_ERROR(read_tensors(object));
     FERRY_JSON_RETURN_IF_ERROR(read_ops(object));
@@ -62,6 +62,13 @@ class ModelReader {
     FERRY_JSON_TRY(model_.loss, resolve(loss_value));
     if (auto parallelism = object.optional("parallelism")) {
       FERRY_JSON_TRY(model_.parallelism, read_parallelism(*parallelism));
+    }
+    if (auto allocator = object.optional("allocator")) {
+      FERRY_JSON_TRY(model_.allocator, allocator->string());
+      if (model_.allocator != "default" && model_.allocator != "expandable") {
+        return allocator->error("expected \"default\" or \"expandable\", got {}",
+                                json_quote(model_.allocator));
+      }
     }
     // The checks that need the whole model: producers, views inside their bases, the loss.
     // Its paths are the document's, since tensors and ops keep their order.
@@ -257,6 +264,7 @@ std::string model_to_json(const Model& model) {
   out["ops"] = std::move(ops);
   out["loss"] = tensor_name(model, model.loss);
   if (model.parallelism.fsdp > 0) out["parallelism"] = parallelism_json(model.parallelism);
+  if (!model.allocator.empty()) out["allocator"] = model.allocator;
   return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
 }
 

@@ -23,13 +23,14 @@ namespace planning {
 class SimulatedCost final : public CostModel {
  public:
   SimulatedCost(const Model& model, const DeviceProfile& device, std::int32_t steps,
-                const FsdpOptions& fsdp)
+                const FsdpOptions& fsdp, AllocatorMode allocator)
       : model_(model),
         device_(device),
         roomy_(roomy(device)),
         base_(timing_only(steps)),
         steps_(steps) {
     base_.fsdp = fsdp;
+    base_.sim.allocator = allocator;
   }
 
   /// The unchecked run of `plan` on the roomy device (once per distinct plan).
@@ -76,6 +77,7 @@ class SimulatedCost final : public CostModel {
     TrainingOptions options;
     options.steps = steps_;
     options.fsdp = base_.fsdp;
+    options.sim.allocator = base_.sim.allocator;
     auto training = plan_training_options(plan, model_, options);
     FERRY_CHECK(training.ok(), "planner built an invalid plan: {}", training.error().message);
     std::optional<TrainingRun> run;
@@ -133,19 +135,22 @@ class SimulatedCost final : public CostModel {
 
 /// What a Planner keeps from one budget to the next.
 struct PlannerState {
-  PlannerState(const Model& m, const DeviceProfile& d, std::int32_t s, const FsdpOptions& f)
+  PlannerState(const Model& m, const DeviceProfile& d, std::int32_t s, const FsdpOptions& f,
+               AllocatorMode a)
       : model(m),
         device(d),
         steps(s),
         fsdp(f),
+        allocator(a),
         space(m, d),
-        cost(m, d, s, f),
+        cost(m, d, s, f, a),
         knobs(knob_variants()) {}
 
   const Model& model;
   DeviceProfile device;
   std::int32_t steps;
   FsdpOptions fsdp;
+  AllocatorMode allocator;
   PlanSpace space;
   SimulatedCost cost;
   std::vector<PlanKnobs> knobs;                // the knob variants
@@ -158,6 +163,7 @@ struct PlannerState {
     rows.emplace();
     TrainingOptions base = timing_only(steps);
     base.fsdp = fsdp;
+    base.sim.allocator = allocator;
     const std::vector<PolicyRow> policy_rows = default_rows(base, model, device);
     for (const PolicyRow& row : policy_rows) rows->push_back(run_row(model, device, row));
     for (std::size_t i = 0; i < policy_rows.size(); ++i) {
@@ -273,8 +279,8 @@ Error infeasible(const planning::PlannerState& p, const planning::Search& search
 }  // namespace
 
 Planner::Planner(const Model& model, const DeviceProfile& device, std::int32_t steps,
-                 const FsdpOptions& fsdp)
-    : state_(std::make_unique<planning::PlannerState>(model, device, steps, fsdp)) {}
+                 const FsdpOptions& fsdp, AllocatorMode allocator)
+    : state_(std::make_unique<planning::PlannerState>(model, device, steps, fsdp, allocator)) {}
 
 Planner::~Planner() = default;
 
@@ -321,7 +327,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
 
 Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,
                               const PlannerOptions& options, Bytes* floor) {
-  Planner planner(model, device, options.steps, options.fsdp);
+  Planner planner(model, device, options.steps, options.fsdp, options.allocator);
   return planner.plan(options, floor);
 }
 

@@ -23,7 +23,8 @@ inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
 // `ferry simulate / compare / plan` and `ferry.simulate / compare / plan` hand what they were
 // given, unchecked, to the functions below, which check every number against its bounds before
 // anything runs: steps 1..1000 (a plan's 1..100), stash 1..2^20, min_bytes 0..2^50, window_mib
-// and prefetch_mib 0..2^30, host_cap_gib 0..2^20, fsdp, nodes and hsdp 1..1000000. The error
+// and prefetch_mib 0..2^30, host_cap_gib 0..2^20, fsdp, nodes and hsdp 1..1000000, and the
+// allocator's name (`--allocator: "x" is not default or expandable`). The error
 // names the option as the command line spells it, `--steps: 0 is not in 1..1000`; the CLI
 // prints it after "ferry simulate: error: " and exits 2, Python raises it as a ValueError.
 // The command line parses types only, so the two edges cannot refuse different values.
@@ -69,10 +70,12 @@ struct RunSpec {
   bool no_early_stop = false;
   bool no_checker = false;  ///< time only: no hazard and content checks
   FsdpSpec fsdp{};
+  /// default or expandable (expandable_segments:True); none: the model file's, else default.
+  std::optional<std::string> allocator;
 };
 
-/// Whether every number of `spec` (its FSDP's too) is in bounds (Note [One check for both
-/// edges]); the error names the first that is not.
+/// Whether every number of `spec` (its FSDP's too) is in bounds, and its allocator a mode (Note
+/// [One check for both edges]); the error names the first that is not.
 Status validate(const RunSpec& spec);
 
 /// The training options `spec` asks for on `model`, `spec` validated first; the checkpoint plan of
@@ -94,7 +97,16 @@ struct PlanSpec {
   std::optional<std::string> host_budget;  ///< a byte count; none: no limit but the pool's
   std::int32_t steps = 2;                  ///< 1..100; per simulation, the last is measured
   FsdpSpec fsdp{};
+  /// default or expandable (expandable_segments:True); none: the model file's, else default.
+  std::optional<std::string> allocator;
 };
+
+/// The allocator mode `--allocator` names, default when none (Note [One check for both edges]);
+/// the error names the option and the modes.
+Result<AllocatorMode> allocator_mode(const std::optional<std::string>& name);
+
+/// Takes the model file's "allocator" member where the command line gave no --allocator.
+void adopt_model_allocator(std::optional<std::string>& allocator, const Model& model);
 
 /// The planner options `spec` asks for, checked in the order budget, host budget, steps, FSDP
 /// (Note [One check for both edges]); the budget is 0 when `spec` gives none.

@@ -38,6 +38,8 @@ struct SimOptions {
   /// the process making the calls that follow; each has its own host thread in the checker and
   /// its own pinned pool, its device's pinned capacity (Note [Processes] in simulator.cpp).
   bool process_per_device = false;
+  /// How every device's caching allocator obtains memory (Note [Expandable segments]).
+  AllocatorMode allocator = AllocatorMode::Default;
 };
 
 /// Test-only switches that break the simulator on purpose (planted faults), passed apart from

@@ -25,6 +25,8 @@ struct PlannerOptions {
   std::int32_t steps = 2;            ///< training steps per simulation (the last is measured)
   /// FSDP2 over ranks: `budget` is each rank's, `host_budget` each node's (its ranks share it).
   FsdpOptions fsdp{};
+  /// How every run's caching allocator obtains memory (Note [Expandable segments]).
+  AllocatorMode allocator = AllocatorMode::Default;
 };
 
 /// A plan and what its checked simulation measured.
@@ -50,9 +52,9 @@ struct PlanOutcome {
 class Planner {
  public:
   /// `steps`: training steps per simulation (the last is measured); `fsdp`: the parallelism
-  /// every run has.
+  /// every run has; `allocator`: how every run's caching allocator obtains memory.
   Planner(const Model& model, const DeviceProfile& device, std::int32_t steps = 2,
-          const FsdpOptions& fsdp = {});
+          const FsdpOptions& fsdp = {}, AllocatorMode allocator = AllocatorMode::Default);
   ~Planner();
   Planner(const Planner&) = delete;
   Planner& operator=(const Planner&) = delete;

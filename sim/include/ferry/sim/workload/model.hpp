@@ -80,6 +80,10 @@ struct Model {
   /// The file's "parallelism" section, if any (`python -m ferry trace --fsdp N` writes one):
   /// commands train this way unless their own --fsdp says otherwise.
   Parallelism parallelism{};
+  /// The file's "allocator" member ("default" or "expandable"; `ferry.trace` writes
+  /// "expandable" under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), empty when absent:
+  /// commands run this caching allocator unless their own --allocator says otherwise.
+  std::string allocator;
 
   friend bool operator==(const Model&, const Model&) = default;
 };
