@@ -65,9 +65,10 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
   FERRY_CHECK(!specs.empty(), "a simulation needs at least one device");
   for (auto& spec : specs) {
     const Bytes capacity = spec.profile.memory;
-    devices.push_back(DeviceState{.name = std::move(spec.name),
-                                  .profile = std::move(spec.profile),
-                                  .allocator = CachingAllocator(capacity, kDeviceBase, opts.allocator)});
+    devices.push_back(
+        DeviceState{.name = std::move(spec.name),
+                    .profile = std::move(spec.profile),
+                    .allocator = CachingAllocator(capacity, kDeviceBase, opts.allocator)});
   }
   for (std::uint32_t d = 0; d < devices.size(); ++d) {
     DeviceState& dev = devices[d];
