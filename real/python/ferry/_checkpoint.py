@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from . import _C
-from ._offload import offload as Offload
+from ._regions import Region
 
 _DETERMINISM_CHECKS = ("default", "none")
 
@@ -235,7 +235,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     preserve_rng_state: bool = True,
-    offload: Offload | None = None,
+    offload: Region | None = None,
     **kwargs: Any,
 ) -> Any:
     """Runs ``fn(*args, **kwargs)`` keeping none of its saved tensors; backward recomputes them.
@@ -267,7 +267,8 @@ def checkpoint(
         debug: List the operations both ran when the determinism check fails.
         early_stop: Stop recomputing once every saved tensor is back.
         preserve_rng_state: Replay with the random state the forward saw.
-        offload: The offload session of the ops a selective policy offloads.
+        offload: The offload region (a ``ferry.offload``) whose session takes the outputs a
+            selective policy offloads.
         **kwargs: Its keyword arguments (non-reentrant only).
 
     Returns:

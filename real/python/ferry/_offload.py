@@ -1,5 +1,6 @@
-"""``ferry.offload``, ``ferry.no_offload`` and ``ferry.offload_model``: the regions whose saved
-tensors go through ferry's scheduler (docs/real.md, "Python API")."""
+"""``ferry.offload`` and ``ferry.offload_model``: the regions whose saved tensors go through
+ferry's scheduler (docs/real.md, "Python API"); ``ferry.no_offload`` is re-exported from
+``_regions``."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from . import _C
+from . import _C, _plan
 from ._modules import head_of
-from ._regions import Region
+from ._regions import Region, no_offload
+
+__all__ = ["PlanSource", "no_offload", "offload", "offload_model"]
 
 #: A ``ferry.plan/1``: a path to the file ``ferry plan --out`` writes, or the loaded dict.
 PlanSource = str | os.PathLike[str] | Mapping[str, Any]
@@ -104,8 +107,6 @@ class offload(Region):
         self._plan_run = None
         if plan is not None:
             # Looked up in the module at each call: tests replace its functions.
-            from . import _plan
-
             plan = _plan.load_plan(plan)
             fixed = _plan.offload_options(plan)
             if policy == "ferry":
@@ -159,8 +160,6 @@ class offload(Region):
         if plan is None:
             super().__init__(_C._pack, _C._unpack)
             return
-        from . import _plan
-
         self._plan_run = _plan.PlanRun(plan, self, model)
         super().__init__(self._plan_run.pack, self._plan_run.unpack)
 
@@ -276,18 +275,6 @@ class offload(Region):
             self._session.exclude(p)
         for b in model.buffers():
             self._session.exclude(b)
-
-
-class no_offload(Region):
-    """Inside an offload region: the saved tensors of ops run inside it are kept as they are."""
-
-    _kind = "no_offload"
-
-    def __init__(self) -> None:
-        super().__init__(_C._pack, _C._unpack)
-
-    def _push(self, nested: bool) -> None:
-        _C._push_no_offload()
 
 
 def offload_model(

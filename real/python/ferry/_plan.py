@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from . import _C
 from ._checkpoint import checkpoint, runtime_call
 from ._modules import head_path
-from ._offload import no_offload
+from ._regions import no_offload
 from ._trace._record import writes
 
 _POLICY = {

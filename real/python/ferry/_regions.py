@@ -1,6 +1,7 @@
 """A ferry region: an entry on ferry's region stack and a pair of hooks on torch's stack of
 saved-tensor hooks, entered and left together (Note [Regions on two stacks]). ``offload`` and
-``no_offload`` are regions.
+``no_offload`` are regions; ``no_offload`` is defined here, below the plan application that
+uses it.
 """
 
 from __future__ import annotations
@@ -134,3 +135,15 @@ class Region(saved_tensors_hooks):
                 "ferry: regions must nest: the region being closed is not the innermost one "
                 "(it was closed all the same)"
             )
+
+
+class no_offload(Region):
+    """Inside an offload region: the saved tensors of ops run inside it are kept as they are."""
+
+    _kind = "no_offload"
+
+    def __init__(self) -> None:
+        super().__init__(_C._pack, _C._unpack)
+
+    def _push(self, nested: bool) -> None:
+        _C._push_no_offload()
