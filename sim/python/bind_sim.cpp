@@ -91,6 +91,7 @@ py::tuple simulate(const std::string& model, const std::optional<std::string>& m
     const sim::Workload w = workload(model, model_text, device, scenarios);
     sim::RunSpec spec = run;
     sim::adopt_model_parallelism(spec.fsdp, w.model);
+    sim::adopt_model_allocator(spec.allocator, w.model);
     std::optional<sim::TrainingRun> kept;
     const sim::RowResult row = value_or_raise(
         sim::simulate_one(w, spec, memory_snapshot ? &kept : nullptr, memory_snapshot));
@@ -109,6 +110,7 @@ py::object compare(const std::string& model, const std::optional<std::string>& m
     const sim::Workload w = workload(model, model_text, device, scenarios);
     sim::RunSpec spec = run;
     sim::adopt_model_parallelism(spec.fsdp, w.model);
+    sim::adopt_model_allocator(spec.allocator, w.model);
     const auto base = value_or_raise(sim::run_options(spec, w.model, false));
     if (auto valid = sim::validate_fsdp(base.fsdp, w.device); !valid) {
       throw py::value_error(valid.error().message);
@@ -139,6 +141,7 @@ py::dict plan(const std::string& model, const std::optional<std::string>& model_
     const sim::Workload w = workload(model, model_text, device, scenarios);
     sim::PlanSpec adopted = asked;
     sim::adopt_model_parallelism(adopted.fsdp, w.model);
+    sim::adopt_model_allocator(adopted.allocator, w.model);
     auto planned = sim::planner_options(adopted);
     if (!planned) {
       throw py::value_error(fmt::format("{}: parallelism: {}", model, planned.error().message));
@@ -228,9 +231,11 @@ void bind_runs(py::module_& m) {
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
          std::int32_t stash, std::int32_t steps, bool prefetch, bool dedup, bool early_stop,
          bool check, bool memory_snapshot, std::optional<std::int32_t> fsdp,
-         std::optional<std::int32_t> nodes, std::int32_t hsdp, std::string reshard_after_forward) {
+         std::optional<std::int32_t> nodes, std::int32_t hsdp, std::string reshard_after_forward,
+         std::optional<std::string> allocator) {
         sim::RunSpec run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps,
                                  check, fsdp_spec(fsdp, nodes, hsdp, reshard_after_forward));
+        run.allocator = std::move(allocator);
         run.policy = std::move(policy);
         run.checkpoint = std::move(checkpoint);
         run.horizon = std::move(horizon);
@@ -250,6 +255,7 @@ void bind_runs(py::module_& m) {
       py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
       py::arg("hsdp") = d.fsdp.replicas,
       py::arg("reshard_after_forward") = d.fsdp.reshard_after_forward,
+      py::arg("allocator") = py::none(),
       "(`ferry simulate --json`'s document, the memory snapshot pickle or None)");
   m.def(
       "compare",
@@ -257,10 +263,12 @@ void bind_runs(py::module_& m) {
          const std::string& device, const std::string& scenarios, std::int64_t min_bytes,
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
          std::int32_t stash, std::int32_t steps, bool check, std::optional<std::int32_t> fsdp,
-         std::optional<std::int32_t> nodes, std::int32_t hsdp, std::string reshard_after_forward) {
-        return compare(model, model_text, device, scenarios,
-                       knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
-                             fsdp_spec(fsdp, nodes, hsdp, reshard_after_forward)));
+         std::optional<std::int32_t> nodes, std::int32_t hsdp, std::string reshard_after_forward,
+         std::optional<std::string> allocator) {
+        sim::RunSpec run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps,
+                                 check, fsdp_spec(fsdp, nodes, hsdp, reshard_after_forward));
+        run.allocator = std::move(allocator);
+        return compare(model, model_text, device, scenarios, run);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
       py::kw_only(), py::arg("min_bytes") = d.min_bytes, py::arg("window_mib") = d.window_mib,
@@ -269,7 +277,7 @@ void bind_runs(py::module_& m) {
       py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
       py::arg("hsdp") = d.fsdp.replicas,
       py::arg("reshard_after_forward") = d.fsdp.reshard_after_forward,
-      "`ferry compare --json`'s document");
+      py::arg("allocator") = py::none(), "`ferry compare --json`'s document");
 }
 
 void bind_plans(py::module_& m) {
@@ -280,19 +288,21 @@ void bind_plans(py::module_& m) {
          const std::string& device, const std::string& scenarios,
          const std::optional<std::string>& budget, const std::optional<std::string>& host_budget,
          std::int32_t steps, std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes,
-         std::int32_t hsdp, std::string reshard_after_forward) {
+         std::int32_t hsdp, std::string reshard_after_forward,
+         std::optional<std::string> allocator) {
         return plan(
             model, model_text, device, scenarios,
             sim::PlanSpec{.budget = budget,
                           .host_budget = host_budget,
                           .steps = steps,
-                          .fsdp = fsdp_spec(fsdp, nodes, hsdp, std::move(reshard_after_forward))});
+                          .fsdp = fsdp_spec(fsdp, nodes, hsdp, std::move(reshard_after_forward)),
+                          .allocator = std::move(allocator)});
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
       py::kw_only(), py::arg("budget") = py::none(), py::arg("host_budget") = py::none(),
       py::arg("steps") = sim::PlanSpec{}.steps, py::arg("fsdp") = py::none(),
       py::arg("nodes") = py::none(), py::arg("hsdp") = d.replicas,
-      py::arg("reshard_after_forward") = d.reshard_after_forward,
+      py::arg("reshard_after_forward") = d.reshard_after_forward, py::arg("allocator") = py::none(),
       "{report, text, plan_text}, or {refused, floor} when no plan fits");
   m.def(
       "validate_plan",

@@ -42,8 +42,41 @@ SCENARIOS = {
         "--min-bytes",
         "0",
     ],
+    # The caching allocator with expandable segments (docs/allocators.md).
+    "tiny-gpt-ferry-expandable": [
+        "--model",
+        "tiny-gpt",
+        "--policy",
+        "ferry",
+        "--allocator",
+        "expandable",
+    ],
+    "titan-fsdp8-expandable": [
+        "--model",
+        "titan-llama3-8b-s8192",
+        "--fsdp",
+        "8",
+        "--policy",
+        "none",
+        "--checkpoint",
+        "every:1",
+        "--steps",
+        "1",
+        "--allocator",
+        "expandable",
+    ],
 }
-ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom"}
+EXPANDABLE = {name for name, args in SCENARIOS.items() if "expandable" in args}
+ACTIONS = {
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "oom",
+}
 STATES = {"active_allocated", "active_pending_free", "inactive"}
 
 
@@ -81,9 +114,9 @@ def replay(trace):
             allocated += e["size"]
         elif e["action"] == "free_completed":
             allocated -= e["size"]
-        elif e["action"] == "segment_alloc":
+        elif e["action"] in ("segment_alloc", "segment_map"):
             reserved += e["size"]
-        elif e["action"] == "segment_free":
+        elif e["action"] in ("segment_free", "segment_unmap"):
             reserved -= e["size"]
         peak_allocated = max(peak_allocated, allocated)
         peak_reserved = max(peak_reserved, reserved)
@@ -104,15 +137,16 @@ def test_snapshot_has_the_schema_pytorch_writes(runs, name):
     assert list(snap) == ["segments", "device_traces", "allocator_settings", "external_annotations"]
     assert snap["external_annotations"] == []
     settings = snap["allocator_settings"]
-    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == ""
-    assert settings["expandable_segments"] is False
+    expandable = name in EXPANDABLE
+    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == ("expandable_segments:True" if expandable else "")
+    assert settings["expandable_segments"] is expandable
     assert isinstance(settings["garbage_collection_threshold"], float)
     assert list(settings["roundup_power2_divisions"]) == [str(1 << i) for i in range(16)]
     assert len(snap["device_traces"]) == 1, "one simulated device"
     for i, seg in enumerate(snap["segments"]):
         where = f"segments[{i}]"
         assert seg["device"] == 0 and seg["segment_type"] in ("small", "large"), where
-        assert seg["segment_pool_id"] == (0, 0) and seg["is_expandable"] is False, where
+        assert seg["segment_pool_id"] == (0, 0) and seg["is_expandable"] is expandable, where
         check_frames(seg["frames"], where)
         address = seg["address"]
         for j, b in enumerate(seg["blocks"]):
@@ -161,6 +195,15 @@ def test_segments_are_the_state_where_the_trace_ends(runs, name):
             segments[e["addr"]] = e["size"]
         elif e["action"] == "segment_free":
             del segments[e["addr"]]
+        elif e["action"] == "segment_map":
+            segments = mapped(segments, e["addr"], e["size"], True)
+        elif e["action"] == "segment_unmap":
+            segments = mapped(segments, e["addr"], e["size"], False)
+    if name in EXPANDABLE:
+        # An expandable segment is reported as its contiguous mapped ranges, as torch does.
+        segments = merged(segments)
+        assert any(e["action"] == "segment_map" for e in trace)
+        assert not any(e["action"] in ("segment_alloc", "segment_free") for e in trace)
     assert segments == {s["address"]: s["total_size"] for s in snap["segments"]}
     active = {
         b["address"]: b["size"]
@@ -171,6 +214,37 @@ def test_segments_are_the_state_where_the_trace_ends(runs, name):
     assert blocks == active
     assert allocated == sum(active.values())
     assert reserved == sum(segments.values())
+
+
+def mapped(ranges, address, size, on):
+    """`ranges` (start -> size, disjoint) with [address, address + size) mapped (`on`) or
+    unmapped."""
+    out = {}
+    for start, length in ranges.items():
+        end = start + length
+        if on:
+            assert end <= address or address + size <= start, "mapped twice"
+            out[start] = length
+            continue
+        if start < address:
+            out[start] = min(end, address) - start
+        if end > address + size:
+            out[max(start, address + size)] = end - max(start, address + size)
+    if on:
+        out[address] = size
+    return out
+
+
+def merged(ranges):
+    """`ranges` with adjacent ones joined."""
+    out = {}
+    for start in sorted(ranges):
+        last = max(out, default=None)
+        if last is not None and last + out[last] == start:
+            out[last] += ranges[start]
+        else:
+            out[start] = ranges[start]
+    return out
 
 
 def check_program(path, program):
@@ -291,7 +365,7 @@ def test_frames_name_the_call_and_the_layers(runs):
         assert all(inner.startswith(o + ".") for o in outer), e["frames"]
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt-ferry", "mlp-json-ferry"])
+@pytest.mark.parametrize("name", ["tiny-gpt-ferry", "mlp-json-ferry", "tiny-gpt-ferry-expandable"])
 def test_memory_viz_draws_and_summarizes_it(runs, name):
     _, path, snap = runs[name]
     for html in (

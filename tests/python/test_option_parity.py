@@ -50,6 +50,8 @@ TEXT = {
     "horizon": ["auto", "none", "1GiB", "0", "lots", "-1"],
 }
 RESHARD = [True, False, 2, 4, 1, 0, -3]
+#: Mostly good names: a bad one refuses the run, and the draws must still reach "ok" often.
+ALLOCATORS = ["default", "expandable", "expandable", "default", "expandable", "expandable_segments"]
 BUDGETS = [None, "1GiB", "24MiB", " ", "40 parsecs", "-5", 2**30, "1KiB"]
 SWITCHES = {"prefetch": "--no-prefetch", "dedup": "--no-dedup", "early_stop": "--no-early-stop"}
 
@@ -95,6 +97,8 @@ def draw_numbers(rng, bounds, rate):
 def draw_fsdp(rng, options):
     if rng.random() < 0.3:
         options["reshard_after_forward"] = rng.choice(RESHARD)
+    if rng.random() < 0.25:
+        options["allocator"] = rng.choice(ALLOCATORS)
     return options
 
 
@@ -270,6 +274,9 @@ REFUSED = [
     ("plan", {"steps": 0}, "--steps: 0 is not in 1..100"),
     ("plan", {"steps": 101}, "--steps: 101 is not in 1..100"),
     ("plan", {"nodes": 0}, "--nodes: 0 is not in 1..1000000"),
+    ("simulate", {"allocator": "cuda"}, '--allocator: "cuda" is not default or expandable'),
+    ("compare", {"allocator": ""}, '--allocator: "" is not default or expandable'),
+    ("plan", {"allocator": "Expandable"}, '--allocator: "Expandable" is not default or expandable'),
 ]
 
 

@@ -97,10 +97,13 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
             ``dedup``, ``early_stop`` and ``check`` (hazard and content checks), all True by
             default; FSDP2 as ``--fsdp`` sets it: ``fsdp`` (ranks), ``nodes``, ``hsdp`` and
             ``reshard_after_forward`` (True, False or K), where a traced model's recorded
-            parallelism is the default (docs/fsdp.md). Numbers have the command line's bounds
-            (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes`` 0..2^50, ``window_mib`` and
-            ``prefetch_mib`` 0..2^30, ``host_cap_gib`` 0..2^20, ``fsdp``, ``nodes`` and
-            ``hsdp`` 1..1000000; None for ``fsdp`` and ``nodes``: not given).
+            parallelism is the default (docs/fsdp.md); ``allocator``, "default" or
+            "expandable" (the caching allocator with ``expandable_segments:True``, where a
+            traced model's recorded setting is the default; docs/allocators.md). Numbers have
+            the command line's bounds (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes``
+            0..2^50, ``window_mib`` and ``prefetch_mib`` 0..2^30, ``host_cap_gib`` 0..2^20,
+            ``fsdp``, ``nodes`` and ``hsdp`` 1..1000000; None for ``fsdp``, ``nodes`` and
+            ``allocator``: not given).
 
     Returns:
         The document ``ferry simulate --json`` prints (``result`` holds the figures, one
@@ -137,8 +140,8 @@ def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) ->
         model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
         device: A bundled device profile's name or a profile file.
         **options: ``steps``, ``min_bytes``, ``window_mib``, ``prefetch_mib``,
-            ``host_cap_gib``, ``stash``, ``check`` and the FSDP2 options, as ``simulate``
-            takes them.
+            ``host_cap_gib``, ``stash``, ``check``, ``allocator`` and the FSDP2 options, as
+            ``simulate`` takes them.
 
     Returns:
         The document ``ferry compare --json`` prints: one row per configuration.
@@ -169,7 +172,7 @@ def plan(
         steps: Training steps per simulation, 1..100 (the last is measured).
         **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
             ``reshard_after_forward``): the plan is one rank's, ``budget`` per rank and
-            ``host_budget`` per node.
+            ``host_budget`` per node; and ``allocator`` as ``simulate`` takes it.
 
     Returns:
         The report ``ferry plan --json`` prints; the plan itself is under ``"plan"`` (what

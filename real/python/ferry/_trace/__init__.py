@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -123,6 +124,19 @@ def _device_dropout() -> Iterator[None]:
         functional.dropout = host
 
 
+def allocator_setting(conf: str) -> str | None:
+    """The ``"allocator"`` member a scenario traced under ``PYTORCH_CUDA_ALLOC_CONF=conf``
+    records (docs/model-format.md): ``"expandable"`` when the configuration turns on
+    ``expandable_segments`` (its last ``expandable_segments:True|False`` wins), else None: the
+    default allocator, nothing recorded."""
+    expandable = False
+    for option in conf.split(","):
+        key, _, value = option.partition(":")
+        if key.strip() == "expandable_segments":
+            expandable = value.strip() == "True"
+    return "expandable" if expandable else None
+
+
 def trace(
     model: torch.nn.Module,
     *example_inputs: Any,
@@ -142,7 +156,9 @@ def trace(
     over the fake parameters and its state (Adam's moments, ...) becomes static memory.
     ``target`` is where the scenario runs: ``"device"`` (an accelerator: random ops draw from
     the device's generator, and dropout is the device's fused kernel, Note [Dropout as the
-    device runs it]) or ``"host"`` (the CPU, as the trace itself runs).
+    device runs it]) or ``"host"`` (the CPU, as the trace itself runs). When
+    ``PYTORCH_CUDA_ALLOC_CONF`` turns on ``expandable_segments``, the document records
+    ``"allocator": "expandable"``, and ferry's commands simulate that allocator.
 
     Args:
         model: The model; its parameters may be on the meta device.
@@ -214,4 +230,8 @@ def trace(
     finally:
         for handle in handles:
             handle.remove()
-    return traced_model(tracer, name or type(model).__name__, loss, state, optimizer_state)
+    traced = traced_model(tracer, name or type(model).__name__, loss, state, optimizer_state)
+    allocator = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    if allocator is not None:
+        traced.document["allocator"] = allocator
+    return traced
