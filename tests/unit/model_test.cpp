@@ -752,7 +752,10 @@ std::vector<BadCase> bad_cases() {
        "backward_flops, backward_bytes, duration_ns, backward_duration_ns, inputs, outputs, "
        "saved, no_offload, draws_rng, draws_cpu_rng)"},
       {"unknown top-level key", valid_with(R"("loss": "y")", R"("loss": "y", "step": 1)"),
-       R"(toy.json: unknown key "step" (allowed: format, name, tensors, ops, loss, parallelism))"},
+       R"(toy.json: unknown key "step" (allowed: format, name, tensors, ops, loss, parallelism, )"
+       "allocator)"},
+      {"unknown allocator", valid_with(R"("loss": "y")", R"("loss": "y", "allocator": "cuda")"),
+       R"(toy.json: allocator: expected "default" or "expandable", got "cuda")"},
       {"missing loss",
        valid_with(R"(,
   "loss": "y")",
