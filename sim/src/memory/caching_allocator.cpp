@@ -172,23 +172,15 @@ Result<DeviceAllocation> CachingAllocator::malloc(StreamId stream, Bytes request
   if (const auto address = take_free_block(stream, pool, size)) {
     return hand_out(*address, size, requested, buffer);
   }
-  if (mode_ == AllocatorMode::Expandable) {
-    // See Note [Expandable segments]; the retry is Note [OOM retry]'s.
-    auto grown = grow_expandable(stream, pool, size);
-    if (!grown) {
-      synchronize_pending(markers);
-      release_free_segments();
-      grown = grow_expandable(stream, pool, size);
-    }
-    if (!grown) {
-      ++stats_.ooms;
-      track(AllocatorEvent::Action::Oom, capacity_ - stats_.reserved, size, stream, BufferId());
-      return out_of_memory(stream, requested, size, round_up(size, expandable_page_size(pool)));
-    }
-    return hand_out(*grown, size, requested, buffer);
-  }
-  const Bytes segment_size = segment_size_for(size);
-  auto segment = new_segment(stream, pool, segment_size);
+  // A new segment, or with expandable segments more pages of the stream's range (Note
+  // [Expandable segments]); `reserve` is what the device is asked for.
+  const bool expandable = mode_ == AllocatorMode::Expandable;
+  const Bytes reserve =
+      expandable ? round_up(size, expandable_page_size(pool)) : segment_size_for(size);
+  const auto obtain = [&] {
+    return expandable ? grow_expandable(stream, pool, size) : new_segment(stream, pool, reserve);
+  };
+  auto segment = obtain();
   if (!segment) {
     // Note [OOM retry]
     // As PyTorch does when cudaMalloc fails: wait for every deferred free, then return every
@@ -199,12 +191,12 @@ Result<DeviceAllocation> CachingAllocator::malloc(StreamId stream, Bytes request
     // retry fails; they are what the real allocator does, and nothing else changes on OOM.
     synchronize_pending(markers);
     release_free_segments();
-    segment = new_segment(stream, pool, segment_size);
+    segment = obtain();
   }
   if (!segment) {
     ++stats_.ooms;
     track(AllocatorEvent::Action::Oom, capacity_ - stats_.reserved, size, stream, BufferId());
-    return out_of_memory(stream, requested, size, segment_size);
+    return out_of_memory(stream, requested, size, reserve);
   }
   return hand_out(*segment, size, requested, buffer);
 }
