@@ -114,6 +114,15 @@ class _PlanRegion:
         self.path = path
 
 
+def _ops_outside(ops, first, end, path):
+    """The plan ops outside ``first..end - 1`` that run in the module at ``path``."""
+    return [
+        i
+        for i in list(range(first)) + list(range(end, len(ops)))
+        if _under(_path_of(ops[i]["name"]), path)
+    ]
+
+
 def _regions_of(plan):
     """Each region of the plan, with the module whose call it is: the deepest module holding
     all its ops and no op outside it."""
@@ -130,11 +139,7 @@ def _regions_of(plan):
                 k += 1
             parts = parts[:k]
         prefix = ".".join(parts)
-        outside = [
-            i
-            for i in list(range(first)) + list(range(end, len(ops)))
-            if prefix and _under(paths[i], prefix)
-        ]
+        outside = _ops_outside(ops, first, end, prefix) if prefix else []
         if not prefix or outside:
             why = (
                 f"op {ops[outside[0]]['name']!r} (ops[{outside[0]}]) lies outside it"
@@ -167,11 +172,7 @@ def _called_module(ops, modules, region):
             break
     if path == region.path:
         return path
-    outside = [
-        i
-        for i in list(range(region.first)) + list(range(region.end, len(ops)))
-        if _under(_path_of(ops[i]["name"]), path)
-    ]
+    outside = _ops_outside(ops, region.first, region.end, path)
     if not path or outside:
         why = (
             f"the nearest module called around it, {path!r}, also runs op "
