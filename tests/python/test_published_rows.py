@@ -1,0 +1,370 @@
+"""ferry's predictions against published GPU measurements, one row each (docs/validation.md,
+"Against published GPU measurements": the set-ups, the sources, the commands, the errors).
+
+Each set-up is traced here from the published model shapes (nothing is downloaded), simulated
+with `ferry simulate --json` on the device the source names (a profile written into the
+test's folder where the bundled ones do not fit it), and each prediction is kept within the
+tolerance the document states beside its row: memory and time separately, allocated against
+what the source calls active or allocated, reserved against reserved.
+
+The tolerances are what the model achieves today, not targets: a row outside the project's
+target (memory 3 %, reserved 5 %, time 8 %) has a wider tolerance here and a sentence in the
+document on what the model lacks for it. No model constant is fitted to any row.
+"""
+
+import json
+import subprocess
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from ferry._cli import trace as trace_cli  # noqa: E402
+from ferry_cli import REPO  # noqa: E402
+from ferry_cli import cli as ferry_cli  # noqa: E402
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# --- Models, as their publishers' config.json files give them --------------------------------
+
+LLAMA_BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-05,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+}
+#: meta-llama/Llama-2-7b-hf (torchtitan's "llama 7B" of March 2024: dim 4096, 32 layers,
+#: 32 heads, SwiGLU hidden 11008, the Llama 2 tokenizer's 32000 tokens).
+LLAMA2_7B = LLAMA_BASE | {
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+}
+#: meta-llama/Llama-2-13b-hf.
+LLAMA2_13B = LLAMA2_7B | {
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 40,
+}
+#: meta-llama/Meta-Llama-3-8B (Llama 3.1 8B has the same shapes).
+LLAMA3_8B = LLAMA_BASE | {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
+#: google-bert/bert-large-uncased, with the two-label classification head of the example.
+BERT_LARGE = {
+    "vocab_size": 30522,
+    "hidden_size": 1024,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "intermediate_size": 4096,
+    "max_position_embeddings": 512,
+    "type_vocab_size": 2,
+    "num_labels": 2,
+}
+
+# --- Devices ----------------------------------------------------------------------------------
+
+
+def h100_96gb():
+    """torchtitan's H100s: 95.0396 GiB as torch reports it (PR #165), HBM2e at 2.4 TB/s
+    (benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"); the rest, the link and
+    collective figures included, as the bundled H100 SXM profile."""
+    with open(f"{REPO}/scenarios/devices/h100-sxm-pcie5.json") as f:
+        profile = json.load(f)
+    profile["name"] = "h100-96gb-hbm2e"
+    profile["description"] = "H100 96 GB HBM2e (torchtitan's Grand Teton hosts), 2.4 TB/s"
+    profile["memory_bytes"] = int(95.0396 * GIB)
+    profile["memory_bytes_per_s"] = 2_400_000_000_000
+    return profile
+
+
+def v100_16gb():
+    """Tesla V100-SXM2 16 GB (the nvidia-smi output of the Hugging Face example: 16160 MiB):
+    NVIDIA's V100 datasheet, FP32 15.7 TFLOP/s (the run trains in float32, no tensor cores),
+    HBM2 900 GB/s, PCIe Gen3 x16 to the host (about 12 GB/s each way)."""
+    with open(f"{REPO}/scenarios/devices/a100-pcie4.json") as f:
+        profile = json.load(f)
+    profile.pop("collectives")
+    profile["name"] = "v100-sxm2-16gb"
+    profile["description"] = "V100 SXM2 16 GB; datasheet peaks, PCIe Gen3 host"
+    profile["memory_bytes"] = 16160 * MIB
+    profile["flops_per_s"] = 15_700_000_000_000
+    profile["memory_bytes_per_s"] = 900_000_000_000
+    profile["d2d"]["bytes_per_s"] = 450_000_000_000
+    for way in ("h2d", "d2h"):
+        profile[way]["bytes_per_s"] = 12_000_000_000
+    profile["pageable"] = {"h2d_bytes_per_s": 6_000_000_000, "d2h_bytes_per_s": 6_000_000_000}
+    return profile
+
+
+# --- Fixtures: each trace and each profile once per module ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("published_rows")
+
+
+@pytest.fixture(scope="module")
+def devices(root):
+    paths = {}
+    for name, profile in (("h100-96gb", h100_96gb()), ("v100", v100_16gb())):
+        paths[name] = root / f"{name}.json"
+        paths[name].write_text(json.dumps(profile))
+    return paths
+
+
+def trace_config(root, name, config, seq, batch):
+    path = root / f"{name}.json"
+    (root / f"{name}.config.json").write_text(json.dumps(config))
+    args = [str(root / f"{name}.config.json"), "--seq", str(seq), "--batch", str(batch)]
+    args += ["--dtype", "bf16", "--optimizer", "adamw", "--out", str(path)]
+    assert trace_cli.main(args) == 0
+    return path
+
+
+def trace_bert(root, batch, optimizer="adamw"):
+    """BertForSequenceClassification in float32 with eager attention (the example ran
+    transformers of 2022, before SDPA), batch × 512 tokens; AdamW (the Trainer's default) or
+    the Trainer's `optim="adafactor"`: transformers' Adafactor with `scale_parameter=False,
+    relative_step=False`."""
+    import torch
+    import transformers
+    from transformers.optimization import Adafactor
+
+    import ferry
+
+    config = transformers.BertConfig(**BERT_LARGE, attn_implementation="eager")
+    with torch.device("meta"):
+        model = transformers.BertForSequenceClassification(config)
+    model.train()
+    ids = torch.zeros((batch, 512), dtype=torch.long, device="meta")
+    labels = torch.zeros((batch,), dtype=torch.long, device="meta")
+    if optimizer == "adafactor":
+        step = Adafactor(model.parameters(), lr=5e-5, scale_parameter=False, relative_step=False)
+    else:
+        step = torch.optim.AdamW(model.parameters())
+    traced = ferry.trace(model, input_ids=ids, labels=labels, optimizer=step)
+    path = root / f"bert-large-b{batch}-{optimizer}.json"
+    traced.save(str(path))
+    return path
+
+
+def simulate(model, *options):
+    """`ferry simulate --policy none --json` (the hazard checker off: the rows measure time and
+    memory); the result's figures."""
+    args = [ferry_cli(), "simulate", "--model", str(model), "--policy", "none", *options]
+    run = subprocess.run(
+        [*args, "--json", "--no-checker"], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)["result"]
+    assert result["fits"], result.get("failure")
+    return result
+
+
+def within(predicted, measured, tolerance):
+    error = (predicted - measured) / measured
+    assert abs(error) <= tolerance, (
+        f"predicted {predicted:.4g}, measured {measured:.4g}: {error:+.1%}"
+    )
+
+
+def tokens_per_s(result, tokens):
+    return tokens / (result["step_time_ns"] / 1e9)
+
+
+# --- torchtitan PR #165: FSDP2 on 8 H100s, Llama 2 7B, batch 8, sequence 2048 ----------------
+# "Used per-parameter FSDP" (pytorch/torchtitan#165, commit 83c879f, March 2024): eager, bf16
+# mixed precision, fp32 reduce-scatter, the default allocator; peak active and reserved as
+# percentages of 95.0396 GiB, WPS (tokens per second per GPU) as a range.
+PR165_GPU = 95.0396
+PR165_FULL = {"active": 0.2392 * PR165_GPU, "reserved": 0.3264 * PR165_GPU, "wps": (6100, 6300)}
+PR165_SAC = {"active": 0.5213 * PR165_GPU, "reserved": 0.6251 * PR165_GPU, "wps": (6600, 6800)}
+
+
+@pytest.fixture(scope="module")
+def pr165(root, devices):
+    model = trace_config(root, "llama2-7b", LLAMA2_7B, 2048, 8)
+    common = ["--device", str(devices["h100-96gb"]), "--fsdp", "8"]
+    return {
+        "full": simulate(model, *common, "--checkpoint", "every:1"),
+        "sac": simulate(model, *common, "--checkpoint", "op-sac"),
+    }
+
+
+@pytest.mark.parametrize(
+    "row, measured, allocated_tol, reserved_tol, time_tol",
+    [("full", PR165_FULL, 0.08, 0.20, 0.08), ("sac", PR165_SAC, 0.08, 0.05, 0.08)],
+)
+def test_torchtitan_pr165_fsdp2_llama2_7b(
+    pr165, row, measured, allocated_tol, reserved_tol, time_tol
+):
+    result = pr165[row]
+    within(result["peak_allocated_bytes"] / GIB, measured["active"], allocated_tol)
+    within(result["peak_reserved_bytes"] / GIB, measured["reserved"], reserved_tol)
+    within(tokens_per_s(result, 8 * 2048), sum(measured["wps"]) / 2, time_tol)
+
+
+def test_torchtitan_pr165_full_over_selective_step_time(pr165):
+    predicted = pr165["full"]["step_time_ns"] / pr165["sac"]["step_time_ns"]
+    measured = (sum(PR165_SAC["wps"]) / 2) / (sum(PR165_FULL["wps"]) / 2)
+    within(predicted, measured, 0.04)
+
+
+# --- torchtitan benchmarks, December 2024: Llama 3.1 8B, FSDP, batch 2, sequence 8192 --------
+# benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3, row "FSDP" (eager): selective
+# (op) activation checkpointing, expandable segments (run_llama_train.sh at 9dec370), memory
+# is max reserved, TPS per GPU.
+DEC2024 = {8: (82.4, 5762), 128: (67.0, 5605)}
+
+
+@pytest.fixture(scope="module")
+def dec2024(root, devices):
+    model = trace_config(root, "llama3-8b-b2", LLAMA3_8B, 8192, 2)
+    common = ["--device", str(devices["h100-96gb"]), "--checkpoint", "op-sac"]
+    common += ["--allocator", "expandable"]
+    return {
+        8: simulate(model, *common, "--fsdp", "8"),
+        128: simulate(model, *common, "--fsdp", "128", "--nodes", "16"),
+    }
+
+
+@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.08), (128, 0.06, 0.08)])
+def test_torchtitan_dec2024_fsdp_llama3_8b(dec2024, gpus, reserved_tol, time_tol):
+    result = dec2024[gpus]
+    memory, tps = DEC2024[gpus]
+    within(result["peak_reserved_bytes"] / GIB, memory, reserved_tol)
+    within(tokens_per_s(result, 2 * 8192), tps, time_tol)
+
+
+# --- torchtitan PR #3429: FSDP8 Llama 3 8B, batch 1, sequence 8192 (docs/fsdp.md) -------------
+PR3429 = {"op-sac": (52.44, 7890), "every:1": (32.07, 7006)}
+
+
+@pytest.fixture(scope="module")
+def pr3429():
+    rows = {}
+    for checkpoint in PR3429:
+        for allocator in ("default", "expandable"):
+            rows[checkpoint, allocator] = simulate(
+                "titan-llama3-8b-s8192",
+                *("--fsdp", "8", "--checkpoint", checkpoint, "--allocator", allocator),
+            )
+    return rows
+
+
+@pytest.mark.parametrize(
+    "checkpoint, allocator, reserved_tol, time_tol",
+    [
+        ("op-sac", "default", 0.05, 0.08),
+        ("op-sac", "expandable", 0.08, 0.08),
+        ("every:1", "default", 0.20, 0.10),
+        ("every:1", "expandable", 0.15, 0.10),
+    ],
+)
+def test_torchtitan_pr3429_fsdp8_llama3_8b(pr3429, checkpoint, allocator, reserved_tol, time_tol):
+    result = pr3429[checkpoint, allocator]
+    memory, tps = PR3429[checkpoint]
+    within(result["peak_reserved_bytes"] / GIB, memory, reserved_tol)
+    within(tokens_per_s(result, 8192), tps, time_tol)
+
+
+def test_torchtitan_pr3429_full_over_selective_step_time(pr3429):
+    predicted = (
+        pr3429["every:1", "expandable"]["step_time_ns"]
+        / pr3429["op-sac", "expandable"]["step_time_ns"]
+    )
+    within(predicted, PR3429["op-sac"][1] / PR3429["every:1"][1], 0.05)
+
+
+# --- torchtitan docs/performance.md, April 2024: FSDP2 on 64 A100s (8 nodes), time only ------
+# Llama 3 8B, batch 1, sequence 8192, selective op: 2973 WPS; Llama 2 13B, batch 2, sequence
+# 4096, selective op: 1904 WPS (commit 1ea476e; the default allocator).
+
+
+@pytest.fixture(scope="module")
+def a100(root):
+    common = ["--device", "a100-pcie4", "--fsdp", "64", "--nodes", "8", "--checkpoint", "op-sac"]
+    return {
+        "llama3-8b": simulate(trace_config(root, "llama3-8b-b1", LLAMA3_8B, 8192, 1), *common),
+        "llama2-13b": simulate(trace_config(root, "llama2-13b", LLAMA2_13B, 4096, 2), *common),
+    }
+
+
+@pytest.mark.parametrize(
+    "model, tokens, wps", [("llama3-8b", 8192, 2973), ("llama2-13b", 8192, 1904)]
+)
+def test_torchtitan_apr2024_64_a100_throughput(a100, model, tokens, wps):
+    within(tokens_per_s(a100[model], tokens), wps, 0.25)
+
+
+# --- Hugging Face transformers docs: BERT-large on one V100 16 GB, float32 -------------------
+# docs/source/en/model_memory_anatomy.md and perf_train_gpu_one (v4.27.2; the translation
+# docs/source/ko/perf_train_gpu_one.md keeps the figures): Trainer, sequence 512, AdamW or
+# Adafactor; "GPU memory occupied" is NVML's used memory (MiB), of which the CUDA context is
+# 1343 MiB (measured there, before the model is loaded); samples per second over the run.
+CONTEXT_MIB = 1343
+BERT_B4 = (14949 - CONTEXT_MIB, 8.86)
+BERT_B1 = (8681 - CONTEXT_MIB, 7.75)  # batch 1 × 4 accumulation steps
+BERT_B1_CHECKPOINTED = (6775 - CONTEXT_MIB, 5.99)
+BERT_B4_ADAFACTOR = (12295 - CONTEXT_MIB, 7.96)
+
+
+@pytest.fixture(scope="module")
+def bert(root, devices):
+    device = ["--device", str(devices["v100"])]
+    b1 = trace_bert(root, 1)
+    return {
+        "b4": simulate(trace_bert(root, 4), *device),
+        "b1": simulate(b1, *device),
+        "b1 checkpointed": simulate(b1, *device, "--checkpoint", "every:1"),
+        "b4 adafactor": simulate(trace_bert(root, 4, "adafactor"), *device),
+    }
+
+
+def test_hf_bert_large_v100_batch_4(bert):
+    within(bert["b4"]["peak_reserved_bytes"] / MIB, BERT_B4[0], 0.15)
+    within(4 / (bert["b4"]["step_time_ns"] / 1e9), BERT_B4[1], 0.15)
+
+
+@pytest.mark.parametrize(
+    "row, measured, tolerance",
+    [("b1", BERT_B1, 0.10), ("b1 checkpointed", BERT_B1_CHECKPOINTED, 0.05)],
+)
+def test_hf_bert_large_v100_batch_1_memory(bert, row, measured, tolerance):
+    within(bert[row]["peak_reserved_bytes"] / MIB, measured[0], tolerance)
+
+
+def test_hf_bert_large_v100_gradient_checkpointing_step_time(bert):
+    predicted = bert["b1 checkpointed"]["step_time_ns"] / bert["b1"]["step_time_ns"]
+    within(predicted, BERT_B1[1] / BERT_B1_CHECKPOINTED[1], 0.05)
+
+
+def test_hf_bert_large_v100_adafactor(bert):
+    adafactor = bert["b4 adafactor"]
+    within(adafactor["peak_reserved_bytes"] / MIB, BERT_B4_ADAFACTOR[0], 0.15)
+    within(4 / (adafactor["step_time_ns"] / 1e9), BERT_B4_ADAFACTOR[1], 0.08)
+    # What Adafactor saves over AdamW: the two moments of 335M float32 parameters, less its
+    # factored state.
+    saved = (bert["b4"]["peak_reserved_bytes"] - adafactor["peak_reserved_bytes"]) / MIB
+    within(saved, BERT_B4[0] - BERT_B4_ADAFACTOR[0], 0.06)
