@@ -23,7 +23,7 @@ constexpr std::int64_t kMinRate = 1'000'000;
 constexpr std::int64_t kMaxRate = 1'000'000'000'000'000'000;
 constexpr std::int64_t kMaxNanoseconds = 1'000'000'000'000'000;
 
-constexpr std::array<std::string_view, 25> kProfileKeys = {
+constexpr std::array<std::string_view, 26> kProfileKeys = {
     "memory_bytes",
     "flops_per_s",
     "memory_bytes_per_s",
@@ -40,6 +40,7 @@ constexpr std::array<std::string_view, 25> kProfileKeys = {
     "peer.bytes_per_s",
     "peer.latency_ns",
     "pinned_host_capacity_bytes",
+    "blas_workspace_bytes",
     "overheads_ns.kernel",
     "overheads_ns.copy",
     "overheads_ns.event_record",
@@ -60,6 +61,7 @@ struct Bounds {
 Bounds bounds_of(std::string_view key) {
   if (key == "memory_bytes") return {1, kMaxBytes};
   if (key == "pinned_host_capacity_bytes") return {0, kMaxBytes};
+  if (key == "blas_workspace_bytes") return {0, std::int64_t{1} << 30};
   if (key.ends_with("_permille")) return {1, 1000};
   if (key.ends_with("_ns") || key.starts_with("overheads_ns.")) return {0, kMaxNanoseconds};
   return {kMinRate, kMaxRate};
@@ -120,6 +122,7 @@ std::string profile_object(const ProbeResult& result, std::string_view name,
   line("d2d", path("d2d", false));
   line("peer", path("peer", false));
   line("pinned_host_capacity_bytes", std::to_string(v("pinned_host_capacity_bytes")));
+  line("blas_workspace_bytes", std::to_string(v("blas_workspace_bytes")));
   out += fmt::format("{}  \"overheads_ns\": {{\n", indent);
   constexpr std::array<std::string_view, 9> kOverheads = {
       "kernel",      "copy",   "event_record", "stream_wait", "event_query",

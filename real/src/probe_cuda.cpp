@@ -1,5 +1,6 @@
 // ferry probe on a CUDA device (Note [Probe protocol]). Built only with CUDA.
 
+#include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -214,6 +215,12 @@ class CudaTarget {
     } else {
       r.notes.push_back("/proc/meminfo has no MemAvailable: pinned capacity assumed");
     }
+    r.once.push_back({"blas_workspace_bytes",
+                      "bytes",
+                      "torch's cuBLAS workspace per handle and stream "
+                      "(at::cuda::getChosenWorkspaceSize: CUBLAS_WORKSPACE_CONFIG or the "
+                      "architecture's default)",
+                      {static_cast<std::int64_t>(at::cuda::getChosenWorkspaceSize())}});
     if (!peer_) r.notes.push_back("one CUDA device: peer copies cannot be measured");
     return r;
   }

@@ -133,6 +133,8 @@ class LoopbackTarget {
          "loopback: the device has no event query; its streams run synchronously"},
         {"overheads_ns.host_access", 0,
          "loopback: host access is a plain load or store of CPU memory, the data aside"},
+        {"blas_workspace_bytes", 0,
+         "loopback: CPU matmuls take no cuBLAS workspace from the device's allocator"},
         // Only where /proc/meminfo is silent (readings() notes it).
         {"memory_bytes", 16 * kGiB.count(), "no MemAvailable in /proc/meminfo: 16 GiB assumed"},
         {"pinned_host_capacity_bytes", 8 * kGiB.count(),

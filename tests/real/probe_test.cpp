@@ -169,7 +169,7 @@ ProbeResult fixed_result() {
 TEST(ProbeJson, ProfileHasTheBundledLayout) {
   const std::string expected = R"json({
   "name": "probed",
-  "description": "measured by ferry probe on CPU \"loopback\" (cpu), median of 2 repeats; 0 of 25 keys assumed (see the probe report)",
+  "description": "measured by ferry probe on CPU \"loopback\" (cpu), median of 2 repeats; 0 of 26 keys assumed (see the probe report)",
   "memory_bytes": 2000000,
   "flops_per_s": 2000000,
   "memory_bytes_per_s": 2000000,
@@ -179,6 +179,7 @@ TEST(ProbeJson, ProfileHasTheBundledLayout) {
   "d2d": {"bytes_per_s": 2000000, "latency_ns": 2000000},
   "peer": {"bytes_per_s": 2000000, "latency_ns": 2000000},
   "pinned_host_capacity_bytes": 2000000,
+  "blas_workspace_bytes": 2000000,
   "overheads_ns": {
     "kernel": 2000000,
     "copy": 2000000,
@@ -253,9 +254,9 @@ TEST(ProbeRun, LoopbackMeasuresEveryFigureWithItsSpread) {
     EXPECT_TRUE(has(key)) << key;
   }
   for (const ProfileFigure& f : r.figures) {
-    const bool loopback_assumption = f.key.starts_with("peer.") ||
-                                     f.key == "overheads_ns.event_query" ||
-                                     f.key == "overheads_ns.host_access";
+    const bool loopback_assumption =
+        f.key.starts_with("peer.") || f.key == "overheads_ns.event_query" ||
+        f.key == "overheads_ns.host_access" || f.key == "blas_workspace_bytes";
     EXPECT_EQ(f.measured, !loopback_assumption) << f.key << ": " << f.source;
   }
 }

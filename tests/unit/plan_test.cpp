@@ -251,6 +251,27 @@ TEST(Planner, UnderFsdpThePlanRecordsItsParallelismAndTwoRanksOfANodeAreChecked)
   EXPECT_EQ(plan_to_json(single.value().plan).find("parallelism"), std::string::npos);
 }
 
+// Note [Library workspaces]: a step holds two cuBLAS workspaces of the profile's size, one for
+// forward's thread and one for backward's; a model without math holds none.
+TEST(LibraryWorkspaces, AStepHoldsTwoCublasWorkspaces) {
+  const DeviceProfile device = profile("h100-sxm-pcie5");
+  ASSERT_EQ(device.blas_workspace, Bytes(32 * kMiB));
+  DeviceProfile without = device;
+  without.blas_workspace = Bytes(0);
+  const Model model = preset("gpt2-small-s1024", device);
+  const PolicyRow none = default_rows(TrainingOptions{}, model, device).front();
+  const RowResult with_ws = fixed_row(model, device, none);
+  const RowResult no_ws = fixed_row(model, without, none);
+  EXPECT_EQ(with_ws.peak_allocated, no_ws.peak_allocated + Bytes(64 * kMiB));
+  EXPECT_EQ(with_ws.peak_reserved, no_ws.peak_reserved + Bytes(64 * kMiB));
+  EXPECT_EQ(with_ws.step_time, no_ws.step_time);
+  // No op with FLOPs: no matmul, no workspace.
+  Model copies = model;
+  for (ModelOp& op : copies.ops) op.flops = op.backward_flops = 0;
+  EXPECT_EQ(fixed_row(copies, device, none).peak_allocated,
+            fixed_row(copies, without, none).peak_allocated);
+}
+
 TEST(Planner, InfeasibleBudgetNamesTheFloor) {
   const DeviceProfile device = profile("h100-sxm-pcie5");
   const Model model = preset("gpt2-small-s1024", device);

@@ -297,18 +297,43 @@ TEST(DeviceProfiles, BundledFiguresMatchTheDocumentedSources) {
   EXPECT_EQ(h100.value().h2d.bandwidth, Bandwidth(55'370'000'000));
   EXPECT_EQ(h100.value().d2h.bandwidth, Bandwidth(55'200'000'000));
   EXPECT_EQ(h100.value().flops_per_s, 989'000'000'000'000);
+  // torch's cuBLAS workspace on compute capability 9.0 (:4096:8), and elsewhere (:4096:2:16:8).
+  EXPECT_EQ(h100.value().blas_workspace, Bytes(32 * kMiB));
 
   const auto a100 = load_device_profile(kProfileDir, "a100-pcie4");
   ASSERT_TRUE(a100.ok()) << a100.error().message;
   // Gen4: H2D loses about half its rate under bidirectional load, D2H hardly any.
   EXPECT_LT(a100.value().h2d.bidirectional_permille, 500);
   EXPECT_GT(a100.value().d2h.bidirectional_permille, 900);
+  EXPECT_EQ(a100.value().blas_workspace, 8 * kMiB + Bytes(128 * 1024));
 
   const auto gh200 = load_device_profile(kProfileDir, "gh200");
   ASSERT_TRUE(gh200.ok()) << gh200.error().message;
   EXPECT_GT(gh200.value().h2d.bandwidth, gh200.value().d2h.bandwidth);
   EXPECT_GT(gh200.value().pageable_h2d.bytes_per_s() * 10,
             gh200.value().h2d.bandwidth.bytes_per_s() * 9);
+}
+
+TEST(DeviceProfiles, TheBlasWorkspaceIsOptionalAndBounded) {
+  const auto h100 = load_device_profile(kProfileDir, "h100-sxm-pcie5");
+  ASSERT_TRUE(h100.ok());
+  DeviceProfile none = h100.value();
+  none.blas_workspace = Bytes(0);
+  const std::string written = device_profile_to_json(none);
+  EXPECT_EQ(written.find("blas_workspace_bytes"), std::string::npos);  // left out when 0
+  const auto again = parse_device_profile(written, "p.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value().blas_workspace, Bytes(0));
+  for (const std::string bad : {"-1", "1073741825", "\"32MiB\"", "1.5"}) {
+    std::string text = device_profile_to_json(h100.value());
+    const std::string key = "\"blas_workspace_bytes\": 33554432";
+    ASSERT_NE(text.find(key), std::string::npos) << text;
+    text.replace(text.find(key), key.size(), "\"blas_workspace_bytes\": " + bad);
+    const auto refused = parse_device_profile(text, "p.json");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.error().message.find("blas_workspace_bytes"), std::string::npos)
+        << refused.error().message;
+  }
 }
 
 TEST(DeviceProfiles, UnknownNameListsTheBundledProfiles) {

@@ -56,6 +56,7 @@ std::string profile(const DeviceProfile& p) {
       .raw("d2d", copy_path(p.d2d, false))
       .raw("peer", copy_path(p.peer, false))
       .num("pinned_host_capacity_bytes", p.pinned_host_capacity.count());
+  if (p.blas_workspace.count() > 0) out.num("blas_workspace_bytes", p.blas_workspace.count());
   Object overheads;
   for (const OverheadField& field : kOverheadFields) {
     overheads.num(field.key, (p.overheads.*field.field).ns());

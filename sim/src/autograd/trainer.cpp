@@ -38,7 +38,8 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
       current_(compute_),
       device_(sim_, dev_, compute_),
       offloader_(device_, options.offload, faults.offload),
-      faults_(faults) {
+      faults_(faults),
+      blas_workspace_(profile.blas_workspace) {
   run_.compute = compute_;
   if (options.side.any()) side_ = sim_.add_stream(dev_, "side");
   if (options.side.all_reduce) comm_ = sim_.add_stream(dev_, "comm");
@@ -252,8 +253,30 @@ void Trainer::setup() {
     }
   }
   if (fsdp()) fsdp_setup(writes, values);
+  allocate_blas_workspaces();
   sim_.kernel(current_, SimTime(1), {}, writes, "init parameters", values);
   device_rng_initialized_ = !options_.checkpoint.lazy_device_rng;
+}
+
+// Note [Library workspaces]
+// torch gives each cuBLAS handle, on each stream it runs on, a workspace taken from the caching
+// allocator at its first matmul and kept for the life of the process
+// (aten/src/ATen/cuda/CublasHandlePool.cpp: setWorkspaceForHandle, one block per (handle,
+// stream) of getChosenWorkspaceSize(): 32 MiB on Hopper, 8 MiB + 128 KiB elsewhere). Handles
+// are per thread, and backward runs on the autograd engine's thread for the device: a training
+// step holds two, forward's and backward's (a checkpoint's recompute runs on backward's). The
+// device profile names the size (`blas_workspace_bytes`, docs/devices.md); a model that does
+// no math (no op with FLOPs) takes none. Both are allocated at set-up, before the first step:
+// in torch backward's comes at the first backward matmul of the first step, and every later
+// step, the one measured among them, starts with both held either way.
+void Trainer::allocate_blas_workspaces() {
+  if (blas_workspace_.count() == 0) return;
+  const bool math = std::ranges::any_of(
+      model_.ops, [](const ModelOp& op) { return op.flops > 0 || op.backward_flops > 0; });
+  if (!math) return;
+  for (const char* thread : {"forward", "backward"}) {
+    (void)must_allocate(blas_workspace_, fmt::format("cuBLAS workspace ({} thread)", thread));
+  }
 }
 
 Bound Trainer::lookup(std::uint32_t t) const {

@@ -138,6 +138,8 @@ class Trainer {
 
   // Allocates on the current stream, as the caching allocator does.
   Device::Buffer must_allocate(Bytes bytes, const std::string& name);
+  // The cuBLAS workspaces a step holds (Note [Library workspaces]).
+  void allocate_blas_workspaces();
 
   // --- streams (Note [Side streams] in trainer.cpp) -----------------------------------------
 
@@ -313,6 +315,7 @@ class Trainer {
   Device device_;
   Offloader<Device> offloader_;
   TrainingFaults faults_;
+  Bytes blas_workspace_;  // one cuBLAS workspace (the profile's); 0: none
   FsdpState fsdp_;
   Checkpointer<Recomputed> checkpointer_;
   std::vector<Scope> scopes_;

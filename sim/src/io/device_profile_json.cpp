@@ -92,11 +92,15 @@ Result<CollectiveLinks> read_collectives(const JsonObject& profile) {
 
 namespace io_detail {
 
+// The largest cuBLAS workspace a profile may name: 1 GiB, 32 times torch's largest default.
+constexpr std::int64_t kMaxBlasWorkspaceBytes = std::int64_t{1} << 30;
+
 Result<DeviceProfile> read_profile(const JsonValue& value) {
-  FERRY_JSON_TRY(const auto object,
-                 value.object({"name", "description", "memory_bytes", "flops_per_s",
-                               "memory_bytes_per_s", "h2d", "d2h", "pageable", "d2d", "peer",
-                               "pinned_host_capacity_bytes", "overheads_ns", "collectives"}));
+  FERRY_JSON_TRY(
+      const auto object,
+      value.object({"name", "description", "memory_bytes", "flops_per_s", "memory_bytes_per_s",
+                    "h2d", "d2h", "pageable", "d2d", "peer", "pinned_host_capacity_bytes",
+                    "blas_workspace_bytes", "overheads_ns", "collectives"}));
   DeviceProfile profile;
   FERRY_JSON_TRY(const auto name_value, object.required("name"));
   FERRY_JSON_TRY(profile.name, name_value.name());
@@ -124,6 +128,9 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
   FERRY_JSON_TRY(const auto pinned,
                  object.required_integer("pinned_host_capacity_bytes", 0, kMaxJsonBytes));
   profile.pinned_host_capacity = Bytes(pinned);
+  FERRY_JSON_TRY(const auto workspace,
+                 object.optional_integer("blas_workspace_bytes", 0, 0, kMaxBlasWorkspaceBytes));
+  profile.blas_workspace = Bytes(workspace);
   FERRY_JSON_TRY(const auto overheads_value, object.required("overheads_ns"));
   FERRY_JSON_TRY(const auto overheads,
                  overheads_value.object(std::span<const std::string_view>(kOverheadKeys)));

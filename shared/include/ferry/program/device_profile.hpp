@@ -63,6 +63,9 @@ struct DeviceProfile {
   CopyPath d2d;                  ///< copy within this device's memory
   CopyPath peer;                 ///< default link to another device (per direction)
   Bytes pinned_host_capacity;    ///< cap on page-locked host memory (the node's, with FSDP)
+  /// What one cuBLAS handle takes from the caching allocator on one stream for its workspace
+  /// (torch's CUBLAS_WORKSPACE_CONFIG default for the architecture); optional in the file, 0.
+  Bytes blas_workspace;
   LaunchOverheads overheads;
   CollectiveLinks collectives{};  ///< optional in the file ("collectives")
 };
