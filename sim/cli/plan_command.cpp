@@ -39,6 +39,7 @@ struct PlanArgs {
   bool json = false;
   sim::FsdpSpec fsdp;
   std::optional<std::string> allocator;
+  std::optional<std::string> margin;  // none: sim::kDefaultPlanMarginPermille
 };
 
 class PlanCommand final : public Command {
@@ -76,6 +77,10 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
       ->check(CLI::Range(2, 100));
   cmd->add_option("--plot", a_.plot, "With --sweep: write the curve as an SVG plot to FILE");
   cmd->add_option("--host-budget", a_.host_budget, "Pinned host memory budget, as --budget");
+  cmd->add_option("--margin", a_.margin,
+                  fmt::format("Plan to the budget less this percent of it, 0..50 (docs/plan.md, "
+                              "\"What fits promises\"); default: {}",
+                              sim::margin_text(sim::kDefaultPlanMarginPermille)));
   cmd->add_option("--out", a_.out, "Write the plan (ferry.plan/1 JSON) to FILE");
   cmd->add_option("--memory-snapshot", a_.memory_snapshot,
                   "Write the plan's simulated run as a PyTorch memory snapshot (pickle) to FILE");
@@ -89,8 +94,8 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
 }
 
 std::string PlanCommand::misuse() const {
-  if (a_.sweep > 0 && (!a_.budget.empty() || !a_.out.empty())) {
-    return "--sweep plans its own budgets; it takes no --budget or --out";
+  if (a_.sweep > 0 && (!a_.budget.empty() || !a_.out.empty() || a_.margin)) {
+    return "--sweep plans its own budgets; it takes no --budget, --margin or --out";
   }
   if (a_.sweep > 0 && !a_.memory_snapshot.empty()) {
     return "--memory-snapshot is of one plan: not with --sweep";
@@ -114,7 +119,8 @@ Result<sim::PlannerOptions> PlanCommand::planner_options(
                     .host_budget = given(a_.host_budget),
                     .steps = a_.steps,
                     .fsdp = fsdp,
-                    .allocator = allocator});
+                    .allocator = allocator,
+                    .margin = a_.margin});
 }
 
 int PlanCommand::run() const {
@@ -147,7 +153,11 @@ int PlanCommand::run() const {
     fmt::print(stderr, "ferry plan: error: {}\n", valid.error().message);
     return kExitBadInput;
   }
-  if (a_.sweep > 0) return sweep(workload.value(), options.value(), fsdp);
+  if (a_.sweep > 0) {
+    // A sweep's budgets are the simulator's peaks, from the floor up: no margin below them.
+    options.value().margin_permille = 0;
+    return sweep(workload.value(), options.value(), fsdp);
+  }
   // No budget: the device's whole memory, the question "what is fastest that fits at all?".
   if (a_.budget.empty()) options.value().budget = workload.value().device.memory;
   return plan(workload.value(), options.value(), fsdp);
@@ -194,9 +204,10 @@ int PlanCommand::plan(const sim::Workload& w, const sim::PlannerOptions& options
 
 int PlanCommand::write_snapshot(const sim::Workload& w, const sim::PlannerOptions& options,
                                 const Plan& plan) const {
-  // On the device as the planner checked the plan: its memory is the budget.
+  // On the device as the planner checked the plan: its memory is the budget less the margin.
   sim::DeviceProfile capped = w.device;
-  capped.memory = std::min(capped.memory, options.budget);
+  capped.memory =
+      std::min(capped.memory, sim::budget_less_margin(options.budget, options.margin_permille));
   sim::TrainingOptions base;
   base.steps = a_.steps;
   base.fsdp = options.fsdp;

@@ -289,20 +289,22 @@ void bind_plans(py::module_& m) {
          const std::optional<std::string>& budget, const std::optional<std::string>& host_budget,
          std::int32_t steps, std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes,
          std::int32_t hsdp, std::string reshard_after_forward,
-         std::optional<std::string> allocator) {
+         std::optional<std::string> allocator, std::optional<std::string> margin) {
         return plan(
             model, model_text, device, scenarios,
             sim::PlanSpec{.budget = budget,
                           .host_budget = host_budget,
                           .steps = steps,
                           .fsdp = fsdp_spec(fsdp, nodes, hsdp, std::move(reshard_after_forward)),
-                          .allocator = std::move(allocator)});
+                          .allocator = std::move(allocator),
+                          .margin = std::move(margin)});
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
       py::kw_only(), py::arg("budget") = py::none(), py::arg("host_budget") = py::none(),
       py::arg("steps") = sim::PlanSpec{}.steps, py::arg("fsdp") = py::none(),
       py::arg("nodes") = py::none(), py::arg("hsdp") = d.replicas,
       py::arg("reshard_after_forward") = d.reshard_after_forward, py::arg("allocator") = py::none(),
+      py::arg("margin") = py::none(),
       "{report, text, plan_text}, or {refused, floor} when no plan fits");
   m.def(
       "validate_plan",

@@ -305,8 +305,9 @@ def test_a_plan_is_read_from_a_file(tmp_path):
 
 def test_auto_plans_under_a_budget_and_trains_bitwise():
     ref, model, ref_x, x = twin(lambda: TinyLM(d=128), lambda: torch.randn(64, 16, 128))
-    # Between the floor and the no-offload peak of this model: some ops must be recomputed.
-    ctx = ferry.auto(model, x, budget="33MiB", loss_fn=loss_of)
+    # Between the floor and the no-offload peak of this model (both with the two 32 MiB cuBLAS
+    # workspaces of the H100 profile), no margin: some ops must be recomputed.
+    ctx = ferry.auto(model, x, budget="97MiB", margin=0, loss_fn=loss_of)
     assert "step time" in ctx.report
     decisions = {op["saved"] for op in ctx.plan["ops"]}
     assert "recompute" in decisions and ctx.plan["regions"]

@@ -53,6 +53,8 @@ RESHARD = [True, False, 2, 4, 1, 0, -3]
 #: Mostly good names: a bad one refuses the run, and the draws must still reach "ok" often.
 ALLOCATORS = ["default", "expandable", "expandable", "default", "expandable", "expandable_segments"]
 BUDGETS = [None, "1GiB", "24MiB", " ", "40 parsecs", "-5", 2**30, "1KiB"]
+#: Plan margins, percent of the budget: numbers and text, in bounds (0..50) and not.
+MARGINS = [None, "6", "5.5%", 0, 12.5, 50, "50.1", 51, -1, "six", "5.55", " 7 % "]
 SWITCHES = {"prefetch": "--no-prefetch", "dedup": "--no-dedup", "early_stop": "--no-early-stop"}
 
 
@@ -125,6 +127,8 @@ def draw_plan(rng):
     for name in ("budget", "host_budget"):
         if rng.random() < 0.4:
             options[name] = rng.choice(BUDGETS)
+    if rng.random() < 0.3:
+        options["margin"] = rng.choice(MARGINS)
     # A plan is searched: an accepted one is kept to the default budget, or one that refuses.
     options = cheapened(draw_fsdp(rng, options), PLAN_BOUNDS)
     if not out_of_bounds(options, PLAN_BOUNDS) and options.get("budget") in (
@@ -277,6 +281,12 @@ REFUSED = [
     ("simulate", {"allocator": "cuda"}, '--allocator: "cuda" is not default or expandable'),
     ("compare", {"allocator": ""}, '--allocator: "" is not default or expandable'),
     ("plan", {"allocator": "Expandable"}, '--allocator: "Expandable" is not default or expandable'),
+    ("plan", {"margin": 51}, "--margin: 51 % is not in 0..50 %"),
+    (
+        "plan",
+        {"margin": "5.55"},
+        '--margin: "5.55" is not a percentage of the budget such as 6, 5.5 or 6%',
+    ),
 ]
 
 

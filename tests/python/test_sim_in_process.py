@@ -72,10 +72,10 @@ def test_compare_is_the_cli_document():
 
 def test_plan_is_the_cli_report_and_plan(traced, tmp_path):
     _, path = traced
-    report = ferry.plan(path, budget="24MiB", device=DEVICE)
+    report = ferry.plan(path, budget="40MiB", device=DEVICE)
     out = tmp_path / "plan.json"
     want = cli_json(
-        "plan", "--model", path, "--budget", "24MiB", "--device", DEVICE, "--out", str(out)
+        "plan", "--model", path, "--budget", "40MiB", "--device", DEVICE, "--out", str(out)
     )
     assert report == want
     plan = report["plan"]
@@ -175,10 +175,10 @@ def test_fsdp_arguments_are_the_cli_flags():
         "--reshard-after-forward",
         "false",
     )
-    report = ferry.plan(model, budget="30GiB", device=device, fsdp=8)
+    report = ferry.plan(model, budget="36GiB", device=device, fsdp=8)
     assert report["fsdp"]["ranks"] == 8
     assert report == cli_json(
-        "plan", "--model", model, "--budget", "30GiB", "--device", device, "--fsdp", "8"
+        "plan", "--model", model, "--budget", "36GiB", "--device", device, "--fsdp", "8"
     )
     assert report["plan"]["parallelism"] == {"fsdp": 8}
     assert report["node_check_ranks"] == 2
@@ -186,7 +186,7 @@ def test_fsdp_arguments_are_the_cli_flags():
 
 def test_a_plan_replays_under_the_parallelism_it_was_made_for(tmp_path):
     model, device = "llama3.2-3b-traced-s4096-b2", "h100-sxm-pcie5"
-    report = ferry.plan(model, budget="30GiB", device=device, fsdp=8, reshard_after_forward=2)
+    report = ferry.plan(model, budget="36GiB", device=device, fsdp=8, reshard_after_forward=2)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(dict(report["plan"])))
     code, out, err = run_cli("simulate", "--model", model, "--device", device, "--plan", str(path))

@@ -251,6 +251,49 @@ TEST(Planner, UnderFsdpThePlanRecordsItsParallelismAndTwoRanksOfANodeAreChecked)
   EXPECT_EQ(plan_to_json(single.value().plan).find("parallelism"), std::string::npos);
 }
 
+// Note [The plan margin]: a plan for budget B fits B less the margin, and says so; with the
+// margin at 0 the same budget admits a plan that does not.
+TEST(Planner, APlanForBudgetBReportsAPeakWithinBLessTheMargin) {
+  const DeviceProfile device = profile("h100-sxm-pcie5");
+  const Model model = preset("gpt2-small-s1024", device);
+  const RowResult none =
+      fixed_row(model, device, default_rows(TrainingOptions{}, model, device).front());
+  // A budget the no-offload run fits by 3 %: the default 16 % margin rules it out.
+  const Bytes budget = Bytes(none.peak_reserved.count() * 103 / 100);
+  PlannerOptions options{budget, std::nullopt, 2};
+  auto without = make_plan(model, device, options);
+  ASSERT_TRUE(without.ok()) << without.error().message;
+  EXPECT_GT(without.value().row.peak_reserved,
+            budget_less_margin(budget, kDefaultPlanMarginPermille));
+  for (const std::int32_t margin : {kDefaultPlanMarginPermille, 125, 1}) {
+    options.margin_permille = margin;
+    auto outcome = make_plan(model, device, options);
+    ASSERT_TRUE(outcome.ok()) << margin << ": " << outcome.error().message;
+    const PlanOutcome& o = outcome.value();
+    const Bytes planned = budget - Bytes((budget.count() * margin + 999) / 1000);
+    EXPECT_EQ(o.planned_budget, planned);
+    EXPECT_EQ(o.margin_permille, margin);
+    EXPECT_EQ(o.plan.budget, budget);  // the file keeps the budget asked for
+    EXPECT_LE(o.row.peak_reserved, planned) << margin;
+    EXPECT_EQ(o.row.hazards, 0U);
+    const std::string text = plan_text(o, model, device);
+    EXPECT_NE(text.find(fmt::format("planned to {} (margin {})", format_bytes(planned),
+                                    margin_text(margin))),
+              std::string::npos)
+        << text;
+    const std::string json = plan_report_json(o, model, device);
+    EXPECT_NE(json.find(fmt::format("\"planned_budget_bytes\": {}", planned.count())),
+              std::string::npos);
+  }
+  // Below the floor once the margin is taken: refused, naming the margin.
+  auto refused = make_plan(
+      model, device,
+      PlannerOptions{Bytes(none.peak_reserved.count() / 4), std::nullopt, 2, {}, {}, 500});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find("less its 50 % margin"), std::string::npos)
+      << refused.error().message;
+}
+
 // Note [Library workspaces]: a step holds two cuBLAS workspaces of the profile's size, one for
 // forward's thread and one for backward's; a model without math holds none.
 TEST(LibraryWorkspaces, AStepHoldsTwoCublasWorkspaces) {
@@ -270,6 +313,21 @@ TEST(LibraryWorkspaces, AStepHoldsTwoCublasWorkspaces) {
   for (ModelOp& op : copies.ops) op.flops = op.backward_flops = 0;
   EXPECT_EQ(fixed_row(copies, device, none).peak_allocated,
             fixed_row(copies, without, none).peak_allocated);
+}
+
+TEST(Planner, TheMarginAndTheBandFollowTheTable) {
+  EXPECT_EQ(budget_less_margin(Bytes(1000), 60), Bytes(940));
+  EXPECT_EQ(budget_less_margin(Bytes(1001), 60), Bytes(940));  // the margin rounded up
+  EXPECT_EQ(budget_less_margin(Bytes(1000), 0), Bytes(1000));
+  const Bytes huge(std::int64_t{1} << 62);
+  EXPECT_EQ(budget_less_margin(huge, 500), Bytes(std::int64_t{1} << 61));
+  // The default margin covers the table's largest underestimate.
+  EXPECT_GE(kDefaultPlanMarginPermille, kPeakReservedErrorBand.under_permille);
+  const auto [low, high] = expected_peak_band(Bytes(1'000'000));
+  EXPECT_EQ(low, Bytes(1'000'000'000 / (1000 + kPeakReservedErrorBand.over_permille)));
+  EXPECT_EQ(high, Bytes(1'000'000'000 / (1000 - kPeakReservedErrorBand.under_permille)));
+  EXPECT_EQ(margin_text(160), "16 %");
+  EXPECT_EQ(margin_text(55), "5.5 %");
 }
 
 TEST(Planner, InfeasibleBudgetNamesTheFloor) {

@@ -10,7 +10,7 @@ import torch
 
 from ._offload import offload
 from ._plan import PlanError
-from ._sim import DEFAULT_DEVICE, byte_count, run_planner
+from ._sim import DEFAULT_DEVICE, byte_count, percentage, run_planner
 from ._trace import TracedModel, trace
 
 
@@ -59,6 +59,7 @@ def auto(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     host_budget: str | int | None = None,
     loopback: bool | None = None,
+    margin: str | float | None = None,
     **options: Any,
 ) -> AutoOffload:
     """Traces one training step of ``model``, plans it under a budget and applies the plan.
@@ -75,6 +76,8 @@ def auto(
         loss_fn: A function of the model's output that returns the scalar loss.
         host_budget: The pinned host memory budget.
         loopback: Run on the CPU loopback device (default: when the model is on the CPU).
+        margin: Plan to the budget less this percent of it (``ferry.plan``'s ``margin``);
+            None: the default that docs/validation.md's table supports.
         **options: Further ``ferry.offload`` options.
 
     Returns:
@@ -88,10 +91,11 @@ def auto(
     """
     byte_count(budget, "ferry.auto: budget", allow_none=False)
     byte_count(host_budget, "ferry.auto: host_budget")
+    percentage(margin, "ferry.auto: margin")
     on_cpu = _on_cpu(model, example_inputs)
     traced = trace(model, *example_inputs, loss_fn=loss_fn, target="host" if on_cpu else "device")
     try:
-        made = run_planner(traced, budget, device, host_budget)
+        made = run_planner(traced, budget, device, host_budget, margin=margin)
     except PlanError as e:
         raise _prefixed(e, "ferry.auto") from None
     if loopback is None:

@@ -67,6 +67,15 @@ def byte_count(
     return str(value)
 
 
+def percentage(value: str | float | None, what: str) -> str | None:
+    """``value``, a percentage (a number or its text), as the simulator's check reads it."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what}: {value!r} is not a percentage (a number or a string like '6%')")
+    return repr(value) if isinstance(value, float) else str(value)
+
+
 def fsdp_options(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with ``reshard_after_forward`` as the simulator reads it: True, False or a
     number of ranks K become "true", "false" or "K"."""
@@ -159,6 +168,7 @@ def plan(
     device: str = DEFAULT_DEVICE,
     host_budget: str | int | None = None,
     steps: int = 2,
+    margin: str | float | None = None,
     **fsdp: Any,
 ) -> dict[str, Any]:
     """The fastest keep / offload / recompute plan whose peak reserved memory fits a budget
@@ -170,6 +180,9 @@ def plan(
         device: A bundled device profile's name or a profile file.
         host_budget: The pinned host memory budget, as ``budget``; None: no limit.
         steps: Training steps per simulation, 1..100 (the last is measured).
+        margin: Plan to the budget less this percent of it, 0..50 with at most one decimal
+            (``6``, ``5.5``, ``"6%"``); None: the default that docs/validation.md's table
+            supports (docs/plan.md, "What fits promises").
         **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
             ``reshard_after_forward``): the plan is one rank's, ``budget`` per rank and
             ``host_budget`` per node; and ``allocator`` as ``simulate`` takes it.
@@ -184,7 +197,7 @@ def plan(
             planner refuses the model, device or budget (``exit_code`` 2).
         TypeError: A budget that is no byte count.
     """
-    return run_planner(model, budget, device, host_budget, steps, **fsdp)["report"]
+    return run_planner(model, budget, device, host_budget, steps, margin, **fsdp)["report"]
 
 
 def run_planner(
@@ -193,6 +206,7 @@ def run_planner(
     device: str,
     host_budget: str | int | None,
     steps: int = 2,
+    margin: str | float | None = None,
     **fsdp: Any,
 ) -> dict[str, Any]:
     """``plan``'s run: {report (with the plan under "plan"), text (what ``ferry plan``
@@ -200,6 +214,7 @@ def run_planner(
     name, text = model_args(model)
     budget = byte_count(budget, "budget", refuse_empty=False)
     host_budget = byte_count(host_budget, "host_budget", refuse_empty=False)
+    margin = percentage(margin, "margin")
     try:
         made = _C._sim.plan(
             name,
@@ -209,6 +224,7 @@ def run_planner(
             budget=budget,
             host_budget=host_budget,
             steps=steps,
+            margin=margin,
             **fsdp_options(fsdp),
         )
     except ValueError as e:

@@ -185,7 +185,45 @@ Result<PlannerOptions> planner_options(const PlanSpec& spec) {
   auto mode = allocator_mode(spec.allocator);
   if (!mode) return mode.error();
   options.allocator = mode.value();
+  options.margin_permille = kDefaultPlanMarginPermille;
+  if (spec.margin) {
+    auto margin = margin_permille(*spec.margin);
+    if (!margin) return margin.error();
+    options.margin_permille = margin.value();
+  }
   return options;
+}
+
+Result<std::int32_t> margin_permille(const std::string& text) {
+  const auto refused = [&] {
+    return Error{fmt::format(
+        "--margin: \"{}\" is not a percentage of the budget such as 6, 5.5 or 6%", text)};
+  };
+  std::string_view s = text;
+  const auto trim = [&s] {
+    while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+    while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  };
+  trim();
+  if (!s.empty() && s.back() == '%') {
+    s.remove_suffix(1);
+    trim();
+  }
+  // Whole percent, then at most one decimal: at most "50.0".
+  std::int64_t whole = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), whole);
+  if (ec != std::errc{} || end == s.data()) return refused();
+  std::int64_t tenths = 0;
+  std::string_view rest(end, static_cast<std::size_t>(s.data() + s.size() - end));
+  if (!rest.empty()) {
+    if (rest.size() != 2 || rest[0] != '.' || rest[1] < '0' || rest[1] > '9') return refused();
+    tenths = rest[1] - '0';
+  }
+  if (s.front() == '-' || whole > kMaxPlanMarginPermille / 10 ||
+      whole * 10 + tenths > kMaxPlanMarginPermille) {
+    return Error{fmt::format("--margin: {} % is not in 0..{} %", s, kMaxPlanMarginPermille / 10)};
+  }
+  return static_cast<std::int32_t>(whole * 10 + tenths);
 }
 
 Result<RowResult> simulate_one(const Workload& workload, const RunSpec& spec,

@@ -12,6 +12,7 @@
 #include "ferry/sim/planner/bound.hpp"
 #include "ferry/sim/planner/search.hpp"
 #include "ferry/sim/runs/configurations.hpp"
+#include "tensors.hpp"
 
 namespace ferry::sim {
 
@@ -185,6 +186,30 @@ struct PlannerState {
 
 }  // namespace planning
 
+Bytes budget_less_margin(Bytes budget, std::int32_t margin_permille) {
+  // Rounded up: 128-bit so that no budget overflows.
+  const auto margin = static_cast<std::int64_t>(
+      (static_cast<planning::Wide>(budget.count()) * margin_permille + 999) / 1000);
+  return budget - Bytes(margin);
+}
+
+std::pair<Bytes, Bytes> expected_peak_band(Bytes predicted) {
+  // The prediction's error e = (predicted - real) / real lies in [-under, +over], so the real
+  // peak is predicted / (1 + e).
+  const auto scaled = [&](std::int32_t permille) {
+    return Bytes(static_cast<std::int64_t>(static_cast<planning::Wide>(predicted.count()) * 1000 /
+                                           (1000 + permille)));
+  };
+  return {scaled(kPeakReservedErrorBand.over_permille),
+          scaled(-kPeakReservedErrorBand.under_permille)};
+}
+
+std::string margin_text(std::int32_t margin_permille) {
+  return margin_permille % 10 == 0
+             ? fmt::format("{} %", margin_permille / 10)
+             : fmt::format("{}.{} %", margin_permille / 10, margin_permille % 10);
+}
+
 namespace {
 
 // Why `row`, the checked run of a candidate, cannot be the plan; empty when it can.
@@ -253,10 +278,14 @@ PlanOutcome describe(const planning::PlannerState& p, const Pick& pick,
 // unchecked runs fit, else the floor.
 Error infeasible(const planning::PlannerState& p, const planning::Search& search,
                  std::size_t candidates, const std::string& refused, const PlannerOptions& options,
-                 Bytes memory) {
-  const std::string host = options.host_budget ? fmt::format(" and {} of pinned host memory",
-                                                             format_bytes(*options.host_budget))
-                                               : std::string();
+                 Bytes memory, Bytes asked) {
+  std::string host = options.host_budget ? fmt::format(" and {} of pinned host memory",
+                                                       format_bytes(*options.host_budget))
+                                         : std::string();
+  if (options.margin_permille > 0) {
+    host += fmt::format(" (the budget {} less its {} margin)", format_bytes(asked),
+                        margin_text(options.margin_permille));
+  }
   if (candidates > 0) {
     // Plans reached the budget, and every one failed its checked run: the floor would not
     // say why.
@@ -300,6 +329,9 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
     node.pinned_host_capacity = *options.host_budget;
     options.host_budget = rank_profile(node, p.fsdp).pinned_host_capacity;
   }
+  // The search, the checked runs and the lower bound see the budget less the margin.
+  const Bytes asked = options.budget;
+  options.budget = budget_less_margin(asked, options.margin_permille);
   const std::int64_t simulations_before = p.cost.runs();
   const std::int64_t reused_before = p.cost.reused();
   p.ensure_fixed();
@@ -310,6 +342,9 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   const Pick pick = pick_checked(p.cost, ranked, options, memory);
   if (pick.candidate != nullptr) {
     PlanOutcome outcome = describe(p, pick, options);
+    outcome.plan.budget = asked;
+    outcome.planned_budget = options.budget;
+    outcome.margin_permille = options.margin_permille;
     outcome.node_ranks = p.cost.node_ranks();
     if (p.fsdp.on()) {
       outcome.plan.parallelism = Parallelism{.fsdp = p.fsdp.ranks,
@@ -322,7 +357,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
     return outcome;
   }
   if (floor != nullptr) *floor = search.floor();
-  return infeasible(p, search, ranked.size(), pick.refused, options, memory);
+  return infeasible(p, search, ranked.size(), pick.refused, options, memory, asked);
 }
 
 Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,

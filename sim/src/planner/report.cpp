@@ -24,7 +24,7 @@ std::string layer_name(std::int32_t layer) {
 const RowResult* best_fixed(const PlanOutcome& o) {
   const RowResult* best = nullptr;
   for (const RowResult& r : o.fixed) {
-    if (r.failure || !r.fits || r.peak_reserved > o.plan.budget) continue;
+    if (r.failure || !r.fits || r.peak_reserved > o.planned_budget) continue;
     if (o.plan.host_budget && r.pinned_peak > *o.plan.host_budget) continue;
     if (best == nullptr || r.step_time < best->step_time) best = &r;
   }
@@ -37,6 +37,10 @@ std::string plan_text(const PlanOutcome& o, const Model& model, const DeviceProf
   std::string out = fmt::format("ferry plan: {} on {}, budget {} peak reserved", model.name,
                                 device.name, format_bytes(o.plan.budget));
   if (o.plan.host_budget) out += fmt::format(", {} pinned host", format_bytes(*o.plan.host_budget));
+  if (o.margin_permille > 0) {
+    out += fmt::format(", planned to {} (margin {})", format_bytes(o.planned_budget),
+                       margin_text(o.margin_permille));
+  }
   out += "\n";
   out += fmt::format("step time: {}", format_time(r.step_time));
   if (none != nullptr) {
@@ -47,8 +51,12 @@ std::string plan_text(const PlanOutcome& o, const Model& model, const DeviceProf
   out += "\n";
   out += fmt::format("lower bound: {} (the plan is at {} of it)\n", format_time(o.lower_bound),
                      ratio_text(r.step_time.ns(), o.lower_bound.ns(), "x"));
-  out += row_lines(r, {RowLine::PeakReservedAllocated, RowLine::PinnedPeak, RowLine::Moved,
-                       RowLine::Recompute, RowLine::Stall});
+  out += row_lines(r, {RowLine::PeakReservedAllocated});
+  const auto [low, high] = expected_peak_band(r.peak_reserved);
+  out += fmt::format(
+      "on a GPU: peak reserved expected in {} .. {} (docs/validation.md's error band)\n",
+      format_bytes(low), format_bytes(high));
+  out += row_lines(r, {RowLine::PinnedPeak, RowLine::Moved, RowLine::Recompute, RowLine::Stall});
   if (const RowResult* best = best_fixed(o)) {
     out += fmt::format("best fixed policy that fits: {}, {} ({})\n", best->name,
                        format_time(best->step_time), format_bytes(best->peak_reserved));
@@ -78,6 +86,8 @@ std::string plan_report_json(const PlanOutcome& o, const Model& model,
   j["model"] = model.name;
   j["device"] = device.name;
   j["budget_bytes"] = o.plan.budget.count();
+  j["margin_permille"] = o.margin_permille;
+  j["planned_budget_bytes"] = o.planned_budget.count();
   j["host_budget_bytes"] = o.plan.host_budget ? Json(o.plan.host_budget->count()) : Json(nullptr);
   put_row(j, r, {RowField::StepTime});
   j["lower_bound_ns"] = o.lower_bound.ns();
@@ -85,6 +95,8 @@ std::string plan_report_json(const PlanOutcome& o, const Model& model,
           {RowField::PeakReserved, RowField::PeakAllocated, RowField::PinnedPeak, RowField::D2h,
            RowField::H2d, RowField::Recompute, RowField::ForwardStall, RowField::BackwardStall,
            RowField::Hazards});
+  const auto [low, high] = expected_peak_band(r.peak_reserved);
+  j["expected_peak_reserved_bytes"] = {{"low", low.count()}, {"high", high.count()}};
   if (o.node_ranks > 0) j["node_check_ranks"] = o.node_ranks;
   j["simulations"] = o.simulations;
   j["reused_simulations"] = o.reused;
@@ -99,7 +111,7 @@ std::string plan_report_json(const PlanOutcome& o, const Model& model,
   Json fixed = Json::array();
   for (const RowResult& f : o.fixed) {
     fixed.push_back({{"name", f.name},
-                     {"fits", f.fits && !f.failure && f.peak_reserved <= o.plan.budget},
+                     {"fits", f.fits && !f.failure && f.peak_reserved <= o.planned_budget},
                      {"step_time_ns", f.step_time.ns()},
                      {"peak_reserved_bytes", f.peak_reserved.count()},
                      {"pinned_peak_bytes", f.pinned_peak.count()}});

@@ -3,8 +3,8 @@
 ``python -m ferry auto CONFIG --seq N --budget B --out scenario.json --plan plan.json`` is
 ``python -m ferry trace`` (every option of it, the scenario written to ``--out``) followed by
 the planner of ``ferry plan --model scenario.json --budget B --out plan.json`` (with
-``--device`` and ``--host-budget`` when given), run in this process; it prints the planner's
-report. Apply the plan to the model with
+``--device``, ``--host-budget`` and ``--margin`` when given), run in this process; it prints the
+planner's report. Apply the plan to the model with
 ``ferry.offload(plan="plan.json", model=model)`` (docs/plan.md, "Applying a plan").
 
 Exit codes: 0 planned; 1 the budget is below the floor (the message names it); 2 bad arguments
@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the device profile to plan for ({DEFAULT_DEVICE})",
     )
     parser.add_argument("--host-budget", help="pinned host memory budget")
+    parser.add_argument(
+        "--margin",
+        help="plan to the budget less this percent of it, 0..50 (default: what "
+        "docs/validation.md's table supports; docs/plan.md)",
+    )
     parser.add_argument("--plan", required=True, help="where to write the plan (ferry.plan/1)")
     return parser
 
@@ -59,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code != 0:
         return code
     try:
-        made = run_planner(trace_args.out, args.budget, args.device, args.host_budget)
+        made = run_planner(
+            trace_args.out, args.budget, args.device, args.host_budget, margin=args.margin
+        )
     except PlanError as e:
         print(f"python -m ferry auto: {e}", file=sys.stderr)
         return e.exit_code

@@ -99,7 +99,14 @@ struct PlanSpec {
   FsdpSpec fsdp{};
   /// default or expandable (expandable_segments:True); none: the model file's, else default.
   std::optional<std::string> allocator;
+  /// Percent of the budget kept free of the prediction: "6", "5.5 %" (0..50); none:
+  /// kDefaultPlanMarginPermille (Note [The plan margin]).
+  std::optional<std::string> margin;
 };
+
+/// The margin `text` gives, in thousandths of the budget: a percentage 0..50 with at most one
+/// decimal, "%" optional ("6", "5.5%", "0"); the error names `--margin`.
+Result<std::int32_t> margin_permille(const std::string& text);
 
 /// The allocator mode `--allocator` names, default when none (Note [One check for both edges]);
 /// the error names the option and the modes.
@@ -108,8 +115,8 @@ Result<AllocatorMode> allocator_mode(const std::optional<std::string>& name);
 /// Takes the model file's "allocator" member where the command line gave no --allocator.
 void adopt_model_allocator(std::optional<std::string>& allocator, const Model& model);
 
-/// The planner options `spec` asks for, checked in the order budget, host budget, steps, FSDP
-/// (Note [One check for both edges]); the budget is 0 when `spec` gives none.
+/// The planner options `spec` asks for, checked in the order budget, host budget, steps, FSDP,
+/// allocator, margin (Note [One check for both edges]); the budget is 0 when `spec` gives none.
 Result<PlannerOptions> planner_options(const PlanSpec& spec);
 
 }  // namespace ferry::sim
