@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/planner/planner.hpp"
@@ -118,6 +120,32 @@ RC_GTEST_PROP(PlanProp, EveryPlanIsSafeAndWithinBudgetOrTheFloorIsNamed, ()) {
   RC_ASSERT(r.sim.device_allocator(r.device).stats().reserved_peak <= budget);
   RC_ASSERT(outcome.value().row.peak_reserved <= budget);
   RC_ASSERT(outcome.value().row.hazards == 0U);
+}
+
+// Note [Monotone in the budget]: budgets planned one after another by one Planner (random
+// order): a budget at least as large as an earlier one gets a plan no slower than its.
+RC_GTEST_PROP(PlanProp, ALargerBudgetNeverGivesASlowerPlan, ()) {
+  const DeviceProfile device = device_profile();
+  const Model model = gen_model(device);
+  const Bytes peak = no_offload_peak(model, device);
+  const Bytes floor = planner_floor(model, device);
+  const auto permilles = *rc::gen::container<std::vector<std::int64_t>>(
+      *rc::gen::inRange<std::size_t>(2, 5), rc::gen::inRange<std::int64_t>(0, 1100));
+  Planner planner(model, device, 2);
+  std::vector<std::pair<Bytes, SimTime>> plans;  // budget, step time
+  for (const std::int64_t permille : permilles) {
+    const Bytes budget(floor.count() + (peak - floor).count() * permille / 1000);
+    auto outcome = planner.plan(PlannerOptions{budget, std::nullopt, 2});
+    if (!outcome) continue;  // a checked run the floor's plan failed at this budget
+    RC_ASSERT(outcome.value().row.peak_reserved <= budget);
+    plans.emplace_back(budget, outcome.value().row.step_time);
+  }
+  // Each budget at or above an earlier one has a plan no slower than that one's.
+  for (std::size_t i = 0; i < plans.size(); ++i) {
+    for (std::size_t j = i + 1; j < plans.size(); ++j) {
+      if (plans[j].first >= plans[i].first) RC_ASSERT(plans[j].second <= plans[i].second);
+    }
+  }
 }
 
 TEST(PlanProp, PlantedMissingReloadWaitIsCaught) {

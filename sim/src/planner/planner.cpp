@@ -157,6 +157,9 @@ struct PlannerState {
   std::vector<PlanKnobs> knobs;                // the knob variants
   std::optional<std::vector<RowResult>> rows;  // the rows of `ferry compare`, once measured
   std::vector<Seed> seeds;
+  /// The plans earlier budgets returned, with their checked step times (Note [Monotone in
+  /// the budget]).
+  std::vector<Candidate> picked;
 
   /// Measures the rows of `ferry compare`, and takes those a plan can express as seeds.
   void ensure_fixed() {
@@ -250,6 +253,29 @@ Pick pick_checked(planning::SimulatedCost& cost,
   return pick;
 }
 
+// Note [Monotone in the budget]
+// A larger budget admits every plan a smaller one does, so its plan should be no slower; the
+// search, started afresh from the seeds, does not always find it (its moves are local). So a
+// Planner keeps the plans it returned, and a later budget takes the fastest of them that beats
+// its own pick and passes the checked run on its device (the run is redone: a device with more
+// memory is another run), with the same pinned host budget. Within one Planner, as in a
+// `ferry plan --sweep` or any sequence of budgets, a larger budget then never gives a slower
+// plan; PlanProp.ALargerBudgetNeverGivesASlowerPlan checks it.
+Pick earlier_if_faster(planning::PlannerState& p, Pick pick, const PlannerOptions& options,
+                       Bytes memory) {
+  for (const planning::Candidate& earlier : p.picked) {
+    if (pick.candidate != nullptr && earlier.evaluation.time >= pick.row->step_time) continue;
+    if (earlier.plan.host_budget != options.host_budget) continue;
+    const RowResult& row = p.cost.checked(earlier.plan, memory);
+    if (!refusal(row, options).empty()) continue;
+    if (pick.candidate == nullptr || row.step_time < pick.row->step_time) {
+      pick.candidate = &earlier;
+      pick.row = &row;
+    }
+  }
+  return pick;
+}
+
 // The outcome of the picked plan: its checked run, per-layer bytes, lower bound and prediction.
 PlanOutcome describe(const planning::PlannerState& p, const Pick& pick,
                      const PlannerOptions& options) {
@@ -339,9 +365,14 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   planning::run_search(search, p.seeds, p.knobs);
   const Bytes memory = std::min(p.device.memory, options.budget);
   const std::vector<const planning::Candidate*> ranked = search.ranked();
-  const Pick pick = pick_checked(p.cost, ranked, options, memory);
+  const Pick pick =
+      earlier_if_faster(p, pick_checked(p.cost, ranked, options, memory), options, memory);
   if (pick.candidate != nullptr) {
     PlanOutcome outcome = describe(p, pick, options);
+    p.picked.push_back(
+        planning::Candidate{pick.candidate->plan,
+                            planning::Evaluation{true, pick.row->step_time, pick.row->peak_reserved,
+                                                 pick.row->pinned_peak}});
     outcome.plan.budget = asked;
     outcome.planned_budget = options.budget;
     outcome.margin_permille = options.margin_permille;
