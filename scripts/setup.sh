@@ -5,10 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# clang and libclang-rt-dev: the libFuzzer harnesses (scripts/fuzz.sh).
+# clang and libclang-rt-dev: the libFuzzer harnesses (scripts/fuzz.sh). pybind11-dev: the
+# simulator's Python module (sim/python/).
 packages=(cmake ninja-build g++ clang-format clang-tidy libfmt-dev nlohmann-json3-dev
           libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
-          clang libclang-rt-dev)
+          clang libclang-rt-dev pybind11-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -2,14 +2,16 @@
 
     .venv/bin/pip install --no-build-isolation ./real/python
 
-The extension `ferry._C` is the CMake target `ferry_python` (real/python/CMakeLists.txt), built
-over the same runtime objects as the C++ library. setup.py builds that target in the CMake
-build directory FERRY_BUILD_DIR (a relative path is taken from the repository root); unset, in
+The package has two extensions, both CMake targets: `ferry._C`, the target `ferry_python`
+(real/python/CMakeLists.txt), built over the same runtime objects as the C++ library and linked
+to torch, and `ferry._simulator`, the target `ferry_simulator` (sim/python/CMakeLists.txt), the
+simulator and planner, which links no torch. setup.py builds both targets in the CMake build
+directory FERRY_BUILD_DIR (a relative path is taken from the repository root); unset, in
 build/release when that is configured, else in build/python. A directory without a
 CMakeCache.txt is configured first, for the package only (Release, no tests or benchmarks).
-The module is then copied into the package; when that build has the `ferry` CLI, it is brought
-up to date and shipped too, as ferry/bin/ferry, which `python -m ferry` runs. The copies are
-stripped of debug information (the build keeps it).
+The modules are then copied into the package; when that build has the `ferry` CLI, it is
+brought up to date and shipped too, as ferry/bin/ferry, which `python -m ferry` runs. The
+copies are stripped of debug information (the build keeps it).
 """
 
 import os
@@ -72,8 +74,8 @@ def _configure(build_dir):
         raise RuntimeError(
             f"ferry setup: configuring {build_dir} needs torch in {sys.executable}, the Python "
             "running setup.py, which has none (under pip's build isolation: install with "
-            "--no-build-isolation), or a build of the CMake target ferry_python named by "
-            "FERRY_BUILD_DIR"
+            "--no-build-isolation), or a build of the CMake targets ferry_python and "
+            "ferry_simulator named by FERRY_BUILD_DIR"
         ) from None
     cmd = [
         "cmake",
@@ -100,42 +102,53 @@ def _strip_copy(src, dst):
         subprocess.run([strip, "--strip-debug", dst], check=True)
 
 
-class CMakeBuild(build_ext):
-    """Builds ferry._C with CMake and copies it (and the CLI) where setuptools expects it."""
+# The package's extensions: (module name, CMake target, the target's folder in the build).
+_EXTENSIONS = {
+    "ferry._C": ("ferry_python", os.path.join("real", "python")),
+    "ferry._simulator": ("ferry_simulator", os.path.join("sim", "python")),
+}
 
-    def build_extension(self, ext):
+
+class CMakeBuild(build_ext):
+    """Builds ferry._C and ferry._simulator with CMake, in one build of both targets (and of the
+    CLI), and copies each (and the CLI) where setuptools expects it."""
+
+    def build_extensions(self):
         if shutil.which("cmake") is None:
             raise RuntimeError("ferry setup: cmake is not on PATH (scripts/setup.sh installs it)")
         build_dir = _build_dir()
         if not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
             _configure(build_dir)
         # CMake makes a folder for each target it generates; none means no module in this build.
-        if not os.path.isdir(
-            os.path.join(build_dir, "real", "python", "CMakeFiles", "ferry_python.dir")
-        ):
-            raise RuntimeError(
-                f"ferry setup: the CMake build {build_dir} has no target ferry_python: configure "
-                "it with -DFERRY_REAL=ON, without sanitizers, for a Python with headers (its "
-                "configure output names what is missing), or point FERRY_BUILD_DIR at another "
-                "build (a new folder is configured for the package)"
-            )
+        for target, folder in _EXTENSIONS.values():
+            if not os.path.isdir(os.path.join(build_dir, folder, "CMakeFiles", target + ".dir")):
+                raise RuntimeError(
+                    f"ferry setup: the CMake build {build_dir} has no target {target}: configure "
+                    "it with -DFERRY_REAL=ON, without sanitizers, for a Python with headers and "
+                    "with pybind11 (its configure output names what is missing), or point "
+                    "FERRY_BUILD_DIR at another build (a new folder is configured for the "
+                    "package)"
+                )
         cli = os.path.join(build_dir, "sim", "ferry")
-        targets = ["ferry_python"] + (["ferry"] if os.path.exists(cli) else [])
+        targets = [target for target, _ in _EXTENSIONS.values()]
+        targets += ["ferry"] if os.path.exists(cli) else []
         jobs = os.environ.get("MAX_JOBS", "2")  # two cores are the norm on small build machines
         _run(["cmake", "--build", build_dir, "--target", *targets, "--parallel", jobs])
 
-        module = os.path.join(
-            build_dir, "real", "python", "_C" + sysconfig.get_config_var("EXT_SUFFIX")
-        )
-        if not os.path.exists(module):
-            raise RuntimeError(
-                f"ferry setup: no {os.path.basename(module)} in {os.path.dirname(module)}: the "
-                f"build {build_dir} is for the Python {_cache_value(build_dir, 'FERRY_PYTHON')}, "
-                f"not {sys.executable}; set FERRY_BUILD_DIR to a build for this one"
-            )
-        target = self.get_ext_fullpath(ext.name)
-        _strip_copy(module, target)
-        shipped_cli = os.path.join(os.path.dirname(target), "bin", "ferry")
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        for ext in self.extensions:
+            _, folder = _EXTENSIONS[ext.name]
+            module = os.path.join(build_dir, folder, ext.name.rpartition(".")[2] + suffix)
+            if not os.path.exists(module):
+                raise RuntimeError(
+                    f"ferry setup: no {os.path.basename(module)} in {os.path.dirname(module)}: "
+                    f"the build {build_dir} is for the Python "
+                    f"{_cache_value(build_dir, 'FERRY_PYTHON')}, not {sys.executable}; set "
+                    "FERRY_BUILD_DIR to a build for this one"
+                )
+            _strip_copy(module, self.get_ext_fullpath(ext.name))
+        package = os.path.dirname(self.get_ext_fullpath("ferry._C"))
+        shipped_cli = os.path.join(package, "bin", "ferry")
         if os.path.exists(cli):
             _strip_copy(cli, shipped_cli)
         elif os.path.exists(shipped_cli):  # left by an earlier build in setuptools' build folder
@@ -149,7 +162,7 @@ setup(
     packages=["ferry", "ferry._cli", "ferry._trace", "ferry.compat", "ferry.examples"],
     # The model configs `python -m ferry trace` names, and the marker of an annotated package.
     package_data={"ferry": ["configs/*.json", "py.typed"]},
-    ext_modules=[Extension("ferry._C", sources=[])],
+    ext_modules=[Extension(name, sources=[]) for name in _EXTENSIONS],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     zip_safe=False,

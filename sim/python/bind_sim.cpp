@@ -1,6 +1,12 @@
-#include "bind_sim.hpp"
+// ferry._simulator: the simulator and planner as a Python extension of their own, so that
+// `ferry.simulate`, `ferry.compare` and `ferry.plan` run in-process and return the documents the
+// CLI prints with `--json`, as Python objects. Built from this folder (CMakeLists.txt) over the
+// simulator's libraries and the system fmt; it links neither torch nor the real backend, and
+// nothing but plain Python objects (str, bytes, int, float, bool, None, dict, list) passes
+// between it and ferry._C.
 
 #include <fmt/format.h>
+#include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <nlohmann/json.hpp>
 
@@ -288,8 +294,8 @@ void bind_plans(py::module_& m) {
          const std::string& device, const std::string& scenarios,
          const std::optional<std::string>& budget, const std::optional<std::string>& host_budget,
          std::int32_t steps, std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes,
-         std::int32_t hsdp, std::string reshard_after_forward,
-         std::optional<std::string> allocator, std::optional<std::string> margin) {
+         std::int32_t hsdp, std::string reshard_after_forward, std::optional<std::string> allocator,
+         std::optional<std::string> margin) {
         return plan(
             model, model_text, device, scenarios,
             sim::PlanSpec{.budget = budget,
@@ -319,15 +325,13 @@ void bind_plans(py::module_& m) {
 }
 
 }  // namespace
-
-void bind_sim(py::module_& parent) {
-  py::module_ m = parent.def_submodule(
-      "_sim", "The simulator and planner, in-process (ferry.simulate, compare, plan)");
-  m.attr("source_scenarios") = FERRY_DEFAULT_SCENARIOS_DIR;
-  m.attr("policies") = std::string(sim::kPolicyNames);
-  m.attr("default_device") = std::string(sim::kDefaultDevice);
-  bind_runs(m);
-  bind_plans(m);
-}
-
 }  // namespace ferry::python
+
+PYBIND11_MODULE(_simulator, m) {
+  m.doc() = "The simulator and planner, in-process (ferry.simulate, compare, plan)";
+  m.attr("source_scenarios") = FERRY_DEFAULT_SCENARIOS_DIR;
+  m.attr("policies") = std::string(ferry::sim::kPolicyNames);
+  m.attr("default_device") = std::string(ferry::sim::kDefaultDevice);
+  ferry::python::bind_runs(m);
+  ferry::python::bind_plans(m);
+}

@@ -278,8 +278,8 @@ def test_a_plan_is_checked_once(monkeypatch):
     model, x, plan = traced_plan()
     checked = ferry.load_plan(plan)
     calls = []
-    real = ferry._C._sim.validate_plan
-    monkeypatch.setattr(ferry._C._sim, "validate_plan", lambda *a: calls.append(a) or real(*a))
+    real = ferry._simulator.validate_plan
+    monkeypatch.setattr(ferry._simulator, "validate_plan", lambda *a: calls.append(a) or real(*a))
     ref = copy.deepcopy(model)
     loss_of(ref(x)).backward()
     with ferry.offload(plan=checked, model=model, loopback=True):

@@ -48,7 +48,8 @@ def _imports(path, name, modules):
                 found.add(sub)
             elif node.module is not None:  # a name of the module `target`
                 found.add(target)
-            # else `from . import X` of a module with no source here (the extension _C)
+            # else `from . import X` of a module with no source here (the extensions _C and
+            # _simulator)
     return {m for m in found if m in modules and m != name}
 
 

@@ -24,7 +24,7 @@ import torch.utils.checkpoint as _tc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import _C
+from . import _C, _simulator
 from ._checkpoint import checkpoint, runtime_call
 from ._modules import head_path
 from ._regions import no_offload
@@ -56,7 +56,7 @@ def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> CheckedPlan:
     """Reads and checks a ``ferry.plan/1`` (docs/plan-format.md).
 
     The checks are the simulator's own (``ferry simulate --plan`` reads plans with the same
-    code, in ``ferry._C``).
+    code, in ``ferry._simulator``).
 
     Args:
         plan: A path to the plan, or an already loaded one.
@@ -83,7 +83,7 @@ def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> CheckedPlan:
     else:
         _fail(where, f"a plan is a JSON object or a path, got {type(plan).__name__}")
     try:
-        return CheckedPlan(_C._sim.validate_plan(text, where))
+        return CheckedPlan(_simulator.validate_plan(text, where))
     except ValueError as e:
         raise PlanError(f"ferry.offload(plan=...): {e}") from None
 
@@ -92,7 +92,7 @@ def offload_options(plan: CheckedPlan) -> dict[str, Any]:
     """``ferry.offload``'s options that the plan fixes: its knobs, its pinned host budget, and
     the ferry policy when anything offloads (``ferry::plan_offload_options``, which the
     simulator's replay of a plan applies too)."""
-    return _C._sim.plan_offload_options(json.dumps(plan), "plan")
+    return _simulator.plan_offload_options(json.dumps(plan), "plan")
 
 
 def _path_of(name):

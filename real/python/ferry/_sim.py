@@ -1,5 +1,5 @@
 """The simulator and planner from Python: ``ferry.simulate``, ``ferry.compare`` and
-``ferry.plan`` run them in this process (``ferry._C._sim``, the CLI's own code) and return the
+``ferry.plan`` run them in this process (``ferry._simulator``, the CLI's own code) and return the
 documents ``ferry simulate / compare / plan --json`` print, as dicts. ``find_cli`` finds the
 ``ferry`` CLI binary, which ``python -m ferry`` runs for the CLI's commands."""
 
@@ -9,7 +9,7 @@ import os
 import shutil
 from typing import Any
 
-from . import _C
+from . import _simulator
 from ._plan import CheckedPlan, PlanError
 from ._trace import TracedModel
 
@@ -22,7 +22,7 @@ EXIT_INFEASIBLE = 1
 EXIT_BAD_INPUT = 2
 
 #: The device profile the CLI and these functions use when none is named.
-DEFAULT_DEVICE: str = _C._sim.default_device
+DEFAULT_DEVICE: str = _simulator.default_device
 
 #: The bundled scenarios (devices/, models/) the package ships, else the source tree's.
 _PACKAGED_SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
@@ -31,7 +31,7 @@ _PACKAGED_SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "
 def scenarios_dir() -> str:
     if os.path.isdir(os.path.join(_PACKAGED_SCENARIOS, "devices")):
         return _PACKAGED_SCENARIOS
-    return _C._sim.source_scenarios
+    return _simulator.source_scenarios
 
 
 def model_args(model: ModelSource) -> tuple[str, str | None]:
@@ -132,7 +132,7 @@ def simulate_with_snapshot(
     """``simulate``'s run: (the document, the run's PyTorch memory snapshot pickle when
     ``memory_snapshot``, else None)."""
     name, text = model_args(model)
-    return _C._sim.simulate(
+    return _simulator.simulate(
         name,
         text,
         device,
@@ -159,7 +159,7 @@ def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) ->
         ValueError: A model, device or option the simulator refuses; the message names it.
     """
     name, text = model_args(model)
-    return _C._sim.compare(name, text, device, scenarios_dir(), **fsdp_options(options))
+    return _simulator.compare(name, text, device, scenarios_dir(), **fsdp_options(options))
 
 
 def plan(
@@ -216,7 +216,7 @@ def run_planner(
     host_budget = byte_count(host_budget, "host_budget", refuse_empty=False)
     margin = percentage(margin, "margin")
     try:
-        made = _C._sim.plan(
+        made = _simulator.plan(
             name,
             text,
             device,

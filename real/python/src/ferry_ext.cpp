@@ -13,7 +13,6 @@
 #include <utility>
 #include <vector>
 
-#include "bind_sim.hpp"
 #include "ferry/checkpoint.hpp"
 #include "ferry/offload/options.hpp"
 #include "ferry/real/probe.hpp"
@@ -357,5 +356,4 @@ PYBIND11_MODULE(_C, m) {
   bind_regions(m);
   bind_checkpoint(m);
   bind_probe(m);
-  ferry::python::bind_sim(m);
 }
