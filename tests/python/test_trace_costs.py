@@ -150,6 +150,27 @@ def test_grouped_mm_counts_each_row_once(a, b, out, flops):
     formula = _record._flop_table()[scaled._overloadpacket]
     args = (meta(*a), meta(*b), meta(1, dtype=torch.float32), meta(1, dtype=torch.float32))
     assert formula(scaled, args, {"offs": offs}, meta(*out)) == flops
+    # The shape the trace writes is the same product (docs/model-format.md, "gemm").
+    shape = _record.gemm_shape(op, (meta(*a), meta(*b), offs), {}, meta(*out))
+    assert 2 * shape["m"] * shape["n"] * shape["k"] * shape["batch"] == flops
+
+
+def test_matmuls_get_their_shape_and_other_ops_none():
+    mm = aten.mm.default
+    assert _record.gemm_shape(mm, (meta(96, 64), meta(64, 32)), {}, meta(96, 32)) == {
+        "m": 96,
+        "n": 32,
+        "k": 64,
+        "batch": 1,
+    }
+    addmm = aten.addmm.default
+    args = (meta(32), meta(96, 64), meta(64, 32))
+    assert _record.gemm_shape(addmm, args, {}, meta(96, 32))["k"] == 64
+    bmm = aten.bmm.default
+    shape = _record.gemm_shape(bmm, (meta(6, 16, 8), meta(6, 8, 4)), {}, meta(6, 16, 4))
+    assert shape == {"m": 16, "n": 4, "k": 8, "batch": 6}
+    add = aten.add.Tensor
+    assert _record.gemm_shape(add, (meta(4), meta(4)), {}, meta(4)) is None
 
 
 # Traced models against analytic counts.
@@ -210,6 +231,13 @@ def test_dense_decoder_flops_count_causal_attention_at_half(family):
     h, f = fields["hidden_size"], fields["intermediate_size"]
     forward, backward = _decoder_counts(fields, batch, seq, 3 * 2 * h * f)
     assert traced.flops() == (forward, backward)
+    # Every matmul carries its shape, and the shape is the product its FLOPs count.
+    matmuls = [op for op in traced.document["ops"] if op.get("kind") == "aten.mm.default"]
+    assert matmuls and all("gemm" in op for op in matmuls)
+    for op in traced.document["ops"]:
+        if "gemm" in op:
+            g = op["gemm"]
+            assert 2 * g["m"] * g["n"] * g["k"] * g["batch"] == op["flops"], op["name"]
 
 
 E4M3 = torch.float8_e4m3fn

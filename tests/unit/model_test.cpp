@@ -404,6 +404,90 @@ TEST(Roofline, DurationIsTheSlowerOfComputeAndMemoryAtTheAssumedEfficiencies) {
   EXPECT_EQ(model.ops[1].backward_duration, SimTime(1));  // at least 1 ns
 }
 
+/// A device of 4 SMs with 128 x 128 tiles, a peak of 1.024 PFLOP/s and 1 TB/s, whose GEMMs
+/// reach half the peak, flash attention a quarter forward and an eighth backward, and streaming
+/// kernels 90 % of the bandwidth.
+DeviceProfile kernel_device() {
+  DeviceProfile device = round_device(1'024'000'000'000'000, 1'000'000'000'000);
+  device.kernels = KernelFigures{.sm_count = 4,
+                                 .matmul_tile_m = 128,
+                                 .matmul_tile_n = 128,
+                                 .matmul_permille = 500,
+                                 .flash_forward_permille = 250,
+                                 .flash_backward_permille = 125,
+                                 .memory_permille = 900};
+  return device;
+}
+
+ModelOp gemm_op(std::int64_t m, std::int64_t n, std::int64_t k) {
+  ModelOp op;
+  op.name = "mm";
+  op.kind = "aten.mm.default";
+  op.flops = 2 * m * n * k;
+  op.backward_flops = 4 * m * n * k;
+  op.gemm = GemmShape{.m = m, .n = n, .k = k, .batch = 1};
+  return op;
+}
+
+TEST(KernelTiming, AMatmulPaysForWholeWavesOfTiles) {
+  // One SM's share of the GEMM rate: 1.024e15 x 0.5 / 4 = 1.28e14 FLOP/s, so one wave of
+  // 128 x 128 tiles over k = 1000 (32.768 MFLOP) takes 256 ns.
+  Model model;
+  model.ops = {gemm_op(512, 128, 1000), gemm_op(513, 128, 1000), gemm_op(1, 1, 1000)};
+  assign_roofline_durations(model, kernel_device());
+  EXPECT_EQ(model.ops[0].duration, SimTime(256));  // 4 tiles: one full wave
+  EXPECT_EQ(model.ops[1].duration, SimTime(512));  // 5 tiles: a second wave for one tile
+  EXPECT_EQ(model.ops[2].duration, SimTime(256));  // smaller than a tile: a whole one
+  // Backward: dX (512 x 1000 over 128: 4 x 8 = 32 tiles, 8 waves of 32.768 ns) and dW
+  // (1000 x 128 over 512: 8 tiles, 2 waves of 131.072 ns), 524.288 ns rounded up.
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(525));
+  // A frozen weight: backward has half the FLOPs, and half the two products' time.
+  model.ops[0].backward_flops /= 2;
+  assign_roofline_durations(model, kernel_device());
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(263));
+  // Without kernel figures the same op takes the flat roofline's 60 %.
+  assign_roofline_durations(model, round_device(1'024'000'000'000'000, 1'000'000'000'000));
+  EXPECT_EQ(model.ops[0].duration, SimTime(214));  // 131,072,000 FLOP at 614.4 TFLOP/s
+}
+
+TEST(KernelTiming, AttentionRunsAtItsKernelsFigureAndBytesAtTheMeasuredBandwidth) {
+  Model model;
+  ModelOp flash;
+  flash.name = "attn";
+  flash.kind = "aten._scaled_dot_product_flash_attention.default";
+  flash.flops = 256'000'000;  // 1 us at a quarter of 1.024 PFLOP/s
+  flash.backward_flops = 640'000'000;
+  ModelOp efficient = flash;
+  efficient.name = "attn2";
+  efficient.kind = "aten._scaled_dot_product_efficient_attention.default";  // no figure: 60 %
+  ModelOp add;
+  add.name = "add";
+  add.kind = "aten.add.Tensor";
+  add.flops = 1000;
+  add.bytes = Bytes(900'000);  // 1 us at 90 % of 1 TB/s
+  ModelOp mm_without_shape;
+  mm_without_shape.name = "mm";
+  mm_without_shape.kind = "aten.mm.default";
+  mm_without_shape.flops = 512'000'000;  // 1 us at half the peak
+  model.ops = {flash, efficient, add, mm_without_shape};
+  assign_roofline_durations(model, kernel_device());
+  EXPECT_EQ(model.ops[0].duration, SimTime(1000));
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(5000));  // at an eighth
+  EXPECT_EQ(model.ops[1].duration, SimTime(417));            // 256 MFLOP at 614.4 TFLOP/s
+  EXPECT_EQ(model.ops[2].duration, SimTime(1000));
+  EXPECT_EQ(model.ops[3].duration, SimTime(1000));
+}
+
+TEST(KernelTiming, PresetsGiveTheirMatmulsShapes) {
+  const auto model = model_preset("llama3-8b-s8192");
+  ASSERT_TRUE(model.ok());
+  const ModelOp& gate = model.value().ops[index_of(model.value().ops, "layers.0.gate")];
+  EXPECT_EQ(gate.gemm, (GemmShape{.m = 8192, .n = 14336, .k = 4096, .batch = 1}));
+  const auto again = parse_model(model_to_json(model.value()), "written.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value(), model.value());
+}
+
 TEST(Roofline, DurationsArePositiveAndScaleWithTheDevice) {
   const auto h100 = load_device_profile(kScenarioDir / "devices", "h100-sxm-pcie5");
   const auto a100 = load_device_profile(kScenarioDir / "devices", "a100-pcie4");
@@ -750,7 +834,20 @@ std::vector<BadCase> bad_cases() {
       {"unknown key in an op", valid_with(R"("saved": [])", R"("saves": [])"),
        R"(toy.json: ops[1]: unknown key "saves" (allowed: name, kind, layer, flops, bytes, )"
        "backward_flops, backward_bytes, duration_ns, backward_duration_ns, inputs, outputs, "
-       "saved, no_offload, draws_rng, draws_cpu_rng)"},
+       "saved, no_offload, draws_rng, draws_cpu_rng, gemm)"},
+      {"gemm disagrees with the FLOPs",
+       valid_with(R"("saved": ["x", "w"]})",
+                  R"("saved": ["x", "w"], "gemm": {"m": 2, "n": 5, "k": 6}})"),
+       "toy.json: ops[0].gemm: 2 x 5 x 6 (batch 1) is 2 m n k batch = 120 FLOPs, but flops is "
+       "100 (they must agree within 0.1 %)"},
+      {"gemm dim zero",
+       valid_with(R"("saved": ["x", "w"]})",
+                  R"("saved": ["x", "w"], "gemm": {"m": 0, "n": 5, "k": 5}})"),
+       "toy.json: ops[0].gemm.m: expected a positive integer, got 0"},
+      {"gemm unknown key",
+       valid_with(R"("saved": ["x", "w"]})",
+                  R"("saved": ["x", "w"], "gemm": {"m": 2, "n": 5, "k": 5, "l": 1}})"),
+       R"(toy.json: ops[0].gemm: unknown key "l" (allowed: m, n, k, batch))"},
       {"unknown top-level key", valid_with(R"("loss": "y")", R"("loss": "y", "step": 1)"),
        R"(toy.json: unknown key "step" (allowed: format, name, tensors, ops, loss, parallelism, )"
        "allocator)"},

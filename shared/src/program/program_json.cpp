@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ferry/check.hpp"
@@ -75,6 +76,23 @@ std::string profile(const DeviceProfile& p) {
                                .raw("intra_node", link(c.intra_node))
                                .raw("inter_node", link(c.inter_node))
                                .json());
+  }
+  const KernelFigures& k = p.kernels;
+  if (k.known()) {
+    Object kernels;
+    kernels.num("sm_count", k.sm_count)
+        .num("matmul_tile_m", k.matmul_tile_m)
+        .num("matmul_tile_n", k.matmul_tile_n)
+        .num("matmul_permille", k.matmul_permille);
+    for (const auto& [key, value] :
+         {std::pair{"flash_forward_permille", k.flash_forward_permille},
+          std::pair{"flash_backward_permille", k.flash_backward_permille},
+          std::pair{"cudnn_forward_permille", k.cudnn_forward_permille},
+          std::pair{"cudnn_backward_permille", k.cudnn_backward_permille},
+          std::pair{"memory_permille", k.memory_permille}}) {
+      if (value > 0) kernels.num(key, value);
+    }
+    out.raw("kernels", kernels.json());
   }
   return out.json();
 }

@@ -112,8 +112,8 @@ std::size_t Trainer::unit_of_op(std::uint32_t i) const {
 }
 
 SimTime Trainer::memory_time(Bytes bytes) const {
-  const std::int64_t rate =
-      sim_.device_profile(dev_).memory_bandwidth.bytes_per_s() * kRooflineBandwidthPermille / 1000;
+  const DeviceProfile& device = sim_.device_profile(dev_);
+  const std::int64_t rate = device.memory_bandwidth.bytes_per_s() * memory_permille(device) / 1000;
   return std::max(SimTime(1), transfer_time(bytes, Bandwidth(std::max<std::int64_t>(rate, 1))));
 }
 

@@ -88,6 +88,44 @@ Result<CollectiveLinks> read_collectives(const JsonObject& profile) {
   return links;
 }
 
+// "kernels": {"sm_count": 132, "matmul_tile_m": 128, "matmul_tile_n": 256, "matmul_permille":
+// 801, ...}, optional; the attention and memory figures optional inside it (0: none).
+Result<KernelFigures> read_kernels(const JsonObject& profile) {
+  KernelFigures kernels;
+  if (!profile.has("kernels")) return kernels;
+  FERRY_JSON_TRY(
+      const auto object,
+      profile.required_object(
+          "kernels", {"sm_count", "matmul_tile_m", "matmul_tile_n", "matmul_permille",
+                      "flash_forward_permille", "flash_backward_permille", "cudnn_forward_permille",
+                      "cudnn_backward_permille", "memory_permille"}));
+  const auto read = [&](std::string_view key, std::int32_t& field, bool required, std::int64_t min,
+                        std::int64_t max) -> Status {
+    if (required) {
+      FERRY_JSON_TRY(const auto value, object.required_integer(key, min, max));
+      field = static_cast<std::int32_t>(value);
+    } else {
+      FERRY_JSON_TRY(const auto value, object.optional_integer(key, 0, min, max));
+      field = static_cast<std::int32_t>(value);
+    }
+    return Ok{};
+  };
+  FERRY_JSON_RETURN_IF_ERROR(read("sm_count", kernels.sm_count, true, 1, 1024));
+  FERRY_JSON_RETURN_IF_ERROR(read("matmul_tile_m", kernels.matmul_tile_m, true, 1, 1024));
+  FERRY_JSON_RETURN_IF_ERROR(read("matmul_tile_n", kernels.matmul_tile_n, true, 1, 1024));
+  FERRY_JSON_RETURN_IF_ERROR(read("matmul_permille", kernels.matmul_permille, true, 1, 1000));
+  FERRY_JSON_RETURN_IF_ERROR(
+      read("flash_forward_permille", kernels.flash_forward_permille, false, 1, 1000));
+  FERRY_JSON_RETURN_IF_ERROR(
+      read("flash_backward_permille", kernels.flash_backward_permille, false, 1, 1000));
+  FERRY_JSON_RETURN_IF_ERROR(
+      read("cudnn_forward_permille", kernels.cudnn_forward_permille, false, 1, 1000));
+  FERRY_JSON_RETURN_IF_ERROR(
+      read("cudnn_backward_permille", kernels.cudnn_backward_permille, false, 1, 1000));
+  FERRY_JSON_RETURN_IF_ERROR(read("memory_permille", kernels.memory_permille, false, 1, 1000));
+  return kernels;
+}
+
 }  // namespace
 
 namespace io_detail {
@@ -100,7 +138,7 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
       const auto object,
       value.object({"name", "description", "memory_bytes", "flops_per_s", "memory_bytes_per_s",
                     "h2d", "d2h", "pageable", "d2d", "peer", "pinned_host_capacity_bytes",
-                    "blas_workspace_bytes", "overheads_ns", "collectives"}));
+                    "blas_workspace_bytes", "overheads_ns", "collectives", "kernels"}));
   DeviceProfile profile;
   FERRY_JSON_TRY(const auto name_value, object.required("name"));
   FERRY_JSON_TRY(profile.name, name_value.name());
@@ -139,6 +177,7 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
     profile.overheads.*field.field = SimTime(ns);
   }
   FERRY_JSON_TRY(profile.collectives, read_collectives(object));
+  FERRY_JSON_TRY(profile.kernels, read_kernels(object));
   return profile;
 }
 

@@ -128,10 +128,11 @@ class ModelReader {
   }
 
   Result<ModelOp> read_op(const JsonValue& value) const {
-    FERRY_JSON_TRY(const auto object,
-                   value.object({"name", "kind", "layer", "flops", "bytes", "backward_flops",
-                                 "backward_bytes", "duration_ns", "backward_duration_ns", "inputs",
-                                 "outputs", "saved", "no_offload", "draws_rng", "draws_cpu_rng"}));
+    FERRY_JSON_TRY(
+        const auto object,
+        value.object({"name", "kind", "layer", "flops", "bytes", "backward_flops", "backward_bytes",
+                      "duration_ns", "backward_duration_ns", "inputs", "outputs", "saved",
+                      "no_offload", "draws_rng", "draws_cpu_rng", "gemm"}));
     ModelOp op;
     FERRY_JSON_TRY(op.name, object.required_name("name"));
     if (const auto kind = object.optional("kind")) {
@@ -158,6 +159,13 @@ class ModelReader {
     FERRY_JSON_TRY(op.no_offload, object.optional_boolean("no_offload", false));
     FERRY_JSON_TRY(op.draws_rng, object.optional_boolean("draws_rng", false));
     FERRY_JSON_TRY(op.draws_cpu_rng, object.optional_boolean("draws_cpu_rng", false));
+    if (object.has("gemm")) {
+      FERRY_JSON_TRY(const auto gemm, object.required_object("gemm", {"m", "n", "k", "batch"}));
+      FERRY_JSON_TRY(op.gemm.m, gemm.required_integer("m", 1, kMaxGemmDim));
+      FERRY_JSON_TRY(op.gemm.n, gemm.required_integer("n", 1, kMaxGemmDim));
+      FERRY_JSON_TRY(op.gemm.k, gemm.required_integer("k", 1, kMaxGemmDim));
+      FERRY_JSON_TRY(op.gemm.batch, gemm.optional_integer("batch", 1, 1, kMaxGemmDim));
+    }
     return op;
   }
 
@@ -241,6 +249,14 @@ OrderedJson op_json(const Model& model, const ModelOp& op) {
   if (op.no_offload) out["no_offload"] = true;
   if (op.draws_rng) out["draws_rng"] = true;
   if (op.draws_cpu_rng) out["draws_cpu_rng"] = true;
+  if (op.gemm.known()) {
+    OrderedJson gemm;
+    gemm["m"] = op.gemm.m;
+    gemm["n"] = op.gemm.n;
+    gemm["k"] = op.gemm.k;
+    gemm["batch"] = op.gemm.batch;
+    out["gemm"] = std::move(gemm);
+  }
   return out;
 }
 

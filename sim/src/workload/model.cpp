@@ -130,6 +130,40 @@ bool is_operator_name(std::string_view kind) {
   return parts >= 2;
 }
 
+/// A matmul's shape must be the product its FLOPs count: 2 m n k batch within 0.1 % (a
+/// hand-written file may round), each dim in [1, kMaxGemmDim].
+Status check_gemm(const ModelOp& op, std::string_view path) {
+  if (op.gemm == GemmShape{}) return Ok{};
+  const std::string at = json_member_path(path, "gemm");
+  for (const auto& [key, value] : {std::pair{"m", op.gemm.m}, std::pair{"n", op.gemm.n},
+                                   std::pair{"k", op.gemm.k}, std::pair{"batch", op.gemm.batch}}) {
+    if (value < 1 || value > kMaxGemmDim) {
+      return error_at(json_member_path(at, key), "expected an integer in [1, {}], got {}",
+                      kMaxGemmDim, value);
+    }
+  }
+  __extension__ using Wide = unsigned __int128;
+  // Each dim is at most 2^40; the product is checked against 2^126 step by step.
+  Wide product = 2;
+  for (const std::int64_t dim : {op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch}) {
+    if (product > (Wide{1} << 86)) {
+      product = Wide{1} << 126;
+      break;
+    }
+    product *= static_cast<Wide>(dim);
+  }
+  const Wide flops = static_cast<Wide>(op.flops);
+  const Wide gap = product > flops ? product - flops : flops - product;
+  if (op.flops == 0 || gap > flops / 1000) {
+    return error_at(at,
+                    "{} x {} x {} (batch {}) is 2 m n k batch = {:.6g} FLOPs, but flops is {} "
+                    "(they must agree within 0.1 %)",
+                    op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch, static_cast<double>(product),
+                    op.flops);
+  }
+  return Ok{};
+}
+
 Status check_op_counts(const ModelOp& op, std::string_view path) {
   if (!op.kind.empty() && !is_operator_name(op.kind)) {
     return error_at(json_member_path(path, "kind"),
@@ -154,7 +188,7 @@ Status check_op_counts(const ModelOp& op, std::string_view path) {
       return error_at(at, "{} is above the limit of {}", count.value, count.max);
     }
   }
-  return Ok{};
+  return check_gemm(op, path);
 }
 
 /// The tensor index at `path`, checked to be in range.
@@ -393,11 +427,127 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
   return static_cast<std::int64_t>(ns);
 }
 
-SimTime roofline_time(std::int64_t flops, Bytes bytes, const DeviceProfile& device) {
-  const std::int64_t compute = roofline_ns(flops, device.flops_per_s, kRooflineFlopsPermille);
+// Note [Kernel timing]
+// ~~~~~~~~~~~~~~~~~~~~
+// A profile without kernel figures times every op by the flat roofline: FLOPs at 60 % of the
+// peak, bytes at 80 % of the HBM bandwidth, the longer of the two. A profile with them
+// ("kernels", docs/devices.md) times each op by what its kernel class is measured to reach:
+//
+// * A matmul with a shape (ModelOp::gemm) runs as cuBLAS and CUTLASS do: the output is cut
+//   into Tm x Tn tiles, one thread block each, and the blocks run in waves of one per SM. A
+//   wave costs one tile's work, Tm Tn k 2 FLOPs, at one SM's share of the large-GEMM rate
+//   (peak x matmul_permille / sm_count), so a product whose tiles fill 1.1 waves pays for 2 and
+//   a product smaller than a tile pays for a whole one. Backward's two products, dX (m x k over
+//   n) and dW (k x n over m), are timed the same way and scaled by the op's backward FLOPs over
+//   their nominal 4 m n k batch (a frozen weight's op has no dW).
+// * Flash and cuDNN attention run at their kernel's measured fraction of the peak, forward and
+//   backward apart. Attention kernels without a figure (memory-efficient, flex) and every other
+//   op with FLOPs but no shape run at the flat 60 %, or, for a matmul kind, at matmul_permille.
+// * Bytes move at memory_permille of the bandwidth where the profile gives it, else 80 %.
+//
+// The figures are the sources' and no row of docs/validation.md's table set any of them.
+
+/// `a` x `b`, or kSaturated when the product would pass it.
+constexpr Wide kSaturated = Wide{1} << 120;
+Wide saturating_mul(Wide a, Wide b) {
+  if (a == 0 || b == 0) return 0;
+  if (a > kSaturated / b) return kSaturated;
+  return a * b;
+}
+
+Wide ceil_div(Wide a, Wide b) { return (a + b - 1) / b; }
+
+bool is_matmul_kind(std::string_view kind) {
+  for (const std::string_view name :
+       {"aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._grouped_mm.",
+        "aten._scaled_mm.", "aten._scaled_grouped_mm.", "aten.matmul.", "aten.linear."}) {
+    if (kind.starts_with(name)) return true;
+  }
+  return false;
+}
+
+/// Flash or cuDNN attention's figure for `kind` on `device` (forward or backward), 0: none.
+std::int64_t attention_permille(std::string_view kind, const KernelFigures& k, bool backward) {
+  if (kind.starts_with("aten._scaled_dot_product_flash_attention.") ||
+      kind.starts_with("aten._flash_attention_forward.")) {
+    return backward ? k.flash_backward_permille : k.flash_forward_permille;
+  }
+  if (kind.starts_with("aten._scaled_dot_product_cudnn_attention.")) {
+    return backward ? k.cudnn_backward_permille : k.cudnn_forward_permille;
+  }
+  return 0;
+}
+
+/// One product's waves, ceil(tiles / sm), times a tile's Tm Tn depth 2 FLOPs times the SMs:
+/// the FLOPs the chip could have done in that time.
+Wide product_work(std::int64_t rows, std::int64_t cols, std::int64_t depth, std::int64_t batch,
+                  const KernelFigures& k) {
+  const Wide tiles = saturating_mul(
+      saturating_mul(ceil_div(static_cast<Wide>(rows), static_cast<Wide>(k.matmul_tile_m)),
+                     ceil_div(static_cast<Wide>(cols), static_cast<Wide>(k.matmul_tile_n))),
+      static_cast<Wide>(batch));
+  const Wide waves = ceil_div(tiles, static_cast<Wide>(k.sm_count));
+  const Wide tile_flops = static_cast<Wide>(k.matmul_tile_m) * static_cast<Wide>(k.matmul_tile_n) *
+                          static_cast<Wide>(depth) * 2U;
+  return saturating_mul(saturating_mul(waves, tile_flops), static_cast<Wide>(k.sm_count));
+}
+
+/// Nanoseconds of `work` (a product's waves x one tile's FLOPs x SMs: each wave runs one tile
+/// per SM at its share of the rate) at `permille` of the device's peak.
+Wide work_ns(Wide work, const DeviceProfile& device, std::int64_t permille) {
+  const Wide scaled = saturating_mul(work, Wide{1'000'000'000'000U});
+  const Wide divisor = static_cast<Wide>(device.flops_per_s) * static_cast<Wide>(permille);
+  return ceil_div(scaled, divisor);
+}
+
+/// The compute time of an op's forward or backward on `device` (Note [Kernel timing]), and the
+/// permille it ran at (0: the tile model, which has no single one).
+struct ComputeTime {
+  Wide ns = 0;
+  std::int64_t permille = 0;
+};
+
+ComputeTime compute_time(const ModelOp& op, bool backward, const DeviceProfile& device) {
+  const std::int64_t flops = backward ? op.backward_flops : op.flops;
+  const KernelFigures& k = device.kernels;
+  if (flops == 0) return {};
+  if (!k.known()) {
+    return {roofline_ns_wide(flops, device.flops_per_s, kRooflineFlopsPermille),
+            kRooflineFlopsPermille};
+  }
+  if (const std::int64_t permille = attention_permille(op.kind, k, backward); permille > 0) {
+    return {roofline_ns_wide(flops, device.flops_per_s, permille), permille};
+  }
+  if (!op.gemm.known()) {
+    const std::int64_t permille =
+        is_matmul_kind(op.kind) ? k.matmul_permille : kRooflineFlopsPermille;
+    return {roofline_ns_wide(flops, device.flops_per_s, permille), permille};
+  }
+  const GemmShape& g = op.gemm;
+  if (!backward)
+    return {work_ns(product_work(g.m, g.n, g.k, g.batch, k), device, k.matmul_permille)};
+  const Wide pair =
+      work_ns(product_work(g.m, g.k, g.n, g.batch, k) + product_work(g.k, g.n, g.m, g.batch, k),
+              device, k.matmul_permille);
+  // 4 m n k batch: the two products' nominal FLOPs (at most 2^123 with dims below 2^40 each, and
+  // the validated FLOPs keep it near 2 x 10^18).
+  const Wide nominal = saturating_mul(
+      saturating_mul(
+          saturating_mul(saturating_mul(4, static_cast<Wide>(g.m)), static_cast<Wide>(g.n)),
+          static_cast<Wide>(g.k)),
+      static_cast<Wide>(g.batch));
+  return {ceil_div(saturating_mul(pair, static_cast<Wide>(flops)), nominal)};
+}
+
+SimTime op_time(const ModelOp& op, bool backward, const DeviceProfile& device) {
+  const Wide compute = compute_time(op, backward, device).ns;
+  FERRY_CHECK(compute <= static_cast<Wide>(kMaxJsonNanoseconds),
+              "compute time of op {} is above {} ns: check_roofline first", op.name,
+              kMaxJsonNanoseconds);
+  const Bytes bytes = backward ? op.backward_bytes : op.bytes;
   const std::int64_t memory =
-      roofline_ns(bytes.count(), device.memory_bandwidth.bytes_per_s(), kRooflineBandwidthPermille);
-  return SimTime(std::max({compute, memory, std::int64_t{1}}));
+      roofline_ns(bytes.count(), device.memory_bandwidth.bytes_per_s(), memory_permille(device));
+  return SimTime(std::max({static_cast<std::int64_t>(compute), memory, std::int64_t{1}}));
 }
 
 /// An error when `amount` (the op's member `key`) takes longer than the format's longest
@@ -413,6 +563,24 @@ Status check_roofline_term(std::string_view path, std::string_view key, std::int
                   amount, unit, rate, unit, permille, json_quote(device.name), kMaxJsonNanoseconds);
 }
 
+/// The same for the FLOPs of an op's forward or backward under Note [Kernel timing].
+Status check_compute_term(std::string_view path, const ModelOp& op, bool backward,
+                          const DeviceProfile& device) {
+  const std::string_view key = backward ? "backward_flops" : "flops";
+  const std::int64_t flops = backward ? op.backward_flops : op.flops;
+  const ComputeTime time = compute_time(op, backward, device);
+  if (time.permille > 0) {
+    return check_roofline_term(path, key, flops, device.flops_per_s, time.permille, "FLOP", device);
+  }
+  if (time.ns <= static_cast<Wide>(kMaxJsonNanoseconds)) return Ok{};
+  return error_at(json_member_path(path, key),
+                  "{} FLOP of a {} x {} x {} (batch {}) matmul in {} x {} tiles on {} SMs of "
+                  "device {} take over {} ns, the longest duration a model op may have",
+                  flops, op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch,
+                  device.kernels.matmul_tile_m, device.kernels.matmul_tile_n,
+                  device.kernels.sm_count, json_quote(device.name), kMaxJsonNanoseconds);
+}
+
 }  // namespace
 
 Status check_roofline(const Model& model, const DeviceProfile& device) {
@@ -422,19 +590,17 @@ Status check_roofline(const Model& model, const DeviceProfile& device) {
     return Error{fmt::format("device profile {} needs positive flops_per_s and memory bandwidth",
                              json_quote(device.name))};
   }
+  const std::int64_t bytes_permille = memory_permille(device);
   for (std::size_t i = 0; i < model.ops.size(); ++i) {
     const ModelOp& op = model.ops[i];
     const std::string path = op_path(i);
-    FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "flops", op.flops, flops_rate,
-                                                   kRooflineFlopsPermille, "FLOP", device));
+    FERRY_JSON_RETURN_IF_ERROR(check_compute_term(path, op, false, device));
     FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "bytes", op.bytes.count(), byte_rate,
-                                                   kRooflineBandwidthPermille, "bytes", device));
-    FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "backward_flops", op.backward_flops,
-                                                   flops_rate, kRooflineFlopsPermille, "FLOP",
-                                                   device));
+                                                   bytes_permille, "bytes", device));
+    FERRY_JSON_RETURN_IF_ERROR(check_compute_term(path, op, true, device));
     FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "backward_bytes",
                                                    op.backward_bytes.count(), byte_rate,
-                                                   kRooflineBandwidthPermille, "bytes", device));
+                                                   bytes_permille, "bytes", device));
   }
   return Ok{};
 }
@@ -446,8 +612,8 @@ void assign_roofline_durations(Model& model, const DeviceProfile& device) {
     FERRY_CHECK(op.flops >= 0 && op.bytes.count() >= 0 && op.backward_flops >= 0 &&
                     op.backward_bytes.count() >= 0,
                 "op {} has a negative FLOP or byte count", op.name);
-    op.duration = roofline_time(op.flops, op.bytes, device);
-    op.backward_duration = roofline_time(op.backward_flops, op.backward_bytes, device);
+    op.duration = op_time(op, false, device);
+    op.backward_duration = op_time(op, true, device);
   }
 }
 

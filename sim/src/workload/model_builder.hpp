@@ -164,6 +164,7 @@ inline void cost(ModelOp& op, std::int64_t flops, std::int64_t bytes) {
 inline void matmul_cost(ModelOp& op, std::int64_t m, std::int64_t k, std::int64_t n, bool bias,
                         std::int64_t element) {
   cost(op, 2 * m * k * n, (m * k + k * n + m * n + (bias ? n : 0)) * element);
+  op.gemm = GemmShape{.m = m, .n = n, .k = k, .batch = 1};
 }
 
 /// Sizes shared by every block of one stack.

@@ -71,8 +71,9 @@ std::uint32_t attention_core(ModelBuilder& m, const Dims& x, std::int32_t layer,
   }
   const std::int64_t scores_elements = x.b * x.a * x.s * x.s;
   const std::uint32_t scores = m.activation(p + "scores.out", scores_elements);
-  cost(m.op(p + "scores", op_kind::kBmm, layer, {q, k}, {scores}, {q, k}), qk_flops,
-       m.bytes(q) + m.bytes(k) + m.bytes(scores));
+  ModelOp& scores_op = m.op(p + "scores", op_kind::kBmm, layer, {q, k}, {scores}, {q, k});
+  cost(scores_op, qk_flops, m.bytes(q) + m.bytes(k) + m.bytes(scores));
+  scores_op.gemm = GemmShape{.m = x.s, .n = x.s, .k = x.d, .batch = x.b * x.a};
   const std::uint32_t probs = m.activation(p + "softmax.out", scores_elements);
   cost(m.op(p + "softmax", op_kind::kSoftmax, layer, {scores}, {probs}, {probs}),
        kSoftmaxFlops * scores_elements, 2 * scores_elements * e);
@@ -87,8 +88,9 @@ std::uint32_t attention_core(ModelBuilder& m, const Dims& x, std::int32_t layer,
     op.draws_rng = true;
   }
   const std::uint32_t out = m.activation(p + "attn_v.out", x.tokens * x.h);
-  cost(m.op(p + "attn_v", op_kind::kBmm, layer, {attended, v}, {out}, {attended, v}), qk_flops,
-       m.bytes(attended) + m.bytes(v) + m.bytes(out));
+  ModelOp& attn_v = m.op(p + "attn_v", op_kind::kBmm, layer, {attended, v}, {out}, {attended, v});
+  cost(attn_v, qk_flops, m.bytes(attended) + m.bytes(v) + m.bytes(out));
+  attn_v.gemm = GemmShape{.m = x.s, .n = x.d, .k = x.s, .batch = x.b * x.a};
   return out;
 }
 

@@ -4,6 +4,7 @@ way (docs/trace.md)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -248,4 +249,6 @@ def _op_json(op, rng):
         out["no_offload"] = True
     if op.rng:
         out["draws_rng" if rng == "device" else "draws_cpu_rng"] = True
+    if op.gemm is not None and 2 * math.prod(op.gemm.values()) == op.flops:
+        out["gemm"] = op.gemm
     return out

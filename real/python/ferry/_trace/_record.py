@@ -109,6 +109,7 @@ class OpRecord:
         "bytes",
         "backward_flops",
         "backward_bytes",
+        "gemm",
         "rng",
         "out_refs",
         "mine",
@@ -127,6 +128,7 @@ class OpRecord:
         self.bytes = 0
         self.backward_flops = 0
         self.backward_bytes = 0
+        self.gemm = None  # {"m", "n", "k", "batch"} of a matmul (docs/model-format.md)
         self.rng = False
         self.out_refs = []
 
@@ -268,6 +270,44 @@ def _scaled_mm(func, args, kwargs, out):
     a = _arguments(func, args, kwargs)
     m, k = a["self"].shape
     return 2 * m * k * a["mat2"].shape[1]
+
+
+# The matmuls whose shape a trace writes, by overload packet name, with the names of their two
+# operands in the schema.
+_GEMM_OPERANDS = {
+    "mm": ("self", "mat2"),
+    "addmm": ("mat1", "mat2"),
+    "bmm": ("self", "mat2"),
+    "baddbmm": ("batch1", "batch2"),
+    "_scaled_mm": ("self", "mat2"),
+    "_grouped_mm": ("self", "mat2"),
+    "_scaled_grouped_mm": ("self", "mat2"),
+}
+
+
+def gemm_shape(func, args, kwargs, out):
+    """The forward product of a matmul call as ``{"m", "n", "k", "batch"}`` (2 m n k batch
+    FLOPs, the count of the FLOP formulas above), or None for any other operator.
+
+    A grouped matmul is one product over all groups' rows (2-D by 3-D: the tokens of every
+    expert), a batch of them (3-D operands), or, with both operands 2-D, one product whose
+    contracted dim the groups split (the weights' gradient); group boundaries are not tiles.
+    """
+    packet = getattr(func, "_overloadpacket", None)
+    operands = _GEMM_OPERANDS.get(getattr(packet, "__name__", ""))
+    if operands is None or not isinstance(out, torch.Tensor):
+        return None
+    a = _arguments(func, args, kwargs)
+    left, right = a.get(operands[0]), a.get(operands[1])
+    if not isinstance(left, torch.Tensor) or not isinstance(right, torch.Tensor):
+        return None
+    if left.dim() == 2 and right.dim() == 2:
+        m, k, n, batch = left.shape[0], left.shape[1], right.shape[1], 1
+    else:
+        m, n, k = out.shape[-2] if out.dim() >= 2 else 1, out.shape[-1], left.shape[-1]
+        batch = math.prod(out.shape[:-2])
+    shape = {"m": int(m), "n": int(n), "k": int(k), "batch": int(batch)}
+    return shape if all(v > 0 for v in shape.values()) else None
 
 
 def _flop_table():
@@ -602,6 +642,7 @@ class Tracer:
         is_view = getattr(func, "is_view", False) or fresh == 0 and not writes(func)
         op.bytes = 0 if is_view else traffic + fresh
         op.flops = self._flops(func, args, kwargs, out) or 0
+        op.gemm = gemm_shape(func, args, kwargs, out) if op.flops else None
         op.rng = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
         self.ops.append(op)
 

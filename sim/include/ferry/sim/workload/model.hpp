@@ -47,6 +47,17 @@ struct ModelTensor {
   friend bool operator==(const ModelTensor&, const ModelTensor&) = default;
 };
 
+/// The shape of a matrix product: `batch` products of (m x k) by (k x n); FLOPs 2 m n k batch.
+/// All zero: not known (the op is not a matmul, or the file gives no shape).
+struct GemmShape {
+  std::int64_t m = 0;      ///< rows of the output
+  std::int64_t n = 0;      ///< columns of the output
+  std::int64_t k = 0;      ///< the contracted dim
+  std::int64_t batch = 0;  ///< independent products (bmm's batch); 1 for mm
+  [[nodiscard]] bool known() const { return batch > 0; }
+  friend bool operator==(const GemmShape&, const GemmShape&) = default;
+};
+
 /// One forward op and its backward node.
 struct ModelOp {
   std::string name;  ///< unique in the model
@@ -66,6 +77,9 @@ struct ModelOp {
   bool no_offload = false;             ///< runs inside a no-offload region (e.g. the output head)
   bool draws_rng = false;              ///< draws from the device's random generator (dropout)
   bool draws_cpu_rng = false;          ///< draws from the CPU generator (e.g. host-side sampling)
+  /// The forward product's shape, for a matmul (optional in the file, "gemm"): backward's two
+  /// products follow from it. See docs/model-format.md, Kernel timing.
+  GemmShape gemm{};
 
   friend bool operator==(const ModelOp&, const ModelOp&) = default;
 };
@@ -121,10 +135,22 @@ struct TransformerShape {
 /// its base's). The accounting of Korthikanti et al.; see Note [Counting saved bytes] in model.cpp.
 [[nodiscard]] Bytes saved_activation_bytes(const Model& model, std::int32_t layer);
 
-/// Assumed fraction of peak FLOP/s a kernel reaches, in thousandths (an assumption, not measured).
+/// Assumed fraction of peak FLOP/s a kernel reaches, in thousandths (an assumption, not measured):
+/// the flat roofline's, for profiles without kernel figures and kernels they give none for.
 inline constexpr std::int64_t kRooflineFlopsPermille = 600;
-/// Assumed fraction of memory bandwidth a kernel reaches, in thousandths (an assumption).
+/// Assumed fraction of memory bandwidth a kernel reaches, in thousandths (an assumption): the
+/// flat roofline's, for profiles without a measured `kernels.memory_permille`.
 inline constexpr std::int64_t kRooflineBandwidthPermille = 800;
+
+/// Largest m, n, k or batch of a GemmShape: 2^40.
+inline constexpr std::int64_t kMaxGemmDim = std::int64_t{1} << 40;
+
+/// The fraction of HBM bandwidth, in thousandths, that `device`'s kernels reach: its
+/// `kernels.memory_permille`, else kRooflineBandwidthPermille.
+[[nodiscard]] inline std::int64_t memory_permille(const DeviceProfile& device) {
+  return device.kernels.memory_permille > 0 ? device.kernels.memory_permille
+                                            : kRooflineBandwidthPermille;
+}
 
 /// Whether every op's roofline times on `device` are at most kMaxJsonNanoseconds, the longest
 /// duration the format allows (a slow device profile and a large op can give more); the error
@@ -132,8 +158,10 @@ inline constexpr std::int64_t kRooflineBandwidthPermille = 800;
 Status check_roofline(const Model& model, const DeviceProfile& device);
 
 /// Sets every op's forward and backward duration from the device's peak FLOP/s and memory
-/// bandwidth: max(flops / (peak x 0.6), bytes / (bandwidth x 0.8)), rounded up to whole
-/// nanoseconds and at least 1 ns. See docs/model-format.md. The model must pass
+/// bandwidth: max(compute, bytes / (bandwidth x memory_permille)), rounded up to whole
+/// nanoseconds and at least 1 ns. Compute is flops / (peak x 0.6) on a profile without kernel
+/// figures; with them, a matmul with a shape is timed by tiles and waves, attention by its
+/// kernel's efficiency (docs/model-format.md, Kernel timing). The model must pass
 /// check_roofline on `device`.
 void assign_roofline_durations(Model& model, const DeviceProfile& device);
 
