@@ -40,7 +40,11 @@ namespace ferry::sim::planning {
 
 namespace {
 
-// Runs each local search may spend.
+// Note [Search effort]
+// A local search may ask about kLocalRuns plans it has not asked about before, whether the cost
+// model has them cached or runs them: so its path, and the plan, do not depend on what earlier
+// searches left in the cache (a budget planned twice by one Planner gets the same plan, and a
+// sweep's plans do not depend on the order of its budgets).
 constexpr std::int64_t kLocalRuns = 40;
 
 // Layers with the same configuration, in the order of their first layer.
@@ -95,7 +99,7 @@ Step move_class(Search& search, Position& position, const std::vector<std::size_
   const std::vector<LayerConfig> neighbours = neighbours_of(from, top);
   for (const auto& [lo, hi] : parts_of(members.size())) {
     for (const LayerConfig& to : neighbours) {
-      if (search.cost().runs() >= stop) return Step::Spent;
+      if (search.asked() >= stop) return Step::Spent;
       std::vector<LayerConfig> next = position.configs;
       for (std::size_t m = lo; m < hi; ++m) {
         const std::size_t l = members[m];
@@ -113,11 +117,12 @@ Step move_class(Search& search, Position& position, const std::vector<std::size_
 // Local search from a position that fits (Note [Planner search]): layers with the same
 // configuration form a class; a move takes a part of a class (parts_of) to a neighbouring
 // configuration (neighbours_of). The first move that still fits and is faster is taken, and
-// the search starts over, until no move helps or `runs` new runs are spent.
+// the search starts over, until no move helps or `runs` plans new to this search are asked
+// (Note [Search effort]).
 void local_search(Search& search, Position& position, const PlanKnobs& knobs, std::int64_t runs) {
-  const std::int64_t stop = search.cost().runs() + runs;
+  const std::int64_t stop = search.asked() + runs;
   bool improved = true;
-  while (improved && search.cost().runs() < stop) {
+  while (improved && search.asked() < stop) {
     improved = false;
     for (const auto& members : classes_of(position.configs)) {
       const Step step = move_class(search, position, members, knobs, stop);
@@ -339,6 +344,7 @@ Plan Search::plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs& k
 }
 
 Evaluation Search::evaluate(const Plan& plan) {
+  asked_.insert(key_of(plan));
   const Evaluation e = cost_->evaluate(plan);
   note(plan, e);
   return e;

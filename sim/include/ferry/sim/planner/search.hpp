@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,9 @@ class Search {
   [[nodiscard]] const std::vector<Layer>& layers() const { return space_->layers(); }
   [[nodiscard]] const Budgets& budgets() const { return budgets_; }
   [[nodiscard]] CostModel& cost() { return *cost_; }
+  /// The distinct plans this search has asked the cost model for, cached or not: what its
+  /// stages spend (Note [Search effort]).
+  [[nodiscard]] std::int64_t asked() const { return static_cast<std::int64_t>(asked_.size()); }
 
   /// The plan of `configs` under the search's budgets (PlanSpace::plan_of).
   [[nodiscard]] Plan plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs& knobs,
@@ -69,6 +73,7 @@ class Search {
   const PlanSpace* space_;
   Budgets budgets_;
   std::map<std::string, Candidate> candidates_;
+  std::set<std::string> asked_;  // keys of the plans evaluate() was given
   Bytes floor_;
 };
 
