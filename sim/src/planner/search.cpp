@@ -344,16 +344,24 @@ Plan Search::plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs& k
 }
 
 Evaluation Search::evaluate(const Plan& plan) {
-  asked_.insert(key_of(plan));
+  std::string key = key_of(plan);
+  asked_.insert(key);
   const Evaluation e = cost_->evaluate(plan);
-  note(plan, e);
+  note(plan, e, std::move(key));
   return e;
 }
 
 void Search::note(const Plan& plan, const Evaluation& e) {
+  if (fits(e)) {
+    note(plan, e, key_of(plan));
+  } else if (e.ok && within_host(e)) {
+    floor_ = std::min(floor_, e.reserved);
+  }
+}
+
+void Search::note(const Plan& plan, const Evaluation& e, std::string key) {
   if (e.ok && within_host(e)) floor_ = std::min(floor_, e.reserved);
   if (!fits(e)) return;
-  std::string key = key_of(plan);
   if (auto it = candidates_.find(key); it == candidates_.end()) {
     Plan copy = plan;
     copy.budget = budgets_.device;

@@ -74,6 +74,9 @@ class Search {
   Budgets budgets_;
   std::map<std::string, Candidate> candidates_;
   std::set<std::string> asked_;  // keys of the plans evaluate() was given
+
+  // note() with the plan's key (key_of) already made.
+  void note(const Plan& plan, const Evaluation& e, std::string key);
   Bytes floor_;
 };
 
