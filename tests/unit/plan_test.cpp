@@ -192,6 +192,11 @@ RowResult fixed_row(const Model& model, const DeviceProfile& device, const Polic
   return run_row(model, device, unchecked);
 }
 
+// The measured no-offload row of `model` on `device`.
+RowResult no_offload_row(const Model& model, const DeviceProfile& device) {
+  return fixed_row(model, device, default_rows(TrainingOptions{}, model, device).front());
+}
+
 TEST(Planner, NeverSlowerThanAFixedPolicyThatFitsOnGpt2Small) {
   const DeviceProfile device = profile("h100-sxm-pcie5");
   const Model model = preset("gpt2-small-s1024", device);
@@ -256,8 +261,7 @@ TEST(Planner, UnderFsdpThePlanRecordsItsParallelismAndTwoRanksOfANodeAreChecked)
 TEST(Planner, APlanForBudgetBReportsAPeakWithinBLessTheMargin) {
   const DeviceProfile device = profile("h100-sxm-pcie5");
   const Model model = preset("gpt2-small-s1024", device);
-  const RowResult none =
-      fixed_row(model, device, default_rows(TrainingOptions{}, model, device).front());
+  const RowResult none = no_offload_row(model, device);
   // A budget the no-offload run fits by 3 %: the default 16 % margin rules it out.
   const Bytes budget = Bytes(none.peak_reserved.count() * 103 / 100);
   PlannerOptions options{budget, std::nullopt, 2};
@@ -369,8 +373,7 @@ TEST(Planner, InfeasibleBudgetNamesTheFloor) {
 TEST(Planner, ReplayOfTheWrittenPlanMeasuresWhatThePlannerDid) {
   const DeviceProfile device = profile("h100-sxm-pcie5");
   const Model model = preset("gpt2-small-s1024", device);
-  const RowResult none =
-      fixed_row(model, device, default_rows(TrainingOptions{}, model, device).front());
+  const RowResult none = no_offload_row(model, device);
   const Bytes budget = Bytes(none.peak_reserved.count() * 3 / 4);
   auto outcome = make_plan(model, device, PlannerOptions{budget, std::nullopt, 2});
   ASSERT_TRUE(outcome.ok()) << outcome.error().message;
