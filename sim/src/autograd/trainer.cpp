@@ -75,16 +75,12 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
     }
   }
   checkpointer_.set_global_early_stop(plan.global_early_stop);
+  hooks_ = make_step_hooks(model_, graph_, options_, faults_, *this);
 }
 
 Result<TrainingRun> Trainer::run() {
   if (auto valid = validate_plan(); !valid) return valid.error();
-  if (auto valid = validate_fsdp(options_.fsdp, sim_.device_profile(dev_)); !valid) {
-    return valid.error();
-  }
-  if (fsdp() && options_.side.all_reduce) {
-    return Error{"FSDP reduce-scatters gradients: DDP's all-reduce does not apply"};
-  }
+  if (auto valid = hooks_->validate(); !valid) return valid.error();
   try {
     take_turn();
     setup();
@@ -145,13 +141,25 @@ Bytes Trainer::allocated() const {
   return alloc.stats().allocated - pending;
 }
 
-Device::Buffer Trainer::must_allocate(Bytes bytes, const std::string& name) {
-  auto buf = device_.try_allocate(Place::Device, bytes, Device::Stream{current_}, name);
+Device::Buffer Trainer::allocate_on(StreamId stream, Bytes bytes, const std::string& name) {
+  auto buf = device_.try_allocate(Place::Device, bytes, Device::Stream{stream}, name);
   if (!buf) out_of_memory(buf.error().message);
   const std::uint32_t id = buf.value().id.value();
   if (alloc_stream_.size() <= id) alloc_stream_.resize(id + 1);
-  alloc_stream_[id] = current_;
+  alloc_stream_[id] = stream;
   return buf.value();
+}
+
+void Trainer::bind_param(std::uint32_t p, Device::Buffer buffer, Bytes offset) {
+  params_[p] = Bound{buffer, offset, param_value(p)};
+}
+
+std::optional<Device::Buffer> Trainer::take_param_grad(std::uint32_t p) {
+  const auto it = param_grads_.find(p);
+  if (it == param_grads_.end()) return std::nullopt;
+  const Device::Buffer grad = it->second;
+  param_grads_.erase(it);
+  return grad;
 }
 
 // Note [Side streams]
@@ -237,13 +245,10 @@ void Trainer::setup() {
   for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
     const ModelTensor& tensor = model_.tensors[t];
     if (tensor.view_of >= 0) continue;
-    // With FSDP the parameters are sharded per unit and the optimizer's state is FSDP's own.
-    if (fsdp() && (tensor.role == TensorRole::Param || tensor.name.starts_with("optimizer."))) {
-      continue;
-    }
+    if (hooks_->holds(tensor)) continue;  // the parallelism's own (FSDP's shards)
     if (tensor.role == TensorRole::Param || tensor.role == TensorRole::Buffer) {
       const Device::Buffer buf = must_allocate(tensor.bytes, tensor.name);
-      params_[t] = Bound{buf, Bytes(0), mix_content(0x706172616d, t)};
+      params_[t] = Bound{buf, Bytes(0), param_value(t)};
       writes.push_back(Region{buf.id, Bytes(0), tensor.bytes});
       values.push_back(params_[t].value);
       note_write(buf, Bytes(0), tensor.bytes, params_[t].value);
@@ -252,7 +257,7 @@ void Trainer::setup() {
       }
     }
   }
-  if (fsdp()) fsdp_setup(writes, values);
+  hooks_->setup(writes, values);
   allocate_blas_workspaces();
   sim_.kernel(current_, SimTime(1), {}, writes, "init parameters", values);
   device_rng_initialized_ = !options_.checkpoint.lazy_device_rng;
@@ -316,7 +321,7 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
   take_turn();
   const ModelOp& op = model_.ops[i];
   switch_to(op_stream(i, replay));
-  if (replay && fsdp()) fsdp_before_replay(i);
+  if (replay) hooks_->before_replay(i);
   Scope& scope = scopes_.back();
   std::uint64_t seed = mix_content(0x6f70, i + 1);
   for (const std::uint32_t t : op.inputs) seed = mix_content(seed, lookup(t).value);
@@ -393,7 +398,7 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
     if (done == RecomputePack::KeptLast) stop_replay_ = true;
     return saved;
   }
-  if (fsdp() && model_.tensors[b].role == TensorRole::Param) {
+  if (model_.tensors[b].role == TensorRole::Param && hooks_->holds(model_.tensors[b])) {
     saved.kind = Saved::Kind::Param;
     return saved;
   }
@@ -490,7 +495,7 @@ void Trainer::forward() {
     const ModelOp& op = model_.ops[i];
     current_op_ = i;
     switch_to(op_stream(i, false));  // a checkpoint call inside the block packs on its stream
-    if (fsdp()) fsdp_before_op(i);
+    hooks_->before_op(i);
     for (const std::uint32_t r :
          regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
       begin_region(r);
@@ -508,7 +513,7 @@ void Trainer::forward() {
     while (!open_.empty() && options_.checkpoint.regions[open_.back().region].end_op == i + 1) {
       end_region();
     }
-    if (fsdp()) fsdp_after_op(i);
+    hooks_->after_op(i);
     for (const std::uint32_t b : drop_after_[i]) device_.drop(scopes_[0].bound.at(b).buffer);
   }
   switch_to(compute_);

@@ -7,6 +7,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -17,6 +18,7 @@
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/device/device.hpp"
 #include "graph.hpp"
+#include "step_hooks.hpp"
 #include "values.hpp"
 
 namespace ferry::sim::training {
@@ -29,8 +31,9 @@ struct Bound {
   std::uint64_t value = 0;
 };
 
-// How a saved tensor was packed. Param: an FSDP parameter, saved as the parameter object whose
-// storage FSDP frees and gathers again (Note [FSDP2, one rank]); unpacked where it lives then.
+// How a saved tensor was packed. Param: a parameter the step hooks hold (FSDP's), saved as the
+// parameter object whose storage they free and gather again (Note [FSDP2, one rank] in
+// fsdp.cpp); unpacked where it lives then.
 struct Saved {
   enum class Kind : std::uint8_t { Offload, Holder, Param } kind = Kind::Offload;
   TensorId id;
@@ -70,44 +73,6 @@ struct FrameInfo {
 
 constexpr std::uint64_t kGradSalt = 0x67726164;  // "grad"
 
-// One fully_shard unit of FSDP2: a layer's parameters, or the root's (those outside the
-// layers). Note [FSDP2, one rank] in trainer_fsdp.cpp.
-struct FsdpUnit {
-  std::int32_t layer = -1;            // -1: the root
-  std::vector<std::uint32_t> params;  // base parameter tensors, in model order
-  std::vector<Bytes> offsets;         // each one's offset in the unsharded buffer
-  Bytes bytes;                        // unsharded, in the model's dtype
-  Bytes master;                       // unsharded, in the sharded dtype (f32 with mixed precision)
-  std::int32_t first_op = -1;         // its layer's forward ops [first_op, last_op]
-  std::int32_t last_op = -1;
-  Device::Buffer shard{};                      // this rank's shard of the parameters, resident
-  std::optional<Device::Buffer> moments;       // AdamW's two moments of the shard
-  std::optional<Device::Buffer> sharded_grad;  // this rank's reduced gradient, until zero_grad
-  std::optional<Device::Buffer> unsharded;     // the parameters, gathered
-  std::optional<Device::Buffer> post_forward;  // the 1/k shard kept after forward
-  std::optional<Device::Event> post_forward_event;
-  std::optional<Device::Buffer> gathering;  // an all-gather's output, before its copy-out
-  std::optional<Device::Event> gathered;    // recorded after that all-gather
-};
-
-struct FsdpState {
-  std::vector<FsdpUnit> units;  // the root first, then the layers in forward order
-  std::map<std::int32_t, std::size_t> unit_of_layer;
-  StreamId copy_in, all_gather, reduce_scatter, all_reduce;
-  // FSDP2's all_gather_state: the previous forward all-gather's output, freed once the AG
-  // streams wait for its copy-out.
-  std::optional<Device::Buffer> prev_gather;
-  std::optional<Device::Event> prev_copy_out;
-  // FSDP2's reduce_scatter_state: the previous reduce-scatter's input and its event.
-  std::optional<Device::Buffer> prev_rs_input;
-  std::optional<Device::Event> prev_rs_event;
-  std::optional<Device::Event> last_reduce;  // the last reduce (and all-reduce) of backward
-  std::vector<std::size_t> backward_units;   // units by first node in backward order
-  std::vector<bool> pre_backward_done;
-  std::vector<std::int32_t> last_node;  // per unit: its last node in backward order
-  std::int32_t ranks_per_node = 1;
-};
-
 // One rank of a node run (Note [Node run] in autograd.cpp): the simulator the ranks share,
 // this rank's device there, and the turn it takes before each forward op and backward node.
 struct NodeRank {
@@ -116,7 +81,9 @@ struct NodeRank {
   std::function<void()> take_turn;
 };
 
-class Trainer {
+// The Trainer is the autograd engine of one rank: the hooks of the run's parallelism reach it
+// as their RankContext (Note [Step hooks]).
+class Trainer final : private RankContext {
  public:
   // Trains on a simulator of its own, one device; or, given a node rank, on that rank's device
   // of the shared simulator, which it leaves unfinished.
@@ -126,6 +93,17 @@ class Trainer {
   Result<TrainingRun> run();
 
  private:
+  // --- the rank, as the step hooks see it (RankContext) ----------------------------------
+
+  Simulator& sim() override { return sim_; }
+  DeviceId device_id() const override { return dev_; }
+  Device& device() override { return device_; }
+  StreamId current_stream() const override { return current_; }
+  Device::Buffer allocate_on(StreamId stream, Bytes bytes, const std::string& name) override;
+  void bind_param(std::uint32_t p, Device::Buffer buffer, Bytes offset) override;
+  std::optional<Device::Buffer> take_param_grad(std::uint32_t p) override;
+  void note_write(Device::Buffer buf, Bytes offset, Bytes bytes, std::uint64_t value) override;
+
   // --- set-up and validation --------------------------------------------------------------
 
   Status validate_plan() const;
@@ -137,7 +115,9 @@ class Trainer {
   Bytes allocated() const;
 
   // Allocates on the current stream, as the caching allocator does.
-  Device::Buffer must_allocate(Bytes bytes, const std::string& name);
+  Device::Buffer must_allocate(Bytes bytes, const std::string& name) {
+    return allocate_on(current_, bytes, name);
+  }
   // The cuBLAS workspaces a step holds (Note [Library workspaces]).
   void allocate_blas_workspaces();
 
@@ -159,31 +139,10 @@ class Trainer {
 
   void setup();
 
-  // --- FSDP2 (trainer_fsdp.cpp) -----------------------------------------------------------
-
-  bool fsdp() const { return options_.fsdp.on(); }
   // In a node run, waits for this rank's turn (Note [Node run]).
   void take_turn() const {
     if (take_turn_) take_turn_();
   }
-  std::size_t unit_of_op(std::uint32_t i) const;
-  void fsdp_setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values);
-  void fsdp_before_op(std::uint32_t i);
-  void fsdp_after_op(std::uint32_t i);
-  void fsdp_backward_begin(const std::vector<std::uint32_t>& order);
-  void fsdp_before_node(std::uint32_t n);
-  void fsdp_after_node(std::size_t k, std::uint32_t n);
-  void fsdp_backward_end();
-  void fsdp_before_replay(std::uint32_t i);
-  void fsdp_optimizer_step();
-  void unshard(std::size_t u);
-  void wait_for_unshard(std::size_t u, bool forward);
-  void reshard(std::size_t u, bool after_forward);
-  void reduce_gradients(std::size_t u);
-  void bind_unit(std::size_t u, Device::Buffer buffer);
-  SimTime memory_time(Bytes bytes) const;
-  SimTime ring_time(Bytes bytes, std::int32_t ranks, std::int32_t passes) const;
-  void comm_wait(StreamId waiter, StreamId on);
 
   // --- tensors, scopes and content ----------------------------------------------------------
 
@@ -191,8 +150,6 @@ class Trainer {
   Bound lookup(std::uint32_t t) const;
 
   Region region(std::uint32_t t) const;
-
-  void note_write(Device::Buffer buf, Bytes offset, Bytes bytes, std::uint64_t value);
 
   // A tensor came back (reloaded, or served from forward) at `where`: it holds what it held
   // when it was saved.
@@ -315,8 +272,8 @@ class Trainer {
   Device device_;
   Offloader<Device> offloader_;
   TrainingFaults faults_;
-  Bytes blas_workspace_;  // one cuBLAS workspace (the profile's); 0: none
-  FsdpState fsdp_;
+  Bytes blas_workspace_;              // one cuBLAS workspace (the profile's); 0: none
+  std::unique_ptr<StepHooks> hooks_;  // the parallelism's, or no-ops (Note [Step hooks])
   Checkpointer<Recomputed> checkpointer_;
   std::vector<Scope> scopes_;
   std::map<std::uint32_t, Bound> params_;

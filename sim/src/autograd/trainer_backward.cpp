@@ -398,10 +398,10 @@ void Trainer::backward(bool last_pass) {
               std::vector<Region>{Region{grad(loss).id, Bytes(0), model_.tensors[loss].bytes}},
               "loss grad", std::vector<std::uint64_t>{grad_values_[loss]});
   std::vector<bool> done_region(options_.checkpoint.regions.size(), false);
-  if (fsdp()) fsdp_backward_begin(order);
+  hooks_->backward_begin(order);
   for (std::size_t k = 0; k < order.size(); ++k) {
     const std::uint32_t n = order[k];
-    if (fsdp()) fsdp_before_node(n);
+    hooks_->before_node(n);
     const std::int32_t r = reentrant_region_of(n);
     if (r >= 0) {
       if (!done_region[static_cast<std::size_t>(r)]) {
@@ -411,10 +411,10 @@ void Trainer::backward(bool last_pass) {
     } else {
       run_node(n, last_pass, k);
     }
-    if (fsdp()) fsdp_after_node(k, n);
+    hooks_->after_node(k, n);
   }
   switch_to(compute_);  // backward() returns on the caller's stream, synced with the leaves'
-  if (fsdp()) fsdp_backward_end();
+  hooks_->backward_end();
   if (comm_.valid()) {
     // DDP's finalize: the caller's stream waits for the last all-reduces.
     const Device::Event e = device_.make_event();
@@ -475,7 +475,7 @@ void Trainer::step() {
   const int passes = options_.retain_graph ? 2 : 1;
   for (int pass = 0; pass < passes; ++pass) backward(pass == passes - 1);
   offloader_.exit();
-  if (fsdp()) fsdp_optimizer_step();
+  hooks_->optimizer_step();
   if (options_.sync_each_step) sim_.sync_device(dev_);
   times.end = sim_.host_time();
   run_.steps.push_back(times);

@@ -40,7 +40,7 @@ struct SideStreamOptions {
 };
 
 /// FSDP2 (`fully_shard` on each transformer layer and on the root module), as one of `ranks`
-/// symmetric ranks runs it (Note [FSDP2, one rank] in trainer_fsdp.cpp). ranks == 0: no FSDP,
+/// symmetric ranks runs it (Note [FSDP2, one rank] in fsdp.cpp). ranks == 0: no FSDP,
 /// the whole model on the device.
 struct FsdpOptions {
   std::int32_t ranks = 0;     ///< data-parallel ranks in all (replicas x shard group)

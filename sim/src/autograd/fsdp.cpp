@@ -3,8 +3,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "step_failure.hpp"
-#include "trainer.hpp"
+#include "fsdp.hpp"
 
 namespace ferry::sim {
 
@@ -94,6 +93,12 @@ namespace training {
 // Collectives run on the device's collective engine (Note [Collectives]). The backward
 // prefetch is FSDP2's default, one unit ahead; forward has no explicit prefetch, the host
 // running ahead of the device issues the next all-gather early, as in a real run.
+//
+// The Trainer knows none of this: Fsdp2 is its StepHooks (Note [Step hooks]), as FSDP2 is
+// module and autograd hooks in torch. before_op and after_op are a unit's pre- and
+// post-forward (the root's around the whole forward), before_node its pre-backward with the
+// prefetch, after_node its post-backward at its last node, backward_end the final callback,
+// before_replay the pre-forward of a recomputation, and optimizer_step the step and zero_grad.
 
 namespace {
 
@@ -102,16 +107,43 @@ Bytes ceil_div(Bytes bytes, std::int64_t parts) {
 }
 
 constexpr std::uint64_t kShardSalt = 0x7368617264;  // "shard"
-constexpr std::size_t kRootUnit = 0;                // FsdpState::units: the root first
+constexpr std::size_t kRootUnit = 0;                // Fsdp2::units_: the root first
 
 }  // namespace
 
-std::size_t Trainer::unit_of_op(std::uint32_t i) const {
-  const auto it = fsdp_.unit_of_layer.find(model_.ops[i].layer);
-  return it == fsdp_.unit_of_layer.end() ? 0 : it->second;
+Fsdp2::Fsdp2(const Model& model, const Graph& graph, const TrainingOptions& options,
+             const TrainingFaults& faults, RankContext& rank)
+    : model_(model),
+      graph_(graph),
+      options_(options),
+      fsdp_(options.fsdp),
+      faults_(faults),
+      rank_(rank),
+      sim_(rank.sim()),
+      dev_(rank.device_id()),
+      device_(rank.device()) {}
+
+Status Fsdp2::validate() const {
+  if (auto valid = validate_fsdp(fsdp_, sim_.device_profile(dev_)); !valid) {
+    return valid.error();
+  }
+  if (options_.side.all_reduce) {
+    return Error{"FSDP reduce-scatters gradients: DDP's all-reduce does not apply"};
+  }
+  return Ok{};
 }
 
-SimTime Trainer::memory_time(Bytes bytes) const {
+// The parameters are sharded per unit, and the optimizer's state is FSDP's own.
+bool Fsdp2::holds(const ModelTensor& tensor) const {
+  return tensor.role == TensorRole::Param || tensor.name.starts_with("optimizer.");
+}
+
+std::size_t Fsdp2::unit_of_op(std::uint32_t i) const {
+  const auto it = unit_of_layer_.find(model_.ops[i].layer);
+  return it == unit_of_layer_.end() ? 0 : it->second;
+}
+
+SimTime Fsdp2::memory_time(Bytes bytes) {
   const DeviceProfile& device = sim_.device_profile(dev_);
   const std::int64_t rate = device.memory_bandwidth.bytes_per_s() * memory_permille(device) / 1000;
   return std::max(SimTime(1), transfer_time(bytes, Bandwidth(std::max<std::int64_t>(rate, 1))));
@@ -120,60 +152,58 @@ SimTime Trainer::memory_time(Bytes bytes) const {
 // A ring collective over `ranks` ranks moving `bytes` (an all-gather's output, a
 // reduce-scatter's input; `passes` 2 for an all-reduce): each rank sends (ranks - 1) / ranks
 // of it over the group's slowest link, one latency per ring step.
-SimTime Trainer::ring_time(Bytes bytes, std::int32_t ranks, std::int32_t passes) const {
+SimTime Fsdp2::ring_time(Bytes bytes, std::int32_t ranks, std::int32_t passes) {
   if (ranks <= 1) return SimTime(1);
   const CollectiveLinks& links = sim_.device_profile(dev_).collectives;
-  const CollectiveLink& link = ranks > fsdp_.ranks_per_node ? links.inter_node : links.intra_node;
+  const CollectiveLink& link = ranks > ranks_per_node_ ? links.inter_node : links.intra_node;
   const Bytes moved(bytes.count() / ranks * (ranks - 1));
   const SimTime once =
       transfer_time(moved, link.bandwidth) + SimTime(link.latency.ns() * (ranks - 1));
   return SimTime(once.ns() * passes);
 }
 
-void Trainer::comm_wait(StreamId waiter, StreamId on) {
+void Fsdp2::comm_wait(StreamId waiter, StreamId on) {
   const Device::Event e = device_.make_event();
   device_.record(e, Device::Stream{on});
   device_.wait(Device::Stream{waiter}, e);
 }
 
-void Trainer::bind_unit(std::size_t u, Device::Buffer buffer) {
-  const FsdpUnit& unit = fsdp_.units[u];
+void Fsdp2::bind_unit(std::size_t u, Device::Buffer buffer) {
+  const FsdpUnit& unit = units_[u];
   for (std::size_t j = 0; j < unit.params.size(); ++j) {
-    Bound& p = params_[unit.params[j]];
-    p.buffer = buffer;
-    p.offset = unit.offsets[j];
+    rank_.bind_param(unit.params[j], buffer, unit.offsets[j]);
   }
 }
 
-void Trainer::fsdp_setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
-  const FsdpOptions& f = options_.fsdp;
+void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
+  const FsdpOptions& f = fsdp_;
   const CollectiveLinks& links = sim_.device_profile(dev_).collectives;
-  fsdp_.ranks_per_node = f.ranks / f.node_count(links.gpus_per_node);
-  fsdp_.copy_in = sim_.add_stream(dev_, "all_gather_copy_in");
-  fsdp_.all_gather = sim_.add_stream(dev_, "all_gather");
-  fsdp_.reduce_scatter = sim_.add_stream(dev_, "reduce_scatter");
-  if (f.replicas > 1) fsdp_.all_reduce = sim_.add_stream(dev_, "all_reduce");
+  ranks_per_node_ = f.ranks / f.node_count(links.gpus_per_node);
+  copy_in_ = sim_.add_stream(dev_, "all_gather_copy_in");
+  all_gather_ = sim_.add_stream(dev_, "all_gather");
+  reduce_scatter_ = sim_.add_stream(dev_, "reduce_scatter");
+  if (f.replicas > 1) all_reduce_ = sim_.add_stream(dev_, "all_reduce");
   // A parameter belongs to the layer whose ops read it, or to the root when read outside the
   // layers or by several (a tied embedding).
   std::map<std::uint32_t, std::int32_t> owner;
   for (const ModelOp& op : model_.ops) {
     for (const std::uint32_t t : op.inputs) {
-      const std::uint32_t b = base(t);
+      const std::uint32_t b = graph_.base[t];
       if (model_.tensors[b].role != TensorRole::Param) continue;
       const auto [it, fresh] = owner.emplace(b, op.layer);
       if (!fresh && it->second != op.layer) it->second = -1;
     }
   }
-  fsdp_.units.assign(1, FsdpUnit{});
-  fsdp_.unit_of_layer = {{-1, 0}};  // the root
+  units_.assign(1, FsdpUnit{});
+  unit_of_layer_ = {{-1, 0}};  // the root
   for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
     const ModelTensor& tensor = model_.tensors[t];
     if (tensor.role != TensorRole::Param || tensor.view_of >= 0) continue;
     const auto it = owner.find(t);
     const std::int32_t layer = it == owner.end() ? -1 : it->second;
-    const auto [slot, fresh] = fsdp_.unit_of_layer.emplace(layer, fsdp_.units.size());
-    if (fresh) fsdp_.units.emplace_back().layer = layer;
-    FsdpUnit& unit = fsdp_.units[slot->second];
+    const auto [slot, fresh] = unit_of_layer_.emplace(layer, units_.size());
+    if (fresh) units_.emplace_back().layer = layer;
+    FsdpUnit& unit = units_[slot->second];
     unit.params.push_back(t);
     unit.offsets.push_back(unit.bytes);
     unit.bytes += tensor.bytes;
@@ -181,85 +211,81 @@ void Trainer::fsdp_setup(std::vector<Region>& writes, std::vector<std::uint64_t>
                                      : tensor.bytes;
   }
   for (std::int32_t i = 0; i < static_cast<std::int32_t>(model_.ops.size()); ++i) {
-    FsdpUnit& unit = fsdp_.units[unit_of_op(static_cast<std::uint32_t>(i))];
+    FsdpUnit& unit = units_[unit_of_op(static_cast<std::uint32_t>(i))];
     if (unit.layer < 0) continue;
     if (unit.first_op < 0) unit.first_op = i;
     unit.last_op = i;
   }
-  for (std::size_t u = 0; u < fsdp_.units.size(); ++u) {
-    FsdpUnit& unit = fsdp_.units[u];
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    FsdpUnit& unit = units_[u];
     const Bytes shard = std::max(Bytes(1), ceil_div(unit.master, f.shard_group()));
-    unit.shard = must_allocate(shard, fmt::format("unit {} shard", unit.layer));
+    unit.shard = rank_.allocate_on(current(), shard, fmt::format("unit {} shard", unit.layer));
     writes.push_back(Region{unit.shard.id, Bytes(0), shard});
     values.push_back(mix_content(kShardSalt, u));
-    note_write(unit.shard, Bytes(0), shard, values.back());
-    for (const std::uint32_t p : unit.params) {
-      params_[p] = Bound{unit.shard, Bytes(0), mix_content(0x706172616d, p)};
-    }
+    rank_.note_write(unit.shard, Bytes(0), shard, values.back());
+    for (const std::uint32_t p : unit.params) rank_.bind_param(p, unit.shard, Bytes(0));
   }
 }
 
-void Trainer::unshard(std::size_t u) {
-  FsdpUnit& unit = fsdp_.units[u];
+void Fsdp2::unshard(std::size_t u) {
+  FsdpUnit& unit = units_[u];
   if (unit.unsharded || unit.gathering || unit.params.empty()) return;
-  std::int32_t group = options_.fsdp.shard_group();
+  std::int32_t group = fsdp_.shard_group();
   if (group == 1) {
     // A shard group of one rank: FSDP2 gathers nothing. It records an event on the current
     // stream, and wait_for_unshard copies the shard (cast) into the unsharded parameters.
     device_.hold(unit.shard);
     unit.gathering = unit.shard;
     unit.gathered = device_.make_event();
-    device_.record(*unit.gathered, Device::Stream{current_});
+    device_.record(*unit.gathered, Device::Stream{current()});
     return;
   }
   Region source{unit.shard.id, Bytes(0), ceil_div(unit.master, group)};
   if (unit.post_forward) {
     // Resharded to k ranks after forward: gather from that shard over them.
-    group = options_.fsdp.reshard_after_forward;
+    group = fsdp_.reshard_after_forward;
     source = Region{unit.post_forward->id, Bytes(0), ceil_div(unit.bytes, group)};
-    device_.wait(Device::Stream{fsdp_.copy_in}, *unit.post_forward_event);
-    device_.wait(Device::Stream{fsdp_.all_gather}, *unit.post_forward_event);
+    device_.wait(Device::Stream{copy_in_}, *unit.post_forward_event);
+    device_.wait(Device::Stream{all_gather_}, *unit.post_forward_event);
   }
   const Bytes part = ceil_div(unit.bytes, group);
   const std::string name = fmt::format("unit {} all-gather", unit.layer);
-  const StreamId was = std::exchange(current_, fsdp_.copy_in);
-  unit.gathering = must_allocate(std::int64_t{group} * part, name + " output");
-  current_ = was;
+  unit.gathering = rank_.allocate_on(copy_in_, std::int64_t{group} * part, name + " output");
   const Region mine{unit.gathering->id, Bytes(0), part};
   const Region whole{unit.gathering->id, Bytes(0), std::int64_t{group} * part};
-  sim_.kernel(fsdp_.copy_in, memory_time(source.bytes + part), std::vector<Region>{source},
+  sim_.kernel(copy_in_, memory_time(source.bytes + part), std::vector<Region>{source},
               std::vector<Region>{mine}, name + " copy-in");
-  comm_wait(fsdp_.all_gather, fsdp_.copy_in);
-  sim_.collective(fsdp_.all_gather, ring_time(std::int64_t{group} * part, group, 1),
+  comm_wait(all_gather_, copy_in_);
+  sim_.collective(all_gather_, ring_time(std::int64_t{group} * part, group, 1),
                   std::vector<Region>{mine}, std::vector<Region>{whole}, name);
   unit.gathered = device_.make_event();
-  device_.record(*unit.gathered, Device::Stream{fsdp_.all_gather});
+  device_.record(*unit.gathered, Device::Stream{all_gather_});
 }
 
-void Trainer::wait_for_unshard(std::size_t u, bool forward) {
-  FsdpUnit& unit = fsdp_.units[u];
+void Fsdp2::wait_for_unshard(std::size_t u, bool forward) {
+  FsdpUnit& unit = units_[u];
   if (!unit.gathering) return;
-  const std::vector<StreamId> ag_streams{fsdp_.copy_in, fsdp_.all_gather};
-  if (forward && fsdp_.prev_gather) {
+  const std::vector<StreamId> ag_streams{copy_in_, all_gather_};
+  if (forward && prev_gather_) {
     for (const StreamId s : ag_streams) {
-      if (!faults_.skip_gather_free_wait) device_.wait(Device::Stream{s}, *fsdp_.prev_copy_out);
+      if (!faults_.skip_gather_free_wait) device_.wait(Device::Stream{s}, *prev_copy_out_);
     }
-    device_.drop(*fsdp_.prev_gather);
-    fsdp_.prev_gather.reset();
+    device_.drop(*prev_gather_);
+    prev_gather_.reset();
   }
-  if (!faults_.skip_all_gather_wait) device_.wait(Device::Stream{current_}, *unit.gathered);
+  if (!faults_.skip_all_gather_wait) device_.wait(Device::Stream{current()}, *unit.gathered);
   const Device::Buffer params =
-      must_allocate(unit.bytes, fmt::format("unit {} params", unit.layer));
+      rank_.allocate_on(current(), unit.bytes, fmt::format("unit {} params", unit.layer));
   // Each parameter holds its own value again, whichever gather put it there.
   std::vector<Region> writes;
   std::vector<std::uint64_t> values;
   for (std::size_t j = 0; j < unit.params.size(); ++j) {
     const std::uint32_t p = unit.params[j];
     writes.push_back(Region{params.id, unit.offsets[j], model_.tensors[p].bytes});
-    values.push_back(params_[p].value);
-    note_write(params, unit.offsets[j], model_.tensors[p].bytes, params_[p].value);
+    values.push_back(param_value(p));
+    rank_.note_write(params, unit.offsets[j], model_.tensors[p].bytes, param_value(p));
   }
-  sim_.kernel(current_, memory_time(std::int64_t{2} * unit.bytes),
+  sim_.kernel(current(), memory_time(std::int64_t{2} * unit.bytes),
               std::vector<Region>{Region{unit.gathering->id, Bytes(0), unit.bytes}}, writes,
               fmt::format("unit {} all-gather copy-out", unit.layer), values);
   unit.unsharded = params;
@@ -270,10 +296,10 @@ void Trainer::wait_for_unshard(std::size_t u, bool forward) {
     unit.post_forward_event.reset();
   }
   const Device::Event copied = device_.make_event();
-  device_.record(copied, Device::Stream{current_});
+  device_.record(copied, Device::Stream{current()});
   if (forward) {
-    fsdp_.prev_gather = unit.gathering;
-    fsdp_.prev_copy_out = copied;
+    prev_gather_ = unit.gathering;
+    prev_copy_out_ = copied;
   } else {
     for (const StreamId s : ag_streams) device_.wait(Device::Stream{s}, copied);
     device_.drop(*unit.gathering);
@@ -282,20 +308,21 @@ void Trainer::wait_for_unshard(std::size_t u, bool forward) {
   unit.gathered.reset();
 }
 
-void Trainer::reshard(std::size_t u, bool after_forward) {
-  FsdpUnit& unit = fsdp_.units[u];
+void Fsdp2::reshard(std::size_t u, bool after_forward) {
+  FsdpUnit& unit = units_[u];
   if (!unit.unsharded) return;
-  const std::int32_t k = options_.fsdp.reshard_after_forward;
+  const std::int32_t k = fsdp_.reshard_after_forward;
   if (after_forward && (unit.layer < 0 || k == 0)) return;  // the root stays unsharded
   if (after_forward && k >= 2) {
     const Bytes part = ceil_div(unit.bytes, k);
-    unit.post_forward = must_allocate(part, fmt::format("unit {} post-forward shard", unit.layer));
-    sim_.kernel(current_, memory_time(std::int64_t{2} * part),
+    unit.post_forward =
+        rank_.allocate_on(current(), part, fmt::format("unit {} post-forward shard", unit.layer));
+    sim_.kernel(current(), memory_time(std::int64_t{2} * part),
                 std::vector<Region>{Region{unit.unsharded->id, Bytes(0), part}},
                 std::vector<Region>{Region{unit.post_forward->id, Bytes(0), part}},
                 fmt::format("unit {} reshard to {}", unit.layer, k));
     unit.post_forward_event = device_.make_event();
-    device_.record(*unit.post_forward_event, Device::Stream{current_});
+    device_.record(*unit.post_forward_event, Device::Stream{current()});
   }
   // The bindings stay: a read before the next unshard is a read of freed memory, which the
   // checker reports (the planted fault skip_backward_unshard).
@@ -303,136 +330,131 @@ void Trainer::reshard(std::size_t u, bool after_forward) {
   unit.unsharded.reset();
 }
 
-void Trainer::reduce_gradients(std::size_t u) {
-  FsdpUnit& unit = fsdp_.units[u];
-  const FsdpOptions& f = options_.fsdp;
+void Fsdp2::reduce_gradients(std::size_t u) {
+  FsdpUnit& unit = units_[u];
+  const FsdpOptions& f = fsdp_;
   std::vector<Region> grads;
   std::vector<Device::Buffer> held;
   for (const std::uint32_t p : unit.params) {
-    const auto it = param_grads_.find(p);
-    if (it == param_grads_.end()) continue;
-    grads.push_back(Region{it->second.id, Bytes(0), model_.tensors[p].bytes});
-    held.push_back(it->second);
-    param_grads_.erase(it);
+    const std::optional<Device::Buffer> grad = rank_.take_param_grad(p);
+    if (!grad) continue;
+    grads.push_back(Region{grad->id, Bytes(0), model_.tensors[p].bytes});
+    held.push_back(*grad);
   }
   if (grads.empty()) return;
-  if (fsdp_.prev_rs_event) {
+  if (prev_rs_event_) {
     if (!faults_.skip_reduce_input_free_wait) {
-      device_.wait(Device::Stream{current_}, *fsdp_.prev_rs_event);
+      device_.wait(Device::Stream{current()}, *prev_rs_event_);
     }
-    device_.drop(*fsdp_.prev_rs_input);
-    fsdp_.prev_rs_input.reset();
+    device_.drop(*prev_rs_input_);
+    prev_rs_input_.reset();
   }
   const std::string name = fmt::format("unit {} reduce-scatter", unit.layer);
   const Bytes input_bytes = f.mixed_precision ? unit.master : unit.bytes;
-  const Device::Buffer input = must_allocate(input_bytes, name + " input");
-  sim_.kernel(current_, memory_time(unit.bytes + input_bytes), grads,
+  const Device::Buffer input = rank_.allocate_on(current(), input_bytes, name + " input");
+  sim_.kernel(current(), memory_time(unit.bytes + input_bytes), grads,
               std::vector<Region>{Region{input.id, Bytes(0), input_bytes}}, name + " copy-in");
   for (const Device::Buffer& g : held) device_.drop(g);
-  if (!faults_.skip_reduce_scatter_wait) comm_wait(fsdp_.reduce_scatter, current_);
+  if (!faults_.skip_reduce_scatter_wait) comm_wait(reduce_scatter_, current());
   const std::int32_t group = f.shard_group();
   const Bytes out_bytes = ceil_div(input_bytes, group);
-  const StreamId was = std::exchange(current_, fsdp_.reduce_scatter);
   const Device::Buffer out =
-      must_allocate(out_bytes, fmt::format("unit {} grad shard", unit.layer));
-  current_ = was;
+      rank_.allocate_on(reduce_scatter_, out_bytes, fmt::format("unit {} grad shard", unit.layer));
   const Region out_region{out.id, Bytes(0), out_bytes};
   const std::vector<Region> rs_reads{Region{input.id, Bytes(0), input_bytes}};
   const std::vector<Region> rs_writes{out_region};
   if (group > 1) {
-    sim_.collective(fsdp_.reduce_scatter, ring_time(input_bytes, group, 1), rs_reads, rs_writes,
-                    name);
+    sim_.collective(reduce_scatter_, ring_time(input_bytes, group, 1), rs_reads, rs_writes, name);
   } else {  // one rank: FSDP2 copies the input to the output on the reduce-scatter stream
-    sim_.kernel(fsdp_.reduce_scatter, memory_time(input_bytes + out_bytes), rs_reads, rs_writes,
+    sim_.kernel(reduce_scatter_, memory_time(input_bytes + out_bytes), rs_reads, rs_writes,
                 name + " (one rank: a copy)");
   }
-  fsdp_.prev_rs_event = device_.make_event();
-  device_.record(*fsdp_.prev_rs_event, Device::Stream{fsdp_.reduce_scatter});
-  fsdp_.prev_rs_input = input;
+  prev_rs_event_ = device_.make_event();
+  device_.record(*prev_rs_event_, Device::Stream{reduce_scatter_});
+  prev_rs_input_ = input;
   if (unit.sharded_grad) {
     // A second backward (retain_graph): accumulate on the reduce-scatter stream.
     const Region acc{unit.sharded_grad->id, Bytes(0), out_bytes};
-    sim_.kernel(fsdp_.reduce_scatter, memory_time(std::int64_t{3} * out_bytes),
+    sim_.kernel(reduce_scatter_, memory_time(std::int64_t{3} * out_bytes),
                 std::vector<Region>{out_region, acc}, std::vector<Region>{acc},
                 name + " accumulate");
     device_.drop(out);
   } else {
     unit.sharded_grad = out;
   }
-  StreamId last = fsdp_.reduce_scatter;
+  StreamId last = reduce_scatter_;
   if (f.replicas > 1) {
-    comm_wait(fsdp_.all_reduce, fsdp_.reduce_scatter);
+    comm_wait(all_reduce_, reduce_scatter_);
     const Region shard{unit.sharded_grad->id, Bytes(0), out_bytes};
-    sim_.collective(fsdp_.all_reduce, ring_time(out_bytes, f.replicas, 2),
-                    std::vector<Region>{shard}, std::vector<Region>{shard},
-                    fmt::format("unit {} all-reduce", unit.layer));
-    last = fsdp_.all_reduce;
+    sim_.collective(all_reduce_, ring_time(out_bytes, f.replicas, 2), std::vector<Region>{shard},
+                    std::vector<Region>{shard}, fmt::format("unit {} all-reduce", unit.layer));
+    last = all_reduce_;
   }
-  fsdp_.last_reduce = device_.make_event();
-  device_.record(*fsdp_.last_reduce, Device::Stream{last});
+  last_reduce_ = device_.make_event();
+  device_.record(*last_reduce_, Device::Stream{last});
 }
 
-void Trainer::fsdp_before_op(std::uint32_t i) {
+void Fsdp2::before_op(std::uint32_t i) {
   if (i == 0) {
     // The root's pre-forward: the AG streams wait for the current stream (the optimizer).
-    comm_wait(fsdp_.copy_in, current_);
-    comm_wait(fsdp_.all_gather, current_);
+    comm_wait(copy_in_, current());
+    comm_wait(all_gather_, current());
     unshard(0);
     wait_for_unshard(0, true);
   }
   const std::size_t u = unit_of_op(i);
-  if (u != 0 && fsdp_.units[u].first_op == static_cast<std::int32_t>(i)) {
+  if (u != 0 && units_[u].first_op == static_cast<std::int32_t>(i)) {
     unshard(u);
     wait_for_unshard(u, true);
   }
 }
 
-void Trainer::fsdp_after_op(std::uint32_t i) {
+void Fsdp2::after_op(std::uint32_t i) {
   const std::size_t u = unit_of_op(i);
-  if (u != 0 && fsdp_.units[u].last_op == static_cast<std::int32_t>(i)) reshard(u, true);
-  if (i + 1 == model_.ops.size() && fsdp_.prev_gather) {
+  if (u != 0 && units_[u].last_op == static_cast<std::int32_t>(i)) reshard(u, true);
+  if (i + 1 == model_.ops.size() && prev_gather_) {
     // The root's post-forward frees the last all-gather output.
-    for (const StreamId s : {fsdp_.copy_in, fsdp_.all_gather}) {
-      device_.wait(Device::Stream{s}, *fsdp_.prev_copy_out);
+    for (const StreamId s : {copy_in_, all_gather_}) {
+      device_.wait(Device::Stream{s}, *prev_copy_out_);
     }
-    device_.drop(*fsdp_.prev_gather);
-    fsdp_.prev_gather.reset();
+    device_.drop(*prev_gather_);
+    prev_gather_.reset();
   }
 }
 
-void Trainer::fsdp_backward_begin(const std::vector<std::uint32_t>& order) {
-  fsdp_.backward_units.clear();
-  fsdp_.pre_backward_done.assign(fsdp_.units.size(), false);
-  fsdp_.last_node.assign(fsdp_.units.size(), -1);
+void Fsdp2::backward_begin(const std::vector<std::uint32_t>& order) {
+  backward_units_.clear();
+  pre_backward_done_.assign(units_.size(), false);
+  last_node_.assign(units_.size(), -1);
   for (std::size_t k = 0; k < order.size(); ++k) {
     const std::size_t u = unit_of_op(order[k]);
-    if (fsdp_.last_node[u] < 0) fsdp_.backward_units.push_back(u);
-    fsdp_.last_node[u] = static_cast<std::int32_t>(k);
+    if (last_node_[u] < 0) backward_units_.push_back(u);
+    last_node_[u] = static_cast<std::int32_t>(k);
   }
 }
 
-void Trainer::fsdp_before_node(std::uint32_t n) {
+void Fsdp2::before_node(std::uint32_t n) {
   const std::size_t u = unit_of_op(n);
-  if (fsdp_.pre_backward_done[u]) return;
-  fsdp_.pre_backward_done[u] = true;
+  if (pre_backward_done_[u]) return;
+  pre_backward_done_[u] = true;
   if (faults_.skip_backward_unshard) return;
   unshard(u);
   wait_for_unshard(u, false);
   // FSDP2's default backward prefetch: the next unit in backward order.
-  const auto& units = fsdp_.backward_units;
+  const auto& units = backward_units_;
   const auto at = std::find(units.begin(), units.end(), u);
   if (at != units.end() && at + 1 != units.end()) unshard(*(at + 1));
 }
 
-void Trainer::fsdp_after_node(std::size_t k, std::uint32_t n) {
+void Fsdp2::after_node(std::size_t k, std::uint32_t n) {
   const std::size_t u = unit_of_op(n);
-  // The root's post-backward is the final callback's (fsdp_backward_end).
-  if (u == kRootUnit || fsdp_.last_node[u] != static_cast<std::int32_t>(k)) return;
+  // The root's post-backward is the final callback's (backward_end).
+  if (u == kRootUnit || last_node_[u] != static_cast<std::int32_t>(k)) return;
   reshard(u, false);
   reduce_gradients(u);
 }
 
-void Trainer::fsdp_backward_end() {
+void Fsdp2::backward_end() {
   // The post-backward final callback. The root's post-backward runs in it: FSDP2 hooks a
   // unit's post-backward on its forward's inputs, and the root's forward spans the model, so
   // its parameters stay unsharded through backward, whichever layers read them (a parameter
@@ -440,19 +462,19 @@ void Trainer::fsdp_backward_end() {
   // reduction.
   reshard(kRootUnit, false);
   reduce_gradients(kRootUnit);
-  if (fsdp_.last_reduce) device_.wait(Device::Stream{current_}, *fsdp_.last_reduce);
-  fsdp_.last_reduce.reset();
-  if (fsdp_.prev_rs_input) device_.drop(*fsdp_.prev_rs_input);
-  fsdp_.prev_rs_input.reset();
-  fsdp_.prev_rs_event.reset();
+  if (last_reduce_) device_.wait(Device::Stream{current()}, *last_reduce_);
+  last_reduce_.reset();
+  if (prev_rs_input_) device_.drop(*prev_rs_input_);
+  prev_rs_input_.reset();
+  prev_rs_event_.reset();
   // It reshards what is still unsharded (a unit no backward node reached).
-  for (std::size_t u = 0; u < fsdp_.units.size(); ++u) {
+  for (std::size_t u = 0; u < units_.size(); ++u) {
     wait_for_unshard(u, false);
     reshard(u, false);
   }
 }
 
-void Trainer::fsdp_before_replay(std::uint32_t i) {
+void Fsdp2::before_replay(std::uint32_t i) {
   // A recompute runs the unit's forward again: its parameters must be there (FSDP2's
   // pre-forward hook of an inner unit does the same for a replay that spans units).
   if (faults_.skip_backward_unshard) return;
@@ -461,17 +483,17 @@ void Trainer::fsdp_before_replay(std::uint32_t i) {
   wait_for_unshard(u, false);
 }
 
-void Trainer::fsdp_optimizer_step() {
+void Fsdp2::optimizer_step() {
   std::vector<Region> reads;
   std::vector<Region> writes;
   Bytes moved;
-  for (std::size_t u = 0; u < fsdp_.units.size(); ++u) {
-    FsdpUnit& unit = fsdp_.units[u];
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    FsdpUnit& unit = units_[u];
     if (!unit.sharded_grad) continue;
     const Bytes shard = sim_.buffers()[unit.shard.id.value()].bytes;
     if (!unit.moments) {
-      unit.moments =
-          must_allocate(std::int64_t{2} * shard, fmt::format("unit {} AdamW moments", unit.layer));
+      unit.moments = rank_.allocate_on(current(), std::int64_t{2} * shard,
+                                       fmt::format("unit {} AdamW moments", unit.layer));
     }
     const Region params{unit.shard.id, Bytes(0), shard};
     const Region moments{unit.moments->id, Bytes(0), std::int64_t{2} * shard};
@@ -483,13 +505,13 @@ void Trainer::fsdp_optimizer_step() {
         std::int64_t{7} * shard + grad.bytes;  // read params, moments, grad; write params, moments
   }
   if (reads.empty()) return;
-  sim_.kernel(current_, memory_time(moved), reads, writes, "optimizer step (AdamW)");
+  sim_.kernel(current(), memory_time(moved), reads, writes, "optimizer step (AdamW)");
   // zero_grad(set_to_none=True) frees the gradient shards, which came from the reduce-scatter
   // stream's pool: that stream waits for the optimizer first. FSDP2 makes this wait before
   // the next reduce-scatter allocates (foreach_reduce); the checker judges a free where it is
   // issued (Note [Latent reuse]), so it is made here.
-  if (!faults_.skip_grad_shard_free_wait) comm_wait(fsdp_.reduce_scatter, current_);
-  for (FsdpUnit& unit : fsdp_.units) {
+  if (!faults_.skip_grad_shard_free_wait) comm_wait(reduce_scatter_, current());
+  for (FsdpUnit& unit : units_) {
     if (unit.sharded_grad) device_.drop(*unit.sharded_grad);
     unit.sharded_grad.reset();
   }

@@ -1,0 +1,95 @@
+#pragma once
+// Private to the simulated autograd: FSDP2 on one rank, as step hooks beside the Trainer
+// (Note [FSDP2, one rank] in fsdp.cpp, Note [Step hooks]).
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "step_hooks.hpp"
+
+namespace ferry::sim::training {
+
+// One fully_shard unit of FSDP2: a layer's parameters, or the root's (those outside the
+// layers). Note [FSDP2, one rank] in fsdp.cpp.
+struct FsdpUnit {
+  std::int32_t layer = -1;            // -1: the root
+  std::vector<std::uint32_t> params;  // base parameter tensors, in model order
+  std::vector<Bytes> offsets;         // each one's offset in the unsharded buffer
+  Bytes bytes;                        // unsharded, in the model's dtype
+  Bytes master;                       // unsharded, in the sharded dtype (f32 with mixed precision)
+  std::int32_t first_op = -1;         // its layer's forward ops [first_op, last_op]
+  std::int32_t last_op = -1;
+  Device::Buffer shard{};                      // this rank's shard of the parameters, resident
+  std::optional<Device::Buffer> moments;       // AdamW's two moments of the shard
+  std::optional<Device::Buffer> sharded_grad;  // this rank's reduced gradient, until zero_grad
+  std::optional<Device::Buffer> unsharded;     // the parameters, gathered
+  std::optional<Device::Buffer> post_forward;  // the 1/k shard kept after forward
+  std::optional<Device::Event> post_forward_event;
+  std::optional<Device::Buffer> gathering;  // an all-gather's output, before its copy-out
+  std::optional<Device::Event> gathered;    // recorded after that all-gather
+};
+
+// FSDP2 (`fully_shard` on every layer, then on the root) as one rank runs it: the units, the
+// streams of their collectives, and the hooks that unshard, reshard and reduce them.
+class Fsdp2 final : public StepHooks {
+ public:
+  // Keeps references to every argument; adds its streams at setup.
+  Fsdp2(const Model& model, const Graph& graph, const TrainingOptions& options,
+        const TrainingFaults& faults, RankContext& rank);
+
+  [[nodiscard]] Status validate() const override;
+  [[nodiscard]] bool holds(const ModelTensor& tensor) const override;
+  void setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) override;
+  void before_op(std::uint32_t op) override;
+  void after_op(std::uint32_t op) override;
+  void before_replay(std::uint32_t op) override;
+  void backward_begin(const std::vector<std::uint32_t>& order) override;
+  void before_node(std::uint32_t node) override;
+  void after_node(std::size_t k, std::uint32_t node) override;
+  void backward_end() override;
+  void optimizer_step() override;
+
+ private:
+  // The rank's current stream: where the Trainer issues the hooked op or node.
+  StreamId current() const { return rank_.current_stream(); }
+  std::size_t unit_of_op(std::uint32_t i) const;
+  void unshard(std::size_t u);
+  void wait_for_unshard(std::size_t u, bool forward);
+  void reshard(std::size_t u, bool after_forward);
+  void reduce_gradients(std::size_t u);
+  void bind_unit(std::size_t u, Device::Buffer buffer);
+  SimTime memory_time(Bytes bytes);
+  SimTime ring_time(Bytes bytes, std::int32_t ranks, std::int32_t passes);
+  // `waiter` waits for the work issued on `on` so far.
+  void comm_wait(StreamId waiter, StreamId on);
+
+  const Model& model_;
+  const Graph& graph_;
+  const TrainingOptions& options_;
+  const FsdpOptions& fsdp_;  // options_.fsdp
+  const TrainingFaults& faults_;
+  RankContext& rank_;
+  Simulator& sim_;  // rank_.sim()
+  DeviceId dev_;    // rank_.device_id()
+  Device& device_;  // rank_.device()
+
+  std::vector<FsdpUnit> units_;  // the root first, then the layers in forward order
+  std::map<std::int32_t, std::size_t> unit_of_layer_;
+  StreamId copy_in_, all_gather_, reduce_scatter_, all_reduce_;
+  // FSDP2's all_gather_state: the previous forward all-gather's output, freed once the AG
+  // streams wait for its copy-out.
+  std::optional<Device::Buffer> prev_gather_;
+  std::optional<Device::Event> prev_copy_out_;
+  // FSDP2's reduce_scatter_state: the previous reduce-scatter's input and its event.
+  std::optional<Device::Buffer> prev_rs_input_;
+  std::optional<Device::Event> prev_rs_event_;
+  std::optional<Device::Event> last_reduce_;  // the last reduce (and all-reduce) of backward
+  std::vector<std::size_t> backward_units_;   // units by first node in backward order
+  std::vector<bool> pre_backward_done_;
+  std::vector<std::int32_t> last_node_;  // per unit: its last node in backward order
+  std::int32_t ranks_per_node_ = 1;
+};
+
+}  // namespace ferry::sim::training

@@ -1,0 +1,106 @@
+#pragma once
+// Private to the simulated autograd: the hooks a parallelism sets on a training step, and the
+// part of the rank they reach (Note [Step hooks]).
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/result.hpp"
+#include "ferry/sim/autograd/autograd.hpp"
+#include "ferry/sim/device/device.hpp"
+#include "graph.hpp"
+#include "values.hpp"
+
+namespace ferry::sim::training {
+
+// Note [Step hooks]
+// A parallelism (FSDP2 today) acts on a training step the way torch's does on a real one: it
+// hooks the modules' forward (pre- and post-forward of the ops of each unit), the autograd
+// engine's nodes and its final callback, and the optimizer step, and the engine itself never
+// asks which parallelism runs. The Trainer is that engine: it calls every hook of one
+// StepHooks object at fixed points of the step, and a run with no parallelism gets the base
+// class, whose hooks do nothing. The hooks reach the rank through a RankContext, which names
+// everything they may touch: the simulator and the device, the current stream, allocation on a
+// chosen stream, where each parameter lives, and the parameters' gradients. Which hooks a run
+// gets is decided once, in make_step_hooks; a new parallelism is a new StepHooks there.
+
+/// A parameter's content value: its index (Note [Content values]).
+[[nodiscard]] constexpr std::uint64_t param_value(std::uint32_t p) {
+  return mix_content(0x706172616d, p);  // "param"
+}
+
+/// What a parallelism's hooks reach of the rank they run on (Note [Step hooks]).
+class RankContext {
+ public:
+  RankContext() = default;
+  RankContext(const RankContext&) = delete;
+  RankContext& operator=(const RankContext&) = delete;
+
+  /// The simulator the rank runs on.
+  virtual Simulator& sim() = 0;
+  /// The rank's device in sim().
+  [[nodiscard]] virtual DeviceId device_id() const = 0;
+  /// The Backend over that device.
+  virtual Device& device() = 0;
+  /// The stream the rank's work is issued on now.
+  [[nodiscard]] virtual StreamId current_stream() const = 0;
+  /// Allocates from `stream`'s pool, as the caching allocator does; no room ends the step.
+  virtual Device::Buffer allocate_on(StreamId stream, Bytes bytes, const std::string& name) = 0;
+  /// Parameter `p` (a base tensor) lives at `offset` in `buffer` from now on.
+  virtual void bind_param(std::uint32_t p, Device::Buffer buffer, Bytes offset) = 0;
+  /// Takes parameter `p`'s gradient, if backward wrote one: the caller owns that reference.
+  virtual std::optional<Device::Buffer> take_param_grad(std::uint32_t p) = 0;
+  /// Bytes [offset, offset + bytes) of `buffer` hold content value `value` now.
+  virtual void note_write(Device::Buffer buffer, Bytes offset, Bytes bytes,
+                          std::uint64_t value) = 0;
+
+ protected:
+  ~RankContext() = default;
+};
+
+/// The hooks a parallelism sets on a training step; each default does nothing (Note [Step
+/// hooks]). Ops and nodes are model op indices.
+class StepHooks {
+ public:
+  StepHooks() = default;
+  StepHooks(const StepHooks&) = delete;
+  StepHooks& operator=(const StepHooks&) = delete;
+  virtual ~StepHooks() = default;
+
+  /// Checks the run's options against the device, before set-up.
+  [[nodiscard]] virtual Status validate() const { return Ok{}; }
+  /// Whether the parallelism holds this tensor's storage itself: the Trainer neither allocates
+  /// it nor, for a parameter, saves it through the offloader.
+  [[nodiscard]] virtual bool holds(const ModelTensor& /*tensor*/) const { return false; }
+  /// At set-up, once the Trainer has allocated what it holds: what the parallelism holds, with
+  /// its initial bytes added to the parameters' initialization kernel.
+  virtual void setup(std::vector<Region>& /*writes*/, std::vector<std::uint64_t>& /*values*/) {}
+  /// Before forward op `op` runs (and before any checkpoint region starting there opens).
+  virtual void before_op(std::uint32_t /*op*/) {}
+  /// After forward op `op` and the checkpoint regions ending there.
+  virtual void after_op(std::uint32_t /*op*/) {}
+  /// Before a recomputation runs forward op `op` again.
+  virtual void before_replay(std::uint32_t /*op*/) {}
+  /// At the start of a backward that runs nodes in `order`.
+  virtual void backward_begin(const std::vector<std::uint32_t>& /*order*/) {}
+  /// Before backward node `node` runs.
+  virtual void before_node(std::uint32_t /*node*/) {}
+  /// After backward node `node`, the `k`-th in the backward's order.
+  virtual void after_node(std::size_t /*k*/, std::uint32_t /*node*/) {}
+  /// The engine's final callback, back on the caller's stream.
+  virtual void backward_end() {}
+  /// After the step's last backward: the optimizer step and zero_grad.
+  virtual void optimizer_step() {}
+};
+
+/// The hooks a run of `options` gets: its parallelism's, or the no-op base. They keep
+/// references to every argument.
+[[nodiscard]] std::unique_ptr<StepHooks> make_step_hooks(const Model& model, const Graph& graph,
+                                                         const TrainingOptions& options,
+                                                         const TrainingFaults& faults,
+                                                         RankContext& rank);
+
+}  // namespace ferry::sim::training
