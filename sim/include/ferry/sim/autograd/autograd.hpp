@@ -180,7 +180,7 @@ struct NodeRun {
 
 /// Runs `ranks` FSDP ranks of one node side by side, interleaved op by op, each loading a
 /// batch of its own and pinning host memory from its share of the node's: a check of what
-/// the ranks share, which a one-rank simulation cannot see (Note [Node run] in autograd.cpp).
+/// the ranks share, which a one-rank simulation cannot see (Note [Node run] in node_run.cpp).
 /// `options.fsdp` must be on, with at least `ranks` ranks per node.
 Result<NodeRun> simulate_node(const Model& model, const DeviceProfile& device,
                               const TrainingOptions& options, std::int32_t ranks,
