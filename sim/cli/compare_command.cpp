@@ -39,7 +39,11 @@ int CompareCommand::run() const {
   sim::adopt_model_allocator(spec.allocator, model);
   auto base = sim::run_options(spec, model, false);
   if (base) {
-    if (auto valid = sim::validate_fsdp(base.value().fsdp, device); !valid) base = valid.error();
+    if (auto valid =
+            sim::validate_parallelism(base.value().fsdp.parallelism, device, sim::kFsdpFlags);
+        !valid) {
+      base = valid.error();
+    }
   }
   if (base && a_.devices > 1 && base.value().sim.allocator != sim::AllocatorMode::Default) {
     base = Error{fmt::format(
@@ -51,6 +55,7 @@ int CompareCommand::run() const {
     fmt::print(stderr, "ferry compare: error: {}\n", base.error().message);
     return kExitBadInput;
   }
+  const Parallelism& parallelism = base.value().fsdp.parallelism;
   bool clean = true;
   std::vector<sim::RowResult> rows;
   for (const auto& row : sim::default_rows(base.value(), model, device)) {
@@ -65,11 +70,12 @@ int CompareCommand::run() const {
     for (const auto& p : pipeline) clean = clean && p.hazards == 0;
   }
   if (a_.json) {
-    print(sim::with_fsdp_json(sim::compare_json(rows, model, device, pipeline), spec.fsdp, device));
+    print(
+        sim::with_fsdp_json(sim::compare_json(rows, model, device, pipeline), parallelism, device));
   } else {
     print(sim::compare_text(rows, model, device) +
           (pipeline.empty() ? "" : "\n" + sim::pipeline_text(pipeline)) +
-          fsdp_line(spec.fsdp, device));
+          fsdp_line(parallelism, device));
   }
   return clean ? 0 : kExitFailed;
 }

@@ -55,10 +55,8 @@ class PlanCommand final : public Command {
   // the parallelism `fsdp` and the allocator `allocator`, checked as `ferry.plan` checks them.
   [[nodiscard]] Result<sim::PlannerOptions> planner_options(
       const sim::FsdpSpec& fsdp, const std::optional<std::string>& allocator) const;
-  [[nodiscard]] int sweep(const sim::Workload& w, const sim::PlannerOptions& options,
-                          const sim::FsdpSpec& fsdp) const;
-  [[nodiscard]] int plan(const sim::Workload& w, const sim::PlannerOptions& options,
-                         const sim::FsdpSpec& fsdp) const;
+  [[nodiscard]] int sweep(const sim::Workload& w, const sim::PlannerOptions& options) const;
+  [[nodiscard]] int plan(const sim::Workload& w, const sim::PlannerOptions& options) const;
   // The plan's checked run again, written as a memory snapshot; 0 or the exit code.
   [[nodiscard]] int write_snapshot(const sim::Workload& w, const sim::PlannerOptions& options,
                                    const Plan& plan) const;
@@ -149,28 +147,31 @@ int PlanCommand::run() const {
                options.error().message);
     return kExitBadInput;
   }
-  if (auto valid = sim::validate_fsdp(options.value().fsdp, workload.value().device); !valid) {
+  if (auto valid = sim::validate_parallelism(options.value().fsdp.parallelism,
+                                             workload.value().device, sim::kFsdpFlags);
+      !valid) {
     fmt::print(stderr, "ferry plan: error: {}\n", valid.error().message);
     return kExitBadInput;
   }
   if (a_.sweep > 0) {
     // A sweep's budgets are the simulator's peaks, from the floor up: no margin below them.
     options.value().margin_permille = 0;
-    return sweep(workload.value(), options.value(), fsdp);
+    return sweep(workload.value(), options.value());
   }
   // No budget: the device's whole memory, the question "what is fastest that fits at all?".
   if (a_.budget.empty()) options.value().budget = workload.value().device.memory;
-  return plan(workload.value(), options.value(), fsdp);
+  return plan(workload.value(), options.value());
 }
 
-int PlanCommand::sweep(const sim::Workload& w, const sim::PlannerOptions& options,
-                       const sim::FsdpSpec& fsdp) const {
+int PlanCommand::sweep(const sim::Workload& w, const sim::PlannerOptions& options) const {
+  const Parallelism& parallelism = options.fsdp.parallelism;
   const auto points = sim::plan_sweep(
       w.model, w.device, options, a_.sweep, [](std::size_t i, std::size_t n, Bytes budget) {
         fmt::print(stderr, "planning {}/{}: budget {} ...\n", i + 1, n, format_bytes(budget));
       });
-  print(a_.json ? sim::with_fsdp_json(sim::sweep_json(points, w.model, w.device), fsdp, w.device)
-                : sim::sweep_text(points, w.model, w.device) + fsdp_line(fsdp, w.device));
+  print(a_.json
+            ? sim::with_fsdp_json(sim::sweep_json(points, w.model, w.device), parallelism, w.device)
+            : sim::sweep_text(points, w.model, w.device) + fsdp_line(parallelism, w.device));
   if (!a_.plot.empty()) {
     if (!write_output(a_.plot, sim::sweep_svg(points, w.model, w.device))) {
       fmt::print(stderr, "ferry plan: error: cannot write the plot to {}\n", a_.plot);
@@ -181,8 +182,8 @@ int PlanCommand::sweep(const sim::Workload& w, const sim::PlannerOptions& option
   return 0;
 }
 
-int PlanCommand::plan(const sim::Workload& w, const sim::PlannerOptions& options,
-                      const sim::FsdpSpec& fsdp) const {
+int PlanCommand::plan(const sim::Workload& w, const sim::PlannerOptions& options) const {
+  const Parallelism& parallelism = options.fsdp.parallelism;
   auto outcome = sim::make_plan(w.model, w.device, options);
   if (!outcome) {
     fmt::print(stderr, "ferry plan: {}\n", outcome.error().message);
@@ -196,8 +197,9 @@ int PlanCommand::plan(const sim::Workload& w, const sim::PlannerOptions& options
     if (const int rc = write_snapshot(w, options, outcome.value().plan)) return rc;
   }
   print(a_.json ? sim::with_fsdp_json(sim::plan_report_json(outcome.value(), w.model, w.device),
-                                      fsdp, w.device)
-                : sim::plan_text(outcome.value(), w.model, w.device) + fsdp_line(fsdp, w.device));
+                                      parallelism, w.device)
+                : sim::plan_text(outcome.value(), w.model, w.device) +
+                      fsdp_line(parallelism, w.device));
   if (!a_.out.empty() && !a_.json) fmt::print(stderr, "plan written to {}\n", a_.out);
   return 0;
 }

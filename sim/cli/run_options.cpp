@@ -4,17 +4,15 @@
 
 namespace ferry::cli {
 
-std::string fsdp_line(const sim::FsdpSpec& spec, const sim::DeviceProfile& device) {
-  if (!spec.ranks) return {};
-  const auto fsdp = sim::fsdp_options(spec);
-  if (!fsdp) return {};
-  const std::int32_t nodes = fsdp.value().node_count(device.collectives.gpus_per_node);
+std::string fsdp_line(const Parallelism& p, const sim::DeviceProfile& device) {
+  if (!p.on()) return {};
+  const std::int32_t nodes = p.node_count(device.collectives.gpus_per_node);
   return fmt::format(
       "FSDP2 over {} ranks on {} node{}{}, reshard after forward: {}; every figure is one "
       "rank's (its pinned memory: its part of the node's)\n",
-      *spec.ranks, nodes, nodes == 1 ? "" : "s",
-      spec.replicas > 1 ? fmt::format(", {} HSDP replica groups", spec.replicas) : "",
-      spec.reshard_after_forward);
+      p.ranks, nodes, nodes == 1 ? "" : "s",
+      p.replicas > 1 ? fmt::format(", {} HSDP replica groups", p.replicas) : "",
+      to_string(p.reshard_after_forward));
 }
 
 CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec) {

@@ -34,9 +34,9 @@ CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec);
 /// allocator_mode, as Python's `allocator=` is).
 void add_allocator_option(CLI::App* cmd, std::optional<std::string>& name);
 
-/// The line text reports end with under `--fsdp`: the parallelism, and that figures are one
+/// The line text reports end with under FSDP: the parallelism `p`, and that figures are one
 /// rank's. Empty without FSDP.
-[[nodiscard]] std::string fsdp_line(const sim::FsdpSpec& spec, const sim::DeviceProfile& device);
+[[nodiscard]] std::string fsdp_line(const Parallelism& p, const sim::DeviceProfile& device);
 
 /// Adds the shared options to `cmd`; `simulate` adds those of one run (policy, checkpoint plan,
 /// side streams, trace and snapshot files, a plan to replay).

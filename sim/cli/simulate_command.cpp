@@ -71,20 +71,27 @@ int SimulateCommand::replay_plan(const sim::Workload& w, const sim::TrainingOpti
     return kExitBadInput;
   }
   // The plan's parallelism where neither the command line nor the model file gave one.
-  sim::RunSpec replay = spec;
-  sim::adopt_parallelism(replay.fsdp, plan.value().parallelism);
   sim::TrainingOptions options = base;
-  if (replay.fsdp.ranks != spec.fsdp.ranks) {
-    auto fsdp = sim::fsdp_options(replay.fsdp);
+  sim::FsdpSpec adopted = spec.fsdp;
+  sim::adopt_parallelism(adopted, plan.value().parallelism);
+  if (adopted.ranks != spec.fsdp.ranks) {
+    auto fsdp = sim::parallelism_of(adopted);
     if (fsdp) {
-      if (auto valid = sim::validate_fsdp(fsdp.value(), w.device); !valid) fsdp = valid.error();
+      if (auto valid = sim::validate_parallelism(fsdp.value(), w.device, sim::kFsdpFlags); !valid) {
+        fsdp = valid.error();
+      }
     }
     if (!fsdp) {
       fmt::print(stderr, "ferry simulate: error: {}: parallelism: {}\n", a_.plan,
                  fsdp.error().message);
       return kExitBadInput;
     }
-    options.fsdp = fsdp.value();
+    options.fsdp.parallelism = fsdp.value();
+  } else if (auto valid =
+                 sim::validate_parallelism(options.fsdp.parallelism, w.device, sim::kFsdpFlags);
+             !valid) {
+    fmt::print(stderr, "ferry simulate: error: {}\n", valid.error().message);
+    return kExitBadInput;
   }
   auto row = sim::replay_plan(plan.value(), w.model, w.device, options);
   if (!row) {
@@ -92,10 +99,11 @@ int SimulateCommand::replay_plan(const sim::Workload& w, const sim::TrainingOpti
     return kExitBadInput;
   }
   row.value().name = "plan " + a_.plan;
+  const Parallelism& parallelism = options.fsdp.parallelism;
   print(a_.json ? sim::with_fsdp_json(sim::simulate_json(row.value(), w.model, w.device),
-                                      replay.fsdp, w.device)
+                                      parallelism, w.device)
                 : sim::simulate_text(row.value(), w.model, w.device) +
-                      fsdp_line(replay.fsdp, w.device));
+                      fsdp_line(parallelism, w.device));
   return row.value().hazards == 0 && !row.value().failure ? 0 : kExitFailed;
 }
 
@@ -162,11 +170,13 @@ int SimulateCommand::run_one_device(const sim::Workload& w, const sim::RunSpec& 
     fmt::print(stderr, "ferry simulate: error: {}\n", result.error().message);
     return kExitBadInput;
   }
+  // simulate_one ran it: the parallelism is one.
+  const Parallelism parallelism = sim::parallelism_of(spec.fsdp).value();
   const std::string out =
-      a_.json
-          ? sim::with_fsdp_json(sim::simulate_json(result.value(), w.model, w.device), spec.fsdp,
-                                w.device)
-          : sim::simulate_text(result.value(), w.model, w.device) + fsdp_line(spec.fsdp, w.device);
+      a_.json ? sim::with_fsdp_json(sim::simulate_json(result.value(), w.model, w.device),
+                                    parallelism, w.device)
+              : sim::simulate_text(result.value(), w.model, w.device) +
+                    fsdp_line(parallelism, w.device);
   if (const int rc = write_files(run)) return rc;
   print(out);
   return result.value().hazards == 0 && !result.value().failure ? 0 : kExitFailed;

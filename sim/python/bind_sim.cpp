@@ -101,7 +101,9 @@ py::tuple simulate(const std::string& model, const std::optional<std::string>& m
     std::optional<sim::TrainingRun> kept;
     const sim::RowResult row = value_or_raise(
         sim::simulate_one(w, spec, memory_snapshot ? &kept : nullptr, memory_snapshot));
-    out = sim::with_fsdp_json(sim::simulate_json(row, w.model, w.device), spec.fsdp, w.device);
+    // simulate_one ran it: the parallelism is one.
+    out = sim::with_fsdp_json(sim::simulate_json(row, w.model, w.device),
+                              sim::parallelism_of(spec.fsdp).value(), w.device);
     if (memory_snapshot && kept) pickle = value_or_raise(sim::memory_snapshot(kept->sim));
   }
   return py::make_tuple(document(out), pickle ? py::object(py::bytes(*pickle)) : py::none());
@@ -118,14 +120,16 @@ py::object compare(const std::string& model, const std::optional<std::string>& m
     sim::adopt_model_parallelism(spec.fsdp, w.model);
     sim::adopt_model_allocator(spec.allocator, w.model);
     const auto base = value_or_raise(sim::run_options(spec, w.model, false));
-    if (auto valid = sim::validate_fsdp(base.fsdp, w.device); !valid) {
+    if (auto valid = sim::validate_parallelism(base.fsdp.parallelism, w.device, sim::kFsdpFlags);
+        !valid) {
       throw py::value_error(valid.error().message);
     }
     std::vector<sim::RowResult> rows;
     for (const auto& row : sim::default_rows(base, w.model, w.device)) {
       rows.push_back(sim::run_row(w.model, w.device, row));
     }
-    out = sim::with_fsdp_json(sim::compare_json(rows, w.model, w.device, {}), spec.fsdp, w.device);
+    out = sim::with_fsdp_json(sim::compare_json(rows, w.model, w.device, {}), base.fsdp.parallelism,
+                              w.device);
   }
   return document(out);
 }
@@ -154,14 +158,14 @@ py::dict plan(const std::string& model, const std::optional<std::string>& model_
     }
     sim::PlannerOptions options = std::move(planned).value();
     if (!asked.budget) options.budget = w.device.memory;
-    const sim::FsdpSpec& spec = adopted.fsdp;
-    if (auto valid = sim::validate_fsdp(options.fsdp, w.device); !valid) {
+    if (auto valid = sim::validate_parallelism(options.fsdp.parallelism, w.device, sim::kFsdpFlags);
+        !valid) {
       throw py::value_error(valid.error().message);
     }
     auto outcome = sim::make_plan(w.model, w.device, options, &floor);
     if (outcome) {
-      report = sim::with_fsdp_json(sim::plan_report_json(outcome.value(), w.model, w.device), spec,
-                                   w.device);
+      report = sim::with_fsdp_json(sim::plan_report_json(outcome.value(), w.model, w.device),
+                                   options.fsdp.parallelism, w.device);
       text = sim::plan_text(outcome.value(), w.model, w.device);
       plan_text = sim::plan_to_json(outcome.value().plan);
     } else {

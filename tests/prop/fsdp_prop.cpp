@@ -35,7 +35,7 @@ struct Setup {
   std::int32_t ranks = 2;
   std::int32_t nodes_per_group = 1;  // nodes = ceil(ranks / 8) * this, when it divides
   std::int32_t replicas = 1;
-  std::int32_t reshard = -1;  // -1 true, 0 false, 2 an int
+  Reshard reshard{};
   Policy policy = Policy::None;
   std::int32_t segments = 0;
   bool reentrant = false;
@@ -44,7 +44,7 @@ struct Setup {
 };
 
 void showValue(const Setup& s, std::ostream& os) {
-  os << s.ranks << " ranks, " << s.replicas << " replicas, reshard " << s.reshard << ", "
+  os << s.ranks << " ranks, " << s.replicas << " replicas, reshard " << to_string(s.reshard) << ", "
      << policy_name(s.policy) << ", segments " << s.segments << (s.reentrant ? " reentrant" : "")
      << ", order " << s.order_seed << ", device " << s.device_seed;
 }
@@ -56,8 +56,11 @@ rc::Gen<Setup> gen_setup() {
         Setup s;
         s.ranks = 1 << ranks_log2;
         s.replicas = hsdp && s.ranks >= 4 ? 2 : 1;
-        s.reshard = reshard == 1 ? 2 : reshard;
-        if (s.reshard == 2 && s.ranks / s.replicas < 2) s.reshard = -1;
+        // -1 true, 0 false, 1 an int (2), where the shard group has 2 ranks to keep it over.
+        s.reshard = reshard < 0                 ? Reshard::True()
+                    : reshard == 0              ? Reshard::False()
+                    : s.ranks / s.replicas >= 2 ? Reshard::K(2)
+                                                : Reshard::True();
         s.policy = policy;
         s.segments = segments;
         s.reentrant = reentrant;
@@ -97,9 +100,8 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
     plain.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
   TrainingOptions sharded = plain;
-  sharded.fsdp.ranks = setup.ranks;
-  sharded.fsdp.replicas = setup.replicas;
-  sharded.fsdp.reshard_after_forward = setup.reshard;
+  sharded.fsdp.parallelism = Parallelism{
+      .ranks = setup.ranks, .replicas = setup.replicas, .reshard_after_forward = setup.reshard};
   auto reference = simulate_training(model, device, plain);
   auto run = simulate_training(model, device, sharded, faults);
   RC_ASSERT(reference.ok());
@@ -180,9 +182,9 @@ void node_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   if (setup.segments >= 2) {
     options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
-  options.fsdp.ranks = std::max(setup.ranks, 8);
-  options.fsdp.replicas = setup.replicas;
-  options.fsdp.reshard_after_forward = setup.reshard;
+  options.fsdp.parallelism = Parallelism{.ranks = std::max(setup.ranks, 8),
+                                         .replicas = setup.replicas,
+                                         .reshard_after_forward = setup.reshard};
   auto one = simulate_training(model, device, options);
   auto node = simulate_node(model, device, options, node_ranks, faults);
   RC_ASSERT(one.ok());

@@ -1,7 +1,8 @@
 // FSDP2 in the simulated autograd (FsdpOptions, Note [FSDP2, one rank]): one rank's memory is
 // its shards plus what is gathered, the collectives run on their own streams beside compute,
 // with the waits FSDP2 makes the run is hazard-free and its gradients are those of the run
-// without FSDP, and each planted fault is reported.
+// without FSDP, and each planted fault is reported. Also the parallelism as the edges are given
+// it (FsdpSpec) and as JSON writes it (parallelism_json).
 
 #include <gtest/gtest.h>
 
@@ -9,8 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "ferry/sim/api/run_spec.hpp"
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
+#include "ferry/sim/io/parallelism_json.hpp"
 #include "sim_fixtures.hpp"
 #include "sim_models.hpp"
 
@@ -27,7 +30,7 @@ DeviceProfile fsdp_profile() {
 
 TrainingOptions fsdp_options(std::int32_t ranks, Policy policy = Policy::None) {
   TrainingOptions o = testing::two_steps(policy);
-  o.fsdp.ranks = ranks;
+  o.fsdp.parallelism.ranks = ranks;
   return o;
 }
 
@@ -71,12 +74,12 @@ TEST(Fsdp, GradientsAreThoseOfTheRunWithoutFsdp) {
   const Model m = testing::chain_model(5, 1 << 20);
   TrainingOptions plain = testing::two_steps(Policy::Ferry);
   const TrainingRun reference = train(m, plain);
-  for (const std::int32_t k : {-1, 0, 2}) {
+  for (const Reshard reshard : {Reshard::True(), Reshard::False(), Reshard::K(2)}) {
     TrainingOptions o = fsdp_options(4, Policy::Ferry);
-    o.fsdp.reshard_after_forward = k;
+    o.fsdp.parallelism.reshard_after_forward = reshard;
     const TrainingRun run = train(m, o);
     expect_clean(run);
-    EXPECT_EQ(run.gradient_values, reference.gradient_values) << "reshard " << k;
+    EXPECT_EQ(run.gradient_values, reference.gradient_values) << "reshard " << to_string(reshard);
   }
 }
 
@@ -123,22 +126,27 @@ TEST(Fsdp, CollectivesOverlapCompute) {
   EXPECT_TRUE(overlapped);
 }
 
-TEST(Fsdp, BadOptionsAreRefusedWithTheOptionNamed) {
+TEST(Fsdp, BadOptionsAreRefusedWithTheFieldNamed) {
   const Model m = testing::chain_model(2, 1 << 10);
   TrainingOptions o = fsdp_options(4);
-  o.fsdp.replicas = 3;
+  o.fsdp.parallelism.replicas = 3;
   auto run = simulate_training(m, fsdp_profile(), o);
   ASSERT_FALSE(run.ok());
-  EXPECT_NE(run.error().message.find("--hsdp"), std::string::npos);
+  EXPECT_EQ(run.error().message, "replicas: 3 replica groups do not divide 4 ranks");
   o = fsdp_options(4);
   auto bare = simulate_training(m, testing::simple_profile(), o);
   ASSERT_FALSE(bare.ok());
   EXPECT_NE(bare.error().message.find("collectives"), std::string::npos);
   o = fsdp_options(16);
-  o.fsdp.nodes = 1;
+  o.fsdp.parallelism.nodes = 1;
   auto crowded = simulate_training(m, fsdp_profile(), o);
   ASSERT_FALSE(crowded.ok());
-  EXPECT_NE(crowded.error().message.find("--nodes"), std::string::npos);
+  EXPECT_EQ(crowded.error().message.rfind("nodes: 16 ranks over 1 nodes", 0), 0U);
+  o = fsdp_options(4);
+  o.fsdp.parallelism.reshard_after_forward = Reshard::K(3);
+  auto uneven = simulate_training(m, fsdp_profile(), o);
+  ASSERT_FALSE(uneven.ok());
+  EXPECT_EQ(uneven.error().message.rfind("reshard_after_forward: 3 must be", 0), 0U);
 }
 
 bool reported_on(const TrainingRun& run, const std::string& stream) {
@@ -207,6 +215,69 @@ TEST(Fsdp, NodeRunsAreRefusedWithTheReason) {
   auto crowded = simulate_node(m, fsdp_profile(), fsdp_options(4), 5);
   ASSERT_FALSE(crowded.ok());
   EXPECT_NE(crowded.error().message.find("2 to 4 ranks"), std::string::npos);
+}
+
+TEST(FsdpSpec, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
+  EXPECT_EQ(parse_reshard("true").value(), Reshard::True());
+  EXPECT_EQ(parse_reshard("false").value(), Reshard::False());
+  EXPECT_EQ(parse_reshard("4").value(), Reshard::K(4));
+  for (const std::string bad : {"1", "0", "-2", "True", "4x", ""}) {
+    auto refused = parse_reshard(bad);
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_EQ(refused.error().message,
+              "--reshard-after-forward: \"" + bad +
+                  "\" is not true, false or a number of ranks (2 or more)");
+  }
+  for (const Reshard r : {Reshard::True(), Reshard::False(), Reshard::K(8)}) {
+    EXPECT_EQ(parse_reshard(to_string(r)).value(), r) << to_string(r);
+  }
+}
+
+TEST(FsdpSpec, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
+  EXPECT_EQ(parallelism_of(FsdpSpec{}).value(), Parallelism{});
+  EXPECT_EQ(
+      parallelism_of(FsdpSpec{.ranks = 16, .replicas = 2, .reshard_after_forward = "4"}).value(),
+      (Parallelism{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
+  EXPECT_EQ(parallelism_of(FsdpSpec{.ranks = 0}).error().message, "--fsdp: 0 is not in 1..1000000");
+  EXPECT_EQ(parallelism_of(FsdpSpec{.nodes = 2}).error().message,
+            "--nodes, --hsdp and --reshard-after-forward need --fsdp N");
+  // The file's section where the flags kept the defaults; the flags' own values win.
+  const Parallelism file{
+      .ranks = 8, .nodes = 1, .replicas = 2, .reshard_after_forward = Reshard::False()};
+  FsdpSpec bare;
+  adopt_parallelism(bare, file);
+  EXPECT_EQ(parallelism_of(bare).value(), file);
+  FsdpSpec given{.ranks = 16, .reshard_after_forward = "4"};
+  adopt_parallelism(given, file);
+  EXPECT_EQ(parallelism_of(given).value(),
+            (Parallelism{
+                .ranks = 16, .nodes = 1, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
+  FsdpSpec pipelined;
+  adopt_parallelism(pipelined, file, 2);
+  EXPECT_EQ(parallelism_of(pipelined).value(), Parallelism{});
+}
+
+TEST(FsdpSpec, EdgesNameTheFlagsWhereTheSimulatorNamesTheFields) {
+  const Parallelism uneven{.ranks = 4, .replicas = 3};
+  EXPECT_EQ(validate_parallelism(uneven, fsdp_profile()).error().message,
+            "replicas: 3 replica groups do not divide 4 ranks");
+  EXPECT_EQ(validate_parallelism(uneven, fsdp_profile(), kFsdpFlags).error().message,
+            "--hsdp: 3 replica groups do not divide 4 ranks");
+  const Parallelism bare{.ranks = 4};
+  EXPECT_NE(validate_parallelism(bare, testing::simple_profile(), kFsdpFlags)
+                .error()
+                .message.find("links: --fsdp 4 needs"),
+            std::string::npos);
+}
+
+TEST(ParallelismJson, TheFileSectionAndTheReportMemberAreWrittenFromOneValue) {
+  const Parallelism p{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)};
+  EXPECT_EQ(parallelism_json(p).dump(), R"({"fsdp":16,"hsdp":2,"reshard_after_forward":4})");
+  EXPECT_EQ(parallelism_json(Parallelism{.ranks = 8}).dump(), R"({"fsdp":8})");
+  EXPECT_EQ(parallelism_report_json(p, 8).dump(),
+            R"({"ranks":16,"nodes":2,"hsdp":2,"reshard_after_forward":4,"per_rank":true})");
+  EXPECT_EQ(parallelism_report_json(Parallelism{.ranks = 4}, 8).dump(),
+            R"({"ranks":4,"nodes":1,"hsdp":1,"reshard_after_forward":true,"per_rank":true})");
 }
 
 }  // namespace

@@ -687,7 +687,8 @@ TEST(ModelJson, TheParallelismSectionIsReadAndWrittenBack) {
   auto model = parse_model(text, "toy.json");
   ASSERT_TRUE(model.ok()) << model.error().message;
   EXPECT_EQ(model.value().parallelism,
-            (Parallelism{.fsdp = 16, .nodes = 2, .hsdp = 2, .reshard_after_forward = 4}));
+            (Parallelism{
+                .ranks = 16, .nodes = 2, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
   auto again = parse_model(model_to_json(model.value()), "again.json");
   ASSERT_TRUE(again.ok()) << again.error().message;
   EXPECT_EQ(again.value(), model.value());
@@ -696,12 +697,12 @@ TEST(ModelJson, TheParallelismSectionIsReadAndWrittenBack) {
                  R"("loss": "y", "parallelism": {"fsdp": 8, "reshard_after_forward": false})"),
       "toy.json");
   ASSERT_TRUE(kept.ok()) << kept.error().message;
-  EXPECT_EQ(kept.value().parallelism.reshard_after_forward, 0);
+  EXPECT_EQ(kept.value().parallelism.reshard_after_forward, Reshard::False());
   EXPECT_EQ(kept.value().parallelism.nodes, 0);
   // Without the section: one GPU, and none is written.
   auto plain = parse_model(std::string(kValidModel), "toy.json");
   ASSERT_TRUE(plain.ok());
-  EXPECT_EQ(plain.value().parallelism.fsdp, 0);
+  EXPECT_FALSE(plain.value().parallelism.on());
   EXPECT_EQ(model_to_json(plain.value()).find("parallelism"), std::string::npos);
 }
 

@@ -51,7 +51,8 @@ Plan sample_plan() {
   plan.ops[4].saved = SavedDecision::Offload;
   plan.predicted.step_time = SimTime(1000);
   plan.predicted.peak_reserved = Bytes(4096);
-  plan.parallelism = Parallelism{.fsdp = 16, .nodes = 2, .hsdp = 2, .reshard_after_forward = 0};
+  plan.parallelism = Parallelism{
+      .ranks = 16, .nodes = 2, .replicas = 2, .reshard_after_forward = Reshard::False()};
   return plan;
 }
 
@@ -238,13 +239,13 @@ TEST(Planner, UnderFsdpThePlanRecordsItsParallelismAndTwoRanksOfANodeAreChecked)
   const DeviceProfile device = profile("h100-sxm-pcie5");
   const Model model = preset("tiny-gpt", device);
   PlannerOptions options{device.memory, std::nullopt, 2};
-  options.fsdp.ranks = 16;
-  options.fsdp.reshard_after_forward = 4;
+  options.fsdp.parallelism.ranks = 16;
+  options.fsdp.parallelism.reshard_after_forward = Reshard::K(4);
   auto outcome = make_plan(model, device, options);
   ASSERT_TRUE(outcome.ok()) << outcome.error().message;
   EXPECT_EQ(outcome.value().node_ranks, 2);
   EXPECT_EQ(outcome.value().plan.parallelism,
-            (Parallelism{.fsdp = 16, .nodes = 0, .hsdp = 1, .reshard_after_forward = 4}));
+            (Parallelism{.ranks = 16, .reshard_after_forward = Reshard::K(4)}));
   auto back = parse_plan(plan_to_json(outcome.value().plan), "plan.json");
   ASSERT_TRUE(back.ok()) << back.error().message;
   EXPECT_EQ(back.value().parallelism, outcome.value().plan.parallelism);
@@ -252,7 +253,7 @@ TEST(Planner, UnderFsdpThePlanRecordsItsParallelismAndTwoRanksOfANodeAreChecked)
   auto single = make_plan(model, device, PlannerOptions{device.memory, std::nullopt, 2});
   ASSERT_TRUE(single.ok());
   EXPECT_EQ(single.value().node_ranks, 0);
-  EXPECT_EQ(single.value().plan.parallelism.fsdp, 0);
+  EXPECT_FALSE(single.value().plan.parallelism.on());
   EXPECT_EQ(plan_to_json(single.value().plan).find("parallelism"), std::string::npos);
 }
 

@@ -1,16 +1,69 @@
 #pragma once
-/// How a step trains across GPUs: FSDP2 (`fully_shard` on every layer and the root), as a model
-/// file's or a plan file's "parallelism" section records it (docs/fsdp.md).
+/// How a step trains across GPUs: FSDP2 (`fully_shard` on every layer and the root) over data-
+/// parallel ranks, as the simulator runs it and a model or plan file's "parallelism" section
+/// records it (docs/fsdp.md). The one value for it: the command line, Python and the files turn
+/// what they are given into a Parallelism, and every layer below takes it as it is.
 
 #include <cstdint>
+#include <string>
 
 namespace ferry {
 
+/// FSDP2's `reshard_after_forward`: what a layer keeps of its parameters from its forward to its
+/// backward. True: reshard them to the shard group, so backward all-gathers them again; False:
+/// keep them unsharded; K: keep a 1/K shard, which backward all-gathers over K ranks (torch's
+/// int, 2 or more).
+class Reshard {
+ public:
+  enum class Kind : std::uint8_t { True, False, K };
+
+  constexpr Reshard() = default;  ///< True, torch's default
+  [[nodiscard]] static constexpr Reshard True() { return Reshard(Kind::True, 0); }
+  [[nodiscard]] static constexpr Reshard False() { return Reshard(Kind::False, 0); }
+  /// A 1/`ranks` shard. Any `ranks` can be held; validate_parallelism (sim) refuses one below 2
+  /// or one that does not divide the shard group.
+  [[nodiscard]] static constexpr Reshard K(std::int32_t ranks) { return Reshard(Kind::K, ranks); }
+
+  [[nodiscard]] constexpr Kind kind() const { return kind_; }
+  /// K: the ranks a kept shard spans; 0 for True and False.
+  [[nodiscard]] constexpr std::int32_t ranks() const { return ranks_; }
+
+  friend constexpr bool operator==(Reshard, Reshard) = default;
+
+ private:
+  constexpr Reshard(Kind kind, std::int32_t ranks) : kind_(kind), ranks_(ranks) {}
+
+  Kind kind_ = Kind::True;
+  std::int32_t ranks_ = 0;
+};
+
+/// `r` as `--reshard-after-forward` takes it and reports print it: "true", "false" or K.
+[[nodiscard]] inline std::string to_string(Reshard r) {
+  switch (r.kind()) {
+    case Reshard::Kind::True:
+      return "true";
+    case Reshard::Kind::False:
+      return "false";
+    case Reshard::Kind::K:
+      break;
+  }
+  return std::to_string(r.ranks());
+}
+
+/// FSDP2 (or HSDP) over `ranks` symmetric ranks; ranks == 0: no FSDP, one GPU holds the model.
 struct Parallelism {
-  std::int32_t fsdp = 0;                    ///< ranks; 0: one GPU
-  std::int32_t nodes = 0;                   ///< 0: as few as the device's gpus_per_node allow
-  std::int32_t hsdp = 1;                    ///< replica groups
-  std::int32_t reshard_after_forward = -1;  ///< -1 true, 0 false, K: keep a 1/K shard
+  std::int32_t ranks = 0;     ///< data-parallel ranks in all (replicas x shard group); 0: one GPU
+  std::int32_t nodes = 0;     ///< nodes they span; 0: as few as the device's gpus_per_node allow
+  std::int32_t replicas = 1;  ///< HSDP replica groups; parameters shard over ranks / replicas
+  Reshard reshard_after_forward{};
+
+  [[nodiscard]] constexpr bool on() const { return ranks > 0; }
+  /// The ranks one parameter is sharded over.
+  [[nodiscard]] constexpr std::int32_t shard_group() const { return ranks / replicas; }
+  /// The nodes the ranks span on a device with `gpus_per_node` GPUs a node.
+  [[nodiscard]] constexpr std::int32_t node_count(std::int32_t gpus_per_node) const {
+    return nodes > 0 ? nodes : (ranks + gpus_per_node - 1) / gpus_per_node;
+  }
 
   friend bool operator==(const Parallelism&, const Parallelism&) = default;
 };

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
+#include "ferry/sim/io/parallelism_json.hpp"
 #include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/horizon.hpp"
 #include "ferry/units.hpp"
@@ -47,35 +48,35 @@ void adopt_model_allocator(std::optional<std::string>& allocator, const Model& m
   if (!allocator && !model.allocator.empty()) allocator = model.allocator;
 }
 
-Result<FsdpOptions> fsdp_options(const FsdpSpec& spec) {
+Result<Reshard> parse_reshard(std::string_view text) {
+  if (text == "true") return Reshard::True();
+  if (text == "false") return Reshard::False();
+  std::int32_t k = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), k);
+  if (ec != std::errc() || end != text.data() + text.size() || k < 2) {
+    return Error{fmt::format(
+        "--reshard-after-forward: \"{}\" is not true, false or a number of ranks (2 or more)",
+        text)};
+  }
+  return Reshard::K(k);
+}
+
+Result<Parallelism> parallelism_of(const FsdpSpec& spec) {
   for (const Status& bounded : {in_bounds("--fsdp", spec.ranks, 1, 1'000'000),
                                 in_bounds("--nodes", spec.nodes, 1, 1'000'000),
                                 in_bounds("--hsdp", spec.replicas, 1, 1'000'000)}) {
     if (!bounded) return bounded.error();
   }
-  FsdpOptions f;
-  f.ranks = spec.ranks.value_or(0);
-  f.nodes = spec.nodes.value_or(0);
-  f.replicas = spec.replicas;
-  const std::string& r = spec.reshard_after_forward;
-  if (r == "true") {
-    f.reshard_after_forward = -1;
-  } else if (r == "false") {
-    f.reshard_after_forward = 0;
-  } else {
-    std::int32_t k = 0;
-    const auto [end, ec] = std::from_chars(r.data(), r.data() + r.size(), k);
-    if (ec != std::errc() || end != r.data() + r.size() || k < 2) {
-      return Error{fmt::format(
-          "--reshard-after-forward: \"{}\" is not true, false or a number of ranks (2 or more)",
-          r)};
-    }
-    f.reshard_after_forward = k;
-  }
-  if (!f.on() && (spec.nodes || spec.replicas != 1 || r != "true")) {
+  auto reshard = parse_reshard(spec.reshard_after_forward);
+  if (!reshard) return reshard.error();
+  const Parallelism p{.ranks = spec.ranks.value_or(0),
+                      .nodes = spec.nodes.value_or(0),
+                      .replicas = spec.replicas,
+                      .reshard_after_forward = reshard.value()};
+  if (!p.on() && (spec.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True())) {
     return Error{"--nodes, --hsdp and --reshard-after-forward need --fsdp N"};
   }
-  return f;
+  return p;
 }
 
 void adopt_model_parallelism(FsdpSpec& spec, const Model& model, std::int32_t devices) {
@@ -83,32 +84,20 @@ void adopt_model_parallelism(FsdpSpec& spec, const Model& model, std::int32_t de
 }
 
 void adopt_parallelism(FsdpSpec& spec, const Parallelism& p, std::int32_t devices) {
-  if (p.fsdp == 0 || devices > 1) return;
-  if (!spec.ranks) spec.ranks = p.fsdp;
+  if (!p.on() || devices > 1) return;
+  if (!spec.ranks) spec.ranks = p.ranks;
   if (!spec.nodes && p.nodes > 0) spec.nodes = p.nodes;
-  if (spec.replicas == 1) spec.replicas = p.hsdp;
-  if (spec.reshard_after_forward == "true" && p.reshard_after_forward >= 0) {
-    spec.reshard_after_forward =
-        p.reshard_after_forward == 0 ? "false" : std::to_string(p.reshard_after_forward);
+  if (spec.replicas == 1) spec.replicas = p.replicas;
+  if (spec.reshard_after_forward == "true") {
+    spec.reshard_after_forward = to_string(p.reshard_after_forward);
   }
 }
 
-std::string with_fsdp_json(std::string document, const FsdpSpec& spec,
+std::string with_fsdp_json(std::string document, const Parallelism& p,
                            const DeviceProfile& device) {
-  const auto fsdp = fsdp_options(spec);
-  if (!fsdp || !fsdp.value().on()) return document;
-  const FsdpOptions& f = fsdp.value();
+  if (!p.on()) return document;
   nlohmann::ordered_json j = nlohmann::ordered_json::parse(document);
-  nlohmann::ordered_json section;
-  section["ranks"] = f.ranks;
-  section["nodes"] = f.node_count(device.collectives.gpus_per_node);
-  section["hsdp"] = f.replicas;
-  section["reshard_after_forward"] = f.reshard_after_forward < 0 ? nlohmann::ordered_json(true)
-                                     : f.reshard_after_forward == 0
-                                         ? nlohmann::ordered_json(false)
-                                         : nlohmann::ordered_json(f.reshard_after_forward);
-  section["per_rank"] = true;
-  j["fsdp"] = std::move(section);
+  j["fsdp"] = parallelism_report_json(p, device.collectives.gpus_per_node);
   return j.dump(2) + "\n";
 }
 
@@ -123,8 +112,7 @@ Status validate(const RunSpec& spec) {
        }) {
     if (!bounded) return bounded;
   }
-  auto fsdp = fsdp_options(spec.fsdp);
-  if (!fsdp) return fsdp.error();
+  if (auto fsdp = parallelism_of(spec.fsdp); !fsdp) return fsdp.error();
   if (auto mode = allocator_mode(spec.allocator); !mode) return mode.error();
   return Ok{};
 }
@@ -152,9 +140,9 @@ Result<TrainingOptions> run_options(const RunSpec& spec, const Model& model, boo
   auto side = parse_side_streams(spec.side_streams);
   if (!side) return Error{fmt::format("--side-streams: {}", side.error().message)};
   o.side = std::move(side).value();
-  auto fsdp = fsdp_options(spec.fsdp);
+  auto fsdp = parallelism_of(spec.fsdp);
   if (!fsdp) return fsdp.error();
-  o.fsdp = fsdp.value();
+  o.fsdp.parallelism = fsdp.value();
   if (spec.horizon == "none") {
     o.offload.horizon_bytes = Bytes(std::numeric_limits<std::int64_t>::max());
   } else if (spec.horizon != "auto") {
@@ -179,9 +167,9 @@ Result<PlannerOptions> planner_options(const PlanSpec& spec) {
   }
   if (auto steps = in_bounds("--steps", spec.steps, 1, 100); !steps) return steps.error();
   options.steps = spec.steps;
-  auto fsdp = fsdp_options(spec.fsdp);
+  auto fsdp = parallelism_of(spec.fsdp);
   if (!fsdp) return fsdp.error();
-  options.fsdp = fsdp.value();
+  options.fsdp.parallelism = fsdp.value();
   auto mode = allocator_mode(spec.allocator);
   if (!mode) return mode.error();
   options.allocator = mode.value();
@@ -232,7 +220,9 @@ Result<RowResult> simulate_one(const Workload& workload, const RunSpec& spec,
   if (!options) return options.error();
   const auto policy = parse_policy(spec.policy);
   if (!policy) return Error{fmt::format("unknown policy \"{}\" ({})", spec.policy, kPolicyNames)};
-  if (auto valid = validate_fsdp(options.value().fsdp, workload.device); !valid) {
+  if (auto valid =
+          validate_parallelism(options.value().fsdp.parallelism, workload.device, kFsdpFlags);
+      !valid) {
     return valid.error();
   }
   PolicyRow row{spec.policy, std::move(options).value()};

@@ -7,48 +7,49 @@
 
 namespace ferry::sim {
 
-Status validate_fsdp(const FsdpOptions& fsdp, const DeviceProfile& device) {
-  if (!fsdp.on()) return Ok{};
+Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
+                            const ParallelismNames& names) {
+  if (!p.on()) return Ok{};
   const CollectiveLinks& links = device.collectives;
-  if (fsdp.ranks < 1 || fsdp.ranks > 1'000'000) {
-    return Error{fmt::format("--fsdp: {} ranks (use 1 to 1000000)", fsdp.ranks)};
+  if (p.ranks < 1 || p.ranks > 1'000'000) {
+    return Error{fmt::format("{}: {} ranks (use 1 to 1000000)", names.ranks, p.ranks)};
   }
-  if (fsdp.replicas < 1 || fsdp.ranks % fsdp.replicas != 0) {
-    return Error{
-        fmt::format("--hsdp: {} replica groups do not divide {} ranks", fsdp.replicas, fsdp.ranks)};
+  if (p.replicas < 1 || p.ranks % p.replicas != 0) {
+    return Error{fmt::format("{}: {} replica groups do not divide {} ranks", names.replicas,
+                             p.replicas, p.ranks)};
   }
-  const std::int32_t nodes = fsdp.node_count(links.gpus_per_node);
-  if (nodes < 1 || fsdp.ranks % nodes != 0 || fsdp.ranks / nodes > links.gpus_per_node) {
+  const std::int32_t nodes = p.node_count(links.gpus_per_node);
+  if (nodes < 1 || p.ranks % nodes != 0 || p.ranks / nodes > links.gpus_per_node) {
     return Error{fmt::format(
-        "--nodes: {} ranks over {} nodes of {} GPUs (device {}): the nodes must hold the ranks "
+        "{}: {} ranks over {} nodes of {} GPUs (device {}): the nodes must hold the ranks "
         "evenly",
-        fsdp.ranks, nodes, links.gpus_per_node, device.name)};
+        names.nodes, p.ranks, nodes, links.gpus_per_node, device.name)};
   }
-  const std::int32_t k = fsdp.reshard_after_forward;
-  if (k < -1 || k == 1 || (k >= 2 && fsdp.shard_group() % k != 0)) {
+  const Reshard reshard = p.reshard_after_forward;
+  if (reshard.kind() == Reshard::Kind::K &&
+      (reshard.ranks() < 2 || p.shard_group() % reshard.ranks() != 0)) {
     return Error{fmt::format(
-        "--reshard-after-forward: {} must be true, false or a number of ranks that divides the "
-        "shard group ({})",
-        k, fsdp.shard_group())};
+        "{}: {} must be true, false or a number of ranks that divides the shard group ({})",
+        names.reshard_after_forward, reshard.ranks(), p.shard_group())};
   }
-  if (fsdp.ranks > 1 && !links.intra_node.known()) {
+  if (p.ranks > 1 && !links.intra_node.known()) {
     return Error{fmt::format(
-        "device {} has no \"collectives\" links: --fsdp {} needs the intra-node (and, across "
+        "device {} has no \"collectives\" links: {} {} needs the intra-node (and, across "
         "nodes, the inter-node) bandwidth (docs/devices.md)",
-        device.name, fsdp.ranks)};
+        device.name, names.ranks, p.ranks)};
   }
   if (nodes > 1 && !links.inter_node.known()) {
-    return Error{fmt::format("device {} has no inter-node link: --fsdp {} spans {} nodes",
-                             device.name, fsdp.ranks, nodes)};
+    return Error{fmt::format("device {} has no inter-node link: {} {} spans {} nodes", device.name,
+                             names.ranks, p.ranks, nodes)};
   }
   return Ok{};
 }
 
-DeviceProfile rank_profile(DeviceProfile profile, const FsdpOptions& fsdp) {
-  if (!fsdp.on()) return profile;
+DeviceProfile rank_profile(DeviceProfile profile, const Parallelism& p) {
+  if (!p.on()) return profile;
   // The node's pinned host memory is shared by its ranks: each gets an even part.
-  const std::int32_t nodes = fsdp.node_count(profile.collectives.gpus_per_node);
-  const std::int32_t per_node = std::max(1, fsdp.ranks / std::max(1, nodes));
+  const std::int32_t nodes = p.node_count(profile.collectives.gpus_per_node);
+  const std::int32_t per_node = std::max(1, p.ranks / std::max(1, nodes));
   profile.pinned_host_capacity = Bytes(profile.pinned_host_capacity.count() / per_node);
   return profile;
 }
@@ -117,6 +118,7 @@ Fsdp2::Fsdp2(const Model& model, const Graph& graph, const TrainingOptions& opti
       graph_(graph),
       options_(options),
       fsdp_(options.fsdp),
+      parallelism_(options.fsdp.parallelism),
       faults_(faults),
       rank_(rank),
       sim_(rank.sim()),
@@ -124,7 +126,7 @@ Fsdp2::Fsdp2(const Model& model, const Graph& graph, const TrainingOptions& opti
       device_(rank.device()) {}
 
 Status Fsdp2::validate() const {
-  if (auto valid = validate_fsdp(fsdp_, sim_.device_profile(dev_)); !valid) {
+  if (auto valid = validate_parallelism(parallelism_, sim_.device_profile(dev_)); !valid) {
     return valid.error();
   }
   if (options_.side.all_reduce) {
@@ -176,13 +178,12 @@ void Fsdp2::bind_unit(std::size_t u, Device::Buffer buffer) {
 }
 
 void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
-  const FsdpOptions& f = fsdp_;
   const CollectiveLinks& links = sim_.device_profile(dev_).collectives;
-  ranks_per_node_ = f.ranks / f.node_count(links.gpus_per_node);
+  ranks_per_node_ = parallelism_.ranks / parallelism_.node_count(links.gpus_per_node);
   copy_in_ = sim_.add_stream(dev_, "all_gather_copy_in");
   all_gather_ = sim_.add_stream(dev_, "all_gather");
   reduce_scatter_ = sim_.add_stream(dev_, "reduce_scatter");
-  if (f.replicas > 1) all_reduce_ = sim_.add_stream(dev_, "all_reduce");
+  if (parallelism_.replicas > 1) all_reduce_ = sim_.add_stream(dev_, "all_reduce");
   // A parameter belongs to the layer whose ops read it, or to the root when read outside the
   // layers or by several (a tied embedding).
   std::map<std::uint32_t, std::int32_t> owner;
@@ -207,8 +208,9 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
     unit.params.push_back(t);
     unit.offsets.push_back(unit.bytes);
     unit.bytes += tensor.bytes;
-    unit.master += f.mixed_precision ? Bytes(tensor.bytes.count() / dtype_size(tensor.dtype) * 4)
-                                     : tensor.bytes;
+    unit.master += fsdp_.mixed_precision
+                       ? Bytes(tensor.bytes.count() / dtype_size(tensor.dtype) * 4)
+                       : tensor.bytes;
   }
   for (std::int32_t i = 0; i < static_cast<std::int32_t>(model_.ops.size()); ++i) {
     FsdpUnit& unit = units_[unit_of_op(static_cast<std::uint32_t>(i))];
@@ -218,7 +220,7 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
   }
   for (std::size_t u = 0; u < units_.size(); ++u) {
     FsdpUnit& unit = units_[u];
-    const Bytes shard = std::max(Bytes(1), ceil_div(unit.master, f.shard_group()));
+    const Bytes shard = std::max(Bytes(1), ceil_div(unit.master, parallelism_.shard_group()));
     unit.shard = rank_.allocate_on(current(), shard, fmt::format("unit {} shard", unit.layer));
     writes.push_back(Region{unit.shard.id, Bytes(0), shard});
     values.push_back(mix_content(kShardSalt, u));
@@ -230,7 +232,7 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
 void Fsdp2::unshard(std::size_t u) {
   FsdpUnit& unit = units_[u];
   if (unit.unsharded || unit.gathering || unit.params.empty()) return;
-  std::int32_t group = fsdp_.shard_group();
+  std::int32_t group = parallelism_.shard_group();
   if (group == 1) {
     // A shard group of one rank: FSDP2 gathers nothing. It records an event on the current
     // stream, and wait_for_unshard copies the shard (cast) into the unsharded parameters.
@@ -243,7 +245,7 @@ void Fsdp2::unshard(std::size_t u) {
   Region source{unit.shard.id, Bytes(0), ceil_div(unit.master, group)};
   if (unit.post_forward) {
     // Resharded to k ranks after forward: gather from that shard over them.
-    group = fsdp_.reshard_after_forward;
+    group = parallelism_.reshard_after_forward.ranks();
     source = Region{unit.post_forward->id, Bytes(0), ceil_div(unit.bytes, group)};
     device_.wait(Device::Stream{copy_in_}, *unit.post_forward_event);
     device_.wait(Device::Stream{all_gather_}, *unit.post_forward_event);
@@ -311,9 +313,12 @@ void Fsdp2::wait_for_unshard(std::size_t u, bool forward) {
 void Fsdp2::reshard(std::size_t u, bool after_forward) {
   FsdpUnit& unit = units_[u];
   if (!unit.unsharded) return;
-  const std::int32_t k = fsdp_.reshard_after_forward;
-  if (after_forward && (unit.layer < 0 || k == 0)) return;  // the root stays unsharded
-  if (after_forward && k >= 2) {
+  const Reshard reshard = parallelism_.reshard_after_forward;
+  if (after_forward && (unit.layer < 0 || reshard == Reshard::False())) {
+    return;  // the root stays unsharded
+  }
+  if (after_forward && reshard.kind() == Reshard::Kind::K) {
+    const std::int32_t k = reshard.ranks();
     const Bytes part = ceil_div(unit.bytes, k);
     unit.post_forward =
         rank_.allocate_on(current(), part, fmt::format("unit {} post-forward shard", unit.layer));
@@ -332,7 +337,6 @@ void Fsdp2::reshard(std::size_t u, bool after_forward) {
 
 void Fsdp2::reduce_gradients(std::size_t u) {
   FsdpUnit& unit = units_[u];
-  const FsdpOptions& f = fsdp_;
   std::vector<Region> grads;
   std::vector<Device::Buffer> held;
   for (const std::uint32_t p : unit.params) {
@@ -350,13 +354,13 @@ void Fsdp2::reduce_gradients(std::size_t u) {
     prev_rs_input_.reset();
   }
   const std::string name = fmt::format("unit {} reduce-scatter", unit.layer);
-  const Bytes input_bytes = f.mixed_precision ? unit.master : unit.bytes;
+  const Bytes input_bytes = fsdp_.mixed_precision ? unit.master : unit.bytes;
   const Device::Buffer input = rank_.allocate_on(current(), input_bytes, name + " input");
   sim_.kernel(current(), memory_time(unit.bytes + input_bytes), grads,
               std::vector<Region>{Region{input.id, Bytes(0), input_bytes}}, name + " copy-in");
   for (const Device::Buffer& g : held) device_.drop(g);
   if (!faults_.skip_reduce_scatter_wait) comm_wait(reduce_scatter_, current());
-  const std::int32_t group = f.shard_group();
+  const std::int32_t group = parallelism_.shard_group();
   const Bytes out_bytes = ceil_div(input_bytes, group);
   const Device::Buffer out =
       rank_.allocate_on(reduce_scatter_, out_bytes, fmt::format("unit {} grad shard", unit.layer));
@@ -383,11 +387,12 @@ void Fsdp2::reduce_gradients(std::size_t u) {
     unit.sharded_grad = out;
   }
   StreamId last = reduce_scatter_;
-  if (f.replicas > 1) {
+  if (parallelism_.replicas > 1) {
     comm_wait(all_reduce_, reduce_scatter_);
     const Region shard{unit.sharded_grad->id, Bytes(0), out_bytes};
-    sim_.collective(all_reduce_, ring_time(out_bytes, f.replicas, 2), std::vector<Region>{shard},
-                    std::vector<Region>{shard}, fmt::format("unit {} all-reduce", unit.layer));
+    sim_.collective(all_reduce_, ring_time(out_bytes, parallelism_.replicas, 2),
+                    std::vector<Region>{shard}, std::vector<Region>{shard},
+                    fmt::format("unit {} all-reduce", unit.layer));
     last = all_reduce_;
   }
   last_reduce_ = device_.make_event();

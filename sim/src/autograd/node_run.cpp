@@ -76,10 +76,10 @@ Result<NodeRun> simulate_node(const Model& model, const DeviceProfile& device,
                               const TrainingOptions& options, std::int32_t ranks,
                               const TrainingFaults& faults) {
   if (auto valid = validate_model(model); !valid) return valid.error();
-  if (auto valid = validate_fsdp(options.fsdp, device); !valid) return valid.error();
-  if (!options.fsdp.on()) return Error{"a node run trains FSDP ranks: set fsdp.ranks"};
-  const FsdpOptions& f = options.fsdp;
-  const std::int32_t per_node = f.ranks / f.node_count(device.collectives.gpus_per_node);
+  const Parallelism& p = options.fsdp.parallelism;
+  if (auto valid = validate_parallelism(p, device); !valid) return valid.error();
+  if (!p.on()) return Error{"a node run trains FSDP ranks: set fsdp.parallelism.ranks"};
+  const std::int32_t per_node = p.ranks / p.node_count(device.collectives.gpus_per_node);
   if (ranks < 2 || ranks > per_node) {
     return Error{fmt::format("a node run needs 2 to {} ranks (the ranks per node), not {}",
                              per_node, ranks)};
@@ -88,7 +88,7 @@ Result<NodeRun> simulate_node(const Model& model, const DeviceProfile& device,
   sim_options.process_per_device = true;
   std::vector<DeviceSpec> specs;
   for (std::int32_t r = 0; r < ranks; ++r) {
-    specs.push_back(DeviceSpec{fmt::format("rank{}", r), rank_profile(device, f)});
+    specs.push_back(DeviceSpec{fmt::format("rank{}", r), rank_profile(device, p)});
   }
   SimFaults sim_faults;
   sim_faults.shared_pinned_pool = faults.shared_pinned_pool;

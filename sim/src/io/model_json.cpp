@@ -279,7 +279,7 @@ std::string model_to_json(const Model& model) {
   for (const ModelOp& op : model.ops) ops.push_back(op_json(model, op));
   out["ops"] = std::move(ops);
   out["loss"] = tensor_name(model, model.loss);
-  if (model.parallelism.fsdp > 0) out["parallelism"] = parallelism_json(model.parallelism);
+  if (model.parallelism.on()) out["parallelism"] = parallelism_json(model.parallelism);
   if (!model.allocator.empty()) out["allocator"] = model.allocator;
   return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
 }

@@ -1,6 +1,22 @@
 #include "ferry/sim/io/parallelism_json.hpp"
 
 namespace ferry::sim {
+namespace {
+
+// torch's value: a bool, or the int K.
+nlohmann::ordered_json reshard_json(Reshard r) {
+  switch (r.kind()) {
+    case Reshard::Kind::True:
+      return true;
+    case Reshard::Kind::False:
+      return false;
+    case Reshard::Kind::K:
+      break;
+  }
+  return r.ranks();
+}
+
+}  // namespace
 
 Result<Parallelism> read_parallelism(const JsonValue& value) {
   constexpr std::int64_t kMost = 1 << 20;
@@ -10,15 +26,15 @@ Result<Parallelism> read_parallelism(const JsonValue& value) {
   FERRY_JSON_TRY(const auto ranks, object.required_integer("fsdp", 1, kMost));
   FERRY_JSON_TRY(const auto nodes, object.optional_integer("nodes", 0, 1, kMost));
   FERRY_JSON_TRY(const auto hsdp, object.optional_integer("hsdp", 1, 1, kMost));
-  p.fsdp = static_cast<std::int32_t>(ranks);
+  p.ranks = static_cast<std::int32_t>(ranks);
   p.nodes = static_cast<std::int32_t>(nodes);
-  p.hsdp = static_cast<std::int32_t>(hsdp);
+  p.replicas = static_cast<std::int32_t>(hsdp);
   if (auto reshard = object.optional("reshard_after_forward")) {
     if (reshard->json().is_boolean()) {
-      p.reshard_after_forward = reshard->json().get<bool>() ? -1 : 0;
+      p.reshard_after_forward = reshard->json().get<bool>() ? Reshard::True() : Reshard::False();
     } else {
       FERRY_JSON_TRY(const auto k, reshard->integer(2, kMost));
-      p.reshard_after_forward = static_cast<std::int32_t>(k);
+      p.reshard_after_forward = Reshard::K(static_cast<std::int32_t>(k));
     }
   }
   return p;
@@ -26,14 +42,22 @@ Result<Parallelism> read_parallelism(const JsonValue& value) {
 
 nlohmann::ordered_json parallelism_json(const Parallelism& p) {
   nlohmann::ordered_json j;
-  j["fsdp"] = p.fsdp;
+  j["fsdp"] = p.ranks;
   if (p.nodes > 0) j["nodes"] = p.nodes;
-  if (p.hsdp > 1) j["hsdp"] = p.hsdp;
-  if (p.reshard_after_forward >= 0) {
-    j["reshard_after_forward"] = p.reshard_after_forward == 0
-                                     ? nlohmann::ordered_json(false)
-                                     : nlohmann::ordered_json(p.reshard_after_forward);
+  if (p.replicas > 1) j["hsdp"] = p.replicas;
+  if (p.reshard_after_forward != Reshard::True()) {
+    j["reshard_after_forward"] = reshard_json(p.reshard_after_forward);
   }
+  return j;
+}
+
+nlohmann::ordered_json parallelism_report_json(const Parallelism& p, std::int32_t gpus_per_node) {
+  nlohmann::ordered_json j;
+  j["ranks"] = p.ranks;
+  j["nodes"] = p.node_count(gpus_per_node);
+  j["hsdp"] = p.replicas;
+  j["reshard_after_forward"] = reshard_json(p.reshard_after_forward);
+  j["per_rank"] = true;
   return j;
 }
 

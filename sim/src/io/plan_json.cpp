@@ -66,7 +66,7 @@ std::string plan_to_json(const Plan& plan) {
                 {"prefetch_bytes", plan.knobs.prefetch_bytes.count()},
                 {"prefetch", plan.knobs.prefetch}};
   if (plan.knobs.horizon_bytes) j["knobs"]["horizon_bytes"] = plan.knobs.horizon_bytes->count();
-  if (plan.parallelism.fsdp > 0) j["parallelism"] = parallelism_json(plan.parallelism);
+  if (plan.parallelism.on()) j["parallelism"] = parallelism_json(plan.parallelism);
   // Regions and ops one per line: a plan of a large model stays readable and diffable.
   std::string regions;
   for (const PlanRegion& r : plan.regions) {

@@ -100,9 +100,9 @@ class SimulatedCost final : public CostModel {
   /// Ranks of a node the checked runs also train side by side (Note [Node run]): 2 under FSDP
   /// with two or more ranks per node, else 0.
   [[nodiscard]] std::int32_t node_ranks() const {
-    const FsdpOptions& f = base_.fsdp;
-    if (!f.on()) return 0;
-    return f.ranks / f.node_count(device_.collectives.gpus_per_node) >= 2 ? 2 : 0;
+    const Parallelism& p = base_.fsdp.parallelism;
+    if (!p.on()) return 0;
+    return p.ranks / p.node_count(device_.collectives.gpus_per_node) >= 2 ? 2 : 0;
   }
 
   /// Two ranks of a node running `options` side by side, each offloading into its part of the
@@ -353,7 +353,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   if (options.host_budget) {
     DeviceProfile node = p.device;
     node.pinned_host_capacity = *options.host_budget;
-    options.host_budget = rank_profile(node, p.fsdp).pinned_host_capacity;
+    options.host_budget = rank_profile(node, p.fsdp.parallelism).pinned_host_capacity;
   }
   // The search, the checked runs and the lower bound see the budget less the margin.
   const Bytes asked = options.budget;
@@ -377,12 +377,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
     outcome.planned_budget = options.budget;
     outcome.margin_permille = options.margin_permille;
     outcome.node_ranks = p.cost.node_ranks();
-    if (p.fsdp.on()) {
-      outcome.plan.parallelism = Parallelism{.fsdp = p.fsdp.ranks,
-                                             .nodes = p.fsdp.nodes,
-                                             .hsdp = p.fsdp.replicas,
-                                             .reshard_after_forward = p.fsdp.reshard_after_forward};
-    }
+    if (p.fsdp.on()) outcome.plan.parallelism = p.fsdp.parallelism;
     outcome.simulations = p.cost.runs() - simulations_before;
     outcome.reused = p.cost.reused() - reused_before;
     return outcome;

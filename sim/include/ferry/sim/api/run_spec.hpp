@@ -29,18 +29,28 @@ inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
 // prints it after "ferry simulate: error: " and exits 2, Python raises it as a ValueError.
 // The command line parses types only, so the two edges cannot refuse different values.
 
-/// FSDP2 as the command line writes it (`--fsdp N --nodes M --hsdp R
-/// --reshard-after-forward true|false|K`); no ranks: no FSDP.
+/// FSDP2 as an edge is given it, unchecked: the command line's `--fsdp N --nodes M --hsdp R
+/// --reshard-after-forward true|false|K`, Python's fsdp, nodes, hsdp and reshard_after_forward.
+/// Not a parallelism yet: parallelism_of checks it and gives the Parallelism it asks for.
 struct FsdpSpec {
-  std::optional<std::int32_t> ranks;  ///< 1..1000000 when given
-  std::optional<std::int32_t> nodes;  ///< none: as few as the device's gpus_per_node allow
+  std::optional<std::int32_t> ranks{};  ///< 1..1000000 when given; none: no FSDP
+  std::optional<std::int32_t> nodes{};  ///< none: as few as the device's gpus_per_node allow
   std::int32_t replicas = 1;
-  std::string reshard_after_forward = "true";
+  std::string reshard_after_forward = "true";  ///< as parse_reshard reads it
 };
 
-/// The FSDP options `spec` asks for, its numbers checked (Note [One check for both edges]);
-/// errors name the option.
-Result<FsdpOptions> fsdp_options(const FsdpSpec& spec);
+/// The flags' names, as validate_parallelism's errors at the edges name the fields.
+inline constexpr ParallelismNames kFsdpFlags{.ranks = "--fsdp",
+                                             .nodes = "--nodes",
+                                             .replicas = "--hsdp",
+                                             .reshard_after_forward = "--reshard-after-forward"};
+
+/// `--reshard-after-forward`'s text: true, false or K (2 or more); the error names the option.
+Result<Reshard> parse_reshard(std::string_view text);
+
+/// The parallelism `spec` asks for, its numbers checked (Note [One check for both edges]);
+/// errors name the option. Not against a device: validate_parallelism with kFsdpFlags does that.
+Result<Parallelism> parallelism_of(const FsdpSpec& spec);
 
 /// Fills what the command line left unsaid from a file's parallelism section: its ranks when
 /// --fsdp is absent (and no pipeline runs over `devices` > 1), then its nodes, HSDP groups and
@@ -49,9 +59,9 @@ void adopt_parallelism(FsdpSpec& spec, const Parallelism& file, std::int32_t dev
 /// adopt_parallelism with the model file's section.
 void adopt_model_parallelism(FsdpSpec& spec, const Model& model, std::int32_t devices = 1);
 
-/// A report's JSON `document` with an "fsdp" member when `spec` shards: ranks, nodes, HSDP
-/// groups, resharding, and "per_rank": true (every figure is one rank's). Unchanged otherwise.
-[[nodiscard]] std::string with_fsdp_json(std::string document, const FsdpSpec& spec,
+/// A report's JSON `document` with an "fsdp" member when `p` shards (parallelism_report_json).
+/// Unchanged otherwise.
+[[nodiscard]] std::string with_fsdp_json(std::string document, const Parallelism& p,
                                          const DeviceProfile& device);
 
 struct RunSpec {

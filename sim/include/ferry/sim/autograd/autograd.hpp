@@ -7,12 +7,14 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "ferry/failure.hpp"
 #include "ferry/offload/faults.hpp"
 #include "ferry/offload/options.hpp"
+#include "ferry/parallelism.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
 #include "ferry/sim/engine/simulator.hpp"
@@ -39,32 +41,33 @@ struct SideStreamOptions {
   [[nodiscard]] bool any() const { return !layers.empty() || recompute || all_reduce; }
 };
 
-/// FSDP2 (`fully_shard` on each transformer layer and on the root module), as one of `ranks`
-/// symmetric ranks runs it (Note [FSDP2, one rank] in fsdp.cpp). ranks == 0: no FSDP,
-/// the whole model on the device.
+/// FSDP2 (`fully_shard` on each transformer layer and on the root module), as one of
+/// `parallelism.ranks` symmetric ranks runs it (Note [FSDP2, one rank] in fsdp.cpp). Parallelism
+/// off: no FSDP, the whole model on the device.
 struct FsdpOptions {
-  std::int32_t ranks = 0;     ///< data-parallel ranks in all (replicas x shard group)
-  std::int32_t nodes = 0;     ///< nodes they span; 0: as few as the profile's gpus_per_node allow
-  std::int32_t replicas = 1;  ///< HSDP: replica groups; parameters shard over ranks / replicas
-  /// After a layer's forward: -1 reshard to the shard group (FSDP2's True), 0 keep unsharded
-  /// (False), k >= 2 keep a 1/k shard and all-gather over k ranks in backward (an int).
-  std::int32_t reshard_after_forward = -1;
+  Parallelism parallelism{};
   /// MixedPrecisionPolicy(param_dtype=model dtype, reduce_dtype=f32) over f32 parameters:
   /// sharded parameters, gradients and AdamW moments are f32. Off: all in the model's dtype.
   bool mixed_precision = true;
-  [[nodiscard]] bool on() const { return ranks > 0; }
-  [[nodiscard]] std::int32_t shard_group() const { return ranks / replicas; }
-  [[nodiscard]] std::int32_t node_count(std::int32_t gpus_per_node) const {
-    return nodes > 0 ? nodes : (ranks + gpus_per_node - 1) / gpus_per_node;
-  }
+  [[nodiscard]] bool on() const { return parallelism.on(); }
   friend bool operator==(const FsdpOptions&, const FsdpOptions&) = default;
 };
 
-/// Checks FSDP options against a device profile's links; the error names the option.
-Status validate_fsdp(const FsdpOptions& fsdp, const DeviceProfile& device);
+/// How validate_parallelism's messages name a Parallelism's fields: as the fields are named,
+/// unless an edge passes the spelling its user wrote (run_spec's kFsdpFlags).
+struct ParallelismNames {
+  std::string_view ranks = "ranks";
+  std::string_view nodes = "nodes";
+  std::string_view replicas = "replicas";
+  std::string_view reshard_after_forward = "reshard_after_forward";
+};
+
+/// Checks `p` against a device profile's links; the error names the field as `names` spells it.
+Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
+                            const ParallelismNames& names = {});
 
 /// The device as one rank sees it: with FSDP, its even part of the node's pinned host memory.
-[[nodiscard]] DeviceProfile rank_profile(DeviceProfile profile, const FsdpOptions& fsdp);
+[[nodiscard]] DeviceProfile rank_profile(DeviceProfile profile, const Parallelism& p);
 
 struct TrainingOptions {
   OffloadOptions offload;
