@@ -15,6 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .._names import OpNames, is_named, writes
+
 FORMAT = "ferry.model/1"
 
 # The format's dtypes. Any other dtype is written as u8 of the same byte count (bool masks, int32
@@ -491,7 +493,7 @@ class Tracer:
         self.storages = {}  # storage key -> the base TensorRecord of that storage
         self.names = set()
         self.ops = []
-        self.op_names = {}
+        self.op_names = OpNames()
         self.modules = []  # stack of module paths
         self.heads = 0  # depth inside the output head
         self.phase = "forward"
@@ -585,19 +587,15 @@ class Tracer:
         if self.phase != "forward":
             return
         flat_out = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-        if not flat_out and not writes(func):
+        if not is_named(func, flat_out):
             # A query (prim.device, sym sizes): no op. It may run inside another op's autograd
             # kernel, before that op's node exists, so it must not ask for nodes either.
             return
         self._ask_nodes(complete=False)
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         path = self.modules[-1] if self.modules else ""
-        packet = getattr(func, "_overloadpacket", None)
-        packet = packet.__name__ if packet is not None else func.name()
-        base_name = f"{path}/{packet}" if path else packet
-        count = self.op_names.get(base_name, 0)
-        self.op_names[base_name] = count + 1
-        name = base_name if count == 0 else f"{base_name}#{count}"
+        base_name, name = self.op_names.next(path, func)
+        self.op_names.count(base_name)
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         mine = top is not None and getattr(top[0], "__self__", None) is self
         kind = operator_name(func)
@@ -736,11 +734,3 @@ class Tracer:
             if isinstance(t, torch.Tensor) and id(t) not in seen:
                 seen.add(id(t))
                 op.backward_bytes += byte_count(t)
-
-
-def writes(func: torch._ops.OpOverload) -> bool:
-    """Whether an op writes one of its arguments (in place or out=)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return False
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
