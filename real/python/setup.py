@@ -21,8 +21,9 @@ import subprocess
 import sys
 import sysconfig
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
@@ -109,6 +110,16 @@ _EXTENSIONS = {
 }
 
 
+class FreshBuildPy(build_py):
+    """Copies the package into setuptools' build folder afresh: a module that an earlier build
+    copied there and the sources no longer have (ferry/_plan.py, now the package ferry/_plan/)
+    would otherwise ship beside what replaced it. The extensions are copied in after this."""
+
+    def run(self):
+        shutil.rmtree(os.path.join(self.build_lib, "ferry"), ignore_errors=True)
+        super().run()
+
+
 class CMakeBuild(build_ext):
     """Builds ferry._C and ferry._simulator with CMake, in one build of both targets (and of the
     CLI), and copies each (and the CLI) where setuptools expects it."""
@@ -159,11 +170,12 @@ setup(
     name="ferry",
     version=_version(),
     description="ferry: activation offload and checkpointing for PyTorch autograd",
-    packages=["ferry", "ferry._cli", "ferry._trace", "ferry.compat", "ferry.examples"],
+    # Every package under ferry/, found as the top-level pyproject.toml's wheel.packages does.
+    packages=find_packages(include=["ferry", "ferry.*"]),
     # The model configs `python -m ferry trace` names, and the marker of an annotated package.
     package_data={"ferry": ["configs/*.json", "py.typed"]},
     ext_modules=[Extension(name, sources=[]) for name in _EXTENSIONS],
-    cmdclass={"build_ext": CMakeBuild},
+    cmdclass={"build_py": FreshBuildPy, "build_ext": CMakeBuild},
     python_requires=">=3.10",
     zip_safe=False,
 )

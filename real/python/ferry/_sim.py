@@ -10,7 +10,7 @@ import shutil
 from typing import Any
 
 from . import _simulator
-from ._plan import CheckedPlan, PlanError
+from ._plan._format import CheckedPlan, PlanError
 from ._trace import TracedModel
 
 #: A model to simulate: a bundled preset's name (``llama3-8b-s8192``), a path to a

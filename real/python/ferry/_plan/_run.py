@@ -1,199 +1,40 @@
-"""Applies a ``ferry.plan/1`` to a real forward (``ferry.offload(plan=...)``, docs/plan.md).
-
-A plan names the ops of a traced model (``ferry.trace``): ``<module path>/<aten op>#k``. The real
-forward is named the same way while it runs (Note [Naming the real ops]), and each op is matched
-to the plan's op of that name in forward order; the first op that differs is an error naming
-both. Outside the plan's checkpoint regions, the tensors an op saves are kept or handed to the
-offload session (Note [Which op is saving]); each region is the call of one module, checkpointed
-by ``ferry.checkpoint`` with a selective policy per op (keep: saved, offload: offloaded through
-the session, recompute: re-run in backward).
-"""
+"""``PlanRun``: what ``ferry.offload(plan=...)`` does around each forward. It names the real ops
+as the trace did and matches them to the plan's (Note [Naming the real ops]), keeps or offloads
+each saved tensor by its op's decision (Note [Which op is saving]), and checkpoints each region's
+call with a selective policy per op (``_RegionPolicy``)."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import json
-import os
-from collections.abc import Mapping
-from typing import Any, NoReturn
 
 import torch
 import torch.utils.checkpoint as _tc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import _C, _simulator
-from ._checkpoint import checkpoint, runtime_call
-from ._modules import head_path
-from ._regions import no_offload
-from ._trace._record import writes
+from .. import _C
+from .._checkpoint import checkpoint, runtime_call
+from .._modules import head_path
+from .._names import OpNames, base_of, is_named, path_of, writes
+from .._regions import no_offload
+from ._cache import copy_cache, is_cache, replay_cache
+from ._format import LOSS_OP, PlanError, fail, load_plan
+from ._layout import called_module, regions_of, under
 
 _POLICY = {
     "keep": _tc.CheckpointPolicy.MUST_SAVE,
     "offload": _tc.CheckpointPolicy.MUST_CPU_OFFLOAD,
     "recompute": _tc.CheckpointPolicy.PREFER_RECOMPUTE,
 }
-# The op a trace adds when ops ran after the loss: it hands the loss on and runs nothing.
-_LOSS_OP = "loss"
-
-
-class PlanError(ValueError):
-    """A plan that cannot be read, or that does not fit the model it is applied to."""
-
-
-def _fail(where: str, message: str) -> NoReturn:
-    raise PlanError(f"ferry.offload(plan=...): {where}: {message}")
-
-
-class CheckedPlan(dict):
-    """A ``ferry.plan/1`` that ``load_plan`` checked: every field present, as ``ferry plan
-    --out`` writes it. ``load_plan`` hands one back as it is, so a plan is checked once."""
-
-
-def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> CheckedPlan:
-    """Reads and checks a ``ferry.plan/1`` (docs/plan-format.md).
-
-    The checks are the simulator's own (``ferry simulate --plan`` reads plans with the same
-    code, in ``ferry._simulator``).
-
-    Args:
-        plan: A path to the plan, or an already loaded one.
-
-    Returns:
-        The plan as a checked dict, with every field the format has.
-
-    Raises:
-        PlanError: The file cannot be read, is not JSON, or is not a valid ``ferry.plan/1``;
-            the message names the place.
-    """
-    if isinstance(plan, CheckedPlan):
-        return plan
-    where = "plan"
-    if isinstance(plan, (str, os.PathLike)):
-        where = os.fspath(plan)
-        try:
-            with open(plan, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            _fail(where, f"cannot read it ({e.strerror})")
-    elif isinstance(plan, Mapping):
-        text = json.dumps(dict(plan))
-    else:
-        _fail(where, f"a plan is a JSON object or a path, got {type(plan).__name__}")
-    try:
-        return CheckedPlan(_simulator.validate_plan(text, where))
-    except ValueError as e:
-        raise PlanError(f"ferry.offload(plan=...): {e}") from None
-
-
-def offload_options(plan: CheckedPlan) -> dict[str, Any]:
-    """``ferry.offload``'s options that the plan fixes: its knobs, its pinned host budget, and
-    the ferry policy when anything offloads (``ferry::plan_offload_options``, which the
-    simulator's replay of a plan applies too)."""
-    return _simulator.plan_offload_options(json.dumps(plan), "plan")
-
-
-def _path_of(name):
-    return name.rpartition("/")[0]
-
-
-def _under(path, prefix):
-    return path == prefix or path.startswith(prefix + ".")
-
-
-class _PlanRegion:
-    """A checkpoint region of the plan: ops [first, end) of one module's call."""
-
-    def __init__(self, index, first, end, inputs, path):
-        self.index = index
-        self.first = first
-        self.end = end
-        self.inputs = inputs
-        self.path = path
-
-
-def _ops_outside(ops, first, end, path):
-    """The plan ops outside ``first..end - 1`` that run in the module at ``path``."""
-    return [
-        i
-        for i in list(range(first)) + list(range(end, len(ops)))
-        if _under(_path_of(ops[i]["name"]), path)
-    ]
-
-
-def _regions_of(plan):
-    """Each region of the plan, with the module whose call it is: the deepest module holding
-    all its ops and no op outside it."""
-    ops = plan["ops"]
-    paths = [_path_of(op["name"]) for op in ops]
-    regions = []
-    for r, region in enumerate(plan.get("regions", [])):
-        first, end = region["first_op"], region["end_op"]
-        parts = paths[first].split(".") if paths[first] else []
-        for p in paths[first + 1 : end]:
-            other = p.split(".") if p else []
-            k = 0
-            while k < min(len(parts), len(other)) and parts[k] == other[k]:
-                k += 1
-            parts = parts[:k]
-        prefix = ".".join(parts)
-        outside = _ops_outside(ops, first, end, prefix) if prefix else []
-        if not prefix or outside:
-            why = (
-                f"op {ops[outside[0]]['name']!r} (ops[{outside[0]}]) lies outside it"
-                if outside
-                else "its ops belong to no one submodule"
-            )
-            _fail(
-                f"regions[{r}]",
-                f"ops {first}..{end - 1} are not the call of one module "
-                f"({why}); a region is applied by checkpointing a module's call",
-            )
-        regions.append(_PlanRegion(r, first, end, region.get("inputs", "keep"), prefix))
-    return regions
-
-
-def _callable(module):
-    """Whether calling ``module`` runs code of its own: a container (``ModuleList``,
-    ``ModuleDict``) has no forward and is never called; its children are."""
-    return type(module).forward is not torch.nn.Module.forward
-
-
-def _called_module(ops, modules, region):
-    """The module whose call the region is: the deepest module holding all its ops, or, when
-    that one is never called (a container such as a ``ModuleList`` of sublayers, as in T5's
-    blocks), the nearest module above it that is, provided it runs no op outside the region."""
-    path = region.path
-    while path in modules and not _callable(modules[path]):
-        path = path.rpartition(".")[0]
-        if not path:
-            break
-    if path == region.path:
-        return path
-    outside = _ops_outside(ops, region.first, region.end, path)
-    if not path or outside:
-        why = (
-            f"the nearest module called around it, {path!r}, also runs op "
-            f"{ops[outside[0]]['name']!r} (ops[{outside[0]}])"
-            if outside
-            else "no module called around it holds only its ops"
-        )
-        _fail(
-            f"regions[{region.index}]",
-            f"ops {region.first}..{region.end - 1} lie in {region.path!r}, which is never called "
-            f"(a container of modules), and {why}; a region is applied by checkpointing a "
-            "module's call",
-        )
-    return path
 
 
 # Note [Naming the real ops]
 # A trace names each aten op forward runs `<module path>/<op>`, with `#k` for the k-th repeat in
 # one module, counting every op that returns a tensor or writes one (docs/trace.md), and leaves
 # out of its document the ops that produce, save and cost nothing. The real forward is named the
-# same way: forward hooks on every module keep the module path, a dispatch mode counts the ops.
+# same way, by the same code (`ferry/_names.py`): forward hooks on every module keep the module
+# path, a dispatch mode counts the ops.
 # The plan's ops are then a subsequence of the real ones, in the same order. The real forward
 # may also run ops the trace did not: code that branches on values takes another path on the
 # trace's fake tensors (Hugging Face's mask preparation checks whether a mask is all ones for
@@ -207,19 +48,6 @@ def _called_module(ops, modules, region):
 # both), so a real op whose full name, `#k` included, is a later plan op of the same module,
 # with only ops of that module between, is that op: the plan ops between did not run. Plan
 # ops of a region that its call did not run are skipped alike when the call ends.
-#
-# Note [A cache written in a region]
-# A Hugging Face layer called with a key/value cache (`past_key_values`, which the model makes
-# by default, `use_cache=True`, in training too) appends its keys and values to it:
-# `DynamicLayer.update` creates the empty tensors on its first call (`lift_fresh`) and
-# concatenates. A checkpointed region's replay would append them a second time and run other
-# ops (`cat` where forward ran `lift_fresh`), on twice the keys. Transformers' own gradient
-# checkpointing drops the cache (`use_cache=False`); that changes the forward's ops from the
-# traced ones, and its bits (attention gets the rotary output, not the contiguous copy the
-# cache returns). Instead the forward runs with the cache as traced, and each replay gets a
-# copy of the cache as the call found it: its objects, lists and dicts copied, its tensors
-# shared (a dynamic cache rebinds them, never writes them). The replay then runs forward's
-# ops on forward's values and leaves the model's cache as forward left it.
 #
 # Note [Kept outputs written in place]
 # Selective checkpointing hands a kept (or offloaded) output back to the replay as forward
@@ -262,7 +90,7 @@ class _OpNamer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if torch._C._current_autograd_node() is None:  # forward only, not a replay in backward
             flat = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-            if flat or writes(func):
+            if is_named(func, flat):
                 self._run.on_op(func, flat)
         return out
 
@@ -384,11 +212,11 @@ class PlanRun:
         self._index = {}
         for i, op in enumerate(self.ops):
             if op["name"] in self._index:
-                _fail(f"ops[{i}].name", f"{op['name']!r} is also ops[{self._index[op['name']]}]")
+                fail(f"ops[{i}].name", f"{op['name']!r} is also ops[{self._index[op['name']]}]")
             self._index[op["name"]] = i
-        self._bases = [op["name"].partition("#")[0] for op in self.ops]
-        self._paths_of = [_path_of(base) for base in self._bases]
-        self.regions = _regions_of(self.plan)
+        self._bases = [base_of(op["name"]) for op in self.ops]
+        self._paths_of = [path_of(base) for base in self._bases]
+        self.regions = regions_of(self.plan)
         self._region_of = {}
         for region in self.regions:
             for i in range(region.first, region.end):
@@ -405,7 +233,7 @@ class PlanRun:
         self.recomputed = {}  # plan op index -> times it was re-run in backward
         self._policies = []
         self._paths = []
-        self._counts = {}
+        self._names = OpNames()
         self._cursor = 0
         self._last = None  # plan index of the last op met (None: an op the plan lacks)
         self._last_name = None
@@ -456,7 +284,7 @@ class PlanRun:
         remaining = [
             i
             for i in range(self._cursor, len(self.ops))
-            if not (i == len(self.ops) - 1 and self.ops[i]["name"] == _LOSS_OP)
+            if not (i == len(self.ops) - 1 and self.ops[i]["name"] == LOSS_OP)
         ]
         if self._cursor > 0 and remaining:
             i = remaining[0]
@@ -478,10 +306,10 @@ class PlanRun:
             )
             stack.callback(module.register_forward_hook(self._post, always_call=True).remove)
         for region in self.regions:
-            region.path = _called_module(self.ops, modules, region)
+            region.path = called_module(self.ops, modules, region)
             module = modules.get(region.path)
             if module is None:
-                _fail(
+                fail(
                     f"regions[{region.index}]",
                     f"the model has no module {region.path!r} (ops[{region.first}] is "
                     f"{self.ops[region.first]['name']!r}); the plan was made for another model",
@@ -499,10 +327,7 @@ class PlanRun:
 
     def _name(self, func):
         path = self._paths[-1] if self._paths else ""
-        packet = func._overloadpacket.__name__
-        base = f"{path}/{packet}" if path else packet
-        count = self._counts.get(base, 0)
-        return base, (base if count == 0 else f"{base}#{count}")
+        return self._names.next(path, func)
 
     def _match(self, base, name, ahead=False):
         """The plan index the op of this base name is: the next plan op not yet met; else the
@@ -520,7 +345,7 @@ class PlanRun:
             limit = min(later, default=len(self.ops))
         k = self._index.get(name)
         if k is not None and self._cursor < k < limit:
-            path = _path_of(base)
+            path = path_of(base)
             if all(self._paths_of[i] == path for i in range(self._cursor, k)):
                 return k
         if not ahead:
@@ -538,7 +363,7 @@ class PlanRun:
         if self._active is not None and self._policies:
             self._policies[-1].outputs(func, outputs)
         base, name = self._name(func)
-        self._counts[base] = self._counts.get(base, 0) + 1
+        self._names.count(base)
         deferred, self._deferred = self._deferred, []
         index = self._match(base, name, ahead=bool(deferred))
         if deferred and index is None:
@@ -613,7 +438,7 @@ class PlanRun:
     def _offloads(self, index):
         """Whether op ``index``'s saved tensors go to the session: the plan offloads them and
         the op is not in the output head (which the offloader keeps, as the simulator does)."""
-        head = self._head is not None and _under(_path_of(self.ops[index]["name"]), self._head)
+        head = self._head is not None and under(path_of(self.ops[index]["name"]), self._head)
         return self.ops[index]["saved"] == "offload" and not head
 
     def unpack(self, saved):
@@ -651,13 +476,13 @@ class PlanRun:
                 if calls[0] == 0:
                     # Note [A cache written in a region]
                     caches.extend(
-                        (v, _copy_cache(v)) for v in list(a) + list(k.values()) if _is_cache(v)
+                        (v, copy_cache(v)) for v in list(a) + list(k.values()) if is_cache(v)
                     )
                 else:  # a recomputation
                     policy.cursor = 0
                     if caches:
-                        a = [_replay_cache(v, caches) for v in a]
-                        k = {key: _replay_cache(v, caches) for key, v in k.items()}
+                        a = [replay_cache(v, caches) for v in a]
+                        k = {key: replay_cache(v, caches) for key, v in k.items()}
                 calls[0] += 1
                 return forward(*a, **k)
 
@@ -727,47 +552,3 @@ class PlanRun:
                     out["offloaded_outputs"] += 1
         out["recomputed"] = len(self.recomputed)
         return out
-
-
-def _is_cache(value):
-    """Whether ``value`` is a Hugging Face key/value cache (a ``transformers`` ``Cache``)."""
-    return any(
-        c.__name__ == "Cache" and c.__module__.startswith("transformers.")
-        for c in type(value).__mro__
-    )
-
-
-def _cache_part(value):
-    return not isinstance(value, torch.nn.Module) and any(
-        c.__module__.startswith("transformers.") and "cache" in c.__module__
-        for c in type(value).__mro__
-    )
-
-
-def _copy_cache(value, memo=None):
-    """A copy of a cache's state (Note [A cache written in a region]): the cache's objects and
-    their lists, tuples and dicts copied, anything else (tensors included) shared."""
-    memo = {} if memo is None else memo
-    if id(value) in memo:
-        return memo[id(value)]
-    if type(value) in (list, tuple, set):
-        out = type(value)(_copy_cache(v, memo) for v in value)
-    elif type(value) is dict:
-        out = {key: _copy_cache(v, memo) for key, v in value.items()}
-    elif _cache_part(value) and hasattr(value, "__dict__"):
-        out = copy.copy(value)
-        memo[id(value)] = out
-        out.__dict__.update({key: _copy_cache(v, memo) for key, v in vars(value).items()})
-    else:
-        return value
-    memo[id(value)] = out
-    return out
-
-
-def _replay_cache(value, caches):
-    """What a replay passes for the argument ``value``: a fresh copy of the cache as forward
-    found it, or ``value`` itself."""
-    for cache, found in caches:
-        if value is cache:
-            return _copy_cache(found)
-    return value

@@ -1,0 +1,73 @@
+"""A ``ferry.plan/1`` as Python reads it (docs/plan-format.md): ``load_plan`` checks one with the
+simulator's own code, ``CheckedPlan`` is what it hands back, ``PlanError`` what it raises.
+Free of torch: the simulator's bridge (``ferry._sim``) needs these and nothing of applying a
+plan."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from .. import _simulator
+
+# The op a trace adds when ops ran after the loss: it hands the loss on and runs nothing.
+LOSS_OP = "loss"
+
+
+class PlanError(ValueError):
+    """A plan that cannot be read, or that does not fit the model it is applied to."""
+
+
+def fail(where: str, message: str) -> NoReturn:
+    """Raises the ``PlanError`` of ``ferry.offload(plan=...)`` at ``where`` in the plan."""
+    raise PlanError(f"ferry.offload(plan=...): {where}: {message}")
+
+
+class CheckedPlan(dict):
+    """A ``ferry.plan/1`` that ``load_plan`` checked: every field present, as ``ferry plan
+    --out`` writes it. ``load_plan`` hands one back as it is, so a plan is checked once."""
+
+
+def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> CheckedPlan:
+    """Reads and checks a ``ferry.plan/1`` (docs/plan-format.md).
+
+    The checks are the simulator's own (``ferry simulate --plan`` reads plans with the same
+    code, in ``ferry._simulator``).
+
+    Args:
+        plan: A path to the plan, or an already loaded one.
+
+    Returns:
+        The plan as a checked dict, with every field the format has.
+
+    Raises:
+        PlanError: The file cannot be read, is not JSON, or is not a valid ``ferry.plan/1``;
+            the message names the place.
+    """
+    if isinstance(plan, CheckedPlan):
+        return plan
+    where = "plan"
+    if isinstance(plan, (str, os.PathLike)):
+        where = os.fspath(plan)
+        try:
+            with open(plan, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            fail(where, f"cannot read it ({e.strerror})")
+    elif isinstance(plan, Mapping):
+        text = json.dumps(dict(plan))
+    else:
+        fail(where, f"a plan is a JSON object or a path, got {type(plan).__name__}")
+    try:
+        return CheckedPlan(_simulator.validate_plan(text, where))
+    except ValueError as e:
+        raise PlanError(f"ferry.offload(plan=...): {e}") from None
+
+
+def offload_options(plan: CheckedPlan) -> dict[str, Any]:
+    """``ferry.offload``'s options that the plan fixes: its knobs, its pinned host budget, and
+    the ferry policy when anything offloads (``ferry::plan_offload_options``, which the
+    simulator's replay of a plan applies too)."""
+    return _simulator.plan_offload_options(json.dumps(plan), "plan")
