@@ -27,19 +27,39 @@ std::string tensor_path(std::size_t index) { return json_element_path("tensors",
 
 std::string op_path(std::size_t index) { return json_element_path("ops", index); }
 
+// Note [Paths on demand]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// validate_model runs before every simulation, and a plan's search runs a hundred or more, so
+// the checks must cost little beside the simulation they guard. Formatting each op's and
+// tensor's JSON paths ("ops[3].inputs[1]") up front cost more than the checks themselves (a
+// fifth of a Llama plan's instructions went to validation, most of it to these strings). A
+// path is therefore a function that makes the string, called only on the way to an error.
+
+/// The path of `key` inside tensor `index`: `tensors[5].bytes`.
+std::string tensor_member(std::size_t index, std::string_view key) {
+  return json_member_path(tensor_path(index), key);
+}
+
+/// The path of `key` inside op `index`: `ops[3].flops`.
+std::string op_member(std::size_t index, std::string_view key) {
+  return json_member_path(op_path(index), key);
+}
+
 /// `ops[i] "name"`, for messages that point at another op.
 std::string op_label(const Model& model, std::size_t index) {
   return fmt::format("{} {}", op_path(index), json_quote(model.ops[index].name));
 }
 
-/// Whether `name` is free in `seen`; otherwise an error at `path` that names the first user.
+/// Whether `name` is free in `seen`; otherwise an error at `path()` that names the first user.
+/// See Note [Paths on demand].
+template <class Path>
 Status declare_name(std::map<std::string_view, std::size_t, std::less<>>& seen,
                     std::string_view name, std::size_t index, std::string_view what,
-                    std::string_view path, std::string (*first_path)(std::size_t)) {
-  if (name.empty()) return error_at(path, "a {} needs a non-empty name", what);
+                    const Path& path, std::string (*first_path)(std::size_t)) {
+  if (name.empty()) return error_at(path(), "a {} needs a non-empty name", what);
   const auto [it, inserted] = seen.emplace(name, index);
   if (!inserted) {
-    return error_at(path, "duplicate {} name {} (first at {})", what, json_quote(name),
+    return error_at(path(), "duplicate {} name {} (first at {})", what, json_quote(name),
                     first_path(it->second));
   }
   return Ok{};
@@ -47,59 +67,53 @@ Status declare_name(std::map<std::string_view, std::size_t, std::less<>>& seen,
 
 Status check_tensor(const Model& model, std::size_t index) {
   const ModelTensor& tensor = model.tensors[index];
-  const std::string path = tensor_path(index);
+  const auto at = [index](std::string_view key) { return tensor_member(index, key); };
   const std::int64_t bytes = tensor.bytes.count();
   if (bytes <= 0) {
-    return error_at(json_member_path(path, "bytes"), "expected a positive byte count, got {}",
-                    bytes);
+    return error_at(at("bytes"), "expected a positive byte count, got {}", bytes);
   }
   if (bytes > kMaxJsonBytes) {
-    return error_at(json_member_path(path, "bytes"), "{} is above the limit of {}", bytes,
-                    kMaxJsonBytes);
+    return error_at(at("bytes"), "{} is above the limit of {}", bytes, kMaxJsonBytes);
   }
   const std::int64_t element = dtype_size(tensor.dtype);
   if (bytes % element != 0) {
-    return error_at(json_member_path(path, "bytes"),
-                    "{} bytes is not a whole number of {} elements ({} bytes each)", bytes,
-                    dtype_name(tensor.dtype), element);
+    return error_at(at("bytes"), "{} bytes is not a whole number of {} elements ({} bytes each)",
+                    bytes, dtype_name(tensor.dtype), element);
   }
   const std::int64_t offset = tensor.view_offset.count();
   if (tensor.view_of == -1) {
     if (offset != 0) {
-      return error_at(json_member_path(path, "view_offset"),
-                      "only a view has an offset; {} has its own storage", json_quote(tensor.name));
+      return error_at(at("view_offset"), "only a view has an offset; {} has its own storage",
+                      json_quote(tensor.name));
     }
     return Ok{};
   }
-  const std::string view_path = json_member_path(path, "view_of");
   if (tensor.view_of < 0 || static_cast<std::size_t>(tensor.view_of) >= model.tensors.size()) {
-    return error_at(view_path, "base index {} out of range ({} tensors)", tensor.view_of,
+    return error_at(at("view_of"), "base index {} out of range ({} tensors)", tensor.view_of,
                     model.tensors.size());
   }
   const auto base_index = static_cast<std::size_t>(tensor.view_of);
   const ModelTensor& base = model.tensors[base_index];
-  if (base_index == index) return error_at(view_path, "a tensor cannot be a view of itself");
+  if (base_index == index) return error_at(at("view_of"), "a tensor cannot be a view of itself");
   if (base.view_of != -1) {
     const std::string root =
         base.view_of >= 0 && static_cast<std::size_t>(base.view_of) < model.tensors.size()
             ? json_quote(model.tensors[static_cast<std::size_t>(base.view_of)].name)
             : std::string("another tensor");
-    return error_at(view_path, "base {} is itself a view (of {}); take the view of {} instead",
+    return error_at(at("view_of"), "base {} is itself a view (of {}); take the view of {} instead",
                     json_quote(base.name), root, root);
   }
   if (base.role != tensor.role) {
-    return error_at(view_path, "a view has its base's role: {} is {}, base {} is {}",
+    return error_at(at("view_of"), "a view has its base's role: {} is {}, base {} is {}",
                     json_quote(tensor.name), tensor_role_name(tensor.role), json_quote(base.name),
                     tensor_role_name(base.role));
   }
   if (offset < 0) {
-    return error_at(json_member_path(path, "view_offset"), "expected a non-negative offset, got {}",
-                    offset);
+    return error_at(at("view_offset"), "expected a non-negative offset, got {}", offset);
   }
   if (offset > base.bytes.count() - bytes) {
-    return error_at(json_member_path(path, "view_offset"),
-                    "{} bytes at offset {} lie outside its base {} ({} bytes)", bytes, offset,
-                    json_quote(base.name), base.bytes.count());
+    return error_at(at("view_offset"), "{} bytes at offset {} lie outside its base {} ({} bytes)",
+                    bytes, offset, json_quote(base.name), base.bytes.count());
   }
   return Ok{};
 }
@@ -132,14 +146,13 @@ bool is_operator_name(std::string_view kind) {
 
 /// A matmul's shape must be the product its FLOPs count: 2 m n k batch within 0.1 % (a
 /// hand-written file may round), each dim in [1, kMaxGemmDim].
-Status check_gemm(const ModelOp& op, std::string_view path) {
+Status check_gemm(const ModelOp& op, std::size_t index) {
   if (op.gemm == GemmShape{}) return Ok{};
-  const std::string at = json_member_path(path, "gemm");
   for (const auto& [key, value] : {std::pair{"m", op.gemm.m}, std::pair{"n", op.gemm.n},
                                    std::pair{"k", op.gemm.k}, std::pair{"batch", op.gemm.batch}}) {
     if (value < 1 || value > kMaxGemmDim) {
-      return error_at(json_member_path(at, key), "expected an integer in [1, {}], got {}",
-                      kMaxGemmDim, value);
+      return error_at(json_member_path(op_member(index, "gemm"), key),
+                      "expected an integer in [1, {}], got {}", kMaxGemmDim, value);
     }
   }
   __extension__ using Wide = unsigned __int128;
@@ -155,7 +168,7 @@ Status check_gemm(const ModelOp& op, std::string_view path) {
   const Wide flops = static_cast<Wide>(op.flops);
   const Wide gap = product > flops ? product - flops : flops - product;
   if (op.flops == 0 || gap > flops / 1000) {
-    return error_at(at,
+    return error_at(op_member(index, "gemm"),
                     "{} x {} x {} (batch {}) is 2 m n k batch = {:.6g} FLOPs, but flops is {} "
                     "(they must agree within 0.1 %)",
                     op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch, static_cast<double>(product),
@@ -164,14 +177,14 @@ Status check_gemm(const ModelOp& op, std::string_view path) {
   return Ok{};
 }
 
-Status check_op_counts(const ModelOp& op, std::string_view path) {
+Status check_op_counts(const ModelOp& op, std::size_t index) {
   if (!op.kind.empty() && !is_operator_name(op.kind)) {
-    return error_at(json_member_path(path, "kind"),
+    return error_at(op_member(index, "kind"),
                     "expected an operator as namespace.name.overload (\"aten.mm.default\"), got {}",
                     json_quote(op.kind));
   }
   if (op.layer < -1) {
-    return error_at(json_member_path(path, "layer"),
+    return error_at(op_member(index, "layer"),
                     "expected -1 (outside the stack) or a layer index, got {}", op.layer);
   }
   for (const Count& count :
@@ -180,21 +193,24 @@ Status check_op_counts(const ModelOp& op, std::string_view path) {
         Count{"backward_bytes", op.backward_bytes.count(), kMaxJsonBytes},
         Count{"duration_ns", op.duration.ns(), kMaxJsonNanoseconds},
         Count{"backward_duration_ns", op.backward_duration.ns(), kMaxJsonNanoseconds}}) {
-    const std::string at = json_member_path(path, count.key);
     if (count.value < 0) {
-      return error_at(at, "expected a non-negative count, got {}", count.value);
+      return error_at(op_member(index, count.key), "expected a non-negative count, got {}",
+                      count.value);
     }
     if (count.value > count.max) {
-      return error_at(at, "{} is above the limit of {}", count.value, count.max);
+      return error_at(op_member(index, count.key), "{} is above the limit of {}", count.value,
+                      count.max);
     }
   }
-  return check_gemm(op, path);
+  return check_gemm(op, index);
 }
 
-/// The tensor index at `path`, checked to be in range.
-Result<std::size_t> tensor_index(const Model& model, std::uint32_t index, std::string_view path) {
+/// The tensor index at `path()`, checked to be in range. See Note [Paths on demand].
+template <class Path>
+Result<std::size_t> tensor_index(const Model& model, std::uint32_t index, const Path& path) {
   if (index >= model.tensors.size()) {
-    return error_at(path, "tensor index {} out of range ({} tensors)", index, model.tensors.size());
+    return error_at(path(), "tensor index {} out of range ({} tensors)", index,
+                    model.tensors.size());
   }
   return static_cast<std::size_t>(index);
 }
@@ -220,31 +236,35 @@ Status check_ops(const Model& model, std::vector<std::int64_t>& producer) {
   std::map<std::string_view, std::size_t, std::less<>> names;
   for (std::size_t i = 0; i < model.ops.size(); ++i) {
     const ModelOp& op = model.ops[i];
-    const std::string path = op_path(i);
-    FERRY_JSON_RETURN_IF_ERROR(
-        declare_name(names, op.name, i, "op", json_member_path(path, "name"), op_path));
-    FERRY_JSON_RETURN_IF_ERROR(check_op_counts(op, path));
+    // See Note [Paths on demand].
+    const auto element = [i](std::string_view list, std::size_t j) {
+      return [i, list, j] { return json_element_path(op_member(i, list), j); };
+    };
+    FERRY_JSON_RETURN_IF_ERROR(declare_name(
+        names, op.name, i, "op", [i] { return op_member(i, "name"); }, op_path));
+    FERRY_JSON_RETURN_IF_ERROR(check_op_counts(op, i));
 
     for (std::size_t j = 0; j < op.inputs.size(); ++j) {
-      const std::string at = json_element_path(json_member_path(path, "inputs"), j);
+      const auto at = element("inputs", j);
       FERRY_JSON_TRY(const auto t, tensor_index(model, op.inputs[j], at));
       const ModelTensor& tensor = model.tensors[t];
       if (tensor.role == TensorRole::Activation && producer[t] == kNotProduced) {
-        return error_at(at, "activation {} is read before it is produced", json_quote(tensor.name));
+        return error_at(at(), "activation {} is read before it is produced",
+                        json_quote(tensor.name));
       }
     }
 
     for (std::size_t j = 0; j < op.outputs.size(); ++j) {
-      const std::string at = json_element_path(json_member_path(path, "outputs"), j);
+      const auto at = element("outputs", j);
       FERRY_JSON_TRY(const auto t, tensor_index(model, op.outputs[j], at));
       const ModelTensor& tensor = model.tensors[t];
       if (tensor.role != TensorRole::Activation) {
-        return error_at(at, "{} is {} {}; ops produce activations only", json_quote(tensor.name),
+        return error_at(at(), "{} is {} {}; ops produce activations only", json_quote(tensor.name),
                         tensor.role == TensorRole::Input ? "an" : "a",
                         tensor_role_name(tensor.role));
       }
       if (producer[t] != kNotProduced) {
-        return error_at(at, "activation {} is produced twice (first by {})",
+        return error_at(at(), "activation {} is produced twice (first by {})",
                         json_quote(tensor.name),
                         op_label(model, static_cast<std::size_t>(producer[t])));
       }
@@ -256,25 +276,24 @@ Status check_ops(const Model& model, std::vector<std::int64_t>& producer) {
       if (tensor.view_of < 0) continue;
       const auto base = static_cast<std::size_t>(tensor.view_of);
       if (producer[base] == kNotProduced) {
-        return error_at(json_element_path(json_member_path(path, "outputs"), j),
-                        "view {} is produced before its base {}", json_quote(tensor.name),
-                        json_quote(model.tensors[base].name));
+        return error_at(element("outputs", j)(), "view {} is produced before its base {}",
+                        json_quote(tensor.name), json_quote(model.tensors[base].name));
       }
     }
 
     for (std::size_t j = 0; j < op.saved.size(); ++j) {
-      const std::string at = json_element_path(json_member_path(path, "saved"), j);
+      const auto at = element("saved", j);
       FERRY_JSON_TRY(const auto t, tensor_index(model, op.saved[j], at));
       const ModelTensor& tensor = model.tensors[t];
       const auto first = std::find(op.saved.begin(),
                                    op.saved.begin() + static_cast<std::ptrdiff_t>(j), op.saved[j]);
       if (first != op.saved.begin() + static_cast<std::ptrdiff_t>(j)) {
-        return error_at(at, "{} is already saved by this op (saved[{}])", json_quote(tensor.name),
+        return error_at(at(), "{} is already saved by this op (saved[{}])", json_quote(tensor.name),
                         first - op.saved.begin());
       }
       // See Note [What a node saves].
       if (!contains(op.inputs, op.saved[j]) && !contains(op.outputs, op.saved[j])) {
-        return error_at(at,
+        return error_at(at(),
                         "{} is neither an input nor an output of this op; an op saves only "
                         "tensors it reads or produces",
                         json_quote(tensor.name));
@@ -340,8 +359,9 @@ Status validate_model(const Model& model) {
   }
   std::map<std::string_view, std::size_t, std::less<>> names;
   for (std::size_t i = 0; i < model.tensors.size(); ++i) {
-    FERRY_JSON_RETURN_IF_ERROR(declare_name(names, model.tensors[i].name, i, "tensor",
-                                            json_member_path(tensor_path(i), "name"), tensor_path));
+    FERRY_JSON_RETURN_IF_ERROR(declare_name(
+        names, model.tensors[i].name, i, "tensor", [i] { return tensor_member(i, "name"); },
+        tensor_path));
     FERRY_JSON_RETURN_IF_ERROR(check_tensor(model, i));
   }
   if (model.ops.empty()) return Error{"ops: a model needs at least one op"};
@@ -356,7 +376,8 @@ Status validate_model(const Model& model) {
     }
   }
 
-  FERRY_JSON_TRY(const auto loss, tensor_index(model, model.loss, "loss"));
+  FERRY_JSON_TRY(const auto loss,
+                 tensor_index(model, model.loss, [] { return std::string("loss"); }));
   const ModelTensor& tensor = model.tensors[loss];
   if (tensor.role != TensorRole::Activation) {
     return error_at("loss", "{} is {} {}; the loss is an activation", json_quote(tensor.name),
