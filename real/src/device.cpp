@@ -1,7 +1,6 @@
 #include "ferry/real/device.hpp"
 
 #include <algorithm>
-#include <cstring>
 #include <fstream>
 #include <string>
 
@@ -117,12 +116,9 @@ std::uint8_t* DeviceBase::bytes_of(const BufferHandle& buffer) {
 
 // --- loopback ------------------------------------------------------------------------------
 
-LoopbackDevice::LoopbackDevice(std::unique_ptr<Recorder> recorder, const LoopbackStreams& streams)
-    : DeviceBase(std::move(recorder)) {
-  if (streams.async) {
-    async_ = std::make_unique<AsyncStreams>(streams);
-    async_->add_stream(0, /*compute=*/true);
-  }
+LoopbackDevice::LoopbackDevice(std::unique_ptr<Recorder> recorder, const LoopbackConfig& streams)
+    : DeviceBase(std::move(recorder)), streams_impl_(make_loopback_streams(streams)) {
+  streams_impl_->add_stream(0, /*compute=*/true, "compute");
 }
 
 // The workers finish what was queued before the buffers the scheduler still holds go.
@@ -130,7 +126,7 @@ LoopbackDevice::~LoopbackDevice() = default;
 
 LoopbackDevice::Stream LoopbackDevice::make_stream(std::string_view name) {
   const Stream s{new_stream(name)};
-  if (async_) async_->add_stream(s.index, /*compute=*/false, name);
+  streams_impl_->add_stream(s.index, /*compute=*/false, name);
   return s;
 }
 
@@ -143,7 +139,7 @@ void LoopbackDevice::set_current_stream(std::string_view name) {
   } else {
     current_ = new_stream(name);
     compute_streams_.emplace_back(std::string(name), current_);
-    if (async_) async_->add_stream(current_, /*compute=*/true);
+    streams_impl_->add_stream(current_, /*compute=*/true, name);
   }
   // The work on the new stream follows what was issued before (what a caller of
   // `torch.cuda.stream(s)` does with `s.wait_stream(torch.cuda.current_stream())`).
@@ -151,19 +147,17 @@ void LoopbackDevice::set_current_stream(std::string_view name) {
     const Event e = make_event();
     record(e, Stream{before});
     wait(Stream{current_}, e);
-    if (async_) async_->set_current(current_);
+    streams_impl_->set_current(current_);
   }
 }
 
 LoopbackDevice::Event LoopbackDevice::make_event() {
-  Event e{recorder_ ? recorder_->add_event() : 0, nullptr};
-  if (async_) e.last = std::make_shared<AsyncStreams::Token>();
-  return e;
+  return Event{recorder_ ? recorder_->add_event() : 0, std::make_shared<LoopbackStreams::Token>()};
 }
 
-AsyncStreams::Block LoopbackDevice::block_of(const BufferHandle& buffer) {
-  return AsyncStreams::Block{buffer->storage.unsafeGetStorageImpl(), bytes_of(buffer),
-                             buffer->storage.nbytes(), buffer};
+LoopbackStreams::Block LoopbackDevice::block_of(const BufferHandle& buffer) {
+  return LoopbackStreams::Block{buffer->storage.unsafeGetStorageImpl(), bytes_of(buffer),
+                                buffer->storage.nbytes(), buffer};
 }
 
 std::optional<LoopbackDevice::Buffer> LoopbackDevice::allocate(Place place, Bytes bytes,
@@ -171,37 +165,32 @@ std::optional<LoopbackDevice::Buffer> LoopbackDevice::allocate(Place place, Byte
   if (place != Place::Device && !host_room(bytes)) return std::nullopt;
   at::Tensor t = at::empty({std::max<std::int64_t>(bytes.count(), 0)}, at::kByte);
   Buffer buffer = allocated(t.storage(), place, bytes, stream.index);
-  if (async_) AsyncStreams::poison(block_of(buffer));  // what a reader that is too early sees
+  streams_impl_->allocated(block_of(buffer));
   return buffer;
 }
 
 void LoopbackDevice::copy(Stream stream, const Buffer& src, Bytes src_offset, const Buffer& dst,
                           Bytes dst_offset, Bytes bytes, std::string_view) {
   check_copy(src, src_offset, dst, dst_offset, bytes);
-  if (async_) {
-    async_->copy(stream.index, block_of(src), static_cast<std::size_t>(src_offset.count()),
-                 block_of(dst), static_cast<std::size_t>(dst_offset.count()),
-                 static_cast<std::size_t>(bytes.count()));
-  } else if (bytes.count() > 0) {
-    std::memcpy(bytes_of(dst) + dst_offset.count(), bytes_of(src) + src_offset.count(),
-                static_cast<std::size_t>(bytes.count()));
-  }
+  streams_impl_->copy(stream.index, block_of(src), static_cast<std::size_t>(src_offset.count()),
+                      block_of(dst), static_cast<std::size_t>(dst_offset.count()),
+                      static_cast<std::size_t>(bytes.count()));
   if (recorder_) recorder_->copy(stream.index, src->slot, src_offset, dst->slot, dst_offset, bytes);
 }
 
 void LoopbackDevice::record(Event event, Stream stream) {
   if (recorder_) recorder_->record(event.index, stream.index);
-  if (async_ && event.last) *event.last = async_->record(stream.index);
+  if (event.last) *event.last = streams_impl_->record(stream.index);
 }
 
 void LoopbackDevice::wait(Stream stream, Event event) {
   if (recorder_) recorder_->wait(stream.index, event.index);
-  if (async_ && event.last) async_->wait(stream.index, *event.last);
+  if (event.last) streams_impl_->wait(stream.index, *event.last);
 }
 
 void LoopbackDevice::synchronize(Stream stream) {
   if (recorder_) recorder_->synchronize(stream.index);
-  if (async_) async_->synchronize(stream.index);
+  streams_impl_->synchronize(stream.index);
 }
 
 void LoopbackDevice::record_stream(const Buffer& buffer, Stream stream) {
@@ -213,32 +202,28 @@ void LoopbackDevice::record_stream(const Buffer& buffer, Stream stream) {
 }
 
 void LoopbackDevice::produced(const BufferHandle& buffer) {
-  if (async_) async_->produced(block_of(buffer));
+  streams_impl_->produced(block_of(buffer));
 }
 
 void LoopbackDevice::consumed(const BufferHandle& buffer) {
-  if (async_) async_->consumed(block_of(buffer));
+  streams_impl_->consumed(block_of(buffer));
 }
 
 void LoopbackDevice::free_storage(BufferEntry& buffer) {
-  if (!async_) {
-    buffer.storage = at::Storage();
-    return;
-  }
   // Stream-ordered, as the caching allocator frees: the block is reused once its allocation
-  // stream and every stream recorded for it reach this point.
+  // stream and every stream recorded for it reach this point (inline streams: at once).
   std::vector<std::uint32_t> streams{buffer.stream};
   for (const std::uint32_t s : buffer.recorded) {
     if (s != buffer.stream) streams.push_back(s);
   }
-  AsyncStreams::Block block{buffer.storage.unsafeGetStorageImpl(),
-                            static_cast<std::uint8_t*>(buffer.storage.mutable_data()),
-                            buffer.storage.nbytes(), nullptr};
+  LoopbackStreams::Block block{buffer.storage.unsafeGetStorageImpl(),
+                               static_cast<std::uint8_t*>(buffer.storage.mutable_data()),
+                               buffer.storage.nbytes(), nullptr};
   auto held = std::make_shared<at::Storage>(std::move(buffer.storage));
   buffer.storage = at::Storage();
-  async_->release(block, streams,
-                  AsyncStreams::Release{[held] { return held->use_count() == 1; },
-                                        [held] { *held = at::Storage(); }});
+  streams_impl_->release(block, streams,
+                         LoopbackStreams::Release{[held] { return held->use_count() == 1; },
+                                                  [held] { *held = at::Storage(); }});
 }
 
 }  // namespace ferry::real

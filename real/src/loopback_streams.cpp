@@ -1,76 +1,35 @@
 #include "ferry/real/loopback_streams.hpp"
 
 #include <algorithm>
-#include <charconv>
 #include <cstring>
-#include <stdexcept>
+#include <optional>
 #include <utility>
 
 #include "ferry/check.hpp"
 
 namespace ferry::real {
 
-namespace {
-
-std::uint64_t parse_number(std::string_view text, std::string_view what, std::string_view where,
-                           std::string_view whole) {
-  std::uint64_t value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || ec != std::errc() || end != text.data() + text.size()) {
-    throw std::invalid_argument(std::string(where) + ": " + std::string(what) + " \"" +
-                                std::string(text) + "\" in \"" + std::string(whole) +
-                                "\" is not a non-negative integer (expected sync, async, "
-                                "async:SEED or async:SEED:MAX_DELAY_US)");
-  }
-  return value;
+std::unique_ptr<LoopbackStreams> make_loopback_streams(const LoopbackConfig& config) {
+  if (config.async) return std::make_unique<AsyncStreams>(config);
+  return std::make_unique<InlineStreams>();
 }
 
-}  // namespace
-
-LoopbackStreams parse_loopback_streams(std::string_view text, std::string_view where) {
-  LoopbackStreams out;
-  if (text.empty() || text == "sync") return out;
-  const std::string_view whole = text;
-  const auto next = [&text]() {
-    const std::size_t colon = text.find(':');
-    const std::string_view part = text.substr(0, colon);
-    text = colon == std::string_view::npos ? std::string_view() : text.substr(colon + 1);
-    return part;
-  };
-  if (next() != "async") {
-    throw std::invalid_argument(std::string(where) + ": \"" + std::string(whole) +
-                                "\" is not a loopback stream mode (expected sync, async, "
-                                "async:SEED or async:SEED:MAX_DELAY_US)");
-  }
-  out.async = true;
-  if (!text.empty() || whole.find(':') != std::string_view::npos) {
-    out.seed = parse_number(next(), "seed", where, whole);
-  }
-  if (!text.empty() || whole.find(':') != whole.rfind(':')) {
-    const std::uint64_t us = parse_number(next(), "delay", where, whole);
-    if (us > 1'000'000) {
-      throw std::invalid_argument(std::string(where) + ": a delay of " + std::to_string(us) +
-                                  " us in \"" + std::string(whole) + "\" is over the 1 s allowed");
-    }
-    out.max_delay = std::chrono::microseconds(us);
-  }
-  if (!text.empty()) {
-    throw std::invalid_argument(std::string(where) + ": \"" + std::string(whole) +
-                                "\" has more than three parts (expected async:SEED:MAX_DELAY_US)");
-  }
-  return out;
+void InlineStreams::copy(std::uint32_t /*id*/, Block src, std::size_t src_offset, Block dst,
+                         std::size_t dst_offset, std::size_t bytes) {
+  if (bytes > 0) std::memcpy(dst.data + dst_offset, src.data + src_offset, bytes);
 }
 
-std::string to_string(const LoopbackStreams& streams) {
-  if (!streams.async) return "sync";
-  return "async:" + std::to_string(streams.seed) + ":" + std::to_string(streams.max_delay.count());
+void InlineStreams::release(Block /*block*/, const std::vector<std::uint32_t>& /*streams*/,
+                            Release release) {
+  release.let_go();
 }
 
-struct AsyncStreams::TokenState {
+// Done once signalled, not before `ready`, and once each of `after` is done.
+struct LoopbackStreams::TokenState {
   std::uint32_t stream = 0;
-  bool signalled = false;     ///< a worker reached it (always true on a compute stream)
-  Clock::time_point ready{};  ///< and not before this time
-  std::vector<Token> after;   ///< and not before these (a compute stream's pending waits)
+  bool signalled = false;  ///< a worker reached it (always true on a compute stream)
+  std::chrono::steady_clock::time_point ready{};
+  std::vector<Token> after;  ///< a compute stream's pending waits when the point was taken
 };
 
 struct AsyncStreams::Op {
@@ -101,11 +60,11 @@ struct AsyncStreams::Grave {
   Block block;
   std::vector<Token> points;  ///< the streams' points of the free
   Release release;
-  bool poisoned =
-      false;  ///< the points were reached (and the block poisoned if nobody else holds it)
+  /// The points were reached (and the block poisoned if nobody else holds it).
+  bool poisoned = false;
 };
 
-AsyncStreams::AsyncStreams(const LoopbackStreams& config)
+AsyncStreams::AsyncStreams(const LoopbackConfig& config)
     : config_(config), rng_(config.seed), poisoner_([this] { run_poisoner(); }) {}
 
 AsyncStreams::~AsyncStreams() {
@@ -118,7 +77,7 @@ AsyncStreams::~AsyncStreams() {
     if (worker && worker->thread.joinable()) worker->thread.join();
   }
   if (poisoner_.joinable()) poisoner_.join();
-  std::unique_lock lock(mutex_);
+  // Nothing runs beside the host any more: the lock is not needed, and must not be held.
   for (Grave& grave : graves_) grave.release.let_go();
 }
 
@@ -155,10 +114,25 @@ bool AsyncStreams::done(const Token& token, Clock::time_point now) const {
   return true;
 }
 
+AsyncStreams::Clock::time_point AsyncStreams::deadline(const Token& token) {
+  if (!token) return {};
+  Clock::time_point at = token->ready;
+  for (const Token& t : token->after) at = std::max(at, deadline(t));
+  return at;
+}
+
 void AsyncStreams::block_until(std::unique_lock<std::mutex>& lock, const Token& token) {
-  while (!done(token, Clock::now())) {
-    // A compute stream's point is reached with time alone: poll as well as listen.
-    changed_.wait_for(lock, std::chrono::microseconds(200));
+  for (;;) {
+    const Clock::time_point now = Clock::now();
+    if (done(token, now)) return;
+    // Done at its deadline, unless a copy stream has still to reach a point in it: its worker
+    // signals that.
+    const Clock::time_point at = deadline(token);
+    if (at > now) {
+      changed_.wait_until(lock, at);
+    } else {
+      changed_.wait(lock);
+    }
   }
 }
 
@@ -173,16 +147,16 @@ AsyncStreams::Token AsyncStreams::compute_point(std::uint32_t id) {
 }
 
 void AsyncStreams::set_current(std::uint32_t id) {
+  collect();
   std::unique_lock lock(mutex_);
-  collect(lock);
   for (const Token& t : pending_[id]) block_until(lock, t);
   pending_[id].clear();
   current_ = id;
 }
 
 AsyncStreams::Token AsyncStreams::record(std::uint32_t id) {
+  collect();
   std::unique_lock lock(mutex_);
-  collect(lock);
   if (compute_[id]) return compute_point(id);
   auto op = std::make_shared<Op>();
   op->kind = Op::Kind::Signal;
@@ -221,8 +195,8 @@ AsyncStreams::BlockState& AsyncStreams::state_of(const void* key) { return block
 
 void AsyncStreams::copy(std::uint32_t id, Block src, std::size_t src_offset, Block dst,
                         std::size_t dst_offset, std::size_t bytes) {
+  collect();
   std::unique_lock lock(mutex_);
-  collect(lock);
   auto op = std::make_shared<Op>();
   op->token = std::make_shared<TokenState>();
   op->token->stream = id;
@@ -322,9 +296,11 @@ void AsyncStreams::run_worker(Worker& worker) {
   }
 }
 
+void AsyncStreams::allocated(Block block) { poison(block); }
+
 void AsyncStreams::produced(Block block) {
+  collect();
   std::unique_lock lock(mutex_);
-  collect(lock);
   BlockState& s = state_of(block.key);
   s.last_write = compute_point(current_);
   s.writer = nullptr;
@@ -346,7 +322,7 @@ void AsyncStreams::consumed(Block block) {
   s.readers.push_back(compute_point(current_));
 }
 
-void AsyncStreams::poison(Block block) {
+void AsyncStreams::poison(const Block& block) {
   if (block.bytes > 0) std::memset(block.data, 0xFF, block.bytes);
 }
 
@@ -363,40 +339,68 @@ void AsyncStreams::release(Block block, const std::vector<std::uint32_t>& stream
 void AsyncStreams::run_poisoner() {
   std::unique_lock lock(mutex_);
   for (;;) {
-    bool waiting = false;
     const Clock::time_point now = Clock::now();
+    std::vector<Grave*> due;  // a list's elements stay put while the lock is dropped
+    bool waiting = false;
+    std::optional<Clock::time_point> wake;
     for (Grave& grave : graves_) {
       if (grave.poisoned) continue;
-      if (!std::all_of(grave.points.begin(), grave.points.end(),
-                       [&](const Token& t) { return done(t, now); })) {
-        waiting = true;
+      if (std::all_of(grave.points.begin(), grave.points.end(),
+                      [&](const Token& t) { return done(t, now); })) {
+        due.push_back(&grave);
         continue;
       }
-      // The block goes back to its pool: what the allocator's next user writes is poison.
-      if (grave.release.sole_holder()) poison(grave.block);
-      grave.poisoned = true;
-      grave.points.clear();
+      waiting = true;
+      Clock::time_point at{};
+      for (const Token& t : grave.points) at = std::max(at, deadline(t));
+      if (at > now && (!wake || at < *wake)) wake = at;
+    }
+    if (!due.empty()) {
+      // The blocks go back to their pool: what the allocator's next user writes is poison.
+      // Unpoisoned graves stay where they are (collect() takes poisoned ones only).
+      lock.unlock();
+      for (Grave* grave : due) {
+        if (grave->release.sole_holder()) poison(grave->block);
+      }
+      lock.lock();
+      for (Grave* grave : due) {
+        grave->poisoned = true;
+        grave->points.clear();
+      }
+      continue;
     }
     if (stopping_ && !waiting) return;
-    if (waiting) {
-      changed_.wait_for(lock, std::chrono::microseconds(200));
+    // A grave's points are reached by its deadline, or when a worker signals one.
+    if (wake) {
+      changed_.wait_until(lock, *wake);
     } else {
       changed_.wait(lock);
     }
   }
 }
 
-void AsyncStreams::collect(std::unique_lock<std::mutex>& /*lock*/) {
-  std::erase_if(graves_, [&](Grave& grave) {
-    if (!grave.poisoned) return false;
-    auto it = blocks_.find(grave.block.key);
-    if (it != blocks_.end()) {
-      if (it->second.in_flight > 0) return false;
-      blocks_.erase(it);
+void AsyncStreams::collect() {
+  std::vector<Release> due;
+  {
+    std::unique_lock lock(mutex_);
+    for (auto it = graves_.begin(); it != graves_.end();) {
+      if (!it->poisoned) {
+        ++it;
+        continue;
+      }
+      const auto state = blocks_.find(it->block.key);
+      if (state != blocks_.end()) {
+        if (state->second.in_flight > 0) {
+          ++it;
+          continue;
+        }
+        blocks_.erase(state);
+      }
+      due.push_back(std::move(it->release));
+      it = graves_.erase(it);
     }
-    grave.release.let_go();
-    return true;
-  });
+  }
+  for (Release& release : due) release.let_go();
 }
 
 std::int64_t AsyncStreams::races() const {

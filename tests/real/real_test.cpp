@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <optional>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "ferry/real/api.hpp"
+#include "ferry/real/loopback_streams.hpp"
 #include "grads.hpp"
 
 namespace {
@@ -24,7 +27,7 @@ using ferry::testing::Tensors;
 
 // The loopback device's streams: FERRY_LOOPBACK (sync, async, async:SEED[:MAX_DELAY_US]),
 // as ctest sets it for each run of this suite.
-ferry::real::LoopbackStreams loopback_streams() {
+ferry::real::LoopbackConfig loopback_streams() {
   const char* text = std::getenv("FERRY_LOOPBACK");
   return ferry::real::parse_loopback_streams(text == nullptr ? "" : text, "FERRY_LOOPBACK");
 }
@@ -484,7 +487,7 @@ INSTANTIATE_TEST_SUITE_P(
                                       fault(&ferry::OffloadFaults::stale_compute_stream), true}),
     [](const auto& test) { return std::string(test.param.name); });
 
-TEST(LoopbackStreamsText, ParsesEveryFormAndNamesThePlaceOfAnError) {
+TEST(LoopbackConfigText, ParsesEveryFormAndNamesThePlaceOfAnError) {
   using ferry::real::parse_loopback_streams;
   EXPECT_FALSE(parse_loopback_streams("", "X").async);
   EXPECT_FALSE(parse_loopback_streams("sync", "X").async);
@@ -502,6 +505,64 @@ TEST(LoopbackStreamsText, ParsesEveryFormAndNamesThePlaceOfAnError) {
       EXPECT_NE(std::string(e.what()).find("FERRY_LOOPBACK"), std::string::npos) << e.what();
     }
   }
+}
+
+using Block = ferry::real::LoopbackStreams::Block;
+using Release = ferry::real::LoopbackStreams::Release;
+
+TEST(InlineLoopbackStreams, CopyAndLetGoAtOnce) {
+  const auto streams = ferry::real::make_loopback_streams({});
+  ferry::real::LoopbackStreams& s = *streams;
+  s.add_stream(0, /*compute=*/true, "compute");
+  s.add_stream(1, /*compute=*/false, "d2h");
+  std::vector<std::uint8_t> device(64, 1);
+  std::vector<std::uint8_t> host(64, 0);
+  s.allocated(Block{&host, host.data(), host.size(), nullptr});
+  s.copy(1, Block{&device, device.data(), device.size(), nullptr}, 0,
+         Block{&host, host.data(), host.size(), nullptr}, 0, 64);
+  EXPECT_EQ(host, device);
+  EXPECT_FALSE(s.record(1));  // nothing to wait for
+  bool asked = false;
+  bool released = false;
+  s.release(Block{&device, device.data(), device.size(), nullptr}, {0, 1},
+            Release{[&] { return asked = true; }, [&] { released = true; }});
+  EXPECT_FALSE(asked);
+  EXPECT_TRUE(released);
+  EXPECT_EQ(device, std::vector<std::uint8_t>(64, 1));
+  EXPECT_EQ(s.races(), 0);
+}
+
+// Both callbacks of a Release may call back into the streams: under their lock such a call
+// would never return.
+TEST(AsyncLoopbackStreams, RunReleaseCallbacksWithTheLockDropped) {
+  ferry::real::LoopbackConfig config;
+  config.async = true;
+  config.seed = 1;
+  config.max_delay = std::chrono::microseconds(100);
+  const auto streams = ferry::real::make_loopback_streams(config);
+  ferry::real::LoopbackStreams& s = *streams;
+  s.add_stream(0, /*compute=*/true, "compute");
+  s.add_stream(1, /*compute=*/false, "d2h");
+  std::vector<std::uint8_t> device(64, 1);
+  std::vector<std::uint8_t> host(64, 0);
+  const Block src{&device, device.data(), device.size(), nullptr};
+  s.copy(1, src, 0, Block{&host, host.data(), host.size(), nullptr}, 0, 64);
+  s.wait(0, s.record(1));  // the host waits for the worker's signal
+  EXPECT_EQ(host, device);
+  std::atomic<bool> asked{false};
+  std::atomic<bool> released{false};
+  s.release(src, {0, 1},
+            Release{[&] {
+                      asked = s.races() == 0;
+                      return true;
+                    },
+                    [&] { released = s.races() == 0; }});
+  // The host lets go of a poisoned block at its next call.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!released && std::chrono::steady_clock::now() < until) s.synchronize(0);
+  EXPECT_TRUE(asked);
+  EXPECT_TRUE(released);
+  EXPECT_EQ(device, std::vector<std::uint8_t>(64, 0xFF));  // the sole holder: poisoned
 }
 
 TEST_F(RealFerry, NoCudaWithoutLoopbackIsAClearError) {

@@ -1,7 +1,7 @@
 #pragma once
 /// Real devices for the scheduler core: the CPU loopback device (CPU tensors play device
-/// tensors, "host" copies go to other CPU buffers; its streams run synchronously, or
-/// asynchronously on worker threads: Note [The asynchronous loopback device]) and, in
+/// tensors, "host" copies go to other CPU buffers; its streams run inline, or asynchronously
+/// on worker threads: Note [The asynchronous loopback device]) and, in
 /// cuda_device.hpp, the CUDA device. Both satisfy ferry::Backend. The compute stream is the
 /// stream current now (Note [The compute stream is the current one] in offload/tracker.hpp):
 /// the CUDA device's live current stream, the loopback device's set_current_stream().
@@ -121,15 +121,15 @@ class LoopbackDevice : public DeviceBase {
  public:
   struct Event {
     std::uint32_t index = 0;  ///< the recorder's
-    /// Asynchronous streams: the point of the last record (shared by the event's copies).
-    std::shared_ptr<AsyncStreams::Token> last;
+    /// The point of the last record, shared by the event's copies (a null token inline).
+    std::shared_ptr<LoopbackStreams::Token> last;
   };
   using Buffer = BufferHandle;
 
   /// `streams` says whether copies run at once on the host or on worker threads (Note [The
-  /// asynchronous loopback device]).
+  /// asynchronous loopback device]); the streams are made here, once.
   explicit LoopbackDevice(std::unique_ptr<Recorder> recorder = nullptr,
-                          const LoopbackStreams& streams = {});
+                          const LoopbackConfig& streams = {});
   ~LoopbackDevice() override;
   LoopbackDevice(const LoopbackDevice&) = delete;
   LoopbackDevice& operator=(const LoopbackDevice&) = delete;
@@ -152,15 +152,15 @@ class LoopbackDevice : public DeviceBase {
   /// Which tensors this device treats as device tensors.
   [[nodiscard]] static bool is_device_tensor(const at::Tensor& t) { return t.is_cpu(); }
   /// Asynchronous streams: the races observed so far (each poisoned a buffer); 0 otherwise.
-  [[nodiscard]] std::int64_t races() const { return async_ ? async_->races() : 0; }
+  [[nodiscard]] std::int64_t races() const { return streams_impl_->races(); }
 
  private:
   void produced(const BufferHandle& buffer) override;
   void consumed(const BufferHandle& buffer) override;
   void free_storage(BufferEntry& buffer) override;
-  static AsyncStreams::Block block_of(const BufferHandle& buffer);
+  static LoopbackStreams::Block block_of(const BufferHandle& buffer);
 
-  std::unique_ptr<AsyncStreams> async_;  ///< null: synchronous
+  std::unique_ptr<LoopbackStreams> streams_impl_;  ///< inline or asynchronous, never null
   /// The compute streams by name, with their indices (copy streams are not among them).
   std::vector<std::pair<std::string, std::uint32_t>> compute_streams_{{"compute", 0}};
 };

@@ -16,7 +16,7 @@
 #include "ferry/ids.hpp"
 #include "ferry/offload/faults.hpp"
 #include "ferry/offload/options.hpp"
-#include "ferry/real/loopback_streams.hpp"
+#include "ferry/real/loopback_config.hpp"
 
 namespace ferry {
 
@@ -46,8 +46,8 @@ struct RealOptions {
   bool loopback = false;
   /// How the loopback device runs its streams: synchronously (the default), or on worker
   /// threads with seeded delays so that a missing wait shows (Note [The asynchronous loopback
-  /// device] in loopback_streams.hpp). Front ends read it from FERRY_LOOPBACK.
-  LoopbackStreams loopback_streams;
+  /// device] in loopback_streams.hpp).
+  LoopbackConfig loopback_streams;
   /// Record the session's stream operations in the program format (`ferry check`).
   bool record = false;
   /// The device profile named in the recorded program.
