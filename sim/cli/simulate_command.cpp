@@ -99,7 +99,9 @@ int SimulateCommand::replay_plan(const sim::Workload& w, const sim::TrainingOpti
     return kExitBadInput;
   }
   row.value().name = "plan " + a_.plan;
-  const Parallelism& parallelism = options.fsdp.parallelism;
+  // The report names the command line's parallelism over the plan's.
+  const auto named = sim::parallelism_of(adopted);
+  const Parallelism parallelism = named ? named.value() : Parallelism{};
   print(a_.json ? sim::with_fsdp_json(sim::simulate_json(row.value(), w.model, w.device),
                                       parallelism, w.device)
                 : sim::simulate_text(row.value(), w.model, w.device) +
