@@ -4,7 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
 #include "ferry/sim/autograd/autograd.hpp"
+#include "ferry/sim/io/model_json.hpp"
 #include "sim_fixtures.hpp"
 
 namespace ferry::sim {
@@ -194,6 +200,35 @@ TEST(Checkpoint, ReentrantVariantRecomputesWholeRegions) {
   expect_clean(ck);
   EXPECT_EQ(ck.gradient_values, base.gradient_values);
   EXPECT_LT(peak(ck), peak(base));
+}
+
+// A traced model lists views as ops that produce no tensor of their own; an even split by op
+// count may end a segment on one, and a reentrant segment has nothing to return there.
+TEST(Checkpoint, ReentrantSegmentsOfATracedModelEndAtAnOpWithAnOutput) {
+  for (const char* family : {"gpt2", "llama", "gemma2"}) {
+    const std::filesystem::path path = std::filesystem::path(FERRY_TESTS_DIR) / "data" / "traced" /
+                                       (std::string(family) + ".json");
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto parsed = parse_model(text.str(), path.string());
+    ASSERT_TRUE(parsed.ok()) << parsed.error().message;
+    Model m = std::move(parsed).value();
+    assign_roofline_durations(m, testing::simple_profile());
+    const TrainingRun base = train(m, plain());
+    for (const std::int32_t segments : {2, 3, 24, 100}) {
+      TrainingOptions o = plain();
+      o.checkpoint = checkpoint_segments(m, segments, true);
+      ASSERT_FALSE(o.checkpoint.regions.empty()) << family << " " << segments;
+      EXPECT_LT(o.checkpoint.regions.size(), static_cast<std::size_t>(segments));
+      for (const CheckpointRegion& r : o.checkpoint.regions) {
+        EXPECT_FALSE(m.ops[r.end_op - 1].outputs.empty()) << family << " " << segments;
+      }
+      const TrainingRun ck = train(m, o);
+      expect_clean(ck);
+      EXPECT_EQ(ck.gradient_values, base.gradient_values) << family << " " << segments;
+    }
+  }
 }
 
 TEST(Checkpoint, SelectivePolicyRecomputesOnlyTheAttentionCore) {

@@ -34,10 +34,16 @@ CheckpointPlan checkpoint_segments(const Model& model, std::int32_t segments, bo
   const auto n = static_cast<std::uint32_t>(model.ops.size());
   if (segments <= 1 || n < 2) return plan;
   const std::uint32_t size = std::max<std::uint32_t>(1, n / static_cast<std::uint32_t>(segments));
-  for (std::uint32_t start = 0;
-       start + size < n && plan.regions.size() + 1 < static_cast<std::size_t>(segments);
-       start += size) {
-    plan.regions.push_back(CheckpointRegion{start, start + size, reentrant, std::nullopt});
+  std::uint32_t start = 0;
+  while (start + size < n && plan.regions.size() + 1 < static_cast<std::size_t>(segments)) {
+    std::uint32_t end = start + size;
+    // A reentrant segment returns its last op's output, as checkpoint_sequential's segment
+    // returns its last module's: a segment ends at an op that produces a tensor (in a traced
+    // model, a view is metadata of its base and produces none).
+    while (reentrant && end < n && model.ops[end - 1].outputs.empty()) ++end;
+    if (end >= n) break;
+    plan.regions.push_back(CheckpointRegion{start, end, reentrant, std::nullopt});
+    start = end;
   }
   return plan;  // the last segment runs without checkpointing
 }

@@ -38,6 +38,8 @@ struct CheckpointPlan {
 /// One region per `k` transformer layers (ops with layer >= 0), non-reentrant.
 [[nodiscard]] CheckpointPlan checkpoint_every(const Model& model, std::int32_t k);
 /// checkpoint_sequential: `segments` contiguous segments, every one but the last checkpointed.
+/// A reentrant segment ends at an op with an output (the tensor it returns), so it may take a
+/// few more ops than an even split.
 [[nodiscard]] CheckpointPlan checkpoint_segments(const Model& model, std::int32_t segments,
                                                  bool reentrant);
 /// Megatron-style selective policy inside regions: the attention core is recomputed, everything
