@@ -5,13 +5,18 @@ the CPU-only misuse test on a machine with it, each with its reason (pytest.ini 
 A missing `ferry` module is an error, never a skip: install it first with
 `.venv/bin/pip install --no-build-isolation ./real/python`.
 
-Loopback sessions run their streams asynchronously (FERRY_LOOPBACK, default here "async:1";
-Note [The asynchronous loopback device]): copies on worker threads with seeded delays, so that
-a missing wait gives wrong gradients. CI runs the real-backend suites with several seeds. Every
-loopback session a test makes without planted faults must end with no race observed.
+Loopback sessions run their streams asynchronously (Note [The asynchronous loopback device]):
+copies on worker threads with seeded delays, so that a missing wait gives wrong gradients. The
+package reads no environment; here FERRY_LOOPBACK ("sync", "async", "async:SEED" or
+"async:SEED:MAX_DELAY_US"; "async:1" unless set) becomes ``ferry.offload``'s typed options
+(``loopback_streams``, ``loopback_seed``, ``loopback_max_delay_us``) for each loopback region
+made without them. CI runs the real-backend suites with several seeds. Every loopback session a
+test makes without planted faults must end with no race observed.
 """
 
+import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -24,6 +29,41 @@ os.environ.setdefault("FERRY_LOOPBACK", "async:1")
 
 import ferry  # noqa: E402  (an ImportError here fails the whole run, as it should)
 import ferry_cli  # noqa: E402
+
+#: ``ferry.offload``'s options that say how a loopback device runs its streams.
+LOOPBACK_OPTIONS = ("loopback_streams", "loopback_seed", "loopback_max_delay_us")
+
+
+def loopback_options(text):
+    """FERRY_LOOPBACK's text as ``ferry.offload``'s typed options; a malformed text raises
+    ValueError naming the variable."""
+    mode, *numbers = text.split(":")
+    if text in ("", "sync"):
+        return {"loopback_streams": "sync"}
+    if mode != "async" or len(numbers) > 2 or not all(re.fullmatch("[0-9]+", n) for n in numbers):
+        raise ValueError(
+            f"FERRY_LOOPBACK={text!r}: expected sync, async, async:SEED or async:SEED:MAX_DELAY_US"
+        )
+    options = {"loopback_streams": "async"}
+    for name, number in zip(("loopback_seed", "loopback_max_delay_us"), numbers):
+        options[name] = int(number)
+    return options
+
+
+def _harness_loopback(init):
+    """``ferry.offload.__init__`` that gives a loopback region made without stream options
+    those FERRY_LOOPBACK names (read at each call: a test may set it)."""
+
+    @functools.wraps(init)
+    def wrapped(self, **options):
+        if options.get("loopback") and not any(name in options for name in LOOPBACK_OPTIONS):
+            options.update(loopback_options(os.environ.get("FERRY_LOOPBACK", "async:1")))
+        init(self, **options)
+
+    return wrapped
+
+
+ferry.offload.__init__ = _harness_loopback(ferry.offload.__init__)
 
 HAVE_CUDA = torch.cuda.is_available()
 

@@ -1,12 +1,19 @@
 """The asynchronous loopback device (Note [The asynchronous loopback device]) through the Python
 hooks: each planted ordering fault gives wrong gradients for one of at most ten seeds, while
-the same steps without it give plain PyTorch's for each seed; FERRY_LOOPBACK is checked."""
+the same steps without it give plain PyTorch's for each seed; the typed loopback options, and
+the harness's reading of FERRY_LOOPBACK into them, are checked."""
+
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import ferry
+from conftest import loopback_options
 from ferry.testing import planted_offload
 
 
@@ -16,11 +23,12 @@ def mlp(width=256):
     )
 
 
-def steps(policy, faults, frozen_first_step):
+def steps(policy, faults, frozen_first_step, **streams):
     """Two steps of two branches under one session; with `frozen_first_step` the first step asks
     for the trained branch's gradients only, so the frozen branch's tensors are prefetched and
     never unpacked, and their pinned buffers go back to the pool while the reloads may still
-    read them. Returns each step's gradients, torch's and ferry's."""
+    read them. `streams` are the loopback stream options. Returns each step's gradients, torch's
+    and ferry's."""
     torch.manual_seed(0)
     # The frozen branch's tensors have sizes of their own: the pool's buffers of those sizes
     # are the ones its prefetched reloads read.
@@ -47,6 +55,7 @@ def steps(policy, faults, frozen_first_step):
         window_bytes=1,
         prefetch_bytes=(1 << 20) if frozen_first_step else 1,
         max_fwd_stash_size=1,
+        **streams,
     )
     ctx = planted_offload(faults=faults, **options) if faults else ferry.offload(**options)
     ctx.update_model_params(trained)
@@ -78,31 +87,68 @@ CASES = [
 @pytest.mark.parametrize(
     "policy,fault,frozen_first_step", CASES, ids=[f"{p}-{f}" for p, f, _ in CASES]
 )
-def test_a_planted_ordering_fault_gives_wrong_gradients(
-    policy, fault, frozen_first_step, monkeypatch
-):
+def test_a_planted_ordering_fault_gives_wrong_gradients(policy, fault, frozen_first_step):
     for seed in range(1, 11):
         # A frozen-branch run's delays dwarf the host's work between its steps, which the
         # unread reloads must outlast.
-        delay = 20000 if frozen_first_step else 2000
-        monkeypatch.setenv("FERRY_LOOPBACK", f"async:{seed}:{delay}")
-        assert right(*steps(policy, (), frozen_first_step)), f"seed {seed} without the fault"
-        if not right(*steps(policy, (fault,), frozen_first_step)):
+        streams = dict(
+            loopback_streams="async",
+            loopback_seed=seed,
+            loopback_max_delay_us=20000 if frozen_first_step else 2000,
+        )
+        assert right(*steps(policy, (), frozen_first_step, **streams)), f"seed {seed} without it"
+        if not right(*steps(policy, (fault,), frozen_first_step, **streams)):
             return
     pytest.fail(f"{fault} under {policy} gave right gradients with ten seeds")
 
 
-def test_the_synchronous_device_cannot_see_them(monkeypatch):
+def test_the_synchronous_device_cannot_see_them():
     """Why the asynchronous device exists: synchronously, a dropped wait still reads right."""
-    monkeypatch.setenv("FERRY_LOOPBACK", "sync")
-    assert right(*steps("ferry", ("skip_reload_wait", "skip_forward_guard"), False))
+    faults = ("skip_reload_wait", "skip_forward_guard")
+    assert right(*steps("ferry", faults, False, loopback_streams="sync"))
 
 
-@pytest.mark.parametrize("text", ["asnyc", "async:x", "async:1:", "async:1:2:3", "async:1:2000000"])
-def test_a_malformed_ferry_loopback_is_a_clear_error(text, monkeypatch):
-    monkeypatch.setenv("FERRY_LOOPBACK", text)
-    with pytest.raises(ValueError, match="FERRY_LOOPBACK"):
-        ferry.offload(loopback=True)
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(loopback_streams="asnyc"), 'loopback_streams must be "sync" or "async"'),
+        (dict(loopback_streams="async", loopback_seed=-1), "loopback_seed must not be negative"),
+        (dict(loopback_streams="async", loopback_max_delay_us=2_000_000), "0 to 1000000"),
+        (dict(loopback_streams="sync", loopback_seed=1), 'go with loopback_streams="async"'),
+        (dict(loopback_max_delay_us=10), 'go with loopback_streams="async"'),
+    ],
+)
+def test_a_bad_loopback_option_is_a_clear_error(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ferry.offload(loopback=True, **options)
+
+
+def test_loopback_options_need_a_loopback_session():
+    with pytest.raises(ValueError, match=re.escape("go with loopback=True")):
+        ferry.offload(loopback_streams="async")
+
+
+def test_the_package_reads_no_ferry_loopback():
+    """Outside this harness FERRY_LOOPBACK means nothing: a text that is no mode is not read."""
+    code = "import ferry; ferry.offload(loopback=True)._session.races()"
+    env = dict(os.environ, FERRY_LOOPBACK="asnyc")
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_harness_reads_ferry_loopback_into_typed_options():
+    assert loopback_options("sync") == {"loopback_streams": "sync"}
+    assert loopback_options("async") == {"loopback_streams": "async"}
+    assert loopback_options("async:7:250") == {
+        "loopback_streams": "async",
+        "loopback_seed": 7,
+        "loopback_max_delay_us": 250,
+    }
+    for text in ["asnyc", "async:x", "async:1:", "async:1:2:3", "sync:1"]:
+        with pytest.raises(ValueError, match="FERRY_LOOPBACK"):
+            loopback_options(text)
 
 
 def test_ferry_loopback_does_not_touch_a_session_without_loopback(monkeypatch):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from typing_extensions import Self
@@ -62,10 +62,14 @@ class offload(Region):
         horizon_bytes: The bytes one forward may copy out before the rest of its saved tensors
             stay on the device, as ``ferry compare`` derives it from the link (Note [Offload
             horizon]).
-        loopback: Treat CPU tensors as device tensors (no GPU needed). Its streams run
-            synchronously, or with ``FERRY_LOOPBACK=async[:SEED[:MAX_DELAY_US]]`` in the
-            environment on worker threads with seeded delays, where a missing wait shows as NaN
-            gradients (docs/real.md, "The asynchronous loopback device").
+        loopback: Treat CPU tensors as device tensors (no GPU needed).
+        loopback_streams: How the loopback device runs its streams: ``"sync"`` (the default:
+            each copy at once on the host) or ``"async"`` (copies on worker threads with seeded
+            delays, where a missing wait shows as NaN or wrong gradients; docs/real.md, "The
+            asynchronous loopback device"). Needs ``loopback=True``.
+        loopback_seed: With ``loopback_streams="async"``: the seed of the delays (default 0).
+        loopback_max_delay_us: With ``loopback_streams="async"``: the longest delay in
+            microseconds (default 1000, at most 1 s).
         record: Record the stream program for ``ferry check`` (see ``write_program``).
         profile: The device profile the session's decisions assume.
         plan: A ``ferry.plan/1`` to apply (a path or a loaded dict, as ``ferry plan --out``
@@ -99,6 +103,9 @@ class offload(Region):
         prefetch: bool = True,
         horizon_bytes: int | None = None,
         loopback: bool = False,
+        loopback_streams: Literal["sync", "async"] | None = None,
+        loopback_seed: int | None = None,
+        loopback_max_delay_us: int | None = None,
         record: bool = False,
         profile: str | None = None,
         plan: PlanSource | None = None,
@@ -140,10 +147,6 @@ class offload(Region):
             dedup=dedup,
             prefetch=prefetch,
             loopback=loopback,
-            # How the loopback device runs its streams: "sync" (default) or "async[:SEED[:US]]",
-            # copies on worker threads with seeded delays (Note [The asynchronous loopback
-            # device]).
-            loopback_streams=os.environ.get("FERRY_LOOPBACK", "sync") if loopback else "sync",
             record=record,
         )
         for name, value in (
@@ -153,6 +156,10 @@ class offload(Region):
             ("host_reserve_bytes", host_reserve_bytes),
             ("horizon_bytes", horizon_bytes),
             ("profile", profile),
+            # How the loopback device runs its streams (Note [The asynchronous loopback device]).
+            ("loopback_streams", loopback_streams),
+            ("loopback_seed", loopback_seed),
+            ("loopback_max_delay_us", loopback_max_delay_us),
         ):
             if value is not None:
                 options[name] = value

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -15,6 +16,7 @@
 
 #include "ferry/checkpoint.hpp"
 #include "ferry/offload/options.hpp"
+#include "ferry/real/loopback_config.hpp"
 #include "ferry/real/probe.hpp"
 #include "ferry/real/runtime.hpp"
 
@@ -127,12 +129,53 @@ std::pair<std::string, std::string> probe(const std::string& device, std::int32_
           ferry::real::profile_json(result.value(), name)};
 }
 
+// The typed loopback options as the device's configuration, each named in its error.
+ferry::real::LoopbackConfig loopback_config(bool loopback,
+                                            const std::optional<std::string>& streams,
+                                            std::optional<std::int64_t> seed,
+                                            std::optional<std::int64_t> max_delay_us) {
+  ferry::real::LoopbackConfig config;
+  if (!streams && !seed && !max_delay_us) return config;
+  if (!loopback) {
+    throw std::invalid_argument(
+        "ferry: options loopback_streams, loopback_seed and loopback_max_delay_us go with "
+        "loopback=True");
+  }
+  if (streams && *streams != "sync" && *streams != "async") {
+    throw std::invalid_argument(
+        "ferry: option loopback_streams must be \"sync\" or \"async\" (got \"" + *streams + "\")");
+  }
+  config.async = streams == "async";
+  if ((seed || max_delay_us) && !config.async) {
+    throw std::invalid_argument(
+        "ferry: options loopback_seed and loopback_max_delay_us go with "
+        "loopback_streams=\"async\"");
+  }
+  if (seed) {
+    if (*seed < 0) {
+      throw std::invalid_argument("ferry: option loopback_seed must not be negative (got " +
+                                  std::to_string(*seed) + ")");
+    }
+    config.seed = static_cast<std::uint64_t>(*seed);
+  }
+  if (max_delay_us) {
+    if (*max_delay_us < 0 || *max_delay_us > ferry::real::kMaxLoopbackDelay.count()) {
+      throw std::invalid_argument("ferry: option loopback_max_delay_us must be from 0 to " +
+                                  std::to_string(ferry::real::kMaxLoopbackDelay.count()) +
+                                  " (1 s; got " + std::to_string(*max_delay_us) + ")");
+    }
+    config.max_delay = std::chrono::microseconds(*max_delay_us);
+  }
+  return config;
+}
+
 std::shared_ptr<Session> make_session(
     const std::string& policy, std::int64_t min_bytes, std::int32_t max_fwd_stash_size,
     std::int64_t window_bytes, std::int64_t prefetch_bytes, std::int64_t host_cap, bool dedup,
     bool prefetch, bool use_streams, bool loopback, bool record, const std::string& profile,
     std::int64_t host_reserve_bytes, std::optional<std::int64_t> horizon_bytes,
-    const std::string& loopback_streams, const ferry::OffloadFaults& faults) {
+    const std::optional<std::string>& loopback_streams, std::optional<std::int64_t> loopback_seed,
+    std::optional<std::int64_t> loopback_max_delay_us, const ferry::OffloadFaults& faults) {
   ferry::real::RealOptions options;
   options.offload.policy = parse_policy(policy);
   options.offload.min_bytes = ferry::Bytes(min_bytes);
@@ -144,8 +187,8 @@ std::shared_ptr<Session> make_session(
   options.offload.prefetch = prefetch;
   options.offload.use_streams = use_streams;
   options.loopback = loopback;
-  options.loopback_streams = ferry::real::parse_loopback_streams(
-      loopback_streams, "ferry: loopback_streams (FERRY_LOOPBACK)");
+  options.loopback_streams =
+      loopback_config(loopback, loopback_streams, loopback_seed, loopback_max_delay_us);
   options.record = record;
   options.profile = profile;
   options.host_reserve = ferry::Bytes(host_reserve_bytes);
@@ -244,7 +287,9 @@ void bind_session(py::module_& m) {
            py::arg("profile") = defaults.profile,
            py::arg("host_reserve_bytes") = defaults.host_reserve.count(),
            py::arg("horizon_bytes") = std::optional<std::int64_t>{},
-           py::arg("loopback_streams") = std::string("sync"),
+           py::arg("loopback_streams") = std::optional<std::string>{},
+           py::arg("loopback_seed") = std::optional<std::int64_t>{},
+           py::arg("loopback_max_delay_us") = std::optional<std::int64_t>{},
            py::arg("faults") = ferry::OffloadFaults{})
       .def("exclude", &Session::exclude, py::arg("tensor"),
            "Never offload this tensor's storage (parameters, module buffers).")
