@@ -14,7 +14,7 @@ if ((${#formats[@]} == 0)); then formats=(model program device plan); fi
 
 build=build/fuzz
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=None \
-  -DCMAKE_CXX_FLAGS="-O1 -g" -DFERRY_FUZZ=ON -DFERRY_WERROR=OFF -DFERRY_REAL=OFF \
+  -DCMAKE_CXX_FLAGS="-O1 -gline-tables-only" -DFERRY_FUZZ=ON -DFERRY_WERROR=OFF -DFERRY_REAL=OFF \
   -DFERRY_BUILD_TESTS=OFF -DFERRY_BUILD_BENCH=OFF >/dev/null
 targets=()
 for f in "${formats[@]}"; do targets+=("fuzz_$f"); done
