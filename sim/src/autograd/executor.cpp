@@ -254,7 +254,7 @@ void Executor::setup() {
       const ModelTensor& t = model_.tensors[b];
       const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Static, 1, t.name);
       resident_[j][b] = h;
-      writes.push_back(Write{h, mix_content(kParamTag, b), 0});
+      writes.push_back(Write{h, mix_content(tag::kParam, b), 0});
     }
     for (const std::uint32_t b : plan_.grads_of[j]) {
       const ModelTensor& t = model_.tensors[b];

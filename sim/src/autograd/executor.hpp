@@ -24,17 +24,8 @@
 
 namespace ferry::sim::pipelining {
 
-// See Note [Content values] in values.hpp.
-inline constexpr std::uint64_t kForwardTag = 0x46;
-inline constexpr std::uint64_t kBackwardTag = 0x42;
-inline constexpr std::uint64_t kParamTag = 0x50;
-inline constexpr std::uint64_t kInputTag = 0x49;
-inline constexpr std::uint64_t kRngTag = 0x52;
-inline constexpr std::uint64_t kGradTag = 0x47;
-inline constexpr std::uint64_t kLossTag = 0x4c;
-
 [[nodiscard]] inline std::uint64_t grad_content(std::uint64_t sum) {
-  return mix_content(kGradTag, sum);
+  return mix_content(tag::kGrad, sum);
 }
 
 enum class Kind : std::uint8_t { Static, Activation, Gradient };

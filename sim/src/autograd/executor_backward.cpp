@@ -71,7 +71,7 @@ void Executor::backward_compute(std::uint32_t i, std::uint32_t j) {
     const ModelTensor& t = model_.tensors[loss];
     const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
                                 mb_label(i, t.name + ".grad"));
-    const std::uint64_t seed = mix_content(kLossTag, i);
+    const std::uint64_t seed = mix_content(tag::kLoss, i);
     launch(j, SimTime(1), {}, {Write{h, grad_content(seed), seed}}, mb_label(i, "loss grad"));
     task.grads[loss] = h;
     if (task.output) release(*task.output);
@@ -254,7 +254,7 @@ void Executor::let_go_after_backward(std::uint32_t i, std::uint32_t j, std::uint
 void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
   const ModelOp& op = model_.ops[k];
   std::vector<Read> reads;
-  std::uint64_t h = mix_content(mix_content(kBackwardTag, k), i);
+  std::uint64_t h = mix_content(mix_content(tag::kBackward, k), i);
   const std::vector<Device::Buffer> unpacked = unpack_saved(i, j, k, reads, h);
   const std::vector<std::uint32_t> out_bases = read_output_grads(i, j, k, reads, h);
   // Contributions per target buffer; a target created here starts from zero.

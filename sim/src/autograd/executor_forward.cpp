@@ -72,7 +72,7 @@ void Executor::load_inputs(std::uint32_t i, std::uint32_t j) {
     const TensorId h =
         allocate(j, streams_->compute(j), t.bytes, Kind::Activation, 1, mb_label(i, t.name));
     task.inputs[b] = h;
-    writes.push_back(Write{h, mix_content(mix_content(kInputTag, b), i), 0});
+    writes.push_back(Write{h, mix_content(mix_content(tag::kInput, b), i), 0});
   }
   FERRY_CHECK(writes.size() <= kMaxWrites, "{} batch inputs on one device", writes.size());
   if (!writes.empty()) launch(j, SimTime(1), {}, writes, mb_label(i, "load batch"));
@@ -123,7 +123,7 @@ void Executor::pop_skips(std::uint32_t i, std::uint32_t k, Task& task, bool grad
 
 std::uint64_t Executor::gather_reads(std::uint32_t i, const Task& task, std::uint32_t j,
                                      std::uint32_t k, std::vector<Read>& reads) {
-  std::uint64_t value = mix_content(mix_content(kForwardTag, k), i);
+  std::uint64_t value = mix_content(mix_content(tag::kForward, k), i);
   std::vector<std::uint32_t> read_tensors;
   for (const Access& a : plan_.reads[k]) {
     const TensorId h = source(task, j, a);
@@ -136,7 +136,7 @@ std::uint64_t Executor::gather_reads(std::uint32_t i, const Task& task, std::uin
   }
   if (model_.ops[k].draws_rng) {
     const std::uint32_t g = plan_.generator_of[k];
-    value = mix_content(value, mix_content(mix_content(kRngTag, g), rng_.draw(g)));
+    value = mix_content(value, mix_content(mix_content(tag::kRng, g), rng_.draw(g)));
   }
   return value;
 }

@@ -107,8 +107,7 @@ Bytes ceil_div(Bytes bytes, std::int64_t parts) {
   return Bytes((bytes.count() + parts - 1) / parts);
 }
 
-constexpr std::uint64_t kShardSalt = 0x7368617264;  // "shard"
-constexpr std::size_t kRootUnit = 0;                // Fsdp2::units_: the root first
+constexpr std::size_t kRootUnit = 0;  // Fsdp2::units_: the root first
 
 }  // namespace
 
@@ -223,7 +222,7 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
     const Bytes shard = std::max(Bytes(1), ceil_div(unit.master, parallelism_.shard_group()));
     unit.shard = rank_.allocate_on(current(), shard, fmt::format("unit {} shard", unit.layer));
     writes.push_back(Region{unit.shard.id, Bytes(0), shard});
-    values.push_back(mix_content(kShardSalt, u));
+    values.push_back(mix_content(tag::kShard, u));
     rank_.note_write(unit.shard, Bytes(0), shard, values.back());
     for (const std::uint32_t p : unit.params) rank_.bind_param(p, unit.shard, Bytes(0));
   }

@@ -29,7 +29,7 @@ namespace ferry::sim::training {
 
 /// A parameter's content value: its index (Note [Content values]).
 [[nodiscard]] constexpr std::uint64_t param_value(std::uint32_t p) {
-  return mix_content(0x706172616d, p);  // "param"
+  return mix_content(tag::kParam, p);
 }
 
 /// What a parallelism's hooks reach of the rank they run on (Note [Step hooks]).

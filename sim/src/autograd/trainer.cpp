@@ -327,9 +327,10 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
   for (const std::uint32_t t : op.inputs) seed = mix_content(seed, lookup(t).value);
   if (op.draws_rng) {
     if (!device_rng_initialized_) device_rng_initialized_ = true;
-    seed = mix_content(seed, mix_content(0x726e67, generators_.draw(kDeviceRng)));
+    seed = mix_content(seed, mix_content(tag::kRng, generators_.draw(kDeviceRng)));
   }
-  if (op.draws_cpu_rng) seed = mix_content(seed, mix_content(0x637075, generators_.draw(kCpuRng)));
+  if (op.draws_cpu_rng)
+    seed = mix_content(seed, mix_content(tag::kCpuRng, generators_.draw(kCpuRng)));
   std::vector<Region> reads;
   std::vector<Region> writes;
   std::vector<std::uint64_t> values;
@@ -474,7 +475,7 @@ void Trainer::forward() {
     if (tensor.role != TensorRole::Input || tensor.view_of >= 0) continue;
     const Device::Buffer buf = must_allocate(tensor.bytes, tensor.name);
     // Each rank of a node run loads a batch of its own.
-    std::uint64_t value = mix_content(mix_content(0x6261746368, step_), t);
+    std::uint64_t value = mix_content(mix_content(tag::kBatch, step_), t);
     if (dev_.value() > 0) value = mix_content(value, dev_.value());  // the rank
     scopes_[0].bound[t] = Bound{buf, Bytes(0), value};
     batch.push_back(Region{buf.id, Bytes(0), tensor.bytes});

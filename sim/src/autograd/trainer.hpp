@@ -71,8 +71,6 @@ struct FrameInfo {
   bool released = false;                               // inputs and caches let go
 };
 
-constexpr std::uint64_t kGradSalt = 0x67726164;  // "grad"
-
 // One rank of a node run (Note [Node run] in node_run.cpp): the simulator the ranks share,
 // this rank's device there, and the turn it takes before each forward op and backward node.
 struct NodeRank {

@@ -292,7 +292,7 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
   std::vector<Region> reads;
   std::vector<Region> writes;
   std::vector<std::uint64_t> values;
-  std::uint64_t g = mix_content(kGradSalt, n + 1);
+  std::uint64_t g = mix_content(tag::kGrad, n + 1);
   switch_to(op_stream(n, false));  // the engine runs a node on its forward's stream
   const std::vector<Device::Buffer> unpacked = unpack_node(n, reads, g);
   if (escaped_) reads.push_back(Region{escaped_->id, Bytes(0), Bytes(1)});
@@ -392,7 +392,7 @@ void Trainer::backward(bool last_pass) {
   offloader_.backward_begin(options_.announce_order ? std::span<const NodeId>(nodes)
                                                     : std::span<const NodeId>());
   const std::uint32_t loss = base(model_.loss);
-  grad_values_[loss] = mix_content(kGradSalt, 0);
+  grad_values_[loss] = mix_content(tag::kGrad, 0);
   switch_to(compute_);
   sim_.kernel(current_, SimTime(1), {},
               std::vector<Region>{Region{grad(loss).id, Bytes(0), model_.tensors[loss].bytes}},

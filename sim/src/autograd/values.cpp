@@ -71,7 +71,7 @@ std::uint64_t ContentMap::value(BufferId buffer, Bytes offset, Bytes bytes) cons
 
 std::uint64_t value_of(const Pieces& pieces) {
   if (pieces.size() == 1 && pieces[0].base.count() == 0) return pieces[0].id;
-  std::uint64_t v = 0x7069656365;
+  std::uint64_t v = tag::kPieces;
   for (const ContentPiece& p : pieces) {
     v = mix_content(mix_content(v, p.id), static_cast<std::uint64_t>(p.base.count()));
   }

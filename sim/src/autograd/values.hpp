@@ -30,6 +30,22 @@ namespace ferry::sim {
 // simulator's content shadow does; a kernel that reads a tensor asks the simulator to verify
 // that the bytes it reads are the pieces recorded here.
 
+/// The tags content values start from (Note [Content values]), one per kind of origin, for the
+/// Trainer and the pipeline Executor alike. Each is its name's ASCII bytes.
+namespace tag {
+inline constexpr std::uint64_t kParam = 0x706172616d;   // "param": a parameter, by index
+inline constexpr std::uint64_t kBatch = 0x6261746368;   // "batch": a step's input
+inline constexpr std::uint64_t kInput = 0x696e707574;   // "input": a micro-batch's input
+inline constexpr std::uint64_t kForward = 0x66776400;   // "fwd": a forward op's output
+inline constexpr std::uint64_t kBackward = 0x62776400;  // "bwd": a backward node's output
+inline constexpr std::uint64_t kGrad = 0x67726164;      // "grad": a gradient
+inline constexpr std::uint64_t kLoss = 0x6c6f7373;      // "loss": a loss's seed gradient
+inline constexpr std::uint64_t kRng = 0x726e67;         // "rng": a device generator's draw
+inline constexpr std::uint64_t kCpuRng = 0x637075;      // "cpu": the CPU generator's draw
+inline constexpr std::uint64_t kShard = 0x7368617264;   // "shard": an FSDP2 shard
+inline constexpr std::uint64_t kPieces = 0x7069656365;  // "piece": a value made of pieces
+}  // namespace tag
+
 using Pieces = std::vector<ContentPiece>;
 
 /// What each storage holds, by buffer id: pieces of content values.
