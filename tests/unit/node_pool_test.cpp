@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "ferry/sim/engine/node_pool.hpp"
+#include "ferry/sim/support/node_pool.hpp"
 
 namespace ferry::sim {
 namespace {

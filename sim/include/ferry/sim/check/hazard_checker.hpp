@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "ferry/ids.hpp"
-#include "ferry/sim/engine/node_pool.hpp"
+#include "ferry/sim/support/node_pool.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {

@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "ferry/sim/engine/node_pool.hpp"
+#include "ferry/sim/support/node_pool.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {

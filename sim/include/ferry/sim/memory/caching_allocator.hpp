@@ -16,9 +16,9 @@
 
 #include "ferry/ids.hpp"
 #include "ferry/result.hpp"
-#include "ferry/sim/engine/node_pool.hpp"
 #include "ferry/sim/memory/allocator_event.hpp"
 #include "ferry/sim/memory/stream_markers.hpp"
+#include "ferry/sim/support/node_pool.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
