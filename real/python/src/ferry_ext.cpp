@@ -361,7 +361,7 @@ void bind_checkpoint(py::module_& m) {
       "_frame_begin",
       [](py::object replay, const std::vector<at::Tensor>& inputs, bool early_stop,
          bool determinism_check, bool preserve_rng_state, bool check_inputs) {
-        ferry::CheckpointOptions options;
+        ferry::real::CheckpointOptions options;
         options.early_stop = early_stop;
         options.determinism_check = determinism_check;
         options.preserve_rng_state = preserve_rng_state;

@@ -76,6 +76,9 @@ class NoOffloadGuard {
   NoOffloadGuard& operator=(const NoOffloadGuard&) = delete;
 };
 
+/// The options of one checkpointed region, as the C++ API names them (the runtime's own type).
+using real::CheckpointOptions;
+
 using CheckpointFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 /// Runs `fn(inputs)` keeping none of its saved tensors; backward recomputes them (non-reentrant,

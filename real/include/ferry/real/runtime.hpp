@@ -18,7 +18,7 @@
 #include "ferry/offload/options.hpp"
 #include "ferry/real/loopback_config.hpp"
 
-namespace ferry {
+namespace ferry::real {
 
 /// Options of one checkpointed region (torch.utils.checkpoint's).
 struct CheckpointOptions {
@@ -33,10 +33,6 @@ struct CheckpointOptions {
   /// (torch's allow_mutation_on_saved_tensors). See Note [Saved-tensor contract].
   bool check_inputs = true;
 };
-
-}  // namespace ferry
-
-namespace ferry::real {
 
 /// Options of one offload session on the real backend.
 struct RealOptions {
