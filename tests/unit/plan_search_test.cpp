@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <set>
@@ -92,7 +93,8 @@ class TableCost final : public CostModel {
 
 struct Fixture {
   Fixture() {
-    auto d = load_device_profile(std::string(FERRY_SCENARIOS_DIR) + "/devices", "h100-sxm-pcie5");
+    auto d = load_device_profile(std::filesystem::path(FERRY_SCENARIOS_DIR) / "devices",
+                                 "h100-sxm-pcie5");
     EXPECT_TRUE(d.ok());
     device = d.value();
     auto m = model_preset("tiny-gpt");
