@@ -3,7 +3,7 @@
 Nothing is skipped silently: the only skips are the `gpu` tests on a machine without CUDA and
 the CPU-only misuse test on a machine with it, each with its reason (pytest.ini shows them).
 A missing `ferry` module is an error, never a skip: install it first with
-`.venv/bin/pip install --no-build-isolation ./real/python`.
+`scripts/package.sh BUILD_DIR` (or `pip install --no-build-isolation --no-deps .`).
 
 Loopback sessions run their streams asynchronously (Note [The asynchronous loopback device]):
 copies on worker threads with seeded delays, so that a missing wait gives wrong gradients. The

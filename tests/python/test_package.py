@@ -1,65 +1,85 @@
-"""real/python/setup.py packages the CMake build's ferry._C: a build that cannot give it is
-refused with a message naming the build and the way out, before anything is copied."""
+"""The package has one install route, the top-level pyproject.toml (scikit-build-core over the
+CMake project); scripts/package.sh takes it from an existing build. The installed package is
+whole (every subpackage, both extensions, the CLI and the scenarios, nothing the sources no
+longer have), and a configuration that cannot give it is refused by name."""
 
 import os
+import shutil
 import subprocess
 import sys
 
+import pytest
+
+import ferry
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SOURCE = os.path.join(REPO, "real", "python", "ferry")
+INSTALLED = os.path.dirname(os.path.abspath(ferry.__file__))
 
 
-def build_ext(tmp_path, build_dir):
-    env = dict(os.environ, FERRY_BUILD_DIR=str(build_dir))
-    return subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "real", "python", "setup.py"),
-            "build_ext",
-            "--build-lib",
-            str(tmp_path / "lib"),
-            "--build-temp",
-            str(tmp_path / "temp"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-
-
-def test_a_build_without_the_module_target_is_refused_by_name(tmp_path):
-    build = tmp_path / "build"
-    build.mkdir()
-    (build / "CMakeCache.txt").write_text("FERRY_PYTHON:FILEPATH=/nowhere/bin/python\n")
-    out = build_ext(tmp_path, build)
-    assert out.returncode != 0
-    assert f"the CMake build {build} has no target ferry_python" in out.stderr
-    assert "-DFERRY_REAL=ON" in out.stderr and "FERRY_BUILD_DIR" in out.stderr
-    assert not (tmp_path / "lib").exists()
-
-
-def test_the_package_is_copied_whole_and_afresh(tmp_path):
-    """``build_py`` copies every package under ferry/ (ferry._plan among them) and leaves
-    nothing an earlier build copied that the sources no longer have (ferry/_plan.py)."""
-    lib = tmp_path / "lib"
-    (lib / "ferry").mkdir(parents=True)
-    (lib / "ferry" / "_plan.py").write_text("stale = True\n")
-    out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "real", "python", "setup.py"), "build_py"]
-        + ["--build-lib", str(lib)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    source = os.path.join(REPO, "real", "python", "ferry")
-    packages = {
-        os.path.relpath(root, source)
-        for root, _, files in os.walk(source)
-        if "__init__.py" in files and "__pycache__" not in root
+def packages_under(root):
+    return {
+        os.path.relpath(folder, root)
+        for folder, _, files in os.walk(root)
+        if "__init__.py" in files and "__pycache__" not in folder
     }
-    assert {".", "_plan", "_trace", "_cli"} <= packages
-    for package in packages:
-        assert (lib / "ferry" / package / "__init__.py").exists(), package
-    assert (lib / "ferry" / "_plan" / "_run.py").exists()
-    assert not (lib / "ferry" / "_plan.py").exists()
+
+
+def modules_under(root):
+    return {
+        os.path.relpath(os.path.join(folder, name), root)
+        for folder, _, files in os.walk(root)
+        if "__pycache__" not in folder
+        for name in files
+        if name.endswith(".py")
+    }
+
+
+def test_the_installed_package_is_the_sources_whole_and_no_more():
+    assert INSTALLED != SOURCE, "ferry is imported from its sources, not from an install"
+    assert {".", "_plan", "_trace", "_cli"} <= packages_under(SOURCE)
+    assert modules_under(INSTALLED) == modules_under(SOURCE)
+    assert not os.path.exists(os.path.join(INSTALLED, "_plan.py"))
+
+
+def test_the_installed_package_holds_both_extensions_the_cli_and_the_scenarios():
+    names = os.listdir(INSTALLED)
+    assert any(n.startswith("_C.") and n.endswith(".so") for n in names), names
+    assert any(n.startswith("_simulator.") and n.endswith(".so") for n in names), names
+    cli = os.path.join(INSTALLED, "bin", "ferry")
+    assert os.access(cli, os.X_OK)
+    assert os.path.isdir(os.path.join(INSTALLED, "scenarios", "devices"))
+    out = subprocess.run([cli, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
+
+
+def test_a_configuration_without_the_modules_is_refused_by_name(tmp_path):
+    """What scikit-build-core configures (SKBUILD set) without the real backend cannot give the
+    package: CMake stops and says so, before anything is built."""
+    if shutil.which("cmake") is None:
+        pytest.fail("cmake is not on PATH (scripts/setup.sh installs it)")
+    out = subprocess.run(
+        ["cmake", "-S", REPO, "-B", str(tmp_path / "build"), "-DSKBUILD=2", "-DFERRY_REAL=OFF"]
+        + ["-DFERRY_BUILD_TESTS=OFF", "-DFERRY_BUILD_BENCH=OFF"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0
+    assert "the Python package needs the modules ferry._C and ferry._simulator" in out.stderr
+
+
+@pytest.mark.parametrize("build", ["missing", "empty"])
+def test_package_script_refuses_a_folder_that_is_not_a_build(tmp_path, build):
+    folder = tmp_path / "build"
+    if build == "empty":
+        folder.mkdir()
+    out = subprocess.run(
+        [os.path.join(REPO, "scripts", "package.sh"), str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, FERRY_PYTHON=sys.executable),
+    )
+    assert out.returncode == 2
+    assert f"package: {folder} has no CMakeCache.txt" in out.stderr

@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 try:
-    # setup.py takes the version from the top-level CMakeLists.txt, ferry's one version number.
+    # pyproject.toml takes the version from the top-level CMakeLists.txt, ferry's one version.
     __version__ = _metadata.version("ferry")
 except _metadata.PackageNotFoundError:  # imported from a source tree, not installed
     __version__ = "unknown"
