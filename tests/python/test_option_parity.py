@@ -2,7 +2,7 @@
 in this process and `ferry simulate / compare / plan ... --json` refuse the same values with the
 same message (Python's ValueError or PlanError is the text the CLI prints after "error: ",
 exit 2), and accept the same values with equal documents (Note [One check for both edges] in
-sim/include/ferry/sim/api/run_spec.hpp).
+sim/include/ferry/sim/api/requests.hpp).
 
 The property draws each numeric option in and out of its bounds, and the text options from good
 and bad values, from one seeded generator; a failure names the seed and the case. A number out
