@@ -23,8 +23,8 @@ struct PlanArgs {
   std::string budget;
   std::string host_budget;
   std::string out;
-  std::string plot;             // --sweep: the SVG plot's file
-  std::string memory_snapshot;  // the plan's run as a PyTorch memory snapshot
+  std::string plot;                   // --sweep: the SVG plot's file
+  std::string memory_snapshot;        // the plan's run as a PyTorch memory snapshot
   std::optional<std::string> margin;  // none: sim::kDefaultPlanMarginPermille
   bool json = false;
   TextFlags text;
@@ -156,7 +156,8 @@ int PlanCommand::run() const {
       fmt::print(stderr, "ferry plan: error: --memory-snapshot: the plan's run did not start\n");
       return kExitFailed;
     }
-    if (const int rc = write_memory_snapshot(r.plan->run->sim, a_.memory_snapshot, "plan", a_.json)) {
+    if (const int rc =
+            write_memory_snapshot(r.plan->run->sim, a_.memory_snapshot, "plan", a_.json)) {
       return rc;
     }
   }

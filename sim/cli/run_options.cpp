@@ -91,13 +91,12 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   cmd->add_flag("--no-early-stop", args.no_early_stop, "Recompute whole checkpointed regions");
   CLI::Option* fsdp = add_fsdp_options(cmd, a.fsdp, args.text);
   add_allocator_option(cmd, args.text);
-  cmd->add_option("--devices", a.devices, "Pipeline over N devices (GPipe); 1: no pipeline")
+  // Their bounds are the request's (Note [One check for both edges]).
+  cmd->add_option("--devices", a.devices, "Pipeline over N devices (GPipe), 1..64; 1: no pipeline")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64))
       ->excludes(fsdp);
-  cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches, 1..1024")
+      ->capture_default_str();
   if (simulate) {
     cmd->add_option("--pipeline-checkpoint", s.pipeline_checkpoint,
                     "Pipeline checkpoint mode: always, except_last or never")

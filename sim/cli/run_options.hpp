@@ -42,7 +42,7 @@ struct RunArgs {
   bool no_early_stop = false;
   bool no_checker = false;
   TextFlags text;
-  sim::RunKnobs run;  // the numbers, bound to their flags as they are
+  sim::RunKnobs run;              // the numbers, bound to their flags as they are
   sim::SimulateRequest simulate;  // simulate's own options (policy, checkpoint plan, ...)
 };
 

@@ -246,11 +246,11 @@ void bind_runs(py::module_& m) {
       py::kw_only(), py::arg("min_bytes") = d.run.min_bytes,
       py::arg("window_mib") = d.run.window_mib, py::arg("prefetch_mib") = d.run.prefetch_mib,
       py::arg("host_cap_gib") = d.run.host_cap_gib, py::arg("stash") = d.run.stash,
-      py::arg("steps") = d.run.steps, py::arg("check") = d.run.check,
-      py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
-      py::arg("hsdp") = d.run.fsdp.replicas, py::arg("reshard_after_forward") = true,
-      py::arg("allocator") = py::none(), py::arg("devices") = d.run.devices,
-      py::arg("micro_batches") = d.run.micro_batches, "`ferry compare --json`'s document");
+      py::arg("steps") = d.run.steps, py::arg("check") = d.run.check, py::arg("fsdp") = py::none(),
+      py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.fsdp.replicas,
+      py::arg("reshard_after_forward") = true, py::arg("allocator") = py::none(),
+      py::arg("devices") = d.run.devices, py::arg("micro_batches") = d.run.micro_batches,
+      "`ferry compare --json`'s document");
 }
 
 void bind_plans(py::module_& m) {
@@ -274,8 +274,8 @@ void bind_plans(py::module_& m) {
         request.allocator = allocator_of(allocator);
         if (margin) {
           const auto* text = std::get_if<std::string>(&*margin);
-          request.margin_permille = value_or_raise(text ? sim::margin_permille(*text)
-                                                        : sim::margin_permille(std::get<double>(*margin)));
+          request.margin_permille = value_or_raise(
+              text ? sim::margin_permille(*text) : sim::margin_permille(std::get<double>(*margin)));
         }
         return plan(request);
       },

@@ -233,8 +233,8 @@ TEST(FsdpRequest, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
   }
   // A number of ranks from Python is refused as its text is.
   EXPECT_EQ(reshard_ranks(4).value(), Reshard::K(4));
-  for (const std::int64_t bad : {std::int64_t{1}, std::int64_t{0}, std::int64_t{-3},
-                                 std::int64_t{1} << 40}) {
+  for (const std::int64_t bad :
+       {std::int64_t{1}, std::int64_t{0}, std::int64_t{-3}, std::int64_t{1} << 40}) {
     EXPECT_EQ(reshard_ranks(bad).error().message,
               parse_reshard(std::to_string(bad)).error().message)
         << bad;
@@ -243,9 +243,8 @@ TEST(FsdpRequest, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
 
 TEST(FsdpRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
   EXPECT_EQ(parallelism_of(FsdpRequest{}).value(), Parallelism{});
-  EXPECT_EQ(parallelism_of(FsdpRequest{.ranks = 16,
-                                       .replicas = 2,
-                                       .reshard_after_forward = Reshard::K(4)})
+  EXPECT_EQ(parallelism_of(
+                FsdpRequest{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)})
                 .value(),
             (Parallelism{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
   EXPECT_EQ(parallelism_of(FsdpRequest{.ranks = 0}).error().message,

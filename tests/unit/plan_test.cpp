@@ -11,11 +11,11 @@
 #include <string>
 
 #include "ferry/plan/plan.hpp"
+#include "ferry/sim/export/memory_snapshot.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/planner/bound.hpp"
 #include "ferry/sim/planner/planner.hpp"
-#include "ferry/sim/export/memory_snapshot.hpp"
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
 #include "ferry/sim/report/tables.hpp"

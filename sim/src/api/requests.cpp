@@ -4,13 +4,17 @@
 
 #include <charconv>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/planner/lower.hpp"
 #include "ferry/sim/planner/report.hpp"
+#include "ferry/sim/planner/sweep.hpp"
 #include "ferry/sim/report/tables.hpp"
 #include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/configurations.hpp"
@@ -74,7 +78,7 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
     return pipeline.error();
   }
   if (k.devices > 1 && k.fsdp.ranks) {
-    return Error{fmt::format("--devices {}: a pipeline runs without --fsdp", k.devices)};
+    return Error{"--fsdp excludes --devices"};
   }
   return parallelism;
 }
@@ -345,14 +349,17 @@ Result<Response> respond(const PlanRequest& r) {
   if (!workload) return workload.error();
   const Workload& w = workload.value();
   PlannerOptions options = std::move(asked).value();
-  FsdpRequest fsdp = r.fsdp;
-  adopt_parallelism(fsdp, w.model.parallelism);
-  auto parallelism = parallelism_of(fsdp);
-  if (!parallelism) {
-    return Error{
-        fmt::format("{}: parallelism: {}", r.target.model.name, parallelism.error().message)};
+  if (w.model.parallelism.on()) {
+    // What the request left out is the model file's: the parallelism is checked again with it.
+    FsdpRequest fsdp = r.fsdp;
+    adopt_parallelism(fsdp, w.model.parallelism);
+    auto parallelism = parallelism_of(fsdp);
+    if (!parallelism) {
+      return Error{
+          fmt::format("{}: parallelism: {}", r.target.model.name, parallelism.error().message)};
+    }
+    options.fsdp.parallelism = parallelism.value();
   }
-  options.fsdp.parallelism = parallelism.value();
   auto allocator = allocator_of(r.allocator, w.model);
   if (!allocator) {
     return Error{
@@ -462,16 +469,18 @@ Result<std::int32_t> margin_permille(std::string_view text) {
 Result<std::int32_t> margin_permille(double percent) {
   // As its text: a whole number as itself ("51"), else with the shortest decimals ("50.5").
   const double tenths = percent * 10;
-  const bool whole = std::isfinite(percent) && percent == std::trunc(percent) &&
-                     std::fabs(percent) < 1e15;
+  const bool whole =
+      std::isfinite(percent) && percent == std::trunc(percent) && std::fabs(percent) < 1e15;
   const std::string text =
       whole ? fmt::format("{}", static_cast<std::int64_t>(percent)) : fmt::format("{}", percent);
-  if (!std::isfinite(percent) || std::fabs(tenths - std::round(tenths)) > 1e-6 * std::fabs(tenths)) {
+  if (!std::isfinite(percent) ||
+      std::fabs(tenths - std::round(tenths)) > 1e-6 * std::fabs(tenths)) {
     return Error{fmt::format(
         "--margin: \"{}\" is not a percentage of the budget such as 6, 5.5 or 6%", text)};
   }
   if (percent < 0 || std::round(tenths) > kMaxPlanMarginPermille) {
-    return Error{fmt::format("--margin: {} % is not in 0..{} %", text, kMaxPlanMarginPermille / 10)};
+    return Error{
+        fmt::format("--margin: {} % is not in 0..{} %", text, kMaxPlanMarginPermille / 10)};
   }
   return static_cast<std::int32_t>(std::round(tenths));
 }

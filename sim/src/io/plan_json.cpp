@@ -69,8 +69,9 @@ Json plan_json(const Plan& plan) {
   if (plan.parallelism.on()) j["parallelism"] = parallelism_json(plan.parallelism);
   Json regions = Json::array();
   for (const PlanRegion& r : plan.regions) {
-    regions.push_back(
-        {{"first_op", r.first_op}, {"end_op", r.end_op}, {"inputs", saved_decision_name(r.inputs)}});
+    regions.push_back({{"first_op", r.first_op},
+                       {"end_op", r.end_op},
+                       {"inputs", saved_decision_name(r.inputs)}});
   }
   j["regions"] = std::move(regions);
   Json ops = Json::array();
@@ -100,7 +101,8 @@ std::string plan_to_json(const Plan& plan) {
     for (const Json& item : items) {
       std::string fields;
       for (const auto& [key, value] : item.items()) {
-        fields += fmt::format("{}{}: {}", fields.empty() ? "" : ", ", Json(key).dump(), value.dump());
+        fields +=
+            fmt::format("{}{}: {}", fields.empty() ? "" : ", ", Json(key).dump(), value.dump());
       }
       lines += fmt::format("{}\n    {{{}}}", lines.empty() ? "" : ",", fields);
     }

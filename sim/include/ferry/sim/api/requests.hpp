@@ -8,18 +8,15 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
-#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <vector>
 
 #include "ferry/parallelism.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/api/load.hpp"
 #include "ferry/sim/planner/planner.hpp"
-#include "ferry/sim/planner/sweep.hpp"
 #include "ferry/sim/runs/measure.hpp"
 
 namespace ferry::sim {
@@ -59,7 +56,7 @@ struct Target {
 struct FsdpRequest {
   std::optional<std::int32_t> ranks{};  ///< 1..1000000; none: the model file's, else no FSDP
   std::optional<std::int32_t> nodes{};  ///< 1..1000000; none: as few as gpus_per_node allow
-  std::int32_t replicas = 1;          ///< 1..1000000
+  std::int32_t replicas = 1;            ///< 1..1000000
   Reshard reshard_after_forward{};
 };
 
@@ -131,7 +128,7 @@ struct PlanRequest {
   std::optional<Bytes> host_budget;  ///< none: no limit but the pool's
   std::int32_t steps = 2;            ///< 1..100; per simulation, the last is measured
   FsdpRequest fsdp{};
-  std::optional<AllocatorMode> allocator;      ///< none: the model file's, else default
+  std::optional<AllocatorMode> allocator;       ///< none: the model file's, else default
   std::optional<std::int32_t> margin_permille;  ///< 0..500; none: kDefaultPlanMarginPermille
   std::int32_t sweep = 0;                       ///< budgets of a sweep, 2..100; 0: one plan
   bool memory_snapshot = false;                 ///< keep the plan's checked run (recorded)
