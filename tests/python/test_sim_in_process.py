@@ -1,4 +1,4 @@
-"""The simulator and planner inside `ferry._C`: `ferry.simulate`, `ferry.compare` and
+"""The simulator and planner inside `ferry._simulator`: `ferry.simulate`, `ferry.compare` and
 `ferry.plan` return the documents `ferry simulate / compare / plan --json` print, field for
 field, without a subprocess; plans are checked and lowered by the simulator's own code."""
 
