@@ -2,77 +2,103 @@
 
 #include <fmt/format.h>
 
+#include "command.hpp"
+#include "ferry/sim/report/tables.hpp"
+
 namespace ferry::cli {
 
-std::string fsdp_line(const Parallelism& p, const sim::DeviceProfile& device) {
-  if (!p.on()) return {};
-  const std::int32_t nodes = p.node_count(device.collectives.gpus_per_node);
-  return fmt::format(
-      "FSDP2 over {} ranks on {} node{}{}, reshard after forward: {}; every figure is one "
-      "rank's (its pinned memory: its part of the node's)\n",
-      p.ranks, nodes, nodes == 1 ? "" : "s",
-      p.replicas > 1 ? fmt::format(", {} HSDP replica groups", p.replicas) : "",
-      to_string(p.reshard_after_forward));
+sim::Target TargetFlags::target() const {
+  return sim::Target{.model = {.name = model}, .device = device, .scenarios = scenarios};
 }
 
-CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec) {
-  CLI::Option* fsdp = cmd->add_option(
-      "--fsdp", spec.ranks,
+CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpRequest& fsdp, TextFlags& text) {
+  CLI::Option* ranks = cmd->add_option(
+      "--fsdp", fsdp.ranks,
       "FSDP2 over N ranks (1..1000000): each layer and the root fully_shard'ed; figures are one "
       "rank's (docs/fsdp.md)");
-  cmd->add_option("--nodes", spec.nodes,
+  cmd->add_option("--nodes", fsdp.nodes,
                   "With --fsdp: nodes the ranks span, 1..1000000 (default: as few as the device's "
                   "gpus_per_node allow)");
   cmd->add_option(
-      "--hsdp", spec.replicas,
+      "--hsdp", fsdp.replicas,
       "With --fsdp: HSDP replica groups, 1..1000000 (shard within a group, all-reduce across)");
-  cmd->add_option("--reshard-after-forward", spec.reshard_after_forward,
+  cmd->add_option("--reshard-after-forward", text.reshard_after_forward,
                   "With --fsdp: true, false, or K (keep a 1/K shard after forward)")
       ->capture_default_str();
-  return fsdp;
+  return ranks;
 }
 
-void add_allocator_option(CLI::App* cmd, std::optional<std::string>& name) {
-  cmd->add_option("--allocator", name,
+void add_allocator_option(CLI::App* cmd, TextFlags& text) {
+  cmd->add_option("--allocator", text.allocator,
                   "The caching allocator's settings: default, or expandable "
                   "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; docs/allocators.md). "
                   "Default: the model file's \"allocator\", else default");
 }
 
-void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
-  sim::RunSpec& a = args.run;
-  cmd->add_option("--model", args.model, "Model preset or model JSON file")->capture_default_str();
-  cmd->add_option("--device", args.device, "Device profile name or JSON file")
+void add_target_options(CLI::App* cmd, TargetFlags& target) {
+  cmd->add_option("--model", target.model, "Model preset or model JSON file")
       ->capture_default_str();
+  cmd->add_option("--device", target.device, "Device profile name or JSON file")
+      ->capture_default_str();
+}
+
+Status apply_text_flags(const TextFlags& text, sim::FsdpRequest& fsdp,
+                        std::optional<sim::AllocatorMode>& allocator) {
+  auto reshard = sim::parse_reshard(text.reshard_after_forward);
+  if (!reshard) return reshard.error();
+  fsdp.reshard_after_forward = reshard.value();
+  if (text.allocator) {
+    auto mode = sim::allocator_mode(*text.allocator);
+    if (!mode) return mode.error();
+    allocator = mode.value();
+  }
+  return Ok{};
+}
+
+Result<sim::RunKnobs> run_knobs(const RunArgs& args) {
+  sim::RunKnobs k = args.run;
+  k.prefetch = !args.no_prefetch;
+  k.dedup = !args.no_dedup;
+  k.early_stop = !args.no_early_stop;
+  k.check = !args.no_checker;
+  if (auto applied = apply_text_flags(args.text, k.fsdp, k.allocator); !applied) {
+    return applied.error();
+  }
+  return k;
+}
+
+void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
+  sim::RunKnobs& a = args.run;
+  sim::SimulateRequest& s = args.simulate;
+  add_target_options(cmd, args.target);
   if (simulate) {
-    cmd->add_option("--policy", a.policy, "none, trl, trl-seed or ferry")->capture_default_str();
+    cmd->add_option("--policy", s.policy, "none, trl, trl-seed or ferry")->capture_default_str();
     cmd->add_option("--trace", args.trace, "Write a Chrome/Perfetto trace JSON to FILE");
     cmd->add_option("--memory-snapshot", args.memory_snapshot,
                     "Write the device memory history to FILE as a PyTorch memory snapshot "
                     "pickle (pytorch.org/memory_viz)");
     cmd->add_option("--plan", args.plan, "Replay a plan file (ferry.plan/1) written by ferry plan");
     cmd->add_option(
-           "--checkpoint", a.checkpoint,
+           "--checkpoint", s.checkpoint,
            "none, every:K, selective, op-sac (torchtitan's op-level selective), segments:N "
            "or reentrant-segments:N")
         ->capture_default_str();
-    cmd->add_option("--side-streams", a.side_streams,
+    cmd->add_option("--side-streams", s.side_streams,
                     "Work on a side compute stream: none, or layers L and ranges A-B, "
                     "recompute, all-reduce (comma-separated)")
         ->capture_default_str();
   }
-  cmd->add_flag("--no-early-stop", a.no_early_stop, "Recompute whole checkpointed regions");
-  CLI::Option* fsdp = add_fsdp_options(cmd, a.fsdp);
-  add_allocator_option(cmd, a.allocator);
-  cmd->add_option("--devices", args.devices, "Pipeline over N devices (GPipe); 1: no pipeline")
+  cmd->add_flag("--no-early-stop", args.no_early_stop, "Recompute whole checkpointed regions");
+  CLI::Option* fsdp = add_fsdp_options(cmd, a.fsdp, args.text);
+  add_allocator_option(cmd, args.text);
+  // Their bounds are the request's (Note [One check for both edges]).
+  cmd->add_option("--devices", a.devices, "Pipeline over N devices (GPipe), 1..64; 1: no pipeline")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64))
       ->excludes(fsdp);
-  cmd->add_option("--micro-batches", args.micro_batches, "Pipeline micro-batches")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches, 1..1024")
+      ->capture_default_str();
   if (simulate) {
-    cmd->add_option("--pipeline-checkpoint", args.pipeline_checkpoint,
+    cmd->add_option("--pipeline-checkpoint", s.pipeline_checkpoint,
                     "Pipeline checkpoint mode: always, except_last or never")
         ->capture_default_str();
   }
@@ -91,15 +117,21 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
       ->capture_default_str();
   cmd->add_option("--steps", a.steps, "Training steps to simulate, 1..1000 (the last is reported)")
       ->capture_default_str();
-  cmd->add_flag("--no-prefetch", a.no_prefetch, "ferry: reload on demand only");
-  cmd->add_flag("--no-dedup", a.no_dedup, "ferry: copy views sharing a storage separately");
-  cmd->add_option("--horizon", a.horizon,
+  cmd->add_flag("--no-prefetch", args.no_prefetch, "ferry: reload on demand only");
+  cmd->add_flag("--no-dedup", args.no_dedup, "ferry: copy views sharing a storage separately");
+  cmd->add_option("--horizon", s.horizon,
                   "ferry: bytes a forward may copy out before the rest stays on the device: "
                   "auto (what the link can hide, derived), none, or a byte count")
       ->capture_default_str();
   cmd->add_flag("--json", args.json, "Print the results as one JSON document");
-  cmd->add_flag("--no-checker", a.no_checker, "Time only; skip hazard and content checks");
-  cmd->add_option("--scenarios", args.scenarios, "Folder with devices/ (bundled by default)");
+  cmd->add_flag("--no-checker", args.no_checker, "Time only; skip hazard and content checks");
+  cmd->add_option("--scenarios", args.target.scenarios,
+                  "Folder with devices/ (bundled by default)");
+}
+
+int print_response(const sim::Response& response, bool json) {
+  print(json ? sim::document_text(response.document) : response.text);
+  return response.outcome == sim::Outcome::Ok ? 0 : kExitFailed;
 }
 
 }  // namespace ferry::cli

@@ -1,5 +1,6 @@
 #pragma once
-// The options `ferry simulate` and `ferry compare` share: the model, the device and the knobs of
+// The flags `ferry simulate`, `compare` and `plan` share, and how their text becomes a request's
+// values (sim/api/requests.hpp): the model, the device, FSDP2, the allocator, and the knobs of
 // the scheduler core, the checkpoint plan and the simulator.
 
 #include <CLI/CLI.hpp>
@@ -8,38 +9,64 @@
 #include <optional>
 #include <string>
 
-#include "ferry/sim/api/run_spec.hpp"
+#include "ferry/sim/api/requests.hpp"
 #include "io.hpp"
 
 namespace ferry::cli {
 
-struct RunArgs {
+/// The flags as the command line gives them, where a request's value has a text form:
+/// `--reshard-after-forward true|false|K` and `--allocator default|expandable`.
+struct TextFlags {
+  std::string reshard_after_forward = "true";
+  std::optional<std::string> allocator;
+};
+
+/// The model, the device and the scenarios folder as `--model`, `--device` and `--scenarios`
+/// give them.
+struct TargetFlags {
   std::string model = "llama3-8b-s8192";
   std::string device{sim::kDefaultDevice};
   std::string scenarios = default_scenarios();
+  /// The request's target.
+  [[nodiscard]] sim::Target target() const;
+};
+
+struct RunArgs {
+  TargetFlags target;
   std::string trace;
   std::string memory_snapshot;
   std::string plan;  // simulate --plan FILE
-  std::int32_t devices = 1;
-  std::int32_t micro_batches = 4;
-  std::string pipeline_checkpoint = "except_last";
   bool json = false;
-  sim::RunSpec run;  // the run's own options, as `ferry.simulate` takes them too
+  bool no_prefetch = false;
+  bool no_dedup = false;
+  bool no_early_stop = false;
+  bool no_checker = false;
+  TextFlags text;
+  sim::RunKnobs run;              // the numbers, bound to their flags as they are
+  sim::SimulateRequest simulate;  // simulate's own options (policy, checkpoint plan, ...)
 };
 
 /// Adds `--fsdp`, `--nodes`, `--hsdp` and `--reshard-after-forward` to `cmd`; returns `--fsdp`.
-CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpSpec& spec);
+CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpRequest& fsdp, TextFlags& text);
 
-/// Adds `--allocator default|expandable` to `cmd`, into `name` (checked by run_spec's
-/// allocator_mode, as Python's `allocator=` is).
-void add_allocator_option(CLI::App* cmd, std::optional<std::string>& name);
+/// Adds `--allocator default|expandable` to `cmd`.
+void add_allocator_option(CLI::App* cmd, TextFlags& text);
 
-/// The line text reports end with under FSDP: the parallelism `p`, and that figures are one
-/// rank's. Empty without FSDP.
-[[nodiscard]] std::string fsdp_line(const Parallelism& p, const sim::DeviceProfile& device);
+/// Adds `--model`, `--device` and `--scenarios` to `cmd`.
+void add_target_options(CLI::App* cmd, TargetFlags& target);
+
+/// `fsdp` and `allocator` with the values of `text`, or the error that names the flag.
+Status apply_text_flags(const TextFlags& text, sim::FsdpRequest& fsdp,
+                        std::optional<sim::AllocatorMode>& allocator);
+
+/// The knobs the flags give (the switches and text flags applied to `args.run`).
+Result<sim::RunKnobs> run_knobs(const RunArgs& args);
 
 /// Adds the shared options to `cmd`; `simulate` adds those of one run (policy, checkpoint plan,
 /// side streams, trace and snapshot files, a plan to replay).
 void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate);
+
+/// Prints `response` as `--json` asks (its document) or its text; its exit code.
+int print_response(const sim::Response& response, bool json);
 
 }  // namespace ferry::cli

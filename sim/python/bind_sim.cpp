@@ -10,22 +10,17 @@
 #include <pybind11/stl.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <optional>
-#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
-#include <vector>
+#include <variant>
 
 #include "ferry/plan/lower.hpp"
-#include "ferry/sim/api/load.hpp"
-#include "ferry/sim/api/run_spec.hpp"
+#include "ferry/sim/api/requests.hpp"
 #include "ferry/sim/export/memory_snapshot.hpp"
-#include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/io/plan_json.hpp"
-#include "ferry/sim/planner/planner.hpp"
-#include "ferry/sim/planner/report.hpp"
-#include "ferry/sim/report/tables.hpp"
-#include "ferry/sim/runs/configurations.hpp"
 #include "ferry/units.hpp"
 
 namespace py = pybind11;
@@ -70,117 +65,103 @@ py::object to_python(const Json& j) {
   }
 }
 
-py::object document(const std::string& text) { return to_python(Json::parse(text)); }
-
 template <typename T>
 T value_or_raise(Result<T> result) {
   if (!result) throw py::value_error(result.error().message);
   return std::move(result).value();
 }
 
-// The model: `text` (a ferry.model/1 document, e.g. a traced model's) when given, read as the
-// model named `spec`; else a preset name or a file path.
-sim::Workload workload(const std::string& spec, const std::optional<std::string>& text,
-                       const std::string& device, const std::string& scenarios) {
-  Result<sim::Model> model = text ? sim::parse_model(*text, spec) : sim::load_model(spec);
-  return value_or_raise(sim::make_workload(std::move(model), spec, device, scenarios));
+// Note [Python values into requests]
+// The binding turns Python's values into a request's (sim/api/requests.hpp) with the functions
+// the command line reads its text with, in the order it reads them, so both edges refuse a value
+// with one message: a byte count is an int or its text, resharding True, False or an int, a
+// margin a number or its text, the allocator its name. What is no such value at all is
+// refused in Python, as a TypeError (ferry/_sim.py).
+
+using ByteCount = std::variant<std::int64_t, std::string>;
+
+std::optional<Bytes> bytes_of(const std::optional<ByteCount>& value, std::string_view option) {
+  if (!value) return std::nullopt;
+  if (const auto* count = std::get_if<std::int64_t>(&*value)) {
+    return value_or_raise(sim::byte_count(*count, option));
+  }
+  return value_or_raise(sim::byte_count(std::get<std::string>(*value), option));
 }
 
-// simulate(model, model_text, device, scenarios, ..., memory_snapshot) -> (document, pickle)
-py::tuple simulate(const std::string& model, const std::optional<std::string>& model_text,
-                   const std::string& device, const std::string& scenarios, const sim::RunSpec& run,
-                   bool memory_snapshot) {
-  std::string out;
+// FSDP2 as the keyword arguments fsdp, nodes, hsdp and reshard_after_forward give it; None:
+// not given.
+sim::FsdpRequest fsdp_request(std::optional<std::int32_t> ranks, std::optional<std::int32_t> nodes,
+                              std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard) {
+  sim::FsdpRequest fsdp{.ranks = ranks, .nodes = nodes, .replicas = hsdp};
+  if (const auto* k = std::get_if<std::int64_t>(&reshard)) {
+    fsdp.reshard_after_forward = value_or_raise(sim::reshard_ranks(*k));
+  } else {
+    fsdp.reshard_after_forward = std::get<bool>(reshard) ? Reshard::True() : Reshard::False();
+  }
+  return fsdp;
+}
+
+std::optional<sim::AllocatorMode> allocator_of(const std::optional<std::string>& name) {
+  if (!name) return std::nullopt;
+  return value_or_raise(sim::allocator_mode(*name));
+}
+
+sim::Target target(const std::string& model, const std::optional<std::string>& model_text,
+                   const std::string& device, const std::string& scenarios) {
+  return sim::Target{
+      .model = {.name = model, .text = model_text}, .device = device, .scenarios = scenarios};
+}
+
+// The keyword arguments simulate and compare share, as RunKnobs.
+sim::RunKnobs knobs(std::int64_t min_bytes, std::int64_t window_mib, std::int64_t prefetch_mib,
+                    std::int64_t host_cap_gib, std::int32_t stash, std::int32_t steps, bool check,
+                    sim::FsdpRequest fsdp, const std::optional<std::string>& allocator) {
+  sim::RunKnobs run;
+  run.fsdp = fsdp;
+  run.allocator = allocator_of(allocator);
+  run.min_bytes = min_bytes;
+  run.window_mib = window_mib;
+  run.prefetch_mib = prefetch_mib;
+  run.host_cap_gib = host_cap_gib;
+  run.stash = stash;
+  run.steps = steps;
+  run.check = check;
+  return run;
+}
+
+// The request's response, run with the GIL released; ValueError for bad input.
+template <typename Request>
+sim::Response answer(const Request& request) {
+  py::gil_scoped_release unlocked;
+  return value_or_raise(sim::respond(request));
+}
+
+// simulate(...) -> (document, memory snapshot pickle or None)
+py::tuple simulate(const sim::SimulateRequest& request) {
+  sim::Response response = answer(request);
   std::optional<std::string> pickle;
-  {
-    py::gil_scoped_release unlocked;
-    const sim::Workload w = workload(model, model_text, device, scenarios);
-    sim::RunSpec spec = run;
-    sim::adopt_model_parallelism(spec.fsdp, w.model);
-    sim::adopt_model_allocator(spec.allocator, w.model);
-    std::optional<sim::TrainingRun> kept;
-    const sim::RowResult row = value_or_raise(
-        sim::simulate_one(w, spec, memory_snapshot ? &kept : nullptr, memory_snapshot));
-    // simulate_one ran it: the parallelism is one.
-    out = sim::with_fsdp_json(sim::simulate_json(row, w.model, w.device),
-                              sim::parallelism_of(spec.fsdp).value(), w.device);
-    if (memory_snapshot && kept) pickle = value_or_raise(sim::memory_snapshot(kept->sim));
+  if (request.memory_snapshot && response.run) {
+    pickle = value_or_raise(sim::memory_snapshot(response.run->sim));
   }
-  return py::make_tuple(document(out), pickle ? py::object(py::bytes(*pickle)) : py::none());
-}
-
-py::object compare(const std::string& model, const std::optional<std::string>& model_text,
-                   const std::string& device, const std::string& scenarios,
-                   const sim::RunSpec& run) {
-  std::string out;
-  {
-    py::gil_scoped_release unlocked;
-    const sim::Workload w = workload(model, model_text, device, scenarios);
-    sim::RunSpec spec = run;
-    sim::adopt_model_parallelism(spec.fsdp, w.model);
-    sim::adopt_model_allocator(spec.allocator, w.model);
-    const auto base = value_or_raise(sim::run_options(spec, w.model, false));
-    if (auto valid = sim::validate_parallelism(base.fsdp.parallelism, w.device, sim::kFsdpFlags);
-        !valid) {
-      throw py::value_error(valid.error().message);
-    }
-    std::vector<sim::RowResult> rows;
-    for (const auto& row : sim::default_rows(base, w.model, w.device)) {
-      rows.push_back(sim::run_row(w.model, w.device, row));
-    }
-    out = sim::with_fsdp_json(sim::compare_json(rows, w.model, w.device, {}), base.fsdp.parallelism,
-                              w.device);
-  }
-  return document(out);
+  return py::make_tuple(to_python(response.document),
+                        pickle ? py::object(py::bytes(*pickle)) : py::none());
 }
 
 // plan(...) -> {report, text, plan_text}: `ferry plan --json`'s report (the plan in it under
 // "plan"), the text report, and the plan as `--out` writes it; or {refused, floor} when no plan
 // fits the budget (floor: the smallest peak reserved reached, or None).
-py::dict plan(const std::string& model, const std::optional<std::string>& model_text,
-              const std::string& device, const std::string& scenarios, const sim::PlanSpec& asked) {
-  std::string report;
-  std::string text;
-  std::string plan_text;
-  std::string refused;
-  Bytes floor{0};
-  {
-    py::gil_scoped_release unlocked;
-    // As `ferry plan`: the arguments checked before the model is read, then with its parallelism.
-    value_or_raise(sim::planner_options(asked));
-    const sim::Workload w = workload(model, model_text, device, scenarios);
-    sim::PlanSpec adopted = asked;
-    sim::adopt_model_parallelism(adopted.fsdp, w.model);
-    sim::adopt_model_allocator(adopted.allocator, w.model);
-    auto planned = sim::planner_options(adopted);
-    if (!planned) {
-      throw py::value_error(fmt::format("{}: parallelism: {}", model, planned.error().message));
-    }
-    sim::PlannerOptions options = std::move(planned).value();
-    if (!asked.budget) options.budget = w.device.memory;
-    if (auto valid = sim::validate_parallelism(options.fsdp.parallelism, w.device, sim::kFsdpFlags);
-        !valid) {
-      throw py::value_error(valid.error().message);
-    }
-    auto outcome = sim::make_plan(w.model, w.device, options, &floor);
-    if (outcome) {
-      report = sim::with_fsdp_json(sim::plan_report_json(outcome.value(), w.model, w.device),
-                                   options.fsdp.parallelism, w.device);
-      text = sim::plan_text(outcome.value(), w.model, w.device);
-      plan_text = sim::plan_to_json(outcome.value().plan);
-    } else {
-      refused = outcome.error().message;
-    }
-  }
+py::dict plan(const sim::PlanRequest& request) {
+  const sim::Response response = answer(request);
   py::dict out;
-  if (!refused.empty()) {
-    out["refused"] = refused;
-    out["floor"] = floor.count() > 0 ? py::object(py::int_(floor.count())) : py::none();
+  if (response.outcome == sim::Outcome::Refused) {
+    out["refused"] = response.refusal;
+    out["floor"] =
+        response.floor.count() > 0 ? py::object(py::int_(response.floor.count())) : py::none();
     return out;
   }
-  out["report"] = document(report);
-  out["text"] = text;
-  out["plan_text"] = plan_text;
+  out["report"] = to_python(response.document);
+  out["text"] = response.text;
+  out["plan_text"] = sim::plan_to_json(response.plan->plan);
   return out;
 }
 
@@ -204,35 +185,9 @@ py::dict offload_options(const std::string& text, const std::string& source) {
   return d;
 }
 
-// FSDP2 as the keyword arguments fsdp, nodes, hsdp and reshard_after_forward give it; None:
-// not given.
-sim::FsdpSpec fsdp_spec(std::optional<std::int32_t> ranks, std::optional<std::int32_t> nodes,
-                        std::int32_t hsdp, std::string reshard_after_forward) {
-  return sim::FsdpSpec{.ranks = ranks,
-                       .nodes = nodes,
-                       .replicas = hsdp,
-                       .reshard_after_forward = std::move(reshard_after_forward)};
-}
-
-// The keyword arguments simulate and compare share, as RunSpec's fields.
-sim::RunSpec knobs(std::int64_t min_bytes, std::int64_t window_mib, std::int64_t prefetch_mib,
-                   std::int64_t host_cap_gib, std::int32_t stash, std::int32_t steps, bool check,
-                   sim::FsdpSpec fsdp) {
-  sim::RunSpec run;
-  run.fsdp = std::move(fsdp);
-  run.min_bytes = min_bytes;
-  run.window_mib = window_mib;
-  run.prefetch_mib = prefetch_mib;
-  run.host_cap_gib = host_cap_gib;
-  run.stash = stash;
-  run.steps = steps;
-  run.no_checker = !check;
-  return run;
-}
-
-// simulate and compare: their keyword arguments are RunSpec's fields, with its defaults.
+// simulate and compare: their keyword arguments are the requests' fields, with their defaults.
 void bind_runs(py::module_& m) {
-  const sim::RunSpec d;
+  const sim::SimulateRequest d;
   m.def(
       "simulate",
       [](const std::string& model, const std::optional<std::string>& model_text,
@@ -241,30 +196,32 @@ void bind_runs(py::module_& m) {
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
          std::int32_t stash, std::int32_t steps, bool prefetch, bool dedup, bool early_stop,
          bool check, bool memory_snapshot, std::optional<std::int32_t> fsdp,
-         std::optional<std::int32_t> nodes, std::int32_t hsdp, std::string reshard_after_forward,
-         std::optional<std::string> allocator) {
-        sim::RunSpec run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps,
-                                 check, fsdp_spec(fsdp, nodes, hsdp, reshard_after_forward));
-        run.allocator = std::move(allocator);
-        run.policy = std::move(policy);
-        run.checkpoint = std::move(checkpoint);
-        run.horizon = std::move(horizon);
-        run.no_prefetch = !prefetch;
-        run.no_dedup = !dedup;
-        run.no_early_stop = !early_stop;
-        return simulate(model, model_text, device, scenarios, run, memory_snapshot);
+         std::optional<std::int32_t> nodes, std::int32_t hsdp,
+         const std::variant<bool, std::int64_t>& reshard_after_forward,
+         const std::optional<std::string>& allocator) {
+        sim::SimulateRequest request;
+        request.target = target(model, model_text, device, scenarios);
+        request.run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
+                            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward), allocator);
+        request.run.prefetch = prefetch;
+        request.run.dedup = dedup;
+        request.run.early_stop = early_stop;
+        request.policy = std::move(policy);
+        request.checkpoint = std::move(checkpoint);
+        request.horizon = std::move(horizon);
+        request.memory_snapshot = memory_snapshot;
+        return simulate(request);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
       py::kw_only(), py::arg("policy") = d.policy, py::arg("checkpoint") = d.checkpoint,
-      py::arg("horizon") = d.horizon, py::arg("min_bytes") = d.min_bytes,
-      py::arg("window_mib") = d.window_mib, py::arg("prefetch_mib") = d.prefetch_mib,
-      py::arg("host_cap_gib") = d.host_cap_gib, py::arg("stash") = d.stash,
-      py::arg("steps") = d.steps, py::arg("prefetch") = !d.no_prefetch,
-      py::arg("dedup") = !d.no_dedup, py::arg("early_stop") = !d.no_early_stop,
-      py::arg("check") = !d.no_checker, py::arg("memory_snapshot") = false,
+      py::arg("horizon") = d.horizon, py::arg("min_bytes") = d.run.min_bytes,
+      py::arg("window_mib") = d.run.window_mib, py::arg("prefetch_mib") = d.run.prefetch_mib,
+      py::arg("host_cap_gib") = d.run.host_cap_gib, py::arg("stash") = d.run.stash,
+      py::arg("steps") = d.run.steps, py::arg("prefetch") = d.run.prefetch,
+      py::arg("dedup") = d.run.dedup, py::arg("early_stop") = d.run.early_stop,
+      py::arg("check") = d.run.check, py::arg("memory_snapshot") = false,
       py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
-      py::arg("hsdp") = d.fsdp.replicas,
-      py::arg("reshard_after_forward") = d.fsdp.reshard_after_forward,
+      py::arg("hsdp") = d.run.fsdp.replicas, py::arg("reshard_after_forward") = true,
       py::arg("allocator") = py::none(),
       "(`ferry simulate --json`'s document, the memory snapshot pickle or None)");
   m.def(
@@ -273,53 +230,65 @@ void bind_runs(py::module_& m) {
          const std::string& device, const std::string& scenarios, std::int64_t min_bytes,
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
          std::int32_t stash, std::int32_t steps, bool check, std::optional<std::int32_t> fsdp,
-         std::optional<std::int32_t> nodes, std::int32_t hsdp, std::string reshard_after_forward,
-         std::optional<std::string> allocator) {
-        sim::RunSpec run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps,
-                                 check, fsdp_spec(fsdp, nodes, hsdp, reshard_after_forward));
-        run.allocator = std::move(allocator);
-        return compare(model, model_text, device, scenarios, run);
+         std::optional<std::int32_t> nodes, std::int32_t hsdp,
+         const std::variant<bool, std::int64_t>& reshard_after_forward,
+         const std::optional<std::string>& allocator, std::int32_t devices,
+         std::int32_t micro_batches) {
+        sim::CompareRequest request;
+        request.target = target(model, model_text, device, scenarios);
+        request.run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
+                            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward), allocator);
+        request.run.devices = devices;
+        request.run.micro_batches = micro_batches;
+        return to_python(answer(request).document);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
-      py::kw_only(), py::arg("min_bytes") = d.min_bytes, py::arg("window_mib") = d.window_mib,
-      py::arg("prefetch_mib") = d.prefetch_mib, py::arg("host_cap_gib") = d.host_cap_gib,
-      py::arg("stash") = d.stash, py::arg("steps") = d.steps, py::arg("check") = !d.no_checker,
-      py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
-      py::arg("hsdp") = d.fsdp.replicas,
-      py::arg("reshard_after_forward") = d.fsdp.reshard_after_forward,
-      py::arg("allocator") = py::none(), "`ferry compare --json`'s document");
+      py::kw_only(), py::arg("min_bytes") = d.run.min_bytes,
+      py::arg("window_mib") = d.run.window_mib, py::arg("prefetch_mib") = d.run.prefetch_mib,
+      py::arg("host_cap_gib") = d.run.host_cap_gib, py::arg("stash") = d.run.stash,
+      py::arg("steps") = d.run.steps, py::arg("check") = d.run.check, py::arg("fsdp") = py::none(),
+      py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.fsdp.replicas,
+      py::arg("reshard_after_forward") = true, py::arg("allocator") = py::none(),
+      py::arg("devices") = d.run.devices, py::arg("micro_batches") = d.run.micro_batches,
+      "`ferry compare --json`'s document");
 }
 
 void bind_plans(py::module_& m) {
-  const sim::FsdpSpec d;
+  const sim::PlanRequest d;
   m.def(
       "plan",
       [](const std::string& model, const std::optional<std::string>& model_text,
          const std::string& device, const std::string& scenarios,
-         const std::optional<std::string>& budget, const std::optional<std::string>& host_budget,
+         const std::optional<ByteCount>& budget, const std::optional<ByteCount>& host_budget,
          std::int32_t steps, std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes,
-         std::int32_t hsdp, std::string reshard_after_forward, std::optional<std::string> allocator,
-         std::optional<std::string> margin) {
-        return plan(
-            model, model_text, device, scenarios,
-            sim::PlanSpec{.budget = budget,
-                          .host_budget = host_budget,
-                          .steps = steps,
-                          .fsdp = fsdp_spec(fsdp, nodes, hsdp, std::move(reshard_after_forward)),
-                          .allocator = std::move(allocator),
-                          .margin = std::move(margin)});
+         std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard_after_forward,
+         const std::optional<std::string>& allocator,
+         const std::optional<std::variant<double, std::string>>& margin) {
+        sim::PlanRequest request;
+        request.target = target(model, model_text, device, scenarios);
+        // In the order `ferry plan` reads its flags' text.
+        request.budget = bytes_of(budget, "--budget");
+        request.host_budget = bytes_of(host_budget, "--host-budget");
+        request.steps = steps;
+        request.fsdp = fsdp_request(fsdp, nodes, hsdp, reshard_after_forward);
+        request.allocator = allocator_of(allocator);
+        if (margin) {
+          const auto* text = std::get_if<std::string>(&*margin);
+          request.margin_permille = value_or_raise(
+              text ? sim::margin_permille(*text) : sim::margin_permille(std::get<double>(*margin)));
+        }
+        return plan(request);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
       py::kw_only(), py::arg("budget") = py::none(), py::arg("host_budget") = py::none(),
-      py::arg("steps") = sim::PlanSpec{}.steps, py::arg("fsdp") = py::none(),
-      py::arg("nodes") = py::none(), py::arg("hsdp") = d.replicas,
-      py::arg("reshard_after_forward") = d.reshard_after_forward, py::arg("allocator") = py::none(),
-      py::arg("margin") = py::none(),
+      py::arg("steps") = d.steps, py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
+      py::arg("hsdp") = d.fsdp.replicas, py::arg("reshard_after_forward") = true,
+      py::arg("allocator") = py::none(), py::arg("margin") = py::none(),
       "{report, text, plan_text}, or {refused, floor} when no plan fits");
   m.def(
       "validate_plan",
       [](const std::string& text, const std::string& source) {
-        return document(sim::plan_to_json(checked_plan(text, source)));
+        return to_python(sim::plan_json(checked_plan(text, source)));
       },
       py::arg("text"), py::arg("source"),
       "The ferry.plan/1 in `text`, checked, with every field present; ValueError names the "

@@ -143,7 +143,7 @@ TEST_P(GoldenCompare, TableMatchesExpectedBytes) {
   expect_golden(kExpected / ("compare_" + preset + ".txt"),
                 compare_text(rows, model.value(), device.value()));
   expect_golden(kExpected / ("compare_" + preset + ".json"),
-                compare_json(rows, model.value(), device.value()));
+                document_text(compare_json(rows, model.value(), device.value())));
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, GoldenCompare, ::testing::Values("tiny-gpt", "gpt2-small-s1024"),

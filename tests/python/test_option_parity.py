@@ -2,7 +2,7 @@
 in this process and `ferry simulate / compare / plan ... --json` refuse the same values with the
 same message (Python's ValueError or PlanError is the text the CLI prints after "error: ",
 exit 2), and accept the same values with equal documents (Note [One check for both edges] in
-sim/include/ferry/sim/api/run_spec.hpp).
+sim/include/ferry/sim/api/requests.hpp).
 
 The property draws each numeric option in and out of its bounds, and the text options from good
 and bad values, from one seeded generator; a failure names the seed and the case. A number out
@@ -275,6 +275,9 @@ REFUSED = [
     ("compare", {"steps": 0}, "--steps: 0 is not in 1..1000"),
     ("compare", {"stash": 0}, "--stash: 0 is not in 1..1048576"),
     ("compare", {"fsdp": 0}, "--fsdp: 0 is not in 1..1000000"),
+    ("compare", {"devices": 0}, "--devices: 0 is not in 1..64"),
+    ("compare", {"devices": 65}, "--devices: 65 is not in 1..64"),
+    ("compare", {"micro_batches": 1025}, "--micro-batches: 1025 is not in 1..1024"),
     ("plan", {"steps": 0}, "--steps: 0 is not in 1..100"),
     ("plan", {"steps": 101}, "--steps: 101 is not in 1..100"),
     ("plan", {"nodes": 0}, "--nodes: 0 is not in 1..1000000"),

@@ -1,4 +1,4 @@
-"""The simulator and planner inside `ferry._C`: `ferry.simulate`, `ferry.compare` and
+"""The simulator and planner inside `ferry._simulator`: `ferry.simulate`, `ferry.compare` and
 `ferry.plan` return the documents `ferry simulate / compare / plan --json` print, field for
 field, without a subprocess; plans are checked and lowered by the simulator's own code."""
 
@@ -67,6 +67,41 @@ def test_a_traced_model_simulates_as_its_file_does(traced):
 def test_compare_is_the_cli_document():
     assert ferry.compare("tiny-gpt", device=DEVICE) == cli_json(
         "compare", "--model", "tiny-gpt", "--device", DEVICE
+    )
+
+
+def test_compare_has_the_cli_pipeline_rows():
+    got = ferry.compare("tiny-gpt", device=DEVICE, steps=1, devices=2, micro_batches=2)
+    want = cli_json(
+        "compare",
+        "--model",
+        "tiny-gpt",
+        "--device",
+        DEVICE,
+        "--steps",
+        "1",
+        "--devices",
+        "2",
+        "--micro-batches",
+        "2",
+    )
+    assert got == want
+    assert [row["devices"] for row in got["pipeline"]] == [2] * len(got["pipeline"])
+    assert "pipeline" not in ferry.compare("tiny-gpt", device=DEVICE, steps=1)
+
+
+def test_a_plan_and_its_text_name_the_parallelism_as_the_cli_does():
+    # The text `ferry plan` prints and the one `ferry.plan`'s run returns end with the same
+    # FSDP line (the report builders write it).
+    model, device = "llama3.2-3b-traced-s4096-b2", "h100-sxm-pcie5"
+    made = ferry._sim.run_planner(model, "36GiB", device, None, fsdp=8)
+    code, out, err = run_cli(
+        "plan", "--model", model, "--budget", "36GiB", "--device", device, "--fsdp", "8"
+    )
+    assert code == 0, err
+    assert made["text"] == out
+    assert made["text"].endswith(
+        "every figure is one rank's (its pinned memory: its part of the node's)\n"
     )
 
 

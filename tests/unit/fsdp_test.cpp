@@ -2,7 +2,7 @@
 // its shards plus what is gathered, the collectives run on their own streams beside compute,
 // with the waits FSDP2 makes the run is hazard-free and its gradients are those of the run
 // without FSDP, and each planted fault is reported. Also the parallelism as the edges are given
-// it (FsdpSpec) and as JSON writes it (parallelism_json).
+// it (FsdpRequest) and as JSON writes it (parallelism_json).
 
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "ferry/sim/api/run_spec.hpp"
+#include "ferry/sim/api/requests.hpp"
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
 #include "ferry/sim/io/parallelism_json.hpp"
@@ -217,7 +217,7 @@ TEST(Fsdp, NodeRunsAreRefusedWithTheReason) {
   EXPECT_NE(crowded.error().message.find("2 to 4 ranks"), std::string::npos);
 }
 
-TEST(FsdpSpec, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
+TEST(FsdpRequest, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
   EXPECT_EQ(parse_reshard("true").value(), Reshard::True());
   EXPECT_EQ(parse_reshard("false").value(), Reshard::False());
   EXPECT_EQ(parse_reshard("4").value(), Reshard::K(4));
@@ -231,33 +231,43 @@ TEST(FsdpSpec, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
   for (const Reshard r : {Reshard::True(), Reshard::False(), Reshard::K(8)}) {
     EXPECT_EQ(parse_reshard(to_string(r)).value(), r) << to_string(r);
   }
+  // A number of ranks from Python is refused as its text is.
+  EXPECT_EQ(reshard_ranks(4).value(), Reshard::K(4));
+  for (const std::int64_t bad :
+       {std::int64_t{1}, std::int64_t{0}, std::int64_t{-3}, std::int64_t{1} << 40}) {
+    EXPECT_EQ(reshard_ranks(bad).error().message,
+              parse_reshard(std::to_string(bad)).error().message)
+        << bad;
+  }
 }
 
-TEST(FsdpSpec, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
-  EXPECT_EQ(parallelism_of(FsdpSpec{}).value(), Parallelism{});
-  EXPECT_EQ(
-      parallelism_of(FsdpSpec{.ranks = 16, .replicas = 2, .reshard_after_forward = "4"}).value(),
-      (Parallelism{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
-  EXPECT_EQ(parallelism_of(FsdpSpec{.ranks = 0}).error().message, "--fsdp: 0 is not in 1..1000000");
-  EXPECT_EQ(parallelism_of(FsdpSpec{.nodes = 2}).error().message,
+TEST(FsdpRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
+  EXPECT_EQ(parallelism_of(FsdpRequest{}).value(), Parallelism{});
+  EXPECT_EQ(parallelism_of(
+                FsdpRequest{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)})
+                .value(),
+            (Parallelism{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
+  EXPECT_EQ(parallelism_of(FsdpRequest{.ranks = 0}).error().message,
+            "--fsdp: 0 is not in 1..1000000");
+  EXPECT_EQ(parallelism_of(FsdpRequest{.nodes = 2}).error().message,
             "--nodes, --hsdp and --reshard-after-forward need --fsdp N");
   // The file's section where the flags kept the defaults; the flags' own values win.
   const Parallelism file{
       .ranks = 8, .nodes = 1, .replicas = 2, .reshard_after_forward = Reshard::False()};
-  FsdpSpec bare;
+  FsdpRequest bare;
   adopt_parallelism(bare, file);
   EXPECT_EQ(parallelism_of(bare).value(), file);
-  FsdpSpec given{.ranks = 16, .reshard_after_forward = "4"};
+  FsdpRequest given{.ranks = 16, .reshard_after_forward = Reshard::K(4)};
   adopt_parallelism(given, file);
   EXPECT_EQ(parallelism_of(given).value(),
             (Parallelism{
                 .ranks = 16, .nodes = 1, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
-  FsdpSpec pipelined;
+  FsdpRequest pipelined;
   adopt_parallelism(pipelined, file, 2);
   EXPECT_EQ(parallelism_of(pipelined).value(), Parallelism{});
 }
 
-TEST(FsdpSpec, EdgesNameTheFlagsWhereTheSimulatorNamesTheFields) {
+TEST(FsdpRequest, EdgesNameTheFlagsWhereTheSimulatorNamesTheFields) {
   const Parallelism uneven{.ranks = 4, .replicas = 3};
   EXPECT_EQ(validate_parallelism(uneven, fsdp_profile()).error().message,
             "replicas: 3 replica groups do not divide 4 ranks");

@@ -7,15 +7,18 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "ferry/plan/plan.hpp"
+#include "ferry/sim/export/memory_snapshot.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/planner/bound.hpp"
 #include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
+#include "ferry/sim/report/tables.hpp"
 #include "ferry/sim/runs/configurations.hpp"
 #include "ferry/sim/runs/horizon.hpp"
 
@@ -286,7 +289,7 @@ TEST(Planner, APlanForBudgetBReportsAPeakWithinBLessTheMargin) {
                                     margin_text(margin))),
               std::string::npos)
         << text;
-    const std::string json = plan_report_json(o, model, device);
+    const std::string json = document_text(plan_report_json(o, model, device));
     EXPECT_NE(json.find(fmt::format("\"planned_budget_bytes\": {}", planned.count())),
               std::string::npos);
   }
@@ -390,6 +393,41 @@ TEST(Planner, ReplayOfTheWrittenPlanMeasuresWhatThePlannerDid) {
   EXPECT_EQ(row.value().peak_reserved, outcome.value().row.peak_reserved);
   EXPECT_EQ(row.value().hazards, 0U);
   EXPECT_EQ(plan.value().predicted.step_time, row.value().step_time);
+}
+
+// PlannerOptions::keep_run: the plan's checked run is kept, its allocators' actions recorded, and
+// it is the run a second simulation of the plan on the planner's device would be (what
+// `ferry plan --memory-snapshot` ran before): the same memory snapshot, byte for byte.
+TEST(Planner, TheKeptRunIsThePlansCheckedRun) {
+  const DeviceProfile device = profile("h100-sxm-pcie5");
+  const Model model = preset("tiny-gpt", device);
+  PlannerOptions options{device.memory, std::nullopt, 2};
+  options.margin_permille = kDefaultPlanMarginPermille;
+  options.keep_run = true;
+  auto outcome = make_plan(model, device, options);
+  ASSERT_TRUE(outcome.ok()) << outcome.error().message;
+  ASSERT_NE(outcome.value().run, nullptr);
+  const auto kept = memory_snapshot(outcome.value().run->sim);
+  ASSERT_TRUE(kept.ok()) << kept.error().message;
+  DeviceProfile capped = device;
+  capped.memory = budget_less_margin(options.budget, options.margin_permille);
+  TrainingOptions base;
+  base.steps = options.steps;
+  base.sim.record_allocator = true;
+  auto training = plan_training_options(outcome.value().plan, model, base);
+  ASSERT_TRUE(training.ok()) << training.error().message;
+  std::optional<TrainingRun> again;
+  (void)run_row(model, capped, PolicyRow{"plan", training.value()}, &again);
+  ASSERT_TRUE(again.has_value());
+  const auto rerun = memory_snapshot(again->sim);
+  ASSERT_TRUE(rerun.ok()) << rerun.error().message;
+  EXPECT_EQ(kept.value(), rerun.value());
+  // Not asked: nothing kept, and the same plan.
+  options.keep_run = false;
+  auto plain = make_plan(model, device, options);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain.value().run, nullptr);
+  EXPECT_EQ(plan_to_json(plain.value().plan), plan_to_json(outcome.value().plan));
 }
 
 TEST(Planner, SweepRunsFromTheFloorToTheNoOffloadPeak) {

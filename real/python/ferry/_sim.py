@@ -48,10 +48,11 @@ def model_args(model: ModelSource) -> tuple[str, str | None]:
 
 def byte_count(
     value: str | int | None, what: str, allow_none: bool = True, refuse_empty: bool = True
-) -> str | None:
-    """``value`` as the planner reads a byte count, None as None. Refuses one that is neither a
-    string nor an integer, and with ``refuse_empty`` an empty one; ``what`` names the argument
-    in the message. The planner checks the rest, an empty one too, as ``ferry plan`` does."""
+) -> str | int | None:
+    """``value``, checked to be a byte count's kind: a string or an integer (None when
+    ``allow_none``), and with ``refuse_empty`` not a blank string; ``what`` names the argument
+    in the message. The simulator reads it as ``ferry plan`` reads the option, and checks the
+    rest (a blank one too, without ``refuse_empty``)."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -64,33 +65,27 @@ def byte_count(
             f'{what}: "{value}" is not a byte count (empty); write e.g. 40GiB, "40 GiB", 1.5GiB, '
             "512MiB, 40GB or 4e10 (bytes)"
         )
-    return str(value)
+    return value
 
 
-def percentage(value: str | float | None, what: str) -> str | None:
-    """``value``, a percentage (a number or its text), as the simulator's check reads it."""
+def percentage(value: str | float | None, what: str) -> str | float | None:
+    """``value``, checked to be a percentage's kind: a number or its text (or None)."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what}: {value!r} is not a percentage (a number or a string like '6%')")
-    return repr(value) if isinstance(value, float) else str(value)
+    return value
 
 
 def fsdp_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with ``reshard_after_forward`` as the simulator reads it: True, False or a
-    number of ranks K become "true", "false" or "K"."""
+    """``options``, with ``reshard_after_forward`` (when given) checked to be True, False or a
+    number of ranks K."""
     value = options.get("reshard_after_forward")
-    if value is None:
-        return options
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, int):
-        text = str(value)
-    else:
+    if value is not None and not isinstance(value, int):
         raise TypeError(
             f"reshard_after_forward: {value!r} is not True, False or a number of ranks (int)"
         )
-    return {**options, "reshard_after_forward": text}
+    return options
 
 
 def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -> dict[str, Any]:
@@ -150,10 +145,13 @@ def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) ->
         device: A bundled device profile's name or a profile file.
         **options: ``steps``, ``min_bytes``, ``window_mib``, ``prefetch_mib``,
             ``host_cap_gib``, ``stash``, ``check``, ``allocator`` and the FSDP2 options, as
-            ``simulate`` takes them.
+            ``simulate`` takes them; ``devices`` (1..64) and ``micro_batches`` (1..1024), as
+            ``ferry compare --devices N --micro-batches M`` takes them: with ``devices`` > 1
+            the GPipe pipeline configurations too (no FSDP then).
 
     Returns:
-        The document ``ferry compare --json`` prints: one row per configuration.
+        The document ``ferry compare --json`` prints: one row per configuration, and the
+        pipeline rows under "pipeline" when ``devices`` > 1.
 
     Raises:
         ValueError: A model, device or option the simulator refuses; the message names it.

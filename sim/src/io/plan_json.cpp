@@ -54,7 +54,7 @@ Status read_predicted(const JsonObject& root, Plan& plan) {
 
 }  // namespace
 
-std::string plan_to_json(const Plan& plan) {
+Json plan_json(const Plan& plan) {
   Json j;
   j["format"] = kPlanFormat;
   j["model"] = plan.model;
@@ -67,20 +67,18 @@ std::string plan_to_json(const Plan& plan) {
                 {"prefetch", plan.knobs.prefetch}};
   if (plan.knobs.horizon_bytes) j["knobs"]["horizon_bytes"] = plan.knobs.horizon_bytes->count();
   if (plan.parallelism.on()) j["parallelism"] = parallelism_json(plan.parallelism);
-  // Regions and ops one per line: a plan of a large model stays readable and diffable.
-  std::string regions;
+  Json regions = Json::array();
   for (const PlanRegion& r : plan.regions) {
-    regions += fmt::format("{}\n    {{\"first_op\": {}, \"end_op\": {}, \"inputs\": \"{}\"}}",
-                           regions.empty() ? "" : ",", r.first_op, r.end_op,
-                           saved_decision_name(r.inputs));
+    regions.push_back({{"first_op", r.first_op},
+                       {"end_op", r.end_op},
+                       {"inputs", saved_decision_name(r.inputs)}});
   }
-  std::string ops;
+  j["regions"] = std::move(regions);
+  Json ops = Json::array();
   for (const PlanOp& op : plan.ops) {
-    ops += fmt::format("{}\n    {{\"name\": {}, \"saved\": \"{}\"}}", ops.empty() ? "" : ",",
-                       Json(op.name).dump(), saved_decision_name(op.saved));
+    ops.push_back({{"name", op.name}, {"saved", saved_decision_name(op.saved)}});
   }
-  j["regions"] = "@regions@";
-  j["ops"] = "@ops@";
+  j["ops"] = std::move(ops);
   const PlanPrediction& p = plan.predicted;
   j["predicted"] = {{"step_time_ns", p.step_time.ns()},
                     {"lower_bound_ns", p.lower_bound.ns()},
@@ -91,12 +89,34 @@ std::string plan_to_json(const Plan& plan) {
                     {"pinned_peak_bytes", p.pinned_peak.count()},
                     {"d2h_bytes", p.d2h.count()},
                     {"h2d_bytes", p.h2d.count()}};
+  return j;
+}
+
+std::string plan_to_json(const Plan& plan) {
+  // plan_json's document, with its regions and ops one per line: a plan of a large model stays
+  // readable and diffable.
+  Json j = plan_json(plan);
+  const auto one_per_line = [](const Json& items) {
+    std::string lines;
+    for (const Json& item : items) {
+      std::string fields;
+      for (const auto& [key, value] : item.items()) {
+        fields +=
+            fmt::format("{}{}: {}", fields.empty() ? "" : ", ", Json(key).dump(), value.dump());
+      }
+      lines += fmt::format("{}\n    {{{}}}", lines.empty() ? "" : ",", fields);
+    }
+    return lines.empty() ? std::string("[]") : "[" + lines + "\n  ]";
+  };
+  const std::string regions = one_per_line(j["regions"]);
+  const std::string ops = one_per_line(j["ops"]);
+  j["regions"] = "@regions@";
+  j["ops"] = "@ops@";
   std::string text = j.dump(2) + "\n";
   // The placeholders are found with their keys, so no name in the plan can be mistaken for one.
   auto splice = [&](std::string_view key, const std::string& items) {
     const std::string placeholder = fmt::format("\"{}\": \"@{}@\"", key, key);
-    text.replace(text.find(placeholder), placeholder.size(),
-                 fmt::format("\"{}\": {}", key, items.empty() ? "[]" : "[" + items + "\n  ]"));
+    text.replace(text.find(placeholder), placeholder.size(), fmt::format("\"{}\": {}", key, items));
   };
   splice("regions", regions);
   splice("ops", ops);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -63,6 +64,16 @@ class SimulatedCost final : public CostModel {
   /// Keeps what a run made elsewhere measured as `plan`'s evaluation (unless it has one).
   void remember(const Plan& plan, const Evaluation& e) { evaluations_.emplace(key_of(plan), e); }
 
+  /// Whether the checked runs made from now on record their allocators' actions, and those
+  /// that pass are kept (PlannerOptions::keep_run).
+  void keep_runs(bool keep) { keep_runs_ = keep; }
+
+  /// The run checked(plan, memory) kept, or null.
+  [[nodiscard]] std::shared_ptr<const TrainingRun> kept_run(const Plan& plan, Bytes memory) const {
+    const auto it = kept_.find(fmt::format("{}|{}", key_of(plan), memory.count()));
+    return it == kept_.end() ? nullptr : it->second;
+  }
+
   /// The checked run of `plan` (hazard checker and content tracking on) on a device with
   /// `memory`; the row's failure says why it cannot be the plan (hazards and content
   /// mismatches included).
@@ -79,6 +90,7 @@ class SimulatedCost final : public CostModel {
     options.steps = steps_;
     options.fsdp = base_.fsdp;
     options.sim.allocator = base_.sim.allocator;
+    options.sim.record_allocator = keep_runs_;
     auto training = plan_training_options(plan, model_, options);
     FERRY_CHECK(training.ok(), "planner built an invalid plan: {}", training.error().message);
     std::optional<TrainingRun> run;
@@ -93,6 +105,9 @@ class SimulatedCost final : public CostModel {
       if (auto why = node_check(capped, training.value()); !why.empty()) {
         row.failure = Failure{FailureKind::Infeasible, std::move(why)};
       }
+    }
+    if (keep_runs_ && run && !row.failure) {
+      kept_.emplace(key, std::make_shared<const TrainingRun>(std::move(*run)));
     }
     return checked_.emplace(std::move(key), std::move(row)).first->second;
   }
@@ -130,6 +145,8 @@ class SimulatedCost final : public CostModel {
   std::int32_t steps_;
   std::map<std::string, Evaluation> evaluations_;
   std::map<std::string, RowResult> checked_;  // key and device memory -> the checked run
+  std::map<std::string, std::shared_ptr<const TrainingRun>> kept_;  // the runs keep_runs kept
+  bool keep_runs_ = false;
   std::int64_t simulations_ = 0;
   std::int64_t reused_ = 0;
 };
@@ -361,6 +378,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   const std::int64_t simulations_before = p.cost.runs();
   const std::int64_t reused_before = p.cost.reused();
   p.ensure_fixed();
+  p.cost.keep_runs(options.keep_run);
   planning::Search search(p.cost, p.space, planning::Budgets{options.budget, options.host_budget});
   planning::run_search(search, p.seeds, p.knobs);
   const Bytes memory = std::min(p.device.memory, options.budget);
@@ -377,6 +395,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
     outcome.planned_budget = options.budget;
     outcome.margin_permille = options.margin_permille;
     outcome.node_ranks = p.cost.node_ranks();
+    if (options.keep_run) outcome.run = p.cost.kept_run(pick.candidate->plan, memory);
     if (p.fsdp.on()) outcome.plan.parallelism = p.fsdp.parallelism;
     outcome.simulations = p.cost.runs() - simulations_before;
     outcome.reused = p.cost.reused() - reused_before;

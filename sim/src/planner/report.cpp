@@ -4,8 +4,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ferry/sim/io/parallelism_json.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/report/row_fields.hpp"
+#include "ferry/sim/report/tables.hpp"
 #include "report_format.hpp"
 
 namespace ferry::sim {
@@ -14,6 +16,12 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 using planning::none_time;
+
+// The document `j` with its "fsdp" member under FSDP (Note [Reports under FSDP]).
+Json with_parallelism(Json j, const Parallelism& p, const DeviceProfile& device) {
+  if (p.on()) j["fsdp"] = parallelism_report_json(p, device.collectives.gpus_per_node);
+  return j;
+}
 
 std::string layer_name(std::int32_t layer) {
   return layer < 0 ? std::string("other") : fmt::format("{}", layer);
@@ -75,11 +83,10 @@ std::string plan_text(const PlanOutcome& o, const Model& model, const DeviceProf
                        format_bytes(s.offloaded), format_bytes(s.recomputed));
   }
   out += "bytes are of saved activations, each storage counted once in its producing op's layer\n";
-  return out;
+  return out + parallelism_text(o.plan.parallelism, device);
 }
 
-std::string plan_report_json(const PlanOutcome& o, const Model& model,
-                             const DeviceProfile& device) {
+Json plan_report_json(const PlanOutcome& o, const Model& model, const DeviceProfile& device) {
   const RowResult& r = o.row;
   Json j;
   j["format"] = "ferry.plan-report/1";
@@ -117,12 +124,12 @@ std::string plan_report_json(const PlanOutcome& o, const Model& model,
                      {"pinned_peak_bytes", f.pinned_peak.count()}});
   }
   j["fixed"] = std::move(fixed);
-  j["plan"] = Json::parse(plan_to_json(o.plan));
-  return j.dump(2) + "\n";
+  j["plan"] = plan_json(o.plan);
+  return with_parallelism(std::move(j), o.plan.parallelism, device);
 }
 
 std::string sweep_text(const std::vector<SweepPoint>& points, const Model& model,
-                       const DeviceProfile& device) {
+                       const DeviceProfile& device, const Parallelism& parallelism) {
   const SimTime none = none_time(points);
   std::string out = fmt::format(
       "ferry plan --sweep: {} on {}, {} budgets (peak reserved) from the floor to the no-offload "
@@ -147,11 +154,11 @@ std::string sweep_text(const std::vector<SweepPoint>& points, const Model& model
   out +=
       "time is the ratio to the no-offload step; every plan was checked (hazard checker and "
       "content checks on)\n";
-  return out;
+  return out + parallelism_text(parallelism, device);
 }
 
-std::string sweep_json(const std::vector<SweepPoint>& points, const Model& model,
-                       const DeviceProfile& device) {
+Json sweep_json(const std::vector<SweepPoint>& points, const Model& model,
+                const DeviceProfile& device, const Parallelism& parallelism) {
   Json j;
   j["format"] = "ferry.plan-sweep/1";
   j["model"] = model.name;
@@ -177,7 +184,7 @@ std::string sweep_json(const std::vector<SweepPoint>& points, const Model& model
     list.push_back(std::move(row));
   }
   j["points"] = std::move(list);
-  return j.dump(2) + "\n";
+  return with_parallelism(std::move(j), parallelism, device);
 }
 
 }  // namespace ferry::sim

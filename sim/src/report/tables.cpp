@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "ferry/sim/io/parallelism_json.hpp"
 #include "ferry/sim/report/row_fields.hpp"
 
 namespace ferry::sim {
@@ -14,6 +15,12 @@ namespace ferry::sim {
 namespace {
 
 using Json = nlohmann::ordered_json;
+
+// The document `j` with its "fsdp" member under FSDP (Note [Reports under FSDP]).
+Json with_parallelism(Json j, const Parallelism& p, const DeviceProfile& device) {
+  if (p.on()) j["fsdp"] = parallelism_report_json(p, device.collectives.gpus_per_node);
+  return j;
+}
 
 const RowResult* baseline(const std::vector<RowResult>& rows) {
   for (const RowResult& r : rows) {
@@ -52,7 +59,8 @@ Json context_json(const Model& model, const DeviceProfile& device) {
 
 }  // namespace
 
-std::string simulate_text(const RowResult& r, const Model& model, const DeviceProfile& device) {
+std::string simulate_text(const RowResult& r, const Model& model, const DeviceProfile& device,
+                          const Parallelism& parallelism) {
   std::string out =
       fmt::format("ferry simulate: {} on {}, policy {}\n", model.name, device.name, r.name);
   if (r.failure) out += fmt::format("failure: {}\n", r.failure->message);
@@ -81,10 +89,24 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
       "record_stream fallbacks\n",
       t.prefetched, t.on_demand, t.stash_hits, t.record_stream_fallbacks);
   out += fmt::format("hazards: {}\n", r.hazards);
-  return out;
+  return out + parallelism_text(parallelism, device);
 }
 
-std::string simulate_json(const RowResult& r, const Model& model, const DeviceProfile& device) {
+std::string document_text(const Json& document) { return document.dump(2) + "\n"; }
+
+std::string parallelism_text(const Parallelism& p, const DeviceProfile& device) {
+  if (!p.on()) return {};
+  const std::int32_t nodes = p.node_count(device.collectives.gpus_per_node);
+  return fmt::format(
+      "FSDP2 over {} ranks on {} node{}{}, reshard after forward: {}; every figure is one "
+      "rank's (its pinned memory: its part of the node's)\n",
+      p.ranks, nodes, nodes == 1 ? "" : "s",
+      p.replicas > 1 ? fmt::format(", {} HSDP replica groups", p.replicas) : "",
+      to_string(p.reshard_after_forward));
+}
+
+Json simulate_json(const RowResult& r, const Model& model, const DeviceProfile& device,
+                   const Parallelism& parallelism) {
   Json j;
   j["format"] = "ferry.simulate/1";
   j.update(context_json(model, device));
@@ -101,11 +123,12 @@ std::string simulate_json(const RowResult& r, const Model& model, const DevicePr
                       {"recomputed", d.recomputed}});
   }
   j["result"]["layers"] = std::move(layers);
-  return j.dump(2) + "\n";
+  return with_parallelism(std::move(j), parallelism, device);
 }
 
 std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
-                         const DeviceProfile& device) {
+                         const DeviceProfile& device, const std::vector<PipelineRow>& pipeline,
+                         const Parallelism& parallelism) {
   const RowResult* base = baseline(rows);
   std::string out = fmt::format("ferry compare: {} on {} ({} device memory)\n", model.name,
                                 device.name, format_bytes(device.memory));
@@ -134,7 +157,8 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
       "time and memory are ratios to the none row; step (simulated device time), bytes moved, "
       "recompute and bwd stall (compute stream waiting on copies) are of the last simulated "
       "step\n";
-  return out;
+  if (!pipeline.empty()) out += "\n" + pipeline_text(pipeline);
+  return out + parallelism_text(parallelism, device);
 }
 
 std::string pipeline_text(const std::vector<PipelineRow>& rows) {
@@ -186,15 +210,16 @@ std::string pipeline_json(const std::vector<PipelineRow>& rows) {
   return pipeline_list(rows).dump(2);
 }
 
-std::string pipeline_document(const std::vector<PipelineRow>& rows) {
+Json pipeline_document(const std::vector<PipelineRow>& rows) {
   Json j;
   j["format"] = "ferry.pipeline/1";
   j["rows"] = pipeline_list(rows);
-  return j.dump(2) + "\n";
+  return j;
 }
 
-std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
-                         const DeviceProfile& device, const std::vector<PipelineRow>& pipeline) {
+Json compare_json(const std::vector<RowResult>& rows, const Model& model,
+                  const DeviceProfile& device, const std::vector<PipelineRow>& pipeline,
+                  const Parallelism& parallelism) {
   const RowResult* base = baseline(rows);
   Json j;
   j["format"] = "ferry.compare/1";
@@ -203,7 +228,7 @@ std::string compare_json(const std::vector<RowResult>& rows, const Model& model,
   for (const RowResult& r : rows) list.push_back(row_json(r, base));
   j["rows"] = std::move(list);
   if (!pipeline.empty()) j["pipeline"] = pipeline_list(pipeline);
-  return j.dump(2) + "\n";
+  return with_parallelism(std::move(j), parallelism, device);
 }
 
 }  // namespace ferry::sim

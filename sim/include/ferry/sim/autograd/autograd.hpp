@@ -54,7 +54,7 @@ struct FsdpOptions {
 };
 
 /// How validate_parallelism's messages name a Parallelism's fields: as the fields are named,
-/// unless an edge passes the spelling its user wrote (run_spec's kFsdpFlags).
+/// unless an edge passes the spelling its user wrote (api/requests.hpp's kFsdpFlags).
 struct ParallelismNames {
   std::string_view ranks = "ranks";
   std::string_view nodes = "nodes";

@@ -2,6 +2,7 @@
 /// The `ferry.plan/1` file: writing a plan and reading it back with errors that name the JSON
 /// path (docs/plan-format.md).
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 
@@ -10,7 +11,10 @@
 
 namespace ferry::sim {
 
-/// The plan as a `ferry.plan/1` document (fixed key order, integers as integers).
+/// The plan as a `ferry.plan/1` document (fixed key order, integers as integers, every field
+/// present but the optional host budget, horizon and parallelism).
+[[nodiscard]] nlohmann::ordered_json plan_json(const Plan& plan);
+/// plan_json's document as the file's text: indented by 2, each region and op on one line.
 [[nodiscard]] std::string plan_to_json(const Plan& plan);
 
 /// Parses a `ferry.plan/1` document; unknown keys, wrong types, out-of-range numbers and

@@ -67,6 +67,10 @@ struct PlannerOptions {
   AllocatorMode allocator = AllocatorMode::Default;
   /// The plan fits `budget` less this many thousandths of it (Note [The plan margin]); 0..500.
   std::int32_t margin_permille = 0;
+  /// Record the checked runs' allocator actions and keep the plan's checked run in
+  /// PlanOutcome::run (for its memory snapshot). A checked run made earlier by the same Planner
+  /// without it is reused as it is, and leaves PlanOutcome::run null.
+  bool keep_run = false;
 };
 
 /// A plan and what its checked simulation measured.
@@ -76,6 +80,8 @@ struct PlanOutcome {
   Bytes planned_budget;
   std::int32_t margin_permille = 0;
   RowResult row;  ///< the final run: hazard checker and content checks on
+  /// That run itself, with PlannerOptions::keep_run; else null.
+  std::shared_ptr<const TrainingRun> run;
   /// Under FSDP, the ranks of a node the final run was also checked with side by side
   /// (simulate_node: no bytes shared, their pinned memory included); 0 when not.
   std::int32_t node_ranks = 0;

@@ -1,0 +1,188 @@
+#pragma once
+/// The simulator's commands as requests: `ferry simulate / compare / plan` parse their flags into
+/// one (sim/cli/), `ferry.simulate / compare / plan` convert their arguments into one
+/// (sim/python/), and the request's function does the rest, once for both edges: load the model
+/// and the device, take the model file's parallelism and allocator where the request leaves
+/// them, check every value, run, and report as a JSON document and as text.
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "ferry/parallelism.hpp"
+#include "ferry/result.hpp"
+#include "ferry/sim/api/load.hpp"
+#include "ferry/sim/planner/planner.hpp"
+#include "ferry/sim/runs/measure.hpp"
+
+namespace ferry::sim {
+
+/// The policies a request names, as errors list them.
+inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
+
+// Note [One check for both edges]
+// Each edge turns what it was given into a request's values: the command line parses its text
+// (`--reshard-after-forward 2`, `--budget 40GiB`, `--margin 5.5`), Python converts its ints,
+// floats, bools and strings, with the same functions below where a value has a text form, so a
+// text is refused with one message on both. The request's function then checks every number
+// against its bounds before anything runs: steps 1..1000 (a plan's 1..100), stash 1..2^20,
+// min_bytes 0..2^50, window_mib and prefetch_mib 0..2^30, host_cap_gib 0..2^20, fsdp, nodes and
+// hsdp 1..1000000, devices 1..64, micro_batches 1..1024. An error names the option as the
+// command line spells it, `--steps: 0 is not in 1..1000`; the CLI prints it after
+// "ferry simulate: error: " and exits 2, Python raises it as a ValueError.
+
+/// A model as a request names it: a preset's name or a model file's path, or, with `text`, a
+/// ferry.model/1 document (a traced model's) that errors name `name`.
+struct ModelSource {
+  std::string name;
+  std::optional<std::string> text{};
+};
+
+/// What a request runs on: the model, the device profile (a bundled name or a file) and the
+/// folder whose devices/ holds the bundled profiles.
+struct Target {
+  ModelSource model{};
+  std::string device{kDefaultDevice};
+  std::filesystem::path scenarios{};
+};
+
+/// FSDP2 as a request asks for it (`--fsdp N --nodes M --hsdp R --reshard-after-forward X`,
+/// Python's fsdp, nodes, hsdp and reshard_after_forward). What it leaves out (none, or the
+/// defaults replicas 1 and resharding True) is the model file's.
+struct FsdpRequest {
+  std::optional<std::int32_t> ranks{};  ///< 1..1000000; none: the model file's, else no FSDP
+  std::optional<std::int32_t> nodes{};  ///< 1..1000000; none: as few as gpus_per_node allow
+  std::int32_t replicas = 1;            ///< 1..1000000
+  Reshard reshard_after_forward{};
+};
+
+/// The flags' names, as validate_parallelism's errors at the edges name the fields.
+inline constexpr ParallelismNames kFsdpFlags{.ranks = "--fsdp",
+                                             .nodes = "--nodes",
+                                             .replicas = "--hsdp",
+                                             .reshard_after_forward = "--reshard-after-forward"};
+
+/// The parallelism `fsdp` asks for, its numbers in bounds (Note [One check for both edges]).
+/// Not against a device: validate_parallelism with kFsdpFlags does that.
+Result<Parallelism> parallelism_of(const FsdpRequest& fsdp);
+
+/// Fills what `fsdp` leaves out from a file's parallelism section: its ranks when none are asked
+/// (and no pipeline runs over `devices` > 1), then its nodes, HSDP groups and resharding where
+/// `fsdp` kept the defaults.
+void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t devices = 1);
+
+/// The options simulate and compare share: the offload knobs, the run's length and checks, FSDP2
+/// and the allocator.
+struct RunKnobs {
+  std::int64_t min_bytes = 1024;
+  std::int64_t window_mib = 512;
+  std::int64_t prefetch_mib = 512;
+  std::int64_t host_cap_gib = 1024;
+  std::int32_t stash = 5;  ///< trl: forward stash size in tensors
+  std::int32_t steps = 2;  ///< 1..1000; the last is reported
+  bool prefetch = true;
+  bool dedup = true;
+  bool early_stop = true;
+  bool check = true;  ///< hazard and content checks; off: time only
+  FsdpRequest fsdp{};
+  std::optional<AllocatorMode> allocator;  ///< none: the model file's, else default
+  std::int32_t devices = 1;                ///< a GPipe pipeline over 1..64 devices; 1: none
+  std::int32_t micro_batches = 4;          ///< the pipeline's, 1..1024
+};
+
+/// `ferry simulate`: one run under one policy, on one device or a pipeline, or a plan replayed.
+/// The policy, checkpoint plan, side streams and horizon are the option languages both edges
+/// take ("ferry", "every:K", "0-3,recompute", "auto"): a checkpoint plan is read against the
+/// model, so each is read where the model is known.
+struct SimulateRequest {
+  Target target;
+  RunKnobs run;
+  std::string policy = "ferry";  ///< none, trl, trl-seed or ferry
+  std::string checkpoint = "none";
+  std::string side_streams = "none";
+  std::string horizon = "auto";  ///< auto (derived), none, or a byte count
+  std::string pipeline_checkpoint = "except_last";
+  std::optional<std::string> plan;  ///< a ferry.plan/1 file to replay instead
+  bool trace = false;               ///< keep the run (Response::run) for its trace
+  bool memory_snapshot = false;     ///< and record its allocators' actions
+};
+
+/// `ferry compare`: the fixed configurations side by side, and over `run.devices` > 1 the
+/// pipeline configurations too.
+struct CompareRequest {
+  Target target{};
+  RunKnobs run{};
+  /// Called with each configuration's name before it runs (the CLI's progress lines); may be
+  /// empty.
+  std::function<void(const std::string&)> progress{};
+};
+
+/// `ferry plan`: the fastest plan that fits a budget, or a sweep of plans over budgets.
+struct PlanRequest {
+  Target target;
+  std::optional<Bytes> budget;       ///< none: the device's memory
+  std::optional<Bytes> host_budget;  ///< none: no limit but the pool's
+  std::int32_t steps = 2;            ///< 1..100; per simulation, the last is measured
+  FsdpRequest fsdp{};
+  std::optional<AllocatorMode> allocator;       ///< none: the model file's, else default
+  std::optional<std::int32_t> margin_permille;  ///< 0..500; none: kDefaultPlanMarginPermille
+  std::int32_t sweep = 0;                       ///< budgets of a sweep, 2..100; 0: one plan
+  bool memory_snapshot = false;                 ///< keep the plan's checked run (recorded)
+  bool plot = false;                            ///< draw the sweep (Response::plot)
+  /// A sweep calls it before each budget with (index, count, budget); may be empty.
+  std::function<void(std::size_t, std::size_t, Bytes)> progress;
+};
+
+/// How a request's run ended, as the exit codes tell it.
+enum class Outcome : std::uint8_t {
+  Ok,       ///< 0
+  Failed,   ///< 1: hazards found, or a run failed (out of memory)
+  Refused,  ///< 1: no plan fits the budget; `refusal` says why
+};
+
+/// What a request answers: the outcome, the report as a document (what `--json` prints) and as
+/// text, and what the edges write to files.
+struct Response {
+  Outcome outcome = Outcome::Ok;
+  nlohmann::ordered_json document;
+  std::string text;
+  /// Refused: the planner's error, and the floor it reached (0: none known).
+  std::string refusal;
+  Bytes floor{0};
+  /// simulate: the run, when the request asked for its trace or memory snapshot and it ran.
+  std::optional<TrainingRun> run;
+  /// plan: the outcome (its plan, and with memory_snapshot its checked run).
+  std::optional<PlanOutcome> plan;
+  /// plan with a sweep and `plot`: the SVG plot of its curve.
+  std::string plot;
+};
+
+/// The requests' functions; an error is bad input (exit 2), naming the option or the file.
+Result<Response> respond(const SimulateRequest& request);
+Result<Response> respond(const CompareRequest& request);
+Result<Response> respond(const PlanRequest& request);
+
+// The text forms both edges accept, with the errors they give (naming the option).
+
+/// `--reshard-after-forward`'s text: true, false or K (2 or more).
+Result<Reshard> parse_reshard(std::string_view text);
+/// A number of ranks K as resharding (2 or more; the error is parse_reshard's).
+Result<Reshard> reshard_ranks(std::int64_t k);
+/// `--allocator`'s text: default or expandable.
+Result<AllocatorMode> allocator_mode(std::string_view name);
+/// A byte count's text for the option `option` ("--budget"); blank is an error, not "none".
+Result<Bytes> byte_count(std::string_view text, std::string_view option);
+/// A number of bytes for `option`: 0..2^50.
+Result<Bytes> byte_count(std::int64_t count, std::string_view option);
+/// `--margin`'s text: a percentage of the budget 0..50 with at most one decimal, "%" optional
+/// ("6", "5.5%", "0"), in thousandths of the budget.
+Result<std::int32_t> margin_permille(std::string_view text);
+/// A margin as a number of percent, in thousandths of the budget; the errors are those of its
+/// text ("--margin: 51 % is not in 0..50 %").
+Result<std::int32_t> margin_permille(double percent);
+
+}  // namespace ferry::sim

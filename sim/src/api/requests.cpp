@@ -1,0 +1,488 @@
+#include "ferry/sim/api/requests.hpp"
+
+#include <fmt/format.h>
+
+#include <charconv>
+#include <cmath>
+#include <initializer_list>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ferry/sim/io/model_json.hpp"
+#include "ferry/sim/io/plan_json.hpp"
+#include "ferry/sim/planner/lower.hpp"
+#include "ferry/sim/planner/report.hpp"
+#include "ferry/sim/planner/sweep.hpp"
+#include "ferry/sim/report/tables.hpp"
+#include "ferry/sim/runs/compare_runs.hpp"
+#include "ferry/sim/runs/configurations.hpp"
+#include "ferry/sim/runs/horizon.hpp"
+#include "ferry/units.hpp"
+
+namespace ferry::sim {
+namespace {
+
+// `option`'s `value` within lo..hi, or the error that says it is not (Note [One check for both
+// edges]).
+Status in_bounds(std::string_view option, std::int64_t value, std::int64_t lo, std::int64_t hi) {
+  if (value >= lo && value <= hi) return Ok{};
+  return Error{fmt::format("{}: {} is not in {}..{}", option, value, lo, hi)};
+}
+
+Status in_bounds(std::string_view option, const std::optional<std::int32_t>& value, std::int64_t lo,
+                 std::int64_t hi) {
+  return value ? in_bounds(option, *value, lo, hi) : Status{Ok{}};
+}
+
+// The first error of `checks`, or Ok.
+Status first_error(std::initializer_list<Status> checks) {
+  for (const Status& check : checks) {
+    if (!check) return check;
+  }
+  return Ok{};
+}
+
+Result<Workload> load(const Target& target) {
+  const ModelSource& m = target.model;
+  return make_workload(m.text ? parse_model(*m.text, m.name) : load_model(m.name), m.name,
+                       target.device, target.scenarios);
+}
+
+// The allocator `asked`, else the model file's, else default.
+Result<AllocatorMode> allocator_of(const std::optional<AllocatorMode>& asked, const Model& model) {
+  if (asked) return *asked;
+  if (model.allocator.empty()) return AllocatorMode::Default;
+  return allocator_mode(model.allocator);
+}
+
+// The knobs' numbers in bounds, then their parallelism's (Note [One check for both edges]).
+Result<Parallelism> checked_knobs(const RunKnobs& k) {
+  if (auto bounded = first_error({
+          in_bounds("--steps", k.steps, 1, 1000),
+          in_bounds("--stash", k.stash, 1, std::int64_t{1} << 20),
+          in_bounds("--min-bytes", k.min_bytes, 0, std::int64_t{1} << 50),
+          in_bounds("--window-mib", k.window_mib, 0, std::int64_t{1} << 30),
+          in_bounds("--prefetch-mib", k.prefetch_mib, 0, std::int64_t{1} << 30),
+          in_bounds("--host-cap-gib", k.host_cap_gib, 0, std::int64_t{1} << 20),
+      });
+      !bounded) {
+    return bounded.error();
+  }
+  auto parallelism = parallelism_of(k.fsdp);
+  if (!parallelism) return parallelism;
+  if (auto pipeline = first_error({in_bounds("--devices", k.devices, 1, 64),
+                                   in_bounds("--micro-batches", k.micro_batches, 1, 1024)});
+      !pipeline) {
+    return pipeline.error();
+  }
+  if (k.devices > 1 && k.fsdp.ranks) {
+    return Error{"--fsdp excludes --devices"};
+  }
+  return parallelism;
+}
+
+// The training options `k` asks for on `model` (the model file's parallelism and allocator
+// where `k` leaves them), checked; with `simulate`, its checkpoint plan, side streams and
+// horizon too.
+Result<TrainingOptions> training_options(RunKnobs k, const Model& model,
+                                         const SimulateRequest* simulate) {
+  adopt_parallelism(k.fsdp, model.parallelism, k.devices);
+  auto parallelism = checked_knobs(k);
+  if (!parallelism) return parallelism.error();
+  auto allocator = allocator_of(k.allocator, model);
+  if (!allocator) return allocator.error();
+  TrainingOptions o;
+  o.steps = k.steps;
+  o.sim.check_hazards = k.check;
+  o.sim.track_content = k.check;
+  o.sim.allocator = allocator.value();
+  o.offload.min_bytes = Bytes(k.min_bytes);
+  o.offload.window_bytes = k.window_mib * kMiB;
+  o.offload.prefetch_bytes = k.prefetch_mib * kMiB;
+  o.offload.host_cap = k.host_cap_gib * kGiB;
+  o.offload.trl_stash_count = k.stash;
+  o.offload.prefetch = k.prefetch;
+  o.offload.dedup = k.dedup;
+  o.fsdp.parallelism = parallelism.value();
+  if (simulate == nullptr) {
+    if (!k.early_stop) o.checkpoint.global_early_stop = false;
+    return o;
+  }
+  auto plan = parse_checkpoint_spec(simulate->checkpoint, model);
+  if (!plan) return Error{fmt::format("--checkpoint: {}", plan.error().message)};
+  o.checkpoint = std::move(plan).value();
+  if (!k.early_stop) o.checkpoint.global_early_stop = false;
+  auto side = parse_side_streams(simulate->side_streams);
+  if (!side) return Error{fmt::format("--side-streams: {}", side.error().message)};
+  o.side = std::move(side).value();
+  if (simulate->horizon == "none") {
+    o.offload.horizon_bytes = Bytes(std::numeric_limits<std::int64_t>::max());
+  } else if (simulate->horizon != "auto") {
+    auto horizon = parse_bytes(simulate->horizon, "--horizon");
+    if (!horizon) return Error{fmt::format("{} (or auto, none)", horizon.error().message)};
+    o.offload.horizon_bytes = horizon.value();
+  }
+  return o;
+}
+
+Result<Policy> policy_of(const std::string& name) {
+  if (const auto policy = parse_policy(name)) return *policy;
+  return Error{fmt::format("unknown policy \"{}\" ({})", name, kPolicyNames)};
+}
+
+Outcome outcome_of(bool clean) { return clean ? Outcome::Ok : Outcome::Failed; }
+
+// `ferry simulate --plan FILE`: the plan replayed under `base`, with the plan's parallelism
+// where neither the request nor the model file gave one.
+Result<Response> replay(const SimulateRequest& r, const Workload& w, TrainingOptions base) {
+  const std::string& path = *r.plan;
+  auto text = read_input(path, "plan");
+  if (!text) return text.error();
+  auto plan = parse_plan(text.value(), path);
+  if (!plan) return plan.error();
+  FsdpRequest asked = r.run.fsdp;
+  adopt_parallelism(asked, w.model.parallelism, r.run.devices);
+  FsdpRequest adopted = asked;
+  adopt_parallelism(adopted, plan.value().parallelism);
+  if (adopted.ranks != asked.ranks) {
+    auto fsdp = parallelism_of(adopted);
+    if (fsdp) {
+      if (auto valid = validate_parallelism(fsdp.value(), w.device, kFsdpFlags); !valid) {
+        fsdp = valid.error();
+      }
+    }
+    if (!fsdp) return Error{fmt::format("{}: parallelism: {}", path, fsdp.error().message)};
+    base.fsdp.parallelism = fsdp.value();
+  } else if (auto valid = validate_parallelism(base.fsdp.parallelism, w.device, kFsdpFlags);
+             !valid) {
+    return valid.error();
+  }
+  auto row = replay_plan(plan.value(), w.model, w.device, base);
+  if (!row) return Error{fmt::format("{}: {}", path, row.error().message)};
+  row.value().name = "plan " + path;
+  // The report names the request's parallelism over the plan's.
+  const auto named = parallelism_of(adopted);
+  const Parallelism parallelism = named ? named.value() : Parallelism{};
+  Response out;
+  out.outcome = outcome_of(row.value().hazards == 0 && !row.value().failure);
+  out.document = simulate_json(row.value(), w.model, w.device, parallelism);
+  out.text = simulate_text(row.value(), w.model, w.device, parallelism);
+  return out;
+}
+
+// `ferry simulate --devices N`: one GPipe pipeline.
+Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
+                          const TrainingOptions& base) {
+  // What draws or replays one device's run is refused rather than silently missing.
+  const auto refuse = [&](std::string_view what) {
+    return Error{fmt::format("{} (--devices {})", what, r.run.devices)};
+  };
+  if (base.side.any()) {
+    return refuse(
+        "--side-streams applies to a single-device run; a pipeline runs one compute stream per "
+        "device");
+  }
+  if (base.sim.allocator != AllocatorMode::Default) {
+    return refuse(
+        "--allocator expandable applies to a single-device or FSDP run; a pipeline "
+        "runs the default allocator");
+  }
+  if (r.trace) return refuse("--trace draws a single-device run; a pipeline has no trace yet");
+  if (r.memory_snapshot) {
+    return refuse(
+        "--memory-snapshot records a single-device run; a pipeline has no memory snapshot yet");
+  }
+  auto mode = parse_checkpoint_mode(r.pipeline_checkpoint);
+  if (!mode) return Error{fmt::format("--pipeline-checkpoint: {}", mode.error().message)};
+  PipelineOptions o;
+  o.devices = r.run.devices;
+  o.micro_batches = r.run.micro_batches;
+  o.checkpoint = mode.value();
+  o.sim = base.sim;
+  o.offload = base.offload;
+  auto policy = policy_of(r.policy);
+  if (!policy) return policy.error();
+  o.offload.policy = policy.value();
+  const PipelineRow row = run_pipeline_row(w.model, w.device, pipeline_row_name(o), o);
+  if (row.failure && row.step_time.ns() == 0) return Error{row.failure->message};
+  Response out;
+  out.outcome = outcome_of(row.hazards == 0 && !row.failure);
+  out.document = pipeline_document({row});
+  out.text = pipeline_text({row});
+  return out;
+}
+
+// One device: the run under its policy, the ferry policy's horizon derived where the request
+// leaves it to the simulator.
+Result<Response> one_device(const SimulateRequest& r, const Workload& w, TrainingOptions base) {
+  auto policy = policy_of(r.policy);
+  if (!policy) return policy.error();
+  if (auto valid = validate_parallelism(base.fsdp.parallelism, w.device, kFsdpFlags); !valid) {
+    return valid.error();
+  }
+  const Parallelism parallelism = base.fsdp.parallelism;
+  PolicyRow row{r.policy, std::move(base)};
+  row.options.offload.policy = policy.value();
+  row.options.sim.record_allocator = r.memory_snapshot;
+  if (!row.options.offload.horizon_bytes) {
+    row.options.offload.horizon_bytes = offload_horizon(w.model, w.device, row.options);
+  }
+  Response out;
+  const bool keep = r.trace || r.memory_snapshot;
+  const RowResult result = run_row(w.model, w.device, row, keep ? &out.run : nullptr);
+  out.outcome = outcome_of(result.hazards == 0 && !result.failure);
+  out.document = simulate_json(result, w.model, w.device, parallelism);
+  out.text = simulate_text(result, w.model, w.device, parallelism);
+  return out;
+}
+
+// The planner's options `r` asks for, before the model is read: its numbers and parallelism
+// checked, the budget 0 when it gives none.
+Result<PlannerOptions> planner_options(const PlanRequest& r) {
+  if (r.sweep != 0) {
+    if (auto bounded = in_bounds("--sweep", r.sweep, 2, 100); !bounded) return bounded.error();
+    if (r.budget || r.margin_permille) {
+      return Error{"--sweep plans its own budgets; it takes no --budget, --margin or --out"};
+    }
+  }
+  PlannerOptions options;
+  options.budget = r.budget.value_or(Bytes(0));
+  options.host_budget = r.host_budget;
+  if (auto steps = in_bounds("--steps", r.steps, 1, 100); !steps) return steps.error();
+  options.steps = r.steps;
+  auto fsdp = parallelism_of(r.fsdp);
+  if (!fsdp) return fsdp.error();
+  options.fsdp.parallelism = fsdp.value();
+  options.allocator = r.allocator.value_or(AllocatorMode::Default);
+  options.margin_permille = r.margin_permille.value_or(kDefaultPlanMarginPermille);
+  if (auto margin = in_bounds("--margin", options.margin_permille, 0, kMaxPlanMarginPermille);
+      !margin) {
+    return margin.error();
+  }
+  options.keep_run = r.memory_snapshot;
+  return options;
+}
+
+}  // namespace
+
+Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
+  if (auto bounded = first_error({in_bounds("--fsdp", fsdp.ranks, 1, 1'000'000),
+                                  in_bounds("--nodes", fsdp.nodes, 1, 1'000'000),
+                                  in_bounds("--hsdp", fsdp.replicas, 1, 1'000'000)});
+      !bounded) {
+    return bounded.error();
+  }
+  const Parallelism p{.ranks = fsdp.ranks.value_or(0),
+                      .nodes = fsdp.nodes.value_or(0),
+                      .replicas = fsdp.replicas,
+                      .reshard_after_forward = fsdp.reshard_after_forward};
+  if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True())) {
+    return Error{"--nodes, --hsdp and --reshard-after-forward need --fsdp N"};
+  }
+  return p;
+}
+
+void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t devices) {
+  if (!file.on() || devices > 1) return;
+  if (!fsdp.ranks) fsdp.ranks = file.ranks;
+  if (!fsdp.nodes && file.nodes > 0) fsdp.nodes = file.nodes;
+  if (fsdp.replicas == 1) fsdp.replicas = file.replicas;
+  if (fsdp.reshard_after_forward == Reshard::True()) {
+    fsdp.reshard_after_forward = file.reshard_after_forward;
+  }
+}
+
+Result<Response> respond(const SimulateRequest& r) {
+  auto workload = load(r.target);
+  if (!workload) return workload.error();
+  const Workload& w = workload.value();
+  auto base = training_options(r.run, w.model, &r);
+  if (!base) return base.error();
+  if (r.plan) return replay(r, w, std::move(base).value());
+  if (r.run.devices > 1) return pipeline(r, w, base.value());
+  return one_device(r, w, std::move(base).value());
+}
+
+Result<Response> respond(const CompareRequest& r) {
+  auto workload = load(r.target);
+  if (!workload) return workload.error();
+  const Workload& w = workload.value();
+  auto base = training_options(r.run, w.model, nullptr);
+  if (!base) return base.error();
+  const Parallelism& parallelism = base.value().fsdp.parallelism;
+  if (auto valid = validate_parallelism(parallelism, w.device, kFsdpFlags); !valid) {
+    return valid.error();
+  }
+  if (r.run.devices > 1 && base.value().sim.allocator != AllocatorMode::Default) {
+    return Error{fmt::format(
+        "--allocator expandable applies to a single-device or FSDP run; a pipeline runs the "
+        "default allocator (--devices {})",
+        r.run.devices)};
+  }
+  bool clean = true;
+  std::vector<RowResult> rows;
+  for (const PolicyRow& row : default_rows(base.value(), w.model, w.device)) {
+    if (r.progress) r.progress(row.name);
+    rows.push_back(run_row(w.model, w.device, row));
+    clean = clean && rows.back().hazards == 0;
+  }
+  std::vector<PipelineRow> pipelines;
+  if (r.run.devices > 1) {
+    if (r.progress) r.progress("pipelines");
+    pipelines = pipeline_rows(w.model, w.device, r.run.devices, r.run.micro_batches);
+    for (const PipelineRow& p : pipelines) clean = clean && p.hazards == 0;
+  }
+  Response out;
+  out.outcome = outcome_of(clean);
+  out.document = compare_json(rows, w.model, w.device, pipelines, parallelism);
+  out.text = compare_text(rows, w.model, w.device, pipelines, parallelism);
+  return out;
+}
+
+Result<Response> respond(const PlanRequest& r) {
+  // The request's own values, checked before any file is read.
+  auto asked = planner_options(r);
+  if (!asked) return asked.error();
+  auto workload = load(r.target);
+  if (!workload) return workload.error();
+  const Workload& w = workload.value();
+  PlannerOptions options = std::move(asked).value();
+  if (w.model.parallelism.on()) {
+    // What the request left out is the model file's: the parallelism is checked again with it.
+    FsdpRequest fsdp = r.fsdp;
+    adopt_parallelism(fsdp, w.model.parallelism);
+    auto parallelism = parallelism_of(fsdp);
+    if (!parallelism) {
+      return Error{
+          fmt::format("{}: parallelism: {}", r.target.model.name, parallelism.error().message)};
+    }
+    options.fsdp.parallelism = parallelism.value();
+  }
+  auto allocator = allocator_of(r.allocator, w.model);
+  if (!allocator) {
+    return Error{
+        fmt::format("{}: parallelism: {}", r.target.model.name, allocator.error().message)};
+  }
+  options.allocator = allocator.value();
+  if (auto valid = validate_parallelism(options.fsdp.parallelism, w.device, kFsdpFlags); !valid) {
+    return valid.error();
+  }
+  Response out;
+  if (r.sweep > 0) {
+    // A sweep's budgets are the simulator's peaks, from the floor up: no margin below them.
+    options.margin_permille = 0;
+    const auto points = plan_sweep(w.model, w.device, options, r.sweep, r.progress);
+    out.document = sweep_json(points, w.model, w.device, options.fsdp.parallelism);
+    out.text = sweep_text(points, w.model, w.device, options.fsdp.parallelism);
+    if (r.plot) out.plot = sweep_svg(points, w.model, w.device);
+    return out;
+  }
+  // No budget: the device's whole memory, the question "what is fastest that fits at all?".
+  if (!r.budget) options.budget = w.device.memory;
+  auto outcome = make_plan(w.model, w.device, options, &out.floor);
+  if (!outcome) {
+    out.outcome = Outcome::Refused;
+    out.refusal = outcome.error().message;
+    return out;
+  }
+  out.document = plan_report_json(outcome.value(), w.model, w.device);
+  out.text = plan_text(outcome.value(), w.model, w.device);
+  out.plan = std::move(outcome).value();
+  return out;
+}
+
+Result<Reshard> parse_reshard(std::string_view text) {
+  if (text == "true") return Reshard::True();
+  if (text == "false") return Reshard::False();
+  std::int64_t k = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), k);
+  if (ec != std::errc() || end != text.data() + text.size()) {
+    return Error{fmt::format(
+        "--reshard-after-forward: \"{}\" is not true, false or a number of ranks (2 or more)",
+        text)};
+  }
+  return reshard_ranks(k);
+}
+
+Result<Reshard> reshard_ranks(std::int64_t k) {
+  if (k < 2 || k > std::numeric_limits<std::int32_t>::max()) {
+    return Error{fmt::format(
+        "--reshard-after-forward: \"{}\" is not true, false or a number of ranks (2 or more)", k)};
+  }
+  return Reshard::K(static_cast<std::int32_t>(k));
+}
+
+Result<AllocatorMode> allocator_mode(std::string_view name) {
+  if (const auto mode = parse_allocator_mode(name)) return *mode;
+  return Error{fmt::format("--allocator: \"{}\" is not default or expandable", name)};
+}
+
+Result<Bytes> byte_count(std::string_view text, std::string_view option) {
+  if (text.find_first_not_of(" \t") == std::string_view::npos) {
+    return Error{
+        fmt::format("{}: empty; give a byte count such as 40GiB, or leave the option out", option)};
+  }
+  return parse_bytes(text, option);
+}
+
+Result<Bytes> byte_count(std::int64_t count, std::string_view option) {
+  if (auto bounded = in_bounds(option, count, 0, std::int64_t{1} << 50); !bounded) {
+    return bounded.error();
+  }
+  return Bytes(count);
+}
+
+Result<std::int32_t> margin_permille(std::string_view text) {
+  const auto refused = [&] {
+    return Error{fmt::format(
+        "--margin: \"{}\" is not a percentage of the budget such as 6, 5.5 or 6%", text)};
+  };
+  std::string_view s = text;
+  const auto trim = [&s] {
+    while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+    while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  };
+  trim();
+  if (!s.empty() && s.back() == '%') {
+    s.remove_suffix(1);
+    trim();
+  }
+  // Whole percent, then at most one decimal: at most "50.0".
+  std::int64_t whole = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), whole);
+  if (ec != std::errc{} || end == s.data()) return refused();
+  std::int64_t tenths = 0;
+  std::string_view rest(end, static_cast<std::size_t>(s.data() + s.size() - end));
+  if (!rest.empty()) {
+    if (rest.size() != 2 || rest[0] != '.' || rest[1] < '0' || rest[1] > '9') return refused();
+    tenths = rest[1] - '0';
+  }
+  if (s.front() == '-' || whole > kMaxPlanMarginPermille / 10 ||
+      whole * 10 + tenths > kMaxPlanMarginPermille) {
+    return Error{fmt::format("--margin: {} % is not in 0..{} %", s, kMaxPlanMarginPermille / 10)};
+  }
+  return static_cast<std::int32_t>(whole * 10 + tenths);
+}
+
+Result<std::int32_t> margin_permille(double percent) {
+  // As its text: a whole number as itself ("51"), else with the shortest decimals ("50.5").
+  const double tenths = percent * 10;
+  const bool whole =
+      std::isfinite(percent) && percent == std::trunc(percent) && std::fabs(percent) < 1e15;
+  const std::string text =
+      whole ? fmt::format("{}", static_cast<std::int64_t>(percent)) : fmt::format("{}", percent);
+  if (!std::isfinite(percent) ||
+      std::fabs(tenths - std::round(tenths)) > 1e-6 * std::fabs(tenths)) {
+    return Error{fmt::format(
+        "--margin: \"{}\" is not a percentage of the budget such as 6, 5.5 or 6%", text)};
+  }
+  if (percent < 0 || std::round(tenths) > kMaxPlanMarginPermille) {
+    return Error{
+        fmt::format("--margin: {} % is not in 0..{} %", text, kMaxPlanMarginPermille / 10)};
+  }
+  return static_cast<std::int32_t>(std::round(tenths));
+}
+
+}  // namespace ferry::sim
