@@ -12,6 +12,7 @@
 #include "ferry/sim/planner/bound.hpp"
 #include "ferry/sim/planner/search.hpp"
 #include "ferry/sim/runs/configurations.hpp"
+#include "ferry/sim/runs/metrics.hpp"
 #include "tensors.hpp"
 
 namespace ferry::sim {
@@ -52,6 +53,11 @@ class SimulatedCost final : public CostModel {
       e.time = r.steps.back().end - r.steps.back().start;
       e.reserved = r.sim.device_allocator(r.device).stats().reserved_peak;
       e.pinned = r.sim.pinned_allocator().stats().reserved_peak;
+      TimelineMetrics metrics(r.compute);
+      r.sim.replay(metrics);
+      const StepTimes& last = r.steps.back();
+      e.stall = metrics.stall(last.start, last.end);
+      e.d2h = metrics.copied(CopyDirection::DeviceToHost, last.start, last.end);
     }
     evaluations_.emplace(std::move(key), e);
     return e;
@@ -177,7 +183,12 @@ struct PlannerState {
       const RowResult& r = (*rows)[i];
       if (r.fits) {
         // The row is this plan's run: keep it as the plan's evaluation.
-        seed->evaluation = Evaluation{!r.failure, r.step_time, r.peak_reserved, r.pinned_peak};
+        seed->evaluation = Evaluation{!r.failure,
+                                      r.step_time,
+                                      r.peak_reserved,
+                                      r.pinned_peak,
+                                      r.forward_stall + r.backward_stall,
+                                      r.d2h};
         cost.remember(seed->plan, seed->evaluation);
       } else {
         seed->evaluation = cost.evaluate(seed->plan);
@@ -369,10 +380,11 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
       earlier_if_faster(p, pick_checked(p.cost, ranked, options, memory), options, memory);
   if (pick.candidate != nullptr) {
     PlanOutcome outcome = describe(p, pick, options);
-    p.picked.push_back(
-        planning::Candidate{pick.candidate->plan,
-                            planning::Evaluation{true, pick.row->step_time, pick.row->peak_reserved,
-                                                 pick.row->pinned_peak}});
+    p.picked.push_back(planning::Candidate{
+        pick.candidate->plan,
+        planning::Evaluation{true, pick.row->step_time, pick.row->peak_reserved,
+                             pick.row->pinned_peak,
+                             pick.row->forward_stall + pick.row->backward_stall, pick.row->d2h}});
     outcome.plan.budget = asked;
     outcome.planned_budget = options.budget;
     outcome.margin_permille = options.margin_permille;
