@@ -163,6 +163,8 @@ struct PlannerState {
   std::vector<PlanKnobs> knobs;                // the knob variants
   std::optional<std::vector<RowResult>> rows;  // the rows of `ferry compare`, once measured
   std::vector<Seed> seeds;
+  /// The recomputed ops of every layer option (option_recompute_sets), once made.
+  std::optional<std::vector<std::vector<std::vector<std::uint32_t>>>> option_sets;
   /// The plans earlier budgets returned, with their checked step times (Note [Monotone in
   /// the budget]).
   std::vector<Candidate> picked;
@@ -288,8 +290,7 @@ Pick earlier_if_faster(planning::PlannerState& p, Pick pick, const PlannerOption
 }
 
 // The outcome of the picked plan: its checked run, per-layer bytes, lower bound and prediction.
-PlanOutcome describe(const planning::PlannerState& p, const Pick& pick,
-                     const PlannerOptions& options) {
+PlanOutcome describe(planning::PlannerState& p, const Pick& pick, const PlannerOptions& options) {
   PlanOutcome outcome;
   outcome.plan = pick.candidate->plan;
   outcome.row = *pick.row;
@@ -298,6 +299,10 @@ PlanOutcome describe(const planning::PlannerState& p, const Pick& pick,
   outcome.fixed = *p.rows;
   outcome.lower_bound =
       step_lower_bound(p.space.layers(), p.model, p.device, outcome.fixed.front(), options.budget);
+  if (!p.option_sets) p.option_sets = option_recompute_sets(p.space);
+  outcome.options_bound =
+      options_lower_bound(p.space, *p.option_sets, p.device, outcome.fixed.front(), options.budget);
+  outcome.in_option_space = in_option_space(p.space, *p.option_sets, outcome.plan);
   const RowResult& r = outcome.row;
   outcome.plan.predicted = PlanPrediction{.step_time = r.step_time,
                                           .lower_bound = outcome.lower_bound,
