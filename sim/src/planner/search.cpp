@@ -36,7 +36,11 @@ namespace ferry::sim::planning {
 // configuration runs from where the greedy ended; uniform plans (every layer at one level, the
 // last layers offloaded) are searched too, and the local search runs again from the best
 // uniform plan and from the fastest fixed configuration that fits, each when it is faster than
-// the best so far. Knobs: the knob variants of `ferry compare` are tried on the result. A
+// the best so far. Knobs: the knob variants of `ferry compare` are tried on the result.
+// Exact: around the result, layer options are measured and one per layer chosen by a dynamic
+// program (Note [Layer options] in exact.cpp), and the local search refines that choice.
+// Single ops: from the fastest candidate, ops a region recomputes are kept one at a time
+// (Note [Single ops kept]). A
 // cost model that keeps its runs by plan (the simulator's does) runs a configuration two paths
 // reach once. docs/plan.md has the whole method.
 
