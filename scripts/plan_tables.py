@@ -4,8 +4,9 @@
 For each model and device: `ferry compare --json` gives every fixed configuration's time and
 peak reserved; the budgets are the peaks of the fixed rows that fit the device, at or above the
 smallest of them, and eight evenly spaced budgets from that smallest peak to the no-offload
-peak. Each budget is planned with `ferry plan --budget BYTES --json`; the row gives the plan's
-time, its ratio to no offload, the fastest fixed row whose peak fits, and the lower bound.
+peak. Each budget is planned with `ferry plan --budget BYTES --margin 0 --json`; the row gives
+the plan's time, its ratio to no offload, the fastest fixed row whose peak fits, the lower
+bound, and the bound over per-layer options (its ratio only where the plan is one of them).
 
 Usage: scripts/plan_tables.py [--cli build/release/sim/ferry] > tables.md
 """
@@ -48,18 +49,32 @@ def table(cli, model, device):
         f"**{model} on {device}**",
         "",
         "| budget (peak reserved) | plan | plan / none | best fixed policy that fits "
-        "| its time | lower bound | plan / bound |",
-        "|---|---|---|---|---|---|---|",
+        "| its time | lower bound | plan / bound | options bound | plan / options bound |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for budget in sorted(b for b in budgets if low <= b <= high):
-        plan = run(cli, "plan", "--model", model, "--device", device, "--budget", str(budget))
+        plan = run(
+            cli,
+            "plan",
+            "--model",
+            model,
+            "--device",
+            device,
+            "--budget",
+            str(budget),
+            "--margin",
+            "0",
+        )
         fits = [r for r in fixed if r["peak_reserved_bytes"] <= budget]
         best = min(fits, key=lambda r: r["step_time_ns"])
         t, bound = plan["step_time_ns"], plan["lower_bound_ns"]
+        options = plan["options_lower_bound_ns"]
+        in_space = f"{t / options:.3f}" if plan["plan_in_option_space"] else "not one"
         lines.append(
             f"| {budget / GIB:.2f} GiB | {duration(t, unit)} | {t / none['step_time_ns']:.3f}x "
             f"| {best['name']} | {duration(best['step_time_ns'], unit)} "
-            f"| {duration(bound, unit)} | {t / bound:.3f} |"
+            f"| {duration(bound, unit)} | {t / bound:.3f} "
+            f"| {duration(options, unit)} | {in_space} |"
         )
         print(f"{model} on {device}: {budget} bytes planned", file=sys.stderr)
     return "\n".join(lines)

@@ -243,7 +243,8 @@ TEST(PlanSearch, WhenOnlyASeedFitsTheSearchReturnsTheSeed) {
   seed.plan = space.kept();
   for (PlanOp& op : seed.plan.ops) op.saved = SavedDecision::Offload;
   const Budgets budgets{Bytes(1 << 20), std::nullopt};
-  seed.evaluation = Evaluation{true, SimTime(1'000'000'000), budgets.device, Bytes(0)};
+  seed.evaluation =
+      Evaluation{true, SimTime(1'000'000'000), budgets.device, Bytes(0), SimTime(0), Bytes(0)};
   TableCost cost(space);
   cost.adjust = [&](const Plan&, Evaluation& e) { e.reserved = budgets.device + Bytes(1); };
   Search search(cost, space, budgets);

@@ -1,6 +1,7 @@
 #include "ferry/sim/planner/bound.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <set>
 #include <utility>
 
@@ -94,6 +95,96 @@ SimTime step_lower_bound(const std::vector<planning::Layer>& layers, const Model
     }
   }
   return none.step_time + SimTime(extra);
+}
+
+std::vector<std::vector<std::vector<std::uint32_t>>> option_recompute_sets(
+    const planning::PlanSpace& space) {
+  const std::vector<planning::Layer>& layers = space.layers();
+  std::vector<std::vector<std::vector<std::uint32_t>>> out(layers.size());
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const planning::Layer& layer = layers[l];
+    std::set<std::vector<std::uint32_t>> distinct;
+    std::vector<planning::LayerConfig> configs(layers.size());
+    for (std::size_t k = 0; k < layer.levels.size(); ++k) {
+      for (std::size_t t = 0; t < layer.tails.size(); ++t) {
+        configs[l] = planning::LayerConfig{k, false, t};
+        const Plan plan = space.plan_of(configs, PlanKnobs{}, std::nullopt);
+        std::vector<std::uint32_t> ops;
+        for (std::uint32_t i = layer.first; i < layer.end; ++i) {
+          if (plan.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
+        }
+        distinct.insert(std::move(ops));
+      }
+    }
+    out[l].assign(distinct.begin(), distinct.end());
+  }
+  return out;
+}
+
+SimTime options_lower_bound(const planning::PlanSpace& space,
+                            const std::vector<std::vector<std::vector<std::uint32_t>>>& sets,
+                            const DeviceProfile& device, const RowResult& none, Bytes budget) {
+  const Model& model = space.model();
+  const SimTime fractional = step_lower_bound(space.layers(), model, device, none, budget);
+  const Bytes excess = none.peak_reserved - budget;
+  if (excess <= Bytes(0)) return fractional;
+  const Wide left_wide =
+      static_cast<Wide>(excess.count()) - carried_in_forward(model, device, none.forward_time);
+  if (left_wide <= 0) return fractional;
+  const auto left = static_cast<std::int64_t>(left_wide);
+  // Freed bytes in units of at most 1/1024 of what is left, rounded up: optimistic, so the
+  // minimum stays a lower bound.
+  constexpr std::int64_t kUnits = 1024;
+  const std::int64_t unit = std::max<std::int64_t>(1, (left + kUnits - 1) / kUnits);
+  const std::int64_t need = (left + unit - 1) / unit;
+  constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::max();
+  std::vector<std::int64_t> best(static_cast<std::size_t>(need + 1), kNone);
+  best[0] = 0;
+  const std::vector<planning::Layer>& layers = space.layers();
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    std::vector<std::int64_t> next(best.size(), kNone);
+    for (const std::vector<std::uint32_t>& ops : sets[l]) {
+      std::int64_t time = 0;
+      std::int64_t freed = 0;
+      for (const std::uint32_t p : ops) {
+        time += model.ops[p].duration.ns();
+        freed += planning::freed_by(model, p, layers[l].first, layers[l].end).count();
+      }
+      const std::int64_t units = (freed + unit - 1) / unit;
+      for (std::int64_t m = 0; m <= need; ++m) {
+        if (best[static_cast<std::size_t>(m)] == kNone) continue;
+        const auto to = static_cast<std::size_t>(std::min(need, m + units));
+        next[to] = std::min(next[to], best[static_cast<std::size_t>(m)] + time);
+      }
+    }
+    best = std::move(next);
+  }
+  // What the options leave, carried by a forward made longer for the link.
+  const std::int64_t bandwidth = std::max<std::int64_t>(1, device.d2h.bandwidth.bytes_per_s());
+  std::int64_t extra = kNone;
+  for (std::int64_t m = 0; m <= need; ++m) {
+    if (best[static_cast<std::size_t>(m)] == kNone) continue;
+    const std::int64_t rest = std::max<std::int64_t>(0, left - m * unit);
+    extra = std::min(
+        extra, best[static_cast<std::size_t>(m)] +
+                   static_cast<std::int64_t>(static_cast<Wide>(rest) * 1'000'000'000 / bandwidth));
+  }
+  if (extra == kNone) return fractional;
+  return std::max(fractional, none.step_time + SimTime(extra));
+}
+
+bool in_option_space(const planning::PlanSpace& space,
+                     const std::vector<std::vector<std::vector<std::uint32_t>>>& sets,
+                     const Plan& plan) {
+  const std::vector<planning::Layer>& layers = space.layers();
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    std::vector<std::uint32_t> ops;
+    for (std::uint32_t i = layers[l].first; i < layers[l].end; ++i) {
+      if (plan.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
+    }
+    if (std::find(sets[l].begin(), sets[l].end(), ops) == sets[l].end()) return false;
+  }
+  return true;
 }
 
 }  // namespace ferry::sim

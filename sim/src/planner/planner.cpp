@@ -13,6 +13,7 @@
 #include "ferry/sim/planner/bound.hpp"
 #include "ferry/sim/planner/search.hpp"
 #include "ferry/sim/runs/configurations.hpp"
+#include "ferry/sim/runs/metrics.hpp"
 #include "tensors.hpp"
 
 namespace ferry::sim {
@@ -53,6 +54,11 @@ class SimulatedCost final : public CostModel {
       e.time = r.steps.back().end - r.steps.back().start;
       e.reserved = r.sim.device_allocator(r.device).stats().reserved_peak;
       e.pinned = r.sim.pinned_allocator().stats().reserved_peak;
+      TimelineMetrics metrics(r.compute);
+      r.sim.replay(metrics);
+      const StepTimes& last = r.steps.back();
+      e.stall = metrics.stall(last.start, last.end);
+      e.d2h = metrics.copied(CopyDirection::DeviceToHost, last.start, last.end);
     }
     evaluations_.emplace(std::move(key), e);
     return e;
@@ -174,6 +180,8 @@ struct PlannerState {
   std::vector<PlanKnobs> knobs;                // the knob variants
   std::optional<std::vector<RowResult>> rows;  // the rows of `ferry compare`, once measured
   std::vector<Seed> seeds;
+  /// The recomputed ops of every layer option (option_recompute_sets), once made.
+  std::optional<std::vector<std::vector<std::vector<std::uint32_t>>>> option_sets;
   /// The plans earlier budgets returned, with their checked step times (Note [Monotone in
   /// the budget]).
   std::vector<Candidate> picked;
@@ -194,7 +202,12 @@ struct PlannerState {
       const RowResult& r = (*rows)[i];
       if (r.fits) {
         // The row is this plan's run: keep it as the plan's evaluation.
-        seed->evaluation = Evaluation{!r.failure, r.step_time, r.peak_reserved, r.pinned_peak};
+        seed->evaluation = Evaluation{!r.failure,
+                                      r.step_time,
+                                      r.peak_reserved,
+                                      r.pinned_peak,
+                                      r.forward_stall + r.backward_stall,
+                                      r.d2h};
         cost.remember(seed->plan, seed->evaluation);
       } else {
         seed->evaluation = cost.evaluate(seed->plan);
@@ -294,8 +307,7 @@ Pick earlier_if_faster(planning::PlannerState& p, Pick pick, const PlannerOption
 }
 
 // The outcome of the picked plan: its checked run, per-layer bytes, lower bound and prediction.
-PlanOutcome describe(const planning::PlannerState& p, const Pick& pick,
-                     const PlannerOptions& options) {
+PlanOutcome describe(planning::PlannerState& p, const Pick& pick, const PlannerOptions& options) {
   PlanOutcome outcome;
   outcome.plan = pick.candidate->plan;
   outcome.row = *pick.row;
@@ -304,6 +316,10 @@ PlanOutcome describe(const planning::PlannerState& p, const Pick& pick,
   outcome.fixed = *p.rows;
   outcome.lower_bound =
       step_lower_bound(p.space.layers(), p.model, p.device, outcome.fixed.front(), options.budget);
+  if (!p.option_sets) p.option_sets = option_recompute_sets(p.space);
+  outcome.options_bound =
+      options_lower_bound(p.space, *p.option_sets, p.device, outcome.fixed.front(), options.budget);
+  outcome.in_option_space = in_option_space(p.space, *p.option_sets, outcome.plan);
   const RowResult& r = outcome.row;
   outcome.plan.predicted = PlanPrediction{.step_time = r.step_time,
                                           .lower_bound = outcome.lower_bound,
@@ -387,10 +403,11 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
       earlier_if_faster(p, pick_checked(p.cost, ranked, options, memory), options, memory);
   if (pick.candidate != nullptr) {
     PlanOutcome outcome = describe(p, pick, options);
-    p.picked.push_back(
-        planning::Candidate{pick.candidate->plan,
-                            planning::Evaluation{true, pick.row->step_time, pick.row->peak_reserved,
-                                                 pick.row->pinned_peak}});
+    p.picked.push_back(planning::Candidate{
+        pick.candidate->plan,
+        planning::Evaluation{true, pick.row->step_time, pick.row->peak_reserved,
+                             pick.row->pinned_peak,
+                             pick.row->forward_stall + pick.row->backward_stall, pick.row->d2h}});
     outcome.plan.budget = asked;
     outcome.planned_budget = options.budget;
     outcome.margin_permille = options.margin_permille;

@@ -59,6 +59,11 @@ std::string plan_text(const PlanOutcome& o, const Model& model, const DeviceProf
   out += "\n";
   out += fmt::format("lower bound: {} (the plan is at {} of it)\n", format_time(o.lower_bound),
                      ratio_text(r.step_time.ns(), o.lower_bound.ns(), "x"));
+  out += fmt::format("lower bound over per-layer options: {} ({})\n", format_time(o.options_bound),
+                     o.in_option_space
+                         ? fmt::format("the plan is one, at {} of it",
+                                       ratio_text(r.step_time.ns(), o.options_bound.ns(), "x"))
+                         : std::string("the plan keeps single ops of a region: not one of them"));
   out += row_lines(r, {RowLine::PeakReservedAllocated});
   const auto [low, high] = expected_peak_band(r.peak_reserved);
   out += fmt::format(
@@ -98,6 +103,8 @@ Json plan_report_json(const PlanOutcome& o, const Model& model, const DeviceProf
   j["host_budget_bytes"] = o.plan.host_budget ? Json(o.plan.host_budget->count()) : Json(nullptr);
   put_row(j, r, {RowField::StepTime});
   j["lower_bound_ns"] = o.lower_bound.ns();
+  j["options_lower_bound_ns"] = o.options_bound.ns();
+  j["plan_in_option_space"] = o.in_option_space;
   put_row(j, r,
           {RowField::PeakReserved, RowField::PeakAllocated, RowField::PinnedPeak, RowField::D2h,
            RowField::H2d, RowField::Recompute, RowField::ForwardStall, RowField::BackwardStall,

@@ -4,6 +4,8 @@
 #include <limits>
 #include <utility>
 
+#include "ferry/sim/planner/exact.hpp"
+#include "ferry/sim/planner/lower.hpp"
 #include "tensors.hpp"
 
 namespace ferry::sim::planning {
@@ -34,7 +36,11 @@ namespace ferry::sim::planning {
 // configuration runs from where the greedy ended; uniform plans (every layer at one level, the
 // last layers offloaded) are searched too, and the local search runs again from the best
 // uniform plan and from the fastest fixed configuration that fits, each when it is faster than
-// the best so far. Knobs: the knob variants of `ferry compare` are tried on the result. A
+// the best so far. Knobs: the knob variants of `ferry compare` are tried on the result.
+// Exact: around the result, layer options are measured and one per layer chosen by a dynamic
+// program (Note [Layer options] in exact.cpp), and the local search refines that choice.
+// Single ops: from the fastest candidate, ops a region recomputes are kept one at a time
+// (Note [Single ops kept]). A
 // cost model that keeps its runs by plan (the simulator's does) runs a configuration two paths
 // reach once. docs/plan.md has the whole method.
 
@@ -80,11 +86,16 @@ std::vector<std::pair<std::size_t, std::size_t>> parts_of(std::size_t size) {
 // offload on or off, or one level less traded for offload.
 std::vector<LayerConfig> neighbours_of(const LayerConfig& from, std::size_t top) {
   std::vector<LayerConfig> neighbours;
-  if (from.level > 0) neighbours.push_back(LayerConfig{from.level - 1, from.offload});
-  if (from.level < top) neighbours.push_back(LayerConfig{from.level + 1, from.offload});
-  neighbours.push_back(LayerConfig{from.level, !from.offload});
-  if (from.level > 0 && !from.offload) neighbours.push_back(LayerConfig{from.level - 1, true});
-  if (from.level < top && from.offload) neighbours.push_back(LayerConfig{from.level + 1, false});
+  const std::size_t tail = from.tail;  // a layer's tail is the exact stage's, kept as it is
+  if (from.level > 0) neighbours.push_back(LayerConfig{from.level - 1, from.offload, tail});
+  if (from.level < top) neighbours.push_back(LayerConfig{from.level + 1, from.offload, tail});
+  neighbours.push_back(LayerConfig{from.level, !from.offload, tail});
+  if (from.level > 0 && !from.offload) {
+    neighbours.push_back(LayerConfig{from.level - 1, true, tail});
+  }
+  if (from.level < top && from.offload) {
+    neighbours.push_back(LayerConfig{from.level + 1, false, tail});
+  }
   return neighbours;
 }
 
@@ -103,7 +114,8 @@ Step move_class(Search& search, Position& position, const std::vector<std::size_
       std::vector<LayerConfig> next = position.configs;
       for (std::size_t m = lo; m < hi; ++m) {
         const std::size_t l = members[m];
-        next[l] = LayerConfig{std::min(to.level, search.layers()[l].levels.size() - 1), to.offload};
+        next[l] = LayerConfig{std::min(to.level, search.layers()[l].levels.size() - 1), to.offload,
+                              std::min(to.tail, search.layers()[l].tails.size() - 1)};
       }
       const Evaluation e = search.evaluate(search.plan_of(next, knobs));
       if (!search.fits(e) || e.time >= position.evaluation.time) continue;
@@ -152,7 +164,7 @@ std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
     auto config = [&](std::size_t m) {
       std::vector<LayerConfig> c(n);
       for (std::size_t l = 0; l < n; ++l) {
-        c[l] = LayerConfig{std::min(k, search.layers()[l].levels.size() - 1), l + m >= n};
+        c[l] = LayerConfig{std::min(k, search.layers()[l].levels.size() - 1), l + m >= n, 0};
       }
       return c;
     };
@@ -328,6 +340,52 @@ const Seed* fastest_seed(const Search& search, const std::vector<Seed>& seeds) {
   return fastest;
 }
 
+// Note [Single ops kept]
+// The last stage leaves the layers' configurations: from the fastest candidate, each op a
+// region recomputes is kept instead, one at a time, the last layer's first and the longest
+// ops first within a layer (their recompute costs the most), taking each change that still
+// fits and is faster, until kOpRuns plans new to the search are asked. The last layer is
+// recomputed first in backward, at the peak, where what it keeps can cost no peak at all;
+// which of its ops those are, no level of a ranking says (keep the softmax of the last layer,
+// ranked first for its bytes, where the budget is the peak of checkpointing every layer).
+constexpr std::int64_t kOpRuns = 24;
+
+void keep_single_ops(Search& search) {
+  const std::vector<const Candidate*> ranked = search.ranked();
+  if (ranked.empty()) return;
+  Plan plan = ranked.front()->plan;
+  SimTime time = ranked.front()->evaluation.time;
+  const Model& model = search.space().model();
+  std::vector<std::uint32_t> order;
+  for (auto r = plan.regions.rbegin(); r != plan.regions.rend(); ++r) {
+    std::vector<std::uint32_t> ops;
+    for (std::uint32_t i = r->first_op; i < r->end_op; ++i) {
+      if (plan.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
+    }
+    std::stable_sort(ops.begin(), ops.end(), [&](std::uint32_t a, std::uint32_t b) {
+      return model.ops[a].duration > model.ops[b].duration;
+    });
+    order.insert(order.end(), ops.begin(), ops.end());
+  }
+  const std::int64_t stop = search.asked() + kOpRuns;
+  for (const std::uint32_t i : order) {
+    if (search.asked() >= stop) return;
+    if (plan.ops[i].saved != SavedDecision::Recompute) continue;
+    Plan next = plan;
+    next.ops[i].saved = SavedDecision::Keep;
+    recompute_random_prefix(next, model);
+    if (next.ops[i].saved != SavedDecision::Keep ||
+        !plan_training_options(next, model, TrainingOptions{}).ok()) {
+      continue;
+    }
+    const Evaluation e = search.evaluate(next);
+    if (search.fits(e) && e.time < time) {
+      plan = std::move(next);
+      time = e.time;
+    }
+  }
+}
+
 }  // namespace
 
 Search::Search(CostModel& cost, const PlanSpace& space, const Budgets& budgets)
@@ -417,6 +475,18 @@ void run_search(Search& search, const std::vector<Seed>& seeds,
   // The knob variants on the plan found (or, when none fits, on the smallest it reached: a
   // narrower window or no prefetch can lower the peak further).
   for (const PlanKnobs& k : knobs) (void)search.evaluate(search.plan_of(position.configs, k));
+  // Exact: the choice of layer options solved under the option model (Note [Layer options] in
+  // exact.cpp), refined by the local search; its knob variants when it became the fastest.
+  // Everything above stays a candidate, so this only adds faster plans.
+  if (std::optional<Position> exact = exact_stage(search, position)) {
+    Position refined = position;
+    improve_from(search, std::move(*exact), refined);
+    if (refined.configs != position.configs && search.fits(refined.evaluation) &&
+        search.best_time() == refined.evaluation.time) {
+      for (const PlanKnobs& k : knobs) (void)search.evaluate(search.plan_of(refined.configs, k));
+    }
+  }
+  keep_single_ops(search);
 }
 
 }  // namespace ferry::sim::planning

@@ -91,6 +91,50 @@ std::vector<std::size_t> levels_of(const Model& model, const Layer& layer) {
   return levels;
 }
 
+// The most tails a layer offers besides none (Note [Layer options] in exact.cpp).
+constexpr std::size_t kMaxTails = 6;
+
+// Where a layer's tail may start (Note [Layer options] in exact.cpp): with the head [first, t)
+// served from forward and the tail [t, end) recomputed, a region holds its inputs and what
+// the head's ops hold; the starts are the latest t at which that is below what the layer
+// saves without a region, and earlier ones each at least a kMaxTails-th of it lower, at most
+// kMaxTails of them, none at `first` (that is plain checkpointing, the top level).
+std::vector<std::uint32_t> tails_of(const Model& model, const Layer& layer) {
+  std::vector<std::uint32_t> tails{layer.end};
+  std::set<std::uint32_t> saved;
+  std::set<std::uint32_t> produced;
+  std::set<std::uint32_t> inputs;
+  for (std::uint32_t j = layer.first; j < layer.end; ++j) {
+    for (const std::uint32_t t : model.ops[j].saved) {
+      if (is_activation(model, t)) saved.insert(base_of(model, t));
+    }
+    for (const std::uint32_t t : model.ops[j].inputs) {
+      const std::uint32_t b = base_of(model, t);
+      if (is_activation(model, t) && !produced.contains(b)) inputs.insert(b);
+    }
+    for (const std::uint32_t t : model.ops[j].outputs) produced.insert(base_of(model, t));
+  }
+  std::int64_t without = 0;
+  for (const std::uint32_t t : saved) without += model.tensors[t].bytes.count();
+  std::int64_t held_inputs = 0;
+  for (const std::uint32_t t : inputs) held_inputs += model.tensors[t].bytes.count();
+  // held[t - first]: what the region holds with the head [first, t).
+  std::vector<std::int64_t> held(layer.end - layer.first + 1, held_inputs);
+  for (std::uint32_t p = layer.first; p < layer.end; ++p) {
+    held[p - layer.first + 1] =
+        held[p - layer.first] + held_by(model, p, layer.first, layer.end).count();
+  }
+  const std::int64_t step = std::max<std::int64_t>(1, without / std::int64_t{kMaxTails});
+  std::int64_t last = without;
+  for (std::uint32_t t = layer.end - 1; t > layer.first && tails.size() <= kMaxTails; --t) {
+    const std::int64_t h = held[t - layer.first];
+    if (h >= without || (tails.size() > 1 && last - h < step)) continue;
+    tails.push_back(t);
+    last = h;
+  }
+  return tails;
+}
+
 }  // namespace
 
 Bytes freed_by(const Model& model, std::uint32_t p, std::uint32_t first, std::uint32_t end) {
@@ -111,7 +155,7 @@ std::vector<Layer> find_layers(const Model& model) {
     const std::int32_t l = model.ops[i].layer;
     if (l < 0 || model.ops[i].no_offload) continue;
     if (layers.empty() || layers.back().layer != l || layers.back().end != i) {
-      layers.push_back(Layer{l, i, i + 1, {}, {}});
+      layers.push_back(Layer{l, i, i + 1, {}, {}, {}});
     } else {
       layers.back().end = i + 1;
     }
@@ -124,6 +168,7 @@ std::vector<Layer> find_layers(const Model& model) {
     rank(model, scored);
     for (const auto& [p, bytes] : scored) layer.ranking.push_back(p);
     layer.levels = levels_of(model, layer);
+    layer.tails = tails_of(model, layer);
   }
   return layers;
 }
@@ -145,7 +190,10 @@ std::string key_of(const Plan& plan) {
 }
 
 PlanSpace::PlanSpace(const Model& model, const DeviceProfile& device)
-    : model_(&model), kept_(keep_everything_plan(model, device)), layers_(find_layers(model)) {}
+    : model_(&model),
+      kept_(keep_everything_plan(model, device)),
+      d2h_bandwidth_(std::max<std::int64_t>(1, device.d2h.bandwidth.bytes_per_s())),
+      layers_(find_layers(model)) {}
 
 Plan PlanSpace::plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs& knobs,
                         std::optional<Bytes> host_budget, bool offload_outside) const {
@@ -161,8 +209,10 @@ Plan PlanSpace::plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs
     const SavedDecision stored = c.offload ? SavedDecision::Offload : SavedDecision::Keep;
     for (std::uint32_t i = layer.first; i < layer.end; ++i) plan.ops[i].saved = stored;
     const std::size_t k = layer.levels[c.level];
-    if (k == 0) continue;
+    const std::uint32_t tail = layer.tails[c.tail];
+    if (k == 0 && tail == layer.end) continue;
     for (std::size_t r = 0; r < k; ++r) plan.ops[layer.ranking[r]].saved = SavedDecision::Recompute;
+    for (std::uint32_t i = tail; i < layer.end; ++i) plan.ops[i].saved = SavedDecision::Recompute;
     plan.regions.push_back(PlanRegion{layer.first, layer.end, stored});
   }
   recompute_random_prefix(plan, *model_);

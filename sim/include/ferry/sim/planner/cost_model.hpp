@@ -24,6 +24,11 @@ struct Evaluation {
   SimTime time;     ///< step time (of the last simulated step)
   Bytes reserved;   ///< peak reserved device memory
   Bytes pinned;     ///< peak pinned host memory
+  /// Time the compute stream waited on copies (forward and backward), and the bytes copied to
+  /// the host, in the measured step: what the exact stage's link model is calibrated on (Note
+  /// [The option model] in exact.cpp). A cost model may leave them zero.
+  SimTime stall{};
+  Bytes d2h{};
 };
 
 /// A plan's cost, as the search needs it.

@@ -86,6 +86,10 @@ struct PlanOutcome {
   /// (simulate_node: no bytes shared, their pinned memory included); 0 when not.
   std::int32_t node_ranks = 0;
   SimTime lower_bound;  ///< see step_lower_bound
+  /// The bound over plans of per-layer options (options_lower_bound), and whether the plan is
+  /// one of them (in_option_space): only then does it bound the plan.
+  SimTime options_bound;
+  bool in_option_space = false;
   std::vector<LayerSummary> layers;
   std::int64_t simulations = 0;  ///< runs the search made for this budget (checked runs included)
   std::int64_t reused = 0;       ///< runs it took from earlier ones instead (same inputs)

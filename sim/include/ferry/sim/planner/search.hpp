@@ -40,6 +40,7 @@ class Search {
   Search(CostModel& cost, const PlanSpace& space, const Budgets& budgets);
 
   [[nodiscard]] const std::vector<Layer>& layers() const { return space_->layers(); }
+  [[nodiscard]] const PlanSpace& space() const { return *space_; }
   [[nodiscard]] const Budgets& budgets() const { return budgets_; }
   [[nodiscard]] CostModel& cost() { return *cost_; }
   /// The distinct plans this search has asked the cost model for, cached or not: what its

@@ -19,13 +19,19 @@ struct Layer {
   std::uint32_t end = 0;               ///< one past its last op
   std::vector<std::uint32_t> ranking;  ///< op indices, most bytes freed per ns of recompute first
   std::vector<std::size_t> levels;     ///< ops of the ranking recomputed at each level (0: none)
+  /// Where a region that keeps the layer's head and recomputes its tail may start its tail:
+  /// tails[0] is `end` (no tail), the others op indices of the layer, latest first (Note
+  /// [Layer options] in exact.cpp).
+  std::vector<std::uint32_t> tails;
 };
 
-/// What a plan does with one layer: a recompute level (0: no region) and whether the layer's
-/// saved tensors and its region's inputs are offloaded.
+/// What a plan does with one layer: a recompute level (0: no region), whether the layer's
+/// saved tensors and its region's inputs are offloaded, and a tail of ops recomputed besides
+/// the level's (0: none). A layer with a level or a tail above 0 is a checkpoint region.
 struct LayerConfig {
   std::size_t level = 0;  ///< index into Layer::levels
   bool offload = false;
+  std::size_t tail = 0;  ///< index into Layer::tails: its ops from there to the end recompute
   friend bool operator==(const LayerConfig&, const LayerConfig&) = default;
 };
 
@@ -50,6 +56,8 @@ class PlanSpace {
   [[nodiscard]] const std::vector<Layer>& layers() const { return layers_; }
   /// The plan with every op kept and no region (keep_everything_plan).
   [[nodiscard]] const Plan& kept() const { return kept_; }
+  /// The device's device-to-host bandwidth, bytes per second (at least 1).
+  [[nodiscard]] std::int64_t d2h_bandwidth() const { return d2h_bandwidth_; }
 
   /// The plan that gives layer l configuration `configs[l]`, with `knobs` and `host_budget`;
   /// `offload_outside`: the ops outside the layers offload too (as the fixed ferry
@@ -61,6 +69,7 @@ class PlanSpace {
  private:
   const Model* model_;
   Plan kept_;  // every op kept, no region
+  std::int64_t d2h_bandwidth_;
   std::vector<Layer> layers_;
 };
 

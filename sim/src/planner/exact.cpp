@@ -1,0 +1,407 @@
+#include "ferry/sim/planner/exact.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <utility>
+
+#include "tensors.hpp"
+
+namespace ferry::sim::planning {
+
+// Note [Layer options]
+// The exact stage states a space and solves it. A layer's options are its configurations
+// (LayerConfig): every recompute level of its ranking, and every tail without a level (a
+// region that serves its first ops from forward and recomputes the ops from a point to its
+// end: "keep the head, recompute the tail", which no level of a ranking by bytes per ns
+// expresses), each with what the layer keeps left on the device or offloaded. The tails start
+// at the latest op where the region's held bytes fall below what the layer saves without one,
+// and at earlier ops each at least a sixth of that lower (space.cpp).
+//
+// The options are measured around a reference: where the search's earlier stages ended (the
+// fastest per-layer plan they found). Layers that are alike (the same ops, durations, bytes,
+// levels and tails) form a class; a class is measured once, on its middle layer, and the
+// stack's last layer apart (it is recomputed first in backward, at the peak, so what it keeps
+// costs the peak otherwise). Each option is one run of the cost model with that layer changed
+// and every other as in the reference: the step time it adds, the peak reserved bytes it
+// frees, the bytes it copies to the host. Of those, the options no other one beats on all
+// three are kept (pareto), and each member counts them from its own configuration in the
+// reference (as the measured layer saw it).
+//
+// The choice of one option per layer is then solved exactly under an additive model (Note
+// [The option model]), placed (within a class, the offloaded options on the earliest layers,
+// whose copies have the most forward left to hide behind, and the more recompute the later
+// the layer; the model's cost does not depend on the order), and run. The model is not the
+// simulator: a recomputed layer's transient in backward, the allocator's rounding and the
+// link's queue are not additive. So the cost model judges the choice, and where its peak is
+// over the budget the model is asked to free that much more, and solved again (at most kRounds
+// runs); a choice that fits with room to spare is solved once more with half that room given
+// back. The fastest choice that fits goes to the local search (search.cpp), which refines it.
+
+// Note [The option model]
+// One option per layer, each counted from the reference (Note [Layer options]); the options'
+// freed bytes add up and must reach what the reference is over the budget (`need`, negative
+// when it has room); their moved bytes add up and must keep the reference's pinned memory
+// within the host budget; their added times add up, and the link is priced once for all: the
+// bytes copied beyond what it carries in a step without a stall cost their time at its
+// bandwidth. What it carries is calibrated on the reference: its bytes copied less its stall
+// times the bandwidth when it stalled, else at least its bytes copied and the bandwidth times
+// the forward's roofline time. Each option's measured time has the link's part (by this
+// model) taken out, so that the link is not counted once per layer.
+//
+// Every layer's freed and moved bytes are counted from its option that frees and moves the
+// least, so that none is negative (the totals shift by a constant: one option per layer).
+// Freed bytes are counted in whole memory units, rounded down, and need rounded up: the
+// largest unit that divides every option's freed bytes when need is at most 4096 of it (then
+// the count is exact), else need in 512 units; moved bytes in whole moved units, rounded up
+// (the most any choice moves in at most 32 units): a choice the model admits frees at least
+// `need` and moves at most the host budget. The dynamic program runs over the layers with the
+// state (units freed, capped at need; units moved) and keeps the least time for each state:
+// it is exact for this model, which PlanExact.TheDynamicProgramMatchesBruteForce checks
+// against every choice of a 4-layer model's options.
+
+namespace {
+
+// Runs of the cost model the repair may make (Note [Layer options]).
+constexpr int kRounds = 6;
+constexpr std::int64_t kMemoryUnits = 512;
+constexpr std::int64_t kExactMemoryUnits = 4096;
+constexpr std::int64_t kMovedUnits = 32;
+constexpr std::int64_t kInfinity = std::numeric_limits<std::int64_t>::max() / 4;
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// The link's time for `moved` bytes beyond `link` (Note [The option model]).
+std::int64_t link_ns(const OptionProblem& problem, std::int64_t moved) {
+  const std::int64_t over = moved - problem.link;
+  if (over <= 0) return 0;
+  return static_cast<std::int64_t>(static_cast<Wide>(over) * 1'000'000'000 /
+                                   std::max<std::int64_t>(1, problem.bandwidth));
+}
+
+std::int64_t freed_units(const LayerOption& o, const OptionUnits& u) {
+  return std::max<std::int64_t>(0, o.freed) / u.memory;
+}
+
+std::int64_t moved_units(const LayerOption& o, const OptionUnits& u) {
+  return ceil_div(std::max<std::int64_t>(0, o.moved), u.moved);
+}
+
+std::int64_t need_units(const OptionProblem& p, const OptionUnits& u) {
+  return ceil_div(std::max<std::int64_t>(0, p.need), u.memory);
+}
+
+// `problem` with every layer's freed and moved bytes counted from its option that frees the
+// least and moves the least, so that none is negative, and need, link and host less what
+// those options free and move: one option per layer is chosen, so a choice costs the same and
+// fits alike in both (Note [The option model]).
+OptionProblem normalized(const OptionProblem& problem) {
+  OptionProblem p = problem;
+  for (auto& options : p.options) {
+    std::int64_t least_freed = std::numeric_limits<std::int64_t>::max();
+    std::int64_t least_moved = std::numeric_limits<std::int64_t>::max();
+    for (const LayerOption& o : options) {
+      least_freed = std::min(least_freed, o.freed);
+      least_moved = std::min(least_moved, o.moved);
+    }
+    for (LayerOption& o : options) {
+      o.freed -= least_freed;
+      o.moved -= least_moved;
+    }
+    p.need -= least_freed;
+    p.link -= least_moved;
+    if (p.host) *p.host -= least_moved;
+  }
+  return p;
+}
+
+OptionUnits units_in(const OptionProblem& problem) {
+  OptionUnits u;
+  // Whole bytes in common to every option's freed bytes when need is few of them (then the
+  // model counts bytes exactly), else need in kMemoryUnits units.
+  const std::int64_t need = std::max<std::int64_t>(0, problem.need);
+  std::int64_t common = 0;
+  for (const auto& options : problem.options) {
+    for (const LayerOption& o : options)
+      common = std::gcd(common, std::max<std::int64_t>(0, o.freed));
+  }
+  u.memory = common > 0 && ceil_div(need, common) <= kExactMemoryUnits
+                 ? common
+                 : std::max<std::int64_t>(1, ceil_div(need, kMemoryUnits));
+  std::int64_t most = 0;
+  for (const auto& options : problem.options) {
+    std::int64_t m = 0;
+    for (const LayerOption& o : options) m = std::max(m, o.moved);
+    most += m;
+  }
+  u.moved = std::max<std::int64_t>(1, ceil_div(most, kMovedUnits));
+  return u;
+}
+
+}  // namespace
+
+OptionUnits units_of(const OptionProblem& problem) { return units_in(normalized(problem)); }
+
+std::optional<std::int64_t> option_cost(const OptionProblem& raw, const OptionUnits& units,
+                                        const std::vector<std::size_t>& picked) {
+  const OptionProblem problem = normalized(raw);
+  std::int64_t freed = 0;
+  std::int64_t moved = 0;
+  std::int64_t time = 0;
+  for (std::size_t l = 0; l < picked.size(); ++l) {
+    const LayerOption& o = problem.options[l][picked[l]];
+    freed += freed_units(o, units);
+    moved += moved_units(o, units);
+    time += o.time_ns;
+  }
+  if (freed < need_units(problem, units)) return std::nullopt;
+  if (problem.host && moved * units.moved > *problem.host) return std::nullopt;
+  return time + link_ns(problem, moved * units.moved);
+}
+
+std::optional<OptionChoice> solve_options(const OptionProblem& raw) {
+  const OptionProblem problem = normalized(raw);
+  const OptionUnits units = units_in(problem);
+  const std::int64_t m_size = need_units(problem, units) + 1;
+  std::int64_t k_size = 1;
+  for (const auto& options : problem.options) {
+    std::int64_t most = 0;
+    for (const LayerOption& o : options) most = std::max(most, moved_units(o, units));
+    k_size += most;
+  }
+  const auto index = [&](std::int64_t m, std::int64_t k) {
+    return static_cast<std::size_t>(m * k_size + k);
+  };
+  const std::size_t states = static_cast<std::size_t>(m_size * k_size);
+  std::vector<std::int64_t> best(states, kInfinity);
+  best[index(0, 0)] = 0;
+  // Per layer and state: the option taken there and the units freed before it.
+  struct Step {
+    std::uint32_t option = 0;
+    std::int32_t from_m = -1;
+  };
+  std::vector<std::vector<Step>> steps(problem.options.size(), std::vector<Step>(states));
+  for (std::size_t l = 0; l < problem.options.size(); ++l) {
+    std::vector<std::int64_t> next(states, kInfinity);
+    const auto& options = problem.options[l];
+    for (std::int64_t m = 0; m < m_size; ++m) {
+      for (std::int64_t k = 0; k < k_size; ++k) {
+        const std::int64_t t = best[index(m, k)];
+        if (t >= kInfinity) continue;
+        for (std::size_t o = 0; o < options.size(); ++o) {
+          const std::int64_t m2 = std::min(m_size - 1, m + freed_units(options[o], units));
+          const std::int64_t k2 = k + moved_units(options[o], units);
+          const std::int64_t t2 = t + options[o].time_ns;
+          if (t2 < next[index(m2, k2)]) {
+            next[index(m2, k2)] = t2;
+            steps[l][index(m2, k2)] =
+                Step{static_cast<std::uint32_t>(o), static_cast<std::int32_t>(m)};
+          }
+        }
+      }
+    }
+    best = std::move(next);
+  }
+  std::optional<OptionChoice> choice;
+  std::int64_t end_k = -1;
+  for (std::int64_t k = 0; k < k_size; ++k) {
+    const std::int64_t t = best[index(m_size - 1, k)];
+    if (t >= kInfinity) continue;
+    if (problem.host && k * units.moved > *problem.host) continue;  // also when host < 0
+    const std::int64_t cost = t + link_ns(problem, k * units.moved);
+    if (!choice || cost < choice->cost_ns) {
+      choice = OptionChoice{{}, cost};
+      end_k = k;
+    }
+  }
+  if (!choice) return std::nullopt;
+  choice->picked.assign(problem.options.size(), 0);
+  std::int64_t m = m_size - 1;
+  std::int64_t k = end_k;
+  for (std::size_t l = problem.options.size(); l-- > 0;) {
+    const Step s = steps[l][index(m, k)];
+    choice->picked[l] = s.option;
+    k -= moved_units(problem.options[l][s.option], units);
+    m = s.from_m;
+  }
+  return choice;
+}
+
+std::vector<std::vector<std::size_t>> layer_classes(const PlanSpace& space) {
+  const Model& model = space.model();
+  std::map<std::string, std::size_t> index;
+  std::vector<std::vector<std::size_t>> classes;
+  for (std::size_t l = 0; l < space.layers().size(); ++l) {
+    const Layer& layer = space.layers()[l];
+    std::string key = fmt::format("{}|{}|", layer.end - layer.first, fmt::join(layer.levels, ","));
+    for (const std::uint32_t t : layer.tails) key += fmt::format("{},", t - layer.first);
+    for (const std::uint32_t p : layer.ranking) key += fmt::format("{},", p - layer.first);
+    for (std::uint32_t i = layer.first; i < layer.end; ++i) {
+      const ModelOp& op = model.ops[i];
+      key += fmt::format("|{}:{}:{}:{}:{}", op.kind, op.duration.ns(), op.backward_duration.ns(),
+                         op.inputs.size(), op.saved.size());
+      for (const std::uint32_t t : op.outputs)
+        key += fmt::format(":{}", model.tensors[t].bytes.count());
+    }
+    const auto [it, added] = index.emplace(std::move(key), classes.size());
+    if (added) classes.emplace_back();
+    classes[it->second].push_back(l);
+  }
+  return classes;
+}
+
+std::vector<LayerConfig> options_of(const Layer& layer, bool offload) {
+  std::vector<LayerConfig> out;
+  for (const bool off : {false, true}) {
+    if (off && !offload) continue;
+    for (std::size_t k = 0; k < layer.levels.size(); ++k) out.push_back(LayerConfig{k, off, 0});
+    for (std::size_t t = 1; t < layer.tails.size(); ++t) out.push_back(LayerConfig{0, off, t});
+  }
+  return out;
+}
+
+std::vector<LayerOption> pareto(std::vector<LayerOption> options) {
+  const auto beats = [](const LayerOption& a, const LayerOption& b) {
+    const bool no_worse = a.time_ns <= b.time_ns && a.freed >= b.freed && a.moved <= b.moved;
+    return no_worse && (a.time_ns < b.time_ns || a.freed > b.freed || a.moved < b.moved);
+  };
+  std::vector<LayerOption> out;
+  for (std::size_t i = 0; i < options.size(); ++i) {
+    const LayerOption& o = options[i];
+    const bool zero = o.config == LayerConfig{};
+    bool beaten = false;
+    for (std::size_t j = 0; j < options.size() && !zero && !beaten; ++j) {
+      // Equal options: the first stays.
+      beaten = beats(options[j], o) || (j < i && options[j].time_ns == o.time_ns &&
+                                        options[j].freed == o.freed && options[j].moved == o.moved);
+    }
+    if (!beaten) out.push_back(o);
+  }
+  return out;
+}
+
+namespace {
+
+// The configurations of `choice` (Note [Layer options]): within a class, the offloaded options
+// on its earliest layers, then the others, the least added time first.
+std::vector<LayerConfig> place(const OptionProblem& problem, const OptionChoice& choice,
+                               const std::vector<std::vector<std::size_t>>& classes) {
+  std::vector<LayerConfig> configs(problem.options.size());
+  for (const auto& members : classes) {
+    std::vector<LayerOption> picked;
+    for (const std::size_t l : members) picked.push_back(problem.options[l][choice.picked[l]]);
+    std::stable_sort(picked.begin(), picked.end(), [](const LayerOption& a, const LayerOption& b) {
+      if (a.config.offload != b.config.offload) return a.config.offload;
+      return a.time_ns < b.time_ns;
+    });
+    for (std::size_t m = 0; m < members.size(); ++m) configs[members[m]] = picked[m].config;
+  }
+  return configs;
+}
+
+}  // namespace
+
+std::optional<Position> exact_stage(Search& search, const Position& from) {
+  const std::size_t n = search.layers().size();
+  if (n == 0) return std::nullopt;
+  const PlanKnobs knobs;
+  // The reference: where the search ended, or everything kept when that did not complete.
+  Position reference = from;
+  if (!reference.evaluation.ok || reference.configs.size() != n) {
+    reference.configs.assign(n, LayerConfig{});
+    reference.evaluation = search.evaluate(search.plan_of(reference.configs, knobs));
+    if (!reference.evaluation.ok) return std::nullopt;
+  }
+  const Evaluation& base = reference.evaluation;
+  const Budgets& budgets = search.budgets();
+  const bool offload = !budgets.host || *budgets.host > Bytes(0);
+  // The link (Note [The option model]): what it carries in a step without a stall, from the
+  // reference's run when it stalled, else at least what it carried and the bandwidth times the
+  // forward's roofline time.
+  const std::int64_t bandwidth = search.space().d2h_bandwidth();
+  std::int64_t capacity = 0;
+  if (base.stall > SimTime(0)) {
+    capacity = base.d2h.count() - static_cast<std::int64_t>(static_cast<Wide>(base.stall.ns()) *
+                                                            bandwidth / 1'000'000'000);
+  } else {
+    std::int64_t forward_ns = 0;
+    for (const ModelOp& op : search.space().model().ops) forward_ns += op.duration.ns();
+    capacity = std::max(base.d2h.count(), static_cast<std::int64_t>(static_cast<Wide>(bandwidth) *
+                                                                    forward_ns / 1'000'000'000));
+  }
+  OptionProblem problem;
+  problem.bandwidth = bandwidth;
+  problem.link = capacity - base.d2h.count();
+  problem.need = (base.reserved - budgets.device).count();
+  if (budgets.host) problem.host = (*budgets.host - base.pinned).count();
+  // The groups measured: each class, its last layer apart (its recompute runs first in
+  // backward, at the peak, so what it keeps costs the peak differently).
+  std::vector<std::vector<std::size_t>> classes;
+  for (std::vector<std::size_t> members : layer_classes(search.space())) {
+    if (members.size() >= 2) {
+      classes.push_back({members.back()});
+      members.pop_back();
+    }
+    classes.push_back(std::move(members));
+  }
+  problem.options.resize(n);
+  for (const auto& members : classes) {
+    const std::size_t middle = members[members.size() / 2];
+    std::vector<LayerOption> measured;
+    for (const LayerConfig& config : options_of(search.layers()[middle], offload)) {
+      std::vector<LayerConfig> configs = reference.configs;
+      configs[middle] = config;
+      const Evaluation e = search.evaluate(search.plan_of(configs, knobs));
+      if (!e.ok) continue;
+      // The time an option adds besides the link's (what the link model prices).
+      const std::int64_t moved = (e.d2h - base.d2h).count();
+      const std::int64_t link = link_ns(problem, moved) - link_ns(problem, 0);
+      measured.push_back(LayerOption{config, (e.time - base.time).ns() - link,
+                                     (base.reserved - e.reserved).count(), moved});
+    }
+    // Each member's options are counted from its own configuration in the reference, as the
+    // middle layer measured it (a class's members can differ there).
+    const std::vector<LayerOption> kept = pareto(measured);
+    for (const std::size_t l : members) {
+      const auto own = std::find_if(measured.begin(), measured.end(), [&](const LayerOption& o) {
+        return o.config == reference.configs[l];
+      });
+      if (own == measured.end()) return std::nullopt;  // the reference's own run failed
+      std::vector<LayerOption> options = kept;
+      for (LayerOption& o : options) {
+        o.time_ns -= own->time_ns;
+        o.freed -= own->freed;
+        o.moved -= own->moved;
+      }
+      problem.options[l] = std::move(options);
+    }
+  }
+  std::optional<Position> best;
+  bool gave_back = false;
+  for (int round = 0; round < kRounds; ++round) {
+    const std::optional<OptionChoice> choice = solve_options(problem);
+    if (!choice) break;
+    std::vector<LayerConfig> configs = place(problem, *choice, classes);
+    const Evaluation e = search.evaluate(search.plan_of(configs, knobs));
+    if (!e.ok) break;
+    if (search.fits(e)) {
+      if (!best || e.time < best->evaluation.time) best = Position{std::move(configs), e};
+      const std::int64_t room = (budgets.device - e.reserved).count();
+      if (gave_back || room < units_of(problem).memory) break;
+      problem.need -= room / 2;
+      gave_back = true;
+      continue;
+    }
+    if (gave_back && best) break;
+    if (e.reserved > budgets.device) problem.need += (e.reserved - budgets.device).count();
+    if (budgets.host && e.pinned > *budgets.host) {
+      *problem.host -= (e.pinned - *budgets.host).count();
+    }
+  }
+  return best;
+}
+
+}  // namespace ferry::sim::planning
