@@ -57,7 +57,33 @@ FAMILIES = {
         },
         "sdpa",
     ),
+    # DeepSeek-V3's layout: multi-head latent attention (low-rank Q and KV, a rotary part of
+    # each head apart), a dense first layer, then shared and routed experts with a sigmoid
+    # router.
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            **_DECODER,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": 32,
+        },
+        "sdpa",
+    ),
 }
+
+#: The mixture-of-experts families.
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 
 #: The families written as fixtures for the C++ op-sac test.
 FIXTURE_FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt2")

@@ -23,8 +23,9 @@ import torch
 from .._modules import head_of
 from ._document import TracedModel, traced_model
 from ._record import Tracer, TraceRecorder, layer_of
+from ._values import Routing, Values
 
-__all__ = ["trace", "TracedModel", "layer_of", "loss_of"]
+__all__ = ["trace", "TracedModel", "Routing", "layer_of", "loss_of"]
 
 
 def loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
@@ -144,6 +145,7 @@ def trace(
     optimizer: torch.optim.Optimizer | None = None,
     name: str | None = None,
     target: str = "device",
+    routing: str | Routing = "balanced",
     **kwargs: Any,
 ) -> TracedModel:
     """Traces one training step of ``model`` into a ``ferry.model/1`` document (docs/trace.md).
@@ -185,8 +187,10 @@ def trace(
         raise TypeError(f"ferry.trace: model must be a torch.nn.Module, got {type(model).__name__}")
     if target not in ("device", "host"):
         raise ValueError(f'ferry.trace: target must be "device" or "host", got {target!r}')
+    routing = Routing(routing)
     tracer = Tracer("device" if target == "device" else "cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracer.values = Values(fake_mode, routing)
     fake_of = {}
     state = {}
     for param_name, p in model.named_parameters():
@@ -231,6 +235,10 @@ def trace(
         for handle in handles:
             handle.remove()
     traced = traced_model(tracer, name or type(model).__name__, loss, state, optimizer_state)
+    if tracer.values.decided:
+        # The shapes follow the assumption: the document says which (docs/model-format.md).
+        traced.routing = routing.to_json()
+        traced.document["routing"] = traced.routing
     allocator = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     if allocator is not None:
         traced.document["allocator"] = allocator
