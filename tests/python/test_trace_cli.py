@@ -230,3 +230,39 @@ def test_fsdp_arguments_are_checked(config, tmp_path, capsys):
     assert "--reshard-after-forward: '1' is not true, false" in capsys.readouterr().err
     assert main([config, "--seq", "8", "--fsdp", "-1", "--out", x]) == 2
     assert "--fsdp: expected an integer >= 0, got -1" in capsys.readouterr().err
+
+
+TINY_MIXTRAL = {
+    **TINY_LLAMA,
+    "model_type": "mixtral",
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+def test_a_mixture_of_experts_traces_under_the_routing_it_is_given(tmp_path, capsys):
+    path = tmp_path / "mixtral.json"
+    path.write_text(json.dumps(TINY_MIXTRAL))
+    # The grouped matmul experts (the default) compute every routed row: nothing assumed.
+    out, traced = run(tmp_path, str(path), "--seq", "16", "--dtype", "f32")
+    assert "routing" not in traced.document
+    assert "routing" not in capsys.readouterr().err
+    accepted_by_cli(traced_from(out), tmp_path)
+    # The eager loop's shapes follow the routing: the one given, recorded and said.
+    argv = ["--seq", "16", "--experts", "eager", "--routing", "loads=3,1,0,0"]
+    out, traced = run(tmp_path, str(path), *argv)
+    assert traced.document["routing"] == {"assumption": "loads", "loads": [3, 1, 0, 0]}
+    assert "shapes follow the routing, assumed loads=3,1,0,0" in capsys.readouterr().err
+    rows = [
+        op["gemm"]["m"]
+        for op in traced.document["ops"]
+        if op["name"].startswith("model.layers.0.mlp.experts/mm")
+    ]
+    assert rows == [16, 16, 16, 16]  # two experts, each every token: gate-and-up, down
+    accepted_by_cli(traced_from(out), tmp_path)
+    assert main([str(path), "--seq", "8", "--routing", "random,seed=x", "--out", "-"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "python -m ferry trace: --routing: routing 'random,seed=x': seed must be an integer "
+        "from 0 to 2^63 - 1, got 'x'\n"
+    )

@@ -92,34 +92,40 @@ SHAPES = {"gpt2": (2, 128)}
 DEFAULT_SHAPE = (1, 32)
 
 
-def build(family, dtype=torch.bfloat16):
-    """The family's causal LM on the meta device, in training mode."""
+def build(family, dtype=torch.bfloat16, experts=None):
+    """The family's causal LM on the meta device, in training mode; ``experts`` names the
+    experts' implementation of a mixture-of-experts family (``"grouped_mm"``, transformers'
+    default, or ``"eager"``, a loop over the experts hit)."""
     import transformers
 
     model_type, fields, attention = FAMILIES[family]
     config = transformers.AutoConfig.for_model(model_type, **fields)
+    implementations = {"attn_implementation": attention}
+    if experts is not None:
+        implementations["experts_implementation"] = experts
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=attention
-            )
+            model = transformers.AutoModelForCausalLM.from_config(config, **implementations)
     finally:
         torch.set_default_dtype(previous)
     return model.to(dtype).train()
 
 
-def trace_family(family, batch=None, seq=None, dtype=torch.bfloat16):
+def trace_family(
+    family, batch=None, seq=None, dtype=torch.bfloat16, experts=None, routing="balanced"
+):
     """The traced model of one training step with token ids as labels."""
     from ferry._trace import trace
 
     default_batch, default_seq = SHAPES.get(family, DEFAULT_SHAPE)
     batch, seq = batch or default_batch, seq or default_seq
-    model = build(family, dtype)
+    model = build(family, dtype, experts)
     with torch.device("meta"):
         ids = torch.zeros((batch, seq), dtype=torch.long)
-    return trace(model, ids, labels=ids, name=f"{family}-tiny-s{seq}-b{batch}")
+    name = f"{family}-tiny-s{seq}-b{batch}"
+    return trace(model, ids, labels=ids, name=name, routing=routing)
 
 
 def fixture_path(family):

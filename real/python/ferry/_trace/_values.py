@@ -46,8 +46,8 @@ class Routing:
     choice). ``"random"``, ``"random,seed=S"``, ``"random,seed=S,capacity=C"``: each row picks
     k distinct experts uniformly at random from a generator seeded by S (default 0), the
     choice's module and its shape; with a capacity factor C (at least 1), no expert receives
-    more than ceil(C x rows x k / experts) rows: the rows above it go to the least loaded
-    experts the row has not picked.
+    more than ceil(C x rows x k / experts) rows: the rows cut from the experts above it go to
+    the least loaded experts, and the experts' rows are dealt to the rows in a seeded order.
 
     Args:
         spec: The assumption as text (above), or a Routing.
@@ -120,8 +120,10 @@ class Routing:
         excess = sum(max(c - cap, 0) for c in counts)
         counts = [min(c, cap) for c in counts]
         for _ in range(excess):
-            e = min((x for x in range(candidates) if counts[x] < min(cap, rows)),
-                    key=lambda x: (counts[x], x))
+            e = min(
+                (x for x in range(candidates) if counts[x] < min(cap, rows)),
+                key=lambda x: (counts[x], x),
+            )
             counts[e] += 1
         order = torch.repeat_interleave(torch.arange(candidates), torch.tensor(counts))
         dealt = order.reshape(k, rows).t()
@@ -154,26 +156,28 @@ def _parse(spec):
     seed, capacity = 0, None
     for option in filter(None, (o.strip() for o in rest.split(","))):
         key, _, value = option.partition("=")
-        try:
-            if key == "seed":
-                seed = int(value)
-                if not 0 <= seed < 1 << 63:
-                    raise ValueError
-            elif key == "capacity":
-                capacity = float(value)
-                if not math.isfinite(capacity) or capacity < 1:
-                    raise ValueError
-            else:
-                raise ValueError(f"{where}: unknown option {key!r} (seed, capacity)")
-        except ValueError as error:
-            if str(error):
-                raise
-            raise ValueError(
-                f"{where}: {key} must be "
-                + ("an integer from 0 to 2^63 - 1" if key == "seed" else "a number >= 1")
-                + f", got {value!r}"
-            ) from None
+        if key == "seed":
+            seed = _number(value, int, lambda x: 0 <= x < 1 << 63)
+            if seed is None:
+                raise ValueError(
+                    f"{where}: seed must be an integer from 0 to 2^63 - 1, got {value!r}"
+                )
+        elif key == "capacity":
+            capacity = _number(value, float, lambda x: math.isfinite(x) and x >= 1)
+            if capacity is None:
+                raise ValueError(f"{where}: capacity must be a number >= 1, got {value!r}")
+        else:
+            raise ValueError(f"{where}: unknown option {key!r} (seed, capacity)")
     return name, None, seed, capacity
+
+
+def _number(text, kind, ok):
+    """``text`` as a ``kind`` for which ``ok`` holds, else None."""
+    try:
+        value = kind(text)
+    except ValueError:
+        return None
+    return value if ok(value) else None
 
 
 def _counts(weights, rows, k):
