@@ -230,3 +230,4 @@ def test_the_simulator_reads_a_document_with_routing(cli, tmp_path):
     )
     assert run.returncode != 0
     assert '"loads" applies to the assumption "loads" only' in run.stderr
+

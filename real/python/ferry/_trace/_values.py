@@ -30,9 +30,16 @@ from .._names import writes
 # known values, and its fake result is made from the real one. The ops are classified by what
 # they are (their tags, `topk`), never by module or op names.
 
-#: Known values are kept for tensors up to this many bytes (the routing's indices and masks are
-#: a few bytes a token); larger tensors are left to the fake run alone.
-MAX_KNOWN_BYTES = 64 << 20
+#: Values that follow from a routing choice are kept for tensors up to this many bytes (the
+#: routing's indices and masks: a few bytes a token and expert); larger ones are left to the
+#: fake run alone.
+MAX_KNOWN_BYTES = 256 << 20
+#: Other known values (what factories make: `arange`, a mask of ones) up to this many bytes: a
+#: causal mask built from `ones` is as large as the sequence squared, and no routing needs it.
+MAX_OTHER_BYTES = 1 << 20
+#: The most bytes of known values held at once; the oldest are forgotten beyond it (what a
+#: data-dependent op reads was computed just before, in the same layer).
+KNOWN_BUDGET = 1 << 30
 
 _ASSUMPTIONS = ("balanced", "loads", "random")
 
@@ -227,16 +234,22 @@ class Values:
     def __init__(self, fake_mode: Any, routing: Routing) -> None:
         self.fake_mode = fake_mode
         self.routing = routing
-        self.known: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        self.known: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}  # in insertion order
+        self.known_bytes = 0
         self.decided = False  # a routing choice's values shaped the trace
         self.fake_type = _fake_types()
 
     def _value(self, t):
         """(real value, routed) of ``t``, or None where the trace does not know it."""
         if not isinstance(t, self.fake_type):
-            if t.device.type == "meta":
+            if t.device.type == "meta" or _bytes(t) > MAX_OTHER_BYTES:
                 return None
-            return t, False  # a real tensor the model holds: its own value
+            # A real tensor the model holds: its own value, copied (an op run on known values
+            # may write in place, and must not write the model's tensor).
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes(), torch.no_grad():
+                return t.detach().clone(), False
         entry = self.known.get(id(t))
         if entry is None or entry[0] is not t:
             return None
@@ -264,7 +277,16 @@ class Values:
         real, _ = tree_flatten(real_out)
         for t, r in zip(flat, real):
             if isinstance(t, self.fake_type) and isinstance(r, torch.Tensor):
+                self._drop(id(t))
                 self.known[id(t)] = (t, r, routed)
+                self.known_bytes += _bytes(r)
+        while self.known_bytes > KNOWN_BUDGET:
+            self._drop(next(iter(self.known)))
+
+    def _drop(self, key):
+        entry = self.known.pop(key, None)
+        if entry is not None:
+            self.known_bytes -= _bytes(entry[1])
 
     def _forget_written(self, func, args, kwargs):
         named = _named(func, args, kwargs)
@@ -278,7 +300,7 @@ class Values:
                         i for i, e in self.known.items() if e[0].untyped_storage()._cdata == key
                     ]
                     for i in stale:
-                        del self.known[i]
+                        self._drop(i)
 
     def run(self, func: Any, args: tuple, kwargs: dict, where: str) -> Any:
         """Runs ``func`` on the fake arguments, and on the known values where it can (see the
@@ -317,7 +339,7 @@ class Values:
                 with _disable_current_modes():
                     chosen = self.routing.choose(rows, candidates, k, where)
                     value = chosen.reshape(shape).movedim(-1, dim).contiguous()
-                self.known[id(indices)] = (indices, value, True)
+                self._remember(indices, value, True)
             return out
         self._follow(func, args, kwargs, out, known if size_ok else None)
         return out
@@ -352,7 +374,7 @@ class Values:
         tags = getattr(func, "tags", ())
         if (
             known is not None
-            and _bytes(out) <= MAX_KNOWN_BYTES
+            and _bytes(out) <= (MAX_KNOWN_BYTES if known[1] else MAX_OTHER_BYTES)
             and _packet_name(func) not in _UNINITIALIZED
             and torch.Tag.nondeterministic_seeded not in tags
         ):
