@@ -131,7 +131,16 @@ def test_lora_trains_the_adapters_only(config, tmp_path):
 
 
 def test_bundled_configs_are_selectable_by_name(tmp_path):
-    assert bundled_configs() == ["gpt2", "llama3-70b", "llama3-8b", "mistral-7b", "qwen2.5-7b"]
+    assert bundled_configs() == [
+        "deepseek-v3",
+        "gpt2",
+        "llama3-70b",
+        "llama3-8b",
+        "mistral-7b",
+        "mixtral-8x7b",
+        "qwen2.5-7b",
+        "qwen3-30b-a3b",
+    ]
     out, traced = run(tmp_path, "gpt2", "--seq", "16")
     params = sum(
         t["bytes"]
@@ -160,6 +169,26 @@ def test_bundled_configs_have_the_published_parameter_counts(name):
         "mistral-7b": 7_248_023_552,
     }
     assert count == published[name]
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    # As published, rounded: Mixtral 46.7B (Mistral AI, "Mixtral of experts", 2023), Qwen3
+    # 30.5B (Qwen3 Technical Report, arXiv:2505.09388), DeepSeek-V3 671B without its
+    # multi-token prediction module (DeepSeek-V3 Technical Report, arXiv:2412.19437).
+    [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5), ("deepseek-v3", 671)],
+)
+def test_bundled_moe_configs_have_the_published_parameter_counts(name, billions):
+    from ferry._cli.trace import CONFIG_DIR
+
+    with open(f"{CONFIG_DIR}/{name}.json") as f:
+        data = json.load(f)
+    config = transformers.AutoConfig.for_model(**data)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    digits = 0 if isinstance(billions, int) else 1
+    assert round(count / 1e9, digits) == billions
 
 
 def test_without_transformers_the_command_says_what_to_install(
