@@ -136,6 +136,22 @@ def test_routing_choices_pick_distinct_experts_per_row(spec):
 
 
 @pytest.mark.parametrize(
+    "spec, rows, k, counts",
+    [
+        ("balanced", 7, 3, [6, 5, 5, 5]),
+        ("loads=4,2,1,1", 64, 2, [64, 32, 16, 16]),
+        # 24 rows for the first expert, but a row picks it once: 8 go to the next heaviest.
+        ("loads=3,1,0,0", 16, 2, [16, 16, 0, 0]),
+        ("loads=1,1,0,1", 64, 2, [43, 43, 0, 42]),
+        ("loads=1,0,0,0", 64, 2, [64, 64, 0, 0]),
+    ],
+)
+def test_each_experts_rows_follow_the_assumption(spec, rows, k, counts):
+    picks = Routing(spec).choose(rows, 4, k, "gate")
+    assert torch.bincount(picks.reshape(-1), minlength=4).tolist() == counts
+
+
+@pytest.mark.parametrize(
     "spec, message",
     [
         ("uniform", r"unknown assumption 'uniform'"),
@@ -230,4 +246,3 @@ def test_the_simulator_reads_a_document_with_routing(cli, tmp_path):
     )
     assert run.returncode != 0
     assert '"loads" applies to the assumption "loads" only' in run.stderr
-

@@ -188,25 +188,24 @@ def _number(text, kind, ok):
 
 
 def _counts(weights, rows, k):
-    """Rows per expert: ``rows * k`` in proportion to ``weights`` (largest remainders first),
-    none above ``rows`` (an expert appears once in a row), the excess to the experts with
-    room, heaviest first."""
+    """Rows per expert: ``rows * k`` in proportion to ``weights`` (the rounding's remainder to
+    the largest fractions, the lowest index first), none above ``rows`` (an expert appears once
+    in a row): what is above goes to the heaviest experts with room, each filled in turn."""
     total = rows * k
     if k > len(weights):
         raise ValueError(f"ferry.trace: a router picks {k} of {len(weights)} experts")
     scale = sum(weights)
     exact = [total * w / scale for w in weights]
-    counts = [min(math.floor(x), rows) for x in exact]
-    by_remainder = sorted(range(len(weights)), key=lambda e: (-(exact[e] - counts[e]), e))
-    by_weight = sorted(range(len(weights)), key=lambda e: (-weights[e], e))
-    for e in by_remainder + by_weight * k:
-        if sum(counts) == total:
-            break
-        if counts[e] < rows:
-            counts[e] += 1
-    while sum(counts) < total:  # rows * k <= rows * experts: there is room
-        e = next(x for x in by_weight if counts[x] < rows)
+    counts = [math.floor(x) for x in exact]
+    by_fraction = sorted(range(len(weights)), key=lambda e: (counts[e] - exact[e], e))
+    for e in by_fraction[: total - sum(counts)]:
         counts[e] += 1
+    excess = sum(max(c - rows, 0) for c in counts)
+    counts = [min(c, rows) for c in counts]
+    for e in sorted(range(len(weights)), key=lambda e: (-weights[e], e)):
+        moved = min(excess, rows - counts[e])
+        counts[e] += moved
+        excess -= moved
     return counts
 
 
