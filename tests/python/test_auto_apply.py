@@ -205,7 +205,8 @@ for _name, (_config, _model, _fields) in _MOE.items():
 
 # The experts as a loop over the experts hit (transformers' "eager" experts): the trace's shapes
 # follow its routing assumption, the real step's follow the router. Plans over the traced ops
-# still apply bitwise: the loop's ops have the same names whichever tokens each expert gets.
+# still apply bitwise: every expert is hit in both (256 tokens, top 2 of 4), and the loop's ops
+# have the same names whichever tokens each expert gets.
 # (Not in FAMILIES: `ferry.auto` on them plans a document with a `routing` member.)
 EAGER_FAMILIES = {
     "mixtral-eager": _decoder(
