@@ -160,7 +160,10 @@ def trace(
     the device's generator, and dropout is the device's fused kernel, Note [Dropout as the
     device runs it]) or ``"host"`` (the CPU, as the trace itself runs). When
     ``PYTORCH_CUDA_ALLOC_CONF`` turns on ``expandable_segments``, the document records
-    ``"allocator": "expandable"``, and ferry's commands simulate that allocator.
+    ``"allocator": "expandable"``, and ferry's commands simulate that allocator. Where the
+    model's shapes follow a router's choice (a mixture of experts that gathers each expert's
+    tokens), the choice is ``routing``'s, and the document records it (Note [Routing as a
+    stated assumption] in ``_values``).
 
     Args:
         model: The model; its parameters may be on the meta device.
@@ -169,6 +172,8 @@ def trace(
         optimizer: An optimizer whose state becomes static memory.
         name: The document's name (default: the model's class name).
         target: ``"device"`` or ``"host"``.
+        routing: ``"balanced"``, ``"loads=W0,W1,..."`` or ``"random[,seed=S][,capacity=C]"``
+            (``Routing``).
         **kwargs: The keyword inputs of one step.
 
     Returns:
@@ -176,7 +181,9 @@ def trace(
 
     Raises:
         TypeError: ``model`` is no ``torch.nn.Module``, or the loss is not found in the output.
-        ValueError: A bad ``target``, or the loss is no scalar tensor that requires grad.
+        ValueError: A bad ``target`` or ``routing``, loads for another number of experts
+            than a router chooses among, or the loss is no scalar tensor that requires grad.
+        RuntimeError: An op needs values that follow from no routing choice.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.autograd.graph import saved_tensors_hooks

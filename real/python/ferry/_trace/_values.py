@@ -400,10 +400,10 @@ def _bytes(tree):
 
 # Note [Grouped matmuls in any dtype]
 # The CPU kernel of `_grouped_mm` runs float32 (torch 2.11; transformers calls it for a float32
-# model's experts), but its meta kernel, which a fake run calls, checks for bf16 operands. Its output shape does
-# not depend on the dtype, so the trace runs the fake kernel on bf16 stand-ins of the operands
-# and returns a fake tensor of that shape in the dtype the call produces: the operands' (or
-# `out_dtype`).
+# model's experts), but its meta kernel, which a fake run calls, checks for bf16 operands. Its
+# output shape does not depend on the dtype, so the trace runs the fake kernel on bf16
+# stand-ins of the operands and returns a fake tensor of that shape in the dtype the call
+# produces: the operands' (or `out_dtype`).
 
 
 def grouped_mm_any_dtype(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
