@@ -289,6 +289,12 @@ def test_a_mixture_of_experts_traces_under_the_routing_it_is_given(tmp_path, cap
     ]
     assert rows == [16, 16, 16, 16]  # two experts, each every token: gate-and-up, down
     accepted_by_cli(traced_from(out), tmp_path)
+    argv = ["--seq", "8", "--experts", "eager", "--routing", "loads=1,2", "--out", "-"]
+    assert main([str(path), *argv]) == 2
+    assert capsys.readouterr().err == (
+        "python -m ferry trace: --routing: routing 'loads=1,2': 2 loads, but the router at "
+        "model.layers.0.mlp.gate chooses among 4 experts\n"
+    )
     assert main([str(path), "--seq", "8", "--routing", "random,seed=x", "--out", "-"]) == 2
     err = capsys.readouterr().err
     assert err == (

@@ -280,15 +280,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer = torch.optim.SGD(trainable, lr=1e-3, momentum=0.9, foreach=False)
         stem = os.path.splitext(os.path.basename(path))[0]
         name = args.name or f"{stem}-s{args.seq}-b{args.batch}"
-        traced = trace(
-            model,
-            ids,
-            labels=ids,
-            optimizer=optimizer,
-            name=name,
-            target=args.target,
-            routing=args.routing,
-        )
+        try:
+            traced = trace(
+                model,
+                ids,
+                labels=ids,
+                optimizer=optimizer,
+                name=name,
+                target=args.target,
+                routing=args.routing,
+            )
+        except ValueError as error:
+            # Loads for another number of experts than a router of this model chooses among.
+            if not str(error).startswith("ferry.trace: routing "):
+                raise
+            raise UsageError(f"--routing: {str(error).removeprefix('ferry.trace: ')}") from None
         section = parallelism(args, traced.layers())
         if section is not None:
             traced.document["parallelism"] = section
