@@ -242,11 +242,11 @@ def trace(
         for handle in handles:
             handle.remove()
     traced = traced_model(tracer, name or type(model).__name__, loss, state, optimizer_state)
+    allocator = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    if allocator is not None:
+        traced.document["allocator"] = allocator
     if tracer.values.decided:
         # The shapes follow the assumption: the document says which (docs/model-format.md).
         traced.routing = routing.to_json()
         traced.document["routing"] = traced.routing
-    allocator = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
-    if allocator is not None:
-        traced.document["allocator"] = allocator
     return traced
