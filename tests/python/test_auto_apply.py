@@ -34,21 +34,60 @@ LAYERS = 4
 BATCH, SEQ = 2, 128
 
 
-def _decoder(config_class, model_class, **extra):
+def _decoder(config_class, model_class, dtype=torch.float32, experts=None, **extra):
     def make():
-        config = config_class(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=2 * HIDDEN,
-            max_position_embeddings=SEQ,
+        fields = {
+            "vocab_size": VOCAB,
+            "hidden_size": HIDDEN,
+            "num_hidden_layers": LAYERS,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 2 * HIDDEN,
+            "max_position_embeddings": SEQ,
             **extra,
-        )
-        return model_class(config)
+        }
+        config = config_class(**fields)
+        if experts is not None:
+            config._experts_implementation = experts
+        return model_class(config).to(dtype)
 
     return make
+
+
+# Mixture-of-experts decoders: 4 experts, top 2, in float32 and bf16 (transformers' grouped
+# matmul experts; the trace runs float32's on bf16 stand-ins, docs/trace.md).
+_MOE = {
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        {"num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16},
+    ),
+    # DeepSeek-V3's layout: latent attention, a dense first layer, shared and routed experts.
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": 32,
+        },
+    ),
+}
 
 
 def _gpt2():
@@ -160,6 +199,30 @@ FAMILIES = {
     "t5": _T5,
     "vit": _vit,
 }
+for _name, (_config, _model, _fields) in _MOE.items():
+    FAMILIES[_name] = _decoder(_config, _model, **_fields)
+    FAMILIES[f"{_name}-bf16"] = _decoder(_config, _model, torch.bfloat16, **_fields)
+
+# The experts as a loop over the experts hit (transformers' "eager" experts): the trace's shapes
+# follow its routing assumption (balanced by default), the real step's follow the router. Plans
+# over the traced ops still apply bitwise: every expert is hit in both (256 tokens, top 2 of
+# 4), and the loop's ops have the same names whichever tokens each expert gets.
+EAGER_FAMILIES = {
+    "mixtral-eager": _decoder(
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        experts="eager",
+        **_MOE["mixtral"][2],
+    ),
+    "qwen3_moe-eager-bf16": _decoder(
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        torch.bfloat16,
+        experts="eager",
+        **_MOE["qwen3_moe"][2],
+    ),
+}
+FAMILIES.update(EAGER_FAMILIES)
 
 
 def loss_fn(out):
@@ -275,6 +338,25 @@ def test_random_plans_train_bitwise(family):
     base, ids, _, _ = reference(family)
     doc = ferry.trace(base, *ids, loss_fn=loss_fn, target="host").document
     for seed in (sorted(FAMILIES).index(family), len(FAMILIES) + sorted(FAMILIES).index(family)):
+        plan = random_plan(doc, random.Random(seed))
+        try:
+            check_bitwise(
+                family,
+                lambda model, ids, plan=plan: ferry.offload(
+                    plan=plan, model=model, loopback=True, dedup=False
+                ),
+            )
+        except Exception as e:
+            raise AssertionError(f"{family}: random plan of seed {seed} failed: {e}") from e
+
+
+@pytest.mark.parametrize("family", sorted(EAGER_FAMILIES))
+def test_plans_over_a_random_routing_train_bitwise(family):
+    base, ids, _, _ = reference(family)
+    routing = "random,seed=1,capacity=1.25"
+    doc = ferry.trace(base, *ids, loss_fn=loss_fn, target="host", routing=routing).document
+    assert doc["routing"] == {"assumption": "random", "seed": 1, "capacity_factor": 1.25}
+    for seed in (0, 1):
         plan = random_plan(doc, random.Random(seed))
         try:
             check_bitwise(

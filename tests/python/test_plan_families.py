@@ -1,6 +1,7 @@
-"""The planner and the ferry policy on traced Hugging Face models of five families.
+"""The planner and the ferry policy on traced Hugging Face models of seven families.
 
-For Qwen2, Mistral, Phi-3, Gemma-2 and GPT-2 (each config as its model card gives it, cut to
+For Qwen2, Mistral, Phi-3, Gemma-2, GPT-2 and the mixtures of experts Mixtral-8x7B and
+Qwen3-30B-A3B (each config as its model card gives it, cut to
 four layers, traced at sequence 1024 with AdamW state) and the bundled presets, on three device
 profiles, and at budgets of 1.0x, 1.1x and 1.3x the peak reserved of checkpointing every layer:
 
@@ -90,6 +91,9 @@ FAMILIES = {
     "phi3": (lambda: dict(PHI3), "sdpa"),
     "gemma2": (lambda: dict(GEMMA2), "eager"),
     "gpt2": (lambda: _bundled("gpt2"), "eager"),
+    # Mixtures of experts (transformers' grouped matmul experts).
+    "mixtral": (lambda: _bundled("mixtral-8x7b"), "sdpa"),
+    "qwen3_moe": (lambda: _bundled("qwen3-30b-a3b"), "sdpa"),
 }
 
 

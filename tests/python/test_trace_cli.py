@@ -131,7 +131,16 @@ def test_lora_trains_the_adapters_only(config, tmp_path):
 
 
 def test_bundled_configs_are_selectable_by_name(tmp_path):
-    assert bundled_configs() == ["gpt2", "llama3-70b", "llama3-8b", "mistral-7b", "qwen2.5-7b"]
+    assert bundled_configs() == [
+        "deepseek-v3",
+        "gpt2",
+        "llama3-70b",
+        "llama3-8b",
+        "mistral-7b",
+        "mixtral-8x7b",
+        "qwen2.5-7b",
+        "qwen3-30b-a3b",
+    ]
     out, traced = run(tmp_path, "gpt2", "--seq", "16")
     params = sum(
         t["bytes"]
@@ -160,6 +169,26 @@ def test_bundled_configs_have_the_published_parameter_counts(name):
         "mistral-7b": 7_248_023_552,
     }
     assert count == published[name]
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    # As published, rounded: Mixtral 46.7B (Mistral AI, "Mixtral of experts", 2023), Qwen3
+    # 30.5B (Qwen3 Technical Report, arXiv:2505.09388), DeepSeek-V3 671B without its
+    # multi-token prediction module (DeepSeek-V3 Technical Report, arXiv:2412.19437).
+    [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5), ("deepseek-v3", 671)],
+)
+def test_bundled_moe_configs_have_the_published_parameter_counts(name, billions):
+    from ferry._cli.trace import CONFIG_DIR
+
+    with open(f"{CONFIG_DIR}/{name}.json") as f:
+        data = json.load(f)
+    config = transformers.AutoConfig.for_model(**data)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    digits = 0 if isinstance(billions, int) else 1
+    assert round(count / 1e9, digits) == billions
 
 
 def test_without_transformers_the_command_says_what_to_install(
@@ -230,3 +259,45 @@ def test_fsdp_arguments_are_checked(config, tmp_path, capsys):
     assert "--reshard-after-forward: '1' is not true, false" in capsys.readouterr().err
     assert main([config, "--seq", "8", "--fsdp", "-1", "--out", x]) == 2
     assert "--fsdp: expected an integer >= 0, got -1" in capsys.readouterr().err
+
+
+TINY_MIXTRAL = {
+    **TINY_LLAMA,
+    "model_type": "mixtral",
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+def test_a_mixture_of_experts_traces_under_the_routing_it_is_given(tmp_path, capsys):
+    path = tmp_path / "mixtral.json"
+    path.write_text(json.dumps(TINY_MIXTRAL))
+    # The grouped matmul experts (the default) compute every routed row: nothing assumed.
+    out, traced = run(tmp_path, str(path), "--seq", "16", "--dtype", "f32")
+    assert "routing" not in traced.document
+    assert "routing" not in capsys.readouterr().err
+    accepted_by_cli(traced_from(out), tmp_path)
+    # The eager loop's shapes follow the routing: the one given, recorded and said.
+    argv = ["--seq", "16", "--experts", "eager", "--routing", "loads=3,1,0,0"]
+    out, traced = run(tmp_path, str(path), *argv)
+    assert traced.document["routing"] == {"assumption": "loads", "loads": [3, 1, 0, 0]}
+    assert "shapes follow the routing, assumed loads=3,1,0,0" in capsys.readouterr().err
+    rows = [
+        op["gemm"]["m"]
+        for op in traced.document["ops"]
+        if op["name"].startswith("model.layers.0.mlp.experts/mm")
+    ]
+    assert rows == [16, 16, 16, 16]  # two experts, each every token: gate-and-up, down
+    accepted_by_cli(traced_from(out), tmp_path)
+    argv = ["--seq", "8", "--experts", "eager", "--routing", "loads=1,2", "--out", "-"]
+    assert main([str(path), *argv]) == 2
+    assert capsys.readouterr().err == (
+        "python -m ferry trace: --routing: routing 'loads=1,2': 2 loads, but the router at "
+        "model.layers.0.mlp.gate chooses among 4 experts\n"
+    )
+    assert main([str(path), "--seq", "8", "--routing", "random,seed=x", "--out", "-"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "python -m ferry trace: --routing: routing 'random,seed=x': seed must be an integer "
+        "from 0 to 2^63 - 1, got 'x'\n"
+    )

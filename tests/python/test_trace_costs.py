@@ -205,14 +205,16 @@ def _moe_mlp(fields, inner_key):
     return 2 * h * experts + k * (2 * h * 2 * f + 2 * f * h)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "family, inner_key",
     [("mixtral", "intermediate_size"), ("qwen3_moe", "moe_intermediate_size")],
 )
-def test_moe_experts_flops_equal_the_analytic_count(family, inner_key):
-    # bf16: the dtype the experts' grouped matmul runs in on a GPU.
+def test_moe_experts_flops_equal_the_analytic_count(family, inner_key, dtype):
+    # bf16, the dtype the experts' grouped matmul runs in on a GPU, and float32, which the
+    # trace runs on bf16 stand-ins (Note [Grouped matmuls in any dtype]).
     batch, seq = 2, 64
-    traced = trace_family(family, batch, seq)
+    traced = trace_family(family, batch, seq, dtype)
     fields = FAMILIES[family][1]
     forward, backward = _decoder_counts(fields, batch, seq, _moe_mlp(fields, inner_key))
     got_forward, got_backward = traced.flops()

@@ -57,7 +57,33 @@ FAMILIES = {
         },
         "sdpa",
     ),
+    # DeepSeek-V3's layout: multi-head latent attention (low-rank Q and KV, a rotary part of
+    # each head apart), a dense first layer, then shared and routed experts with a sigmoid
+    # router.
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            **_DECODER,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": 32,
+        },
+        "sdpa",
+    ),
 }
+
+#: The mixture-of-experts families.
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 
 #: The families written as fixtures for the C++ op-sac test.
 FIXTURE_FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt2")
@@ -66,34 +92,40 @@ SHAPES = {"gpt2": (2, 128)}
 DEFAULT_SHAPE = (1, 32)
 
 
-def build(family, dtype=torch.bfloat16):
-    """The family's causal LM on the meta device, in training mode."""
+def build(family, dtype=torch.bfloat16, experts=None):
+    """The family's causal LM on the meta device, in training mode; ``experts`` names the
+    experts' implementation of a mixture-of-experts family (``"grouped_mm"``, transformers'
+    default, or ``"eager"``, a loop over the experts hit)."""
     import transformers
 
     model_type, fields, attention = FAMILIES[family]
     config = transformers.AutoConfig.for_model(model_type, **fields)
+    implementations = {"attn_implementation": attention}
+    if experts is not None:
+        implementations["experts_implementation"] = experts
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=attention
-            )
+            model = transformers.AutoModelForCausalLM.from_config(config, **implementations)
     finally:
         torch.set_default_dtype(previous)
     return model.to(dtype).train()
 
 
-def trace_family(family, batch=None, seq=None, dtype=torch.bfloat16):
+def trace_family(
+    family, batch=None, seq=None, dtype=torch.bfloat16, experts=None, routing="balanced"
+):
     """The traced model of one training step with token ids as labels."""
     from ferry._trace import trace
 
     default_batch, default_seq = SHAPES.get(family, DEFAULT_SHAPE)
     batch, seq = batch or default_batch, seq or default_seq
-    model = build(family, dtype)
+    model = build(family, dtype, experts)
     with torch.device("meta"):
         ids = torch.zeros((batch, seq), dtype=torch.long)
-    return trace(model, ids, labels=ids, name=f"{family}-tiny-s{seq}-b{batch}")
+    name = f"{family}-tiny-s{seq}-b{batch}"
+    return trace(model, ids, labels=ids, name=name, routing=routing)
 
 
 def fixture_path(family):

@@ -723,6 +723,71 @@ TEST(ModelJson, ABadParallelismSectionIsNamed) {
   }
 }
 
+TEST(ModelJson, TheRoutingAssumptionIsReadAndWrittenBack) {
+  for (const auto& [section, want] : std::vector<std::pair<std::string, RoutingAssumption>>{
+           {R"({"assumption": "balanced"})", {.assumption = "balanced"}},
+           {R"({"assumption": "loads", "loads": [4, 2, 0, 1.5]})",
+            {.assumption = "loads", .loads = {4, 2, 0, 1.5}}},
+           {R"({"assumption": "random", "seed": 7})", {.assumption = "random", .seed = 7}},
+           {R"({"assumption": "random", "seed": 0, "capacity_factor": 1.25})",
+            {.assumption = "random", .capacity_factor = 1.25}},
+       }) {
+    SCOPED_TRACE(section);
+    auto model = parse_model(valid_with(R"("loss": "y")", R"("loss": "y", "routing": )" + section),
+                             "toy.json");
+    ASSERT_TRUE(model.ok()) << model.error().message;
+    EXPECT_EQ(model.value().routing, want);
+    const std::string text = model_to_json(model.value());
+    auto again = parse_model(text, "again.json");
+    ASSERT_TRUE(again.ok()) << again.error().message;
+    EXPECT_EQ(again.value(), model.value());
+    // Whole loads are written as integers, as the trace writes them.
+    if (want.assumption == "loads") {
+      EXPECT_NE(text.find("4,\n      2,\n      0,\n      1.5"), std::string::npos) << text;
+    }
+  }
+  // Without the member: none assumed, and none is written.
+  auto plain = parse_model(std::string(kValidModel), "toy.json");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(plain.value().routing.assumption.empty());
+  EXPECT_EQ(model_to_json(plain.value()).find("routing"), std::string::npos);
+}
+
+TEST(ModelJson, ABadRoutingAssumptionIsNamed) {
+  for (const auto& [section, message] : std::vector<std::pair<std::string, std::string>>{
+           {R"("balanced")", R"(toy.json: routing: expected an object, got a string "balanced")"},
+           {R"({"assumption": "uniform"})",
+            R"(toy.json: routing.assumption: expected "balanced", "loads" or "random", got )"
+            R"("uniform")"},
+           {R"({"loads": [1]})", R"(toy.json: routing: missing required key "assumption")"},
+           {R"({"assumption": "loads"})", R"(toy.json: routing: missing required key "loads")"},
+           {R"({"assumption": "loads", "loads": [0, 0]})",
+            R"(toy.json: routing: "loads": expected at least one load above 0)"},
+           {R"({"assumption": "loads", "loads": [1, -1]})",
+            "toy.json: routing.loads[1]: expected a number >= 0"},
+           {R"({"assumption": "loads", "loads": [1, "2"]})",
+            "toy.json: routing.loads[1]: expected a number >= 0"},
+           {R"({"assumption": "balanced", "seed": 1})",
+            R"(toy.json: routing.seed: "seed" applies to the assumption "random" only)"},
+           {R"({"assumption": "random", "seed": 1, "loads": [1]})",
+            R"(toy.json: routing.loads: "loads" applies to the assumption "loads" only)"},
+           {R"({"assumption": "random"})", R"(toy.json: routing: missing required key "seed")"},
+           {R"({"assumption": "random", "seed": -1})",
+            "toy.json: routing.seed: expected a non-negative integer, got -1"},
+           {R"({"assumption": "random", "seed": 1, "capacity_factor": 0.5})",
+            "toy.json: routing.capacity_factor: expected a number >= 1"},
+           {R"({"assumption": "random", "seed": 1, "top_k": 2})",
+            R"(toy.json: routing: unknown key "top_k" (allowed: assumption, loads, seed, )"
+            "capacity_factor)"},
+       }) {
+    SCOPED_TRACE(section);
+    auto model = parse_model(valid_with(R"("loss": "y")", R"("loss": "y", "routing": )" + section),
+                             "toy.json");
+    ASSERT_FALSE(model.ok());
+    EXPECT_EQ(model.error().message, message);
+  }
+}
+
 struct BadCase {
   std::string name;
   std::string text;
@@ -851,7 +916,7 @@ std::vector<BadCase> bad_cases() {
        R"(toy.json: ops[0].gemm: unknown key "l" (allowed: m, n, k, batch))"},
       {"unknown top-level key", valid_with(R"("loss": "y")", R"("loss": "y", "step": 1)"),
        R"(toy.json: unknown key "step" (allowed: format, name, tensors, ops, loss, parallelism, )"
-       "allocator)"},
+       "allocator, routing)"},
       {"unknown allocator", valid_with(R"("loss": "y")", R"("loss": "y", "allocator": "cuda")"),
        R"(toy.json: allocator: expected "default" or "expandable", got "cuda")"},
       {"missing loss",

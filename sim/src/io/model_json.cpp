@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <array>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <map>
@@ -24,6 +25,8 @@ namespace {
 constexpr std::string_view kModelFormat = "ferry.model/1";
 /// Largest layer index accepted.
 constexpr std::int64_t kMaxLayer = std::numeric_limits<std::int32_t>::max();
+/// Largest routing seed accepted.
+constexpr std::int64_t kMaxRoutingSeed = std::numeric_limits<std::int64_t>::max();
 
 constexpr std::array kDTypes{DType::F32, DType::BF16, DType::F16, DType::U8, DType::I64};
 constexpr std::array kRoles{TensorRole::Input, TensorRole::Param, TensorRole::Buffer,
@@ -54,7 +57,7 @@ class ModelReader {
                                 json_quote(format));
     }
     FERRY_JSON_TRY(const auto object, root.object({"format", "name", "tensors", "ops", "loss",
-                                                   "parallelism", "allocator"}));
+                                                   "parallelism", "allocator", "routing"}));
     FERRY_JSON_TRY(model_.name, object.required_name("name"));
     FERRY_JSON_RETURN_IF_ERROR(read_tensors(object));
     FERRY_JSON_RETURN_IF_ERROR(read_ops(object));
@@ -70,6 +73,9 @@ class ModelReader {
                                 json_quote(model_.allocator));
       }
     }
+    if (auto routing = object.optional("routing")) {
+      FERRY_JSON_TRY(model_.routing, read_routing(*routing));
+    }
     // The checks that need the whole model: producers, views inside their bases, the loss.
     // Its paths are the document's, since tensors and ops keep their order.
     if (auto status = validate_model(model_); !status.ok()) {
@@ -79,6 +85,55 @@ class ModelReader {
   }
 
  private:
+  /// A finite number (integer or not) at least `min`.
+  static Result<double> read_number(const JsonValue& value, double min) {
+    const auto& json = value.json();
+    if (!json.is_number() || !std::isfinite(json.get<double>()) || json.get<double>() < min) {
+      return value.error("expected a number >= {}", min);
+    }
+    return json.get<double>();
+  }
+
+  static Result<RoutingAssumption> read_routing(const JsonValue& value) {
+    FERRY_JSON_TRY(const auto object,
+                   value.object({"assumption", "loads", "seed", "capacity_factor"}));
+    RoutingAssumption routing;
+    FERRY_JSON_TRY(const auto assumption, object.required("assumption"));
+    FERRY_JSON_TRY(routing.assumption, assumption.string());
+    if (routing.assumption != "balanced" && routing.assumption != "loads" &&
+        routing.assumption != "random") {
+      return assumption.error("expected \"balanced\", \"loads\" or \"random\", got {}",
+                              json_quote(routing.assumption));
+    }
+    const bool loads = routing.assumption == "loads";
+    const bool random = routing.assumption == "random";
+    for (const auto& [key, allowed] : {std::pair<std::string_view, bool>{"loads", loads},
+                                       {"seed", random},
+                                       {"capacity_factor", random}}) {
+      if (const auto member = object.optional(key); member && !allowed) {
+        return member->error("{} applies to the assumption {} only", json_quote(key),
+                             json_quote(key == "loads" ? "loads" : "random"));
+      }
+    }
+    if (loads) {
+      FERRY_JSON_TRY(const auto list, object.required_array("loads"));
+      bool any = false;
+      for (const JsonValue& element : list) {
+        FERRY_JSON_TRY(const auto load, read_number(element, 0));
+        routing.loads.push_back(load);
+        any = any || load > 0;
+      }
+      if (!any) return value.error("\"loads\": expected at least one load above 0");
+    }
+    if (random) {
+      FERRY_JSON_TRY(routing.seed, object.required_integer("seed", 0, kMaxRoutingSeed));
+      if (const auto capacity = object.optional("capacity_factor")) {
+        FERRY_JSON_TRY(routing.capacity_factor, read_number(*capacity, 1));
+      }
+    }
+    return routing;
+  }
+
   Status read_tensors(const JsonObject& root) {
     FERRY_JSON_TRY(const auto tensors, root.required_array("tensors"));
     model_.tensors.reserve(tensors.size());
@@ -260,6 +315,29 @@ OrderedJson op_json(const Model& model, const ModelOp& op) {
   return out;
 }
 
+/// A number as the file writes it: an integer where it is one.
+OrderedJson number_json(double value) {
+  if (std::trunc(value) == value && std::fabs(value) < 9.0e15) {
+    return static_cast<std::int64_t>(value);
+  }
+  return value;
+}
+
+OrderedJson routing_json(const RoutingAssumption& routing) {
+  OrderedJson out;
+  out["assumption"] = routing.assumption;
+  if (routing.assumption == "loads") {
+    OrderedJson loads = OrderedJson::array();
+    for (const double load : routing.loads) loads.push_back(number_json(load));
+    out["loads"] = std::move(loads);
+  }
+  if (routing.assumption == "random") {
+    out["seed"] = routing.seed;
+    if (routing.capacity_factor > 0) out["capacity_factor"] = number_json(routing.capacity_factor);
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<Model> parse_model(std::string_view text, std::string_view source) {
@@ -281,6 +359,7 @@ std::string model_to_json(const Model& model) {
   out["loss"] = tensor_name(model, model.loss);
   if (model.parallelism.on()) out["parallelism"] = parallelism_json(model.parallelism);
   if (!model.allocator.empty()) out["allocator"] = model.allocator;
+  if (!model.routing.assumption.empty()) out["routing"] = routing_json(model.routing);
   return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
 }
 

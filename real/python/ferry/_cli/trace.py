@@ -64,6 +64,20 @@ def _parser() -> argparse.ArgumentParser:
         help="the model's attention implementation (default sdpa)",
     )
     parser.add_argument(
+        "--experts",
+        choices=("grouped_mm", "eager"),
+        help="a mixture-of-experts model's experts implementation: grouped_mm (one grouped "
+        "matmul over every routed token, transformers' default) or eager (a loop over the "
+        "experts hit, whose shapes follow the routing)",
+    )
+    parser.add_argument(
+        "--routing",
+        default="balanced",
+        help="where shapes follow a router's choice, the routing the trace assumes: balanced "
+        "(the default), loads=W0,W1,... (relative per-expert loads) or "
+        "random[,seed=S][,capacity=C] (docs/trace.md, Routing)",
+    )
+    parser.add_argument(
         "--optimizer",
         default="none",
         choices=("none", "adamw", "sgd"),
@@ -155,8 +169,11 @@ def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "c
     torch.set_default_dtype(dtype)
     try:
         config = AutoConfig.for_model(data["model_type"], **fields)
+        implementations = {"attn_implementation": args.attention}
+        if getattr(args, "experts", None) is not None:
+            implementations["experts_implementation"] = args.experts
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attention)
+            model = AutoModelForCausalLM.from_config(config, **implementations)
     except _config_errors() as error:
         message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
         raise UsageError(f"{source}: {message}") from None
@@ -201,6 +218,12 @@ def _check(args: argparse.Namespace) -> None:
     ):
         if value < low:
             raise UsageError(f"{flag}: expected an integer >= {low}, got {value}")
+    from .._trace._values import Routing
+
+    try:
+        Routing(args.routing)
+    except ValueError as error:
+        raise UsageError(f"--routing: {str(error).removeprefix('ferry.trace: ')}") from None
     if not args.fsdp and (args.nodes or args.hsdp != 1 or args.reshard_after_forward != "true"):
         raise UsageError("--nodes, --hsdp and --reshard-after-forward need --fsdp N")
 
@@ -257,7 +280,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer = torch.optim.SGD(trainable, lr=1e-3, momentum=0.9, foreach=False)
         stem = os.path.splitext(os.path.basename(path))[0]
         name = args.name or f"{stem}-s{args.seq}-b{args.batch}"
-        traced = trace(model, ids, labels=ids, optimizer=optimizer, name=name, target=args.target)
+        try:
+            traced = trace(
+                model,
+                ids,
+                labels=ids,
+                optimizer=optimizer,
+                name=name,
+                target=args.target,
+                routing=args.routing,
+            )
+        except ValueError as error:
+            # Loads for another number of experts than a router of this model chooses among.
+            if not str(error).startswith("ferry.trace: routing "):
+                raise
+            raise UsageError(f"--routing: {str(error).removeprefix('ferry.trace: ')}") from None
         section = parallelism(args, traced.layers())
         if section is not None:
             traced.document["parallelism"] = section
@@ -282,6 +319,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{traced.saved_bytes()} saved activation bytes{sharded} -> {args.out}",
         file=sys.stderr,
     )
+    if traced.routing is not None:
+        print(
+            f"{name}: shapes follow the routing, assumed {args.routing} (docs/trace.md, Routing)",
+            file=sys.stderr,
+        )
     if traced.uncosted:
         listed = ", ".join(f"{op} ({calls} calls)" for op, calls in traced.uncosted.items())
         print(

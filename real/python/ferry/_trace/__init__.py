@@ -23,8 +23,9 @@ import torch
 from .._modules import head_of
 from ._document import TracedModel, traced_model
 from ._record import Tracer, TraceRecorder, layer_of
+from ._values import Routing, Values
 
-__all__ = ["trace", "TracedModel", "layer_of", "loss_of"]
+__all__ = ["trace", "TracedModel", "Routing", "layer_of", "loss_of"]
 
 
 def loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
@@ -144,6 +145,7 @@ def trace(
     optimizer: torch.optim.Optimizer | None = None,
     name: str | None = None,
     target: str = "device",
+    routing: str | Routing = "balanced",
     **kwargs: Any,
 ) -> TracedModel:
     """Traces one training step of ``model`` into a ``ferry.model/1`` document (docs/trace.md).
@@ -158,7 +160,10 @@ def trace(
     the device's generator, and dropout is the device's fused kernel, Note [Dropout as the
     device runs it]) or ``"host"`` (the CPU, as the trace itself runs). When
     ``PYTORCH_CUDA_ALLOC_CONF`` turns on ``expandable_segments``, the document records
-    ``"allocator": "expandable"``, and ferry's commands simulate that allocator.
+    ``"allocator": "expandable"``, and ferry's commands simulate that allocator. Where the
+    model's shapes follow a router's choice (a mixture of experts that gathers each expert's
+    tokens), the choice is ``routing``'s, and the document records it (Note [Routing as a
+    stated assumption] in ``_values``).
 
     Args:
         model: The model; its parameters may be on the meta device.
@@ -167,6 +172,8 @@ def trace(
         optimizer: An optimizer whose state becomes static memory.
         name: The document's name (default: the model's class name).
         target: ``"device"`` or ``"host"``.
+        routing: ``"balanced"``, ``"loads=W0,W1,..."`` or ``"random[,seed=S][,capacity=C]"``
+            (``Routing``).
         **kwargs: The keyword inputs of one step.
 
     Returns:
@@ -174,7 +181,9 @@ def trace(
 
     Raises:
         TypeError: ``model`` is no ``torch.nn.Module``, or the loss is not found in the output.
-        ValueError: A bad ``target``, or the loss is no scalar tensor that requires grad.
+        ValueError: A bad ``target`` or ``routing``, loads for another number of experts
+            than a router chooses among, or the loss is no scalar tensor that requires grad.
+        RuntimeError: An op needs values that follow from no routing choice.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.autograd.graph import saved_tensors_hooks
@@ -185,8 +194,10 @@ def trace(
         raise TypeError(f"ferry.trace: model must be a torch.nn.Module, got {type(model).__name__}")
     if target not in ("device", "host"):
         raise ValueError(f'ferry.trace: target must be "device" or "host", got {target!r}')
+    routing = Routing(routing)
     tracer = Tracer("device" if target == "device" else "cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracer.values = Values(fake_mode, routing)
     fake_of = {}
     state = {}
     for param_name, p in model.named_parameters():
@@ -234,4 +245,8 @@ def trace(
     allocator = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     if allocator is not None:
         traced.document["allocator"] = allocator
+    if tracer.values.decided:
+        # The shapes follow the assumption: the document says which (docs/model-format.md).
+        traced.routing = routing.to_json()
+        traced.document["routing"] = traced.routing
     return traced

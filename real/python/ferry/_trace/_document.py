@@ -49,6 +49,7 @@ class TracedModel:
         self.optimizer_state_bytes = optimizer_state_bytes
         self.unattributed_backward_flops = unattributed_backward_flops
         self.uncosted = dict(uncosted or {})
+        self.routing: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         """The document as text.

@@ -446,7 +446,12 @@ class TraceRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        values = self.tracer.values
+        if values is None:
+            out = func(*args, **kwargs)
+        else:
+            where = self.tracer.modules[-1] if self.tracer.modules else ""
+            out = values.run(func, args, kwargs, where)
         self.tracer.on_op(func, args, kwargs, out)
         return out
 
@@ -508,6 +513,7 @@ class Tracer:
         self.flop_table = _flop_table()
         self.unattributed_backward_flops = 0
         self.uncosted = collections.Counter()  # operator -> calls with no cost model
+        self.values = None  # the values known beside the fake tensors (``_values.Values``)
 
     # Tensors ---------------------------------------------------------------------------
 
@@ -591,7 +597,12 @@ class Tracer:
             # A query (prim.device, sym sizes): no op. It may run inside another op's autograd
             # kernel, before that op's node exists, so it must not ask for nodes either.
             return
-        self._ask_nodes(complete=False)
+        if not getattr(func, "is_view", False):
+            # A view op may run inside another op's autograd kernel too: an op writing in place
+            # to a view has autograd replay the view (DeepSeek-V3's attention fills two slices
+            # of a new tensor) while it holds the view's lock, which asking the view for its
+            # node would take again. A view saves nothing; its node is asked at the next op.
+            self._ask_nodes(complete=False)
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         path = self.modules[-1] if self.modules else ""
         base_name, name = self.op_names.next(path, func)

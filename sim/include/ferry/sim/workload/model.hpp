@@ -84,6 +84,19 @@ struct ModelOp {
   friend bool operator==(const ModelOp&, const ModelOp&) = default;
 };
 
+/// What a trace of a mixture-of-experts model assumed for the routing its shapes depend on
+/// (the file's "routing" member, docs/model-format.md, Routing). Recorded with the scenario
+/// and written back; the simulation does not read it: the ops' shapes already follow it.
+struct RoutingAssumption {
+  /// "balanced", "loads" or "random"; empty: the file has no "routing" member.
+  std::string assumption{};
+  std::vector<double> loads{};  ///< "loads": each expert's relative load
+  std::int64_t seed = 0;        ///< "random": the seed
+  double capacity_factor = 0;   ///< "random": 0 none, else at least 1
+
+  friend bool operator==(const RoutingAssumption&, const RoutingAssumption&) = default;
+};
+
 /// A training step's forward: tensors, ops in forward order and the loss.
 struct Model {
   std::string name;                  ///< e.g. the preset name
@@ -98,6 +111,9 @@ struct Model {
   /// "expandable" under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), empty when absent:
   /// commands run this caching allocator unless their own --allocator says otherwise.
   std::string allocator;
+  /// The file's "routing" member, if any (`ferry.trace` of a model whose shapes follow its
+  /// routing).
+  RoutingAssumption routing{};
 
   friend bool operator==(const Model&, const Model&) = default;
 };

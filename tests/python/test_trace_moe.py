@@ -1,0 +1,285 @@
+"""Mixture-of-experts models trace in float32 and bfloat16 (docs/trace.md, Routing): tiny
+Mixtral, Qwen3-MoE and DeepSeek-V3 (multi-head latent attention, shared and routed experts),
+with transformers' grouped-matmul experts and with the eager loop over the experts hit, whose
+shapes follow the routing. The routing assumption decides each expert's rows there, the
+document records it, and the experts' FLOPs equal the analytic count for it; a bad assumption,
+and values no assumption gives, are clear errors."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from ferry._trace import Routing, trace
+from traced_families import FAMILIES, MOE_FAMILIES, trace_family
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ = 2, 32
+TOKENS = BATCH * SEQ
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _shape(family):
+    """Experts, top k, hidden size, expert inner size and the layers with routed experts."""
+    fields = FAMILIES[family][1]
+    experts = fields.get("num_local_experts") or fields.get("num_experts")
+    experts = experts or fields["n_routed_experts"]
+    inner = fields.get("moe_intermediate_size", fields["intermediate_size"])
+    layers = fields["num_hidden_layers"] - fields.get("first_k_dense_replace", 0)
+    return experts, fields["num_experts_per_tok"], fields["hidden_size"], inner, layers
+
+
+def _expert_ops(doc):
+    """The ops of the routed experts' module (`...mlp.experts`): a test may go by names."""
+    return [op for op in doc["ops"] if op["name"].rsplit("/", 1)[0].endswith(".experts")]
+
+
+def _matmuls(ops):
+    kinds = ("aten._grouped_mm.default", "aten.mm.default")
+    return [op for op in ops if op.get("kind") in kinds]
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_families_trace_with_the_experts_flops_of_the_routing(family, dtype, experts):
+    traced = trace_family(family, BATCH, SEQ, DTYPES[dtype], experts)
+    count, k, h, f, layers = _shape(family)
+    matmuls = _matmuls(_expert_ops(traced.document))
+    # Each routed row through gate and up (h -> 2f) and down (f -> h); backward twice that.
+    forward = layers * TOKENS * k * (2 * h * 2 * f + 2 * f * h)
+    assert sum(op["flops"] for op in matmuls) == pytest.approx(forward, rel=0.01)
+    assert sum(op["backward_flops"] for op in matmuls) == pytest.approx(2 * forward, rel=0.01)
+    assert traced.uncosted == {}
+    if experts == "grouped_mm":
+        # Every routed row in one grouped matmul whatever the routing: nothing assumed.
+        assert {op["kind"] for op in matmuls} == {"aten._grouped_mm.default"}
+        assert "routing" not in traced.document and traced.routing is None
+    else:
+        # One gate-and-up and one down product per expert and layer, balanced.
+        assert len(matmuls) == 2 * count * layers
+        rows = [op["gemm"]["m"] for op in matmuls]
+        assert rows == [TOKENS * k // count] * len(rows)
+        assert traced.document["routing"] == {"assumption": "balanced"}
+    json.loads(traced.to_json())
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_float32_and_bfloat16_traces_have_the_same_flops(family):
+    # The float32 grouped matmul is traced on bf16 stand-ins: the same products.
+    f32 = trace_family(family, BATCH, SEQ, torch.float32)
+    bf16 = trace_family(family, BATCH, SEQ, torch.bfloat16)
+    assert f32.flops() == bf16.flops()
+    dtypes = {
+        t["dtype"]
+        for t in f32.document["tensors"]
+        if any(t["name"] in op["outputs"] for op in _matmuls(f32.document["ops"]))
+    }
+    assert dtypes == {"f32"}
+
+
+def _gate_up_rows(doc, layer):
+    _, _, h, f, _ = _shape("mixtral")
+    ops = [op for op in _matmuls(_expert_ops(doc)) if op.get("layer") == layer]
+    return [op["gemm"]["m"] for op in ops if op["gemm"]["n"] == 2 * f]
+
+
+def test_given_loads_decide_each_experts_rows():
+    traced = trace_family("mixtral", BATCH, SEQ, torch.float32, "eager", "loads=4,2,1,1")
+    # 128 routed rows in proportion 4:2:1:1, no expert twice in a row (64 at most).
+    assert _gate_up_rows(traced.document, 0) == [64, 32, 16, 16]
+    assert _gate_up_rows(traced.document, 1) == [64, 32, 16, 16]
+    assert traced.document["routing"] == {"assumption": "loads", "loads": [4, 2, 1, 1]}
+    # An expert no row picks is not in the loop: three experts, the rows of 1:1:1 at most 64.
+    idle = trace_family("mixtral", BATCH, SEQ, torch.float32, "eager", "loads=1,1,0,1")
+    assert sorted(_gate_up_rows(idle.document, 0)) == [42, 43, 43]
+
+
+def test_random_routing_is_deterministic_and_keeps_its_capacity():
+    spec = "random,seed=7,capacity=1.25"
+    first = trace_family("mixtral", BATCH, SEQ, torch.bfloat16, "eager", spec)
+    again = trace_family("mixtral", BATCH, SEQ, torch.bfloat16, "eager", spec)
+    assert first.to_json() == again.to_json()
+    assert first.document["routing"] == {
+        "assumption": "random",
+        "seed": 7,
+        "capacity_factor": 1.25,
+    }
+    cap = math.ceil(1.25 * TOKENS * 2 / 4)
+    for layer in (0, 1):
+        rows = _gate_up_rows(first.document, layer)
+        assert sum(rows) == TOKENS * 2 and max(rows) <= cap
+    other = trace_family("mixtral", BATCH, SEQ, torch.bfloat16, "eager", "random,seed=8")
+    assert _gate_up_rows(other.document, 0) != _gate_up_rows(first.document, 0)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["balanced", "loads=3,1,0,2.5", "random", "random,seed=3", "random,seed=0,capacity=1"],
+)
+def test_routing_choices_pick_distinct_experts_per_row(spec):
+    routing = Routing(spec)
+    for rows, k in ((64, 2), (7, 3), (1, 4)):
+        picks = routing.choose(rows, 4, k, "model.layers.0.mlp.gate")
+        assert picks.shape == (rows, k) and picks.dtype == torch.long
+        assert all(len(set(row)) == k for row in picks.tolist())
+        assert picks.min() >= 0 and picks.max() < 4
+        counts = torch.bincount(picks.reshape(-1), minlength=4).tolist()
+        if spec == "balanced":
+            assert max(counts) - min(counts) <= 1
+        if spec.endswith("capacity=1"):
+            assert max(counts) <= math.ceil(rows * k / 4)
+
+
+@pytest.mark.parametrize(
+    "spec, rows, k, counts",
+    [
+        ("balanced", 7, 3, [6, 5, 5, 5]),
+        ("loads=4,2,1,1", 64, 2, [64, 32, 16, 16]),
+        # 24 rows for the first expert, but a row picks it once: 8 go to the next heaviest.
+        ("loads=3,1,0,0", 16, 2, [16, 16, 0, 0]),
+        ("loads=1,1,0,1", 64, 2, [43, 43, 0, 42]),
+        ("loads=1,0,0,0", 64, 2, [64, 64, 0, 0]),
+    ],
+)
+def test_each_experts_rows_follow_the_assumption(spec, rows, k, counts):
+    picks = Routing(spec).choose(rows, 4, k, "gate")
+    assert torch.bincount(picks.reshape(-1), minlength=4).tolist() == counts
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("uniform", r"unknown assumption 'uniform'"),
+        ("balanced,seed=1", r"balanced takes no options"),
+        ("loads=", r"loads must be numbers"),
+        ("loads=1,x", r"loads must be numbers"),
+        ("loads=0,0", r"not all zero"),
+        ("loads=1,-1", r"non-negative"),
+        ("random,seed=-1", r"seed must be an integer from 0"),
+        ("random,seed=x", r"seed must be an integer from 0 to 2\^63 - 1, got .x."),
+        ("random,capacity=0.9", r"capacity must be a number >= 1, got '0.9'"),
+        ("random,capacity=nan", r"capacity must be a number >= 1"),
+        ("random,top=2", r"unknown option 'top'"),
+    ],
+)
+def test_bad_routing_is_a_clear_error(spec, message):
+    with pytest.raises(ValueError, match=r"ferry.trace: routing .*" + message):
+        Routing(spec)
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=message):
+        trace(model, torch.zeros(2, 4), loss_fn=lambda out: out.sum(), routing=spec)
+
+
+def test_loads_for_another_number_of_experts_name_the_router():
+    with pytest.raises(ValueError, match=r"3 loads, but the router at model\.layers\.0\.mlp"):
+        trace_family("mixtral", BATCH, SEQ, torch.float32, "eager", "loads=1,2,3")
+
+
+class _Masked(nn.Module):
+    """Keeps the positive entries: a shape that follows values no routing decides."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y[y > 0].sum()
+
+
+def test_values_no_routing_gives_are_a_clear_error():
+    with pytest.raises(
+        RuntimeError, match=r"aten\.index\.Tensor at the model needs the values of a tensor"
+    ):
+        trace(_Masked(), torch.zeros(4, 8))
+
+
+class _Router(nn.Module):
+    """A top-1 router whose experts are picked out by `nonzero`, as an eager MoE loop does."""
+
+    def __init__(self, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(8, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(experts))
+
+    def forward(self, x):
+        choice = self.gate(x).topk(1, dim=-1).indices[:, 0]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = torch.nonzero(choice == e)[:, 0]
+            out = out.index_add(0, rows, expert(x[rows]))
+        return out.sum()
+
+
+def test_a_routers_choice_is_known_and_values_that_follow_from_it():
+    traced = trace(_Router(), torch.zeros(10, 8), routing="loads=4,3,2,1")
+    rows = [op["gemm"]["m"] for op in traced.document["ops"] if op.get("kind") == "aten.mm.default"]
+    # The gate (10 rows), then the experts' 4, 3, 2 and 1 rows.
+    assert rows == [10, 4, 3, 2, 1]
+    assert traced.routing == {"assumption": "loads", "loads": [4, 3, 2, 1]}
+
+
+def test_the_simulator_reads_a_document_with_routing(cli, tmp_path):
+    traced = trace_family("qwen3_moe", BATCH, SEQ, torch.bfloat16, "eager", "random,seed=3")
+    path = tmp_path / "qwen3_moe.json"
+    traced.save(path)
+    run = subprocess.run(
+        [cli, "simulate", "--model", str(path), "--device", "h100-sxm-pcie5"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(path.read_text())
+    doc["routing"] = {"assumption": "random", "seed": 3, "loads": [1, 2]}
+    path.write_text(json.dumps(doc))
+    run = subprocess.run(
+        [cli, "simulate", "--model", str(path), "--device", "h100-sxm-pcie5"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode != 0
+    assert '"loads" applies to the assumption "loads" only' in run.stderr
+
+
+_FILL = """
+import torch
+from torch import nn
+from ferry._trace import trace
+
+
+class Fill(nn.Module):
+    # Two slices of a new tensor written in place, as DeepSeek-V3's attention builds its keys.
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        a, b = self.a(x), self.b(x)
+        out = a.new_empty(*a.shape[:-1], 12)
+        out[..., :8].copy_(a)
+        out[..., 8:].copy_(b)
+        return out.sum()
+
+
+traced = trace(Fill(), torch.zeros(2, 8))
+print(len(traced.document["ops"]))
+"""
+
+
+def test_a_view_written_in_place_does_not_deadlock_the_trace():
+    # Autograd replays the view while it holds the view's lock; asking for the view's node
+    # there waited on that lock forever. In a child process, so that a deadlock fails the test.
+    run = subprocess.run(
+        [sys.executable, "-c", _FILL], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout) > 0
