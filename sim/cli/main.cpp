@@ -7,11 +7,13 @@
 //   ferry plan --budget B [--model M] [--device D] [--host-budget B] [--json] [--out FILE]
 //                                                                          (plan_command.cpp)
 //   ferry probe [--device cpu|cuda[:N]] [--out FILE] [...]: runs ferry-probe (probe_command.cpp)
+//   ferry --commands: the commands and their summaries, as JSON (ferry.commands/1), for tools
 // Exit codes: command.hpp. What they read and write: io.hpp.
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <cstddef>
 #include <exception>
 #include <memory>
 #include <string>
@@ -19,6 +21,25 @@
 #include <vector>
 
 #include "command.hpp"
+#include "ferry/json_quote.hpp"
+
+namespace {
+
+/// `ferry --commands`: {"format": "ferry.commands/1", "commands": [{"name", "summary"}, ...]},
+/// in the order of --help, so that tools need not read the help text.
+void print_commands(const CLI::App& app) {
+  const std::vector<const CLI::App*> subcommands = app.get_subcommands({});
+  std::string out = "{\n  \"format\": \"ferry.commands/1\",\n  \"commands\": [";
+  for (std::size_t i = 0; i < subcommands.size(); ++i) {
+    out += fmt::format("{}\n    {{\"name\": {}, \"summary\": {}}}", i == 0 ? "" : ",",
+                       ferry::json_quote(subcommands[i]->get_name()),
+                       ferry::json_quote(subcommands[i]->get_description()));
+  }
+  out += "\n  ]\n}\n";
+  fmt::print("{}", out);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace ferry::cli;
@@ -36,6 +57,14 @@ int main(int argc, char** argv) {
   commands.push_back(add_plan_command(app));
   // Listed in --help only: main() hands `ferry probe ...` to exec_probe before parsing.
   app.add_subcommand("probe", "Measure this device and write a device profile (runs ferry-probe)");
+  // Listed in --help; answered before parsing, which asks for a subcommand.
+  bool list_commands = false;
+  app.add_flag("--commands", list_commands,
+               "Print the commands and their summaries as JSON and exit");
+  if (argc == 2 && std::string_view(argv[1]) == "--commands") {
+    print_commands(app);
+    return 0;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

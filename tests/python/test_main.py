@@ -1,6 +1,7 @@
 """`python -m ferry`: one entry point for the `ferry` CLI's commands and the package's own, with
 the CLI's output and exit codes passed through unchanged."""
 
+import json
 import os
 import re
 import subprocess
@@ -34,6 +35,34 @@ def test_help_lists_the_cli_and_python_commands(cli):
     present = {name for name, _ in entry.python_commands()}
     for name in entry.PYTHON_COMMANDS:
         assert listed(name, out.stdout) == (name in present), name
+
+
+def test_the_cli_lists_its_commands_as_json_exactly_as_its_help_does(cli):
+    """`ferry --commands` (what the package reads) names the subcommands of `ferry --help`, in
+    its order, each with its summary."""
+    out = subprocess.run([cli, "--commands"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout)
+    assert document["format"] == "ferry.commands/1"
+    helped = subprocess.run([cli, "--help"], capture_output=True, text=True, timeout=60).stdout
+    section = helped[helped.lower().index("subcommands:") :]
+    lines = [line.strip() for line in section.splitlines()[1:]]
+    end = lines.index("") if "" in lines else len(lines)
+    rows = [line.split(None, 1) for line in lines[:end]]
+    assert [(c["name"], c["summary"]) for c in document["commands"]] == [
+        (name, summary.strip()) for name, summary in rows
+    ]
+    assert {"check", "simulate", "compare", "plan", "probe"} <= {
+        c["name"] for c in document["commands"]
+    }
+
+
+def test_a_cli_without_a_command_list_is_named(tmp_path):
+    fake = tmp_path / "ferry"
+    fake.write_text("#!/bin/sh\necho 'no such option' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"--commands gave no command list \(exit 2\): no such"):
+        entry.cli_commands(str(fake))
 
 
 def test_python_commands_are_listed_only_when_their_module_exists(tmp_path, monkeypatch, capsys):

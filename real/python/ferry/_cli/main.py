@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -38,18 +39,16 @@ EXIT_NO_CLI = 127  # what a shell answers for a command it cannot find
 
 
 def cli_commands(cli: str) -> list[tuple[str, str]]:
-    """The CLI's subcommands as (name, summary) pairs, read from `ferry --help`."""
-    out = subprocess.run([cli, "--help"], capture_output=True, text=True, check=False).stdout
-    commands, inside = [], False
-    for line in out.splitlines():
-        if line.strip().lower() == "subcommands:":
-            inside = True
-        elif inside and line.strip():
-            name, _, summary = line.strip().partition(" ")
-            commands.append((name, summary.strip()))
-        elif inside:
-            break
-    return commands
+    """The CLI's subcommands as (name, summary) pairs, from `ferry --commands` (JSON)."""
+    out = subprocess.run([cli, "--commands"], capture_output=True, text=True, check=False)
+    try:
+        listed = json.loads(out.stdout)
+        return [(c["name"], c["summary"]) for c in listed["commands"]]
+    except (ValueError, KeyError, TypeError):
+        raise RuntimeError(
+            f"python -m ferry: {cli} --commands gave no command list (exit {out.returncode}): "
+            f"{out.stderr.strip()[-500:]}"
+        ) from None
 
 
 def _module_of(spec: str) -> str:
