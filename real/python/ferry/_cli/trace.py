@@ -218,7 +218,7 @@ def _check(args: argparse.Namespace) -> None:
     ):
         if value < low:
             raise UsageError(f"{flag}: expected an integer >= {low}, got {value}")
-    from .._trace._values import Routing
+    from .._trace import Routing
 
     try:
         Routing(args.routing)
