@@ -352,7 +352,7 @@ TEST(Planner, ALargerBudgetReusesAFasterPlanOfASmallerOne) {
   const Bytes peak = fixed_row(model, device, *every).peak_reserved;
   const Bytes small(peak.count() * 110 / 100);
   const Bytes large(peak.count() * 115 / 100);
-  Planner planner(model, device, 2);
+  Planner planner(check_model(model).value(), device, 2);
   auto at_small = planner.plan(PlannerOptions{small, std::nullopt, 2});
   auto at_large = planner.plan(PlannerOptions{large, std::nullopt, 2});
   ASSERT_TRUE(at_small.ok() && at_large.ok());
@@ -387,7 +387,7 @@ TEST(Planner, ReplayOfTheWrittenPlanMeasuresWhatThePlannerDid) {
   base.steps = 2;
   DeviceProfile capped = device;
   capped.memory = budget;
-  auto row = replay_plan(plan.value(), model, capped, base);
+  auto row = replay_plan(plan.value(), check_model(model).value(), capped, base);
   ASSERT_TRUE(row.ok()) << row.error().message;
   EXPECT_EQ(row.value().step_time, outcome.value().row.step_time);
   EXPECT_EQ(row.value().peak_reserved, outcome.value().row.peak_reserved);
@@ -434,11 +434,11 @@ TEST(Planner, SweepRunsFromTheFloorToTheNoOffloadPeak) {
   const DeviceProfile device = profile("h100-sxm-pcie5");
   const Model model = preset("gpt2-small-s1024", device);
   std::size_t heard = 0;
-  const auto points =
-      plan_sweep(model, device, PlannerOptions{}, 3, [&](std::size_t i, std::size_t n, Bytes) {
-        EXPECT_EQ(i, heard++);
-        EXPECT_EQ(n, 3U);
-      });
+  const auto points = plan_sweep(check_model(model).value(), device, PlannerOptions{}, 3,
+                                 [&](std::size_t i, std::size_t n, Bytes) {
+                                   EXPECT_EQ(i, heard++);
+                                   EXPECT_EQ(n, 3U);
+                                 });
   ASSERT_EQ(points.size(), 3U);
   EXPECT_EQ(heard, 3U);
   for (std::size_t i = 0; i < points.size(); ++i) {
@@ -478,7 +478,7 @@ TEST(Planner, AtEachFixedRowsPeakThePlanIsNoSlowerThanTheRowOnATracedShape) {
   const DeviceProfile device = profile("a100-pcie4");
   const Model model = traced_llama(device);
   ASSERT_TRUE(validate_model(model).ok());
-  Planner planner(model, device, 2);
+  Planner planner(check_model(model).value(), device, 2);
   const std::vector<RowResult>& rows = planner.fixed();
   ASSERT_EQ(rows.size(), default_rows(TrainingOptions{}, model, device).size());
   // At the no-offload peak the plan is the no-offload run itself.
@@ -498,7 +498,7 @@ TEST(Planner, AtEachFixedRowsPeakThePlanIsNoSlowerThanTheRowOnATracedShape) {
 TEST(Planner, ALaterBudgetReusesTheFixedRowsAndTheRunsOfAnEarlierOne) {
   const DeviceProfile device = profile("a100-pcie4");
   const Model model = traced_llama(device);
-  Planner planner(model, device, 2);
+  Planner planner(check_model(model).value(), device, 2);
   const Bytes every = [&] {
     for (const RowResult& r : planner.fixed()) {
       if (r.name == "checkpoint every layer") return r.peak_reserved;

@@ -25,7 +25,7 @@ namespace planning {
 /// by its inputs.
 class SimulatedCost final : public CostModel {
  public:
-  SimulatedCost(const Model& model, const DeviceProfile& device, std::int32_t steps,
+  SimulatedCost(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps,
                 const FsdpOptions& fsdp, AllocatorMode allocator)
       : model_(model),
         device_(device),
@@ -44,7 +44,7 @@ class SimulatedCost final : public CostModel {
       return it->second;
     }
     ++simulations_;
-    auto options = plan_training_options(plan, model_, base_);
+    auto options = plan_training_options(plan, *model_, base_);
     FERRY_CHECK(options.ok(), "planner built an invalid plan: {}", options.error().message);
     auto run = simulate_training(model_, roomy_, options.value());
     Evaluation e;
@@ -97,7 +97,7 @@ class SimulatedCost final : public CostModel {
     options.fsdp = base_.fsdp;
     options.sim.allocator = base_.sim.allocator;
     options.sim.record_allocator = keep_runs_;
-    auto training = plan_training_options(plan, model_, options);
+    auto training = plan_training_options(plan, *model_, options);
     FERRY_CHECK(training.ok(), "planner built an invalid plan: {}", training.error().message);
     std::optional<TrainingRun> run;
     RowResult row = run_row(model_, capped, PolicyRow{"plan", training.value()}, &run);
@@ -144,7 +144,7 @@ class SimulatedCost final : public CostModel {
   }
 
  private:
-  const Model& model_;
+  CheckedModel model_;
   DeviceProfile device_;
   DeviceProfile roomy_;   // plans are measured here: a plan that does not fit still says its peak
   TrainingOptions base_;  // of the unchecked runs
@@ -159,18 +159,18 @@ class SimulatedCost final : public CostModel {
 
 /// What a Planner keeps from one budget to the next.
 struct PlannerState {
-  PlannerState(const Model& m, const DeviceProfile& d, std::int32_t s, const FsdpOptions& f,
+  PlannerState(const CheckedModel& m, const DeviceProfile& d, std::int32_t s, const FsdpOptions& f,
                AllocatorMode a)
       : model(m),
         device(d),
         steps(s),
         fsdp(f),
         allocator(a),
-        space(m, d),
+        space(*m, d),
         cost(m, d, s, f, a),
         knobs(knob_variants()) {}
 
-  const Model& model;
+  CheckedModel model;
   DeviceProfile device;
   std::int32_t steps;
   FsdpOptions fsdp;
@@ -193,7 +193,7 @@ struct PlannerState {
     TrainingOptions base = timing_only(steps);
     base.fsdp = fsdp;
     base.sim.allocator = allocator;
-    const std::vector<PolicyRow> policy_rows = default_rows(base, model, device);
+    const std::vector<PolicyRow> policy_rows = default_rows(base, *model, device);
     for (const PolicyRow& row : policy_rows) rows->push_back(run_row(model, device, row));
     for (std::size_t i = 0; i < policy_rows.size(); ++i) {
       std::optional<Seed> seed = seed_of(space, policy_rows[i].options);
@@ -312,10 +312,10 @@ PlanOutcome describe(planning::PlannerState& p, const Pick& pick, const PlannerO
   outcome.plan = pick.candidate->plan;
   outcome.row = *pick.row;
   outcome.row.name = "plan";
-  outcome.layers = summarize_layers(outcome.plan, p.model);
+  outcome.layers = summarize_layers(outcome.plan, *p.model);
   outcome.fixed = *p.rows;
   outcome.lower_bound =
-      step_lower_bound(p.space.layers(), p.model, p.device, outcome.fixed.front(), options.budget);
+      step_lower_bound(p.space.layers(), *p.model, p.device, outcome.fixed.front(), options.budget);
   if (!p.option_sets) p.option_sets = option_recompute_sets(p.space);
   outcome.options_bound =
       options_lower_bound(p.space, *p.option_sets, p.device, outcome.fixed.front(), options.budget);
@@ -366,7 +366,7 @@ Error infeasible(const planning::PlannerState& p, const planning::Search& search
 
 }  // namespace
 
-Planner::Planner(const Model& model, const DeviceProfile& device, std::int32_t steps,
+Planner::Planner(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps,
                  const FsdpOptions& fsdp, AllocatorMode allocator)
     : state_(std::make_unique<planning::PlannerState>(model, device, steps, fsdp, allocator)) {}
 
@@ -422,10 +422,17 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   return infeasible(p, search, ranked.size(), pick.refused, options, memory, asked);
 }
 
-Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,
+Result<PlanOutcome> make_plan(const CheckedModel& model, const DeviceProfile& device,
                               const PlannerOptions& options, Bytes* floor) {
   Planner planner(model, device, options.steps, options.fsdp, options.allocator);
   return planner.plan(options, floor);
+}
+
+Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,
+                              const PlannerOptions& options, Bytes* floor) {
+  auto checked = check_model(model);
+  if (!checked) return checked.error();
+  return make_plan(checked.value(), device, options, floor);
 }
 
 }  // namespace ferry::sim
