@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "ferry/plan/lower.hpp"
 #include "ferry/plan/plan.hpp"
 #include "ferry/sim/export/memory_snapshot.hpp"
 #include "ferry/sim/io/plan_json.hpp"
@@ -223,9 +224,21 @@ TEST(Planner, NeverSlowerThanAFixedPolicyThatFitsOnGpt2Small) {
   }
   std::sort(budgets.begin(), budgets.end());
   budgets.erase(std::unique(budgets.begin(), budgets.end()), budgets.end());
+  std::size_t offloading = 0;
   for (const Bytes budget : budgets) {
     auto outcome = make_plan(model, device, PlannerOptions{budget, std::nullopt, 2});
     ASSERT_TRUE(outcome.ok()) << format_bytes(budget) << ": " << outcome.error().message;
+    // The offload options the checked run applied come with the plan: the core rule's.
+    const OffloadOptions lowered = plan_offload_options(outcome.value().plan);
+    const OffloadOptions& carried = outcome.value().offload;
+    EXPECT_EQ(carried.policy, lowered.policy);
+    EXPECT_EQ(carried.min_bytes, lowered.min_bytes);
+    EXPECT_EQ(carried.window_bytes, lowered.window_bytes);
+    EXPECT_EQ(carried.prefetch_bytes, lowered.prefetch_bytes);
+    EXPECT_EQ(carried.prefetch, lowered.prefetch);
+    EXPECT_EQ(carried.horizon_bytes, lowered.horizon_bytes);
+    EXPECT_EQ(carried.host_cap, lowered.host_cap);
+    if (carried.policy == Policy::Ferry) ++offloading;
     const RowResult& plan = outcome.value().row;
     EXPECT_EQ(plan.hazards, 0U);
     EXPECT_LE(plan.peak_reserved, budget);
@@ -236,6 +249,7 @@ TEST(Planner, NeverSlowerThanAFixedPolicyThatFitsOnGpt2Small) {
           << "budget " << format_bytes(budget) << ": fixed " << r.name << " is faster";
     }
   }
+  EXPECT_GT(offloading, 0U);  // some budget's plan offloads: the options are not all "none"
 }
 
 TEST(Planner, UnderFsdpThePlanRecordsItsParallelismAndTwoRanksOfANodeAreChecked) {

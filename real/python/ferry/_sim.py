@@ -207,8 +207,9 @@ def run_planner(
     margin: str | float | None = None,
     **fsdp: Any,
 ) -> dict[str, Any]:
-    """``plan``'s run: {report (with the plan under "plan"), text (what ``ferry plan``
-    prints), plan_text (what ``ferry plan --out`` writes)}."""
+    """``plan``'s run: {report (with the plan under "plan", a ``CheckedPlan`` carrying the
+    ``ferry.offload`` options the planner lowered it to), text (what ``ferry plan`` prints),
+    plan_text (what ``ferry plan --out`` writes), offload_options (those options)}."""
     name, text = model_args(model)
     budget = byte_count(budget, "budget", refuse_empty=False)
     host_budget = byte_count(host_budget, "host_budget", refuse_empty=False)
@@ -233,7 +234,7 @@ def run_planner(
         error = PlanError(f"ferry plan refused: {made['refused']}")
         error.exit_code, error.floor = EXIT_INFEASIBLE, made["floor"]
         raise error
-    made["report"]["plan"] = CheckedPlan(made["report"]["plan"])
+    made["report"]["plan"] = CheckedPlan(made["report"]["plan"], made["offload_options"])
     return made
 
 

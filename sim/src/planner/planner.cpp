@@ -115,7 +115,15 @@ class SimulatedCost final : public CostModel {
     if (keep_runs_ && run && !row.failure) {
       kept_.emplace(key, std::make_shared<const TrainingRun>(std::move(*run)));
     }
+    lowered_.emplace(key, training.value().offload);
     return checked_.emplace(std::move(key), std::move(row)).first->second;
+  }
+
+  /// The offload options `plan` was lowered to for checked(plan, memory), which must have run.
+  [[nodiscard]] const OffloadOptions& lowered(const Plan& plan, Bytes memory) const {
+    const auto it = lowered_.find(fmt::format("{}|{}", key_of(plan), memory.count()));
+    FERRY_CHECK(it != lowered_.end(), "no checked run of the plan on {}", format_bytes(memory));
+    return it->second;
   }
 
   /// Ranks of a node the checked runs also train side by side (Note [Node run]): 2 under FSDP
@@ -152,6 +160,7 @@ class SimulatedCost final : public CostModel {
   std::map<std::string, Evaluation> evaluations_;
   std::map<std::string, RowResult> checked_;  // key and device memory -> the checked run
   std::map<std::string, std::shared_ptr<const TrainingRun>> kept_;  // the runs keep_runs kept
+  std::map<std::string, OffloadOptions> lowered_;  // as checked_: the offload options it ran
   bool keep_runs_ = false;
   std::int64_t simulations_ = 0;
   std::int64_t reused_ = 0;
@@ -403,6 +412,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
       earlier_if_faster(p, pick_checked(p.cost, ranked, options, memory), options, memory);
   if (pick.candidate != nullptr) {
     PlanOutcome outcome = describe(p, pick, options);
+    outcome.offload = p.cost.lowered(pick.candidate->plan, memory);
     p.picked.push_back(planning::Candidate{
         pick.candidate->plan,
         planning::Evaluation{true, pick.row->step_time, pick.row->peak_reserved,

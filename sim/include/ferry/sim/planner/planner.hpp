@@ -80,6 +80,9 @@ struct PlanOutcome {
   Bytes planned_budget;
   std::int32_t margin_permille = 0;
   RowResult row;  ///< the final run: hazard checker and content checks on
+  /// The offload options the plan was lowered to for that run (plan_offload_options): what
+  /// ferry.offload applies for it.
+  OffloadOptions offload;
   /// That run itself, with PlannerOptions::keep_run; else null.
   std::shared_ptr<const TrainingRun> run;
   /// Under FSDP, the ranks of a node the final run was also checked with side by side
