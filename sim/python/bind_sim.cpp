@@ -147,9 +147,25 @@ py::tuple simulate(const sim::SimulateRequest& request) {
                         pickle ? py::object(py::bytes(*pickle)) : py::none());
 }
 
-// plan(...) -> {report, text, plan_text}: `ferry plan --json`'s report (the plan in it under
-// "plan"), the text report, and the plan as `--out` writes it; or {refused, floor} when no plan
-// fits the budget (floor: the smallest peak reserved reached, or None).
+// ferry.offload's options (its keyword arguments) that `o`, the offload options `p` lowers
+// to, fix: the pinned cap only where the plan has a host budget.
+py::dict options_dict(const OffloadOptions& o, const Plan& p) {
+  py::dict d;
+  d["policy"] = policy_name(o.policy);
+  d["min_bytes"] = o.min_bytes.count();
+  d["window_bytes"] = o.window_bytes.count();
+  d["prefetch_bytes"] = o.prefetch_bytes.count();
+  d["prefetch"] = o.prefetch;
+  if (o.horizon_bytes) d["horizon_bytes"] = o.horizon_bytes->count();
+  if (p.host_budget) d["host_cap"] = o.host_cap.count();
+  return d;
+}
+
+// plan(...) -> {report, text, plan_text, offload_options}: `ferry plan --json`'s report (the
+// plan in it under "plan"), the text report, the plan as `--out` writes it, and the offload
+// options the planner lowered it to for its checked run (as plan_offload_options gives them);
+// or {refused, floor} when no plan fits the budget (floor: the smallest peak reserved reached,
+// or None).
 py::dict plan(const sim::PlanRequest& request) {
   const sim::Response response = answer(request);
   py::dict out;
@@ -162,6 +178,7 @@ py::dict plan(const sim::PlanRequest& request) {
   out["report"] = to_python(response.document);
   out["text"] = response.text;
   out["plan_text"] = sim::plan_to_json(response.plan->plan);
+  out["offload_options"] = options_dict(response.plan->offload, response.plan->plan);
   return out;
 }
 
@@ -173,16 +190,7 @@ Plan checked_plan(const std::string& text, const std::string& source) {
 
 py::dict offload_options(const std::string& text, const std::string& source) {
   const Plan p = checked_plan(text, source);
-  const OffloadOptions o = plan_offload_options(p);
-  py::dict d;
-  d["policy"] = policy_name(o.policy);
-  d["min_bytes"] = o.min_bytes.count();
-  d["window_bytes"] = o.window_bytes.count();
-  d["prefetch_bytes"] = o.prefetch_bytes.count();
-  d["prefetch"] = o.prefetch;
-  if (o.horizon_bytes) d["horizon_bytes"] = o.horizon_bytes->count();
-  if (p.host_budget) d["host_cap"] = o.host_cap.count();
-  return d;
+  return options_dict(plan_offload_options(p), p);
 }
 
 // simulate and compare: their keyword arguments are the requests' fields, with their defaults.

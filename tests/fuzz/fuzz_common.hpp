@@ -87,7 +87,7 @@ inline void simulate_model(Model model, const DeviceProfile& device) {
   (void)simulate_json(results.front(), model, device);
   (void)compare_text(results, model, device);
   (void)compare_json(results, model, device);
-  const auto pipeline = pipeline_rows(model, device, 2, 2);
+  const auto pipeline = pipeline_rows(check_model(model).value(), device, 2, 2);
   (void)pipeline_text(pipeline);
   (void)pipeline_json(pipeline);
 }

@@ -160,7 +160,8 @@ TEST(GoldenComparePipeline, Gpt2SmallOnFourDevicesMatchesExpectedBytes) {
   auto device = load_device_profile(kScenarios / "devices", "h100-sxm-pcie5");
   ASSERT_TRUE(model.ok() && device.ok());
   assign_roofline_durations(model.value(), device.value());
-  const std::vector<PipelineRow> rows = pipeline_rows(model.value(), device.value(), 4, 4);
+  const std::vector<PipelineRow> rows =
+      pipeline_rows(check_model(model.value()).value(), device.value(), 4, 4);
   std::size_t offloading = 0;
   for (const PipelineRow& row : rows) {
     EXPECT_EQ(row.hazards, 0U) << row.name;

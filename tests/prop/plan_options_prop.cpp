@@ -70,7 +70,7 @@ TEST(PlanOptions, ThePlanIsWithinHalfAPercentOfEveryPlanOfOptionsWithoutOffload)
   for (const auto& configs : all) {
     replays.push_back(replay(space.plan_of(configs, PlanKnobs{}, std::nullopt), model, device));
   }
-  Planner planner(model, device);
+  Planner planner(check_model(model).value(), device);
   Bytes checkpointed;
   for (const RowResult& row : planner.fixed()) {
     if (row.name == "checkpoint every layer") checkpointed = row.peak_reserved;

@@ -131,7 +131,7 @@ RC_GTEST_PROP(PlanProp, ALargerBudgetNeverGivesASlowerPlan, ()) {
   const Bytes floor = planner_floor(model, device);
   const auto permilles = *rc::gen::container<std::vector<std::int64_t>>(
       *rc::gen::inRange<std::size_t>(2, 5), rc::gen::inRange<std::int64_t>(0, 1100));
-  Planner planner(model, device, 2);
+  Planner planner(check_model(model).value(), device, 2);
   std::vector<std::pair<Bytes, SimTime>> plans;  // budget, step time
   for (const std::int64_t permille : permilles) {
     const Bytes budget(floor.count() + (peak - floor).count() * permille / 1000);

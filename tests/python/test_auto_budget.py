@@ -57,3 +57,18 @@ def test_python_m_ferry_auto_refuses_an_empty_budget(monkeypatch, capsys, budget
     args = [*budgets, "--plan", "plan.json", "--out", "model.json", "config.json"]
     assert auto_cli.main(args) == 2
     assert f'python -m ferry auto: {budgets[-2]}: "" is not a byte count' in capsys.readouterr().err
+
+
+def test_auto_checks_the_budget_once_before_the_request_layer(monkeypatch):
+    # ferry.auto checks the budgets' kinds before tracing; the planner's run does not check them
+    # again (the request layer reads their values).
+    def check(*args, **kwargs):
+        raise AssertionError("ferry._sim checked a budget")
+
+    monkeypatch.setattr(ferry._sim, "byte_count", check)
+    monkeypatch.setattr(ferry._sim, "percentage", check)
+    ctx = ferry.auto(TinyLM(), torch.randn(2, 16, 32), budget="1GiB", loss_fn=loss_of)
+    assert "step time" in ctx.report
+    # ferry.plan still checks them, once.
+    with pytest.raises(AssertionError, match="checked a budget"):
+        ferry.plan("tiny-gpt", budget="1GiB")

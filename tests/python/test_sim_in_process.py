@@ -119,6 +119,36 @@ def test_plan_is_the_cli_report_and_plan(traced, tmp_path):
     assert ferry.load_plan(plan) is plan
 
 
+def test_a_plan_comes_with_the_options_the_planner_lowered_it_to(monkeypatch):
+    # A plan the planner made carries its lowered offload options, the core rule's: the plan
+    # goes back to the simulator only when it was read from elsewhere.
+    made = ferry._sim.run_planner("tiny-gpt", "40MiB", DEVICE, "2GiB")
+    plan = made["report"]["plan"]
+    assert plan.lowered == made["offload_options"]
+    again = ferry._simulator.plan_offload_options(json.dumps(plan), "plan")
+    assert plan.lowered == again
+    assert plan.lowered["host_cap"] == 2 << 30
+
+    def refuse(text, source):
+        raise AssertionError("the plan was sent back to be lowered again")
+
+    monkeypatch.setattr(ferry._simulator, "plan_offload_options", refuse)
+    assert ferry._plan.offload_options(plan) == again
+    # Planted: the same plan as a plain dict (read from elsewhere) is lowered by the simulator.
+    with pytest.raises(AssertionError, match="lowered again"):
+        ferry._plan.offload_options(ferry.load_plan(dict(plan)))
+
+
+def test_auto_applies_the_options_the_planner_lowered(monkeypatch):
+    def refuse(text, source):
+        raise AssertionError("the plan was sent back to be lowered again")
+
+    monkeypatch.setattr(ferry._simulator, "plan_offload_options", refuse)
+    model, x = TinyLM(d=64), torch.randn(8, 16, 64)
+    ctx = ferry.auto(model, x, budget="1GiB", loss_fn=loss_of)
+    assert ctx.plan.lowered is not None and ctx.plan.lowered["policy"] in ("none", "ferry")
+
+
 def test_bad_input_names_what_is_wrong():
     with pytest.raises(ValueError, match=r'unknown policy "nope" \(none, trl, trl-seed, ferry\)'):
         ferry.simulate("tiny-gpt", policy="nope")

@@ -70,6 +70,27 @@ INSTANTIATE_TEST_SUITE_P(Policies, EveryPolicy,
                          ::testing::Values(Policy::None, Policy::Trl, Policy::Ferry),
                          [](const auto& p) { return std::string(policy_name(p.param)); });
 
+// A CheckedModel's run is the plain model's; the plain overload still refuses a model that
+// validate_model refuses (planted: a loss that is not the last op's activation), and no
+// simulation starts on it.
+TEST(Autograd, ACheckedModelRunsAsThePlainOneAndABadPlainModelIsRefused) {
+  const Model m = testing::chain_model(4, 1 << 20);
+  auto checked = check_model(m);
+  ASSERT_TRUE(checked.ok()) << checked.error().message;
+  auto plain = simulate_training(m, testing::simple_profile(), with(Policy::Ferry));
+  auto once = simulate_training(checked.value(), testing::simple_profile(), with(Policy::Ferry));
+  ASSERT_TRUE(plain.ok() && once.ok());
+  EXPECT_EQ(plain.value().steps.back().end, once.value().steps.back().end);
+  EXPECT_EQ(plain.value().telemetry.bytes_d2h, once.value().telemetry.bytes_d2h);
+
+  Model bad = m;
+  bad.loss = 0;
+  auto refused = simulate_training(bad, testing::simple_profile(), with(Policy::Ferry));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().message, validate_model(bad).error().message);
+  EXPECT_FALSE(check_model(bad).ok());
+}
+
 TEST(Autograd, OffloadLowersPeakMemory) {
   const Model m = testing::chain_model(8, 8 << 20);
   auto none = simulate_training(m, testing::simple_profile(), with(Policy::None));

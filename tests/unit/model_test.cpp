@@ -157,6 +157,39 @@ TEST(Korthikanti, ParamsAreSavedButNotCounted) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// CheckedModel
+
+TEST(CheckedModel, CheckModelKeepsAValidModelAndCopiesShareIt) {
+  auto model = model_preset("tiny-gpt");
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  const std::size_t ops = model.value().ops.size();
+  auto checked = check_model(std::move(model).value());
+  ASSERT_TRUE(checked.ok()) << checked.error().message;
+  const CheckedModel copy = checked.value();
+  EXPECT_EQ(copy->name, "tiny-gpt");
+  EXPECT_EQ(copy->ops.size(), ops);
+  EXPECT_EQ(&copy.model(), &checked.value().model());  // one model, shared
+}
+
+// Planted faults: a model validate_model refuses never becomes a CheckedModel, and the error is
+// validate_model's, naming the place.
+TEST(CheckedModel, CheckModelRefusesWhatValidateModelRefuses) {
+  auto model = model_preset("tiny-gpt");
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  Model unnamed = model.value();
+  unnamed.name.clear();
+  auto refused = check_model(unnamed);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().message, validate_model(unnamed).error().message);
+  EXPECT_EQ(refused.error().message, "name: a model needs a non-empty name");
+
+  Model bad_loss = model.value();
+  bad_loss.loss = 0;  // the first tensor, not the last op's activation
+  auto wrong = check_model(bad_loss);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_TRUE(wrong.error().message.starts_with("loss: ")) << wrong.error().message;
+}
+
 // Presets
 
 TEST(Presets, EveryPresetValidates) {

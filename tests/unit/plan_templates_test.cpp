@@ -183,7 +183,7 @@ void check_case(const Case& c, double* worst) {
   }
   const auto sets = option_recompute_sets(space);
   std::int32_t in_space = 0;
-  Planner planner(model, device);
+  Planner planner(check_model(model).value(), device);
   Bytes checkpointed;
   for (const RowResult& row : planner.fixed()) {
     if (row.name == "checkpoint every layer") checkpointed = row.peak_reserved;

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "ferry/plan/lower.hpp"
 #include "ferry/plan/plan.hpp"
 #include "ferry/sim/export/memory_snapshot.hpp"
 #include "ferry/sim/io/plan_json.hpp"
@@ -223,9 +224,21 @@ TEST(Planner, NeverSlowerThanAFixedPolicyThatFitsOnGpt2Small) {
   }
   std::sort(budgets.begin(), budgets.end());
   budgets.erase(std::unique(budgets.begin(), budgets.end()), budgets.end());
+  std::size_t offloading = 0;
   for (const Bytes budget : budgets) {
     auto outcome = make_plan(model, device, PlannerOptions{budget, std::nullopt, 2});
     ASSERT_TRUE(outcome.ok()) << format_bytes(budget) << ": " << outcome.error().message;
+    // The offload options the checked run applied come with the plan: the core rule's.
+    const OffloadOptions lowered = plan_offload_options(outcome.value().plan);
+    const OffloadOptions& carried = outcome.value().offload;
+    EXPECT_EQ(carried.policy, lowered.policy);
+    EXPECT_EQ(carried.min_bytes, lowered.min_bytes);
+    EXPECT_EQ(carried.window_bytes, lowered.window_bytes);
+    EXPECT_EQ(carried.prefetch_bytes, lowered.prefetch_bytes);
+    EXPECT_EQ(carried.prefetch, lowered.prefetch);
+    EXPECT_EQ(carried.horizon_bytes, lowered.horizon_bytes);
+    EXPECT_EQ(carried.host_cap, lowered.host_cap);
+    if (carried.policy == Policy::Ferry) ++offloading;
     const RowResult& plan = outcome.value().row;
     EXPECT_EQ(plan.hazards, 0U);
     EXPECT_LE(plan.peak_reserved, budget);
@@ -236,6 +249,7 @@ TEST(Planner, NeverSlowerThanAFixedPolicyThatFitsOnGpt2Small) {
           << "budget " << format_bytes(budget) << ": fixed " << r.name << " is faster";
     }
   }
+  EXPECT_GT(offloading, 0U);  // some budget's plan offloads: the options are not all "none"
 }
 
 TEST(Planner, UnderFsdpThePlanRecordsItsParallelismAndTwoRanksOfANodeAreChecked) {
@@ -352,7 +366,7 @@ TEST(Planner, ALargerBudgetReusesAFasterPlanOfASmallerOne) {
   const Bytes peak = fixed_row(model, device, *every).peak_reserved;
   const Bytes small(peak.count() * 110 / 100);
   const Bytes large(peak.count() * 115 / 100);
-  Planner planner(model, device, 2);
+  Planner planner(check_model(model).value(), device, 2);
   auto at_small = planner.plan(PlannerOptions{small, std::nullopt, 2});
   auto at_large = planner.plan(PlannerOptions{large, std::nullopt, 2});
   ASSERT_TRUE(at_small.ok() && at_large.ok());
@@ -387,7 +401,7 @@ TEST(Planner, ReplayOfTheWrittenPlanMeasuresWhatThePlannerDid) {
   base.steps = 2;
   DeviceProfile capped = device;
   capped.memory = budget;
-  auto row = replay_plan(plan.value(), model, capped, base);
+  auto row = replay_plan(plan.value(), check_model(model).value(), capped, base);
   ASSERT_TRUE(row.ok()) << row.error().message;
   EXPECT_EQ(row.value().step_time, outcome.value().row.step_time);
   EXPECT_EQ(row.value().peak_reserved, outcome.value().row.peak_reserved);
@@ -434,11 +448,11 @@ TEST(Planner, SweepRunsFromTheFloorToTheNoOffloadPeak) {
   const DeviceProfile device = profile("h100-sxm-pcie5");
   const Model model = preset("gpt2-small-s1024", device);
   std::size_t heard = 0;
-  const auto points =
-      plan_sweep(model, device, PlannerOptions{}, 3, [&](std::size_t i, std::size_t n, Bytes) {
-        EXPECT_EQ(i, heard++);
-        EXPECT_EQ(n, 3U);
-      });
+  const auto points = plan_sweep(check_model(model).value(), device, PlannerOptions{}, 3,
+                                 [&](std::size_t i, std::size_t n, Bytes) {
+                                   EXPECT_EQ(i, heard++);
+                                   EXPECT_EQ(n, 3U);
+                                 });
   ASSERT_EQ(points.size(), 3U);
   EXPECT_EQ(heard, 3U);
   for (std::size_t i = 0; i < points.size(); ++i) {
@@ -478,7 +492,7 @@ TEST(Planner, AtEachFixedRowsPeakThePlanIsNoSlowerThanTheRowOnATracedShape) {
   const DeviceProfile device = profile("a100-pcie4");
   const Model model = traced_llama(device);
   ASSERT_TRUE(validate_model(model).ok());
-  Planner planner(model, device, 2);
+  Planner planner(check_model(model).value(), device, 2);
   const std::vector<RowResult>& rows = planner.fixed();
   ASSERT_EQ(rows.size(), default_rows(TrainingOptions{}, model, device).size());
   // At the no-offload peak the plan is the no-offload run itself.
@@ -498,7 +512,7 @@ TEST(Planner, AtEachFixedRowsPeakThePlanIsNoSlowerThanTheRowOnATracedShape) {
 TEST(Planner, ALaterBudgetReusesTheFixedRowsAndTheRunsOfAnEarlierOne) {
   const DeviceProfile device = profile("a100-pcie4");
   const Model model = traced_llama(device);
-  Planner planner(model, device, 2);
+  Planner planner(check_model(model).value(), device, 2);
   const Bytes every = [&] {
     for (const RowResult& r : planner.fixed()) {
       if (r.name == "checkpoint every layer") return r.peak_reserved;

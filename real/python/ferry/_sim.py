@@ -195,6 +195,9 @@ def plan(
             planner refuses the model, device or budget (``exit_code`` 2).
         TypeError: A budget that is no byte count.
     """
+    budget = byte_count(budget, "budget", refuse_empty=False)
+    host_budget = byte_count(host_budget, "host_budget", refuse_empty=False)
+    margin = percentage(margin, "margin")
     return run_planner(model, budget, device, host_budget, steps, margin, **fsdp)["report"]
 
 
@@ -207,12 +210,12 @@ def run_planner(
     margin: str | float | None = None,
     **fsdp: Any,
 ) -> dict[str, Any]:
-    """``plan``'s run: {report (with the plan under "plan"), text (what ``ferry plan``
-    prints), plan_text (what ``ferry plan --out`` writes)}."""
+    """``plan``'s run: {report (with the plan under "plan", a ``CheckedPlan`` carrying the
+    ``ferry.offload`` options the planner lowered it to), text (what ``ferry plan`` prints),
+    plan_text (what ``ferry plan --out`` writes), offload_options (those options)}. The
+    caller checked the kinds of ``budget``, ``host_budget`` and ``margin`` (``byte_count``,
+    ``percentage``, under its own names); their values are the request layer's to check."""
     name, text = model_args(model)
-    budget = byte_count(budget, "budget", refuse_empty=False)
-    host_budget = byte_count(host_budget, "host_budget", refuse_empty=False)
-    margin = percentage(margin, "margin")
     try:
         made = _simulator.plan(
             name,
@@ -233,7 +236,7 @@ def run_planner(
         error = PlanError(f"ferry plan refused: {made['refused']}")
         error.exit_code, error.floor = EXIT_INFEASIBLE, made["floor"]
         raise error
-    made["report"]["plan"] = CheckedPlan(made["report"]["plan"])
+    made["report"]["plan"] = CheckedPlan(made["report"]["plan"], made["offload_options"])
     return made
 
 

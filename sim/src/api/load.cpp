@@ -43,9 +43,11 @@ Result<Workload> make_workload(Result<Model> model, std::string_view spec,
   if (auto fits = check_roofline(model.value(), d.value()); !fits.ok()) {
     return Error{fmt::format("{}: {}", spec, fits.error().message)};
   }
-  Workload workload{std::move(model).value(), std::move(d).value()};
-  assign_roofline_durations(workload.model, workload.device);
-  return workload;
+  Model timed = std::move(model).value();
+  assign_roofline_durations(timed, d.value());
+  auto checked = check_model(std::move(timed));
+  if (!checked) return Error{fmt::format("{}: {}", spec, checked.error().message)};
+  return Workload{std::move(checked).value(), std::move(d).value()};
 }
 
 }  // namespace ferry::sim

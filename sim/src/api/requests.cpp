@@ -143,7 +143,7 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, TrainingOpt
   auto plan = parse_plan(text.value(), path);
   if (!plan) return plan.error();
   FsdpRequest asked = r.run.fsdp;
-  adopt_parallelism(asked, w.model.parallelism, r.run.devices);
+  adopt_parallelism(asked, w.model->parallelism, r.run.devices);
   FsdpRequest adopted = asked;
   adopt_parallelism(adopted, plan.value().parallelism);
   if (adopted.ranks != asked.ranks) {
@@ -167,8 +167,8 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, TrainingOpt
   const Parallelism parallelism = named ? named.value() : Parallelism{};
   Response out;
   out.outcome = outcome_of(row.value().hazards == 0 && !row.value().failure);
-  out.document = simulate_json(row.value(), w.model, w.device, parallelism);
-  out.text = simulate_text(row.value(), w.model, w.device, parallelism);
+  out.document = simulate_json(row.value(), *w.model, w.device, parallelism);
+  out.text = simulate_text(row.value(), *w.model, w.device, parallelism);
   return out;
 }
 
@@ -227,14 +227,14 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, Trainin
   row.options.offload.policy = policy.value();
   row.options.sim.record_allocator = r.memory_snapshot;
   if (!row.options.offload.horizon_bytes) {
-    row.options.offload.horizon_bytes = offload_horizon(w.model, w.device, row.options);
+    row.options.offload.horizon_bytes = offload_horizon(*w.model, w.device, row.options);
   }
   Response out;
   const bool keep = r.trace || r.memory_snapshot;
   const RowResult result = run_row(w.model, w.device, row, keep ? &out.run : nullptr);
   out.outcome = outcome_of(result.hazards == 0 && !result.failure);
-  out.document = simulate_json(result, w.model, w.device, parallelism);
-  out.text = simulate_text(result, w.model, w.device, parallelism);
+  out.document = simulate_json(result, *w.model, w.device, parallelism);
+  out.text = simulate_text(result, *w.model, w.device, parallelism);
   return out;
 }
 
@@ -298,7 +298,7 @@ Result<Response> respond(const SimulateRequest& r) {
   auto workload = load(r.target);
   if (!workload) return workload.error();
   const Workload& w = workload.value();
-  auto base = training_options(r.run, w.model, &r);
+  auto base = training_options(r.run, *w.model, &r);
   if (!base) return base.error();
   if (r.plan) return replay(r, w, std::move(base).value());
   if (r.run.devices > 1) return pipeline(r, w, base.value());
@@ -309,7 +309,7 @@ Result<Response> respond(const CompareRequest& r) {
   auto workload = load(r.target);
   if (!workload) return workload.error();
   const Workload& w = workload.value();
-  auto base = training_options(r.run, w.model, nullptr);
+  auto base = training_options(r.run, *w.model, nullptr);
   if (!base) return base.error();
   const Parallelism& parallelism = base.value().fsdp.parallelism;
   if (auto valid = validate_parallelism(parallelism, w.device, kFsdpFlags); !valid) {
@@ -323,7 +323,7 @@ Result<Response> respond(const CompareRequest& r) {
   }
   bool clean = true;
   std::vector<RowResult> rows;
-  for (const PolicyRow& row : default_rows(base.value(), w.model, w.device)) {
+  for (const PolicyRow& row : default_rows(base.value(), *w.model, w.device)) {
     if (r.progress) r.progress(row.name);
     rows.push_back(run_row(w.model, w.device, row));
     clean = clean && rows.back().hazards == 0;
@@ -336,8 +336,8 @@ Result<Response> respond(const CompareRequest& r) {
   }
   Response out;
   out.outcome = outcome_of(clean);
-  out.document = compare_json(rows, w.model, w.device, pipelines, parallelism);
-  out.text = compare_text(rows, w.model, w.device, pipelines, parallelism);
+  out.document = compare_json(rows, *w.model, w.device, pipelines, parallelism);
+  out.text = compare_text(rows, *w.model, w.device, pipelines, parallelism);
   return out;
 }
 
@@ -349,10 +349,10 @@ Result<Response> respond(const PlanRequest& r) {
   if (!workload) return workload.error();
   const Workload& w = workload.value();
   PlannerOptions options = std::move(asked).value();
-  if (w.model.parallelism.on()) {
+  if (w.model->parallelism.on()) {
     // What the request left out is the model file's: the parallelism is checked again with it.
     FsdpRequest fsdp = r.fsdp;
-    adopt_parallelism(fsdp, w.model.parallelism);
+    adopt_parallelism(fsdp, w.model->parallelism);
     auto parallelism = parallelism_of(fsdp);
     if (!parallelism) {
       return Error{
@@ -360,7 +360,7 @@ Result<Response> respond(const PlanRequest& r) {
     }
     options.fsdp.parallelism = parallelism.value();
   }
-  auto allocator = allocator_of(r.allocator, w.model);
+  auto allocator = allocator_of(r.allocator, *w.model);
   if (!allocator) {
     return Error{
         fmt::format("{}: parallelism: {}", r.target.model.name, allocator.error().message)};
@@ -374,9 +374,9 @@ Result<Response> respond(const PlanRequest& r) {
     // A sweep's budgets are the simulator's peaks, from the floor up: no margin below them.
     options.margin_permille = 0;
     const auto points = plan_sweep(w.model, w.device, options, r.sweep, r.progress);
-    out.document = sweep_json(points, w.model, w.device, options.fsdp.parallelism);
-    out.text = sweep_text(points, w.model, w.device, options.fsdp.parallelism);
-    if (r.plot) out.plot = sweep_svg(points, w.model, w.device);
+    out.document = sweep_json(points, *w.model, w.device, options.fsdp.parallelism);
+    out.text = sweep_text(points, *w.model, w.device, options.fsdp.parallelism);
+    if (r.plot) out.plot = sweep_svg(points, *w.model, w.device);
     return out;
   }
   // No budget: the device's whole memory, the question "what is fastest that fits at all?".
@@ -387,8 +387,8 @@ Result<Response> respond(const PlanRequest& r) {
     out.refusal = outcome.error().message;
     return out;
   }
-  out.document = plan_report_json(outcome.value(), w.model, w.device);
-  out.text = plan_text(outcome.value(), w.model, w.device);
+  out.document = plan_report_json(outcome.value(), *w.model, w.device);
+  out.text = plan_text(outcome.value(), *w.model, w.device);
   out.plan = std::move(outcome).value();
   return out;
 }

@@ -4,12 +4,19 @@
 
 namespace ferry::sim {
 
+Result<TrainingRun> simulate_training(const CheckedModel& model, const DeviceProfile& device,
+                                      const TrainingOptions& options,
+                                      const TrainingFaults& faults) {
+  training::Trainer trainer(*model, device, options, faults);
+  return trainer.run();
+}
+
 Result<TrainingRun> simulate_training(const Model& model, const DeviceProfile& device,
                                       const TrainingOptions& options,
                                       const TrainingFaults& faults) {
-  if (auto valid = validate_model(model); !valid) return valid.error();
-  training::Trainer trainer(model, device, options, faults);
-  return trainer.run();
+  auto checked = check_model(model);
+  if (!checked) return checked.error();
+  return simulate_training(checked.value(), device, options, faults);
 }
 
 }  // namespace ferry::sim

@@ -75,7 +75,15 @@ class Baton {
 Result<NodeRun> simulate_node(const Model& model, const DeviceProfile& device,
                               const TrainingOptions& options, std::int32_t ranks,
                               const TrainingFaults& faults) {
-  if (auto valid = validate_model(model); !valid) return valid.error();
+  auto checked = check_model(model);
+  if (!checked) return checked.error();
+  return simulate_node(checked.value(), device, options, ranks, faults);
+}
+
+Result<NodeRun> simulate_node(const CheckedModel& checked, const DeviceProfile& device,
+                              const TrainingOptions& options, std::int32_t ranks,
+                              const TrainingFaults& faults) {
+  const Model& model = *checked;
   const Parallelism& p = options.fsdp.parallelism;
   if (auto valid = validate_parallelism(p, device); !valid) return valid.error();
   if (!p.on()) return Error{"a node run trains FSDP ranks: set fsdp.parallelism.ranks"};

@@ -11,8 +11,8 @@ namespace ferry::sim {
 
 namespace {
 
-using pipelining::check_model;
 using pipelining::check_skips;
+using pipelining::check_views;
 using pipelining::Executor;
 using pipelining::make_plan;
 
@@ -29,7 +29,7 @@ Status check_options(const Model& model, const PipelineOptions& options) {
   if (options.micro_batches < 1) {
     return Error{fmt::format("micro_batches is {}; use at least 1", options.micro_batches)};
   }
-  Status valid = check_model(model);
+  Status valid = check_views(model);
   if (!valid.ok()) return valid;
   return check_skips(model, options.skips);
 }
@@ -39,6 +39,15 @@ Status check_options(const Model& model, const PipelineOptions& options) {
 Result<PipelineRun> simulate_pipeline(const Model& model, const DeviceProfile& device,
                                       const PipelineOptions& options,
                                       const PipelineFaults& faults) {
+  auto checked = check_model(model);
+  if (!checked) return checked.error();
+  return simulate_pipeline(checked.value(), device, options, faults);
+}
+
+Result<PipelineRun> simulate_pipeline(const CheckedModel& checked, const DeviceProfile& device,
+                                      const PipelineOptions& options,
+                                      const PipelineFaults& faults) {
+  const Model& model = *checked;
   Status valid = check_options(model, options);
   if (!valid.ok()) return valid.error();
   auto starts = balance_by_duration(model, options.devices);
@@ -57,6 +66,7 @@ Result<PipelineRun> simulate_pipeline(const Model& model, const DeviceProfile& d
 
 Result<PipelineRun> simulate_reference(const Model& model, const DeviceProfile& device,
                                        const PipelineOptions& options) {
+  if (auto valid = validate_model(model); !valid) return valid.error();
   Status valid = check_options(model, options);
   if (!valid.ok()) return valid.error();
   auto starts = balance_by_duration(model, options.devices);

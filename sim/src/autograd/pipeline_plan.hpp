@@ -85,8 +85,8 @@ struct Plan {
 
 /// The skips are in range, stash activations with storage, and name ops that read them.
 Status check_skips(const Model& model, const std::vector<SkipConnection>& skips);
-/// The model is valid and every view an op outputs is produced with its base.
-Status check_model(const Model& model);
+/// Every view an op of the (valid) model outputs is produced with its base.
+Status check_views(const Model& model);
 /// The plan of `model` split at `starts`; op k draws from generator `generator_of[k]`.
 Plan make_plan(const Model& model, std::vector<std::uint32_t> starts,
                std::vector<std::uint32_t> generator_of, const std::vector<SkipConnection>& skips);

@@ -160,9 +160,9 @@ std::vector<LayerSummary> summarize_layers(const Plan& plan, const Model& model)
   return out;
 }
 
-Result<RowResult> replay_plan(const Plan& plan, const Model& model, const DeviceProfile& device,
-                              const TrainingOptions& base) {
-  auto options = plan_training_options(plan, model, base);
+Result<RowResult> replay_plan(const Plan& plan, const CheckedModel& model,
+                              const DeviceProfile& device, const TrainingOptions& base) {
+  auto options = plan_training_options(plan, *model, base);
   if (!options) return options.error();
   return run_row(model, device, PolicyRow{"plan", std::move(options).value()});
 }

@@ -25,7 +25,7 @@ namespace planning {
 /// by its inputs.
 class SimulatedCost final : public CostModel {
  public:
-  SimulatedCost(const Model& model, const DeviceProfile& device, std::int32_t steps,
+  SimulatedCost(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps,
                 const FsdpOptions& fsdp, AllocatorMode allocator)
       : model_(model),
         device_(device),
@@ -44,7 +44,7 @@ class SimulatedCost final : public CostModel {
       return it->second;
     }
     ++simulations_;
-    auto options = plan_training_options(plan, model_, base_);
+    auto options = plan_training_options(plan, *model_, base_);
     FERRY_CHECK(options.ok(), "planner built an invalid plan: {}", options.error().message);
     auto run = simulate_training(model_, roomy_, options.value());
     Evaluation e;
@@ -97,7 +97,7 @@ class SimulatedCost final : public CostModel {
     options.fsdp = base_.fsdp;
     options.sim.allocator = base_.sim.allocator;
     options.sim.record_allocator = keep_runs_;
-    auto training = plan_training_options(plan, model_, options);
+    auto training = plan_training_options(plan, *model_, options);
     FERRY_CHECK(training.ok(), "planner built an invalid plan: {}", training.error().message);
     std::optional<TrainingRun> run;
     RowResult row = run_row(model_, capped, PolicyRow{"plan", training.value()}, &run);
@@ -115,7 +115,15 @@ class SimulatedCost final : public CostModel {
     if (keep_runs_ && run && !row.failure) {
       kept_.emplace(key, std::make_shared<const TrainingRun>(std::move(*run)));
     }
+    lowered_.emplace(key, training.value().offload);
     return checked_.emplace(std::move(key), std::move(row)).first->second;
+  }
+
+  /// The offload options `plan` was lowered to for checked(plan, memory), which must have run.
+  [[nodiscard]] const OffloadOptions& lowered(const Plan& plan, Bytes memory) const {
+    const auto it = lowered_.find(fmt::format("{}|{}", key_of(plan), memory.count()));
+    FERRY_CHECK(it != lowered_.end(), "no checked run of the plan on {}", format_bytes(memory));
+    return it->second;
   }
 
   /// Ranks of a node the checked runs also train side by side (Note [Node run]): 2 under FSDP
@@ -144,7 +152,7 @@ class SimulatedCost final : public CostModel {
   }
 
  private:
-  const Model& model_;
+  CheckedModel model_;
   DeviceProfile device_;
   DeviceProfile roomy_;   // plans are measured here: a plan that does not fit still says its peak
   TrainingOptions base_;  // of the unchecked runs
@@ -152,6 +160,7 @@ class SimulatedCost final : public CostModel {
   std::map<std::string, Evaluation> evaluations_;
   std::map<std::string, RowResult> checked_;  // key and device memory -> the checked run
   std::map<std::string, std::shared_ptr<const TrainingRun>> kept_;  // the runs keep_runs kept
+  std::map<std::string, OffloadOptions> lowered_;  // as checked_: the offload options it ran
   bool keep_runs_ = false;
   std::int64_t simulations_ = 0;
   std::int64_t reused_ = 0;
@@ -159,18 +168,18 @@ class SimulatedCost final : public CostModel {
 
 /// What a Planner keeps from one budget to the next.
 struct PlannerState {
-  PlannerState(const Model& m, const DeviceProfile& d, std::int32_t s, const FsdpOptions& f,
+  PlannerState(const CheckedModel& m, const DeviceProfile& d, std::int32_t s, const FsdpOptions& f,
                AllocatorMode a)
       : model(m),
         device(d),
         steps(s),
         fsdp(f),
         allocator(a),
-        space(m, d),
+        space(*m, d),
         cost(m, d, s, f, a),
         knobs(knob_variants()) {}
 
-  const Model& model;
+  CheckedModel model;
   DeviceProfile device;
   std::int32_t steps;
   FsdpOptions fsdp;
@@ -193,7 +202,7 @@ struct PlannerState {
     TrainingOptions base = timing_only(steps);
     base.fsdp = fsdp;
     base.sim.allocator = allocator;
-    const std::vector<PolicyRow> policy_rows = default_rows(base, model, device);
+    const std::vector<PolicyRow> policy_rows = default_rows(base, *model, device);
     for (const PolicyRow& row : policy_rows) rows->push_back(run_row(model, device, row));
     for (std::size_t i = 0; i < policy_rows.size(); ++i) {
       std::optional<Seed> seed = seed_of(space, policy_rows[i].options);
@@ -312,10 +321,10 @@ PlanOutcome describe(planning::PlannerState& p, const Pick& pick, const PlannerO
   outcome.plan = pick.candidate->plan;
   outcome.row = *pick.row;
   outcome.row.name = "plan";
-  outcome.layers = summarize_layers(outcome.plan, p.model);
+  outcome.layers = summarize_layers(outcome.plan, *p.model);
   outcome.fixed = *p.rows;
   outcome.lower_bound =
-      step_lower_bound(p.space.layers(), p.model, p.device, outcome.fixed.front(), options.budget);
+      step_lower_bound(p.space.layers(), *p.model, p.device, outcome.fixed.front(), options.budget);
   if (!p.option_sets) p.option_sets = option_recompute_sets(p.space);
   outcome.options_bound =
       options_lower_bound(p.space, *p.option_sets, p.device, outcome.fixed.front(), options.budget);
@@ -366,7 +375,7 @@ Error infeasible(const planning::PlannerState& p, const planning::Search& search
 
 }  // namespace
 
-Planner::Planner(const Model& model, const DeviceProfile& device, std::int32_t steps,
+Planner::Planner(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps,
                  const FsdpOptions& fsdp, AllocatorMode allocator)
     : state_(std::make_unique<planning::PlannerState>(model, device, steps, fsdp, allocator)) {}
 
@@ -403,6 +412,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
       earlier_if_faster(p, pick_checked(p.cost, ranked, options, memory), options, memory);
   if (pick.candidate != nullptr) {
     PlanOutcome outcome = describe(p, pick, options);
+    outcome.offload = p.cost.lowered(pick.candidate->plan, memory);
     p.picked.push_back(planning::Candidate{
         pick.candidate->plan,
         planning::Evaluation{true, pick.row->step_time, pick.row->peak_reserved,
@@ -422,10 +432,17 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   return infeasible(p, search, ranked.size(), pick.refused, options, memory, asked);
 }
 
-Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,
+Result<PlanOutcome> make_plan(const CheckedModel& model, const DeviceProfile& device,
                               const PlannerOptions& options, Bytes* floor) {
   Planner planner(model, device, options.steps, options.fsdp, options.allocator);
   return planner.plan(options, floor);
+}
+
+Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,
+                              const PlannerOptions& options, Bytes* floor) {
+  auto checked = check_model(model);
+  if (!checked) return checked.error();
+  return make_plan(checked.value(), device, options, floor);
 }
 
 }  // namespace ferry::sim

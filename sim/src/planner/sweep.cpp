@@ -6,7 +6,7 @@
 namespace ferry::sim {
 
 std::vector<SweepPoint> plan_sweep(
-    const Model& model, const DeviceProfile& device, const PlannerOptions& options,
+    const CheckedModel& model, const DeviceProfile& device, const PlannerOptions& options,
     std::int32_t points, const std::function<void(std::size_t, std::size_t, Bytes)>& progress) {
   points = std::max(points, 2);
   // One planner for every budget: the fixed configurations run once, and a simulation one

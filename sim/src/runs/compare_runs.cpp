@@ -75,8 +75,8 @@ Result<SideStreamOptions> parse_side_streams(std::string_view spec) {
   return side;
 }
 
-PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device, std::string name,
-                             const PipelineOptions& options) {
+PipelineRow run_pipeline_row(const CheckedModel& model, const DeviceProfile& device,
+                             std::string name, const PipelineOptions& options) {
   PipelineRow row;
   row.name = std::move(name);
   row.options = options;
@@ -113,7 +113,7 @@ std::string pipeline_row_name(const PipelineOptions& options) {
   return name;
 }
 
-std::vector<PipelineRow> pipeline_rows(const Model& model, const DeviceProfile& device,
+std::vector<PipelineRow> pipeline_rows(const CheckedModel& model, const DeviceProfile& device,
                                        std::int32_t devices, std::int32_t micro_batches) {
   std::vector<PipelineOptions> configs;
   for (const CheckpointMode m :

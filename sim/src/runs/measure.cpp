@@ -50,18 +50,21 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
   return r;
 }
 
+// The row of a run that could not start: `error` says why.
+RowResult refused(const PolicyRow& row, const Error& error) {
+  RowResult r;
+  r.name = row.name;
+  r.policy = row.options.offload.policy;
+  r.failure = Failure{FailureKind::Infeasible, error.message};
+  return r;
+}
+
 }  // namespace
 
-RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyRow& row,
+RowResult run_row(const CheckedModel& model, const DeviceProfile& device, const PolicyRow& row,
                   std::optional<TrainingRun>* keep) {
   auto run = simulate_training(model, device, row.options);
-  if (!run.ok()) {
-    RowResult r;
-    r.name = row.name;
-    r.policy = row.options.offload.policy;
-    r.failure = Failure{FailureKind::Infeasible, run.error().message};
-    return r;
-  }
+  if (!run.ok()) return refused(row, run.error());
   RowResult result = measure(run.value(), row);
   if (result.failure && result.failure->kind == FailureKind::OutOfMemory) {
     // What would it need? Run again with ample memory.
@@ -76,6 +79,13 @@ RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyR
   }
   if (keep != nullptr) keep->emplace(std::move(run).value());
   return result;
+}
+
+RowResult run_row(const Model& model, const DeviceProfile& device, const PolicyRow& row,
+                  std::optional<TrainingRun>* keep) {
+  auto checked = check_model(model);
+  if (!checked) return refused(row, checked.error());
+  return run_row(checked.value(), device, row, keep);
 }
 
 }  // namespace ferry::sim

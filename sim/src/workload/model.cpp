@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <limits>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -29,11 +30,12 @@ std::string op_path(std::size_t index) { return json_element_path("ops", index);
 
 // Note [Paths on demand]
 // ~~~~~~~~~~~~~~~~~~~~~~
-// validate_model runs before every simulation, and a plan's search runs a hundred or more, so
-// the checks must cost little beside the simulation they guard. Formatting each op's and
-// tensor's JSON paths ("ops[3].inputs[1]") up front cost more than the checks themselves (a
-// fifth of a Llama plan's instructions went to validation, most of it to these strings). A
-// path is therefore a function that makes the string, called only on the way to an error.
+// validate_model runs once per model a run or a plan takes (check_model), and once more
+// wherever a plain Model is simulated, so the checks must cost little beside the simulation
+// they guard. Formatting each op's and tensor's JSON paths ("ops[3].inputs[1]") up front cost
+// more than the checks themselves (when every simulation checked its model, a fifth of a Llama
+// plan's instructions went to validation, most of it to these strings). A path is therefore a
+// function that makes the string, called only on the way to an error.
 
 /// The path of `key` inside tensor `index`: `tensors[5].bytes`.
 std::string tensor_member(std::size_t index, std::string_view key) {
@@ -390,6 +392,11 @@ Status validate_model(const Model& model) {
         op_label(model, static_cast<std::size_t>(producer[loss])), op_label(model, last));
   }
   return Ok{};
+}
+
+Result<CheckedModel> check_model(Model model) {
+  if (auto valid = validate_model(model); !valid) return valid.error();
+  return CheckedModel(std::make_shared<const Model>(std::move(model)));
 }
 
 // Note [Counting saved bytes]

@@ -27,7 +27,18 @@ def fail(where: str, message: str) -> NoReturn:
 
 class CheckedPlan(dict):
     """A ``ferry.plan/1`` that ``load_plan`` checked: every field present, as ``ferry plan
-    --out`` writes it. ``load_plan`` hands one back as it is, so a plan is checked once."""
+    --out`` writes it. ``load_plan`` hands one back as it is, so a plan is checked once.
+
+    Args:
+        plan: The checked plan's fields.
+        lowered: The ``ferry.offload`` options the planner lowered the plan to for its checked
+            run (``ferry.plan`` hands them over with the plan), or None for a plan read from a
+            file or a dict, which ``offload_options`` then lowers.
+    """
+
+    def __init__(self, plan: Mapping[str, Any], lowered: dict[str, Any] | None = None) -> None:
+        super().__init__(plan)
+        self.lowered = lowered
 
 
 def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> CheckedPlan:
@@ -69,5 +80,9 @@ def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> CheckedPlan:
 def offload_options(plan: CheckedPlan) -> dict[str, Any]:
     """``ferry.offload``'s options that the plan fixes: its knobs, its pinned host budget, and
     the ferry policy when anything offloads (``ferry::plan_offload_options``, which the
-    simulator's replay of a plan applies too)."""
+    simulator's replay of a plan applies too). A plan the planner handed over comes with them
+    (``CheckedPlan.lowered``); only a plan read from elsewhere is sent to the simulator."""
+    lowered = getattr(plan, "lowered", None)
+    if lowered is not None:
+        return dict(lowered)
     return _simulator.plan_offload_options(json.dumps(plan), "plan")

@@ -28,9 +28,10 @@ Result<Model> load_model(const std::string& spec);
 Result<DeviceProfile> load_device(const std::string& spec, const std::filesystem::path& scenarios);
 
 /// A model and the device it runs on, read and checked against each other, with the model's
-/// durations taken from the device's roofline: what simulate, compare and plan run.
+/// durations taken from the device's roofline and then checked (once for every run the request
+/// makes): what simulate, compare and plan run.
 struct Workload {
-  Model model;
+  CheckedModel model;
   DeviceProfile device;
 };
 

@@ -168,6 +168,11 @@ struct TrainingFaults {
 
 /// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;
 /// `faults` is for tests only.
+Result<TrainingRun> simulate_training(const CheckedModel& model, const DeviceProfile& device,
+                                      const TrainingOptions& options,
+                                      const TrainingFaults& faults = {});
+/// check_model(model), then the run above: for a model simulated once (tests, examples); a
+/// caller that runs one model again and again checks it once and passes the CheckedModel.
 Result<TrainingRun> simulate_training(const Model& model, const DeviceProfile& device,
                                       const TrainingOptions& options,
                                       const TrainingFaults& faults = {});
@@ -185,6 +190,10 @@ struct NodeRun {
 /// batch of its own and pinning host memory from its share of the node's: a check of what
 /// the ranks share, which a one-rank simulation cannot see (Note [Node run] in node_run.cpp).
 /// `options.fsdp` must be on, with at least `ranks` ranks per node.
+Result<NodeRun> simulate_node(const CheckedModel& model, const DeviceProfile& device,
+                              const TrainingOptions& options, std::int32_t ranks,
+                              const TrainingFaults& faults = {});
+/// check_model(model), then the run above (as simulate_training's overload).
 Result<NodeRun> simulate_node(const Model& model, const DeviceProfile& device,
                               const TrainingOptions& options, std::int32_t ranks,
                               const TrainingFaults& faults = {});

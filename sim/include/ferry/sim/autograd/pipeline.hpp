@@ -116,6 +116,10 @@ Result<std::vector<std::uint32_t>> balance_by_duration(const Model& model, std::
 /// Simulates one GPipe training step of `model` (durations assigned) on `options.devices`
 /// devices with the same profile. Bad options or models are errors; a failure during the step
 /// is reported in PipelineRun::failure.
+Result<PipelineRun> simulate_pipeline(const CheckedModel& model, const DeviceProfile& device,
+                                      const PipelineOptions& options,
+                                      const PipelineFaults& faults = {});
+/// check_model(model), then the run above: for a model simulated once.
 Result<PipelineRun> simulate_pipeline(const Model& model, const DeviceProfile& device,
                                       const PipelineOptions& options,
                                       const PipelineFaults& faults = {});

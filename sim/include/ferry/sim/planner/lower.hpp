@@ -40,7 +40,7 @@ void recompute_random_prefix(Plan& plan, const Model& model);
 [[nodiscard]] std::vector<LayerSummary> summarize_layers(const Plan& plan, const Model& model);
 
 /// Replays a plan (`ferry simulate --plan`): its checked run on `device`.
-Result<RowResult> replay_plan(const Plan& plan, const Model& model, const DeviceProfile& device,
-                              const TrainingOptions& base);
+Result<RowResult> replay_plan(const Plan& plan, const CheckedModel& model,
+                              const DeviceProfile& device, const TrainingOptions& base);
 
 }  // namespace ferry::sim

@@ -80,6 +80,9 @@ struct PlanOutcome {
   Bytes planned_budget;
   std::int32_t margin_permille = 0;
   RowResult row;  ///< the final run: hazard checker and content checks on
+  /// The offload options the plan was lowered to for that run (plan_offload_options): what
+  /// ferry.offload applies for it.
+  OffloadOptions offload;
   /// That run itself, with PlannerOptions::keep_run; else null.
   std::shared_ptr<const TrainingRun> run;
   /// Under FSDP, the ranks of a node the final run was also checked with side by side
@@ -101,12 +104,12 @@ struct PlanOutcome {
 /// configurations of `ferry compare` are simulated once, on the first plan, and every
 /// simulation is kept by its inputs (the plan's decisions and knobs, and the device memory of a
 /// checked run), so a plan for another budget reuses what an earlier one ran. `model` must have
-/// durations assigned and outlive the planner.
+/// durations assigned; it was checked once, and no simulation checks it again.
 class Planner {
  public:
   /// `steps`: training steps per simulation (the last is measured); `fsdp`: the parallelism
   /// every run has; `allocator`: how every run's caching allocator obtains memory.
-  Planner(const Model& model, const DeviceProfile& device, std::int32_t steps = 2,
+  Planner(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps = 2,
           const FsdpOptions& fsdp = {}, AllocatorMode allocator = AllocatorMode::Default);
   ~Planner();
   Planner(const Planner&) = delete;
@@ -129,6 +132,9 @@ class Planner {
 };
 
 /// Plans at one budget: `Planner(model, device, options.steps).plan(options, floor)`.
+Result<PlanOutcome> make_plan(const CheckedModel& model, const DeviceProfile& device,
+                              const PlannerOptions& options, Bytes* floor = nullptr);
+/// check_model(model), then the plan above: for a model planned once (tests, examples).
 Result<PlanOutcome> make_plan(const Model& model, const DeviceProfile& device,
                               const PlannerOptions& options, Bytes* floor = nullptr);
 

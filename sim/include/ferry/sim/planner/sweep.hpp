@@ -22,7 +22,7 @@ struct SweepPoint {
 /// plan for a one-byte budget reached) to the no-offload peak reserved. `progress` hears each
 /// budget before it is planned (index, count, budget).
 [[nodiscard]] std::vector<SweepPoint> plan_sweep(
-    const Model& model, const DeviceProfile& device, const PlannerOptions& options,
+    const CheckedModel& model, const DeviceProfile& device, const PlannerOptions& options,
     std::int32_t points, const std::function<void(std::size_t, std::size_t, Bytes)>& progress = {});
 
 }  // namespace ferry::sim

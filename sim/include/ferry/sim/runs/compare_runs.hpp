@@ -40,7 +40,7 @@ struct PipelineRow {
 };
 
 /// Runs a pipeline configuration.
-[[nodiscard]] PipelineRow run_pipeline_row(const Model& model, const DeviceProfile& device,
+[[nodiscard]] PipelineRow run_pipeline_row(const CheckedModel& model, const DeviceProfile& device,
                                            std::string name, const PipelineOptions& options);
 /// "gpipe DxM MODE", and the offload policy when there is one.
 [[nodiscard]] std::string pipeline_row_name(const PipelineOptions& options);
@@ -48,7 +48,7 @@ struct PipelineRow {
 Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
 /// The pipeline rows of `ferry compare --devices N --micro-batches M`: each checkpoint mode,
 /// then trl and ferry offload in every stage, without checkpoint and except the last.
-[[nodiscard]] std::vector<PipelineRow> pipeline_rows(const Model& model,
+[[nodiscard]] std::vector<PipelineRow> pipeline_rows(const CheckedModel& model,
                                                      const DeviceProfile& device,
                                                      std::int32_t devices,
                                                      std::int32_t micro_batches);

@@ -45,6 +45,10 @@ struct RowResult {
 /// Runs one row. A configuration that runs out of device memory is run again on the roomy
 /// device (configurations.hpp), so the table can say how much it would need (fits = false).
 /// With `keep`, the run the figures come from is moved there (for its trace).
+[[nodiscard]] RowResult run_row(const CheckedModel& model, const DeviceProfile& device,
+                                const PolicyRow& row, std::optional<TrainingRun>* keep = nullptr);
+/// check_model(model), then the row above (a model the check refuses gives a row that failed
+/// with its error): for a model run once (tests, examples).
 [[nodiscard]] RowResult run_row(const Model& model, const DeviceProfile& device,
                                 const PolicyRow& row, std::optional<TrainingRun>* keep = nullptr);
 

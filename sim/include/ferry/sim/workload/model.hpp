@@ -3,8 +3,10 @@
 /// saves for backward. Input of the simulated autograd; JSON form in docs/model-format.md.
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ferry/ids.hpp"
@@ -196,5 +198,25 @@ inline constexpr std::int64_t kMaxModelFlops = 1'000'000'000'000'000'000;
 /// activation produced once before use, the loss produced by the last op); the error names the
 /// place. A valid model survives model_to_json and parse_model unchanged.
 Status validate_model(const Model& model);
+
+/// A model validate_model accepted, checked once (its durations assigned first, if they are to
+/// be): the simulations take it and do not check it again, so a plan's search, which runs
+/// hundreds of them on one model, checks it once. Only check_model makes one; copies share the
+/// model, which no one changes.
+class CheckedModel {
+ public:
+  [[nodiscard]] const Model& model() const { return *model_; }
+  const Model& operator*() const { return *model_; }
+  const Model* operator->() const { return model_.get(); }
+
+ private:
+  explicit CheckedModel(std::shared_ptr<const Model> model) : model_(std::move(model)) {}
+  friend Result<CheckedModel> check_model(Model model);
+
+  std::shared_ptr<const Model> model_;
+};
+
+/// `model` as a CheckedModel, or validate_model's error.
+Result<CheckedModel> check_model(Model model);
 
 }  // namespace ferry::sim
