@@ -45,9 +45,14 @@ void rank(const Model& model, std::vector<std::pair<std::uint32_t, Bytes>>& scor
 // The most levels a layer has (Note [Planner search] in search.cpp).
 constexpr std::size_t kMaxLevels = 16;
 
-// The levels of a layer (Note [Planner search] in search.cpp).
-std::vector<std::size_t> levels_of(const Model& model, const Layer& layer) {
-  // Without a region: the distinct activation storages its ops save.
+// What a layer's activations weigh: the distinct storages its ops save (what it holds without a
+// region), and the activation storages it reads that it did not make (a region's inputs).
+struct LayerBytes {
+  std::int64_t saved = 0;
+  std::int64_t inputs = 0;
+};
+
+LayerBytes layer_bytes(const Model& model, const Layer& layer) {
   std::set<std::uint32_t> saved;
   std::set<std::uint32_t> produced;
   std::set<std::uint32_t> inputs;
@@ -61,11 +66,19 @@ std::vector<std::size_t> levels_of(const Model& model, const Layer& layer) {
     }
     for (const std::uint32_t t : model.ops[j].outputs) produced.insert(base_of(model, t));
   }
-  std::int64_t without = 0;
-  for (const std::uint32_t t : saved) without += model.tensors[t].bytes.count();
-  // With a region at level k: its inputs, and the outputs of the ops it serves from forward.
-  std::int64_t held = 0;
-  for (const std::uint32_t t : inputs) held += model.tensors[t].bytes.count();
+  LayerBytes bytes;
+  for (const std::uint32_t t : saved) bytes.saved += model.tensors[t].bytes.count();
+  for (const std::uint32_t t : inputs) bytes.inputs += model.tensors[t].bytes.count();
+  return bytes;
+}
+
+// The levels of a layer (Note [Planner search] in search.cpp).
+std::vector<std::size_t> levels_of(const Model& model, const Layer& layer) {
+  // Without a region: the distinct activation storages its ops save. With a region at level
+  // k: its inputs, and the outputs of the ops it serves from forward.
+  const LayerBytes bytes = layer_bytes(model, layer);
+  const std::int64_t without = bytes.saved;
+  std::int64_t held = bytes.inputs;
   for (const std::uint32_t p : layer.ranking)
     held += held_by(model, p, layer.first, layer.end).count();
   // Every point below `without` where the held bytes fall; at most kMaxLevels of them, each
@@ -101,23 +114,9 @@ constexpr std::size_t kMaxTails = 6;
 // kMaxTails of them, none at `first` (that is plain checkpointing, the top level).
 std::vector<std::uint32_t> tails_of(const Model& model, const Layer& layer) {
   std::vector<std::uint32_t> tails{layer.end};
-  std::set<std::uint32_t> saved;
-  std::set<std::uint32_t> produced;
-  std::set<std::uint32_t> inputs;
-  for (std::uint32_t j = layer.first; j < layer.end; ++j) {
-    for (const std::uint32_t t : model.ops[j].saved) {
-      if (is_activation(model, t)) saved.insert(base_of(model, t));
-    }
-    for (const std::uint32_t t : model.ops[j].inputs) {
-      const std::uint32_t b = base_of(model, t);
-      if (is_activation(model, t) && !produced.contains(b)) inputs.insert(b);
-    }
-    for (const std::uint32_t t : model.ops[j].outputs) produced.insert(base_of(model, t));
-  }
-  std::int64_t without = 0;
-  for (const std::uint32_t t : saved) without += model.tensors[t].bytes.count();
-  std::int64_t held_inputs = 0;
-  for (const std::uint32_t t : inputs) held_inputs += model.tensors[t].bytes.count();
+  const LayerBytes bytes = layer_bytes(model, layer);
+  const std::int64_t without = bytes.saved;
+  const std::int64_t held_inputs = bytes.inputs;
   // held[t - first]: what the region holds with the head [first, t).
   std::vector<std::int64_t> held(layer.end - layer.first + 1, held_inputs);
   for (std::uint32_t p = layer.first; p < layer.end; ++p) {
