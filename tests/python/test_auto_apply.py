@@ -333,11 +333,9 @@ def random_plan(doc, rng):
     }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_random_plans_train_bitwise(family):
-    base, ids, _, _ = reference(family)
-    doc = ferry.trace(base, *ids, loss_fn=loss_fn, target="host").document
-    for seed in (sorted(FAMILIES).index(family), len(FAMILIES) + sorted(FAMILIES).index(family)):
+def check_random_plans_bitwise(family, doc, seeds):
+    """A random plan of ``doc`` for each seed trains ``family`` bitwise as it trains alone."""
+    for seed in seeds:
         plan = random_plan(doc, random.Random(seed))
         try:
             check_bitwise(
@@ -348,6 +346,14 @@ def test_random_plans_train_bitwise(family):
             )
         except Exception as e:
             raise AssertionError(f"{family}: random plan of seed {seed} failed: {e}") from e
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_random_plans_train_bitwise(family):
+    base, ids, _, _ = reference(family)
+    doc = ferry.trace(base, *ids, loss_fn=loss_fn, target="host").document
+    index = sorted(FAMILIES).index(family)
+    check_random_plans_bitwise(family, doc, (index, len(FAMILIES) + index))
 
 
 @pytest.mark.parametrize("family", sorted(EAGER_FAMILIES))
@@ -356,14 +362,4 @@ def test_plans_over_a_random_routing_train_bitwise(family):
     routing = "random,seed=1,capacity=1.25"
     doc = ferry.trace(base, *ids, loss_fn=loss_fn, target="host", routing=routing).document
     assert doc["routing"] == {"assumption": "random", "seed": 1, "capacity_factor": 1.25}
-    for seed in (0, 1):
-        plan = random_plan(doc, random.Random(seed))
-        try:
-            check_bitwise(
-                family,
-                lambda model, ids, plan=plan: ferry.offload(
-                    plan=plan, model=model, loopback=True, dedup=False
-                ),
-            )
-        except Exception as e:
-            raise AssertionError(f"{family}: random plan of seed {seed} failed: {e}") from e
+    check_random_plans_bitwise(family, doc, (0, 1))
