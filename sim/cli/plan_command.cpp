@@ -146,7 +146,8 @@ int PlanCommand::run() const {
     fmt::print(stderr, "plot written to {}\n", a_.plot);
     return 0;
   }
-  if (!a_.out.empty() && !write_output(a_.out, sim::plan_to_json(r.plan->plan))) {
+  // The report's "plan" member is the plan's document, made once (plan_report_json).
+  if (!a_.out.empty() && !write_output(a_.out, sim::plan_document_text(r.document.at("plan")))) {
     fmt::print(stderr, "ferry plan: error: cannot write the plan to {}\n", a_.out);
     return kExitBadInput;
   }

@@ -177,7 +177,7 @@ py::dict plan(const sim::PlanRequest& request) {
   }
   out["report"] = to_python(response.document);
   out["text"] = response.text;
-  out["plan_text"] = sim::plan_to_json(response.plan->plan);
+  out["plan_text"] = sim::plan_document_text(response.document.at("plan"));
   out["offload_options"] = options_dict(response.plan->offload, response.plan->plan);
   return out;
 }

@@ -92,10 +92,11 @@ Json plan_json(const Plan& plan) {
   return j;
 }
 
-std::string plan_to_json(const Plan& plan) {
-  // plan_json's document, with its regions and ops one per line: a plan of a large model stays
-  // readable and diffable.
-  Json j = plan_json(plan);
+std::string plan_to_json(const Plan& plan) { return plan_document_text(plan_json(plan)); }
+
+std::string plan_document_text(Json j) {
+  // The document, with its regions and ops one per line: a plan of a large model stays readable
+  // and diffable.
   const auto one_per_line = [](const Json& items) {
     std::string lines;
     for (const Json& item : items) {

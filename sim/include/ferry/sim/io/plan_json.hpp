@@ -16,6 +16,9 @@ namespace ferry::sim {
 [[nodiscard]] nlohmann::ordered_json plan_json(const Plan& plan);
 /// plan_json's document as the file's text: indented by 2, each region and op on one line.
 [[nodiscard]] std::string plan_to_json(const Plan& plan);
+/// A document plan_json made (a plan report's "plan" member, say) as the file's text, as
+/// plan_to_json writes it: the plan made a document once is not made one again to be written.
+[[nodiscard]] std::string plan_document_text(nlohmann::ordered_json plan_document);
 
 /// Parses a `ferry.plan/1` document; unknown keys, wrong types, out-of-range numbers and
 /// inconsistent regions are errors naming `source` and the path ("regions[1].end_op: ...").
