@@ -44,9 +44,9 @@ class SimulatedCost final : public CostModel {
       return it->second;
     }
     ++simulations_;
-    auto options = plan_training_options(plan, *model_, base_);
-    FERRY_CHECK(options.ok(), "planner built an invalid plan: {}", options.error().message);
-    auto run = simulate_training(model_, roomy_, options.value());
+    TrainingOptions options = base_;
+    lowering(plan, key).apply(options);
+    auto run = simulate_training(model_, roomy_, options);
     Evaluation e;
     if (run.ok() && !run.value().failure && !run.value().steps.empty()) {
       const TrainingRun& r = run.value();
@@ -62,6 +62,12 @@ class SimulatedCost final : public CostModel {
     }
     evaluations_.emplace(std::move(key), e);
     return e;
+  }
+
+  /// Whether `plan` lowers to training options (plan_training_options), lowered once per
+  /// distinct plan: its runs take that lowering rather than lowering the plan again.
+  bool admits(const Plan& plan, const Model& /*model: model_'s*/) override {
+    return lowering(plan, key_of(plan)).ok;
   }
 
   [[nodiscard]] std::int64_t runs() const override { return simulations_; }
@@ -92,15 +98,14 @@ class SimulatedCost final : public CostModel {
     ++simulations_;
     DeviceProfile capped = device_;
     capped.memory = memory;
-    TrainingOptions options;
-    options.steps = steps_;
-    options.fsdp = base_.fsdp;
-    options.sim.allocator = base_.sim.allocator;
-    options.sim.record_allocator = keep_runs_;
-    auto training = plan_training_options(plan, *model_, options);
-    FERRY_CHECK(training.ok(), "planner built an invalid plan: {}", training.error().message);
+    TrainingOptions training;
+    training.steps = steps_;
+    training.fsdp = base_.fsdp;
+    training.sim.allocator = base_.sim.allocator;
+    training.sim.record_allocator = keep_runs_;
+    lowering(plan, key_of(plan)).apply(training);
     std::optional<TrainingRun> run;
-    RowResult row = run_row(model_, capped, PolicyRow{"plan", training.value()}, &run);
+    RowResult row = run_row(model_, capped, PolicyRow{"plan", training}, &run);
     if (!row.failure && run && !run->sim.content_mismatches().empty()) {
       row.failure =
           Failure{FailureKind::Infeasible,
@@ -108,22 +113,21 @@ class SimulatedCost final : public CostModel {
     }
     if (!run && !row.failure) row.failure = Failure{FailureKind::Infeasible, "no run"};
     if (!row.failure && node_ranks() >= 2) {
-      if (auto why = node_check(capped, training.value()); !why.empty()) {
+      if (auto why = node_check(capped, training); !why.empty()) {
         row.failure = Failure{FailureKind::Infeasible, std::move(why)};
       }
     }
     if (keep_runs_ && run && !row.failure) {
       kept_.emplace(key, std::make_shared<const TrainingRun>(std::move(*run)));
     }
-    lowered_.emplace(key, training.value().offload);
     return checked_.emplace(std::move(key), std::move(row)).first->second;
   }
 
-  /// The offload options `plan` was lowered to for checked(plan, memory), which must have run.
-  [[nodiscard]] const OffloadOptions& lowered(const Plan& plan, Bytes memory) const {
-    const auto it = lowered_.find(fmt::format("{}|{}", key_of(plan), memory.count()));
-    FERRY_CHECK(it != lowered_.end(), "no checked run of the plan on {}", format_bytes(memory));
-    return it->second;
+  /// The offload options `plan` was lowered to for its runs, which must have been made.
+  [[nodiscard]] const OffloadOptions& lowered(const Plan& plan) const {
+    const auto it = lowerings_.find(key_of(plan));
+    FERRY_CHECK(it != lowerings_.end() && it->second.ok, "the plan was never lowered");
+    return it->second.offload;
   }
 
   /// Ranks of a node the checked runs also train side by side (Note [Node run]): 2 under FSDP
@@ -152,6 +156,35 @@ class SimulatedCost final : public CostModel {
   }
 
  private:
+  /// What a plan lowers to: the parts of TrainingOptions plan_training_options sets, which do
+  /// not depend on the run's other options (steps, checker, allocator, FSDP).
+  struct Lowering {
+    bool ok = false;
+    OffloadOptions offload;
+    CheckpointPlan checkpoint;
+    OffloadSelection selection;
+    /// `options` running the plan; the planner's own plans always lower (FERRY_CHECK).
+    void apply(TrainingOptions& options) const {
+      FERRY_CHECK(ok, "planner built an invalid plan");
+      options.offload = offload;
+      options.checkpoint = checkpoint;
+      options.offload_selection = selection;
+    }
+  };
+
+  // `plan`'s lowering (its key is `key`), lowered the first time it is asked for.
+  const Lowering& lowering(const Plan& plan, const std::string& key) {
+    if (auto it = lowerings_.find(key); it != lowerings_.end()) return it->second;
+    Lowering l;
+    if (auto options = plan_training_options(plan, *model_, TrainingOptions{})) {
+      l.ok = true;
+      l.offload = std::move(options.value().offload);
+      l.checkpoint = std::move(options.value().checkpoint);
+      l.selection = std::move(options.value().offload_selection);
+    }
+    return lowerings_.emplace(key, std::move(l)).first->second;
+  }
+
   CheckedModel model_;
   DeviceProfile device_;
   DeviceProfile roomy_;   // plans are measured here: a plan that does not fit still says its peak
@@ -160,7 +193,7 @@ class SimulatedCost final : public CostModel {
   std::map<std::string, Evaluation> evaluations_;
   std::map<std::string, RowResult> checked_;  // key and device memory -> the checked run
   std::map<std::string, std::shared_ptr<const TrainingRun>> kept_;  // the runs keep_runs kept
-  std::map<std::string, OffloadOptions> lowered_;  // as checked_: the offload options it ran
+  std::map<std::string, Lowering> lowerings_;  // key -> what the plan lowered to
   bool keep_runs_ = false;
   std::int64_t simulations_ = 0;
   std::int64_t reused_ = 0;
@@ -205,7 +238,7 @@ struct PlannerState {
     const std::vector<PolicyRow> policy_rows = default_rows(base, *model, device);
     for (const PolicyRow& row : policy_rows) rows->push_back(run_row(model, device, row));
     for (std::size_t i = 0; i < policy_rows.size(); ++i) {
-      std::optional<Seed> seed = seed_of(space, policy_rows[i].options);
+      std::optional<Seed> seed = seed_of(space, policy_rows[i].options, cost);
       if (!seed) continue;
       seed->row = i;
       const RowResult& r = (*rows)[i];
@@ -412,7 +445,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
       earlier_if_faster(p, pick_checked(p.cost, ranked, options, memory), options, memory);
   if (pick.candidate != nullptr) {
     PlanOutcome outcome = describe(p, pick, options);
-    outcome.offload = p.cost.lowered(pick.candidate->plan, memory);
+    outcome.offload = p.cost.lowered(pick.candidate->plan);
     p.picked.push_back(planning::Candidate{
         pick.candidate->plan,
         planning::Evaluation{true, pick.row->step_time, pick.row->peak_reserved,

@@ -374,8 +374,7 @@ void keep_single_ops(Search& search) {
     Plan next = plan;
     next.ops[i].saved = SavedDecision::Keep;
     recompute_random_prefix(next, model);
-    if (next.ops[i].saved != SavedDecision::Keep ||
-        !plan_training_options(next, model, TrainingOptions{}).ok()) {
+    if (next.ops[i].saved != SavedDecision::Keep || !search.cost().admits(next, model)) {
       continue;
     }
     const Evaluation e = search.evaluate(next);
@@ -399,6 +398,10 @@ Plan Search::plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs& k
   Plan plan = space_->plan_of(configs, knobs, budgets_.host, offload_outside);
   plan.budget = budgets_.device;
   return plan;
+}
+
+bool CostModel::admits(const Plan& plan, const Model& model) {
+  return plan_training_options(plan, model, TrainingOptions{}).ok();
 }
 
 Evaluation Search::evaluate(const Plan& plan) {

@@ -79,10 +79,11 @@ std::optional<std::vector<LayerConfig>> configs_of(const PlanSpace& space, const
 
 }  // namespace
 
-std::optional<Seed> seed_of(const PlanSpace& space, const TrainingOptions& options) {
+std::optional<Seed> seed_of(const PlanSpace& space, const TrainingOptions& options,
+                            CostModel& cost) {
   if (is_trl(options.offload.policy)) return std::nullopt;
   std::optional<Plan> plan = plan_of_row(space, options);
-  if (!plan || !plan_training_options(*plan, space.model(), TrainingOptions{}).ok()) {
+  if (!plan || !cost.admits(*plan, space.model())) {
     return std::nullopt;
   }
   Seed seed;

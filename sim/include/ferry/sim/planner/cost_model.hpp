@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "ferry/plan/plan.hpp"
+#include "ferry/sim/workload/model.hpp"
 
 namespace ferry::sim::planning {
 
@@ -41,6 +42,10 @@ class CostModel {
 
   /// What `plan` costs.
   virtual Evaluation evaluate(const Plan& plan) = 0;
+  /// Whether `plan` is one the cost model can run: it lowers to training options for `model`,
+  /// the search's (plan_training_options). The simulator's cost model, whose model that is,
+  /// keeps the lowering for the plan's runs; the default lowers and forgets.
+  virtual bool admits(const Plan& plan, const Model& model);
   /// The evaluations made so far that ran something (not those answered from what an earlier
   /// one ran): the effort the search's bounded stages count.
   [[nodiscard]] virtual std::int64_t runs() const = 0;

@@ -22,8 +22,10 @@ struct Seed {
 };
 
 /// `options` (a row of default_rows) as a seed, without its evaluation, when a plan can
-/// express it: not trl, no reentrant region, no region without early stop.
-[[nodiscard]] std::optional<Seed> seed_of(const PlanSpace& space, const TrainingOptions& options);
+/// express it: not trl, no reentrant region, no region without early stop, and `cost` admits
+/// it (CostModel::admits, which keeps its lowering for the seed's runs).
+[[nodiscard]] std::optional<Seed> seed_of(const PlanSpace& space, const TrainingOptions& options,
+                                          CostModel& cost);
 
 /// The knobs of the ferry knob variants (ferry_knob_variants), in their order.
 [[nodiscard]] std::vector<PlanKnobs> knob_variants();
