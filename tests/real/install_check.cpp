@@ -2,8 +2,9 @@
 // autograd was used before it or when another engine took the default-engine slot.
 //   install_check ok | too-late | other-engine
 
+#include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/torch.h>
+#include <torch/csrc/autograd/generated/variable_factories.h>
 
 #include <iostream>
 #include <string>
@@ -24,7 +25,7 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "ok";
   try {
     if (mode == "too-late") {
-      auto x = torch::randn({4}, torch::requires_grad());
+      auto x = torch::randn({4}, at::requires_grad());
       (x * x).sum().backward();
     } else if (mode == "other-engine") {
       torch::autograd::set_default_engine_stub(&OtherEngine::get);
@@ -37,15 +38,15 @@ int main(int argc, char** argv) {
     o.loopback = true;
     o.offload.min_bytes = ferry::Bytes(0);
     ferry::Offload offload(o);
-    auto x = torch::randn({16}, torch::requires_grad());
-    torch::Tensor y;
+    auto x = torch::randn({16}, at::requires_grad());
+    at::Tensor y;
     {
       ferry::OffloadGuard guard(offload);
       y = x.exp().sum();
     }
     y.backward();
     std::cout << "packed: " << offload.telemetry().packed << "\n";
-    return offload.telemetry().packed == 1 && torch::equal(x.grad(), x.exp()) ? 0 : 1;
+    return offload.telemetry().packed == 1 && at::equal(x.grad(), x.exp()) ? 0 : 1;
   } catch (const std::exception& e) {
     std::cout << "error: " << e.what() << "\n";
     return 3;
