@@ -51,6 +51,10 @@ if ! .venv/bin/python -c "import pytest, wheel, sympy, filelock, networkx, jinja
   .venv/bin/pip install "${pip_flags[@]}" pytest wheel ninja sympy==1.14.0 filelock networkx \
     jinja2 fsspec >&2
 fi
+# pytest's workers (scripts/test.sh runs the suite on both cores): pure Python, no torch.
+if ! .venv/bin/python -c "import xdist" >/dev/null 2>&1; then
+  .venv/bin/pip install "${pip_flags[@]}" pytest-xdist==3.8.0 execnet==2.1.2 >&2
+fi
 # The package's build backend (pyproject.toml), for scripts/package.sh: pure Python, no torch.
 if ! .venv/bin/python -c "import scikit_build_core" >/dev/null 2>&1; then
   .venv/bin/pip install "${pip_flags[@]}" scikit-build-core==1.1.2 >&2

@@ -52,7 +52,12 @@ if [[ $real == ON && $preset != asan ]]; then
   timed python-build scripts/package.sh "build/$preset"
   # Loopback sessions run on the asynchronous device (tests/python/conftest.py: FERRY_LOOPBACK
   # async:1 unless set); the suites that train on it run again with two more seeds.
-  FERRY_CLI="$PWD/build/$preset/sim/ferry" timed pytest .venv/bin/python -m pytest -q tests/python
+  # Two workers (pytest-xdist), each with one intra-op thread (as the async runs below, for the
+  # same reason: two processes with torch's default of a thread per core oversubscribe them).
+  # Every test makes its own files under tmp_path and its own process group, so the workers
+  # share nothing.
+  OMP_NUM_THREADS=1 FERRY_CLI="$PWD/build/$preset/sim/ferry" \
+    timed pytest .venv/bin/python -m pytest -q -n 2 tests/python
   real_suites=(offload checkpoint checkpoint_api hf_models distributed saved_contract
                current_stream async_loopback regions selective_offload trl_names threads autocast
                compile auto_apply validate_layers unusual_uses)
