@@ -67,7 +67,7 @@ class SimulatedCost final : public CostModel {
   /// Whether `plan` lowers to training options (plan_training_options), lowered once per
   /// distinct plan: its runs take that lowering rather than lowering the plan again.
   bool admits(const Plan& plan, const Model& /*model: model_'s*/) override {
-    return lowering(plan, key_of(plan)).ok;
+    return lowering(plan, key_of(plan)).ok();
   }
 
   [[nodiscard]] std::int64_t runs() const override { return simulations_; }
@@ -90,7 +90,8 @@ class SimulatedCost final : public CostModel {
   /// `memory`; the row's failure says why it cannot be the plan (hazards and content
   /// mismatches included).
   const RowResult& checked(const Plan& plan, Bytes memory) {
-    std::string key = fmt::format("{}|{}", key_of(plan), memory.count());
+    const std::string plan_key = key_of(plan);
+    std::string key = fmt::format("{}|{}", plan_key, memory.count());
     if (auto it = checked_.find(key); it != checked_.end()) {
       ++reused_;
       return it->second;
@@ -103,7 +104,7 @@ class SimulatedCost final : public CostModel {
     training.fsdp = base_.fsdp;
     training.sim.allocator = base_.sim.allocator;
     training.sim.record_allocator = keep_runs_;
-    lowering(plan, key_of(plan)).apply(training);
+    lowering(plan, plan_key).apply(training);
     std::optional<TrainingRun> run;
     RowResult row = run_row(model_, capped, PolicyRow{"plan", training}, &run);
     if (!row.failure && run && !run->sim.content_mismatches().empty()) {
@@ -126,7 +127,7 @@ class SimulatedCost final : public CostModel {
   /// The offload options `plan` was lowered to for its runs, which must have been made.
   [[nodiscard]] const OffloadOptions& lowered(const Plan& plan) const {
     const auto it = lowerings_.find(key_of(plan));
-    FERRY_CHECK(it != lowerings_.end() && it->second.ok, "the plan was never lowered");
+    FERRY_CHECK(it != lowerings_.end() && it->second.ok(), "the plan was never lowered");
     return it->second.offload;
   }
 
@@ -159,13 +160,14 @@ class SimulatedCost final : public CostModel {
   /// What a plan lowers to: the parts of TrainingOptions plan_training_options sets, which do
   /// not depend on the run's other options (steps, checker, allocator, FSDP).
   struct Lowering {
-    bool ok = false;
+    std::string error;  // why the plan does not lower; empty when it does
     OffloadOptions offload;
     CheckpointPlan checkpoint;
     OffloadSelection selection;
+    [[nodiscard]] bool ok() const { return error.empty(); }
     /// `options` running the plan; the planner's own plans always lower (FERRY_CHECK).
     void apply(TrainingOptions& options) const {
-      FERRY_CHECK(ok, "planner built an invalid plan");
+      FERRY_CHECK(ok(), "planner built an invalid plan: {}", error);
       options.offload = offload;
       options.checkpoint = checkpoint;
       options.offload_selection = selection;
@@ -176,8 +178,9 @@ class SimulatedCost final : public CostModel {
   const Lowering& lowering(const Plan& plan, const std::string& key) {
     if (auto it = lowerings_.find(key); it != lowerings_.end()) return it->second;
     Lowering l;
-    if (auto options = plan_training_options(plan, *model_, TrainingOptions{})) {
-      l.ok = true;
+    if (auto options = plan_training_options(plan, *model_, TrainingOptions{}); !options) {
+      l.error = options.error().message;
+    } else {
       l.offload = std::move(options.value().offload);
       l.checkpoint = std::move(options.value().checkpoint);
       l.selection = std::move(options.value().offload_selection);
