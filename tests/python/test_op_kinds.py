@@ -1,12 +1,20 @@
 """Every traced op carries its operator (`kind`, docs/model-format.md, Op kinds), and the traced
-models `tests/unit/op_sac_test.cpp` checks op-sac on are what a trace writes today."""
+models the C++ tests read (tests/data/traced: `tests/unit/op_sac_test.cpp` checks op-sac on the
+tiny ones, the exhaustive plan tests search the sized ones) are what a trace writes today."""
 
 import pytest
 import torch
 
 from ferry._trace import trace
 from test_trace_cli import TINY_LLAMA
-from traced_families import FIXTURE_FAMILIES, compact_json, fixture_path, trace_family
+from traced_families import (
+    FIXTURE_FAMILIES,
+    compact_json,
+    fixture_path,
+    sized_path,
+    trace_family,
+    trace_sized,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,6 +30,17 @@ def test_the_op_sac_fixtures_are_what_a_trace_writes(family):
     assert fresh == text, (
         f"tests/data/traced/{family}.json is not what a trace writes now; if the change is "
         f"meant, rewrite it: python tests/python/traced_families.py {family}"
+    )
+
+
+@pytest.mark.parametrize("family", FIXTURE_FAMILIES)
+def test_the_sized_fixtures_are_what_python_m_ferry_trace_writes(family, tmp_path):
+    with open(sized_path(family), encoding="utf-8") as f:
+        text = f.read()
+    fresh = compact_json(trace_sized(family, str(tmp_path)))
+    assert fresh == text, (
+        f"tests/data/traced/sized/{family}.json is not what a trace writes now; if the change "
+        f"is meant, rewrite it: python tests/python/traced_families.py {family}"
     )
 
 

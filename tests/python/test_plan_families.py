@@ -22,13 +22,15 @@ import subprocess
 import pytest
 
 from ferry._cli import trace as trace_cli
+from traced_families import GEMMA2_2B
 
 BUNDLED = trace_cli.CONFIG_DIR
 DEVICES = ("a100-pcie4", "h100-sxm-pcie5", "gh200")
 FACTORS = (1.0, 1.1, 1.3)
 SLACK = 1.005
 
-# Phi-3-mini-4k and Gemma-2-2b as their model cards' config.json give them (layers cut below).
+# Phi-3-mini-4k as its model card's config.json gives it (layers cut below); Gemma-2-2b's is
+# traced_families.GEMMA2_2B.
 PHI3 = {
     "architectures": ["Phi3ForCausalLM"],
     "model_type": "phi3",
@@ -52,31 +54,6 @@ PHI3 = {
     "bos_token_id": 1,
     "eos_token_id": 32000,
 }
-GEMMA2 = {
-    "architectures": ["Gemma2ForCausalLM"],
-    "model_type": "gemma2",
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "num_hidden_layers": 26,
-    "vocab_size": 256000,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 10000.0,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "final_logit_softcapping": 30.0,
-    "attn_logit_softcapping": 50.0,
-    "tie_word_embeddings": True,
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "pad_token_id": 0,
-    "bos_token_id": 2,
-    "eos_token_id": 1,
-}
 
 
 def _bundled(name):
@@ -89,7 +66,7 @@ FAMILIES = {
     "qwen2": (lambda: _bundled("qwen2.5-7b"), "sdpa"),
     "mistral": (lambda: _bundled("mistral-7b"), "sdpa"),
     "phi3": (lambda: dict(PHI3), "sdpa"),
-    "gemma2": (lambda: dict(GEMMA2), "eager"),
+    "gemma2": (lambda: dict(GEMMA2_2B), "eager"),
     "gpt2": (lambda: _bundled("gpt2"), "eager"),
     # Mixtures of experts (transformers' grouped matmul experts).
     "mixtral": (lambda: _bundled("mixtral-8x7b"), "sdpa"),

@@ -2,8 +2,10 @@
 configs on the meta device (nothing downloaded), and the traced models the C++ tests read.
 
 `python tests/python/traced_families.py` rewrites `tests/data/traced/<family>.json` (the traced
-models `tests/unit/op_sac_test.cpp` checks op-sac on); `test_op_sac_fixtures.py` fails when a
-fresh trace no longer lists the same ops.
+models `tests/unit/op_sac_test.cpp` checks op-sac on) and `tests/data/traced/sized/<family>.json`
+(the published configs cut to two layers, at sizes where activations weigh: the exhaustive plan
+tests of `tests/prop/plan_options_prop.cpp` and `tests/unit/plan_templates_test.cpp`);
+`test_op_kinds.py` fails when a fresh trace no longer lists the same ops.
 """
 
 import json
@@ -14,6 +16,8 @@ import torch
 
 #: The fixtures' directory.
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "traced")
+#: The sized fixtures' directory.
+SIZED_FIXTURES = os.path.join(FIXTURES, "sized")
 
 _DECODER = {
     "hidden_size": 64,
@@ -92,6 +96,45 @@ SHAPES = {"gpt2": (2, 128)}
 DEFAULT_SHAPE = (1, 32)
 
 
+#: Gemma-2-2b as its model card's config.json gives it.
+GEMMA2_2B = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "num_hidden_layers": 26,
+    "vocab_size": 256000,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "pad_token_id": 0,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+
+#: family -> (published config: a bundled one's name or a dict, attention implementation,
+#: batch, sequence) of the sized fixtures: each config cut to two layers, traced in bf16 with
+#: AdamW's state, at a sequence its positions allow.
+SIZED = {
+    "llama": ("llama3-8b", "sdpa", 1, 4096),
+    "qwen2": ("qwen2.5-7b", "sdpa", 1, 4096),
+    "mistral": ("mistral-7b", "sdpa", 1, 4096),
+    "gemma2": (GEMMA2_2B, "eager", 1, 4096),
+    "gpt2": ("gpt2", "eager", 8, 1024),
+}
+
+
 def build(family, dtype=torch.bfloat16, experts=None):
     """The family's causal LM on the meta device, in training mode; ``experts`` names the
     experts' implementation of a mixture-of-experts family (``"grouped_mm"``, transformers'
@@ -149,12 +192,47 @@ def compact_json(document):
     return "{" + ",\n".join(parts) + "}\n"
 
 
+def sized_path(family):
+    return os.path.join(SIZED_FIXTURES, f"{family}.json")
+
+
+def trace_sized(family, tmp_dir):
+    """The sized fixture of ``family`` as ``python -m ferry trace`` writes it (the config
+    written under ``tmp_dir``), as a document."""
+    from ferry._cli import trace as trace_cli
+
+    config, attention, batch, seq = SIZED[family]
+    if isinstance(config, str):
+        with open(os.path.join(trace_cli.CONFIG_DIR, config + ".json"), encoding="utf-8") as f:
+            config = json.load(f)
+    config = dict(config)
+    config["n_layer" if "n_layer" in config else "num_hidden_layers"] = 2
+    cfg = os.path.join(tmp_dir, f"{family}.json")
+    out = os.path.join(tmp_dir, f"{family}.model.json")
+    with open(cfg, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    args = [cfg, "--seq", str(seq), "--batch", str(batch), "--dtype", "bf16"]
+    args += ["--optimizer", "adamw", "--attention", attention, "--out", out]
+    if trace_cli.main(args) != 0:
+        raise RuntimeError(f"tracing the sized {family} failed")
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def main(argv):
-    os.makedirs(FIXTURES, exist_ok=True)
+    import tempfile
+
+    os.makedirs(SIZED_FIXTURES, exist_ok=True)
     for family in argv or FIXTURE_FAMILIES:
         with open(fixture_path(family), "w", encoding="utf-8", newline="\n") as f:
             f.write(compact_json(trace_family(family).document))
         print(fixture_path(family))
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            open(sized_path(family), "w", encoding="utf-8", newline="\n") as f,
+        ):
+            f.write(compact_json(trace_sized(family, tmp)))
+        print(sized_path(family))
 
 
 if __name__ == "__main__":

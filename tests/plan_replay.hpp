@@ -1,0 +1,52 @@
+#pragma once
+// What the exhaustive plan tests share: a plan replayed as the planner measures it, and the
+// traced Hugging Face models of tests/data/traced (written by tests/python/traced_families.py).
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "ferry/sim/autograd/autograd.hpp"
+#include "ferry/sim/io/model_json.hpp"
+#include "ferry/sim/planner/lower.hpp"
+#include "ferry/sim/runs/configurations.hpp"
+
+namespace ferry::sim::testing {
+
+/// A replayed plan: whether it ran without a failure, its last step's time and its peak
+/// reserved.
+struct Replay {
+  bool ok = false;
+  SimTime time;
+  Bytes reserved;
+};
+
+/// The plan's unchecked run on the device with room for anything (as the planner measures).
+inline Replay replay(const Plan& plan, const Model& model, const DeviceProfile& device) {
+  auto options = plan_training_options(plan, model, timing_only(2));
+  if (!options.ok()) return {};
+  auto run = simulate_training(model, roomy(device), options.value());
+  if (!run.ok() || run.value().failure || run.value().steps.empty()) return {};
+  const TrainingRun& r = run.value();
+  return Replay{true, r.steps.back().end - r.steps.back().start,
+                r.sim.device_allocator(r.device).stats().reserved_peak};
+}
+
+/// The sized traced family `family` (gpt2, llama, mistral, qwen2, gemma2: its published config
+/// cut to two layers, tests/data/traced/sized) as its file gives it.
+inline Model sized_family(const std::string& family) {
+  const std::filesystem::path path =
+      std::filesystem::path(FERRY_TESTS_DIR) / "data" / "traced" / "sized" / (family + ".json");
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  auto model = parse_model(text.str(), path.string());
+  EXPECT_TRUE(model.ok()) << (model.ok() ? "" : model.error().message);
+  return model.ok() ? std::move(model).value() : Model{};
+}
+
+}  // namespace ferry::sim::testing
