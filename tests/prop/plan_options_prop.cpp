@@ -174,5 +174,24 @@ TEST(PlanOptions, ThePlanIsWithinHalfAPercentOfEveryPlanOfOptionsOnTracedFamilie
   EXPECT_GT(checkpointing, 1.005);
 }
 
+TEST(PlanOptions, ThePlanIsWithinHalfAPercentOfEveryPlanOfOptionsOnPresetsCutToTwoLayers) {
+  // The bundled presets' shapes with two layers, offload included, as the traced families.
+  double worst = 0;
+  for (const char* preset : {"gpt2-small-s1024", "llama3-8b-s8192", "titan-llama3-8b-s8192",
+                             "llama-70b-s4096", "llama3.2-3b-traced-s4096-b2"}) {
+    for (const char* profile : {"h100-sxm-pcie5", "a100-pcie4", "gh200"}) {
+      const DeviceProfile device = device_named(profile);
+      TransformerShape shape = model_preset_shape(preset).value();
+      shape.layers = 2;
+      Model model = make_transformer(shape, std::string(preset) + "-2");
+      assign_roofline_durations(model, device);
+      ASSERT_EQ(planning::PlanSpace(model, device).layers().size(), 2U) << preset;
+      worst = std::max(worst, check_space(model.name, model, device, true, {100, 110, 130}).worst);
+    }
+  }
+  std::printf("worst plan / fastest plan of options: %.4f\n", worst);
+  RecordProperty("worst_plan_over_options", std::to_string(worst));
+}
+
 }  // namespace
 }  // namespace ferry::sim
