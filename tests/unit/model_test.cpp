@@ -1016,6 +1016,52 @@ TEST(Roofline, AnOpLongerThanTheFormatAllowsOnTheDeviceIsAnError) {
             "ops[0].bytes: 1125899906842624 bytes at 10000");
 }
 
+// A model is checked once on its way in: a parsed one by its reader, and its durations, the only
+// thing assigned after, by check_roofline.
+TEST(CheckedModel, DurationsAreAssignedToTheCheckedModelWithoutAnotherCheck) {
+  auto parsed = parse_checked_model(kValidModel, "toy.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.error().message;
+  const Model* before = &parsed.value().model();
+  const DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000);
+  auto timed = with_roofline_durations(std::move(parsed).value(), device);
+  ASSERT_TRUE(timed.ok()) << timed.error().message;
+  EXPECT_EQ(&timed.value().model(), before);  // no copy shared it: changed in place
+  Model expected = small_valid_model();
+  assign_roofline_durations(expected, device);
+  for (std::size_t i = 0; i < expected.ops.size(); ++i) {
+    EXPECT_EQ(timed.value()->ops[i].duration, expected.ops[i].duration);
+    EXPECT_EQ(timed.value()->ops[i].backward_duration, expected.ops[i].backward_duration);
+  }
+  EXPECT_TRUE(validate_model(*timed.value()).ok());
+}
+
+TEST(CheckedModel, ASharedModelIsCopiedAndADurationPastTheFormatIsRefused) {
+  Model model = small_valid_model();
+  model.ops[1].backward_flops = kMaxModelFlops;
+  const CheckedModel checked = check_model(model).value();
+  const DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000);
+  auto timed = with_roofline_durations(checked, device);
+  ASSERT_TRUE(timed.ok()) << timed.error().message;
+  EXPECT_NE(&timed.value().model(), &checked.model());  // the copy it shares is left alone
+  EXPECT_EQ(checked->ops[1].backward_duration, SimTime(0));
+  EXPECT_GT(timed.value()->ops[1].backward_duration, SimTime(0));
+  DeviceProfile slow = round_device(1'000'000, 1'000'000'000'000);
+  slow.name = "slow";
+  const auto refused = with_roofline_durations(checked, slow);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().message, check_roofline(model, slow).error().message);
+}
+
+TEST(CheckedModel, AParsedModelIsCheckedByItsReader) {
+  std::string text(kValidModel);
+  const auto at = text.find("\"loss\"");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, 6, "\"lost\"");
+  const auto parsed = parse_checked_model(text, "toy.json");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.error().message, parse_model(text, "toy.json").error().message);
+}
+
 // The models the rules of docs/model-format.md allow, one test each.
 
 TEST(ModelRules, LayersNeedNotStartAtZeroBeContiguousOrInOrder) {

@@ -16,11 +16,17 @@ Result<std::string> read_input(const std::string& path, std::string_view what) {
   return text;
 }
 
-Result<Model> load_model(const std::string& spec) {
-  if (!spec.ends_with(".json")) return model_preset(spec);
+Result<CheckedModel> load_model(const std::string& spec) {
+  if (!spec.ends_with(".json")) {
+    auto preset = model_preset(spec);
+    if (!preset) return preset.error();
+    auto checked = check_model(std::move(preset).value());
+    if (!checked) return Error{fmt::format("{}: {}", spec, checked.error().message)};
+    return checked;
+  }
   auto text = read_input(spec, "model");
   if (!text) return text.error();
-  return parse_model(text.value(), spec);
+  return parse_checked_model(text.value(), spec);
 }
 
 Result<DeviceProfile> load_device(const std::string& spec, const std::filesystem::path& scenarios) {
@@ -35,19 +41,14 @@ Result<Workload> load_workload(const std::string& model, const std::string& devi
   return make_workload(load_model(model), model, device, scenarios);
 }
 
-Result<Workload> make_workload(Result<Model> model, std::string_view spec,
+Result<Workload> make_workload(Result<CheckedModel> model, std::string_view spec,
                                const std::string& device, const std::filesystem::path& scenarios) {
   if (!model) return model.error();
   auto d = load_device(device, scenarios);
   if (!d) return d.error();
-  if (auto fits = check_roofline(model.value(), d.value()); !fits.ok()) {
-    return Error{fmt::format("{}: {}", spec, fits.error().message)};
-  }
-  Model timed = std::move(model).value();
-  assign_roofline_durations(timed, d.value());
-  auto checked = check_model(std::move(timed));
-  if (!checked) return Error{fmt::format("{}: {}", spec, checked.error().message)};
-  return Workload{std::move(checked).value(), std::move(d).value()};
+  auto timed = with_roofline_durations(std::move(model).value(), d.value());
+  if (!timed) return Error{fmt::format("{}: {}", spec, timed.error().message)};
+  return Workload{std::move(timed).value(), std::move(d).value()};
 }
 
 }  // namespace ferry::sim

@@ -46,7 +46,7 @@ Status first_error(std::initializer_list<Status> checks) {
 
 Result<Workload> load(const Target& target) {
   const ModelSource& m = target.model;
-  return make_workload(m.text ? parse_model(*m.text, m.name) : load_model(m.name), m.name,
+  return make_workload(m.text ? parse_checked_model(*m.text, m.name) : load_model(m.name), m.name,
                        target.device, target.scenarios);
 }
 

@@ -346,6 +346,12 @@ Result<Model> parse_model(std::string_view text, std::string_view source) {
   return reader.read(JsonValue(document, source));
 }
 
+Result<CheckedModel> parse_checked_model(std::string_view text, std::string_view source) {
+  auto model = parse_model(text, source);
+  if (!model) return model.error();
+  return CheckedModel(std::make_shared<Model>(std::move(model).value()));
+}
+
 std::string model_to_json(const Model& model) {
   OrderedJson out;
   out["format"] = std::string(kModelFormat);

@@ -396,7 +396,7 @@ Status validate_model(const Model& model) {
 
 Result<CheckedModel> check_model(Model model) {
   if (auto valid = validate_model(model); !valid) return valid.error();
-  return CheckedModel(std::make_shared<const Model>(std::move(model)));
+  return CheckedModel(std::make_shared<Model>(std::move(model)));
 }
 
 // Note [Counting saved bytes]
@@ -631,6 +631,15 @@ Status check_roofline(const Model& model, const DeviceProfile& device) {
                                                    bytes_permille, "bytes", device));
   }
   return Ok{};
+}
+
+Result<CheckedModel> with_roofline_durations(CheckedModel model, const DeviceProfile& device) {
+  if (auto fits = check_roofline(*model, device); !fits.ok()) return fits.error();
+  std::shared_ptr<Model> owned = model.model_.use_count() == 1
+                                     ? std::move(model.model_)
+                                     : std::make_shared<Model>(*model.model_);
+  assign_roofline_durations(*owned, device);
+  return CheckedModel(std::move(owned));
 }
 
 void assign_roofline_durations(Model& model, const DeviceProfile& device) {

@@ -20,16 +20,16 @@ inline constexpr std::string_view kDefaultDevice = "h100-sxm-pcie5";
 /// The whole of the `what` file at `path` ("plan", "model"): its error says which file it was.
 Result<std::string> read_input(const std::string& path, std::string_view what);
 
-/// A model preset name, or a path to a model file (`*.json`).
-Result<Model> load_model(const std::string& spec);
+/// A model preset name, or a path to a model file (`*.json`), checked (without durations).
+Result<CheckedModel> load_model(const std::string& spec);
 
 /// A bundled device profile's name (looked up in `scenarios`/devices), or a path to a profile
 /// file (`*.json`).
 Result<DeviceProfile> load_device(const std::string& spec, const std::filesystem::path& scenarios);
 
 /// A model and the device it runs on, read and checked against each other, with the model's
-/// durations taken from the device's roofline and then checked (once for every run the request
-/// makes): what simulate, compare and plan run.
+/// durations taken from the device's roofline (the model checked once, as it was read, for
+/// every run the request makes): what simulate, compare and plan run.
 struct Workload {
   CheckedModel model;
   DeviceProfile device;
@@ -40,7 +40,7 @@ Result<Workload> load_workload(const std::string& model, const std::string& devi
                                const std::filesystem::path& scenarios);
 /// The workload of an already read model (a preset, a parsed file, a traced document) on
 /// `device`; `spec` names the model in errors.
-Result<Workload> make_workload(Result<Model> model, std::string_view spec,
+Result<Workload> make_workload(Result<CheckedModel> model, std::string_view spec,
                                const std::string& device, const std::filesystem::path& scenarios);
 
 }  // namespace ferry::sim

@@ -201,8 +201,9 @@ Status validate_model(const Model& model);
 
 /// A model validate_model accepted, checked once (its durations assigned first, if they are to
 /// be): the simulations take it and do not check it again, so a plan's search, which runs
-/// hundreds of them on one model, checks it once. Only check_model makes one; copies share the
-/// model, which no one changes.
+/// hundreds of them on one model, checks it once. Only check_model, parse_checked_model (whose
+/// reader checks what it reads) and with_roofline_durations make one; copies share the model,
+/// which no one changes.
 class CheckedModel {
  public:
   [[nodiscard]] const Model& model() const { return *model_; }
@@ -210,13 +211,22 @@ class CheckedModel {
   const Model* operator->() const { return model_.get(); }
 
  private:
-  explicit CheckedModel(std::shared_ptr<const Model> model) : model_(std::move(model)) {}
+  explicit CheckedModel(std::shared_ptr<Model> model) : model_(std::move(model)) {}
   friend Result<CheckedModel> check_model(Model model);
+  friend Result<CheckedModel> parse_checked_model(std::string_view text, std::string_view source);
+  friend Result<CheckedModel> with_roofline_durations(CheckedModel model,
+                                                      const DeviceProfile& device);
 
-  std::shared_ptr<const Model> model_;
+  std::shared_ptr<Model> model_;  // changed only by with_roofline_durations, while unshared
 };
 
 /// `model` as a CheckedModel, or validate_model's error.
 Result<CheckedModel> check_model(Model model);
+
+/// `model` with every op's durations from `device`'s roofline: check_roofline's error, or the
+/// model with assign_roofline_durations applied. The durations are all that changes, and
+/// check_roofline has bounded them as validate_model bounds them, so the model is not checked
+/// again. A model no copy shares is changed in place.
+Result<CheckedModel> with_roofline_durations(CheckedModel model, const DeviceProfile& device);
 
 }  // namespace ferry::sim
