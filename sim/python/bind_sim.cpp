@@ -76,12 +76,44 @@ T value_or_raise(Result<T> result) {
 // the command line reads its text with, in the order it reads them, so both edges refuse a value
 // with one message: a byte count is an int or its text, resharding True, False or an int, a
 // margin a number or its text, the allocator its name. What is no such value at all is
-// refused in Python, as a TypeError (ferry/_sim.py).
+// refused in Python, as a TypeError (ferry/_sim.py). A caller that must refuse a budget before
+// anything else (ferry.auto, before it traces) reads it here once, with read_bytes, and hands
+// the ReadBytes it gets to plan, which takes it as read.
 
-using ByteCount = std::variant<std::int64_t, std::string>;
+/// A byte count read_bytes has read and checked.
+struct ReadBytes {
+  Bytes bytes;
+};
+
+using ByteCount = std::variant<ReadBytes, std::int64_t, std::string>;
+
+// `value` (a byte count's text or an int) as `what` names it, or None for None where it is not
+// `required`: ValueError as the request layer refuses the value, TypeError for a value of no
+// byte count's kind, both naming `what`.
+std::optional<ReadBytes> read_bytes(const py::object& value, const std::string& what,
+                                    bool required) {
+  if (value.is_none() && !required) return std::nullopt;
+  if (py::isinstance<py::str>(value)) {
+    return ReadBytes{value_or_raise(sim::byte_count(value.cast<std::string>(), what, !required))};
+  }
+  if (py::isinstance<py::int_>(value) && !py::isinstance<py::bool_>(value)) {
+    const auto count = PyLong_AsLongLong(value.ptr());
+    if (count == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      throw py::value_error(fmt::format("{}: {} is not in 0..{}", what,
+                                        py::repr(value).cast<std::string>(),
+                                        std::int64_t{1} << 50));
+    }
+    return ReadBytes{value_or_raise(sim::byte_count(static_cast<std::int64_t>(count), what))};
+  }
+  throw py::type_error(fmt::format(
+      "{}: {} is not a byte count; give a string such as \"40GiB\" or an integer number of bytes",
+      what, py::repr(value).cast<std::string>()));
+}
 
 std::optional<Bytes> bytes_of(const std::optional<ByteCount>& value, std::string_view option) {
   if (!value) return std::nullopt;
+  if (const auto* read = std::get_if<ReadBytes>(&*value)) return read->bytes;
   if (const auto* count = std::get_if<std::int64_t>(&*value)) {
     return value_or_raise(sim::byte_count(*count, option));
   }
@@ -293,6 +325,14 @@ void bind_plans(py::module_& m) {
       py::arg("hsdp") = d.fsdp.replicas, py::arg("reshard_after_forward") = true,
       py::arg("allocator") = py::none(), py::arg("margin") = py::none(),
       "{report, text, plan_text}, or {refused, floor} when no plan fits");
+  py::class_<ReadBytes>(m, "ReadBytes", "A byte count read_bytes read: plan takes it as read")
+      .def_property_readonly("bytes", [](const ReadBytes& r) { return r.bytes.count(); })
+      .def("__repr__",
+           [](const ReadBytes& r) { return fmt::format("ReadBytes({})", r.bytes.count()); });
+  m.def("read_bytes", &read_bytes, py::arg("value"), py::arg("what"), py::kw_only(),
+        py::arg("required") = false,
+        "A byte count (its text or an int) read and checked once, as ferry plan reads its "
+        "option: a ReadBytes, or None for None where not required");
   m.def(
       "validate_plan",
       [](const std::string& text, const std::string& source) {

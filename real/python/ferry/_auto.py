@@ -10,7 +10,7 @@ import torch
 
 from ._offload import offload
 from ._plan import PlanError
-from ._sim import DEFAULT_DEVICE, byte_count, percentage, run_planner
+from ._sim import DEFAULT_DEVICE, percentage, read_bytes, run_planner
 from ._trace import TracedModel, trace
 
 
@@ -85,17 +85,18 @@ def auto(
 
     Raises:
         TypeError: A budget that is no byte count.
-        ValueError: An empty budget.
+        ValueError: A budget ``ferry plan`` refuses (empty, unreadable or out of range).
         PlanError: The planner refused (a budget below the floor: the message names the
             floor, also in ``floor``).
     """
-    byte_count(budget, "ferry.auto: budget", allow_none=False)
-    byte_count(host_budget, "ferry.auto: host_budget")
+    # Read once, before anything is traced; the planner takes them as read.
+    budget_bytes = read_bytes(budget, "ferry.auto: budget", required=True)
+    host_bytes = read_bytes(host_budget, "ferry.auto: host_budget")
     percentage(margin, "ferry.auto: margin")
     on_cpu = _on_cpu(model, example_inputs)
     traced = trace(model, *example_inputs, loss_fn=loss_fn, target="host" if on_cpu else "device")
     try:
-        made = run_planner(traced, budget, device, host_budget, margin=margin)
+        made = run_planner(traced, budget_bytes, device, host_bytes, margin=margin)
     except PlanError as e:
         raise _prefixed(e, "ferry.auto") from None
     if loopback is None:

@@ -46,26 +46,25 @@ def model_args(model: ModelSource) -> tuple[str, str | None]:
     )
 
 
-def byte_count(
-    value: str | int | None, what: str, allow_none: bool = True, refuse_empty: bool = True
-) -> str | int | None:
-    """``value``, checked to be a byte count's kind: a string or an integer (None when
-    ``allow_none``), and with ``refuse_empty`` not a blank string; ``what`` names the argument
-    in the message. The simulator reads it as ``ferry plan`` reads the option, and checks the
-    rest (a blank one too, without ``refuse_empty``)."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
+def byte_count(value: str | int | None, what: str) -> str | int | None:
+    """``value``, checked to be a byte count's kind: a string, an integer or None; ``what``
+    names the argument in the message. The simulator reads it as ``ferry plan`` reads the
+    option, and checks the rest (a blank one too)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int))):
         raise TypeError(
             f'{what}: {value!r} is not a byte count; give a string such as "40GiB" or an '
             "integer number of bytes"
         )
-    if refuse_empty and isinstance(value, str) and not value.strip():
-        raise ValueError(
-            f'{what}: "{value}" is not a byte count (empty); write e.g. 40GiB, "40 GiB", 1.5GiB, '
-            "512MiB, 40GB or 4e10 (bytes)"
-        )
     return value
+
+
+def read_bytes(value: str | int | None, what: str, required: bool = False) -> Any:
+    """``value``, a byte count's text or an int, read and checked once by the simulator as
+    ``ferry plan`` reads its option (ValueError for a value it refuses, TypeError for no byte
+    count's kind, each naming ``what``): a ``ReadBytes`` that ``run_planner`` hands on as read,
+    or None for None unless ``required``. For a caller that must refuse a budget before it does
+    anything else (``ferry.auto`` checks it before it traces)."""
+    return _simulator.read_bytes(value, what, required=required)
 
 
 def percentage(value: str | float | None, what: str) -> str | float | None:
@@ -195,17 +194,17 @@ def plan(
             planner refuses the model, device or budget (``exit_code`` 2).
         TypeError: A budget that is no byte count.
     """
-    budget = byte_count(budget, "budget", refuse_empty=False)
-    host_budget = byte_count(host_budget, "host_budget", refuse_empty=False)
+    budget = byte_count(budget, "budget")
+    host_budget = byte_count(host_budget, "host_budget")
     margin = percentage(margin, "margin")
     return run_planner(model, budget, device, host_budget, steps, margin, **fsdp)["report"]
 
 
 def run_planner(
     model: ModelSource,
-    budget: str | int | None,
+    budget: Any,
     device: str,
-    host_budget: str | int | None,
+    host_budget: Any,
     steps: int = 2,
     margin: str | float | None = None,
     **fsdp: Any,
@@ -213,8 +212,9 @@ def run_planner(
     """``plan``'s run: {report (with the plan under "plan", a ``CheckedPlan`` carrying the
     ``ferry.offload`` options the planner lowered it to), text (what ``ferry plan`` prints),
     plan_text (what ``ferry plan --out`` writes), offload_options (those options)}. The
-    caller checked the kinds of ``budget``, ``host_budget`` and ``margin`` (``byte_count``,
-    ``percentage``, under its own names); their values are the request layer's to check."""
+    caller read ``budget`` and ``host_budget`` with ``read_bytes`` (taken as read), or
+    checked their kinds with ``byte_count`` (their values are then the request layer's to
+    check), and checked ``margin``'s kind with ``percentage``, under its own names."""
     name, text = model_args(model)
     try:
         made = _simulator.plan(

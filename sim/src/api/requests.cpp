@@ -419,10 +419,10 @@ Result<AllocatorMode> allocator_mode(std::string_view name) {
   return Error{fmt::format("--allocator: \"{}\" is not default or expandable", name)};
 }
 
-Result<Bytes> byte_count(std::string_view text, std::string_view option) {
+Result<Bytes> byte_count(std::string_view text, std::string_view option, bool optional) {
   if (text.find_first_not_of(" \t") == std::string_view::npos) {
-    return Error{
-        fmt::format("{}: empty; give a byte count such as 40GiB, or leave the option out", option)};
+    return Error{fmt::format("{}: empty; give a byte count such as 40GiB{}", option,
+                             optional ? ", or leave the option out" : "")};
   }
   return parse_bytes(text, option);
 }

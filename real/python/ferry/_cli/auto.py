@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from .._plan import PlanError
-from .._sim import DEFAULT_DEVICE, byte_count, run_planner
+from .._sim import DEFAULT_DEVICE, read_bytes, run_planner
 from . import trace as trace_cli
 
 
@@ -48,9 +48,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status."""
     args, rest = _parser().parse_known_args(argv)
-    try:
-        byte_count(args.budget, "--budget")
-        byte_count(args.host_budget, "--host-budget")
+    try:  # read once, before anything is traced; the planner takes them as read
+        budget = read_bytes(args.budget, "--budget", required=True)
+        host_budget = read_bytes(args.host_budget, "--host-budget")
     except ValueError as e:
         print(f"python -m ferry auto: {e}", file=sys.stderr)
         return 2
@@ -64,9 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code != 0:
         return code
     try:
-        made = run_planner(
-            trace_args.out, args.budget, args.device, args.host_budget, margin=args.margin
-        )
+        made = run_planner(trace_args.out, budget, args.device, host_budget, margin=args.margin)
     except PlanError as e:
         print(f"python -m ferry auto: {e}", file=sys.stderr)
         return e.exit_code

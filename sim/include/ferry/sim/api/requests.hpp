@@ -174,8 +174,9 @@ Result<Reshard> parse_reshard(std::string_view text);
 Result<Reshard> reshard_ranks(std::int64_t k);
 /// `--allocator`'s text: default or expandable.
 Result<AllocatorMode> allocator_mode(std::string_view name);
-/// A byte count's text for the option `option` ("--budget"); blank is an error, not "none".
-Result<Bytes> byte_count(std::string_view text, std::string_view option);
+/// A byte count's text for the option `option` ("--budget"); blank is an error, not "none"
+/// (whose message suggests leaving the option out when it is `optional`).
+Result<Bytes> byte_count(std::string_view text, std::string_view option, bool optional = true);
 /// A number of bytes for `option`: 0..2^50.
 Result<Bytes> byte_count(std::int64_t count, std::string_view option);
 /// `--margin`'s text: a percentage of the budget 0..50 with at most one decimal, "%" optional
