@@ -100,8 +100,12 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
     plain.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
   TrainingOptions sharded = plain;
-  sharded.fsdp.parallelism = Parallelism{
-      .ranks = setup.ranks, .replicas = setup.replicas, .reshard_after_forward = setup.reshard};
+  auto parallelism = check_parallelism(
+      Parallelism{
+          .ranks = setup.ranks, .replicas = setup.replicas, .reshard_after_forward = setup.reshard},
+      device);
+  if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
+  sharded.fsdp.parallelism = parallelism.value();
   auto reference = simulate_training(model, device, plain);
   auto run = simulate_training(model, device, sharded, faults);
   RC_ASSERT(reference.ok());
@@ -182,9 +186,12 @@ void node_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   if (setup.segments >= 2) {
     options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
-  options.fsdp.parallelism = Parallelism{.ranks = std::max(setup.ranks, 8),
-                                         .replicas = setup.replicas,
-                                         .reshard_after_forward = setup.reshard};
+  auto parallelism = check_parallelism(Parallelism{.ranks = std::max(setup.ranks, 8),
+                                                    .replicas = setup.replicas,
+                                                    .reshard_after_forward = setup.reshard},
+                                        device);
+  if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
+  options.fsdp.parallelism = parallelism.value();
   auto one = simulate_training(model, device, options);
   auto node = simulate_node(model, device, options, node_ranks, faults);
   RC_ASSERT(one.ok());

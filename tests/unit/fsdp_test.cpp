@@ -28,9 +28,18 @@ DeviceProfile fsdp_profile() {
   return p;
 }
 
-TrainingOptions fsdp_options(std::int32_t ranks, Policy policy = Policy::None) {
+// `p` checked against the FSDP profile, where it must hold.
+CheckedParallelism on_fsdp_profile(const Parallelism& p) {
+  auto checked = check_parallelism(p, fsdp_profile());
+  EXPECT_TRUE(checked.ok()) << checked.error().message;
+  return checked.ok() ? checked.value() : CheckedParallelism{};
+}
+
+TrainingOptions fsdp_options(std::int32_t ranks, Policy policy = Policy::None,
+                             Reshard reshard = Reshard::True()) {
   TrainingOptions o = testing::two_steps(policy);
-  o.fsdp.parallelism.ranks = ranks;
+  o.fsdp.parallelism =
+      on_fsdp_profile(Parallelism{.ranks = ranks, .reshard_after_forward = reshard});
   return o;
 }
 
@@ -75,8 +84,7 @@ TEST(Fsdp, GradientsAreThoseOfTheRunWithoutFsdp) {
   TrainingOptions plain = testing::two_steps(Policy::Ferry);
   const TrainingRun reference = train(m, plain);
   for (const Reshard reshard : {Reshard::True(), Reshard::False(), Reshard::K(2)}) {
-    TrainingOptions o = fsdp_options(4, Policy::Ferry);
-    o.fsdp.parallelism.reshard_after_forward = reshard;
+    const TrainingOptions o = fsdp_options(4, Policy::Ferry, reshard);
     const TrainingRun run = train(m, o);
     expect_clean(run);
     EXPECT_EQ(run.gradient_values, reference.gradient_values) << "reshard " << to_string(reshard);
@@ -127,26 +135,23 @@ TEST(Fsdp, CollectivesOverlapCompute) {
 }
 
 TEST(Fsdp, BadOptionsAreRefusedWithTheFieldNamed) {
-  const Model m = testing::chain_model(2, 1 << 10);
-  TrainingOptions o = fsdp_options(4);
-  o.fsdp.parallelism.replicas = 3;
-  auto run = simulate_training(m, fsdp_profile(), o);
+  // A parallelism is checked once, against the device, before any run can take it.
+  auto run = check_parallelism(Parallelism{.ranks = 4, .replicas = 3}, fsdp_profile());
   ASSERT_FALSE(run.ok());
   EXPECT_EQ(run.error().message, "replicas: 3 replica groups do not divide 4 ranks");
-  o = fsdp_options(4);
-  auto bare = simulate_training(m, testing::simple_profile(), o);
+  auto bare = check_parallelism(Parallelism{.ranks = 4}, testing::simple_profile());
   ASSERT_FALSE(bare.ok());
   EXPECT_NE(bare.error().message.find("collectives"), std::string::npos);
-  o = fsdp_options(16);
-  o.fsdp.parallelism.nodes = 1;
-  auto crowded = simulate_training(m, fsdp_profile(), o);
+  auto crowded = check_parallelism(Parallelism{.ranks = 16, .nodes = 1}, fsdp_profile());
   ASSERT_FALSE(crowded.ok());
   EXPECT_EQ(crowded.error().message.rfind("nodes: 16 ranks over 1 nodes", 0), 0U);
-  o = fsdp_options(4);
-  o.fsdp.parallelism.reshard_after_forward = Reshard::K(3);
-  auto uneven = simulate_training(m, fsdp_profile(), o);
+  auto uneven = check_parallelism(
+      Parallelism{.ranks = 4, .reshard_after_forward = Reshard::K(3)}, fsdp_profile());
   ASSERT_FALSE(uneven.ok());
   EXPECT_EQ(uneven.error().message.rfind("reshard_after_forward: 3 must be", 0), 0U);
+  // The default is one GPU, on any device.
+  EXPECT_FALSE(CheckedParallelism{}.on());
+  EXPECT_TRUE(check_parallelism(Parallelism{}, testing::simple_profile()).ok());
 }
 
 bool reported_on(const TrainingRun& run, const std::string& stream) {

@@ -83,11 +83,19 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
   return parallelism;
 }
 
+// The training options a request asks for, with its parallelism apart: that is checked
+// against the device once, where the run that uses it is chosen (check_parallelism), and the
+// runs take it as checked.
+struct AskedRun {
+  TrainingOptions base;  // its parallelism off
+  Parallelism parallelism;
+};
+
 // The training options `k` asks for on `model` (the model file's parallelism and allocator
 // where `k` leaves them), checked; with `simulate`, its checkpoint plan, side streams and
 // horizon too.
-Result<TrainingOptions> training_options(RunKnobs k, const Model& model,
-                                         const SimulateRequest* simulate) {
+Result<AskedRun> training_options(RunKnobs k, const Model& model,
+                                  const SimulateRequest* simulate) {
   adopt_parallelism(k.fsdp, model.parallelism, k.devices);
   auto parallelism = checked_knobs(k);
   if (!parallelism) return parallelism.error();
@@ -105,10 +113,9 @@ Result<TrainingOptions> training_options(RunKnobs k, const Model& model,
   o.offload.trl_stash_count = k.stash;
   o.offload.prefetch = k.prefetch;
   o.offload.dedup = k.dedup;
-  o.fsdp.parallelism = parallelism.value();
   if (simulate == nullptr) {
     if (!k.early_stop) o.checkpoint.global_early_stop = false;
-    return o;
+    return AskedRun{std::move(o), parallelism.value()};
   }
   auto plan = parse_checkpoint_spec(simulate->checkpoint, model);
   if (!plan) return Error{fmt::format("--checkpoint: {}", plan.error().message)};
@@ -124,7 +131,7 @@ Result<TrainingOptions> training_options(RunKnobs k, const Model& model,
     if (!horizon) return Error{fmt::format("{} (or auto, none)", horizon.error().message)};
     o.offload.horizon_bytes = horizon.value();
   }
-  return o;
+  return AskedRun{std::move(o), parallelism.value()};
 }
 
 Result<Policy> policy_of(const std::string& name) {
@@ -136,7 +143,7 @@ Outcome outcome_of(bool clean) { return clean ? Outcome::Ok : Outcome::Failed; }
 
 // `ferry simulate --plan FILE`: the plan replayed under `base`, with the plan's parallelism
 // where neither the request nor the model file gave one.
-Result<Response> replay(const SimulateRequest& r, const Workload& w, TrainingOptions base) {
+Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun run) {
   const std::string& path = *r.plan;
   auto text = read_input(path, "plan");
   if (!text) return text.error();
@@ -146,18 +153,17 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, TrainingOpt
   adopt_parallelism(asked, w.model->parallelism, r.run.devices);
   FsdpRequest adopted = asked;
   adopt_parallelism(adopted, plan.value().parallelism);
+  TrainingOptions& base = run.base;
   if (adopted.ranks != asked.ranks) {
     auto fsdp = parallelism_of(adopted);
-    if (fsdp) {
-      if (auto valid = validate_parallelism(fsdp.value(), w.device, kFsdpFlags); !valid) {
-        fsdp = valid.error();
-      }
-    }
-    if (!fsdp) return Error{fmt::format("{}: parallelism: {}", path, fsdp.error().message)};
-    base.fsdp.parallelism = fsdp.value();
-  } else if (auto valid = validate_parallelism(base.fsdp.parallelism, w.device, kFsdpFlags);
-             !valid) {
-    return valid.error();
+    auto checked = fsdp ? check_parallelism(fsdp.value(), w.device, kFsdpFlags)
+                        : Result<CheckedParallelism>(fsdp.error());
+    if (!checked) return Error{fmt::format("{}: parallelism: {}", path, checked.error().message)};
+    base.fsdp.parallelism = checked.value();
+  } else {
+    auto checked = check_parallelism(run.parallelism, w.device, kFsdpFlags);
+    if (!checked) return checked.error();
+    base.fsdp.parallelism = checked.value();
   }
   auto row = replay_plan(plan.value(), w.model, w.device, base);
   if (!row) return Error{fmt::format("{}: {}", path, row.error().message)};
@@ -216,12 +222,13 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
 
 // One device: the run under its policy, the ferry policy's horizon derived where the request
 // leaves it to the simulator.
-Result<Response> one_device(const SimulateRequest& r, const Workload& w, TrainingOptions base) {
+Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRun run) {
   auto policy = policy_of(r.policy);
   if (!policy) return policy.error();
-  if (auto valid = validate_parallelism(base.fsdp.parallelism, w.device, kFsdpFlags); !valid) {
-    return valid.error();
-  }
+  auto checked = check_parallelism(run.parallelism, w.device, kFsdpFlags);
+  if (!checked) return checked.error();
+  TrainingOptions& base = run.base;
+  base.fsdp.parallelism = checked.value();
   const Parallelism parallelism = base.fsdp.parallelism;
   PolicyRow row{r.policy, std::move(base)};
   row.options.offload.policy = policy.value();
@@ -238,9 +245,14 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, Trainin
   return out;
 }
 
-// The planner's options `r` asks for, before the model is read: its numbers and parallelism
-// checked, the budget 0 when it gives none.
-Result<PlannerOptions> planner_options(const PlanRequest& r) {
+// The planner's options `r` asks for, before the model is read, with its parallelism apart (as
+// AskedRun's): its numbers and the parallelism's checked, the budget 0 when it gives none.
+struct AskedPlan {
+  PlannerOptions options;  // its parallelism off
+  Parallelism parallelism;
+};
+
+Result<AskedPlan> planner_options(const PlanRequest& r) {
   if (r.sweep != 0) {
     if (auto bounded = in_bounds("--sweep", r.sweep, 2, 100); !bounded) return bounded.error();
     if (r.budget || r.margin_permille) {
@@ -254,7 +266,6 @@ Result<PlannerOptions> planner_options(const PlanRequest& r) {
   options.steps = r.steps;
   auto fsdp = parallelism_of(r.fsdp);
   if (!fsdp) return fsdp.error();
-  options.fsdp.parallelism = fsdp.value();
   options.allocator = r.allocator.value_or(AllocatorMode::Default);
   options.margin_permille = r.margin_permille.value_or(kDefaultPlanMarginPermille);
   if (auto margin = in_bounds("--margin", options.margin_permille, 0, kMaxPlanMarginPermille);
@@ -262,7 +273,7 @@ Result<PlannerOptions> planner_options(const PlanRequest& r) {
     return margin.error();
   }
   options.keep_run = r.memory_snapshot;
-  return options;
+  return AskedPlan{std::move(options), fsdp.value()};
 }
 
 }  // namespace
@@ -298,24 +309,25 @@ Result<Response> respond(const SimulateRequest& r) {
   auto workload = load(r.target);
   if (!workload) return workload.error();
   const Workload& w = workload.value();
-  auto base = training_options(r.run, *w.model, &r);
-  if (!base) return base.error();
-  if (r.plan) return replay(r, w, std::move(base).value());
-  if (r.run.devices > 1) return pipeline(r, w, base.value());
-  return one_device(r, w, std::move(base).value());
+  auto asked = training_options(r.run, *w.model, &r);
+  if (!asked) return asked.error();
+  if (r.plan) return replay(r, w, std::move(asked).value());
+  if (r.run.devices > 1) return pipeline(r, w, asked.value().base);
+  return one_device(r, w, std::move(asked).value());
 }
 
 Result<Response> respond(const CompareRequest& r) {
   auto workload = load(r.target);
   if (!workload) return workload.error();
   const Workload& w = workload.value();
-  auto base = training_options(r.run, *w.model, nullptr);
-  if (!base) return base.error();
-  const Parallelism& parallelism = base.value().fsdp.parallelism;
-  if (auto valid = validate_parallelism(parallelism, w.device, kFsdpFlags); !valid) {
-    return valid.error();
-  }
-  if (r.run.devices > 1 && base.value().sim.allocator != AllocatorMode::Default) {
+  auto asked = training_options(r.run, *w.model, nullptr);
+  if (!asked) return asked.error();
+  auto checked = check_parallelism(asked.value().parallelism, w.device, kFsdpFlags);
+  if (!checked) return checked.error();
+  TrainingOptions base = std::move(asked).value().base;
+  base.fsdp.parallelism = checked.value();
+  const Parallelism& parallelism = base.fsdp.parallelism;
+  if (r.run.devices > 1 && base.sim.allocator != AllocatorMode::Default) {
     return Error{fmt::format(
         "--allocator expandable applies to a single-device or FSDP run; a pipeline runs the "
         "default allocator (--devices {})",
@@ -323,7 +335,7 @@ Result<Response> respond(const CompareRequest& r) {
   }
   bool clean = true;
   std::vector<RowResult> rows;
-  for (const PolicyRow& row : default_rows(base.value(), *w.model, w.device)) {
+  for (const PolicyRow& row : default_rows(base, *w.model, w.device)) {
     if (r.progress) r.progress(row.name);
     rows.push_back(run_row(w.model, w.device, row));
     clean = clean && rows.back().hazards == 0;
@@ -348,7 +360,8 @@ Result<Response> respond(const PlanRequest& r) {
   auto workload = load(r.target);
   if (!workload) return workload.error();
   const Workload& w = workload.value();
-  PlannerOptions options = std::move(asked).value();
+  PlannerOptions options = std::move(asked.value().options);
+  Parallelism chosen = asked.value().parallelism;
   if (w.model->parallelism.on()) {
     // What the request left out is the model file's: the parallelism is checked again with it.
     FsdpRequest fsdp = r.fsdp;
@@ -358,7 +371,7 @@ Result<Response> respond(const PlanRequest& r) {
       return Error{
           fmt::format("{}: parallelism: {}", r.target.model.name, parallelism.error().message)};
     }
-    options.fsdp.parallelism = parallelism.value();
+    chosen = parallelism.value();
   }
   auto allocator = allocator_of(r.allocator, *w.model);
   if (!allocator) {
@@ -366,9 +379,9 @@ Result<Response> respond(const PlanRequest& r) {
         fmt::format("{}: parallelism: {}", r.target.model.name, allocator.error().message)};
   }
   options.allocator = allocator.value();
-  if (auto valid = validate_parallelism(options.fsdp.parallelism, w.device, kFsdpFlags); !valid) {
-    return valid.error();
-  }
+  auto checked = check_parallelism(chosen, w.device, kFsdpFlags);
+  if (!checked) return checked.error();
+  options.fsdp.parallelism = checked.value();
   Response out;
   if (r.sweep > 0) {
     // A sweep's budgets are the simulator's peaks, from the floor up: no margin below them.

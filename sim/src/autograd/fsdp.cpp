@@ -45,6 +45,12 @@ Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
   return Ok{};
 }
 
+Result<CheckedParallelism> check_parallelism(const Parallelism& p, const DeviceProfile& device,
+                                             const ParallelismNames& names) {
+  if (auto valid = validate_parallelism(p, device, names); !valid) return valid.error();
+  return CheckedParallelism(p);
+}
+
 DeviceProfile rank_profile(DeviceProfile profile, const Parallelism& p) {
   if (!p.on()) return profile;
   // The node's pinned host memory is shared by its ranks: each gets an even part.
@@ -124,10 +130,8 @@ Fsdp2::Fsdp2(const Model& model, const Graph& graph, const TrainingOptions& opti
       dev_(rank.device_id()),
       device_(rank.device()) {}
 
+// The parallelism was checked against the device where it was chosen (CheckedParallelism).
 Status Fsdp2::validate() const {
-  if (auto valid = validate_parallelism(parallelism_, sim_.device_profile(dev_)); !valid) {
-    return valid.error();
-  }
   if (options_.side.all_reduce) {
     return Error{"FSDP reduce-scatters gradients: DDP's all-reduce does not apply"};
   }

@@ -84,8 +84,7 @@ Result<NodeRun> simulate_node(const CheckedModel& checked, const DeviceProfile& 
                               const TrainingOptions& options, std::int32_t ranks,
                               const TrainingFaults& faults) {
   const Model& model = *checked;
-  const Parallelism& p = options.fsdp.parallelism;
-  if (auto valid = validate_parallelism(p, device); !valid) return valid.error();
+  const Parallelism& p = options.fsdp.parallelism;  // checked where it was chosen
   if (!p.on()) return Error{"a node run trains FSDP ranks: set fsdp.parallelism.ranks"};
   const std::int32_t per_node = p.ranks / p.node_count(device.collectives.gpus_per_node);
   if (ranks < 2 || ranks > per_node) {

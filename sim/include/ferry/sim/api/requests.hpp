@@ -67,7 +67,7 @@ inline constexpr ParallelismNames kFsdpFlags{.ranks = "--fsdp",
                                              .reshard_after_forward = "--reshard-after-forward"};
 
 /// The parallelism `fsdp` asks for, its numbers in bounds (Note [One check for both edges]).
-/// Not against a device: validate_parallelism with kFsdpFlags does that.
+/// Not against a device: check_parallelism with kFsdpFlags does that.
 Result<Parallelism> parallelism_of(const FsdpRequest& fsdp);
 
 /// Fills what `fsdp` leaves out from a file's parallelism section: its ranks when none are asked

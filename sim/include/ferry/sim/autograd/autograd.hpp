@@ -41,18 +41,6 @@ struct SideStreamOptions {
   [[nodiscard]] bool any() const { return !layers.empty() || recompute || all_reduce; }
 };
 
-/// FSDP2 (`fully_shard` on each transformer layer and on the root module), as one of
-/// `parallelism.ranks` symmetric ranks runs it (Note [FSDP2, one rank] in fsdp.cpp). Parallelism
-/// off: no FSDP, the whole model on the device.
-struct FsdpOptions {
-  Parallelism parallelism{};
-  /// MixedPrecisionPolicy(param_dtype=model dtype, reduce_dtype=f32) over f32 parameters:
-  /// sharded parameters, gradients and AdamW moments are f32. Off: all in the model's dtype.
-  bool mixed_precision = true;
-  [[nodiscard]] bool on() const { return parallelism.on(); }
-  friend bool operator==(const FsdpOptions&, const FsdpOptions&) = default;
-};
-
 /// How validate_parallelism's messages name a Parallelism's fields: as the fields are named,
 /// unless an edge passes the spelling its user wrote (api/requests.hpp's kFsdpFlags).
 struct ParallelismNames {
@@ -65,6 +53,44 @@ struct ParallelismNames {
 /// Checks `p` against a device profile's links; the error names the field as `names` spells it.
 Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
                             const ParallelismNames& names = {});
+
+/// A parallelism validate_parallelism accepted against the device the runs use, checked once
+/// (check_parallelism) where it is chosen: the runs, and each rank's FSDP, take it and do not
+/// check it again, as the simulations take a CheckedModel. The default is off (one GPU), which
+/// needs no check.
+class CheckedParallelism {
+ public:
+  CheckedParallelism() = default;
+  [[nodiscard]] const Parallelism& value() const { return p_; }
+  operator const Parallelism&() const { return p_; }  // NOLINT(google-explicit-constructor)
+  const Parallelism* operator->() const { return &p_; }
+  [[nodiscard]] bool on() const { return p_.on(); }
+  friend bool operator==(const CheckedParallelism&, const CheckedParallelism&) = default;
+
+ private:
+  explicit CheckedParallelism(const Parallelism& p) : p_(p) {}
+  friend Result<CheckedParallelism> check_parallelism(const Parallelism& p,
+                                                      const DeviceProfile& device,
+                                                      const ParallelismNames& names);
+
+  Parallelism p_;
+};
+
+/// `p` as a CheckedParallelism for runs on `device`, or validate_parallelism's error.
+Result<CheckedParallelism> check_parallelism(const Parallelism& p, const DeviceProfile& device,
+                                             const ParallelismNames& names = {});
+
+/// FSDP2 (`fully_shard` on each transformer layer and on the root module), as one of
+/// `parallelism.ranks` symmetric ranks runs it (Note [FSDP2, one rank] in fsdp.cpp). Parallelism
+/// off: no FSDP, the whole model on the device.
+struct FsdpOptions {
+  CheckedParallelism parallelism{};
+  /// MixedPrecisionPolicy(param_dtype=model dtype, reduce_dtype=f32) over f32 parameters:
+  /// sharded parameters, gradients and AdamW moments are f32. Off: all in the model's dtype.
+  bool mixed_precision = true;
+  [[nodiscard]] bool on() const { return parallelism.on(); }
+  friend bool operator==(const FsdpOptions&, const FsdpOptions&) = default;
+};
 
 /// The device as one rank sees it: with FSDP, its even part of the node's pinned host memory.
 [[nodiscard]] DeviceProfile rank_profile(DeviceProfile profile, const Parallelism& p);
