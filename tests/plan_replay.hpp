@@ -12,6 +12,7 @@
 
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/io/model_json.hpp"
+#include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/planner/lower.hpp"
 #include "ferry/sim/runs/configurations.hpp"
 
@@ -47,6 +48,28 @@ inline Model sized_family(const std::string& family) {
   auto model = parse_model(text.str(), path.string());
   EXPECT_TRUE(model.ok()) << (model.ok() ? "" : model.error().message);
   return model.ok() ? std::move(model).value() : Model{};
+}
+
+/// A bundled device profile by name.
+inline DeviceProfile device_named(const std::string& name) {
+  auto d = load_device_profile(std::string(FERRY_SCENARIOS_DIR) + "/devices", name);
+  EXPECT_TRUE(d.ok()) << name;
+  return d.ok() ? d.value() : DeviceProfile{};
+}
+
+/// `check(family, model, device)` for each sized family on each bundled profile, the model's
+/// durations assigned for the profile.
+template <typename Check>
+void for_each_sized_family(Check check) {
+  for (const char* family : {"gpt2", "llama", "mistral", "qwen2", "gemma2"}) {
+    for (const char* profile : {"h100-sxm-pcie5", "a100-pcie4", "gh200"}) {
+      const DeviceProfile device = device_named(profile);
+      Model model = sized_family(family);
+      ASSERT_FALSE(model.ops.empty()) << family;
+      assign_roofline_durations(model, device);
+      check(std::string(family), model, device);
+    }
+  }
 }
 
 }  // namespace ferry::sim::testing

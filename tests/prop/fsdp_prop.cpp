@@ -187,9 +187,9 @@ void node_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
     options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
   auto parallelism = check_parallelism(Parallelism{.ranks = std::max(setup.ranks, 8),
-                                                    .replicas = setup.replicas,
-                                                    .reshard_after_forward = setup.reshard},
-                                        device);
+                                                   .replicas = setup.replicas,
+                                                   .reshard_after_forward = setup.reshard},
+                                       device);
   if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
   options.fsdp.parallelism = parallelism.value();
   auto one = simulate_training(model, device, options);

@@ -12,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/planner/bound.hpp"
 #include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/planner/space.hpp"
@@ -21,13 +20,8 @@
 namespace ferry::sim {
 namespace {
 
+using testing::device_named;
 using testing::Replay;
-
-DeviceProfile device_named(const std::string& name) {
-  auto d = load_device_profile(std::string(FERRY_SCENARIOS_DIR) + "/devices", name);
-  EXPECT_TRUE(d.ok()) << name;
-  return d.value();
-}
 
 // Every plan of per-layer options of `space` (the options the stage measures: a level or a
 // tail, never both; with `offload`, each kept or offloaded).
@@ -149,22 +143,17 @@ TEST(PlanOptions, ThePlanIsWithinHalfAPercentOfEveryPlanOfOptionsWithoutOffload)
 }
 
 TEST(PlanOptions, ThePlanIsWithinHalfAPercentOfEveryPlanOfOptionsOnTracedFamilies) {
-  // The traced families of tests/data/traced (two layers each), offload included, at 1.0x,
-  // 1.1x and 1.3x the peak of checkpointing every layer on the three bundled profiles.
+  // The sized traced families (tests/data/traced/sized, two layers each), offload included,
+  // at 1.0x, 1.1x and 1.3x the peak of checkpointing every layer on the three bundled profiles.
   double worst = 0;
   double checkpointing = 0;
-  for (const char* family : {"gpt2", "llama", "mistral", "qwen2", "gemma2"}) {
-    for (const char* profile : {"h100-sxm-pcie5", "a100-pcie4", "gh200"}) {
-      const DeviceProfile device = device_named(profile);
-      Model model = testing::sized_family(family);
-      ASSERT_FALSE(model.ops.empty()) << family;
-      assign_roofline_durations(model, device);
-      ASSERT_EQ(planning::PlanSpace(model, device).layers().size(), 2U) << family;
-      const SpaceCheck check = check_space(family, model, device, true, {100, 110, 130});
-      worst = std::max(worst, check.worst);
-      checkpointing = std::max(checkpointing, check.checkpointing);
-    }
-  }
+  testing::for_each_sized_family(
+      [&](const std::string& family, const Model& model, const DeviceProfile& device) {
+        ASSERT_EQ(planning::PlanSpace(model, device).layers().size(), 2U) << family;
+        const SpaceCheck check = check_space(family, model, device, true, {100, 110, 130});
+        worst = std::max(worst, check.worst);
+        checkpointing = std::max(checkpointing, check.checkpointing);
+      });
   std::printf("worst plan / fastest plan of options: %.4f\n", worst);
   RecordProperty("worst_plan_over_options", std::to_string(worst));
   // The comparison can fail: a plan that checkpoints every layer, at its own peak, is more

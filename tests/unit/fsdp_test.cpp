@@ -145,8 +145,8 @@ TEST(Fsdp, BadOptionsAreRefusedWithTheFieldNamed) {
   auto crowded = check_parallelism(Parallelism{.ranks = 16, .nodes = 1}, fsdp_profile());
   ASSERT_FALSE(crowded.ok());
   EXPECT_EQ(crowded.error().message.rfind("nodes: 16 ranks over 1 nodes", 0), 0U);
-  auto uneven = check_parallelism(
-      Parallelism{.ranks = 4, .reshard_after_forward = Reshard::K(3)}, fsdp_profile());
+  auto uneven = check_parallelism(Parallelism{.ranks = 4, .reshard_after_forward = Reshard::K(3)},
+                                  fsdp_profile());
   ASSERT_FALSE(uneven.ok());
   EXPECT_EQ(uneven.error().message.rfind("reshard_after_forward: 3 must be", 0), 0U);
   // The default is one GPU, on any device.

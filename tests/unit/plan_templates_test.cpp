@@ -20,7 +20,6 @@
 #include <vector>
 
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
-#include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/planner/bound.hpp"
 #include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/planner/space.hpp"
@@ -39,6 +38,7 @@ const char* const kTemplateNames[kTemplates] = {"keep",
                                                 "all but mm",
                                                 "all but mm, mm offloaded"};
 
+using testing::device_named;
 using testing::Replay;
 using testing::replay;
 
@@ -134,12 +134,6 @@ std::pair<Replay, Plan> improve(Plan start, Replay at, const Model& model,
     start = std::move(next->second);
   }
   return {at, start};
-}
-
-DeviceProfile device_named(const std::string& name) {
-  auto d = load_device_profile(std::string(FERRY_SCENARIOS_DIR) + "/devices", name);
-  EXPECT_TRUE(d.ok()) << name;
-  return d.value();
 }
 
 // `model` (its durations assigned for `device`): every combination of templates over its
@@ -269,15 +263,10 @@ TEST(PlanTemplates, NoTemplateCombinationBeatsThePlanOnTracedFamilies) {
   // The traced families cut to two layers, on the three profiles, the best combination
   // improved by two rounds of single-op changes (a traced layer has 70-160 ops).
   double worst = 0;
-  for (const char* family : {"gpt2", "llama", "mistral", "qwen2", "gemma2"}) {
-    for (const char* profile : {"h100-sxm-pcie5", "a100-pcie4", "gh200"}) {
-      const DeviceProfile device = device_named(profile);
-      Model model = testing::sized_family(family);
-      ASSERT_FALSE(model.ops.empty()) << family;
-      assign_roofline_durations(model, device);
-      check_case(family, model, device, 2, &worst);
-    }
-  }
+  testing::for_each_sized_family(
+      [&](const std::string& family, const Model& model, const DeviceProfile& device) {
+        check_case(family, model, device, 2, &worst);
+      });
   std::printf("worst plan / best template: %.4f\n", worst);
   RecordProperty("worst_plan_over_template", std::to_string(worst));
 }

@@ -94,8 +94,7 @@ struct AskedRun {
 // The training options `k` asks for on `model` (the model file's parallelism and allocator
 // where `k` leaves them), checked; with `simulate`, its checkpoint plan, side streams and
 // horizon too.
-Result<AskedRun> training_options(RunKnobs k, const Model& model,
-                                  const SimulateRequest* simulate) {
+Result<AskedRun> training_options(RunKnobs k, const Model& model, const SimulateRequest* simulate) {
   adopt_parallelism(k.fsdp, model.parallelism, k.devices);
   auto parallelism = checked_knobs(k);
   if (!parallelism) return parallelism.error();
