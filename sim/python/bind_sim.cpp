@@ -101,8 +101,7 @@ std::optional<ReadBytes> read_bytes(const py::object& value, const std::string& 
     if (count == -1 && PyErr_Occurred()) {
       PyErr_Clear();
       throw py::value_error(fmt::format("{}: {} is not in 0..{}", what,
-                                        py::repr(value).cast<std::string>(),
-                                        std::int64_t{1} << 50));
+                                        py::repr(value).cast<std::string>(), sim::kMaxByteCount));
     }
     return ReadBytes{value_or_raise(sim::byte_count(static_cast<std::int64_t>(count), what))};
   }

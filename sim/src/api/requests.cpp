@@ -133,6 +133,14 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
   return AskedRun{std::move(o), parallelism.value()};
 }
 
+// `p` checked against the device, its errors naming the flags, as `fsdp`'s parallelism.
+Status choose_parallelism(FsdpOptions& fsdp, const Parallelism& p, const DeviceProfile& device) {
+  auto checked = check_parallelism(p, device, kFsdpFlags);
+  if (!checked) return checked.error();
+  fsdp.parallelism = checked.value();
+  return Ok{};
+}
+
 Result<Policy> policy_of(const std::string& name) {
   if (const auto policy = parse_policy(name)) return *policy;
   return Error{fmt::format("unknown policy \"{}\" ({})", name, kPolicyNames)};
@@ -155,14 +163,11 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   TrainingOptions& base = run.base;
   if (adopted.ranks != asked.ranks) {
     auto fsdp = parallelism_of(adopted);
-    auto checked = fsdp ? check_parallelism(fsdp.value(), w.device, kFsdpFlags)
-                        : Result<CheckedParallelism>(fsdp.error());
-    if (!checked) return Error{fmt::format("{}: parallelism: {}", path, checked.error().message)};
-    base.fsdp.parallelism = checked.value();
-  } else {
-    auto checked = check_parallelism(run.parallelism, w.device, kFsdpFlags);
-    if (!checked) return checked.error();
-    base.fsdp.parallelism = checked.value();
+    const Status chosen =
+        fsdp ? choose_parallelism(base.fsdp, fsdp.value(), w.device) : Status(fsdp.error());
+    if (!chosen) return Error{fmt::format("{}: parallelism: {}", path, chosen.error().message)};
+  } else if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device); !chosen) {
+    return chosen.error();
   }
   auto row = replay_plan(plan.value(), w.model, w.device, base);
   if (!row) return Error{fmt::format("{}: {}", path, row.error().message)};
@@ -224,10 +229,10 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
 Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRun run) {
   auto policy = policy_of(r.policy);
   if (!policy) return policy.error();
-  auto checked = check_parallelism(run.parallelism, w.device, kFsdpFlags);
-  if (!checked) return checked.error();
   TrainingOptions& base = run.base;
-  base.fsdp.parallelism = checked.value();
+  if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device); !chosen) {
+    return chosen.error();
+  }
   const Parallelism parallelism = base.fsdp.parallelism;
   PolicyRow row{r.policy, std::move(base)};
   row.options.offload.policy = policy.value();
@@ -321,10 +326,10 @@ Result<Response> respond(const CompareRequest& r) {
   const Workload& w = workload.value();
   auto asked = training_options(r.run, *w.model, nullptr);
   if (!asked) return asked.error();
-  auto checked = check_parallelism(asked.value().parallelism, w.device, kFsdpFlags);
-  if (!checked) return checked.error();
-  TrainingOptions base = std::move(asked).value().base;
-  base.fsdp.parallelism = checked.value();
+  TrainingOptions base = std::move(asked.value().base);
+  if (auto chosen = choose_parallelism(base.fsdp, asked.value().parallelism, w.device); !chosen) {
+    return chosen.error();
+  }
   const Parallelism& parallelism = base.fsdp.parallelism;
   if (r.run.devices > 1 && base.sim.allocator != AllocatorMode::Default) {
     return Error{fmt::format(
@@ -378,9 +383,7 @@ Result<Response> respond(const PlanRequest& r) {
         fmt::format("{}: parallelism: {}", r.target.model.name, allocator.error().message)};
   }
   options.allocator = allocator.value();
-  auto checked = check_parallelism(chosen, w.device, kFsdpFlags);
-  if (!checked) return checked.error();
-  options.fsdp.parallelism = checked.value();
+  if (auto fsdp = choose_parallelism(options.fsdp, chosen, w.device); !fsdp) return fsdp.error();
   Response out;
   if (r.sweep > 0) {
     // A sweep's budgets are the simulator's peaks, from the floor up: no margin below them.
@@ -440,7 +443,7 @@ Result<Bytes> byte_count(std::string_view text, std::string_view option, bool op
 }
 
 Result<Bytes> byte_count(std::int64_t count, std::string_view option) {
-  if (auto bounded = in_bounds(option, count, 0, std::int64_t{1} << 50); !bounded) {
+  if (auto bounded = in_bounds(option, count, 0, kMaxByteCount); !bounded) {
     return bounded.error();
   }
   return Bytes(count);

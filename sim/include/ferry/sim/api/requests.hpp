@@ -177,7 +177,9 @@ Result<AllocatorMode> allocator_mode(std::string_view name);
 /// A byte count's text for the option `option` ("--budget"); blank is an error, not "none"
 /// (whose message suggests leaving the option out when it is `optional`).
 Result<Bytes> byte_count(std::string_view text, std::string_view option, bool optional = true);
-/// A number of bytes for `option`: 0..2^50.
+/// The largest byte count an option takes: 2^50 bytes (1 PiB).
+inline constexpr std::int64_t kMaxByteCount = std::int64_t{1} << 50;
+/// A number of bytes for `option`: 0..kMaxByteCount.
 Result<Bytes> byte_count(std::int64_t count, std::string_view option);
 /// `--margin`'s text: a percentage of the budget 0..50 with at most one decimal, "%" optional
 /// ("6", "5.5%", "0"), in thousandths of the budget.

@@ -61,9 +61,7 @@ Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
 class CheckedParallelism {
  public:
   CheckedParallelism() = default;
-  [[nodiscard]] const Parallelism& value() const { return p_; }
   operator const Parallelism&() const { return p_; }  // NOLINT(google-explicit-constructor)
-  const Parallelism* operator->() const { return &p_; }
   [[nodiscard]] bool on() const { return p_.on(); }
   friend bool operator==(const CheckedParallelism&, const CheckedParallelism&) = default;
 
