@@ -19,9 +19,11 @@ namespace ferry::sim::planning {
 // what PyTorch's selective checkpoint caches). The ranking puts first the ops that free the most
 // bytes per nanosecond of recompute; the levels are the points of the ranking where the bytes
 // a region would hold fall, once they are below what the layer saves without a region (the
-// first ops of a traced layer's ranking free less than the region holds for the others), at
-// most 16 of them (a traced layer has dozens of ops: then only points at least a sixteenth of
-// the layer's saved bytes apart), and the top level, plain checkpointing. (space.cpp)
+// first ops of a traced layer's ranking free less than the region holds for the others), and
+// the top level, plain checkpointing; when there are more than 16 such points (a traced layer
+// has dozens of ops), only those at least a sixteenth of the layer's saved bytes apart, and
+// those just before an op that takes a sixteenth of the layer's forward time or more (a mixture
+// of experts' expert matmul: "all but the expert matmuls" is then a level). (space.cpp)
 //
 // The search, against a cost model (Note [The cost model]; the planner's is the simulator), in
 // stages. Seed: the fixed configurations of `ferry compare` that a plan can express are

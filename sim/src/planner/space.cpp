@@ -81,8 +81,17 @@ std::vector<std::size_t> levels_of(const Model& model, const Layer& layer) {
   std::int64_t held = bytes.inputs;
   for (const std::uint32_t p : layer.ranking)
     held += held_by(model, p, layer.first, layer.end).count();
-  // Every point below `without` where the held bytes fall; at most kMaxLevels of them, each
-  // at least 1/kMaxLevels of `without` below the last.
+  // Every point below `without` where the held bytes fall; when there are more than
+  // kMaxLevels of them, those at least 1/kMaxLevels of `without` below the last, and those
+  // just before an op that takes at least 1/kMaxLevels of the layer's forward time (stopping
+  // there spares its recompute: a mixture of experts' expert matmuls, after attention).
+  std::int64_t forward_ns = 0;
+  for (std::uint32_t i = layer.first; i < layer.end; ++i) forward_ns += model.ops[i].duration.ns();
+  const auto before_costly = [&](std::size_t k) {
+    return k < layer.ranking.size() &&
+           model.ops[layer.ranking[k]].duration.ns() * static_cast<std::int64_t>(kMaxLevels) >=
+               forward_ns;
+  };
   std::vector<std::pair<std::size_t, std::int64_t>> falls;
   for (std::size_t k = 1; k < layer.ranking.size(); ++k) {
     const std::int64_t freed = held_by(model, layer.ranking[k - 1], layer.first, layer.end).count();
@@ -96,7 +105,7 @@ std::vector<std::size_t> levels_of(const Model& model, const Layer& layer) {
   std::vector<std::size_t> levels{0};
   std::int64_t last = without;
   for (const auto& [k, h] : falls) {
-    if (last - h < step) continue;
+    if (last - h < step && !before_costly(k)) continue;
     levels.push_back(k);
     last = h;
   }
