@@ -39,7 +39,27 @@ namespace ferry::sim::planning {
 // link's queue are not additive. So the cost model judges the choice, and where its peak is
 // over the budget the model is asked to free that much more, and solved again (at most kRounds
 // runs); a choice that fits with room to spare is solved once more with half that room given
-// back. The fastest choice that fits goes to the local search (search.cpp), which refines it.
+// back. Where layers are coupled, the options are measured again around two other points
+// (Note [Layers are coupled]). The fastest choice that fits goes to the local search
+// (search.cpp), which refines it.
+
+// Note [Layers are coupled]
+// An option's freed bytes are measured with every other layer as in the reference, and the
+// peak is not a sum: it falls in the backward of whichever layer holds the most at that time
+// (the stack's last layer, recomputed first, while the others still hold what they saved; or
+// an earlier one when the last keeps more and has freed it). So two options can free together
+// what neither frees alone (a traced Mixtral cut to two layers: the first layer checkpointed
+// whole, the last recomputing all but its expert matmuls), and the model, counting each alone,
+// never picks them. Two more kinds of measurement repair that. When the model's first choice
+// moved away from the reference and did not fit, the options are measured again around that
+// choice (as the linearization of a non-linear cost is redone at the new point), and solved.
+// And on stacks of at most kPinnedDepth layers, the stack's last layer is pinned at each of
+// its kPins fastest options on the Pareto set (its own in the reference aside); the other
+// layers' options that were on that set, and plain checkpointing, are measured again against
+// it, and solved with one repair. Only there: in a shallow stack one layer is a quarter or
+// more of what the layers save and moves the peak; in a deep one each layer is a small part of
+// it, the additive model is close, and the passes would cost the most (a run of the cost
+// model grows with depth). The fastest of what fits is the stage's answer.
 
 // Note [The option model]
 // One option per layer, each counted from the reference (Note [Layer options]); the options'
@@ -67,6 +87,10 @@ namespace {
 
 // Runs of the cost model the repair may make (Note [Layer options]).
 constexpr int kRounds = 6;
+// Options of the stack's last layer the others are measured against (Note [Layers are coupled]).
+constexpr std::size_t kPins = 4;
+// The deepest stack whose last layer is pinned (Note [Layers are coupled]).
+constexpr std::size_t kPinnedDepth = 4;
 constexpr std::int64_t kMemoryUnits = 512;
 constexpr std::int64_t kExactMemoryUnits = 4096;
 constexpr std::int64_t kMovedUnits = 32;
@@ -302,19 +326,22 @@ std::vector<LayerConfig> place(const OptionProblem& problem, const OptionChoice&
   return configs;
 }
 
-}  // namespace
+// The option model around a reference, with the groups it measured (each class, its last
+// layer apart) and every option measured on the stack's last layer, when it is a group of its
+// own (the Pareto set's and the others), counted from the reference.
+struct Measured {
+  OptionProblem problem;
+  std::vector<std::vector<std::size_t>> classes;
+  std::vector<LayerOption> last;
+};
 
-std::optional<Position> exact_stage(Search& search, const Position& from) {
+// The option model around `reference` (Note [Layer options]): each group's options measured on
+// its middle layer; the layer `pinned`, when a group of its own, has its reference
+// configuration as its one option. None when the reference's own run failed.
+std::optional<Measured> measure_around(Search& search, const Position& reference,
+                                       std::optional<std::size_t> pinned = std::nullopt) {
   const std::size_t n = search.layers().size();
-  if (n == 0) return std::nullopt;
   const PlanKnobs knobs;
-  // The reference: where the search ended, or everything kept when that did not complete.
-  Position reference = from;
-  if (!reference.evaluation.ok || reference.configs.size() != n) {
-    reference.configs.assign(n, LayerConfig{});
-    reference.evaluation = search.evaluate(search.plan_of(reference.configs, knobs));
-    if (!reference.evaluation.ok) return std::nullopt;
-  }
   const Evaluation& base = reference.evaluation;
   const Budgets& budgets = search.budgets();
   const bool offload = !budgets.host || *budgets.host > Bytes(0);
@@ -332,26 +359,31 @@ std::optional<Position> exact_stage(Search& search, const Position& from) {
     capacity = std::max(base.d2h.count(), static_cast<std::int64_t>(static_cast<Wide>(bandwidth) *
                                                                     forward_ns / 1'000'000'000));
   }
-  OptionProblem problem;
+  Measured out;
+  OptionProblem& problem = out.problem;
   problem.bandwidth = bandwidth;
   problem.link = capacity - base.d2h.count();
   problem.need = (base.reserved - budgets.device).count();
   if (budgets.host) problem.host = (*budgets.host - base.pinned).count();
   // The groups measured: each class, its last layer apart (its recompute runs first in
   // backward, at the peak, so what it keeps costs the peak differently).
-  std::vector<std::vector<std::size_t>> classes;
   for (std::vector<std::size_t> members : layer_classes(search.space())) {
     if (members.size() >= 2) {
-      classes.push_back({members.back()});
+      out.classes.push_back({members.back()});
       members.pop_back();
     }
-    classes.push_back(std::move(members));
+    out.classes.push_back(std::move(members));
   }
   problem.options.resize(n);
-  for (const auto& members : classes) {
+  for (const auto& members : out.classes) {
+    if (pinned && members == std::vector<std::size_t>{*pinned}) {
+      problem.options[*pinned] = {LayerOption{reference.configs[*pinned], 0, 0, 0}};
+      continue;
+    }
     const std::size_t middle = members[members.size() / 2];
     std::vector<LayerOption> measured;
-    for (const LayerConfig& config : options_of(search.layers()[middle], offload)) {
+    const std::vector<LayerConfig> configs_measured = options_of(search.layers()[middle], offload);
+    for (const LayerConfig& config : configs_measured) {
       std::vector<LayerConfig> configs = reference.configs;
       configs[middle] = config;
       const Evaluation e = search.evaluate(search.plan_of(configs, knobs));
@@ -362,6 +394,7 @@ std::optional<Position> exact_stage(Search& search, const Position& from) {
       measured.push_back(LayerOption{config, (e.time - base.time).ns() - link,
                                      (base.reserved - e.reserved).count(), moved});
     }
+    if (members == std::vector<std::size_t>{n - 1}) out.last = measured;
     // Each member's options are counted from its own configuration in the reference, as the
     // middle layer measured it (a class's members can differ there).
     const std::vector<LayerOption> kept = pareto(measured);
@@ -379,29 +412,101 @@ std::optional<Position> exact_stage(Search& search, const Position& from) {
       problem.options[l] = std::move(options);
     }
   }
+  return out;
+}
+
+// What solving the option model around one reference found: the fastest choice that fits,
+// and the model's first choice as the cost model ran it (fitting or not).
+struct Solved {
   std::optional<Position> best;
+  std::optional<Position> first;
+};
+
+// Solves `measured`, has the cost model judge each choice and repairs (Note [Layer options]).
+Solved solve_and_repair(Search& search, Measured measured, int rounds = kRounds) {
+  const PlanKnobs knobs;
+  const Budgets& budgets = search.budgets();
+  OptionProblem& problem = measured.problem;
+  Solved out;
   bool gave_back = false;
-  for (int round = 0; round < kRounds; ++round) {
+  for (int round = 0; round < rounds; ++round) {
     const std::optional<OptionChoice> choice = solve_options(problem);
     if (!choice) break;
-    std::vector<LayerConfig> configs = place(problem, *choice, classes);
+    std::vector<LayerConfig> configs = place(problem, *choice, measured.classes);
     const Evaluation e = search.evaluate(search.plan_of(configs, knobs));
     if (!e.ok) break;
+    if (round == 0) out.first = Position{configs, e};
     if (search.fits(e)) {
-      if (!best || e.time < best->evaluation.time) best = Position{std::move(configs), e};
+      if (!out.best || e.time < out.best->evaluation.time)
+        out.best = Position{std::move(configs), e};
       const std::int64_t room = (budgets.device - e.reserved).count();
       if (gave_back || room < units_of(problem).memory) break;
       problem.need -= room / 2;
       gave_back = true;
       continue;
     }
-    if (gave_back && best) break;
+    if (gave_back && out.best) break;
     if (e.reserved > budgets.device) problem.need += (e.reserved - budgets.device).count();
     if (budgets.host && e.pinned > *budgets.host) {
       *problem.host -= (e.pinned - *budgets.host).count();
     }
   }
-  return best;
+  return out;
+}
+
+}  // namespace
+
+std::optional<Position> exact_stage(Search& search, const Position& from) {
+  const std::size_t n = search.layers().size();
+  if (n == 0) return std::nullopt;
+  // The reference: where the search ended, or everything kept when that did not complete.
+  Position reference = from;
+  if (!reference.evaluation.ok || reference.configs.size() != n) {
+    reference.configs.assign(n, LayerConfig{});
+    reference.evaluation = search.evaluate(search.plan_of(reference.configs, PlanKnobs{}));
+    if (!reference.evaluation.ok) return std::nullopt;
+  }
+  std::optional<Measured> measured = measure_around(search, reference);
+  if (!measured) return std::nullopt;
+  const std::vector<LayerOption> last_options = measured->last;
+  Solved solved = solve_and_repair(search, std::move(*measured));
+  const auto take = [&](const Solved& other) {
+    if (other.best &&
+        (!solved.best || other.best->evaluation.time < solved.best->evaluation.time)) {
+      solved.best = other.best;
+    }
+  };
+  // Layers are coupled (Note [Layers are coupled]): when the model's first choice moved away
+  // from the reference and did not fit, the options are measured once more around it.
+  if (solved.first && !search.fits(solved.first->evaluation) &&
+      solved.first->configs != reference.configs) {
+    if (std::optional<Measured> again = measure_around(search, *solved.first)) {
+      take(solve_and_repair(search, std::move(*again)));
+    }
+  }
+  // And on a shallow stack, with its last layer pinned at each of its kPins options that are
+  // faster than its own in the reference and free the most: every other layer's options
+  // measured against it, and solved.
+  const std::size_t last = n - 1;
+  std::vector<LayerOption> pins;
+  for (const LayerOption& o : last_options) {
+    if (o.time_ns < 0 && n <= kPinnedDepth) pins.push_back(o);
+  }
+  std::stable_sort(pins.begin(), pins.end(), [](const LayerOption& a, const LayerOption& b) {
+    return a.freed != b.freed ? a.freed > b.freed : a.time_ns < b.time_ns;
+  });
+  if (pins.size() > kPins) pins.resize(kPins);
+  const Position around = solved.best ? *solved.best : reference;
+  for (const LayerOption& pin : pins) {
+    Position center = around;
+    center.configs[last] = pin.config;
+    center.evaluation = search.evaluate(search.plan_of(center.configs, PlanKnobs{}));
+    if (!center.evaluation.ok) continue;
+    if (std::optional<Measured> again = measure_around(search, center, last)) {
+      take(solve_and_repair(search, std::move(*again), 2));
+    }
+  }
+  return solved.best;
 }
 
 }  // namespace ferry::sim::planning
