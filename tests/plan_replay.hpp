@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -37,8 +38,13 @@ inline Replay replay(const Plan& plan, const Model& model, const DeviceProfile& 
                 r.sim.device_allocator(r.device).stats().reserved_peak};
 }
 
-/// The sized traced family `family` (gpt2, llama, mistral, qwen2, gemma2: its published config
-/// cut to two layers, tests/data/traced/sized) as its file gives it.
+/// The sized traced families (tests/data/traced/sized): five dense decoders and a mixture of
+/// experts.
+inline constexpr std::array<const char*, 6> kSizedFamilies = {"gpt2",  "llama",  "mistral",
+                                                              "qwen2", "gemma2", "mixtral"};
+
+/// The sized traced family `family` (one of kSizedFamilies: its published config cut to two
+/// layers, tests/data/traced/sized) as its file gives it.
 inline Model sized_family(const std::string& family) {
   const std::filesystem::path path =
       std::filesystem::path(FERRY_TESTS_DIR) / "data" / "traced" / "sized" / (family + ".json");
@@ -57,11 +63,11 @@ inline DeviceProfile device_named(const std::string& name) {
   return d.ok() ? d.value() : DeviceProfile{};
 }
 
-/// `check(family, model, device)` for each sized family on each bundled profile, the model's
+/// `check(family, model, device)` for each of `families` on each bundled profile, the model's
 /// durations assigned for the profile.
-template <typename Check>
-void for_each_sized_family(Check check) {
-  for (const char* family : {"gpt2", "llama", "mistral", "qwen2", "gemma2"}) {
+template <typename Check, typename Families = decltype(kSizedFamilies)>
+void for_each_sized_family(Check check, const Families& families = kSizedFamilies) {
+  for (const char* family : families) {
     for (const char* profile : {"h100-sxm-pcie5", "a100-pcie4", "gh200"}) {
       const DeviceProfile device = device_named(profile);
       Model model = sized_family(family);

@@ -124,15 +124,19 @@ GEMMA2_2B = {
 }
 
 #: family -> (published config: a bundled one's name or a dict, attention implementation,
-#: batch, sequence) of the sized fixtures: each config cut to two layers, traced in bf16 with
-#: AdamW's state, at a sequence its positions allow.
+#: batch, sequence, extra trace arguments) of the sized fixtures: each config cut to two
+#: layers, traced in bf16 with AdamW's state, at a sequence its positions allow; the mixture of
+#: experts with seeded random routing at capacity 1.25.
 SIZED = {
-    "llama": ("llama3-8b", "sdpa", 1, 4096),
-    "qwen2": ("qwen2.5-7b", "sdpa", 1, 4096),
-    "mistral": ("mistral-7b", "sdpa", 1, 4096),
-    "gemma2": (GEMMA2_2B, "eager", 1, 4096),
-    "gpt2": ("gpt2", "eager", 8, 1024),
+    "llama": ("llama3-8b", "sdpa", 1, 4096, ()),
+    "qwen2": ("qwen2.5-7b", "sdpa", 1, 4096, ()),
+    "mistral": ("mistral-7b", "sdpa", 1, 4096, ()),
+    "gemma2": (GEMMA2_2B, "eager", 1, 4096, ()),
+    "gpt2": ("gpt2", "eager", 8, 1024, ()),
+    "mixtral": ("mixtral-8x7b", "sdpa", 1, 4096, ("--routing", "random,seed=1,capacity=1.25")),
 }
+#: The families with a sized fixture (tests/data/traced/sized).
+SIZED_FAMILIES = tuple(SIZED)
 
 
 def build(family, dtype=torch.bfloat16, experts=None):
@@ -201,7 +205,7 @@ def trace_sized(family, tmp_dir):
     written under ``tmp_dir``), as a document."""
     from ferry._cli import trace as trace_cli
 
-    config, attention, batch, seq = SIZED[family]
+    config, attention, batch, seq, extra = SIZED[family]
     if isinstance(config, str):
         with open(os.path.join(trace_cli.CONFIG_DIR, config + ".json"), encoding="utf-8") as f:
             config = json.load(f)
@@ -212,7 +216,7 @@ def trace_sized(family, tmp_dir):
     with open(cfg, "w", encoding="utf-8") as f:
         json.dump(config, f)
     args = [cfg, "--seq", str(seq), "--batch", str(batch), "--dtype", "bf16"]
-    args += ["--optimizer", "adamw", "--attention", attention, "--out", out]
+    args += ["--optimizer", "adamw", "--attention", attention, "--out", out, *extra]
     if trace_cli.main(args) != 0:
         raise RuntimeError(f"tracing the sized {family} failed")
     with open(out, encoding="utf-8") as f:
@@ -223,10 +227,11 @@ def main(argv):
     import tempfile
 
     os.makedirs(SIZED_FIXTURES, exist_ok=True)
-    for family in argv or FIXTURE_FAMILIES:
-        with open(fixture_path(family), "w", encoding="utf-8", newline="\n") as f:
-            f.write(compact_json(trace_family(family).document))
-        print(fixture_path(family))
+    for family in argv or SIZED_FAMILIES:
+        if family in FIXTURE_FAMILIES:
+            with open(fixture_path(family), "w", encoding="utf-8", newline="\n") as f:
+                f.write(compact_json(trace_family(family).document))
+            print(fixture_path(family))
         with (
             tempfile.TemporaryDirectory() as tmp,
             open(sized_path(family), "w", encoding="utf-8", newline="\n") as f,
