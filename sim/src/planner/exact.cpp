@@ -53,7 +53,7 @@ namespace ferry::sim::planning {
 // never picks them. Two more kinds of measurement repair that. When the model's first choice
 // moved away from the reference and did not fit, the options are measured again around that
 // choice (as the linearization of a non-linear cost is redone at the new point), and solved.
-// And on stacks of at most kPinnedDepth layers, the stack's last layer is pinned at each of
+// And on stacks of at most kShallowStack layers, the stack's last layer is pinned at each of
 // its kPins fastest options on the Pareto set (its own in the reference aside); the other
 // layers' options that were on that set, and plain checkpointing, are measured again against
 // it, and solved with one repair. Only there: in a shallow stack one layer is a quarter or
@@ -89,8 +89,6 @@ namespace {
 constexpr int kRounds = 6;
 // Options of the stack's last layer the others are measured against (Note [Layers are coupled]).
 constexpr std::size_t kPins = 4;
-// The deepest stack whose last layer is pinned (Note [Layers are coupled]).
-constexpr std::size_t kPinnedDepth = 4;
 constexpr std::int64_t kMemoryUnits = 512;
 constexpr std::int64_t kExactMemoryUnits = 4096;
 constexpr std::int64_t kMovedUnits = 32;
@@ -490,7 +488,7 @@ std::optional<Position> exact_stage(Search& search, const Position& from) {
   const std::size_t last = n - 1;
   std::vector<LayerOption> pins;
   for (const LayerOption& o : last_options) {
-    if (o.time_ns < 0 && n <= kPinnedDepth) pins.push_back(o);
+    if (o.time_ns < 0 && n <= kShallowStack) pins.push_back(o);
   }
   std::stable_sort(pins.begin(), pins.end(), [](const LayerOption& a, const LayerOption& b) {
     return a.freed != b.freed ? a.freed > b.freed : a.time_ns < b.time_ns;

@@ -2,6 +2,7 @@
 /// The planner's search for the fastest plan that fits (Note [Planner search] in search.cpp),
 /// against a cost model (Note [The cost model] in cost_model.hpp).
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -14,6 +15,12 @@
 #include "ferry/sim/planner/space.hpp"
 
 namespace ferry::sim::planning {
+
+/// The deepest stack the search treats as shallow: there each layer is a quarter or more of
+/// what the layers save and moves the peak, so the exact stage measures coupled layers (Note
+/// [Layers are coupled] in exact.cpp) and the last stage tries every layer's ops (Note [Single
+/// ops kept] in search.cpp); on a deeper one each run costs more and one layer matters less.
+inline constexpr std::size_t kShallowStack = 4;
 
 /// The budgets a plan must fit.
 struct Budgets {
