@@ -466,7 +466,7 @@ std::optional<Position> exact_stage(Search& search, const Position& from) {
   }
   std::optional<Measured> measured = measure_around(search, reference);
   if (!measured) return std::nullopt;
-  const std::vector<LayerOption> last_options = measured->last;
+  const std::vector<LayerOption> last_options = std::move(measured->last);
   Solved solved = solve_and_repair(search, std::move(*measured));
   const auto take = [&](const Solved& other) {
     if (other.best &&
@@ -485,10 +485,11 @@ std::optional<Position> exact_stage(Search& search, const Position& from) {
   // And on a shallow stack, with its last layer pinned at each of its kPins options that are
   // faster than its own in the reference and free the most: every other layer's options
   // measured against it, and solved.
+  if (n > kShallowStack) return solved.best;
   const std::size_t last = n - 1;
   std::vector<LayerOption> pins;
   for (const LayerOption& o : last_options) {
-    if (o.time_ns < 0 && n <= kShallowStack) pins.push_back(o);
+    if (o.time_ns < 0) pins.push_back(o);
   }
   std::stable_sort(pins.begin(), pins.end(), [](const LayerOption& a, const LayerOption& b) {
     return a.freed != b.freed ? a.freed > b.freed : a.time_ns < b.time_ns;

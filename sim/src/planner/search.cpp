@@ -1,6 +1,7 @@
 #include "ferry/sim/planner/search.hpp"
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
 #include <utility>
 
@@ -366,23 +367,26 @@ constexpr std::size_t kPairs = 3;
 void keep_single_ops(Search& search) {
   const std::vector<const Candidate*> ranked = search.ranked();
   if (ranked.empty()) return;
-  Plan plan = ranked.front()->plan;
-  SimTime time = ranked.front()->evaluation.time;
-  const Plan start = plan;
-  const SimTime start_time = time;
+  const Candidate& start = *ranked.front();
+  Plan plan = start.plan;
+  SimTime time = start.evaluation.time;
   const Model& model = search.space().model();
-  const auto longest_first = [&](std::vector<std::uint32_t>& ops) {
+  // The ops `regions` recompute in the start, the longest first.
+  const auto recomputed_longest_first = [&](auto first, auto end) {
+    std::vector<std::uint32_t> ops;
+    for (auto r = first; r != end; ++r) {
+      for (std::uint32_t i = r->first_op; i < r->end_op; ++i) {
+        if (plan.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
+      }
+    }
     std::stable_sort(ops.begin(), ops.end(), [&](std::uint32_t a, std::uint32_t b) {
       return model.ops[a].duration > model.ops[b].duration;
     });
+    return ops;
   };
-  std::vector<std::uint32_t> order;
+  std::vector<std::uint32_t> order;  // the last layer's first, then the one before it, ...
   for (auto r = plan.regions.rbegin(); r != plan.regions.rend(); ++r) {
-    std::vector<std::uint32_t> ops;
-    for (std::uint32_t i = r->first_op; i < r->end_op; ++i) {
-      if (plan.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
-    }
-    longest_first(ops);
+    const std::vector<std::uint32_t> ops = recomputed_longest_first(r, std::next(r));
     order.insert(order.end(), ops.begin(), ops.end());
   }
   // `ops` kept (those still recomputed), when that is admitted: its evaluation, or none.
@@ -418,15 +422,10 @@ void keep_single_ops(Search& search) {
   // whose keep is faster but over the budget together with each of the next kPairs (see the
   // note). What either pass found that fits is a candidate of the search.
   if (search.layers().size() > kShallowStack) return;
-  plan = start;
-  time = start_time;
-  std::vector<std::uint32_t> all;
-  for (const PlanRegion& r : plan.regions) {
-    for (std::uint32_t i = r.first_op; i < r.end_op; ++i) {
-      if (plan.ops[i].saved == SavedDecision::Recompute) all.push_back(i);
-    }
-  }
-  longest_first(all);
+  plan = start.plan;
+  time = start.evaluation.time;
+  const std::vector<std::uint32_t> all =
+      recomputed_longest_first(plan.regions.begin(), plan.regions.end());
   const std::int64_t shallow_stop = search.asked() + kShallowOpRuns;
   for (std::size_t k = 0; k < all.size(); ++k) {
     if (search.asked() >= shallow_stop) return;
