@@ -352,17 +352,23 @@ const Seed* fastest_seed(const Search& search, const std::vector<Seed>& seeds) {
 // which of its ops those are, no level of a ranking says (keep the softmax of the last layer,
 // ranked first for its bytes, where the budget is the peak of checkpointing every layer).
 // On a shallow stack (kShallowStack) an earlier layer's ops weigh as much, so a second pass of
-// kShallowOpRuns, from the same candidate, tries every layer's, the longest first (a keep the
-// first pass took can stand in the way of a larger one); and an op whose keep is faster but
-// over the budget is tried again with each of the next kPairs ops kept too: keeping an op can
-// lower the peak, where its recompute's transient was larger than its outputs (a traced
-// Mixtral's first layer at the peak of checkpointing: keeping its second expert matmul is
-// 0.15 GB over, keeping its attention as well fits, 3.3 % faster).
+// kShallowOpRuns tries every layer's, the longest first (a keep the first pass took can stand
+// in the way of a larger one); and an op whose keep is faster but over the budget is tried
+// again with each of the next kPairs ops kept too: keeping an op can lower the peak, where its
+// recompute's transient was larger than its outputs (a traced Mixtral's first layer at the
+// peak of checkpointing: keeping its second expert matmul is 0.15 GB over, keeping its
+// attention as well fits, 3.3 % faster). That pass runs from each of the kShallowStarts
+// fastest candidates that save differently, not only the fastest: what a layer holds decides
+// which keeps of the other layer fit (the same Mixtral on h100-sxm-pcie5: the fastest
+// candidate's second layer offloads the level before its expert matmuls and keeps three small
+// ops, and there the two keeps are 40 MB over; from the next, 0.36 % slower, which offloads
+// that level and keeps nothing, they fit, 2.3 % faster than the first start's best).
 constexpr std::int64_t kOpRuns = 24;
-// On a shallow stack, the runs of the second pass, and how many ops after one that is over the
-// budget are tried with it.
+// On a shallow stack: the runs of the second pass from each start, how many ops after one that
+// is over the budget are tried with it, and how many starts.
 constexpr std::int64_t kShallowOpRuns = 16;
 constexpr std::size_t kPairs = 3;
+constexpr std::size_t kShallowStarts = 3;
 
 void keep_single_ops(Search& search) {
   const std::vector<const Candidate*> ranked = search.ranked();
@@ -418,26 +424,36 @@ void keep_single_ops(Search& search) {
     Plan next;
     if (const std::optional<Evaluation> e = keep({i}, next)) (void)take(next, *e);
   }
-  // A shallow stack: from the same candidate, every layer's ops, the longest first, and an op
-  // whose keep is faster but over the budget together with each of the next kPairs (see the
-  // note). What either pass found that fits is a candidate of the search.
+  // A shallow stack: from each of the kShallowStarts fastest candidates that differ in what
+  // they save, every layer's ops, the longest first, and an op whose keep is faster but over
+  // the budget together with each of the next kPairs (see the note). What either pass found
+  // that fits is a candidate of the search.
   if (search.layers().size() > kShallowStack) return;
-  plan = start.plan;
-  time = start.evaluation.time;
-  const std::vector<std::uint32_t> all =
-      recomputed_longest_first(plan.regions.begin(), plan.regions.end());
-  const std::int64_t shallow_stop = search.asked() + kShallowOpRuns;
-  for (std::size_t k = 0; k < all.size(); ++k) {
-    if (search.asked() >= shallow_stop) return;
-    Plan next;
-    const std::optional<Evaluation> e = keep({all[k]}, next);
-    if (!e || take(next, *e) || search.fits(*e) || e->time >= time) continue;
-    for (std::size_t j = k + 1, tried = 0; j < all.size() && tried < kPairs; ++j) {
-      if (search.asked() >= shallow_stop) return;
-      const std::optional<Evaluation> both = keep({all[k], all[j]}, next);
-      if (!both) continue;
-      ++tried;
-      if (take(next, *both)) break;
+  std::vector<const Candidate*> starts;
+  for (const Candidate* c : ranked) {
+    if (starts.size() >= kShallowStarts) break;
+    const bool seen = std::any_of(starts.begin(), starts.end(), [&](const Candidate* s) {
+      return s->plan.ops == c->plan.ops && s->plan.regions == c->plan.regions;
+    });
+    if (!seen) starts.push_back(c);
+  }
+  for (const Candidate* from : starts) {
+    plan = from->plan;
+    time = from->evaluation.time;
+    const std::vector<std::uint32_t> all =
+        recomputed_longest_first(plan.regions.begin(), plan.regions.end());
+    const std::int64_t shallow_stop = search.asked() + kShallowOpRuns;
+    for (std::size_t k = 0; k < all.size() && search.asked() < shallow_stop; ++k) {
+      Plan next;
+      const std::optional<Evaluation> e = keep({all[k]}, next);
+      if (!e || take(next, *e) || search.fits(*e) || e->time >= time) continue;
+      for (std::size_t j = k + 1, tried = 0;
+           j < all.size() && tried < kPairs && search.asked() < shallow_stop; ++j) {
+        const std::optional<Evaluation> both = keep({all[k], all[j]}, next);
+        if (!both) continue;
+        ++tried;
+        if (take(next, *both)) break;
+      }
     }
   }
 }
