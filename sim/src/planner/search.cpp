@@ -407,6 +407,12 @@ void keep_single_ops(Search& search) {
     for (const std::uint32_t i : ops) {
       if (next.ops[i].saved != SavedDecision::Keep) return std::nullopt;
     }
+    // A region that recomputes nothing only holds its inputs: the plan without it is no slower,
+    // holds no more, and is the simpler of the two.
+    std::erase_if(next.regions, [&](const PlanRegion& r) {
+      return std::none_of(next.ops.begin() + r.first_op, next.ops.begin() + r.end_op,
+                          [](const PlanOp& op) { return op.saved == SavedDecision::Recompute; });
+    });
     if (!search.cost().admits(next, model)) return std::nullopt;
     return search.evaluate(next);
   };
