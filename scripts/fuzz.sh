@@ -15,7 +15,7 @@ if ((${#formats[@]} == 0)); then formats=(model program device plan); fi
 build=build/fuzz
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=None \
   -DCMAKE_CXX_FLAGS="-O1 -gline-tables-only" -DFERRY_FUZZ=ON -DFERRY_WERROR=OFF -DFERRY_REAL=OFF \
-  -DFERRY_BUILD_TESTS=OFF -DFERRY_BUILD_BENCH=OFF >/dev/null
+  -DFERRY_BUILD_TESTS=OFF -DFERRY_BUILD_BENCH=OFF -DFERRY_UNITY_BUILD=ON >/dev/null
 targets=()
 for f in "${formats[@]}"; do targets+=("fuzz_$f"); done
 cmake --build "$build" --target "${targets[@]}"

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include "command.hpp"
 #include "ferry/sim/export/memory_snapshot.hpp"
 
 namespace ferry::cli {
@@ -48,7 +49,6 @@ std::string unwritable(const std::string& path) {
 
 int write_memory_snapshot(const sim::Simulator& sim, const std::string& path,
                           std::string_view command, bool quiet) {
-  constexpr int kExitBadInput = 2;
   auto pickle = sim::memory_snapshot(sim);
   if (!pickle) {
     fmt::print(stderr, "ferry {}: error: --memory-snapshot: {}\n", command, pickle.error().message);
