@@ -63,11 +63,11 @@ inline DeviceProfile device_named(const std::string& name) {
   return d.ok() ? d.value() : DeviceProfile{};
 }
 
-/// `check(family, model, device)` for each of `families` on each bundled profile, the model's
+/// `check(family, model, device)` for each sized family on each bundled profile, the model's
 /// durations assigned for the profile.
-template <typename Check, typename Families = decltype(kSizedFamilies)>
-void for_each_sized_family(Check check, const Families& families = kSizedFamilies) {
-  for (const char* family : families) {
+template <typename Check>
+void for_each_sized_family(Check check) {
+  for (const char* family : kSizedFamilies) {
     for (const char* profile : {"h100-sxm-pcie5", "a100-pcie4", "gh200"}) {
       const DeviceProfile device = device_named(profile);
       Model model = sized_family(family);
