@@ -93,10 +93,10 @@ def test_compare_has_the_cli_pipeline_rows():
 def test_a_plan_and_its_text_name_the_parallelism_as_the_cli_does():
     # The text `ferry plan` prints and the one `ferry.plan`'s run returns end with the same
     # FSDP line (the report builders write it).
-    model, device = "llama3.2-3b-traced-s4096-b2", "h100-sxm-pcie5"
-    made = ferry._sim.run_planner(model, "36GiB", device, None, fsdp=8)
+    model, device = "gpt2-small-s1024", "h100-sxm-pcie5"
+    made = ferry._sim.run_planner(model, "1536MiB", device, None, fsdp=8)
     code, out, err = run_cli(
-        "plan", "--model", model, "--budget", "36GiB", "--device", device, "--fsdp", "8"
+        "plan", "--model", model, "--budget", "1536MiB", "--device", device, "--fsdp", "8"
     )
     assert code == 0, err
     assert made["text"] == out
@@ -145,7 +145,7 @@ def test_auto_applies_the_options_the_planner_lowered(monkeypatch):
 
     monkeypatch.setattr(ferry._simulator, "plan_offload_options", refuse)
     model, x = TinyLM(d=64), torch.randn(8, 16, 64)
-    ctx = ferry.auto(model, x, budget="1GiB", loss_fn=loss_of)
+    ctx = ferry.auto(model, x, budget="1536MiB", loss_fn=loss_of)
     assert ctx.plan.lowered is not None and ctx.plan.lowered["policy"] in ("none", "ferry")
 
 
@@ -184,7 +184,7 @@ def test_auto_and_validate_run_no_subprocess(monkeypatch):
     monkeypatch.setattr(subprocess, "run", refuse)
     monkeypatch.setattr(subprocess, "Popen", refuse)
     model, x = TinyLM(d=64), torch.randn(8, 16, 64)
-    ctx = ferry.auto(model, x, budget="1GiB", loss_fn=loss_of)
+    ctx = ferry.auto(model, x, budget="1536MiB", loss_fn=loss_of)
     assert "step time" in ctx.report
     report = ferry.validate("gpt", policies=["none"], steps=1)
     assert report["policies"]["none"]["simulated"]["step_time_ns"] > 0
@@ -225,7 +225,7 @@ def test_a_plan_is_lowered_by_the_core_rule():
 def test_fsdp_arguments_are_the_cli_flags():
     flags = ["--fsdp", "16", "--nodes", "2", "--reshard-after-forward", "8"]
     options = {"fsdp": 16, "nodes": 2, "reshard_after_forward": 8}
-    model, device = "llama3.2-3b-traced-s4096-b2", "h100-sxm-pcie5"
+    model, device = "gpt2-small-s1024", "h100-sxm-pcie5"
     got = ferry.simulate(model, device=device, **options)
     assert got == cli_json("simulate", "--model", model, "--device", device, *flags)
     assert got["fsdp"]["ranks"] == 16 and got["fsdp"]["per_rank"] is True
@@ -240,18 +240,18 @@ def test_fsdp_arguments_are_the_cli_flags():
         "--reshard-after-forward",
         "false",
     )
-    report = ferry.plan(model, budget="36GiB", device=device, fsdp=8)
+    report = ferry.plan(model, budget="1536MiB", device=device, fsdp=8)
     assert report["fsdp"]["ranks"] == 8
     assert report == cli_json(
-        "plan", "--model", model, "--budget", "36GiB", "--device", device, "--fsdp", "8"
+        "plan", "--model", model, "--budget", "1536MiB", "--device", device, "--fsdp", "8"
     )
     assert report["plan"]["parallelism"] == {"fsdp": 8}
     assert report["node_check_ranks"] == 2
 
 
 def test_a_plan_replays_under_the_parallelism_it_was_made_for(tmp_path):
-    model, device = "llama3.2-3b-traced-s4096-b2", "h100-sxm-pcie5"
-    report = ferry.plan(model, budget="36GiB", device=device, fsdp=8, reshard_after_forward=2)
+    model, device = "gpt2-small-s1024", "h100-sxm-pcie5"
+    report = ferry.plan(model, budget="1536MiB", device=device, fsdp=8, reshard_after_forward=2)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(dict(report["plan"])))
     code, out, err = run_cli("simulate", "--model", model, "--device", device, "--plan", str(path))
