@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         "--compiled",
         action="store_true",
         help="time each chain of ops torch.compile fuses between two library kernels as one "
-        "fused kernel; memory stays the eager trace's (docs/trace.md, Compiled)",
+        "fused kernel; memory stays the eager trace's (docs/trace.md, Compiled steps)",
     )
     parser.add_argument(
         "--fsdp",
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{name}: compiled: {len(fused.groups)} fused groups; forward bytes "
             f"{fused.bytes_before} -> {fused.bytes_after}, backward bytes "
             f"{fused.backward_bytes_before} -> "
-            f"{fused.backward_bytes_after} (docs/trace.md, Compiled)",
+            f"{fused.backward_bytes_after} (docs/trace.md, Compiled steps)",
             file=sys.stderr,
         )
     if traced.routing is not None:

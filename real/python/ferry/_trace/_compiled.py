@@ -1,6 +1,6 @@
 """The costs of a compiled step: a traced document whose chains of fusible ops are timed as the
-fused kernels torch.compile makes of them (``ferry.trace(..., compiled=True)``, docs/trace.md,
-Compiled)."""
+fused kernels torch.compile makes of them (``ferry.trace(..., compiled=True)``,
+docs/trace.md, Compiled steps)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from typing import Any, NamedTuple
 #   op outside the group that reads it (each consumer's backward writes its own gradient, which
 #   the fused backward reads and sums), and of the loss; plus the tensors its ops saved (the
 #   union of their ranges); plus a gradient written for each tensor it read from outside that
-#   needs one (activations that require grad and trainable parameters, the union of ranges).
+#   needs one (activations or inputs that require grad, trainable parameters; the union of
+#   ranges).
 # * The forward bytes go on the group's first op that moves data and the backward bytes on its
 #   last one; every other op of the group gets 0 of each. Forward runs the group's ops in order,
 #   so its outputs are all ready when the first op's time is over, as a fused kernel's are at its
@@ -44,8 +45,9 @@ from typing import Any, NamedTuple
 # norm in backward rather than save it; the document saves what eager autograd saves), Inductor
 # fusing across an extern kernel that does not depend on the chain (SiLU before the up
 # projection's matmul and the product after it stay two groups), launch counts and launch
-# latency, and an in-place op's write to a tensor it did not produce (listed as read, as eager
-# counts it).
+# latency, an in-place op's write to a tensor it did not produce (listed as read, as eager
+# counts it), and memory-bound ops Inductor runs as library fallbacks (`nonzero`, some sorts),
+# fused here like the others.
 
 
 class FusedCosts(NamedTuple):
