@@ -90,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
         help="where the scenario runs: an accelerator (default) or the CPU",
     )
     parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="time each chain of ops torch.compile fuses between two library kernels as one "
+        "fused kernel; memory stays the eager trace's (docs/trace.md, Compiled steps)",
+    )
+    parser.add_argument(
         "--fsdp",
         type=int,
         default=0,
@@ -289,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name=name,
                 target=args.target,
                 routing=args.routing,
+                compiled=args.compiled,
             )
         except ValueError as error:
             # Loads for another number of experts than a router of this model chooses among.
@@ -319,6 +326,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{traced.saved_bytes()} saved activation bytes{sharded} -> {args.out}",
         file=sys.stderr,
     )
+    if traced.compiled is not None:
+        fused = traced.compiled
+        print(
+            f"{name}: compiled: {len(fused.groups)} fused groups; forward bytes "
+            f"{fused.bytes_before} -> {fused.bytes_after}, backward bytes "
+            f"{fused.backward_bytes_before} -> "
+            f"{fused.backward_bytes_after} (docs/trace.md, Compiled steps)",
+            file=sys.stderr,
+        )
     if traced.routing is not None:
         print(
             f"{name}: shapes follow the routing, assumed {args.routing} (docs/trace.md, Routing)",

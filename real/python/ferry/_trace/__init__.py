@@ -146,6 +146,7 @@ def trace(
     name: str | None = None,
     target: str = "device",
     routing: str | Routing = "balanced",
+    compiled: bool = False,
     **kwargs: Any,
 ) -> TracedModel:
     """Traces one training step of ``model`` into a ``ferry.model/1`` document (docs/trace.md).
@@ -163,7 +164,10 @@ def trace(
     ``"allocator": "expandable"``, and ferry's commands simulate that allocator. Where the
     model's shapes follow a router's choice (a mixture of experts that gathers each expert's
     tokens), the choice is ``routing``'s, and the document records it (Note [Routing as a
-    stated assumption] in ``_values``).
+    stated assumption] in ``_values``). With ``compiled``, each chain of ops torch.compile
+    fuses between two library kernels costs what its fused kernel reads and writes; tensors,
+    ops and saved lists stay the eager trace's (Note [Costs of a compiled step] in
+    ``_compiled``).
 
     Args:
         model: The model; its parameters may be on the meta device.
@@ -174,6 +178,7 @@ def trace(
         target: ``"device"`` or ``"host"``.
         routing: ``"balanced"``, ``"loads=W0,W1,..."`` or ``"random[,seed=S][,capacity=C]"``
             (``Routing``).
+        compiled: Time each chain of fusible ops as one fused kernel.
         **kwargs: The keyword inputs of one step.
 
     Returns:
@@ -241,7 +246,9 @@ def trace(
     finally:
         for handle in handles:
             handle.remove()
-    traced = traced_model(tracer, name or type(model).__name__, loss, state, optimizer_state)
+    traced = traced_model(
+        tracer, name or type(model).__name__, loss, state, optimizer_state, compiled
+    )
     allocator = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     if allocator is not None:
         traced.document["allocator"] = allocator

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ._compiled import FusedCosts, fuse
 from ._record import DTYPES, FORMAT, OpRecord, TensorRecord, Tracer, byte_count
 
 
@@ -23,7 +24,9 @@ class TracedModel:
     ``unattributed_backward_flops`` the FLOPs of backward ops run by no forward op's node
     (gradient accumulation), which no op carries, and ``uncosted`` the operators, forward or
     backward, that move data but have no cost model (Note [What an op costs] in ``_record``),
-    each with its number of calls: their time is counted too low.
+    each with its number of calls: their time is counted too low. ``compiled`` is what fusing
+    changed where the costs are a compiled step's (``ferry.trace(..., compiled=True)``), else
+    None.
 
     Args:
         document: The ``ferry.model/1`` document.
@@ -32,6 +35,7 @@ class TracedModel:
         optimizer_state_bytes: The optimizer state written as static memory.
         unattributed_backward_flops: Backward FLOPs no op carries.
         uncosted: Operator name (``aten._grouped_mm.default``) -> calls with no cost model.
+        compiled: The fused groups and the bytes before and after, for a compiled step.
     """
 
     def __init__(
@@ -42,6 +46,7 @@ class TracedModel:
         optimizer_state_bytes: int = 0,
         unattributed_backward_flops: int = 0,
         uncosted: dict[str, int] | None = None,
+        compiled: FusedCosts | None = None,
     ) -> None:
         self.document = document
         self.packed_count = packed_count
@@ -49,6 +54,7 @@ class TracedModel:
         self.optimizer_state_bytes = optimizer_state_bytes
         self.unattributed_backward_flops = unattributed_backward_flops
         self.uncosted = dict(uncosted or {})
+        self.compiled = compiled
         self.routing: dict[str, Any] | None = None
 
     def to_json(self) -> str:
@@ -143,9 +149,11 @@ def traced_model(
     loss: torch.Tensor,
     state: dict[str, torch.Tensor],
     optimizer_state: Any,
+    compiled: bool = False,
 ) -> TracedModel:
     """The ``TracedModel`` of a finished trace: its ops, the tensors they name, the optimizer
-    state as static memory, and the loss."""
+    state as static memory, and the loss; with ``compiled``, each group of fusible ops costs
+    what its fused kernel moves (Note [Costs of a compiled step] in ``_compiled``)."""
     ops = [op for op in tracer.ops if _kept(op)]
     loss_record = tracer.tensors.get(id(loss))
     if loss_record is None or loss_record.producer is None:
@@ -202,6 +210,9 @@ def traced_model(
         "ops": [_op_json(op, tracer.rng) for op in ops],
         "loss": loss_record.name,
     }
+    fused = None
+    if compiled:
+        fused = fuse(document, [op.fusible for op in ops], _needs_grad(tracer.order))
     packed_bytes = sum(byte_count(p.tensor) for p in tracer.packs)
     return TracedModel(
         document,
@@ -210,7 +221,22 @@ def traced_model(
         optimizer_bytes,
         tracer.unattributed_backward_flops,
         dict(sorted(tracer.uncosted.items())),
+        fused,
     )
+
+
+def _needs_grad(records: list[TensorRecord]) -> set[str]:
+    """The tensors that get a gradient: trainable parameters, and activations (or inputs) that
+    require grad (the base of a storage first met through a view: where one of its views
+    does)."""
+    names = set()
+    for record in records:
+        grad = record.role == "param" or (record.ref is not None and record.ref.requires_grad)
+        if grad:
+            names.add(record.name)
+            if record.view_of is not None and record.view_of.ref is None:
+                names.add(record.view_of.name)
+    return names
 
 
 def _kept(op):

@@ -113,6 +113,7 @@ class OpRecord:
         "backward_bytes",
         "gemm",
         "rng",
+        "fusible",
         "out_refs",
         "mine",
     )
@@ -132,6 +133,9 @@ class OpRecord:
         self.backward_bytes = 0
         self.gemm = None  # {"m", "n", "k", "batch"} of a matmul (docs/model-format.md)
         self.rng = False
+        # An op torch.compile fuses with its neighbours rather than a library kernel (Note
+        # [Costs of a compiled step] in ``_compiled``).
+        self.fusible = False
         self.out_refs = []
 
 
@@ -653,6 +657,11 @@ class Tracer:
         op.flops = self._flops(func, args, kwargs, out) or 0
         op.gemm = gemm_shape(func, args, kwargs, out) if op.flops else None
         op.rng = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        # No FLOP formula, and its work is its memory traffic (pointwise, a reduction, a copy) or
+        # it moves nothing (a view): not a library kernel, and not one without a cost model.
+        op.fusible = not op.flops and (
+            costed_by_bytes(func) or not moves_data(func, args, kwargs, out)
+        )
         self.ops.append(op)
 
     def _flops(self, func, args, kwargs, out):
