@@ -747,7 +747,9 @@ class Tracer:
             return
         op = self.ops[index]
         op.backward_flops += count
-        if getattr(func, "is_view", False):
+        if not moves_data(func, args, kwargs, out):
+            # A view, an alias or a metadata query (`prim.device`, asked of the tensors of
+            # backward many times over): no kernel reads or writes data.
             return
         seen = set()
         for t in tree_flatten((args, kwargs, out))[0]:
