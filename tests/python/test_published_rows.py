@@ -214,7 +214,7 @@ def pr165(root, devices):
 
 @pytest.mark.parametrize(
     "row, measured, allocated_tol, reserved_tol, time_tol",
-    [("full", PR165_FULL, 0.08, 0.20, 0.08), ("sac", PR165_SAC, 0.08, 0.05, 0.08)],
+    [("full", PR165_FULL, 0.08, 0.20, 0.20), ("sac", PR165_SAC, 0.08, 0.05, 0.20)],
 )
 def test_torchtitan_pr165_fsdp2_llama2_7b(
     pr165, row, measured, allocated_tol, reserved_tol, time_tol
@@ -249,7 +249,7 @@ def dec2024(root, devices):
     }
 
 
-@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.08), (128, 0.06, 0.08)])
+@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.20), (128, 0.06, 0.20)])
 def test_torchtitan_dec2024_fsdp_llama3_8b(dec2024, gpus, reserved_tol, time_tol):
     result = dec2024[gpus]
     memory, tps = DEC2024[gpus]
@@ -385,7 +385,7 @@ def a100(root):
     "model, tokens, wps", [("llama3-8b", 8192, 2973), ("llama2-13b", 8192, 1904)]
 )
 def test_torchtitan_apr2024_64_a100_throughput(a100, model, tokens, wps):
-    within(tokens_per_s(a100[model], tokens), wps, 0.25)
+    within(tokens_per_s(a100[model], tokens), wps, 0.20)
 
 
 # --- Hugging Face transformers docs: BERT-large on one V100 16 GB, float32 -------------------
@@ -414,7 +414,7 @@ def bert(root, devices):
 
 def test_hf_bert_large_v100_batch_4(bert):
     within(bert["b4"]["peak_reserved_bytes"] / MIB, BERT_B4[0], 0.15)
-    within(4 / (bert["b4"]["step_time_ns"] / 1e9), BERT_B4[1], 0.15)
+    within(4 / (bert["b4"]["step_time_ns"] / 1e9), BERT_B4[1], 0.08)
 
 
 @pytest.mark.parametrize(
