@@ -240,8 +240,8 @@ TEST(SelectivePolicy, RecomputesTheEagerAttentionCoreByWhatItRuns) {
   EXPECT_TRUE(recomputed.contains("transformer.h.1.attn/bmm#1"));
   EXPECT_FALSE(recomputed.contains("transformer.h.1.attn.c_attn/addmm"));
   EXPECT_FALSE(recomputed.contains("transformer.h.1.attn.resid_dropout/native_dropout"));
-  EXPECT_EQ(recomputed.size(), 6U);  // and the scaling and the mask between (views cost
-                                      // nothing and are not listed)
+  // And the scaling and the mask between (views cost nothing and are not listed).
+  EXPECT_EQ(recomputed.size(), 6U);
   for (const std::string& name : recomputed) {
     EXPECT_TRUE(name.starts_with("transformer.h.1.attn/")) << name;
   }

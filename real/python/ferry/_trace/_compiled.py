@@ -84,8 +84,9 @@ def fused_groups(ops: Sequence[dict[str, Any]], fusible: Sequence[bool]) -> list
     return groups
 
 
-def _span_bytes(tensors: dict[str, dict[str, Any]], names: Iterable[str]) -> int:
-    """Bytes of the named tensors, the union of their byte ranges on each storage."""
+def span_bytes(tensors: dict[str, dict[str, Any]], names: Iterable[str]) -> int:
+    """Bytes of the named tensors (``tensors``: the document's tensors by name), the union of
+    their byte ranges on each storage, so that two views of one storage count its bytes once."""
     ranges: dict[str, list[tuple[int, int]]] = {}
     for name in names:
         t = tensors[name]
@@ -141,7 +142,7 @@ def _group_costs(facts: _Facts, group: range) -> tuple[int, int]:
     }
     readers_outside = {n: [j for j in facts.readers.get(n, ()) if j not in group] for n in outputs}
     written = [n for n in outputs if readers_outside[n] or n in facts.saved or n == facts.loss]
-    forward = _span_bytes(tensors, reads) + _span_bytes(tensors, written)
+    forward = span_bytes(tensors, reads) + span_bytes(tensors, written)
 
     gradients_in = sum(
         tensors[n]["bytes"] * len(readers_outside[n]) for n in outputs if n in facts.needs_grad
@@ -150,9 +151,7 @@ def _group_costs(facts: _Facts, group: range) -> tuple[int, int]:
         gradients_in += tensors[facts.loss]["bytes"]
     group_saved = {n for i in group for n in ops[i]["saved"]}
     gradients_out = [n for n in reads if n in facts.needs_grad]
-    backward = (
-        gradients_in + _span_bytes(tensors, group_saved) + _span_bytes(tensors, gradients_out)
-    )
+    backward = gradients_in + span_bytes(tensors, group_saved) + span_bytes(tensors, gradients_out)
     return forward, backward
 
 

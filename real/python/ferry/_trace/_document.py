@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._compiled import FusedCosts, fuse
+from ._compiled import FusedCosts, fuse, span_bytes
 from ._record import DTYPES, FORMAT, OpRecord, TensorRecord, Tracer, byte_count
 
 
@@ -107,20 +107,7 @@ class TracedModel:
                     chosen[name] = tensors[name]
         if logical:
             return sum(t["bytes"] for t in chosen.values())
-        ranges = {}
-        for t in chosen.values():
-            base = t.get("view_of", t["name"])
-            start = t.get("view_offset", 0)
-            ranges.setdefault(base, []).append((start, start + t["bytes"]))
-        total = 0
-        for spans in ranges.values():
-            end = 0
-            for lo, hi in sorted(spans):
-                lo = max(lo, end)
-                if hi > lo:
-                    total += hi - lo
-                    end = hi
-        return total
+        return span_bytes(tensors, chosen)
 
     def flops(self, layer: int | None = None) -> tuple[int, int]:
         """Forward and backward FLOPs of the ops of ``layer``.
