@@ -359,8 +359,8 @@ def test_torchtitan_pr3429_compiled_trace_is_the_preset_but_for_causal_attention
     pr3429_traced, checkpoint
 ):
     """The compiled trace and the preset time a step alike once the attention is counted alike
-    (row 22f); as they are, the trace is faster by what a causal kernel skips, which the preset
-    counts."""
+    (docs/validation.md, below the torchtune table); as they are, the trace is faster by what a
+    causal kernel skips, which the preset counts."""
     preset = pr3429_traced[checkpoint, "preset"]["step_time_ns"]
     within(pr3429_traced[checkpoint, "dense"]["step_time_ns"], preset, 0.02)
     assert pr3429_traced[checkpoint, "trace"]["step_time_ns"] < preset
