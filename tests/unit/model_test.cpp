@@ -304,6 +304,37 @@ TEST(LlamaModel, FlashAttentionSavedBytesGrowLinearlyInSequence) {
   EXPECT_EQ(short_bytes, Bytes(sbh * 12 + sbh * 4 * 2 / 8 + 4 * 8 * s * b + 8 * s * b * 704));
 }
 
+TEST(LlamaModel, FlashAttentionCountsTheCausalPairsTheEagerMatmulsEveryPair) {
+  const std::int64_t s = 256;
+  const std::int64_t b = 2;
+  const std::int64_t h = 256;
+  const auto attention_flops = [](const Model& model, std::int64_t ModelOp::*field) {
+    std::int64_t total = 0;
+    for (const ModelOp& op : model.ops) {
+      if (op.layer == 0 && (op.kind == "aten._scaled_dot_product_flash_attention.default" ||
+                            op.kind == "aten.bmm.default")) {
+        total += op.*field;
+      }
+    }
+    return total;
+  };
+  const Model flash = make_transformer(llama_shape(s, true), "flash");
+  const Model eager = make_transformer(llama_shape(s, false), "eager");
+  // Two matmuls of 2 b (s(s+1)/2) h FLOPs forward and five backward: the pairs at or below the
+  // diagonal, which a causal FlashAttention kernel computes; the eager matmuls compute all s^2.
+  EXPECT_EQ(attention_flops(flash, &ModelOp::flops), 2 * b * h * s * (s + 1));
+  EXPECT_EQ(attention_flops(flash, &ModelOp::backward_flops), 5 * b * h * s * (s + 1));
+  EXPECT_EQ(attention_flops(eager, &ModelOp::flops), 2 * 2 * b * s * s * h);
+  const Model traced = make_transformer(
+      [&] {
+        TransformerShape shape = llama_shape(s, true);
+        shape.kind = TransformerShape::Kind::LlamaTraced;
+        return shape;
+      }(),
+      "traced");
+  EXPECT_EQ(attention_flops(traced, &ModelOp::flops), 2 * b * h * s * (s + 1));
+}
+
 TEST(LlamaModel, WithoutFlashAttentionTheProbabilitiesAreSaved) {
   const std::int64_t s = 256;
   const std::int64_t b = 2;

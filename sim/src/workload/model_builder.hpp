@@ -194,6 +194,13 @@ inline Dims dims_of(const TransformerShape& shape) {
   return dims;
 }
 
+/// FLOPs of one of causal FlashAttention's s x s matmuls (Q K^T, or P V): 2 x (multiply-adds) over
+/// the s(s+1)/2 (query, key) pairs at or below the diagonal, which are all the kernel computes;
+/// it skips the masked blocks above. Counted as the trace counts them (docs/trace.md, Costs).
+inline std::int64_t causal_flash_matmul_flops(const Dims& x) {
+  return x.b * x.h * x.s * (x.s + 1);  // 2 b a (s(s+1)/2) d
+}
+
 /// A Llama stack as `python -m ferry trace` lists a Hugging Face LlamaForCausalLM
 /// (transformer_traced.cpp).
 Model make_traced_llama(const TransformerShape& shape, std::string name);

@@ -63,9 +63,10 @@ std::uint32_t attention_core(ModelBuilder& m, const Dims& x, std::int32_t layer,
         m.tensor(p + "attn.lse", x.a * x.s * x.b, DType::F32, TensorRole::Activation);
     ModelOp& op = m.op(p + "attn", op_kind::kFlashAttention, layer, {q, k, v}, {out, lse},
                        {q, k, v, out, lse});
-    cost(op, 2 * qk_flops, m.bytes(q) + m.bytes(k) + m.bytes(v) + m.bytes(out) + m.bytes(lse));
+    const std::int64_t causal = causal_flash_matmul_flops(x);
+    cost(op, 2 * causal, m.bytes(q) + m.bytes(k) + m.bytes(v) + m.bytes(out) + m.bytes(lse));
     // FlashAttention's backward recomputes the scores: 5 matmuls against the forward's 2.
-    op.backward_flops = 5 * qk_flops;
+    op.backward_flops = 5 * causal;
     op.draws_rng = with_dropout;  // the dropout mask is regenerated from the generator state
     return out;
   }

@@ -176,12 +176,12 @@ std::uint32_t traced_attention(Tracer& tr, const Dims& x, std::int32_t layer, st
   const std::uint32_t out = m.activation(sdpa + ".out0", x.tokens * x.h);
   const std::uint32_t lse =
       m.tensor(sdpa + ".out1", x.a * x.s * x.b, DType::F32, TensorRole::Activation);
-  const std::int64_t qk_flops = 2 * x.b * x.s * x.s * x.h;
+  const std::int64_t causal = causal_flash_matmul_flops(x);
   ModelOp& attn = m.op(sdpa, op_kind::kFlashAttention, layer, {q_rot, k_rep, v_rep}, {out, lse},
                        {k_rep, q_rot, v_rep, lse, out});
-  cost(attn, 2 * qk_flops,
+  cost(attn, 2 * causal,
        m.bytes(q_rot) + m.bytes(k_rep) + m.bytes(v_rep) + m.bytes(out) + m.bytes(lse));
-  attn.backward_flops = 5 * qk_flops;
+  attn.backward_flops = 5 * causal;
   const std::size_t attn_by = tr.ops().size() - 1;
   tr.view_op(a + "/view#3", op_kind::kView, layer, out);
   tr.view_op(a + "/transpose#3", op_kind::kTranspose, layer, out);
