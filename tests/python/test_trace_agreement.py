@@ -180,9 +180,8 @@ def llama_layer_bytes(h, a, kv, f, s, b):
 
 def llama_layer_flops(h, a, kv, f, s, b):
     """The generator's forward and backward FLOPs per Llama layer (its Costs table: backward
-    twice the forward, flash attention 2.5 times), with causal attention over the s(s+1)/2
-    pairs a causal kernel computes, as the trace counts it; the generator counts all s²
-    (docs/model-format.md, Costs)."""
+    twice the forward, flash attention 2.5 times): causal attention over the s(s+1)/2 pairs a
+    causal kernel computes, as the trace counts it too (docs/model-format.md, Costs)."""
     t, d = s * b, h // a
     linear = 2 * t * h * (h + 2 * kv * d) + 2 * t * h * h + 3 * 2 * t * h * f
     elementwise = 4 * t * h * 2 + 3 * t * (h + kv * d) + 4 * t * f + t * f + 2 * t * h
