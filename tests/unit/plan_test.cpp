@@ -22,6 +22,8 @@
 #include "ferry/sim/report/tables.hpp"
 #include "ferry/sim/runs/configurations.hpp"
 #include "ferry/sim/runs/horizon.hpp"
+#include "sim_fixtures.hpp"
+#include "sim_models.hpp"
 
 namespace ferry::sim {
 namespace {
@@ -200,6 +202,24 @@ RowResult fixed_row(const Model& model, const DeviceProfile& device, const Polic
 // The measured no-offload row of `model` on `device`.
 RowResult no_offload_row(const Model& model, const DeviceProfile& device) {
   return fixed_row(model, device, default_rows(TrainingOptions{}, model, device).front());
+}
+
+TEST(Reports, ARunThatFailsForAnotherReasonThanMemoryDoesNotFit) {
+  // trl refuses retain_graph as the reference does: a misuse, with the device's memory ample.
+  const Model model = testing::chain_model(4, 1 << 20);
+  PolicyRow row{"trl", testing::two_steps(Policy::Trl)};
+  row.options.retain_graph = true;
+  const DeviceProfile device = testing::simple_profile();
+  const RowResult r = run_row(model, device, row);
+  ASSERT_TRUE(r.failure);
+  EXPECT_EQ(r.failure->kind, FailureKind::Misuse);
+  const auto json = simulate_json(r, model, device);
+  EXPECT_FALSE(json["result"]["fits"].get<bool>());
+  EXPECT_EQ(json["result"]["failure"], r.failure->message);
+  EXPECT_FALSE(compare_json({r}, model, device)["rows"][0]["fits"].get<bool>());
+  // The text names the failure rather than calling it a want of memory.
+  EXPECT_NE(simulate_text(r, model, device).find("failure: "), std::string::npos);
+  EXPECT_EQ(simulate_text(r, model, device).find("does not fit"), std::string::npos);
 }
 
 TEST(Planner, NeverSlowerThanAFixedPolicyThatFitsOnGpt2Small) {
