@@ -32,7 +32,7 @@ std::string layer_name(std::int32_t layer) {
 const RowResult* best_fixed(const PlanOutcome& o) {
   const RowResult* best = nullptr;
   for (const RowResult& r : o.fixed) {
-    if (r.failure || !r.fits || r.peak_reserved > o.planned_budget) continue;
+    if (!r.completed_within_memory() || r.peak_reserved > o.planned_budget) continue;
     if (o.plan.host_budget && r.pinned_peak > *o.plan.host_budget) continue;
     if (best == nullptr || r.step_time < best->step_time) best = &r;
   }
@@ -125,7 +125,7 @@ Json plan_report_json(const PlanOutcome& o, const Model& model, const DeviceProf
   Json fixed = Json::array();
   for (const RowResult& f : o.fixed) {
     fixed.push_back({{"name", f.name},
-                     {"fits", f.fits && !f.failure && f.peak_reserved <= o.planned_budget},
+                     {"fits", f.completed_within_memory() && f.peak_reserved <= o.planned_budget},
                      {"step_time_ns", f.step_time.ns()},
                      {"peak_reserved_bytes", f.peak_reserved.count()},
                      {"pinned_peak_bytes", f.pinned_peak.count()}});

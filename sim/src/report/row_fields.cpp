@@ -24,10 +24,8 @@ void put_row(Json& j, const RowResult& r, std::initializer_list<RowField> fields
         j["policy"] = policy_name(r.policy);
         break;
       case RowField::Fits:
-        // Whether the run completed within the device's memory: false for a run that ran out
-        // (its figures are then of a run with room to spare) and for one that failed otherwise
-        // (`failure` says why), so that no consumer takes a failed run's figures as a fit.
-        j["fits"] = r.fits && !r.failure;
+        // No consumer takes a failed run's figures as a fit.
+        j["fits"] = r.completed_within_memory();
         break;
       case RowField::Failure:
         j["failure"] = r.failure ? Json(r.failure->message) : Json(nullptr);

@@ -56,7 +56,6 @@ std::uint32_t attention_core(ModelBuilder& m, const Dims& x, std::int32_t layer,
                              const std::string& p, std::uint32_t q, std::uint32_t k,
                              std::uint32_t v, bool flash, bool with_dropout) {
   const std::int64_t e = m.element();
-  const std::int64_t qk_flops = 2 * x.b * x.s * x.s * x.h;  // b a s s (h/a) multiply-adds x 2
   if (flash) {
     const std::uint32_t out = m.activation(p + "attn.out", x.tokens * x.h);
     const std::uint32_t lse =
@@ -70,6 +69,8 @@ std::uint32_t attention_core(ModelBuilder& m, const Dims& x, std::int32_t layer,
     op.draws_rng = with_dropout;  // the dropout mask is regenerated from the generator state
     return out;
   }
+  // Batched matmuls compute every (query, key) pair and mask afterwards.
+  const std::int64_t qk_flops = 2 * x.b * x.s * x.s * x.h;  // b a s s (h/a) multiply-adds x 2
   const std::int64_t scores_elements = x.b * x.a * x.s * x.s;
   const std::uint32_t scores = m.activation(p + "scores.out", scores_elements);
   ModelOp& scores_op = m.op(p + "scores", op_kind::kBmm, layer, {q, k}, {scores}, {q, k});

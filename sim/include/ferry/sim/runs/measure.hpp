@@ -40,6 +40,10 @@ struct RowResult {
   std::optional<Bytes> horizon;
   /// The offloader's decisions per layer (TrainingRun::layer_decisions), last step.
   std::map<std::int32_t, LayerDecisions> layers;
+
+  /// Whether the run completed within the device's memory: not out of memory (whose figures
+  /// are of a run with room to spare) and not failed otherwise (`failure` says why).
+  [[nodiscard]] bool completed_within_memory() const { return fits && !failure; }
 };
 
 /// Runs one row. A configuration that runs out of device memory is run again on the roomy
