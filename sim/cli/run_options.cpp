@@ -89,6 +89,10 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
         ->capture_default_str();
   }
   cmd->add_flag("--no-early-stop", args.no_early_stop, "Recompute whole checkpointed regions");
+  cmd->add_flag("--set-to-none", a.set_to_none,
+                "optimizer.zero_grad(set_to_none=True) between steps: each gradient allocated "
+                "where backward first writes it and freed after the step (torch 2's default); "
+                "without it gradients are kept from set-up on");
   CLI::Option* fsdp = add_fsdp_options(cmd, a.fsdp, args.text);
   add_allocator_option(cmd, args.text);
   // Their bounds are the request's (Note [One check for both edges]).

@@ -234,7 +234,7 @@ void bind_runs(py::module_& m) {
          std::string checkpoint, std::string horizon, std::int64_t min_bytes,
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
          std::int32_t stash, std::int32_t steps, bool prefetch, bool dedup, bool early_stop,
-         bool check, bool memory_snapshot, std::optional<std::int32_t> fsdp,
+         bool check, bool set_to_none, bool memory_snapshot, std::optional<std::int32_t> fsdp,
          std::optional<std::int32_t> nodes, std::int32_t hsdp,
          const std::variant<bool, std::int64_t>& reshard_after_forward,
          const std::optional<std::string>& allocator) {
@@ -245,6 +245,7 @@ void bind_runs(py::module_& m) {
         request.run.prefetch = prefetch;
         request.run.dedup = dedup;
         request.run.early_stop = early_stop;
+        request.run.set_to_none = set_to_none;
         request.policy = std::move(policy);
         request.checkpoint = std::move(checkpoint);
         request.horizon = std::move(horizon);
@@ -258,18 +259,18 @@ void bind_runs(py::module_& m) {
       py::arg("host_cap_gib") = d.run.host_cap_gib, py::arg("stash") = d.run.stash,
       py::arg("steps") = d.run.steps, py::arg("prefetch") = d.run.prefetch,
       py::arg("dedup") = d.run.dedup, py::arg("early_stop") = d.run.early_stop,
-      py::arg("check") = d.run.check, py::arg("memory_snapshot") = false,
-      py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
-      py::arg("hsdp") = d.run.fsdp.replicas, py::arg("reshard_after_forward") = true,
-      py::arg("allocator") = py::none(),
+      py::arg("check") = d.run.check, py::arg("set_to_none") = d.run.set_to_none,
+      py::arg("memory_snapshot") = false, py::arg("fsdp") = py::none(),
+      py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.fsdp.replicas,
+      py::arg("reshard_after_forward") = true, py::arg("allocator") = py::none(),
       "(`ferry simulate --json`'s document, the memory snapshot pickle or None)");
   m.def(
       "compare",
       [](const std::string& model, const std::optional<std::string>& model_text,
          const std::string& device, const std::string& scenarios, std::int64_t min_bytes,
          std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
-         std::int32_t stash, std::int32_t steps, bool check, std::optional<std::int32_t> fsdp,
-         std::optional<std::int32_t> nodes, std::int32_t hsdp,
+         std::int32_t stash, std::int32_t steps, bool check, bool set_to_none,
+         std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes, std::int32_t hsdp,
          const std::variant<bool, std::int64_t>& reshard_after_forward,
          const std::optional<std::string>& allocator, std::int32_t devices,
          std::int32_t micro_batches) {
@@ -277,6 +278,7 @@ void bind_runs(py::module_& m) {
         request.target = target(model, model_text, device, scenarios);
         request.run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
                             fsdp_request(fsdp, nodes, hsdp, reshard_after_forward), allocator);
+        request.run.set_to_none = set_to_none;
         request.run.devices = devices;
         request.run.micro_batches = micro_batches;
         return to_python(answer(request).document);
@@ -285,7 +287,8 @@ void bind_runs(py::module_& m) {
       py::kw_only(), py::arg("min_bytes") = d.run.min_bytes,
       py::arg("window_mib") = d.run.window_mib, py::arg("prefetch_mib") = d.run.prefetch_mib,
       py::arg("host_cap_gib") = d.run.host_cap_gib, py::arg("stash") = d.run.stash,
-      py::arg("steps") = d.run.steps, py::arg("check") = d.run.check, py::arg("fsdp") = py::none(),
+      py::arg("steps") = d.run.steps, py::arg("check") = d.run.check,
+      py::arg("set_to_none") = d.run.set_to_none, py::arg("fsdp") = py::none(),
       py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.fsdp.replicas,
       py::arg("reshard_after_forward") = true, py::arg("allocator") = py::none(),
       py::arg("devices") = d.run.devices, py::arg("micro_batches") = d.run.micro_batches,

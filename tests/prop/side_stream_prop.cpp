@@ -2,8 +2,10 @@
 // stream, recomputes there, all-reduces on the comm stream, with and without checkpointing,
 // random backward orders and device speeds. With the edges in place there is no hazard, every
 // unpacked tensor holds what was saved, memory returns to its baseline and the gradients are
-// those of the run on one stream. Planted faults: dropping the wait before side or comm work,
-// or the record_stream of a tensor used on another stream, is caught.
+// those of the run on one stream, with gradients kept between steps or freed
+// (zero_grad(set_to_none=True)). Planted faults: dropping the wait before side or comm work, or
+// the record_stream of a tensor used on another stream, or freeing a gradient as soon as its
+// all-reduce is launched, is caught.
 
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
@@ -28,6 +30,7 @@ struct Setup {
   std::uint64_t side_layers = 0;  // bit i: op i's layer on the side stream
   bool recompute = false;
   bool all_reduce = false;
+  bool set_to_none = false;   // zero_grad(set_to_none=True) in both runs
   std::int32_t segments = 0;  // checkpoint_segments; 0 or 1: none
   bool reentrant = false;
   std::uint64_t order_seed = 0;
@@ -43,13 +46,15 @@ void showValue(const Setup& s, std::ostream& os) {
 
 rc::Gen<Setup> gen_setup() {
   return rc::gen::apply(
-      [](std::uint64_t layers, bool recompute, bool all_reduce, std::int32_t segments,
-         bool reentrant, std::uint64_t order, std::uint64_t device) {
-        return Setup{layers, recompute, all_reduce, segments, reentrant, order, device};
+      [](std::uint64_t layers, bool recompute, bool all_reduce, bool set_to_none,
+         std::int32_t segments, bool reentrant, std::uint64_t order, std::uint64_t device) {
+        return Setup{layers,   recompute, all_reduce, set_to_none,
+                     segments, reentrant, order,      device};
       },
       rc::gen::inRange<std::uint64_t>(0, 1 << 12), rc::gen::arbitrary<bool>(),
-      rc::gen::arbitrary<bool>(), rc::gen::inRange<std::int32_t>(0, 4), rc::gen::arbitrary<bool>(),
-      rc::gen::inRange<std::uint64_t>(0, 3), rc::gen::inRange<std::uint64_t>(1, 1000));
+      rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), rc::gen::inRange<std::int32_t>(0, 4),
+      rc::gen::arbitrary<bool>(), rc::gen::inRange<std::uint64_t>(0, 3),
+      rc::gen::inRange<std::uint64_t>(1, 1000));
 }
 
 void side_streams_are_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
@@ -64,6 +69,7 @@ void side_streams_are_clean(const std::vector<LayerChoice>& layers, const Setup&
   one.offload.min_bytes = Bytes(0);
   one.steps = 2;
   one.order_seed = setup.order_seed;
+  one.grads_set_to_none = setup.set_to_none;
   if (setup.segments >= 2) {
     one.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
@@ -141,6 +147,12 @@ TEST(SideStreamProperty, PlantedMissingWaitIsCaught) {
   TrainingFaults faults;
   faults.skip_side_stream_wait = true;
   expect_caught(faults, "no wait before side or comm work");
+}
+
+TEST(SideStreamProperty, PlantedGradientFreedAtItsAllReduceIsCaught) {
+  TrainingFaults faults;
+  faults.free_grad_at_all_reduce = true;
+  expect_caught(faults, "set_to_none frees a gradient its all-reduce may still read");
 }
 
 TEST(SideStreamProperty, PlantedMissingRecordStreamIsCaught) {

@@ -56,6 +56,8 @@ BUDGETS = [None, "1GiB", "24MiB", " ", "40 parsecs", "-5", 2**30, "1KiB"]
 #: Plan margins, percent of the budget: numbers and text, in bounds (0..50) and not.
 MARGINS = [None, "6", "5.5%", 0, 12.5, 50, "50.1", 51, -1, "six", "5.55", " 7 % "]
 SWITCHES = {"prefetch": "--no-prefetch", "dedup": "--no-dedup", "early_stop": "--no-early-stop"}
+#: Switches off by default, each turned on by its flag (Python: True).
+FLAGS = {"set_to_none": "--set-to-none"}
 
 
 def draw_int(rng, name, lo, hi, inside):
@@ -104,6 +106,13 @@ def draw_fsdp(rng, options):
     return options
 
 
+def draw_flags(rng, options):
+    for name in FLAGS:
+        if rng.random() < 0.15:
+            options[name] = True
+    return options
+
+
 def draw_simulate(rng):
     options = draw_numbers(rng, RUN_BOUNDS, 0.3) | draw_numbers(rng, FSDP_BOUNDS, 0.15)
     for name, values in TEXT.items():
@@ -112,12 +121,13 @@ def draw_simulate(rng):
     for name in SWITCHES:
         if rng.random() < 0.15:
             options[name] = False
+    draw_flags(rng, options)
     return cheapened(draw_fsdp(rng, options), {**RUN_BOUNDS, **FSDP_BOUNDS})
 
 
 def draw_compare(rng):
     options = draw_numbers(rng, RUN_BOUNDS, 0.3) | draw_numbers(rng, FSDP_BOUNDS, 0.15)
-    return cheapened(draw_fsdp(rng, options), {**RUN_BOUNDS, **FSDP_BOUNDS})
+    return cheapened(draw_fsdp(rng, draw_flags(rng, options)), {**RUN_BOUNDS, **FSDP_BOUNDS})
 
 
 def draw_plan(rng):
@@ -149,6 +159,10 @@ def flags(options):
         if name in SWITCHES:
             if value is False:
                 out.append(SWITCHES[name])
+            continue
+        if name in FLAGS:
+            if value is True:
+                out.append(FLAGS[name])
             continue
         if name == "reshard_after_forward" and isinstance(value, bool):
             value = "true" if value else "false"

@@ -2,9 +2,9 @@
 published GPU measurements"): torchtune's Llama 3.2 3B on one A100, batch 2, sequence 4096.
 
 The config (as Llama-3.2-3B's model card gives it) is traced here, `ferry compare` runs it on
-the a100-pcie4 profile, and the predictions stay within the stated tolerances of what torchtune
-measured: eager peak memory and throughput, and the time checkpointing and then offloading
-add.
+the a100-pcie4 profile with the gradients freed between steps as torchtune's recipe frees them,
+and the predictions stay within the stated tolerances of what torchtune measured: eager peak
+memory and throughput, and the time checkpointing and then offloading add.
 """
 
 import json
@@ -80,8 +80,10 @@ def rows(tmp_path_factory):
         )
         == 0
     )
+    # torchtune's recipe frees the gradients after each step (zero_grad(set_to_none=True)).
     run = subprocess.run(
-        [cli, "compare", "--model", str(model), "--device", "a100-pcie4", "--json"],
+        [cli, "compare", "--model", str(model), "--device", "a100-pcie4", "--json"]
+        + ["--set-to-none"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -92,7 +94,7 @@ def rows(tmp_path_factory):
     # its forward stash (5 layer inputs of 48 MiB) and one prefetched tensor in backward.
     run = subprocess.run(
         [cli, "simulate", "--model", str(model), "--device", "a100-pcie4", "--json"]
-        + ["--policy", "ferry", "--checkpoint", "every:1", "--no-checker"]
+        + ["--policy", "ferry", "--checkpoint", "every:1", "--no-checker", "--set-to-none"]
         + ["--window-mib", str(TORCHTUNE_STASH_MIB), "--prefetch-mib", str(LAYER_INPUT_MIB)],
         capture_output=True,
         text=True,
@@ -103,9 +105,9 @@ def rows(tmp_path_factory):
     return rows
 
 
-def test_eager_memory_within_10_percent(rows):
+def test_eager_memory_within_5_percent(rows):
     predicted = rows["none"]["peak_allocated_bytes"] / GIB
-    assert abs(predicted - EAGER[0]) <= 0.10 * EAGER[0], predicted
+    assert abs(predicted - EAGER[0]) <= 0.05 * EAGER[0], predicted
 
 
 def test_eager_throughput_within_8_percent(rows):

@@ -167,6 +167,56 @@ TEST(SideStreams, PlantedAllReduceWithoutTheWaitIsARace) {
   EXPECT_TRUE(reports(run, HazardKind::Race, Conflict::ReadAfterWrite, "comm"));
 }
 
+// optimizer.zero_grad(set_to_none=True) between steps (TrainingOptions::grads_set_to_none):
+// each parameter's gradient is allocated at its first write in backward and freed after the
+// step, so the step starts without them; the gradients are those of a run that keeps them.
+TEST(SetToNone, GradientsLiveFromTheirFirstWriteToTheStepsEnd) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  const TrainingOptions kept = side_options(Policy::None);
+  TrainingOptions freed = kept;
+  freed.grads_set_to_none = true;
+  const TrainingRun a = train(m, kept);
+  const TrainingRun b = train(m, freed);
+  expect_clean(b);
+  EXPECT_EQ(b.gradient_values, a.gradient_values);
+  Bytes params(0);
+  for (const ModelTensor& t : m.tensors) {
+    if (t.role == TensorRole::Param) params += t.bytes;
+  }
+  EXPECT_EQ(a.baseline_allocated - b.baseline_allocated, params);
+  const Bytes peak_kept = a.sim.device_allocator(a.device).stats().allocated_peak;
+  const Bytes peak_freed = b.sim.device_allocator(b.device).stats().allocated_peak;
+  // The peak is in the last layer's backward node, which writes its weight's gradient (4 KiB):
+  // every other gradient fewer.
+  EXPECT_EQ(peak_kept - peak_freed, params - Bytes(4096));
+}
+
+TEST(SetToNone, GradientsAllReducedOnTheCommStreamAreFreedClean) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  TrainingOptions o = side_options(Policy::None);
+  o.side.all_reduce = true;
+  o.side.layers = {2};
+  o.grads_set_to_none = true;
+  const TrainingRun run = train(m, o);
+  expect_clean(run);
+  EXPECT_EQ(run.gradient_values, train(m, side_options(Policy::None)).gradient_values);
+}
+
+TEST(SetToNone, PlantedFreeAtTheAllReduceIsALatentReuse) {
+  const Model m = testing::chain_model(6, 1 << 20);
+  TrainingOptions o = side_options(Policy::None);
+  o.side.all_reduce = true;
+  o.grads_set_to_none = true;
+  TrainingFaults faults;
+  faults.free_grad_at_all_reduce = true;
+  const TrainingRun run = train(m, o, faults);
+  // A later backward kernel reuses a gradient's block while its all-reduce may still read it.
+  EXPECT_FALSE(run.sim.hazards().empty());
+  EXPECT_TRUE(reports(run, HazardKind::LatentReuse, Conflict::WriteAfterRead, "comm") ||
+              reports(run, HazardKind::Race, Conflict::WriteAfterRead, "comm"))
+      << describe(run);
+}
+
 // The offloader on a side stream: clean because it asks the backend's compute_stream() at each
 // pack and unpack (Note [The compute stream is the current one] in offload/tracker.hpp); one
 // that keeps the stream it was built with is the planted fault below.

@@ -98,7 +98,9 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
             ``horizon`` ("auto", "none", bytes), ``steps``, ``min_bytes``, ``window_mib``,
             ``prefetch_mib``, ``host_cap_gib``, ``stash``, and the switches ``prefetch``,
             ``dedup``, ``early_stop`` and ``check`` (hazard and content checks), all True by
-            default; FSDP2 as ``--fsdp`` sets it: ``fsdp`` (ranks), ``nodes``, ``hsdp`` and
+            default, and ``set_to_none`` (``--set-to-none``: gradients freed between steps, as
+            ``optimizer.zero_grad(set_to_none=True)`` frees them; False by default: kept);
+            FSDP2 as ``--fsdp`` sets it: ``fsdp`` (ranks), ``nodes``, ``hsdp`` and
             ``reshard_after_forward`` (True, False or K), where a traced model's recorded
             parallelism is the default (docs/fsdp.md); ``allocator``, "default" or
             "expandable" (the caching allocator with ``expandable_segments:True``, where a
@@ -143,10 +145,10 @@ def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) ->
         model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
         device: A bundled device profile's name or a profile file.
         **options: ``steps``, ``min_bytes``, ``window_mib``, ``prefetch_mib``,
-            ``host_cap_gib``, ``stash``, ``check``, ``allocator`` and the FSDP2 options, as
-            ``simulate`` takes them; ``devices`` (1..64) and ``micro_batches`` (1..1024), as
-            ``ferry compare --devices N --micro-batches M`` takes them: with ``devices`` > 1
-            the GPipe pipeline configurations too (no FSDP then).
+            ``host_cap_gib``, ``stash``, ``check``, ``set_to_none``, ``allocator`` and the FSDP2
+            options, as ``simulate`` takes them; ``devices`` (1..64) and ``micro_batches``
+            (1..1024), as ``ferry compare --devices N --micro-batches M`` takes them: with
+            ``devices`` > 1 the GPipe pipeline configurations too (no FSDP then).
 
     Returns:
         The document ``ferry compare --json`` prints: one row per configuration, and the

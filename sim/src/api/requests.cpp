@@ -112,6 +112,7 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
   o.offload.trl_stash_count = k.stash;
   o.offload.prefetch = k.prefetch;
   o.offload.dedup = k.dedup;
+  o.grads_set_to_none = k.set_to_none;
   if (simulate == nullptr) {
     if (!k.early_stop) o.checkpoint.global_early_stop = false;
     return AskedRun{std::move(o), parallelism.value()};
@@ -198,6 +199,11 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
     return refuse(
         "--allocator expandable applies to a single-device or FSDP run; a pipeline "
         "runs the default allocator");
+  }
+  if (base.grads_set_to_none) {
+    return refuse(
+        "--set-to-none applies to a single-device or FSDP run; a pipeline keeps "
+        "its gradients between steps");
   }
   if (r.trace) return refuse("--trace draws a single-device run; a pipeline has no trace yet");
   if (r.memory_snapshot) {
@@ -335,6 +341,12 @@ Result<Response> respond(const CompareRequest& r) {
     return Error{fmt::format(
         "--allocator expandable applies to a single-device or FSDP run; a pipeline runs the "
         "default allocator (--devices {})",
+        r.run.devices)};
+  }
+  if (r.run.devices > 1 && base.grads_set_to_none) {
+    return Error{fmt::format(
+        "--set-to-none applies to a single-device or FSDP run; a pipeline keeps its gradients "
+        "between steps (--devices {})",
         r.run.devices)};
   }
   bool clean = true;

@@ -224,6 +224,10 @@ void Trainer::all_reduce(std::uint32_t p) {
   sim_.kernel(comm_, SimTime(std::max<std::int64_t>(1, bytes.count() / 100)), regions, regions,
               model_.tensors[p].name + ".grad all-reduce",
               std::vector<std::uint64_t>{param_grad_values_[p]});
+  if (faults_.free_grad_at_all_reduce && options_.grads_set_to_none) {
+    device_.drop(param_grads_.at(p));
+    param_grads_.erase(p);
+  }
 }
 
 void Trainer::used_on_current(const std::vector<Region>& regions) {
@@ -252,7 +256,7 @@ void Trainer::setup() {
       writes.push_back(Region{buf.id, Bytes(0), tensor.bytes});
       values.push_back(params_[t].value);
       note_write(buf, Bytes(0), tensor.bytes, params_[t].value);
-      if (tensor.role == TensorRole::Param) {
+      if (tensor.role == TensorRole::Param && !options_.grads_set_to_none) {
         param_grads_.emplace(t, must_allocate(tensor.bytes, tensor.name + ".grad"));
       }
     }

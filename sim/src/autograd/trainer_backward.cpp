@@ -244,7 +244,9 @@ std::vector<std::uint32_t> Trainer::write_input_grads(std::uint32_t n, std::uint
       values.push_back(grad_values_[b]);
     } else if (role == TensorRole::Param) {
       written.push_back(b);
-      if (!param_grads_.contains(b)) {  // FSDP: the unsharded gradient, until its reduce
+      // Allocated at its first write: FSDP's unsharded gradient (until its reduce), and every
+      // gradient under set_to_none.
+      if (!param_grads_.contains(b)) {
         param_grads_.emplace(
             b, must_allocate(model_.tensors[b].bytes, model_.tensors[b].name + ".grad"));
       }
@@ -477,6 +479,13 @@ void Trainer::step() {
   offloader_.exit();
   hooks_->optimizer_step();
   if (options_.sync_each_step) sim_.sync_device(dev_);
+  if (options_.grads_set_to_none) {
+    // zero_grad(set_to_none=True): after the step, when the compute stream has waited for the
+    // side and comm streams that used the gradients (backward's end), so the frees need no
+    // record_stream.
+    for (const auto& [p, buffer] : param_grads_) device_.drop(buffer);
+    param_grads_.clear();
+  }
   times.end = sim_.host_time();
   run_.steps.push_back(times);
   run_.allocated_after.push_back(allocated());

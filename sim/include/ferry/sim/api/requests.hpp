@@ -88,6 +88,9 @@ struct RunKnobs {
   bool dedup = true;
   bool early_stop = true;
   bool check = true;  ///< hazard and content checks; off: time only
+  /// zero_grad(set_to_none=True) between steps (TrainingOptions::grads_set_to_none); off:
+  /// gradients kept from set-up on. A pipeline refuses it.
+  bool set_to_none = false;
   FsdpRequest fsdp{};
   std::optional<AllocatorMode> allocator;  ///< none: the model file's, else default
   std::int32_t devices = 1;                ///< a GPipe pipeline over 1..64 devices; 1: none

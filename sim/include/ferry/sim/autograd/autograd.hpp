@@ -112,6 +112,11 @@ struct TrainingOptions {
   bool unpack_twice = false;
   /// Synchronize the device at the end of each step (as loss.item() does).
   bool sync_each_step = true;
+  /// `optimizer.zero_grad(set_to_none=True)` after each step: a parameter's gradient is
+  /// allocated where backward first writes it and freed after the step (torch 2's default, as
+  /// torchtune, torchtitan and the Hugging Face Trainer on torch 2 run). Off: every gradient is
+  /// allocated at set-up and kept, zeroed in place between steps (`set_to_none=False`).
+  bool grads_set_to_none = false;
   /// Right after this op's forward, run its backward node in a graph task of its own, as
   /// torch.autograd.grad inside a checkpointed function would (-1: never).
   std::int32_t backward_inside_op = -1;
@@ -174,6 +179,9 @@ struct TrainingFaults {
   // Side streams (SideStreamOptions):
   bool skip_side_stream_wait = false;  ///< side or comm work does not wait for the stream before it
   bool skip_cross_stream_record = false;  ///< no record_stream for a tensor used on another stream
+  /// Under grads_set_to_none, each gradient is freed as soon as its all-reduce is launched,
+  /// while the comm stream may still read it (no record_stream, no wait).
+  bool free_grad_at_all_reduce = false;
   // FSDP2 (FsdpOptions):
   bool skip_all_gather_wait = false;      ///< a unit's copy-out does not wait for its all-gather
   bool skip_backward_unshard = false;     ///< backward reads parameters resharded after forward
