@@ -131,4 +131,8 @@ bool packing_active() {
   return !tl_stack.empty() && tl_stack.back().kind != Context::Kind::NoOffload;
 }
 
+bool offloading_innermost() {
+  return !tl_stack.empty() && tl_stack.back().kind == Context::Kind::Offload;
+}
+
 }  // namespace ferry::real

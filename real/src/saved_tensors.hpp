@@ -40,8 +40,10 @@ std::vector<Context>& region_stack();
 // * Views. A tensor rebuilt over its storage gets back its sizes, strides, offset and dtype,
 //   and its conjugate and negative bits (TensorMeta).
 // * What has no storage ferry can copy is kept as it is and counted (kept_as_is in the
-//   telemetry): subclasses whose data lives in other tensors (wrapper subclasses such as
-//   DTensor, jagged nested tensors), sparse, quantized and zero tensors. It is held detached,
+//   telemetry): subclasses whose data lives in other tensors, sparse, quantized and zero
+//   tensors. The Python hooks hand an offload region a wrapper subclass's inner tensors
+//   instead where it has a flatten protocol (Note [Wrapper subclasses] in
+//   real/python/src/ferry_ext.cpp); what reaches this layer whole is kept. It is held detached,
 //   so that a saved output holds no graph, and its sizes are read only as symbolic sizes.
 // * `x.data = other` after the save bumps no version and is not seen: backward gets the storage
 //   the tensor had at the save, copied (offloaded, as torch's save_on_cpu copies on a GPU) or

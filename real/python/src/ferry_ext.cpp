@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -224,30 +225,135 @@ void bind_errors(py::module_& m) {
   });
 }
 
+// Note [Wrapper subclasses]
+// A tensor of a traceable wrapper subclass (torch.distributed.tensor.DTensor; any subclass with
+// __tensor_flatten__ and __tensor_unflatten__) keeps its data in inner tensors and has no
+// storage of its own that ferry could copy. Saved inside an offload region, each inner tensor is
+// packed as a saved tensor of the wrapper's kind (a DTensor's local shard is offloaded as any
+// activation is, a parameter's is kept), and unpacking rebuilds the wrapper with
+// __tensor_unflatten__ over the inner tensors brought back, with the wrapper's sizes and
+// strides (a DTensor's mesh and placements are in its flatten context). Inner tensors that are
+// wrappers again are flattened in turn. An AsyncCollectiveTensor (a functional collective's
+// result, waited for at its first use) is saved as the tensor its wait returns: rebuilt, it
+// would wait again, on a tensor no collective wrote, and the collectives' registry of pending
+// work finds works by their tensors' memory, which a reloaded copy may share with another
+// collective's result still in flight. Elsewhere (no-offload regions, checkpoint frames and
+// their replays), and for a wrapper with a symbolic size (a jagged nested tensor), it is kept
+// as it is, as any tensor ferry cannot copy
+// (Note [Saved-tensor contract] in real/src/saved_tensors.hpp).
+
+// What the pack hook returned for a wrapper subclass: its type, flatten context, sizes and
+// strides, and each inner tensor's attribute name and what its pack returned.
+struct PackedWrapper {
+  py::object type;
+  py::object context;
+  py::object size;
+  py::object stride;
+  std::vector<std::pair<py::str, py::object>> inner;
+};
+
+// torch.distributed's AsyncCollectiveTensor, the lazy result of a functional collective (None
+// where torch has no distributed package); looked up at the first wrapper packed, kept.
+py::handle async_collective_type() {
+  static const py::handle type = [] {
+    try {
+      return py::object(py::module_::import("torch.distributed._functional_collectives")
+                            .attr("AsyncCollectiveTensor"))
+          .release();
+    } catch (const py::error_already_set&) {
+      return py::object(py::none()).release();
+    }
+  }();
+  return type;
+}
+
+// torch.utils._python_dispatch.is_traceable_wrapper_subclass, looked up at the first tensor
+// with the Python dispatch key (plain tensors never call it); kept for the module's life.
+py::handle traceable_wrapper_check() {
+  static const py::handle check =
+      py::object(
+          py::module_::import("torch.utils._python_dispatch").attr("is_traceable_wrapper_subclass"))
+          .release();
+  return check;
+}
+
+py::object pack_hook(const py::handle& tensor, const py::handle& parameter, bool part_of_param);
+
+// Whether every size of `t` is a number: a jagged nested tensor's ragged size is a nested int
+// tied to its offsets tensor, which a rebuilt tensor would not share, so it is kept.
+bool concrete_sizes(const at::Tensor& t) {
+  return std::ranges::none_of(t.sym_sizes(),
+                              [](const c10::SymInt& s) { return s.is_heap_allocated(); });
+}
+
+// The wrapper's inner tensors packed as saved tensors of its kind (`param`: a parameter's).
+py::object pack_wrapper(const py::handle& tensor, const py::handle& parameter, bool param) {
+  const py::tuple flat = tensor.attr("__tensor_flatten__")();
+  PackedWrapper packed{py::type::handle_of(tensor).cast<py::object>(),
+                       flat[1],
+                       tensor.attr("size")(),
+                       tensor.attr("stride")(),
+                       {}};
+  for (const py::handle name : flat[0].cast<py::list>()) {
+    const py::object inner = tensor.attr(name);
+    packed.inner.emplace_back(name.cast<py::str>(), pack_hook(inner, parameter, param));
+  }
+  return py::cast(std::move(packed));
+}
+
+// The pack hook. Python knows a parameter (frozen or not) when it sees one, and a view of one
+// (a linear layer saves `weight.t()`); any other tensor is an activation, a leaf input that
+// requires grad included, as the reference treats it. See Note [Views of parameters]. An inner
+// tensor of a wrapper that is a parameter (`part_of_param`) is a parameter's part.
+py::object pack_hook(const py::handle& tensor, const py::handle& parameter, bool part_of_param) {
+  const at::Tensor t = tensor.cast<at::Tensor>();
+  const py::object base = tensor.attr("_base");
+  const bool param = part_of_param || py::isinstance(tensor, parameter) ||
+                     (!base.is_none() && py::isinstance(base, parameter));
+  // Note [Wrapper subclasses]
+  if (t.key_set().has(c10::DispatchKey::Python) && ferry::real::offloading_innermost() &&
+      concrete_sizes(t)) {
+    const py::handle collective = async_collective_type();
+    if (!collective.is_none() && py::isinstance(tensor, collective)) {
+      return pack_hook(tensor.attr("trigger_wait")(), parameter, param);
+    }
+    if (traceable_wrapper_check()(tensor).cast<bool>()) {
+      return pack_wrapper(tensor, parameter, param);
+    }
+  }
+  const auto kind =
+      param ? ferry::real::TensorKind::Parameter : ferry::real::TensorKind::Activation;
+  return py::cast(ferry::real::pack_saved(t, kind));
+}
+
+// The unpack hook: the saved tensor back, a wrapper rebuilt over its inner tensors.
+py::object unpack_hook(const py::handle& packed) {
+  if (py::isinstance<PackedWrapper>(packed)) {
+    const auto& wrapper = packed.cast<const PackedWrapper&>();
+    py::dict inner;
+    for (const auto& [name, part] : wrapper.inner) inner[name] = unpack_hook(part);
+    return wrapper.type.attr("__tensor_unflatten__")(inner, wrapper.context, wrapper.size,
+                                                     wrapper.stride);
+  }
+  return py::cast(packed.cast<std::shared_ptr<Packed>>()->unpack());
+}
+
 // The pack and unpack hooks of saved tensors.
 void bind_saved_tensor_hooks(py::module_& m) {
   py::class_<Packed, std::shared_ptr<Packed>>(m, "_Packed",
                                               "What a pack hook returned for a saved tensor.");
+  py::class_<PackedWrapper>(m, "_PackedWrapper",
+                            "What a pack hook returned for a tensor of a wrapper subclass.");
 
   // torch.nn.Parameter, looked up once; kept for the module's life (never released).
   const py::handle parameter =
       py::object(py::module_::import("torch.nn").attr("Parameter")).release();
   m.def(
       "_pack",
-      [parameter](const py::handle& tensor) {
-        // Python knows a parameter (frozen or not) when it sees one, and a view of one (a
-        // linear layer saves `weight.t()`); any other tensor is an activation, a leaf input that
-        // requires grad included, as the reference treats it. See Note [Views of parameters].
-        const py::object base = tensor.attr("_base");
-        const bool param = py::isinstance(tensor, parameter) ||
-                           (!base.is_none() && py::isinstance(base, parameter));
-        const auto kind =
-            param ? ferry::real::TensorKind::Parameter : ferry::real::TensorKind::Activation;
-        return ferry::real::pack_saved(tensor.cast<at::Tensor>(), kind);
-      },
+      [parameter](const py::handle& tensor) { return pack_hook(tensor, parameter, false); },
       py::arg("tensor"), "The pack hook: what the innermost region does with a saved tensor.");
   m.def(
-      "_unpack", [](const std::shared_ptr<Packed>& p) { return p->unpack(); }, py::arg("packed"),
+      "_unpack", [](const py::handle& packed) { return unpack_hook(packed); }, py::arg("packed"),
       "The unpack hook: the saved tensor back.");
 }
 

@@ -165,6 +165,9 @@ void remove_region(Context::Kind kind, std::size_t index);
 void close_context(Context::Kind kind) noexcept;
 /// Whether the innermost region wants saved tensors packed by ferry (not a no-offload region).
 bool packing_active();
+/// Whether the innermost region is an offload session (not a no-offload region, a checkpoint
+/// frame or a replay).
+bool offloading_innermost();
 /// The pack hook: what the innermost region does with a saved tensor (kept as is when none).
 PackedPtr pack_saved(const at::Tensor& tensor, TensorKind kind = TensorKind::Unknown);
 
