@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -18,11 +17,10 @@ MODES = ["offload-ferry", "offload-trl", "checkpoint", "offload+checkpoint"]
 def _run(rank, store_path, out_dir, wrapper):
     sys.path.insert(0, HERE)
     import ferry
+    from gloo_ranks import run_rank, same_steps
     from models import TinyLM, loss_of
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    try:
+    def body():
 
         class Model(TinyLM):
             """TinyLM whose blocks run through `checkpoint` when set: the wrapper's forward
@@ -81,24 +79,10 @@ def _run(rank, store_path, out_dir, wrapper):
         results = {}
         for mode in MODES:
             got = train(mode)
-            results[mode] = all(
-                torch.equal(wl, gl) and all(torch.equal(a, b) for a, b in zip(wg, gg))
-                for (wl, wg), (gl, gg) in zip(want, got)
-            )
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        # Both ranks are done with every collective before either leaves.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # A rank that finished ends here, without the interpreter's shutdown: gloo's worker threads
-    # may still drop their last references to finished work (tensors that hold Python objects)
-    # while the interpreter finalizes; such a thread is stopped by pthread_exit, whose unwinding
-    # through a noexcept frame aborts the process ("terminate called without an active
-    # exception", pytorch/pytorch#190489 and #179291). The results are already on disk; an
-    # exception above still propagates and fails the test.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+            results[mode] = same_steps(want, got)
+        return results
+
+    run_rank(rank, WORLD, store_path, out_dir, body)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,10 +79,9 @@ def _run(rank, store_path, out_dir):
     # FERRY_LOOPBACK says (tests/python/conftest.py).
     import conftest  # noqa: F401
     import ferry
+    from gloo_ranks import run_rank, same_steps
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    try:
+    def body():
         mesh = init_device_mesh("cpu", (WORLD,))
 
         def build():
@@ -121,12 +119,7 @@ def _run(rank, store_path, out_dir):
                 policy = "trl" if "trl" in mode else "ferry"
                 ctx = ferry.offload(policy=policy, loopback=True, min_bytes=0, window_bytes=0)
             got = train(ctx, checkpoint="checkpoint" in mode)
-            results[mode] = {
-                "bitwise": all(
-                    torch.equal(wl, gl) and all(torch.equal(a, b) for a, b in zip(wg, gg))
-                    for (wl, wg), (gl, gg) in zip(want, got)
-                )
-            }
+            results[mode] = {"bitwise": same_steps(want, got)}
             if ctx is not None:
                 telemetry = ctx.telemetry()
                 results[mode] |= {
@@ -134,15 +127,9 @@ def _run(rank, store_path, out_dir):
                     "bytes_d2h": telemetry["bytes_d2h"],
                     "tracked": ctx.tracked(),
                 }
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # As tests/python/test_distributed.py: leave without the interpreter's shutdown, which gloo's
-    # worker threads may abort (pytorch/pytorch#190489); an exception above still fails the test.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        return results
+
+    run_rank(rank, WORLD, store_path, out_dir, body)
 
 
 @pytest.fixture(scope="module")
