@@ -6,7 +6,9 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -183,6 +185,20 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   return out;
 }
 
+// Why a pipeline refuses `base` (what simulate and compare both refuse over `--devices` > 1): an
+// option of single-device and FSDP runs only. None: a pipeline takes it.
+std::optional<std::string_view> single_device_only(const TrainingOptions& base) {
+  if (base.sim.allocator != AllocatorMode::Default) {
+    return "--allocator expandable applies to a single-device or FSDP run; a pipeline runs the "
+           "default allocator";
+  }
+  if (base.grads_set_to_none) {
+    return "--set-to-none applies to a single-device or FSDP run; a pipeline keeps its "
+           "gradients between steps";
+  }
+  return std::nullopt;
+}
+
 // `ferry simulate --devices N`: one GPipe pipeline.
 Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
                           const TrainingOptions& base) {
@@ -195,16 +211,7 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
         "--side-streams applies to a single-device run; a pipeline runs one compute stream per "
         "device");
   }
-  if (base.sim.allocator != AllocatorMode::Default) {
-    return refuse(
-        "--allocator expandable applies to a single-device or FSDP run; a pipeline "
-        "runs the default allocator");
-  }
-  if (base.grads_set_to_none) {
-    return refuse(
-        "--set-to-none applies to a single-device or FSDP run; a pipeline keeps "
-        "its gradients between steps");
-  }
+  if (const auto why = single_device_only(base)) return refuse(*why);
   if (r.trace) return refuse("--trace draws a single-device run; a pipeline has no trace yet");
   if (r.memory_snapshot) {
     return refuse(
@@ -337,17 +344,8 @@ Result<Response> respond(const CompareRequest& r) {
     return chosen.error();
   }
   const Parallelism& parallelism = base.fsdp.parallelism;
-  if (r.run.devices > 1 && base.sim.allocator != AllocatorMode::Default) {
-    return Error{fmt::format(
-        "--allocator expandable applies to a single-device or FSDP run; a pipeline runs the "
-        "default allocator (--devices {})",
-        r.run.devices)};
-  }
-  if (r.run.devices > 1 && base.grads_set_to_none) {
-    return Error{fmt::format(
-        "--set-to-none applies to a single-device or FSDP run; a pipeline keeps its gradients "
-        "between steps (--devices {})",
-        r.run.devices)};
+  if (const auto why = single_device_only(base); why && r.run.devices > 1) {
+    return Error{fmt::format("{} (--devices {})", *why, r.run.devices)};
   }
   bool clean = true;
   std::vector<RowResult> rows;
