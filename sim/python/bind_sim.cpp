@@ -297,6 +297,13 @@ void bind_runs(py::module_& m) {
 
 void bind_plans(py::module_& m) {
   const sim::PlanRequest d;
+  py::class_<sim::PlannerCache>(m, "PlannerCache",
+                                "Planners kept between plan calls (sim::PlannerCache): a later "
+                                "budget reuses the simulations of earlier ones")
+      .def(py::init<>())
+      .def_property_readonly("planners", &sim::PlannerCache::size, "planners kept")
+      .def_property_readonly("simulations", &sim::PlannerCache::simulations,
+                             "simulations the kept planners ran");
   m.def(
       "plan",
       [](const std::string& model, const std::optional<std::string>& model_text,
@@ -305,8 +312,10 @@ void bind_plans(py::module_& m) {
          std::int32_t steps, std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes,
          std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard_after_forward,
          const std::optional<std::string>& allocator,
-         const std::optional<std::variant<double, std::string>>& margin) {
+         const std::optional<std::variant<double, std::string>>& margin,
+         sim::PlannerCache* planners) {
         sim::PlanRequest request;
+        request.planners = planners;
         request.target = target(model, model_text, device, scenarios);
         // In the order `ferry plan` reads its flags' text.
         request.budget = bytes_of(budget, "--budget");
@@ -326,7 +335,9 @@ void bind_plans(py::module_& m) {
       py::arg("steps") = d.steps, py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
       py::arg("hsdp") = d.fsdp.replicas, py::arg("reshard_after_forward") = true,
       py::arg("allocator") = py::none(), py::arg("margin") = py::none(),
-      "{report, text, plan_text}, or {refused, floor} when no plan fits");
+      py::arg("planners") = static_cast<sim::PlannerCache*>(nullptr),
+      "{report, text, plan_text}, or {refused, floor} when no plan fits; with planners, a "
+      "PlannerCache, a model given as text is planned by the planner it keeps for it");
   py::class_<ReadBytes>(m, "ReadBytes", "A byte count read_bytes read: plan takes it as read")
       .def_property_readonly("bytes", [](const ReadBytes& r) { return r.bytes.count(); })
       .def("__repr__",

@@ -327,6 +327,43 @@ def test_auto_below_the_floor_names_the_floor():
         ferry.auto(model, x, budget="1MiB", loss_fn=loss_of)
 
 
+def test_a_traced_model_plans_again_without_tracing_and_reuses_its_planner(monkeypatch):
+    ref, model, ref_x, x = twin(lambda: TinyLM(d=128), lambda: torch.randn(64, 16, 128))
+    top = ferry.auto(copy.deepcopy(model), x, budget="1GiB", margin=0, loss_fn=loss_of)
+    ran = top.traced.planners.simulations
+    assert top.traced.planners.planners == 1 and ran > 0
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(ferry._auto, "trace", no_trace)
+    ctx = ferry.auto(model, x, budget="97MiB", margin=0, loss_fn=loss_of, traced=top.traced)
+    assert ctx.traced is top.traced and ctx.plan["regions"]
+    # One planner, which ran only what the new budget added.
+    assert top.traced.planners.planners == 1
+    assert top.traced.planners.simulations > ran
+    reused = re.search(r"\((\d+) more reused\)", ctx.report)
+    assert reused and int(reused.group(1)) > 0
+    loss_of(ref(ref_x)).backward()
+    with ctx:
+        loss = loss_of(model(x))
+    loss.backward()
+    assert_same_grads(ref, model, [ref_x], [x])
+    # A copy plans afresh: the planners stay with the original.
+    assert copy.deepcopy(top.traced).planners is None
+
+
+def test_a_traced_model_of_another_model_is_refused():
+    model, x = TinyLM(d=128), torch.randn(64, 16, 128)
+    traced = ferry.trace(TinyLM(d=64), torch.randn(64, 16, 64), loss_fn=loss_of)
+    with pytest.raises(ValueError, match=r"ferry.auto: traced: its parameter \S+ has \d+ bytes"):
+        ferry.auto(model, x, budget="1GiB", loss_fn=loss_of, traced=traced)
+    with pytest.raises(ValueError, match="ferry.auto: traced: it has no parameter"):
+        ferry.auto(torch.nn.Linear(128, 128), x, budget="1GiB", loss_fn=loss_of, traced=traced)
+    with pytest.raises(TypeError, match="ferry.auto: traced: a TracedModel .* got dict"):
+        ferry.auto(model, x, budget="1GiB", loss_fn=loss_of, traced=traced.document)
+
+
 def test_without_model_the_first_module_called_is_the_model():
     model, x, plan = traced_plan()
     ref = copy.deepcopy(model)

@@ -270,30 +270,48 @@ def check_bitwise(family, make_ctx):
     return ctx
 
 
-def auto(model, ids, budget):
+# Each family's step as ferry.auto traced it (test_auto_applies_every_plan_it_returns): the
+# random plans below are made over the same document, traced again when that test did not run.
+TRACED = {}
+
+
+def traced_document(family):
+    if family not in TRACED:
+        base, ids, _, _ = reference(family)
+        TRACED[family] = ferry.trace(base, *ids, loss_fn=loss_fn, target="host")
+    return TRACED[family].document
+
+
+def auto(model, ids, budget, traced=None):
     # The simulator's own budgets (the floor, the no-offload peak): no margin below them.
-    return ferry.auto(model, *ids, budget=str(budget), margin=0, loss_fn=loss_fn)
+    return ferry.auto(model, *ids, budget=str(budget), margin=0, loss_fn=loss_fn, traced=traced)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_auto_applies_every_plan_it_returns(cli, family):
     base, ids, _, _ = reference(family)
-    # Below the floor: refused, naming a floor above the budget.
-    with pytest.raises(PlanError, match=r"the floor .* is .*\(\d+ bytes\)") as refused:
-        auto(copy.deepcopy(base), ids, "1MiB")
-    floor = refused.value.floor
-    assert floor > 1 << 20
-    # No offload (the whole device), the floor (a peak the planner reached) and between.
+    # No offload (the whole device): traced here, and planned again below from that trace.
     top = check_bitwise(family, lambda model, ids: auto(model, ids, "80GiB"))
     assert not top.plan["regions"] and {op["saved"] for op in top.plan["ops"]} == {"keep"}
     peak = top.plan["predicted"]["peak_reserved_bytes"]
-    assert floor < peak
+    traced = TRACED[family] = top.traced
+    # Below the floor: refused, naming a floor above the budget.
+    with pytest.raises(PlanError, match=r"the floor .* is .*\(\d+ bytes\)") as refused:
+        auto(copy.deepcopy(base), ids, "1MiB", traced)
+    floor = refused.value.floor
+    assert 1 << 20 < floor < peak
+    # The floor (a peak the planner reached) and between it and the no-offload peak.
     for budget in (floor, (floor + peak) // 2):
-        ctx = check_bitwise(family, lambda model, ids, budget=budget: auto(model, ids, budget))
+        ctx = check_bitwise(
+            family, lambda model, ids, budget=budget: auto(model, ids, budget, traced)
+        )
+        assert ctx.traced is traced
         assert ctx.plan["predicted"]["peak_reserved_bytes"] <= budget
         # Below the no-offload peak the plan checkpoints (nothing offloads on models this
         # small): the regions were applied.
         assert ctx.plan["regions"]
+    # One planner made every plan (one device, steps and parallelism).
+    assert traced.planners.planners == 1
 
 
 def random_plan(doc, rng):
@@ -350,8 +368,7 @@ def check_random_plans_bitwise(family, doc, seeds):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_random_plans_train_bitwise(family):
-    base, ids, _, _ = reference(family)
-    doc = ferry.trace(base, *ids, loss_fn=loss_fn, target="host").document
+    doc = traced_document(family)
     index = sorted(FAMILIES).index(family)
     check_random_plans_bitwise(family, doc, (index, len(FAMILIES) + index))
 

@@ -12,7 +12,9 @@
 
 #include "ferry/plan/lower.hpp"
 #include "ferry/plan/plan.hpp"
+#include "ferry/sim/api/requests.hpp"
 #include "ferry/sim/export/memory_snapshot.hpp"
+#include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/planner/bound.hpp"
@@ -704,6 +706,76 @@ TEST(OffloadHorizon, FerryRowsOfATracedLlamaAreNoSlowerThanTrlAndCheckpointing) 
   EXPECT_LE(rows["ferry + checkpoint"].step_time.ns() * 100,
             rows["checkpoint every layer"].step_time.ns() * 102);
   EXPECT_EQ(rows["ferry + checkpoint"].backward_stall, SimTime(0));
+}
+
+// A plan request for tiny-gpt's document (as Python gives a traced model) at `budget` MiB.
+PlanRequest tiny_gpt_request(std::int64_t budget_mib, PlannerCache* planners) {
+  PlanRequest r;
+  r.target.model = ModelSource{"tiny-gpt", model_to_json(model_preset("tiny-gpt").value())};
+  r.target.device = "h100-sxm-pcie5";
+  r.target.scenarios = FERRY_SCENARIOS_DIR;
+  r.budget = Bytes(budget_mib << 20);
+  r.margin_permille = 0;
+  r.planners = planners;
+  return r;
+}
+
+TEST(PlannerCache, ALaterBudgetPlansWithTheKeptPlannerAndIsNoSlower) {
+  PlannerCache planners;
+  const auto top = respond(tiny_gpt_request(1024, &planners));
+  ASSERT_TRUE(top.ok()) << top.error().message;
+  ASSERT_EQ(top.value().outcome, Outcome::Ok);
+  const std::int64_t first = planners.simulations();
+  EXPECT_EQ(planners.size(), 1U);
+  EXPECT_GT(first, 0);
+  // Refused below the floor, by the kept planner.
+  const auto refused = respond(tiny_gpt_request(1, &planners));
+  ASSERT_TRUE(refused.ok());
+  ASSERT_EQ(refused.value().outcome, Outcome::Refused);
+  EXPECT_GT(planners.simulations(), first);
+  // Between the floor and the no-offload peak: the kept planner's plan fits and is no slower
+  // than a fresh planner's.
+  const std::int64_t between =
+      (refused.value().floor.count() + top.value().plan->row.peak_reserved.count()) / 2 >> 20;
+  const auto kept = respond(tiny_gpt_request(between, &planners));
+  const auto fresh = respond(tiny_gpt_request(between, nullptr));
+  ASSERT_TRUE(kept.ok() && fresh.ok());
+  ASSERT_EQ(fresh.value().outcome, Outcome::Ok) << fresh.value().refusal;
+  ASSERT_EQ(kept.value().outcome, Outcome::Ok) << kept.value().refusal;
+  EXPECT_EQ(planners.size(), 1U);
+  EXPECT_LE(kept.value().plan->row.peak_reserved, Bytes(between << 20));
+  EXPECT_LE(kept.value().plan->row.step_time, fresh.value().plan->row.step_time);
+  // Planning the first budget again runs nothing new (the report says so) and gives its plan.
+  const std::int64_t before = planners.simulations();
+  const auto again = respond(tiny_gpt_request(1024, &planners));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(planners.simulations(), before);
+  EXPECT_EQ(again.value().document.at("simulations"), 0);
+  EXPECT_GT(again.value().document.at("reused_simulations"), 0);
+  EXPECT_EQ(again.value().document.at("plan").dump(), top.value().document.at("plan").dump());
+}
+
+TEST(PlannerCache, OtherSettingsGetAPlannerOfTheirOwnAndSomeRequestsPlanAlone) {
+  PlannerCache planners;
+  ASSERT_TRUE(respond(tiny_gpt_request(1024, &planners)).ok());
+  PlanRequest steps = tiny_gpt_request(1024, &planners);
+  steps.steps = 3;
+  ASSERT_TRUE(respond(steps).ok());
+  PlanRequest device = tiny_gpt_request(1024, &planners);
+  device.target.device = "a100-pcie4";
+  ASSERT_TRUE(respond(device).ok());
+  EXPECT_EQ(planners.size(), 3U);
+  // A model named by a file or a preset (which may change between requests) and a request for
+  // a memory snapshot (whose run must be recorded) plan alone.
+  PlanRequest named = tiny_gpt_request(1024, &planners);
+  named.target.model = ModelSource{"tiny-gpt"};
+  ASSERT_TRUE(respond(named).ok());
+  PlanRequest snapshot = tiny_gpt_request(1024, &planners);
+  snapshot.memory_snapshot = true;
+  const auto recorded = respond(snapshot);
+  ASSERT_TRUE(recorded.ok());
+  EXPECT_NE(recorded.value().plan->run, nullptr);
+  EXPECT_EQ(planners.size(), 3U);
 }
 
 }  // namespace

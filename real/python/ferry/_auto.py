@@ -60,6 +60,7 @@ def auto(
     host_budget: str | int | None = None,
     loopback: bool | None = None,
     margin: str | float | None = None,
+    traced: TracedModel | None = None,
     **options: Any,
 ) -> AutoOffload:
     """Traces one training step of ``model``, plans it under a budget and applies the plan.
@@ -78,13 +79,18 @@ def auto(
         loopback: Run on the CPU loopback device (default: when the model is on the CPU).
         margin: Plan to the budget less this percent of it (``ferry.plan``'s ``margin``);
             None: the default that docs/validation.md's table supports.
+        traced: This model's step as traced before (an earlier result's ``traced``, or
+            ``ferry.trace`` of the model on these inputs with this ``loss_fn``), planned
+            instead of tracing again: another budget then costs only the simulations it adds
+            (``TracedModel.planners``). It must hold the model's parameters.
         **options: Further ``ferry.offload`` options.
 
     Returns:
         The ``offload`` region that applies the plan.
 
     Raises:
-        TypeError: A budget that is no byte count.
+        TypeError: A budget that is no byte count, or ``traced`` that is no ``TracedModel``.
+        ValueError: ``traced`` lacks a parameter of the model, or has it at another size.
         ValueError: A budget ``ferry plan`` refuses (empty, unreadable or out of range).
         PlanError: The planner refused (a budget below the floor: the message names the
             floor, also in ``floor``).
@@ -94,7 +100,12 @@ def auto(
     host_bytes = read_bytes(host_budget, "ferry.auto: host_budget")
     percentage(margin, "ferry.auto: margin")
     on_cpu = _on_cpu(model, example_inputs)
-    traced = trace(model, *example_inputs, loss_fn=loss_fn, target="host" if on_cpu else "device")
+    if traced is None:
+        traced = trace(
+            model, *example_inputs, loss_fn=loss_fn, target="host" if on_cpu else "device"
+        )
+    else:
+        _check_traced(traced, model)
     try:
         made = run_planner(traced, budget_bytes, device, host_bytes, margin=margin)
     except PlanError as e:
@@ -104,6 +115,30 @@ def auto(
     return AutoOffload(
         made["report"]["plan"], model, made["text"], traced, loopback=loopback, **options
     )
+
+
+def _check_traced(traced: Any, model: torch.nn.Module) -> None:
+    """Refuses a ``traced`` that is no ``TracedModel``, or that was traced from another model:
+    one that lacks a parameter of the model, by name and size."""
+    if not isinstance(traced, TracedModel):
+        raise TypeError(
+            f"ferry.auto: traced: a TracedModel (ferry.trace's, or an earlier ferry.auto's "
+            f"traced), got {type(traced).__name__}"
+        )
+    sizes = {t["name"]: t["bytes"] for t in traced.document["tensors"]}
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if size == 0:
+            continue  # the trace records no empty tensor
+        if name not in sizes:
+            raise ValueError(
+                f"ferry.auto: traced: it has no parameter {name}: it was traced from another model"
+            )
+        if sizes[name] != size:
+            raise ValueError(
+                f"ferry.auto: traced: its parameter {name} has {sizes[name]} bytes, this "
+                f"model's {size}: it was traced from another model"
+            )
 
 
 def _prefixed(error: PlanError, who: str) -> PlanError:

@@ -174,7 +174,11 @@ def plan(
     (``ferry plan``).
 
     Args:
-        model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
+        model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``. A traced model
+            keeps its planner (``TracedModel.planners``): planning it again at another budget,
+            with the same device, steps and parallelism, reuses the simulations earlier budgets
+            ran, and gives the plan a fresh planner gives or a faster one an earlier, smaller
+            budget found.
         budget: Peak reserved device memory: ``"40GiB"``, bytes, ...; None: the device's.
         device: A bundled device profile's name or a profile file.
         host_budget: The pinned host memory budget, as ``budget``; None: no limit.
@@ -218,6 +222,12 @@ def run_planner(
     checked their kinds with ``byte_count`` (their values are then the request layer's to
     check), and checked ``margin``'s kind with ``percentage``, under its own names."""
     name, text = model_args(model)
+    planners = None
+    if isinstance(model, TracedModel):
+        # Planning a traced model again (another budget) reuses its earlier simulations.
+        if model.planners is None:
+            model.planners = _simulator.PlannerCache()
+        planners = model.planners
     try:
         made = _simulator.plan(
             name,
@@ -228,6 +238,7 @@ def run_planner(
             host_budget=host_budget,
             steps=steps,
             margin=margin,
+            planners=planners,
             **fsdp_options(fsdp),
         )
     except ValueError as e:

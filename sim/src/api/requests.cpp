@@ -6,6 +6,8 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -44,6 +46,17 @@ Status first_error(std::initializer_list<Status> checks) {
     if (!check) return check;
   }
   return Ok{};
+}
+
+// What a kept planner is kept under (PlannerCache): everything in `r` that the planner's runs
+// depend on, and not the budgets and margin, which each plan takes.
+std::string planner_key(const PlanRequest& r) {
+  const ModelSource& m = r.target.model;
+  const FsdpRequest& f = r.fsdp;
+  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {}", m.name, m.text.value_or(""),
+                     r.target.device, r.target.scenarios.string(), r.steps, f.ranks ? *f.ranks : 0,
+                     f.nodes ? *f.nodes : 0, f.replicas, to_string(f.reshard_after_forward),
+                     r.allocator ? static_cast<int>(*r.allocator) : -1);
 }
 
 Result<Workload> load(const Target& target) {
@@ -406,7 +419,15 @@ Result<Response> respond(const PlanRequest& r) {
   }
   // No budget: the device's whole memory, the question "what is fastest that fits at all?".
   if (!r.budget) options.budget = w.device.memory;
-  auto outcome = make_plan(w.model, w.device, options, &out.floor);
+  // A memory snapshot needs the plan's checked run recorded, which a kept planner may have run
+  // unrecorded, and a model file may change between requests: such requests plan alone.
+  auto outcome = [&]() -> Result<PlanOutcome> {
+    if (r.planners == nullptr || r.memory_snapshot || !r.target.model.text) {
+      return make_plan(w.model, w.device, options, &out.floor);
+    }
+    const std::scoped_lock lock(r.planners->mutex_);
+    return r.planners->planner(planner_key(r), w, options).plan(options, &out.floor);
+  }();
   if (!outcome) {
     out.outcome = Outcome::Refused;
     out.refusal = outcome.error().message;
@@ -416,6 +437,37 @@ Result<Response> respond(const PlanRequest& r) {
   out.text = plan_text(outcome.value(), *w.model, w.device);
   out.plan = std::move(outcome).value();
   return out;
+}
+
+struct PlannerCache::Entry {
+  Workload workload;
+  Planner planner;
+
+  Entry(const Workload& w, const PlannerOptions& options)
+      : workload(w),
+        planner(workload.model, workload.device, options.steps, options.fsdp, options.allocator) {}
+};
+
+PlannerCache::PlannerCache() = default;
+PlannerCache::~PlannerCache() = default;
+
+std::size_t PlannerCache::size() {
+  const std::scoped_lock lock(mutex_);
+  return entries_.size();
+}
+
+std::int64_t PlannerCache::simulations() {
+  const std::scoped_lock lock(mutex_);
+  std::int64_t runs = 0;
+  for (const auto& [key, entry] : entries_) runs += entry->planner.simulations();
+  return runs;
+}
+
+Planner& PlannerCache::planner(const std::string& key, const Workload& workload,
+                               const PlannerOptions& options) {
+  auto [it, added] = entries_.try_emplace(key);
+  if (added) it->second = std::make_unique<Entry>(workload, options);
+  return it->second->planner;
 }
 
 Result<Reshard> parse_reshard(std::string_view text) {

@@ -26,7 +26,9 @@ class TracedModel:
     backward, that move data but have no cost model (Note [What an op costs] in ``_record``),
     each with its number of calls: their time is counted too low. ``compiled`` is what fusing
     changed where the costs are a compiled step's (``ferry.trace(..., compiled=True)``), else
-    None.
+    None. ``planners`` are the planners ``ferry.plan`` and ``ferry.auto`` keep for the model,
+    made at its first plan: planning it again at another budget reuses the simulations the
+    earlier budgets ran (a copy or a pickle starts without them).
 
     Args:
         document: The ``ferry.model/1`` document.
@@ -56,6 +58,15 @@ class TracedModel:
         self.uncosted = dict(uncosted or {})
         self.compiled = compiled
         self.routing: dict[str, Any] | None = None
+        # The planners ferry.plan and ferry.auto keep for this model (a PlannerCache, made at
+        # its first plan): a later budget reuses the simulations earlier ones ran.
+        self.planners: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy or a pickle plans afresh: the planners are the simulator's, not copyable.
+        state = dict(self.__dict__)
+        state["planners"] = None
+        return state
 
     def to_json(self) -> str:
         """The document as text.

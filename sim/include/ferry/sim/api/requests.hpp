@@ -8,6 +8,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -124,6 +127,8 @@ struct CompareRequest {
   std::function<void(const std::string&)> progress{};
 };
 
+class PlannerCache;
+
 /// `ferry plan`: the fastest plan that fits a budget, or a sweep of plans over budgets.
 struct PlanRequest {
   Target target;
@@ -138,6 +143,10 @@ struct PlanRequest {
   bool plot = false;                            ///< draw the sweep (Response::plot)
   /// A sweep calls it before each budget with (index, count, budget); may be empty.
   std::function<void(std::size_t, std::size_t, Bytes)> progress;
+  /// Planners kept from earlier requests (not owned; may be null): one plan of a model given
+  /// as text (no sweep, no memory snapshot) is made by the planner kept for this target and
+  /// these settings.
+  PlannerCache* planners = nullptr;
 };
 
 /// How a request's run ended, as the exit codes tell it.
@@ -162,6 +171,36 @@ struct Response {
   std::optional<PlanOutcome> plan;
   /// plan with a sweep and `plot`: the SVG plot of its curve.
   std::string plot;
+};
+
+/// Planners kept between plan requests, so that planning one model again at another budget
+/// reuses the simulations the earlier budgets ran (Planner::plan) instead of running them
+/// again: Python's `ferry.plan` and `ferry.auto` keep one per traced model. A request for a
+/// model given as text plans with the planner kept for its target (the model's name and text,
+/// the device and the scenarios folder), steps, parallelism and allocator, made by the first
+/// such request; a plan it makes is the one a fresh planner makes, or one that reuses a faster
+/// plan an earlier, smaller budget found (never slower). Requests from two threads that share
+/// it take turns.
+class PlannerCache {
+ public:
+  PlannerCache();
+  ~PlannerCache();
+  PlannerCache(const PlannerCache&) = delete;
+  PlannerCache& operator=(const PlannerCache&) = delete;
+
+  /// Planners kept.
+  [[nodiscard]] std::size_t size();
+  /// Simulations the kept planners ran, all together.
+  [[nodiscard]] std::int64_t simulations();
+
+ private:
+  friend Result<Response> respond(const PlanRequest& request);
+  struct Entry;
+  /// The planner kept under `key`, made for `workload` (copied) and `options` on first use.
+  Planner& planner(const std::string& key, const Workload& workload, const PlannerOptions& options);
+
+  std::mutex mutex_;  // held while a request plans with a kept planner
+  std::map<std::string, std::unique_ptr<Entry>> entries_;
 };
 
 /// The requests' functions; an error is bad input (exit 2), naming the option or the file.
