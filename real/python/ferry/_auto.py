@@ -90,8 +90,8 @@ def auto(
 
     Raises:
         TypeError: A budget that is no byte count, or ``traced`` that is no ``TracedModel``.
-        ValueError: ``traced`` lacks a parameter of the model, or has it at another size.
-        ValueError: A budget ``ferry plan`` refuses (empty, unreadable or out of range).
+        ValueError: A budget ``ferry plan`` refuses (empty, unreadable or out of range), or
+            ``traced`` lacks a parameter of the model or has it at another size.
         PlanError: The planner refused (a budget below the floor: the message names the
             floor, also in ``floor``).
     """
@@ -125,19 +125,19 @@ def _check_traced(traced: Any, model: torch.nn.Module) -> None:
             f"ferry.auto: traced: a TracedModel (ferry.trace's, or an earlier ferry.auto's "
             f"traced), got {type(traced).__name__}"
         )
-    sizes = {t["name"]: t["bytes"] for t in traced.document["tensors"]}
+    tensors = traced._tensor_table()
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
         if size == 0:
             continue  # the trace records no empty tensor
-        if name not in sizes:
+        if name not in tensors:
             raise ValueError(
                 f"ferry.auto: traced: it has no parameter {name}: it was traced from another model"
             )
-        if sizes[name] != size:
+        if tensors[name]["bytes"] != size:
             raise ValueError(
-                f"ferry.auto: traced: its parameter {name} has {sizes[name]} bytes, this "
-                f"model's {size}: it was traced from another model"
+                f"ferry.auto: traced: its parameter {name} has {tensors[name]['bytes']} bytes, "
+                f"this model's {size}: it was traced from another model"
             )
 
 

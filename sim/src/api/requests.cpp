@@ -451,12 +451,12 @@ struct PlannerCache::Entry {
 PlannerCache::PlannerCache() = default;
 PlannerCache::~PlannerCache() = default;
 
-std::size_t PlannerCache::size() {
+std::size_t PlannerCache::size() const {
   const std::scoped_lock lock(mutex_);
   return entries_.size();
 }
 
-std::int64_t PlannerCache::simulations() {
+std::int64_t PlannerCache::simulations() const {
   const std::scoped_lock lock(mutex_);
   std::int64_t runs = 0;
   for (const auto& [key, entry] : entries_) runs += entry->planner.simulations();

@@ -189,9 +189,9 @@ class PlannerCache {
   PlannerCache& operator=(const PlannerCache&) = delete;
 
   /// Planners kept.
-  [[nodiscard]] std::size_t size();
+  [[nodiscard]] std::size_t size() const;
   /// Simulations the kept planners ran, all together.
-  [[nodiscard]] std::int64_t simulations();
+  [[nodiscard]] std::int64_t simulations() const;
 
  private:
   friend Result<Response> respond(const PlanRequest& request);
@@ -199,7 +199,7 @@ class PlannerCache {
   /// The planner kept under `key`, made for `workload` (copied) and `options` on first use.
   Planner& planner(const std::string& key, const Workload& workload, const PlannerOptions& options);
 
-  std::mutex mutex_;  // held while a request plans with a kept planner
+  mutable std::mutex mutex_;  // held while a request plans with a kept planner
   std::map<std::string, std::unique_ptr<Entry>> entries_;
 };
 
