@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferry/result.hpp"
@@ -48,7 +49,7 @@ class RankContext {
   /// The stream the rank's work is issued on now.
   [[nodiscard]] virtual StreamId current_stream() const = 0;
   /// Allocates from `stream`'s pool, as the caching allocator does; no room ends the step.
-  virtual Device::Buffer allocate_on(StreamId stream, Bytes bytes, const std::string& name) = 0;
+  virtual Device::Buffer allocate_on(StreamId stream, Bytes bytes, std::string_view name) = 0;
   /// Parameter `p` (a base tensor) lives at `offset` in `buffer` from now on.
   virtual void bind_param(std::uint32_t p, Device::Buffer buffer, Bytes offset) = 0;
   /// Takes parameter `p`'s gradient, if backward wrote one: the caller owns that reference.

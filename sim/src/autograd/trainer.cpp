@@ -141,7 +141,7 @@ Bytes Trainer::allocated() const {
   return alloc.stats().allocated - pending;
 }
 
-Device::Buffer Trainer::allocate_on(StreamId stream, Bytes bytes, const std::string& name) {
+Device::Buffer Trainer::allocate_on(StreamId stream, Bytes bytes, std::string_view name) {
   auto buf = device_.try_allocate(Place::Device, bytes, Device::Stream{stream}, name);
   if (!buf) out_of_memory(buf.error().message);
   const std::uint32_t id = buf.value().id.value();
@@ -243,7 +243,7 @@ void Trainer::used_on_current(const std::vector<Region>& regions) {
 }
 
 void Trainer::setup() {
-  scopes_.emplace_back();
+  open_scope();
   std::vector<Region> writes;
   std::vector<std::uint64_t> values;
   for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
@@ -257,7 +257,7 @@ void Trainer::setup() {
       values.push_back(params_[t].value);
       note_write(buf, Bytes(0), tensor.bytes, params_[t].value);
       if (tensor.role == TensorRole::Param && !options_.grads_set_to_none) {
-        param_grads_.emplace(t, must_allocate(tensor.bytes, tensor.name + ".grad"));
+        param_grads_.emplace(t, must_allocate(tensor.bytes, grad_label(t)));
       }
     }
   }
@@ -296,8 +296,7 @@ Bound Trainer::lookup(std::uint32_t t) const {
     return Bound{p.buffer, p.offset + tensor.view_offset, p.value};
   }
   for (std::size_t s = scopes_.size(); s-- > 0;) {
-    auto it = scopes_[s].bound.find(t);
-    if (it != scopes_[s].bound.end()) return it->second;
+    if (const Bound* b = scopes_[s].bound.find(t)) return *b;
   }
   FERRY_CHECK(false, "tensor {} is not live", tensor.name);
   return {};
@@ -335,10 +334,10 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
   }
   if (op.draws_cpu_rng)
     seed = mix_content(seed, mix_content(tag::kCpuRng, generators_.draw(kCpuRng)));
-  std::vector<Region> reads;
-  std::vector<Region> writes;
-  std::vector<std::uint64_t> values;
-  for (const std::uint32_t t : op.inputs) reads.push_back(region(t));
+  auto reads = region_scratch_.borrow();
+  auto writes = region_scratch_.borrow();
+  auto values = value_scratch_.borrow();
+  for (const std::uint32_t t : op.inputs) reads->push_back(region(t));
   for (std::uint32_t k = 0; k < op.outputs.size(); ++k) {
     const std::uint32_t t = op.outputs[k];
     const ModelTensor& tensor = model_.tensors[t];
@@ -352,8 +351,8 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
       scope.bound[t] = Bound{b.buffer, b.offset + tensor.view_offset, value};
     }
     const Bound out = scope.bound[t];
-    writes.push_back(Region{out.buffer.id, out.offset, tensor.bytes});
-    values.push_back(value);
+    writes->push_back(Region{out.buffer.id, out.offset, tensor.bytes});
+    values->push_back(value);
     note_write(out.buffer, out.offset, tensor.bytes, value);
   }
   // Outputs that share bytes (a storage and its views, or several views of one storage, as a
@@ -366,10 +365,11 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
       out.value = content_.value(out.buffer.id, out.offset, model_.tensors[t].bytes);
     }
   }
-  used_on_current(reads);
-  used_on_current(writes);
-  sim_.kernel(current_, op.duration, reads, writes, replay ? op.name + " recompute" : op.name,
-              values);
+  used_on_current(*reads);
+  used_on_current(*writes);
+  if (replay) label_.assign(op.name).append(" recompute");
+  sim_.kernel(current_, op.duration, *reads, *writes,
+              replay ? std::string_view(label_) : std::string_view(op.name), *values);
   if (replay && in_last_step_) run_.recompute_time += op.duration;
 }
 
@@ -491,7 +491,7 @@ void Trainer::forward() {
   for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
     const ModelTensor& tensor = model_.tensors[t];
     if (tensor.role != TensorRole::Input || tensor.view_of < 0) continue;
-    const Bound& whole = scopes_[0].bound.at(base(t));
+    const Bound whole = scopes_[0].bound.at(base(t));
     scopes_[0].bound[t] = Bound{whole.buffer, tensor.view_offset, whole.value};
   }
 

@@ -11,13 +11,16 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "ferry/check.hpp"
 #include "ferry/checkpoint.hpp"
 #include "ferry/offload/offloader.hpp"
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/device/device.hpp"
 #include "graph.hpp"
+#include "scratch.hpp"
 #include "step_hooks.hpp"
 #include "values.hpp"
 
@@ -97,7 +100,7 @@ class Trainer final : private RankContext {
   DeviceId device_id() const override { return dev_; }
   Device& device() override { return device_; }
   StreamId current_stream() const override { return current_; }
-  Device::Buffer allocate_on(StreamId stream, Bytes bytes, const std::string& name) override;
+  Device::Buffer allocate_on(StreamId stream, Bytes bytes, std::string_view name) override;
   void bind_param(std::uint32_t p, Device::Buffer buffer, Bytes offset) override;
   std::optional<Device::Buffer> take_param_grad(std::uint32_t p) override;
   void note_write(Device::Buffer buf, Bytes offset, Bytes bytes, std::uint64_t value) override;
@@ -112,8 +115,12 @@ class Trainer final : private RankContext {
   // return at the next allocation (as in PyTorch), so they are not held by the step.
   Bytes allocated() const;
 
+  // Tensor t's name and ".grad", in label_ until the next label is made there.
+  std::string_view grad_label(std::uint32_t t) {
+    return label_.assign(model_.tensors[t].name).append(".grad");
+  }
   // Allocates on the current stream, as the caching allocator does.
-  Device::Buffer must_allocate(Bytes bytes, const std::string& name) {
+  Device::Buffer must_allocate(Bytes bytes, std::string_view name) {
     return allocate_on(current_, bytes, name);
   }
   // The cuBLAS workspaces a step holds (Note [Library workspaces]).
@@ -155,10 +162,47 @@ class Trainer final : private RankContext {
 
   Pieces expected_of(std::uint32_t t) const;
 
-  struct Scope {
-    std::map<std::uint32_t, Bound> bound;  // tensor -> where it lives in this scope
-    std::vector<Device::Buffer> owned;     // references this scope drops at its end
+  // Where each tensor bound in a scope lives, by tensor index: a look-up is an index, and
+  // clearing resets only what was bound (scopes are kept and reused, Note [Scratch]). Sized for
+  // the model's tensors when made, so a reference into it stays valid while others are bound.
+  class BoundTable {
+   public:
+    explicit BoundTable(std::size_t tensors) : bound_(tensors), has_(tensors, 0) {}
+    [[nodiscard]] const Bound* find(std::uint32_t t) const {
+      return t < has_.size() && has_[t] != 0 ? &bound_[t] : nullptr;
+    }
+    [[nodiscard]] const Bound& at(std::uint32_t t) const {
+      const Bound* b = find(t);
+      FERRY_CHECK(b != nullptr, "tensor {} is not bound in this scope", t);
+      return *b;
+    }
+    Bound& operator[](std::uint32_t t) {
+      FERRY_CHECK(t < has_.size(), "tensor {} is outside the model", t);
+      if (has_[t] == 0) {
+        has_[t] = 1;
+        bound_[t] = Bound{};
+        set_.push_back(t);
+      }
+      return bound_[t];
+    }
+    void clear() {
+      for (const std::uint32_t t : set_) has_[t] = 0;
+      set_.clear();
+    }
+
+   private:
+    std::vector<Bound> bound_;
+    std::vector<std::uint8_t> has_;
+    std::vector<std::uint32_t> set_;  // the tensors bound, to clear
   };
+
+  struct Scope {
+    BoundTable bound;                   // tensor -> where it lives in this scope
+    std::vector<Device::Buffer> owned;  // references this scope drops at its end
+  };
+
+  // Opens a scope (the step's, or a replay's), reusing one a closed replay left.
+  Scope& open_scope();
 
   // --- forward ops ----------------------------------------------------------------------------
 
@@ -220,16 +264,15 @@ class Trainer final : private RankContext {
   // post-hook, release.
   void run_node(std::uint32_t n, bool last_pass, std::size_t k);
 
-  // Node n's saved tensors, unpacked and read by its kernel; their values fold into `g`. The
-  // caller owns one reference to each storage returned.
-  std::vector<Device::Buffer> unpack_node(std::uint32_t n, std::vector<Region>& reads,
-                                          std::uint64_t& g);
+  // Node n's saved tensors, unpacked (into `unpacked`) and read by its kernel; their values
+  // fold into `g`. The caller owns one reference to each storage unpacked.
+  void unpack_node(std::uint32_t n, std::vector<Region>& reads, std::uint64_t& g,
+                   std::vector<Device::Buffer>& unpacked);
 
-  // The gradients node n writes for its inputs (each base once, summed over consumers);
-  // returns the bases written.
-  std::vector<std::uint32_t> write_input_grads(std::uint32_t n, std::uint64_t g,
-                                               std::vector<Region>& writes,
-                                               std::vector<std::uint64_t>& values);
+  // The gradients node n writes for its inputs (each base once, summed over consumers); the
+  // bases written go into `written`.
+  void write_input_grads(std::uint32_t n, std::uint64_t g, std::vector<Region>& writes,
+                         std::vector<std::uint64_t>& values, std::vector<std::uint32_t>& written);
 
   // After node n's kernel: the unpacked storages go (one may escape into the next node), so do
   // its outputs' gradients; the post-hook runs, and the last pass releases what it saved.
@@ -274,6 +317,7 @@ class Trainer final : private RankContext {
   std::unique_ptr<StepHooks> hooks_;  // the parallelism's, or no-ops (Note [Step hooks])
   Checkpointer<Recomputed> checkpointer_;
   std::vector<Scope> scopes_;
+  std::vector<Scope> spare_scopes_;  // closed, cleared, kept for their tables' capacity
   std::map<std::uint32_t, Bound> params_;
   std::map<std::uint32_t, Device::Buffer> param_grads_;
   std::map<std::uint32_t, std::uint64_t> param_grad_values_;
@@ -288,6 +332,13 @@ class Trainer final : private RankContext {
   std::vector<std::int32_t> region_of_op_;
   std::vector<Context> contexts_;
   std::vector<OpenRegion> open_;
+  // Vectors and a label for each op's and node's kernel, kept for their capacity: the planner
+  // simulates the same step thousands of times.
+  ScratchPool<Region> region_scratch_;
+  ScratchPool<std::uint64_t> value_scratch_;
+  ScratchPool<Device::Buffer> buffer_scratch_;
+  ScratchPool<std::uint32_t> index_scratch_;
+  std::string label_;
   // By FrameId. A deque: replays begin new frames while references to older ones are held.
   std::deque<FrameInfo> frames_;
   std::map<std::uint32_t, FrameInfo> reentrant_inputs_;

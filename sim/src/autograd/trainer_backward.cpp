@@ -56,18 +56,29 @@ void Trainer::release_frame(FrameInfo& info) {
 Generators Trainer::open_replay(const FrameInfo& info, std::uint32_t node) {
   std::vector<std::pair<std::uint32_t, Bound>> inputs;
   for (const Saved& s : info.inputs) inputs.emplace_back(s.tensor, unpack(s, node));
-  scopes_.emplace_back();
+  Scope& scope = open_scope();
   for (const auto& [t, b] : inputs) {
-    scopes_.back().bound[t] = b;
-    scopes_.back().owned.push_back(b.buffer);
+    scope.bound[t] = b;
+    scope.owned.push_back(b.buffer);
   }
   return begin_replay(generators_, info.generators, !faults_.skip_rng_restore);
+}
+
+Trainer::Scope& Trainer::open_scope() {
+  if (spare_scopes_.empty())
+    return scopes_.emplace_back(Scope{BoundTable(model_.tensors.size()), {}});
+  scopes_.push_back(std::move(spare_scopes_.back()));
+  spare_scopes_.pop_back();
+  return scopes_.back();
 }
 
 void Trainer::close_scope() {
   Scope scope = std::move(scopes_.back());
   scopes_.pop_back();
   for (const Device::Buffer& b : scope.owned) device_.drop(b);
+  scope.bound.clear();
+  scope.owned.clear();
+  spare_scopes_.push_back(std::move(scope));
 }
 
 void Trainer::recompute(FrameId frame, std::uint32_t node) {
@@ -202,8 +213,7 @@ std::vector<std::uint32_t> Trainer::backward_order() {
 
 Device::Buffer& Trainer::grad(std::uint32_t t) {
   const std::uint32_t b = base(t);
-  if (!grads_[b])
-    grads_[b] = must_allocate(model_.tensors[b].bytes, model_.tensors[b].name + ".grad");
+  if (!grads_[b]) grads_[b] = must_allocate(model_.tensors[b].bytes, grad_label(b));
   return *grads_[b];
 }
 
@@ -212,9 +222,8 @@ std::int32_t Trainer::reentrant_region_of(std::uint32_t op) const {
   return r >= 0 && options_.checkpoint.regions[static_cast<std::size_t>(r)].reentrant ? r : -1;
 }
 
-std::vector<Device::Buffer> Trainer::unpack_node(std::uint32_t n, std::vector<Region>& reads,
-                                                 std::uint64_t& g) {
-  std::vector<Device::Buffer> unpacked;
+void Trainer::unpack_node(std::uint32_t n, std::vector<Region>& reads, std::uint64_t& g,
+                          std::vector<Device::Buffer>& unpacked) {
   for (const Saved& s : saved_[n]) {
     const Bound b = unpack(s, n);
     if (options_.unpack_twice) device_.drop(unpack(s, n).buffer);  // a holder refuses this
@@ -224,13 +233,11 @@ std::vector<Device::Buffer> Trainer::unpack_node(std::uint32_t n, std::vector<Re
     unpacked.push_back(b.buffer);
     g = mix_content(g, b.value);
   }
-  return unpacked;
 }
 
-std::vector<std::uint32_t> Trainer::write_input_grads(std::uint32_t n, std::uint64_t g,
-                                                      std::vector<Region>& writes,
-                                                      std::vector<std::uint64_t>& values) {
-  std::vector<std::uint32_t> written;
+void Trainer::write_input_grads(std::uint32_t n, std::uint64_t g, std::vector<Region>& writes,
+                                std::vector<std::uint64_t>& values,
+                                std::vector<std::uint32_t>& written) {
   for (const std::uint32_t t : model_.ops[n].inputs) {
     const std::uint32_t b = base(t);
     if (std::find(written.begin(), written.end(), b) != written.end()) continue;
@@ -247,15 +254,13 @@ std::vector<std::uint32_t> Trainer::write_input_grads(std::uint32_t n, std::uint
       // Allocated at its first write: FSDP's unsharded gradient (until its reduce), and every
       // gradient under set_to_none.
       if (!param_grads_.contains(b)) {
-        param_grads_.emplace(
-            b, must_allocate(model_.tensors[b].bytes, model_.tensors[b].name + ".grad"));
+        param_grads_.emplace(b, must_allocate(model_.tensors[b].bytes, grad_label(b)));
       }
       param_grad_values_[b] += mix_content(g, b);
       writes.push_back(Region{param_grads_.at(b).id, Bytes(0), model_.tensors[b].bytes});
       values.push_back(param_grad_values_[b]);
     }
   }
-  return written;
 }
 
 void Trainer::let_go_after_node(std::uint32_t n, bool last_pass, std::size_t k,
@@ -291,31 +296,34 @@ void Trainer::let_go_after_node(std::uint32_t n, bool last_pass, std::size_t k,
 void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
   take_turn();
   const ModelOp& op = model_.ops[n];
-  std::vector<Region> reads;
-  std::vector<Region> writes;
-  std::vector<std::uint64_t> values;
+  auto reads = region_scratch_.borrow();
+  auto writes = region_scratch_.borrow();
+  auto values = value_scratch_.borrow();
+  auto unpacked = buffer_scratch_.borrow();
+  auto written = index_scratch_.borrow();
   std::uint64_t g = mix_content(tag::kGrad, n + 1);
   switch_to(op_stream(n, false));  // the engine runs a node on its forward's stream
-  const std::vector<Device::Buffer> unpacked = unpack_node(n, reads, g);
-  if (escaped_) reads.push_back(Region{escaped_->id, Bytes(0), Bytes(1)});
+  unpack_node(n, *reads, g, *unpacked);
+  if (escaped_) reads->push_back(Region{escaped_->id, Bytes(0), Bytes(1)});
   for (const std::uint32_t t : op.outputs) {
     const std::uint32_t b = base(t);
     if (grads_[b]) {
-      reads.push_back(Region{grads_[b]->id, Bytes(0), model_.tensors[b].bytes});
+      reads->push_back(Region{grads_[b]->id, Bytes(0), model_.tensors[b].bytes});
       g = mix_content(g, grad_values_[b]);
     }
   }
-  const std::vector<std::uint32_t> written = write_input_grads(n, g, writes, values);
-  used_on_current(reads);
-  used_on_current(writes);
-  sim_.kernel(current_, op.backward_duration, reads, writes, op.name + " backward", values);
+  write_input_grads(n, g, *writes, *values, *written);
+  used_on_current(*reads);
+  used_on_current(*writes);
+  label_.assign(op.name).append(" backward");
+  sim_.kernel(current_, op.backward_duration, *reads, *writes, label_, *values);
   if (comm_.valid() && last_pass) {
-    for (const std::uint32_t b : written) {
+    for (const std::uint32_t b : *written) {
       const auto last = last_grad_node_.find(b);
       if (last != last_grad_node_.end() && last->second == n) all_reduce(b);
     }
   }
-  let_go_after_node(n, last_pass, k, unpacked);
+  let_go_after_node(n, last_pass, k, *unpacked);
 }
 
 void Trainer::backward_inside(std::uint32_t k) {

@@ -1,43 +1,72 @@
 #include "values.hpp"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 namespace ferry::sim {
 
-namespace {
+// Note [Content pieces]
+// A storage's pieces are sorted by offset and never overlap. The planner runs this for every
+// op of every simulation, so a write rebuilds the list into a scratch list that then swaps
+// with it (the two trade capacity; neither allocates once they are large enough), and a
+// read walks the pieces in place.
 
-// Overwrites [lo, hi) of a piece list (offsets relative to a storage) with bytes
-// [base, base + hi - lo) of value `id`.
-void overwrite(Pieces& pieces, std::int64_t lo, std::int64_t hi, std::uint64_t id,
-               std::int64_t base) {
-  Pieces out;
-  for (const ContentPiece& p : pieces) {
-    const std::int64_t plo = p.offset.count();
-    const std::int64_t phi = plo + p.bytes.count();
-    if (phi <= lo || plo >= hi) {
-      out.push_back(p);
-      continue;
-    }
-    if (plo < lo) out.push_back(ContentPiece{p.offset, Bytes(lo - plo), p.id, p.base});
-    if (phi > hi) {
-      out.push_back(ContentPiece{Bytes(hi), Bytes(phi - hi), p.id, p.base + Bytes(hi - plo)});
+// Calls f(piece) for each piece of [lo, hi) of `pieces` in offset order, offsets relative to
+// lo; never-written gaps are pieces of id 0.
+template <class F>
+void for_each_piece(const Pieces* pieces, std::int64_t lo, std::int64_t hi, F&& f) {
+  std::int64_t pos = lo;
+  if (pieces != nullptr) {
+    for (const ContentPiece& p : *pieces) {
+      const std::int64_t a = std::max(lo, p.offset.count());
+      const std::int64_t b = std::min(hi, p.offset.count() + p.bytes.count());
+      if (a >= b) continue;
+      if (a > pos) f(ContentPiece{Bytes(pos - lo), Bytes(a - pos), 0, Bytes(0)});
+      f(ContentPiece{Bytes(a - lo), Bytes(b - a), p.id, p.base + Bytes(a - p.offset.count())});
+      pos = b;
     }
   }
-  out.push_back(ContentPiece{Bytes(lo), Bytes(hi - lo), id, Bytes(base)});
-  std::sort(out.begin(), out.end(),
-            [](const ContentPiece& a, const ContentPiece& b) { return a.offset < b.offset; });
-  pieces = std::move(out);
+  if (pos < hi) f(ContentPiece{Bytes(pos - lo), Bytes(hi - pos), 0, Bytes(0)});
 }
 
-}  // namespace
+void ContentMap::overwrite(Pieces& pieces, std::int64_t lo, std::int64_t hi, std::uint64_t id,
+                           std::int64_t base) {
+  Pieces& out = scratch_;
+  out.clear();
+  std::size_t k = 0;
+  for (; k < pieces.size() && pieces[k].offset.count() + pieces[k].bytes.count() <= lo; ++k)
+    out.push_back(pieces[k]);
+  std::optional<ContentPiece> right;  // what is left after hi of the last piece it overlaps
+  for (; k < pieces.size() && pieces[k].offset.count() < hi; ++k) {
+    const ContentPiece& p = pieces[k];
+    const std::int64_t plo = p.offset.count();
+    const std::int64_t phi = plo + p.bytes.count();
+    if (plo < lo) out.push_back(ContentPiece{p.offset, Bytes(lo - plo), p.id, p.base});
+    if (phi > hi) right = ContentPiece{Bytes(hi), Bytes(phi - hi), p.id, p.base + Bytes(hi - plo)};
+  }
+  // A write of no bytes keeps no piece, but still splits a piece around it at lo.
+  if (lo < hi) out.push_back(ContentPiece{Bytes(lo), Bytes(hi - lo), id, Bytes(base)});
+  if (right) out.push_back(*right);
+  out.insert(out.end(), pieces.begin() + static_cast<std::ptrdiff_t>(k), pieces.end());
+  pieces.swap(out);
+}
+
+Pieces& ContentMap::pieces_of(BufferId buffer) {
+  if (buffer.value() >= pieces_.size()) pieces_.resize(buffer.value() + 1);
+  return pieces_[buffer.value()];
+}
+
+const Pieces* ContentMap::find(BufferId buffer) const {
+  return buffer.value() < pieces_.size() ? &pieces_[buffer.value()] : nullptr;
+}
 
 void ContentMap::write(BufferId buffer, Bytes offset, Bytes bytes, std::uint64_t value) {
-  overwrite(pieces_[buffer.value()], offset.count(), (offset + bytes).count(), value, 0);
+  overwrite(pieces_of(buffer), offset.count(), (offset + bytes).count(), value, 0);
 }
 
 void ContentMap::arrive(BufferId buffer, Bytes offset, const Pieces& saved) {
-  Pieces& pieces = pieces_[buffer.value()];
+  Pieces& pieces = pieces_of(buffer);
   for (const ContentPiece& p : saved) {
     const std::int64_t lo = (offset + p.offset).count();
     overwrite(pieces, lo, lo + p.bytes.count(), p.id, p.base.count());
@@ -45,28 +74,28 @@ void ContentMap::arrive(BufferId buffer, Bytes offset, const Pieces& saved) {
 }
 
 Pieces ContentMap::slice(BufferId buffer, Bytes offset, Bytes bytes) const {
-  Pieces out;
-  const auto it = pieces_.find(buffer.value());
+  const Pieces* pieces = find(buffer);
   const std::int64_t lo = offset.count();
   const std::int64_t hi = (offset + bytes).count();
-  std::int64_t pos = lo;
-  if (it != pieces_.end()) {
-    for (const ContentPiece& p : it->second) {
-      const std::int64_t a = std::max(lo, p.offset.count());
-      const std::int64_t b = std::min(hi, p.offset.count() + p.bytes.count());
-      if (a >= b) continue;
-      if (a > pos) out.push_back(ContentPiece{Bytes(pos - lo), Bytes(a - pos), 0, Bytes(0)});
-      out.push_back(
-          ContentPiece{Bytes(a - lo), Bytes(b - a), p.id, p.base + Bytes(a - p.offset.count())});
-      pos = b;
-    }
-  }
-  if (pos < hi) out.push_back(ContentPiece{Bytes(pos - lo), Bytes(hi - pos), 0, Bytes(0)});
+  std::size_t count = 0;
+  for_each_piece(pieces, lo, hi, [&](const ContentPiece&) { ++count; });
+  Pieces out;
+  out.reserve(count);
+  for_each_piece(pieces, lo, hi, [&](const ContentPiece& p) { out.push_back(p); });
   return out;
 }
 
 std::uint64_t ContentMap::value(BufferId buffer, Bytes offset, Bytes bytes) const {
-  return value_of(slice(buffer, offset, bytes));
+  // value_of(slice(...)), without the list.
+  std::size_t count = 0;
+  ContentPiece first;
+  std::uint64_t v = tag::kPieces;
+  for_each_piece(
+      find(buffer), offset.count(), (offset + bytes).count(), [&](const ContentPiece& p) {
+        if (count++ == 0) first = p;
+        v = mix_content(mix_content(v, p.id), static_cast<std::uint64_t>(p.base.count()));
+      });
+  return count == 1 && first.base.count() == 0 ? first.id : v;
 }
 
 std::uint64_t value_of(const Pieces& pieces) {

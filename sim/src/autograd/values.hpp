@@ -3,7 +3,6 @@
 // single-device Trainer and the pipeline Executor.
 
 #include <cstdint>
-#include <map>
 #include <vector>
 
 #include "ferry/ids.hpp"
@@ -61,7 +60,15 @@ class ContentMap {
   [[nodiscard]] std::uint64_t value(BufferId buffer, Bytes offset, Bytes bytes) const;
 
  private:
-  std::map<std::uint32_t, Pieces> pieces_;  // by buffer id
+  // Bytes [lo, hi) of a storage's pieces now hold bytes [base, base + hi - lo) of value `id`
+  // (Note [Content pieces]).
+  void overwrite(Pieces& pieces, std::int64_t lo, std::int64_t hi, std::uint64_t id,
+                 std::int64_t base);
+  Pieces& pieces_of(BufferId buffer);
+  [[nodiscard]] const Pieces* find(BufferId buffer) const;
+
+  std::vector<Pieces> pieces_;  // by buffer id
+  Pieces scratch_;              // overwrite's, kept for its capacity
 };
 
 /// What a tensor's bytes amount to, from their pieces: one whole value is that value, else a

@@ -203,10 +203,10 @@ Result<DeviceAllocation> CachingAllocator::malloc(StreamId stream, Bytes request
 
 void CachingAllocator::record_stream(BlockId block, StreamId stream) {
   FERRY_CHECK(stream.valid(), "record_stream of block {} on an invalid stream", block.value());
-  const auto found = live_.find(block);
-  FERRY_CHECK(found != live_.end(), "record_stream on block {}, which is not allocated",
+  const auto found = live_address(block);
+  FERRY_CHECK(found.has_value(), "record_stream on block {}, which is not allocated",
               block.value());
-  Block& b = blocks_.at(found->second);
+  Block& b = blocks_.at(*found);
   if (stream == b.stream) {
     return;
   }
@@ -217,22 +217,22 @@ void CachingAllocator::record_stream(BlockId block, StreamId stream) {
 }
 
 std::span<const StreamId> CachingAllocator::deferring_streams(BlockId block) const {
-  const auto found = live_.find(block);
-  FERRY_CHECK(found != live_.end(), "block {} is not allocated", block.value());
+  const auto found = live_address(block);
+  FERRY_CHECK(found.has_value(), "block {} is not allocated", block.value());
   if (faults_.ignore_record_stream) {
     return {};
   }
-  return blocks_.at(found->second).stream_uses;
+  return blocks_.at(*found).stream_uses;
 }
 
 void CachingAllocator::free(BlockId block, StreamMarkers& markers) {
-  const auto found = live_.find(block);
-  FERRY_CHECK(found != live_.end(),
+  const auto found = live_address(block);
+  FERRY_CHECK(found.has_value(),
               "free of block {}, which is not allocated (unknown id or "
               "already freed)",
               block.value());
-  const Bytes address = found->second;
-  live_.erase(found);
+  const Bytes address = *found;
+  live_[block.value()] = kNotLive;
   const auto it = blocks_.find(address);
   FERRY_CHECK(it != blocks_.end(), "allocated block {} has no entry at {:#x}", block.value(),
               address.count());
@@ -296,9 +296,16 @@ std::vector<BlockInfo> CachingAllocator::live_blocks() const {
 }
 
 DeviceAllocation CachingAllocator::describe(BlockId block) const {
-  const auto found = live_.find(block);
-  FERRY_CHECK(found != live_.end(), "describe of block {}, which is not allocated", block.value());
-  return DeviceAllocation{block, found->second, blocks_.at(found->second).size};
+  const auto found = live_address(block);
+  FERRY_CHECK(found.has_value(), "describe of block {}, which is not allocated", block.value());
+  return DeviceAllocation{block, *found, blocks_.at(*found).size};
+}
+
+std::optional<Bytes> CachingAllocator::live_address(BlockId block) const {
+  if (!block.valid() || block.value() >= live_.size() || live_[block.value()] == kNotLive) {
+    return std::nullopt;
+  }
+  return live_[block.value()];
 }
 
 std::optional<Bytes> CachingAllocator::take_free_block(StreamId stream, PoolKind pool, Bytes size) {
@@ -365,7 +372,7 @@ DeviceAllocation CachingAllocator::hand_out(Bytes address, Bytes size, Bytes req
   b.requested = requested;
   b.id = BlockId(next_id_++);
   b.buffer = buffer;
-  live_.emplace(b.id, address);
+  live_.push_back(address);  // at index b.id
   stats_.allocated += b.size;
   stats_.requested += requested;
   stats_.requested_peak = std::max(stats_.requested_peak, stats_.requested);

@@ -11,7 +11,6 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 #include "ferry/ids.hpp"
@@ -252,9 +251,13 @@ class CachingAllocator {
       // by address
       PooledMap<Bytes, Segment>::allocator_type(segment_nodes_.get())};
   PooledSet<FreeKey> free_{PooledSet<FreeKey>::allocator_type(free_nodes_.get())};  // Free only
-  std::set<UnmappedKey> unmapped_;           // unmapped blocks of expandable segments
-  std::unordered_map<BlockId, Bytes> live_;  // Allocated blocks -> address; lookup only
-  DeferredFrees pending_;                    // PendingFree blocks
+  std::set<UnmappedKey> unmapped_;  // unmapped blocks of expandable segments
+  // Each block id's address while it is allocated, by id (ids are handed out in order and
+  // never again); kNotLive before and after.
+  static constexpr Bytes kNotLive{-1};
+  std::vector<Bytes> live_;
+  [[nodiscard]] std::optional<Bytes> live_address(BlockId block) const;
+  DeferredFrees pending_;  // PendingFree blocks
   BlockId::rep_type next_id_ = 0;
   AllocatorStats stats_;
 };
