@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <span>
 #include <vector>
 
 #include "ferry/sim/engine/content_shadow.hpp"
@@ -59,6 +60,23 @@ TEST(ContentShadow, WritingIdZeroForgetsTheBytes) {
   EXPECT_EQ(shadow.read(Bytes(0), Bytes(100)),
             (std::vector<ContentPiece>{{Bytes(0), Bytes(50), 0, Bytes(0)},
                                        {Bytes(50), Bytes(50), 7, Bytes(50)}}));
+}
+
+TEST(ContentShadow, HoldsExactlyWhatItReads) {
+  ContentShadow shadow;
+  shadow.write(Bytes(0), Bytes(100), 7, Bytes(0));
+  shadow.write(Bytes(40), Bytes(60), 9, Bytes(0));
+  const std::vector<ContentPiece> read = shadow.read(Bytes(20), Bytes(120));
+  ASSERT_EQ(read.size(), 4U);  // 7, 9, 7 and the unwritten tail
+  EXPECT_TRUE(shadow.holds(Bytes(20), Bytes(120), read));
+  std::vector<ContentPiece> other_base = read;
+  other_base[2].base += Bytes(1);
+  EXPECT_FALSE(shadow.holds(Bytes(20), Bytes(120), other_base));
+  EXPECT_FALSE(shadow.holds(Bytes(20), Bytes(120), std::span(read).first(3)));
+  std::vector<ContentPiece> longer = read;
+  longer.push_back(read.back());
+  EXPECT_FALSE(shadow.holds(Bytes(20), Bytes(120), longer));
+  EXPECT_FALSE(shadow.holds(Bytes(20), Bytes(120), {}));
 }
 
 TEST(ContentShadow, CopyMovesPiecesWithTheirBase) {

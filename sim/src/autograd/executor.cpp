@@ -211,8 +211,8 @@ OpId Executor::launch(std::uint32_t device, SimTime duration, const std::vector<
   for (const Read& r : reads) {
     if (r.region.bytes.count() > 0) {
       const Bytes base = r.handle.valid() ? r.region.offset : r.expected_base;
-      sim_.expect_content_at_next_kernel(
-          r.region, {ContentPiece{Bytes(0), r.region.bytes, r.expected, base}});
+      const ContentPiece expected{Bytes(0), r.region.bytes, r.expected, base};
+      sim_.expect_content_at_next_kernel(r.region, std::span(&expected, 1));
     }
     read_regions.push_back(r.region);
   }

@@ -48,7 +48,7 @@ void ContentMap::overwrite(Pieces& pieces, std::int64_t lo, std::int64_t hi, std
   // A write of no bytes keeps no piece, but still splits a piece around it at lo.
   if (lo < hi) out.push_back(ContentPiece{Bytes(lo), Bytes(hi - lo), id, Bytes(base)});
   if (right) out.push_back(*right);
-  out.insert(out.end(), pieces.begin() + static_cast<std::ptrdiff_t>(k), pieces.end());
+  out.append(pieces.begin() + static_cast<std::ptrdiff_t>(k), pieces.end());
   pieces.swap(out);
 }
 

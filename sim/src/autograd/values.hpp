@@ -7,6 +7,7 @@
 
 #include "ferry/ids.hpp"
 #include "ferry/sim/engine/simulator.hpp"
+#include "ferry/sim/support/small_vector.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
@@ -45,7 +46,8 @@ inline constexpr std::uint64_t kShard = 0x7368617264;   // "shard": an FSDP2 sha
 inline constexpr std::uint64_t kPieces = 0x7069656365;  // "piece": a value made of pieces
 }  // namespace tag
 
-using Pieces = std::vector<ContentPiece>;
+/// A tensor's or a storage's content pieces: one, unless views of it were written apart.
+using Pieces = SmallVector<ContentPiece, 1>;
 
 /// What each storage holds, by buffer id: pieces of content values.
 class ContentMap {

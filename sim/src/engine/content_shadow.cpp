@@ -47,8 +47,8 @@ void ContentShadow::copy_from(const ContentShadow& from, Bytes src, Bytes dst, B
   }
 }
 
-std::vector<ContentPiece> ContentShadow::read(Bytes lo, Bytes hi) const {
-  std::vector<ContentPiece> out;
+template <class F>
+void ContentShadow::for_each_piece(Bytes lo, Bytes hi, F&& f) const {
   auto it = runs_.upper_bound(lo);
   if (it != runs_.begin()) --it;
   Bytes pos = lo;
@@ -56,13 +56,28 @@ std::vector<ContentPiece> ContentShadow::read(Bytes lo, Bytes hi) const {
     const Bytes run_lo = std::max(it->first, lo);
     const Bytes run_hi = std::min(it->second.hi, hi);
     if (run_lo >= run_hi) continue;
-    if (run_lo > pos) out.push_back(ContentPiece{pos - lo, run_lo - pos, 0, {}});
-    out.push_back(ContentPiece{run_lo - lo, run_hi - run_lo, it->second.id,
-                               it->second.base + (run_lo - it->first)});
+    if (run_lo > pos) f(ContentPiece{pos - lo, run_lo - pos, 0, {}});
+    f(ContentPiece{run_lo - lo, run_hi - run_lo, it->second.id,
+                   it->second.base + (run_lo - it->first)});
     pos = run_hi;
   }
-  if (pos < hi) out.push_back(ContentPiece{pos - lo, hi - pos, 0, {}});
+  if (pos < hi) f(ContentPiece{pos - lo, hi - pos, 0, {}});
+}
+
+std::vector<ContentPiece> ContentShadow::read(Bytes lo, Bytes hi) const {
+  std::vector<ContentPiece> out;
+  for_each_piece(lo, hi, [&](const ContentPiece& p) { out.push_back(p); });
   return out;
+}
+
+bool ContentShadow::holds(Bytes lo, Bytes hi, std::span<const ContentPiece> expected) const {
+  std::size_t k = 0;
+  bool same = true;
+  for_each_piece(lo, hi, [&](const ContentPiece& p) {
+    same = same && k < expected.size() && expected[k] == p;
+    ++k;
+  });
+  return same && k == expected.size();
 }
 
 }  // namespace ferry::sim

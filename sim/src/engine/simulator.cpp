@@ -384,13 +384,15 @@ void Simulator::empty_cache(DeviceId device, std::string_view label) {
   s.end_host_call(op);
 }
 
-void Simulator::expect_content_at_next_kernel(Region region, std::vector<ContentPiece> expected) {
+void Simulator::expect_content_at_next_kernel(Region region,
+                                              std::span<const ContentPiece> expected) {
   State& s = *state_;
   if (!s.options.track_content) return;
   s.check_region(region);
   const BufferInfo& b = s.buffer(region.buffer);
-  s.pending_expectations.push_back(
-      State::Expectation{s.space_of(b), b.address + region.offset, region, std::move(expected)});
+  State::Expectation& e = s.pending_expectations.emplace_back(
+      State::Expectation{s.space_of(b), b.address + region.offset, region, {}});
+  e.expected.append(expected.begin(), expected.end());
 }
 
 OpId Simulator::report_misuse(HazardKind kind, OpKind op_kind, std::string_view label) {

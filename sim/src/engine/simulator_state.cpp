@@ -288,9 +288,12 @@ void Simulator::State::check_expectations(OpId op) {
   auto it = expectations.find(op);
   if (it == expectations.end()) return;
   for (Expectation& e : it->second) {
-    auto actual = content[e.space].read(e.address, e.address + e.region.bytes);
-    if (actual != e.expected) {
-      mismatches.push_back(ContentMismatch{op, e.region, std::move(e.expected), std::move(actual)});
+    const ContentShadow& shadow = content[e.space];
+    const Bytes hi = e.address + e.region.bytes;
+    if (!shadow.holds(e.address, hi, e.expected)) {
+      mismatches.push_back(ContentMismatch{
+          op, e.region, std::vector<ContentPiece>(e.expected.begin(), e.expected.end()),
+          shadow.read(e.address, hi)});
     }
   }
   expectations.erase(it);

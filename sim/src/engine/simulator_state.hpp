@@ -20,6 +20,7 @@
 #include "ferry/sim/engine/observer.hpp"
 #include "ferry/sim/engine/simulator.hpp"
 #include "ferry/sim/engine/stream_scheduler.hpp"
+#include "ferry/sim/support/small_vector.hpp"
 
 namespace ferry::sim {
 
@@ -98,7 +99,7 @@ struct Expectation {
   SpaceIndex space = 0;
   Bytes address;
   Region region;
-  std::vector<ContentPiece> expected;
+  SmallVector<ContentPiece, 1> expected;
 };
 
 }  // namespace engine_detail

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "ferry/sim/support/node_pool.hpp"
@@ -47,6 +48,8 @@ class ContentShadow {
   /// The content of [lo, hi) in address order, offsets relative to `lo`, unwritten runs as
   /// pieces of id 0.
   [[nodiscard]] std::vector<ContentPiece> read(Bytes lo, Bytes hi) const;
+  /// Whether [lo, hi) holds exactly `expected` (as read() would give it), without the list.
+  [[nodiscard]] bool holds(Bytes lo, Bytes hi, std::span<const ContentPiece> expected) const;
 
  private:
   struct Run {
@@ -54,6 +57,10 @@ class ContentShadow {
     std::uint64_t id = 0;
     Bytes base;
   };
+  // Calls f(piece) for each piece read() gives.
+  template <class F>
+  void for_each_piece(Bytes lo, Bytes hi, F&& f) const;
+
   // start -> run; nodes from pool_ (Note [Node pools] in node_pool.hpp)
   std::unique_ptr<NodePool> pool_ = std::make_unique<NodePool>();
   std::map<Bytes, Run, std::less<>, NodePoolAllocator<std::pair<const Bytes, Run>>> runs_{

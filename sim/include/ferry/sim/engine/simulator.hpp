@@ -108,7 +108,7 @@ class Simulator {
   void empty_cache(DeviceId device, std::string_view label = {});
   /// When the next kernel issued starts on the device, `region` must hold exactly `expected`;
   /// otherwise a ContentMismatch is recorded. A no-op without track_content.
-  void expect_content_at_next_kernel(Region region, std::vector<ContentPiece> expected);
+  void expect_content_at_next_kernel(Region region, std::span<const ContentPiece> expected);
   /// Records a misuse found above the simulator (e.g. a program naming an empty slot).
   OpId report_misuse(HazardKind kind, OpKind op_kind, std::string_view label);
 
