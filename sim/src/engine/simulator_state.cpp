@@ -1,7 +1,6 @@
 #include "simulator_state.hpp"
 
 #include <algorithm>
-#include <functional>
 #include <utility>
 
 namespace ferry::sim {
@@ -38,56 +37,12 @@ Bytes pool_span(Bytes capacity) { return Bytes((capacity.count() + 511) / 512 * 
 
 namespace engine_detail {
 
-// Note [Label table]
-// Every call a simulation makes carries a label, and most labels are new to the simulation
-// (one per op, its backward and its recompute), so interning is on the planner's hot path: it
-// runs thousands of simulations of one model. Label bytes go into chunks of kChunk bytes (a
-// longer label gets a chunk of its own), and the index is an open-addressing table of label
-// indices with linear probing, at most half full, that keeps each label's hash to rehash
-// without hashing again. Nothing is ever removed, and only look-ups go through the hash, so
-// the indices, and every output made from them, follow first appearance alone.
-
-namespace {
-constexpr std::size_t kChunk = std::size_t{16} << 10;
-}  // namespace
-
-std::string_view LabelTable::store(std::string_view label) {
-  if (label.size() > free_bytes_) {
-    const std::size_t size = std::max(kChunk, label.size());
-    chunks_.push_back(std::make_unique<char[]>(size));
-    free_ = chunks_.back().get();
-    free_bytes_ = size;
-  }
-  std::copy(label.begin(), label.end(), free_);
-  const std::string_view kept(free_, label.size());
-  free_ += label.size();
-  free_bytes_ -= label.size();
-  return kept;
-}
-
-void LabelTable::rehash(std::size_t slot_count) {
-  slots_.assign(slot_count, 0);
-  const std::size_t mask = slot_count - 1;
-  for (std::uint32_t index = 1; index < views_.size(); ++index) {
-    std::size_t slot = hashes_[index] & mask;
-    while (slots_[slot] != 0) slot = (slot + 1) & mask;
-    slots_[slot] = index;
-  }
-}
-
 std::uint32_t LabelTable::find_or_add(std::string_view label) {
-  if (2 * views_.size() > slots_.size()) rehash(std::max<std::size_t>(64, 2 * slots_.size()));
-  const std::size_t hash = std::hash<std::string_view>{}(label);
-  const std::size_t mask = slots_.size() - 1;
-  std::size_t slot = hash & mask;
-  for (; slots_[slot] != 0; slot = (slot + 1) & mask) {
-    const std::uint32_t index = slots_[slot];
-    if (hashes_[index] == hash && views_[index] == label) return index;
-  }
-  const auto index = static_cast<std::uint32_t>(views_.size());
-  views_.push_back(store(label));
-  hashes_.push_back(hash);
-  slots_[slot] = index;
+  auto it = index_.find(label);
+  if (it != index_.end()) return it->second;
+  const auto index = static_cast<std::uint32_t>(labels_.size());
+  labels_.emplace_back(label);
+  index_.emplace(std::string(label), index);
   return index;
 }
 

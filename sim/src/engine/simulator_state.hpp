@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "ferry/check.hpp"
@@ -26,25 +27,22 @@ namespace ferry::sim {
 
 namespace engine_detail {
 
-/// Interned op labels; index 0 is the empty label. Indices follow first appearance. Label
-/// bytes live in chunks that never move, so a returned view stays valid for the table's life,
-/// and a simulation interns its labels without an allocation per label (Note [Label table]).
+/// Interned op labels; index 0 is the empty label. Indices follow first appearance; the hash
+/// index is only looked up, never iterated.
 class LabelTable {
  public:
   std::uint32_t intern(std::string_view label) { return label.empty() ? 0 : find_or_add(label); }
-  [[nodiscard]] std::string_view operator[](std::uint32_t index) const { return views_.at(index); }
+  [[nodiscard]] std::string_view operator[](std::uint32_t index) const { return labels_.at(index); }
 
  private:
+  struct Hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
   std::uint32_t find_or_add(std::string_view label);
-  std::string_view store(std::string_view label);
-  void rehash(std::size_t slot_count);
 
-  std::vector<std::string_view> views_{std::string_view()};  // by index, into chunks_
-  std::vector<std::size_t> hashes_{0};                       // by index
-  std::vector<std::unique_ptr<char[]>> chunks_;
-  char* free_ = nullptr;  // the unused tail of the last chunk
-  std::size_t free_bytes_ = 0;
-  std::vector<std::uint32_t> slots_;  // open addressing by hash; 0 is an empty slot
+  std::vector<std::string> labels_{std::string()};
+  std::unordered_map<std::string, std::uint32_t, Hash, std::equal_to<>> index_;
 };
 
 enum class ExecKind : std::uint8_t { None, Kernel, Collective, Copy };
