@@ -30,6 +30,23 @@ void for_each_piece(const Pieces* pieces, std::int64_t lo, std::int64_t hi, F&& 
   if (pos < hi) f(ContentPiece{Bytes(pos - lo), Bytes(hi - pos), 0, Bytes(0)});
 }
 
+// Folds pieces, in order, into what value_of() gives for them.
+class PieceValue {
+ public:
+  void add(const ContentPiece& p) {
+    if (count_++ == 0) first_ = p;
+    mixed_ = mix_content(mix_content(mixed_, p.id), static_cast<std::uint64_t>(p.base.count()));
+  }
+  [[nodiscard]] std::uint64_t value() const {
+    return count_ == 1 && first_.base.count() == 0 ? first_.id : mixed_;
+  }
+
+ private:
+  std::size_t count_ = 0;
+  ContentPiece first_;
+  std::uint64_t mixed_ = tag::kPieces;
+};
+
 void ContentMap::overwrite(Pieces& pieces, std::int64_t lo, std::int64_t hi, std::uint64_t id,
                            std::int64_t base) {
   Pieces& out = scratch_;
@@ -74,37 +91,23 @@ void ContentMap::arrive(BufferId buffer, Bytes offset, const Pieces& saved) {
 }
 
 Pieces ContentMap::slice(BufferId buffer, Bytes offset, Bytes bytes) const {
-  const Pieces* pieces = find(buffer);
-  const std::int64_t lo = offset.count();
-  const std::int64_t hi = (offset + bytes).count();
-  std::size_t count = 0;
-  for_each_piece(pieces, lo, hi, [&](const ContentPiece&) { ++count; });
   Pieces out;
-  out.reserve(count);
-  for_each_piece(pieces, lo, hi, [&](const ContentPiece& p) { out.push_back(p); });
+  for_each_piece(find(buffer), offset.count(), (offset + bytes).count(),
+                 [&](const ContentPiece& p) { out.push_back(p); });
   return out;
 }
 
 std::uint64_t ContentMap::value(BufferId buffer, Bytes offset, Bytes bytes) const {
-  // value_of(slice(...)), without the list.
-  std::size_t count = 0;
-  ContentPiece first;
-  std::uint64_t v = tag::kPieces;
-  for_each_piece(
-      find(buffer), offset.count(), (offset + bytes).count(), [&](const ContentPiece& p) {
-        if (count++ == 0) first = p;
-        v = mix_content(mix_content(v, p.id), static_cast<std::uint64_t>(p.base.count()));
-      });
-  return count == 1 && first.base.count() == 0 ? first.id : v;
+  PieceValue v;  // value_of(slice(...)), without the list
+  for_each_piece(find(buffer), offset.count(), (offset + bytes).count(),
+                 [&](const ContentPiece& p) { v.add(p); });
+  return v.value();
 }
 
 std::uint64_t value_of(const Pieces& pieces) {
-  if (pieces.size() == 1 && pieces[0].base.count() == 0) return pieces[0].id;
-  std::uint64_t v = tag::kPieces;
-  for (const ContentPiece& p : pieces) {
-    v = mix_content(mix_content(v, p.id), static_cast<std::uint64_t>(p.base.count()));
-  }
-  return v;
+  PieceValue v;
+  for (const ContentPiece& p : pieces) v.add(p);
+  return v.value();
 }
 
 Generators begin_replay(Generators& live, const Generators& start, bool restore) {
