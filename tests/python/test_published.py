@@ -74,6 +74,10 @@ def rows(tmp_path_factory):
                 "bf16",
                 "--optimizer",
                 "adamw",
+                # torchtune's attention copies the 8 key and value heads to all 24 query heads
+                # before the kernel, which saves the copies (docs/validation.md, row 1).
+                "--attention",
+                "sdpa-repeat-kv",
                 "--out",
                 str(model),
             ]
@@ -105,9 +109,9 @@ def rows(tmp_path_factory):
     return rows
 
 
-def test_eager_memory_within_5_percent(rows):
+def test_eager_memory_within_3_percent(rows):
     predicted = rows["none"]["peak_allocated_bytes"] / GIB
-    assert abs(predicted - EAGER[0]) <= 0.05 * EAGER[0], predicted
+    assert abs(predicted - EAGER[0]) <= 0.03 * EAGER[0], predicted
 
 
 def test_eager_throughput_within_8_percent(rows):

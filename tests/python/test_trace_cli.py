@@ -115,6 +115,36 @@ def test_gradient_checkpointing_saves_what_a_real_run_saves():
     assert (len(names), sum(tensors[n]["bytes"] for n in names)) == held
 
 
+def test_repeated_kv_heads_save_their_copies(config, tmp_path):
+    """`--attention sdpa-repeat-kv` copies the 2 key and value heads to all 4 query heads before
+    the kernel, which saves the copies: per layer, K and V each save 4 heads where SDPA with
+    grouped heads saves 2. The FLOPs are the same (attention counts the query's heads)."""
+    _, grouped = run(tmp_path, config, "--seq", "64", "--batch", "2")
+    out, repeated = run(
+        tmp_path, config, "--seq", "64", "--batch", "2", "--attention", "sdpa-repeat-kv"
+    )
+    b, s, a, kv, d, layers = 2, 64, 4, 2, 16, 2
+    copies = layers * 2 * b * (a - kv) * s * d * 2  # bf16
+    assert repeated.saved_bytes() == grouped.saved_bytes() + copies
+    assert repeated.flops() == grouped.flops()
+    accepted_by_cli(traced_from(out), tmp_path)
+
+
+def test_repeated_kv_heads_save_what_a_real_run_saves():
+    from ferry._cli.trace import _attention_implementation
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})
+    model = transformers.LlamaForCausalLM._from_config(
+        config, attn_implementation=_attention_implementation("sdpa-repeat-kv")
+    ).train()
+    ids = torch.randint(0, 512, (2, 64))
+    traced = trace(model, ids, labels=ids)
+    assert (traced.packed_count, traced.packed_bytes) == real_packs(
+        lambda: model(ids, labels=ids).loss
+    )
+
+
 def test_lora_trains_the_adapters_only(config, tmp_path):
     pytest.importorskip("peft")
     out, traced = run(tmp_path, config, "--seq", "32", "--lora-rank", "4", "--optimizer", "adamw")

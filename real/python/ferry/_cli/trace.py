@@ -60,8 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--attention",
         default="sdpa",
-        choices=("sdpa", "eager"),
-        help="the model's attention implementation (default sdpa)",
+        choices=("sdpa", "sdpa-repeat-kv", "eager"),
+        help="the model's attention implementation: sdpa (the default), sdpa-repeat-kv (SDPA "
+        "after copying the key and value heads to every query head, as torchtune's attention "
+        "does) or eager",
     )
     parser.add_argument(
         "--experts",
@@ -150,6 +152,34 @@ def _config_errors() -> tuple[type[Exception], ...]:
     return errors + (StrictDataclassError,)
 
 
+# `--attention sdpa-repeat-kv`: SDPA over key and value heads copied to every query head before
+# the kernel, as torchtune's MultiHeadAttention does (`expand` then `flatten`, a copy) and as
+# transformers itself does when it passes SDPA a mask tensor. The kernel then saves the copies
+# for backward instead of the grouped heads (docs/trace.md, Attention).
+_REPEAT_KV = "ferry_sdpa_repeat_kv"
+
+
+def _sdpa_repeat_kv(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs):
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    return sdpa_attention_forward(
+        module, query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask, **kwargs
+    )
+
+
+def _attention_implementation(choice: str) -> str:
+    """The ``attn_implementation`` transformers is given for ``--attention choice``."""
+    if choice != "sdpa-repeat-kv":
+        return choice
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(_REPEAT_KV, _sdpa_repeat_kv)
+    AttentionMaskInterface.register(_REPEAT_KV, sdpa_mask)
+    return _REPEAT_KV
+
+
 def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "config") -> Any:
     """The causal LM of config ``data`` (read from ``source``) on the meta device, in training
     mode, as ``args`` ask."""
@@ -175,7 +205,7 @@ def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "c
     torch.set_default_dtype(dtype)
     try:
         config = AutoConfig.for_model(data["model_type"], **fields)
-        implementations = {"attn_implementation": args.attention}
+        implementations = {"attn_implementation": _attention_implementation(args.attention)}
         if getattr(args, "experts", None) is not None:
             implementations["experts_implementation"] = args.experts
         with torch.device("meta"):
