@@ -165,6 +165,31 @@ TEST(OpSac, SavesThePresetsKernelsAndEveryOtherMatmulOfALayer) {
   }
 }
 
+TEST(OpSac, EveryMatmulSavedAsTheGraphTrainersDefaultPolicySavesThem) {
+  // MatmulSaving::Every (`--checkpoint op-sac-all`) saves every listed op: no matmul alternates.
+  const Model llama = model_preset("tiny-llama").value();
+  CheckpointPlan plan = checkpoint_every(llama, 1);
+  ASSERT_TRUE(apply_op_sac_policy(plan, llama, MatmulSaving::Every).ok());
+  EXPECT_EQ(ops_with(llama, plan, 1, OpPolicy::MustSave),
+            (std::set<std::string>{"layers.1.qkv", "layers.1.attn", "layers.1.o_proj",
+                                   "layers.1.gate", "layers.1.up", "layers.1.down"}));
+  // On a traced model: the alternating policy's matmuls and the others, and no other op.
+  const Model trace = traced("llama");
+  CheckpointPlan all = checkpoint_every(trace, 1);
+  ASSERT_TRUE(apply_op_sac_policy(all, trace, MatmulSaving::Every).ok());
+  const auto every = saved_by_kind(trace, all);
+  const auto alternate = saved_by_kind(trace, op_sac(trace));
+  for (const std::int32_t layer : {0, 1}) {
+    EXPECT_EQ(every.at(layer).at("aten.mm.default"), 7) << layer;  // q, k, v, o, gate, up, down
+    EXPECT_EQ(alternate.at(layer).at("aten.mm.default"), 4) << layer;
+    auto others = every.at(layer);
+    auto alternate_others = alternate.at(layer);
+    others.erase("aten.mm.default");
+    alternate_others.erase("aten.mm.default");
+    EXPECT_EQ(others, alternate_others) << layer;
+  }
+}
+
 TEST(OpSac, APresetAndTheTraceOfItsArchitectureDecideAlike) {
   // The traced-Llama preset at the fixture's shape (Hugging Face Llama, 2 layers, hidden 64,
   // 4 heads, 2 key/value heads, MLP 176, vocabulary 512, tied head, sequence 32, batch 1).

@@ -155,7 +155,7 @@ void apply_selective_policy(CheckpointPlan& plan, const Model& model) {
   }
 }
 
-Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model) {
+Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model, MatmulSaving matmuls_saved) {
   plan.op_policy.assign(model.ops.size(), OpPolicy::MustSave);  // outside the regions
   for (const CheckpointRegion& region : plan.regions) {
     std::int64_t matmuls = 0;  // torchtitan counts per checkpointed block
@@ -169,7 +169,8 @@ Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model) {
             i, op.name)};
       }
       const bool saved = listed(op.kind, kOpSacSaved) &&
-                         (!listed(op.kind, kOpSacAlternating) || ++matmuls % 2 == 1);
+                         (matmuls_saved == MatmulSaving::Every ||
+                          !listed(op.kind, kOpSacAlternating) || ++matmuls % 2 == 1);
       plan.op_policy[i] = saved ? OpPolicy::MustSave : OpPolicy::PreferRecompute;
     }
   }

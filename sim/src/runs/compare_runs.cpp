@@ -24,9 +24,12 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
   };
   if (spec == "none") return CheckpointPlan{};
   if (spec == "selective") return checkpoint_selective(model);
-  if (spec == "op-sac") {
+  if (spec == "op-sac" || spec == "op-sac-all") {
     CheckpointPlan plan = checkpoint_every(model, 1);
-    if (auto status = apply_op_sac_policy(plan, model); !status.ok()) return status.error();
+    const MatmulSaving matmuls = spec == "op-sac" ? MatmulSaving::Alternate : MatmulSaving::Every;
+    if (auto status = apply_op_sac_policy(plan, model, matmuls); !status.ok()) {
+      return status.error();
+    }
     return plan;
   }
   if (auto k = number("every:")) return checkpoint_every(model, *k);
@@ -34,7 +37,7 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
   if (auto n = number("reentrant-segments:")) return checkpoint_segments(model, *n, true);
   return Error{
       fmt::format("unknown checkpoint spec \"{}\" (none, every:K, selective, "
-                  "op-sac, segments:N, reentrant-segments:N)",
+                  "op-sac, op-sac-all, segments:N, reentrant-segments:N)",
                   spec)};
 }
 

@@ -54,6 +54,10 @@ void apply_selective_policy(CheckpointPlan& plan, const Model& model);
 /// op is recomputed, except that of `aten.mm` and `aten.linear` only the first, third, fifth...
 /// of the region are saved. Ops are told apart by ModelOp::kind; an op of a region without a
 /// kind is an error naming it. docs/checkpoint.md lists the operators and the source.
-[[nodiscard]] Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model);
+/// `MatmulSaving::Every` saves every matmul on the list instead, as the default memory policy
+/// of torchtitan's compiled graph trainer does.
+enum class MatmulSaving : std::uint8_t { Alternate, Every };
+[[nodiscard]] Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model,
+                                         MatmulSaving matmuls = MatmulSaving::Alternate);
 
 }  // namespace ferry::sim
