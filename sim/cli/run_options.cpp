@@ -25,6 +25,10 @@ CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpRequest& fsdp, TextFlags& 
   cmd->add_option("--reshard-after-forward", text.reshard_after_forward,
                   "With --fsdp: true, false, or K (keep a 1/K shard after forward)")
       ->capture_default_str();
+  cmd->add_option("--fsdp-impl", text.fsdp_impl,
+                  "With --fsdp: fsdp2 (torch's fully_shard), or simple (torchtitan's SimpleFSDP: "
+                  "the collectives' buffers from the compute stream's pool; docs/fsdp.md)")
+      ->capture_default_str();
   return ranks;
 }
 
@@ -47,6 +51,9 @@ Status apply_text_flags(const TextFlags& text, sim::FsdpRequest& fsdp,
   auto reshard = sim::parse_reshard(text.reshard_after_forward);
   if (!reshard) return reshard.error();
   fsdp.reshard_after_forward = reshard.value();
+  auto impl = sim::fsdp_impl(text.fsdp_impl);
+  if (!impl) return impl.error();
+  fsdp.impl = impl.value();
   if (text.allocator) {
     auto mode = sim::allocator_mode(*text.allocator);
     if (!mode) return mode.error();
@@ -80,8 +87,9 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
     cmd->add_option("--plan", args.plan, "Replay a plan file (ferry.plan/1) written by ferry plan");
     cmd->add_option(
            "--checkpoint", s.checkpoint,
-           "none, every:K, selective, op-sac (torchtitan's op-level selective), segments:N "
-           "or reentrant-segments:N")
+           "none, every:K, selective, op-sac (torchtitan's op-level selective), op-sac-all "
+           "(the same, every matmul saved: torchtitan's graph trainer), segments:N or "
+           "reentrant-segments:N")
         ->capture_default_str();
     cmd->add_option("--side-streams", s.side_streams,
                     "Work on a side compute stream: none, or layers L and ranges A-B, "

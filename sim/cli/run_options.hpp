@@ -15,9 +15,11 @@
 namespace ferry::cli {
 
 /// The flags as the command line gives them, where a request's value has a text form:
-/// `--reshard-after-forward true|false|K` and `--allocator default|expandable`.
+/// `--reshard-after-forward true|false|K`, `--fsdp-impl fsdp2|simple` and
+/// `--allocator default|expandable`.
 struct TextFlags {
   std::string reshard_after_forward = "true";
+  std::string fsdp_impl = "fsdp2";
   std::optional<std::string> allocator;
 };
 
@@ -46,7 +48,8 @@ struct RunArgs {
   sim::SimulateRequest simulate;  // simulate's own options (policy, checkpoint plan, ...)
 };
 
-/// Adds `--fsdp`, `--nodes`, `--hsdp` and `--reshard-after-forward` to `cmd`; returns `--fsdp`.
+/// Adds `--fsdp`, `--nodes`, `--hsdp`, `--reshard-after-forward` and `--fsdp-impl` to `cmd`;
+/// returns `--fsdp`.
 CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpRequest& fsdp, TextFlags& text);
 
 /// Adds `--allocator default|expandable` to `cmd`.

@@ -119,16 +119,18 @@ std::optional<Bytes> bytes_of(const std::optional<ByteCount>& value, std::string
   return value_or_raise(sim::byte_count(std::get<std::string>(*value), option));
 }
 
-// FSDP2 as the keyword arguments fsdp, nodes, hsdp and reshard_after_forward give it; None:
-// not given.
+// FSDP2 as the keyword arguments fsdp, nodes, hsdp, reshard_after_forward and fsdp_impl give
+// it; None: not given.
 sim::FsdpRequest fsdp_request(std::optional<std::int32_t> ranks, std::optional<std::int32_t> nodes,
-                              std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard) {
+                              std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard,
+                              const std::string& impl) {
   sim::FsdpRequest fsdp{.ranks = ranks, .nodes = nodes, .replicas = hsdp};
   if (const auto* k = std::get_if<std::int64_t>(&reshard)) {
     fsdp.reshard_after_forward = value_or_raise(sim::reshard_ranks(*k));
   } else {
     fsdp.reshard_after_forward = std::get<bool>(reshard) ? Reshard::True() : Reshard::False();
   }
+  fsdp.impl = value_or_raise(sim::fsdp_impl(impl));  // after the resharding, as the CLI
   return fsdp;
 }
 
@@ -237,11 +239,12 @@ void bind_runs(py::module_& m) {
          bool check, bool set_to_none, bool memory_snapshot, std::optional<std::int32_t> fsdp,
          std::optional<std::int32_t> nodes, std::int32_t hsdp,
          const std::variant<bool, std::int64_t>& reshard_after_forward,
-         const std::optional<std::string>& allocator) {
+         const std::string& fsdp_impl, const std::optional<std::string>& allocator) {
         sim::SimulateRequest request;
         request.target = target(model, model_text, device, scenarios);
-        request.run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
-                            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward), allocator);
+        request.run =
+            knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
+                  fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl), allocator);
         request.run.prefetch = prefetch;
         request.run.dedup = dedup;
         request.run.early_stop = early_stop;
@@ -262,7 +265,8 @@ void bind_runs(py::module_& m) {
       py::arg("check") = d.run.check, py::arg("set_to_none") = d.run.set_to_none,
       py::arg("memory_snapshot") = false, py::arg("fsdp") = py::none(),
       py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.fsdp.replicas,
-      py::arg("reshard_after_forward") = true, py::arg("allocator") = py::none(),
+      py::arg("reshard_after_forward") = true, py::arg("fsdp_impl") = "fsdp2",
+      py::arg("allocator") = py::none(),
       "(`ferry simulate --json`'s document, the memory snapshot pickle or None)");
   m.def(
       "compare",
@@ -272,12 +276,13 @@ void bind_runs(py::module_& m) {
          std::int32_t stash, std::int32_t steps, bool check, bool set_to_none,
          std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes, std::int32_t hsdp,
          const std::variant<bool, std::int64_t>& reshard_after_forward,
-         const std::optional<std::string>& allocator, std::int32_t devices,
-         std::int32_t micro_batches) {
+         const std::string& fsdp_impl, const std::optional<std::string>& allocator,
+         std::int32_t devices, std::int32_t micro_batches) {
         sim::CompareRequest request;
         request.target = target(model, model_text, device, scenarios);
-        request.run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
-                            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward), allocator);
+        request.run =
+            knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
+                  fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl), allocator);
         request.run.set_to_none = set_to_none;
         request.run.devices = devices;
         request.run.micro_batches = micro_batches;
@@ -290,9 +295,9 @@ void bind_runs(py::module_& m) {
       py::arg("steps") = d.run.steps, py::arg("check") = d.run.check,
       py::arg("set_to_none") = d.run.set_to_none, py::arg("fsdp") = py::none(),
       py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.fsdp.replicas,
-      py::arg("reshard_after_forward") = true, py::arg("allocator") = py::none(),
-      py::arg("devices") = d.run.devices, py::arg("micro_batches") = d.run.micro_batches,
-      "`ferry compare --json`'s document");
+      py::arg("reshard_after_forward") = true, py::arg("fsdp_impl") = "fsdp2",
+      py::arg("allocator") = py::none(), py::arg("devices") = d.run.devices,
+      py::arg("micro_batches") = d.run.micro_batches, "`ferry compare --json`'s document");
 }
 
 void bind_plans(py::module_& m) {
@@ -311,7 +316,7 @@ void bind_plans(py::module_& m) {
          const std::optional<ByteCount>& budget, const std::optional<ByteCount>& host_budget,
          std::int32_t steps, std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes,
          std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard_after_forward,
-         const std::optional<std::string>& allocator,
+         const std::string& fsdp_impl, const std::optional<std::string>& allocator,
          const std::optional<std::variant<double, std::string>>& margin,
          sim::PlannerCache* planners) {
         sim::PlanRequest request;
@@ -321,7 +326,7 @@ void bind_plans(py::module_& m) {
         request.budget = bytes_of(budget, "--budget");
         request.host_budget = bytes_of(host_budget, "--host-budget");
         request.steps = steps;
-        request.fsdp = fsdp_request(fsdp, nodes, hsdp, reshard_after_forward);
+        request.fsdp = fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl);
         request.allocator = allocator_of(allocator);
         if (margin) {
           const auto* text = std::get_if<std::string>(&*margin);
@@ -334,7 +339,8 @@ void bind_plans(py::module_& m) {
       py::kw_only(), py::arg("budget") = py::none(), py::arg("host_budget") = py::none(),
       py::arg("steps") = d.steps, py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
       py::arg("hsdp") = d.fsdp.replicas, py::arg("reshard_after_forward") = true,
-      py::arg("allocator") = py::none(), py::arg("margin") = py::none(),
+      py::arg("fsdp_impl") = "fsdp2", py::arg("allocator") = py::none(),
+      py::arg("margin") = py::none(),
       py::arg("planners") = static_cast<sim::PlannerCache*>(nullptr),
       "{report, text, plan_text}, or {refused, floor} when no plan fits; with planners, a "
       "PlannerCache, a model given as text is planned by the planner it keeps for it");

@@ -52,6 +52,8 @@ TEXT = {
 RESHARD = [True, False, 2, 4, 1, 0, -3]
 #: Mostly good names: a bad one refuses the run, and the draws must still reach "ok" often.
 ALLOCATORS = ["default", "expandable", "expandable", "default", "expandable", "expandable_segments"]
+#: Mostly good names, as ALLOCATORS.
+FSDP_IMPLS = ["fsdp2", "simple", "simple", "fsdp2", "SimpleFSDP"]
 BUDGETS = [None, "1GiB", "24MiB", " ", "40 parsecs", "-5", 2**30, "1KiB"]
 #: Plan margins, percent of the budget: numbers and text, in bounds (0..50) and not.
 MARGINS = [None, "6", "5.5%", 0, 12.5, 50, "50.1", 51, -1, "six", "5.55", " 7 % "]
@@ -101,6 +103,9 @@ def draw_numbers(rng, bounds, rate):
 def draw_fsdp(rng, options):
     if rng.random() < 0.3:
         options["reshard_after_forward"] = rng.choice(RESHARD)
+    # Mostly with fsdp: without it, any but the default is refused.
+    if rng.random() < (0.4 if "fsdp" in options else 0.03):
+        options["fsdp_impl"] = rng.choice(FSDP_IMPLS)
     if rng.random() < 0.25:
         options["allocator"] = rng.choice(ALLOCATORS)
     return options
@@ -324,7 +329,7 @@ def python_edge_raw(command, options):
     return getattr(ferry, command)(MODEL, device=DEVICE, check=False, **options)
 
 
-NEED_FSDP = "--nodes, --hsdp and --reshard-after-forward need --fsdp N"
+NEED_FSDP = "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N"
 
 
 @pytest.mark.parametrize(
@@ -334,6 +339,7 @@ NEED_FSDP = "--nodes, --hsdp and --reshard-after-forward need --fsdp N"
         ("simulate", {"nodes": 2}, NEED_FSDP),
         ("compare", {"hsdp": 2}, NEED_FSDP),
         ("plan", {"reshard_after_forward": False}, NEED_FSDP),
+        ("simulate", {"fsdp_impl": "simple"}, NEED_FSDP),
     ],
 )
 def test_fsdp_only_options_need_fsdp_on_both_edges(command, options, message):
@@ -341,7 +347,9 @@ def test_fsdp_only_options_need_fsdp_on_both_edges(command, options, message):
     assert cli_edge(command, options) == ("refused", 2, message)
 
 
-@pytest.mark.parametrize("options", [{"hsdp": 1}, {"reshard_after_forward": True}])
+@pytest.mark.parametrize(
+    "options", [{"hsdp": 1}, {"reshard_after_forward": True}, {"fsdp_impl": "fsdp2"}]
+)
 def test_the_fsdp_defaults_need_no_fsdp(options):
     # hsdp 1 and resharding after forward are the defaults: given, they need no fsdp.
     assert python_edge("simulate", options) == cli_edge("simulate", options)

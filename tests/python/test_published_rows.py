@@ -300,11 +300,17 @@ def test_torchtitan_pr3429_full_over_selective_step_time(pr3429):
 
 
 @pytest.fixture(scope="module")
-def pr3429_traced(root, devices, pr3429):
-    """PR #3429's set-up from the compiled trace of the Hugging Face config (batch 1, sequence
-    8192; `--compiled` keeps the eager trace's memory) beside the preset's rows, all on
-    torchtitan's H100 96 GB with expandable segments."""
-    traced = trace_config(root, "llama3-8b-b1", LLAMA3_8B, 8192, 1, "--compiled")
+def llama3_8b_compiled(root):
+    """The compiled trace of the Hugging Face config, batch 1, sequence 8192 (`--compiled` keeps
+    the eager trace's memory)."""
+    return trace_config(root, "llama3-8b-b1", LLAMA3_8B, 8192, 1, "--compiled")
+
+
+@pytest.fixture(scope="module")
+def pr3429_traced(devices, pr3429, llama3_8b_compiled):
+    """PR #3429's set-up from the compiled trace of the Hugging Face config beside the preset's
+    rows, all on torchtitan's H100 96 GB with expandable segments."""
+    traced = llama3_8b_compiled
     rows = {}
     for checkpoint in PR3429:
         rows[checkpoint, "trace"] = simulate(
@@ -353,6 +359,50 @@ def test_torchtitan_pr3429_compiled_trace_times_a_step_as_the_preset(pr3429_trac
         pr3429_traced[checkpoint, "preset"]["step_time_ns"],
         0.02,
     )
+
+
+# PR #3429's runs are torchtitan's graph trainer: SimpleFSDP (`--fsdp-impl simple`), and in its
+# "default" column the trainer's default memory policy, which saves every op on torchtitan's save
+# list, every matmul included (`op-sac-all`); its "full" column saves the layers' outputs only
+# (`every:1`). Expandable segments, as run (docs/validation.md, rows 22g-22k).
+PR3429_GRAPH = {"op-sac-all": PR3429["op-sac"], "every:1": PR3429["every:1"]}
+
+
+@pytest.fixture(scope="module")
+def pr3429_graph_trainer(devices, llama3_8b_compiled):
+    rows = {}
+    for checkpoint in PR3429_GRAPH:
+        for model in ("trace", "preset"):
+            rows[checkpoint, model] = simulate(
+                llama3_8b_compiled if model == "trace" else "titan-llama3-8b-s8192",
+                *("--device", str(devices["h100-96gb"]), "--fsdp", "8", "--fsdp-impl", "simple"),
+                *("--checkpoint", checkpoint, "--allocator", "expandable"),
+            )
+    return rows
+
+
+@pytest.mark.parametrize("model", ["trace", "preset"])
+@pytest.mark.parametrize("checkpoint", list(PR3429_GRAPH))
+def test_torchtitan_pr3429_graph_trainer_memory_and_throughput(
+    pr3429_graph_trainer, checkpoint, model
+):
+    """Rows 22g-22j: peak reserved within 5 %, tokens per second within 8 %."""
+    result = pr3429_graph_trainer[checkpoint, model]
+    memory, tps = PR3429_GRAPH[checkpoint]
+    within(result["peak_reserved_bytes"] / GIB, memory, 0.05)
+    within(tokens_per_s(result, 8192), tps, 0.08)
+
+
+@pytest.mark.parametrize("model", ["trace", "preset"])
+def test_torchtitan_pr3429_graph_trainer_full_over_default(pr3429_graph_trainer, model):
+    """Row 22k: full over default, predicted 8-9 % above the measured 1.126 (outside the 2 % the
+    ratios are held to; docs/validation.md says what is known). Held within 10 %, so that the
+    gap does not grow unseen."""
+    predicted = (
+        pr3429_graph_trainer["every:1", model]["step_time_ns"]
+        / pr3429_graph_trainer["op-sac-all", model]["step_time_ns"]
+    )
+    within(predicted, PR3429_GRAPH["op-sac-all"][1] / PR3429_GRAPH["every:1"][1], 0.10)
 
 
 # --- torchtitan docs/performance.md, April 2024: FSDP2 on 64 A100s (8 nodes), time only ------

@@ -275,12 +275,27 @@ def test_fsdp_is_recorded_and_the_commands_run_it(config, tmp_path, capsys):
     # Without --fsdp nothing is recorded, and the scenario runs on one GPU.
     _, plain = run(tmp_path, config, "--seq", "64")
     assert "parallelism" not in plain.document
+    # SimpleFSDP is recorded, and the commands run it.
+    out, simple = run(tmp_path, config, "--seq", "64", "--fsdp", "8", "--fsdp-impl", "simple")
+    assert simple.document["parallelism"] == {"fsdp": 8, "fsdp_impl": "simple"}
+    done = subprocess.run(
+        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "SimpleFSDP over 8 ranks on 1 node" in done.stdout
+    assert "hazards: 0" in done.stdout
 
 
 def test_fsdp_arguments_are_checked(config, tmp_path, capsys):
     x = str(tmp_path / "x.json")
     assert main([config, "--seq", "8", "--nodes", "2", "--out", x]) == 2
-    assert "--nodes, --hsdp and --reshard-after-forward need --fsdp N" in capsys.readouterr().err
+    need = "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N"
+    assert need in capsys.readouterr().err
+    assert main([config, "--seq", "8", "--fsdp-impl", "simple", "--out", x]) == 2
+    assert need in capsys.readouterr().err
     assert main([config, "--seq", "8", "--fsdp", "8", "--hsdp", "3", "--out", x]) == 2
     assert "--hsdp: 3 replica groups do not divide 8 ranks" in capsys.readouterr().err
     assert (

@@ -175,6 +175,73 @@ TEST(Fsdp, PlantedFaultsAreReported) {
   f = {};
   f.skip_backward_unshard = true;
   EXPECT_FALSE(train(m, fsdp_options(4), f).sim.hazards().empty());
+  f = {};
+  f.skip_copy_in_wait = true;
+  EXPECT_TRUE(reported_on(train(m, fsdp_options(4), f), "all_gather"));
+}
+
+TrainingOptions simple_fsdp_options(std::int32_t ranks, Policy policy = Policy::None,
+                                    Reshard reshard = Reshard::True()) {
+  TrainingOptions o = testing::two_steps(policy);
+  o.fsdp.parallelism = on_fsdp_profile(
+      Parallelism{.ranks = ranks, .reshard_after_forward = reshard, .impl = FsdpImpl::Simple});
+  return o;
+}
+
+// Bytes reserved at the step's end by the pools of the streams named `stream`.
+Bytes reserved_by(const TrainingRun& run, const std::string& stream) {
+  Bytes held(0);
+  for (const SegmentInfo& segment : run.sim.device_allocator(run.device).segments()) {
+    if (run.sim.stream_name(segment.stream) == stream) held += segment.size;
+  }
+  return held;
+}
+
+TEST(SimpleFsdp, RunsFsdp2sScheduleWithEveryBufferFromTheComputeStreamsPool) {
+  const Model m = testing::chain_model(5, 1 << 20);
+  const TrainingRun reference = train(m, testing::two_steps(Policy::Ferry));
+  for (const Reshard reshard : {Reshard::True(), Reshard::False(), Reshard::K(2)}) {
+    const TrainingRun fsdp2 = train(m, fsdp_options(4, Policy::Ferry, reshard));
+    const TrainingRun simple = train(m, simple_fsdp_options(4, Policy::Ferry, reshard));
+    expect_clean(simple);
+    EXPECT_EQ(simple.gradient_values, reference.gradient_values) << to_string(reshard);
+    // The same collectives on the same streams; the copy-ins on the compute stream.
+    EXPECT_EQ(ops_on(simple, "all_gather", true), ops_on(fsdp2, "all_gather", true));
+    EXPECT_EQ(ops_on(simple, "reduce_scatter", true), ops_on(fsdp2, "reduce_scatter", true));
+    EXPECT_GT(ops_on(fsdp2, "all_gather_copy_in", false), 0);
+    EXPECT_EQ(ops_on(simple, "all_gather_copy_in", false), 0);
+    // FSDP2's copy-in and reduce-scatter streams keep pools of their own; SimpleFSDP's do not.
+    EXPECT_GT(reserved_by(fsdp2, "all_gather_copy_in"), Bytes(0));
+    EXPECT_GT(reserved_by(fsdp2, "reduce_scatter"), Bytes(0));
+    EXPECT_EQ(reserved_by(simple, "all_gather_copy_in"), Bytes(0));
+    EXPECT_EQ(reserved_by(simple, "reduce_scatter"), Bytes(0));
+  }
+}
+
+TEST(SimpleFsdp, PlantedFaultsAreReported) {
+  // A free into the compute stream's pool before the compute stream waits for the collective
+  // that used the buffer: the pool hands the block out again while the collective may run.
+  const Model m = testing::chain_model(4, 1 << 20);
+  TrainingFaults f;
+  f.skip_all_gather_wait = true;
+  EXPECT_TRUE(reported_on(train(m, simple_fsdp_options(4), f), "all_gather"));
+  f = {};
+  f.skip_copy_in_wait = true;
+  EXPECT_TRUE(reported_on(train(m, simple_fsdp_options(4), f), "all_gather"));
+  f = {};
+  f.skip_reduce_scatter_wait = true;
+  EXPECT_TRUE(reported_on(train(m, simple_fsdp_options(4), f), "reduce_scatter"));
+  f = {};
+  f.skip_reduce_input_free_wait = true;
+  EXPECT_TRUE(reported_on(train(m, simple_fsdp_options(4), f), "reduce_scatter"));
+  // FSDP2's waits for its side streams' pools are not SimpleFSDP's: without them its run is
+  // still clean, since those buffers come from the compute stream's pool.
+  f = {};
+  f.skip_gather_free_wait = true;
+  expect_clean(train(m, simple_fsdp_options(4), f));
+  f = {};
+  f.skip_grad_shard_free_wait = true;
+  expect_clean(train(m, simple_fsdp_options(4), f));
 }
 
 TEST(Fsdp, OneRankGathersAndReduceScattersNothing) {
@@ -255,18 +322,28 @@ TEST(FsdpRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
   EXPECT_EQ(parallelism_of(FsdpRequest{.ranks = 0}).error().message,
             "--fsdp: 0 is not in 1..1000000");
   EXPECT_EQ(parallelism_of(FsdpRequest{.nodes = 2}).error().message,
-            "--nodes, --hsdp and --reshard-after-forward need --fsdp N");
+            "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N");
+  EXPECT_EQ(parallelism_of(FsdpRequest{.impl = FsdpImpl::Simple}).error().message,
+            "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N");
+  EXPECT_EQ(fsdp_impl("simple").value(), FsdpImpl::Simple);
+  EXPECT_EQ(fsdp_impl("fsdp2").value(), FsdpImpl::Fsdp2);
+  EXPECT_EQ(fsdp_impl("FSDP2").error().message, "--fsdp-impl: \"FSDP2\" is not fsdp2 or simple");
   // The file's section where the flags kept the defaults; the flags' own values win.
-  const Parallelism file{
-      .ranks = 8, .nodes = 1, .replicas = 2, .reshard_after_forward = Reshard::False()};
+  const Parallelism file{.ranks = 8,
+                         .nodes = 1,
+                         .replicas = 2,
+                         .reshard_after_forward = Reshard::False(),
+                         .impl = FsdpImpl::Simple};
   FsdpRequest bare;
   adopt_parallelism(bare, file);
   EXPECT_EQ(parallelism_of(bare).value(), file);
   FsdpRequest given{.ranks = 16, .reshard_after_forward = Reshard::K(4)};
   adopt_parallelism(given, file);
-  EXPECT_EQ(parallelism_of(given).value(),
-            (Parallelism{
-                .ranks = 16, .nodes = 1, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
+  EXPECT_EQ(parallelism_of(given).value(), (Parallelism{.ranks = 16,
+                                                        .nodes = 1,
+                                                        .replicas = 2,
+                                                        .reshard_after_forward = Reshard::K(4),
+                                                        .impl = FsdpImpl::Simple}));
   FsdpRequest pipelined;
   adopt_parallelism(pipelined, file, 2);
   EXPECT_EQ(parallelism_of(pipelined).value(), Parallelism{});
@@ -293,6 +370,12 @@ TEST(ParallelismJson, TheFileSectionAndTheReportMemberAreWrittenFromOneValue) {
             R"({"ranks":16,"nodes":2,"hsdp":2,"reshard_after_forward":4,"per_rank":true})");
   EXPECT_EQ(parallelism_report_json(Parallelism{.ranks = 4}, 8).dump(),
             R"({"ranks":4,"nodes":1,"hsdp":1,"reshard_after_forward":true,"per_rank":true})");
+  // SimpleFSDP is written where it is asked for; FSDP2, the default, is left out.
+  const Parallelism simple{.ranks = 8, .impl = FsdpImpl::Simple};
+  EXPECT_EQ(parallelism_json(simple).dump(), R"({"fsdp":8,"fsdp_impl":"simple"})");
+  EXPECT_EQ(parallelism_report_json(simple, 8).dump(),
+            R"({"ranks":8,"nodes":1,"hsdp":1,"reshard_after_forward":true,"fsdp_impl":"simple",)"
+            R"("per_rank":true})");
 }
 
 }  // namespace

@@ -100,9 +100,10 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
             ``dedup``, ``early_stop`` and ``check`` (hazard and content checks), all True by
             default, and ``set_to_none`` (``--set-to-none``: gradients freed between steps, as
             ``optimizer.zero_grad(set_to_none=True)`` frees them; False by default: kept);
-            FSDP2 as ``--fsdp`` sets it: ``fsdp`` (ranks), ``nodes``, ``hsdp`` and
-            ``reshard_after_forward`` (True, False or K), where a traced model's recorded
-            parallelism is the default (docs/fsdp.md); ``allocator``, "default" or
+            FSDP2 as ``--fsdp`` sets it: ``fsdp`` (ranks), ``nodes``, ``hsdp``,
+            ``reshard_after_forward`` (True, False or K) and ``fsdp_impl`` ("fsdp2", or
+            "simple": torchtitan's SimpleFSDP), where a traced model's recorded parallelism is
+            the default (docs/fsdp.md); ``allocator``, "default" or
             "expandable" (the caching allocator with ``expandable_segments:True``, where a
             traced model's recorded setting is the default; docs/allocators.md). Numbers have
             the command line's bounds (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes``
@@ -187,8 +188,8 @@ def plan(
             (``6``, ``5.5``, ``"6%"``); None: the default that docs/validation.md's table
             supports (docs/plan.md, "What fits promises").
         **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
-            ``reshard_after_forward``): the plan is one rank's, ``budget`` per rank and
-            ``host_budget`` per node; and ``allocator`` as ``simulate`` takes it.
+            ``reshard_after_forward``, ``fsdp_impl``): the plan is one rank's, ``budget`` per
+            rank and ``host_budget`` per node; and ``allocator`` as ``simulate`` takes it.
 
     Returns:
         The report ``ferry plan --json`` prints; the plan itself is under ``"plan"`` (what

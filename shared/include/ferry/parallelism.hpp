@@ -5,7 +5,9 @@
 /// what they are given into a Parallelism, and every layer below takes it as it is.
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
 namespace ferry {
 
@@ -50,12 +52,37 @@ class Reshard {
   return std::to_string(r.ranks());
 }
 
+/// Which implementation shards the parameters: the same collectives and prefetch, with the
+/// buffers from different pools (docs/fsdp.md, SimpleFSDP).
+enum class FsdpImpl : std::uint8_t {
+  /// torch's FSDP2: the all-gather output is allocated on its copy-in stream and the gradient
+  /// shard on the reduce-scatter stream, each stream's pool holding what it freed.
+  Fsdp2,
+  /// SimpleFSDP (torchtitan's compiler-based FSDP, which its graph trainer runs): functional
+  /// collectives in the step's graph, whose copy-in runs and whose outputs are allocated on the
+  /// compute stream, one pool for all.
+  Simple,
+};
+
+/// `impl` as `--fsdp-impl` takes it and the files spell it: "fsdp2" or "simple".
+[[nodiscard]] inline std::string to_string(FsdpImpl impl) {
+  return impl == FsdpImpl::Simple ? "simple" : "fsdp2";
+}
+
+/// The implementation `name` spells ("fsdp2" or "simple"); none for any other text.
+[[nodiscard]] inline std::optional<FsdpImpl> parse_fsdp_impl(std::string_view name) {
+  if (name == "fsdp2") return FsdpImpl::Fsdp2;
+  if (name == "simple") return FsdpImpl::Simple;
+  return std::nullopt;
+}
+
 /// FSDP2 (or HSDP) over `ranks` symmetric ranks; ranks == 0: no FSDP, one GPU holds the model.
 struct Parallelism {
   std::int32_t ranks = 0;     ///< data-parallel ranks in all (replicas x shard group); 0: one GPU
   std::int32_t nodes = 0;     ///< nodes they span; 0: as few as the device's gpus_per_node allow
   std::int32_t replicas = 1;  ///< HSDP replica groups; parameters shard over ranks / replicas
   Reshard reshard_after_forward{};
+  FsdpImpl impl = FsdpImpl::Fsdp2;
 
   [[nodiscard]] constexpr bool on() const { return ranks > 0; }
   /// The ranks one parameter is sharded over.

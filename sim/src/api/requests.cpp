@@ -53,10 +53,10 @@ Status first_error(std::initializer_list<Status> checks) {
 std::string planner_key(const PlanRequest& r) {
   const ModelSource& m = r.target.model;
   const FsdpRequest& f = r.fsdp;
-  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {}", m.name, m.text.value_or(""),
+  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {}", m.name, m.text.value_or(""),
                      r.target.device, r.target.scenarios.string(), r.steps, f.ranks ? *f.ranks : 0,
                      f.nodes ? *f.nodes : 0, f.replicas, to_string(f.reshard_after_forward),
-                     r.allocator ? static_cast<int>(*r.allocator) : -1);
+                     r.allocator ? static_cast<int>(*r.allocator) : -1, to_string(f.impl));
 }
 
 Result<Workload> load(const Target& target) {
@@ -318,9 +318,11 @@ Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
   const Parallelism p{.ranks = fsdp.ranks.value_or(0),
                       .nodes = fsdp.nodes.value_or(0),
                       .replicas = fsdp.replicas,
-                      .reshard_after_forward = fsdp.reshard_after_forward};
-  if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True())) {
-    return Error{"--nodes, --hsdp and --reshard-after-forward need --fsdp N"};
+                      .reshard_after_forward = fsdp.reshard_after_forward,
+                      .impl = fsdp.impl};
+  if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True() ||
+                  p.impl != FsdpImpl::Fsdp2)) {
+    return Error{"--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N"};
   }
   return p;
 }
@@ -333,6 +335,7 @@ void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t 
   if (fsdp.reshard_after_forward == Reshard::True()) {
     fsdp.reshard_after_forward = file.reshard_after_forward;
   }
+  if (fsdp.impl == FsdpImpl::Fsdp2) fsdp.impl = file.impl;
 }
 
 Result<Response> respond(const SimulateRequest& r) {
@@ -489,6 +492,11 @@ Result<Reshard> reshard_ranks(std::int64_t k) {
         "--reshard-after-forward: \"{}\" is not true, false or a number of ranks (2 or more)", k)};
   }
   return Reshard::K(static_cast<std::int32_t>(k));
+}
+
+Result<FsdpImpl> fsdp_impl(std::string_view name) {
+  if (const auto impl = parse_fsdp_impl(name)) return *impl;
+  return Error{fmt::format("--fsdp-impl: \"{}\" is not fsdp2 or simple", name)};
 }
 
 Result<AllocatorMode> allocator_mode(std::string_view name) {

@@ -107,6 +107,23 @@ namespace training {
 // prefetch, after_node its post-backward at its last node, backward_end the final callback,
 // before_replay the pre-forward of a recomputation, and optimizer_step the step and zero_grad.
 
+// Note [SimpleFSDP's pool]
+// SimpleFSDP (torchtitan's `simple_fsdp.py`, run by its graph trainer; Zhang et al., "SimpleFSDP:
+// Simpler Fully Sharded Data Parallel with torch.compile", arXiv:2411.00284) shards the same
+// parameters and runs the same collectives, as functional collectives in the step's graph: each
+// one's output is allocated by the stream that issues it, the compute stream, and the
+// collective runs on the communicator's stream, which the compute stream waits for before it
+// reads the output (`wait_tensor`). So every buffer of its collectives comes from the compute
+// stream's pool, where FSDP2 allocates the all-gather output on its copy-in stream and the
+// gradient shard on its reduce-scatter stream, whose pools keep what they freed for those
+// streams only (docs/fsdp.md, SimpleFSDP). `Parallelism::impl` Simple runs FSDP2's schedule
+// and collectives with the copy-in (this rank's shard cast into the all-gather input) on the
+// compute stream, as the graph runs it, and the all-gather output and the gradient shard
+// allocated there. A collective's stream waits for the compute stream before it writes a block
+// from that pool, and the compute stream waits for the collective before it reads or frees the
+// block, so a block is never handed out again while a collective may still use it
+// (SimpleFsdp.PlantedFaultsAreReported).
+
 namespace {
 
 Bytes ceil_div(Bytes bytes, std::int64_t parts) {
@@ -255,12 +272,13 @@ void Fsdp2::unshard(std::size_t u) {
   }
   const Bytes part = ceil_div(unit.bytes, group);
   const std::string name = fmt::format("unit {} all-gather", unit.layer);
-  unit.gathering = rank_.allocate_on(copy_in_, std::int64_t{group} * part, name + " output");
+  const StreamId copy = copy_in_stream();
+  unit.gathering = rank_.allocate_on(copy, std::int64_t{group} * part, name + " output");
   const Region mine{unit.gathering->id, Bytes(0), part};
   const Region whole{unit.gathering->id, Bytes(0), std::int64_t{group} * part};
-  sim_.kernel(copy_in_, memory_time(source.bytes + part), std::vector<Region>{source},
+  sim_.kernel(copy, memory_time(source.bytes + part), std::vector<Region>{source},
               std::vector<Region>{mine}, name + " copy-in");
-  comm_wait(all_gather_, copy_in_);
+  if (!faults_.skip_copy_in_wait) comm_wait(all_gather_, copy);
   sim_.collective(all_gather_, ring_time(std::int64_t{group} * part, group, 1),
                   std::vector<Region>{mine}, std::vector<Region>{whole}, name);
   unit.gathered = device_.make_event();
@@ -365,8 +383,8 @@ void Fsdp2::reduce_gradients(std::size_t u) {
   if (!faults_.skip_reduce_scatter_wait) comm_wait(reduce_scatter_, current());
   const std::int32_t group = parallelism_.shard_group();
   const Bytes out_bytes = ceil_div(input_bytes, group);
-  const Device::Buffer out =
-      rank_.allocate_on(reduce_scatter_, out_bytes, fmt::format("unit {} grad shard", unit.layer));
+  const Device::Buffer out = rank_.allocate_on(simple() ? current() : reduce_scatter_, out_bytes,
+                                               fmt::format("unit {} grad shard", unit.layer));
   const Region out_region{out.id, Bytes(0), out_bytes};
   const std::vector<Region> rs_reads{Region{input.id, Bytes(0), input_bytes}};
   const std::vector<Region> rs_writes{out_region};

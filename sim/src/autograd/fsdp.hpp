@@ -54,6 +54,9 @@ class Fsdp2 final : public StepHooks {
  private:
   // The rank's current stream: where the Trainer issues the hooked op or node.
   StreamId current() const { return rank_.current_stream(); }
+  // Note [SimpleFSDP's pool]: the copy-in on the compute stream, and every buffer from its pool.
+  bool simple() const { return parallelism_.impl == FsdpImpl::Simple; }
+  StreamId copy_in_stream() const { return simple() ? current() : copy_in_; }
   std::size_t unit_of_op(std::uint32_t i) const;
   void unshard(std::size_t u);
   void wait_for_unshard(std::size_t u, bool forward);

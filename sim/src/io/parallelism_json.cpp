@@ -21,7 +21,7 @@ nlohmann::ordered_json reshard_json(Reshard r) {
 Result<Parallelism> read_parallelism(const JsonValue& value) {
   constexpr std::int64_t kMost = 1 << 20;
   FERRY_JSON_TRY(const auto object,
-                 value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward"}));
+                 value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward", "fsdp_impl"}));
   Parallelism p;
   FERRY_JSON_TRY(const auto ranks, object.required_integer("fsdp", 1, kMost));
   FERRY_JSON_TRY(const auto nodes, object.optional_integer("nodes", 0, 1, kMost));
@@ -37,6 +37,12 @@ Result<Parallelism> read_parallelism(const JsonValue& value) {
       p.reshard_after_forward = Reshard::K(static_cast<std::int32_t>(k));
     }
   }
+  if (auto impl = object.optional("fsdp_impl")) {
+    FERRY_JSON_TRY(const auto name, impl->string());
+    const auto parsed = parse_fsdp_impl(name);
+    if (!parsed) return impl->error("expected \"fsdp2\" or \"simple\", got \"{}\"", name);
+    p.impl = *parsed;
+  }
   return p;
 }
 
@@ -48,6 +54,7 @@ nlohmann::ordered_json parallelism_json(const Parallelism& p) {
   if (p.reshard_after_forward != Reshard::True()) {
     j["reshard_after_forward"] = reshard_json(p.reshard_after_forward);
   }
+  if (p.impl != FsdpImpl::Fsdp2) j["fsdp_impl"] = to_string(p.impl);
   return j;
 }
 
@@ -57,6 +64,7 @@ nlohmann::ordered_json parallelism_report_json(const Parallelism& p, std::int32_
   j["nodes"] = p.node_count(gpus_per_node);
   j["hsdp"] = p.replicas;
   j["reshard_after_forward"] = reshard_json(p.reshard_after_forward);
+  if (p.impl != FsdpImpl::Fsdp2) j["fsdp_impl"] = to_string(p.impl);
   j["per_rank"] = true;
   return j;
 }

@@ -98,9 +98,9 @@ std::string parallelism_text(const Parallelism& p, const DeviceProfile& device) 
   if (!p.on()) return {};
   const std::int32_t nodes = p.node_count(device.collectives.gpus_per_node);
   return fmt::format(
-      "FSDP2 over {} ranks on {} node{}{}, reshard after forward: {}; every figure is one "
+      "{} over {} ranks on {} node{}{}, reshard after forward: {}; every figure is one "
       "rank's (its pinned memory: its part of the node's)\n",
-      p.ranks, nodes, nodes == 1 ? "" : "s",
+      p.impl == FsdpImpl::Simple ? "SimpleFSDP" : "FSDP2", p.ranks, nodes, nodes == 1 ? "" : "s",
       p.replicas > 1 ? fmt::format(", {} HSDP replica groups", p.replicas) : "",
       to_string(p.reshard_after_forward));
 }

@@ -113,6 +113,13 @@ def _parser() -> argparse.ArgumentParser:
         default="true",
         help="with --fsdp: true, false, or K (keep a 1/K shard after forward)",
     )
+    parser.add_argument(
+        "--fsdp-impl",
+        default="fsdp2",
+        choices=("fsdp2", "simple"),
+        help="with --fsdp: fsdp2 (torch's fully_shard, the default) or simple (torchtitan's "
+        "SimpleFSDP: the collectives' buffers from the compute stream's pool; docs/fsdp.md)",
+    )
     parser.add_argument("--name", help="the scenario's name (default: config, seq and batch)")
     parser.add_argument("--out", required=True, help="where to write the scenario ('-': stdout)")
     return parser
@@ -260,8 +267,13 @@ def _check(args: argparse.Namespace) -> None:
         Routing(args.routing)
     except ValueError as error:
         raise UsageError(f"--routing: {str(error).removeprefix('ferry.trace: ')}") from None
-    if not args.fsdp and (args.nodes or args.hsdp != 1 or args.reshard_after_forward != "true"):
-        raise UsageError("--nodes, --hsdp and --reshard-after-forward need --fsdp N")
+    if not args.fsdp and (
+        args.nodes
+        or args.hsdp != 1
+        or args.reshard_after_forward != "true"
+        or args.fsdp_impl != "fsdp2"
+    ):
+        raise UsageError("--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N")
 
 
 def parallelism(args: argparse.Namespace, layers: list[int]) -> dict[str, Any] | None:
@@ -291,6 +303,8 @@ def parallelism(args: argparse.Namespace, layers: list[int]) -> dict[str, Any] |
                 "ranks (2 or more)"
             )
         section["reshard_after_forward"] = int(reshard)
+    if args.fsdp_impl != "fsdp2":
+        section["fsdp_impl"] = args.fsdp_impl
     return section
 
 

@@ -53,14 +53,15 @@ struct Target {
   std::filesystem::path scenarios{};
 };
 
-/// FSDP2 as a request asks for it (`--fsdp N --nodes M --hsdp R --reshard-after-forward X`,
-/// Python's fsdp, nodes, hsdp and reshard_after_forward). What it leaves out (none, or the
-/// defaults replicas 1 and resharding True) is the model file's.
+/// FSDP2 as a request asks for it (`--fsdp N --nodes M --hsdp R --reshard-after-forward X
+/// --fsdp-impl I`, Python's fsdp, nodes, hsdp, reshard_after_forward and fsdp_impl). What it
+/// leaves out (none, or the defaults replicas 1, resharding True and fsdp2) is the model file's.
 struct FsdpRequest {
   std::optional<std::int32_t> ranks{};  ///< 1..1000000; none: the model file's, else no FSDP
   std::optional<std::int32_t> nodes{};  ///< 1..1000000; none: as few as gpus_per_node allow
   std::int32_t replicas = 1;            ///< 1..1000000
   Reshard reshard_after_forward{};
+  FsdpImpl impl = FsdpImpl::Fsdp2;
 };
 
 /// The flags' names, as validate_parallelism's errors at the edges name the fields.
@@ -214,6 +215,8 @@ Result<Response> respond(const PlanRequest& request);
 Result<Reshard> parse_reshard(std::string_view text);
 /// A number of ranks K as resharding (2 or more; the error is parse_reshard's).
 Result<Reshard> reshard_ranks(std::int64_t k);
+/// `--fsdp-impl`'s text: fsdp2 or simple.
+Result<FsdpImpl> fsdp_impl(std::string_view name);
 /// `--allocator`'s text: default or expandable.
 Result<AllocatorMode> allocator_mode(std::string_view name);
 /// A byte count's text for the option `option` ("--budget"); blank is an error, not "none"
