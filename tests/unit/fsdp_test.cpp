@@ -218,6 +218,23 @@ TEST(SimpleFsdp, RunsFsdp2sScheduleWithEveryBufferFromTheComputeStreamsPool) {
   }
 }
 
+TEST(SimpleFsdp, ASecondBackwardAccumulatesTheGradientShardsCleanly) {
+  const Model m = testing::chain_model(4, 1 << 20);
+  for (const FsdpImpl impl : {FsdpImpl::Fsdp2, FsdpImpl::Simple}) {
+    TrainingOptions o = impl == FsdpImpl::Simple ? simple_fsdp_options(4) : fsdp_options(4);
+    o.retain_graph = true;
+    SCOPED_TRACE(to_string(impl));
+    expect_clean(train(m, o));
+  }
+  // SimpleFSDP accumulates on the compute stream: without its wait for the reduce-scatter, the
+  // accumulate reads the new shard while the collective may still write it.
+  TrainingOptions o = simple_fsdp_options(4);
+  o.retain_graph = true;
+  TrainingFaults f;
+  f.skip_accumulate_wait = true;
+  EXPECT_TRUE(reported_on(train(m, o, f), "reduce_scatter"));
+}
+
 TEST(SimpleFsdp, PlantedFaultsAreReported) {
   // A free into the compute stream's pool before the compute stream waits for the collective
   // that used the buffer: the pool hands the block out again while the collective may run.

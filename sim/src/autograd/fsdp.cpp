@@ -119,7 +119,8 @@ namespace training {
 // streams only (docs/fsdp.md, SimpleFSDP). `Parallelism::impl` Simple runs FSDP2's schedule
 // and collectives with the copy-in (this rank's shard cast into the all-gather input) on the
 // compute stream, as the graph runs it, and the all-gather output and the gradient shard
-// allocated there. A collective's stream waits for the compute stream before it writes a block
+// allocated there (and a second backward's accumulation into the shard run there, after the
+// reduce-scatter). A collective's stream waits for the compute stream before it writes a block
 // from that pool, and the compute stream waits for the collective before it reads or frees the
 // block, so a block is never handed out again while a collective may still use it
 // (SimpleFsdp.PlantedFaultsAreReported).
@@ -272,7 +273,7 @@ void Fsdp2::unshard(std::size_t u) {
   }
   const Bytes part = ceil_div(unit.bytes, group);
   const std::string name = fmt::format("unit {} all-gather", unit.layer);
-  const StreamId copy = copy_in_stream();
+  const StreamId copy = or_compute(copy_in_);
   unit.gathering = rank_.allocate_on(copy, std::int64_t{group} * part, name + " output");
   const Region mine{unit.gathering->id, Bytes(0), part};
   const Region whole{unit.gathering->id, Bytes(0), std::int64_t{group} * part};
@@ -383,7 +384,7 @@ void Fsdp2::reduce_gradients(std::size_t u) {
   if (!faults_.skip_reduce_scatter_wait) comm_wait(reduce_scatter_, current());
   const std::int32_t group = parallelism_.shard_group();
   const Bytes out_bytes = ceil_div(input_bytes, group);
-  const Device::Buffer out = rank_.allocate_on(simple() ? current() : reduce_scatter_, out_bytes,
+  const Device::Buffer out = rank_.allocate_on(or_compute(reduce_scatter_), out_bytes,
                                                fmt::format("unit {} grad shard", unit.layer));
   const Region out_region{out.id, Bytes(0), out_bytes};
   const std::vector<Region> rs_reads{Region{input.id, Bytes(0), input_bytes}};
@@ -398,9 +399,12 @@ void Fsdp2::reduce_gradients(std::size_t u) {
   device_.record(*prev_rs_event_, Device::Stream{reduce_scatter_});
   prev_rs_input_ = input;
   if (unit.sharded_grad) {
-    // A second backward (retain_graph): accumulate on the reduce-scatter stream.
+    // A second backward (retain_graph): accumulate, on the reduce-scatter stream. SimpleFSDP's
+    // graph accumulates on the compute stream once it waited for the reduce-scatter, and the
+    // new shard goes back to that stream's pool.
+    if (simple() && !faults_.skip_accumulate_wait) comm_wait(current(), reduce_scatter_);
     const Region acc{unit.sharded_grad->id, Bytes(0), out_bytes};
-    sim_.kernel(reduce_scatter_, memory_time(std::int64_t{3} * out_bytes),
+    sim_.kernel(or_compute(reduce_scatter_), memory_time(std::int64_t{3} * out_bytes),
                 std::vector<Region>{out_region, acc}, std::vector<Region>{acc},
                 name + " accumulate");
     device_.drop(out);

@@ -54,9 +54,10 @@ class Fsdp2 final : public StepHooks {
  private:
   // The rank's current stream: where the Trainer issues the hooked op or node.
   StreamId current() const { return rank_.current_stream(); }
-  // Note [SimpleFSDP's pool]: the copy-in on the compute stream, and every buffer from its pool.
+  // Note [SimpleFSDP's pool]: the stream FSDP2 uses for a buffer (`stream`), or under
+  // SimpleFSDP the compute stream, which allocates it and runs the kernels on it.
   bool simple() const { return parallelism_.impl == FsdpImpl::Simple; }
-  StreamId copy_in_stream() const { return simple() ? current() : copy_in_; }
+  StreamId or_compute(StreamId stream) const { return simple() ? current() : stream; }
   std::size_t unit_of_op(std::uint32_t i) const;
   void unshard(std::size_t u);
   void wait_for_unshard(std::size_t u, bool forward);

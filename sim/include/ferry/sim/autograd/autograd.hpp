@@ -187,6 +187,9 @@ struct TrainingFaults {
   bool skip_copy_in_wait = false;         ///< a unit's all-gather does not wait for its copy-in
   bool skip_backward_unshard = false;     ///< backward reads parameters resharded after forward
   bool skip_reduce_scatter_wait = false;  ///< the reduce-scatter does not wait for the gradients
+  /// SimpleFSDP's second backward accumulates the new gradient shard before the compute stream
+  /// waits for the reduce-scatter that writes it.
+  bool skip_accumulate_wait = false;
   /// The previous forward all-gather's output is freed before the all-gather streams wait for
   /// its copy-out.
   bool skip_gather_free_wait = false;
