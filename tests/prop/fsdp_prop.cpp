@@ -1,11 +1,13 @@
 // FSDP2 with offload and checkpointing on random models (FsdpOptions, Note [FSDP2, one rank]):
-// random rank counts, nodes, HSDP replicas, reshard-after-forward settings, offload policies,
-// checkpoint segments (reentrant or not), backward orders and device speeds. With FSDP2's
+// random rank counts, nodes, HSDP replicas, reshard-after-forward settings, FSDP2 or SimpleFSDP
+// (Note [SimpleFSDP's pool]), one backward or two (retain_graph), offload policies, checkpoint
+// segments (reentrant or not), backward orders and device speeds. With FSDP2's
 // waits there is no hazard, every unpacked tensor holds what was saved and the gradients are
 // those of the run without FSDP. Planted faults, each caught and shrunk: a unit's forward not
 // waiting for its all-gather, backward reading parameters resharded after forward, the
-// reduce-scatter reading gradients before backward wrote them, and each free FSDP2 orders
-// behind a wait made without it (an all-gather output, a reduce-scatter input, the gradient
+// reduce-scatter reading gradients before backward wrote them, an all-gather not waiting for
+// its copy-in, SimpleFSDP's second backward accumulating before the reduce-scatter is waited
+// for, and each free FSDP2 orders behind a wait made without it (an all-gather output, a reduce-scatter input, the gradient
 // shards at zero_grad). Two ranks of a node side by side (simulate_node) share nothing, so no
 // hazard; planted fault: their pinned pools at the same addresses, one host buffer written by
 // both ranks' offloads.
@@ -36,6 +38,8 @@ struct Setup {
   std::int32_t nodes_per_group = 1;  // nodes = ceil(ranks / 8) * this, when it divides
   std::int32_t replicas = 1;
   Reshard reshard{};
+  FsdpImpl impl = FsdpImpl::Fsdp2;
+  bool retain_graph = false;
   Policy policy = Policy::None;
   std::int32_t segments = 0;
   bool reentrant = false;
@@ -45,14 +49,16 @@ struct Setup {
 
 void showValue(const Setup& s, std::ostream& os) {
   os << s.ranks << " ranks, " << s.replicas << " replicas, reshard " << to_string(s.reshard) << ", "
+     << to_string(s.impl) << (s.retain_graph ? ", two backwards" : "") << ", "
      << policy_name(s.policy) << ", segments " << s.segments << (s.reentrant ? " reentrant" : "")
      << ", order " << s.order_seed << ", device " << s.device_seed;
 }
 
 rc::Gen<Setup> gen_setup() {
   return rc::gen::apply(
-      [](std::int32_t ranks_log2, bool hsdp, std::int32_t reshard, Policy policy,
-         std::int32_t segments, bool reentrant, std::uint64_t order, std::uint64_t device) {
+      [](std::int32_t ranks_log2, bool hsdp, std::int32_t reshard, FsdpImpl impl,
+         bool retain_graph, Policy policy, std::int32_t segments, bool reentrant,
+         std::uint64_t order, std::uint64_t device) {
         Setup s;
         s.ranks = 1 << ranks_log2;
         s.replicas = hsdp && s.ranks >= 4 ? 2 : 1;
@@ -61,6 +67,8 @@ rc::Gen<Setup> gen_setup() {
                     : reshard == 0              ? Reshard::False()
                     : s.ranks / s.replicas >= 2 ? Reshard::K(2)
                                                 : Reshard::True();
+        s.impl = impl;
+        s.retain_graph = retain_graph;
         s.policy = policy;
         s.segments = segments;
         s.reentrant = reentrant;
@@ -69,7 +77,8 @@ rc::Gen<Setup> gen_setup() {
         return s;
       },
       rc::gen::inRange<std::int32_t>(0, 7), rc::gen::arbitrary<bool>(),
-      rc::gen::inRange<std::int32_t>(-1, 2), rc::gen::element(Policy::None, Policy::Ferry),
+      rc::gen::inRange<std::int32_t>(-1, 2), rc::gen::element(FsdpImpl::Fsdp2, FsdpImpl::Simple),
+      rc::gen::arbitrary<bool>(), rc::gen::element(Policy::None, Policy::Ferry),
       rc::gen::inRange<std::int32_t>(0, 4), rc::gen::arbitrary<bool>(),
       rc::gen::inRange<std::uint64_t>(0, 3), rc::gen::inRange<std::uint64_t>(1, 1000));
 }
@@ -96,13 +105,16 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   plain.offload.min_bytes = Bytes(0);
   plain.steps = 2;
   plain.order_seed = setup.order_seed;
+  plain.retain_graph = setup.retain_graph;
   if (setup.segments >= 2) {
     plain.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
   TrainingOptions sharded = plain;
   auto parallelism = check_parallelism(
-      Parallelism{
-          .ranks = setup.ranks, .replicas = setup.replicas, .reshard_after_forward = setup.reshard},
+      Parallelism{.ranks = setup.ranks,
+                  .replicas = setup.replicas,
+                  .reshard_after_forward = setup.reshard,
+                  .impl = setup.impl},
       device);
   if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
   sharded.fsdp.parallelism = parallelism.value();
@@ -150,6 +162,10 @@ constexpr PlantedWait kPlantedWaits[] = {
      "unsharded parameters freed before the backward that reads them"},
     {"ReduceScatterBeforeGradients", &TrainingFaults::skip_reduce_scatter_wait,
      "the reduce-scatter reads gradients before backward wrote them"},
+    {"AllGatherBeforeItsCopyIn", &TrainingFaults::skip_copy_in_wait,
+     "an all-gather reads its input before the copy-in wrote it"},
+    {"AccumulateBeforeTheReduceScatter", &TrainingFaults::skip_accumulate_wait,
+     "SimpleFSDP's second backward accumulates a gradient shard the reduce-scatter still writes"},
     {"GatherOutputFreedBeforeItsCopyOut", &TrainingFaults::skip_gather_free_wait,
      "an all-gather output freed before the copy-out that reads it"},
     {"ReduceInputFreedBeforeItsReduceScatter", &TrainingFaults::skip_reduce_input_free_wait,

@@ -398,6 +398,7 @@ void Fsdp2::reduce_gradients(std::size_t u) {
   prev_rs_event_ = device_.make_event();
   device_.record(*prev_rs_event_, Device::Stream{reduce_scatter_});
   prev_rs_input_ = input;
+  StreamId last = reduce_scatter_;  // the stream that wrote the shard last
   if (unit.sharded_grad) {
     // A second backward (retain_graph): accumulate, on the reduce-scatter stream. SimpleFSDP's
     // graph accumulates on the compute stream once it waited for the reduce-scatter, and the
@@ -408,12 +409,12 @@ void Fsdp2::reduce_gradients(std::size_t u) {
                 std::vector<Region>{out_region, acc}, std::vector<Region>{acc},
                 name + " accumulate");
     device_.drop(out);
+    last = or_compute(reduce_scatter_);
   } else {
     unit.sharded_grad = out;
   }
-  StreamId last = reduce_scatter_;
   if (parallelism_.replicas > 1) {
-    comm_wait(all_reduce_, reduce_scatter_);
+    comm_wait(all_reduce_, last);
     const Region shard{unit.sharded_grad->id, Bytes(0), out_bytes};
     sim_.collective(all_reduce_, ring_time(out_bytes, parallelism_.replicas, 2),
                     std::vector<Region>{shard}, std::vector<Region>{shard},
