@@ -7,10 +7,10 @@
 // waiting for its all-gather, backward reading parameters resharded after forward, the
 // reduce-scatter reading gradients before backward wrote them, an all-gather not waiting for
 // its copy-in, SimpleFSDP's second backward accumulating before the reduce-scatter is waited
-// for, and each free FSDP2 orders behind a wait made without it (an all-gather output, a reduce-scatter input, the gradient
-// shards at zero_grad). Two ranks of a node side by side (simulate_node) share nothing, so no
-// hazard; planted fault: their pinned pools at the same addresses, one host buffer written by
-// both ranks' offloads.
+// for, and each free FSDP2 orders behind a wait made without it (an all-gather output, a
+// reduce-scatter input, the gradient shards at zero_grad). Two ranks of a node side by side
+// (simulate_node) share nothing, so no hazard; planted fault: their pinned pools at the same
+// addresses, one host buffer written by both ranks' offloads.
 
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
@@ -56,9 +56,9 @@ void showValue(const Setup& s, std::ostream& os) {
 
 rc::Gen<Setup> gen_setup() {
   return rc::gen::apply(
-      [](std::int32_t ranks_log2, bool hsdp, std::int32_t reshard, FsdpImpl impl,
-         bool retain_graph, Policy policy, std::int32_t segments, bool reentrant,
-         std::uint64_t order, std::uint64_t device) {
+      [](std::int32_t ranks_log2, bool hsdp, std::int32_t reshard, FsdpImpl impl, bool retain_graph,
+         Policy policy, std::int32_t segments, bool reentrant, std::uint64_t order,
+         std::uint64_t device) {
         Setup s;
         s.ranks = 1 << ranks_log2;
         s.replicas = hsdp && s.ranks >= 4 ? 2 : 1;
@@ -110,12 +110,11 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
     plain.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
   TrainingOptions sharded = plain;
-  auto parallelism = check_parallelism(
-      Parallelism{.ranks = setup.ranks,
-                  .replicas = setup.replicas,
-                  .reshard_after_forward = setup.reshard,
-                  .impl = setup.impl},
-      device);
+  auto parallelism = check_parallelism(Parallelism{.ranks = setup.ranks,
+                                                   .replicas = setup.replicas,
+                                                   .reshard_after_forward = setup.reshard,
+                                                   .impl = setup.impl},
+                                       device);
   if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
   sharded.fsdp.parallelism = parallelism.value();
   auto reference = simulate_training(model, device, plain);
