@@ -86,7 +86,7 @@ void AsyncStreams::add_stream(std::uint32_t id, bool compute, std::string_view n
   FERRY_CHECK(id == compute_.size(), "loopback streams are added in order (got {}, expected {})",
               id, compute_.size());
   compute_.push_back(compute);
-  slow_.push_back(!compute && !config_.slow_stream.empty() && name == config_.slow_stream);
+  slow_.push_back(!config_.slow_stream.empty() && name == config_.slow_stream);
   pending_.emplace_back();
   finish_.push_back(Clock::now());
   workers_.push_back(nullptr);
@@ -102,6 +102,10 @@ std::chrono::microseconds AsyncStreams::draw() {
   if (config_.max_delay.count() <= 0) return std::chrono::microseconds(0);
   std::uniform_int_distribution<std::int64_t> delay(0, config_.max_delay.count());
   return std::chrono::microseconds(delay(rng_));
+}
+
+std::chrono::microseconds AsyncStreams::lag(std::uint32_t id) const {
+  return slow_[id] ? config_.slow_by : std::chrono::microseconds(0);
 }
 
 bool AsyncStreams::done(const Token& token, Clock::time_point now) const {
@@ -137,7 +141,7 @@ void AsyncStreams::block_until(std::unique_lock<std::mutex>& lock, const Token& 
 }
 
 AsyncStreams::Token AsyncStreams::compute_point(std::uint32_t id) {
-  finish_[id] = std::max(finish_[id], Clock::now() + draw());
+  finish_[id] = std::max(finish_[id], Clock::now() + draw() + lag(id));
   auto token = std::make_shared<TokenState>();
   token->stream = id;
   token->signalled = true;
@@ -231,7 +235,7 @@ void AsyncStreams::copy(std::uint32_t id, Block src, std::size_t src_offset, Blo
     d.writer = nullptr;
     return;
   }
-  op->delay = draw() + (slow_[id] ? config_.slow_copy : std::chrono::microseconds(0));
+  op->delay = draw() + lag(id);
   ++s.in_flight;
   ++d.in_flight;
   s.readers.push_back(op->token);

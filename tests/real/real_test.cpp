@@ -369,11 +369,15 @@ TEST_F(RealFerry, NegativeSizesAreRejectedByName) {
 // late on worker threads make a training step's gradients wrong (poison is NaN), where the
 // same step without the fault gives torch's gradients. A race shows with some probability per
 // copy, not with certainty (the threads' interleaving is the system's), so each fault gets up
-// to ten seeds and must show in one of them; the run without it must be right for each.
+// to ten seeds and must show in one of them; the run without it must be right for each. The
+// stream whose lateness the race needs runs 50 ms behind (LoopbackConfig::slow_stream), far
+// longer than a loaded host takes between the two accesses, so the race does not depend on how
+// the system schedules the threads.
 struct PlantedOrdering {
   const char* name;
   ferry::Policy policy;
   ferry::OffloadFaults faults;
+  const char* slow_stream;         // the stream the race needs behind (TRL's copies: "offload")
   bool side_stream = false;        // forward and backward on a second compute stream
   bool frozen_first_step = false;  // the first step leaves a branch's reloads unread
 };
@@ -419,13 +423,12 @@ bool step_is_right(const PlantedOrdering& p, std::uint64_t seed, bool planted) {
   o.loopback_streams.async = true;
   o.loopback_streams.seed = seed;
   o.loopback_streams.max_delay = std::chrono::microseconds(2000);
-  if (p.frozen_first_step || p.faults.skip_reload_wait) {
-    // A congested reload link: the unread reloads outlast the host's work between the steps,
-    // and a reload nobody waits for is still in flight when backward reads it (however slow
-    // the host, under the sanitizers), so the fault shows whatever the machine's load.
-    o.loopback_streams.slow_stream = "h2d";
-    o.loopback_streams.slow_copy = std::chrono::microseconds(50000);
-  }
+  // A reload nobody waits for is still in flight when backward reads it, a D2H copy still to
+  // run when the original it reads is let go, a producer's kernel still running when a copy
+  // that does not wait for it reads its output, an unread reload still in flight when the next
+  // step takes its pinned buffer: whatever the machine's load (under the sanitizers too).
+  o.loopback_streams.slow_stream = p.slow_stream;
+  o.loopback_streams.slow_by = std::chrono::microseconds(50000);
   o.offload.window_bytes = ferry::Bytes(1);  // every original leaves after a few copies
   // Prefetch all of a frozen branch: each of its tensors is reloaded and left unread.
   o.offload.prefetch_bytes = ferry::Bytes(p.frozen_first_step ? 1 << 20 : 1);
@@ -467,25 +470,25 @@ ferry::OffloadFaults fault(bool ferry::OffloadFaults::*which) {
 
 INSTANTIATE_TEST_SUITE_P(
     Faults, AsyncLoopback,
-    ::testing::Values(PlantedOrdering{"ferry_skip_reload_wait", ferry::Policy::Ferry,
-                                      fault(&ferry::OffloadFaults::skip_reload_wait), false},
-                      PlantedOrdering{"trl_skip_reload_wait", ferry::Policy::Trl,
-                                      fault(&ferry::OffloadFaults::skip_reload_wait), false},
-                      PlantedOrdering{"ferry_skip_offload_wait", ferry::Policy::Ferry,
-                                      fault(&ferry::OffloadFaults::skip_offload_wait), false},
-                      PlantedOrdering{"trl_skip_offload_wait", ferry::Policy::Trl,
-                                      fault(&ferry::OffloadFaults::skip_offload_wait), false},
-                      PlantedOrdering{"ferry_skip_forward_guard", ferry::Policy::Ferry,
-                                      fault(&ferry::OffloadFaults::skip_forward_guard), false},
-                      PlantedOrdering{"trl_skip_forward_guard", ferry::Policy::Trl,
-                                      fault(&ferry::OffloadFaults::skip_forward_guard), false},
-                      PlantedOrdering{"ferry_reuse_pinned_early", ferry::Policy::Ferry,
-                                      fault(&ferry::OffloadFaults::reuse_pinned_early), false,
-                                      true},
-                      PlantedOrdering{"ferry_stale_compute_stream", ferry::Policy::Ferry,
-                                      fault(&ferry::OffloadFaults::stale_compute_stream), true},
-                      PlantedOrdering{"trl_stale_compute_stream", ferry::Policy::Trl,
-                                      fault(&ferry::OffloadFaults::stale_compute_stream), true}),
+    ::testing::Values(
+        PlantedOrdering{"ferry_skip_reload_wait", ferry::Policy::Ferry,
+                        fault(&ferry::OffloadFaults::skip_reload_wait), "h2d"},
+        PlantedOrdering{"trl_skip_reload_wait", ferry::Policy::Trl,
+                        fault(&ferry::OffloadFaults::skip_reload_wait), "offload"},
+        PlantedOrdering{"ferry_skip_offload_wait", ferry::Policy::Ferry,
+                        fault(&ferry::OffloadFaults::skip_offload_wait), "compute"},
+        PlantedOrdering{"trl_skip_offload_wait", ferry::Policy::Trl,
+                        fault(&ferry::OffloadFaults::skip_offload_wait), "compute"},
+        PlantedOrdering{"ferry_skip_forward_guard", ferry::Policy::Ferry,
+                        fault(&ferry::OffloadFaults::skip_forward_guard), "d2h"},
+        PlantedOrdering{"trl_skip_forward_guard", ferry::Policy::Trl,
+                        fault(&ferry::OffloadFaults::skip_forward_guard), "offload"},
+        PlantedOrdering{"ferry_reuse_pinned_early", ferry::Policy::Ferry,
+                        fault(&ferry::OffloadFaults::reuse_pinned_early), "h2d", false, true},
+        PlantedOrdering{"ferry_stale_compute_stream", ferry::Policy::Ferry,
+                        fault(&ferry::OffloadFaults::stale_compute_stream), "side", true},
+        PlantedOrdering{"trl_stale_compute_stream", ferry::Policy::Trl,
+                        fault(&ferry::OffloadFaults::stale_compute_stream), "side", true}),
     [](const auto& test) { return std::string(test.param.name); });
 
 TEST(LoopbackConfigText, ParsesEveryFormAndNamesThePlaceOfAnError) {

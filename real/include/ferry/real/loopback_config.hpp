@@ -18,10 +18,12 @@ struct LoopbackConfig {
   /// Each copy starts up to this long after the stream reaches it, and each compute stream's
   /// work issued so far ends up to this long after it was issued (seeded, uniform).
   std::chrono::microseconds max_delay{1000};
-  /// Each copy on the copy stream named `slow_stream` takes `slow_copy` longer (a congested
-  /// link): a test's way to keep one stream far behind the others. C++ only.
+  /// The stream named `slow_stream` runs `slow_by` behind: each copy on a copy stream of that
+  /// name starts that much later (a congested link), and the work of a compute stream of that
+  /// name ends that much later (a long kernel). A test's way to keep one stream far behind the
+  /// others, so that a race it plants shows however fast or loaded the host is. C++ only.
   std::string slow_stream;
-  std::chrono::microseconds slow_copy{0};
+  std::chrono::microseconds slow_by{0};
 
   friend bool operator==(const LoopbackConfig&, const LoopbackConfig&) = default;
 };

@@ -172,6 +172,7 @@ class AsyncStreams final : public LoopbackStreams {
   void block_until(std::unique_lock<std::mutex>& lock, const Token& token);
   Token compute_point(std::uint32_t id);
   std::chrono::microseconds draw();
+  [[nodiscard]] std::chrono::microseconds lag(std::uint32_t id) const;  // slow_by, or 0
   void run_worker(Worker& worker);
   void run_poisoner();
   void execute_copy(Op& op, std::unique_lock<std::mutex>& lock);
