@@ -2,7 +2,7 @@
 # Installs what is missing, builds everything and runs every test: the C++ suites (labels unit,
 # prop, golden, exhaustive, bench-smoke, gpu), then the Python extension's pytest suite (the
 # suites that train on the asynchronous loopback device again with two more seeds).
-# Usage: scripts/test.sh [PRESET]   (release by default; ci adds -Werror; asan builds with
+# Usage: scripts/test.sh [PRESET]   (release by default; ci adds -Werror; asan builds with clang,
 # AddressSanitizer + UndefinedBehaviorSanitizer, including leak checks, and skips bench-smoke,
 # exhaustive and the Python suite). FERRY_TORCH=0 builds and tests the simulator only.
 # Tests labelled gpu skip (and are reported as skipped) where no CUDA device is present.

@@ -204,8 +204,9 @@ std::vector<Fault> faults() {
 class PlantedOffloadFault : public ::testing::TestWithParam<std::tuple<Policy, std::size_t>> {};
 
 TEST_P(PlantedOffloadFault, IsCaughtWithASmallCounterexample) {
-  const auto [policy, index] = GetParam();
-  const Fault fault = faults()[index];
+  // Not a structured binding: clang before 16 cannot capture one in the lambda below.
+  const Policy policy = std::get<0>(GetParam());
+  const Fault fault = faults()[std::get<1>(GetParam())];
   const std::string found = ferry::testing::counterexample([&] {
     offload_is_safe(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_knobs(policy),
                     fault.faults);

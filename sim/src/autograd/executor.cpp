@@ -31,7 +31,6 @@ Executor::Executor(const Model& model, const DeviceProfile& profile, const Pipel
                    std::int32_t checkpoint_stop)
     : model_(model),
       profile_(profile),
-      options_(options),
       faults_(faults),
       plan_(std::move(plan)),
       schedule_(schedule),

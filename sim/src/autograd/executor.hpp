@@ -270,7 +270,6 @@ class Executor {
 
   const Model& model_;
   const DeviceProfile& profile_;
-  const PipelineOptions& options_;
   PipelineFaults faults_;
   Plan plan_;
   pipeline::Schedule schedule_;
