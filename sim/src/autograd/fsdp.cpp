@@ -403,13 +403,13 @@ void Fsdp2::reduce_gradients(std::size_t u) {
     // A second backward (retain_graph): accumulate, on the reduce-scatter stream. SimpleFSDP's
     // graph accumulates on the compute stream once it waited for the reduce-scatter, and the
     // new shard goes back to that stream's pool.
-    if (simple() && !faults_.skip_accumulate_wait) comm_wait(current(), reduce_scatter_);
+    last = or_compute(reduce_scatter_);
+    if (simple() && !faults_.skip_accumulate_wait) comm_wait(last, reduce_scatter_);
     const Region acc{unit.sharded_grad->id, Bytes(0), out_bytes};
-    sim_.kernel(or_compute(reduce_scatter_), memory_time(std::int64_t{3} * out_bytes),
+    sim_.kernel(last, memory_time(std::int64_t{3} * out_bytes),
                 std::vector<Region>{out_region, acc}, std::vector<Region>{acc},
                 name + " accumulate");
     device_.drop(out);
-    last = or_compute(reduce_scatter_);
   } else {
     unit.sharded_grad = out;
   }
