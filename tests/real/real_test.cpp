@@ -569,6 +569,37 @@ TEST(AsyncLoopbackStreams, RunReleaseCallbacksWithTheLockDropped) {
   EXPECT_EQ(device, std::vector<std::uint8_t>(64, 0xFF));  // the sole holder: poisoned
 }
 
+// LoopbackConfig::slow_stream naming a compute stream: its work ends slow_by later, so a copy
+// that does not wait for it reads the block before it is written (a race, poison), and the same
+// copy after the copy stream waits for the compute stream reads what was written.
+TEST(AsyncLoopbackStreams, ASlowComputeStreamEndsItsWorkThatMuchLater) {
+  ferry::real::LoopbackConfig config;
+  config.async = true;
+  config.seed = 1;
+  config.max_delay = std::chrono::microseconds(0);
+  config.slow_stream = "compute";
+  config.slow_by = std::chrono::microseconds(50000);
+  const auto streams = ferry::real::make_loopback_streams(config);
+  ferry::real::LoopbackStreams& s = *streams;
+  s.add_stream(0, /*compute=*/true, "compute");
+  s.add_stream(1, /*compute=*/false, "d2h");
+  std::vector<std::uint8_t> device(64, 1);
+  std::vector<std::uint8_t> host(64, 0);
+  const Block src{&device, device.data(), device.size(), nullptr};
+  const Block dst{&host, host.data(), host.size(), nullptr};
+  s.produced(src);
+  s.copy(1, src, 0, dst, 0, 64);  // no wait for the compute stream
+  s.synchronize(1);
+  EXPECT_EQ(s.races(), 1);
+  EXPECT_EQ(host, std::vector<std::uint8_t>(64, 0xFF));
+  s.produced(src);
+  s.wait(1, s.record(0));
+  s.copy(1, src, 0, dst, 0, 64);
+  s.synchronize(1);
+  EXPECT_EQ(s.races(), 1);
+  EXPECT_EQ(host, device);
+}
+
 TEST_F(RealFerry, NoCudaWithoutLoopbackIsAClearError) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "a CUDA device is present";
   ferry::real::RealOptions o;
