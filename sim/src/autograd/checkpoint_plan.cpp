@@ -123,36 +123,63 @@ constexpr std::array<std::string_view, 9> kFusedAttention{
 
 }  // namespace
 
-void apply_selective_policy(CheckpointPlan& plan, const Model& model) {
-  plan.op_policy.assign(model.ops.size(), OpPolicy::MustSave);
-  // The attention core: a fused attention kernel, or in eager attention the ops from the
-  // batched matmul before a softmax (the scores) to the one after it (times the values), with
-  // what lies between (scaling, the mask, the softmax, its dropout), within one run of ops of
-  // one layer.
-  const auto n = model.ops.size();
-  for (std::size_t i = 0; i < n; ++i) {
+std::vector<OpSpan> attention_cores(const Model& model) {
+  // A fused attention kernel, or in eager attention the ops from the batched matmul before a
+  // softmax (the scores) to the one after it (times the values), with what lies between
+  // (scaling, the mask, the softmax, its dropout), within one run of ops of one layer.
+  std::vector<OpSpan> cores;
+  const auto n = static_cast<std::uint32_t>(model.ops.size());
+  for (std::uint32_t i = 0; i < n; ++i) {
     const std::int32_t layer = model.ops[i].layer;
-    if (layer >= 0 && listed(model.ops[i].kind, kFusedAttention)) {
-      plan.op_policy[i] = OpPolicy::PreferRecompute;
-    }
+    if (layer >= 0 && listed(model.ops[i].kind, kFusedAttention)) cores.push_back({i, i + 1});
     if (layer < 0 || !listed(model.ops[i].kind, kSoftmax)) continue;
-    std::optional<std::size_t> first;
-    for (std::size_t j = i; j-- > 0 && model.ops[j].layer == layer;) {
+    std::optional<std::uint32_t> first;
+    for (std::uint32_t j = i; j-- > 0 && model.ops[j].layer == layer;) {
       if (listed(model.ops[j].kind, kBatchedMatmul)) {
         first = j;
         break;
       }
     }
-    std::optional<std::size_t> last;
-    for (std::size_t j = i + 1; j < n && model.ops[j].layer == layer; ++j) {
+    std::optional<std::uint32_t> last;
+    for (std::uint32_t j = i + 1; j < n && model.ops[j].layer == layer; ++j) {
       if (listed(model.ops[j].kind, kBatchedMatmul)) {
         last = j;
         break;
       }
     }
     if (!first || !last) continue;
-    for (std::size_t j = *first; j <= *last; ++j) plan.op_policy[j] = OpPolicy::PreferRecompute;
+    // A softmax inside a core already found (two in one core) adds nothing.
+    cores.push_back({*first, *last + 1});
   }
+  // In op order, and a core inside one found already (two softmaxes in one) adds nothing.
+  std::sort(cores.begin(), cores.end(),
+            [](const OpSpan& a, const OpSpan& b) { return a.first_op < b.first_op; });
+  std::vector<OpSpan> disjoint;
+  for (const OpSpan& core : cores) {
+    if (!disjoint.empty() && core.first_op < disjoint.back().end_op) {
+      disjoint.back().end_op = std::max(disjoint.back().end_op, core.end_op);
+    } else {
+      disjoint.push_back(core);
+    }
+  }
+  return disjoint;
+}
+
+void apply_selective_policy(CheckpointPlan& plan, const Model& model) {
+  plan.op_policy.assign(model.ops.size(), OpPolicy::MustSave);
+  for (const OpSpan& core : attention_cores(model)) {
+    for (std::uint32_t j = core.first_op; j < core.end_op; ++j) {
+      plan.op_policy[j] = OpPolicy::PreferRecompute;
+    }
+  }
+}
+
+CheckpointPlan checkpoint_attention_cores(const Model& model) {
+  CheckpointPlan plan;
+  for (const OpSpan& core : attention_cores(model)) {
+    plan.regions.push_back(CheckpointRegion{core.first_op, core.end_op, false, std::nullopt});
+  }
+  return plan;
 }
 
 Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model, MatmulSaving matmuls_saved) {

@@ -23,9 +23,7 @@ constexpr std::array kKnobVariants{
 std::span<const KnobVariant> ferry_knob_variants() { return kKnobVariants; }
 
 CheckpointPlan checkpoint_selective(const Model& model) {
-  CheckpointPlan plan = checkpoint_every(model, 1);
-  apply_selective_policy(plan, model);
-  return plan;
+  return checkpoint_attention_cores(model);
 }
 
 std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model,

@@ -42,11 +42,20 @@ struct CheckpointPlan {
 /// few more ops than an even split.
 [[nodiscard]] CheckpointPlan checkpoint_segments(const Model& model, std::int32_t segments,
                                                  bool reentrant);
-/// Megatron-style selective policy inside regions: the attention core is recomputed, everything
-/// else saved. The core is a fused attention kernel, or in eager attention the batched matmuls
-/// before and after a softmax and the ops between (scaling, mask, softmax, its dropout). Ops are
-/// told apart by ModelOp::kind. See Note [Ops by what they are].
+/// Ops [first_op, end_op) of a model.
+struct OpSpan {
+  std::uint32_t first_op = 0;
+  std::uint32_t end_op = 0;
+};
+/// The attention cores of a model's layers, in op order: a fused attention kernel, or in eager
+/// attention the batched matmuls before and after a softmax and the ops between (scaling, mask,
+/// softmax, its dropout). Ops are told apart by ModelOp::kind. See Note [Ops by what they are].
+[[nodiscard]] std::vector<OpSpan> attention_cores(const Model& model);
+/// A selective policy inside regions: the attention cores recomputed, everything else saved.
 void apply_selective_policy(CheckpointPlan& plan, const Model& model);
+/// Megatron-style selective recomputation (`--recompute-granularity selective`): each attention
+/// core is a region of its own, and the rest of every layer is outside any region.
+[[nodiscard]] CheckpointPlan checkpoint_attention_cores(const Model& model);
 
 /// torchtitan's op-level selective activation checkpointing (`SelectiveAC`, the default
 /// selective mode): in each region the outputs of the operators on torchtitan's save list

@@ -16,8 +16,8 @@
 
 namespace ferry::sim {
 
-/// Parses a checkpoint spec: "none", "every:K" (one region per K layers), "selective" (every
-/// layer, attention core recomputed), "segments:N" or "reentrant-segments:N"
+/// Parses a checkpoint spec: "none", "every:K" (one region per K layers), "selective" (each
+/// layer's attention core a region of its own), "segments:N" or "reentrant-segments:N"
 /// (checkpoint_sequential). The error names the accepted forms.
 Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model& model);
 

@@ -23,8 +23,8 @@ struct KnobVariant {
 /// prefetch, and 16 MiB as the smallest offloaded tensor.
 [[nodiscard]] std::span<const KnobVariant> ferry_knob_variants();
 
-/// Every layer checkpointed, with the attention core recomputed and the rest saved (the
-/// "selective" checkpoint spec and row).
+/// Megatron-style selective recomputation: each layer's attention core checkpointed, the rest
+/// of the layer outside any region (the "selective" checkpoint spec and row).
 [[nodiscard]] CheckpointPlan checkpoint_selective(const Model& model);
 
 /// The rows of `ferry compare`: none, trl, ferry, the ferry knob variants, checkpointing every
