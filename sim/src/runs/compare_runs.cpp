@@ -23,7 +23,18 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
     return n >= 1 ? std::optional<std::int32_t>(n) : std::nullopt;
   };
   if (spec == "none") return CheckpointPlan{};
-  if (spec == "selective") return checkpoint_selective(model);
+  if (spec == "selective") {
+    // Asked for by name, a recomputation with nothing to recompute is an error, not `none`.
+    CheckpointPlan plan = checkpoint_selective(model);
+    if (plan.regions.empty()) {
+      return Error{fmt::format(
+          "checkpoint spec \"selective\" recomputes each layer's attention core, and model \"{}\" "
+          "has none: no op in a layer runs an attention kernel, or a softmax between two batched "
+          "matmuls (the ops' \"kind\", docs/checkpoint.md)",
+          model.name)};
+    }
+    return plan;
+  }
   if (spec == "op-sac" || spec == "op-sac-all") {
     CheckpointPlan plan = checkpoint_every(model, 1);
     const MatmulSaving matmuls = spec == "op-sac" ? MatmulSaving::Alternate : MatmulSaving::Every;

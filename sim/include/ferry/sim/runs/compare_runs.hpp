@@ -17,8 +17,9 @@
 namespace ferry::sim {
 
 /// Parses a checkpoint spec: "none", "every:K" (one region per K layers), "selective" (each
-/// layer's attention core a region of its own), "segments:N" or "reentrant-segments:N"
-/// (checkpoint_sequential). The error names the accepted forms.
+/// layer's attention core a region of its own; an error where the model has no attention core),
+/// "segments:N" or "reentrant-segments:N" (checkpoint_sequential). The error names the accepted
+/// forms.
 Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model& model);
 
 /// Parses a side-stream spec: "none", or a comma-separated list of layers ("3") and layer
