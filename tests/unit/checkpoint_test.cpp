@@ -36,6 +36,18 @@ TrainingOptions plain(Policy offload = Policy::None) {
   return o;
 }
 
+/// A model file under tests/data (`relative` there), parsed; a parse error fails the test and
+/// gives an empty model.
+Model traced_model(const std::filesystem::path& relative) {
+  const std::filesystem::path path = std::filesystem::path(FERRY_TESTS_DIR) / "data" / relative;
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  auto parsed = parse_model(text.str(), path.string());
+  EXPECT_TRUE(parsed.ok()) << (parsed.ok() ? "" : parsed.error().message);
+  return parsed.ok() ? std::move(parsed).value() : Model{};
+}
+
 void expect_clean(const TrainingRun& r) {
   ASSERT_FALSE(r.failure) << r.failure->message;
   EXPECT_TRUE(r.sim.hazards().empty());
@@ -207,14 +219,8 @@ TEST(Checkpoint, ReentrantVariantRecomputesWholeRegions) {
 // count may end a segment on one, and a reentrant segment has nothing to return there.
 TEST(Checkpoint, ReentrantSegmentsOfATracedModelEndAtAnOpWithAnOutput) {
   for (const char* family : {"gpt2", "llama", "gemma2"}) {
-    const std::filesystem::path path = std::filesystem::path(FERRY_TESTS_DIR) / "data" / "traced" /
-                                       (std::string(family) + ".json");
-    std::ifstream in(path);
-    std::stringstream text;
-    text << in.rdbuf();
-    auto parsed = parse_model(text.str(), path.string());
-    ASSERT_TRUE(parsed.ok()) << parsed.error().message;
-    Model m = std::move(parsed).value();
+    Model m = traced_model(std::filesystem::path("traced") / (std::string(family) + ".json"));
+    ASSERT_FALSE(m.ops.empty()) << family;
     assign_roofline_durations(m, testing::simple_profile());
     const TrainingRun base = train(m, plain());
     for (const std::int32_t segments : {2, 3, 24, 100}) {
@@ -252,14 +258,9 @@ TEST(Checkpoint, SelectivePolicyRecomputesOnlyTheAttentionCore) {
 // a policy inside whole-layer regions it was: every output of every saved op was cached).
 TEST(Checkpoint, SelectiveRecomputationOfATracedModelIsOneRegionPerAttentionCore) {
   for (const char* family : {"gpt2", "llama", "gemma2", "mistral", "qwen2", "mixtral"}) {
-    const std::filesystem::path path = std::filesystem::path(FERRY_TESTS_DIR) / "data" / "traced" /
-                                       "sized" / (std::string(family) + ".json");
-    std::ifstream in(path);
-    std::stringstream text;
-    text << in.rdbuf();
-    auto parsed = parse_model(text.str(), path.string());
-    ASSERT_TRUE(parsed.ok()) << parsed.error().message;
-    Model m = std::move(parsed).value();
+    Model m =
+        traced_model(std::filesystem::path("traced") / "sized" / (std::string(family) + ".json"));
+    ASSERT_FALSE(m.ops.empty()) << family;
     DeviceProfile roomy = testing::simple_profile();
     roomy.memory = Bytes(64LL << 30);
     assign_roofline_durations(m, roomy);

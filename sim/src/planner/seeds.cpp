@@ -86,6 +86,19 @@ std::optional<Seed> seed_of(const PlanSpace& space, const TrainingOptions& optio
   if (!plan || !cost.admits(*plan, space.model())) {
     return std::nullopt;
   }
+  // A plan's region is applied by checkpointing a module's call (ferry.offload(plan=...)), and
+  // the calls the plan space knows are its layers: a row whose regions are not whole layers
+  // (`checkpoint selective`'s attention cores, which run inside an attention module's call
+  // with its projections) is compared with the plan but does not seed it.
+  const std::vector<Layer>& layers = space.layers();
+  for (const PlanRegion& region : plan->regions) {
+    const bool whole =
+        std::any_of(layers.begin(), layers.end(),
+                    [&](const Layer& layer) { return layer.first == region.first_op; }) &&
+        std::any_of(layers.begin(), layers.end(),
+                    [&](const Layer& layer) { return layer.end == region.end_op; });
+    if (!whole) return std::nullopt;
+  }
   Seed seed;
   seed.configs = configs_of(space, *plan);
   seed.plan = std::move(*plan);
