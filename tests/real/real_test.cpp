@@ -514,11 +514,18 @@ TEST(LoopbackConfigText, ParsesEveryFormAndNamesThePlaceOfAnError) {
 using Block = ferry::real::LoopbackStreams::Block;
 using Release = ferry::real::LoopbackStreams::Release;
 
+/// Loopback streams of `config` with two streams: 0 computes ("compute"), 1 copies ("d2h").
+std::unique_ptr<ferry::real::LoopbackStreams> compute_and_d2h(
+    const ferry::real::LoopbackConfig& config) {
+  auto streams = ferry::real::make_loopback_streams(config);
+  streams->add_stream(0, /*compute=*/true, "compute");
+  streams->add_stream(1, /*compute=*/false, "d2h");
+  return streams;
+}
+
 TEST(InlineLoopbackStreams, CopyAndLetGoAtOnce) {
-  const auto streams = ferry::real::make_loopback_streams({});
+  const auto streams = compute_and_d2h({});
   ferry::real::LoopbackStreams& s = *streams;
-  s.add_stream(0, /*compute=*/true, "compute");
-  s.add_stream(1, /*compute=*/false, "d2h");
   std::vector<std::uint8_t> device(64, 1);
   std::vector<std::uint8_t> host(64, 0);
   s.allocated(Block{&host, host.data(), host.size(), nullptr});
@@ -543,10 +550,8 @@ TEST(AsyncLoopbackStreams, RunReleaseCallbacksWithTheLockDropped) {
   config.async = true;
   config.seed = 1;
   config.max_delay = std::chrono::microseconds(100);
-  const auto streams = ferry::real::make_loopback_streams(config);
+  const auto streams = compute_and_d2h(config);
   ferry::real::LoopbackStreams& s = *streams;
-  s.add_stream(0, /*compute=*/true, "compute");
-  s.add_stream(1, /*compute=*/false, "d2h");
   std::vector<std::uint8_t> device(64, 1);
   std::vector<std::uint8_t> host(64, 0);
   const Block src{&device, device.data(), device.size(), nullptr};
@@ -579,10 +584,8 @@ TEST(AsyncLoopbackStreams, ASlowComputeStreamEndsItsWorkThatMuchLater) {
   config.max_delay = std::chrono::microseconds(0);
   config.slow_stream = "compute";
   config.slow_by = std::chrono::microseconds(50000);
-  const auto streams = ferry::real::make_loopback_streams(config);
+  const auto streams = compute_and_d2h(config);
   ferry::real::LoopbackStreams& s = *streams;
-  s.add_stream(0, /*compute=*/true, "compute");
-  s.add_stream(1, /*compute=*/false, "d2h");
   std::vector<std::uint8_t> device(64, 1);
   std::vector<std::uint8_t> host(64, 0);
   const Block src{&device, device.data(), device.size(), nullptr};

@@ -12,6 +12,7 @@
 
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/io/model_json.hpp"
+#include "plan_replay.hpp"
 #include "sim_fixtures.hpp"
 
 namespace ferry::sim {
@@ -34,18 +35,6 @@ TrainingOptions plain(Policy offload = Policy::None) {
   o.offload.policy = offload;
   o.steps = 2;
   return o;
-}
-
-/// A model file under tests/data (`relative` there), parsed; a parse error fails the test and
-/// gives an empty model.
-Model traced_model(const std::filesystem::path& relative) {
-  const std::filesystem::path path = std::filesystem::path(FERRY_TESTS_DIR) / "data" / relative;
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  auto parsed = parse_model(text.str(), path.string());
-  EXPECT_TRUE(parsed.ok()) << (parsed.ok() ? "" : parsed.error().message);
-  return parsed.ok() ? std::move(parsed).value() : Model{};
 }
 
 void expect_clean(const TrainingRun& r) {
@@ -219,8 +208,14 @@ TEST(Checkpoint, ReentrantVariantRecomputesWholeRegions) {
 // count may end a segment on one, and a reentrant segment has nothing to return there.
 TEST(Checkpoint, ReentrantSegmentsOfATracedModelEndAtAnOpWithAnOutput) {
   for (const char* family : {"gpt2", "llama", "gemma2"}) {
-    Model m = traced_model(std::filesystem::path("traced") / (std::string(family) + ".json"));
-    ASSERT_FALSE(m.ops.empty()) << family;
+    const std::filesystem::path path = std::filesystem::path(FERRY_TESTS_DIR) / "data" / "traced" /
+                                       (std::string(family) + ".json");
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto parsed = parse_model(text.str(), path.string());
+    ASSERT_TRUE(parsed.ok()) << parsed.error().message;
+    Model m = std::move(parsed).value();
     assign_roofline_durations(m, testing::simple_profile());
     const TrainingRun base = train(m, plain());
     for (const std::int32_t segments : {2, 3, 24, 100}) {
@@ -257,9 +252,8 @@ TEST(Checkpoint, SelectivePolicyRecomputesOnlyTheAttentionCore) {
 // the layer is saved as autograd saves it, so the peak is never above no checkpointing's (with
 // a policy inside whole-layer regions it was: every output of every saved op was cached).
 TEST(Checkpoint, SelectiveRecomputationOfATracedModelIsOneRegionPerAttentionCore) {
-  for (const char* family : {"gpt2", "llama", "gemma2", "mistral", "qwen2", "mixtral"}) {
-    Model m =
-        traced_model(std::filesystem::path("traced") / "sized" / (std::string(family) + ".json"));
+  for (const char* family : testing::kSizedFamilies) {
+    Model m = testing::sized_family(family);
     ASSERT_FALSE(m.ops.empty()) << family;
     DeviceProfile roomy = testing::simple_profile();
     roomy.memory = Bytes(64LL << 30);

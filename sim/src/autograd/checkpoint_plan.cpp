@@ -148,7 +148,6 @@ std::vector<OpSpan> attention_cores(const Model& model) {
       }
     }
     if (!first || !last) continue;
-    // A softmax inside a core already found (two in one core) adds nothing.
     cores.push_back({*first, *last + 1});
   }
   // In op order, and a core inside one found already (two softmaxes in one) adds nothing.

@@ -25,7 +25,7 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
   if (spec == "none") return CheckpointPlan{};
   if (spec == "selective") {
     // Asked for by name, a recomputation with nothing to recompute is an error, not `none`.
-    CheckpointPlan plan = checkpoint_selective(model);
+    CheckpointPlan plan = checkpoint_attention_cores(model);
     if (plan.regions.empty()) {
       return Error{fmt::format(
           "checkpoint spec \"selective\" recomputes each layer's attention core, and model \"{}\" "

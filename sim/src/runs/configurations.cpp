@@ -22,10 +22,6 @@ constexpr std::array kKnobVariants{
 
 std::span<const KnobVariant> ferry_knob_variants() { return kKnobVariants; }
 
-CheckpointPlan checkpoint_selective(const Model& model) {
-  return checkpoint_attention_cores(model);
-}
-
 std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& model,
                                     const DeviceProfile& device) {
   std::vector<PolicyRow> rows;
@@ -51,7 +47,7 @@ std::vector<PolicyRow> default_rows(const TrainingOptions& base, const Model& mo
     rows.push_back(std::move(row));
   };
   with_checkpoint("checkpoint every layer", Policy::None, checkpoint_every(model, 1));
-  with_checkpoint("checkpoint selective", Policy::None, checkpoint_selective(model));
+  with_checkpoint("checkpoint selective", Policy::None, checkpoint_attention_cores(model));
   with_checkpoint("ferry + checkpoint", Policy::Ferry, checkpoint_every(model, 1));
   for (PolicyRow& row : rows) {
     if (!row.options.offload.horizon_bytes) {

@@ -23,10 +23,6 @@ struct KnobVariant {
 /// prefetch, and 16 MiB as the smallest offloaded tensor.
 [[nodiscard]] std::span<const KnobVariant> ferry_knob_variants();
 
-/// Megatron-style selective recomputation: each layer's attention core checkpointed, the rest
-/// of the layer outside any region (the "selective" checkpoint spec and row).
-[[nodiscard]] CheckpointPlan checkpoint_selective(const Model& model);
-
 /// The rows of `ferry compare`: none, trl, ferry, the ferry knob variants, checkpointing every
 /// layer, selective checkpointing, and offload of checkpoint inputs with recompute inside, each
 /// on top of `base`. The ferry rows offload up to the horizon offload_horizon derives for them
