@@ -4,9 +4,17 @@
 # tests/fuzz/corpus/<format>. A finding (crash, sanitizer report, leak, timeout) stops that
 # harness, is written to build/fuzz/findings/<format>/ and fails the script.
 # Usage: scripts/fuzz.sh [SECONDS per harness, default 60] [FORMAT...]   (model program device plan)
+#        scripts/fuzz.sh --build [FORMAT...]   builds the harnesses and runs none (CI builds them
+#        beside the set-up and the lint check, which leave a core idle)
 # Replay one input: build/fuzz/tests/fuzz/fuzz_model FILE
 set -euo pipefail
 cd "$(dirname "$0")/.."
+build_only=0
+if [[ ${1:-} == --build ]]; then
+  build_only=1
+  shift
+  set -- 0 "$@"
+fi
 seconds=${1:-60}
 shift || true
 formats=("$@")
@@ -19,6 +27,7 @@ CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=None \
 targets=()
 for f in "${formats[@]}"; do targets+=("fuzz_$f"); done
 cmake --build "$build" --target "${targets[@]}"
+if ((build_only)); then exit 0; fi
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
