@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds everything and runs every test: the C++ suites (labels unit,
-# prop, golden, exhaustive, bench-smoke, gpu), then the Python extension's pytest suite (the
-# suites that train on the asynchronous loopback device again with two more seeds).
+# prop, golden, exhaustive, sanitizer-covered, bench-smoke, gpu), then the Python extension's
+# pytest suite (the suites that train on the asynchronous loopback device again with two more
+# seeds).
 # Usage: scripts/test.sh [PRESET]   (release by default; ci adds -Werror; asan builds with clang,
 # AddressSanitizer + UndefinedBehaviorSanitizer, including leak checks, and skips bench-smoke,
-# exhaustive and the Python suite). FERRY_TORCH=0 builds and tests the simulator only.
+# exhaustive, sanitizer-covered (Note [Runs the sanitizers cover] in tests/CMakeLists.txt) and
+# the Python suite). FERRY_TORCH=0 builds and tests the simulator only.
 # Tests labelled gpu skip (and are reported as skipped) where no CUDA device is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
