@@ -5,7 +5,8 @@
 # (without LibTorch: its tests could only add lines to the rest), runs the tests labelled
 # sanitizer-covered, then the asan preset's selection without them (the same random cases:
 # RC_PARAMS=max_success=100), and lists each line of the project that only the labelled tests
-# reach. Exits 1 when there is one. Takes about 10 minutes on two cores; not part of CI.
+# reach. Exits 1 when there is one. Not part of CI: 4 min 38 s on two cores from an empty
+# build/coverage, 75 s once it is built.
 # Usage: scripts/sanitizer_coverage.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
