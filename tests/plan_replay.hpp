@@ -27,9 +27,10 @@ struct Replay {
   Bytes reserved;
 };
 
-/// The plan's unchecked run on the device with room for anything (as the planner measures).
-inline Replay replay(const Plan& plan, const Model& model, const DeviceProfile& device) {
-  auto options = plan_training_options(plan, model, timing_only(2));
+/// The plan's unchecked run on the device with room for anything (as the planner measures). The
+/// model is checked once by the caller, as the planner checks it, not again for each plan.
+inline Replay replay(const Plan& plan, const CheckedModel& model, const DeviceProfile& device) {
+  auto options = plan_training_options(plan, *model, timing_only(2));
   if (!options.ok()) return {};
   auto run = simulate_training(model, roomy(device), options.value());
   if (!run.ok() || run.value().failure || run.value().steps.empty()) return {};

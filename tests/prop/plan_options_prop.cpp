@@ -60,13 +60,14 @@ SpaceCheck check_space(const std::string& name, const Model& model, const Device
                        bool offload, std::initializer_list<int> percents) {
   const planning::PlanSpace space(model, device);
   const auto all = every_plan_of_options(space, offload);
+  const CheckedModel checked = check_model(model).value();
   std::vector<Replay> replays;
   replays.reserve(all.size());
   for (const auto& configs : all) {
     replays.push_back(
-        testing::replay(space.plan_of(configs, PlanKnobs{}, std::nullopt), model, device));
+        testing::replay(space.plan_of(configs, PlanKnobs{}, std::nullopt), checked, device));
   }
-  Planner planner(check_model(model).value(), device);
+  Planner planner(checked, device);
   Bytes checkpointed;
   SimTime checkpointing;
   for (const RowResult& row : planner.fixed()) {

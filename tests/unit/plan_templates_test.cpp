@@ -96,14 +96,15 @@ void apply(Plan& plan, const Model& model, const planning::Layer& layer, int t,
 // From `start`, single-op changes (an op of a layer to another decision, recompute only inside
 // a region; a region's inputs kept or offloaded), the fastest that fits `budget` taken, while
 // one helps, at most `rounds` times: the improvement the plan must also beat.
-std::pair<Replay, Plan> improve(Plan start, Replay at, const Model& model,
+std::pair<Replay, Plan> improve(Plan start, Replay at, const CheckedModel& checked,
                                 const planning::PlanSpace& space, const DeviceProfile& device,
                                 Bytes budget, int rounds) {
+  const Model& model = *checked;
   for (int round = 0; round < rounds; ++round) {
     std::optional<std::pair<Replay, Plan>> next;
     const auto consider = [&](Plan plan) {
       recompute_random_prefix(plan, model);
-      const Replay r = replay(plan, model, device);
+      const Replay r = replay(plan, checked, device);
       if (!r.ok || r.reserved > budget || r.time >= at.time) return;
       if (!next || r.time < next->first.time) next.emplace(r, std::move(plan));
     };
@@ -142,6 +143,7 @@ std::pair<Replay, Plan> improve(Plan start, Replay at, const Model& model,
 void check_case(const std::string& name, const Model& model, const DeviceProfile& device,
                 int rounds, double* worst) {
   const planning::PlanSpace space(model, device);
+  const CheckedModel checked = check_model(model).value();
   const std::size_t layers = space.layers().size();
   ASSERT_GE(layers, 2U) << name;
   CheckpointPlan selective;
@@ -163,12 +165,12 @@ void check_case(const std::string& name, const Model& model, const DeviceProfile
       apply(plan, model, space.layers()[l], picked.back(), core);
     }
     recompute_random_prefix(plan, model);
-    replays.emplace_back(replay(plan, model, device), picked);
+    replays.emplace_back(replay(plan, checked, device), picked);
     plans.push_back(std::move(plan));
   }
   const auto sets = option_recompute_sets(space);
   std::int32_t in_space = 0;
-  Planner planner(check_model(model).value(), device);
+  Planner planner(checked, device);
   Bytes checkpointed;
   for (const RowResult& row : planner.fixed()) {
     if (row.name == "checkpoint every layer") checkpointed = row.peak_reserved;
@@ -201,7 +203,7 @@ void check_case(const std::string& name, const Model& model, const DeviceProfile
     }
     ASSERT_LT(best, replays.size());
     const Replay improved =
-        improve(plans[best], replays[best].first, model, space, device, budget, rounds).first;
+        improve(plans[best], replays[best].first, checked, space, device, budget, rounds).first;
     const double ratio =
         static_cast<double>(planned.ns()) / static_cast<double>(improved.time.ns());
     *worst = std::max(*worst, ratio);

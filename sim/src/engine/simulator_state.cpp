@@ -35,19 +35,6 @@ Bytes pool_span(Bytes capacity) { return Bytes((capacity.count() + 511) / 512 * 
 
 }  // namespace
 
-namespace engine_detail {
-
-std::uint32_t LabelTable::find_or_add(std::string_view label) {
-  auto it = index_.find(label);
-  if (it != index_.end()) return it->second;
-  const auto index = static_cast<std::uint32_t>(labels_.size());
-  labels_.emplace_back(label);
-  index_.emplace(std::string(label), index);
-  return index;
-}
-
-}  // namespace engine_detail
-
 Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> link_list,
                         SimOptions opts, SimFaults planted)
     : options(opts),

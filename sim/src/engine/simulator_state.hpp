@@ -9,7 +9,6 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 #include "ferry/check.hpp"
@@ -27,22 +26,26 @@ namespace ferry::sim {
 
 namespace engine_detail {
 
-/// Interned op labels; index 0 is the empty label. Indices follow first appearance; the hash
-/// index is only looked up, never iterated.
+/// The calls' labels, in call order; index 0 is the empty label. Labels are mostly distinct (the
+/// names of tensors and buffers), so each is copied once to the end of one buffer and neither
+/// hashed nor looked up: a call costs one append, and the table a few allocations in all.
 class LabelTable {
  public:
-  std::uint32_t intern(std::string_view label) { return label.empty() ? 0 : find_or_add(label); }
-  [[nodiscard]] std::string_view operator[](std::uint32_t index) const { return labels_.at(index); }
+  std::uint32_t intern(std::string_view label) { return label.empty() ? 0 : append(label); }
+  [[nodiscard]] std::string_view operator[](std::uint32_t index) const {
+    const std::size_t begin = index == 0 ? 0 : ends_.at(index - 1);
+    return std::string_view(text_).substr(begin, ends_.at(index) - begin);
+  }
 
  private:
-  struct Hash {
-    using is_transparent = void;
-    std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-  };
-  std::uint32_t find_or_add(std::string_view label);
+  std::uint32_t append(std::string_view label) {
+    text_.append(label);
+    ends_.push_back(text_.size());
+    return static_cast<std::uint32_t>(ends_.size() - 1);
+  }
 
-  std::vector<std::string> labels_{std::string()};
-  std::unordered_map<std::string, std::uint32_t, Hash, std::equal_to<>> index_;
+  std::string text_;                  ///< every label, end to end
+  std::vector<std::size_t> ends_{0};  ///< where label i ends in text_ (label 0 is empty)
 };
 
 enum class ExecKind : std::uint8_t { None, Kernel, Collective, Copy };
