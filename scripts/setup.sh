@@ -31,11 +31,44 @@ fi
 # runtime libraries come from the system CUDA toolkit, so only the three the toolkit lacks are
 # added. About 760 MB to download, 1.6 GB installed (docs/real.md).
 torch_version=2.11.0
+ruff_version=0.17.6
 python=${FERRY_SETUP_PYTHON:-python3}
 # A slow or briefly failing index must not fail the set-up: more retries, a longer timeout.
 pip_flags=(--quiet --disable-pip-version-check --no-warn-conflicts --retries 10 --timeout 60)
-if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" \
-    >/dev/null 2>&1; then
+# Which of the groups installed below are missing, read from the installed distributions'
+# metadata in one interpreter (importing torch, transformers and peft to find out took 12 s of
+# the 15 s a set-up with nothing to do took, and CI runs the set-up three times). Without a
+# .venv, every group is missing.
+missing=$(.venv/bin/python - "$torch_version" "$ruff_version" 2>/dev/null <<'PY' ||
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+torch_version, ruff_version = sys.argv[1:]
+groups = {
+    "torch": {"torch": torch_version},
+    "tools": dict.fromkeys(["pytest", "wheel", "sympy", "filelock", "networkx", "jinja2",
+                            "fsspec"]),
+    "xdist": {"pytest-xdist": None},
+    "build": {"scikit-build-core": None},
+    "ruff": {"ruff": ruff_version},
+    "hf": dict.fromkeys(["transformers", "peft", "accelerate"]),
+}
+
+
+def present(dist, wanted):
+    try:
+        found = version(dist)
+    except PackageNotFoundError:
+        return False
+    return wanted is None or found.split("+")[0] == wanted
+
+
+print(" ".join(g for g, dists in groups.items()
+               if not all(present(d, w) for d, w in dists.items())))
+PY
+  echo "torch tools xdist build ruff hf")
+needs() { [[ " $missing " == *" $1 "* ]]; }
+if needs torch; then
   echo "setup: installing torch==$torch_version into .venv" >&2
   "$python" -m venv .venv
   .venv/bin/pip install "${pip_flags[@]}" --no-deps \
@@ -46,28 +79,27 @@ fi
 # compare against, imports torch._dynamo; filelock, networkx, jinja2, fsspec: torch.compile,
 # which the tests run under ferry's regions — torch's own declared dependencies, none of which
 # pulls a CUDA wheel).
-if ! .venv/bin/python -c "import pytest, wheel, sympy, filelock, networkx, jinja2, fsspec" \
-    >/dev/null 2>&1; then
+if needs tools; then
   .venv/bin/pip install "${pip_flags[@]}" pytest wheel ninja sympy==1.14.0 filelock networkx \
     jinja2 fsspec >&2
 fi
 # pytest's workers (scripts/test.sh runs the suite on both cores): pure Python, no torch.
-if ! .venv/bin/python -c "import xdist" >/dev/null 2>&1; then
+if needs xdist; then
   .venv/bin/pip install "${pip_flags[@]}" pytest-xdist==3.8.0 execnet==2.1.2 >&2
 fi
 # The package's build backend (pyproject.toml), for scripts/package.sh: pure Python, no torch.
-if ! .venv/bin/python -c "import scikit_build_core" >/dev/null 2>&1; then
+if needs build; then
   .venv/bin/pip install "${pip_flags[@]}" scikit-build-core==1.1.2 >&2
 fi
 # The Python linter and formatter (scripts/lint.sh), one static binary.
-if ! [[ $(.venv/bin/ruff --version 2>/dev/null) == "ruff 0.17.6" ]]; then
-  .venv/bin/pip install "${pip_flags[@]}" ruff==0.17.6 >&2
+if needs ruff; then
+  .venv/bin/pip install "${pip_flags[@]}" "ruff==$ruff_version" >&2
 fi
 # Test-only: small Hugging Face models built from configs (no downloads) with and without LoRA.
 # peft and accelerate declare torch as a dependency, so they are installed without dependencies
 # (pip must never replace the torch above or pull CUDA wheels); what they need besides torch
 # comes with transformers and psutil.
-if ! .venv/bin/python -c "import transformers, peft" >/dev/null 2>&1; then
+if needs hf; then
   .venv/bin/pip install "${pip_flags[@]}" transformers==5.23.0 psutil >&2
   .venv/bin/pip install "${pip_flags[@]}" --no-deps peft==0.21.2 accelerate==1.15.0 >&2
 fi
