@@ -261,6 +261,50 @@ TEST(SimpleFsdp, PlantedFaultsAreReported) {
   expect_clean(train(m, simple_fsdp_options(4), f));
 }
 
+// The summed durations of the collectives on `stream`.
+SimTime collective_time_on(const TrainingRun& run, const std::string& stream) {
+  SimTime total;
+  for (const OpRecord& op : run.sim.ops()) {
+    if (op.kind == OpKind::Kernel && op.collective && run.sim.stream_name(op.stream) == stream) {
+      total += op.end - op.start;
+    }
+  }
+  return total;
+}
+
+TEST(Fsdp, EachGroupsCollectivesTakeTheLinkItsRanksLieOn) {
+  const Model m = testing::chain_model(4, 1 << 20);
+  DeviceProfile slow_network = fsdp_profile();
+  slow_network.collectives.inter_node.bandwidth = Bandwidth(1'000'000'000);
+  const auto hsdp = [&](std::int32_t ranks, std::int32_t nodes, std::int32_t replicas,
+                        const DeviceProfile& device) {
+    TrainingOptions o = testing::two_steps(Policy::None);
+    auto checked = check_parallelism(
+        Parallelism{.ranks = ranks, .nodes = nodes, .replicas = replicas}, device);
+    EXPECT_TRUE(checked.ok()) << checked.error().message;
+    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    return train(m, o, {}, device);
+  };
+  // 16 ranks on two nodes, two replica groups: each shard group fills a node (its
+  // reduce-scatters over NVLink), so each replica group spans both (its all-reduces over the
+  // network, which a slower network slows).
+  {
+    const TrainingRun fast = hsdp(16, 2, 2, fsdp_profile());
+    const TrainingRun slow = hsdp(16, 2, 2, slow_network);
+    expect_clean(fast);
+    EXPECT_EQ(collective_time_on(fast, "reduce_scatter"),
+              collective_time_on(slow, "reduce_scatter"));
+    EXPECT_GT(collective_time_on(fast, "all_reduce"), SimTime(0));
+    EXPECT_GT(collective_time_on(slow, "all_reduce"), collective_time_on(fast, "all_reduce"));
+  }
+  // Four replica groups of shard groups of four: ranks 0, 4, 8 and 12 span both nodes too.
+  EXPECT_GT(collective_time_on(hsdp(16, 2, 4, slow_network), "all_reduce"),
+            collective_time_on(hsdp(16, 2, 4, fsdp_profile()), "all_reduce"));
+  // Eight ranks in one node, two replica groups: nothing leaves the node.
+  EXPECT_EQ(collective_time_on(hsdp(8, 1, 2, slow_network), "all_reduce"),
+            collective_time_on(hsdp(8, 1, 2, fsdp_profile()), "all_reduce"));
+}
+
 TEST(Fsdp, OneRankGathersAndReduceScattersNothing) {
   const Model m = testing::chain_model(4, 1 << 20);
   const TrainingRun one = train(m, fsdp_options(1, Policy::Ferry));

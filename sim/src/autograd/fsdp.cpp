@@ -172,19 +172,6 @@ SimTime Fsdp2::memory_time(Bytes bytes) {
   return std::max(SimTime(1), transfer_time(bytes, Bandwidth(std::max<std::int64_t>(rate, 1))));
 }
 
-// A ring collective over `ranks` ranks moving `bytes` (an all-gather's output, a
-// reduce-scatter's input; `passes` 2 for an all-reduce): each rank sends (ranks - 1) / ranks
-// of it over the group's slowest link, one latency per ring step.
-SimTime Fsdp2::ring_time(Bytes bytes, std::int32_t ranks, std::int32_t passes) {
-  if (ranks <= 1) return SimTime(1);
-  const CollectiveLinks& links = sim_.device_profile(dev_).collectives;
-  const CollectiveLink& link = ranks > ranks_per_node_ ? links.inter_node : links.intra_node;
-  const Bytes moved(bytes.count() / ranks * (ranks - 1));
-  const SimTime once =
-      transfer_time(moved, link.bandwidth) + SimTime(link.latency.ns() * (ranks - 1));
-  return SimTime(once.ns() * passes);
-}
-
 void Fsdp2::comm_wait(StreamId waiter, StreamId on) {
   const Device::Event e = device_.make_event();
   device_.record(e, Device::Stream{on});
@@ -199,8 +186,15 @@ void Fsdp2::bind_unit(std::size_t u, Device::Buffer buffer) {
 }
 
 void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
-  const CollectiveLinks& links = sim_.device_profile(dev_).collectives;
-  ranks_per_node_ = parallelism_.ranks / parallelism_.node_count(links.gpus_per_node);
+  // The groups of rank 0 (Note [FSDP2, one rank]), ranks laid out shard group by shard group:
+  // a shard group is consecutive ranks, a replica group one member of each shard group.
+  const std::int32_t per_node = parallelism_.ranks / parallelism_.node_count(links().gpus_per_node);
+  const std::int32_t shard_ranks = parallelism_.shard_group();
+  shard_group_ = place_group(shard_ranks, 1, per_node);
+  replica_group_ = place_group(parallelism_.replicas, shard_ranks, per_node);
+  if (parallelism_.reshard_after_forward.ranks() > 1) {
+    post_forward_group_ = place_group(parallelism_.reshard_after_forward.ranks(), 1, per_node);
+  }
   copy_in_ = sim_.add_stream(dev_, "all_gather_copy_in");
   all_gather_ = sim_.add_stream(dev_, "all_gather");
   reduce_scatter_ = sim_.add_stream(dev_, "reduce_scatter");
@@ -280,8 +274,11 @@ void Fsdp2::unshard(std::size_t u) {
   sim_.kernel(copy, memory_time(source.bytes + part), std::vector<Region>{source},
               std::vector<Region>{mine}, name + " copy-in");
   if (!faults_.skip_copy_in_wait) comm_wait(all_gather_, copy);
-  sim_.collective(all_gather_, ring_time(std::int64_t{group} * part, group, 1),
-                  std::vector<Region>{mine}, std::vector<Region>{whole}, name);
+  const GroupPlacement placement = unit.post_forward ? post_forward_group_ : shard_group_;
+  sim_.collective(
+      all_gather_,
+      collective_time(CollectiveKind::AllGather, std::int64_t{group} * part, placement, links()),
+      std::vector<Region>{mine}, std::vector<Region>{whole}, name);
   unit.gathered = device_.make_event();
   device_.record(*unit.gathered, Device::Stream{all_gather_});
 }
@@ -390,7 +387,10 @@ void Fsdp2::reduce_gradients(std::size_t u) {
   const std::vector<Region> rs_reads{Region{input.id, Bytes(0), input_bytes}};
   const std::vector<Region> rs_writes{out_region};
   if (group > 1) {
-    sim_.collective(reduce_scatter_, ring_time(input_bytes, group, 1), rs_reads, rs_writes, name);
+    sim_.collective(
+        reduce_scatter_,
+        collective_time(CollectiveKind::ReduceScatter, input_bytes, shard_group_, links()),
+        rs_reads, rs_writes, name);
   } else {  // one rank: FSDP2 copies the input to the output on the reduce-scatter stream
     sim_.kernel(reduce_scatter_, memory_time(input_bytes + out_bytes), rs_reads, rs_writes,
                 name + " (one rank: a copy)");
@@ -416,7 +416,8 @@ void Fsdp2::reduce_gradients(std::size_t u) {
   if (parallelism_.replicas > 1) {
     comm_wait(all_reduce_, last);
     const Region shard{unit.sharded_grad->id, Bytes(0), out_bytes};
-    sim_.collective(all_reduce_, ring_time(out_bytes, parallelism_.replicas, 2),
+    sim_.collective(all_reduce_,
+                    collective_time(CollectiveKind::AllReduce, out_bytes, replica_group_, links()),
                     std::vector<Region>{shard}, std::vector<Region>{shard},
                     fmt::format("unit {} all-reduce", unit.layer));
     last = all_reduce_;

@@ -7,6 +7,7 @@
 #include <optional>
 #include <vector>
 
+#include "ferry/sim/engine/collective_cost.hpp"
 #include "step_hooks.hpp"
 
 namespace ferry::sim::training {
@@ -65,7 +66,7 @@ class Fsdp2 final : public StepHooks {
   void reduce_gradients(std::size_t u);
   void bind_unit(std::size_t u, Device::Buffer buffer);
   SimTime memory_time(Bytes bytes);
-  SimTime ring_time(Bytes bytes, std::int32_t ranks, std::int32_t passes);
+  const CollectiveLinks& links() const { return sim_.device_profile(dev_).collectives; }
   // `waiter` waits for the work issued on `on` so far.
   void comm_wait(StreamId waiter, StreamId on);
 
@@ -94,7 +95,9 @@ class Fsdp2 final : public StepHooks {
   std::vector<std::size_t> backward_units_;   // units by first node in backward order
   std::vector<bool> pre_backward_done_;
   std::vector<std::int32_t> last_node_;  // per unit: its last node in backward order
-  std::int32_t ranks_per_node_ = 1;
+  // Where rank 0's groups lie (docs/fsdp.md, "The link model"): its shard group, its HSDP
+  // replica group, and the ranks a unit resharded after forward gathers over.
+  GroupPlacement shard_group_, replica_group_, post_forward_group_;
 };
 
 }  // namespace ferry::sim::training

@@ -1,0 +1,40 @@
+#pragma once
+/// How long a collective takes over a process group (docs/fsdp.md, "The link model"): the ring
+/// formula over the group's slowest link, which the group's placement on the nodes decides.
+
+#include <cstdint>
+
+#include "ferry/program/device_profile.hpp"
+#include "ferry/units.hpp"
+
+namespace ferry::sim {
+
+/// The collectives a process group runs, by what they move.
+enum class CollectiveKind : std::uint8_t {
+  AllGather,      ///< each rank's part to every rank; `bytes` is the output
+  ReduceScatter,  ///< the sum of every rank's input, a part to each; `bytes` is the input
+  AllReduce,      ///< the sum to every rank: a reduce-scatter, then an all-gather
+};
+
+/// Where a process group's ranks lie: how many there are, and how many nodes they span.
+struct GroupPlacement {
+  std::int32_t ranks = 1;
+  std::int32_t nodes = 1;
+  friend bool operator==(const GroupPlacement&, const GroupPlacement&) = default;
+};
+
+/// The placement of rank 0's group of `ranks` ranks whose members are `stride` ranks apart
+/// (ranks 0, stride, 2 x stride, ...), in a world laid out `per_node` consecutive ranks to a
+/// node: members `per_node` or more apart are each on a node of their own, nearer ones share
+/// nodes. All three are at least 1.
+[[nodiscard]] GroupPlacement place_group(std::int32_t ranks, std::int32_t stride,
+                                         std::int32_t per_node);
+
+/// The ring formula for `kind` moving `bytes` over `group`: each rank sends (g - 1) / g of
+/// `bytes` at the link's bus bandwidth, one latency per ring step, over the profile's
+/// intra-node link when the group lies inside one node, else its inter-node link; an
+/// all-reduce is two passes. A group of one rank moves nothing: 1 ns.
+[[nodiscard]] SimTime collective_time(CollectiveKind kind, Bytes bytes, GroupPlacement group,
+                                      const CollectiveLinks& links);
+
+}  // namespace ferry::sim

@@ -1,0 +1,52 @@
+// The link model of collectives (ferry/sim/engine/collective_cost.hpp, docs/fsdp.md "The link
+// model"): where a group's ranks lie decides its link, and the ring formula its time.
+
+#include "ferry/sim/engine/collective_cost.hpp"
+
+#include <gtest/gtest.h>
+
+namespace ferry::sim {
+namespace {
+
+CollectiveLinks links() {
+  CollectiveLinks l;
+  l.gpus_per_node = 8;
+  l.intra_node = CollectiveLink{Bandwidth(100'000'000'000), SimTime(1000)};
+  l.inter_node = CollectiveLink{Bandwidth(10'000'000'000), SimTime(5000)};
+  return l;
+}
+
+TEST(GroupPlacement, ConsecutiveRanksShareANodeUntilItIsFull) {
+  EXPECT_EQ(place_group(1, 1, 8), (GroupPlacement{1, 1}));
+  EXPECT_EQ(place_group(8, 1, 8), (GroupPlacement{8, 1}));
+  EXPECT_EQ(place_group(9, 1, 8), (GroupPlacement{9, 2}));
+  EXPECT_EQ(place_group(16, 1, 8), (GroupPlacement{16, 2}));
+}
+
+TEST(GroupPlacement, StridedMembersSpanTheNodesTheirRanksLieOn) {
+  // One member of each shard group: HSDP's replica groups.
+  EXPECT_EQ(place_group(2, 4, 8), (GroupPlacement{2, 1}));   // ranks 0, 4
+  EXPECT_EQ(place_group(4, 4, 8), (GroupPlacement{4, 2}));   // ranks 0, 4, 8, 12
+  EXPECT_EQ(place_group(2, 8, 8), (GroupPlacement{2, 2}));   // a shard group fills a node
+  EXPECT_EQ(place_group(4, 16, 8), (GroupPlacement{4, 4}));  // each member a node of its own
+}
+
+TEST(CollectiveTime, TheRingFormulaOverTheGroupsLink) {
+  const Bytes gib(std::int64_t{1} << 30);
+  // 8 ranks in a node: 7/8 of 1 GiB at 100 GB/s, and 7 steps of 1 us.
+  const std::int64_t moved = (std::int64_t{1} << 30) / 8 * 7;
+  const SimTime intra = collective_time(CollectiveKind::AllGather, gib, {8, 1}, links());
+  EXPECT_EQ(intra, transfer_time(Bytes(moved), Bandwidth(100'000'000'000)) + SimTime(7000));
+  EXPECT_EQ(collective_time(CollectiveKind::ReduceScatter, gib, {8, 1}, links()), intra);
+  // The same group across two nodes: the inter-node link.
+  EXPECT_EQ(collective_time(CollectiveKind::AllGather, gib, {8, 2}, links()),
+            transfer_time(Bytes(moved), Bandwidth(10'000'000'000)) + SimTime(35'000));
+  // An all-reduce is two passes.
+  EXPECT_EQ(collective_time(CollectiveKind::AllReduce, gib, {8, 1}, links()),
+            SimTime(2 * intra.ns()));
+  // One rank moves nothing.
+  EXPECT_EQ(collective_time(CollectiveKind::AllReduce, gib, {1, 1}, links()), SimTime(1));
+}
+
+}  // namespace
+}  // namespace ferry::sim
