@@ -91,6 +91,10 @@ struct Parallelism {
   [[nodiscard]] constexpr std::int32_t node_count(std::int32_t gpus_per_node) const {
     return nodes > 0 ? nodes : (ranks + gpus_per_node - 1) / gpus_per_node;
   }
+  /// The ranks each node holds (ranks laid out evenly over node_count nodes).
+  [[nodiscard]] constexpr std::int32_t ranks_per_node(std::int32_t gpus_per_node) const {
+    return ranks / node_count(gpus_per_node);
+  }
 
   friend bool operator==(const Parallelism&, const Parallelism&) = default;
 };

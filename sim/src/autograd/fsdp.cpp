@@ -188,7 +188,7 @@ void Fsdp2::bind_unit(std::size_t u, Device::Buffer buffer) {
 void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
   // The groups of rank 0 (Note [FSDP2, one rank]), ranks laid out shard group by shard group:
   // a shard group is consecutive ranks, a replica group one member of each shard group.
-  const std::int32_t per_node = parallelism_.ranks / parallelism_.node_count(links().gpus_per_node);
+  const std::int32_t per_node = parallelism_.ranks_per_node(links().gpus_per_node);
   const std::int32_t shard_ranks = parallelism_.shard_group();
   shard_group_ = place_group(shard_ranks, 1, per_node);
   replica_group_ = place_group(parallelism_.replicas, shard_ranks, per_node);

@@ -86,7 +86,7 @@ Result<NodeRun> simulate_node(const CheckedModel& checked, const DeviceProfile& 
   const Model& model = *checked;
   const Parallelism& p = options.fsdp.parallelism;  // checked where it was chosen
   if (!p.on()) return Error{"a node run trains FSDP ranks: set fsdp.parallelism.ranks"};
-  const std::int32_t per_node = p.ranks / p.node_count(device.collectives.gpus_per_node);
+  const std::int32_t per_node = p.ranks_per_node(device.collectives.gpus_per_node);
   if (ranks < 2 || ranks > per_node) {
     return Error{fmt::format("a node run needs 2 to {} ranks (the ranks per node), not {}",
                              per_node, ranks)};

@@ -13,7 +13,7 @@ GroupPlacement place_group(std::int32_t ranks, std::int32_t stride, std::int32_t
   // The members span (ranks - 1) x stride + 1 consecutive ranks, on nodes of per_node.
   const std::int64_t span = std::int64_t{ranks - 1} * stride + 1;
   const auto nodes = static_cast<std::int32_t>((span + per_node - 1) / per_node);
-  return GroupPlacement{ranks, std::max(nodes, 1)};
+  return GroupPlacement{ranks, nodes};
 }
 
 SimTime collective_time(CollectiveKind kind, Bytes bytes, GroupPlacement group,

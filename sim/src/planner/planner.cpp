@@ -136,7 +136,7 @@ class SimulatedCost final : public CostModel {
   [[nodiscard]] std::int32_t node_ranks() const {
     const Parallelism& p = base_.fsdp.parallelism;
     if (!p.on()) return 0;
-    return p.ranks / p.node_count(device_.collectives.gpus_per_node) >= 2 ? 2 : 0;
+    return p.ranks_per_node(device_.collectives.gpus_per_node) >= 2 ? 2 : 0;
   }
 
   /// Two ranks of a node running `options` side by side, each offloading into its part of the
