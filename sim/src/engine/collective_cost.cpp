@@ -1,7 +1,5 @@
 #include "ferry/sim/engine/collective_cost.hpp"
 
-#include <algorithm>
-
 #include "ferry/check.hpp"
 
 namespace ferry::sim {
