@@ -35,6 +35,45 @@ TEST(Simulator, KernelsOnTwoStreamsShareTheComputeEngine) {
   EXPECT_EQ(sim.makespan().ns(), 300);
 }
 
+TEST(Simulator, ACollectiveRunsBesideComputeKernels) {
+  Simulator sim = simple_sim();
+  const StreamId compute = sim.add_stream(DeviceId(0), "compute");
+  const StreamId comm = sim.add_stream(DeviceId(0), "comm");
+  sim.kernel(compute, SimTime(300), kNone, kNone);
+  const OpId c = sim.collective(comm, SimTime(200), kNone, kNone);
+  sim.finish();
+  EXPECT_EQ(sim.ops()[c.value()].start.ns(), 0);
+  EXPECT_EQ(sim.makespan().ns(), 300);
+}
+
+// Note [Collectives]: one engine per lane (process group) on each device.
+TEST(Simulator, CollectivesOfOneLaneQueueAndOfTwoLanesOverlap) {
+  for (const CollectiveLane second : {CollectiveLane::Fsdp, CollectiveLane::Tensor,
+                                      CollectiveLane::Context, CollectiveLane::Expert}) {
+    SCOPED_TRACE(static_cast<int>(second));
+    Simulator sim = simple_sim();
+    const StreamId a = sim.add_stream(DeviceId(0), "fsdp comm");
+    const StreamId b = sim.add_stream(DeviceId(0), "other comm");
+    const OpId first = sim.collective(a, SimTime(400), kNone, kNone, "prefetch");
+    const OpId next = sim.collective(b, SimTime(100), kNone, kNone, "blocking", {}, second);
+    sim.finish();
+    const bool same = second == CollectiveLane::Fsdp;
+    EXPECT_EQ(sim.ops()[first.value()].end.ns(), 400);
+    EXPECT_EQ(sim.ops()[next.value()].start.ns(), same ? 400 : 0);
+    EXPECT_EQ(sim.makespan().ns(), same ? 500 : 400);
+  }
+}
+
+TEST(Simulator, EachDeviceHasItsOwnCollectiveLanes) {
+  Simulator sim = simple_sim(2);
+  const StreamId a = sim.add_stream(DeviceId(0), "comm");
+  const StreamId b = sim.add_stream(DeviceId(1), "comm");
+  sim.collective(a, SimTime(400), kNone, kNone, "", {}, CollectiveLane::Tensor);
+  const OpId other = sim.collective(b, SimTime(100), kNone, kNone, "", {}, CollectiveLane::Tensor);
+  sim.finish();
+  EXPECT_EQ(sim.ops()[other.value()].start.ns(), 0);
+}
+
 TEST(Simulator, CopyOverlapsComputeOnAnotherStream) {
   Simulator sim = simple_sim();
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");

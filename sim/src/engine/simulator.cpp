@@ -187,21 +187,26 @@ OpId Simulator::kernel(StreamId stream, SimTime duration, std::span<const Region
 // Note [Collectives]
 // A collective (an NCCL all-gather, reduce-scatter or all-reduce) is a kernel to the stream
 // scheduler and the checker: it reads and writes device ranges in stream order. It does not
-// run on the compute engine: NCCL's kernels run beside compute kernels, so each device has a
-// second engine of the same kind, one collective at a time (two collectives that overlap in
-// reality share the link, and finish together about when the two run back to back would).
-// Its duration is the caller's, from the link model (docs/fsdp.md); the SMs it takes from
-// compute kernels are not modelled.
+// run on the compute engine: NCCL's kernels run beside compute kernels, so each device has
+// engines of the same kind for its collectives, one per lane (CollectiveLane), each running
+// one collective at a time. A lane is a process group: NCCL gives each communicator a stream
+// of its own, so a tensor-parallel all-gather on the critical path does not queue behind the
+// data-parallel group's prefetched all-gather. Two collectives of one lane that overlap in
+// reality share the link, and finish together about when the two run back to back would; two
+// of different lanes overlap without sharing bandwidth, which is optimistic where both groups
+// use the same link. The duration is the caller's, from the link model (collective_cost.hpp,
+// docs/fsdp.md); the SMs a collective takes from compute kernels are not modelled.
 OpId Simulator::collective(StreamId stream, SimTime duration, std::span<const Region> reads,
                            std::span<const Region> writes, std::string_view label,
-                           std::span<const std::uint64_t> values) {
+                           std::span<const std::uint64_t> values, CollectiveLane lane) {
   return state_->launch(engine_detail::ExecKind::Collective, stream, duration, reads, writes, label,
-                        values);
+                        values, static_cast<std::uint8_t>(lane));
 }
 
 OpId Simulator::State::launch(engine_detail::ExecKind kind, StreamId stream, SimTime duration,
                               std::span<const Region> reads, std::span<const Region> writes,
-                              std::string_view label, std::span<const std::uint64_t> values) {
+                              std::string_view label, std::span<const std::uint64_t> values,
+                              std::uint8_t lane) {
   State& s = *this;
   s.streams.check(stream);
   FERRY_CHECK(duration.ns() >= 0, "negative kernel duration");
@@ -210,6 +215,7 @@ OpId Simulator::State::launch(engine_detail::ExecKind kind, StreamId stream, Sim
   s.ops[op.value()].collective = kind == engine_detail::ExecKind::Collective;
   State::Exec& e = s.exec[op.value()];
   e.kind = kind;
+  e.lane = lane;
   e.duration = duration;
   const ThreadIndex thread = s.streams.thread(stream);
   if (s.options.check_hazards) s.checker.begin_op(thread);

@@ -47,7 +47,7 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
       checker(planted.checker),
       streams(planted.timing_ignores_waits),
       compute(specs.size()),
-      collectives(specs.size(), DeviceEvent::Kind::CollectiveDone),
+      collectives(specs.size(), kCollectiveLanes, DeviceEvent::Kind::CollectiveDone),
       copies(queue) {
   FERRY_CHECK(!specs.empty(), "a simulation needs at least one device");
   for (auto& spec : specs) {
@@ -123,8 +123,8 @@ void Simulator::State::process(const DeviceEventQueue::Entry& ev) {
     const DeviceId device = ev.payload.device;
     ComputeEngines& engines =
         ev.payload.kind == DeviceEvent::Kind::KernelDone ? compute : collectives;
-    complete(engines.finish(device));
-    start_kernel(engines, device);
+    complete(engines.finish(device, ev.payload.lane));
+    start_kernel(engines, device, ev.payload.lane);
     return;
   }
   const EngineId engine = ev.payload.engine;
@@ -154,16 +154,16 @@ void Simulator::State::start_op(OpId op, bool wait_done) {
   if (e.kind == engine_detail::ExecKind::Kernel || e.kind == engine_detail::ExecKind::Collective) {
     ComputeEngines& engines = e.kind == engine_detail::ExecKind::Kernel ? compute : collectives;
     const DeviceId device = streams.device(rec.stream);
-    engines.enqueue(device, op, e.duration);
-    start_kernel(engines, device);
+    engines.enqueue(device, e.lane, op, e.duration);
+    start_kernel(engines, device, e.lane);
   } else {
     copies.enqueue(rec.engine, CopyJob{op, rec.bytes, e.rate, e.latency});
     start_copy(rec.engine);
   }
 }
 
-void Simulator::State::start_kernel(ComputeEngines& engines, DeviceId device) {
-  const std::optional<OpId> op = engines.try_start(device, now, queue);
+void Simulator::State::start_kernel(ComputeEngines& engines, DeviceId device, std::uint8_t lane) {
+  const std::optional<OpId> op = engines.try_start(device, lane, now, queue);
   if (!op) return;
   ops[op->value()].start = now;
   if (!expectations.empty()) check_expectations(*op);

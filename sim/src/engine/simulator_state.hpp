@@ -55,9 +55,10 @@ enum class ExecKind : std::uint8_t { None, Kernel, Collective, Copy };
 /// write_ranges[first_write, first_write + write_count). Kept beside OpRecord, same index.
 struct Exec {
   ExecKind kind = ExecKind::None;
-  SimTime duration;  ///< Kernel, Collective
-  Bandwidth rate;    ///< Copy, uncontended
-  SimTime latency;   ///< Copy
+  std::uint8_t lane = 0;  ///< Collective: its CollectiveLane
+  SimTime duration;       ///< Kernel, Collective
+  Bandwidth rate;         ///< Copy, uncontended
+  SimTime latency;        ///< Copy
   SpaceIndex src_space = 0;
   SpaceIndex dst_space = 0;
   Bytes src_addr;
@@ -226,11 +227,11 @@ struct Simulator::State final : StreamMarkers {
   void process(const DeviceEventQueue::Entry& ev);
   void submit(OpId op, std::optional<StreamPosition> until = std::nullopt);
   void start_op(OpId op, bool wait_done);
-  void start_kernel(ComputeEngines& engines, DeviceId device);
-  // Simulator::kernel and Simulator::collective: one call, on the engine `kind` names.
+  void start_kernel(ComputeEngines& engines, DeviceId device, std::uint8_t lane);
+  // Simulator::kernel and Simulator::collective: one call, on the engine `kind` and `lane` name.
   OpId launch(engine_detail::ExecKind kind, StreamId stream, SimTime duration,
               std::span<const Region> reads, std::span<const Region> writes, std::string_view label,
-              std::span<const std::uint64_t> values);
+              std::span<const std::uint64_t> values, std::uint8_t lane = 0);
   void start_copy(EngineId engine);
   void complete(OpId op);
   EngineId copy_engine(OpRecord& rec, Exec& e, const BufferInfo& from, const BufferInfo& to);

@@ -1,8 +1,11 @@
 #pragma once
 /// The compute engine of each device: one kernel at a time, in the order streams hand them over.
 /// A kernel takes the duration it was issued with (the resource model of compute). The same
-/// model, with its own engines, runs each device's collectives (Note [Collectives]).
+/// model, with engines of its own, runs each device's collectives, one engine per lane
+/// (Note [Collectives]).
 
+#include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <optional>
 #include <vector>
@@ -13,34 +16,36 @@
 
 namespace ferry::sim {
 
-/// One compute engine per device.
+/// `lanes` engines per device, each one kernel at a time.
 class ComputeEngines {
  public:
-  /// Engines for `devices` devices, all idle; a finished kernel is announced as `done`.
-  explicit ComputeEngines(std::size_t devices,
+  /// Engines for `devices` devices, `lanes` each, all idle; a finished kernel is announced as
+  /// `done`.
+  explicit ComputeEngines(std::size_t devices, std::size_t lanes = 1,
                           DeviceEvent::Kind done = DeviceEvent::Kind::KernelDone)
-      : engines_(devices), done_(done) {}
+      : engines_(devices * lanes), lanes_(lanes), done_(done) {}
 
-  /// Queues kernel `op` on `device`'s engine.
-  void enqueue(DeviceId device, OpId op, SimTime duration) {
-    engines_[device.value()].ready.push_back(Kernel{op, duration});
+  /// Queues kernel `op` on `device`'s engine `lane`.
+  void enqueue(DeviceId device, std::uint8_t lane, OpId op, SimTime duration) {
+    engine(device, lane).ready.push_back(Kernel{op, duration});
   }
 
-  /// When `device`'s engine is idle, starts its next kernel at `now`, schedules its completion
-  /// and returns it.
-  std::optional<OpId> try_start(DeviceId device, SimTime now, DeviceEventQueue& queue) {
-    Engine& e = engines_[device.value()];
+  /// When the engine is idle, starts its next kernel at `now`, schedules its completion and
+  /// returns it.
+  std::optional<OpId> try_start(DeviceId device, std::uint8_t lane, SimTime now,
+                                DeviceEventQueue& queue) {
+    Engine& e = engine(device, lane);
     if (e.running || e.ready.empty()) return std::nullopt;
     const Kernel k = e.ready.front();
     e.ready.pop_front();
     e.running = k.op;
-    queue.schedule(now + k.duration, DeviceEvent{.kind = done_, .device = device});
+    queue.schedule(now + k.duration, DeviceEvent{.kind = done_, .device = device, .lane = lane});
     return k.op;
   }
 
-  /// The running kernel of `device` completed: the engine is idle; returns the kernel.
-  OpId finish(DeviceId device) {
-    Engine& e = engines_[device.value()];
+  /// The engine's running kernel completed: the engine is idle; returns the kernel.
+  OpId finish(DeviceId device, std::uint8_t lane) {
+    Engine& e = engine(device, lane);
     const OpId op = *e.running;
     e.running.reset();
     return op;
@@ -55,7 +60,12 @@ class ComputeEngines {
     std::deque<Kernel> ready;
     std::optional<OpId> running;
   };
+  Engine& engine(DeviceId device, std::uint8_t lane) {
+    return engines_[device.value() * lanes_ + lane];
+  }
+
   std::vector<Engine> engines_;
+  std::size_t lanes_;
   DeviceEvent::Kind done_;
 };
 

@@ -53,6 +53,7 @@ struct DeviceEvent {
   enum class Kind : std::uint8_t { KernelDone, CopyPhaseDone, CollectiveDone };
   Kind kind = Kind::KernelDone;
   DeviceId device{};             ///< KernelDone, CollectiveDone
+  std::uint8_t lane = 0;         ///< CollectiveDone: the device's engine (CollectiveLane)
   EngineId engine{};             ///< CopyPhaseDone
   std::uint32_t generation = 0;  ///< CopyPhaseDone: stale when the engine re-rated since
 };

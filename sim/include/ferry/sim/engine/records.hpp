@@ -1,6 +1,7 @@
 #pragma once
 /// What the simulator reports: op records, buffers, engines, memory samples, content mismatches.
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -24,6 +25,12 @@ struct Region {
 };
 
 enum class CopyDirection : std::uint8_t { HostToDevice, DeviceToHost, DeviceToDevice, Peer };
+
+/// Which of a device's collective engines runs a collective: one per process group, as NCCL
+/// runs each communicator's kernels on a stream of its own (Note [Collectives] in simulator.cpp).
+/// `Fsdp` is the data-parallel groups' (FSDP2's shard and HSDP's replica group).
+enum class CollectiveLane : std::uint8_t { Fsdp, Tensor, Context, Expert };
+inline constexpr std::size_t kCollectiveLanes = 4;
 
 /// One API call as the simulator saw it; stream work also has its execution interval.
 struct OpRecord {

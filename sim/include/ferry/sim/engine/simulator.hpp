@@ -91,11 +91,13 @@ class Simulator {
               std::span<const Region> writes, std::string_view label = {},
               std::span<const std::uint64_t> values = {});
   /// A collective (all-gather, reduce-scatter, all-reduce) on `stream`: a kernel to the stream
-  /// order and the checker, run by the device's collective engine beside its compute kernels
-  /// (Note [Collectives] in simulator.cpp); `duration` comes from the caller's link model.
+  /// order and the checker, run by the device's collective engine `lane` beside its compute
+  /// kernels (Note [Collectives] in simulator.cpp); `duration` comes from the caller's link
+  /// model.
   OpId collective(StreamId stream, SimTime duration, std::span<const Region> reads,
                   std::span<const Region> writes, std::string_view label = {},
-                  std::span<const std::uint64_t> values = {});
+                  std::span<const std::uint64_t> values = {},
+                  CollectiveLane lane = CollectiveLane::Fsdp);
   OpId copy(StreamId stream, Region src, Region dst, std::string_view label = {});
   void record(EventId event, StreamId stream, std::string_view label = {});
   void wait(StreamId stream, EventId event, std::string_view label = {});
