@@ -44,6 +44,8 @@ TEST(CollectiveTime, TheRingFormulaOverTheGroupsLink) {
   // An all-reduce is two passes.
   EXPECT_EQ(collective_time(CollectiveKind::AllReduce, gib, {8, 1}, links()),
             SimTime(2 * intra.ns()));
+  // An all-to-all sends what a ring pass does: each rank keeps 1/g of its data.
+  EXPECT_EQ(collective_time(CollectiveKind::AllToAll, gib, {8, 1}, links()), intra);
   // One rank moves nothing.
   EXPECT_EQ(collective_time(CollectiveKind::AllReduce, gib, {1, 1}, links()), SimTime(1));
 }

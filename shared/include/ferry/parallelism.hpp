@@ -52,6 +52,23 @@ class Reshard {
   return std::to_string(r.ranks());
 }
 
+/// An axis of the device mesh besides data parallelism: the process group a rank's collective
+/// op runs over (tensor, context or expert parallelism).
+enum class MeshAxis : std::uint8_t { Tensor, Context, Expert };
+
+/// `axis` as files and the command line name it: "tp", "cp" or "ep".
+[[nodiscard]] constexpr std::string_view mesh_axis_name(MeshAxis axis) {
+  switch (axis) {
+    case MeshAxis::Tensor:
+      return "tp";
+    case MeshAxis::Context:
+      return "cp";
+    case MeshAxis::Expert:
+      break;
+  }
+  return "ep";
+}
+
 /// Which implementation shards the parameters: the same collectives and prefetch, with the
 /// buffers from different pools (docs/fsdp.md, SimpleFSDP).
 enum class FsdpImpl : std::uint8_t {

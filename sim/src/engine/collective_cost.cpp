@@ -19,10 +19,18 @@ SimTime collective_time(CollectiveKind kind, Bytes bytes, GroupPlacement group,
   const std::int32_t g = group.ranks;
   if (g <= 1) return SimTime(1);
   const CollectiveLink& link = group.nodes > 1 ? links.inter_node : links.intra_node;
-  const Bytes moved(bytes.count() / g * (g - 1));
-  const SimTime once = transfer_time(moved, link.bandwidth) + SimTime(link.latency.ns() * (g - 1));
-  const std::int64_t passes = kind == CollectiveKind::AllReduce ? 2 : 1;
-  return SimTime(once.ns() * passes);
+  FERRY_CHECK(link.known() && bytes.count() >= 0, "a collective over an unknown link");
+  // 128-bit: a model's op may move 2^50 bytes over a slow link (check_roofline bounds the
+  // result, which saturates at kLongestCollective).
+  __extension__ using Wide = unsigned __int128;
+  const Wide moved = static_cast<Wide>(bytes.count() / g) * static_cast<Wide>(g - 1);
+  const Wide rate = static_cast<Wide>(link.bandwidth.bytes_per_s());
+  const Wide once = (moved * 1'000'000'000U + rate - 1) / rate +
+                    static_cast<Wide>(link.latency.ns()) * static_cast<Wide>(g - 1);
+  const Wide passes = kind == CollectiveKind::AllReduce ? 2 : 1;
+  const Wide ns = once * passes;
+  return SimTime(ns > static_cast<Wide>(kLongestCollective.ns()) ? kLongestCollective.ns()
+                                                                 : static_cast<std::int64_t>(ns));
 }
 
 }  // namespace ferry::sim

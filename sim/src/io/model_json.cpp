@@ -187,7 +187,7 @@ class ModelReader {
         const auto object,
         value.object({"name", "kind", "layer", "flops", "bytes", "backward_flops", "backward_bytes",
                       "duration_ns", "backward_duration_ns", "inputs", "outputs", "saved",
-                      "no_offload", "draws_rng", "draws_cpu_rng", "gemm"}));
+                      "no_offload", "draws_rng", "draws_cpu_rng", "gemm", "collective"}));
     ModelOp op;
     FERRY_JSON_TRY(op.name, object.required_name("name"));
     if (const auto kind = object.optional("kind")) {
@@ -221,7 +221,51 @@ class ModelReader {
       FERRY_JSON_TRY(op.gemm.k, gemm.required_integer("k", 1, kMaxGemmDim));
       FERRY_JSON_TRY(op.gemm.batch, gemm.optional_integer("batch", 1, 1, kMaxGemmDim));
     }
+    if (const auto collective = object.optional("collective")) {
+      FERRY_JSON_TRY(op.collective, read_collective(*collective));
+    }
     return op;
+  }
+
+  // An op's "collective" (docs/model-format.md, Collective ops); validate_model checks that it
+  // fits the op.
+  static Result<OpCollective> read_collective(const JsonValue& value) {
+    FERRY_JSON_TRY(const auto object,
+                   value.object({"forward", "backward", "axis", "ranks", "nodes"}));
+    OpCollective c;
+    FERRY_JSON_TRY(c.forward, read_collective_kind(object, "forward"));
+    FERRY_JSON_TRY(c.backward, read_collective_kind(object, "backward"));
+    FERRY_JSON_TRY(const auto axis, object.required("axis"));
+    FERRY_JSON_TRY(const auto axis_name, axis.string());
+    bool known = false;
+    for (const MeshAxis a : {MeshAxis::Tensor, MeshAxis::Context, MeshAxis::Expert}) {
+      if (axis_name == mesh_axis_name(a)) {
+        c.axis = a;
+        known = true;
+      }
+    }
+    if (!known)
+      return axis.error("expected \"tp\", \"cp\" or \"ep\", got {}", json_quote(axis_name));
+    FERRY_JSON_TRY(const auto ranks, object.required_integer("ranks", 2, kMaxCollectiveRanks));
+    c.ranks = static_cast<std::int32_t>(ranks);
+    FERRY_JSON_TRY(const auto nodes, object.optional_integer("nodes", 1, 1, ranks));
+    c.nodes = static_cast<std::int32_t>(nodes);
+    return c;
+  }
+
+  // "forward" or "backward" of a collective: a kind's name, or absent (none).
+  static Result<std::optional<CollectiveKind>> read_collective_kind(const JsonObject& object,
+                                                                    std::string_view key) {
+    const auto member = object.optional(key);
+    if (!member) return std::optional<CollectiveKind>{};
+    FERRY_JSON_TRY(const auto name, member->string());
+    for (const CollectiveKind kind : {CollectiveKind::AllGather, CollectiveKind::ReduceScatter,
+                                      CollectiveKind::AllReduce, CollectiveKind::AllToAll}) {
+      if (name == collective_kind_name(kind)) return std::optional<CollectiveKind>{kind};
+    }
+    return member->error(
+        "expected \"all_gather\", \"reduce_scatter\", \"all_reduce\" or \"all_to_all\", got {}",
+        json_quote(name));
   }
 
   Result<std::vector<std::uint32_t>> read_tensor_list(const JsonObject& object,
@@ -311,6 +355,16 @@ OrderedJson op_json(const Model& model, const ModelOp& op) {
     gemm["k"] = op.gemm.k;
     gemm["batch"] = op.gemm.batch;
     out["gemm"] = std::move(gemm);
+  }
+  if (op.collective.any()) {
+    const OpCollective& c = op.collective;
+    OrderedJson collective;
+    if (c.forward) collective["forward"] = collective_kind_name(*c.forward);
+    if (c.backward) collective["backward"] = collective_kind_name(*c.backward);
+    collective["axis"] = mesh_axis_name(c.axis);
+    collective["ranks"] = c.ranks;
+    collective["nodes"] = c.nodes;
+    out["collective"] = std::move(collective);
   }
   return out;
 }

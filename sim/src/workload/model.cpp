@@ -207,6 +207,93 @@ Status check_op_counts(const ModelOp& op, std::size_t index) {
   return check_gemm(op, index);
 }
 
+/// Bytes of `tensors` summed (each at most kMaxJsonBytes, so the sum of up to 2^13 of them
+/// fits; a longer list saturates).
+std::int64_t tensor_bytes(const Model& model, const std::vector<std::uint32_t>& tensors) {
+  std::int64_t sum = 0;
+  for (const std::uint32_t t : tensors) {
+    sum = std::min(sum + model.tensors[t].bytes.count(), std::int64_t{1} << 62);
+  }
+  return sum;
+}
+
+/// Whether a collective of `kind` can turn `in` bytes into `out` over `ranks` ranks.
+bool collective_shape_fits(CollectiveKind kind, std::int64_t in, std::int64_t out,
+                           std::int32_t ranks) {
+  switch (kind) {
+    case CollectiveKind::AllGather:
+      return out % ranks == 0 && out / ranks == in;
+    case CollectiveKind::ReduceScatter:
+      return in % ranks == 0 && in / ranks == out;
+    case CollectiveKind::AllReduce:
+      return in == out;
+    case CollectiveKind::AllToAll:
+      break;
+  }
+  return true;
+}
+
+// Note [Collective ops]
+// ~~~~~~~~~~~~~~~~~~~~~
+// A rank's model under tensor, context or expert parallelism holds the collectives those run
+// as ops (ModelOp::collective), so that checkpointing, offloading and planning treat them as
+// they treat any op. Such an op moves its inputs into its outputs over its group and computes
+// nothing: its FLOP and byte counts are 0 and its time is the link model's. What it moves
+// follows from its tensors: forward, the inputs into the outputs; backward, the outputs'
+// gradients into the inputs'. So each direction's kind must fit the tensors' sizes (an
+// all-gather's output is its input times the ranks), which also makes the two directions
+// each other's transposes (an all-gather forward, a reduce-scatter backward).
+
+/// Checks op `index`'s collective (Note [Collective ops]); its tensor indices are in range.
+Status check_collective(const Model& model, const ModelOp& op, std::size_t index) {
+  const OpCollective& c = op.collective;
+  const std::string at = op_member(index, "collective");
+  if (!c.any()) {
+    if (c.forward || c.backward) {
+      return error_at(json_member_path(at, "ranks"),
+                      "a collective needs a group of 2 or more ranks");
+    }
+    return Ok{};
+  }
+  if (c.ranks < 2 || c.ranks > kMaxCollectiveRanks) {
+    return error_at(json_member_path(at, "ranks"), "expected an integer in [2, {}], got {}",
+                    kMaxCollectiveRanks, c.ranks);
+  }
+  if (c.nodes < 1 || c.nodes > c.ranks) {
+    return error_at(json_member_path(at, "nodes"),
+                    "expected an integer in [1, {}] (the group's ranks), got {}", c.ranks, c.nodes);
+  }
+  if (!c.forward && !c.backward) {
+    return error_at(at, "a collective op runs a collective in its forward, its backward or both");
+  }
+  if (op.flops != 0 || op.backward_flops != 0 || op.bytes.count() != 0 ||
+      op.backward_bytes.count() != 0 || op.gemm.known()) {
+    return error_at(at,
+                    "a collective op computes nothing: its time is its link's, so flops, bytes, "
+                    "backward_flops and backward_bytes must be 0 and it has no gemm");
+  }
+  if (op.inputs.empty() || op.outputs.empty()) {
+    return error_at(at, "a collective op moves its inputs into its outputs: it needs both");
+  }
+  const std::int64_t in = tensor_bytes(model, op.inputs);
+  const std::int64_t out = tensor_bytes(model, op.outputs);
+  for (const bool backward : {false, true}) {
+    const std::optional<CollectiveKind>& kind = backward ? c.backward : c.forward;
+    if (!kind) continue;
+    // Backward moves the outputs' gradients into the inputs'.
+    const std::int64_t from = backward ? out : in;
+    const std::int64_t to = backward ? in : out;
+    if (!collective_shape_fits(*kind, from, to, c.ranks)) {
+      return error_at(json_member_path(at, backward ? "backward" : "forward"),
+                      "{} over {} ranks cannot turn {} bytes into {} (the op's {} into its {})",
+                      collective_kind_name(*kind), c.ranks, from, to,
+                      backward ? "outputs' gradients" : "inputs",
+                      backward ? "inputs' gradients" : "outputs");
+    }
+  }
+  return Ok{};
+}
+
 /// The tensor index at `path()`, checked to be in range. See Note [Paths on demand].
 template <class Path>
 Result<std::size_t> tensor_index(const Model& model, std::uint32_t index, const Path& path) {
@@ -282,6 +369,8 @@ Status check_ops(const Model& model, std::vector<std::int64_t>& producer) {
                         json_quote(tensor.name), json_quote(model.tensors[base].name));
       }
     }
+
+    FERRY_JSON_RETURN_IF_ERROR(check_collective(model, op, i));
 
     for (std::size_t j = 0; j < op.saved.size(); ++j) {
       const auto at = element("saved", j);
@@ -611,6 +700,71 @@ Status check_compute_term(std::string_view path, const ModelOp& op, bool backwar
 
 }  // namespace
 
+Bytes collective_op_bytes(const Model& model, const ModelOp& op, bool backward) {
+  const std::optional<CollectiveKind>& kind =
+      backward ? op.collective.backward : op.collective.forward;
+  if (!op.collective.any() || !kind) return Bytes(0);
+  const std::int64_t in = tensor_bytes(model, op.inputs);
+  const std::int64_t out = tensor_bytes(model, op.outputs);
+  const std::int64_t from = backward ? out : in;
+  const std::int64_t to = backward ? in : out;
+  switch (*kind) {
+    case CollectiveKind::AllGather:
+      return Bytes(to);
+    case CollectiveKind::ReduceScatter:
+      return Bytes(from);
+    case CollectiveKind::AllReduce:
+    case CollectiveKind::AllToAll:
+      break;
+  }
+  return Bytes(std::max(from, to));
+}
+
+namespace {
+
+/// Op `op`'s collective time in its forward or backward on `device` (1 ns where that direction
+/// runs none); the link must be known.
+SimTime collective_op_time(const Model& model, const ModelOp& op, bool backward,
+                           const DeviceProfile& device) {
+  const std::optional<CollectiveKind>& kind =
+      backward ? op.collective.backward : op.collective.forward;
+  if (!kind) return SimTime(1);
+  const SimTime t =
+      collective_time(*kind, collective_op_bytes(model, op, backward),
+                      GroupPlacement{op.collective.ranks, op.collective.nodes}, device.collectives);
+  return std::max(t, SimTime(1));
+}
+
+/// Whether `device` has the link op `index`'s collective runs over, and its times fit the
+/// format.
+Status check_collective_time(const Model& model, std::size_t index, const DeviceProfile& device) {
+  const ModelOp& op = model.ops[index];
+  const bool inter = op.collective.nodes > 1;
+  const CollectiveLink& link =
+      inter ? device.collectives.inter_node : device.collectives.intra_node;
+  const std::string at = op_member(index, "collective");
+  if (!link.known()) {
+    return error_at(at,
+                    "device {} has no {} link for a collective over {} ranks on {} node{} (its "
+                    "profile's \"collectives\" section, docs/devices.md)",
+                    json_quote(device.name), inter ? "inter_node" : "intra_node",
+                    op.collective.ranks, op.collective.nodes, op.collective.nodes > 1 ? "s" : "");
+  }
+  for (const bool backward : {false, true}) {
+    const SimTime t = collective_op_time(model, op, backward, device);
+    if (t.ns() > kMaxJsonNanoseconds) {
+      return error_at(json_member_path(at, backward ? "backward" : "forward"),
+                      "{} bytes over device {}'s {} link take over {} ns, the longest duration a "
+                      "model op may have",
+                      collective_op_bytes(model, op, backward).count(), json_quote(device.name),
+                      inter ? "inter_node" : "intra_node", kMaxJsonNanoseconds);
+    }
+  }
+  return Ok{};
+}
+
+}  // namespace
+
 Status check_roofline(const Model& model, const DeviceProfile& device) {
   const std::int64_t flops_rate = device.flops_per_s;
   const std::int64_t byte_rate = device.memory_bandwidth.bytes_per_s();
@@ -621,6 +775,10 @@ Status check_roofline(const Model& model, const DeviceProfile& device) {
   const std::int64_t bytes_permille = memory_permille(device);
   for (std::size_t i = 0; i < model.ops.size(); ++i) {
     const ModelOp& op = model.ops[i];
+    if (op.collective.any()) {
+      FERRY_JSON_RETURN_IF_ERROR(check_collective_time(model, i, device));
+      continue;
+    }
     const std::string path = op_path(i);
     FERRY_JSON_RETURN_IF_ERROR(check_compute_term(path, op, false, device));
     FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "bytes", op.bytes.count(), byte_rate,
@@ -649,6 +807,11 @@ void assign_roofline_durations(Model& model, const DeviceProfile& device) {
     FERRY_CHECK(op.flops >= 0 && op.bytes.count() >= 0 && op.backward_flops >= 0 &&
                     op.backward_bytes.count() >= 0,
                 "op {} has a negative FLOP or byte count", op.name);
+    if (op.collective.any()) {
+      op.duration = collective_op_time(model, op, false, device);
+      op.backward_duration = collective_op_time(model, op, true, device);
+      continue;
+    }
     op.duration = op_time(op, false, device);
     op.backward_duration = op_time(op, true, device);
   }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "ferry/ids.hpp"
 #include "ferry/parallelism.hpp"
 #include "ferry/result.hpp"
+#include "ferry/sim/engine/collective_cost.hpp"
 #include "ferry/sim/engine/device_profile.hpp"
 #include "ferry/units.hpp"
 
@@ -60,6 +62,24 @@ struct GemmShape {
   friend bool operator==(const GemmShape&, const GemmShape&) = default;
 };
 
+/// The collective a rank's op runs over one axis of the device mesh (the op's "collective",
+/// docs/model-format.md, Collective ops): what its forward (and a recomputation of it) and its
+/// backward node run over a group of `ranks` ranks spanning `nodes` nodes. Either may be none
+/// (tensor parallelism's identity forward with an all-reduce backward). Its time is the link
+/// model's for the bytes its tensors hold (collective_op_bytes); it computes nothing else.
+struct OpCollective {
+  std::optional<CollectiveKind> forward;   ///< none: the forward moves nothing
+  std::optional<CollectiveKind> backward;  ///< none: the backward node moves nothing
+  MeshAxis axis = MeshAxis::Tensor;
+  std::int32_t ranks = 0;  ///< the group's size; 0: the op runs no collective
+  std::int32_t nodes = 1;  ///< nodes the group spans: one is the intra-node link
+  [[nodiscard]] bool any() const { return ranks > 0; }
+  friend bool operator==(const OpCollective&, const OpCollective&) = default;
+};
+
+/// Largest group a collective op may run over: 2^20 ranks.
+inline constexpr std::int32_t kMaxCollectiveRanks = std::int32_t{1} << 20;
+
 /// One forward op and its backward node.
 struct ModelOp {
   std::string name;  ///< unique in the model
@@ -82,6 +102,8 @@ struct ModelOp {
   /// The forward product's shape, for a matmul (optional in the file, "gemm"): backward's two
   /// products follow from it. See docs/model-format.md, Kernel timing.
   GemmShape gemm{};
+  /// The collective it runs over a mesh axis (optional in the file, "collective").
+  OpCollective collective{};
 
   friend bool operator==(const ModelOp&, const ModelOp&) = default;
 };
@@ -171,16 +193,25 @@ inline constexpr std::int64_t kMaxGemmDim = std::int64_t{1} << 40;
 }
 
 /// Whether every op's roofline times on `device` are at most kMaxJsonNanoseconds, the longest
-/// duration the format allows (a slow device profile and a large op can give more); the error
-/// names the op's count ("ops[3].flops: ..."). Call before assign_roofline_durations.
+/// duration the format allows (a slow device profile and a large op can give more), and the
+/// device has the link each collective op runs over; the error names the op's count
+/// ("ops[3].flops: ...") or collective. Call before assign_roofline_durations.
 Status check_roofline(const Model& model, const DeviceProfile& device);
+
+/// The bytes the ring formula takes (collective_time) for `op`'s collective in its forward
+/// (`backward`: in its backward node, which moves the gradients of the forward's outputs into
+/// those of its inputs): an all-gather's output, a reduce-scatter's input, an all-reduce's
+/// buffer, the larger of an all-to-all's input and output, each summed over the op's tensors.
+/// 0 when that direction runs no collective.
+[[nodiscard]] Bytes collective_op_bytes(const Model& model, const ModelOp& op, bool backward);
 
 /// Sets every op's forward and backward duration from the device's peak FLOP/s and memory
 /// bandwidth: max(compute, bytes / (bandwidth x memory_permille)), rounded up to whole
 /// nanoseconds and at least 1 ns. Compute is flops / (peak x 0.6) on a profile without kernel
 /// figures; with them, a matmul with a shape is timed by tiles and waves, attention by its
-/// kernel's efficiency (docs/model-format.md, Kernel timing). The model must pass
-/// check_roofline on `device`.
+/// kernel's efficiency (docs/model-format.md, Kernel timing). A collective op takes its
+/// collective's time over the device's links (collective_time; 1 ns in a direction that runs
+/// none). The model must pass check_roofline on `device`.
 void assign_roofline_durations(Model& model, const DeviceProfile& device);
 
 /// Names of the built-in presets ("gpt2-small-s1024", "llama3-8b-s8192", ...).
