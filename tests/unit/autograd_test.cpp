@@ -2,6 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "ferry/sim/io/model_json.hpp"
+
 #include "sim_fixtures.hpp"
 #include "sim_models.hpp"
 
@@ -149,6 +155,48 @@ TEST(Autograd, PlantedFaultSkippingTheReloadWaitIsCaught) {
   auto run = simulate_training(m, testing::simple_profile(), o, faults);
   ASSERT_TRUE(run.ok());
   EXPECT_FALSE(run.value().sim.hazards().empty());
+}
+
+// Note [Mesh collectives]: a rank's collective op runs on its process group's stream and
+// collective lane, forward and backward, between the current stream's two waits.
+TEST(MeshCollectives, ACollectiveOpRunsOnItsGroupsStreamBetweenTwoWaits) {
+  std::ifstream in(std::filesystem::path(FERRY_TESTS_DIR) / "fuzz" / "corpus" / "model" /
+                   "sequence_parallel.json");
+  std::stringstream text;
+  text << in.rdbuf();
+  auto parsed = parse_model(text.str(), "sequence_parallel.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.error().message;
+  DeviceProfile device = testing::simple_profile();
+  device.collectives.intra_node = {Bandwidth(1'000'000'000), SimTime(2000)};
+  Model model = parsed.value();
+  ASSERT_TRUE(check_roofline(model, device).ok());
+  assign_roofline_durations(model, device);
+  TrainingOptions options;
+  options.steps = 1;
+  auto run = simulate_training(model, device, options);
+  ASSERT_TRUE(run.ok()) << run.error().message;
+  ASSERT_FALSE(run.value().failure);
+  const Simulator& sim = run.value().sim;
+  EXPECT_TRUE(sim.hazards().empty());
+  std::vector<std::string> collectives;
+  for (const OpRecord& op : sim.ops()) {
+    if (op.kind != OpKind::Kernel || !op.collective) continue;
+    collectives.push_back(std::string(sim.label(op.label)) + " on " + sim.stream_name(op.stream));
+    EXPECT_EQ(op.end - op.start, sim.label(op.label) == "gather" ? model.ops[1].duration
+                                                                 : model.ops[1].backward_duration);
+  }
+  EXPECT_EQ(collectives,
+            (std::vector<std::string>{"gather on tp comm", "gather backward on tp comm"}));
+  // The op that reads the gathered tensor starts once the all-gather is done.
+  const auto started = [&](std::string_view label) {
+    for (const OpRecord& op : sim.ops()) {
+      if (op.kind == OpKind::Kernel && sim.label(op.label) == label) return op;
+    }
+    ADD_FAILURE() << label;
+    return OpRecord{};
+  };
+  EXPECT_GE(started("sum").start, started("gather").end);
+  EXPECT_GE(started("gather").start, started("norm").end);
 }
 
 }  // namespace

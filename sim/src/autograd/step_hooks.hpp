@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -62,6 +63,19 @@ class RankContext {
   ~RankContext() = default;
 };
 
+/// A kernel of an op as the Trainer is about to issue it on the current stream: op `op`'s
+/// forward, a recomputation of it, or its backward node, with what it reads and writes (the
+/// outputs already allocated on the current stream) and the content values of its writes.
+struct Launch {
+  enum class Phase : std::uint8_t { Forward, Replay, Backward };
+  std::uint32_t op = 0;
+  Phase phase = Phase::Forward;
+  std::span<const Region> reads;
+  std::span<const Region> writes;
+  std::span<const std::uint64_t> values;  ///< one per write, or empty
+  std::string_view label;
+};
+
 /// The hooks a parallelism sets on a training step; each default does nothing (Note [Step
 /// hooks]). Ops and nodes are model op indices.
 class StepHooks {
@@ -95,10 +109,40 @@ class StepHooks {
   virtual void backward_end() {}
   /// After the step's last backward: the optimizer step and zero_grad.
   virtual void optimizer_step() {}
+  /// Issues `launch` itself and returns true (as a DTensor's dispatch issues a collective on
+  /// its process group's stream), or returns false: the Trainer issues it as a kernel of the
+  /// op's duration on the current stream. Asked for every op, recomputation and node.
+  virtual bool launch(const Launch& /*launch*/) { return false; }
 };
 
-/// The hooks a run of `options` gets: its parallelism's, or the no-op base. They keep
-/// references to every argument.
+/// Several parallelisms' hooks on one step, in the order their wrappers nest, outermost first
+/// (FSDP2 wraps the modules whose ops run collectives): hooks before an event are called outer
+/// to inner, hooks after it inner to outer, as nested module hooks run; validate returns the
+/// first error, holds is any unit's answer, and the first unit that takes a launch issues it.
+class HookChain final : public StepHooks {
+ public:
+  explicit HookChain(std::vector<std::unique_ptr<StepHooks>> units) : units_(std::move(units)) {}
+
+  [[nodiscard]] Status validate() const override;
+  [[nodiscard]] bool holds(const ModelTensor& tensor) const override;
+  void setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) override;
+  void before_op(std::uint32_t op) override;
+  void after_op(std::uint32_t op) override;
+  void before_replay(std::uint32_t op) override;
+  void backward_begin(const std::vector<std::uint32_t>& order) override;
+  void before_node(std::uint32_t node) override;
+  void after_node(std::size_t k, std::uint32_t node) override;
+  void backward_end() override;
+  void optimizer_step() override;
+  bool launch(const Launch& launch) override;
+
+ private:
+  std::vector<std::unique_ptr<StepHooks>> units_;
+};
+
+/// The hooks a run of `options` gets: its parallelism's (FSDP2's; the mesh collectives' when
+/// the model has collective ops; both chained), or the no-op base. They keep references to
+/// every argument.
 [[nodiscard]] std::unique_ptr<StepHooks> make_step_hooks(const Model& model, const Graph& graph,
                                                          const TrainingOptions& options,
                                                          const TrainingFaults& faults,

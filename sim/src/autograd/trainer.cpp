@@ -368,8 +368,15 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
   used_on_current(*reads);
   used_on_current(*writes);
   if (replay) label_.assign(op.name).append(" recompute");
-  sim_.kernel(current_, op.duration, *reads, *writes,
-              replay ? std::string_view(label_) : std::string_view(op.name), *values);
+  const Launch launch{.op = i,
+                      .phase = replay ? Launch::Phase::Replay : Launch::Phase::Forward,
+                      .reads = *reads,
+                      .writes = *writes,
+                      .values = *values,
+                      .label = replay ? std::string_view(label_) : std::string_view(op.name)};
+  if (!hooks_->launch(launch)) {
+    sim_.kernel(current_, op.duration, *reads, *writes, launch.label, *values);
+  }
   if (replay && in_last_step_) run_.recompute_time += op.duration;
 }
 

@@ -316,7 +316,15 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
   used_on_current(*reads);
   used_on_current(*writes);
   label_.assign(op.name).append(" backward");
-  sim_.kernel(current_, op.backward_duration, *reads, *writes, label_, *values);
+  const Launch launch{.op = n,
+                      .phase = Launch::Phase::Backward,
+                      .reads = *reads,
+                      .writes = *writes,
+                      .values = *values,
+                      .label = label_};
+  if (!hooks_->launch(launch)) {
+    sim_.kernel(current_, op.backward_duration, *reads, *writes, label_, *values);
+  }
   if (comm_.valid() && last_pass) {
     for (const std::uint32_t b : *written) {
       const auto last = last_grad_node_.find(b);
@@ -342,9 +350,17 @@ void Trainer::backward_inside(std::uint32_t k) {
   }
   const Device::Buffer scratch = must_allocate(Bytes(512), "grad inside forward");
   used_on_current(reads);
-  sim_.kernel(current_, model_.ops[k].backward_duration, reads,
-              std::vector<Region>{Region{scratch.id, Bytes(0), Bytes(512)}},
-              model_.ops[k].name + " backward inside forward");
+  const std::vector<Region> writes{Region{scratch.id, Bytes(0), Bytes(512)}};
+  const std::string label = model_.ops[k].name + " backward inside forward";
+  const Launch launch{.op = k,
+                      .phase = Launch::Phase::Backward,
+                      .reads = reads,
+                      .writes = writes,
+                      .values = {},
+                      .label = label};
+  if (!hooks_->launch(launch)) {
+    sim_.kernel(current_, model_.ops[k].backward_duration, reads, writes, label);
+  }
   for (const Device::Buffer& b : unpacked) device_.drop(b);
   device_.drop(scratch);
   offloader_.node_done(NodeId(k));

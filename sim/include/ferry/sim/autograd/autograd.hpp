@@ -200,6 +200,13 @@ struct TrainingFaults {
   bool skip_grad_shard_free_wait = false;
   /// A node run's ranks pin host memory at the same addresses: one buffer for two offloads.
   bool shared_pinned_pool = false;
+  // Collective ops of a rank's model (docs/model-format.md, Collective ops):
+  /// A collective op's process-group stream does not wait for the current stream, which
+  /// produced its inputs and allocated its outputs.
+  bool skip_collective_launch_wait = false;
+  /// The current stream does not wait for a collective op (`wait_tensor`) before the ops after
+  /// it read its outputs.
+  bool skip_collective_output_wait = false;
 };
 
 /// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;

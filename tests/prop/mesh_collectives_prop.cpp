@@ -1,0 +1,218 @@
+// Collective ops of a rank's model (docs/model-format.md, Collective ops; Note [Mesh
+// collectives]) on random models: all-reduces and all-to-alls after random ops, over random
+// mesh axes, in the forward, the backward or both, with offload policies, checkpoint segments
+// (reentrant or not), backward orders, device speeds, and FSDP2 beside them (its hooks and the
+// collectives' chained). With the two waits around each collective there is no hazard, every
+// unpacked tensor holds what was saved, memory after a step is what it is with kernels (the
+// baseline, without FSDP) and the gradients are
+// those of the same model with the collectives run as kernels on the current stream. Planted
+// faults, each caught and shrunk: a collective's stream not waiting for the current stream
+// before it reads the op's inputs, and the current stream not waiting for the collective before
+// later ops read its outputs.
+
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+#include <array>
+#include <iostream>
+#include <random>
+#include <string>
+
+#include "ferry/sim/autograd/autograd.hpp"
+#include "prop/planted.hpp"
+#include "prop/random_program.hpp"
+#include "prop/rc_model_gens.hpp"
+
+namespace ferry {
+
+namespace sim {
+namespace {
+
+using testing::gen_layer;
+using testing::LayerChoice;
+
+struct Setup {
+  std::uint64_t after = 0;   // bit i: a collective op after op i
+  std::uint64_t shapes = 0;  // two bits per op: what the collective after it runs (below)
+  std::uint64_t axes = 0;    // two bits per op: its mesh axis (0 and 3 tp, 1 cp, 2 ep)
+  bool fsdp = false;         // FSDP2 over 2 ranks beside the collectives
+  Policy policy = Policy::None;
+  std::int32_t segments = 0;
+  bool reentrant = false;
+  std::uint64_t order_seed = 0;
+  std::uint64_t device_seed = 1;
+};
+
+void showValue(const Setup& s, std::ostream& os) {
+  os << "after " << s.after << ", shapes " << s.shapes << ", axes " << s.axes
+     << (s.fsdp ? ", fsdp 2" : "") << ", " << policy_name(s.policy) << ", segments "
+     << s.segments << (s.reentrant ? " reentrant" : "") << ", order " << s.order_seed
+     << ", device " << s.device_seed;
+}
+
+rc::Gen<Setup> gen_setup() {
+  return rc::gen::apply(
+      [](std::uint64_t after, std::uint64_t shapes, std::uint64_t axes, bool fsdp, Policy policy,
+         std::int32_t segments, bool reentrant, std::uint64_t order, std::uint64_t device) {
+        return Setup{after, shapes, axes, fsdp, policy, segments, reentrant, order, device};
+      },
+      rc::gen::inRange<std::uint64_t>(1, 1 << 12), rc::gen::arbitrary<std::uint64_t>(),
+      rc::gen::arbitrary<std::uint64_t>(), rc::gen::arbitrary<bool>(),
+      rc::gen::element(Policy::None, Policy::Ferry), rc::gen::inRange<std::int32_t>(0, 4),
+      rc::gen::arbitrary<bool>(), rc::gen::inRange<std::uint64_t>(0, 3),
+      rc::gen::inRange<std::uint64_t>(1, 1000));
+}
+
+/// `model` with a collective op after each op `setup.after` picks whose first output is an
+/// activation with storage of its own that no view shares: it reads that output and writes a
+/// new tensor of the same size, which every later op reads (and saves) in its place.
+Model with_collectives(const Model& model, const Setup& setup) {
+  Model out = model;
+  out.ops.clear();
+  std::vector<std::uint32_t> now(model.tensors.size());  // what a later op reads for each tensor
+  for (std::uint32_t t = 0; t < now.size(); ++t) now[t] = t;
+  for (std::size_t i = 0; i < model.ops.size(); ++i) {
+    ModelOp op = model.ops[i];
+    for (std::uint32_t& t : op.inputs) t = now[t];
+    for (std::uint32_t& t : op.saved) t = now[t];
+    out.ops.push_back(op);
+    if (i >= 12 || ((setup.after >> i) & 1U) == 0 || op.outputs.empty()) continue;
+    const std::uint32_t t = op.outputs.front();
+    const bool viewed = std::ranges::any_of(out.tensors, [t](const ModelTensor& v) {
+      return v.view_of == static_cast<std::int32_t>(t);
+    });
+    if (out.tensors[t].view_of >= 0 || viewed) continue;
+    const auto moved = static_cast<std::uint32_t>(out.tensors.size());
+    ModelTensor tensor = out.tensors[t];
+    tensor.name += "/collective";
+    out.tensors.push_back(tensor);
+    now.push_back(moved);
+    now[t] = moved;
+    ModelOp c;
+    c.name = op.name + "/collective";
+    c.layer = op.layer;
+    c.no_offload = op.no_offload;
+    c.inputs = {t};
+    c.outputs = {moved};
+    const std::uint64_t shape = (setup.shapes >> (2 * i)) & 3U;
+    const std::uint64_t axis = (setup.axes >> (2 * i)) & 3U;
+    // 0: an all-reduce forward (a rowwise output); 1: one backward (the identity forward before
+    // a colwise operand); 2: both; 3: an all-to-all both ways.
+    const CollectiveKind kind = shape == 3 ? CollectiveKind::AllToAll : CollectiveKind::AllReduce;
+    if (shape != 1) c.collective.forward = kind;
+    if (shape != 0) c.collective.backward = kind;
+    c.collective.axis = axis == 1   ? MeshAxis::Context
+                        : axis == 2 ? MeshAxis::Expert
+                                    : MeshAxis::Tensor;
+    c.collective.ranks = 2;
+    c.kind = kind == CollectiveKind::AllToAll ? "_c10d_functional.all_to_all_single.default"
+                                              : "_c10d_functional.all_reduce.default";
+    c.duration = SimTime(c.collective.forward ? 500 + 3000 * static_cast<std::int64_t>(axis) : 1);
+    c.backward_duration =
+        SimTime(c.collective.backward ? 700 + 2000 * static_cast<std::int64_t>(shape) : 1);
+    out.ops.push_back(c);
+  }
+  out.loss = now[model.loss];
+  return out;
+}
+
+/// `model` with each collective op an op like any other: a kernel on the current stream.
+Model as_kernels(Model model) {
+  for (ModelOp& op : model.ops) op.collective = {};
+  return model;
+}
+
+DeviceProfile with_links(DeviceProfile p, std::mt19937_64& rng) {
+  p.collectives.gpus_per_node = 8;
+  p.collectives.intra_node = CollectiveLink{
+      Bandwidth(1'000'000'000 * std::int64_t(1 + rng() % 400)), SimTime(rng() % 5000)};
+  p.collectives.inter_node = CollectiveLink{Bandwidth(1'000'000'000 * std::int64_t(1 + rng() % 50)),
+                                            SimTime(rng() % 20000)};
+  return p;
+}
+
+void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
+                           const TrainingFaults& faults) {
+  testing::ModelOptions mo;
+  mo.param_per_layer = setup.fsdp;
+  const Model model = with_collectives(build_random_model(layers, mo), setup);
+  const bool any = std::ranges::any_of(model.ops, [](const ModelOp& op) { return op.collective.any(); });
+  RC_PRE(any);
+  if (auto valid = validate_model(model); !valid) RC_FAIL("invalid: " + valid.error().message);
+  std::mt19937_64 rng(setup.device_seed);
+  const DeviceProfile device = with_links(testing::random_profile(rng), rng);
+  TrainingOptions options;
+  options.offload.policy = setup.policy;
+  options.offload.min_bytes = Bytes(0);
+  options.steps = 2;
+  options.order_seed = setup.order_seed;
+  if (setup.segments >= 2) {
+    options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
+  }
+  if (setup.fsdp) {
+    auto parallelism = check_parallelism(Parallelism{.ranks = 2}, device);
+    if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
+    options.fsdp.parallelism = parallelism.value();
+  }
+  RC_TAG(setup.fsdp);
+  auto plain = simulate_training(as_kernels(model), device, options);
+  auto run = simulate_training(model, device, options, faults);
+  RC_ASSERT(plain.ok() && run.ok());
+  const TrainingRun& r = run.value();
+  if (r.failure) RC_FAIL("run failed: " + r.failure->message);
+  RC_ASSERT(!plain.value().failure);
+  const auto collectives = std::ranges::count_if(r.sim.ops(), [](const OpRecord& op) {
+    return op.kind == OpKind::Kernel && op.collective;
+  });
+  // An inserted op whose output reaches no loss, with an identity forward, runs no collective.
+  RC_CLASSIFY(collectives > 0, "collectives ran");
+  for (const Hazard& h : r.sim.hazards()) {
+    const auto name = [&](OpId id) {
+      const OpRecord& op = r.sim.ops()[id.value()];
+      return std::string(r.sim.label(op.label)) + " on " +
+             (op.stream.valid() ? r.sim.stream_name(op.stream) : std::string("host"));
+    };
+    RC_FAIL("hazard " + std::to_string(static_cast<int>(h.kind)) + "/" +
+            std::to_string(static_cast<int>(h.conflict)) + ": " + name(h.first) + " | " +
+            name(h.second));
+  }
+  RC_ASSERT(r.sim.content_mismatches().empty());
+  RC_ASSERT(r.gradient_values == plain.value().gradient_values);
+  // Memory after each step is what it is with kernels: back at the baseline without FSDP,
+  // which keeps what it gathered and reduced between steps.
+  for (std::size_t s = 0; s < r.steps.size(); ++s) {
+    RC_ASSERT(r.allocated_after[s] == plain.value().allocated_after[s]);
+    if (!setup.fsdp) RC_ASSERT(r.allocated_after[s] == r.baseline_allocated);
+  }
+}
+
+RC_GTEST_PROP(MeshCollectivesProperty, CollectiveOpsWithTheirWaitsAreClean, ()) {
+  collectives_are_clean(*rc::gen::nonEmpty(rc::gen::container<std::vector<LayerChoice>>(gen_layer())),
+                        *gen_setup(), {});
+}
+
+void expect_caught(const TrainingFaults& faults, const char* name) {
+  ferry::testing::expect_planted_fault_caught(
+      [&] {
+        collectives_are_clean(
+            *rc::gen::nonEmpty(rc::gen::container<std::vector<LayerChoice>>(gen_layer())),
+            *gen_setup(), faults);
+      },
+      name, 20261127, 500);
+}
+
+TEST(MeshCollectivesProperty, PlantedMissingLaunchWaitIsCaught) {
+  TrainingFaults faults;
+  faults.skip_collective_launch_wait = true;
+  expect_caught(faults, "a collective's stream does not wait for the current stream");
+}
+
+TEST(MeshCollectivesProperty, PlantedMissingOutputWaitIsCaught) {
+  TrainingFaults faults;
+  faults.skip_collective_output_wait = true;
+  expect_caught(faults, "the current stream does not wait for a collective");
+}
+
+}  // namespace
+}  // namespace sim
+}  // namespace ferry
