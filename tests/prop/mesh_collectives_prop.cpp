@@ -45,9 +45,9 @@ struct Setup {
 
 void showValue(const Setup& s, std::ostream& os) {
   os << "after " << s.after << ", shapes " << s.shapes << ", axes " << s.axes
-     << (s.fsdp ? ", fsdp 2" : "") << ", " << policy_name(s.policy) << ", segments "
-     << s.segments << (s.reentrant ? " reentrant" : "") << ", order " << s.order_seed
-     << ", device " << s.device_seed;
+     << (s.fsdp ? ", fsdp 2" : "") << ", " << policy_name(s.policy) << ", segments " << s.segments
+     << (s.reentrant ? " reentrant" : "") << ", order " << s.order_seed << ", device "
+     << s.device_seed;
 }
 
 rc::Gen<Setup> gen_setup() {
@@ -136,7 +136,8 @@ void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& 
   testing::ModelOptions mo;
   mo.param_per_layer = setup.fsdp;
   const Model model = with_collectives(build_random_model(layers, mo), setup);
-  const bool any = std::ranges::any_of(model.ops, [](const ModelOp& op) { return op.collective.any(); });
+  const bool any =
+      std::ranges::any_of(model.ops, [](const ModelOp& op) { return op.collective.any(); });
   RC_PRE(any);
   if (auto valid = validate_model(model); !valid) RC_FAIL("invalid: " + valid.error().message);
   std::mt19937_64 rng(setup.device_seed);
@@ -161,9 +162,8 @@ void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& 
   const TrainingRun& r = run.value();
   if (r.failure) RC_FAIL("run failed: " + r.failure->message);
   RC_ASSERT(!plain.value().failure);
-  const auto collectives = std::ranges::count_if(r.sim.ops(), [](const OpRecord& op) {
-    return op.kind == OpKind::Kernel && op.collective;
-  });
+  const auto collectives = std::ranges::count_if(
+      r.sim.ops(), [](const OpRecord& op) { return op.kind == OpKind::Kernel && op.collective; });
   // An inserted op whose output reaches no loss, with an identity forward, runs no collective.
   RC_CLASSIFY(collectives > 0, "collectives ran");
   for (const Hazard& h : r.sim.hazards()) {
@@ -187,8 +187,9 @@ void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& 
 }
 
 RC_GTEST_PROP(MeshCollectivesProperty, CollectiveOpsWithTheirWaitsAreClean, ()) {
-  collectives_are_clean(*rc::gen::nonEmpty(rc::gen::container<std::vector<LayerChoice>>(gen_layer())),
-                        *gen_setup(), {});
+  collectives_are_clean(
+      *rc::gen::nonEmpty(rc::gen::container<std::vector<LayerChoice>>(gen_layer())), *gen_setup(),
+      {});
 }
 
 void expect_caught(const TrainingFaults& faults, const char* name) {
