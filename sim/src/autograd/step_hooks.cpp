@@ -1,7 +1,6 @@
 #include "step_hooks.hpp"
 
 #include <algorithm>
-#include <ranges>
 
 #include "fsdp.hpp"
 #include "mesh_collectives.hpp"
@@ -28,7 +27,7 @@ void HookChain::before_op(std::uint32_t op) {
 }
 
 void HookChain::after_op(std::uint32_t op) {
-  for (const auto& unit : std::views::reverse(units_)) unit->after_op(op);
+  for (auto unit = units_.rbegin(); unit != units_.rend(); ++unit) (*unit)->after_op(op);
 }
 
 void HookChain::before_replay(std::uint32_t op) {
@@ -44,15 +43,15 @@ void HookChain::before_node(std::uint32_t node) {
 }
 
 void HookChain::after_node(std::size_t k, std::uint32_t node) {
-  for (const auto& unit : std::views::reverse(units_)) unit->after_node(k, node);
+  for (auto unit = units_.rbegin(); unit != units_.rend(); ++unit) (*unit)->after_node(k, node);
 }
 
 void HookChain::backward_end() {
-  for (const auto& unit : std::views::reverse(units_)) unit->backward_end();
+  for (auto unit = units_.rbegin(); unit != units_.rend(); ++unit) (*unit)->backward_end();
 }
 
 void HookChain::optimizer_step() {
-  for (const auto& unit : std::views::reverse(units_)) unit->optimizer_step();
+  for (auto unit = units_.rbegin(); unit != units_.rend(); ++unit) (*unit)->optimizer_step();
 }
 
 bool HookChain::launch(const Launch& launch) {
