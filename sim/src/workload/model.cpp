@@ -574,15 +574,6 @@ Wide saturating_mul(Wide a, Wide b) {
 
 Wide ceil_div(Wide a, Wide b) { return (a + b - 1) / b; }
 
-bool is_matmul_kind(std::string_view kind) {
-  for (const std::string_view name :
-       {"aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._grouped_mm.",
-        "aten._scaled_mm.", "aten._scaled_grouped_mm.", "aten.matmul.", "aten.linear."}) {
-    if (kind.starts_with(name)) return true;
-  }
-  return false;
-}
-
 /// Flash or cuDNN attention's figure for `kind` on `device` (forward or backward), 0: none.
 std::int64_t attention_permille(std::string_view kind, const KernelFigures& k, bool backward) {
   if (kind.starts_with("aten._scaled_dot_product_flash_attention.") ||
@@ -699,6 +690,15 @@ Status check_compute_term(std::string_view path, const ModelOp& op, bool backwar
 }
 
 }  // namespace
+
+bool is_matmul_kind(std::string_view kind) {
+  for (const std::string_view name :
+       {"aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._grouped_mm.",
+        "aten._scaled_mm.", "aten._scaled_grouped_mm.", "aten.matmul.", "aten.linear."}) {
+    if (kind.starts_with(name)) return true;
+  }
+  return false;
+}
 
 Bytes collective_op_bytes(const Model& model, const ModelOp& op, bool backward) {
   const std::optional<CollectiveKind>& kind =

@@ -198,6 +198,10 @@ inline constexpr std::int64_t kMaxGemmDim = std::int64_t{1} << 40;
 /// ("ops[3].flops: ...") or collective. Call before assign_roofline_durations.
 Status check_roofline(const Model& model, const DeviceProfile& device);
 
+/// Whether `kind` is a matrix product's operator: `aten.mm`, `addmm`, `bmm`, `baddbmm`,
+/// `_grouped_mm`, `_scaled_mm`, `_scaled_grouped_mm`, `matmul` or `linear`, any overload.
+[[nodiscard]] bool is_matmul_kind(std::string_view kind);
+
 /// The bytes the ring formula takes (collective_time) for `op`'s collective in its forward
 /// (`backward`: in its backward node, which moves the gradients of the forward's outputs into
 /// those of its inputs): an all-gather's output, a reduce-scatter's input, an all-reduce's

@@ -1,0 +1,26 @@
+#pragma once
+/// One rank's model under tensor parallelism: the whole model cut as torch's ColwiseParallel,
+/// RowwiseParallel and SequenceParallel plans cut a transformer, with the collectives they run
+/// as ops of the model (Note [A rank's model] in rank_model.cpp).
+
+#include <cstdint>
+
+#include "ferry/result.hpp"
+#include "ferry/sim/workload/model.hpp"
+
+namespace ferry::sim {
+
+/// The model one of `tp` tensor-parallel ranks runs, with sequence parallelism and a
+/// vocabulary-parallel loss (torchtitan's default plan): projections into a layer's attention
+/// and MLP cut by output features (colwise), the projections out of them by input features
+/// (rowwise), the embedding table and the output head by vocabulary, the residual stream, its
+/// norms and dropouts by tokens; an all-gather of a norm's output before the colwise
+/// projections that read it and a reduce-scatter after each rowwise projection and after the
+/// embedding (Model format, Collective ops), over a group of `tp` ranks inside one node.
+/// Which projection is which follows from the dataflow and the shapes, never from names. With
+/// `tp` 1, `whole` itself. Durations are left as they are: time the model on a device with
+/// assign_roofline_durations (collective ops by their link). The error names the op or tensor
+/// that does not split, with `--tp`.
+Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp);
+
+}  // namespace ferry::sim

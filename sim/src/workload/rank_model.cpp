@@ -1,0 +1,528 @@
+#include "ferry/sim/workload/rank_model.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <deque>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "ferry/sim/json/json_reader.hpp"
+#include "model_builder.hpp"
+
+namespace ferry::sim {
+
+// Note [A rank's model]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Under tensor parallelism each rank runs a smaller program than the whole model: its slices
+// of the projections, and the collectives DTensor inserts between them. tensor_parallel_model
+// writes that program as a model, so that checkpointing, offloading, planning and the hazard
+// checker treat a rank's collectives as the ops they are (Note [Collective ops] in model.cpp;
+// Note [Mesh collectives] issues them). It cuts the model as torchtitan's plan for a decoder
+// does (ColwiseParallel, RowwiseParallel, SequenceParallel, a vocabulary-parallel embedding and
+// loss), and finds what each op is from the dataflow and the shapes:
+//
+//   * A weight matmul is a matrix product (is_matmul_kind) that reads a parameter (or a view of
+//     one, as a trace's transposed weight): the weight is its largest parameter input, any
+//     other one its bias; its activation operand is its activation input.
+//   * A layer's residual stream is the activation its ops read that an op outside the layer
+//     produced, of the size and type of the layer's output (so not a rotary table or a mask),
+//     and each output of an `aten.add.Tensor` that reads a stream tensor. The add's other input
+//     is a branch output: what attention or the MLP adds to the stream.
+//   * A weight matmul in a layer is rowwise when its output reaches a branch output through
+//     ops that are not weight matmuls (o_proj, down, GPT's proj through its dropout); colwise
+//     when it reaches only rowwise matmuls' operands that way (q, k, v, gate, up); otherwise
+//     replicated, every rank computing all of it.
+//   * Outside the layers, an embedding of a parameter table is cut by vocabulary, and a weight
+//     matmul whose output reaches the loss is the head, colwise; the ops from it to the loss
+//     work on vocabulary slices, all but their per-token (or smaller) results, which the
+//     vocabulary-parallel loss reduces across the ranks.
+//
+// Each activation then gets a layout in forward order: split by features (a colwise output and
+// whatever is computed from it), a partial sum (a rowwise or embedding output, reduce-scattered
+// at once), split by tokens (the residual stream, its norms and adds), or whole. A split tensor
+// has 1/tp of the bytes (its views 1/tp of their offsets); a colwise product 1/tp of its n, a
+// rowwise one of its k; an op with a split output 1/tp of its FLOPs and bytes; an op with a
+// whole output (a replicated projection, the masks, the rotary tables) all of them, as on a
+// real rank. Before a colwise or replicated matmul reads a tensor split by tokens, an
+// all-gather makes it whole (backward: a reduce-scatter of its gradient); the matmul saves the
+// gathered tensor, as DTensor code saves it. Not modelled yet: the all-reduce of the norms'
+// weight gradients (h elements a norm) and the vocabulary-parallel loss's three all-reduces of
+// per-token statistics, both a few hundred kilobytes; tensor parallelism without sequence
+// parallelism; mixture-of-experts layers (refused). State no op reads (a trace's optimizer
+// moments) is cut when its size is that of the cut parameters, not of one read whole.
+
+namespace {
+
+using workload_detail::op_kind::kAdd;
+using workload_detail::op_kind::kEmbedding;
+
+constexpr std::string_view kAllGatherKind = "_c10d_functional.all_gather_into_tensor.default";
+constexpr std::string_view kReduceScatterKind = "_c10d_functional.reduce_scatter_tensor.default";
+
+enum class Layout : std::uint8_t { Whole, Features, Partial, Tokens };
+enum class Role : std::uint8_t { Other, Colwise, Rowwise, Replicated, Embedding };
+
+bool is_attention_kind(std::string_view kind) {
+  for (const std::string_view name :
+       {"aten._scaled_dot_product_flash_attention.", "aten._flash_attention_forward.",
+        "aten._scaled_dot_product_cudnn_attention.",
+        "aten._scaled_dot_product_efficient_attention."}) {
+    if (kind.starts_with(name)) return true;
+  }
+  return false;
+}
+
+class TensorParallelCut {
+ public:
+  TensorParallelCut(const Model& whole, std::int32_t tp) : m_(whole), tp_(tp) {}
+
+  Result<Model> run() {
+    FERRY_JSON_RETURN_IF_ERROR(find_roles());
+    FERRY_JSON_RETURN_IF_ERROR(check_heads());
+    return rewrite();
+  }
+
+ private:
+  std::uint32_t base(std::uint32_t t) const {
+    const ModelTensor& tensor = m_.tensors[t];
+    return tensor.view_of >= 0 ? static_cast<std::uint32_t>(tensor.view_of) : t;
+  }
+  bool is_param(std::uint32_t t) const { return m_.tensors[base(t)].role == TensorRole::Param; }
+  bool is_activation(std::uint32_t t) const { return m_.tensors[t].role == TensorRole::Activation; }
+  std::int64_t elements(std::uint32_t t) const {
+    return m_.tensors[t].bytes.count() / dtype_size(m_.tensors[t].dtype);
+  }
+  const ModelOp& op(std::size_t i) const { return m_.ops[i]; }
+
+  template <class... Args>
+  Error refuse(fmt::format_string<Args...> format, Args&&... args) const {
+    return Error{fmt::format("--tp {}: {}", tp_, fmt::format(format, std::forward<Args>(args)...))};
+  }
+
+  Status find_roles();
+  Status check_heads() const;
+  Result<Model> rewrite();
+  // What reaches from op `i`'s outputs through ops other than weight matmuls: whether a branch
+  // output (or the loss), and the weight matmuls whose operand it is.
+  void reach(std::size_t i, bool& branch, bool& loss, std::set<std::size_t>& matmuls) const;
+
+  const Model& m_;
+  std::int32_t tp_;
+  std::vector<std::optional<std::uint32_t>> weight_;  // by op: a weight matmul's weight
+  std::vector<std::optional<std::uint32_t>> table_;   // by op: an embedding's table
+  std::vector<std::vector<std::size_t>> readers_;     // by tensor: the ops reading it
+  std::vector<std::int64_t> producer_;                // by tensor: its op, or -1
+  std::set<std::uint32_t> branch_;                    // branch outputs (tensors)
+  std::vector<Role> role_;                            // by op
+  std::int64_t tokens_ = 0;                           // the embedding's token count
+};
+
+void TensorParallelCut::reach(std::size_t i, bool& branch, bool& loss,
+                              std::set<std::size_t>& matmuls) const {
+  std::deque<std::uint32_t> queue(op(i).outputs.begin(), op(i).outputs.end());
+  std::set<std::uint32_t> seen(queue.begin(), queue.end());
+  while (!queue.empty()) {
+    const std::uint32_t t = queue.front();
+    queue.pop_front();
+    if (branch_.contains(t)) branch = true;
+    if (t == m_.loss) loss = true;
+    for (const std::size_t r : readers_[t]) {
+      if (weight_[r]) {
+        matmuls.insert(r);
+        continue;
+      }
+      for (const std::uint32_t out : op(r).outputs) {
+        if (seen.insert(out).second) queue.push_back(out);
+      }
+    }
+  }
+}
+
+Status TensorParallelCut::find_roles() {
+  const std::size_t n = m_.ops.size();
+  weight_.assign(n, std::nullopt);
+  table_.assign(n, std::nullopt);
+  readers_.assign(m_.tensors.size(), {});
+  producer_.assign(m_.tensors.size(), -1);
+  role_.assign(n, Role::Other);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (op(i).kind.starts_with("aten._grouped_mm.") ||
+        op(i).kind.starts_with("aten._scaled_grouped_mm.")) {
+      return refuse(
+          "op \"{}\" is a grouped expert matmul; tensor parallelism of a "
+          "mixture-of-experts model is not simulated yet",
+          op(i).name);
+    }
+    for (const std::uint32_t t : op(i).inputs) readers_[t].push_back(i);
+    for (const std::uint32_t t : op(i).outputs) producer_[t] = static_cast<std::int64_t>(i);
+    if (!is_matmul_kind(op(i).kind)) continue;
+    for (const std::uint32_t t : op(i).inputs) {
+      if (is_param(t) && (!weight_[i] || m_.tensors[t].bytes > m_.tensors[*weight_[i]].bytes)) {
+        weight_[i] = t;
+      }
+    }
+  }
+  // The residual stream of each layer, and the branch outputs added to it.
+  std::map<std::int32_t, std::uint32_t> output_of_layer;  // a layer's last op's first output
+  for (std::size_t i = 0; i < n; ++i) {
+    if (op(i).layer >= 0 && !op(i).outputs.empty()) output_of_layer[op(i).layer] = op(i).outputs[0];
+  }
+  std::set<std::uint32_t> stream;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::int32_t layer = op(i).layer;
+    if (layer < 0) continue;
+    const ModelTensor& out = m_.tensors[output_of_layer.at(layer)];
+    for (const std::uint32_t t : op(i).inputs) {
+      const std::int64_t p = producer_[t];
+      if (is_activation(t) && p >= 0 && op(static_cast<std::size_t>(p)).layer != layer &&
+          m_.tensors[t].bytes == out.bytes && m_.tensors[t].dtype == out.dtype) {
+        stream.insert(t);
+      }
+    }
+    if (op(i).kind != kAdd || op(i).outputs.empty()) continue;
+    const bool on_stream =
+        std::ranges::any_of(op(i).inputs, [&](std::uint32_t t) { return stream.contains(t); });
+    if (!on_stream) continue;
+    stream.insert(op(i).outputs[0]);
+    for (const std::uint32_t t : op(i).inputs) {
+      if (!stream.contains(t) && is_activation(t)) branch_.insert(t);
+    }
+  }
+  // Roles, first rowwise (colwise depends on it).
+  std::vector<std::set<std::size_t>> reached(n);
+  std::vector<bool> reaches_loss(n, false);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (op(i).kind.starts_with(kEmbedding)) {
+      // The table: its largest parameter (GPT's position table is read whole).
+      for (const std::uint32_t t : op(i).inputs) {
+        if (is_param(t) && (!table_[i] || m_.tensors[t].bytes > m_.tensors[*table_[i]].bytes)) {
+          table_[i] = t;
+        }
+      }
+      if (table_[i]) role_[i] = Role::Embedding;
+      continue;
+    }
+    if (!weight_[i]) continue;
+    bool branch = false;
+    bool loss = false;
+    reach(i, branch, loss, reached[i]);
+    reaches_loss[i] = loss;
+    if (op(i).layer >= 0 && branch) role_[i] = Role::Rowwise;
+  }
+  bool layers = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!weight_[i] || role_[i] == Role::Rowwise) continue;
+    if (op(i).layer < 0) {
+      role_[i] = reaches_loss[i] ? Role::Colwise : Role::Replicated;
+      continue;
+    }
+    layers = true;
+    const bool into_rowwise =
+        !reached[i].empty() &&
+        std::ranges::all_of(reached[i], [&](std::size_t r) { return role_[r] == Role::Rowwise; });
+    role_[i] = into_rowwise ? Role::Colwise : Role::Replicated;
+  }
+  if (!layers || branch_.empty()) {
+    return refuse(
+        "tensor parallelism cuts the projections of transformer layers, and model "
+        "\"{}\" has no layer whose projections add to a residual stream",
+        m_.name);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (role_[i] != Role::Embedding) continue;
+    for (const std::uint32_t t : op(i).inputs) {
+      if (!is_param(t) && m_.tensors[t].role == TensorRole::Input) tokens_ = elements(t);
+    }
+  }
+  return Ok{};
+}
+
+// Attention splits by heads: each rank's share of the query and of the key/value heads must be
+// whole. A fused attention kernel's log-sum-exp holds one float per head and token, its output
+// head size values per head and token, and its key that many per key/value head and token.
+Status TensorParallelCut::check_heads() const {
+  if (tokens_ <= 0) return Ok{};
+  for (std::size_t i = 0; i < m_.ops.size(); ++i) {
+    const ModelOp& o = op(i);
+    if (!is_attention_kind(o.kind) || o.inputs.size() < 3 || o.outputs.size() < 2) continue;
+    const std::int64_t lse = elements(o.outputs[1]);
+    const std::int64_t values = elements(o.outputs[0]);
+    if (m_.tensors[o.outputs[1]].dtype != DType::F32 || lse <= 0 || lse % tokens_ != 0 ||
+        values % lse != 0) {
+      continue;
+    }
+    const std::int64_t heads = lse / tokens_;
+    const std::int64_t head_size = values / lse;
+    const std::int64_t kv = elements(o.inputs[1]) / (tokens_ * head_size);
+    if (heads % tp_ != 0) {
+      return refuse("{} attention heads (op \"{}\") do not split among {} ranks", heads, o.name,
+                    tp_);
+    }
+    if (kv > 0 && kv % tp_ != 0) {
+      return refuse("{} key/value heads (op \"{}\") do not split among {} ranks", kv, o.name, tp_);
+    }
+  }
+  return Ok{};
+}
+
+Result<Model> TensorParallelCut::rewrite() {
+  Model out = m_;
+  out.ops.clear();
+  out.ops.reserve(m_.ops.size() * 5 / 4 + 8);
+  std::vector<Layout> layout(m_.tensors.size(), Layout::Whole);
+  std::vector<bool> assigned(m_.tensors.size(), false);  // an op's output, with a layout
+  // A view no op lists as an output (a trace's reshapes) is laid out as its base.
+  const auto lay = [&](std::uint32_t t) {
+    if (t < m_.tensors.size() && !assigned[t] && m_.tensors[t].view_of >= 0) {
+      return layout[base(t)];
+    }
+    return layout[t];
+  };
+  std::vector<bool> cut_param(m_.tensors.size(), false);    // a parameter cut by tp
+  std::vector<bool> whole_param(m_.tensors.size(), false);  // a parameter read whole
+  std::vector<std::uint32_t> now(m_.tensors.size());        // a partial sum's scattered tensor
+  for (std::uint32_t t = 0; t < now.size(); ++t) now[t] = t;
+  // Token-split bytes gathered once: the base, offset and size of a tensor (or of the views
+  // of one region that a trace gives each projection) -> the gathered tensor.
+  std::map<std::tuple<std::uint32_t, std::int64_t, std::int64_t>, std::uint32_t> gathered;
+
+  const auto collective_op = [&](std::string name, std::string_view kind, std::uint32_t from,
+                                 std::uint32_t to, CollectiveKind forward, CollectiveKind backward,
+                                 const ModelOp& near) {
+    ModelOp c;
+    c.name = std::move(name);
+    c.kind = kind;
+    c.layer = near.layer;
+    c.no_offload = near.no_offload;
+    c.inputs = {from};
+    c.outputs = {to};
+    c.collective.forward = forward;
+    c.collective.backward = backward;
+    c.collective.axis = MeshAxis::Tensor;
+    c.collective.ranks = tp_;
+    c.collective.nodes = 1;
+    out.ops.push_back(std::move(c));
+  };
+  // The rewrite reads tensors of `out`, which holds the ones it adds after the whole model's.
+  const auto activation = [&](std::uint32_t t) {
+    return out.tensors[t].role == TensorRole::Activation;
+  };
+  const auto name_of = [&](std::uint32_t t) -> const std::string& { return out.tensors[t].name; };
+  const auto new_tensor = [&](std::uint32_t like, std::string name, Layout l) {
+    ModelTensor t = out.tensors[like];
+    t.name = std::move(name);
+    t.view_of = -1;
+    t.view_offset = Bytes(0);
+    out.tensors.push_back(std::move(t));
+    layout.push_back(l);
+    assigned.push_back(true);
+    return static_cast<std::uint32_t>(out.tensors.size() - 1);
+  };
+
+  for (std::size_t i = 0; i < m_.ops.size(); ++i) {
+    ModelOp o = op(i);
+    // A partial sum is read as its scattered tensor, and so is a view of all of it (a trace's
+    // reshape of a projection's output).
+    const auto current = [&](std::uint32_t t) {
+      const std::uint32_t b = base(t);
+      const ModelTensor& v = m_.tensors[t];
+      if (b != t && now[b] != b && v.view_offset.count() == 0 && v.bytes == m_.tensors[b].bytes) {
+        return now[b];
+      }
+      return now[t];
+    };
+    for (std::uint32_t& t : o.inputs) t = current(t);
+    for (std::uint32_t& t : o.saved) t = current(t);
+    const Role role = role_[i];
+    // A projection that reads its operand whole: gather a token-split operand first.
+    if (role == Role::Colwise || role == Role::Replicated) {
+      for (std::uint32_t& t : o.inputs) {
+        if (!activation(t) || lay(t) != Layout::Tokens) continue;
+        const ModelTensor& read = out.tensors[t];
+        const std::uint32_t b = read.view_of >= 0 ? static_cast<std::uint32_t>(read.view_of) : t;
+        auto [at, fresh] =
+            gathered.try_emplace({b, read.view_offset.count(), read.bytes.count()}, 0);
+        if (fresh) {
+          at->second = new_tensor(t, name_of(t) + "/tp.gathered", Layout::Whole);
+          collective_op(o.name + "/tp.all_gather", kAllGatherKind, t, at->second,
+                        CollectiveKind::AllGather, CollectiveKind::ReduceScatter, o);
+        }
+        const std::uint32_t g = at->second;
+        std::ranges::replace(o.saved, t, g);
+        t = g;
+      }
+    }
+    Layout result = Layout::Whole;
+    bool reduced = false;  // whole outputs of split inputs: the loss's reductions
+    bool scaled = role == Role::Colwise || role == Role::Rowwise;  // 1/tp of the work
+    switch (role) {
+      case Role::Colwise:
+        result = Layout::Features;
+        break;
+      case Role::Rowwise:
+      case Role::Embedding:
+        result = Layout::Partial;
+        break;
+      case Role::Replicated:
+        result = Layout::Whole;
+        break;
+      case Role::Other: {
+        bool features = false;
+        bool tokens = false;
+        for (const std::uint32_t t : o.inputs) {
+          if (!activation(t)) continue;
+          if (lay(t) == Layout::Partial) {
+            return refuse("op \"{}\" reads \"{}\", a partial sum", o.name, name_of(t));
+          }
+          features |= lay(t) == Layout::Features;
+          tokens |= lay(t) == Layout::Tokens;
+        }
+        if (features && tokens) {
+          return refuse("op \"{}\" reads tensors split by features and by tokens", o.name);
+        }
+        result = features ? Layout::Features : tokens ? Layout::Tokens : Layout::Whole;
+        reduced = features && o.layer < 0;
+        scaled = features || tokens;
+        break;
+      }
+    }
+    // A projection's operand: whole (gathered above) into a colwise or replicated one, split
+    // by features into a rowwise one.
+    if (role == Role::Colwise || role == Role::Replicated || role == Role::Rowwise) {
+      const Layout want = role == Role::Rowwise ? Layout::Features : Layout::Whole;
+      for (const std::uint32_t t : o.inputs) {
+        if (activation(t) && lay(t) != want) {
+          return refuse("op \"{}\", a {} projection, reads \"{}\" {}", o.name,
+                        role == Role::Rowwise   ? "rowwise"
+                        : role == Role::Colwise ? "colwise"
+                                                : "replicated",
+                        name_of(t), want == Layout::Whole ? "split among the ranks" : "whole");
+        }
+      }
+    }
+    // The weights: cut as the role says, or read whole. An op that makes nothing but views of a
+    // parameter (a trace's transposed weight, listed with no outputs) reads nothing.
+    const bool viewing = std::ranges::all_of(
+        o.outputs, [&](std::uint32_t t) { return out.tensors[t].role == TensorRole::Param; });
+    for (const std::uint32_t t : o.inputs) {
+      if (t >= m_.tensors.size() || !is_param(t) || viewing) continue;
+      const bool cut = (role == Role::Embedding && t == *table_[i]) || role == Role::Colwise ||
+                       (role == Role::Rowwise && t == *weight_[i]);
+      (cut ? cut_param : whole_param)[t] = true;
+      (cut ? cut_param : whole_param)[base(t)] = true;
+    }
+    // Outputs.
+    for (const std::uint32_t t : o.outputs) {
+      Layout l = result;
+      if (reduced && (t == m_.loss || (tokens_ > 0 && elements(t) <= tokens_))) l = Layout::Whole;
+      if (t == m_.loss) l = Layout::Whole;
+      layout[t] = l;
+      assigned[t] = true;
+    }
+    if (role == Role::Colwise || role == Role::Rowwise) {
+      if (o.gemm.known()) {
+        std::int64_t& dim = role == Role::Colwise ? o.gemm.n : o.gemm.k;
+        if (dim % tp_ != 0) {
+          return refuse("the {} features of op \"{}\" do not split among {} ranks", dim, o.name,
+                        tp_);
+        }
+        dim /= tp_;
+      }
+    }
+    if (role == Role::Other && scaled && o.gemm.known()) {
+      // A product of activations split by features (attention's, over its heads) is split by
+      // its batch.
+      if (o.gemm.batch % tp_ != 0) {
+        return refuse("the {} products of op \"{}\" do not split among {} ranks", o.gemm.batch,
+                      o.name, tp_);
+      }
+      o.gemm.batch /= tp_;
+    }
+    if (scaled) {
+      o.flops /= tp_;
+      o.backward_flops /= tp_;
+      o.bytes = Bytes(o.bytes.count() / tp_);
+      o.backward_bytes = Bytes(o.backward_bytes.count() / tp_);
+    }
+    const ModelOp& kept = out.ops.emplace_back(std::move(o));
+    // A partial sum is reduce-scattered over the tokens before anything reads it.
+    if (result == Layout::Partial) {
+      const std::uint32_t t = kept.outputs.front();
+      const std::uint32_t s = new_tensor(t, name_of(t) + "/tp.scattered", Layout::Tokens);
+      const ModelOp near = kept;
+      collective_op(near.name + "/tp.reduce_scatter", kReduceScatterKind, t, s,
+                    CollectiveKind::ReduceScatter, CollectiveKind::AllGather, near);
+      now[t] = s;
+    }
+  }
+  // State held for the step that no op reads (an optimizer's moments, as a trace lists them)
+  // belongs to a parameter of its size: cut with the parameters of that size, when no
+  // parameter read whole has it.
+  std::set<std::int64_t> cut_sizes;
+  std::set<std::int64_t> whole_sizes;
+  for (std::uint32_t t = 0; t < m_.tensors.size(); ++t) {
+    if (!is_param(t) || base(t) != t) continue;
+    if (cut_param[t]) cut_sizes.insert(elements(t));
+    if (whole_param[t]) whole_sizes.insert(elements(t));
+  }
+  const auto held_state = [&](std::uint32_t t) {
+    return t < m_.tensors.size() && m_.tensors[t].role == TensorRole::Buffer &&
+           m_.tensors[t].view_of < 0 && readers_[t].empty() && cut_sizes.contains(elements(t)) &&
+           !whole_sizes.contains(elements(t));
+  };
+  // Sizes: split tensors and cut parameters hold 1/tp of the bytes (views of the offsets).
+  for (std::uint32_t t = 0; t < out.tensors.size(); ++t) {
+    const std::uint32_t b = t < m_.tensors.size() ? base(t) : t;
+    bool cut = false;
+    const auto split = [&](std::uint32_t u) {
+      return lay(u) == Layout::Features || lay(u) == Layout::Tokens;
+    };
+    if (t < m_.tensors.size() && is_param(t)) {
+      if ((cut_param[t] || cut_param[b]) && (whole_param[t] || whole_param[b])) {
+        return refuse("parameter \"{}\" is cut by one op and read whole by another",
+                      m_.tensors[b].name);
+      }
+      cut = cut_param[t] || cut_param[b];
+    } else if (held_state(t)) {
+      cut = true;
+    } else {
+      cut = split(t);
+      if (b != t && split(b) != cut) {
+        return refuse("view \"{}\" and its base \"{}\" are not split alike", m_.tensors[t].name,
+                      m_.tensors[b].name);
+      }
+    }
+    if (!cut) continue;
+    ModelTensor& tensor = out.tensors[t];
+    const std::int64_t size = dtype_size(tensor.dtype);
+    const std::int64_t n = tensor.bytes.count() / size;
+    if (n % tp_ != 0 || (tensor.view_offset.count() / size) % tp_ != 0) {
+      return refuse("tensor \"{}\" of {} elements does not split among {} ranks", tensor.name, n,
+                    tp_);
+    }
+    tensor.bytes = Bytes(tensor.bytes.count() / tp_);
+    tensor.view_offset = Bytes(tensor.view_offset.count() / tp_);
+  }
+  if (auto valid = validate_model(out); !valid) {
+    return refuse("the cut model is not valid ({})", valid.error().message);
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp) {
+  if (tp < 1) return Error{fmt::format("--tp {}: use 1 or more ranks", tp)};
+  if (tp == 1) return whole;
+  return TensorParallelCut(whole, tp).run();
+}
+
+}  // namespace ferry::sim

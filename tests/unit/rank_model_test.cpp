@@ -1,0 +1,262 @@
+// tensor_parallel_model (Note [A rank's model] in rank_model.cpp): one rank's model under
+// tensor and sequence parallelism, checked against the sizes torchtitan's plan gives a rank,
+// computed here from each preset's shape.
+
+#include "ferry/sim/workload/rank_model.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "ferry/sim/autograd/autograd.hpp"
+#include "plan_replay.hpp"
+#include "sim_fixtures.hpp"
+
+namespace ferry::sim {
+namespace {
+
+Model preset(const std::string& name) {
+  auto model = model_preset(name);
+  EXPECT_TRUE(model.ok()) << name;
+  return model.ok() ? model.value() : Model{};
+}
+
+TransformerShape shape_of(const std::string& name) {
+  auto shape = model_preset_shape(name);
+  EXPECT_TRUE(shape.ok()) << name;
+  return shape.ok() ? shape.value() : TransformerShape{};
+}
+
+Bytes param_bytes(const Model& model) {
+  Bytes sum(0);
+  for (const ModelTensor& t : model.tensors) {
+    if (t.role == TensorRole::Param && t.view_of < 0) sum += t.bytes;
+  }
+  return sum;
+}
+
+std::int64_t flops_of_layer(const Model& model, std::int32_t layer) {
+  std::int64_t sum = 0;
+  for (const ModelOp& op : model.ops) {
+    if (op.layer == layer) sum += op.flops + op.backward_flops;
+  }
+  return sum;
+}
+
+/// The collective ops of each layer (-1: outside the layers), as "kind kind" counts.
+std::map<std::int32_t, std::map<std::string, int>> collectives(const Model& model) {
+  std::map<std::int32_t, std::map<std::string, int>> out;
+  for (const ModelOp& op : model.ops) {
+    if (!op.collective.any()) continue;
+    EXPECT_EQ(op.collective.axis, MeshAxis::Tensor);
+    ++out[op.layer][std::string(collective_kind_name(*op.collective.forward)) + "/" +
+                    std::string(collective_kind_name(*op.collective.backward))];
+  }
+  return out;
+}
+
+TEST(TensorParallelModel, OneRankRunsTheWholeModel) {
+  const Model whole = preset("tiny-llama");
+  auto rank = tensor_parallel_model(whole, 1);
+  ASSERT_TRUE(rank.ok());
+  EXPECT_EQ(rank.value(), whole);
+}
+
+// A Llama rank holds 1/tp of every projection, of the embedding and of the head, and all of
+// each norm weight; every op of a layer does 1/tp of its work.
+TEST(TensorParallelModel, ALlamaRankHoldsItsShareAsTorchtitansPlanCutsIt) {
+  for (const std::string name : {"tiny-llama", "llama3-8b-s8192"}) {
+    const TransformerShape x = shape_of(name);
+    const Model whole = preset(name);
+    for (const std::int32_t tp : {2, 4, 8}) {
+      SCOPED_TRACE(name + " at tp " + std::to_string(tp));
+      if (x.kv_heads % tp != 0) continue;
+      auto cut = tensor_parallel_model(whole, tp);
+      ASSERT_TRUE(cut.ok()) << cut.error().message;
+      const Model& rank = cut.value();
+      ASSERT_TRUE(validate_model(rank).ok()) << validate_model(rank).error().message;
+      const std::int64_t h = x.hidden;
+      const std::int64_t kv = x.kv_heads * (x.hidden / x.heads);
+      const std::int64_t cut_elements =
+          2 * x.vocab * h + x.layers * (h * (h + 2 * kv) + h * h + 3 * h * x.ffn);
+      const std::int64_t norm_elements = (2 * x.layers + 1) * h;
+      EXPECT_EQ(param_bytes(rank), Bytes((cut_elements / tp + norm_elements) * 2));
+      for (std::int32_t layer = 0; layer < x.layers; ++layer) {
+        EXPECT_EQ(flops_of_layer(rank, layer) * tp, flops_of_layer(whole, layer)) << layer;
+      }
+      // Per layer: the norms' outputs gathered before the projections that read them, the
+      // projections' outputs scattered back; the embedding's partial sums scattered, the final
+      // norm gathered before the head.
+      const auto counts = collectives(rank);
+      for (std::int32_t layer = 0; layer < x.layers; ++layer) {
+        EXPECT_EQ(counts.at(layer), (std::map<std::string, int>{{"all_gather/reduce_scatter", 2},
+                                                                {"reduce_scatter/all_gather", 2}}));
+      }
+      EXPECT_EQ(counts.at(-1), (std::map<std::string, int>{{"all_gather/reduce_scatter", 1},
+                                                           {"reduce_scatter/all_gather", 1}}));
+      // Saved per layer: what the whole layer saves, 1/tp of it, but for the two gathered norm
+      // outputs the projections save whole (2sbh bytes each at 16 bits), as DTensor saves them.
+      const Bytes gathered(2 * 2 * x.sequence * x.micro_batch * h);
+      for (std::int32_t layer = 0; layer < x.layers; ++layer) {
+        const Bytes all = saved_activation_bytes(whole, layer);
+        EXPECT_EQ(saved_activation_bytes(rank, layer),
+                  gathered + Bytes((all - gathered).count() / tp))
+            << layer;
+      }
+    }
+  }
+}
+
+TEST(TensorParallelModel, AGptRankCutsTheTiedTableOnceAndItsDropoutsByTokens) {
+  const TransformerShape x = shape_of("tiny-gpt");
+  const Model whole = preset("tiny-gpt");
+  for (const std::int32_t tp : {2, 4}) {
+    SCOPED_TRACE(tp);
+    auto cut = tensor_parallel_model(whole, tp);
+    ASSERT_TRUE(cut.ok()) << cut.error().message;
+    const Model& rank = cut.value();
+    const std::int64_t h = x.hidden;
+    // Cut: the table (the head's weight too), qkv's weight and bias, proj's weight, fc1's
+    // weight and bias, fc2's weight. Whole: the position table, the norms, the rowwise biases.
+    const std::int64_t cut_elements =
+        x.vocab * h + x.layers * (3 * h * h + 3 * h + h * h + h * x.ffn + x.ffn + x.ffn * h);
+    const std::int64_t whole_elements = x.sequence * h + x.layers * (4 * h + 2 * h) + 2 * h;
+    EXPECT_EQ(param_bytes(rank), Bytes((cut_elements / tp + whole_elements) * 2));
+    const auto counts = collectives(rank);
+    EXPECT_EQ(counts.at(0), (std::map<std::string, int>{{"all_gather/reduce_scatter", 2},
+                                                        {"reduce_scatter/all_gather", 2}}));
+    for (std::int32_t layer = 0; layer < x.layers; ++layer) {
+      EXPECT_EQ(flops_of_layer(rank, layer) * tp, flops_of_layer(whole, layer)) << layer;
+    }
+  }
+}
+
+TEST(TensorParallelModel, ATracedLlamaCutsLikeTheGeneratedOneAndItsOptimizerStateWithIt) {
+  const std::string name = "llama3.2-3b-traced-s4096-b2";
+  const TransformerShape x = shape_of(name);
+  const Model whole = preset(name);
+  auto cut = tensor_parallel_model(whole, 2);
+  ASSERT_TRUE(cut.ok()) << cut.error().message;
+  const Model& rank = cut.value();
+  const std::int64_t h = x.hidden;
+  const std::int64_t kv = x.kv_heads * (x.hidden / x.heads);
+  // Tied embeddings: one table.
+  const std::int64_t cut_elements =
+      x.vocab * h + x.layers * (h * (h + 2 * kv) + h * h + 3 * h * x.ffn);
+  const std::int64_t norm_elements = (2 * x.layers + 1) * h;
+  EXPECT_EQ(param_bytes(rank), Bytes((cut_elements / 2 + norm_elements) * 2));
+  Bytes state(0);
+  Bytes whole_state(0);
+  for (std::size_t t = 0; t < whole.tensors.size(); ++t) {
+    if (whole.tensors[t].role != TensorRole::Buffer) continue;
+    whole_state += whole.tensors[t].bytes;
+    state += rank.tensors[t].bytes;
+  }
+  // The two moments of each cut parameter are cut with it (the norms' are kept whole).
+  EXPECT_EQ(whole_state - state, Bytes(2 * (cut_elements - cut_elements / 2) * 2));
+  const auto counts = collectives(rank);
+  for (std::int32_t layer = 0; layer < x.layers; ++layer) {
+    EXPECT_EQ(counts.at(layer), (std::map<std::string, int>{{"all_gather/reduce_scatter", 2},
+                                                            {"reduce_scatter/all_gather", 2}}));
+  }
+}
+
+TEST(TensorParallelModel, WhatDoesNotSplitIsRefusedNamingItAndTheFlag) {
+  const auto refused = [](const Model& model, std::int32_t tp) {
+    auto cut = tensor_parallel_model(model, tp);
+    EXPECT_FALSE(cut.ok());
+    return cut.ok() ? std::string() : cut.error().message;
+  };
+  EXPECT_EQ(refused(preset("llama3-8b-s8192"), 16),
+            R"(--tp 16: 8 key/value heads (op "layers.0.attn") do not split among 16 ranks)");
+  EXPECT_EQ(refused(preset("tiny-llama"), 3),
+            R"(--tp 3: 4 attention heads (op "layers.0.attn") do not split among 3 ranks)");
+  EXPECT_EQ(refused(preset("gpt2-small-s1024"), 2),
+            R"(--tp 2: the 50257 features of op "head" do not split among 2 ranks)");
+  EXPECT_EQ(refused(preset("tiny-llama"), 0), "--tp 0: use 1 or more ranks");
+  Model mlp = preset("tiny-llama");
+  for (ModelOp& op : mlp.ops) {
+    if (op.kind == "aten.add.Tensor") op.kind = "aten.mul.Tensor";
+  }
+  EXPECT_EQ(refused(mlp, 2),
+            R"(--tp 2: tensor parallelism cuts the projections of transformer layers, and model )"
+            R"("tiny-llama" has no layer whose projections add to a residual stream)");
+}
+
+// A rank's model trains: its collectives on the tensor-parallel stream, no hazard, with
+// checkpointing and offload.
+TEST(TensorParallelModel, ARankTrainsHazardFreeWithCheckpointingAndOffload) {
+  auto cut = tensor_parallel_model(preset("tiny-llama"), 2);
+  ASSERT_TRUE(cut.ok()) << cut.error().message;
+  Model rank = cut.value();
+  DeviceProfile device = testing::simple_profile();
+  device.flops_per_s = 100'000'000'000'000;
+  device.collectives.intra_node = {Bandwidth(100'000'000'000), SimTime(2000)};
+  ASSERT_TRUE(check_roofline(rank, device).ok());
+  assign_roofline_durations(rank, device);
+  for (const bool checkpoint : {false, true}) {
+    SCOPED_TRACE(checkpoint);
+    TrainingOptions options;
+    options.steps = 2;
+    options.offload.policy = Policy::Ferry;
+    options.offload.min_bytes = Bytes(0);
+    if (checkpoint) options.checkpoint = checkpoint_segments(rank, 2, false);
+    auto run = simulate_training(rank, device, options);
+    ASSERT_TRUE(run.ok()) << run.error().message;
+    ASSERT_FALSE(run.value().failure) << run.value().failure->message;
+    const Simulator& sim = run.value().sim;
+    EXPECT_TRUE(sim.hazards().empty());
+    EXPECT_TRUE(sim.content_mismatches().empty());
+    const auto on_tp = std::ranges::count_if(sim.ops(), [&](const OpRecord& op) {
+      return op.kind == OpKind::Kernel && op.collective && sim.stream_name(op.stream) == "tp comm";
+    });
+    EXPECT_GT(on_tp, 0);
+  }
+}
+
+// Models nobody tuned the cut for: Hugging Face models as `python -m ferry trace` lists them
+// (tests/data/traced/sized, each published config cut to two layers). A dense decoder's rank
+// holds 1/tp of every projection and of the embedding and head, and each layer does 1/tp of the
+// whole layer's work; a mixture of experts is refused, naming its grouped matmul, and GPT-2,
+// whose vocabulary does not split, naming its head.
+TEST(TensorParallelModel, TracedHuggingFaceModelsCutOrAreRefusedByName) {
+  for (const char* family : testing::kSizedFamilies) {
+    SCOPED_TRACE(family);
+    const Model whole = testing::sized_family(family);
+    ASSERT_FALSE(whole.ops.empty());
+    auto cut = tensor_parallel_model(whole, 2);
+    if (std::string(family) == "mixtral") {
+      ASSERT_FALSE(cut.ok());
+      EXPECT_NE(cut.error().message.find("is a grouped expert matmul"), std::string::npos)
+          << cut.error().message;
+      continue;
+    }
+    if (std::string(family) == "gpt2") {
+      // GPT-2's 50257 tokens do not split in two (Megatron pads the vocabulary first).
+      ASSERT_FALSE(cut.ok());
+      EXPECT_EQ(cut.error().message,
+                R"(--tp 2: the 50257 features of op "lm_head/mm" do not split among 2 ranks)");
+      continue;
+    }
+    ASSERT_TRUE(cut.ok()) << cut.error().message;
+    const Model& rank = cut.value();
+    EXPECT_LT(param_bytes(rank), param_bytes(whole));
+    EXPECT_GT(param_bytes(rank).count() * 2, param_bytes(whole).count());
+    std::int32_t layers = 0;
+    for (const ModelOp& op : whole.ops) layers = std::max(layers, op.layer + 1);
+    ASSERT_GT(layers, 0);
+    for (std::int32_t layer = 0; layer < layers; ++layer) {
+      EXPECT_EQ(flops_of_layer(rank, layer) * 2, flops_of_layer(whole, layer)) << layer;
+      EXPECT_EQ(collectives(rank).at(layer),
+                (std::map<std::string, int>{{"all_gather/reduce_scatter", 2},
+                                            {"reduce_scatter/all_gather", 2}}))
+          << layer;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ferry::sim
