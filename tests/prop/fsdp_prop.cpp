@@ -83,15 +83,6 @@ rc::Gen<Setup> gen_setup() {
       rc::gen::inRange<std::uint64_t>(0, 3), rc::gen::inRange<std::uint64_t>(1, 1000));
 }
 
-DeviceProfile with_links(DeviceProfile p, std::mt19937_64& rng) {
-  p.collectives.gpus_per_node = 8;
-  p.collectives.intra_node = CollectiveLink{
-      Bandwidth(1'000'000'000 * std::int64_t(1 + rng() % 400)), SimTime(rng() % 5000)};
-  p.collectives.inter_node = CollectiveLink{Bandwidth(1'000'000'000 * std::int64_t(1 + rng() % 50)),
-                                            SimTime(rng() % 20000)};
-  return p;
-}
-
 void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
                    const TrainingFaults& faults) {
   testing::ModelOptions mo;
@@ -99,7 +90,7 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   mo.param_per_layer = true;
   const Model model = build_random_model(layers, mo);
   std::mt19937_64 rng(setup.device_seed);
-  const DeviceProfile device = with_links(testing::random_profile(rng), rng);
+  const DeviceProfile device = testing::with_random_links(testing::random_profile(rng), rng);
   TrainingOptions plain;
   plain.offload.policy = setup.policy;
   plain.offload.min_bytes = Bytes(0);
@@ -192,7 +183,7 @@ void node_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   const Model model = build_random_model(
       layers, testing::ModelOptions{.side_branches = true, .param_per_layer = true});
   std::mt19937_64 rng(setup.device_seed);
-  const DeviceProfile device = with_links(testing::random_profile(rng), rng);
+  const DeviceProfile device = testing::with_random_links(testing::random_profile(rng), rng);
   TrainingOptions options;
   options.offload.policy = Policy::Ferry;
   options.offload.min_bytes = Bytes(0);

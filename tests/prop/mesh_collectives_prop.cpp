@@ -122,15 +122,6 @@ Model as_kernels(Model model) {
   return model;
 }
 
-DeviceProfile with_links(DeviceProfile p, std::mt19937_64& rng) {
-  p.collectives.gpus_per_node = 8;
-  p.collectives.intra_node = CollectiveLink{
-      Bandwidth(1'000'000'000 * std::int64_t(1 + rng() % 400)), SimTime(rng() % 5000)};
-  p.collectives.inter_node = CollectiveLink{Bandwidth(1'000'000'000 * std::int64_t(1 + rng() % 50)),
-                                            SimTime(rng() % 20000)};
-  return p;
-}
-
 void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
                            const TrainingFaults& faults) {
   testing::ModelOptions mo;
@@ -141,7 +132,7 @@ void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& 
   RC_PRE(any);
   if (auto valid = validate_model(model); !valid) RC_FAIL("invalid: " + valid.error().message);
   std::mt19937_64 rng(setup.device_seed);
-  const DeviceProfile device = with_links(testing::random_profile(rng), rng);
+  const DeviceProfile device = testing::with_random_links(testing::random_profile(rng), rng);
   TrainingOptions options;
   options.offload.policy = setup.policy;
   options.offload.min_bytes = Bytes(0);

@@ -220,6 +220,15 @@ DeviceProfile random_profile(std::mt19937_64& rng) {
   return p;
 }
 
+DeviceProfile with_random_links(DeviceProfile p, std::mt19937_64& rng) {
+  p.collectives.gpus_per_node = 8;
+  p.collectives.intra_node = CollectiveLink{
+      Bandwidth(1'000'000'000 * std::int64_t(1 + rng() % 400)), SimTime(rng() % 5000)};
+  p.collectives.inter_node = CollectiveLink{Bandwidth(1'000'000'000 * std::int64_t(1 + rng() % 50)),
+                                            SimTime(rng() % 20000)};
+  return p;
+}
+
 std::vector<OpChoice> random_choices(std::mt19937_64& rng, std::size_t count) {
   std::vector<OpChoice> out(count);
   for (OpChoice& c : out) {

@@ -51,6 +51,10 @@ Program build_random_program(const ProgramShape& shape, std::span<const OpChoice
 /// A plain device profile with the given speeds (bytes per ns) and overheads.
 DeviceProfile random_profile(std::mt19937_64& rng);
 
+/// `p` with random collective links: 8 GPUs a node, 1 to 400 GB/s inside it, 1 to 50 GB/s
+/// between nodes.
+DeviceProfile with_random_links(DeviceProfile p, std::mt19937_64& rng);
+
 /// Choices and a shape from a seeded generator (for benchmarks, which need no shrinking).
 std::vector<OpChoice> random_choices(std::mt19937_64& rng, std::size_t count);
 ProgramShape random_shape(std::mt19937_64& rng, std::uint32_t slots);
