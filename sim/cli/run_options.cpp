@@ -29,6 +29,10 @@ CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpRequest& fsdp, TextFlags& 
                   "With --fsdp: fsdp2 (torch's fully_shard), or simple (torchtitan's SimpleFSDP: "
                   "the collectives' buffers from the compute stream's pool; docs/fsdp.md)")
       ->capture_default_str();
+  cmd->add_option("--tp", fsdp.tp,
+                  "Tensor parallelism over N GPUs a rank (1..1024, inside a node): each runs its "
+                  "cut of the model, sequence parallel (docs/parallelism.md); 1: none")
+      ->capture_default_str();
   return ranks;
 }
 

@@ -38,9 +38,14 @@ FSDP_BOUNDS = {
     "nodes": ("--nodes", 1, 1_000_000),
     "hsdp": ("--hsdp", 1, 1_000_000),
 }
-PLAN_BOUNDS = {"steps": ("--steps", 1, 100), **FSDP_BOUNDS}
+#: Tensor parallelism's: drawn apart (TP_DRAWS), mostly in bounds, as most meshes refuse.
+TP_BOUNDS = {"tp": ("--tp", 1, 1024)}
+#: tp values: accepted (1, 2), out of bounds, and in bounds but refused by the model or the
+#: device (3: not a divisor of a node's GPUs; 8: more than the model's heads).
+TP_DRAWS = [1, 2, 2, 0, 1025, -1, 3, 8]
+PLAN_BOUNDS = {"steps": ("--steps", 1, 100), **FSDP_BOUNDS, **TP_BOUNDS}
 #: The options Python takes as 32-bit integers: out-of-bounds draws stay parseable.
-INT32 = {"steps", "stash", "fsdp", "nodes", "hsdp"}
+INT32 = {"steps", "stash", "fsdp", "nodes", "hsdp", "tp"}
 #: Values kept small where a run is accepted, so that it is quick.
 CHEAP = {"steps": 2, "fsdp": 16, "nodes": 16, "hsdp": 16}
 
@@ -108,6 +113,8 @@ def draw_fsdp(rng, options):
         options["fsdp_impl"] = rng.choice(FSDP_IMPLS)
     if rng.random() < 0.25:
         options["allocator"] = rng.choice(ALLOCATORS)
+    if rng.random() < 0.1:
+        options["tp"] = rng.choice(TP_DRAWS)
     return options
 
 
@@ -127,12 +134,14 @@ def draw_simulate(rng):
         if rng.random() < 0.15:
             options[name] = False
     draw_flags(rng, options)
-    return cheapened(draw_fsdp(rng, options), {**RUN_BOUNDS, **FSDP_BOUNDS})
+    return cheapened(draw_fsdp(rng, options), {**RUN_BOUNDS, **FSDP_BOUNDS, **TP_BOUNDS})
 
 
 def draw_compare(rng):
     options = draw_numbers(rng, RUN_BOUNDS, 0.3) | draw_numbers(rng, FSDP_BOUNDS, 0.15)
-    return cheapened(draw_fsdp(rng, draw_flags(rng, options)), {**RUN_BOUNDS, **FSDP_BOUNDS})
+    return cheapened(
+        draw_fsdp(rng, draw_flags(rng, options)), {**RUN_BOUNDS, **FSDP_BOUNDS, **TP_BOUNDS}
+    )
 
 
 def draw_plan(rng):
@@ -218,7 +227,7 @@ def disagreement(command, options, python=python_edge):
     py, cl = python(command, options), cli_edge(command, options)
     if py != cl:
         return f"python {py!r:.600}\n   cli {cl!r:.600}"
-    bounds = PLAN_BOUNDS if command == "plan" else {**RUN_BOUNDS, **FSDP_BOUNDS}
+    bounds = PLAN_BOUNDS if command == "plan" else {**RUN_BOUNDS, **FSDP_BOUNDS, **TP_BOUNDS}
     outside = out_of_bounds(options, bounds)
     if outside and py[:2] != ("refused", 2):
         return f"{outside} is out of bounds, yet: {py!r:.600}"

@@ -368,6 +368,39 @@ def test_torchtitan_pr3429_compiled_trace_times_a_step_as_the_preset(pr3429_trac
 PR3429_GRAPH = {"op-sac-all": PR3429["op-sac"], "every:1": PR3429["every:1"]}
 
 
+# PR #3429's FSDP4 + TP2 rows (8 x H100 96 GB, Llama 3 8B, sequence 8192, local batch 1 per
+# data-parallel rank, the graph trainer): peak reserved (GiB) and tokens/s/GPU, which torchtitan
+# divides by the tensor-parallel degree (each pair of GPUs trains one batch).
+PR3429_TP2 = {"op-sac-all": (30.92, 6607), "every:1": (20.70, 5933)}
+
+
+@pytest.fixture(scope="module")
+def pr3429_tp2(devices):
+    rows = {}
+    for checkpoint in PR3429_TP2:
+        rows[checkpoint] = simulate(
+            "titan-llama3-8b-s8192",
+            *("--device", str(devices["h100-96gb"]), "--fsdp", "4", "--tp", "2"),
+            *("--fsdp-impl", "simple", "--checkpoint", checkpoint, "--allocator", "expandable"),
+        )
+    return rows
+
+
+def test_torchtitan_pr3429_fsdp4_tp2_full_policy(pr3429_tp2):
+    """docs/parallelism.md: the full policy's row within the issue's tolerances (memory 5 %,
+    time 8 %). The default policy's row misses (reserved +17 %, tokens/s +13 %): the doc says
+    what the model lacks there, and this test holds the miss where it is, so that a change that
+    widens it is seen."""
+    memory, tps = PR3429_TP2["every:1"]
+    result = pr3429_tp2["every:1"]
+    within(result["peak_reserved_bytes"] / GIB, memory, 0.05)
+    within(tokens_per_s(result, 8192) / 2, tps, 0.08)
+    default = pr3429_tp2["op-sac-all"]
+    memory, tps = PR3429_TP2["op-sac-all"]
+    within(default["peak_reserved_bytes"] / GIB, memory, 0.20)
+    within(tokens_per_s(default, 8192) / 2, tps, 0.15)
+
+
 @pytest.fixture(scope="module")
 def pr3429_graph_trainer(devices, llama3_8b_compiled):
     rows = {}

@@ -305,6 +305,48 @@ TEST(Fsdp, EachGroupsCollectivesTakeTheLinkItsRanksLieOn) {
             collective_time_on(hsdp(8, 1, 2, fsdp_profile()), "all_reduce"));
 }
 
+// Tensor parallelism is innermost (docs/parallelism.md): an FSDP2 shard group's members are tp
+// GPUs apart, so eight ranks of two tensor-parallel GPUs span two nodes of eight.
+TEST(Fsdp, AShardGroupOfTensorParallelRanksSpansTheirGpus) {
+  const Model m = testing::chain_model(4, 1 << 20);
+  DeviceProfile slow_network = fsdp_profile();
+  slow_network.collectives.inter_node.bandwidth = Bandwidth(1'000'000'000);
+  const auto reduce = [&](std::int32_t ranks, std::int32_t tp, const DeviceProfile& device) {
+    TrainingOptions o = testing::two_steps(Policy::None);
+    auto checked = check_parallelism(Parallelism{.ranks = ranks, .tp = tp}, device);
+    EXPECT_TRUE(checked.ok()) << checked.error().message;
+    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    const TrainingRun run = train(m, o, {}, device);
+    expect_clean(run);
+    return collective_time_on(run, "reduce_scatter");
+  };
+  EXPECT_GT(reduce(8, 2, slow_network), reduce(8, 2, fsdp_profile()));
+  EXPECT_EQ(reduce(4, 2, slow_network), reduce(4, 2, fsdp_profile()));
+  EXPECT_EQ(reduce(8, 1, slow_network), reduce(8, 1, fsdp_profile()));
+}
+
+TEST(Fsdp, ATensorParallelGroupMustFitANode) {
+  const auto refused = [](const Parallelism& p, const DeviceProfile& device) {
+    auto checked = check_parallelism(p, device, kFsdpFlags);
+    EXPECT_FALSE(checked.ok());
+    return checked.ok() ? std::string() : checked.error().message;
+  };
+  EXPECT_EQ(refused(Parallelism{.tp = 16}, fsdp_profile())
+                .rfind("--tp: 16 ranks do not fit a node of 8 GPUs", 0),
+            0U);
+  EXPECT_EQ(refused(Parallelism{.tp = 3}, fsdp_profile())
+                .rfind("--tp: 3 ranks do not fit a node of 8 GPUs", 0),
+            0U);
+  EXPECT_EQ(refused(Parallelism{.tp = 0}, fsdp_profile()), "--tp: 0 ranks (use 1 to 1024)");
+  EXPECT_NE(refused(Parallelism{.tp = 2}, testing::simple_profile()).find("collectives"),
+            std::string::npos);
+  EXPECT_EQ(refused(Parallelism{.ranks = 6, .nodes = 1, .tp = 2}, fsdp_profile())
+                .rfind("--nodes: 12 ranks over 1 nodes", 0),
+            0U);
+  EXPECT_TRUE(check_parallelism(Parallelism{.tp = 8}, fsdp_profile()).ok());
+  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 4, .tp = 2}, fsdp_profile()).ok());
+}
+
 TEST(Fsdp, OneRankGathersAndReduceScattersNothing) {
   const Model m = testing::chain_model(4, 1 << 20);
   const TrainingRun one = train(m, fsdp_options(1, Policy::Ferry));

@@ -763,6 +763,20 @@ TEST(ModelJson, TheParallelismSectionIsReadAndWrittenBack) {
   ASSERT_TRUE(kept.ok()) << kept.error().message;
   EXPECT_EQ(kept.value().parallelism.reshard_after_forward, Reshard::False());
   EXPECT_EQ(kept.value().parallelism.nodes, 0);
+  // Tensor parallelism, with FSDP or alone (no "fsdp" then).
+  for (const std::string section : {R"({"fsdp": 4, "tp": 2})", R"({"tp": 2})"}) {
+    SCOPED_TRACE(section);
+    auto sharded = parse_model(
+        valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": )" + section), "toy.json");
+    ASSERT_TRUE(sharded.ok()) << sharded.error().message;
+    EXPECT_EQ(sharded.value().parallelism.tp, 2);
+    EXPECT_EQ(sharded.value().parallelism.ranks, section.find("fsdp") == std::string::npos ? 0 : 4);
+    const std::string written = model_to_json(sharded.value());
+    EXPECT_NE(written.find(R"("tp": 2)"), std::string::npos) << written;
+    auto back = parse_model(written, "again.json");
+    ASSERT_TRUE(back.ok()) << back.error().message;
+    EXPECT_EQ(back.value(), sharded.value());
+  }
   // Without the section: one GPU, and none is written.
   auto plain = parse_model(std::string(kValidModel), "toy.json");
   ASSERT_TRUE(plain.ok());
@@ -777,7 +791,9 @@ TEST(ModelJson, ABadParallelismSectionIsNamed) {
            {R"({"fsdp": 8, "hsdp": 0})", "parallelism.hsdp"},
            {R"({"fsdp": 8, "reshard_after_forward": 1})", "parallelism.reshard_after_forward"},
            {R"({"fsdp": 8, "reshard_after_forward": "yes"})", "parallelism.reshard_after_forward"},
-           {R"({"fsdp": 8, "tp": 2})", "tp"},
+           {R"({"fsdp": 8, "tp": 0})", "parallelism.tp"},
+           {R"({"tp": 2048})", "parallelism.tp"},
+           {R"({"fsdp": 8, "cp": 2})", "cp"},
        }) {
     auto model = parse_model(
         valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": )" + section), "toy.json");

@@ -93,24 +93,32 @@ enum class FsdpImpl : std::uint8_t {
   return std::nullopt;
 }
 
-/// FSDP2 (or HSDP) over `ranks` symmetric ranks; ranks == 0: no FSDP, one GPU holds the model.
+/// FSDP2 (or HSDP) over `ranks` symmetric data-parallel ranks, each of them `tp` GPUs of tensor
+/// parallelism (the mesh [dp_replicate, dp_shard, tp], tp innermost: a tensor-parallel group is
+/// `tp` consecutive GPUs). ranks == 0: no FSDP; with tp 1 too, one GPU holds the model.
 struct Parallelism {
-  std::int32_t ranks = 0;     ///< data-parallel ranks in all (replicas x shard group); 0: one GPU
-  std::int32_t nodes = 0;     ///< nodes they span; 0: as few as the device's gpus_per_node allow
+  std::int32_t ranks = 0;     ///< data-parallel ranks in all (replicas x shard group); 0: no FSDP
+  std::int32_t nodes = 0;     ///< nodes the GPUs span; 0: as few as gpus_per_node allow
   std::int32_t replicas = 1;  ///< HSDP replica groups; parameters shard over ranks / replicas
   Reshard reshard_after_forward{};
   FsdpImpl impl = FsdpImpl::Fsdp2;
+  std::int32_t tp = 1;  ///< tensor-parallel GPUs per data-parallel rank (docs/parallelism.md)
 
+  /// Whether FSDP runs.
   [[nodiscard]] constexpr bool on() const { return ranks > 0; }
-  /// The ranks one parameter is sharded over.
+  /// Whether the step runs on more than one GPU, by FSDP or tensor parallelism.
+  [[nodiscard]] constexpr bool sharded() const { return ranks > 0 || tp > 1; }
+  /// The GPUs in all: data-parallel ranks times tensor-parallel ones.
+  [[nodiscard]] constexpr std::int32_t world() const { return (ranks > 0 ? ranks : 1) * tp; }
+  /// The ranks one parameter is sharded over by FSDP.
   [[nodiscard]] constexpr std::int32_t shard_group() const { return ranks / replicas; }
-  /// The nodes the ranks span on a device with `gpus_per_node` GPUs a node.
+  /// The nodes the GPUs span on a device with `gpus_per_node` GPUs a node.
   [[nodiscard]] constexpr std::int32_t node_count(std::int32_t gpus_per_node) const {
-    return nodes > 0 ? nodes : (ranks + gpus_per_node - 1) / gpus_per_node;
+    return nodes > 0 ? nodes : (world() + gpus_per_node - 1) / gpus_per_node;
   }
-  /// The ranks each node holds (ranks laid out evenly over node_count nodes).
+  /// The GPUs each node holds (laid out evenly over node_count nodes).
   [[nodiscard]] constexpr std::int32_t ranks_per_node(std::int32_t gpus_per_node) const {
-    return ranks / node_count(gpus_per_node);
+    return world() / node_count(gpus_per_node);
   }
 
   friend bool operator==(const Parallelism&, const Parallelism&) = default;

@@ -23,6 +23,7 @@
 #include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/configurations.hpp"
 #include "ferry/sim/runs/horizon.hpp"
+#include "ferry/sim/workload/rank_model.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
@@ -53,10 +54,10 @@ Status first_error(std::initializer_list<Status> checks) {
 std::string planner_key(const PlanRequest& r) {
   const ModelSource& m = r.target.model;
   const FsdpRequest& f = r.fsdp;
-  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {}", m.name, m.text.value_or(""),
+  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {} {}", m.name, m.text.value_or(""),
                      r.target.device, r.target.scenarios.string(), r.steps, f.ranks ? *f.ranks : 0,
                      f.nodes ? *f.nodes : 0, f.replicas, to_string(f.reshard_after_forward),
-                     r.allocator ? static_cast<int>(*r.allocator) : -1, to_string(f.impl));
+                     r.allocator ? static_cast<int>(*r.allocator) : -1, to_string(f.impl), f.tp);
 }
 
 Result<Workload> load(const Target& target) {
@@ -95,7 +96,37 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
   if (k.devices > 1 && k.fsdp.ranks) {
     return Error{"--fsdp excludes --devices"};
   }
+  if (k.devices > 1 && k.fsdp.tp > 1) {
+    return Error{"--tp excludes --devices"};
+  }
   return parallelism;
+}
+
+// The workload one of `tp` tensor-parallel GPUs runs: its cut of the model (Note [A rank's
+// model]), timed on the device; `w` itself at tp 1.
+Result<Workload> cut_workload(const Workload& w, std::int32_t tp) {
+  if (tp <= 1) return w;
+  auto cut = tensor_parallel_model(*w.model, tp);
+  if (!cut) return cut.error();
+  auto checked = check_model(std::move(cut).value());
+  if (!checked) return checked.error();
+  auto timed = with_roofline_durations(std::move(checked).value(), w.device);
+  if (!timed) return timed.error();
+  return Workload{std::move(timed).value(), w.device};
+}
+
+// The workload a rank runs under the tensor parallelism `fsdp` asks for (the model file's where
+// it asks none), its parallelism checked against the device first: what every option read
+// against the model (a checkpoint plan's layers and ops) is read against.
+Result<Workload> rank_workload(const Workload& w, FsdpRequest fsdp, std::int32_t devices) {
+  adopt_parallelism(fsdp, w.model->parallelism, devices);
+  if (fsdp.tp == 1 || devices > 1) return w;
+  auto p = parallelism_of(fsdp);
+  if (!p) return p.error();
+  if (auto valid = validate_parallelism(p.value(), w.device, kFsdpFlags); !valid) {
+    return valid.error();
+  }
+  return cut_workload(w, fsdp.tp);
 }
 
 // The training options a request asks for, with its parallelism apart: that is checked
@@ -177,7 +208,7 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   FsdpRequest adopted = asked;
   adopt_parallelism(adopted, plan.value().parallelism);
   TrainingOptions& base = run.base;
-  if (adopted.ranks != asked.ranks) {
+  if (adopted.ranks != asked.ranks || adopted.tp != asked.tp) {
     auto fsdp = parallelism_of(adopted);
     const Status chosen =
         fsdp ? choose_parallelism(base.fsdp, fsdp.value(), w.device) : Status(fsdp.error());
@@ -185,7 +216,11 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   } else if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device); !chosen) {
     return chosen.error();
   }
-  auto row = replay_plan(plan.value(), w.model, w.device, base);
+  // A plan made under tensor parallelism the request and the model leave out is replayed on the
+  // cut it was made on.
+  auto ranked = cut_workload(w, adopted.tp != asked.tp ? adopted.tp : 1);
+  if (!ranked) return Error{fmt::format("{}: parallelism: {}", path, ranked.error().message)};
+  auto row = replay_plan(plan.value(), ranked.value().model, w.device, base);
   if (!row) return Error{fmt::format("{}: {}", path, row.error().message)};
   row.value().name = "plan " + path;
   // The report names the request's parallelism over the plan's.
@@ -260,18 +295,19 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
     return chosen.error();
   }
   const Parallelism parallelism = base.fsdp.parallelism;
+  const Workload& rank = w;  // cut for its tensor parallelism (rank_workload)
   PolicyRow row{r.policy, std::move(base)};
   row.options.offload.policy = policy.value();
   row.options.sim.record_allocator = r.memory_snapshot;
   if (!row.options.offload.horizon_bytes) {
-    row.options.offload.horizon_bytes = offload_horizon(*w.model, w.device, row.options);
+    row.options.offload.horizon_bytes = offload_horizon(*rank.model, w.device, row.options);
   }
   Response out;
   const bool keep = r.trace || r.memory_snapshot;
-  const RowResult result = run_row(w.model, w.device, row, keep ? &out.run : nullptr);
+  const RowResult result = run_row(rank.model, w.device, row, keep ? &out.run : nullptr);
   out.outcome = outcome_of(result.hazards == 0 && !result.failure);
-  out.document = simulate_json(result, *w.model, w.device, parallelism);
-  out.text = simulate_text(result, *w.model, w.device, parallelism);
+  out.document = simulate_json(result, *rank.model, w.device, parallelism);
+  out.text = simulate_text(result, *rank.model, w.device, parallelism);
   return out;
 }
 
@@ -315,11 +351,13 @@ Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
       !bounded) {
     return bounded.error();
   }
+  if (auto bounded = in_bounds("--tp", fsdp.tp, 1, 1024); !bounded) return bounded.error();
   const Parallelism p{.ranks = fsdp.ranks.value_or(0),
                       .nodes = fsdp.nodes.value_or(0),
                       .replicas = fsdp.replicas,
                       .reshard_after_forward = fsdp.reshard_after_forward,
-                      .impl = fsdp.impl};
+                      .impl = fsdp.impl,
+                      .tp = fsdp.tp};
   if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True() ||
                   p.impl != FsdpImpl::Fsdp2)) {
     return Error{"--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N"};
@@ -328,7 +366,9 @@ Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
 }
 
 void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t devices) {
-  if (!file.on() || devices > 1) return;
+  if (!file.sharded() || devices > 1) return;
+  if (fsdp.tp == 1) fsdp.tp = file.tp;
+  if (!file.on()) return;
   if (!fsdp.ranks) fsdp.ranks = file.ranks;
   if (!fsdp.nodes && file.nodes > 0) fsdp.nodes = file.nodes;
   if (fsdp.replicas == 1) fsdp.replicas = file.replicas;
@@ -339,7 +379,9 @@ void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t 
 }
 
 Result<Response> respond(const SimulateRequest& r) {
-  auto workload = load(r.target);
+  auto whole = load(r.target);
+  if (!whole) return whole.error();
+  auto workload = rank_workload(whole.value(), r.run.fsdp, r.run.devices);
   if (!workload) return workload.error();
   const Workload& w = workload.value();
   auto asked = training_options(r.run, *w.model, &r);
@@ -350,7 +392,9 @@ Result<Response> respond(const SimulateRequest& r) {
 }
 
 Result<Response> respond(const CompareRequest& r) {
-  auto workload = load(r.target);
+  auto whole = load(r.target);
+  if (!whole) return whole.error();
+  auto workload = rank_workload(whole.value(), r.run.fsdp, r.run.devices);
   if (!workload) return workload.error();
   const Workload& w = workload.value();
   auto asked = training_options(r.run, *w.model, nullptr);
@@ -363,11 +407,12 @@ Result<Response> respond(const CompareRequest& r) {
   if (const auto why = single_device_only(base); why && r.run.devices > 1) {
     return Error{fmt::format("{} (--devices {})", *why, r.run.devices)};
   }
+  const Workload& rank = w;  // cut for its tensor parallelism (rank_workload)
   bool clean = true;
   std::vector<RowResult> rows;
-  for (const PolicyRow& row : default_rows(base, *w.model, w.device)) {
+  for (const PolicyRow& row : default_rows(base, *rank.model, w.device)) {
     if (r.progress) r.progress(row.name);
-    rows.push_back(run_row(w.model, w.device, row));
+    rows.push_back(run_row(rank.model, w.device, row));
     clean = clean && rows.back().hazards == 0;
   }
   std::vector<PipelineRow> pipelines;
@@ -378,8 +423,8 @@ Result<Response> respond(const CompareRequest& r) {
   }
   Response out;
   out.outcome = outcome_of(clean);
-  out.document = compare_json(rows, *w.model, w.device, pipelines, parallelism);
-  out.text = compare_text(rows, *w.model, w.device, pipelines, parallelism);
+  out.document = compare_json(rows, *rank.model, w.device, pipelines, parallelism);
+  out.text = compare_text(rows, *rank.model, w.device, pipelines, parallelism);
   return out;
 }
 
@@ -392,7 +437,7 @@ Result<Response> respond(const PlanRequest& r) {
   const Workload& w = workload.value();
   PlannerOptions options = std::move(asked.value().options);
   Parallelism chosen = asked.value().parallelism;
-  if (w.model->parallelism.on()) {
+  if (w.model->parallelism.sharded()) {
     // What the request left out is the model file's: the parallelism is checked again with it.
     FsdpRequest fsdp = r.fsdp;
     adopt_parallelism(fsdp, w.model->parallelism);
@@ -410,14 +455,17 @@ Result<Response> respond(const PlanRequest& r) {
   }
   options.allocator = allocator.value();
   if (auto fsdp = choose_parallelism(options.fsdp, chosen, w.device); !fsdp) return fsdp.error();
+  auto ranked = cut_workload(w, static_cast<const Parallelism&>(options.fsdp.parallelism).tp);
+  if (!ranked) return ranked.error();
+  const Workload& rank = ranked.value();
   Response out;
   if (r.sweep > 0) {
     // A sweep's budgets are the simulator's peaks, from the floor up: no margin below them.
     options.margin_permille = 0;
-    const auto points = plan_sweep(w.model, w.device, options, r.sweep, r.progress);
-    out.document = sweep_json(points, *w.model, w.device, options.fsdp.parallelism);
-    out.text = sweep_text(points, *w.model, w.device, options.fsdp.parallelism);
-    if (r.plot) out.plot = sweep_svg(points, *w.model, w.device);
+    const auto points = plan_sweep(rank.model, w.device, options, r.sweep, r.progress);
+    out.document = sweep_json(points, *rank.model, w.device, options.fsdp.parallelism);
+    out.text = sweep_text(points, *rank.model, w.device, options.fsdp.parallelism);
+    if (r.plot) out.plot = sweep_svg(points, *rank.model, w.device);
     return out;
   }
   // No budget: the device's whole memory, the question "what is fastest that fits at all?".
@@ -426,18 +474,18 @@ Result<Response> respond(const PlanRequest& r) {
   // unrecorded, and a model file may change between requests: such requests plan alone.
   auto outcome = [&]() -> Result<PlanOutcome> {
     if (r.planners == nullptr || r.memory_snapshot || !r.target.model.text) {
-      return make_plan(w.model, w.device, options, &out.floor);
+      return make_plan(rank.model, w.device, options, &out.floor);
     }
     const std::scoped_lock lock(r.planners->mutex_);
-    return r.planners->planner(planner_key(r), w, options).plan(options, &out.floor);
+    return r.planners->planner(planner_key(r), rank, options).plan(options, &out.floor);
   }();
   if (!outcome) {
     out.outcome = Outcome::Refused;
     out.refusal = outcome.error().message;
     return out;
   }
-  out.document = plan_report_json(outcome.value(), *w.model, w.device);
-  out.text = plan_text(outcome.value(), *w.model, w.device);
+  out.document = plan_report_json(outcome.value(), *rank.model, w.device);
+  out.text = plan_text(outcome.value(), *rank.model, w.device);
   out.plan = std::move(outcome).value();
   return out;
 }

@@ -9,8 +9,31 @@ namespace ferry::sim {
 
 Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
                             const ParallelismNames& names) {
-  if (!p.on()) return Ok{};
   const CollectiveLinks& links = device.collectives;
+  if (p.tp < 1 || p.tp > 1024) {
+    return Error{fmt::format("{}: {} ranks (use 1 to 1024)", names.tp, p.tp)};
+  }
+  if (p.tp > 1) {
+    if (links.gpus_per_node % p.tp != 0) {
+      return Error{fmt::format(
+          "{}: {} ranks do not fit a node of {} GPUs (device {}): a tensor-parallel group lies "
+          "inside one node, and the node's GPUs hold whole groups",
+          names.tp, p.tp, links.gpus_per_node, device.name)};
+    }
+    if (!links.intra_node.known()) {
+      return Error{fmt::format(
+          "device {} has no \"collectives\" links: {} {} needs the intra-node bandwidth "
+          "(docs/devices.md)",
+          device.name, names.tp, p.tp)};
+    }
+  }
+  if (!p.on()) {
+    if (p.nodes > 1) {
+      return Error{fmt::format("{}: {} GPUs of tensor parallelism lie inside one node, not {}",
+                               names.nodes, p.tp, p.nodes)};
+    }
+    return Ok{};
+  }
   if (p.ranks < 1 || p.ranks > 1'000'000) {
     return Error{fmt::format("{}: {} ranks (use 1 to 1000000)", names.ranks, p.ranks)};
   }
@@ -19,11 +42,13 @@ Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
                              p.replicas, p.ranks)};
   }
   const std::int32_t nodes = p.node_count(links.gpus_per_node);
-  if (nodes < 1 || p.ranks % nodes != 0 || p.ranks / nodes > links.gpus_per_node) {
+  const std::int32_t world = p.world();
+  if (nodes < 1 || world % nodes != 0 || world / nodes > links.gpus_per_node ||
+      (world / nodes) % p.tp != 0) {
     return Error{fmt::format(
         "{}: {} ranks over {} nodes of {} GPUs (device {}): the nodes must hold the ranks "
         "evenly",
-        names.nodes, p.ranks, nodes, links.gpus_per_node, device.name)};
+        names.nodes, world, nodes, links.gpus_per_node, device.name)};
   }
   const Reshard reshard = p.reshard_after_forward;
   if (reshard.kind() == Reshard::Kind::K &&
@@ -52,10 +77,10 @@ Result<CheckedParallelism> check_parallelism(const Parallelism& p, const DeviceP
 }
 
 DeviceProfile rank_profile(DeviceProfile profile, const Parallelism& p) {
-  if (!p.on()) return profile;
-  // The node's pinned host memory is shared by its ranks: each gets an even part.
+  if (!p.sharded()) return profile;
+  // The node's pinned host memory is shared by its GPUs: each gets an even part.
   const std::int32_t nodes = p.node_count(profile.collectives.gpus_per_node);
-  const std::int32_t per_node = std::max(1, p.ranks / std::max(1, nodes));
+  const std::int32_t per_node = std::max(1, p.world() / std::max(1, nodes));
   profile.pinned_host_capacity = Bytes(profile.pinned_host_capacity.count() / per_node);
   return profile;
 }
@@ -186,14 +211,16 @@ void Fsdp2::bind_unit(std::size_t u, Device::Buffer buffer) {
 }
 
 void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
-  // The groups of rank 0 (Note [FSDP2, one rank]), ranks laid out shard group by shard group:
-  // a shard group is consecutive ranks, a replica group one member of each shard group.
+  // The groups of rank 0 (Note [FSDP2, one rank]), GPUs laid out tensor-parallel group by
+  // group, then shard group by shard group: a shard group is every tp-th GPU of consecutive
+  // ones, a replica group one member of each shard group.
   const std::int32_t per_node = parallelism_.ranks_per_node(links().gpus_per_node);
+  const std::int32_t tp = parallelism_.tp;
   const std::int32_t shard_ranks = parallelism_.shard_group();
-  shard_group_ = place_group(shard_ranks, 1, per_node);
-  replica_group_ = place_group(parallelism_.replicas, shard_ranks, per_node);
+  shard_group_ = place_group(shard_ranks, tp, per_node);
+  replica_group_ = place_group(parallelism_.replicas, shard_ranks * tp, per_node);
   if (parallelism_.reshard_after_forward.ranks() > 1) {
-    post_forward_group_ = place_group(parallelism_.reshard_after_forward.ranks(), 1, per_node);
+    post_forward_group_ = place_group(parallelism_.reshard_after_forward.ranks(), tp, per_node);
   }
   copy_in_ = sim_.add_stream(dev_, "all_gather_copy_in");
   all_gather_ = sim_.add_stream(dev_, "all_gather");

@@ -20,9 +20,13 @@ nlohmann::ordered_json reshard_json(Reshard r) {
 
 Result<Parallelism> read_parallelism(const JsonValue& value) {
   constexpr std::int64_t kMost = 1 << 20;
-  FERRY_JSON_TRY(const auto object,
-                 value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward", "fsdp_impl"}));
+  FERRY_JSON_TRY(const auto object, value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward",
+                                                  "fsdp_impl", "tp"}));
   Parallelism p;
+  FERRY_JSON_TRY(const auto tp, object.optional_integer("tp", 1, 1, 1024));
+  p.tp = static_cast<std::int32_t>(tp);
+  // FSDP's ranks, which tensor parallelism alone leaves out.
+  if (!object.has("fsdp") && object.has("tp")) return p;
   FERRY_JSON_TRY(const auto ranks, object.required_integer("fsdp", 1, kMost));
   FERRY_JSON_TRY(const auto nodes, object.optional_integer("nodes", 0, 1, kMost));
   FERRY_JSON_TRY(const auto hsdp, object.optional_integer("hsdp", 1, 1, kMost));
@@ -48,6 +52,10 @@ Result<Parallelism> read_parallelism(const JsonValue& value) {
 
 nlohmann::ordered_json parallelism_json(const Parallelism& p) {
   nlohmann::ordered_json j;
+  if (!p.on()) {
+    j["tp"] = p.tp;
+    return j;
+  }
   j["fsdp"] = p.ranks;
   if (p.nodes > 0) j["nodes"] = p.nodes;
   if (p.replicas > 1) j["hsdp"] = p.replicas;
@@ -55,6 +63,7 @@ nlohmann::ordered_json parallelism_json(const Parallelism& p) {
     j["reshard_after_forward"] = reshard_json(p.reshard_after_forward);
   }
   if (p.impl != FsdpImpl::Fsdp2) j["fsdp_impl"] = to_string(p.impl);
+  if (p.tp > 1) j["tp"] = p.tp;
   return j;
 }
 
@@ -67,6 +76,19 @@ nlohmann::ordered_json parallelism_report_json(const Parallelism& p, std::int32_
   if (p.impl != FsdpImpl::Fsdp2) j["fsdp_impl"] = to_string(p.impl);
   j["per_rank"] = true;
   return j;
+}
+
+nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
+                                               const Parallelism& p, std::int32_t gpus_per_node) {
+  if (p.on()) document["fsdp"] = parallelism_report_json(p, gpus_per_node);
+  if (p.tp > 1) {
+    nlohmann::ordered_json tp;
+    tp["ranks"] = p.tp;
+    tp["sequence_parallel"] = true;
+    tp["per_rank"] = true;
+    document["tp"] = std::move(tp);
+  }
+  return document;
 }
 
 }  // namespace ferry::sim

@@ -66,7 +66,7 @@ Json plan_json(const Plan& plan) {
                 {"prefetch_bytes", plan.knobs.prefetch_bytes.count()},
                 {"prefetch", plan.knobs.prefetch}};
   if (plan.knobs.horizon_bytes) j["knobs"]["horizon_bytes"] = plan.knobs.horizon_bytes->count();
-  if (plan.parallelism.on()) j["parallelism"] = parallelism_json(plan.parallelism);
+  if (plan.parallelism.sharded()) j["parallelism"] = parallelism_json(plan.parallelism);
   Json regions = Json::array();
   for (const PlanRegion& r : plan.regions) {
     regions.push_back({{"first_op", r.first_op},

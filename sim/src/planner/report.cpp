@@ -17,10 +17,9 @@ namespace {
 using Json = nlohmann::ordered_json;
 using planning::none_time;
 
-// The document `j` with its "fsdp" member under FSDP (Note [Reports under FSDP]).
+// The document `j` with its parallelism's members (Note [Reports under FSDP]).
 Json with_parallelism(Json j, const Parallelism& p, const DeviceProfile& device) {
-  if (p.on()) j["fsdp"] = parallelism_report_json(p, device.collectives.gpus_per_node);
-  return j;
+  return with_parallelism_report(std::move(j), p, device.collectives.gpus_per_node);
 }
 
 std::string layer_name(std::int32_t layer) {

@@ -16,10 +16,9 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-// The document `j` with its "fsdp" member under FSDP (Note [Reports under FSDP]).
+// The document `j` with its parallelism's members (Note [Reports under FSDP]).
 Json with_parallelism(Json j, const Parallelism& p, const DeviceProfile& device) {
-  if (p.on()) j["fsdp"] = parallelism_report_json(p, device.collectives.gpus_per_node);
-  return j;
+  return with_parallelism_report(std::move(j), p, device.collectives.gpus_per_node);
 }
 
 const RowResult* baseline(const std::vector<RowResult>& rows) {
@@ -95,14 +94,20 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
 std::string document_text(const Json& document) { return document.dump(2) + "\n"; }
 
 std::string parallelism_text(const Parallelism& p, const DeviceProfile& device) {
-  if (!p.on()) return {};
+  if (!p.sharded()) return {};
   const std::int32_t nodes = p.node_count(device.collectives.gpus_per_node);
+  const std::string tp =
+      p.tp > 1 ? fmt::format("tensor parallelism over {} GPUs (sequence parallel)", p.tp) : "";
+  if (!p.on()) {
+    return fmt::format(
+        "{}; every figure is one GPU's (its pinned memory: its part of the node's)\n", tp);
+  }
   return fmt::format(
-      "{} over {} ranks on {} node{}{}, reshard after forward: {}; every figure is one "
+      "{} over {} ranks on {} node{}{}, reshard after forward: {}{}; every figure is one "
       "rank's (its pinned memory: its part of the node's)\n",
       p.impl == FsdpImpl::Simple ? "SimpleFSDP" : "FSDP2", p.ranks, nodes, nodes == 1 ? "" : "s",
       p.replicas > 1 ? fmt::format(", {} HSDP replica groups", p.replicas) : "",
-      to_string(p.reshard_after_forward));
+      to_string(p.reshard_after_forward), tp.empty() ? tp : ", each rank " + tp);
 }
 
 Json simulate_json(const RowResult& r, const Model& model, const DeviceProfile& device,

@@ -62,21 +62,25 @@ struct FsdpRequest {
   std::int32_t replicas = 1;            ///< 1..1000000
   Reshard reshard_after_forward{};
   FsdpImpl impl = FsdpImpl::Fsdp2;
+  /// Tensor parallelism over 1..1024 GPUs a rank (`--tp`, Python's tp): each runs its cut of the
+  /// model (tensor_parallel_model); 1: none.
+  std::int32_t tp = 1;
 };
 
 /// The flags' names, as validate_parallelism's errors at the edges name the fields.
 inline constexpr ParallelismNames kFsdpFlags{.ranks = "--fsdp",
                                              .nodes = "--nodes",
                                              .replicas = "--hsdp",
-                                             .reshard_after_forward = "--reshard-after-forward"};
+                                             .reshard_after_forward = "--reshard-after-forward",
+                                             .tp = "--tp"};
 
 /// The parallelism `fsdp` asks for, its numbers in bounds (Note [One check for both edges]).
 /// Not against a device: check_parallelism with kFsdpFlags does that.
 Result<Parallelism> parallelism_of(const FsdpRequest& fsdp);
 
-/// Fills what `fsdp` leaves out from a file's parallelism section: its ranks when none are asked
-/// (and no pipeline runs over `devices` > 1), then its nodes, HSDP groups and resharding where
-/// `fsdp` kept the defaults.
+/// Fills what `fsdp` leaves out from a file's parallelism section (unless a pipeline runs over
+/// `devices` > 1): its tensor parallelism where `fsdp` asks none, its ranks when none are asked,
+/// then its nodes, HSDP groups and resharding where `fsdp` kept the defaults.
 void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t devices = 1);
 
 /// The options simulate and compare share: the offload knobs, the run's length and checks, FSDP2

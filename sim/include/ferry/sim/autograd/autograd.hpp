@@ -48,6 +48,7 @@ struct ParallelismNames {
   std::string_view nodes = "nodes";
   std::string_view replicas = "replicas";
   std::string_view reshard_after_forward = "reshard_after_forward";
+  std::string_view tp = "tp";
 };
 
 /// Checks `p` against a device profile's links; the error names the field as `names` spells it.
@@ -90,7 +91,8 @@ struct FsdpOptions {
   friend bool operator==(const FsdpOptions&, const FsdpOptions&) = default;
 };
 
-/// The device as one rank sees it: with FSDP, its even part of the node's pinned host memory.
+/// The device as one rank sees it: with FSDP or tensor parallelism, its even part of the node's
+/// pinned host memory.
 [[nodiscard]] DeviceProfile rank_profile(DeviceProfile profile, const Parallelism& p);
 
 struct TrainingOptions {

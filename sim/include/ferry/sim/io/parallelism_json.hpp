@@ -1,7 +1,8 @@
 #pragma once
 /// Parallelism as JSON, read and written here only: the "parallelism" section of model and plan
-/// files, {"fsdp": N, "nodes": M, "hsdp": R, "reshard_after_forward": true | false | K}, and the
-/// "fsdp" member of reports.
+/// files, {"fsdp": N, "nodes": M, "hsdp": R, "reshard_after_forward": true | false | K,
+/// "fsdp_impl": I, "tp": T} ("fsdp" may be left out when "tp" is given), and the "fsdp" and
+/// "tp" members of reports.
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -15,13 +16,21 @@ namespace ferry::sim {
 /// The section at `value`; errors name the member.
 Result<Parallelism> read_parallelism(const JsonValue& value);
 
-/// The section as written: only what differs from the defaults besides `fsdp`.
+/// The section as written: only what differs from the defaults besides `fsdp` (`tp` alone
+/// without FSDP).
 [[nodiscard]] nlohmann::ordered_json parallelism_json(const Parallelism& p);
 
 /// A report's "fsdp" member for `p` (on): ranks, the nodes they span on a device of
 /// `gpus_per_node` GPUs a node, HSDP groups, resharding, and "per_rank": true (every figure is
 /// one rank's).
 [[nodiscard]] nlohmann::ordered_json parallelism_report_json(const Parallelism& p,
+                                                             std::int32_t gpus_per_node);
+
+/// `document` with its "fsdp" member under FSDP (parallelism_report_json) and its "tp" member
+/// under tensor parallelism: {"ranks": T, "sequence_parallel": true, "per_rank": true} (every
+/// figure is one GPU's).
+[[nodiscard]] nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
+                                                             const Parallelism& p,
                                                              std::int32_t gpus_per_node);
 
 }  // namespace ferry::sim
