@@ -295,19 +295,18 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
     return chosen.error();
   }
   const Parallelism parallelism = base.fsdp.parallelism;
-  const Workload& rank = w;  // cut for its tensor parallelism (rank_workload)
   PolicyRow row{r.policy, std::move(base)};
   row.options.offload.policy = policy.value();
   row.options.sim.record_allocator = r.memory_snapshot;
   if (!row.options.offload.horizon_bytes) {
-    row.options.offload.horizon_bytes = offload_horizon(*rank.model, w.device, row.options);
+    row.options.offload.horizon_bytes = offload_horizon(*w.model, w.device, row.options);
   }
   Response out;
   const bool keep = r.trace || r.memory_snapshot;
-  const RowResult result = run_row(rank.model, w.device, row, keep ? &out.run : nullptr);
+  const RowResult result = run_row(w.model, w.device, row, keep ? &out.run : nullptr);
   out.outcome = outcome_of(result.hazards == 0 && !result.failure);
-  out.document = simulate_json(result, *rank.model, w.device, parallelism);
-  out.text = simulate_text(result, *rank.model, w.device, parallelism);
+  out.document = simulate_json(result, *w.model, w.device, parallelism);
+  out.text = simulate_text(result, *w.model, w.device, parallelism);
   return out;
 }
 
@@ -407,12 +406,11 @@ Result<Response> respond(const CompareRequest& r) {
   if (const auto why = single_device_only(base); why && r.run.devices > 1) {
     return Error{fmt::format("{} (--devices {})", *why, r.run.devices)};
   }
-  const Workload& rank = w;  // cut for its tensor parallelism (rank_workload)
   bool clean = true;
   std::vector<RowResult> rows;
-  for (const PolicyRow& row : default_rows(base, *rank.model, w.device)) {
+  for (const PolicyRow& row : default_rows(base, *w.model, w.device)) {
     if (r.progress) r.progress(row.name);
-    rows.push_back(run_row(rank.model, w.device, row));
+    rows.push_back(run_row(w.model, w.device, row));
     clean = clean && rows.back().hazards == 0;
   }
   std::vector<PipelineRow> pipelines;
@@ -423,8 +421,8 @@ Result<Response> respond(const CompareRequest& r) {
   }
   Response out;
   out.outcome = outcome_of(clean);
-  out.document = compare_json(rows, *rank.model, w.device, pipelines, parallelism);
-  out.text = compare_text(rows, *rank.model, w.device, pipelines, parallelism);
+  out.document = compare_json(rows, *w.model, w.device, pipelines, parallelism);
+  out.text = compare_text(rows, *w.model, w.device, pipelines, parallelism);
   return out;
 }
 

@@ -457,9 +457,9 @@ Result<Model> TensorParallelCut::rewrite() {
     if (result == Layout::Partial) {
       const std::uint32_t t = kept.outputs.front();
       const std::uint32_t s = new_tensor(t, name_of(t) + "/tp.scattered", Layout::Tokens);
-      const ModelOp near = kept;
-      collective_op(near.name + "/tp.reduce_scatter", kReduceScatterKind, t, s,
-                    CollectiveKind::ReduceScatter, CollectiveKind::AllGather, near);
+      // `kept` is read before the new op is pushed (which may move it).
+      collective_op(kept.name + "/tp.reduce_scatter", kReduceScatterKind, t, s,
+                    CollectiveKind::ReduceScatter, CollectiveKind::AllGather, kept);
       now[t] = s;
     }
   }
