@@ -131,7 +131,18 @@ std::vector<OpSpan> attention_cores(const Model& model) {
   const auto n = static_cast<std::uint32_t>(model.ops.size());
   for (std::uint32_t i = 0; i < n; ++i) {
     const std::int32_t layer = model.ops[i].layer;
-    if (layer >= 0 && listed(model.ops[i].kind, kFusedAttention)) cores.push_back({i, i + 1});
+    if (layer >= 0 && listed(model.ops[i].kind, kFusedAttention)) {
+      // The collective right before it that gathers its K and V (context parallelism: Note [A
+      // context-parallel rank] in rank_model.cpp) is part of the core: recomputing the kernel
+      // gathers them again, as torch's ring attention does.
+      const ModelOp& before = model.ops[i > 0 ? i - 1 : i];
+      const bool gathers =
+          i > 0 && before.collective.any() && before.layer == layer &&
+          std::ranges::all_of(before.outputs, [&](std::uint32_t t) {
+            return std::ranges::find(model.ops[i].inputs, t) != model.ops[i].inputs.end();
+          });
+      cores.push_back({gathers ? i - 1 : i, i + 1});
+    }
     if (layer < 0 || !listed(model.ops[i].kind, kSoftmax)) continue;
     std::optional<std::uint32_t> first;
     for (std::uint32_t j = i; j-- > 0 && model.ops[j].layer == layer;) {

@@ -23,4 +23,13 @@ namespace ferry::sim {
 /// that does not split, with `--tp`.
 Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp);
 
+/// The model one of `cp` context-parallel ranks runs (Note [A context-parallel rank] in
+/// rank_model.cpp): every activation computed from the inputs holds 1/cp of the tokens, each op
+/// reading one does 1/cp of its work, and an all-gather of K and V over the context group (a
+/// group spanning `nodes` nodes) runs before each fused attention kernel, which saves its local
+/// K and V (torch's context_parallel with all-gather rotation). With `cp` 1, `whole` itself.
+/// Durations are left as they are. Cuts a tensor-parallel rank's model as well as a whole one.
+/// The error names the op or tensor that does not split, with `--cp`.
+Result<Model> context_parallel_model(const Model& whole, std::int32_t cp, std::int32_t nodes = 1);
+
 }  // namespace ferry::sim
