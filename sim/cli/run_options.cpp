@@ -33,6 +33,11 @@ CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpRequest& fsdp, TextFlags& 
                   "Tensor parallelism over N GPUs a rank (1..1024, inside a node): each runs its "
                   "cut of the model, sequence parallel (docs/parallelism.md); 1: none")
       ->capture_default_str();
+  cmd->add_option("--cp", fsdp.cp,
+                  "With --fsdp: context parallelism over N GPUs a rank (1..1024): each holds 1/N "
+                  "of the sequence, K and V all-gathered for attention, FSDP sharding over them "
+                  "too (docs/parallelism.md); 1: none")
+      ->capture_default_str();
   return ranks;
 }
 

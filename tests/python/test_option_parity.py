@@ -20,7 +20,7 @@ import pytest
 import ferry
 from ferry_cli import cli
 
-MODEL = "tiny-gpt"
+MODEL = "tiny-llama"
 DEVICE = "a100-pcie4"
 SEED = 34
 
@@ -38,14 +38,18 @@ FSDP_BOUNDS = {
     "nodes": ("--nodes", 1, 1_000_000),
     "hsdp": ("--hsdp", 1, 1_000_000),
 }
-#: Tensor parallelism's: drawn apart (TP_DRAWS), mostly in bounds, as most meshes refuse.
-TP_BOUNDS = {"tp": ("--tp", 1, 1024)}
+#: Tensor and context parallelism's: drawn apart (TP_DRAWS, CP_DRAWS), mostly in bounds, as
+#: most meshes refuse.
+TP_BOUNDS = {"tp": ("--tp", 1, 1024), "cp": ("--cp", 1, 1024)}
 #: tp values: accepted (1, 2), out of bounds, and in bounds but refused by the model or the
 #: device (3: not a divisor of a node's GPUs; 8: more than the model's heads).
 TP_DRAWS = [1, 2, 2, 0, 1025, -1, 3, 8]
+#: cp values: accepted with fsdp (1, 2, 4), out of bounds, and in bounds but refused (3: not a
+#: divisor of the tokens; any without fsdp).
+CP_DRAWS = [1, 2, 2, 4, 0, 1025, -1, 3]
 PLAN_BOUNDS = {"steps": ("--steps", 1, 100), **FSDP_BOUNDS, **TP_BOUNDS}
 #: The options Python takes as 32-bit integers: out-of-bounds draws stay parseable.
-INT32 = {"steps", "stash", "fsdp", "nodes", "hsdp", "tp"}
+INT32 = {"steps", "stash", "fsdp", "nodes", "hsdp", "tp", "cp"}
 #: Values kept small where a run is accepted, so that it is quick.
 CHEAP = {"steps": 2, "fsdp": 16, "nodes": 16, "hsdp": 16}
 
@@ -97,10 +101,10 @@ def cheapened(options, bounds):
 
 def draw_numbers(rng, bounds, rate):
     """Some of the options in `bounds` (each with probability `rate`), all within their bounds
-    in about half the cases, one or more outside in the others."""
+    in about 60 % of the cases, one or more outside in the others."""
     names = [k for k in bounds if rng.random() < rate]
     outside = set()
-    if names and rng.random() < 0.5:
+    if names and rng.random() < 0.4:
         outside = set(rng.sample(names, rng.randint(1, len(names))))
     return {k: draw_int(rng, k, bounds[k][1], bounds[k][2], k not in outside) for k in names}
 
@@ -115,6 +119,11 @@ def draw_fsdp(rng, options):
         options["allocator"] = rng.choice(ALLOCATORS)
     if rng.random() < 0.1:
         options["tp"] = rng.choice(TP_DRAWS)
+    if rng.random() < 0.1:
+        options["cp"] = rng.choice(CP_DRAWS)
+        # Mostly with fsdp, which context parallelism needs.
+        if "fsdp" not in options and rng.random() < 0.7:
+            options["fsdp"] = rng.choice([1, 2])
     return options
 
 

@@ -347,6 +347,48 @@ TEST(Fsdp, ATensorParallelGroupMustFitANode) {
   EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 4, .tp = 2}, fsdp_profile()).ok());
 }
 
+// Context parallelism: FSDP shards over the data-parallel and context-parallel ranks together
+// (torchtitan's dp_shard_cp), so FSDP2 x CP4 runs FSDP as FSDP8 does on the same GPUs.
+TEST(Fsdp, AShardGroupSpansItsContextParallelRanks) {
+  const Model m = testing::chain_model(4, 1 << 20);
+  const auto run = [&](const Parallelism& p) {
+    TrainingOptions o = testing::two_steps(Policy::None);
+    auto checked = check_parallelism(p, fsdp_profile());
+    EXPECT_TRUE(checked.ok()) << checked.error().message;
+    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    return train(m, o, {}, fsdp_profile());
+  };
+  const TrainingRun fsdp8 = run(Parallelism{.ranks = 8});
+  const TrainingRun cp4 = run(Parallelism{.ranks = 2, .cp = 4});
+  expect_clean(cp4);
+  EXPECT_EQ(Parallelism({.ranks = 2, .cp = 4}).shard_group(), 8);
+  EXPECT_EQ(cp4.allocated_after, fsdp8.allocated_after);
+  EXPECT_EQ(cp4.baseline_allocated, fsdp8.baseline_allocated);
+  EXPECT_EQ(collective_time_on(cp4, "reduce_scatter"), collective_time_on(fsdp8, "reduce_scatter"));
+  EXPECT_EQ(collective_time_on(cp4, "all_gather"), collective_time_on(fsdp8, "all_gather"));
+  // FSDP2 x CP2 x TP2 lays the shard group every other GPU, over 4 of them.
+  const TrainingRun tp2 = run(Parallelism{.ranks = 2, .tp = 2, .cp = 2});
+  expect_clean(tp2);
+  EXPECT_EQ(collective_time_on(tp2, "reduce_scatter"),
+            collective_time_on(run(Parallelism{.ranks = 4, .tp = 2}), "reduce_scatter"));
+}
+
+TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
+  const auto refused = [](const Parallelism& p) {
+    auto checked = check_parallelism(p, fsdp_profile(), kFsdpFlags);
+    EXPECT_FALSE(checked.ok());
+    return checked.ok() ? std::string() : checked.error().message;
+  };
+  EXPECT_EQ(refused(Parallelism{.cp = 2}).rfind("--cp 2 needs --fsdp N", 0), 0U);
+  EXPECT_EQ(refused(Parallelism{.ranks = 2, .cp = 0}), "--cp: 0 ranks (use 1 to 1024)");
+  // 12 GPUs on two nodes of 6: a group of 2 x 2 GPUs would straddle them.
+  EXPECT_EQ(refused(Parallelism{.ranks = 3, .tp = 2, .cp = 2})
+                .rfind("--cp: 2 ranks (times 2 of tensor parallelism) neither fit", 0),
+            0U);
+  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 1, .cp = 16}, fsdp_profile()).ok());
+  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 2, .tp = 2, .cp = 2}, fsdp_profile()).ok());
+}
+
 TEST(Fsdp, OneRankGathersAndReduceScattersNothing) {
   const Model m = testing::chain_model(4, 1 << 20);
   const TrainingRun one = train(m, fsdp_options(1, Policy::Ferry));

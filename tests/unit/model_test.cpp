@@ -764,6 +764,12 @@ TEST(ModelJson, TheParallelismSectionIsReadAndWrittenBack) {
   EXPECT_EQ(kept.value().parallelism.reshard_after_forward, Reshard::False());
   EXPECT_EQ(kept.value().parallelism.nodes, 0);
   // Tensor parallelism, with FSDP or alone (no "fsdp" then).
+  auto context = parse_model(
+      valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": {"fsdp": 2, "cp": 4})"),
+      "toy.json");
+  ASSERT_TRUE(context.ok()) << context.error().message;
+  EXPECT_EQ(context.value().parallelism, (Parallelism{.ranks = 2, .cp = 4}));
+  EXPECT_NE(model_to_json(context.value()).find(R"("cp": 4)"), std::string::npos);
   for (const std::string section : {R"({"fsdp": 4, "tp": 2})", R"({"tp": 2})"}) {
     SCOPED_TRACE(section);
     auto sharded = parse_model(
@@ -793,7 +799,9 @@ TEST(ModelJson, ABadParallelismSectionIsNamed) {
            {R"({"fsdp": 8, "reshard_after_forward": "yes"})", "parallelism.reshard_after_forward"},
            {R"({"fsdp": 8, "tp": 0})", "parallelism.tp"},
            {R"({"tp": 2048})", "parallelism.tp"},
-           {R"({"fsdp": 8, "cp": 2})", "cp"},
+           {R"({"fsdp": 8, "cp": 0})", "parallelism.cp"},
+           {R"({"cp": 2})", "fsdp"},
+           {R"({"fsdp": 8, "ep": 2})", "ep"},
        }) {
     auto model = parse_model(
         valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": )" + section), "toy.json");

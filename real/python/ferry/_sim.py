@@ -104,7 +104,8 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
             ``reshard_after_forward`` (True, False or K) and ``fsdp_impl`` ("fsdp2", or
             "simple": torchtitan's SimpleFSDP), where a traced model's recorded parallelism is
             the default (docs/fsdp.md); ``tp``, tensor parallelism over that many GPUs a rank
-            (``--tp``, docs/parallelism.md); ``allocator``, "default" or
+            (``--tp``, docs/parallelism.md); ``cp``, context parallelism over that many GPUs a
+            rank, with ``fsdp`` (``--cp``); ``allocator``, "default" or
             "expandable" (the caching allocator with ``expandable_segments:True``, where a
             traced model's recorded setting is the default; docs/allocators.md). Numbers have
             the command line's bounds (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes``

@@ -93,9 +93,12 @@ enum class FsdpImpl : std::uint8_t {
   return std::nullopt;
 }
 
-/// FSDP2 (or HSDP) over `ranks` symmetric data-parallel ranks, each of them `tp` GPUs of tensor
-/// parallelism (the mesh [dp_replicate, dp_shard, tp], tp innermost: a tensor-parallel group is
-/// `tp` consecutive GPUs). ranks == 0: no FSDP; with tp 1 too, one GPU holds the model.
+/// FSDP2 (or HSDP) over `ranks` symmetric data-parallel ranks, each of them `cp` x `tp` GPUs of
+/// context and tensor parallelism (torchtitan's mesh [dp_replicate, dp_shard, cp, tp], tp
+/// innermost: a tensor-parallel group is `tp` consecutive GPUs, a context-parallel group every
+/// tp-th GPU of `cp` x `tp` consecutive ones). FSDP shards over the shard group's data-parallel
+/// and context-parallel ranks together (torchtitan's dp_shard_cp). ranks == 0: no FSDP (and no
+/// context parallelism); with tp 1 too, one GPU holds the model.
 struct Parallelism {
   std::int32_t ranks = 0;     ///< data-parallel ranks in all (replicas x shard group); 0: no FSDP
   std::int32_t nodes = 0;     ///< nodes the GPUs span; 0: as few as gpus_per_node allow
@@ -103,15 +106,17 @@ struct Parallelism {
   Reshard reshard_after_forward{};
   FsdpImpl impl = FsdpImpl::Fsdp2;
   std::int32_t tp = 1;  ///< tensor-parallel GPUs per data-parallel rank (docs/parallelism.md)
+  std::int32_t cp = 1;  ///< context-parallel GPUs per data-parallel rank (docs/parallelism.md)
 
   /// Whether FSDP runs.
   [[nodiscard]] constexpr bool on() const { return ranks > 0; }
   /// Whether the step runs on more than one GPU, by FSDP or tensor parallelism.
-  [[nodiscard]] constexpr bool sharded() const { return ranks > 0 || tp > 1; }
-  /// The GPUs in all: data-parallel ranks times tensor-parallel ones.
-  [[nodiscard]] constexpr std::int32_t world() const { return (ranks > 0 ? ranks : 1) * tp; }
-  /// The ranks one parameter is sharded over by FSDP.
-  [[nodiscard]] constexpr std::int32_t shard_group() const { return ranks / replicas; }
+  [[nodiscard]] constexpr bool sharded() const { return ranks > 0 || tp > 1 || cp > 1; }
+  /// The GPUs in all: data-parallel ranks times context- and tensor-parallel ones.
+  [[nodiscard]] constexpr std::int32_t world() const { return (ranks > 0 ? ranks : 1) * cp * tp; }
+  /// The GPUs one parameter is sharded over by FSDP: a shard group's data-parallel ranks times
+  /// their context-parallel ones.
+  [[nodiscard]] constexpr std::int32_t shard_group() const { return ranks / replicas * cp; }
   /// The nodes the GPUs span on a device with `gpus_per_node` GPUs a node.
   [[nodiscard]] constexpr std::int32_t node_count(std::int32_t gpus_per_node) const {
     return nodes > 0 ? nodes : (world() + gpus_per_node - 1) / gpus_per_node;

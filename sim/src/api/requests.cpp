@@ -54,10 +54,11 @@ Status first_error(std::initializer_list<Status> checks) {
 std::string planner_key(const PlanRequest& r) {
   const ModelSource& m = r.target.model;
   const FsdpRequest& f = r.fsdp;
-  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {} {}", m.name, m.text.value_or(""),
+  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {} {} {}", m.name, m.text.value_or(""),
                      r.target.device, r.target.scenarios.string(), r.steps, f.ranks ? *f.ranks : 0,
                      f.nodes ? *f.nodes : 0, f.replicas, to_string(f.reshard_after_forward),
-                     r.allocator ? static_cast<int>(*r.allocator) : -1, to_string(f.impl), f.tp);
+                     r.allocator ? static_cast<int>(*r.allocator) : -1, to_string(f.impl), f.tp,
+                     f.cp);
 }
 
 Result<Workload> load(const Target& target) {
@@ -99,14 +100,27 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
   if (k.devices > 1 && k.fsdp.tp > 1) {
     return Error{"--tp excludes --devices"};
   }
+  if (k.devices > 1 && k.fsdp.cp > 1) {
+    return Error{"--cp excludes --devices"};
+  }
   return parallelism;
 }
 
-// The workload one of `tp` tensor-parallel GPUs runs: its cut of the model (Note [A rank's
-// model]), timed on the device; `w` itself at tp 1.
-Result<Workload> cut_workload(const Workload& w, std::int32_t tp) {
-  if (tp <= 1) return w;
+// The nodes a context-parallel group of `p` spans (every tp-th GPU of cp x tp consecutive
+// ones; validate_parallelism has checked that they fill a node evenly or whole nodes).
+std::int32_t context_nodes(const Parallelism& p, const DeviceProfile& device) {
+  const std::int32_t per_node = std::max(1, p.ranks_per_node(device.collectives.gpus_per_node));
+  return std::max(1, p.cp * p.tp / per_node);
+}
+
+// The workload one GPU runs under `tp` tensor-parallel and `cp` context-parallel ranks (a
+// context-parallel group spanning `cp_nodes` nodes): its cut of the model (Note [A rank's
+// model], Note [A context-parallel rank]), timed on the device; `w` itself at 1 and 1.
+Result<Workload> cut_workload(const Workload& w, std::int32_t tp, std::int32_t cp,
+                              std::int32_t cp_nodes) {
+  if (tp <= 1 && cp <= 1) return w;
   auto cut = tensor_parallel_model(*w.model, tp);
+  if (cut && cp > 1) cut = context_parallel_model(cut.value(), cp, cp_nodes);
   if (!cut) return cut.error();
   auto checked = check_model(std::move(cut).value());
   if (!checked) return checked.error();
@@ -115,18 +129,23 @@ Result<Workload> cut_workload(const Workload& w, std::int32_t tp) {
   return Workload{std::move(timed).value(), w.device};
 }
 
-// The workload a rank runs under the tensor parallelism `fsdp` asks for (the model file's where
-// it asks none), its parallelism checked against the device first: what every option read
-// against the model (a checkpoint plan's layers and ops) is read against.
+// The workload one GPU of `p` runs (its tensor- and context-parallel cut).
+Result<Workload> cut_workload(const Workload& w, const Parallelism& p) {
+  return cut_workload(w, p.tp, p.cp, context_nodes(p, w.device));
+}
+
+// The workload a rank runs under the tensor and context parallelism `fsdp` asks for (the model
+// file's where it asks none), its parallelism checked against the device first: what every
+// option read against the model (a checkpoint plan's layers and ops) is read against.
 Result<Workload> rank_workload(const Workload& w, FsdpRequest fsdp, std::int32_t devices) {
   adopt_parallelism(fsdp, w.model->parallelism, devices);
-  if (fsdp.tp == 1 || devices > 1) return w;
+  if ((fsdp.tp == 1 && fsdp.cp == 1) || devices > 1) return w;
   auto p = parallelism_of(fsdp);
   if (!p) return p.error();
   if (auto valid = validate_parallelism(p.value(), w.device, kFsdpFlags); !valid) {
     return valid.error();
   }
-  return cut_workload(w, fsdp.tp);
+  return cut_workload(w, p.value());
 }
 
 // The training options a request asks for, with its parallelism apart: that is checked
@@ -208,7 +227,7 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   FsdpRequest adopted = asked;
   adopt_parallelism(adopted, plan.value().parallelism);
   TrainingOptions& base = run.base;
-  if (adopted.ranks != asked.ranks || adopted.tp != asked.tp) {
+  if (adopted.ranks != asked.ranks || adopted.tp != asked.tp || adopted.cp != asked.cp) {
     auto fsdp = parallelism_of(adopted);
     const Status chosen =
         fsdp ? choose_parallelism(base.fsdp, fsdp.value(), w.device) : Status(fsdp.error());
@@ -216,9 +235,12 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   } else if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device); !chosen) {
     return chosen.error();
   }
-  // A plan made under tensor parallelism the request and the model leave out is replayed on the
-  // cut it was made on.
-  auto ranked = cut_workload(w, adopted.tp != asked.tp ? adopted.tp : 1);
+  // A plan made under tensor or context parallelism the request and the model leave out is
+  // replayed on the cut it was made on.
+  const Parallelism& layout = base.fsdp.parallelism;
+  auto ranked =
+      cut_workload(w, adopted.tp != asked.tp ? adopted.tp : 1,
+                   adopted.cp != asked.cp ? adopted.cp : 1, context_nodes(layout, w.device));
   if (!ranked) return Error{fmt::format("{}: parallelism: {}", path, ranked.error().message)};
   auto row = replay_plan(plan.value(), ranked.value().model, w.device, base);
   if (!row) return Error{fmt::format("{}: {}", path, row.error().message)};
@@ -350,13 +372,18 @@ Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
       !bounded) {
     return bounded.error();
   }
-  if (auto bounded = in_bounds("--tp", fsdp.tp, 1, 1024); !bounded) return bounded.error();
+  if (auto bounded =
+          first_error({in_bounds("--tp", fsdp.tp, 1, 1024), in_bounds("--cp", fsdp.cp, 1, 1024)});
+      !bounded) {
+    return bounded.error();
+  }
   const Parallelism p{.ranks = fsdp.ranks.value_or(0),
                       .nodes = fsdp.nodes.value_or(0),
                       .replicas = fsdp.replicas,
                       .reshard_after_forward = fsdp.reshard_after_forward,
                       .impl = fsdp.impl,
-                      .tp = fsdp.tp};
+                      .tp = fsdp.tp,
+                      .cp = fsdp.cp};
   if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True() ||
                   p.impl != FsdpImpl::Fsdp2)) {
     return Error{"--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N"};
@@ -367,6 +394,7 @@ Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
 void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t devices) {
   if (!file.sharded() || devices > 1) return;
   if (fsdp.tp == 1) fsdp.tp = file.tp;
+  if (fsdp.cp == 1) fsdp.cp = file.cp;
   if (!file.on()) return;
   if (!fsdp.ranks) fsdp.ranks = file.ranks;
   if (!fsdp.nodes && file.nodes > 0) fsdp.nodes = file.nodes;
@@ -453,7 +481,7 @@ Result<Response> respond(const PlanRequest& r) {
   }
   options.allocator = allocator.value();
   if (auto fsdp = choose_parallelism(options.fsdp, chosen, w.device); !fsdp) return fsdp.error();
-  auto ranked = cut_workload(w, static_cast<const Parallelism&>(options.fsdp.parallelism).tp);
+  auto ranked = cut_workload(w, static_cast<const Parallelism&>(options.fsdp.parallelism));
   if (!ranked) return ranked.error();
   const Workload& rank = ranked.value();
   Response out;

@@ -27,6 +27,16 @@ Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
           device.name, names.tp, p.tp)};
     }
   }
+  if (p.cp < 1 || p.cp > 1024) {
+    return Error{fmt::format("{}: {} ranks (use 1 to 1024)", names.cp, p.cp)};
+  }
+  if (p.cp > 1 && !p.on()) {
+    return Error{fmt::format(
+        "{} {} needs {} N: FSDP2 shards the parameters and reduces the gradients over the "
+        "data-parallel and context-parallel ranks together, as torchtitan's dp_shard_cp does "
+        "({} 1 for context parallelism alone)",
+        names.cp, p.cp, names.ranks, names.ranks)};
+  }
   if (!p.on()) {
     if (p.nodes > 1) {
       return Error{fmt::format("{}: {} GPUs of tensor parallelism lie inside one node, not {}",
@@ -50,6 +60,16 @@ Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
         "evenly",
         names.nodes, world, nodes, links.gpus_per_node, device.name)};
   }
+  // A context-parallel group (every tp-th GPU of cp x tp consecutive ones) lies inside a node
+  // or spans whole nodes.
+  const std::int32_t per_node = world / nodes;
+  const std::int32_t context_span = p.cp * p.tp;
+  if (p.cp > 1 && per_node % context_span != 0 && context_span % per_node != 0) {
+    return Error{fmt::format(
+        "{}: {} ranks (times {} of tensor parallelism) neither fit a node's {} GPUs evenly nor "
+        "span whole nodes (device {})",
+        names.cp, p.cp, p.tp, per_node, device.name)};
+  }
   const Reshard reshard = p.reshard_after_forward;
   if (reshard.kind() == Reshard::Kind::K &&
       (reshard.ranks() < 2 || p.shard_group() % reshard.ranks() != 0)) {
@@ -57,7 +77,7 @@ Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
         "{}: {} must be true, false or a number of ranks that divides the shard group ({})",
         names.reshard_after_forward, reshard.ranks(), p.shard_group())};
   }
-  if (p.ranks > 1 && !links.intra_node.known()) {
+  if (p.ranks * p.cp > 1 && !links.intra_node.known()) {
     return Error{fmt::format(
         "device {} has no \"collectives\" links: {} {} needs the intra-node (and, across "
         "nodes, the inter-node) bandwidth (docs/devices.md)",

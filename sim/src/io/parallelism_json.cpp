@@ -21,10 +21,12 @@ nlohmann::ordered_json reshard_json(Reshard r) {
 Result<Parallelism> read_parallelism(const JsonValue& value) {
   constexpr std::int64_t kMost = 1 << 20;
   FERRY_JSON_TRY(const auto object, value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward",
-                                                  "fsdp_impl", "tp"}));
+                                                  "fsdp_impl", "tp", "cp"}));
   Parallelism p;
   FERRY_JSON_TRY(const auto tp, object.optional_integer("tp", 1, 1, 1024));
   p.tp = static_cast<std::int32_t>(tp);
+  FERRY_JSON_TRY(const auto cp, object.optional_integer("cp", 1, 1, 1024));
+  p.cp = static_cast<std::int32_t>(cp);
   // FSDP's ranks, which tensor parallelism alone leaves out.
   if (!object.has("fsdp") && object.has("tp")) return p;
   FERRY_JSON_TRY(const auto ranks, object.required_integer("fsdp", 1, kMost));
@@ -64,6 +66,7 @@ nlohmann::ordered_json parallelism_json(const Parallelism& p) {
   }
   if (p.impl != FsdpImpl::Fsdp2) j["fsdp_impl"] = to_string(p.impl);
   if (p.tp > 1) j["tp"] = p.tp;
+  if (p.cp > 1) j["cp"] = p.cp;
   return j;
 }
 
@@ -87,6 +90,13 @@ nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
     tp["sequence_parallel"] = true;
     tp["per_rank"] = true;
     document["tp"] = std::move(tp);
+  }
+  if (p.cp > 1) {
+    nlohmann::ordered_json cp;
+    cp["ranks"] = p.cp;
+    cp["rotation"] = "all_gather";
+    cp["per_rank"] = true;
+    document["cp"] = std::move(cp);
   }
   return document;
 }

@@ -96,8 +96,12 @@ std::string document_text(const Json& document) { return document.dump(2) + "\n"
 std::string parallelism_text(const Parallelism& p, const DeviceProfile& device) {
   if (!p.sharded()) return {};
   const std::int32_t nodes = p.node_count(device.collectives.gpus_per_node);
-  const std::string tp =
+  std::string tp =
       p.tp > 1 ? fmt::format("tensor parallelism over {} GPUs (sequence parallel)", p.tp) : "";
+  if (p.cp > 1) {
+    tp = fmt::format("{}{}context parallelism over {} GPUs (K and V all-gathered)", tp,
+                     tp.empty() ? "" : " and ", p.cp);
+  }
   if (!p.on()) {
     return fmt::format(
         "{}; every figure is one GPU's (its pinned memory: its part of the node's)\n", tp);

@@ -65,6 +65,9 @@ struct FsdpRequest {
   /// Tensor parallelism over 1..1024 GPUs a rank (`--tp`, Python's tp): each runs its cut of the
   /// model (tensor_parallel_model); 1: none.
   std::int32_t tp = 1;
+  /// Context parallelism over 1..1024 GPUs a rank (`--cp`, Python's cp): each holds 1/cp of the
+  /// sequence (context_parallel_model), FSDP sharding over them too; 1: none.
+  std::int32_t cp = 1;
 };
 
 /// The flags' names, as validate_parallelism's errors at the edges name the fields.
@@ -72,7 +75,8 @@ inline constexpr ParallelismNames kFsdpFlags{.ranks = "--fsdp",
                                              .nodes = "--nodes",
                                              .replicas = "--hsdp",
                                              .reshard_after_forward = "--reshard-after-forward",
-                                             .tp = "--tp"};
+                                             .tp = "--tp",
+                                             .cp = "--cp"};
 
 /// The parallelism `fsdp` asks for, its numbers in bounds (Note [One check for both edges]).
 /// Not against a device: check_parallelism with kFsdpFlags does that.

@@ -1,8 +1,8 @@
 #pragma once
 /// Parallelism as JSON, read and written here only: the "parallelism" section of model and plan
 /// files, {"fsdp": N, "nodes": M, "hsdp": R, "reshard_after_forward": true | false | K,
-/// "fsdp_impl": I, "tp": T} ("fsdp" may be left out when "tp" is given), and the "fsdp" and
-/// "tp" members of reports.
+/// "fsdp_impl": I, "tp": T, "cp": C} ("fsdp" may be left out when "tp" alone is given), and the
+/// "fsdp", "tp" and "cp" members of reports.
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -17,7 +17,7 @@ namespace ferry::sim {
 Result<Parallelism> read_parallelism(const JsonValue& value);
 
 /// The section as written: only what differs from the defaults besides `fsdp` (`tp` alone
-/// without FSDP).
+/// without FSDP; context parallelism needs FSDP).
 [[nodiscard]] nlohmann::ordered_json parallelism_json(const Parallelism& p);
 
 /// A report's "fsdp" member for `p` (on): ranks, the nodes they span on a device of
@@ -26,9 +26,10 @@ Result<Parallelism> read_parallelism(const JsonValue& value);
 [[nodiscard]] nlohmann::ordered_json parallelism_report_json(const Parallelism& p,
                                                              std::int32_t gpus_per_node);
 
-/// `document` with its "fsdp" member under FSDP (parallelism_report_json) and its "tp" member
+/// `document` with its "fsdp" member under FSDP (parallelism_report_json), its "tp" member
 /// under tensor parallelism: {"ranks": T, "sequence_parallel": true, "per_rank": true} (every
-/// figure is one GPU's).
+/// figure is one GPU's), and its "cp" member under context parallelism: {"ranks": C,
+/// "rotation": "all_gather", "per_rank": true}.
 [[nodiscard]] nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
                                                              const Parallelism& p,
                                                              std::int32_t gpus_per_node);
