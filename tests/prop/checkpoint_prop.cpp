@@ -50,36 +50,45 @@ rc::Gen<RegionChoice> gen_region() {
       rc::gen::arbitrary<bool>());
 }
 
-struct Setup {
+struct RunSetup {
   Policy offload = Policy::None;
   std::uint64_t order_seed = 0;
   std::uint32_t global_early = 0;  // 0 unset, 1 on, 2 off
   bool retain_graph = false;
   std::uint64_t device_seed = 1;
   std::int32_t inside = -1;  // an op after whose forward a backward runs (-1: none)
+  // Which ops the regions save: 0 none (plain checkpointing), 1 some, drawn by `save_seed`
+  // (eager selective checkpointing), 2 those of 1 that a compiled graph keeps
+  // (drop_unread_saves).
+  std::uint32_t saving = 0;
+  std::uint64_t save_seed = 0;
 };
 
-void showValue(const Setup& s, std::ostream& os) {
+void showValue(const RunSetup& s, std::ostream& os) {
   os << policy_name(s.offload) << " order " << s.order_seed << " global_early " << s.global_early
-     << " retain " << s.retain_graph << " device " << s.device_seed << " inside " << s.inside;
+     << " retain " << s.retain_graph << " device " << s.device_seed << " inside " << s.inside
+     << " saving " << s.saving << " save_seed " << s.save_seed;
 }
 
-rc::Gen<Setup> gen_setup() {
+rc::Gen<RunSetup> gen_setup() {
   return rc::gen::apply(
       [](int p, std::uint64_t order, std::uint32_t early, bool retain, std::uint64_t dev,
-         std::int32_t inside) {
-        Setup s;
+         std::int32_t inside, std::uint32_t saving, std::uint64_t save_seed) {
+        RunSetup s;
         s.offload = p == 0 ? Policy::None : Policy::Ferry;
         s.order_seed = order;
         s.global_early = early;
         s.retain_graph = retain && s.offload != Policy::Trl;
         s.device_seed = dev;
         s.inside = inside;
+        s.saving = saving;
+        s.save_seed = save_seed;
         return s;
       },
       rc::gen::inRange(0, 2), rc::gen::inRange<std::uint64_t>(0, 3),
       rc::gen::inRange<std::uint32_t>(0, 3), rc::gen::arbitrary<bool>(),
-      rc::gen::inRange<std::uint64_t>(1, 1000), rc::gen::inRange<std::int32_t>(-3, 12));
+      rc::gen::inRange<std::uint64_t>(1, 1000), rc::gen::inRange<std::int32_t>(-3, 12),
+      rc::gen::inRange<std::uint32_t>(0, 3), rc::gen::inRange<std::uint64_t>(0, 1000));
 }
 
 std::optional<bool> early(std::uint32_t code) {
@@ -152,9 +161,33 @@ Bytes region_bytes(const Model& m, const CheckpointPlan& plan) {
   return sum;
 }
 
+// The saved ops `setup` draws (RunSetup::saving); with `drop_every_save` (a planted fault) every
+// one of them is dropped, whether a backward reads it or not.
+// Saves are drawn where no region nests in another: a saved op inside a region that a replay
+// of an outer one begins again is served from the outer frame, which did not cache it (a
+// limitation of nested selective checkpointing, docs/checkpoint.md).
+void choose_saves(CheckpointPlan& plan, const Model& model, const RunSetup& setup,
+                  bool drop_every_save) {
+  if (setup.saving == 0) return;
+  for (std::size_t r = 1; r < plan.regions.size(); ++r) {
+    if (plan.regions[r].first_op < plan.regions[r - 1].end_op) return;
+  }
+  // An op that draws random numbers is recomputed: served from the cache instead, it would not
+  // advance the generator, and the ops after it would draw other numbers (as in torch's
+  // selective checkpointing, whose save lists name no random op).
+  std::mt19937_64 draw(setup.save_seed);
+  plan.op_policy.assign(model.ops.size(), OpPolicy::PreferRecompute);
+  for (std::size_t i = 0; i < model.ops.size(); ++i) {
+    const bool random = model.ops[i].draws_rng || model.ops[i].draws_cpu_rng;
+    if (draw() % 2 == 0 && !random) plan.op_policy[i] = OpPolicy::MustSave;
+  }
+  if (setup.saving == 2) drop_unread_saves(plan, model);
+  if (drop_every_save) std::ranges::replace(plan.op_policy, OpPolicy::MustSave, OpPolicy::Dropped);
+}
+
 void checkpoint_is_faithful(const std::vector<LayerChoice>& layers,
-                            const std::vector<RegionChoice>& regions, const Setup& setup,
-                            bool skip_rng_restore) {
+                            const std::vector<RegionChoice>& regions, const RunSetup& setup,
+                            bool skip_rng_restore, bool drop_every_save = false) {
   testing::ModelOptions mo;
   mo.side_branches = setup.offload != Policy::Trl;
   const Model model = build_random_model(layers, mo);
@@ -172,6 +205,8 @@ void checkpoint_is_faithful(const std::vector<LayerChoice>& layers,
   TrainingOptions ck = base;
   ck.checkpoint = plan_for(model, regions);
   ck.checkpoint.global_early_stop = early(setup.global_early);
+  choose_saves(ck.checkpoint, model, setup, drop_every_save);
+  RC_TAG(setup.saving);
   TrainingFaults faults;
   faults.skip_rng_restore = skip_rng_restore;
   RC_TAG(ck.checkpoint.regions.size());
@@ -226,6 +261,22 @@ TEST(CheckpointProperty, PlantedFaultDroppingTheRngRestoreIsCaught) {
   });
   ASSERT_FALSE(found.empty()) << "recompute without the RNG restore went unnoticed";
   std::cout << "planted fault \"RNG restore dropped\", shrunk counterexample:\n" << found << "\n";
+}
+
+// A compiled graph drops only the saves no backward reads: dropping every one a region makes
+// loses a tensor a replay or a backward reads, and is caught.
+TEST(CheckpointProperty, PlantedFaultDroppingSavesABackwardReadsIsCaught) {
+  const std::string found = ferry::testing::counterexample([] {
+    const auto saving = rc::gen::map(gen_setup(), [](RunSetup s) {
+      s.saving = 1;
+      return s;
+    });
+    checkpoint_is_faithful(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()),
+                           *rc::gen::container<std::vector<RegionChoice>>(gen_region()), *saving,
+                           false, true);
+  });
+  ASSERT_FALSE(found.empty()) << "dropping saves that a backward reads went unnoticed";
+  std::cout << "planted fault \"every save dropped\", shrunk counterexample:\n" << found << "\n";
 }
 
 }  // namespace

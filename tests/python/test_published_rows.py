@@ -388,16 +388,16 @@ def pr3429_tp2(devices):
 
 def test_torchtitan_pr3429_fsdp4_tp2_full_policy(pr3429_tp2):
     """docs/parallelism.md: the full policy's row within the issue's tolerances (memory 5 %,
-    time 8 %). The default policy's row misses (reserved +17 %, tokens/s +13 %): the doc says
-    what the model lacks there, and this test holds the miss where it is, so that a change that
-    widens it is seen."""
+    time 8 %), and the default policy's memory too. The default policy's throughput misses
+    (tokens/s +13 %): the doc says what the model lacks there, and this test holds the miss
+    where it is, so that a change that widens it is seen."""
     memory, tps = PR3429_TP2["every:1"]
     result = pr3429_tp2["every:1"]
     within(result["peak_reserved_bytes"] / GIB, memory, 0.05)
     within(tokens_per_s(result, 8192) / 2, tps, 0.08)
     default = pr3429_tp2["op-sac-all"]
     memory, tps = PR3429_TP2["op-sac-all"]
-    within(default["peak_reserved_bytes"] / GIB, memory, 0.20)
+    within(default["peak_reserved_bytes"] / GIB, memory, 0.05)
     within(tokens_per_s(default, 8192) / 2, tps, 0.15)
 
 

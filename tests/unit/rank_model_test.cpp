@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "ferry/sim/autograd/autograd.hpp"
 #include "plan_replay.hpp"
@@ -216,6 +218,66 @@ TEST(TensorParallelModel, ARankTrainsHazardFreeWithCheckpointingAndOffload) {
     });
     EXPECT_GT(on_tp, 0);
   }
+}
+
+// The graph trainer's default policy (op-sac-all) on a rank: a rowwise projection's partial sum
+// is read only by the reduce-scatter, which the policy saves, so the compiled graph keeps the
+// scattered tensor and neither keeps nor recomputes the projection (Note [What a compiled graph
+// keeps] in checkpoint_plan.cpp); torchtitan's eager policy (op-sac) keeps what it saves. The
+// run is clean, its gradients those of the run without checkpointing, and it holds less.
+TEST(TensorParallelModel, ACompiledGraphKeepsTheScatteredSumAndDropsThePartialOne) {
+  auto cut = tensor_parallel_model(preset("tiny-llama"), 2);
+  ASSERT_TRUE(cut.ok()) << cut.error().message;
+  Model rank = cut.value();
+  const auto dropped = [&](MatmulSaving matmuls) {
+    CheckpointPlan plan = checkpoint_every(rank, 1);
+    EXPECT_TRUE(apply_op_sac_policy(plan, rank, matmuls).ok());
+    std::set<std::string> names;
+    for (std::size_t i = 0; i < rank.ops.size(); ++i) {
+      if (rank.ops[i].layer == 1 && plan.op_policy[i] == OpPolicy::Dropped) {
+        names.insert(rank.ops[i].name);
+      }
+    }
+    return std::pair{names, plan};
+  };
+  const auto [graph, graph_plan] = dropped(MatmulSaving::Every);
+  EXPECT_EQ(graph, (std::set<std::string>{"layers.1.o_proj", "layers.1.down"}));
+  EXPECT_TRUE(dropped(MatmulSaving::Alternate).first.empty());
+  // The whole model's projections feed recomputed adds: nothing is dropped there.
+  const Model whole = preset("tiny-llama");
+  CheckpointPlan whole_plan = checkpoint_every(whole, 1);
+  ASSERT_TRUE(apply_op_sac_policy(whole_plan, whole, MatmulSaving::Every).ok());
+  EXPECT_EQ(std::ranges::count(whole_plan.op_policy, OpPolicy::Dropped), 0);
+
+  DeviceProfile device = testing::simple_profile();
+  device.flops_per_s = 100'000'000'000'000;
+  device.collectives.intra_node = {Bandwidth(100'000'000'000), SimTime(2000)};
+  assign_roofline_durations(rank, device);
+  const auto train = [&](std::optional<CheckpointPlan> plan) {
+    TrainingOptions options;
+    options.steps = 2;
+    options.offload.policy = Policy::None;
+    if (plan) options.checkpoint = *plan;
+    options.checkpoint.content_check = true;
+    auto run = simulate_training(rank, device, options);
+    EXPECT_TRUE(run.ok()) << run.error().message;
+    return std::move(run).value();
+  };
+  CheckpointPlan eager = graph_plan;
+  std::ranges::replace(eager.op_policy, OpPolicy::Dropped, OpPolicy::MustSave);
+  const TrainingRun plain = train(std::nullopt);
+  const TrainingRun compiled = train(graph_plan);
+  const TrainingRun kept = train(eager);
+  for (const TrainingRun* run : {&compiled, &kept}) {
+    ASSERT_FALSE(run->failure) << run->failure->message;
+    EXPECT_TRUE(run->sim.hazards().empty());
+    EXPECT_TRUE(run->sim.content_mismatches().empty());
+    EXPECT_EQ(run->gradient_values, plain.gradient_values);
+  }
+  const auto peak = [](const TrainingRun& run) {
+    return run.sim.device_allocator(run.device).stats().allocated_peak;
+  };
+  EXPECT_LT(peak(compiled), peak(kept));
 }
 
 // Models nobody tuned the cut for: Hugging Face models as `python -m ferry trace` lists them

@@ -192,6 +192,51 @@ CheckpointPlan checkpoint_attention_cores(const Model& model) {
   return plan;
 }
 
+// Note [What a compiled graph keeps]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Eager selective checkpointing caches the outputs of every op its policy saves, whether or
+// not backward reads them. A compiled step's partitioner (torchtitan's graph trainer) saves a
+// tagged node only where the backward graph needs it: as a tensor some op's backward reads, or
+// as an input of an op the backward recomputes. So an op on the save list whose outputs only
+// other saved ops read is neither kept nor recomputed. Under tensor parallelism that is a
+// rowwise projection: its whole partial sum is read only by the reduce-scatter, which is on
+// the list, so only the scattered tensor is kept. drop_unread_saves finds such ops: the tensors
+// backward needs are what the ops of the (non-reentrant) regions save and what their
+// recomputed ops read (every one a replay may run), over all regions at once so that nested
+// ones agree; a saved op none of whose outputs (or their bases) is among them is Dropped.
+
+void drop_unread_saves(CheckpointPlan& plan, const Model& model) {
+  const auto base = [&](std::uint32_t t) {
+    const std::int32_t of = model.tensors[t].view_of;
+    return of >= 0 ? static_cast<std::uint32_t>(of) : t;
+  };
+  const auto policy = [&](std::uint32_t i) {
+    return i < plan.op_policy.size() ? plan.op_policy[i] : OpPolicy::PreferRecompute;
+  };
+  std::vector<bool> needed(model.tensors.size(), false);
+  std::vector<bool> droppable(model.ops.size(), false);
+  for (const CheckpointRegion& region : plan.regions) {
+    for (std::uint32_t i = region.first_op; i < region.end_op; ++i) {
+      const ModelOp& op = model.ops[i];
+      for (const std::uint32_t t : op.saved) needed[base(t)] = true;
+      if (policy(i) == OpPolicy::PreferRecompute || region.reentrant) {
+        for (const std::uint32_t t : op.inputs) needed[base(t)] = true;
+      }
+      droppable[i] = !region.reentrant && policy(i) == OpPolicy::MustSave;
+    }
+  }
+  for (const CheckpointRegion& region : plan.regions) {
+    if (region.reentrant) continue;
+    for (std::uint32_t i = region.first_op; i < region.end_op; ++i) {
+      const ModelOp& op = model.ops[i];
+      if (!droppable[i] || op.outputs.empty()) continue;
+      const bool read =
+          std::ranges::any_of(op.outputs, [&](std::uint32_t t) { return needed[base(t)]; });
+      if (!read) plan.op_policy[i] = OpPolicy::Dropped;
+    }
+  }
+}
+
 Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model, MatmulSaving matmuls_saved) {
   plan.op_policy.assign(model.ops.size(), OpPolicy::MustSave);  // outside the regions
   for (const CheckpointRegion& region : plan.regions) {
@@ -211,6 +256,7 @@ Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model, MatmulSavin
       plan.op_policy[i] = saved ? OpPolicy::MustSave : OpPolicy::PreferRecompute;
     }
   }
+  if (matmuls_saved == MatmulSaving::Every) drop_unread_saves(plan, model);
   return Ok{};
 }
 

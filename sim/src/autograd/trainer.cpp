@@ -450,7 +450,7 @@ void Trainer::save_op(std::uint32_t i) {
   const ModelOp& op = model_.ops[i];
   const bool in_frame = !contexts_.empty() && contexts_.back().kind == Context::Kind::Frame;
   if (!contexts_.empty() && contexts_.back().kind == Context::Kind::NoGrad) return;
-  if (in_frame && policy(i) != OpPolicy::PreferRecompute) {
+  if (in_frame && policy(i) != OpPolicy::PreferRecompute && policy(i) != OpPolicy::Dropped) {
     FrameInfo& info = frames_[contexts_.back().frame.value()];
     for (const std::uint32_t t : op.outputs) {
       if (model_.tensors[t].view_of >= 0) {

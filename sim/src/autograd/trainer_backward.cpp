@@ -123,6 +123,12 @@ void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {
   const ModelOp& op = model_.ops[i];
   Scope& scope = scopes_.back();
   const OpPolicy p = policy(i);
+  if (p == OpPolicy::Dropped) {
+    // No backward reads its outputs: the replay binds none, and saves what the op saves
+    // (inputs the replay has bound).
+    for (const std::uint32_t t : op.saved) (void)pack(i, t);
+    return;
+  }
   if (p == OpPolicy::MustSave || p == OpPolicy::Offload) {
     // Served from forward instead of re-run.
     for (const std::uint32_t t : op.outputs) {

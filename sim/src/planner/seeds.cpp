@@ -42,6 +42,7 @@ std::optional<Plan> plan_of_row(const PlanSpace& space, const TrainingOptions& o
                    offload_inputs ? SavedDecision::Offload : SavedDecision::Keep});
     for (std::uint32_t i = region.first_op; i < region.end_op; ++i) {
       const OpPolicy p = i < policy.size() ? policy[i] : OpPolicy::PreferRecompute;
+      if (p == OpPolicy::Dropped) return std::nullopt;  // the plan space has no such decision
       plan.ops[i].saved = p == OpPolicy::PreferRecompute ? SavedDecision::Recompute
                           : p == OpPolicy::MustSave      ? SavedDecision::Keep
                                                          : SavedDecision::Offload;

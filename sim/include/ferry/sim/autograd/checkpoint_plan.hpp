@@ -14,6 +14,9 @@ enum class OpPolicy : std::uint8_t {
   PreferRecompute,  ///< re-run it in backward (plain checkpointing)
   MustSave,         ///< keep its outputs from forward; recompute reads them instead
   Offload,          ///< keep its outputs on the host; recompute reloads them
+  /// Neither keep its outputs nor re-run it: no backward reads them, directly or through a
+  /// recomputed op (a compiled graph's saved op whose outputs only other saved ops read).
+  Dropped,
 };
 
 /// A checkpointed range of ops [first_op, end_op).
@@ -53,6 +56,11 @@ struct OpSpan {
 [[nodiscard]] std::vector<OpSpan> attention_cores(const Model& model);
 /// A selective policy inside regions: the attention cores recomputed, everything else saved.
 void apply_selective_policy(CheckpointPlan& plan, const Model& model);
+/// What a compiled graph keeps of a selective policy: each saved op (MustSave) of a
+/// non-reentrant region whose outputs no backward reads, neither as a saved tensor of a
+/// region's op nor as an input of an op a replay re-runs, becomes OpPolicy::Dropped. See Note
+/// [What a compiled graph keeps] in checkpoint_plan.cpp.
+void drop_unread_saves(CheckpointPlan& plan, const Model& model);
 /// Megatron-style selective recomputation (`--recompute-granularity selective`): each attention
 /// core is a region of its own, and the rest of every layer is outside any region.
 [[nodiscard]] CheckpointPlan checkpoint_attention_cores(const Model& model);
@@ -63,8 +71,11 @@ void apply_selective_policy(CheckpointPlan& plan, const Model& model);
 /// op is recomputed, except that of `aten.mm` and `aten.linear` only the first, third, fifth...
 /// of the region are saved. Ops are told apart by ModelOp::kind; an op of a region without a
 /// kind is an error naming it. docs/checkpoint.md lists the operators and the source.
-/// `MatmulSaving::Every` saves every matmul on the list instead, as the default memory policy
-/// of torchtitan's compiled graph trainer does.
+/// `MatmulSaving::Every` is the default memory policy of torchtitan's compiled graph trainer:
+/// every matmul on the list saved, and, as the partitioner of a joint graph saves only what
+/// backward needs, a saved op whose outputs no backward reads, directly or through a
+/// recomputed op, is neither kept nor recomputed (OpPolicy::Dropped; Note [What a compiled
+/// graph keeps] in checkpoint_plan.cpp).
 enum class MatmulSaving : std::uint8_t { Alternate, Every };
 [[nodiscard]] Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model,
                                          MatmulSaving matmuls = MatmulSaving::Alternate);
