@@ -289,6 +289,47 @@ def test_fsdp_is_recorded_and_the_commands_run_it(config, tmp_path, capsys):
     assert "hazards: 0" in done.stdout
 
 
+def test_tensor_and_context_parallelism_are_recorded_and_the_commands_cut_for_them(
+    config, tmp_path, capsys
+):
+    out, traced = run(tmp_path, config, "--seq", "64", "--fsdp", "2", "--tp", "2", "--cp", "2")
+    assert traced.document["parallelism"] == {"fsdp": 2, "tp": 2, "cp": 2}
+    err = capsys.readouterr().err
+    assert "tensor parallelism over 2 GPUs a rank, context parallelism over 2 GPUs a rank" in err
+    done = subprocess.run(
+        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["tp"]["ranks"] == 2 and report["cp"]["ranks"] == 2
+    assert report["fsdp"]["ranks"] == 2
+    # Tensor parallelism alone needs no --fsdp; the command's own --tp overrides the file's.
+    out, alone = run(tmp_path, config, "--seq", "64", "--tp", "2")
+    assert alone.document["parallelism"] == {"tp": 2}
+    done = subprocess.run(
+        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5", "--tp", "4"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    # The tiny model's 2 key/value heads do not split among 4 ranks: the file's 2 was overridden.
+    assert done.returncode == 2
+    assert "--tp 4: 2 key/value heads" in done.stderr
+
+
+def test_tensor_and_context_arguments_are_checked(config, tmp_path, capsys):
+    x = str(tmp_path / "x.json")
+    assert main([config, "--seq", "8", "--cp", "2", "--out", x]) == 2
+    assert "--cp 2 needs --fsdp N" in capsys.readouterr().err
+    assert main([config, "--seq", "8", "--tp", "0", "--out", x]) == 2
+    assert "--tp: expected an integer in 1..1024, got 0" in capsys.readouterr().err
+    assert main([config, "--seq", "8", "--fsdp", "2", "--cp", "2000", "--out", x]) == 2
+    assert "--cp: expected an integer in 1..1024, got 2000" in capsys.readouterr().err
+
+
 def test_fsdp_arguments_are_checked(config, tmp_path, capsys):
     x = str(tmp_path / "x.json")
     assert main([config, "--seq", "8", "--nodes", "2", "--out", x]) == 2

@@ -120,6 +120,22 @@ def _parser() -> argparse.ArgumentParser:
         help="with --fsdp: fsdp2 (torch's fully_shard, the default) or simple (torchtitan's "
         "SimpleFSDP: the collectives' buffers from the compute stream's pool; docs/fsdp.md)",
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="record tensor parallelism over N GPUs a rank: the commands then run each GPU's cut "
+        "of the model unless their own --tp says otherwise (docs/parallelism.md)",
+    )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --fsdp: record context parallelism over N GPUs a rank, each holding 1/N of "
+        "the sequence (docs/parallelism.md, Context parallelism)",
+    )
     parser.add_argument("--name", help="the scenario's name (default: config, seq and batch)")
     parser.add_argument("--out", required=True, help="where to write the scenario ('-': stdout)")
     return parser
@@ -261,6 +277,14 @@ def _check(args: argparse.Namespace) -> None:
     ):
         if value < low:
             raise UsageError(f"{flag}: expected an integer >= {low}, got {value}")
+    for flag, value in (("--tp", args.tp), ("--cp", args.cp)):
+        if not 1 <= value <= 1024:
+            raise UsageError(f"{flag}: expected an integer in 1..1024, got {value}")
+    if args.cp > 1 and not args.fsdp:
+        raise UsageError(
+            f"--cp {args.cp} needs --fsdp N: FSDP2 shards the parameters over the data-parallel "
+            "and context-parallel ranks together (--fsdp 1 for context parallelism alone)"
+        )
     from .._trace import Routing
 
     try:
@@ -277,10 +301,11 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def parallelism(args: argparse.Namespace, layers: list[int]) -> dict[str, Any] | None:
-    """The scenario's "parallelism" section (docs/model-format.md), or None without --fsdp.
-    FSDP2's units are the model's layers, as `fully_shard` is applied per decoder layer."""
+    """The scenario's "parallelism" section (docs/model-format.md), or None without --fsdp and
+    --tp. FSDP2's units are the model's layers, as `fully_shard` is applied per decoder layer.
+    Whether the model cuts for --tp and --cp the commands that run it say."""
     if not args.fsdp:
-        return None
+        return {"tp": args.tp} if args.tp > 1 else None
     if not layers:
         raise UsageError(
             "--fsdp: the traced model has no layers to shard (fully_shard units follow the "
@@ -305,6 +330,10 @@ def parallelism(args: argparse.Namespace, layers: list[int]) -> dict[str, Any] |
         section["reshard_after_forward"] = int(reshard)
     if args.fsdp_impl != "fsdp2":
         section["fsdp_impl"] = args.fsdp_impl
+    if args.tp > 1:
+        section["tp"] = args.tp
+    if args.cp > 1:
+        section["cp"] = args.cp
     return section
 
 
@@ -362,9 +391,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sharded = (
         f", FSDP2 over {args.fsdp} ranks in {len(traced.layers()) + 1} units "
         f"({len(traced.layers())} layers and the root)"
-        if section is not None
+        if section is not None and args.fsdp
         else ""
     )
+    if args.tp > 1:
+        sharded += f", tensor parallelism over {args.tp} GPUs a rank"
+    if args.cp > 1:
+        sharded += f", context parallelism over {args.cp} GPUs a rank"
     print(
         f"{name}: {len(doc['ops'])} ops, {len(doc['tensors'])} tensors, "
         f"{traced.saved_bytes()} saved activation bytes{sharded} -> {args.out}",
