@@ -123,6 +123,12 @@ void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {
   const ModelOp& op = model_.ops[i];
   Scope& scope = scopes_.back();
   const OpPolicy p = policy(i);
+  if (p != OpPolicy::PreferRecompute) {
+    // Served from forward or dropped, the op still saves what it saves (its weights among
+    // them): the replay runs its module's forward, whose pre-forward hooks (FSDP2 unsharding
+    // the unit) run as for an op run again (run_op).
+    hooks_->before_replay(i);
+  }
   if (p == OpPolicy::Dropped) {
     // No backward reads its outputs: the replay binds none, and saves what the op saves
     // (inputs the replay has bound).
