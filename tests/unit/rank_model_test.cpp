@@ -496,5 +496,81 @@ TEST(ContextParallelModel, TracedHuggingFaceModelsCutOrAreRefusedByName) {
   }
 }
 
+// expert_parallel_model (Note [An expert-parallel rank] in rank_model.cpp), on Mixtral 8x7B's
+// config cut to two layers (tests/data/traced/sized): 8 experts of 4096 -> 14336, top 2, 4096
+// tokens.
+TEST(ExpertParallelModel, AMixtralRankHoldsItsExpertsAndExchangesTheRoutedRows) {
+  const Model whole = testing::sized_family("mixtral");
+  Bytes experts(0);
+  for (const ModelTensor& t : whole.tensors) {
+    if (t.role == TensorRole::Param && t.view_of < 0 && t.name.ends_with("_proj") &&
+        t.name.find(".experts.") != std::string::npos) {
+      experts += t.bytes;
+    }
+  }
+  ASSERT_EQ(experts, Bytes(2 * 8 * 3 * std::int64_t{4096} * 14336 * 2));  // 2 layers, bf16
+  for (const std::int32_t ep : {2, 4, 8}) {
+    SCOPED_TRACE(ep);
+    auto cut = expert_parallel_model(whole, ep, 1);
+    ASSERT_TRUE(cut.ok()) << cut.error().message;
+    const Model& rank = cut.value();
+    EXPECT_EQ(param_bytes(rank), param_bytes(whole) - experts + Bytes(experts.count() / ep));
+    for (const std::int32_t layer : {0, 1}) {
+      // Balanced routing: every GPU computes as many rows as it routes.
+      EXPECT_EQ(flops_of_layer(rank, layer), flops_of_layer(whole, layer));
+      EXPECT_EQ(collectives(rank, MeshAxis::Expert).at(layer),
+                (std::map<std::string, int>{{"all_to_all/all_to_all", 2}}));
+    }
+    for (const ModelOp& op : rank.ops) {
+      if (!op.collective.any()) continue;
+      EXPECT_EQ(op.collective.ranks, ep);
+      // Each exchange moves the routed rows: 4096 tokens x top 2 x 4096 features, bf16.
+      EXPECT_EQ(rank.tensors[op.inputs.at(0)].bytes, Bytes(std::int64_t{4096} * 2 * 4096 * 2));
+      EXPECT_EQ(rank.tensors[op.outputs.at(0)].bytes, rank.tensors[op.inputs.at(0)].bytes);
+    }
+  }
+  auto odd = expert_parallel_model(whole, 3);
+  ASSERT_FALSE(odd.ok());
+  EXPECT_EQ(odd.error().message,
+            R"(--ep 3: 8 experts (op "model.layers.0.mlp.experts/_grouped_mm") do not split )"
+            R"(among 3 ranks)");
+  auto dense = expert_parallel_model(testing::sized_family("llama"), 2);
+  ASSERT_FALSE(dense.ok());
+  EXPECT_NE(dense.error().message.find("has no grouped expert matmul"), std::string::npos);
+  auto one = expert_parallel_model(whole, 1);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one.value(), whole);
+}
+
+TEST(ExpertParallelModel, ARankTrainsHazardFreeWithCheckpointingAndOffload) {
+  auto cut = expert_parallel_model(testing::sized_family("mixtral"), 2);
+  ASSERT_TRUE(cut.ok()) << cut.error().message;
+  Model rank = cut.value();
+  DeviceProfile device = testing::simple_profile();
+  device.flops_per_s = 100'000'000'000'000;
+  device.memory = Bytes(std::int64_t{1} << 40);
+  device.collectives.intra_node = {Bandwidth(100'000'000'000), SimTime(2000)};
+  ASSERT_TRUE(check_roofline(rank, device).ok());
+  assign_roofline_durations(rank, device);
+  for (const bool checkpoint : {false, true}) {
+    SCOPED_TRACE(checkpoint);
+    TrainingOptions options;
+    options.steps = 2;
+    options.offload.policy = Policy::Ferry;
+    options.offload.min_bytes = Bytes(0);
+    if (checkpoint) options.checkpoint = checkpoint_every(rank, 1);
+    auto run = simulate_training(rank, device, options);
+    ASSERT_TRUE(run.ok()) << run.error().message;
+    ASSERT_FALSE(run.value().failure) << run.value().failure->message;
+    const Simulator& sim = run.value().sim;
+    EXPECT_TRUE(sim.hazards().empty());
+    EXPECT_TRUE(sim.content_mismatches().empty());
+    const auto on_ep = std::ranges::count_if(sim.ops(), [&](const OpRecord& op) {
+      return op.kind == OpKind::Kernel && op.collective && sim.stream_name(op.stream) == "ep comm";
+    });
+    EXPECT_GT(on_ep, 0);
+  }
+}
+
 }  // namespace
 }  // namespace ferry::sim

@@ -700,6 +700,10 @@ bool is_matmul_kind(std::string_view kind) {
   return false;
 }
 
+bool is_grouped_matmul_kind(std::string_view kind) {
+  return kind.starts_with("aten._grouped_mm.") || kind.starts_with("aten._scaled_grouped_mm.");
+}
+
 Bytes collective_op_bytes(const Model& model, const ModelOp& op, bool backward) {
   const std::optional<CollectiveKind>& kind =
       backward ? op.collective.backward : op.collective.forward;

@@ -66,6 +66,7 @@ using workload_detail::op_kind::kEmbedding;
 
 constexpr std::string_view kAllGatherKind = "_c10d_functional.all_gather_into_tensor.default";
 constexpr std::string_view kReduceScatterKind = "_c10d_functional.reduce_scatter_tensor.default";
+constexpr std::string_view kAllToAllKind = "_c10d_functional.all_to_all_single.default";
 
 enum class Layout : std::uint8_t { Whole, Features, Partial, Tokens };
 enum class Role : std::uint8_t { Other, Colwise, Rowwise, Replicated, Embedding };
@@ -154,8 +155,7 @@ Status TensorParallelCut::find_roles() {
   producer_.assign(m_.tensors.size(), -1);
   role_.assign(n, Role::Other);
   for (std::size_t i = 0; i < n; ++i) {
-    if (op(i).kind.starts_with("aten._grouped_mm.") ||
-        op(i).kind.starts_with("aten._scaled_grouped_mm.")) {
+    if (is_grouped_matmul_kind(op(i).kind)) {
       return refuse(
           "op \"{}\" is a grouped expert matmul; tensor parallelism of a "
           "mixture-of-experts model is not simulated yet",
@@ -710,7 +710,183 @@ Result<Model> ContextParallelCut::run() {
   return out;
 }
 
+// Note [An expert-parallel rank]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under expert parallelism a mixture of experts' experts are split among `ep` GPUs: each holds
+// 1/ep of them and computes their rows for every GPU of the group, as torchtitan's expert-
+// parallel MoE does. expert_parallel_model finds the experts by what they run: a grouped
+// matrix product (is_grouped_matmul_kind) reads the routed rows (its largest activation input),
+// the experts' stacked weights (its largest parameter, or a view of one: one k x n matrix per
+// expert, so their number follows from the product's shape) and the offsets. Per layer:
+//
+//   * each grouped matmul's weights hold 1/ep of the experts (their number must split among
+//     the ranks);
+//   * before the layer's first grouped matmul, an all-to-all dispatches its routed rows to the
+//     ranks that hold their experts; the grouped matmuls (and the ops between them) read the
+//     dispatched rows; after the last one, an all-to-all combines its output back to the ranks
+//     the tokens came from (backward: the same exchanges of the gradients);
+//   * routing is taken as balanced: each rank receives as many rows as it sends, so every op
+//     keeps its FLOPs and bytes. An uneven routing would load the rank holding the busiest
+//     experts with more rows; that is not priced yet.
+//
+// The rest of the model (attention, shared experts, the router) is every GPU's own: expert
+// parallelism borrows its GPUs from the data-parallel ones.
+
+class ExpertParallelCut {
+ public:
+  ExpertParallelCut(const Model& whole, std::int32_t ep, std::int32_t nodes)
+      : m_(whole), ep_(ep), nodes_(nodes) {}
+
+  Result<Model> run();
+
+ private:
+  std::uint32_t base(std::uint32_t t) const {
+    const ModelTensor& tensor = m_.tensors[t];
+    return tensor.view_of >= 0 ? static_cast<std::uint32_t>(tensor.view_of) : t;
+  }
+
+  template <class... Args>
+  Error refuse(fmt::format_string<Args...> format, Args&&... args) const {
+    return Error{fmt::format("--ep {}: {}", ep_, fmt::format(format, std::forward<Args>(args)...))};
+  }
+
+  const Model& m_;
+  std::int32_t ep_;
+  std::int32_t nodes_;
+};
+
+Result<Model> ExpertParallelCut::run() {
+  // The grouped matmuls of each layer, the first and the last.
+  std::map<std::int32_t, std::pair<std::size_t, std::size_t>> span;
+  std::set<std::uint32_t> experts;  // the experts' weights and their views
+  for (std::size_t i = 0; i < m_.ops.size(); ++i) {
+    const ModelOp& o = m_.ops[i];
+    if (!is_grouped_matmul_kind(o.kind)) continue;
+    // The experts' weights: its largest parameter, one (k x n) matrix per expert.
+    std::optional<std::uint32_t> weights;
+    for (const std::uint32_t t : o.inputs) {
+      if (m_.tensors[base(t)].role != TensorRole::Param) continue;
+      experts.insert({t, base(t)});
+      if (!weights || m_.tensors[t].bytes > m_.tensors[*weights].bytes) weights = t;
+    }
+    if (!weights || !o.gemm.known() || o.gemm.n * o.gemm.k <= 0) {
+      return refuse(
+          "op \"{}\", a grouped matmul, has no weights or no \"gemm\" shape to count its "
+          "experts by",
+          o.name);
+    }
+    const ModelTensor& w = m_.tensors[*weights];
+    const std::int64_t count = w.bytes.count() / dtype_size(w.dtype) / (o.gemm.n * o.gemm.k);
+    if (count < 1 || count % ep_ != 0) {
+      return refuse("{} experts (op \"{}\") do not split among {} ranks", count, o.name, ep_);
+    }
+    const auto [at, fresh] = span.try_emplace(o.layer, i, i);
+    if (!fresh) at->second.second = i;
+  }
+  if (span.empty()) {
+    return refuse(
+        "model \"{}\" has no grouped expert matmul: expert parallelism splits a mixture of "
+        "experts' experts, run as grouped matmuls (python -m ferry trace with transformers' "
+        "grouped_mm experts)",
+        m_.name);
+  }
+  Model out = m_;
+  out.ops.clear();
+  out.ops.reserve(m_.ops.size() + 2 * span.size());
+  std::vector<std::uint32_t> now(m_.tensors.size());  // a tensor as later ops read it
+  for (std::uint32_t t = 0; t < now.size(); ++t) now[t] = t;
+  std::map<std::uint32_t, std::uint32_t> dispatched;  // within a layer's experts
+  const auto exchange = [&](std::string name, std::uint32_t from, std::string_view suffix,
+                            const ModelOp& near) {
+    ModelTensor moved = out.tensors[from];
+    moved.name += suffix;
+    moved.view_of = -1;
+    moved.view_offset = Bytes(0);
+    out.tensors.push_back(std::move(moved));
+    const auto to = static_cast<std::uint32_t>(out.tensors.size() - 1);
+    ModelOp a2a;
+    a2a.name = std::move(name);
+    a2a.kind = kAllToAllKind;
+    a2a.layer = near.layer;
+    a2a.no_offload = near.no_offload;
+    a2a.inputs = {from};
+    a2a.outputs = {to};
+    a2a.collective.forward = CollectiveKind::AllToAll;
+    a2a.collective.backward = CollectiveKind::AllToAll;
+    a2a.collective.axis = MeshAxis::Expert;
+    a2a.collective.ranks = ep_;
+    a2a.collective.nodes = nodes_;
+    out.ops.push_back(std::move(a2a));
+    return to;
+  };
+  for (std::size_t i = 0; i < m_.ops.size(); ++i) {
+    ModelOp o = m_.ops[i];
+    const auto layer = span.find(o.layer);
+    const bool in_experts =
+        layer != span.end() && i >= layer->second.first && i <= layer->second.second;
+    const auto read = [&](std::uint32_t t) {
+      // A view of all of a combined output reads the combined tensor.
+      const std::uint32_t b = base(t);
+      if (b != t && now[b] != b && m_.tensors[t].view_offset.count() == 0 &&
+          m_.tensors[t].bytes == m_.tensors[b].bytes) {
+        return now[b];
+      }
+      if (in_experts) {
+        if (const auto d = dispatched.find(t); d != dispatched.end()) return d->second;
+      }
+      return now[t];
+    };
+    for (std::uint32_t& t : o.inputs) t = read(t);
+    for (std::uint32_t& t : o.saved) t = read(t);
+    if (in_experts && i == layer->second.first) {
+      // The routed rows: its largest activation input (the other is the offsets).
+      dispatched.clear();
+      std::uint32_t* rows = nullptr;
+      for (std::uint32_t& t : o.inputs) {
+        if (out.tensors[t].role != TensorRole::Activation) continue;
+        if (rows == nullptr || out.tensors[t].bytes > out.tensors[*rows].bytes) rows = &t;
+      }
+      if (rows != nullptr) {
+        const std::uint32_t t = *rows;
+        const std::uint32_t d = exchange(o.name + "/ep.dispatch", t, "/ep.dispatched", o);
+        dispatched[t] = d;
+        std::ranges::replace(o.saved, t, d);
+        *rows = d;
+      }
+    }
+    const bool last = in_experts && i == layer->second.second;
+    const std::string name = o.name;
+    const ModelOp& kept = out.ops.emplace_back(std::move(o));
+    if (last && !kept.outputs.empty()) {
+      const std::uint32_t t = kept.outputs.front();
+      now[t] = exchange(name + "/ep.combine", t, "/ep.combined", out.ops.back());
+    }
+  }
+  // Sizes: each rank holds 1/ep of the experts' weights (a view 1/ep of its offset).
+  for (const std::uint32_t t : experts) {
+    ModelTensor& tensor = out.tensors[t];
+    const std::int64_t size = dtype_size(tensor.dtype);
+    const std::int64_t n = tensor.bytes.count() / size;
+    if (n % ep_ != 0 || (tensor.view_offset.count() / size) % ep_ != 0) {
+      return refuse("the experts' weights \"{}\" of {} elements do not split among {} ranks",
+                    tensor.name, n, ep_);
+    }
+    tensor.bytes = Bytes(tensor.bytes.count() / ep_);
+    tensor.view_offset = Bytes(tensor.view_offset.count() / ep_);
+  }
+  if (auto valid = validate_model(out); !valid) {
+    return refuse("the cut model is not valid ({})", valid.error().message);
+  }
+  return out;
+}
+
 }  // namespace
+
+Result<Model> expert_parallel_model(const Model& whole, std::int32_t ep, std::int32_t nodes) {
+  if (ep < 1) return Error{fmt::format("--ep {}: use 1 or more ranks", ep)};
+  if (ep == 1) return whole;
+  return ExpertParallelCut(whole, ep, std::max(1, nodes)).run();
+}
 
 Result<Model> context_parallel_model(const Model& whole, std::int32_t cp, std::int32_t nodes) {
   if (cp < 1) return Error{fmt::format("--cp {}: use 1 or more ranks", cp)};

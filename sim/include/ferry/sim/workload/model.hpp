@@ -202,6 +202,11 @@ Status check_roofline(const Model& model, const DeviceProfile& device);
 /// `_grouped_mm`, `_scaled_mm`, `_scaled_grouped_mm`, `matmul` or `linear`, any overload.
 [[nodiscard]] bool is_matmul_kind(std::string_view kind);
 
+/// Whether `kind` is a grouped matrix product, a mixture of experts' experts in one kernel:
+/// `aten._grouped_mm` or `_scaled_grouped_mm`, any overload. Its weights hold one matrix per
+/// expert, and it reads the routed rows and one offset per expert.
+[[nodiscard]] bool is_grouped_matmul_kind(std::string_view kind);
+
 /// The bytes the ring formula takes (collective_time) for `op`'s collective in its forward
 /// (`backward`: in its backward node, which moves the gradients of the forward's outputs into
 /// those of its inputs): an all-gather's output, a reduce-scatter's input, an all-reduce's

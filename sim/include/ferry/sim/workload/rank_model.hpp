@@ -1,7 +1,7 @@
 #pragma once
-/// One rank's model under tensor parallelism: the whole model cut as torch's ColwiseParallel,
-/// RowwiseParallel and SequenceParallel plans cut a transformer, with the collectives they run
-/// as ops of the model (Note [A rank's model] in rank_model.cpp).
+/// One rank's model under tensor, context or expert parallelism: the whole model cut as torch's
+/// plans cut a transformer, with the collectives they run as ops of the model (Note [A rank's
+/// model] in rank_model.cpp).
 
 #include <cstdint>
 
@@ -31,5 +31,13 @@ Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp);
 /// Durations are left as they are. Cuts a tensor-parallel rank's model as well as a whole one.
 /// The error names the op or tensor that does not split, with `--cp`.
 Result<Model> context_parallel_model(const Model& whole, std::int32_t cp, std::int32_t nodes = 1);
+
+/// The model one of `ep` expert-parallel ranks runs (Note [An expert-parallel rank] in
+/// rank_model.cpp): each grouped expert matmul's weights hold 1/ep of the experts, and per
+/// layer an all-to-all over the expert group (spanning `nodes` nodes) dispatches the routed
+/// rows before the first grouped matmul and another combines them after the last, routing
+/// taken as balanced. With `ep` 1, `whole` itself. Durations are left as they are. The error
+/// names the op or tensor that does not split, with `--ep`.
+Result<Model> expert_parallel_model(const Model& whole, std::int32_t ep, std::int32_t nodes = 1);
 
 }  // namespace ferry::sim
