@@ -119,14 +119,16 @@ std::optional<Bytes> bytes_of(const std::optional<ByteCount>& value, std::string
   return value_or_raise(sim::byte_count(std::get<std::string>(*value), option));
 }
 
-// FSDP2, tensor and context parallelism as the keyword arguments fsdp, nodes, hsdp,
-// reshard_after_forward, fsdp_impl, tp and cp give them; None: not given.
+// FSDP2, tensor, context and expert parallelism as the keyword arguments fsdp, nodes, hsdp,
+// reshard_after_forward, fsdp_impl, tp, cp and ep give them; None: not given.
 sim::FsdpRequest fsdp_request(std::optional<std::int32_t> ranks, std::optional<std::int32_t> nodes,
                               std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard,
-                              const std::string& impl, std::int32_t tp, std::int32_t cp) {
+                              const std::string& impl, std::int32_t tp, std::int32_t cp,
+                              std::int32_t ep) {
   sim::FsdpRequest fsdp{.ranks = ranks, .nodes = nodes, .replicas = hsdp};
   fsdp.tp = tp;
   fsdp.cp = cp;
+  fsdp.ep = ep;
   if (const auto* k = std::get_if<std::int64_t>(&reshard)) {
     fsdp.reshard_after_forward = value_or_raise(sim::reshard_ranks(*k));
   } else {
@@ -242,12 +244,13 @@ void bind_runs(py::module_& m) {
          std::optional<std::int32_t> nodes, std::int32_t hsdp,
          const std::variant<bool, std::int64_t>& reshard_after_forward,
          const std::string& fsdp_impl, const std::optional<std::string>& allocator, std::int32_t tp,
-         std::int32_t cp) {
+         std::int32_t cp, std::int32_t ep) {
         sim::SimulateRequest request;
         request.target = target(model, model_text, device, scenarios);
-        request.run = knobs(
-            min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
-            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp), allocator);
+        request.run =
+            knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
+                  fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep),
+                  allocator);
         request.run.prefetch = prefetch;
         request.run.dedup = dedup;
         request.run.early_stop = early_stop;
@@ -270,7 +273,7 @@ void bind_runs(py::module_& m) {
       py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.fsdp.replicas,
       py::arg("reshard_after_forward") = true, py::arg("fsdp_impl") = "fsdp2",
       py::arg("allocator") = py::none(), py::arg("tp") = d.run.fsdp.tp,
-      py::arg("cp") = d.run.fsdp.cp,
+      py::arg("cp") = d.run.fsdp.cp, py::arg("ep") = d.run.fsdp.ep,
       "(`ferry simulate --json`'s document, the memory snapshot pickle or None)");
   m.def(
       "compare",
@@ -281,12 +284,14 @@ void bind_runs(py::module_& m) {
          std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes, std::int32_t hsdp,
          const std::variant<bool, std::int64_t>& reshard_after_forward,
          const std::string& fsdp_impl, const std::optional<std::string>& allocator,
-         std::int32_t devices, std::int32_t micro_batches, std::int32_t tp, std::int32_t cp) {
+         std::int32_t devices, std::int32_t micro_batches, std::int32_t tp, std::int32_t cp,
+         std::int32_t ep) {
         sim::CompareRequest request;
         request.target = target(model, model_text, device, scenarios);
-        request.run = knobs(
-            min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
-            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp), allocator);
+        request.run =
+            knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
+                  fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep),
+                  allocator);
         request.run.set_to_none = set_to_none;
         request.run.devices = devices;
         request.run.micro_batches = micro_batches;
@@ -302,7 +307,8 @@ void bind_runs(py::module_& m) {
       py::arg("reshard_after_forward") = true, py::arg("fsdp_impl") = "fsdp2",
       py::arg("allocator") = py::none(), py::arg("devices") = d.run.devices,
       py::arg("micro_batches") = d.run.micro_batches, py::arg("tp") = d.run.fsdp.tp,
-      py::arg("cp") = d.run.fsdp.cp, "`ferry compare --json`'s document");
+      py::arg("cp") = d.run.fsdp.cp, py::arg("ep") = d.run.fsdp.ep,
+      "`ferry compare --json`'s document");
 }
 
 void bind_plans(py::module_& m) {
@@ -323,7 +329,7 @@ void bind_plans(py::module_& m) {
          std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard_after_forward,
          const std::string& fsdp_impl, const std::optional<std::string>& allocator,
          const std::optional<std::variant<double, std::string>>& margin,
-         sim::PlannerCache* planners, std::int32_t tp, std::int32_t cp) {
+         sim::PlannerCache* planners, std::int32_t tp, std::int32_t cp, std::int32_t ep) {
         sim::PlanRequest request;
         request.planners = planners;
         request.target = target(model, model_text, device, scenarios);
@@ -331,7 +337,8 @@ void bind_plans(py::module_& m) {
         request.budget = bytes_of(budget, "--budget");
         request.host_budget = bytes_of(host_budget, "--host-budget");
         request.steps = steps;
-        request.fsdp = fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp);
+        request.fsdp =
+            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep);
         request.allocator = allocator_of(allocator);
         if (margin) {
           const auto* text = std::get_if<std::string>(&*margin);
@@ -347,7 +354,7 @@ void bind_plans(py::module_& m) {
       py::arg("fsdp_impl") = "fsdp2", py::arg("allocator") = py::none(),
       py::arg("margin") = py::none(),
       py::arg("planners") = static_cast<sim::PlannerCache*>(nullptr), py::arg("tp") = d.fsdp.tp,
-      py::arg("cp") = d.fsdp.cp,
+      py::arg("cp") = d.fsdp.cp, py::arg("ep") = d.fsdp.ep,
       "{report, text, plan_text}, or {refused, floor} when no plan fits; with planners, a "
       "PlannerCache, a model given as text is planned by the planner it keeps for it");
   py::class_<ReadBytes>(m, "ReadBytes", "A byte count read_bytes read: plan takes it as read")

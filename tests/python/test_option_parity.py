@@ -40,16 +40,19 @@ FSDP_BOUNDS = {
 }
 #: Tensor and context parallelism's: drawn apart (TP_DRAWS, CP_DRAWS), mostly in bounds, as
 #: most meshes refuse.
-TP_BOUNDS = {"tp": ("--tp", 1, 1024), "cp": ("--cp", 1, 1024)}
+TP_BOUNDS = {"tp": ("--tp", 1, 1024), "cp": ("--cp", 1, 1024), "ep": ("--ep", 1, 1024)}
 #: tp values: accepted (1, 2), out of bounds, and in bounds but refused by the model or the
 #: device (3: not a divisor of a node's GPUs; 8: more than the model's heads).
 TP_DRAWS = [1, 2, 2, 0, 1025, -1, 3, 8]
 #: cp values: accepted with fsdp (1, 2, 4), out of bounds, and in bounds but refused (3: not a
 #: divisor of the tokens; any without fsdp).
 CP_DRAWS = [1, 2, 2, 4, 0, 1025, -1, 3]
+#: ep values: in bounds but refused (a dense model: no experts to split; 1 is none), out of
+#: bounds.
+EP_DRAWS = [1, 2, 0, 1025]
 PLAN_BOUNDS = {"steps": ("--steps", 1, 100), **FSDP_BOUNDS, **TP_BOUNDS}
 #: The options Python takes as 32-bit integers: out-of-bounds draws stay parseable.
-INT32 = {"steps", "stash", "fsdp", "nodes", "hsdp", "tp", "cp"}
+INT32 = {"steps", "stash", "fsdp", "nodes", "hsdp", "tp", "cp", "ep"}
 #: Values kept small where a run is accepted, so that it is quick.
 CHEAP = {"steps": 2, "fsdp": 16, "nodes": 16, "hsdp": 16}
 
@@ -101,10 +104,10 @@ def cheapened(options, bounds):
 
 def draw_numbers(rng, bounds, rate):
     """Some of the options in `bounds` (each with probability `rate`), all within their bounds
-    in about 60 % of the cases, one or more outside in the others."""
+    in about 65 % of the cases, one or more outside in the others."""
     names = [k for k in bounds if rng.random() < rate]
     outside = set()
-    if names and rng.random() < 0.4:
+    if names and rng.random() < 0.35:
         outside = set(rng.sample(names, rng.randint(1, len(names))))
     return {k: draw_int(rng, k, bounds[k][1], bounds[k][2], k not in outside) for k in names}
 
@@ -124,6 +127,8 @@ def draw_fsdp(rng, options):
         # Mostly with fsdp, which context parallelism needs.
         if "fsdp" not in options and rng.random() < 0.7:
             options["fsdp"] = rng.choice([1, 2])
+    if rng.random() < 0.04:
+        options["ep"] = rng.choice(EP_DRAWS)
     return options
 
 

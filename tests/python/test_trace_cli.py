@@ -328,6 +328,8 @@ def test_tensor_and_context_arguments_are_checked(config, tmp_path, capsys):
     assert "--tp: expected an integer in 1..1024, got 0" in capsys.readouterr().err
     assert main([config, "--seq", "8", "--fsdp", "2", "--cp", "2000", "--out", x]) == 2
     assert "--cp: expected an integer in 1..1024, got 2000" in capsys.readouterr().err
+    assert main([config, "--seq", "8", "--ep", "2", "--out", x]) == 2
+    assert "--ep 2 needs --fsdp N" in capsys.readouterr().err
 
 
 def test_fsdp_arguments_are_checked(config, tmp_path, capsys):
@@ -353,6 +355,34 @@ TINY_MIXTRAL = {
     "num_local_experts": 4,
     "num_experts_per_tok": 2,
 }
+
+
+def test_expert_parallelism_is_recorded_and_the_commands_split_the_experts(tmp_path, capsys):
+    path = tmp_path / "mixtral.json"
+    path.write_text(json.dumps(TINY_MIXTRAL))
+    out, traced = run(tmp_path, str(path), "--seq", "16", "--fsdp", "4", "--ep", "2")
+    assert traced.document["parallelism"] == {"fsdp": 4, "ep": 2}
+    assert "expert parallelism over 2 GPUs" in capsys.readouterr().err
+    done = subprocess.run(
+        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["ep"]["ranks"] == 2
+    # The eager loop over the experts has no grouped matmul to split: refused, named.
+    out, _ = run(
+        tmp_path, str(path), "--seq", "16", "--experts", "eager", "--fsdp", "4", "--ep", "2"
+    )
+    done = subprocess.run(
+        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "has no grouped expert matmul" in done.stderr
 
 
 def test_a_mixture_of_experts_traces_under_the_routing_it_is_given(tmp_path, capsys):

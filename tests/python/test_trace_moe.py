@@ -249,6 +249,37 @@ def test_the_simulator_reads_a_document_with_routing(cli, tmp_path):
     assert '"loads" applies to the assumption "loads" only' in run.stderr
 
 
+def _cli_json(cli, *argv):
+    run = subprocess.run([cli, *argv, "--json"], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def test_a_deepseek_v3_style_moe_compares_and_plans_under_expert_parallelism(cli, tmp_path):
+    """docs/parallelism.md, Expert parallelism: the DeepSeek-V3 layout (multi-head latent
+    attention, a dense first layer, shared and routed experts) traced with grouped experts, at
+    FSDP4 x EP2 and FSDP4 x EP4: every row of `ferry compare` hazard-free, and `ferry plan` at a
+    budget between the fixed rows' peaks no slower than the best fixed row that fits it."""
+    traced = trace_family("deepseek_v3", 2, 256, torch.bfloat16, "grouped_mm")
+    path = tmp_path / "deepseek_v3.json"
+    traced.save(path)
+    target = ("--model", str(path), "--device", "h100-sxm-pcie5")
+    for ep in ("2", "4"):
+        mesh = ("--fsdp", "4", "--ep", ep)
+        compared = _cli_json(cli, "compare", *target, *mesh)
+        assert compared["ep"] == {"ranks": int(ep), "routing": "balanced", "per_rank": True}
+        rows = compared["rows"]
+        assert all(row["hazards"] == 0 and row["failure"] is None for row in rows), rows
+        peaks = sorted({row["peak_reserved_bytes"] for row in rows})
+        assert len(peaks) >= 2
+        budget = (peaks[0] + peaks[-1]) // 2
+        plan = _cli_json(cli, "plan", *target, *mesh, "--budget", str(budget), "--margin", "0")
+        assert plan["hazards"] == 0
+        assert plan["peak_reserved_bytes"] <= budget
+        fitting = [row["step_time_ns"] for row in plan["fixed"] if row["fits"]]
+        assert fitting and plan["step_time_ns"] <= min(fitting)
+
+
 _FILL = """
 import torch
 from torch import nn

@@ -6,14 +6,19 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ferry/sim/api/requests.hpp"
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
 #include "ferry/sim/io/parallelism_json.hpp"
+#include "ferry/sim/workload/rank_model.hpp"
+#include "plan_replay.hpp"
 #include "sim_fixtures.hpp"
 #include "sim_models.hpp"
 
@@ -373,6 +378,53 @@ TEST(Fsdp, AShardGroupSpansItsContextParallelRanks) {
             collective_time_on(run(Parallelism{.ranks = 4, .tp = 2}), "reduce_scatter"));
 }
 
+// Expert parallelism: each layer's experts are a unit of their own (torchtitan's fully_shard of
+// the experts over the expert shard group): on Mixtral's two layers cut for EP2 under FSDP8, a
+// GPU holds the same shards as FSDP8 of the whole model (its 1/2 of the experts over 4 GPUs),
+// gathers 1/2 of the experts, and trains clean.
+TEST(Fsdp, ALayersExpertsAreAUnitShardedOverTheExpertShardGroup) {
+  const Model whole = testing::sized_family("mixtral");
+  auto cut = expert_parallel_model(whole, 2);
+  ASSERT_TRUE(cut.ok()) << cut.error().message;
+  DeviceProfile device = fsdp_profile();
+  device.flops_per_s = 1'000'000'000'000'000;
+  device.memory = Bytes(std::int64_t{1} << 40);
+  const auto timed = [&](Model m) {
+    assign_roofline_durations(m, device);
+    return m;
+  };
+  const auto run = [&](const Model& m, const Parallelism& p) {
+    TrainingOptions o = testing::two_steps(Policy::None);
+    auto checked = check_parallelism(p, device);
+    EXPECT_TRUE(checked.ok()) << checked.error().message;
+    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    return train(m, o, {}, device);
+  };
+  const TrainingRun ep2 = run(timed(cut.value()), Parallelism{.ranks = 8, .ep = 2});
+  const TrainingRun fsdp8 = run(timed(whole), Parallelism{.ranks = 8});
+  expect_clean(ep2);
+  // The bytes of the buffers named "unit ...`suffix`", summed, and the largest one's.
+  const auto bytes_of = [](const TrainingRun& r, const std::string& suffix) {
+    std::int64_t sum = 0;
+    std::int64_t largest = 0;
+    for (const BufferInfo& b : r.sim.buffers()) {
+      const std::string_view name = r.sim.label(b.label);
+      if (!name.starts_with("unit ") || !name.ends_with(suffix)) continue;
+      sum += b.bytes.count();
+      largest = std::max(largest, b.bytes.count());
+    }
+    return std::pair{sum, largest};
+  };
+  // The shards: the same bytes in all (each unit's rounded up to a byte).
+  EXPECT_NEAR(static_cast<double>(bytes_of(ep2, " shard").first),
+              static_cast<double>(bytes_of(fsdp8, " shard").first), 8.0);
+  // The largest gathered unit: under FSDP8 a layer (its experts, Mixtral's 3 x 8 matrices of
+  // 4096 x 14336 in bf16, and its attention); under EP2 a layer's experts, halved.
+  const std::int64_t experts = std::int64_t{3} * 8 * 4096 * 14336 * 2;
+  EXPECT_GT(bytes_of(fsdp8, " params").second, experts);  // the layer, experts and attention
+  EXPECT_EQ(bytes_of(ep2, " params").second, experts / 2);
+}
+
 TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
   const auto refused = [](const Parallelism& p) {
     auto checked = check_parallelism(p, fsdp_profile(), kFsdpFlags);
@@ -386,6 +438,19 @@ TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
                 .rfind("--cp: 2 ranks (times 2 of tensor parallelism) neither fit", 0),
             0U);
   EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 1, .cp = 16}, fsdp_profile()).ok());
+  // Expert parallelism: GPUs of the shard group, without tensor parallelism for now.
+  EXPECT_EQ(refused(Parallelism{.ep = 2}).rfind("--ep 2 needs --fsdp N", 0), 0U);
+  EXPECT_EQ(refused(Parallelism{.ranks = 6, .ep = 4})
+                .rfind("--ep: 4 ranks do not divide the shard group's 6 GPUs", 0),
+            0U);
+  EXPECT_EQ(refused(Parallelism{.ranks = 4, .tp = 2, .ep = 2}),
+            "--ep 2 with --tp 2: tensor parallelism of a mixture of experts is not simulated yet");
+  EXPECT_EQ(refused(Parallelism{.ranks = 8, .reshard_after_forward = Reshard::K(8), .ep = 2})
+                .rfind("--reshard-after-forward: 8 must be true, false or a number of ranks that "
+                       "divides the shard group (8, and the experts' 4)",
+                       0),
+            0U);
+  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 2, .cp = 4, .ep = 8}, fsdp_profile()).ok());
   EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 2, .tp = 2, .cp = 2}, fsdp_profile()).ok());
 }
 

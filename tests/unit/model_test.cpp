@@ -770,6 +770,12 @@ TEST(ModelJson, TheParallelismSectionIsReadAndWrittenBack) {
   ASSERT_TRUE(context.ok()) << context.error().message;
   EXPECT_EQ(context.value().parallelism, (Parallelism{.ranks = 2, .cp = 4}));
   EXPECT_NE(model_to_json(context.value()).find(R"("cp": 4)"), std::string::npos);
+  auto experts = parse_model(
+      valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": {"fsdp": 8, "ep": 4})"),
+      "toy.json");
+  ASSERT_TRUE(experts.ok()) << experts.error().message;
+  EXPECT_EQ(experts.value().parallelism, (Parallelism{.ranks = 8, .ep = 4}));
+  EXPECT_NE(model_to_json(experts.value()).find(R"("ep": 4)"), std::string::npos);
   for (const std::string section : {R"({"fsdp": 4, "tp": 2})", R"({"tp": 2})"}) {
     SCOPED_TRACE(section);
     auto sharded = parse_model(
@@ -801,7 +807,8 @@ TEST(ModelJson, ABadParallelismSectionIsNamed) {
            {R"({"tp": 2048})", "parallelism.tp"},
            {R"({"fsdp": 8, "cp": 0})", "parallelism.cp"},
            {R"({"cp": 2})", "fsdp"},
-           {R"({"fsdp": 8, "ep": 2})", "ep"},
+           {R"({"fsdp": 8, "ep": 0})", "parallelism.ep"},
+           {R"({"fsdp": 8, "pp": 2})", "pp"},
        }) {
     auto model = parse_model(
         valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": )" + section), "toy.json");

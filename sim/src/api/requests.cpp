@@ -54,11 +54,11 @@ Status first_error(std::initializer_list<Status> checks) {
 std::string planner_key(const PlanRequest& r) {
   const ModelSource& m = r.target.model;
   const FsdpRequest& f = r.fsdp;
-  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {} {} {}", m.name, m.text.value_or(""),
+  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {} {} {} {}", m.name, m.text.value_or(""),
                      r.target.device, r.target.scenarios.string(), r.steps, f.ranks ? *f.ranks : 0,
                      f.nodes ? *f.nodes : 0, f.replicas, to_string(f.reshard_after_forward),
                      r.allocator ? static_cast<int>(*r.allocator) : -1, to_string(f.impl), f.tp,
-                     f.cp);
+                     f.cp, f.ep);
 }
 
 Result<Workload> load(const Target& target) {
@@ -103,24 +103,45 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
   if (k.devices > 1 && k.fsdp.cp > 1) {
     return Error{"--cp excludes --devices"};
   }
+  if (k.devices > 1 && k.fsdp.ep > 1) {
+    return Error{"--ep excludes --devices"};
+  }
   return parallelism;
 }
 
-// The nodes a context-parallel group of `p` spans (every tp-th GPU of cp x tp consecutive
-// ones; validate_parallelism has checked that they fill a node evenly or whole nodes).
-std::int32_t context_nodes(const Parallelism& p, const DeviceProfile& device) {
+// The nodes a group of `span` consecutive GPUs of `p` spans (validate_parallelism has checked
+// that a context-parallel group fills a node evenly or whole nodes).
+std::int32_t span_nodes(const Parallelism& p, std::int32_t span, const DeviceProfile& device) {
   const std::int32_t per_node = std::max(1, p.ranks_per_node(device.collectives.gpus_per_node));
-  return std::max(1, p.cp * p.tp / per_node);
+  return std::max(1, span / per_node);
 }
 
-// The workload one GPU runs under `tp` tensor-parallel and `cp` context-parallel ranks (a
-// context-parallel group spanning `cp_nodes` nodes): its cut of the model (Note [A rank's
-// model], Note [A context-parallel rank]), timed on the device; `w` itself at 1 and 1.
-Result<Workload> cut_workload(const Workload& w, std::int32_t tp, std::int32_t cp,
-                              std::int32_t cp_nodes) {
-  if (tp <= 1 && cp <= 1) return w;
-  auto cut = tensor_parallel_model(*w.model, tp);
-  if (cut && cp > 1) cut = context_parallel_model(cut.value(), cp, cp_nodes);
+// How one GPU's model is cut: its tensor-, context- and expert-parallel degrees, and the nodes
+// the context and expert groups span.
+struct Cut {
+  std::int32_t tp = 1;
+  std::int32_t cp = 1;
+  std::int32_t ep = 1;
+  std::int32_t cp_nodes = 1;
+  std::int32_t ep_nodes = 1;
+};
+
+Cut cut_of(const Parallelism& p, const DeviceProfile& device) {
+  return Cut{.tp = p.tp,
+             .cp = p.cp,
+             .ep = p.ep,
+             .cp_nodes = span_nodes(p, p.cp * p.tp, device),
+             .ep_nodes = span_nodes(p, p.ep * p.tp, device)};
+}
+
+// The workload one GPU runs under `cut_by`: its cut of the model (Note [A rank's model], Note
+// [A context-parallel rank], Note [An expert-parallel rank]), timed on the device; `w` itself
+// when nothing is cut.
+Result<Workload> cut_workload(const Workload& w, const Cut& cut_by) {
+  if (cut_by.tp <= 1 && cut_by.cp <= 1 && cut_by.ep <= 1) return w;
+  auto cut = tensor_parallel_model(*w.model, cut_by.tp);
+  if (cut && cut_by.cp > 1) cut = context_parallel_model(cut.value(), cut_by.cp, cut_by.cp_nodes);
+  if (cut && cut_by.ep > 1) cut = expert_parallel_model(cut.value(), cut_by.ep, cut_by.ep_nodes);
   if (!cut) return cut.error();
   auto checked = check_model(std::move(cut).value());
   if (!checked) return checked.error();
@@ -129,9 +150,9 @@ Result<Workload> cut_workload(const Workload& w, std::int32_t tp, std::int32_t c
   return Workload{std::move(timed).value(), w.device};
 }
 
-// The workload one GPU of `p` runs (its tensor- and context-parallel cut).
+// The workload one GPU of `p` runs (its tensor-, context- and expert-parallel cut).
 Result<Workload> cut_workload(const Workload& w, const Parallelism& p) {
-  return cut_workload(w, p.tp, p.cp, context_nodes(p, w.device));
+  return cut_workload(w, cut_of(p, w.device));
 }
 
 // The workload a rank runs under the tensor and context parallelism `fsdp` asks for (the model
@@ -139,7 +160,7 @@ Result<Workload> cut_workload(const Workload& w, const Parallelism& p) {
 // option read against the model (a checkpoint plan's layers and ops) is read against.
 Result<Workload> rank_workload(const Workload& w, FsdpRequest fsdp, std::int32_t devices) {
   adopt_parallelism(fsdp, w.model->parallelism, devices);
-  if ((fsdp.tp == 1 && fsdp.cp == 1) || devices > 1) return w;
+  if ((fsdp.tp == 1 && fsdp.cp == 1 && fsdp.ep == 1) || devices > 1) return w;
   auto p = parallelism_of(fsdp);
   if (!p) return p.error();
   if (auto valid = validate_parallelism(p.value(), w.device, kFsdpFlags); !valid) {
@@ -227,7 +248,8 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   FsdpRequest adopted = asked;
   adopt_parallelism(adopted, plan.value().parallelism);
   TrainingOptions& base = run.base;
-  if (adopted.ranks != asked.ranks || adopted.tp != asked.tp || adopted.cp != asked.cp) {
+  if (adopted.ranks != asked.ranks || adopted.tp != asked.tp || adopted.cp != asked.cp ||
+      adopted.ep != asked.ep) {
     auto fsdp = parallelism_of(adopted);
     const Status chosen =
         fsdp ? choose_parallelism(base.fsdp, fsdp.value(), w.device) : Status(fsdp.error());
@@ -237,10 +259,11 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   }
   // A plan made under tensor or context parallelism the request and the model leave out is
   // replayed on the cut it was made on.
-  const Parallelism& layout = base.fsdp.parallelism;
-  auto ranked =
-      cut_workload(w, adopted.tp != asked.tp ? adopted.tp : 1,
-                   adopted.cp != asked.cp ? adopted.cp : 1, context_nodes(layout, w.device));
+  Cut remaining = cut_of(base.fsdp.parallelism, w.device);
+  if (adopted.tp == asked.tp) remaining.tp = 1;
+  if (adopted.cp == asked.cp) remaining.cp = 1;
+  if (adopted.ep == asked.ep) remaining.ep = 1;
+  auto ranked = cut_workload(w, remaining);
   if (!ranked) return Error{fmt::format("{}: parallelism: {}", path, ranked.error().message)};
   auto row = replay_plan(plan.value(), ranked.value().model, w.device, base);
   if (!row) return Error{fmt::format("{}: {}", path, row.error().message)};
@@ -373,7 +396,8 @@ Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
     return bounded.error();
   }
   if (auto bounded =
-          first_error({in_bounds("--tp", fsdp.tp, 1, 1024), in_bounds("--cp", fsdp.cp, 1, 1024)});
+          first_error({in_bounds("--tp", fsdp.tp, 1, 1024), in_bounds("--cp", fsdp.cp, 1, 1024),
+                       in_bounds("--ep", fsdp.ep, 1, 1024)});
       !bounded) {
     return bounded.error();
   }
@@ -383,7 +407,8 @@ Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
                       .reshard_after_forward = fsdp.reshard_after_forward,
                       .impl = fsdp.impl,
                       .tp = fsdp.tp,
-                      .cp = fsdp.cp};
+                      .cp = fsdp.cp,
+                      .ep = fsdp.ep};
   if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True() ||
                   p.impl != FsdpImpl::Fsdp2)) {
     return Error{"--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N"};
@@ -395,6 +420,7 @@ void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t 
   if (!file.sharded() || devices > 1) return;
   if (fsdp.tp == 1) fsdp.tp = file.tp;
   if (fsdp.cp == 1) fsdp.cp = file.cp;
+  if (fsdp.ep == 1) fsdp.ep = file.ep;
   if (!file.on()) return;
   if (!fsdp.ranks) fsdp.ranks = file.ranks;
   if (!fsdp.nodes && file.nodes > 0) fsdp.nodes = file.nodes;

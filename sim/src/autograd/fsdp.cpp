@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <set>
 #include <utility>
 
 #include "fsdp.hpp"
@@ -29,6 +30,20 @@ Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
   }
   if (p.cp < 1 || p.cp > 1024) {
     return Error{fmt::format("{}: {} ranks (use 1 to 1024)", names.cp, p.cp)};
+  }
+  if (p.ep < 1 || p.ep > 1024) {
+    return Error{fmt::format("{}: {} ranks (use 1 to 1024)", names.ep, p.ep)};
+  }
+  if (p.ep > 1 && !p.on()) {
+    return Error{fmt::format(
+        "{} {} needs {} N: expert parallelism splits the experts among GPUs of FSDP2's shard "
+        "group, which shards each expert over the rest",
+        names.ep, p.ep, names.ranks)};
+  }
+  if (p.ep > 1 && p.tp > 1) {
+    return Error{fmt::format(
+        "{} {} with {} {}: tensor parallelism of a mixture of experts is not simulated yet",
+        names.ep, p.ep, names.tp, p.tp)};
   }
   if (p.cp > 1 && !p.on()) {
     return Error{fmt::format(
@@ -70,12 +85,20 @@ Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
         "span whole nodes (device {})",
         names.cp, p.cp, p.tp, per_node, device.name)};
   }
+  if (p.ep > 1 && p.shard_group() % p.ep != 0) {
+    return Error{
+        fmt::format("{}: {} ranks do not divide the shard group's {} GPUs (data-parallel times "
+                    "context-parallel), among which expert parallelism splits the experts",
+                    names.ep, p.ep, p.shard_group())};
+  }
   const Reshard reshard = p.reshard_after_forward;
   if (reshard.kind() == Reshard::Kind::K &&
-      (reshard.ranks() < 2 || p.shard_group() % reshard.ranks() != 0)) {
+      (reshard.ranks() < 2 || p.shard_group() % reshard.ranks() != 0 ||
+       p.expert_shard_group() % reshard.ranks() != 0)) {
     return Error{fmt::format(
-        "{}: {} must be true, false or a number of ranks that divides the shard group ({})",
-        names.reshard_after_forward, reshard.ranks(), p.shard_group())};
+        "{}: {} must be true, false or a number of ranks that divides the shard group ({}{})",
+        names.reshard_after_forward, reshard.ranks(), p.shard_group(),
+        p.ep > 1 ? fmt::format(", and the experts' {}", p.expert_shard_group()) : "")};
   }
   if (p.ranks * p.cp > 1 && !links.intra_node.known()) {
     return Error{fmt::format(
@@ -206,9 +229,19 @@ bool Fsdp2::holds(const ModelTensor& tensor) const {
   return tensor.role == TensorRole::Param || tensor.name.starts_with("optimizer.");
 }
 
-std::size_t Fsdp2::unit_of_op(std::uint32_t i) const {
+std::size_t Fsdp2::layer_unit_of_op(std::uint32_t i) const {
   const auto it = unit_of_layer_.find(model_.ops[i].layer);
   return it == unit_of_layer_.end() ? 0 : it->second;
+}
+
+std::size_t Fsdp2::unit_of_op(std::uint32_t i) const {
+  const auto it = experts_of_layer_.find(model_.ops[i].layer);
+  if (it != experts_of_layer_.end()) {
+    const FsdpUnit& experts = units_[it->second];
+    const auto at = static_cast<std::int32_t>(i);
+    if (at >= experts.first_op && at <= experts.last_op) return it->second;
+  }
+  return layer_unit_of_op(i);
 }
 
 SimTime Fsdp2::memory_time(Bytes bytes) {
@@ -234,14 +267,20 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
   // The groups of rank 0 (Note [FSDP2, one rank]), GPUs laid out tensor-parallel group by
   // group, then shard group by shard group: a shard group is every tp-th GPU of consecutive
   // ones, a replica group one member of each shard group.
+  // Under expert parallelism an expert's shard group is every ep-th GPU of the shard group
+  // (the expert-parallel group being ep consecutive ones).
   const std::int32_t per_node = parallelism_.ranks_per_node(links().gpus_per_node);
   const std::int32_t tp = parallelism_.tp;
+  const std::int32_t ep = parallelism_.ep;
   const std::int32_t shard_ranks = parallelism_.shard_group();
-  shard_group_ = place_group(shard_ranks, tp, per_node);
   replica_group_ = place_group(parallelism_.replicas, shard_ranks * tp, per_node);
-  if (parallelism_.reshard_after_forward.ranks() > 1) {
-    post_forward_group_ = place_group(parallelism_.reshard_after_forward.ranks(), tp, per_node);
-  }
+  const std::int32_t keep = parallelism_.reshard_after_forward.ranks();
+  const auto place_unit = [&](FsdpUnit& unit) {
+    const std::int32_t stride = unit.experts ? tp * ep : tp;
+    unit.group = unit.experts ? parallelism_.expert_shard_group() : shard_ranks;
+    unit.placement = place_group(unit.group, stride, per_node);
+    if (keep > 1) unit.post_forward_placement = place_group(keep, stride, per_node);
+  };
   copy_in_ = sim_.add_stream(dev_, "all_gather_copy_in");
   all_gather_ = sim_.add_stream(dev_, "all_gather");
   reduce_scatter_ = sim_.add_stream(dev_, "reduce_scatter");
@@ -257,15 +296,36 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
       if (!fresh && it->second != op.layer) it->second = -1;
     }
   }
+  // Under expert parallelism a layer's experts (the weights of its grouped matmuls) are a unit
+  // of their own, as torchtitan applies fully_shard to them over the expert shard group.
+  std::set<std::uint32_t> expert_params;
+  if (ep > 1) {
+    for (const ModelOp& op : model_.ops) {
+      if (!is_grouped_matmul_kind(op.kind) || op.layer < 0) continue;
+      for (const std::uint32_t t : op.inputs) {
+        const std::uint32_t b = graph_.base[t];
+        if (model_.tensors[b].role == TensorRole::Param && owner.at(b) == op.layer) {
+          expert_params.insert(b);
+        }
+      }
+    }
+  }
   units_.assign(1, FsdpUnit{});
   unit_of_layer_ = {{-1, 0}};  // the root
+  experts_of_layer_.clear();
   for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
     const ModelTensor& tensor = model_.tensors[t];
     if (tensor.role != TensorRole::Param || tensor.view_of >= 0) continue;
     const auto it = owner.find(t);
     const std::int32_t layer = it == owner.end() ? -1 : it->second;
-    const auto [slot, fresh] = unit_of_layer_.emplace(layer, units_.size());
-    if (fresh) units_.emplace_back().layer = layer;
+    const bool experts = expert_params.contains(t);
+    auto& units = experts ? experts_of_layer_ : unit_of_layer_;
+    const auto [slot, fresh] = units.emplace(layer, units_.size());
+    if (fresh) {
+      FsdpUnit& added = units_.emplace_back();
+      added.layer = layer;
+      added.experts = experts;
+    }
     FsdpUnit& unit = units_[slot->second];
     unit.params.push_back(t);
     unit.offsets.push_back(unit.bytes);
@@ -274,15 +334,31 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
                        ? Bytes(tensor.bytes.count() / dtype_size(tensor.dtype) * 4)
                        : tensor.bytes;
   }
+  // A layer's experts span the ops from the first that reads their weights to the last; its
+  // unit, the layer's other ops.
   for (std::int32_t i = 0; i < static_cast<std::int32_t>(model_.ops.size()); ++i) {
-    FsdpUnit& unit = units_[unit_of_op(static_cast<std::uint32_t>(i))];
-    if (unit.layer < 0) continue;
+    const ModelOp& op = model_.ops[static_cast<std::size_t>(i)];
+    const auto experts = experts_of_layer_.find(op.layer);
+    if (experts == experts_of_layer_.end()) continue;
+    FsdpUnit& unit = units_[experts->second];
+    const bool reads = std::ranges::any_of(
+        op.inputs, [&](std::uint32_t t) { return expert_params.contains(graph_.base[t]); });
+    if (!reads) continue;
+    if (unit.first_op < 0) unit.first_op = i;
+    unit.last_op = i;
+  }
+  for (std::int32_t i = 0; i < static_cast<std::int32_t>(model_.ops.size()); ++i) {
+    const auto op = static_cast<std::uint32_t>(i);
+    const std::size_t u = layer_unit_of_op(op);
+    FsdpUnit& unit = units_[u];
+    if (unit.layer < 0 || unit_of_op(op) != u) continue;
     if (unit.first_op < 0) unit.first_op = i;
     unit.last_op = i;
   }
   for (std::size_t u = 0; u < units_.size(); ++u) {
     FsdpUnit& unit = units_[u];
-    const Bytes shard = std::max(Bytes(1), ceil_div(unit.master, parallelism_.shard_group()));
+    place_unit(unit);
+    const Bytes shard = std::max(Bytes(1), ceil_div(unit.master, unit.group));
     unit.shard = rank_.allocate_on(current(), shard, fmt::format("unit {} shard", unit.layer));
     writes.push_back(Region{unit.shard.id, Bytes(0), shard});
     values.push_back(mix_content(tag::kShard, u));
@@ -294,7 +370,7 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
 void Fsdp2::unshard(std::size_t u) {
   FsdpUnit& unit = units_[u];
   if (unit.unsharded || unit.gathering || unit.params.empty()) return;
-  std::int32_t group = parallelism_.shard_group();
+  std::int32_t group = unit.group;
   if (group == 1) {
     // A shard group of one rank: FSDP2 gathers nothing. It records an event on the current
     // stream, and wait_for_unshard copies the shard (cast) into the unsharded parameters.
@@ -321,7 +397,7 @@ void Fsdp2::unshard(std::size_t u) {
   sim_.kernel(copy, memory_time(source.bytes + part), std::vector<Region>{source},
               std::vector<Region>{mine}, name + " copy-in");
   if (!faults_.skip_copy_in_wait) comm_wait(all_gather_, copy);
-  const GroupPlacement placement = unit.post_forward ? post_forward_group_ : shard_group_;
+  const GroupPlacement placement = unit.post_forward ? unit.post_forward_placement : unit.placement;
   sim_.collective(
       all_gather_,
       collective_time(CollectiveKind::AllGather, std::int64_t{group} * part, placement, links()),
@@ -426,7 +502,7 @@ void Fsdp2::reduce_gradients(std::size_t u) {
               std::vector<Region>{Region{input.id, Bytes(0), input_bytes}}, name + " copy-in");
   for (const Device::Buffer& g : held) device_.drop(g);
   if (!faults_.skip_reduce_scatter_wait) comm_wait(reduce_scatter_, current());
-  const std::int32_t group = parallelism_.shard_group();
+  const std::int32_t group = unit.group;
   const Bytes out_bytes = ceil_div(input_bytes, group);
   const Device::Buffer out = rank_.allocate_on(or_compute(reduce_scatter_), out_bytes,
                                                fmt::format("unit {} grad shard", unit.layer));
@@ -436,7 +512,7 @@ void Fsdp2::reduce_gradients(std::size_t u) {
   if (group > 1) {
     sim_.collective(
         reduce_scatter_,
-        collective_time(CollectiveKind::ReduceScatter, input_bytes, shard_group_, links()),
+        collective_time(CollectiveKind::ReduceScatter, input_bytes, unit.placement, links()),
         rs_reads, rs_writes, name);
   } else {  // one rank: FSDP2 copies the input to the output on the reduce-scatter stream
     sim_.kernel(reduce_scatter_, memory_time(input_bytes + out_bytes), rs_reads, rs_writes,
@@ -481,16 +557,19 @@ void Fsdp2::before_op(std::uint32_t i) {
     unshard(0);
     wait_for_unshard(0, true);
   }
-  const std::size_t u = unit_of_op(i);
-  if (u != 0 && units_[u].first_op == static_cast<std::int32_t>(i)) {
-    unshard(u);
-    wait_for_unshard(u, true);
+  // The layer's pre-forward, then its experts' (a unit nested in the layer's).
+  for (const std::size_t u : {layer_unit_of_op(i), unit_of_op(i)}) {
+    if (u != 0 && units_[u].first_op == static_cast<std::int32_t>(i)) {
+      unshard(u);
+      wait_for_unshard(u, true);
+    }
   }
 }
 
 void Fsdp2::after_op(std::uint32_t i) {
-  const std::size_t u = unit_of_op(i);
-  if (u != 0 && units_[u].last_op == static_cast<std::int32_t>(i)) reshard(u, true);
+  for (const std::size_t u : {unit_of_op(i), layer_unit_of_op(i)}) {
+    if (u != 0 && units_[u].last_op == static_cast<std::int32_t>(i)) reshard(u, true);
+  }
   if (i + 1 == model_.ops.size() && prev_gather_) {
     // The root's post-forward frees the last all-gather output.
     for (const StreamId s : {copy_in_, all_gather_}) {

@@ -12,15 +12,19 @@
 
 namespace ferry::sim::training {
 
-// One fully_shard unit of FSDP2: a layer's parameters, or the root's (those outside the
-// layers). Note [FSDP2, one rank] in fsdp.cpp.
+// One fully_shard unit of FSDP2: a layer's parameters, the root's (those outside the layers),
+// or under expert parallelism a layer's experts (Note [FSDP2, one rank] in fsdp.cpp).
 struct FsdpUnit {
-  std::int32_t layer = -1;            // -1: the root
-  std::vector<std::uint32_t> params;  // base parameter tensors, in model order
-  std::vector<Bytes> offsets;         // each one's offset in the unsharded buffer
-  Bytes bytes;                        // unsharded, in the model's dtype
-  Bytes master;                       // unsharded, in the sharded dtype (f32 with mixed precision)
-  std::int32_t first_op = -1;         // its layer's forward ops [first_op, last_op]
+  std::int32_t layer = -1;     // -1: the root
+  bool experts = false;        // a layer's experts, sharded over the expert shard group
+  std::int32_t group = 1;      // the ranks it is sharded over
+  GroupPlacement placement{};  // where they lie
+  GroupPlacement post_forward_placement{};  // the ranks a 1/K shard kept after forward spans
+  std::vector<std::uint32_t> params;        // base parameter tensors, in model order
+  std::vector<Bytes> offsets;               // each one's offset in the unsharded buffer
+  Bytes bytes;                              // unsharded, in the model's dtype
+  Bytes master;                // unsharded, in the sharded dtype (f32 with mixed precision)
+  std::int32_t first_op = -1;  // its layer's forward ops [first_op, last_op]
   std::int32_t last_op = -1;
   Device::Buffer shard{};                      // this rank's shard of the parameters, resident
   std::optional<Device::Buffer> moments;       // AdamW's two moments of the shard
@@ -59,7 +63,11 @@ class Fsdp2 final : public StepHooks {
   // SimpleFSDP the compute stream, which allocates it and runs the kernels on it.
   bool simple() const { return parallelism_.impl == FsdpImpl::Simple; }
   StreamId or_compute(StreamId stream) const { return simple() ? current() : stream; }
+  // The innermost unit op `i` runs under: its layer's experts' for the ops from the first to
+  // the last that reads them, else its layer's, else the root's.
   std::size_t unit_of_op(std::uint32_t i) const;
+  // Its layer's unit (or the root's), whether or not the op is among the experts'.
+  std::size_t layer_unit_of_op(std::uint32_t i) const;
   void unshard(std::size_t u);
   void wait_for_unshard(std::size_t u, bool forward);
   void reshard(std::size_t u, bool after_forward);
@@ -83,6 +91,7 @@ class Fsdp2 final : public StepHooks {
 
   std::vector<FsdpUnit> units_;  // the root first, then the layers in forward order
   std::map<std::int32_t, std::size_t> unit_of_layer_;
+  std::map<std::int32_t, std::size_t> experts_of_layer_;  // layer -> its experts' unit
   StreamId copy_in_, all_gather_, reduce_scatter_, all_reduce_;
   // FSDP2's all_gather_state: the previous forward all-gather's output, freed once the AG
   // streams wait for its copy-out.
@@ -95,9 +104,9 @@ class Fsdp2 final : public StepHooks {
   std::vector<std::size_t> backward_units_;   // units by first node in backward order
   std::vector<bool> pre_backward_done_;
   std::vector<std::int32_t> last_node_;  // per unit: its last node in backward order
-  // Where rank 0's groups lie (docs/fsdp.md, "The link model"): its shard group, its HSDP
-  // replica group, and the ranks a unit resharded after forward gathers over.
-  GroupPlacement shard_group_, replica_group_, post_forward_group_;
+  // Where rank 0's HSDP replica group lies (docs/fsdp.md, "The link model"); each unit holds
+  // its shard group's.
+  GroupPlacement replica_group_;
 };
 
 }  // namespace ferry::sim::training

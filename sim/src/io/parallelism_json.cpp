@@ -21,12 +21,14 @@ nlohmann::ordered_json reshard_json(Reshard r) {
 Result<Parallelism> read_parallelism(const JsonValue& value) {
   constexpr std::int64_t kMost = 1 << 20;
   FERRY_JSON_TRY(const auto object, value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward",
-                                                  "fsdp_impl", "tp", "cp"}));
+                                                  "fsdp_impl", "tp", "cp", "ep"}));
   Parallelism p;
   FERRY_JSON_TRY(const auto tp, object.optional_integer("tp", 1, 1, 1024));
   p.tp = static_cast<std::int32_t>(tp);
   FERRY_JSON_TRY(const auto cp, object.optional_integer("cp", 1, 1, 1024));
   p.cp = static_cast<std::int32_t>(cp);
+  FERRY_JSON_TRY(const auto ep, object.optional_integer("ep", 1, 1, 1024));
+  p.ep = static_cast<std::int32_t>(ep);
   // FSDP's ranks, which tensor parallelism alone leaves out.
   if (!object.has("fsdp") && object.has("tp")) return p;
   FERRY_JSON_TRY(const auto ranks, object.required_integer("fsdp", 1, kMost));
@@ -67,6 +69,7 @@ nlohmann::ordered_json parallelism_json(const Parallelism& p) {
   if (p.impl != FsdpImpl::Fsdp2) j["fsdp_impl"] = to_string(p.impl);
   if (p.tp > 1) j["tp"] = p.tp;
   if (p.cp > 1) j["cp"] = p.cp;
+  if (p.ep > 1) j["ep"] = p.ep;
   return j;
 }
 
@@ -97,6 +100,13 @@ nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
     cp["rotation"] = "all_gather";
     cp["per_rank"] = true;
     document["cp"] = std::move(cp);
+  }
+  if (p.ep > 1) {
+    nlohmann::ordered_json ep;
+    ep["ranks"] = p.ep;
+    ep["routing"] = "balanced";
+    ep["per_rank"] = true;
+    document["ep"] = std::move(ep);
   }
   return document;
 }

@@ -102,6 +102,10 @@ std::string parallelism_text(const Parallelism& p, const DeviceProfile& device) 
     tp = fmt::format("{}{}context parallelism over {} GPUs (K and V all-gathered)", tp,
                      tp.empty() ? "" : " and ", p.cp);
   }
+  if (p.ep > 1) {
+    tp = fmt::format("{}{}expert parallelism over {} GPUs (routing balanced)", tp,
+                     tp.empty() ? "" : " and ", p.ep);
+  }
   if (!p.on()) {
     return fmt::format(
         "{}; every figure is one GPU's (its pinned memory: its part of the node's)\n", tp);

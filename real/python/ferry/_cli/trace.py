@@ -136,6 +136,14 @@ def _parser() -> argparse.ArgumentParser:
         help="with --fsdp: record context parallelism over N GPUs a rank, each holding 1/N of "
         "the sequence (docs/parallelism.md, Context parallelism)",
     )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --fsdp: record expert parallelism over N GPUs of the shard group, each "
+        "holding 1/N of the experts (docs/parallelism.md, Expert parallelism)",
+    )
     parser.add_argument("--name", help="the scenario's name (default: config, seq and batch)")
     parser.add_argument("--out", required=True, help="where to write the scenario ('-': stdout)")
     return parser
@@ -277,13 +285,18 @@ def _check(args: argparse.Namespace) -> None:
     ):
         if value < low:
             raise UsageError(f"{flag}: expected an integer >= {low}, got {value}")
-    for flag, value in (("--tp", args.tp), ("--cp", args.cp)):
+    for flag, value in (("--tp", args.tp), ("--cp", args.cp), ("--ep", args.ep)):
         if not 1 <= value <= 1024:
             raise UsageError(f"{flag}: expected an integer in 1..1024, got {value}")
     if args.cp > 1 and not args.fsdp:
         raise UsageError(
             f"--cp {args.cp} needs --fsdp N: FSDP2 shards the parameters over the data-parallel "
             "and context-parallel ranks together (--fsdp 1 for context parallelism alone)"
+        )
+    if args.ep > 1 and not args.fsdp:
+        raise UsageError(
+            f"--ep {args.ep} needs --fsdp N: expert parallelism splits the experts among GPUs "
+            "of FSDP2's shard group"
         )
     from .._trace import Routing
 
@@ -303,7 +316,7 @@ def _check(args: argparse.Namespace) -> None:
 def parallelism(args: argparse.Namespace, layers: list[int]) -> dict[str, Any] | None:
     """The scenario's "parallelism" section (docs/model-format.md), or None without --fsdp and
     --tp. FSDP2's units are the model's layers, as `fully_shard` is applied per decoder layer.
-    Whether the model cuts for --tp and --cp the commands that run it say."""
+    Whether the model cuts for --tp, --cp and --ep the commands that run it say."""
     if not args.fsdp:
         return {"tp": args.tp} if args.tp > 1 else None
     if not layers:
@@ -334,6 +347,8 @@ def parallelism(args: argparse.Namespace, layers: list[int]) -> dict[str, Any] |
         section["tp"] = args.tp
     if args.cp > 1:
         section["cp"] = args.cp
+    if args.ep > 1:
+        section["ep"] = args.ep
     return section
 
 
@@ -398,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sharded += f", tensor parallelism over {args.tp} GPUs a rank"
     if args.cp > 1:
         sharded += f", context parallelism over {args.cp} GPUs a rank"
+    if args.ep > 1:
+        sharded += f", expert parallelism over {args.ep} GPUs"
     print(
         f"{name}: {len(doc['ops'])} ops, {len(doc['tensors'])} tensors, "
         f"{traced.saved_bytes()} saved activation bytes{sharded} -> {args.out}",

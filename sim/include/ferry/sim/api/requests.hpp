@@ -68,6 +68,9 @@ struct FsdpRequest {
   /// Context parallelism over 1..1024 GPUs a rank (`--cp`, Python's cp): each holds 1/cp of the
   /// sequence (context_parallel_model), FSDP sharding over them too; 1: none.
   std::int32_t cp = 1;
+  /// Expert parallelism over 1..1024 GPUs of the shard group (`--ep`, Python's ep): each holds
+  /// 1/ep of a mixture of experts' experts (expert_parallel_model); 1: none.
+  std::int32_t ep = 1;
 };
 
 /// The flags' names, as validate_parallelism's errors at the edges name the fields.
@@ -76,7 +79,8 @@ inline constexpr ParallelismNames kFsdpFlags{.ranks = "--fsdp",
                                              .replicas = "--hsdp",
                                              .reshard_after_forward = "--reshard-after-forward",
                                              .tp = "--tp",
-                                             .cp = "--cp"};
+                                             .cp = "--cp",
+                                             .ep = "--ep"};
 
 /// The parallelism `fsdp` asks for, its numbers in bounds (Note [One check for both edges]).
 /// Not against a device: check_parallelism with kFsdpFlags does that.

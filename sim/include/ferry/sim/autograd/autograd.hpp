@@ -50,6 +50,7 @@ struct ParallelismNames {
   std::string_view reshard_after_forward = "reshard_after_forward";
   std::string_view tp = "tp";
   std::string_view cp = "cp";
+  std::string_view ep = "ep";
 };
 
 /// Checks `p` against a device profile's links; the error names the field as `names` spells it.
