@@ -58,6 +58,16 @@ def traced_from(path):
     return TracedModel(json.loads(path.read_text()))
 
 
+def simulate(path, *argv):
+    """`ferry simulate` of the scenario at `path` on an H100, with `argv`."""
+    return subprocess.run(
+        [cli(), "simulate", "--model", str(path), "--device", "h100-sxm-pcie5", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
 def test_same_arguments_give_the_same_bytes(config, tmp_path):
     first, _ = run(tmp_path, config, "--seq", "32")
     text = first.read_text()
@@ -257,12 +267,7 @@ def test_fsdp_is_recorded_and_the_commands_run_it(config, tmp_path, capsys):
     assert traced.document["parallelism"] == {"fsdp": 8, "reshard_after_forward": False}
     assert list(traced.document)[-1] == "parallelism"
     assert "FSDP2 over 8 ranks in 3 units (2 layers and the root)" in capsys.readouterr().err
-    done = subprocess.run(
-        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5", "--json"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = simulate(out, "--json")
     assert done.returncode == 0, done.stderr
     fsdp = json.loads(done.stdout)["fsdp"]
     assert fsdp == {
@@ -278,12 +283,7 @@ def test_fsdp_is_recorded_and_the_commands_run_it(config, tmp_path, capsys):
     # SimpleFSDP is recorded, and the commands run it.
     out, simple = run(tmp_path, config, "--seq", "64", "--fsdp", "8", "--fsdp-impl", "simple")
     assert simple.document["parallelism"] == {"fsdp": 8, "fsdp_impl": "simple"}
-    done = subprocess.run(
-        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = simulate(out)
     assert done.returncode == 0, done.stderr
     assert "SimpleFSDP over 8 ranks on 1 node" in done.stdout
     assert "hazards: 0" in done.stdout
@@ -296,12 +296,7 @@ def test_tensor_and_context_parallelism_are_recorded_and_the_commands_cut_for_th
     assert traced.document["parallelism"] == {"fsdp": 2, "tp": 2, "cp": 2}
     err = capsys.readouterr().err
     assert "tensor parallelism over 2 GPUs a rank, context parallelism over 2 GPUs a rank" in err
-    done = subprocess.run(
-        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5", "--json"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = simulate(out, "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["tp"]["ranks"] == 2 and report["cp"]["ranks"] == 2
@@ -309,12 +304,7 @@ def test_tensor_and_context_parallelism_are_recorded_and_the_commands_cut_for_th
     # Tensor parallelism alone needs no --fsdp; the command's own --tp overrides the file's.
     out, alone = run(tmp_path, config, "--seq", "64", "--tp", "2")
     assert alone.document["parallelism"] == {"tp": 2}
-    done = subprocess.run(
-        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5", "--tp", "4"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = simulate(out, "--tp", "4")
     # The tiny model's 2 key/value heads do not split among 4 ranks: the file's 2 was overridden.
     assert done.returncode == 2
     assert "--tp 4: 2 key/value heads" in done.stderr
@@ -363,24 +353,14 @@ def test_expert_parallelism_is_recorded_and_the_commands_split_the_experts(tmp_p
     out, traced = run(tmp_path, str(path), "--seq", "16", "--fsdp", "4", "--ep", "2")
     assert traced.document["parallelism"] == {"fsdp": 4, "ep": 2}
     assert "expert parallelism over 2 GPUs" in capsys.readouterr().err
-    done = subprocess.run(
-        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5", "--json"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = simulate(out, "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["ep"]["ranks"] == 2
     # The eager loop over the experts has no grouped matmul to split: refused, named.
     out, _ = run(
         tmp_path, str(path), "--seq", "16", "--experts", "eager", "--fsdp", "4", "--ep", "2"
     )
-    done = subprocess.run(
-        [cli(), "simulate", "--model", str(out), "--device", "h100-sxm-pcie5"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = simulate(out)
     assert done.returncode == 2
     assert "has no grouped expert matmul" in done.stderr
 

@@ -61,6 +61,41 @@ std::map<std::int32_t, std::map<std::string, int>> collectives(const Model& mode
   return out;
 }
 
+// A device quick enough for the presets, with an intra-node link.
+DeviceProfile rank_device() {
+  DeviceProfile device = testing::simple_profile();
+  device.flops_per_s = 100'000'000'000'000;
+  device.memory = Bytes(std::int64_t{1} << 40);
+  device.collectives.intra_node = {Bandwidth(100'000'000'000), SimTime(2000)};
+  return device;
+}
+
+// `rank` trains two steps with offload, without and with checkpointing every layer: clean, its
+// collectives on `stream`.
+void trains_clean(Model rank, const std::string& stream) {
+  const DeviceProfile device = rank_device();
+  ASSERT_TRUE(check_roofline(rank, device).ok());
+  assign_roofline_durations(rank, device);
+  for (const bool checkpoint : {false, true}) {
+    SCOPED_TRACE(checkpoint);
+    TrainingOptions options;
+    options.steps = 2;
+    options.offload.policy = Policy::Ferry;
+    options.offload.min_bytes = Bytes(0);
+    if (checkpoint) options.checkpoint = checkpoint_every(rank, 1);
+    auto run = simulate_training(rank, device, options);
+    ASSERT_TRUE(run.ok()) << run.error().message;
+    ASSERT_FALSE(run.value().failure) << run.value().failure->message;
+    const Simulator& sim = run.value().sim;
+    EXPECT_TRUE(sim.hazards().empty());
+    EXPECT_TRUE(sim.content_mismatches().empty());
+    const auto on_stream = std::ranges::count_if(sim.ops(), [&](const OpRecord& op) {
+      return op.kind == OpKind::Kernel && op.collective && sim.stream_name(op.stream) == stream;
+    });
+    EXPECT_GT(on_stream, 0);
+  }
+}
+
 TEST(TensorParallelModel, OneRankRunsTheWholeModel) {
   const Model whole = preset("tiny-llama");
   auto rank = tensor_parallel_model(whole, 1);
@@ -194,30 +229,7 @@ TEST(TensorParallelModel, WhatDoesNotSplitIsRefusedNamingItAndTheFlag) {
 TEST(TensorParallelModel, ARankTrainsHazardFreeWithCheckpointingAndOffload) {
   auto cut = tensor_parallel_model(preset("tiny-llama"), 2);
   ASSERT_TRUE(cut.ok()) << cut.error().message;
-  Model rank = cut.value();
-  DeviceProfile device = testing::simple_profile();
-  device.flops_per_s = 100'000'000'000'000;
-  device.collectives.intra_node = {Bandwidth(100'000'000'000), SimTime(2000)};
-  ASSERT_TRUE(check_roofline(rank, device).ok());
-  assign_roofline_durations(rank, device);
-  for (const bool checkpoint : {false, true}) {
-    SCOPED_TRACE(checkpoint);
-    TrainingOptions options;
-    options.steps = 2;
-    options.offload.policy = Policy::Ferry;
-    options.offload.min_bytes = Bytes(0);
-    if (checkpoint) options.checkpoint = checkpoint_segments(rank, 2, false);
-    auto run = simulate_training(rank, device, options);
-    ASSERT_TRUE(run.ok()) << run.error().message;
-    ASSERT_FALSE(run.value().failure) << run.value().failure->message;
-    const Simulator& sim = run.value().sim;
-    EXPECT_TRUE(sim.hazards().empty());
-    EXPECT_TRUE(sim.content_mismatches().empty());
-    const auto on_tp = std::ranges::count_if(sim.ops(), [&](const OpRecord& op) {
-      return op.kind == OpKind::Kernel && op.collective && sim.stream_name(op.stream) == "tp comm";
-    });
-    EXPECT_GT(on_tp, 0);
-  }
+  trains_clean(cut.value(), "tp comm");
 }
 
 // The graph trainer's default policy (op-sac-all) on a rank: a rowwise projection's partial sum
@@ -249,9 +261,7 @@ TEST(TensorParallelModel, ACompiledGraphKeepsTheScatteredSumAndDropsThePartialOn
   ASSERT_TRUE(apply_op_sac_policy(whole_plan, whole, MatmulSaving::Every).ok());
   EXPECT_EQ(std::ranges::count(whole_plan.op_policy, OpPolicy::Dropped), 0);
 
-  DeviceProfile device = testing::simple_profile();
-  device.flops_per_s = 100'000'000'000'000;
-  device.collectives.intra_node = {Bandwidth(100'000'000'000), SimTime(2000)};
+  const DeviceProfile device = rank_device();
   assign_roofline_durations(rank, device);
   const auto train = [&](std::optional<CheckpointPlan> plan) {
     TrainingOptions options;
@@ -418,30 +428,7 @@ TEST(ContextParallelModel, WhatDoesNotSplitIsRefusedNamingItAndTheFlag) {
 TEST(ContextParallelModel, ARankTrainsHazardFreeWithCheckpointingAndOffload) {
   auto cut = context_parallel_model(preset("tiny-llama"), 2);
   ASSERT_TRUE(cut.ok()) << cut.error().message;
-  Model rank = cut.value();
-  DeviceProfile device = testing::simple_profile();
-  device.flops_per_s = 100'000'000'000'000;
-  device.collectives.intra_node = {Bandwidth(100'000'000'000), SimTime(2000)};
-  ASSERT_TRUE(check_roofline(rank, device).ok());
-  assign_roofline_durations(rank, device);
-  for (const bool checkpoint : {false, true}) {
-    SCOPED_TRACE(checkpoint);
-    TrainingOptions options;
-    options.steps = 2;
-    options.offload.policy = Policy::Ferry;
-    options.offload.min_bytes = Bytes(0);
-    if (checkpoint) options.checkpoint = checkpoint_segments(rank, 2, false);
-    auto run = simulate_training(rank, device, options);
-    ASSERT_TRUE(run.ok()) << run.error().message;
-    ASSERT_FALSE(run.value().failure) << run.value().failure->message;
-    const Simulator& sim = run.value().sim;
-    EXPECT_TRUE(sim.hazards().empty());
-    EXPECT_TRUE(sim.content_mismatches().empty());
-    const auto on_cp = std::ranges::count_if(sim.ops(), [&](const OpRecord& op) {
-      return op.kind == OpKind::Kernel && op.collective && sim.stream_name(op.stream) == "cp comm";
-    });
-    EXPECT_GT(on_cp, 0);
-  }
+  trains_clean(cut.value(), "cp comm");
 }
 
 // Hugging Face models as traced: a decoder with a fused attention kernel keeps every
@@ -545,31 +532,7 @@ TEST(ExpertParallelModel, AMixtralRankHoldsItsExpertsAndExchangesTheRoutedRows) 
 TEST(ExpertParallelModel, ARankTrainsHazardFreeWithCheckpointingAndOffload) {
   auto cut = expert_parallel_model(testing::sized_family("mixtral"), 2);
   ASSERT_TRUE(cut.ok()) << cut.error().message;
-  Model rank = cut.value();
-  DeviceProfile device = testing::simple_profile();
-  device.flops_per_s = 100'000'000'000'000;
-  device.memory = Bytes(std::int64_t{1} << 40);
-  device.collectives.intra_node = {Bandwidth(100'000'000'000), SimTime(2000)};
-  ASSERT_TRUE(check_roofline(rank, device).ok());
-  assign_roofline_durations(rank, device);
-  for (const bool checkpoint : {false, true}) {
-    SCOPED_TRACE(checkpoint);
-    TrainingOptions options;
-    options.steps = 2;
-    options.offload.policy = Policy::Ferry;
-    options.offload.min_bytes = Bytes(0);
-    if (checkpoint) options.checkpoint = checkpoint_every(rank, 1);
-    auto run = simulate_training(rank, device, options);
-    ASSERT_TRUE(run.ok()) << run.error().message;
-    ASSERT_FALSE(run.value().failure) << run.value().failure->message;
-    const Simulator& sim = run.value().sim;
-    EXPECT_TRUE(sim.hazards().empty());
-    EXPECT_TRUE(sim.content_mismatches().empty());
-    const auto on_ep = std::ranges::count_if(sim.ops(), [&](const OpRecord& op) {
-      return op.kind == OpKind::Kernel && op.collective && sim.stream_name(op.stream) == "ep comm";
-    });
-    EXPECT_GT(on_ep, 0);
-  }
+  trains_clean(cut.value(), "ep comm");
 }
 
 }  // namespace

@@ -81,9 +81,33 @@ bool is_attention_kind(std::string_view kind) {
   return false;
 }
 
-class TensorParallelCut {
+// What the cuts share: the whole model, and the flag and degree their errors name.
+class RankCut {
+ protected:
+  RankCut(const Model& whole, std::string_view flag, std::int32_t degree)
+      : m_(whole), flag_(flag), degree_(degree) {}
+
+  // The tensor `t` is a view of, or `t`.
+  std::uint32_t base(std::uint32_t t) const {
+    const ModelTensor& tensor = m_.tensors[t];
+    return tensor.view_of >= 0 ? static_cast<std::uint32_t>(tensor.view_of) : t;
+  }
+  template <class... Args>
+  Error refuse(fmt::format_string<Args...> format, Args&&... args) const {
+    return Error{
+        fmt::format("{} {}: {}", flag_, degree_, fmt::format(format, std::forward<Args>(args)...))};
+  }
+
+  const Model& m_;
+
+ private:
+  std::string_view flag_;
+  std::int32_t degree_;
+};
+
+class TensorParallelCut : RankCut {
  public:
-  TensorParallelCut(const Model& whole, std::int32_t tp) : m_(whole), tp_(tp) {}
+  TensorParallelCut(const Model& whole, std::int32_t tp) : RankCut(whole, "--tp", tp), tp_(tp) {}
 
   Result<Model> run() {
     FERRY_JSON_RETURN_IF_ERROR(find_roles());
@@ -92,21 +116,12 @@ class TensorParallelCut {
   }
 
  private:
-  std::uint32_t base(std::uint32_t t) const {
-    const ModelTensor& tensor = m_.tensors[t];
-    return tensor.view_of >= 0 ? static_cast<std::uint32_t>(tensor.view_of) : t;
-  }
   bool is_param(std::uint32_t t) const { return m_.tensors[base(t)].role == TensorRole::Param; }
   bool is_activation(std::uint32_t t) const { return m_.tensors[t].role == TensorRole::Activation; }
   std::int64_t elements(std::uint32_t t) const {
     return m_.tensors[t].bytes.count() / dtype_size(m_.tensors[t].dtype);
   }
   const ModelOp& op(std::size_t i) const { return m_.ops[i]; }
-
-  template <class... Args>
-  Error refuse(fmt::format_string<Args...> format, Args&&... args) const {
-    return Error{fmt::format("--tp {}: {}", tp_, fmt::format(format, std::forward<Args>(args)...))};
-  }
 
   Status find_roles();
   Status check_heads() const;
@@ -115,7 +130,6 @@ class TensorParallelCut {
   // output (or the loss), and the weight matmuls whose operand it is.
   void reach(std::size_t i, bool& branch, bool& loss, std::set<std::size_t>& matmuls) const;
 
-  const Model& m_;
   std::int32_t tp_;
   std::vector<std::optional<std::uint32_t>> weight_;  // by op: a weight matmul's weight
   std::vector<std::optional<std::uint32_t>> table_;   // by op: an embedding's table
@@ -544,28 +558,18 @@ Result<Model> TensorParallelCut::rewrite() {
 // the first chunk's attention backward), and the float32 accumulation of their gradients, which
 // doubles the reduce-scatter's bytes in a 16-bit model.
 
-class ContextParallelCut {
+class ContextParallelCut : RankCut {
  public:
   ContextParallelCut(const Model& whole, std::int32_t cp, std::int32_t nodes)
-      : m_(whole), cp_(cp), nodes_(nodes) {}
+      : RankCut(whole, "--cp", cp), cp_(cp), nodes_(nodes) {}
 
   Result<Model> run();
 
  private:
-  std::uint32_t base(std::uint32_t t) const {
-    const ModelTensor& tensor = m_.tensors[t];
-    return tensor.view_of >= 0 ? static_cast<std::uint32_t>(tensor.view_of) : t;
-  }
-  std::int64_t elements(const ModelTensor& t) const {
+  static std::int64_t elements(const ModelTensor& t) {
     return t.bytes.count() / dtype_size(t.dtype);
   }
 
-  template <class... Args>
-  Error refuse(fmt::format_string<Args...> format, Args&&... args) const {
-    return Error{fmt::format("--cp {}: {}", cp_, fmt::format(format, std::forward<Args>(args)...))};
-  }
-
-  const Model& m_;
   std::int32_t cp_;
   std::int32_t nodes_;
 };
@@ -732,25 +736,14 @@ Result<Model> ContextParallelCut::run() {
 // The rest of the model (attention, shared experts, the router) is every GPU's own: expert
 // parallelism borrows its GPUs from the data-parallel ones.
 
-class ExpertParallelCut {
+class ExpertParallelCut : RankCut {
  public:
   ExpertParallelCut(const Model& whole, std::int32_t ep, std::int32_t nodes)
-      : m_(whole), ep_(ep), nodes_(nodes) {}
+      : RankCut(whole, "--ep", ep), ep_(ep), nodes_(nodes) {}
 
   Result<Model> run();
 
  private:
-  std::uint32_t base(std::uint32_t t) const {
-    const ModelTensor& tensor = m_.tensors[t];
-    return tensor.view_of >= 0 ? static_cast<std::uint32_t>(tensor.view_of) : t;
-  }
-
-  template <class... Args>
-  Error refuse(fmt::format_string<Args...> format, Args&&... args) const {
-    return Error{fmt::format("--ep {}: {}", ep_, fmt::format(format, std::forward<Args>(args)...))};
-  }
-
-  const Model& m_;
   std::int32_t ep_;
   std::int32_t nodes_;
 };
