@@ -39,7 +39,7 @@ class ComputeEngines {
     const Kernel k = e.ready.front();
     e.ready.pop_front();
     e.running = k.op;
-    queue.schedule(now + k.duration, DeviceEvent{.kind = done_, .device = device, .lane = lane});
+    queue.schedule(now + k.duration, DeviceEvent{.kind = done_, .lane = lane, .device = device});
     return k.op;
   }
 

@@ -49,14 +49,16 @@ class EventQueue {
 
 /// What wakes the device side: a kernel finishing on a device's compute engine, or a phase
 /// (latency or transfer) of a copy engine ending.
+/// 16 bytes, the lane beside the kind: the queue's heap moves these on every event.
 struct DeviceEvent {
   enum class Kind : std::uint8_t { KernelDone, CopyPhaseDone, CollectiveDone };
   Kind kind = Kind::KernelDone;
-  DeviceId device{};             ///< KernelDone, CollectiveDone
   std::uint8_t lane = 0;         ///< CollectiveDone: the device's engine (CollectiveLane)
+  DeviceId device{};             ///< KernelDone, CollectiveDone
   EngineId engine{};             ///< CopyPhaseDone
   std::uint32_t generation = 0;  ///< CopyPhaseDone: stale when the engine re-rated since
 };
+static_assert(sizeof(DeviceEvent) == 16);
 
 /// The simulator's queue of device events.
 using DeviceEventQueue = EventQueue<DeviceEvent>;
