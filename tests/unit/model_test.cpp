@@ -1304,6 +1304,24 @@ DeviceProfile linked_device() {
   return device;
 }
 
+TEST(OpKinds, FusedAttentionIsTheKernelNotItsBackwardNorItsParts) {
+  for (const std::string_view kind :
+       {"aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default", "aten._flash_attention_forward.default",
+        "higher_order.flex_attention", "torch_attn._varlen_attn.default"}) {
+    EXPECT_TRUE(is_fused_attention_kind(kind)) << kind;
+  }
+  for (const std::string_view kind : {"aten._scaled_dot_product_flash_attention_backward.default",
+                                      "higher_order.flex_attention_backward", "aten.bmm.default",
+                                      "aten._softmax.default", "aten.mm.default", ""}) {
+    EXPECT_FALSE(is_fused_attention_kind(kind)) << kind;
+  }
+  EXPECT_TRUE(is_grouped_matmul_kind("aten._grouped_mm.default"));
+  EXPECT_FALSE(is_grouped_matmul_kind("aten.mm.default"));
+}
+
 TEST(CollectiveOps, AreReadAndWrittenBack) {
   auto model = parse_model(kCollectiveModel, "sp.json");
   ASSERT_TRUE(model.ok()) << model.error().message;

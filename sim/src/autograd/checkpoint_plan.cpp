@@ -108,18 +108,8 @@ constexpr std::array<std::string_view, 2> kBatchedMatmul{"aten.bmm.default",
 /// Softmax as autograd records it (`softmax` and `F.scaled_dot_product_attention`'s math path).
 constexpr std::array<std::string_view, 2> kSoftmax{"aten._softmax.default",
                                                    "aten._safe_softmax.default"};
-/// Attention in one kernel: the whole core in one op.
-constexpr std::array<std::string_view, 9> kFusedAttention{
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default",
-    "aten._scaled_dot_product_fused_attention_overrideable.default",
-    "aten._flash_attention_forward.default",
-    "aten._efficient_attention_forward.default",
-    "higher_order.flex_attention",
-    "torch_attn._varlen_attn.default",
-};
+// Attention in one kernel, the whole core in one op: is_fused_attention_kind (model.hpp), the
+// one list the rank cuts read too.
 
 }  // namespace
 
@@ -131,7 +121,7 @@ std::vector<OpSpan> attention_cores(const Model& model) {
   const auto n = static_cast<std::uint32_t>(model.ops.size());
   for (std::uint32_t i = 0; i < n; ++i) {
     const std::int32_t layer = model.ops[i].layer;
-    if (layer >= 0 && listed(model.ops[i].kind, kFusedAttention)) {
+    if (layer >= 0 && is_fused_attention_kind(model.ops[i].kind)) {
       // The collective right before it that gathers its K and V (context parallelism: Note [A
       // context-parallel rank] in rank_model.cpp) is part of the core: recomputing the kernel
       // gathers them again, as torch's ring attention does.

@@ -700,6 +700,19 @@ bool is_matmul_kind(std::string_view kind) {
   return false;
 }
 
+bool is_fused_attention_kind(std::string_view kind) {
+  for (const std::string_view name :
+       {"aten._scaled_dot_product_flash_attention.",
+        "aten._scaled_dot_product_flash_attention_for_cpu.",
+        "aten._scaled_dot_product_efficient_attention.",
+        "aten._scaled_dot_product_cudnn_attention.",
+        "aten._scaled_dot_product_fused_attention_overrideable.", "aten._flash_attention_forward.",
+        "aten._efficient_attention_forward.", "torch_attn._varlen_attn."}) {
+    if (kind.starts_with(name)) return true;
+  }
+  return kind == "higher_order.flex_attention";  // a higher-order op has no overloads
+}
+
 bool is_grouped_matmul_kind(std::string_view kind) {
   return kind.starts_with("aten._grouped_mm.") || kind.starts_with("aten._scaled_grouped_mm.");
 }

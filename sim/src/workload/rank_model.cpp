@@ -71,16 +71,6 @@ constexpr std::string_view kAllToAllKind = "_c10d_functional.all_to_all_single.d
 enum class Layout : std::uint8_t { Whole, Features, Partial, Tokens };
 enum class Role : std::uint8_t { Other, Colwise, Rowwise, Replicated, Embedding };
 
-bool is_attention_kind(std::string_view kind) {
-  for (const std::string_view name :
-       {"aten._scaled_dot_product_flash_attention.", "aten._flash_attention_forward.",
-        "aten._scaled_dot_product_cudnn_attention.",
-        "aten._scaled_dot_product_efficient_attention."}) {
-    if (kind.starts_with(name)) return true;
-  }
-  return false;
-}
-
 // What the cuts share: the whole model, and the flag and degree their errors name.
 class RankCut {
  protected:
@@ -266,7 +256,7 @@ Status TensorParallelCut::check_heads() const {
   if (tokens_ <= 0) return Ok{};
   for (std::size_t i = 0; i < m_.ops.size(); ++i) {
     const ModelOp& o = op(i);
-    if (!is_attention_kind(o.kind) || o.inputs.size() < 3 || o.outputs.size() < 2) continue;
+    if (!is_fused_attention_kind(o.kind) || o.inputs.size() < 3 || o.outputs.size() < 2) continue;
     const std::int64_t lse = elements(o.outputs[1]);
     const std::int64_t values = elements(o.outputs[0]);
     if (m_.tensors[o.outputs[1]].dtype != DType::F32 || lse <= 0 || lse % tokens_ != 0 ||
@@ -659,7 +649,7 @@ Result<Model> ContextParallelCut::run() {
       split[t] = elements(out.tensors[t]) >= tokens;
       assigned[t] = true;
     }
-    if (is_attention_kind(o.kind) && o.inputs.size() >= 3) {
+    if (is_fused_attention_kind(o.kind) && o.inputs.size() >= 3) {
       // Gather the whole K and V over the context group; the kernel reads them and saves its
       // local ones (read too, so that it may save them).
       const std::uint32_t k = o.inputs[1];

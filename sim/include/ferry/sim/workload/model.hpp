@@ -202,6 +202,12 @@ Status check_roofline(const Model& model, const DeviceProfile& device);
 /// `_grouped_mm`, `_scaled_mm`, `_scaled_grouped_mm`, `matmul` or `linear`, any overload.
 [[nodiscard]] bool is_matmul_kind(std::string_view kind);
 
+/// Whether `kind` is attention in one kernel, any overload: torch's scaled_dot_product_attention
+/// kernels (flash, flash for the CPU, efficient, cuDNN, the overrideable fused one), the
+/// flash and efficient forward ops, flex attention and varlen attention. Its first three
+/// inputs are the queries, keys and values.
+[[nodiscard]] bool is_fused_attention_kind(std::string_view kind);
+
 /// Whether `kind` is a grouped matrix product, a mixture of experts' experts in one kernel:
 /// `aten._grouped_mm` or `_scaled_grouped_mm`, any overload. Its weights hold one matrix per
 /// expert, and it reads the routed rows and one offset per expert.
