@@ -94,17 +94,13 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
       !pipeline) {
     return pipeline.error();
   }
-  if (k.devices > 1 && k.fsdp.ranks) {
-    return Error{"--fsdp excludes --devices"};
-  }
-  if (k.devices > 1 && k.fsdp.tp > 1) {
-    return Error{"--tp excludes --devices"};
-  }
-  if (k.devices > 1 && k.fsdp.cp > 1) {
-    return Error{"--cp excludes --devices"};
-  }
-  if (k.devices > 1 && k.fsdp.ep > 1) {
-    return Error{"--ep excludes --devices"};
+  if (k.devices > 1) {
+    // A pipeline runs one whole model a device: no parallelism across GPUs beside it.
+    const Parallelism& p = parallelism.value();
+    for (const auto& [flag, asked] : {std::pair{"--fsdp", p.on()}, std::pair{"--tp", p.tp > 1},
+                                      std::pair{"--cp", p.cp > 1}, std::pair{"--ep", p.ep > 1}}) {
+      if (asked) return Error{fmt::format("{} excludes --devices", flag)};
+    }
   }
   return parallelism;
 }
@@ -155,8 +151,8 @@ Result<Workload> cut_workload(const Workload& w, const Parallelism& p) {
   return cut_workload(w, cut_of(p, w.device));
 }
 
-// The workload a rank runs under the tensor and context parallelism `fsdp` asks for (the model
-// file's where it asks none), its parallelism checked against the device first: what every
+// The workload a rank runs under the tensor, context and expert parallelism `fsdp` asks for (the
+// model file's where it asks none), its parallelism checked against the device first: what every
 // option read against the model (a checkpoint plan's layers and ops) is read against.
 Result<Workload> rank_workload(const Workload& w, FsdpRequest fsdp, std::int32_t devices) {
   adopt_parallelism(fsdp, w.model->parallelism, devices);
@@ -257,8 +253,8 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   } else if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device); !chosen) {
     return chosen.error();
   }
-  // A plan made under tensor or context parallelism the request and the model leave out is
-  // replayed on the cut it was made on.
+  // A plan made under tensor, context or expert parallelism the request and the model leave out
+  // is replayed on the cut it was made on.
   Cut remaining = cut_of(base.fsdp.parallelism, w.device);
   if (adopted.tp == asked.tp) remaining.tp = 1;
   if (adopted.cp == asked.cp) remaining.cp = 1;

@@ -87,27 +87,20 @@ nlohmann::ordered_json parallelism_report_json(const Parallelism& p, std::int32_
 nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
                                                const Parallelism& p, std::int32_t gpus_per_node) {
   if (p.on()) document["fsdp"] = parallelism_report_json(p, gpus_per_node);
-  if (p.tp > 1) {
-    nlohmann::ordered_json tp;
-    tp["ranks"] = p.tp;
-    tp["sequence_parallel"] = true;
-    tp["per_rank"] = true;
-    document["tp"] = std::move(tp);
-  }
-  if (p.cp > 1) {
-    nlohmann::ordered_json cp;
-    cp["ranks"] = p.cp;
-    cp["rotation"] = "all_gather";
-    cp["per_rank"] = true;
-    document["cp"] = std::move(cp);
-  }
-  if (p.ep > 1) {
-    nlohmann::ordered_json ep;
-    ep["ranks"] = p.ep;
-    ep["routing"] = "balanced";
-    ep["per_rank"] = true;
-    document["ep"] = std::move(ep);
-  }
+  // Each mesh axis in use: its ranks, what the simulation assumes of it, and that every figure
+  // is one GPU's.
+  const auto axis = [&](const char* name, std::int32_t ranks, const char* key,
+                        nlohmann::ordered_json assumed) {
+    if (ranks <= 1) return;
+    nlohmann::ordered_json member;
+    member["ranks"] = ranks;
+    member[key] = std::move(assumed);
+    member["per_rank"] = true;
+    document[name] = std::move(member);
+  };
+  axis("tp", p.tp, "sequence_parallel", true);
+  axis("cp", p.cp, "rotation", "all_gather");
+  axis("ep", p.ep, "routing", "balanced");
   return document;
 }
 

@@ -1,11 +1,13 @@
 #include "ferry/sim/report/tables.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ferry/sim/io/parallelism_json.hpp"
 #include "ferry/sim/report/row_fields.hpp"
@@ -96,26 +98,26 @@ std::string document_text(const Json& document) { return document.dump(2) + "\n"
 std::string parallelism_text(const Parallelism& p, const DeviceProfile& device) {
   if (!p.sharded()) return {};
   const std::int32_t nodes = p.node_count(device.collectives.gpus_per_node);
-  std::string tp =
-      p.tp > 1 ? fmt::format("tensor parallelism over {} GPUs (sequence parallel)", p.tp) : "";
+  // The mesh axes in use, each with what the simulation assumes of it.
+  std::vector<std::string> axes;
+  if (p.tp > 1)
+    axes.push_back(fmt::format("tensor parallelism over {} GPUs (sequence parallel)", p.tp));
   if (p.cp > 1) {
-    tp = fmt::format("{}{}context parallelism over {} GPUs (K and V all-gathered)", tp,
-                     tp.empty() ? "" : " and ", p.cp);
+    axes.push_back(fmt::format("context parallelism over {} GPUs (K and V all-gathered)", p.cp));
   }
-  if (p.ep > 1) {
-    tp = fmt::format("{}{}expert parallelism over {} GPUs (routing balanced)", tp,
-                     tp.empty() ? "" : " and ", p.ep);
-  }
+  if (p.ep > 1)
+    axes.push_back(fmt::format("expert parallelism over {} GPUs (routing balanced)", p.ep));
+  const std::string mesh = fmt::format("{}", fmt::join(axes, " and "));
   if (!p.on()) {
     return fmt::format(
-        "{}; every figure is one GPU's (its pinned memory: its part of the node's)\n", tp);
+        "{}; every figure is one GPU's (its pinned memory: its part of the node's)\n", mesh);
   }
   return fmt::format(
       "{} over {} ranks on {} node{}{}, reshard after forward: {}{}; every figure is one "
       "rank's (its pinned memory: its part of the node's)\n",
       p.impl == FsdpImpl::Simple ? "SimpleFSDP" : "FSDP2", p.ranks, nodes, nodes == 1 ? "" : "s",
       p.replicas > 1 ? fmt::format(", {} HSDP replica groups", p.replicas) : "",
-      to_string(p.reshard_after_forward), tp.empty() ? tp : ", each rank " + tp);
+      to_string(p.reshard_after_forward), mesh.empty() ? mesh : ", each rank " + mesh);
 }
 
 Json simulate_json(const RowResult& r, const Model& model, const DeviceProfile& device,

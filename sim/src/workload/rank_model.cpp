@@ -88,6 +88,48 @@ class RankCut {
         fmt::format("{} {}: {}", flag_, degree_, fmt::format(format, std::forward<Args>(args)...))};
   }
 
+  // A tensor added to `out` with `like`'s size, type and role, a storage of its own.
+  static std::uint32_t add_tensor(Model& out, std::uint32_t like, std::string name) {
+    ModelTensor t = out.tensors[like];
+    t.name = std::move(name);
+    t.view_of = -1;
+    t.view_offset = Bytes(0);
+    out.tensors.push_back(std::move(t));
+    return static_cast<std::uint32_t>(out.tensors.size() - 1);
+  }
+  // A collective op over `axis` that moves `inputs` into `outputs`, in `near`'s layer and
+  // no-offload region (Note [Collective ops] in model.cpp).
+  struct Exchange {
+    std::string_view kind;  // the functional collective's operator
+    CollectiveKind forward;
+    CollectiveKind backward;
+    MeshAxis axis;
+    std::int32_t nodes;
+  };
+  ModelOp collective_op(std::string name, const Exchange& x, std::vector<std::uint32_t> inputs,
+                        std::vector<std::uint32_t> outputs, const ModelOp& near) const {
+    ModelOp c;
+    c.name = std::move(name);
+    c.kind = x.kind;
+    c.layer = near.layer;
+    c.no_offload = near.no_offload;
+    c.inputs = std::move(inputs);
+    c.outputs = std::move(outputs);
+    c.collective.forward = x.forward;
+    c.collective.backward = x.backward;
+    c.collective.axis = x.axis;
+    c.collective.ranks = degree_;
+    c.collective.nodes = x.nodes;
+    return c;
+  }
+  // `out`, or the refusal that says why the cut is not a valid model.
+  Result<Model> checked(Model out) const {
+    if (auto valid = validate_model(out); !valid) {
+      return refuse("the cut model is not valid ({})", valid.error().message);
+    }
+    return out;
+  }
+
   const Model& m_;
 
  private:
@@ -298,37 +340,20 @@ Result<Model> TensorParallelCut::rewrite() {
   // of one region that a trace gives each projection) -> the gathered tensor.
   std::map<std::tuple<std::uint32_t, std::int64_t, std::int64_t>, std::uint32_t> gathered;
 
-  const auto collective_op = [&](std::string name, std::string_view kind, std::uint32_t from,
-                                 std::uint32_t to, CollectiveKind forward, CollectiveKind backward,
-                                 const ModelOp& near) {
-    ModelOp c;
-    c.name = std::move(name);
-    c.kind = kind;
-    c.layer = near.layer;
-    c.no_offload = near.no_offload;
-    c.inputs = {from};
-    c.outputs = {to};
-    c.collective.forward = forward;
-    c.collective.backward = backward;
-    c.collective.axis = MeshAxis::Tensor;
-    c.collective.ranks = tp_;
-    c.collective.nodes = 1;
-    out.ops.push_back(std::move(c));
-  };
+  // Tensor parallelism's collectives, inside one node.
+  constexpr Exchange kGather{kAllGatherKind, CollectiveKind::AllGather,
+                             CollectiveKind::ReduceScatter, MeshAxis::Tensor, 1};
+  constexpr Exchange kScatter{kReduceScatterKind, CollectiveKind::ReduceScatter,
+                              CollectiveKind::AllGather, MeshAxis::Tensor, 1};
   // The rewrite reads tensors of `out`, which holds the ones it adds after the whole model's.
   const auto activation = [&](std::uint32_t t) {
     return out.tensors[t].role == TensorRole::Activation;
   };
   const auto name_of = [&](std::uint32_t t) -> const std::string& { return out.tensors[t].name; };
   const auto new_tensor = [&](std::uint32_t like, std::string name, Layout l) {
-    ModelTensor t = out.tensors[like];
-    t.name = std::move(name);
-    t.view_of = -1;
-    t.view_offset = Bytes(0);
-    out.tensors.push_back(std::move(t));
     layout.push_back(l);
     assigned.push_back(true);
-    return static_cast<std::uint32_t>(out.tensors.size() - 1);
+    return add_tensor(out, like, std::move(name));
   };
 
   for (std::size_t i = 0; i < m_.ops.size(); ++i) {
@@ -356,8 +381,8 @@ Result<Model> TensorParallelCut::rewrite() {
             gathered.try_emplace({b, read.view_offset.count(), read.bytes.count()}, 0);
         if (fresh) {
           at->second = new_tensor(t, name_of(t) + "/tp.gathered", Layout::Whole);
-          collective_op(o.name + "/tp.all_gather", kAllGatherKind, t, at->second,
-                        CollectiveKind::AllGather, CollectiveKind::ReduceScatter, o);
+          out.ops.push_back(
+              collective_op(o.name + "/tp.all_gather", kGather, {t}, {at->second}, o));
         }
         const std::uint32_t g = at->second;
         std::ranges::replace(o.saved, t, g);
@@ -462,8 +487,8 @@ Result<Model> TensorParallelCut::rewrite() {
       const std::uint32_t t = kept.outputs.front();
       const std::uint32_t s = new_tensor(t, name_of(t) + "/tp.scattered", Layout::Tokens);
       // `kept` is read before the new op is pushed (which may move it).
-      collective_op(kept.name + "/tp.reduce_scatter", kReduceScatterKind, t, s,
-                    CollectiveKind::ReduceScatter, CollectiveKind::AllGather, kept);
+      ModelOp scatter = collective_op(kept.name + "/tp.reduce_scatter", kScatter, {t}, {s}, kept);
+      out.ops.push_back(std::move(scatter));
       now[t] = s;
     }
   }
@@ -515,10 +540,7 @@ Result<Model> TensorParallelCut::rewrite() {
     tensor.bytes = Bytes(tensor.bytes.count() / tp_);
     tensor.view_offset = Bytes(tensor.view_offset.count() / tp_);
   }
-  if (auto valid = validate_model(out); !valid) {
-    return refuse("the cut model is not valid ({})", valid.error().message);
-  }
-  return out;
+  return checked(std::move(out));
 }
 
 // Note [A context-parallel rank]
@@ -654,29 +676,17 @@ Result<Model> ContextParallelCut::run() {
       // local ones (read too, so that it may save them).
       const std::uint32_t k = o.inputs[1];
       const std::uint32_t v = o.inputs[2];
-      ModelOp gather;
-      gather.name = o.name + "/cp.all_gather";
-      gather.kind = kAllGatherKind;
-      gather.layer = o.layer;
-      gather.no_offload = o.no_offload;
-      gather.inputs = {k, v};
+      std::vector<std::uint32_t> whole;
       for (const std::uint32_t t : {k, v}) {
-        ModelTensor whole = out.tensors[t];
-        whole.name += "/cp.gathered";
-        whole.view_of = -1;
-        whole.view_offset = Bytes(0);
-        out.tensors.push_back(std::move(whole));
+        whole.push_back(add_tensor(out, t, out.tensors[t].name + "/cp.gathered"));
         split.push_back(false);
         assigned.push_back(true);
-        gather.outputs.push_back(static_cast<std::uint32_t>(out.tensors.size() - 1));
       }
-      gather.collective.forward = CollectiveKind::AllGather;
-      gather.collective.backward = CollectiveKind::ReduceScatter;
-      gather.collective.axis = MeshAxis::Context;
-      gather.collective.ranks = cp_;
-      gather.collective.nodes = nodes_;
-      o.inputs[1] = gather.outputs[0];
-      o.inputs[2] = gather.outputs[1];
+      const Exchange gathers{kAllGatherKind, CollectiveKind::AllGather,
+                             CollectiveKind::ReduceScatter, MeshAxis::Context, nodes_};
+      ModelOp gather = collective_op(o.name + "/cp.all_gather", gathers, {k, v}, whole, o);
+      o.inputs[1] = whole[0];
+      o.inputs[2] = whole[1];
       o.inputs.insert(o.inputs.end(), {k, v});
       out.ops.push_back(std::move(gather));
     }
@@ -698,10 +708,7 @@ Result<Model> ContextParallelCut::run() {
     tensor.bytes = Bytes((tensor.bytes.count() / size + cp_ - 1) / cp_ * size);
     tensor.view_offset = Bytes(tensor.view_offset.count() / size / cp_ * size);
   }
-  if (auto valid = validate_model(out); !valid) {
-    return refuse("the cut model is not valid ({})", valid.error().message);
-  }
-  return out;
+  return checked(std::move(out));
 }
 
 // Note [An expert-parallel rank]
@@ -779,26 +786,13 @@ Result<Model> ExpertParallelCut::run() {
   std::vector<std::uint32_t> now(m_.tensors.size());  // a tensor as later ops read it
   for (std::uint32_t t = 0; t < now.size(); ++t) now[t] = t;
   std::map<std::uint32_t, std::uint32_t> dispatched;  // within a layer's experts
+  const Exchange all_to_all{kAllToAllKind, CollectiveKind::AllToAll, CollectiveKind::AllToAll,
+                            MeshAxis::Expert, nodes_};
+  // Routed rows moved over the expert group into a tensor of their own.
   const auto exchange = [&](std::string name, std::uint32_t from, std::string_view suffix,
                             const ModelOp& near) {
-    ModelTensor moved = out.tensors[from];
-    moved.name += suffix;
-    moved.view_of = -1;
-    moved.view_offset = Bytes(0);
-    out.tensors.push_back(std::move(moved));
-    const auto to = static_cast<std::uint32_t>(out.tensors.size() - 1);
-    ModelOp a2a;
-    a2a.name = std::move(name);
-    a2a.kind = kAllToAllKind;
-    a2a.layer = near.layer;
-    a2a.no_offload = near.no_offload;
-    a2a.inputs = {from};
-    a2a.outputs = {to};
-    a2a.collective.forward = CollectiveKind::AllToAll;
-    a2a.collective.backward = CollectiveKind::AllToAll;
-    a2a.collective.axis = MeshAxis::Expert;
-    a2a.collective.ranks = ep_;
-    a2a.collective.nodes = nodes_;
+    const std::uint32_t to = add_tensor(out, from, out.tensors[from].name + std::string(suffix));
+    ModelOp a2a = collective_op(std::move(name), all_to_all, {from}, {to}, near);
     out.ops.push_back(std::move(a2a));
     return to;
   };
@@ -857,10 +851,7 @@ Result<Model> ExpertParallelCut::run() {
     tensor.bytes = Bytes(tensor.bytes.count() / ep_);
     tensor.view_offset = Bytes(tensor.view_offset.count() / ep_);
   }
-  if (auto valid = validate_model(out); !valid) {
-    return refuse("the cut model is not valid ({})", valid.error().message);
-  }
-  return out;
+  return checked(std::move(out));
 }
 
 }  // namespace
