@@ -368,16 +368,17 @@ def test_expert_parallelism_is_recorded_and_the_commands_split_the_experts(tmp_p
 def test_a_mixture_of_experts_traces_under_the_routing_it_is_given(tmp_path, capsys):
     path = tmp_path / "mixtral.json"
     path.write_text(json.dumps(TINY_MIXTRAL))
-    # The grouped matmul experts (the default) compute every routed row: nothing assumed.
+    # The grouped matmul experts (the default) compute every routed row, split among the
+    # experts as the routing (balanced, the default) gives them.
     out, traced = run(tmp_path, str(path), "--seq", "16", "--dtype", "f32")
-    assert "routing" not in traced.document
-    assert "routing" not in capsys.readouterr().err
+    assert traced.document["routing"] == {"assumption": "balanced"}
+    assert "assumed balanced" in capsys.readouterr().err
     accepted_by_cli(traced_from(out), tmp_path)
     # The eager loop's shapes follow the routing: the one given, recorded and said.
     argv = ["--seq", "16", "--experts", "eager", "--routing", "loads=3,1,0,0"]
     out, traced = run(tmp_path, str(path), *argv)
     assert traced.document["routing"] == {"assumption": "loads", "loads": [3, 1, 0, 0]}
-    assert "shapes follow the routing, assumed loads=3,1,0,0" in capsys.readouterr().err
+    assert "the experts' rows follow the routing, assumed loads=3,1,0,0" in capsys.readouterr().err
     rows = [
         op["gemm"]["m"]
         for op in traced.document["ops"]

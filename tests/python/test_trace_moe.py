@@ -1,7 +1,7 @@
 """Mixture-of-experts models trace in float32 and bfloat16 (docs/trace.md, Routing): tiny
 Mixtral, Qwen3-MoE and DeepSeek-V3 (multi-head latent attention, shared and routed experts),
 with transformers' grouped-matmul experts and with the eager loop over the experts hit, whose
-shapes follow the routing. The routing assumption decides each expert's rows there, the
+shapes follow the routing. The routing assumption decides each expert's rows in both, the
 document records it, and the experts' FLOPs equal the analytic count for it; a bad assumption,
 and values no assumption gives, are clear errors."""
 
@@ -57,9 +57,13 @@ def test_moe_families_trace_with_the_experts_flops_of_the_routing(family, dtype,
     assert sum(op["backward_flops"] for op in matmuls) == pytest.approx(2 * forward, rel=0.01)
     assert traced.uncosted == {}
     if experts == "grouped_mm":
-        # Every routed row in one grouped matmul whatever the routing: nothing assumed.
+        # Every routed row in one grouped matmul whatever the routing; each expert's rows, as
+        # the assumption gives them, recorded beside it.
         assert {op["kind"] for op in matmuls} == {"aten._grouped_mm.default"}
-        assert "routing" not in traced.document and traced.routing is None
+        for op in matmuls:
+            assert len(op["group_rows"]) == count and sum(op["group_rows"]) == TOKENS * k
+            assert max(op["group_rows"]) - min(op["group_rows"]) <= 1
+        assert traced.document["routing"] == {"assumption": "balanced"}
     else:
         # One gate-and-up and one down product per expert and layer, balanced.
         assert len(matmuls) == 2 * count * layers
@@ -98,6 +102,29 @@ def test_given_loads_decide_each_experts_rows():
     # An expert no row picks is not in the loop: three experts, the rows of 1:1:1 at most 64.
     idle = trace_family("mixtral", BATCH, SEQ, torch.float32, "eager", "loads=1,1,0,1")
     assert sorted(_gate_up_rows(idle.document, 0)) == [42, 43, 43]
+
+
+@pytest.mark.parametrize(
+    "spec, rows",
+    [("loads=3,1,0,0", [64, 64, 0, 0]), ("loads=1,1,1,5", [32, 16, 16, 64]), ("random", None)],
+)
+def test_grouped_experts_record_the_rows_the_routing_gives_each_expert(spec, rows):
+    """The offsets of a grouped matmul follow the router's choice: the trace writes each
+    expert's rows (`group_rows`), which expert parallelism prices at its busiest rank."""
+    traced = trace_family("mixtral", BATCH, SEQ, torch.bfloat16, "grouped_mm", spec)
+    grouped = [op for op in traced.document["ops"] if op.get("kind") == "aten._grouped_mm.default"]
+    assert len(grouped) == 2 * 2  # gate-and-up and down, two layers
+    layers = {}
+    for op in grouped:
+        assert sum(op["group_rows"]) == op["gemm"]["m"] == TOKENS * 2
+        layers.setdefault(op["layer"], []).append(op["group_rows"])
+    for each in layers.values():
+        assert each[0] == each[1]  # the down product reads the rows gate-and-up wrote
+        if rows is not None:
+            assert each[0] == rows
+    assert traced.document["routing"] == Routing(spec).to_json()
+    again = trace_family("mixtral", BATCH, SEQ, torch.bfloat16, "grouped_mm", spec)
+    assert again.to_json() == traced.to_json()
 
 
 def test_random_routing_is_deterministic_and_keeps_its_capacity():
@@ -260,14 +287,14 @@ def test_a_deepseek_v3_style_moe_compares_and_plans_under_expert_parallelism(cli
     attention, a dense first layer, shared and routed experts) traced with grouped experts, at
     FSDP4 x EP2 and FSDP4 x EP4: every row of `ferry compare` hazard-free, and `ferry plan` at a
     budget between the fixed rows' peaks no slower than the best fixed row that fits it."""
-    traced = trace_family("deepseek_v3", 2, 256, torch.bfloat16, "grouped_mm")
+    traced = trace_family("deepseek_v3", 2, 256, torch.bfloat16, "grouped_mm", "random,seed=2")
     path = tmp_path / "deepseek_v3.json"
     traced.save(path)
     target = ("--model", str(path), "--device", "h100-sxm-pcie5")
     for ep in ("2", "4"):
         mesh = ("--fsdp", "4", "--ep", ep)
         compared = _cli_json(cli, "compare", *target, *mesh)
-        assert compared["ep"] == {"ranks": int(ep), "routing": "balanced", "per_rank": True}
+        assert compared["ep"] == {"ranks": int(ep), "routing": "busiest_rank", "per_rank": True}
         rows = compared["rows"]
         assert all(row["hazards"] == 0 and row["failure"] is None for row in rows), rows
         peaks = sorted({row["peak_reserved_bytes"] for row in rows})

@@ -997,7 +997,21 @@ std::vector<BadCase> bad_cases() {
       {"unknown key in an op", valid_with(R"("saved": [])", R"("saves": [])"),
        R"(toy.json: ops[1]: unknown key "saves" (allowed: name, kind, layer, flops, bytes, )"
        "backward_flops, backward_bytes, duration_ns, backward_duration_ns, inputs, outputs, "
-       "saved, no_offload, draws_rng, draws_cpu_rng, gemm, collective)"},
+       "saved, no_offload, draws_rng, draws_cpu_rng, gemm, collective, group_rows)"},
+      {"group rows on an op that is not a grouped matmul",
+       valid_with(R"("saved": ["x", "w"]})", R"("saved": ["x", "w"], "group_rows": [1, 2]})"),
+       "toy.json: ops[0].group_rows: applies to a grouped matmul (aten._grouped_mm, "
+       "aten._scaled_grouped_mm) only; the op's kind is not known"},
+      {"more group rows than the product's",
+       valid_with(R"("saved": ["x", "w"]})",
+                  R"("saved": ["x", "w"], "kind": "aten._grouped_mm.default", )"
+                  R"("gemm": {"m": 2, "n": 5, "k": 5}, "group_rows": [2, 1]})"),
+       "toy.json: ops[0].group_rows: the groups hold 3 rows, more than the product's m of 2"},
+      {"negative group rows",
+       valid_with(R"("saved": ["x", "w"]})",
+                  R"("saved": ["x", "w"], "kind": "aten._grouped_mm.default", )"
+                  R"("group_rows": [2, -1]})"),
+       "toy.json: ops[0].group_rows[1]: expected a non-negative integer, got -1"},
       {"gemm disagrees with the FLOPs",
        valid_with(R"("saved": ["x", "w"]})",
                   R"("saved": ["x", "w"], "gemm": {"m": 2, "n": 5, "k": 6}})"),

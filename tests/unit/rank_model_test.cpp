@@ -96,6 +96,22 @@ void trains_clean(Model rank, const std::string& stream) {
   }
 }
 
+// The time of `rank`'s second step on rank_device, without offload or checkpointing.
+SimTime step_time(Model rank) {
+  const DeviceProfile device = rank_device();
+  assign_roofline_durations(rank, device);
+  TrainingOptions options;
+  options.steps = 2;  // the second: the caching allocator holds its segments
+  options.offload.policy = Policy::None;
+  auto run = simulate_training(rank, device, options);
+  if (!run.ok() || run.value().failure || run.value().steps.empty()) {
+    ADD_FAILURE() << "the step did not run";
+    return SimTime(0);
+  }
+  const StepTimes& step = run.value().steps.back();
+  return step.end - step.start;
+}
+
 TEST(TensorParallelModel, OneRankRunsTheWholeModel) {
   const Model whole = preset("tiny-llama");
   auto rank = tensor_parallel_model(whole, 1);
@@ -486,8 +502,15 @@ TEST(ContextParallelModel, TracedHuggingFaceModelsCutOrAreRefusedByName) {
 // expert_parallel_model (Note [An expert-parallel rank] in rank_model.cpp), on Mixtral 8x7B's
 // config cut to two layers (tests/data/traced/sized): 8 experts of 4096 -> 14336, top 2, 4096
 // tokens.
+// The sized Mixtral without the rows its trace gives each expert (balanced routing).
+Model balanced_mixtral() {
+  Model m = testing::sized_family("mixtral");
+  for (ModelOp& op : m.ops) op.group_rows.clear();
+  return m;
+}
+
 TEST(ExpertParallelModel, AMixtralRankHoldsItsExpertsAndExchangesTheRoutedRows) {
-  const Model whole = testing::sized_family("mixtral");
+  const Model whole = balanced_mixtral();
   Bytes experts(0);
   for (const ModelTensor& t : whole.tensors) {
     if (t.role == TensorRole::Param && t.view_of < 0 && t.name.ends_with("_proj") &&
@@ -527,6 +550,96 @@ TEST(ExpertParallelModel, AMixtralRankHoldsItsExpertsAndExchangesTheRoutedRows) 
   auto one = expert_parallel_model(whole, 1);
   ASSERT_TRUE(one.ok());
   EXPECT_EQ(one.value(), whole);
+}
+
+// The routed rows of Mixtral's first layer as a trace under routing loads=6,2,2,2,1,1,1,1 gives
+// them (ModelOp::group_rows): 8192 rows, 4096 tokens x top 2. A rank of ep holds 8/ep experts
+// and receives ep x their rows, so the busiest rank (the first) computes 1.5 (ep 2), 2 (ep 4)
+// or 3 (ep 8) times the traced rows.
+TEST(ExpertParallelModel, TheBusiestRankOfAnUnevenRoutingComputesItsRows) {
+  Model whole = balanced_mixtral();
+  const std::vector<std::int64_t> rows{3072, 1024, 1024, 1024, 512, 512, 512, 512};
+  for (ModelOp& op : whole.ops) {
+    if (op.layer == 0 && is_grouped_matmul_kind(op.kind)) op.group_rows = rows;
+  }
+  ASSERT_TRUE(validate_model(whole).ok());
+  const auto grouped_flops = [](const Model& m, std::int32_t layer) {
+    std::int64_t flops = 0;
+    for (const ModelOp& op : m.ops) {
+      if (op.layer == layer && is_grouped_matmul_kind(op.kind)) flops += op.flops;
+    }
+    return flops;
+  };
+  const auto exchanged = [](const Model& m, std::int32_t layer) {
+    std::vector<std::pair<Bytes, Bytes>> sizes;  // each all-to-all's input and output
+    for (const ModelOp& op : m.ops) {
+      if (op.layer == layer && op.collective.any()) {
+        sizes.emplace_back(m.tensors[op.inputs.at(0)].bytes, m.tensors[op.outputs.at(0)].bytes);
+      }
+    }
+    return sizes;
+  };
+  const Bytes routed(std::int64_t{4096} * 2 * 4096 * 2);  // the layer's routed rows, bf16
+  for (const auto& [ep, times] : {std::pair{2, 3}, std::pair{4, 4}, std::pair{8, 6}}) {
+    SCOPED_TRACE(ep);
+    auto cut = expert_parallel_model(whole, ep, 1);
+    ASSERT_TRUE(cut.ok()) << cut.error().message;
+    const Model& rank = cut.value();
+    // times / 2 the rows: the grouped matmuls' FLOPs, the rows dispatched in and out.
+    EXPECT_EQ(2 * grouped_flops(rank, 0), times * grouped_flops(whole, 0));
+    using Sizes = std::vector<std::pair<Bytes, Bytes>>;
+    const Bytes busiest(routed.count() * times / 2);
+    EXPECT_EQ(exchanged(rank, 0), (Sizes{{routed, busiest}, {busiest, routed}}));
+    for (const ModelOp& op : rank.ops) {
+      if (op.layer != 0 || !is_grouped_matmul_kind(op.kind)) continue;
+      EXPECT_EQ(2 * op.gemm.m, times * 8192) << op.name;
+    }
+    EXPECT_GT(saved_activation_bytes(rank, 0), saved_activation_bytes(whole, 0));
+    // The second layer's trace gives no rows: balanced, as before.
+    EXPECT_EQ(grouped_flops(rank, 1), grouped_flops(whole, 1));
+    EXPECT_EQ(exchanged(rank, 1), (Sizes{{routed, routed}, {routed, routed}}));
+    EXPECT_GT(step_time(rank), step_time(expert_parallel_model(balanced_mixtral(), ep, 1).value()));
+  }
+  trains_clean(expert_parallel_model(whole, 2, 1).value(), "ep comm");
+
+  // Balanced rows price as no rows do.
+  Model balanced = whole;
+  for (ModelOp& op : balanced.ops) {
+    if (!op.group_rows.empty()) op.group_rows.assign(8, 1024);
+  }
+  Model unknown = whole;
+  for (ModelOp& op : unknown.ops) op.group_rows.clear();
+  auto even = expert_parallel_model(balanced, 4, 1);
+  ASSERT_TRUE(even.ok());
+  for (ModelOp& op : even.value().ops) op.group_rows.clear();
+  EXPECT_EQ(even.value(), expert_parallel_model(unknown, 4, 1).value());
+
+  // The fixture's own rows, traced under random routing with a capacity factor of 1.25: the
+  // busiest of 8 ranks holds the expert of 1082 rows of 8192.
+  const Model traced = testing::sized_family("mixtral");
+  EXPECT_EQ(expert_routing(traced), "busiest_rank");
+  EXPECT_EQ(expert_routing(balanced_mixtral()), "balanced");
+  auto eight = expert_parallel_model(traced, 8, 1);
+  ASSERT_TRUE(eight.ok()) << eight.error().message;
+  for (const std::int32_t layer : {0, 1}) {
+    std::int64_t most = 0;
+    for (const ModelOp& op : traced.ops) {
+      if (op.layer == layer && !op.group_rows.empty()) most = std::ranges::max(op.group_rows);
+    }
+    EXPECT_GT(most, 1024);
+    EXPECT_EQ(grouped_flops(eight.value(), layer) * 1024, grouped_flops(traced, layer) * most)
+        << layer;
+  }
+
+  Model wrong = whole;
+  for (ModelOp& op : wrong.ops) {
+    if (!op.group_rows.empty()) op.group_rows.resize(4);
+  }
+  auto refused = expert_parallel_model(wrong, 2, 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().message,
+            R"(--ep 2: op "model.layers.0.mlp.experts/_grouped_mm" gives the rows of 4 groups, )"
+            "but its weights hold 8 experts");
 }
 
 TEST(ExpertParallelModel, ARankTrainsHazardFreeWithCheckpointingAndOffload) {

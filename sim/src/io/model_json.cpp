@@ -183,11 +183,11 @@ class ModelReader {
   }
 
   Result<ModelOp> read_op(const JsonValue& value) const {
-    FERRY_JSON_TRY(
-        const auto object,
-        value.object({"name", "kind", "layer", "flops", "bytes", "backward_flops", "backward_bytes",
-                      "duration_ns", "backward_duration_ns", "inputs", "outputs", "saved",
-                      "no_offload", "draws_rng", "draws_cpu_rng", "gemm", "collective"}));
+    FERRY_JSON_TRY(const auto object,
+                   value.object({"name", "kind", "layer", "flops", "bytes", "backward_flops",
+                                 "backward_bytes", "duration_ns", "backward_duration_ns", "inputs",
+                                 "outputs", "saved", "no_offload", "draws_rng", "draws_cpu_rng",
+                                 "gemm", "collective", "group_rows"}));
     ModelOp op;
     FERRY_JSON_TRY(op.name, object.required_name("name"));
     if (const auto kind = object.optional("kind")) {
@@ -223,6 +223,15 @@ class ModelReader {
     }
     if (const auto collective = object.optional("collective")) {
       FERRY_JSON_TRY(op.collective, read_collective(*collective));
+    }
+    FERRY_JSON_TRY(const auto groups, object.optional_array("group_rows"));
+    if (groups.size() > static_cast<std::size_t>(kMaxGroups)) {
+      return groups[kMaxGroups].error("more than {} groups", kMaxGroups);
+    }
+    op.group_rows.reserve(groups.size());
+    for (const JsonValue& rows : groups) {
+      FERRY_JSON_TRY(const auto n, rows.integer(0, kMaxGemmDim));
+      op.group_rows.push_back(n);
     }
     return op;
   }
@@ -366,6 +375,7 @@ OrderedJson op_json(const Model& model, const ModelOp& op) {
     collective["nodes"] = c.nodes;
     out["collective"] = std::move(collective);
   }
+  if (!op.group_rows.empty()) out["group_rows"] = op.group_rows;
   return out;
 }
 

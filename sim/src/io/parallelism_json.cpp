@@ -85,7 +85,8 @@ nlohmann::ordered_json parallelism_report_json(const Parallelism& p, std::int32_
 }
 
 nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
-                                               const Parallelism& p, std::int32_t gpus_per_node) {
+                                               const Parallelism& p, std::int32_t gpus_per_node,
+                                               std::string_view routing) {
   if (p.on()) document["fsdp"] = parallelism_report_json(p, gpus_per_node);
   // Each mesh axis in use: its ranks, what the simulation assumes of it, and that every figure
   // is one GPU's.
@@ -100,7 +101,7 @@ nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
   };
   axis("tp", p.tp, "sequence_parallel", true);
   axis("cp", p.cp, "rotation", "all_gather");
-  axis("ep", p.ep, "routing", "balanced");
+  axis("ep", p.ep, "routing", routing);
   return document;
 }
 

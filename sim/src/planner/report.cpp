@@ -8,6 +8,7 @@
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/report/row_fields.hpp"
 #include "ferry/sim/report/tables.hpp"
+#include "ferry/sim/workload/rank_model.hpp"
 #include "report_format.hpp"
 
 namespace ferry::sim {
@@ -18,8 +19,10 @@ using Json = nlohmann::ordered_json;
 using planning::none_time;
 
 // The document `j` with its parallelism's members (Note [Reports under FSDP]).
-Json with_parallelism(Json j, const Parallelism& p, const DeviceProfile& device) {
-  return with_parallelism_report(std::move(j), p, device.collectives.gpus_per_node);
+Json with_parallelism(Json j, const Parallelism& p, const DeviceProfile& device,
+                      const Model& model) {
+  return with_parallelism_report(std::move(j), p, device.collectives.gpus_per_node,
+                                 expert_routing(model));
 }
 
 std::string layer_name(std::int32_t layer) {
@@ -87,7 +90,7 @@ std::string plan_text(const PlanOutcome& o, const Model& model, const DeviceProf
                        format_bytes(s.offloaded), format_bytes(s.recomputed));
   }
   out += "bytes are of saved activations, each storage counted once in its producing op's layer\n";
-  return out + parallelism_text(o.plan.parallelism, device);
+  return out + parallelism_text(o.plan.parallelism, device, model);
 }
 
 Json plan_report_json(const PlanOutcome& o, const Model& model, const DeviceProfile& device) {
@@ -131,7 +134,7 @@ Json plan_report_json(const PlanOutcome& o, const Model& model, const DeviceProf
   }
   j["fixed"] = std::move(fixed);
   j["plan"] = plan_json(o.plan);
-  return with_parallelism(std::move(j), o.plan.parallelism, device);
+  return with_parallelism(std::move(j), o.plan.parallelism, device, model);
 }
 
 std::string sweep_text(const std::vector<SweepPoint>& points, const Model& model,
@@ -160,7 +163,7 @@ std::string sweep_text(const std::vector<SweepPoint>& points, const Model& model
   out +=
       "time is the ratio to the no-offload step; every plan was checked (hazard checker and "
       "content checks on)\n";
-  return out + parallelism_text(parallelism, device);
+  return out + parallelism_text(parallelism, device, model);
 }
 
 Json sweep_json(const std::vector<SweepPoint>& points, const Model& model,
@@ -190,7 +193,7 @@ Json sweep_json(const std::vector<SweepPoint>& points, const Model& model,
     list.push_back(std::move(row));
   }
   j["points"] = std::move(list);
-  return with_parallelism(std::move(j), parallelism, device);
+  return with_parallelism(std::move(j), parallelism, device, model);
 }
 
 }  // namespace ferry::sim

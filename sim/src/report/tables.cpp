@@ -11,6 +11,7 @@
 
 #include "ferry/sim/io/parallelism_json.hpp"
 #include "ferry/sim/report/row_fields.hpp"
+#include "ferry/sim/workload/rank_model.hpp"
 
 namespace ferry::sim {
 
@@ -19,8 +20,10 @@ namespace {
 using Json = nlohmann::ordered_json;
 
 // The document `j` with its parallelism's members (Note [Reports under FSDP]).
-Json with_parallelism(Json j, const Parallelism& p, const DeviceProfile& device) {
-  return with_parallelism_report(std::move(j), p, device.collectives.gpus_per_node);
+Json with_parallelism(Json j, const Parallelism& p, const DeviceProfile& device,
+                      const Model& model) {
+  return with_parallelism_report(std::move(j), p, device.collectives.gpus_per_node,
+                                 expert_routing(model));
 }
 
 const RowResult* baseline(const std::vector<RowResult>& rows) {
@@ -90,12 +93,13 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
       "record_stream fallbacks\n",
       t.prefetched, t.on_demand, t.stash_hits, t.record_stream_fallbacks);
   out += fmt::format("hazards: {}\n", r.hazards);
-  return out + parallelism_text(parallelism, device);
+  return out + parallelism_text(parallelism, device, model);
 }
 
 std::string document_text(const Json& document) { return document.dump(2) + "\n"; }
 
-std::string parallelism_text(const Parallelism& p, const DeviceProfile& device) {
+std::string parallelism_text(const Parallelism& p, const DeviceProfile& device,
+                             const Model& model) {
   if (!p.sharded()) return {};
   const std::int32_t nodes = p.node_count(device.collectives.gpus_per_node);
   // The mesh axes in use, each with what the simulation assumes of it.
@@ -106,7 +110,10 @@ std::string parallelism_text(const Parallelism& p, const DeviceProfile& device) 
     axes.push_back(fmt::format("context parallelism over {} GPUs (K and V all-gathered)", p.cp));
   }
   if (p.ep > 1)
-    axes.push_back(fmt::format("expert parallelism over {} GPUs (routing balanced)", p.ep));
+    axes.push_back(fmt::format("expert parallelism over {} GPUs ({})", p.ep,
+                               expert_routing(model) == "balanced"
+                                   ? "routing balanced"
+                                   : "each layer at the rank its traced routing loads most"));
   const std::string mesh = fmt::format("{}", fmt::join(axes, " and "));
   if (!p.on()) {
     return fmt::format(
@@ -138,7 +145,7 @@ Json simulate_json(const RowResult& r, const Model& model, const DeviceProfile& 
                       {"recomputed", d.recomputed}});
   }
   j["result"]["layers"] = std::move(layers);
-  return with_parallelism(std::move(j), parallelism, device);
+  return with_parallelism(std::move(j), parallelism, device, model);
 }
 
 std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
@@ -173,7 +180,7 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
       "recompute and bwd stall (compute stream waiting on copies) are of the last simulated "
       "step\n";
   if (!pipeline.empty()) out += "\n" + pipeline_text(pipeline);
-  return out + parallelism_text(parallelism, device);
+  return out + parallelism_text(parallelism, device, model);
 }
 
 std::string pipeline_text(const std::vector<PipelineRow>& rows) {
@@ -243,7 +250,7 @@ Json compare_json(const std::vector<RowResult>& rows, const Model& model,
   for (const RowResult& r : rows) list.push_back(row_json(r, base));
   j["rows"] = std::move(list);
   if (!pipeline.empty()) j["pipeline"] = pipeline_list(pipeline);
-  return with_parallelism(std::move(j), parallelism, device);
+  return with_parallelism(std::move(j), parallelism, device, model);
 }
 
 }  // namespace ferry::sim

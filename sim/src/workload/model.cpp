@@ -179,6 +179,25 @@ Status check_gemm(const ModelOp& op, std::size_t index) {
   return Ok{};
 }
 
+/// A grouped matmul's rows per group (ModelOp::group_rows) are its rows split: a grouped matmul
+/// only, together no more than the product's m.
+Status check_group_rows(const ModelOp& op, std::size_t index) {
+  if (op.group_rows.empty()) return Ok{};
+  if (!is_grouped_matmul_kind(op.kind)) {
+    return error_at(op_member(index, "group_rows"),
+                    "applies to a grouped matmul (aten._grouped_mm, aten._scaled_grouped_mm) "
+                    "only; the op's kind is {}",
+                    op.kind.empty() ? std::string("not known") : json_quote(op.kind));
+  }
+  std::int64_t rows = 0;  // at most 2^20 groups of 2^40 rows
+  for (const std::int64_t n : op.group_rows) rows += n;
+  if (op.gemm.known() && rows > op.gemm.m) {
+    return error_at(op_member(index, "group_rows"),
+                    "the groups hold {} rows, more than the product's m of {}", rows, op.gemm.m);
+  }
+  return Ok{};
+}
+
 Status check_op_counts(const ModelOp& op, std::size_t index) {
   if (!op.kind.empty() && !is_operator_name(op.kind)) {
     return error_at(op_member(index, "kind"),
@@ -204,7 +223,8 @@ Status check_op_counts(const ModelOp& op, std::size_t index) {
                       count.max);
     }
   }
-  return check_gemm(op, index);
+  FERRY_JSON_RETURN_IF_ERROR(check_gemm(op, index));
+  return check_group_rows(op, index);
 }
 
 /// Bytes of `tensors` summed (each at most kMaxJsonBytes, so the sum of up to 2^13 of them

@@ -664,6 +664,8 @@ Result<Model> ContextParallelCut::run() {
                       cp_);
       }
       o.gemm.m /= cp_;
+      // Each expert's rows: 1/cp of its tokens' (rounded down, within the product's m).
+      for (std::int64_t& rows : o.group_rows) rows /= cp_;
     } else if (o.gemm.known()) {
       o.gemm = GemmShape{};  // a fused kernel's product, timed by its FLOPs
     }
@@ -726,9 +728,18 @@ Result<Model> ContextParallelCut::run() {
 //     ranks that hold their experts; the grouped matmuls (and the ops between them) read the
 //     dispatched rows; after the last one, an all-to-all combines its output back to the ranks
 //     the tokens came from (backward: the same exchanges of the gradients);
-//   * routing is taken as balanced: each rank receives as many rows as it sends, so every op
-//     keeps its FLOPs and bytes. An uneven routing would load the rank holding the busiest
-//     experts with more rows; that is not priced yet.
+//   * each rank receives the rows routed to its experts. Where the trace gives each expert's
+//     rows (ModelOp::group_rows, from the offsets its routing assumption gave), every rank of
+//     the group is taken to route its own rows as the traced batch did, so rank r receives
+//     ep x (the rows of its experts), rank r holding experts [r E/ep, (r+1) E/ep) as
+//     torchtitan's Shard(0) of the experts places them. The layer is priced at its busiest
+//     rank: the dispatched rows and everything the experts compute from them (the grouped
+//     matmuls' FLOPs and m, the ops between them, their saved tensors) grow by its received
+//     rows over the traced ones, and so does the dispatch's all-to-all, which the collective
+//     model times by the larger of what a rank sends and receives. The combine waits for that
+//     rank, so each layer goes at its busiest rank's pace, and the memory figured is a bound
+//     above every rank's. Without group rows (or with balanced ones) each rank receives as
+//     many rows as it sends and every op keeps its counts.
 //
 // The rest of the model (attention, shared experts, the router) is every GPU's own: expert
 // parallelism borrows its GPUs from the data-parallel ones.
@@ -741,14 +752,76 @@ class ExpertParallelCut : RankCut {
   Result<Model> run();
 
  private:
+  // A layer's rows: those its busiest rank receives and those the trace routed.
+  struct Load {
+    std::int64_t busiest = 1;
+    std::int64_t traced = 1;
+    [[nodiscard]] std::int64_t scaled(std::int64_t n) const {
+      __extension__ using Signed = __int128;
+      return static_cast<std::int64_t>((Signed{n} * busiest + traced / 2) / traced);
+    }
+  };
+  Result<Load> load_of(const ModelOp& o, std::int64_t experts) const;
+  static void price(Model& out, ModelOp& o, const Load& load, std::vector<bool>& routed);
+
   std::int32_t ep_;
   std::int32_t nodes_;
 };
 
+Result<ExpertParallelCut::Load> ExpertParallelCut::load_of(const ModelOp& o,
+                                                           std::int64_t experts) const {
+  if (o.group_rows.empty()) return Load{};
+  if (std::cmp_not_equal(o.group_rows.size(), experts)) {
+    return refuse("op \"{}\" gives the rows of {} groups, but its weights hold {} experts", o.name,
+                  o.group_rows.size(), experts);
+  }
+  Load load{0, 0};
+  const std::int64_t each = experts / ep_;
+  for (std::int64_t r = 0; r < ep_; ++r) {
+    std::int64_t rows = 0;
+    for (std::int64_t e = r * each; e < (r + 1) * each; ++e) rows += o.group_rows[e];
+    load.traced += rows;
+    load.busiest = std::max(load.busiest, rows * ep_);
+  }
+  if (load.traced == 0) return Load{};
+  return load;
+}
+
+// An op of the experts that reads routed rows at its rank's load: its FLOPs, m and bytes grow
+// with the rows (its weights' bytes do not), and its outputs are routed rows too.
+void ExpertParallelCut::price(Model& out, ModelOp& o, const Load& load, std::vector<bool>& routed) {
+  const auto is_routed = [&](std::uint32_t t) {
+    const std::int32_t b = out.tensors[t].view_of;
+    return routed[t] || (b >= 0 && routed[static_cast<std::size_t>(b)]);
+  };
+  if (std::ranges::none_of(o.inputs, is_routed)) return;
+  std::int64_t rows_bytes = 0;
+  for (const std::uint32_t t : o.inputs) {
+    if (is_routed(t)) rows_bytes += out.tensors[t].bytes.count();
+  }
+  for (const std::uint32_t t : o.outputs) {
+    routed[t] = true;
+    rows_bytes += out.tensors[t].bytes.count();
+  }
+  const std::int64_t before = o.bytes.count();
+  if (before > 0) {  // a view moves nothing
+    o.bytes = Bytes(before + load.scaled(rows_bytes) - rows_bytes);
+    o.backward_bytes = Bytes(Load{o.bytes.count(), before}.scaled(o.backward_bytes.count()));
+  }
+  o.backward_flops = load.scaled(o.backward_flops);
+  if (o.gemm.known()) {
+    o.gemm.m = std::max<std::int64_t>(1, load.scaled(o.gemm.m));
+    o.flops = 2 * o.gemm.m * o.gemm.n * o.gemm.k * o.gemm.batch;
+  } else {
+    o.flops = load.scaled(o.flops);
+  }
+}
+
 Result<Model> ExpertParallelCut::run() {
   // The grouped matmuls of each layer, the first and the last.
   std::map<std::int32_t, std::pair<std::size_t, std::size_t>> span;
-  std::set<std::uint32_t> experts;  // the experts' weights and their views
+  std::set<std::uint32_t> experts;     // the experts' weights and their views
+  std::map<std::int32_t, Load> loads;  // of the layers whose trace gives each expert's rows
   for (std::size_t i = 0; i < m_.ops.size(); ++i) {
     const ModelOp& o = m_.ops[i];
     if (!is_grouped_matmul_kind(o.kind)) continue;
@@ -772,6 +845,11 @@ Result<Model> ExpertParallelCut::run() {
     }
     const auto [at, fresh] = span.try_emplace(o.layer, i, i);
     if (!fresh) at->second.second = i;
+    if (!o.group_rows.empty() && !loads.contains(o.layer)) {
+      auto load = load_of(o, count);
+      if (!load) return load.error();
+      loads.emplace(o.layer, load.value());
+    }
   }
   if (span.empty()) {
     return refuse(
@@ -786,6 +864,7 @@ Result<Model> ExpertParallelCut::run() {
   std::vector<std::uint32_t> now(m_.tensors.size());  // a tensor as later ops read it
   for (std::uint32_t t = 0; t < now.size(); ++t) now[t] = t;
   std::map<std::uint32_t, std::uint32_t> dispatched;  // within a layer's experts
+  std::vector<bool> routed;  // tensors of the layer's routed rows, where its load is given
   const Exchange all_to_all{kAllToAllKind, CollectiveKind::AllToAll, CollectiveKind::AllToAll,
                             MeshAxis::Expert, nodes_};
   // Routed rows moved over the expert group into a tensor of their own.
@@ -829,7 +908,14 @@ Result<Model> ExpertParallelCut::run() {
         dispatched[t] = d;
         std::ranges::replace(o.saved, t, d);
         *rows = d;
+        routed.resize(out.tensors.size());
+        routed[d] = true;
       }
+    }
+    const auto load = in_experts ? loads.find(o.layer) : loads.end();
+    if (load != loads.end()) {
+      routed.resize(out.tensors.size());
+      price(out, o, load->second, routed);
     }
     const bool last = in_experts && i == layer->second.second;
     const std::string name = o.name;
@@ -837,6 +923,20 @@ Result<Model> ExpertParallelCut::run() {
     if (last && !kept.outputs.empty()) {
       const std::uint32_t t = kept.outputs.front();
       now[t] = exchange(name + "/ep.combine", t, "/ep.combined", out.ops.back());
+    }
+    if (last && load != loads.end()) {
+      // The routed rows, and their views, at the busiest rank's load.
+      routed.resize(out.tensors.size());
+      for (std::uint32_t t = 0; t < out.tensors.size(); ++t) {
+        ModelTensor& tensor = out.tensors[t];
+        const bool of_routed =
+            tensor.view_of >= 0 && routed[static_cast<std::size_t>(tensor.view_of)];
+        if (!routed[t] && !of_routed) continue;
+        const std::int64_t size = dtype_size(tensor.dtype);
+        tensor.bytes = Bytes(load->second.scaled(tensor.bytes.count() / size) * size);
+        tensor.view_offset = Bytes(load->second.scaled(tensor.view_offset.count() / size) * size);
+      }
+      std::fill(routed.begin(), routed.end(), false);
     }
   }
   // Sizes: each rank holds 1/ep of the experts' weights (a view 1/ep of its offset).
@@ -860,6 +960,13 @@ Result<Model> expert_parallel_model(const Model& whole, std::int32_t ep, std::in
   if (ep < 1) return Error{fmt::format("--ep {}: use 1 or more ranks", ep)};
   if (ep == 1) return whole;
   return ExpertParallelCut(whole, ep, std::max(1, nodes)).run();
+}
+
+std::string_view expert_routing(const Model& model) {
+  const bool given = std::ranges::any_of(model.ops, [](const ModelOp& o) {
+    return is_grouped_matmul_kind(o.kind) && !o.group_rows.empty();
+  });
+  return given ? "busiest_rank" : "balanced";
 }
 
 Result<Model> context_parallel_model(const Model& whole, std::int32_t cp, std::int32_t nodes) {

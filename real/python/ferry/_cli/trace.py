@@ -431,7 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if traced.routing is not None:
         print(
-            f"{name}: shapes follow the routing, assumed {args.routing} (docs/trace.md, Routing)",
+            f"{name}: the experts' rows follow the routing, assumed {args.routing} "
+            "(docs/trace.md, Routing)",
             file=sys.stderr,
         )
     if traced.uncosted:

@@ -163,11 +163,11 @@ def trace(
     ``PYTORCH_CUDA_ALLOC_CONF`` turns on ``expandable_segments``, the document records
     ``"allocator": "expandable"``, and ferry's commands simulate that allocator. Where the
     model's shapes follow a router's choice (a mixture of experts that gathers each expert's
-    tokens), the choice is ``routing``'s, and the document records it (Note [Routing as a
-    stated assumption] in ``_values``). With ``compiled``, each chain of ops torch.compile
-    fuses between two library kernels costs what its fused kernel reads and writes; tensors,
-    ops and saved lists stay the eager trace's (Note [Costs of a compiled step] in
-    ``_compiled``).
+    tokens), or its grouped matmuls' rows per expert do, the choice is ``routing``'s, and the
+    document records it (Note [Routing as a stated assumption] in ``_values``). With
+    ``compiled``, each chain of ops torch.compile fuses between two library kernels costs what
+    its fused kernel reads and writes; tensors, ops and saved lists stay the eager trace's
+    (Note [Costs of a compiled step] in ``_compiled``).
 
     Args:
         model: The model; its parameters may be on the meta device.

@@ -276,4 +276,6 @@ def _op_json(op, rng):
         out["draws_rng" if rng == "device" else "draws_cpu_rng"] = True
     if op.gemm is not None and 2 * math.prod(op.gemm.values()) == op.flops:
         out["gemm"] = op.gemm
+    if op.group_rows is not None:
+        out["group_rows"] = op.group_rows
     return out

@@ -112,6 +112,7 @@ class OpRecord:
         "backward_flops",
         "backward_bytes",
         "gemm",
+        "group_rows",
         "rng",
         "fusible",
         "out_refs",
@@ -132,6 +133,7 @@ class OpRecord:
         self.backward_flops = 0
         self.backward_bytes = 0
         self.gemm = None  # {"m", "n", "k", "batch"} of a matmul (docs/model-format.md)
+        self.group_rows = None  # a grouped matmul's rows per expert, where routing gave them
         self.rng = False
         # An op torch.compile fuses with its neighbours rather than a library kernel (Note
         # [Costs of a compiled step] in ``_compiled``).
@@ -656,6 +658,8 @@ class Tracer:
         op.bytes = 0 if is_view else traffic + fresh
         op.flops = self._flops(func, args, kwargs, out) or 0
         op.gemm = gemm_shape(func, args, kwargs, out) if op.flops else None
+        if self.values is not None:
+            op.group_rows = self.values.group_rows(func, args, kwargs)
         op.rng = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
         # No FLOP formula, and its work is its memory traffic (pointwise, a reduction, a copy) or
         # it moves nothing (a view): not a library kernel, and not one without a cost model.

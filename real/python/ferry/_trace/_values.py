@@ -19,7 +19,8 @@ from .._names import writes
 # A mixture-of-experts layer sends each token to the k experts its router scores highest
 # (`topk`). On fake tensors the scores have no values, so neither has the choice. Where the
 # model computes every routed row whatever the choice (the grouped matmul over all
-# tokens x k rows, which group boundaries only split), the trace needs no values. Where it
+# tokens x k rows, which group boundaries only split), the shapes need no values, but the rows
+# of each group (each expert's, which expert parallelism prices) are the choice. Where it
 # gathers each expert's tokens (`nonzero`, `torch.where(mask)`, a loop over the experts hit),
 # the shapes are the choice, and a fake run stops. So the trace states the choice: a `topk`
 # over scores it cannot see returns the indices the routing assumption gives (balanced, given
@@ -27,7 +28,8 @@ from .._names import writes
 # knows the values of what is computed from known values only (`Values`), on real CPU tensors
 # beside the fake ones. An op whose output shape or result is data (tagged
 # `dynamic_output_shape` or `data_dependent_output`: `nonzero`, `item`) is then run on the
-# known values, and its fake result is made from the real one. The ops are classified by what
+# known values, and its fake result is made from the real one; a grouped matmul whose offsets
+# are known records each group's rows (`Values.group_rows`). The ops are classified by what
 # they are (their tags, `topk`), never by module or op names.
 
 #: Values that follow from a routing choice are kept for tensors up to this many bytes (the
@@ -42,6 +44,8 @@ MAX_OTHER_BYTES = 1 << 20
 KNOWN_BUDGET = 1 << 30
 
 _ASSUMPTIONS = ("balanced", "loads", "random")
+#: The grouped matrix products, whose offsets split the rows among the experts.
+_GROUPED = ("_grouped_mm", "_scaled_grouped_mm")
 
 
 class Routing:
@@ -342,6 +346,28 @@ class Values:
             return out
         self._follow(func, args, kwargs, out, known if size_ok else None)
         return out
+
+    def group_rows(self, func: Any, args: tuple, kwargs: dict) -> list[int] | None:
+        """Each group's rows of a grouped matmul that splits its rows (2-D rows against 3-D
+        weights) by offsets that follow a routing choice: the rows the router gave each
+        expert. None for any other call, or where the offsets are not known."""
+        if _packet_name(func) not in _GROUPED:
+            return None
+        named = _named(func, args, kwargs)
+        offs, rows, weights = named.get("offs"), named.get("self"), named.get("mat2")
+        if not all(isinstance(t, torch.Tensor) for t in (offs, rows, weights)):
+            return None
+        if rows.dim() != 2 or weights.dim() != 3:
+            return None
+        value = self._value(offs)
+        if value is None or not value[1]:
+            return None
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            ends = [int(n) for n in value[0].tolist()]
+        self.decided = True
+        return [end - start for start, end in zip([0, *ends[:-1]], ends)]
 
     def _from_values(self, func, known, where):
         """The fake result of a call whose result is data, made from the known values."""

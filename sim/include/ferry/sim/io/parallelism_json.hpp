@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <string_view>
 
 #include "ferry/parallelism.hpp"
 #include "ferry/result.hpp"
@@ -29,9 +30,11 @@ Result<Parallelism> read_parallelism(const JsonValue& value);
 /// `document` with its "fsdp" member under FSDP (parallelism_report_json), its "tp" member
 /// under tensor parallelism: {"ranks": T, "sequence_parallel": true, "per_rank": true} (every
 /// figure is one GPU's), and its "cp" member under context parallelism: {"ranks": C,
-/// "rotation": "all_gather", "per_rank": true}.
+/// "rotation": "all_gather", "per_rank": true}, and its "ep" member under expert parallelism:
+/// {"ranks": E, "routing": `routing` (expert_routing), "per_rank": true}.
 [[nodiscard]] nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
                                                              const Parallelism& p,
-                                                             std::int32_t gpus_per_node);
+                                                             std::int32_t gpus_per_node,
+                                                             std::string_view routing);
 
 }  // namespace ferry::sim

@@ -24,7 +24,8 @@ namespace ferry::sim {
 
 /// The line a text report ends with under FSDP: the parallelism `p`, and that figures are one
 /// rank's. Empty without FSDP.
-[[nodiscard]] std::string parallelism_text(const Parallelism& p, const DeviceProfile& device);
+[[nodiscard]] std::string parallelism_text(const Parallelism& p, const DeviceProfile& device,
+                                           const Model& model);
 
 /// Summary of one run as text / JSON (`ferry simulate`; "ferry.simulate/1"), of one rank under
 /// `parallelism` (Note [Reports under FSDP]).

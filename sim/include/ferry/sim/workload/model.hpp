@@ -104,6 +104,10 @@ struct ModelOp {
   GemmShape gemm{};
   /// The collective it runs over a mesh axis (optional in the file, "collective").
   OpCollective collective{};
+  /// A grouped matmul's rows in each group, in group order: the rows the router gave each
+  /// expert (optional in the file, "group_rows"; `ferry.trace` writes it where the offsets
+  /// follow its routing assumption). Empty: not known, taken as balanced.
+  std::vector<std::int64_t> group_rows{};
 
   friend bool operator==(const ModelOp&, const ModelOp&) = default;
 };
@@ -184,6 +188,8 @@ inline constexpr std::int64_t kRooflineBandwidthPermille = 800;
 
 /// Largest m, n, k or batch of a GemmShape: 2^40.
 inline constexpr std::int64_t kMaxGemmDim = std::int64_t{1} << 40;
+/// Most groups of a grouped matmul's ModelOp::group_rows: 2^20.
+inline constexpr std::int32_t kMaxGroups = std::int32_t{1} << 20;
 
 /// The fraction of HBM bandwidth, in thousandths, that `device`'s kernels reach: its
 /// `kernels.memory_permille`, else kRooflineBandwidthPermille.

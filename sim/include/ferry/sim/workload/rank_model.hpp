@@ -35,9 +35,15 @@ Result<Model> context_parallel_model(const Model& whole, std::int32_t cp, std::i
 /// The model one of `ep` expert-parallel ranks runs (Note [An expert-parallel rank] in
 /// rank_model.cpp): each grouped expert matmul's weights hold 1/ep of the experts, and per
 /// layer an all-to-all over the expert group (spanning `nodes` nodes) dispatches the routed
-/// rows before the first grouped matmul and another combines them after the last, routing
-/// taken as balanced. With `ep` 1, `whole` itself. Durations are left as they are. The error
-/// names the op or tensor that does not split, with `--ep`.
+/// rows before the first grouped matmul and another combines them after the last. Where the
+/// trace gives each expert's rows (ModelOp::group_rows), each layer is priced at the rank its
+/// routing loads most; elsewhere routing is taken as balanced. With `ep` 1, `whole` itself.
+/// Durations are left as they are. The error names the op or tensor that does not split, with
+/// `--ep`.
 Result<Model> expert_parallel_model(const Model& whole, std::int32_t ep, std::int32_t nodes = 1);
+
+/// How expert_parallel_model prices `model`'s routing: "busiest_rank" where a grouped matmul
+/// gives its group rows, else "balanced".
+[[nodiscard]] std::string_view expert_routing(const Model& model);
 
 }  // namespace ferry::sim
