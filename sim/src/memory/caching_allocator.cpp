@@ -578,23 +578,19 @@ void CachingAllocator::unmap_block(Bytes address) {
   unmapped_.insert(UnmappedKey{proto.pool, proto.stream, it->first});
 }
 
-std::vector<MarkerId>& CachingAllocator::pending_markers(Bytes address) {
+void CachingAllocator::release_pending(Bytes address) {
   const auto it = blocks_.find(address);
   FERRY_CHECK(it != blocks_.end() && it->second.state == BlockInfo::State::PendingFree,
               "pending free at {:#x} is missing", address.count());
-  return it->second.markers;
+  release_block(it);
 }
 
 void CachingAllocator::process_pending(StreamMarkers& markers) {
-  pending_.process(
-      markers, [this](Bytes address) -> auto& { return pending_markers(address); },
-      [this](Bytes address) { release_block(blocks_.find(address)); });
+  pending_.process(markers, [this](Bytes address) { release_pending(address); });
 }
 
 void CachingAllocator::synchronize_pending(StreamMarkers& markers) {
-  pending_.synchronize(
-      markers, [this](Bytes address) -> auto& { return pending_markers(address); },
-      [this](Bytes address) { release_block(blocks_.find(address)); });
+  pending_.synchronize(markers, [this](Bytes address) { release_pending(address); });
 }
 
 void CachingAllocator::release_free_segments() {

@@ -51,8 +51,8 @@ Result<HostAllocation> PinnedHostAllocator::malloc(Bytes requested, PinnedPool p
   }
   ++stats_.cap_refusals;
   Bytes pending_bytes;
-  for (const Bytes pending : pending_.addresses()) {
-    pending_bytes += blocks_.at(pending).size;
+  for (const DeferredFrees::Deferred& pending : pending_.pending()) {
+    pending_bytes += blocks_.at(pending.address).size;
   }
   const std::string request =
       fmt::format("request {} B (a {} B block)", requested.count(), size.count());
@@ -170,15 +170,12 @@ void PinnedHostAllocator::release_block(Bytes address, Block& block) {
 }
 
 void PinnedHostAllocator::process_pending(StreamMarkers& markers) {
-  pending_.process(
-      markers, [this](Bytes address) -> auto& { return blocks_.at(address).markers; },
-      [this](Bytes address) { release_block(address, blocks_.at(address)); });
+  pending_.process(markers, [this](Bytes address) { release_block(address, blocks_.at(address)); });
 }
 
 void PinnedHostAllocator::synchronize_pending(StreamMarkers& markers) {
-  pending_.synchronize(
-      markers, [this](Bytes address) -> auto& { return blocks_.at(address).markers; },
-      [this](Bytes address) { release_block(address, blocks_.at(address)); });
+  pending_.synchronize(markers,
+                       [this](Bytes address) { release_block(address, blocks_.at(address)); });
 }
 
 void PinnedHostAllocator::unpin_cached() {

@@ -227,7 +227,7 @@ class CachingAllocator {
   std::optional<Bytes> find_expandable_block(StreamId stream, PoolKind pool, Bytes size);
   std::optional<Bytes> map_block(Bytes address, Bytes size);
   void unmap_block(Bytes address);
-  std::vector<MarkerId>& pending_markers(Bytes address);
+  void release_pending(Bytes address);
   void process_pending(StreamMarkers& markers);
   void synchronize_pending(StreamMarkers& markers);
   void release_free_segments();

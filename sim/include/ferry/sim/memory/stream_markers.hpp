@@ -37,51 +37,58 @@ class StreamMarkers {
 
 /// The blocks an allocator has freed behind markers (Note [record_stream deferral]), by address
 /// in order of free: the device and the pinned host allocator models keep theirs here. Each
-/// block's markers live in the allocator's block; `markers_of(address)` returns that list and
-/// `release(address)` hands the block back to its pool.
+/// block's markers live in the allocator's block, which stays where it is while its free is
+/// deferred (the allocators keep blocks in node-based maps and merge free blocks only), so
+/// the list is reached without a lookup; `release(address)` hands the block back to its pool.
 class DeferredFrees {
  public:
+  /// A deferred block: its address and its markers.
+  struct Deferred {
+    Bytes address;
+    std::vector<MarkerId>* markers;
+  };
+
   /// Defers the block at `address`: a marker on each of `streams` (in their order, so that the
-  /// device sees the same calls on every run) goes into `block_markers`.
+  /// device sees the same calls on every run) goes into `block_markers`, which must stay where
+  /// it is until the block is released.
   template <class Streams>
   void defer(Bytes address, const Streams& streams, std::vector<MarkerId>& block_markers,
              StreamMarkers& markers) {
     for (const StreamId used : streams) block_markers.push_back(markers.record(used));
-    pending_.push_back(address);
+    pending_.push_back(Deferred{address, &block_markers});
   }
 
-  [[nodiscard]] const std::vector<Bytes>& addresses() const { return pending_; }
+  [[nodiscard]] const std::vector<Deferred>& pending() const { return pending_; }
 
   /// Drops the markers that answer "done" (each is observed once, as PyTorch drops a completed
   /// event) and releases the blocks left with none; the others stay, in order.
-  template <class MarkersOf, class Release>
-  void process(StreamMarkers& markers, MarkersOf&& markers_of, Release&& release) {
-    if (pending_.empty()) return;
-    std::vector<Bytes> still_pending;
-    for (const Bytes address : pending_) {
-      std::vector<MarkerId>& outstanding = markers_of(address);
-      std::erase_if(outstanding, [&markers](MarkerId m) { return markers.query(m); });
-      if (outstanding.empty()) {
-        release(address);
+  template <class Release>
+  void process(StreamMarkers& markers, Release&& release) {
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < pending_.size(); ++i) {
+      const Deferred d = pending_[i];
+      std::erase_if(*d.markers, [&markers](MarkerId m) { return markers.query(m); });
+      if (d.markers->empty()) {
+        release(d.address);
       } else {
-        still_pending.push_back(address);
+        pending_[kept++] = d;
       }
     }
-    pending_ = std::move(still_pending);
+    pending_.resize(kept);
   }
 
   /// Blocks the host on every outstanding marker and releases every block.
-  template <class MarkersOf, class Release>
-  void synchronize(StreamMarkers& markers, MarkersOf&& markers_of, Release&& release) {
-    for (const Bytes address : pending_) {
-      for (const MarkerId m : markers_of(address)) markers.synchronize(m);
-      release(address);
+  template <class Release>
+  void synchronize(StreamMarkers& markers, Release&& release) {
+    for (const Deferred& d : pending_) {
+      for (const MarkerId m : *d.markers) markers.synchronize(m);
+      release(d.address);
     }
     pending_.clear();
   }
 
  private:
-  std::vector<Bytes> pending_;
+  std::vector<Deferred> pending_;
 };
 
 }  // namespace ferry::sim
