@@ -1,7 +1,10 @@
 // FSDP2 with offload and checkpointing on random models (FsdpOptions, Note [FSDP2, one rank]):
 // random rank counts, nodes, HSDP replicas, reshard-after-forward settings, FSDP2 or SimpleFSDP
 // (Note [SimpleFSDP's pool]), one backward or two (retain_graph), offload policies, checkpoint
-// segments (reentrant or not), backward orders and device speeds. With FSDP2's
+// segments (reentrant or not), backward orders and device speeds, and models with a mixture of
+// experts' grouped matmuls split by expert parallelism (each layer's experts an FSDP unit of
+// their own over the expert shard group, the routed rows exchanged by all-to-alls; the tag
+// counts the cases by expert-parallel degree). With FSDP2's
 // waits there is no hazard, every unpacked tensor holds what was saved and the gradients are
 // those of the run without FSDP. Planted faults, each caught and shrunk: a unit's forward not
 // waiting for its all-gather, backward reading parameters resharded after forward, the
@@ -12,14 +15,17 @@
 // (simulate_node) share nothing, so no hazard; planted fault: their pinned pools at the same
 // addresses, one host buffer written by both ranks' offloads.
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include <algorithm>
 #include <iostream>
 #include <random>
 #include <string>
 
 #include "ferry/sim/autograd/autograd.hpp"
+#include "ferry/sim/workload/rank_model.hpp"
 #include "prop/planted.hpp"
 #include "prop/random_program.hpp"
 #include "prop/rc_model_gens.hpp"
@@ -45,28 +51,26 @@ struct Setup {
   bool reentrant = false;
   std::uint64_t order_seed = 0;
   std::uint64_t device_seed = 1;
+  bool experts = false;  // every second op a grouped expert matmul
+  std::int32_t ep = 1;   // expert parallelism over the shard group's GPUs
 };
 
 void showValue(const Setup& s, std::ostream& os) {
   os << s.ranks << " ranks, " << s.replicas << " replicas, reshard " << to_string(s.reshard) << ", "
      << to_string(s.impl) << (s.retain_graph ? ", two backwards" : "") << ", "
      << policy_name(s.policy) << ", segments " << s.segments << (s.reentrant ? " reentrant" : "")
-     << ", order " << s.order_seed << ", device " << s.device_seed;
+     << ", order " << s.order_seed << ", device " << s.device_seed
+     << (s.experts ? fmt::format(", experts, ep {}", s.ep) : "");
 }
 
 rc::Gen<Setup> gen_setup() {
   return rc::gen::apply(
       [](std::int32_t ranks_log2, bool hsdp, std::int32_t reshard, FsdpImpl impl, bool retain_graph,
          Policy policy, std::int32_t segments, bool reentrant, std::uint64_t order,
-         std::uint64_t device) {
+         std::uint64_t device, std::int32_t ep_log2) {
         Setup s;
         s.ranks = 1 << ranks_log2;
         s.replicas = hsdp && s.ranks >= 4 ? 2 : 1;
-        // -1 true, 0 false, 1 an int (2), where the shard group has 2 ranks to keep it over.
-        s.reshard = reshard < 0                 ? Reshard::True()
-                    : reshard == 0              ? Reshard::False()
-                    : s.ranks / s.replicas >= 2 ? Reshard::K(2)
-                                                : Reshard::True();
         s.impl = impl;
         s.retain_graph = retain_graph;
         s.policy = policy;
@@ -74,13 +78,28 @@ rc::Gen<Setup> gen_setup() {
         s.reentrant = reentrant;
         s.order_seed = order;
         s.device_seed = device;
+        // ep_log2 -1: a dense model; else experts, split among as many GPUs as divide the
+        // shard group (and the experts).
+        s.experts = ep_log2 >= 0;
+        s.ep = 1;
+        while (s.experts && s.ep < (1 << ep_log2) && (s.ranks / s.replicas) % (2 * s.ep) == 0 &&
+               2 * s.ep <= testing::kExperts) {
+          s.ep *= 2;
+        }
+        // -1 true, 0 false, 1 an int (2), where the shard group, and the experts', have 2 ranks
+        // to keep it over.
+        s.reshard = reshard < 0                        ? Reshard::True()
+                    : reshard == 0                     ? Reshard::False()
+                    : s.ranks / s.replicas / s.ep >= 2 ? Reshard::K(2)
+                                                       : Reshard::True();
         return s;
       },
       rc::gen::inRange<std::int32_t>(0, 7), rc::gen::arbitrary<bool>(),
       rc::gen::inRange<std::int32_t>(-1, 2), rc::gen::element(FsdpImpl::Fsdp2, FsdpImpl::Simple),
       rc::gen::arbitrary<bool>(), rc::gen::element(Policy::None, Policy::Ferry),
       rc::gen::inRange<std::int32_t>(0, 4), rc::gen::arbitrary<bool>(),
-      rc::gen::inRange<std::uint64_t>(0, 3), rc::gen::inRange<std::uint64_t>(1, 1000));
+      rc::gen::inRange<std::uint64_t>(0, 3), rc::gen::inRange<std::uint64_t>(1, 1000),
+      rc::gen::inRange<std::int32_t>(-1, 4));
 }
 
 void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
@@ -88,9 +107,18 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   testing::ModelOptions mo;
   mo.side_branches = setup.policy != Policy::Trl;
   mo.param_per_layer = true;
-  const Model model = build_random_model(layers, mo);
+  mo.experts = setup.experts;
   std::mt19937_64 rng(setup.device_seed);
   const DeviceProfile device = testing::with_random_links(testing::random_profile(rng), rng);
+  // Expert parallelism runs one GPU's cut of the model, with and without FSDP alike.
+  // A model of one op has no grouped matmul (every second op is one): nothing to split.
+  const std::int32_t ep = layers.size() >= 2 ? setup.ep : 1;
+  RC_TAG(ep);
+  const std::int32_t per_node = std::max(1, device.collectives.gpus_per_node);
+  auto cut =
+      expert_parallel_model(build_random_model(layers, mo), ep, (ep + per_node - 1) / per_node);
+  if (!cut.ok()) RC_FAIL("refused: " + cut.error().message);
+  const Model& model = cut.value();
   TrainingOptions plain;
   plain.offload.policy = setup.policy;
   plain.offload.min_bytes = Bytes(0);
@@ -104,7 +132,8 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   auto parallelism = check_parallelism(Parallelism{.ranks = setup.ranks,
                                                    .replicas = setup.replicas,
                                                    .reshard_after_forward = setup.reshard,
-                                                   .impl = setup.impl},
+                                                   .impl = setup.impl,
+                                                   .ep = ep},
                                        device);
   if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
   sharded.fsdp.parallelism = parallelism.value();

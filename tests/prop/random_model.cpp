@@ -38,17 +38,24 @@ Model build_random_model(const std::vector<LayerChoice>& choices, const ModelOpt
     op.inputs.push_back(in);
     if (c.extra % 3 == 1 && main.size() > 1)
       op.inputs.push_back(main[main.size() - 1 - (c.extra / 3) % main.size()]);
-    if (c.extra % 3 == 2) op.inputs.push_back(param);
+    // A grouped matmul's largest parameter is its experts' weights: it reads no shared one.
+    const bool grouped = options.param_per_layer && options.experts && i % 2 == 1;
+    if (c.extra % 3 == 2 && !grouped) op.inputs.push_back(param);
     std::uint32_t own = param;
     if (options.param_per_layer) {
       own = add_tensor(m, "w" + std::to_string(i), 4096, TensorRole::Param);
       op.inputs.push_back(own);
     }
+    if (grouped) {
+      // 8 experts of 16 x 16 bf16 weights (4096 bytes), one row through each.
+      op.kind = "aten._grouped_mm.default";
+      op.gemm = GemmShape{.m = kExperts, .n = 16, .k = 16, .batch = 1};
+    }
     const std::int64_t bytes = kSizes[c.size % std::size(kSizes)];
     const std::uint32_t out = add_tensor(m, name + ".out", bytes, TensorRole::Activation);
     op.outputs.push_back(out);
     std::uint32_t view = out;
-    if ((c.flags & 1U) != 0 && bytes >= 4096) {
+    if ((c.flags & 1U) != 0 && bytes >= 4096 && !grouped) {
       view = add_tensor(m, name + ".view", bytes / 2, TensorRole::Activation,
                         static_cast<std::int32_t>(out), bytes / 4);
       op.outputs.push_back(view);
@@ -65,7 +72,7 @@ Model build_random_model(const std::vector<LayerChoice>& choices, const ModelOpt
     op.no_offload = (c.flags & 2U) != 0;
     op.draws_rng = (c.flags & 16U) != 0;
     op.draws_cpu_rng = (c.flags & 32U) != 0;
-    op.flops = 1;
+    op.flops = grouped ? 2 * op.gemm.m * op.gemm.n * op.gemm.k : 1;
     m.ops.push_back(op);
     const bool side = options.side_branches && (c.flags & 8U) != 0 && i + 1 < choices.size();
     if (!side) main.push_back(view);

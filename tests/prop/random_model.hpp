@@ -28,7 +28,14 @@ struct ModelOptions {
   /// Every op also reads a parameter of its own (so each layer is an FSDP unit with
   /// parameters), saved for backward when the op saves its parameter.
   bool param_per_layer = false;
+  /// With param_per_layer, every second op is a mixture of experts' grouped matmul
+  /// (aten._grouped_mm) whose own parameter stacks kExperts experts' weights: what expert
+  /// parallelism splits, and FSDP2 then shards as a unit of its own.
+  bool experts = false;
 };
+
+/// The experts of a grouped matmul of build_random_model (ModelOptions::experts).
+inline constexpr std::int32_t kExperts = 8;
 
 inline void showValue(const LayerChoice& c, std::ostream& os) {
   os << "{in " << c.input << ", extra " << c.extra << ", size " << c.size << ", save " << c.save

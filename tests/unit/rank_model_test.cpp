@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "ferry/sim/autograd/autograd.hpp"
+#include "ferry/sim/io/model_json.hpp"
 #include "plan_replay.hpp"
 #include "sim_fixtures.hpp"
 
@@ -640,6 +641,56 @@ TEST(ExpertParallelModel, TheBusiestRankOfAnUnevenRoutingComputesItsRows) {
   EXPECT_EQ(refused.error().message,
             R"(--ep 2: op "model.layers.0.mlp.experts/_grouped_mm" gives the rows of 4 groups, )"
             "but its weights hold 8 experts");
+}
+
+// Two layers whose experts read one tensor (found by FsdpProperty): each layer dispatches it
+// into a tensor of its own, named by its exchange.
+TEST(ExpertParallelModel, TwoLayersExpertsMayReadOneTensor) {
+  auto model = parse_model(R"({
+  "format": "ferry.model/1", "name": "shared-rows",
+  "tensors": [
+    {"name": "x", "bytes": 4096, "dtype": "bf16", "role": "input"},
+    {"name": "w0", "bytes": 4096, "dtype": "bf16", "role": "param"},
+    {"name": "w1", "bytes": 4096, "dtype": "bf16", "role": "param"},
+    {"name": "a", "bytes": 4096, "dtype": "bf16", "role": "activation"},
+    {"name": "y0", "bytes": 4096, "dtype": "bf16", "role": "activation"},
+    {"name": "y1", "bytes": 4096, "dtype": "bf16", "role": "activation"},
+    {"name": "s", "bytes": 4096, "dtype": "bf16", "role": "activation"},
+    {"name": "loss", "bytes": 4, "dtype": "f32", "role": "activation"}
+  ],
+  "ops": [
+    {"name": "in", "flops": 2048, "bytes": 8192, "backward_flops": 2048, "backward_bytes": 8192,
+     "inputs": ["x"], "outputs": ["a"], "saved": []},
+    {"name": "e0", "kind": "aten._grouped_mm.default", "layer": 0, "flops": 131072,
+     "bytes": 12288, "backward_flops": 262144, "backward_bytes": 24576, "inputs": ["a", "w0"],
+     "outputs": ["y0"], "saved": ["a", "w0"], "gemm": {"m": 128, "n": 16, "k": 32},
+     "group_rows": [64, 32, 16, 16]},
+    {"name": "e1", "kind": "aten._grouped_mm.default", "layer": 1, "flops": 131072,
+     "bytes": 12288, "backward_flops": 262144, "backward_bytes": 24576, "inputs": ["a", "w1"],
+     "outputs": ["y1"], "saved": ["a", "w1"], "gemm": {"m": 128, "n": 16, "k": 32}},
+    {"name": "add", "flops": 2048, "bytes": 12288, "backward_flops": 0, "backward_bytes": 8192,
+     "inputs": ["y0", "y1"], "outputs": ["s"], "saved": []},
+    {"name": "sum", "flops": 2048, "bytes": 4100, "backward_flops": 2048, "backward_bytes": 4100,
+     "inputs": ["s"], "outputs": ["loss"], "saved": []}
+  ],
+  "loss": "loss"
+})",
+                           "shared-rows.json");
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  // w0 and w1: 2048 elements, 4 experts of 32 x 16.
+  auto cut = expert_parallel_model(model.value(), 2, 1);
+  ASSERT_TRUE(cut.ok()) << cut.error().message;
+  std::set<std::string> exchanged;
+  for (const ModelOp& op : cut.value().ops) {
+    if (op.collective.any()) exchanged.insert(cut.value().tensors[op.outputs.at(0)].name);
+  }
+  EXPECT_EQ(exchanged, (std::set<std::string>{"e0/ep.dispatch.out", "e0/ep.combine.out",
+                                              "e1/ep.dispatch.out", "e1/ep.combine.out"}));
+  // The first layer's routing loads the first GPU with 2 x 96 of 128 rows; the second is
+  // balanced.
+  EXPECT_EQ(cut.value().ops[2].gemm.m, 192);
+  EXPECT_EQ(cut.value().ops[5].gemm.m, 128);
+  trains_clean(cut.value(), "ep comm");
 }
 
 TEST(ExpertParallelModel, ARankTrainsHazardFreeWithCheckpointingAndOffload) {

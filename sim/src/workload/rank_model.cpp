@@ -678,9 +678,10 @@ Result<Model> ContextParallelCut::run() {
       // local ones (read too, so that it may save them).
       const std::uint32_t k = o.inputs[1];
       const std::uint32_t v = o.inputs[2];
+      // Named by the kernel (names unique among ops): two kernels may read one K, or K be V.
       std::vector<std::uint32_t> whole;
-      for (const std::uint32_t t : {k, v}) {
-        whole.push_back(add_tensor(out, t, out.tensors[t].name + "/cp.gathered"));
+      for (const auto& [t, which] : {std::pair{k, "k"}, std::pair{v, "v"}}) {
+        whole.push_back(add_tensor(out, t, fmt::format("{}/cp.gathered.{}", o.name, which)));
         split.push_back(false);
         assigned.push_back(true);
       }
@@ -867,10 +868,10 @@ Result<Model> ExpertParallelCut::run() {
   std::vector<bool> routed;  // tensors of the layer's routed rows, where its load is given
   const Exchange all_to_all{kAllToAllKind, CollectiveKind::AllToAll, CollectiveKind::AllToAll,
                             MeshAxis::Expert, nodes_};
-  // Routed rows moved over the expert group into a tensor of their own.
-  const auto exchange = [&](std::string name, std::uint32_t from, std::string_view suffix,
-                            const ModelOp& near) {
-    const std::uint32_t to = add_tensor(out, from, out.tensors[from].name + std::string(suffix));
+  // Routed rows moved over the expert group into a tensor of their own, named by the exchange
+  // (names unique among ops: two layers' experts may read one tensor).
+  const auto exchange = [&](std::string name, std::uint32_t from, const ModelOp& near) {
+    const std::uint32_t to = add_tensor(out, from, name + ".out");
     ModelOp a2a = collective_op(std::move(name), all_to_all, {from}, {to}, near);
     out.ops.push_back(std::move(a2a));
     return to;
@@ -904,7 +905,7 @@ Result<Model> ExpertParallelCut::run() {
       }
       if (rows != nullptr) {
         const std::uint32_t t = *rows;
-        const std::uint32_t d = exchange(o.name + "/ep.dispatch", t, "/ep.dispatched", o);
+        const std::uint32_t d = exchange(o.name + "/ep.dispatch", t, o);
         dispatched[t] = d;
         std::ranges::replace(o.saved, t, d);
         *rows = d;
@@ -922,7 +923,7 @@ Result<Model> ExpertParallelCut::run() {
     const ModelOp& kept = out.ops.emplace_back(std::move(o));
     if (last && !kept.outputs.empty()) {
       const std::uint32_t t = kept.outputs.front();
-      now[t] = exchange(name + "/ep.combine", t, "/ep.combined", out.ops.back());
+      now[t] = exchange(name + "/ep.combine", t, out.ops.back());
     }
     if (last && load != loads.end()) {
       // The routed rows, and their views, at the busiest rank's load.
