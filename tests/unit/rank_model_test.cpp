@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "ferry/sim/autograd/autograd.hpp"
@@ -645,8 +646,7 @@ TEST(ExpertParallelModel, TheBusiestRankOfAnUnevenRoutingComputesItsRows) {
 
 // Two layers whose experts read one tensor (found by FsdpProperty): each layer dispatches it
 // into a tensor of its own, named by its exchange.
-TEST(ExpertParallelModel, TwoLayersExpertsMayReadOneTensor) {
-  auto model = parse_model(R"({
+constexpr std::string_view kSharedRows = R"({
   "format": "ferry.model/1", "name": "shared-rows",
   "tensors": [
     {"name": "x", "bytes": 4096, "dtype": "bf16", "role": "input"},
@@ -674,8 +674,10 @@ TEST(ExpertParallelModel, TwoLayersExpertsMayReadOneTensor) {
      "inputs": ["s"], "outputs": ["loss"], "saved": []}
   ],
   "loss": "loss"
-})",
-                           "shared-rows.json");
+})";
+
+TEST(ExpertParallelModel, TwoLayersExpertsMayReadOneTensor) {
+  auto model = parse_model(kSharedRows, "shared-rows.json");
   ASSERT_TRUE(model.ok()) << model.error().message;
   // w0 and w1: 2048 elements, 4 experts of 32 x 16.
   auto cut = expert_parallel_model(model.value(), 2, 1);
@@ -691,6 +693,25 @@ TEST(ExpertParallelModel, TwoLayersExpertsMayReadOneTensor) {
   EXPECT_EQ(cut.value().ops[2].gemm.m, 192);
   EXPECT_EQ(cut.value().ops[5].gemm.m, 128);
   trains_clean(cut.value(), "ep comm");
+}
+
+// A file whose busiest GPU would compute more rows than a product may have is refused, naming
+// the place, not priced with counts that overflow.
+TEST(ExpertParallelModel, RowsPastTheLimitsAreRefused) {
+  std::string text(kSharedRows);
+  const auto replace = [&](std::string_view from, std::string_view to) {
+    text.replace(text.find(from), from.size(), to);
+  };
+  replace(R"("flops": 131072,)", R"("flops": 1125899906842624,)");  // 2 x 2^40 x 16 x 32
+  replace(R"("m": 128,)", R"("m": 1099511627776,)");
+  replace("[64, 32, 16, 16]", "[1099511627776, 0, 0, 0]");
+  auto model = parse_model(text, "huge-rows.json");
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  auto cut = expert_parallel_model(model.value(), 2, 1);
+  ASSERT_FALSE(cut.ok());
+  EXPECT_EQ(cut.error().message,
+            "--ep 2: the cut model is not valid (ops[2].gemm.m: expected an integer in [1, "
+            "1099511627776], got 2199023255552)");
 }
 
 TEST(ExpertParallelModel, ARankTrainsHazardFreeWithCheckpointingAndOffload) {

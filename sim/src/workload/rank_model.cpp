@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <deque>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -757,9 +758,13 @@ class ExpertParallelCut : RankCut {
   struct Load {
     std::int64_t busiest = 1;
     std::int64_t traced = 1;
+    // n x busiest / traced, rounded; past 2^63 - 1 (a hostile file's counts) it stays there,
+    // for the cut's check to refuse as above its limit.
     [[nodiscard]] std::int64_t scaled(std::int64_t n) const {
       __extension__ using Signed = __int128;
-      return static_cast<std::int64_t>((Signed{n} * busiest + traced / 2) / traced);
+      const Signed v = (Signed{n} * busiest + traced / 2) / traced;
+      return static_cast<std::int64_t>(
+          std::min<Signed>(v, std::numeric_limits<std::int64_t>::max()));
     }
   };
   Result<Load> load_of(const ModelOp& o, std::int64_t experts) const;
@@ -811,8 +816,15 @@ void ExpertParallelCut::price(Model& out, ModelOp& o, const Load& load, std::vec
   }
   o.backward_flops = load.scaled(o.backward_flops);
   if (o.gemm.known()) {
+    // 2 m n k batch, so that the shape stays the FLOPs' product (check_gemm); past 2^63 - 1 it
+    // stays there, for the cut's check to refuse.
+    __extension__ using Signed = __int128;
     o.gemm.m = std::max<std::int64_t>(1, load.scaled(o.gemm.m));
-    o.flops = 2 * o.gemm.m * o.gemm.n * o.gemm.k * o.gemm.batch;
+    Signed flops = 2;
+    for (const std::int64_t dim : {o.gemm.m, o.gemm.n, o.gemm.k, o.gemm.batch}) {
+      flops = std::min<Signed>(flops * dim, std::numeric_limits<std::int64_t>::max());
+    }
+    o.flops = static_cast<std::int64_t>(flops);
   } else {
     o.flops = load.scaled(o.flops);
   }
