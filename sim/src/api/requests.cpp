@@ -151,18 +151,26 @@ Result<Workload> cut_workload(const Workload& w, const Parallelism& p) {
   return cut_workload(w, cut_of(p, w.device));
 }
 
+// A rank's workload, and the parallelism it was cut under where a cut needed one, checked
+// against the device: the run that uses that parallelism takes it as checked.
+struct RankWorkload {
+  Workload workload;
+  std::optional<CheckedParallelism> checked;
+};
+
 // The workload a rank runs under the tensor, context and expert parallelism `fsdp` asks for (the
 // model file's where it asks none), its parallelism checked against the device first: what every
 // option read against the model (a checkpoint plan's layers and ops) is read against.
-Result<Workload> rank_workload(const Workload& w, FsdpRequest fsdp, std::int32_t devices) {
+Result<RankWorkload> rank_workload(const Workload& w, FsdpRequest fsdp, std::int32_t devices) {
   adopt_parallelism(fsdp, w.model->parallelism, devices);
-  if ((fsdp.tp == 1 && fsdp.cp == 1 && fsdp.ep == 1) || devices > 1) return w;
+  if ((fsdp.tp == 1 && fsdp.cp == 1 && fsdp.ep == 1) || devices > 1) return RankWorkload{w, {}};
   auto p = parallelism_of(fsdp);
   if (!p) return p.error();
-  if (auto valid = validate_parallelism(p.value(), w.device, kFsdpFlags); !valid) {
-    return valid.error();
-  }
-  return cut_workload(w, p.value());
+  auto checked = check_parallelism(p.value(), w.device, kFsdpFlags);
+  if (!checked) return checked.error();
+  auto cut = cut_workload(w, p.value());
+  if (!cut) return cut.error();
+  return RankWorkload{std::move(cut).value(), checked.value()};
 }
 
 // The training options a request asks for, with its parallelism apart: that is checked
@@ -171,6 +179,7 @@ Result<Workload> rank_workload(const Workload& w, FsdpRequest fsdp, std::int32_t
 struct AskedRun {
   TrainingOptions base;  // its parallelism off
   Parallelism parallelism;
+  std::optional<CheckedParallelism> checked{};  // the rank's cut was made under, if any
 };
 
 // The training options `k` asks for on `model` (the model file's parallelism and allocator
@@ -216,8 +225,14 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
   return AskedRun{std::move(o), parallelism.value()};
 }
 
-// `p` checked against the device, its errors naming the flags, as `fsdp`'s parallelism.
-Status choose_parallelism(FsdpOptions& fsdp, const Parallelism& p, const DeviceProfile& device) {
+// `p` checked against the device, its errors naming the flags, as `fsdp`'s parallelism; taken
+// as it is where the rank's cut was made under it (`cut_under`, checked then).
+Status choose_parallelism(FsdpOptions& fsdp, const Parallelism& p, const DeviceProfile& device,
+                          const std::optional<CheckedParallelism>& cut_under = std::nullopt) {
+  if (cut_under && static_cast<const Parallelism&>(*cut_under) == p) {
+    fsdp.parallelism = *cut_under;
+    return Ok{};
+  }
   auto checked = check_parallelism(p, device, kFsdpFlags);
   if (!checked) return checked.error();
   fsdp.parallelism = checked.value();
@@ -250,7 +265,8 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
     const Status chosen =
         fsdp ? choose_parallelism(base.fsdp, fsdp.value(), w.device) : Status(fsdp.error());
     if (!chosen) return Error{fmt::format("{}: parallelism: {}", path, chosen.error().message)};
-  } else if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device); !chosen) {
+  } else if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device, run.checked);
+             !chosen) {
     return chosen.error();
   }
   // A plan made under tensor, context or expert parallelism the request and the model leave out
@@ -332,7 +348,8 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
   auto policy = policy_of(r.policy);
   if (!policy) return policy.error();
   TrainingOptions& base = run.base;
-  if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device); !chosen) {
+  if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device, run.checked);
+      !chosen) {
     return chosen.error();
   }
   const Parallelism parallelism = base.fsdp.parallelism;
@@ -432,9 +449,10 @@ Result<Response> respond(const SimulateRequest& r) {
   if (!whole) return whole.error();
   auto workload = rank_workload(whole.value(), r.run.fsdp, r.run.devices);
   if (!workload) return workload.error();
-  const Workload& w = workload.value();
+  const Workload& w = workload.value().workload;
   auto asked = training_options(r.run, *w.model, &r);
   if (!asked) return asked.error();
+  asked.value().checked = workload.value().checked;
   if (r.plan) return replay(r, w, std::move(asked).value());
   if (r.run.devices > 1) return pipeline(r, w, asked.value().base);
   return one_device(r, w, std::move(asked).value());
@@ -445,11 +463,13 @@ Result<Response> respond(const CompareRequest& r) {
   if (!whole) return whole.error();
   auto workload = rank_workload(whole.value(), r.run.fsdp, r.run.devices);
   if (!workload) return workload.error();
-  const Workload& w = workload.value();
+  const Workload& w = workload.value().workload;
   auto asked = training_options(r.run, *w.model, nullptr);
   if (!asked) return asked.error();
   TrainingOptions base = std::move(asked.value().base);
-  if (auto chosen = choose_parallelism(base.fsdp, asked.value().parallelism, w.device); !chosen) {
+  if (auto chosen = choose_parallelism(base.fsdp, asked.value().parallelism, w.device,
+                                       workload.value().checked);
+      !chosen) {
     return chosen.error();
   }
   const Parallelism& parallelism = base.fsdp.parallelism;
