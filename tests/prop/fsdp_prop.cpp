@@ -7,13 +7,13 @@
 // counts the cases by expert-parallel degree). With FSDP2's
 // waits there is no hazard, every unpacked tensor holds what was saved and the gradients are
 // those of the run without FSDP. Planted faults, each caught and shrunk: a unit's forward not
-// waiting for its all-gather, backward reading parameters resharded after forward, the
-// reduce-scatter reading gradients before backward wrote them, an all-gather not waiting for
-// its copy-in, SimpleFSDP's second backward accumulating before the reduce-scatter is waited
-// for, and each free FSDP2 orders behind a wait made without it (an all-gather output, a
-// reduce-scatter input, the gradient shards at zero_grad). Two ranks of a node side by side
-// (simulate_node) share nothing, so no hazard; planted fault: their pinned pools at the same
-// addresses, one host buffer written by both ranks' offloads.
+// waiting for its all-gather (and a layer's experts alone not waiting for theirs), backward reading
+// parameters resharded after forward, the reduce-scatter reading gradients before backward wrote
+// them, an all-gather not waiting for its copy-in, SimpleFSDP's second backward accumulating before
+// the reduce-scatter is waited for, and each free FSDP2 orders behind a wait made without it (an
+// all-gather output, a reduce-scatter input, the gradient shards at zero_grad). Two ranks of a node
+// side by side (simulate_node) share nothing, so no hazard; planted fault: their pinned pools at
+// the same addresses, one host buffer written by both ranks' offloads.
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -177,6 +177,9 @@ struct PlantedWait {
 constexpr PlantedWait kPlantedWaits[] = {
     {"ForwardWithoutAllGatherWait", &TrainingFaults::skip_all_gather_wait,
      "a unit's forward does not wait for its all-gather"},
+    {"ExpertsWithoutAllGatherWait", &TrainingFaults::skip_expert_all_gather_wait,
+     "a layer's experts, a unit of their own under expert parallelism, run before their "
+     "all-gather"},
     {"BackwardOnReshardedParameters", &TrainingFaults::skip_backward_unshard,
      "unsharded parameters freed before the backward that reads them"},
     {"ReduceScatterBeforeGradients", &TrainingFaults::skip_reduce_scatter_wait,

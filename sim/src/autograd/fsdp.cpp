@@ -417,7 +417,9 @@ void Fsdp2::wait_for_unshard(std::size_t u, bool forward) {
     device_.drop(*prev_gather_);
     prev_gather_.reset();
   }
-  if (!faults_.skip_all_gather_wait) device_.wait(Device::Stream{current()}, *unit.gathered);
+  if (!faults_.skip_all_gather_wait && !(unit.experts && faults_.skip_expert_all_gather_wait)) {
+    device_.wait(Device::Stream{current()}, *unit.gathered);
+  }
   const Device::Buffer params =
       rank_.allocate_on(current(), unit.bytes, fmt::format("unit {} params", unit.layer));
   // Each parameter holds its own value again, whichever gather put it there.

@@ -187,7 +187,9 @@ struct TrainingFaults {
   /// while the comm stream may still read it (no record_stream, no wait).
   bool free_grad_at_all_reduce = false;
   // FSDP2 (FsdpOptions):
-  bool skip_all_gather_wait = false;      ///< a unit's copy-out does not wait for its all-gather
+  bool skip_all_gather_wait = false;  ///< a unit's copy-out does not wait for its all-gather
+  /// The same for a layer's experts alone (their unit under expert parallelism).
+  bool skip_expert_all_gather_wait = false;
   bool skip_copy_in_wait = false;         ///< a unit's all-gather does not wait for its copy-in
   bool skip_backward_unshard = false;     ///< backward reads parameters resharded after forward
   bool skip_reduce_scatter_wait = false;  ///< the reduce-scatter does not wait for the gradients
