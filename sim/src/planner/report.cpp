@@ -4,11 +4,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "ferry/sim/io/parallelism_json.hpp"
 #include "ferry/sim/io/plan_json.hpp"
 #include "ferry/sim/report/row_fields.hpp"
 #include "ferry/sim/report/tables.hpp"
-#include "ferry/sim/workload/rank_model.hpp"
 #include "report_format.hpp"
 
 namespace ferry::sim {
@@ -17,13 +15,6 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 using planning::none_time;
-
-// The document `j` with its parallelism's members (Note [Reports under FSDP]).
-Json with_parallelism(Json j, const Parallelism& p, const DeviceProfile& device,
-                      const Model& model) {
-  return with_parallelism_report(std::move(j), p, device.collectives.gpus_per_node,
-                                 expert_routing(model));
-}
 
 std::string layer_name(std::int32_t layer) {
   return layer < 0 ? std::string("other") : fmt::format("{}", layer);

@@ -19,13 +19,6 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-// The document `j` with its parallelism's members (Note [Reports under FSDP]).
-Json with_parallelism(Json j, const Parallelism& p, const DeviceProfile& device,
-                      const Model& model) {
-  return with_parallelism_report(std::move(j), p, device.collectives.gpus_per_node,
-                                 expert_routing(model));
-}
-
 const RowResult* baseline(const std::vector<RowResult>& rows) {
   for (const RowResult& r : rows) {
     if (r.policy == Policy::None && r.step_time.ns() > 0) return &r;
@@ -97,6 +90,12 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
 }
 
 std::string document_text(const Json& document) { return document.dump(2) + "\n"; }
+
+nlohmann::ordered_json with_parallelism(nlohmann::ordered_json j, const Parallelism& p,
+                                        const DeviceProfile& device, const Model& model) {
+  return with_parallelism_report(std::move(j), p, device.collectives.gpus_per_node,
+                                 expert_routing(model));
+}
 
 std::string parallelism_text(const Parallelism& p, const DeviceProfile& device,
                              const Model& model) {

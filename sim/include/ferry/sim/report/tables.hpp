@@ -22,6 +22,13 @@ namespace ferry::sim {
 /// A report document as the commands print it and write it: indented by 2, one final newline.
 [[nodiscard]] std::string document_text(const nlohmann::ordered_json& document);
 
+/// The document `j` with its parallelism's members (with_parallelism_report), the experts'
+/// routing as expert_routing says `model`'s is priced.
+[[nodiscard]] nlohmann::ordered_json with_parallelism(nlohmann::ordered_json j,
+                                                      const Parallelism& p,
+                                                      const DeviceProfile& device,
+                                                      const Model& model);
+
 /// The line a text report ends with under FSDP: the parallelism `p`, and that figures are one
 /// rank's. Empty without FSDP.
 [[nodiscard]] std::string parallelism_text(const Parallelism& p, const DeviceProfile& device,
