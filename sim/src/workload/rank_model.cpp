@@ -877,7 +877,8 @@ Result<Model> ExpertParallelCut::run() {
   std::vector<std::uint32_t> now(m_.tensors.size());  // a tensor as later ops read it
   for (std::uint32_t t = 0; t < now.size(); ++t) now[t] = t;
   std::map<std::uint32_t, std::uint32_t> dispatched;  // within a layer's experts
-  std::vector<bool> routed;  // tensors of the layer's routed rows, where its load is given
+  // Tensors of the layer's routed rows, where its load is given; the cut adds two a layer.
+  std::vector<bool> routed(m_.tensors.size() + 2 * span.size(), false);
   const Exchange all_to_all{kAllToAllKind, CollectiveKind::AllToAll, CollectiveKind::AllToAll,
                             MeshAxis::Expert, nodes_};
   // Routed rows moved over the expert group into a tensor of their own, named by the exchange
@@ -921,13 +922,11 @@ Result<Model> ExpertParallelCut::run() {
         dispatched[t] = d;
         std::ranges::replace(o.saved, t, d);
         *rows = d;
-        routed.resize(out.tensors.size());
         routed[d] = true;
       }
     }
     const auto load = in_experts ? loads.find(o.layer) : loads.end();
     if (load != loads.end()) {
-      routed.resize(out.tensors.size());
       price(out, o, load->second, routed);
     }
     const bool last = in_experts && i == layer->second.second;
@@ -939,7 +938,6 @@ Result<Model> ExpertParallelCut::run() {
     }
     if (last && load != loads.end()) {
       // The routed rows, and their views, at the busiest rank's load.
-      routed.resize(out.tensors.size());
       for (std::uint32_t t = 0; t < out.tensors.size(); ++t) {
         ModelTensor& tensor = out.tensors[t];
         const bool of_routed =
