@@ -285,16 +285,18 @@ def _cli_json(cli, *argv):
 def test_a_deepseek_v3_style_moe_compares_and_plans_under_expert_parallelism(cli, tmp_path):
     """docs/parallelism.md, Expert parallelism: the DeepSeek-V3 layout (multi-head latent
     attention, a dense first layer, shared and routed experts) traced with grouped experts, at
-    FSDP4 x EP2 and FSDP4 x EP4: every row of `ferry compare` hazard-free, and `ferry plan` at a
-    budget between the fixed rows' peaks no slower than the best fixed row that fits it."""
+    FSDP4 x EP2, FSDP4 x EP4 and FSDP4 x TP2 x EP2 (torchtitan's mesh for DeepSeek-V3 16B): every
+    row of `ferry compare` hazard-free, and `ferry plan` at a budget between the fixed rows'
+    peaks no slower than the best fixed row that fits it."""
     traced = trace_family("deepseek_v3", 2, 256, torch.bfloat16, "grouped_mm", "random,seed=2")
     path = tmp_path / "deepseek_v3.json"
     traced.save(path)
     target = ("--model", str(path), "--device", "h100-sxm-pcie5")
-    for ep in ("2", "4"):
-        mesh = ("--fsdp", "4", "--ep", ep)
+    for tp, ep in (("1", "2"), ("1", "4"), ("2", "2")):
+        mesh = ("--fsdp", "4", "--tp", tp, "--ep", ep)
         compared = _cli_json(cli, "compare", *target, *mesh)
         assert compared["ep"] == {"ranks": int(ep), "routing": "busiest_rank", "per_rank": True}
+        assert compared.get("tp", {"ranks": 1})["ranks"] == int(tp)
         rows = compared["rows"]
         assert all(row["hazards"] == 0 and row["failure"] is None for row in rows), rows
         peaks = sorted({row["peak_reserved_bytes"] for row in rows})

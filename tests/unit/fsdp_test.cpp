@@ -438,13 +438,24 @@ TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
                 .rfind("--cp: 2 ranks (times 2 of tensor parallelism) neither fit", 0),
             0U);
   EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 1, .cp = 16}, fsdp_profile()).ok());
-  // Expert parallelism: GPUs of the shard group, without tensor parallelism for now.
+  // Expert parallelism: GPUs of the shard group and their tensor-parallel ones, a multiple of
+  // the tensor-parallel group.
   EXPECT_EQ(refused(Parallelism{.ep = 2}).rfind("--ep 2 needs --fsdp N", 0), 0U);
   EXPECT_EQ(refused(Parallelism{.ranks = 6, .ep = 4})
                 .rfind("--ep: 4 ranks do not divide the shard group's 6 GPUs", 0),
             0U);
-  EXPECT_EQ(refused(Parallelism{.ranks = 4, .tp = 2, .ep = 2}),
-            "--ep 2 with --tp 2: tensor parallelism of a mixture of experts is not simulated yet");
+  EXPECT_EQ(
+      refused(Parallelism{.ranks = 4, .tp = 4, .ep = 2})
+          .rfind("--ep 2 with --tp 4: expert parallelism takes in the tensor-parallel GPUs", 0),
+      0U);
+  EXPECT_EQ(refused(Parallelism{.ranks = 3, .tp = 2, .ep = 4})
+                .rfind("--ep: 4 ranks do not divide the shard group's 6 GPUs (data-parallel "
+                       "times context-parallel times tensor-parallel)",
+                       0),
+            0U);
+  const Parallelism fsdp4_tp2_ep2{.ranks = 4, .tp = 2, .ep = 2};
+  EXPECT_TRUE(check_parallelism(fsdp4_tp2_ep2, fsdp_profile()).ok());
+  EXPECT_EQ(fsdp4_tp2_ep2.expert_shard_group(), 4);  // torchtitan's efsdp: 4 x 2 / 2
   EXPECT_EQ(refused(Parallelism{.ranks = 8, .reshard_after_forward = Reshard::K(8), .ep = 2})
                 .rfind("--reshard-after-forward: 8 must be true, false or a number of ranks that "
                        "divides the shard group (8, and the experts' 4)",

@@ -98,8 +98,10 @@ enum class FsdpImpl : std::uint8_t {
 /// innermost: a tensor-parallel group is `tp` consecutive GPUs, a context-parallel group every
 /// tp-th GPU of `cp` x `tp` consecutive ones). FSDP shards over the shard group's data-parallel
 /// and context-parallel ranks together (torchtitan's dp_shard_cp); expert parallelism splits
-/// the experts among `ep` consecutive GPUs of that group. ranks == 0: no FSDP (and no context
-/// or expert parallelism); with tp 1 too, one GPU holds the model.
+/// the experts among `ep` consecutive GPUs, a multiple of the tensor-parallel group (whose GPUs
+/// each compute the routed rows of their share of the tokens: torchtitan's expert tensor
+/// parallel degree 1). ranks == 0: no FSDP (and no context or expert parallelism); with tp 1
+/// too, one GPU holds the model.
 struct Parallelism {
   std::int32_t ranks = 0;     ///< data-parallel ranks in all (replicas x shard group); 0: no FSDP
   std::int32_t nodes = 0;     ///< nodes the GPUs span; 0: as few as gpus_per_node allow
@@ -108,8 +110,8 @@ struct Parallelism {
   FsdpImpl impl = FsdpImpl::Fsdp2;
   std::int32_t tp = 1;  ///< tensor-parallel GPUs per data-parallel rank (docs/parallelism.md)
   std::int32_t cp = 1;  ///< context-parallel GPUs per data-parallel rank (docs/parallelism.md)
-  /// Expert-parallel GPUs: a mixture of experts' experts split among `ep` consecutive GPUs of
-  /// the shard group, which FSDP shards each expert over the rest of (docs/parallelism.md).
+  /// Expert-parallel GPUs: a mixture of experts' experts split among `ep` consecutive GPUs,
+  /// which FSDP shards each expert over every ep-th of (docs/parallelism.md).
   std::int32_t ep = 1;
 
   /// Whether FSDP runs.
@@ -121,9 +123,11 @@ struct Parallelism {
   /// The GPUs one parameter is sharded over by FSDP: a shard group's data-parallel ranks times
   /// their context-parallel ones.
   [[nodiscard]] constexpr std::int32_t shard_group() const { return ranks / replicas * cp; }
-  /// The GPUs one expert's parameters are sharded over by FSDP: the shard group over the
-  /// expert-parallel GPUs (torchtitan's efsdp).
-  [[nodiscard]] constexpr std::int32_t expert_shard_group() const { return shard_group() / ep; }
+  /// The GPUs one expert's parameters are sharded over by FSDP: the shard group's GPUs and
+  /// their tensor-parallel ones over the expert-parallel GPUs (torchtitan's efsdp).
+  [[nodiscard]] constexpr std::int32_t expert_shard_group() const {
+    return shard_group() * tp / ep;
+  }
   /// The nodes the GPUs span on a device with `gpus_per_node` GPUs a node.
   [[nodiscard]] constexpr std::int32_t node_count(std::int32_t gpus_per_node) const {
     return nodes > 0 ? nodes : (world() + gpus_per_node - 1) / gpus_per_node;

@@ -127,7 +127,7 @@ Cut cut_of(const Parallelism& p, const DeviceProfile& device) {
              .cp = p.cp,
              .ep = p.ep,
              .cp_nodes = span_nodes(p, p.cp * p.tp, device),
-             .ep_nodes = span_nodes(p, p.ep * p.tp, device)};
+             .ep_nodes = span_nodes(p, p.ep, device)};
 }
 
 // The workload one GPU runs under `cut_by`: its cut of the model (Note [A rank's model], Note

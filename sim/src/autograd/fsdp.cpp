@@ -40,10 +40,12 @@ Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
         "group, which shards each expert over the rest",
         names.ep, p.ep, names.ranks)};
   }
-  if (p.ep > 1 && p.tp > 1) {
+  if (p.ep > 1 && p.ep % p.tp != 0) {
     return Error{fmt::format(
-        "{} {} with {} {}: tensor parallelism of a mixture of experts is not simulated yet",
-        names.ep, p.ep, names.tp, p.tp)};
+        "{} {} with {} {}: expert parallelism takes in the tensor-parallel GPUs (each computes "
+        "the routed rows of its share of the tokens, torchtitan's expert tensor parallel degree "
+        "1), so {} must be a multiple of {}",
+        names.ep, p.ep, names.tp, p.tp, names.ep, names.tp)};
   }
   if (p.cp > 1 && !p.on()) {
     return Error{fmt::format(
@@ -85,11 +87,11 @@ Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
         "span whole nodes (device {})",
         names.cp, p.cp, p.tp, per_node, device.name)};
   }
-  if (p.ep > 1 && p.shard_group() % p.ep != 0) {
-    return Error{
-        fmt::format("{}: {} ranks do not divide the shard group's {} GPUs (data-parallel times "
-                    "context-parallel), among which expert parallelism splits the experts",
-                    names.ep, p.ep, p.shard_group())};
+  if (p.ep > 1 && (p.shard_group() * p.tp) % p.ep != 0) {
+    return Error{fmt::format(
+        "{}: {} ranks do not divide the shard group's {} GPUs (data-parallel times "
+        "context-parallel{}), among which expert parallelism splits the experts",
+        names.ep, p.ep, p.shard_group() * p.tp, p.tp > 1 ? " times tensor-parallel" : "")};
   }
   const Reshard reshard = p.reshard_after_forward;
   if (reshard.kind() == Reshard::Kind::K &&
@@ -267,8 +269,8 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
   // The groups of rank 0 (Note [FSDP2, one rank]), GPUs laid out tensor-parallel group by
   // group, then shard group by shard group: a shard group is every tp-th GPU of consecutive
   // ones, a replica group one member of each shard group.
-  // Under expert parallelism an expert's shard group is every ep-th GPU of the shard group
-  // (the expert-parallel group being ep consecutive ones).
+  // Under expert parallelism an expert's shard group is every ep-th GPU (the expert-parallel
+  // group being ep consecutive ones, a tensor-parallel group's among them).
   const std::int32_t per_node = parallelism_.ranks_per_node(links().gpus_per_node);
   const std::int32_t tp = parallelism_.tp;
   const std::int32_t ep = parallelism_.ep;
@@ -276,7 +278,7 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
   replica_group_ = place_group(parallelism_.replicas, shard_ranks * tp, per_node);
   const std::int32_t keep = parallelism_.reshard_after_forward.ranks();
   const auto place_unit = [&](FsdpUnit& unit) {
-    const std::int32_t stride = unit.experts ? tp * ep : tp;
+    const std::int32_t stride = unit.experts ? ep : tp;
     unit.group = unit.experts ? parallelism_.expert_shard_group() : shard_ranks;
     unit.placement = place_group(unit.group, stride, per_node);
     if (keep > 1) unit.post_forward_placement = place_group(keep, stride, per_node);

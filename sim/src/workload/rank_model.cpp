@@ -68,9 +68,18 @@ using workload_detail::op_kind::kEmbedding;
 constexpr std::string_view kAllGatherKind = "_c10d_functional.all_gather_into_tensor.default";
 constexpr std::string_view kReduceScatterKind = "_c10d_functional.reduce_scatter_tensor.default";
 constexpr std::string_view kAllToAllKind = "_c10d_functional.all_to_all_single.default";
+constexpr std::string_view kTopk = "aten.topk.";  // the choice of experts, any overload
 
-enum class Layout : std::uint8_t { Whole, Features, Partial, Tokens };
-enum class Role : std::uint8_t { Other, Colwise, Rowwise, Replicated, Embedding };
+enum class Layout : std::uint8_t { Whole, Features, Partial, Tokens, Routed };
+enum class Role : std::uint8_t {
+  Other,
+  Colwise,
+  Rowwise,
+  Replicated,
+  Embedding,
+  Dispatch,
+  Experts
+};
 
 // What the cuts share: the whole model, and the flag and degree their errors name.
 class RankCut {
@@ -160,8 +169,16 @@ class TensorParallelCut : RankCut {
   Status check_heads() const;
   Result<Model> rewrite();
   // What reaches from op `i`'s outputs through ops other than weight matmuls: whether a branch
-  // output (or the loss), and the weight matmuls whose operand it is.
-  void reach(std::size_t i, bool& branch, bool& loss, std::set<std::size_t>& matmuls) const;
+  // output, the loss or a choice of experts (a topk), and the weight matmuls whose operand it is.
+  struct Reach {
+    bool branch = false;
+    bool loss = false;
+    bool routes = false;
+    std::set<std::size_t> matmuls;
+  };
+  Reach reach(std::size_t i) const;
+  // The mixture-of-experts layers: their grouped matmuls' routed rows and what gathers them.
+  Status find_experts();
 
   std::int32_t tp_;
   std::vector<std::optional<std::uint32_t>> weight_;  // by op: a weight matmul's weight
@@ -171,27 +188,103 @@ class TensorParallelCut : RankCut {
   std::set<std::uint32_t> branch_;                    // branch outputs (tensors)
   std::vector<Role> role_;                            // by op
   std::int64_t tokens_ = 0;                           // the embedding's token count
+  // Mixture-of-experts layers -> the elements of their block's input (a token's features times
+  // the tokens), and the bases of the block inputs, which the block reads whole.
+  std::map<std::int32_t, std::int64_t> moe_layers_;
+  std::set<std::uint32_t> moe_inputs_;
 };
 
-void TensorParallelCut::reach(std::size_t i, bool& branch, bool& loss,
-                              std::set<std::size_t>& matmuls) const {
+TensorParallelCut::Reach TensorParallelCut::reach(std::size_t i) const {
+  Reach found;
   std::deque<std::uint32_t> queue(op(i).outputs.begin(), op(i).outputs.end());
   std::set<std::uint32_t> seen(queue.begin(), queue.end());
   while (!queue.empty()) {
     const std::uint32_t t = queue.front();
     queue.pop_front();
-    if (branch_.contains(t)) branch = true;
-    if (t == m_.loss) loss = true;
+    if (branch_.contains(t)) found.branch = true;
+    if (t == m_.loss) found.loss = true;
     for (const std::size_t r : readers_[t]) {
       if (weight_[r]) {
-        matmuls.insert(r);
+        found.matmuls.insert(r);
         continue;
       }
+      if (op(r).kind.starts_with(kTopk)) found.routes = true;
       for (const std::uint32_t out : op(r).outputs) {
         if (seen.insert(out).second) queue.push_back(out);
       }
     }
   }
+  return found;
+}
+
+// Note [Tensor parallelism of a mixture of experts]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// torchtitan cuts a mixture-of-experts block with its experts whole on every tensor-parallel
+// rank (expert tensor parallel degree 1, the default): the block's input is all-gathered once
+// (Shard(1) to Replicate), the router runs on every token on each rank (NoParallel), the shared
+// experts are cut as a dense MLP, and each rank computes the routed rows of 1/tp of the tokens
+// (ReordererSequenceParallel), expert parallelism exchanging them; the block's output is a
+// partial sum, reduce-scattered once (Partial to Shard(1)). The cut finds the block by what it
+// runs, never by names:
+//
+//   * a grouped matmul (is_grouped_matmul_kind) is the experts: its weights stay whole, it does
+//     1/tp of its rows (gemm m, each expert's group_rows) and of its FLOPs;
+//   * the op that produces its routed rows (the first grouped matmul's largest activation
+//     input) is the dispatch: it reads the block's input (its largest floating input) whole,
+//     gathered, and writes 1/tp of the rows; every op of the layer that reads the block's input
+//     reads the one gathered tensor (the router, the shared experts);
+//   * a weight matmul whose output reaches a topk (the choice of experts) is the router,
+//     replicated;
+//   * what is computed from routed rows is routed rows (1/tp of the bytes and work), until an
+//     op turns them back into one row a token (the elements of the block's input) by summing
+//     a token's picks or by indexing with an integer tensor: its output is a partial sum, whole;
+//   * in such a layer a partial sum (the shared experts' down projection's too) stays one
+//     through the ops that read only partial sums (their add) and is reduce-scattered before
+//     the first op that reads anything else (the residual add).
+//
+// Not modelled: the all-reduce of the router's weight gradient over the tensor-parallel ranks
+// (a few kilobytes), and each rank's own counts of tokens per expert (the trace's offsets are
+// read whole).
+
+Status TensorParallelCut::find_experts() {
+  for (std::size_t i = 0; i < m_.ops.size(); ++i) {
+    if (!is_grouped_matmul_kind(op(i).kind)) continue;
+    const std::int32_t layer = op(i).layer;
+    if (!weight_[i] || layer < 0 || !op(i).gemm.known()) {
+      return refuse(
+          "op \"{}\" is a grouped expert matmul outside the layers or without weights or a "
+          "\"gemm\" shape",
+          op(i).name);
+    }
+    role_[i] = Role::Experts;
+    if (moe_layers_.contains(layer)) continue;
+    // The first grouped matmul of the layer: its routed rows, and the op that gathers them.
+    std::optional<std::uint32_t> rows;
+    for (const std::uint32_t t : op(i).inputs) {
+      if (is_activation(t) && (!rows || m_.tensors[t].bytes > m_.tensors[*rows].bytes)) rows = t;
+    }
+    const std::int64_t dispatch = rows ? producer_[base(*rows)] : -1;
+    if (dispatch < 0 || op(static_cast<std::size_t>(dispatch)).layer != layer ||
+        weight_[static_cast<std::size_t>(dispatch)]) {
+      return refuse("op \"{}\", a grouped expert matmul, reads no rows an op of its layer routes",
+                    op(i).name);
+    }
+    const ModelOp& d = op(static_cast<std::size_t>(dispatch));
+    std::optional<std::uint32_t> input;
+    for (const std::uint32_t t : d.inputs) {
+      const DType type = m_.tensors[t].dtype;
+      if (!is_activation(t) || type == DType::I64 || type == DType::U8) continue;
+      if (!input || m_.tensors[t].bytes > m_.tensors[*input].bytes) input = t;
+    }
+    if (!input) {
+      return refuse("op \"{}\" routes the rows of op \"{}\" from no activation", d.name,
+                    op(i).name);
+    }
+    role_[static_cast<std::size_t>(dispatch)] = Role::Dispatch;
+    moe_layers_.emplace(layer, elements(*input));
+    moe_inputs_.insert(base(*input));
+  }
+  return Ok{};
 }
 
 Status TensorParallelCut::find_roles() {
@@ -202,12 +295,6 @@ Status TensorParallelCut::find_roles() {
   producer_.assign(m_.tensors.size(), -1);
   role_.assign(n, Role::Other);
   for (std::size_t i = 0; i < n; ++i) {
-    if (is_grouped_matmul_kind(op(i).kind)) {
-      return refuse(
-          "op \"{}\" is a grouped expert matmul; tensor parallelism of a "
-          "mixture-of-experts model is not simulated yet",
-          op(i).name);
-    }
     for (const std::uint32_t t : op(i).inputs) readers_[t].push_back(i);
     for (const std::uint32_t t : op(i).outputs) producer_[t] = static_cast<std::int64_t>(i);
     if (!is_matmul_kind(op(i).kind)) continue;
@@ -243,10 +330,12 @@ Status TensorParallelCut::find_roles() {
       if (!stream.contains(t) && is_activation(t)) branch_.insert(t);
     }
   }
-  // Roles, first rowwise (colwise depends on it).
+  FERRY_JSON_RETURN_IF_ERROR(find_experts());
+  // Roles, first rowwise and the routers (colwise depends on them).
   std::vector<std::set<std::size_t>> reached(n);
   std::vector<bool> reaches_loss(n, false);
   for (std::size_t i = 0; i < n; ++i) {
+    if (role_[i] != Role::Other) continue;  // the experts and their dispatch
     if (op(i).kind.starts_with(kEmbedding)) {
       // The table: its largest parameter (GPT's position table is read whole).
       for (const std::uint32_t t : op(i).inputs) {
@@ -258,15 +347,18 @@ Status TensorParallelCut::find_roles() {
       continue;
     }
     if (!weight_[i]) continue;
-    bool branch = false;
-    bool loss = false;
-    reach(i, branch, loss, reached[i]);
-    reaches_loss[i] = loss;
-    if (op(i).layer >= 0 && branch) role_[i] = Role::Rowwise;
+    Reach found = reach(i);
+    reached[i] = std::move(found.matmuls);
+    reaches_loss[i] = found.loss;
+    if (op(i).layer >= 0 && found.routes) {
+      role_[i] = Role::Replicated;  // a router: every rank scores every token
+    } else if (op(i).layer >= 0 && found.branch) {
+      role_[i] = Role::Rowwise;
+    }
   }
   bool layers = false;
   for (std::size_t i = 0; i < n; ++i) {
-    if (!weight_[i] || role_[i] == Role::Rowwise) continue;
+    if (!weight_[i] || role_[i] != Role::Other) continue;
     if (op(i).layer < 0) {
       role_[i] = reaches_loss[i] ? Role::Colwise : Role::Replicated;
       continue;
@@ -356,6 +448,22 @@ Result<Model> TensorParallelCut::rewrite() {
     assigned.push_back(true);
     return add_tensor(out, like, std::move(name));
   };
+  // The partial sum `t` (or a view of all of it) as its tensor reduce-scattered over the
+  // tokens, the reduce-scatter added once, named by the op that made the sum, in `near`'s layer.
+  // Any other view of a partial sum is itself.
+  const auto scatter = [&](std::uint32_t t, const ModelOp& near) {
+    const ModelTensor& read = out.tensors[t];
+    const std::uint32_t b = read.view_of >= 0 ? static_cast<std::uint32_t>(read.view_of) : t;
+    if (b != t && (read.view_offset.count() != 0 || read.bytes != out.tensors[b].bytes)) return t;
+    if (b >= now.size() || producer_[b] < 0) return t;
+    if (now[b] == b) {
+      const std::uint32_t s = new_tensor(b, name_of(b) + "/tp.scattered", Layout::Tokens);
+      const std::string& by = op(static_cast<std::size_t>(producer_[b])).name;
+      out.ops.push_back(collective_op(by + "/tp.reduce_scatter", kScatter, {b}, {s}, near));
+      now[b] = s;
+    }
+    return now[b];
+  };
 
   for (std::size_t i = 0; i < m_.ops.size(); ++i) {
     ModelOp o = op(i);
@@ -372,12 +480,36 @@ Result<Model> TensorParallelCut::rewrite() {
     for (std::uint32_t& t : o.inputs) t = current(t);
     for (std::uint32_t& t : o.saved) t = current(t);
     const Role role = role_[i];
-    // A projection that reads its operand whole: gather a token-split operand first.
-    if (role == Role::Colwise || role == Role::Replicated) {
+    const auto moe = moe_layers_.find(o.layer);
+    const bool in_moe = moe != moe_layers_.end();
+    // In a mixture-of-experts layer a partial sum stays one through the ops that read only
+    // partial sums, and is reduce-scattered before any other op reads it (Note [Tensor
+    // parallelism of a mixture of experts]).
+    const bool sums =
+        in_moe && role == Role::Other &&
+        std::ranges::any_of(
+            o.inputs,
+            [&](std::uint32_t t) { return activation(t) && lay(t) == Layout::Partial; }) &&
+        std::ranges::all_of(
+            o.inputs, [&](std::uint32_t t) { return !activation(t) || lay(t) == Layout::Partial; });
+    if (!sums) {
+      for (std::uint32_t& t : o.inputs) {
+        if (!activation(t) || lay(t) != Layout::Partial) continue;
+        const std::uint32_t was = t;
+        t = scatter(t, o);
+        std::ranges::replace(o.saved, was, t);
+      }
+    }
+    // A projection that reads its operand whole, or an op of a mixture of experts' block that
+    // reads the block's input: gather a token-split operand first.
+    const bool whole_operand =
+        role == Role::Colwise || role == Role::Replicated || role == Role::Dispatch;
+    if (whole_operand || in_moe) {
       for (std::uint32_t& t : o.inputs) {
         if (!activation(t) || lay(t) != Layout::Tokens) continue;
         const ModelTensor& read = out.tensors[t];
         const std::uint32_t b = read.view_of >= 0 ? static_cast<std::uint32_t>(read.view_of) : t;
+        if (!whole_operand && !moe_inputs_.contains(b)) continue;
         auto [at, fresh] =
             gathered.try_emplace({b, read.view_offset.count(), read.bytes.count()}, 0);
         if (fresh) {
@@ -392,10 +524,16 @@ Result<Model> TensorParallelCut::rewrite() {
     }
     Layout result = Layout::Whole;
     bool reduced = false;  // whole outputs of split inputs: the loss's reductions
-    bool scaled = role == Role::Colwise || role == Role::Rowwise;  // 1/tp of the work
+    // 1/tp of the work
+    bool scaled = role == Role::Colwise || role == Role::Rowwise || role == Role::Dispatch ||
+                  role == Role::Experts;
     switch (role) {
       case Role::Colwise:
         result = Layout::Features;
+        break;
+      case Role::Dispatch:
+      case Role::Experts:
+        result = Layout::Routed;
         break;
       case Role::Rowwise:
       case Role::Embedding:
@@ -405,8 +543,15 @@ Result<Model> TensorParallelCut::rewrite() {
         result = Layout::Whole;
         break;
       case Role::Other: {
+        if (sums) {
+          result = Layout::Partial;
+          break;
+        }
         bool features = false;
         bool tokens = false;
+        bool routed = false;
+        bool indexed = false;              // reads an integer tensor
+        std::int64_t routed_elements = 0;  // the most a routed input holds
         for (const std::uint32_t t : o.inputs) {
           if (!activation(t)) continue;
           if (lay(t) == Layout::Partial) {
@@ -414,14 +559,41 @@ Result<Model> TensorParallelCut::rewrite() {
           }
           features |= lay(t) == Layout::Features;
           tokens |= lay(t) == Layout::Tokens;
+          routed |= lay(t) == Layout::Routed;
+          const DType type = out.tensors[t].dtype;
+          indexed |= type == DType::I64 || type == DType::U8;
+          if (lay(t) == Layout::Routed && t < m_.tensors.size()) {
+            routed_elements = std::max(routed_elements, elements(t));
+          }
         }
         if (features && tokens) {
           return refuse("op \"{}\" reads tensors split by features and by tokens", o.name);
+        }
+        if (routed && (features || tokens)) {
+          return refuse("op \"{}\" reads routed rows and tensors split by {}", o.name,
+                        features ? "features" : "tokens");
+        }
+        if (routed) {
+          // Routed rows back to one row a token: a partial sum of the block's output.
+          const std::int64_t out_elements = o.outputs.empty() ? 0 : elements(o.outputs.front());
+          const bool combines =
+              in_moe && out_elements == moe->second && (indexed || routed_elements > out_elements);
+          result = combines ? Layout::Partial : Layout::Routed;
+          scaled = !combines;
+          break;
         }
         result = features ? Layout::Features : tokens ? Layout::Tokens : Layout::Whole;
         reduced = features && o.layer < 0;
         scaled = features || tokens;
         break;
+      }
+    }
+    if (role == Role::Experts) {
+      for (const std::uint32_t t : o.inputs) {
+        if (activation(t) && lay(t) != Layout::Whole && lay(t) != Layout::Routed) {
+          return refuse("op \"{}\", a grouped expert matmul, reads \"{}\" split among the ranks",
+                        o.name, name_of(t));
+        }
       }
     }
     // A projection's operand: whole (gathered above) into a colwise or replicated one, split
@@ -467,6 +639,15 @@ Result<Model> TensorParallelCut::rewrite() {
         dim /= tp_;
       }
     }
+    if (role == Role::Experts) {
+      // Each rank computes the routed rows of 1/tp of the tokens.
+      if (o.gemm.m % tp_ != 0) {
+        return refuse("the {} routed rows of op \"{}\" do not split among {} ranks", o.gemm.m,
+                      o.name, tp_);
+      }
+      o.gemm.m /= tp_;
+      for (std::int64_t& rows : o.group_rows) rows /= tp_;
+    }
     if (role == Role::Other && scaled && o.gemm.known()) {
       // A product of activations split by features (attention's, over its heads) is split by
       // its batch.
@@ -483,14 +664,12 @@ Result<Model> TensorParallelCut::rewrite() {
       o.backward_bytes = Bytes(o.backward_bytes.count() / tp_);
     }
     const ModelOp& kept = out.ops.emplace_back(std::move(o));
-    // A partial sum is reduce-scattered over the tokens before anything reads it.
-    if (result == Layout::Partial) {
-      const std::uint32_t t = kept.outputs.front();
-      const std::uint32_t s = new_tensor(t, name_of(t) + "/tp.scattered", Layout::Tokens);
-      // `kept` is read before the new op is pushed (which may move it).
-      ModelOp scatter = collective_op(kept.name + "/tp.reduce_scatter", kScatter, {t}, {s}, kept);
-      out.ops.push_back(std::move(scatter));
-      now[t] = s;
+    // A partial sum is reduce-scattered over the tokens before anything reads it (in a mixture
+    // of experts' layer, before anything but a sum of partial sums reads it).
+    if (result == Layout::Partial && !in_moe) {
+      // `kept` is copied before the new op is pushed (which may move it).
+      const ModelOp near = kept;
+      scatter(near.outputs.front(), near);
     }
   }
   // State held for the step that no op reads (an optimizer's moments, as a trace lists them)
@@ -513,7 +692,7 @@ Result<Model> TensorParallelCut::rewrite() {
     const std::uint32_t b = t < m_.tensors.size() ? base(t) : t;
     bool cut = false;
     const auto split = [&](std::uint32_t u) {
-      return lay(u) == Layout::Features || lay(u) == Layout::Tokens;
+      return lay(u) == Layout::Features || lay(u) == Layout::Tokens || lay(u) == Layout::Routed;
     };
     if (t < m_.tensors.size() && is_param(t)) {
       if ((cut_param[t] || cut_param[b]) && (whole_param[t] || whole_param[b])) {
@@ -760,9 +939,15 @@ class ExpertParallelCut : RankCut {
     std::int64_t traced = 1;
     // n x busiest / traced, rounded; past 2^63 - 1 (a hostile file's counts) it stays there,
     // for the cut's check to refuse as above its limit.
-    [[nodiscard]] std::int64_t scaled(std::int64_t n) const {
+    [[nodiscard]] std::int64_t scaled(std::int64_t n) const { return scale(n, traced / 2); }
+    // Rounded down: a tensor's elements and a view's offset, so that views that lie inside
+    // their base (halves of it) still do.
+    [[nodiscard]] std::int64_t scaled_down(std::int64_t n) const { return scale(n, 0); }
+
+   private:
+    [[nodiscard]] std::int64_t scale(std::int64_t n, std::int64_t round) const {
       __extension__ using Signed = __int128;
-      const Signed v = (Signed{n} * busiest + traced / 2) / traced;
+      const Signed v = (Signed{n} * busiest + round) / traced;
       return static_cast<std::int64_t>(
           std::min<Signed>(v, std::numeric_limits<std::int64_t>::max()));
     }
@@ -944,8 +1129,9 @@ Result<Model> ExpertParallelCut::run() {
             tensor.view_of >= 0 && routed[static_cast<std::size_t>(tensor.view_of)];
         if (!routed[t] && !of_routed) continue;
         const std::int64_t size = dtype_size(tensor.dtype);
-        tensor.bytes = Bytes(load->second.scaled(tensor.bytes.count() / size) * size);
-        tensor.view_offset = Bytes(load->second.scaled(tensor.view_offset.count() / size) * size);
+        tensor.bytes = Bytes(load->second.scaled_down(tensor.bytes.count() / size) * size);
+        tensor.view_offset =
+            Bytes(load->second.scaled_down(tensor.view_offset.count() / size) * size);
       }
       std::fill(routed.begin(), routed.end(), false);
     }
