@@ -280,6 +280,63 @@ def test_dropout_saves_the_mask_the_target_keeps():
     assert (host.packed_count, host.packed_bytes) == (count, nbytes)
 
 
+class _Latent(nn.Module):
+    """Attention whose values are narrower than its queries and keys, as DeepSeek-V3's latent
+    attention (192 against 128 a head there; 24 against 16 here)."""
+
+    def __init__(self, heads=2, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads
+        self.q = nn.Linear(16, heads * 24)
+        self.k = nn.Linear(16, kv_heads * 24)
+        self.v = nn.Linear(16, kv_heads * 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+
+        def split(t, heads):
+            return t.view(b, s, heads, -1).transpose(1, 2)
+
+        q = split(self.q(x), self.heads)
+        k, v = split(self.k(x), self.kv_heads), split(self.v(x), self.kv_heads)
+        gqa = self.kv_heads != self.heads
+        return nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=gqa
+        ).sum()
+
+
+def test_attention_with_narrower_values_runs_the_kernel_the_target_runs():
+    """Note [Attention as the device runs it]: for a device, the memory-efficient kernel
+    (saving its output and log-sum-exp, no attention matrix); for the host, the math path the
+    CPU runs, which saves the softmax of every (query, key) pair."""
+    x = torch.randn(2, 32, 16)
+    before = nn.functional.scaled_dot_product_attention
+
+    def kinds(traced):
+        return [op["kind"] for op in traced.document["ops"]]
+
+    device = trace(_Latent(), x)
+    assert "aten._scaled_dot_product_efficient_attention.default" in kinds(device)
+    assert not any("softmax" in kind or kind == "aten.bmm.default" for kind in kinds(device))
+    host = trace(_Latent(), x, target="host")
+    assert "aten._safe_softmax.default" in kinds(host)
+    assert "aten._scaled_dot_product_efficient_attention.default" not in kinds(host)
+    # The softmax of 2 x 2 heads x 32 x 32 pairs in float32, which the device does not keep.
+    matrix = 2 * 2 * 32 * 32 * 4
+
+    def saved_sizes(traced):
+        tensors = {t["name"]: t for t in traced.document["tensors"]}
+        return {tensors[n]["bytes"] for op in traced.document["ops"] for n in op["saved"]}
+
+    assert matrix in saved_sizes(host)
+    assert matrix not in saved_sizes(device)
+    assert device.saved_bytes() < host.saved_bytes()
+    assert nn.functional.scaled_dot_product_attention is before  # for the trace only
+    # Grouped queries take the usual path: the efficient kernel does not run them.
+    grouped = trace(_Latent(heads=4, kv_heads=2), x)
+    assert "aten._scaled_dot_product_efficient_attention.default" not in kinds(grouped)
+
+
 def test_ops_after_the_loss_get_a_last_op_that_hands_it_on(tmp_path):
     model, x = tiny_lm()
 

@@ -125,6 +125,55 @@ def _device_dropout() -> Iterator[None]:
         functional.dropout = host
 
 
+# Note [Attention as the device runs it]
+# `F.scaled_dot_product_attention` picks its kernel by device. When the values' head size differs
+# from the queries' (DeepSeek-V3's latent attention: 192 against 128), neither flash kernel runs
+# it: the CPU falls back to the math path, which saves the whole attention matrix (2 GiB a layer
+# for DeepSeek-V3 16B at 2 x 4096 tokens), while a CUDA device runs the memory-efficient kernel
+# (torch's sdp_utils: flash needs equal head sizes, the efficient kernel does not), which saves
+# its output and log-sum-exp. For a device scenario such a call runs that kernel, for the trace
+# only; with as many key/value heads as query heads (grouped queries take the usual path).
+
+
+@contextlib.contextmanager
+def _device_attention() -> Iterator[None]:
+    functional = torch.nn.functional
+    host = functional.scaled_dot_product_attention
+
+    def attention(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ):
+        unequal = query.dim() == 4 and value.shape[-1] != query.shape[-1]
+        if unequal and key.shape[-3] == query.shape[-3] == value.shape[-3]:
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale
+            )[0]
+        return host(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+
+    functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = host
+
+
 def allocator_setting(conf: str) -> str | None:
     """The ``"allocator"`` member a scenario traced under ``PYTORCH_CUDA_ALLOC_CONF=conf``
     records (docs/model-format.md): ``"expandable"`` when the configuration turns on
@@ -158,8 +207,9 @@ def trace(
     effect around the call are traced as they run. With ``optimizer``, a copy of it steps once
     over the fake parameters and its state (Adam's moments, ...) becomes static memory.
     ``target`` is where the scenario runs: ``"device"`` (an accelerator: random ops draw from
-    the device's generator, and dropout is the device's fused kernel, Note [Dropout as the
-    device runs it]) or ``"host"`` (the CPU, as the trace itself runs). When
+    the device's generator, dropout is the device's fused kernel, Note [Dropout as the device
+    runs it], and so is attention whose values' head size differs from the queries', Note
+    [Attention as the device runs it]) or ``"host"`` (the CPU, as the trace itself runs). When
     ``PYTORCH_CUDA_ALLOC_CONF`` turns on ``expandable_segments``, the document records
     ``"allocator": "expandable"``, and ferry's commands simulate that allocator. Where the
     model's shapes follow a router's choice (a mixture of experts that gathers each expert's
@@ -233,7 +283,8 @@ def trace(
         # The fake parameters stand in for the model's through backward too: a checkpointed
         # region runs its forward again there.
         dropout = _device_dropout() if target == "device" else contextlib.nullcontext()
-        with fake_mode, _reparametrize_module(model, state, tie_weights=True), dropout:
+        attention = _device_attention() if target == "device" else contextlib.nullcontext()
+        with fake_mode, _reparametrize_module(model, state, tie_weights=True), dropout, attention:
             with TraceRecorder(tracer), saved_tensors_hooks(tracer.pack, tracer.unpack):
                 out = model(*args, **kw)
                 loss = loss_of(out, loss_fn)
