@@ -401,6 +401,57 @@ def test_torchtitan_pr3429_fsdp4_tp2_full_policy(pr3429_tp2):
     within(tokens_per_s(default, 8192) / 2, tps, 0.15)
 
 
+# --- torchtitan PR #2564: DeepSeek-V3 16B at FSDP4 x TP2 x EP2 on 8 H100 96 GB ----------------
+# torchtitan's DeepSeek-V3 16B (27 layers, the first dense; 64 routed experts of 2048 -> 1408,
+# top 6, 2 shared; latent attention, a 512-wide compressed KV; vocabulary 102,400) in its graph
+# trainer, local batch 2, peak reserved (GiB) without and with its graph SAC. The PR does not
+# give the sequence; torchtitan's DeepSeek-V3 16B configuration trains at 4096.
+DSV3_16B = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "vocab_size": 102400,
+    "n_group": 1,
+    "topk_group": 1,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "rope_scaling": None,
+}
+PR2564 = {"none": 88.22, "op-sac-all": 52.03}
+
+
+@pytest.fixture(scope="module")
+def pr2564(root, devices):
+    traced = trace_config(root, "dsv3-16b-b2", DSV3_16B, 4096, 2)
+    mesh = ("--fsdp", "4", "--tp", "2", "--ep", "2", "--fsdp-impl", "simple")
+    common = ("--device", str(devices["h100-96gb"]), *mesh, "--allocator", "expandable")
+    return {
+        "none": simulate(traced, *common),
+        "op-sac-all": simulate(traced, *common, "--checkpoint", "op-sac-all"),
+    }
+
+
+def test_torchtitan_pr2564_deepseek_v3_16b_fsdp4_tp2_ep2(pr2564):
+    """docs/parallelism.md: the graph SAC row within 10 % (the issue's tolerance for this row).
+    The row without SAC misses (-33 %): the doc says what the model lacks there, and this test
+    holds the miss where it is, so that a change that widens it is seen."""
+    within(pr2564["op-sac-all"]["peak_reserved_bytes"] / GIB, PR2564["op-sac-all"], 0.10)
+    within(pr2564["none"]["peak_reserved_bytes"] / GIB, PR2564["none"], 0.35)
+
+
 @pytest.fixture(scope="module")
 def pr3429_graph_trainer(devices, llama3_8b_compiled):
     rows = {}
