@@ -39,9 +39,10 @@ CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpRequest& fsdp, TextFlags& 
                   "too (docs/parallelism.md); 1: none")
       ->capture_default_str();
   cmd->add_option("--ep", fsdp.ep,
-                  "With --fsdp: expert parallelism over N GPUs of the shard group (1..1024): each "
-                  "holds 1/N of a mixture of experts' experts, the routed rows exchanged by "
-                  "all-to-alls (docs/parallelism.md); 1: none")
+                  "With --fsdp: expert parallelism over N GPUs of the shard group and their "
+                  "tensor-parallel ones (1..1024, a multiple of --tp): each holds 1/N of a "
+                  "mixture of experts' experts, the routed rows exchanged by all-to-alls "
+                  "(docs/parallelism.md); 1: none")
       ->capture_default_str();
   return ranks;
 }

@@ -309,6 +309,33 @@ def test_a_deepseek_v3_style_moe_compares_and_plans_under_expert_parallelism(cli
         assert fitting and plan["step_time_ns"] <= min(fitting)
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_families_train_under_tensor_and_expert_parallelism(cli, tmp_path, family, top_k):
+    """docs/parallelism.md, With tensor parallelism: each family's mixture of experts cut by
+    tensor parallelism over 2 GPUs, expert parallelism taking them in, trains hazard-free with
+    and without offload and checkpointing. Top 1 turns the routed rows back into one row a token
+    by indexing, top 2 by summing the picks."""
+    model_type, fields, attention = FAMILIES[family]
+    FAMILIES[f"{family}-top{top_k}"] = (
+        model_type,
+        {**fields, "num_experts_per_tok": top_k},
+        attention,
+    )
+    try:
+        traced = trace_family(f"{family}-top{top_k}", BATCH, 64, torch.bfloat16, "grouped_mm")
+    finally:
+        del FAMILIES[f"{family}-top{top_k}"]
+    path = tmp_path / f"{family}.json"
+    traced.save(path)
+    target = ("--model", str(path), "--device", "h100-sxm-pcie5")
+    mesh = ("--fsdp", "4", "--tp", "2", "--ep", "2")
+    for run in (("--policy", "none"), ("--policy", "ferry"), ("--checkpoint", "every:1")):
+        result = _cli_json(cli, "simulate", *target, *mesh, *run)
+        assert result["tp"]["ranks"] == 2 and result["ep"]["ranks"] == 2
+        assert result["result"]["hazards"] == 0 and result["result"]["failure"] is None, run
+
+
 _FILL = """
 import torch
 from torch import nn

@@ -106,7 +106,8 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
             the default (docs/fsdp.md); ``tp``, tensor parallelism over that many GPUs a rank
             (``--tp``, docs/parallelism.md); ``cp``, context parallelism over that many GPUs a
             rank, with ``fsdp`` (``--cp``); ``ep``, expert parallelism over that many GPUs of the
-            shard group, with ``fsdp`` (``--ep``); ``allocator``, "default" or
+            shard group and their tensor-parallel ones (a multiple of ``tp``), with ``fsdp``
+            (``--ep``); ``allocator``, "default" or
             "expandable" (the caching allocator with ``expandable_segments:True``, where a
             traced model's recorded setting is the default; docs/allocators.md). Numbers have
             the command line's bounds (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes``
