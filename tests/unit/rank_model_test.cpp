@@ -777,6 +777,24 @@ TEST(TensorParallelModel, AMixtralRankRoutesItsShareOfTheTokensToWholeExperts) {
       EXPECT_EQ(std::min(in, gathered), Bytes(whole_bytes.count() / tp)) << op.name;
     }
   }
+  // An op that is not linear in the block's partial sum (here its change of dtype made a power)
+  // reads it reduce-scattered: the reduce-scatter moves the float32 sum of the picks instead.
+  {
+    Model nonlinear = whole;
+    for (ModelOp& op : nonlinear.ops) {
+      if (op.name.ends_with("mlp.experts/_to_copy#1")) op.kind = "aten.pow.Tensor_Scalar";
+    }
+    auto cut = tensor_parallel_model(nonlinear, 2);
+    ASSERT_TRUE(cut.ok()) << cut.error().message;
+    std::set<std::string> scattered;
+    for (const ModelOp& op : cut.value().ops) {
+      if (op.collective.any() && op.collective.forward == CollectiveKind::ReduceScatter) {
+        scattered.insert(cut.value().tensors[op.inputs.at(0)].name);
+      }
+    }
+    EXPECT_TRUE(scattered.contains("model.layers.0.mlp.experts/sum.out"));
+    EXPECT_FALSE(scattered.contains("model.layers.0.mlp.experts/_to_copy#1.out"));
+  }
   // Expert parallelism over the tensor-parallel GPUs: each holds half the experts and exchanges
   // its routed rows, half of the layer's.
   auto tp2 = tensor_parallel_model(whole, 2);

@@ -70,6 +70,17 @@ constexpr std::string_view kReduceScatterKind = "_c10d_functional.reduce_scatter
 constexpr std::string_view kAllToAllKind = "_c10d_functional.all_to_all_single.default";
 constexpr std::string_view kTopk = "aten.topk.";  // the choice of experts, any overload
 
+// Whether an op of `kind` that reads only partial sums writes one: it is linear in them (an add,
+// a sum over a dimension, a copy or a change of dtype, a reshape).
+bool keeps_sums(std::string_view kind) {
+  for (const std::string_view linear :
+       {"aten.add.Tensor", "aten.sum.", "aten._to_copy.", "aten.clone.", "aten.view.",
+        "aten._unsafe_view.", "aten.reshape."}) {
+    if (kind.starts_with(linear)) return true;
+  }
+  return false;
+}
+
 enum class Layout : std::uint8_t { Whole, Features, Partial, Tokens, Routed };
 enum class Role : std::uint8_t {
   Other,
@@ -239,8 +250,9 @@ TensorParallelCut::Reach TensorParallelCut::reach(std::size_t i) const {
 //     op turns them back into one row a token (the elements of the block's input) by summing
 //     a token's picks or by indexing with an integer tensor: its output is a partial sum, whole;
 //   * in such a layer a partial sum (the shared experts' down projection's too) stays one
-//     through the ops that read only partial sums (their add) and is reduce-scattered before
-//     the first op that reads anything else (the residual add).
+//     through the linear ops that read only partial sums (keeps_sums: their add, a change of
+//     dtype) and is reduce-scattered before the first other op that reads it (the residual
+//     add; a norm would read it reduce-scattered too).
 //
 // Not modelled: the all-reduce of the router's weight gradient over the tensor-parallel ranks
 // (a few kilobytes), and each rank's own counts of tokens per expert (the trace's offsets are
@@ -482,11 +494,11 @@ Result<Model> TensorParallelCut::rewrite() {
     const Role role = role_[i];
     const auto moe = moe_layers_.find(o.layer);
     const bool in_moe = moe != moe_layers_.end();
-    // In a mixture-of-experts layer a partial sum stays one through the ops that read only
-    // partial sums, and is reduce-scattered before any other op reads it (Note [Tensor
+    // In a mixture-of-experts layer a partial sum stays one through the linear ops that read
+    // only partial sums, and is reduce-scattered before any other op reads it (Note [Tensor
     // parallelism of a mixture of experts]).
     const bool sums =
-        in_moe && role == Role::Other &&
+        in_moe && role == Role::Other && keeps_sums(o.kind) &&
         std::ranges::any_of(
             o.inputs,
             [&](std::uint32_t t) { return activation(t) && lay(t) == Layout::Partial; }) &&
