@@ -146,6 +146,19 @@ void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {
         scope.bound[t] = Bound{b.buffer, b.offset + model_.tensors[t].view_offset, value};
         continue;
       }
+      const bool stored =
+          p == OpPolicy::MustSave ? info.cache.contains(t) : info.offloaded.contains(t);
+      if (!stored) {
+        // A backward inside the region's forward replays past the op forward has reached
+        // (early stop off): torch's selective checkpointing finds nothing stored for it.
+        throw StepFailure{Failure{
+            FailureKind::Misuse,
+            fmt::format("checkpoint: op {} (\"{}\") encountered during backward, but not found "
+                        "in storage: selective checkpointing serves it from forward, which has "
+                        "not run it yet (a backward inside the region's forward replays it with "
+                        "early stop off; torch raises the same)",
+                        i, op.name)}};
+      }
       Bound b;
       if (p == OpPolicy::MustSave) {
         b = info.cache.at(t);
