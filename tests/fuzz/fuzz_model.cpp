@@ -1,6 +1,7 @@
 // libFuzzer harness for the model format (ferry.model/1): parse and validate as
-// `ferry simulate --model FILE` does, check that a valid model round-trips, then simulate it
-// under every policy and checkpoint plan of `ferry compare` on a bundled device.
+// `ferry simulate --model FILE` does, check that a valid model round-trips, cut it for a rank of
+// tensor, context and expert parallelism (and of tensor then expert), then simulate it under
+// every policy and checkpoint plan of `ferry compare` on a bundled device.
 
 #include <cstddef>
 #include <cstdint>
@@ -8,6 +9,7 @@
 
 #include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/workload/rank_model.hpp"
 #include "fuzz_common.hpp"
 
 namespace {
@@ -22,6 +24,25 @@ const ferry::sim::DeviceProfile& device() {
   return profile;
 }
 
+// A rank's cut of `model` (Note [A rank's model]) is a valid model or an error that names the
+// flag: never a crash, an internal error or an invalid model.
+void cut_ranks(const ferry::sim::Model& model) {
+  namespace fuzz = ferry::sim::fuzz;
+  const auto cut_or_refused = [](const ferry::Result<ferry::sim::Model>& cut,
+                                 std::string_view flag) {
+    if (!cut) {
+      if (!cut.error().message.starts_with(flag)) fuzz::fail("a cut's error names no flag");
+      return;
+    }
+    if (!ferry::sim::validate_model(cut.value())) fuzz::fail("a cut model is not valid");
+  };
+  const auto tp = ferry::sim::tensor_parallel_model(model, 2);
+  cut_or_refused(tp, "--tp 2");
+  cut_or_refused(ferry::sim::context_parallel_model(model, 2), "--cp 2");
+  cut_or_refused(ferry::sim::expert_parallel_model(model, 2), "--ep 2");
+  if (tp) cut_or_refused(ferry::sim::expert_parallel_model(tp.value(), 2), "--ep 2");
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -34,6 +55,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   const auto again = ferry::sim::parse_model(ferry::sim::model_to_json(model.value()), "again");
   if (!again || !(again.value() == model.value())) fuzz::fail("a valid model does not round-trip");
+  cut_ranks(model.value());
   fuzz::simulate_model(std::move(model).value(), device());
   return 0;
 }
