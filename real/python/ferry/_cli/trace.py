@@ -141,8 +141,9 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         metavar="N",
-        help="with --fsdp: record expert parallelism over N GPUs of the shard group, each "
-        "holding 1/N of the experts (docs/parallelism.md, Expert parallelism)",
+        help="with --fsdp: record expert parallelism over N GPUs of the shard group and their "
+        "tensor-parallel ones (a multiple of --tp), each holding 1/N of the experts "
+        "(docs/parallelism.md, Expert parallelism)",
     )
     parser.add_argument("--name", help="the scenario's name (default: config, seq and batch)")
     parser.add_argument("--out", required=True, help="where to write the scenario ('-': stdout)")
