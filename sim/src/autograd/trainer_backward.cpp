@@ -146,9 +146,10 @@ void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {
         scope.bound[t] = Bound{b.buffer, b.offset + model_.tensors[t].view_offset, value};
         continue;
       }
-      const bool stored =
-          p == OpPolicy::MustSave ? info.cache.contains(t) : info.offloaded.contains(t);
-      if (!stored) {
+      const auto cached = info.cache.find(t);
+      const auto offloaded = info.offloaded.find(t);
+      if (p == OpPolicy::MustSave ? cached == info.cache.end()
+                                  : offloaded == info.offloaded.end()) {
         // A backward inside the region's forward replays past the op forward has reached
         // (early stop off): torch's selective checkpointing finds nothing stored for it.
         throw StepFailure{Failure{
@@ -161,10 +162,10 @@ void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {
       }
       Bound b;
       if (p == OpPolicy::MustSave) {
-        b = info.cache.at(t);
+        b = cached->second;
         device_.hold(b.buffer);
       } else {
-        b = unpack(info.offloaded.at(t), i);
+        b = unpack(offloaded->second, i);
       }
       scope.bound[t] = b;
       scope.owned.push_back(b.buffer);

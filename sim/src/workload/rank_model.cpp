@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <deque>
 #include <limits>
@@ -73,13 +74,15 @@ constexpr std::string_view kTopk = "aten.topk.";  // the choice of experts, any 
 // Whether an op of `kind` that reads only partial sums writes one: it is linear in them (an add,
 // a sum over a dimension, a copy or a change of dtype, a reshape).
 bool keeps_sums(std::string_view kind) {
-  for (const std::string_view linear :
-       {"aten.add.Tensor", "aten.sum.", "aten._to_copy.", "aten.clone.", "aten.view.",
-        "aten._unsafe_view.", "aten.reshape."}) {
-    if (kind.starts_with(linear)) return true;
-  }
-  return false;
+  constexpr std::array<std::string_view, 7> kLinear{
+      kAdd,         "aten.sum.",          "aten._to_copy.", "aten.clone.",
+      "aten.view.", "aten._unsafe_view.", "aten.reshape."};
+  return std::ranges::any_of(kLinear,
+                             [&](std::string_view linear) { return kind.starts_with(linear); });
 }
+
+// Whether a tensor of `type` holds indices (the routing's choices, offsets): an integer one.
+bool is_index(DType type) { return type == DType::I64 || type == DType::U8; }
 
 enum class Layout : std::uint8_t { Whole, Features, Partial, Tokens, Routed };
 enum class Role : std::uint8_t {
@@ -98,11 +101,13 @@ class RankCut {
   RankCut(const Model& whole, std::string_view flag, std::int32_t degree)
       : m_(whole), flag_(flag), degree_(degree) {}
 
-  // The tensor `t` is a view of, or `t`.
-  std::uint32_t base(std::uint32_t t) const {
-    const ModelTensor& tensor = m_.tensors[t];
+  // The tensor `t` of `model` is a view of, or `t`.
+  static std::uint32_t base_in(const Model& model, std::uint32_t t) {
+    const ModelTensor& tensor = model.tensors[t];
     return tensor.view_of >= 0 ? static_cast<std::uint32_t>(tensor.view_of) : t;
   }
+  // The same in the whole model.
+  std::uint32_t base(std::uint32_t t) const { return base_in(m_, t); }
   template <class... Args>
   Error refuse(fmt::format_string<Args...> format, Args&&... args) const {
     return Error{
@@ -284,8 +289,7 @@ Status TensorParallelCut::find_experts() {
     const ModelOp& d = op(static_cast<std::size_t>(dispatch));
     std::optional<std::uint32_t> input;
     for (const std::uint32_t t : d.inputs) {
-      const DType type = m_.tensors[t].dtype;
-      if (!is_activation(t) || type == DType::I64 || type == DType::U8) continue;
+      if (!is_activation(t) || is_index(m_.tensors[t].dtype)) continue;
       if (!input || m_.tensors[t].bytes > m_.tensors[*input].bytes) input = t;
     }
     if (!input) {
@@ -465,7 +469,7 @@ Result<Model> TensorParallelCut::rewrite() {
   // Any other view of a partial sum is itself.
   const auto scatter = [&](std::uint32_t t, const ModelOp& near) {
     const ModelTensor& read = out.tensors[t];
-    const std::uint32_t b = read.view_of >= 0 ? static_cast<std::uint32_t>(read.view_of) : t;
+    const std::uint32_t b = base_in(out, t);
     if (b != t && (read.view_offset.count() != 0 || read.bytes != out.tensors[b].bytes)) return t;
     if (b >= now.size() || producer_[b] < 0) return t;
     if (now[b] == b) {
@@ -520,7 +524,7 @@ Result<Model> TensorParallelCut::rewrite() {
       for (std::uint32_t& t : o.inputs) {
         if (!activation(t) || lay(t) != Layout::Tokens) continue;
         const ModelTensor& read = out.tensors[t];
-        const std::uint32_t b = read.view_of >= 0 ? static_cast<std::uint32_t>(read.view_of) : t;
+        const std::uint32_t b = base_in(out, t);
         if (!whole_operand && !moe_inputs_.contains(b)) continue;
         auto [at, fresh] =
             gathered.try_emplace({b, read.view_offset.count(), read.bytes.count()}, 0);
@@ -572,8 +576,7 @@ Result<Model> TensorParallelCut::rewrite() {
           features |= lay(t) == Layout::Features;
           tokens |= lay(t) == Layout::Tokens;
           routed |= lay(t) == Layout::Routed;
-          const DType type = out.tensors[t].dtype;
-          indexed |= type == DType::I64 || type == DType::U8;
+          indexed |= is_index(out.tensors[t].dtype);
           if (lay(t) == Layout::Routed && t < m_.tensors.size()) {
             routed_elements = std::max(routed_elements, elements(t));
           }
@@ -677,12 +680,9 @@ Result<Model> TensorParallelCut::rewrite() {
     }
     const ModelOp& kept = out.ops.emplace_back(std::move(o));
     // A partial sum is reduce-scattered over the tokens before anything reads it (in a mixture
-    // of experts' layer, before anything but a sum of partial sums reads it).
-    if (result == Layout::Partial && !in_moe) {
-      // `kept` is copied before the new op is pushed (which may move it).
-      const ModelOp near = kept;
-      scatter(near.outputs.front(), near);
-    }
+    // of experts' layer, before anything but a sum of partial sums reads it). The whole model's
+    // op stands for `kept` (same layer and region), which the new op's push may move.
+    if (result == Layout::Partial && !in_moe) scatter(kept.outputs.front(), op(i));
   }
   // State held for the step that no op reads (an optimizer's moments, as a trace lists them)
   // belongs to a parameter of its size: cut with the parameters of that size, when no
