@@ -139,14 +139,15 @@ SIZED = {
 SIZED_FAMILIES = tuple(SIZED)
 
 
-def build(family, dtype=torch.bfloat16, experts=None):
+def build(family, dtype=torch.bfloat16, experts=None, overrides=None):
     """The family's causal LM on the meta device, in training mode; ``experts`` names the
     experts' implementation of a mixture-of-experts family (``"grouped_mm"``, transformers'
-    default, or ``"eager"``, a loop over the experts hit)."""
+    default, or ``"eager"``, a loop over the experts hit); ``overrides``, config fields that
+    replace the family's."""
     import transformers
 
     model_type, fields, attention = FAMILIES[family]
-    config = transformers.AutoConfig.for_model(model_type, **fields)
+    config = transformers.AutoConfig.for_model(model_type, **{**fields, **(overrides or {})})
     implementations = {"attn_implementation": attention}
     if experts is not None:
         implementations["experts_implementation"] = experts
@@ -161,14 +162,21 @@ def build(family, dtype=torch.bfloat16, experts=None):
 
 
 def trace_family(
-    family, batch=None, seq=None, dtype=torch.bfloat16, experts=None, routing="balanced"
+    family,
+    batch=None,
+    seq=None,
+    dtype=torch.bfloat16,
+    experts=None,
+    routing="balanced",
+    overrides=None,
 ):
-    """The traced model of one training step with token ids as labels."""
+    """The traced model of one training step with token ids as labels (``overrides``: config
+    fields that replace the family's)."""
     from ferry._trace import trace
 
     default_batch, default_seq = SHAPES.get(family, DEFAULT_SHAPE)
     batch, seq = batch or default_batch, seq or default_seq
-    model = build(family, dtype, experts)
+    model = build(family, dtype, experts, overrides)
     with torch.device("meta"):
         ids = torch.zeros((batch, seq), dtype=torch.long)
     name = f"{family}-tiny-s{seq}-b{batch}"
