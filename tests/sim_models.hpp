@@ -14,8 +14,8 @@ inline Model chain_model(int layers, std::int64_t bytes, std::int64_t ns = 100'0
   Model m;
   m.name = "chain";
   auto tensor = [&](std::string name, std::int64_t size, TensorRole role) {
-    m.tensors.push_back(
-        ModelTensor{std::move(name), Bytes(size), DType::BF16, role, -1, Bytes(0), false});
+    m.tensors.push_back(ModelTensor{std::move(name), Bytes(size), DType::BF16, role, -1, Bytes(0),
+                                    false, Bytes(0), 0});
     return static_cast<std::uint32_t>(m.tensors.size() - 1);
   };
   std::uint32_t x = tensor("x", bytes, TensorRole::Input);

@@ -44,6 +44,12 @@ CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpRequest& fsdp, TextFlags& 
                   "mixture of experts' experts, the routed rows exchanged by all-to-alls "
                   "(docs/parallelism.md); 1: none")
       ->capture_default_str();
+  cmd->add_option("--expert-capacity", fsdp.expert_capacity,
+                  "With --ep: a static dispatcher's capacity factor F (1..1024), as CUDA-graphed "
+                  "expert parallelism runs: each GPU's routed rows are allocated for F times a "
+                  "balanced routing's, the experts computing the rows routed (docs/parallelism.md, "
+                  "Static capacity and the paged stash); 0: none")
+      ->capture_default_str();
   return ranks;
 }
 
@@ -116,6 +122,11 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
                 "optimizer.zero_grad(set_to_none=True) between steps: each gradient allocated "
                 "where backward first writes it and freed after the step (torch 2's default); "
                 "without it gradients are kept from set-up on");
+  cmd->add_flag("--paged-stash", a.paged_stash,
+                "Megatron-Core's paged stash: saved tensors in static-capacity buffers "
+                "(--expert-capacity) have their rows of data copied into pages of a device pool "
+                "at the end of their layer's forward and back before its backward, the padded "
+                "buffers freed between (docs/parallelism.md, Static capacity and the paged stash)");
   CLI::Option* fsdp = add_fsdp_options(cmd, a.fsdp, args.text);
   add_allocator_option(cmd, args.text);
   // Their bounds are the request's (Note [One check for both edges]).

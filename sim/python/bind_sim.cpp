@@ -120,15 +120,16 @@ std::optional<Bytes> bytes_of(const std::optional<ByteCount>& value, std::string
 }
 
 // FSDP2, tensor, context and expert parallelism as the keyword arguments fsdp, nodes, hsdp,
-// reshard_after_forward, fsdp_impl, tp, cp and ep give them; None: not given.
+// reshard_after_forward, fsdp_impl, tp, cp, ep and expert_capacity give them; None: not given.
 sim::FsdpRequest fsdp_request(std::optional<std::int32_t> ranks, std::optional<std::int32_t> nodes,
                               std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard,
                               const std::string& impl, std::int32_t tp, std::int32_t cp,
-                              std::int32_t ep) {
+                              std::int32_t ep, double expert_capacity) {
   sim::FsdpRequest fsdp{.ranks = ranks, .nodes = nodes, .replicas = hsdp};
   fsdp.tp = tp;
   fsdp.cp = cp;
   fsdp.ep = ep;
+  fsdp.expert_capacity = expert_capacity;
   if (const auto* k = std::get_if<std::int64_t>(&reshard)) {
     fsdp.reshard_after_forward = value_or_raise(sim::reshard_ranks(*k));
   } else {
@@ -244,17 +245,18 @@ void bind_runs(py::module_& m) {
          std::optional<std::int32_t> nodes, std::int32_t hsdp,
          const std::variant<bool, std::int64_t>& reshard_after_forward,
          const std::string& fsdp_impl, const std::optional<std::string>& allocator, std::int32_t tp,
-         std::int32_t cp, std::int32_t ep) {
+         std::int32_t cp, std::int32_t ep, double expert_capacity, bool paged_stash) {
         sim::SimulateRequest request;
         request.target = target(model, model_text, device, scenarios);
-        request.run =
-            knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
-                  fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep),
-                  allocator);
+        request.run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
+                            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp,
+                                         cp, ep, expert_capacity),
+                            allocator);
         request.run.prefetch = prefetch;
         request.run.dedup = dedup;
         request.run.early_stop = early_stop;
         request.run.set_to_none = set_to_none;
+        request.run.paged_stash = paged_stash;
         request.policy = std::move(policy);
         request.checkpoint = std::move(checkpoint);
         request.horizon = std::move(horizon);
@@ -274,6 +276,8 @@ void bind_runs(py::module_& m) {
       py::arg("reshard_after_forward") = true, py::arg("fsdp_impl") = "fsdp2",
       py::arg("allocator") = py::none(), py::arg("tp") = d.run.fsdp.tp,
       py::arg("cp") = d.run.fsdp.cp, py::arg("ep") = d.run.fsdp.ep,
+      py::arg("expert_capacity") = d.run.fsdp.expert_capacity,
+      py::arg("paged_stash") = d.run.paged_stash,
       "(`ferry simulate --json`'s document, the memory snapshot pickle or None)");
   m.def(
       "compare",
@@ -285,14 +289,15 @@ void bind_runs(py::module_& m) {
          const std::variant<bool, std::int64_t>& reshard_after_forward,
          const std::string& fsdp_impl, const std::optional<std::string>& allocator,
          std::int32_t devices, std::int32_t micro_batches, std::int32_t tp, std::int32_t cp,
-         std::int32_t ep) {
+         std::int32_t ep, double expert_capacity, bool paged_stash) {
         sim::CompareRequest request;
         request.target = target(model, model_text, device, scenarios);
-        request.run =
-            knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
-                  fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep),
-                  allocator);
+        request.run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
+                            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp,
+                                         cp, ep, expert_capacity),
+                            allocator);
         request.run.set_to_none = set_to_none;
+        request.run.paged_stash = paged_stash;
         request.run.devices = devices;
         request.run.micro_batches = micro_batches;
         return to_python(answer(request).document);
@@ -308,7 +313,8 @@ void bind_runs(py::module_& m) {
       py::arg("allocator") = py::none(), py::arg("devices") = d.run.devices,
       py::arg("micro_batches") = d.run.micro_batches, py::arg("tp") = d.run.fsdp.tp,
       py::arg("cp") = d.run.fsdp.cp, py::arg("ep") = d.run.fsdp.ep,
-      "`ferry compare --json`'s document");
+      py::arg("expert_capacity") = d.run.fsdp.expert_capacity,
+      py::arg("paged_stash") = d.run.paged_stash, "`ferry compare --json`'s document");
 }
 
 void bind_plans(py::module_& m) {
@@ -329,7 +335,8 @@ void bind_plans(py::module_& m) {
          std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard_after_forward,
          const std::string& fsdp_impl, const std::optional<std::string>& allocator,
          const std::optional<std::variant<double, std::string>>& margin,
-         sim::PlannerCache* planners, std::int32_t tp, std::int32_t cp, std::int32_t ep) {
+         sim::PlannerCache* planners, std::int32_t tp, std::int32_t cp, std::int32_t ep,
+         double expert_capacity) {
         sim::PlanRequest request;
         request.planners = planners;
         request.target = target(model, model_text, device, scenarios);
@@ -337,8 +344,8 @@ void bind_plans(py::module_& m) {
         request.budget = bytes_of(budget, "--budget");
         request.host_budget = bytes_of(host_budget, "--host-budget");
         request.steps = steps;
-        request.fsdp =
-            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep);
+        request.fsdp = fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep,
+                                    expert_capacity);
         request.allocator = allocator_of(allocator);
         if (margin) {
           const auto* text = std::get_if<std::string>(&*margin);
@@ -355,6 +362,7 @@ void bind_plans(py::module_& m) {
       py::arg("margin") = py::none(),
       py::arg("planners") = static_cast<sim::PlannerCache*>(nullptr), py::arg("tp") = d.fsdp.tp,
       py::arg("cp") = d.fsdp.cp, py::arg("ep") = d.fsdp.ep,
+      py::arg("expert_capacity") = d.fsdp.expert_capacity,
       "{report, text, plan_text}, or {refused, floor} when no plan fits; with planners, a "
       "PlannerCache, a model given as text is planned by the planner it keeps for it");
   py::class_<ReadBytes>(m, "ReadBytes", "A byte count read_bytes read: plan takes it as read")

@@ -73,8 +73,8 @@ Model build_model(const std::vector<OpChoice>& choices) {
   Model m;
   m.name = "random";
   auto tensor = [&](std::string name, std::int64_t bytes, TensorRole role) {
-    m.tensors.push_back(
-        ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1, Bytes(0), false});
+    m.tensors.push_back(ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1, Bytes(0),
+                                    false, Bytes(0), 0});
     return static_cast<std::uint32_t>(m.tensors.size() - 1);
   };
   std::vector<std::uint32_t> mains;  // main output of each op so far

@@ -11,8 +11,8 @@ constexpr std::int64_t kSizes[] = {600, 4096, 64 * 1024, 512 * 1024, 1536 * 1024
 
 std::uint32_t add_tensor(Model& m, std::string name, std::int64_t bytes, TensorRole role,
                          std::int32_t view_of = -1, std::int64_t offset = 0) {
-  m.tensors.push_back(
-      ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, view_of, Bytes(offset), false});
+  m.tensors.push_back(ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, view_of,
+                                  Bytes(offset), false, Bytes(0), 0});
   return static_cast<std::uint32_t>(m.tensors.size() - 1);
 }
 

@@ -7,6 +7,7 @@ and values no assumption gives, are clear errors."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -307,6 +308,69 @@ def test_a_deepseek_v3_style_moe_compares_and_plans_under_expert_parallelism(cli
         assert plan["peak_reserved_bytes"] <= budget
         fitting = [row["step_time_ns"] for row in plan["fixed"] if row["fits"]]
         assert fitting and plan["step_time_ns"] <= min(fitting)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_families_page_their_static_capacity_under_every_policy(cli, tmp_path, family):
+    """docs/parallelism.md, Static capacity and the paged stash: each family's mixture of
+    experts, four layers, under FSDP4 x TP2 x EP2 with a static capacity of 2: the paged stash
+    takes every stashed layer's padded saves (all but the last layer's), hazard-free, without
+    and with offload, and beside checkpointing every other layer (whose regions' saves are
+    recomputed, not stashed)."""
+    traced = trace_family(
+        family, BATCH, 64, torch.bfloat16, "grouped_mm", overrides={"num_hidden_layers": 4}
+    )
+    path = tmp_path / f"{family}.json"
+    traced.save(path)
+    target = ("--model", str(path), "--device", "h100-sxm-pcie5")
+    mesh = ("--fsdp", "4", "--tp", "2", "--ep", "2", "--expert-capacity", "2")
+    stashed = {}
+    for run in (("--policy", "none"), ("--policy", "ferry"), ("--checkpoint", "every:2")):
+        result = _cli_json(cli, "simulate", *target, *mesh, *run, "--paged-stash")["result"]
+        assert result["hazards"] == 0 and result["failure"] is None, run
+        stashed[run[1]] = result["paged_stash"]["stashed"]
+    assert stashed["none"] > 0 and stashed["none"] == stashed["ferry"]
+    assert stashed["every:2"] < stashed["none"]
+
+
+def test_a_static_capacity_mixtral_plans_with_the_paged_stash_where_it_is_faster(cli, tmp_path):
+    """docs/parallelism.md, Static capacity and the paged stash: Mixtral-8x7B's config cut to
+    eight layers, FSDP8 x EP8 with a static capacity of 4. The stash takes the padding out of
+    seven layers' saved expert rows, hazard-free; `ferry plan` at a budget the stashed step fits
+    and the unstashed one does not picks the stash, no slower than any fixed row that fits, and
+    `simulate --plan` runs the plan as it was made."""
+    from ferry._cli import trace as trace_cli
+
+    with open(os.path.join(trace_cli.CONFIG_DIR, "mixtral-8x7b.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = 8
+    cfg, out = tmp_path / "mixtral8.json", tmp_path / "mixtral8.model.json"
+    cfg.write_text(json.dumps(config), encoding="utf-8")
+    args = [str(cfg), "--seq", "4096", "--batch", "1", "--dtype", "bf16", "--optimizer", "adamw"]
+    assert trace_cli.main([*args, "--out", str(out)]) == 0
+    target = ("--model", str(out), "--device", "h100-sxm-pcie5")
+    mesh = ("--fsdp", "8", "--ep", "8", "--expert-capacity", "4")
+    plain = _cli_json(cli, "simulate", *target, *mesh, "--policy", "none")["result"]
+    stashed = _cli_json(cli, "simulate", *target, *mesh, "--policy", "none", "--paged-stash")
+    assert stashed["ep"]["capacity"] == 4
+    stashed = stashed["result"]
+    assert plain["hazards"] == 0 and stashed["hazards"] == 0
+    stash = stashed["paged_stash"]
+    assert stash["stashed"] == 7 * 5  # seven layers' dispatched rows, three products, activation
+    assert 3 * stash["data_bytes"] <= stash["padded_bytes"] <= 4 * stash["data_bytes"]
+    assert stashed["peak_reserved_bytes"] < 0.75 * plain["peak_reserved_bytes"]
+    assert stashed["step_time_ns"] < 1.05 * plain["step_time_ns"]
+    budget = stashed["peak_reserved_bytes"] * 21 // 20
+    report = _cli_json(cli, "plan", *target, *mesh, "--budget", str(budget), "--margin", "0")
+    assert report["plan"]["paged_stash"] is True
+    assert report["hazards"] == 0 and report["peak_reserved_bytes"] <= budget
+    fitting = [row["step_time_ns"] for row in report["fixed"] if row["fits"]]
+    assert report["step_time_ns"] <= min(fitting)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(report["plan"]), encoding="utf-8")
+    replayed = _cli_json(cli, "simulate", *target, *mesh, "--plan", str(plan))["result"]
+    assert replayed["hazards"] == 0 and replayed["paged_stash"]["stashed"] > 0
+    assert replayed["step_time_ns"] == report["step_time_ns"]
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

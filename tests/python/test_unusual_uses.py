@@ -87,6 +87,14 @@ def test_a_plan_that_ends_early_or_late_leaves_nothing(edit, message):
     assert_nothing_left(ctx, before)
 
 
+def test_a_plan_with_the_paged_stash_is_refused_by_a_real_run():
+    # The paged stash is the simulator's: its plans are for static-capacity expert buffers.
+    model, _, plan = block_plan()
+    plan["paged_stash"] = True
+    with pytest.raises(PlanError, match=r"paged_stash: the paged stash .* is the simulator's"):
+        ferry.offload(plan=plan, model=model, loopback=True)
+
+
 # Forward-mode AD through a checkpoint --------------------------------------------------------
 
 

@@ -343,8 +343,8 @@ Model shared_views_model() {
   Model m;
   m.name = "shared-views";
   auto tensor = [&](std::string name, std::int64_t size, TensorRole role, std::int32_t view_of) {
-    m.tensors.push_back(
-        ModelTensor{std::move(name), Bytes(size), DType::BF16, role, view_of, Bytes(0), false});
+    m.tensors.push_back(ModelTensor{std::move(name), Bytes(size), DType::BF16, role, view_of,
+                                    Bytes(0), false, Bytes(0), 0});
     return static_cast<std::uint32_t>(m.tensors.size() - 1);
   };
   auto op = [&](std::string name, std::int32_t layer, std::vector<std::uint32_t> inputs,

@@ -444,7 +444,8 @@ DeviceProfile round_device(std::int64_t flops_per_s, std::int64_t bytes_per_s) {
 TEST(Roofline, DurationIsTheSlowerOfComputeAndMemoryAtTheAssumedEfficiencies) {
   Model model;
   model.name = "m";
-  model.tensors.push_back({"y", Bytes(4), DType::F32, TensorRole::Activation, -1, Bytes(0), false});
+  model.tensors.push_back(
+      {"y", Bytes(4), DType::F32, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
   ModelOp compute_bound;
   compute_bound.name = "matmul";
   compute_bound.flops = 600'000'000'000;   // 1 ms at 60% of 1 PFLOP/s
@@ -820,6 +821,42 @@ TEST(ModelJson, ABadParallelismSectionIsNamed) {
   }
 }
 
+// A static-capacity buffer (docs/model-format.md, Tensors): a base activation allocated for
+// more than its bytes, with its rows of data; read, written back, and refused where it is not
+// that, naming the member.
+TEST(ModelJson, AStaticCapacityIsReadWrittenBackAndChecked) {
+  const std::string h = R"({"name": "h", "bytes": 64, "dtype": "bf16", "role": "activation")";
+  auto padded = parse_model(valid_with(h, h + R"(, "capacity": 256, "rows": 4)"), "toy.json");
+  ASSERT_TRUE(padded.ok()) << padded.error().message;
+  EXPECT_EQ(padded.value().tensors[2].capacity, Bytes(256));
+  EXPECT_EQ(padded.value().tensors[2].rows, 4);
+  EXPECT_EQ(allocated_bytes(padded.value().tensors[2]), Bytes(256));
+  EXPECT_TRUE(has_static_capacity(padded.value()));
+  auto back = parse_model(model_to_json(padded.value()), "again.json");
+  ASSERT_TRUE(back.ok()) << back.error().message;
+  EXPECT_EQ(back.value(), padded.value());
+  auto plain = parse_model(std::string(kValidModel), "toy.json");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(has_static_capacity(plain.value()));
+  EXPECT_EQ(model_to_json(plain.value()).find("capacity"), std::string::npos);
+
+  const std::string lo = R"("view_offset": 0})";
+  for (const auto& [from, to, where] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {h, h + R"(, "capacity": 32, "rows": 4)", "tensors[2].capacity"},   // below its bytes
+           {h, h + R"(, "capacity": 257, "rows": 4)", "tensors[2].capacity"},  // half an element
+           {h, h + R"(, "capacity": 256)", "tensors[2].capacity"},             // the member given
+           {h, h + R"(, "rows": 4)", "tensors[2].rows"},
+           {h, h + R"(, "capacity": 256, "rows": 5)", "tensors[2].rows"},
+           {lo, R"("view_offset": 0, "capacity": 64, "rows": 2})", "tensors[3].capacity"},
+       }) {
+    auto bad = parse_model(valid_with(from, to), "toy.json");
+    ASSERT_FALSE(bad.ok()) << to;
+    EXPECT_NE(bad.error().message.find(where), std::string::npos)
+        << to << ": " << bad.error().message;
+  }
+}
+
 TEST(ModelJson, TheRoutingAssumptionIsReadAndWrittenBack) {
   for (const auto& [section, want] : std::vector<std::pair<std::string, RoutingAssumption>>{
            {R"({"assumption": "balanced"})", {.assumption = "balanced"}},
@@ -993,7 +1030,7 @@ std::vector<BadCase> bad_cases() {
        "toy.json: tensors[1].bytes: expected a positive integer, got 0"},
       {"unknown key in a tensor", valid_with(R"("bytes": 128)", R"("size": 128)"),
        R"(toy.json: tensors[1]: unknown key "size" (allowed: name, bytes, dtype, role, view_of, )"
-       "view_offset, no_offload)"},
+       "view_offset, no_offload, capacity, rows)"},
       {"unknown key in an op", valid_with(R"("saved": [])", R"("saves": [])"),
        R"(toy.json: ops[1]: unknown key "saves" (allowed: name, kind, layer, flops, bytes, )"
        "backward_flops, backward_bytes, duration_ns, backward_duration_ns, inputs, outputs, "

@@ -55,8 +55,8 @@ Model skip_model() {
   Model m;
   m.name = "skip";
   auto tensor = [&](std::string name, std::int64_t bytes, TensorRole role) {
-    m.tensors.push_back(
-        ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1, Bytes(0), false});
+    m.tensors.push_back(ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1, Bytes(0),
+                                    false, Bytes(0), 0});
     return static_cast<std::uint32_t>(m.tensors.size() - 1);
   };
   auto op = [&](std::string name, std::vector<std::uint32_t> in, std::vector<std::uint32_t> out,

@@ -643,6 +643,69 @@ TEST(ExpertParallelModel, TheBusiestRankOfAnUnevenRoutingComputesItsRows) {
             "but its weights hold 8 experts");
 }
 
+// A static dispatcher's capacity (Note [Static capacity] in rank_model.cpp) on the Mixtral above
+// with the first layer's uneven rows: at ep 2 its busiest rank receives 1.5 times the traced
+// 8192 rows, the second layer's 8192. With a factor of 2 every routed base activation is
+// allocated for twice its traced elements and names its rows of data, and nothing else of the
+// cut changes; a factor that does not hold the busiest rank's rows is refused with one that does.
+TEST(ExpertParallelModel, AStaticCapacityPadsTheRoutedRowsAndNothingElse) {
+  Model whole = balanced_mixtral();
+  const std::vector<std::int64_t> rows{3072, 1024, 1024, 1024, 512, 512, 512, 512};
+  for (ModelOp& op : whole.ops) {
+    if (op.layer == 0 && is_grouped_matmul_kind(op.kind)) op.group_rows = rows;
+  }
+  const Model dynamic = expert_parallel_model(whole, 2, 1).value();
+  auto cut = expert_parallel_model(whole, 2, 1, 2.0);
+  ASSERT_TRUE(cut.ok()) << cut.error().message;
+  Model padded = cut.value();
+  ASSERT_TRUE(validate_model(padded).ok());
+  std::map<std::string, std::int64_t> padded_rows;  // tensor -> rows
+  for (std::uint32_t t = 0; t < padded.tensors.size(); ++t) {
+    ModelTensor& tensor = padded.tensors[t];
+    if (tensor.capacity.count() == 0) continue;
+    EXPECT_EQ(tensor.view_of, -1) << tensor.name;
+    EXPECT_EQ(tensor.role, TensorRole::Activation) << tensor.name;
+    const std::int32_t layer = tensor.name.find("layers.0.") != std::string::npos ? 0 : 1;
+    // Twice the traced elements: the busiest rank's bytes over its share of the rows.
+    const std::int64_t traced = tensor.bytes.count() * 2 / (layer == 0 ? 3 : 2);
+    EXPECT_EQ(tensor.capacity.count(), 2 * traced) << tensor.name;
+    EXPECT_EQ(tensor.rows, layer == 0 ? 12288 : 8192) << tensor.name;
+    padded_rows[tensor.name] = tensor.rows;
+    tensor.capacity = Bytes(0);
+    tensor.rows = 0;
+  }
+  EXPECT_EQ(padded, dynamic);  // nothing but the capacities
+  // Per layer: the rows dispatched in, and what the experts compute from them (the first
+  // grouped matmul's output, the activation's, the second's).
+  for (const std::string layer : {"model.layers.0.", "model.layers.1."}) {
+    const auto in_layer = std::ranges::count_if(
+        padded_rows, [&](const auto& named) { return named.first.starts_with(layer); });
+    EXPECT_GE(in_layer, 4) << layer;
+    EXPECT_TRUE(padded_rows.contains(layer + "mlp.experts/_grouped_mm/ep.dispatch.out")) << layer;
+    EXPECT_FALSE(padded_rows.contains(layer + "mlp.experts/_grouped_mm#1/ep.combine.out")) << layer;
+  }
+  trains_clean(padded, "ep comm");
+
+  const auto refused = [&](std::int32_t ep, double capacity) {
+    auto r = expert_parallel_model(whole, ep, 1, capacity);
+    return r.ok() ? std::string("accepted") : r.error().message;
+  };
+  const std::string small = refused(2, 1.25);
+  EXPECT_NE(small.find("--ep 2: --expert-capacity 1.25: the busiest rank receives "),
+            std::string::npos)
+      << small;
+  EXPECT_NE(small.find(R"("model.layers.0.mlp.experts/_grouped_mm.out", more than its )"
+                       "capacity"),
+            std::string::npos)
+      << small;
+  EXPECT_NE(small.find("a factor of 1.50 holds them"), std::string::npos) << small;
+  EXPECT_EQ(refused(2, 1.5), "accepted");
+  EXPECT_EQ(refused(1, 2.0),
+            "--expert-capacity 2 needs --ep 2 or more: one GPU's routed rows are static without "
+            "padding");
+  EXPECT_EQ(refused(2, 0.5), "--expert-capacity 0.5: use a factor from 1 to 1024");
+}
+
 // Two layers whose experts read one tensor (found by FsdpProperty): each layer dispatches it
 // into a tensor of its own, named by its exchange.
 constexpr std::string_view kSharedRows = R"({

@@ -115,6 +115,12 @@ class offload(Region):
         if plan is not None:
             # Looked up in the module at each call: tests replace its functions.
             plan = _plan.load_plan(plan)
+            if plan.get("paged_stash"):
+                raise _plan.PlanError(
+                    "ferry.offload(plan=...): paged_stash: the paged stash of static-capacity "
+                    "expert buffers is the simulator's (docs/parallelism.md); a real run applies "
+                    "plans made without --expert-capacity"
+                )
             fixed = _plan.offload_options(plan)
             if policy == "ferry":
                 policy = fixed["policy"]

@@ -107,7 +107,11 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
             (``--tp``, docs/parallelism.md); ``cp``, context parallelism over that many GPUs a
             rank, with ``fsdp`` (``--cp``); ``ep``, expert parallelism over that many GPUs of the
             shard group and their tensor-parallel ones (a multiple of ``tp``), with ``fsdp``
-            (``--ep``); ``allocator``, "default" or
+            (``--ep``); ``expert_capacity``, a static dispatcher's capacity factor (1..1024)
+            that pads each GPU's routed rows, with ``ep`` (``--expert-capacity``; 0: none), and
+            ``paged_stash``, Megatron-Core's paged stash of the padded saved tensors
+            (``--paged-stash``; docs/parallelism.md, Static capacity and the paged stash);
+            ``allocator``, "default" or
             "expandable" (the caching allocator with ``expandable_segments:True``, where a
             traced model's recorded setting is the default; docs/allocators.md). Numbers have
             the command line's bounds (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes``
@@ -150,9 +154,10 @@ def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) ->
         model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
         device: A bundled device profile's name or a profile file.
         **options: ``steps``, ``min_bytes``, ``window_mib``, ``prefetch_mib``,
-            ``host_cap_gib``, ``stash``, ``check``, ``set_to_none``, ``allocator`` and the FSDP2
-            options, as ``simulate`` takes them; ``devices`` (1..64) and ``micro_batches``
-            (1..1024), as ``ferry compare --devices N --micro-batches M`` takes them: with
+            ``host_cap_gib``, ``stash``, ``check``, ``set_to_none``, ``paged_stash``,
+            ``allocator`` and the FSDP2 options, as ``simulate`` takes them; ``devices``
+            (1..64) and ``micro_batches`` (1..1024), as ``ferry compare --devices N
+            --micro-batches M`` takes them: with
             ``devices`` > 1 the GPipe pipeline configurations too (no FSDP then).
 
     Returns:
@@ -193,7 +198,9 @@ def plan(
             supports (docs/plan.md, "What fits promises").
         **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
             ``reshard_after_forward``, ``fsdp_impl``): the plan is one rank's, ``budget`` per
-            rank and ``host_budget`` per node; and ``allocator`` as ``simulate`` takes it.
+            rank and ``host_budget`` per node; ``tp``, ``cp``, ``ep`` and ``expert_capacity``
+            (where it pads the routed rows, the plan is the faster of those with and without
+            the paged stash); and ``allocator`` as ``simulate`` takes it.
 
     Returns:
         The report ``ferry plan --json`` prints; the plan itself is under ``"plan"`` (what

@@ -113,6 +113,10 @@ struct Parallelism {
   /// Expert-parallel GPUs: a mixture of experts' experts split among `ep` consecutive GPUs,
   /// which FSDP shards each expert over every ep-th of (docs/parallelism.md).
   std::int32_t ep = 1;
+  /// A static dispatcher's capacity factor under expert parallelism: each GPU's routed rows are
+  /// allocated for this many times a balanced routing's (docs/parallelism.md, Static capacity
+  /// and the paged stash); 0: allocated as routed.
+  double expert_capacity = 0;
 
   /// Whether FSDP runs.
   [[nodiscard]] constexpr bool on() const { return ranks > 0; }

@@ -54,11 +54,12 @@ Status first_error(std::initializer_list<Status> checks) {
 std::string planner_key(const PlanRequest& r) {
   const ModelSource& m = r.target.model;
   const FsdpRequest& f = r.fsdp;
-  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {} {} {} {}", m.name, m.text.value_or(""),
-                     r.target.device, r.target.scenarios.string(), r.steps, f.ranks ? *f.ranks : 0,
-                     f.nodes ? *f.nodes : 0, f.replicas, to_string(f.reshard_after_forward),
+  return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {} {} {} {} {}", m.name,
+                     m.text.value_or(""), r.target.device, r.target.scenarios.string(), r.steps,
+                     f.ranks ? *f.ranks : 0, f.nodes ? *f.nodes : 0, f.replicas,
+                     to_string(f.reshard_after_forward),
                      r.allocator ? static_cast<int>(*r.allocator) : -1, to_string(f.impl), f.tp,
-                     f.cp, f.ep);
+                     f.cp, f.ep, f.expert_capacity);
 }
 
 Result<Workload> load(const Target& target) {
@@ -120,6 +121,7 @@ struct Cut {
   std::int32_t ep = 1;
   std::int32_t cp_nodes = 1;
   std::int32_t ep_nodes = 1;
+  double capacity = 0;  // the expert dispatcher's (Note [Static capacity])
 };
 
 Cut cut_of(const Parallelism& p, const DeviceProfile& device) {
@@ -127,7 +129,8 @@ Cut cut_of(const Parallelism& p, const DeviceProfile& device) {
              .cp = p.cp,
              .ep = p.ep,
              .cp_nodes = span_nodes(p, p.cp * p.tp, device),
-             .ep_nodes = span_nodes(p, p.ep, device)};
+             .ep_nodes = span_nodes(p, p.ep, device),
+             .capacity = p.expert_capacity};
 }
 
 // The workload one GPU runs under `cut_by`: its cut of the model (Note [A rank's model], Note
@@ -137,7 +140,9 @@ Result<Workload> cut_workload(const Workload& w, const Cut& cut_by) {
   if (cut_by.tp <= 1 && cut_by.cp <= 1 && cut_by.ep <= 1) return w;
   auto cut = tensor_parallel_model(*w.model, cut_by.tp);
   if (cut && cut_by.cp > 1) cut = context_parallel_model(cut.value(), cut_by.cp, cut_by.cp_nodes);
-  if (cut && cut_by.ep > 1) cut = expert_parallel_model(cut.value(), cut_by.ep, cut_by.ep_nodes);
+  if (cut && cut_by.ep > 1) {
+    cut = expert_parallel_model(cut.value(), cut_by.ep, cut_by.ep_nodes, cut_by.capacity);
+  }
   if (!cut) return cut.error();
   auto checked = check_model(std::move(cut).value());
   if (!checked) return checked.error();
@@ -204,6 +209,7 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
   o.offload.prefetch = k.prefetch;
   o.offload.dedup = k.dedup;
   o.grads_set_to_none = k.set_to_none;
+  o.paged_stash.on = k.paged_stash;
   if (simulate == nullptr) {
     if (!k.early_stop) o.checkpoint.global_early_stop = false;
     return AskedRun{std::move(o), parallelism.value()};
@@ -300,6 +306,10 @@ std::optional<std::string_view> single_device_only(const TrainingOptions& base) 
   if (base.grads_set_to_none) {
     return "--set-to-none applies to a single-device or FSDP run; a pipeline keeps its "
            "gradients between steps";
+  }
+  if (base.paged_stash.on) {
+    return "--paged-stash applies to a single-device or FSDP run: a pipeline has no expert "
+           "parallelism to pad";
   }
   return std::nullopt;
 }
@@ -414,6 +424,17 @@ Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
       !bounded) {
     return bounded.error();
   }
+  if (fsdp.expert_capacity != 0) {
+    if (!(fsdp.expert_capacity >= 1 && fsdp.expert_capacity <= kMaxExpertCapacity)) {
+      return Error{fmt::format("--expert-capacity {}: use a factor from 1 to {}",
+                               fsdp.expert_capacity, kMaxExpertCapacity)};
+    }
+    if (fsdp.ep < 2) {
+      return Error{
+          "--expert-capacity needs --ep 2 or more: a static dispatcher pads the rows expert "
+          "parallelism exchanges"};
+    }
+  }
   const Parallelism p{.ranks = fsdp.ranks.value_or(0),
                       .nodes = fsdp.nodes.value_or(0),
                       .replicas = fsdp.replicas,
@@ -421,7 +442,8 @@ Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
                       .impl = fsdp.impl,
                       .tp = fsdp.tp,
                       .cp = fsdp.cp,
-                      .ep = fsdp.ep};
+                      .ep = fsdp.ep,
+                      .expert_capacity = fsdp.expert_capacity};
   if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True() ||
                   p.impl != FsdpImpl::Fsdp2)) {
     return Error{"--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N"};
@@ -434,6 +456,7 @@ void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t 
   if (fsdp.tp == 1) fsdp.tp = file.tp;
   if (fsdp.cp == 1) fsdp.cp = file.cp;
   if (fsdp.ep == 1) fsdp.ep = file.ep;
+  if (fsdp.expert_capacity == 0) fsdp.expert_capacity = file.expert_capacity;
   if (!file.on()) return;
   if (!fsdp.ranks) fsdp.ranks = file.ranks;
   if (!fsdp.nodes && file.nodes > 0) fsdp.nodes = file.nodes;
@@ -540,13 +563,28 @@ Result<Response> respond(const PlanRequest& r) {
   if (!r.budget) options.budget = w.device.memory;
   // A memory snapshot needs the plan's checked run recorded, which a kept planner may have run
   // unrecorded, and a model file may change between requests: such requests plan alone.
-  auto outcome = [&]() -> Result<PlanOutcome> {
+  const auto plan_with = [&](bool paged_stash, Bytes* floor) -> Result<PlanOutcome> {
+    PlannerOptions with = options;
+    with.paged_stash = paged_stash;
     if (r.planners == nullptr || r.memory_snapshot || !r.target.model.text) {
-      return make_plan(rank.model, w.device, options, &out.floor);
+      return make_plan(rank.model, w.device, with, floor);
     }
     const std::scoped_lock lock(r.planners->mutex_);
-    return r.planners->planner(planner_key(r), rank, options).plan(options, &out.floor);
-  }();
+    return r.planners->planner(planner_key(r) + (paged_stash ? " stash" : ""), rank, with)
+        .plan(with, floor);
+  };
+  auto outcome = plan_with(false, &out.floor);
+  // Where the model has static-capacity buffers, the paged stash is one more choice: the plan
+  // is the faster of the plans with and without it (a plan that fits beats one that does not).
+  if (has_static_capacity(*rank.model)) {
+    Bytes floor;
+    auto stashed = plan_with(true, &floor);
+    if (stashed && (!outcome || stashed.value().row.step_time < outcome.value().row.step_time)) {
+      outcome = std::move(stashed);
+    } else if (!stashed && !outcome) {
+      out.floor = std::min(out.floor, floor);
+    }
+  }
   if (!outcome) {
     out.outcome = Outcome::Refused;
     out.refusal = outcome.error().message;
@@ -564,7 +602,8 @@ struct PlannerCache::Entry {
 
   Entry(const Workload& w, const PlannerOptions& options)
       : workload(w),
-        planner(workload.model, workload.device, options.steps, options.fsdp, options.allocator) {}
+        planner(workload.model, workload.device, options.steps, options.fsdp, options.allocator,
+                options.paged_stash) {}
 };
 
 PlannerCache::PlannerCache() = default;

@@ -76,11 +76,16 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
   }
   checkpointer_.set_global_early_stop(plan.global_early_stop);
   hooks_ = make_step_hooks(model_, graph_, options_, faults_, *this);
+  if (options.paged_stash.on) {
+    RankContext& self = *this;
+    stash_ = std::make_unique<PagedStash>(model_, options_.paged_stash, faults_, self);
+  }
 }
 
 Result<TrainingRun> Trainer::run() {
   if (auto valid = validate_plan(); !valid) return valid.error();
   if (auto valid = hooks_->validate(); !valid) return valid.error();
+  if (auto valid = validate_stash(); !valid) return valid.error();
   try {
     take_turn();
     setup();
@@ -99,6 +104,23 @@ Result<TrainingRun> Trainer::run() {
   }
   run_.telemetry = telemetry_since(offloader_.telemetry(), step_start_telemetry_);
   return std::move(run_);
+}
+
+Status Trainer::validate_stash() const {
+  const PagedStashOptions& stash = options_.paged_stash;
+  if (!stash.on) return Ok{};
+  if (stash.page_rows < 1 || stash.page_rows > (std::int64_t{1} << 20)) {
+    return Error{fmt::format("paged stash: {} rows a page; use 1 to 2^20", stash.page_rows)};
+  }
+  if (!(stash.headroom >= 1 && stash.headroom <= 16)) {
+    return Error{fmt::format("paged stash: headroom {}; use 1 to 16", stash.headroom)};
+  }
+  if (options_.retain_graph || options_.backward_inside_op >= 0) {
+    return Error{
+        "paged stash: a backward that runs twice over one graph, or inside forward, would read "
+        "pages given back (Megatron-Core and torchtitan refuse both)"};
+  }
+  return Ok{};
 }
 
 Status Trainer::validate_plan() const {
@@ -263,6 +285,7 @@ void Trainer::setup() {
   }
   hooks_->setup(writes, values);
   allocate_blas_workspaces();
+  if (stash_) stash_->setup();
   sim_.kernel(current_, SimTime(1), {}, writes, "init parameters", values);
   device_rng_initialized_ = !options_.checkpoint.lazy_device_rng;
 }
@@ -343,7 +366,7 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
     const ModelTensor& tensor = model_.tensors[t];
     const std::uint64_t value = mix_content(seed, k);
     if (tensor.view_of < 0) {
-      const Device::Buffer buf = must_allocate(tensor.bytes, tensor.name);
+      const Device::Buffer buf = must_allocate(allocated_bytes(tensor), tensor.name);
       scope.bound[t] = Bound{buf, Bytes(0), value};
       if (replay) scope.owned.push_back(buf);
     } else {
@@ -412,6 +435,11 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
   }
   if (model_.tensors[b].role == TensorRole::Param && hooks_->holds(model_.tensors[b])) {
     saved.kind = Saved::Kind::Param;
+    return saved;
+  }
+  if (top == nullptr && stash_ && stash_->takes(node, t)) {  // the innermost hook
+    saved.kind = Saved::Kind::Stash;
+    saved.stashed = stash_->pack(node, t, where.buffer, where.offset);
     return saved;
   }
   const ModelTensor& storage = model_.tensors[b];
@@ -508,6 +536,7 @@ void Trainer::forward() {
     current_op_ = i;
     switch_to(op_stream(i, false));  // a checkpoint call inside the block packs on its stream
     hooks_->before_op(i);
+    if (stash_) stash_->before_op();
     for (const std::uint32_t r :
          regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
       begin_region(r);
@@ -526,6 +555,7 @@ void Trainer::forward() {
       end_region();
     }
     hooks_->after_op(i);
+    if (stash_) stash_->after_op(i);
     for (const std::uint32_t b : drop_after_[i]) device_.drop(scopes_[0].bound.at(b).buffer);
   }
   switch_to(compute_);

@@ -20,6 +20,7 @@
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/device/device.hpp"
 #include "graph.hpp"
+#include "paged_stash.hpp"
 #include "scratch.hpp"
 #include "step_hooks.hpp"
 #include "values.hpp"
@@ -36,11 +37,12 @@ struct Bound {
 
 // How a saved tensor was packed. Param: a parameter the step hooks hold (FSDP's), saved as the
 // parameter object whose storage they free and gather again (Note [FSDP2, one rank] in
-// fsdp.cpp); unpacked where it lives then.
+// fsdp.cpp); unpacked where it lives then. Stash: taken by the paged stash (Note [Paged stash]).
 struct Saved {
-  enum class Kind : std::uint8_t { Offload, Holder, Param } kind = Kind::Offload;
+  enum class Kind : std::uint8_t { Offload, Holder, Param, Stash } kind = Kind::Offload;
   TensorId id;
   HolderId holder;
+  std::uint32_t stashed = 0;  // Stash: its id there
   std::uint32_t tensor = 0;
   Pieces expected;  // what its bytes held in forward
 };
@@ -108,6 +110,7 @@ class Trainer final : private RankContext {
   // --- set-up and validation --------------------------------------------------------------
 
   Status validate_plan() const;
+  Status validate_stash() const;
 
   std::uint32_t base(std::uint32_t t) const { return graph_.base[t]; }
 
@@ -240,6 +243,9 @@ class Trainer final : private RankContext {
   // recomputed first if this graph task has not done so). The caller owns one reference.
   Bound unpack(const Saved& s, std::uint32_t node);
 
+  // Autograd lets go of a saved tensor the offloader or the paged stash holds.
+  void release_saved(const Saved& s);
+
   void release_frame(FrameInfo& info);
 
   // Opens a replay of a region: its saved inputs come back (which may first recompute a parent,
@@ -313,8 +319,9 @@ class Trainer final : private RankContext {
   Device device_;
   Offloader<Device> offloader_;
   TrainingFaults faults_;
-  Bytes blas_workspace_;              // one cuBLAS workspace (the profile's); 0: none
-  std::unique_ptr<StepHooks> hooks_;  // the parallelism's, or no-ops (Note [Step hooks])
+  Bytes blas_workspace_;               // one cuBLAS workspace (the profile's); 0: none
+  std::unique_ptr<StepHooks> hooks_;   // the parallelism's, or no-ops (Note [Step hooks])
+  std::unique_ptr<PagedStash> stash_;  // with options_.paged_stash on
   Checkpointer<Recomputed> checkpointer_;
   std::vector<Scope> scopes_;
   std::vector<Scope> spare_scopes_;  // closed, cleared, kept for their tables' capacity

@@ -20,6 +20,12 @@ Bound Trainer::unpack(const Saved& s, std::uint32_t node) {
     if (device_.use_count(b.buffer) > 0) device_.hold(b.buffer);
     return b;
   }
+  if (s.kind == Saved::Kind::Stash) {
+    const auto [buffer, offset] = stash_->unpack(s.stashed);
+    const Bound b{buffer, offset, value_of(s.expected)};
+    note_arrival(b, s.expected);
+    return b;
+  }
   if (s.kind == Saved::Kind::Offload) {
     auto u = offloader_.unpack(s.id, NodeId(node));
     // The offloader orders the storage for the stream current at the unpack (Note [The compute
@@ -43,11 +49,16 @@ Bound Trainer::unpack(const Saved& s, std::uint32_t node) {
   return Bound{r.buffer, r.offset, r.value};
 }
 
+void Trainer::release_saved(const Saved& s) {
+  if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
+  if (s.kind == Saved::Kind::Stash) stash_->release(s.stashed);
+}
+
 void Trainer::release_frame(FrameInfo& info) {
   if (info.released) return;
   info.released = true;
   for (const Saved& s : info.inputs) {
-    if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
+    release_saved(s);
   }
   for (const auto& [t, b] : info.cache) device_.drop(b.buffer);
   for (const auto& [t, s] : info.offloaded) offloader_.release(s.id);
@@ -239,7 +250,7 @@ std::vector<std::uint32_t> Trainer::backward_order() {
 
 Device::Buffer& Trainer::grad(std::uint32_t t) {
   const std::uint32_t b = base(t);
-  if (!grads_[b]) grads_[b] = must_allocate(model_.tensors[b].bytes, grad_label(b));
+  if (!grads_[b]) grads_[b] = must_allocate(allocated_bytes(model_.tensors[b]), grad_label(b));
   return *grads_[b];
 }
 
@@ -314,7 +325,7 @@ void Trainer::let_go_after_node(std::uint32_t n, bool last_pass, std::size_t k,
   offloader_.node_done(NodeId(n));
   if (last_pass) {
     for (const Saved& s : saved_[n]) {
-      if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
+      release_saved(s);
     }
   }
 }
@@ -415,7 +426,7 @@ void Trainer::run_reentrant(std::uint32_t r, bool last_pass, std::size_t k) {
     } else {
       // Off the path to the loss: the replay's graph frees what it saved.
       for (const Saved& s : saved_[i]) {
-        if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
+        release_saved(s);
       }
     }
     saved_[i].clear();
@@ -451,9 +462,11 @@ void Trainer::backward(bool last_pass) {
               "loss grad", std::vector<std::uint64_t>{grad_values_[loss]});
   std::vector<bool> done_region(options_.checkpoint.regions.size(), false);
   hooks_->backward_begin(order);
+  if (stash_) stash_->before_op();  // the last stash, were forward to end with one
   for (std::size_t k = 0; k < order.size(); ++k) {
     const std::uint32_t n = order[k];
     hooks_->before_node(n);
+    if (stash_) stash_->before_node(n);
     const std::int32_t r = reentrant_region_of(n);
     if (r >= 0) {
       if (!done_region[static_cast<std::size_t>(r)]) {
@@ -490,7 +503,7 @@ void Trainer::backward(bool last_pass) {
   // saved inputs and caches.
   for (std::uint32_t n = 0; n < saved_.size(); ++n) {
     for (const Saved& s : saved_[n]) {
-      if (s.kind == Saved::Kind::Offload && !graph_.needed[n]) offloader_.release(s.id);
+      if (!graph_.needed[n]) release_saved(s);
     }
   }
   for (FrameInfo& info : frames_) release_frame(info);
@@ -521,6 +534,7 @@ void Trainer::step() {
   // The offload context spans the step, forward and backward, as the reference's trainer
   // enters it.
   offloader_.enter();
+  if (stash_) stash_->step_begin();
   forward();
   times.forward_end = sim_.host_time();
   param_grad_values_.clear();
@@ -540,6 +554,7 @@ void Trainer::step() {
   run_.steps.push_back(times);
   run_.allocated_after.push_back(allocated());
   run_.tracked_after.push_back(offloader_.tracked());
+  if (stash_) run_.paged_stash = stash_->stats();
   run_.gradient_values.clear();
   for (const auto& [p, v] : param_grad_values_) run_.gradient_values.push_back(v);
   ++step_;

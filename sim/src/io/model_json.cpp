@@ -141,8 +141,9 @@ class ModelReader {
     std::vector<std::optional<JsonValue>> bases;
     bases.reserve(tensors.size());
     for (const JsonValue& value : tensors) {
-      FERRY_JSON_TRY(const auto object, value.object({"name", "bytes", "dtype", "role", "view_of",
-                                                      "view_offset", "no_offload"}));
+      FERRY_JSON_TRY(const auto object,
+                     value.object({"name", "bytes", "dtype", "role", "view_of", "view_offset",
+                                   "no_offload", "capacity", "rows"}));
       ModelTensor tensor;
       FERRY_JSON_TRY(const auto name_value, object.required("name"));
       FERRY_JSON_RETURN_IF_ERROR(declare(name_value));
@@ -162,6 +163,9 @@ class ModelReader {
         tensor.view_offset = Bytes(offset);
       }
       FERRY_JSON_TRY(tensor.no_offload, object.optional_boolean("no_offload", false));
+      FERRY_JSON_TRY(const auto capacity, object.optional_integer("capacity", 0, 0, kMaxJsonBytes));
+      tensor.capacity = Bytes(capacity);
+      FERRY_JSON_TRY(tensor.rows, object.optional_integer("rows", 0, 0, kMaxJsonBytes));
       model_.tensors.push_back(std::move(tensor));
     }
     for (std::size_t i = 0; i < bases.size(); ++i) {
@@ -337,6 +341,10 @@ OrderedJson tensor_json(const Model& model, const ModelTensor& tensor) {
     out["view_offset"] = tensor.view_offset.count();
   }
   if (tensor.no_offload) out["no_offload"] = true;
+  if (tensor.capacity.count() > 0) {
+    out["capacity"] = tensor.capacity.count();
+    out["rows"] = tensor.rows;
+  }
   return out;
 }
 

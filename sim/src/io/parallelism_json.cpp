@@ -20,8 +20,9 @@ nlohmann::ordered_json reshard_json(Reshard r) {
 
 Result<Parallelism> read_parallelism(const JsonValue& value) {
   constexpr std::int64_t kMost = 1 << 20;
-  FERRY_JSON_TRY(const auto object, value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward",
-                                                  "fsdp_impl", "tp", "cp", "ep"}));
+  FERRY_JSON_TRY(const auto object,
+                 value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward", "fsdp_impl", "tp",
+                               "cp", "ep", "expert_capacity"}));
   Parallelism p;
   FERRY_JSON_TRY(const auto tp, object.optional_integer("tp", 1, 1, 1024));
   p.tp = static_cast<std::int32_t>(tp);
@@ -29,6 +30,14 @@ Result<Parallelism> read_parallelism(const JsonValue& value) {
   p.cp = static_cast<std::int32_t>(cp);
   FERRY_JSON_TRY(const auto ep, object.optional_integer("ep", 1, 1, 1024));
   p.ep = static_cast<std::int32_t>(ep);
+  if (const auto capacity = object.optional("expert_capacity")) {
+    const auto& json = capacity->json();
+    if (!json.is_number() || !(json.get<double>() >= 1 && json.get<double>() <= 1024)) {
+      return capacity->error("expected a capacity factor from 1 to 1024");
+    }
+    if (p.ep < 2) return capacity->error("a capacity factor needs \"ep\" 2 or more");
+    p.expert_capacity = json.get<double>();
+  }
   // FSDP's ranks, which tensor parallelism alone leaves out.
   if (!object.has("fsdp") && object.has("tp")) return p;
   FERRY_JSON_TRY(const auto ranks, object.required_integer("fsdp", 1, kMost));
@@ -70,6 +79,7 @@ nlohmann::ordered_json parallelism_json(const Parallelism& p) {
   if (p.tp > 1) j["tp"] = p.tp;
   if (p.cp > 1) j["cp"] = p.cp;
   if (p.ep > 1) j["ep"] = p.ep;
+  if (p.expert_capacity > 0) j["expert_capacity"] = p.expert_capacity;
   return j;
 }
 
@@ -102,6 +112,7 @@ nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
   axis("tp", p.tp, "sequence_parallel", true);
   axis("cp", p.cp, "rotation", "all_gather");
   axis("ep", p.ep, "routing", routing);
+  if (p.ep > 1 && p.expert_capacity > 0) document["ep"]["capacity"] = p.expert_capacity;
   return document;
 }
 

@@ -67,6 +67,7 @@ Json plan_json(const Plan& plan) {
                 {"prefetch", plan.knobs.prefetch}};
   if (plan.knobs.horizon_bytes) j["knobs"]["horizon_bytes"] = plan.knobs.horizon_bytes->count();
   if (plan.parallelism.sharded()) j["parallelism"] = parallelism_json(plan.parallelism);
+  if (plan.paged_stash) j["paged_stash"] = true;
   Json regions = Json::array();
   for (const PlanRegion& r : plan.regions) {
     regions.push_back({{"first_op", r.first_op},
@@ -133,9 +134,9 @@ Result<Plan> parse_plan(std::string_view text, std::string_view source) {
   if (format != kPlanFormat) {
     return format_value.error("expected {}, got {}", json_quote(kPlanFormat), json_quote(format));
   }
-  FERRY_JSON_TRY(const auto object,
-                 root.object({"format", "model", "device", "budget_bytes", "host_budget_bytes",
-                              "knobs", "parallelism", "regions", "ops", "predicted"}));
+  FERRY_JSON_TRY(const auto object, root.object({"format", "model", "device", "budget_bytes",
+                                                 "host_budget_bytes", "knobs", "parallelism",
+                                                 "paged_stash", "regions", "ops", "predicted"}));
   Plan plan;
   FERRY_JSON_TRY(plan.model, object.required_name("model"));
   FERRY_JSON_TRY(plan.device, object.required_name("device"));
@@ -148,6 +149,7 @@ Result<Plan> parse_plan(std::string_view text, std::string_view source) {
   if (auto parallelism = object.optional("parallelism")) {
     FERRY_JSON_TRY(plan.parallelism, read_parallelism(*parallelism));
   }
+  FERRY_JSON_TRY(plan.paged_stash, object.optional_boolean("paged_stash", false));
   if (object.has("knobs")) {
     FERRY_JSON_TRY(const auto knobs,
                    object.required_object("knobs", {"min_bytes", "window_bytes", "prefetch_bytes",

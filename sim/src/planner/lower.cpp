@@ -91,6 +91,7 @@ Result<TrainingOptions> plan_training_options(const Plan& plan, const Model& mod
   }
   if (auto random = check_random_ops(plan, model); !random) return random.error();
   TrainingOptions o = std::move(base);
+  if (plan.paged_stash) o.paged_stash.on = true;
   o.offload = plan_offload_options(plan, o.offload);
   o.checkpoint = CheckpointPlan{};
   o.checkpoint.op_policy.assign(model.ops.size(), OpPolicy::MustSave);

@@ -26,7 +26,7 @@ namespace planning {
 class SimulatedCost final : public CostModel {
  public:
   SimulatedCost(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps,
-                const FsdpOptions& fsdp, AllocatorMode allocator)
+                const FsdpOptions& fsdp, AllocatorMode allocator, bool paged_stash)
       : model_(model),
         device_(device),
         roomy_(roomy(device)),
@@ -34,6 +34,7 @@ class SimulatedCost final : public CostModel {
         steps_(steps) {
     base_.fsdp = fsdp;
     base_.sim.allocator = allocator;
+    base_.paged_stash.on = paged_stash;
   }
 
   /// The unchecked run of `plan` on the roomy device (once per distinct plan).
@@ -103,6 +104,7 @@ class SimulatedCost final : public CostModel {
     training.steps = steps_;
     training.fsdp = base_.fsdp;
     training.sim.allocator = base_.sim.allocator;
+    training.paged_stash = base_.paged_stash;
     training.sim.record_allocator = keep_runs_;
     lowering(plan, plan_key).apply(training);
     std::optional<TrainingRun> run;
@@ -205,14 +207,15 @@ class SimulatedCost final : public CostModel {
 /// What a Planner keeps from one budget to the next.
 struct PlannerState {
   PlannerState(const CheckedModel& m, const DeviceProfile& d, std::int32_t s, const FsdpOptions& f,
-               AllocatorMode a)
+               AllocatorMode a, bool stash)
       : model(m),
         device(d),
         steps(s),
         fsdp(f),
         allocator(a),
+        paged_stash(stash),
         space(*m, d),
-        cost(m, d, s, f, a),
+        cost(m, d, s, f, a, stash),
         knobs(knob_variants()) {}
 
   CheckedModel model;
@@ -220,6 +223,7 @@ struct PlannerState {
   std::int32_t steps;
   FsdpOptions fsdp;
   AllocatorMode allocator;
+  bool paged_stash;  // every run with the paged stash (PlannerOptions::paged_stash)
   PlanSpace space;
   SimulatedCost cost;
   std::vector<PlanKnobs> knobs;                // the knob variants
@@ -238,6 +242,7 @@ struct PlannerState {
     TrainingOptions base = timing_only(steps);
     base.fsdp = fsdp;
     base.sim.allocator = allocator;
+    base.paged_stash.on = paged_stash;
     const std::vector<PolicyRow> policy_rows = default_rows(base, *model, device);
     for (const PolicyRow& row : policy_rows) rows->push_back(run_row(model, device, row));
     for (std::size_t i = 0; i < policy_rows.size(); ++i) {
@@ -412,8 +417,9 @@ Error infeasible(const planning::PlannerState& p, const planning::Search& search
 }  // namespace
 
 Planner::Planner(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps,
-                 const FsdpOptions& fsdp, AllocatorMode allocator)
-    : state_(std::make_unique<planning::PlannerState>(model, device, steps, fsdp, allocator)) {}
+                 const FsdpOptions& fsdp, AllocatorMode allocator, bool paged_stash)
+    : state_(std::make_unique<planning::PlannerState>(model, device, steps, fsdp, allocator,
+                                                      paged_stash)) {}
 
 Planner::~Planner() = default;
 
@@ -460,6 +466,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
     outcome.node_ranks = p.cost.node_ranks();
     if (options.keep_run) outcome.run = p.cost.kept_run(pick.candidate->plan, memory);
     if (p.fsdp.on()) outcome.plan.parallelism = p.fsdp.parallelism;
+    outcome.plan.paged_stash = p.paged_stash;
     outcome.simulations = p.cost.runs() - simulations_before;
     outcome.reused = p.cost.reused() - reused_before;
     return outcome;
@@ -470,7 +477,8 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
 
 Result<PlanOutcome> make_plan(const CheckedModel& model, const DeviceProfile& device,
                               const PlannerOptions& options, Bytes* floor) {
-  Planner planner(model, device, options.steps, options.fsdp, options.allocator);
+  Planner planner(model, device, options.steps, options.fsdp, options.allocator,
+                  options.paged_stash);
   return planner.plan(options, floor);
 }
 

@@ -63,6 +63,13 @@ std::string plan_text(const PlanOutcome& o, const Model& model, const DeviceProf
       "on a GPU: peak reserved expected in {} .. {} (docs/validation.md's error band)\n",
       format_bytes(low), format_bytes(high));
   out += row_lines(r, {RowLine::PinnedPeak, RowLine::Moved, RowLine::Recompute, RowLine::Stall});
+  if (o.plan.paged_stash && r.paged_stash) {
+    out += fmt::format(
+        "paged stash: on (faster than the plan without it); {} of rows from {} of padded "
+        "buffers, pool {}\n",
+        format_bytes(r.paged_stash->data), format_bytes(r.paged_stash->padded),
+        format_bytes(r.paged_stash->pool));
+  }
   if (const RowResult* best = best_fixed(o)) {
     out += fmt::format("best fixed policy that fits: {}, {} ({})\n", best->name,
                        format_time(best->step_time), format_bytes(best->peak_reserved));

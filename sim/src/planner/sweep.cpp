@@ -11,7 +11,8 @@ std::vector<SweepPoint> plan_sweep(
   points = std::max(points, 2);
   // One planner for every budget: the fixed configurations run once, and a simulation one
   // budget made serves the others.
-  Planner planner(model, device, options.steps, options.fsdp, options.allocator);
+  Planner planner(model, device, options.steps, options.fsdp, options.allocator,
+                  options.paged_stash);
   PlannerOptions tiny = options;
   tiny.budget = Bytes(1);
   Bytes floor;

@@ -85,6 +85,13 @@ std::string simulate_text(const RowResult& r, const Model& model, const DevicePr
       "reloads in the last step: {} prefetched, {} on demand, {} forward-stash hits, {} "
       "record_stream fallbacks\n",
       t.prefetched, t.on_demand, t.stash_hits, t.record_stream_fallbacks);
+  if (const auto& s = r.paged_stash) {
+    out += fmt::format(
+        "paged stash in the last step: {} saved tensors, {} of rows from {} of padded buffers; "
+        "pool {} ({} pages)\n",
+        s->stashed, format_bytes(s->data), format_bytes(s->padded), format_bytes(s->pool),
+        s->pages);
+  }
   out += fmt::format("hazards: {}\n", r.hazards);
   return out + parallelism_text(parallelism, device, model);
 }
@@ -108,11 +115,15 @@ std::string parallelism_text(const Parallelism& p, const DeviceProfile& device,
   if (p.cp > 1) {
     axes.push_back(fmt::format("context parallelism over {} GPUs (K and V all-gathered)", p.cp));
   }
-  if (p.ep > 1)
-    axes.push_back(fmt::format("expert parallelism over {} GPUs ({})", p.ep,
+  if (p.ep > 1) {
+    axes.push_back(fmt::format("expert parallelism over {} GPUs ({}{})", p.ep,
                                expert_routing(model) == "balanced"
                                    ? "routing balanced"
-                                   : "each layer at the rank its traced routing loads most"));
+                                   : "each layer at the rank its traced routing loads most",
+                               p.expert_capacity > 0
+                                   ? fmt::format(", routed rows padded to {}x", p.expert_capacity)
+                                   : std::string()));
+  }
   const std::string mesh = fmt::format("{}", fmt::join(axes, " and "));
   if (!p.on()) {
     return fmt::format(
@@ -144,6 +155,13 @@ Json simulate_json(const RowResult& r, const Model& model, const DeviceProfile& 
                       {"recomputed", d.recomputed}});
   }
   j["result"]["layers"] = std::move(layers);
+  if (const auto& s = r.paged_stash) {
+    j["result"]["paged_stash"] = {{"stashed", s->stashed},
+                                  {"data_bytes", s->data.count()},
+                                  {"padded_bytes", s->padded.count()},
+                                  {"pool_bytes", s->pool.count()},
+                                  {"pages", s->pages}};
+  }
   return with_parallelism(std::move(j), parallelism, device, model);
 }
 

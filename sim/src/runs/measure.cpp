@@ -47,6 +47,7 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
     r.horizon = horizon;
   }
   r.layers = run.layer_decisions;
+  if (row.options.paged_stash.on) r.paged_stash = run.paged_stash;
   return r;
 }
 

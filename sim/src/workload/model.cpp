@@ -67,6 +67,33 @@ Status declare_name(std::map<std::string_view, std::size_t, std::less<>>& seen,
   return Ok{};
 }
 
+// A static-capacity buffer: a base activation's, at least its bytes, whole elements, with the
+// rows of data it holds dividing its bytes.
+Status check_capacity(const ModelTensor& tensor, std::size_t index) {
+  const auto at = [index](std::string_view key) { return tensor_member(index, key); };
+  const std::int64_t capacity = tensor.capacity.count();
+  if (capacity == 0 && tensor.rows == 0) return Ok{};
+  if (capacity == 0 || tensor.rows == 0) {
+    return error_at(at(capacity == 0 ? "rows" : "capacity"),
+                    "a static-capacity buffer gives both \"capacity\" and \"rows\"");
+  }
+  if (tensor.view_of != -1 || tensor.role != TensorRole::Activation) {
+    return error_at(at("capacity"), "only a base activation has a capacity; {} is a {}{}",
+                    json_quote(tensor.name), tensor.view_of != -1 ? "view of " : "",
+                    tensor_role_name(tensor.role));
+  }
+  if (capacity < tensor.bytes.count() || capacity > kMaxJsonBytes ||
+      capacity % dtype_size(tensor.dtype) != 0) {
+    return error_at(at("capacity"), "expected whole {} elements from its {} bytes up to {}, got {}",
+                    dtype_name(tensor.dtype), tensor.bytes.count(), kMaxJsonBytes, capacity);
+  }
+  if (tensor.rows < 0 || tensor.bytes.count() % tensor.rows != 0) {
+    return error_at(at("rows"), "{} rows do not divide its {} bytes", tensor.rows,
+                    tensor.bytes.count());
+  }
+  return Ok{};
+}
+
 Status check_tensor(const Model& model, std::size_t index) {
   const ModelTensor& tensor = model.tensors[index];
   const auto at = [index](std::string_view key) { return tensor_member(index, key); };
@@ -82,6 +109,7 @@ Status check_tensor(const Model& model, std::size_t index) {
     return error_at(at("bytes"), "{} bytes is not a whole number of {} elements ({} bytes each)",
                     bytes, dtype_name(tensor.dtype), element);
   }
+  if (auto padded = check_capacity(tensor, index); !padded) return padded;
   const std::int64_t offset = tensor.view_offset.count();
   if (tensor.view_of == -1) {
     if (offset != 0) {
@@ -852,6 +880,10 @@ void assign_roofline_durations(Model& model, const DeviceProfile& device) {
     op.duration = op_time(op, false, device);
     op.backward_duration = op_time(op, true, device);
   }
+}
+
+bool has_static_capacity(const Model& model) {
+  return std::ranges::any_of(model.tensors, [](const ModelTensor& t) { return t.rows > 0; });
 }
 
 }  // namespace ferry::sim

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <deque>
 #include <limits>
@@ -939,8 +940,8 @@ Result<Model> ContextParallelCut::run() {
 
 class ExpertParallelCut : RankCut {
  public:
-  ExpertParallelCut(const Model& whole, std::int32_t ep, std::int32_t nodes)
-      : RankCut(whole, "--ep", ep), ep_(ep), nodes_(nodes) {}
+  ExpertParallelCut(const Model& whole, std::int32_t ep, std::int32_t nodes, double capacity)
+      : RankCut(whole, "--ep", ep), ep_(ep), nodes_(nodes), capacity_(capacity) {}
 
   Result<Model> run();
 
@@ -965,10 +966,17 @@ class ExpertParallelCut : RankCut {
     }
   };
   Result<Load> load_of(const ModelOp& o, std::int64_t experts) const;
-  static void price(Model& out, ModelOp& o, const Load& load, std::vector<bool>& routed);
+  // Whether `o` reads routed rows; if so its outputs are routed rows too.
+  static bool route(const Model& out, const ModelOp& o, std::vector<bool>& routed);
+  static void price(Model& out, ModelOp& o, const Load& load, const std::vector<bool>& routed);
+  // The layer's routed rows, `traced` of them in the whole model, as its busiest rank holds
+  // them (`load`, where the trace gives one), in static-capacity buffers where capacity_ asks.
+  Status size_routed(Model& out, const std::vector<bool>& routed, const Load* load,
+                     std::int64_t traced) const;
 
   std::int32_t ep_;
   std::int32_t nodes_;
+  double capacity_;  // Note [Static capacity]; 0: the rows as routed
 };
 
 Result<ExpertParallelCut::Load> ExpertParallelCut::load_of(const ModelOp& o,
@@ -990,22 +998,29 @@ Result<ExpertParallelCut::Load> ExpertParallelCut::load_of(const ModelOp& o,
   return load;
 }
 
-// An op of the experts that reads routed rows at its rank's load: its FLOPs, m and bytes grow
-// with the rows (its weights' bytes do not), and its outputs are routed rows too.
-void ExpertParallelCut::price(Model& out, ModelOp& o, const Load& load, std::vector<bool>& routed) {
+bool ExpertParallelCut::route(const Model& out, const ModelOp& o, std::vector<bool>& routed) {
   const auto is_routed = [&](std::uint32_t t) {
     const std::int32_t b = out.tensors[t].view_of;
     return routed[t] || (b >= 0 && routed[static_cast<std::size_t>(b)]);
   };
-  if (std::ranges::none_of(o.inputs, is_routed)) return;
+  if (std::ranges::none_of(o.inputs, is_routed)) return false;
+  for (const std::uint32_t t : o.outputs) routed[t] = true;
+  return true;
+}
+
+// An op of the experts that reads routed rows (route) at its rank's load: its FLOPs, m and bytes
+// grow with the rows (its weights' bytes do not).
+void ExpertParallelCut::price(Model& out, ModelOp& o, const Load& load,
+                              const std::vector<bool>& routed) {
+  const auto is_routed = [&](std::uint32_t t) {
+    const std::int32_t b = out.tensors[t].view_of;
+    return routed[t] || (b >= 0 && routed[static_cast<std::size_t>(b)]);
+  };
   std::int64_t rows_bytes = 0;
   for (const std::uint32_t t : o.inputs) {
     if (is_routed(t)) rows_bytes += out.tensors[t].bytes.count();
   }
-  for (const std::uint32_t t : o.outputs) {
-    routed[t] = true;
-    rows_bytes += out.tensors[t].bytes.count();
-  }
+  for (const std::uint32_t t : o.outputs) rows_bytes += out.tensors[t].bytes.count();
   const std::int64_t before = o.bytes.count();
   if (before > 0) {  // a view moves nothing
     o.bytes = Bytes(before + load.scaled(rows_bytes) - rows_bytes);
@@ -1025,6 +1040,58 @@ void ExpertParallelCut::price(Model& out, ModelOp& o, const Load& load, std::vec
   } else {
     o.flops = load.scaled(o.flops);
   }
+}
+
+// Note [Static capacity]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A dispatcher with a static capacity factor F (HybridEP's non_blocking_capacity_factor, which
+// CUDA-graphed expert parallelism needs: shapes may not follow the routing) allocates each
+// rank's routed rows for F times the rows a balanced routing gives it, whatever the routing
+// gives: F x (the rows the trace routed) rows a tensor, of which the rows the rank receives
+// hold data. The experts compute only those (their grouped matmuls take the rows each expert
+// got), so the cut keeps every op's counts and each routed tensor's bytes, and gives each
+// routed base activation a capacity (ModelTensor::capacity): its allocation, padded to F
+// times its traced elements, with its rows of data (ModelTensor::rows). Its gradient is
+// padded the same. A rank that receives more rows than its capacity would drop tokens; the
+// cut refuses it, naming the layer and the factor that would hold them. The paged stash
+// (paged_stash.hpp) is what takes the padding back out of the step's saved tensors.
+
+Status ExpertParallelCut::size_routed(Model& out, const std::vector<bool>& routed, const Load* load,
+                                      std::int64_t traced) const {
+  for (std::uint32_t t = 0; t < out.tensors.size(); ++t) {
+    ModelTensor& tensor = out.tensors[t];
+    const bool of_routed = tensor.view_of >= 0 && routed[static_cast<std::size_t>(tensor.view_of)];
+    if (!routed[t] && !of_routed) continue;
+    const std::int64_t size = dtype_size(tensor.dtype);
+    const std::int64_t elements = tensor.bytes.count() / size;
+    if (load != nullptr) {
+      // The routed rows, and their views, at the busiest rank's load.
+      tensor.bytes = Bytes(load->scaled_down(elements) * size);
+      tensor.view_offset = Bytes(load->scaled_down(tensor.view_offset.count() / size) * size);
+    }
+    if (capacity_ <= 0 || tensor.view_of >= 0 || tensor.role != TensorRole::Activation) continue;
+    __extension__ using Signed = __int128;
+    const auto padded = static_cast<Signed>(std::ceil(capacity_ * static_cast<double>(elements)));
+    if (padded * size > kMaxJsonBytes) {
+      return refuse("--expert-capacity {}: tensor \"{}\" would take more than {} bytes", capacity_,
+                    tensor.name, kMaxJsonBytes);
+    }
+    const Bytes capacity(static_cast<std::int64_t>(padded) * size);
+    if (tensor.bytes > capacity) {
+      return refuse(
+          "--expert-capacity {}: the busiest rank receives {} bytes of routed rows into \"{}\", "
+          "more than its capacity of {} (a static dispatcher would drop tokens); a factor of "
+          "{:.2f} "
+          "holds them",
+          capacity_, tensor.bytes.count(), tensor.name, capacity.count(),
+          std::ceil(100.0 * static_cast<double>(tensor.bytes.count()) /
+                    static_cast<double>(elements * size)) /
+              100.0);
+    }
+    tensor.capacity = capacity;
+    tensor.rows = std::max<std::int64_t>(1, load != nullptr ? load->scaled_down(traced) : traced);
+  }
+  return Ok{};
 }
 
 Result<Model> ExpertParallelCut::run() {
@@ -1123,7 +1190,7 @@ Result<Model> ExpertParallelCut::run() {
       }
     }
     const auto load = in_experts ? loads.find(o.layer) : loads.end();
-    if (load != loads.end()) {
+    if (in_experts && route(out, o, routed) && load != loads.end()) {
       price(out, o, load->second, routed);
     }
     const bool last = in_experts && i == layer->second.second;
@@ -1133,18 +1200,10 @@ Result<Model> ExpertParallelCut::run() {
       const std::uint32_t t = kept.outputs.front();
       now[t] = exchange(name + "/ep.combine", t, out.ops.back());
     }
-    if (last && load != loads.end()) {
-      // The routed rows, and their views, at the busiest rank's load.
-      for (std::uint32_t t = 0; t < out.tensors.size(); ++t) {
-        ModelTensor& tensor = out.tensors[t];
-        const bool of_routed =
-            tensor.view_of >= 0 && routed[static_cast<std::size_t>(tensor.view_of)];
-        if (!routed[t] && !of_routed) continue;
-        const std::int64_t size = dtype_size(tensor.dtype);
-        tensor.bytes = Bytes(load->second.scaled_down(tensor.bytes.count() / size) * size);
-        tensor.view_offset =
-            Bytes(load->second.scaled_down(tensor.view_offset.count() / size) * size);
-      }
+    if (last) {
+      const std::int64_t traced = m_.ops[layer->second.first].gemm.m;
+      FERRY_JSON_RETURN_IF_ERROR(
+          size_routed(out, routed, load != loads.end() ? &load->second : nullptr, traced));
       std::fill(routed.begin(), routed.end(), false);
     }
   }
@@ -1165,10 +1224,21 @@ Result<Model> ExpertParallelCut::run() {
 
 }  // namespace
 
-Result<Model> expert_parallel_model(const Model& whole, std::int32_t ep, std::int32_t nodes) {
+Result<Model> expert_parallel_model(const Model& whole, std::int32_t ep, std::int32_t nodes,
+                                    double capacity) {
   if (ep < 1) return Error{fmt::format("--ep {}: use 1 or more ranks", ep)};
+  if (capacity != 0 && !(capacity >= 1 && capacity <= kMaxExpertCapacity)) {
+    return Error{fmt::format("--expert-capacity {}: use a factor from 1 to {}", capacity,
+                             kMaxExpertCapacity)};
+  }
+  if (capacity != 0 && ep == 1) {
+    return Error{fmt::format(
+        "--expert-capacity {} needs --ep 2 or more: one GPU's routed rows are static without "
+        "padding",
+        capacity)};
+  }
   if (ep == 1) return whole;
-  return ExpertParallelCut(whole, ep, std::max(1, nodes)).run();
+  return ExpertParallelCut(whole, ep, std::max(1, nodes), capacity).run();
 }
 
 std::string_view expert_routing(const Model& model) {

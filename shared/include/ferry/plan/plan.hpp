@@ -84,6 +84,9 @@ struct Plan {
   PlanKnobs knobs;
   /// The parallelism the plan was made for (fsdp 0: one GPU); every figure is one rank's.
   Parallelism parallelism{};
+  /// The step runs the paged stash of saved tensors in static-capacity buffers (the simulator's
+  /// PagedStashOptions; docs/parallelism.md, Static capacity and the paged stash).
+  bool paged_stash = false;
   std::vector<PlanOp> ops;          ///< one per model op, in forward order
   std::vector<PlanRegion> regions;  ///< sorted, disjoint
   PlanPrediction predicted;

@@ -71,6 +71,9 @@ struct FsdpRequest {
   /// Expert parallelism over 1..1024 GPUs of the shard group (`--ep`, Python's ep): each holds
   /// 1/ep of a mixture of experts' experts (expert_parallel_model); 1: none.
   std::int32_t ep = 1;
+  /// With ep 2 or more: a static dispatcher's capacity factor, 1..1024 (`--expert-capacity`;
+  /// Parallelism::expert_capacity); 0: none.
+  double expert_capacity = 0;
 };
 
 /// The flags' names, as validate_parallelism's errors at the edges name the fields.
@@ -107,6 +110,9 @@ struct RunKnobs {
   /// zero_grad(set_to_none=True) between steps (TrainingOptions::grads_set_to_none); off:
   /// gradients kept from set-up on. A pipeline refuses it.
   bool set_to_none = false;
+  /// The paged stash of saved tensors in static-capacity buffers (PagedStashOptions; they come
+  /// from --expert-capacity). A pipeline refuses it.
+  bool paged_stash = false;
   FsdpRequest fsdp{};
   std::optional<AllocatorMode> allocator;  ///< none: the model file's, else default
   std::int32_t devices = 1;                ///< a GPipe pipeline over 1..64 devices; 1: none

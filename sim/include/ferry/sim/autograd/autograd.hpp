@@ -81,6 +81,19 @@ class CheckedParallelism {
 Result<CheckedParallelism> check_parallelism(const Parallelism& p, const DeviceProfile& device,
                                              const ParallelismNames& names = {});
 
+/// Megatron-Core's paged stash (`moe_paged_stash`; torchtitan's `sac_and_paged_stash` memory
+/// policy): saved tensors in static-capacity buffers (ModelTensor::capacity) have their rows of
+/// data copied into pages of a device pool at the end of their layer's forward, on a stream of
+/// its own, and the padded buffers freed; before the layer's backward they are copied back into
+/// padded buffers (Note [Paged stash] in paged_stash.cpp). Off: such tensors are saved as any.
+struct PagedStashOptions {
+  bool on = false;
+  std::int64_t page_rows = 64;  ///< rows a page (Megatron's and torchtitan's default)
+  /// The pool's pages over the most a step's stashes hold at once (their default 1.10).
+  double headroom = 1.10;
+  friend bool operator==(const PagedStashOptions&, const PagedStashOptions&) = default;
+};
+
 /// FSDP2 (`fully_shard` on each transformer layer and on the root module), as one of
 /// `parallelism.ranks` symmetric ranks runs it (Note [FSDP2, one rank] in fsdp.cpp). Parallelism
 /// off: no FSDP, the whole model on the device.
@@ -126,6 +139,7 @@ struct TrainingOptions {
   std::int32_t backward_inside_op = -1;
   SideStreamOptions side;
   FsdpOptions fsdp;
+  PagedStashOptions paged_stash;
 };
 
 struct StepTimes {
@@ -142,6 +156,15 @@ struct LayerDecisions {
   std::int64_t deduplicated = 0;
   std::int64_t recomputed = 0;  ///< replays in backward of checkpointed regions the layer starts
   friend bool operator==(const LayerDecisions&, const LayerDecisions&) = default;
+};
+
+/// What the paged stash (PagedStashOptions) did in the last step run.
+struct PagedStashStats {
+  std::int64_t stashed = 0;  ///< saved tensors whose rows were copied into pages
+  Bytes data{};              ///< those rows' bytes
+  Bytes padded{};            ///< the padded buffers they were saved in
+  Bytes pool{};              ///< the pools' bytes as allocated at set-up
+  std::int64_t pages = 0;    ///< the pool's pages
 };
 
 struct TrainingRun {
@@ -171,6 +194,7 @@ struct TrainingRun {
   /// packing op (ModelOp::layer; -1 outside the layers), and the replays of the regions each
   /// layer starts: of the last step run.
   std::map<std::int32_t, LayerDecisions> layer_decisions{};
+  PagedStashStats paged_stash{};
 };
 
 /// Test-only switches that break a training run on purpose (planted faults), kept out of the
@@ -213,6 +237,19 @@ struct TrainingFaults {
   /// The current stream does not wait for a collective op (`wait_tensor`) before the ops after
   /// it read its outputs.
   bool skip_collective_output_wait = false;
+  // The paged stash (PagedStashOptions):
+  /// A stash copies before its stream waits for the compute stream that wrote the tensors.
+  bool skip_stash_launch_wait = false;
+  /// The padded buffers are freed before the compute stream waits for the stash that reads them.
+  bool skip_stash_done_wait = false;
+  /// Backward reads a restored tensor before the compute stream waits for its restore.
+  bool skip_restore_wait = false;
+  /// A restored tensor goes back to the stash stream's pool before that stream waits for the
+  /// reads backward issued.
+  bool skip_restored_free_wait = false;
+  /// The pool is sized by the rows stashed rather than by their pages (the under-count torchtitan
+  /// names in Megatron's sizing): a stash of rows that fill no whole page overflows it.
+  bool pool_by_rows = false;
 };
 
 /// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;

@@ -71,6 +71,10 @@ struct PlannerOptions {
   /// PlanOutcome::run (for its memory snapshot). A checked run made earlier by the same Planner
   /// without it is reused as it is, and leaves PlanOutcome::run null.
   bool keep_run = false;
+  /// Every run trains with the paged stash (PagedStashOptions); the plan says so (Plan::
+  /// paged_stash). `ferry plan` plans with and without it where the model has static-capacity
+  /// buffers, and keeps the faster.
+  bool paged_stash = false;
 };
 
 /// A plan and what its checked simulation measured.
@@ -110,7 +114,8 @@ class Planner {
   /// `steps`: training steps per simulation (the last is measured); `fsdp`: the parallelism
   /// every run has; `allocator`: how every run's caching allocator obtains memory.
   Planner(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps = 2,
-          const FsdpOptions& fsdp = {}, AllocatorMode allocator = AllocatorMode::Default);
+          const FsdpOptions& fsdp = {}, AllocatorMode allocator = AllocatorMode::Default,
+          bool paged_stash = false);
   ~Planner();
   Planner(const Planner&) = delete;
   Planner& operator=(const Planner&) = delete;

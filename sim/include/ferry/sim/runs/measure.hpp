@@ -40,6 +40,8 @@ struct RowResult {
   std::optional<Bytes> horizon;
   /// The offloader's decisions per layer (TrainingRun::layer_decisions), last step.
   std::map<std::int32_t, LayerDecisions> layers;
+  /// What the paged stash did, last step (TrainingRun::paged_stash); nothing without it.
+  std::optional<PagedStashStats> paged_stash;
 
   /// Whether the run completed within the device's memory: not out of memory (whose figures
   /// are of a run with room to spare) and not failed otherwise (`failure` says why).

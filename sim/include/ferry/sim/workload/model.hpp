@@ -47,9 +47,21 @@ struct ModelTensor {
   std::int32_t view_of = -1;  ///< base tensor's index, or -1: a tensor with its own storage
   Bytes view_offset;          ///< byte offset in the base's storage
   bool no_offload = false;    ///< per-tensor opt-out
+  /// A static-capacity buffer (docs/parallelism.md, Static capacity and the paged stash): the
+  /// bytes allocated for the tensor, of which its first `bytes` hold data; 0: `bytes`. Only a
+  /// base activation has one.
+  Bytes capacity;
+  /// The rows of data in such a buffer (the routed rows its experts compute): a paged stash
+  /// pages them. 0 exactly when there is no capacity.
+  std::int64_t rows = 0;
 
   friend bool operator==(const ModelTensor&, const ModelTensor&) = default;
 };
+
+/// The bytes a tensor's storage takes: its capacity where it has one, else its bytes.
+[[nodiscard]] inline Bytes allocated_bytes(const ModelTensor& tensor) {
+  return tensor.capacity > tensor.bytes ? tensor.capacity : tensor.bytes;
+}
 
 /// The shape of a matrix product: `batch` products of (m x k) by (k x n); FLOPs 2 m n k batch.
 /// All zero: not known (the op is not a matmul, or the file gives no shape).
@@ -135,6 +147,7 @@ struct Model {
   /// The file's "parallelism" section, if any (`python -m ferry trace --fsdp N` writes one):
   /// commands train this way unless their own --fsdp says otherwise.
   Parallelism parallelism{};
+
   /// The file's "allocator" member ("default" or "expandable"; `ferry.trace` writes
   /// "expandable" under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), empty when absent:
   /// commands run this caching allocator unless their own --allocator says otherwise.
@@ -145,6 +158,9 @@ struct Model {
 
   friend bool operator==(const Model&, const Model&) = default;
 };
+
+/// Whether any tensor of `model` lies in a static-capacity buffer (ModelTensor::capacity).
+[[nodiscard]] bool has_static_capacity(const Model& model);
 
 /// Shapes of a transformer stack.
 struct TransformerShape {
