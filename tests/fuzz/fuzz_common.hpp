@@ -81,6 +81,13 @@ inline void simulate_model(Model model, const DeviceProfile& device) {
     rows.push_back(PolicyRow{spec, base});
     rows.back().options.checkpoint = std::move(plan).value();
   }
+  if (has_static_capacity(model)) {
+    for (const Policy policy : {Policy::None, Policy::Ferry}) {
+      rows.push_back(PolicyRow{"paged stash", base});
+      rows.back().options.offload.policy = policy;
+      rows.back().options.paged_stash.on = true;
+    }
+  }
   std::vector<RowResult> results;
   for (const PolicyRow& row : rows) results.push_back(run_row(model, device, row));
   (void)simulate_text(results.front(), model, device);

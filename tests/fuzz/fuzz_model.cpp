@@ -1,7 +1,9 @@
 // libFuzzer harness for the model format (ferry.model/1): parse and validate as
 // `ferry simulate --model FILE` does, check that a valid model round-trips, cut it for a rank of
-// tensor, context and expert parallelism (and of tensor then expert), then simulate it under
-// every policy and checkpoint plan of `ferry compare` on a bundled device.
+// tensor, context and expert parallelism (and of tensor then expert, and of expert parallelism
+// with a static capacity, simulated with the paged stash too), then simulate it under every
+// policy and checkpoint plan of `ferry compare` on a bundled device (and with the paged stash
+// where it has static-capacity buffers).
 
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +43,12 @@ void cut_ranks(const ferry::sim::Model& model) {
   cut_or_refused(ferry::sim::context_parallel_model(model, 2), "--cp 2");
   cut_or_refused(ferry::sim::expert_parallel_model(model, 2), "--ep 2");
   if (tp) cut_or_refused(ferry::sim::expert_parallel_model(tp.value(), 2), "--ep 2");
+  // A static capacity pads the routed rows, or names the factor that would hold them.
+  const auto padded = ferry::sim::expert_parallel_model(model, 2, 1, 2.0);
+  cut_or_refused(padded, "--ep 2");
+  if (padded && ferry::sim::has_static_capacity(padded.value())) {
+    ferry::sim::fuzz::simulate_model(padded.value(), device());
+  }
 }
 
 }  // namespace

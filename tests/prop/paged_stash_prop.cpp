@@ -157,6 +157,52 @@ TEST(PagedStashProperty, PlantedPoolSizedByRowsOverflows) {
   expect_caught(faults, "a pool sized by rows rather than pages");
 }
 
+// A file's static-capacity buffer whose pages would not fit any device: the step stops naming
+// the pool, before its first op, rather than overflowing a product of sizes.
+TEST(PagedStash, APoolAboveTheLargestBufferIsRefused) {
+  Model m;
+  m.name = "huge rows";
+  const auto tensor = [&](std::string name, std::int64_t bytes, TensorRole role) {
+    ModelTensor& t = m.tensors.emplace_back();
+    t.name = std::move(name);
+    t.bytes = Bytes(bytes);
+    t.role = role;
+    return static_cast<std::uint32_t>(m.tensors.size() - 1);
+  };
+  const std::uint32_t x = tensor("x", 1024, TensorRole::Input);
+  const std::uint32_t a = tensor("a", std::int64_t{1} << 40, TensorRole::Activation);
+  const std::uint32_t b = tensor("b", std::int64_t{1} << 40, TensorRole::Activation);
+  const std::uint32_t y = tensor("y", 4, TensorRole::Activation);
+  for (const std::uint32_t t : {a, b}) {
+    m.tensors[t].capacity = Bytes(std::int64_t{1} << 41);
+    m.tensors[t].rows = 1;  // one row of 2^40 bytes: pages of 2^20 rows hold 2^60
+  }
+  const auto op = [&](std::string name, std::int32_t layer, std::uint32_t in, std::uint32_t out,
+                      bool saves) {
+    ModelOp& o = m.ops.emplace_back();
+    o.name = std::move(name);
+    o.layer = layer;
+    o.inputs = {in};
+    o.outputs = {out};
+    if (saves) o.saved = {out};
+  };
+  op("first", 0, x, a, true);
+  op("second", 1, a, b, true);
+  op("loss", -1, b, y, false);
+  m.loss = y;
+  ASSERT_TRUE(validate_model(m).ok()) << validate_model(m).error().message;
+  TrainingOptions options;
+  options.paged_stash = PagedStashOptions{.on = true, .page_rows = std::int64_t{1} << 20};
+  auto run = simulate_training(m, testing::simple_profile(), options);
+  ASSERT_TRUE(run.ok()) << run.error().message;
+  ASSERT_TRUE(run.value().failure);
+  EXPECT_EQ(run.value().failure->kind, FailureKind::Infeasible);
+  EXPECT_NE(run.value().failure->message.find("the paged stash's pool of 2 pages of "),
+            std::string::npos)
+      << run.value().failure->message;
+  EXPECT_TRUE(run.value().steps.empty());
+}
+
 }  // namespace
 }  // namespace sim
 }  // namespace ferry

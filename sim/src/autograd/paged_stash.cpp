@@ -7,10 +7,15 @@
 #include <string>
 
 #include "ferry/check.hpp"
+#include "ferry/sim/json/json_reader.hpp"
 #include "ferry/sim/memory/caching_allocator.hpp"
 #include "step_failure.hpp"
 
 namespace ferry::sim::training {
+
+namespace {
+__extension__ using Wide128 = __int128;
+}  // namespace
 
 // Note [Paged stash]
 // ~~~~~~~~~~~~~~~~~~
@@ -55,11 +60,7 @@ PagedStash::PagedStash(const Model& model, const PagedStashOptions& options,
   for (std::uint32_t i = 0; i < model_.ops.size(); ++i) {
     last_op_[static_cast<std::size_t>(model_.ops[i].layer + 1)] = i;
     for (const std::uint32_t t : model_.ops[i].saved) {
-      const std::int32_t b = model_.tensors[t].view_of;
-      const ModelTensor& base = model_.tensors[b >= 0 ? static_cast<std::uint32_t>(b) : t];
-      if (base.rows > 0 && model_.ops[i].layer >= 0) {
-        kept_layer_ = std::max(kept_layer_, model_.ops[i].layer);
-      }
+      if (rows_of(t) > 0) kept_layer_ = std::max(kept_layer_, model_.ops[i].layer);
     }
   }
   if (!options_.on) return;
@@ -110,7 +111,11 @@ std::pair<std::size_t, std::int64_t> PagedStash::pages_of(std::uint32_t t) {
   const std::int64_t rows = rows_of(t);
   const std::int64_t row = (tensor.bytes.count() + rows - 1) / rows;  // a row's bytes
   const auto [at, fresh] = pool_of_row_.try_emplace(row, pools_.size());
-  if (fresh) pools_.emplace_back().page = Bytes(row * options_.page_rows);
+  if (fresh) {
+    // Past the largest buffer a device holds, setup() refuses the pool.
+    pools_.emplace_back().page = Bytes(static_cast<std::int64_t>(
+        std::min<Wide128>(Wide128{row} * options_.page_rows, kMaxJsonBytes + 1)));
+  }
   return {at->second, (rows + options_.page_rows - 1) / options_.page_rows};
 }
 
@@ -120,6 +125,13 @@ void PagedStash::setup() {
   for (std::size_t k = 0; k < pools_.size(); ++k) {
     Pool& pool = pools_[k];
     if (pool.pages == 0) continue;
+    if (Wide128{pool.page.count()} * pool.pages > kMaxJsonBytes) {
+      throw StepFailure{Failure{
+          FailureKind::Infeasible,
+          fmt::format("the paged stash's pool of {} pages of {} bytes is above the limit of {} "
+                      "bytes",
+                      pool.pages, pool.page.count(), kMaxJsonBytes)}};
+    }
     pool.buffer =
         rank_.allocate_on(rank_.current_stream(), Bytes(pool.page.count() * pool.pages),
                           fmt::format("paged stash pool ({} B pages)", pool.page.count()));
@@ -159,9 +171,8 @@ std::uint32_t PagedStash::pack(std::uint32_t op, std::uint32_t t, Device::Buffer
   e.bytes = tensor.bytes;
   // The tensor's padded shape: its share of the base's capacity, in whole elements.
   const std::int64_t element = dtype_size(tensor.dtype);
-  __extension__ using Wide = __int128;
   const auto padded = static_cast<std::int64_t>(
-      (Wide{tensor.bytes.count()} * base.capacity.count() + base.bytes.count() - 1) /
+      (Wide128{tensor.bytes.count()} * base.capacity.count() + base.bytes.count() - 1) /
       base.bytes.count());
   e.padded = Bytes((padded + element - 1) / element * element);
   e.pool = pages_of(t).first;
