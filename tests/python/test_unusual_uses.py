@@ -87,6 +87,17 @@ def test_a_plan_that_ends_early_or_late_leaves_nothing(edit, message):
     assert_nothing_left(ctx, before)
 
 
+@pytest.mark.parametrize("axis", ["tp", "cp", "ep"])
+def test_a_plan_made_for_a_ranks_cut_is_refused_by_a_real_run(axis):
+    # Under tensor, context or expert parallelism a plan's ops are one GPU's cut of the model.
+    model, _, plan = block_plan()
+    plan["parallelism"] = {"fsdp": 4, axis: 2}
+    with pytest.raises(
+        PlanError, match=rf"parallelism\.{axis}: the plan was made for one GPU's cut"
+    ):
+        ferry.offload(plan=plan, model=model, loopback=True)
+
+
 def test_a_plan_with_the_paged_stash_is_refused_by_a_real_run():
     # The paged stash is the simulator's: its plans are for static-capacity expert buffers.
     model, _, plan = block_plan()

@@ -115,6 +115,15 @@ class offload(Region):
         if plan is not None:
             # Looked up in the module at each call: tests replace its functions.
             plan = _plan.load_plan(plan)
+            mesh = plan.get("parallelism") or {}
+            for axis in ("tp", "cp", "ep"):
+                if mesh.get(axis, 1) > 1:
+                    raise _plan.PlanError(
+                        f"ferry.offload(plan=...): parallelism.{axis}: the plan was made for one "
+                        f"GPU's cut of the model under --{axis} {mesh[axis]} (its ops are the "
+                        "cut's, docs/parallelism.md); a real run applies plans made without "
+                        "--tp, --cp and --ep"
+                    )
             if plan.get("paged_stash"):
                 raise _plan.PlanError(
                     "ferry.offload(plan=...): paged_stash: the paged stash of static-capacity "
