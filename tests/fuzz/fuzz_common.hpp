@@ -83,7 +83,7 @@ inline void simulate_model(Model model, const DeviceProfile& device) {
   }
   if (has_static_capacity(model)) {
     for (const Policy policy : {Policy::None, Policy::Ferry}) {
-      rows.push_back(PolicyRow{"paged stash", base});
+      rows.push_back(PolicyRow{std::string(policy_name(policy)) + " + paged stash", base});
       rows.back().options.offload.policy = policy;
       rows.back().options.paged_stash.on = true;
     }

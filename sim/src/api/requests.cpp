@@ -579,15 +579,15 @@ Result<Response> respond(const PlanRequest& r) {
   if (has_static_capacity(*rank.model)) {
     Bytes floor;
     auto stashed = plan_with(true, &floor);
+    const bool take =
+        stashed && (!outcome || stashed.value().row.step_time < outcome.value().row.step_time);
     if (stashed && outcome) {
       // No plan of either space beats the smaller of their bounds.
-      PlanOutcome& faster = stashed.value().row.step_time < outcome.value().row.step_time
-                                ? stashed.value()
-                                : outcome.value();
+      PlanOutcome& faster = take ? stashed.value() : outcome.value();
       faster.lower_bound = std::min(stashed.value().lower_bound, outcome.value().lower_bound);
       faster.options_bound = std::min(stashed.value().options_bound, outcome.value().options_bound);
     }
-    if (stashed && (!outcome || stashed.value().row.step_time < outcome.value().row.step_time)) {
+    if (take) {
       outcome = std::move(stashed);
     } else if (!stashed && !outcome) {
       out.floor = std::min(out.floor, floor);

@@ -72,9 +72,9 @@ PagedStash::PagedStash(const Model& model, const PagedStashOptions& options,
     for (const std::uint32_t t : model_.ops[i].saved) {
       if (!takes(i, t)) continue;
       const std::int32_t b = model_.tensors[t].view_of;
-      const std::uint32_t base = b >= 0 ? static_cast<std::uint32_t>(b) : t;
       const auto key =
-          std::tuple{base, model_.tensors[t].view_offset.count(), model_.tensors[t].bytes.count()};
+          std::tuple{b >= 0 ? static_cast<std::uint32_t>(b) : t,
+                     model_.tensors[t].view_offset.count(), model_.tensors[t].bytes.count()};
       if (!seen.emplace(key, true).second) continue;
       const auto [pool, pages] = pages_of(t);
       pools_[pool].pages += pages;
@@ -101,10 +101,12 @@ bool PagedStash::takes(std::uint32_t op, std::uint32_t t) const {
   return rows_of(t) > 0;
 }
 
-std::int64_t PagedStash::rows_of(std::uint32_t t) const {
+const ModelTensor& PagedStash::base_of(std::uint32_t t) const {
   const std::int32_t b = model_.tensors[t].view_of;
-  return model_.tensors[b >= 0 ? static_cast<std::uint32_t>(b) : t].rows;
+  return model_.tensors[b >= 0 ? static_cast<std::uint32_t>(b) : t];
 }
+
+std::int64_t PagedStash::rows_of(std::uint32_t t) const { return base_of(t).rows; }
 
 std::pair<std::size_t, std::int64_t> PagedStash::pages_of(std::uint32_t t) {
   const ModelTensor& tensor = model_.tensors[t];
@@ -161,8 +163,7 @@ std::uint32_t PagedStash::pack(std::uint32_t op, std::uint32_t t, Device::Buffer
     ++entries_[it->second].packs;
     return it->second;
   }
-  const std::int32_t b = tensor.view_of;
-  const ModelTensor& base = model_.tensors[b >= 0 ? static_cast<std::uint32_t>(b) : t];
+  const ModelTensor& base = base_of(t);
   Entry e;
   e.tensor = t;
   e.layer = layer_of(op);
@@ -175,7 +176,7 @@ std::uint32_t PagedStash::pack(std::uint32_t op, std::uint32_t t, Device::Buffer
       (Wide128{tensor.bytes.count()} * base.capacity.count() + base.bytes.count() - 1) /
       base.bytes.count());
   e.padded = Bytes((padded + element - 1) / element * element);
-  e.pool = pages_of(t).first;
+  std::tie(e.pool, e.page_count) = pages_of(t);
   rank_.device().hold(buffer);
   const auto id = static_cast<std::uint32_t>(entries_.size());
   entries_.push_back(std::move(e));
@@ -224,7 +225,7 @@ void PagedStash::stash(std::int32_t layer) {
   for (Entry& e : entries_) {
     if (e.layer != layer || e.state != State::Packed) continue;
     Pool& pool = pools_[e.pool];
-    const std::int64_t pages = pages_of(e.tensor).second;
+    const std::int64_t pages = e.page_count;
     if (std::cmp_less(pool.free.size(), pages)) {
       throw StepFailure{Failure{
           FailureKind::Infeasible,

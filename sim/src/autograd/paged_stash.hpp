@@ -58,7 +58,8 @@ class PagedStash {
     Bytes bytes;   // its rows of data
     Bytes padded;  // the padded tensor a restore allocates
     std::size_t pool = 0;
-    std::vector<std::int64_t> pages;
+    std::int64_t page_count = 0;      // the pages its rows take
+    std::vector<std::int64_t> pages;  // those it holds, once stashed
     std::optional<Device::Buffer> restored;
     State state = State::Packed;
     int packs = 1;
@@ -73,6 +74,8 @@ class PagedStash {
   };
 
   std::int32_t layer_of(std::uint32_t op) const;
+  // Tensor t's base (t itself unless a view).
+  const ModelTensor& base_of(std::uint32_t t) const;
   // The rows of data of tensor t's static-capacity base; 0: it has none.
   std::int64_t rows_of(std::uint32_t t) const;
   // The pool of tensor t's row size, and the pages its rows take.
