@@ -52,6 +52,7 @@ groups = {
     "build": {"scikit-build-core": None},
     "ruff": {"ruff": ruff_version},
     "hf": dict.fromkeys(["transformers", "peft", "accelerate"]),
+    "trainers": {"trl": "1.16.0", "datasets": None, "torchtune": "0.6.1"},
 }
 
 
@@ -66,7 +67,7 @@ def present(dist, wanted):
 print(" ".join(g for g, dists in groups.items()
                if not all(present(d, w) for d, w in dists.items())))
 PY
-  echo "torch tools xdist build ruff hf")
+  echo "torch tools xdist build ruff hf trainers")
 needs() { [[ " $missing " == *" $1 "* ]]; }
 if needs torch; then
   echo "setup: installing torch==$torch_version into .venv" >&2
@@ -102,4 +103,22 @@ fi
 if needs hf; then
   .venv/bin/pip install "${pip_flags[@]}" transformers==5.23.0 psutil >&2
   .venv/bin/pip install "${pip_flags[@]}" --no-deps peft==0.21.2 accelerate==1.15.0 >&2
+fi
+# Test-only: the trainers whose offload flags ferry.integrations switches (tests/python/
+# test_integrations.py), without dependencies for the same reason, with what they import:
+# TRL's SFTTrainer imports datasets (pyarrow, pandas, dill, xxhash, multiprocess); torchtune's
+# training module imports torchdata, omegaconf and its tokenizers' sentencepiece, tiktoken and
+# regex, and torchao: 0.14.1, the last with the names torchtune 0.6.1 imports (its C++ kernels
+# are skipped on torch 2.11; torchtune's offloading does not use them). peft 0.21.2 refuses a
+# torchao older than 0.16 wherever it finds one, so torchao goes to a folder of its own that
+# only the torchtune checks put on their path.
+if needs trainers; then
+  .venv/bin/pip install "${pip_flags[@]}" --no-deps trl==1.16.0 datasets==5.2.0 \
+    pyarrow==26.0.1 pandas==3.0.3 python-dateutil==2.9.0.post0 six==1.17.0 dill==0.4.1 \
+    xxhash==4.1.0 multiprocess==0.70.19 torchtune==0.6.1 torchdata==0.11.0 omegaconf==2.3.0 \
+    antlr4-python3-runtime==4.9.3 sentencepiece==0.2.3 tiktoken==0.14.0 regex==2026.11.15 >&2
+fi
+if [[ ! -d .venv/torchtune-torchao/torchao ]]; then
+  .venv/bin/pip install "${pip_flags[@]}" --no-deps --target .venv/torchtune-torchao \
+    torchao==0.14.1 >&2
 fi

@@ -15,7 +15,8 @@ none: backward recomputes them, as ``torch.utils.checkpoint`` does (``checkpoint
 too). ``trace`` turns a training step into a ``ferry.model/1`` scenario; ``simulate``,
 ``compare`` and ``plan`` run the simulator and planner on it in this process; ``auto`` plans it
 under a memory budget and applies the plan, ``validate`` checks the simulator's predictions
-against real runs and ``probe`` measures the device.
+against real runs and ``probe`` measures the device. ``ferry.integrations`` switches trainers'
+own offload flags to ferry (``ferry.integrations.trl.install()``).
 
 This module only re-exports; each name lives in the module of its feature.
 """
@@ -25,7 +26,10 @@ import importlib.metadata as _metadata
 # First: ferry._C carries no run path; the libraries it names are loaded with torch.
 import torch as _torch  # noqa: F401
 
-from . import _C  # noqa: F401
+from . import (
+    _C,  # noqa: F401
+    integrations,  # noqa: F401
+)
 from ._auto import AutoOffload, auto
 from ._checkpoint import checkpoint, checkpoint_sequential
 from ._offload import no_offload, offload, offload_model
@@ -34,7 +38,7 @@ from ._probe import probe
 from ._sim import compare, plan, simulate
 from ._trace import TracedModel, trace
 from ._validate import ModelSpecError, validate
-from .compat.hf import enable_gradient_checkpointing
+from .compat.hf import enable_gradient_checkpointing, gradient_checkpointing_offload
 from .compat.trl import NoOpManager, OffloadActivations, get_act_offloading_ctx_manager
 
 __all__ = [
@@ -62,6 +66,7 @@ __all__ = [
     "NoOpManager",
     "get_act_offloading_ctx_manager",
     "enable_gradient_checkpointing",
+    "gradient_checkpointing_offload",
 ]
 
 try:

@@ -554,6 +554,26 @@ def _reentrant(fn, preserve, *args):
     return _Reentrant.apply(fn, preserve, *args)
 
 
+def checkpoint_in(region: Region, function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``checkpoint`` inside ``region`` (a ``ferry.offload``): the checkpoint's inputs, which
+    it keeps for the recomputation, are offloaded by the region's session (Note [Checkpoint
+    inputs offloaded]); the tensors the checkpointed function saves are dropped and recomputed
+    as without it."""
+    with region:
+        return checkpoint(function, *args, **kwargs)
+
+
+# Note [Checkpoint inputs offloaded]
+# transformers' offload flag puts torch's save_on_cpu around torch's checkpoint: what a
+# checkpoint keeps for its recomputation, its inputs, goes to pinned host memory, copied on the
+# compute stream. ferry.checkpoint opened inside an offload region gives its inputs to the
+# region's session (frame_begin in real/src/checkpoint.cpp), which copies them out on its own
+# stream, overlapped with the layers that follow, and prefetches them for backward; the
+# recomputation takes them back from the session. The region is entered around each
+# checkpointed call only, so the saved tensors of the layers that are not checkpointed stay
+# as they are, as with the flag in transformers (and with accelerate's offload_wrapper).
+
+
 def checkpoint_sequential(
     functions: torch.nn.Sequential | Iterable[Callable[[Any], Any]],
     segments: int,

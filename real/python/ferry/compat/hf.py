@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from .._checkpoint import checkpoint
+from .._checkpoint import checkpoint, checkpoint_in
+from .._offload import offload
 
 # ferry.checkpoint's own keywords: they mean nothing to the model's enable.
 _FERRY_CHECKPOINT_KEYWORDS = ("offload", "early_stop")
@@ -18,7 +19,8 @@ class _CheckpointingEnable:
     """A model's ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` in older
     transformers) as ``enable_gradient_checkpointing`` leaves it on the instance: each call
     enables checkpointing the model's own way, then makes it ``ferry.checkpoint``'s, with the
-    keywords of the call over ferry's."""
+    keywords of the call over ferry's. The model's ``offload`` flag runs each checkpointed call
+    inside the offload session the model owns (``self.session``), which offloads its inputs."""
 
     def __init__(self, owner: torch.nn.Module, name: str) -> None:
         self.owner = owner  # the model whose class defines the method
@@ -26,6 +28,7 @@ class _CheckpointingEnable:
         self.kwargs: dict[
             str, Any
         ] = {}  # ferry.checkpoint's, as enable_gradient_checkpointing got them
+        self.session: offload | None = None  # made on the first enable with the offload flag
 
     def __call__(
         self, checkpointing_kwargs: dict[str, Any] | None = None, *args: Any, **options: Any
@@ -33,19 +36,34 @@ class _CheckpointingEnable:
         keyword = self.name.replace("_enable", "_kwargs")
         if checkpointing_kwargs is None:
             checkpointing_kwargs = options.pop(keyword, None)
-        if options.get("offload"):
-            raise ValueError(
-                f"ferry.enable_gradient_checkpointing: {self.name}(offload=True) (the Trainer's "
-                "activation_checkpointing_kwargs={'offload': True}) puts torch's save_on_cpu "
-                "around torch's checkpoint, which ferry's checkpoint replaces; offload with "
-                "ferry.offload_model, or give ferry.enable_gradient_checkpointing an offload "
-                "session for selective checkpointing"
+        if self.name == "activation_checkpointing_enable" and len(args) > 1:
+            # activation_checkpointing_enable(kwargs, every_n_layers, offload)
+            options["offload"] = args[1]
+            args = args[:1]
+        flag = options.pop("offload", False)
+        call_kwargs = dict(checkpointing_kwargs or {})
+        if isinstance(call_kwargs.get("offload"), bool):
+            # The flag inside the kwargs, as gradient_checkpointing_kwargs={"offload": True}
+            # gives it; a ferry.offload there is ferry.checkpoint's own keyword.
+            flag = call_kwargs.pop("offload") or flag
+        if not isinstance(flag, bool):
+            raise TypeError(
+                f"ferry.enable_gradient_checkpointing: {self.name}(offload=...) is the model's "
+                f"flag, True or False, got {type(flag).__name__}; give a ferry.offload session "
+                "in the checkpointing kwargs or to ferry.enable_gradient_checkpointing"
             )
-        kwargs = {**self.kwargs, **(checkpointing_kwargs or {})}
+        kwargs = {**self.kwargs, **call_kwargs}
         theirs = {k: v for k, v in kwargs.items() if k not in _FERRY_CHECKPOINT_KEYWORDS}
-        # The class's method: the instance attribute is this object.
+        # The class's method: the instance attribute is this object. Its own offload (torch's
+        # save_on_cpu around torch's checkpoint) stays off: ferry's session does it.
         getattr(type(self.owner), self.name)(self.owner, theirs, *args, **options)
-        func = functools.partial(checkpoint, **kwargs)
+        if flag:
+            session = kwargs.get("offload")
+            if session is None:
+                session = self._owned_session()
+            func = functools.partial(checkpoint_in, session, **kwargs)
+        else:
+            func = functools.partial(checkpoint, **kwargs)
         found = False
         for module in self.owner.modules():
             if hasattr(module, "gradient_checkpointing"):
@@ -57,6 +75,43 @@ class _CheckpointingEnable:
                 "that supports gradient checkpointing"
             )
 
+    def _owned_session(self) -> offload:
+        if self.session is None:
+            # On a machine without CUDA the model's tensors are on the host: the loopback device
+            # runs the same protocol between host buffers.
+            self.session = offload(loopback=not torch.cuda.is_available())
+            self.session.update_model_params(self.owner)
+        return self.session
+
+
+def gradient_checkpointing_offload(model: torch.nn.Module) -> offload | None:
+    """The offload session through which ``model``'s checkpointed layers offload their inputs.
+
+    The model owns it once its checkpointing was enabled with its ``offload`` flag after
+    ``ferry.enable_gradient_checkpointing`` (without a session of the caller's given as
+    ``offload=``); its counters and state (``telemetry()``, ``tracked()``,
+    ``live_device_buffers()``) are those of these inputs.
+
+    Args:
+        model: A model given to ``ferry.enable_gradient_checkpointing`` (or a PEFT model around
+            one).
+
+    Returns:
+        The session, or None while the model has made none.
+
+    Raises:
+        ValueError: ``model``'s checkpointing is not ferry's.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if not isinstance(enable, _CheckpointingEnable):
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+    if not isinstance(enable, _CheckpointingEnable):
+        raise ValueError(
+            f"ferry.gradient_checkpointing_offload: {type(model).__name__}'s checkpointing is not "
+            "ferry's; call ferry.enable_gradient_checkpointing(model) first"
+        )
+    return enable.session
+
 
 def enable_gradient_checkpointing(
     model: torch.nn.Module, use_reentrant: bool = False, **checkpoint_kwargs: Any
@@ -67,8 +122,8 @@ def enable_gradient_checkpointing(
     ``gradient_checkpointing_enable`` in older versions; PEFT models forward it to their base
     model), then makes every module that checkpoints call ``ferry.checkpoint`` with
     ``use_reentrant`` and ``checkpoint_kwargs`` (torch's, such as ``context_fn`` for selective
-    checkpointing, and ferry's ``offload``: the session of the ops a selective policy
-    offloads).
+    checkpointing, and ferry's ``offload``: a ``ferry.offload`` session, for the ops a
+    selective policy offloads and for the inputs the offload flag offloads).
 
     It stays ferry's: that enable method is replaced on the model instance by one that enables
     checkpointing the model's way again and then installs ``ferry.checkpoint``, with the
@@ -76,21 +131,29 @@ def enable_gradient_checkpointing(
     ``transformers.Trainer`` with ``TrainingArguments(gradient_checkpointing=True)`` (or
     ``activation_checkpointing=True``), which enables the model's checkpointing again when
     ``train()`` starts, with its ``gradient_checkpointing_kwargs``, trains with ferry's
-    checkpoint (its ``every_n_layers`` is honoured; its ``offload=True``, torch's
-    ``save_on_cpu`` around torch's checkpoint, is refused). Disabling it the model's way and
-    enabling it again gives ferry's again; call this again to change ferry's keywords.
+    checkpoint, its ``every_n_layers`` honoured. Its ``offload=True`` (the enable's ``offload``
+    flag, or ``"offload": True`` in the checkpointing kwargs), which in transformers puts
+    torch's ``save_on_cpu`` around torch's checkpoint, runs each checkpointed call inside a
+    ferry offload session instead: the inputs the checkpoint keeps for its recomputation are
+    copied to the host on the session's stream, overlapped with the layers that follow, and
+    prefetched for backward. The session is ``offload=`` when given, else one the model owns
+    (``ferry.offload`` with its defaults, on the loopback device when torch sees no CUDA;
+    ``ferry.gradient_checkpointing_offload(model)`` returns it). Disabling it the model's way
+    and enabling it again gives ferry's again; call this again to change ferry's keywords.
 
     Args:
         model: A Hugging Face model (or a PEFT model around one).
         use_reentrant: ``ferry.checkpoint``'s variant.
-        **checkpoint_kwargs: Further ``ferry.checkpoint`` keywords.
+        **checkpoint_kwargs: Further ``ferry.checkpoint`` keywords; ``offload=True`` turns
+            the model's offload flag on for this enable.
 
     Returns:
         ``model``.
 
     Raises:
         ValueError: The model has no gradient checkpointing of its own, or no module of it
-            supports it; or the enable is later called with ``offload=True``.
+            supports it.
+        TypeError: The enable is later called with an ``offload`` flag that is not a bool.
     """
     name = "activation_checkpointing_enable"
     if not hasattr(model, name):
@@ -105,6 +168,9 @@ def enable_gradient_checkpointing(
     if not isinstance(enable, _CheckpointingEnable):
         enable = _CheckpointingEnable(enable.__self__, name)
         setattr(enable.owner, name, enable)
+    flag = False
+    if isinstance(checkpoint_kwargs.get("offload"), bool):
+        flag = checkpoint_kwargs.pop("offload")
     enable.kwargs = {"use_reentrant": use_reentrant, **checkpoint_kwargs}
-    enable()
+    enable(offload=flag)
     return model
