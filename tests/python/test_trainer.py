@@ -251,8 +251,9 @@ def assert_offloaded(counts, first_kept, layers, reloads):
     first layer's input is the embeddings' output made a leaf that requires grad (transformers'
     enable_input_require_grads, the embeddings being frozen), and the non-reentrant checkpoint
     hands it to the session as it is: the session keeps such a tensor, as it keeps parameters
-    (docs/real.md, "Migrating"). The reentrant one saves it through its autograd Function, an
-    input like any other."""
+    (copying it out would free nothing: its gradient accumulator, which the graph holds, holds
+    it; docs/real.md, "Trainers' flags"). The reentrant one saves it through its autograd
+    Function, an input like any other."""
     kept = STEPS if first_kept else 0
     assert counts["packed"] == layers * STEPS
     assert counts["kept"] == kept
@@ -353,6 +354,28 @@ def test_the_model_offload_flag_in_each_spelling(enable):
     model.activation_checkpointing_enable()
     assert [f.func for f in checkpoint_funcs(model)] == [ferry.checkpoint] * LAYERS
     assert ferry.gradient_checkpointing_offload(model) is session
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_copy_of_the_model_offloads_through_a_session_of_its_own():
+    ids = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ), generator=torch.Generator().manual_seed(1))
+    model = ferry.enable_gradient_checkpointing(llama(), offload=True)
+    twin = copy.deepcopy(model)
+    want = sgd_steps(model, ids)
+    got = sgd_steps(twin, ids)
+    assert_equal_runs(want, got)
+    ours, theirs = (
+        ferry.gradient_checkpointing_offload(model),
+        ferry.gradient_checkpointing_offload(twin),
+    )
+    assert ours is not theirs
+    assert ours.telemetry()["offloaded"] == theirs.telemetry()["offloaded"] == LAYERS * STEPS
+    # A session the caller gave is the caller's: the copy uses it too.
+    session = ferry.offload(loopback=True)
+    model = ferry.enable_gradient_checkpointing(llama(), offload=session)
+    model.activation_checkpointing_enable(offload=True)
+    sgd_steps(copy.deepcopy(model), ids)
+    assert session.telemetry()["offloaded"] == LAYERS * STEPS
 
 
 def test_an_offload_flag_that_is_not_a_bool_is_refused():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -28,7 +29,7 @@ class _CheckpointingEnable:
         self.kwargs: dict[
             str, Any
         ] = {}  # ferry.checkpoint's, as enable_gradient_checkpointing got them
-        self.session: offload | None = None  # made on the first enable with the offload flag
+        self.session: offload | None = None  # made at the first call with the offload flag
 
     def __call__(
         self, checkpointing_kwargs: dict[str, Any] | None = None, *args: Any, **options: Any
@@ -57,11 +58,9 @@ class _CheckpointingEnable:
         # The class's method: the instance attribute is this object. Its own offload (torch's
         # save_on_cpu around torch's checkpoint) stays off: ferry's session does it.
         getattr(type(self.owner), self.name)(self.owner, theirs, *args, **options)
+        func: Any
         if flag:
-            session = kwargs.get("offload")
-            if session is None:
-                session = self._owned_session()
-            func = functools.partial(checkpoint_in, session, **kwargs)
+            func = _OffloadedCheckpoint(self, kwargs)
         else:
             func = functools.partial(checkpoint, **kwargs)
         found = False
@@ -75,7 +74,8 @@ class _CheckpointingEnable:
                 "that supports gradient checkpointing"
             )
 
-    def _owned_session(self) -> offload:
+    def owned_session(self) -> offload:
+        """The model's session, made on first use."""
         if self.session is None:
             # On a machine without CUDA the model's tensors are on the host: the loopback device
             # runs the same protocol between host buffers.
@@ -83,14 +83,49 @@ class _CheckpointingEnable:
             self.session.update_model_params(self.owner)
         return self.session
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointingEnable:
+        # A copy of the model (copy.deepcopy) makes a session of its own when it first needs
+        # one; a session the caller gave is shared, as the caller's object.
+        twin = _CheckpointingEnable.__new__(_CheckpointingEnable)
+        memo[id(self)] = twin
+        twin.owner = copy.deepcopy(self.owner, memo)
+        twin.name = self.name
+        twin.kwargs = _copied(self.kwargs, memo)
+        twin.session = None
+        return twin
+
+
+class _OffloadedCheckpoint:
+    """A checkpointed layer's call with the offload flag on: ``ferry.checkpoint`` with
+    ``kwargs`` inside the offload session given as ``offload=``, else the model's."""
+
+    def __init__(self, enable: _CheckpointingEnable, kwargs: dict[str, Any]) -> None:
+        self.enable = enable
+        self.kwargs = kwargs
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        session = self.kwargs.get("offload")
+        if session is None:
+            session = self.enable.owned_session()
+        return checkpoint_in(session, function, *args, **{**self.kwargs, **kwargs})
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _OffloadedCheckpoint:
+        return _OffloadedCheckpoint(copy.deepcopy(self.enable, memo), _copied(self.kwargs, memo))
+
+
+def _copied(kwargs: dict[str, Any], memo: dict[int, Any]) -> dict[str, Any]:
+    """``kwargs`` deep-copied but for offload sessions, which are shared."""
+    return {k: v if isinstance(v, offload) else copy.deepcopy(v, memo) for k, v in kwargs.items()}
+
 
 def gradient_checkpointing_offload(model: torch.nn.Module) -> offload | None:
     """The offload session through which ``model``'s checkpointed layers offload their inputs.
 
-    The model owns it once its checkpointing was enabled with its ``offload`` flag after
+    The model owns it once a checkpointed layer ran with the model's ``offload`` flag on after
     ``ferry.enable_gradient_checkpointing`` (without a session of the caller's given as
-    ``offload=``); its counters and state (``telemetry()``, ``tracked()``,
-    ``live_device_buffers()``) are those of these inputs.
+    ``offload=``); a copy of the model (``copy.deepcopy``) makes its own. Its counters and
+    state (``telemetry()``, ``tracked()``, ``live_device_buffers()``) are those of these
+    inputs.
 
     Args:
         model: A model given to ``ferry.enable_gradient_checkpointing`` (or a PEFT model around
