@@ -19,6 +19,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import ferry
 from ferry import _checkpoint
+from ferry.testing import planted_offload
 
 SEQ, BATCH, VOCAB, STEPS, LAYERS = 16, 2, 64, 3, 3
 
@@ -376,6 +377,41 @@ def test_a_copy_of_the_model_offloads_through_a_session_of_its_own():
     model.activation_checkpointing_enable(offload=True)
     sgd_steps(copy.deepcopy(model), ids)
     assert session.telemetry()["offloaded"] == LAYERS * STEPS
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_planted_reload_fault_in_the_flag_session_gives_wrong_gradients():
+    """The comparison with torch's checkpoint can fail for the offload flag's path: with the
+    session's compute-stream wait for reloads dropped, the recomputation reads an input before
+    its copy back has landed, on the asynchronous loopback device."""
+    ids = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ), generator=torch.Generator().manual_seed(1))
+    reference = llama()
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    want = sgd_steps(reference, ids)
+
+    def run(faults, seed):
+        options = dict(
+            loopback=True,
+            window_bytes=0,
+            loopback_streams="async",
+            loopback_seed=seed,
+            loopback_max_delay_us=20000,
+        )
+        session = planted_offload(faults=faults, **options) if faults else ferry.offload(**options)
+        model = ferry.enable_gradient_checkpointing(llama(), offload=session)
+        model.activation_checkpointing_enable(offload=True)
+        return sgd_steps(model, ids)
+
+    def right(got):
+        return all(torch.equal(a, b) for a, b in zip(want[0], got[0])) and all(
+            torch.equal(a, b) for ga, gb in zip(want[1], got[1]) for a, b in zip(ga, gb)
+        )
+
+    for seed in range(1, 11):
+        assert right(run((), seed)), f"seed {seed} without the fault"
+        if not right(run(("skip_reload_wait",), seed)):
+            return
+    pytest.fail("skip_reload_wait gave torch's gradients with ten seeds")
 
 
 def test_an_offload_flag_that_is_not_a_bool_is_refused():
