@@ -4,7 +4,8 @@ TRL 1.16's ``SFTTrainer`` with ``activation_offloading=True``, after
 ``ferry.integrations.trl.install()``, trains a tiny Llama on the asynchronous loopback device
 with ferry's offloader (its telemetry shows the copies out and back), with the losses and
 gradients of TRL's own offloader and of the run without offloading, bit for bit; nothing is
-left tracked afterwards; ``uninstall()`` gives TRL's back. torchtune 0.6.1's recipe flag
+left tracked afterwards; ``uninstall()`` gives TRL's back. Its ``RewardTrainer`` the same way,
+against the run without offloading. torchtune 0.6.1's recipe flag
 (``enable_activation_offloading``, through ``torchtune.training.get_act_offloading_ctx_manager``)
 the same way, with the losses and gradients of the run without offloading (torchtune's own
 offloader takes CUDA's default stream when it is made: on a machine without CUDA it cannot run).
@@ -198,6 +199,75 @@ def test_sft_trainer_offloads_with_ferry_once_installed(tmp_path, monkeypatch, l
         again = sft(tmp_path, True, lora)
     assert type(again[2].maybe_activation_offload_context) is trl_offloading.OffloadActivations
     assert_equal_runs(theirs, again)
+
+
+class RewardLosses(trl.RewardTrainer):
+    """A RewardTrainer that keeps each step's loss tensor."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+
+def reward(tmp_path, activation_offloading):
+    """The losses and gradients of 3 RewardTrainer steps on chosen and rejected token ids, and
+    the trainer."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            pad_token_id=1,
+            eos_token_id=2,
+            bos_token_id=3,
+            num_labels=1,
+        )
+    )
+    ids = torch.randint(
+        4, VOCAB, (2, BATCH * STEPS, SEQ), generator=torch.Generator().manual_seed(1)
+    )
+    args = trl.RewardConfig(
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=0.05,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        seed=0,
+        activation_offloading=activation_offloading,
+    )
+    grads = Grads()
+    trainer = RewardLosses(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict(
+            {"chosen_ids": ids[0].tolist(), "rejected_ids": ids[1].tolist()}
+        ),
+        processing_class=tokenizer(),
+        callbacks=[grads],
+    )
+    trainer.losses = []
+    trainer.train()
+    return trainer.losses, grads.steps, trainer
+
+
+def test_reward_trainer_offloads_with_ferry_once_installed(tmp_path):
+    plain = reward(tmp_path, False)
+    ferry_trl.install(loopback=True)
+    ours = reward(tmp_path, True)
+    ctx = ours[2].maybe_activation_offload_context
+    assert isinstance(ctx, ferry.offload)
+    assert_equal_runs(plain, ours)
+    assert ctx.telemetry()["offloaded"] > 0
+    assert ctx.tracked() == 0 and ctx.live_device_buffers() == 0
 
 
 def test_install_takes_trl_arguments_and_ferry_options():

@@ -42,6 +42,7 @@ def test_the_trl_names_are_re_exports_of_ferry_compat():
     assert ferry.NoOpManager is trl.NoOpManager
     assert ferry.get_act_offloading_ctx_manager is trl.get_act_offloading_ctx_manager
     assert ferry.enable_gradient_checkpointing is hf.enable_gradient_checkpointing
+    assert ferry.gradient_checkpointing_offload is hf.gradient_checkpointing_offload
 
 
 @pytest.mark.parametrize(
