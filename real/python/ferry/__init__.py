@@ -20,8 +20,6 @@ against real runs and ``probe`` measures the device.
 This module only re-exports; each name lives in the module of its feature.
 """
 
-import importlib.metadata as _metadata
-
 # First: ferry._C carries no run path; the libraries it names are loaded with torch.
 import torch as _torch  # noqa: F401
 
@@ -34,6 +32,7 @@ from ._probe import probe
 from ._sim import compare, plan, simulate
 from ._trace import TracedModel, trace
 from ._validate import ModelSpecError, validate
+from ._version import __version__ as __version__
 from .compat.hf import enable_gradient_checkpointing
 from .compat.trl import NoOpManager, OffloadActivations, get_act_offloading_ctx_manager
 
@@ -63,9 +62,3 @@ __all__ = [
     "get_act_offloading_ctx_manager",
     "enable_gradient_checkpointing",
 ]
-
-try:
-    # pyproject.toml takes the version from the top-level CMakeLists.txt, ferry's one version.
-    __version__ = _metadata.version("ferry")
-except _metadata.PackageNotFoundError:  # imported from a source tree, not installed
-    __version__ = "unknown"
