@@ -321,9 +321,11 @@ def simulated_saved_peak(traced, device=None):
     return peak
 
 
-def simulate(traced, policy, checkpoint, steps, device=None, horizon="none"):
-    """The simulator's run of the traced model (``ferry.simulate``). ``horizon``: ``none``,
-    ``auto`` or a byte count (Note [Offload horizon in validate])."""
+def simulated_figures(traced, policy, checkpoint, steps, device=None, horizon="none"):
+    """The figures of the simulator's run of the traced model (``ferry.simulate``) that
+    ``validate`` sets beside the real run's: the counters and bytes of the last step, its time,
+    peaks and horizon, and the decisions per layer. ``horizon``: ``none``, ``auto`` or a byte
+    count (Note [Offload horizon in validate])."""
     result, _ = _simulated(traced, policy, checkpoint, steps, device, horizon)
     out = {name: result["telemetry"][name] for name in COUNTERS}
     out["bytes_d2h"] = result["d2h_bytes"]
@@ -428,7 +430,9 @@ def validate(
     for policy in policies:
         offload_policy, checkpoint = POLICIES[policy]
         # See Note [Offload horizon in validate].
-        sim = simulate(traced, offload_policy, checkpoint, steps, device=device, horizon=horizon)
+        sim = simulated_figures(
+            traced, offload_policy, checkpoint, steps, device=device, horizon=horizon
+        )
         real = run_real(
             model, inputs, loss_fn, offload_policy, checkpoint, steps, horizon=sim["horizon_bytes"]
         )
