@@ -14,14 +14,18 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <cstdio>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "ferry/check.hpp"
 #include "ferry/offload/offloader.hpp"
@@ -48,20 +52,79 @@ std::int64_t live_checkpoint_states() { return g_live_states.load(); }
 
 namespace {
 
+// Note [Jagged sizes]
+// A jagged nested tensor (torch.nested, layout=torch.jagged) has one size that is a nested int,
+// jN: a symbolic integer tied to its offsets tensor, equal only to itself (times the same
+// coefficient). torch's determinism check compares shapes with it, so a recomputation that
+// builds its jagged tensor over other offsets (another nested int) fails it. SavedMeta::shape
+// holds such a size as the negative number -(N * kNestedCoeffs + coefficient), which no plain
+// size can be. Any other symbolic size is made concrete (torch's guard); bytes come from the
+// element count (a jagged tensor's is that of its values), left at 0 where it is symbolic.
+constexpr std::int64_t kNestedCoeffs = std::int64_t{1} << 24;
+
+// `text` as a decimal number, when it is one and nothing else.
+std::optional<std::int64_t> whole_number(std::string_view text) {
+  std::int64_t n = 0;
+  const char* end = text.data() + text.size();
+  const auto [last, error] = std::from_chars(text.data(), end, n);
+  if (text.empty() || error != std::errc() || last != end) return std::nullopt;
+  return n;
+}
+
+// A nested int's id and coefficient: from the node where it is a C++ one, else (a Python
+// NestedIntNode, as torch.nested makes them) from its name as torch prints it, jN or C*jN.
+std::optional<std::pair<std::int64_t, std::int64_t>> nested_int(c10::SymNodeImpl& node) {
+  if (const auto id = node.nested_int()) return std::pair{*id, node.nested_int_coeff().value_or(1)};
+  if (!node.is_nested_int()) return std::nullopt;
+  const std::string name = node.str();
+  const std::string_view view(name);
+  const std::size_t j = view.rfind('j');
+  if (j == std::string_view::npos) return std::nullopt;
+  const auto id = whole_number(view.substr(j + 1));
+  const auto coeff = j == 0                         ? std::optional<std::int64_t>(1)
+                     : j >= 2 && view[j - 1] == '*' ? whole_number(view.substr(0, j - 1))
+                                                    : std::nullopt;
+  if (!id || !coeff) return std::nullopt;
+  return std::pair{*id, *coeff};
+}
+
+std::int64_t meta_size(const c10::SymInt& s) {
+  if (const auto n = s.maybe_as_int()) return *n;
+  const auto nested = nested_int(*s.toSymNodeImplUnowned());
+  if (!nested) return s.guard_int(__FILE__, __LINE__);
+  const auto [id, coeff] = *nested;
+  FERRY_CHECK(id >= 0 && coeff > 0 && coeff < kNestedCoeffs, "nested int j", id,
+              " with coefficient ", coeff, " out of range");
+  return -(id * kNestedCoeffs + coeff);
+}
+
+// A size of SavedMeta::shape as torch prints it: 8, j1 or 2*j1.
+std::string describe_size(std::int64_t size) {
+  if (size >= 0) return std::to_string(size);
+  const std::int64_t id = -size / kNestedCoeffs;
+  const std::int64_t coeff = -size % kNestedCoeffs;
+  return coeff == 1 ? fmt::format("j{}", id) : fmt::format("{}*j{}", coeff, id);
+}
+
 // Shape, dtype and device in words, as torch prints them:
 // {shape: [2, 8], dtype: bfloat16, device: cuda:0}.
 std::string describe_meta(const SavedMeta& m) {
   const auto dtype = static_cast<at::ScalarType>(m.dtype);
   const c10::Device device(static_cast<c10::DeviceType>(m.device / 256U),
                            static_cast<c10::DeviceIndex>(static_cast<int>(m.device % 256U) - 1));
-  return fmt::format("{{shape: [{}], dtype: {}, device: {}}}", fmt::join(m.shape, ", "),
+  std::vector<std::string> shape;
+  shape.reserve(m.shape.size());
+  for (const std::int64_t size : m.shape) shape.push_back(describe_size(size));
+  return fmt::format("{{shape: [{}], dtype: {}, device: {}}}", fmt::join(shape, ", "),
                      c10::getDtypeNames(dtype).first, device.str());
 }
 
+// See Note [Jagged sizes].
 SavedMeta saved_meta(const at::Tensor& t) {
   SavedMeta meta;
-  meta.bytes = Bytes(t.numel() * static_cast<std::int64_t>(t.element_size()));
-  meta.shape = t.sizes().vec();
+  const auto numel = t.sym_numel().maybe_as_int();
+  meta.bytes = Bytes(numel ? *numel * static_cast<std::int64_t>(t.element_size()) : 0);
+  for (const c10::SymInt& s : t.sym_sizes()) meta.shape.push_back(meta_size(s));
   meta.dtype = static_cast<std::uint8_t>(t.scalar_type());
   meta.device = static_cast<std::uint32_t>(t.device().type()) * 256U +
                 static_cast<std::uint32_t>(t.device().index() + 1);
@@ -106,8 +169,9 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     frame_options.determinism_check = options.determinism_check;
     const FrameId id = core_.begin(frame_options);
     frames_.resize(std::max<std::size_t>(frames_.size(), id.value() + 1));
-    frames_[id.value()] = FrameInfo{std::move(replay), std::move(rng), options.preserve_rng_state,
-                                    autocast, std::move(inputs)};
+    frames_[id.value()] =
+        FrameInfo{std::move(replay),         std::move(rng), options.preserve_rng_state,
+                  options.determinism_check, autocast,       std::move(inputs)};
     ++open_;
     return id;
   }
@@ -124,13 +188,14 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
   /// frame (an id: no holder object, which would keep this state alive).
   HolderId pack_input(FrameId frame, const at::Tensor& t) {
     std::lock_guard lock(mutex_);
-    return core_.pack(frame, saved_meta(t));
+    return core_.pack(frame, meta_of(frame, t));
   }
-  PackedPtr recompute_pack(const at::Tensor& t) {
+  /// A tensor the replay of `frame` saved.
+  PackedPtr recompute_pack(FrameId frame, const at::Tensor& t) {
     RecomputePack result;
     {
       std::lock_guard lock(mutex_);
-      result = core_.recompute_pack(saved_meta(t), t.detach());
+      result = core_.recompute_pack(meta_of(frame, t), t.detach());
     }
     if (result == RecomputePack::KeptLast) throw StopRecompute();
     return std::make_shared<KeptAsIs>(t);
@@ -171,9 +236,16 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     Replay replay;
     RngState rng;
     bool preserve_rng = true;
+    bool determinism_check = true;
     AutocastState autocast;  // the forward's; see Note [Autocast in replays]
     std::vector<Input> inputs;
   };
+
+  // The metadata `frame` keeps of a saved tensor: none without the determinism check, which
+  // alone compares it (torch's check off reads no sizes: a strided nested tensor has none).
+  SavedMeta meta_of(FrameId frame, const at::Tensor& t) {
+    return frames_.at(frame.value()).determinism_check ? saved_meta(t) : SavedMeta{};
+  }
 
   void recompute(FrameId frame, std::uint64_t gid) {
     FrameInfo info;
@@ -185,7 +257,7 @@ class CheckpointState : public std::enable_shared_from_this<CheckpointState> {
     std::vector<at::Tensor> inputs;
     inputs.reserve(info.inputs.size());
     for (const Input& in : info.inputs) {
-      if (in.version) in.version->check(in.tensor.sizes(), in.tensor.scalar_type());
+      if (in.version) in.version->check(in.tensor);
       at::Tensor t = in.holder ? unpack(*in.holder) : in.packed ? in.packed->unpack() : in.tensor;
       inputs.push_back(!t.defined() || in.same ? t : t.detach().requires_grad_(in.requires_grad));
     }
@@ -270,7 +342,7 @@ class Holder final : public Packed {
 
 PackedPtr CheckpointState::pack(FrameId frame, const at::Tensor& t) {
   std::lock_guard lock(mutex_);
-  const HolderId id = core_.pack(frame, saved_meta(t));
+  const HolderId id = core_.pack(frame, meta_of(frame, t));
   ++live_holders_;
   return std::make_shared<Holder>(shared_from_this(), id);
 }
@@ -305,7 +377,7 @@ FrameToken frame_begin(const CheckpointOptions& options, Replay replay,
       continue;
     }
     if (t.defined() && top != nullptr && top->kind == Context::Kind::Recompute) {
-      (void)state->recompute_pack(t);
+      (void)state->recompute_pack(top->frame, t);
     }
     // A leaf as it is (no graph to hold; the replay gets the same object, as torch's does);
     // anything else detached: a frame begun during a replay would otherwise hold the replay's
@@ -345,7 +417,7 @@ PackedPtr pack_saved(const at::Tensor& tensor, TensorKind kind) {
     case Context::Kind::Frame:
       return top.ckpt->pack(top.frame, tensor);
     case Context::Kind::Recompute:
-      return top.ckpt->recompute_pack(tensor);
+      return top.ckpt->recompute_pack(top.frame, tensor);
   }
   return std::make_shared<KeptAsIs>(tensor);
 }

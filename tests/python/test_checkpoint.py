@@ -1,6 +1,10 @@
 """ferry.checkpoint: gradients bitwise equal to plain autograd and to
 torch.utils.checkpoint(use_reentrant=False); nesting, early stop, random state, errors."""
 
+import contextlib
+import functools
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -328,3 +332,205 @@ def test_nested_replay_freed_without_backward():
     freed = replay_freed(nested=True, backward=False)
     gc.collect()
     assert freed
+
+
+# Jagged nested tensors ------------------------------------------------------------------------
+# torch.nested's jagged layout: one size is a nested int (j1) tied to the offsets tensor. The
+# oracle is torch.utils.checkpoint on the same function, outside any ferry region.
+
+
+def jagged_input(kind):
+    """(a jagged nested tensor of two rows of 8 features, the leaf whose gradient is compared)."""
+    torch.manual_seed(1)
+    parts = [torch.randn(3, 8), torch.randn(5, 8)]
+    if kind == "nested_tensor":
+        x = torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=True)
+        return x, x
+    values = torch.cat(parts).requires_grad_()
+    return torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 3, 8])), values
+
+
+class JaggedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(torch.tanh(self.lin(x)) * x.sin())
+
+
+def dense(t):
+    return t.values() if t.is_nested else t
+
+
+def jagged_run(checkpoint, kind, region=None):
+    """The output's values and every gradient, the function's calls counted."""
+    block = JaggedBlock()
+    x, leaf = jagged_input(kind)
+    calls = []
+
+    def fn(v):
+        calls.append(True)
+        return block(v)
+
+    with region if region is not None else contextlib.nullcontext():
+        y = checkpoint(fn, x)
+    dense(y).square().sum().backward()
+    grads = [p.grad for p in block.parameters()] + [dense(leaf.grad)]
+    return [dense(y).detach()] + grads, len(calls)
+
+
+def jagged_region(where):
+    return ferry.offload(loopback=True, min_bytes=0) if where == "offload" else None
+
+
+@pytest.mark.parametrize("where", ["outside", "offload"])
+@pytest.mark.parametrize("kind", ["nested_tensor", "from_jagged"])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_jagged_nested_tensors_equal_torch(use_reentrant, kind, where):
+    want, want_calls = jagged_run(
+        functools.partial(tc.checkpoint, use_reentrant=use_reentrant), kind
+    )
+    region = jagged_region(where)
+    got, calls = jagged_run(
+        functools.partial(ferry.checkpoint, use_reentrant=use_reentrant), kind, region
+    )
+    assert_all_equal(want, got)
+    assert calls == want_calls == 2  # run in forward, recomputed in backward
+    if region is not None:
+        assert region.tracked() == 0
+
+
+@pytest.mark.parametrize("where", ["outside", "offload"])
+def test_nested_checkpoints_of_jagged_tensors_equal_torch(where):
+    def run(checkpoint, region=None):
+        block = JaggedBlock()
+        x, leaf = jagged_input("nested_tensor")
+
+        def outer(v):
+            h = torch.tanh(block.lin(v))
+            return checkpoint(block, h).cos() * h
+
+        with region if region is not None else contextlib.nullcontext():
+            y = checkpoint(outer, x)
+        dense(y).square().sum().backward()
+        return [dense(y).detach()] + [p.grad for p in block.parameters()] + [dense(leaf.grad)]
+
+    want = run(functools.partial(tc.checkpoint, use_reentrant=False))
+    got = run(functools.partial(ferry.checkpoint, use_reentrant=False), jagged_region(where))
+    assert_all_equal(want, got)
+
+
+def jagged_over_new_offsets(lin):
+    """Builds its jagged tensor over offsets computed inside: the recomputation's nested int is
+    another than the forward's."""
+
+    def fn(values, lengths):
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        return torch.tanh(lin(torch.nested.nested_tensor_from_jagged(values, offsets)))
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    "use_reentrant, error",
+    [(False, "different metadata"), (True, "Mismatch in shape")],
+)
+def test_a_recomputation_over_other_offsets_fails_as_in_torch(use_reentrant, error):
+    lin = torch.nn.Linear(8, 8)
+    for checkpoint in (tc.checkpoint, ferry.checkpoint):
+        values, lengths = torch.randn(8, 8, requires_grad=True), torch.tensor([3, 5])
+        y = checkpoint(jagged_over_new_offsets(lin), values, lengths, use_reentrant=use_reentrant)
+        with pytest.raises(RuntimeError, match=error) as caught:
+            y.values().sum().backward()
+    if not use_reentrant:
+        # The nested ints named as torch names them: jN, the recomputation's a later one.
+        message = str(caught.value)
+        assert "ferry.checkpoint: Recomputed values" in message
+        saved = re.search(r"saved metadata: \{shape: \[2, j(\d+), 8\], dtype: float32", message)
+        again = re.search(r"recomputed metadata: \{shape: \[2, j(\d+), 8\], dtype", message)
+        assert saved and again and int(again[1]) > int(saved[1]), message
+
+
+def test_without_the_determinism_check_other_offsets_fail_in_backward_as_in_torch():
+    # Nothing compares the shapes: the backward mixes the two nested ints, which torch refuses.
+    lin = torch.nn.Linear(8, 8)
+    for checkpoint in (tc.checkpoint, ferry.checkpoint):
+        values, lengths = torch.randn(8, 8, requires_grad=True), torch.tensor([3, 5])
+        y = checkpoint(
+            jagged_over_new_offsets(lin),
+            values,
+            lengths,
+            use_reentrant=False,
+            determinism_check="none",
+        )
+        with pytest.raises(RuntimeError, match="cannot call binary pointwise function"):
+            y.values().sum().backward()
+
+
+def jagged_attention(x):
+    """Self-attention over a jagged batch: on the CPU, torch computes it over a strided nested
+    tensor, which has no sizes to read."""
+    q = x.unflatten(-1, (2, 4)).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, q, q)
+    return out.transpose(1, 2).flatten(-2)
+
+
+def test_jagged_attention_fails_and_passes_as_in_torch():
+    def run(checkpoint, **options):
+        x, leaf = jagged_input("nested_tensor")
+        y = checkpoint(jagged_attention, x, use_reentrant=False, **options)
+        y.values().square().sum().backward()
+        return [y.values().detach(), leaf.grad.values()]
+
+    # The determinism check reads the shape of every saved tensor, in forward.
+    for checkpoint in (tc.checkpoint, ferry.checkpoint):
+        with pytest.raises(RuntimeError, match="NestedTensorImpl doesn't support sizes"):
+            run(checkpoint)
+    want = run(tc.checkpoint, determinism_check="none")
+    assert_all_equal(want, run(ferry.checkpoint, determinism_check="none"))
+
+
+def jagged_policy(choice):
+    """A selective checkpoint policy: `choice` for the linear layer's and tanh's outputs."""
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in (
+            torch.ops.aten.tanh.default,
+            torch.ops.aten.addmm.default,
+            torch.ops.aten.mm.default,
+        ):
+            return choice
+        return tc.CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+@pytest.mark.parametrize(
+    "where, choice",
+    [
+        ("outside", tc.CheckpointPolicy.MUST_SAVE),
+        ("offload", tc.CheckpointPolicy.MUST_SAVE),
+        ("offload", tc.CheckpointPolicy.MUST_CPU_OFFLOAD),
+    ],
+)
+def test_selective_checkpoint_of_jagged_tensors_equals_torch(where, choice):
+    def context():
+        return tc.create_selective_checkpoint_contexts(jagged_policy(choice))
+
+    want, _ = jagged_run(
+        functools.partial(tc.checkpoint, use_reentrant=False, context_fn=context), "nested_tensor"
+    )
+    region = jagged_region(where)
+    got, _ = jagged_run(
+        functools.partial(ferry.checkpoint, use_reentrant=False, context_fn=context),
+        "nested_tensor",
+        region,
+    )
+    assert_all_equal(want, got)
+    if choice == tc.CheckpointPolicy.MUST_CPU_OFFLOAD:
+        # torch 2.11 recomputes these ops; ferry hands their jagged outputs to the session,
+        # which keeps them as they are (it copies dense storages only).
+        assert region.telemetry()["kept_as_is"] > 0

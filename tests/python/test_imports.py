@@ -1,9 +1,10 @@
 """The package's modules import one another in one direction: the graph of their imports of
 each other (at the top of a module or inside a function; imports only for type checking
-excepted) has no cycle, every module imports alone (in a process of its own, without the
-package's ``__init__``), and a subpackage's private modules are imported from inside it (the
-one exception: ``ferry._sim`` takes the plan format's types from ``ferry._plan._format``, not
-the plan application)."""
+excepted) has no cycle, no module takes a name from the package root (``from .. import
+NAME``: the root's ``__init__`` imports them), every module imports alone (in a process of its
+own, without the package's ``__init__``), and a subpackage's private modules are imported from
+inside it (the one exception: ``ferry._sim`` takes the plan format's types from
+``ferry._plan._format``, not the plan application)."""
 
 import ast
 import importlib.util
@@ -30,6 +31,12 @@ def _type_checking(node):
     )
 
 
+def _extension(module):
+    """Whether ``module`` (a submodule of the package, with no source here) is a compiled
+    module: `from . import X` of anything else takes the name X from the package itself."""
+    return importlib.util.find_spec(module) is not None
+
+
 def _imports(path, name, modules):
     """The package modules the module at ``path`` (called ``name``) imports."""
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
@@ -49,7 +56,7 @@ def _imports(path, name, modules):
             sub = f"{target}.{alias.name}"
             if sub in modules:
                 found.add(sub)
-            elif node.module is not None:  # a name of the module `target`
+            elif node.module is not None or not _extension(sub):  # a name of `target`
                 found.add(target)
             # else `from . import X` of a module with no source here (the extensions _C and
             # _simulator)
@@ -104,6 +111,28 @@ def test_the_cycle_check_finds_a_planted_cycle():
     graph["ferry._checkpoint"] = graph["ferry._checkpoint"] | {"ferry._offload"}
     cycle = find_cycle(graph)
     assert cycle is not None and cycle[0] == cycle[-1]
+
+
+def root_imports(graph):
+    """The modules in ``graph`` below the package root that import the root itself."""
+    return sorted(name for name, targets in graph.items() if name != "ferry" and "ferry" in targets)
+
+
+def test_no_module_takes_a_name_from_the_package_root():
+    assert root_imports(import_graph()) == []
+
+
+def test_a_name_taken_from_the_package_root_is_an_import_of_the_root(tmp_path):
+    modules = {"ferry": None}
+    planted = tmp_path / "planted.py"
+    planted.write_text("def version():\n    from .. import __version__\n\n    return __version__\n")
+    assert _imports(str(planted), "ferry._cli.planted", modules) == {"ferry"}
+    # A compiled module of the package is no name of its __init__.
+    planted.write_text("from .. import _C\n")
+    assert _imports(str(planted), "ferry._cli.planted", modules) == set()
+    graph = import_graph()
+    graph["ferry._cli.main"] = graph["ferry._cli.main"] | {"ferry"}
+    assert root_imports(graph) == ["ferry._cli.main"]
 
 
 # What a module's imports may use of a subpackage it is not in: the subpackage itself (its

@@ -21,8 +21,6 @@ own offload flags to ferry (``ferry.integrations.trl.install()``).
 This module only re-exports; each name lives in the module of its feature.
 """
 
-import importlib.metadata as _metadata
-
 # First: ferry._C carries no run path; the libraries it names are loaded with torch.
 import torch as _torch  # noqa: F401
 
@@ -38,6 +36,7 @@ from ._probe import probe
 from ._sim import compare, plan, simulate
 from ._trace import TracedModel, trace
 from ._validate import ModelSpecError, validate
+from ._version import __version__ as __version__
 from .compat.hf import enable_gradient_checkpointing, gradient_checkpointing_offload
 from .compat.trl import NoOpManager, OffloadActivations, get_act_offloading_ctx_manager
 
@@ -68,9 +67,3 @@ __all__ = [
     "enable_gradient_checkpointing",
     "gradient_checkpointing_offload",
 ]
-
-try:
-    # pyproject.toml takes the version from the top-level CMakeLists.txt, ferry's one version.
-    __version__ = _metadata.version("ferry")
-except _metadata.PackageNotFoundError:  # imported from a source tree, not installed
-    __version__ = "unknown"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from . import _C
@@ -35,8 +35,10 @@ def _no_context() -> tuple[contextlib.AbstractContextManager, contextlib.Abstrac
 def runtime_call(fn: Callable[..., Any], *args: Any) -> Any:
     """Calls into ferry's runtime out of sight of dispatch modes: the host buffers it allocates
     and the state it copies are not ops of the model (a mode naming the model's ops, as
-    ``ferry.offload(plan=...)`` does, must not count them)."""
-    with torch._C._DisableTorchDispatch():
+    ``ferry.offload(plan=...)`` does, must not count them). Tensor subclasses still dispatch:
+    a jagged nested tensor detached by the runtime must stay one (with torch's Python dispatch
+    off it would become a bare nested tensor of no kind torch knows)."""
+    with _disable_current_modes():
         return fn(*args)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import _C
 from ._checkpoint import checkpoint
 from ._offload import offload_model
 from ._sim import DEFAULT_DEVICE, simulate_with_snapshot
@@ -34,17 +35,18 @@ POLICIES = {
 }
 
 # The scheduler's counters and the bytes, each compared over the last step (the simulator
-# reports the last step's, as it does every figure).
-COUNTERS = (
-    "packed",
-    "offloaded",
-    "kept",
-    "deduplicated",
-    "host_fallbacks",
-    "prefetched",
-    "on_demand",
-    "stash_hits",
-)
+# reports the last step's, as it does every figure). The counters are the offload telemetry's
+# counts (ferry._C.TELEMETRY_COUNTS, which the simulator's `telemetry` reports by the same
+# table) but these: the ones not compared, and why.
+UNCOMPARED_COUNTERS = {
+    "record_stream_fallbacks": "follows the references each backend holds to a reloaded buffer "
+    "(the real one: torch's references to its storage)",
+    "past_horizon": "a part of `kept`, which is compared",
+    "kept_as_is": "the real backend's alone: tensors it cannot copy, which never reach a scheduler",
+}
+COUNTERS = tuple(name for name in _C.TELEMETRY_COUNTS if name not in UNCOMPARED_COUNTERS)
+# Of the telemetry's bytes (ferry._C.TELEMETRY_BYTES): the bytes moved and the host pool's
+# peak, which the simulator names otherwise (`d2h_bytes`, `h2d_bytes`, `pinned_peak_bytes`).
 BYTES = ("bytes_d2h", "bytes_h2d", "pinned_peak")
 
 
@@ -321,9 +323,11 @@ def simulated_saved_peak(traced, device=None):
     return peak
 
 
-def simulate(traced, policy, checkpoint, steps, device=None, horizon="none"):
-    """The simulator's run of the traced model (``ferry.simulate``). ``horizon``: ``none``,
-    ``auto`` or a byte count (Note [Offload horizon in validate])."""
+def simulated_figures(traced, policy, checkpoint, steps, device=None, horizon="none"):
+    """The figures of the simulator's run of the traced model (``ferry.simulate``) that
+    ``validate`` sets beside the real run's: the counters and bytes of the last step, its time,
+    peaks and horizon, and the decisions per layer. ``horizon``: ``none``, ``auto`` or a byte
+    count (Note [Offload horizon in validate])."""
     result, _ = _simulated(traced, policy, checkpoint, steps, device, horizon)
     out = {name: result["telemetry"][name] for name in COUNTERS}
     out["bytes_d2h"] = result["d2h_bytes"]
@@ -428,7 +432,9 @@ def validate(
     for policy in policies:
         offload_policy, checkpoint = POLICIES[policy]
         # See Note [Offload horizon in validate].
-        sim = simulate(traced, offload_policy, checkpoint, steps, device=device, horizon=horizon)
+        sim = simulated_figures(
+            traced, offload_policy, checkpoint, steps, device=device, horizon=horizon
+        )
         real = run_real(
             model, inputs, loss_fn, offload_policy, checkpoint, steps, horizon=sim["horizon_bytes"]
         )

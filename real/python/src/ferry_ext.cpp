@@ -379,6 +379,15 @@ void bind_faults(py::module_& m) {
 
 // Offload sessions and their options.
 void bind_session(py::module_& m) {
+  // The names of Session.telemetry()'s counts and bytes, in its order: the tables of
+  // ferry/offload/options.hpp, which the simulator's reports write too.
+  py::list counts;
+  for (const ferry::TelemetryCount& c : ferry::kTelemetryCounts) counts.append(std::string(c.name));
+  py::list bytes;
+  for (const ferry::TelemetryBytes& b : ferry::kTelemetryBytes) bytes.append(std::string(b.name));
+  m.attr("TELEMETRY_COUNTS") = py::tuple(counts);
+  m.attr("TELEMETRY_BYTES") = py::tuple(bytes);
+
   const ferry::real::RealOptions defaults;
   const ferry::OffloadOptions& d = defaults.offload;
   py::class_<Session, std::shared_ptr<Session>>(m, "Session", "One offload session.")

@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(usage())
         return 0
     if name == "--version":
-        from .. import __version__
+        from .._version import __version__
 
         print(f"ferry {__version__}")
         return 0
