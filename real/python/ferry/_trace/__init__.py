@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .._modules import head_of
+from .._tensor_parallel import is_dtensor
 from ._document import TracedModel, traced_model
 from ._record import Tracer, TraceRecorder, layer_of
 from ._values import Routing, Values
@@ -58,7 +59,12 @@ def loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Te
 
 
 def _fake(fake_mode: Any, t: torch.Tensor) -> torch.Tensor:
-    """A fake CPU tensor of ``t``'s shape, dtype and requires_grad (meta tensors included)."""
+    """A fake CPU tensor of ``t``'s shape, dtype and requires_grad (meta tensors included; a
+    DTensor at its global shape, as the model before ``parallelize_module`` holds it)."""
+    if is_dtensor(t):
+        with fake_mode:
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return out.requires_grad_(t.requires_grad)
     if isinstance(t, torch.Tensor) and t.device.type == "meta":
         with fake_mode:
             out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
