@@ -33,9 +33,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
 FAMILIES = ("llama", "mixtral")
 VOCAB, HIDDEN, LAYERS = 256, 64, 2
-BATCH, SEQ = 2, 64
+BATCH, SEQ = 2, 128
 #: Random plans a model.
 RANDOM_PLANS = 4
+#: The planted fault: a region offloads a collective's output before its wait.
+FAULT = "offload_collectives_early"
 
 
 def _model(family):
@@ -113,10 +115,8 @@ def loss_fn(out):
     return out.logits.float().mean()
 
 
-def _random_plan(plan, rng):
-    """The rank's ops of ``plan`` with random decisions: each layer's run of ops a region
-    (inputs kept or offloaded; ops kept, offloaded or recomputed) or not (ops kept or
-    offloaded). Every byte may be offloaded: no minimum size, no window."""
+def _layer_spans(plan):
+    """The plan's ops of each layer (``model.layers.N``), by N, each a run of ops."""
     from ferry._names import op_path
 
     spans = {}
@@ -124,23 +124,55 @@ def _random_plan(plan, rng):
         parts = op_path(op["name"]).split(".")
         if parts[:2] == ["model", "layers"] and len(parts) > 2:
             spans.setdefault(parts[2], []).append(i)
-    decisions = [rng.choice(("keep", "offload")) for _ in plan["ops"]]
-    regions = []
-    for layer in sorted(spans, key=int):
-        span = spans[layer]
+    for layer, span in spans.items():
         assert span == list(range(span[0], span[-1] + 1)), (layer, span)
-        if rng.random() < 0.5:
-            continue
-        inputs = rng.choice(("keep", "offload"))
-        regions.append({"first_op": span[0], "end_op": span[-1] + 1, "inputs": inputs})
-        for i in span:
-            decisions[i] = rng.choice(("keep", "offload", "recompute"))
+    return spans
+
+
+def _with_decisions(plan, regions, decisions):
+    """``plan`` with these regions and decisions; every byte may be offloaded: no minimum
+    size, no window."""
     return {
         **{k: v for k, v in dict(plan).items() if k not in ("ops", "regions", "knobs")},
         "knobs": {"min_bytes": 0, "window_bytes": 0},
         "regions": regions,
         "ops": [{"name": op["name"], "saved": d} for op, d in zip(plan["ops"], decisions)],
     }
+
+
+def _random_plan(plan, rng):
+    """The rank's ops of ``plan`` with random decisions: each layer's run of ops a region
+    (inputs kept or offloaded; ops kept, offloaded or recomputed) or not (ops kept or
+    offloaded)."""
+    spans = _layer_spans(plan)
+    decisions = [rng.choice(("keep", "offload")) for _ in plan["ops"]]
+    regions = []
+    for layer in sorted(spans, key=int):
+        span = spans[layer]
+        if rng.random() < 0.5:
+            continue
+        inputs = rng.choice(("keep", "offload"))
+        regions.append({"first_op": span[0], "end_op": span[-1] + 1, "inputs": inputs})
+        for i in span:
+            decisions[i] = rng.choice(("keep", "offload", "recompute"))
+    return _with_decisions(plan, regions, decisions)
+
+
+def _collectives_offloaded(plan):
+    """``plan``'s ops with each layer a region whose ops are recomputed, but for the cut's
+    collectives, offloaded; the ops outside the layers kept."""
+    from ferry._names import cut_collective
+
+    spans = _layer_spans(plan)
+    decisions = ["keep"] * len(plan["ops"])
+    regions = []
+    for layer in sorted(spans, key=int):
+        span = spans[layer]
+        regions.append({"first_op": span[0], "end_op": span[-1] + 1, "inputs": "keep"})
+        for i in span:
+            name = plan["ops"][i]["name"]
+            decisions[i] = "offload" if cut_collective(name) else "recompute"
+    return _with_decisions(plan, regions, decisions)
 
 
 def _run(rank, store_path, out_dir):
@@ -150,6 +182,7 @@ def _run(rank, store_path, out_dir):
 
     import conftest  # noqa: F401  (the loopback sessions of the test process)
     import ferry
+    from ferry.testing import planted_offload
     from gloo_ranks import run_rank
 
     def body():
@@ -236,6 +269,17 @@ def _run(rank, store_path, out_dir):
                     ),
                     f"random plan {k}",
                 )
+            # Each layer a region that recomputes all but the cut's collectives, which it
+            # offloads: kept instead, they are read after their wait; with the fault planted,
+            # copied before it.
+            plan = _collectives_offloaded(top.plan)
+            for faults in ((), (FAULT,)):
+                check(
+                    lambda model, plan=plan, faults=faults: planted_offload(
+                        faults=faults, plan=plan, model=model, loopback=True, dedup=False
+                    ),
+                    f"collectives offloaded, faults {faults}",
+                )
             try:
                 auto("80GiB", traced, tp=2 * WORLD)(build(family))
                 out["wrong_tp"] = None
@@ -259,8 +303,10 @@ def ranks(tmp_path_factory):
 def test_plans_for_a_ranks_cut_train_bitwise(ranks, family):
     for rank, results in enumerate(ranks):
         got = results[family]
-        assert len(got["plans"]) == 3 + RANDOM_PLANS, (rank, got)
+        assert len(got["plans"]) == 3 + RANDOM_PLANS + 2, (rank, got)
         for plan in got["plans"]:
+            if FAULT in plan["what"]:
+                continue
             assert "error" not in plan, (rank, plan)
             assert plan["bitwise"] and plan["tracked"] == 0, (rank, plan)
             assert plan.get("fits", True), (rank, plan)
@@ -277,7 +323,7 @@ def test_the_plans_are_the_cuts_and_do_what_they_say(ranks, family):
         floor_plan = got["plans"][1]
         assert floor_plan["regions"] > 0 and floor_plan["counts"]["recomputed"] > 0, (rank, got)
         # The random plans offload and recompute.
-        randoms = got["plans"][3:]
+        randoms = got["plans"][3 : 3 + RANDOM_PLANS]
         assert sum(p["counts"]["offloaded"] for p in randoms) > 0, (rank, got)
         assert sum(p["counts"]["recomputed"] for p in randoms) > 0, (rank, got)
 
@@ -294,6 +340,18 @@ def test_the_cuts_collectives_are_matched_to_dtensors(ranks):
         # Without it, none: the rowwise outputs are all-reduced instead.
         for plan in results["mixtral"]["plans"]:
             assert plan["counts"]["collectives"] == 0, (rank, plan)
+
+
+def test_a_collective_offloaded_before_its_wait_is_caught(ranks):
+    for rank, results in enumerate(ranks):
+        sound, planted = results["llama"]["plans"][-2:]
+        assert FAULT not in sound["what"] and FAULT in planted["what"], (rank, results)
+        # Every layer's region recomputes all but the collectives: kept, the recomputation
+        # reads what their wait completed, and each layer's four were matched.
+        assert sound["bitwise"] and sound["counts"]["recomputed"] > 0, (rank, sound)
+        assert sound["counts"]["collectives"] == 1 + 4 * LAYERS + 1, (rank, sound)
+        # Copied before the wait, they are not what the ranks exchanged.
+        assert "error" in planted or not planted["bitwise"], (rank, planted)
 
 
 def test_a_tp_that_is_not_the_meshs_size_is_refused(ranks):

@@ -19,8 +19,12 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    is_traceable_wrapper_subclass,
+)
+from torch.utils._pytree import tree_leaves, tree_map
 
 from . import _C
 from ._regions import Region
@@ -35,7 +39,14 @@ def _no_context() -> tuple[contextlib.AbstractContextManager, contextlib.Abstrac
 def runtime_call(fn: Callable[..., Any], *args: Any) -> Any:
     """Calls into ferry's runtime out of sight of dispatch modes: the host buffers it allocates
     and the state it copies are not ops of the model (a mode naming the model's ops, as
-    ``ferry.offload(plan=...)`` does, must not count them)."""
+    ``ferry.offload(plan=...)`` does, must not count them). Where an argument is a tensor
+    subclass (a DTensor, which tensor parallelism saves), only the modes are set aside: the
+    runtime reaches its inner tensors through the subclass's own dispatch (Note [Wrapper
+    subclasses] in real/python/src/ferry_ext.cpp), which switching all Python dispatch off
+    would skip, handing back a plain tensor."""
+    if any(is_traceable_wrapper_subclass(a) for a in tree_leaves(args)):
+        with _disable_current_modes():
+            return fn(*args)
     with torch._C._DisableTorchDispatch():
         return fn(*args)
 

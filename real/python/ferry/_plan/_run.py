@@ -178,7 +178,8 @@ class _RegionPolicy:
                 pass  # it writes what this call made: recomputed
             elif index is not None and self._region.first <= index < self._region.end:
                 choice = _POLICY[self._run.ops[index]["saved"]]
-                if self._run.is_collective(index) and choice == _POLICY["offload"]:
+                offloaded = choice == _POLICY["offload"]
+                if offloaded and self._run.is_collective(index) and self._run.waits_collectives:
                     # Its output is copied out when the collective returns, before the wait
                     # (Note [A plan for a rank's cut]): kept instead.
                     choice = _POLICY["keep"]
@@ -265,6 +266,10 @@ class PlanRun:
             for i in range(region.first, region.end):
                 self._region_of[i] = region
         self._session_region = session_region
+        # False only where ferry.testing plants the fault of offloading a collective's output
+        # before its wait.
+        faults = getattr(session_region, "_plan_faults", ())
+        self.waits_collectives = "offload_collectives_early" not in faults
         self._model = model
         self._exit_stack = None
         self._root = None
