@@ -241,6 +241,11 @@ def _run(rank, store_path, out_dir):
                     **options,
                 )
 
+            # Traced as the model before parallelize_module, byte for byte.
+            out["whole_trace"] = (
+                ferry.trace(build(family), ids, loss_fn=loss_fn, target="host").to_json()
+                == ferry.trace(_model(family), ids, loss_fn=loss_fn, target="host").to_json()
+            )
             top = check(auto("80GiB"), "80GiB")
             if top is None:
                 return out
@@ -352,6 +357,12 @@ def test_a_collective_offloaded_before_its_wait_is_caught(ranks):
         assert sound["counts"]["collectives"] == 1 + 4 * LAYERS + 1, (rank, sound)
         # Copied before the wait, they are not what the ranks exchanged.
         assert "error" in planted or not planted["bitwise"], (rank, planted)
+
+
+def test_a_parallelized_model_is_traced_as_the_whole_model(ranks):
+    for rank, results in enumerate(ranks):
+        for family in FAMILIES:
+            assert results[family]["whole_trace"], (rank, family)
 
 
 def test_a_tp_that_is_not_the_meshs_size_is_refused(ranks):

@@ -11,7 +11,7 @@ import torch
 from ._offload import offload
 from ._plan import PlanError
 from ._sim import DEFAULT_DEVICE, percentage, read_bytes, run_planner
-from ._tensor_parallel import degree_of, whole_model
+from ._tensor_parallel import degree_of
 from ._trace import TracedModel, trace
 
 
@@ -115,10 +115,9 @@ def auto(
     degree = degree_of(model, tp, "ferry.auto")
     on_cpu = _on_cpu(model, example_inputs)
     if traced is None:
-        with whole_model(model):
-            traced = trace(
-                model, *example_inputs, loss_fn=loss_fn, target="host" if on_cpu else "device"
-            )
+        traced = trace(
+            model, *example_inputs, loss_fn=loss_fn, target="host" if on_cpu else "device"
+        )
     else:
         _check_traced(traced, model)
     parallel = {"tp": degree} if degree > 1 else {}
