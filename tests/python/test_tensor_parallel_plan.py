@@ -292,7 +292,20 @@ def _run(rank, store_path, out_dir):
                 out["wrong_tp"] = str(e)
             return out
 
-        return {family: results_of(family) for family in FAMILIES}
+        results = {family: results_of(family) for family in FAMILIES}
+        # FSDP2's parameters are DTensors too, on a mesh that is no tensor parallelism's.
+        from torch.distributed.fsdp import fully_shard
+
+        sharded = _model("llama")
+        for layer in sharded.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        try:
+            ferry.auto(sharded, ids, budget="80GiB", loss_fn=loss_fn)
+            results["fsdp"] = None
+        except ValueError as e:
+            results["fsdp"] = str(e)
+        return results
 
     run_rank(rank, WORLD, store_path, out_dir, body)
 
@@ -363,6 +376,33 @@ def test_a_parallelized_model_is_traced_as_the_whole_model(ranks):
     for rank, results in enumerate(ranks):
         for family in FAMILIES:
             assert results[family]["whole_trace"], (rank, family)
+
+
+def test_a_model_sharded_by_fsdp2_is_refused(ranks):
+    for rank, results in enumerate(ranks):
+        assert results["fsdp"] is not None, rank
+        assert results["fsdp"].startswith(
+            "ferry.auto: the model's parameters are sharded by FSDP2 (fully_shard); ferry.auto "
+            "plans a model on one device or one that parallelize_module parallelized"
+        ), (rank, results["fsdp"])
+
+
+def test_a_tp_without_a_parallelized_model_is_refused():
+    import ferry
+
+    model = _model("llama")
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(
+        ValueError,
+        match=r"^ferry\.auto: tp=2, but the model is parallelized over 1 rank\(s\): it has no "
+        r"DTensor parameter \(parallelize it with parallelize_module first\)",
+    ):
+        ferry.auto(model, ids, budget="80GiB", tp=2)
+    for tp in (0, 1.5, True):
+        with pytest.raises(TypeError, match=rf"^ferry\.auto: tp: {tp!r} is not a number of ranks"):
+            ferry.auto(model, ids, budget="80GiB", tp=tp)
+    # tp=1 is the model's own degree: planned as one device.
+    assert not ferry.auto(model, ids, budget="80GiB", tp=1, loss_fn=loss_fn).plan["regions"]
 
 
 def test_a_tp_that_is_not_the_meshs_size_is_refused(ranks):

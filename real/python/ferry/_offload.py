@@ -59,7 +59,9 @@ class offload(Region):
 
     With ``plan``, a ``ferry.plan/1`` is applied: each op's saved tensors are kept or
     offloaded, and the plan's checkpoint regions recompute what it says (docs/plan.md,
-    "Applying a plan"). Run the whole traced step, loss included, inside the region.
+    "Applying a plan"). Run the whole traced step, loss included, inside the region. A plan
+    made under ``--tp`` applies to the modules ``parallelize_module`` parallelized, on each
+    rank (docs/real.md, "Plans under tensor parallelism").
 
     Args:
         policy: ``"ferry"`` (ferry's scheduler), ``"trl"`` (a faithful model of the reference
@@ -100,7 +102,8 @@ class offload(Region):
         TypeError: ``min_bytes`` and ``min_offload_size`` disagree, or ``model`` is given
             without ``plan``.
         ValueError: ``use_pin_memory=False``, or a bad option value.
-        PlanError: The plan cannot be read or is not a valid ``ferry.plan/1``.
+        PlanError: The plan cannot be read or is not a valid ``ferry.plan/1``, or was made
+            under ``--cp`` or ``--ep`` or with the paged stash.
     """
 
     _kind = "offload"

@@ -53,9 +53,10 @@ def degree_of(model: torch.nn.Module, tp: int | None, who: str) -> int:
             meshes.append((name, p.device_mesh))
     if meshes and _is_fsdp(model):
         raise ValueError(
-            f"{who}: the model's parameters are sharded by FSDP2 (fully_shard): ferry.auto plans "
-            "a model that parallelize_module parallelized, or one on a single device; plan an "
-            "FSDP2 model with ferry.plan(..., fsdp=N) and apply it with ferry.offload(plan=...)"
+            f"{who}: the model's parameters are sharded by FSDP2 (fully_shard); ferry.auto "
+            "plans a model on one device or one that parallelize_module parallelized (its "
+            "DTensor parameters' mesh is tensor parallelism's). For FSDP2, trace the model "
+            "before fully_shard (ferry.trace) and plan it with ferry.plan(traced, fsdp=N)"
         )
     if len(meshes) > 1:
         (a, mesh_a), (b, mesh_b) = meshes[:2]
