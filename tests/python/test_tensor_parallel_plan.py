@@ -293,6 +293,25 @@ def _run(rank, store_path, out_dir):
             return out
 
         results = {family: results_of(family) for family in FAMILIES}
+        # Parameters on two meshes, and on a mesh of two dimensions.
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        grid = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+        two = _model("llama")
+        parallelize_module(two, mesh, {"lm_head": ColwiseParallel()})
+        parallelize_module(two, grid["tp"], {"model.layers.0.mlp.up_proj": ColwiseParallel()})
+        flat = _model("llama")
+        weight = flat.lm_head.weight
+        flat.lm_head.weight = torch.nn.Parameter(
+            distribute_tensor(weight.detach(), grid, [Replicate(), Shard(0)])
+        )
+        for key, model in (("two_meshes", two), ("grid", flat)):
+            try:
+                ferry.auto(model, ids, budget="80GiB", loss_fn=loss_fn)
+                results[key] = None
+            except ValueError as e:
+                results[key] = str(e)
         # FSDP2's parameters are DTensors too, on a mesh that is no tensor parallelism's.
         from torch.distributed.fsdp import fully_shard
 
@@ -385,6 +404,17 @@ def test_a_model_sharded_by_fsdp2_is_refused(ranks):
             "ferry.auto: the model's parameters are sharded by FSDP2 (fully_shard); ferry.auto "
             "plans a model on one device or one that parallelize_module parallelized"
         ), (rank, results["fsdp"])
+
+
+def test_parameters_on_several_meshes_or_a_grid_are_refused(ranks):
+    for rank, results in enumerate(ranks):
+        assert results["two_meshes"] is not None and results["two_meshes"].startswith(
+            "ferry.auto: parameters model.layers.0.mlp.up_proj.weight and lm_head.weight lie "
+            "on different device meshes"
+        ), (rank, results["two_meshes"])
+        assert results["grid"] is not None and results["grid"].startswith(
+            "ferry.auto: parameter lm_head.weight lies on a 2-dimensional device mesh"
+        ), (rank, results["grid"])
 
 
 def test_a_tp_without_a_parallelized_model_is_refused():

@@ -49,7 +49,7 @@ def degree_of(model: torch.nn.Module, tp: int | None, who: str) -> int:
         raise TypeError(f"{who}: tp: {tp!r} is not a number of ranks (an int >= 1)")
     meshes = []
     for name, p in model.named_parameters():
-        if is_dtensor(p) and all(p.device_mesh is not m for _, m in meshes):
+        if is_dtensor(p) and all(p.device_mesh != m for _, m in meshes):
             meshes.append((name, p.device_mesh))
     if meshes and _is_fsdp(model):
         raise ValueError(
