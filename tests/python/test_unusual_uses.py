@@ -87,13 +87,22 @@ def test_a_plan_that_ends_early_or_late_leaves_nothing(edit, message):
     assert_nothing_left(ctx, before)
 
 
-@pytest.mark.parametrize("axis", ["tp", "cp", "ep"])
-def test_a_plan_made_for_a_ranks_cut_is_refused_by_a_real_run(axis):
-    # Under tensor, context or expert parallelism a plan's ops are one GPU's cut of the model.
+@pytest.mark.parametrize(
+    "axis, missing",
+    [
+        ("cp", "torch's context_parallel .* CUDA's flash, efficient and cuDNN kernels only"),
+        ("ep", "torch has no expert-parallel API"),
+    ],
+)
+def test_a_plan_made_for_a_context_or_expert_parallel_cut_is_refused(axis, missing):
+    # Under context or expert parallelism a plan's ops are one GPU's cut of the model, whose
+    # exchanges a real rank does not run (tensor parallelism's: test_tensor_parallel_plan.py).
     model, _, plan = block_plan()
     plan["parallelism"] = {"fsdp": 4, axis: 2}
     with pytest.raises(
-        PlanError, match=rf"parallelism\.{axis}: the plan was made for one GPU's cut"
+        PlanError,
+        match=rf"parallelism\.{axis}: the plan was made for one GPU's cut of the model under "
+        rf"--{axis} 2: .*{missing}.* Make the plan without --{axis}",
     ):
         ferry.offload(plan=plan, model=model, loopback=True)
 

@@ -11,6 +11,7 @@ import torch
 from ._offload import offload
 from ._plan import PlanError
 from ._sim import DEFAULT_DEVICE, percentage, read_bytes, run_planner
+from ._tensor_parallel import degree_of
 from ._trace import TracedModel, trace
 
 
@@ -61,6 +62,7 @@ def auto(
     loopback: bool | None = None,
     margin: str | float | None = None,
     traced: TracedModel | None = None,
+    tp: int | None = None,
     **options: Any,
 ) -> AutoOffload:
     """Traces one training step of ``model``, plans it under a budget and applies the plan.
@@ -68,6 +70,12 @@ def auto(
     The step is traced on ``example_inputs`` and planned in this process (``ferry.plan``, the
     planner of ``ferry plan``) to fit ``budget``; the result applies the plan: ``with ctx: loss
     = loss_fn(model(*inputs))``, then ``loss.backward()``.
+
+    A model that ``parallelize_module`` parallelized (its parameters DTensors on a 1-D device
+    mesh) is planned for one rank of that mesh: the whole model is traced, without the
+    parallel styles' hooks, and the planner cuts it as ``ferry plan --tp N`` does; the plan
+    applies to the rank's modules (docs/real.md, "Plans under tensor parallelism"). Call it
+    on every rank, with the same inputs: each makes the same plan.
 
     Args:
         model: The model to plan.
@@ -83,15 +91,20 @@ def auto(
             ``ferry.trace`` of the model on these inputs with this ``loss_fn``), planned
             instead of tracing again: another budget then costs only the simulations it adds
             (``TracedModel.planners``). It must hold the model's parameters.
+        tp: The tensor-parallel degree; None: the size of the mesh the model's DTensor
+            parameters lie on (1 without any). Given, it must be that size.
         **options: Further ``ferry.offload`` options.
 
     Returns:
         The ``offload`` region that applies the plan.
 
     Raises:
-        TypeError: A budget that is no byte count, or ``traced`` that is no ``TracedModel``.
-        ValueError: A budget ``ferry plan`` refuses (empty, unreadable or out of range), or
-            ``traced`` lacks a parameter of the model or has it at another size.
+        TypeError: A budget that is no byte count, ``traced`` that is no ``TracedModel``, or
+            ``tp`` that is no positive int.
+        ValueError: A budget ``ferry plan`` refuses (empty, unreadable or out of range),
+            ``traced`` lacks a parameter of the model or has it at another size, or ``tp``
+            is not the model's degree (or its parameters lie on a mesh ferry.auto does not
+            plan: several meshes, one of several dimensions, FSDP2's).
         PlanError: The planner refused (a budget below the floor: the message names the
             floor, also in ``floor``).
     """
@@ -99,6 +112,7 @@ def auto(
     budget_bytes = read_bytes(budget, "ferry.auto: budget", required=True)
     host_bytes = read_bytes(host_budget, "ferry.auto: host_budget")
     percentage(margin, "ferry.auto: margin")
+    degree = degree_of(model, tp, "ferry.auto")
     on_cpu = _on_cpu(model, example_inputs)
     if traced is None:
         traced = trace(
@@ -106,8 +120,9 @@ def auto(
         )
     else:
         _check_traced(traced, model)
+    parallel = {"tp": degree} if degree > 1 else {}
     try:
-        made = run_planner(traced, budget_bytes, device, host_bytes, margin=margin)
+        made = run_planner(traced, budget_bytes, device, host_bytes, margin=margin, **parallel)
     except PlanError as e:
         raise _prefixed(e, "ferry.auto") from None
     if loopback is None:

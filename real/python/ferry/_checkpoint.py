@@ -37,7 +37,10 @@ def runtime_call(fn: Callable[..., Any], *args: Any) -> Any:
     and the state it copies are not ops of the model (a mode naming the model's ops, as
     ``ferry.offload(plan=...)`` does, must not count them). Tensor subclasses still dispatch:
     a jagged nested tensor detached by the runtime must stay one (with torch's Python dispatch
-    off it would become a bare nested tensor of no kind torch knows)."""
+    off it would become a bare nested tensor of no kind torch knows), and the runtime reaches a
+    saved DTensor's inner tensors through the subclass's own dispatch (Note [Wrapper
+    subclasses] in real/python/src/ferry_ext.cpp), which switching all Python dispatch off
+    would skip, handing back a plain tensor."""
     with _disable_current_modes():
         return fn(*args)
 

@@ -57,3 +57,32 @@ def base_of(name: str) -> str:
 def path_of(name: str) -> str:
     """The path of the module an op of this name ran in (``""``: none)."""
     return name.rpartition("/")[0]
+
+
+#: The collectives a rank's cut inserts (docs/parallelism.md, "A rank's model"): the suffix of
+#: the op name they are named after, and the ``_c10d_functional`` op that issues each on a rank.
+CUT_COLLECTIVES = {
+    "tp.all_gather": "all_gather_into_tensor",
+    "tp.reduce_scatter": "reduce_scatter_tensor",
+    "cp.all_gather": "all_gather_into_tensor",
+    "ep.dispatch": "all_to_all_single",
+    "ep.combine": "all_to_all_single",
+}
+
+
+def cut_collective(name: str) -> tuple[str, str] | None:
+    """For the name of a collective a rank's cut inserted (``<op name>/tp.all_gather``): the
+    name of the op it was inserted for and the ``_c10d_functional`` op that issues it on a rank;
+    None for any other op."""
+    op, _, suffix = name.rpartition("/")
+    kind = CUT_COLLECTIVES.get(suffix)
+    if not op or kind is None:
+        return None
+    return op, kind
+
+
+def op_path(name: str) -> str:
+    """The path of the module the op of this plan name runs in: a collective a rank's cut
+    inserted runs in the module of the op it was inserted for."""
+    collective = cut_collective(name)
+    return path_of(collective[0] if collective is not None else name)

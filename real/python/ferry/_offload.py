@@ -21,6 +21,25 @@ __all__ = ["PlanSource", "no_offload", "offload", "offload_model"]
 #: A ``ferry.plan/1``: a path to the file ``ferry plan --out`` writes, or the loaded dict.
 PlanSource = str | os.PathLike[str] | Mapping[str, Any]
 
+#: The axes of a rank's cut whose plans a real run refuses, and why (docs/real.md, "Plans under
+#: tensor parallelism"). A plan made under ``--tp`` applies to the modules ``parallelize_module``
+#: parallelized (Note [A plan for a rank's cut] in ``_plan/_run.py``).
+_UNAPPLIED_AXES = {
+    "cp": (
+        "the cut all-gathers each attention's keys and values (its ops `.../cp.all_gather`), "
+        "where torch's context_parallel (torch.distributed.tensor.experimental) rotates them "
+        "inside ring attention, which it runs for CUDA's flash, efficient and cuDNN kernels "
+        "only: a rank runs no exchange the plan's could be matched to. Make the plan without "
+        "--cp"
+    ),
+    "ep": (
+        "torch has no expert-parallel API (no parallel style sends each rank's routed rows to "
+        "the ranks holding their experts, the cut's `.../ep.dispatch` and `.../ep.combine` "
+        "all-to-alls): a rank runs no exchange the plan's could be matched to. Make the plan "
+        "without --ep"
+    ),
+}
+
 
 class offload(Region):
     """Offloads the saved tensors of the ops run inside it.
@@ -40,7 +59,9 @@ class offload(Region):
 
     With ``plan``, a ``ferry.plan/1`` is applied: each op's saved tensors are kept or
     offloaded, and the plan's checkpoint regions recompute what it says (docs/plan.md,
-    "Applying a plan"). Run the whole traced step, loss included, inside the region.
+    "Applying a plan"). Run the whole traced step, loss included, inside the region. A plan
+    made under ``--tp`` applies to the modules ``parallelize_module`` parallelized, on each
+    rank (docs/real.md, "Plans under tensor parallelism").
 
     Args:
         policy: ``"ferry"`` (ferry's scheduler), ``"trl"`` (a faithful model of the reference
@@ -81,7 +102,8 @@ class offload(Region):
         TypeError: ``min_bytes`` and ``min_offload_size`` disagree, or ``model`` is given
             without ``plan``.
         ValueError: ``use_pin_memory=False``, or a bad option value.
-        PlanError: The plan cannot be read or is not a valid ``ferry.plan/1``.
+        PlanError: The plan cannot be read or is not a valid ``ferry.plan/1``, or was made
+            under ``--cp`` or ``--ep`` or with the paged stash.
     """
 
     _kind = "offload"
@@ -116,13 +138,11 @@ class offload(Region):
             # Looked up in the module at each call: tests replace its functions.
             plan = _plan.load_plan(plan)
             mesh = plan.get("parallelism") or {}
-            for axis in ("tp", "cp", "ep"):
+            for axis, missing in _UNAPPLIED_AXES.items():
                 if mesh.get(axis, 1) > 1:
                     raise _plan.PlanError(
                         f"ferry.offload(plan=...): parallelism.{axis}: the plan was made for one "
-                        f"GPU's cut of the model under --{axis} {mesh[axis]} (its ops are the "
-                        "cut's, docs/parallelism.md); a real run applies plans made without "
-                        "--tp, --cp and --ep"
+                        f"GPU's cut of the model under --{axis} {mesh[axis]}: {missing}"
                     )
             if plan.get("paged_stash"):
                 raise _plan.PlanError(
@@ -223,7 +243,9 @@ class offload(Region):
         Returns:
             ``kept``, ``offloaded``: distinct tensors saved outside regions;
             ``saved_outputs``, ``offloaded_outputs``: region ops whose outputs were kept or
-            offloaded; ``recomputed``: region ops re-run in backward so far.
+            offloaded; ``recomputed``: region ops re-run in backward so far; for a plan made
+            under ``--tp``, ``collectives``: the cut's collectives the rank issued, each
+            matched to the plan's (docs/real.md, "Plans under tensor parallelism").
 
         Raises:
             ValueError: The region was made without ``plan=``.

@@ -7,7 +7,7 @@ import contextlib
 from . import _C
 from ._offload import offload
 
-__all__ = ["FAULTS", "planted_offload", "current_stream"]
+__all__ = ["FAULTS", "PLAN_FAULTS", "planted_offload", "current_stream"]
 
 #: The synchronizations a fault can drop (see ferry/offload/faults.hpp).
 FAULTS = (
@@ -30,16 +30,25 @@ FAULTS = (
 )
 
 
+#: The faults of ``offload(plan=...)`` itself: a region of a plan made under ``--tp`` offloads
+#: a collective's output as the plan says, copied before the collective's wait (Note [A plan
+#: for a rank's cut] in ``_plan/_run.py``).
+PLAN_FAULTS = ("offload_collectives_early",)
+
+
 class planted_offload(offload):
     """``ferry.offload(**options)`` whose scheduler drops the synchronizations named in
-    ``faults`` (an iterable of names from ``FAULTS``)."""
+    ``faults`` (an iterable of names from ``FAULTS`` and ``PLAN_FAULTS``)."""
 
     def __init__(self, *, faults, **options):
         faults = tuple(faults)
-        unknown = [f for f in faults if f not in FAULTS]
+        unknown = [f for f in faults if f not in FAULTS + PLAN_FAULTS]
         if unknown:
-            raise ValueError(f"ferry.testing: unknown fault {unknown[0]!r}; known: {FAULTS}")
-        self._faults = _C._Faults(**{f: True for f in faults})
+            raise ValueError(
+                f"ferry.testing: unknown fault {unknown[0]!r}; known: {FAULTS + PLAN_FAULTS}"
+            )
+        self._faults = _C._Faults(**{f: True for f in faults if f in FAULTS})
+        self._plan_faults = tuple(f for f in faults if f in PLAN_FAULTS)
         super().__init__(**options)
 
     def _make_session(self, options):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .._names import path_of
+from .._names import op_path
 from ._format import fail
 
 
@@ -31,7 +31,7 @@ def _ops_outside(ops, first, end, path):
     return [
         i
         for i in list(range(first)) + list(range(end, len(ops)))
-        if under(path_of(ops[i]["name"]), path)
+        if under(op_path(ops[i]["name"]), path)
     ]
 
 
@@ -39,7 +39,7 @@ def regions_of(plan):
     """Each region of the plan, with the module whose call it is: the deepest module holding
     all its ops and no op outside it."""
     ops = plan["ops"]
-    paths = [path_of(op["name"]) for op in ops]
+    paths = [op_path(op["name"]) for op in ops]
     regions = []
     for r, region in enumerate(plan.get("regions", [])):
         first, end = region["first_op"], region["end_op"]

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from .. import _C
 from .._checkpoint import checkpoint, runtime_call
 from .._modules import head_path
-from .._names import OpNames, base_of, is_named, path_of, writes
+from .._names import CUT_COLLECTIVES, OpNames, base_of, cut_collective, is_named, op_path, writes
 from .._regions import no_offload
 from ._cache import copy_cache, is_cache, replay_cache
 from ._format import LOSS_OP, PlanError, fail, load_plan
@@ -79,6 +79,30 @@ _POLICY = {
 # after, the op saving it has not reached the mode yet. Such a tensor is held as it is until the
 # op arrives, matched to the plan, and then kept or packed by the session: no node is created in
 # between, so the session names the same node as at the save.
+#
+# Note [A plan for a rank's cut]
+# A plan made under `--tp N` is for one rank's cut of the model (docs/parallelism.md, "A rank's
+# model"): the whole model's ops, each named as the trace of the whole model names it, and the
+# collectives the cut inserts, each named after the op it was inserted for
+# (`model.layers.0.self_attn.q_proj/mm/tp.all_gather`, `.../o_proj/mm/tp.reduce_scatter`).
+# After `parallelize_module` a rank runs the same modules; the dispatch mode sees each op on
+# DTensors once, as the op of the whole model (`q_proj/mm` on the sharded weight), and the
+# ops on local tensors where a style hands them out (`use_local_output`). So the model's ops
+# are matched by name as without parallelism, and their decisions apply to the DTensors autograd
+# saves (an offload copies each one's local shard). DTensor's redistributions run in the
+# styles' hooks, as `_c10d_functional` ops: the all-gather before the colwise projections, the
+# reduce-scatter after a rowwise one under sequence parallelism. Each is matched, by the op that
+# issues it, to the cut's next collective of that kind not yet met, before the next region
+# boundary (inside the region whose call runs): a hook runs before the ops of its module that
+# the cut placed ahead of the collective (a view of the projection's input), so collectives are
+# met out of order and leave the cursor where it is. A region's recomputation then keeps or
+# re-issues the collective as the plan decided it. The cut's collectives a rank does not issue
+# (without sequence parallelism a rowwise output is all-reduced, and nothing is gathered before
+# the next projection) are skipped, and a collective the cut lacks (that all-reduce) is an op
+# the plan lacks, which saves nothing. A collective a region offloads is kept instead: the
+# selective checkpoint stores an op's output when the op returns, and a `_c10d_functional`
+# collective returns before its `wait_tensor`, so a copy would race the exchange still writing
+# it; kept, the recomputation reads it after forward's wait.
 
 
 class _OpNamer(TorchDispatchMode):
@@ -93,6 +117,15 @@ class _OpNamer(TorchDispatchMode):
             if is_named(func, flat):
                 self._run.on_op(func, flat)
         return out
+
+
+def _collective_kind(func):
+    """The ``_c10d_functional`` op ``func`` is, where it issues a collective a rank's cut
+    inserts (``all_gather_into_tensor``, ...); else None."""
+    if getattr(func, "namespace", None) != "_c10d_functional":
+        return None
+    name = func._overloadpacket.__name__
+    return name if name in CUT_COLLECTIVES.values() else None
 
 
 def _returns_tensor(func):
@@ -145,6 +178,11 @@ class _RegionPolicy:
                 pass  # it writes what this call made: recomputed
             elif index is not None and self._region.first <= index < self._region.end:
                 choice = _POLICY[self._run.ops[index]["saved"]]
+                offloaded = choice == _POLICY["offload"]
+                if offloaded and self._run.is_collective(index) and self._run.waits_collectives:
+                    # Its output is copied out when the collective returns, before the wait
+                    # (Note [A plan for a rank's cut]): kept instead.
+                    choice = _POLICY["keep"]
             self.forward.append([func, choice, index, None])
             return choice
         k = self.cursor
@@ -214,14 +252,24 @@ class PlanRun:
             if op["name"] in self._index:
                 fail(f"ops[{i}].name", f"{op['name']!r} is also ops[{self._index[op['name']]}]")
             self._index[op["name"]] = i
-        self._bases = [base_of(op["name"]) for op in self.ops]
-        self._paths_of = [path_of(base) for base in self._bases]
+        # Note [A plan for a rank's cut]: the collectives the cut inserted, by the op that
+        # issues each on a rank; they have no base name a real op of the model could match.
+        self._collective = [cut_collective(op["name"]) for op in self.ops]
+        self._collective = [c[1] if c is not None else None for c in self._collective]
+        self._bases = [
+            base_of(op["name"]) if c is None else None for op, c in zip(self.ops, self._collective)
+        ]
+        self._paths_of = [op_path(op["name"]) for op in self.ops]
         self.regions = regions_of(self.plan)
         self._region_of = {}
         for region in self.regions:
             for i in range(region.first, region.end):
                 self._region_of[i] = region
         self._session_region = session_region
+        # False only where ferry.testing plants the fault of offloading a collective's output
+        # before its wait.
+        faults = getattr(session_region, "_plan_faults", ())
+        self.waits_collectives = "offload_collectives_early" not in faults
         self._model = model
         self._exit_stack = None
         self._root = None
@@ -235,6 +283,7 @@ class PlanRun:
         self._paths = []
         self._names = OpNames()
         self._cursor = 0
+        self._met = set()  # the cut's collectives matched to a rank's (this forward)
         self._last = None  # plan index of the last op met (None: an op the plan lacks)
         self._last_name = None
         self._last_base = None
@@ -285,6 +334,7 @@ class PlanRun:
             i
             for i in range(self._cursor, len(self.ops))
             if not (i == len(self.ops) - 1 and self.ops[i]["name"] == LOSS_OP)
+            and self._collective[i] is None
         ]
         if self._cursor > 0 and remaining:
             i = remaining[0]
@@ -330,13 +380,17 @@ class PlanRun:
         return self._names.next(path, func)
 
     def _match(self, base, name, ahead=False):
-        """The plan index the op of this base name is: the next plan op not yet met; else the
-        plan op of its full name when only ops of its module lie between; else, with
-        ``ahead`` (the op saves tensors, so the plan must have it), a later one of the same
-        base name before the next region boundary. The plan ops skipped did not run for real
-        (Note [Naming the real ops]). None: an op the plan lacks."""
-        if self._cursor < len(self.ops) and self._bases[self._cursor] == base:
-            return self._cursor
+        """The plan index the op of this base name is: the next plan op not yet met (past the
+        cut's collectives, Note [A plan for a rank's cut]); else the plan op of its full name
+        when only ops of its module lie between; else, with ``ahead`` (the op saves tensors,
+        so the plan must have it), a later one of the same base name before the next region
+        boundary. The plan ops skipped did not run for real (Note [Naming the real ops]).
+        None: an op the plan lacks."""
+        cursor = self._cursor
+        while cursor < len(self.ops) and self._collective[cursor] is not None:
+            cursor += 1
+        if cursor < len(self.ops) and self._bases[cursor] == base:
+            return cursor
         region = self._region_of.get(self._cursor)
         if region is not None:
             limit = region.end
@@ -344,20 +398,48 @@ class PlanRun:
             later = [r.first for r in self.regions if r.first >= self._cursor]
             limit = min(later, default=len(self.ops))
         k = self._index.get(name)
-        if k is not None and self._cursor < k < limit:
-            path = path_of(base)
-            if all(self._paths_of[i] == path for i in range(self._cursor, k)):
+        if k is not None and cursor < k < limit:
+            path = base.rpartition("/")[0]
+            if all(
+                self._paths_of[i] == path or self._collective[i] is not None
+                for i in range(cursor, k)
+            ):
                 return k
         if not ahead:
             return None
-        for k in range(self._cursor, limit):
+        for k in range(cursor, limit):
             if self._bases[k] == base:
                 return k
         return None
 
+    def _match_collective(self, kind):
+        """The plan index of the cut's next collective of ``kind`` not yet met, in the region
+        whose call runs (before the next region outside one): the collective DTensor issues
+        is that one (Note [A plan for a rank's cut]). None: the plan has none there."""
+        if self._active is not None:
+            limit = self._active.end
+        else:
+            later = [r.first for r in self.regions if r.first >= self._cursor]
+            limit = min(later, default=len(self.ops))
+        for k in range(self._cursor, limit):
+            if self._collective[k] == kind and k not in self._met:
+                return k
+        return None
+
+    def is_collective(self, index):
+        """Whether plan op ``index`` is a collective the rank's cut inserted."""
+        return self._collective[index] is not None
+
+    def _match_func(self, func, base, name, ahead=False):
+        """The plan index of the op ``func`` of this base name and name."""
+        kind = _collective_kind(func)
+        if kind is not None:
+            return self._match_collective(kind)
+        return self._match(base, name, ahead)
+
     def peek(self, func):
         """The plan index of the op ``func`` is about to be (None: the plan lacks it)."""
-        return self._match(*self._name(func))
+        return self._match_func(func, *self._name(func))
 
     def on_op(self, func, outputs=()):
         if self._active is not None and self._policies:
@@ -365,7 +447,7 @@ class PlanRun:
         base, name = self._name(func)
         self._names.count(base)
         deferred, self._deferred = self._deferred, []
-        index = self._match(base, name, ahead=bool(deferred))
+        index = self._match_func(func, base, name, ahead=bool(deferred))
         if deferred and index is None:
             at = (
                 f"ops[{self._cursor}] ({self.ops[self._cursor]['name']!r})"
@@ -400,7 +482,10 @@ class PlanRun:
                     f"{'outside' if region is not None else 'inside'} the checkpointed call it "
                     f"belongs to: the plan has it {want}"
                 )
-            self._cursor = index + 1
+            if self._collective[index] is not None:
+                self._met.add(index)  # met out of order: the cursor stays
+            else:
+                self._cursor = index + 1
 
     # Saved tensors (Note [Which op is saving]) ---------------------------------------------
 
@@ -438,7 +523,7 @@ class PlanRun:
     def _offloads(self, index):
         """Whether op ``index``'s saved tensors go to the session: the plan offloads them and
         the op is not in the output head (which the offloader keeps, as the simulator does)."""
-        head = self._head is not None and under(path_of(self.ops[index]["name"]), self._head)
+        head = self._head is not None and under(self._paths_of[index], self._head)
         return self.ops[index]["saved"] == "offload" and not head
 
     def unpack(self, saved):
@@ -529,8 +614,8 @@ class PlanRun:
     def counts(self):
         """What the last forward (and its backward so far) did, by the plan's decision: the
         distinct tensors saved by ops outside regions that were kept and offloaded, the region
-        ops whose outputs were saved, offloaded and recomputed (each op once), and the ops
-        re-run in backward."""
+        ops whose outputs were saved, offloaded and recomputed (each op once), the ops re-run
+        in backward, and for a plan made under ``--tp`` the cut's collectives the rank issued."""
         out = {
             "kept": 0,
             "offloaded": 0,
@@ -551,4 +636,6 @@ class PlanRun:
                 elif choice == _POLICY["offload"]:
                     out["offloaded_outputs"] += 1
         out["recomputed"] = len(self.recomputed)
+        if any(c is not None for c in self._collective):
+            out["collectives"] = len(self._met)
         return out

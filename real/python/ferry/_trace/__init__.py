@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .._modules import head_of
+from .._tensor_parallel import is_dtensor, whole_model
 from ._document import TracedModel, traced_model
 from ._record import Tracer, TraceRecorder, layer_of
 from ._values import Routing, Values
@@ -58,7 +59,12 @@ def loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Te
 
 
 def _fake(fake_mode: Any, t: torch.Tensor) -> torch.Tensor:
-    """A fake CPU tensor of ``t``'s shape, dtype and requires_grad (meta tensors included)."""
+    """A fake CPU tensor of ``t``'s shape, dtype and requires_grad (meta tensors included; a
+    DTensor at its global shape, as the model before ``parallelize_module`` holds it)."""
+    if is_dtensor(t):
+        with fake_mode:
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return out.requires_grad_(t.requires_grad)
     if isinstance(t, torch.Tensor) and t.device.type == "meta":
         with fake_mode:
             out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
@@ -217,7 +223,10 @@ def trace(
     document records it (Note [Routing as a stated assumption] in ``_values``). With
     ``compiled``, each chain of ops torch.compile fuses between two library kernels costs what
     its fused kernel reads and writes; tensors, ops and saved lists stay the eager trace's
-    (Note [Costs of a compiled step] in ``_compiled``).
+    (Note [Costs of a compiled step] in ``_compiled``). A model that ``parallelize_module``
+    parallelized is traced as the whole model: its DTensor parameters at their global shapes,
+    the hooks its parallel styles registered left out (``ferry plan --tp N`` then cuts it for
+    one rank).
 
     Args:
         model: The model; its parameters may be on the meta device.
@@ -280,20 +289,24 @@ def trace(
     kw = {key: tree_map(fake_input(f"input.{key}"), v) for key, v in kwargs.items()}
     handles = _module_hooks(model, tracer)
     try:
-        # The fake parameters stand in for the model's through backward too: a checkpointed
-        # region runs its forward again there.
         dropout = _device_dropout() if target == "device" else contextlib.nullcontext()
         attention = _device_attention() if target == "device" else contextlib.nullcontext()
+        # A model parallelize_module parallelized runs as the whole model, its parameters' fakes
+        # at their global shapes.
+        whole = whole_model(model)
+        # The fake parameters stand in for the model's through backward too: a checkpointed
+        # region runs its forward again there.
         with fake_mode, _reparametrize_module(model, state, tie_weights=True), dropout, attention:
-            with TraceRecorder(tracer), saved_tensors_hooks(tracer.pack, tracer.unpack):
-                out = model(*args, **kw)
-                loss = loss_of(out, loss_fn)
-            tracer.end_forward()
-            tracer.phase = "backward"
-            with TraceRecorder(tracer):
-                loss.backward()
-            tracer.phase = "done"
-            optimizer_state = _optimizer_state(optimizer, fake_of) if optimizer else {}
+            with whole:
+                with TraceRecorder(tracer), saved_tensors_hooks(tracer.pack, tracer.unpack):
+                    out = model(*args, **kw)
+                    loss = loss_of(out, loss_fn)
+                tracer.end_forward()
+                tracer.phase = "backward"
+                with TraceRecorder(tracer):
+                    loss.backward()
+                tracer.phase = "done"
+                optimizer_state = _optimizer_state(optimizer, fake_of) if optimizer else {}
     finally:
         for handle in handles:
             handle.remove()
