@@ -112,6 +112,39 @@ TEST(TrainerSpace, TorchtitanWrapsEveryBlockWithoutEarlyStop) {
   EXPECT_EQ(saved_attention, full.regions.size());
 }
 
+TEST(TrainerSpace, TorchtitanRecomputesTheRouterAndCountsTheOtherMatmuls) {
+  // SelectiveAC's force_recompute_mm_shapes_by_fqns: the router's mm (the first matmul of a
+  // mixture-of-experts block) is recomputed and not counted; of the other mm's of a block the
+  // first, third, ... are saved.
+  const Model model = traced("mixtral-4layer");
+  const CheckpointPlan plan = plan_of({.trainer = Trainer::Torchtitan, .mode = "selective"}, model);
+  CheckpointPlan plain = checkpoint_every(model, 1);
+  ASSERT_TRUE(apply_op_sac_policy(plain, model).ok());
+  std::size_t routers = 0;
+  for (const CheckpointRegion& r : plan.regions) {
+    std::int64_t counted = 0;
+    for (std::uint32_t i = r.first_op; i < r.end_op; ++i) {
+      const ModelOp& op = model.ops[i];
+      if (op.kind != "aten.mm.default") {
+        EXPECT_EQ(plan.op_policy[i], plain.op_policy[i]) << op.name;
+        continue;
+      }
+      const bool router = op.gemm.n == 4;  // the traced model's four experts
+      routers += router ? 1 : 0;
+      const OpPolicy expected =
+          !router && ++counted % 2 == 1 ? OpPolicy::MustSave : OpPolicy::PreferRecompute;
+      EXPECT_EQ(plan.op_policy[i], expected) << op.name;
+    }
+  }
+  EXPECT_EQ(routers, plan.regions.size());
+  // Without a mixture of experts the policy is op-sac's as it is.
+  const Model dense = traced("llama");
+  CheckpointPlan dense_plain = checkpoint_every(dense, 1);
+  ASSERT_TRUE(apply_op_sac_policy(dense_plain, dense).ok());
+  EXPECT_EQ(plan_of({.trainer = Trainer::Torchtitan, .mode = "selective"}, dense).op_policy,
+            dense_plain.op_policy);
+}
+
 TEST(TrainerSpace, MegatronFullRecomputeIsReentrantChunksOrTheFirstLayers) {
   const Model model = preset("llama3-8b-s8192");
   const std::int32_t layers = layers_of(model);

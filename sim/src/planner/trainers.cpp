@@ -143,6 +143,40 @@ std::vector<std::string> megatron_modules_of(const Model& model) {
   return out;
 }
 
+// torchtitan's `force_recompute_mm_shapes_by_fqns` (SelectiveAC's default ["moe.router.gate"],
+// its MoE router): every mm or linear whose weight has a router's (in, out) shape is recomputed
+// and left out of the every-other-mm count. A router is found by what it is, the first matmul of
+// a mixture-of-experts block (LayerBlocks), its shape by its product's (k, n); the count of the
+// region's other matmuls is then made again, as SelectiveAC's policy counts them.
+void recompute_router_matmuls(CheckpointPlan& plan, const Model& model) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes;
+  const LayerBlocks blocks(model);
+  for (const auto& [layer, span] : layer_spans(model)) {
+    const auto block = blocks.mlp(span);
+    if (!block || !block->moe) continue;
+    const GemmShape& g = model.ops[block->span.first_op].gemm;
+    if (g.known() && std::ranges::find(shapes, std::pair{g.k, g.n}) == shapes.end()) {
+      shapes.emplace_back(g.k, g.n);
+    }
+  }
+  if (shapes.empty()) return;
+  const auto counted = [](std::string_view kind) {
+    return kind == "aten.mm.default" || kind == "aten.linear.default";
+  };
+  for (const CheckpointRegion& region : plan.regions) {
+    std::int64_t matmuls = 0;
+    for (std::uint32_t i = region.first_op; i < region.end_op; ++i) {
+      const ModelOp& op = model.ops[i];
+      if (!counted(op.kind)) continue;
+      const bool router =
+          op.gemm.known() &&
+          std::ranges::find(shapes, std::pair{op.gemm.k, op.gemm.n}) != shapes.end();
+      plan.op_policy[i] =
+          !router && ++matmuls % 2 == 1 ? OpPolicy::MustSave : OpPolicy::PreferRecompute;
+    }
+  }
+}
+
 CheckpointPlan regions_of_layers(const Model& model, auto&& checkpointed, bool reentrant,
                                  std::optional<bool> early_stop) {
   CheckpointPlan plan;
@@ -495,6 +529,7 @@ Result<CheckpointPlan> trainer_checkpoint(const TrainerSetting& s, const Model& 
           model, [](std::int32_t) { return true; }, false, false);
       if (s.mode == "selective") {
         if (auto applied = apply_op_sac_policy(plan, model); !applied) return applied.error();
+        recompute_router_matmuls(plan, model);
       }
       return plan;
     }
@@ -597,6 +632,22 @@ std::string trainer_python(const TrainerSetting& s) {
   }
   return fmt::format("TransformerConfig(recompute_granularity=\"selective\", recompute_modules={})",
                      python_list(s.modules));
+}
+
+std::vector<std::string> trainer_left_out(Trainer trainer) {
+  switch (trainer) {
+    case Trainer::Hf:
+      return {"activation_checkpointing_kwargs offload=True (save_on_cpu on the compute stream)",
+              "use_reentrant=True"};
+    case Trainer::Torchtitan:
+      return {"MemoryBudgetAC (torch.compile's partitioner)",
+              "SelectiveAC's device-to-host copies saved"};
+    case Trainer::Megatron:
+      break;
+  }
+  return {"recompute_modules layernorm, moe_act, gdn_norm_out (output-discarding)",
+          "recompute_modules mla_up_proj, shared_experts", "distribute_saved_activations",
+          "fine_grained_activation_offloading with offload_modules"};
 }
 
 std::string trainer_label(const TrainerSetting& s) {
@@ -723,6 +774,11 @@ std::string trainer_text(const TrainerChoice& c, const RowResult* plan, const Ro
       "  {} of {} settings of {}'s space fit (docs/plan.md, \"A trainer's own settings\"); "
       "`ferry simulate --for {} --trainer-config FILE` runs it\n",
       fitting, c.runs.size(), name, name);
+  std::string left_out;
+  for (const std::string& item : trainer_left_out(c.trainer)) {
+    left_out += (left_out.empty() ? "" : "; ") + item;
+  }
+  out += fmt::format("  not in the space (no faithful simulation): {}\n", left_out);
   return out;
 }
 
@@ -767,6 +823,7 @@ Json trainer_json(const TrainerChoice& c, const RowResult* plan, const RowResult
     space.push_back(std::move(row));
   }
   j["space"] = std::move(space);
+  j["left_out"] = trainer_left_out(c.trainer);
   return j;
 }
 

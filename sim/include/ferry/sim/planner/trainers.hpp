@@ -66,6 +66,9 @@ struct TrainerSetting {
 /// The setting as the trainer's Python configuration: TrainingArguments keywords, the
 /// `activation_checkpoint` field of torchtitan's Trainer.Config, TransformerConfig fields.
 [[nodiscard]] std::string trainer_python(const TrainerSetting& setting);
+/// The trainer's settings the spaces leave out, as the report lists them (docs/plan.md says
+/// why each has no faithful simulation).
+[[nodiscard]] std::vector<std::string> trainer_left_out(Trainer trainer);
 /// A short name of the setting for tables ("every_n_layers=2", "full block 4").
 [[nodiscard]] std::string trainer_label(const TrainerSetting& setting);
 /// The setting's fields as the trainer names them, as JSON (the Python configuration's
