@@ -238,8 +238,11 @@ TEST(TrainerSpace, SettingsOutsideTheSimulatorsSpaceAreRefusedByName) {
   refused(Trainer::Hf,
           "--activation_checkpointing true --activation_checkpointing_kwargs "
           "'{\"every_n_layers\": 0}'",
-          "from 1 to 2");
+          "1 or more");
   refused(Trainer::Hf, "--learning_rate 1e-4", "not a flag of TrainingArguments");
+  refused(Trainer::Megatron,
+          "--recompute-granularity full --recompute-method uniform --recompute-num-layers 3",
+          "from 1 to 2");
   refused(Trainer::Torchtitan, "activation_checkpoint:memory_budget", "torch.compile");
   refused(Trainer::Torchtitan, "activation_checkpoint:sometimes", "activation_checkpoint:none");
   refused(Trainer::Megatron, "--recompute-granularity selective --recompute-modules layernorm",
@@ -254,6 +257,13 @@ TEST(TrainerSpace, SettingsOutsideTheSimulatorsSpaceAreRefusedByName) {
           "fine-grained");
   refused(Trainer::Megatron, "--recompute-granularity selective --recompute-modules qkv",
           "not one of Megatron's");
+  // every_n_layers past the model's layers checkpoints layer 0 alone, as every_n_layers = layers.
+  auto past = parse_trainer_flags(Trainer::Hf,
+                                  "--activation_checkpointing true "
+                                  "--activation_checkpointing_kwargs '{\"every_n_layers\": 7}'",
+                                  model, "cfg");
+  ASSERT_TRUE(past.ok()) << past.error().message;
+  EXPECT_EQ(past.value().layers, 2);
   // Megatron's default module list, and a comment and line breaks as a script writes them.
   auto read = parse_trainer_flags(Trainer::Megatron,
                                   "# best\n--recompute-granularity selective \\\n", model, "cfg");

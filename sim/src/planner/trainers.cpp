@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <charconv>
+#include <limits>
 #include <map>
 #include <utility>
 
@@ -292,13 +293,14 @@ Result<TrainerSetting> parse_hf(const std::vector<std::string>& words, const Mod
   s.layers = 1;
   for (const auto& [key, value] : kwargs->items()) {
     if (key == "every_n_layers") {
-      if (!value.is_number_integer()) {
-        return Error{
-            fmt::format("{}: every_n_layers {} is not a whole number", source, value.dump())};
+      // Any N from 1 (transformers' own rule: layer index % N == 0); one of the model's
+      // layers or more checkpoints layer 0 alone.
+      if (!value.is_number_integer() || value.get<std::int64_t>() < 1 ||
+          value.get<std::int64_t>() > std::numeric_limits<std::int32_t>::max()) {
+        return Error{fmt::format("{}: every_n_layers {}: give a whole number of layers, 1 or more",
+                                 source, value.dump())};
       }
-      auto n = layer_number(value.dump(), "every_n_layers", layer_count(model), source);
-      if (!n) return n.error();
-      s.layers = n.value();
+      s.layers = std::min(value.get<std::int32_t>(), std::max(1, layer_count(model)));
     } else if (key == "offload") {
       if (value != false) {
         return Error{fmt::format(
