@@ -220,6 +220,9 @@ def check_choice(report, trainer, model, fsdp, budget_bytes, layers, modules, tm
     assert best["settings"] == fastest["settings"]
     assert best["step_time_ns"] <= min(r["step_time_ns"] for r in fitting)
     assert best["hazards"] == 0
+    # The checked run's figures are its timing run's: the space's figures are simulate's too.
+    for key in ("step_time_ns", "peak_reserved_bytes", "peak_allocated_bytes"):
+        assert best[key] == fastest[key], key
     # ferry simulate of the printed flags: the printed figures, exactly.
     run = ferry.simulate(model, trainer=trainer, trainer_flags=best["command_line"], **fsdp)[
         "result"
