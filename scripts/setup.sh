@@ -53,6 +53,9 @@ groups = {
     "ruff": {"ruff": ruff_version},
     "hf": dict.fromkeys(["transformers", "peft", "accelerate"]),
     "trainers": {"trl": "1.16.0", "datasets": None, "torchtune": "0.6.1"},
+    "trainer-configs": {"torchtitan": "0.3.0", "megatron-core": "0.19.2", "tyro": "1.0.16",
+                        "docstring-parser": "0.18.0", "typeguard": "4.6.0", "spmd-types": "0.3.1",
+                        "triton": "3.6.0"},
 }
 
 
@@ -67,7 +70,7 @@ def present(dist, wanted):
 print(" ".join(g for g, dists in groups.items()
                if not all(present(d, w) for d, w in dists.items())))
 PY
-  echo "torch tools xdist build ruff hf trainers")
+  echo "torch tools xdist build ruff hf trainers trainer-configs")
 needs() { [[ " $missing " == *" $1 "* ]]; }
 if needs torch; then
   echo "setup: installing torch==$torch_version into .venv" >&2
@@ -121,4 +124,16 @@ fi
 if [[ ! -d .venv/torchtune-torchao/torchao ]]; then
   .venv/bin/pip install "${pip_flags[@]}" --no-deps --target .venv/torchtune-torchao \
     torchao==0.14.1 >&2
+fi
+# Test-only: the trainers whose configuration code checks `ferry plan --for`'s output
+# (tests/python/test_plan_for_trainers.py): torchtitan's activation checkpointing config and
+# apply (tyro, docstring-parser, typeguard and spmd-types are what its config modules import),
+# Megatron-Core's TransformerConfig (its package imports triton, torch 2.11's own pinned
+# dependency; megatron-core declares Python 3.12, and its megatron.core modules import on 3.11).
+# All without dependencies, so pip never replaces torch.
+if needs trainer-configs; then
+  .venv/bin/pip install "${pip_flags[@]}" --no-deps torchtitan==0.3.0 tyro==1.0.16 \
+    docstring-parser==0.18.0 typeguard==4.6.0 spmd-types==0.3.1 triton==3.6.0 >&2
+  .venv/bin/pip install "${pip_flags[@]}" --no-deps --ignore-requires-python \
+    megatron-core==0.19.2 >&2
 fi

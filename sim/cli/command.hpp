@@ -30,6 +30,10 @@ class Command {
   /// Runs the command on the parsed arguments; the exit code.
   [[nodiscard]] virtual int run() const = 0;
 
+ protected:
+  /// The subcommand, as parsed.
+  [[nodiscard]] const CLI::App* app() const { return app_; }
+
  private:
   CLI::App* app_;
 };

@@ -25,6 +25,8 @@ struct PlanArgs {
   std::string out;
   std::string plot;                   // --sweep: the SVG plot's file
   std::string memory_snapshot;        // the plan's run as a PyTorch memory snapshot
+  std::string trainer;                // --for T
+  std::string trainer_config;         // --for: write the trainer's best flags to FILE
   std::optional<std::string> margin;  // none: sim::kDefaultPlanMarginPermille
   bool json = false;
   TextFlags text;
@@ -67,6 +69,15 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
   cmd->add_option("--steps", r.steps,
                   "Training steps per simulation, 1..100 (the last is measured)")
       ->capture_default_str();
+  CLI::Option* trainer = cmd->add_option(
+      "--for", a_.trainer,
+      "Also the fastest setting of a trainer's own activation checkpointing that fits: hf, "
+      "torchtitan or megatron, printed as its configuration (docs/plan.md, \"A trainer's own "
+      "settings\")");
+  cmd->add_option("--trainer-config", a_.trainer_config,
+                  "With --for: write the trainer's best setting as its command-line flags to "
+                  "FILE (what ferry simulate --for reads)")
+      ->needs(trainer);
   cmd->add_flag("--json", a_.json, "Print the report as one JSON document");
   cmd->add_option("--scenarios", a_.target.scenarios, "Folder with devices/ (bundled by default)");
   add_fsdp_options(cmd, r.fsdp, a_.text);
@@ -85,6 +96,10 @@ std::string PlanCommand::misuse() const {
     return "--memory-snapshot: " + why;
   }
   if (a_.request.sweep == 0 && !a_.plot.empty()) return "--plot draws a sweep: give --sweep N";
+  if (const std::string why = a_.trainer_config.empty() ? "" : unwritable(a_.trainer_config);
+      !why.empty()) {
+    return "--trainer-config: " + why;
+  }
   return {};
 }
 
@@ -109,6 +124,11 @@ Result<sim::PlanRequest> PlanCommand::request() const {
     auto margin = sim::margin_permille(*a_.margin);
     if (!margin) return margin.error();
     r.margin_permille = margin.value();
+  }
+  if (!a_.trainer.empty()) {
+    auto trainer = sim::parse_trainer(a_.trainer);
+    if (!trainer) return trainer.error();
+    r.trainer = trainer.value();
   }
   r.memory_snapshot = !a_.memory_snapshot.empty();
   r.plot = !a_.plot.empty();
@@ -161,6 +181,11 @@ int PlanCommand::run() const {
             write_memory_snapshot(r.plan->run->sim, a_.memory_snapshot, "plan", a_.json)) {
       return rc;
     }
+  }
+  if (!a_.trainer_config.empty() && !write_output(a_.trainer_config, r.trainer_flags + "\n")) {
+    fmt::print(stderr, "ferry plan: error: cannot write the trainer's flags to {}\n",
+               a_.trainer_config);
+    return kExitBadInput;
   }
   print(a_.json ? sim::document_text(r.document) : r.text);
   if (!a_.out.empty() && !a_.json) fmt::print(stderr, "plan written to {}\n", a_.out);

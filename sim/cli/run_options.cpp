@@ -106,6 +106,16 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
                     "Write the device memory history to FILE as a PyTorch memory snapshot "
                     "pickle (pytorch.org/memory_viz)");
     cmd->add_option("--plan", args.plan, "Replay a plan file (ferry.plan/1) written by ferry plan");
+    CLI::Option* trainer =
+        cmd->add_option("--for", args.trainer,
+                        "Run a trainer's own activation checkpointing: hf, torchtitan or megatron, "
+                        "its settings from --trainer-config (docs/plan.md, \"A trainer's own "
+                        "settings\"); nothing offloaded");
+    cmd->add_option("--trainer-config", args.trainer_config,
+                    "With --for: a file of the trainer's command-line flags, as ferry plan --for "
+                    "writes them (--trainer-config there)")
+        ->needs(trainer);
+    trainer->needs("--trainer-config");
     cmd->add_option(
            "--checkpoint", s.checkpoint,
            "none, every:K, selective, op-sac (torchtitan's op-level selective), op-sac-all "

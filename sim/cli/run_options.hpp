@@ -37,7 +37,9 @@ struct RunArgs {
   TargetFlags target;
   std::string trace;
   std::string memory_snapshot;
-  std::string plan;  // simulate --plan FILE
+  std::string plan;            // simulate --plan FILE
+  std::string trainer;         // simulate --for T
+  std::string trainer_config;  // simulate --trainer-config FILE (the trainer's flags)
   bool json = false;
   bool no_prefetch = false;
   bool no_dedup = false;

@@ -39,6 +39,22 @@ int SimulateCommand::run() const {
   request.target = a_.target.target();
   request.run = knobs.value();
   if (!a_.plan.empty()) request.plan = a_.plan;
+  if (!a_.trainer.empty()) {
+    // The trainer's settings say the policy and the checkpointing.
+    for (const char* flag : {"--policy", "--checkpoint", "--plan"}) {
+      if (app()->count(flag) > 0) {
+        return refuse(
+            fmt::format("--for {} runs the trainer's own settings: not with {}", a_.trainer, flag));
+      }
+    }
+    auto trainer = sim::parse_trainer(a_.trainer);
+    if (!trainer) return refuse(trainer.error().message);
+    auto flags = sim::read_input(a_.trainer_config, "trainer config");
+    if (!flags) return refuse(flags.error().message);
+    request.trainer = trainer.value();
+    request.trainer_flags = std::move(flags).value();
+    request.trainer_source = a_.trainer_config;
+  }
   request.trace = !a_.trace.empty();
   request.memory_snapshot = !a_.memory_snapshot.empty();
   if (request.memory_snapshot && a_.plan.empty() && request.run.devices == 1) {

@@ -217,6 +217,7 @@ py::dict plan(const sim::PlanRequest& request) {
   out["text"] = response.text;
   out["plan_text"] = sim::plan_document_text(response.document.at("plan"));
   out["offload_options"] = options_dict(response.plan->offload, response.plan->plan);
+  if (request.trainer) out["trainer_flags"] = response.trainer_flags;
   return out;
 }
 
@@ -245,7 +246,8 @@ void bind_runs(py::module_& m) {
          std::optional<std::int32_t> nodes, std::int32_t hsdp,
          const std::variant<bool, std::int64_t>& reshard_after_forward,
          const std::string& fsdp_impl, const std::optional<std::string>& allocator, std::int32_t tp,
-         std::int32_t cp, std::int32_t ep, double expert_capacity, bool paged_stash) {
+         std::int32_t cp, std::int32_t ep, double expert_capacity, bool paged_stash,
+         const std::optional<std::string>& trainer, const std::string& trainer_flags) {
         sim::SimulateRequest request;
         request.target = target(model, model_text, device, scenarios);
         request.run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
@@ -261,6 +263,11 @@ void bind_runs(py::module_& m) {
         request.checkpoint = std::move(checkpoint);
         request.horizon = std::move(horizon);
         request.memory_snapshot = memory_snapshot;
+        if (trainer) {
+          request.trainer = value_or_raise(sim::parse_trainer(*trainer, "trainer"));
+          request.trainer_flags = trainer_flags;
+          request.trainer_source = "trainer_flags";
+        }
         return simulate(request);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
@@ -277,8 +284,10 @@ void bind_runs(py::module_& m) {
       py::arg("allocator") = py::none(), py::arg("tp") = d.run.fsdp.tp,
       py::arg("cp") = d.run.fsdp.cp, py::arg("ep") = d.run.fsdp.ep,
       py::arg("expert_capacity") = d.run.fsdp.expert_capacity,
-      py::arg("paged_stash") = d.run.paged_stash,
-      "(`ferry simulate --json`'s document, the memory snapshot pickle or None)");
+      py::arg("paged_stash") = d.run.paged_stash, py::arg("trainer") = py::none(),
+      py::arg("trainer_flags") = "",
+      "(`ferry simulate --json`'s document, the memory snapshot pickle or None); with trainer, "
+      "the trainer's settings its command-line flags give (`--for T --trainer-config FILE`)");
   m.def(
       "compare",
       [](const std::string& model, const std::optional<std::string>& model_text,
@@ -336,7 +345,7 @@ void bind_plans(py::module_& m) {
          const std::string& fsdp_impl, const std::optional<std::string>& allocator,
          const std::optional<std::variant<double, std::string>>& margin,
          sim::PlannerCache* planners, std::int32_t tp, std::int32_t cp, std::int32_t ep,
-         double expert_capacity) {
+         double expert_capacity, const std::optional<std::string>& trainer) {
         sim::PlanRequest request;
         request.planners = planners;
         request.target = target(model, model_text, device, scenarios);
@@ -352,6 +361,7 @@ void bind_plans(py::module_& m) {
           request.margin_permille = value_or_raise(
               text ? sim::margin_permille(*text) : sim::margin_permille(std::get<double>(*margin)));
         }
+        if (trainer) request.trainer = value_or_raise(sim::parse_trainer(*trainer, "trainer"));
         return plan(request);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
@@ -362,9 +372,10 @@ void bind_plans(py::module_& m) {
       py::arg("margin") = py::none(),
       py::arg("planners") = static_cast<sim::PlannerCache*>(nullptr), py::arg("tp") = d.fsdp.tp,
       py::arg("cp") = d.fsdp.cp, py::arg("ep") = d.fsdp.ep,
-      py::arg("expert_capacity") = d.fsdp.expert_capacity,
+      py::arg("expert_capacity") = d.fsdp.expert_capacity, py::arg("trainer") = py::none(),
       "{report, text, plan_text}, or {refused, floor} when no plan fits; with planners, a "
-      "PlannerCache, a model given as text is planned by the planner it keeps for it");
+      "PlannerCache, a model given as text is planned by the planner it keeps for it; with "
+      "trainer, also trainer_flags (the trainer's best setting as its command-line flags)");
   py::class_<ReadBytes>(m, "ReadBytes", "A byte count read_bytes read: plan takes it as read")
       .def_property_readonly("bytes", [](const ReadBytes& r) { return r.bytes.count(); })
       .def("__repr__",

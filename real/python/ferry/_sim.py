@@ -117,7 +117,10 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
             the command line's bounds (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes``
             0..2^50, ``window_mib`` and ``prefetch_mib`` 0..2^30, ``host_cap_gib`` 0..2^20,
             ``fsdp``, ``nodes`` and ``hsdp`` 1..1000000; None for ``fsdp``, ``nodes`` and
-            ``allocator``: not given).
+            ``allocator``: not given). ``trainer`` ("hf", "torchtitan" or "megatron") with
+            ``trainer_flags`` (that trainer's command-line flags, as ``ferry plan --for``
+            writes them) runs the trainer's own activation checkpointing instead of
+            ``policy`` and ``checkpoint`` (``ferry simulate --for T --trainer-config FILE``).
 
     Returns:
         The document ``ferry simulate --json`` prints (``result`` holds the figures, one
@@ -178,6 +181,7 @@ def plan(
     host_budget: str | int | None = None,
     steps: int = 2,
     margin: str | float | None = None,
+    trainer: str | None = None,
     **fsdp: Any,
 ) -> dict[str, Any]:
     """The fastest keep / offload / recompute plan whose peak reserved memory fits a budget
@@ -196,6 +200,12 @@ def plan(
         margin: Plan to the budget less this percent of it, 0..50 with at most one decimal
             (``6``, ``5.5``, ``"6%"``); None: the default that docs/validation.md's table
             supports (docs/plan.md, "What fits promises").
+        trainer: ``"hf"``, ``"torchtitan"`` or ``"megatron"`` (``ferry plan --for``): the
+            report's ``"trainer"`` member is also the fastest setting of that trainer's own
+            activation checkpointing that fits, as its configuration and command-line flags,
+            with every setting of its space (docs/plan.md, "A trainer's own settings"); a
+            budget none of them fits is refused (``PlanError``, ``floor`` the smallest peak
+            reserved in the space). None: ferry's plan only.
         **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
             ``reshard_after_forward``, ``fsdp_impl``): the plan is one rank's, ``budget`` per
             rank and ``host_budget`` per node; ``tp``, ``cp``, ``ep`` and ``expert_capacity``
@@ -215,6 +225,8 @@ def plan(
     budget = byte_count(budget, "budget")
     host_budget = byte_count(host_budget, "host_budget")
     margin = percentage(margin, "margin")
+    if trainer is not None:
+        fsdp["trainer"] = trainer
     return run_planner(model, budget, device, host_budget, steps, margin, **fsdp)["report"]
 
 

@@ -185,6 +185,7 @@ struct AskedRun {
   TrainingOptions base;  // its parallelism off
   Parallelism parallelism;
   std::optional<CheckedParallelism> checked{};  // the rank's cut was made under, if any
+  std::optional<TrainerSetting> trainer{};      // `--for T`: the setting its flags ask for
 };
 
 // The training options `k` asks for on `model` (the model file's parallelism and allocator
@@ -214,9 +215,27 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
     if (!k.early_stop) o.checkpoint.global_early_stop = false;
     return AskedRun{std::move(o), parallelism.value()};
   }
-  auto plan = parse_checkpoint_spec(simulate->checkpoint, model);
-  if (!plan) return Error{fmt::format("--checkpoint: {}", plan.error().message)};
-  o.checkpoint = std::move(plan).value();
+  std::optional<TrainerSetting> trainer;
+  if (simulate->trainer) {
+    // The trainer's flags say how it checkpoints, early stop included.
+    if (simulate->checkpoint != "none" || !k.early_stop) {
+      return Error{
+          fmt::format("--for {} runs the trainer's own checkpointing: it takes no "
+                      "--checkpoint or --no-early-stop",
+                      trainer_name(*simulate->trainer))};
+    }
+    auto setting = parse_trainer_flags(*simulate->trainer, simulate->trainer_flags, model,
+                                       simulate->trainer_source);
+    if (!setting) return setting.error();
+    auto plan = trainer_checkpoint(setting.value(), model);
+    if (!plan) return Error{fmt::format("{}: {}", simulate->trainer_source, plan.error().message)};
+    o.checkpoint = std::move(plan).value();
+    trainer = std::move(setting).value();
+  } else {
+    auto plan = parse_checkpoint_spec(simulate->checkpoint, model);
+    if (!plan) return Error{fmt::format("--checkpoint: {}", plan.error().message)};
+    o.checkpoint = std::move(plan).value();
+  }
   if (!k.early_stop) o.checkpoint.global_early_stop = false;
   auto side = parse_side_streams(simulate->side_streams);
   if (!side) return Error{fmt::format("--side-streams: {}", side.error().message)};
@@ -228,7 +247,7 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
     if (!horizon) return Error{fmt::format("{} (or auto, none)", horizon.error().message)};
     o.offload.horizon_bytes = horizon.value();
   }
-  return AskedRun{std::move(o), parallelism.value()};
+  return AskedRun{std::move(o), parallelism.value(), std::nullopt, std::move(trainer)};
 }
 
 // `p` checked against the device, its errors naming the flags, as `fsdp`'s parallelism; taken
@@ -352,6 +371,11 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
   return out;
 }
 
+// A trainer setting's row, as `ferry simulate --for T` and `ferry plan --for T` name it.
+std::string trainer_row_name(const TrainerSetting& setting) {
+  return fmt::format("{}: {}", trainer_name(setting.trainer), trainer_label(setting));
+}
+
 // One device: the run under its policy, the ferry policy's horizon derived where the request
 // leaves it to the simulator.
 Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRun run) {
@@ -365,6 +389,10 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
   const Parallelism parallelism = base.fsdp.parallelism;
   PolicyRow row{r.policy, std::move(base)};
   row.options.offload.policy = policy.value();
+  if (run.trainer) {
+    row.name = trainer_row_name(*run.trainer);
+    row.options.offload.policy = Policy::None;
+  }
   row.options.sim.record_allocator = r.memory_snapshot;
   if (!row.options.offload.horizon_bytes) {
     row.options.offload.horizon_bytes = offload_horizon(*w.model, w.device, row.options);
@@ -376,6 +404,59 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
   out.document = simulate_json(result, *w.model, w.device, parallelism);
   out.text = simulate_text(result, *w.model, w.device, parallelism);
   return out;
+}
+
+// `ferry plan --for T`: every setting of the trainer's space run as `ferry simulate --for T
+// --trainer-config FILE` runs it (on the device, the request's steps, parallelism and
+// allocator), timing only; the fastest that fits `planned_budget` is run again with the checks
+// on, as simulate runs it, for the figures the report prints.
+Result<TrainerChoice> trainer_choice(const PlanRequest& r, const Workload& whole,
+                                     Bytes planned_budget, std::int32_t margin_permille) {
+  RunKnobs k;
+  k.steps = r.steps;
+  k.fsdp = r.fsdp;
+  k.allocator = r.allocator;
+  k.check = false;
+  auto workload = rank_workload(whole, k.fsdp, 1);
+  if (!workload) return workload.error();
+  const Workload& w = workload.value().workload;
+  auto asked = training_options(k, *w.model, nullptr);
+  if (!asked) return asked.error();
+  TrainingOptions base = std::move(asked.value().base);
+  if (auto chosen = choose_parallelism(base.fsdp, asked.value().parallelism, w.device,
+                                       workload.value().checked);
+      !chosen) {
+    return chosen.error();
+  }
+  const auto run_setting = [&](const TrainerSetting& setting, bool check) -> Result<RowResult> {
+    auto plan = trainer_checkpoint(setting, *w.model);
+    if (!plan) return plan.error();
+    PolicyRow row{trainer_row_name(setting), base};
+    row.options.checkpoint = std::move(plan).value();
+    row.options.offload.policy = Policy::None;
+    row.options.sim.check_hazards = check;
+    row.options.sim.track_content = check;
+    row.options.offload.horizon_bytes = offload_horizon(*w.model, w.device, row.options);
+    return run_row(w.model, w.device, row);
+  };
+  TrainerChoice c{
+      .trainer = *r.trainer, .planned_budget = planned_budget, .margin_permille = margin_permille};
+  for (TrainerSetting& setting : trainer_space(*r.trainer, *w.model)) {
+    auto row = run_setting(setting, false);
+    if (!row) return row.error();
+    const bool fits =
+        row.value().completed_within_memory() && row.value().peak_reserved <= planned_budget;
+    if (fits && (!c.best || row.value().step_time < c.runs[*c.best].row.step_time)) {
+      c.best = c.runs.size();
+    }
+    c.runs.push_back(TrainerRun{std::move(setting), std::move(row).value(), fits});
+  }
+  if (c.best) {
+    auto checked = run_setting(c.runs[*c.best].setting, true);
+    if (!checked) return checked.error();
+    c.checked = std::move(checked).value();
+  }
+  return c;
 }
 
 // The planner's options `r` asks for, before the model is read, with its parallelism apart (as
@@ -390,6 +471,10 @@ Result<AskedPlan> planner_options(const PlanRequest& r) {
     if (auto bounded = in_bounds("--sweep", r.sweep, 2, 100); !bounded) return bounded.error();
     if (r.budget || r.margin_permille) {
       return Error{"--sweep plans its own budgets; it takes no --budget, --margin or --out"};
+    }
+    if (r.trainer) {
+      return Error{
+          fmt::format("--for {} plans at one budget: not with --sweep", trainer_name(*r.trainer))};
     }
   }
   PlannerOptions options;
@@ -476,6 +561,12 @@ Result<Response> respond(const SimulateRequest& r) {
   auto asked = training_options(r.run, *w.model, &r);
   if (!asked) return asked.error();
   asked.value().checked = workload.value().checked;
+  if (r.trainer && (r.plan || r.run.devices > 1)) {
+    return Error{
+        fmt::format("--for {} runs one device's or one rank's step: not with --plan or "
+                    "--devices",
+                    trainer_name(*r.trainer))};
+  }
   if (r.plan) return replay(r, w, std::move(asked).value());
   if (r.run.devices > 1) return pipeline(r, w, asked.value().base);
   return one_device(r, w, std::move(asked).value());
@@ -593,13 +684,43 @@ Result<Response> respond(const PlanRequest& r) {
       out.floor = std::min(out.floor, floor);
     }
   }
+  std::optional<TrainerChoice> choice;
+  if (r.trainer) {
+    auto searched = trainer_choice(
+        r, w, budget_less_margin(options.budget, options.margin_permille), options.margin_permille);
+    if (!searched) return searched.error();
+    choice = std::move(searched).value();
+  }
   if (!outcome) {
     out.outcome = Outcome::Refused;
     out.refusal = outcome.error().message;
+    if (choice && !choice->best) out.refusal += "; " + trainer_refusal(*choice);
+    return out;
+  }
+  if (choice && !choice->best) {
+    // The question was the trainer's: ferry's own plan fitting does not answer it.
+    out.outcome = Outcome::Refused;
+    out.refusal = fmt::format("{} (ferry's own plan fits: {}, peak reserved {})",
+                              trainer_refusal(*choice), format_time(outcome.value().row.step_time),
+                              format_bytes(outcome.value().row.peak_reserved));
+    out.floor = Bytes(0);
+    for (const TrainerRun& run : choice->runs) {
+      if (!run.row.completed_within_memory()) continue;
+      if (out.floor.count() == 0 || run.row.peak_reserved < out.floor) {
+        out.floor = run.row.peak_reserved;
+      }
+    }
     return out;
   }
   out.document = plan_report_json(outcome.value(), *rank.model, w.device);
   out.text = plan_text(outcome.value(), *rank.model, w.device);
+  if (choice) {
+    const PlanOutcome& o = outcome.value();
+    const RowResult* none = o.fixed.empty() ? nullptr : &o.fixed.front();
+    out.document["trainer"] = trainer_json(*choice, &o.row, none);
+    out.text += trainer_text(*choice, &o.row, none);
+    out.trainer_flags = shell_line(trainer_flags(choice->runs[*choice->best].setting));
+  }
   out.plan = std::move(outcome).value();
   return out;
 }

@@ -20,6 +20,7 @@
 #include "ferry/result.hpp"
 #include "ferry/sim/api/load.hpp"
 #include "ferry/sim/planner/planner.hpp"
+#include "ferry/sim/planner/trainers.hpp"
 #include "ferry/sim/runs/measure.hpp"
 
 namespace ferry::sim {
@@ -132,8 +133,14 @@ struct SimulateRequest {
   std::string horizon = "auto";  ///< auto (derived), none, or a byte count
   std::string pipeline_checkpoint = "except_last";
   std::optional<std::string> plan;  ///< a ferry.plan/1 file to replay instead
-  bool trace = false;               ///< keep the run (Response::run) for its trace
-  bool memory_snapshot = false;     ///< and record its allocators' actions
+  /// A trainer's settings to run instead of `policy` and `checkpoint` (`--for T`): its
+  /// command-line flags as `ferry plan --for T` writes them (`trainer_flags`), which errors
+  /// name `trainer_source` (the file's path). Nothing is offloaded.
+  std::optional<Trainer> trainer;
+  std::string trainer_flags{};
+  std::string trainer_source = "trainer config";
+  bool trace = false;            ///< keep the run (Response::run) for its trace
+  bool memory_snapshot = false;  ///< and record its allocators' actions
 };
 
 /// `ferry compare`: the fixed configurations side by side, and over `run.devices` > 1 the
@@ -162,6 +169,9 @@ struct PlanRequest {
   bool plot = false;                            ///< draw the sweep (Response::plot)
   /// A sweep calls it before each budget with (index, count, budget); may be empty.
   std::function<void(std::size_t, std::size_t, Bytes)> progress;
+  /// `--for T`: also the fastest setting of the trainer's own space that fits, beside the plan
+  /// (docs/plan.md, "A trainer's own settings"); not with a sweep.
+  std::optional<Trainer> trainer;
   /// Planners kept from earlier requests (not owned; may be null): one plan of a model given
   /// as text (no sweep, no memory snapshot) is made by the planner kept for this target and
   /// these settings.
@@ -190,6 +200,9 @@ struct Response {
   std::optional<PlanOutcome> plan;
   /// plan with a sweep and `plot`: the SVG plot of its curve.
   std::string plot;
+  /// plan with a trainer: its best setting's command-line flags, one shell line (what
+  /// `ferry simulate --for T --trainer-config FILE` reads).
+  std::string trainer_flags;
 };
 
 /// Planners kept between plan requests, so that planning one model again at another budget
