@@ -98,7 +98,11 @@ parse_run() {
     esac
   done
   if [[ -z $out ]]; then
-    if ((rehearse)); then out=build/gpu-rehearsal-results; else out=build/gpu-results; fi
+    if ((rehearse)); then
+      out=build/gpu-rehearsal${reuse:+-reuse}-results
+    else
+      out=build/gpu-results
+    fi
   fi
   if [[ -n $reuse && ! -f $reuse/CMakeCache.txt ]]; then
     echo "gpu run: --reuse-build $reuse: no CMakeCache.txt there (build it first)" >&2
@@ -114,7 +118,8 @@ run() {
   parse_run "$@"
   local start=$SECONDS
   if ((rehearse)); then
-    work=$root/build/gpu-rehearsal
+    # Its own folder with --reuse-build, so that a full rehearsal may run beside it.
+    work=$root/build/gpu-rehearsal${reuse:+-reuse}
   else
     work=$root/build/gpu-visit
   fi
@@ -125,8 +130,6 @@ run() {
   logs=$work/logs
   rm -rf "$logs" "$work/parts" "$prefix" "$work/site"
   mkdir -p "$logs" "$work/parts"
-  # What the steps run again by `scripts/gpu.sh _fn STATE STEP` read.
-  declare -p work prefix build python rehearse reuse jobs out logs >"$work/state.sh"
   : >"$work/steps.tsv"
   : >"$out/visit.log"
   python=$(command -v python3)
@@ -172,20 +175,29 @@ run() {
       echo "gpu run: assembling the results failed (build/.../logs/assemble.log)" >&2
   }
 
+  # What the steps run again by `scripts/gpu.sh _fn STATE STEP` read.
+  declare -p work prefix build python rehearse reuse jobs out logs >"$work/state.sh"
   step unpack 60 unpack_pack
   step configure 180 configure
-  step build 420 build_targets
+  # The visit's build gets 420 s of its 16 cores; a full rehearsal here, on a few cores, what
+  # the budget leaves.
+  local build_limit=420
+  if ((rehearse)) && [[ -z $reuse ]]; then build_limit=$budget; fi
+  step build "$build_limit" build_targets
   # The visit's Python site: the package's sources with the modules of this build (or of
   # --reuse-build's), the CLI named by FERRY_CLI.
   make_site
   export PYTHONPATH=$work/site${site_extra:+:$site_extra} FERRY_CLI=$bin_dir/sim/ferry
-  local device=cuda scale=full
-  if ((rehearse)); then device=cpu; scale=rehearse; fi
+  # The probe's defaults on the GPU; on the loopback device the small sizes of its ctest.
+  local device=cuda scale=full probe_sizes=()
+  if ((rehearse)); then
+    device=cpu scale=rehearse probe_sizes=(--repeats 2 --bytes 1MiB --matmul 64x64x64)
+  fi
   step gpu-ctest 90 "$bin_dir/tests/real/gpu_real" --gtest_output="json:$work/parts/gpu-ctest.json"
   step gpu-pytest 120 "$python" -m pytest -q -p no:cacheprovider -m gpu \
     --junitxml="$work/parts/gpu-pytest.xml" tests/python/test_gpu.py
   step probe 90 "$FERRY_CLI" probe --device "$device" --out "$work/parts/profile.json" \
-    --report "$work/parts/probe-report.json" --name "probed-$device" --quiet
+    --report "$work/parts/probe-report.json" --name "probed-$device" --quiet "${probe_sizes[@]}"
   step kernels 60 "$python" scripts/gpu_visit.py kernels --work "$work" --scale "$scale"
   step validate 240 "$python" scripts/gpu_visit.py validate --work "$work" --scale "$scale"
   step bench 150 "$python" scripts/gpu_visit.py bench --work "$work" --scale "$scale"

@@ -171,8 +171,12 @@ def cmd_kernels(args):
     seconds = _timed(lambda src=src, dst=dst: dst.copy_(src), 10 if cuda else 3, cuda)
     out["memory"] = {"bytes": size, "bytes_per_s": 2 * size / seconds}
     a = b = src = dst = None
-    # Attention: the flash and cuDNN kernels of SDPA, forward and backward (none on the CPU).
-    out["attention"] = {}
+    # Attention: the flash and cuDNN kernels of SDPA, forward and backward (the CPU has
+    # neither: their figures are None there).
+    out["attention"] = {
+        name: {"forward_flops_per_s": None, "backward_flops_per_s": None}
+        for name in ("flash", "cudnn")
+    }
     if cuda:
         batch, heads, seq, dim = 4, 16, 4096, 128
         flops_fwd = 4 * batch * heads * seq * seq * dim / 2  # causal: half the scores
@@ -356,10 +360,14 @@ def cmd_bench(args):
                 model, placed_inputs = _placed(base, inputs, real)
                 ctx = None
                 if method == "checkpoint":
-                    # torch's own non-reentrant checkpoint around every layer.
-                    model.gradient_checkpointing_enable(
-                        gradient_checkpointing_kwargs={"use_reentrant": False}
-                    )
+                    # torch's own non-reentrant checkpoint around every layer, through the
+                    # model's switch (activation_checkpointing_enable from transformers 5.23,
+                    # gradient_checkpointing_enable before).
+                    kwargs = {"use_reentrant": False}
+                    if hasattr(model, "activation_checkpointing_enable"):
+                        model.activation_checkpointing_enable(kwargs)
+                    else:
+                        model.gradient_checkpointing_enable(kwargs)
                 elif method in ("trl", "ferry"):
                     ctx = ferry.offload_model(
                         model, policy=method, loopback=real == "loopback", warn_if_no_head=False
@@ -454,7 +462,9 @@ def assemble(work, rehearse):
 
 
 def _bytes(value):
-    return "–" if value is None else f"{value / 2**30:.2f} GiB"
+    if value is None:
+        return "–"
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
 
 
 def _ms(value):

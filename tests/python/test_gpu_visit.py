@@ -148,7 +148,10 @@ def test_check_build_catches_a_system_header(tmp_path):
         return gpu_visit.check_build(str(build), str(prefix), str(listed))
 
     problems, _ = build_with(system)
-    assert problems == [f"build read the system's {system / 'pkg.h'}"]
+    assert problems == [
+        f"build read the system's {system / 'pkg.h'}",
+        "no header was read from the private prefix",
+    ]
     problems, evidence = build_with(prefix)
     assert problems == []
     assert "headers read from the private prefix: 1" in evidence
