@@ -156,7 +156,9 @@ run() {
     t0=$SECONDS
     status=ok
     # A step of this script's own runs it again (`timeout` runs programs, not functions).
-    if declare -F "$1" >/dev/null; then set -- "$root/scripts/gpu.sh" _fn "$work/state.sh" "$@"; fi
+    if declare -F "$1" >/dev/null; then
+      set -- "$root/scripts/gpu.sh" _fn "$work/state.sh" "$@"
+    fi
     timeout --kill-after=5 "$limit" "$@" >"$logs/$name.log" 2>&1 || {
       local rc=$?
       if ((rc == 124 || rc == 137)); then status=timeout; else status=failed; fi
