@@ -58,7 +58,7 @@ BENCH_FIELDS = (
     "peak_reserved_bytes",
 )
 # The visit's sizes and the rehearsal's: sequence lengths of the benchmark, steps timed.
-BENCH_SEQS = {"full": (1024, 2048, 4096, 8192), "rehearse": (16, 32)}
+BENCH_SEQS = {"full": (1024, 2048, 4096), "rehearse": (16, 32)}
 BENCH_TIMED = {"full": 3, "rehearse": 1}
 # The auto plan's budget: this share of the plain step's predicted peak reserved memory, so
 # that the plan has to save memory (the planner's floor where that is below it).
