@@ -212,9 +212,10 @@ run() {
   echo "gpu run: done in $((SECONDS - start)) s; $out/results.md:" | tee -a "$out/visit.log"
   cat "$out/results.md"
   if ((rehearse)); then
+    grep -E '^(private prefix|[A-Za-z0-9_]+_DIR=|hidden from)' "$logs/configure.log"
+    cat "$logs/check.log"
     grep -q $'^check\tok' "$work/steps.tsv" || {
-      echo "gpu run: the rehearsal's checks failed:" >&2
-      cat "$logs/check.log" >&2
+      echo "gpu run: the rehearsal's checks failed (above)" >&2
       exit 1
     }
   fi
@@ -288,7 +289,6 @@ configure() {
     fi
   done
   grep -E '^(FERRY_TORCH_CUDA|Torch_DIR|FERRY_PYTHON)' "$build/CMakeCache.txt" || true
-  grep -E 'ferry: real backend' "$build/CMakeFiles/CMakeOutput.log" 2>/dev/null || true
   return $bad
 }
 
@@ -305,7 +305,11 @@ build_targets() {
   fi
   echo "cmake --build $build -j $jobs --target ${targets[*]}"
   cmake --build "$build" -j "$jobs" --target "${targets[@]}"
-  echo "$(printf '%s\n' "${targets[@]}")" >"$work/built-targets.txt"
+  # Where the packages came from, as the compiler and the linker were told.
+  echo "a compile and a link of ${targets[0]}, with the private prefix $prefix:"
+  ninja -C "$build" -t commands "${targets[0]}" | grep -F -- "$prefix" | tail -n 2 |
+    cut -c1-2000
+  printf '%s\n' "${targets[@]}" >"$work/built-targets.txt"
 }
 
 make_site() {
