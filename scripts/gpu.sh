@@ -276,7 +276,12 @@ configure() {
   # chain of compiles is what takes the time, and a batch of eight sources is one long compile.
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFERRY_REAL=ON \
     -DFERRY_UNITY_BUILD=OFF -DFERRY_PYTHON="$python" -DCMAKE_PREFIX_PATH="$prefix/usr" \
-    -DCMAKE_FIND_PACKAGE_PREFER_CONFIG=ON "${hide[@]}"
+    -DCMAKE_FIND_PACKAGE_PREFER_CONFIG=ON "${hide[@]}" | tee "$work/configure.out"
+  # The visit is for the CUDA backend: a torch without CUDA there is a failed configure.
+  if ((!rehearse)) && ! grep -q 'ferry: real backend ON (CUDA: ON)' "$work/configure.out"; then
+    echo "configure: the real backend without CUDA (does $python's torch have CUDA?)"
+    return 1
+  fi
   # Where each package was found: under the prefix, or the configure fails.
   local var dir bad=0
   for var in fmt_DIR nlohmann_json_DIR CLI11_DIR GTest_DIR rapidcheck_DIR benchmark_DIR \
@@ -288,7 +293,12 @@ configure() {
       bad=1
     fi
   done
-  grep -E '^(FERRY_TORCH_CUDA|Torch_DIR|FERRY_PYTHON)' "$build/CMakeCache.txt" || true
+  grep -E '^(Torch_DIR|FERRY_PYTHON|_Python_INCLUDE_DIR)' "$build/CMakeCache.txt" || true
+  # Both Python modules, or the Python steps cannot run (Python's headers, Python.h, missing?).
+  if grep 'ferry: no Python module' "$work/configure.out"; then
+    echo "configure: the Python modules cannot be built with $python (above)"
+    bad=1
+  fi
   return $bad
 }
 
