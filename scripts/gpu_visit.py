@@ -270,7 +270,7 @@ def cmd_validate(args):
     part = Path(args.work) / "parts" / "validate.json"
     out = {
         "device": _device_info(real),
-        "profile": profile and Path(profile).name,
+        "profile": profile and (_read(profile) or {}).get("name"),
         "steps": args.steps,
         "models": {},
     }
