@@ -182,3 +182,27 @@ def test_visit_models_refuse_an_unknown_scale():
 
     with pytest.raises(ValueError, match="scale must be one of"):
         VISIT_MODELS["llama-1b"]("tiny")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--bogus"], "unknown option --bogus"),
+        (["run", "--jobs", "0"], "--jobs and --budget take positive integers"),
+        (["run", "--reuse-build", "/nonexistent"], "--reuse-build /nonexistent: no CMakeCache"),
+    ],
+)
+def test_gpu_sh_refuses_bad_options(args, message):
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu.sh"), *args], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_gpu_sh_without_a_verb_prints_its_usage():
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu.sh")], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "scripts/gpu.sh pack" in done.stderr and "--rehearse" in done.stderr
