@@ -148,7 +148,7 @@ run() {
     left=$((budget - (SECONDS - start) - 20))
     if ((left < limit)); then limit=$left; fi
     if ((limit < 10)); then
-      printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >>"$work/steps.tsv"
+      printf '%s\tskipped\t0\t0\n' "$name" >>"$work/steps.tsv"
       echo "gpu run: step $name skipped: the budget is spent" | tee -a "$out/visit.log"
       assemble
       return 0
