@@ -117,3 +117,19 @@ def test_offload_overlaps_compute():
     hidden = compute_ms + copy_ms - offload_ms
     # Done one after the other, nothing would be hidden; ask for a quarter of the shorter one.
     assert hidden > 0.25 * min(compute_ms, copy_ms), (compute_ms, copy_ms, offload_ms)
+
+
+def test_validate_on_cuda_measures_peaks_and_step_time():
+    """`validate(real_device="cuda")` trains on the GPU and measures the last step's peak
+    allocated and reserved memory, which hold at least the activations a plain forward saves."""
+    from ferry._validate import validate
+
+    report = validate("gpt", policies=["none", "ferry"], steps=2, real_device="cuda")
+    assert report["real_device"] == "cuda"
+    saved = report["saved_at_end_of_forward"]["real"]
+    for name, row in report["policies"].items():
+        real = row["real"]
+        assert real["step_time_ns"] > 0, name
+        assert real["peak_reserved_bytes"] >= real["peak_allocated_bytes"] > 0, name
+        assert real["packed"] > 0, name
+    assert report["policies"]["none"]["real"]["peak_allocated_bytes"] > saved

@@ -140,6 +140,25 @@ def test_validate_a_module():
         validate(model, inputs, loss_fn, policies=["lifo"])
 
 
+def test_loopback_run_reports_time_and_no_allocator_peaks():
+    """On the loopback device the step time is measured and the peaks, which the host has no
+    allocator statistics for, are None; a real device other than loopback or cuda is refused."""
+    model, inputs, loss_fn = small_factory()
+    report = validate(model, inputs, loss_fn, policies=["none"], steps=1)
+    real = report["policies"]["none"]["real"]
+    assert report["real_device"] == "loopback"
+    assert real["step_time_ns"] > 0
+    assert real["peak_allocated_bytes"] is None and real["peak_reserved_bytes"] is None
+    with pytest.raises(ValueError, match="real_device must be one of loopback, cuda"):
+        validate(model, inputs, loss_fn, policies=["none"], real_device="gpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_bad_real_device_without_cuda(capsys):
+    assert validate_cli.main(["gpt", "--real-device", "cuda"]) == 2
+    assert "real_device 'cuda': torch sees no CUDA device" in capsys.readouterr().err
+
+
 def test_cli_table_for_a_factory(capsys):
     code = validate_cli.main(
         ["test_validate:small_factory", "--policy", "ferry", "--policy", "checkpoint"]

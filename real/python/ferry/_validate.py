@@ -1,13 +1,15 @@
 """Predictions checked against real runs (docs/validation.md).
 
-A model is trained for a few steps for real under each policy (on the CPU loopback device
-without a GPU), traced with ``ferry.trace``, and the traced model simulated under the same
-policies by the simulator in this process (``ferry.simulate``). ``validate`` returns both sides
-of every policy; ``mismatches`` lists the counts and bytes that differ where they must be equal.
+A model is trained for a few steps for real under each policy (on the CPU loopback device, or
+on a CUDA device with ``real_device="cuda"``), traced with ``ferry.trace``, and the traced model
+simulated under the same policies by the simulator in this process (``ferry.simulate``).
+``validate`` returns both sides of every policy; ``mismatches`` lists the counts and bytes that
+differ where they must be equal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
@@ -99,6 +101,68 @@ def _call_args(inputs):
     return tuple(inputs), {}
 
 
+# Where the real run trains: "loopback" (the CPU loopback device) or "cuda" (the current CUDA
+# device, measured with torch.cuda's allocator statistics).
+REAL_DEVICES = ("loopback", "cuda")
+
+
+def _to(inputs, device):
+    """``inputs`` (a tensor, a tuple or list of arguments, a dict of keywords) with every tensor
+    moved to ``device``; other values as they are."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(device)
+    if isinstance(inputs, dict):
+        return {k: _to(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_to(v, device) for v in inputs)
+    return inputs
+
+
+def train_steps(model, inputs, loss_fn, ctx, steps, real_device="loopback", on_step=None):
+    """Trains ``model`` (already on its device) for ``steps`` steps inside ``ctx`` (an offload
+    region spanning forward and backward, or None), gradients freed before each step. Returns
+    the last step's wall time in ns and, on CUDA, its peak allocated and reserved bytes
+    (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` from a reset at the start of
+    the last step, the device synchronized around it; None on the loopback device, whose host
+    memory has no allocator statistics). ``on_step`` is called before each step."""
+    cuda = real_device == "cuda"
+    args, kwargs = _call_args(inputs)
+    step_ns, peaks = 0, (None, None)
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step()
+        if cuda:
+            torch.cuda.synchronize()
+            if step == steps - 1:
+                torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter_ns()
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = loss_of(model(*args, **kwargs), loss_fn)
+            loss.backward()
+        del loss
+        if cuda:
+            torch.cuda.synchronize()
+        step_ns = time.perf_counter_ns() - start
+    if cuda:
+        peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+    return {
+        "step_time_ns": step_ns,
+        "peak_allocated_bytes": peaks[0],
+        "peak_reserved_bytes": peaks[1],
+    }
+
+
+def _placed(model, inputs, real_device):
+    """A copy of ``model`` and ``inputs`` on the real run's device. On CUDA the allocator's
+    cached blocks are returned first, so that what the run reserves is its own."""
+    model = copy.deepcopy(model)
+    if real_device == "cuda":
+        torch.cuda.empty_cache()
+        return model.cuda(), _to(inputs, "cuda")
+    return model, inputs
+
+
 def _layer_list(model):
     """The first ModuleList of ``model``: the layers checkpointing wraps."""
     for _, module in model.named_modules():
@@ -144,9 +208,11 @@ def _checkpoint_layers(model):
         layer.forward = forward
 
 
-def _saved_at_end_of_forward(model, inputs, loss_fn):
+def _saved_at_end_of_forward(model, inputs, loss_fn, real_device="loopback"):
     """Bytes of the distinct storages of the saved activations a plain forward holds (the
-    parameters' and buffers' own storages left out)."""
+    parameters' and buffers' own storages left out), the forward run on the real run's
+    device."""
+    model, inputs = _placed(model, inputs, real_device)
     owned = {t.untyped_storage().data_ptr() for t in model.parameters()}
     owned |= {t.untyped_storage().data_ptr() for t in model.buffers()}
     storages = {}
@@ -233,28 +299,30 @@ def _layer_counts(model, ctx):
     return counts, remove
 
 
-def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
-    """Trains a copy of ``model`` for ``steps`` steps under ``policy`` on the CPU loopback
-    device; the offload context spans forward and backward, as the simulator's step does.
-    ``horizon``: the ferry policy's offload horizon in bytes (None: none). Returns the counters
-    and bytes of the last step, its time, and its counters per layer."""
-    model = copy.deepcopy(model)
+def run_real(
+    model, inputs, loss_fn, policy, checkpoint, steps, horizon=None, real_device="loopback"
+):
+    """Trains a copy of ``model`` for ``steps`` steps under ``policy`` on ``real_device`` (the
+    CPU loopback device, or CUDA); the offload context spans forward and backward, as the
+    simulator's step does. ``horizon``: the ferry policy's offload horizon in bytes (None:
+    none). Returns the counters and bytes of the last step, its time and peak memory
+    (``train_steps``), and its counters per layer."""
+    model, inputs = _placed(model, inputs, real_device)
     if checkpoint:
         _checkpoint_layers(model)
     options = {} if horizon is None else {"horizon_bytes": horizon}
-    ctx = offload_model(model, policy=policy, loopback=True, warn_if_no_head=False, **options)
+    ctx = offload_model(
+        model, policy=policy, loopback=real_device == "loopback", warn_if_no_head=False, **options
+    )
     per_layer, unhook = _layer_counts(model, ctx)
-    args, kwargs = _call_args(inputs)
-    before, step_ns = ctx.telemetry(), 0
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
+    before = ctx.telemetry()
+
+    def on_step():
+        nonlocal before
         before = ctx.telemetry()
         per_layer.clear()  # the last step's, as the simulator counts them
-        start = time.perf_counter_ns()
-        with ctx:
-            loss = loss_of(model(*args, **kwargs), loss_fn)
-            loss.backward()
-        step_ns = time.perf_counter_ns() - start
+
+    measured = train_steps(model, inputs, loss_fn, ctx, steps, real_device, on_step)
     after = ctx.telemetry()
     unhook()
     if ctx.tracked() != 0:
@@ -266,7 +334,7 @@ def run_real(model, inputs, loss_fn, policy, checkpoint, steps, horizon=None):
     out["bytes_d2h"] = after["bytes_d2h"] - before["bytes_d2h"]
     out["bytes_h2d"] = after["bytes_h2d"] - before["bytes_h2d"]
     out["pinned_peak"] = after["pinned_peak"]
-    out["step_time_ns"] = step_ns
+    out.update(measured)
     rest = {
         name: after[name] - before[name] - sum(c[name] for c in per_layer.values())
         for name in _SCHEDULER_LAYER_COUNTERS
@@ -366,6 +434,7 @@ def validate(
     keep: str | os.PathLike[str] | None = None,
     trace: Callable[..., TracedModel] | None = None,
     horizon: str = "auto",
+    real_device: str = "loopback",
 ) -> dict[str, Any]:
     """Real and simulated runs of a model under each policy (docs/validation.md).
 
@@ -386,6 +455,9 @@ def validate(
             mismatches with it).
         horizon: ``"auto"`` (the horizon the simulator derives, given to the real run too) or
             ``"none"`` (neither side has one; Note [Offload horizon in validate]).
+        real_device: ``"loopback"`` (the CPU loopback device; the model is traced as the host
+            runs it) or ``"cuda"`` (the current CUDA device, where peak allocated and reserved
+            memory are measured; the model is traced as the device runs it).
 
     Returns:
         ``model``, ``steps``, ``saved_at_end_of_forward`` (real, traced and simulated),
@@ -416,14 +488,22 @@ def validate(
         raise ValueError(f"ferry validate: steps must be at least 1 (got {steps})")
     if horizon not in ("auto", "none"):
         raise ValueError(f"ferry validate: horizon must be 'auto' or 'none' (got {horizon!r})")
+    if real_device not in REAL_DEVICES:
+        raise ValueError(
+            f"ferry validate: real_device must be one of {', '.join(REAL_DEVICES)} "
+            f"(got {real_device!r})"
+        )
+    if real_device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("ferry validate: real_device 'cuda': torch sees no CUDA device")
     args, kwargs = _call_args(inputs)
-    traced = (trace or ferry_trace)(model, *args, loss_fn=loss_fn, target="host", **kwargs)
+    target = "host" if real_device == "loopback" else "device"
+    traced = (trace or ferry_trace)(model, *args, loss_fn=loss_fn, target=target, **kwargs)
     document = traced.document
-    report = {"model": name, "steps": steps, "policies": {}}
+    report = {"model": name, "steps": steps, "real_device": real_device, "policies": {}}
     if keep is not None:
         traced.save(keep)
     report["saved_at_end_of_forward"] = {
-        "real": _saved_at_end_of_forward(copy.deepcopy(model), inputs, loss_fn),
+        "real": _saved_at_end_of_forward(model, inputs, loss_fn, real_device),
         "traced": traced.saved_bytes(roles=("activation", "input")),
         "simulated": simulated_saved_peak(traced, device),
     }
@@ -436,7 +516,14 @@ def validate(
             traced, offload_policy, checkpoint, steps, device=device, horizon=horizon
         )
         real = run_real(
-            model, inputs, loss_fn, offload_policy, checkpoint, steps, horizon=sim["horizon_bytes"]
+            model,
+            inputs,
+            loss_fn,
+            offload_policy,
+            checkpoint,
+            steps,
+            horizon=sim["horizon_bytes"],
+            real_device=real_device,
         )
         report["policies"][policy] = {
             "real": real,

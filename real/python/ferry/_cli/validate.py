@@ -2,9 +2,9 @@
 
 MODEL is a bundled example (``ferry.examples``) or a factory ``pkg.module:function``
 returning ``(model, inputs[, loss_fn])``. The model is trained for real under each policy on
-the CPU loopback device, traced, and the trace simulated under the same policies; one table shows
-both sides. Exit status: 0 when every count and byte agrees, 1 when one differs, 2 for a bad
-argument.
+the CPU loopback device (or a CUDA device, ``--real-device cuda``), traced, and the trace
+simulated under the same policies; one table shows both sides. Exit status: 0 when every count
+and byte agrees, 1 when one differs, 2 for a bad argument.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .._validate import BYTES, COUNTERS, POLICIES, ModelSpecError, validate
+from .._validate import BYTES, COUNTERS, POLICIES, REAL_DEVICES, ModelSpecError, validate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="python -m ferry validate",
-        description="Train a model for real under each policy (CPU loopback device), trace "
+        description="Train a model for real under each policy (CPU loopback device or CUDA), trace "
         "it, simulate the trace under the same policies and compare.",
     )
     parser.add_argument(
@@ -48,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the ferry policy's offload horizon: the one the simulator derives, "
         "given to the real run too (auto), or none on either side",
     )
+    parser.add_argument(
+        "--real-device",
+        choices=REAL_DEVICES,
+        default="loopback",
+        help="where the real run trains: the CPU loopback device (default) or the current "
+        "CUDA device, where peak allocated and reserved memory are measured",
+    )
     parser.add_argument("--keep", metavar="PATH", help="also write the traced model to PATH")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     return parser
@@ -56,22 +63,31 @@ def _parser() -> argparse.ArgumentParser:
 def table(report: dict[str, Any]) -> str:
     """The report as text: one row per policy, then the counts that differ."""
     steps = f"{report['steps']} step" + ("s" if report["steps"] != 1 else "")
-    lines = [
-        f"model {report['model']}, {steps}, CPU loopback device "
-        "(times reported, not compared: loopback copies are synchronous)",
-        "",
-    ]
+    cuda = report.get("real_device") == "cuda"
+    where = (
+        "CUDA device"
+        if cuda
+        else "CPU loopback device (times reported, not compared: loopback copies are synchronous)"
+    )
+    lines = [f"model {report['model']}, {steps}, {where}", ""]
     header = (
         f"{'policy':<18}{'step ms pred':>13}{'step ms meas':>13}{'error':>9}"
-        f"{'peak alloc pred':>17}{'peak meas':>11}{'counts':>9}"
+        f"{'peak alloc pred':>17}{'peak meas':>15}{'error':>9}{'counts':>9}"
     )
     lines += [header, "-" * len(header)]
+
+    def error(pred, meas):
+        return f"{(pred - meas) / meas:+.1%}" if cuda and meas else "-"
+
     for name, row in report["policies"].items():
         sim, real = row["simulated"], row["real"]
         agree = "exact" if not row["mismatches"] else f"{len(row['mismatches'])} off"
+        peak = real.get("peak_allocated_bytes")
         lines.append(
             f"{name:<18}{sim['step_time_ns'] / 1e6:>13.3f}{real['step_time_ns'] / 1e6:>13.3f}"
-            f"{'-':>9}{sim['peak_allocated_bytes']:>17,}{'n/a':>11}{agree:>9}"
+            f"{error(sim['step_time_ns'], real['step_time_ns']):>9}"
+            f"{sim['peak_allocated_bytes']:>17,}{'n/a' if peak is None else f'{peak:,}':>15}"
+            f"{error(sim['peak_allocated_bytes'], peak):>9}{agree:>9}"
         )
     saved = report["saved_at_end_of_forward"]
     equal = saved["real"] == saved["traced"] == saved["simulated"]
@@ -134,8 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device,
             keep=args.keep,
             horizon=args.horizon,
+            real_device=args.real_device,
         )
-    except (ModelSpecError, ImportError) as e:
+    except (ModelSpecError, ImportError, ValueError) as e:
         print(f"python -m ferry validate: {e}", file=sys.stderr)
         return 2
     if args.json:
