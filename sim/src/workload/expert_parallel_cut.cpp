@@ -64,7 +64,7 @@ class ExpertParallelCut : RankCut {
 
  private:
   // A layer's rows: those its busiest rank receives and those the trace routed.
-  struct Load {
+  struct RankLoad {
     std::int64_t busiest = 1;
     std::int64_t traced = 1;
     // n x busiest / traced, rounded; past 2^63 - 1 (a hostile file's counts) it stays there,
@@ -82,28 +82,45 @@ class ExpertParallelCut : RankCut {
           std::min<Signed>(v, std::numeric_limits<std::int64_t>::max()));
     }
   };
-  Result<Load> load_of(const ModelOp& o, std::int64_t experts) const;
+  Result<RankLoad> load_of(const ModelOp& o, std::int64_t experts) const;
   // Whether `o` reads routed rows; if so its outputs are routed rows too.
-  static bool route(const Model& out, const ModelOp& o, std::vector<bool>& routed);
-  static void price(Model& out, ModelOp& o, const Load& load, const std::vector<bool>& routed);
+  static bool mark_routed(const Model& out, const ModelOp& o, std::vector<bool>& routed);
+  static void scale_to_load(Model& out, ModelOp& o, const RankLoad& load,
+                            const std::vector<bool>& routed);
   // The layer's routed rows, `traced` of them in the whole model, as its busiest rank holds
   // them (`load`, where the trace gives one), in static-capacity buffers where capacity_ asks.
-  Status size_routed(Model& out, const std::vector<bool>& routed, const Load* load,
+  Status size_routed(Model& out, const std::vector<bool>& routed, const RankLoad* load,
                      std::int64_t traced) const;
+
+  // The grouped matmuls of each layer, the experts' weights, the loads; or why there are none.
+  Status find_experts();
+  std::uint32_t exchange(std::string name, std::uint32_t from, const ModelOp& near);
+  std::uint32_t as_read(std::uint32_t t, bool in_experts) const;
+  void dispatch(ModelOp& o);
+  Status cut_op(std::size_t i);
+  Status split_experts();
 
   std::int32_t ep_;
   std::int32_t nodes_;
   double capacity_;  // Note [Static capacity]; 0: the rows as routed
+  // The grouped matmuls of each layer, the first and the last.
+  std::map<std::int32_t, std::pair<std::size_t, std::size_t>> span_;
+  std::set<std::uint32_t> experts_;         // the experts' weights and their views
+  std::map<std::int32_t, RankLoad> loads_;  // of the layers whose trace gives each expert's rows
+  Model out_;                               // the rank's model
+  std::vector<std::uint32_t> combined_;     // by tensor: a combined output's tensor, or itself
+  std::map<std::uint32_t, std::uint32_t> dispatched_;  // within a layer's experts
+  std::vector<bool> routed_;  // by tensor: the layer's routed rows, where its load is given
 };
 
-Result<ExpertParallelCut::Load> ExpertParallelCut::load_of(const ModelOp& o,
-                                                           std::int64_t experts) const {
-  if (o.group_rows.empty()) return Load{};
+Result<ExpertParallelCut::RankLoad> ExpertParallelCut::load_of(const ModelOp& o,
+                                                               std::int64_t experts) const {
+  if (o.group_rows.empty()) return RankLoad{};
   if (std::cmp_not_equal(o.group_rows.size(), experts)) {
     return refuse("op \"{}\" gives the rows of {} groups, but its weights hold {} experts", o.name,
                   o.group_rows.size(), experts);
   }
-  Load load{0, 0};
+  RankLoad load{0, 0};
   const std::int64_t each = experts / ep_;
   for (std::int64_t r = 0; r < ep_; ++r) {
     std::int64_t rows = 0;
@@ -111,11 +128,11 @@ Result<ExpertParallelCut::Load> ExpertParallelCut::load_of(const ModelOp& o,
     load.traced += rows;
     load.busiest = std::max(load.busiest, rows * ep_);
   }
-  if (load.traced == 0) return Load{};
+  if (load.traced == 0) return RankLoad{};
   return load;
 }
 
-bool ExpertParallelCut::route(const Model& out, const ModelOp& o, std::vector<bool>& routed) {
+bool ExpertParallelCut::mark_routed(const Model& out, const ModelOp& o, std::vector<bool>& routed) {
   const auto is_routed = [&](std::uint32_t t) {
     const std::int32_t b = out.tensors[t].view_of;
     return routed[t] || (b >= 0 && routed[static_cast<std::size_t>(b)]);
@@ -125,10 +142,10 @@ bool ExpertParallelCut::route(const Model& out, const ModelOp& o, std::vector<bo
   return true;
 }
 
-// An op of the experts that reads routed rows (route) at its rank's load: its FLOPs, m and bytes
-// grow with the rows (its weights' bytes do not).
-void ExpertParallelCut::price(Model& out, ModelOp& o, const Load& load,
-                              const std::vector<bool>& routed) {
+// An op of the experts that reads routed rows (mark_routed) at its rank's load: its FLOPs, m and
+// bytes grow with the rows (its weights' bytes do not).
+void ExpertParallelCut::scale_to_load(Model& out, ModelOp& o, const RankLoad& load,
+                                      const std::vector<bool>& routed) {
   const auto is_routed = [&](std::uint32_t t) {
     const std::int32_t b = out.tensors[t].view_of;
     return routed[t] || (b >= 0 && routed[static_cast<std::size_t>(b)]);
@@ -141,7 +158,7 @@ void ExpertParallelCut::price(Model& out, ModelOp& o, const Load& load,
   const std::int64_t before = o.bytes.count();
   if (before > 0) {  // a view moves nothing
     o.bytes = Bytes(before + load.scaled(rows_bytes) - rows_bytes);
-    o.backward_bytes = Bytes(Load{o.bytes.count(), before}.scaled(o.backward_bytes.count()));
+    o.backward_bytes = Bytes(RankLoad{o.bytes.count(), before}.scaled(o.backward_bytes.count()));
   }
   o.backward_flops = load.scaled(o.backward_flops);
   if (o.gemm.known()) {
@@ -173,8 +190,8 @@ void ExpertParallelCut::price(Model& out, ModelOp& o, const Load& load,
 // cut refuses it, naming the layer and the factor that would hold them. The paged stash
 // (paged_stash.hpp) is what takes the padding back out of the step's saved tensors.
 
-Status ExpertParallelCut::size_routed(Model& out, const std::vector<bool>& routed, const Load* load,
-                                      std::int64_t traced) const {
+Status ExpertParallelCut::size_routed(Model& out, const std::vector<bool>& routed,
+                                      const RankLoad* load, std::int64_t traced) const {
   for (std::uint32_t t = 0; t < out.tensors.size(); ++t) {
     ModelTensor& tensor = out.tensors[t];
     const bool of_routed = tensor.view_of >= 0 && routed[static_cast<std::size_t>(tensor.view_of)];
@@ -211,11 +228,7 @@ Status ExpertParallelCut::size_routed(Model& out, const std::vector<bool>& route
   return Ok{};
 }
 
-Result<Model> ExpertParallelCut::run() {
-  // The grouped matmuls of each layer, the first and the last.
-  std::map<std::int32_t, std::pair<std::size_t, std::size_t>> span;
-  std::set<std::uint32_t> experts;     // the experts' weights and their views
-  std::map<std::int32_t, Load> loads;  // of the layers whose trace gives each expert's rows
+Status ExpertParallelCut::find_experts() {
   for (std::size_t i = 0; i < whole_.ops.size(); ++i) {
     const ModelOp& o = whole_.ops[i];
     if (!is_grouped_matmul_kind(o.kind)) continue;
@@ -223,7 +236,7 @@ Result<Model> ExpertParallelCut::run() {
     std::optional<std::uint32_t> weights;
     for (const std::uint32_t t : o.inputs) {
       if (whole_.tensors[base(t)].role != TensorRole::Param) continue;
-      experts.insert({t, base(t)});
+      experts_.insert({t, base(t)});
       if (!weights || whole_.tensors[t].bytes > whole_.tensors[*weights].bytes) weights = t;
     }
     if (!weights || !o.gemm.known() || o.gemm.n * o.gemm.k <= 0) {
@@ -237,96 +250,100 @@ Result<Model> ExpertParallelCut::run() {
     if (count < 1 || count % ep_ != 0) {
       return refuse("{} experts (op \"{}\") do not split among {} ranks", count, o.name, ep_);
     }
-    const auto [at, fresh] = span.try_emplace(o.layer, i, i);
+    const auto [at, fresh] = span_.try_emplace(o.layer, i, i);
     if (!fresh) at->second.second = i;
-    if (!o.group_rows.empty() && !loads.contains(o.layer)) {
+    if (!o.group_rows.empty() && !loads_.contains(o.layer)) {
       auto load = load_of(o, count);
       if (!load) return load.error();
-      loads.emplace(o.layer, load.value());
+      loads_.emplace(o.layer, load.value());
     }
   }
-  if (span.empty()) {
+  if (span_.empty()) {
     return refuse(
         "model \"{}\" has no grouped expert matmul: expert parallelism splits a mixture of "
         "experts' experts, run as grouped matmuls (python -m ferry trace with transformers' "
         "grouped_mm experts)",
         whole_.name);
   }
-  Model out = whole_;
-  out.ops.clear();
-  out.ops.reserve(whole_.ops.size() + 2 * span.size());
-  std::vector<std::uint32_t> now(whole_.tensors.size());  // a tensor as later ops read it
-  for (std::uint32_t t = 0; t < now.size(); ++t) now[t] = t;
-  std::map<std::uint32_t, std::uint32_t> dispatched;  // within a layer's experts
-  // Tensors of the layer's routed rows, where its load is given; the cut adds two a layer.
-  std::vector<bool> routed(whole_.tensors.size() + 2 * span.size(), false);
+  return Ok{};
+}
+
+// Routed rows moved over the expert group into a tensor of their own, named by the exchange
+// (names unique among ops: two layers' experts may read one tensor).
+std::uint32_t ExpertParallelCut::exchange(std::string name, std::uint32_t from,
+                                          const ModelOp& near) {
   const Exchange all_to_all{kAllToAllKind, CollectiveKind::AllToAll, CollectiveKind::AllToAll,
                             MeshAxis::Expert, nodes_};
-  // Routed rows moved over the expert group into a tensor of their own, named by the exchange
-  // (names unique among ops: two layers' experts may read one tensor).
-  const auto exchange = [&](std::string name, std::uint32_t from, const ModelOp& near) {
-    const std::uint32_t to = add_tensor(out, from, name + ".out");
-    ModelOp a2a = collective_op(std::move(name), all_to_all, {from}, {to}, near);
-    out.ops.push_back(std::move(a2a));
-    return to;
-  };
-  for (std::size_t i = 0; i < whole_.ops.size(); ++i) {
-    ModelOp o = whole_.ops[i];
-    const auto layer = span.find(o.layer);
-    const bool in_experts =
-        layer != span.end() && i >= layer->second.first && i <= layer->second.second;
-    const auto read = [&](std::uint32_t t) {
-      // A view of all of a combined output reads the combined tensor.
-      const std::uint32_t b = base(t);
-      if (b != t && now[b] != b && whole_.tensors[t].view_offset.count() == 0 &&
-          whole_.tensors[t].bytes == whole_.tensors[b].bytes) {
-        return now[b];
-      }
-      if (in_experts) {
-        if (const auto d = dispatched.find(t); d != dispatched.end()) return d->second;
-      }
-      return now[t];
-    };
-    for (std::uint32_t& t : o.inputs) t = read(t);
-    for (std::uint32_t& t : o.saved) t = read(t);
-    if (in_experts && i == layer->second.first) {
-      // The routed rows: its largest activation input (the other is the offsets).
-      dispatched.clear();
-      std::uint32_t* rows = nullptr;
-      for (std::uint32_t& t : o.inputs) {
-        if (out.tensors[t].role != TensorRole::Activation) continue;
-        if (rows == nullptr || out.tensors[t].bytes > out.tensors[*rows].bytes) rows = &t;
-      }
-      if (rows != nullptr) {
-        const std::uint32_t t = *rows;
-        const std::uint32_t d = exchange(o.name + "/ep.dispatch", t, o);
-        dispatched[t] = d;
-        std::ranges::replace(o.saved, t, d);
-        *rows = d;
-        routed[d] = true;
-      }
-    }
-    const auto load = in_experts ? loads.find(o.layer) : loads.end();
-    if (in_experts && route(out, o, routed) && load != loads.end()) {
-      price(out, o, load->second, routed);
-    }
-    const bool last = in_experts && i == layer->second.second;
-    const std::string name = o.name;
-    const ModelOp& kept = out.ops.emplace_back(std::move(o));
-    if (last && !kept.outputs.empty()) {
-      const std::uint32_t t = kept.outputs.front();
-      now[t] = exchange(name + "/ep.combine", t, out.ops.back());
-    }
-    if (last) {
-      const std::int64_t traced = whole_.ops[layer->second.first].gemm.m;
-      FERRY_JSON_RETURN_IF_ERROR(
-          size_routed(out, routed, load != loads.end() ? &load->second : nullptr, traced));
-      std::fill(routed.begin(), routed.end(), false);
-    }
+  const std::uint32_t to = add_tensor(out_, from, name + ".out");
+  ModelOp a2a = collective_op(std::move(name), all_to_all, {from}, {to}, near);
+  out_.ops.push_back(std::move(a2a));
+  return to;
+}
+
+// `t` as a later op reads it: a view of all of a combined output reads the combined tensor, and
+// an op of the experts reads the rows dispatched to it.
+std::uint32_t ExpertParallelCut::as_read(std::uint32_t t, bool in_experts) const {
+  const std::uint32_t b = base(t);
+  if (b != t && combined_[b] != b && whole_.tensors[t].view_offset.count() == 0 &&
+      whole_.tensors[t].bytes == whole_.tensors[b].bytes) {
+    return combined_[b];
   }
-  // Sizes: each rank holds 1/ep of the experts' weights (a view 1/ep of its offset).
-  for (const std::uint32_t t : experts) {
-    ModelTensor& tensor = out.tensors[t];
+  if (in_experts) {
+    if (const auto d = dispatched_.find(t); d != dispatched_.end()) return d->second;
+  }
+  return combined_[t];
+}
+
+// Before a layer's first grouped matmul `o`: its routed rows (its largest activation input; the
+// other is the offsets) dispatched to the ranks that hold their experts.
+void ExpertParallelCut::dispatch(ModelOp& o) {
+  dispatched_.clear();
+  std::uint32_t* rows = nullptr;
+  for (std::uint32_t& t : o.inputs) {
+    if (out_.tensors[t].role != TensorRole::Activation) continue;
+    if (rows == nullptr || out_.tensors[t].bytes > out_.tensors[*rows].bytes) rows = &t;
+  }
+  if (rows == nullptr) return;
+  const std::uint32_t t = *rows;
+  const std::uint32_t d = exchange(o.name + "/ep.dispatch", t, o);
+  dispatched_[t] = d;
+  std::ranges::replace(o.saved, t, d);
+  *rows = d;
+  routed_[d] = true;
+}
+
+Status ExpertParallelCut::cut_op(std::size_t i) {
+  ModelOp o = whole_.ops[i];
+  const auto layer = span_.find(o.layer);
+  const bool in_experts =
+      layer != span_.end() && i >= layer->second.first && i <= layer->second.second;
+  for (std::uint32_t& t : o.inputs) t = as_read(t, in_experts);
+  for (std::uint32_t& t : o.saved) t = as_read(t, in_experts);
+  if (in_experts && i == layer->second.first) dispatch(o);
+  const auto load = in_experts ? loads_.find(o.layer) : loads_.end();
+  if (in_experts && mark_routed(out_, o, routed_) && load != loads_.end()) {
+    scale_to_load(out_, o, load->second, routed_);
+  }
+  const bool last = in_experts && i == layer->second.second;
+  const std::string name = o.name;
+  const ModelOp& kept = out_.ops.emplace_back(std::move(o));
+  if (last && !kept.outputs.empty()) {
+    const std::uint32_t t = kept.outputs.front();
+    combined_[t] = exchange(name + "/ep.combine", t, out_.ops.back());
+  }
+  if (last) {
+    const std::int64_t traced = whole_.ops[layer->second.first].gemm.m;
+    FERRY_JSON_RETURN_IF_ERROR(
+        size_routed(out_, routed_, load != loads_.end() ? &load->second : nullptr, traced));
+    std::fill(routed_.begin(), routed_.end(), false);
+  }
+  return Ok{};
+}
+
+// Sizes: each rank holds 1/ep of the experts' weights (a view 1/ep of its offset).
+Status ExpertParallelCut::split_experts() {
+  for (const std::uint32_t t : experts_) {
+    ModelTensor& tensor = out_.tensors[t];
     const std::int64_t size = dtype_size(tensor.dtype);
     const std::int64_t n = tensor.bytes.count() / size;
     if (n % ep_ != 0 || (tensor.view_offset.count() / size) % ep_ != 0) {
@@ -336,7 +353,21 @@ Result<Model> ExpertParallelCut::run() {
     tensor.bytes = Bytes(tensor.bytes.count() / ep_);
     tensor.view_offset = Bytes(tensor.view_offset.count() / ep_);
   }
-  return checked(std::move(out));
+  return Ok{};
+}
+
+Result<Model> ExpertParallelCut::run() {
+  FERRY_JSON_RETURN_IF_ERROR(find_experts());
+  out_ = whole_;
+  out_.ops.clear();
+  out_.ops.reserve(whole_.ops.size() + 2 * span_.size());
+  combined_.resize(whole_.tensors.size());
+  for (std::uint32_t t = 0; t < combined_.size(); ++t) combined_[t] = t;
+  // Tensors of the layer's routed rows, where its load is given; the cut adds two a layer.
+  routed_.assign(whole_.tensors.size() + 2 * span_.size(), false);
+  for (std::size_t i = 0; i < whole_.ops.size(); ++i) FERRY_JSON_RETURN_IF_ERROR(cut_op(i));
+  FERRY_JSON_RETURN_IF_ERROR(split_experts());
+  return checked(std::move(out_));
 }
 
 }  // namespace

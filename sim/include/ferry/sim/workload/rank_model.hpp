@@ -1,7 +1,7 @@
 #pragma once
 /// One rank's model under tensor, context or expert parallelism: the whole model cut as torch's
 /// plans cut a transformer, with the collectives they run as ops of the model (Note [A rank's
-/// model] in tensor_parallel_cut.cpp; each cut has its file beside rank_cut.hpp, what they share).
+/// model] in tensor_parallel_cut.hpp; each cut has its files beside rank_cut.hpp, what they share).
 
 #include <cstdint>
 
