@@ -36,7 +36,7 @@ bool keeps_sums(std::string_view kind) {
 
 }  // namespace
 
-Layout TensorParallelCut::layout_of(std::uint32_t t) const {
+Layout TensorParallelRewrite::layout_of(std::uint32_t t) const {
   // A view no op lists as an output (a trace's reshapes) is laid out as its base.
   if (t < whole_.tensors.size() && !assigned_[t] && whole_.tensors[t].view_of >= 0) {
     return layout_[base(t)];
@@ -44,7 +44,7 @@ Layout TensorParallelCut::layout_of(std::uint32_t t) const {
   return layout_[t];
 }
 
-std::uint32_t TensorParallelCut::new_tensor(std::uint32_t like, std::string name, Layout l) {
+std::uint32_t TensorParallelRewrite::new_tensor(std::uint32_t like, std::string name, Layout l) {
   layout_.push_back(l);
   assigned_.push_back(true);
   return add_tensor(out_, like, std::move(name));
@@ -53,7 +53,7 @@ std::uint32_t TensorParallelCut::new_tensor(std::uint32_t like, std::string name
 // The partial sum `t` (or a view of all of it) as its tensor reduce-scattered over the tokens,
 // the reduce-scatter added once, named by the op that made the sum, in `near`'s layer. Any other
 // view of a partial sum is itself.
-std::uint32_t TensorParallelCut::scatter(std::uint32_t t, const ModelOp& near) {
+std::uint32_t TensorParallelRewrite::scatter(std::uint32_t t, const ModelOp& near) {
   const ModelTensor& read = out_.tensors[t];
   const std::uint32_t b = base_in(out_, t);
   if (b != t && (read.view_offset.count() != 0 || read.bytes != out_.tensors[b].bytes)) return t;
@@ -69,7 +69,7 @@ std::uint32_t TensorParallelCut::scatter(std::uint32_t t, const ModelOp& near) {
 
 // A partial sum is read as its scattered tensor, and so is a view of all of it (a trace's
 // reshape of a projection's output).
-std::uint32_t TensorParallelCut::as_read(std::uint32_t t) const {
+std::uint32_t TensorParallelRewrite::as_read(std::uint32_t t) const {
   const std::uint32_t b = base(t);
   const ModelTensor& v = whole_.tensors[t];
   if (b != t && scattered_[b] != b && v.view_offset.count() == 0 &&
@@ -82,7 +82,7 @@ std::uint32_t TensorParallelCut::as_read(std::uint32_t t) const {
 // In a mixture-of-experts layer a partial sum stays one through the linear ops that read only
 // partial sums, and is reduce-scattered before any other op reads it (Note [Tensor parallelism
 // of a mixture of experts]).
-bool TensorParallelCut::sums_partials(const ModelOp& o, Role role, bool in_moe) const {
+bool TensorParallelRewrite::sums_partials(const ModelOp& o, Role role, bool in_moe) const {
   const auto partial = [&](std::uint32_t t) {
     return activation(t) && layout_of(t) == Layout::Partial;
   };
@@ -92,7 +92,7 @@ bool TensorParallelCut::sums_partials(const ModelOp& o, Role role, bool in_moe) 
                              [&](std::uint32_t t) { return !activation(t) || partial(t); });
 }
 
-void TensorParallelCut::scatter_inputs(ModelOp& o) {
+void TensorParallelRewrite::scatter_inputs(ModelOp& o) {
   for (std::uint32_t& t : o.inputs) {
     if (!activation(t) || layout_of(t) != Layout::Partial) continue;
     const std::uint32_t was = t;
@@ -103,7 +103,7 @@ void TensorParallelCut::scatter_inputs(ModelOp& o) {
 
 // A projection that reads its operand whole (`whole_operand`), or an op of a mixture of experts'
 // block that reads the block's input: gather a token-split operand first.
-void TensorParallelCut::gather_inputs(ModelOp& o, bool whole_operand) {
+void TensorParallelRewrite::gather_inputs(ModelOp& o, bool whole_operand) {
   for (std::uint32_t& t : o.inputs) {
     if (!activation(t) || layout_of(t) != Layout::Tokens) continue;
     const ModelTensor& read = out_.tensors[t];
@@ -123,7 +123,7 @@ void TensorParallelCut::gather_inputs(ModelOp& o, bool whole_operand) {
 // The layout of an op of no role follows from what it reads: split by features or tokens if an
 // input is, routed rows (or, summed back to one row a token in `block`'s layer, a partial sum),
 // or whole.
-Result<TensorParallelCut::OpLayout> TensorParallelCut::derive_layout(
+Result<TensorParallelRewrite::OpLayout> TensorParallelRewrite::derive_layout(
     const ModelOp& o, std::optional<std::int64_t> block) const {
   bool features = false;
   bool tokens = false;
@@ -164,7 +164,7 @@ Result<TensorParallelCut::OpLayout> TensorParallelCut::derive_layout(
                   features && o.layer < 0, features || tokens};
 }
 
-Status TensorParallelCut::check_operands(const ModelOp& o, const RoleRule& rule) const {
+Status TensorParallelRewrite::check_operands(const ModelOp& o, const RoleRule& rule) const {
   if (rule.operands == 0) return Ok{};
   for (const std::uint32_t t : o.inputs) {
     if (activation(t) && !allows(rule.operands, layout_of(t))) {
@@ -177,7 +177,7 @@ Status TensorParallelCut::check_operands(const ModelOp& o, const RoleRule& rule)
 
 // The weights: cut as the role says, or read whole. An op that makes nothing but views of a
 // parameter (a trace's transposed weight, listed with no outputs) reads nothing.
-void TensorParallelCut::mark_params(const ModelOp& o, std::size_t i, const RoleRule& rule) {
+void TensorParallelRewrite::mark_params(const ModelOp& o, std::size_t i, const RoleRule& rule) {
   const bool viewing = std::ranges::all_of(
       o.outputs, [&](std::uint32_t t) { return out_.tensors[t].role == TensorRole::Param; });
   for (const std::uint32_t t : o.inputs) {
@@ -190,7 +190,7 @@ void TensorParallelCut::mark_params(const ModelOp& o, std::size_t i, const RoleR
   }
 }
 
-void TensorParallelCut::lay_outputs(const ModelOp& o, const OpLayout& l) {
+void TensorParallelRewrite::lay_outputs(const ModelOp& o, const OpLayout& l) {
   for (const std::uint32_t t : o.outputs) {
     Layout result = l.result;
     if (l.reduced && (t == whole_.loss || (plan_.tokens > 0 && elements(t) <= plan_.tokens))) {
@@ -203,7 +203,7 @@ void TensorParallelCut::lay_outputs(const ModelOp& o, const OpLayout& l) {
 }
 
 // 1/tp of a scaled op's work: of its product's dimension the rule names, its FLOPs and bytes.
-Status TensorParallelCut::scale_work(ModelOp& o, const RoleRule& rule, bool scaled) const {
+Status TensorParallelRewrite::scale_work(ModelOp& o, const RoleRule& rule, bool scaled) const {
   if (!scaled) return Ok{};
   if (o.gemm.known()) {
     switch (rule.gemm) {
@@ -243,7 +243,7 @@ Status TensorParallelCut::scale_work(ModelOp& o, const RoleRule& rule, bool scal
   return Ok{};
 }
 
-Status TensorParallelCut::rewrite_op(std::size_t i) {
+Status TensorParallelRewrite::rewrite_op(std::size_t i) {
   ModelOp o = op(i);
   for (std::uint32_t& t : o.inputs) t = as_read(t);
   for (std::uint32_t& t : o.saved) t = as_read(t);
@@ -277,7 +277,7 @@ Status TensorParallelCut::rewrite_op(std::size_t i) {
 // State held for the step that no op reads (an optimizer's moments, as a trace lists them)
 // belongs to a parameter of its size: cut with the parameters of that size, when no parameter
 // read whole has it.
-std::vector<bool> TensorParallelCut::held_state() const {
+std::vector<bool> TensorParallelRewrite::held_state() const {
   std::set<std::int64_t> cut_sizes;
   std::set<std::int64_t> whole_sizes;
   for (std::uint32_t t = 0; t < whole_.tensors.size(); ++t) {
@@ -295,7 +295,7 @@ std::vector<bool> TensorParallelCut::held_state() const {
 }
 
 // Sizes: split tensors and cut parameters hold 1/tp of the bytes (views of the offsets).
-Status TensorParallelCut::size_tensors() {
+Status TensorParallelRewrite::size_tensors() {
   const std::vector<bool> held = held_state();
   const auto split = [&](std::uint32_t u) {
     const Layout l = layout_of(u);
@@ -334,7 +334,7 @@ Status TensorParallelCut::size_tensors() {
   return Ok{};
 }
 
-Result<Model> TensorParallelCut::rewrite() {
+Result<Model> TensorParallelRewrite::run() {
   out_ = whole_;
   out_.ops.clear();
   out_.ops.reserve(whole_.ops.size() * 5 / 4 + 8);
@@ -354,7 +354,9 @@ Result<Model> TensorParallelCut::rewrite() {
 Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp) {
   if (tp < 1) return Error{fmt::format("--tp {}: use 1 or more ranks", tp)};
   if (tp == 1) return whole;
-  return rank_cut_detail::TensorParallelCut(whole, tp).run();
+  auto plan = rank_cut_detail::TensorParallelRoles(whole, tp).run();
+  if (!plan) return plan.error();
+  return rank_cut_detail::TensorParallelRewrite(whole, tp, plan.value()).run();
 }
 
 }  // namespace ferry::sim

@@ -1,6 +1,7 @@
 #pragma once
-// Private to the tensor-parallel cut (tensor_parallel_roles.cpp finds what each op is,
-// tensor_parallel_cut.cpp rewrites the model by it): the roles, their rules and the cut.
+// Private to the tensor-parallel cut: the roles, their rules (kRoleRules), the plan that
+// TensorParallelRoles finds (tensor_parallel_roles.cpp) and TensorParallelRewrite follows
+// (tensor_parallel_cut.cpp).
 
 #include <array>
 #include <cstddef>
@@ -139,7 +140,7 @@ struct RoleRule {
   GemmCut gemm;
 };
 constexpr std::array<RoleRule, 7> kRoleRules{{
-    // Other: what it reads decides (TensorParallelCut::derive_layout).
+    // Other: what it reads decides (TensorParallelRewrite::derive_layout).
     {Role::Other, "", std::nullopt, false, false, 0, ParamCut::None, GemmCut::Batch},
     {Role::Colwise, "a colwise projection", Layout::Features, true, true, layouts({Layout::Whole}),
      ParamCut::All, GemmCut::N},
@@ -163,7 +164,7 @@ constexpr bool rules_in_role_order() {
 static_assert(rules_in_role_order(), "kRoleRules holds each role's rule at the role's index");
 
 // What each op of the whole model is to the tensor-parallel cut, and the dataflow the rewrite
-// follows: found by TensorParallelCut::find_roles (Note [A rank's model]), read by its rewrite.
+// follows: found by TensorParallelRoles (Note [A rank's model]), read by TensorParallelRewrite.
 struct TensorParallelPlan {
   std::vector<Role> role;                            // by op
   std::vector<std::optional<std::uint32_t>> weight;  // by op: a weight matmul's weight
@@ -177,22 +178,10 @@ struct TensorParallelPlan {
   std::set<std::uint32_t> moe_inputs;
 };
 
-class TensorParallelCut : RankCut {
- public:
-  TensorParallelCut(const Model& whole, std::int32_t tp) : RankCut(whole, "--tp", tp), tp_(tp) {}
-
-  Result<Model> run() {
-    FERRY_JSON_RETURN_IF_ERROR(find_roles());
-    FERRY_JSON_RETURN_IF_ERROR(check_heads());
-    return rewrite();
-  }
-
- private:
-  // Tensor parallelism's collectives, inside one node.
-  static constexpr Exchange kGather{kAllGatherKind, CollectiveKind::AllGather,
-                                    CollectiveKind::ReduceScatter, MeshAxis::Tensor, 1};
-  static constexpr Exchange kScatter{kReduceScatterKind, CollectiveKind::ReduceScatter,
-                                     CollectiveKind::AllGather, MeshAxis::Tensor, 1};
+// What both halves of the tensor-parallel cut read of the whole model.
+class TensorParallelBase : protected RankCut {
+ protected:
+  TensorParallelBase(const Model& whole, std::int32_t tp) : RankCut(whole, "--tp", tp), tp_(tp) {}
 
   bool is_param(std::uint32_t t) const { return whole_.tensors[base(t)].role == TensorRole::Param; }
   bool is_activation(std::uint32_t t) const {
@@ -203,7 +192,18 @@ class TensorParallelCut : RankCut {
   }
   const ModelOp& op(std::size_t i) const { return whole_.ops[i]; }
 
-  // Roles (Note [A rank's model]).
+  std::int32_t tp_;
+};
+
+// Finds each op's role from the dataflow and the shapes (tensor_parallel_roles.cpp).
+class TensorParallelRoles : TensorParallelBase {
+ public:
+  TensorParallelRoles(const Model& whole, std::int32_t tp) : TensorParallelBase(whole, tp) {}
+
+  // The plan, or the refusal that names what does not split.
+  Result<TensorParallelPlan> run();
+
+ private:
   Status find_roles();
   void index_ops();      // weights, readers and producers
   void find_branches();  // the branch outputs
@@ -227,8 +227,27 @@ class TensorParallelCut : RankCut {
   // The mixture-of-experts layers: their grouped matmuls' routed rows and what gathers them.
   Status find_experts();
 
-  // The rewrite, op by op in forward order: layouts, collectives, scaling, then sizes.
-  Result<Model> rewrite();
+  TensorParallelPlan plan_;
+  std::set<std::uint32_t> branch_;  // branch outputs (tensors)
+};
+
+// Rewrites the whole model by a plan (tensor_parallel_cut.cpp), op by op in forward order:
+// layouts, collectives, scaling, then sizes.
+class TensorParallelRewrite : TensorParallelBase {
+ public:
+  TensorParallelRewrite(const Model& whole, std::int32_t tp, const TensorParallelPlan& plan)
+      : TensorParallelBase(whole, tp), plan_(plan) {}
+
+  // One rank's model, or the refusal that names what does not split.
+  Result<Model> run();
+
+ private:
+  // Tensor parallelism's collectives, inside one node.
+  static constexpr Exchange kGather{kAllGatherKind, CollectiveKind::AllGather,
+                                    CollectiveKind::ReduceScatter, MeshAxis::Tensor, 1};
+  static constexpr Exchange kScatter{kReduceScatterKind, CollectiveKind::ReduceScatter,
+                                     CollectiveKind::AllGather, MeshAxis::Tensor, 1};
+
   Status rewrite_op(std::size_t i);
   // An op's outputs' layout; `reduced`: whole outputs of split inputs (the loss's reductions).
   struct OpLayout {
@@ -254,10 +273,7 @@ class TensorParallelCut : RankCut {
   std::vector<bool> held_state() const;
   Status size_tensors();
 
-  std::int32_t tp_;
-  TensorParallelPlan plan_;         // what find_roles found, what the rewrite follows
-  std::set<std::uint32_t> branch_;  // branch outputs (tensors)
-
+  const TensorParallelPlan& plan_;
   Model out_;                             // the rank's model
   std::vector<Layout> layout_;            // by tensor of out_
   std::vector<bool> assigned_;            // by tensor: an op's output, with a layout

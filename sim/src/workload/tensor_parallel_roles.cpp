@@ -23,7 +23,7 @@ constexpr std::string_view kTopk = "aten.topk.";  // the choice of experts, any 
 
 }  // namespace
 
-TensorParallelCut::Reach TensorParallelCut::reach(std::size_t i) const {
+TensorParallelRoles::Reach TensorParallelRoles::reach(std::size_t i) const {
   Reach found;
   std::deque<std::uint32_t> queue(op(i).outputs.begin(), op(i).outputs.end());
   std::set<std::uint32_t> seen(queue.begin(), queue.end());
@@ -46,7 +46,7 @@ TensorParallelCut::Reach TensorParallelCut::reach(std::size_t i) const {
   return found;
 }
 
-Status TensorParallelCut::find_experts() {
+Status TensorParallelRoles::find_experts() {
   for (std::size_t i = 0; i < whole_.ops.size(); ++i) {
     if (!is_grouped_matmul_kind(op(i).kind)) continue;
     const std::int32_t layer = op(i).layer;
@@ -87,7 +87,7 @@ Status TensorParallelCut::find_experts() {
   return Ok{};
 }
 
-void TensorParallelCut::index_ops() {
+void TensorParallelRoles::index_ops() {
   const std::size_t n = whole_.ops.size();
   plan_.weight.assign(n, std::nullopt);
   plan_.table.assign(n, std::nullopt);
@@ -107,7 +107,7 @@ void TensorParallelCut::index_ops() {
   }
 }
 
-void TensorParallelCut::find_branches() {
+void TensorParallelRoles::find_branches() {
   const std::size_t n = whole_.ops.size();
   std::map<std::int32_t, std::uint32_t> output_of_layer;  // a layer's last op's first output
   for (std::size_t i = 0; i < n; ++i) {
@@ -136,7 +136,7 @@ void TensorParallelCut::find_branches() {
   }
 }
 
-TensorParallelCut::Reached TensorParallelCut::find_rowwise() {
+TensorParallelRoles::Reached TensorParallelRoles::find_rowwise() {
   const std::size_t n = whole_.ops.size();
   Reached reached{std::vector<std::set<std::size_t>>(n), std::vector<bool>(n, false)};
   for (std::size_t i = 0; i < n; ++i) {
@@ -165,7 +165,7 @@ TensorParallelCut::Reached TensorParallelCut::find_rowwise() {
   return reached;
 }
 
-Status TensorParallelCut::find_colwise(const Reached& reached) {
+Status TensorParallelRoles::find_colwise(const Reached& reached) {
   bool layers = false;
   for (std::size_t i = 0; i < whole_.ops.size(); ++i) {
     if (!plan_.weight[i] || plan_.role[i] != Role::Other) continue;
@@ -189,7 +189,7 @@ Status TensorParallelCut::find_colwise(const Reached& reached) {
   return Ok{};
 }
 
-Status TensorParallelCut::find_roles() {
+Status TensorParallelRoles::find_roles() {
   index_ops();
   find_branches();  // the residual stream of each layer, and the branch outputs added to it
   FERRY_JSON_RETURN_IF_ERROR(find_experts());
@@ -208,7 +208,7 @@ Status TensorParallelCut::find_roles() {
 // Attention splits by heads: each rank's share of the query and of the key/value heads must be
 // whole. A fused attention kernel's log-sum-exp holds one float per head and token, its output
 // head size values per head and token, and its key that many per key/value head and token.
-Status TensorParallelCut::check_heads() const {
+Status TensorParallelRoles::check_heads() const {
   if (plan_.tokens <= 0) return Ok{};
   for (std::size_t i = 0; i < whole_.ops.size(); ++i) {
     const ModelOp& o = op(i);
@@ -231,6 +231,12 @@ Status TensorParallelCut::check_heads() const {
     }
   }
   return Ok{};
+}
+
+Result<TensorParallelPlan> TensorParallelRoles::run() {
+  FERRY_JSON_RETURN_IF_ERROR(find_roles());
+  FERRY_JSON_RETURN_IF_ERROR(check_heads());
+  return std::move(plan_);
 }
 
 }  // namespace ferry::sim::rank_cut_detail
