@@ -123,8 +123,8 @@ std::vector<OpSpan> attention_cores(const Model& model) {
     const std::int32_t layer = model.ops[i].layer;
     if (layer >= 0 && is_fused_attention_kind(model.ops[i].kind)) {
       // The collective right before it that gathers its K and V (context parallelism: Note [A
-      // context-parallel rank] in rank_model.cpp) is part of the core: recomputing the kernel
-      // gathers them again, as torch's ring attention does.
+      // context-parallel rank] in context_parallel_cut.cpp) is part of the core: recomputing the
+      // kernel gathers them again, as torch's ring attention does.
       const ModelOp& before = model.ops[i > 0 ? i - 1 : i];
       const bool gathers =
           i > 0 && before.collective.any() && before.layer == layer &&

@@ -19,11 +19,11 @@ __extension__ using Wide128 = __int128;
 
 // Note [Paged stash]
 // ~~~~~~~~~~~~~~~~~~
-// Under a static-capacity dispatcher (Note [Static capacity] in rank_model.cpp) every routed
-// tensor an expert layer saves is allocated for the worst case and kept, padding and all, from
-// its forward to its backward: the layers' padded buffers add up. Megatron-Core's paged stash
-// (`moe_paged_stash`, megatron/core/transformer/moe/paged_stash.py) and torchtitan's port of it
-// to its graph trainer (`sac_and_paged_stash`) take the padding back out, and this is what the
+// Under a static-capacity dispatcher (Note [Static capacity] in expert_parallel_cut.cpp) every
+// routed tensor an expert layer saves is allocated for the worst case and kept, padding and all,
+// from its forward to its backward: the layers' padded buffers add up. Megatron-Core's paged stash
+// (`moe_paged_stash`, megatron/core/transformer/moe/paged_stash.py) and torchtitan's port of it to
+// its graph trainer (`sac_and_paged_stash`) take the padding back out, and this is what the
 // simulator runs, as the innermost saved-tensor hook around the layer's experts:
 //
 //   * pack: a saved tensor in a static-capacity buffer is kept by reference;

@@ -1,7 +1,7 @@
 #pragma once
 /// One rank's model under tensor, context or expert parallelism: the whole model cut as torch's
 /// plans cut a transformer, with the collectives they run as ops of the model (Note [A rank's
-/// model] in rank_model.cpp).
+/// model] in tensor_parallel_cut.hpp; each cut has its files beside rank_cut.hpp, what they share).
 
 #include <cstdint>
 
@@ -24,25 +24,24 @@ namespace ferry::sim {
 Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp);
 
 /// The model one of `cp` context-parallel ranks runs (Note [A context-parallel rank] in
-/// rank_model.cpp): every activation computed from the inputs holds 1/cp of the tokens, each op
-/// reading one does 1/cp of its work, and an all-gather of K and V over the context group (a
-/// group spanning `nodes` nodes) runs before each fused attention kernel, which saves its local
+/// context_parallel_cut.cpp): every activation computed from the inputs holds 1/cp of the tokens,
+/// each op reading one does 1/cp of its work, and an all-gather of K and V over the context group
+/// (a group spanning `nodes` nodes) runs before each fused attention kernel, which saves its local
 /// K and V (torch's context_parallel with all-gather rotation). With `cp` 1, `whole` itself.
-/// Durations are left as they are. Cuts a tensor-parallel rank's model as well as a whole one.
-/// The error names the op or tensor that does not split, with `--cp`.
+/// Durations are left as they are. Cuts a tensor-parallel rank's model as well as a whole one. The
+/// error names the op or tensor that does not split, with `--cp`.
 Result<Model> context_parallel_model(const Model& whole, std::int32_t cp, std::int32_t nodes = 1);
 
 /// The model one of `ep` expert-parallel ranks runs (Note [An expert-parallel rank] in
-/// rank_model.cpp): each grouped expert matmul's weights hold 1/ep of the experts, and per
-/// layer an all-to-all over the expert group (spanning `nodes` nodes) dispatches the routed
-/// rows before the first grouped matmul and another combines them after the last. Where the
-/// trace gives each expert's rows (ModelOp::group_rows), each layer is priced at the rank its
-/// routing loads most; elsewhere routing is taken as balanced. With `ep` 1, `whole` itself.
-/// Durations are left as they are. The error names the op or tensor that does not split, with
-/// `--ep`.
+/// expert_parallel_cut.cpp): each grouped expert matmul's weights hold 1/ep of the experts, and per
+/// layer an all-to-all over the expert group (spanning `nodes` nodes) dispatches the routed rows
+/// before the first grouped matmul and another combines them after the last. Where the trace gives
+/// each expert's rows (ModelOp::group_rows), each layer is priced at the rank its routing loads
+/// most; elsewhere routing is taken as balanced. With `ep` 1, `whole` itself. Durations are left as
+/// they are. The error names the op or tensor that does not split, with `--ep`.
 /// `capacity` (1..kMaxExpertCapacity; 0: none) is a static dispatcher's capacity factor: each
 /// routed base activation is allocated for that many times its balanced rows (Note [Static
-/// capacity] in rank_model.cpp; ModelTensor::capacity); it needs `ep` 2 or more.
+/// capacity] in expert_parallel_cut.cpp; ModelTensor::capacity); it needs `ep` 2 or more.
 Result<Model> expert_parallel_model(const Model& whole, std::int32_t ep, std::int32_t nodes = 1,
                                     double capacity = 0);
 
