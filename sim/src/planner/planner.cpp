@@ -465,7 +465,9 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
     outcome.margin_permille = options.margin_permille;
     outcome.node_ranks = p.cost.node_ranks();
     if (options.keep_run) outcome.run = p.cost.kept_run(pick.candidate->plan, memory);
-    if (p.fsdp.on()) outcome.plan.parallelism = p.fsdp.parallelism;
+    // FSDP's ranks, or tensor parallelism alone: the plan records what it was made under.
+    const Parallelism& parallelism = p.fsdp.parallelism;
+    if (parallelism.sharded()) outcome.plan.parallelism = parallelism;
     outcome.plan.paged_stash = p.paged_stash;
     outcome.simulations = p.cost.runs() - simulations_before;
     outcome.reused = p.cost.reused() - reused_before;
