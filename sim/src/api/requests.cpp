@@ -19,6 +19,7 @@
 #include "ferry/sim/planner/lower.hpp"
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
+#include "ferry/sim/planner/variants.hpp"
 #include "ferry/sim/report/tables.hpp"
 #include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/configurations.hpp"
@@ -664,26 +665,8 @@ Result<Response> respond(const PlanRequest& r) {
     return r.planners->planner(planner_key(r) + (paged_stash ? " stash" : ""), rank, with)
         .plan(with, floor);
   };
-  auto outcome = plan_with(false, &out.floor);
-  // Where the model has static-capacity buffers, the paged stash is one more choice: the plan
-  // is the faster of the plans with and without it (a plan that fits beats one that does not).
-  if (has_static_capacity(*rank.model)) {
-    Bytes floor;
-    auto stashed = plan_with(true, &floor);
-    const bool take =
-        stashed && (!outcome || stashed.value().row.step_time < outcome.value().row.step_time);
-    if (stashed && outcome) {
-      // No plan of either space beats the smaller of their bounds.
-      PlanOutcome& faster = take ? stashed.value() : outcome.value();
-      faster.lower_bound = std::min(stashed.value().lower_bound, outcome.value().lower_bound);
-      faster.options_bound = std::min(stashed.value().options_bound, outcome.value().options_bound);
-    }
-    if (take) {
-      outcome = std::move(stashed);
-    } else if (!stashed && !outcome) {
-      out.floor = std::min(out.floor, floor);
-    }
-  }
+  // The faster of the plans with and without the paged stash (plan_faster_space).
+  auto outcome = plan_faster_space(rank.model, plan_with, &out.floor);
   std::optional<TrainerChoice> choice;
   if (r.trainer) {
     auto searched = trainer_choice(

@@ -73,7 +73,7 @@ struct PlannerOptions {
   bool keep_run = false;
   /// Every run trains with the paged stash (PagedStashOptions); the plan says so (Plan::
   /// paged_stash). `ferry plan` plans with and without it where the model has static-capacity
-  /// buffers, and keeps the faster.
+  /// buffers, and keeps the faster (plan_faster_space, planner/variants.hpp).
   bool paged_stash = false;
 };
 
