@@ -154,6 +154,7 @@ int PlanCommand::run() const {
   const sim::Response& r = response.value();
   if (r.outcome == sim::Outcome::Refused) {
     fmt::print(stderr, "ferry plan: {}\n", r.refusal);
+    if (a_.json) print(sim::document_text(r.document));
     return kExitFailed;
   }
   if (a_.request.sweep > 0) {

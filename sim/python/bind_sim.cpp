@@ -202,8 +202,9 @@ py::dict options_dict(const OffloadOptions& o, const Plan& p) {
 // plan(...) -> {report, text, plan_text, offload_options}: `ferry plan --json`'s report (the
 // plan in it under "plan"), the text report, the plan as `--out` writes it, and the offload
 // options the planner lowered it to for its checked run (as plan_offload_options gives them);
-// or {refused, floor} when no plan fits the budget (floor: the smallest peak reserved reached,
-// or None).
+// or {refused, floor, smallest_budget} when no plan fits the budget (floor: the smallest peak
+// reserved reached, or None; smallest_budget: the smallest budget that plans, the floor with
+// the margin added back, or None).
 py::dict plan(const sim::PlanRequest& request) {
   const sim::Response response = answer(request);
   py::dict out;
@@ -211,6 +212,9 @@ py::dict plan(const sim::PlanRequest& request) {
     out["refused"] = response.refusal;
     out["floor"] =
         response.floor.count() > 0 ? py::object(py::int_(response.floor.count())) : py::none();
+    out["smallest_budget"] = response.smallest_budget.count() > 0
+                                 ? py::object(py::int_(response.smallest_budget.count()))
+                                 : py::none();
     return out;
   }
   out["report"] = to_python(response.document);
@@ -373,7 +377,8 @@ void bind_plans(py::module_& m) {
       py::arg("planners") = static_cast<sim::PlannerCache*>(nullptr), py::arg("tp") = d.fsdp.tp,
       py::arg("cp") = d.fsdp.cp, py::arg("ep") = d.fsdp.ep,
       py::arg("expert_capacity") = d.fsdp.expert_capacity, py::arg("trainer") = py::none(),
-      "{report, text, plan_text}, or {refused, floor} when no plan fits; with planners, a "
+      "{report, text, plan_text}, or {refused, floor, smallest_budget} when no plan fits; with "
+      "planners, a "
       "PlannerCache, a model given as text is planned by the planner it keeps for it; with "
       "trainer, also trainer_flags (the trainer's best setting as its command-line flags)");
   py::class_<ReadBytes>(m, "ReadBytes", "A byte count read_bytes read: plan takes it as read")

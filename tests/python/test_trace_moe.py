@@ -333,23 +333,34 @@ def test_moe_families_page_their_static_capacity_under_every_policy(cli, tmp_pat
     assert stashed["every:2"] < stashed["none"]
 
 
-def test_a_static_capacity_mixtral_plans_with_the_paged_stash_where_it_is_faster(cli, tmp_path):
-    """docs/parallelism.md, Static capacity and the paged stash: Mixtral-8x7B's config cut to
-    eight layers, FSDP8 x EP8 with a static capacity of 4. The stash takes the padding out of
-    seven layers' saved expert rows, hazard-free; `ferry plan` at a budget the stashed step fits
-    and the unstashed one does not picks the stash, no slower than any fixed row that fits, and
-    `simulate --plan` runs the plan as it was made."""
+@pytest.fixture(scope="module")
+def mixtral8(tmp_path_factory):
+    """Mixtral-8x7B's config cut to eight layers, traced at seq 4096 (bf16, AdamW): the model
+    file and its target arguments, with FSDP8 x EP8 and a static capacity of 4."""
     from ferry._cli import trace as trace_cli
 
     with open(os.path.join(trace_cli.CONFIG_DIR, "mixtral-8x7b.json"), encoding="utf-8") as f:
         config = json.load(f)
     config["num_hidden_layers"] = 8
+    tmp_path = tmp_path_factory.mktemp("mixtral8")
     cfg, out = tmp_path / "mixtral8.json", tmp_path / "mixtral8.model.json"
     cfg.write_text(json.dumps(config), encoding="utf-8")
     args = [str(cfg), "--seq", "4096", "--batch", "1", "--dtype", "bf16", "--optimizer", "adamw"]
     assert trace_cli.main([*args, "--out", str(out)]) == 0
     target = ("--model", str(out), "--device", "h100-sxm-pcie5")
     mesh = ("--fsdp", "8", "--ep", "8", "--expert-capacity", "4")
+    return target, mesh
+
+
+def test_a_static_capacity_mixtral_plans_with_the_paged_stash_where_it_is_faster(
+    cli, tmp_path, mixtral8
+):
+    """docs/parallelism.md, Static capacity and the paged stash: Mixtral-8x7B's config cut to
+    eight layers, FSDP8 x EP8 with a static capacity of 4. The stash takes the padding out of
+    seven layers' saved expert rows, hazard-free; `ferry plan` at a budget the stashed step fits
+    and the unstashed one does not picks the stash, no slower than any fixed row that fits, and
+    `simulate --plan` runs the plan as it was made."""
+    target, mesh = mixtral8
     plain = _cli_json(cli, "simulate", *target, *mesh, "--policy", "none")["result"]
     stashed = _cli_json(cli, "simulate", *target, *mesh, "--policy", "none", "--paged-stash")
     assert stashed["ep"]["capacity"] == 4
@@ -371,6 +382,23 @@ def test_a_static_capacity_mixtral_plans_with_the_paged_stash_where_it_is_faster
     replayed = _cli_json(cli, "simulate", *target, *mesh, "--plan", str(plan))["result"]
     assert replayed["hazards"] == 0 and replayed["paged_stash"]["stashed"] > 0
     assert replayed["step_time_ns"] == report["step_time_ns"]
+
+
+def test_the_sweep_chooses_the_paged_stash_as_one_budget_does(cli, mixtral8):
+    """docs/plan.md, `--sweep`: at each budget of a sweep the plan is the faster of those with
+    and without the paged stash, as `ferry plan --budget` at that budget (no margin, as the
+    sweep's budgets have none) chooses it; some budget's plan stashes."""
+    target, mesh = mixtral8
+    swept = _cli_json(cli, "plan", *target, *mesh, "--sweep", "3")["points"]
+    stashes = []
+    for point in swept:
+        assert "failure" not in point, point
+        alone = _cli_json(
+            cli, "plan", *target, *mesh, "--budget", str(point["budget_bytes"]), "--margin", "0"
+        )
+        stashes.append(point.get("paged_stash", False))
+        assert alone["plan"].get("paged_stash", False) == stashes[-1], point
+    assert any(stashes), swept
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

@@ -9,6 +9,7 @@ gradient.
 import copy
 import functools
 import gc
+import json
 
 import pytest
 import torch
@@ -105,6 +106,17 @@ def test_a_plan_made_for_a_context_or_expert_parallel_cut_is_refused(axis, missi
         rf"--{axis} 2: .*{missing}.* Make the plan without --{axis}",
     ):
         ferry.offload(plan=plan, model=model, loopback=True)
+
+
+def test_a_plan_made_under_tensor_parallelism_alone_records_it():
+    # ferry plan --tp 2 without --fsdp: the plan file says {"tp": 2}, which the plan reader
+    # keeps and ferry.offload's axis check lets through (a real rank applies it to its cut).
+    plan = ferry.plan("tiny-llama", budget="1GiB", tp=2)["plan"]
+    assert plan["parallelism"] == {"tp": 2}
+    loaded = ferry._plan.load_plan(json.loads(json.dumps(plan)))
+    assert loaded["parallelism"] == {"tp": 2}
+    # Without tensor parallelism the plan records no parallelism: one GPU.
+    assert "parallelism" not in ferry.plan("tiny-llama", budget="1GiB")["plan"]
 
 
 def test_a_plan_with_the_paged_stash_is_refused_by_a_real_run():

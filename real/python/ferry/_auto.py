@@ -106,7 +106,8 @@ def auto(
             is not the model's degree (or its parameters lie on a mesh ferry.auto does not
             plan: several meshes, one of several dimensions, FSDP2's).
         PlanError: The planner refused (a budget below the floor: the message names the
-            floor, also in ``floor``).
+            floor, also in ``floor``, and the smallest budget that plans, the floor with the
+            margin added back, also in ``smallest_budget``).
     """
     # Read once, before anything is traced; the planner takes them as read.
     budget_bytes = read_bytes(budget, "ferry.auto: budget", required=True)
@@ -160,4 +161,5 @@ def _prefixed(error: PlanError, who: str) -> PlanError:
     """``error`` again, its message starting with ``who``."""
     again = PlanError(f"{who}: {error}")
     again.exit_code, again.floor = error.exit_code, error.floor
+    again.smallest_budget = error.smallest_budget
     return again

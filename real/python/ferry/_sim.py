@@ -205,7 +205,8 @@ def plan(
             activation checkpointing that fits, as its configuration and command-line flags,
             with every setting of its space (docs/plan.md, "A trainer's own settings"); a
             budget none of them fits is refused (``PlanError``, ``floor`` the smallest peak
-            reserved in the space). None: ferry's plan only.
+            reserved in the space, ``smallest_budget`` the budget at which it fits). None:
+            ferry's plan only.
         **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
             ``reshard_after_forward``, ``fsdp_impl``): the plan is one rank's, ``budget`` per
             rank and ``host_budget`` per node; ``tp``, ``cp``, ``ep`` and ``expert_capacity``
@@ -218,8 +219,10 @@ def plan(
 
     Raises:
         PlanError: No plan fits the budget (``exit_code`` 1; ``floor`` is the smallest peak
-            reserved in bytes the planner reached, when it names one, else None), or the
-            planner refuses the model, device or budget (``exit_code`` 2).
+            reserved in bytes the planner reached, when it names one, else None;
+            ``smallest_budget`` the smallest budget that plans, the floor with the margin added
+            back: ``budget=e.smallest_budget`` plans), or the planner refuses the model, device
+            or budget (``exit_code`` 2, both None).
         TypeError: A budget that is no byte count.
     """
     budget = byte_count(budget, "budget")
@@ -267,11 +270,12 @@ def run_planner(
         )
     except ValueError as e:
         error = PlanError(f"ferry plan: {e}")
-        error.exit_code, error.floor = EXIT_BAD_INPUT, None
+        error.exit_code, error.floor, error.smallest_budget = EXIT_BAD_INPUT, None, None
         raise error from None
     if "refused" in made:
         error = PlanError(f"ferry plan refused: {made['refused']}")
         error.exit_code, error.floor = EXIT_INFEASIBLE, made["floor"]
+        error.smallest_budget = made["smallest_budget"]
         raise error
     made["report"]["plan"] = CheckedPlan(made["report"]["plan"], made["offload_options"])
     return made

@@ -19,6 +19,7 @@
 #include "ferry/sim/planner/lower.hpp"
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
+#include "ferry/sim/planner/variants.hpp"
 #include "ferry/sim/report/tables.hpp"
 #include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/configurations.hpp"
@@ -610,6 +611,26 @@ Result<Response> respond(const CompareRequest& r) {
   return out;
 }
 
+namespace {
+
+// `out` refused: its refusal, floor and smallest budget as a `ferry.plan-refusal/1` document
+// too (what `ferry plan --json` prints for it).
+Response refused(Response out, std::int32_t margin_permille) {
+  out.outcome = Outcome::Refused;
+  nlohmann::ordered_json j;
+  j["format"] = "ferry.plan-refusal/1";
+  j["refusal"] = out.refusal;
+  j["floor_bytes"] = out.floor.count() > 0 ? nlohmann::ordered_json(out.floor.count()) : nullptr;
+  j["margin_permille"] = margin_permille;
+  j["smallest_budget_bytes"] = out.smallest_budget.count() > 0
+                                   ? nlohmann::ordered_json(out.smallest_budget.count())
+                                   : nullptr;
+  out.document = std::move(j);
+  return out;
+}
+
+}  // namespace
+
 Result<Response> respond(const PlanRequest& r) {
   // The request's own values, checked before any file is read.
   auto asked = planner_options(r);
@@ -664,26 +685,8 @@ Result<Response> respond(const PlanRequest& r) {
     return r.planners->planner(planner_key(r) + (paged_stash ? " stash" : ""), rank, with)
         .plan(with, floor);
   };
-  auto outcome = plan_with(false, &out.floor);
-  // Where the model has static-capacity buffers, the paged stash is one more choice: the plan
-  // is the faster of the plans with and without it (a plan that fits beats one that does not).
-  if (has_static_capacity(*rank.model)) {
-    Bytes floor;
-    auto stashed = plan_with(true, &floor);
-    const bool take =
-        stashed && (!outcome || stashed.value().row.step_time < outcome.value().row.step_time);
-    if (stashed && outcome) {
-      // No plan of either space beats the smaller of their bounds.
-      PlanOutcome& faster = take ? stashed.value() : outcome.value();
-      faster.lower_bound = std::min(stashed.value().lower_bound, outcome.value().lower_bound);
-      faster.options_bound = std::min(stashed.value().options_bound, outcome.value().options_bound);
-    }
-    if (take) {
-      outcome = std::move(stashed);
-    } else if (!stashed && !outcome) {
-      out.floor = std::min(out.floor, floor);
-    }
-  }
+  // The faster of the plans with and without the paged stash (plan_faster_space).
+  auto outcome = plan_faster_space(rank.model, plan_with, &out.floor);
   std::optional<TrainerChoice> choice;
   if (r.trainer) {
     auto searched = trainer_choice(
@@ -692,14 +695,29 @@ Result<Response> respond(const PlanRequest& r) {
     choice = std::move(searched).value();
   }
   if (!outcome) {
-    out.outcome = Outcome::Refused;
     out.refusal = outcome.error().message;
-    if (choice && !choice->best) out.refusal += "; " + trainer_refusal(*choice);
-    return out;
+    if (out.floor.count() > 0) {
+      out.smallest_budget = smallest_budget_for(out.floor, options.margin_permille);
+    }
+    if (choice && !choice->best) {
+      out.refusal += "; " + trainer_refusal(*choice);
+      // Both must fit: the larger of the two budgets that plan.
+      const Bytes trainer_budget = trainer_smallest_budget(*choice);
+      if (out.smallest_budget.count() > 0 && trainer_budget.count() > 0) {
+        if (trainer_budget > out.smallest_budget) {
+          out.smallest_budget = trainer_budget;
+          out.refusal +=
+              fmt::format("; the smallest budget that plans both is {} ({} bytes)",
+                          format_bytes(out.smallest_budget), out.smallest_budget.count());
+        }
+      } else {
+        out.smallest_budget = Bytes(0);
+      }
+    }
+    return refused(std::move(out), options.margin_permille);
   }
   if (choice && !choice->best) {
     // The question was the trainer's: ferry's own plan fitting does not answer it.
-    out.outcome = Outcome::Refused;
     out.refusal = fmt::format("{} (ferry's own plan fits: {}, peak reserved {})",
                               trainer_refusal(*choice), format_time(outcome.value().row.step_time),
                               format_bytes(outcome.value().row.peak_reserved));
@@ -710,7 +728,8 @@ Result<Response> respond(const PlanRequest& r) {
         out.floor = run.row.peak_reserved;
       }
     }
-    return out;
+    out.smallest_budget = trainer_smallest_budget(*choice);
+    return refused(std::move(out), options.margin_permille);
   }
   out.document = plan_report_json(outcome.value(), *rank.model, w.device);
   out.text = plan_text(outcome.value(), *rank.model, w.device);

@@ -276,6 +276,18 @@ Bytes budget_less_margin(Bytes budget, std::int32_t margin_permille) {
   return budget - Bytes(margin);
 }
 
+Bytes smallest_budget_for(Bytes peak, std::int32_t margin_permille) {
+  // The estimate peak / (1 - margin), then the few bytes budget_less_margin's rounding moves.
+  const std::int64_t keep = 1000 - margin_permille;
+  std::int64_t b = keep > 0
+                       ? static_cast<std::int64_t>(
+                             (static_cast<planning::Wide>(peak.count()) * 1000 + keep - 1) / keep)
+                       : peak.count();
+  while (b > 0 && budget_less_margin(Bytes(b - 1), margin_permille) >= peak) --b;
+  while (budget_less_margin(Bytes(b), margin_permille) < peak) ++b;
+  return Bytes(b);
+}
+
 std::pair<Bytes, Bytes> expected_peak_band(Bytes predicted) {
   // The prediction's error e = (predicted - real) / real lies in [-under, +over], so the real
   // peak is predicted / (1 + e).
@@ -407,11 +419,21 @@ Error infeasible(const planning::PlannerState& p, const planning::Search& search
   }
   const Bytes floor = search.floor();
   const bool known = floor.count() != std::numeric_limits<std::int64_t>::max();
+  std::string ask;
+  if (known) {
+    // The budget to ask for: the floor with the margin added back.
+    const Bytes budget = smallest_budget_for(floor, options.margin_permille);
+    ask = fmt::format(", so the smallest budget that plans is {} ({} bytes{})",
+                      format_bytes(budget), budget.count(),
+                      options.margin_permille > 0
+                          ? fmt::format(", margin {}", margin_text(options.margin_permille))
+                          : std::string());
+  }
   return Error{fmt::format(
       "infeasible budget: no plan fits {} of peak reserved device memory{} on {}; the floor (the "
-      "smallest peak reserved the planner reached) is {} ({} bytes)",
+      "smallest peak reserved the planner reached) is {} ({} bytes){}",
       format_bytes(options.budget), host, p.device.name,
-      known ? format_bytes(floor) : std::string("unknown"), known ? floor.count() : 0)};
+      known ? format_bytes(floor) : std::string("unknown"), known ? floor.count() : 0, ask)};
 }
 
 }  // namespace
@@ -465,13 +487,21 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
     outcome.margin_permille = options.margin_permille;
     outcome.node_ranks = p.cost.node_ranks();
     if (options.keep_run) outcome.run = p.cost.kept_run(pick.candidate->plan, memory);
-    if (p.fsdp.on()) outcome.plan.parallelism = p.fsdp.parallelism;
+    // FSDP's ranks, or tensor parallelism alone: the plan records what it was made under.
+    const Parallelism& parallelism = p.fsdp.parallelism;
+    if (parallelism.sharded()) outcome.plan.parallelism = parallelism;
     outcome.plan.paged_stash = p.paged_stash;
     outcome.simulations = p.cost.runs() - simulations_before;
     outcome.reused = p.cost.reused() - reused_before;
     return outcome;
   }
-  if (floor != nullptr) *floor = search.floor();
+  if (floor != nullptr) {
+    // The floor the refusal names: none where plans reached the budget and failed their checks.
+    const Bytes reached = search.floor();
+    const bool named =
+        ranked.empty() && reached.count() != std::numeric_limits<std::int64_t>::max();
+    *floor = named ? reached : Bytes(0);
+  }
   return infeasible(p, search, ranked.size(), pick.refused, options, memory, asked);
 }
 

@@ -161,6 +161,16 @@ std::string sweep_text(const std::vector<SweepPoint>& points, const Model& model
   out +=
       "time is the ratio to the no-offload step; every plan was checked (hazard checker and "
       "content checks on)\n";
+  std::string stashed;
+  for (const SweepPoint& p : points) {
+    if (p.outcome && p.outcome->plan.paged_stash) {
+      stashed += (stashed.empty() ? "" : ", ") + format_bytes(p.budget);
+    }
+  }
+  if (!stashed.empty()) {
+    out +=
+        fmt::format("paged stash (faster than the plan without it) in the plans at {}\n", stashed);
+  }
   return out + parallelism_text(parallelism, device, model);
 }
 
@@ -188,6 +198,7 @@ Json sweep_json(const std::vector<SweepPoint>& points, const Model& model,
     const RowResult* best = best_fixed(o);
     row["best_fixed"] = best ? Json(best->name) : Json(nullptr);
     row["best_fixed_step_time_ns"] = best ? Json(best->step_time.ns()) : Json(nullptr);
+    if (o.plan.paged_stash) row["paged_stash"] = true;
     list.push_back(std::move(row));
   }
   j["points"] = std::move(list);

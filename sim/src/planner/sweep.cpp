@@ -3,16 +3,18 @@
 #include <algorithm>
 #include <utility>
 
+#include "ferry/sim/planner/variants.hpp"
+
 namespace ferry::sim {
 
 std::vector<SweepPoint> plan_sweep(
     const CheckedModel& model, const DeviceProfile& device, const PlannerOptions& options,
     std::int32_t points, const std::function<void(std::size_t, std::size_t, Bytes)>& progress) {
   points = std::max(points, 2);
-  // One planner for every budget: the fixed configurations run once, and a simulation one
-  // budget made serves the others.
-  Planner planner(model, device, options.steps, options.fsdp, options.allocator,
-                  options.paged_stash);
+  // One planner per plan space for every budget: the fixed configurations run once, and a
+  // simulation one budget made serves the others. Each budget's plan is the faster of the
+  // spaces', as at one budget (plan_faster_space).
+  SpacePlanners planner(model, device, options);
   PlannerOptions tiny = options;
   tiny.budget = Bytes(1);
   Bytes floor;

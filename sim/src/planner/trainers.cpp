@@ -709,14 +709,6 @@ Result<TrainerSetting> parse_trainer_flags(Trainer trainer, std::string_view tex
   return Error{"unknown trainer"};
 }
 
-Bytes smallest_budget_for(Bytes peak, std::int32_t margin_permille) {
-  const std::int64_t keep = 1000 - margin_permille;
-  std::int64_t b = keep > 0 ? (peak.count() * 1000 + keep - 1) / keep : peak.count();
-  while (b > 0 && budget_less_margin(Bytes(b - 1), margin_permille) >= peak) --b;
-  while (budget_less_margin(Bytes(b), margin_permille) < peak) ++b;
-  return Bytes(b);
-}
-
 namespace {
 
 // The run of the space with the smallest peak reserved that completed, if any.
@@ -735,6 +727,12 @@ std::string flags_text(const TrainerSetting& s) {
 }
 
 }  // namespace
+
+Bytes trainer_smallest_budget(const TrainerChoice& c) {
+  const TrainerRun* least = leanest(c);
+  return least != nullptr ? smallest_budget_for(least->row.peak_reserved, c.margin_permille)
+                          : Bytes(0);
+}
 
 std::string trainer_refusal(const TrainerChoice& c) {
   const std::string_view name = trainer_name(c.trainer);
@@ -807,11 +805,8 @@ Json trainer_json(const TrainerChoice& c, const RowResult* plan, const RowResult
   } else {
     j["best"] = nullptr;
     j["refusal"] = trainer_refusal(c);
-    const TrainerRun* least = leanest(c);
-    j["smallest_budget_bytes"] =
-        least != nullptr
-            ? Json(smallest_budget_for(least->row.peak_reserved, c.margin_permille).count())
-            : Json(nullptr);
+    const Bytes budget = trainer_smallest_budget(c);
+    j["smallest_budget_bytes"] = budget.count() > 0 ? Json(budget.count()) : Json(nullptr);
   }
   Json space = Json::array();
   for (const TrainerRun& run : c.runs) {

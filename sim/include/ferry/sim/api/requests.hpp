@@ -191,9 +191,12 @@ struct Response {
   Outcome outcome = Outcome::Ok;
   nlohmann::ordered_json document;
   std::string text;
-  /// Refused: the planner's error, and the floor it reached (0: none known).
+  /// Refused: the planner's error, the floor it reached (0: none known), and the smallest
+  /// budget that plans, the floor with the margin added back (smallest_budget_for; 0: none
+  /// known); `document` is then a `ferry.plan-refusal/1` document of the three.
   std::string refusal;
   Bytes floor{0};
+  Bytes smallest_budget{0};
   /// simulate: the run, when the request asked for its trace or memory snapshot and it ran.
   std::optional<TrainingRun> run;
   /// plan: the outcome (its plan, and with memory_snapshot its checked run).

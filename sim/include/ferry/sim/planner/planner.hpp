@@ -48,6 +48,9 @@ inline constexpr std::int32_t kMaxPlanMarginPermille = 500;
 
 /// `budget` less `margin_permille` thousandths of it, the margin rounded up to whole bytes.
 [[nodiscard]] Bytes budget_less_margin(Bytes budget, std::int32_t margin_permille);
+/// The smallest budget whose budget less `margin_permille` thousandths (as budget_less_margin
+/// rounds it) holds `peak`: what a refusal names as the budget to ask for.
+[[nodiscard]] Bytes smallest_budget_for(Bytes peak, std::int32_t margin_permille);
 
 /// A margin as the reports print it: "6 %", "5.5 %".
 [[nodiscard]] std::string margin_text(std::int32_t margin_permille);
@@ -73,7 +76,7 @@ struct PlannerOptions {
   bool keep_run = false;
   /// Every run trains with the paged stash (PagedStashOptions); the plan says so (Plan::
   /// paged_stash). `ferry plan` plans with and without it where the model has static-capacity
-  /// buffers, and keeps the faster.
+  /// buffers, and keeps the faster (plan_faster_space, planner/variants.hpp).
   bool paged_stash = false;
 };
 
@@ -123,8 +126,10 @@ class Planner {
   /// Finds the fastest plan it can whose checked simulation has zero hazards, completes, and
   /// peaks within the budgets; never slower than the fastest fixed configuration of `ferry
   /// compare` that a plan can express and that fits. The error says the budget is infeasible
-  /// and names the floor (the smallest peak reserved any run reached), which `floor` (when
-  /// not null) also receives. `options.steps` is the planner's.
+  /// and names the floor (the smallest peak reserved any run reached) and the smallest budget
+  /// that plans (smallest_budget_for the floor at the margin); `floor` (when not null) receives
+  /// that floor, or 0 where the error names none (plans reached the budget and every one failed
+  /// its checked run: the error says why). `options.steps` is the planner's.
   Result<PlanOutcome> plan(const PlannerOptions& options, Bytes* floor = nullptr);
 
   /// The rows of `ferry compare` (default_rows, checker off) as measured on the device.

@@ -19,8 +19,10 @@ struct SweepPoint {
 };
 
 /// Plans at `points` (>= 2) budgets evenly spaced from the floor (the smallest peak reserved a
-/// plan for a one-byte budget reached) to the no-offload peak reserved. `progress` hears each
-/// budget before it is planned (index, count, budget).
+/// plan for a one-byte budget reached) to the no-offload peak reserved, each plan chosen as one
+/// budget's is (SpacePlanners: with the paged stash where it is faster, and the floor the
+/// smaller of the two spaces'). `progress` hears each budget before it is planned (index,
+/// count, budget).
 [[nodiscard]] std::vector<SweepPoint> plan_sweep(
     const CheckedModel& model, const DeviceProfile& device, const PlannerOptions& options,
     std::int32_t points, const std::function<void(std::size_t, std::size_t, Bytes)>& progress = {});

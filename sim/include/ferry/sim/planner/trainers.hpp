@@ -102,12 +102,12 @@ struct TrainerChoice {
   RowResult checked{};
 };
 
-/// The smallest budget whose planned budget (less `margin_permille` thousandths, as
-/// budget_less_margin rounds it) holds `peak`.
-[[nodiscard]] Bytes smallest_budget_for(Bytes peak, std::int32_t margin_permille);
-
 /// Why no setting of `c`'s space fits, naming the smallest budget that plans in it.
 [[nodiscard]] std::string trainer_refusal(const TrainerChoice& c);
+/// The smallest budget at which some setting of the space fits at `c`'s margin: the smallest
+/// peak reserved of a completed run with the margin added back (smallest_budget_for); 0 when no
+/// setting completed a step.
+[[nodiscard]] Bytes trainer_smallest_budget(const TrainerChoice& c);
 
 /// The report's lines on the trainer: its best setting as its configuration text, its figures,
 /// and its price beside ferry's plan (`plan`) against the no-offload step (`none`; either may
