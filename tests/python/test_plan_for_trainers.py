@@ -3,7 +3,8 @@
 On llama3-8b-s8192 (one GPU and FSDP over 8), a traced Qwen2.5-7B and a traced Mixtral-8x7B
 (their bundled configs cut to four layers, traced at sequence 1024):
 
-* the report's space is the trainer's space as this test enumerates it on its own, and every
+* the report's space is the trainer's space as this test enumerates it on its own (for hf,
+  each every_n_layers with and without the offload flag ferry runs), and every
   setting in it is accepted by the trainer's own configuration code: transformers'
   `HfArgumentParser(TrainingArguments)` and `TrainingArguments`, torchtitan's tyro subcommand
   (`ActivationCheckpointingConfig` with torchtitan's registry) and its policy's `apply`,
@@ -21,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import warnings
 
@@ -63,15 +65,20 @@ def traced(tmp_path_factory):
 def expected_space(trainer, layers, modules):
     """The trainer's settings as the Python configuration's keywords, in the report's order."""
     if trainer == "hf":
-        return [{"activation_checkpointing": False}] + [
-            {"activation_checkpointing": True}
-            if n == 1
-            else {
-                "activation_checkpointing": True,
-                "activation_checkpointing_kwargs": {"every_n_layers": n},
-            }
-            for n in range(1, layers + 1)
-        ]
+        # Each every_n_layers without and with ferry's offload of the checkpointed layers'
+        # inputs (the offload flag after ferry.enable_gradient_checkpointing); a keyword at its
+        # default is left out.
+        space = [{"activation_checkpointing": False}]
+        for n in range(1, layers + 1):
+            for offload in (False, True):
+                kwargs = ({"every_n_layers": n} if n > 1 else {}) | (
+                    {"offload": True} if offload else {}
+                )
+                row = {"activation_checkpointing": True}
+                if kwargs:
+                    row["activation_checkpointing_kwargs"] = kwargs
+                space.append(row)
+        return space
     if trainer == "torchtitan":
         return [{"activation_checkpoint": m} for m in ("none", "full", "selective")]
     space = [{"recompute_granularity": None}]
@@ -210,6 +217,29 @@ def check_choice(report, trainer, model, fsdp, budget_bytes, layers, modules, tm
     space = t["space"]
     assert [row["settings"] for row in space] == expected_space(trainer, layers, modules)
     check_settings(trainer, space, layers, modules, tmp_path)
+    if trainer == "hf":
+        # The printed Python configuration, as written, is TrainingArguments' call.
+        from transformers import TrainingArguments
+
+        def arguments(**settings):
+            return TrainingArguments(output_dir=str(tmp_path), report_to="none", **settings)
+
+        printed = eval(t["best"]["python"], {"TrainingArguments": arguments})  # noqa: S307
+        kwargs = t["best"]["settings"].get("activation_checkpointing_kwargs") or {}
+        assert (printed.activation_checkpointing_kwargs or {}) == kwargs
+        # A setting with ferry's offload, its flags read back by simulate: its figures.
+        offloading = [
+            r
+            for r in space
+            if r["settings"].get("activation_checkpointing_kwargs", {}).get("offload")
+        ]
+        assert len(offloading) == layers
+        row = offloading[len(offloading) // 2]
+        run = ferry.simulate(model, trainer="hf", trainer_flags=shlex.join(row["flags"]), **fsdp)
+        run = run["result"]
+        assert run["telemetry"]["offloaded"] > 0
+        for key in ("step_time_ns", "peak_reserved_bytes", "peak_allocated_bytes"):
+            assert run[key] == row[key], key
     fitting = [
         r for r in space if r["fits"] and r["peak_reserved_bytes"] <= t["planned_budget_bytes"]
     ]

@@ -8,12 +8,15 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/planner/planner.hpp"
+#include "ferry/sim/runs/measure.hpp"
+#include "sim_fixtures.hpp"
 
 namespace ferry::sim {
 namespace {
@@ -67,11 +70,18 @@ TEST(TrainerSpace, HuggingFaceCheckpointsEveryNthLayerFromTheFirst) {
   const Model model = preset("llama3-8b-s8192");
   const std::int32_t layers = layers_of(model);
   const auto space = trainer_space(Trainer::Hf, model);
-  ASSERT_EQ(space.size(), static_cast<std::size_t>(layers) + 1);
+  ASSERT_EQ(space.size(), 2 * static_cast<std::size_t>(layers) + 1);
   EXPECT_EQ(space.front().mode, "none");
   EXPECT_TRUE(plan_of(space.front(), model).regions.empty());
   for (std::int32_t n = 1; n <= layers; ++n) {
-    const CheckpointPlan plan = plan_of(space[static_cast<std::size_t>(n)], model);
+    // Each every_n_layers without and with ferry's offload of the regions' inputs.
+    const auto at = 2 * static_cast<std::size_t>(n) - 1;
+    EXPECT_EQ(space[at].layers, n);
+    EXPECT_FALSE(space[at].offload);
+    EXPECT_EQ(space[at + 1].layers, n);
+    EXPECT_TRUE(space[at + 1].offload);
+    const CheckpointPlan plan = plan_of(space[at], model);
+    EXPECT_EQ(plan_of(space[at + 1], model).regions.size(), plan.regions.size());
     ASSERT_EQ(plan.regions.size(), static_cast<std::size_t>((layers + n - 1) / n)) << n;
     for (const CheckpointRegion& r : plan.regions) {
       const std::int32_t layer = model.ops[r.first_op].layer;
@@ -84,6 +94,52 @@ TEST(TrainerSpace, HuggingFaceCheckpointsEveryNthLayerFromTheFirst) {
       EXPECT_TRUE(r.end_op == model.ops.size() || model.ops[r.end_op].layer != layer);
     }
   }
+}
+
+// The offload flag as ferry runs it: ferry's policy with `ferry.offload()`'s defaults, offered
+// the checkpoint regions' inputs alone (Note [A trainer's settings as checkpoint plans]).
+TEST(TrainerSpace, HuggingFaceOffloadIsFerrysSessionOnTheRegionsInputsAlone) {
+  const Model model = traced("llama");
+  TrainerSetting s{.trainer = Trainer::Hf, .mode = "checkpoint", .layers = 1};
+  const auto options = [&](const TrainerSetting& setting) {
+    TrainingOptions o;
+    o.offload.window_bytes = Bytes(1);  // a request's knobs, which the session does not take
+    o.checkpoint = plan_of(setting, model);
+    trainer_offload(o, setting, model);
+    return o;
+  };
+  EXPECT_EQ(options(s).offload.policy, Policy::None);
+  s.offload = true;
+  const TrainingOptions on = options(s);
+  EXPECT_EQ(on.offload.policy, Policy::Ferry);
+  const OffloadOptions defaults;
+  EXPECT_EQ(on.offload.window_bytes, defaults.window_bytes);
+  EXPECT_EQ(on.offload.prefetch_bytes, defaults.prefetch_bytes);
+  EXPECT_EQ(on.offload.min_bytes, defaults.min_bytes);
+  EXPECT_EQ(on.offload.horizon_bytes, Bytes(std::numeric_limits<std::int64_t>::max()));
+  EXPECT_EQ(on.offload_selection.ops, std::vector<bool>(model.ops.size(), false));
+  EXPECT_EQ(on.offload_selection.region_inputs,
+            std::vector<bool>(on.checkpoint.regions.size(), true));
+
+  const DeviceProfile device = testing::simple_profile();
+  const auto run = [&](const TrainingOptions& o) {
+    return run_row(model, device, PolicyRow{"hf", o});
+  };
+  const RowResult offloaded = run(on);
+  EXPECT_EQ(offloaded.hazards, 0);
+  EXPECT_GT(offloaded.telemetry.offloaded, 0);
+  s.offload = false;
+  EXPECT_EQ(run(options(s)).telemetry.offloaded, 0);
+  // Offering the offloader every saved tensor outside the regions, as `ferry simulate --policy
+  // ferry --checkpoint every:1` does, offloads more than the session's inputs alone.
+  TrainingOptions everything = on;
+  everything.offload_selection = {};
+  EXPECT_GT(run(everything).telemetry.offloaded, offloaded.telemetry.offloaded);
+  // One region of the two layers (every_n_layers=2): fewer inputs offloaded.
+  s = {.trainer = Trainer::Hf, .mode = "checkpoint", .layers = 2, .offload = true};
+  const RowResult half = run(options(s));
+  EXPECT_GT(half.telemetry.offloaded, 0);
+  EXPECT_LT(half.telemetry.offloaded, offloaded.telemetry.offloaded);
 }
 
 TEST(TrainerSpace, TorchtitanWrapsEveryBlockWithoutEarlyStop) {
@@ -232,8 +288,8 @@ TEST(TrainerSpace, SettingsOutsideTheSimulatorsSpaceAreRefusedByName) {
     EXPECT_EQ(read.error().message.rfind("cfg: ", 0), 0U) << read.error().message;
   };
   refused(Trainer::Hf,
-          "--activation_checkpointing true --activation_checkpointing_kwargs '{\"offload\": true}'",
-          "save_on_cpu");
+          "--activation_checkpointing true --activation_checkpointing_kwargs '{\"offload\": 1}'",
+          "give true (ferry offloads the checkpointed layers' inputs");
   refused(Trainer::Hf, "--activation_checkpointing maybe", "give true or false");
   refused(Trainer::Hf,
           "--activation_checkpointing true --activation_checkpointing_kwargs "
@@ -264,6 +320,13 @@ TEST(TrainerSpace, SettingsOutsideTheSimulatorsSpaceAreRefusedByName) {
                                   model, "cfg");
   ASSERT_TRUE(past.ok()) << past.error().message;
   EXPECT_EQ(past.value().layers, 2);
+  // The offload flag with checkpointing off is ignored, as transformers ignores the kwargs.
+  auto off = parse_trainer_flags(Trainer::Hf,
+                                 "--activation_checkpointing false "
+                                 "--activation_checkpointing_kwargs '{\"offload\": true}'",
+                                 model, "cfg");
+  ASSERT_TRUE(off.ok()) << off.error().message;
+  EXPECT_EQ(off.value(), TrainerSetting{});
   // Megatron's default module list, and a comment and line breaks as a script writes them.
   auto read = parse_trainer_flags(Trainer::Megatron,
                                   "# best\n--recompute-granularity selective \\\n", model, "cfg");

@@ -398,6 +398,7 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
   if (!row.options.offload.horizon_bytes) {
     row.options.offload.horizon_bytes = offload_horizon(*w.model, w.device, row.options);
   }
+  if (run.trainer) trainer_offload(row.options, *run.trainer, *w.model);
   Response out;
   const bool keep = r.trace || r.memory_snapshot;
   const RowResult result = run_row(w.model, w.device, row, keep ? &out.run : nullptr);
@@ -438,6 +439,7 @@ Result<TrainerChoice> trainer_choice(const PlanRequest& r, const Workload& whole
     row.options.sim.check_hazards = check;
     row.options.sim.track_content = check;
     row.options.offload.horizon_bytes = offload_horizon(*w.model, w.device, row.options);
+    trainer_offload(row.options, setting, *w.model);
     return run_row(w.model, w.device, row);
   };
   TrainerChoice c{

@@ -21,11 +21,23 @@ using Json = nlohmann::ordered_json;
 // Note [A trainer's settings as checkpoint plans]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Each trainer setting is the checkpoint regions the trainer's own code makes, run by the
-// simulated autograd as it runs any plan, with nothing offloaded:
+// simulated autograd as it runs any plan, with nothing offloaded but where Hugging Face's offload
+// flag asks ferry to:
 // * Hugging Face (transformers 5.23, `PreTrainedModel._set_gradient_checkpointing`): every
 //   decoder layer whose index is a multiple of `every_n_layers` is one non-reentrant region
 //   (torch's checkpoint with `use_reentrant=False`, early stop on: the Trainer's default
-//   keywords).
+//   keywords). `activation_checkpointing_kwargs={"offload": True}` is in the space as ferry
+//   runs it after `ferry.enable_gradient_checkpointing(model)` (real/python/ferry/compat/hf.py):
+//   each checkpointed layer's call runs inside the model's `ferry.offload` session, made with
+//   its default options, which offloads what the checkpoint keeps for its recomputation, the
+//   layer's inputs, on ferry's copy stream (Note [Checkpoint inputs offloaded] in
+//   real/python/ferry/_checkpoint.py). The simulator runs the same regions under ferry's policy
+//   with OffloadOptions' defaults, which are the session's (no horizon: the session's
+//   horizon_bytes is unset), and an OffloadSelection that offers the offloader the regions'
+//   inputs alone: the saved tensors of the layers left unchecked and of the ops outside the
+//   layers stay on the device, as the session is entered around checkpointed calls only.
+//   transformers' own flag (torch's save_on_cpu around the checkpoint, its copies on the
+//   compute stream, without ferry) is no simulated policy and stays out of the space.
 // * torchtitan (0.3.0, `torchtitan/distributed/activation_checkpoint.py`): `FullAC` and
 //   `SelectiveAC` wrap every block in torch's checkpoint_wrapper with `early_stop=False`;
 //   `SelectiveAC` adds its op-level policy (apply_op_sac_policy).
@@ -302,14 +314,15 @@ Result<TrainerSetting> parse_hf(const std::vector<std::string>& words, const Mod
       }
       s.layers = std::min(value.get<std::int32_t>(), std::max(1, layer_count(model)));
     } else if (key == "offload") {
-      if (value != false) {
+      // ferry's offload of the checkpointed layers' inputs (Note [A trainer's settings as
+      // checkpoint plans]); transformers' own save_on_cpu without ferry is not simulated.
+      if (!value.is_boolean()) {
         return Error{fmt::format(
-            "{}: offload {} is not in the simulator's space: transformers copies the "
-            "checkpointed layers' inputs to pinned host memory on the compute stream "
-            "(torch's save_on_cpu), which no simulated offload policy does (docs/plan.md, "
-            "\"A trainer's own settings\"); give false",
+            "{}: offload {}: give true (ferry offloads the checkpointed layers' inputs, after "
+            "ferry.enable_gradient_checkpointing(model)) or false",
             source, value.dump())};
       }
+      s.offload = value.get<bool>();
     } else if (key == "use_reentrant") {
       if (value != false) {
         return Error{
@@ -320,7 +333,7 @@ Result<TrainerSetting> parse_hf(const std::vector<std::string>& words, const Mod
     } else {
       return Error{fmt::format(
           "{}: activation_checkpointing_kwargs \"{}\" is not one ferry reads (every_n_layers, "
-          "offload false, use_reentrant false)",
+          "offload, use_reentrant false)",
           source, key)};
     }
   }
@@ -488,7 +501,10 @@ std::vector<TrainerSetting> trainer_space(Trainer trainer, const Model& model) {
   switch (trainer) {
     case Trainer::Hf:
       for (std::int32_t n = 1; n <= layers; ++n) {
-        space.push_back({.trainer = trainer, .mode = "checkpoint", .layers = n});
+        for (const bool offload : {false, true}) {
+          space.push_back(
+              {.trainer = trainer, .mode = "checkpoint", .layers = n, .offload = offload});
+        }
       }
       break;
     case Trainer::Torchtitan:
@@ -572,13 +588,52 @@ Result<CheckpointPlan> trainer_checkpoint(const TrainerSetting& s, const Model& 
   return plan;
 }
 
+void trainer_offload(TrainingOptions& options, const TrainerSetting& s, const Model& model) {
+  if (s.trainer != Trainer::Hf || s.mode == "none" || !s.offload) {
+    options.offload.policy = Policy::None;
+    return;
+  }
+  // `ferry.offload()` with its defaults (Note [A trainer's settings as checkpoint plans]).
+  options.offload = OffloadOptions{};
+  options.offload.policy = Policy::Ferry;
+  options.offload.horizon_bytes = Bytes(std::numeric_limits<std::int64_t>::max());
+  options.offload_selection.ops.assign(model.ops.size(), false);
+  options.offload_selection.region_inputs.assign(options.checkpoint.regions.size(), true);
+}
+
+namespace {
+
+// The hf setting's activation_checkpointing_kwargs, as JSON (the keys it differs from the
+// defaults in), or null where it has none.
+Json hf_kwargs(const TrainerSetting& s) {
+  if (s.mode == "none" || (s.layers <= 1 && !s.offload)) return Json();
+  Json kwargs = Json::object();
+  if (s.layers > 1) kwargs["every_n_layers"] = s.layers;
+  if (s.offload) kwargs["offload"] = true;
+  return kwargs;
+}
+
+// `kwargs` (numbers and booleans) as Python writes its literal (True), or as its json.dumps
+// does (true).
+std::string dict_text(const Json& kwargs, bool python) {
+  std::string out = "{";
+  for (const auto& [key, value] : kwargs.items()) {
+    std::string v = value.dump();
+    if (python && value.is_boolean()) v = value.get<bool>() ? "True" : "False";
+    out += fmt::format("{}{}: {}", out.size() > 1 ? ", " : "", python_string(key), v);
+  }
+  return out + "}";
+}
+
+}  // namespace
+
 std::vector<std::string> trainer_flags(const TrainerSetting& s) {
   switch (s.trainer) {
     case Trainer::Hf:
       if (s.mode == "none") return {"--activation_checkpointing", "false"};
-      if (s.layers <= 1) return {"--activation_checkpointing", "true"};
+      if (hf_kwargs(s).is_null()) return {"--activation_checkpointing", "true"};
       return {"--activation_checkpointing", "true", "--activation_checkpointing_kwargs",
-              fmt::format("{{\"every_n_layers\": {}}}", s.layers)};
+              dict_text(hf_kwargs(s), false)};
     case Trainer::Torchtitan:
       return {"activation_checkpoint:" + s.mode};
     case Trainer::Megatron:
@@ -613,11 +668,11 @@ std::string trainer_python(const TrainerSetting& s) {
   switch (s.trainer) {
     case Trainer::Hf:
       if (s.mode == "none") return "TrainingArguments(activation_checkpointing=False)";
-      if (s.layers <= 1) return "TrainingArguments(activation_checkpointing=True)";
+      if (hf_kwargs(s).is_null()) return "TrainingArguments(activation_checkpointing=True)";
       return fmt::format(
           "TrainingArguments(activation_checkpointing=True, "
-          "activation_checkpointing_kwargs={{\"every_n_layers\": {}}})",
-          s.layers);
+          "activation_checkpointing_kwargs={})",
+          dict_text(hf_kwargs(s), true));
     case Trainer::Torchtitan:
       if (s.mode == "none") return "Trainer.Config(activation_checkpoint=None)";
       return fmt::format("Trainer.Config(activation_checkpoint={}AC.Config())",
@@ -639,8 +694,10 @@ std::string trainer_python(const TrainerSetting& s) {
 std::vector<std::string> trainer_left_out(Trainer trainer) {
   switch (trainer) {
     case Trainer::Hf:
-      return {"activation_checkpointing_kwargs offload=True (save_on_cpu on the compute stream)",
-              "use_reentrant=True"};
+      return {
+          "activation_checkpointing_kwargs offload=True without "
+          "ferry.enable_gradient_checkpointing (torch's save_on_cpu on the compute stream)",
+          "use_reentrant=True"};
     case Trainer::Torchtitan:
       return {"MemoryBudgetAC (torch.compile's partitioner)",
               "SelectiveAC's device-to-host copies saved"};
@@ -655,8 +712,9 @@ std::vector<std::string> trainer_left_out(Trainer trainer) {
 std::string trainer_label(const TrainerSetting& s) {
   switch (s.trainer) {
     case Trainer::Hf:
-      return s.mode == "none" ? "no checkpointing"
-                              : fmt::format("checkpointing, every_n_layers={}", s.layers);
+      if (s.mode == "none") return "no checkpointing";
+      return fmt::format("checkpointing, every_n_layers={}{}", s.layers,
+                         s.offload ? ", inputs offloaded by ferry" : "");
     case Trainer::Torchtitan:
       return s.mode == "none" ? "no checkpointing" : s.mode + " checkpointing";
     case Trainer::Megatron:
@@ -674,8 +732,8 @@ Json trainer_fields(const TrainerSetting& s) {
   switch (s.trainer) {
     case Trainer::Hf:
       j["activation_checkpointing"] = s.mode != "none";
-      if (s.mode != "none" && s.layers > 1) {
-        j["activation_checkpointing_kwargs"] = Json{{"every_n_layers", s.layers}};
+      if (const Json kwargs = hf_kwargs(s); !kwargs.is_null()) {
+        j["activation_checkpointing_kwargs"] = kwargs;
       }
       return j;
     case Trainer::Torchtitan:
@@ -769,6 +827,11 @@ std::string trainer_text(const TrainerChoice& c, const RowResult* plan, const Ro
   out += fmt::format(", peak reserved {}, allocated {}\n", format_bytes(r.peak_reserved),
                      format_bytes(r.peak_allocated));
   out += fmt::format("  {}\n", trainer_python(s));
+  if (s.offload) {
+    out +=
+        "  offload=True is ferry's offload of the checkpointed layers' inputs: call "
+        "ferry.enable_gradient_checkpointing(model) before the Trainer\n";
+  }
   out += fmt::format("  command line: {}\n", flags_text(s));
   out += fmt::format(
       "  {} of {} settings of {}'s space fit (docs/plan.md, \"A trainer's own settings\"); "

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ferry/result.hpp"
+#include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
 #include "ferry/sim/runs/measure.hpp"
 #include "ferry/sim/workload/model.hpp"
@@ -45,6 +46,10 @@ struct TrainerSetting {
   std::int32_t layers = 0;
   /// megatron selective: recompute_modules, in Megatron's order of its choices.
   std::vector<std::string> modules{};
+  /// hf checkpoint: activation_checkpointing_kwargs' offload as ferry runs it (after
+  /// `ferry.enable_gradient_checkpointing(model)`): the checkpointed layers' inputs offloaded by
+  /// a `ferry.offload` session with its defaults. See trainer_offload.
+  bool offload = false;
 
   friend bool operator==(const TrainerSetting&, const TrainerSetting&) = default;
 };
@@ -57,6 +62,13 @@ struct TrainerSetting {
 /// setting recomputes (a module no layer has).
 [[nodiscard]] Result<CheckpointPlan> trainer_checkpoint(const TrainerSetting& setting,
                                                         const Model& model);
+
+/// The offloading `setting` runs with, on `options` whose checkpoint plan is
+/// trainer_checkpoint's: none (Policy::None), or for hf's offload flag ferry's policy with
+/// `ferry.offload()`'s default options (no horizon) on the checkpoint regions' inputs alone, every
+/// other saved tensor kept on the device, as ferry's session offloads what each checkpointed
+/// layer's call keeps for its recomputation. Set after anything that derives the horizon.
+void trainer_offload(TrainingOptions& options, const TrainerSetting& setting, const Model& model);
 
 /// The setting as the trainer's command line spells it, one token an element: TrainingArguments'
 /// flags, torchtitan's `activation_checkpoint:MODE` subcommand, Megatron-LM's flags.
