@@ -38,6 +38,7 @@ import ferry
 from ferry.integrations import accelerate as ferry_accelerate
 from ferry.integrations import torchtune as ferry_torchtune
 from ferry.integrations import trl as ferry_trl
+from offload_runs import Grads, KeepsLosses, assert_equal_runs, assert_every_offload_came_back
 
 SEQ, BATCH, VOCAB, STEPS = 16, 2, 64, 3
 HAVE_CUDA = torch.cuda.is_available()
@@ -91,23 +92,8 @@ def llama():
     )
 
 
-class Grads(transformers.TrainerCallback):
-    """The gradients of each step, before the optimizer uses them."""
-
-    def __init__(self):
-        self.steps = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
-
-
-class SFTLosses(trl.SFTTrainer):
-    """An SFTTrainer that keeps each step's loss tensor (the logged one is rounded)."""
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        loss = super().compute_loss(model, inputs, *args, **kwargs)
-        self.losses.append(loss.detach().clone())
-        return loss
+class SFTLosses(KeepsLosses, trl.SFTTrainer):
+    """An SFTTrainer that keeps each step's loss tensor."""
 
 
 def sft(tmp_path, activation_offloading, lora=False):
@@ -141,18 +127,6 @@ def sft(tmp_path, activation_offloading, lora=False):
     return trainer.losses, grads.steps, trainer
 
 
-def assert_equal_runs(want, got):
-    (want_losses, want_grads, _), (got_losses, got_grads, _) = want, got
-    assert len(got_losses) == len(want_losses) == STEPS
-    for step, (a, b) in enumerate(zip(want_losses, got_losses)):
-        assert torch.equal(a, b), f"loss of step {step}"
-    assert len(got_grads) == len(want_grads) == STEPS
-    for step, (ga, gb) in enumerate(zip(want_grads, got_grads)):
-        assert len(ga) == len(gb)
-        for i, (a, b) in enumerate(zip(ga, gb)):
-            assert torch.equal(a, b), f"gradient {i} of step {step}"
-
-
 def trl_own(monkeypatch):
     """TRL's own offloader as SFTTrainer builds it. Without a CUDA device its copy stream
     cannot be made (torch's CUDA error at construction), so there it runs without streams,
@@ -172,7 +146,7 @@ def test_sft_trainer_offloads_with_ferry_once_installed(tmp_path, monkeypatch, l
         trl_own(patch)
         theirs = sft(tmp_path, True, lora)
     assert type(theirs[2].maybe_activation_offload_context) is trl_offloading.OffloadActivations
-    assert_equal_runs(plain, theirs)
+    assert_equal_runs(plain, theirs, STEPS)
 
     states = ferry._C._live_checkpoint_states()
     # A zero window: every offloaded tensor comes back through its host copy.
@@ -181,16 +155,8 @@ def test_sft_trainer_offloads_with_ferry_once_installed(tmp_path, monkeypatch, l
     ours = sft(tmp_path, True, lora)
     ctx = ours[2].maybe_activation_offload_context
     assert isinstance(ctx, ferry.offload)
-    assert_equal_runs(theirs, ours)
-    counts = ctx.telemetry()
-    assert counts["offloaded"] > 0
-    # Each came back: from the host, or (the last ones of a forward, still on the device when
-    # backward begins) from the original.
-    from_host = counts["prefetched"] + counts["on_demand"]
-    assert from_host + counts["stash_hits"] == counts["offloaded"]
-    assert 0 < counts["bytes_h2d"] < counts["bytes_d2h"]
-    assert ctx.tracked() == 0 and ctx.live_device_buffers() == 0
-    assert ferry._C._live_checkpoint_states() == states
+    assert_equal_runs(theirs, ours, STEPS)
+    assert_every_offload_came_back(ctx, states)
 
     ferry_trl.uninstall()
     assert not ferry_trl.installed()
@@ -198,16 +164,11 @@ def test_sft_trainer_offloads_with_ferry_once_installed(tmp_path, monkeypatch, l
         trl_own(patch)
         again = sft(tmp_path, True, lora)
     assert type(again[2].maybe_activation_offload_context) is trl_offloading.OffloadActivations
-    assert_equal_runs(theirs, again)
+    assert_equal_runs(theirs, again, STEPS)
 
 
-class RewardLosses(trl.RewardTrainer):
+class RewardLosses(KeepsLosses, trl.RewardTrainer):
     """A RewardTrainer that keeps each step's loss tensor."""
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        loss = super().compute_loss(model, inputs, *args, **kwargs)
-        self.losses.append(loss.detach().clone())
-        return loss
 
 
 def reward(tmp_path, activation_offloading):
@@ -265,7 +226,7 @@ def test_reward_trainer_offloads_with_ferry_once_installed(tmp_path):
     ours = reward(tmp_path, True)
     ctx = ours[2].maybe_activation_offload_context
     assert isinstance(ctx, ferry.offload)
-    assert_equal_runs(plain, ours)
+    assert_equal_runs(plain, ours, STEPS)
     assert ctx.telemetry()["offloaded"] > 0
     assert ctx.tracked() == 0 and ctx.live_device_buffers() == 0
 
@@ -378,7 +339,7 @@ def test_accelerate_fsdp2_checkpoint_offload_flag_runs_ferry_once_installed():
     ferry_accelerate.install(loopback=True, window_bytes=0)
     assert ferry_accelerate.installed()
     ours = accelerate_steps(True)
-    assert_equal_runs(theirs, ours)
+    assert_equal_runs(theirs, ours, STEPS)
     session = ferry_accelerate.checkpoint_offload(ours[2])
     assert isinstance(session, ferry.offload)
     counts = session.telemetry()
@@ -398,7 +359,7 @@ def test_accelerate_fsdp2_checkpoint_offload_flag_runs_ferry_once_installed():
     assert ferry_accelerate.checkpoint_offload(wrapped[2]) is None
     layer = wrapped[2].model.layers[0]
     assert layer.checkpoint_fn.func is ferry.checkpoint
-    assert_equal_runs(plain_theirs, wrapped)
+    assert_equal_runs(plain_theirs, wrapped, STEPS)
 
     ferry_accelerate.uninstall()
     assert not ferry_accelerate.installed()

@@ -20,6 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 import ferry
 from ferry import _checkpoint
 from ferry.testing import planted_offload
+from offload_runs import Grads, KeepsLosses
 
 SEQ, BATCH, VOCAB, STEPS, LAYERS = 16, 2, 64, 3, 3
 
@@ -48,23 +49,8 @@ def llama(lora=False):
     return model
 
 
-class Grads(transformers.TrainerCallback):
-    """The gradients of each step, before the optimizer uses them."""
-
-    def __init__(self):
-        self.steps = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
-
-
-class Losses(transformers.Trainer):
-    """A Trainer that keeps each step's loss tensor (the logged one is rounded)."""
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        loss = super().compute_loss(model, inputs, *args, **kwargs)
-        self.losses.append(loss.detach().clone())
-        return loss
+class Losses(KeepsLosses, transformers.Trainer):
+    """A Trainer that keeps each step's loss tensor."""
 
 
 @pytest.fixture

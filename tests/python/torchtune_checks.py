@@ -15,6 +15,7 @@ from torchtune.training import _activation_offloading as torchtune_offloading
 
 import ferry
 from ferry.integrations import torchtune as ferry_torchtune
+from offload_runs import assert_equal_runs, assert_every_offload_came_back
 
 SEQ, BATCH, VOCAB, STEPS = 16, 2, 64, 3
 
@@ -27,17 +28,6 @@ def leave_it_as_it_was():
         torchtune.training.get_act_offloading_ctx_manager
         is torchtune_offloading.get_act_offloading_ctx_manager
     )
-
-
-def assert_equal_runs(want, got):
-    (want_losses, want_grads, _), (got_losses, got_grads, _) = want, got
-    assert len(got_losses) == len(want_losses) == STEPS
-    for step, (a, b) in enumerate(zip(want_losses, got_losses)):
-        assert torch.equal(a, b), f"loss of step {step}"
-    for step, (ga, gb) in enumerate(zip(want_grads, got_grads)):
-        assert len(ga) == len(gb)
-        for i, (a, b) in enumerate(zip(ga, gb)):
-            assert torch.equal(a, b), f"gradient {i} of step {step}"
 
 
 def torchtune_steps(offloading):
@@ -84,16 +74,8 @@ def test_torchtune_recipe_flag_offloads_with_ferry_once_installed():
     ours = torchtune_steps(recipe)
     ctx = ours[2]
     assert isinstance(ctx, ferry.offload)
-    assert_equal_runs(plain, ours)
-    counts = ctx.telemetry()
-    assert counts["offloaded"] > 0
-    # Each came back: from the host, or (the last ones of a forward, still on the device when
-    # backward begins) from the original.
-    from_host = counts["prefetched"] + counts["on_demand"]
-    assert from_host + counts["stash_hits"] == counts["offloaded"]
-    assert 0 < counts["bytes_h2d"] < counts["bytes_d2h"]
-    assert ctx.tracked() == 0 and ctx.live_device_buffers() == 0
-    assert ferry._C._live_checkpoint_states() == states
+    assert_equal_runs(plain, ours, STEPS)
+    assert_every_offload_came_back(ctx, states)
 
     ferry_torchtune.uninstall()
     assert not ferry_torchtune.installed()
