@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the "Plan against the fixed policies (measured)" tables of docs/plan.md.
+"""Writes the tables of docs/validation-planner.md: `ferry plan` against the fixed policies.
 
 For each model and device: `ferry compare --json` gives every fixed configuration's time and
 peak reserved; the budgets are the peaks of the fixed rows that fit the device, at or above the
@@ -33,7 +33,8 @@ def run(cli, *args):
 
 
 def duration(ns, unit):
-    return f"{ns / 1e6:.0f} ms" if unit == "ms" else f"{ns / 1e6:.2f} ms"
+    """Milliseconds, the unit the table's heading names: whole ones for long steps."""
+    return f"{ns / 1e6:.0f}" if unit == "ms" else f"{ns / 1e6:.2f}"
 
 
 def table(cli, model, device):
@@ -46,10 +47,10 @@ def table(cli, model, device):
     budgets |= {low + (high - low) * i // 7 for i in range(8)}
     unit = "ms" if none["step_time_ns"] >= 100e6 else "small"
     lines = [
-        f"**{model} on {device}**",
+        f"**{model} on {device}** (ms)",
         "",
-        "| budget (peak reserved) | plan | plan / none | best fixed policy that fits "
-        "| its time | lower bound | plan / bound | options bound | plan / options bound |",
+        "| budget, GiB | plan | plan / none | best fixed that fits "
+        "| its time | bound | plan / bound | options bound | plan / options bound |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for budget in sorted(b for b in budgets if low <= b <= high):
@@ -69,9 +70,9 @@ def table(cli, model, device):
         best = min(fits, key=lambda r: r["step_time_ns"])
         t, bound = plan["step_time_ns"], plan["lower_bound_ns"]
         options = plan["options_lower_bound_ns"]
-        in_space = f"{t / options:.3f}" if plan["plan_in_option_space"] else "not one"
+        in_space = f"{t / options:.3f}" if plan["plan_in_option_space"] else "–"
         lines.append(
-            f"| {budget / GIB:.2f} GiB | {duration(t, unit)} | {t / none['step_time_ns']:.3f}x "
+            f"| {budget / GIB:.2f} | {duration(t, unit)} | {t / none['step_time_ns']:.3f} "
             f"| {best['name']} | {duration(best['step_time_ns'], unit)} "
             f"| {duration(bound, unit)} | {t / bound:.3f} "
             f"| {duration(options, unit)} | {in_space} |"
