@@ -48,12 +48,18 @@ def table(cli, model, device):
     budgets = {r["peak_reserved_bytes"] for r in fixed}
     budgets |= {low + (high - low) * i // 7 for i in range(8)}
     unit = "ms" if none["step_time_ns"] >= 100e6 else "small"
-    lines = [
-        f"**{model} on {device}** (ms)",
-        "",
-        "| budget, GiB | plan | plan / none | best fixed that fits "
-        "| its time | bound | plan / bound | options bound | plan / options bound |",
-        "|---|---|---|---|---|---|---|---|---|",
+    rows = [
+        [
+            "budget, GiB",
+            "plan",
+            "plan / none",
+            "best fixed that fits",
+            "its time",
+            "bound",
+            "plan / bound",
+            "options bound",
+            "plan / options bound",
+        ]
     ]
     for budget in sorted(b for b in budgets if low <= b <= high):
         plan = run(
@@ -73,14 +79,24 @@ def table(cli, model, device):
         t, bound = plan["step_time_ns"], plan["lower_bound_ns"]
         options = plan["options_lower_bound_ns"]
         in_space = f"{t / options:.3f}" if plan["plan_in_option_space"] else "–"
-        lines.append(
-            f"| {budget / GIB:.2f} | {duration(t, unit)} | {t / none['step_time_ns']:.3f} "
-            f"| {SHORT.get(best['name'], best['name'])} | {duration(best['step_time_ns'], unit)} "
-            f"| {duration(bound, unit)} | {t / bound:.3f} "
-            f"| {duration(options, unit)} | {in_space} |"
+        rows.append(
+            [
+                f"{budget / GIB:.2f}",
+                duration(t, unit),
+                f"{t / none['step_time_ns']:.3f}",
+                SHORT.get(best["name"], best["name"]),
+                duration(best["step_time_ns"], unit),
+                duration(bound, unit),
+                f"{t / bound:.3f}",
+                duration(options, unit),
+                in_space,
+            ]
         )
         print(f"{model} on {device}: {budget} bytes planned", file=sys.stderr)
-    return "\n".join(lines)
+    # An aligned text block, as the page shows it: columns two spaces apart.
+    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
+    body = ["  ".join(c.ljust(widths[k]) for k, c in enumerate(row)).rstrip() for row in rows]
+    return "\n".join([f"**{model} on {device}** (ms)", "", "```text", *body, "```"])
 
 
 def main():
