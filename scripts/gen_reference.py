@@ -4,7 +4,7 @@
 * cli.md: `ferry --commands` (the command list) and each command's `ferry COMMAND --help`;
 * python-commands.md: each package command's `python -m ferry COMMAND --help`;
 * python-api.md: each name of `ferry.__all__`, its signature and the first paragraph of its
-  docstring (a class's public methods too); `help(ferry.NAME)` gives the whole docstring.
+  docstring; `help(ferry.NAME)` gives the whole docstring.
 
 Run it with the package importable and FERRY_CLI naming the CLI (tools that set both:
 `source <(pysite.sh ...)`; or after `pip install`). `--check` writes nothing and exits 1 naming
@@ -145,16 +145,6 @@ def python_api_page() -> str:
         parts.append(f"\n## `ferry.{name}`\n")
         parts.append(f"```python\n{signature(name, obj)}\n```\n")
         parts.append(first_paragraph(obj) + "\n")
-        if inspect.isclass(obj):
-            methods = [
-                (m, f)
-                for m, f in sorted(vars(obj).items())
-                if not m.startswith("_") and (inspect.isfunction(f) or isinstance(f, property))
-            ]
-            for method, function in methods:
-                target = function.fget if isinstance(function, property) else function
-                shown = method if isinstance(function, property) else signature(method, target)
-                parts.append(f"* `{shown}`: {first_paragraph(target) or '(undocumented)'}\n")
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 
