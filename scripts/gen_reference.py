@@ -3,8 +3,8 @@
 
 * cli.md: `ferry --commands` (the command list) and each command's `ferry COMMAND --help`;
 * python-commands.md: each package command's `python -m ferry COMMAND --help`;
-* python-api.md: each name of `ferry.__all__`, its signature and the first paragraph of its
-  docstring; `help(ferry.NAME)` gives the whole docstring.
+* python-api.md: each name of `ferry.__all__`, its parameters and defaults and the first paragraph
+  of its docstring; `help(ferry.NAME)` gives the whole docstring.
 
 Run it with the package importable and FERRY_CLI naming the CLI (tools that set both:
 `source <(pysite.sh ...)`; or after `pip install`). `--check` writes nothing and exits 1 naming
@@ -122,9 +122,13 @@ def first_paragraph(obj) -> str:
 
 def signature(name: str, obj) -> str:
     try:
-        shown = f"{name}{inspect.signature(obj)}"
+        sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return name
+    # Parameters with their defaults; the annotations are in the source and in help().
+    bare = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    sig = sig.replace(parameters=bare, return_annotation=inspect.Signature.empty)
+    shown = f"{name}{sig}"
     # A default that is a function prints with its address: the same page on every run.
     return re.sub(r" at 0x[0-9a-f]+>", ">", shown)
 
@@ -136,8 +140,9 @@ def python_api_page() -> str:
         "# Reference: the Python API\n",
         GENERATED + "\n",
         f"Every public name of the `ferry` package (`ferry.__all__`, version {ferry.__version__}),"
-        " with its signature and the first paragraph of its docstring; `help(ferry.NAME)` gives "
-        "the rest (arguments, errors, examples). Task pages: [your trainer](../real.md), "
+        " with its parameters and defaults and the first paragraph of its docstring; "
+        "`help(ferry.NAME)` gives the rest (types, arguments, errors, examples). Task pages: "
+        "[your trainer](../real.md), "
         "[plan a run](../plan.md), [trace](../trace.md), [validate](../validate.md).\n",
     ]
     for name in ferry.__all__:
