@@ -45,18 +45,46 @@ def fenced(text: str) -> str:
     return "```text\n" + text.rstrip() + "\n```\n"
 
 
+def option_blocks(text: str) -> tuple[list[str], list[str]]:
+    """A CLI11 help text as the lines before its options and its option blocks: an option's
+    line (two spaces, then a dash) with the description lines indented under it."""
+    head: list[str] = []
+    blocks: list[str] = []
+    for line in text.rstrip().splitlines():
+        if line.startswith("  -"):
+            blocks.append(line)
+        elif blocks and line.startswith("    ") and line.strip():
+            blocks[-1] += "\n" + line
+        elif not blocks:
+            head.append(line)
+    return head, blocks
+
+
 def cli_page(cli: str) -> str:
     listed = json.loads(run([cli, "--commands"]))
+    helps = {
+        c["name"]: run([cli, c["name"], "--help"]).replace(cli, "ferry") for c in listed["commands"]
+    }
+    parsed = {name: option_blocks(text) for name, text in helps.items()}
+    # An option block that several commands print alike is shown once, with who takes it.
+    takers: dict[str, list[str]] = {}
+    for name, (_, blocks) in parsed.items():
+        for block in blocks:
+            takers.setdefault(block, []).append(name)
+    shared = [
+        b for b, names in takers.items() if len(names) > 1 and not b.lstrip().startswith("-h,")
+    ]
     parts = [
         "# Reference: the `ferry` CLI\n",
         GENERATED + "\n",
         "The commands of the `ferry` binary (`build/release/sim/ferry`, or `ferry/bin/ferry` in "
         "the installed package, which the `ferry` console script and `python -m ferry` run), as "
         "`ferry --commands` lists them (`ferry.commands/1`) and each command's `--help` describes "
-        "it. Exit codes: 0 success, 1 a finding (hazards, out of memory, an infeasible budget), 2 "
-        "bad input, with a message naming the argument or the JSON path. Task pages: "
-        "[plan](../plan.md), [check](../check.md), [devices](../devices.md); the Python "
-        "package's own commands: [python-commands.md](python-commands.md).\n",
+        "it; options that several commands take are listed once, under [shared "
+        "options](#shared-options). Exit codes: 0 success, 1 a finding (hazards, out of memory, "
+        "an infeasible budget), 2 bad input, with a message naming the argument or the JSON path. "
+        "Task pages: [plan](../plan.md), [check](../check.md), [devices](../devices.md); the "
+        "Python package's own commands: [python-commands.md](python-commands.md).\n",
     ]
     parts.append("| command | what it does |\n|---|---|\n")
     for command in listed["commands"]:
@@ -64,8 +92,20 @@ def cli_page(cli: str) -> str:
             f"| [`{command['name']}`](#ferry-{command['name']}) | {command['summary']} |\n"
         )
     for command in listed["commands"]:
-        text = run([cli, command["name"], "--help"]).replace(cli, "ferry")
-        parts.append(f"\n## ferry {command['name']}\n\n" + fenced(text))
+        name = command["name"]
+        head, blocks = parsed[name]
+        own = [b for b in blocks if b not in shared]
+        also = [b.split()[0].split(",")[-1] for b in blocks if b in shared]
+        text = "\n".join(head + own)
+        if also:
+            text += "\n\nShared options: " + " ".join(also)
+        parts.append(f"\n## ferry {name}\n\n" + fenced(text))
+    if shared:
+        lines = []
+        for block in shared:
+            lines.append(block)
+            lines.append(f"      (ferry {', '.join(takers[block])})")
+        parts.append("\n## Shared options\n\n" + fenced("\n".join(lines)))
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 
@@ -92,7 +132,7 @@ def package_help(name: str) -> str:
         return out.read().decode()
 
 
-def python_commands_page() -> str:
+def python_commands_page(cli: str) -> str:
     from ferry._cli.main import PYTHON_COMMANDS, python_commands
 
     parts = [
@@ -106,11 +146,21 @@ def python_commands_page() -> str:
         "| command | what it does |\n|---|---|\n",
     ]
     listed = python_commands()
+    cli_names = [c["name"] for c in json.loads(run([cli, "--commands"]))["commands"]]
+    cli_help = {
+        n: run([cli, n, "--help"]).replace(cli, "ferry") for n, _ in listed if n in cli_names
+    }
     for name, summary in listed:
         parts.append(f"| [`{name}`](#python--m-ferry-{name}) | {summary} |\n")
     for name, _ in listed:
         assert name in PYTHON_COMMANDS
         text = package_help(name)
+        if name in cli_help and cli_help[name].strip() == text.strip():
+            parts.append(
+                f"\n## python -m ferry {name}\n\nThe same command, and help, as "
+                f"[`ferry {name}`](cli.md#ferry-{name}), run through `ferry._C`.\n"
+            )
+            continue
         parts.append(f"\n## python -m ferry {name}\n\n" + fenced(text))
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
@@ -164,7 +214,7 @@ def main(argv: list[str]) -> int:
         parser.error("no CLI: pass --cli PATH or set FERRY_CLI")
     pages = {
         "cli.md": cli_page(args.cli),
-        "python-commands.md": python_commands_page(),
+        "python-commands.md": python_commands_page(args.cli),
         "python-api.md": python_api_page(),
     }
     stale = []
