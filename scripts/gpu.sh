@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a visit to a GPU machine (docs/validation.md, "Where a GPU is lent").
+# One command for a visit to a GPU machine (docs/validate.md, "Where a GPU is lent").
 #
 #   scripts/gpu.sh pack
 #     Here, with the registries: gathers what the GPU machine lacks into build/gpu-pack/ (the
@@ -33,7 +33,7 @@ pack_dir=build/gpu-pack
 # googletest (GoogleTest's sources, a dependency of libgtest-dev) is not needed to build.
 debs=(libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev
       libbenchmark-dev libbenchmark1debian librapidcheck-dev pybind11-dev)
-# Wheels the GPU image lacks (docs/validation.md lists what the visit imports; the image has
+# Wheels the GPU image lacks (docs/validate.md lists what the visit imports; the image has
 # torch, transformers, pytest and numpy): none today. A name==version added here is
 # downloaded for the image's Python 3.12 and installed there into the visit's site folder.
 wheels=()

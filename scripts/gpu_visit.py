@@ -1,4 +1,4 @@
-"""The Python steps of a GPU visit, run by scripts/gpu.sh (docs/validation.md, "Where a GPU is
+"""The Python steps of a GPU visit, run by scripts/gpu.sh (docs/validate.md, "Where a GPU is
 lent"), each writing its part under WORK/parts as it goes:
 
 * ``kernels``: what the device's kernels reach (SM count; a large matrix product's, the flash
@@ -476,7 +476,7 @@ def _pct(value):
 
 
 def markdown(results):
-    """The results as the tables of docs/validation.md, "Where a GPU is lent"."""
+    """The results as the tables of docs/validate.md, "Where a GPU is lent"."""
     device = results.get("device") or {}
     lines = [
         f"# GPU visit results ({results['mode']})",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks that every tracked C++ file is clang-formatted (.clang-format), that the scheduler core
-# passes clang-tidy (.clang-tidy), and that the Python (package, tests, scripts) passes ruff's
-# lint and format check (ruff.toml). Exits non-zero on any finding; `--fix` reformats instead
+# passes clang-tidy (.clang-tidy), that the Python (package, tests, scripts) passes ruff's
+# lint and format check (ruff.toml), and that README.md and docs/ hold their word limits and
+# resolve every relative link and anchor (scripts/docs_check.py). Exits non-zero on any finding; `--fix` reformats instead
 # of checking the format. Needs clang-format, clang-tidy and .venv's ruff (scripts/setup.sh
 # installs them).
 set -euo pipefail
@@ -48,4 +49,8 @@ if ! .venv/bin/ruff format --no-cache --check --quiet . || ! .venv/bin/ruff chec
   echo "lint: ruff found problems in the Python (above; scripts/lint.sh --fix formats)" >&2
   exit 1
 fi
-echo "lint: clang-format, clang-tidy and ruff clean" >&2
+if ! python3 scripts/docs_check.py; then
+  echo "lint: the docs are over their word limits or have links that do not resolve (above)" >&2
+  exit 1
+fi
+echo "lint: clang-format, clang-tidy, ruff and the docs check clean" >&2

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the "Plan against the fixed policies (measured)" tables of docs/plan.md.
+"""Writes the tables of docs/validation-planner.md: `ferry plan` against the fixed policies.
 
 For each model and device: `ferry compare --json` gives every fixed configuration's time and
 peak reserved; the budgets are the peaks of the fixed rows that fit the device, at or above the
@@ -25,6 +25,8 @@ CASES = (
     ("gpt2-small-s1024", "gh200"),
 )
 GIB = 1 << 30
+#: The checkpoint rows as the tables name them (the page's introduction says so).
+SHORT = {"checkpoint every layer": "every layer", "checkpoint selective": "selective"}
 
 
 def run(cli, *args):
@@ -33,7 +35,8 @@ def run(cli, *args):
 
 
 def duration(ns, unit):
-    return f"{ns / 1e6:.0f} ms" if unit == "ms" else f"{ns / 1e6:.2f} ms"
+    """Milliseconds, the unit the table's heading names: whole ones for long steps."""
+    return f"{ns / 1e6:.0f}" if unit == "ms" else f"{ns / 1e6:.2f}"
 
 
 def table(cli, model, device):
@@ -45,12 +48,18 @@ def table(cli, model, device):
     budgets = {r["peak_reserved_bytes"] for r in fixed}
     budgets |= {low + (high - low) * i // 7 for i in range(8)}
     unit = "ms" if none["step_time_ns"] >= 100e6 else "small"
-    lines = [
-        f"**{model} on {device}**",
-        "",
-        "| budget (peak reserved) | plan | plan / none | best fixed policy that fits "
-        "| its time | lower bound | plan / bound | options bound | plan / options bound |",
-        "|---|---|---|---|---|---|---|---|---|",
+    rows = [
+        [
+            "budget, GiB",
+            "plan",
+            "plan / none",
+            "best fixed that fits",
+            "its time",
+            "bound",
+            "plan / bound",
+            "options bound",
+            "plan / options bound",
+        ]
     ]
     for budget in sorted(b for b in budgets if low <= b <= high):
         plan = run(
@@ -69,15 +78,25 @@ def table(cli, model, device):
         best = min(fits, key=lambda r: r["step_time_ns"])
         t, bound = plan["step_time_ns"], plan["lower_bound_ns"]
         options = plan["options_lower_bound_ns"]
-        in_space = f"{t / options:.3f}" if plan["plan_in_option_space"] else "not one"
-        lines.append(
-            f"| {budget / GIB:.2f} GiB | {duration(t, unit)} | {t / none['step_time_ns']:.3f}x "
-            f"| {best['name']} | {duration(best['step_time_ns'], unit)} "
-            f"| {duration(bound, unit)} | {t / bound:.3f} "
-            f"| {duration(options, unit)} | {in_space} |"
+        in_space = f"{t / options:.3f}" if plan["plan_in_option_space"] else "–"
+        rows.append(
+            [
+                f"{budget / GIB:.2f}",
+                duration(t, unit),
+                f"{t / none['step_time_ns']:.3f}",
+                SHORT.get(best["name"], best["name"]),
+                duration(best["step_time_ns"], unit),
+                duration(bound, unit),
+                f"{t / bound:.3f}",
+                duration(options, unit),
+                in_space,
+            ]
         )
         print(f"{model} on {device}: {budget} bytes planned", file=sys.stderr)
-    return "\n".join(lines)
+    # An aligned text block, as the page shows it: columns two spaces apart.
+    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
+    body = ["  ".join(c.ljust(widths[k]) for k, c in enumerate(row)).rstrip() for row in rows]
+    return "\n".join([f"**{model} on {device}** (ms)", "", "```text", *body, "```"])
 
 
 def main():

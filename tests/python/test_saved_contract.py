@@ -13,7 +13,7 @@ from contract_programs import Program, first_failure, run, same_outcome, without
 MODIFIED = "modified by an inplace operation"
 
 # Enough random programs to find each defect the contract closes again when its fix is taken
-# out (docs/real.md, "The saved-tensor contract", gives the case that first finds each).
+# out (docs/real-backend.md, "The saved-tensor contract", gives the case that first finds each).
 PROPERTY_CASES = 2000
 
 

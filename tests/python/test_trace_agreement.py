@@ -1,5 +1,5 @@
 """The trace of a model written the way the built-in generator describes it agrees with the
-generator's accounting (docs/model-format.md, "Generated transformers").
+generator's accounting (docs/workload.md, "Generated transformers").
 
 The generator's GPT block saves Korthikanti et al.'s `sbh(34 + 5as/h)` bytes per layer; its
 Llama block (fused QKV, a fused RMSNorm that saves its input, flash attention over unexpanded K
@@ -174,14 +174,14 @@ GPT_SHAPES = {
 
 
 def llama_layer_bytes(h, a, kv, f, s, b):
-    """The generator's saved bytes per Llama layer (docs/model-format.md, Llama)."""
+    """The generator's saved bytes per Llama layer (docs/workload.md, Llama)."""
     return s * b * h * (12 + 4 * kv // a) + 4 * a * s * b + 8 * s * b * f
 
 
 def llama_layer_flops(h, a, kv, f, s, b):
     """The generator's forward and backward FLOPs per Llama layer (its Costs table: backward
     twice the forward, flash attention 2.5 times): causal attention over the s(s+1)/2 pairs a
-    causal kernel computes, as the trace counts it too (docs/model-format.md, Costs)."""
+    causal kernel computes, as the trace counts it too (docs/workload.md, Costs)."""
     t, d = s * b, h // a
     linear = 2 * t * h * (h + 2 * kv * d) + 2 * t * h * h + 3 * 2 * t * h * f
     elementwise = 4 * t * h * 2 + 3 * t * (h + kv * d) + 4 * t * f + t * f + 2 * t * h

@@ -239,7 +239,7 @@ def assert_offloaded(counts, first_kept, layers, reloads):
     enable_input_require_grads, the embeddings being frozen), and the non-reentrant checkpoint
     hands it to the session as it is: the session keeps such a tensor, as it keeps parameters
     (copying it out would free nothing: its gradient accumulator, which the graph holds, holds
-    it; docs/real.md, "Trainers' flags"). The reentrant one saves it through its autograd
+    it; docs/real.md, "Hugging Face Trainer"). The reentrant one saves it through its autograd
     Function, an input like any other."""
     kept = STEPS if first_kept else 0
     assert counts["packed"] == layers * STEPS

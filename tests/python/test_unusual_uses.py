@@ -213,7 +213,7 @@ def test_jagged_nested_tensors_are_kept_and_train_as_plain():
 
 @pytest.mark.parametrize("min_bytes", [0, 1 << 20], ids=["offloaded", "kept"])
 def test_a_data_swap_after_the_save_is_not_seen(min_bytes):
-    """The decision (docs/real.md, the saved-tensor contract): backward gets the storage a
+    """The decision (docs/real-backend.md, the saved-tensor contract): backward gets the storage a
     tensor had when it was saved; plain torch, which holds an input's object, reads the new
     data."""
     w = torch.randn(64, 64, requires_grad=True)
@@ -404,7 +404,7 @@ def test_nothing_is_left_after_an_error(where, policy):
         run(ctx)
     if policy == "trl":
         # The reference offloader's tracker keeps what it never unpacked until its context
-        # is entered again (docs/real.md, "Differences that remain"): so does trl.
+        # is entered again (docs/real-backend.md, "Differences that remain"): so does trl.
         with ctx:
             pass
     assert_nothing_left(ctx, before)

@@ -56,8 +56,8 @@ def test_exact_match_checkpoint_policies(model):
 
 
 def test_hf_checkpoint_counts_views_of_region_inputs():
-    # A known difference (docs/validation.md): the simulator packs every tensor a checkpointed
-    # layer reads from outside it, views of one storage each on their own, where
+    # A known difference (docs/validation-loopback.md): the simulator packs every tensor a
+    # checkpointed layer reads from outside it, views of one storage each on their own, where
     # ferry.checkpoint packs the tensors passed to it, and a Hugging Face layer passes only its
     # positional ones (its keywords are bound in a partial). Llama's layers read the rotary cos
     # and sin, a keyword, so not packed for real: two tensors a layer.
@@ -228,10 +228,10 @@ def bert_without_token_types():
 
 
 def test_expanded_view_at_the_size_threshold():
-    # A known difference (docs/validation.md): without token type ids BERT expands a 512-byte
-    # slice of a buffer to the batch, 1024 logical bytes. The real scheduler weighs a tensor's
-    # logical bytes against min_bytes (1024) and offloads it; the model format has one size, the
-    # bytes it covers (512), so the simulator keeps it. Without the offload horizon, which
+    # A known difference (docs/validation-loopback.md): without token type ids BERT expands a
+    # 512-byte slice of a buffer to the batch, 1024 logical bytes. The real scheduler weighs a
+    # tensor's logical bytes against min_bytes (1024) and offloads it; the model format has one
+    # size, the bytes it covers (512), so the simulator keeps it. Without the offload horizon, which
     # counts bytes in pack order and so would carry the difference on to later packs.
     report = validate(
         "test_validate:bert_without_token_types", policies=["ferry"], steps=2, horizon="none"

@@ -24,7 +24,7 @@ def _layers(report, policy):
 
 
 # The Hugging Face Llama's checkpointed layers pack their rotary tables differently in the real
-# run (a keyword argument; docs/validation.md, "Known differences"): offload policies only.
+# run (a keyword argument; docs/validation-loopback.md, "Known differences"): offload policies only.
 @pytest.mark.parametrize(
     "model, policies",
     [
