@@ -25,6 +25,8 @@
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "ferry/check.hpp"
 #include "ferry/offload/offloader.hpp"
@@ -89,6 +91,16 @@ Device make_device(const RealOptions& options) {
 // At unpack the engine tells the current node; the first unpack of a graph task starts the
 // core's backward and queues its end as an end-of-backward callback, and each node gets a
 // post-hook that reports it done.
+//
+// The core prefetches in the order the backward is announced to need its nodes. A session
+// may hold the saved tensors of several forwards at once: a pipeline stage runs the forwards
+// of later micro-batches before the backward of an earlier one (1F1B, GPipe), each forward a
+// graph of its own. The engine runs a graph's nodes in decreasing sequence number, starting
+// from its last ones, and the first node of a backward to unpack was made by that backward's
+// forward: the nodes made after it belong to forwards whose backward has not begun. So the
+// order announced is every node up to the first unpacking one's sequence number, latest
+// first; prefetching the later forwards' tensors instead (newest first) would fill the
+// prefetch budget with tensors this backward never reads, and bring its own back on demand.
 template <class Device>
 class SessionImpl final : public SessionBase {
  public:
@@ -160,7 +172,9 @@ class SessionImpl final : public SessionBase {
       const int gid = current_graph_task();
       if (gid != graph_task_) {
         graph_task_ = gid;
-        core_.backward_begin({});
+        core_.backward_begin(faults_.prefetch_later_forwards
+                                 ? std::vector<NodeId>()
+                                 : backward_order(current->sequence_nr()));
         std::weak_ptr<SessionBase> weak = weak_from_this();
         torch::autograd::Engine::get_default_engine().queue_callback([weak] {
           if (auto s = weak.lock()) static_cast<SessionImpl&>(*s).end_backward();
@@ -264,6 +278,21 @@ class SessionImpl final : public SessionBase {
     const NodeId id(static_cast<std::uint32_t>(nodes_.size() + 1));
     nodes_.emplace(seq, id);
     return id;
+  }
+
+  // Note [Nodes and backward passes]: the nodes made up to sequence number `first`, latest
+  // first.
+  std::vector<NodeId> backward_order(std::uint64_t first) const {
+    std::vector<std::pair<std::uint64_t, NodeId>> made;
+    made.reserve(nodes_.size());
+    for (const auto& [seq, id] : nodes_) {
+      if (seq <= first) made.emplace_back(seq, id);
+    }
+    std::sort(made.begin(), made.end(), [](const auto& a, const auto& b) { return a > b; });
+    std::vector<NodeId> order;
+    order.reserve(made.size());
+    for (const auto& entry : made) order.push_back(entry.second);
+    return order;
   }
 
   RealOptions options_;

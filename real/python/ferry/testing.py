@@ -27,6 +27,10 @@ FAULTS = (
     "stale_compute_stream",
     # ferry's host pool reuses a pinned buffer before the reload that read it is done.
     "reuse_pinned_early",
+    # A backward prefetches the tensors of every forward its session holds, later micro-batches'
+    # first, not those of its own forward (Note [Nodes and backward passes] in
+    # real/src/session.cpp).
+    "prefetch_later_forwards",
 )
 
 

@@ -363,18 +363,22 @@ void bind_faults(py::module_& m) {
       .def(py::init([](bool skip_offload_wait, bool skip_reload_wait, bool skip_forward_guard,
                        bool skip_backward_guard, bool skip_record_stream, bool skip_host_guard,
                        bool skip_exit_sync, bool dedup_across_versions, bool skip_version_check,
-                       bool drop_view_bits, bool stale_compute_stream, bool reuse_pinned_early) {
+                       bool drop_view_bits, bool stale_compute_stream, bool reuse_pinned_early,
+                       bool prefetch_later_forwards) {
              return ferry::OffloadFaults{
-                 skip_offload_wait,  skip_reload_wait, skip_forward_guard,   skip_backward_guard,
-                 skip_record_stream, skip_host_guard,  skip_exit_sync,       dedup_across_versions,
-                 skip_version_check, drop_view_bits,   stale_compute_stream, reuse_pinned_early};
+                 skip_offload_wait,      skip_reload_wait,      skip_forward_guard,
+                 skip_backward_guard,    skip_record_stream,    skip_host_guard,
+                 skip_exit_sync,         dedup_across_versions, skip_version_check,
+                 drop_view_bits,         stale_compute_stream,  reuse_pinned_early,
+                 prefetch_later_forwards};
            }),
            py::kw_only(), py::arg("skip_offload_wait") = false, py::arg("skip_reload_wait") = false,
            py::arg("skip_forward_guard") = false, py::arg("skip_backward_guard") = false,
            py::arg("skip_record_stream") = false, py::arg("skip_host_guard") = false,
            py::arg("skip_exit_sync") = false, py::arg("dedup_across_versions") = false,
            py::arg("skip_version_check") = false, py::arg("drop_view_bits") = false,
-           py::arg("stale_compute_stream") = false, py::arg("reuse_pinned_early") = false);
+           py::arg("stale_compute_stream") = false, py::arg("reuse_pinned_early") = false,
+           py::arg("prefetch_later_forwards") = false);
 }
 
 // Offload sessions and their options.

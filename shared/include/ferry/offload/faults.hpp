@@ -25,6 +25,10 @@ struct OffloadFaults {
   /// ferry: the host pool hands a pinned buffer to the next copy-out without waiting for the
   /// reload that last read it (skip_host_guard drops this wait and the reload's own).
   bool reuse_pinned_early = false;
+  /// real backend: a backward announces no node order, so the core prefetches the nodes of
+  /// every forward the session holds, latest first, later micro-batches' included (Note [Nodes
+  /// and backward passes] in real/src/session.cpp).
+  bool prefetch_later_forwards = false;
 };
 
 }  // namespace ferry

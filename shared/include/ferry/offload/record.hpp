@@ -187,6 +187,8 @@ class IdTable {
     ++tracked_;
     return id;
   }
+  /// The oldest id the table may still track (ids below it are forgotten).
+  [[nodiscard]] TensorId oldest() const { return TensorId(base_); }
   /// The id that add() will return next.
   [[nodiscard]] TensorId next() const {
     return TensorId(static_cast<std::uint32_t>(base_ + records_.size()));

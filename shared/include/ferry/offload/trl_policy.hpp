@@ -8,7 +8,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <span>
 #include <tuple>
@@ -65,6 +67,16 @@ class TrlPolicy {
       first_backward_call_ = false;
       if (!today()) first_forward_call_ = true;
       node_ = NodeId();
+    }
+    if (!t_.ids.find(id).valid() && cleared(id)) {
+      throw OffloadError(fmt::format(
+          "untracked tensor with id {}: the offload context was entered again before the "
+          "backward of the forward that saved it, and policy \"trl\" forgets on each entry what "
+          "earlier forwards saved, as the reference does. A schedule that runs several "
+          "forwards before their backwards (a pipeline's GPipe or 1F1B, several forwards "
+          "accumulated into one backward) needs policy=\"ferry\", which keeps each forward's "
+          "saved tensors until its backward, or one offload context per forward",
+          id.value()));
     }
     const RecordId r = t_.find(id);
     auto& rec = t_.records[r];
@@ -139,6 +151,14 @@ class TrlPolicy {
   /// Today's reference clears what a previous step left; the seed does nothing.
   void enter() {
     if (!today()) return;
+    for (std::uint32_t v = t_.ids.oldest().value(); v < t_.ids.next().value(); ++v) {
+      if (!t_.ids.find(TensorId(v)).valid()) continue;
+      if (!cleared_.empty() && cleared_.back().second == v) {
+        ++cleared_.back().second;
+      } else {
+        cleared_.emplace_back(v, v + 1);
+      }
+    }
     for (std::uint32_t i = 0; i < t_.records.size(); ++i) {
       auto& rec = t_.records[RecordId(i)];
       if (rec.state == RecordState::Free || rec.state == RecordState::Dropped) continue;
@@ -336,12 +356,22 @@ class TrlPolicy {
   // real/src/saved_tensors.hpp).
   using Key = std::tuple<std::uint64_t, std::int64_t, std::uint32_t>;
 
+  // Whether an entry forgot `id` while it was tracked.
+  [[nodiscard]] bool cleared(TensorId id) const {
+    auto it = std::upper_bound(cleared_.begin(), cleared_.end(), id.value(),
+                               [](std::uint32_t v, const auto& run) { return v < run.first; });
+    return it != cleared_.begin() && id.value() < std::prev(it)->second;
+  }
+
   Tracker<B> t_;
   // Offloaded views whose original is in the forward stash: at most max_fwd_stash_size, so a
   // short list.
   std::vector<std::pair<Key, RecordId>> dedup_;
   bool first_forward_call_ = true;
   bool first_backward_call_ = false;
+  // The ids entries forgot while they were tracked, as increasing runs [first, end): an unpack
+  // of one names the cause.
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> cleared_;
   NodeId node_;
   std::deque<std::pair<TensorId, RecordId>> fwd_stash_;
   std::map<TensorId, RecordId> bwd_stash_;
