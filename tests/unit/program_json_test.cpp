@@ -272,7 +272,9 @@ TEST(ProgramJson, WritesProgramsThatReadBackToTheSameBytes) {
 }
 
 TEST(DeviceProfiles, EveryBundledProfileLoadsAndNamesItsFile) {
-  const std::vector<std::string> expected = {"a100-pcie4", "gh200", "h100-sxm-pcie5"};
+  const std::vector<std::string> expected = {
+      "a100-pcie4",     "a100-sxm4-40gb", "b200", "gh200", "h100-pcie-80gb", "h100-sxm-96gb",
+      "h100-sxm-pcie5", "h200",           "l4",   "l40s",  "rtx-4090"};
   const auto names = list_device_profiles(kProfileDir);
   for (const auto& name : expected) {
     EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
@@ -341,7 +343,10 @@ TEST(DeviceProfiles, UnknownNameListsTheBundledProfiles) {
   ASSERT_FALSE(profile.ok());
   EXPECT_NE(profile.error().message.find("unknown device profile \"h100\""), std::string::npos)
       << profile.error().message;
-  EXPECT_NE(profile.error().message.find("a100-pcie4, gh200, h100-sxm-pcie5"), std::string::npos)
+  EXPECT_NE(profile.error().message.find(
+                "a100-pcie4, a100-sxm4-40gb, b200, gh200, h100-pcie-80gb, h100-sxm-96gb, "
+                "h100-sxm-pcie5, h200, l4, l40s, rtx-4090"),
+            std::string::npos)
       << profile.error().message;
 }
 
@@ -611,7 +616,8 @@ std::vector<BadCase> bad_cases() {
       {"unknown profile name",
        with_devices(R"({"name": "gpu0", "profile": "h100"})"),
        {"prog.json: devices[0].profile: unknown device profile \"h100\" (bundled: a100-pcie4, "
-        "gh200, h100-sxm-pcie5"}},
+        "a100-sxm4-40gb, b200, gh200, h100-pcie-80gb, h100-sxm-96gb, h100-sxm-pcie5, h200, l4, "
+        "l40s, rtx-4090)"}},
       {"profile neither name nor object",
        with_devices(R"({"name": "gpu0", "profile": 1})"),
        {"prog.json: devices[0].profile: expected a bundled profile name or a profile object"}},
