@@ -31,6 +31,7 @@ def test_the_profiles_people_train_on_are_bundled():
         "a100-sxm4-40gb",
         "b200",
         "gh200",
+        "gh200-quad",
         "h100-pcie-80gb",
         "h100-sxm-96gb",
         "h100-sxm-pcie5",
