@@ -85,16 +85,12 @@ BERT_LARGE = {
 
 
 def h100_96gb():
-    """torchtitan's H100s: 95.0396 GiB as torch reports it (PR #165), HBM2e at 2.4 TB/s
-    (benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"); the rest, the link and
-    collective figures included, as the bundled H100 SXM profile."""
-    with open(f"{REPO}/scenarios/devices/h100-sxm-pcie5.json") as f:
-        profile = json.load(f)
-    profile["name"] = "h100-96gb-hbm2e"
-    profile["description"] = "H100 96 GB HBM2e (torchtitan's Grand Teton hosts), 2.4 TB/s"
-    profile["memory_bytes"] = int(95.0396 * GIB)
-    profile["memory_bytes_per_s"] = 2_400_000_000_000
-    return profile
+    """torchtitan's H100s, the bundled `h100-sxm-96gb`: 95.0396 GiB as torch reports it (PR
+    #165), HBM2e at 2.4 TB/s (benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"),
+    on-device copies at half that; the rest, the link and collective figures included, as the
+    bundled H100 SXM profile (docs/devices.md)."""
+    with open(f"{REPO}/scenarios/devices/h100-sxm-96gb.json") as f:
+        return json.load(f)
 
 
 def v100_16gb():

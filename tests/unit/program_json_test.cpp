@@ -272,7 +272,9 @@ TEST(ProgramJson, WritesProgramsThatReadBackToTheSameBytes) {
 }
 
 TEST(DeviceProfiles, EveryBundledProfileLoadsAndNamesItsFile) {
-  const std::vector<std::string> expected = {"a100-pcie4", "gh200", "h100-sxm-pcie5"};
+  const std::vector<std::string> expected = {
+      "a100-pcie4",    "a100-sxm4-40gb", "b200", "gh200", "gh200-quad", "h100-pcie-80gb",
+      "h100-sxm-96gb", "h100-sxm-pcie5", "h200", "l4",    "l40s",       "rtx-4090"};
   const auto names = list_device_profiles(kProfileDir);
   for (const auto& name : expected) {
     EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
@@ -314,6 +316,37 @@ TEST(DeviceProfiles, BundledFiguresMatchTheDocumentedSources) {
             gh200.value().h2d.bandwidth.bytes_per_s() * 9);
 }
 
+TEST(DeviceProfiles, TrainingGpuFiguresMatchTheDocumentedSources) {
+  const auto figures = [](const char* name) {
+    auto profile = load_device_profile(kProfileDir, name);
+    EXPECT_TRUE(profile.ok()) << profile.error().message;
+    return profile.value();
+  };
+  // Dense BF16 tensor peaks of the datasheets (half of the printed sparse figures).
+  EXPECT_EQ(figures("h100-pcie-80gb").flops_per_s, 756'000'000'000'000);
+  EXPECT_EQ(figures("h200").flops_per_s, 989'000'000'000'000);
+  EXPECT_EQ(figures("b200").flops_per_s, 2'250'000'000'000'000);
+  EXPECT_EQ(figures("l4").flops_per_s, 121'000'000'000'000);
+  EXPECT_EQ(figures("l40s").flops_per_s, 362'050'000'000'000);
+  EXPECT_EQ(figures("rtx-4090").flops_per_s, 165'200'000'000'000);
+  EXPECT_EQ(figures("h200").memory_bandwidth, Bandwidth(4'800'000'000'000));
+  EXPECT_EQ(figures("a100-sxm4-40gb").memory_bandwidth, Bandwidth(1'555'000'000'000));
+  // torchtitan's hosts: 95.0396 GiB as torch reports it, HBM2e at 2.4 TB/s.
+  EXPECT_EQ(figures("h100-sxm-96gb").memory, Bytes(102'047'993'456));
+  EXPECT_EQ(figures("h100-sxm-96gb").memory_bandwidth, Bandwidth(2'400'000'000'000));
+  // Megatron-LM #6491, four GH200s: CE CPU->GPU 411.57-421.14 GB/s, GPU->CPU 169.90-170.09 GB/s.
+  EXPECT_EQ(figures("gh200-quad").h2d.bandwidth, Bandwidth(416'000'000'000));
+  EXPECT_EQ(figures("gh200-quad").d2h.bandwidth, Bandwidth(170'000'000'000));
+  // nvbandwidth #15, eight RTX 4090s: medians of the CE rates.
+  EXPECT_EQ(figures("rtx-4090").h2d.bandwidth, Bandwidth(26'200'000'000));
+  EXPECT_EQ(figures("rtx-4090").d2h.bandwidth, Bandwidth(26'800'000'000));
+  // No NVLink on the Ada cards: no collectives, and FSDP over ranks is refused.
+  EXPECT_FALSE(figures("l40s").collectives.intra_node.known());
+  // torch's cuBLAS workspace: 32 MiB on Hopper and Blackwell, :4096:2:16:8 on Ampere and Ada.
+  EXPECT_EQ(figures("b200").blas_workspace, Bytes(32 * kMiB));
+  EXPECT_EQ(figures("l4").blas_workspace, 8 * kMiB + Bytes(128 * 1024));
+}
+
 TEST(DeviceProfiles, TheBlasWorkspaceIsOptionalAndBounded) {
   const auto h100 = load_device_profile(kProfileDir, "h100-sxm-pcie5");
   ASSERT_TRUE(h100.ok());
@@ -341,7 +374,11 @@ TEST(DeviceProfiles, UnknownNameListsTheBundledProfiles) {
   ASSERT_FALSE(profile.ok());
   EXPECT_NE(profile.error().message.find("unknown device profile \"h100\""), std::string::npos)
       << profile.error().message;
-  EXPECT_NE(profile.error().message.find("a100-pcie4, gh200, h100-sxm-pcie5"), std::string::npos)
+  EXPECT_NE(
+      profile.error().message.find(
+          "a100-pcie4, a100-sxm4-40gb, b200, gh200, gh200-quad, h100-pcie-80gb, h100-sxm-96gb, "
+          "h100-sxm-pcie5, h200, l4, l40s, rtx-4090"),
+      std::string::npos)
       << profile.error().message;
 }
 
@@ -611,7 +648,9 @@ std::vector<BadCase> bad_cases() {
       {"unknown profile name",
        with_devices(R"({"name": "gpu0", "profile": "h100"})"),
        {"prog.json: devices[0].profile: unknown device profile \"h100\" (bundled: a100-pcie4, "
-        "gh200, h100-sxm-pcie5"}},
+        "a100-sxm4-40gb, b200, gh200, gh200-quad, h100-pcie-80gb, h100-sxm-96gb, h100-sxm-pcie5, "
+        "h200, l4, "
+        "l40s, rtx-4090)"}},
       {"profile neither name nor object",
        with_devices(R"({"name": "gpu0", "profile": 1})"),
        {"prog.json: devices[0].profile: expected a bundled profile name or a profile object"}},
