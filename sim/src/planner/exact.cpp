@@ -373,6 +373,19 @@ std::optional<Measured> measure_around(Search& search, const Position& reference
     out.classes.push_back(std::move(members));
   }
   problem.options.resize(n);
+  // Every option of every group, run side by side ahead of the loop that reads them.
+  std::vector<Plan> upcoming;
+  for (const auto& members : out.classes) {
+    if (pinned && members == std::vector<std::size_t>{*pinned}) continue;
+    const std::size_t middle = members[members.size() / 2];
+    for (const LayerConfig& config : options_of(search.layers()[middle], offload)) {
+      std::vector<LayerConfig> configs = reference.configs;
+      configs[middle] = config;
+      upcoming.push_back(search.plan_of(configs, knobs));
+    }
+  }
+  search.stage("exact: layer options", static_cast<std::int64_t>(upcoming.size()));
+  search.ahead(upcoming, true);
   for (const auto& members : out.classes) {
     if (pinned && members == std::vector<std::size_t>{*pinned}) {
       problem.options[*pinned] = {LayerOption{reference.configs[*pinned], 0, 0, 0}};
@@ -422,6 +435,7 @@ struct Solved {
 
 // Solves `measured`, has the cost model judge each choice and repairs (Note [Layer options]).
 Solved solve_and_repair(Search& search, Measured measured, int rounds = kRounds) {
+  search.stage("exact: choices");
   const PlanKnobs knobs;
   const Budgets& budgets = search.budgets();
   OptionProblem& problem = measured.problem;
@@ -496,6 +510,13 @@ std::optional<Position> exact_stage(Search& search, const Position& from) {
   });
   if (pins.size() > kPins) pins.resize(kPins);
   const Position around = solved.best ? *solved.best : reference;
+  std::vector<Plan> centers;
+  for (const LayerOption& pin : pins) {
+    std::vector<LayerConfig> configs = around.configs;
+    configs[last] = pin.config;
+    centers.push_back(search.plan_of(configs, PlanKnobs{}));
+  }
+  search.ahead(centers, true);
   for (const LayerOption& pin : pins) {
     Position center = around;
     center.configs[last] = pin.config;
