@@ -386,6 +386,7 @@ std::optional<Measured> measure_around(Search& search, const Position& reference
   }
   search.stage("exact: layer options", static_cast<std::int64_t>(upcoming.size()));
   search.ahead(upcoming, true);
+  std::size_t next_plan = 0;  // upcoming[next_plan] is the plan of the next option measured
   for (const auto& members : out.classes) {
     if (pinned && members == std::vector<std::size_t>{*pinned}) {
       problem.options[*pinned] = {LayerOption{reference.configs[*pinned], 0, 0, 0}};
@@ -395,9 +396,7 @@ std::optional<Measured> measure_around(Search& search, const Position& reference
     std::vector<LayerOption> measured;
     const std::vector<LayerConfig> configs_measured = options_of(search.layers()[middle], offload);
     for (const LayerConfig& config : configs_measured) {
-      std::vector<LayerConfig> configs = reference.configs;
-      configs[middle] = config;
-      const Evaluation e = search.evaluate(search.plan_of(configs, knobs));
+      const Evaluation e = search.evaluate(upcoming[next_plan++]);
       if (!e.ok) continue;
       // The time an option adds besides the link's (what the link model prices).
       const std::int64_t moved = (e.d2h - base.d2h).count();

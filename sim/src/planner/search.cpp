@@ -112,9 +112,9 @@ Step move_class(Search& search, Position& position, const std::vector<std::size_
   const LayerConfig from = position.configs[members.front()];
   const std::size_t top = search.layers()[members.front()].levels.size() - 1;
   const std::vector<LayerConfig> neighbours = neighbours_of(from, top);
-  // The moves in the order they are tried, so that the next ones can run ahead.
+  // The moves in the order they are tried; the plans of the next ones the cost model runs at
+  // once are made ahead of them.
   std::vector<std::vector<LayerConfig>> moves;
-  std::vector<Plan> plans;
   for (const auto& [lo, hi] : parts_of(members.size())) {
     for (const LayerConfig& to : neighbours) {
       std::vector<LayerConfig> next = position.configs;
@@ -123,13 +123,16 @@ Step move_class(Search& search, Position& position, const std::vector<std::size_
         next[l] = LayerConfig{std::min(to.level, search.layers()[l].levels.size() - 1), to.offload,
                               std::min(to.tail, search.layers()[l].tails.size() - 1)};
       }
-      plans.push_back(search.plan_of(next, knobs));
       moves.push_back(std::move(next));
     }
   }
+  std::vector<Plan> plans;  // plans[j] is the plan of moves[j], made up to where needed
+  const std::size_t width = search.cost().width();
   for (std::size_t i = 0; i < moves.size(); ++i) {
     if (search.asked() >= stop) return Step::Spent;
-    search.ahead(std::span<const Plan>(plans).subspan(i), false);
+    const std::size_t end = std::min(moves.size(), i + width);
+    while (plans.size() < end) plans.push_back(search.plan_of(moves[plans.size()], knobs));
+    if (width > 1) search.ahead(std::span<const Plan>(plans).subspan(i), false);
     const Evaluation e = search.evaluate(plans[i]);
     if (!search.fits(e) || e.time >= position.evaluation.time) continue;
     position = Position{std::move(moves[i]), e};
@@ -186,9 +189,13 @@ std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
         best = Position{config(m), e};
       return search.fits(e);
     };
-    const std::vector<Plan> first = {search.plan_of(config(0), knobs),
-                                     search.plan_of(config(most), knobs)};
-    search.ahead(first, false);
+    std::vector<Plan> first = {search.plan_of(config(0), knobs)};
+    if (search.cost().width() > 1) {
+      // Run ahead with the plan of the most layers offloaded, which comes next unless this one
+      // fits or is too slow.
+      first.push_back(search.plan_of(config(most), knobs));
+      search.ahead(first, false);
+    }
     const Evaluation none = search.evaluate(first.front());
     const std::optional<SimTime> fastest = search.best_time();
     if (search.fits(none)) {
