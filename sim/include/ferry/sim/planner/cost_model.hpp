@@ -50,10 +50,11 @@ class CostModel {
   virtual bool admits(const Plan& plan, const Model& model);
   /// The plans the search asks for next, in its order: a cost model may run those it has not
   /// run yet side by side before they are asked (Note [Parallel simulations] in
-  /// planner/workers.hpp). `every`: the search asks for every one of them; else it may stop at
-  /// any, and only as many as run at once are run ahead, from the first not run, and nothing
-  /// when the first has been. What evaluate() answers and what runs() counts do not change: a
-  /// run made ahead counts when it is first asked for. The default runs nothing.
+  /// planner/workers.hpp). `every`: the search asks for every one of them (unless a failure ends
+  /// the stage); else it may stop at any, and only as many as run at once are run ahead, from the
+  /// first not run, and nothing when the first has been. What evaluate() answers and what runs()
+  /// counts do not change: a run made ahead counts when it is first asked for. The default runs
+  /// nothing.
   virtual void ahead(std::span<const Plan> /*upcoming*/, bool /*every*/) {}
   /// How many runs ahead() makes at once (1: it runs none ahead).
   [[nodiscard]] virtual std::size_t width() const { return 1; }
