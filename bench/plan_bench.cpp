@@ -3,12 +3,15 @@
 // layer (its peak reserved). Counters: the plan's step time and the checkpointed one's as
 // ratios to no offload, the gap to the lower bound, and the simulations the search ran. The
 // 70B model is planned on the H100 profile with enough memory for its no-offload peak.
-//   bench_plan [--smoke] [google-benchmark flags]
+//   bench_plan [--smoke] [--jobs=N] [google-benchmark flags]
 // --smoke plans gpt2-small-s1024 instead (a quick check that the benchmark still runs).
 
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -22,6 +25,8 @@
 namespace {
 
 bool g_smoke = false;
+// --jobs N: simulations at once (PlannerOptions::jobs); 0, the default, one per hardware thread.
+std::int32_t g_jobs = 0;
 
 // Plans `model` in each iteration of `state`; the last outcome, or null (the state then says
 // why the benchmark was skipped). Sets the counters every case reports: the plan's gap to the
@@ -31,8 +36,10 @@ std::optional<ferry::sim::PlanOutcome> timed_plan(benchmark::State& state,
                                                   const ferry::DeviceProfile& device,
                                                   const ferry::sim::PlannerOptions& options) {
   ferry::Result<ferry::sim::PlanOutcome> outcome = ferry::Error{"not run"};
+  ferry::sim::PlannerOptions with_jobs = options;
+  with_jobs.jobs = g_jobs;
   for (auto _ : state) {
-    outcome = ferry::sim::make_plan(model, device, options);
+    outcome = ferry::sim::make_plan(model, device, with_jobs);
     benchmark::DoNotOptimize(outcome);
   }
   if (!outcome.ok()) {
@@ -108,5 +115,14 @@ BENCHMARK_CAPTURE(BM_Plan, llama_70b, "llama-70b-s8192")->Iterations(1)->Unit(be
 }  // namespace
 
 int main(int argc, char** argv) {
-  return ferry::bench::run_benchmarks(argc, argv, [] { g_smoke = true; });
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--jobs=", 7) == 0) {
+      g_jobs = static_cast<std::int32_t>(std::strtol(argv[i] + 7, nullptr, 10));
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  return ferry::bench::run_benchmarks(static_cast<int>(args.size()), args.data(),
+                                      [] { g_smoke = true; });
 }

@@ -2,8 +2,11 @@
 // the curve of plans over budgets.
 
 #include <fmt/format.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,6 +21,48 @@
 namespace ferry::cli {
 namespace {
 
+// The planner's progress as one line on a terminal, redrawn at most every tenth of a second
+// and cleared when the command is done: the budget of a sweep, the search's stage, the plans
+// it asked about (of how many, where the stage knows), and the fastest plan that fits so far.
+class ProgressLine {
+ public:
+  ProgressLine() = default;
+  ProgressLine(const ProgressLine&) = delete;
+  ProgressLine& operator=(const ProgressLine&) = delete;
+  ~ProgressLine() { clear(); }
+
+  void budget(std::size_t i, std::size_t n, Bytes budget) {
+    budget_ = fmt::format("budget {}/{} ({}): ", i + 1, n, format_bytes(budget));
+    shown_at_ = {};
+  }
+
+  void step(const sim::PlanProgress& p) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - shown_at_ < std::chrono::milliseconds(100)) return;
+    shown_at_ = now;
+    std::string line = fmt::format("ferry plan: {}{}", budget_, p.stage);
+    if (p.done > 0 || p.total > 0) {
+      line += p.total > 0 ? fmt::format(" {}/{}", p.done, p.total) : fmt::format(" {}", p.done);
+    }
+    if (p.best) line += fmt::format(", best {}", format_time(*p.best));
+    fmt::print(stderr, "\r\033[K{}", line);
+    std::fflush(stderr);
+    shown_ = true;
+  }
+
+  void clear() {
+    if (!shown_) return;
+    fmt::print(stderr, "\r\033[K");
+    std::fflush(stderr);
+    shown_ = false;
+  }
+
+ private:
+  std::string budget_;
+  std::chrono::steady_clock::time_point shown_at_{};
+  bool shown_ = false;
+};
+
 struct PlanArgs {
   TargetFlags target;
   std::string budget;
@@ -29,6 +74,7 @@ struct PlanArgs {
   std::string trainer_config;         // --for: write the trainer's best flags to FILE
   std::optional<std::string> margin;  // none: sim::kDefaultPlanMarginPermille
   bool json = false;
+  bool quiet = false;  // no progress on stderr
   TextFlags text;
   sim::PlanRequest request;  // the numbers, bound to their flags as they are
 };
@@ -79,12 +125,20 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
                   "FILE (what ferry simulate --for reads)")
       ->needs(trainer);
   cmd->add_flag("--json", a_.json, "Print the report as one JSON document");
+  cmd->add_option("--jobs,-j", r.jobs,
+                  "Simulations run at once, 1..1024; default (0): one per hardware thread (the "
+                  "plan is the same for any count)");
+  cmd->add_flag("--quiet,-q", a_.quiet, "No progress on stderr");
   cmd->add_option("--scenarios", a_.target.scenarios, "Folder with devices/ (bundled by default)");
   add_fsdp_options(cmd, r.fsdp, a_.text);
   add_allocator_option(cmd, a_.text);
 }
 
 std::string PlanCommand::misuse() const {
+  if (a_.request.jobs < 0 || a_.request.jobs > 1024) {
+    return fmt::format("--jobs: {} is not in 0..1024 (0: one per hardware thread)",
+                       a_.request.jobs);
+  }
   if (a_.request.sweep > 0 && (!a_.budget.empty() || !a_.out.empty() || a_.margin)) {
     return "--sweep plans its own budgets; it takes no --budget, --margin or --out";
   }
@@ -132,11 +186,6 @@ Result<sim::PlanRequest> PlanCommand::request() const {
   }
   r.memory_snapshot = !a_.memory_snapshot.empty();
   r.plot = !a_.plot.empty();
-  if (r.sweep > 0) {
-    r.progress = [](std::size_t i, std::size_t n, Bytes budget) {
-      fmt::print(stderr, "planning {}/{}: budget {} ...\n", i + 1, n, format_bytes(budget));
-    };
-  }
   return r;
 }
 
@@ -146,7 +195,26 @@ int PlanCommand::run() const {
     return kExitBadInput;
   }
   auto asked = request();
+  // Progress on stderr: on a terminal one line the planner redraws; elsewhere a sweep's line
+  // per budget.
+  ProgressLine line;
+  if (asked && !a_.quiet) {
+    sim::PlanRequest& r = asked.value();
+    if (isatty(fileno(stderr)) != 0) {
+      r.search_progress = [&line](const sim::PlanProgress& p) { line.step(p); };
+      if (r.sweep > 0) {
+        r.progress = [&line](std::size_t i, std::size_t n, Bytes budget) {
+          line.budget(i, n, budget);
+        };
+      }
+    } else if (r.sweep > 0) {
+      r.progress = [](std::size_t i, std::size_t n, Bytes budget) {
+        fmt::print(stderr, "planning {}/{}: budget {} ...\n", i + 1, n, format_bytes(budget));
+      };
+    }
+  }
   auto response = asked ? sim::respond(asked.value()) : Result<sim::Response>(asked.error());
+  line.clear();
   if (!response) {
     fmt::print(stderr, "ferry plan: error: {}\n", response.error().message);
     return kExitBadInput;

@@ -349,9 +349,21 @@ void bind_plans(py::module_& m) {
          const std::string& fsdp_impl, const std::optional<std::string>& allocator,
          const std::optional<std::variant<double, std::string>>& margin,
          sim::PlannerCache* planners, std::int32_t tp, std::int32_t cp, std::int32_t ep,
-         double expert_capacity, const std::optional<std::string>& trainer) {
+         double expert_capacity, const std::optional<std::string>& trainer, std::int32_t jobs,
+         const std::optional<py::function>& progress) {
         sim::PlanRequest request;
         request.planners = planners;
+        request.jobs = jobs;
+        if (progress) {
+          // Called on this thread, which released the GIL for the plan; the function outlives
+          // the request, whose copies hold its address.
+          const py::function* hook = &*progress;
+          request.search_progress = [hook](const sim::PlanProgress& p) {
+            const py::gil_scoped_acquire locked;
+            (*hook)(std::string(p.stage), p.done, p.total,
+                    p.best ? py::object(py::int_(p.best->ns())) : py::none());
+          };
+        }
         request.target = target(model, model_text, device, scenarios);
         // In the order `ferry plan` reads its flags' text.
         request.budget = bytes_of(budget, "--budget");
@@ -377,10 +389,13 @@ void bind_plans(py::module_& m) {
       py::arg("planners") = static_cast<sim::PlannerCache*>(nullptr), py::arg("tp") = d.fsdp.tp,
       py::arg("cp") = d.fsdp.cp, py::arg("ep") = d.fsdp.ep,
       py::arg("expert_capacity") = d.fsdp.expert_capacity, py::arg("trainer") = py::none(),
+      py::arg("jobs") = d.jobs, py::arg("progress") = py::none(),
       "{report, text, plan_text}, or {refused, floor, smallest_budget} when no plan fits; with "
       "planners, a "
       "PlannerCache, a model given as text is planned by the planner it keeps for it; with "
-      "trainer, also trainer_flags (the trainer's best setting as its command-line flags)");
+      "trainer, also trainer_flags (the trainer's best setting as its command-line flags); jobs: "
+      "simulations at once (0: one per hardware thread); progress(stage, done, total, best_ns) "
+      "hears each step of the search");
   py::class_<ReadBytes>(m, "ReadBytes", "A byte count read_bytes read: plan takes it as read")
       .def_property_readonly("bytes", [](const ReadBytes& r) { return r.bytes.count(); })
       .def("__repr__",

@@ -270,3 +270,30 @@ def test_fsdp_misuse_names_the_option():
         ferry.simulate("tiny-gpt", device="gh200", fsdp=4)
     with pytest.raises(TypeError, match="reshard_after_forward"):
         ferry.simulate("tiny-gpt", fsdp=4, reshard_after_forward="sometimes")
+
+
+def test_ferry_jobs_is_read_and_checked(monkeypatch):
+    """FERRY_JOBS sets the planner's simulations at once; unset or 0 is one per hardware
+    thread, and a value that is no count in 0..1024 is refused by name."""
+    from ferry._sim import planner_jobs
+
+    monkeypatch.delenv("FERRY_JOBS", raising=False)
+    assert planner_jobs() == 0
+    monkeypatch.setenv("FERRY_JOBS", " 3 ")
+    assert planner_jobs() == 3
+    for bad in ("two", "-1", "1025"):
+        monkeypatch.setenv("FERRY_JOBS", bad)
+        with pytest.raises(ValueError, match=r"FERRY_JOBS: .* give 1\.\.1024"):
+            planner_jobs()
+
+
+def test_the_progress_line_is_redrawn_and_cleared(capsys):
+    """The planner's progress on a terminal: one line, drawn over itself, then erased."""
+    from ferry._sim import ProgressLine
+
+    line = ProgressLine()
+    line("exact: layer options", 3, 40, 1_500_000)
+    line("too soon", 4, 40, None)  # within a tenth of a second: not drawn
+    line.clear()
+    err = capsys.readouterr().err
+    assert err == "\r\033[Kferry plan: exact: layer options 3/40, best 1.5 ms\r\033[K"

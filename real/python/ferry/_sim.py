@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+import time
 from typing import Any
 
 from . import _simulator
@@ -213,6 +215,10 @@ def plan(
             (where it pads the routed rows, the plan is the faster of those with and without
             the paged stash); and ``allocator`` as ``simulate`` takes it.
 
+    The planner runs ``FERRY_JOBS`` simulations at once (unset or 0: one per hardware
+    thread; the plan is the same for any count), and while stderr is a terminal it shows its
+    progress there on one line, erased when it is done.
+
     Returns:
         The report ``ferry plan --json`` prints; the plan itself is under ``"plan"`` (what
         ``ferry plan --out`` writes), checked: ``ferry.offload(plan=...)`` takes it as it is.
@@ -255,6 +261,7 @@ def run_planner(
         if model.planners is None:
             model.planners = _simulator.PlannerCache()
         planners = model.planners
+    line = ProgressLine() if sys.stderr.isatty() else None
     try:
         made = _simulator.plan(
             name,
@@ -266,12 +273,17 @@ def run_planner(
             steps=steps,
             margin=margin,
             planners=planners,
+            jobs=planner_jobs(),
+            progress=line,
             **fsdp_options(fsdp),
         )
     except ValueError as e:
         error = PlanError(f"ferry plan: {e}")
         error.exit_code, error.floor, error.smallest_budget = EXIT_BAD_INPUT, None, None
         raise error from None
+    finally:
+        if line is not None:
+            line.clear()
     if "refused" in made:
         error = PlanError(f"ferry plan refused: {made['refused']}")
         error.exit_code, error.floor = EXIT_INFEASIBLE, made["floor"]
@@ -279,6 +291,54 @@ def run_planner(
         raise error
     made["report"]["plan"] = CheckedPlan(made["report"]["plan"], made["offload_options"])
     return made
+
+
+def planner_jobs() -> int:
+    """FERRY_JOBS: the simulations the planner runs at once, 1..1024; unset or 0: one per
+    hardware thread. The plan is the same for any count."""
+    text = os.environ.get("FERRY_JOBS", "").strip()
+    if not text:
+        return 0
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = -1
+    if not 0 <= jobs <= 1024:
+        raise ValueError(
+            f"FERRY_JOBS: {text!r} is not a number of simulations at once: give 1..1024, "
+            "or 0 for one per hardware thread"
+        )
+    return jobs
+
+
+class ProgressLine:
+    """The planner's progress as one line on stderr, a terminal (``ferry plan``'s): the
+    search's stage, the plans it asked about (of how many, where it knows) and the fastest
+    plan that fits so far, redrawn at most every tenth of a second; ``clear`` erases it."""
+
+    def __init__(self) -> None:
+        self._shown_at = -1.0
+        self._shown = False
+
+    def __call__(self, stage: str, done: int, total: int, best_ns: int | None) -> None:
+        now = time.monotonic()
+        if self._shown_at >= 0 and now - self._shown_at < 0.1:
+            return
+        self._shown_at = now
+        line = f"ferry plan: {stage}"
+        if done > 0 or total > 0:
+            line += f" {done}/{total}" if total > 0 else f" {done}"
+        if best_ns is not None:
+            line += f", best {best_ns / 1e6:.1f} ms"
+        sys.stderr.write(f"\r\033[K{line}")
+        sys.stderr.flush()
+        self._shown = True
+
+    def clear(self) -> None:
+        if self._shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self._shown = False
 
 
 #: The CLI binary the package ships (copied from the CMake build at install).

@@ -494,6 +494,9 @@ Result<AskedPlan> planner_options(const PlanRequest& r) {
     return margin.error();
   }
   options.keep_run = r.memory_snapshot;
+  if (auto jobs = in_bounds("--jobs", r.jobs, 0, 1024); !jobs) return jobs.error();
+  options.jobs = r.jobs;
+  options.progress = r.search_progress;
   return AskedPlan{std::move(options), fsdp.value()};
 }
 

@@ -373,6 +373,20 @@ std::optional<Measured> measure_around(Search& search, const Position& reference
     out.classes.push_back(std::move(members));
   }
   problem.options.resize(n);
+  // Every option of every group, run side by side ahead of the loop that reads them.
+  std::vector<Plan> upcoming;
+  for (const auto& members : out.classes) {
+    if (pinned && members == std::vector<std::size_t>{*pinned}) continue;
+    const std::size_t middle = members[members.size() / 2];
+    for (const LayerConfig& config : options_of(search.layers()[middle], offload)) {
+      std::vector<LayerConfig> configs = reference.configs;
+      configs[middle] = config;
+      upcoming.push_back(search.plan_of(configs, knobs));
+    }
+  }
+  search.stage("exact: layer options", static_cast<std::int64_t>(upcoming.size()));
+  search.ahead(upcoming, true);
+  std::size_t next_plan = 0;  // upcoming[next_plan] is the plan of the next option measured
   for (const auto& members : out.classes) {
     if (pinned && members == std::vector<std::size_t>{*pinned}) {
       problem.options[*pinned] = {LayerOption{reference.configs[*pinned], 0, 0, 0}};
@@ -382,9 +396,7 @@ std::optional<Measured> measure_around(Search& search, const Position& reference
     std::vector<LayerOption> measured;
     const std::vector<LayerConfig> configs_measured = options_of(search.layers()[middle], offload);
     for (const LayerConfig& config : configs_measured) {
-      std::vector<LayerConfig> configs = reference.configs;
-      configs[middle] = config;
-      const Evaluation e = search.evaluate(search.plan_of(configs, knobs));
+      const Evaluation e = search.evaluate(upcoming[next_plan++]);
       if (!e.ok) continue;
       // The time an option adds besides the link's (what the link model prices).
       const std::int64_t moved = (e.d2h - base.d2h).count();
@@ -422,6 +434,7 @@ struct Solved {
 
 // Solves `measured`, has the cost model judge each choice and repairs (Note [Layer options]).
 Solved solve_and_repair(Search& search, Measured measured, int rounds = kRounds) {
+  search.stage("exact: choices");
   const PlanKnobs knobs;
   const Budgets& budgets = search.budgets();
   OptionProblem& problem = measured.problem;
@@ -496,6 +509,13 @@ std::optional<Position> exact_stage(Search& search, const Position& from) {
   });
   if (pins.size() > kPins) pins.resize(kPins);
   const Position around = solved.best ? *solved.best : reference;
+  std::vector<Plan> centers;
+  for (const LayerOption& pin : pins) {
+    std::vector<LayerConfig> configs = around.configs;
+    configs[last] = pin.config;
+    centers.push_back(search.plan_of(configs, PlanKnobs{}));
+  }
+  search.ahead(centers, true);
   for (const LayerOption& pin : pins) {
     Position center = around;
     center.configs[last] = pin.config;

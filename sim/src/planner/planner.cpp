@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -15,6 +16,7 @@
 #include "ferry/sim/runs/configurations.hpp"
 #include "ferry/sim/runs/metrics.hpp"
 #include "tensors.hpp"
+#include "workers.hpp"
 
 namespace ferry::sim {
 
@@ -37,33 +39,53 @@ class SimulatedCost final : public CostModel {
     base_.paged_stash.on = paged_stash;
   }
 
-  /// The unchecked run of `plan` on the roomy device (once per distinct plan).
+  /// The unchecked run of `plan` on the roomy device (once per run key: run_key_of).
   Evaluation evaluate(const Plan& plan) override {
-    std::string key = key_of(plan);
+    std::string key = run_key_of(plan);
     if (auto it = evaluations_.find(key); it != evaluations_.end()) {
       ++reused_;
       return it->second;
     }
     ++simulations_;
-    TrainingOptions options = base_;
-    lowering(plan, key).apply(options);
-    auto run = simulate_training(model_, roomy_, options);
     Evaluation e;
-    if (run.ok() && !run.value().failure && !run.value().steps.empty()) {
-      const TrainingRun& r = run.value();
-      e.ok = true;
-      e.time = r.steps.back().end - r.steps.back().start;
-      e.reserved = r.sim.device_allocator(r.device).stats().reserved_peak;
-      e.pinned = r.sim.pinned_allocator().stats().reserved_peak;
-      TimelineMetrics metrics(r.compute);
-      r.sim.replay(metrics);
-      const StepTimes& last = r.steps.back();
-      e.stall = metrics.stall(last.start, last.end);
-      e.d2h = metrics.copied(CopyDirection::DeviceToHost, last.start, last.end);
+    if (auto it = ahead_.find(key); it != ahead_.end()) {
+      e = it->second;
+      ahead_.erase(it);
+    } else {
+      e = run_unchecked(lowering(plan, key_of(plan)));
     }
     evaluations_.emplace(std::move(key), e);
     return e;
   }
+
+  /// Runs the plans of `upcoming` not run yet on the workers (CostModel::ahead); a plan that
+  /// does not lower is left to evaluate(), which says so.
+  void ahead(std::span<const Plan> upcoming, bool every) override {
+    if (workers_ <= 1) return;
+    std::vector<std::pair<std::string, const Lowering*>> todo;
+    for (std::size_t i = 0; i < upcoming.size() && (every || todo.size() < workers_); ++i) {
+      std::string key = run_key_of(upcoming[i]);
+      const bool known = evaluations_.contains(key) || ahead_.contains(key);
+      if (known && i == 0 && !every) return;
+      if (known ||
+          std::any_of(todo.begin(), todo.end(), [&](const auto& t) { return t.first == key; })) {
+        continue;
+      }
+      const Lowering& l = lowering(upcoming[i], key_of(upcoming[i]));
+      if (l.ok()) todo.emplace_back(std::move(key), &l);
+    }
+    // One run gains nothing from running ahead: evaluate() makes it when it is asked for.
+    if (todo.size() < 2) return;
+    std::vector<Evaluation> out(todo.size());
+    for_each_parallel(todo.size(), workers_,
+                      [&](std::size_t i) { out[i] = run_unchecked(*todo[i].second); });
+    for (std::size_t i = 0; i < todo.size(); ++i) ahead_.emplace(std::move(todo[i].first), out[i]);
+  }
+
+  /// How many runs go on at once (workers_for).
+  void set_workers(std::size_t workers) { workers_ = std::max<std::size_t>(1, workers); }
+  [[nodiscard]] std::size_t workers() const { return workers_; }
+  [[nodiscard]] std::size_t width() const override { return workers_; }
 
   /// Whether `plan` lowers to training options (plan_training_options), lowered once per
   /// distinct plan: its runs take that lowering rather than lowering the plan again.
@@ -75,7 +97,9 @@ class SimulatedCost final : public CostModel {
   [[nodiscard]] std::int64_t reused() const { return reused_; }
 
   /// Keeps what a run made elsewhere measured as `plan`'s evaluation (unless it has one).
-  void remember(const Plan& plan, const Evaluation& e) { evaluations_.emplace(key_of(plan), e); }
+  void remember(const Plan& plan, const Evaluation& e) {
+    evaluations_.emplace(run_key_of(plan), e);
+  }
 
   /// Whether the checked runs made from now on record their allocators' actions, and those
   /// that pass are kept (PlannerOptions::keep_run).
@@ -176,6 +200,28 @@ class SimulatedCost final : public CostModel {
     }
   };
 
+  // The unchecked run of a lowered plan on the roomy device: reads only what the runs share,
+  // so runs go side by side (Note [Parallel simulations] in workers.hpp).
+  [[nodiscard]] Evaluation run_unchecked(const Lowering& lowered) const {
+    TrainingOptions options = base_;
+    lowered.apply(options);
+    auto run = simulate_training(model_, roomy_, options);
+    Evaluation e;
+    if (run.ok() && !run.value().failure && !run.value().steps.empty()) {
+      const TrainingRun& r = run.value();
+      e.ok = true;
+      e.time = r.steps.back().end - r.steps.back().start;
+      e.reserved = r.sim.device_allocator(r.device).stats().reserved_peak;
+      e.pinned = r.sim.pinned_allocator().stats().reserved_peak;
+      TimelineMetrics metrics(r.compute);
+      r.sim.replay(metrics);
+      const StepTimes& last = r.steps.back();
+      e.stall = metrics.stall(last.start, last.end);
+      e.d2h = metrics.copied(CopyDirection::DeviceToHost, last.start, last.end);
+    }
+    return e;
+  }
+
   // `plan`'s lowering (its key is `key`), lowered the first time it is asked for.
   const Lowering& lowering(const Plan& plan, const std::string& key) {
     if (auto it = lowerings_.find(key); it != lowerings_.end()) return it->second;
@@ -196,10 +242,12 @@ class SimulatedCost final : public CostModel {
   TrainingOptions base_;  // of the unchecked runs
   std::int32_t steps_;
   std::map<std::string, Evaluation> evaluations_;
+  std::map<std::string, Evaluation> ahead_;   // run ahead (ahead()), not asked for yet
   std::map<std::string, RowResult> checked_;  // key and device memory -> the checked run
   std::map<std::string, std::shared_ptr<const TrainingRun>> kept_;  // the runs keep_runs kept
   std::map<std::string, Lowering> lowerings_;  // key -> what the plan lowered to
   bool keep_runs_ = false;
+  std::size_t workers_ = 1;
   std::int64_t simulations_ = 0;
   std::int64_t reused_ = 0;
 };
@@ -238,31 +286,43 @@ struct PlannerState {
   /// Measures the rows of `ferry compare`, and takes those a plan can express as seeds.
   void ensure_fixed() {
     if (rows) return;
-    rows.emplace();
     TrainingOptions base = timing_only(steps);
     base.fsdp = fsdp;
     base.sim.allocator = allocator;
     base.paged_stash.on = paged_stash;
     const std::vector<PolicyRow> policy_rows = default_rows(base, *model, device);
-    for (const PolicyRow& row : policy_rows) rows->push_back(run_row(model, device, row));
+    std::vector<RowResult> measured(policy_rows.size());
+    for_each_parallel(policy_rows.size(), cost.workers(),
+                      [&](std::size_t i) { measured[i] = run_row(model, device, policy_rows[i]); });
+    rows = std::move(measured);
+    std::vector<Seed> made;
     for (std::size_t i = 0; i < policy_rows.size(); ++i) {
       std::optional<Seed> seed = seed_of(space, policy_rows[i].options, cost);
       if (!seed) continue;
       seed->row = i;
-      const RowResult& r = (*rows)[i];
+      made.push_back(std::move(*seed));
+    }
+    // The seeds whose rows did not fit are measured on the roomy device.
+    std::vector<Plan> unfit;
+    for (const Seed& seed : made) {
+      if (!(*rows)[seed.row].fits) unfit.push_back(seed.plan);
+    }
+    cost.ahead(unfit, true);
+    for (Seed& seed : made) {
+      const RowResult& r = (*rows)[seed.row];
       if (r.fits) {
         // The row is this plan's run: keep it as the plan's evaluation.
-        seed->evaluation = Evaluation{!r.failure,
-                                      r.step_time,
-                                      r.peak_reserved,
-                                      r.pinned_peak,
-                                      r.forward_stall + r.backward_stall,
-                                      r.d2h};
-        cost.remember(seed->plan, seed->evaluation);
+        seed.evaluation = Evaluation{!r.failure,
+                                     r.step_time,
+                                     r.peak_reserved,
+                                     r.pinned_peak,
+                                     r.forward_stall + r.backward_stall,
+                                     r.d2h};
+        cost.remember(seed.plan, seed.evaluation);
       } else {
-        seed->evaluation = cost.evaluate(seed->plan);
+        seed.evaluation = cost.evaluate(seed.plan);
       }
-      seeds.push_back(std::move(*seed));
+      seeds.push_back(std::move(seed));
     }
   }
 };
@@ -466,10 +526,14 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   options.budget = budget_less_margin(asked, options.margin_permille);
   const std::int64_t simulations_before = p.cost.runs();
   const std::int64_t reused_before = p.cost.reused();
+  p.cost.set_workers(planning::workers_for(options.jobs));
+  if (options.progress && !p.rows) options.progress(PlanProgress{"fixed configurations"});
   p.ensure_fixed();
   p.cost.keep_runs(options.keep_run);
   planning::Search search(p.cost, p.space, planning::Budgets{options.budget, options.host_budget});
+  search.observe(options.progress);
   planning::run_search(search, p.seeds, p.knobs);
+  search.stage("checked runs");
   const Bytes memory = std::min(p.device.memory, options.budget);
   const std::vector<const planning::Candidate*> ranked = search.ranked();
   const Pick pick =

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <iterator>
 #include <limits>
+#include <span>
 #include <utility>
 
 #include "ferry/sim/planner/exact.hpp"
@@ -111,20 +112,31 @@ Step move_class(Search& search, Position& position, const std::vector<std::size_
   const LayerConfig from = position.configs[members.front()];
   const std::size_t top = search.layers()[members.front()].levels.size() - 1;
   const std::vector<LayerConfig> neighbours = neighbours_of(from, top);
+  // The moves in the order they are tried; the plans of the next ones the cost model runs at
+  // once are made ahead of them.
+  std::vector<std::vector<LayerConfig>> moves;
   for (const auto& [lo, hi] : parts_of(members.size())) {
     for (const LayerConfig& to : neighbours) {
-      if (search.asked() >= stop) return Step::Spent;
       std::vector<LayerConfig> next = position.configs;
       for (std::size_t m = lo; m < hi; ++m) {
         const std::size_t l = members[m];
         next[l] = LayerConfig{std::min(to.level, search.layers()[l].levels.size() - 1), to.offload,
                               std::min(to.tail, search.layers()[l].tails.size() - 1)};
       }
-      const Evaluation e = search.evaluate(search.plan_of(next, knobs));
-      if (!search.fits(e) || e.time >= position.evaluation.time) continue;
-      position = Position{std::move(next), e};
-      return Step::Improved;
+      moves.push_back(std::move(next));
     }
+  }
+  std::vector<Plan> plans;  // plans[j] is the plan of moves[j], made up to where needed
+  const std::size_t width = search.cost().width();
+  for (std::size_t i = 0; i < moves.size(); ++i) {
+    if (search.asked() >= stop) return Step::Spent;
+    const std::size_t end = std::min(moves.size(), i + width);
+    while (plans.size() < end) plans.push_back(search.plan_of(moves[plans.size()], knobs));
+    if (width > 1) search.ahead(std::span<const Plan>(plans).subspan(i), false);
+    const Evaluation e = search.evaluate(plans[i]);
+    if (!search.fits(e) || e.time >= position.evaluation.time) continue;
+    position = Position{std::move(moves[i]), e};
+    return Step::Improved;
   }
   return Step::Nothing;
 }
@@ -177,7 +189,14 @@ std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
         best = Position{config(m), e};
       return search.fits(e);
     };
-    const Evaluation none = search.evaluate(search.plan_of(config(0), knobs));
+    std::vector<Plan> first = {search.plan_of(config(0), knobs)};
+    if (search.cost().width() > 1) {
+      // Run ahead with the plan of the most layers offloaded, which comes next unless this one
+      // fits or is too slow.
+      first.push_back(search.plan_of(config(most), knobs));
+      search.ahead(first, false);
+    }
+    const Evaluation none = search.evaluate(first.front());
     const std::optional<SimTime> fastest = search.best_time();
     if (search.fits(none)) {
       if (!best || none.time < best->evaluation.time) best = Position{config(0), none};
@@ -305,7 +324,10 @@ Position greedy_descent(Search& search) {
   while (current.evaluation.ok && !search.fits(current.evaluation)) {
     std::vector<Move> moves = propose_moves(search, current, history);
     if (moves.empty()) break;
-    for (Move& m : moves) m.evaluation = search.evaluate(search.plan_of(m.configs, knobs));
+    std::vector<Plan> plans;
+    for (const Move& m : moves) plans.push_back(search.plan_of(m.configs, knobs));
+    search.ahead(plans, true);
+    for (std::size_t i = 0; i < moves.size(); ++i) moves[i].evaluation = search.evaluate(plans[i]);
     const Move* best = cheapest_move(search, current, moves);
     if (best == nullptr) break;
     for (const Move& m : moves) {
@@ -396,9 +418,9 @@ void keep_single_ops(Search& search) {
     order.insert(order.end(), ops.begin(), ops.end());
   }
   // `ops` kept (those still recomputed), when that is admitted: its evaluation, or none.
-  const auto keep = [&](std::initializer_list<std::uint32_t> ops,
-                        Plan& next) -> std::optional<Evaluation> {
-    next = plan;
+  // The plan with `ops` kept (those still recomputed), when that is admitted.
+  const auto kept = [&](std::initializer_list<std::uint32_t> ops) -> std::optional<Plan> {
+    Plan next = plan;
     for (const std::uint32_t i : ops) {
       if (plan.ops[i].saved != SavedDecision::Recompute) return std::nullopt;
       next.ops[i].saved = SavedDecision::Keep;
@@ -414,7 +436,24 @@ void keep_single_ops(Search& search) {
                           [](const PlanOp& op) { return op.saved == SavedDecision::Recompute; });
     });
     if (!search.cost().admits(next, model)) return std::nullopt;
+    return next;
+  };
+  // `ops` kept, when that is admitted: its evaluation, or none.
+  const auto keep = [&](std::initializer_list<std::uint32_t> ops,
+                        Plan& next) -> std::optional<Evaluation> {
+    std::optional<Plan> made = kept(ops);
+    if (!made) return std::nullopt;
+    next = std::move(*made);
     return search.evaluate(next);
+  };
+  // The keeps of the ops of `ops` from `from` on that the cost model can run at once, each
+  // alone, told to it as the next plans (the search may take one and stop using the rest).
+  const auto run_ahead = [&](const std::vector<std::uint32_t>& ops, std::size_t from) {
+    std::vector<Plan> upcoming;
+    for (std::size_t k = from; k < ops.size() && upcoming.size() < search.cost().width(); ++k) {
+      if (std::optional<Plan> made = kept({ops[k]})) upcoming.push_back(std::move(*made));
+    }
+    search.ahead(upcoming, false);
   };
   const auto take = [&](Plan& next, const Evaluation& e) {
     if (search.fits(e) && e.time < time) {
@@ -425,10 +464,11 @@ void keep_single_ops(Search& search) {
     return false;
   };
   const std::int64_t stop = search.asked() + kOpRuns;
-  for (const std::uint32_t i : order) {
+  for (std::size_t k = 0; k < order.size(); ++k) {
     if (search.asked() >= stop) break;
+    if (search.cost().width() > 1) run_ahead(order, k);
     Plan next;
-    if (const std::optional<Evaluation> e = keep({i}, next)) (void)take(next, *e);
+    if (const std::optional<Evaluation> e = keep({order[k]}, next)) (void)take(next, *e);
   }
   // A shallow stack: from each of the kShallowStarts fastest candidates that differ in what
   // they save, every layer's ops, the longest first, and an op whose keep is faster but over
@@ -450,6 +490,7 @@ void keep_single_ops(Search& search) {
         recomputed_longest_first(plan.regions.begin(), plan.regions.end());
     const std::int64_t shallow_stop = search.asked() + kShallowOpRuns;
     for (std::size_t k = 0; k < all.size() && search.asked() < shallow_stop; ++k) {
+      if (search.cost().width() > 1) run_ahead(all, k);
       Plan next;
       const std::optional<Evaluation> e = keep({all[k]}, next);
       if (!e || take(next, *e) || search.fits(*e) || e->time >= time) continue;
@@ -462,6 +503,15 @@ void keep_single_ops(Search& search) {
       }
     }
   }
+}
+
+// `configs` under each of `knobs`, evaluated.
+void evaluate_all(Search& search, const std::vector<LayerConfig>& configs,
+                  const std::vector<PlanKnobs>& knobs) {
+  std::vector<Plan> plans;
+  for (const PlanKnobs& k : knobs) plans.push_back(search.plan_of(configs, k));
+  search.ahead(plans, true);
+  for (const Plan& plan : plans) (void)search.evaluate(plan);
 }
 
 }  // namespace
@@ -488,7 +538,20 @@ Evaluation Search::evaluate(const Plan& plan) {
   asked_.insert(key);
   const Evaluation e = cost_->evaluate(plan);
   note(plan, e, std::move(key));
+  ++stage_evaluated_;
+  report();
   return e;
+}
+
+void Search::stage(std::string_view name, std::int64_t total) {
+  stage_ = name;
+  stage_total_ = total;
+  stage_evaluated_ = 0;
+  report();
+}
+
+void Search::report() const {
+  if (progress_) progress_(PlanProgress{stage_, stage_evaluated_, stage_total_, best_time()});
 }
 
 void Search::note(const Plan& plan, const Evaluation& e) {
@@ -537,6 +600,7 @@ std::optional<SimTime> Search::best_time() const {
 void run_search(Search& search, const std::vector<Seed>& seeds,
                 const std::vector<PlanKnobs>& knobs) {
   // Seed.
+  search.stage("seeds");
   for (const Seed& seed : seeds) {
     Plan plan = seed.plan;
     plan.host_budget = search.budgets().host;
@@ -545,29 +609,39 @@ void run_search(Search& search, const std::vector<Seed>& seeds,
   }
   // Descend, then refine.
   const PlanKnobs defaults;
+  search.stage("descent");
   Position position = greedy_descent(search);
+  search.stage("local search");
   if (search.fits(position.evaluation)) local_search(search, position, defaults, kLocalRuns);
+  search.stage("uniform plans");
   if (auto uniform = best_uniform(search, defaults)) {
+    search.stage("local search");
     improve_from(search, std::move(*uniform), position);
   }
   const Seed* fastest = fastest_seed(search, seeds);
   if (fastest != nullptr && fastest->plan.knobs == defaults) {
+    search.stage("local search");
     improve_from(search, Position{*fastest->configs, fastest->evaluation}, position);
   }
   // The knob variants on the plan found (or, when none fits, on the smallest it reached: a
   // narrower window or no prefetch can lower the peak further).
-  for (const PlanKnobs& k : knobs) (void)search.evaluate(search.plan_of(position.configs, k));
+  search.stage("knob variants", static_cast<std::int64_t>(knobs.size()));
+  evaluate_all(search, position.configs, knobs);
   // Exact: the choice of layer options solved under the option model (Note [Layer options] in
   // exact.cpp), refined by the local search; its knob variants when it became the fastest.
   // Everything above stays a candidate, so this only adds faster plans.
+  search.stage("exact");
   if (std::optional<Position> exact = exact_stage(search, position)) {
     Position refined = position;
+    search.stage("local search");
     improve_from(search, std::move(*exact), refined);
     if (refined.configs != position.configs && search.fits(refined.evaluation) &&
         search.best_time() == refined.evaluation.time) {
-      for (const PlanKnobs& k : knobs) (void)search.evaluate(search.plan_of(refined.configs, k));
+      search.stage("knob variants", static_cast<std::int64_t>(knobs.size()));
+      evaluate_all(search, refined.configs, knobs);
     }
   }
+  search.stage("single ops");
   keep_single_ops(search);
 }
 

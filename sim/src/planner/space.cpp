@@ -181,7 +181,10 @@ std::vector<Layer> find_layers(const Model& model) {
   return layers;
 }
 
-std::string key_of(const Plan& plan) {
+namespace {
+
+// The ops' decisions and the regions of `plan`, as key_of writes them.
+std::string decisions_key(const Plan& plan) {
   std::string key;
   key.reserve(plan.ops.size() + 16 * plan.regions.size() + 64);
   for (const PlanOp& op : plan.ops)
@@ -189,12 +192,32 @@ std::string key_of(const Plan& plan) {
   for (const PlanRegion& r : plan.regions) {
     key += fmt::format("|{},{},{}", r.first_op, r.end_op, static_cast<int>(r.inputs));
   }
+  return key;
+}
+
+}  // namespace
+
+std::string key_of(const Plan& plan) {
+  std::string key = decisions_key(plan);
   const PlanKnobs& k = plan.knobs;
   key += fmt::format("|{},{},{},{},{}", k.min_bytes.count(), k.window_bytes.count(),
                      k.prefetch_bytes.count(), k.prefetch ? 1 : 0,
                      k.horizon_bytes ? k.horizon_bytes->count() : -1);
   key += fmt::format("|{}", plan.host_budget ? plan.host_budget->count() : -1);
   return key;
+}
+
+// Note [Runs of plans that offload nothing]
+// A plan that offloads nothing lowers to Policy::None (plan_offload_options), and under it the
+// offloader keeps every saved tensor by rule (Tracker::stays) before any knob is read: no
+// window, prefetch, minimum size or horizon decides anything, no copy stream is made, and the
+// pinned pool, capped by the plan's pinned budget, is never drawn from. So such a plan's run
+// is the same whatever its knobs and pinned budget, and the planner's cost model runs it once
+// for all of them (a knob variant of a plan that offloads nothing, the seed of `ferry
+// compare`'s "none" row and the search's plan of everything kept). The search still counts
+// and keeps its plans by key_of.
+std::string run_key_of(const Plan& plan) {
+  return plan_offloads(plan) ? key_of(plan) : decisions_key(plan) + "|none";
 }
 
 PlanSpace::PlanSpace(const Model& model, const DeviceProfile& device)

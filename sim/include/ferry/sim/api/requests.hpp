@@ -169,6 +169,10 @@ struct PlanRequest {
   bool plot = false;                            ///< draw the sweep (Response::plot)
   /// A sweep calls it before each budget with (index, count, budget); may be empty.
   std::function<void(std::size_t, std::size_t, Bytes)> progress;
+  /// Hears each step of every plan's search (PlannerOptions::progress); may be empty.
+  PlanProgressFn search_progress{};
+  /// Simulations run at once (PlannerOptions::jobs): 0, one per hardware thread, or 1..1024.
+  std::int32_t jobs = 0;
   /// `--for T`: also the fastest setting of the trainer's own space that fits, beside the plan
   /// (docs/plan.md, "A trainer's own settings"); not with a sweep.
   std::optional<Trainer> trainer;

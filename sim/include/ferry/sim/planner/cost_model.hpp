@@ -1,7 +1,9 @@
 #pragma once
 /// What the planner's search asks of a plan: its cost (Note [The cost model]).
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "ferry/plan/plan.hpp"
 #include "ferry/sim/workload/model.hpp"
@@ -46,6 +48,16 @@ class CostModel {
   /// the search's (plan_training_options). The simulator's cost model, whose model that is,
   /// keeps the lowering for the plan's runs; the default lowers and forgets.
   virtual bool admits(const Plan& plan, const Model& model);
+  /// The plans the search asks for next, in its order: a cost model may run those it has not
+  /// run yet side by side before they are asked (Note [Parallel simulations] in
+  /// planner/workers.hpp). `every`: the search asks for every one of them (unless a failure ends
+  /// the stage); else it may stop at any, and only as many as run at once are run ahead, from the
+  /// first not run, and nothing when the first has been. What evaluate() answers and what runs()
+  /// counts do not change: a run made ahead counts when it is first asked for. The default runs
+  /// nothing.
+  virtual void ahead(std::span<const Plan> /*upcoming*/, bool /*every*/) {}
+  /// How many runs ahead() makes at once (1: it runs none ahead).
+  [[nodiscard]] virtual std::size_t width() const { return 1; }
   /// The evaluations made so far that ran something (not those answered from what an earlier
   /// one ran): the effort the search's bounded stages count.
   [[nodiscard]] virtual std::int64_t runs() const = 0;

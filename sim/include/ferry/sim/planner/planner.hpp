@@ -12,6 +12,7 @@
 
 #include "ferry/plan/plan.hpp"
 #include "ferry/sim/planner/lower.hpp"
+#include "ferry/sim/planner/progress.hpp"
 #include "ferry/sim/runs/measure.hpp"
 
 namespace ferry::sim {
@@ -78,6 +79,12 @@ struct PlannerOptions {
   /// paged_stash). `ferry plan` plans with and without it where the model has static-capacity
   /// buffers, and keeps the faster (plan_faster_space, planner/variants.hpp).
   bool paged_stash = false;
+  /// Simulations run at once, on worker threads (Note [Parallel simulations] in
+  /// planner/workers.hpp); 0: one per hardware thread. The plan and every report are the same
+  /// for any count.
+  std::int32_t jobs = 0;
+  /// Hears each step of the search (a progress line); may be empty.
+  PlanProgressFn progress{};
 };
 
 /// A plan and what its checked simulation measured.

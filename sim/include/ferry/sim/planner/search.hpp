@@ -7,10 +7,13 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferry/sim/planner/cost_model.hpp"
+#include "ferry/sim/planner/progress.hpp"
 #include "ferry/sim/planner/seeds.hpp"
 #include "ferry/sim/planner/space.hpp"
 
@@ -59,6 +62,14 @@ class Search {
                              bool offload_outside = false) const;
   /// What `plan` costs, taken as a candidate when it fits (see note).
   Evaluation evaluate(const Plan& plan);
+  /// The plans the search evaluates next, in order (CostModel::ahead): `every` when it
+  /// evaluates each of them, else it may stop at any.
+  void ahead(std::span<const Plan> upcoming, bool every) { cost_->ahead(upcoming, every); }
+  /// Reports each evaluation to `progress` (may be empty), as part of the stage named last.
+  void observe(PlanProgressFn progress) { progress_ = std::move(progress); }
+  /// Starts the stage `name` (a string that outlives the search), which asks about `total`
+  /// plans where it knows (0: it does not), and reports it.
+  void stage(std::string_view name, std::int64_t total = 0);
   /// Takes a measured plan: a candidate when it fits; its peak lowers the floor when its
   /// pinned memory is within the host budget (a plan over the host budget reached nothing a
   /// refusal may point to).
@@ -86,6 +97,11 @@ class Search {
   // note() with the plan's key (key_of) already made.
   void note(const Plan& plan, const Evaluation& e, std::string key);
   Bytes floor_;
+  PlanProgressFn progress_;
+  std::string_view stage_;
+  std::int64_t stage_total_ = 0;
+  std::int64_t stage_evaluated_ = 0;  // evaluate() calls in the stage
+  void report() const;
 };
 
 /// Runs the search's stages on `search` (Note [Planner search] in search.cpp): the seeds (with

@@ -47,6 +47,11 @@ struct LayerConfig {
 /// The plan's decisions as a string: two plans with the same key simulate alike.
 [[nodiscard]] std::string key_of(const Plan& plan);
 
+/// What the simulation of `plan` depends on, as a string (Note [Runs of plans that offload
+/// nothing] in space.cpp): key_of, without the knobs and the pinned budget when the plan
+/// offloads nothing. Plans with the same run key simulate alike.
+[[nodiscard]] std::string run_key_of(const Plan& plan);
+
 /// A model's layers and the plans of per-layer configurations. `model` must outlive it.
 class PlanSpace {
  public:
