@@ -129,7 +129,7 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
     plain.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
   TrainingOptions sharded = plain;
-  auto parallelism = check_parallelism(Parallelism{.ranks = setup.ranks,
+  auto parallelism = Mesh::make(Parallelism{.ranks = setup.ranks,
                                                    .replicas = setup.replicas,
                                                    .reshard_after_forward = setup.reshard,
                                                    .impl = setup.impl,
@@ -224,7 +224,7 @@ void node_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   if (setup.segments >= 2) {
     options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
-  auto parallelism = check_parallelism(Parallelism{.ranks = std::max(setup.ranks, 8),
+  auto parallelism = Mesh::make(Parallelism{.ranks = std::max(setup.ranks, 8),
                                                    .replicas = setup.replicas,
                                                    .reshard_after_forward = setup.reshard},
                                        device);

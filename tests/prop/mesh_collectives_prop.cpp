@@ -142,7 +142,7 @@ void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& 
     options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
   if (setup.fsdp) {
-    auto parallelism = check_parallelism(Parallelism{.ranks = 2}, device);
+    auto parallelism = Mesh::make(Parallelism{.ranks = 2}, device);
     if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
     options.fsdp.parallelism = parallelism.value();
   }

@@ -34,10 +34,10 @@ DeviceProfile fsdp_profile() {
 }
 
 // `p` checked against the FSDP profile, where it must hold.
-CheckedParallelism on_fsdp_profile(const Parallelism& p) {
-  auto checked = check_parallelism(p, fsdp_profile());
+Mesh on_fsdp_profile(const Parallelism& p) {
+  auto checked = Mesh::make(p, fsdp_profile());
   EXPECT_TRUE(checked.ok()) << checked.error().message;
-  return checked.ok() ? checked.value() : CheckedParallelism{};
+  return checked.ok() ? checked.value() : Mesh{};
 }
 
 TrainingOptions fsdp_options(std::int32_t ranks, Policy policy = Policy::None,
@@ -141,22 +141,22 @@ TEST(Fsdp, CollectivesOverlapCompute) {
 
 TEST(Fsdp, BadOptionsAreRefusedWithTheFieldNamed) {
   // A parallelism is checked once, against the device, before any run can take it.
-  auto run = check_parallelism(Parallelism{.ranks = 4, .replicas = 3}, fsdp_profile());
+  auto run = Mesh::make(Parallelism{.ranks = 4, .replicas = 3}, fsdp_profile());
   ASSERT_FALSE(run.ok());
   EXPECT_EQ(run.error().message, "replicas: 3 replica groups do not divide 4 ranks");
-  auto bare = check_parallelism(Parallelism{.ranks = 4}, testing::simple_profile());
+  auto bare = Mesh::make(Parallelism{.ranks = 4}, testing::simple_profile());
   ASSERT_FALSE(bare.ok());
   EXPECT_NE(bare.error().message.find("collectives"), std::string::npos);
-  auto crowded = check_parallelism(Parallelism{.ranks = 16, .nodes = 1}, fsdp_profile());
+  auto crowded = Mesh::make(Parallelism{.ranks = 16, .nodes = 1}, fsdp_profile());
   ASSERT_FALSE(crowded.ok());
   EXPECT_EQ(crowded.error().message.rfind("nodes: 16 ranks over 1 nodes", 0), 0U);
-  auto uneven = check_parallelism(Parallelism{.ranks = 4, .reshard_after_forward = Reshard::K(3)},
-                                  fsdp_profile());
+  auto uneven =
+      Mesh::make(Parallelism{.ranks = 4, .reshard_after_forward = Reshard::K(3)}, fsdp_profile());
   ASSERT_FALSE(uneven.ok());
   EXPECT_EQ(uneven.error().message.rfind("reshard_after_forward: 3 must be", 0), 0U);
   // The default is one GPU, on any device.
-  EXPECT_FALSE(CheckedParallelism{}.on());
-  EXPECT_TRUE(check_parallelism(Parallelism{}, testing::simple_profile()).ok());
+  EXPECT_FALSE(Mesh{}.on());
+  EXPECT_TRUE(Mesh::make(Parallelism{}, testing::simple_profile()).ok());
 }
 
 bool reported_on(const TrainingRun& run, const std::string& stream) {
@@ -284,8 +284,8 @@ TEST(Fsdp, EachGroupsCollectivesTakeTheLinkItsRanksLieOn) {
   const auto hsdp = [&](std::int32_t ranks, std::int32_t nodes, std::int32_t replicas,
                         const DeviceProfile& device) {
     TrainingOptions o = testing::two_steps(Policy::None);
-    auto checked = check_parallelism(
-        Parallelism{.ranks = ranks, .nodes = nodes, .replicas = replicas}, device);
+    auto checked =
+        Mesh::make(Parallelism{.ranks = ranks, .nodes = nodes, .replicas = replicas}, device);
     EXPECT_TRUE(checked.ok()) << checked.error().message;
     if (checked.ok()) o.fsdp.parallelism = checked.value();
     return train(m, o, {}, device);
@@ -318,7 +318,7 @@ TEST(Fsdp, AShardGroupOfTensorParallelRanksSpansTheirGpus) {
   slow_network.collectives.inter_node.bandwidth = Bandwidth(1'000'000'000);
   const auto reduce = [&](std::int32_t ranks, std::int32_t tp, const DeviceProfile& device) {
     TrainingOptions o = testing::two_steps(Policy::None);
-    auto checked = check_parallelism(Parallelism{.ranks = ranks, .tp = tp}, device);
+    auto checked = Mesh::make(Parallelism{.ranks = ranks, .tp = tp}, device);
     EXPECT_TRUE(checked.ok()) << checked.error().message;
     if (checked.ok()) o.fsdp.parallelism = checked.value();
     const TrainingRun run = train(m, o, {}, device);
@@ -332,7 +332,7 @@ TEST(Fsdp, AShardGroupOfTensorParallelRanksSpansTheirGpus) {
 
 TEST(Fsdp, ATensorParallelGroupMustFitANode) {
   const auto refused = [](const Parallelism& p, const DeviceProfile& device) {
-    auto checked = check_parallelism(p, device, kFsdpFlags);
+    auto checked = Mesh::make(p, device, kFsdpFlags);
     EXPECT_FALSE(checked.ok());
     return checked.ok() ? std::string() : checked.error().message;
   };
@@ -348,8 +348,8 @@ TEST(Fsdp, ATensorParallelGroupMustFitANode) {
   EXPECT_EQ(refused(Parallelism{.ranks = 6, .nodes = 1, .tp = 2}, fsdp_profile())
                 .rfind("--nodes: 12 ranks over 1 nodes", 0),
             0U);
-  EXPECT_TRUE(check_parallelism(Parallelism{.tp = 8}, fsdp_profile()).ok());
-  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 4, .tp = 2}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.tp = 8}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 4, .tp = 2}, fsdp_profile()).ok());
 }
 
 // Context parallelism: FSDP shards over the data-parallel and context-parallel ranks together
@@ -358,7 +358,7 @@ TEST(Fsdp, AShardGroupSpansItsContextParallelRanks) {
   const Model m = testing::chain_model(4, 1 << 20);
   const auto run = [&](const Parallelism& p) {
     TrainingOptions o = testing::two_steps(Policy::None);
-    auto checked = check_parallelism(p, fsdp_profile());
+    auto checked = Mesh::make(p, fsdp_profile());
     EXPECT_TRUE(checked.ok()) << checked.error().message;
     if (checked.ok()) o.fsdp.parallelism = checked.value();
     return train(m, o, {}, fsdp_profile());
@@ -395,7 +395,7 @@ TEST(Fsdp, ALayersExpertsAreAUnitShardedOverTheExpertShardGroup) {
   };
   const auto run = [&](const Model& m, const Parallelism& p) {
     TrainingOptions o = testing::two_steps(Policy::None);
-    auto checked = check_parallelism(p, device);
+    auto checked = Mesh::make(p, device);
     EXPECT_TRUE(checked.ok()) << checked.error().message;
     if (checked.ok()) o.fsdp.parallelism = checked.value();
     return train(m, o, {}, device);
@@ -427,7 +427,7 @@ TEST(Fsdp, ALayersExpertsAreAUnitShardedOverTheExpertShardGroup) {
 
 TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
   const auto refused = [](const Parallelism& p) {
-    auto checked = check_parallelism(p, fsdp_profile(), kFsdpFlags);
+    auto checked = Mesh::make(p, fsdp_profile(), kFsdpFlags);
     EXPECT_FALSE(checked.ok());
     return checked.ok() ? std::string() : checked.error().message;
   };
@@ -437,7 +437,7 @@ TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
   EXPECT_EQ(refused(Parallelism{.ranks = 3, .tp = 2, .cp = 2})
                 .rfind("--cp: 2 ranks (times 2 of tensor parallelism) neither fit", 0),
             0U);
-  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 1, .cp = 16}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 1, .cp = 16}, fsdp_profile()).ok());
   // Expert parallelism: GPUs of the shard group and their tensor-parallel ones, a multiple of
   // the tensor-parallel group.
   EXPECT_EQ(refused(Parallelism{.ep = 2}).rfind("--ep 2 needs --fsdp N", 0), 0U);
@@ -454,15 +454,15 @@ TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
                        0),
             0U);
   const Parallelism fsdp4_tp2_ep2{.ranks = 4, .tp = 2, .ep = 2};
-  EXPECT_TRUE(check_parallelism(fsdp4_tp2_ep2, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(fsdp4_tp2_ep2, fsdp_profile()).ok());
   EXPECT_EQ(fsdp4_tp2_ep2.expert_shard_group(), 4);  // torchtitan's efsdp: 4 x 2 / 2
   EXPECT_EQ(refused(Parallelism{.ranks = 8, .reshard_after_forward = Reshard::K(8), .ep = 2})
                 .rfind("--reshard-after-forward: 8 must be true, false or a number of ranks that "
                        "divides the shard group (8, and the experts' 4)",
                        0),
             0U);
-  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 2, .cp = 4, .ep = 8}, fsdp_profile()).ok());
-  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 2, .tp = 2, .cp = 2}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 2, .cp = 4, .ep = 8}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 2, .tp = 2, .cp = 2}, fsdp_profile()).ok());
 }
 
 TEST(Fsdp, OneRankGathersAndReduceScattersNothing) {
@@ -572,12 +572,12 @@ TEST(FsdpRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
 
 TEST(FsdpRequest, EdgesNameTheFlagsWhereTheSimulatorNamesTheFields) {
   const Parallelism uneven{.ranks = 4, .replicas = 3};
-  EXPECT_EQ(validate_parallelism(uneven, fsdp_profile()).error().message,
+  EXPECT_EQ(Mesh::make(uneven, fsdp_profile()).error().message,
             "replicas: 3 replica groups do not divide 4 ranks");
-  EXPECT_EQ(validate_parallelism(uneven, fsdp_profile(), kFsdpFlags).error().message,
+  EXPECT_EQ(Mesh::make(uneven, fsdp_profile(), kFsdpFlags).error().message,
             "--hsdp: 3 replica groups do not divide 4 ranks");
   const Parallelism bare{.ranks = 4};
-  EXPECT_NE(validate_parallelism(bare, testing::simple_profile(), kFsdpFlags)
+  EXPECT_NE(Mesh::make(bare, testing::simple_profile(), kFsdpFlags)
                 .error()
                 .message.find("links: --fsdp 4 needs"),
             std::string::npos);

@@ -28,7 +28,7 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
     : model_(model),
       options_(options),
       graph_(make_graph(model)),
-      run_{.sim = Simulator({DeviceSpec{"gpu0", rank_profile(profile, options.fsdp.parallelism)}},
+      run_{.sim = Simulator({DeviceSpec{"gpu0", options.fsdp.parallelism.rank_profile(profile)}},
                             {}, own_options(options, rank)),
            .device = rank.sim != nullptr ? rank.device : DeviceId(0)},
       sim_(rank.sim != nullptr ? *rank.sim : run_.sim),

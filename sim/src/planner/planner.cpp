@@ -459,7 +459,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   if (options.host_budget) {
     DeviceProfile node = p.device;
     node.pinned_host_capacity = *options.host_budget;
-    options.host_budget = rank_profile(node, p.fsdp.parallelism).pinned_host_capacity;
+    options.host_budget = p.fsdp.parallelism.rank_profile(node).pinned_host_capacity;
   }
   // The search, the checked runs and the lower bound see the budget less the margin.
   const Bytes asked = options.budget;

@@ -77,23 +77,20 @@ struct FsdpRequest {
   double expert_capacity = 0;
 };
 
-/// The flags' names, as validate_parallelism's errors at the edges name the fields.
-inline constexpr ParallelismNames kFsdpFlags{.ranks = "--fsdp",
-                                             .nodes = "--nodes",
-                                             .replicas = "--hsdp",
-                                             .reshard_after_forward = "--reshard-after-forward",
-                                             .tp = "--tp",
-                                             .cp = "--cp",
-                                             .ep = "--ep"};
+/// How errors at the edges name a mesh's fields: as the command line's flags.
+inline constexpr MeshNames kFsdpFlags = &MeshFieldRule::flag;
 
 /// The parallelism `fsdp` asks for, its numbers in bounds (Note [One check for both edges]).
-/// Not against a device: check_parallelism with kFsdpFlags does that.
+/// Not against a device: Mesh::make with kFsdpFlags does that.
 Result<Parallelism> parallelism_of(const FsdpRequest& fsdp);
 
 /// Fills what `fsdp` leaves out from a file's parallelism section (unless a pipeline runs over
 /// `devices` > 1): its tensor parallelism where `fsdp` asks none, its ranks when none are asked,
 /// then its nodes, HSDP groups and resharding where `fsdp` kept the defaults.
 void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t devices = 1);
+/// The same for a parallelism already read from a request (parallelism_of): a field left out
+/// is 0 (ranks, nodes) or its default.
+void adopt_parallelism(Parallelism& asked, const Parallelism& file, std::int32_t devices = 1);
 
 /// The options simulate and compare share: the offload knobs, the run's length and checks, FSDP2
 /// and the allocator.
