@@ -144,7 +144,7 @@ void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& 
   if (setup.fsdp) {
     auto parallelism = Mesh::make(Parallelism{.ranks = 2}, device);
     if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
-    options.fsdp.parallelism = parallelism.value();
+    options.parallel.mesh = parallelism.value();
   }
   RC_TAG(setup.fsdp);
   auto plain = simulate_training(as_kernels(model), device, options);

@@ -1,8 +1,8 @@
-// FSDP2 in the simulated autograd (FsdpOptions, Note [FSDP2, one rank]): one rank's memory is
+// FSDP2 in the simulated autograd (ParallelOptions, Note [FSDP2, one rank]): one rank's memory is
 // its shards plus what is gathered, the collectives run on their own streams beside compute,
 // with the waits FSDP2 makes the run is hazard-free and its gradients are those of the run
 // without FSDP, and each planted fault is reported. Also the parallelism as the edges are given
-// it (FsdpRequest) and as JSON writes it (parallelism_json).
+// it (MeshRequest) and as JSON writes it (parallelism_json).
 
 #include <gtest/gtest.h>
 
@@ -43,8 +43,7 @@ Mesh on_fsdp_profile(const Parallelism& p) {
 TrainingOptions fsdp_options(std::int32_t ranks, Policy policy = Policy::None,
                              Reshard reshard = Reshard::True()) {
   TrainingOptions o = testing::two_steps(policy);
-  o.fsdp.parallelism =
-      on_fsdp_profile(Parallelism{.ranks = ranks, .reshard_after_forward = reshard});
+  o.parallel.mesh = on_fsdp_profile(Parallelism{.ranks = ranks, .reshard_after_forward = reshard});
   return o;
 }
 
@@ -188,7 +187,7 @@ TEST(Fsdp, PlantedFaultsAreReported) {
 TrainingOptions simple_fsdp_options(std::int32_t ranks, Policy policy = Policy::None,
                                     Reshard reshard = Reshard::True()) {
   TrainingOptions o = testing::two_steps(policy);
-  o.fsdp.parallelism = on_fsdp_profile(
+  o.parallel.mesh = on_fsdp_profile(
       Parallelism{.ranks = ranks, .reshard_after_forward = reshard, .impl = FsdpImpl::Simple});
   return o;
 }
@@ -287,7 +286,7 @@ TEST(Fsdp, EachGroupsCollectivesTakeTheLinkItsRanksLieOn) {
     auto checked =
         Mesh::make(Parallelism{.ranks = ranks, .nodes = nodes, .replicas = replicas}, device);
     EXPECT_TRUE(checked.ok()) << checked.error().message;
-    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    if (checked.ok()) o.parallel.mesh = checked.value();
     return train(m, o, {}, device);
   };
   // 16 ranks on two nodes, two replica groups: each shard group fills a node (its
@@ -320,7 +319,7 @@ TEST(Fsdp, AShardGroupOfTensorParallelRanksSpansTheirGpus) {
     TrainingOptions o = testing::two_steps(Policy::None);
     auto checked = Mesh::make(Parallelism{.ranks = ranks, .tp = tp}, device);
     EXPECT_TRUE(checked.ok()) << checked.error().message;
-    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    if (checked.ok()) o.parallel.mesh = checked.value();
     const TrainingRun run = train(m, o, {}, device);
     expect_clean(run);
     return collective_time_on(run, "reduce_scatter");
@@ -332,7 +331,7 @@ TEST(Fsdp, AShardGroupOfTensorParallelRanksSpansTheirGpus) {
 
 TEST(Fsdp, ATensorParallelGroupMustFitANode) {
   const auto refused = [](const Parallelism& p, const DeviceProfile& device) {
-    auto checked = Mesh::make(p, device, kFsdpFlags);
+    auto checked = Mesh::make(p, device, kMeshFlags);
     EXPECT_FALSE(checked.ok());
     return checked.ok() ? std::string() : checked.error().message;
   };
@@ -360,7 +359,7 @@ TEST(Fsdp, AShardGroupSpansItsContextParallelRanks) {
     TrainingOptions o = testing::two_steps(Policy::None);
     auto checked = Mesh::make(p, fsdp_profile());
     EXPECT_TRUE(checked.ok()) << checked.error().message;
-    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    if (checked.ok()) o.parallel.mesh = checked.value();
     return train(m, o, {}, fsdp_profile());
   };
   const TrainingRun fsdp8 = run(Parallelism{.ranks = 8});
@@ -397,7 +396,7 @@ TEST(Fsdp, ALayersExpertsAreAUnitShardedOverTheExpertShardGroup) {
     TrainingOptions o = testing::two_steps(Policy::None);
     auto checked = Mesh::make(p, device);
     EXPECT_TRUE(checked.ok()) << checked.error().message;
-    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    if (checked.ok()) o.parallel.mesh = checked.value();
     return train(m, o, {}, device);
   };
   const TrainingRun ep2 = run(timed(cut.value()), Parallelism{.ranks = 8, .ep = 2});
@@ -427,7 +426,7 @@ TEST(Fsdp, ALayersExpertsAreAUnitShardedOverTheExpertShardGroup) {
 
 TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
   const auto refused = [](const Parallelism& p) {
-    auto checked = Mesh::make(p, fsdp_profile(), kFsdpFlags);
+    auto checked = Mesh::make(p, fsdp_profile(), kMeshFlags);
     EXPECT_FALSE(checked.ok());
     return checked.ok() ? std::string() : checked.error().message;
   };
@@ -510,7 +509,7 @@ TEST(Fsdp, NodeRunsAreRefusedWithTheReason) {
   EXPECT_NE(crowded.error().message.find("2 to 4 ranks"), std::string::npos);
 }
 
-TEST(FsdpRequest, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
+TEST(MeshRequest, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
   EXPECT_EQ(parse_reshard("true").value(), Reshard::True());
   EXPECT_EQ(parse_reshard("false").value(), Reshard::False());
   EXPECT_EQ(parse_reshard("4").value(), Reshard::K(4));
@@ -534,17 +533,17 @@ TEST(FsdpRequest, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
   }
 }
 
-TEST(FsdpRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
-  EXPECT_EQ(parallelism_of(FsdpRequest{}).value(), Parallelism{});
+TEST(MeshRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
+  EXPECT_EQ(parallelism_of(MeshRequest{}).value(), Parallelism{});
   EXPECT_EQ(parallelism_of(
-                FsdpRequest{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)})
+                MeshRequest{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)})
                 .value(),
             (Parallelism{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
-  EXPECT_EQ(parallelism_of(FsdpRequest{.ranks = 0}).error().message,
+  EXPECT_EQ(parallelism_of(MeshRequest{.ranks = 0}).error().message,
             "--fsdp: 0 is not in 1..1000000");
-  EXPECT_EQ(parallelism_of(FsdpRequest{.nodes = 2}).error().message,
+  EXPECT_EQ(parallelism_of(MeshRequest{.nodes = 2}).error().message,
             "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N");
-  EXPECT_EQ(parallelism_of(FsdpRequest{.impl = FsdpImpl::Simple}).error().message,
+  EXPECT_EQ(parallelism_of(MeshRequest{.impl = FsdpImpl::Simple}).error().message,
             "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N");
   EXPECT_EQ(fsdp_impl("simple").value(), FsdpImpl::Simple);
   EXPECT_EQ(fsdp_impl("fsdp2").value(), FsdpImpl::Fsdp2);
@@ -555,29 +554,29 @@ TEST(FsdpRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
                          .replicas = 2,
                          .reshard_after_forward = Reshard::False(),
                          .impl = FsdpImpl::Simple};
-  FsdpRequest bare;
+  MeshRequest bare;
   adopt_parallelism(bare, file);
   EXPECT_EQ(parallelism_of(bare).value(), file);
-  FsdpRequest given{.ranks = 16, .reshard_after_forward = Reshard::K(4)};
+  MeshRequest given{.ranks = 16, .reshard_after_forward = Reshard::K(4)};
   adopt_parallelism(given, file);
   EXPECT_EQ(parallelism_of(given).value(), (Parallelism{.ranks = 16,
                                                         .nodes = 1,
                                                         .replicas = 2,
                                                         .reshard_after_forward = Reshard::K(4),
                                                         .impl = FsdpImpl::Simple}));
-  FsdpRequest pipelined;
+  MeshRequest pipelined;
   adopt_parallelism(pipelined, file, 2);
   EXPECT_EQ(parallelism_of(pipelined).value(), Parallelism{});
 }
 
-TEST(FsdpRequest, EdgesNameTheFlagsWhereTheSimulatorNamesTheFields) {
+TEST(MeshRequest, EdgesNameTheFlagsWhereTheSimulatorNamesTheFields) {
   const Parallelism uneven{.ranks = 4, .replicas = 3};
   EXPECT_EQ(Mesh::make(uneven, fsdp_profile()).error().message,
             "replicas: 3 replica groups do not divide 4 ranks");
-  EXPECT_EQ(Mesh::make(uneven, fsdp_profile(), kFsdpFlags).error().message,
+  EXPECT_EQ(Mesh::make(uneven, fsdp_profile(), kMeshFlags).error().message,
             "--hsdp: 3 replica groups do not divide 4 ranks");
   const Parallelism bare{.ranks = 4};
-  EXPECT_NE(Mesh::make(bare, testing::simple_profile(), kFsdpFlags)
+  EXPECT_NE(Mesh::make(bare, testing::simple_profile(), kMeshFlags)
                 .error()
                 .message.find("links: --fsdp 4 needs"),
             std::string::npos);

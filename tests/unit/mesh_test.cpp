@@ -23,7 +23,7 @@ DeviceProfile eight_a_node() {
 }
 
 // The request's error for `fsdp`, or "" when it is accepted.
-std::string request_error(const FsdpRequest& fsdp) {
+std::string request_error(const MeshRequest& fsdp) {
   auto p = parallelism_of(fsdp);
   return p ? std::string() : p.error().message;
 }
@@ -35,7 +35,7 @@ std::string file_error(const std::string& text) {
   return p ? std::string() : p.error().message;
 }
 
-std::string mesh_error(const Parallelism& p, MeshNames names = kFsdpFlags) {
+std::string mesh_error(const Parallelism& p, MeshNames names = kMeshFlags) {
   auto mesh = Mesh::make(p, eight_a_node(), names);
   return mesh ? std::string() : mesh.error().message;
 }
@@ -62,7 +62,7 @@ TEST(MeshFields, EveryEdgeRefusesADegreeAboveTheTablesBound) {
   for (const MeshField field : {MeshField::Tp, MeshField::Cp, MeshField::Ep}) {
     const MeshFieldRule& row = mesh_field(field);
     const auto above = static_cast<std::int32_t>(row.most + 1);
-    FsdpRequest fsdp{.ranks = 8};
+    MeshRequest fsdp{.ranks = 8};
     Parallelism p{.ranks = 8};
     (field == MeshField::Tp ? fsdp.tp : field == MeshField::Cp ? fsdp.cp : fsdp.ep) = above;
     (field == MeshField::Tp ? p.tp : field == MeshField::Cp ? p.cp : p.ep) = above;
@@ -73,7 +73,7 @@ TEST(MeshFields, EveryEdgeRefusesADegreeAboveTheTablesBound) {
     EXPECT_EQ(file_error(fmt::format(R"({{"fsdp": 8, "{}": {}}})", row.key, row.most)), "")
         << row.key;
   }
-  EXPECT_EQ(request_error(FsdpRequest{.ranks = 1'000'001}), "--fsdp: 1000001 is not in 1..1000000");
+  EXPECT_EQ(request_error(MeshRequest{.ranks = 1'000'001}), "--fsdp: 1000001 is not in 1..1000000");
   EXPECT_NE(file_error(R"({"fsdp": 1000001})"), "");
   EXPECT_EQ(mesh_error(Parallelism{.ranks = 1'000'001}, &MeshFieldRule::name),
             "ranks: 1000001 ranks (use 1 to 1000000)");
@@ -81,12 +81,12 @@ TEST(MeshFields, EveryEdgeRefusesADegreeAboveTheTablesBound) {
 
 // Expert capacity 1..1024 needs ep 2 or more: the request, the file and the cut refuse it alike.
 TEST(MeshFields, ExpertCapacityNeedsExpertParallelismEverywhere) {
-  EXPECT_EQ(request_error(FsdpRequest{.ranks = 8, .expert_capacity = 2}),
+  EXPECT_EQ(request_error(MeshRequest{.ranks = 8, .expert_capacity = 2}),
             "--expert-capacity needs --ep 2 or more: a static dispatcher pads the rows expert "
             "parallelism exchanges");
-  EXPECT_EQ(request_error(FsdpRequest{.ranks = 8, .ep = 2, .expert_capacity = 1025}),
+  EXPECT_EQ(request_error(MeshRequest{.ranks = 8, .ep = 2, .expert_capacity = 1025}),
             "--expert-capacity 1025: use a factor from 1 to 1024");
-  EXPECT_EQ(request_error(FsdpRequest{.ranks = 8, .ep = 2, .expert_capacity = 1024}), "");
+  EXPECT_EQ(request_error(MeshRequest{.ranks = 8, .ep = 2, .expert_capacity = 1024}), "");
   EXPECT_NE(file_error(R"({"fsdp": 8, "expert_capacity": 2})").find("needs \"ep\" 2 or more"),
             std::string::npos);
   EXPECT_NE(file_error(R"({"fsdp": 8, "ep": 2, "expert_capacity": 0.5})")
@@ -103,10 +103,10 @@ TEST(MeshFields, ExpertCapacityNeedsExpertParallelismEverywhere) {
 TEST(MeshFields, WhatNeedsFsdpIsRefusedWithoutIt) {
   const std::string plain =
       "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N";
-  EXPECT_EQ(request_error(FsdpRequest{.nodes = 2}), plain);
-  EXPECT_EQ(request_error(FsdpRequest{.replicas = 2}), plain);
-  EXPECT_EQ(request_error(FsdpRequest{.reshard_after_forward = Reshard::False()}), plain);
-  EXPECT_EQ(request_error(FsdpRequest{.impl = FsdpImpl::Simple}), plain);
+  EXPECT_EQ(request_error(MeshRequest{.nodes = 2}), plain);
+  EXPECT_EQ(request_error(MeshRequest{.replicas = 2}), plain);
+  EXPECT_EQ(request_error(MeshRequest{.reshard_after_forward = Reshard::False()}), plain);
+  EXPECT_EQ(request_error(MeshRequest{.impl = FsdpImpl::Simple}), plain);
   EXPECT_EQ(mesh_error(Parallelism{.cp = 2}).rfind("--cp 2 needs --fsdp N: FSDP2 shards", 0), 0U);
   EXPECT_EQ(mesh_error(Parallelism{.ep = 2}).rfind("--ep 2 needs --fsdp N: expert parallelism", 0),
             0U);

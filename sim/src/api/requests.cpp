@@ -49,7 +49,7 @@ Status first_error(std::initializer_list<Status> checks) {
 // depend on, and not the budgets and margin, which each plan takes.
 std::string planner_key(const PlanRequest& r) {
   const ModelSource& m = r.target.model;
-  const FsdpRequest& f = r.fsdp;
+  const MeshRequest& f = r.mesh;
   return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {} {} {} {} {}", m.name,
                      m.text.value_or(""), r.target.device, r.target.scenarios.string(), r.steps,
                      f.ranks ? *f.ranks : 0, f.nodes ? *f.nodes : 0, f.replicas,
@@ -84,7 +84,7 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
       !bounded) {
     return bounded.error();
   }
-  auto parallelism = parallelism_of(k.fsdp);
+  auto parallelism = parallelism_of(k.mesh);
   if (!parallelism) return parallelism;
   if (auto pipeline = first_error({in_bounds("--devices", k.devices, 1, 64),
                                    in_bounds("--micro-batches", k.micro_batches, 1, 1024)});
@@ -125,7 +125,7 @@ struct RankWorkload {
 // model file's where it asks none), its mesh made first: what every option read against the
 // model (a checkpoint plan's layers and ops) is read against.
 Result<RankWorkload> rank_workload_of(const Workload& whole, const std::string& spec,
-                                      FsdpRequest fsdp, std::int32_t devices) {
+                                      MeshRequest fsdp, std::int32_t devices) {
   adopt_parallelism(fsdp, whole.model->parallelism, devices);
   if ((fsdp.tp == 1 && fsdp.cp == 1 && fsdp.ep == 1) || devices > 1) {
     auto timed = rank_of(whole, Mesh{}, spec);
@@ -134,7 +134,7 @@ Result<RankWorkload> rank_workload_of(const Workload& whole, const std::string& 
   }
   auto p = parallelism_of(fsdp);
   if (!p) return p.error();
-  auto mesh = Mesh::make_within_bounds(p.value(), whole.device, kFsdpFlags);
+  auto mesh = Mesh::make_within_bounds(p.value(), whole.device, kMeshFlags);
   if (!mesh) return mesh.error();
   auto cut = rank_of(whole, mesh.value(), spec);
   if (!cut) return cut.error();
@@ -155,7 +155,7 @@ struct AskedRun {
 // where `k` leaves them), checked; with `simulate`, its checkpoint plan, side streams and
 // horizon too.
 Result<AskedRun> training_options(RunKnobs k, const Model& model, const SimulateRequest* simulate) {
-  adopt_parallelism(k.fsdp, model.parallelism, k.devices);
+  adopt_parallelism(k.mesh, model.parallelism, k.devices);
   auto parallelism = checked_knobs(k);
   if (!parallelism) return parallelism.error();
   auto allocator = allocator_of(k.allocator, model);
@@ -215,15 +215,15 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
 
 // `p` checked against the device, its errors naming the flags, as `fsdp`'s parallelism; taken
 // as it is where the rank's cut was made under it (`cut_under`, checked then).
-Status choose_parallelism(FsdpOptions& fsdp, const Parallelism& p, const DeviceProfile& device,
+Status choose_parallelism(ParallelOptions& fsdp, const Parallelism& p, const DeviceProfile& device,
                           const std::optional<Mesh>& cut_under = std::nullopt) {
   if (cut_under && static_cast<const Parallelism&>(*cut_under) == p) {
-    fsdp.parallelism = *cut_under;
+    fsdp.mesh = *cut_under;
     return Ok{};
   }
-  auto checked = Mesh::make_within_bounds(p, device, kFsdpFlags);
+  auto checked = Mesh::make_within_bounds(p, device, kMeshFlags);
   if (!checked) return checked.error();
-  fsdp.parallelism = checked.value();
+  fsdp.mesh = checked.value();
   return Ok{};
 }
 
@@ -242,18 +242,19 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   if (!text) return text.error();
   auto plan = parse_plan(text.value(), path);
   if (!plan) return plan.error();
-  FsdpRequest asked = r.run.fsdp;
+  MeshRequest asked = r.run.mesh;
   adopt_parallelism(asked, w.model->parallelism, r.run.devices);
-  FsdpRequest adopted = asked;
+  MeshRequest adopted = asked;
   adopt_parallelism(adopted, plan.value().parallelism);
   TrainingOptions& base = run.base;
   if (adopted.ranks != asked.ranks || adopted.tp != asked.tp || adopted.cp != asked.cp ||
       adopted.ep != asked.ep) {
     auto fsdp = parallelism_of(adopted);
     const Status chosen =
-        fsdp ? choose_parallelism(base.fsdp, fsdp.value(), w.device) : Status(fsdp.error());
+        fsdp ? choose_parallelism(base.parallel, fsdp.value(), w.device) : Status(fsdp.error());
     if (!chosen) return Error{fmt::format("{}: parallelism: {}", path, chosen.error().message)};
-  } else if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device, run.checked);
+  } else if (auto chosen =
+                 choose_parallelism(base.parallel, run.parallelism, w.device, run.checked);
              !chosen) {
     return chosen.error();
   }
@@ -262,7 +263,7 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   const CutAxes remaining{
       .tp = adopted.tp != asked.tp, .cp = adopted.cp != asked.cp, .ep = adopted.ep != asked.ep};
   auto ranked = remaining.tp || remaining.cp || remaining.ep
-                    ? rank_workload(w, base.fsdp.parallelism, remaining)
+                    ? rank_workload(w, base.parallel.mesh, remaining)
                     : Result<Workload>(w);
   if (!ranked) return Error{fmt::format("{}: parallelism: {}", path, ranked.error().message)};
   auto row = replay_plan(plan.value(), ranked.value().model, w.device, base);
@@ -345,11 +346,11 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
   auto policy = policy_of(r.policy);
   if (!policy) return policy.error();
   TrainingOptions& base = run.base;
-  if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device, run.checked);
+  if (auto chosen = choose_parallelism(base.parallel, run.parallelism, w.device, run.checked);
       !chosen) {
     return chosen.error();
   }
-  const Parallelism parallelism = base.fsdp.parallelism;
+  const Parallelism parallelism = base.parallel.mesh;
   PolicyRow row{r.policy, std::move(base)};
   row.options.offload.policy = policy.value();
   if (run.trainer) {
@@ -378,13 +379,13 @@ Result<TrainerChoice> trainer_choice(const PlanRequest& r, const Workload& w, co
                                      Bytes planned_budget, std::int32_t margin_permille) {
   RunKnobs k;
   k.steps = r.steps;
-  k.fsdp = r.fsdp;
+  k.mesh = r.mesh;
   k.allocator = r.allocator;
   k.check = false;
   auto asked = training_options(k, *w.model, nullptr);
   if (!asked) return asked.error();
   TrainingOptions base = std::move(asked.value().base);
-  if (auto chosen = choose_parallelism(base.fsdp, asked.value().parallelism, w.device, mesh);
+  if (auto chosen = choose_parallelism(base.parallel, asked.value().parallelism, w.device, mesh);
       !chosen) {
     return chosen.error();
   }
@@ -443,7 +444,7 @@ Result<AskedPlan> planner_options(const PlanRequest& r) {
   options.host_budget = r.host_budget;
   if (auto steps = in_bounds("--steps", r.steps, 1, 100); !steps) return steps.error();
   options.steps = r.steps;
-  auto fsdp = parallelism_of(r.fsdp);
+  auto fsdp = parallelism_of(r.mesh);
   if (!fsdp) return fsdp.error();
   options.allocator = r.allocator.value_or(AllocatorMode::Default);
   options.margin_permille = r.margin_permille.value_or(kDefaultPlanMarginPermille);
@@ -457,7 +458,7 @@ Result<AskedPlan> planner_options(const PlanRequest& r) {
 
 }  // namespace
 
-Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
+Result<Parallelism> parallelism_of(const MeshRequest& fsdp) {
   // The numbers in kMeshFields' bounds, in its order (Note [One table of axes]).
   const auto bounded = [](MeshField field, std::int64_t value) {
     const MeshFieldRule& row = mesh_field(field);
@@ -518,7 +519,7 @@ void adopt_parallelism(Parallelism& asked, const Parallelism& file, std::int32_t
   if (asked.impl == FsdpImpl::Fsdp2) asked.impl = file.impl;
 }
 
-void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t devices) {
+void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file, std::int32_t devices) {
   // As the request's parallelism, unchecked: a field left out is 0.
   Parallelism asked{.ranks = fsdp.ranks.value_or(0),
                     .nodes = fsdp.nodes.value_or(0),
@@ -544,7 +545,7 @@ void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t 
 Result<Response> respond(const SimulateRequest& r) {
   auto whole = load(r.target);
   if (!whole) return whole.error();
-  auto workload = rank_workload_of(whole.value(), r.target.model.name, r.run.fsdp, r.run.devices);
+  auto workload = rank_workload_of(whole.value(), r.target.model.name, r.run.mesh, r.run.devices);
   if (!workload) return workload.error();
   const Workload& w = workload.value().workload;
   auto asked = training_options(r.run, *w.model, &r);
@@ -564,18 +565,18 @@ Result<Response> respond(const SimulateRequest& r) {
 Result<Response> respond(const CompareRequest& r) {
   auto whole = load(r.target);
   if (!whole) return whole.error();
-  auto workload = rank_workload_of(whole.value(), r.target.model.name, r.run.fsdp, r.run.devices);
+  auto workload = rank_workload_of(whole.value(), r.target.model.name, r.run.mesh, r.run.devices);
   if (!workload) return workload.error();
   const Workload& w = workload.value().workload;
   auto asked = training_options(r.run, *w.model, nullptr);
   if (!asked) return asked.error();
   TrainingOptions base = std::move(asked.value().base);
-  if (auto chosen = choose_parallelism(base.fsdp, asked.value().parallelism, w.device,
+  if (auto chosen = choose_parallelism(base.parallel, asked.value().parallelism, w.device,
                                        workload.value().checked);
       !chosen) {
     return chosen.error();
   }
-  const Parallelism& parallelism = base.fsdp.parallelism;
+  const Parallelism& parallelism = base.parallel.mesh;
   if (const auto why = single_device_only(base); why && r.run.devices > 1) {
     return Error{fmt::format("{} (--devices {})", *why, r.run.devices)};
   }
@@ -637,8 +638,9 @@ Result<Response> respond(const PlanRequest& r) {
         fmt::format("{}: parallelism: {}", r.target.model.name, allocator.error().message)};
   }
   options.allocator = allocator.value();
-  if (auto fsdp = choose_parallelism(options.fsdp, chosen, w.device); !fsdp) return fsdp.error();
-  auto ranked = rank_of(w, options.fsdp.parallelism, r.target.model.name);
+  if (auto fsdp = choose_parallelism(options.parallel, chosen, w.device); !fsdp)
+    return fsdp.error();
+  auto ranked = rank_of(w, options.parallel.mesh, r.target.model.name);
   if (!ranked) return ranked.error();
   const Workload& rank = ranked.value();
   Response out;
@@ -646,8 +648,8 @@ Result<Response> respond(const PlanRequest& r) {
     // A sweep's budgets are the simulator's peaks, from the floor up: no margin below them.
     options.margin_permille = 0;
     const auto points = plan_sweep(rank.model, w.device, options, r.sweep, r.progress);
-    out.document = sweep_json(points, *rank.model, w.device, options.fsdp.parallelism);
-    out.text = sweep_text(points, *rank.model, w.device, options.fsdp.parallelism);
+    out.document = sweep_json(points, *rank.model, w.device, options.parallel.mesh);
+    out.text = sweep_text(points, *rank.model, w.device, options.parallel.mesh);
     if (r.plot) out.plot = sweep_svg(points, *rank.model, w.device);
     return out;
   }
@@ -669,7 +671,7 @@ Result<Response> respond(const PlanRequest& r) {
   auto outcome = plan_faster_space(rank.model, plan_with, &out.floor);
   std::optional<TrainerChoice> choice;
   if (r.trainer) {
-    auto searched = trainer_choice(r, rank, options.fsdp.parallelism,
+    auto searched = trainer_choice(r, rank, options.parallel.mesh,
                                    budget_less_margin(options.budget, options.margin_permille),
                                    options.margin_permille);
     if (!searched) return searched.error();
@@ -731,7 +733,7 @@ struct PlannerCache::Entry {
 
   Entry(const Workload& w, const PlannerOptions& options)
       : workload(w),
-        planner(workload.model, workload.device, options.steps, options.fsdp, options.allocator,
+        planner(workload.model, workload.device, options.steps, options.parallel, options.allocator,
                 options.paged_stash) {}
 };
 

@@ -87,8 +87,8 @@ Fsdp2::Fsdp2(const Model& model, const Graph& graph, const TrainingOptions& opti
     : model_(model),
       graph_(graph),
       options_(options),
-      fsdp_(options.fsdp),
-      parallelism_(options.fsdp.parallelism),
+      fsdp_(options.parallel),
+      parallelism_(options.parallel.mesh),
       faults_(faults),
       rank_(rank),
       sim_(rank.sim()),
@@ -145,7 +145,7 @@ void Fsdp2::bind_unit(std::size_t u, Device::Buffer buffer) {
 void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
   // The groups of rank 0 (Note [FSDP2, one rank]) as the mesh lays them out: a layer's unit
   // shards over the shard group, a layer's experts over an expert's shard group.
-  const Mesh& mesh = fsdp_.parallelism;
+  const Mesh& mesh = fsdp_.mesh;
   replica_group_ = mesh.group(Mesh::Axis::Replicate).placement();
   const bool keeps_shard = parallelism_.reshard_after_forward.ranks() > 1;
   const auto place_unit = [&](FsdpUnit& unit) {

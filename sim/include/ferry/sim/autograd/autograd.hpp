@@ -55,16 +55,17 @@ struct PagedStashOptions {
   friend bool operator==(const PagedStashOptions&, const PagedStashOptions&) = default;
 };
 
-/// FSDP2 (`fully_shard` on each transformer layer and on the root module), as one of
-/// `parallelism.ranks` symmetric ranks runs it (Note [FSDP2, one rank] in fsdp.cpp). Parallelism
-/// off: no FSDP, the whole model on the device.
-struct FsdpOptions {
-  Mesh parallelism{};
+/// How a step trains across GPUs: the mesh (FSDP2, `fully_shard` on each transformer layer and
+/// on the root module, as one of `mesh`'s symmetric ranks runs it, Note [FSDP2, one rank] in
+/// fsdp.cpp; and the tensor-, context- and expert-parallel groups a rank's cut model was made
+/// for) and FSDP2's mixed precision. The default mesh: one GPU, the whole model on the device.
+struct ParallelOptions {
+  Mesh mesh{};
   /// MixedPrecisionPolicy(param_dtype=model dtype, reduce_dtype=f32) over f32 parameters:
   /// sharded parameters, gradients and AdamW moments are f32. Off: all in the model's dtype.
   bool mixed_precision = true;
-  [[nodiscard]] bool on() const { return parallelism.on(); }
-  friend bool operator==(const FsdpOptions&, const FsdpOptions&) = default;
+  [[nodiscard]] bool on() const { return mesh.on(); }
+  friend bool operator==(const ParallelOptions&, const ParallelOptions&) = default;
 };
 
 struct TrainingOptions {
@@ -95,7 +96,7 @@ struct TrainingOptions {
   /// torch.autograd.grad inside a checkpointed function would (-1: never).
   std::int32_t backward_inside_op = -1;
   SideStreamOptions side;
-  FsdpOptions fsdp;
+  ParallelOptions parallel;
   PagedStashOptions paged_stash;
 };
 
@@ -167,7 +168,7 @@ struct TrainingFaults {
   /// Under grads_set_to_none, each gradient is freed as soon as its all-reduce is launched,
   /// while the comm stream may still read it (no record_stream, no wait).
   bool free_grad_at_all_reduce = false;
-  // FSDP2 (FsdpOptions):
+  // FSDP2 (ParallelOptions):
   bool skip_all_gather_wait = false;  ///< a unit's copy-out does not wait for its all-gather
   /// The same for a layer's experts alone (their unit under expert parallelism).
   bool skip_expert_all_gather_wait = false;
@@ -232,7 +233,7 @@ struct NodeRun {
 /// Runs `ranks` FSDP ranks of one node side by side, interleaved op by op, each loading a
 /// batch of its own and pinning host memory from its share of the node's: a check of what
 /// the ranks share, which a one-rank simulation cannot see (Note [Node run] in node_run.cpp).
-/// `options.fsdp` must be on, with at least `ranks` ranks per node.
+/// `options.parallel` must be on, with at least `ranks` ranks per node.
 Result<NodeRun> simulate_node(const CheckedModel& model, const DeviceProfile& device,
                               const TrainingOptions& options, std::int32_t ranks,
                               const TrainingFaults& faults = {});
