@@ -130,7 +130,7 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
                   "plan is the same for any count)");
   cmd->add_flag("--quiet,-q", a_.quiet, "No progress on stderr");
   cmd->add_option("--scenarios", a_.target.scenarios, "Folder with devices/ (bundled by default)");
-  add_fsdp_options(cmd, r.fsdp, a_.text);
+  add_mesh_options(cmd, r.mesh, a_.text);
   add_allocator_option(cmd, a_.text);
 }
 
@@ -171,7 +171,7 @@ Result<sim::PlanRequest> PlanCommand::request() const {
     if (!host) return host.error();
     r.host_budget = host.value();
   }
-  if (auto applied = apply_text_flags(a_.text, r.fsdp, r.allocator); !applied) {
+  if (auto applied = apply_text_flags(a_.text, r.mesh, r.allocator); !applied) {
     return applied.error();
   }
   if (a_.margin) {

@@ -11,7 +11,7 @@ sim::Target TargetFlags::target() const {
   return sim::Target{.model = {.name = model}, .device = device, .scenarios = scenarios};
 }
 
-CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpRequest& fsdp, TextFlags& text) {
+CLI::Option* add_mesh_options(CLI::App* cmd, sim::MeshRequest& fsdp, TextFlags& text) {
   CLI::Option* ranks = cmd->add_option(
       "--fsdp", fsdp.ranks,
       "FSDP2 over N ranks (1..1000000): each layer and the root fully_shard'ed; figures are one "
@@ -67,7 +67,7 @@ void add_target_options(CLI::App* cmd, TargetFlags& target) {
       ->capture_default_str();
 }
 
-Status apply_text_flags(const TextFlags& text, sim::FsdpRequest& fsdp,
+Status apply_text_flags(const TextFlags& text, sim::MeshRequest& fsdp,
                         std::optional<sim::AllocatorMode>& allocator) {
   auto reshard = sim::parse_reshard(text.reshard_after_forward);
   if (!reshard) return reshard.error();
@@ -89,7 +89,7 @@ Result<sim::RunKnobs> run_knobs(const RunArgs& args) {
   k.dedup = !args.no_dedup;
   k.early_stop = !args.no_early_stop;
   k.check = !args.no_checker;
-  if (auto applied = apply_text_flags(args.text, k.fsdp, k.allocator); !applied) {
+  if (auto applied = apply_text_flags(args.text, k.mesh, k.allocator); !applied) {
     return applied.error();
   }
   return k;
@@ -137,7 +137,7 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
                 "(--expert-capacity) have their rows of data copied into pages of a device pool "
                 "at the end of their layer's forward and back before its backward, the padded "
                 "buffers freed between (docs/parallelism.md, Static capacity and the paged stash)");
-  CLI::Option* fsdp = add_fsdp_options(cmd, a.fsdp, args.text);
+  CLI::Option* fsdp = add_mesh_options(cmd, a.mesh, args.text);
   add_allocator_option(cmd, args.text);
   // Their bounds are the request's (Note [One check for both edges]).
   cmd->add_option("--devices", a.devices, "Pipeline over N devices (GPipe), 1..64; 1: no pipeline")

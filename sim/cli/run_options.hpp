@@ -52,7 +52,7 @@ struct RunArgs {
 
 /// Adds `--fsdp`, `--nodes`, `--hsdp`, `--reshard-after-forward` and `--fsdp-impl` to `cmd`;
 /// returns `--fsdp`.
-CLI::Option* add_fsdp_options(CLI::App* cmd, sim::FsdpRequest& fsdp, TextFlags& text);
+CLI::Option* add_mesh_options(CLI::App* cmd, sim::MeshRequest& fsdp, TextFlags& text);
 
 /// Adds `--allocator default|expandable` to `cmd`.
 void add_allocator_option(CLI::App* cmd, TextFlags& text);
@@ -61,7 +61,7 @@ void add_allocator_option(CLI::App* cmd, TextFlags& text);
 void add_target_options(CLI::App* cmd, TargetFlags& target);
 
 /// `fsdp` and `allocator` with the values of `text`, or the error that names the flag.
-Status apply_text_flags(const TextFlags& text, sim::FsdpRequest& fsdp,
+Status apply_text_flags(const TextFlags& text, sim::MeshRequest& fsdp,
                         std::optional<sim::AllocatorMode>& allocator);
 
 /// The knobs the flags give (the switches and text flags applied to `args.run`).

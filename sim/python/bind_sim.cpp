@@ -121,11 +121,11 @@ std::optional<Bytes> bytes_of(const std::optional<ByteCount>& value, std::string
 
 // FSDP2, tensor, context and expert parallelism as the keyword arguments fsdp, nodes, hsdp,
 // reshard_after_forward, fsdp_impl, tp, cp, ep and expert_capacity give them; None: not given.
-sim::FsdpRequest fsdp_request(std::optional<std::int32_t> ranks, std::optional<std::int32_t> nodes,
+sim::MeshRequest fsdp_request(std::optional<std::int32_t> ranks, std::optional<std::int32_t> nodes,
                               std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard,
                               const std::string& impl, std::int32_t tp, std::int32_t cp,
                               std::int32_t ep, double expert_capacity) {
-  sim::FsdpRequest fsdp{.ranks = ranks, .nodes = nodes, .replicas = hsdp};
+  sim::MeshRequest fsdp{.ranks = ranks, .nodes = nodes, .replicas = hsdp};
   fsdp.tp = tp;
   fsdp.cp = cp;
   fsdp.ep = ep;
@@ -153,9 +153,9 @@ sim::Target target(const std::string& model, const std::optional<std::string>& m
 // The keyword arguments simulate and compare share, as RunKnobs.
 sim::RunKnobs knobs(std::int64_t min_bytes, std::int64_t window_mib, std::int64_t prefetch_mib,
                     std::int64_t host_cap_gib, std::int32_t stash, std::int32_t steps, bool check,
-                    sim::FsdpRequest fsdp, const std::optional<std::string>& allocator) {
+                    sim::MeshRequest fsdp, const std::optional<std::string>& allocator) {
   sim::RunKnobs run;
-  run.fsdp = fsdp;
+  run.mesh = fsdp;
   run.allocator = allocator_of(allocator);
   run.min_bytes = min_bytes;
   run.window_mib = window_mib;
@@ -283,11 +283,11 @@ void bind_runs(py::module_& m) {
       py::arg("dedup") = d.run.dedup, py::arg("early_stop") = d.run.early_stop,
       py::arg("check") = d.run.check, py::arg("set_to_none") = d.run.set_to_none,
       py::arg("memory_snapshot") = false, py::arg("fsdp") = py::none(),
-      py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.fsdp.replicas,
+      py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.mesh.replicas,
       py::arg("reshard_after_forward") = true, py::arg("fsdp_impl") = "fsdp2",
-      py::arg("allocator") = py::none(), py::arg("tp") = d.run.fsdp.tp,
-      py::arg("cp") = d.run.fsdp.cp, py::arg("ep") = d.run.fsdp.ep,
-      py::arg("expert_capacity") = d.run.fsdp.expert_capacity,
+      py::arg("allocator") = py::none(), py::arg("tp") = d.run.mesh.tp,
+      py::arg("cp") = d.run.mesh.cp, py::arg("ep") = d.run.mesh.ep,
+      py::arg("expert_capacity") = d.run.mesh.expert_capacity,
       py::arg("paged_stash") = d.run.paged_stash, py::arg("trainer") = py::none(),
       py::arg("trainer_flags") = "",
       "(`ferry simulate --json`'s document, the memory snapshot pickle or None); with trainer, "
@@ -321,12 +321,12 @@ void bind_runs(py::module_& m) {
       py::arg("host_cap_gib") = d.run.host_cap_gib, py::arg("stash") = d.run.stash,
       py::arg("steps") = d.run.steps, py::arg("check") = d.run.check,
       py::arg("set_to_none") = d.run.set_to_none, py::arg("fsdp") = py::none(),
-      py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.fsdp.replicas,
+      py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.mesh.replicas,
       py::arg("reshard_after_forward") = true, py::arg("fsdp_impl") = "fsdp2",
       py::arg("allocator") = py::none(), py::arg("devices") = d.run.devices,
-      py::arg("micro_batches") = d.run.micro_batches, py::arg("tp") = d.run.fsdp.tp,
-      py::arg("cp") = d.run.fsdp.cp, py::arg("ep") = d.run.fsdp.ep,
-      py::arg("expert_capacity") = d.run.fsdp.expert_capacity,
+      py::arg("micro_batches") = d.run.micro_batches, py::arg("tp") = d.run.mesh.tp,
+      py::arg("cp") = d.run.mesh.cp, py::arg("ep") = d.run.mesh.ep,
+      py::arg("expert_capacity") = d.run.mesh.expert_capacity,
       py::arg("paged_stash") = d.run.paged_stash, "`ferry compare --json`'s document");
 }
 
@@ -369,7 +369,7 @@ void bind_plans(py::module_& m) {
         request.budget = bytes_of(budget, "--budget");
         request.host_budget = bytes_of(host_budget, "--host-budget");
         request.steps = steps;
-        request.fsdp = fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep,
+        request.mesh = fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep,
                                     expert_capacity);
         request.allocator = allocator_of(allocator);
         if (margin) {
@@ -383,12 +383,12 @@ void bind_plans(py::module_& m) {
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
       py::kw_only(), py::arg("budget") = py::none(), py::arg("host_budget") = py::none(),
       py::arg("steps") = d.steps, py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
-      py::arg("hsdp") = d.fsdp.replicas, py::arg("reshard_after_forward") = true,
+      py::arg("hsdp") = d.mesh.replicas, py::arg("reshard_after_forward") = true,
       py::arg("fsdp_impl") = "fsdp2", py::arg("allocator") = py::none(),
       py::arg("margin") = py::none(),
-      py::arg("planners") = static_cast<sim::PlannerCache*>(nullptr), py::arg("tp") = d.fsdp.tp,
-      py::arg("cp") = d.fsdp.cp, py::arg("ep") = d.fsdp.ep,
-      py::arg("expert_capacity") = d.fsdp.expert_capacity, py::arg("trainer") = py::none(),
+      py::arg("planners") = static_cast<sim::PlannerCache*>(nullptr), py::arg("tp") = d.mesh.tp,
+      py::arg("cp") = d.mesh.cp, py::arg("ep") = d.mesh.ep,
+      py::arg("expert_capacity") = d.mesh.expert_capacity, py::arg("trainer") = py::none(),
       py::arg("jobs") = d.jobs, py::arg("progress") = py::none(),
       "{report, text, plan_text}, or {refused, floor, smallest_budget} when no plan fits; with "
       "planners, a "

@@ -1,4 +1,4 @@
-// FSDP2 with offload and checkpointing on random models (FsdpOptions, Note [FSDP2, one rank]):
+// FSDP2 with offload and checkpointing on random models (ParallelOptions, Note [FSDP2, one rank]):
 // random rank counts, nodes, HSDP replicas, reshard-after-forward settings, FSDP2 or SimpleFSDP
 // (Note [SimpleFSDP's pool]), one backward or two (retain_graph), offload policies, checkpoint
 // segments (reentrant or not), backward orders and device speeds, and models with a mixture of
@@ -129,14 +129,14 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
     plain.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
   TrainingOptions sharded = plain;
-  auto parallelism = check_parallelism(Parallelism{.ranks = setup.ranks,
-                                                   .replicas = setup.replicas,
-                                                   .reshard_after_forward = setup.reshard,
-                                                   .impl = setup.impl,
-                                                   .ep = ep},
-                                       device);
+  auto parallelism = Mesh::make(Parallelism{.ranks = setup.ranks,
+                                            .replicas = setup.replicas,
+                                            .reshard_after_forward = setup.reshard,
+                                            .impl = setup.impl,
+                                            .ep = ep},
+                                device);
   if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
-  sharded.fsdp.parallelism = parallelism.value();
+  sharded.parallel.mesh = parallelism.value();
   auto reference = simulate_training(model, device, plain);
   auto run = simulate_training(model, device, sharded, faults);
   RC_ASSERT(reference.ok());
@@ -224,12 +224,12 @@ void node_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   if (setup.segments >= 2) {
     options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
-  auto parallelism = check_parallelism(Parallelism{.ranks = std::max(setup.ranks, 8),
-                                                   .replicas = setup.replicas,
-                                                   .reshard_after_forward = setup.reshard},
-                                       device);
+  auto parallelism = Mesh::make(Parallelism{.ranks = std::max(setup.ranks, 8),
+                                            .replicas = setup.replicas,
+                                            .reshard_after_forward = setup.reshard},
+                                device);
   if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
-  options.fsdp.parallelism = parallelism.value();
+  options.parallel.mesh = parallelism.value();
   auto one = simulate_training(model, device, options);
   auto node = simulate_node(model, device, options, node_ranks, faults);
   RC_ASSERT(one.ok());

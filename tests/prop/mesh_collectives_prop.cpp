@@ -142,9 +142,9 @@ void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& 
     options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
   }
   if (setup.fsdp) {
-    auto parallelism = check_parallelism(Parallelism{.ranks = 2}, device);
+    auto parallelism = Mesh::make(Parallelism{.ranks = 2}, device);
     if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
-    options.fsdp.parallelism = parallelism.value();
+    options.parallel.mesh = parallelism.value();
   }
   RC_TAG(setup.fsdp);
   auto plain = simulate_training(as_kernels(model), device, options);

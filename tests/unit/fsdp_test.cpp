@@ -1,8 +1,8 @@
-// FSDP2 in the simulated autograd (FsdpOptions, Note [FSDP2, one rank]): one rank's memory is
+// FSDP2 in the simulated autograd (ParallelOptions, Note [FSDP2, one rank]): one rank's memory is
 // its shards plus what is gathered, the collectives run on their own streams beside compute,
 // with the waits FSDP2 makes the run is hazard-free and its gradients are those of the run
 // without FSDP, and each planted fault is reported. Also the parallelism as the edges are given
-// it (FsdpRequest) and as JSON writes it (parallelism_json).
+// it (MeshRequest) and as JSON writes it (parallelism_json).
 
 #include <gtest/gtest.h>
 
@@ -34,17 +34,16 @@ DeviceProfile fsdp_profile() {
 }
 
 // `p` checked against the FSDP profile, where it must hold.
-CheckedParallelism on_fsdp_profile(const Parallelism& p) {
-  auto checked = check_parallelism(p, fsdp_profile());
+Mesh on_fsdp_profile(const Parallelism& p) {
+  auto checked = Mesh::make(p, fsdp_profile());
   EXPECT_TRUE(checked.ok()) << checked.error().message;
-  return checked.ok() ? checked.value() : CheckedParallelism{};
+  return checked.ok() ? checked.value() : Mesh{};
 }
 
 TrainingOptions fsdp_options(std::int32_t ranks, Policy policy = Policy::None,
                              Reshard reshard = Reshard::True()) {
   TrainingOptions o = testing::two_steps(policy);
-  o.fsdp.parallelism =
-      on_fsdp_profile(Parallelism{.ranks = ranks, .reshard_after_forward = reshard});
+  o.parallel.mesh = on_fsdp_profile(Parallelism{.ranks = ranks, .reshard_after_forward = reshard});
   return o;
 }
 
@@ -141,22 +140,22 @@ TEST(Fsdp, CollectivesOverlapCompute) {
 
 TEST(Fsdp, BadOptionsAreRefusedWithTheFieldNamed) {
   // A parallelism is checked once, against the device, before any run can take it.
-  auto run = check_parallelism(Parallelism{.ranks = 4, .replicas = 3}, fsdp_profile());
+  auto run = Mesh::make(Parallelism{.ranks = 4, .replicas = 3}, fsdp_profile());
   ASSERT_FALSE(run.ok());
   EXPECT_EQ(run.error().message, "replicas: 3 replica groups do not divide 4 ranks");
-  auto bare = check_parallelism(Parallelism{.ranks = 4}, testing::simple_profile());
+  auto bare = Mesh::make(Parallelism{.ranks = 4}, testing::simple_profile());
   ASSERT_FALSE(bare.ok());
   EXPECT_NE(bare.error().message.find("collectives"), std::string::npos);
-  auto crowded = check_parallelism(Parallelism{.ranks = 16, .nodes = 1}, fsdp_profile());
+  auto crowded = Mesh::make(Parallelism{.ranks = 16, .nodes = 1}, fsdp_profile());
   ASSERT_FALSE(crowded.ok());
   EXPECT_EQ(crowded.error().message.rfind("nodes: 16 ranks over 1 nodes", 0), 0U);
-  auto uneven = check_parallelism(Parallelism{.ranks = 4, .reshard_after_forward = Reshard::K(3)},
-                                  fsdp_profile());
+  auto uneven =
+      Mesh::make(Parallelism{.ranks = 4, .reshard_after_forward = Reshard::K(3)}, fsdp_profile());
   ASSERT_FALSE(uneven.ok());
   EXPECT_EQ(uneven.error().message.rfind("reshard_after_forward: 3 must be", 0), 0U);
   // The default is one GPU, on any device.
-  EXPECT_FALSE(CheckedParallelism{}.on());
-  EXPECT_TRUE(check_parallelism(Parallelism{}, testing::simple_profile()).ok());
+  EXPECT_FALSE(Mesh{}.on());
+  EXPECT_TRUE(Mesh::make(Parallelism{}, testing::simple_profile()).ok());
 }
 
 bool reported_on(const TrainingRun& run, const std::string& stream) {
@@ -188,7 +187,7 @@ TEST(Fsdp, PlantedFaultsAreReported) {
 TrainingOptions simple_fsdp_options(std::int32_t ranks, Policy policy = Policy::None,
                                     Reshard reshard = Reshard::True()) {
   TrainingOptions o = testing::two_steps(policy);
-  o.fsdp.parallelism = on_fsdp_profile(
+  o.parallel.mesh = on_fsdp_profile(
       Parallelism{.ranks = ranks, .reshard_after_forward = reshard, .impl = FsdpImpl::Simple});
   return o;
 }
@@ -284,10 +283,10 @@ TEST(Fsdp, EachGroupsCollectivesTakeTheLinkItsRanksLieOn) {
   const auto hsdp = [&](std::int32_t ranks, std::int32_t nodes, std::int32_t replicas,
                         const DeviceProfile& device) {
     TrainingOptions o = testing::two_steps(Policy::None);
-    auto checked = check_parallelism(
-        Parallelism{.ranks = ranks, .nodes = nodes, .replicas = replicas}, device);
+    auto checked =
+        Mesh::make(Parallelism{.ranks = ranks, .nodes = nodes, .replicas = replicas}, device);
     EXPECT_TRUE(checked.ok()) << checked.error().message;
-    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    if (checked.ok()) o.parallel.mesh = checked.value();
     return train(m, o, {}, device);
   };
   // 16 ranks on two nodes, two replica groups: each shard group fills a node (its
@@ -318,9 +317,9 @@ TEST(Fsdp, AShardGroupOfTensorParallelRanksSpansTheirGpus) {
   slow_network.collectives.inter_node.bandwidth = Bandwidth(1'000'000'000);
   const auto reduce = [&](std::int32_t ranks, std::int32_t tp, const DeviceProfile& device) {
     TrainingOptions o = testing::two_steps(Policy::None);
-    auto checked = check_parallelism(Parallelism{.ranks = ranks, .tp = tp}, device);
+    auto checked = Mesh::make(Parallelism{.ranks = ranks, .tp = tp}, device);
     EXPECT_TRUE(checked.ok()) << checked.error().message;
-    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    if (checked.ok()) o.parallel.mesh = checked.value();
     const TrainingRun run = train(m, o, {}, device);
     expect_clean(run);
     return collective_time_on(run, "reduce_scatter");
@@ -332,7 +331,7 @@ TEST(Fsdp, AShardGroupOfTensorParallelRanksSpansTheirGpus) {
 
 TEST(Fsdp, ATensorParallelGroupMustFitANode) {
   const auto refused = [](const Parallelism& p, const DeviceProfile& device) {
-    auto checked = check_parallelism(p, device, kFsdpFlags);
+    auto checked = Mesh::make(p, device, kMeshFlags);
     EXPECT_FALSE(checked.ok());
     return checked.ok() ? std::string() : checked.error().message;
   };
@@ -348,8 +347,8 @@ TEST(Fsdp, ATensorParallelGroupMustFitANode) {
   EXPECT_EQ(refused(Parallelism{.ranks = 6, .nodes = 1, .tp = 2}, fsdp_profile())
                 .rfind("--nodes: 12 ranks over 1 nodes", 0),
             0U);
-  EXPECT_TRUE(check_parallelism(Parallelism{.tp = 8}, fsdp_profile()).ok());
-  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 4, .tp = 2}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.tp = 8}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 4, .tp = 2}, fsdp_profile()).ok());
 }
 
 // Context parallelism: FSDP shards over the data-parallel and context-parallel ranks together
@@ -358,9 +357,9 @@ TEST(Fsdp, AShardGroupSpansItsContextParallelRanks) {
   const Model m = testing::chain_model(4, 1 << 20);
   const auto run = [&](const Parallelism& p) {
     TrainingOptions o = testing::two_steps(Policy::None);
-    auto checked = check_parallelism(p, fsdp_profile());
+    auto checked = Mesh::make(p, fsdp_profile());
     EXPECT_TRUE(checked.ok()) << checked.error().message;
-    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    if (checked.ok()) o.parallel.mesh = checked.value();
     return train(m, o, {}, fsdp_profile());
   };
   const TrainingRun fsdp8 = run(Parallelism{.ranks = 8});
@@ -395,9 +394,9 @@ TEST(Fsdp, ALayersExpertsAreAUnitShardedOverTheExpertShardGroup) {
   };
   const auto run = [&](const Model& m, const Parallelism& p) {
     TrainingOptions o = testing::two_steps(Policy::None);
-    auto checked = check_parallelism(p, device);
+    auto checked = Mesh::make(p, device);
     EXPECT_TRUE(checked.ok()) << checked.error().message;
-    if (checked.ok()) o.fsdp.parallelism = checked.value();
+    if (checked.ok()) o.parallel.mesh = checked.value();
     return train(m, o, {}, device);
   };
   const TrainingRun ep2 = run(timed(cut.value()), Parallelism{.ranks = 8, .ep = 2});
@@ -427,7 +426,7 @@ TEST(Fsdp, ALayersExpertsAreAUnitShardedOverTheExpertShardGroup) {
 
 TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
   const auto refused = [](const Parallelism& p) {
-    auto checked = check_parallelism(p, fsdp_profile(), kFsdpFlags);
+    auto checked = Mesh::make(p, fsdp_profile(), kMeshFlags);
     EXPECT_FALSE(checked.ok());
     return checked.ok() ? std::string() : checked.error().message;
   };
@@ -437,7 +436,7 @@ TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
   EXPECT_EQ(refused(Parallelism{.ranks = 3, .tp = 2, .cp = 2})
                 .rfind("--cp: 2 ranks (times 2 of tensor parallelism) neither fit", 0),
             0U);
-  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 1, .cp = 16}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 1, .cp = 16}, fsdp_profile()).ok());
   // Expert parallelism: GPUs of the shard group and their tensor-parallel ones, a multiple of
   // the tensor-parallel group.
   EXPECT_EQ(refused(Parallelism{.ep = 2}).rfind("--ep 2 needs --fsdp N", 0), 0U);
@@ -454,15 +453,15 @@ TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
                        0),
             0U);
   const Parallelism fsdp4_tp2_ep2{.ranks = 4, .tp = 2, .ep = 2};
-  EXPECT_TRUE(check_parallelism(fsdp4_tp2_ep2, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(fsdp4_tp2_ep2, fsdp_profile()).ok());
   EXPECT_EQ(fsdp4_tp2_ep2.expert_shard_group(), 4);  // torchtitan's efsdp: 4 x 2 / 2
   EXPECT_EQ(refused(Parallelism{.ranks = 8, .reshard_after_forward = Reshard::K(8), .ep = 2})
                 .rfind("--reshard-after-forward: 8 must be true, false or a number of ranks that "
                        "divides the shard group (8, and the experts' 4)",
                        0),
             0U);
-  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 2, .cp = 4, .ep = 8}, fsdp_profile()).ok());
-  EXPECT_TRUE(check_parallelism(Parallelism{.ranks = 2, .tp = 2, .cp = 2}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 2, .cp = 4, .ep = 8}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 2, .tp = 2, .cp = 2}, fsdp_profile()).ok());
 }
 
 TEST(Fsdp, OneRankGathersAndReduceScattersNothing) {
@@ -510,7 +509,7 @@ TEST(Fsdp, NodeRunsAreRefusedWithTheReason) {
   EXPECT_NE(crowded.error().message.find("2 to 4 ranks"), std::string::npos);
 }
 
-TEST(FsdpRequest, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
+TEST(MeshRequest, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
   EXPECT_EQ(parse_reshard("true").value(), Reshard::True());
   EXPECT_EQ(parse_reshard("false").value(), Reshard::False());
   EXPECT_EQ(parse_reshard("4").value(), Reshard::K(4));
@@ -534,17 +533,17 @@ TEST(FsdpRequest, ReshardTextIsTrueFalseOrARankCountOfTwoOrMore) {
   }
 }
 
-TEST(FsdpRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
-  EXPECT_EQ(parallelism_of(FsdpRequest{}).value(), Parallelism{});
+TEST(MeshRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
+  EXPECT_EQ(parallelism_of(MeshRequest{}).value(), Parallelism{});
   EXPECT_EQ(parallelism_of(
-                FsdpRequest{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)})
+                MeshRequest{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)})
                 .value(),
             (Parallelism{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
-  EXPECT_EQ(parallelism_of(FsdpRequest{.ranks = 0}).error().message,
+  EXPECT_EQ(parallelism_of(MeshRequest{.ranks = 0}).error().message,
             "--fsdp: 0 is not in 1..1000000");
-  EXPECT_EQ(parallelism_of(FsdpRequest{.nodes = 2}).error().message,
+  EXPECT_EQ(parallelism_of(MeshRequest{.nodes = 2}).error().message,
             "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N");
-  EXPECT_EQ(parallelism_of(FsdpRequest{.impl = FsdpImpl::Simple}).error().message,
+  EXPECT_EQ(parallelism_of(MeshRequest{.impl = FsdpImpl::Simple}).error().message,
             "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N");
   EXPECT_EQ(fsdp_impl("simple").value(), FsdpImpl::Simple);
   EXPECT_EQ(fsdp_impl("fsdp2").value(), FsdpImpl::Fsdp2);
@@ -555,29 +554,29 @@ TEST(FsdpRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
                          .replicas = 2,
                          .reshard_after_forward = Reshard::False(),
                          .impl = FsdpImpl::Simple};
-  FsdpRequest bare;
+  MeshRequest bare;
   adopt_parallelism(bare, file);
   EXPECT_EQ(parallelism_of(bare).value(), file);
-  FsdpRequest given{.ranks = 16, .reshard_after_forward = Reshard::K(4)};
+  MeshRequest given{.ranks = 16, .reshard_after_forward = Reshard::K(4)};
   adopt_parallelism(given, file);
   EXPECT_EQ(parallelism_of(given).value(), (Parallelism{.ranks = 16,
                                                         .nodes = 1,
                                                         .replicas = 2,
                                                         .reshard_after_forward = Reshard::K(4),
                                                         .impl = FsdpImpl::Simple}));
-  FsdpRequest pipelined;
+  MeshRequest pipelined;
   adopt_parallelism(pipelined, file, 2);
   EXPECT_EQ(parallelism_of(pipelined).value(), Parallelism{});
 }
 
-TEST(FsdpRequest, EdgesNameTheFlagsWhereTheSimulatorNamesTheFields) {
+TEST(MeshRequest, EdgesNameTheFlagsWhereTheSimulatorNamesTheFields) {
   const Parallelism uneven{.ranks = 4, .replicas = 3};
-  EXPECT_EQ(validate_parallelism(uneven, fsdp_profile()).error().message,
+  EXPECT_EQ(Mesh::make(uneven, fsdp_profile()).error().message,
             "replicas: 3 replica groups do not divide 4 ranks");
-  EXPECT_EQ(validate_parallelism(uneven, fsdp_profile(), kFsdpFlags).error().message,
+  EXPECT_EQ(Mesh::make(uneven, fsdp_profile(), kMeshFlags).error().message,
             "--hsdp: 3 replica groups do not divide 4 ranks");
   const Parallelism bare{.ranks = 4};
-  EXPECT_NE(validate_parallelism(bare, testing::simple_profile(), kFsdpFlags)
+  EXPECT_NE(Mesh::make(bare, testing::simple_profile(), kMeshFlags)
                 .error()
                 .message.find("links: --fsdp 4 needs"),
             std::string::npos);

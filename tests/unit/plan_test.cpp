@@ -283,9 +283,8 @@ TEST(Planner, UnderFsdpThePlanRecordsItsParallelismAndTwoRanksOfANodeAreChecked)
   const DeviceProfile device = profile("h100-sxm-pcie5");
   const Model model = preset("tiny-gpt", device);
   PlannerOptions options{device.memory, std::nullopt, 2};
-  options.fsdp.parallelism =
-      check_parallelism(Parallelism{.ranks = 16, .reshard_after_forward = Reshard::K(4)}, device)
-          .value();
+  options.parallel.mesh =
+      Mesh::make(Parallelism{.ranks = 16, .reshard_after_forward = Reshard::K(4)}, device).value();
   auto outcome = make_plan(model, device, options);
   ASSERT_TRUE(outcome.ok()) << outcome.error().message;
   EXPECT_EQ(outcome.value().node_ranks, 2);

@@ -1,8 +1,10 @@
 #pragma once
-/// How a step trains across GPUs: FSDP2 (`fully_shard` on every layer and the root) over data-
-/// parallel ranks, as the simulator runs it and a model or plan file's "parallelism" section
-/// records it (docs/fsdp.md). The one value for it: the command line, Python and the files turn
-/// what they are given into a Parallelism, and every layer below takes it as it is.
+/// How a step trains across GPUs: the whole device mesh, FSDP2 (`fully_shard` on every layer and
+/// the root, or HSDP) over data-parallel ranks and, within each rank, tensor, context and expert
+/// parallelism, as the simulator runs it and a model or plan file's "parallelism" section records
+/// it (docs/fsdp.md, docs/parallelism.md). The one value for it: the command line, Python and the
+/// files turn what they are given into a Parallelism, bounded by the simulator's table of the
+/// mesh's fields (sim/mesh/axes.hpp), which the simulator's Mesh checks once against a device.
 
 #include <cstdint>
 #include <optional>
@@ -22,8 +24,8 @@ class Reshard {
   constexpr Reshard() = default;  ///< True, torch's default
   [[nodiscard]] static constexpr Reshard True() { return Reshard(Kind::True, 0); }
   [[nodiscard]] static constexpr Reshard False() { return Reshard(Kind::False, 0); }
-  /// A 1/`ranks` shard. Any `ranks` can be held; validate_parallelism (sim) refuses one below 2
-  /// or one that does not divide the shard group.
+  /// A 1/`ranks` shard. Any `ranks` can be held; Mesh::make (sim) refuses one below 2 or one
+  /// that does not divide the shard group.
   [[nodiscard]] static constexpr Reshard K(std::int32_t ranks) { return Reshard(Kind::K, ranks); }
 
   [[nodiscard]] constexpr Kind kind() const { return kind_; }

@@ -38,17 +38,15 @@ Result<DeviceProfile> load_device(const std::string& spec, const std::filesystem
 
 Result<Workload> load_workload(const std::string& model, const std::string& device,
                                const std::filesystem::path& scenarios) {
-  return make_workload(load_model(model), model, device, scenarios);
+  return make_workload(load_model(model), device, scenarios);
 }
 
-Result<Workload> make_workload(Result<CheckedModel> model, std::string_view spec,
-                               const std::string& device, const std::filesystem::path& scenarios) {
+Result<Workload> make_workload(Result<CheckedModel> model, const std::string& device,
+                               const std::filesystem::path& scenarios) {
   if (!model) return model.error();
   auto d = load_device(device, scenarios);
   if (!d) return d.error();
-  auto timed = with_roofline_durations(std::move(model).value(), d.value());
-  if (!timed) return Error{fmt::format("{}: {}", spec, timed.error().message)};
-  return Workload{std::move(timed).value(), std::move(d).value()};
+  return Workload{std::move(model).value(), std::move(d).value()};
 }
 
 }  // namespace ferry::sim

@@ -37,11 +37,6 @@ Status in_bounds(std::string_view option, std::int64_t value, std::int64_t lo, s
   return Error{fmt::format("{}: {} is not in {}..{}", option, value, lo, hi)};
 }
 
-Status in_bounds(std::string_view option, const std::optional<std::int32_t>& value, std::int64_t lo,
-                 std::int64_t hi) {
-  return value ? in_bounds(option, *value, lo, hi) : Status{Ok{}};
-}
-
 // The first error of `checks`, or Ok.
 Status first_error(std::initializer_list<Status> checks) {
   for (const Status& check : checks) {
@@ -54,7 +49,7 @@ Status first_error(std::initializer_list<Status> checks) {
 // depend on, and not the budgets and margin, which each plan takes.
 std::string planner_key(const PlanRequest& r) {
   const ModelSource& m = r.target.model;
-  const FsdpRequest& f = r.fsdp;
+  const MeshRequest& f = r.mesh;
   return fmt::format("{}\n{}\n{}\n{}\n{} {} {} {} {} {} {} {} {} {} {}", m.name,
                      m.text.value_or(""), r.target.device, r.target.scenarios.string(), r.steps,
                      f.ranks ? *f.ranks : 0, f.nodes ? *f.nodes : 0, f.replicas,
@@ -65,7 +60,7 @@ std::string planner_key(const PlanRequest& r) {
 
 Result<Workload> load(const Target& target) {
   const ModelSource& m = target.model;
-  return make_workload(m.text ? parse_checked_model(*m.text, m.name) : load_model(m.name), m.name,
+  return make_workload(m.text ? parse_checked_model(*m.text, m.name) : load_model(m.name),
                        target.device, target.scenarios);
 }
 
@@ -89,7 +84,7 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
       !bounded) {
     return bounded.error();
   }
-  auto parallelism = parallelism_of(k.fsdp);
+  auto parallelism = parallelism_of(k.mesh);
   if (!parallelism) return parallelism;
   if (auto pipeline = first_error({in_bounds("--devices", k.devices, 1, 64),
                                    in_bounds("--micro-batches", k.micro_batches, 1, 1024)});
@@ -107,93 +102,60 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
   return parallelism;
 }
 
-// The nodes a group of `span` consecutive GPUs of `p` spans (validate_parallelism has checked
-// that a context-parallel group fills a node evenly or whole nodes).
-std::int32_t span_nodes(const Parallelism& p, std::int32_t span, const DeviceProfile& device) {
-  const std::int32_t per_node = std::max(1, p.ranks_per_node(device.collectives.gpus_per_node));
-  return std::max(1, span / per_node);
+// The workload one GPU of `mesh` runs (rank_workload: cut by `axes`, checked and timed once);
+// with nothing cut, the whole model's timing errors name the model as `spec`, as its reading
+// errors do.
+Result<Workload> rank_of(const Workload& whole, const Mesh& mesh, std::string_view spec,
+                         CutAxes axes = {}) {
+  auto rank = rank_workload(whole, mesh, axes);
+  const Parallelism& p = mesh;
+  const bool cut = (axes.tp && p.tp > 1) || (axes.cp && p.cp > 1) || (axes.ep && p.ep > 1);
+  if (!rank && !cut) return Error{fmt::format("{}: {}", spec, rank.error().message)};
+  return rank;
 }
 
-// How one GPU's model is cut: its tensor-, context- and expert-parallel degrees, and the nodes
-// the context and expert groups span.
-struct Cut {
-  std::int32_t tp = 1;
-  std::int32_t cp = 1;
-  std::int32_t ep = 1;
-  std::int32_t cp_nodes = 1;
-  std::int32_t ep_nodes = 1;
-  double capacity = 0;  // the expert dispatcher's (Note [Static capacity])
-};
-
-Cut cut_of(const Parallelism& p, const DeviceProfile& device) {
-  return Cut{.tp = p.tp,
-             .cp = p.cp,
-             .ep = p.ep,
-             .cp_nodes = span_nodes(p, p.cp * p.tp, device),
-             .ep_nodes = span_nodes(p, p.ep, device),
-             .capacity = p.expert_capacity};
-}
-
-// The workload one GPU runs under `cut_by`: its cut of the model (Note [A rank's model], Note
-// [A context-parallel rank], Note [An expert-parallel rank]), timed on the device; `w` itself
-// when nothing is cut.
-Result<Workload> cut_workload(const Workload& w, const Cut& cut_by) {
-  if (cut_by.tp <= 1 && cut_by.cp <= 1 && cut_by.ep <= 1) return w;
-  auto cut = tensor_parallel_model(*w.model, cut_by.tp);
-  if (cut && cut_by.cp > 1) cut = context_parallel_model(cut.value(), cut_by.cp, cut_by.cp_nodes);
-  if (cut && cut_by.ep > 1) {
-    cut = expert_parallel_model(cut.value(), cut_by.ep, cut_by.ep_nodes, cut_by.capacity);
-  }
-  if (!cut) return cut.error();
-  auto checked = check_model(std::move(cut).value());
-  if (!checked) return checked.error();
-  auto timed = with_roofline_durations(std::move(checked).value(), w.device);
-  if (!timed) return timed.error();
-  return Workload{std::move(timed).value(), w.device};
-}
-
-// The workload one GPU of `p` runs (its tensor-, context- and expert-parallel cut).
-Result<Workload> cut_workload(const Workload& w, const Parallelism& p) {
-  return cut_workload(w, cut_of(p, w.device));
-}
-
-// A rank's workload, and the parallelism it was cut under where a cut needed one, checked
-// against the device: the run that uses that parallelism takes it as checked.
+// A rank's workload, and the mesh it was cut under where a cut needed one: the run that uses
+// that mesh takes it as checked.
 struct RankWorkload {
   Workload workload;
-  std::optional<CheckedParallelism> checked;
+  std::optional<Mesh> checked;
 };
 
 // The workload a rank runs under the tensor, context and expert parallelism `fsdp` asks for (the
-// model file's where it asks none), its parallelism checked against the device first: what every
-// option read against the model (a checkpoint plan's layers and ops) is read against.
-Result<RankWorkload> rank_workload(const Workload& w, FsdpRequest fsdp, std::int32_t devices) {
-  adopt_parallelism(fsdp, w.model->parallelism, devices);
-  if ((fsdp.tp == 1 && fsdp.cp == 1 && fsdp.ep == 1) || devices > 1) return RankWorkload{w, {}};
+// model file's where it asks none), its mesh made first: what every option read against the
+// model (a checkpoint plan's layers and ops) is read against.
+Result<RankWorkload> rank_workload_of(const Workload& whole, const std::string& spec,
+                                      MeshRequest fsdp, std::int32_t devices) {
+  adopt_parallelism(fsdp, whole.model->parallelism, devices);
+  if ((fsdp.tp == 1 && fsdp.cp == 1 && fsdp.ep == 1) || devices > 1) {
+    auto timed = rank_of(whole, Mesh{}, spec);
+    if (!timed) return timed.error();
+    return RankWorkload{std::move(timed).value(), {}};
+  }
   auto p = parallelism_of(fsdp);
   if (!p) return p.error();
-  auto checked = check_parallelism(p.value(), w.device, kFsdpFlags);
-  if (!checked) return checked.error();
-  auto cut = cut_workload(w, p.value());
+  auto mesh = Mesh::make_within_bounds(p.value(), whole.device, kMeshFlags);
+  if (!mesh) return mesh.error();
+  auto cut = rank_of(whole, mesh.value(), spec);
   if (!cut) return cut.error();
-  return RankWorkload{std::move(cut).value(), checked.value()};
+  return RankWorkload{std::move(cut).value(), mesh.value()};
 }
 
 // The training options a request asks for, with its parallelism apart: that is checked
-// against the device once, where the run that uses it is chosen (check_parallelism), and the
-// runs take it as checked.
+// against the device once, where the run that uses it is chosen (Mesh::make), and the runs
+// take it as checked.
 struct AskedRun {
   TrainingOptions base;  // its parallelism off
   Parallelism parallelism;
-  std::optional<CheckedParallelism> checked{};  // the rank's cut was made under, if any
-  std::optional<TrainerSetting> trainer{};      // `--for T`: the setting its flags ask for
+  std::optional<Mesh> checked{};            // the rank's cut was made under, if any
+  std::optional<TrainerSetting> trainer{};  // `--for T`: the setting its flags ask for
 };
 
 // The training options `k` asks for on `model` (the model file's parallelism and allocator
 // where `k` leaves them), checked; with `simulate`, its checkpoint plan, side streams and
 // horizon too.
 Result<AskedRun> training_options(RunKnobs k, const Model& model, const SimulateRequest* simulate) {
-  adopt_parallelism(k.fsdp, model.parallelism, k.devices);
+  adopt_parallelism(k.mesh, model.parallelism, k.devices);
   auto parallelism = checked_knobs(k);
   if (!parallelism) return parallelism.error();
   auto allocator = allocator_of(k.allocator, model);
@@ -253,15 +215,15 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
 
 // `p` checked against the device, its errors naming the flags, as `fsdp`'s parallelism; taken
 // as it is where the rank's cut was made under it (`cut_under`, checked then).
-Status choose_parallelism(FsdpOptions& fsdp, const Parallelism& p, const DeviceProfile& device,
-                          const std::optional<CheckedParallelism>& cut_under = std::nullopt) {
+Status choose_parallelism(ParallelOptions& fsdp, const Parallelism& p, const DeviceProfile& device,
+                          const std::optional<Mesh>& cut_under = std::nullopt) {
   if (cut_under && static_cast<const Parallelism&>(*cut_under) == p) {
-    fsdp.parallelism = *cut_under;
+    fsdp.mesh = *cut_under;
     return Ok{};
   }
-  auto checked = check_parallelism(p, device, kFsdpFlags);
+  auto checked = Mesh::make_within_bounds(p, device, kMeshFlags);
   if (!checked) return checked.error();
-  fsdp.parallelism = checked.value();
+  fsdp.mesh = checked.value();
   return Ok{};
 }
 
@@ -280,28 +242,29 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   if (!text) return text.error();
   auto plan = parse_plan(text.value(), path);
   if (!plan) return plan.error();
-  FsdpRequest asked = r.run.fsdp;
+  MeshRequest asked = r.run.mesh;
   adopt_parallelism(asked, w.model->parallelism, r.run.devices);
-  FsdpRequest adopted = asked;
+  MeshRequest adopted = asked;
   adopt_parallelism(adopted, plan.value().parallelism);
   TrainingOptions& base = run.base;
   if (adopted.ranks != asked.ranks || adopted.tp != asked.tp || adopted.cp != asked.cp ||
       adopted.ep != asked.ep) {
     auto fsdp = parallelism_of(adopted);
     const Status chosen =
-        fsdp ? choose_parallelism(base.fsdp, fsdp.value(), w.device) : Status(fsdp.error());
+        fsdp ? choose_parallelism(base.parallel, fsdp.value(), w.device) : Status(fsdp.error());
     if (!chosen) return Error{fmt::format("{}: parallelism: {}", path, chosen.error().message)};
-  } else if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device, run.checked);
+  } else if (auto chosen =
+                 choose_parallelism(base.parallel, run.parallelism, w.device, run.checked);
              !chosen) {
     return chosen.error();
   }
   // A plan made under tensor, context or expert parallelism the request and the model leave out
   // is replayed on the cut it was made on.
-  Cut remaining = cut_of(base.fsdp.parallelism, w.device);
-  if (adopted.tp == asked.tp) remaining.tp = 1;
-  if (adopted.cp == asked.cp) remaining.cp = 1;
-  if (adopted.ep == asked.ep) remaining.ep = 1;
-  auto ranked = cut_workload(w, remaining);
+  const CutAxes remaining{
+      .tp = adopted.tp != asked.tp, .cp = adopted.cp != asked.cp, .ep = adopted.ep != asked.ep};
+  auto ranked = remaining.tp || remaining.cp || remaining.ep
+                    ? rank_workload(w, base.parallel.mesh, remaining)
+                    : Result<Workload>(w);
   if (!ranked) return Error{fmt::format("{}: parallelism: {}", path, ranked.error().message)};
   auto row = replay_plan(plan.value(), ranked.value().model, w.device, base);
   if (!row) return Error{fmt::format("{}: {}", path, row.error().message)};
@@ -383,11 +346,11 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
   auto policy = policy_of(r.policy);
   if (!policy) return policy.error();
   TrainingOptions& base = run.base;
-  if (auto chosen = choose_parallelism(base.fsdp, run.parallelism, w.device, run.checked);
+  if (auto chosen = choose_parallelism(base.parallel, run.parallelism, w.device, run.checked);
       !chosen) {
     return chosen.error();
   }
-  const Parallelism parallelism = base.fsdp.parallelism;
+  const Parallelism parallelism = base.parallel.mesh;
   PolicyRow row{r.policy, std::move(base)};
   row.options.offload.policy = policy.value();
   if (run.trainer) {
@@ -409,24 +372,20 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
 }
 
 // `ferry plan --for T`: every setting of the trainer's space run as `ferry simulate --for T
-// --trainer-config FILE` runs it (on the device, the request's steps, parallelism and
-// allocator), timing only; the fastest that fits `planned_budget` is run again with the checks
-// on, as simulate runs it, for the figures the report prints.
-Result<TrainerChoice> trainer_choice(const PlanRequest& r, const Workload& whole,
+// --trainer-config FILE` runs it (on the rank's workload `w` of the plan's `mesh`, the
+// request's steps and allocator), timing only; the fastest that fits `planned_budget` is run again
+// with the checks on, as simulate runs it, for the figures the report prints.
+Result<TrainerChoice> trainer_choice(const PlanRequest& r, const Workload& w, const Mesh& mesh,
                                      Bytes planned_budget, std::int32_t margin_permille) {
   RunKnobs k;
   k.steps = r.steps;
-  k.fsdp = r.fsdp;
+  k.mesh = r.mesh;
   k.allocator = r.allocator;
   k.check = false;
-  auto workload = rank_workload(whole, k.fsdp, 1);
-  if (!workload) return workload.error();
-  const Workload& w = workload.value().workload;
   auto asked = training_options(k, *w.model, nullptr);
   if (!asked) return asked.error();
   TrainingOptions base = std::move(asked.value().base);
-  if (auto chosen = choose_parallelism(base.fsdp, asked.value().parallelism, w.device,
-                                       workload.value().checked);
+  if (auto chosen = choose_parallelism(base.parallel, asked.value().parallelism, w.device, mesh);
       !chosen) {
     return chosen.error();
   }
@@ -485,7 +444,7 @@ Result<AskedPlan> planner_options(const PlanRequest& r) {
   options.host_budget = r.host_budget;
   if (auto steps = in_bounds("--steps", r.steps, 1, 100); !steps) return steps.error();
   options.steps = r.steps;
-  auto fsdp = parallelism_of(r.fsdp);
+  auto fsdp = parallelism_of(r.mesh);
   if (!fsdp) return fsdp.error();
   options.allocator = r.allocator.value_or(AllocatorMode::Default);
   options.margin_permille = r.margin_permille.value_or(kDefaultPlanMarginPermille);
@@ -502,28 +461,32 @@ Result<AskedPlan> planner_options(const PlanRequest& r) {
 
 }  // namespace
 
-Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
-  if (auto bounded = first_error({in_bounds("--fsdp", fsdp.ranks, 1, 1'000'000),
-                                  in_bounds("--nodes", fsdp.nodes, 1, 1'000'000),
-                                  in_bounds("--hsdp", fsdp.replicas, 1, 1'000'000)});
-      !bounded) {
-    return bounded.error();
-  }
-  if (auto bounded =
-          first_error({in_bounds("--tp", fsdp.tp, 1, 1024), in_bounds("--cp", fsdp.cp, 1, 1024),
-                       in_bounds("--ep", fsdp.ep, 1, 1024)});
-      !bounded) {
-    return bounded.error();
+Result<Parallelism> parallelism_of(const MeshRequest& fsdp) {
+  // The numbers in kMeshFields' bounds, in its order (Note [One table of axes]).
+  const auto bounded = [](MeshField field, std::int64_t value) {
+    const MeshFieldRule& row = mesh_field(field);
+    return in_bounds(row.flag, value, row.least, row.most);
+  };
+  const auto bounded_if = [&](MeshField field, const std::optional<std::int32_t>& value) {
+    return value ? bounded(field, *value) : Status{Ok{}};
+  };
+  if (auto in = first_error(
+          {bounded_if(MeshField::Fsdp, fsdp.ranks), bounded_if(MeshField::Nodes, fsdp.nodes),
+           bounded(MeshField::Hsdp, fsdp.replicas), bounded(MeshField::Tp, fsdp.tp),
+           bounded(MeshField::Cp, fsdp.cp), bounded(MeshField::Ep, fsdp.ep)});
+      !in) {
+    return in.error();
   }
   if (fsdp.expert_capacity != 0) {
-    if (!(fsdp.expert_capacity >= 1 && fsdp.expert_capacity <= kMaxExpertCapacity)) {
-      return Error{fmt::format("--expert-capacity {}: use a factor from 1 to {}",
-                               fsdp.expert_capacity, kMaxExpertCapacity)};
+    const MeshFieldRule& capacity = mesh_field(MeshField::ExpertCapacity);
+    if (!capacity.in_bounds(fsdp.expert_capacity)) {
+      return Error{fmt::format("{} {}: use a factor from {} to {}", capacity.flag,
+                               fsdp.expert_capacity, capacity.least, capacity.most)};
     }
-    if (fsdp.ep < 2) {
-      return Error{
-          "--expert-capacity needs --ep 2 or more: a static dispatcher pads the rows expert "
-          "parallelism exchanges"};
+    if (fsdp.ep < capacity.needs_least) {
+      return Error{fmt::format("{} needs {} {} or more: {}", capacity.flag,
+                               mesh_field(capacity.needs).flag, capacity.needs_least,
+                               capacity.why)};
     }
   }
   const Parallelism p{.ranks = fsdp.ranks.value_or(0),
@@ -537,31 +500,55 @@ Result<Parallelism> parallelism_of(const FsdpRequest& fsdp) {
                       .expert_capacity = fsdp.expert_capacity};
   if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True() ||
                   p.impl != FsdpImpl::Fsdp2)) {
-    return Error{"--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N"};
+    return Error{fmt::format("{} need {} N", fsdp_option_list(&MeshFieldRule::flag),
+                             mesh_field(MeshField::Fsdp).flag)};
   }
   return p;
 }
 
-void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t devices) {
+void adopt_parallelism(Parallelism& asked, const Parallelism& file, std::int32_t devices) {
   if (!file.sharded() || devices > 1) return;
-  if (fsdp.tp == 1) fsdp.tp = file.tp;
-  if (fsdp.cp == 1) fsdp.cp = file.cp;
-  if (fsdp.ep == 1) fsdp.ep = file.ep;
-  if (fsdp.expert_capacity == 0) fsdp.expert_capacity = file.expert_capacity;
+  if (asked.tp == 1) asked.tp = file.tp;
+  if (asked.cp == 1) asked.cp = file.cp;
+  if (asked.ep == 1) asked.ep = file.ep;
+  if (asked.expert_capacity == 0) asked.expert_capacity = file.expert_capacity;
   if (!file.on()) return;
-  if (!fsdp.ranks) fsdp.ranks = file.ranks;
-  if (!fsdp.nodes && file.nodes > 0) fsdp.nodes = file.nodes;
-  if (fsdp.replicas == 1) fsdp.replicas = file.replicas;
-  if (fsdp.reshard_after_forward == Reshard::True()) {
-    fsdp.reshard_after_forward = file.reshard_after_forward;
+  if (asked.ranks == 0) asked.ranks = file.ranks;
+  if (asked.nodes == 0 && file.nodes > 0) asked.nodes = file.nodes;
+  if (asked.replicas == 1) asked.replicas = file.replicas;
+  if (asked.reshard_after_forward == Reshard::True()) {
+    asked.reshard_after_forward = file.reshard_after_forward;
   }
-  if (fsdp.impl == FsdpImpl::Fsdp2) fsdp.impl = file.impl;
+  if (asked.impl == FsdpImpl::Fsdp2) asked.impl = file.impl;
+}
+
+void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file, std::int32_t devices) {
+  // As the request's parallelism, unchecked: a field left out is 0.
+  Parallelism asked{.ranks = fsdp.ranks.value_or(0),
+                    .nodes = fsdp.nodes.value_or(0),
+                    .replicas = fsdp.replicas,
+                    .reshard_after_forward = fsdp.reshard_after_forward,
+                    .impl = fsdp.impl,
+                    .tp = fsdp.tp,
+                    .cp = fsdp.cp,
+                    .ep = fsdp.ep,
+                    .expert_capacity = fsdp.expert_capacity};
+  adopt_parallelism(asked, file, devices);
+  if (!fsdp.ranks && asked.ranks != 0) fsdp.ranks = asked.ranks;
+  if (!fsdp.nodes && asked.nodes != 0) fsdp.nodes = asked.nodes;
+  fsdp.replicas = asked.replicas;
+  fsdp.reshard_after_forward = asked.reshard_after_forward;
+  fsdp.impl = asked.impl;
+  fsdp.tp = asked.tp;
+  fsdp.cp = asked.cp;
+  fsdp.ep = asked.ep;
+  fsdp.expert_capacity = asked.expert_capacity;
 }
 
 Result<Response> respond(const SimulateRequest& r) {
   auto whole = load(r.target);
   if (!whole) return whole.error();
-  auto workload = rank_workload(whole.value(), r.run.fsdp, r.run.devices);
+  auto workload = rank_workload_of(whole.value(), r.target.model.name, r.run.mesh, r.run.devices);
   if (!workload) return workload.error();
   const Workload& w = workload.value().workload;
   auto asked = training_options(r.run, *w.model, &r);
@@ -581,18 +568,18 @@ Result<Response> respond(const SimulateRequest& r) {
 Result<Response> respond(const CompareRequest& r) {
   auto whole = load(r.target);
   if (!whole) return whole.error();
-  auto workload = rank_workload(whole.value(), r.run.fsdp, r.run.devices);
+  auto workload = rank_workload_of(whole.value(), r.target.model.name, r.run.mesh, r.run.devices);
   if (!workload) return workload.error();
   const Workload& w = workload.value().workload;
   auto asked = training_options(r.run, *w.model, nullptr);
   if (!asked) return asked.error();
   TrainingOptions base = std::move(asked.value().base);
-  if (auto chosen = choose_parallelism(base.fsdp, asked.value().parallelism, w.device,
+  if (auto chosen = choose_parallelism(base.parallel, asked.value().parallelism, w.device,
                                        workload.value().checked);
       !chosen) {
     return chosen.error();
   }
-  const Parallelism& parallelism = base.fsdp.parallelism;
+  const Parallelism& parallelism = base.parallel.mesh;
   if (const auto why = single_device_only(base); why && r.run.devices > 1) {
     return Error{fmt::format("{} (--devices {})", *why, r.run.devices)};
   }
@@ -645,25 +632,18 @@ Result<Response> respond(const PlanRequest& r) {
   const Workload& w = workload.value();
   PlannerOptions options = std::move(asked.value().options);
   Parallelism chosen = asked.value().parallelism;
-  if (w.model->parallelism.sharded()) {
-    // What the request left out is the model file's: the parallelism is checked again with it.
-    FsdpRequest fsdp = r.fsdp;
-    adopt_parallelism(fsdp, w.model->parallelism);
-    auto parallelism = parallelism_of(fsdp);
-    if (!parallelism) {
-      return Error{
-          fmt::format("{}: parallelism: {}", r.target.model.name, parallelism.error().message)};
-    }
-    chosen = parallelism.value();
-  }
+  // What the request left out is the model file's, whose reader bounded it as parallelism_of
+  // bounded the request's (kMeshFields).
+  adopt_parallelism(chosen, w.model->parallelism);
   auto allocator = allocator_of(r.allocator, *w.model);
   if (!allocator) {
     return Error{
         fmt::format("{}: parallelism: {}", r.target.model.name, allocator.error().message)};
   }
   options.allocator = allocator.value();
-  if (auto fsdp = choose_parallelism(options.fsdp, chosen, w.device); !fsdp) return fsdp.error();
-  auto ranked = cut_workload(w, static_cast<const Parallelism&>(options.fsdp.parallelism));
+  if (auto fsdp = choose_parallelism(options.parallel, chosen, w.device); !fsdp)
+    return fsdp.error();
+  auto ranked = rank_of(w, options.parallel.mesh, r.target.model.name);
   if (!ranked) return ranked.error();
   const Workload& rank = ranked.value();
   Response out;
@@ -671,8 +651,8 @@ Result<Response> respond(const PlanRequest& r) {
     // A sweep's budgets are the simulator's peaks, from the floor up: no margin below them.
     options.margin_permille = 0;
     const auto points = plan_sweep(rank.model, w.device, options, r.sweep, r.progress);
-    out.document = sweep_json(points, *rank.model, w.device, options.fsdp.parallelism);
-    out.text = sweep_text(points, *rank.model, w.device, options.fsdp.parallelism);
+    out.document = sweep_json(points, *rank.model, w.device, options.parallel.mesh);
+    out.text = sweep_text(points, *rank.model, w.device, options.parallel.mesh);
     if (r.plot) out.plot = sweep_svg(points, *rank.model, w.device);
     return out;
   }
@@ -694,8 +674,9 @@ Result<Response> respond(const PlanRequest& r) {
   auto outcome = plan_faster_space(rank.model, plan_with, &out.floor);
   std::optional<TrainerChoice> choice;
   if (r.trainer) {
-    auto searched = trainer_choice(
-        r, w, budget_less_margin(options.budget, options.margin_permille), options.margin_permille);
+    auto searched = trainer_choice(r, rank, options.parallel.mesh,
+                                   budget_less_margin(options.budget, options.margin_permille),
+                                   options.margin_permille);
     if (!searched) return searched.error();
     choice = std::move(searched).value();
   }
@@ -755,7 +736,7 @@ struct PlannerCache::Entry {
 
   Entry(const Workload& w, const PlannerOptions& options)
       : workload(w),
-        planner(workload.model, workload.device, options.steps, options.fsdp, options.allocator,
+        planner(workload.model, workload.device, options.steps, options.parallel, options.allocator,
                 options.paged_stash) {}
 };
 
@@ -795,7 +776,7 @@ Result<Reshard> parse_reshard(std::string_view text) {
 }
 
 Result<Reshard> reshard_ranks(std::int64_t k) {
-  if (k < 2 || k > std::numeric_limits<std::int32_t>::max()) {
+  if (!mesh_field(MeshField::ReshardAfterForward).in_bounds(static_cast<double>(k))) {
     return Error{fmt::format(
         "--reshard-after-forward: \"{}\" is not true, false or a number of ranks (2 or more)", k)};
   }

@@ -7,129 +7,6 @@
 #include "fsdp.hpp"
 
 namespace ferry::sim {
-
-Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
-                            const ParallelismNames& names) {
-  const CollectiveLinks& links = device.collectives;
-  if (p.tp < 1 || p.tp > 1024) {
-    return Error{fmt::format("{}: {} ranks (use 1 to 1024)", names.tp, p.tp)};
-  }
-  if (p.tp > 1) {
-    if (links.gpus_per_node % p.tp != 0) {
-      return Error{fmt::format(
-          "{}: {} ranks do not fit a node of {} GPUs (device {}): a tensor-parallel group lies "
-          "inside one node, and the node's GPUs hold whole groups",
-          names.tp, p.tp, links.gpus_per_node, device.name)};
-    }
-    if (!links.intra_node.known()) {
-      return Error{fmt::format(
-          "device {} has no \"collectives\" links: {} {} needs the intra-node bandwidth "
-          "(docs/devices.md)",
-          device.name, names.tp, p.tp)};
-    }
-  }
-  if (p.cp < 1 || p.cp > 1024) {
-    return Error{fmt::format("{}: {} ranks (use 1 to 1024)", names.cp, p.cp)};
-  }
-  if (p.ep < 1 || p.ep > 1024) {
-    return Error{fmt::format("{}: {} ranks (use 1 to 1024)", names.ep, p.ep)};
-  }
-  if (p.ep > 1 && !p.on()) {
-    return Error{fmt::format(
-        "{} {} needs {} N: expert parallelism splits the experts among GPUs of FSDP2's shard "
-        "group, which shards each expert over the rest",
-        names.ep, p.ep, names.ranks)};
-  }
-  if (p.ep > 1 && p.ep % p.tp != 0) {
-    return Error{fmt::format(
-        "{} {} with {} {}: expert parallelism takes in the tensor-parallel GPUs (each computes "
-        "the routed rows of its share of the tokens, torchtitan's expert tensor parallel degree "
-        "1), so {} must be a multiple of {}",
-        names.ep, p.ep, names.tp, p.tp, names.ep, names.tp)};
-  }
-  if (p.cp > 1 && !p.on()) {
-    return Error{fmt::format(
-        "{} {} needs {} N: FSDP2 shards the parameters and reduces the gradients over the "
-        "data-parallel and context-parallel ranks together, as torchtitan's dp_shard_cp does "
-        "({} 1 for context parallelism alone)",
-        names.cp, p.cp, names.ranks, names.ranks)};
-  }
-  if (!p.on()) {
-    if (p.nodes > 1) {
-      return Error{fmt::format("{}: {} GPUs of tensor parallelism lie inside one node, not {}",
-                               names.nodes, p.tp, p.nodes)};
-    }
-    return Ok{};
-  }
-  if (p.ranks < 1 || p.ranks > 1'000'000) {
-    return Error{fmt::format("{}: {} ranks (use 1 to 1000000)", names.ranks, p.ranks)};
-  }
-  if (p.replicas < 1 || p.ranks % p.replicas != 0) {
-    return Error{fmt::format("{}: {} replica groups do not divide {} ranks", names.replicas,
-                             p.replicas, p.ranks)};
-  }
-  const std::int32_t nodes = p.node_count(links.gpus_per_node);
-  const std::int32_t world = p.world();
-  if (nodes < 1 || world % nodes != 0 || world / nodes > links.gpus_per_node ||
-      (world / nodes) % p.tp != 0) {
-    return Error{fmt::format(
-        "{}: {} ranks over {} nodes of {} GPUs (device {}): the nodes must hold the ranks "
-        "evenly",
-        names.nodes, world, nodes, links.gpus_per_node, device.name)};
-  }
-  // A context-parallel group (every tp-th GPU of cp x tp consecutive ones) lies inside a node
-  // or spans whole nodes.
-  const std::int32_t per_node = world / nodes;
-  const std::int32_t context_span = p.cp * p.tp;
-  if (p.cp > 1 && per_node % context_span != 0 && context_span % per_node != 0) {
-    return Error{fmt::format(
-        "{}: {} ranks (times {} of tensor parallelism) neither fit a node's {} GPUs evenly nor "
-        "span whole nodes (device {})",
-        names.cp, p.cp, p.tp, per_node, device.name)};
-  }
-  if (p.ep > 1 && (p.shard_group() * p.tp) % p.ep != 0) {
-    return Error{fmt::format(
-        "{}: {} ranks do not divide the shard group's {} GPUs (data-parallel times "
-        "context-parallel{}), among which expert parallelism splits the experts",
-        names.ep, p.ep, p.shard_group() * p.tp, p.tp > 1 ? " times tensor-parallel" : "")};
-  }
-  const Reshard reshard = p.reshard_after_forward;
-  if (reshard.kind() == Reshard::Kind::K &&
-      (reshard.ranks() < 2 || p.shard_group() % reshard.ranks() != 0 ||
-       p.expert_shard_group() % reshard.ranks() != 0)) {
-    return Error{fmt::format(
-        "{}: {} must be true, false or a number of ranks that divides the shard group ({}{})",
-        names.reshard_after_forward, reshard.ranks(), p.shard_group(),
-        p.ep > 1 ? fmt::format(", and the experts' {}", p.expert_shard_group()) : "")};
-  }
-  if (p.ranks * p.cp > 1 && !links.intra_node.known()) {
-    return Error{fmt::format(
-        "device {} has no \"collectives\" links: {} {} needs the intra-node (and, across "
-        "nodes, the inter-node) bandwidth (docs/devices.md)",
-        device.name, names.ranks, p.ranks)};
-  }
-  if (nodes > 1 && !links.inter_node.known()) {
-    return Error{fmt::format("device {} has no inter-node link: {} {} spans {} nodes", device.name,
-                             names.ranks, p.ranks, nodes)};
-  }
-  return Ok{};
-}
-
-Result<CheckedParallelism> check_parallelism(const Parallelism& p, const DeviceProfile& device,
-                                             const ParallelismNames& names) {
-  if (auto valid = validate_parallelism(p, device, names); !valid) return valid.error();
-  return CheckedParallelism(p);
-}
-
-DeviceProfile rank_profile(DeviceProfile profile, const Parallelism& p) {
-  if (!p.sharded()) return profile;
-  // The node's pinned host memory is shared by its GPUs: each gets an even part.
-  const std::int32_t nodes = p.node_count(profile.collectives.gpus_per_node);
-  const std::int32_t per_node = std::max(1, p.world() / std::max(1, nodes));
-  profile.pinned_host_capacity = Bytes(profile.pinned_host_capacity.count() / per_node);
-  return profile;
-}
-
 namespace training {
 
 // Note [FSDP2, one rank]
@@ -210,15 +87,15 @@ Fsdp2::Fsdp2(const Model& model, const Graph& graph, const TrainingOptions& opti
     : model_(model),
       graph_(graph),
       options_(options),
-      fsdp_(options.fsdp),
-      parallelism_(options.fsdp.parallelism),
+      fsdp_(options.parallel),
+      parallelism_(options.parallel.mesh),
       faults_(faults),
       rank_(rank),
       sim_(rank.sim()),
       dev_(rank.device_id()),
       device_(rank.device()) {}
 
-// The parallelism was checked against the device where it was chosen (CheckedParallelism).
+// The mesh was checked against the device where it was chosen (Mesh::make).
 Status Fsdp2::validate() const {
   if (options_.side.all_reduce) {
     return Error{"FSDP reduce-scatters gradients: DDP's all-reduce does not apply"};
@@ -266,22 +143,17 @@ void Fsdp2::bind_unit(std::size_t u, Device::Buffer buffer) {
 }
 
 void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
-  // The groups of rank 0 (Note [FSDP2, one rank]), GPUs laid out tensor-parallel group by
-  // group, then shard group by shard group: a shard group is every tp-th GPU of consecutive
-  // ones, a replica group one member of each shard group.
-  // Under expert parallelism an expert's shard group is every ep-th GPU (the expert-parallel
-  // group being ep consecutive ones, a tensor-parallel group's among them).
-  const std::int32_t per_node = parallelism_.ranks_per_node(links().gpus_per_node);
-  const std::int32_t tp = parallelism_.tp;
-  const std::int32_t ep = parallelism_.ep;
-  const std::int32_t shard_ranks = parallelism_.shard_group();
-  replica_group_ = place_group(parallelism_.replicas, shard_ranks * tp, per_node);
-  const std::int32_t keep = parallelism_.reshard_after_forward.ranks();
+  // The groups of rank 0 (Note [FSDP2, one rank]) as the mesh lays them out: a layer's unit
+  // shards over the shard group, a layer's experts over an expert's shard group.
+  const Mesh& mesh = fsdp_.mesh;
+  replica_group_ = mesh.group(Mesh::Axis::Replicate).placement();
+  const bool keeps_shard = parallelism_.reshard_after_forward.ranks() > 1;
   const auto place_unit = [&](FsdpUnit& unit) {
-    const std::int32_t stride = unit.experts ? ep : tp;
-    unit.group = unit.experts ? parallelism_.expert_shard_group() : shard_ranks;
-    unit.placement = place_group(unit.group, stride, per_node);
-    if (keep > 1) unit.post_forward_placement = place_group(keep, stride, per_node);
+    const Mesh::Axis axis = unit.experts ? Mesh::Axis::ExpertShard : Mesh::Axis::Shard;
+    const MeshGroup group = mesh.group(axis);
+    unit.group = group.size;
+    unit.placement = group.placement();
+    if (keeps_shard) unit.post_forward_placement = mesh.kept_shard(axis).placement();
   };
   copy_in_ = sim_.add_stream(dev_, "all_gather_copy_in");
   all_gather_ = sim_.add_stream(dev_, "all_gather");
@@ -301,7 +173,7 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
   // Under expert parallelism a layer's experts (the weights of its grouped matmuls) are a unit
   // of their own, as torchtitan applies fully_shard to them over the expert shard group.
   std::set<std::uint32_t> expert_params;
-  if (ep > 1) {
+  if (parallelism_.ep > 1) {
     for (const ModelOp& op : model_.ops) {
       if (!is_grouped_matmul_kind(op.kind) || op.layer < 0) continue;
       for (const std::uint32_t t : op.inputs) {

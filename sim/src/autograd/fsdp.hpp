@@ -81,8 +81,8 @@ class Fsdp2 final : public StepHooks {
   const Model& model_;
   const Graph& graph_;
   const TrainingOptions& options_;
-  const FsdpOptions& fsdp_;         // options_.fsdp
-  const Parallelism& parallelism_;  // fsdp_.parallelism
+  const ParallelOptions& fsdp_;     // options_.parallel
+  const Parallelism& parallelism_;  // fsdp_.mesh
   const TrainingFaults& faults_;
   RankContext& rank_;
   Simulator& sim_;  // rank_.sim()

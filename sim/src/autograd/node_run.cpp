@@ -84,8 +84,10 @@ Result<NodeRun> simulate_node(const CheckedModel& checked, const DeviceProfile& 
                               const TrainingOptions& options, std::int32_t ranks,
                               const TrainingFaults& faults) {
   const Model& model = *checked;
-  const Parallelism& p = options.fsdp.parallelism;  // checked where it was chosen
-  if (!p.on()) return Error{"a node run trains FSDP ranks: set fsdp.parallelism.ranks"};
+  const Mesh& mesh = options.parallel.mesh;  // checked where it was chosen
+  const Parallelism& p = mesh;
+  if (!p.on())
+    return Error{"a node run trains FSDP ranks: set the mesh's fsdp ranks (parallel.mesh)"};
   const std::int32_t per_node = p.ranks_per_node(device.collectives.gpus_per_node);
   if (ranks < 2 || ranks > per_node) {
     return Error{fmt::format("a node run needs 2 to {} ranks (the ranks per node), not {}",
@@ -95,7 +97,7 @@ Result<NodeRun> simulate_node(const CheckedModel& checked, const DeviceProfile& 
   sim_options.process_per_device = true;
   std::vector<DeviceSpec> specs;
   for (std::int32_t r = 0; r < ranks; ++r) {
-    specs.push_back(DeviceSpec{fmt::format("rank{}", r), rank_profile(device, p)});
+    specs.push_back(DeviceSpec{fmt::format("rank{}", r), mesh.rank_profile(device)});
   }
   SimFaults sim_faults;
   sim_faults.shared_pinned_pool = faults.shared_pinned_pool;

@@ -62,7 +62,7 @@ std::unique_ptr<StepHooks> make_step_hooks(const Model& model, const Graph& grap
                                            const TrainingOptions& options,
                                            const TrainingFaults& faults, RankContext& rank) {
   std::vector<std::unique_ptr<StepHooks>> units;
-  if (options.fsdp.on())
+  if (options.parallel.on())
     units.push_back(std::make_unique<Fsdp2>(model, graph, options, faults, rank));
   if (MeshCollectives::needed(model)) {
     units.push_back(std::make_unique<MeshCollectives>(model, faults, rank));

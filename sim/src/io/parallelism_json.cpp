@@ -1,5 +1,11 @@
 #include "ferry/sim/io/parallelism_json.hpp"
 
+#include <algorithm>
+#include <array>
+#include <string_view>
+
+#include "ferry/sim/mesh/axes.hpp"
+
 namespace ferry::sim {
 namespace {
 
@@ -19,42 +25,53 @@ nlohmann::ordered_json reshard_json(Reshard r) {
 }  // namespace
 
 Result<Parallelism> read_parallelism(const JsonValue& value) {
-  constexpr std::int64_t kMost = 1 << 20;
-  FERRY_JSON_TRY(const auto object,
-                 value.object({"fsdp", "nodes", "hsdp", "reshard_after_forward", "fsdp_impl", "tp",
-                               "cp", "ep", "expert_capacity"}));
+  // The keys, bounds and needs are kMeshFields' (Note [One table of axes]).
+  std::array<std::string_view, kMeshFields.size()> keys{};
+  std::ranges::transform(kMeshFields, keys.begin(), &MeshFieldRule::key);
+  FERRY_JSON_TRY(const auto object, value.object(keys));
+  const auto key = [](MeshField field) { return mesh_field(field).key; };
+  const auto optional = [&](MeshField field, std::int64_t fallback) {
+    const MeshFieldRule& row = mesh_field(field);
+    return object.optional_integer(row.key, fallback, row.least, row.most);
+  };
   Parallelism p;
-  FERRY_JSON_TRY(const auto tp, object.optional_integer("tp", 1, 1, 1024));
+  FERRY_JSON_TRY(const auto tp, optional(MeshField::Tp, 1));
   p.tp = static_cast<std::int32_t>(tp);
-  FERRY_JSON_TRY(const auto cp, object.optional_integer("cp", 1, 1, 1024));
+  FERRY_JSON_TRY(const auto cp, optional(MeshField::Cp, 1));
   p.cp = static_cast<std::int32_t>(cp);
-  FERRY_JSON_TRY(const auto ep, object.optional_integer("ep", 1, 1, 1024));
+  FERRY_JSON_TRY(const auto ep, optional(MeshField::Ep, 1));
   p.ep = static_cast<std::int32_t>(ep);
-  if (const auto capacity = object.optional("expert_capacity")) {
+  const MeshFieldRule& factor = mesh_field(MeshField::ExpertCapacity);
+  if (const auto capacity = object.optional(factor.key)) {
     const auto& json = capacity->json();
-    if (!json.is_number() || !(json.get<double>() >= 1 && json.get<double>() <= 1024)) {
-      return capacity->error("expected a capacity factor from 1 to 1024");
+    if (!json.is_number() || !factor.in_bounds(json.get<double>())) {
+      return capacity->error("expected a capacity factor from {} to {}", factor.least, factor.most);
     }
-    if (p.ep < 2) return capacity->error("a capacity factor needs \"ep\" 2 or more");
+    if (p.ep < factor.needs_least) {
+      return capacity->error("a capacity factor needs \"{}\" {} or more", key(factor.needs),
+                             factor.needs_least);
+    }
     p.expert_capacity = json.get<double>();
   }
   // FSDP's ranks, which tensor parallelism alone leaves out.
-  if (!object.has("fsdp") && object.has("tp")) return p;
-  FERRY_JSON_TRY(const auto ranks, object.required_integer("fsdp", 1, kMost));
-  FERRY_JSON_TRY(const auto nodes, object.optional_integer("nodes", 0, 1, kMost));
-  FERRY_JSON_TRY(const auto hsdp, object.optional_integer("hsdp", 1, 1, kMost));
+  if (!object.has(key(MeshField::Fsdp)) && object.has(key(MeshField::Tp))) return p;
+  const MeshFieldRule& fsdp = mesh_field(MeshField::Fsdp);
+  FERRY_JSON_TRY(const auto ranks, object.required_integer(fsdp.key, fsdp.least, fsdp.most));
+  FERRY_JSON_TRY(const auto nodes, optional(MeshField::Nodes, 0));
+  FERRY_JSON_TRY(const auto hsdp, optional(MeshField::Hsdp, 1));
   p.ranks = static_cast<std::int32_t>(ranks);
   p.nodes = static_cast<std::int32_t>(nodes);
   p.replicas = static_cast<std::int32_t>(hsdp);
-  if (auto reshard = object.optional("reshard_after_forward")) {
+  const MeshFieldRule& keep = mesh_field(MeshField::ReshardAfterForward);
+  if (auto reshard = object.optional(keep.key)) {
     if (reshard->json().is_boolean()) {
       p.reshard_after_forward = reshard->json().get<bool>() ? Reshard::True() : Reshard::False();
     } else {
-      FERRY_JSON_TRY(const auto k, reshard->integer(2, kMost));
+      FERRY_JSON_TRY(const auto k, reshard->integer(keep.least, keep.most));
       p.reshard_after_forward = Reshard::K(static_cast<std::int32_t>(k));
     }
   }
-  if (auto impl = object.optional("fsdp_impl")) {
+  if (auto impl = object.optional(key(MeshField::FsdpImpl))) {
     FERRY_JSON_TRY(const auto name, impl->string());
     const auto parsed = parse_fsdp_impl(name);
     if (!parsed) return impl->error("expected \"fsdp2\" or \"simple\", got \"{}\"", name);

@@ -28,13 +28,13 @@ namespace planning {
 class SimulatedCost final : public CostModel {
  public:
   SimulatedCost(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps,
-                const FsdpOptions& fsdp, AllocatorMode allocator, bool paged_stash)
+                const ParallelOptions& fsdp, AllocatorMode allocator, bool paged_stash)
       : model_(model),
         device_(device),
         roomy_(roomy(device)),
         base_(timing_only(steps)),
         steps_(steps) {
-    base_.fsdp = fsdp;
+    base_.parallel = fsdp;
     base_.sim.allocator = allocator;
     base_.paged_stash.on = paged_stash;
   }
@@ -126,7 +126,7 @@ class SimulatedCost final : public CostModel {
     capped.memory = memory;
     TrainingOptions training;
     training.steps = steps_;
-    training.fsdp = base_.fsdp;
+    training.parallel = base_.parallel;
     training.sim.allocator = base_.sim.allocator;
     training.paged_stash = base_.paged_stash;
     training.sim.record_allocator = keep_runs_;
@@ -160,7 +160,7 @@ class SimulatedCost final : public CostModel {
   /// Ranks of a node the checked runs also train side by side (Note [Node run]): 2 under FSDP
   /// with two or more ranks per node, else 0.
   [[nodiscard]] std::int32_t node_ranks() const {
-    const Parallelism& p = base_.fsdp.parallelism;
+    const Parallelism& p = base_.parallel.mesh;
     if (!p.on()) return 0;
     return p.ranks_per_node(device_.collectives.gpus_per_node) >= 2 ? 2 : 0;
   }
@@ -254,12 +254,12 @@ class SimulatedCost final : public CostModel {
 
 /// What a Planner keeps from one budget to the next.
 struct PlannerState {
-  PlannerState(const CheckedModel& m, const DeviceProfile& d, std::int32_t s, const FsdpOptions& f,
-               AllocatorMode a, bool stash)
+  PlannerState(const CheckedModel& m, const DeviceProfile& d, std::int32_t s,
+               const ParallelOptions& f, AllocatorMode a, bool stash)
       : model(m),
         device(d),
         steps(s),
-        fsdp(f),
+        parallel(f),
         allocator(a),
         paged_stash(stash),
         space(*m, d),
@@ -269,7 +269,7 @@ struct PlannerState {
   CheckedModel model;
   DeviceProfile device;
   std::int32_t steps;
-  FsdpOptions fsdp;
+  ParallelOptions parallel;
   AllocatorMode allocator;
   bool paged_stash;  // every run with the paged stash (PlannerOptions::paged_stash)
   PlanSpace space;
@@ -287,7 +287,7 @@ struct PlannerState {
   void ensure_fixed() {
     if (rows) return;
     TrainingOptions base = timing_only(steps);
-    base.fsdp = fsdp;
+    base.parallel = parallel;
     base.sim.allocator = allocator;
     base.paged_stash.on = paged_stash;
     const std::vector<PolicyRow> policy_rows = default_rows(base, *model, device);
@@ -499,7 +499,7 @@ Error infeasible(const planning::PlannerState& p, const planning::Search& search
 }  // namespace
 
 Planner::Planner(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps,
-                 const FsdpOptions& fsdp, AllocatorMode allocator, bool paged_stash)
+                 const ParallelOptions& fsdp, AllocatorMode allocator, bool paged_stash)
     : state_(std::make_unique<planning::PlannerState>(model, device, steps, fsdp, allocator,
                                                       paged_stash)) {}
 
@@ -519,7 +519,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   if (options.host_budget) {
     DeviceProfile node = p.device;
     node.pinned_host_capacity = *options.host_budget;
-    options.host_budget = rank_profile(node, p.fsdp.parallelism).pinned_host_capacity;
+    options.host_budget = p.parallel.mesh.rank_profile(node).pinned_host_capacity;
   }
   // The search, the checked runs and the lower bound see the budget less the margin.
   const Bytes asked = options.budget;
@@ -552,7 +552,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
     outcome.node_ranks = p.cost.node_ranks();
     if (options.keep_run) outcome.run = p.cost.kept_run(pick.candidate->plan, memory);
     // FSDP's ranks, or tensor parallelism alone: the plan records what it was made under.
-    const Parallelism& parallelism = p.fsdp.parallelism;
+    const Parallelism& parallelism = p.parallel.mesh;
     if (parallelism.sharded()) outcome.plan.parallelism = parallelism;
     outcome.plan.paged_stash = p.paged_stash;
     outcome.simulations = p.cost.runs() - simulations_before;
@@ -571,7 +571,7 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
 
 Result<PlanOutcome> make_plan(const CheckedModel& model, const DeviceProfile& device,
                               const PlannerOptions& options, Bytes* floor) {
-  Planner planner(model, device, options.steps, options.fsdp, options.allocator,
+  Planner planner(model, device, options.steps, options.parallel, options.allocator,
                   options.paged_stash);
   return planner.plan(options, floor);
 }

@@ -37,10 +37,10 @@ Result<PlanOutcome> plan_faster_space(const CheckedModel& model, const PlanInSpa
 SpacePlanners::SpacePlanners(const CheckedModel& model, const DeviceProfile& device,
                              const PlannerOptions& options)
     : model_(model),
-      without_(model, device, options.steps, options.fsdp, options.allocator, false) {
+      without_(model, device, options.steps, options.parallel, options.allocator, false) {
   if (has_static_capacity(*model)) {
-    with_ = std::make_unique<Planner>(model, device, options.steps, options.fsdp, options.allocator,
-                                      true);
+    with_ = std::make_unique<Planner>(model, device, options.steps, options.parallel,
+                                      options.allocator, true);
   }
 }
 

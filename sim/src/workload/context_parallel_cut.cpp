@@ -51,6 +51,7 @@ class ContextParallelCut : RankCut {
  public:
   ContextParallelCut(const Model& whole, std::int32_t cp, std::int32_t nodes)
       : RankCut(whole, "--cp", cp), cp_(cp), nodes_(nodes) {}
+  using RankCut::skip_validation;
 
   Result<Model> run();
 
@@ -224,9 +225,18 @@ Result<Model> ContextParallelCut::run() {
 }  // namespace
 
 Result<Model> context_parallel_model(const Model& whole, std::int32_t cp, std::int32_t nodes) {
-  if (cp < 1) return Error{fmt::format("--cp {}: use 1 or more ranks", cp)};
+  if (const MeshFieldRule& degree = mesh_field(MeshField::Cp); cp < degree.least) {
+    return Error{fmt::format("{} {}: use {} or more ranks", degree.flag, cp, degree.least)};
+  }
   if (cp == 1) return whole;
-  return ContextParallelCut(whole, cp, std::max(1, nodes)).run();
+  return rank_cut_detail::context_parallel_cut(whole, cp, nodes, true);
+}
+
+Result<Model> rank_cut_detail::context_parallel_cut(const Model& whole, std::int32_t cp,
+                                                    std::int32_t nodes, bool validate) {
+  ContextParallelCut cut(whole, cp, std::max(1, nodes));
+  if (!validate) cut.skip_validation();
+  return cut.run();
 }
 
 }  // namespace ferry::sim

@@ -59,6 +59,7 @@ class ExpertParallelCut : RankCut {
  public:
   ExpertParallelCut(const Model& whole, std::int32_t ep, std::int32_t nodes, double capacity)
       : RankCut(whole, "--ep", ep), ep_(ep), nodes_(nodes), capacity_(capacity) {}
+  using RankCut::skip_validation;
 
   Result<Model> run();
 
@@ -374,19 +375,30 @@ Result<Model> ExpertParallelCut::run() {
 
 Result<Model> expert_parallel_model(const Model& whole, std::int32_t ep, std::int32_t nodes,
                                     double capacity) {
-  if (ep < 1) return Error{fmt::format("--ep {}: use 1 or more ranks", ep)};
-  if (capacity != 0 && !(capacity >= 1 && capacity <= kMaxExpertCapacity)) {
-    return Error{fmt::format("--expert-capacity {}: use a factor from 1 to {}", capacity,
-                             kMaxExpertCapacity)};
+  const MeshFieldRule& degree = mesh_field(MeshField::Ep);
+  if (ep < degree.least) {
+    return Error{fmt::format("{} {}: use {} or more ranks", degree.flag, ep, degree.least)};
   }
-  if (capacity != 0 && ep == 1) {
-    return Error{fmt::format(
-        "--expert-capacity {} needs --ep 2 or more: one GPU's routed rows are static without "
-        "padding",
-        capacity)};
+  const MeshFieldRule& factor = mesh_field(MeshField::ExpertCapacity);
+  if (capacity != 0 && !factor.in_bounds(capacity)) {
+    return Error{fmt::format("{} {}: use a factor from {} to {}", factor.flag, capacity,
+                             factor.least, factor.most)};
+  }
+  if (capacity != 0 && ep < factor.needs_least) {
+    return Error{
+        fmt::format("{} {} needs {} {} or more: one GPU's routed rows are static without padding",
+                    factor.flag, capacity, degree.flag, factor.needs_least)};
   }
   if (ep == 1) return whole;
-  return ExpertParallelCut(whole, ep, std::max(1, nodes), capacity).run();
+  return rank_cut_detail::expert_parallel_cut(whole, ep, nodes, capacity, true);
+}
+
+Result<Model> rank_cut_detail::expert_parallel_cut(const Model& whole, std::int32_t ep,
+                                                   std::int32_t nodes, double capacity,
+                                                   bool validate) {
+  ExpertParallelCut cut(whole, ep, std::max(1, nodes), capacity);
+  if (!validate) cut.skip_validation();
+  return cut.run();
 }
 
 std::string_view expert_routing(const Model& model) {

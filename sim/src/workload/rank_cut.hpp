@@ -21,6 +21,11 @@ constexpr std::string_view kAllToAllKind = "_c10d_functional.all_to_all_single.d
 
 // What the cuts share: the whole model, and the flag and degree their errors name.
 class RankCut {
+ public:
+  // The cut model is returned as built, for a caller that validates it once after the last cut
+  // (rank_workload).
+  void skip_validation() { validate_ = false; }
+
  protected:
   RankCut(const Model& whole, std::string_view flag, std::int32_t degree)
       : whole_(whole), flag_(flag), degree_(degree) {}
@@ -59,6 +64,16 @@ class RankCut {
  private:
   std::string_view flag_;
   std::int32_t degree_;
+  bool validate_ = true;
 };
+
+// The cuts as the public functions of rank_model.hpp make them, past their arguments' checks
+// (the degree 2 or more); with `validate` false the cut model is returned unvalidated, as
+// rank_workload validates the last of its cuts once.
+Result<Model> tensor_parallel_cut(const Model& whole, std::int32_t tp, bool validate);
+Result<Model> context_parallel_cut(const Model& whole, std::int32_t cp, std::int32_t nodes,
+                                   bool validate);
+Result<Model> expert_parallel_cut(const Model& whole, std::int32_t ep, std::int32_t nodes,
+                                  double capacity, bool validate);
 
 }  // namespace ferry::sim::rank_cut_detail

@@ -352,11 +352,20 @@ Result<Model> TensorParallelRewrite::run() {
 }  // namespace rank_cut_detail
 
 Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp) {
-  if (tp < 1) return Error{fmt::format("--tp {}: use 1 or more ranks", tp)};
+  if (const MeshFieldRule& degree = mesh_field(MeshField::Tp); tp < degree.least) {
+    return Error{fmt::format("{} {}: use {} or more ranks", degree.flag, tp, degree.least)};
+  }
   if (tp == 1) return whole;
-  auto plan = rank_cut_detail::TensorParallelRoles(whole, tp).run();
+  return rank_cut_detail::tensor_parallel_cut(whole, tp, true);
+}
+
+Result<Model> rank_cut_detail::tensor_parallel_cut(const Model& whole, std::int32_t tp,
+                                                   bool validate) {
+  auto plan = TensorParallelRoles(whole, tp).run();
   if (!plan) return plan.error();
-  return rank_cut_detail::TensorParallelRewrite(whole, tp, plan.value()).run();
+  TensorParallelRewrite rewrite(whole, tp, plan.value());
+  if (!validate) rewrite.skip_validation();
+  return rewrite.run();
 }
 
 }  // namespace ferry::sim

@@ -237,6 +237,7 @@ class TensorParallelRewrite : TensorParallelBase {
  public:
   TensorParallelRewrite(const Model& whole, std::int32_t tp, const TensorParallelPlan& plan)
       : TensorParallelBase(whole, tp), plan_(plan) {}
+  using TensorParallelBase::skip_validation;
 
   // One rank's model, or the refusal that names what does not split.
   Result<Model> run();

@@ -11,6 +11,7 @@
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/device_profile.hpp"
 #include "ferry/sim/workload/model.hpp"
+#include "ferry/sim/workload/rank_workload.hpp"
 
 namespace ferry::sim {
 
@@ -27,20 +28,13 @@ Result<CheckedModel> load_model(const std::string& spec);
 /// file (`*.json`).
 Result<DeviceProfile> load_device(const std::string& spec, const std::filesystem::path& scenarios);
 
-/// A model and the device it runs on, read and checked against each other, with the model's
-/// durations taken from the device's roofline (the model checked once, as it was read, for
-/// every run the request makes): what simulate, compare and plan run.
-struct Workload {
-  CheckedModel model;
-  DeviceProfile device;
-};
-
-/// The workload of `model` (as load_model reads it) on `device`.
+/// The workload of `model` (as load_model reads it) on `device`, as read: the model checked
+/// once, not timed (rank_workload times the model a rank runs, once).
 Result<Workload> load_workload(const std::string& model, const std::string& device,
                                const std::filesystem::path& scenarios);
 /// The workload of an already read model (a preset, a parsed file, a traced document) on
-/// `device`; `spec` names the model in errors.
-Result<Workload> make_workload(Result<CheckedModel> model, std::string_view spec,
-                               const std::string& device, const std::filesystem::path& scenarios);
+/// `device`, as read.
+Result<Workload> make_workload(Result<CheckedModel> model, const std::string& device,
+                               const std::filesystem::path& scenarios);
 
 }  // namespace ferry::sim

@@ -54,10 +54,11 @@ struct Target {
   std::filesystem::path scenarios{};
 };
 
-/// FSDP2 as a request asks for it (`--fsdp N --nodes M --hsdp R --reshard-after-forward X
-/// --fsdp-impl I`, Python's fsdp, nodes, hsdp, reshard_after_forward and fsdp_impl). What it
-/// leaves out (none, or the defaults replicas 1, resharding True and fsdp2) is the model file's.
-struct FsdpRequest {
+/// The mesh as a request asks for it, each field named by kMeshFields (`--fsdp N --nodes M --hsdp
+/// R --reshard-after-forward X --fsdp-impl I --tp T --cp C --ep E --expert-capacity F`, Python's
+/// fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep and expert_capacity). What it
+/// leaves out (none, or the defaults) is the model file's.
+struct MeshRequest {
   std::optional<std::int32_t> ranks{};  ///< 1..1000000; none: the model file's, else no FSDP
   std::optional<std::int32_t> nodes{};  ///< 1..1000000; none: as few as gpus_per_node allow
   std::int32_t replicas = 1;            ///< 1..1000000
@@ -77,23 +78,20 @@ struct FsdpRequest {
   double expert_capacity = 0;
 };
 
-/// The flags' names, as validate_parallelism's errors at the edges name the fields.
-inline constexpr ParallelismNames kFsdpFlags{.ranks = "--fsdp",
-                                             .nodes = "--nodes",
-                                             .replicas = "--hsdp",
-                                             .reshard_after_forward = "--reshard-after-forward",
-                                             .tp = "--tp",
-                                             .cp = "--cp",
-                                             .ep = "--ep"};
+/// How errors at the edges name a mesh's fields: as the command line's flags.
+inline constexpr MeshNames kMeshFlags = &MeshFieldRule::flag;
 
 /// The parallelism `fsdp` asks for, its numbers in bounds (Note [One check for both edges]).
-/// Not against a device: check_parallelism with kFsdpFlags does that.
-Result<Parallelism> parallelism_of(const FsdpRequest& fsdp);
+/// Not against a device: Mesh::make with kMeshFlags does that.
+Result<Parallelism> parallelism_of(const MeshRequest& fsdp);
 
 /// Fills what `fsdp` leaves out from a file's parallelism section (unless a pipeline runs over
 /// `devices` > 1): its tensor parallelism where `fsdp` asks none, its ranks when none are asked,
 /// then its nodes, HSDP groups and resharding where `fsdp` kept the defaults.
-void adopt_parallelism(FsdpRequest& fsdp, const Parallelism& file, std::int32_t devices = 1);
+void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file, std::int32_t devices = 1);
+/// The same for a parallelism already read from a request (parallelism_of): a field left out
+/// is 0 (ranks, nodes) or its default.
+void adopt_parallelism(Parallelism& asked, const Parallelism& file, std::int32_t devices = 1);
 
 /// The options simulate and compare share: the offload knobs, the run's length and checks, FSDP2
 /// and the allocator.
@@ -114,7 +112,7 @@ struct RunKnobs {
   /// The paged stash of saved tensors in static-capacity buffers (PagedStashOptions; they come
   /// from --expert-capacity). A pipeline refuses it.
   bool paged_stash = false;
-  FsdpRequest fsdp{};
+  MeshRequest mesh{};
   std::optional<AllocatorMode> allocator;  ///< none: the model file's, else default
   std::int32_t devices = 1;                ///< a GPipe pipeline over 1..64 devices; 1: none
   std::int32_t micro_batches = 4;          ///< the pipeline's, 1..1024
@@ -161,7 +159,7 @@ struct PlanRequest {
   std::optional<Bytes> budget;       ///< none: the device's memory
   std::optional<Bytes> host_budget;  ///< none: no limit but the pool's
   std::int32_t steps = 2;            ///< 1..100; per simulation, the last is measured
-  FsdpRequest fsdp{};
+  MeshRequest mesh{};
   std::optional<AllocatorMode> allocator;       ///< none: the model file's, else default
   std::optional<std::int32_t> margin_permille;  ///< 0..500; none: kDefaultPlanMarginPermille
   std::int32_t sweep = 0;                       ///< budgets of a sweep, 2..100; 0: one plan

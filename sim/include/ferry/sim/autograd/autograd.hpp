@@ -18,6 +18,7 @@
 #include "ferry/result.hpp"
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
 #include "ferry/sim/engine/simulator.hpp"
+#include "ferry/sim/mesh/mesh.hpp"
 #include "ferry/sim/workload/model.hpp"
 
 namespace ferry::sim {
@@ -41,46 +42,6 @@ struct SideStreamOptions {
   [[nodiscard]] bool any() const { return !layers.empty() || recompute || all_reduce; }
 };
 
-/// How validate_parallelism's messages name a Parallelism's fields: as the fields are named,
-/// unless an edge passes the spelling its user wrote (api/requests.hpp's kFsdpFlags).
-struct ParallelismNames {
-  std::string_view ranks = "ranks";
-  std::string_view nodes = "nodes";
-  std::string_view replicas = "replicas";
-  std::string_view reshard_after_forward = "reshard_after_forward";
-  std::string_view tp = "tp";
-  std::string_view cp = "cp";
-  std::string_view ep = "ep";
-};
-
-/// Checks `p` against a device profile's links; the error names the field as `names` spells it.
-Status validate_parallelism(const Parallelism& p, const DeviceProfile& device,
-                            const ParallelismNames& names = {});
-
-/// A parallelism validate_parallelism accepted against the device the runs use, checked once
-/// (check_parallelism) where it is chosen: the runs, and each rank's FSDP, take it and do not
-/// check it again, as the simulations take a CheckedModel. The default is off (one GPU), which
-/// needs no check.
-class CheckedParallelism {
- public:
-  CheckedParallelism() = default;
-  operator const Parallelism&() const { return p_; }  // NOLINT(google-explicit-constructor)
-  [[nodiscard]] bool on() const { return p_.on(); }
-  friend bool operator==(const CheckedParallelism&, const CheckedParallelism&) = default;
-
- private:
-  explicit CheckedParallelism(const Parallelism& p) : p_(p) {}
-  friend Result<CheckedParallelism> check_parallelism(const Parallelism& p,
-                                                      const DeviceProfile& device,
-                                                      const ParallelismNames& names);
-
-  Parallelism p_;
-};
-
-/// `p` as a CheckedParallelism for runs on `device`, or validate_parallelism's error.
-Result<CheckedParallelism> check_parallelism(const Parallelism& p, const DeviceProfile& device,
-                                             const ParallelismNames& names = {});
-
 /// Megatron-Core's paged stash (`moe_paged_stash`; torchtitan's `sac_and_paged_stash` memory
 /// policy): saved tensors in static-capacity buffers (ModelTensor::capacity) have their rows of
 /// data copied into pages of a device pool at the end of their layer's forward, on a stream of
@@ -94,21 +55,18 @@ struct PagedStashOptions {
   friend bool operator==(const PagedStashOptions&, const PagedStashOptions&) = default;
 };
 
-/// FSDP2 (`fully_shard` on each transformer layer and on the root module), as one of
-/// `parallelism.ranks` symmetric ranks runs it (Note [FSDP2, one rank] in fsdp.cpp). Parallelism
-/// off: no FSDP, the whole model on the device.
-struct FsdpOptions {
-  CheckedParallelism parallelism{};
+/// How a step trains across GPUs: the mesh (FSDP2, `fully_shard` on each transformer layer and
+/// on the root module, as one of `mesh`'s symmetric ranks runs it, Note [FSDP2, one rank] in
+/// fsdp.cpp; and the tensor-, context- and expert-parallel groups a rank's cut model was made
+/// for) and FSDP2's mixed precision. The default mesh: one GPU, the whole model on the device.
+struct ParallelOptions {
+  Mesh mesh{};
   /// MixedPrecisionPolicy(param_dtype=model dtype, reduce_dtype=f32) over f32 parameters:
   /// sharded parameters, gradients and AdamW moments are f32. Off: all in the model's dtype.
   bool mixed_precision = true;
-  [[nodiscard]] bool on() const { return parallelism.on(); }
-  friend bool operator==(const FsdpOptions&, const FsdpOptions&) = default;
+  [[nodiscard]] bool on() const { return mesh.on(); }
+  friend bool operator==(const ParallelOptions&, const ParallelOptions&) = default;
 };
-
-/// The device as one rank sees it: with FSDP or tensor parallelism, its even part of the node's
-/// pinned host memory.
-[[nodiscard]] DeviceProfile rank_profile(DeviceProfile profile, const Parallelism& p);
 
 struct TrainingOptions {
   OffloadOptions offload;
@@ -138,7 +96,7 @@ struct TrainingOptions {
   /// torch.autograd.grad inside a checkpointed function would (-1: never).
   std::int32_t backward_inside_op = -1;
   SideStreamOptions side;
-  FsdpOptions fsdp;
+  ParallelOptions parallel;
   PagedStashOptions paged_stash;
 };
 
@@ -210,7 +168,7 @@ struct TrainingFaults {
   /// Under grads_set_to_none, each gradient is freed as soon as its all-reduce is launched,
   /// while the comm stream may still read it (no record_stream, no wait).
   bool free_grad_at_all_reduce = false;
-  // FSDP2 (FsdpOptions):
+  // FSDP2 (ParallelOptions):
   bool skip_all_gather_wait = false;  ///< a unit's copy-out does not wait for its all-gather
   /// The same for a layer's experts alone (their unit under expert parallelism).
   bool skip_expert_all_gather_wait = false;
@@ -275,7 +233,7 @@ struct NodeRun {
 /// Runs `ranks` FSDP ranks of one node side by side, interleaved op by op, each loading a
 /// batch of its own and pinning host memory from its share of the node's: a check of what
 /// the ranks share, which a one-rank simulation cannot see (Note [Node run] in node_run.cpp).
-/// `options.fsdp` must be on, with at least `ranks` ranks per node.
+/// `options.parallel` must be on, with at least `ranks` ranks per node.
 Result<NodeRun> simulate_node(const CheckedModel& model, const DeviceProfile& device,
                               const TrainingOptions& options, std::int32_t ranks,
                               const TrainingFaults& faults = {});

@@ -66,7 +66,7 @@ struct PlannerOptions {
   std::optional<Bytes> host_budget;  ///< pinned host bytes (unset: no limit but the pool's)
   std::int32_t steps = 2;            ///< training steps per simulation (the last is measured)
   /// FSDP2 over ranks: `budget` is each rank's, `host_budget` each node's (its ranks share it).
-  FsdpOptions fsdp{};
+  ParallelOptions parallel{};
   /// How every run's caching allocator obtains memory (Note [Expandable segments]).
   AllocatorMode allocator = AllocatorMode::Default;
   /// The plan fits `budget` less this many thousandths of it (Note [The plan margin]); 0..500.
@@ -124,7 +124,7 @@ class Planner {
   /// `steps`: training steps per simulation (the last is measured); `fsdp`: the parallelism
   /// every run has; `allocator`: how every run's caching allocator obtains memory.
   Planner(const CheckedModel& model, const DeviceProfile& device, std::int32_t steps = 2,
-          const FsdpOptions& fsdp = {}, AllocatorMode allocator = AllocatorMode::Default,
+          const ParallelOptions& fsdp = {}, AllocatorMode allocator = AllocatorMode::Default,
           bool paged_stash = false);
   ~Planner();
   Planner(const Planner&) = delete;

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "ferry/result.hpp"
+#include "ferry/sim/mesh/axes.hpp"
 #include "ferry/sim/workload/model.hpp"
 
 namespace ferry::sim {
@@ -39,14 +40,11 @@ Result<Model> context_parallel_model(const Model& whole, std::int32_t cp, std::i
 /// each expert's rows (ModelOp::group_rows), each layer is priced at the rank its routing loads
 /// most; elsewhere routing is taken as balanced. With `ep` 1, `whole` itself. Durations are left as
 /// they are. The error names the op or tensor that does not split, with `--ep`.
-/// `capacity` (1..kMaxExpertCapacity; 0: none) is a static dispatcher's capacity factor: each
+/// `capacity` (within kMeshFields' bounds; 0: none) is a static dispatcher's capacity factor: each
 /// routed base activation is allocated for that many times its balanced rows (Note [Static
 /// capacity] in expert_parallel_cut.cpp; ModelTensor::capacity); it needs `ep` 2 or more.
 Result<Model> expert_parallel_model(const Model& whole, std::int32_t ep, std::int32_t nodes = 1,
                                     double capacity = 0);
-
-/// The largest static capacity factor --expert-capacity takes.
-inline constexpr double kMaxExpertCapacity = 1024;
 
 /// How expert_parallel_model prices `model`'s routing: "busiest_rank" where a grouped matmul
 /// gives its group rows, else "balanced".

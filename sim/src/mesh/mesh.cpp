@@ -1,0 +1,208 @@
+#include "ferry/sim/mesh/mesh.hpp"
+
+#include "ferry/check.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <string>
+
+namespace ferry::sim {
+
+std::string fsdp_option_list(MeshNames names) {
+  std::string list;
+  std::string last;
+  for (const MeshFieldRule& row : kMeshFields) {
+    if (!row.has_need() || row.needs != MeshField::Fsdp || !row.why.empty()) continue;
+    if (!last.empty()) list += list.empty() ? last : ", " + last;
+    last = std::string(row.*names);
+  }
+  return list.empty() ? last : list + " and " + last;
+}
+
+namespace {
+
+// `field`'s name as `names` spells it.
+std::string_view named(MeshNames names, MeshField field) { return mesh_field(field).*names; }
+
+// The ranks of `field` (a degree) out of its bounds, as a mesh's check words it.
+Status ranks_in_bounds(MeshNames names, MeshField field, std::int64_t ranks) {
+  const MeshFieldRule& row = mesh_field(field);
+  if (row.in_bounds(static_cast<double>(ranks))) return Ok{};
+  return Error{fmt::format("{}: {} ranks (use {} to {})", row.*names, ranks, row.least, row.most)};
+}
+
+// `field` set without the field it needs (kMeshFields' rule), in a mesh's words.
+Status needs_met(MeshNames names, MeshField field, std::int64_t value, std::int64_t needed) {
+  const MeshFieldRule& row = mesh_field(field);
+  if (value <= 1 || needed >= row.needs_least) return Ok{};
+  if (field == MeshField::Cp) {
+    return Error{fmt::format("{} {} needs {} N: {} ({} 1 for context parallelism alone)",
+                             row.*names, value, named(names, row.needs), row.why,
+                             named(names, row.needs))};
+  }
+  return Error{
+      fmt::format("{} {} needs {} N: {}", row.*names, value, named(names, row.needs), row.why)};
+}
+
+// A group of `span` consecutive GPUs' nodes, `per_node` to a node (make has checked that a
+// context-parallel group fills a node evenly or whole nodes).
+std::int32_t span_nodes(std::int32_t span, std::int32_t per_node) {
+  return std::max(1, span / per_node);
+}
+
+}  // namespace
+
+Result<Mesh> Mesh::make(const Parallelism& p, const DeviceProfile& device, MeshNames names) {
+  for (const MeshField field : {MeshField::Tp, MeshField::Cp, MeshField::Ep}) {
+    const std::int32_t ranks = field == MeshField::Tp ? p.tp : field == MeshField::Cp ? p.cp : p.ep;
+    if (auto bounded = ranks_in_bounds(names, field, ranks); !bounded) return bounded.error();
+  }
+  if (p.on()) {
+    if (auto bounded = ranks_in_bounds(names, MeshField::Fsdp, p.ranks); !bounded) {
+      return bounded.error();
+    }
+  }
+  const MeshFieldRule& factor = mesh_field(MeshField::ExpertCapacity);
+  if (p.expert_capacity != 0 && !factor.in_bounds(p.expert_capacity)) {
+    return Error{fmt::format("{}: {} (use a factor from {} to {})", factor.*names,
+                             p.expert_capacity, factor.least, factor.most)};
+  }
+  if (p.expert_capacity != 0 && p.ep < factor.needs_least) {
+    return Error{fmt::format("{} needs {} {} or more: {}", factor.*names,
+                             named(names, factor.needs), factor.needs_least, factor.why)};
+  }
+  return make_within_bounds(p, device, names);
+}
+
+Result<Mesh> Mesh::make_within_bounds(const Parallelism& p, const DeviceProfile& device,
+                                      MeshNames names) {
+  FERRY_CHECK(p.tp >= 1 && p.cp >= 1 && p.ep >= 1,
+              "a mesh's degrees out of kMeshFields' bounds: tp {}, cp {}, ep {}", p.tp, p.cp, p.ep);
+  const CollectiveLinks& links = device.collectives;
+  const auto name = [names](MeshField field) { return named(names, field); };
+  if (p.tp > 1) {
+    if (links.gpus_per_node % p.tp != 0) {
+      return Error{fmt::format(
+          "{}: {} ranks do not fit a node of {} GPUs (device {}): a tensor-parallel group lies "
+          "inside one node, and the node's GPUs hold whole groups",
+          name(MeshField::Tp), p.tp, links.gpus_per_node, device.name)};
+    }
+    if (!links.intra_node.known()) {
+      return Error{fmt::format(
+          "device {} has no \"collectives\" links: {} {} needs the intra-node bandwidth "
+          "(docs/devices.md)",
+          device.name, name(MeshField::Tp), p.tp)};
+    }
+  }
+  if (auto needs = needs_met(names, MeshField::Ep, p.ep, p.ranks); !needs) return needs.error();
+  if (p.ep > 1 && p.ep % p.tp != 0) {
+    return Error{fmt::format(
+        "{} {} with {} {}: expert parallelism takes in the tensor-parallel GPUs (each computes "
+        "the routed rows of its share of the tokens, torchtitan's expert tensor parallel degree "
+        "1), so {} must be a multiple of {}",
+        name(MeshField::Ep), p.ep, name(MeshField::Tp), p.tp, name(MeshField::Ep),
+        name(MeshField::Tp))};
+  }
+  if (auto needs = needs_met(names, MeshField::Cp, p.cp, p.ranks); !needs) return needs.error();
+  const std::int32_t gpus_per_node = links.gpus_per_node;
+  if (!p.on()) {
+    if (p.nodes > 1) {
+      return Error{fmt::format("{}: {} GPUs of tensor parallelism lie inside one node, not {}",
+                               name(MeshField::Nodes), p.tp, p.nodes)};
+    }
+    return Mesh(p, std::max(1, p.ranks_per_node(gpus_per_node)));
+  }
+  if (p.replicas < 1 || p.ranks % p.replicas != 0) {
+    return Error{fmt::format("{}: {} replica groups do not divide {} ranks", name(MeshField::Hsdp),
+                             p.replicas, p.ranks)};
+  }
+  const std::int32_t nodes = p.node_count(gpus_per_node);
+  const std::int32_t world = p.world();
+  if (nodes < 1 || world % nodes != 0 || world / nodes > gpus_per_node ||
+      (world / nodes) % p.tp != 0) {
+    return Error{fmt::format(
+        "{}: {} ranks over {} nodes of {} GPUs (device {}): the nodes must hold the ranks "
+        "evenly",
+        name(MeshField::Nodes), world, nodes, gpus_per_node, device.name)};
+  }
+  // A context-parallel group (every tp-th GPU of cp x tp consecutive ones) lies inside a node
+  // or spans whole nodes.
+  const std::int32_t per_node = world / nodes;
+  const std::int32_t context_span = p.cp * p.tp;
+  if (p.cp > 1 && per_node % context_span != 0 && context_span % per_node != 0) {
+    return Error{fmt::format(
+        "{}: {} ranks (times {} of tensor parallelism) neither fit a node's {} GPUs evenly nor "
+        "span whole nodes (device {})",
+        name(MeshField::Cp), p.cp, p.tp, per_node, device.name)};
+  }
+  if (p.ep > 1 && (p.shard_group() * p.tp) % p.ep != 0) {
+    return Error{
+        fmt::format("{}: {} ranks do not divide the shard group's {} GPUs (data-parallel times "
+                    "context-parallel{}), among which expert parallelism splits the experts",
+                    name(MeshField::Ep), p.ep, p.shard_group() * p.tp,
+                    p.tp > 1 ? " times tensor-parallel" : "")};
+  }
+  const Reshard reshard = p.reshard_after_forward;
+  if (reshard.kind() == Reshard::Kind::K &&
+      (reshard.ranks() < 2 || p.shard_group() % reshard.ranks() != 0 ||
+       p.expert_shard_group() % reshard.ranks() != 0)) {
+    return Error{fmt::format(
+        "{}: {} must be true, false or a number of ranks that divides the shard group ({}{})",
+        name(MeshField::ReshardAfterForward), reshard.ranks(), p.shard_group(),
+        p.ep > 1 ? fmt::format(", and the experts' {}", p.expert_shard_group()) : "")};
+  }
+  if (p.ranks * p.cp > 1 && !links.intra_node.known()) {
+    return Error{fmt::format(
+        "device {} has no \"collectives\" links: {} {} needs the intra-node (and, across "
+        "nodes, the inter-node) bandwidth (docs/devices.md)",
+        device.name, name(MeshField::Fsdp), p.ranks)};
+  }
+  if (nodes > 1 && !links.inter_node.known()) {
+    return Error{fmt::format("device {} has no inter-node link: {} {} spans {} nodes", device.name,
+                             name(MeshField::Fsdp), p.ranks, nodes)};
+  }
+  return Mesh(p, per_node);
+}
+
+MeshGroup Mesh::group(Axis axis) const {
+  // Rank 0's groups, GPUs laid out tensor-parallel group by group, then shard group by shard
+  // group (Parallelism): a shard group is every tp-th GPU of consecutive ones, a replica group
+  // one member of each shard group, an expert's shard group every ep-th GPU.
+  const auto placed = [this](std::int32_t size, std::int32_t stride) {
+    if (size < 1) size = 1;
+    return MeshGroup{size, place_group(size, stride, per_node_).nodes, stride};
+  };
+  switch (axis) {
+    case Axis::Shard:
+      return placed(p_.shard_group(), p_.tp);
+    case Axis::Replicate:
+      return placed(p_.replicas, std::max(1, p_.shard_group() * p_.tp));
+    case Axis::Tensor:
+      return MeshGroup{p_.tp, 1, 1};
+    case Axis::Context:
+      return MeshGroup{p_.cp, span_nodes(p_.cp * p_.tp, per_node_), p_.tp};
+    case Axis::Expert:
+      return MeshGroup{p_.ep, span_nodes(p_.ep, per_node_), 1};
+    case Axis::ExpertShard:
+      break;
+  }
+  return placed(p_.expert_shard_group(), p_.ep);
+}
+
+MeshGroup Mesh::kept_shard(Axis shard) const {
+  const std::int32_t keep = std::max(1, p_.reshard_after_forward.ranks());
+  const std::int32_t stride = group(shard).stride;
+  return MeshGroup{keep, place_group(keep, stride, per_node_).nodes, stride};
+}
+
+DeviceProfile Mesh::rank_profile(DeviceProfile profile) const {
+  if (!p_.sharded()) return profile;
+  // The node's pinned host memory is shared by its GPUs: each gets an even part.
+  const std::int32_t nodes = p_.node_count(profile.collectives.gpus_per_node);
+  const std::int32_t per_node = std::max(1, p_.world() / std::max(1, nodes));
+  profile.pinned_host_capacity = Bytes(profile.pinned_host_capacity.count() / per_node);
+  return profile;
+}
+
+}  // namespace ferry::sim

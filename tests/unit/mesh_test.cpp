@@ -1,0 +1,185 @@
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+
+#include "ferry/sim/api/requests.hpp"
+#include "ferry/sim/io/parallelism_json.hpp"
+#include "ferry/sim/mesh/axes.hpp"
+#include "ferry/sim/mesh/mesh.hpp"
+#include "ferry/sim/workload/rank_model.hpp"
+#include "sim_fixtures.hpp"
+#include "sim_models.hpp"
+
+namespace ferry::sim {
+namespace {
+
+DeviceProfile eight_a_node() {
+  DeviceProfile p = testing::simple_profile();
+  p.collectives.gpus_per_node = 8;
+  p.collectives.intra_node = CollectiveLink{Bandwidth(100'000'000'000), SimTime(1000)};
+  p.collectives.inter_node = CollectiveLink{Bandwidth(10'000'000'000), SimTime(5000)};
+  return p;
+}
+
+// The request's error for `fsdp`, or "" when it is accepted.
+std::string request_error(const MeshRequest& fsdp) {
+  auto p = parallelism_of(fsdp);
+  return p ? std::string() : p.error().message;
+}
+
+// The file reader's error for the section `text`, or "".
+std::string file_error(const std::string& text) {
+  const auto json = nlohmann::json::parse(text);
+  auto p = read_parallelism(JsonValue(json, "parallelism"));
+  return p ? std::string() : p.error().message;
+}
+
+std::string mesh_error(const Parallelism& p, MeshNames names = kMeshFlags) {
+  auto mesh = Mesh::make(p, eight_a_node(), names);
+  return mesh ? std::string() : mesh.error().message;
+}
+
+TEST(MeshFields, EachRowIsItsFieldAndEveryNameIsUnique) {
+  std::set<std::string_view> keys;
+  std::set<std::string_view> flags;
+  for (std::size_t i = 0; i < kMeshFields.size(); ++i) {
+    const MeshFieldRule& row = kMeshFields[i];
+    EXPECT_EQ(static_cast<std::size_t>(row.field), i) << row.key;
+    EXPECT_TRUE(keys.insert(row.key).second) << row.key;
+    EXPECT_TRUE(flags.insert(row.flag).second) << row.flag;
+    EXPECT_EQ(row.flag.substr(0, 2), "--");
+    EXPECT_LE(row.least, row.most);
+  }
+  EXPECT_EQ(fsdp_option_list(&MeshFieldRule::flag),
+            "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl");
+  EXPECT_EQ(fsdp_option_list(&MeshFieldRule::python),
+            "nodes, hsdp, reshard_after_forward and fsdp_impl");
+}
+
+// Each axis's upper bound is the table's, at the request, in the file and in Mesh::make.
+TEST(MeshFields, EveryEdgeRefusesADegreeAboveTheTablesBound) {
+  for (const MeshField field : {MeshField::Tp, MeshField::Cp, MeshField::Ep}) {
+    const MeshFieldRule& row = mesh_field(field);
+    const auto above = static_cast<std::int32_t>(row.most + 1);
+    MeshRequest fsdp{.ranks = 8};
+    Parallelism p{.ranks = 8};
+    (field == MeshField::Tp ? fsdp.tp : field == MeshField::Cp ? fsdp.cp : fsdp.ep) = above;
+    (field == MeshField::Tp ? p.tp : field == MeshField::Cp ? p.cp : p.ep) = above;
+    EXPECT_EQ(request_error(fsdp),
+              fmt::format("{}: {} is not in 1..{}", row.flag, above, row.most));
+    EXPECT_EQ(mesh_error(p), fmt::format("{}: {} ranks (use 1 to {})", row.flag, above, row.most));
+    EXPECT_NE(file_error(fmt::format(R"({{"fsdp": 8, "{}": {}}})", row.key, above)), "") << row.key;
+    EXPECT_EQ(file_error(fmt::format(R"({{"fsdp": 8, "{}": {}}})", row.key, row.most)), "")
+        << row.key;
+  }
+  EXPECT_EQ(request_error(MeshRequest{.ranks = 1'000'001}), "--fsdp: 1000001 is not in 1..1000000");
+  EXPECT_NE(file_error(R"({"fsdp": 1000001})"), "");
+  EXPECT_EQ(mesh_error(Parallelism{.ranks = 1'000'001}, &MeshFieldRule::name),
+            "ranks: 1000001 ranks (use 1 to 1000000)");
+}
+
+// Expert capacity 1..1024 needs ep 2 or more: the request, the file and the cut refuse it alike.
+TEST(MeshFields, ExpertCapacityNeedsExpertParallelismEverywhere) {
+  EXPECT_EQ(request_error(MeshRequest{.ranks = 8, .expert_capacity = 2}),
+            "--expert-capacity needs --ep 2 or more: a static dispatcher pads the rows expert "
+            "parallelism exchanges");
+  EXPECT_EQ(request_error(MeshRequest{.ranks = 8, .ep = 2, .expert_capacity = 1025}),
+            "--expert-capacity 1025: use a factor from 1 to 1024");
+  EXPECT_EQ(request_error(MeshRequest{.ranks = 8, .ep = 2, .expert_capacity = 1024}), "");
+  EXPECT_NE(file_error(R"({"fsdp": 8, "expert_capacity": 2})").find("needs \"ep\" 2 or more"),
+            std::string::npos);
+  EXPECT_NE(file_error(R"({"fsdp": 8, "ep": 2, "expert_capacity": 0.5})")
+                .find("expected a capacity factor from 1 to 1024"),
+            std::string::npos);
+  const Model m = testing::chain_model(2, 1 << 10);
+  auto cut = expert_parallel_model(m, 1, 1, 2);
+  ASSERT_FALSE(cut.ok());
+  EXPECT_EQ(cut.error().message.rfind("--expert-capacity 2 needs --ep 2 or more", 0), 0U);
+}
+
+// --nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp, at the request; --cp
+// and --ep need it at Mesh::make, each with its reason.
+TEST(MeshFields, WhatNeedsFsdpIsRefusedWithoutIt) {
+  const std::string plain =
+      "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N";
+  EXPECT_EQ(request_error(MeshRequest{.nodes = 2}), plain);
+  EXPECT_EQ(request_error(MeshRequest{.replicas = 2}), plain);
+  EXPECT_EQ(request_error(MeshRequest{.reshard_after_forward = Reshard::False()}), plain);
+  EXPECT_EQ(request_error(MeshRequest{.impl = FsdpImpl::Simple}), plain);
+  EXPECT_EQ(mesh_error(Parallelism{.cp = 2}).rfind("--cp 2 needs --fsdp N: FSDP2 shards", 0), 0U);
+  EXPECT_EQ(mesh_error(Parallelism{.ep = 2}).rfind("--ep 2 needs --fsdp N: expert parallelism", 0),
+            0U);
+  EXPECT_EQ(mesh_error(Parallelism{.ep = 2}, &MeshFieldRule::name).rfind("ep 2 needs ranks N", 0),
+            0U);
+  EXPECT_EQ(mesh_error(Parallelism{.ranks = 8, .cp = 2, .ep = 2}), "");
+}
+
+TEST(Mesh, TheDefaultIsOneGpuOnAnyDevice) {
+  const Mesh one;
+  EXPECT_FALSE(one.on());
+  EXPECT_FALSE(one.cuts());
+  for (const Mesh::Axis axis : {Mesh::Axis::Shard, Mesh::Axis::Replicate, Mesh::Axis::Tensor,
+                                Mesh::Axis::Context, Mesh::Axis::Expert, Mesh::Axis::ExpertShard}) {
+    EXPECT_EQ(one.group(axis).size, 1);
+    EXPECT_EQ(one.group(axis).nodes, 1);
+  }
+  auto made = Mesh::make(Parallelism{}, testing::simple_profile());
+  ASSERT_TRUE(made.ok());
+  EXPECT_EQ(made.value(), one);
+}
+
+// 32 GPUs on four nodes of eight: ranks 8 (two replica groups of four) x cp 2 x tp 2, ep 4.
+TEST(Mesh, GroupsLieWhereTheLayoutPutsThem) {
+  auto made =
+      Mesh::make(Parallelism{.ranks = 8, .replicas = 2, .tp = 2, .cp = 2, .ep = 4}, eight_a_node());
+  ASSERT_TRUE(made.ok()) << made.error().message;
+  const Mesh& mesh = made.value();
+  EXPECT_EQ(mesh.per_node(), 8);
+  EXPECT_EQ(mesh.group(Mesh::Axis::Tensor), (MeshGroup{.size = 2, .nodes = 1, .stride = 1}));
+  // cp x tp = 4 consecutive GPUs: inside a node.
+  EXPECT_EQ(mesh.group(Mesh::Axis::Context), (MeshGroup{.size = 2, .nodes = 1, .stride = 2}));
+  EXPECT_EQ(mesh.group(Mesh::Axis::Expert), (MeshGroup{.size = 4, .nodes = 1, .stride = 1}));
+  // The shard group: 8 / 2 data-parallel ranks times cp 2, every 2nd GPU of 15: two nodes.
+  EXPECT_EQ(mesh.group(Mesh::Axis::Shard), (MeshGroup{.size = 8, .nodes = 2, .stride = 2}));
+  // A replica group: one GPU of each shard group's 16, so on two nodes.
+  EXPECT_EQ(mesh.group(Mesh::Axis::Replicate), (MeshGroup{.size = 2, .nodes = 2, .stride = 16}));
+  // An expert's shard group: 8 x 2 / 4 GPUs, every 4th.
+  EXPECT_EQ(mesh.group(Mesh::Axis::ExpertShard), (MeshGroup{.size = 4, .nodes = 2, .stride = 4}));
+}
+
+TEST(Mesh, AContextGroupSpanningNodesCountsThem) {
+  auto made = Mesh::make(Parallelism{.ranks = 1, .tp = 2, .cp = 8}, eight_a_node());
+  ASSERT_TRUE(made.ok()) << made.error().message;
+  EXPECT_EQ(made.value().group(Mesh::Axis::Context).nodes, 2);
+  EXPECT_EQ(made.value().kept_shard(Mesh::Axis::Shard).size, 1);
+}
+
+TEST(Mesh, RefusalsNameTheFieldAsTheEdgeSpellsIt) {
+  const Parallelism uneven{.ranks = 4, .replicas = 3};
+  EXPECT_EQ(mesh_error(uneven, &MeshFieldRule::name),
+            "replicas: 3 replica groups do not divide 4 ranks");
+  EXPECT_EQ(mesh_error(uneven), "--hsdp: 3 replica groups do not divide 4 ranks");
+  EXPECT_EQ(mesh_error(uneven, &MeshFieldRule::key),
+            "hsdp: 3 replica groups do not divide 4 ranks");
+  EXPECT_EQ(mesh_error(Parallelism{.ranks = 4, .tp = 2, .ep = 3}).rfind("--ep 3 with --tp 2", 0),
+            0U);
+  EXPECT_EQ(mesh_error(Parallelism{.ranks = 4, .reshard_after_forward = Reshard::K(3)})
+                .rfind("--reshard-after-forward: 3 must be", 0),
+            0U);
+  EXPECT_EQ(mesh_error(Parallelism{.nodes = 2, .tp = 2}),
+            "--nodes: 2 GPUs of tensor parallelism lie inside one node, not 2");
+}
+
+// A rank's pinned host memory is its even part of the node's.
+TEST(Mesh, ARankHoldsItsPartOfTheNodesPinnedMemory) {
+  DeviceProfile device = eight_a_node();
+  device.pinned_host_capacity = Bytes(8000);
+  auto made = Mesh::make(Parallelism{.ranks = 4}, device);
+  ASSERT_TRUE(made.ok());
+  EXPECT_EQ(made.value().rank_profile(device).pinned_host_capacity, Bytes(2000));
+  EXPECT_EQ(Mesh().rank_profile(device).pinned_host_capacity, Bytes(8000));
+}
+
+}  // namespace
+}  // namespace ferry::sim
