@@ -145,10 +145,17 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
       ->excludes(fsdp);
   cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches, 1..1024")
       ->capture_default_str();
+  cmd->add_option("--schedule", a.schedule,
+                  "Pipeline schedule: gpipe (torchgpipe), 1f1b or interleaved-1f1b (torch's "
+                  "Schedule1F1B, ScheduleInterleaved1F1B)")
+      ->capture_default_str();
+  cmd->add_option("--virtual-stages", a.virtual_stages,
+                  "Stages a device under interleaved-1f1b, 1..64")
+      ->capture_default_str();
   if (simulate) {
     cmd->add_option("--pipeline-checkpoint", s.pipeline_checkpoint,
-                    "Pipeline checkpoint mode: always, except_last or never")
-        ->capture_default_str();
+                    "Pipeline checkpoint mode: always, except_last or never (default except_last "
+                    "under gpipe, never under 1f1b and interleaved-1f1b)");
   }
   cmd->add_option("--min-bytes", a.min_bytes,
                   "Saved tensors smaller than this stay on the device (0..2^50)")

@@ -4,6 +4,7 @@
 // (graph.hpp, values.hpp), with the core's choreography (ferry/pipeline) and, per stage, the
 // core's Offloader.
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -52,6 +53,8 @@ struct Buf {
   OpId last_use;
   std::uint64_t sum = 0;               ///< gradients: the sum behind its content
   std::vector<std::size_t> lifetimes;  ///< PortalLifetime records naming it
+  /// Activations: the task (micro-batch, partition) that allocated it, for the in-flight count.
+  std::optional<std::array<std::uint32_t, 2>> cell;
 };
 
 struct SavedRef {
@@ -100,6 +103,31 @@ class Executor {
 
  private:
   // ----- buffers -----
+
+  /// The device partition j runs on.
+  [[nodiscard]] std::uint32_t dev(std::uint32_t j) const {
+    return streams_->device_of_partition(j);
+  }
+
+  /// The task being issued: its activations count as that task's in flight.
+  void issuing(std::uint32_t i, std::uint32_t j) { current_ = std::array<std::uint32_t, 2>{i, j}; }
+
+  /// Under torch.distributed.pipelining's schedules, sends and receives (Note [Point-to-point
+  /// receives]) rather than torchgpipe's copies.
+  [[nodiscard]] bool point_to_point() const {
+    return schedule_ == pipeline::Schedule::OneFOneB ||
+           schedule_ == pipeline::Schedule::Interleaved1F1B;
+  }
+
+  /// The stream a receive into partition j from copy stream `s` allocates on, after the
+  /// receive's wait when sends and receives move the data.
+  StreamRef receive_stream(std::uint32_t j, StreamRef s);
+
+  struct StageTimes {
+    SimTime span;               ///< first task kernel's start to last one's end, all devices
+    std::vector<SimTime> busy;  ///< per device: summed task kernel time on its compute stream
+  };
+  [[nodiscard]] StageTimes stage_times() const;
 
   Buf& buf(TensorId h) { return bufs_[h.value()]; }
 
@@ -276,6 +304,7 @@ class Executor {
   std::int32_t checkpoint_stop_;
   std::uint32_t micro_batches_;
   std::uint32_t parts_;
+  std::uint32_t ndev_;  ///< devices; partition j runs on device j % ndev_
   Simulator sim_;
   PortalTable portals_;
   std::vector<std::unique_ptr<Device>> devices_;                ///< one Backend per device
@@ -293,6 +322,12 @@ class Executor {
   std::vector<Bytes> live_activations_;
   std::vector<Bytes> peak_activations_;
   SimTime recompute_time_;
+  std::optional<std::array<std::uint32_t, 2>> current_;  ///< (micro-batch, partition) issuing
+  /// Per device: live activation buffers per task (micro-batch, partition).
+  std::vector<std::map<std::array<std::uint32_t, 2>, std::int32_t>> live_cells_;
+  std::vector<std::int32_t> peak_in_flight_;
+  std::size_t first_task_op_ = 0;  ///< the first op the schedule issued
+  std::size_t last_task_op_ = 0;   ///< one past the last
 };
 
 }  // namespace ferry::sim::pipelining

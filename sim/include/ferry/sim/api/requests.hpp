@@ -118,6 +118,9 @@ struct RunKnobs {
   std::optional<AllocatorMode> allocator;  ///< none: the model file's, else default
   std::int32_t devices = 1;                ///< a GPipe pipeline over 1..64 devices; 1: none
   std::int32_t micro_batches = 4;          ///< the pipeline's, 1..1024
+  /// The pipeline's schedule: gpipe, 1f1b or interleaved-1f1b (parse_schedule).
+  std::string schedule = "gpipe";
+  std::int32_t virtual_stages = 1;  ///< stages a device under interleaved-1f1b, 1..64
 };
 
 /// `ferry simulate`: one run under one policy, on one device or a pipeline, or a plan replayed.
@@ -131,7 +134,10 @@ struct SimulateRequest {
   std::string checkpoint = "none";
   std::string side_streams = "none";
   std::string horizon = "auto";  ///< auto (derived), none, or a byte count
-  std::string pipeline_checkpoint = "except_last";
+  /// The pipeline's checkpoint mode; empty: the schedule's default, except_last under gpipe
+  /// (torchgpipe's), never under 1f1b and interleaved-1f1b (torch.distributed.pipelining
+  /// checkpoints nothing itself).
+  std::string pipeline_checkpoint;
   std::optional<std::string> plan;  ///< a ferry.plan/1 file to replay instead
   /// A trainer's settings to run instead of `policy` and `checkpoint` (`--for T`): its
   /// command-line flags as `ferry plan --for T` writes them (`trainer_flags`), which errors
