@@ -140,7 +140,8 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   CLI::Option* fsdp = add_fsdp_options(cmd, a.fsdp, args.text);
   add_allocator_option(cmd, args.text);
   // Their bounds are the request's (Note [One check for both edges]).
-  cmd->add_option("--devices", a.devices, "Pipeline over N devices (GPipe), 1..64; 1: no pipeline")
+  cmd->add_option("--devices", a.devices,
+                  "Pipeline over N devices (--schedule), 1..64; 1: no pipeline")
       ->capture_default_str()
       ->excludes(fsdp);
   cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches, 1..1024")

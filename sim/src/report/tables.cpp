@@ -204,7 +204,7 @@ std::string pipeline_text(const std::vector<PipelineRow>& rows) {
   const auto percent = [](std::int64_t permille) {
     return fmt::format("{}.{}%", permille / 10, permille % 10);
   };
-  std::string out = fmt::format("{:<32} {:>9} {:>15} {:>12} {:>9} {:>9} {:>7} {:>9} {}\n",
+  std::string out = fmt::format("{:<40} {:>9} {:>15} {:>12} {:>9} {:>9} {:>7} {:>9} {}\n",
                                 "pipeline", "step", "per micro-batch", "max dev peak", "recompute",
                                 "D2H", "bubble", "in flight", "note");
   for (const PipelineRow& r : rows) {
@@ -214,7 +214,7 @@ std::string pipeline_text(const std::vector<PipelineRow>& rows) {
     const std::int64_t mb = std::max(1, r.options.micro_batches);
     const std::string in_flight =
         r.peak_in_flight.empty() ? std::string("-") : std::to_string(r.peak_in_flight.front());
-    out += fmt::format("{:<32} {:>9} {:>15} {:>12} {:>9} {:>9} {:>7} {:>9} {}\n", r.name,
+    out += fmt::format("{:<40} {:>9} {:>15} {:>12} {:>9} {:>9} {:>7} {:>9} {}\n", r.name,
                        format_time(r.step_time), format_time(SimTime(r.step_time.ns() / mb)),
                        format_bytes(r.max_device_peak), format_time(r.recompute_time),
                        format_bytes(r.d2h), percent(bubble_permille(r)), in_flight, note);
