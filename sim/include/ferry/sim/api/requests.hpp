@@ -35,7 +35,7 @@ inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
 // text is refused with one message on both. The request's function then checks every number
 // against its bounds before anything runs: steps 1..1000 (a plan's 1..100), stash 1..2^20,
 // min_bytes 0..2^50, window_mib and prefetch_mib 0..2^30, host_cap_gib 0..2^20, fsdp, nodes and
-// hsdp 1..1000000, devices 1..64, micro_batches 1..1024. An error names the option as the
+// hsdp 1..1000000, devices 1..64, micro_batches 1..1024, virtual_stages 1..64. An error names the option as the
 // command line spells it, `--steps: 0 is not in 1..1000`; the CLI prints it after
 // "ferry simulate: error: " and exits 2, Python raises it as a ValueError.
 
