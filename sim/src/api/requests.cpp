@@ -619,6 +619,12 @@ Result<Response> respond(const CompareRequest& r) {
     if (r.progress) r.progress("pipelines");
     auto schedule = parse_schedule(r.run.schedule);
     if (!schedule) return Error{fmt::format("--schedule: {}", schedule.error().message)};
+    if (const auto why = pipeline::schedule_error(
+            schedule.value(), static_cast<std::uint32_t>(r.run.micro_batches),
+            static_cast<std::uint32_t>(r.run.devices),
+            static_cast<std::uint32_t>(r.run.virtual_stages))) {
+      return Error{fmt::format("--schedule {}: {}", r.run.schedule, *why)};
+    }
     pipelines = pipeline_rows(w.model, w.device, r.run.devices, r.run.micro_batches,
                               schedule.value(), r.run.virtual_stages);
     for (const PipelineRow& p : pipelines) clean = clean && p.hazards == 0;
