@@ -1,6 +1,7 @@
 #pragma once
-// Private to the simulated autograd: the pipeline driver. It runs a GPipe step over one
-// sim::Device per partition, on the toolkit it shares with the single-device Trainer
+// Private to the simulated autograd: the pipeline driver. It runs a step (GPipe's clock, or
+// torch's 1F1B or interleaved 1F1B orders) over one sim::Device per pipeline rank, each holding
+// one partition or, interleaved, several, on the toolkit it shares with the single-device Trainer
 // (graph.hpp, values.hpp), with the core's choreography (ferry/pipeline) and, per stage, the
 // core's Offloader.
 

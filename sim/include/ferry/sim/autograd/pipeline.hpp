@@ -1,7 +1,8 @@
 #pragma once
-/// GPipe pipeline training on simulated devices: a model split into contiguous partitions, one
-/// per device, micro-batches on the fill-drain clock, copy streams between devices, checkpoint
-/// and recompute, and skip connections through portals. See docs/pipeline.md.
+/// Pipeline training on simulated devices: a model split into contiguous partitions (stages),
+/// micro-batches on GPipe's fill-drain clock with copy streams, checkpoint and recompute and skip
+/// connections through portals, or in the order of torch's 1F1B and interleaved 1F1B with sends
+/// and receives. See docs/pipeline.md.
 
 #include <cstdint>
 #include <optional>
@@ -142,9 +143,9 @@ struct PipelineRun {
 /// of forward durations. Returns partitions + 1 start indices (the last is the op count).
 Result<std::vector<std::uint32_t>> balance_by_duration(const Model& model, std::int32_t partitions);
 
-/// Simulates one GPipe training step of `model` (durations assigned) on `options.devices`
-/// devices with the same profile. Bad options or models are errors; a failure during the step
-/// is reported in PipelineRun::failure.
+/// Simulates one pipeline training step (`options.schedule`) of `model` (durations assigned) on
+/// `options.devices` devices with the same profile. Bad options or models are errors; a failure
+/// during the step is reported in PipelineRun::failure.
 Result<PipelineRun> simulate_pipeline(const CheckedModel& model, const DeviceProfile& device,
                                       const PipelineOptions& options,
                                       const PipelineFaults& faults = {});
