@@ -147,11 +147,12 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches, 1..1024")
       ->capture_default_str();
   cmd->add_option("--schedule", a.schedule,
-                  "Pipeline schedule: gpipe (torchgpipe), 1f1b or interleaved-1f1b (torch's "
-                  "Schedule1F1B, ScheduleInterleaved1F1B)")
+                  "Pipeline schedule: gpipe (torchgpipe), 1f1b, interleaved-1f1b or "
+                  "interleaved-zero-bubble (torch's Schedule1F1B, ScheduleInterleaved1F1B, "
+                  "ScheduleInterleavedZeroBubble)")
       ->capture_default_str();
   cmd->add_option("--virtual-stages", a.virtual_stages,
-                  "Stages a device under interleaved-1f1b, 1..64")
+                  "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64")
       ->capture_default_str();
   if (simulate) {
     cmd->add_option("--pipeline-checkpoint", s.pipeline_checkpoint,

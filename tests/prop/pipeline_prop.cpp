@@ -208,18 +208,19 @@ rc::Gen<Case> gen_case() {
       rc::gen::inRange<std::uint32_t>(0, 3), rc::gen::element<std::int64_t>(0, 500, 3000));
 }
 
-// A case under torch's 1F1B or interleaved 1F1B: no skips (portals are GPipe's), and counts
-// the schedule takes (1F1B: at least as many micro-batches as devices; interleaved: 2 devices
-// or more, 2 or 3 stages each, micro-batches a multiple of the rounds), the offload policy none,
-// trl or ferry.
+// A case under torch's 1F1B, interleaved 1F1B or interleaved zero bubble: no skips (portals are
+// GPipe's), and counts the schedule takes (1F1B: at least as many micro-batches as devices;
+// interleaved: 2 devices or more, 2 or 3 stages each, 1 to 3 under zero bubble, micro-batches a
+// multiple of the rounds), the offload policy none, trl or ferry (none under zero bubble).
 rc::Gen<Case> gen_schedule_case() {
   return rc::gen::apply(
-      [](Case c, bool interleaved, std::int32_t v, std::uint32_t policy) {
+      [](Case c, std::uint32_t kind, std::int32_t v, std::uint32_t policy) {
         c.skips.clear();
         const auto parts = static_cast<std::int32_t>(c.ops.size()) + 1;
-        if (interleaved && parts >= 4) {
-          c.schedule = Schedule::Interleaved1F1B;
-          c.virtual_stages = std::min(v, parts / 2);
+        const bool zero_bubble = kind == 2;
+        if (kind > 0 && parts >= 4) {
+          c.schedule = zero_bubble ? Schedule::InterleavedZeroBubble : Schedule::Interleaved1F1B;
+          c.virtual_stages = std::min(zero_bubble ? v - 1 : v, parts / 2);
           c.devices = std::max(2, std::min(c.devices, parts / c.virtual_stages));
           // Below the devices one round; from them on, a multiple of the devices.
           if (c.micro_batches >= c.devices) c.micro_batches = c.devices;
@@ -227,12 +228,14 @@ rc::Gen<Case> gen_schedule_case() {
           c.schedule = Schedule::OneFOneB;
           c.micro_batches = std::max(c.micro_batches, c.devices);
         }
-        c.policy = policy == 0 ? Policy::None : policy == 1 ? Policy::Trl : Policy::Ferry;
+        c.policy = policy == 0 || c.schedule == Schedule::InterleavedZeroBubble ? Policy::None
+                   : policy == 1                                                ? Policy::Trl
+                                                                                : Policy::Ferry;
         c.min_bytes = 600;
         c.window = 4096;
         return c;
       },
-      gen_case(), rc::gen::arbitrary<bool>(), rc::gen::inRange<std::int32_t>(2, 4),
+      gen_case(), rc::gen::inRange<std::uint32_t>(0, 3), rc::gen::inRange<std::int32_t>(2, 4),
       rc::gen::inRange<std::uint32_t>(0, 3));
 }
 
@@ -401,8 +404,8 @@ RC_GTEST_PROP(PipelineOffloadProperty, StagesOffloadWhatTheirForwardSaves, ()) {
   RC_ASSERT(packed == local_saves * grad_mode);
 }
 
-// Under 1F1B and interleaved 1F1B, with or without offload and checkpoint: no hazard, every
-// kernel reads what was computed, the gradients equal the reference's, nothing left over.
+// Under 1F1B, interleaved 1F1B and zero bubble, with or without offload and checkpoint: no hazard,
+// every kernel reads what was computed, the gradients equal the reference's, nothing left over.
 RC_GTEST_PROP(PipelineScheduleProperty, TorchSchedulesAreSafeAndTrainAsOneDevice, ()) {
   const Runs runs = run_case(*gen_schedule_case(), {});
   no_hazard(runs.pipeline);

@@ -51,8 +51,8 @@ std::string actions(const std::vector<Action>& list) {
   std::string out;
   for (const Action& a : list) {
     if (!out.empty()) out += ' ';
-    out += std::to_string(a.cell.partition) + (a.phase == Phase::Forward ? "F" : "B") +
-           std::to_string(a.cell.micro_batch);
+    const char* step = a.phase == Phase::Forward ? "F" : a.phase == Phase::Backward ? "B" : "W";
+    out += std::to_string(a.cell.partition) + step + std::to_string(a.cell.micro_batch);
   }
   return out;
 }
@@ -77,6 +77,21 @@ TEST(PipelineOrder, InterleavedFollowsTorchsLoopedOrder) {
   EXPECT_EQ(actions(three[2]), "2F0 2F1 2F2 5F0 5B0 5F1 5B1 5F2 5B2 2B0 2B1 2B2");
 }
 
+// torch 2.11's _get_1f1b_rank_ops for ScheduleInterleavedZeroBubble (warm-up factor 1, zero
+// bubble on), its I (input-gradient) steps written B here.
+TEST(PipelineOrder, ZeroBubbleSplitsBackwardsAndDefersWeightsAsTorchDoes) {
+  const auto two = rank_orders(Schedule::InterleavedZeroBubble, 4, 2, 2);
+  EXPECT_EQ(actions(two[0]),
+            "0F0 0F1 2F0 2F1 2B0 2W0 0F2 2B1 2W1 0F3 0B0 0W0 2F2 0B1 0W1 2F3 2B2 2W2 2B3 2W3 0B2 "
+            "0W2 0B3 0W3");
+  EXPECT_EQ(actions(two[1]),
+            "1F0 1F1 3F0 3B0 3F1 3B1 3W0 1F2 1B0 3W1 1F3 1B1 1W0 3F2 3B2 1W1 3F3 3B3 3W2 1B2 3W3 "
+            "1B3 1W2 1W3");
+  const auto one = rank_orders(Schedule::InterleavedZeroBubble, 4, 2, 1);
+  EXPECT_EQ(actions(one[0]), "0F0 0F1 0B0 0W0 0F2 0B1 0W1 0F3 0B2 0W2 0B3 0W3");
+  EXPECT_EQ(actions(one[1]), "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1F3 1B3 1W2 1W3");
+}
+
 TEST(PipelineOrder, RefusesCountsTorchRefuses) {
   EXPECT_NE(schedule_error(Schedule::OneFOneB, 3, 4, 1), std::nullopt);
   EXPECT_NE(schedule_error(Schedule::OneFOneB, 4, 4, 2), std::nullopt);
@@ -94,7 +109,8 @@ TEST(PipelineOrder, IssueOrderKeepsEachRanksOrderAndEveryDependency) {
   for (const auto& [schedule, m, ranks, v] :
        {std::tuple{Schedule::OneFOneB, 8U, 4U, 1U}, std::tuple{Schedule::GPipe, 3U, 3U, 1U},
         std::tuple{Schedule::Interleaved1F1B, 8U, 4U, 2U},
-        std::tuple{Schedule::Interleaved1F1B, 6U, 3U, 3U}}) {
+        std::tuple{Schedule::Interleaved1F1B, 6U, 3U, 3U},
+        std::tuple{Schedule::InterleavedZeroBubble, 8U, 4U, 2U}}) {
     SCOPED_TRACE(std::string(schedule_name(schedule)) + " m" + std::to_string(m));
     const auto orders = rank_orders(schedule, m, ranks, v);
     const std::vector<Action> issued = issue_order(orders, ranks * v);
@@ -106,7 +122,9 @@ TEST(PipelineOrder, IssueOrderKeepsEachRanksOrderAndEveryDependency) {
       const std::uint32_t r = rank_of_stage(s, ranks);
       ASSERT_LT(next[r], orders[r].size());
       EXPECT_EQ(orders[r][next[r]++], a);
-      if (a.phase == Phase::Forward) {
+      if (a.phase == Phase::Weight) {
+        EXPECT_TRUE(done.contains({Phase::Backward, s, i}));
+      } else if (a.phase == Phase::Forward) {
         if (s > 0) {
           EXPECT_TRUE(done.contains({Phase::Forward, s - 1, i}));
         }
@@ -118,7 +136,8 @@ TEST(PipelineOrder, IssueOrderKeepsEachRanksOrderAndEveryDependency) {
       }
       done.insert({a.phase, s, i});
     }
-    EXPECT_EQ(done.size(), 2U * m * ranks * v);
+    const std::size_t steps = schedule == Schedule::InterleavedZeroBubble ? 3U : 2U;
+    EXPECT_EQ(done.size(), steps * m * ranks * v);
   }
 }
 

@@ -77,7 +77,10 @@ TEST(PipelineSchedule, TinyGptMatchesTheReferenceUnderEachSchedule) {
   for (const auto& [schedule, devices, m, v] :
        {std::tuple{Schedule::OneFOneB, 2, 4, 1}, std::tuple{Schedule::OneFOneB, 4, 6, 1},
         std::tuple{Schedule::Interleaved1F1B, 2, 4, 2},
-        std::tuple{Schedule::Interleaved1F1B, 3, 6, 2}}) {
+        std::tuple{Schedule::Interleaved1F1B, 3, 6, 2},
+        std::tuple{Schedule::InterleavedZeroBubble, 2, 4, 1},
+        std::tuple{Schedule::InterleavedZeroBubble, 2, 4, 2},
+        std::tuple{Schedule::InterleavedZeroBubble, 3, 6, 2}}) {
     for (const CheckpointMode mode : {CheckpointMode::Never, CheckpointMode::ExceptLast}) {
       SCOPED_TRACE(fmt::format("{} {}x{} v{} {}", schedule_name(schedule), devices, m, v,
                                checkpoint_mode_name(mode)));
@@ -164,6 +167,38 @@ TEST(PipelineSchedule, OneFOneBHoldsLessThanGPipeOnStageZero) {
   EXPECT_LT(one.peak_activations[0], gpipe.peak_activations[0]);
 }
 
+// Zero bubble fills the interleaved schedule's drain with the deferred weight steps: on the
+// same equal stages (each backward half input gradient, half weight gradient, so that forward,
+// input and weight steps take equal time) its bubble is below interleaved 1F1B's and equals the
+// analytic (pp - 1) / (3 V m + pp - 1) within 2 % (ZB-H1's (pp - 1)(F + I - W) idle time, each
+// step V times shorter), and every weight gradient still equals the reference's.
+TEST(PipelineSchedule, ZeroBubbleFillsTheBubbleWithWeightSteps) {
+  const DeviceProfile device = simple_profile();
+  for (const auto& [pp, m, v] :
+       {std::tuple{2, 4, 1}, std::tuple{4, 8, 1}, std::tuple{4, 8, 2}, std::tuple{4, 16, 2}}) {
+    const std::string name = fmt::format("pp{} m{} v{}", pp, m, v);
+    SCOPED_TRACE(name);
+    const Model model = equal_layers(static_cast<std::uint32_t>(pp * v * 2));
+    const PipelineOptions zb = options(Schedule::InterleavedZeroBubble, pp, m, v);
+    const PipelineRun run = simulate_pipeline(model, device, zb).value();
+    const PipelineRun loop =
+        simulate_pipeline(model, device, options(Schedule::Interleaved1F1B, pp, m, v)).value();
+    const PipelineRun reference = simulate_reference(model, device, zb).value();
+    ASSERT_FALSE(run.failure) << run.failure->message;
+    EXPECT_TRUE(run.hazards().empty()) << first_hazard(run);
+    EXPECT_TRUE(run.content_mismatches().empty());
+    EXPECT_EQ(run.param_grads, reference.param_grads);
+    EXPECT_EQ(run.buffers_left, 0);
+    std::cout << fmt::format(
+        "zero bubble {}: bubble {:.4f}, analytic {:.4f}, interleaved 1f1b {:.4f}\n", name,
+        step_bubble(run), static_cast<double>(pp - 1) / static_cast<double>(3 * v * m + pp - 1),
+        step_bubble(loop));
+    EXPECT_LT(step_bubble(run), step_bubble(loop));
+    const double analytic = static_cast<double>(pp - 1) / static_cast<double>(3 * v * m + pp - 1);
+    EXPECT_NEAR(step_bubble(run), analytic, 0.02 * analytic);
+  }
+}
+
 TEST(PipelineSchedule, TwoRunsAreIdentical) {
   const DeviceProfile device = simple_profile();
   const Model model = tiny_gpt(device);
@@ -191,6 +226,9 @@ TEST(PipelineSchedule, RefusesWhatTorchRefuses) {
             std::string::npos);
   EXPECT_NE(error(options(Schedule::Interleaved1F1B, 1, 4, 2)).find("at least 2 devices"),
             std::string::npos);
+  PipelineOptions offload = options(Schedule::InterleavedZeroBubble, 2, 4);
+  offload.offload.policy = Policy::Ferry;
+  EXPECT_NE(error(offload).find("not simulated"), std::string::npos);
   PipelineOptions skips = options(Schedule::OneFOneB, 2, 4);
   skips.skips = {SkipConnection{1, 2}};
   EXPECT_NE(error(skips).find("torchgpipe"), std::string::npos);
@@ -201,7 +239,8 @@ TEST(PipelineScheduleFault, DroppedReceiveWaitsAreRaces) {
   const DeviceProfile device = simple_profile();
   const Model model = equal_layers(8);
   for (const auto& [schedule, pp, m, v] :
-       {std::tuple{Schedule::OneFOneB, 2, 4, 1}, std::tuple{Schedule::Interleaved1F1B, 2, 4, 2}}) {
+       {std::tuple{Schedule::OneFOneB, 2, 4, 1}, std::tuple{Schedule::Interleaved1F1B, 2, 4, 2},
+        std::tuple{Schedule::InterleavedZeroBubble, 2, 4, 2}}) {
     SCOPED_TRACE(schedule_name(schedule));
     const PipelineOptions o = options(schedule, pp, m, v);
     EXPECT_TRUE(simulate_pipeline(model, device, o).value().hazards().empty());

@@ -26,6 +26,11 @@ namespace ferry::pipeline {
 //   stage (k / mpr) % V, its backward on local stage V - 1 - ((k - w) / mpr) % V; each stage
 //   takes its micro-batches in order 0, 1, ... (torch's _get_1f1b_rank_ops without its no-op
 //   padding, which only aligns the ranks' lists in time).
+// * ScheduleInterleavedZeroBubble: as ScheduleInterleaved1F1B with w = min((V - 1) * mpr +
+//   (pp - 1 - r), m * V) and each backward split into its input-gradient step (Phase::Backward)
+//   and its weight-gradient step (Phase::Weight): rank r's steady and cool-down steps k with
+//   k - w >= r follow their backward with the weight step of the oldest backward still without
+//   one, and the weight steps left run at the end.
 //
 // The simulator has one host thread, so the ranks' lists are merged into one issue order
 // (issue_order): the ranks in turn, each issuing its next action when what it receives has been
@@ -42,6 +47,8 @@ const char* schedule_name(Schedule schedule) {
       return "1f1b";
     case Schedule::Interleaved1F1B:
       return "interleaved-1f1b";
+    case Schedule::InterleavedZeroBubble:
+      return "interleaved-zero-bubble";
   }
   return "gpipe";
 }
@@ -99,18 +106,22 @@ std::optional<std::string> schedule_error(Schedule schedule, std::uint32_t micro
             micro_batches, ranks);
       }
       return std::nullopt;
-    case Schedule::Interleaved1F1B: {
+    case Schedule::Interleaved1F1B:
+    case Schedule::InterleavedZeroBubble: {
+      const char* name = schedule_name(schedule);
       if (ranks < 2) {
-        return std::string(
-            "interleaved-1f1b needs at least 2 devices (a rank's stages pass "
-            "their data to the next rank)");
+        return fmt::format(
+            "{} needs at least 2 devices (a rank's stages pass their data to the next rank)", name);
       }
       const std::uint32_t rounds = std::max(1U, micro_batches / ranks);
       if (micro_batches % rounds != 0) {
         return fmt::format(
-            "interleaved-1f1b needs the micro-batches to be a multiple of the rounds, max(1, "
-            "micro-batches / devices) = {}, as torch's ScheduleInterleaved1F1B; got {}",
-            rounds, micro_batches);
+            "{} needs the micro-batches to be a multiple of the rounds, max(1, micro-batches / "
+            "devices) = {}, as torch's {}; got {}",
+            name, rounds,
+            schedule == Schedule::Interleaved1F1B ? "ScheduleInterleaved1F1B"
+                                                  : "ScheduleInterleavedZeroBubble",
+            micro_batches);
       }
       return std::nullopt;
     }
@@ -136,35 +147,50 @@ std::vector<Action> one_f_one_b(std::uint32_t m, std::uint32_t ranks, std::uint3
   return out;
 }
 
-// ScheduleInterleaved1F1B's list for rank r.
+// ScheduleInterleaved1F1B's list for rank r, or with `zero_bubble` ScheduleInterleavedZeroBubble's
+// (its warm-up one forward a hop shorter, each backward split into the input-gradient step,
+// Phase::Backward, and the weight-gradient step, Phase::Weight, the latter deferred).
 std::vector<Action> interleaved(std::uint32_t m, std::uint32_t ranks, std::uint32_t v,
-                                std::uint32_t r) {
+                                std::uint32_t r, bool zero_bubble) {
   const std::uint32_t rounds = std::max(1U, m / ranks);
   const std::uint32_t per_round = m / rounds;
   const std::uint32_t ops = m * v;
-  const std::uint32_t warmup = std::min((v - 1) * per_round + 2 * (ranks - 1 - r), ops);
+  const std::uint32_t hops = (zero_bubble ? 1 : 2) * (ranks - 1 - r);
+  const std::uint32_t warmup = std::min((v - 1) * per_round + hops, ops);
   const std::uint32_t steady = ops - warmup;
   std::vector<std::uint32_t> next_forward(v, 0);
   std::vector<std::uint32_t> next_backward(v, 0);
+  std::vector<std::uint32_t> next_weight(v, 0);
+  std::vector<std::uint32_t> backward_steps;  // the steps whose backward ran, for their weights
+  std::size_t weights = 0;
   std::vector<Action> out;
   const auto forward = [&](std::uint32_t step) {
     const std::uint32_t local = (step / per_round) % v;
     out.push_back(Action{Phase::Forward, Cell{next_forward[local]++, local * ranks + r}});
   };
+  const auto backward_local = [&](std::uint32_t step) {
+    return v - 1 - ((step - warmup) / per_round) % v;
+  };
   const auto backward = [&](std::uint32_t step) {
-    const std::uint32_t local = v - 1 - ((step - warmup) / per_round) % v;
+    const std::uint32_t local = backward_local(step);
     out.push_back(Action{Phase::Backward, Cell{next_backward[local]++, local * ranks + r}});
+    backward_steps.push_back(step);
+  };
+  const auto weight = [&] {
+    const std::uint32_t local = backward_local(backward_steps[weights++]);
+    out.push_back(Action{Phase::Weight, Cell{next_weight[local]++, local * ranks + r}});
   };
   for (std::uint32_t step = 0; step < warmup + steady + warmup; ++step) {
     if (step < warmup) {
       forward(step);
-    } else if (step < warmup + steady) {
-      forward(step);
-      backward(step);
-    } else {
-      backward(step);
+      continue;
     }
+    if (step < warmup + steady) forward(step);
+    backward(step);
+    // Rank r runs r backwards before it defers weights (torch's num_1f1b_microbatches).
+    if (zero_bubble && step - warmup >= r) weight();
   }
+  while (zero_bubble && weights < backward_steps.size()) weight();
   return out;
 }
 
@@ -186,8 +212,10 @@ std::vector<std::vector<Action>> rank_orders(Schedule schedule, std::uint32_t mi
       for (std::uint32_t r = 0; r < ranks; ++r) out[r] = one_f_one_b(micro_batches, ranks, r);
       break;
     case Schedule::Interleaved1F1B:
+    case Schedule::InterleavedZeroBubble:
       for (std::uint32_t r = 0; r < ranks; ++r) {
-        out[r] = interleaved(micro_batches, ranks, virtual_stages, r);
+        out[r] = interleaved(micro_batches, ranks, virtual_stages, r,
+                             schedule == Schedule::InterleavedZeroBubble);
       }
       break;
   }
@@ -213,8 +241,9 @@ std::vector<Action> issue_order(const std::vector<std::vector<Action>>& ranks,
       const Action a = ranks[r][next[r]];
       const std::uint32_t s = a.cell.partition;
       const std::uint32_t i = a.cell.micro_batch;
-      const bool ready = a.phase == Phase::Forward
-                             ? (s == 0 || done(Phase::Forward, s - 1, i))
+      const bool ready = a.phase == Phase::Forward ? (s == 0 || done(Phase::Forward, s - 1, i))
+                         : a.phase == Phase::Weight
+                             ? done(Phase::Backward, s, i)
                              : (done(Phase::Forward, s, i) &&
                                 (s + 1 == stages || done(Phase::Backward, s + 1, i)));
       if (!ready) continue;

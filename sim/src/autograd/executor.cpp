@@ -99,6 +99,8 @@ PipelineRun Executor::run() {
         if (a.phase == pipeline::Phase::Forward) {
           forward_fence(c.micro_batch, c.partition);
           forward_compute(c.micro_batch, c.partition);
+        } else if (a.phase == pipeline::Phase::Weight) {
+          weight_compute(c.micro_batch, c.partition);
         } else {
           backward_fence(c.micro_batch, c.partition);
           backward_compute(c.micro_batch, c.partition);

@@ -75,12 +75,27 @@ struct Task {
   std::map<std::uint32_t, TensorId> grads;   ///< base -> its gradient on this device
   Generators rng;                            ///< the generators when the forward began
   std::optional<TensorId> output;            ///< the loss, held for the backward
+  /// Zero bubble: node -> its output gradients, kept from its input-gradient step for its
+  /// weight-gradient step (Note [Split backward]).
+  std::map<std::uint32_t, std::vector<TensorId>> deferred;
 };
 
 // Streams, events and the holders of shared buffers are the core's: Note [Pipeline streams]
 // and Note [Receive buffers and record_stream] in ferry/pipeline/streams.hpp. With an offload
 // policy, each stage's saved tensors go through an Offloader on that stage's device: see
 // Note [Offload in stages].
+//
+// Note [Split backward]
+// Zero-bubble schedules split a stage's backward in two steps, as torch's stage does
+// (backward_one_chunk with the weights left out, then backward_weight_one_chunk): the
+// input-gradient step runs every node's backward for the gradients of its activation inputs,
+// which the previous stage waits for, and the weight-gradient step later adds each node's
+// contribution to its parameters' gradients. A node that reads a parameter keeps what its
+// backward reads (its saved tensors, its outputs' gradients) from the first step to the second;
+// the first takes half its backward time and the second the other half (a matmul's input and
+// weight gradients cost the same flops); a node without a parameter runs whole in the first.
+// The weight kernel reads the same bytes, so its contribution is the one the whole backward
+// would add. The stage's graph (what the nodes saved) is freed after the weight step.
 //
 // Note [Offload in stages]
 // Each device runs the offload policy on its own: one Offloader over the stage's Backend, its
@@ -117,7 +132,12 @@ class Executor {
   /// receives]) rather than torchgpipe's copies.
   [[nodiscard]] bool point_to_point() const {
     return schedule_ == pipeline::Schedule::OneFOneB ||
-           schedule_ == pipeline::Schedule::Interleaved1F1B;
+           schedule_ == pipeline::Schedule::Interleaved1F1B || split_backward();
+  }
+
+  /// Each backward is split into an input-gradient and a weight-gradient step.
+  [[nodiscard]] bool split_backward() const {
+    return schedule_ == pipeline::Schedule::InterleavedZeroBubble;
   }
 
   /// The stream a receive into partition j from copy stream `s` allocates on, after the
@@ -262,8 +282,28 @@ class Executor {
 
   [[nodiscard]] std::vector<OffloadTelemetry> telemetry() const;
 
-  /// Node k's backward for micro-batch i on partition j: one kernel, then the let-gos.
+  /// Node k's backward for micro-batch i on partition j: one kernel, then the let-gos. Under
+  /// split_backward() it computes the input gradients only and, if k has a weight, keeps what
+  /// its weight step reads (Note [Split backward]).
   void op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k);
+
+  /// Whether node k reads a parameter: it has a weight-gradient step of its own.
+  [[nodiscard]] bool has_weight(std::uint32_t k) const;
+
+  /// The share of node k's backward time its input-gradient step takes under split_backward().
+  [[nodiscard]] SimTime input_share(std::uint32_t k) const;
+
+  /// The weight-gradient step of micro-batch i on partition j: each deferred node's weight
+  /// kernel, then the graph is freed.
+  void weight_compute(std::uint32_t i, std::uint32_t j);
+
+  /// The graph of micro-batch i on partition j is freed: the checkpoint's kept input, what the
+  /// nodes saved, the batch.
+  void free_graph(std::uint32_t i, std::uint32_t j);
+
+  /// Node k's weight-gradient kernel: reads what its input-gradient step read, adds to the
+  /// parameters' gradients, then lets go.
+  void weight_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k);
 
   // The gradients one node's backward adds to.
   struct GradTargets {

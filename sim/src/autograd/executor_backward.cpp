@@ -89,16 +89,8 @@ void Executor::backward_compute(std::uint32_t i, std::uint32_t j) {
   }
   if (!offloaders_.empty()) offloaders_[dev(j)]->backward_end();
   streams_->finish(Phase::Backward, Cell{i, j});
-  // The graph is freed: the checkpoint's kept input, what nodes that never ran saved, the batch.
-  if (task.checkpointed) {
-    for (const std::uint32_t b : plan_.chain_in[j]) release(task.chain.at(b));
-  }
-  for (auto& refs : task.saved) {
-    for (const SavedRef& ref : refs) let_go_saved(j, ref);
-    refs.clear();
-  }
-  for (const auto& [b, h] : task.inputs) release(h);
-  task.inputs.clear();
+  // Split, the weight step reads what the graph keeps: it is freed after that step.
+  if (!split_backward()) free_graph(i, j);
   for (const auto& [b, h] : task.grads) {
     FERRY_CHECK(std::binary_search(plan_.grad_back[j].begin(), plan_.grad_back[j].end(), b),
                 "gradient of '{}' left on gpu{} after its backward", model_.tensors[b].name, j);
@@ -256,16 +248,32 @@ void Executor::let_go_after_backward(std::uint32_t i, std::uint32_t j, std::uint
   saved.clear();
 }
 
+bool Executor::has_weight(std::uint32_t k) const {
+  for (const Access& a : plan_.reads[k]) {
+    if (model_.tensors[a.base].role == TensorRole::Param) return true;
+  }
+  return false;
+}
+
+SimTime Executor::input_share(std::uint32_t k) const {
+  const SimTime whole = model_.ops[k].backward_duration;
+  return has_weight(k) ? SimTime(std::max<std::int64_t>(1, whole.ns() / 2)) : whole;
+}
+
 void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
   const ModelOp& op = model_.ops[k];
+  const bool split = split_backward() && has_weight(k);
   std::vector<Read> reads;
   std::uint64_t h = mix_content(mix_content(tag::kBackward, k), i);
   const std::vector<Device::Buffer> unpacked = unpack_saved(i, j, k, reads, h);
   const std::vector<std::uint32_t> out_bases = read_output_grads(i, j, k, reads, h);
-  // Contributions per target buffer; a target created here starts from zero.
+  // Contributions per target buffer; a target created here starts from zero. Split, the
+  // parameters' wait for the weight step.
   GradTargets targets;
   for (std::uint32_t slot = 0; slot < op.inputs.size(); ++slot) {
-    const TensorId target = grad_target(i, j, plan_.reads[k][slot], targets);
+    const Access& a = plan_.reads[k][slot];
+    if (split && model_.tensors[a.base].role == TensorRole::Param) continue;
+    const TensorId target = grad_target(i, j, a, targets);
     if (target.valid()) targets.add[target.value()] += mix_content(h, slot + 1);
   }
   std::vector<Write> writes;
@@ -276,8 +284,81 @@ void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
     if (!fresh) reads.push_back(Read{target, whole(target), content(target)});
     writes.push_back(Write{target, grad_content(before + c), before + c});
   }
-  launch(dev(j), op.backward_duration, reads, writes, mb_label(i, op.name + " backward"));
-  let_go_after_backward(i, j, k, out_bases, targets, unpacked);
+  if (!split) {
+    launch(dev(j), op.backward_duration, reads, writes, mb_label(i, op.name + " backward"));
+    let_go_after_backward(i, j, k, out_bases, targets, unpacked);
+    return;
+  }
+  launch(dev(j), input_share(k), reads, writes, mb_label(i, op.name + " backward input"));
+  // Kept for the weight step: the outputs' gradients (moved out of the task's) and the saved
+  // tensors (left in task.saved).
+  Task& task = tasks_[i][j];
+  std::vector<TensorId>& kept = task.deferred[k];
+  for (const std::uint32_t b : out_bases) {
+    kept.push_back(task.grads.at(b));
+    task.grads.erase(b);
+  }
+  FERRY_CHECK(targets.portal_grads.empty() && unpacked.empty(),
+              "a split backward with portals or offload");
+}
+
+void Executor::weight_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
+  const ModelOp& op = model_.ops[k];
+  Task& task = tasks_[i][j];
+  std::vector<Read> reads;
+  std::uint64_t h = mix_content(mix_content(tag::kBackward, k), i);
+  const std::vector<Device::Buffer> unpacked = unpack_saved(i, j, k, reads, h);
+  FERRY_CHECK(unpacked.empty(), "a split backward with offload");
+  const std::vector<TensorId> kept = task.deferred.at(k);
+  for (const TensorId g : kept) {
+    reads.push_back(Read{g, whole(g), content(g)});
+    h = mix_content(h, content(g));
+  }
+  std::map<std::uint32_t, std::uint64_t> add;
+  for (std::uint32_t slot = 0; slot < op.inputs.size(); ++slot) {
+    const Access& a = plan_.reads[k][slot];
+    if (model_.tensors[a.base].role != TensorRole::Param) continue;
+    add[param_grads_[dev(j)].at(a.base).value()] += mix_content(h, slot + 1);
+  }
+  std::vector<Write> writes;
+  for (const auto& [handle, c] : add) {
+    const TensorId target(handle);
+    const std::uint64_t before = buf(target).sum;
+    reads.push_back(Read{target, whole(target), content(target)});
+    writes.push_back(Write{target, grad_content(before + c), before + c});
+  }
+  launch(dev(j), op.backward_duration - input_share(k), reads, writes,
+         mb_label(i, op.name + " backward weight"));
+  std::vector<SavedRef>& saved = task.saved[k - plan_.starts[j]];
+  for (const SavedRef& ref : saved) let_go_saved(j, ref);
+  saved.clear();
+  for (const TensorId g : kept) release(g);
+  task.deferred.erase(k);
+}
+
+void Executor::weight_compute(std::uint32_t i, std::uint32_t j) {
+  issuing(i, j);
+  Task& task = tasks_[i][j];
+  for (std::uint32_t k = plan_.starts[j + 1]; k-- > plan_.starts[j];) {
+    if (task.deferred.contains(k)) weight_backward(i, j, k);
+  }
+  FERRY_CHECK(task.deferred.empty(), "mb{} on stage {}: a weight step left", i, j);
+  free_graph(i, j);
+}
+
+void Executor::free_graph(std::uint32_t i, std::uint32_t j) {
+  Task& task = tasks_[i][j];
+  // The checkpoint's kept input, what nodes that never ran (or whose weight step ran) saved,
+  // the batch.
+  if (task.checkpointed) {
+    for (const std::uint32_t b : plan_.chain_in[j]) release(task.chain.at(b));
+  }
+  for (auto& refs : task.saved) {
+    for (const SavedRef& ref : refs) let_go_saved(j, ref);
+    refs.clear();
+  }
+  for (const auto& [b, h] : task.inputs) release(h);
+  task.inputs.clear();
 }
 
 void Executor::finish_step() {

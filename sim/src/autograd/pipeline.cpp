@@ -46,6 +46,12 @@ Status check_options(const Model& model, const PipelineOptions& options) {
           static_cast<std::uint32_t>(options.virtual_stages))) {
     return Error{*why};
   }
+  if (options.schedule == Schedule::InterleavedZeroBubble &&
+      options.offload.policy != Policy::None) {
+    return Error{
+        "offload in stages under interleaved-zero-bubble is not simulated (its weight steps "
+        "read saved tensors after their backward); use policy none or another schedule"};
+  }
   if (options.schedule != Schedule::GPipe && !options.skips.empty()) {
     return Error{fmt::format(
         "skip connections (portals) are torchgpipe's; under {} every tensor crossing stages is "

@@ -11,7 +11,10 @@
 
 namespace ferry::pipeline {
 
-enum class Phase : std::uint8_t { Forward, Backward };
+/// A task's step. Under zero-bubble schedules Backward is the input-gradient step (torch's
+/// BACKWARD_INPUT) and Weight the weight-gradient step (BACKWARD_WEIGHT); otherwise Backward is
+/// the whole backward and there is no Weight step.
+enum class Phase : std::uint8_t { Forward, Backward, Weight };
 
 /// A task's place: micro-batch `micro_batch` on stage (partition) `partition`.
 struct Cell {
@@ -32,9 +35,12 @@ enum class Schedule : std::uint8_t {
   Sequential,       ///< one micro-batch after another, its forward then its backward
   OneFOneB,         ///< torch's Schedule1F1B: warm-up forwards, one forward one backward, cool-down
   Interleaved1F1B,  ///< torch's ScheduleInterleaved1F1B: V stages a rank, looped
+  /// torch's ScheduleInterleavedZeroBubble: as Interleaved1F1B, with each backward split into
+  /// the input-gradient step and a deferred weight-gradient step
+  InterleavedZeroBubble,
 };
 
-/// "gpipe", "sequential", "1f1b", "interleaved-1f1b".
+/// "gpipe", "sequential", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble".
 [[nodiscard]] const char* schedule_name(Schedule schedule);
 
 /// The ticks of one training step (GPipe and Sequential). GPipe tick k of forward runs the

@@ -48,12 +48,12 @@ namespace ferry::pipeline {
 // offloader that packed it) keeps its own, and the storage is freed when the last goes.
 //
 // Note [Point-to-point receives]
-// torch.distributed.pipelining's schedules (1F1B, interleaved 1F1B) move data between stages
-// with NCCL send and receive operations rather than torchgpipe's copies. The stage allocates the
-// receive buffer on its compute stream, and NCCL, when an operation is posted, makes its stream
-// wait for the current (compute) stream of its rank. So under those schedules what crosses into
-// b is allocated on b's compute stream, and b's copy stream from a waits twice before the
-// transfer: for the event a's compute stream recorded after the task that produced the data
+// torch.distributed.pipelining's schedules (1F1B, interleaved 1F1B, zero bubble) move data
+// between stages with NCCL send and receive operations rather than torchgpipe's copies. The stage
+// allocates the receive buffer on its compute stream, and NCCL, when an operation is posted, makes
+// its stream wait for the current (compute) stream of its rank. So under those schedules what
+// crosses into b is allocated on b's compute stream, and b's copy stream from a waits twice before
+// the transfer: for the event a's compute stream recorded after the task that produced the data
 // (the send, posted after that task), and for b's compute stream as it stands when the receive
 // is posted (receive_after_compute). Without the second wait the transfer could write a block
 // that b's compute stream freed and reused in stream order while an earlier kernel still reads
