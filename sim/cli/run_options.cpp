@@ -140,15 +140,24 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   CLI::Option* fsdp = add_mesh_options(cmd, a.mesh, args.text);
   add_allocator_option(cmd, args.text);
   // Their bounds are the request's (Note [One check for both edges]).
-  cmd->add_option("--devices", a.devices, "Pipeline over N devices (GPipe), 1..64; 1: no pipeline")
+  cmd->add_option("--devices", a.devices,
+                  "Pipeline over N devices (--schedule), 1..64; 1: no pipeline")
       ->capture_default_str()
       ->excludes(fsdp);
   cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches, 1..1024")
       ->capture_default_str();
+  cmd->add_option("--schedule", a.schedule,
+                  "Pipeline schedule: gpipe (torchgpipe), 1f1b, interleaved-1f1b or "
+                  "interleaved-zero-bubble (torch's Schedule1F1B, ScheduleInterleaved1F1B, "
+                  "ScheduleInterleavedZeroBubble)")
+      ->capture_default_str();
+  cmd->add_option("--virtual-stages", a.virtual_stages,
+                  "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64")
+      ->capture_default_str();
   if (simulate) {
     cmd->add_option("--pipeline-checkpoint", s.pipeline_checkpoint,
-                    "Pipeline checkpoint mode: always, except_last or never")
-        ->capture_default_str();
+                    "Pipeline checkpoint mode: always, except_last or never (default except_last "
+                    "under gpipe, never under 1f1b and interleaved-1f1b)");
   }
   cmd->add_option("--min-bytes", a.min_bytes,
                   "Saved tensors smaller than this stay on the device (0..2^50)")

@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <tuple>
 
 #include "ferry/sim/export/trace.hpp"
 #include "ferry/sim/io/program_json.hpp"
@@ -174,6 +176,28 @@ TEST(GoldenComparePipeline, Gpt2SmallOnFourDevicesMatchesExpectedBytes) {
   EXPECT_EQ(offloading, 4U);
   expect_golden(kExpected / "compare_pipeline_gpt2-small-s1024.txt", pipeline_text(rows));
   expect_golden(kExpected / "compare_pipeline_gpt2-small-s1024.json", pipeline_json(rows) + "\n");
+}
+
+// The same rows under torch's 1F1B (4 devices, 8 micro-batches) and interleaved 1F1B (2 stages
+// a device), with each device's peak, bubble and micro-batches in flight: pinned, hazard-free.
+TEST(GoldenComparePipeline, Gpt2SmallUnderOneFOneBAndInterleavedMatchesExpectedBytes) {
+  auto model = model_preset("gpt2-small-s1024");
+  auto device = load_device_profile(kScenarios / "devices", "h100-sxm-pcie5");
+  ASSERT_TRUE(model.ok() && device.ok());
+  assign_roofline_durations(model.value(), device.value());
+  const CheckedModel checked = check_model(model.value()).value();
+  for (const auto& [schedule, v, file] :
+       {std::tuple{Schedule::OneFOneB, 1, "compare_pipeline_1f1b_gpt2-small-s1024"},
+        std::tuple{Schedule::Interleaved1F1B, 2,
+                   "compare_pipeline_interleaved_gpt2-small-s1024"}}) {
+    const std::vector<PipelineRow> rows = pipeline_rows(checked, device.value(), 4, 8, schedule, v);
+    for (const PipelineRow& row : rows) {
+      EXPECT_EQ(row.hazards, 0U) << row.name;
+      EXPECT_FALSE(row.failure) << row.name << ": " << row.failure->message;
+    }
+    expect_golden(kExpected / (std::string(file) + ".txt"), pipeline_text(rows));
+    expect_golden(kExpected / (std::string(file) + ".json"), pipeline_json(rows) + "\n");
+  }
 }
 
 }  // namespace

@@ -46,6 +46,8 @@ struct Case {
   Policy policy = Policy::None;  ///< every stage's offload policy
   std::int64_t min_bytes = 0;    ///< smaller saved tensors stay
   std::int64_t window = 0;       ///< ferry: forward window and prefetch bytes
+  Schedule schedule = Schedule::GPipe;
+  std::int32_t virtual_stages = 1;  ///< interleaved 1F1B: stages a device
 };
 
 void showValue(const Case& c, std::ostream& os) {
@@ -58,6 +60,9 @@ void showValue(const Case& c, std::ostream& os) {
   for (std::size_t s = 0; s < c.skips.size(); ++s) os << (s ? ", " : "") << c.skips[s];
   os << "], " << c.devices << " device(s), " << c.micro_batches << " micro-batch(es), checkpoint "
      << checkpoint_mode_name(c.mode) << ", launch " << c.launch_ns << " ns";
+  if (c.schedule != Schedule::GPipe) {
+    os << ", " << schedule_name(c.schedule) << " with " << c.virtual_stages << " stage(s) a device";
+  }
   if (c.policy != Policy::None) {
     os << ", offload " << policy_name(c.policy) << " min " << c.min_bytes << " window " << c.window;
   }
@@ -203,6 +208,37 @@ rc::Gen<Case> gen_case() {
       rc::gen::inRange<std::uint32_t>(0, 3), rc::gen::element<std::int64_t>(0, 500, 3000));
 }
 
+// A case under torch's 1F1B, interleaved 1F1B or interleaved zero bubble: no skips (portals are
+// GPipe's), and counts the schedule takes (1F1B: at least as many micro-batches as devices;
+// interleaved: 2 devices or more, 2 or 3 stages each, 1 to 3 under zero bubble, micro-batches a
+// multiple of the rounds), the offload policy none, trl or ferry (none under zero bubble).
+rc::Gen<Case> gen_schedule_case() {
+  return rc::gen::apply(
+      [](Case c, std::uint32_t kind, std::int32_t v, std::uint32_t policy) {
+        c.skips.clear();
+        const auto parts = static_cast<std::int32_t>(c.ops.size()) + 1;
+        const bool zero_bubble = kind == 2;
+        if (kind > 0 && parts >= 4) {
+          c.schedule = zero_bubble ? Schedule::InterleavedZeroBubble : Schedule::Interleaved1F1B;
+          c.virtual_stages = std::min(zero_bubble ? v - 1 : v, parts / 2);
+          c.devices = std::max(2, std::min(c.devices, parts / c.virtual_stages));
+          // Below the devices one round; from them on, a multiple of the devices.
+          if (c.micro_batches >= c.devices) c.micro_batches = c.devices;
+        } else {
+          c.schedule = Schedule::OneFOneB;
+          c.micro_batches = std::max(c.micro_batches, c.devices);
+        }
+        c.policy = policy == 0 || c.schedule == Schedule::InterleavedZeroBubble ? Policy::None
+                   : policy == 1                                                ? Policy::Trl
+                                                                                : Policy::Ferry;
+        c.min_bytes = 600;
+        c.window = 4096;
+        return c;
+      },
+      gen_case(), rc::gen::inRange<std::uint32_t>(0, 3), rc::gen::inRange<std::int32_t>(2, 4),
+      rc::gen::inRange<std::uint32_t>(0, 3));
+}
+
 // A case whose stages offload: trl or ferry, with small thresholds and windows so that
 // tensors are offloaded, guarded and reloaded while later ones are packed.
 rc::Gen<Case> gen_offload_case() {
@@ -238,6 +274,8 @@ Runs run_case(const Case& c, const PipelineFaults& faults) {
   PipelineOptions o;
   o.devices = c.devices;
   o.micro_batches = c.micro_batches;
+  o.schedule = c.schedule;
+  o.virtual_stages = c.virtual_stages;
   o.checkpoint = c.mode;
   o.skips = skips;
   o.offload.policy = c.policy;
@@ -366,6 +404,16 @@ RC_GTEST_PROP(PipelineOffloadProperty, StagesOffloadWhatTheirForwardSaves, ()) {
   RC_ASSERT(packed == local_saves * grad_mode);
 }
 
+// Under 1F1B, interleaved 1F1B and zero bubble, with or without offload and checkpoint: no hazard,
+// every kernel reads what was computed, the gradients equal the reference's, nothing left over.
+RC_GTEST_PROP(PipelineScheduleProperty, TorchSchedulesAreSafeAndTrainAsOneDevice, ()) {
+  const Runs runs = run_case(*gen_schedule_case(), {});
+  no_hazard(runs.pipeline);
+  no_content_mismatch(runs.pipeline);
+  gradients_equal_reference(runs);
+  RC_ASSERT(runs.pipeline.buffers_left == 0);
+}
+
 // Counts the op lines of a counterexample's model description.
 std::size_t ops_in(const std::string& counterexample) {
   std::size_t ops = 0;
@@ -414,6 +462,22 @@ TEST(PlantedPipelineFault, DroppedPortalArrivalWaitIsAHazard) {
   expect_small("the pop does not wait for PortalCopy", ferry::testing::counterexample([&] {
                  no_hazard(run_case(*gen_case(), faults).pipeline);
                }));
+}
+
+TEST(PlantedPipelineFault, DroppedReceiveWaitIsAHazard) {
+  PipelineFaults faults;
+  faults.skip_receive_wait = true;
+  expect_small("a receive does not wait for the receiving compute stream",
+               ferry::testing::counterexample(
+                   [&] { no_hazard(run_case(*gen_schedule_case(), faults).pipeline); }));
+}
+
+TEST(PlantedPipelineFault, DroppedReceiveArrivalWaitIsAHazard) {
+  PipelineFaults faults;
+  faults.skip_receive_arrival_wait = true;
+  expect_small("the receiving compute does not wait for the receive",
+               ferry::testing::counterexample(
+                   [&] { no_hazard(run_case(*gen_schedule_case(), faults).pipeline); }));
 }
 
 TEST(PlantedPipelineFault, WrongTensorLifeBreaksThePortalFrees) {

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "fake_backend.hpp"
@@ -41,6 +44,122 @@ TEST(PipelineClock, SequentialRunsEachMicroBatchForwardThenBackward) {
   EXPECT_EQ(ticks[1].phase, Phase::Backward);
   EXPECT_EQ(ticks[1].cells, (std::vector<Cell>{{0, 0}}));
   EXPECT_EQ(ticks[2].cells, (std::vector<Cell>{{1, 0}}));
+}
+
+// "0F0 0F1 2B0 ..." as torch prints its actions: stage, F or B, micro-batch.
+std::string actions(const std::vector<Action>& list) {
+  std::string out;
+  for (const Action& a : list) {
+    if (!out.empty()) out += ' ';
+    const char* step = a.phase == Phase::Forward ? "F" : a.phase == Phase::Backward ? "B" : "W";
+    out += std::to_string(a.cell.partition) + step + std::to_string(a.cell.micro_batch);
+  }
+  return out;
+}
+
+TEST(PipelineOrder, OneFOneBWarmsUpThenAlternatesThenCoolsDown) {
+  const auto orders = rank_orders(Schedule::OneFOneB, 6, 4, 1);
+  ASSERT_EQ(orders.size(), 4U);
+  // Stage s warms up with min(m, pp - s) forwards, then one backward and one forward in turn.
+  EXPECT_EQ(actions(orders[0]), "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0B3 0B4 0B5");
+  EXPECT_EQ(actions(orders[2]), "2F0 2F1 2B0 2F2 2B1 2F3 2B2 2F4 2B3 2F5 2B4 2B5");
+  EXPECT_EQ(actions(orders[3]), "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5");
+}
+
+// The expected lists are what torch 2.11's _get_1f1b_rank_ops gives for
+// ScheduleInterleaved1F1B with the same counts, its no-op padding left out.
+TEST(PipelineOrder, InterleavedFollowsTorchsLoopedOrder) {
+  const auto two = rank_orders(Schedule::Interleaved1F1B, 4, 2, 2);
+  EXPECT_EQ(actions(two[0]), "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3");
+  EXPECT_EQ(actions(two[1]), "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3");
+  const auto three = rank_orders(Schedule::Interleaved1F1B, 3, 3, 2);
+  EXPECT_EQ(actions(three[0]), "0F0 0F1 0F2 3F0 3F1 3F2 3B0 3B1 3B2 0B0 0B1 0B2");
+  EXPECT_EQ(actions(three[2]), "2F0 2F1 2F2 5F0 5B0 5F1 5B1 5F2 5B2 2B0 2B1 2B2");
+}
+
+// torch 2.11's _get_1f1b_rank_ops for ScheduleInterleavedZeroBubble (warm-up factor 1, zero
+// bubble on), its I (input-gradient) steps written B here.
+TEST(PipelineOrder, ZeroBubbleSplitsBackwardsAndDefersWeightsAsTorchDoes) {
+  const auto two = rank_orders(Schedule::InterleavedZeroBubble, 4, 2, 2);
+  EXPECT_EQ(actions(two[0]),
+            "0F0 0F1 2F0 2F1 2B0 2W0 0F2 2B1 2W1 0F3 0B0 0W0 2F2 0B1 0W1 2F3 2B2 2W2 2B3 2W3 0B2 "
+            "0W2 0B3 0W3");
+  EXPECT_EQ(actions(two[1]),
+            "1F0 1F1 3F0 3B0 3F1 3B1 3W0 1F2 1B0 3W1 1F3 1B1 1W0 3F2 3B2 1W1 3F3 3B3 3W2 1B2 3W3 "
+            "1B3 1W2 1W3");
+  const auto one = rank_orders(Schedule::InterleavedZeroBubble, 4, 2, 1);
+  EXPECT_EQ(actions(one[0]), "0F0 0F1 0B0 0W0 0F2 0B1 0W1 0F3 0B2 0W2 0B3 0W3");
+  EXPECT_EQ(actions(one[1]), "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1F3 1B3 1W2 1W3");
+}
+
+TEST(PipelineOrder, RefusesCountsTorchRefuses) {
+  EXPECT_NE(schedule_error(Schedule::OneFOneB, 3, 4, 1), std::nullopt);
+  EXPECT_NE(schedule_error(Schedule::OneFOneB, 4, 4, 2), std::nullopt);
+  EXPECT_NE(schedule_error(Schedule::GPipe, 4, 4, 2), std::nullopt);
+  // rounds = max(1, 10 / 4) = 2 divides 10; rounds = 2 does not divide 9.
+  EXPECT_EQ(schedule_error(Schedule::Interleaved1F1B, 10, 4, 2), std::nullopt);
+  const auto nine = schedule_error(Schedule::Interleaved1F1B, 9, 4, 2);
+  ASSERT_NE(nine, std::nullopt);
+  EXPECT_NE(nine->find("multiple of the rounds"), std::string::npos) << *nine;
+  EXPECT_NE(schedule_error(Schedule::Interleaved1F1B, 4, 1, 2), std::nullopt);
+  EXPECT_EQ(schedule_error(Schedule::OneFOneB, 4, 4, 1), std::nullopt);
+}
+
+TEST(PipelineOrder, IssueOrderKeepsEachRanksOrderAndEveryDependency) {
+  for (const auto& [schedule, m, ranks, v] :
+       {std::tuple{Schedule::OneFOneB, 8U, 4U, 1U}, std::tuple{Schedule::GPipe, 3U, 3U, 1U},
+        std::tuple{Schedule::Interleaved1F1B, 8U, 4U, 2U},
+        std::tuple{Schedule::Interleaved1F1B, 6U, 3U, 3U},
+        std::tuple{Schedule::InterleavedZeroBubble, 8U, 4U, 2U}}) {
+    SCOPED_TRACE(std::string(schedule_name(schedule)) + " m" + std::to_string(m));
+    const auto orders = rank_orders(schedule, m, ranks, v);
+    const std::vector<Action> issued = issue_order(orders, ranks * v);
+    std::vector<std::size_t> next(ranks, 0);
+    std::set<std::tuple<Phase, std::uint32_t, std::uint32_t>> done;
+    for (const Action& a : issued) {
+      const std::uint32_t s = a.cell.partition;
+      const std::uint32_t i = a.cell.micro_batch;
+      const std::uint32_t r = rank_of_stage(s, ranks);
+      ASSERT_LT(next[r], orders[r].size());
+      EXPECT_EQ(orders[r][next[r]++], a);
+      if (a.phase == Phase::Weight) {
+        EXPECT_TRUE(done.contains({Phase::Backward, s, i}));
+      } else if (a.phase == Phase::Forward) {
+        if (s > 0) {
+          EXPECT_TRUE(done.contains({Phase::Forward, s - 1, i}));
+        }
+      } else {
+        EXPECT_TRUE(done.contains({Phase::Forward, s, i}));
+        if (s + 1 < ranks * v) {
+          EXPECT_TRUE(done.contains({Phase::Backward, s + 1, i}));
+        }
+      }
+      done.insert({a.phase, s, i});
+    }
+    const std::size_t steps = schedule == Schedule::InterleavedZeroBubble ? 3U : 2U;
+    EXPECT_EQ(done.size(), steps * m * ranks * v);
+  }
+}
+
+TEST(PipelineStreams, ReceiveWaitsForTheReceivingComputeStream) {
+  FakeBackend gpu0;
+  FakeBackend gpu1;
+  Choreography<FakeBackend> streams({&gpu0, &gpu1});
+  gpu1.log.clear();
+  streams.receive_after_compute(streams.copy(0, 1));
+  // The event is recorded on gpu1's compute stream (s0); the copy stream from gpu0 (s1) waits.
+  EXPECT_EQ(gpu1.log, (std::vector<std::string>{"record e0 s0", "wait s1 e0"}));
+}
+
+TEST(PipelineStreams, PartitionsLoopOverTheDevices) {
+  FakeBackend gpu0;
+  FakeBackend gpu1;
+  Choreography<FakeBackend> streams({&gpu0, &gpu1}, {0, 1, 0, 1});
+  EXPECT_EQ(streams.device_of_partition(2), 0U);
+  gpu1.log.clear();
+  streams.finish(Phase::Forward, Cell{0, 3});
+  ASSERT_FALSE(gpu1.log.empty());
+  EXPECT_EQ(streams.copy_after(Phase::Forward, Cell{0, 3}, 0), streams.copy(1, 0));
 }
 
 TEST(PipelineStreams, CopyStreamsLiveOnTheDestinationDevice) {

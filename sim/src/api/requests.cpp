@@ -87,9 +87,15 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
   auto parallelism = parallelism_of(k.mesh);
   if (!parallelism) return parallelism;
   if (auto pipeline = first_error({in_bounds("--devices", k.devices, 1, 64),
-                                   in_bounds("--micro-batches", k.micro_batches, 1, 1024)});
+                                   in_bounds("--micro-batches", k.micro_batches, 1, 1024),
+                                   in_bounds("--virtual-stages", k.virtual_stages, 1, 64)});
       !pipeline) {
     return pipeline.error();
+  }
+  if (k.devices == 1 && (k.schedule != "gpipe" || k.virtual_stages != 1)) {
+    return Error{fmt::format(
+        "--schedule {} --virtual-stages {} applies to a pipeline; give --devices 2 or more",
+        k.schedule, k.virtual_stages)};
   }
   if (k.devices > 1) {
     // A pipeline runs one whole model a device: no parallelism across GPUs beside it.
@@ -315,11 +321,19 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
     return refuse(
         "--memory-snapshot records a single-device run; a pipeline has no memory snapshot yet");
   }
-  auto mode = parse_checkpoint_mode(r.pipeline_checkpoint);
+  auto schedule = parse_schedule(r.run.schedule);
+  if (!schedule) return Error{fmt::format("--schedule: {}", schedule.error().message)};
+  const std::string_view checkpoint =
+      !r.pipeline_checkpoint.empty()        ? std::string_view(r.pipeline_checkpoint)
+      : schedule.value() == Schedule::GPipe ? std::string_view("except_last")
+                                            : std::string_view("never");
+  auto mode = parse_checkpoint_mode(checkpoint);
   if (!mode) return Error{fmt::format("--pipeline-checkpoint: {}", mode.error().message)};
   PipelineOptions o;
   o.devices = r.run.devices;
   o.micro_batches = r.run.micro_batches;
+  o.schedule = schedule.value();
+  o.virtual_stages = r.run.virtual_stages;
   o.checkpoint = mode.value();
   o.sim = base.sim;
   o.offload = base.offload;
@@ -593,7 +607,16 @@ Result<Response> respond(const CompareRequest& r) {
   std::vector<PipelineRow> pipelines;
   if (r.run.devices > 1) {
     if (r.progress) r.progress("pipelines");
-    pipelines = pipeline_rows(w.model, w.device, r.run.devices, r.run.micro_batches);
+    auto schedule = parse_schedule(r.run.schedule);
+    if (!schedule) return Error{fmt::format("--schedule: {}", schedule.error().message)};
+    if (const auto why = pipeline::schedule_error(
+            schedule.value(), static_cast<std::uint32_t>(r.run.micro_batches),
+            static_cast<std::uint32_t>(r.run.devices),
+            static_cast<std::uint32_t>(r.run.virtual_stages))) {
+      return Error{fmt::format("--schedule {}: {}", r.run.schedule, *why)};
+    }
+    pipelines = pipeline_rows(w.model, w.device, r.run.devices, r.run.micro_batches,
+                              schedule.value(), r.run.virtual_stages);
     for (const PipelineRow& p : pipelines) clean = clean && p.hazards == 0;
   }
   Response out;

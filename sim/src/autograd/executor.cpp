@@ -37,32 +37,38 @@ Executor::Executor(const Model& model, const DeviceProfile& profile, const Pipel
       checkpoint_stop_(checkpoint_stop),
       micro_batches_(static_cast<std::uint32_t>(options.micro_batches)),
       parts_(plan_.partitions()),
-      sim_(device_specs(profile, plan_.partitions()), {}, options.sim),
+      ndev_(static_cast<std::uint32_t>(options.devices)),
+      sim_(device_specs(profile, ndev_), {}, options.sim),
       portals_(faults.portal),
       rng_(plan_.generators) {
+  FERRY_CHECK(ndev_ > 0 && parts_ % ndev_ == 0, "{} partitions over {} devices", parts_, ndev_);
   std::vector<StreamId> compute;
-  for (std::uint32_t j = 0; j < parts_; ++j) {
-    compute.push_back(sim_.add_stream(DeviceId(j), "compute"));
+  for (std::uint32_t d = 0; d < ndev_; ++d) {
+    compute.push_back(sim_.add_stream(DeviceId(d), "compute"));
   }
   std::vector<Device*> devices;
-  for (std::uint32_t j = 0; j < parts_; ++j) {
-    devices_.push_back(std::make_unique<Device>(sim_, DeviceId(j), compute[j]));
+  for (std::uint32_t d = 0; d < ndev_; ++d) {
+    devices_.push_back(std::make_unique<Device>(sim_, DeviceId(d), compute[d]));
     devices.push_back(devices_.back().get());
   }
-  streams_ = std::make_unique<Streams>(std::move(devices));
+  std::vector<std::uint32_t> placement;
+  for (std::uint32_t j = 0; j < parts_; ++j) placement.push_back(pipeline::rank_of_stage(j, ndev_));
+  streams_ = std::make_unique<Streams>(std::move(devices), std::move(placement));
   holders_ = std::make_unique<Holders>(*streams_);
   if (options.offload.policy != Policy::None) {
-    for (std::uint32_t j = 0; j < parts_; ++j) {
+    for (std::uint32_t d = 0; d < ndev_; ++d) {
       offloaders_.push_back(
-          std::make_unique<Offloader<Device>>(*devices_[j], options.offload, faults.offload));
+          std::make_unique<Offloader<Device>>(*devices_[d], options.offload, faults.offload));
     }
   }
   tasks_.assign(micro_batches_, std::vector<Task>(parts_));
   forward_values_.assign(micro_batches_, std::vector<std::uint64_t>(model.tensors.size(), 0));
-  resident_.resize(parts_);
-  param_grads_.resize(parts_);
-  live_activations_.assign(parts_, Bytes(0));
-  peak_activations_.assign(parts_, Bytes(0));
+  resident_.resize(ndev_);
+  param_grads_.resize(ndev_);
+  live_activations_.assign(ndev_, Bytes(0));
+  peak_activations_.assign(ndev_, Bytes(0));
+  live_cells_.resize(ndev_);
+  peak_in_flight_.assign(ndev_, 0);
 }
 
 PipelineRun Executor::run() {
@@ -72,17 +78,36 @@ PipelineRun Executor::run() {
     setup();
     start = sim_.host_time();
     for (const auto& off : offloaders_) off->enter();
-    for (const pipeline::Tick& tick : pipeline::clock(schedule_, micro_batches_, parts_)) {
-      const bool forward = tick.phase == pipeline::Phase::Forward;
-      for (const pipeline::Cell c : tick.cells) {
-        forward ? forward_fence(c.micro_batch, c.partition)
-                : backward_fence(c.micro_batch, c.partition);
+    first_task_op_ = sim_.ops().size();
+    if (schedule_ == pipeline::Schedule::GPipe || schedule_ == pipeline::Schedule::Sequential) {
+      for (const pipeline::Tick& tick : pipeline::clock(schedule_, micro_batches_, parts_)) {
+        const bool forward = tick.phase == pipeline::Phase::Forward;
+        for (const pipeline::Cell c : tick.cells) {
+          forward ? forward_fence(c.micro_batch, c.partition)
+                  : backward_fence(c.micro_batch, c.partition);
+        }
+        for (const pipeline::Cell c : tick.cells) {
+          forward ? forward_compute(c.micro_batch, c.partition)
+                  : backward_compute(c.micro_batch, c.partition);
+        }
       }
-      for (const pipeline::Cell c : tick.cells) {
-        forward ? forward_compute(c.micro_batch, c.partition)
-                : backward_compute(c.micro_batch, c.partition);
+    } else {
+      // Each action's receives, then its compute (Note [Schedule orders]).
+      const auto orders = pipeline::rank_orders(schedule_, micro_batches_, ndev_, parts_ / ndev_);
+      for (const pipeline::Action& a : pipeline::issue_order(orders, parts_)) {
+        const pipeline::Cell c = a.cell;
+        if (a.phase == pipeline::Phase::Forward) {
+          forward_fence(c.micro_batch, c.partition);
+          forward_compute(c.micro_batch, c.partition);
+        } else if (a.phase == pipeline::Phase::Weight) {
+          weight_compute(c.micro_batch, c.partition);
+        } else {
+          backward_fence(c.micro_batch, c.partition);
+          backward_compute(c.micro_batch, c.partition);
+        }
       }
     }
+    last_task_op_ = sim_.ops().size();
     for (const auto& off : offloaders_) off->exit();
     finish_step();
   } catch (const StepFailure& e) {
@@ -102,9 +127,10 @@ PipelineRun Executor::run() {
     if (l.freed.valid()) l.freed_at = sim_.ops()[l.freed.value()].issued;
   }
   std::vector<Bytes> peak_allocated;
-  for (std::uint32_t j = 0; j < parts_; ++j) {
-    peak_allocated.push_back(sim_.device_allocator(DeviceId(j)).stats().allocated_peak);
+  for (std::uint32_t d = 0; d < ndev_; ++d) {
+    peak_allocated.push_back(sim_.device_allocator(DeviceId(d)).stats().allocated_peak);
   }
+  const StageTimes times = stage_times();
   std::int64_t portal_frees = 0;
   for (const PortalLifetime& l : lifetimes_) portal_frees += l.freed.valid() ? 1 : 0;
   return PipelineRun{.sim = std::move(sim_),
@@ -119,7 +145,33 @@ PipelineRun Executor::run() {
                      .buffers_left = left,
                      .param_grads = param_gradients(),
                      .portal_lifetimes = lifetimes_,
-                     .telemetry = telemetry()};
+                     .telemetry = telemetry(),
+                     .schedule = schedule_,
+                     .pipeline_span = times.span,
+                     .busy = times.busy,
+                     .peak_in_flight = peak_in_flight_};
+}
+
+Executor::StageTimes Executor::stage_times() const {
+  // Kernels of the tasks on each device's compute stream; the span runs from the first one's
+  // start to the last one's end over all devices.
+  StageTimes t;
+  t.busy.assign(ndev_, SimTime(0));
+  std::optional<SimTime> first;
+  SimTime last;
+  const auto& ops = sim_.ops();
+  for (std::size_t o = first_task_op_; o < last_task_op_ && o < ops.size(); ++o) {
+    const OpRecord& r = ops[o];
+    if (r.kind != OpKind::Kernel || r.collective) continue;
+    for (std::uint32_t d = 0; d < ndev_; ++d) {
+      if (r.stream != devices_[d]->compute_stream().id) continue;
+      t.busy[d] += r.end - r.start;
+      first = first ? std::min(*first, r.start) : r.start;
+      last = std::max(last, r.end);
+    }
+  }
+  t.span = first ? last - *first : SimTime(0);
+  return t;
 }
 
 TensorId Executor::allocate(std::uint32_t device, StreamRef stream, Bytes bytes, Kind kind,
@@ -137,6 +189,13 @@ TensorId Executor::allocate(std::uint32_t device, StreamRef stream, Bytes bytes,
   if (kind == Kind::Activation) {
     live_activations_[device] += bytes;
     peak_activations_[device] = std::max(peak_activations_[device], live_activations_[device]);
+    if (current_) {
+      bufs_.back().cell = current_;
+      if (live_cells_[device][*current_]++ == 0) {
+        peak_in_flight_[device] = std::max(peak_in_flight_[device],
+                                           static_cast<std::int32_t>(live_cells_[device].size()));
+      }
+    }
   }
   return TensorId(static_cast<std::uint32_t>(bufs_.size() - 1));
 }
@@ -152,7 +211,14 @@ void Executor::free_buffer(TensorId h, bool at_step_end) {
 
 void Executor::let_go(TensorId h, bool at_step_end) {
   Buf& b = buf(h);
-  if (b.kind == Kind::Activation) live_activations_[b.device] -= b.bytes;
+  if (b.kind == Kind::Activation) {
+    live_activations_[b.device] -= b.bytes;
+    if (b.cell) {
+      auto& cells = live_cells_[b.device];
+      const auto it = cells.find(*b.cell);
+      if (--it->second == 0) cells.erase(it);
+    }
+  }
   for (const std::size_t l : b.lifetimes) {
     lifetimes_[l].last_use = b.last_use;
     lifetimes_[l].freed_at_step_end = at_step_end;
@@ -249,24 +315,28 @@ void Executor::copy(StreamRef stream, TensorId src, TensorId dst, const std::str
 void Executor::setup() {
   for (std::uint32_t j = 0; j < parts_; ++j) {
     std::vector<Write> writes;
+    // A device holding several stages (interleaved) keeps one replica of what they share.
     for (const std::uint32_t b : plan_.params_of[j]) {
+      if (resident_[dev(j)].contains(b)) continue;
       const ModelTensor& t = model_.tensors[b];
-      const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Static, 1, t.name);
-      resident_[j][b] = h;
+      const TensorId h =
+          allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Static, 1, t.name);
+      resident_[dev(j)][b] = h;
       writes.push_back(Write{h, mix_content(tag::kParam, b), 0});
     }
     for (const std::uint32_t b : plan_.grads_of[j]) {
+      if (param_grads_[dev(j)].contains(b)) continue;
       const ModelTensor& t = model_.tensors[b];
       const TensorId h =
-          allocate(j, streams_->compute(j), t.bytes, Kind::Static, 1, t.name + ".grad");
-      param_grads_[j][b] = h;
+          allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Static, 1, t.name + ".grad");
+      param_grads_[dev(j)][b] = h;
       writes.push_back(Write{h, grad_content(0), 0});
     }
     // Initialization runs as kernels of at most kMaxWrites ranges each.
     for (std::size_t at = 0; at < writes.size(); at += kMaxWrites) {
       const auto end =
           writes.begin() + static_cast<std::ptrdiff_t>(std::min(writes.size(), at + kMaxWrites));
-      launch(j, SimTime(1), {},
+      launch(dev(j), SimTime(1), {},
              std::vector<Write>(writes.begin() + static_cast<std::ptrdiff_t>(at), end),
              "init parameters and gradients");
     }

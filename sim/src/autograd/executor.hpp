@@ -1,9 +1,11 @@
 #pragma once
-// Private to the simulated autograd: the pipeline driver. It runs a GPipe step over one
-// sim::Device per partition, on the toolkit it shares with the single-device Trainer
+// Private to the simulated autograd: the pipeline driver. It runs a step (GPipe's clock, or
+// torch's 1F1B or interleaved 1F1B orders) over one sim::Device per pipeline rank, each holding
+// one partition or, interleaved, several, on the toolkit it shares with the single-device Trainer
 // (graph.hpp, values.hpp), with the core's choreography (ferry/pipeline) and, per stage, the
 // core's Offloader.
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -52,6 +54,8 @@ struct Buf {
   OpId last_use;
   std::uint64_t sum = 0;               ///< gradients: the sum behind its content
   std::vector<std::size_t> lifetimes;  ///< PortalLifetime records naming it
+  /// Activations: the task (micro-batch, partition) that allocated it, for the in-flight count.
+  std::optional<std::array<std::uint32_t, 2>> cell;
 };
 
 struct SavedRef {
@@ -71,12 +75,27 @@ struct Task {
   std::map<std::uint32_t, TensorId> grads;   ///< base -> its gradient on this device
   Generators rng;                            ///< the generators when the forward began
   std::optional<TensorId> output;            ///< the loss, held for the backward
+  /// Zero bubble: node -> its output gradients, kept from its input-gradient step for its
+  /// weight-gradient step (Note [Split backward]).
+  std::map<std::uint32_t, std::vector<TensorId>> deferred;
 };
 
 // Streams, events and the holders of shared buffers are the core's: Note [Pipeline streams]
 // and Note [Receive buffers and record_stream] in ferry/pipeline/streams.hpp. With an offload
 // policy, each stage's saved tensors go through an Offloader on that stage's device: see
 // Note [Offload in stages].
+//
+// Note [Split backward]
+// Zero-bubble schedules split a stage's backward in two steps, as torch's stage does
+// (backward_one_chunk with the weights left out, then backward_weight_one_chunk): the
+// input-gradient step runs every node's backward for the gradients of its activation inputs,
+// which the previous stage waits for, and the weight-gradient step later adds each node's
+// contribution to its parameters' gradients. A node that reads a parameter keeps what its
+// backward reads (its saved tensors, its outputs' gradients) from the first step to the second;
+// the first takes half its backward time and the second the other half (a matmul's input and
+// weight gradients cost the same flops); a node without a parameter runs whole in the first.
+// The weight kernel reads the same bytes, so its contribution is the one the whole backward
+// would add. The stage's graph (what the nodes saved) is freed after the weight step.
 //
 // Note [Offload in stages]
 // Each device runs the offload policy on its own: one Offloader over the stage's Backend, its
@@ -100,6 +119,36 @@ class Executor {
 
  private:
   // ----- buffers -----
+
+  /// The device partition j runs on.
+  [[nodiscard]] std::uint32_t dev(std::uint32_t j) const {
+    return streams_->device_of_partition(j);
+  }
+
+  /// The task being issued: its activations count as that task's in flight.
+  void issuing(std::uint32_t i, std::uint32_t j) { current_ = std::array<std::uint32_t, 2>{i, j}; }
+
+  /// Under torch.distributed.pipelining's schedules, sends and receives (Note [Point-to-point
+  /// receives]) rather than torchgpipe's copies.
+  [[nodiscard]] bool point_to_point() const {
+    return schedule_ == pipeline::Schedule::OneFOneB ||
+           schedule_ == pipeline::Schedule::Interleaved1F1B || split_backward();
+  }
+
+  /// Each backward is split into an input-gradient and a weight-gradient step.
+  [[nodiscard]] bool split_backward() const {
+    return schedule_ == pipeline::Schedule::InterleavedZeroBubble;
+  }
+
+  /// The stream a receive into partition j from copy stream `s` allocates on, after the
+  /// receive's wait when sends and receives move the data.
+  StreamRef receive_stream(std::uint32_t j, StreamRef s);
+
+  struct StageTimes {
+    SimTime span;               ///< first task kernel's start to last one's end, all devices
+    std::vector<SimTime> busy;  ///< per device: summed task kernel time on its compute stream
+  };
+  [[nodiscard]] StageTimes stage_times() const;
 
   Buf& buf(TensorId h) { return bufs_[h.value()]; }
 
@@ -233,8 +282,28 @@ class Executor {
 
   [[nodiscard]] std::vector<OffloadTelemetry> telemetry() const;
 
-  /// Node k's backward for micro-batch i on partition j: one kernel, then the let-gos.
+  /// Node k's backward for micro-batch i on partition j: one kernel, then the let-gos. Under
+  /// split_backward() it computes the input gradients only and, if k has a weight, keeps what
+  /// its weight step reads (Note [Split backward]).
   void op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k);
+
+  /// Whether node k reads a parameter: it has a weight-gradient step of its own.
+  [[nodiscard]] bool has_weight(std::uint32_t k) const;
+
+  /// The share of node k's backward time its input-gradient step takes under split_backward().
+  [[nodiscard]] SimTime input_share(std::uint32_t k) const;
+
+  /// The weight-gradient step of micro-batch i on partition j: each deferred node's weight
+  /// kernel, then the graph is freed.
+  void weight_compute(std::uint32_t i, std::uint32_t j);
+
+  /// The graph of micro-batch i on partition j is freed: the checkpoint's kept input, what the
+  /// nodes saved, the batch.
+  void free_graph(std::uint32_t i, std::uint32_t j);
+
+  /// Node k's weight-gradient kernel: reads what its input-gradient step read, adds to the
+  /// parameters' gradients, then lets go.
+  void weight_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k);
 
   // The gradients one node's backward adds to.
   struct GradTargets {
@@ -276,6 +345,7 @@ class Executor {
   std::int32_t checkpoint_stop_;
   std::uint32_t micro_batches_;
   std::uint32_t parts_;
+  std::uint32_t ndev_;  ///< devices; partition j runs on device j % ndev_
   Simulator sim_;
   PortalTable portals_;
   std::vector<std::unique_ptr<Device>> devices_;                ///< one Backend per device
@@ -293,6 +363,12 @@ class Executor {
   std::vector<Bytes> live_activations_;
   std::vector<Bytes> peak_activations_;
   SimTime recompute_time_;
+  std::optional<std::array<std::uint32_t, 2>> current_;  ///< (micro-batch, partition) issuing
+  /// Per device: live activation buffers per task (micro-batch, partition).
+  std::vector<std::map<std::array<std::uint32_t, 2>, std::int32_t>> live_cells_;
+  std::vector<std::int32_t> peak_in_flight_;
+  std::size_t first_task_op_ = 0;  ///< the first op the schedule issued
+  std::size_t last_task_op_ = 0;   ///< one past the last
 };
 
 }  // namespace ferry::sim::pipelining

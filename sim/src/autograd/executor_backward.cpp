@@ -14,30 +14,34 @@ namespace ferry::sim::pipelining {
 // Backward, offload in stages, and the end of the step.
 
 void Executor::backward_fence(std::uint32_t i, std::uint32_t j) {
+  issuing(i, j);
   Task& task = tasks_[i][j];
   streams_->begin_fence();
   if (j + 1 < parts_ && !plan_.grad_back[j + 1].empty()) {
     Task& next = tasks_[i][j + 1];
-    const StreamRef stream = streams_->copy_after(Phase::Backward, Cell{i, j + 1}, j);
+    const StreamRef stream = streams_->copy_after(Phase::Backward, Cell{i, j + 1}, dev(j));
+    const StreamRef home = receive_stream(j, stream);
     for (const std::uint32_t b : plan_.grad_back[j + 1]) {
       const ModelTensor& t = model_.tensors[b];
       const TensorId src = next.grads.at(b);
-      const TensorId dst = allocate(j, stream, t.bytes, Kind::Gradient, 1,
+      const TensorId dst = allocate(dev(j), home, t.bytes, Kind::Gradient, 1,
                                     mb_label(i, fmt::format("{}.grad (received)", t.name)));
       copy(stream, src, dst, mb_label(i, fmt::format("{}.grad gpu{}->gpu{}", t.name, j + 1, j)));
       release(src);
       next.grads.erase(b);
       task.grads[b] = dst;
     }
-    streams_->arrived(Cell{i, j}, stream);
+    if (!point_to_point() || !faults_.skip_receive_arrival_wait) {
+      streams_->arrived(Cell{i, j}, stream);
+    }
   }
   // PortalCopy's backward: the gradient the orange node put goes back to the stash's device.
   for (const std::uint32_t s : plan_.skips_from[j]) {
     const SkipPlan& skip = plan_.skips[s];
-    const StreamRef stream = streams_->copy_after(Phase::Backward, Cell{i, skip.to}, j);
+    const StreamRef stream = streams_->copy_after(Phase::Backward, Cell{i, skip.to}, dev(j));
     const ModelTensor& t = model_.tensors[skip.tensor];
     const TensorId src = portals_.use_grad(key(s, i));
-    const TensorId dst = allocate(j, stream, t.bytes, Kind::Gradient, 1,
+    const TensorId dst = allocate(dev(j), stream, t.bytes, Kind::Gradient, 1,
                                   mb_label(i, fmt::format("{}.grad (portal copy)", t.name)));
     copy(stream, src, dst,
          mb_label(i, fmt::format("portal {}.grad gpu{}->gpu{}", t.name, skip.to, j)));
@@ -49,6 +53,7 @@ void Executor::backward_fence(std::uint32_t i, std::uint32_t j) {
 }
 
 void Executor::backward_compute(std::uint32_t i, std::uint32_t j) {
+  issuing(i, j);
   Task& task = tasks_[i][j];
   const std::uint32_t first = plan_.starts[j];
   const std::uint32_t last = plan_.starts[j + 1];
@@ -64,15 +69,15 @@ void Executor::backward_compute(std::uint32_t i, std::uint32_t j) {
     for (std::uint32_t k = last; k-- > first;) {
       if (plan_.needed[k]) order.push_back(node_id(i, k));
     }
-    offloaders_[j]->backward_begin(order);
+    offloaders_[dev(j)]->backward_begin(order);
   }
   if (j + 1 == parts_) {
     const std::uint32_t loss = plan_.base[model_.loss];
     const ModelTensor& t = model_.tensors[loss];
-    const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
+    const TensorId h = allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Gradient, 1,
                                 mb_label(i, t.name + ".grad"));
     const std::uint64_t seed = mix_content(tag::kLoss, i);
-    launch(j, SimTime(1), {}, {Write{h, grad_content(seed), seed}}, mb_label(i, "loss grad"));
+    launch(dev(j), SimTime(1), {}, {Write{h, grad_content(seed), seed}}, mb_label(i, "loss grad"));
     task.grads[loss] = h;
     if (task.output) release(*task.output);
     task.output.reset();
@@ -82,18 +87,10 @@ void Executor::backward_compute(std::uint32_t i, std::uint32_t j) {
     blue_backward(i, j, k);
     op_backward(i, j, k);
   }
-  if (!offloaders_.empty()) offloaders_[j]->backward_end();
+  if (!offloaders_.empty()) offloaders_[dev(j)]->backward_end();
   streams_->finish(Phase::Backward, Cell{i, j});
-  // The graph is freed: the checkpoint's kept input, what nodes that never ran saved, the batch.
-  if (task.checkpointed) {
-    for (const std::uint32_t b : plan_.chain_in[j]) release(task.chain.at(b));
-  }
-  for (auto& refs : task.saved) {
-    for (const SavedRef& ref : refs) let_go_saved(j, ref);
-    refs.clear();
-  }
-  for (const auto& [b, h] : task.inputs) release(h);
-  task.inputs.clear();
+  // Split, the weight step reads what the graph keeps: it is freed after that step.
+  if (!split_backward()) free_graph(i, j);
   for (const auto& [b, h] : task.grads) {
     FERRY_CHECK(std::binary_search(plan_.grad_back[j].begin(), plan_.grad_back[j].end(), b),
                 "gradient of '{}' left on gpu{} after its backward", model_.tensors[b].name, j);
@@ -118,7 +115,7 @@ void Executor::blue_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) 
                                  ? std::max(SimTime(1), transfer_time(Bytes(3 * bytes.count()),
                                                                       profile_.memory_bandwidth))
                                  : SimTime(1);
-    launch(j, duration, {Read{g, whole(g), content(g)}, Read{acc, whole(acc), content(acc)}},
+    launch(dev(j), duration, {Read{g, whole(g), content(g)}, Read{acc, whole(acc), content(acc)}},
            {Write{acc, grad_content(sum), sum}},
            mb_label(i, fmt::format("{}.grad += portal grad", model_.tensors[b].name)));
     release(g);
@@ -139,7 +136,7 @@ TensorId Executor::pack(std::uint32_t i, std::uint32_t j, std::uint32_t k, const
   facts.storage = b.id.value();
   facts.no_offload = t.no_offload;
   facts.node = node_id(i, k);
-  Offloader<Device>& off = *offloaders_[j];
+  Offloader<Device>& off = *offloaders_[dev(j)];
   const bool region = model_.ops[k].no_offload;
   if (region) off.push_no_offload();
   const TensorId id = off.pack(facts, Device::Buffer{b.id});
@@ -158,7 +155,7 @@ std::vector<Device::Buffer> Executor::unpack_saved(std::uint32_t i, std::uint32_
       h = mix_content(h, read_value(ref.handle, ref.access.tensor));
       continue;
     }
-    const Unpacked<Device::Buffer> u = offloaders_[j]->unpack(ref.offloaded, node_id(i, k));
+    const Unpacked<Device::Buffer> u = offloaders_[dev(j)]->unpack(ref.offloaded, node_id(i, k));
     const ModelTensor& t = model_.tensors[ref.access.tensor];
     const bool view = t.view_of >= 0;
     reads.push_back(Read{TensorId(), Region{u.storage.id, u.offset, t.bytes}, ref.expected,
@@ -171,7 +168,7 @@ std::vector<Device::Buffer> Executor::unpack_saved(std::uint32_t i, std::uint32_
 
 void Executor::let_go_saved(std::uint32_t j, const SavedRef& ref) {
   if (ref.offloaded.valid()) {
-    offloaders_[j]->release(ref.offloaded);
+    offloaders_[dev(j)]->release(ref.offloaded);
   } else if (ref.access.held()) {
     release(ref.handle);
   }
@@ -206,7 +203,7 @@ std::vector<std::uint32_t> Executor::read_output_grads(std::uint32_t i, std::uin
 TensorId Executor::grad_target(std::uint32_t i, std::uint32_t j, const Access& a,
                                GradTargets& targets) {
   const TensorRole role = model_.tensors[a.base].role;
-  if (role == TensorRole::Param) return param_grads_[j].at(a.base);
+  if (role == TensorRole::Param) return param_grads_[dev(j)].at(a.base);
   if (role != TensorRole::Activation) return TensorId();
   const bool portal = a.route == Route::Portal;
   std::map<std::uint32_t, TensorId>& grads = portal ? targets.portal_grads : tasks_[i][j].grads;
@@ -215,7 +212,7 @@ TensorId Executor::grad_target(std::uint32_t i, std::uint32_t j, const Access& a
   if (it == grads.end()) {
     const ModelTensor& t = model_.tensors[a.base];
     it = grads
-             .emplace(key, allocate(j, streams_->compute(j), t.bytes, Kind::Gradient, 1,
+             .emplace(key, allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Gradient, 1,
                                     mb_label(i, t.name + (portal ? ".grad (portal)" : ".grad"))))
              .first;
     targets.fresh.insert(it->second.value());
@@ -243,24 +240,40 @@ void Executor::let_go_after_backward(std::uint32_t i, std::uint32_t j, std::uint
     track(g, key(s, i), true);
     if (const auto dropped = portals_.put_grad(key(s, i), g)) release(*dropped);
   }
-  for (const Device::Buffer& b : unpacked) devices_[j]->drop(b);
-  if (!offloaders_.empty()) offloaders_[j]->node_done(node_id(i, k));
+  for (const Device::Buffer& b : unpacked) devices_[dev(j)]->drop(b);
+  if (!offloaders_.empty()) offloaders_[dev(j)]->node_done(node_id(i, k));
   for (const SavedRef& ref : saved) {
     if (ref.offloaded.valid()) let_go_saved(j, ref);
   }
   saved.clear();
 }
 
+bool Executor::has_weight(std::uint32_t k) const {
+  for (const Access& a : plan_.reads[k]) {
+    if (model_.tensors[a.base].role == TensorRole::Param) return true;
+  }
+  return false;
+}
+
+SimTime Executor::input_share(std::uint32_t k) const {
+  const SimTime whole = model_.ops[k].backward_duration;
+  return has_weight(k) ? SimTime(std::max<std::int64_t>(1, whole.ns() / 2)) : whole;
+}
+
 void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
   const ModelOp& op = model_.ops[k];
+  const bool split = split_backward() && has_weight(k);
   std::vector<Read> reads;
   std::uint64_t h = mix_content(mix_content(tag::kBackward, k), i);
   const std::vector<Device::Buffer> unpacked = unpack_saved(i, j, k, reads, h);
   const std::vector<std::uint32_t> out_bases = read_output_grads(i, j, k, reads, h);
-  // Contributions per target buffer; a target created here starts from zero.
+  // Contributions per target buffer; a target created here starts from zero. Split, the
+  // parameters' wait for the weight step.
   GradTargets targets;
   for (std::uint32_t slot = 0; slot < op.inputs.size(); ++slot) {
-    const TensorId target = grad_target(i, j, plan_.reads[k][slot], targets);
+    const Access& a = plan_.reads[k][slot];
+    if (split && model_.tensors[a.base].role == TensorRole::Param) continue;
+    const TensorId target = grad_target(i, j, a, targets);
     if (target.valid()) targets.add[target.value()] += mix_content(h, slot + 1);
   }
   std::vector<Write> writes;
@@ -271,18 +284,91 @@ void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
     if (!fresh) reads.push_back(Read{target, whole(target), content(target)});
     writes.push_back(Write{target, grad_content(before + c), before + c});
   }
-  launch(j, op.backward_duration, reads, writes, mb_label(i, op.name + " backward"));
-  let_go_after_backward(i, j, k, out_bases, targets, unpacked);
+  if (!split) {
+    launch(dev(j), op.backward_duration, reads, writes, mb_label(i, op.name + " backward"));
+    let_go_after_backward(i, j, k, out_bases, targets, unpacked);
+    return;
+  }
+  launch(dev(j), input_share(k), reads, writes, mb_label(i, op.name + " backward input"));
+  // Kept for the weight step: the outputs' gradients (moved out of the task's) and the saved
+  // tensors (left in task.saved).
+  Task& task = tasks_[i][j];
+  std::vector<TensorId>& kept = task.deferred[k];
+  for (const std::uint32_t b : out_bases) {
+    kept.push_back(task.grads.at(b));
+    task.grads.erase(b);
+  }
+  FERRY_CHECK(targets.portal_grads.empty() && unpacked.empty(),
+              "a split backward with portals or offload");
+}
+
+void Executor::weight_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
+  const ModelOp& op = model_.ops[k];
+  Task& task = tasks_[i][j];
+  std::vector<Read> reads;
+  std::uint64_t h = mix_content(mix_content(tag::kBackward, k), i);
+  const std::vector<Device::Buffer> unpacked = unpack_saved(i, j, k, reads, h);
+  FERRY_CHECK(unpacked.empty(), "a split backward with offload");
+  const std::vector<TensorId> kept = task.deferred.at(k);
+  for (const TensorId g : kept) {
+    reads.push_back(Read{g, whole(g), content(g)});
+    h = mix_content(h, content(g));
+  }
+  std::map<std::uint32_t, std::uint64_t> add;
+  for (std::uint32_t slot = 0; slot < op.inputs.size(); ++slot) {
+    const Access& a = plan_.reads[k][slot];
+    if (model_.tensors[a.base].role != TensorRole::Param) continue;
+    add[param_grads_[dev(j)].at(a.base).value()] += mix_content(h, slot + 1);
+  }
+  std::vector<Write> writes;
+  for (const auto& [handle, c] : add) {
+    const TensorId target(handle);
+    const std::uint64_t before = buf(target).sum;
+    reads.push_back(Read{target, whole(target), content(target)});
+    writes.push_back(Write{target, grad_content(before + c), before + c});
+  }
+  launch(dev(j), op.backward_duration - input_share(k), reads, writes,
+         mb_label(i, op.name + " backward weight"));
+  std::vector<SavedRef>& saved = task.saved[k - plan_.starts[j]];
+  for (const SavedRef& ref : saved) let_go_saved(j, ref);
+  saved.clear();
+  for (const TensorId g : kept) release(g);
+  task.deferred.erase(k);
+}
+
+void Executor::weight_compute(std::uint32_t i, std::uint32_t j) {
+  issuing(i, j);
+  Task& task = tasks_[i][j];
+  for (std::uint32_t k = plan_.starts[j + 1]; k-- > plan_.starts[j];) {
+    if (task.deferred.contains(k)) weight_backward(i, j, k);
+  }
+  FERRY_CHECK(task.deferred.empty(), "mb{} on stage {}: a weight step left", i, j);
+  free_graph(i, j);
+}
+
+void Executor::free_graph(std::uint32_t i, std::uint32_t j) {
+  Task& task = tasks_[i][j];
+  // The checkpoint's kept input, what nodes that never ran (or whose weight step ran) saved,
+  // the batch.
+  if (task.checkpointed) {
+    for (const std::uint32_t b : plan_.chain_in[j]) release(task.chain.at(b));
+  }
+  for (auto& refs : task.saved) {
+    for (const SavedRef& ref : refs) let_go_saved(j, ref);
+    refs.clear();
+  }
+  for (const auto& [b, h] : task.inputs) release(h);
+  task.inputs.clear();
 }
 
 void Executor::finish_step() {
   // The optimizer reads every parameter gradient: each must hold its full sum.
-  for (std::uint32_t j = 0; j < parts_; ++j) {
+  for (std::uint32_t d = 0; d < ndev_; ++d) {
     std::vector<Read> reads;
-    for (const auto& [b, h] : param_grads_[j]) reads.push_back(Read{h, whole(h), content(h)});
-    if (!reads.empty()) launch(j, SimTime(1), reads, {}, "optimizer step");
+    for (const auto& [b, h] : param_grads_[d]) reads.push_back(Read{h, whole(h), content(h)});
+    if (!reads.empty()) launch(d, SimTime(1), reads, {}, "optimizer step");
   }
-  for (std::uint32_t j = 0; j < parts_; ++j) sim_.sync_device(DeviceId(j));
+  for (std::uint32_t d = 0; d < ndev_; ++d) sim_.sync_device(DeviceId(d));
 }
 
 std::int64_t Executor::release_leftovers() {
@@ -300,8 +386,8 @@ std::int64_t Executor::release_leftovers() {
 
 std::vector<ParamGradient> Executor::param_gradients() const {
   std::map<std::uint32_t, std::uint64_t> sums;
-  for (std::uint32_t j = 0; j < parts_; ++j) {
-    for (const auto& [b, h] : param_grads_[j]) sums[b] += bufs_[h.value()].sum;
+  for (std::uint32_t d = 0; d < ndev_; ++d) {
+    for (const auto& [b, h] : param_grads_[d]) sums[b] += bufs_[h.value()].sum;
   }
   std::vector<ParamGradient> grads;
   for (const auto& [b, sum] : sums) grads.push_back(ParamGradient{b, grad_content(sum)});

@@ -12,17 +12,18 @@ namespace ferry::sim::pipelining {
 // Forward: the fence that brings a partition its inputs, and its ops in each pass.
 
 void Executor::forward_fence(std::uint32_t i, std::uint32_t j) {
+  issuing(i, j);
   Task& task = tasks_[i][j];
   streams_->begin_fence();
   // Skip tensors first, by source partition (PortalCopy), then the chain (Copy).
   for (const std::uint32_t s : plan_.skips_into[j]) {
     const SkipPlan& skip = plan_.skips[s];
-    const StreamRef stream = streams_->copy(skip.from, j);
+    const StreamRef stream = streams_->copy(dev(skip.from), dev(j));
     if (!faults_.skip_portal_copy_wait) {
       streams_->wait_for(stream, Phase::Forward, Cell{i, skip.from});
     }
     const ModelTensor& t = model_.tensors[skip.tensor];
-    const TensorId dst = allocate(j, stream, t.bytes, Kind::Activation, 1,
+    const TensorId dst = allocate(dev(j), stream, t.bytes, Kind::Activation, 1,
                                   mb_label(i, fmt::format("{} (portal copy)", t.name)));
     track(dst, key(s, i), false);
     const TensorId src = portals_.copy_tensor(key(s, i), dst);
@@ -32,7 +33,8 @@ void Executor::forward_fence(std::uint32_t i, std::uint32_t j) {
     if (!faults_.skip_portal_arrival_wait) streams_->arrived(Cell{i, j}, stream);
   }
   if (j == 0 || plan_.chain_in[j].empty()) return;
-  const StreamRef stream = streams_->copy_after(Phase::Forward, Cell{i, j - 1}, j);
+  const StreamRef stream = streams_->copy_after(Phase::Forward, Cell{i, j - 1}, dev(j));
+  const StreamRef home = receive_stream(j, stream);
   Task& prev = tasks_[i][j - 1];
   const bool checkpointed = static_cast<std::int32_t>(i) < checkpoint_stop_;
   for (const std::uint32_t b : plan_.chain_in[j]) {
@@ -42,7 +44,7 @@ void Executor::forward_fence(std::uint32_t i, std::uint32_t j) {
     const bool relay = j + 1 < parts_ && std::binary_search(plan_.chain_in[j + 1].begin(),
                                                             plan_.chain_in[j + 1].end(), b);
     const std::int32_t holds = counts.reads + (checkpointed ? 1 : counts.saves) + (relay ? 1 : 0);
-    const TensorId dst = allocate(j, stream, t.bytes, Kind::Activation, holds,
+    const TensorId dst = allocate(dev(j), home, t.bytes, Kind::Activation, holds,
                                   mb_label(i, fmt::format("{} (received)", t.name)));
     const bool produced_before =
         plan_.partition_of[static_cast<std::uint32_t>(plan_.producer[b])] == j - 1;
@@ -51,10 +53,18 @@ void Executor::forward_fence(std::uint32_t i, std::uint32_t j) {
     release(src);
     task.chain[b] = dst;
   }
-  streams_->arrived(Cell{i, j}, stream);
+  if (!point_to_point() || !faults_.skip_receive_arrival_wait)
+    streams_->arrived(Cell{i, j}, stream);
+}
+
+StreamRef Executor::receive_stream(std::uint32_t j, StreamRef s) {
+  if (!point_to_point()) return s;
+  if (!faults_.skip_receive_wait) streams_->receive_after_compute(s);
+  return streams_->compute(dev(j));
 }
 
 void Executor::forward_compute(std::uint32_t i, std::uint32_t j) {
+  issuing(i, j);
   Task& task = tasks_[i][j];
   task.checkpointed = static_cast<std::int32_t>(i) < checkpoint_stop_;
   streams_->start(Cell{i, j});
@@ -69,19 +79,19 @@ void Executor::load_inputs(std::uint32_t i, std::uint32_t j) {
   std::vector<Write> writes;
   for (const std::uint32_t b : plan_.inputs_of[j]) {
     const ModelTensor& t = model_.tensors[b];
-    const TensorId h =
-        allocate(j, streams_->compute(j), t.bytes, Kind::Activation, 1, mb_label(i, t.name));
+    const TensorId h = allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Activation, 1,
+                                mb_label(i, t.name));
     task.inputs[b] = h;
     writes.push_back(Write{h, mix_content(mix_content(tag::kInput, b), i), 0});
   }
   FERRY_CHECK(writes.size() <= kMaxWrites, "{} batch inputs on one device", writes.size());
-  if (!writes.empty()) launch(j, SimTime(1), {}, writes, mb_label(i, "load batch"));
+  if (!writes.empty()) launch(dev(j), SimTime(1), {}, writes, mb_label(i, "load batch"));
 }
 
 TensorId Executor::source(const Task& task, std::uint32_t j, const Access& a) const {
   switch (a.route) {
     case Route::Resident:
-      return resident_[j].at(a.base);
+      return resident_[dev(j)].at(a.base);
     case Route::Input:
       return task.inputs.at(a.base);
     case Route::Local:
@@ -159,7 +169,7 @@ void Executor::allocate_outputs(std::uint32_t i, std::uint32_t j, std::uint32_t 
       holds += sent ? 1 : 0;
       holds += b == plan_.base[model_.loss] ? 1 : 0;
     }
-    const TensorId h = allocate(j, streams_->compute(j), t.bytes, Kind::Activation, holds,
+    const TensorId h = allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Activation, holds,
                                 mb_label(i, t.name + pass_suffix(pass)));
     const std::uint64_t content = mix_content(value, o + 1);
     writes.push_back(Write{h, content, 0});
@@ -227,7 +237,7 @@ void Executor::run_ops(std::uint32_t i, std::uint32_t j, Pass pass) {
     created.clear();
     const std::uint64_t value = gather_reads(i, task, j, k, reads);
     allocate_outputs(i, j, k, pass, value, task, writes, created);
-    launch(j, op.duration, reads, writes, mb_label(i, op.name + pass_suffix(pass)));
+    launch(dev(j), op.duration, reads, writes, mb_label(i, op.name + pass_suffix(pass)));
     if (recompute) recompute_time_ += op.duration;
     for (const Access& a : plan_.uses[k]) release(source(task, j, a));
     if (grad) save_for_backward(i, j, k, task, recompute);

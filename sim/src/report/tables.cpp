@@ -201,20 +201,35 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
 }
 
 std::string pipeline_text(const std::vector<PipelineRow>& rows) {
-  std::string out = fmt::format("{:<28} {:>9} {:>15} {:>12} {:>9} {:>9} {}\n", "pipeline", "step",
-                                "per micro-batch", "max dev peak", "recompute", "D2H", "note");
+  const auto percent = [](std::int64_t permille) {
+    return fmt::format("{}.{}%", permille / 10, permille % 10);
+  };
+  std::string out = fmt::format("{:<40} {:>9} {:>15} {:>12} {:>9} {:>9} {:>7} {:>9} {}\n",
+                                "pipeline", "step", "per micro-batch", "max dev peak", "recompute",
+                                "D2H", "bubble", "in flight", "note");
   for (const PipelineRow& r : rows) {
     std::string note = r.failure       ? "failed: " + r.failure->message
                        : r.hazards > 0 ? fmt::format("{} hazards", r.hazards)
                                        : std::string();
     const std::int64_t mb = std::max(1, r.options.micro_batches);
-    out +=
-        fmt::format("{:<28} {:>9} {:>15} {:>12} {:>9} {:>9} {}\n", r.name, format_time(r.step_time),
-                    format_time(SimTime(r.step_time.ns() / mb)), format_bytes(r.max_device_peak),
-                    format_time(r.recompute_time), format_bytes(r.d2h), note);
+    const std::string in_flight =
+        r.peak_in_flight.empty() ? std::string("-") : std::to_string(r.peak_in_flight.front());
+    out += fmt::format("{:<40} {:>9} {:>15} {:>12} {:>9} {:>9} {:>7} {:>9} {}\n", r.name,
+                       format_time(r.step_time), format_time(SimTime(r.step_time.ns() / mb)),
+                       format_bytes(r.max_device_peak), format_time(r.recompute_time),
+                       format_bytes(r.d2h), percent(bubble_permille(r)), in_flight, note);
+    std::string stages;
+    for (std::size_t d = 0; d < r.device_peaks.size(); ++d) {
+      stages += fmt::format("{}gpu{} {} bubble {}", d == 0 ? "" : ", ", d,
+                            format_bytes(r.device_peaks[d]), percent(bubble_permille(r, d)));
+      if (d < r.peak_in_flight.size()) stages += fmt::format(" in flight {}", r.peak_in_flight[d]);
+    }
+    if (!stages.empty()) out += "  " + stages + "\n";
   }
   out +=
-      "per-device peaks are allocated bytes; D2H is offloaded bytes, all stages; the model "
+      "per-device peaks are allocated bytes; D2H is offloaded bytes, all stages; bubble is the "
+      "devices' idle compute time over the span from the first task kernel to the last; in "
+      "flight is the most micro-batch tasks holding activations at once on gpu0; the model "
       "describes one micro-batch\n";
   return out;
 }
@@ -228,6 +243,8 @@ Json pipeline_list(const std::vector<PipelineRow>& rows) {
     j["name"] = r.name;
     j["devices"] = r.options.devices;
     j["micro_batches"] = r.options.micro_batches;
+    j["schedule"] = pipeline::schedule_name(r.options.schedule);
+    j["virtual_stages"] = r.options.virtual_stages;
     j["checkpoint"] = checkpoint_mode_name(r.options.checkpoint);
     j["policy"] = policy_name(r.options.offload.policy);
     j["failure"] = r.failure ? Json(r.failure->message) : Json(nullptr);
@@ -238,6 +255,19 @@ Json pipeline_list(const std::vector<PipelineRow>& rows) {
     Json peaks = Json::array();
     for (const Bytes b : r.device_peaks) peaks.push_back(b.count());
     j["device_peak_allocated_bytes"] = std::move(peaks);
+    j["span_ns"] = r.span.ns();
+    j["bubble_permille"] = bubble_permille(r);
+    Json busy = Json::array();
+    Json bubbles = Json::array();
+    for (std::size_t d = 0; d < r.busy.size(); ++d) {
+      busy.push_back(r.busy[d].ns());
+      bubbles.push_back(bubble_permille(r, d));
+    }
+    j["device_busy_ns"] = std::move(busy);
+    j["device_bubble_permille"] = std::move(bubbles);
+    Json in_flight = Json::array();
+    for (const std::int32_t n : r.peak_in_flight) in_flight.push_back(n);
+    j["device_peak_in_flight"] = std::move(in_flight);
     list.push_back(std::move(j));
   }
   return list;

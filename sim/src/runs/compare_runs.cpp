@@ -107,7 +107,42 @@ PipelineRow run_pipeline_row(const CheckedModel& model, const DeviceProfile& dev
   row.device_peaks = r.peak_allocated;
   for (const Bytes b : r.peak_allocated) row.max_device_peak = std::max(row.max_device_peak, b);
   for (const OffloadTelemetry& t : r.telemetry) row.d2h += t.bytes_d2h;
+  row.span = r.pipeline_span;
+  row.busy = r.busy;
+  row.peak_in_flight = r.peak_in_flight;
   return row;
+}
+
+namespace {
+
+// idle / total in permille, rounded half up, in integers.
+std::int64_t permille(std::int64_t idle, std::int64_t total) {
+  if (total <= 0) return 0;
+  return (idle * 2000 + total) / (2 * total);
+}
+
+}  // namespace
+
+std::int64_t bubble_permille(const PipelineRow& row) {
+  std::int64_t busy = 0;
+  for (const SimTime b : row.busy) busy += b.ns();
+  const auto total = row.span.ns() * static_cast<std::int64_t>(row.busy.size());
+  return permille(total - busy, total);
+}
+
+std::int64_t bubble_permille(const PipelineRow& row, std::size_t device) {
+  if (device >= row.busy.size()) return 0;
+  return permille(row.span.ns() - row.busy[device].ns(), row.span.ns());
+}
+
+Result<Schedule> parse_schedule(std::string_view text) {
+  for (const Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
+                           Schedule::InterleavedZeroBubble}) {
+    if (text == pipeline::schedule_name(s)) return s;
+  }
+  return Error{fmt::format(
+      "unknown pipeline schedule \"{}\" (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble)",
+      text)};
 }
 
 Result<CheckpointMode> parse_checkpoint_mode(std::string_view text) {
@@ -120,27 +155,37 @@ Result<CheckpointMode> parse_checkpoint_mode(std::string_view text) {
 }
 
 std::string pipeline_row_name(const PipelineOptions& options) {
-  std::string name = fmt::format("gpipe {}x{} {}", options.devices, options.micro_batches,
-                                 checkpoint_mode_name(options.checkpoint));
+  std::string name = fmt::format("{} {}x{}", pipeline::schedule_name(options.schedule),
+                                 options.devices, options.micro_batches);
+  if (options.schedule == Schedule::Interleaved1F1B ||
+      options.schedule == Schedule::InterleavedZeroBubble) {
+    name += fmt::format("x{}", options.virtual_stages);
+  }
+  name += fmt::format(" {}", checkpoint_mode_name(options.checkpoint));
   if (options.offload.policy != Policy::None)
     name += fmt::format(" {}", policy_name(options.offload.policy));
   return name;
 }
 
 std::vector<PipelineRow> pipeline_rows(const CheckedModel& model, const DeviceProfile& device,
-                                       std::int32_t devices, std::int32_t micro_batches) {
+                                       std::int32_t devices, std::int32_t micro_batches,
+                                       Schedule schedule, std::int32_t virtual_stages) {
   std::vector<PipelineOptions> configs;
   for (const CheckpointMode m :
        {CheckpointMode::Never, CheckpointMode::ExceptLast, CheckpointMode::Always}) {
     PipelineOptions o;
     o.devices = devices;
     o.micro_batches = micro_batches;
+    o.schedule = schedule;
+    o.virtual_stages = virtual_stages;
     o.checkpoint = m;
     configs.push_back(o);
   }
   // Each stage offloading what its grad-mode forwards save (Note [Offload in stages]), with
   // the knobs of the single-device trl and ferry rows.
+  // (Not under zero bubble, whose stages do not offload.)
   for (const CheckpointMode m : {CheckpointMode::Never, CheckpointMode::ExceptLast}) {
+    if (schedule == Schedule::InterleavedZeroBubble) break;
     for (const Policy policy : {Policy::Trl, Policy::Ferry}) {
       PipelineOptions o = configs[m == CheckpointMode::Never ? 0 : 1];
       o.offload = OffloadOptions{};

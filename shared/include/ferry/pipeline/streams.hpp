@@ -46,6 +46,20 @@ namespace ferry::pipeline {
 // after its kernel or copy is issued, so the free follows the last use with nothing in between.
 // The holders together keep one backend reference; anything else that keeps the storage (an
 // offloader that packed it) keeps its own, and the storage is freed when the last goes.
+//
+// Note [Point-to-point receives]
+// torch.distributed.pipelining's schedules (1F1B, interleaved 1F1B, zero bubble) move data
+// between stages with NCCL send and receive operations rather than torchgpipe's copies. The stage
+// allocates the receive buffer on its compute stream, and NCCL, when an operation is posted, makes
+// its stream wait for the current (compute) stream of its rank. So under those schedules what
+// crosses into b is allocated on b's compute stream, and b's copy stream from a waits twice before
+// the transfer: for the event a's compute stream recorded after the task that produced the data
+// (the send, posted after that task), and for b's compute stream as it stands when the receive
+// is posted (receive_after_compute). Without the second wait the transfer could write a block
+// that b's compute stream freed and reused in stream order while an earlier kernel still reads
+// it. b's compute stream then waits for the transfer (the receive's work.wait()) as above. The
+// sender's compute stream does not wait for its sends: the sent buffer is kept by
+// record_stream, as NCCL keeps its inputs.
 
 /// A stream of the pipeline: a compute stream or the copy stream of an ordered device pair.
 using StreamRef = std::uint32_t;
@@ -56,10 +70,19 @@ class Choreography {
   using Stream = typename B::Stream;
   using Event = typename B::Event;
 
-  /// Partition j runs on `devices[j]` (distinct backends, one per device); makes the copy
-  /// streams, "copy gpu{a}->gpu{b}" on device b, in the order (a, b).
-  explicit Choreography(std::vector<B*> devices) : devices_(std::move(devices)) {
+  /// `devices` are distinct backends, one per device; partition j runs on device
+  /// `device_of_partition[j]` (partition j on device j when empty). Makes the copy streams,
+  /// "copy gpu{a}->gpu{b}" on device b, in the order (a, b).
+  explicit Choreography(std::vector<B*> devices,
+                        std::vector<std::uint32_t> device_of_partition = {})
+      : devices_(std::move(devices)), partition_device_(std::move(device_of_partition)) {
     const auto n = static_cast<std::uint32_t>(devices_.size());
+    if (partition_device_.empty()) {
+      for (std::uint32_t j = 0; j < n; ++j) partition_device_.push_back(j);
+    }
+    for (const std::uint32_t d : partition_device_) {
+      FERRY_CHECK(d < n, "partition placed on gpu{}, beyond the {} devices", d, n);
+    }
     for (std::uint32_t j = 0; j < n; ++j) streams_.push_back(devices_[j]->compute_stream());
     for (std::uint32_t a = 0; a < n; ++a) {
       for (std::uint32_t b = 0; b < n; ++b) {
@@ -73,8 +96,12 @@ class Choreography {
     return static_cast<std::uint32_t>(devices_.size());
   }
   [[nodiscard]] B& device(std::uint32_t j) const { return *devices_[j]; }
-  /// Partition j's compute stream.
-  [[nodiscard]] StreamRef compute(std::uint32_t j) const { return j; }
+  /// The device partition j runs on.
+  [[nodiscard]] std::uint32_t device_of_partition(std::uint32_t j) const {
+    return partition_device_[j];
+  }
+  /// Device d's compute stream.
+  [[nodiscard]] StreamRef compute(std::uint32_t d) const { return d; }
   /// The copy stream from device `from` into device `to` (they differ).
   [[nodiscard]] StreamRef copy(std::uint32_t from, std::uint32_t to) const {
     FERRY_CHECK(from != to, "no copy stream from gpu{} to itself", from);
@@ -92,7 +119,7 @@ class Choreography {
   /// The copy stream from `source`'s device into device `to` waits until task `source`
   /// finished `phase` (once per fence); returns that stream, for the copies.
   StreamRef copy_after(Phase phase, Cell source, std::uint32_t to) {
-    const StreamRef s = copy(source.partition, to);
+    const StreamRef s = copy(partition_device_[source.partition], to);
     wait_for(s, phase, source);
     return s;
   }
@@ -108,6 +135,18 @@ class Choreography {
     device_of_stream(s).wait(streams_[s], it->second);
   }
 
+  /// A receive is posted on copy stream `s` into a buffer allocated on its device's compute
+  /// stream: `s` waits for what that compute stream has been given so far (NCCL orders its
+  /// stream after the current stream when an operation is posted). See Note [Point-to-point
+  /// receives].
+  void receive_after_compute(StreamRef s) {
+    const std::uint32_t d = device_of(s);
+    B& dev = *devices_[d];
+    const Event e = dev.make_event();
+    dev.record(e, streams_[compute(d)]);
+    dev.wait(streams_[s], e);
+  }
+
   /// The copies into task `into` on copy stream `s` were issued: the task's compute stream
   /// waits for them before its next compute.
   void arrived(Cell into, StreamRef s) {
@@ -120,15 +159,17 @@ class Choreography {
   /// Task `task` starts its compute: its stream waits for every copy that arrived for it.
   void start(Cell task) {
     auto& list = arrivals_[cell_key(task)];
-    for (const Event& e : list) devices_[task.partition]->wait(streams_[task.partition], e);
+    const std::uint32_t d = partition_device_[task.partition];
+    for (const Event& e : list) devices_[d]->wait(streams_[compute(d)], e);
     list.clear();
   }
 
   /// Task `task` finished `phase` on its compute stream: the event later copies wait for.
   void finish(Phase phase, Cell task) {
-    B& dev = *devices_[task.partition];
+    const std::uint32_t d = partition_device_[task.partition];
+    B& dev = *devices_[d];
     const Event e = dev.make_event();
-    dev.record(e, streams_[task.partition]);
+    dev.record(e, streams_[compute(d)]);
     done_[key_of(phase, task)] = e;
   }
 
@@ -140,6 +181,7 @@ class Choreography {
   B& device_of_stream(StreamRef s) const { return *devices_[device_of(s)]; }
 
   std::vector<B*> devices_;
+  std::vector<std::uint32_t> partition_device_;
   std::vector<Stream> streams_;                         // by StreamRef
   std::map<std::array<std::uint32_t, 3>, Event> done_;  // (phase, cell): the task finished
   std::map<std::array<std::uint32_t, 2>, std::vector<Event>> arrivals_;  // cell: copies in

@@ -35,8 +35,8 @@ inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
 // text is refused with one message on both. The request's function then checks every number
 // against its bounds before anything runs: steps 1..1000 (a plan's 1..100), stash 1..2^20,
 // min_bytes 0..2^50, window_mib and prefetch_mib 0..2^30, host_cap_gib 0..2^20, fsdp, nodes and
-// hsdp 1..1000000, devices 1..64, micro_batches 1..1024. An error names the option as the
-// command line spells it, `--steps: 0 is not in 1..1000`; the CLI prints it after
+// hsdp 1..1000000, devices 1..64, micro_batches 1..1024, virtual_stages 1..64. An error names the
+// option as the command line spells it, `--steps: 0 is not in 1..1000`; the CLI prints it after
 // "ferry simulate: error: " and exits 2, Python raises it as a ValueError.
 
 /// A model as a request names it: a preset's name or a model file's path, or, with `text`, a
@@ -116,6 +116,10 @@ struct RunKnobs {
   std::optional<AllocatorMode> allocator;  ///< none: the model file's, else default
   std::int32_t devices = 1;                ///< a GPipe pipeline over 1..64 devices; 1: none
   std::int32_t micro_batches = 4;          ///< the pipeline's, 1..1024
+  /// The pipeline's schedule: gpipe, 1f1b, interleaved-1f1b or interleaved-zero-bubble
+  /// (parse_schedule).
+  std::string schedule = "gpipe";
+  std::int32_t virtual_stages = 1;  ///< stages a device when interleaved, 1..64
 };
 
 /// `ferry simulate`: one run under one policy, on one device or a pipeline, or a plan replayed.
@@ -129,7 +133,10 @@ struct SimulateRequest {
   std::string checkpoint = "none";
   std::string side_streams = "none";
   std::string horizon = "auto";  ///< auto (derived), none, or a byte count
-  std::string pipeline_checkpoint = "except_last";
+  /// The pipeline's checkpoint mode; empty: the schedule's default, except_last under gpipe
+  /// (torchgpipe's), never under 1f1b and interleaved-1f1b (torch.distributed.pipelining
+  /// checkpoints nothing itself).
+  std::string pipeline_checkpoint;
   std::optional<std::string> plan;  ///< a ferry.plan/1 file to replay instead
   /// A trainer's settings to run instead of `policy` and `checkpoint` (`--for T`): its
   /// command-line flags as `ferry plan --for T` writes them (`trainer_flags`), which errors

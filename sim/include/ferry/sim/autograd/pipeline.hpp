@@ -1,7 +1,8 @@
 #pragma once
-/// GPipe pipeline training on simulated devices: a model split into contiguous partitions, one
-/// per device, micro-batches on the fill-drain clock, copy streams between devices, checkpoint
-/// and recompute, and skip connections through portals. See docs/pipeline.md.
+/// Pipeline training on simulated devices: a model split into contiguous partitions (stages),
+/// micro-batches on GPipe's fill-drain clock with copy streams, checkpoint and recompute and skip
+/// connections through portals, or in the order of torch's 1F1B and interleaved 1F1B with sends
+/// and receives. See docs/pipeline.md.
 
 #include <cstdint>
 #include <optional>
@@ -12,6 +13,7 @@
 #include "ferry/ids.hpp"
 #include "ferry/offload/faults.hpp"
 #include "ferry/offload/options.hpp"
+#include "ferry/pipeline/schedule.hpp"
 #include "ferry/portal.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/simulator.hpp"
@@ -44,13 +46,28 @@ struct PipelineFaults {
   bool skip_rng_restore = false;          ///< recompute draws from the live generator
   bool skip_portal_copy_wait = false;     ///< PortalCopy does not wait for the stashing compute
   bool skip_portal_arrival_wait = false;  ///< the popping compute does not wait for PortalCopy
-  PortalFaults portal;                    ///< wrong tensor lives
-  OffloadFaults offload;                  ///< each stage's offloader (with an offload policy)
+  /// Under 1F1B and interleaved 1F1B, a receive does not wait for the receiving compute stream
+  /// it allocated its buffer on (Note [Point-to-point receives]).
+  bool skip_receive_wait = false;
+  /// Under 1F1B and interleaved 1F1B, the receiving compute does not wait for the receive.
+  bool skip_receive_arrival_wait = false;
+  PortalFaults portal;    ///< wrong tensor lives
+  OffloadFaults offload;  ///< each stage's offloader (with an offload policy)
 };
 
+/// The order of the micro-batches' tasks (Note [Schedule orders] in ferry/pipeline/schedule.cpp).
+using pipeline::Schedule;
+
 struct PipelineOptions {
-  std::int32_t devices = 2;        ///< devices, one partition each (at most the op count)
+  std::int32_t devices = 2;        ///< devices (pipeline ranks)
   std::int32_t micro_batches = 4;  ///< micro-batches; the model describes one
+  /// GPipe (torchgpipe's clock, copies and portals), OneFOneB, Interleaved1F1B or
+  /// InterleavedZeroBubble (torch's Schedule1F1B, ScheduleInterleaved1F1B and
+  /// ScheduleInterleavedZeroBubble, with sends and receives).
+  Schedule schedule = Schedule::GPipe;
+  /// Stages a device holds: devices * virtual_stages partitions, stage s on device
+  /// s % devices. Above 1 only with the interleaved schedules.
+  std::int32_t virtual_stages = 1;
   CheckpointMode checkpoint = CheckpointMode::ExceptLast;
   std::vector<SkipConnection> skips;  ///< portal routes; see Note [Portal tensor life]
   /// Each stage's offload policy and knobs; none by default (Note [Offload in stages]).
@@ -102,6 +119,14 @@ struct PipelineRun {
   std::vector<ParamGradient> param_grads;        ///< by tensor index
   std::vector<PortalLifetime> portal_lifetimes;  ///< in the order the portals took them
   std::vector<OffloadTelemetry> telemetry;       ///< per device; empty without a policy
+  Schedule schedule = Schedule::GPipe;
+  /// From the start of the first task kernel to the end of the last, over all devices.
+  SimTime pipeline_span;
+  /// Per device: the summed time of its task kernels (forward, recompute and backward ops)
+  /// on its compute stream. Its bubble is 1 - busy / pipeline_span.
+  std::vector<SimTime> busy;
+  /// Per device: the most tasks (micro-batch, stage) holding activation buffers at once.
+  std::vector<std::int32_t> peak_in_flight;
 
   [[nodiscard]] const std::vector<Hazard>& hazards() const { return sim.hazards(); }
   [[nodiscard]] const std::vector<ContentMismatch>& content_mismatches() const {
@@ -109,13 +134,19 @@ struct PipelineRun {
   }
 };
 
+/// Device `device`'s bubble: the share of the pipeline span its compute stream ran no task
+/// kernel, 1 - busy / span (0 without a span).
+[[nodiscard]] double device_bubble(const PipelineRun& run, std::size_t device);
+/// The step's bubble: the devices' idle compute time over devices x span.
+[[nodiscard]] double step_bubble(const PipelineRun& run);
+
 /// Splits the ops into `partitions` contiguous non-empty ranges that minimize the largest sum
 /// of forward durations. Returns partitions + 1 start indices (the last is the op count).
 Result<std::vector<std::uint32_t>> balance_by_duration(const Model& model, std::int32_t partitions);
 
-/// Simulates one GPipe training step of `model` (durations assigned) on `options.devices`
-/// devices with the same profile. Bad options or models are errors; a failure during the step
-/// is reported in PipelineRun::failure.
+/// Simulates one pipeline training step (`options.schedule`) of `model` (durations assigned) on
+/// `options.devices` devices with the same profile. Bad options or models are errors; a failure
+/// during the step is reported in PipelineRun::failure.
 Result<PipelineRun> simulate_pipeline(const CheckedModel& model, const DeviceProfile& device,
                                       const PipelineOptions& options,
                                       const PipelineFaults& faults = {});

@@ -38,20 +38,35 @@ struct PipelineRow {
   std::size_t hazards = 0;
   std::vector<Bytes> device_peaks;
   Bytes d2h;  ///< offloaded by every stage's offloader
+  /// From the first task kernel's start to the last one's end (PipelineRun::pipeline_span).
+  SimTime span;
+  std::vector<SimTime> busy;                 ///< per device: its task kernels' time
+  std::vector<std::int32_t> peak_in_flight;  ///< per device: most tasks holding activations
 };
+
+/// The step's bubble of a row in permille: idle compute time over devices x span, rounded.
+[[nodiscard]] std::int64_t bubble_permille(const PipelineRow& row);
+/// Device d's bubble in permille: 1 - busy / span, rounded.
+[[nodiscard]] std::int64_t bubble_permille(const PipelineRow& row, std::size_t device);
 
 /// Runs a pipeline configuration.
 [[nodiscard]] PipelineRow run_pipeline_row(const CheckedModel& model, const DeviceProfile& device,
                                            std::string name, const PipelineOptions& options);
-/// "gpipe DxM MODE", and the offload policy when there is one.
+/// "SCHEDULE DxM MODE" ("interleaved-1f1b DxMxV MODE"), and the offload policy when there is
+/// one.
 [[nodiscard]] std::string pipeline_row_name(const PipelineOptions& options);
+/// Parses "gpipe", "1f1b", "interleaved-1f1b" or "interleaved-zero-bubble".
+Result<Schedule> parse_schedule(std::string_view text);
 /// Parses "always", "except_last" or "never".
 Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
 /// The pipeline rows of `ferry compare --devices N --micro-batches M`: each checkpoint mode,
-/// then trl and ferry offload in every stage, without checkpoint and except the last.
+/// then trl and ferry offload in every stage, without checkpoint and except the last, all under
+/// `schedule` with `virtual_stages` stages a device.
 [[nodiscard]] std::vector<PipelineRow> pipeline_rows(const CheckedModel& model,
                                                      const DeviceProfile& device,
                                                      std::int32_t devices,
-                                                     std::int32_t micro_batches);
+                                                     std::int32_t micro_batches,
+                                                     Schedule schedule = Schedule::GPipe,
+                                                     std::int32_t virtual_stages = 1);
 
 }  // namespace ferry::sim
