@@ -527,7 +527,8 @@ Result<PlanOutcome> Planner::plan(const PlannerOptions& node_options, Bytes* flo
   const std::int64_t simulations_before = p.cost.runs();
   const std::int64_t reused_before = p.cost.reused();
   p.cost.set_workers(planning::workers_for(options.jobs));
-  if (options.progress && !p.rows) options.progress(PlanProgress{"fixed configurations"});
+  if (options.progress && !p.rows)
+    options.progress(PlanProgress{.stage = "fixed configurations", .best = std::nullopt});
   p.ensure_fixed();
   p.cost.keep_runs(options.keep_run);
   planning::Search search(p.cost, p.space, planning::Budgets{options.budget, options.host_budget});
