@@ -65,7 +65,7 @@ if [[ $real == ON && $preset != asan ]]; then
     timed pytest .venv/bin/python -m pytest -q -n 2 --dist loadscope tests/python
   real_suites=(offload checkpoint checkpoint_api hf_models distributed saved_contract
                current_stream async_loopback regions selective_offload trl_names threads autocast
-               tensor_parallel
+               tensor_parallel pipeline_parallel
                compile auto_apply validate_layers unusual_uses)
   real_files=()
   for suite in "${real_suites[@]}"; do real_files+=("tests/python/test_$suite.py"); done
