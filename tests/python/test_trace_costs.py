@@ -371,6 +371,71 @@ def test_batched_and_right_sided_triangular_solves_count_every_system():
     assert formula(legacy, (b, a), {}, (meta(3, 16, 5), meta(3, 16, 16))) == 3 * 16 * 16 * 5
 
 
+class _Fourier(nn.Module):
+    """FNet's token mixing: the real part of a 2-D FFT over the sequence and hidden dims."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.proj = nn.Linear(h, h)
+
+    def forward(self, x):
+        return torch.fft.fftn(self.proj(x), dim=(-2, -1)).real
+
+
+def test_an_fft_costs_five_n_log_n_flops_a_transform():
+    batch, s, h = 2, 16, 32
+    traced = trace(_Fourier(h), torch.randn(batch, s, h), loss_fn=lambda y: y.sum())
+    assert traced.uncosted == {}
+    (fft,) = [op for op in traced.document["ops"] if op["kind"].startswith("aten._fft")]
+    n = s * h
+    # The real input goes through one complex transform (torch's fftn of a real tensor casts
+    # it), 5 n log2 n for each of the batch's transforms; its gradient another.
+    assert fft["kind"] == "aten._fft_c2c.default"
+    assert fft["flops"] == 5 * n * 9 * batch  # log2(16 * 32) = 9
+    assert fft["backward_flops"] == fft["flops"]
+    real = aten._fft_r2c.default
+    formula = _costs.flop_table()[real._overloadpacket]
+    x = meta(batch, s, h, dtype=torch.float32)
+    assert formula(real, (x, [1, 2], 0, True), {}, None) == 5 * n * 9 * batch // 2
+    inverse = aten._fft_c2r.default
+    formula = _costs.flop_table()[inverse._overloadpacket]
+    out = meta(batch, s, h, dtype=torch.float32)
+    assert formula(inverse, (meta(batch, s, h // 2 + 1), [1, 2], 0, h), {}, out) == (
+        5 * n * 9 * batch // 2
+    )
+    assert _costs.fft_flops(1, 8, real=False) == 0
+
+
+class _InPlaceView(nn.Module):
+    def __init__(self, in_place):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.in_place = in_place
+
+    def forward(self, x):
+        y = self.proj(x)
+        # unsqueeze_ changes y's sizes and strides, unsqueeze makes a view: no element moves.
+        return y.unsqueeze_(0) if self.in_place else y.unsqueeze(0)
+
+
+def test_an_in_place_view_moves_no_data():
+    x = torch.randn(4, 8)
+    in_place = trace(_InPlaceView(True), x, loss_fn=lambda y: y.sum())
+    view = trace(_InPlaceView(False), x, loss_fn=lambda y: y.sum())
+    assert in_place.uncosted == {} and view.uncosted == {}
+
+    def total(traced):
+        ops = traced.document["ops"]
+        return sum(op["bytes"] for op in ops), sum(op["backward_bytes"] for op in ops)
+
+    assert total(in_place) == total(view)
+    assert all(
+        op["bytes"] == 0
+        for op in in_place.document["ops"]
+        if op["kind"] == "aten.unsqueeze_.default"
+    )
+
+
 class _Untagged(nn.Module):
     """Elementwise ops torch does not tag pointwise: `polar`, and the gradients of `softplus`,
     `elu` and `hardtanh`."""

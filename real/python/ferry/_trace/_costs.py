@@ -24,7 +24,7 @@ def storage_key(t):
 # docs/model-format.md). The bytes of every op that moves data are counted from its tensors; the
 # FLOPs only where a formula says how many: torch's FLOP counter (matmuls, convolutions, the
 # GPU attention kernels) and the formulas below, which add what the counter lacks (grouped and
-# scaled grouped matmuls, triangular solves, flex attention, the CPU flash kernel) and replace
+# scaled grouped matmuls, triangular solves, FFTs, flex attention, the CPU flash kernel) and replace
 # its attention counts, which reject grouped-query attention and count a causal kernel as a full
 # one. An op whose work is its memory traffic (pointwise math, reductions, copies, indexing,
 # norms, softmax, losses) needs no FLOP formula: the bytes bound its time. Which op is which
@@ -184,6 +184,32 @@ def _triangular_solve(func, args, kwargs, out):
     return solve_triangular_flops(a["A"].shape[-1], _first(out).numel())
 
 
+def fft_flops(n: int, transforms: int, real: bool) -> int:
+    """FLOPs of ``transforms`` discrete Fourier transforms of ``n`` points each (over every
+    transformed dim together): 5 n log2 n for a complex transform, half of it for a real one
+    (to or from a one-sided spectrum), the counts FFTW's benchmarks credit a transform with
+    (fftw.org/speed/method.html, after Cooley-Tukey's radix-2 count)."""
+    if n <= 1:
+        return 0
+    flops = 5 * n * math.log2(n) * transforms
+    return int(round(flops / 2 if real else flops))
+
+
+def _fft(kind):
+    # _fft_c2c(self, dim, normalization, forward), _fft_r2c(self, dim, normalization, onesided),
+    # _fft_c2r(self, dim, normalization, last_dim_size): the signal is the complex or real
+    # side's dims (the output's for c2r), every other element a transform of its own.
+    def count(func, args, kwargs, out):
+        a = _arguments(func, args, kwargs)
+        signal = _first(out) if kind == "c2r" else a["self"]
+        dims = [d % signal.dim() for d in a["dim"]]
+        n = math.prod(signal.shape[d] for d in dims)
+        transforms = signal.numel() // n if n else 0
+        return fft_flops(n, transforms, real=kind != "c2c")
+
+    return count
+
+
 def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -265,6 +291,9 @@ def flop_table():
         "_scaled_grouped_mm": _grouped_mm,
         "linalg_solve_triangular": _solve_triangular,
         "triangular_solve": _triangular_solve,
+        "_fft_c2c": _fft("c2c"),
+        "_fft_r2c": _fft("r2c"),
+        "_fft_c2r": _fft("c2r"),
     }
     for name, formula in ours.items():
         packet = getattr(aten, name, None)
@@ -287,32 +316,48 @@ def flop_table():
 
 # Operators whose work is their memory traffic, beside those torch tags pointwise or reduction
 # and the gradients of those tagged pointwise (Note [What an op costs]): copies, layout
-# changes (`im2col` and `col2im`, a convolution's patches unfolded and summed back), indexing,
-# factories, softmax, norms, pooling (a max or a mean over each window, a few comparisons or
-# adds an element read), dropout, losses, and the elementwise ops torch leaves untagged
-# (`polar`: abs·cos(angle) + i·abs·sin(angle); `complex`: real + i·imag).
+# changes (`im2col`, `col2im` and `unfold_backward`: windows unfolded and summed back),
+# indexing, factories, softmax, norms (weight norm's too), pooling (a max or a mean over each
+# window, a few comparisons or adds an element read), interpolation (each output element a
+# weighted sum of the 2 to 64 input elements around it), dropout and random draws, losses, and
+# the elementwise ops torch leaves untagged (`polar`: abs·cos(angle) + i·abs·sin(angle);
+# `complex`: real + i·imag; `glu`: one half times the sigmoid of the other; the activations
+# hardswish, leaky ReLU, RReLU, PReLU, log-sigmoid; their gradients).
 _BY_BYTES = frozenset(
     """
     _to_copy clone copy copy_ contiguous _unsafe_view cat stack constant_pad_nd
     repeat roll flip tril triu
     embedding embedding_dense_backward index index_put index_put_ index_select index_add
-    index_add_ index_copy gather scatter scatter_ scatter_add scatter_add_ masked_fill
+    index_add_ index_copy gather scatter scatter_ scatter_add scatter_add_ scatter_reduce
+    scatter_reduce_ index_reduce masked_fill
     masked_fill_ masked_scatter slice_backward select_backward index_select_backward
     as_strided_scatter slice_scatter select_scatter diagonal_backward
     floor_divide floor_divide_ remainder fmod
     cumsum cumprod sort topk histc bincount argmax argmin argsort nonzero unique
+    _is_all_true _is_any_true
     zeros zeros_like ones ones_like full full_like new_zeros new_ones new_full new_empty
-    new_empty_strided empty empty_like empty_strided scalar_tensor arange linspace fill fill_
+    new_empty_strided empty empty_like empty_strided scalar_tensor arange linspace eye fill fill_
     zero_ lift_fresh_copy
     _softmax _softmax_backward_data _safe_softmax _log_softmax _log_softmax_backward_data
     native_layer_norm native_layer_norm_backward _fused_rms_norm _fused_rms_norm_backward
     native_group_norm native_group_norm_backward native_batch_norm native_batch_norm_backward
     _native_batch_norm_legit _native_batch_norm_legit_functional
     native_dropout native_dropout_backward bernoulli bernoulli_ rand rand_like randn randn_like
-    randint uniform_ normal_
+    randint uniform_ normal_ exponential_ geometric_ cauchy_ log_normal_ random_
     nll_loss_forward nll_loss_backward nll_loss2d_forward nll_loss2d_backward
-    polar complex
-    im2col col2im
+    polar complex log_sigmoid_forward log_sigmoid_backward glu glu_backward hardswish hardswish_
+    hardswish_backward leaky_relu leaky_relu_ leaky_relu_backward rrelu_with_noise
+    rrelu_with_noise_backward _prelu_kernel _prelu_kernel_backward softshrink_backward
+    hardshrink_backward
+    upsample_nearest1d upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d
+    _upsample_nearest_exact2d _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d
+    upsample_bicubic2d upsample_trilinear3d _upsample_bilinear2d_aa _upsample_bicubic2d_aa
+    upsample_nearest1d_backward upsample_nearest2d_backward upsample_nearest3d_backward
+    _upsample_nearest_exact1d_backward _upsample_nearest_exact2d_backward
+    _upsample_nearest_exact3d_backward upsample_linear1d_backward upsample_bilinear2d_backward
+    upsample_bicubic2d_backward upsample_trilinear3d_backward _upsample_bilinear2d_aa_backward
+    _upsample_bicubic2d_aa_backward
+    im2col col2im unfold_backward _weight_norm_interface _weight_norm_interface_backward
     max_pool2d_with_indices max_pool2d_with_indices_backward max_pool3d_with_indices
     max_pool3d_with_indices_backward avg_pool2d avg_pool2d_backward avg_pool3d avg_pool3d_backward
     _adaptive_avg_pool2d _adaptive_avg_pool2d_backward _adaptive_avg_pool3d
