@@ -8,7 +8,7 @@ Its config is transformers' default for the type with the layer, expert and size
 is allocated and nothing is downloaded.
 
 `python tests/python/hf_families.py [TYPE...]` traces the families (all by default) and prints
-one line for each: the head, the seconds it took, and the uncosted ops or the error.
+one line for each: its wall and CPU seconds, and its uncosted ops or the error that stopped it.
 """
 
 import functools
