@@ -1,7 +1,8 @@
 """Shared setup of ferry's Python tests.
 
-Nothing is skipped silently: the only skips are the `gpu` tests on a machine without CUDA and
-the CPU-only misuse test on a machine with it, each with its reason (pytest.ini shows them).
+Nothing is skipped silently: the only skips are the `gpu` tests on a machine without CUDA, the
+CPU-only misuse test on a machine with it, and the model families `test_trace_families.py`
+does not trace, each with its reason (pytest.ini shows them).
 A missing `ferry` module is an error, never a skip: install it first with
 `scripts/package.sh BUILD_DIR` (or `pip install --no-build-isolation --no-deps .`).
 

@@ -1,5 +1,5 @@
 """Every op a trace lists is costed (docs/trace.md, Costs; Note [What an op costs] in
-`ferry/_trace/_record.py`): the FLOPs of grouped and scaled matmuls and of every attention
+`ferry/_trace/_costs.py`): the FLOPs of grouped and scaled matmuls and of every attention
 kernel equal an analytic count, causal attention counts the pairs a causal kernel computes, and
 the trace names any op that moves data with no cost model."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ferry._trace import _record, trace
+from ferry._trace import _costs, _record, trace
 from models import tiny_bert
 from traced_families import FAMILIES, trace_family
 
@@ -33,10 +33,10 @@ def test_causal_pairs_are_the_unmasked_ones(bottom_right):
     for sq in range(1, 12):
         for sk in range(1, 12):
             for causal in (False, True):
-                assert _record.attention_pairs(sq, sk, causal, bottom_right) == brute_pairs(
+                assert _costs.attention_pairs(sq, sk, causal, bottom_right) == brute_pairs(
                     sq, sk, causal, bottom_right
                 ), (sq, sk, causal)
-    assert _record.attention_pairs(8192, 8192, True) == 8192 * 8193 // 2
+    assert _costs.attention_pairs(8192, 8192, True) == 8192 * 8193 // 2
 
 
 def meta(*shape, dtype=torch.bfloat16):
@@ -45,7 +45,7 @@ def meta(*shape, dtype=torch.bfloat16):
 
 def count(op, *args, **kwargs):
     """The trace's FLOPs of one call of `op` (its formula, called as the trace calls it)."""
-    formula = _record._flop_table()[getattr(op, "_overloadpacket", op)]
+    formula = _costs.flop_table()[getattr(op, "_overloadpacket", op)]
     return formula(op, args, kwargs, None)
 
 
@@ -141,23 +141,23 @@ def test_flex_attention_counts_every_block():
     ],
 )
 def test_grouped_mm_counts_each_row_once(a, b, out, flops):
-    assert _record.grouped_mm_flops(a, b, out) == flops
+    assert _costs.grouped_mm_flops(a, b, out) == flops
     offs = meta(4, dtype=torch.int32)
     op = aten._grouped_mm.default
-    formula = _record._flop_table()[op._overloadpacket]
+    formula = _costs.flop_table()[op._overloadpacket]
     assert formula(op, (meta(*a), meta(*b), offs), {}, meta(*out)) == flops
     scaled = aten._scaled_grouped_mm.default
-    formula = _record._flop_table()[scaled._overloadpacket]
+    formula = _costs.flop_table()[scaled._overloadpacket]
     args = (meta(*a), meta(*b), meta(1, dtype=torch.float32), meta(1, dtype=torch.float32))
     assert formula(scaled, args, {"offs": offs}, meta(*out)) == flops
     # The shape the trace writes is the same product (docs/model-format.md, "gemm").
-    shape = _record.gemm_shape(op, (meta(*a), meta(*b), offs), {}, meta(*out))
+    shape = _costs.gemm_shape(op, (meta(*a), meta(*b), offs), {}, meta(*out))
     assert 2 * shape["m"] * shape["n"] * shape["k"] * shape["batch"] == flops
 
 
 def test_matmuls_get_their_shape_and_other_ops_none():
     mm = aten.mm.default
-    assert _record.gemm_shape(mm, (meta(96, 64), meta(64, 32)), {}, meta(96, 32)) == {
+    assert _costs.gemm_shape(mm, (meta(96, 64), meta(64, 32)), {}, meta(96, 32)) == {
         "m": 96,
         "n": 32,
         "k": 64,
@@ -165,12 +165,12 @@ def test_matmuls_get_their_shape_and_other_ops_none():
     }
     addmm = aten.addmm.default
     args = (meta(32), meta(96, 64), meta(64, 32))
-    assert _record.gemm_shape(addmm, args, {}, meta(96, 32))["k"] == 64
+    assert _costs.gemm_shape(addmm, args, {}, meta(96, 32))["k"] == 64
     bmm = aten.bmm.default
-    shape = _record.gemm_shape(bmm, (meta(6, 16, 8), meta(6, 8, 4)), {}, meta(6, 16, 4))
+    shape = _costs.gemm_shape(bmm, (meta(6, 16, 8), meta(6, 8, 4)), {}, meta(6, 16, 4))
     assert shape == {"m": 16, "n": 4, "k": 8, "batch": 6}
     add = aten.add.Tensor
-    assert _record.gemm_shape(add, (meta(4), meta(4)), {}, meta(4)) is None
+    assert _costs.gemm_shape(add, (meta(4), meta(4)), {}, meta(4)) is None
 
 
 # Traced models against analytic counts.
@@ -335,6 +335,159 @@ def test_an_op_with_no_cost_model_is_named():
     }
 
 
+class _Triangular(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(n) + 0.1)
+
+    def forward(self, x):
+        return torch.linalg.solve_triangular(self.weight, x, upper=False)
+
+
+@pytest.mark.parametrize("n, k", [(16, 4), (8, 24)])
+def test_a_triangular_solve_costs_n_squared_flops_a_right_hand_side(n, k):
+    # Forward: n² FLOPs for each of the k right-hand sides. Backward: the solve against Aᵀ for
+    # the right-hand sides' gradient (n²k), then the weight's gradient -tril(dB Xᵀ), an n×k by
+    # k×n product (2n²k).
+    traced = trace(_Triangular(n), torch.randn(n, k), loss_fn=lambda y: y.sum())
+    assert traced.uncosted == {}
+    assert traced.flops() == (n * n * k, n * n * k + 2 * n * k * n)
+    (solve,) = [op for op in traced.document["ops"] if "solve" in op["kind"]]
+    assert solve["kind"] == "aten.linalg_solve_triangular.default"
+    assert solve["flops"] == n * n * k
+
+
+def test_batched_and_right_sided_triangular_solves_count_every_system():
+    a, b = meta(3, 16, 16, dtype=torch.float32), meta(3, 16, 5, dtype=torch.float32)
+    op = aten.linalg_solve_triangular.default
+    formula = _costs.flop_table()[op._overloadpacket]
+    assert formula(op, (a, b), {"upper": True}, meta(3, 16, 5)) == 3 * 16 * 16 * 5
+    # X A = B: B [3, 5, 16], five right-hand sides a system as well.
+    assert formula(op, (a, meta(3, 5, 16)), {"upper": True, "left": False}, meta(3, 5, 16)) == (
+        3 * 16 * 16 * 5
+    )
+    legacy = aten.triangular_solve.default
+    formula = _costs.flop_table()[legacy._overloadpacket]
+    assert formula(legacy, (b, a), {}, (meta(3, 16, 5), meta(3, 16, 16))) == 3 * 16 * 16 * 5
+
+
+class _Fourier(nn.Module):
+    """FNet's token mixing: the real part of a 2-D FFT over the sequence and hidden dims."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.proj = nn.Linear(h, h)
+
+    def forward(self, x):
+        return torch.fft.fftn(self.proj(x), dim=(-2, -1)).real
+
+
+def test_an_fft_costs_five_n_log_n_flops_a_transform():
+    batch, s, h = 2, 16, 32
+    traced = trace(_Fourier(h), torch.randn(batch, s, h), loss_fn=lambda y: y.sum())
+    assert traced.uncosted == {}
+    (fft,) = [op for op in traced.document["ops"] if op["kind"].startswith("aten._fft")]
+    n = s * h
+    # The real input goes through one complex transform (torch's fftn of a real tensor casts
+    # it), 5 n log2 n for each of the batch's transforms; its gradient another.
+    assert fft["kind"] == "aten._fft_c2c.default"
+    assert fft["flops"] == 5 * n * 9 * batch  # log2(16 * 32) = 9
+    assert fft["backward_flops"] == fft["flops"]
+    real = aten._fft_r2c.default
+    formula = _costs.flop_table()[real._overloadpacket]
+    x = meta(batch, s, h, dtype=torch.float32)
+    assert formula(real, (x, [1, 2], 0, True), {}, None) == 5 * n * 9 * batch // 2
+    inverse = aten._fft_c2r.default
+    formula = _costs.flop_table()[inverse._overloadpacket]
+    out = meta(batch, s, h, dtype=torch.float32)
+    assert formula(inverse, (meta(batch, s, h // 2 + 1), [1, 2], 0, h), {}, out) == (
+        5 * n * 9 * batch // 2
+    )
+    assert _costs.fft_flops(1, 8, real=False) == 0
+
+
+class _InPlaceView(nn.Module):
+    def __init__(self, in_place):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.in_place = in_place
+
+    def forward(self, x):
+        y = self.proj(x)
+        # unsqueeze_ changes y's sizes and strides, unsqueeze makes a view: no element moves.
+        return y.unsqueeze_(0) if self.in_place else y.unsqueeze(0)
+
+
+def test_an_in_place_view_moves_no_data():
+    x = torch.randn(4, 8)
+    in_place = trace(_InPlaceView(True), x, loss_fn=lambda y: y.sum())
+    view = trace(_InPlaceView(False), x, loss_fn=lambda y: y.sum())
+    assert in_place.uncosted == {} and view.uncosted == {}
+
+    def total(traced):
+        ops = traced.document["ops"]
+        return sum(op["bytes"] for op in ops), sum(op["backward_bytes"] for op in ops)
+
+    assert total(in_place) == total(view)
+    assert all(
+        op["bytes"] == 0
+        for op in in_place.document["ops"]
+        if op["kind"] == "aten.unsqueeze_.default"
+    )
+
+
+class _Untagged(nn.Module):
+    """Elementwise ops torch does not tag pointwise: `polar`, and the gradients of `softplus`,
+    `elu` and `hardtanh`."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8, 16))
+
+    def forward(self, x):
+        z = torch.view_as_real(torch.polar(self.weight, x)).sum(-1)
+        w = self.weight
+        return z * nn.functional.softplus(w) + nn.functional.elu(w) + nn.functional.hardtanh(w)
+
+
+def test_untagged_elementwise_ops_and_pointwise_gradients_are_costed_by_their_bytes():
+    traced = trace(_Untagged(), torch.randn(8, 16), loss_fn=lambda y: y.sum())
+    assert traced.uncosted == {}
+    for op in traced.document["ops"]:
+        assert op["flops"] == 0 and op.get("backward_flops", 0) == 0, op["name"]
+    # Their bytes stand for their time, forward and backward.
+    by_kind = {op["kind"]: op for op in traced.document["ops"]}
+    for name in ("polar", "softplus", "elu", "hardtanh"):
+        op = by_kind[f"aten.{name}.default"]
+        assert op["bytes"] > 0 and op["backward_bytes"] > 0, name
+
+
+def test_the_gradient_of_a_pointwise_op_is_pointwise_and_no_other():
+    for name in ("softplus_backward", "elu_backward", "hardtanh_backward", "mish_backward"):
+        assert _costs.is_pointwise_gradient(name), name
+    # glu halves a dim and convolution is no elementwise op; mm has no backward operator.
+    for name in ("glu_backward", "convolution_backward", "mm", "no_such_op_backward"):
+        assert not _costs.is_pointwise_gradient(name), name
+
+
+def test_without_the_new_rules_those_ops_are_named(monkeypatch):
+    monkeypatch.setattr(_costs, "is_pointwise_gradient", lambda name: False)
+    monkeypatch.setattr(_costs, "_BY_BYTES", _costs._BY_BYTES - {"polar"})
+    traced = trace(_Untagged(), torch.randn(8, 16), loss_fn=lambda y: y.sum())
+    assert set(traced.uncosted) == {
+        "aten.polar.default",
+        "aten.softplus_backward.default",
+        "aten.elu_backward.default",
+        "aten.hardtanh_backward.default",
+    }
+    monkeypatch.undo()
+    table = _costs.flop_table()
+    del table[aten.linalg_solve_triangular]
+    monkeypatch.setattr(_record, "flop_table", lambda: table)
+    traced = trace(_Triangular(8), torch.randn(8, 2), loss_fn=lambda y: y.sum())
+    assert traced.uncosted == {"aten.linalg_solve_triangular.default": 2}
+
+
 def test_the_trace_command_lists_uncosted_ops(tmp_path, capsys, monkeypatch):
     import json
 
@@ -347,7 +500,7 @@ def test_the_trace_command_lists_uncosted_ops(tmp_path, capsys, monkeypatch):
     assert main([str(config), "--seq", "16", "--out", out]) == 0
     assert "no cost model" not in capsys.readouterr().err
     # Without the rule that a copy's cost is its bytes, `_to_copy` has no cost model.
-    monkeypatch.setattr(_record, "_BY_BYTES", _record._BY_BYTES - {"_to_copy"})
+    monkeypatch.setattr(_costs, "_BY_BYTES", _costs._BY_BYTES - {"_to_copy"})
     assert main([str(config), "--seq", "16", "--out", out]) == 0
     err = capsys.readouterr().err
     assert "no cost model, so counted as free of FLOPs: aten._to_copy.default (" in err

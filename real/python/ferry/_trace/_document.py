@@ -23,7 +23,7 @@ class TracedModel:
     counted), ``optimizer_state_bytes`` the optimizer state written as static memory, and
     ``unattributed_backward_flops`` the FLOPs of backward ops run by no forward op's node
     (gradient accumulation), which no op carries, and ``uncosted`` the operators, forward or
-    backward, that move data but have no cost model (Note [What an op costs] in ``_record``),
+    backward, that move data but have no cost model (Note [What an op costs] in ``_costs``),
     each with its number of calls: their time is counted too low. ``compiled`` is what fusing
     changed where the costs are a compiled step's (``ferry.trace(..., compiled=True)``), else
     None. ``planners`` are the planners ``ferry.plan`` and ``ferry.auto`` keep for the model,
