@@ -76,16 +76,11 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
   }
   checkpointer_.set_global_early_stop(plan.global_early_stop);
   hooks_ = make_step_hooks(model_, graph_, options_, faults_, *this);
-  if (options.paged_stash.on) {
-    RankContext& self = *this;
-    stash_ = std::make_unique<PagedStash>(model_, options_.paged_stash, faults_, self);
-  }
 }
 
 Result<TrainingRun> Trainer::run() {
   if (auto valid = validate_plan(); !valid) return valid.error();
   if (auto valid = hooks_->validate(); !valid) return valid.error();
-  if (auto valid = validate_stash(); !valid) return valid.error();
   try {
     take_turn();
     setup();
@@ -104,23 +99,6 @@ Result<TrainingRun> Trainer::run() {
   }
   run_.telemetry = telemetry_since(offloader_.telemetry(), step_start_telemetry_);
   return std::move(run_);
-}
-
-Status Trainer::validate_stash() const {
-  const PagedStashOptions& stash = options_.paged_stash;
-  if (!stash.on) return Ok{};
-  if (stash.page_rows < 1 || stash.page_rows > (std::int64_t{1} << 20)) {
-    return Error{fmt::format("paged stash: {} rows a page; use 1 to 2^20", stash.page_rows)};
-  }
-  if (!(stash.headroom >= 1 && stash.headroom <= 16)) {
-    return Error{fmt::format("paged stash: headroom {}; use 1 to 16", stash.headroom)};
-  }
-  if (options_.retain_graph || options_.backward_inside_op >= 0) {
-    return Error{
-        "paged stash: a backward that runs twice over one graph, or inside forward, would read "
-        "pages given back (Megatron-Core and torchtitan refuse both)"};
-  }
-  return Ok{};
 }
 
 Status Trainer::validate_plan() const {
@@ -285,7 +263,7 @@ void Trainer::setup() {
   }
   hooks_->setup(writes, values);
   allocate_blas_workspaces();
-  if (stash_) stash_->setup();
+  hooks_->reserve();
   sim_.kernel(current_, SimTime(1), {}, writes, "init parameters", values);
   device_rng_initialized_ = !options_.checkpoint.lazy_device_rng;
 }
@@ -437,9 +415,13 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
     saved.kind = Saved::Kind::Param;
     return saved;
   }
-  if (top == nullptr && stash_ && stash_->takes(node, t)) {  // the innermost hook
-    saved.kind = Saved::Kind::Stash;
-    saved.stashed = stash_->pack(node, t, where.buffer, where.offset);
+  // Outside a checkpoint, the saved-tensor hooks the step hooks pushed, innermost first, then
+  // the offloader (Note [Step hooks]).
+  for (std::size_t h = saved_hooks_.size(); top == nullptr && h-- > 0;) {
+    if (!saved_hooks_[h]->takes(node, t)) continue;
+    saved.kind = Saved::Kind::Hook;
+    saved.hook = static_cast<std::uint32_t>(h);
+    saved.packed = saved_hooks_[h]->pack(node, t, where.buffer, where.offset);
     return saved;
   }
   const ModelTensor& storage = model_.tensors[b];
@@ -536,7 +518,6 @@ void Trainer::forward() {
     current_op_ = i;
     switch_to(op_stream(i, false));  // a checkpoint call inside the block packs on its stream
     hooks_->before_op(i);
-    if (stash_) stash_->before_op();
     for (const std::uint32_t r :
          regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
       begin_region(r);
@@ -555,7 +536,6 @@ void Trainer::forward() {
       end_region();
     }
     hooks_->after_op(i);
-    if (stash_) stash_->after_op(i);
     for (const std::uint32_t b : drop_after_[i]) device_.drop(scopes_[0].bound.at(b).buffer);
   }
   switch_to(compute_);
