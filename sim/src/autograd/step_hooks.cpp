@@ -1,5 +1,6 @@
 #include "step_hooks.hpp"
 
+#include "ddp.hpp"
 #include "fsdp.hpp"
 #include "mesh_collectives.hpp"
 #include "paged_stash.hpp"
@@ -64,6 +65,10 @@ void HookChain::before_node(std::uint32_t node) {
   outer_to_inner([&](StepHooks& unit) { unit.before_node(node); });
 }
 
+void HookChain::grad_ready(std::uint32_t p) {
+  outer_to_inner([&](StepHooks& unit) { unit.grad_ready(p); });
+}
+
 void HookChain::after_node(std::size_t k, std::uint32_t node) {
   inner_to_outer([&](StepHooks& unit) { unit.after_node(k, node); });
 }
@@ -90,6 +95,8 @@ std::unique_ptr<StepHooks> make_step_hooks(const Model& model, const Graph& grap
                                            const TrainingOptions& options,
                                            const TrainingFaults& faults, RankContext& rank) {
   std::vector<std::unique_ptr<StepHooks>> wrappers;
+  if (options.side.all_reduce)
+    wrappers.push_back(std::make_unique<Ddp>(model, options, faults, rank));
   if (options.parallel.on())
     wrappers.push_back(std::make_unique<Fsdp2>(model, graph, options, faults, rank));
   if (MeshCollectives::needed(model)) {

@@ -20,8 +20,8 @@
 namespace ferry::sim::training {
 
 // Note [Step hooks]
-// A parallelism (FSDP2 today) acts on a training step the way torch's does on a real one: it
-// hooks the modules' forward (pre- and post-forward of the ops of each unit), the autograd
+// A parallelism (DDP's all-reduce, FSDP2) acts on a training step the way torch's does on a real
+// one: it hooks the modules' forward (pre- and post-forward of the ops of each unit), the autograd
 // engine's nodes and its final callback, and the optimizer step, and the engine itself never
 // asks which parallelism runs. The Trainer is that engine: it calls every hook of one
 // StepHooks object at fixed points of the step, and a run with no parallelism gets the base
@@ -91,6 +91,10 @@ class RankContext {
   virtual void bind_param(std::uint32_t p, Device::Buffer buffer, Bytes offset) = 0;
   /// Takes parameter `p`'s gradient, if backward wrote one: the caller owns that reference.
   virtual std::optional<Device::Buffer> take_param_grad(std::uint32_t p) = 0;
+  /// Parameter `p`'s gradient, which backward wrote, and its content value; the rank keeps its
+  /// reference.
+  [[nodiscard]] virtual std::pair<Device::Buffer, std::uint64_t> param_grad(
+      std::uint32_t p) const = 0;
   /// Bytes [offset, offset + bytes) of `buffer` hold content value `value` now.
   virtual void note_write(Device::Buffer buffer, Bytes offset, Bytes bytes,
                           std::uint64_t value) = 0;
@@ -147,6 +151,10 @@ class StepHooks {
   virtual void backward_begin(const std::vector<std::uint32_t>& /*order*/) {}
   /// Before backward node `node` runs.
   virtual void before_node(std::uint32_t /*node*/) {}
+  /// Backward, in a pass that frees the graph, once the last node that writes parameter `p`'s
+  /// gradient has issued its kernel: the gradient is final (torch's post-accumulate-grad hook,
+  /// where DDP's reducer starts its all-reduce).
+  virtual void grad_ready(std::uint32_t /*p*/) {}
   /// After backward node `node`, the `k`-th in the backward's order.
   virtual void after_node(std::size_t /*k*/, std::uint32_t /*node*/) {}
   /// The engine's final callback, back on the caller's stream.
@@ -183,6 +191,7 @@ class HookChain final : public StepHooks {
   void before_replay(std::uint32_t op) override;
   void backward_begin(const std::vector<std::uint32_t>& order) override;
   void before_node(std::uint32_t node) override;
+  void grad_ready(std::uint32_t p) override;
   void after_node(std::size_t k, std::uint32_t node) override;
   void backward_end() override;
   void optimizer_step() override;
@@ -200,9 +209,9 @@ class HookChain final : public StepHooks {
   std::vector<std::unique_ptr<StepHooks>> followers_;
 };
 
-/// The hooks a run of `options` gets: its parallelism's (FSDP2's; the mesh collectives' when
-/// the model has collective ops) and the paged stash's when it is on, chained, or the no-op
-/// base. They keep references to every argument.
+/// The hooks a run of `options` gets: its parallelism's (DDP's all-reduce or FSDP2's; the mesh
+/// collectives' when the model has collective ops) and the paged stash's when it is on,
+/// chained, or the no-op base. They keep references to every argument.
 [[nodiscard]] std::unique_ptr<StepHooks> make_step_hooks(const Model& model, const Graph& graph,
                                                          const TrainingOptions& options,
                                                          const TrainingFaults& faults,

@@ -42,7 +42,6 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
       blas_workspace_(profile.blas_workspace) {
   run_.compute = compute_;
   if (options.side.any()) side_ = sim_.add_stream(dev_, "side");
-  if (options.side.all_reduce) comm_ = sim_.add_stream(dev_, "comm");
   const std::size_t n = model.tensors.size();
   // An activation's forward reference ends after its last forward use (at once if unused);
   // the loss lives until the graph is freed.
@@ -154,6 +153,10 @@ void Trainer::bind_param(std::uint32_t p, Device::Buffer buffer, Bytes offset) {
   params_[p] = Bound{buffer, offset, param_value(p)};
 }
 
+std::pair<Device::Buffer, std::uint64_t> Trainer::param_grad(std::uint32_t p) const {
+  return {param_grads_.at(p), param_grad_values_.at(p)};
+}
+
 std::optional<Device::Buffer> Trainer::take_param_grad(std::uint32_t p) {
   const auto it = param_grads_.find(p);
   if (it == param_grads_.end()) return std::nullopt;
@@ -184,10 +187,11 @@ std::optional<Device::Buffer> Trainer::take_param_grad(std::uint32_t p) {
 // A recompute triggered by an unpack switches to the side stream for the whole replay (its
 // inputs' unpacks included) and back to the node's stream after. An all-reduce of a finished
 // gradient goes to the comm stream after it waits for the stream that wrote the gradient, and
-// the compute stream waits for the comm stream at the end of backward (DDP's pattern); the
-// host's current stream does not change for it. The planted faults (TrainingFaults) drop one
-// part each: the wait before side or comm work, or the record_stream; the cached stream of TRL
-// before #7195 is the core's own planted fault (OffloadFaults::stale_compute_stream).
+// the compute stream waits for the comm stream at the end of backward (DDP's pattern, the Ddp
+// unit of the step hooks in ddp.cpp); the host's current stream does not change for it. The planted
+// faults (TrainingFaults) drop one part each: the wait before side or comm work, or the
+// record_stream; the cached stream of TRL before #7195 is the core's own planted fault
+// (OffloadFaults::stale_compute_stream).
 
 StreamId Trainer::op_stream(std::uint32_t i, bool replay) const {
   if (!side_.valid()) return compute_;
@@ -208,26 +212,6 @@ StreamId Trainer::switch_to(StreamId to) {
   current_ = to;
   device_.set_current_stream(Device::Stream{to});
   return from;
-}
-
-void Trainer::all_reduce(std::uint32_t p) {
-  const Bytes bytes = model_.tensors[p].bytes;
-  const Region grad{param_grads_.at(p).id, Bytes(0), bytes};
-  if (!faults_.skip_side_stream_wait) {
-    const Device::Event e = device_.make_event();
-    device_.record(e, Device::Stream{current_});
-    device_.wait(Device::Stream{comm_}, e);
-  }
-  // One rank: the sum is the gradient itself. 100 bytes per ns is an illustrative ring rate;
-  // the checker's verdict does not depend on it.
-  const std::vector<Region> regions{grad};
-  sim_.kernel(comm_, SimTime(std::max<std::int64_t>(1, bytes.count() / 100)), regions, regions,
-              model_.tensors[p].name + ".grad all-reduce",
-              std::vector<std::uint64_t>{param_grad_values_[p]});
-  if (faults_.free_grad_at_all_reduce && options_.grads_set_to_none) {
-    device_.drop(param_grads_.at(p));
-    param_grads_.erase(p);
-  }
 }
 
 void Trainer::used_on_current(const std::vector<Region>& regions) {

@@ -106,6 +106,7 @@ class Trainer final : private RankContext {
   Device::Buffer allocate_on(StreamId stream, Bytes bytes, std::string_view name) override;
   void bind_param(std::uint32_t p, Device::Buffer buffer, Bytes offset) override;
   std::optional<Device::Buffer> take_param_grad(std::uint32_t p) override;
+  std::pair<Device::Buffer, std::uint64_t> param_grad(std::uint32_t p) const override;
   void note_write(Device::Buffer buf, Bytes offset, Bytes bytes, std::uint64_t value) override;
   void push_saved_tensor_hook(SavedTensorHook& hook) override { saved_hooks_.push_back(&hook); }
 
@@ -142,9 +143,6 @@ class Trainer final : private RankContext {
   // A kernel on the current stream touches these regions: a buffer the trainer allocated on
   // another stream is record_stream'ed on this one (once).
   void used_on_current(const std::vector<Region>& regions);
-
-  // All-reduces parameter p's final gradient on the comm stream.
-  void all_reduce(std::uint32_t p);
 
   void setup();
 
@@ -315,7 +313,6 @@ class Trainer final : private RankContext {
   StreamId compute_;
   StreamId side_;     // invalid unless options_.side asks for work there
   StreamId current_;  // the stream current now: compute_ or side_
-  StreamId comm_;     // invalid unless options_.side.all_reduce
   std::map<std::uint32_t, std::uint32_t> last_grad_node_;  // parameter -> node writing it last
   Device device_;
   Offloader<Device> offloader_;

@@ -362,10 +362,10 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
   if (!hooks_->launch(launch)) {
     sim_.kernel(current_, op.backward_duration, *reads, *writes, label_, *values);
   }
-  if (comm_.valid() && last_pass) {
+  if (last_pass) {
     for (const std::uint32_t b : *written) {
       const auto last = last_grad_node_.find(b);
-      if (last != last_grad_node_.end() && last->second == n) all_reduce(b);
+      if (last != last_grad_node_.end() && last->second == n) hooks_->grad_ready(b);
     }
   }
   let_go_after_node(n, last_pass, k, *unpacked);
@@ -478,12 +478,6 @@ void Trainer::backward(bool last_pass) {
   }
   switch_to(compute_);  // backward() returns on the caller's stream, synced with the leaves'
   hooks_->backward_end();
-  if (comm_.valid()) {
-    // DDP's finalize: the caller's stream waits for the last all-reduces.
-    const Device::Event e = device_.make_event();
-    device_.record(e, Device::Stream{comm_});
-    device_.wait(Device::Stream{compute_}, e);
-  }
   if (escaped_) {
     device_.drop(*escaped_);
     escaped_.reset();
