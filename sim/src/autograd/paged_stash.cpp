@@ -52,7 +52,7 @@ __extension__ using Wide128 = __int128;
 // step.
 
 PagedStash::PagedStash(const Model& model, const TrainingOptions& options,
-                       const TrainingFaults& faults, RankContext& rank)
+                       const PagedStashFaults& faults, RankContext& rank)
     : model_(model),
       training_(options),
       options_(options.paged_stash),

@@ -23,7 +23,7 @@ class PagedStash final : public StepHooks, private SavedTensorHook {
  public:
   /// A stash of `options.paged_stash` for the steps `options` runs on `rank`; it keeps
   /// references to every argument.
-  PagedStash(const Model& model, const TrainingOptions& options, const TrainingFaults& faults,
+  PagedStash(const Model& model, const TrainingOptions& options, const PagedStashFaults& faults,
              RankContext& rank);
 
   /// Checks the page size and headroom, and refuses a backward that runs twice over one graph
@@ -106,7 +106,7 @@ class PagedStash final : public StepHooks, private SavedTensorHook {
   const Model& model_;
   const TrainingOptions& training_;
   const PagedStashOptions& options_;  // training_.paged_stash
-  const TrainingFaults& faults_;
+  const PagedStashFaults& faults_;
   RankContext& rank_;
   Device::Stream stream_{};
   std::vector<std::uint32_t> last_op_;  // by layer + 1: its last forward op

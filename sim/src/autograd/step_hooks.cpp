@@ -98,13 +98,13 @@ std::unique_ptr<StepHooks> make_step_hooks(const Model& model, const Graph& grap
   if (options.side.all_reduce)
     wrappers.push_back(std::make_unique<Ddp>(model, options, faults, rank));
   if (options.parallel.on())
-    wrappers.push_back(std::make_unique<Fsdp2>(model, graph, options, faults, rank));
+    wrappers.push_back(std::make_unique<Fsdp2>(model, graph, options, faults.fsdp, rank));
   if (MeshCollectives::needed(model)) {
-    wrappers.push_back(std::make_unique<MeshCollectives>(model, faults, rank));
+    wrappers.push_back(std::make_unique<MeshCollectives>(model, faults.collectives, rank));
   }
   std::vector<std::unique_ptr<StepHooks>> followers;
   if (options.paged_stash.on) {
-    followers.push_back(std::make_unique<PagedStash>(model, options, faults, rank));
+    followers.push_back(std::make_unique<PagedStash>(model, options, faults.paged_stash, rank));
   }
   if (wrappers.empty() && followers.empty()) return std::make_unique<StepHooks>();
   if (wrappers.size() + followers.size() == 1)
