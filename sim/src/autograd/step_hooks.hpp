@@ -36,8 +36,9 @@ namespace ferry::sim::training {
 // starts its free lists over at each step (step_begin), issues and awaits its copies at the
 // forward's op boundaries and the backward's nodes, and reports its figures into the run
 // (report); the saved tensors it keeps reach it through the SavedTensorHook it pushes on the
-// rank, as torch's saved_tensors_hooks context pushes a pack/unpack pair on the engine. The
-// Trainer names neither FSDP2 nor the stash.
+// rank, as torch's saved_tensors_hooks context pushes a pack/unpack pair on the engine. Chained
+// with a parallelism, its hooks run after the parallelism's at every point (HookChain's
+// followers). The Trainer names none of DDP, FSDP2 and the stash.
 
 /// A parameter's content value: its index (Note [Content values]).
 [[nodiscard]] constexpr std::uint64_t param_value(std::uint32_t p) {
