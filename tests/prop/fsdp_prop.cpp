@@ -170,29 +170,29 @@ void expect_caught(const TrainingFaults& faults, const char* name) {
 // Each of FSDP2's waits, dropped by a planted fault: the name of the test, and the defect.
 struct PlantedWait {
   const char* test;
-  bool TrainingFaults::*fault;
+  bool FsdpFaults::*fault;
   const char* defect;
 };
 
 constexpr PlantedWait kPlantedWaits[] = {
-    {"ForwardWithoutAllGatherWait", &TrainingFaults::skip_all_gather_wait,
+    {"ForwardWithoutAllGatherWait", &FsdpFaults::skip_all_gather_wait,
      "a unit's forward does not wait for its all-gather"},
-    {"ExpertsWithoutAllGatherWait", &TrainingFaults::skip_expert_all_gather_wait,
+    {"ExpertsWithoutAllGatherWait", &FsdpFaults::skip_expert_all_gather_wait,
      "a layer's experts, a unit of their own under expert parallelism, run before their "
      "all-gather"},
-    {"BackwardOnReshardedParameters", &TrainingFaults::skip_backward_unshard,
+    {"BackwardOnReshardedParameters", &FsdpFaults::skip_backward_unshard,
      "unsharded parameters freed before the backward that reads them"},
-    {"ReduceScatterBeforeGradients", &TrainingFaults::skip_reduce_scatter_wait,
+    {"ReduceScatterBeforeGradients", &FsdpFaults::skip_reduce_scatter_wait,
      "the reduce-scatter reads gradients before backward wrote them"},
-    {"AllGatherBeforeItsCopyIn", &TrainingFaults::skip_copy_in_wait,
+    {"AllGatherBeforeItsCopyIn", &FsdpFaults::skip_copy_in_wait,
      "an all-gather reads its input before the copy-in wrote it"},
-    {"AccumulateBeforeTheReduceScatter", &TrainingFaults::skip_accumulate_wait,
+    {"AccumulateBeforeTheReduceScatter", &FsdpFaults::skip_accumulate_wait,
      "SimpleFSDP's second backward accumulates a gradient shard the reduce-scatter still writes"},
-    {"GatherOutputFreedBeforeItsCopyOut", &TrainingFaults::skip_gather_free_wait,
+    {"GatherOutputFreedBeforeItsCopyOut", &FsdpFaults::skip_gather_free_wait,
      "an all-gather output freed before the copy-out that reads it"},
-    {"ReduceInputFreedBeforeItsReduceScatter", &TrainingFaults::skip_reduce_input_free_wait,
+    {"ReduceInputFreedBeforeItsReduceScatter", &FsdpFaults::skip_reduce_input_free_wait,
      "a reduce-scatter input freed before the collective that reads it"},
-    {"GradientShardsFreedBeforeTheOptimizer", &TrainingFaults::skip_grad_shard_free_wait,
+    {"GradientShardsFreedBeforeTheOptimizer", &FsdpFaults::skip_grad_shard_free_wait,
      "zero_grad frees gradient shards the optimizer step still reads"},
 };
 
@@ -200,7 +200,7 @@ class PlantedFsdpFault : public ::testing::TestWithParam<PlantedWait> {};
 
 TEST_P(PlantedFsdpFault, IsCaught) {
   TrainingFaults faults;
-  faults.*(GetParam().fault) = true;
+  faults.fsdp.*(GetParam().fault) = true;
   expect_caught(faults, GetParam().defect);
 }
 

@@ -195,13 +195,13 @@ void expect_caught(const TrainingFaults& faults, const char* name) {
 
 TEST(MeshCollectivesProperty, PlantedMissingLaunchWaitIsCaught) {
   TrainingFaults faults;
-  faults.skip_collective_launch_wait = true;
+  faults.collectives.skip_collective_launch_wait = true;
   expect_caught(faults, "a collective's stream does not wait for the current stream");
 }
 
 TEST(MeshCollectivesProperty, PlantedMissingOutputWaitIsCaught) {
   TrainingFaults faults;
-  faults.skip_collective_output_wait = true;
+  faults.collectives.skip_collective_output_wait = true;
   expect_caught(faults, "the current stream does not wait for a collective");
 }
 

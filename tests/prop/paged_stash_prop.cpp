@@ -129,31 +129,31 @@ void expect_caught(const TrainingFaults& faults, const char* name) {
 
 TEST(PagedStashProperty, PlantedStashBeforeItsProducerIsCaught) {
   TrainingFaults faults;
-  faults.skip_stash_launch_wait = true;
+  faults.paged_stash.skip_stash_launch_wait = true;
   expect_caught(faults, "a stash copies before its stream waits for the compute stream");
 }
 
 TEST(PagedStashProperty, PlantedFreeBeforeTheStashIsDoneIsCaught) {
   TrainingFaults faults;
-  faults.skip_stash_done_wait = true;
+  faults.paged_stash.skip_stash_done_wait = true;
   expect_caught(faults, "padded buffers freed before the compute stream waits for their stash");
 }
 
 TEST(PagedStashProperty, PlantedRestoreNotAwaitedIsCaught) {
   TrainingFaults faults;
-  faults.skip_restore_wait = true;
+  faults.paged_stash.skip_restore_wait = true;
   expect_caught(faults, "backward reads a restore the compute stream did not wait for");
 }
 
 TEST(PagedStashProperty, PlantedRestoredFreeWithoutWaitIsCaught) {
   TrainingFaults faults;
-  faults.skip_restored_free_wait = true;
+  faults.paged_stash.skip_restored_free_wait = true;
   expect_caught(faults, "a restored tensor handed back before the stash stream waits for backward");
 }
 
 TEST(PagedStashProperty, PlantedPoolSizedByRowsOverflows) {
   TrainingFaults faults;
-  faults.pool_by_rows = true;
+  faults.paged_stash.pool_by_rows = true;
   expect_caught(faults, "a pool sized by rows rather than pages");
 }
 

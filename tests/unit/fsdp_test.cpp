@@ -171,16 +171,16 @@ bool reported_on(const TrainingRun& run, const std::string& stream) {
 TEST(Fsdp, PlantedFaultsAreReported) {
   const Model m = testing::chain_model(4, 1 << 20);
   TrainingFaults f;
-  f.skip_all_gather_wait = true;
+  f.fsdp.skip_all_gather_wait = true;
   EXPECT_TRUE(reported_on(train(m, fsdp_options(4), f), "all_gather"));
   f = {};
-  f.skip_reduce_scatter_wait = true;
+  f.fsdp.skip_reduce_scatter_wait = true;
   EXPECT_TRUE(reported_on(train(m, fsdp_options(4), f), "reduce_scatter"));
   f = {};
-  f.skip_backward_unshard = true;
+  f.fsdp.skip_backward_unshard = true;
   EXPECT_FALSE(train(m, fsdp_options(4), f).sim.hazards().empty());
   f = {};
-  f.skip_copy_in_wait = true;
+  f.fsdp.skip_copy_in_wait = true;
   EXPECT_TRUE(reported_on(train(m, fsdp_options(4), f), "all_gather"));
 }
 
@@ -235,7 +235,7 @@ TEST(SimpleFsdp, ASecondBackwardAccumulatesTheGradientShardsCleanly) {
   TrainingOptions o = simple_fsdp_options(4);
   o.retain_graph = true;
   TrainingFaults f;
-  f.skip_accumulate_wait = true;
+  f.fsdp.skip_accumulate_wait = true;
   EXPECT_TRUE(reported_on(train(m, o, f), "reduce_scatter"));
 }
 
@@ -244,24 +244,24 @@ TEST(SimpleFsdp, PlantedFaultsAreReported) {
   // that used the buffer: the pool hands the block out again while the collective may run.
   const Model m = testing::chain_model(4, 1 << 20);
   TrainingFaults f;
-  f.skip_all_gather_wait = true;
+  f.fsdp.skip_all_gather_wait = true;
   EXPECT_TRUE(reported_on(train(m, simple_fsdp_options(4), f), "all_gather"));
   f = {};
-  f.skip_copy_in_wait = true;
+  f.fsdp.skip_copy_in_wait = true;
   EXPECT_TRUE(reported_on(train(m, simple_fsdp_options(4), f), "all_gather"));
   f = {};
-  f.skip_reduce_scatter_wait = true;
+  f.fsdp.skip_reduce_scatter_wait = true;
   EXPECT_TRUE(reported_on(train(m, simple_fsdp_options(4), f), "reduce_scatter"));
   f = {};
-  f.skip_reduce_input_free_wait = true;
+  f.fsdp.skip_reduce_input_free_wait = true;
   EXPECT_TRUE(reported_on(train(m, simple_fsdp_options(4), f), "reduce_scatter"));
   // FSDP2's waits for its side streams' pools are not SimpleFSDP's: without them its run is
   // still clean, since those buffers come from the compute stream's pool.
   f = {};
-  f.skip_gather_free_wait = true;
+  f.fsdp.skip_gather_free_wait = true;
   expect_clean(train(m, simple_fsdp_options(4), f));
   f = {};
-  f.skip_grad_shard_free_wait = true;
+  f.fsdp.skip_grad_shard_free_wait = true;
   expect_clean(train(m, simple_fsdp_options(4), f));
 }
 

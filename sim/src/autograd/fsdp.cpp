@@ -83,7 +83,7 @@ constexpr std::size_t kRootUnit = 0;  // Fsdp2::units_: the root first
 }  // namespace
 
 Fsdp2::Fsdp2(const Model& model, const Graph& graph, const TrainingOptions& options,
-             const TrainingFaults& faults, RankContext& rank)
+             const FsdpFaults& faults, RankContext& rank)
     : model_(model),
       graph_(graph),
       options_(options),

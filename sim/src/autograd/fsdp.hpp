@@ -42,7 +42,7 @@ class Fsdp2 final : public StepHooks {
  public:
   // Keeps references to every argument; adds its streams at setup.
   Fsdp2(const Model& model, const Graph& graph, const TrainingOptions& options,
-        const TrainingFaults& faults, RankContext& rank);
+        const FsdpFaults& faults, RankContext& rank);
 
   [[nodiscard]] Status validate() const override;
   [[nodiscard]] bool holds(const ModelTensor& tensor) const override;
@@ -83,7 +83,7 @@ class Fsdp2 final : public StepHooks {
   const TrainingOptions& options_;
   const ParallelOptions& fsdp_;     // options_.parallel
   const Parallelism& parallelism_;  // fsdp_.mesh
-  const TrainingFaults& faults_;
+  const FsdpFaults& faults_;
   RankContext& rank_;
   Simulator& sim_;  // rank_.sim()
   DeviceId dev_;    // rank_.device_id()

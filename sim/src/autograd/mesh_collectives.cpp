@@ -46,7 +46,7 @@ bool MeshCollectives::needed(const Model& model) {
   return std::ranges::any_of(model.ops, [](const ModelOp& op) { return op.collective.any(); });
 }
 
-MeshCollectives::MeshCollectives(const Model& model, const TrainingFaults& faults,
+MeshCollectives::MeshCollectives(const Model& model, const CollectiveFaults& faults,
                                  RankContext& rank)
     : model_(model), faults_(faults), rank_(rank) {}
 

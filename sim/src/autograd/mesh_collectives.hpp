@@ -20,14 +20,14 @@ class MeshCollectives final : public StepHooks {
   [[nodiscard]] static bool needed(const Model& model);
 
   // Keeps references to every argument; adds its streams at setup.
-  MeshCollectives(const Model& model, const TrainingFaults& faults, RankContext& rank);
+  MeshCollectives(const Model& model, const CollectiveFaults& faults, RankContext& rank);
 
   void setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) override;
   bool launch(const Launch& launch) override;
 
  private:
   const Model& model_;
-  const TrainingFaults& faults_;
+  const CollectiveFaults& faults_;
   RankContext& rank_;
   std::array<StreamId, 3> streams_{};  // by MeshAxis: the axes the model's ops use
 };

@@ -51,9 +51,14 @@ __extension__ using Wide128 = __int128;
 // each is a hazard. A stash that finds too few free pages (Megatron's overflow flag) stops the
 // step.
 
-PagedStash::PagedStash(const Model& model, const PagedStashOptions& options,
-                       const TrainingFaults& faults, RankContext& rank)
-    : model_(model), options_(options), faults_(faults), rank_(rank) {
+PagedStash::PagedStash(const Model& model, const TrainingOptions& options,
+                       const PagedStashFaults& faults, RankContext& rank)
+    : model_(model),
+      training_(options),
+      options_(options.paged_stash),
+      faults_(faults),
+      rank_(rank) {
+  rank_.push_saved_tensor_hook(*this);
   std::int32_t layers = 0;
   for (const ModelOp& op : model_.ops) layers = std::max(layers, op.layer + 1);
   last_op_.assign(static_cast<std::size_t>(layers) + 1, 0);
@@ -92,6 +97,22 @@ PagedStash::PagedStash(const Model& model, const PagedStashOptions& options,
   }
 }
 
+Status PagedStash::validate() const {
+  if (!options_.on) return Ok{};
+  if (options_.page_rows < 1 || options_.page_rows > (std::int64_t{1} << 20)) {
+    return Error{fmt::format("paged stash: {} rows a page; use 1 to 2^20", options_.page_rows)};
+  }
+  if (!(options_.headroom >= 1 && options_.headroom <= 16)) {
+    return Error{fmt::format("paged stash: headroom {}; use 1 to 16", options_.headroom)};
+  }
+  if (training_.retain_graph || training_.backward_inside_op >= 0) {
+    return Error{
+        "paged stash: a backward that runs twice over one graph, or inside forward, would read "
+        "pages given back (Megatron-Core and torchtitan refuse both)"};
+  }
+  return Ok{};
+}
+
 std::int32_t PagedStash::layer_of(std::uint32_t op) const { return model_.ops[op].layer; }
 
 bool PagedStash::takes(std::uint32_t op, std::uint32_t t) const {
@@ -114,14 +135,14 @@ std::pair<std::size_t, std::int64_t> PagedStash::pages_of(std::uint32_t t) {
   const std::int64_t row = (tensor.bytes.count() + rows - 1) / rows;  // a row's bytes
   const auto [at, fresh] = pool_of_row_.try_emplace(row, pools_.size());
   if (fresh) {
-    // Past the largest buffer a device holds, setup() refuses the pool.
+    // Past the largest buffer a device holds, reserve() refuses the pool.
     pools_.emplace_back().page = Bytes(static_cast<std::int64_t>(
         std::min<Wide128>(Wide128{row} * options_.page_rows, kMaxJsonBytes + 1)));
   }
   return {at->second, (rows + options_.page_rows - 1) / options_.page_rows};
 }
 
-void PagedStash::setup() {
+void PagedStash::reserve() {
   stats_.pool = Bytes(0);
   stats_.pages = 0;
   for (std::size_t k = 0; k < pools_.size(); ++k) {
@@ -247,7 +268,11 @@ void PagedStash::stash(std::int32_t layer) {
   pending_.emplace(layer, done);
 }
 
-void PagedStash::before_op() {
+void PagedStash::before_op(std::uint32_t /*op*/) { await_stash(); }
+
+void PagedStash::backward_begin(const std::vector<std::uint32_t>& /*order*/) { await_stash(); }
+
+void PagedStash::await_stash() {
   if (!pending_) return;
   Device& device = rank_.device();
   if (!faults_.skip_stash_done_wait) {
@@ -295,7 +320,7 @@ std::pair<Device::Buffer, Bytes> PagedStash::unpack(std::uint32_t id) {
   FERRY_CHECK(id < entries_.size(), "paged stash id {} out of range", id);
   Entry& e = entries_[id];
   FERRY_CHECK(e.state != State::Released, "paged stash id {} unpacked after its release", id);
-  if (e.state == State::Stashing) before_op();
+  if (e.state == State::Stashing) await_stash();
   if (e.state == State::Stashed) restore(e.layer);  // a node of another layer reads it first
   if (e.state == State::Restored) {
     rank_.device().hold(*e.restored);
@@ -333,6 +358,8 @@ void PagedStash::release(std::uint32_t id) {
   e.state = State::Released;
   forget(id);
 }
+
+void PagedStash::report(TrainingRun& run) const { run.paged_stash = stats_; }
 
 void PagedStash::forget(std::uint32_t id) {
   const Entry& e = entries_[id];

@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "ferry/sim/autograd/autograd.hpp"
@@ -15,38 +16,45 @@
 
 namespace ferry::sim::training {
 
-/// The saved-tensor hook a paged stash sets around a layer's experts, as the innermost one:
-/// the Trainer hands it the packs it takes() and asks it back at unpack.
-class PagedStash {
+/// The paged stash as a unit of the step's hooks (Note [Step hooks]): its step points run after
+/// the parallelism's, and it pushes itself on the rank as the innermost saved-tensor hook, around
+/// a layer's experts.
+class PagedStash final : public StepHooks, private SavedTensorHook {
  public:
-  PagedStash(const Model& model, const PagedStashOptions& options, const TrainingFaults& faults,
+  /// A stash of `options.paged_stash` for the steps `options` runs on `rank`; it keeps
+  /// references to every argument.
+  PagedStash(const Model& model, const TrainingOptions& options, const PagedStashFaults& faults,
              RankContext& rank);
 
-  /// Whether a pack of tensor `t` by op `op` goes to the stash: `t` lies in a static-capacity
-  /// buffer, packed by a layer whose stash is not skipped.
-  [[nodiscard]] bool takes(std::uint32_t op, std::uint32_t t) const;
+  /// Checks the page size and headroom, and refuses a backward that runs twice over one graph
+  /// or inside forward.
+  [[nodiscard]] Status validate() const override;
   /// Allocates the pool, before the first step.
-  void setup();
+  void reserve() override;
   /// A step's forward begins: the free lists start over (Megatron's reset).
-  void step_begin();
-  /// Takes tensor `t`, which op `op` saves and which lives at `offset` in `buffer`; the stash
-  /// holds a reference. Returns its id for unpack and release.
-  std::uint32_t pack(std::uint32_t op, std::uint32_t t, Device::Buffer buffer, Bytes offset);
+  void step_begin() override;
+  /// Forward, before op `op`: the stash issued before is awaited and its padded buffers let go.
+  void before_op(std::uint32_t op) override;
   /// Forward, after op `op`: a layer's last op issues its stash.
-  void after_op(std::uint32_t op);
-  /// Forward, before op `op` (and at backward's start): the stash issued before is awaited and
-  /// its padded buffers let go.
-  void before_op();
+  void after_op(std::uint32_t op) override;
+  /// Backward's start: the last stash, were forward to end with one, is awaited as before_op.
+  void backward_begin(const std::vector<std::uint32_t>& order) override;
   /// Backward, before node `node`: its layer's stash is restored if it was not.
-  void before_node(std::uint32_t node);
-  /// The tensor behind `id` (where it lives, at which offset), and a reference for the caller.
-  std::pair<Device::Buffer, Bytes> unpack(std::uint32_t id);
-  /// Autograd lets go of `id`.
-  void release(std::uint32_t id);
-
-  [[nodiscard]] const PagedStashStats& stats() const { return stats_; }
+  void before_node(std::uint32_t node) override;
+  /// The last step's figures, as the run's PagedStashStats.
+  void report(TrainingRun& run) const override;
 
  private:
+  // --- the saved-tensor hook (SavedTensorHook) ---------------------------------------------
+
+  // A pack of tensor `t` by op `op` goes to the stash: `t` lies in a static-capacity buffer,
+  // packed by a layer whose stash is not skipped.
+  [[nodiscard]] bool takes(std::uint32_t op, std::uint32_t t) const override;
+  std::uint32_t pack(std::uint32_t op, std::uint32_t t, Device::Buffer buffer,
+                     Bytes offset) override;
+  std::pair<Device::Buffer, Bytes> unpack(std::uint32_t id) override;
+  void release(std::uint32_t id) override;
+
   enum class State : std::uint8_t { Packed, Stashing, Stashed, Restored, Released };
 
   // One saved tensor (one pack; a second pack of the same bytes shares it).
@@ -80,6 +88,8 @@ class PagedStash {
   std::int64_t rows_of(std::uint32_t t) const;
   // The pool of tensor t's row size, and the pages its rows take.
   std::pair<std::size_t, std::int64_t> pages_of(std::uint32_t t);
+  // The stash issued before is awaited and its padded buffers let go.
+  void await_stash();
   // Whether an entry of `layer` is in `state`.
   [[nodiscard]] bool any_in(std::int32_t layer, State state) const;
   // The current stream records an event; the stash stream waits for it, unless `wait` is false
@@ -94,8 +104,9 @@ class PagedStash {
   void copy_pages(const Entry& e, Device::Buffer buffer, Bytes offset, bool to_pages);
 
   const Model& model_;
-  const PagedStashOptions& options_;
-  const TrainingFaults& faults_;
+  const TrainingOptions& training_;
+  const PagedStashOptions& options_;  // training_.paged_stash
+  const PagedStashFaults& faults_;
   RankContext& rank_;
   Device::Stream stream_{};
   std::vector<std::uint32_t> last_op_;  // by layer + 1: its last forward op

@@ -1,75 +1,115 @@
 #include "step_hooks.hpp"
 
-#include <algorithm>
-
+#include "ddp.hpp"
 #include "fsdp.hpp"
 #include "mesh_collectives.hpp"
+#include "paged_stash.hpp"
 
 namespace ferry::sim::training {
 
+template <typename Hook>
+void HookChain::outer_to_inner(Hook&& hook) const {
+  for (const auto& unit : wrappers_) hook(*unit);
+  for (const auto& unit : followers_) hook(*unit);
+}
+
+template <typename Hook>
+void HookChain::inner_to_outer(Hook&& hook) const {
+  for (auto unit = wrappers_.rbegin(); unit != wrappers_.rend(); ++unit) hook(**unit);
+  for (const auto& unit : followers_) hook(*unit);
+}
+
 Status HookChain::validate() const {
-  for (const auto& unit : units_) {
-    if (auto valid = unit->validate(); !valid) return valid;
-  }
-  return Ok{};
+  Status valid = Ok{};
+  outer_to_inner([&](const StepHooks& unit) {
+    if (valid) valid = unit.validate();
+  });
+  return valid;
 }
 
 bool HookChain::holds(const ModelTensor& tensor) const {
-  return std::ranges::any_of(units_, [&](const auto& unit) { return unit->holds(tensor); });
+  bool held = false;
+  outer_to_inner([&](const StepHooks& unit) { held = held || unit.holds(tensor); });
+  return held;
 }
 
 void HookChain::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
-  for (const auto& unit : units_) unit->setup(writes, values);
+  outer_to_inner([&](StepHooks& unit) { unit.setup(writes, values); });
+}
+
+void HookChain::reserve() {
+  outer_to_inner([](StepHooks& unit) { unit.reserve(); });
+}
+
+void HookChain::step_begin() {
+  outer_to_inner([](StepHooks& unit) { unit.step_begin(); });
 }
 
 void HookChain::before_op(std::uint32_t op) {
-  for (const auto& unit : units_) unit->before_op(op);
+  outer_to_inner([&](StepHooks& unit) { unit.before_op(op); });
 }
 
 void HookChain::after_op(std::uint32_t op) {
-  for (auto unit = units_.rbegin(); unit != units_.rend(); ++unit) (*unit)->after_op(op);
+  inner_to_outer([&](StepHooks& unit) { unit.after_op(op); });
 }
 
 void HookChain::before_replay(std::uint32_t op) {
-  for (const auto& unit : units_) unit->before_replay(op);
+  outer_to_inner([&](StepHooks& unit) { unit.before_replay(op); });
 }
 
 void HookChain::backward_begin(const std::vector<std::uint32_t>& order) {
-  for (const auto& unit : units_) unit->backward_begin(order);
+  outer_to_inner([&](StepHooks& unit) { unit.backward_begin(order); });
 }
 
 void HookChain::before_node(std::uint32_t node) {
-  for (const auto& unit : units_) unit->before_node(node);
+  outer_to_inner([&](StepHooks& unit) { unit.before_node(node); });
+}
+
+void HookChain::grad_ready(std::uint32_t p) {
+  outer_to_inner([&](StepHooks& unit) { unit.grad_ready(p); });
 }
 
 void HookChain::after_node(std::size_t k, std::uint32_t node) {
-  for (auto unit = units_.rbegin(); unit != units_.rend(); ++unit) (*unit)->after_node(k, node);
+  inner_to_outer([&](StepHooks& unit) { unit.after_node(k, node); });
 }
 
 void HookChain::backward_end() {
-  for (auto unit = units_.rbegin(); unit != units_.rend(); ++unit) (*unit)->backward_end();
+  inner_to_outer([](StepHooks& unit) { unit.backward_end(); });
 }
 
 void HookChain::optimizer_step() {
-  for (auto unit = units_.rbegin(); unit != units_.rend(); ++unit) (*unit)->optimizer_step();
+  inner_to_outer([](StepHooks& unit) { unit.optimizer_step(); });
 }
 
 bool HookChain::launch(const Launch& launch) {
-  return std::ranges::any_of(units_, [&](const auto& unit) { return unit->launch(launch); });
+  bool taken = false;
+  outer_to_inner([&](StepHooks& unit) { taken = taken || unit.launch(launch); });
+  return taken;
+}
+
+void HookChain::report(TrainingRun& run) const {
+  inner_to_outer([&](const StepHooks& unit) { unit.report(run); });
 }
 
 std::unique_ptr<StepHooks> make_step_hooks(const Model& model, const Graph& graph,
                                            const TrainingOptions& options,
                                            const TrainingFaults& faults, RankContext& rank) {
-  std::vector<std::unique_ptr<StepHooks>> units;
+  std::vector<std::unique_ptr<StepHooks>> wrappers;
+  if (options.side.all_reduce)
+    wrappers.push_back(std::make_unique<Ddp>(model, options, faults, rank));
   if (options.parallel.on())
-    units.push_back(std::make_unique<Fsdp2>(model, graph, options, faults, rank));
+    wrappers.push_back(std::make_unique<Fsdp2>(model, graph, options, faults.fsdp, rank));
   if (MeshCollectives::needed(model)) {
-    units.push_back(std::make_unique<MeshCollectives>(model, faults, rank));
+    wrappers.push_back(std::make_unique<MeshCollectives>(model, faults.collectives, rank));
   }
-  if (units.empty()) return std::make_unique<StepHooks>();
-  if (units.size() == 1) return std::move(units.front());
-  return std::make_unique<HookChain>(std::move(units));
+  std::vector<std::unique_ptr<StepHooks>> followers;
+  if (options.paged_stash.on) {
+    followers.push_back(std::make_unique<PagedStash>(model, options, faults.paged_stash, rank));
+  }
+  if (wrappers.empty() && followers.empty()) return std::make_unique<StepHooks>();
+  if (wrappers.size() + followers.size() == 1)
+    return std::move(wrappers.empty() ? followers.front() : wrappers.front());
+  return std::make_unique<HookChain>(std::move(wrappers), std::move(followers));
 }
 
 }  // namespace ferry::sim::training

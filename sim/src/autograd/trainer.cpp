@@ -42,7 +42,6 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
       blas_workspace_(profile.blas_workspace) {
   run_.compute = compute_;
   if (options.side.any()) side_ = sim_.add_stream(dev_, "side");
-  if (options.side.all_reduce) comm_ = sim_.add_stream(dev_, "comm");
   const std::size_t n = model.tensors.size();
   // An activation's forward reference ends after its last forward use (at once if unused);
   // the loss lives until the graph is freed.
@@ -76,16 +75,11 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
   }
   checkpointer_.set_global_early_stop(plan.global_early_stop);
   hooks_ = make_step_hooks(model_, graph_, options_, faults_, *this);
-  if (options.paged_stash.on) {
-    RankContext& self = *this;
-    stash_ = std::make_unique<PagedStash>(model_, options_.paged_stash, faults_, self);
-  }
 }
 
 Result<TrainingRun> Trainer::run() {
   if (auto valid = validate_plan(); !valid) return valid.error();
   if (auto valid = hooks_->validate(); !valid) return valid.error();
-  if (auto valid = validate_stash(); !valid) return valid.error();
   try {
     take_turn();
     setup();
@@ -104,23 +98,6 @@ Result<TrainingRun> Trainer::run() {
   }
   run_.telemetry = telemetry_since(offloader_.telemetry(), step_start_telemetry_);
   return std::move(run_);
-}
-
-Status Trainer::validate_stash() const {
-  const PagedStashOptions& stash = options_.paged_stash;
-  if (!stash.on) return Ok{};
-  if (stash.page_rows < 1 || stash.page_rows > (std::int64_t{1} << 20)) {
-    return Error{fmt::format("paged stash: {} rows a page; use 1 to 2^20", stash.page_rows)};
-  }
-  if (!(stash.headroom >= 1 && stash.headroom <= 16)) {
-    return Error{fmt::format("paged stash: headroom {}; use 1 to 16", stash.headroom)};
-  }
-  if (options_.retain_graph || options_.backward_inside_op >= 0) {
-    return Error{
-        "paged stash: a backward that runs twice over one graph, or inside forward, would read "
-        "pages given back (Megatron-Core and torchtitan refuse both)"};
-  }
-  return Ok{};
 }
 
 Status Trainer::validate_plan() const {
@@ -176,6 +153,10 @@ void Trainer::bind_param(std::uint32_t p, Device::Buffer buffer, Bytes offset) {
   params_[p] = Bound{buffer, offset, param_value(p)};
 }
 
+std::pair<Device::Buffer, std::uint64_t> Trainer::param_grad(std::uint32_t p) const {
+  return {param_grads_.at(p), param_grad_values_.at(p)};
+}
+
 std::optional<Device::Buffer> Trainer::take_param_grad(std::uint32_t p) {
   const auto it = param_grads_.find(p);
   if (it == param_grads_.end()) return std::nullopt;
@@ -206,10 +187,11 @@ std::optional<Device::Buffer> Trainer::take_param_grad(std::uint32_t p) {
 // A recompute triggered by an unpack switches to the side stream for the whole replay (its
 // inputs' unpacks included) and back to the node's stream after. An all-reduce of a finished
 // gradient goes to the comm stream after it waits for the stream that wrote the gradient, and
-// the compute stream waits for the comm stream at the end of backward (DDP's pattern); the
-// host's current stream does not change for it. The planted faults (TrainingFaults) drop one
-// part each: the wait before side or comm work, or the record_stream; the cached stream of TRL
-// before #7195 is the core's own planted fault (OffloadFaults::stale_compute_stream).
+// the compute stream waits for the comm stream at the end of backward (DDP's pattern, the Ddp
+// unit of the step hooks in ddp.cpp); the host's current stream does not change for it. The planted
+// faults (TrainingFaults) drop one part each: the wait before side or comm work, or the
+// record_stream; the cached stream of TRL before #7195 is the core's own planted fault
+// (OffloadFaults::stale_compute_stream).
 
 StreamId Trainer::op_stream(std::uint32_t i, bool replay) const {
   if (!side_.valid()) return compute_;
@@ -230,26 +212,6 @@ StreamId Trainer::switch_to(StreamId to) {
   current_ = to;
   device_.set_current_stream(Device::Stream{to});
   return from;
-}
-
-void Trainer::all_reduce(std::uint32_t p) {
-  const Bytes bytes = model_.tensors[p].bytes;
-  const Region grad{param_grads_.at(p).id, Bytes(0), bytes};
-  if (!faults_.skip_side_stream_wait) {
-    const Device::Event e = device_.make_event();
-    device_.record(e, Device::Stream{current_});
-    device_.wait(Device::Stream{comm_}, e);
-  }
-  // One rank: the sum is the gradient itself. 100 bytes per ns is an illustrative ring rate;
-  // the checker's verdict does not depend on it.
-  const std::vector<Region> regions{grad};
-  sim_.kernel(comm_, SimTime(std::max<std::int64_t>(1, bytes.count() / 100)), regions, regions,
-              model_.tensors[p].name + ".grad all-reduce",
-              std::vector<std::uint64_t>{param_grad_values_[p]});
-  if (faults_.free_grad_at_all_reduce && options_.grads_set_to_none) {
-    device_.drop(param_grads_.at(p));
-    param_grads_.erase(p);
-  }
 }
 
 void Trainer::used_on_current(const std::vector<Region>& regions) {
@@ -285,7 +247,7 @@ void Trainer::setup() {
   }
   hooks_->setup(writes, values);
   allocate_blas_workspaces();
-  if (stash_) stash_->setup();
+  hooks_->reserve();
   sim_.kernel(current_, SimTime(1), {}, writes, "init parameters", values);
   device_rng_initialized_ = !options_.checkpoint.lazy_device_rng;
 }
@@ -437,9 +399,13 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
     saved.kind = Saved::Kind::Param;
     return saved;
   }
-  if (top == nullptr && stash_ && stash_->takes(node, t)) {  // the innermost hook
-    saved.kind = Saved::Kind::Stash;
-    saved.stashed = stash_->pack(node, t, where.buffer, where.offset);
+  // Outside a checkpoint, the saved-tensor hooks the step hooks pushed, innermost first, then
+  // the offloader (Note [Step hooks]).
+  for (std::size_t h = saved_hooks_.size(); top == nullptr && h-- > 0;) {
+    if (!saved_hooks_[h]->takes(node, t)) continue;
+    saved.kind = Saved::Kind::Hook;
+    saved.hook = static_cast<std::uint32_t>(h);
+    saved.packed = saved_hooks_[h]->pack(node, t, where.buffer, where.offset);
     return saved;
   }
   const ModelTensor& storage = model_.tensors[b];
@@ -536,7 +502,6 @@ void Trainer::forward() {
     current_op_ = i;
     switch_to(op_stream(i, false));  // a checkpoint call inside the block packs on its stream
     hooks_->before_op(i);
-    if (stash_) stash_->before_op();
     for (const std::uint32_t r :
          regions_starting(i, 0, static_cast<std::uint32_t>(model_.ops.size()), -1)) {
       begin_region(r);
@@ -555,7 +520,6 @@ void Trainer::forward() {
       end_region();
     }
     hooks_->after_op(i);
-    if (stash_) stash_->after_op(i);
     for (const std::uint32_t b : drop_after_[i]) device_.drop(scopes_[0].bound.at(b).buffer);
   }
   switch_to(compute_);

@@ -20,7 +20,6 @@
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/device/device.hpp"
 #include "graph.hpp"
-#include "paged_stash.hpp"
 #include "scratch.hpp"
 #include "step_hooks.hpp"
 #include "values.hpp"
@@ -37,12 +36,14 @@ struct Bound {
 
 // How a saved tensor was packed. Param: a parameter the step hooks hold (FSDP's), saved as the
 // parameter object whose storage they free and gather again (Note [FSDP2, one rank] in
-// fsdp.cpp); unpacked where it lives then. Stash: taken by the paged stash (Note [Paged stash]).
+// fsdp.cpp); unpacked where it lives then. Hook: taken by a saved-tensor hook the step hooks
+// pushed (the paged stash's, Note [Step hooks]).
 struct Saved {
-  enum class Kind : std::uint8_t { Offload, Holder, Param, Stash } kind = Kind::Offload;
+  enum class Kind : std::uint8_t { Offload, Holder, Param, Hook } kind = Kind::Offload;
   TensorId id;
   HolderId holder;
-  std::uint32_t stashed = 0;  // Stash: its id there
+  std::uint32_t hook = 0;    // Hook: which, by the order pushed
+  std::uint32_t packed = 0;  // Hook: its id there
   std::uint32_t tensor = 0;
   Pieces expected;  // what its bytes held in forward
 };
@@ -105,12 +106,13 @@ class Trainer final : private RankContext {
   Device::Buffer allocate_on(StreamId stream, Bytes bytes, std::string_view name) override;
   void bind_param(std::uint32_t p, Device::Buffer buffer, Bytes offset) override;
   std::optional<Device::Buffer> take_param_grad(std::uint32_t p) override;
+  std::pair<Device::Buffer, std::uint64_t> param_grad(std::uint32_t p) const override;
   void note_write(Device::Buffer buf, Bytes offset, Bytes bytes, std::uint64_t value) override;
+  void push_saved_tensor_hook(SavedTensorHook& hook) override { saved_hooks_.push_back(&hook); }
 
   // --- set-up and validation --------------------------------------------------------------
 
   Status validate_plan() const;
-  Status validate_stash() const;
 
   std::uint32_t base(std::uint32_t t) const { return graph_.base[t]; }
 
@@ -141,9 +143,6 @@ class Trainer final : private RankContext {
   // A kernel on the current stream touches these regions: a buffer the trainer allocated on
   // another stream is record_stream'ed on this one (once).
   void used_on_current(const std::vector<Region>& regions);
-
-  // All-reduces parameter p's final gradient on the comm stream.
-  void all_reduce(std::uint32_t p);
 
   void setup();
 
@@ -243,7 +242,7 @@ class Trainer final : private RankContext {
   // recomputed first if this graph task has not done so). The caller owns one reference.
   Bound unpack(const Saved& s, std::uint32_t node);
 
-  // Autograd lets go of a saved tensor the offloader or the paged stash holds.
+  // Autograd lets go of a saved tensor the offloader or a saved-tensor hook holds.
   void release_saved(const Saved& s);
 
   void release_frame(FrameInfo& info);
@@ -314,14 +313,13 @@ class Trainer final : private RankContext {
   StreamId compute_;
   StreamId side_;     // invalid unless options_.side asks for work there
   StreamId current_;  // the stream current now: compute_ or side_
-  StreamId comm_;     // invalid unless options_.side.all_reduce
   std::map<std::uint32_t, std::uint32_t> last_grad_node_;  // parameter -> node writing it last
   Device device_;
   Offloader<Device> offloader_;
   TrainingFaults faults_;
-  Bytes blas_workspace_;               // one cuBLAS workspace (the profile's); 0: none
-  std::unique_ptr<StepHooks> hooks_;   // the parallelism's, or no-ops (Note [Step hooks])
-  std::unique_ptr<PagedStash> stash_;  // with options_.paged_stash on
+  Bytes blas_workspace_;                       // one cuBLAS workspace (the profile's); 0: none
+  std::unique_ptr<StepHooks> hooks_;           // the run's units, or no-ops (Note [Step hooks])
+  std::vector<SavedTensorHook*> saved_hooks_;  // pushed by hooks_'s units, innermost last
   Checkpointer<Recomputed> checkpointer_;
   std::vector<Scope> scopes_;
   std::vector<Scope> spare_scopes_;  // closed, cleared, kept for their tables' capacity

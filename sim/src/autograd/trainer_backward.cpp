@@ -20,8 +20,8 @@ Bound Trainer::unpack(const Saved& s, std::uint32_t node) {
     if (device_.use_count(b.buffer) > 0) device_.hold(b.buffer);
     return b;
   }
-  if (s.kind == Saved::Kind::Stash) {
-    const auto [buffer, offset] = stash_->unpack(s.stashed);
+  if (s.kind == Saved::Kind::Hook) {
+    const auto [buffer, offset] = saved_hooks_[s.hook]->unpack(s.packed);
     const Bound b{buffer, offset, value_of(s.expected)};
     note_arrival(b, s.expected);
     return b;
@@ -51,7 +51,7 @@ Bound Trainer::unpack(const Saved& s, std::uint32_t node) {
 
 void Trainer::release_saved(const Saved& s) {
   if (s.kind == Saved::Kind::Offload) offloader_.release(s.id);
-  if (s.kind == Saved::Kind::Stash) stash_->release(s.stashed);
+  if (s.kind == Saved::Kind::Hook) saved_hooks_[s.hook]->release(s.packed);
 }
 
 void Trainer::release_frame(FrameInfo& info) {
@@ -362,10 +362,10 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
   if (!hooks_->launch(launch)) {
     sim_.kernel(current_, op.backward_duration, *reads, *writes, label_, *values);
   }
-  if (comm_.valid() && last_pass) {
+  if (last_pass) {
     for (const std::uint32_t b : *written) {
       const auto last = last_grad_node_.find(b);
-      if (last != last_grad_node_.end() && last->second == n) all_reduce(b);
+      if (last != last_grad_node_.end() && last->second == n) hooks_->grad_ready(b);
     }
   }
   let_go_after_node(n, last_pass, k, *unpacked);
@@ -462,11 +462,9 @@ void Trainer::backward(bool last_pass) {
               "loss grad", std::vector<std::uint64_t>{grad_values_[loss]});
   std::vector<bool> done_region(options_.checkpoint.regions.size(), false);
   hooks_->backward_begin(order);
-  if (stash_) stash_->before_op();  // the last stash, were forward to end with one
   for (std::size_t k = 0; k < order.size(); ++k) {
     const std::uint32_t n = order[k];
     hooks_->before_node(n);
-    if (stash_) stash_->before_node(n);
     const std::int32_t r = reentrant_region_of(n);
     if (r >= 0) {
       if (!done_region[static_cast<std::size_t>(r)]) {
@@ -480,12 +478,6 @@ void Trainer::backward(bool last_pass) {
   }
   switch_to(compute_);  // backward() returns on the caller's stream, synced with the leaves'
   hooks_->backward_end();
-  if (comm_.valid()) {
-    // DDP's finalize: the caller's stream waits for the last all-reduces.
-    const Device::Event e = device_.make_event();
-    device_.record(e, Device::Stream{comm_});
-    device_.wait(Device::Stream{compute_}, e);
-  }
   if (escaped_) {
     device_.drop(*escaped_);
     escaped_.reset();
@@ -534,7 +526,7 @@ void Trainer::step() {
   // The offload context spans the step, forward and backward, as the reference's trainer
   // enters it.
   offloader_.enter();
-  if (stash_) stash_->step_begin();
+  hooks_->step_begin();
   forward();
   times.forward_end = sim_.host_time();
   param_grad_values_.clear();
@@ -554,7 +546,7 @@ void Trainer::step() {
   run_.steps.push_back(times);
   run_.allocated_after.push_back(allocated());
   run_.tracked_after.push_back(offloader_.tracked());
-  if (stash_) run_.paged_stash = stash_->stats();
+  hooks_->report(run_);
   run_.gradient_values.clear();
   for (const auto& [p, v] : param_grad_values_) run_.gradient_values.push_back(v);
   ++step_;

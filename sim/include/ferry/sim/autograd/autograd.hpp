@@ -155,20 +155,8 @@ struct TrainingRun {
   PagedStashStats paged_stash{};
 };
 
-/// Test-only switches that break a training run on purpose (planted faults), kept out of the
-/// options that production code builds.
-struct TrainingFaults {
-  OffloadFaults offload;
-  bool skip_rng_restore = false;       ///< recompute draws fresh randomness
-  std::int32_t drop_recomputed = -1;   ///< this region's replay saves one tensor fewer
-  bool alter_recomputed_meta = false;  ///< replays report another size
-  // Side streams (SideStreamOptions):
-  bool skip_side_stream_wait = false;  ///< side or comm work does not wait for the stream before it
-  bool skip_cross_stream_record = false;  ///< no record_stream for a tensor used on another stream
-  /// Under grads_set_to_none, each gradient is freed as soon as its all-reduce is launched,
-  /// while the comm stream may still read it (no record_stream, no wait).
-  bool free_grad_at_all_reduce = false;
-  // FSDP2 (ParallelOptions):
+/// FSDP2's planted faults (ParallelOptions), each dropping one synchronization.
+struct FsdpFaults {
   bool skip_all_gather_wait = false;  ///< a unit's copy-out does not wait for its all-gather
   /// The same for a layer's experts alone (their unit under expert parallelism).
   bool skip_expert_all_gather_wait = false;
@@ -186,16 +174,21 @@ struct TrainingFaults {
   /// zero_grad frees the gradient shards before the reduce-scatter stream waits for the
   /// optimizer step that reads them.
   bool skip_grad_shard_free_wait = false;
-  /// A node run's ranks pin host memory at the same addresses: one buffer for two offloads.
-  bool shared_pinned_pool = false;
-  // Collective ops of a rank's model (docs/model-format.md, Collective ops):
+};
+
+/// The planted faults of the collective ops of a rank's model (docs/model-format.md, Collective
+/// ops).
+struct CollectiveFaults {
   /// A collective op's process-group stream does not wait for the current stream, which
   /// produced its inputs and allocated its outputs.
   bool skip_collective_launch_wait = false;
   /// The current stream does not wait for a collective op (`wait_tensor`) before the ops after
   /// it read its outputs.
   bool skip_collective_output_wait = false;
-  // The paged stash (PagedStashOptions):
+};
+
+/// The paged stash's planted faults (PagedStashOptions).
+struct PagedStashFaults {
   /// A stash copies before its stream waits for the compute stream that wrote the tensors.
   bool skip_stash_launch_wait = false;
   /// The padded buffers are freed before the compute stream waits for the stash that reads them.
@@ -208,6 +201,27 @@ struct TrainingFaults {
   /// The pool is sized by the rows stashed rather than by their pages (the under-count torchtitan
   /// names in Megatron's sizing): a stash of rows that fill no whole page overflows it.
   bool pool_by_rows = false;
+};
+
+/// Test-only switches that break a training run on purpose (planted faults), kept out of the
+/// options that production code builds. FSDP2's, the collective ops' and the paged stash's are
+/// their units' own.
+struct TrainingFaults {
+  OffloadFaults offload;
+  bool skip_rng_restore = false;       ///< recompute draws fresh randomness
+  std::int32_t drop_recomputed = -1;   ///< this region's replay saves one tensor fewer
+  bool alter_recomputed_meta = false;  ///< replays report another size
+  // Side streams (SideStreamOptions), DDP's all-reduce among them:
+  bool skip_side_stream_wait = false;  ///< side or comm work does not wait for the stream before it
+  bool skip_cross_stream_record = false;  ///< no record_stream for a tensor used on another stream
+  /// Under grads_set_to_none, each gradient is freed as soon as its all-reduce is launched,
+  /// while the comm stream may still read it (no record_stream, no wait).
+  bool free_grad_at_all_reduce = false;
+  /// A node run's ranks pin host memory at the same addresses: one buffer for two offloads.
+  bool shared_pinned_pool = false;
+  FsdpFaults fsdp;               ///< the Fsdp2 unit's
+  CollectiveFaults collectives;  ///< the MeshCollectives unit's
+  PagedStashFaults paged_stash;  ///< the PagedStash unit's
 };
 
 /// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;
