@@ -157,7 +157,7 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   if (simulate) {
     cmd->add_option("--pipeline-checkpoint", s.pipeline_checkpoint,
                     "Pipeline checkpoint mode: always, except_last or never (default except_last "
-                    "under gpipe, never under 1f1b and interleaved-1f1b)");
+                    "under gpipe, never under torch's schedules)");
   }
   cmd->add_option("--min-bytes", a.min_bytes,
                   "Saved tensors smaller than this stay on the device (0..2^50)")

@@ -333,6 +333,45 @@ struct Measured {
   std::vector<LayerOption> last;
 };
 
+// The link's capacity in a step (Note [The option model]): what it carries without a stall,
+// from the reference's run `base` when it stalled, else at least what it carried and the
+// bandwidth times the forward's roofline time.
+std::int64_t link_capacity(Search& search, const Evaluation& base) {
+  const std::int64_t bandwidth = search.space().d2h_bandwidth();
+  if (base.stall > SimTime(0)) {
+    return base.d2h.count() - static_cast<std::int64_t>(static_cast<Wide>(base.stall.ns()) *
+                                                        bandwidth / 1'000'000'000);
+  }
+  std::int64_t forward_ns = 0;
+  for (const ModelOp& op : search.space().model().ops) forward_ns += op.duration.ns();
+  return std::max(base.d2h.count(), static_cast<std::int64_t>(static_cast<Wide>(bandwidth) *
+                                                              forward_ns / 1'000'000'000));
+}
+
+// The groups measured: each class of layers, its last layer apart (its recompute runs first in
+// backward, at the peak, so what it keeps costs the peak differently).
+std::vector<std::vector<std::size_t>> measured_groups(Search& search) {
+  std::vector<std::vector<std::size_t>> groups;
+  for (std::vector<std::size_t> members : layer_classes(search.space())) {
+    if (members.size() >= 2) {
+      groups.push_back({members.back()});
+      members.pop_back();
+    }
+    groups.push_back(std::move(members));
+  }
+  return groups;
+}
+
+// `options` counted from `own`, a layer's own configuration among them.
+std::vector<LayerOption> relative_to(std::vector<LayerOption> options, const LayerOption& own) {
+  for (LayerOption& o : options) {
+    o.time_ns -= own.time_ns;
+    o.freed -= own.freed;
+    o.moved -= own.moved;
+  }
+  return options;
+}
+
 // The option model around `reference` (Note [Layer options]): each group's options measured on
 // its middle layer; the layer `pinned`, when a group of its own, has its reference
 // configuration as its one option. None when the reference's own run failed.
@@ -343,35 +382,13 @@ std::optional<Measured> measure_around(Search& search, const Position& reference
   const Evaluation& base = reference.evaluation;
   const Budgets& budgets = search.budgets();
   const bool offload = !budgets.host || *budgets.host > Bytes(0);
-  // The link (Note [The option model]): what it carries in a step without a stall, from the
-  // reference's run when it stalled, else at least what it carried and the bandwidth times the
-  // forward's roofline time.
-  const std::int64_t bandwidth = search.space().d2h_bandwidth();
-  std::int64_t capacity = 0;
-  if (base.stall > SimTime(0)) {
-    capacity = base.d2h.count() - static_cast<std::int64_t>(static_cast<Wide>(base.stall.ns()) *
-                                                            bandwidth / 1'000'000'000);
-  } else {
-    std::int64_t forward_ns = 0;
-    for (const ModelOp& op : search.space().model().ops) forward_ns += op.duration.ns();
-    capacity = std::max(base.d2h.count(), static_cast<std::int64_t>(static_cast<Wide>(bandwidth) *
-                                                                    forward_ns / 1'000'000'000));
-  }
   Measured out;
   OptionProblem& problem = out.problem;
-  problem.bandwidth = bandwidth;
-  problem.link = capacity - base.d2h.count();
+  problem.bandwidth = search.space().d2h_bandwidth();
+  problem.link = link_capacity(search, base) - base.d2h.count();
   problem.need = (base.reserved - budgets.device).count();
   if (budgets.host) problem.host = (*budgets.host - base.pinned).count();
-  // The groups measured: each class, its last layer apart (its recompute runs first in
-  // backward, at the peak, so what it keeps costs the peak differently).
-  for (std::vector<std::size_t> members : layer_classes(search.space())) {
-    if (members.size() >= 2) {
-      out.classes.push_back({members.back()});
-      members.pop_back();
-    }
-    out.classes.push_back(std::move(members));
-  }
+  out.classes = measured_groups(search);
   problem.options.resize(n);
   // Every option of every group, run side by side ahead of the loop that reads them.
   std::vector<Plan> upcoming;
@@ -413,13 +430,7 @@ std::optional<Measured> measure_around(Search& search, const Position& reference
         return o.config == reference.configs[l];
       });
       if (own == measured.end()) return std::nullopt;  // the reference's own run failed
-      std::vector<LayerOption> options = kept;
-      for (LayerOption& o : options) {
-        o.time_ns -= own->time_ns;
-        o.freed -= own->freed;
-        o.moved -= own->moved;
-      }
-      problem.options[l] = std::move(options);
+      problem.options[l] = relative_to(kept, *own);
     }
   }
   return out;

@@ -392,40 +392,80 @@ constexpr std::int64_t kShallowOpRuns = 16;
 constexpr std::size_t kPairs = 3;
 constexpr std::size_t kShallowStarts = 3;
 
-void keep_single_ops(Search& search) {
-  const std::vector<const Candidate*> ranked = search.ranked();
-  if (ranked.empty()) return;
-  const Candidate& start = *ranked.front();
-  Plan plan = start.plan;
-  SimTime time = start.evaluation.time;
-  const Model& model = search.space().model();
-  // The ops `regions` recompute in the start, the longest first.
-  const auto recomputed_longest_first = [&](auto first, auto end) {
+// One pass of Note [Single ops kept] at a time over a plan: each recomputed op kept in turn,
+// the change taken where it fits and is faster.
+class SingleOps {
+ public:
+  SingleOps(Search& search, const Candidate& from)
+      : search_(search),
+        model_(search.space().model()),
+        plan_(from.plan),
+        time_(from.evaluation.time) {}
+
+  // The first pass: the last layer's ops first, the longest first within a layer, until
+  // kOpRuns plans new to the search are asked.
+  void last_layer_first() {
+    std::vector<std::uint32_t> order;
+    for (auto r = plan_.regions.rbegin(); r != plan_.regions.rend(); ++r) {
+      const std::vector<std::uint32_t> ops = recomputed_longest_first(r, std::next(r));
+      order.insert(order.end(), ops.begin(), ops.end());
+    }
+    const std::int64_t stop = search_.asked() + kOpRuns;
+    for (std::size_t k = 0; k < order.size(); ++k) {
+      if (search_.asked() >= stop) break;
+      if (search_.cost().width() > 1) run_ahead(order, k);
+      Plan next;
+      if (const std::optional<Evaluation> e = keep({order[k]}, next)) (void)take(next, *e);
+    }
+  }
+
+  // The shallow stack's pass from `from`: every layer's ops, the longest first, and an op
+  // whose keep is faster but over the budget together with each of the next kPairs.
+  void every_layer_from(const Candidate& from) {
+    plan_ = from.plan;
+    time_ = from.evaluation.time;
+    const std::vector<std::uint32_t> all =
+        recomputed_longest_first(plan_.regions.begin(), plan_.regions.end());
+    const std::int64_t stop = search_.asked() + kShallowOpRuns;
+    for (std::size_t k = 0; k < all.size() && search_.asked() < stop; ++k) {
+      if (search_.cost().width() > 1) run_ahead(all, k);
+      Plan next;
+      const std::optional<Evaluation> e = keep({all[k]}, next);
+      if (!e || take(next, *e) || search_.fits(*e) || e->time >= time_) continue;
+      for (std::size_t j = k + 1, tried = 0;
+           j < all.size() && tried < kPairs && search_.asked() < stop; ++j) {
+        const std::optional<Evaluation> both = keep({all[k], all[j]}, next);
+        if (!both) continue;
+        ++tried;
+        if (take(next, *both)) break;
+      }
+    }
+  }
+
+ private:
+  // The ops the regions [first, end) recompute in the plan, the longest first.
+  template <typename It>
+  std::vector<std::uint32_t> recomputed_longest_first(It first, It end) const {
     std::vector<std::uint32_t> ops;
     for (auto r = first; r != end; ++r) {
       for (std::uint32_t i = r->first_op; i < r->end_op; ++i) {
-        if (plan.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
+        if (plan_.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
       }
     }
     std::stable_sort(ops.begin(), ops.end(), [&](std::uint32_t a, std::uint32_t b) {
-      return model.ops[a].duration > model.ops[b].duration;
+      return model_.ops[a].duration > model_.ops[b].duration;
     });
     return ops;
-  };
-  std::vector<std::uint32_t> order;  // the last layer's first, then the one before it, ...
-  for (auto r = plan.regions.rbegin(); r != plan.regions.rend(); ++r) {
-    const std::vector<std::uint32_t> ops = recomputed_longest_first(r, std::next(r));
-    order.insert(order.end(), ops.begin(), ops.end());
   }
-  // `ops` kept (those still recomputed), when that is admitted: its evaluation, or none.
+
   // The plan with `ops` kept (those still recomputed), when that is admitted.
-  const auto kept = [&](std::initializer_list<std::uint32_t> ops) -> std::optional<Plan> {
-    Plan next = plan;
+  std::optional<Plan> kept(std::initializer_list<std::uint32_t> ops) const {
+    Plan next = plan_;
     for (const std::uint32_t i : ops) {
-      if (plan.ops[i].saved != SavedDecision::Recompute) return std::nullopt;
+      if (plan_.ops[i].saved != SavedDecision::Recompute) return std::nullopt;
       next.ops[i].saved = SavedDecision::Keep;
     }
-    recompute_random_prefix(next, model);
+    recompute_random_prefix(next, model_);
     for (const std::uint32_t i : ops) {
       if (next.ops[i].saved != SavedDecision::Keep) return std::nullopt;
     }
@@ -435,46 +475,44 @@ void keep_single_ops(Search& search) {
       return std::none_of(next.ops.begin() + r.first_op, next.ops.begin() + r.end_op,
                           [](const PlanOp& op) { return op.saved == SavedDecision::Recompute; });
     });
-    if (!search.cost().admits(next, model)) return std::nullopt;
+    if (!search_.cost().admits(next, model_)) return std::nullopt;
     return next;
-  };
-  // `ops` kept, when that is admitted: its evaluation, or none.
-  const auto keep = [&](std::initializer_list<std::uint32_t> ops,
-                        Plan& next) -> std::optional<Evaluation> {
+  }
+
+  // `ops` kept, when that is admitted: its evaluation (the plan in `next`), or none.
+  std::optional<Evaluation> keep(std::initializer_list<std::uint32_t> ops, Plan& next) {
     std::optional<Plan> made = kept(ops);
     if (!made) return std::nullopt;
     next = std::move(*made);
-    return search.evaluate(next);
-  };
+    return search_.evaluate(next);
+  }
+
   // The keeps of the ops of `ops` from `from` on that the cost model can run at once, each
   // alone, told to it as the next plans (the search may take one and stop using the rest).
-  const auto run_ahead = [&](const std::vector<std::uint32_t>& ops, std::size_t from) {
+  void run_ahead(const std::vector<std::uint32_t>& ops, std::size_t from) {
     std::vector<Plan> upcoming;
-    for (std::size_t k = from; k < ops.size() && upcoming.size() < search.cost().width(); ++k) {
+    for (std::size_t k = from; k < ops.size() && upcoming.size() < search_.cost().width(); ++k) {
       if (std::optional<Plan> made = kept({ops[k]})) upcoming.push_back(std::move(*made));
     }
-    search.ahead(upcoming, false);
-  };
-  const auto take = [&](Plan& next, const Evaluation& e) {
-    if (search.fits(e) && e.time < time) {
-      plan = std::move(next);
-      time = e.time;
-      return true;
-    }
-    return false;
-  };
-  const std::int64_t stop = search.asked() + kOpRuns;
-  for (std::size_t k = 0; k < order.size(); ++k) {
-    if (search.asked() >= stop) break;
-    if (search.cost().width() > 1) run_ahead(order, k);
-    Plan next;
-    if (const std::optional<Evaluation> e = keep({order[k]}, next)) (void)take(next, *e);
+    search_.ahead(upcoming, false);
   }
-  // A shallow stack: from each of the kShallowStarts fastest candidates that differ in what
-  // they save, every layer's ops, the longest first, and an op whose keep is faster but over
-  // the budget together with each of the next kPairs (see the note). What either pass found
-  // that fits is a candidate of the search.
-  if (search.layers().size() > kShallowStack) return;
+
+  // Takes `next` where `e` fits and is faster than the plan.
+  bool take(Plan& next, const Evaluation& e) {
+    if (!search_.fits(e) || e.time >= time_) return false;
+    plan_ = std::move(next);
+    time_ = e.time;
+    return true;
+  }
+
+  Search& search_;
+  const Model& model_;
+  Plan plan_;
+  SimTime time_;
+};
+
+// Up to kShallowStarts of `ranked`, the fastest first, that differ in what they save.
+std::vector<const Candidate*> distinct_starts(const std::vector<const Candidate*>& ranked) {
   std::vector<const Candidate*> starts;
   for (const Candidate* c : ranked) {
     if (starts.size() >= kShallowStarts) break;
@@ -483,26 +521,17 @@ void keep_single_ops(Search& search) {
     });
     if (!seen) starts.push_back(c);
   }
-  for (const Candidate* from : starts) {
-    plan = from->plan;
-    time = from->evaluation.time;
-    const std::vector<std::uint32_t> all =
-        recomputed_longest_first(plan.regions.begin(), plan.regions.end());
-    const std::int64_t shallow_stop = search.asked() + kShallowOpRuns;
-    for (std::size_t k = 0; k < all.size() && search.asked() < shallow_stop; ++k) {
-      if (search.cost().width() > 1) run_ahead(all, k);
-      Plan next;
-      const std::optional<Evaluation> e = keep({all[k]}, next);
-      if (!e || take(next, *e) || search.fits(*e) || e->time >= time) continue;
-      for (std::size_t j = k + 1, tried = 0;
-           j < all.size() && tried < kPairs && search.asked() < shallow_stop; ++j) {
-        const std::optional<Evaluation> both = keep({all[k], all[j]}, next);
-        if (!both) continue;
-        ++tried;
-        if (take(next, *both)) break;
-      }
-    }
-  }
+  return starts;
+}
+
+// Note [Single ops kept]'s two passes; what either found that fits is a candidate of the search.
+void keep_single_ops(Search& search) {
+  const std::vector<const Candidate*> ranked = search.ranked();
+  if (ranked.empty()) return;
+  SingleOps ops(search, *ranked.front());
+  ops.last_layer_first();
+  if (search.layers().size() > kShallowStack) return;
+  for (const Candidate* from : distinct_starts(ranked)) ops.every_layer_from(*from);
 }
 
 // `configs` under each of `knobs`, evaluated.
