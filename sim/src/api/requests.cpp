@@ -473,6 +473,19 @@ Result<AskedPlan> planner_options(const PlanRequest& r) {
   return AskedPlan{std::move(options), fsdp.value()};
 }
 
+// The request's parallelism as asked, unchecked: a field left out is 0.
+Parallelism as_asked(const MeshRequest& fsdp) {
+  return Parallelism{.ranks = fsdp.ranks.value_or(0),
+                     .nodes = fsdp.nodes.value_or(0),
+                     .replicas = fsdp.replicas,
+                     .reshard_after_forward = fsdp.reshard_after_forward,
+                     .impl = fsdp.impl,
+                     .tp = fsdp.tp,
+                     .cp = fsdp.cp,
+                     .ep = fsdp.ep,
+                     .expert_capacity = fsdp.expert_capacity};
+}
+
 }  // namespace
 
 Result<Parallelism> parallelism_of(const MeshRequest& fsdp) {
@@ -503,15 +516,7 @@ Result<Parallelism> parallelism_of(const MeshRequest& fsdp) {
                                capacity.why)};
     }
   }
-  const Parallelism p{.ranks = fsdp.ranks.value_or(0),
-                      .nodes = fsdp.nodes.value_or(0),
-                      .replicas = fsdp.replicas,
-                      .reshard_after_forward = fsdp.reshard_after_forward,
-                      .impl = fsdp.impl,
-                      .tp = fsdp.tp,
-                      .cp = fsdp.cp,
-                      .ep = fsdp.ep,
-                      .expert_capacity = fsdp.expert_capacity};
+  const Parallelism p = as_asked(fsdp);
   if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True() ||
                   p.impl != FsdpImpl::Fsdp2)) {
     return Error{fmt::format("{} need {} N", fsdp_option_list(&MeshFieldRule::flag),
@@ -537,16 +542,7 @@ void adopt_parallelism(Parallelism& asked, const Parallelism& file, std::int32_t
 }
 
 void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file, std::int32_t devices) {
-  // As the request's parallelism, unchecked: a field left out is 0.
-  Parallelism asked{.ranks = fsdp.ranks.value_or(0),
-                    .nodes = fsdp.nodes.value_or(0),
-                    .replicas = fsdp.replicas,
-                    .reshard_after_forward = fsdp.reshard_after_forward,
-                    .impl = fsdp.impl,
-                    .tp = fsdp.tp,
-                    .cp = fsdp.cp,
-                    .ep = fsdp.ep,
-                    .expert_capacity = fsdp.expert_capacity};
+  Parallelism asked = as_asked(fsdp);
   adopt_parallelism(asked, file, devices);
   if (!fsdp.ranks && asked.ranks != 0) fsdp.ranks = asked.ranks;
   if (!fsdp.nodes && asked.nodes != 0) fsdp.nodes = asked.nodes;

@@ -207,7 +207,7 @@ struct PagedStashFaults {
 /// options that production code builds. FSDP2's, the collective ops' and the paged stash's are
 /// their units' own.
 struct TrainingFaults {
-  OffloadFaults offload;
+  OffloadFaults offload{};
   bool skip_rng_restore = false;       ///< recompute draws fresh randomness
   std::int32_t drop_recomputed = -1;   ///< this region's replay saves one tensor fewer
   bool alter_recomputed_meta = false;  ///< replays report another size
@@ -219,9 +219,9 @@ struct TrainingFaults {
   bool free_grad_at_all_reduce = false;
   /// A node run's ranks pin host memory at the same addresses: one buffer for two offloads.
   bool shared_pinned_pool = false;
-  FsdpFaults fsdp;               ///< the Fsdp2 unit's
-  CollectiveFaults collectives;  ///< the MeshCollectives unit's
-  PagedStashFaults paged_stash;  ///< the PagedStash unit's
+  FsdpFaults fsdp{};               ///< the Fsdp2 unit's
+  CollectiveFaults collectives{};  ///< the MeshCollectives unit's
+  PagedStashFaults paged_stash{};  ///< the PagedStash unit's
 };
 
 /// Runs `options.steps` training steps of `model` (durations must be assigned) on one device;
