@@ -462,17 +462,45 @@ def test_untagged_elementwise_ops_and_pointwise_gradients_are_costed_by_their_by
         assert op["bytes"] > 0 and op["backward_bytes"] > 0, name
 
 
-def test_the_gradient_of_a_pointwise_op_is_pointwise_and_no_other():
-    for name in ("softplus_backward", "elu_backward", "hardtanh_backward", "mish_backward"):
-        assert _costs.is_pointwise_gradient(name), name
-    # glu halves a dim and convolution is no elementwise op; mm has no backward operator.
-    for name in ("glu_backward", "convolution_backward", "mm", "no_such_op_backward"):
-        assert not _costs.is_pointwise_gradient(name), name
+def _aten_names():
+    return {
+        s.name.split("::")[1]
+        for s in torch._C._jit_get_all_schemas()
+        if s.name.startswith("aten::")
+    }
+
+
+def test_the_table_lists_the_untagged_gradients_of_pointwise_ops():
+    # The gradient of an elementwise op is elementwise too; torch tags some (`gelu_backward`) and
+    # not others. Every untagged `<op>_backward` of an aten op tagged pointwise is in the table.
+    def tagged(packet, tag):
+        return any(tag in getattr(packet, o).tags for o in packet.overloads())
+
+    gradients = set()
+    for name in _aten_names():
+        forward = getattr(aten, name.removesuffix("_backward"), None)
+        if not name.endswith("_backward") or not isinstance(forward, torch._ops.OpOverloadPacket):
+            continue
+        backward = getattr(aten, name)
+        if tagged(forward, torch.Tag.pointwise) and not (
+            tagged(backward, torch.Tag.pointwise) or tagged(backward, torch.Tag.reduction)
+        ):
+            gradients.add(name)
+    assert {"softplus_backward", "elu_backward", "hardtanh_backward", "mish_backward"} <= gradients
+    assert gradients <= _costs._BY_BYTES
+    # glu halves a dim and convolution is no elementwise op: they are not in that group.
+    group = set(_costs._BY_BYTES_GROUPS["gradients of pointwise ops"].split())
+    assert group == gradients
+    assert not {"glu_backward", "convolution_backward"} & group
+
+
+def test_the_table_names_aten_operators_only():
+    assert _costs._BY_BYTES <= _aten_names()
 
 
 def test_without_the_new_rules_those_ops_are_named(monkeypatch):
-    monkeypatch.setattr(_costs, "is_pointwise_gradient", lambda name: False)
-    monkeypatch.setattr(_costs, "_BY_BYTES", _costs._BY_BYTES - {"polar"})
+    gradients = {"softplus_backward", "elu_backward", "hardtanh_backward"}
+    monkeypatch.setattr(_costs, "_BY_BYTES", _costs._BY_BYTES - {"polar"} - gradients)
     traced = trace(_Untagged(), torch.randn(8, 16), loss_fn=lambda y: y.sum())
     assert set(traced.uncosted) == {
         "aten.polar.default",

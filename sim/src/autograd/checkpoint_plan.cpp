@@ -62,7 +62,9 @@ namespace {
 // torchtitan/distributed/activation_checkpoint.py (pytorch/torchtitan, commit b5bcd76), which
 // is torch's compute-intensive operators (torch._functorch.partitioners.get_default_op_list()
 // in torch 2.11), the other SDPA kernels, `max` (the amax of float8 scaling), flex attention,
-// `linear`, `topk` (MoE routing), and the collectives and expert-parallel exchanges.
+// `linear`, `topk` (MoE routing), and the collectives and expert-parallel exchanges. These
+// stay exact overloads, not families (Note [Operator families] in op_family.cpp): torchtitan's
+// policy compares each op with these OpOverload objects, so `aten.mm.out` is not saved.
 constexpr std::array<std::string_view, 26> kOpSacSaved{
     // torch's compute_intensive_ops
     "aten.mm.default",
@@ -102,16 +104,15 @@ bool listed(std::string_view kind, std::span<const std::string_view> list) {
   return !kind.empty() && std::find(list.begin(), list.end(), kind) != list.end();
 }
 
-/// Batched matmuls: the two of eager attention (scores and scores times values).
-constexpr std::array<std::string_view, 2> kBatchedMatmul{"aten.bmm.default",
-                                                         "aten.baddbmm.default"};
-/// Softmax as autograd records it (`softmax` and `F.scaled_dot_product_attention`'s math path).
-constexpr std::array<std::string_view, 2> kSoftmax{"aten._softmax.default",
-                                                   "aten._safe_softmax.default"};
-// Attention in one kernel, the whole core in one op: is_fused_attention_kind (model.hpp), the
-// one list the rank cuts read too.
+// An attention core is found by the ops' families (Note [Operator families] in op_family.cpp):
+// attention in one kernel (OpFamilyTraits::fused_attention), or eager attention's batched
+// matmuls (OpFamily::BatchedMatmul: the scores and the scores times the values) around a softmax
+// as autograd records it (OpFamily::Softmax: `softmax` and `F.scaled_dot_product_attention`'s
+// math path).
 
 }  // namespace
+
+bool op_sac_alternates(std::string_view kind) { return listed(kind, kOpSacAlternating); }
 
 std::vector<OpSpan> attention_cores(const Model& model) {
   // A fused attention kernel, or in eager attention the ops from the batched matmul before a
@@ -133,17 +134,17 @@ std::vector<OpSpan> attention_cores(const Model& model) {
           });
       cores.push_back({gathers ? i - 1 : i, i + 1});
     }
-    if (layer < 0 || !listed(model.ops[i].kind, kSoftmax)) continue;
+    if (layer < 0 || model.ops[i].kind.family() != OpFamily::Softmax) continue;
     std::optional<std::uint32_t> first;
     for (std::uint32_t j = i; j-- > 0 && model.ops[j].layer == layer;) {
-      if (listed(model.ops[j].kind, kBatchedMatmul)) {
+      if (model.ops[j].kind.family() == OpFamily::BatchedMatmul) {
         first = j;
         break;
       }
     }
     std::optional<std::uint32_t> last;
     for (std::uint32_t j = i + 1; j < n && model.ops[j].layer == layer; ++j) {
-      if (listed(model.ops[j].kind, kBatchedMatmul)) {
+      if (model.ops[j].kind.family() == OpFamily::BatchedMatmul) {
         last = j;
         break;
       }

@@ -351,7 +351,7 @@ OrderedJson tensor_json(const Model& model, const ModelTensor& tensor) {
 OrderedJson op_json(const Model& model, const ModelOp& op) {
   OrderedJson out;
   out["name"] = op.name;
-  if (!op.kind.empty()) out["kind"] = op.kind;
+  if (!op.kind.empty()) out["kind"] = op.kind.name();
   if (op.layer != -1) out["layer"] = op.layer;
   out["flops"] = op.flops;
   out["bytes"] = op.bytes.count();

@@ -263,8 +263,8 @@ std::vector<std::vector<std::size_t>> layer_classes(const PlanSpace& space) {
     for (const std::uint32_t p : layer.ranking) key += fmt::format("{},", p - layer.first);
     for (std::uint32_t i = layer.first; i < layer.end; ++i) {
       const ModelOp& op = model.ops[i];
-      key += fmt::format("|{}:{}:{}:{}:{}", op.kind, op.duration.ns(), op.backward_duration.ns(),
-                         op.inputs.size(), op.saved.size());
+      key += fmt::format("|{}:{}:{}:{}:{}", op.kind.name(), op.duration.ns(),
+                         op.backward_duration.ns(), op.inputs.size(), op.saved.size());
       for (const std::uint32_t t : op.outputs)
         key += fmt::format(":{}", model.tensors[t].bytes.count());
     }

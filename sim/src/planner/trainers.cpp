@@ -65,9 +65,6 @@ using Json = nlohmann::ordered_json;
 // What the simulator does not express is left out of the spaces, not approximated (docs/plan.md
 // lists it).
 
-constexpr std::string_view kAddKind = "aten.add.Tensor";
-constexpr std::string_view kTopkKind = "aten.topk.default";
-
 // The ops [first, end) of each transformer layer, by layer.
 std::map<std::int32_t, OpSpan> layer_spans(const Model& model) {
   std::map<std::int32_t, OpSpan> spans;
@@ -100,10 +97,10 @@ class LayerBlocks {
   // The MLP block of the layer whose ops are `layer`, if its residual sums are found.
   [[nodiscard]] std::optional<MlpBlock> mlp(const OpSpan& layer) const {
     const std::uint32_t last = layer.end_op - 1;
-    if (model_.ops[last].kind != kAddKind) return std::nullopt;
+    if (model_.ops[last].kind.family() != OpFamily::Add) return std::nullopt;
     std::optional<std::uint32_t> residual;
     for (std::uint32_t i = layer.first_op; i < last && !residual; ++i) {
-      if (model_.ops[i].kind != kAddKind) continue;
+      if (model_.ops[i].kind.family() != OpFamily::Add) continue;
       for (const std::uint32_t t : model_.ops[i].inputs) {
         const std::int64_t by = producer_[base(t)];
         if (by >= 0 && by < static_cast<std::int64_t>(layer.first_op)) residual = i;
@@ -112,8 +109,8 @@ class LayerBlocks {
     if (!residual || *residual + 1 >= last) return std::nullopt;
     MlpBlock block{.span = {*residual + 1, last}};
     for (std::uint32_t i = block.span.first_op; i < last; ++i) {
-      const std::string& kind = model_.ops[i].kind;
-      if (is_grouped_matmul_kind(kind) || kind == kTopkKind) block.moe = true;
+      const OpFamily family = model_.ops[i].kind.family();
+      if (family == OpFamily::GroupedMatmul || family == OpFamily::TopK) block.moe = true;
     }
     if (block.moe) {
       std::uint32_t first = block.span.first_op;
@@ -151,14 +148,11 @@ void recompute_router_matmuls(CheckpointPlan& plan, const Model& model) {
     }
   }
   if (shapes.empty()) return;
-  const auto counted = [](std::string_view kind) {
-    return kind == "aten.mm.default" || kind == "aten.linear.default";
-  };
   for (const CheckpointRegion& region : plan.regions) {
     std::int64_t matmuls = 0;
     for (std::uint32_t i = region.first_op; i < region.end_op; ++i) {
       const ModelOp& op = model.ops[i];
-      if (!counted(op.kind)) continue;
+      if (!op_sac_alternates(op.kind)) continue;
       const bool router =
           op.gemm.known() &&
           std::ranges::find(shapes, std::pair{op.gemm.k, op.gemm.n}) != shapes.end();

@@ -9,7 +9,6 @@
 
 #include "ferry/sim/json/json_reader.hpp"
 #include "ferry/sim/workload/rank_model.hpp"
-#include "model_builder.hpp"
 #include "rank_cut.hpp"
 
 namespace ferry::sim {
@@ -45,7 +44,6 @@ namespace {
 
 using rank_cut_detail::kAllGatherKind;
 using rank_cut_detail::RankCut;
-using workload_detail::op_kind::kEmbedding;
 
 class ContextParallelCut : RankCut {
  public:
@@ -78,7 +76,7 @@ class ContextParallelCut : RankCut {
 Result<std::int64_t> ContextParallelCut::count_tokens() const {
   std::int64_t tokens = 0;
   for (const ModelOp& o : whole_.ops) {
-    if (!o.kind.starts_with(kEmbedding)) continue;
+    if (o.kind.family() != OpFamily::Embedding) continue;
     for (const std::uint32_t t : o.inputs) {
       if (whole_.tensors[t].role == TensorRole::Input) tokens = elements(whole_.tensors[t]);
     }

@@ -1,7 +1,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -14,27 +13,10 @@
 #include <vector>
 
 #include "ferry/sim/workload/rank_model.hpp"
-#include "model_builder.hpp"
 #include "tensor_parallel_cut.hpp"
 
 namespace ferry::sim {
 namespace rank_cut_detail {
-
-namespace {
-
-using workload_detail::op_kind::kAdd;
-
-// Whether an op of `kind` that reads only partial sums writes one: it is linear in them (an add,
-// a sum over a dimension, a copy or a change of dtype, a reshape).
-bool keeps_sums(std::string_view kind) {
-  constexpr std::array<std::string_view, 7> kLinear{
-      kAdd,         "aten.sum.",          "aten._to_copy.", "aten.clone.",
-      "aten.view.", "aten._unsafe_view.", "aten.reshape."};
-  return std::ranges::any_of(kLinear,
-                             [&](std::string_view linear) { return kind.starts_with(linear); });
-}
-
-}  // namespace
 
 Layout TensorParallelRewrite::layout_of(std::uint32_t t) const {
   // A view no op lists as an output (a trace's reshapes) is laid out as its base.
@@ -80,13 +62,14 @@ std::uint32_t TensorParallelRewrite::as_read(std::uint32_t t) const {
 }
 
 // In a mixture-of-experts layer a partial sum stays one through the linear ops that read only
-// partial sums, and is reduce-scattered before any other op reads it (Note [Tensor parallelism
-// of a mixture of experts]).
+// partial sums (an add, a sum over a dimension, a copy or a change of dtype, a reshape:
+// OpFamilyTraits::linear_in_sums), and is reduce-scattered before any other op reads it (Note
+// [Tensor parallelism of a mixture of experts]).
 bool TensorParallelRewrite::sums_partials(const ModelOp& o, Role role, bool in_moe) const {
   const auto partial = [&](std::uint32_t t) {
     return activation(t) && layout_of(t) == Layout::Partial;
   };
-  return in_moe && role == Role::Other && keeps_sums(o.kind) &&
+  return in_moe && role == Role::Other && is_linear_in_sums(o.kind.family()) &&
          std::ranges::any_of(o.inputs, partial) &&
          std::ranges::all_of(o.inputs,
                              [&](std::uint32_t t) { return !activation(t) || partial(t); });

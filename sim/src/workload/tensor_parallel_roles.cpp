@@ -9,19 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "model_builder.hpp"
 #include "tensor_parallel_cut.hpp"
 
 namespace ferry::sim::rank_cut_detail {
-
-namespace {
-
-using workload_detail::op_kind::kAdd;
-using workload_detail::op_kind::kEmbedding;
-
-constexpr std::string_view kTopk = "aten.topk.";  // the choice of experts, any overload
-
-}  // namespace
 
 TensorParallelRoles::Reach TensorParallelRoles::reach(std::size_t i) const {
   Reach found;
@@ -37,7 +27,7 @@ TensorParallelRoles::Reach TensorParallelRoles::reach(std::size_t i) const {
         found.matmuls.insert(r);
         continue;
       }
-      if (op(r).kind.starts_with(kTopk)) found.routes = true;
+      if (op(r).kind.family() == OpFamily::TopK) found.routes = true;
       for (const std::uint32_t out : op(r).outputs) {
         if (seen.insert(out).second) queue.push_back(out);
       }
@@ -125,7 +115,7 @@ void TensorParallelRoles::find_branches() {
         stream.insert(t);
       }
     }
-    if (op(i).kind != kAdd || op(i).outputs.empty()) continue;
+    if (op(i).kind.family() != OpFamily::Add || op(i).outputs.empty()) continue;
     const bool on_stream =
         std::ranges::any_of(op(i).inputs, [&](std::uint32_t t) { return stream.contains(t); });
     if (!on_stream) continue;
@@ -141,7 +131,7 @@ TensorParallelRoles::Reached TensorParallelRoles::find_rowwise() {
   Reached reached{std::vector<std::set<std::size_t>>(n), std::vector<bool>(n, false)};
   for (std::size_t i = 0; i < n; ++i) {
     if (plan_.role[i] != Role::Other) continue;  // the experts and their dispatch
-    if (op(i).kind.starts_with(kEmbedding)) {
+    if (op(i).kind.family() == OpFamily::Embedding) {
       // The table: its largest parameter (GPT's position table is read whole).
       for (const std::uint32_t t : op(i).inputs) {
         if (is_param(t) &&

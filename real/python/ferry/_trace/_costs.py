@@ -28,11 +28,11 @@ def storage_key(t):
 # its attention counts, which reject grouped-query attention and count a causal kernel as a full
 # one. An op whose work is its memory traffic (pointwise math, reductions, copies, indexing,
 # norms, softmax, losses) needs no FLOP formula: the bytes bound its time. Which op is which
-# is read from the op itself: torch's `pointwise` and `reduction` tags, the gradient of an op
-# tagged `pointwise` (itself element by element), and the operators listed in `_BY_BYTES`;
-# never from a model's or a module's name. Any other op that moves data, forward or backward,
-# is costed too low, and the trace lists it (`TracedModel.uncosted`, the summary of
-# `python -m ferry trace`).
+# is read from the op itself: torch's `pointwise` and `reduction` tags, and the operators
+# `_BY_BYTES_GROUPS` lists by what they are (among them the gradients of ops tagged `pointwise`
+# that torch leaves untagged); never from a model's or a module's name. Any other op that moves
+# data, forward or backward, is costed too low, and the trace lists it (`TracedModel.uncosted`,
+# the summary of `python -m ferry trace`).
 
 
 def _arguments(func, args, kwargs):
@@ -314,57 +314,90 @@ def flop_table():
     return table
 
 
-# Operators whose work is their memory traffic, beside those torch tags pointwise or reduction
-# and the gradients of those tagged pointwise (Note [What an op costs]): copies, layout
-# changes (`im2col`, `col2im` and `unfold_backward`: windows unfolded and summed back),
-# indexing, factories, softmax, norms (weight norm's too), pooling (a max or a mean over each
-# window, a few comparisons or adds an element read), interpolation (each output element a
-# weighted sum of the 2 to 64 input elements around it), dropout and random draws, losses, and
-# the elementwise ops torch leaves untagged (`polar`: abs·cos(angle) + i·abs·sin(angle);
-# `complex`: real + i·imag; `glu`: one half times the sigmoid of the other; the activations
-# hardswish, leaky ReLU, RReLU, PReLU, log-sigmoid; their gradients).
-_BY_BYTES = frozenset(
-    """
-    _to_copy clone copy copy_ contiguous _unsafe_view cat stack constant_pad_nd
-    repeat roll flip tril triu
-    embedding embedding_dense_backward index index_put index_put_ index_select index_add
-    index_add_ index_copy gather scatter scatter_ scatter_add scatter_add_ scatter_reduce
-    scatter_reduce_ index_reduce masked_fill
-    masked_fill_ masked_scatter slice_backward select_backward index_select_backward
-    as_strided_scatter slice_scatter select_scatter diagonal_backward
-    floor_divide floor_divide_ remainder fmod
-    cumsum cumprod sort topk histc bincount argmax argmin argsort nonzero unique
-    _is_all_true _is_any_true
-    zeros zeros_like ones ones_like full full_like new_zeros new_ones new_full new_empty
-    new_empty_strided empty empty_like empty_strided scalar_tensor arange linspace eye fill fill_
-    zero_ lift_fresh_copy
-    _softmax _softmax_backward_data _safe_softmax _log_softmax _log_softmax_backward_data
-    native_layer_norm native_layer_norm_backward _fused_rms_norm _fused_rms_norm_backward
-    native_group_norm native_group_norm_backward native_batch_norm native_batch_norm_backward
-    _native_batch_norm_legit _native_batch_norm_legit_functional
-    native_dropout native_dropout_backward bernoulli bernoulli_ rand rand_like randn randn_like
-    randint uniform_ normal_ exponential_ geometric_ cauchy_ log_normal_ random_
-    nll_loss_forward nll_loss_backward nll_loss2d_forward nll_loss2d_backward
-    polar complex log_sigmoid_forward log_sigmoid_backward glu glu_backward hardswish hardswish_
-    hardswish_backward leaky_relu leaky_relu_ leaky_relu_backward rrelu_with_noise
-    rrelu_with_noise_backward _prelu_kernel _prelu_kernel_backward softshrink_backward
-    hardshrink_backward
-    upsample_nearest1d upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d
-    _upsample_nearest_exact2d _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d
-    upsample_bicubic2d upsample_trilinear3d _upsample_bilinear2d_aa _upsample_bicubic2d_aa
-    upsample_nearest1d_backward upsample_nearest2d_backward upsample_nearest3d_backward
-    _upsample_nearest_exact1d_backward _upsample_nearest_exact2d_backward
-    _upsample_nearest_exact3d_backward upsample_linear1d_backward upsample_bilinear2d_backward
-    upsample_bicubic2d_backward upsample_trilinear3d_backward _upsample_bilinear2d_aa_backward
-    _upsample_bicubic2d_aa_backward
-    im2col col2im unfold_backward _weight_norm_interface _weight_norm_interface_backward
-    max_pool2d_with_indices max_pool2d_with_indices_backward max_pool3d_with_indices
-    max_pool3d_with_indices_backward avg_pool2d avg_pool2d_backward avg_pool3d avg_pool3d_backward
-    _adaptive_avg_pool2d _adaptive_avg_pool2d_backward _adaptive_avg_pool3d
-    _adaptive_avg_pool3d_backward adaptive_max_pool2d adaptive_max_pool2d_backward
-    adaptive_max_pool3d adaptive_max_pool3d_backward
-    """.split()
-)
+# The operators whose work is their memory traffic that torch's tags leave out (Note [What an op
+# costs]): the one list of operators by name on the Python side, as sim's OpFamily table
+# (op_family.cpp) is on the C++ side. Keys are aten operator names, any overload; a new
+# operator is one name in its group.
+_BY_BYTES_GROUPS = {
+    # Copies, concatenation, padding and layout changes (`im2col`, `col2im` and
+    # `unfold_backward`: windows unfolded and summed back).
+    "copies": """
+        _to_copy clone copy copy_ contiguous _unsafe_view cat stack constant_pad_nd
+        repeat roll flip tril triu im2col col2im unfold_backward
+    """,
+    # Reads and writes at indices, and their gradients.
+    "indexing": """
+        embedding embedding_dense_backward index index_put index_put_ index_select index_add
+        index_add_ index_copy gather scatter scatter_ scatter_add scatter_add_ scatter_reduce
+        scatter_reduce_ index_reduce masked_fill masked_fill_ masked_scatter slice_backward
+        select_backward index_select_backward as_strided_scatter slice_scatter select_scatter
+        diagonal_backward
+    """,
+    # Integer division, scans, sorts and selections, counts, the unique elements
+    # (`torch.unique` records `_unique2`, `unique_dim` or `unique_consecutive`).
+    "scans and sorts": """
+        floor_divide floor_divide_ remainder fmod
+        cumsum cumprod sort topk histc bincount argmax argmin argsort nonzero
+        _unique2 unique_dim unique_consecutive unique_dim_consecutive _is_all_true _is_any_true
+    """,
+    # Factories: a tensor filled with a value or a range.
+    "factories": """
+        zeros zeros_like ones ones_like full full_like new_zeros new_ones new_full new_empty
+        new_empty_strided empty empty_like empty_strided scalar_tensor arange linspace eye fill
+        fill_ zero_ lift_fresh_copy
+    """,
+    # Softmax and the norms (weight norm's too), with their gradients.
+    "softmax and norms": """
+        _softmax _softmax_backward_data _safe_softmax _log_softmax _log_softmax_backward_data
+        native_layer_norm native_layer_norm_backward _fused_rms_norm _fused_rms_norm_backward
+        native_group_norm native_group_norm_backward native_batch_norm native_batch_norm_backward
+        _native_batch_norm_legit _native_batch_norm_legit_functional
+        _weight_norm_interface _weight_norm_interface_backward
+    """,
+    # Dropout and random draws.
+    "random": """
+        native_dropout native_dropout_backward bernoulli bernoulli_ rand rand_like randn
+        randn_like randint uniform_ normal_ exponential_ geometric_ cauchy_ log_normal_ random_
+    """,
+    "losses": """
+        nll_loss_forward nll_loss_backward nll_loss2d_forward nll_loss2d_backward
+    """,
+    # Elementwise ops torch leaves untagged (`polar`: abs·cos(angle) + i·abs·sin(angle);
+    # `complex`: real + i·imag; `glu`: one half times the sigmoid of the other; the activations
+    # hardswish, leaky ReLU, RReLU, PReLU, log-sigmoid) and their gradients.
+    "untagged elementwise": """
+        polar complex log_sigmoid_forward log_sigmoid_backward glu glu_backward hardswish
+        hardswish_ hardswish_backward leaky_relu leaky_relu_ leaky_relu_backward rrelu_with_noise
+        rrelu_with_noise_backward _prelu_kernel _prelu_kernel_backward
+    """,
+    # The gradients of ops torch tags pointwise that it leaves untagged itself: element i of the
+    # input's gradient is a function of element i of the output's gradient and of the inputs.
+    # (The others, `gelu_backward`, `silu_backward`, `sigmoid_backward`, ..., carry the tag.)
+    "gradients of pointwise ops": """
+        elu_backward hardsigmoid_backward hardtanh_backward mish_backward softplus_backward
+        softshrink_backward hardshrink_backward
+    """,
+    # Interpolation: each output element a weighted sum of the 2 to 64 input elements around it.
+    "interpolation": """
+        upsample_nearest1d upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d
+        _upsample_nearest_exact2d _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d
+        upsample_bicubic2d upsample_trilinear3d _upsample_bilinear2d_aa _upsample_bicubic2d_aa
+        upsample_nearest1d_backward upsample_nearest2d_backward upsample_nearest3d_backward
+        _upsample_nearest_exact1d_backward _upsample_nearest_exact2d_backward
+        _upsample_nearest_exact3d_backward upsample_linear1d_backward upsample_bilinear2d_backward
+        upsample_bicubic2d_backward upsample_trilinear3d_backward _upsample_bilinear2d_aa_backward
+        _upsample_bicubic2d_aa_backward
+    """,
+    # Pooling: a max or a mean over each window, a few comparisons or adds an element read.
+    "pooling": """
+        max_pool2d_with_indices max_pool2d_with_indices_backward max_pool3d_with_indices
+        max_pool3d_with_indices_backward avg_pool2d avg_pool2d_backward avg_pool3d
+        avg_pool3d_backward _adaptive_avg_pool2d _adaptive_avg_pool2d_backward
+        _adaptive_avg_pool3d _adaptive_avg_pool3d_backward adaptive_max_pool2d
+        adaptive_max_pool2d_backward adaptive_max_pool3d adaptive_max_pool3d_backward
+    """,
+}
+_BY_BYTES = frozenset(name for group in _BY_BYTES_GROUPS.values() for name in group.split())
 
 
 def moves_data(func, args, kwargs, out) -> bool:
@@ -392,19 +425,4 @@ def costed_by_bytes(func) -> bool:
     if torch.Tag.pointwise in tags or torch.Tag.reduction in tags:
         return True
     packet = getattr(func, "_overloadpacket", None)
-    if packet is None:
-        return False
-    return packet.__name__ in _BY_BYTES or is_pointwise_gradient(packet.__name__)
-
-
-def is_pointwise_gradient(name: str) -> bool:
-    """Whether ``name`` is ``<op>_backward`` for an aten ``<op>`` torch tags pointwise: the
-    gradient of an elementwise op is elementwise too (element i of the input's gradient is a
-    function of element i of the output's gradient and of the op's inputs), which torch leaves
-    untagged for some (`softplus_backward`, `elu_backward`, `hardtanh_backward`, ...)."""
-    if not name.endswith("_backward"):
-        return False
-    forward = getattr(torch.ops.aten, name[: -len("_backward")], None)
-    if not isinstance(forward, torch._ops.OpOverloadPacket):
-        return False
-    return any(torch.Tag.pointwise in getattr(forward, o).tags for o in forward.overloads())
+    return packet is not None and packet.__name__ in _BY_BYTES

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "ferry/sim/workload/model.hpp"
@@ -79,5 +80,10 @@ void drop_unread_saves(CheckpointPlan& plan, const Model& model);
 enum class MatmulSaving : std::uint8_t { Alternate, Every };
 [[nodiscard]] Status apply_op_sac_policy(CheckpointPlan& plan, const Model& model,
                                          MatmulSaving matmuls = MatmulSaving::Alternate);
+
+/// Whether op-level selective checkpointing counts `kind` among the matmuls of which it saves
+/// every other one: `aten.mm.default` and `aten.linear.default`, the exact overloads torchtitan
+/// compares.
+[[nodiscard]] bool op_sac_alternates(std::string_view kind);
 
 }  // namespace ferry::sim

@@ -15,6 +15,7 @@
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/collective_cost.hpp"
 #include "ferry/sim/engine/device_profile.hpp"
+#include "ferry/sim/workload/op_family.hpp"
 #include "ferry/units.hpp"
 
 namespace ferry::sim {
@@ -95,9 +96,10 @@ inline constexpr std::int32_t kMaxCollectiveRanks = std::int32_t{1} << 20;
 /// One forward op and its backward node.
 struct ModelOp {
   std::string name;  ///< unique in the model
-  /// The operator it runs, `namespace.name.overload` ("aten.mm.default"); empty: not known.
-  /// What the checkpoint policies go by (docs/model-format.md, Op kinds).
-  std::string kind;
+  /// The operator it runs, `namespace.name.overload` ("aten.mm.default"; empty: not known), with
+  /// its family (Operator::family, Note [Operator families]): what the checkpoint policies, the
+  /// kernel timing and the rank cuts go by (docs/model-format.md, Op kinds).
+  Operator kind;
   std::int32_t layer = -1;             ///< transformer layer, -1 outside the stack
   std::int64_t flops = 0;              ///< forward FLOPs
   Bytes bytes;                         ///< forward bytes read + written (for the roofline)
@@ -219,21 +221,6 @@ inline constexpr std::int32_t kMaxGroups = std::int32_t{1} << 20;
 /// device has the link each collective op runs over; the error names the op's count
 /// ("ops[3].flops: ...") or collective. Call before assign_roofline_durations.
 Status check_roofline(const Model& model, const DeviceProfile& device);
-
-/// Whether `kind` is a matrix product's operator: `aten.mm`, `addmm`, `bmm`, `baddbmm`,
-/// `_grouped_mm`, `_scaled_mm`, `_scaled_grouped_mm`, `matmul` or `linear`, any overload.
-[[nodiscard]] bool is_matmul_kind(std::string_view kind);
-
-/// Whether `kind` is attention in one kernel, any overload: torch's scaled_dot_product_attention
-/// kernels (flash, flash for the CPU, efficient, cuDNN, the overrideable fused one), the
-/// flash and efficient forward ops, flex attention and varlen attention. Its first three
-/// inputs are the queries, keys and values.
-[[nodiscard]] bool is_fused_attention_kind(std::string_view kind);
-
-/// Whether `kind` is a grouped matrix product, a mixture of experts' experts in one kernel:
-/// `aten._grouped_mm` or `_scaled_grouped_mm`, any overload. Its weights hold one matrix per
-/// expert, and it reads the routed rows and one offset per expert.
-[[nodiscard]] bool is_grouped_matmul_kind(std::string_view kind);
 
 /// The bytes the ring formula takes (collective_time) for `op`'s collective in its forward
 /// (`backward`: in its backward node, which moves the gradients of the forward's outputs into

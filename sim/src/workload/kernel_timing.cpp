@@ -1,0 +1,307 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "ferry/check.hpp"
+#include "ferry/sim/json/json_reader.hpp"
+#include "ferry/sim/workload/model.hpp"
+#include "model_paths.hpp"
+
+namespace ferry::sim {
+namespace {
+
+using workload_detail::error_at;
+using workload_detail::op_member;
+using workload_detail::op_path;
+using workload_detail::tensor_bytes;
+
+__extension__ using Wide = unsigned __int128;
+
+/// ceil(amount x 10^9 x 1000 / (rate x permille)) nanoseconds: `amount` FLOPs or bytes moved at
+/// `permille` thousandths of `rate` per second. 128-bit: amount x 10^12 overflows 64 bits above
+/// ~9.2e6 FLOPs, and the result does too for the slowest rates a profile may give.
+Wide roofline_ns_wide(std::int64_t amount, std::int64_t rate, std::int64_t permille) {
+  const Wide scaled = static_cast<Wide>(amount) * 1'000'000'000U * 1000U;
+  const Wide divisor = static_cast<Wide>(rate) * static_cast<Wide>(permille);
+  return (scaled + divisor - 1) / divisor;
+}
+
+std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t permille) {
+  const Wide ns = roofline_ns_wide(amount, rate, permille);
+  FERRY_CHECK(ns <= static_cast<Wide>(kMaxJsonNanoseconds),
+              "roofline time of {} at rate {} is above {} ns: check_roofline first", amount, rate,
+              kMaxJsonNanoseconds);
+  return static_cast<std::int64_t>(ns);
+}
+
+// Note [Kernel timing]
+// ~~~~~~~~~~~~~~~~~~~~
+// A profile without kernel figures times every op by the flat roofline: FLOPs at 60 % of the
+// peak, bytes at 80 % of the HBM bandwidth, the longer of the two. A profile with them
+// ("kernels", docs/devices.md) times each op by what its kernel class is measured to reach:
+//
+// * A matmul with a shape (ModelOp::gemm) runs as cuBLAS and CUTLASS do: the output is cut
+//   into Tm x Tn tiles, one thread block each, and the blocks run in waves of one per SM. A
+//   wave costs one tile's work, Tm Tn k 2 FLOPs, at one SM's share of the large-GEMM rate
+//   (peak x matmul_permille / sm_count), so a product whose tiles fill 1.1 waves pays for 2 and
+//   a product smaller than a tile pays for a whole one. Backward's two products, dX (m x k over
+//   n) and dW (k x n over m), are timed the same way and scaled by the op's backward FLOPs over
+//   their nominal 4 m n k batch (a frozen weight's op has no dW).
+// * Flash and cuDNN attention run at their kernel's measured fraction of the peak, forward and
+//   backward apart. Attention kernels without a figure (memory-efficient, flex) and every other
+//   op with FLOPs but no shape run at the flat 60 %, or, for a matmul kind, at matmul_permille.
+// * Bytes move at memory_permille of the bandwidth where the profile gives it, else 80 %.
+//
+// The figures are the sources' and no row of docs/validation.md's table set any of them.
+
+/// `a` x `b`, or kSaturated when the product would pass it.
+constexpr Wide kSaturated = Wide{1} << 120;
+Wide saturating_mul(Wide a, Wide b) {
+  if (a == 0 || b == 0) return 0;
+  if (a > kSaturated / b) return kSaturated;
+  return a * b;
+}
+
+Wide ceil_div(Wide a, Wide b) { return (a + b - 1) / b; }
+
+/// Flash or cuDNN attention's figure for `family` on `device` (forward or backward), 0: none.
+std::int64_t attention_permille(OpFamily family, const KernelFigures& k, bool backward) {
+  if (family == OpFamily::FlashAttention) {
+    return backward ? k.flash_backward_permille : k.flash_forward_permille;
+  }
+  if (family == OpFamily::CudnnAttention) {
+    return backward ? k.cudnn_backward_permille : k.cudnn_forward_permille;
+  }
+  return 0;
+}
+
+/// One product's waves, ceil(tiles / sm), times a tile's Tm Tn depth 2 FLOPs times the SMs:
+/// the FLOPs the chip could have done in that time.
+Wide product_work(std::int64_t rows, std::int64_t cols, std::int64_t depth, std::int64_t batch,
+                  const KernelFigures& k) {
+  const Wide tiles = saturating_mul(
+      saturating_mul(ceil_div(static_cast<Wide>(rows), static_cast<Wide>(k.matmul_tile_m)),
+                     ceil_div(static_cast<Wide>(cols), static_cast<Wide>(k.matmul_tile_n))),
+      static_cast<Wide>(batch));
+  const Wide waves = ceil_div(tiles, static_cast<Wide>(k.sm_count));
+  const Wide tile_flops = static_cast<Wide>(k.matmul_tile_m) * static_cast<Wide>(k.matmul_tile_n) *
+                          static_cast<Wide>(depth) * 2U;
+  return saturating_mul(saturating_mul(waves, tile_flops), static_cast<Wide>(k.sm_count));
+}
+
+/// Nanoseconds of `work` (a product's waves x one tile's FLOPs x SMs: each wave runs one tile
+/// per SM at its share of the rate) at `permille` of the device's peak.
+Wide work_ns(Wide work, const DeviceProfile& device, std::int64_t permille) {
+  const Wide scaled = saturating_mul(work, Wide{1'000'000'000'000U});
+  const Wide divisor = static_cast<Wide>(device.flops_per_s) * static_cast<Wide>(permille);
+  return ceil_div(scaled, divisor);
+}
+
+/// The compute time of an op's forward or backward on `device` (Note [Kernel timing]), and the
+/// permille it ran at (0: the tile model, which has no single one).
+struct ComputeTime {
+  Wide ns = 0;
+  std::int64_t permille = 0;
+};
+
+ComputeTime compute_time(const ModelOp& op, bool backward, const DeviceProfile& device) {
+  const std::int64_t flops = backward ? op.backward_flops : op.flops;
+  const KernelFigures& k = device.kernels;
+  if (flops == 0) return {};
+  if (!k.known()) {
+    return {roofline_ns_wide(flops, device.flops_per_s, kRooflineFlopsPermille),
+            kRooflineFlopsPermille};
+  }
+  if (const std::int64_t permille = attention_permille(op.kind.family(), k, backward);
+      permille > 0) {
+    return {roofline_ns_wide(flops, device.flops_per_s, permille), permille};
+  }
+  if (!op.gemm.known()) {
+    const std::int64_t permille =
+        is_matmul(op.kind.family()) ? k.matmul_permille : kRooflineFlopsPermille;
+    return {roofline_ns_wide(flops, device.flops_per_s, permille), permille};
+  }
+  const GemmShape& g = op.gemm;
+  if (!backward)
+    return {work_ns(product_work(g.m, g.n, g.k, g.batch, k), device, k.matmul_permille)};
+  const Wide pair =
+      work_ns(product_work(g.m, g.k, g.n, g.batch, k) + product_work(g.k, g.n, g.m, g.batch, k),
+              device, k.matmul_permille);
+  // 4 m n k batch: the two products' nominal FLOPs (at most 2^123 with dims below 2^40 each, and
+  // the validated FLOPs keep it near 2 x 10^18).
+  const Wide nominal = saturating_mul(
+      saturating_mul(
+          saturating_mul(saturating_mul(4, static_cast<Wide>(g.m)), static_cast<Wide>(g.n)),
+          static_cast<Wide>(g.k)),
+      static_cast<Wide>(g.batch));
+  return {ceil_div(saturating_mul(pair, static_cast<Wide>(flops)), nominal)};
+}
+
+SimTime op_time(const ModelOp& op, bool backward, const DeviceProfile& device) {
+  const Wide compute = compute_time(op, backward, device).ns;
+  FERRY_CHECK(compute <= static_cast<Wide>(kMaxJsonNanoseconds),
+              "compute time of op {} is above {} ns: check_roofline first", op.name,
+              kMaxJsonNanoseconds);
+  const Bytes bytes = backward ? op.backward_bytes : op.bytes;
+  const std::int64_t memory =
+      roofline_ns(bytes.count(), device.memory_bandwidth.bytes_per_s(), memory_permille(device));
+  return SimTime(std::max({static_cast<std::int64_t>(compute), memory, std::int64_t{1}}));
+}
+
+/// An error when `amount` (the op's member `key`) takes longer than the format's longest
+/// duration at `permille` of `rate` (`unit` per second).
+Status check_roofline_term(std::string_view path, std::string_view key, std::int64_t amount,
+                           std::int64_t rate, std::int64_t permille, std::string_view unit,
+                           const DeviceProfile& device) {
+  const Wide ns = roofline_ns_wide(amount, rate, permille);
+  if (ns <= static_cast<Wide>(kMaxJsonNanoseconds)) return Ok{};
+  return error_at(json_member_path(path, key),
+                  "{} {} at {} {}/s x {}/1000 on device {} take over {} ns, the longest duration "
+                  "a model op may have",
+                  amount, unit, rate, unit, permille, json_quote(device.name), kMaxJsonNanoseconds);
+}
+
+/// The same for the FLOPs of an op's forward or backward under Note [Kernel timing].
+Status check_compute_term(std::string_view path, const ModelOp& op, bool backward,
+                          const DeviceProfile& device) {
+  const std::string_view key = backward ? "backward_flops" : "flops";
+  const std::int64_t flops = backward ? op.backward_flops : op.flops;
+  const ComputeTime time = compute_time(op, backward, device);
+  if (time.permille > 0) {
+    return check_roofline_term(path, key, flops, device.flops_per_s, time.permille, "FLOP", device);
+  }
+  if (time.ns <= static_cast<Wide>(kMaxJsonNanoseconds)) return Ok{};
+  return error_at(json_member_path(path, key),
+                  "{} FLOP of a {} x {} x {} (batch {}) matmul in {} x {} tiles on {} SMs of "
+                  "device {} take over {} ns, the longest duration a model op may have",
+                  flops, op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch,
+                  device.kernels.matmul_tile_m, device.kernels.matmul_tile_n,
+                  device.kernels.sm_count, json_quote(device.name), kMaxJsonNanoseconds);
+}
+
+}  // namespace
+
+Bytes collective_op_bytes(const Model& model, const ModelOp& op, bool backward) {
+  const std::optional<CollectiveKind>& kind =
+      backward ? op.collective.backward : op.collective.forward;
+  if (!op.collective.any() || !kind) return Bytes(0);
+  const std::int64_t in = tensor_bytes(model, op.inputs);
+  const std::int64_t out = tensor_bytes(model, op.outputs);
+  const std::int64_t from = backward ? out : in;
+  const std::int64_t to = backward ? in : out;
+  switch (*kind) {
+    case CollectiveKind::AllGather:
+      return Bytes(to);
+    case CollectiveKind::ReduceScatter:
+      return Bytes(from);
+    case CollectiveKind::AllReduce:
+    case CollectiveKind::AllToAll:
+      break;
+  }
+  return Bytes(std::max(from, to));
+}
+
+namespace {
+
+/// Op `op`'s collective time in its forward or backward on `device` (1 ns where that direction
+/// runs none); the link must be known.
+SimTime collective_op_time(const Model& model, const ModelOp& op, bool backward,
+                           const DeviceProfile& device) {
+  const std::optional<CollectiveKind>& kind =
+      backward ? op.collective.backward : op.collective.forward;
+  if (!kind) return SimTime(1);
+  const SimTime t =
+      collective_time(*kind, collective_op_bytes(model, op, backward),
+                      GroupPlacement{op.collective.ranks, op.collective.nodes}, device.collectives);
+  return std::max(t, SimTime(1));
+}
+
+/// Whether `device` has the link op `index`'s collective runs over, and its times fit the
+/// format.
+Status check_collective_time(const Model& model, std::size_t index, const DeviceProfile& device) {
+  const ModelOp& op = model.ops[index];
+  const bool inter = op.collective.nodes > 1;
+  const CollectiveLink& link =
+      inter ? device.collectives.inter_node : device.collectives.intra_node;
+  const std::string at = op_member(index, "collective");
+  if (!link.known()) {
+    return error_at(at,
+                    "device {} has no {} link for a collective over {} ranks on {} node{} (its "
+                    "profile's \"collectives\" section, docs/devices.md)",
+                    json_quote(device.name), inter ? "inter_node" : "intra_node",
+                    op.collective.ranks, op.collective.nodes, op.collective.nodes > 1 ? "s" : "");
+  }
+  for (const bool backward : {false, true}) {
+    const SimTime t = collective_op_time(model, op, backward, device);
+    if (t.ns() > kMaxJsonNanoseconds) {
+      return error_at(json_member_path(at, backward ? "backward" : "forward"),
+                      "{} bytes over device {}'s {} link take over {} ns, the longest duration a "
+                      "model op may have",
+                      collective_op_bytes(model, op, backward).count(), json_quote(device.name),
+                      inter ? "inter_node" : "intra_node", kMaxJsonNanoseconds);
+    }
+  }
+  return Ok{};
+}
+
+}  // namespace
+
+Status check_roofline(const Model& model, const DeviceProfile& device) {
+  const std::int64_t flops_rate = device.flops_per_s;
+  const std::int64_t byte_rate = device.memory_bandwidth.bytes_per_s();
+  if (flops_rate <= 0 || byte_rate <= 0) {
+    return Error{fmt::format("device profile {} needs positive flops_per_s and memory bandwidth",
+                             json_quote(device.name))};
+  }
+  const std::int64_t bytes_permille = memory_permille(device);
+  for (std::size_t i = 0; i < model.ops.size(); ++i) {
+    const ModelOp& op = model.ops[i];
+    if (op.collective.any()) {
+      FERRY_JSON_RETURN_IF_ERROR(check_collective_time(model, i, device));
+      continue;
+    }
+    const std::string path = op_path(i);
+    FERRY_JSON_RETURN_IF_ERROR(check_compute_term(path, op, false, device));
+    FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "bytes", op.bytes.count(), byte_rate,
+                                                   bytes_permille, "bytes", device));
+    FERRY_JSON_RETURN_IF_ERROR(check_compute_term(path, op, true, device));
+    FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "backward_bytes",
+                                                   op.backward_bytes.count(), byte_rate,
+                                                   bytes_permille, "bytes", device));
+  }
+  return Ok{};
+}
+
+Result<CheckedModel> with_roofline_durations(CheckedModel model, const DeviceProfile& device) {
+  if (auto fits = check_roofline(*model, device); !fits.ok()) return fits.error();
+  std::shared_ptr<Model> owned = model.model_.use_count() == 1
+                                     ? std::move(model.model_)
+                                     : std::make_shared<Model>(*model.model_);
+  assign_roofline_durations(*owned, device);
+  return CheckedModel(std::move(owned));
+}
+
+void assign_roofline_durations(Model& model, const DeviceProfile& device) {
+  FERRY_CHECK(device.flops_per_s > 0 && device.memory_bandwidth.bytes_per_s() > 0,
+              "device profile {} needs positive flops_per_s and memory bandwidth", device.name);
+  for (ModelOp& op : model.ops) {
+    FERRY_CHECK(op.flops >= 0 && op.bytes.count() >= 0 && op.backward_flops >= 0 &&
+                    op.backward_bytes.count() >= 0,
+                "op {} has a negative FLOP or byte count", op.name);
+    if (op.collective.any()) {
+      op.duration = collective_op_time(model, op, false, device);
+      op.backward_duration = collective_op_time(model, op, true, device);
+      continue;
+    }
+    op.duration = op_time(op, false, device);
+    op.backward_duration = op_time(op, true, device);
+  }
+}
+
+}  // namespace ferry::sim
