@@ -125,8 +125,10 @@ TEST(ExpertParallelModel, TheBusiestRankOfAnUnevenRoutingComputesItsRows) {
   // The fixture's own rows, traced under random routing with a capacity factor of 1.25: the
   // busiest of 8 ranks holds the expert of 1082 rows of 8192.
   const Model traced = testing::sized_family("mixtral");
-  EXPECT_EQ(expert_routing(traced), "busiest_rank");
-  EXPECT_EQ(expert_routing(balanced_mixtral()), "balanced");
+  EXPECT_EQ(expert_routing(traced), ExpertRouting::BusiestRank);
+  EXPECT_EQ(expert_routing(balanced_mixtral()), ExpertRouting::Balanced);
+  EXPECT_EQ(expert_routing_name(ExpertRouting::BusiestRank), "busiest_rank");
+  EXPECT_EQ(expert_routing_name(ExpertRouting::Balanced), "balanced");
   auto eight = expert_parallel_model(traced, 8, 1);
   ASSERT_TRUE(eight.ok()) << eight.error().message;
   for (const std::int32_t layer : {0, 1}) {

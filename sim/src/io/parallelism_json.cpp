@@ -113,7 +113,7 @@ nlohmann::ordered_json parallelism_report_json(const Parallelism& p, std::int32_
 
 nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
                                                const Parallelism& p, std::int32_t gpus_per_node,
-                                               std::string_view routing) {
+                                               ExpertRouting routing) {
   if (p.on()) document["fsdp"] = parallelism_report_json(p, gpus_per_node);
   // Each mesh axis in use: its ranks, what the simulation assumes of it, and that every figure
   // is one GPU's.
@@ -128,7 +128,7 @@ nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
   };
   axis("tp", p.tp, "sequence_parallel", true);
   axis("cp", p.cp, "rotation", "all_gather");
-  axis("ep", p.ep, "routing", routing);
+  axis("ep", p.ep, "routing", expert_routing_name(routing));
   if (p.ep > 1 && p.expert_capacity > 0) document["ep"]["capacity"] = p.expert_capacity;
   return document;
 }

@@ -117,7 +117,7 @@ std::string parallelism_text(const Parallelism& p, const DeviceProfile& device,
   }
   if (p.ep > 1) {
     axes.push_back(fmt::format("expert parallelism over {} GPUs ({}{})", p.ep,
-                               expert_routing(model) == "balanced"
+                               expert_routing(model) == ExpertRouting::Balanced
                                    ? "routing balanced"
                                    : "each layer at the rank its traced routing loads most",
                                p.expert_capacity > 0

@@ -401,11 +401,15 @@ Result<Model> rank_cut_detail::expert_parallel_cut(const Model& whole, std::int3
   return cut.run();
 }
 
-std::string_view expert_routing(const Model& model) {
+std::string_view expert_routing_name(ExpertRouting routing) {
+  return routing == ExpertRouting::BusiestRank ? "busiest_rank" : "balanced";
+}
+
+ExpertRouting expert_routing(const Model& model) {
   const bool given = std::ranges::any_of(model.ops, [](const ModelOp& o) {
     return is_grouped_matmul_kind(o.kind) && !o.group_rows.empty();
   });
-  return given ? "busiest_rank" : "balanced";
+  return given ? ExpertRouting::BusiestRank : ExpertRouting::Balanced;
 }
 
 }  // namespace ferry::sim

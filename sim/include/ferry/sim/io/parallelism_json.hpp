@@ -11,6 +11,7 @@
 #include "ferry/parallelism.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/json/json_reader.hpp"
+#include "ferry/sim/workload/rank_model.hpp"
 
 namespace ferry::sim {
 
@@ -31,10 +32,10 @@ Result<Parallelism> read_parallelism(const JsonValue& value);
 /// under tensor parallelism: {"ranks": T, "sequence_parallel": true, "per_rank": true} (every
 /// figure is one GPU's), and its "cp" member under context parallelism: {"ranks": C,
 /// "rotation": "all_gather", "per_rank": true}, and its "ep" member under expert parallelism:
-/// {"ranks": E, "routing": `routing` (expert_routing), "per_rank": true}.
+/// {"ranks": E, "routing": `routing`'s name (expert_routing_name), "per_rank": true}.
 [[nodiscard]] nlohmann::ordered_json with_parallelism_report(nlohmann::ordered_json document,
                                                              const Parallelism& p,
                                                              std::int32_t gpus_per_node,
-                                                             std::string_view routing);
+                                                             ExpertRouting routing);
 
 }  // namespace ferry::sim

@@ -4,6 +4,7 @@
 /// model] in tensor_parallel_cut.hpp; each cut has its files beside rank_cut.hpp, what they share).
 
 #include <cstdint>
+#include <string_view>
 
 #include "ferry/result.hpp"
 #include "ferry/sim/mesh/axes.hpp"
@@ -46,8 +47,17 @@ Result<Model> context_parallel_model(const Model& whole, std::int32_t cp, std::i
 Result<Model> expert_parallel_model(const Model& whole, std::int32_t ep, std::int32_t nodes = 1,
                                     double capacity = 0);
 
-/// How expert_parallel_model prices `model`'s routing: "busiest_rank" where a grouped matmul
-/// gives its group rows, else "balanced".
-[[nodiscard]] std::string_view expert_routing(const Model& model);
+/// How expert_parallel_model prices a model's routing.
+enum class ExpertRouting : std::uint8_t {
+  Balanced,     ///< every rank its even share of the routed rows
+  BusiestRank,  ///< each layer at the rank its routing loads most (ModelOp::group_rows)
+};
+
+/// "balanced", "busiest_rank": the name the reports give it.
+[[nodiscard]] std::string_view expert_routing_name(ExpertRouting routing);
+
+/// How expert_parallel_model prices `model`'s routing: BusiestRank where a grouped matmul gives
+/// its group rows, else Balanced.
+[[nodiscard]] ExpertRouting expert_routing(const Model& model);
 
 }  // namespace ferry::sim
