@@ -7,7 +7,7 @@ namespace ferry::sim::training {
 
 // Note [Mesh collectives]
 // A rank's model under tensor, context or expert parallelism holds the collectives as ops
-// (Note [Collective ops] in model.cpp), issued as torch issues a functional collective
+// (Note [Collective ops] in model_check.cpp), issued as torch issues a functional collective
 // (`_c10d_functional.all_gather_into_tensor` and the like, which DTensor dispatches): its
 // output is allocated by the current stream; the process group's stream first waits for the
 // current stream (W1: the collective reads inputs the current stream wrote, and writes a block

@@ -46,7 +46,7 @@ class RankCut {
   // A tensor added to `out` with `like`'s size, type and role, a storage of its own.
   static std::uint32_t add_tensor(Model& out, std::uint32_t like, std::string name);
   // A collective op over `axis` that moves `inputs` into `outputs`, in `near`'s layer and
-  // no-offload region (Note [Collective ops] in model.cpp).
+  // no-offload region (Note [Collective ops] in model_check.cpp).
   struct Exchange {
     std::string_view kind;  // the functional collective's operator
     CollectiveKind forward;

@@ -27,7 +27,7 @@ namespace ferry::sim::rank_cut_detail {
 // Under tensor parallelism each rank runs a smaller program than the whole model: its slices
 // of the projections, and the collectives DTensor inserts between them. tensor_parallel_model
 // writes that program as a model, so that checkpointing, offloading, planning and the hazard
-// checker treat a rank's collectives as the ops they are (Note [Collective ops] in model.cpp;
+// checker treat a rank's collectives as the ops they are (Note [Collective ops] in model_check.cpp;
 // Note [Mesh collectives] issues them). It cuts the model as torchtitan's plan for a decoder
 // does (ColwiseParallel, RowwiseParallel, SequenceParallel, a vocabulary-parallel embedding and
 // loss), and finds what each op is from the dataflow and the shapes:
