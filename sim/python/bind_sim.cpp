@@ -202,9 +202,10 @@ py::dict options_dict(const OffloadOptions& o, const Plan& p) {
 // plan(...) -> {report, text, plan_text, offload_options}: `ferry plan --json`'s report (the
 // plan in it under "plan"), the text report, the plan as `--out` writes it, and the offload
 // options the planner lowered it to for its checked run (as plan_offload_options gives them);
-// or {refused, floor, smallest_budget} when no plan fits the budget (floor: the smallest peak
-// reserved reached, or None; smallest_budget: the smallest budget that plans, the floor with
-// the margin added back, or None).
+// or {refused, floor, smallest_budget, document} when no plan fits the budget (floor: the
+// smallest peak reserved reached, or None; smallest_budget: the smallest budget that plans, the
+// floor with the margin added back, or None; document: the `ferry.plan-refusal/1` document
+// `ferry plan --json` prints, whose floor is the smallest budget that plans on the device).
 py::dict plan(const sim::PlanRequest& request) {
   const sim::Response response = answer(request);
   py::dict out;
@@ -215,6 +216,7 @@ py::dict plan(const sim::PlanRequest& request) {
     out["smallest_budget"] = response.smallest_budget.count() > 0
                                  ? py::object(py::int_(response.smallest_budget.count()))
                                  : py::none();
+    out["document"] = to_python(response.document);
     return out;
   }
   out["report"] = to_python(response.document);
@@ -390,9 +392,9 @@ void bind_plans(py::module_& m) {
       py::arg("cp") = d.mesh.cp, py::arg("ep") = d.mesh.ep,
       py::arg("expert_capacity") = d.mesh.expert_capacity, py::arg("trainer") = py::none(),
       py::arg("jobs") = d.jobs, py::arg("progress") = py::none(),
-      "{report, text, plan_text}, or {refused, floor, smallest_budget} when no plan fits; with "
-      "planners, a "
-      "PlannerCache, a model given as text is planned by the planner it keeps for it; with "
+      "{report, text, plan_text}, or {refused, floor, smallest_budget, document} when no plan "
+      "fits; with planners, a PlannerCache, a model given as text is planned by the planner it "
+      "keeps for it; with "
       "trainer, also trainer_flags (the trainer's best setting as its command-line flags); jobs: "
       "simulations at once (0: one per hardware thread); progress(stage, done, total, best_ns) "
       "hears each step of the search");

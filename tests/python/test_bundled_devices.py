@@ -81,7 +81,11 @@ def test_the_planner_plans_on_every_profile(cli, name):
     if code == 0:
         check_plan(plan, memory)
     else:
-        # Refused only where the smallest peak the planner reaches exceeds the device.
+        # Refused only where the smallest peak the planner reaches exceeds the device: then no
+        # budget on it plans, and the refusal names none, only the memory a device would need.
         assert code == 1, err
         assert plan["format"] == "ferry.plan-refusal/1", plan
-        assert plan["floor_bytes"] > memory, plan
+        assert plan["peak_floor_bytes"] > memory, plan
+        assert plan["floor_bytes"] is None and plan["smallest_budget_bytes"] is None, plan
+        assert plan["device_memory_needed_bytes"] == plan["peak_floor_bytes"], plan
+        assert f"no budget on {name} plans" in plan["refusal"], plan

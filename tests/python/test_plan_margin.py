@@ -98,47 +98,48 @@ def test_python_m_ferry_auto_passes_the_margin(tmp_path, capsys):
 
 @pytest.mark.parametrize("margin", [None, 0, 12.5, 50])
 def test_a_refusal_names_the_smallest_budget_that_plans(margin):
-    """The budget a refusal names is the floor with the margin added back: asked for, it plans,
-    and its budget less the margin is the smallest that holds the floor."""
+    """The floor a refusal names is the smallest peak with the margin added back: asked for, it
+    plans, and its budget less the margin is the smallest that holds the peak."""
     with pytest.raises(ferry.PlanError) as refused:
         ferry.plan(MODEL, budget="1MiB", device=DEVICE, margin=margin)
     error = refused.value
-    assert error.exit_code == 1 and error.floor is not None
-    budget = error.smallest_budget
-    assert "so the smallest budget that plans is " in str(error)
-    assert f"({budget} bytes" in str(error)
+    assert error.exit_code == 1 and error.peak_floor is not None
+    budget = error.floor
+    assert error.smallest_budget == budget and error.device_memory_needed is None
+    assert "the floor (the smallest budget that plans) is " in str(error)
+    assert f"({budget} bytes)" in str(error) and f"({error.peak_floor} bytes)" in str(error)
     report = ferry.plan(MODEL, budget=budget, device=DEVICE, margin=margin)
     planned = report["planned_budget_bytes"]
     assert report["budget_bytes"] == budget and report["hazards"] == 0
-    assert report["peak_reserved_bytes"] <= planned and planned >= error.floor
+    assert report["peak_reserved_bytes"] <= planned and planned >= error.peak_floor
     permille = report["margin_permille"]
     one_less = (budget - 1) - ((budget - 1) * permille + 999) // 1000
-    assert one_less < error.floor, (budget, error.floor, permille)
-    if permille > 0:
-        assert budget > error.floor
+    assert one_less < error.peak_floor, (budget, error.peak_floor, permille)
+    assert (budget > error.peak_floor) == (permille > 0)
 
 
 def test_auto_plans_at_the_budget_its_refusal_names():
-    """`ferry.auto(..., budget=e.smallest_budget)` after a refusal plans, at the default margin
-    (the floor alone is refused again: it is the budget less the margin that must hold it)."""
+    """`ferry.auto(..., budget=e.floor)` after a refusal plans, at the default margin (the peak
+    alone is refused again: it is the budget less the margin that must hold it)."""
     model, inputs = TinyLM(), torch.randn(2, 16, 32)
     traced = ferry.auto(model, inputs, budget="1GiB", loss_fn=loss_of).traced
     with pytest.raises(ferry.PlanError) as refused:
         ferry.auto(model, inputs, budget=1, loss_fn=loss_of, traced=traced)
     error = refused.value
     assert str(error).startswith("ferry.auto: ferry plan refused: ")
-    assert error.exit_code == 1 and error.floor < error.smallest_budget
+    assert error.exit_code == 1 and error.peak_floor < error.floor == error.smallest_budget
     with pytest.raises(ferry.PlanError, match=r"less its 16 % margin"):
-        ferry.auto(model, inputs, budget=error.floor, loss_fn=loss_of, traced=traced)
-    ctx = ferry.auto(model, inputs, budget=error.smallest_budget, loss_fn=loss_of, traced=traced)
-    assert ctx.plan["budget_bytes"] == error.smallest_budget
+        ferry.auto(model, inputs, budget=error.peak_floor, loss_fn=loss_of, traced=traced)
+    ctx = ferry.auto(model, inputs, budget=error.floor, loss_fn=loss_of, traced=traced)
+    assert ctx.plan["budget_bytes"] == error.floor
 
 
 def test_a_trainers_refusal_names_the_smallest_budget_that_plans():
-    """`trainer=`: no setting of the trainer's space fits; the budget it names plans."""
+    """`trainer=`: no setting of the trainer's space fits; the floor it names plans."""
     with pytest.raises(ferry.PlanError, match=r"smallest budget that plans in hf's space") as e:
         ferry.plan("tiny-gpt", budget="1MiB", trainer="hf")
-    budget = e.value.smallest_budget
+    budget = e.value.floor
+    assert budget == e.value.smallest_budget
     assert f"({budget} bytes" in str(e.value)
     report = ferry.plan("tiny-gpt", budget=budget, trainer="hf")
     assert report["trainer"]["best"] is not None

@@ -106,8 +106,8 @@ def auto(
             is not the model's degree (or its parameters lie on a mesh ferry.auto does not
             plan: several meshes, one of several dimensions, FSDP2's).
         PlanError: The planner refused (a budget below the floor: the message names the
-            floor, also in ``floor``, and the smallest budget that plans, the floor with the
-            margin added back, also in ``smallest_budget``).
+            floor, the smallest budget that plans, also in ``floor``: ``budget=e.floor``
+            plans; ``peak_floor`` is the smallest peak reserved, without the margin).
     """
     # Read once, before anything is traced; the planner takes them as read.
     budget_bytes = read_bytes(budget, "ferry.auto: budget", required=True)
@@ -160,6 +160,6 @@ def _check_traced(traced: Any, model: torch.nn.Module) -> None:
 def _prefixed(error: PlanError, who: str) -> PlanError:
     """``error`` again, its message starting with ``who``."""
     again = PlanError(f"{who}: {error}")
-    again.exit_code, again.floor = error.exit_code, error.floor
-    again.smallest_budget = error.smallest_budget
+    for name in ("exit_code", "floor", "smallest_budget", "peak_floor", "device_memory_needed"):
+        setattr(again, name, getattr(error, name))
     return again

@@ -206,9 +206,8 @@ def plan(
             report's ``"trainer"`` member is also the fastest setting of that trainer's own
             activation checkpointing that fits, as its configuration and command-line flags,
             with every setting of its space (docs/plan.md, "A trainer's own settings"); a
-            budget none of them fits is refused (``PlanError``, ``floor`` the smallest peak
-            reserved in the space, ``smallest_budget`` the budget at which it fits). None:
-            ferry's plan only.
+            budget none of them fits is refused (``PlanError``, ``floor`` the smallest
+            budget at which some setting fits). None: ferry's plan only.
         **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
             ``reshard_after_forward``, ``fsdp_impl``): the plan is one rank's, ``budget`` per
             rank and ``host_budget`` per node; ``tp``, ``cp``, ``ep`` and ``expert_capacity``
@@ -224,11 +223,11 @@ def plan(
         ``ferry plan --out`` writes), checked: ``ferry.offload(plan=...)`` takes it as it is.
 
     Raises:
-        PlanError: No plan fits the budget (``exit_code`` 1; ``floor`` is the smallest peak
-            reserved in bytes the planner reached, when it names one, else None;
-            ``smallest_budget`` the smallest budget that plans, the floor with the margin added
-            back: ``budget=e.smallest_budget`` plans), or the planner refuses the model, device
-            or budget (``exit_code`` 2, both None).
+        PlanError: No plan fits the budget (``exit_code`` 1; ``floor`` the smallest budget
+            that plans, in bytes: the smallest peak reserved the planner reached, ``peak_floor``,
+            with the margin added back, so ``budget=e.floor`` plans; None where no budget on the
+            device plans, the message saying what would, or none is known), or the planner
+            refuses the model, device or budget (``exit_code`` 2, the rest None).
         TypeError: A budget that is no byte count.
     """
     budget = byte_count(budget, "budget")
@@ -279,18 +278,26 @@ def run_planner(
         )
     except ValueError as e:
         error = PlanError(f"ferry plan: {e}")
-        error.exit_code, error.floor, error.smallest_budget = EXIT_BAD_INPUT, None, None
+        error.exit_code = EXIT_BAD_INPUT
         raise error from None
     finally:
         if line is not None:
             line.clear()
     if "refused" in made:
-        error = PlanError(f"ferry plan refused: {made['refused']}")
-        error.exit_code, error.floor = EXIT_INFEASIBLE, made["floor"]
-        error.smallest_budget = made["smallest_budget"]
-        raise error
+        raise refusal_error(made["document"])
     made["report"]["plan"] = CheckedPlan(made["report"]["plan"], made["offload_options"])
     return made
+
+
+def refusal_error(document: dict[str, Any]) -> PlanError:
+    """The ``PlanError`` of a ``ferry.plan-refusal/1`` document: its message and its floor
+    (the smallest budget that plans), as ``ferry plan --json`` names them."""
+    error = PlanError(f"ferry plan refused: {document['refusal']}")
+    error.exit_code = EXIT_INFEASIBLE
+    error.floor = error.smallest_budget = document["floor_bytes"]
+    error.peak_floor = document["peak_floor_bytes"]
+    error.device_memory_needed = document["device_memory_needed_bytes"]
+    return error
 
 
 def planner_jobs() -> int:

@@ -417,6 +417,8 @@ Result<TrainerChoice> trainer_choice(const PlanRequest& r, const Workload& w, co
   };
   TrainerChoice c{
       .trainer = *r.trainer, .planned_budget = planned_budget, .margin_permille = margin_permille};
+  c.device = w.device.name;
+  c.device_memory = w.device.memory;
   for (TrainerSetting& setting : trainer_space(*r.trainer, *w.model)) {
     auto row = run_setting(setting, false);
     if (!row) return row.error();
@@ -624,18 +626,24 @@ Result<Response> respond(const CompareRequest& r) {
 
 namespace {
 
-// `out` refused: its refusal, floor and smallest budget as a `ferry.plan-refusal/1` document
-// too (what `ferry plan --json` prints for it).
-Response refused(Response out, std::int32_t margin_permille) {
+// `out` refused: its refusal and floor as a `ferry.plan-refusal/1` document too (what `ferry
+// plan --json` prints for it). The floor is the smallest budget that plans (Note [The floor is a
+// budget]), null where none is known or none on the device's `memory` plans; the smallest peak
+// is `peak_floor_bytes`, and a budget above the device `device_memory_needed_bytes`.
+Response refused(Response out, std::int32_t margin_permille, Bytes memory) {
   out.outcome = Outcome::Refused;
+  const auto bytes = [](Bytes b) {
+    return b.count() > 0 ? nlohmann::ordered_json(b.count()) : nlohmann::ordered_json(nullptr);
+  };
+  const bool above = out.smallest_budget > memory;
   nlohmann::ordered_json j;
   j["format"] = "ferry.plan-refusal/1";
   j["refusal"] = out.refusal;
-  j["floor_bytes"] = out.floor.count() > 0 ? nlohmann::ordered_json(out.floor.count()) : nullptr;
+  j["floor_bytes"] = bytes(above ? Bytes(0) : out.smallest_budget);
   j["margin_permille"] = margin_permille;
-  j["smallest_budget_bytes"] = out.smallest_budget.count() > 0
-                                   ? nlohmann::ordered_json(out.smallest_budget.count())
-                                   : nullptr;
+  j["smallest_budget_bytes"] = j["floor_bytes"];
+  j["peak_floor_bytes"] = bytes(out.floor);
+  j["device_memory_needed_bytes"] = bytes(above ? out.smallest_budget : Bytes(0));
   out.document = std::move(j);
   return out;
 }
@@ -711,15 +719,17 @@ Result<Response> respond(const PlanRequest& r) {
       if (out.smallest_budget.count() > 0 && trainer_budget.count() > 0) {
         if (trainer_budget > out.smallest_budget) {
           out.smallest_budget = trainer_budget;
-          out.refusal +=
-              fmt::format("; the smallest budget that plans both is {} ({} bytes)",
-                          format_bytes(out.smallest_budget), out.smallest_budget.count());
+          if (trainer_budget <= w.device.memory) {
+            out.refusal +=
+                fmt::format("; the smallest budget that plans both is {} ({} bytes)",
+                            format_bytes(out.smallest_budget), out.smallest_budget.count());
+          }
         }
       } else {
         out.smallest_budget = Bytes(0);
       }
     }
-    return refused(std::move(out), options.margin_permille);
+    return refused(std::move(out), options.margin_permille, w.device.memory);
   }
   if (choice && !choice->best) {
     // The question was the trainer's: ferry's own plan fitting does not answer it.
@@ -734,7 +744,7 @@ Result<Response> respond(const PlanRequest& r) {
       }
     }
     out.smallest_budget = trainer_smallest_budget(*choice);
-    return refused(std::move(out), options.margin_permille);
+    return refused(std::move(out), options.margin_permille, w.device.memory);
   }
   out.document = plan_report_json(outcome.value(), *rank.model, w.device);
   out.text = plan_text(outcome.value(), *rank.model, w.device);

@@ -365,6 +365,38 @@ std::string margin_text(std::int32_t margin_permille) {
              : fmt::format("{}.{} %", margin_permille / 10, margin_permille % 10);
 }
 
+std::int32_t largest_margin_within(Bytes peak, Bytes memory, std::int32_t margin_permille) {
+  for (std::int32_t m = margin_permille; m >= 0; --m) {
+    if (budget_less_margin(memory, m) >= peak) return m;
+  }
+  return -1;
+}
+
+std::string no_budget_on_device(Bytes peak, std::int32_t margin_permille, std::string_view device,
+                                Bytes memory, std::string_view space) {
+  const Bytes budget = smallest_budget_for(peak, margin_permille);
+  std::string out = fmt::format(
+      "no budget on {} plans{}: the smallest peak reserved reached is {} ({} bytes), so the "
+      "floor (the smallest budget that plans) would be {} ({} bytes{}), above the device's {} of "
+      "memory; it "
+      "plans on a device with at least {} of memory, or over more GPUs, each holding less "
+      "(--fsdp N, --tp N)",
+      device, space, format_bytes(peak), peak.count(), format_bytes(budget), budget.count(),
+      margin_permille > 0 ? fmt::format(", margin {}", margin_text(margin_permille))
+                          : std::string(),
+      format_bytes(memory), format_bytes(budget));
+  const std::int32_t smaller = largest_margin_within(peak, memory, margin_permille);
+  if (smaller >= 0) {
+    // The peak fits the device, the margin does not: a smaller one plans at its whole memory.
+    const std::string percent = margin_text(smaller);  // "5.3 %"
+    out += fmt::format(
+        ", or on {} at its whole memory ({} bytes) with a margin of at most {} "
+        "(--margin {})",
+        device, memory.count(), percent, percent.substr(0, percent.size() - 2));
+  }
+  return out;
+}
+
 namespace {
 
 // Why `row`, the checked run of a candidate, cannot be the plan; empty when it can.
@@ -478,22 +510,32 @@ Error infeasible(const planning::PlannerState& p, const planning::Search& search
         refused)};
   }
   const Bytes floor = search.floor();
-  const bool known = floor.count() != std::numeric_limits<std::int64_t>::max();
-  std::string ask;
-  if (known) {
-    // The budget to ask for: the floor with the margin added back.
-    const Bytes budget = smallest_budget_for(floor, options.margin_permille);
-    ask = fmt::format(", so the smallest budget that plans is {} ({} bytes{})",
-                      format_bytes(budget), budget.count(),
-                      options.margin_permille > 0
-                          ? fmt::format(", margin {}", margin_text(options.margin_permille))
-                          : std::string());
+  if (floor.count() == std::numeric_limits<std::int64_t>::max()) {
+    return Error{fmt::format(
+        "infeasible budget: no plan fits {} of peak reserved device memory{} on {}, and no run "
+        "of the search completed, so no floor is known",
+        format_bytes(options.budget), host, p.device.name)};
+  }
+  // The floor a refusal names is a budget: the smallest peak with the margin added back, which
+  // asked for plans (Note [The floor is a budget]).
+  const Bytes budget = smallest_budget_for(floor, options.margin_permille);
+  if (budget > p.device.memory) {
+    return Error{fmt::format(
+        "infeasible budget: no plan fits {} of peak reserved device memory{} on {}; {}",
+        format_bytes(options.budget), host, p.device.name,
+        no_budget_on_device(floor, options.margin_permille, p.device.name, p.device.memory, ""))};
+  }
+  const std::string floor_is = fmt::format(
+      "infeasible budget: no plan fits {} of peak reserved device memory{} on {}; the floor (the "
+      "smallest budget that plans) is {} ({} bytes)",
+      format_bytes(options.budget), host, p.device.name, format_bytes(budget), budget.count());
+  if (options.margin_permille == 0) {
+    return Error{floor_is + ", the smallest peak reserved the planner reached"};
   }
   return Error{fmt::format(
-      "infeasible budget: no plan fits {} of peak reserved device memory{} on {}; the floor (the "
-      "smallest peak reserved the planner reached) is {} ({} bytes){}",
-      format_bytes(options.budget), host, p.device.name,
-      known ? format_bytes(floor) : std::string("unknown"), known ? floor.count() : 0, ask)};
+      "{}: the smallest peak reserved the planner reached, {} ({} bytes), with the {} margin "
+      "added back",
+      floor_is, format_bytes(floor), floor.count(), margin_text(options.margin_permille))};
 }
 
 }  // namespace

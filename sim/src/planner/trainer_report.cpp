@@ -48,13 +48,21 @@ std::string trainer_refusal(const TrainerChoice& c) {
   if (least == nullptr) {
     return fmt::format("no setting of {}'s space completed a step on the device", name);
   }
+  const Bytes peak = least->row.peak_reserved;
+  const Bytes budget = smallest_budget_for(peak, c.margin_permille);
+  if (c.device_memory.count() > 0 && budget > c.device_memory) {
+    return fmt::format(
+        "no setting of {}'s space fits the budget (planned to {}), {} being the "
+        "leanest; {}",
+        name, format_bytes(c.planned_budget), trainer_label(least->setting),
+        no_budget_on_device(peak, c.margin_permille, c.device, c.device_memory,
+                            fmt::format(" in {}'s space", name)));
+  }
   return fmt::format(
       "no setting of {}'s space fits the budget (planned to {}): the smallest peak reserved in "
       "it is {} ({}), so the smallest budget that plans in {}'s space is {} ({} bytes{})",
-      name, format_bytes(c.planned_budget), format_bytes(least->row.peak_reserved),
-      trainer_label(least->setting), name,
-      format_bytes(smallest_budget_for(least->row.peak_reserved, c.margin_permille)),
-      smallest_budget_for(least->row.peak_reserved, c.margin_permille).count(),
+      name, format_bytes(c.planned_budget), format_bytes(peak), trainer_label(least->setting), name,
+      format_bytes(budget), budget.count(),
       c.margin_permille > 0 ? fmt::format(", margin {}", margin_text(c.margin_permille)) : "");
 }
 

@@ -7,7 +7,7 @@ the planner of ``ferry plan --model scenario.json --budget B --out plan.json`` (
 planner's report. Apply the plan to the model with
 ``ferry.offload(plan="plan.json", model=model)`` (docs/plan.md, "Applying a plan").
 
-Exit codes: 0 planned; 1 the budget is below the floor (the message names it, and the smallest
+Exit codes: 0 planned; 1 the budget is below the floor (the message names it: the smallest
 budget that plans); 2 bad arguments or config.
 """
 

@@ -17,7 +17,29 @@ LOSS_OP = "loss"
 
 
 class PlanError(ValueError):
-    """A plan that cannot be read, or that does not fit the model it is applied to."""
+    """A plan that cannot be read, or that does not fit the model it is applied to.
+
+    From ``ferry.plan`` and ``ferry.auto``, a budget no plan fits: ``exit_code`` 1 (2 for a
+    model, device or budget the planner refuses) and, as ``ferry plan --json``'s
+    ``ferry.plan-refusal/1`` names them (docs/plan.md, "A budget below the floor"):
+
+    Attributes:
+        floor: The smallest budget that plans, in bytes: the smallest peak reserved the
+            planner reached with the margin added back, rounded up, so that
+            ``budget=e.floor`` plans and one byte less does not. None where no budget on the
+            device plans (then ``device_memory_needed``) or none is known.
+        smallest_budget: The same as ``floor``.
+        peak_floor: The smallest peak reserved the planner reached, without the margin.
+        device_memory_needed: Where the smallest budget that plans is above the device's
+            memory, that budget (a device with that much memory plans; the message says what
+            else would); else None.
+    """
+
+    exit_code: int | None = None
+    floor: int | None = None
+    smallest_budget: int | None = None
+    peak_floor: int | None = None
+    device_memory_needed: int | None = None
 
 
 def fail(where: str, message: str) -> NoReturn:

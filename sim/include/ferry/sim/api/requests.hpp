@@ -200,9 +200,11 @@ struct Response {
   Outcome outcome = Outcome::Ok;
   nlohmann::ordered_json document;
   std::string text;
-  /// Refused: the planner's error, the floor it reached (0: none known), and the smallest
-  /// budget that plans, the floor with the margin added back (smallest_budget_for; 0: none
-  /// known); `document` is then a `ferry.plan-refusal/1` document of the three.
+  /// Refused: the planner's error, the smallest peak reserved it reached (0: none known), and
+  /// the smallest budget that plans, that peak with the margin added back (smallest_budget_for;
+  /// 0: none known), which may be above the device's memory; `document` is then a
+  /// `ferry.plan-refusal/1` document of them, whose floor is that budget where the device has
+  /// it (Note [The floor is a budget]).
   std::string refusal;
   Bytes floor{0};
   Bytes smallest_budget{0};

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -50,8 +51,27 @@ inline constexpr std::int32_t kMaxPlanMarginPermille = 500;
 /// `budget` less `margin_permille` thousandths of it, the margin rounded up to whole bytes.
 [[nodiscard]] Bytes budget_less_margin(Bytes budget, std::int32_t margin_permille);
 /// The smallest budget whose budget less `margin_permille` thousandths (as budget_less_margin
-/// rounds it) holds `peak`: what a refusal names as the budget to ask for.
+/// rounds it) holds `peak`: what a refusal names as the floor (Note [The floor is a budget]).
 [[nodiscard]] Bytes smallest_budget_for(Bytes peak, std::int32_t margin_permille);
+/// The largest margin, at most `margin_permille`, at which a budget of `memory` holds `peak`;
+/// -1 when none does (`peak` is above `memory`).
+[[nodiscard]] std::int32_t largest_margin_within(Bytes peak, Bytes memory,
+                                                 std::int32_t margin_permille);
+/// A refusal's words when the smallest budget that plans for `peak` at `margin_permille` is
+/// above `device`'s `memory`: no budget on it plans (`space`: " in hf's space" or empty), and
+/// what would: a device with that much memory, more GPUs, or a smaller margin where the peak
+/// fits the device.
+[[nodiscard]] std::string no_budget_on_device(Bytes peak, std::int32_t margin_permille,
+                                              std::string_view device, Bytes memory,
+                                              std::string_view space);
+
+// Note [The floor is a budget]
+// A refusal names the floor as the budget to ask for: the smallest peak reserved the search
+// reached with the margin added back (smallest_budget_for), the smallest budget whose part
+// below the margin holds that peak, so that asking for it plans and one byte less is refused
+// again. The peak itself is named beside it (`peak_floor_bytes`, PlanError.peak_floor). Where
+// that budget is above the device's memory no budget on the device plans, and the refusal says
+// so and what would (no_budget_on_device) instead of naming a budget the device cannot give.
 
 /// A margin as the reports print it: "6 %", "5.5 %".
 [[nodiscard]] std::string margin_text(std::int32_t margin_permille);
@@ -133,9 +153,10 @@ class Planner {
   /// Finds the fastest plan it can whose checked simulation has zero hazards, completes, and
   /// peaks within the budgets; never slower than the fastest fixed configuration of `ferry
   /// compare` that a plan can express and that fits. The error says the budget is infeasible
-  /// and names the floor (the smallest peak reserved any run reached) and the smallest budget
-  /// that plans (smallest_budget_for the floor at the margin); `floor` (when not null) receives
-  /// that floor, or 0 where the error names none (plans reached the budget and every one failed
+  /// and names the floor, the smallest budget that plans (smallest_budget_for the smallest peak
+  /// reserved any run reached, at the margin; Note [The floor is a budget]), or that no budget
+  /// on the device plans; `floor` (when not null) receives that smallest peak (without the
+  /// margin), or 0 where the error names none (plans reached the budget and every one failed
   /// its checked run: the error says why). `options.steps` is the planner's.
   Result<PlanOutcome> plan(const PlannerOptions& options, Bytes* floor = nullptr);
 

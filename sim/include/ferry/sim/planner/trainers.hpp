@@ -112,13 +112,18 @@ struct TrainerChoice {
   /// The best setting's run with the hazard checker and content checks on, as `ferry simulate
   /// --for T` runs it: the figures printed.
   RowResult checked{};
+  /// The device the space ran on, and its memory: a smallest budget above it is not named
+  /// (Note [The floor is a budget]); 0: not known.
+  std::string device{};
+  Bytes device_memory{0};
 };
 
 /// Why no setting of `c`'s space fits, naming the smallest budget that plans in it.
 [[nodiscard]] std::string trainer_refusal(const TrainerChoice& c);
 /// The smallest budget at which some setting of the space fits at `c`'s margin: the smallest
 /// peak reserved of a completed run with the margin added back (smallest_budget_for); 0 when no
-/// setting completed a step.
+/// setting completed a step (the device's memory is not checked: trainer_refusal says when it
+/// is above it).
 [[nodiscard]] Bytes trainer_smallest_budget(const TrainerChoice& c);
 
 /// The report's lines on the trainer: its best setting as its configuration text, its figures,
