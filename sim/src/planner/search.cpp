@@ -162,6 +162,19 @@ void local_search(Search& search, Position& position, const PlanKnobs& knobs, st
   }
 }
 
+// Runs the bisection's probe `mid` of [lo, hi) ahead, beside the probes that may follow it: the
+// middle of [lo, mid) (when mid fits) and of [mid + 1, hi) (when it does not), as many as the
+// cost model runs at once. The bisection then asks for the same plans in the same order as
+// without workers; a probe it does not reach is run for nothing.
+template <typename PlanOf>
+void run_probes_ahead(Search& search, std::size_t lo, std::size_t mid, std::size_t hi,
+                      const PlanOf& plan_of) {
+  std::vector<Plan> probes = {plan_of(mid)};
+  if (lo < mid) probes.push_back(plan_of(lo + (mid - lo) / 2));
+  if (mid + 1 < hi) probes.push_back(plan_of(mid + 1 + (hi - mid - 1) / 2));
+  search.ahead(probes, false);
+}
+
 // The fastest uniform plan that fits (Note [Planner search]): every layer at level k, the last
 // m layers offloaded; for each k from 0 up, the smallest m that fits, found by bisection (the
 // peak falls as m grows, and as k does: the bisection for k starts from the m found for the
@@ -209,6 +222,10 @@ std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
     std::size_t hi = most;
     while (lo < hi) {
       const std::size_t mid = lo + (hi - lo) / 2;
+      if (search.cost().width() > 1) {
+        run_probes_ahead(search, lo, mid, hi,
+                         [&](std::size_t m) { return search.plan_of(config(m), knobs); });
+      }
       if (try_m(mid)) {
         hi = mid;
       } else {
