@@ -1,11 +1,21 @@
-"""Training on several ranks over gloo on CPU, one process each (the distributed tests): what
-each rank runs, and how a rank leaves."""
+"""Training on several ranks over gloo on CPU, one process each (the distributed tests): how the
+test starts the ranks and gathers what they saved, what each rank runs, and how a rank leaves."""
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def spawn_ranks(run, world, out_dir, *args):
+    """Runs ``run(rank, store_path, out_dir, *args)`` in `world` processes, one a rank, each of
+    which ends in run_rank; returns what each rank saved, by rank."""
+    out_dir = Path(out_dir)
+    mp.spawn(run, args=(str(out_dir / "store"), str(out_dir), *args), nprocs=world, join=True)
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world)]
 
 
 def same_steps(want, got):

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from gloo_ranks import run_rank, same_steps, spawn_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
@@ -79,7 +80,6 @@ def _run(rank, store_path, out_dir):
     # FERRY_LOOPBACK says (tests/python/conftest.py).
     import conftest  # noqa: F401
     import ferry
-    from gloo_ranks import run_rank, same_steps
 
     def body():
         mesh = init_device_mesh("cpu", (WORLD,))
@@ -134,9 +134,7 @@ def _run(rank, store_path, out_dir):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tensor_parallel")
-    mp.spawn(_run, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+    return spawn_ranks(_run, WORLD, tmp_path_factory.mktemp("tensor_parallel"))
 
 
 @pytest.mark.parametrize("mode", MODES)

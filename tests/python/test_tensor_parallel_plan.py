@@ -27,7 +27,8 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from gloo_ranks import run_rank, spawn_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
@@ -183,7 +184,6 @@ def _run(rank, store_path, out_dir):
     import conftest  # noqa: F401  (the loopback sessions of the test process)
     import ferry
     from ferry.testing import planted_offload
-    from gloo_ranks import run_rank
 
     def body():
         mesh = init_device_mesh("cpu", (WORLD,))
@@ -331,9 +331,7 @@ def _run(rank, store_path, out_dir):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tensor_parallel_plan")
-    mp.spawn(_run, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+    return spawn_ranks(_run, WORLD, tmp_path_factory.mktemp("tensor_parallel_plan"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
