@@ -27,6 +27,7 @@ import transformers
 import ferry
 from ferry import PlanError
 from models import assert_same_grads
+from traced_families import DEEPSEEK_V3_LAYOUT
 
 VOCAB = 256
 HIDDEN = 64
@@ -71,21 +72,7 @@ _MOE = {
     "deepseek_v3": (
         transformers.DeepseekV3Config,
         transformers.DeepseekV3ForCausalLM,
-        {
-            "num_key_value_heads": 4,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 16,
-            "first_k_dense_replace": 1,
-            "n_routed_experts": 4,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 2,
-            "n_group": 1,
-            "topk_group": 1,
-            "moe_intermediate_size": 32,
-        },
+        DEEPSEEK_V3_LAYOUT,
     ),
 }
 

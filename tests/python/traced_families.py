@@ -29,6 +29,25 @@ _DECODER = {
     "max_position_embeddings": 256,
 }
 
+#: DeepSeek-V3's layout, tiny, as config fields over a decoder's: multi-head latent attention
+#: (low-rank Q and KV, a rotary part of each head apart), a dense first layer, then shared and
+#: routed experts with a sigmoid router.
+DEEPSEEK_V3_LAYOUT = {
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": 32,
+}
+
 #: family -> (model_type, config fields, attention implementation). Gemma-2 has no SDPA path
 #: in transformers 5 (its logit soft-capping); GPT-2 runs eager, as the `tiny-gpt` preset does.
 FAMILIES = {
@@ -61,29 +80,7 @@ FAMILIES = {
         },
         "sdpa",
     ),
-    # DeepSeek-V3's layout: multi-head latent attention (low-rank Q and KV, a rotary part of
-    # each head apart), a dense first layer, then shared and routed experts with a sigmoid
-    # router.
-    "deepseek_v3": (
-        "deepseek_v3",
-        {
-            **_DECODER,
-            "num_key_value_heads": 4,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 16,
-            "first_k_dense_replace": 1,
-            "n_routed_experts": 4,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 2,
-            "n_group": 1,
-            "topk_group": 1,
-            "moe_intermediate_size": 32,
-        },
-        "sdpa",
-    ),
+    "deepseek_v3": ("deepseek_v3", {**_DECODER, **DEEPSEEK_V3_LAYOUT}, "sdpa"),
 }
 
 #: The mixture-of-experts families.
