@@ -27,7 +27,7 @@ import transformers
 import ferry
 from ferry import PlanError
 from models import assert_same_grads
-from traced_families import DEEPSEEK_V3_LAYOUT
+from traced_families import DEEPSEEK_V3_LAYOUT, decoder_fields
 
 VOCAB = 256
 HIDDEN = 64
@@ -37,16 +37,7 @@ BATCH, SEQ = 2, 128
 
 def _decoder(config_class, model_class, dtype=torch.float32, experts=None, **extra):
     def make():
-        fields = {
-            "vocab_size": VOCAB,
-            "hidden_size": HIDDEN,
-            "num_hidden_layers": LAYERS,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "intermediate_size": 2 * HIDDEN,
-            "max_position_embeddings": SEQ,
-            **extra,
-        }
+        fields = {**decoder_fields(VOCAB, HIDDEN, LAYERS, SEQ), **extra}
         config = config_class(**fields)
         if experts is not None:
             config._experts_implementation = experts

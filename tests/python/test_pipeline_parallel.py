@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import pipeline_ranks  # noqa: E402
-from gloo_ranks import run_rank, spawn_ranks  # noqa: E402
+from gloo_ranks import ranks_fixture, run_rank  # noqa: E402
 from pipeline_ranks import MODES, SCHEDULES  # noqa: E402
 
 WORLD = 2
@@ -105,9 +105,7 @@ def _run(rank, store_path, out_dir):
     run_rank(rank, WORLD, store_path, out_dir, body)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return spawn_ranks(_run, WORLD, tmp_path_factory.mktemp("pipeline_parallel"))
+ranks = ranks_fixture(_run, WORLD, "pipeline_parallel")
 
 
 def _came_back_once(state):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from gloo_ranks import run_rank, same_steps, spawn_ranks
+from gloo_ranks import ranks_fixture, run_rank, same_steps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
@@ -132,9 +132,7 @@ def _run(rank, store_path, out_dir):
     run_rank(rank, WORLD, store_path, out_dir, body)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return spawn_ranks(_run, WORLD, tmp_path_factory.mktemp("tensor_parallel"))
+ranks = ranks_fixture(_run, WORLD, "tensor_parallel")
 
 
 @pytest.mark.parametrize("mode", MODES)
