@@ -20,7 +20,6 @@ namespace {
 
 using ferry::testing::expect_bitwise_equal;
 using ferry::testing::grads_of;
-using ferry::testing::loopback;
 using ferry::testing::RealFerry;
 using ferry::testing::Tensors;
 
@@ -156,7 +155,7 @@ TEST_F(RealFerry, ReentrantCheckpointUnderAutocastAndInsideAnOffloadRegion) {
     at::autocast::set_autocast_enabled(at::kCPU, false);
     return out.pow(2).sum();
   });
-  ferry::Offload offload(loopback(ferry::Policy::Ferry));
+  ferry::Offload offload(ferry::testing::loopback(ferry::Policy::Ferry));
   const Tensors got = grads_of({w, x}, [&] {
     torch::Tensor out;
     {
@@ -289,7 +288,7 @@ TEST_F(RealFerry, CheckpointInsideAnOffloadRegion) {
   auto x = torch::randn({4, 16}, torch::requires_grad());
   auto block = [&](const torch::Tensor& h) { return h.matmul(w).tanh() * h; };
   const Tensors want = grads_of({w, x}, [&] { return block(block(x * 1)).sum(); });
-  ferry::Offload offload(loopback(ferry::Policy::Ferry));
+  ferry::Offload offload(ferry::testing::loopback(ferry::Policy::Ferry));
   const Tensors got = grads_of({w, x}, [&] {
     ferry::OffloadGuard guard(offload);
     return ferry::checkpoint(block, block(x * 1)).sum();
