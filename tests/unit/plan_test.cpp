@@ -29,9 +29,9 @@
 #include "ferry/sim/report/tables.hpp"
 #include "ferry/sim/runs/configurations.hpp"
 #include "ferry/sim/runs/horizon.hpp"
+#include "plan_test_support.hpp"
 #include "sim_fixtures.hpp"
 #include "sim_models.hpp"
-#include "plan_test_support.hpp"
 
 namespace ferry::sim {
 namespace {
@@ -327,7 +327,6 @@ TEST(Planner, SweepRunsFromTheFloorToTheNoOffloadPeak) {
   EXPECT_EQ(points.back().budget, top.fixed.front().peak_reserved);
   EXPECT_NE(sweep_text(points, model, device).find("gpt2-small-s1024"), std::string::npos);
 }
-
 
 TEST(Planner, AtEachFixedRowsPeakThePlanIsNoSlowerThanTheRowOnATracedShape) {
   // The planner takes each row of `ferry compare` that a plan can express as that plan's run.
