@@ -1,6 +1,7 @@
 #pragma once
 // Shared set-up for simulator tests: a device whose numbers make timings easy to check by hand.
 
+#include <span>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,16 @@ inline DeviceProfile simple_profile() {
   p.d2d = CopyPath{Bandwidth(10'000'000'000), SimTime(0), 1000};
   p.peer = CopyPath{Bandwidth(2'000'000'000), SimTime(0), 1000};
   p.pinned_host_capacity = Bytes(1LL << 30);
+  return p;
+}
+
+/// simple_profile on nodes of 8 GPUs, whose collectives take 100 GB/s and 1 us inside a node
+/// and 10 GB/s and 5 us between nodes.
+inline DeviceProfile node_profile() {
+  DeviceProfile p = simple_profile();
+  p.collectives.gpus_per_node = 8;
+  p.collectives.intra_node = CollectiveLink{Bandwidth(100'000'000'000), SimTime(1000)};
+  p.collectives.inter_node = CollectiveLink{Bandwidth(10'000'000'000), SimTime(5000)};
   return p;
 }
 
@@ -48,6 +59,12 @@ inline std::string hazard_lines(const Simulator& sim) {
   }
   return out;
 }
+
+/// No regions: an op that reads or writes nothing.
+inline constexpr std::span<const Region> kNone{};
+
+/// The one region `r`.
+inline std::vector<Region> one(Region r) { return {r}; }
 
 inline Region whole(const Simulator& sim, BufferId id) {
   return Region{id, Bytes(0), sim.buffers()[id.value()].bytes};

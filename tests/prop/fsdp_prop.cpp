@@ -21,46 +21,33 @@
 
 #include <algorithm>
 #include <iostream>
-#include <random>
 #include <string>
 
-#include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/workload/rank_model.hpp"
 #include "prop/planted.hpp"
-#include "prop/random_program.hpp"
-#include "prop/rc_model_gens.hpp"
-#include "sim_fixtures.hpp"
+#include "prop/training_prop.hpp"
 
-namespace ferry {
-
-namespace sim {
+namespace ferry::sim {
 namespace {
 
-using testing::gen_layer;
 using testing::LayerChoice;
 
-struct Setup {
+struct Setup : testing::TrainingDraw {
   std::int32_t ranks = 2;
   std::int32_t nodes_per_group = 1;  // nodes = ceil(ranks / 8) * this, when it divides
   std::int32_t replicas = 1;
   Reshard reshard{};
   FsdpImpl impl = FsdpImpl::Fsdp2;
   bool retain_graph = false;
-  Policy policy = Policy::None;
-  std::int32_t segments = 0;
-  bool reentrant = false;
-  std::uint64_t order_seed = 0;
-  std::uint64_t device_seed = 1;
   bool experts = false;  // every second op a grouped expert matmul
   std::int32_t ep = 1;   // expert parallelism over the shard group's GPUs
 };
 
 void showValue(const Setup& s, std::ostream& os) {
   os << s.ranks << " ranks, " << s.replicas << " replicas, reshard " << to_string(s.reshard) << ", "
-     << to_string(s.impl) << (s.retain_graph ? ", two backwards" : "") << ", "
-     << policy_name(s.policy) << ", segments " << s.segments << (s.reentrant ? " reentrant" : "")
-     << ", order " << s.order_seed << ", device " << s.device_seed
-     << (s.experts ? fmt::format(", experts, ep {}", s.ep) : "");
+     << to_string(s.impl) << (s.retain_graph ? ", two backwards" : "") << ", ";
+  testing::show_draw(s, os);
+  os << (s.experts ? fmt::format(", experts, ep {}", s.ep) : "");
 }
 
 rc::Gen<Setup> gen_setup() {
@@ -108,8 +95,7 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   mo.side_branches = setup.policy != Policy::Trl;
   mo.param_per_layer = true;
   mo.experts = setup.experts;
-  std::mt19937_64 rng(setup.device_seed);
-  const DeviceProfile device = testing::with_random_links(testing::random_profile(rng), rng);
+  const DeviceProfile device = testing::random_linked_device(setup.device_seed);
   // Expert parallelism runs one GPU's cut of the model, with and without FSDP alike.
   // A model of one op has no grouped matmul (every second op is one): nothing to split.
   const std::int32_t ep = layers.size() >= 2 ? setup.ep : 1;
@@ -119,15 +105,8 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
       expert_parallel_model(build_random_model(layers, mo), ep, (ep + per_node - 1) / per_node);
   if (!cut.ok()) RC_FAIL("refused: " + cut.error().message);
   const Model& model = cut.value();
-  TrainingOptions plain;
-  plain.offload.policy = setup.policy;
-  plain.offload.min_bytes = Bytes(0);
-  plain.steps = 2;
-  plain.order_seed = setup.order_seed;
+  TrainingOptions plain = testing::two_steps_of(model, setup);
   plain.retain_graph = setup.retain_graph;
-  if (setup.segments >= 2) {
-    plain.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
-  }
   TrainingOptions sharded = plain;
   auto parallelism = Mesh::make(Parallelism{.ranks = setup.ranks,
                                             .replicas = setup.replicas,
@@ -139,14 +118,8 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
   sharded.parallel.mesh = parallelism.value();
   auto reference = simulate_training(model, device, plain);
   auto run = simulate_training(model, device, sharded, faults);
-  RC_ASSERT(reference.ok());
-  if (!run.ok()) RC_FAIL("refused: " + run.error().message);
+  testing::check_against(run, reference);
   const TrainingRun& r = run.value();
-  if (r.failure) RC_FAIL("run failed: " + r.failure->message);
-  RC_ASSERT(!reference.value().failure);
-  if (!r.sim.hazards().empty()) RC_FAIL("hazards:\n" + testing::hazard_lines(r.sim));
-  RC_ASSERT(r.sim.content_mismatches().empty());
-  RC_ASSERT(r.gradient_values == reference.value().gradient_values);
   // After the first step the memory is the shards and the optimizer's state: the same after
   // every later step.
   for (std::size_t s = 2; s < r.allocated_after.size(); ++s) {
@@ -155,16 +128,12 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
 }
 
 RC_GTEST_PROP(FsdpProperty, FsdpWithOffloadAndCheckpointIsClean, ()) {
-  fsdp_is_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_setup(), {});
+  fsdp_is_clean(testing::any_layers(), *gen_setup(), {});
 }
 
 void expect_caught(const TrainingFaults& faults, const char* name) {
   ferry::testing::expect_planted_fault_caught(
-      [&] {
-        fsdp_is_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_setup(),
-                      faults);
-      },
-      name, 20261124, 500);
+      [&] { fsdp_is_clean(testing::any_layers(), *gen_setup(), faults); }, name, 20261124, 500);
 }
 
 // Each of FSDP2's waits, dropped by a planted fault: the name of the test, and the defect.
@@ -214,16 +183,10 @@ void node_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
                    std::int32_t node_ranks, const TrainingFaults& faults) {
   const Model model = build_random_model(
       layers, testing::ModelOptions{.side_branches = true, .param_per_layer = true});
-  std::mt19937_64 rng(setup.device_seed);
-  const DeviceProfile device = testing::with_random_links(testing::random_profile(rng), rng);
-  TrainingOptions options;
-  options.offload.policy = Policy::Ferry;
-  options.offload.min_bytes = Bytes(0);
-  options.steps = 2;
-  options.order_seed = setup.order_seed;
-  if (setup.segments >= 2) {
-    options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
-  }
+  const DeviceProfile device = testing::random_linked_device(setup.device_seed);
+  testing::TrainingDraw draw = setup;
+  draw.policy = Policy::Ferry;
+  TrainingOptions options = testing::two_steps_of(model, draw);
   auto parallelism = Mesh::make(Parallelism{.ranks = std::max(setup.ranks, 8),
                                             .replicas = setup.replicas,
                                             .reshard_after_forward = setup.reshard},
@@ -247,8 +210,7 @@ void node_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
 }
 
 RC_GTEST_PROP(FsdpProperty, RanksOfANodeShareNoBytes, ()) {
-  node_is_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_setup(),
-                *rc::gen::inRange<std::int32_t>(2, 4), {});
+  node_is_clean(testing::any_layers(), *gen_setup(), *rc::gen::inRange<std::int32_t>(2, 4), {});
 }
 
 TEST(FsdpProperty, PlantedPinnedBufferSharedByTwoRanksIsCaught) {
@@ -256,12 +218,11 @@ TEST(FsdpProperty, PlantedPinnedBufferSharedByTwoRanksIsCaught) {
   faults.shared_pinned_pool = true;
   ferry::testing::expect_planted_fault_caught(
       [&] {
-        node_is_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_setup(),
-                      *rc::gen::inRange<std::int32_t>(2, 4), faults);
+        node_is_clean(testing::any_layers(), *gen_setup(), *rc::gen::inRange<std::int32_t>(2, 4),
+                      faults);
       },
       "a pinned host buffer shared by two ranks' offloads", 20261124, 500);
 }
 
 }  // namespace
-}  // namespace sim
-}  // namespace ferry
+}  // namespace ferry::sim

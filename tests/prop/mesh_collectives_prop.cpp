@@ -13,48 +13,37 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
-#include <array>
+#include <algorithm>
 #include <iostream>
-#include <random>
 #include <string>
+#include <vector>
 
-#include "ferry/sim/autograd/autograd.hpp"
 #include "prop/planted.hpp"
-#include "prop/random_program.hpp"
-#include "prop/rc_model_gens.hpp"
+#include "prop/training_prop.hpp"
 
-namespace ferry {
-
-namespace sim {
+namespace ferry::sim {
 namespace {
 
-using testing::gen_layer;
 using testing::LayerChoice;
 
-struct Setup {
+struct Setup : testing::TrainingDraw {
   std::uint64_t after = 0;   // bit i: a collective op after op i
   std::uint64_t shapes = 0;  // two bits per op: what the collective after it runs (below)
   std::uint64_t axes = 0;    // two bits per op: its mesh axis (0 and 3 tp, 1 cp, 2 ep)
   bool fsdp = false;         // FSDP2 over 2 ranks beside the collectives
-  Policy policy = Policy::None;
-  std::int32_t segments = 0;
-  bool reentrant = false;
-  std::uint64_t order_seed = 0;
-  std::uint64_t device_seed = 1;
 };
 
 void showValue(const Setup& s, std::ostream& os) {
   os << "after " << s.after << ", shapes " << s.shapes << ", axes " << s.axes
-     << (s.fsdp ? ", fsdp 2" : "") << ", " << policy_name(s.policy) << ", segments " << s.segments
-     << (s.reentrant ? " reentrant" : "") << ", order " << s.order_seed << ", device "
-     << s.device_seed;
+     << (s.fsdp ? ", fsdp 2" : "") << ", ";
+  testing::show_draw(s, os);
 }
 
 rc::Gen<Setup> gen_setup() {
   return rc::gen::apply(
       [](std::uint64_t after, std::uint64_t shapes, std::uint64_t axes, bool fsdp, Policy policy,
          std::int32_t segments, bool reentrant, std::uint64_t order, std::uint64_t device) {
-        return Setup{after, shapes, axes, fsdp, policy, segments, reentrant, order, device};
+        return Setup{{policy, segments, reentrant, order, device}, after, shapes, axes, fsdp};
       },
       rc::gen::inRange<std::uint64_t>(1, 1 << 12), rc::gen::arbitrary<std::uint64_t>(),
       rc::gen::arbitrary<std::uint64_t>(), rc::gen::arbitrary<bool>(),
@@ -131,16 +120,8 @@ void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& 
       std::ranges::any_of(model.ops, [](const ModelOp& op) { return op.collective.any(); });
   RC_PRE(any);
   if (auto valid = validate_model(model); !valid) RC_FAIL("invalid: " + valid.error().message);
-  std::mt19937_64 rng(setup.device_seed);
-  const DeviceProfile device = testing::with_random_links(testing::random_profile(rng), rng);
-  TrainingOptions options;
-  options.offload.policy = setup.policy;
-  options.offload.min_bytes = Bytes(0);
-  options.steps = 2;
-  options.order_seed = setup.order_seed;
-  if (setup.segments >= 2) {
-    options.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
-  }
+  const DeviceProfile device = testing::random_linked_device(setup.device_seed);
+  TrainingOptions options = testing::two_steps_of(model, setup);
   if (setup.fsdp) {
     auto parallelism = Mesh::make(Parallelism{.ranks = 2}, device);
     if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
@@ -149,26 +130,12 @@ void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& 
   RC_TAG(setup.fsdp);
   auto plain = simulate_training(as_kernels(model), device, options);
   auto run = simulate_training(model, device, options, faults);
-  RC_ASSERT(plain.ok() && run.ok());
+  testing::check_against(run, plain);
   const TrainingRun& r = run.value();
-  if (r.failure) RC_FAIL("run failed: " + r.failure->message);
-  RC_ASSERT(!plain.value().failure);
   const auto collectives = std::ranges::count_if(
       r.sim.ops(), [](const OpRecord& op) { return op.kind == OpKind::Kernel && op.collective; });
   // An inserted op whose output reaches no loss, with an identity forward, runs no collective.
   RC_CLASSIFY(collectives > 0, "collectives ran");
-  for (const Hazard& h : r.sim.hazards()) {
-    const auto name = [&](OpId id) {
-      const OpRecord& op = r.sim.ops()[id.value()];
-      return std::string(r.sim.label(op.label)) + " on " +
-             (op.stream.valid() ? r.sim.stream_name(op.stream) : std::string("host"));
-    };
-    RC_FAIL("hazard " + std::to_string(static_cast<int>(h.kind)) + "/" +
-            std::to_string(static_cast<int>(h.conflict)) + ": " + name(h.first) + " | " +
-            name(h.second));
-  }
-  RC_ASSERT(r.sim.content_mismatches().empty());
-  RC_ASSERT(r.gradient_values == plain.value().gradient_values);
   // Memory after each step is what it is with kernels: back at the baseline without FSDP,
   // which keeps what it gathered and reduced between steps.
   for (std::size_t s = 0; s < r.steps.size(); ++s) {
@@ -179,15 +146,15 @@ void collectives_are_clean(const std::vector<LayerChoice>& layers, const Setup& 
 
 RC_GTEST_PROP(MeshCollectivesProperty, CollectiveOpsWithTheirWaitsAreClean, ()) {
   collectives_are_clean(
-      *rc::gen::nonEmpty(rc::gen::container<std::vector<LayerChoice>>(gen_layer())), *gen_setup(),
-      {});
+      *rc::gen::nonEmpty(rc::gen::container<std::vector<LayerChoice>>(testing::gen_layer())),
+      *gen_setup(), {});
 }
 
 void expect_caught(const TrainingFaults& faults, const char* name) {
   ferry::testing::expect_planted_fault_caught(
       [&] {
         collectives_are_clean(
-            *rc::gen::nonEmpty(rc::gen::container<std::vector<LayerChoice>>(gen_layer())),
+            *rc::gen::nonEmpty(rc::gen::container<std::vector<LayerChoice>>(testing::gen_layer())),
             *gen_setup(), faults);
       },
       name, 20261127, 500);
@@ -206,5 +173,4 @@ TEST(MeshCollectivesProperty, PlantedMissingOutputWaitIsCaught) {
 }
 
 }  // namespace
-}  // namespace sim
-}  // namespace ferry
+}  // namespace ferry::sim

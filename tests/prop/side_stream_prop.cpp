@@ -12,44 +12,38 @@
 
 #include <iostream>
 #include <random>
+#include <vector>
 
-#include "ferry/sim/autograd/autograd.hpp"
 #include "prop/planted.hpp"
-#include "prop/random_program.hpp"
-#include "prop/rc_model_gens.hpp"
+#include "prop/training_prop.hpp"
 
-namespace ferry {
-
-namespace sim {
+namespace ferry::sim {
 namespace {
 
-using testing::gen_layer;
 using testing::LayerChoice;
 
-struct Setup {
+struct Setup : testing::TrainingDraw {
   std::uint64_t side_layers = 0;  // bit i: op i's layer on the side stream
   bool recompute = false;
   bool all_reduce = false;
-  bool set_to_none = false;   // zero_grad(set_to_none=True) in both runs
-  std::int32_t segments = 0;  // checkpoint_segments; 0 or 1: none
-  bool reentrant = false;
-  std::uint64_t order_seed = 0;
-  std::uint64_t device_seed = 1;
+  bool set_to_none = false;  // zero_grad(set_to_none=True) in both runs
 };
 
 void showValue(const Setup& s, std::ostream& os) {
   os << "side layers " << s.side_layers << (s.recompute ? ", recompute" : "")
-     << (s.all_reduce ? ", all-reduce" : "") << ", segments " << s.segments
-     << (s.reentrant ? " reentrant" : "") << ", order " << s.order_seed << ", device "
-     << s.device_seed;
+     << (s.all_reduce ? ", all-reduce" : "") << ", ";
+  testing::show_draw(s, os);
 }
 
 rc::Gen<Setup> gen_setup() {
   return rc::gen::apply(
       [](std::uint64_t layers, bool recompute, bool all_reduce, bool set_to_none,
          std::int32_t segments, bool reentrant, std::uint64_t order, std::uint64_t device) {
-        return Setup{layers,   recompute, all_reduce, set_to_none,
-                     segments, reentrant, order,      device};
+        return Setup{{Policy::None, segments, reentrant, order, device},
+                     layers,
+                     recompute,
+                     all_reduce,
+                     set_to_none};
       },
       rc::gen::inRange<std::uint64_t>(0, 1 << 12), rc::gen::arbitrary<bool>(),
       rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), rc::gen::inRange<std::int32_t>(0, 4),
@@ -58,21 +52,14 @@ rc::Gen<Setup> gen_setup() {
 }
 
 void side_streams_are_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
-                            const TrainingFaults& faults, Policy policy = Policy::None) {
+                            const TrainingFaults& faults) {
   testing::ModelOptions mo;
-  mo.side_branches = policy != Policy::Trl;  // trl never hears of an unused branch's tensors
+  mo.side_branches = setup.policy != Policy::Trl;  // trl never hears of an unused branch's tensors
   const Model model = build_random_model(layers, mo);
   std::mt19937_64 rng(setup.device_seed);
   const DeviceProfile device = testing::random_profile(rng);
-  TrainingOptions one;
-  one.offload.policy = policy;
-  one.offload.min_bytes = Bytes(0);
-  one.steps = 2;
-  one.order_seed = setup.order_seed;
+  TrainingOptions one = testing::two_steps_of(model, setup);
   one.grads_set_to_none = setup.set_to_none;
-  if (setup.segments >= 2) {
-    one.checkpoint = checkpoint_segments(model, setup.segments, setup.reentrant);
-  }
   TrainingOptions two = one;
   for (std::int32_t i = 0; i < 12; ++i) {
     if ((setup.side_layers >> i) & 1U) two.side.layers.push_back(i);
@@ -82,34 +69,18 @@ void side_streams_are_clean(const std::vector<LayerChoice>& layers, const Setup&
   RC_TAG(two.side.any());
   auto plain = simulate_training(model, device, one);
   auto run = simulate_training(model, device, two, faults);
-  RC_ASSERT(plain.ok() && run.ok());
+  testing::check_against(run, plain);
   const TrainingRun& r = run.value();
-  if (r.failure) RC_FAIL("run failed: " + r.failure->message);
-  RC_ASSERT(!plain.value().failure);
-  for (const Hazard& h : r.sim.hazards()) {
-    const auto name = [&](OpId id) {
-      const OpRecord& op = r.sim.ops()[id.value()];
-      return std::string(r.sim.label(op.label)) + " on " +
-             (op.stream.valid() ? r.sim.stream_name(op.stream) : std::string("host"));
-    };
-    RC_FAIL("hazard " + std::to_string(static_cast<int>(h.kind)) + "/" +
-            std::to_string(static_cast<int>(h.conflict)) + ": " + name(h.first) + " | " +
-            name(h.second) + " on buffer " +
-            std::string(r.sim.label(r.sim.buffers()[h.first_buffer.value()].label)));
-  }
-  RC_ASSERT(r.sim.content_mismatches().empty());
-  RC_ASSERT(r.gradient_values == plain.value().gradient_values);
   // Memory after each step as on one stream: back at the baseline, except what the trl
   // policy itself holds over a checkpointed step (the reference never hears of a release).
   for (std::size_t s = 0; s < r.steps.size(); ++s) {
     RC_ASSERT(r.allocated_after[s] == plain.value().allocated_after[s]);
-    if (policy != Policy::Trl) RC_ASSERT(r.allocated_after[s] == r.baseline_allocated);
+    if (setup.policy != Policy::Trl) RC_ASSERT(r.allocated_after[s] == r.baseline_allocated);
   }
 }
 
 RC_GTEST_PROP(SideStreamProperty, SideStreamWorkWithItsEdgesIsClean, ()) {
-  side_streams_are_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), *gen_setup(),
-                         {});
+  side_streams_are_clean(testing::any_layers(), *gen_setup(), {});
 }
 
 // With the offloader, which asks compute_stream() at each pack and unpack and guards its frees
@@ -129,18 +100,15 @@ RC_GTEST_PROP(SideStreamProperty, SideStreamWorkWithItsEdgesIsClean, ()) {
 RC_GTEST_PROP(SideStreamProperty, SideStreamWorkWithTheOffloaderIsClean, ()) {
   const Policy policy = *rc::gen::element(Policy::Ferry, Policy::Trl);
   Setup setup = *gen_setup();
+  setup.policy = policy;
   if (setup.segments >= 2) setup.side_layers = 0;
-  side_streams_are_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()), setup, {},
-                         policy);
+  side_streams_are_clean(testing::any_layers(), setup, {});
 }
 
 void expect_caught(const TrainingFaults& faults, const char* name) {
   ferry::testing::expect_planted_fault_caught(
-      [&] {
-        side_streams_are_clean(*rc::gen::container<std::vector<LayerChoice>>(gen_layer()),
-                               *gen_setup(), faults);
-      },
-      name, 20261123, 500);
+      [&] { side_streams_are_clean(testing::any_layers(), *gen_setup(), faults); }, name, 20261123,
+      500);
 }
 
 TEST(SideStreamProperty, PlantedMissingWaitIsCaught) {
@@ -162,5 +130,4 @@ TEST(SideStreamProperty, PlantedMissingRecordStreamIsCaught) {
 }
 
 }  // namespace
-}  // namespace sim
-}  // namespace ferry
+}  // namespace ferry::sim

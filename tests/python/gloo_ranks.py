@@ -1,11 +1,33 @@
-"""Training on several ranks over gloo on CPU, one process each (the distributed tests): what
-each rank runs, and how a rank leaves."""
+"""Training on several ranks over gloo on CPU, one process each (the distributed tests): how the
+test starts the ranks and gathers what they saved, what each rank runs, and how a rank leaves."""
 
 import os
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def spawn_ranks(run, world, out_dir, *args):
+    """Runs ``run(rank, store_path, out_dir, *args)`` in `world` processes, one a rank, each of
+    which ends in run_rank; returns what each rank saved, by rank."""
+    out_dir = Path(out_dir)
+    mp.spawn(run, args=(str(out_dir / "store"), str(out_dir), *args), nprocs=world, join=True)
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world)]
+
+
+def ranks_fixture(run, world, name):
+    """A fixture of the module's tests: what each of `world` ranks running `run` saved, by rank,
+    from one spawn_ranks into a temporary directory called `name`."""
+
+    @pytest.fixture(scope="module")
+    def ranks(tmp_path_factory):
+        return spawn_ranks(run, world, tmp_path_factory.mktemp(name))
+
+    return ranks
 
 
 def same_steps(want, got):

@@ -27,6 +27,7 @@ import transformers
 import ferry
 from ferry import PlanError
 from models import assert_same_grads
+from traced_families import DEEPSEEK_V3_LAYOUT, decoder_fields
 
 VOCAB = 256
 HIDDEN = 64
@@ -36,16 +37,7 @@ BATCH, SEQ = 2, 128
 
 def _decoder(config_class, model_class, dtype=torch.float32, experts=None, **extra):
     def make():
-        fields = {
-            "vocab_size": VOCAB,
-            "hidden_size": HIDDEN,
-            "num_hidden_layers": LAYERS,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "intermediate_size": 2 * HIDDEN,
-            "max_position_embeddings": SEQ,
-            **extra,
-        }
+        fields = {**decoder_fields(VOCAB, HIDDEN, LAYERS, SEQ), **extra}
         config = config_class(**fields)
         if experts is not None:
             config._experts_implementation = experts
@@ -71,21 +63,7 @@ _MOE = {
     "deepseek_v3": (
         transformers.DeepseekV3Config,
         transformers.DeepseekV3ForCausalLM,
-        {
-            "num_key_value_heads": 4,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 16,
-            "first_k_dense_replace": 1,
-            "n_routed_experts": 4,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 2,
-            "n_group": 1,
-            "topk_group": 1,
-            "moe_intermediate_size": 32,
-        },
+        DEEPSEEK_V3_LAYOUT,
     ),
 }
 

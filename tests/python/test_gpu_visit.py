@@ -1,4 +1,5 @@
-"""scripts/gpu_visit.py, the Python steps of scripts/gpu.sh: the rehearsal's checks catch a
+"""scripts/gpu_visit.py, the Python steps of scripts/gpu.sh, and scripts/gpu_visit_results.py,
+what they write: the rehearsal's checks catch a
 step out of order, a missing field, a missing row of the benchmark and a build that read a
 system header; the results table; the visit models' scales."""
 
@@ -7,25 +8,36 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("gpu_visit", ROOT / "scripts" / "gpu_visit.py")
-gpu_visit = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_visit)
+
+
+def _load(name):
+    """scripts/NAME.py as the module NAME, as `python scripts/gpu_visit.py` imports it."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_visit_results = _load("gpu_visit_results")
+gpu_visit = _load("gpu_visit")
 
 
 def complete_results():
     """Results as a rehearsal writes them: every step ok, every field, every row."""
     figures = {
-        "predicted": {f: 1000 for f in gpu_visit.FIGURES},
+        "predicted": {f: 1000 for f in gpu_visit_results.FIGURES},
         "measured": {"peak_allocated_bytes": None, "peak_reserved_bytes": None, "step_time_ns": 7},
-        "error": dict.fromkeys(gpu_visit.FIGURES),
+        "error": dict.fromkeys(gpu_visit_results.FIGURES),
         "counts_exact": True,
     }
-    policies = {p: copy.deepcopy(figures) for p in gpu_visit.POLICIES}
+    policies = {p: copy.deepcopy(figures) for p in gpu_visit_results.POLICIES}
     rows = [
         {
             "method": m,
@@ -36,15 +48,16 @@ def complete_results():
             "peak_allocated_bytes": None,
             "peak_reserved_bytes": None,
         }
-        for s in gpu_visit.BENCH_SEQS["rehearse"]
-        for m in gpu_visit.BENCH_METHODS
+        for s in gpu_visit_results.BENCH_SEQS["rehearse"]
+        for m in gpu_visit_results.BENCH_METHODS
     ]
     return {
-        "format": gpu_visit.FORMAT,
+        "format": gpu_visit_results.FORMAT,
         "mode": "rehearsal",
         "device": {"name": "CPU loopback device", "torch": "2.11.0", "cuda": None},
         "steps": [
-            {"name": n, "status": "ok", "seconds": 1, "limit_s": 60} for n in gpu_visit.STEPS
+            {"name": n, "status": "ok", "seconds": 1, "limit_s": 60}
+            for n in gpu_visit_results.STEPS
         ],
         "tests": {
             "ctest": {"passed": 0, "failed": 0, "skipped": 6},
@@ -63,24 +76,24 @@ def complete_results():
         "validate": {
             "profile": "profile.json",
             "steps": 2,
-            "models": {m: {"policies": copy.deepcopy(policies)} for m in gpu_visit.MODELS},
+            "models": {m: {"policies": copy.deepcopy(policies)} for m in gpu_visit_results.MODELS},
         },
         "bench": {"model": "llama-1b", "parameters": 1, "timed_steps": 1, "rows": rows},
     }
 
 
 def test_complete_results_pass():
-    assert gpu_visit.check_results(complete_results()) == []
+    assert gpu_visit_results.check_results(complete_results()) == []
 
 
 def test_a_step_out_of_order_or_failed_is_named():
     results = complete_results()
     steps = results["steps"]
     steps[5], steps[6] = steps[6], steps[5]
-    assert any("steps ran as" in p for p in gpu_visit.check_results(results))
+    assert any("steps ran as" in p for p in gpu_visit_results.check_results(results))
     results = complete_results()
     results["steps"][2]["status"] = "timeout"
-    assert gpu_visit.check_results(results) == ["step build: timeout"]
+    assert gpu_visit_results.check_results(results) == ["step build: timeout"]
 
 
 def test_a_missing_field_is_named():
@@ -88,34 +101,34 @@ def test_a_missing_field_is_named():
     del results["validate"]["models"]["llama-1b"]["policies"]["auto"]["measured"][
         "peak_reserved_bytes"
     ]
-    assert gpu_visit.check_results(results) == [
+    assert gpu_visit_results.check_results(results) == [
         "validate llama-1b auto: no measured peak_reserved_bytes"
     ]
     results = complete_results()
     del results["validate"]["models"]["mixtral-tiny"]["policies"]["trl"]
-    assert gpu_visit.check_results(results) == ["validate mixtral-tiny trl: missing"]
+    assert gpu_visit_results.check_results(results) == ["validate mixtral-tiny trl: missing"]
 
 
 def test_a_visit_needs_measured_peaks():
     """The loopback device's null peaks pass a rehearsal, not a visit."""
-    problems = gpu_visit.check_results(complete_results(), rehearse=False)
+    problems = gpu_visit_results.check_results(complete_results(), rehearse=False)
     assert "validate gpt2-medium none: measured peak_allocated_bytes is empty" in problems
 
 
 def test_a_missing_benchmark_row_or_failed_test_is_named():
     results = complete_results()
     results["bench"]["rows"] = [r for r in results["bench"]["rows"] if r["method"] != "ferry"]
-    assert gpu_visit.check_results(results) == [
+    assert gpu_visit_results.check_results(results) == [
         "bench seq 16 ferry: missing",
         "bench seq 32 ferry: missing",
     ]
     results = complete_results()
     results["tests"]["pytest"]["failed"] = 1
-    assert gpu_visit.check_results(results) == ["tests pytest: 1 failed"]
+    assert gpu_visit_results.check_results(results) == ["tests pytest: 1 failed"]
 
 
 def test_markdown_has_a_row_per_model_policy_and_figure():
-    text = gpu_visit.markdown(complete_results())
+    text = gpu_visit_results.markdown(complete_results())
     rows = [line for line in text.splitlines() if line.startswith("| gpt2-medium | auto |")]
     assert [r.split(" | ")[2] for r in rows] == ["allocated", "reserved", "step time"]
     assert "| 16 | ferry | 10.0 | – | – |" in text
@@ -145,7 +158,7 @@ def test_check_build_catches_a_system_header(tmp_path):
             "build sim/ferry: link main.o\n"
         )
         subprocess.run(["ninja", "-C", str(build)], check=True, capture_output=True)
-        return gpu_visit.check_build(str(build), str(prefix), str(listed))
+        return gpu_visit_results.check_build(str(build), str(prefix), str(listed))
 
     problems, _ = build_with(system)
     assert problems == [

@@ -12,12 +12,12 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import pipeline_ranks  # noqa: E402
+from gloo_ranks import ranks_fixture, run_rank  # noqa: E402
 from pipeline_ranks import MODES, SCHEDULES  # noqa: E402
 
 WORLD = 2
@@ -50,7 +50,6 @@ def _run(rank, store_path, out_dir):
     import conftest  # noqa: F401
     import ferry
     import ferry.testing
-    from gloo_ranks import run_rank
 
     def body():
         results = {}
@@ -106,11 +105,7 @@ def _run(rank, store_path, out_dir):
     run_rank(rank, WORLD, store_path, out_dir, body)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipeline_parallel")
-    mp.spawn(_run, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+ranks = ranks_fixture(_run, WORLD, "pipeline_parallel")
 
 
 def _came_back_once(state):

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from gloo_ranks import ranks_fixture, run_rank, same_steps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
@@ -79,7 +80,6 @@ def _run(rank, store_path, out_dir):
     # FERRY_LOOPBACK says (tests/python/conftest.py).
     import conftest  # noqa: F401
     import ferry
-    from gloo_ranks import run_rank, same_steps
 
     def body():
         mesh = init_device_mesh("cpu", (WORLD,))
@@ -132,11 +132,7 @@ def _run(rank, store_path, out_dir):
     run_rank(rank, WORLD, store_path, out_dir, body)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tensor_parallel")
-    mp.spawn(_run, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+ranks = ranks_fixture(_run, WORLD, "tensor_parallel")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -27,7 +27,9 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from gloo_ranks import ranks_fixture, run_rank
+from traced_families import decoder_fields
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
@@ -43,15 +45,7 @@ FAULT = "offload_collectives_early"
 def _model(family):
     import transformers
 
-    fields = {
-        "vocab_size": VOCAB,
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 2 * HIDDEN,
-        "max_position_embeddings": SEQ,
-    }
+    fields = decoder_fields(VOCAB, HIDDEN, LAYERS, SEQ)
     torch.manual_seed(0)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).train()
@@ -183,7 +177,6 @@ def _run(rank, store_path, out_dir):
     import conftest  # noqa: F401  (the loopback sessions of the test process)
     import ferry
     from ferry.testing import planted_offload
-    from gloo_ranks import run_rank
 
     def body():
         mesh = init_device_mesh("cpu", (WORLD,))
@@ -329,11 +322,25 @@ def _run(rank, store_path, out_dir):
     run_rank(rank, WORLD, store_path, out_dir, body)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tensor_parallel_plan")
-    mp.spawn(_run, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+ranks = ranks_fixture(_run, WORLD, "tensor_parallel_plan")
+
+
+def test_a_tp_without_a_parallelized_model_is_refused():
+    import ferry
+
+    model = _model("llama")
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(
+        ValueError,
+        match=r"^ferry\.auto: tp=2, but the model is parallelized over 1 rank\(s\): it has no "
+        r"DTensor parameter \(parallelize it with parallelize_module first\)",
+    ):
+        ferry.auto(model, ids, budget="80GiB", tp=2)
+    for tp in (0, 1.5, True):
+        with pytest.raises(TypeError, match=rf"^ferry\.auto: tp: {tp!r} is not a number of ranks"):
+            ferry.auto(model, ids, budget="80GiB", tp=tp)
+    # tp=1 is the model's own degree: planned as one device.
+    assert not ferry.auto(model, ids, budget="80GiB", tp=1, loss_fn=loss_fn).plan["regions"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -415,24 +422,6 @@ def test_parameters_on_several_meshes_or_a_grid_are_refused(ranks):
         assert results["grid"] is not None and results["grid"].startswith(
             "ferry.auto: parameter lm_head.weight lies on a 2-dimensional device mesh"
         ), (rank, results["grid"])
-
-
-def test_a_tp_without_a_parallelized_model_is_refused():
-    import ferry
-
-    model = _model("llama")
-    ids = torch.zeros(1, 8, dtype=torch.long)
-    with pytest.raises(
-        ValueError,
-        match=r"^ferry\.auto: tp=2, but the model is parallelized over 1 rank\(s\): it has no "
-        r"DTensor parameter \(parallelize it with parallelize_module first\)",
-    ):
-        ferry.auto(model, ids, budget="80GiB", tp=2)
-    for tp in (0, 1.5, True):
-        with pytest.raises(TypeError, match=rf"^ferry\.auto: tp: {tp!r} is not a number of ranks"):
-            ferry.auto(model, ids, budget="80GiB", tp=tp)
-    # tp=1 is the model's own degree: planned as one device.
-    assert not ferry.auto(model, ids, budget="80GiB", tp=1, loss_fn=loss_fn).plan["regions"]
 
 
 def test_a_tp_that_is_not_the_meshs_size_is_refused(ranks):

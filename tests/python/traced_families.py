@@ -1,5 +1,6 @@
 """Tiny Hugging Face models of the families the trace tests cover, built from `transformers`
-configs on the meta device (nothing downloaded), and the traced models the C++ tests read.
+configs on the meta device (nothing downloaded), and the traced models the C++ tests read; the
+config fields of a tiny decoder and of DeepSeek-V3's layout serve the other tests' models too.
 
 `python tests/python/traced_families.py` rewrites `tests/data/traced/<family>.json` (the traced
 models `tests/unit/op_sac_test.cpp` checks op-sac on) and `tests/data/traced/sized/<family>.json`
@@ -27,6 +28,41 @@ _DECODER = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
     "max_position_embeddings": 256,
+}
+
+
+def decoder_fields(vocab, hidden, layers, seq):
+    """A tiny Hugging Face decoder's config fields: `layers` layers `hidden` wide with 4
+    attention heads, 2 key/value heads and an MLP twice as wide, a vocabulary of `vocab` and
+    positions up to `seq`."""
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 2 * hidden,
+        "max_position_embeddings": seq,
+    }
+
+
+#: DeepSeek-V3's layout, tiny, as config fields over a decoder's: multi-head latent attention
+#: (low-rank Q and KV, a rotary part of each head apart), a dense first layer, then shared and
+#: routed experts with a sigmoid router.
+DEEPSEEK_V3_LAYOUT = {
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": 32,
 }
 
 #: family -> (model_type, config fields, attention implementation). Gemma-2 has no SDPA path
@@ -61,29 +97,7 @@ FAMILIES = {
         },
         "sdpa",
     ),
-    # DeepSeek-V3's layout: multi-head latent attention (low-rank Q and KV, a rotary part of
-    # each head apart), a dense first layer, then shared and routed experts with a sigmoid
-    # router.
-    "deepseek_v3": (
-        "deepseek_v3",
-        {
-            **_DECODER,
-            "num_key_value_heads": 4,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 16,
-            "first_k_dense_replace": 1,
-            "n_routed_experts": 4,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 2,
-            "n_group": 1,
-            "topk_group": 1,
-            "moe_intermediate_size": 32,
-        },
-        "sdpa",
-    ),
+    "deepseek_v3": ("deepseek_v3", {**_DECODER, **DEEPSEEK_V3_LAYOUT}, "sdpa"),
 }
 
 #: The mixture-of-experts families.

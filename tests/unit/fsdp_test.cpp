@@ -25,17 +25,11 @@
 namespace ferry::sim {
 namespace {
 
-DeviceProfile fsdp_profile() {
-  DeviceProfile p = testing::simple_profile();
-  p.collectives.gpus_per_node = 8;
-  p.collectives.intra_node = CollectiveLink{Bandwidth(100'000'000'000), SimTime(1000)};
-  p.collectives.inter_node = CollectiveLink{Bandwidth(10'000'000'000), SimTime(5000)};
-  return p;
-}
+using testing::node_profile;
 
-// `p` checked against the FSDP profile, where it must hold.
+// `p` checked against node_profile, where it must hold.
 Mesh on_fsdp_profile(const Parallelism& p) {
-  auto checked = Mesh::make(p, fsdp_profile());
+  auto checked = Mesh::make(p, node_profile());
   EXPECT_TRUE(checked.ok()) << checked.error().message;
   return checked.ok() ? checked.value() : Mesh{};
 }
@@ -48,7 +42,7 @@ TrainingOptions fsdp_options(std::int32_t ranks, Policy policy = Policy::None,
 }
 
 TrainingRun train(const Model& m, const TrainingOptions& o, const TrainingFaults& faults = {},
-                  const DeviceProfile& device = fsdp_profile()) {
+                  const DeviceProfile& device = node_profile()) {
   auto run = simulate_training(m, device, o, faults);
   EXPECT_TRUE(run.ok()) << run.error().message;
   return std::move(run.value());
@@ -140,17 +134,17 @@ TEST(Fsdp, CollectivesOverlapCompute) {
 
 TEST(Fsdp, BadOptionsAreRefusedWithTheFieldNamed) {
   // A parallelism is checked once, against the device, before any run can take it.
-  auto run = Mesh::make(Parallelism{.ranks = 4, .replicas = 3}, fsdp_profile());
+  auto run = Mesh::make(Parallelism{.ranks = 4, .replicas = 3}, node_profile());
   ASSERT_FALSE(run.ok());
   EXPECT_EQ(run.error().message, "replicas: 3 replica groups do not divide 4 ranks");
   auto bare = Mesh::make(Parallelism{.ranks = 4}, testing::simple_profile());
   ASSERT_FALSE(bare.ok());
   EXPECT_NE(bare.error().message.find("collectives"), std::string::npos);
-  auto crowded = Mesh::make(Parallelism{.ranks = 16, .nodes = 1}, fsdp_profile());
+  auto crowded = Mesh::make(Parallelism{.ranks = 16, .nodes = 1}, node_profile());
   ASSERT_FALSE(crowded.ok());
   EXPECT_EQ(crowded.error().message.rfind("nodes: 16 ranks over 1 nodes", 0), 0U);
   auto uneven =
-      Mesh::make(Parallelism{.ranks = 4, .reshard_after_forward = Reshard::K(3)}, fsdp_profile());
+      Mesh::make(Parallelism{.ranks = 4, .reshard_after_forward = Reshard::K(3)}, node_profile());
   ASSERT_FALSE(uneven.ok());
   EXPECT_EQ(uneven.error().message.rfind("reshard_after_forward: 3 must be", 0), 0U);
   // The default is one GPU, on any device.
@@ -278,7 +272,7 @@ SimTime collective_time_on(const TrainingRun& run, const std::string& stream) {
 
 TEST(Fsdp, EachGroupsCollectivesTakeTheLinkItsRanksLieOn) {
   const Model m = testing::chain_model(4, 1 << 20);
-  DeviceProfile slow_network = fsdp_profile();
+  DeviceProfile slow_network = node_profile();
   slow_network.collectives.inter_node.bandwidth = Bandwidth(1'000'000'000);
   const auto hsdp = [&](std::int32_t ranks, std::int32_t nodes, std::int32_t replicas,
                         const DeviceProfile& device) {
@@ -293,7 +287,7 @@ TEST(Fsdp, EachGroupsCollectivesTakeTheLinkItsRanksLieOn) {
   // reduce-scatters over NVLink), so each replica group spans both (its all-reduces over the
   // network, which a slower network slows).
   {
-    const TrainingRun fast = hsdp(16, 2, 2, fsdp_profile());
+    const TrainingRun fast = hsdp(16, 2, 2, node_profile());
     const TrainingRun slow = hsdp(16, 2, 2, slow_network);
     expect_clean(fast);
     EXPECT_EQ(collective_time_on(fast, "reduce_scatter"),
@@ -303,17 +297,17 @@ TEST(Fsdp, EachGroupsCollectivesTakeTheLinkItsRanksLieOn) {
   }
   // Four replica groups of shard groups of four: ranks 0, 4, 8 and 12 span both nodes too.
   EXPECT_GT(collective_time_on(hsdp(16, 2, 4, slow_network), "all_reduce"),
-            collective_time_on(hsdp(16, 2, 4, fsdp_profile()), "all_reduce"));
+            collective_time_on(hsdp(16, 2, 4, node_profile()), "all_reduce"));
   // Eight ranks in one node, two replica groups: nothing leaves the node.
   EXPECT_EQ(collective_time_on(hsdp(8, 1, 2, slow_network), "all_reduce"),
-            collective_time_on(hsdp(8, 1, 2, fsdp_profile()), "all_reduce"));
+            collective_time_on(hsdp(8, 1, 2, node_profile()), "all_reduce"));
 }
 
 // Tensor parallelism is innermost (docs/parallelism.md): an FSDP2 shard group's members are tp
 // GPUs apart, so eight ranks of two tensor-parallel GPUs span two nodes of eight.
 TEST(Fsdp, AShardGroupOfTensorParallelRanksSpansTheirGpus) {
   const Model m = testing::chain_model(4, 1 << 20);
-  DeviceProfile slow_network = fsdp_profile();
+  DeviceProfile slow_network = node_profile();
   slow_network.collectives.inter_node.bandwidth = Bandwidth(1'000'000'000);
   const auto reduce = [&](std::int32_t ranks, std::int32_t tp, const DeviceProfile& device) {
     TrainingOptions o = testing::two_steps(Policy::None);
@@ -324,9 +318,9 @@ TEST(Fsdp, AShardGroupOfTensorParallelRanksSpansTheirGpus) {
     expect_clean(run);
     return collective_time_on(run, "reduce_scatter");
   };
-  EXPECT_GT(reduce(8, 2, slow_network), reduce(8, 2, fsdp_profile()));
-  EXPECT_EQ(reduce(4, 2, slow_network), reduce(4, 2, fsdp_profile()));
-  EXPECT_EQ(reduce(8, 1, slow_network), reduce(8, 1, fsdp_profile()));
+  EXPECT_GT(reduce(8, 2, slow_network), reduce(8, 2, node_profile()));
+  EXPECT_EQ(reduce(4, 2, slow_network), reduce(4, 2, node_profile()));
+  EXPECT_EQ(reduce(8, 1, slow_network), reduce(8, 1, node_profile()));
 }
 
 TEST(Fsdp, ATensorParallelGroupMustFitANode) {
@@ -335,20 +329,20 @@ TEST(Fsdp, ATensorParallelGroupMustFitANode) {
     EXPECT_FALSE(checked.ok());
     return checked.ok() ? std::string() : checked.error().message;
   };
-  EXPECT_EQ(refused(Parallelism{.tp = 16}, fsdp_profile())
+  EXPECT_EQ(refused(Parallelism{.tp = 16}, node_profile())
                 .rfind("--tp: 16 ranks do not fit a node of 8 GPUs", 0),
             0U);
-  EXPECT_EQ(refused(Parallelism{.tp = 3}, fsdp_profile())
+  EXPECT_EQ(refused(Parallelism{.tp = 3}, node_profile())
                 .rfind("--tp: 3 ranks do not fit a node of 8 GPUs", 0),
             0U);
-  EXPECT_EQ(refused(Parallelism{.tp = 0}, fsdp_profile()), "--tp: 0 ranks (use 1 to 1024)");
+  EXPECT_EQ(refused(Parallelism{.tp = 0}, node_profile()), "--tp: 0 ranks (use 1 to 1024)");
   EXPECT_NE(refused(Parallelism{.tp = 2}, testing::simple_profile()).find("collectives"),
             std::string::npos);
-  EXPECT_EQ(refused(Parallelism{.ranks = 6, .nodes = 1, .tp = 2}, fsdp_profile())
+  EXPECT_EQ(refused(Parallelism{.ranks = 6, .nodes = 1, .tp = 2}, node_profile())
                 .rfind("--nodes: 12 ranks over 1 nodes", 0),
             0U);
-  EXPECT_TRUE(Mesh::make(Parallelism{.tp = 8}, fsdp_profile()).ok());
-  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 4, .tp = 2}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.tp = 8}, node_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 4, .tp = 2}, node_profile()).ok());
 }
 
 // Context parallelism: FSDP shards over the data-parallel and context-parallel ranks together
@@ -357,10 +351,10 @@ TEST(Fsdp, AShardGroupSpansItsContextParallelRanks) {
   const Model m = testing::chain_model(4, 1 << 20);
   const auto run = [&](const Parallelism& p) {
     TrainingOptions o = testing::two_steps(Policy::None);
-    auto checked = Mesh::make(p, fsdp_profile());
+    auto checked = Mesh::make(p, node_profile());
     EXPECT_TRUE(checked.ok()) << checked.error().message;
     if (checked.ok()) o.parallel.mesh = checked.value();
-    return train(m, o, {}, fsdp_profile());
+    return train(m, o, {}, node_profile());
   };
   const TrainingRun fsdp8 = run(Parallelism{.ranks = 8});
   const TrainingRun cp4 = run(Parallelism{.ranks = 2, .cp = 4});
@@ -385,7 +379,7 @@ TEST(Fsdp, ALayersExpertsAreAUnitShardedOverTheExpertShardGroup) {
   const Model whole = testing::sized_family("mixtral");
   auto cut = expert_parallel_model(whole, 2);
   ASSERT_TRUE(cut.ok()) << cut.error().message;
-  DeviceProfile device = fsdp_profile();
+  DeviceProfile device = node_profile();
   device.flops_per_s = 1'000'000'000'000'000;
   device.memory = Bytes(std::int64_t{1} << 40);
   const auto timed = [&](Model m) {
@@ -426,7 +420,7 @@ TEST(Fsdp, ALayersExpertsAreAUnitShardedOverTheExpertShardGroup) {
 
 TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
   const auto refused = [](const Parallelism& p) {
-    auto checked = Mesh::make(p, fsdp_profile(), kMeshFlags);
+    auto checked = Mesh::make(p, node_profile(), kMeshFlags);
     EXPECT_FALSE(checked.ok());
     return checked.ok() ? std::string() : checked.error().message;
   };
@@ -436,7 +430,7 @@ TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
   EXPECT_EQ(refused(Parallelism{.ranks = 3, .tp = 2, .cp = 2})
                 .rfind("--cp: 2 ranks (times 2 of tensor parallelism) neither fit", 0),
             0U);
-  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 1, .cp = 16}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 1, .cp = 16}, node_profile()).ok());
   // Expert parallelism: GPUs of the shard group and their tensor-parallel ones, a multiple of
   // the tensor-parallel group.
   EXPECT_EQ(refused(Parallelism{.ep = 2}).rfind("--ep 2 needs --fsdp N", 0), 0U);
@@ -453,15 +447,15 @@ TEST(Fsdp, AContextParallelGroupNeedsFsdpAndWholeNodes) {
                        0),
             0U);
   const Parallelism fsdp4_tp2_ep2{.ranks = 4, .tp = 2, .ep = 2};
-  EXPECT_TRUE(Mesh::make(fsdp4_tp2_ep2, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(fsdp4_tp2_ep2, node_profile()).ok());
   EXPECT_EQ(fsdp4_tp2_ep2.expert_shard_group(), 4);  // torchtitan's efsdp: 4 x 2 / 2
   EXPECT_EQ(refused(Parallelism{.ranks = 8, .reshard_after_forward = Reshard::K(8), .ep = 2})
                 .rfind("--reshard-after-forward: 8 must be true, false or a number of ranks that "
                        "divides the shard group (8, and the experts' 4)",
                        0),
             0U);
-  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 2, .cp = 4, .ep = 8}, fsdp_profile()).ok());
-  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 2, .tp = 2, .cp = 2}, fsdp_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 2, .cp = 4, .ep = 8}, node_profile()).ok());
+  EXPECT_TRUE(Mesh::make(Parallelism{.ranks = 2, .tp = 2, .cp = 2}, node_profile()).ok());
 }
 
 TEST(Fsdp, OneRankGathersAndReduceScattersNothing) {
@@ -480,8 +474,8 @@ TEST(Fsdp, RanksOfANodeRunSideBySideTheSameWayEveryTime) {
   const Model m = testing::chain_model(4, 1 << 20);
   TrainingOptions o = fsdp_options(8, Policy::Ferry);
   o.offload.min_bytes = Bytes(0);
-  auto once = simulate_node(m, fsdp_profile(), o, 3);
-  auto again = simulate_node(m, fsdp_profile(), o, 3);
+  auto once = simulate_node(m, node_profile(), o, 3);
+  auto again = simulate_node(m, node_profile(), o, 3);
   ASSERT_TRUE(once.ok()) << once.error().message;
   ASSERT_TRUE(again.ok());
   const Simulator& sim = once.value().sim;
@@ -501,10 +495,10 @@ TEST(Fsdp, RanksOfANodeRunSideBySideTheSameWayEveryTime) {
 
 TEST(Fsdp, NodeRunsAreRefusedWithTheReason) {
   const Model m = testing::chain_model(2, 1 << 10);
-  auto no_fsdp = simulate_node(m, fsdp_profile(), testing::two_steps(Policy::Ferry), 2);
+  auto no_fsdp = simulate_node(m, node_profile(), testing::two_steps(Policy::Ferry), 2);
   ASSERT_FALSE(no_fsdp.ok());
   EXPECT_NE(no_fsdp.error().message.find("fsdp"), std::string::npos);
-  auto crowded = simulate_node(m, fsdp_profile(), fsdp_options(4), 5);
+  auto crowded = simulate_node(m, node_profile(), fsdp_options(4), 5);
   ASSERT_FALSE(crowded.ok());
   EXPECT_NE(crowded.error().message.find("2 to 4 ranks"), std::string::npos);
 }
@@ -571,9 +565,9 @@ TEST(MeshRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
 
 TEST(MeshRequest, EdgesNameTheFlagsWhereTheSimulatorNamesTheFields) {
   const Parallelism uneven{.ranks = 4, .replicas = 3};
-  EXPECT_EQ(Mesh::make(uneven, fsdp_profile()).error().message,
+  EXPECT_EQ(Mesh::make(uneven, node_profile()).error().message,
             "replicas: 3 replica groups do not divide 4 ranks");
-  EXPECT_EQ(Mesh::make(uneven, fsdp_profile(), kMeshFlags).error().message,
+  EXPECT_EQ(Mesh::make(uneven, node_profile(), kMeshFlags).error().message,
             "--hsdp: 3 replica groups do not divide 4 ranks");
   const Parallelism bare{.ranks = 4};
   EXPECT_NE(Mesh::make(bare, testing::simple_profile(), kMeshFlags)

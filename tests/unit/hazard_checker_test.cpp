@@ -5,14 +5,10 @@
 namespace ferry::sim {
 namespace {
 
-using testing::device_buffer;
-using testing::pinned_buffer;
+using testing::kNone;
+using testing::one;
 using testing::simple_sim;
 using testing::whole;
-
-constexpr std::span<const Region> kNone{};
-
-std::vector<Region> one(Region r) { return {r}; }
 
 // A reload: H2D copy on a side stream, then a backward kernel on compute that reads it.
 struct Reload {
@@ -30,8 +26,8 @@ Reload reload(bool wait, CheckerFaults faults = {}) {
   r.compute = sim.add_stream(DeviceId(0), "compute");
   r.h2d = sim.add_stream(DeviceId(0), "h2d");
   const EventId done = sim.add_event("reloaded");
-  const BufferId host = pinned_buffer(sim, 4096);
-  const BufferId act = device_buffer(sim, r.compute, 4096, "act");
+  const BufferId host = testing::pinned_buffer(sim, 4096);
+  const BufferId act = testing::device_buffer(sim, r.compute, 4096, "act");
   r.copy = sim.copy(r.h2d, whole(sim, host), whole(sim, act), "reload");
   sim.record(done, r.h2d);
   if (wait) sim.wait(r.compute, done);
@@ -66,8 +62,8 @@ TEST(HazardChecker, VerdictDoesNotDependOnTiming) {
   Simulator sim = simple_sim();
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId h2d = sim.add_stream(DeviceId(0), "h2d");
-  const BufferId host = pinned_buffer(sim, 16);
-  const BufferId act = device_buffer(sim, compute, 16);
+  const BufferId host = testing::pinned_buffer(sim, 16);
+  const BufferId act = testing::device_buffer(sim, compute, 16);
   sim.copy(h2d, whole(sim, host), whole(sim, act));
   sim.kernel(compute, SimTime(1'000'000), kNone, kNone);
   sim.kernel(compute, SimTime(1), one(whole(sim, act)), kNone);
@@ -80,8 +76,8 @@ TEST(HazardChecker, WriteAfterReadAcrossStreams) {
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
   const EventId e = sim.add_event("e");
-  const BufferId act = device_buffer(sim, compute, 1024);
-  const BufferId host = pinned_buffer(sim, 1024);
+  const BufferId act = testing::device_buffer(sim, compute, 1024);
+  const BufferId host = testing::pinned_buffer(sim, 1024);
   sim.kernel(compute, SimTime(10), kNone, one(whole(sim, act)));
   sim.record(e, compute);
   sim.wait(d2h, e);
@@ -98,7 +94,7 @@ TEST(HazardChecker, WriteAfterWriteAcrossStreams) {
   Simulator sim = simple_sim();
   const StreamId a = sim.add_stream(DeviceId(0), "a");
   const StreamId b = sim.add_stream(DeviceId(0), "b");
-  const BufferId x = device_buffer(sim, a, 64);
+  const BufferId x = testing::device_buffer(sim, a, 64);
   sim.kernel(a, SimTime(10), kNone, one(whole(sim, x)));
   sim.kernel(b, SimTime(10), kNone, one(whole(sim, x)));
   sim.finish();
@@ -110,7 +106,7 @@ TEST(HazardChecker, ReadsOnTwoStreamsDoNotConflict) {
   Simulator sim = simple_sim();
   const StreamId a = sim.add_stream(DeviceId(0), "a");
   const StreamId b = sim.add_stream(DeviceId(0), "b");
-  const BufferId x = device_buffer(sim, a, 64);
+  const BufferId x = testing::device_buffer(sim, a, 64);
   sim.kernel(a, SimTime(10), one(whole(sim, x)), kNone);
   sim.kernel(b, SimTime(10), one(whole(sim, x)), kNone);
   sim.finish();
@@ -121,7 +117,7 @@ TEST(HazardChecker, PartialOverlapReportsOnlyTheSharedBytes) {
   Simulator sim = simple_sim();
   const StreamId a = sim.add_stream(DeviceId(0), "a");
   const StreamId b = sim.add_stream(DeviceId(0), "b");
-  const BufferId x = device_buffer(sim, a, 4096);
+  const BufferId x = testing::device_buffer(sim, a, 4096);
   sim.kernel(a, SimTime(10), kNone, one(Region{x, Bytes(0), Bytes(1000)}));
   sim.kernel(b, SimTime(10), one(Region{x, Bytes(600), Bytes(1000)}), kNone);
   sim.kernel(b, SimTime(10), one(Region{x, Bytes(1000), Bytes(1000)}), kNone);
@@ -137,8 +133,8 @@ TEST(HazardChecker, HostReadingPinnedMemoryBeforeTheCopyCompletes) {
   Simulator sim = simple_sim();
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
   const EventId done = sim.add_event("done");
-  const BufferId act = device_buffer(sim, d2h, 256);
-  const BufferId host = pinned_buffer(sim, 256);
+  const BufferId act = testing::device_buffer(sim, d2h, 256);
+  const BufferId host = testing::pinned_buffer(sim, 256);
   sim.copy(d2h, whole(sim, act), whole(sim, host));
   sim.record(done, d2h);
   sim.host_read(one(whole(sim, host)));
@@ -155,8 +151,8 @@ TEST(HazardChecker, SuccessfulQueryOrdersTheHostAfterTheEvent) {
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
   const StreamId other = sim.add_stream(DeviceId(0), "other");
   const EventId done = sim.add_event("done");
-  const BufferId act = device_buffer(sim, d2h, 256);
-  const BufferId host = pinned_buffer(sim, 256);
+  const BufferId act = testing::device_buffer(sim, d2h, 256);
+  const BufferId host = testing::pinned_buffer(sim, 256);
   sim.copy(d2h, whole(sim, act), whole(sim, host));
   sim.record(done, d2h);
   sim.kernel(other, SimTime(10'000), kNone, kNone);
@@ -172,9 +168,9 @@ TEST(HazardChecker, EmptyCacheThatFreesASegmentSynchronizesTheDevice) {
   for (const bool free_segment : {false, true}) {
     Simulator sim = simple_sim();
     const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
-    const BufferId act = device_buffer(sim, d2h, 4096, "act");
-    const BufferId scratch = device_buffer(sim, d2h, 4096, "scratch");
-    const BufferId host = pinned_buffer(sim, 4096);
+    const BufferId act = testing::device_buffer(sim, d2h, 4096, "act");
+    const BufferId scratch = testing::device_buffer(sim, d2h, 4096, "scratch");
+    const BufferId host = testing::pinned_buffer(sim, 4096);
     sim.copy(d2h, whole(sim, act), whole(sim, host));
     if (free_segment) {
       sim.free(act);
@@ -191,7 +187,7 @@ TEST(HazardChecker, EmptyCacheThatFreesASegmentSynchronizesTheDevice) {
 TEST(HazardChecker, UseAfterFreeAndDoubleFree) {
   Simulator sim = simple_sim();
   const StreamId s = sim.add_stream(DeviceId(0), "s");
-  const BufferId x = device_buffer(sim, s, 64, "x");
+  const BufferId x = testing::device_buffer(sim, s, 64, "x");
   sim.free(x);
   sim.kernel(s, SimTime(1), one(Region{x, Bytes(0), Bytes(64)}), kNone);
   sim.free(x);
@@ -215,15 +211,15 @@ FreeDuringOffload free_during_offload(bool record_stream) {
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
   const EventId produced = sim.add_event("produced");
-  f.act0 = device_buffer(sim, compute, 4LL << 20, "act0");
-  const BufferId host = pinned_buffer(sim, 4LL << 20);
+  f.act0 = testing::device_buffer(sim, compute, 4LL << 20, "act0");
+  const BufferId host = testing::pinned_buffer(sim, 4LL << 20);
   sim.kernel(compute, SimTime(10), kNone, one(whole(sim, f.act0)));
   sim.record(produced, compute);
   sim.wait(d2h, produced);
   sim.copy(d2h, whole(sim, f.act0), whole(sim, host));
   if (record_stream) sim.record_stream(f.act0, d2h);
   sim.free(f.act0);
-  f.act1 = device_buffer(sim, compute, 4LL << 20, "act1");
+  f.act1 = testing::device_buffer(sim, compute, 4LL << 20, "act1");
   sim.kernel(compute, SimTime(10), kNone, one(whole(sim, f.act1)));
   sim.finish();
   return f;
@@ -252,13 +248,13 @@ TEST(HazardChecker, ANewOwnerOnAnUnorderedStreamIsStillAReuse) {
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
   const StreamId other = sim.add_stream(DeviceId(0), "other");
   const EventId copied = sim.add_event("copied");
-  const BufferId act0 = device_buffer(sim, compute, 4096, "act0");
-  const BufferId host = pinned_buffer(sim, 4096);
+  const BufferId act0 = testing::device_buffer(sim, compute, 4096, "act0");
+  const BufferId host = testing::pinned_buffer(sim, 4096);
   sim.copy(d2h, whole(sim, act0), whole(sim, host));
   sim.record(copied, d2h);
   sim.wait(compute, copied);
   sim.free(act0);
-  const BufferId act1 = device_buffer(sim, compute, 4096, "act1");
+  const BufferId act1 = testing::device_buffer(sim, compute, 4096, "act1");
   const OpId write = sim.kernel(other, SimTime(10), kNone, one(whole(sim, act1)));
   sim.finish();
   ASSERT_EQ(sim.hazards().size(), 1U);

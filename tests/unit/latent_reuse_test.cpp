@@ -15,14 +15,9 @@
 namespace ferry::sim {
 namespace {
 
-using testing::device_buffer;
-using testing::pinned_buffer;
-using testing::simple_sim;
+using testing::kNone;
+using testing::one;
 using testing::whole;
-
-constexpr std::span<const Region> kNone{};
-
-std::vector<Region> one(Region r) { return {r}; }
 
 // 100 ns .. 100 s.
 const std::vector<std::int64_t>& durations() {
@@ -53,13 +48,13 @@ OpId last_op(const Simulator& sim) {
 // with neither record_stream nor an event; `reuse` then allocates 1 MiB on compute and writes
 // it (the block comes back at once, so the simulated run reuses it at every duration).
 Traced free_while_side_reads(std::int64_t side_ns, bool reuse, bool guard) {
-  Traced r{simple_sim(), {}};
+  Traced r{testing::simple_sim(), {}};
   Simulator& sim = r.sim;
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId side = sim.add_stream(DeviceId(0), "side");
   const EventId produced = sim.add_event("produced");
   const EventId consumed = sim.add_event("consumed");
-  const BufferId act = device_buffer(sim, compute, 1 << 20, "act");
+  const BufferId act = testing::device_buffer(sim, compute, 1 << 20, "act");
   sim.kernel(compute, SimTime(1000), kNone, one(whole(sim, act)), "produce");
   sim.record(produced, compute);
   sim.wait(side, produced);
@@ -71,7 +66,7 @@ Traced free_while_side_reads(std::int64_t side_ns, bool reuse, bool guard) {
   sim.free(act, "free act");
   r.marks.push_back(last_op(sim));
   if (reuse) {
-    const BufferId next = device_buffer(sim, compute, 1 << 20, "next");
+    const BufferId next = testing::device_buffer(sim, compute, 1 << 20, "next");
     r.marks.push_back(sim.kernel(compute, SimTime(1000), kNone, one(whole(sim, next)), "write"));
   }
   sim.finish();
@@ -113,15 +108,15 @@ TEST(LatentReuse, FreeAfterAnEventIsCleanAtEveryDuration) {
 // `s1_bytes` at 1 byte per ns: kernels of all streams share the device's compute engine, copies
 // do not) and on s2's kernel: the verdict must depend on neither.
 Traced record_stream_on_one_reader(std::int64_t s1_bytes, std::int64_t s2_ns, bool record_both) {
-  Traced r{simple_sim(), {}};
+  Traced r{testing::simple_sim(), {}};
   Simulator& sim = r.sim;
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId s1 = sim.add_stream(DeviceId(0), "s1");
   const StreamId s2 = sim.add_stream(DeviceId(0), "s2");
   const EventId produced = sim.add_event("produced");
-  const BufferId act = device_buffer(sim, compute, 1 << 20, "act");
-  const BufferId ballast = device_buffer(sim, s1, s1_bytes, "ballast");
-  const BufferId ballast_host = pinned_buffer(sim, s1_bytes, "ballast on host");
+  const BufferId act = testing::device_buffer(sim, compute, 1 << 20, "act");
+  const BufferId ballast = testing::device_buffer(sim, s1, s1_bytes, "ballast");
+  const BufferId ballast_host = testing::pinned_buffer(sim, s1_bytes, "ballast on host");
   sim.kernel(compute, SimTime(1000), kNone, one(whole(sim, act)), "produce");
   sim.record(produced, compute);
   sim.wait(s1, produced);
@@ -135,7 +130,7 @@ Traced record_stream_on_one_reader(std::int64_t s1_bytes, std::int64_t s2_ns, bo
   r.marks.push_back(last_op(sim));
   sim.kernel(compute, SimTime(2'000'000), kNone, kNone, "other work");
   sim.sync_stream(compute);
-  const BufferId next = device_buffer(sim, compute, 1 << 20, "next");
+  const BufferId next = testing::device_buffer(sim, compute, 1 << 20, "next");
   sim.kernel(compute, SimTime(1000), kNone, one(whole(sim, next)), "write");
   sim.finish();
   return r;
@@ -180,14 +175,15 @@ TEST(LatentReuse, RecordStreamOnEveryReaderIsCleanAtEveryDuration) {
 // A planted fault in the checker: taking record_stream on one stream to cover all of them
 // misses the second scenario.
 TEST(LatentReuse, PlantedFaultDeferralCoversEveryStreamMissesTheSecondScenario) {
-  Traced r{simple_sim(1, {}, testing::simple_profile(),
-                      SimFaults{.checker = CheckerFaults{.deferral_covers_every_stream = true}}),
+  Traced r{testing::simple_sim(
+               1, {}, testing::simple_profile(),
+               SimFaults{.checker = CheckerFaults{.deferral_covers_every_stream = true}}),
            {}};
   Simulator& sim = r.sim;
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId s1 = sim.add_stream(DeviceId(0), "s1");
   const StreamId s2 = sim.add_stream(DeviceId(0), "s2");
-  const BufferId act = device_buffer(sim, compute, 4096, "act");
+  const BufferId act = testing::device_buffer(sim, compute, 4096, "act");
   sim.kernel(s1, SimTime(100), one(whole(sim, act)), kNone, "read on s1");
   sim.kernel(s2, SimTime(100), one(whole(sim, act)), kNone, "read on s2");
   sim.record_stream(act, s1);
@@ -200,18 +196,18 @@ TEST(LatentReuse, PlantedFaultDeferralCoversEveryStreamMissesTheSecondScenario) 
 // after s1, or the second free below would look safe only when the poll happened to succeed.
 TEST(LatentReuse, AnAllocatorPollDoesNotOrderTheHost) {
   for (const std::int64_t d : durations()) {
-    Simulator sim = simple_sim();
+    Simulator sim = testing::simple_sim();
     const StreamId compute = sim.add_stream(DeviceId(0), "compute");
     const StreamId s1 = sim.add_stream(DeviceId(0), "s1");
-    const BufferId a = device_buffer(sim, compute, 1 << 20, "a");
-    const BufferId b = device_buffer(sim, compute, 1 << 20, "b");
+    const BufferId a = testing::device_buffer(sim, compute, 1 << 20, "a");
+    const BufferId b = testing::device_buffer(sim, compute, 1 << 20, "b");
     sim.kernel(s1, SimTime(1000), one(whole(sim, a)), kNone, "read a");
     const OpId read_b = sim.kernel(s1, SimTime(1000), one(whole(sim, b)), kNone, "read b");
     sim.record_stream(a, s1);
     sim.free(a, "free a");  // deferred behind s1: clean
     sim.kernel(compute, SimTime(d), kNone, kNone, "other work");
     sim.sync_stream(compute);
-    const BufferId c = device_buffer(sim, compute, 1 << 20, "c");  // polls a's marker
+    const BufferId c = testing::device_buffer(sim, compute, 1 << 20, "c");  // polls a's marker
     sim.kernel(compute, SimTime(1000), kNone, one(whole(sim, c)), "write c");
     sim.free(b, "free b");  // no record_stream: s1 may still read b
     sim.finish();
@@ -224,20 +220,20 @@ TEST(LatentReuse, AnAllocatorPollDoesNotOrderTheHost) {
 // Pinned memory returned to its pool while a copy into it may still run: the pool hands it to
 // the host's next request at once.
 Traced pinned_freed_during_copy(std::int64_t bytes, bool record, bool sync) {
-  Traced r{simple_sim(), {}};
+  Traced r{testing::simple_sim(), {}};
   Simulator& sim = r.sim;
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
   const EventId copied = sim.add_event("copied");
-  const BufferId act = device_buffer(sim, compute, bytes, "act");
-  const BufferId host = pinned_buffer(sim, bytes, "host");
+  const BufferId act = testing::device_buffer(sim, compute, bytes, "act");
+  const BufferId host = testing::pinned_buffer(sim, bytes, "host");
   r.marks.push_back(sim.copy(d2h, whole(sim, act), whole(sim, host), "offload"));
   sim.record(copied, d2h);
   if (record) sim.record_stream(host, d2h);
   if (sync) sim.sync_event(copied);
   sim.free(host, "free host");
   r.marks.push_back(last_op(sim));
-  const BufferId again = pinned_buffer(sim, bytes, "again");
+  const BufferId again = testing::pinned_buffer(sim, bytes, "again");
   sim.host_write(one(whole(sim, again)), "host fills");
   sim.sync_device(DeviceId(0));
   sim.free(act);
@@ -269,12 +265,12 @@ TEST(LatentReuse, PinnedMemoryWithRecordStreamOrASyncIsCleanAtEveryDuration) {
 // The allocation stream's own work and the host's never need a guard.
 TEST(LatentReuse, WorkOnTheAllocationStreamNeedsNoGuard) {
   for (const std::int64_t d : durations()) {
-    Simulator sim = simple_sim();
+    Simulator sim = testing::simple_sim();
     const StreamId compute = sim.add_stream(DeviceId(0), "compute");
-    const BufferId act = device_buffer(sim, compute, 4096, "act");
+    const BufferId act = testing::device_buffer(sim, compute, 4096, "act");
     sim.kernel(compute, SimTime(d), one(whole(sim, act)), one(whole(sim, act)), "use");
     sim.free(act);
-    const BufferId next = device_buffer(sim, compute, 4096, "next");
+    const BufferId next = testing::device_buffer(sim, compute, 4096, "next");
     sim.kernel(compute, SimTime(d), kNone, one(whole(sim, next)), "write");
     sim.finish();
     EXPECT_TRUE(sim.hazards().empty()) << d;

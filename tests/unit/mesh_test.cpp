@@ -14,13 +14,7 @@
 namespace ferry::sim {
 namespace {
 
-DeviceProfile eight_a_node() {
-  DeviceProfile p = testing::simple_profile();
-  p.collectives.gpus_per_node = 8;
-  p.collectives.intra_node = CollectiveLink{Bandwidth(100'000'000'000), SimTime(1000)};
-  p.collectives.inter_node = CollectiveLink{Bandwidth(10'000'000'000), SimTime(5000)};
-  return p;
-}
+using testing::node_profile;
 
 // The request's error for `fsdp`, or "" when it is accepted.
 std::string request_error(const MeshRequest& fsdp) {
@@ -36,7 +30,7 @@ std::string file_error(const std::string& text) {
 }
 
 std::string mesh_error(const Parallelism& p, MeshNames names = kMeshFlags) {
-  auto mesh = Mesh::make(p, eight_a_node(), names);
+  auto mesh = Mesh::make(p, node_profile(), names);
   return mesh ? std::string() : mesh.error().message;
 }
 
@@ -132,7 +126,7 @@ TEST(Mesh, TheDefaultIsOneGpuOnAnyDevice) {
 // 32 GPUs on four nodes of eight: ranks 8 (two replica groups of four) x cp 2 x tp 2, ep 4.
 TEST(Mesh, GroupsLieWhereTheLayoutPutsThem) {
   auto made =
-      Mesh::make(Parallelism{.ranks = 8, .replicas = 2, .tp = 2, .cp = 2, .ep = 4}, eight_a_node());
+      Mesh::make(Parallelism{.ranks = 8, .replicas = 2, .tp = 2, .cp = 2, .ep = 4}, node_profile());
   ASSERT_TRUE(made.ok()) << made.error().message;
   const Mesh& mesh = made.value();
   EXPECT_EQ(mesh.per_node(), 8);
@@ -149,7 +143,7 @@ TEST(Mesh, GroupsLieWhereTheLayoutPutsThem) {
 }
 
 TEST(Mesh, AContextGroupSpanningNodesCountsThem) {
-  auto made = Mesh::make(Parallelism{.ranks = 1, .tp = 2, .cp = 8}, eight_a_node());
+  auto made = Mesh::make(Parallelism{.ranks = 1, .tp = 2, .cp = 8}, node_profile());
   ASSERT_TRUE(made.ok()) << made.error().message;
   EXPECT_EQ(made.value().group(Mesh::Axis::Context).nodes, 2);
   EXPECT_EQ(made.value().kept_shard(Mesh::Axis::Shard).size, 1);
@@ -173,7 +167,7 @@ TEST(Mesh, RefusalsNameTheFieldAsTheEdgeSpellsIt) {
 
 // A rank's pinned host memory is its even part of the node's.
 TEST(Mesh, ARankHoldsItsPartOfTheNodesPinnedMemory) {
-  DeviceProfile device = eight_a_node();
+  DeviceProfile device = node_profile();
   device.pinned_host_capacity = Bytes(8000);
   auto made = Mesh::make(Parallelism{.ranks = 4}, device);
   ASSERT_TRUE(made.ok());

@@ -12,47 +12,18 @@
 
 #include "ferry/sim/autograd/pipeline.hpp"
 #include "sim_fixtures.hpp"
+#include "sim_models.hpp"
 
 namespace ferry::sim {
 namespace {
 
+using testing::equal_layers;
 using testing::simple_profile;
 
 Model tiny_gpt(const DeviceProfile& device) {
   Model model = model_preset("tiny-gpt").value();
   assign_roofline_durations(model, device);
   return model;
-}
-
-// `layers` equal layers, the last one computing the loss: each reads the previous activation
-// (1 KiB) and its weight, saves both, and takes 1 ms forward and 2 ms backward. Split into
-// equal stages, the copies between them (about 1.5 us each on the simple profile's peer link)
-// are three orders of magnitude below a stage's compute.
-Model equal_layers(std::uint32_t layers) {
-  Model m;
-  m.name = "equal";
-  auto tensor = [&](std::string name, std::int64_t bytes, TensorRole role) {
-    m.tensors.push_back(ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1, Bytes(0),
-                                    false, Bytes(0), 0});
-    return static_cast<std::uint32_t>(m.tensors.size() - 1);
-  };
-  std::uint32_t h = tensor("x", 1024, TensorRole::Input);
-  for (std::uint32_t k = 0; k < layers; ++k) {
-    const std::uint32_t w = tensor(fmt::format("w{}", k), 2048, TensorRole::Param);
-    const std::uint32_t out =
-        tensor(fmt::format("h{}", k + 1), k + 1 == layers ? 4 : 1024, TensorRole::Activation);
-    ModelOp o;
-    o.name = fmt::format("layer{}", k);
-    o.duration = SimTime(1'000'000);
-    o.backward_duration = SimTime(2'000'000);
-    o.inputs = {h, w};
-    o.outputs = {out};
-    o.saved = {h, w};
-    m.ops.push_back(std::move(o));
-    h = out;
-  }
-  m.loss = h;
-  return m;
 }
 
 PipelineOptions options(Schedule schedule, std::int32_t devices, std::int32_t micro_batches,

@@ -12,6 +12,7 @@
 #include "ferry/sim/autograd/pipeline.hpp"
 #include "ferry/sim/io/program_json.hpp"
 #include "sim_fixtures.hpp"
+#include "sim_models.hpp"
 
 namespace ferry::sim {
 namespace {
@@ -52,37 +53,27 @@ DeviceProfile h100() {
 // four ops of 15 us and three of 10 us: on three devices the only split with a 30 us bottleneck
 // is [0, 2), [2, 4), [4, 7), and the skip h0 -> add runs from gpu0 straight to gpu2.
 Model skip_model() {
-  Model m;
-  m.name = "skip";
-  auto tensor = [&](std::string name, std::int64_t bytes, TensorRole role) {
-    m.tensors.push_back(ModelTensor{std::move(name), Bytes(bytes), DType::BF16, role, -1, Bytes(0),
-                                    false, Bytes(0), 0});
-    return static_cast<std::uint32_t>(m.tensors.size() - 1);
-  };
+  testing::ModelBuilder b;
+  b.m.name = "skip";
   auto op = [&](std::string name, std::vector<std::uint32_t> in, std::vector<std::uint32_t> out,
                 std::vector<std::uint32_t> saved, bool rng = false) {
-    ModelOp o;
-    o.name = std::move(name);
-    o.duration = SimTime(m.ops.size() < 4 ? 15'000 : 10'000);
-    o.backward_duration = SimTime(2 * o.duration.ns());
-    o.inputs = std::move(in);
-    o.outputs = std::move(out);
-    o.saved = std::move(saved);
-    o.draws_rng = rng;
-    m.ops.push_back(std::move(o));
+    const SimTime forward(b.m.ops.size() < 4 ? 15'000 : 10'000);
+    b.op(std::move(name), std::move(in), std::move(out), std::move(saved), forward,
+         SimTime(2 * forward.ns()))
+        .draws_rng = rng;
   };
-  const auto x = tensor("x", 4096, TensorRole::Input);
-  const auto w0 = tensor("w0", 2048, TensorRole::Param);
-  const auto w1 = tensor("w1", 2048, TensorRole::Param);
-  const auto w3 = tensor("w3", 2048, TensorRole::Param);
-  const auto h0 = tensor("h0", 8192, TensorRole::Activation);
-  const auto h1 = tensor("h1", 8192, TensorRole::Activation);
-  const auto h2 = tensor("h2", 8192, TensorRole::Activation);
-  const auto mask = tensor("mask", 4096, TensorRole::Activation);
-  const auto h3 = tensor("h3", 8192, TensorRole::Activation);
-  const auto h4 = tensor("h4", 8192, TensorRole::Activation);
-  const auto h5 = tensor("h5", 8192, TensorRole::Activation);
-  const auto loss = tensor("loss", 4, TensorRole::Activation);
+  const auto x = b.tensor("x", 4096, TensorRole::Input);
+  const auto w0 = b.tensor("w0", 2048, TensorRole::Param);
+  const auto w1 = b.tensor("w1", 2048, TensorRole::Param);
+  const auto w3 = b.tensor("w3", 2048, TensorRole::Param);
+  const auto h0 = b.tensor("h0", 8192, TensorRole::Activation);
+  const auto h1 = b.tensor("h1", 8192, TensorRole::Activation);
+  const auto h2 = b.tensor("h2", 8192, TensorRole::Activation);
+  const auto mask = b.tensor("mask", 4096, TensorRole::Activation);
+  const auto h3 = b.tensor("h3", 8192, TensorRole::Activation);
+  const auto h4 = b.tensor("h4", 8192, TensorRole::Activation);
+  const auto h5 = b.tensor("h5", 8192, TensorRole::Activation);
+  const auto loss = b.tensor("loss", 4, TensorRole::Activation);
   op("embed", {x, w0}, {h0}, {x, w0});
   op("a", {h0, w1}, {h1}, {h0, w1});
   op("drop", {h1}, {h2, mask}, {mask}, true);
@@ -90,8 +81,8 @@ Model skip_model() {
   op("c", {h3}, {h4}, {h3});
   op("add", {h4, h0}, {h5}, {});
   op("loss", {h5}, {loss}, {h5});
-  m.loss = loss;
-  return m;
+  b.m.loss = loss;
+  return b.m;
 }
 
 PipelineOptions options(std::int32_t devices, std::int32_t micro_batches, CheckpointMode mode,

@@ -1,0 +1,138 @@
+// The bundled device profiles (docs/devices.md): each loads and names its file, their figures
+// match the documented sources, and the names that cannot be loaded are refused.
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "ferry/sim/io/program_json.hpp"
+#include "program_json_test_support.hpp"
+
+namespace ferry::sim {
+namespace {
+
+using program_json_test::kProfileDir;
+
+TEST(DeviceProfiles, EveryBundledProfileLoadsAndNamesItsFile) {
+  const std::vector<std::string> expected = {
+      "a100-pcie4",    "a100-sxm4-40gb", "b200", "gh200", "gh200-quad", "h100-pcie-80gb",
+      "h100-sxm-96gb", "h100-sxm-pcie5", "h200", "l4",    "l40s",       "rtx-4090"};
+  const auto names = list_device_profiles(kProfileDir);
+  for (const auto& name : expected) {
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+  }
+  for (const auto& name : names) {
+    const auto profile = load_device_profile(kProfileDir, name);
+    ASSERT_TRUE(profile.ok()) << profile.error().message;
+    EXPECT_EQ(profile.value().name, name);
+    EXPECT_FALSE(profile.value().description.empty()) << name;
+    EXPECT_GT(profile.value().h2d.bandwidth.bytes_per_s(), 0);
+    // Writing and reading back gives the same profile.
+    const std::string written = device_profile_to_json(profile.value());
+    const auto again = parse_device_profile(written, name);
+    ASSERT_TRUE(again.ok()) << again.error().message;
+    EXPECT_EQ(device_profile_to_json(again.value()), written);
+  }
+}
+
+TEST(DeviceProfiles, BundledFiguresMatchTheDocumentedSources) {
+  const auto h100 = load_device_profile(kProfileDir, "h100-sxm-pcie5");
+  ASSERT_TRUE(h100.ok()) << h100.error().message;
+  EXPECT_EQ(h100.value().h2d.bandwidth, Bandwidth(55'370'000'000));
+  EXPECT_EQ(h100.value().d2h.bandwidth, Bandwidth(55'200'000'000));
+  EXPECT_EQ(h100.value().flops_per_s, 989'000'000'000'000);
+  // torch's cuBLAS workspace on compute capability 9.0 (:4096:8), and elsewhere (:4096:2:16:8).
+  EXPECT_EQ(h100.value().blas_workspace, Bytes(32 * kMiB));
+
+  const auto a100 = load_device_profile(kProfileDir, "a100-pcie4");
+  ASSERT_TRUE(a100.ok()) << a100.error().message;
+  // Gen4: H2D loses about half its rate under bidirectional load, D2H hardly any.
+  EXPECT_LT(a100.value().h2d.bidirectional_permille, 500);
+  EXPECT_GT(a100.value().d2h.bidirectional_permille, 900);
+  EXPECT_EQ(a100.value().blas_workspace, 8 * kMiB + Bytes(128 * 1024));
+
+  const auto gh200 = load_device_profile(kProfileDir, "gh200");
+  ASSERT_TRUE(gh200.ok()) << gh200.error().message;
+  EXPECT_GT(gh200.value().h2d.bandwidth, gh200.value().d2h.bandwidth);
+  EXPECT_GT(gh200.value().pageable_h2d.bytes_per_s() * 10,
+            gh200.value().h2d.bandwidth.bytes_per_s() * 9);
+}
+
+TEST(DeviceProfiles, TrainingGpuFiguresMatchTheDocumentedSources) {
+  const auto figures = [](const char* name) {
+    auto profile = load_device_profile(kProfileDir, name);
+    EXPECT_TRUE(profile.ok()) << profile.error().message;
+    return profile.value();
+  };
+  // Dense BF16 tensor peaks of the datasheets (half of the printed sparse figures).
+  EXPECT_EQ(figures("h100-pcie-80gb").flops_per_s, 756'000'000'000'000);
+  EXPECT_EQ(figures("h200").flops_per_s, 989'000'000'000'000);
+  EXPECT_EQ(figures("b200").flops_per_s, 2'250'000'000'000'000);
+  EXPECT_EQ(figures("l4").flops_per_s, 121'000'000'000'000);
+  EXPECT_EQ(figures("l40s").flops_per_s, 362'050'000'000'000);
+  EXPECT_EQ(figures("rtx-4090").flops_per_s, 165'200'000'000'000);
+  EXPECT_EQ(figures("h200").memory_bandwidth, Bandwidth(4'800'000'000'000));
+  EXPECT_EQ(figures("a100-sxm4-40gb").memory_bandwidth, Bandwidth(1'555'000'000'000));
+  // torchtitan's hosts: 95.0396 GiB as torch reports it, HBM2e at 2.4 TB/s.
+  EXPECT_EQ(figures("h100-sxm-96gb").memory, Bytes(102'047'993'456));
+  EXPECT_EQ(figures("h100-sxm-96gb").memory_bandwidth, Bandwidth(2'400'000'000'000));
+  // Megatron-LM #6491, four GH200s: CE CPU->GPU 411.57-421.14 GB/s, GPU->CPU 169.90-170.09 GB/s.
+  EXPECT_EQ(figures("gh200-quad").h2d.bandwidth, Bandwidth(416'000'000'000));
+  EXPECT_EQ(figures("gh200-quad").d2h.bandwidth, Bandwidth(170'000'000'000));
+  // nvbandwidth #15, eight RTX 4090s: medians of the CE rates.
+  EXPECT_EQ(figures("rtx-4090").h2d.bandwidth, Bandwidth(26'200'000'000));
+  EXPECT_EQ(figures("rtx-4090").d2h.bandwidth, Bandwidth(26'800'000'000));
+  // No NVLink on the Ada cards: no collectives, and FSDP over ranks is refused.
+  EXPECT_FALSE(figures("l40s").collectives.intra_node.known());
+  // torch's cuBLAS workspace: 32 MiB on Hopper and Blackwell, :4096:2:16:8 on Ampere and Ada.
+  EXPECT_EQ(figures("b200").blas_workspace, Bytes(32 * kMiB));
+  EXPECT_EQ(figures("l4").blas_workspace, 8 * kMiB + Bytes(128 * 1024));
+}
+
+TEST(DeviceProfiles, TheBlasWorkspaceIsOptionalAndBounded) {
+  const auto h100 = load_device_profile(kProfileDir, "h100-sxm-pcie5");
+  ASSERT_TRUE(h100.ok());
+  DeviceProfile none = h100.value();
+  none.blas_workspace = Bytes(0);
+  const std::string written = device_profile_to_json(none);
+  EXPECT_EQ(written.find("blas_workspace_bytes"), std::string::npos);  // left out when 0
+  const auto again = parse_device_profile(written, "p.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value().blas_workspace, Bytes(0));
+  for (const std::string bad : {"-1", "1073741825", "\"32MiB\"", "1.5"}) {
+    std::string text = device_profile_to_json(h100.value());
+    const std::string key = "\"blas_workspace_bytes\": 33554432";
+    ASSERT_NE(text.find(key), std::string::npos) << text;
+    text.replace(text.find(key), key.size(), "\"blas_workspace_bytes\": " + bad);
+    const auto refused = parse_device_profile(text, "p.json");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.error().message.find("blas_workspace_bytes"), std::string::npos)
+        << refused.error().message;
+  }
+}
+
+TEST(DeviceProfiles, UnknownNameListsTheBundledProfiles) {
+  const auto profile = load_device_profile(kProfileDir, "h100");
+  ASSERT_FALSE(profile.ok());
+  EXPECT_NE(profile.error().message.find("unknown device profile \"h100\""), std::string::npos)
+      << profile.error().message;
+  EXPECT_NE(
+      profile.error().message.find(
+          "a100-pcie4, a100-sxm4-40gb, b200, gh200, gh200-quad, h100-pcie-80gb, h100-sxm-96gb, "
+          "h100-sxm-pcie5, h200, l4, l40s, rtx-4090"),
+      std::string::npos)
+      << profile.error().message;
+}
+
+TEST(DeviceProfiles, NamesThatCouldEscapeTheDirectoryAreRefused) {
+  for (const char* name : {"../devices/gh200", "/etc/passwd", ".hidden", "GH200", ""}) {
+    const auto profile = load_device_profile(kProfileDir, name);
+    ASSERT_FALSE(profile.ok()) << name;
+    EXPECT_NE(profile.error().message.find("invalid device profile name"), std::string::npos)
+        << profile.error().message;
+  }
+}
+
+}  // namespace
+}  // namespace ferry::sim

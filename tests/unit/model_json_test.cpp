@@ -1,0 +1,327 @@
+// The model format (docs/model-format.md): presets, scenario models and the documented examples
+// read back and written to the same bytes, and each optional section read, written back and
+// named where it is wrong.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "model_test_support.hpp"
+
+namespace ferry::sim {
+namespace {
+
+using model_test::index_of;
+using model_test::kScenarioDir;
+using model_test::kValidModel;
+using model_test::read_file;
+using model_test::round_device;
+using model_test::valid_with;
+
+void expect_round_trip(const Model& model) {
+  const std::string written = model_to_json(model);
+  const auto again = parse_model(written, "written.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_TRUE(again.value() == model);
+  EXPECT_EQ(model_to_json(again.value()), written);
+}
+
+TEST(ModelJson, PresetsRoundTrip) {
+  for (const std::string_view name : {"tiny-gpt", "tiny-llama", "gpt2-small-s1024"}) {
+    SCOPED_TRACE(name);
+    auto model = model_preset(name);
+    ASSERT_TRUE(model.ok());
+    expect_round_trip(model.value());
+    assign_roofline_durations(model.value(),
+                              round_device(1'000'000'000'000'000, 1'000'000'000'000));
+    expect_round_trip(model.value());
+  }
+}
+
+TEST(ModelJson, WritesKeysInAFixedOrder) {
+  auto model = model_preset("tiny-gpt");
+  ASSERT_TRUE(model.ok());
+  const std::string written = model_to_json(model.value());
+  EXPECT_EQ(written.rfind("{\n  \"format\": \"ferry.model/1\",\n  \"name\": \"tiny-gpt\",\n"
+                          "  \"tensors\": [\n    {\n      \"name\": \"tokens\",\n"
+                          "      \"bytes\": 2048,\n      \"dtype\": \"i64\",\n"
+                          "      \"role\": \"input\"\n    },",
+                          0),
+            0U)
+      << written.substr(0, 300);
+  EXPECT_NE(written.find("\"view_of\": \"layers.0.qkv.out\",\n      \"view_offset\": 32768"),
+            std::string::npos);
+  EXPECT_EQ(written.substr(written.size() - 19), "  \"loss\": \"loss\"\n}\n");
+}
+
+TEST(ModelJson, ScenarioModelsParseAndRoundTrip) {
+  std::vector<std::filesystem::path> files;
+  for (const auto& entry : std::filesystem::directory_iterator(kScenarioDir / "models")) {
+    if (entry.path().extension() == ".json") files.push_back(entry.path());
+  }
+  std::sort(files.begin(), files.end());
+  ASSERT_GE(files.size(), 2U);
+  for (const auto& file : files) {
+    SCOPED_TRACE(file.string());
+    const auto model = parse_model(read_file(file), file.string());
+    ASSERT_TRUE(model.ok()) << model.error().message;
+    expect_round_trip(model.value());
+  }
+}
+
+TEST(ModelJson, TheMlpScenarioHasViewsParamsAndAnOffloadOptOut) {
+  const auto path = kScenarioDir / "models" / "mlp.json";
+  const auto result = parse_model(read_file(path), path.string());
+  ASSERT_TRUE(result.ok()) << result.error().message;
+  const Model& model = result.value();
+  ASSERT_EQ(model.ops.size(), 4U);
+  const auto up = index_of(model.tensors, "up");
+  EXPECT_EQ(model.tensors[up].view_of,
+            static_cast<std::int32_t>(index_of(model.tensors, "fc1.out")));
+  EXPECT_EQ(model.tensors[up].view_offset, Bytes(2048));
+  EXPECT_EQ(model.tensors[index_of(model.tensors, "fc1.weight")].role, TensorRole::Param);
+  EXPECT_TRUE(model.ops.back().no_offload);
+  EXPECT_EQ(model.tensors[model.loss].name, "loss");
+}
+
+TEST(ModelJson, AnUnusedBranchIsAllowed) {
+  const auto path = kScenarioDir / "models" / "unused_branch.json";
+  const auto result = parse_model(read_file(path), path.string());
+  ASSERT_TRUE(result.ok()) << result.error().message;
+  const Model& model = result.value();
+  const auto probe = static_cast<std::uint32_t>(index_of(model.tensors, "probe.out"));
+  for (const ModelOp& op : model.ops) {
+    EXPECT_EQ(std::count(op.inputs.begin(), op.inputs.end(), probe), 0) << op.name;
+  }
+  EXPECT_TRUE(model.tensors[index_of(model.tensors, "norm.out")].no_offload);
+  EXPECT_EQ(model.tensors[index_of(model.tensors, "norm.running_mean")].role, TensorRole::Buffer);
+  EXPECT_TRUE(model.ops[index_of(model.ops, "dropout")].draws_rng);
+  EXPECT_EQ(saved_activation_bytes(model, 0), Bytes(16384 + 8192));  // fc.out and the mask
+}
+
+TEST(ModelJson, TheDocumentedExamplesParse) {
+  const std::string text = read_file(FERRY_TESTS_DIR "/../docs/model-format.md");
+  const std::string fence = "```json\n";
+  std::size_t examples = 0;
+  for (auto at = text.find(fence); at != std::string::npos; at = text.find(fence, at)) {
+    at += fence.size();
+    const auto end = text.find("```", at);
+    ASSERT_NE(end, std::string::npos);
+    const auto model = parse_model(text.substr(at, end - at), "model-format.md");
+    EXPECT_TRUE(model.ok()) << model.error().message;
+    ++examples;
+  }
+  EXPECT_GE(examples, 1U);
+}
+
+TEST(ModelJson, AnOpsKindIsReadAndWrittenBack) {
+  const std::string text =
+      valid_with(R"("name": "fc",)", R"("name": "fc", "kind": "aten.mm.default",)");
+  auto model = parse_model(text, "toy.json");
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  EXPECT_EQ(model.value().ops[0].kind, "aten.mm.default");
+  EXPECT_EQ(model.value().ops[1].kind, "");
+  const std::string written = model_to_json(model.value());
+  EXPECT_NE(written.find(R"("name": "fc",
+      "kind": "aten.mm.default",
+      "layer": 0,)"),
+            std::string::npos)
+      << written;
+  auto again = parse_model(written, "again.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value(), model.value());
+  // Other namespaces and higher-order operators are operators too.
+  for (const char* kind : {"_c10d_functional.reduce_scatter_tensor.default",
+                           "higher_order.flex_attention", "ferry.rotary.default"}) {
+    Model other = model.value();
+    other.ops[0].kind = kind;
+    EXPECT_TRUE(validate_model(other).ok()) << kind;
+  }
+}
+
+TEST(ModelJson, TheParallelismSectionIsReadAndWrittenBack) {
+  const std::string text = valid_with(
+      R"("loss": "y")",
+      R"("loss": "y", "parallelism": {"fsdp": 16, "nodes": 2, "hsdp": 2, "reshard_after_forward": 4})");
+  auto model = parse_model(text, "toy.json");
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  EXPECT_EQ(model.value().parallelism,
+            (Parallelism{
+                .ranks = 16, .nodes = 2, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
+  auto again = parse_model(model_to_json(model.value()), "again.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value(), model.value());
+  auto kept = parse_model(
+      valid_with(R"("loss": "y")",
+                 R"("loss": "y", "parallelism": {"fsdp": 8, "reshard_after_forward": false})"),
+      "toy.json");
+  ASSERT_TRUE(kept.ok()) << kept.error().message;
+  EXPECT_EQ(kept.value().parallelism.reshard_after_forward, Reshard::False());
+  EXPECT_EQ(kept.value().parallelism.nodes, 0);
+  // Tensor parallelism, with FSDP or alone (no "fsdp" then).
+  // Context and expert parallelism, with FSDP.
+  for (const auto& [section, expected] : std::vector<std::pair<std::string, Parallelism>>{
+           {R"({"fsdp": 2, "cp": 4})", Parallelism{.ranks = 2, .cp = 4}},
+           {R"({"fsdp": 8, "ep": 4})", Parallelism{.ranks = 8, .ep = 4}},
+       }) {
+    SCOPED_TRACE(section);
+    auto mesh = parse_model(
+        valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": )" + section), "toy.json");
+    ASSERT_TRUE(mesh.ok()) << mesh.error().message;
+    EXPECT_EQ(mesh.value().parallelism, expected);
+    auto back = parse_model(model_to_json(mesh.value()), "again.json");
+    ASSERT_TRUE(back.ok()) << back.error().message;
+    EXPECT_EQ(back.value(), mesh.value());
+  }
+  for (const std::string section : {R"({"fsdp": 4, "tp": 2})", R"({"tp": 2})"}) {
+    SCOPED_TRACE(section);
+    auto sharded = parse_model(
+        valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": )" + section), "toy.json");
+    ASSERT_TRUE(sharded.ok()) << sharded.error().message;
+    EXPECT_EQ(sharded.value().parallelism.tp, 2);
+    EXPECT_EQ(sharded.value().parallelism.ranks, section.find("fsdp") == std::string::npos ? 0 : 4);
+    const std::string written = model_to_json(sharded.value());
+    EXPECT_NE(written.find(R"("tp": 2)"), std::string::npos) << written;
+    auto back = parse_model(written, "again.json");
+    ASSERT_TRUE(back.ok()) << back.error().message;
+    EXPECT_EQ(back.value(), sharded.value());
+  }
+  // Without the section: one GPU, and none is written.
+  auto plain = parse_model(std::string(kValidModel), "toy.json");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain.value().parallelism.on());
+  EXPECT_EQ(model_to_json(plain.value()).find("parallelism"), std::string::npos);
+}
+
+TEST(ModelJson, ABadParallelismSectionIsNamed) {
+  for (const auto& [section, where] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"fsdp": 0})", "parallelism.fsdp"},
+           {R"({"nodes": 2})", "fsdp"},
+           {R"({"fsdp": 8, "hsdp": 0})", "parallelism.hsdp"},
+           {R"({"fsdp": 8, "reshard_after_forward": 1})", "parallelism.reshard_after_forward"},
+           {R"({"fsdp": 8, "reshard_after_forward": "yes"})", "parallelism.reshard_after_forward"},
+           {R"({"fsdp": 8, "tp": 0})", "parallelism.tp"},
+           {R"({"tp": 2048})", "parallelism.tp"},
+           {R"({"fsdp": 8, "cp": 0})", "parallelism.cp"},
+           {R"({"cp": 2})", "fsdp"},
+           {R"({"fsdp": 8, "ep": 0})", "parallelism.ep"},
+           {R"({"fsdp": 8, "pp": 2})", "pp"},
+       }) {
+    auto model = parse_model(
+        valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": )" + section), "toy.json");
+    ASSERT_FALSE(model.ok()) << section;
+    EXPECT_NE(model.error().message.find(where), std::string::npos)
+        << section << ": " << model.error().message;
+  }
+}
+
+// A static-capacity buffer (docs/model-format.md, Tensors): a base activation allocated for
+// more than its bytes, with its rows of data; read, written back, and refused where it is not
+// that, naming the member.
+TEST(ModelJson, AStaticCapacityIsReadWrittenBackAndChecked) {
+  const std::string h = R"({"name": "h", "bytes": 64, "dtype": "bf16", "role": "activation")";
+  auto padded = parse_model(valid_with(h, h + R"(, "capacity": 256, "rows": 4)"), "toy.json");
+  ASSERT_TRUE(padded.ok()) << padded.error().message;
+  EXPECT_EQ(padded.value().tensors[2].capacity, Bytes(256));
+  EXPECT_EQ(padded.value().tensors[2].rows, 4);
+  EXPECT_EQ(allocated_bytes(padded.value().tensors[2]), Bytes(256));
+  EXPECT_TRUE(has_static_capacity(padded.value()));
+  auto back = parse_model(model_to_json(padded.value()), "again.json");
+  ASSERT_TRUE(back.ok()) << back.error().message;
+  EXPECT_EQ(back.value(), padded.value());
+  auto plain = parse_model(std::string(kValidModel), "toy.json");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(has_static_capacity(plain.value()));
+  EXPECT_EQ(model_to_json(plain.value()).find("capacity"), std::string::npos);
+
+  const std::string lo = R"("view_offset": 0})";
+  for (const auto& [from, to, where] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {h, h + R"(, "capacity": 32, "rows": 4)", "tensors[2].capacity"},   // below its bytes
+           {h, h + R"(, "capacity": 257, "rows": 4)", "tensors[2].capacity"},  // half an element
+           {h, h + R"(, "capacity": 256)", "tensors[2].capacity"},             // the member given
+           {h, h + R"(, "rows": 4)", "tensors[2].rows"},
+           {h, h + R"(, "capacity": 256, "rows": 5)", "tensors[2].rows"},
+           {lo, R"("view_offset": 0, "capacity": 64, "rows": 2})", "tensors[3].capacity"},
+       }) {
+    auto bad = parse_model(valid_with(from, to), "toy.json");
+    ASSERT_FALSE(bad.ok()) << to;
+    EXPECT_NE(bad.error().message.find(where), std::string::npos)
+        << to << ": " << bad.error().message;
+  }
+}
+
+TEST(ModelJson, TheRoutingAssumptionIsReadAndWrittenBack) {
+  for (const auto& [section, want] : std::vector<std::pair<std::string, RoutingAssumption>>{
+           {R"({"assumption": "balanced"})", {.assumption = "balanced"}},
+           {R"({"assumption": "loads", "loads": [4, 2, 0, 1.5]})",
+            {.assumption = "loads", .loads = {4, 2, 0, 1.5}}},
+           {R"({"assumption": "random", "seed": 7})", {.assumption = "random", .seed = 7}},
+           {R"({"assumption": "random", "seed": 0, "capacity_factor": 1.25})",
+            {.assumption = "random", .capacity_factor = 1.25}},
+       }) {
+    SCOPED_TRACE(section);
+    auto model = parse_model(valid_with(R"("loss": "y")", R"("loss": "y", "routing": )" + section),
+                             "toy.json");
+    ASSERT_TRUE(model.ok()) << model.error().message;
+    EXPECT_EQ(model.value().routing, want);
+    const std::string text = model_to_json(model.value());
+    auto again = parse_model(text, "again.json");
+    ASSERT_TRUE(again.ok()) << again.error().message;
+    EXPECT_EQ(again.value(), model.value());
+    // Whole loads are written as integers, as the trace writes them.
+    if (want.assumption == "loads") {
+      EXPECT_NE(text.find("4,\n      2,\n      0,\n      1.5"), std::string::npos) << text;
+    }
+  }
+  // Without the member: none assumed, and none is written.
+  auto plain = parse_model(std::string(kValidModel), "toy.json");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(plain.value().routing.assumption.empty());
+  EXPECT_EQ(model_to_json(plain.value()).find("routing"), std::string::npos);
+}
+
+TEST(ModelJson, ABadRoutingAssumptionIsNamed) {
+  for (const auto& [section, message] : std::vector<std::pair<std::string, std::string>>{
+           {R"("balanced")", R"(toy.json: routing: expected an object, got a string "balanced")"},
+           {R"({"assumption": "uniform"})",
+            R"(toy.json: routing.assumption: expected "balanced", "loads" or "random", got )"
+            R"("uniform")"},
+           {R"({"loads": [1]})", R"(toy.json: routing: missing required key "assumption")"},
+           {R"({"assumption": "loads"})", R"(toy.json: routing: missing required key "loads")"},
+           {R"({"assumption": "loads", "loads": [0, 0]})",
+            R"(toy.json: routing: "loads": expected at least one load above 0)"},
+           {R"({"assumption": "loads", "loads": [1, -1]})",
+            "toy.json: routing.loads[1]: expected a number >= 0"},
+           {R"({"assumption": "loads", "loads": [1, "2"]})",
+            "toy.json: routing.loads[1]: expected a number >= 0"},
+           {R"({"assumption": "balanced", "seed": 1})",
+            R"(toy.json: routing.seed: "seed" applies to the assumption "random" only)"},
+           {R"({"assumption": "random", "seed": 1, "loads": [1]})",
+            R"(toy.json: routing.loads: "loads" applies to the assumption "loads" only)"},
+           {R"({"assumption": "random"})", R"(toy.json: routing: missing required key "seed")"},
+           {R"({"assumption": "random", "seed": -1})",
+            "toy.json: routing.seed: expected a non-negative integer, got -1"},
+           {R"({"assumption": "random", "seed": 1, "capacity_factor": 0.5})",
+            "toy.json: routing.capacity_factor: expected a number >= 1"},
+           {R"({"assumption": "random", "seed": 1, "top_k": 2})",
+            R"(toy.json: routing: unknown key "top_k" (allowed: assumption, loads, seed, )"
+            "capacity_factor)"},
+       }) {
+    SCOPED_TRACE(section);
+    auto model = parse_model(valid_with(R"("loss": "y")", R"("loss": "y", "routing": )" + section),
+                             "toy.json");
+    ASSERT_FALSE(model.ok());
+    EXPECT_EQ(model.error().message, message);
+  }
+}
+
+}  // namespace
+}  // namespace ferry::sim

@@ -1,0 +1,228 @@
+// The durations a device gives a model's ops: the roofline at the assumed efficiencies, the
+// measured kernels' figures, and the longest duration the format allows.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <utility>
+
+#include "model_test_support.hpp"
+
+namespace ferry::sim {
+namespace {
+
+using model_test::index_of;
+using model_test::kScenarioDir;
+using model_test::kValidModel;
+using model_test::round_device;
+using model_test::small_valid_model;
+
+// ---------------------------------------------------------------------------------------------
+// Roofline timing
+
+TEST(Roofline, DurationIsTheSlowerOfComputeAndMemoryAtTheAssumedEfficiencies) {
+  Model model;
+  model.name = "m";
+  model.tensors.push_back(
+      {"y", Bytes(4), DType::F32, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
+  ModelOp compute_bound;
+  compute_bound.name = "matmul";
+  compute_bound.flops = 600'000'000'000;   // 1 ms at 60% of 1 PFLOP/s
+  compute_bound.bytes = Bytes(8'000'000);  // 10 us at 80% of 1 TB/s
+  compute_bound.backward_flops = 1'200'000'000'000;
+  compute_bound.backward_bytes = Bytes(16'000'000);
+  ModelOp memory_bound;
+  memory_bound.name = "add";
+  memory_bound.flops = 1000;
+  memory_bound.bytes = Bytes(800'000'001);  // 1 ms + a fraction of a ns
+  memory_bound.backward_flops = 0;
+  memory_bound.backward_bytes = Bytes(0);
+  memory_bound.outputs = {0};
+  model.ops = {compute_bound, memory_bound};
+  ASSERT_TRUE(validate_model(model).ok()) << validate_model(model).error().message;
+
+  assign_roofline_durations(model, round_device(1'000'000'000'000'000, 1'000'000'000'000));
+  EXPECT_EQ(model.ops[0].duration, SimTime(1'000'000));
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(2'000'000));
+  EXPECT_EQ(model.ops[1].duration, SimTime(1'000'001));   // rounded up
+  EXPECT_EQ(model.ops[1].backward_duration, SimTime(1));  // at least 1 ns
+}
+
+/// A device of 4 SMs with 128 x 128 tiles, a peak of 1.024 PFLOP/s and 1 TB/s, whose GEMMs
+/// reach half the peak, flash attention a quarter forward and an eighth backward, and streaming
+/// kernels 90 % of the bandwidth.
+DeviceProfile kernel_device() {
+  DeviceProfile device = round_device(1'024'000'000'000'000, 1'000'000'000'000);
+  device.kernels = KernelFigures{.sm_count = 4,
+                                 .matmul_tile_m = 128,
+                                 .matmul_tile_n = 128,
+                                 .matmul_permille = 500,
+                                 .flash_forward_permille = 250,
+                                 .flash_backward_permille = 125,
+                                 .memory_permille = 900};
+  return device;
+}
+
+ModelOp gemm_op(std::int64_t m, std::int64_t n, std::int64_t k) {
+  ModelOp op;
+  op.name = "mm";
+  op.kind = "aten.mm.default";
+  op.flops = 2 * m * n * k;
+  op.backward_flops = 4 * m * n * k;
+  op.gemm = GemmShape{.m = m, .n = n, .k = k, .batch = 1};
+  return op;
+}
+
+TEST(KernelTiming, AMatmulPaysForWholeWavesOfTiles) {
+  // One SM's share of the GEMM rate: 1.024e15 x 0.5 / 4 = 1.28e14 FLOP/s, so one wave of
+  // 128 x 128 tiles over k = 1000 (32.768 MFLOP) takes 256 ns.
+  Model model;
+  model.ops = {gemm_op(512, 128, 1000), gemm_op(513, 128, 1000), gemm_op(1, 1, 1000)};
+  assign_roofline_durations(model, kernel_device());
+  EXPECT_EQ(model.ops[0].duration, SimTime(256));  // 4 tiles: one full wave
+  EXPECT_EQ(model.ops[1].duration, SimTime(512));  // 5 tiles: a second wave for one tile
+  EXPECT_EQ(model.ops[2].duration, SimTime(256));  // smaller than a tile: a whole one
+  // Backward: dX (512 x 1000 over 128: 4 x 8 = 32 tiles, 8 waves of 32.768 ns) and dW
+  // (1000 x 128 over 512: 8 tiles, 2 waves of 131.072 ns), 524.288 ns rounded up.
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(525));
+  // A frozen weight: backward has half the FLOPs, and half the two products' time.
+  model.ops[0].backward_flops /= 2;
+  assign_roofline_durations(model, kernel_device());
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(263));
+  // Without kernel figures the same op takes the flat roofline's 60 %.
+  assign_roofline_durations(model, round_device(1'024'000'000'000'000, 1'000'000'000'000));
+  EXPECT_EQ(model.ops[0].duration, SimTime(214));  // 131,072,000 FLOP at 614.4 TFLOP/s
+}
+
+TEST(KernelTiming, AttentionRunsAtItsKernelsFigureAndBytesAtTheMeasuredBandwidth) {
+  Model model;
+  ModelOp flash;
+  flash.name = "attn";
+  flash.kind = "aten._scaled_dot_product_flash_attention.default";
+  flash.flops = 256'000'000;  // 1 us at a quarter of 1.024 PFLOP/s
+  flash.backward_flops = 640'000'000;
+  ModelOp efficient = flash;
+  efficient.name = "attn2";
+  efficient.kind = "aten._scaled_dot_product_efficient_attention.default";  // no figure: 60 %
+  ModelOp add;
+  add.name = "add";
+  add.kind = "aten.add.Tensor";
+  add.flops = 1000;
+  add.bytes = Bytes(900'000);  // 1 us at 90 % of 1 TB/s
+  ModelOp mm_without_shape;
+  mm_without_shape.name = "mm";
+  mm_without_shape.kind = "aten.mm.default";
+  mm_without_shape.flops = 512'000'000;  // 1 us at half the peak
+  model.ops = {flash, efficient, add, mm_without_shape};
+  assign_roofline_durations(model, kernel_device());
+  EXPECT_EQ(model.ops[0].duration, SimTime(1000));
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(5000));  // at an eighth
+  EXPECT_EQ(model.ops[1].duration, SimTime(417));            // 256 MFLOP at 614.4 TFLOP/s
+  EXPECT_EQ(model.ops[2].duration, SimTime(1000));
+  EXPECT_EQ(model.ops[3].duration, SimTime(1000));
+}
+
+TEST(KernelTiming, PresetsGiveTheirMatmulsShapes) {
+  const auto model = model_preset("llama3-8b-s8192");
+  ASSERT_TRUE(model.ok());
+  const ModelOp& gate = model.value().ops[index_of(model.value().ops, "layers.0.gate")];
+  EXPECT_EQ(gate.gemm, (GemmShape{.m = 8192, .n = 14336, .k = 4096, .batch = 1}));
+  const auto again = parse_model(model_to_json(model.value()), "written.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value(), model.value());
+}
+
+TEST(Roofline, DurationsArePositiveAndScaleWithTheDevice) {
+  const auto h100 = load_device_profile(kScenarioDir / "devices", "h100-sxm-pcie5");
+  const auto a100 = load_device_profile(kScenarioDir / "devices", "a100-pcie4");
+  ASSERT_TRUE(h100.ok() && a100.ok());
+  auto fast = model_preset("gpt2-small-s1024");
+  ASSERT_TRUE(fast.ok());
+  Model slow = fast.value();
+  assign_roofline_durations(fast.value(), h100.value());
+  assign_roofline_durations(slow, a100.value());
+  SimTime fast_total;
+  SimTime slow_total;
+  for (std::size_t i = 0; i < slow.ops.size(); ++i) {
+    const ModelOp& f = fast.value().ops[i];
+    const ModelOp& s = slow.ops[i];
+    EXPECT_GE(f.duration, SimTime(1)) << f.name;
+    EXPECT_GE(f.backward_duration, SimTime(1)) << f.name;
+    EXPECT_GT(s.duration, f.duration) << s.name;  // the A100 is slower at both FLOPs and bytes
+    fast_total += f.duration + f.backward_duration;
+    slow_total += s.duration + s.backward_duration;
+  }
+  EXPECT_GT(slow_total, fast_total);
+
+  // Twice the peak and twice the bandwidth: every duration halves, to within rounding.
+  DeviceProfile doubled = h100.value();
+  doubled.flops_per_s *= 2;
+  doubled.memory_bandwidth = Bandwidth(2 * doubled.memory_bandwidth.bytes_per_s());
+  Model faster = fast.value();
+  assign_roofline_durations(faster, doubled);
+  for (std::size_t i = 0; i < faster.ops.size(); ++i) {
+    const std::int64_t before = fast.value().ops[i].duration.ns();
+    const std::int64_t after = faster.ops[i].duration.ns();
+    EXPECT_LE(std::abs(2 * after - before), 2) << faster.ops[i].name;
+  }
+}
+
+TEST(Roofline, AnOpLongerThanTheFormatAllowsOnTheDeviceIsAnError) {
+  Model model = small_valid_model();
+  model.ops[1].backward_flops = kMaxModelFlops;
+  const DeviceProfile fast = round_device(1'000'000'000'000'000, 1'000'000'000'000);
+  EXPECT_TRUE(check_roofline(model, fast).ok());  // 10^18 FLOP at 0.6 PFLOP/s: 1.7e12 ns
+  DeviceProfile slow = round_device(1'000'000, 1'000'000'000'000);  // the slowest rate allowed
+  slow.name = "slow";
+  EXPECT_EQ(check_roofline(model, slow).error().message,
+            "ops[1].backward_flops: 1000000000000000000 FLOP at 1000000 FLOP/s x 600/1000 on "
+            "device \"slow\" take over 1000000000000000 ns, the longest duration a model op may "
+            "have");
+  model.ops[1].backward_flops = 0;
+  model.ops[0].bytes = Bytes(std::int64_t{1} << 50);
+  EXPECT_EQ(check_roofline(model, round_device(1'000'000'000'000'000, 1'000'000))
+                .error()
+                .message.substr(0, 45),
+            "ops[0].bytes: 1125899906842624 bytes at 10000");
+}
+
+// A model is checked once on its way in: a parsed one by its reader, and its durations, the only
+// thing assigned after, by check_roofline.
+TEST(CheckedModel, DurationsAreAssignedToTheCheckedModelWithoutAnotherCheck) {
+  auto parsed = parse_checked_model(kValidModel, "toy.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.error().message;
+  const Model* before = &parsed.value().model();
+  const DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000);
+  auto timed = with_roofline_durations(std::move(parsed).value(), device);
+  ASSERT_TRUE(timed.ok()) << timed.error().message;
+  EXPECT_EQ(&timed.value().model(), before);  // no copy shared it: changed in place
+  Model expected = small_valid_model();
+  assign_roofline_durations(expected, device);
+  for (std::size_t i = 0; i < expected.ops.size(); ++i) {
+    EXPECT_EQ(timed.value()->ops[i].duration, expected.ops[i].duration);
+    EXPECT_EQ(timed.value()->ops[i].backward_duration, expected.ops[i].backward_duration);
+  }
+  EXPECT_TRUE(validate_model(*timed.value()).ok());
+}
+
+TEST(CheckedModel, ASharedModelIsCopiedAndADurationPastTheFormatIsRefused) {
+  Model model = small_valid_model();
+  model.ops[1].backward_flops = kMaxModelFlops;
+  const CheckedModel checked = check_model(model).value();
+  const DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000);
+  auto timed = with_roofline_durations(checked, device);
+  ASSERT_TRUE(timed.ok()) << timed.error().message;
+  EXPECT_NE(&timed.value().model(), &checked.model());  // the copy it shares is left alone
+  EXPECT_EQ(checked->ops[1].backward_duration, SimTime(0));
+  EXPECT_GT(timed.value()->ops[1].backward_duration, SimTime(0));
+  DeviceProfile slow = round_device(1'000'000, 1'000'000'000'000);
+  slow.name = "slow";
+  const auto refused = with_roofline_durations(checked, slow);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().message, check_roofline(model, slow).error().message);
+}
+
+}  // namespace
+}  // namespace ferry::sim
