@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ferry/parallelism.hpp"
 #include "ferry/result.hpp"
@@ -84,6 +85,13 @@ inline constexpr MeshNames kMeshFlags = &MeshFieldRule::flag;
 /// The parallelism `fsdp` asks for, its numbers in bounds (Note [One check for both edges]).
 /// Not against a device: Mesh::make with kMeshFlags does that.
 Result<Parallelism> parallelism_of(const MeshRequest& fsdp);
+
+/// The "parallelism" section of a model file that records the mesh `fsdp` asks for (as
+/// parallelism_json writes it), or null where it records none (no FSDP and no tensor
+/// parallelism): its numbers checked as parallelism_of checks them, then the mesh's rules that
+/// need no device (check_mesh_rules), the errors naming the flags. Python's tracer writes it
+/// into the model it traces (`_simulator.parallelism_section`).
+Result<nlohmann::ordered_json> parallelism_section(const MeshRequest& fsdp);
 
 /// Fills what `fsdp` leaves out from a file's parallelism section (unless a pipeline runs over
 /// `devices` > 1): its tensor parallelism where `fsdp` asks none, its ranks when none are asked,
@@ -220,11 +228,11 @@ struct Response {
 /// Planners kept between plan requests, so that planning one model again at another budget
 /// reuses the simulations the earlier budgets ran (Planner::plan) instead of running them
 /// again: Python's `ferry.plan` and `ferry.auto` keep one per traced model. A request for a
-/// model given as text plans with the planner kept for its target (the model's name and text,
-/// the device and the scenarios folder), steps, parallelism and allocator, made by the first
-/// such request; a plan it makes is the one a fresh planner makes, or one that reuses a faster
-/// plan an earlier, smaller budget found (never slower). Requests from two threads that share
-/// it take turns.
+/// model given as text plans with the planner kept for its target (the model's name and the
+/// model its text reads to and its rank's cut, the device and the scenarios folder), steps,
+/// parallelism and allocator, made by the first such request; a plan it makes is the one a fresh
+/// planner makes, or one that reuses a faster plan an earlier, smaller budget found (never slower).
+/// Requests from two threads that share it take turns.
 class PlannerCache {
  public:
   PlannerCache();
@@ -240,11 +248,13 @@ class PlannerCache {
  private:
   friend Result<Response> respond(const PlanRequest& request);
   struct Entry;
-  /// The planner kept under `key`, made for `workload` (copied) and `options` on first use.
+  /// The planner kept under `key` for `workload`'s model, made for `workload` (copied) and
+  /// `options` on first use.
   Planner& planner(const std::string& key, const Workload& workload, const PlannerOptions& options);
 
   mutable std::mutex mutex_;  // held while a request plans with a kept planner
-  std::map<std::string, std::unique_ptr<Entry>> entries_;
+  /// Under each key, the planners kept for the models planned with those settings.
+  std::map<std::string, std::vector<std::unique_ptr<Entry>>> entries_;
 };
 
 /// The requests' functions; an error is bad input (exit 2), naming the option or the file.
