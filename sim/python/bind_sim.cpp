@@ -488,6 +488,7 @@ void bind_runs(py::module_& m) {
                       const py::kwargs& options) {
         auto request = request_of(simulate_rows, "simulate", options);
         request.target = target(model, model_text, device, scenarios);
+        request.text = false;  // the document only
         return simulate(request);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
@@ -505,6 +506,7 @@ void bind_runs(py::module_& m) {
                      const py::kwargs& options) {
         auto request = request_of(compare_rows, "compare", options);
         request.target = target(model, model_text, device, scenarios);
+        request.text = false;  // the document only
         return to_python(answer(request).document);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),

@@ -178,7 +178,7 @@ Response sweep_response(const PlanRequest& r, PlannerOptions options, const Work
   const auto points = plan_sweep(rank.model, device, options, r.sweep, r.progress);
   Response out;
   out.document = sweep_json(points, *rank.model, device, options.parallel.mesh);
-  out.text = sweep_text(points, *rank.model, device, options.parallel.mesh);
+  if (r.text) out.text = sweep_text(points, *rank.model, device, options.parallel.mesh);
   if (r.plot) out.plot = sweep_svg(points, *rank.model, device);
   return out;
 }
@@ -228,14 +228,15 @@ Response trainer_refused(Response out, const Result<PlanOutcome>& outcome,
 }
 
 // The plan's report, with the trainer's best setting beside it under `--for T`.
-Response plan_response(Response out, PlanOutcome plan, const std::optional<TrainerChoice>& choice,
-                       const Workload& rank, const DeviceProfile& device) {
+Response plan_response(const PlanRequest& r, Response out, PlanOutcome plan,
+                       const std::optional<TrainerChoice>& choice, const Workload& rank,
+                       const DeviceProfile& device) {
   out.document = plan_report_json(plan, *rank.model, device);
-  out.text = plan_text(plan, *rank.model, device);
+  if (r.text) out.text = plan_text(plan, *rank.model, device);
   if (choice) {
     const RowResult* none = plan.fixed.empty() ? nullptr : &plan.fixed.front();
     out.document["trainer"] = trainer_json(*choice, &plan.row, none);
-    out.text += trainer_text(*choice, &plan.row, none);
+    if (r.text) out.text += trainer_text(*choice, &plan.row, none);
     out.trainer_flags = shell_line(trainer_flags(choice->runs[*choice->best].setting));
   }
   out.plan = std::move(plan);
@@ -281,7 +282,7 @@ Result<Response> respond(const PlanRequest& r) {
   if (choice && !choice->best) {
     return api::trainer_refused(std::move(out), outcome, choice, options);
   }
-  return api::plan_response(std::move(out), std::move(outcome).value(), choice, rank, w.device);
+  return api::plan_response(r, std::move(out), std::move(outcome).value(), choice, rank, w.device);
 }
 
 struct PlannerCache::Entry {

@@ -249,7 +249,7 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   Response out;
   out.outcome = outcome_of(row.value().hazards == 0 && !row.value().failure);
   out.document = simulate_json(row.value(), *w.model, w.device, parallelism);
-  out.text = simulate_text(row.value(), *w.model, w.device, parallelism);
+  if (r.text) out.text = simulate_text(row.value(), *w.model, w.device, parallelism);
   return out;
 }
 
@@ -313,7 +313,7 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
   Response out;
   out.outcome = outcome_of(row.hazards == 0 && !row.failure);
   out.document = pipeline_document({row});
-  out.text = pipeline_text({row});
+  if (r.text) out.text = pipeline_text({row});
   return out;
 }
 
@@ -344,7 +344,7 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
   const RowResult result = run_row(w.model, w.device, row, keep ? &out.run : nullptr);
   out.outcome = outcome_of(result.hazards == 0 && !result.failure);
   out.document = simulate_json(result, *w.model, w.device, parallelism);
-  out.text = simulate_text(result, *w.model, w.device, parallelism);
+  if (r.text) out.text = simulate_text(result, *w.model, w.device, parallelism);
   return out;
 }
 
@@ -418,7 +418,7 @@ Result<Response> respond(const CompareRequest& r) {
   Response out;
   out.outcome = api::outcome_of(clean);
   out.document = compare_json(rows, *w.model, w.device, pipelines, parallelism);
-  out.text = compare_text(rows, *w.model, w.device, pipelines, parallelism);
+  if (r.text) out.text = compare_text(rows, *w.model, w.device, pipelines, parallelism);
   return out;
 }
 

@@ -154,6 +154,7 @@ struct SimulateRequest {
   std::string trainer_source = "trainer config";
   bool trace = false;            ///< keep the run (Response::run) for its trace
   bool memory_snapshot = false;  ///< and record its allocators' actions
+  bool text = true;              ///< report as text too (Response::text)
 };
 
 /// `ferry compare`: the fixed configurations side by side, and over `run.devices` > 1 the
@@ -164,6 +165,7 @@ struct CompareRequest {
   /// Called with each configuration's name before it runs (the CLI's progress lines); may be
   /// empty.
   std::function<void(const std::string&)> progress{};
+  bool text = true;  ///< report as text too (Response::text)
 };
 
 class PlannerCache;
@@ -193,6 +195,7 @@ struct PlanRequest {
   /// as text (no sweep, no memory snapshot) is made by the planner kept for this target and
   /// these settings.
   PlannerCache* planners = nullptr;
+  bool text = true;  ///< report as text too (Response::text)
 };
 
 /// How a request's run ended, as the exit codes tell it.
@@ -202,8 +205,9 @@ enum class Outcome : std::uint8_t {
   Refused,  ///< 1: no plan fits the budget; `refusal` says why
 };
 
-/// What a request answers: the outcome, the report as a document (what `--json` prints) and as
-/// text, and what the edges write to files.
+/// What a request answers: the outcome, the report as a document (what `--json` prints) and, where
+/// the request asks for it (its `text`, off where nothing prints it), as text, and what the edges
+/// write to files.
 struct Response {
   Outcome outcome = Outcome::Ok;
   nlohmann::ordered_json document;
