@@ -31,6 +31,7 @@ int CompareCommand::run() const {
   auto knobs = run_knobs(a_);
   if (!knobs) return refuse(knobs.error());
   sim::CompareRequest request{.target = a_.target.target(), .run = knobs.value()};
+  request.text = !a_.json;
   if (!a_.json) {
     request.progress = [](const std::string& name) {
       fmt::print(stderr, "simulating {} ...\n", name);

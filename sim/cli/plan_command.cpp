@@ -186,6 +186,7 @@ Result<sim::PlanRequest> PlanCommand::request() const {
   }
   r.memory_snapshot = !a_.memory_snapshot.empty();
   r.plot = !a_.plot.empty();
+  r.text = !a_.json;
   return r;
 }
 

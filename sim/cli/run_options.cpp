@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <string>
+#include <string_view>
+
 #include "command.hpp"
 #include "ferry/sim/report/tables.hpp"
 
@@ -11,45 +14,81 @@ sim::Target TargetFlags::target() const {
   return sim::Target{.model = {.name = model}, .device = device, .scenarios = scenarios};
 }
 
+namespace {
+
+// `field`'s flag (kMeshFields).
+std::string mesh_flag(sim::MeshField field) { return std::string(sim::mesh_field(field).flag); }
+
+// The help of `field`'s flag: `text`, its "{bounds}" the field's (kMeshFields), after "With
+// --X: " where the field needs another.
+std::string mesh_help(sim::MeshField field, std::string text) {
+  const sim::MeshFieldRule& row = sim::mesh_field(field);
+  if (const auto at = text.find("{bounds}"); at != std::string::npos) {
+    text.replace(at, std::string_view("{bounds}").size(),
+                 fmt::format("{}..{}", row.least, row.most));
+  }
+  if (!row.has_need()) return text;
+  return fmt::format("With {}: {}", sim::mesh_field(row.needs).flag, text);
+}
+
+// The axes' degrees and the expert capacity (kMeshFields' bounds).
+void add_axis_options(CLI::App* cmd, sim::MeshRequest& fsdp) {
+  using sim::MeshField;
+  cmd->add_option(mesh_flag(MeshField::Tp), fsdp.tp,
+                  mesh_help(MeshField::Tp,
+                            "Tensor parallelism over N GPUs a rank ({bounds}, inside a node): each "
+                            "runs its cut of the model, sequence parallel (docs/parallelism.md); "
+                            "1: none"))
+      ->capture_default_str();
+  cmd->add_option(mesh_flag(MeshField::Cp), fsdp.cp,
+                  mesh_help(MeshField::Cp,
+                            "context parallelism over N GPUs a rank ({bounds}): each holds 1/N of "
+                            "the sequence, K and V all-gathered for attention, FSDP sharding over "
+                            "them too (docs/parallelism.md); 1: none"))
+      ->capture_default_str();
+  cmd->add_option(mesh_flag(MeshField::Ep), fsdp.ep,
+                  mesh_help(MeshField::Ep,
+                            "expert parallelism over N GPUs of the shard group and their "
+                            "tensor-parallel ones ({bounds}, a multiple of --tp): each holds 1/N "
+                            "of a mixture of experts' experts, the routed rows exchanged by "
+                            "all-to-alls (docs/parallelism.md); 1: none"))
+      ->capture_default_str();
+  cmd->add_option(mesh_flag(MeshField::ExpertCapacity), fsdp.expert_capacity,
+                  mesh_help(MeshField::ExpertCapacity,
+                            "a static dispatcher's capacity factor F ({bounds}), as CUDA-graphed "
+                            "expert parallelism runs: each GPU's routed rows are allocated for F "
+                            "times a balanced routing's, the experts computing the rows routed "
+                            "(docs/parallelism.md, Static capacity and the paged stash); 0: none"))
+      ->capture_default_str();
+}
+
+}  // namespace
+
 CLI::Option* add_mesh_options(CLI::App* cmd, sim::MeshRequest& fsdp, TextFlags& text) {
+  using sim::MeshField;
   CLI::Option* ranks = cmd->add_option(
-      "--fsdp", fsdp.ranks,
-      "FSDP2 over N ranks (1..1000000): each layer and the root fully_shard'ed; figures are one "
-      "rank's (docs/fsdp.md)");
-  cmd->add_option("--nodes", fsdp.nodes,
-                  "With --fsdp: nodes the ranks span, 1..1000000 (default: as few as the device's "
-                  "gpus_per_node allow)");
+      mesh_flag(MeshField::Fsdp), fsdp.ranks,
+      mesh_help(MeshField::Fsdp,
+                "FSDP2 over N ranks ({bounds}): each layer and the root fully_shard'ed; figures "
+                "are one rank's (docs/fsdp.md)"));
+  cmd->add_option(mesh_flag(MeshField::Nodes), fsdp.nodes,
+                  mesh_help(MeshField::Nodes,
+                            "nodes the ranks span, {bounds} (default: as few as the device's "
+                            "gpus_per_node allow)"));
   cmd->add_option(
-      "--hsdp", fsdp.replicas,
-      "With --fsdp: HSDP replica groups, 1..1000000 (shard within a group, all-reduce across)");
-  cmd->add_option("--reshard-after-forward", text.reshard_after_forward,
-                  "With --fsdp: true, false, or K (keep a 1/K shard after forward)")
+      mesh_flag(MeshField::Hsdp), fsdp.replicas,
+      mesh_help(MeshField::Hsdp,
+                "HSDP replica groups, {bounds} (shard within a group, all-reduce across)"));
+  cmd->add_option(mesh_flag(MeshField::ReshardAfterForward), text.reshard_after_forward,
+                  mesh_help(MeshField::ReshardAfterForward,
+                            "true, false, or K (keep a 1/K shard after forward)"))
       ->capture_default_str();
-  cmd->add_option("--fsdp-impl", text.fsdp_impl,
-                  "With --fsdp: fsdp2 (torch's fully_shard), or simple (torchtitan's SimpleFSDP: "
-                  "the collectives' buffers from the compute stream's pool; docs/fsdp.md)")
+  cmd->add_option(mesh_flag(MeshField::FsdpImpl), text.fsdp_impl,
+                  mesh_help(MeshField::FsdpImpl,
+                            "fsdp2 (torch's fully_shard), or simple (torchtitan's SimpleFSDP: the "
+                            "collectives' buffers from the compute stream's pool; docs/fsdp.md)"))
       ->capture_default_str();
-  cmd->add_option("--tp", fsdp.tp,
-                  "Tensor parallelism over N GPUs a rank (1..1024, inside a node): each runs its "
-                  "cut of the model, sequence parallel (docs/parallelism.md); 1: none")
-      ->capture_default_str();
-  cmd->add_option("--cp", fsdp.cp,
-                  "With --fsdp: context parallelism over N GPUs a rank (1..1024): each holds 1/N "
-                  "of the sequence, K and V all-gathered for attention, FSDP sharding over them "
-                  "too (docs/parallelism.md); 1: none")
-      ->capture_default_str();
-  cmd->add_option("--ep", fsdp.ep,
-                  "With --fsdp: expert parallelism over N GPUs of the shard group and their "
-                  "tensor-parallel ones (1..1024, a multiple of --tp): each holds 1/N of a "
-                  "mixture of experts' experts, the routed rows exchanged by all-to-alls "
-                  "(docs/parallelism.md); 1: none")
-      ->capture_default_str();
-  cmd->add_option("--expert-capacity", fsdp.expert_capacity,
-                  "With --ep: a static dispatcher's capacity factor F (1..1024), as CUDA-graphed "
-                  "expert parallelism runs: each GPU's routed rows are allocated for F times a "
-                  "balanced routing's, the experts computing the rows routed (docs/parallelism.md, "
-                  "Static capacity and the paged stash); 0: none")
-      ->capture_default_str();
+  add_axis_options(cmd, fsdp);
   return ranks;
 }
 
@@ -95,50 +134,42 @@ Result<sim::RunKnobs> run_knobs(const RunArgs& args) {
   return k;
 }
 
-void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
-  sim::RunKnobs& a = args.run;
+namespace {
+
+// simulate's own options: the policy, what it writes, a plan or a trainer to run, and the
+// checkpointing and side streams.
+void add_simulate_options(CLI::App* cmd, RunArgs& args) {
   sim::SimulateRequest& s = args.simulate;
-  add_target_options(cmd, args.target);
-  if (simulate) {
-    cmd->add_option("--policy", s.policy, "none, trl, trl-seed or ferry")->capture_default_str();
-    cmd->add_option("--trace", args.trace, "Write a Chrome/Perfetto trace JSON to FILE");
-    cmd->add_option("--memory-snapshot", args.memory_snapshot,
-                    "Write the device memory history to FILE as a PyTorch memory snapshot "
-                    "pickle (pytorch.org/memory_viz)");
-    cmd->add_option("--plan", args.plan, "Replay a plan file (ferry.plan/1) written by ferry plan");
-    CLI::Option* trainer =
-        cmd->add_option("--for", args.trainer,
-                        "Run a trainer's own activation checkpointing: hf, torchtitan or megatron, "
-                        "its settings from --trainer-config (docs/plan.md, \"A trainer's own "
-                        "settings\"); nothing offloaded");
-    cmd->add_option("--trainer-config", args.trainer_config,
-                    "With --for: a file of the trainer's command-line flags, as ferry plan --for "
-                    "writes them (--trainer-config there)")
-        ->needs(trainer);
-    trainer->needs("--trainer-config");
-    cmd->add_option(
-           "--checkpoint", s.checkpoint,
-           "none, every:K, selective, op-sac (torchtitan's op-level selective), op-sac-all "
-           "(the same, every matmul saved: torchtitan's graph trainer), segments:N or "
-           "reentrant-segments:N")
-        ->capture_default_str();
-    cmd->add_option("--side-streams", s.side_streams,
-                    "Work on a side compute stream: none, or layers L and ranges A-B, "
-                    "recompute, all-reduce (comma-separated)")
-        ->capture_default_str();
-  }
-  cmd->add_flag("--no-early-stop", args.no_early_stop, "Recompute whole checkpointed regions");
-  cmd->add_flag("--set-to-none", a.set_to_none,
-                "optimizer.zero_grad(set_to_none=True) between steps: each gradient allocated "
-                "where backward first writes it and freed after the step (torch 2's default); "
-                "without it gradients are kept from set-up on");
-  cmd->add_flag("--paged-stash", a.paged_stash,
-                "Megatron-Core's paged stash: saved tensors in static-capacity buffers "
-                "(--expert-capacity) have their rows of data copied into pages of a device pool "
-                "at the end of their layer's forward and back before its backward, the padded "
-                "buffers freed between (docs/parallelism.md, Static capacity and the paged stash)");
-  CLI::Option* fsdp = add_mesh_options(cmd, a.mesh, args.text);
-  add_allocator_option(cmd, args.text);
+  cmd->add_option("--policy", s.policy, "none, trl, trl-seed or ferry")->capture_default_str();
+  cmd->add_option("--trace", args.trace, "Write a Chrome/Perfetto trace JSON to FILE");
+  cmd->add_option("--memory-snapshot", args.memory_snapshot,
+                  "Write the device memory history to FILE as a PyTorch memory snapshot "
+                  "pickle (pytorch.org/memory_viz)");
+  cmd->add_option("--plan", args.plan, "Replay a plan file (ferry.plan/1) written by ferry plan");
+  CLI::Option* trainer =
+      cmd->add_option("--for", args.trainer,
+                      "Run a trainer's own activation checkpointing: hf, torchtitan or megatron, "
+                      "its settings from --trainer-config (docs/plan.md, \"A trainer's own "
+                      "settings\"); nothing offloaded");
+  cmd->add_option("--trainer-config", args.trainer_config,
+                  "With --for: a file of the trainer's command-line flags, as ferry plan --for "
+                  "writes them (--trainer-config there)")
+      ->needs(trainer);
+  trainer->needs("--trainer-config");
+  cmd->add_option("--checkpoint", s.checkpoint,
+                  "none, every:K, selective, op-sac (torchtitan's op-level selective), op-sac-all "
+                  "(the same, every matmul saved: torchtitan's graph trainer), segments:N or "
+                  "reentrant-segments:N")
+      ->capture_default_str();
+  cmd->add_option("--side-streams", s.side_streams,
+                  "Work on a side compute stream: none, or layers L and ranges A-B, "
+                  "recompute, all-reduce (comma-separated)")
+      ->capture_default_str();
+}
+
+// The pipeline's options, which exclude FSDP (`fsdp`); with `simulate`, its checkpoint mode.
+void add_pipeline_options(CLI::App* cmd, RunArgs& args, CLI::Option* fsdp, bool simulate) {
+  sim::RunKnobs& a = args.run;
   // Their bounds are the request's (Note [One check for both edges]).
   cmd->add_option("--devices", a.devices,
                   "Pipeline over N devices (--schedule), 1..64; 1: no pipeline")
@@ -155,10 +186,15 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
                   "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64")
       ->capture_default_str();
   if (simulate) {
-    cmd->add_option("--pipeline-checkpoint", s.pipeline_checkpoint,
+    cmd->add_option("--pipeline-checkpoint", args.simulate.pipeline_checkpoint,
                     "Pipeline checkpoint mode: always, except_last or never (default except_last "
                     "under gpipe, never under torch's schedules)");
   }
+}
+
+// The offload policies' knobs and the run's length.
+void add_offload_options(CLI::App* cmd, RunArgs& args) {
+  sim::RunKnobs& a = args.run;
   cmd->add_option("--min-bytes", a.min_bytes,
                   "Saved tensors smaller than this stay on the device (0..2^50)")
       ->capture_default_str();
@@ -176,10 +212,32 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
       ->capture_default_str();
   cmd->add_flag("--no-prefetch", args.no_prefetch, "ferry: reload on demand only");
   cmd->add_flag("--no-dedup", args.no_dedup, "ferry: copy views sharing a storage separately");
-  cmd->add_option("--horizon", s.horizon,
+  cmd->add_option("--horizon", args.simulate.horizon,
                   "ferry: bytes a forward may copy out before the rest stays on the device: "
                   "auto (what the link can hide, derived), none, or a byte count")
       ->capture_default_str();
+}
+
+}  // namespace
+
+void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
+  sim::RunKnobs& a = args.run;
+  add_target_options(cmd, args.target);
+  if (simulate) add_simulate_options(cmd, args);
+  cmd->add_flag("--no-early-stop", args.no_early_stop, "Recompute whole checkpointed regions");
+  cmd->add_flag("--set-to-none", a.set_to_none,
+                "optimizer.zero_grad(set_to_none=True) between steps: each gradient allocated "
+                "where backward first writes it and freed after the step (torch 2's default); "
+                "without it gradients are kept from set-up on");
+  cmd->add_flag("--paged-stash", a.paged_stash,
+                "Megatron-Core's paged stash: saved tensors in static-capacity buffers "
+                "(--expert-capacity) have their rows of data copied into pages of a device pool "
+                "at the end of their layer's forward and back before its backward, the padded "
+                "buffers freed between (docs/parallelism.md, Static capacity and the paged stash)");
+  CLI::Option* fsdp = add_mesh_options(cmd, a.mesh, args.text);
+  add_allocator_option(cmd, args.text);
+  add_pipeline_options(cmd, args, fsdp, simulate);
+  add_offload_options(cmd, args);
   cmd->add_flag("--json", args.json, "Print the results as one JSON document");
   cmd->add_flag("--no-checker", args.no_checker, "Time only; skip hazard and content checks");
   cmd->add_option("--scenarios", args.target.scenarios,

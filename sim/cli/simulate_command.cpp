@@ -38,6 +38,7 @@ int SimulateCommand::run() const {
   sim::SimulateRequest request = a_.simulate;
   request.target = a_.target.target();
   request.run = knobs.value();
+  request.text = !a_.json;
   if (!a_.plan.empty()) request.plan = a_.plan;
   if (!a_.trainer.empty()) {
     // The trainer's settings say the policy and the checkpointing.

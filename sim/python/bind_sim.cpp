@@ -11,16 +11,19 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <variant>
+#include <vector>
 
 #include "ferry/plan/lower.hpp"
 #include "ferry/sim/api/requests.hpp"
 #include "ferry/sim/export/memory_snapshot.hpp"
 #include "ferry/sim/io/plan_json.hpp"
+#include "ferry/sim/mesh/axes.hpp"
 #include "ferry/units.hpp"
 
 namespace py = pybind11;
@@ -119,52 +122,283 @@ std::optional<Bytes> bytes_of(const std::optional<ByteCount>& value, std::string
   return value_or_raise(sim::byte_count(std::get<std::string>(*value), option));
 }
 
-// FSDP2, tensor, context and expert parallelism as the keyword arguments fsdp, nodes, hsdp,
-// reshard_after_forward, fsdp_impl, tp, cp, ep and expert_capacity give them; None: not given.
-sim::MeshRequest fsdp_request(std::optional<std::int32_t> ranks, std::optional<std::int32_t> nodes,
-                              std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard,
-                              const std::string& impl, std::int32_t tp, std::int32_t cp,
-                              std::int32_t ep, double expert_capacity) {
-  sim::MeshRequest fsdp{.ranks = ranks, .nodes = nodes, .replicas = hsdp};
-  fsdp.tp = tp;
-  fsdp.cp = cp;
-  fsdp.ep = ep;
-  fsdp.expert_capacity = expert_capacity;
-  if (const auto* k = std::get_if<std::int64_t>(&reshard)) {
-    fsdp.reshard_after_forward = value_or_raise(sim::reshard_ranks(*k));
-  } else {
-    fsdp.reshard_after_forward = std::get<bool>(reshard) ? Reshard::True() : Reshard::False();
+// Note [One table of keywords]
+// simulate, compare and plan take their request's fields as keyword arguments, each one row of
+// a table: the keyword, and how its value goes into the request (Note [Python values into
+// requests]). A row casts the value as pybind11 casts a typed argument (a TypeError naming the
+// keyword otherwise) and stores it, through the text form's function where the field has one.
+// A call's keywords are all cast first, so a value of no such kind is a TypeError before any
+// other error; they are then stored in the table's order, which is the order the command line
+// reads its flags' text, so the first error is the CLI's. A keyword no row has is a TypeError
+// that lists those the function takes, and a keyword left out keeps the request's default. The
+// mesh's keywords are kMeshFields' Python names. A new option is one row.
+
+template <typename Request>
+struct Keyword {
+  std::string name;
+  std::function<void(py::handle)> check;            // the cast alone
+  std::function<void(Request&, py::handle)> store;  // cast, read and stored
+};
+
+template <typename Request>
+using Keywords = std::vector<Keyword<Request>>;
+
+// The Python type an argument of type T takes, as pybind11 names it in a signature: "int",
+// "Optional[str]", a bound class by its Python name.
+template <typename T>
+std::string type_text() {
+  constexpr auto descr = py::detail::make_caster<T>::name;
+  const auto types = decltype(descr)::types();
+  std::string text;
+  std::size_t k = 0;
+  for (const char* c = descr.text; *c != '\0'; ++c) {
+    if (*c != '%') {
+      text += *c;
+      continue;
+    }
+    const py::detail::type_info* info =
+        types[k] != nullptr ? py::detail::get_type_info(*types[k]) : nullptr;
+    ++k;
+    text += info != nullptr ? info->type->tp_name : "object";
   }
-  fsdp.impl = value_or_raise(sim::fsdp_impl(impl));  // after the resharding, as the CLI
-  return fsdp;
+  return text;
 }
 
-std::optional<sim::AllocatorMode> allocator_of(const std::optional<std::string>& name) {
-  if (!name) return std::nullopt;
-  return value_or_raise(sim::allocator_mode(*name));
+// `value`, the keyword `name`'s, as pybind11 casts an argument of type T.
+template <typename T>
+T cast_keyword(std::string_view name, py::handle value) {
+  try {
+    return value.cast<T>();
+  } catch (const py::cast_error&) {
+    throw py::type_error(
+        fmt::format("{}: {} is not {}", name, py::repr(value).cast<std::string>(), type_text<T>()));
+  }
+}
+
+// The keyword `name`, a T that `store` puts into the request.
+template <typename T, typename Request>
+Keyword<Request> keyword(std::string_view name, std::function<void(Request&, T)> store) {
+  const std::string n(name);
+  return Keyword<Request>{
+      .name = n,
+      .check = [n](py::handle value) { cast_keyword<T>(n, value); },
+      .store = [n, put = std::move(store)](Request& r,
+                                           py::handle value) { put(r, cast_keyword<T>(n, value)); },
+  };
+}
+
+// The keyword `name`, the request's `field` as it is.
+template <typename T, typename Request>
+Keyword<Request> keyword(std::string_view name, T Request::*field) {
+  return keyword<T, Request>(name, [field](Request& r, T value) { r.*field = std::move(value); });
+}
+
+// `rows`, for a request that holds theirs as its `part`.
+template <typename Outer, typename Inner>
+Keywords<Outer> lifted(const Keywords<Inner>& rows, Inner Outer::*part) {
+  Keywords<Outer> out;
+  for (const Keyword<Inner>& row : rows) {
+    out.push_back(Keyword<Outer>{
+        .name = row.name,
+        .check = row.check,
+        .store = [part, put = row.store](Outer& r, py::handle value) { put(r.*part, value); },
+    });
+  }
+  return out;
+}
+
+template <typename Request>
+Keywords<Request>& operator+=(Keywords<Request>& rows, const Keywords<Request>& more) {
+  rows.insert(rows.end(), more.begin(), more.end());
+  return rows;
+}
+
+// The keywords of `function`, a comma-separated list.
+template <typename Request>
+std::string keyword_list(const Keywords<Request>& rows) {
+  std::string list;
+  for (const Keyword<Request>& row : rows) list += (list.empty() ? "" : ", ") + row.name;
+  return list;
+}
+
+// The request `function` builds from its keyword arguments `given` (Note [One table of
+// keywords]).
+template <typename Request>
+Request request_of(const Keywords<Request>& rows, std::string_view function,
+                   const py::kwargs& given) {
+  const auto row_of = [&rows](const std::string& name) -> const Keyword<Request>* {
+    for (const Keyword<Request>& row : rows) {
+      if (row.name == name) return &row;
+    }
+    return nullptr;
+  };
+  for (const auto& [key, value] : given) {
+    const auto name = py::cast<std::string>(key);
+    const Keyword<Request>* row = row_of(name);
+    if (row == nullptr) {
+      throw py::type_error(fmt::format("{}() got an unexpected keyword argument '{}' (it takes {})",
+                                       function, name, keyword_list(rows)));
+    }
+    row->check(value);
+  }
+  Request request;
+  for (const Keyword<Request>& row : rows) {
+    if (given.contains(row.name)) row.store(request, given[py::str(row.name)]);
+  }
+  return request;
+}
+
+// The mesh's keywords, kMeshFields' Python names in its order: resharding is True, False, an
+// int K or the command line's text of one ("true", "2"), the implementation its name.
+Keywords<sim::MeshRequest> mesh_keywords() {
+  using sim::MeshField;
+  using sim::MeshRequest;
+  const auto name = [](MeshField field) { return sim::mesh_field(field).python; };
+  using ReshardArg = std::variant<bool, std::int64_t, std::string>;
+  return {
+      keyword(name(MeshField::Fsdp), &MeshRequest::ranks),
+      keyword(name(MeshField::Nodes), &MeshRequest::nodes),
+      keyword(name(MeshField::Hsdp), &MeshRequest::replicas),
+      keyword<ReshardArg, MeshRequest>(
+          name(MeshField::ReshardAfterForward),
+          [](MeshRequest& r, const ReshardArg& reshard) {
+            if (const auto* text = std::get_if<std::string>(&reshard)) {
+              r.reshard_after_forward = value_or_raise(sim::parse_reshard(*text));
+            } else if (const auto* k = std::get_if<std::int64_t>(&reshard)) {
+              r.reshard_after_forward = value_or_raise(sim::reshard_ranks(*k));
+            } else {
+              r.reshard_after_forward =
+                  std::get<bool>(reshard) ? Reshard::True() : Reshard::False();
+            }
+          }),
+      keyword<std::string, MeshRequest>(name(MeshField::FsdpImpl),
+                                        [](MeshRequest& r, const std::string& impl) {
+                                          r.impl = value_or_raise(sim::fsdp_impl(impl));
+                                        }),
+      keyword(name(MeshField::Tp), &MeshRequest::tp),
+      keyword(name(MeshField::Cp), &MeshRequest::cp),
+      keyword(name(MeshField::Ep), &MeshRequest::ep),
+      keyword(name(MeshField::ExpertCapacity), &MeshRequest::expert_capacity),
+  };
+}
+
+// `allocator`: its name, or None for the model file's.
+template <typename Request>
+Keyword<Request> allocator_keyword(std::optional<sim::AllocatorMode> Request::*field) {
+  return keyword<std::optional<std::string>, Request>(
+      "allocator", [field](Request& r, const std::optional<std::string>& name) {
+        if (name) r.*field = value_or_raise(sim::allocator_mode(*name));
+      });
+}
+
+// Which of the run requests take a RunKnobs keyword.
+enum class Runs : std::uint8_t { Both, Simulate, Compare };
+
+// The keywords of RunKnobs that `command` takes (Runs::Simulate or Runs::Compare).
+Keywords<sim::RunKnobs> knob_keywords(Runs command) {
+  using sim::RunKnobs;
+  const std::pair<Runs, Keyword<RunKnobs>> rows[] = {
+      {Runs::Both, keyword("min_bytes", &RunKnobs::min_bytes)},
+      {Runs::Both, keyword("window_mib", &RunKnobs::window_mib)},
+      {Runs::Both, keyword("prefetch_mib", &RunKnobs::prefetch_mib)},
+      {Runs::Both, keyword("host_cap_gib", &RunKnobs::host_cap_gib)},
+      {Runs::Both, keyword("stash", &RunKnobs::stash)},
+      {Runs::Both, keyword("steps", &RunKnobs::steps)},
+      {Runs::Simulate, keyword("prefetch", &RunKnobs::prefetch)},
+      {Runs::Simulate, keyword("dedup", &RunKnobs::dedup)},
+      {Runs::Simulate, keyword("early_stop", &RunKnobs::early_stop)},
+      {Runs::Both, keyword("check", &RunKnobs::check)},
+      {Runs::Both, keyword("set_to_none", &RunKnobs::set_to_none)},
+      {Runs::Both, keyword("paged_stash", &RunKnobs::paged_stash)},
+      {Runs::Compare, keyword("devices", &RunKnobs::devices)},
+      {Runs::Compare, keyword("micro_batches", &RunKnobs::micro_batches)},
+  };
+  Keywords<RunKnobs> out;
+  for (const auto& [runs, row] : rows) {
+    if (runs == Runs::Both || runs == command) out.push_back(row);
+  }
+  out += lifted(mesh_keywords(), &RunKnobs::mesh);
+  out.push_back(allocator_keyword(&RunKnobs::allocator));
+  return out;
+}
+
+// simulate's keywords: the run's, then the policy's and the trainer's.
+Keywords<sim::SimulateRequest> simulate_keywords() {
+  using sim::SimulateRequest;
+  Keywords<SimulateRequest> rows = lifted(knob_keywords(Runs::Simulate), &SimulateRequest::run);
+  rows += {
+      keyword("policy", &SimulateRequest::policy),
+      keyword("checkpoint", &SimulateRequest::checkpoint),
+      keyword("horizon", &SimulateRequest::horizon),
+      keyword("memory_snapshot", &SimulateRequest::memory_snapshot),
+      keyword("trainer_flags", &SimulateRequest::trainer_flags),
+      // The trainer's settings are its command-line flags in `trainer_flags`.
+      keyword<std::optional<std::string>, SimulateRequest>(
+          "trainer",
+          [](SimulateRequest& r, const std::optional<std::string>& trainer) {
+            if (!trainer) return;
+            r.trainer = value_or_raise(sim::parse_trainer(*trainer, "trainer"));
+            r.trainer_source = "trainer_flags";
+          }),
+  };
+  return rows;
+}
+
+// plan's keywords, in the order `ferry plan` reads its flags' text.
+Keywords<sim::PlanRequest> plan_keywords() {
+  using sim::PlanRequest;
+  using Margin = std::optional<std::variant<double, std::string>>;
+  const auto read_into = [](std::string_view option, std::optional<Bytes> PlanRequest::*field) {
+    return [option, field](PlanRequest& r, const std::optional<ByteCount>& value) {
+      r.*field = bytes_of(value, option);
+    };
+  };
+  Keywords<PlanRequest> rows = {
+      keyword<std::optional<ByteCount>, PlanRequest>("budget",
+                                                     read_into("--budget", &PlanRequest::budget)),
+      keyword<std::optional<ByteCount>, PlanRequest>(
+          "host_budget", read_into("--host-budget", &PlanRequest::host_budget)),
+      keyword("steps", &PlanRequest::steps),
+  };
+  rows += lifted(mesh_keywords(), &PlanRequest::mesh);
+  rows += {
+      allocator_keyword(&PlanRequest::allocator),
+      keyword<Margin, PlanRequest>("margin",
+                                   [](PlanRequest& r, const Margin& margin) {
+                                     if (!margin) return;
+                                     const auto* text = std::get_if<std::string>(&*margin);
+                                     r.margin_permille = value_or_raise(
+                                         text ? sim::margin_permille(*text)
+                                              : sim::margin_permille(std::get<double>(*margin)));
+                                   }),
+      keyword("planners", &PlanRequest::planners),
+      keyword<std::optional<std::string>, PlanRequest>(
+          "trainer",
+          [](PlanRequest& r, const std::optional<std::string>& trainer) {
+            if (trainer) r.trainer = value_or_raise(sim::parse_trainer(*trainer, "trainer"));
+          }),
+      keyword("jobs", &PlanRequest::jobs),
+      keyword<std::optional<py::function>, PlanRequest>(
+          "progress",
+          [](PlanRequest& r, const std::optional<py::function>& progress) {
+            if (!progress) return;
+            // Called on the planning thread, which released the GIL; the function (held by
+            // the call's keyword arguments) outlives the request, whose copies hold it
+            // borrowed.
+            r.search_progress = [hook = py::handle(*progress)](const sim::PlanProgress& p) {
+              const py::gil_scoped_acquire locked;
+              hook(std::string(p.stage), p.done, p.total,
+                   p.best ? py::object(py::int_(p.best->ns())) : py::none());
+            };
+          }),
+  };
+  return rows;
 }
 
 sim::Target target(const std::string& model, const std::optional<std::string>& model_text,
                    const std::string& device, const std::string& scenarios) {
   return sim::Target{
       .model = {.name = model, .text = model_text}, .device = device, .scenarios = scenarios};
-}
-
-// The keyword arguments simulate and compare share, as RunKnobs.
-sim::RunKnobs knobs(std::int64_t min_bytes, std::int64_t window_mib, std::int64_t prefetch_mib,
-                    std::int64_t host_cap_gib, std::int32_t stash, std::int32_t steps, bool check,
-                    sim::MeshRequest fsdp, const std::optional<std::string>& allocator) {
-  sim::RunKnobs run;
-  run.mesh = fsdp;
-  run.allocator = allocator_of(allocator);
-  run.min_bytes = min_bytes;
-  run.window_mib = window_mib;
-  run.prefetch_mib = prefetch_mib;
-  run.host_cap_gib = host_cap_gib;
-  run.stash = stash;
-  run.steps = steps;
-  run.check = check;
-  return run;
 }
 
 // The request's response, run with the GIL released; ValueError for bad input.
@@ -238,102 +472,50 @@ py::dict offload_options(const std::string& text, const std::string& source) {
   return options_dict(plan_offload_options(p), p);
 }
 
-// simulate and compare: their keyword arguments are the requests' fields, with their defaults.
+// A function's docstring: `what` it returns, and the keywords it takes (`rows`).
+template <typename Request>
+std::string doc(std::string_view what, const Keywords<Request>& rows) {
+  return fmt::format("{}. Keywords (the request's fields, each its default when left out): {}",
+                     what, keyword_list(rows));
+}
+
+// simulate and compare: the model (its name, and its document when traced), the device and the
+// scenarios folder, then their requests' fields as keywords (Note [One table of keywords]).
 void bind_runs(py::module_& m) {
-  const sim::SimulateRequest d;
+  const Keywords<sim::SimulateRequest> simulate_rows = simulate_keywords();
   m.def(
       "simulate",
-      [](const std::string& model, const std::optional<std::string>& model_text,
-         const std::string& device, const std::string& scenarios, std::string policy,
-         std::string checkpoint, std::string horizon, std::int64_t min_bytes,
-         std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
-         std::int32_t stash, std::int32_t steps, bool prefetch, bool dedup, bool early_stop,
-         bool check, bool set_to_none, bool memory_snapshot, std::optional<std::int32_t> fsdp,
-         std::optional<std::int32_t> nodes, std::int32_t hsdp,
-         const std::variant<bool, std::int64_t>& reshard_after_forward,
-         const std::string& fsdp_impl, const std::optional<std::string>& allocator, std::int32_t tp,
-         std::int32_t cp, std::int32_t ep, double expert_capacity, bool paged_stash,
-         const std::optional<std::string>& trainer, const std::string& trainer_flags) {
-        sim::SimulateRequest request;
+      [simulate_rows](const std::string& model, const std::optional<std::string>& model_text,
+                      const std::string& device, const std::string& scenarios,
+                      const py::kwargs& options) {
+        auto request = request_of(simulate_rows, "simulate", options);
         request.target = target(model, model_text, device, scenarios);
-        request.run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
-                            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp,
-                                         cp, ep, expert_capacity),
-                            allocator);
-        request.run.prefetch = prefetch;
-        request.run.dedup = dedup;
-        request.run.early_stop = early_stop;
-        request.run.set_to_none = set_to_none;
-        request.run.paged_stash = paged_stash;
-        request.policy = std::move(policy);
-        request.checkpoint = std::move(checkpoint);
-        request.horizon = std::move(horizon);
-        request.memory_snapshot = memory_snapshot;
-        if (trainer) {
-          request.trainer = value_or_raise(sim::parse_trainer(*trainer, "trainer"));
-          request.trainer_flags = trainer_flags;
-          request.trainer_source = "trainer_flags";
-        }
+        request.text = false;  // the document only
         return simulate(request);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
-      py::kw_only(), py::arg("policy") = d.policy, py::arg("checkpoint") = d.checkpoint,
-      py::arg("horizon") = d.horizon, py::arg("min_bytes") = d.run.min_bytes,
-      py::arg("window_mib") = d.run.window_mib, py::arg("prefetch_mib") = d.run.prefetch_mib,
-      py::arg("host_cap_gib") = d.run.host_cap_gib, py::arg("stash") = d.run.stash,
-      py::arg("steps") = d.run.steps, py::arg("prefetch") = d.run.prefetch,
-      py::arg("dedup") = d.run.dedup, py::arg("early_stop") = d.run.early_stop,
-      py::arg("check") = d.run.check, py::arg("set_to_none") = d.run.set_to_none,
-      py::arg("memory_snapshot") = false, py::arg("fsdp") = py::none(),
-      py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.mesh.replicas,
-      py::arg("reshard_after_forward") = true, py::arg("fsdp_impl") = "fsdp2",
-      py::arg("allocator") = py::none(), py::arg("tp") = d.run.mesh.tp,
-      py::arg("cp") = d.run.mesh.cp, py::arg("ep") = d.run.mesh.ep,
-      py::arg("expert_capacity") = d.run.mesh.expert_capacity,
-      py::arg("paged_stash") = d.run.paged_stash, py::arg("trainer") = py::none(),
-      py::arg("trainer_flags") = "",
-      "(`ferry simulate --json`'s document, the memory snapshot pickle or None); with trainer, "
-      "the trainer's settings its command-line flags give (`--for T --trainer-config FILE`)");
+      doc("(`ferry simulate --json`'s document, the memory snapshot pickle or None); with "
+          "trainer, the trainer's settings its command-line flags give (`--for T "
+          "--trainer-config FILE`)",
+          simulate_rows)
+          .c_str());
+  const Keywords<sim::CompareRequest> compare_rows =
+      lifted(knob_keywords(Runs::Compare), &sim::CompareRequest::run);
   m.def(
       "compare",
-      [](const std::string& model, const std::optional<std::string>& model_text,
-         const std::string& device, const std::string& scenarios, std::int64_t min_bytes,
-         std::int64_t window_mib, std::int64_t prefetch_mib, std::int64_t host_cap_gib,
-         std::int32_t stash, std::int32_t steps, bool check, bool set_to_none,
-         std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes, std::int32_t hsdp,
-         const std::variant<bool, std::int64_t>& reshard_after_forward,
-         const std::string& fsdp_impl, const std::optional<std::string>& allocator,
-         std::int32_t devices, std::int32_t micro_batches, std::int32_t tp, std::int32_t cp,
-         std::int32_t ep, double expert_capacity, bool paged_stash) {
-        sim::CompareRequest request;
+      [compare_rows](const std::string& model, const std::optional<std::string>& model_text,
+                     const std::string& device, const std::string& scenarios,
+                     const py::kwargs& options) {
+        auto request = request_of(compare_rows, "compare", options);
         request.target = target(model, model_text, device, scenarios);
-        request.run = knobs(min_bytes, window_mib, prefetch_mib, host_cap_gib, stash, steps, check,
-                            fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp,
-                                         cp, ep, expert_capacity),
-                            allocator);
-        request.run.set_to_none = set_to_none;
-        request.run.paged_stash = paged_stash;
-        request.run.devices = devices;
-        request.run.micro_batches = micro_batches;
+        request.text = false;  // the document only
         return to_python(answer(request).document);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
-      py::kw_only(), py::arg("min_bytes") = d.run.min_bytes,
-      py::arg("window_mib") = d.run.window_mib, py::arg("prefetch_mib") = d.run.prefetch_mib,
-      py::arg("host_cap_gib") = d.run.host_cap_gib, py::arg("stash") = d.run.stash,
-      py::arg("steps") = d.run.steps, py::arg("check") = d.run.check,
-      py::arg("set_to_none") = d.run.set_to_none, py::arg("fsdp") = py::none(),
-      py::arg("nodes") = py::none(), py::arg("hsdp") = d.run.mesh.replicas,
-      py::arg("reshard_after_forward") = true, py::arg("fsdp_impl") = "fsdp2",
-      py::arg("allocator") = py::none(), py::arg("devices") = d.run.devices,
-      py::arg("micro_batches") = d.run.micro_batches, py::arg("tp") = d.run.mesh.tp,
-      py::arg("cp") = d.run.mesh.cp, py::arg("ep") = d.run.mesh.ep,
-      py::arg("expert_capacity") = d.run.mesh.expert_capacity,
-      py::arg("paged_stash") = d.run.paged_stash, "`ferry compare --json`'s document");
+      doc("`ferry compare --json`'s document", compare_rows).c_str());
 }
 
 void bind_plans(py::module_& m) {
-  const sim::PlanRequest d;
   py::class_<sim::PlannerCache>(m, "PlannerCache",
                                 "Planners kept between plan calls (sim::PlannerCache): a later "
                                 "budget reuses the simulations of earlier ones")
@@ -341,63 +523,25 @@ void bind_plans(py::module_& m) {
       .def_property_readonly("planners", &sim::PlannerCache::size, "planners kept")
       .def_property_readonly("simulations", &sim::PlannerCache::simulations,
                              "simulations the kept planners ran");
+  const Keywords<sim::PlanRequest> plan_rows = plan_keywords();
   m.def(
       "plan",
-      [](const std::string& model, const std::optional<std::string>& model_text,
-         const std::string& device, const std::string& scenarios,
-         const std::optional<ByteCount>& budget, const std::optional<ByteCount>& host_budget,
-         std::int32_t steps, std::optional<std::int32_t> fsdp, std::optional<std::int32_t> nodes,
-         std::int32_t hsdp, const std::variant<bool, std::int64_t>& reshard_after_forward,
-         const std::string& fsdp_impl, const std::optional<std::string>& allocator,
-         const std::optional<std::variant<double, std::string>>& margin,
-         sim::PlannerCache* planners, std::int32_t tp, std::int32_t cp, std::int32_t ep,
-         double expert_capacity, const std::optional<std::string>& trainer, std::int32_t jobs,
-         const std::optional<py::function>& progress) {
-        sim::PlanRequest request;
-        request.planners = planners;
-        request.jobs = jobs;
-        if (progress) {
-          // Called on this thread, which released the GIL for the plan; the function outlives
-          // the request, whose copies hold its address.
-          const py::function* hook = &*progress;
-          request.search_progress = [hook](const sim::PlanProgress& p) {
-            const py::gil_scoped_acquire locked;
-            (*hook)(std::string(p.stage), p.done, p.total,
-                    p.best ? py::object(py::int_(p.best->ns())) : py::none());
-          };
-        }
+      [plan_rows](const std::string& model, const std::optional<std::string>& model_text,
+                  const std::string& device, const std::string& scenarios,
+                  const py::kwargs& options) {
+        auto request = request_of(plan_rows, "plan", options);
         request.target = target(model, model_text, device, scenarios);
-        // In the order `ferry plan` reads its flags' text.
-        request.budget = bytes_of(budget, "--budget");
-        request.host_budget = bytes_of(host_budget, "--host-budget");
-        request.steps = steps;
-        request.mesh = fsdp_request(fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep,
-                                    expert_capacity);
-        request.allocator = allocator_of(allocator);
-        if (margin) {
-          const auto* text = std::get_if<std::string>(&*margin);
-          request.margin_permille = value_or_raise(
-              text ? sim::margin_permille(*text) : sim::margin_permille(std::get<double>(*margin)));
-        }
-        if (trainer) request.trainer = value_or_raise(sim::parse_trainer(*trainer, "trainer"));
         return plan(request);
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
-      py::kw_only(), py::arg("budget") = py::none(), py::arg("host_budget") = py::none(),
-      py::arg("steps") = d.steps, py::arg("fsdp") = py::none(), py::arg("nodes") = py::none(),
-      py::arg("hsdp") = d.mesh.replicas, py::arg("reshard_after_forward") = true,
-      py::arg("fsdp_impl") = "fsdp2", py::arg("allocator") = py::none(),
-      py::arg("margin") = py::none(),
-      py::arg("planners") = static_cast<sim::PlannerCache*>(nullptr), py::arg("tp") = d.mesh.tp,
-      py::arg("cp") = d.mesh.cp, py::arg("ep") = d.mesh.ep,
-      py::arg("expert_capacity") = d.mesh.expert_capacity, py::arg("trainer") = py::none(),
-      py::arg("jobs") = d.jobs, py::arg("progress") = py::none(),
-      "{report, text, plan_text}, or {refused, floor, smallest_budget, document} when no plan "
-      "fits; with planners, a PlannerCache, a model given as text is planned by the planner it "
-      "keeps for it; with "
-      "trainer, also trainer_flags (the trainer's best setting as its command-line flags); jobs: "
-      "simulations at once (0: one per hardware thread); progress(stage, done, total, best_ns) "
-      "hears each step of the search");
+      doc("{report, text, plan_text}, or {refused, floor, smallest_budget, document} when no plan "
+          "fits; "
+          "with planners, a PlannerCache, a model given as text is planned by the planner it "
+          "keeps for it; with trainer, also trainer_flags (the trainer's best setting as its "
+          "command-line flags); jobs: simulations at once (0: one per hardware thread); "
+          "progress(stage, done, total, best_ns) hears each step of the search",
+          plan_rows)
+          .c_str());
   py::class_<ReadBytes>(m, "ReadBytes", "A byte count read_bytes read: plan takes it as read")
       .def_property_readonly("bytes", [](const ReadBytes& r) { return r.bytes.count(); })
       .def("__repr__",
@@ -418,6 +562,21 @@ void bind_plans(py::module_& m) {
         "ferry.offload's options the plan fixes (ferry::plan_offload_options)");
 }
 
+// The mesh's "parallelism" section of a model file, from the mesh's keywords (the tracer's).
+void bind_mesh(py::module_& m) {
+  const Keywords<sim::MeshRequest> mesh_rows = mesh_keywords();
+  m.def(
+      "parallelism_section",
+      [mesh_rows](const py::kwargs& mesh) {
+        const auto request = request_of(mesh_rows, "parallelism_section", mesh);
+        return to_python(value_or_raise(sim::parallelism_section(request)));
+      },
+      doc("The \"parallelism\" section of a model file that records the mesh, or None where "
+          "it records none (sim::parallelism_section); ValueError names the flag",
+          mesh_rows)
+          .c_str());
+}
+
 }  // namespace
 }  // namespace ferry::python
 
@@ -428,4 +587,5 @@ PYBIND11_MODULE(_simulator, m) {
   m.attr("default_device") = std::string(ferry::sim::kDefaultDevice);
   ferry::python::bind_runs(m);
   ferry::python::bind_plans(m);
+  ferry::python::bind_mesh(m);
 }

@@ -143,22 +143,20 @@ void Fsdp2::bind_unit(std::size_t u, Device::Buffer buffer) {
 }
 
 void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
-  // The groups of rank 0 (Note [FSDP2, one rank]) as the mesh lays them out: a layer's unit
-  // shards over the shard group, a layer's experts over an expert's shard group.
-  const Mesh& mesh = fsdp_.mesh;
-  replica_group_ = mesh.group(Mesh::Axis::Replicate).placement();
-  const bool keeps_shard = parallelism_.reshard_after_forward.ranks() > 1;
-  const auto place_unit = [&](FsdpUnit& unit) {
-    const Mesh::Axis axis = unit.experts ? Mesh::Axis::ExpertShard : Mesh::Axis::Shard;
-    const MeshGroup group = mesh.group(axis);
-    unit.group = group.size;
-    unit.placement = group.placement();
-    if (keeps_shard) unit.post_forward_placement = mesh.kept_shard(axis).placement();
-  };
+  // The groups of rank 0 (Note [FSDP2, one rank]) as the mesh lays them out.
+  replica_group_ = fsdp_.mesh.group(Mesh::Axis::Replicate).placement();
   copy_in_ = sim_.add_stream(dev_, "all_gather_copy_in");
   all_gather_ = sim_.add_stream(dev_, "all_gather");
   reduce_scatter_ = sim_.add_stream(dev_, "reduce_scatter");
   if (parallelism_.replicas > 1) all_reduce_ = sim_.add_stream(dev_, "all_reduce");
+  const std::map<std::uint32_t, std::int32_t> owner = param_owners();
+  const std::set<std::uint32_t> experts = expert_weights(owner);
+  form_units(owner, experts);
+  span_units(experts);
+  allocate_shards(writes, values);
+}
+
+std::map<std::uint32_t, std::int32_t> Fsdp2::param_owners() const {
   // A parameter belongs to the layer whose ops read it, or to the root when read outside the
   // layers or by several (a tied embedding).
   std::map<std::uint32_t, std::int32_t> owner;
@@ -170,20 +168,29 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
       if (!fresh && it->second != op.layer) it->second = -1;
     }
   }
+  return owner;
+}
+
+std::set<std::uint32_t> Fsdp2::expert_weights(
+    const std::map<std::uint32_t, std::int32_t>& owner) const {
   // Under expert parallelism a layer's experts (the weights of its grouped matmuls) are a unit
   // of their own, as torchtitan applies fully_shard to them over the expert shard group.
   std::set<std::uint32_t> expert_params;
-  if (parallelism_.ep > 1) {
-    for (const ModelOp& op : model_.ops) {
-      if (!is_grouped_matmul_kind(op.kind) || op.layer < 0) continue;
-      for (const std::uint32_t t : op.inputs) {
-        const std::uint32_t b = graph_.base[t];
-        if (model_.tensors[b].role == TensorRole::Param && owner.at(b) == op.layer) {
-          expert_params.insert(b);
-        }
+  if (parallelism_.ep <= 1) return expert_params;
+  for (const ModelOp& op : model_.ops) {
+    if (!is_grouped_matmul_kind(op.kind) || op.layer < 0) continue;
+    for (const std::uint32_t t : op.inputs) {
+      const std::uint32_t b = graph_.base[t];
+      if (model_.tensors[b].role == TensorRole::Param && owner.at(b) == op.layer) {
+        expert_params.insert(b);
       }
     }
   }
+  return expert_params;
+}
+
+void Fsdp2::form_units(const std::map<std::uint32_t, std::int32_t>& owner,
+                       const std::set<std::uint32_t>& expert_params) {
   units_.assign(1, FsdpUnit{});
   unit_of_layer_ = {{-1, 0}};  // the root
   experts_of_layer_.clear();
@@ -208,6 +215,9 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
                        ? Bytes(tensor.bytes.count() / dtype_size(tensor.dtype) * 4)
                        : tensor.bytes;
   }
+}
+
+void Fsdp2::span_units(const std::set<std::uint32_t>& expert_params) {
   // A layer's experts span the ops from the first that reads their weights to the last; its
   // unit, the layer's other ops.
   for (std::int32_t i = 0; i < static_cast<std::int32_t>(model_.ops.size()); ++i) {
@@ -229,9 +239,19 @@ void Fsdp2::setup(std::vector<Region>& writes, std::vector<std::uint64_t>& value
     if (unit.first_op < 0) unit.first_op = i;
     unit.last_op = i;
   }
+}
+
+void Fsdp2::allocate_shards(std::vector<Region>& writes, std::vector<std::uint64_t>& values) {
+  // A layer's unit shards over the shard group, a layer's experts over an expert's shard group.
+  const Mesh& mesh = fsdp_.mesh;
+  const bool keeps_shard = parallelism_.reshard_after_forward.ranks() > 1;
   for (std::size_t u = 0; u < units_.size(); ++u) {
     FsdpUnit& unit = units_[u];
-    place_unit(unit);
+    const Mesh::Axis axis = unit.experts ? Mesh::Axis::ExpertShard : Mesh::Axis::Shard;
+    const MeshGroup group = mesh.group(axis);
+    unit.group = group.size;
+    unit.placement = group.placement();
+    if (keeps_shard) unit.post_forward_placement = mesh.kept_shard(axis).placement();
     const Bytes shard = std::max(Bytes(1), ceil_div(unit.master, unit.group));
     unit.shard = rank_.allocate_on(current(), shard, fmt::format("unit {} shard", unit.layer));
     writes.push_back(Region{unit.shard.id, Bytes(0), shard});

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "ferry/sim/engine/collective_cost.hpp"
@@ -68,6 +69,15 @@ class Fsdp2 final : public StepHooks {
   std::size_t unit_of_op(std::uint32_t i) const;
   // Its layer's unit (or the root's), whether or not the op is among the experts'.
   std::size_t layer_unit_of_op(std::uint32_t i) const;
+  // setup's steps: each base parameter's owner, its layer's or (-1) the root's; under expert
+  // parallelism the experts' weights; the units they form; the ops each unit spans; and this
+  // rank's shard of each, placed over its group.
+  std::map<std::uint32_t, std::int32_t> param_owners() const;
+  std::set<std::uint32_t> expert_weights(const std::map<std::uint32_t, std::int32_t>& owner) const;
+  void form_units(const std::map<std::uint32_t, std::int32_t>& owner,
+                  const std::set<std::uint32_t>& expert_params);
+  void span_units(const std::set<std::uint32_t>& expert_params);
+  void allocate_shards(std::vector<Region>& writes, std::vector<std::uint64_t>& values);
   void unshard(std::size_t u);
   void wait_for_unshard(std::size_t u, bool forward);
   void reshard(std::size_t u, bool after_forward);

@@ -1,6 +1,6 @@
 #include "ferry/sim/mesh/mesh.hpp"
 
-#include "ferry/check.hpp"
+#include "ferry/sim/mesh/rules.hpp"
 
 #include <fmt/format.h>
 
@@ -51,17 +51,15 @@ std::int32_t span_nodes(std::int32_t span, std::int32_t per_node) {
   return std::max(1, span / per_node);
 }
 
-}  // namespace
-
-Result<Mesh> Mesh::make(const Parallelism& p, const DeviceProfile& device, MeshNames names) {
+// `p`'s numbers within kMeshFields' bounds and needs: the degrees, the ranks under FSDP and the
+// expert capacity (parallelism_of and read_parallelism bound them alike where they read them).
+Status bounds_met(const Parallelism& p, MeshNames names) {
   for (const MeshField field : {MeshField::Tp, MeshField::Cp, MeshField::Ep}) {
     const std::int32_t ranks = field == MeshField::Tp ? p.tp : field == MeshField::Cp ? p.cp : p.ep;
-    if (auto bounded = ranks_in_bounds(names, field, ranks); !bounded) return bounded.error();
+    if (auto bounded = ranks_in_bounds(names, field, ranks); !bounded) return bounded;
   }
   if (p.on()) {
-    if (auto bounded = ranks_in_bounds(names, MeshField::Fsdp, p.ranks); !bounded) {
-      return bounded.error();
-    }
+    if (auto bounded = ranks_in_bounds(names, MeshField::Fsdp, p.ranks); !bounded) return bounded;
   }
   const MeshFieldRule& factor = mesh_field(MeshField::ExpertCapacity);
   if (p.expert_capacity != 0 && !factor.in_bounds(p.expert_capacity)) {
@@ -72,30 +70,33 @@ Result<Mesh> Mesh::make(const Parallelism& p, const DeviceProfile& device, MeshN
     return Error{fmt::format("{} needs {} {} or more: {}", factor.*names,
                              named(names, factor.needs), factor.needs_least, factor.why)};
   }
-  return make_within_bounds(p, device, names);
+  return Ok{};
 }
 
-Result<Mesh> Mesh::make_within_bounds(const Parallelism& p, const DeviceProfile& device,
-                                      MeshNames names) {
-  FERRY_CHECK(p.tp >= 1 && p.cp >= 1 && p.ep >= 1,
-              "a mesh's degrees out of kMeshFields' bounds: tp {}, cp {}, ep {}", p.tp, p.cp, p.ep);
+// A tensor-parallel group inside one node of `device`, over its intra-node links.
+Status tensor_group_fits(const Parallelism& p, const DeviceProfile& device, MeshNames names) {
   const CollectiveLinks& links = device.collectives;
-  const auto name = [names](MeshField field) { return named(names, field); };
-  if (p.tp > 1) {
-    if (links.gpus_per_node % p.tp != 0) {
-      return Error{fmt::format(
-          "{}: {} ranks do not fit a node of {} GPUs (device {}): a tensor-parallel group lies "
-          "inside one node, and the node's GPUs hold whole groups",
-          name(MeshField::Tp), p.tp, links.gpus_per_node, device.name)};
-    }
-    if (!links.intra_node.known()) {
-      return Error{fmt::format(
-          "device {} has no \"collectives\" links: {} {} needs the intra-node bandwidth "
-          "(docs/devices.md)",
-          device.name, name(MeshField::Tp), p.tp)};
-    }
+  if (p.tp <= 1) return Ok{};
+  if (links.gpus_per_node % p.tp != 0) {
+    return Error{fmt::format(
+        "{}: {} ranks do not fit a node of {} GPUs (device {}): a tensor-parallel group lies "
+        "inside one node, and the node's GPUs hold whole groups",
+        named(names, MeshField::Tp), p.tp, links.gpus_per_node, device.name)};
   }
-  if (auto needs = needs_met(names, MeshField::Ep, p.ep, p.ranks); !needs) return needs.error();
+  if (!links.intra_node.known()) {
+    return Error{
+        fmt::format("device {} has no \"collectives\" links: {} {} needs the intra-node bandwidth "
+                    "(docs/devices.md)",
+                    device.name, named(names, MeshField::Tp), p.tp)};
+  }
+  return Ok{};
+}
+
+// Expert parallelism with the data-parallel ranks it needs, over whole tensor-parallel groups;
+// context parallelism with the ranks it needs.
+Status axes_needs_met(const Parallelism& p, MeshNames names) {
+  const auto name = [names](MeshField field) { return named(names, field); };
+  if (auto needs = needs_met(names, MeshField::Ep, p.ep, p.ranks); !needs) return needs;
   if (p.ep > 1 && p.ep % p.tp != 0) {
     return Error{fmt::format(
         "{} {} with {} {}: expert parallelism takes in the tensor-parallel GPUs (each computes "
@@ -104,19 +105,24 @@ Result<Mesh> Mesh::make_within_bounds(const Parallelism& p, const DeviceProfile&
         name(MeshField::Ep), p.ep, name(MeshField::Tp), p.tp, name(MeshField::Ep),
         name(MeshField::Tp))};
   }
-  if (auto needs = needs_met(names, MeshField::Cp, p.cp, p.ranks); !needs) return needs.error();
-  const std::int32_t gpus_per_node = links.gpus_per_node;
-  if (!p.on()) {
-    if (p.nodes > 1) {
-      return Error{fmt::format("{}: {} GPUs of tensor parallelism lie inside one node, not {}",
-                               name(MeshField::Nodes), p.tp, p.nodes)};
-    }
-    return Mesh(p, std::max(1, p.ranks_per_node(gpus_per_node)));
-  }
-  if (p.replicas < 1 || p.ranks % p.replicas != 0) {
-    return Error{fmt::format("{}: {} replica groups do not divide {} ranks", name(MeshField::Hsdp),
-                             p.replicas, p.ranks)};
-  }
+  return needs_met(names, MeshField::Cp, p.cp, p.ranks);
+}
+
+// FSDP's ranks in whole HSDP replica groups.
+Status replicas_divide(const Parallelism& p, MeshNames names) {
+  if (p.replicas >= 1 && p.ranks % p.replicas == 0) return Ok{};
+  return Error{fmt::format("{}: {} replica groups do not divide {} ranks",
+                           named(names, MeshField::Hsdp), p.replicas, p.ranks)};
+}
+
+// The GPUs of a node under FSDP's `p` on `device`: the replica groups divide the ranks, the
+// nodes hold them evenly, a context-parallel group fits them, expert parallelism divides the
+// shard group and a kept shard's ranks divide it.
+Result<std::int32_t> ranks_per_node(const Parallelism& p, const DeviceProfile& device,
+                                    MeshNames names) {
+  const auto name = [names](MeshField field) { return named(names, field); };
+  if (auto divided = replicas_divide(p, names); !divided) return divided.error();
+  const std::int32_t gpus_per_node = device.collectives.gpus_per_node;
   const std::int32_t nodes = p.node_count(gpus_per_node);
   const std::int32_t world = p.world();
   if (nodes < 1 || world % nodes != 0 || world / nodes > gpus_per_node ||
@@ -152,17 +158,50 @@ Result<Mesh> Mesh::make_within_bounds(const Parallelism& p, const DeviceProfile&
         name(MeshField::ReshardAfterForward), reshard.ranks(), p.shard_group(),
         p.ep > 1 ? fmt::format(", and the experts' {}", p.expert_shard_group()) : "")};
   }
+  return per_node;
+}
+
+// The links FSDP's collectives run over: within a node, and across nodes where it spans more.
+Status data_parallel_links(const Parallelism& p, const DeviceProfile& device, MeshNames names) {
+  const CollectiveLinks& links = device.collectives;
   if (p.ranks * p.cp > 1 && !links.intra_node.known()) {
     return Error{fmt::format(
         "device {} has no \"collectives\" links: {} {} needs the intra-node (and, across "
         "nodes, the inter-node) bandwidth (docs/devices.md)",
-        device.name, name(MeshField::Fsdp), p.ranks)};
+        device.name, named(names, MeshField::Fsdp), p.ranks)};
   }
+  const std::int32_t nodes = p.node_count(links.gpus_per_node);
   if (nodes > 1 && !links.inter_node.known()) {
     return Error{fmt::format("device {} has no inter-node link: {} {} spans {} nodes", device.name,
-                             name(MeshField::Fsdp), p.ranks, nodes)};
+                             named(names, MeshField::Fsdp), p.ranks, nodes)};
   }
-  return Mesh(p, per_node);
+  return Ok{};
+}
+
+}  // namespace
+
+Status check_mesh_rules(const Parallelism& p, MeshNames names) {
+  if (auto bounded = bounds_met(p, names); !bounded) return bounded;
+  if (auto needs = axes_needs_met(p, names); !needs) return needs;
+  return p.on() ? replicas_divide(p, names) : Status{Ok{}};
+}
+
+Result<Mesh> Mesh::make(const Parallelism& p, const DeviceProfile& device, MeshNames names) {
+  // Each step reads what the ones before it checked (a degree of 1 or more first).
+  if (auto bounded = bounds_met(p, names); !bounded) return bounded.error();
+  if (auto fits = tensor_group_fits(p, device, names); !fits) return fits.error();
+  if (auto needs = axes_needs_met(p, names); !needs) return needs.error();
+  if (!p.on()) {
+    if (p.nodes > 1) {
+      return Error{fmt::format("{}: {} GPUs of tensor parallelism lie inside one node, not {}",
+                               named(names, MeshField::Nodes), p.tp, p.nodes)};
+    }
+    return Mesh(p, std::max(1, p.ranks_per_node(device.collectives.gpus_per_node)));
+  }
+  auto per_node = ranks_per_node(p, device, names);
+  if (!per_node) return per_node.error();
+  if (auto linked = data_parallel_links(p, device, names); !linked) return linked.error();
+  return Mesh(p, per_node.value());
 }
 
 MeshGroup Mesh::group(Axis axis) const {

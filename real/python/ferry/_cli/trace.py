@@ -275,81 +275,58 @@ def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "c
     return model
 
 
-def _check(args: argparse.Namespace) -> None:
+def _check(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Checks the arguments before anything is built; returns the scenario's "parallelism"
+    section they record (``mesh_section``)."""
     for flag, value, low in (
         ("--seq", args.seq, 1),
         ("--batch", args.batch, 1),
         ("--lora-rank", args.lora_rank, 0),
-        ("--fsdp", args.fsdp, 0),
-        ("--nodes", args.nodes, 0),
-        ("--hsdp", args.hsdp, 1),
     ):
         if value < low:
             raise UsageError(f"{flag}: expected an integer >= {low}, got {value}")
-    for flag, value in (("--tp", args.tp), ("--cp", args.cp), ("--ep", args.ep)):
-        if not 1 <= value <= 1024:
-            raise UsageError(f"{flag}: expected an integer in 1..1024, got {value}")
-    if args.cp > 1 and not args.fsdp:
-        raise UsageError(
-            f"--cp {args.cp} needs --fsdp N: FSDP2 shards the parameters over the data-parallel "
-            "and context-parallel ranks together (--fsdp 1 for context parallelism alone)"
-        )
-    if args.ep > 1 and not args.fsdp:
-        raise UsageError(
-            f"--ep {args.ep} needs --fsdp N: expert parallelism splits the experts among GPUs "
-            "of FSDP2's shard group"
-        )
+    section = mesh_section(args)
     from .._trace import Routing
 
     try:
         Routing(args.routing)
     except ValueError as error:
         raise UsageError(f"--routing: {str(error).removeprefix('ferry.trace: ')}") from None
-    if not args.fsdp and (
-        args.nodes
-        or args.hsdp != 1
-        or args.reshard_after_forward != "true"
-        or args.fsdp_impl != "fsdp2"
-    ):
-        raise UsageError("--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N")
+    return section
 
 
-def parallelism(args: argparse.Namespace, layers: list[int]) -> dict[str, Any] | None:
-    """The scenario's "parallelism" section (docs/model-format.md), or None without --fsdp and
-    --tp. FSDP2's units are the model's layers, as `fully_shard` is applied per decoder layer.
-    Whether the model cuts for --tp, --cp and --ep the commands that run it say."""
-    if not args.fsdp:
-        return {"tp": args.tp} if args.tp > 1 else None
-    if not layers:
+def mesh_section(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The scenario's "parallelism" section (docs/model-format.md) that --fsdp, --nodes,
+    --hsdp, --reshard-after-forward, --fsdp-impl, --tp, --cp and --ep record, or None without
+    --fsdp and --tp. The simulator writes it, checked by the mesh's rules as the commands that
+    read it check them (``ferry._simulator.parallelism_section``; --fsdp and --nodes 0: not
+    given)."""
+    from .. import _simulator
+
+    try:
+        return _simulator.parallelism_section(
+            fsdp=args.fsdp or None,
+            nodes=args.nodes or None,
+            hsdp=args.hsdp,
+            reshard_after_forward=args.reshard_after_forward,
+            fsdp_impl=args.fsdp_impl,
+            tp=args.tp,
+            cp=args.cp,
+            ep=args.ep,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def parallelism(section: dict[str, Any] | None, layers: list[int]) -> dict[str, Any] | None:
+    """``section`` for a traced model with decoder ``layers``: FSDP2's units are the model's
+    layers, as `fully_shard` is applied per decoder layer. Whether the model cuts for --tp,
+    --cp and --ep the commands that run it say."""
+    if section is not None and "fsdp" in section and not layers:
         raise UsageError(
             "--fsdp: the traced model has no layers to shard (fully_shard units follow the "
             "decoder layers ferry.trace finds)"
         )
-    if args.fsdp % args.hsdp:
-        raise UsageError(f"--hsdp: {args.hsdp} replica groups do not divide {args.fsdp} ranks")
-    section: dict[str, Any] = {"fsdp": args.fsdp}
-    if args.nodes:
-        section["nodes"] = args.nodes
-    if args.hsdp > 1:
-        section["hsdp"] = args.hsdp
-    reshard = args.reshard_after_forward
-    if reshard == "false":
-        section["reshard_after_forward"] = False
-    elif reshard != "true":
-        if not reshard.isdigit() or int(reshard) < 2:
-            raise UsageError(
-                f"--reshard-after-forward: {reshard!r} is not true, false or a number of "
-                "ranks (2 or more)"
-            )
-        section["reshard_after_forward"] = int(reshard)
-    if args.fsdp_impl != "fsdp2":
-        section["fsdp_impl"] = args.fsdp_impl
-    if args.tp > 1:
-        section["tp"] = args.tp
-    if args.cp > 1:
-        section["cp"] = args.cp
-    if args.ep > 1:
-        section["ep"] = args.ep
     return section
 
 
@@ -362,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        _check(args)
+        asked = _check(args)
         path, data = _load_config(args.config)
         model = build_model(data, args, path)
         with torch.device("meta"):
@@ -391,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not str(error).startswith("ferry.trace: routing "):
                 raise
             raise UsageError(f"--routing: {str(error).removeprefix('ferry.trace: ')}") from None
-        section = parallelism(args, traced.layers())
+        section = parallelism(asked, traced.layers())
         if section is not None:
             traced.document["parallelism"] = section
     except UsageError as error:

@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ferry/parallelism.hpp"
 #include "ferry/result.hpp"
@@ -85,6 +86,13 @@ inline constexpr MeshNames kMeshFlags = &MeshFieldRule::flag;
 /// Not against a device: Mesh::make with kMeshFlags does that.
 Result<Parallelism> parallelism_of(const MeshRequest& fsdp);
 
+/// The "parallelism" section of a model file that records the mesh `fsdp` asks for (as
+/// parallelism_json writes it), or null where it records none (no FSDP and no tensor
+/// parallelism): its numbers checked as parallelism_of checks them, then the mesh's rules that
+/// need no device (check_mesh_rules), the errors naming the flags. Python's tracer writes it
+/// into the model it traces (`_simulator.parallelism_section`).
+Result<nlohmann::ordered_json> parallelism_section(const MeshRequest& fsdp);
+
 /// Fills what `fsdp` leaves out from a file's parallelism section (unless a pipeline runs over
 /// `devices` > 1): its tensor parallelism where `fsdp` asks none, its ranks when none are asked,
 /// then its nodes, HSDP groups and resharding where `fsdp` kept the defaults.
@@ -146,6 +154,7 @@ struct SimulateRequest {
   std::string trainer_source = "trainer config";
   bool trace = false;            ///< keep the run (Response::run) for its trace
   bool memory_snapshot = false;  ///< and record its allocators' actions
+  bool text = true;              ///< report as text too (Response::text)
 };
 
 /// `ferry compare`: the fixed configurations side by side, and over `run.devices` > 1 the
@@ -156,6 +165,7 @@ struct CompareRequest {
   /// Called with each configuration's name before it runs (the CLI's progress lines); may be
   /// empty.
   std::function<void(const std::string&)> progress{};
+  bool text = true;  ///< report as text too (Response::text)
 };
 
 class PlannerCache;
@@ -185,6 +195,7 @@ struct PlanRequest {
   /// as text (no sweep, no memory snapshot) is made by the planner kept for this target and
   /// these settings.
   PlannerCache* planners = nullptr;
+  bool text = true;  ///< report as text too (Response::text)
 };
 
 /// How a request's run ended, as the exit codes tell it.
@@ -194,8 +205,9 @@ enum class Outcome : std::uint8_t {
   Refused,  ///< 1: no plan fits the budget; `refusal` says why
 };
 
-/// What a request answers: the outcome, the report as a document (what `--json` prints) and as
-/// text, and what the edges write to files.
+/// What a request answers: the outcome, the report as a document (what `--json` prints) and, where
+/// the request asks for it (its `text`, off where nothing prints it), as text, and what the edges
+/// write to files.
 struct Response {
   Outcome outcome = Outcome::Ok;
   nlohmann::ordered_json document;
@@ -222,11 +234,11 @@ struct Response {
 /// Planners kept between plan requests, so that planning one model again at another budget
 /// reuses the simulations the earlier budgets ran (Planner::plan) instead of running them
 /// again: Python's `ferry.plan` and `ferry.auto` keep one per traced model. A request for a
-/// model given as text plans with the planner kept for its target (the model's name and text,
-/// the device and the scenarios folder), steps, parallelism and allocator, made by the first
-/// such request; a plan it makes is the one a fresh planner makes, or one that reuses a faster
-/// plan an earlier, smaller budget found (never slower). Requests from two threads that share
-/// it take turns.
+/// model given as text plans with the planner kept for its target (the model's name and the
+/// model its text reads to and its rank's cut, the device and the scenarios folder), steps,
+/// parallelism and allocator, made by the first such request; a plan it makes is the one a fresh
+/// planner makes, or one that reuses a faster plan an earlier, smaller budget found (never slower).
+/// Requests from two threads that share it take turns.
 class PlannerCache {
  public:
   PlannerCache();
@@ -242,11 +254,13 @@ class PlannerCache {
  private:
   friend Result<Response> respond(const PlanRequest& request);
   struct Entry;
-  /// The planner kept under `key`, made for `workload` (copied) and `options` on first use.
+  /// The planner kept under `key` for `workload`'s model, made for `workload` (copied) and
+  /// `options` on first use.
   Planner& planner(const std::string& key, const Workload& workload, const PlannerOptions& options);
 
   mutable std::mutex mutex_;  // held while a request plans with a kept planner
-  std::map<std::string, std::unique_ptr<Entry>> entries_;
+  /// Under each key, the planners kept for the models planned with those settings.
+  std::map<std::string, std::vector<std::unique_ptr<Entry>>> entries_;
 };
 
 /// The requests' functions; an error is bad input (exit 2), naming the option or the file.

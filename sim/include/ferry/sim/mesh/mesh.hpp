@@ -39,14 +39,11 @@ class Mesh {
 
   /// `p` checked once: its numbers against kMeshFields' bounds and needs, then against
   /// `device`'s links and node size; the error names the field as `names` spells it
-  /// (&MeshFieldRule::flag at the command line).
+  /// (&MeshFieldRule::flag at the command line). A request (parallelism_of) and a model file
+  /// (read_parallelism) bound the numbers alike where they read them, so the first error is the
+  /// same whichever checks.
   static Result<Mesh> make(const Parallelism& p, const DeviceProfile& device,
                            MeshNames names = &MeshFieldRule::name);
-  /// The same for a `p` whose numbers were bounded where they were read (parallelism_of,
-  /// read_parallelism, both by kMeshFields): the device's rules only. A degree below 1 is a
-  /// broken invariant (FERRY_CHECK).
-  static Result<Mesh> make_within_bounds(const Parallelism& p, const DeviceProfile& device,
-                                         MeshNames names = &MeshFieldRule::name);
 
   [[nodiscard]] const Parallelism& parallelism() const { return p_; }
   operator const Parallelism&() const { return p_; }  // NOLINT(google-explicit-constructor)
