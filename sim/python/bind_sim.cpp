@@ -535,9 +535,8 @@ void bind_plans(py::module_& m) {
       },
       py::arg("model"), py::arg("model_text"), py::arg("device"), py::arg("scenarios"),
       doc("{report, text, plan_text}, or {refused, floor, smallest_budget, document} when no plan "
-          "fits; "
-          "with planners, a PlannerCache, a model given as text is planned by the planner it "
-          "keeps for it; with trainer, also trainer_flags (the trainer's best setting as its "
+          "fits; with planners, a PlannerCache, a model given as text is planned by the planner "
+          "it keeps for it; with trainer, also trainer_flags (the trainer's best setting as its "
           "command-line flags); jobs: simulations at once (0: one per hardware thread); "
           "progress(stage, done, total, best_ns) hears each step of the search",
           plan_rows)
