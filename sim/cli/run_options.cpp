@@ -127,6 +127,8 @@ Result<sim::RunKnobs> run_knobs(const RunArgs& args) {
   k.prefetch = !args.no_prefetch;
   k.dedup = !args.no_dedup;
   k.early_stop = !args.no_early_stop;
+  if (args.set_to_none) k.set_to_none = true;
+  if (args.keep_grads) k.set_to_none = false;
   k.check = !args.no_checker;
   if (auto applied = apply_text_flags(args.text, k.mesh, k.allocator); !applied) {
     return applied.error();
@@ -225,10 +227,16 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   add_target_options(cmd, args.target);
   if (simulate) add_simulate_options(cmd, args);
   cmd->add_flag("--no-early-stop", args.no_early_stop, "Recompute whole checkpointed regions");
-  cmd->add_flag("--set-to-none", a.set_to_none,
-                "optimizer.zero_grad(set_to_none=True) between steps: each gradient allocated "
-                "where backward first writes it and freed after the step (torch 2's default); "
-                "without it gradients are kept from set-up on");
+  CLI::Option* set_to_none =
+      cmd->add_flag("--set-to-none", args.set_to_none,
+                    "optimizer.zero_grad(set_to_none=True) between steps, the default of "
+                    "single-device and FSDP runs (torch's since 2.0): each gradient allocated "
+                    "where backward first writes it and freed after the step");
+  cmd->add_flag("--keep-grads", args.keep_grads,
+                "optimizer.zero_grad(set_to_none=False) between steps (a loop accumulating "
+                "gradients, Megatron-Core's gradient buffers; a pipeline's only mode): gradients "
+                "allocated at set-up and kept")
+      ->excludes(set_to_none);
   cmd->add_flag("--paged-stash", a.paged_stash,
                 "Megatron-Core's paged stash: saved tensors in static-capacity buffers "
                 "(--expert-capacity) have their rows of data copied into pages of a device pool "

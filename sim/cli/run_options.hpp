@@ -45,6 +45,8 @@ struct RunArgs {
   bool no_dedup = false;
   bool no_early_stop = false;
   bool no_checker = false;
+  bool set_to_none = false;  // zero_grad(set_to_none=True) asked for
+  bool keep_grads = false;   // zero_grad(set_to_none=False)
   TextFlags text;
   sim::RunKnobs run;              // the numbers, bound to their flags as they are
   sim::SimulateRequest simulate;  // simulate's own options (policy, checkpoint plan, ...)

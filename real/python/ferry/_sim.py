@@ -100,8 +100,10 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
             ``horizon`` ("auto", "none", bytes), ``steps``, ``min_bytes``, ``window_mib``,
             ``prefetch_mib``, ``host_cap_gib``, ``stash``, and the switches ``prefetch``,
             ``dedup``, ``early_stop`` and ``check`` (hazard and content checks), all True by
-            default, and ``set_to_none`` (``--set-to-none``: gradients freed between steps, as
-            ``optimizer.zero_grad(set_to_none=True)`` frees them; False by default: kept);
+            default, and ``set_to_none`` (what ``optimizer.zero_grad()`` does between steps:
+            None, the default, is torch's, gradients freed, where the run models it (a pipeline
+            keeps them); True asks for it (``--set-to-none``); False keeps them from set-up on
+            (``--keep-grads``, as ``set_to_none=False`` and Megatron-Core's buffers do));
             FSDP2 as ``--fsdp`` sets it: ``fsdp`` (ranks), ``nodes``, ``hsdp``,
             ``reshard_after_forward`` (True, False or K) and ``fsdp_impl`` ("fsdp2", or
             "simple": torchtitan's SimpleFSDP), where a traced model's recorded parallelism is

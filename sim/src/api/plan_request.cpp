@@ -32,12 +32,14 @@ std::string planner_key(const PlanRequest& r) {
 }
 
 // `ferry plan --for T`: every setting of the trainer's space run as `ferry simulate --for T
-// --trainer-config FILE` runs it (on the rank's workload `w` of the plan's `mesh`, the
-// request's steps and allocator), timing only; the fastest that fits `planned_budget` is run again
-// with the checks on, as simulate runs it, for the figures the report prints.
+// --trainer-config FILE --keep-grads` runs it (on the rank's workload `w` of the plan's `mesh`,
+// the request's steps and allocator), timing only; the fastest that fits `planned_budget` is run
+// again with the checks on, as simulate runs it, for the figures the report prints. The
+// gradients are held between steps, as the planner holds them for ferry's plan beside it.
 Result<TrainerChoice> trainer_choice(const PlanRequest& r, const Workload& w, const Mesh& mesh,
                                      Bytes planned_budget, std::int32_t margin_permille) {
   RunKnobs k;
+  k.set_to_none = false;
   k.steps = r.steps;
   k.mesh = r.mesh;
   k.allocator = r.allocator;
@@ -59,6 +61,7 @@ Result<TrainerChoice> trainer_choice(const PlanRequest& r, const Workload& w, co
     row.options.sim.track_content = check;
     row.options.offload.horizon_bytes = offload_horizon(*w.model, w.device, row.options);
     trainer_offload(row.options, setting, *w.model);
+    trainer_grads(row.options, setting);
     return run_row(w.model, w.device, row);
   };
   TrainerChoice c{

@@ -112,7 +112,7 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
   o.offload.trl_stash_count = k.stash;
   o.offload.prefetch = k.prefetch;
   o.offload.dedup = k.dedup;
-  o.grads_set_to_none = k.set_to_none;
+  o.grads_set_to_none = k.set_to_none.value_or(k.devices <= 1);
   o.paged_stash.on = k.paged_stash;
   if (simulate == nullptr) {
     if (!k.early_stop) o.checkpoint.global_early_stop = false;
@@ -170,6 +170,10 @@ Status choose_parallelism(ParallelOptions& fsdp, const Parallelism& p, const Dev
 // A trainer setting's row, as `ferry simulate --for T` and `ferry plan --for T` name it.
 std::string trainer_row_name(const TrainerSetting& setting) {
   return fmt::format("{}: {}", trainer_name(setting.trainer), trainer_label(setting));
+}
+
+void trainer_grads(TrainingOptions& options, const TrainerSetting& setting) {
+  if (setting.trainer == Trainer::Megatron) options.grads_set_to_none = false;
 }
 
 namespace {
@@ -338,7 +342,10 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
   if (!row.options.offload.horizon_bytes) {
     row.options.offload.horizon_bytes = offload_horizon(*w.model, w.device, row.options);
   }
-  if (run.trainer) trainer_offload(row.options, *run.trainer, *w.model);
+  if (run.trainer) {
+    trainer_offload(row.options, *run.trainer, *w.model);
+    trainer_grads(row.options, *run.trainer);
+  }
   Response out;
   const bool keep = r.trace || r.memory_snapshot;
   const RowResult result = run_row(w.model, w.device, row, keep ? &out.run : nullptr);

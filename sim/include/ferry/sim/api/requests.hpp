@@ -114,9 +114,11 @@ struct RunKnobs {
   bool dedup = true;
   bool early_stop = true;
   bool check = true;  ///< hazard and content checks; off: time only
-  /// zero_grad(set_to_none=True) between steps (TrainingOptions::grads_set_to_none); off:
-  /// gradients kept from set-up on. A pipeline refuses it.
-  bool set_to_none = false;
+  /// What `optimizer.zero_grad()` does between steps (TrainingOptions::grads_set_to_none).
+  /// None: torch's default since 2.0, set_to_none=True, where the run models it (single-device
+  /// and FSDP runs; a pipeline keeps its gradients). True asks for it (a pipeline refuses);
+  /// false keeps the gradients from set-up on (`set_to_none=False`, Megatron-Core's buffers).
+  std::optional<bool> set_to_none;
   /// The paged stash of saved tensors in static-capacity buffers (PagedStashOptions; they come
   /// from --expert-capacity). A pipeline refuses it.
   bool paged_stash = false;
