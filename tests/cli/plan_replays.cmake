@@ -1,7 +1,8 @@
 # Plans with PLAN_ARGS (a ;-list of `ferry plan` arguments) into PLAN, checks the plan file
 # records the parallelism member PARALLELISM (its JSON text), then replays it with
-# `ferry simulate --model MODEL --plan PLAN` (nothing else on the command line) and checks the
-# replay's step time and peak reserved memory are the plan report's.
+# `ferry simulate --model MODEL --plan PLAN --keep-grads` (the gradients held between steps, as
+# the planner holds them; nothing else on the command line) and checks the replay's step time
+# and peak reserved memory are the plan report's.
 execute_process(COMMAND ${FERRY} plan ${PLAN_ARGS} --json --out ${PLAN} RESULT_VARIABLE code
                 OUTPUT_VARIABLE planned ERROR_VARIABLE err)
 if(NOT code EQUAL 0)
@@ -16,7 +17,7 @@ string(JSON same EQUAL "${recorded}" "${PARALLELISM}")
 if(NOT same)
   message(FATAL_ERROR "the plan file's parallelism is ${recorded}, expected ${PARALLELISM}")
 endif()
-execute_process(COMMAND ${FERRY} simulate --model ${MODEL} --plan ${PLAN} --json
+execute_process(COMMAND ${FERRY} simulate --model ${MODEL} --plan ${PLAN} --keep-grads --json
                 RESULT_VARIABLE code OUTPUT_VARIABLE replayed ERROR_VARIABLE err)
 if(NOT code EQUAL 0)
   message(FATAL_ERROR "ferry simulate --plan: exit code ${code}\n${replayed}\n${err}")

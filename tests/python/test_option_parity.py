@@ -70,8 +70,8 @@ BUDGETS = [None, "1GiB", "24MiB", " ", "40 parsecs", "-5", 2**30, "1KiB"]
 #: Plan margins, percent of the budget: numbers and text, in bounds (0..50) and not.
 MARGINS = [None, "6", "5.5%", 0, 12.5, 50, "50.1", 51, -1, "six", "5.55", " 7 % "]
 SWITCHES = {"prefetch": "--no-prefetch", "dedup": "--no-dedup", "early_stop": "--no-early-stop"}
-#: Switches off by default, each turned on by its flag (Python: True).
-FLAGS = {"set_to_none": "--set-to-none"}
+#: Choices left to a default by None, each value named by its flag (Python: True, False).
+FLAGS = {"set_to_none": {True: "--set-to-none", False: "--keep-grads"}}
 
 
 def draw_int(rng, name, lo, hi, inside):
@@ -134,8 +134,8 @@ def draw_fsdp(rng, options):
 
 def draw_flags(rng, options):
     for name in FLAGS:
-        if rng.random() < 0.15:
-            options[name] = True
+        if rng.random() < 0.3:
+            options[name] = rng.choice([True, False])
     return options
 
 
@@ -189,8 +189,7 @@ def flags(options):
                 out.append(SWITCHES[name])
             continue
         if name in FLAGS:
-            if value is True:
-                out.append(FLAGS[name])
+            out.append(FLAGS[name][value])
             continue
         if name == "reshard_after_forward" and isinstance(value, bool):
             value = "true" if value else "false"
