@@ -235,7 +235,8 @@ def check_choice(report, trainer, model, fsdp, budget_bytes, layers, modules, tm
         ]
         assert len(offloading) == layers
         row = offloading[len(offloading) // 2]
-        run = ferry.simulate(model, trainer="hf", trainer_flags=shlex.join(row["flags"]), **fsdp)
+        flags = shlex.join(row["flags"])
+        run = ferry.simulate(model, trainer="hf", trainer_flags=flags, set_to_none=False, **fsdp)
         run = run["result"]
         assert run["telemetry"]["offloaded"] > 0
         for key in ("step_time_ns", "peak_reserved_bytes", "peak_allocated_bytes"):
@@ -253,10 +254,11 @@ def check_choice(report, trainer, model, fsdp, budget_bytes, layers, modules, tm
     # The checked run's figures are its timing run's: the space's figures are simulate's too.
     for key in ("step_time_ns", "peak_reserved_bytes", "peak_allocated_bytes"):
         assert best[key] == fastest[key], key
-    # ferry simulate of the printed flags: the printed figures, exactly.
-    run = ferry.simulate(model, trainer=trainer, trainer_flags=best["command_line"], **fsdp)[
-        "result"
-    ]
+    # ferry simulate of the printed flags, the gradients held as the planner holds them: the
+    # printed figures, exactly.
+    run = ferry.simulate(
+        model, trainer=trainer, trainer_flags=best["command_line"], set_to_none=False, **fsdp
+    )["result"]
     assert run["step_time_ns"] == best["step_time_ns"]
     assert run["peak_reserved_bytes"] == best["peak_reserved_bytes"]
     assert run["peak_allocated_bytes"] == best["peak_allocated_bytes"]
@@ -301,7 +303,8 @@ def test_the_trainers_best_setting_is_its_fastest_that_fits(traced, tmp_path, na
 @pytest.mark.parametrize("trainer", ["hf", "torchtitan", "megatron"])
 def test_the_flags_file_plan_writes_is_what_simulate_runs(traced, tmp_path, trainer):
     """End to end through the command line: `ferry plan --for T --trainer-config FILE --json`,
-    then `ferry simulate --for T --trainer-config FILE --json` prints the report's figures."""
+    then `ferry simulate --for T --trainer-config FILE --keep-grads --json` (the gradients held
+    between steps, as the planner holds them) prints the report's figures."""
     model = traced["mixtral-8x7b"][0]
     flags = tmp_path / f"{trainer}.flags"
     common = ["--model", model, "--for", trainer, "--trainer-config", str(flags), "--json"]
@@ -309,7 +312,9 @@ def test_the_flags_file_plan_writes_is_what_simulate_runs(traced, tmp_path, trai
     assert planned.returncode == 0, planned.stderr
     best = json.loads(planned.stdout)["trainer"]["best"]
     assert flags.read_text().strip() == best["command_line"]
-    ran = subprocess.run([cli(), "simulate", *common], capture_output=True, text=True, timeout=600)
+    ran = subprocess.run(
+        [cli(), "simulate", *common, "--keep-grads"], capture_output=True, text=True, timeout=600
+    )
     assert ran.returncode == 0, ran.stderr
     result = json.loads(ran.stdout)["result"]
     for key in (
