@@ -229,13 +229,12 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   cmd->add_flag("--no-early-stop", args.no_early_stop, "Recompute whole checkpointed regions");
   CLI::Option* set_to_none =
       cmd->add_flag("--set-to-none", args.set_to_none,
-                    "optimizer.zero_grad(set_to_none=True) between steps, the default of "
-                    "single-device and FSDP runs (torch's since 2.0): each gradient allocated "
-                    "where backward first writes it and freed after the step");
+                    "optimizer.zero_grad(set_to_none=True) between steps (the default of "
+                    "single-device and FSDP runs): gradients allocated in backward, freed after "
+                    "the step");
   cmd->add_flag("--keep-grads", args.keep_grads,
-                "optimizer.zero_grad(set_to_none=False) between steps (a loop accumulating "
-                "gradients, Megatron-Core's gradient buffers; a pipeline's only mode): gradients "
-                "allocated at set-up and kept")
+                "optimizer.zero_grad(set_to_none=False) between steps (gradient accumulation, "
+                "Megatron-Core's buffers, pipelines): gradients kept from set-up on")
       ->excludes(set_to_none);
   cmd->add_flag("--paged-stash", a.paged_stash,
                 "Megatron-Core's paged stash: saved tensors in static-capacity buffers "
