@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Writes the tables of docs/validation-planner.md: `ferry plan` against the fixed policies.
 
-For each model and device: `ferry compare --json` gives every fixed configuration's time and
-peak reserved; the budgets are the peaks of the fixed rows that fit the device, at or above the
-smallest of them, and eight evenly spaced budgets from that smallest peak to the no-offload
-peak. Each budget is planned with `ferry plan --budget BYTES --margin 0 --json`; the row gives
-the plan's time, its ratio to no offload, the fastest fixed row whose peak fits, the lower
-bound, and the bound over per-layer options (its ratio only where the plan is one of them).
+For each model and device: `ferry compare --keep-grads --json` gives every fixed configuration's
+time and peak reserved (the gradients held between steps, as the planner holds them); the budgets
+are the peaks of the fixed rows that fit the device, at or above the smallest of them, and eight
+evenly spaced budgets from that smallest peak to the no-offload peak. Each budget is planned with
+`ferry plan --budget BYTES --margin 0 --json`; the row gives the plan's time, its ratio to no
+offload, the fastest fixed row whose peak fits, the lower bound, and the bound over per-layer
+options (its ratio only where the plan is one of them).
 
 Usage: scripts/plan_tables.py [--cli build/release/sim/ferry] > tables.md
 """
@@ -40,7 +41,7 @@ def duration(ns, unit):
 
 
 def table(cli, model, device):
-    rows = run(cli, "compare", "--model", model, "--device", device)["rows"]
+    rows = run(cli, "compare", "--model", model, "--device", device, "--keep-grads")["rows"]
     none = next(r for r in rows if r["name"] == "none")
     fixed = [r for r in rows if r["fits"] and r["failure"] is None]
     low = min(r["peak_reserved_bytes"] for r in fixed)

@@ -5,8 +5,9 @@ Qwen3-30B-A3B (each config as its model card gives it, cut to
 four layers, traced at sequence 1024 with AdamW state), on three device
 profiles, and at budgets of 1.0x, 1.1x and 1.3x the peak reserved of checkpointing every layer:
 
-* the plan is never slower than the fastest row of `ferry compare` that fits the budget
-  (0.5 % slack), is hazard-free and peaks within the budget (docs/plan.md);
+* the plan is never slower than the fastest row of `ferry compare --keep-grads` (the gradients
+  held, as the planner holds them) that fits the budget (0.5 % slack), is hazard-free and peaks
+  within the budget (docs/plan.md);
 * the `ferry` row is no slower than `trl`, and `ferry + checkpoint` is at most 1.02x
   checkpointing every layer (docs/offload.md, "The offload horizon", "Tensors in flight")
   (plan_checks.py).
