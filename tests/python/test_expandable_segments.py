@@ -37,13 +37,20 @@ def result(model, **options):
     return ferry.simulate(model, check=False, **options)["result"]
 
 
-def test_the_model_files_allocator_is_the_default_and_allocator_overrides_it():
-    from_file = result(MODEL_FILE, policy="none")
-    expandable = result(MODEL_FILE, policy="none", allocator="expandable")
-    default = result(MODEL_FILE, policy="none", allocator="default")
+@pytest.mark.parametrize("set_to_none", [None, False])
+def test_the_model_files_allocator_is_the_default_and_allocator_overrides_it(set_to_none):
+    grads = {"set_to_none": set_to_none}
+    from_file = result(MODEL_FILE, policy="none", **grads)
+    expandable = result(MODEL_FILE, policy="none", allocator="expandable", **grads)
+    default = result(MODEL_FILE, policy="none", allocator="default", **grads)
     assert from_file == expandable
-    assert expandable["peak_reserved_bytes"] < default["peak_reserved_bytes"]
-    rows = ferry.compare(MODEL_FILE, check=False)["rows"]
+    assert expandable["peak_reserved_bytes"] != default["peak_reserved_bytes"]
+    if set_to_none is False:
+        # With the gradients kept from set-up on, expandable segments reserve less; freed
+        # between steps, this small model's step reserves less under the default allocator
+        # (tests/cli/CMakeLists.txt: 144703488 B against 148897792 B).
+        assert expandable["peak_reserved_bytes"] < default["peak_reserved_bytes"]
+    rows = ferry.compare(MODEL_FILE, check=False, **grads)["rows"]
     assert rows[0]["name"] == "none"
     assert rows[0]["peak_reserved_bytes"] == expandable["peak_reserved_bytes"]
 
