@@ -92,6 +92,21 @@ inline DeviceProfile round_device(std::int64_t flops_per_s, std::int64_t bytes_p
   return device;
 }
 
+/// A device of 4 SMs with 128 x 128 tiles, a peak of 1.024 PFLOP/s and 1 TB/s, whose GEMMs
+/// reach half the peak, flash attention a quarter forward and an eighth backward, and streaming
+/// kernels 90 % of the bandwidth.
+inline DeviceProfile kernel_device() {
+  DeviceProfile device = round_device(1'024'000'000'000'000, 1'000'000'000'000);
+  device.kernels = KernelFigures{.sm_count = 4,
+                                 .matmul_tile_m = 128,
+                                 .matmul_tile_n = 128,
+                                 .matmul_permille = 500,
+                                 .flash_forward_permille = 250,
+                                 .flash_backward_permille = 125,
+                                 .memory_permille = 900};
+  return device;
+}
+
 /// `text` with its one occurrence of `from` replaced by `to`; fails the test when `from` is
 /// not there or there more than once.
 inline std::string replaced(std::string_view text, std::string_view from, std::string_view to) {

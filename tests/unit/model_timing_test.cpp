@@ -14,6 +14,7 @@ namespace ferry::sim {
 namespace {
 
 using model_test::index_of;
+using model_test::kernel_device;
 using model_test::kScenarioDir;
 using model_test::kValidModel;
 using model_test::round_device;
@@ -48,21 +49,6 @@ TEST(Roofline, DurationIsTheSlowerOfComputeAndMemoryAtTheAssumedEfficiencies) {
   EXPECT_EQ(model.ops[0].backward_duration, SimTime(2'000'000));
   EXPECT_EQ(model.ops[1].duration, SimTime(1'000'001));   // rounded up
   EXPECT_EQ(model.ops[1].backward_duration, SimTime(1));  // at least 1 ns
-}
-
-/// A device of 4 SMs with 128 x 128 tiles, a peak of 1.024 PFLOP/s and 1 TB/s, whose GEMMs
-/// reach half the peak, flash attention a quarter forward and an eighth backward, and streaming
-/// kernels 90 % of the bandwidth.
-DeviceProfile kernel_device() {
-  DeviceProfile device = round_device(1'024'000'000'000'000, 1'000'000'000'000);
-  device.kernels = KernelFigures{.sm_count = 4,
-                                 .matmul_tile_m = 128,
-                                 .matmul_tile_n = 128,
-                                 .matmul_permille = 500,
-                                 .flash_forward_permille = 250,
-                                 .flash_backward_permille = 125,
-                                 .memory_permille = 900};
-  return device;
 }
 
 ModelOp gemm_op(std::int64_t m, std::int64_t n, std::int64_t k) {

@@ -17,6 +17,7 @@
 #include "ferry/sim/autograd/checkpoint_plan.hpp"
 #include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/workload/model.hpp"
+#include "model_test_support.hpp"
 
 namespace ferry::sim {
 namespace {
@@ -165,21 +166,6 @@ TEST(Operator, AModelReadFromAFileCarriesItsOpsFamilies) {
   }
 }
 
-DeviceProfile flash_device() {
-  DeviceProfile device;
-  device.name = "figures";
-  device.flops_per_s = 1'024'000'000'000'000;
-  device.memory_bandwidth = Bandwidth(1'000'000'000'000);
-  device.kernels = KernelFigures{.sm_count = 4,
-                                 .matmul_tile_m = 128,
-                                 .matmul_tile_n = 128,
-                                 .matmul_permille = 500,
-                                 .flash_forward_permille = 250,
-                                 .flash_backward_permille = 125,
-                                 .memory_permille = 900};
-  return device;
-}
-
 TEST(OpFamily, AWrongFamilyTimesAnAttentionKernelAtAnotherFigure) {
   Model model;
   ModelOp attention;
@@ -187,11 +173,11 @@ TEST(OpFamily, AWrongFamilyTimesAnAttentionKernelAtAnotherFigure) {
   attention.kind = "aten._scaled_dot_product_flash_attention.default";
   attention.flops = 256'000'000;  // 1 us at a quarter of 1.024 PFLOP/s
   model.ops = {attention};
-  assign_roofline_durations(model, flash_device());
+  assign_roofline_durations(model, model_test::kernel_device());
   EXPECT_EQ(model.ops[0].duration, SimTime(1000));
   // The same kernel taken for flash attention on the CPU, which has no figure: the flat 60 %.
   model.ops[0].kind = "aten._scaled_dot_product_flash_attention_for_cpu.default";
-  assign_roofline_durations(model, flash_device());
+  assign_roofline_durations(model, model_test::kernel_device());
   EXPECT_EQ(model.ops[0].duration, SimTime(417));
 }
 
