@@ -57,10 +57,4 @@ Status choose_parallelism(ParallelOptions& fsdp, const Parallelism& p, const Dev
 // A trainer setting's row, as `ferry simulate --for T` and `ferry plan --for T` name it.
 std::string trainer_row_name(const TrainerSetting& setting);
 
-// What the trainer's loop does with the gradients between steps: Megatron-Core's DDP holds them
-// in buffers made at set-up and zeroes them in place (zero_grad_buffer), whatever the request
-// asks; the Hugging Face Trainer (model.zero_grad()) and torchtitan (optimizers.zero_grad())
-// take what `options` hold.
-void trainer_grads(TrainingOptions& options, const TrainerSetting& setting);
-
 }  // namespace ferry::sim::api

@@ -172,10 +172,6 @@ std::string trainer_row_name(const TrainerSetting& setting) {
   return fmt::format("{}: {}", trainer_name(setting.trainer), trainer_label(setting));
 }
 
-void trainer_grads(TrainingOptions& options, const TrainerSetting& setting) {
-  if (setting.trainer == Trainer::Megatron) options.grads_set_to_none = false;
-}
-
 namespace {
 
 // A rank's workload, and the mesh it was cut under where a cut needed one: the run that uses

@@ -325,4 +325,8 @@ void trainer_offload(TrainingOptions& options, const TrainerSetting& s, const Mo
   options.offload_selection.region_inputs.assign(options.checkpoint.regions.size(), true);
 }
 
+void trainer_grads(TrainingOptions& options, const TrainerSetting& setting) {
+  if (setting.trainer == Trainer::Megatron) options.grads_set_to_none = false;
+}
+
 }  // namespace ferry::sim

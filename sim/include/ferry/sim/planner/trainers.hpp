@@ -70,6 +70,12 @@ struct TrainerSetting {
 /// layer's call keeps for its recomputation. Set after anything that derives the horizon.
 void trainer_offload(TrainingOptions& options, const TrainerSetting& setting, const Model& model);
 
+/// What the trainer's loop does with the gradients between steps: Megatron-Core's DDP holds them
+/// in buffers made at set-up and zeroes them in place (zero_grad_buffer), whatever the request
+/// asks; the Hugging Face Trainer (model.zero_grad()) and torchtitan (optimizers.zero_grad())
+/// take what `options` hold.
+void trainer_grads(TrainingOptions& options, const TrainerSetting& setting);
+
 /// The setting as the trainer's command line spells it, one token an element: TrainingArguments'
 /// flags, torchtitan's `activation_checkpoint:MODE` subcommand, Megatron-LM's flags.
 [[nodiscard]] std::vector<std::string> trainer_flags(const TrainerSetting& setting);
