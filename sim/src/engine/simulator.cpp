@@ -70,7 +70,7 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
                   .device = DeviceId(),
                   .address = Bytes(),
                   .bytes = bytes,
-                  .label = name.empty() ? rec.label : s.labels.intern(name),
+                  .label = name.empty() || !s.options.timeline ? rec.label : s.labels.intern(name),
                   .live = true,
                   .allocated_by = op,
                   .freed_by = OpId()};

@@ -108,6 +108,7 @@ void Simulator::State::after_segment_frees(OpId op, DeviceId device, std::int64_
 }
 
 void Simulator::State::sample(DeviceId device) {
+  if (!options.timeline && observers.empty()) return;
   if (device.valid()) {
     memory.device(host_time, device, devices[device.value()].allocator, observers);
   } else {

@@ -255,7 +255,7 @@ inline OpId Simulator::State::begin_call(OpKind kind, SimTime overhead, std::str
   advance_to(host_time);
   OpRecord rec;
   rec.kind = kind;
-  rec.label = labels.intern(label);
+  rec.label = options.timeline ? labels.intern(label) : 0;
   rec.issued = rec.start = rec.end = host_time;
   ops.push_back(rec);
   exec.emplace_back();

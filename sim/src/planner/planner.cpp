@@ -204,6 +204,7 @@ class SimulatedCost final : public CostModel {
   // so runs go side by side (Note [Parallel simulations] in workers.hpp).
   [[nodiscard]] Evaluation run_unchecked(const Lowering& lowered) const {
     TrainingOptions options = base_;
+    options.sim.timeline = false;
     lowered.apply(options);
     auto run = simulate_training(model_, roomy_, options);
     Evaluation e;

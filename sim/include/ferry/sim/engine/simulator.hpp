@@ -40,6 +40,11 @@ struct SimOptions {
   bool process_per_device = false;
   /// How every device's caching allocator obtains memory (Note [Expandable segments]).
   AllocatorMode allocator = AllocatorMode::Default;
+  /// Keep each call's label and the memory timeline (memory_samples), which reports, traces
+  /// and snapshots read. Off, every label reads empty and the memory is sampled only while an
+  /// observer is attached: a run read only for its step times, its allocators' peaks and its
+  /// ops (the planner's unchecked runs) makes neither.
+  bool timeline = true;
 };
 
 /// Test-only switches that break the simulator on purpose (planted faults), passed apart from
