@@ -97,6 +97,8 @@ class Trainer final : private RankContext {
   Result<TrainingRun> run();
 
  private:
+  // Reserves the simulator's record vectors for the run's calls (an estimate).
+  void reserve_calls();
   // --- the rank, as the step hooks see it (RankContext) ----------------------------------
 
   Simulator& sim() override { return sim_; }

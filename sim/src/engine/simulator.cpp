@@ -45,9 +45,13 @@ void Simulator::set_host(DeviceId device) {
   s.checker.set_host(s.host_thread());
 }
 
-void Simulator::reserve(std::size_t ops) {
-  state_->ops.reserve(ops);
-  state_->exec.reserve(ops);
+void Simulator::reserve(std::size_t calls, std::size_t buffers) {
+  State& s = *state_;
+  s.ops.reserve(calls);
+  s.exec.reserve(calls);
+  s.buffers.reserve(buffers);
+  s.device_blocks.reserve(buffers);
+  s.host_blocks.reserve(buffers);
 }
 
 void Simulator::observe(SimObserver& observer) { state_->attach(observer); }

@@ -72,8 +72,9 @@ class Simulator {
   StreamId add_stream(DeviceId device, std::string name);
   EventId add_event(std::string name);
 
-  /// Reserves room for `ops` API calls (avoids regrowth on long programs).
-  void reserve(std::size_t ops);
+  /// Reserves room for `calls` API calls and `buffers` allocations (avoids regrowth on long
+  /// programs; more are taken as before).
+  void reserve(std::size_t calls, std::size_t buffers = 0);
   /// Attaches `observer` (not owned; it must outlive the run) and announces the engines that
   /// exist so far. See Note [Observers].
   void observe(SimObserver& observer);
