@@ -101,20 +101,27 @@ std::vector<std::vector<std::vector<std::uint32_t>>> option_recompute_sets(
     const planning::PlanSpace& space) {
   const std::vector<planning::Layer>& layers = space.layers();
   std::vector<std::vector<std::vector<std::uint32_t>>> out(layers.size());
+  // One plan of every layer at its first configuration (as plan_of makes it), each layer's
+  // options set in it in turn: a layer's ops and region depend on its own configuration only.
+  Plan plan = space.kept();
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const planning::Layer& layer = layers[l];
     std::set<std::vector<std::uint32_t>> distinct;
-    std::vector<planning::LayerConfig> configs(layers.size());
     for (std::size_t k = 0; k < layer.levels.size(); ++k) {
       for (std::size_t t = 0; t < layer.tails.size(); ++t) {
-        configs[l] = planning::LayerConfig{k, false, t};
-        const Plan plan = space.plan_of(configs, PlanKnobs{}, std::nullopt);
+        if (space.configure_layer(plan, l, planning::LayerConfig{k, false, t})) {
+          recompute_random_prefix(plan, space.model(), plan.regions.back());
+          plan.regions.pop_back();
+        }
         std::vector<std::uint32_t> ops;
         for (std::uint32_t i = layer.first; i < layer.end; ++i) {
           if (plan.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
         }
         distinct.insert(std::move(ops));
       }
+    }
+    for (std::uint32_t i = layer.first; i < layer.end; ++i) {
+      plan.ops[i].saved = space.kept().ops[i].saved;
     }
     out[l].assign(distinct.begin(), distinct.end());
   }

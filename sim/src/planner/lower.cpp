@@ -61,19 +61,21 @@ Status check_random_ops(const Plan& plan, const Model& model) {
   return Ok{};
 }
 
-void recompute_random_prefix(Plan& plan, const Model& model) {
-  for (const PlanRegion& region : plan.regions) {
-    for (int g = 0; g < 2; ++g) {
-      std::int64_t last = -1;  // the last recomputed random op
-      for (std::uint32_t i = region.first_op; i < region.end_op; ++i) {
-        if (draws(model, i, g) && plan.ops[i].saved == SavedDecision::Recompute) last = i;
-      }
-      for (std::int64_t i = region.first_op; i < last; ++i) {
-        const auto op = static_cast<std::uint32_t>(i);
-        if (draws(model, op, g)) plan.ops[op].saved = SavedDecision::Recompute;
-      }
+void recompute_random_prefix(Plan& plan, const Model& model, const PlanRegion& region) {
+  for (int g = 0; g < 2; ++g) {
+    std::int64_t last = -1;  // the last recomputed random op
+    for (std::uint32_t i = region.first_op; i < region.end_op; ++i) {
+      if (draws(model, i, g) && plan.ops[i].saved == SavedDecision::Recompute) last = i;
+    }
+    for (std::int64_t i = region.first_op; i < last; ++i) {
+      const auto op = static_cast<std::uint32_t>(i);
+      if (draws(model, op, g)) plan.ops[op].saved = SavedDecision::Recompute;
     }
   }
+}
+
+void recompute_random_prefix(Plan& plan, const Model& model) {
+  for (const PlanRegion& region : plan.regions) recompute_random_prefix(plan, model, region);
 }
 
 Result<TrainingOptions> plan_training_options(const Plan& plan, const Model& model,

@@ -234,20 +234,22 @@ Plan PlanSpace::plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs
   if (offload_outside) {
     for (PlanOp& op : plan.ops) op.saved = SavedDecision::Offload;
   }
-  for (std::size_t l = 0; l < layers_.size(); ++l) {
-    const Layer& layer = layers_[l];
-    const LayerConfig& c = configs[l];
-    const SavedDecision stored = c.offload ? SavedDecision::Offload : SavedDecision::Keep;
-    for (std::uint32_t i = layer.first; i < layer.end; ++i) plan.ops[i].saved = stored;
-    const std::size_t k = layer.levels[c.level];
-    const std::uint32_t tail = layer.tails[c.tail];
-    if (k == 0 && tail == layer.end) continue;
-    for (std::size_t r = 0; r < k; ++r) plan.ops[layer.ranking[r]].saved = SavedDecision::Recompute;
-    for (std::uint32_t i = tail; i < layer.end; ++i) plan.ops[i].saved = SavedDecision::Recompute;
-    plan.regions.push_back(PlanRegion{layer.first, layer.end, stored});
-  }
+  for (std::size_t l = 0; l < layers_.size(); ++l) configure_layer(plan, l, configs[l]);
   recompute_random_prefix(plan, *model_);
   return plan;
+}
+
+bool PlanSpace::configure_layer(Plan& plan, std::size_t l, const LayerConfig& config) const {
+  const Layer& layer = layers_[l];
+  const SavedDecision stored = config.offload ? SavedDecision::Offload : SavedDecision::Keep;
+  for (std::uint32_t i = layer.first; i < layer.end; ++i) plan.ops[i].saved = stored;
+  const std::size_t k = layer.levels[config.level];
+  const std::uint32_t tail = layer.tails[config.tail];
+  if (k == 0 && tail == layer.end) return false;
+  for (std::size_t r = 0; r < k; ++r) plan.ops[layer.ranking[r]].saved = SavedDecision::Recompute;
+  for (std::uint32_t i = tail; i < layer.end; ++i) plan.ops[i].saved = SavedDecision::Recompute;
+  plan.regions.push_back(PlanRegion{layer.first, layer.end, stored});
+  return true;
 }
 
 }  // namespace ferry::sim::planning

@@ -31,6 +31,8 @@ Status check_random_ops(const Plan& plan, const Model& model);
 /// Marks recomputed every random op that draws before a recomputed one in the same region, so
 /// that the plan passes check_random_ops (the planner applies it to what it builds).
 void recompute_random_prefix(Plan& plan, const Model& model);
+/// The same in `region` alone.
+void recompute_random_prefix(Plan& plan, const Model& model, const PlanRegion& region);
 
 /// The plan with every op kept and no region (no offload, no recompute).
 [[nodiscard]] Plan keep_everything_plan(const Model& model, const DeviceProfile& device);

@@ -70,6 +70,9 @@ class PlanSpace {
   /// (recompute_random_prefix).
   [[nodiscard]] Plan plan_of(const std::vector<LayerConfig>& configs, const PlanKnobs& knobs,
                              std::optional<Bytes> host_budget, bool offload_outside = false) const;
+  /// Sets layer `l`'s ops in `plan` as plan_of does for `config`, and appends its region when
+  /// it has one (true then); random ops are left to recompute_random_prefix.
+  bool configure_layer(Plan& plan, std::size_t l, const LayerConfig& config) const;
 
  private:
   const Model* model_;
