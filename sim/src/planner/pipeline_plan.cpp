@@ -374,10 +374,10 @@ std::string pipeline_plan_text(const PipelinePlan& p, const Model& model,
     }
     if (&k == &c) note += ", the plan";
     if (k.fixed) note += ", fixed row";
-    out +=
-        fmt::format("  {:<46} {:>9} {:>11} gpu{}  {}\n", k.name,
-                    k.failure ? std::string("-") : format_time(k.step_time),
-                    k.failure ? std::string("-") : format_bytes(k.max_reserved), k.binding, note);
+    out += fmt::format("  {:<46} {:>9} {:>11} {:>5}  {}\n", k.name,
+                       k.failure ? std::string("-") : format_time(k.step_time),
+                       k.failure ? std::string("-") : format_bytes(k.max_reserved),
+                       k.failure ? std::string("-") : fmt::format("gpu{}", k.binding), note);
   }
   return out;
 }
