@@ -1,8 +1,8 @@
 // The plan of a pipeline (plan_pipeline): under 2 and 4 stages every stage of the plan fits the
 // budget, its checked run is hazard-free, it is no slower than the fastest of `ferry compare`'s
 // pipeline rows that fits (run here on their own), a budget below the floor is refused naming
-// it, the floor itself plans, `auto` explains its schedule, and a planted fault's hazards are
-// never planned.
+// it, the floor itself plans, `auto` explains its schedule, a planted fault's hazards are never
+// planned, and the reports do not depend on the number of jobs.
 
 #include <gtest/gtest.h>
 
@@ -177,6 +177,19 @@ TEST(PlanPipeline, APlantedReceiveFaultIsCaughtByTheCheckedRunAndNeverPlanned) {
   // The same options without the fault plan.
   o.faults = {};
   EXPECT_TRUE(plan_pipeline(model, device, o).ok());
+}
+
+TEST(PlanPipeline, TheReportsAreTheSameBytesForAnyNumberOfJobs) {
+  const DeviceProfile device = simple_profile();
+  const CheckedModel model = tiny_gpt(device);
+  PipelinePlanOptions o = options(2, device.memory, Schedule::GPipe);
+  o.schedules = {Schedule::GPipe, Schedule::OneFOneB};
+  const PipelinePlan one = plan_pipeline(model, device, o).value();
+  o.jobs = 3;
+  const PipelinePlan three = plan_pipeline(model, device, o).value();
+  EXPECT_EQ(pipeline_plan_text(one, *model, device), pipeline_plan_text(three, *model, device));
+  EXPECT_EQ(pipeline_plan_json(one, *model, device).dump(),
+            pipeline_plan_json(three, *model, device).dump());
 }
 
 TEST(PlanPipeline, CountsTorchRefusesAreAnErrorNamingTheSchedule) {
