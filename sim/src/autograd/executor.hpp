@@ -113,12 +113,22 @@ class Executor {
  public:
   Executor(const Model& model, const DeviceProfile& profile, const PipelineOptions& options,
            const PipelineFaults& faults, Plan plan, pipeline::Schedule schedule,
-           std::int32_t checkpoint_stop);
+           std::vector<std::int32_t> checkpoint_stops);
 
   PipelineRun run();
 
  private:
   // ----- buffers -----
+
+  /// Partition j's device's offloader, or null (no policy there).
+  [[nodiscard]] Offloader<Device>* offloader(std::uint32_t j) const {
+    return offloaders_.empty() ? nullptr : offloaders_[dev(j)].get();
+  }
+
+  /// Whether micro-batch i runs partition j checkpointed.
+  [[nodiscard]] bool checkpointed(std::uint32_t i, std::uint32_t j) const {
+    return static_cast<std::int32_t>(i) < checkpoint_stops_[dev(j)];
+  }
 
   /// The device partition j runs on.
   [[nodiscard]] std::uint32_t dev(std::uint32_t j) const {
@@ -342,16 +352,18 @@ class Executor {
   PipelineFaults faults_;
   Plan plan_;
   pipeline::Schedule schedule_;
-  std::int32_t checkpoint_stop_;
+  /// Per device: micro-batches below this run its stages checkpointed.
+  std::vector<std::int32_t> checkpoint_stops_;
   std::uint32_t micro_batches_;
   std::uint32_t parts_;
   std::uint32_t ndev_;  ///< devices; partition j runs on device j % ndev_
   Simulator sim_;
   PortalTable portals_;
-  std::vector<std::unique_ptr<Device>> devices_;                ///< one Backend per device
-  std::unique_ptr<Streams> streams_;                            ///< the core's choreography
-  std::unique_ptr<Holders> holders_;                            ///< who holds each buffer
-  std::vector<std::unique_ptr<Offloader<Device>>> offloaders_;  ///< per device, with a policy
+  std::vector<std::unique_ptr<Device>> devices_;  ///< one Backend per device
+  std::unique_ptr<Streams> streams_;              ///< the core's choreography
+  std::unique_ptr<Holders> holders_;              ///< who holds each buffer
+  /// Per device: its offloader, null without a policy; empty when no device has one.
+  std::vector<std::unique_ptr<Offloader<Device>>> offloaders_;
   std::vector<std::vector<Task>> tasks_;                        ///< [micro-batch][partition]
   std::vector<std::vector<std::uint64_t>> forward_values_;      ///< [micro-batch][base]
   std::vector<std::map<std::uint32_t, TensorId>> resident_;     ///< per device
