@@ -19,6 +19,10 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
+// A probe's device (Note [Per-stage plans]): this many times the device's and the pinned host's
+// memory.
+constexpr std::int64_t kProbeScale = 4;
+
 // The ferry knob the plan space adds to the fixed rows' (Note [A pipeline's plan space]).
 constexpr Bytes kWidePrefetch{2LL << 30};
 
@@ -91,6 +95,128 @@ void run_candidate(PipelineCandidate& c, const CheckedModel& model, const Device
   c.span = r.pipeline_span;
   c.busy = r.busy;
   c.peak_in_flight = r.peak_in_flight;
+}
+
+// A uniform candidate's configuration without its schedule and counts ("always ferry").
+std::string config_label(const std::string& name) {
+  const std::size_t first = name.find(' ');
+  const std::size_t second = name.find(' ', first + 1);
+  return second == std::string::npos ? name : name.substr(second + 1);
+}
+
+// The per-stage peaks the search reads: measured, or from the probe; null when neither.
+const std::vector<Bytes>* search_peaks(const PipelineCandidate& c) {
+  if (!c.failure && !c.peak_reserved.empty()) return &c.peak_reserved;
+  if (!c.probe_reserved.empty()) return &c.probe_reserved;
+  return nullptr;
+}
+
+SimTime search_step(const PipelineCandidate& c) { return c.failure ? c.probe_step : c.step_time; }
+
+// "gpu0-1 always ferry, gpu2-7 never": runs of stages with one configuration.
+std::string stage_runs(const std::vector<std::string>& configs) {
+  std::string out;
+  for (std::size_t d = 0; d < configs.size();) {
+    std::size_t e = d;
+    while (e + 1 < configs.size() && configs[e + 1] == configs[d]) ++e;
+    if (!out.empty()) out += ", ";
+    out += e == d ? fmt::format("gpu{} {}", d, configs[d])
+                  : fmt::format("gpu{}-{} {}", d, e, configs[d]);
+    d = e + 1;
+  }
+  return out;
+}
+
+// Each uniform configuration that ran out of memory, measured again with kProbeScale times the
+// device's and pinned host's memory for its per-stage peaks and step (Note [Per-stage plans]).
+void probe_failures(PipelinePlan& p, const CheckedModel& model, const DeviceProfile& device) {
+  std::vector<std::size_t> failed;
+  for (std::size_t i = 0; i < p.candidates.size(); ++i) {
+    const PipelineCandidate& c = p.candidates[i];
+    if (c.failure && c.failure->kind == FailureKind::OutOfMemory) failed.push_back(i);
+  }
+  DeviceProfile roomy = device;
+  roomy.memory = Bytes(device.memory.count() * kProbeScale);
+  roomy.pinned_host_capacity = Bytes(device.pinned_host_capacity.count() * kProbeScale);
+  std::vector<PipelineCandidate> probes(failed.size());
+  planning::for_each_parallel(failed.size(), planning::workers_for(p.options.jobs),
+                              [&](std::size_t i) {
+                                probes[i].options = p.candidates[failed[i]].options;
+                                run_candidate(probes[i], model, roomy, p.options.faults, false);
+                              });
+  p.simulations += static_cast<std::int64_t>(failed.size());
+  for (std::size_t i = 0; i < failed.size(); ++i) {
+    if (probes[i].failure) continue;
+    p.candidates[failed[i]].probe_reserved = probes[i].peak_reserved;
+    p.candidates[failed[i]].probe_step = probes[i].step_time;
+  }
+}
+
+// Schedule `s`'s per-stage plan, as Note [Per-stage plans] says; each mix it ran is appended
+// to the candidates (none when the fastest uniform configuration fits every stage or a stage
+// fits under none).
+void per_stage_plan(PipelinePlan& p, const CheckedModel& model, const DeviceProfile& device,
+                    Schedule s) {
+  std::vector<std::size_t> uniform;
+  for (std::size_t i = 0; i < p.candidates.size(); ++i) {
+    const PipelineCandidate& c = p.candidates[i];
+    if (c.options.schedule == s && c.stage_configs.empty() && search_peaks(c) != nullptr) {
+      uniform.push_back(i);
+    }
+  }
+  if (uniform.empty()) return;
+  std::stable_sort(uniform.begin(), uniform.end(), [&](std::size_t a, std::size_t b) {
+    return search_step(p.candidates[a]) < search_step(p.candidates[b]);
+  });
+  const auto devices = static_cast<std::size_t>(p.options.devices);
+  const auto fits_on = [&](std::size_t k, std::size_t d) {
+    const std::vector<Bytes>& peaks = *search_peaks(p.candidates[uniform[k]]);
+    return d < peaks.size() && peaks[d] <= p.planned_budget;
+  };
+  // The next configuration (in step order) after `from` whose peak on stage d fits.
+  const auto next_fit = [&](std::size_t from, std::size_t d) -> std::optional<std::size_t> {
+    for (std::size_t k = from + 1; k < uniform.size(); ++k) {
+      if (fits_on(k, d)) return k;
+    }
+    return std::nullopt;
+  };
+  std::vector<std::size_t> choice(devices, 0);
+  bool mixed = false;
+  for (std::size_t d = 0; d < devices; ++d) {
+    if (fits_on(0, d)) continue;
+    const auto k = next_fit(0, d);
+    if (!k) return;  // no configuration fits this stage
+    choice[d] = *k;
+    mixed = true;
+  }
+  if (!mixed) return;  // the fastest configuration fits every stage: it is a uniform plan
+  for (std::size_t round = 0; round < uniform.size(); ++round) {
+    PipelineCandidate c;
+    c.options = p.candidates[uniform[0]].options;
+    for (std::size_t d = 0; d < devices; ++d) {
+      const PipelineCandidate& u = p.candidates[uniform[choice[d]]];
+      c.options.stages.push_back(stage_policy(u.options, 0));
+      c.stage_configs.push_back(config_label(u.name));
+    }
+    std::string prefix = config_label(p.candidates[uniform[0]].name);
+    prefix = p.candidates[uniform[0]].name.substr(
+        0, p.candidates[uniform[0]].name.size() - prefix.size());
+    c.name = prefix + "per stage: " + stage_runs(c.stage_configs);
+    run_candidate(c, model, device, p.options.faults, false);
+    ++p.simulations;
+    std::vector<std::size_t> over;
+    for (std::size_t d = 0; d < c.peak_reserved.size() && d < devices; ++d) {
+      if (c.peak_reserved[d] > p.planned_budget) over.push_back(d);
+    }
+    const bool done = over.empty();
+    p.candidates.push_back(std::move(c));
+    if (done) return;
+    for (const std::size_t d : over) {
+      const auto k = next_fit(choice[d], d);
+      if (!k) return;
+      choice[d] = *k;
+    }
+  }
 }
 
 // A failure's first line (an out-of-memory failure lists the live blocks after it).
@@ -184,11 +310,33 @@ Json candidate_json(const PipelineCandidate& c) {
   Json j;
   j["name"] = c.name;
   j["schedule"] = pipeline::schedule_name(c.options.schedule);
-  j["checkpoint"] = checkpoint_mode_name(c.options.checkpoint);
-  j["policy"] = policy_name(c.options.offload.policy);
-  j["prefetch_bytes"] = c.options.offload.policy == Policy::None
+  const bool per_stage = !c.stage_configs.empty();
+  j["checkpoint"] = per_stage ? Json(nullptr) : Json(checkpoint_mode_name(c.options.checkpoint));
+  j["policy"] = per_stage ? Json(nullptr) : Json(policy_name(c.options.offload.policy));
+  j["prefetch_bytes"] = per_stage || c.options.offload.policy == Policy::None
                             ? Json(nullptr)
                             : Json(c.options.offload.prefetch_bytes.count());
+  Json stages = per_stage ? Json::array() : Json(nullptr);
+  for (std::size_t d = 0; d < c.stage_configs.size(); ++d) {
+    const StagePolicy& sp = c.options.stages[d];
+    Json st;
+    st["configuration"] = c.stage_configs[d];
+    st["checkpoint"] = checkpoint_mode_name(sp.checkpoint);
+    st["policy"] = policy_name(sp.offload.policy);
+    st["prefetch_bytes"] =
+        sp.offload.policy == Policy::None ? Json(nullptr) : Json(sp.offload.prefetch_bytes.count());
+    stages.push_back(std::move(st));
+  }
+  j["stages"] = std::move(stages);
+  j["slower_than_uniform"] = c.slower;
+  if (c.probe_reserved.empty()) {
+    j["probe"] = nullptr;
+  } else {
+    Json probe;
+    probe["step_time_ns"] = c.probe_step.ns();
+    probe["stage_peak_reserved_bytes"] = bytes_list(c.probe_reserved);
+    j["probe"] = std::move(probe);
+  }
   j["fixed"] = c.fixed;
   j["failure"] = c.failure ? Json(first_line(c.failure->message)) : Json(nullptr);
   j["fits"] = c.fits;
@@ -292,11 +440,30 @@ Result<PipelinePlan> plan_pipeline(const CheckedModel& model, const DeviceProfil
       p.candidates.size(), planning::workers_for(options.jobs),
       [&](std::size_t i) { run_candidate(p.candidates[i], model, device, options.faults, false); });
   p.simulations = static_cast<std::int64_t>(p.candidates.size());
+  const auto within = [&](const PipelineCandidate& c) {
+    return !c.failure && !c.peak_reserved.empty() && c.max_reserved <= p.planned_budget;
+  };
+  std::optional<SimTime> best_uniform;
+  for (PipelineCandidate& c : p.candidates) {
+    c.fits = within(c);
+    if (c.fits && (!best_uniform || c.step_time < *best_uniform)) best_uniform = c.step_time;
+  }
+  // Per-stage plans (Note [Per-stage plans]), one schedule after another.
+  probe_failures(p, model, device);
+  const std::size_t uniform_count = p.candidates.size();
+  for (const Schedule s : options.schedules) {
+    bool skipped = false;
+    for (const SkippedSchedule& k : p.skipped) skipped = skipped || k.schedule == s;
+    if (!skipped) per_stage_plan(p, model, device, s);
+  }
+  for (std::size_t i = uniform_count; i < p.candidates.size(); ++i) {
+    PipelineCandidate& c = p.candidates[i];
+    c.slower = within(c) && best_uniform && c.step_time > *best_uniform;
+    c.fits = within(c) && !c.slower;
+  }
   std::vector<std::size_t> order;
   for (std::size_t i = 0; i < p.candidates.size(); ++i) {
-    PipelineCandidate& c = p.candidates[i];
-    c.fits = !c.failure && !c.peak_reserved.empty() && c.max_reserved <= p.planned_budget;
-    if (c.fits) order.push_back(i);
+    if (p.candidates[i].fits) order.push_back(i);
   }
   std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
     return p.candidates[a].step_time < p.candidates[b].step_time;
@@ -337,6 +504,13 @@ std::string pipeline_plan_text(const PipelinePlan& p, const Model& model,
   }
   out += "\n" + schedule_reason(p) + "\n";
   out += fmt::format("plan: {}\n", c.name);
+  if (!c.stage_configs.empty()) {
+    out += "stage configurations:";
+    for (std::size_t d = 0; d < c.stage_configs.size(); ++d) {
+      out += fmt::format("{} gpu{} {}", d == 0 ? "" : ",", d, c.stage_configs[d]);
+    }
+    out += "\n";
+  }
   out += fmt::format("step time: {} ({} per micro-batch), bubble {}\n", format_time(c.step_time),
                      format_time(SimTime(c.step_time.ns() / std::max(1, o.micro_batches))),
                      bubble_text(c));
@@ -370,7 +544,12 @@ std::string pipeline_plan_text(const PipelinePlan& p, const Model& model,
     } else if (k.checked && k.hazards > 0) {
       note = fmt::format("{} hazards", k.hazards);
     } else {
-      note = k.fits ? "fits" : "over budget";
+      note = k.fits ? "fits" : k.slower ? "fits, slower than the uniform plan" : "over budget";
+    }
+    if (!k.probe_reserved.empty()) {
+      note += fmt::format(
+          " (on twice the memory: {}, binding stage {})", format_time(k.probe_step),
+          format_bytes(*std::max_element(k.probe_reserved.begin(), k.probe_reserved.end())));
     }
     if (&k == &c) note += ", the plan";
     if (k.fixed) note += ", fixed row";

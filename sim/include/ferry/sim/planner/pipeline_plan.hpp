@@ -29,6 +29,19 @@ namespace ferry::sim {
 // they run with, so the plan is never slower than the fastest fixed row whose stages all fit.
 // Every candidate runs with the checks off; the fastest that fits runs again with the hazard
 // checker and content checks on, and one with a hazard is passed over for the next.
+//
+// Note [Per-stage plans]
+// Under 1F1B the first stages hold the most micro-batches in flight, so they bind; PipeOffload
+// (Wan et al., ICML 2025) offloads only where memory binds. After the uniform configurations,
+// each schedule gets one per-stage plan (PipelineOptions::stages): it starts from the fastest
+// uniform configuration that completed, and each stage over the budget takes the fastest uniform
+// configuration (by its step time) whose peak on that stage fits. A stage's peak is taken as
+// independent of the other stages' configurations; a uniform configuration that ran out of
+// memory is measured once more with four times the device's and pinned host's memory (a probe:
+// its per-stage peaks and step time, never a plan). The mix runs whole (the slowest stage sets the step); a stage
+// still over the budget takes its next fitting configuration, until every stage fits or none is
+// left. The mix counts as fitting when its step is no slower than the fastest uniform
+// configuration that fits (or none fits), so the plan is never slower than the best fixed row.
 
 /// What to plan a pipeline for.
 struct PipelinePlanOptions {
@@ -52,6 +65,15 @@ struct PipelinePlanOptions {
 struct PipelineCandidate {
   std::string name;  ///< pipeline_row_name, and " prefetch=2GiB" for that knob
   PipelineOptions options;
+  /// A per-stage plan (options.stages set): each stage's configuration, a uniform candidate's
+  /// name less its schedule and counts ("always ferry"); empty for a uniform configuration.
+  std::vector<std::string> stage_configs;
+  /// A per-stage plan within the budget but slower than the fastest uniform one that fits.
+  bool slower = false;
+  /// Out of memory: its per-stage peaks and step with four times the memory (Note [Per-stage
+  /// plans]); empty otherwise.
+  std::vector<Bytes> probe_reserved;
+  SimTime probe_step;
   bool fixed = false;  ///< one of `ferry compare`'s pipeline rows
   std::optional<Failure> failure;
   SimTime step_time;
