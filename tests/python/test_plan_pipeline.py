@@ -62,3 +62,22 @@ def test_pipeline_options_without_devices_are_refused():
     with pytest.raises(ferry.PlanError) as e:
         ferry.plan("tiny-gpt", device=DEVICE, schedule="gpipe")
     assert e.value.exit_code == 2 and "give --devices 2 or more" in str(e.value)
+
+
+def test_a_per_stage_plan_is_the_cli_s_and_names_each_stage_s_configuration(cli):
+    # GPT-2 small over 4 stages at 1400 MiB: only the first stage, with the most micro-batches in
+    # flight under 1F1B, is over the budget without recompute.
+    args = dict(budget="1400MiB", margin=0, device=DEVICE, devices=4, micro_batches=8)
+    report = ferry.plan("gpt2-small-s1024", **args)
+    stage_fits(report)
+    plan = report["plan"]
+    assert [s["configuration"] for s in plan["stages"]] == ["except_last"] + ["never"] * 3
+    assert plan["checkpoint"] is None and plan["policy"] is None
+    uniform = [c for c in report["configurations"] if c["stages"] is None and c["fits"]]
+    assert uniform and all(plan["step_time_ns"] < c["step_time_ns"] for c in uniform)
+    code, document, err = cli_json(
+        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--devices", "4",
+        "--micro-batches", "8", "--budget", "1400MiB", "--margin", "0",
+    )  # fmt: skip
+    assert code == 0, err
+    assert document == report
