@@ -6,7 +6,8 @@
 //   bench_plan [--smoke] [--jobs=N] [google-benchmark flags]
 // --smoke plans gpt2-small-s1024 instead (a quick check that the benchmark still runs).
 // BM_PlanPipeline: `ferry plan --devices 8 --schedule 1f1b --micro-batches 16 --margin 0` on the
-// 70B-like preset and H100 profile (plan_pipeline), and BM_ComparePipeline the pipeline rows
+// 70B-like preset and H100 profile (plan_pipeline; counter per_stage: 1 when the plan is a
+// per-stage one), and BM_ComparePipeline the pipeline rows
 // `ferry compare --devices 8` runs for the same counts (smoke: gpt2-small-s1024 over 2 devices).
 
 #include <benchmark/benchmark.h>
@@ -166,6 +167,7 @@ void BM_PlanPipeline(benchmark::State& state) {
         static_cast<double>(p.candidates[*p.best_fixed].step_time.ns()) / 1e9;
   }
   state.counters["simulations"] = static_cast<double>(p.simulations);
+  state.counters["per_stage"] = chosen.stage_configs.empty() ? 0.0 : 1.0;
 }
 
 void BM_ComparePipeline(benchmark::State& state) {
