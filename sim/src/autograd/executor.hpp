@@ -98,13 +98,14 @@ struct Task {
 // would add. The stage's graph (what the nodes saved) is freed after the weight step.
 //
 // Note [Offload in stages]
-// Each device runs the offload policy on its own: one Offloader over the stage's Backend, its
-// own copy streams. A tensor a partition produced and one of its ops saves in grad-mode forward
-// is packed (node id: micro-batch * ops + op, unique within the step); the saved slot's holder
-// then lets go, the offloader keeping its own reference. The stage's backward of a micro-batch
-// is one backward pass for the offloader (backward_begin with its nodes in order, node_done
-// after each, backward_end), and the step is one offload context (enter, exit). In a node's
-// backward the pipeline's holders let go before the offloader's post-hook, so what the
+// Each device runs its offload policy on its own: one Offloader over the stage's Backend, its
+// own copy streams; a device without a policy (Note [Per-stage policies] in pipeline.cpp) has
+// none and keeps what it saves. A tensor a partition produced and one of its ops saves in grad-mode
+// forward is packed (node id: micro-batch * ops + op, unique within the step); the saved slot's
+// holder then lets go, the offloader keeping its own reference. The stage's backward of a
+// micro-batch is one backward pass for the offloader (backward_begin with its nodes in order,
+// node_done after each, backward_end), and the step is one offload context (enter, exit). In a
+// node's backward the pipeline's holders let go before the offloader's post-hook, so what the
 // pipeline frees is still freed right after its last use. What crossed devices (chain,
 // portal), parameters, the batch, and what a recompute saves stay as they are: a recompute's
 // saved tensors are used at once, and a checkpointed forward saves nothing.

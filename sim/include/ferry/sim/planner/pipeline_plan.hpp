@@ -1,7 +1,8 @@
 #pragma once
 /// `ferry plan --devices N`: the fastest pipeline configuration whose every stage's simulated
-/// peak reserved memory fits the budget, with its per-stage peaks, among the configurations the
-/// pipeline simulator runs (docs/plan.md, "A pipeline"). Each stage is a device: the budget is
+/// peak reserved memory fits the budget, with its per-stage peaks, among the uniform
+/// configurations the pipeline simulator runs and a per-stage mix of them (docs/plan.md, "A
+/// pipeline"). Each stage is a device: the budget is
 /// each device's, and the stage with the largest peak is the one that binds.
 
 #include <cstddef>
@@ -19,29 +20,32 @@
 namespace ferry::sim {
 
 // Note [A pipeline's plan space]
-// The pipeline simulator runs one checkpoint mode (always, except_last, never: which
-// micro-batches recompute their stage) and one offload policy with its knobs in every stage,
-// under one schedule; it takes no per-op plan. So a pipeline's plan is a choice among those:
-// each schedule asked for (one, or with `--schedule auto` every one torch runs for the counts)
-// times the checkpoint modes times the policies none, trl and ferry, and ferry with a 2 GiB
-// prefetch (the single-device fixed row "ferry prefetch=2GiB"); zero bubble offloads nothing
-// (pipeline_rows). The fixed pipeline rows of `ferry compare` are among them, with the knobs
-// they run with, so the plan is never slower than the fastest fixed row whose stages all fit.
-// Every candidate runs with the checks off; the fastest that fits runs again with the hazard
-// checker and content checks on, and one with a hazard is passed over for the next.
+// The pipeline simulator runs a checkpoint mode (always, except_last, never: which micro-batches
+// recompute their stage) and an offload policy with its knobs on each device, under one
+// schedule; it takes no per-op plan. So a pipeline's plan is a choice among those. The uniform
+// configurations, one mode and policy on every stage: each schedule asked for (one, or with
+// `--schedule auto` every one torch runs for the counts) times the checkpoint modes times the
+// policies none, trl and ferry, and ferry with a 2 GiB prefetch (the single-device fixed row
+// "ferry prefetch=2GiB"); zero bubble offloads nothing (pipeline_rows). The fixed pipeline rows
+// of `ferry compare` are among them, with the knobs they run with, so the plan is never slower
+// than the fastest fixed row whose stages all fit. Then one per-stage plan a schedule (Note
+// [Per-stage plans]). Every candidate runs with the checks off; the fastest that fits runs again
+// with the hazard checker and content checks on, and one with a hazard is passed over for the
+// next.
 //
 // Note [Per-stage plans]
 // Under 1F1B the first stages hold the most micro-batches in flight, so they bind; PipeOffload
-// (Wan et al., ICML 2025) offloads only where memory binds. After the uniform configurations,
-// each schedule gets one per-stage plan (PipelineOptions::stages): it starts from the fastest
-// uniform configuration that completed, and each stage over the budget takes the fastest uniform
-// configuration (by its step time) whose peak on that stage fits. A stage's peak is taken as
-// independent of the other stages' configurations; a uniform configuration that ran out of
-// memory is measured once more with four times the device's and pinned host's memory (a probe:
-// its per-stage peaks and step time, never a plan). The mix runs whole (the slowest stage sets the step); a stage
-// still over the budget takes its next fitting configuration, until every stage fits or none is
-// left. The mix counts as fitting when its step is no slower than the fastest uniform
-// configuration that fits (or none fits), so the plan is never slower than the best fixed row.
+// (Wan et al., ICML 2025, "PipeOffload: Improving Scalability of Pipeline Parallelism with
+// Memory Optimization") offloads only where memory binds. The per-stage plan
+// (PipelineOptions::stages) starts from the fastest uniform configuration, fitting or not: by
+// its step, or by its probe's where it ran out of memory (a probe runs it again with four times
+// the device's and pinned host's memory, for its per-stage peaks and step; it is never a plan).
+// Each stage over the budget takes the fastest uniform configuration whose peak on that stage
+// fits: a stage's peak is taken as independent of the other stages' configurations. The mix runs
+// whole (the slowest stage sets the step); a stage still over the budget takes its next fitting
+// configuration, until every stage fits or none is left. The mix counts as fitting when its step
+// is no slower than the fastest uniform configuration that fits (or none fits), so the plan is
+// never slower than the best fixed row. Every mix tried is a candidate in the report.
 
 /// What to plan a pipeline for.
 struct PipelinePlanOptions {
