@@ -5,6 +5,10 @@
 // 70B model is planned on the H100 profile with enough memory for its no-offload peak.
 //   bench_plan [--smoke] [--jobs=N] [google-benchmark flags]
 // --smoke plans gpt2-small-s1024 instead (a quick check that the benchmark still runs).
+// BM_PlanPipeline: `ferry plan --devices 8 --schedule 1f1b --micro-batches 16 --margin 0` on the
+// 70B-like preset and H100 profile (plan_pipeline; counter per_stage: 1 when the plan is a
+// per-stage one), and BM_ComparePipeline the pipeline rows
+// `ferry compare --devices 8` runs for the same counts (smoke: gpt2-small-s1024 over 2 devices).
 
 #include <benchmark/benchmark.h>
 
@@ -18,8 +22,10 @@
 
 #include "bench_main.hpp"
 #include "ferry/sim/io/program_json.hpp"
+#include "ferry/sim/planner/pipeline_plan.hpp"
 #include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/planner/report.hpp"
+#include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/configurations.hpp"
 
 namespace {
@@ -108,9 +114,81 @@ void BM_PlanTraced(benchmark::State& state) {
   }
 }
 
+// The 70B-like preset over 8 pipeline stages of 1F1B with 16 micro-batches (2 and 4 under
+// --smoke), durations assigned for the H100 profile; false (the state says why) if missing.
+struct PipelineCase {
+  ferry::sim::CheckedModel model;
+  ferry::DeviceProfile device;
+  std::int32_t devices;
+  std::int32_t micro_batches;
+};
+
+std::optional<PipelineCase> pipeline_case(benchmark::State& state) {
+  const std::string name = g_smoke ? "gpt2-small-s1024" : "llama-70b-s8192";
+  auto device = ferry::sim::load_device_profile(FERRY_BENCH_SCENARIOS "/devices", "h100-sxm-pcie5");
+  auto model = ferry::sim::model_preset(name);
+  if (!device.ok() || !model.ok()) {
+    state.SkipWithError("preset or profile missing");
+    return std::nullopt;
+  }
+  ferry::sim::assign_roofline_durations(model.value(), device.value());
+  auto checked = ferry::sim::check_model(std::move(model).value());
+  if (!checked.ok()) {
+    state.SkipWithError(checked.error().message.c_str());
+    return std::nullopt;
+  }
+  return PipelineCase{std::move(checked).value(), device.value(), g_smoke ? 2 : 8,
+                      g_smoke ? 4 : 16};
+}
+
+void BM_PlanPipeline(benchmark::State& state) {
+  const auto c = pipeline_case(state);
+  if (!c) return;
+  ferry::sim::PipelinePlanOptions options;
+  options.devices = c->devices;
+  options.micro_batches = c->micro_batches;
+  options.schedules = {ferry::sim::Schedule::OneFOneB};
+  options.budget = c->device.memory;
+  options.jobs = g_jobs;
+  ferry::Result<ferry::sim::PipelinePlan> plan = ferry::Error{"not run"};
+  for (auto _ : state) {
+    plan = ferry::sim::plan_pipeline(c->model, c->device, options);
+    benchmark::DoNotOptimize(plan);
+  }
+  if (!plan.ok()) {
+    state.SkipWithError(plan.error().message.c_str());
+    return;
+  }
+  const auto& p = plan.value();
+  const auto& chosen = p.candidates[p.chosen];
+  state.counters["plan_step_s"] = static_cast<double>(chosen.step_time.ns()) / 1e9;
+  if (p.best_fixed) {
+    state.counters["best_fixed_step_s"] =
+        static_cast<double>(p.candidates[*p.best_fixed].step_time.ns()) / 1e9;
+  }
+  state.counters["simulations"] = static_cast<double>(p.simulations);
+  state.counters["per_stage"] = chosen.stage_configs.empty() ? 0.0 : 1.0;
+}
+
+void BM_ComparePipeline(benchmark::State& state) {
+  const auto c = pipeline_case(state);
+  if (!c) return;
+  std::size_t hazards = 0;
+  for (auto _ : state) {
+    const auto rows = ferry::sim::pipeline_rows(c->model, c->device, c->devices, c->micro_batches,
+                                                ferry::sim::Schedule::OneFOneB);
+    hazards = 0;
+    for (const auto& row : rows) hazards += row.hazards;
+    benchmark::DoNotOptimize(rows);
+  }
+  state.counters["hazards"] = static_cast<double>(hazards);
+}
+
 BENCHMARK_CAPTURE(BM_Plan, llama3_8b, "llama3-8b-s8192")->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK(BM_PlanTraced)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Plan, llama_70b, "llama-70b-s8192")->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK(BM_PlanPipeline)->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK(BM_ComparePipeline)->Iterations(1)->Unit(benchmark::kSecond);
 
 }  // namespace
 

@@ -132,6 +132,19 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
   cmd->add_option("--scenarios", a_.target.scenarios, "Folder with devices/ (bundled by default)");
   add_mesh_options(cmd, r.mesh, a_.text);
   add_allocator_option(cmd, a_.text);
+  // Their bounds are the request's (Note [One check for both edges]).
+  cmd->add_option("--devices", r.devices,
+                  "Plan a pipeline over N devices, 1..64, every stage within the budget "
+                  "(docs/plan.md, \"A pipeline\"); 1: no pipeline")
+      ->capture_default_str();
+  cmd->add_option("--micro-batches", r.micro_batches, "Pipeline micro-batches, 1..1024")
+      ->capture_default_str();
+  cmd->add_option("--schedule", r.schedule,
+                  "Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble, or "
+                  "auto (each, the fastest that fits); default: 1f1b (torchtitan's)");
+  cmd->add_option("--virtual-stages", r.virtual_stages,
+                  "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64")
+      ->capture_default_str();
 }
 
 std::string PlanCommand::misuse() const {
@@ -150,6 +163,10 @@ std::string PlanCommand::misuse() const {
     return "--memory-snapshot: " + why;
   }
   if (a_.request.sweep == 0 && !a_.plot.empty()) return "--plot draws a sweep: give --sweep N";
+  if (a_.request.devices > 1 && !a_.out.empty()) {
+    return "--out writes a ferry.plan/1 plan of one device or rank; a pipeline's plan is its "
+           "configuration, in the report (--json)";
+  }
   if (const std::string why = a_.trainer_config.empty() ? "" : unwritable(a_.trainer_config);
       !why.empty()) {
     return "--trainer-config: " + why;

@@ -378,6 +378,10 @@ Keywords<sim::PlanRequest> plan_keywords() {
             if (trainer) r.trainer = value_or_raise(sim::parse_trainer(*trainer, "trainer"));
           }),
       keyword("jobs", &PlanRequest::jobs),
+      keyword("devices", &PlanRequest::devices),
+      keyword("micro_batches", &PlanRequest::micro_batches),
+      keyword("schedule", &PlanRequest::schedule),
+      keyword("virtual_stages", &PlanRequest::virtual_stages),
       keyword<std::optional<py::function>, PlanRequest>(
           "progress",
           [](PlanRequest& r, const std::optional<py::function>& progress) {
@@ -436,6 +440,7 @@ py::dict options_dict(const OffloadOptions& o, const Plan& p) {
 // plan(...) -> {report, text, plan_text, offload_options}: `ferry plan --json`'s report (the
 // plan in it under "plan"), the text report, the plan as `--out` writes it, and the offload
 // options the planner lowered it to for its checked run (as plan_offload_options gives them);
+// with devices above 1 {report, text}, the report a `ferry.pipeline-plan/1` document;
 // or {refused, floor, smallest_budget, document} when no plan fits the budget (floor: the
 // smallest peak reserved reached, or None; smallest_budget: the smallest budget that plans, the
 // floor with the margin added back, or None; document: the `ferry.plan-refusal/1` document
@@ -455,6 +460,8 @@ py::dict plan(const sim::PlanRequest& request) {
   }
   out["report"] = to_python(response.document);
   out["text"] = response.text;
+  // A pipeline's plan is its configuration (`ferry.pipeline-plan/1`), no ferry.plan/1.
+  if (!response.plan) return out;
   out["plan_text"] = sim::plan_document_text(response.document.at("plan"));
   out["offload_options"] = options_dict(response.plan->offload, response.plan->plan);
   if (request.trainer) out["trainer_flags"] = response.trainer_flags;

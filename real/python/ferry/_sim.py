@@ -214,7 +214,10 @@ def plan(
             ``reshard_after_forward``, ``fsdp_impl``): the plan is one rank's, ``budget`` per
             rank and ``host_budget`` per node; ``tp``, ``cp``, ``ep`` and ``expert_capacity``
             (where it pads the routed rows, the plan is the faster of those with and without
-            the paged stash); and ``allocator`` as ``simulate`` takes it.
+            the paged stash); and ``allocator`` as ``simulate`` takes it. ``devices`` (2 or
+            more), ``micro_batches``, ``schedule`` (or ``"auto"``) and ``virtual_stages`` plan
+            a pipeline instead: the report is a ``ferry.pipeline-plan/1`` document (docs/plan.md,
+            "A pipeline").
 
     The planner runs ``FERRY_JOBS`` simulations at once (unset or 0: one per hardware
     thread; the plan is the same for any count), and while stderr is a terminal it shows its
@@ -287,7 +290,8 @@ def run_planner(
             line.clear()
     if "refused" in made:
         raise refusal_error(made["document"])
-    made["report"]["plan"] = CheckedPlan(made["report"]["plan"], made["offload_options"])
+    if "offload_options" in made:
+        made["report"]["plan"] = CheckedPlan(made["report"]["plan"], made["offload_options"])
     return made
 
 

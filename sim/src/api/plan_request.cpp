@@ -7,10 +7,13 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/pipeline/schedule.hpp"
 #include "ferry/sim/api/requests.hpp"
+#include "ferry/sim/planner/pipeline_plan.hpp"
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
 #include "ferry/sim/planner/variants.hpp"
+#include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/horizon.hpp"
 #include "ferry/units.hpp"
 #include "request_steps.hpp"
@@ -258,10 +261,128 @@ Response plan_response(const PlanRequest& r, Response out, PlanOutcome plan,
   return out;
 }
 
+// Whether `r` asks for a pipeline: more than one device, or a pipeline's option.
+bool asks_pipeline(const PlanRequest& r) {
+  return r.devices != 1 || r.micro_batches != 4 || !r.schedule.empty() || r.virtual_stages != 1;
+}
+
+// The schedules `--schedule` names: one, every one torch runs for the counts ("auto"), or none
+// given, torchtitan's default (1F1B); the first error of the counts, naming the option.
+Result<std::vector<Schedule>> pipeline_schedules(const PlanRequest& r) {
+  const auto counts_error = [&](Schedule s) {
+    return pipeline::schedule_error(s, static_cast<std::uint32_t>(r.micro_batches),
+                                    static_cast<std::uint32_t>(r.devices),
+                                    static_cast<std::uint32_t>(r.virtual_stages));
+  };
+  if (r.schedule == "auto") {
+    std::vector<Schedule> all = {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
+                                 Schedule::InterleavedZeroBubble};
+    for (const Schedule s : all) {
+      if (!counts_error(s)) return all;
+    }
+    return Error{
+        fmt::format("--schedule auto: no schedule runs {} micro-batches over {} devices "
+                    "({})",
+                    r.micro_batches, r.devices, *counts_error(Schedule::OneFOneB))};
+  }
+  const std::string name = r.schedule.empty() ? "1f1b" : r.schedule;
+  auto schedule = parse_schedule(name);
+  if (!schedule) {
+    return Error{fmt::format("--schedule: {} (or auto: each, the fastest that fits)",
+                             schedule.error().message)};
+  }
+  if (const auto why = counts_error(schedule.value())) {
+    return Error{
+        fmt::format("--schedule {}{}: {}", name, r.schedule.empty() ? " (the default)" : "", *why)};
+  }
+  return std::vector<Schedule>{schedule.value()};
+}
+
+// `ferry plan --devices N`: the fastest pipeline configuration whose every stage fits the
+// budget (plan_pipeline), or the refusal that names the floor.
+Result<Response> pipeline_plan_response(const PlanRequest& r) {
+  if (auto bounded = first_error({in_bounds("--devices", r.devices, 1, 64),
+                                  in_bounds("--micro-batches", r.micro_batches, 1, 1024),
+                                  in_bounds("--virtual-stages", r.virtual_stages, 1, 64)});
+      !bounded) {
+    return bounded.error();
+  }
+  if (r.devices == 1) {
+    return Error{
+        "--schedule, --micro-batches and --virtual-stages apply to a pipeline; give --devices 2 "
+        "or more"};
+  }
+  // What a pipeline's plan cannot honour is refused rather than silently dropped.
+  const auto refuse = [&](std::string_view what) {
+    return Error{fmt::format("{} (--devices {})", what, r.devices)};
+  };
+  if (r.sweep != 0)
+    return refuse("--sweep plans one device or rank; a pipeline plans at one budget");
+  if (r.trainer) return refuse("--for plans one device's or one rank's step, not a pipeline's");
+  if (r.memory_snapshot) {
+    return refuse(
+        "--memory-snapshot records a single-device run; a pipeline has no memory snapshot");
+  }
+  if (r.host_budget) {
+    return refuse(
+        "--host-budget applies to a single-device or FSDP plan; a pipeline's stages "
+        "pin host memory as their offloaders do");
+  }
+  if (r.steps != 2) return refuse("--steps: a pipeline's plan simulates one training step");
+  auto parallelism = parallelism_of(r.mesh);
+  if (!parallelism) return parallelism.error();
+  const Parallelism& p = parallelism.value();
+  for (const auto& [flag, asked] : {std::pair{"--fsdp", p.on()}, std::pair{"--tp", p.tp > 1},
+                                    std::pair{"--cp", p.cp > 1}, std::pair{"--ep", p.ep > 1}}) {
+    if (asked) return Error{fmt::format("{} excludes --devices", flag)};
+  }
+  PipelinePlanOptions options;
+  options.margin_permille = r.margin_permille.value_or(kDefaultPlanMarginPermille);
+  if (auto margin = in_bounds("--margin", options.margin_permille, 0, kMaxPlanMarginPermille);
+      !margin) {
+    return margin.error();
+  }
+  if (auto jobs = in_bounds("--jobs", r.jobs, 0, 1024); !jobs) return jobs.error();
+  auto schedules = pipeline_schedules(r);
+  if (!schedules) return schedules.error();
+  auto whole = load(r.target);
+  if (!whole) return whole.error();
+  auto allocator = allocator_of(r.allocator, *whole.value().model);
+  if (!allocator) return allocator.error();
+  if (allocator.value() != AllocatorMode::Default) {
+    return refuse(
+        "--allocator expandable applies to a single-device or FSDP run; a pipeline runs the "
+        "default allocator");
+  }
+  auto timed = rank_of(whole.value(), Mesh{}, r.target.model.name);
+  if (!timed) return timed.error();
+  const Workload& w = timed.value();
+  options.devices = r.devices;
+  options.micro_batches = r.micro_batches;
+  options.virtual_stages = r.virtual_stages;
+  options.schedules = std::move(schedules).value();
+  options.schedule_defaulted = r.schedule.empty();
+  options.budget = r.budget.value_or(w.device.memory);
+  options.jobs = r.jobs;
+  Response out;
+  auto plan = plan_pipeline(w.model, w.device, options, &out.floor);
+  if (!plan) {
+    out.refusal = plan.error().message;
+    if (out.floor.count() > 0) {
+      out.smallest_budget = smallest_budget_for(out.floor, options.margin_permille);
+    }
+    return refused(std::move(out), options.margin_permille, w.device.memory);
+  }
+  out.document = pipeline_plan_json(plan.value(), *w.model, w.device);
+  if (r.text) out.text = pipeline_plan_text(plan.value(), *w.model, w.device);
+  return out;
+}
+
 }  // namespace
 }  // namespace api
 
 Result<Response> respond(const PlanRequest& r) {
+  if (api::asks_pipeline(r)) return api::pipeline_plan_response(r);
   auto setup = api::plan_setup(r);
   if (!setup) return setup.error();
   PlannerOptions& options = setup.value().options;

@@ -28,13 +28,13 @@ std::vector<DeviceSpec> device_specs(const DeviceProfile& profile, std::uint32_t
 
 Executor::Executor(const Model& model, const DeviceProfile& profile, const PipelineOptions& options,
                    const PipelineFaults& faults, Plan plan, pipeline::Schedule schedule,
-                   std::int32_t checkpoint_stop)
+                   std::vector<std::int32_t> checkpoint_stops)
     : model_(model),
       profile_(profile),
       faults_(faults),
       plan_(std::move(plan)),
       schedule_(schedule),
-      checkpoint_stop_(checkpoint_stop),
+      checkpoint_stops_(std::move(checkpoint_stops)),
       micro_batches_(static_cast<std::uint32_t>(options.micro_batches)),
       parts_(plan_.partitions()),
       ndev_(static_cast<std::uint32_t>(options.devices)),
@@ -55,10 +55,15 @@ Executor::Executor(const Model& model, const DeviceProfile& profile, const Pipel
   for (std::uint32_t j = 0; j < parts_; ++j) placement.push_back(pipeline::rank_of_stage(j, ndev_));
   streams_ = std::make_unique<Streams>(std::move(devices), std::move(placement));
   holders_ = std::make_unique<Holders>(*streams_);
-  if (options.offload.policy != Policy::None) {
+  FERRY_CHECK(checkpoint_stops_.size() == ndev_, "{} checkpoint stops for {} devices",
+              checkpoint_stops_.size(), ndev_);
+  if (any_offload(options)) {
     for (std::uint32_t d = 0; d < ndev_; ++d) {
+      const StagePolicy policy = stage_policy(options, d);
       offloaders_.push_back(
-          std::make_unique<Offloader<Device>>(*devices_[d], options.offload, faults.offload));
+          policy.offload.policy == Policy::None
+              ? nullptr
+              : std::make_unique<Offloader<Device>>(*devices_[d], policy.offload, faults.offload));
     }
   }
   tasks_.assign(micro_batches_, std::vector<Task>(parts_));
@@ -77,7 +82,9 @@ PipelineRun Executor::run() {
   try {
     setup();
     start = sim_.host_time();
-    for (const auto& off : offloaders_) off->enter();
+    for (const auto& off : offloaders_) {
+      if (off) off->enter();
+    }
     first_task_op_ = sim_.ops().size();
     if (schedule_ == pipeline::Schedule::GPipe || schedule_ == pipeline::Schedule::Sequential) {
       for (const pipeline::Tick& tick : pipeline::clock(schedule_, micro_batches_, parts_)) {
@@ -108,7 +115,9 @@ PipelineRun Executor::run() {
       }
     }
     last_task_op_ = sim_.ops().size();
-    for (const auto& off : offloaders_) off->exit();
+    for (const auto& off : offloaders_) {
+      if (off) off->exit();
+    }
     finish_step();
   } catch (const StepFailure& e) {
     failure = e.failure;

@@ -98,13 +98,14 @@ struct Task {
 // would add. The stage's graph (what the nodes saved) is freed after the weight step.
 //
 // Note [Offload in stages]
-// Each device runs the offload policy on its own: one Offloader over the stage's Backend, its
-// own copy streams. A tensor a partition produced and one of its ops saves in grad-mode forward
-// is packed (node id: micro-batch * ops + op, unique within the step); the saved slot's holder
-// then lets go, the offloader keeping its own reference. The stage's backward of a micro-batch
-// is one backward pass for the offloader (backward_begin with its nodes in order, node_done
-// after each, backward_end), and the step is one offload context (enter, exit). In a node's
-// backward the pipeline's holders let go before the offloader's post-hook, so what the
+// Each device runs its offload policy on its own: one Offloader over the stage's Backend, its
+// own copy streams; a device without a policy (Note [Per-stage policies] in pipeline.cpp) has
+// none and keeps what it saves. A tensor a partition produced and one of its ops saves in grad-mode
+// forward is packed (node id: micro-batch * ops + op, unique within the step); the saved slot's
+// holder then lets go, the offloader keeping its own reference. The stage's backward of a
+// micro-batch is one backward pass for the offloader (backward_begin with its nodes in order,
+// node_done after each, backward_end), and the step is one offload context (enter, exit). In a
+// node's backward the pipeline's holders let go before the offloader's post-hook, so what the
 // pipeline frees is still freed right after its last use. What crossed devices (chain,
 // portal), parameters, the batch, and what a recompute saves stay as they are: a recompute's
 // saved tensors are used at once, and a checkpointed forward saves nothing.
@@ -113,12 +114,22 @@ class Executor {
  public:
   Executor(const Model& model, const DeviceProfile& profile, const PipelineOptions& options,
            const PipelineFaults& faults, Plan plan, pipeline::Schedule schedule,
-           std::int32_t checkpoint_stop);
+           std::vector<std::int32_t> checkpoint_stops);
 
   PipelineRun run();
 
  private:
   // ----- buffers -----
+
+  /// Partition j's device's offloader, or null (no policy there).
+  [[nodiscard]] Offloader<Device>* offloader(std::uint32_t j) const {
+    return offloaders_.empty() ? nullptr : offloaders_[dev(j)].get();
+  }
+
+  /// Whether micro-batch i runs partition j checkpointed.
+  [[nodiscard]] bool checkpointed(std::uint32_t i, std::uint32_t j) const {
+    return static_cast<std::int32_t>(i) < checkpoint_stops_[dev(j)];
+  }
 
   /// The device partition j runs on.
   [[nodiscard]] std::uint32_t dev(std::uint32_t j) const {
@@ -342,16 +353,18 @@ class Executor {
   PipelineFaults faults_;
   Plan plan_;
   pipeline::Schedule schedule_;
-  std::int32_t checkpoint_stop_;
+  /// Per device: micro-batches below this run its stages checkpointed.
+  std::vector<std::int32_t> checkpoint_stops_;
   std::uint32_t micro_batches_;
   std::uint32_t parts_;
   std::uint32_t ndev_;  ///< devices; partition j runs on device j % ndev_
   Simulator sim_;
   PortalTable portals_;
-  std::vector<std::unique_ptr<Device>> devices_;                ///< one Backend per device
-  std::unique_ptr<Streams> streams_;                            ///< the core's choreography
-  std::unique_ptr<Holders> holders_;                            ///< who holds each buffer
-  std::vector<std::unique_ptr<Offloader<Device>>> offloaders_;  ///< per device, with a policy
+  std::vector<std::unique_ptr<Device>> devices_;  ///< one Backend per device
+  std::unique_ptr<Streams> streams_;              ///< the core's choreography
+  std::unique_ptr<Holders> holders_;              ///< who holds each buffer
+  /// Per device: its offloader, null without a policy; empty when no device has one.
+  std::vector<std::unique_ptr<Offloader<Device>>> offloaders_;
   std::vector<std::vector<Task>> tasks_;                        ///< [micro-batch][partition]
   std::vector<std::vector<std::uint64_t>> forward_values_;      ///< [micro-batch][base]
   std::vector<std::map<std::uint32_t, TensorId>> resident_;     ///< per device

@@ -64,12 +64,12 @@ void Executor::backward_compute(std::uint32_t i, std::uint32_t j) {
     rng_ = outer;
   }
   streams_->start(Cell{i, j});
-  if (!offloaders_.empty()) {
+  if (Offloader<Device>* off = offloader(j)) {
     std::vector<NodeId> order;
     for (std::uint32_t k = last; k-- > first;) {
       if (plan_.needed[k]) order.push_back(node_id(i, k));
     }
-    offloaders_[dev(j)]->backward_begin(order);
+    off->backward_begin(order);
   }
   if (j + 1 == parts_) {
     const std::uint32_t loss = plan_.base[model_.loss];
@@ -87,7 +87,7 @@ void Executor::backward_compute(std::uint32_t i, std::uint32_t j) {
     blue_backward(i, j, k);
     op_backward(i, j, k);
   }
-  if (!offloaders_.empty()) offloaders_[dev(j)]->backward_end();
+  if (Offloader<Device>* off = offloader(j)) off->backward_end();
   streams_->finish(Phase::Backward, Cell{i, j});
   // Split, the weight step reads what the graph keeps: it is freed after that step.
   if (!split_backward()) free_graph(i, j);
@@ -176,7 +176,8 @@ void Executor::let_go_saved(std::uint32_t j, const SavedRef& ref) {
 
 std::vector<OffloadTelemetry> Executor::telemetry() const {
   std::vector<OffloadTelemetry> out;
-  for (const auto& off : offloaders_) out.push_back(off->telemetry());
+  // A device without a policy moved nothing: its telemetry is zero.
+  for (const auto& off : offloaders_) out.push_back(off ? off->telemetry() : OffloadTelemetry{});
   return out;
 }
 
@@ -241,7 +242,7 @@ void Executor::let_go_after_backward(std::uint32_t i, std::uint32_t j, std::uint
     if (const auto dropped = portals_.put_grad(key(s, i), g)) release(*dropped);
   }
   for (const Device::Buffer& b : unpacked) devices_[dev(j)]->drop(b);
-  if (!offloaders_.empty()) offloaders_[dev(j)]->node_done(node_id(i, k));
+  if (Offloader<Device>* off = offloader(j)) off->node_done(node_id(i, k));
   for (const SavedRef& ref : saved) {
     if (ref.offloaded.valid()) let_go_saved(j, ref);
   }

@@ -36,7 +36,7 @@ void Executor::forward_fence(std::uint32_t i, std::uint32_t j) {
   const StreamRef stream = streams_->copy_after(Phase::Forward, Cell{i, j - 1}, dev(j));
   const StreamRef home = receive_stream(j, stream);
   Task& prev = tasks_[i][j - 1];
-  const bool checkpointed = static_cast<std::int32_t>(i) < checkpoint_stop_;
+  const bool checkpointed = this->checkpointed(i, j);
   for (const std::uint32_t b : plan_.chain_in[j]) {
     const ModelTensor& t = model_.tensors[b];
     const Counts counts =
@@ -66,7 +66,7 @@ StreamRef Executor::receive_stream(std::uint32_t j, StreamRef s) {
 void Executor::forward_compute(std::uint32_t i, std::uint32_t j) {
   issuing(i, j);
   Task& task = tasks_[i][j];
-  task.checkpointed = static_cast<std::int32_t>(i) < checkpoint_stop_;
+  task.checkpointed = checkpointed(i, j);
   streams_->start(Cell{i, j});
   task.rng = rng_;
   load_inputs(i, j);
@@ -184,7 +184,7 @@ void Executor::save_for_backward(std::uint32_t i, std::uint32_t j, std::uint32_t
                                  bool recompute) {
   for (const Access& a : plan_.saves[k]) {
     SavedRef ref{a, source(task, j, a), forward_content(i, task, j, a), TensorId()};
-    if (!recompute && a.route == Route::Local && !offloaders_.empty()) {
+    if (!recompute && a.route == Route::Local && offloader(j) != nullptr) {
       ref.offloaded = pack(i, j, k, ref);
     }
     task.saved[k - plan_.starts[j]].push_back(ref);

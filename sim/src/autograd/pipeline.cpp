@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "executor.hpp"
@@ -46,8 +47,14 @@ Status check_options(const Model& model, const PipelineOptions& options) {
           static_cast<std::uint32_t>(options.virtual_stages))) {
     return Error{*why};
   }
-  if (options.schedule == Schedule::InterleavedZeroBubble &&
-      options.offload.policy != Policy::None) {
+  if (!options.stages.empty() &&
+      options.stages.size() != static_cast<std::size_t>(options.devices)) {
+    return Error{fmt::format(
+        "stages gives {} per-stage policies for {} devices; give one a device, or none for the "
+        "pipeline-wide checkpoint and offload",
+        options.stages.size(), options.devices)};
+  }
+  if (options.schedule == Schedule::InterleavedZeroBubble && any_offload(options)) {
     return Error{
         "offload in stages under interleaved-zero-bubble is not simulated (its weight steps "
         "read saved tensors after their backward); use policy none or another schedule"};
@@ -63,7 +70,42 @@ Status check_options(const Model& model, const PipelineOptions& options) {
   return check_skips(model, options.skips);
 }
 
+// The first micro-batches that run checkpointed on each device (the rest keep what they save).
+std::vector<std::int32_t> checkpoint_stops(const PipelineOptions& options) {
+  std::vector<std::int32_t> stops;
+  const std::int32_t m = options.micro_batches;
+  for (std::int32_t d = 0; d < options.devices; ++d) {
+    const CheckpointMode mode = stage_policy(options, static_cast<std::size_t>(d)).checkpoint;
+    stops.push_back(mode == CheckpointMode::Always       ? m
+                    : mode == CheckpointMode::ExceptLast ? m - 1
+                                                         : 0);
+  }
+  return stops;
+}
+
 }  // namespace
+
+// Note [Per-stage policies]
+// PipelineOptions::stages gives each device its own checkpoint mode and offload policy, as
+// PipeOffload (Wan et al., ICML 2025, "PipeOffload: Improving Scalability of Pipeline
+// Parallelism with Memory Optimization") offloads only where memory binds: under 1F1B, stage s
+// of p holds up to p - s micro-batches in flight, so the first stages bind. Nothing crosses
+// devices differently: a stage's checkpoint mode decides only how its own tasks run and how many
+// holds a received chain tensor gets on its side (the receive's waits are the same), and a
+// stage's offloader packs only tensors its own partition produced, on its own device's copy
+// streams, so stages with and without an offloader need no new wait between them. The hazard
+// checker runs over every mix the planner chooses (plan_pipeline reruns it checked).
+
+StagePolicy stage_policy(const PipelineOptions& options, std::size_t device) {
+  if (device < options.stages.size()) return options.stages[device];
+  return StagePolicy{.checkpoint = options.checkpoint, .offload = options.offload};
+}
+
+bool any_offload(const PipelineOptions& options) {
+  if (options.stages.empty()) return options.offload.policy != Policy::None;
+  return std::any_of(options.stages.begin(), options.stages.end(),
+                     [](const StagePolicy& s) { return s.offload.policy != Policy::None; });
+}
 
 double device_bubble(const PipelineRun& run, std::size_t device) {
   if (run.pipeline_span.ns() <= 0 || device >= run.busy.size()) return 0.0;
@@ -96,14 +138,10 @@ Result<PipelineRun> simulate_pipeline(const CheckedModel& checked, const DeviceP
   auto starts = balance_by_duration(model, options.devices * options.virtual_stages);
   if (!starts.ok()) return starts.error();
   std::vector<std::uint32_t> generator_of = generators_by_partition(starts.value());
-  const std::int32_t m = options.micro_batches;
-  const std::int32_t stop = options.checkpoint == CheckpointMode::Always       ? m
-                            : options.checkpoint == CheckpointMode::ExceptLast ? m - 1
-                                                                               : 0;
   Executor executor(
       model, device, options, faults,
       make_plan(model, std::move(starts).value(), std::move(generator_of), options.skips),
-      options.schedule, stop);
+      options.schedule, checkpoint_stops(options));
   return executor.run();
 }
 
@@ -120,10 +158,11 @@ Result<PipelineRun> simulate_reference(const Model& model, const DeviceProfile& 
   reference.virtual_stages = 1;
   reference.schedule = Schedule::GPipe;
   reference.offload.policy = Policy::None;  // the computation as written, nothing moved
+  reference.stages.clear();
   std::vector<std::uint32_t> single = {0, static_cast<std::uint32_t>(model.ops.size())};
   Executor executor(model, device, reference, PipelineFaults{},
                     make_plan(model, std::move(single), std::move(generator_of), reference.skips),
-                    pipeline::Schedule::Sequential, 0);
+                    pipeline::Schedule::Sequential, {0});
   return executor.run();
 }
 

@@ -197,7 +197,15 @@ struct PlanRequest {
   /// as text (no sweep, no memory snapshot) is made by the planner kept for this target and
   /// these settings.
   PlannerCache* planners = nullptr;
-  bool text = true;  ///< report as text too (Response::text)
+  /// A pipeline over 2..64 devices (`--devices`, Python's devices); 1: none. The plan is then
+  /// the fastest pipeline configuration whose every stage fits the budget (plan_pipeline).
+  std::int32_t devices = 1;
+  std::int32_t micro_batches = 4;  ///< the pipeline's, 1..1024
+  /// The pipeline's schedule (parse_schedule), or "auto": each torch runs for the counts, the
+  /// fastest that fits kept. Empty: 1f1b, torchtitan's default.
+  std::string schedule;
+  std::int32_t virtual_stages = 1;  ///< stages a device when interleaved, 1..64
+  bool text = true;                 ///< report as text too (Response::text)
 };
 
 /// How a request's run ended, as the exit codes tell it.

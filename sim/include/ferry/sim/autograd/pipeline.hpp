@@ -4,6 +4,7 @@
 /// connections through portals, or in the order of torch's 1F1B and interleaved 1F1B with sends
 /// and receives. See docs/pipeline.md.
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -58,6 +59,13 @@ struct PipelineFaults {
 /// The order of the micro-batches' tasks (Note [Schedule orders] in ferry/pipeline/schedule.cpp).
 using pipeline::Schedule;
 
+/// One device's checkpoint mode and offload policy in place of the pipeline-wide ones
+/// (PipelineOptions::stages; Note [Per-stage policies] in sim/src/autograd/pipeline.cpp).
+struct StagePolicy {
+  CheckpointMode checkpoint = CheckpointMode::ExceptLast;
+  OffloadOptions offload{.policy = Policy::None};  ///< none: the device offloads nothing
+};
+
 struct PipelineOptions {
   std::int32_t devices = 2;        ///< devices (pipeline ranks)
   std::int32_t micro_batches = 4;  ///< micro-batches; the model describes one
@@ -72,8 +80,18 @@ struct PipelineOptions {
   std::vector<SkipConnection> skips;  ///< portal routes; see Note [Portal tensor life]
   /// Each stage's offload policy and knobs; none by default (Note [Offload in stages]).
   OffloadOptions offload{.policy = Policy::None};
+  /// Empty: every device runs `checkpoint` and `offload`. Else one entry a device (pipeline
+  /// rank), each replacing both for every stage the device holds.
+  std::vector<StagePolicy> stages;
   SimOptions sim;
 };
+
+/// Device `device`'s checkpoint mode and offload policy: its entry in `options.stages`, or the
+/// pipeline-wide ones.
+[[nodiscard]] StagePolicy stage_policy(const PipelineOptions& options, std::size_t device);
+
+/// Whether some device runs an offload policy.
+[[nodiscard]] bool any_offload(const PipelineOptions& options);
 
 /// One buffer a portal held: when its last user was issued and when it was freed.
 struct PortalLifetime {
