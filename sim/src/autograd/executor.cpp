@@ -76,6 +76,39 @@ Executor::Executor(const Model& model, const DeviceProfile& profile, const Pipel
   peak_in_flight_.assign(ndev_, 0);
 }
 
+// Every task of the step in the schedule's order: GPipe's ticks fence all of a tick's cells
+// before computing them; the other schedules issue each action's receives, then its compute.
+void Executor::issue_tasks() {
+  if (schedule_ == pipeline::Schedule::GPipe || schedule_ == pipeline::Schedule::Sequential) {
+    for (const pipeline::Tick& tick : pipeline::clock(schedule_, micro_batches_, parts_)) {
+      const bool forward = tick.phase == pipeline::Phase::Forward;
+      for (const pipeline::Cell c : tick.cells) {
+        forward ? forward_fence(c.micro_batch, c.partition)
+                : backward_fence(c.micro_batch, c.partition);
+      }
+      for (const pipeline::Cell c : tick.cells) {
+        forward ? forward_compute(c.micro_batch, c.partition)
+                : backward_compute(c.micro_batch, c.partition);
+      }
+    }
+  } else {
+    // Each action's receives, then its compute (Note [Schedule orders]).
+    const auto orders = pipeline::rank_orders(schedule_, micro_batches_, ndev_, parts_ / ndev_);
+    for (const pipeline::Action& a : pipeline::issue_order(orders, parts_)) {
+      const pipeline::Cell c = a.cell;
+      if (a.phase == pipeline::Phase::Forward) {
+        forward_fence(c.micro_batch, c.partition);
+        forward_compute(c.micro_batch, c.partition);
+      } else if (a.phase == pipeline::Phase::Weight) {
+        weight_compute(c.micro_batch, c.partition);
+      } else {
+        backward_fence(c.micro_batch, c.partition);
+        backward_compute(c.micro_batch, c.partition);
+      }
+    }
+  }
+}
+
 PipelineRun Executor::run() {
   std::optional<Failure> failure;
   SimTime start;
@@ -86,34 +119,7 @@ PipelineRun Executor::run() {
       if (off) off->enter();
     }
     first_task_op_ = sim_.ops().size();
-    if (schedule_ == pipeline::Schedule::GPipe || schedule_ == pipeline::Schedule::Sequential) {
-      for (const pipeline::Tick& tick : pipeline::clock(schedule_, micro_batches_, parts_)) {
-        const bool forward = tick.phase == pipeline::Phase::Forward;
-        for (const pipeline::Cell c : tick.cells) {
-          forward ? forward_fence(c.micro_batch, c.partition)
-                  : backward_fence(c.micro_batch, c.partition);
-        }
-        for (const pipeline::Cell c : tick.cells) {
-          forward ? forward_compute(c.micro_batch, c.partition)
-                  : backward_compute(c.micro_batch, c.partition);
-        }
-      }
-    } else {
-      // Each action's receives, then its compute (Note [Schedule orders]).
-      const auto orders = pipeline::rank_orders(schedule_, micro_batches_, ndev_, parts_ / ndev_);
-      for (const pipeline::Action& a : pipeline::issue_order(orders, parts_)) {
-        const pipeline::Cell c = a.cell;
-        if (a.phase == pipeline::Phase::Forward) {
-          forward_fence(c.micro_batch, c.partition);
-          forward_compute(c.micro_batch, c.partition);
-        } else if (a.phase == pipeline::Phase::Weight) {
-          weight_compute(c.micro_batch, c.partition);
-        } else {
-          backward_fence(c.micro_batch, c.partition);
-          backward_compute(c.micro_batch, c.partition);
-        }
-      }
-    }
+    issue_tasks();
     last_task_op_ = sim_.ops().size();
     for (const auto& off : offloaders_) {
       if (off) off->exit();

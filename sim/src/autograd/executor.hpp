@@ -219,6 +219,7 @@ class Executor {
   static constexpr std::size_t kMaxWrites = 128;
 
   void setup();
+  void issue_tasks();
 
   [[nodiscard]] PortalKey key(std::uint32_t skip, std::uint32_t i) const;
 
