@@ -60,9 +60,9 @@ if [[ $real == ON && $preset != asan ]]; then
   # share nothing. Each module's tests go to one worker (--dist loadscope), so that a module's
   # fixtures (the traces of published set-ups, of each family) are made once: with tests dealt
   # one by one, both workers traced them (the published-row modules: 111 s and 141 s of CPU
-  # against 80 s and 96 s).
+  # against 80 s and 96 s). The 20 slowest tests are listed, where the suite's time goes.
   OMP_NUM_THREADS=1 FERRY_CLI="$PWD/build/$preset/sim/ferry" \
-    timed pytest .venv/bin/python -m pytest -q -n 2 --dist loadscope tests/python
+    timed pytest .venv/bin/python -m pytest -q -n 2 --dist loadscope --durations=20 tests/python
   real_suites=(offload checkpoint checkpoint_api hf_models distributed saved_contract
                current_stream async_loopback regions selective_offload trl_names threads autocast
                tensor_parallel pipeline_parallel
