@@ -34,7 +34,8 @@ void expect_round_trip(const Model& model) {
 }
 
 TEST(ModelJson, PresetsRoundTrip) {
-  for (const std::string_view name : {"tiny-gpt", "tiny-llama", "gpt2-small-s1024"}) {
+  for (const std::string_view name :
+       {"tiny-gpt", "tiny-llama", "gpt2-small-s1024", "llama3.2-3b-traced-s4096-b2"}) {
     SCOPED_TRACE(name);
     auto model = model_preset(name);
     ASSERT_TRUE(model.ok());

@@ -30,7 +30,7 @@ constexpr std::int64_t kMaxRoutingSeed = std::numeric_limits<std::int64_t>::max(
 
 constexpr std::array kDTypes{DType::F32, DType::BF16, DType::F16, DType::U8, DType::I64};
 constexpr std::array kRoles{TensorRole::Input, TensorRole::Param, TensorRole::Buffer,
-                            TensorRole::Activation};
+                            TensorRole::Activation, TensorRole::OptimizerState};
 
 /// The enumerator of `values` whose name (by `name_of`) is the string at `value`.
 template <class Enum, std::size_t N>

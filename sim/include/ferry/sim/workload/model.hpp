@@ -34,10 +34,19 @@ enum class TensorRole : std::uint8_t {
   Param,       ///< a weight: resident, never offloaded (excluded like nn.Parameter)
   Buffer,      ///< a module buffer (e.g. running stats): resident, never offloaded
   Activation,  ///< produced by a forward op
+  /// An optimizer's state (AdamW's moments): resident, never offloaded; FSDP shards it
+  OptimizerState,
 };
 
-/// "input", "param", "buffer", "activation".
+/// "input", "param", "buffer", "activation", "optimizer_state".
 [[nodiscard]] const char* tensor_role_name(TensorRole role);
+
+/// Whether a tensor of `role` is the model's for the whole step (a parameter, a buffer or an
+/// optimizer's state): allocated at set-up, never offloaded, never produced by an op.
+[[nodiscard]] constexpr bool is_resident(TensorRole role) {
+  return role == TensorRole::Param || role == TensorRole::Buffer ||
+         role == TensorRole::OptimizerState;
+}
 
 /// A tensor. A view shares its base's storage (its bytes lie inside the base's).
 struct ModelTensor {
