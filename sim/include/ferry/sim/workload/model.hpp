@@ -15,6 +15,7 @@
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/collective_cost.hpp"
 #include "ferry/sim/engine/device_profile.hpp"
+#include "ferry/sim/memory/caching_allocator.hpp"
 #include "ferry/sim/workload/op_family.hpp"
 #include "ferry/units.hpp"
 
@@ -159,10 +160,11 @@ struct Model {
   /// commands train this way unless their own --fsdp says otherwise.
   Parallelism parallelism{};
 
-  /// The file's "allocator" member ("default" or "expandable"; `ferry.trace` writes
-  /// "expandable" under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), empty when absent:
-  /// commands run this caching allocator unless their own --allocator says otherwise.
-  std::string allocator;
+  /// The file's "allocator" member ("default" or "expandable", read once with the file;
+  /// `ferry.trace` writes "expandable" under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True),
+  /// none when absent: commands run this caching allocator unless their own --allocator says
+  /// otherwise.
+  std::optional<AllocatorMode> allocator;
   /// The file's "routing" member, if any (`ferry.trace` of a model whose shapes follow its
   /// routing).
   RoutingAssumption routing{};
