@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 #include <nlohmann/json.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -568,9 +569,13 @@ void bind_plans(py::module_& m) {
         "ferry.offload's options the plan fixes (ferry::plan_offload_options)");
 }
 
-// The mesh's "parallelism" section of a model file, from the mesh's keywords (the tracer's).
+// The mesh's "parallelism" section of a model file, from the mesh's keywords (the tracer's), and
+// those keywords' names, in kMeshFields' order (the fields of ferry.Mesh).
 void bind_mesh(py::module_& m) {
   const Keywords<sim::MeshRequest> mesh_rows = mesh_keywords();
+  py::tuple names(mesh_rows.size());
+  for (std::size_t i = 0; i < mesh_rows.size(); ++i) names[i] = mesh_rows[i].name;
+  m.attr("mesh_fields") = names;
   m.def(
       "parallelism_section",
       [mesh_rows](const py::kwargs& mesh) {

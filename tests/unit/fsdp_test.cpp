@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -114,6 +115,33 @@ TEST(Fsdp, MoreRanksHoldLessOfTheModel) {
     EXPECT_LT(peak, last) << ranks << " ranks";
     last = peak;
   }
+}
+
+// FSDP keeps the optimizer's state of its shards itself: a tensor whose role is an optimizer's
+// state is FSDP's, whatever its name, and a buffer is the model's, whatever its name. Without
+// FSDP the model holds its optimizer's state for the step, as it holds a buffer.
+TEST(Fsdp, TheOptimizersStateIsKnownByItsRoleNotItsName) {
+  const Bytes state_bytes(64LL << 20);
+  const auto peak = [&](const std::string& name, std::optional<TensorRole> role, bool fsdp) {
+    Model m = testing::chain_model(4, 1 << 20);
+    if (role) {
+      ModelTensor state;
+      state.name = name;
+      state.bytes = state_bytes;
+      state.dtype = DType::F32;
+      state.role = *role;
+      m.tensors.push_back(state);
+    }
+    const TrainingRun run = train(m, fsdp ? fsdp_options(4) : testing::two_steps(Policy::None));
+    expect_clean(run);
+    return run.sim.device_allocator(run.device).stats().allocated_peak;
+  };
+  const Bytes sharded = peak("", std::nullopt, true);
+  EXPECT_EQ(peak("moments", TensorRole::OptimizerState, true), sharded);
+  EXPECT_EQ(peak("optimizer.moments", TensorRole::Buffer, true), sharded + state_bytes);
+  const Bytes whole = peak("", std::nullopt, false);
+  EXPECT_EQ(peak("moments", TensorRole::OptimizerState, false), whole + state_bytes);
+  EXPECT_EQ(peak("optimizer.moments", TensorRole::Buffer, false), whole + state_bytes);
 }
 
 TEST(Fsdp, CollectivesOverlapCompute) {

@@ -2,11 +2,13 @@
 // read back and written to the same bytes, and each optional section read, written back and
 // named where it is wrong.
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -34,7 +36,8 @@ void expect_round_trip(const Model& model) {
 }
 
 TEST(ModelJson, PresetsRoundTrip) {
-  for (const std::string_view name : {"tiny-gpt", "tiny-llama", "gpt2-small-s1024"}) {
+  for (const std::string_view name :
+       {"tiny-gpt", "tiny-llama", "gpt2-small-s1024", "llama3.2-3b-traced-s4096-b2"}) {
     SCOPED_TRACE(name);
     auto model = model_preset(name);
     ASSERT_TRUE(model.ok());
@@ -198,6 +201,29 @@ TEST(ModelJson, TheParallelismSectionIsReadAndWrittenBack) {
   ASSERT_TRUE(plain.ok());
   EXPECT_FALSE(plain.value().parallelism.on());
   EXPECT_EQ(model_to_json(plain.value()).find("parallelism"), std::string::npos);
+}
+
+// The file's "allocator" member is read once, as the mode it names, and written back; a model
+// without one has none (the commands' default then).
+TEST(ModelJson, TheAllocatorMemberIsReadAsItsModeAndWrittenBack) {
+  for (const auto& [name, mode] : {std::pair{"default", AllocatorMode::Default},
+                                   std::pair{"expandable", AllocatorMode::Expandable}}) {
+    SCOPED_TRACE(name);
+    auto model = parse_model(
+        valid_with(R"("loss": "y")", fmt::format(R"("loss": "y", "allocator": "{}")", name)),
+        "toy.json");
+    ASSERT_TRUE(model.ok()) << model.error().message;
+    EXPECT_EQ(model.value().allocator, mode);
+    const std::string written = model_to_json(model.value());
+    EXPECT_NE(written.find(fmt::format(R"("allocator": "{}")", name)), std::string::npos);
+    auto back = parse_model(written, "again.json");
+    ASSERT_TRUE(back.ok()) << back.error().message;
+    EXPECT_EQ(back.value(), model.value());
+  }
+  auto plain = parse_model(std::string(kValidModel), "toy.json");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain.value().allocator, std::nullopt);
+  EXPECT_EQ(model_to_json(plain.value()).find("allocator"), std::string::npos);
 }
 
 TEST(ModelJson, ABadParallelismSectionIsNamed) {

@@ -72,6 +72,12 @@ std::vector<BadCase> bad_cases() {
        R"(toy.json: ops[1].outputs[1]: "w" is a param; ops produce activations only)"},
       {"op producing the batch", valid_with(R"("outputs": ["y"])", R"("outputs": ["y", "x"])"),
        R"(toy.json: ops[1].outputs[1]: "x" is an input; ops produce activations only)"},
+      {"op producing an optimizer's state",
+       model_test::replaced(valid_with(more_tensors, more_tensors + R"(,
+    {"name": "w.exp_avg", "bytes": 128, "dtype": "bf16", "role": "optimizer_state"})"),
+                            R"("outputs": ["y"])", R"("outputs": ["y", "w.exp_avg"])"),
+       R"(toy.json: ops[1].outputs[1]: "w.exp_avg" is an optimizer_state; ops produce )"
+       "activations only"},
       {"saved twice", valid_with(R"("saved": ["x", "w"])", R"("saved": ["x", "w", "x"])"),
        R"(toy.json: ops[0].saved[2]: "x" is already saved by this op (saved[0]))"},
       {"saved before produced", valid_with(R"("saved": ["x", "w"])", R"("saved": ["x", "w", "y"])"),
@@ -110,7 +116,7 @@ std::vector<BadCase> bad_cases() {
        R"(toy.json: tensors[0].dtype: unknown dtype "fp8" (allowed: f32, bf16, f16, u8, i64))"},
       {"bad role", valid_with(R"("role": "param")", R"("role": "weight")"),
        R"(toy.json: tensors[1].role: unknown role "weight" (allowed: input, param, buffer, )"
-       "activation)"},
+       "activation, optimizer_state)"},
       {"bytes not whole elements",
        valid_with(R"("bytes": 4, "dtype": "f32")", R"("bytes": 6, "dtype": "f32")"),
        "toy.json: tensors[4].bytes: 6 bytes is not a whole number of f32 elements (4 bytes "

@@ -110,7 +110,7 @@ TEST(TensorParallelModel, ATracedLlamaCutsLikeTheGeneratedOneAndItsOptimizerStat
   Bytes state(0);
   Bytes whole_state(0);
   for (std::size_t t = 0; t < whole.tensors.size(); ++t) {
-    if (whole.tensors[t].role != TensorRole::Buffer) continue;
+    if (whole.tensors[t].role != TensorRole::OptimizerState) continue;
     whole_state += whole.tensors[t].bytes;
     state += rank.tensors[t].bytes;
   }

@@ -33,7 +33,7 @@ from ._checkpoint import checkpoint, checkpoint_sequential
 from ._offload import no_offload, offload, offload_model
 from ._plan import PlanError, load_plan
 from ._probe import probe
-from ._sim import compare, plan, simulate
+from ._sim import Mesh, compare, plan, simulate
 from ._trace import TracedModel, trace
 from ._validate import ModelSpecError, validate
 from ._version import __version__ as __version__
@@ -53,6 +53,7 @@ __all__ = [
     "simulate",
     "compare",
     "plan",
+    "Mesh",
     "auto",
     "AutoOffload",
     "load_plan",

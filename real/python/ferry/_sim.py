@@ -5,6 +5,7 @@ documents ``ferry simulate / compare / plan --json`` print, as dicts. ``find_cli
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -78,6 +79,63 @@ def percentage(value: str | float | None, what: str) -> str | float | None:
     return value
 
 
+#: The mesh's keywords of ``simulate``, ``compare`` and ``plan``, in the simulator's order: the
+#: fields of ``Mesh``.
+MESH_FIELDS: tuple[str, ...] = tuple(_simulator.mesh_fields)
+
+
+def _mesh_init(self: Any, **fields: Any) -> None:
+    """A mesh of the fields given, each left out None (not given)."""
+    unknown = [name for name in fields if name not in MESH_FIELDS]
+    if unknown:
+        raise TypeError(
+            f"ferry.Mesh has no field {unknown[0]!r} (its fields: {', '.join(MESH_FIELDS)})"
+        )
+    for name in MESH_FIELDS:
+        object.__setattr__(self, name, fields.get(name))
+
+
+#: ``ferry.Mesh``: a frozen dataclass whose fields are the binding's mesh keywords.
+Mesh = dataclasses.make_dataclass(
+    "Mesh",
+    [(name, Any, dataclasses.field(default=None)) for name in MESH_FIELDS],
+    namespace={"__init__": _mesh_init},
+    init=False,
+    frozen=True,
+)
+Mesh.__module__ = __name__
+Mesh.__doc__ = """The mesh keywords of ``simulate``, ``compare`` and ``plan`` as one frozen
+    value: ``mesh=Mesh(fsdp=8, tp=2)``.
+
+    Fields, each None (not given) when left out: {fields}; the simulator's mesh keywords, in
+    its order, each taking what ``simulate`` says it takes. A call that gives a field both in
+    its mesh and as a keyword raises TypeError.
+
+    Args:
+        **fields: The mesh's fields, by name.
+
+    Raises:
+        TypeError: A name that is no field of a mesh.
+    """.format(fields=", ".join(f"``{name}``" for name in MESH_FIELDS))
+
+
+def mesh_options(function: str, mesh: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the fields ``mesh`` gives (a ``Mesh`` or None) added, for ``function``'s
+    call: TypeError for a mesh of another type or a field also given in ``options``."""
+    if mesh is None:
+        return options
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{function}: mesh={mesh!r} is not a ferry.Mesh")
+    given = {name: getattr(mesh, name) for name in MESH_FIELDS}
+    given = {name: value for name, value in given.items() if value is not None}
+    both = [name for name in given if name in options]
+    if both:
+        raise TypeError(
+            f"{function}() got {both[0]!r} both in mesh= and as a keyword argument; give it once"
+        )
+    return {**options, **given}
+
+
 def fsdp_options(options: dict[str, Any]) -> dict[str, Any]:
     """``options``, with ``reshard_after_forward`` (when given) checked to be True, False or a
     number of ranks K."""
@@ -89,12 +147,16 @@ def fsdp_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -> dict[str, Any]:
+def simulate(
+    model: ModelSource, device: str = DEFAULT_DEVICE, *, mesh: Mesh | None = None, **options: Any
+) -> dict[str, Any]:
     """Simulates training steps of a model under one offload policy (``ferry simulate``).
 
     Args:
         model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
         device: A bundled device profile's name or a profile file.
+        mesh: A ``ferry.Mesh``: the mesh keywords below (``fsdp`` to ``expert_capacity``) as
+            one value; a field given both there and as a keyword is a TypeError.
         **options: The run's options, as ``ferry simulate`` names them: ``policy`` ("none",
             "trl", "trl-seed", "ferry"), ``checkpoint`` ("none", "every:K", "selective", ...),
             ``horizon`` ("auto", "none", bytes), ``steps``, ``min_bytes``, ``window_mib``,
@@ -133,8 +195,9 @@ def simulate(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -
     Raises:
         ValueError: A model, device or option the simulator refuses; the message is what
             ``ferry simulate`` prints after "error: " (``--steps: 0 is not in 1..1000``).
-        TypeError: An option it does not know.
+        TypeError: An option it does not know, or one given both in ``mesh`` and as a keyword.
     """
+    options = mesh_options("simulate", mesh, options)
     return simulate_with_snapshot(model, device, False, **options)[0]
 
 
@@ -154,12 +217,15 @@ def simulate_with_snapshot(
     )
 
 
-def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) -> dict[str, Any]:
+def compare(
+    model: ModelSource, device: str = DEFAULT_DEVICE, *, mesh: Mesh | None = None, **options: Any
+) -> dict[str, Any]:
     """Simulates the fixed configurations of a model side by side (``ferry compare``).
 
     Args:
         model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
         device: A bundled device profile's name or a profile file.
+        mesh: A ``ferry.Mesh``, as ``simulate`` takes it.
         **options: ``steps``, ``min_bytes``, ``window_mib``, ``prefetch_mib``,
             ``host_cap_gib``, ``stash``, ``check``, ``set_to_none``, ``paged_stash``,
             ``allocator`` and the FSDP2 options, as ``simulate`` takes them; ``devices``
@@ -173,7 +239,9 @@ def compare(model: ModelSource, device: str = DEFAULT_DEVICE, **options: Any) ->
 
     Raises:
         ValueError: A model, device or option the simulator refuses; the message names it.
+        TypeError: An option it does not know, or one given both in ``mesh`` and as a keyword.
     """
+    options = mesh_options("compare", mesh, options)
     name, text = model_args(model)
     return _simulator.compare(name, text, device, scenarios_dir(), **fsdp_options(options))
 
@@ -186,6 +254,8 @@ def plan(
     steps: int = 2,
     margin: str | float | None = None,
     trainer: str | None = None,
+    *,
+    mesh: Mesh | None = None,
     **fsdp: Any,
 ) -> dict[str, Any]:
     """The fastest keep / offload / recompute plan whose peak reserved memory fits a budget
@@ -210,6 +280,7 @@ def plan(
             with every setting of its space (docs/plan.md, "A trainer's own settings"); a
             budget none of them fits is refused (``PlanError``, ``floor`` the smallest
             budget at which some setting fits). None: ferry's plan only.
+        mesh: A ``ferry.Mesh``, as ``simulate`` takes it: the mesh keywords of ``**fsdp``.
         **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
             ``reshard_after_forward``, ``fsdp_impl``): the plan is one rank's, ``budget`` per
             rank and ``host_budget`` per node; ``tp``, ``cp``, ``ep`` and ``expert_capacity``
@@ -233,8 +304,10 @@ def plan(
             with the margin added back, so ``budget=e.floor`` plans; None where no budget on the
             device plans, the message saying what would, or none is known), or the planner
             refuses the model, device or budget (``exit_code`` 2, the rest None).
-        TypeError: A budget that is no byte count.
+        TypeError: A budget that is no byte count, or a keyword given both in ``mesh`` and
+            as a keyword.
     """
+    fsdp = mesh_options("plan", mesh, fsdp)
     budget = byte_count(budget, "budget")
     host_budget = byte_count(host_budget, "host_budget")
     margin = percentage(margin, "margin")

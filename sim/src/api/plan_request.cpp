@@ -171,12 +171,7 @@ Result<PlanSetup> plan_setup(const PlanRequest& r) {
   // What the request left out is the model file's, whose reader bounded it as parallelism_of
   // bounded the request's (kMeshFields).
   adopt_parallelism(chosen, w.model->parallelism);
-  auto allocator = allocator_of(r.allocator, *w.model);
-  if (!allocator) {
-    return Error{
-        fmt::format("{}: parallelism: {}", r.target.model.name, allocator.error().message)};
-  }
-  options.allocator = allocator.value();
+  options.allocator = allocator_of(r.allocator, *w.model);
   if (auto fsdp = choose_parallelism(options.parallel, chosen, w.device); !fsdp)
     return fsdp.error();
   auto ranked = rank_of(w, options.parallel.mesh, r.target.model.name);

@@ -26,7 +26,7 @@ Status first_error(std::initializer_list<Status> checks);
 Result<Workload> load(const Target& target);
 
 // The allocator `asked`, else the model file's, else default.
-Result<AllocatorMode> allocator_of(const std::optional<AllocatorMode>& asked, const Model& model);
+AllocatorMode allocator_of(const std::optional<AllocatorMode>& asked, const Model& model);
 
 // The workload one GPU of `mesh` runs (rank_workload: cut by `axes`, checked and timed once);
 // with nothing cut, the whole model's timing errors name the model as `spec`, as its reading

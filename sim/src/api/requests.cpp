@@ -73,10 +73,8 @@ Result<Workload> load(const Target& target) {
 }
 
 // The allocator `asked`, else the model file's, else default.
-Result<AllocatorMode> allocator_of(const std::optional<AllocatorMode>& asked, const Model& model) {
-  if (asked) return *asked;
-  if (model.allocator.empty()) return AllocatorMode::Default;
-  return allocator_mode(model.allocator);
+AllocatorMode allocator_of(const std::optional<AllocatorMode>& asked, const Model& model) {
+  return asked.value_or(model.allocator.value_or(AllocatorMode::Default));
 }
 
 // The workload one GPU of `mesh` runs (rank_workload: cut by `axes`, checked and timed once);
@@ -98,13 +96,11 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
   adopt_parallelism(k.mesh, model.parallelism, k.devices);
   auto parallelism = checked_knobs(k);
   if (!parallelism) return parallelism.error();
-  auto allocator = allocator_of(k.allocator, model);
-  if (!allocator) return allocator.error();
   TrainingOptions o;
   o.steps = k.steps;
   o.sim.check_hazards = k.check;
   o.sim.track_content = k.check;
-  o.sim.allocator = allocator.value();
+  o.sim.allocator = allocator_of(k.allocator, model);
   o.offload.min_bytes = Bytes(k.min_bytes);
   o.offload.window_bytes = k.window_mib * kMiB;
   o.offload.prefetch_bytes = k.prefetch_mib * kMiB;

@@ -105,7 +105,7 @@ Status Fsdp2::validate() const {
 
 // The parameters are sharded per unit, and the optimizer's state is FSDP's own.
 bool Fsdp2::holds(const ModelTensor& tensor) const {
-  return tensor.role == TensorRole::Param || tensor.name.starts_with("optimizer.");
+  return tensor.role == TensorRole::Param || tensor.role == TensorRole::OptimizerState;
 }
 
 std::size_t Fsdp2::layer_unit_of_op(std::uint32_t i) const {

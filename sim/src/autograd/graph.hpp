@@ -25,10 +25,10 @@ struct Graph {
 /// outputs is on a path to the loss; a gradient then flows to each activation it read.
 [[nodiscard]] Graph make_graph(const Model& model);
 
-/// Whether `t`'s storage is a parameter or a module buffer (resident, never an activation).
+/// Whether `t`'s storage is a parameter, a module buffer or an optimizer's state (resident,
+/// never an activation).
 [[nodiscard]] inline bool is_resident(const Model& model, std::uint32_t base) {
-  const TensorRole role = model.tensors[base].role;
-  return role == TensorRole::Param || role == TensorRole::Buffer;
+  return is_resident(model.tensors[base].role);
 }
 
 }  // namespace ferry::sim

@@ -168,7 +168,7 @@ Access access_of(const Plan& plan, const Model& model, std::uint32_t k, std::uin
   a.tensor = t;
   a.base = plan.base[t];
   const ModelTensor& storage = model.tensors[a.base];
-  if (storage.role == TensorRole::Param || storage.role == TensorRole::Buffer) {
+  if (is_resident(storage.role)) {
     a.route = Route::Resident;
   } else if (storage.role == TensorRole::Input) {
     a.route = Route::Input;

@@ -246,7 +246,7 @@ void Trainer::setup() {
     const ModelTensor& tensor = model_.tensors[t];
     if (tensor.view_of >= 0) continue;
     if (hooks_->holds(tensor)) continue;  // the parallelism's own (FSDP's shards)
-    if (tensor.role == TensorRole::Param || tensor.role == TensorRole::Buffer) {
+    if (is_resident(tensor.role)) {
       const Device::Buffer buf = must_allocate(tensor.bytes, tensor.name);
       params_[t] = Bound{buf, Bytes(0), param_value(t)};
       writes.push_back(Region{buf.id, Bytes(0), tensor.bytes});
@@ -287,7 +287,7 @@ void Trainer::allocate_blas_workspaces() {
 
 Bound Trainer::lookup(std::uint32_t t) const {
   const ModelTensor& tensor = model_.tensors[t];
-  if (tensor.role == TensorRole::Param || tensor.role == TensorRole::Buffer) {
+  if (is_resident(tensor.role)) {
     const std::uint32_t b = base(t);
     const Bound& p = params_.at(b);
     return Bound{p.buffer, p.offset + tensor.view_offset, p.value};
@@ -423,12 +423,11 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
   const ModelTensor& storage = model_.tensors[b];
   TensorFacts facts;
   facts.bytes = tensor.bytes;
-  facts.storage_bytes = tensor.role == TensorRole::Param || tensor.role == TensorRole::Buffer
-                            ? storage.bytes
-                            : sim_.buffers()[where.buffer.id.value()].bytes;
+  facts.storage_bytes =
+      is_resident(tensor.role) ? storage.bytes : sim_.buffers()[where.buffer.id.value()].bytes;
   facts.view_offset = where.offset;
   facts.storage = where.buffer.id.value();
-  facts.is_param = storage.role == TensorRole::Param || storage.role == TensorRole::Buffer;
+  facts.is_param = is_resident(storage.role);
   facts.no_offload = tensor.no_offload;
   facts.node = NodeId(node);
   saved.kind = Saved::Kind::Offload;

@@ -13,8 +13,7 @@ std::vector<std::uint32_t> Trainer::region_inputs(std::uint32_t first, std::uint
   std::vector<std::uint32_t> inputs;
   for (std::uint32_t i = first; i < end; ++i) {
     for (const std::uint32_t t : model_.ops[i].inputs) {
-      const TensorRole role = model_.tensors[base(t)].role;
-      if (role == TensorRole::Param || role == TensorRole::Buffer) continue;
+      if (is_resident(model_.tensors[base(t)].role)) continue;
       if (std::find(produced.begin(), produced.end(), t) != produced.end()) continue;
       if (std::find(inputs.begin(), inputs.end(), t) == inputs.end()) inputs.push_back(t);
     }

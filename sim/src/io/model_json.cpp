@@ -30,7 +30,7 @@ constexpr std::int64_t kMaxRoutingSeed = std::numeric_limits<std::int64_t>::max(
 
 constexpr std::array kDTypes{DType::F32, DType::BF16, DType::F16, DType::U8, DType::I64};
 constexpr std::array kRoles{TensorRole::Input, TensorRole::Param, TensorRole::Buffer,
-                            TensorRole::Activation};
+                            TensorRole::Activation, TensorRole::OptimizerState};
 
 /// The enumerator of `values` whose name (by `name_of`) is the string at `value`.
 template <class Enum, std::size_t N>
@@ -67,10 +67,12 @@ class ModelReader {
       FERRY_JSON_TRY(model_.parallelism, read_parallelism(*parallelism));
     }
     if (auto allocator = object.optional("allocator")) {
-      FERRY_JSON_TRY(model_.allocator, allocator->string());
-      if (model_.allocator != "default" && model_.allocator != "expandable") {
-        return allocator->error("expected \"default\" or \"expandable\", got {}",
-                                json_quote(model_.allocator));
+      FERRY_JSON_TRY(const std::string name, allocator->string());
+      model_.allocator = parse_allocator_mode(name);
+      if (!model_.allocator) {
+        return allocator->error("expected \"{}\" or \"{}\", got {}",
+                                allocator_mode_name(AllocatorMode::Default),
+                                allocator_mode_name(AllocatorMode::Expandable), json_quote(name));
       }
     }
     if (auto routing = object.optional("routing")) {
@@ -436,7 +438,7 @@ std::string model_to_json(const Model& model) {
   out["ops"] = std::move(ops);
   out["loss"] = tensor_name(model, model.loss);
   if (model.parallelism.sharded()) out["parallelism"] = parallelism_json(model.parallelism);
-  if (!model.allocator.empty()) out["allocator"] = model.allocator;
+  if (model.allocator) out["allocator"] = std::string(allocator_mode_name(*model.allocator));
   if (!model.routing.assumption.empty()) out["routing"] = routing_json(model.routing);
   return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
 }

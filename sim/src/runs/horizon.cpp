@@ -43,8 +43,7 @@ std::vector<std::uint32_t> region_inputs(const Model& model, const RegionSpan& r
   std::vector<std::uint32_t> produced;
   for (std::uint32_t i = r.first; i < r.end; ++i) {
     for (const std::uint32_t t : model.ops[i].inputs) {
-      const TensorRole role = model.tensors[base_of(model, t)].role;
-      if (role == TensorRole::Param || role == TensorRole::Buffer) continue;
+      if (is_resident(model.tensors[base_of(model, t)].role)) continue;
       if (std::find(produced.begin(), produced.end(), t) != produced.end()) continue;
       if (std::find(inputs.begin(), inputs.end(), t) == inputs.end()) inputs.push_back(t);
     }
@@ -116,7 +115,7 @@ class LinkQueue {
   bool queue(std::uint32_t tensor, std::int64_t at, std::int64_t need) {
     const std::uint32_t b = base_of(model_, tensor);
     const ModelTensor& storage = model_.tensors[b];
-    if (storage.role == TensorRole::Param || storage.role == TensorRole::Buffer) return true;
+    if (is_resident(storage.role)) return true;
     if (model_.tensors[tensor].no_offload) return true;
     if (model_.tensors[tensor].bytes < min_bytes_) return true;
     if (!copied_.insert(b).second) return true;

@@ -52,6 +52,8 @@ const char* tensor_role_name(TensorRole role) {
       return "buffer";
     case TensorRole::Activation:
       return "activation";
+    case TensorRole::OptimizerState:
+      return "optimizer_state";
   }
   return "?";
 }

@@ -38,6 +38,14 @@ std::int64_t tensor_bytes(const Model& model, const std::vector<std::uint32_t>& 
 
 namespace {
 
+/// The indefinite article before a role's name: "an input", "a param".
+const char* article(TensorRole role) {
+  return role == TensorRole::Input || role == TensorRole::Activation ||
+                 role == TensorRole::OptimizerState
+             ? "an"
+             : "a";
+}
+
 using workload_detail::error_at;
 using workload_detail::op_member;
 using workload_detail::op_path;
@@ -89,9 +97,10 @@ Status check_capacity(const ModelTensor& tensor, std::size_t index) {
                     "a static-capacity buffer gives both \"capacity\" and \"rows\"");
   }
   if (tensor.view_of != -1 || tensor.role != TensorRole::Activation) {
-    return error_at(at("capacity"), "only a base activation has a capacity; {} is a {}{}",
-                    json_quote(tensor.name), tensor.view_of != -1 ? "view of " : "",
-                    tensor_role_name(tensor.role));
+    const std::string what =
+        tensor.view_of != -1 ? std::string("a view of ") : fmt::format("{} ", article(tensor.role));
+    return error_at(at("capacity"), "only a base activation has a capacity; {} is {}{}",
+                    json_quote(tensor.name), what, tensor_role_name(tensor.role));
   }
   if (capacity < tensor.bytes.count() || capacity > kMaxJsonBytes ||
       capacity % dtype_size(tensor.dtype) != 0) {
@@ -398,8 +407,7 @@ Status check_ops(const Model& model, std::vector<std::int64_t>& producer) {
       const ModelTensor& tensor = model.tensors[t];
       if (tensor.role != TensorRole::Activation) {
         return error_at(at(), "{} is {} {}; ops produce activations only", json_quote(tensor.name),
-                        tensor.role == TensorRole::Input ? "an" : "a",
-                        tensor_role_name(tensor.role));
+                        article(tensor.role), tensor_role_name(tensor.role));
       }
       if (producer[t] != kNotProduced) {
         return error_at(at(), "activation {} is produced twice (first by {})",
@@ -475,7 +483,7 @@ Status validate_model(const Model& model) {
   const ModelTensor& tensor = model.tensors[loss];
   if (tensor.role != TensorRole::Activation) {
     return error_at("loss", "{} is {} {}; the loss is an activation", json_quote(tensor.name),
-                    tensor.role == TensorRole::Input ? "an" : "a", tensor_role_name(tensor.role));
+                    article(tensor.role), tensor_role_name(tensor.role));
   }
   const std::size_t last = model.ops.size() - 1;
   if (producer[loss] != static_cast<std::int64_t>(last)) {

@@ -257,9 +257,8 @@ Status TensorParallelRewrite::rewrite_op(std::size_t i) {
   return Ok{};
 }
 
-// State held for the step that no op reads (an optimizer's moments, as a trace lists them)
-// belongs to a parameter of its size: cut with the parameters of that size, when no parameter
-// read whole has it.
+// An optimizer's state (its moments, which no op reads) belongs to a parameter of its size: cut
+// with the parameters of that size, when no parameter read whole has it.
 std::vector<bool> TensorParallelRewrite::held_state() const {
   std::set<std::int64_t> cut_sizes;
   std::set<std::int64_t> whole_sizes;
@@ -270,9 +269,9 @@ std::vector<bool> TensorParallelRewrite::held_state() const {
   }
   std::vector<bool> held(whole_.tensors.size(), false);
   for (std::uint32_t t = 0; t < whole_.tensors.size(); ++t) {
-    held[t] = whole_.tensors[t].role == TensorRole::Buffer && whole_.tensors[t].view_of < 0 &&
-              plan_.readers[t].empty() && cut_sizes.contains(elements(t)) &&
-              !whole_sizes.contains(elements(t));
+    held[t] = whole_.tensors[t].role == TensorRole::OptimizerState &&
+              whole_.tensors[t].view_of < 0 && plan_.readers[t].empty() &&
+              cut_sizes.contains(elements(t)) && !whole_sizes.contains(elements(t));
   }
   return held;
 }

@@ -60,8 +60,8 @@ namespace ferry::sim::rank_cut_detail {
 // parallelism of a mixture of experts] says. Not modelled yet: the all-reduce of the norms'
 // weight gradients (h elements a norm) and the vocabulary-parallel loss's three all-reduces of
 // per-token statistics, both a few hundred kilobytes; tensor parallelism without sequence
-// parallelism. State no op reads (a trace's optimizer moments) is cut when its size is that of
-// the cut parameters, not of one read whole.
+// parallelism. An optimizer's state (its moments, which no op reads) is cut when its size is
+// that of the cut parameters, not of one read whole.
 //
 // Each role's rules (its outputs' layout, whether it does 1/tp of the work, the layouts its
 // operands must have, which parameters it reads cut, which dimension of its product it cuts)

@@ -17,7 +17,7 @@ namespace ferry::sim::workload_detail {
 // heads repeated for attention, the rotary cos and sin of every layer listed as views of one
 // storage written by one op, transposed weights as views of the parameters, the loss computed
 // in float32 outside the output head (a log-softmax saving batch x sequence x vocabulary
-// floats), and the optimizer's state as buffers. This generator lists the same ops, in the
+// floats), and the optimizer's state. This generator lists the same ops, in the
 // same order, with the same saved tensors, and names them as the trace does, so that the
 // planner's benchmark and tests can run a model of that shape without tracing one. Costs come
 // from the same roofline as the other generators (backward twice forward), not from the trace.
@@ -295,8 +295,8 @@ void add_optimizer_state(ModelBuilder& m) {
     if (tensor.role != TensorRole::Param || tensor.view_of >= 0) continue;
     const std::int64_t elements = tensor.bytes.count() / dtype_size(tensor.dtype);
     const std::string param = tensor.name;
-    m.tensor("optimizer." + param + ".exp_avg", elements, TensorRole::Buffer);
-    m.tensor("optimizer." + param + ".exp_avg_sq", elements, TensorRole::Buffer);
+    m.tensor("optimizer." + param + ".exp_avg", elements, TensorRole::OptimizerState);
+    m.tensor("optimizer." + param + ".exp_avg_sq", elements, TensorRole::OptimizerState);
   }
 }
 

@@ -183,7 +183,7 @@ def traced_model(
                         "name": tracer._unique(f"optimizer.{owner}.{key}"),
                         "bytes": byte_count(value),
                         "dtype": dtype,
-                        "role": "buffer",
+                        "role": "optimizer_state",
                     }
                 )
                 optimizer_bytes += byte_count(value)

@@ -15,6 +15,7 @@
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/collective_cost.hpp"
 #include "ferry/sim/engine/device_profile.hpp"
+#include "ferry/sim/memory/caching_allocator.hpp"
 #include "ferry/sim/workload/op_family.hpp"
 #include "ferry/units.hpp"
 
@@ -34,10 +35,19 @@ enum class TensorRole : std::uint8_t {
   Param,       ///< a weight: resident, never offloaded (excluded like nn.Parameter)
   Buffer,      ///< a module buffer (e.g. running stats): resident, never offloaded
   Activation,  ///< produced by a forward op
+  /// An optimizer's state (AdamW's moments): resident, never offloaded; FSDP shards it
+  OptimizerState,
 };
 
-/// "input", "param", "buffer", "activation".
+/// "input", "param", "buffer", "activation", "optimizer_state".
 [[nodiscard]] const char* tensor_role_name(TensorRole role);
+
+/// Whether a tensor of `role` is the model's for the whole step (a parameter, a buffer or an
+/// optimizer's state): allocated at set-up, never offloaded, never produced by an op.
+[[nodiscard]] constexpr bool is_resident(TensorRole role) {
+  return role == TensorRole::Param || role == TensorRole::Buffer ||
+         role == TensorRole::OptimizerState;
+}
 
 /// A tensor. A view shares its base's storage (its bytes lie inside the base's).
 struct ModelTensor {
@@ -150,10 +160,11 @@ struct Model {
   /// commands train this way unless their own --fsdp says otherwise.
   Parallelism parallelism{};
 
-  /// The file's "allocator" member ("default" or "expandable"; `ferry.trace` writes
-  /// "expandable" under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), empty when absent:
-  /// commands run this caching allocator unless their own --allocator says otherwise.
-  std::string allocator;
+  /// The file's "allocator" member ("default" or "expandable", read once with the file;
+  /// `ferry.trace` writes "expandable" under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True),
+  /// none when absent: commands run this caching allocator unless their own --allocator says
+  /// otherwise.
+  std::optional<AllocatorMode> allocator;
   /// The file's "routing" member, if any (`ferry.trace` of a model whose shapes follow its
   /// routing).
   RoutingAssumption routing{};
