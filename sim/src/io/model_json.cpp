@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <functional>
@@ -31,6 +32,22 @@ constexpr std::int64_t kMaxRoutingSeed = std::numeric_limits<std::int64_t>::max(
 constexpr std::array kDTypes{DType::F32, DType::BF16, DType::F16, DType::U8, DType::I64};
 constexpr std::array kRoles{TensorRole::Input, TensorRole::Param, TensorRole::Buffer,
                             TensorRole::Activation, TensorRole::OptimizerState};
+
+// Note [Optimizer state in earlier traces]
+// Traces written before the optimizer_state role gave an optimizer's state the role buffer and
+// the names the trace gives it, optimizer.<parameter>.<key> (docs/model-format.md). A file in
+// which no tensor has the role optimizer_state is read as such a trace: its buffers so named are
+// optimizer state, as they were when it was written. A file that uses the role is read by the
+// role alone.
+void read_state_of_earlier_traces(std::vector<ModelTensor>& tensors) {
+  const auto has_role = [](const ModelTensor& t) { return t.role == TensorRole::OptimizerState; };
+  if (std::any_of(tensors.begin(), tensors.end(), has_role)) return;
+  for (ModelTensor& t : tensors) {
+    if (t.role == TensorRole::Buffer && t.name.starts_with("optimizer.")) {
+      t.role = TensorRole::OptimizerState;
+    }
+  }
+}
 
 /// The enumerator of `values` whose name (by `name_of`) is the string at `value`.
 template <class Enum, std::size_t N>
@@ -175,6 +192,7 @@ class ModelReader {
       FERRY_JSON_TRY(const auto base, resolve(*bases[i]));
       model_.tensors[i].view_of = static_cast<std::int32_t>(base);
     }
+    read_state_of_earlier_traces(model_.tensors);
     return Ok{};
   }
 
