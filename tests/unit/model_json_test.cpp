@@ -226,6 +226,37 @@ TEST(ModelJson, TheAllocatorMemberIsReadAsItsModeAndWrittenBack) {
   EXPECT_EQ(model_to_json(plain.value()).find("allocator"), std::string::npos);
 }
 
+// Note [Optimizer state in earlier traces] in model_json.cpp.
+TEST(ModelJson, AnEarlierTracesOptimizerStateIsReadByItsNameUntilTheRoleIsUsed) {
+  const std::string param = R"({"name": "w", "bytes": 128, "dtype": "bf16", "role": "param"},)";
+  const auto with = [&](std::string_view tensors) {
+    return valid_with(param, param + "\n    " + std::string(tensors));
+  };
+  const auto role_of = [](const Model& m, std::string_view name) {
+    for (const ModelTensor& t : m.tensors) {
+      if (t.name == name) return t.role;
+    }
+    ADD_FAILURE() << "no tensor " << name;
+    return TensorRole::Input;
+  };
+  // A trace from before the role: its state, named by the trace, is optimizer state.
+  auto earlier = parse_model(
+      with(R"({"name": "optimizer.w.exp_avg", "bytes": 128, "dtype": "bf16", "role": "buffer"},
+    {"name": "rope.cos", "bytes": 64, "dtype": "bf16", "role": "buffer"},)"),
+      "earlier.json");
+  ASSERT_TRUE(earlier.ok()) << earlier.error().message;
+  EXPECT_EQ(role_of(earlier.value(), "optimizer.w.exp_avg"), TensorRole::OptimizerState);
+  EXPECT_EQ(role_of(earlier.value(), "rope.cos"), TensorRole::Buffer);
+  // A file that uses the role is read by it alone: a buffer keeps its role, whatever its name.
+  auto current = parse_model(
+      with(R"({"name": "optimizer.w.exp_avg", "bytes": 128, "dtype": "bf16", "role": "buffer"},
+    {"name": "w.moment", "bytes": 128, "dtype": "bf16", "role": "optimizer_state"},)"),
+      "current.json");
+  ASSERT_TRUE(current.ok()) << current.error().message;
+  EXPECT_EQ(role_of(current.value(), "optimizer.w.exp_avg"), TensorRole::Buffer);
+  EXPECT_EQ(role_of(current.value(), "w.moment"), TensorRole::OptimizerState);
+}
+
 TEST(ModelJson, ABadParallelismSectionIsNamed) {
   for (const auto& [section, where] : std::vector<std::pair<std::string, std::string>>{
            {R"({"fsdp": 0})", "parallelism.fsdp"},

@@ -342,9 +342,7 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
   if (!schedules) return schedules.error();
   auto whole = load(r.target);
   if (!whole) return whole.error();
-  auto allocator = allocator_of(r.allocator, *whole.value().model);
-  if (!allocator) return allocator.error();
-  if (allocator.value() != AllocatorMode::Default) {
+  if (allocator_of(r.allocator, *whole.value().model) != AllocatorMode::Default) {
     return refuse(
         "--allocator expandable applies to a single-device or FSDP run; a pipeline runs the "
         "default allocator");
