@@ -228,7 +228,9 @@ TEST(PlanPipeline, APerStagePlanRecomputesOnlyOnTheBindingFirstStageAndBeatsEver
   const PipelineCandidate& fixed = p.candidates[*p.best_fixed];
   EXPECT_EQ(fixed.name, "1f1b 4x8 except_last");
   for (const PipelineCandidate& k : p.candidates) {
-    if (k.stage_configs.empty() && k.fits) EXPECT_LT(c.step_time, k.step_time) << k.name;
+    if (k.stage_configs.empty() && k.fits) {
+      EXPECT_LT(c.step_time, k.step_time) << k.name;
+    }
   }
   // Nearer the uniform never's step than except_last's: the recompute is on one stage of four.
   EXPECT_LT(2 * c.step_time.ns(), never->step_time.ns() + fixed.step_time.ns());
