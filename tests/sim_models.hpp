@@ -39,6 +39,13 @@ struct ModelBuilder {
   }
 };
 
+/// The tiny-gpt preset, its durations the roofline's on `device`.
+inline Model tiny_gpt(const DeviceProfile& device) {
+  Model model = model_preset("tiny-gpt").value();
+  assign_roofline_durations(model, device);
+  return model;
+}
+
 /// A chain of `layers` linear layers: x -> h1 -> ... -> loss, each saving its input and
 /// weight, every layer `bytes` wide; durations set directly.
 inline Model chain_model(int layers, std::int64_t bytes, std::int64_t ns = 100'000) {

@@ -19,12 +19,7 @@ namespace {
 
 using testing::equal_layers;
 using testing::simple_profile;
-
-Model tiny_gpt(const DeviceProfile& device) {
-  Model model = model_preset("tiny-gpt").value();
-  assign_roofline_durations(model, device);
-  return model;
-}
+using testing::tiny_gpt;
 
 PipelineOptions options(Schedule schedule, std::int32_t devices, std::int32_t micro_batches,
                         std::int32_t virtual_stages = 1,

@@ -17,12 +17,7 @@ namespace ferry::sim {
 namespace {
 
 using testing::simple_profile;
-
-Model tiny_gpt(const DeviceProfile& device) {
-  Model model = model_preset("tiny-gpt").value();
-  assign_roofline_durations(model, device);
-  return model;
-}
+using testing::tiny_gpt;
 
 PipelineOptions options(Schedule schedule, std::int32_t devices) {
   PipelineOptions o;

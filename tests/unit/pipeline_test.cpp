@@ -18,6 +18,7 @@ namespace ferry::sim {
 namespace {
 
 using testing::simple_profile;
+using testing::tiny_gpt;
 
 const CheckpointMode kModes[] = {CheckpointMode::Never, CheckpointMode::ExceptLast,
                                  CheckpointMode::Always};
@@ -36,12 +37,6 @@ std::vector<SkipConnection> residual_skips(const Model& model) {
     }
   }
   return skips;
-}
-
-Model tiny_gpt(const DeviceProfile& device) {
-  Model model = model_preset("tiny-gpt").value();
-  assign_roofline_durations(model, device);
-  return model;
 }
 
 DeviceProfile h100() {

@@ -17,16 +17,15 @@
 #include "ferry/sim/planner/planner.hpp"
 #include "ferry/sim/runs/compare_runs.hpp"
 #include "sim_fixtures.hpp"
+#include "sim_models.hpp"
 
 namespace ferry::sim {
 namespace {
 
 using testing::simple_profile;
 
-CheckedModel tiny_gpt(const DeviceProfile& device) {
-  Model model = model_preset("tiny-gpt").value();
-  assign_roofline_durations(model, device);
-  return check_model(std::move(model)).value();
+CheckedModel checked_tiny_gpt(const DeviceProfile& device) {
+  return check_model(testing::tiny_gpt(device)).value();
 }
 
 PipelinePlanOptions options(std::int32_t devices, Bytes budget, Schedule schedule) {
@@ -97,7 +96,7 @@ void expect_plan_holds(const PipelinePlan& p, const std::vector<Measured>& rows)
 
 TEST(PlanPipeline, FitsEveryStageAndIsNoSlowerThanTheBestFixedRowUnder2And4Stages) {
   const DeviceProfile device = simple_profile();
-  const CheckedModel model = tiny_gpt(device);
+  const CheckedModel model = checked_tiny_gpt(device);
   for (const std::int32_t devices : {2, 4}) {
     for (const Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
       SCOPED_TRACE(fmt::format("{} stages, {}", devices, pipeline::schedule_name(schedule)));
@@ -115,7 +114,7 @@ TEST(PlanPipeline, FitsEveryStageAndIsNoSlowerThanTheBestFixedRowUnder2And4Stage
 
 TEST(PlanPipeline, ABudgetBelowTheFloorIsRefusedNamingItAndTheFloorPlans) {
   const DeviceProfile device = simple_profile();
-  const CheckedModel model = tiny_gpt(device);
+  const CheckedModel model = checked_tiny_gpt(device);
   PipelinePlanOptions o = options(2, device.memory, Schedule::OneFOneB);
   const PipelinePlan roomy = plan_pipeline(model, device, o).value();
   Bytes floor_peak{0};
@@ -146,7 +145,7 @@ TEST(PlanPipeline, ABudgetBelowTheFloorIsRefusedNamingItAndTheFloorPlans) {
 
 TEST(PlanPipeline, AutoPlansEachScheduleAndSaysWhichFitAndTheirTimes) {
   const DeviceProfile device = simple_profile();
-  const CheckedModel model = tiny_gpt(device);
+  const CheckedModel model = checked_tiny_gpt(device);
   PipelinePlanOptions o = options(2, device.memory, Schedule::GPipe);
   o.micro_batches = 4;
   o.schedules = {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
@@ -169,7 +168,7 @@ TEST(PlanPipeline, AutoPlansEachScheduleAndSaysWhichFitAndTheirTimes) {
 
 TEST(PlanPipeline, APlantedReceiveFaultIsCaughtByTheCheckedRunAndNeverPlanned) {
   const DeviceProfile device = simple_profile();
-  const CheckedModel model = tiny_gpt(device);
+  const CheckedModel model = checked_tiny_gpt(device);
   PipelinePlanOptions o = options(2, device.memory, Schedule::OneFOneB);
   o.faults.skip_receive_wait = true;
   const auto plan = plan_pipeline(model, device, o);
@@ -183,7 +182,7 @@ TEST(PlanPipeline, APlantedReceiveFaultIsCaughtByTheCheckedRunAndNeverPlanned) {
 
 TEST(PlanPipeline, TheReportsAreTheSameBytesForAnyNumberOfJobs) {
   const DeviceProfile device = simple_profile();
-  const CheckedModel model = tiny_gpt(device);
+  const CheckedModel model = checked_tiny_gpt(device);
   PipelinePlanOptions o = options(2, device.memory, Schedule::GPipe);
   o.schedules = {Schedule::GPipe, Schedule::OneFOneB};
   const PipelinePlan one = plan_pipeline(model, device, o).value();
@@ -252,7 +251,7 @@ TEST(PlanPipeline, APerStagePlanRecomputesOnlyOnTheBindingFirstStageAndBeatsEver
 
 TEST(PlanPipeline, CountsTorchRefusesAreAnErrorNamingTheSchedule) {
   const DeviceProfile device = simple_profile();
-  const CheckedModel model = tiny_gpt(device);
+  const CheckedModel model = checked_tiny_gpt(device);
   PipelinePlanOptions o = options(4, device.memory, Schedule::OneFOneB);
   o.micro_batches = 2;  // 1F1B takes no fewer micro-batches than stages
   const auto plan = plan_pipeline(model, device, o);
