@@ -1,5 +1,6 @@
 #include "ferry/sim/workload/op_family.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <optional>
@@ -84,11 +85,21 @@ constexpr std::array kOpFamilies{
     OpFamilyRow{"aten.reshape", OpFamily::Reshape},
 };
 
+// The rows in the order of their names, for a binary search: a model's every op is looked up
+// when its kind is set.
+constexpr auto kRowsByName = [] {
+  auto rows = kOpFamilies;
+  std::sort(rows.begin(), rows.end(),
+            [](const OpFamilyRow& a, const OpFamilyRow& b) { return a.op < b.op; });
+  return rows;
+}();
+
 std::optional<OpFamily> row_for(std::string_view op) {
-  for (const OpFamilyRow& row : kOpFamilies) {
-    if (row.op == op) return row.family;
-  }
-  return std::nullopt;
+  const auto it =
+      std::lower_bound(kRowsByName.begin(), kRowsByName.end(), op,
+                       [](const OpFamilyRow& row, std::string_view name) { return row.op < name; });
+  if (it == kRowsByName.end() || it->op != op) return std::nullopt;
+  return it->family;
 }
 
 }  // namespace

@@ -70,7 +70,7 @@ struct OpFamilyRow {
   OpFamily family;
 };
 
-/// The operator table, in the order op_family reads it (one row per operator or overload).
+/// The operator table (kOpFamilies in op_family.cpp), one row per operator or overload.
 [[nodiscard]] std::span<const OpFamilyRow> op_family_table();
 
 [[nodiscard]] inline bool is_matmul(OpFamily family) { return op_family_traits(family).matmul; }
