@@ -4,7 +4,10 @@ transformer, each built tiny from transformers' own config and traced for one tr
 (hf_families.py). Every schedule splits each model over two devices with four micro-batches
 and runs hazard-free, with the gradients of the same micro-batches run one after another on one
 device (the row's failure names a mismatch), offloading its saved tensors where the schedule
-allows it; the first stage holds as many micro-batches as the schedule's analytic count."""
+allows it; the first stage holds as many micro-batches as the schedule's analytic count. A
+pipeline plan (`ferry plan --devices`) under a budget the plan of everything kept exceeds fits
+every stage, checked hazard-free, no slower than the fixed rows that fit; below its floor it is
+refused with that floor named."""
 
 import os
 import sys
@@ -90,3 +93,45 @@ def test_the_first_stage_holds_the_analytic_count_of_micro_batches(cli, traced, 
     assert one_f_one_b["device_peak_in_flight"] == [
         min(DEVICES - r, MICRO_BATCHES) for r in range(DEVICES)
     ]
+
+
+def pipeline_plan(cli, model, budget):
+    return cli_json(
+        cli,
+        "plan",
+        "--model",
+        model,
+        "--devices",
+        str(DEVICES),
+        "--micro-batches",
+        str(MICRO_BATCHES),
+        "--margin",
+        "0",
+        *(["--budget", f"{budget}B"] if budget else []),
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pipeline_plan_fits_every_stage_of_a_traced_family(cli, traced, family):
+    # At the device's memory: every configuration's binding peak, the fixed rows among them.
+    code, roomy, err = pipeline_plan(cli, traced[family], None)
+    assert code == 0, err
+    ran = [c for c in roomy["configurations"] if c["failure"] is None]
+    never = next(c for c in ran if c["name"].endswith("x4 never"))
+    floor = min(c["max_stage_peak_reserved_bytes"] for c in ran)
+    # A budget keeping everything does not fit: the plan recomputes or offloads somewhere.
+    budget = max(floor, never["max_stage_peak_reserved_bytes"] - 1)
+    code, doc, err = pipeline_plan(cli, traced[family], budget)
+    assert code == 0, err
+    plan = doc["plan"]
+    assert plan["checked"] and plan["hazards"] == 0, plan
+    assert max(plan["stage_peak_reserved_bytes"]) <= budget, plan
+    fixed = [
+        c
+        for c in doc["configurations"]
+        if c["fixed"] and c["failure"] is None and c["max_stage_peak_reserved_bytes"] <= budget
+    ]
+    assert plan["step_time_ns"] <= min(c["step_time_ns"] for c in fixed), (plan, fixed)
+    # One byte below the smallest binding peak, nothing plans, and the refusal names that floor.
+    code, refusal, _ = pipeline_plan(cli, traced[family], floor - 1)
+    assert code == 1 and refusal["floor_bytes"] == floor, refusal
