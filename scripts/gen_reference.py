@@ -66,7 +66,8 @@ def cli_page(cli: str) -> str:
         c["name"]: run([cli, c["name"], "--help"]).replace(cli, "ferry") for c in listed["commands"]
     }
     parsed = {name: option_blocks(text) for name, text in helps.items()}
-    # An option block that several commands print alike is shown once, with who takes it.
+    # An option block that several commands print alike is described once, under Shared options;
+    # each command's section names the shared options it takes.
     takers: dict[str, list[str]] = {}
     for name, (_, blocks) in parsed.items():
         for block in blocks:
@@ -101,11 +102,7 @@ def cli_page(cli: str) -> str:
             text += "\n\nShared options: " + " ".join(also)
         parts.append(f"\n## ferry {name}\n\n" + fenced(text))
     if shared:
-        lines = []
-        for block in shared:
-            lines.append(block)
-            lines.append(f"      (ferry {', '.join(takers[block])})")
-        parts.append("\n## Shared options\n\n" + fenced("\n".join(lines)))
+        parts.append("\n## Shared options\n\n" + fenced("\n".join(shared)))
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 
