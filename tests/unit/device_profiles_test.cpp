@@ -90,6 +90,33 @@ TEST(DeviceProfiles, TrainingGpuFiguresMatchTheDocumentedSources) {
   EXPECT_EQ(figures("l4").blas_workspace, 8 * kMiB + Bytes(128 * 1024));
 }
 
+TEST(DeviceProfiles, KernelFiguresRoundTripAndAnOutOfBoundsOneIsRefusedNamingItsPath) {
+  const auto h100 = load_device_profile(kProfileDir, "h100-sxm-96gb");
+  ASSERT_TRUE(h100.ok()) << h100.error().message;
+  DeviceProfile efficient = h100.value();
+  efficient.kernels = KernelFigures{.sm_count = 132,
+                                    .matmul_tile_m = 256,
+                                    .matmul_tile_n = 128,
+                                    .matmul_permille = 800,
+                                    .efficient_forward_permille = 300,
+                                    .efficient_backward_permille = 250};
+  const std::string written = device_profile_to_json(efficient);
+  const auto again = parse_device_profile(written, "p.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value().kernels, efficient.kernels);
+  for (const std::string bad : {"0", "1001", "-5", "\"fast\""}) {
+    std::string text = written;
+    const std::string key = "\"efficient_backward_permille\": 250";
+    ASSERT_NE(text.find(key), std::string::npos) << text;
+    text.replace(text.find(key), key.size(), "\"efficient_backward_permille\": " + bad);
+    const auto refused = parse_device_profile(text, "p.json");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.error().message.find("kernels.efficient_backward_permille"),
+              std::string::npos)
+        << refused.error().message;
+  }
+}
+
 TEST(DeviceProfiles, TheBlasWorkspaceIsOptionalAndBounded) {
   const auto h100 = load_device_profile(kProfileDir, "h100-sxm-pcie5");
   ASSERT_TRUE(h100.ok());

@@ -108,6 +108,14 @@ TEST(KernelTiming, AttentionRunsAtItsKernelsFigureAndBytesAtTheMeasuredBandwidth
   EXPECT_EQ(model.ops[1].duration, SimTime(417));            // 256 MFLOP at 614.4 TFLOP/s
   EXPECT_EQ(model.ops[2].duration, SimTime(1000));
   EXPECT_EQ(model.ops[3].duration, SimTime(1000));
+  // With figures of its own the memory-efficient kernel runs at them, flash at its own still.
+  DeviceProfile device = kernel_device();
+  device.kernels.efficient_forward_permille = 500;
+  device.kernels.efficient_backward_permille = 250;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[1].duration, SimTime(500));            // 256 MFLOP at 512 TFLOP/s
+  EXPECT_EQ(model.ops[1].backward_duration, SimTime(2500));  // 640 MFLOP at 256 TFLOP/s
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(5000));
 }
 
 TEST(KernelTiming, PresetsGiveTheirMatmulsShapes) {

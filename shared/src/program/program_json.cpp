@@ -89,6 +89,8 @@ std::string profile(const DeviceProfile& p) {
           std::pair{"flash_backward_permille", k.flash_backward_permille},
           std::pair{"cudnn_forward_permille", k.cudnn_forward_permille},
           std::pair{"cudnn_backward_permille", k.cudnn_backward_permille},
+          std::pair{"efficient_forward_permille", k.efficient_forward_permille},
+          std::pair{"efficient_backward_permille", k.efficient_backward_permille},
           std::pair{"memory_permille", k.memory_permille}}) {
       if (value > 0) kernels.num(key, value);
     }

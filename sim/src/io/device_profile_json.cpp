@@ -98,7 +98,8 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
       profile.required_object(
           "kernels", {"sm_count", "matmul_tile_m", "matmul_tile_n", "matmul_permille",
                       "flash_forward_permille", "flash_backward_permille", "cudnn_forward_permille",
-                      "cudnn_backward_permille", "memory_permille"}));
+                      "cudnn_backward_permille", "efficient_forward_permille",
+                      "efficient_backward_permille", "memory_permille"}));
   const auto read = [&](std::string_view key, std::int32_t& field, bool required, std::int64_t min,
                         std::int64_t max) -> Status {
     if (required) {
@@ -122,6 +123,10 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
       read("cudnn_forward_permille", kernels.cudnn_forward_permille, false, 1, 1000));
   FERRY_JSON_RETURN_IF_ERROR(
       read("cudnn_backward_permille", kernels.cudnn_backward_permille, false, 1, 1000));
+  FERRY_JSON_RETURN_IF_ERROR(
+      read("efficient_forward_permille", kernels.efficient_forward_permille, false, 1, 1000));
+  FERRY_JSON_RETURN_IF_ERROR(
+      read("efficient_backward_permille", kernels.efficient_backward_permille, false, 1, 1000));
   FERRY_JSON_RETURN_IF_ERROR(read("memory_permille", kernels.memory_permille, false, 1, 1000));
   return kernels;
 }

@@ -53,9 +53,11 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 //   a product smaller than a tile pays for a whole one. Backward's two products, dX (m x k over
 //   n) and dW (k x n over m), are timed the same way and scaled by the op's backward FLOPs over
 //   their nominal 4 m n k batch (a frozen weight's op has no dW).
-// * Flash and cuDNN attention run at their kernel's measured fraction of the peak, forward and
-//   backward apart. Attention kernels without a figure (memory-efficient, flex) and every other
-//   op with FLOPs but no shape run at the flat 60 %, or, for a matmul kind, at matmul_permille.
+// * Flash, cuDNN and memory-efficient attention run at their kernel's measured fraction of the
+//   peak, forward and backward apart. Attention kernels without a figure (flex, or a backend the
+//   profile gives none) and every other op with FLOPs but no shape run at the flat 60 %, or, for
+//   a matmul kind, at matmul_permille. SDPA's math backend is no kernel of its own: its bmm and
+//   softmax ops are timed as matmuls with shapes and as streaming ops.
 // * Bytes move at memory_permille of the bandwidth where the profile gives it, else 80 %.
 //
 // The figures are the sources' and no row of docs/validation.md's table set any of them.
@@ -70,13 +72,17 @@ Wide saturating_mul(Wide a, Wide b) {
 
 Wide ceil_div(Wide a, Wide b) { return (a + b - 1) / b; }
 
-/// Flash or cuDNN attention's figure for `family` on `device` (forward or backward), 0: none.
+/// Flash, cuDNN or memory-efficient attention's figure for `family` (forward or backward), 0:
+/// none.
 std::int64_t attention_permille(OpFamily family, const KernelFigures& k, bool backward) {
   if (family == OpFamily::FlashAttention) {
     return backward ? k.flash_backward_permille : k.flash_forward_permille;
   }
   if (family == OpFamily::CudnnAttention) {
     return backward ? k.cudnn_backward_permille : k.cudnn_forward_permille;
+  }
+  if (family == OpFamily::EfficientAttention) {
+    return backward ? k.efficient_backward_permille : k.efficient_forward_permille;
   }
   return 0;
 }

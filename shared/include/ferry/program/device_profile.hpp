@@ -50,19 +50,22 @@ struct CollectiveLinks {
 };
 
 /// What the kernels of one GPU reach, each figure from a published measurement (docs/devices.md):
-/// the SM count and the tile of a large matmul, large-GEMM and attention efficiencies against
-/// `flops_per_s`, and the fraction of HBM bandwidth a streaming kernel reaches. Optional in the
-/// file ("kernels"); absent, ops are timed by the flat roofline. A zero permille: no figure.
+/// the SM count and the tile of a large matmul, large-GEMM and attention (flash, cuDNN,
+/// memory-efficient) efficiencies against `flops_per_s`, and the fraction of HBM bandwidth a
+/// streaming kernel reaches. Optional in the file ("kernels"); absent, ops are timed by the flat
+/// roofline. A zero permille: no figure.
 struct KernelFigures {
-  std::int32_t sm_count = 0;                 ///< streaming multiprocessors; 0: no kernel figures
-  std::int32_t matmul_tile_m = 0;            ///< output rows of one thread block's matmul tile
-  std::int32_t matmul_tile_n = 0;            ///< output columns of one tile
-  std::int32_t matmul_permille = 0;          ///< large-GEMM FLOP/s over the peak, x 1000
-  std::int32_t flash_forward_permille = 0;   ///< flash attention forward, x 1000
-  std::int32_t flash_backward_permille = 0;  ///< flash attention backward, x 1000
-  std::int32_t cudnn_forward_permille = 0;   ///< cuDNN attention forward, x 1000
-  std::int32_t cudnn_backward_permille = 0;  ///< cuDNN attention backward, x 1000
-  std::int32_t memory_permille = 0;          ///< streaming kernels' HBM bandwidth, x 1000
+  std::int32_t sm_count = 0;                    ///< streaming multiprocessors; 0: no kernel figures
+  std::int32_t matmul_tile_m = 0;               ///< output rows of one thread block's matmul tile
+  std::int32_t matmul_tile_n = 0;               ///< output columns of one tile
+  std::int32_t matmul_permille = 0;             ///< large-GEMM FLOP/s over the peak, x 1000
+  std::int32_t flash_forward_permille = 0;      ///< flash attention forward, x 1000
+  std::int32_t flash_backward_permille = 0;     ///< flash attention backward, x 1000
+  std::int32_t cudnn_forward_permille = 0;      ///< cuDNN attention forward, x 1000
+  std::int32_t cudnn_backward_permille = 0;     ///< cuDNN attention backward, x 1000
+  std::int32_t efficient_forward_permille = 0;  ///< memory-efficient attention forward, x 1000
+  std::int32_t efficient_backward_permille = 0;  ///< memory-efficient attention backward, x 1000
+  std::int32_t memory_permille = 0;              ///< streaming kernels' HBM bandwidth, x 1000
   [[nodiscard]] bool known() const { return sm_count > 0; }
   friend bool operator==(const KernelFigures&, const KernelFigures&) = default;
 };
