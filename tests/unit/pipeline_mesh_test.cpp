@@ -14,6 +14,7 @@
 #include "ferry/sim/autograd/pipeline.hpp"
 #include "ferry/sim/workload/model.hpp"
 #include "ferry/sim/workload/rank_workload.hpp"
+#include "plan_replay.hpp"
 #include "sim_fixtures.hpp"
 #include "sim_models.hpp"
 
@@ -80,6 +81,28 @@ TEST(PipelineMesh, FsdpTimesTpStagesAreCleanUnderEverySchedule) {
     for (std::size_t d = 0; d < 2; ++d) {
       EXPECT_GT(run.peak_allocated[d], unsharded.peak_allocated[d]) << d;
     }
+  }
+}
+
+// The traced Mixtral at FSDP x EP over two stages: its all-to-alls on the mesh stream, its
+// experts' weights gathered over the expert shard group apart from the rest.
+TEST(PipelineMesh, ExpertParallelStagesOfTheTracedMixtralAreClean) {
+  DeviceProfile device = testing::node_profile();
+  device.memory = Bytes(std::int64_t{64} << 30);
+  const Mesh mesh = Mesh::make(Parallelism{.ranks = 2, .ep = 2}, device).value();
+  const Workload whole{check_model(testing::sized_family("mixtral")).value(), device};
+  const Workload rank = rank_workload(whole, mesh).value();
+  for (const auto& [schedule, v] : kSchedules) {
+    SCOPED_TRACE(schedule_name(schedule));
+    const PipelineOptions o = options(schedule, v, mesh);
+    const PipelineRun run = simulate_pipeline(rank.model, rank.device, o).value();
+    ASSERT_FALSE(run.failure) << run.failure->message;
+    EXPECT_TRUE(run.hazards().empty()) << testing::hazard_lines(run.sim);
+    EXPECT_TRUE(run.content_mismatches().empty());
+    EXPECT_EQ(run.param_grads, simulate_reference(*rank.model, rank.device, o).value().param_grads);
+    // Each device gathers its experts' weights and the rest apart, and reduces both.
+    EXPECT_EQ(count_labels(run, "all-gather parameters"), 4U);
+    EXPECT_EQ(count_labels(run, "reduce-scatter gradients"), 4U);
   }
 }
 

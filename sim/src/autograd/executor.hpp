@@ -235,8 +235,20 @@ class Executor {
   /// (all-reduced over HSDP's replicas); returns what the optimizer reads.
   std::vector<Read> reduce_gradients(std::uint32_t d);
 
-  /// The shard of `bytes` one rank of FSDP's shard group holds (rounded up).
-  [[nodiscard]] Bytes shard_of(Bytes bytes) const;
+  /// Buffers FSDP shards over one group: `held`, `bytes` in all, over `axis`'s group.
+  struct ShardGroup {
+    Mesh::Axis axis = Mesh::Axis::Shard;
+    std::vector<TensorId> held;
+    Bytes bytes;
+  };
+
+  /// The parameters (or their gradients) `held` in FSDP's groups: the experts' weights over the
+  /// expert shard group, the rest over the shard group; the groups with none left out.
+  [[nodiscard]] std::vector<ShardGroup> shard_groups(
+      const std::map<std::uint32_t, TensorId>& held) const;
+
+  /// The shard of `g` one rank holds (rounded up).
+  [[nodiscard]] Bytes shard_of(const ShardGroup& g) const;
 
   void copy(StreamRef stream, TensorId src, TensorId dst, const std::string& label);
 
@@ -407,12 +419,13 @@ class Executor {
   /// Per device: live activation buffers per task (micro-batch, partition).
   std::vector<std::map<std::array<std::uint32_t, 2>, std::int32_t>> live_cells_;
   std::vector<std::int32_t> peak_in_flight_;
-  std::size_t first_task_op_ = 0;       ///< the first op the schedule issued
-  std::size_t last_task_op_ = 0;        ///< one past the last
-  Mesh mesh_;                           ///< each stage's mesh
-  std::vector<StreamId> mesh_comm_;     ///< per device: tp/cp/ep collectives; empty: none
-  std::vector<StreamId> fsdp_comm_;     ///< per device: FSDP's; empty without FSDP
-  std::vector<TensorId> param_shards_;  ///< per device, under FSDP
+  std::size_t first_task_op_ = 0;    ///< the first op the schedule issued
+  std::size_t last_task_op_ = 0;     ///< one past the last
+  Mesh mesh_;                        ///< each stage's mesh
+  std::vector<StreamId> mesh_comm_;  ///< per device: tp/cp/ep collectives; empty: none
+  std::vector<StreamId> fsdp_comm_;  ///< per device: FSDP's; empty without FSDP
+  std::vector<std::vector<TensorId>> param_shards_;  ///< per device, under FSDP: per group
+  std::set<std::uint32_t> expert_params_;            ///< under expert parallelism
 };
 
 }  // namespace ferry::sim::pipelining

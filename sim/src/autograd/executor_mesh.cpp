@@ -1,6 +1,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
+#include <vector>
 
 #include "executor.hpp"
 #include "ferry/sim/engine/collective_cost.hpp"
@@ -47,6 +49,15 @@ std::optional<CollectiveLane> Executor::collective_lane(std::uint32_t k, bool ba
 }
 
 void Executor::add_mesh_streams() {
+  if (mesh_.parallelism().ep > 1) {
+    for (const ModelOp& op : model_.ops) {
+      if (!is_grouped_matmul_kind(op.kind)) continue;
+      for (const std::uint32_t t : op.inputs) {
+        const std::uint32_t b = plan_.base[t];  // a weight may be read through a view
+        if (model_.tensors[b].role == TensorRole::Param) expert_params_.insert(b);
+      }
+    }
+  }
   const bool collectives =
       std::ranges::any_of(model_.ops, [](const ModelOp& op) { return op.collective.any(); });
   for (std::uint32_t d = 0; d < ndev_; ++d) {
@@ -63,43 +74,56 @@ void Executor::stream_wait(std::uint32_t d, StreamId waiter, StreamId on, bool d
   device.wait(Device::Stream{waiter}, e);
 }
 
-Bytes Executor::shard_of(Bytes bytes) const {
-  const std::int64_t group = std::max(1, mesh_.group(Mesh::Axis::Shard).size);
-  return Bytes((bytes.count() + group - 1) / group);
+std::vector<Executor::ShardGroup> Executor::shard_groups(
+    const std::map<std::uint32_t, TensorId>& held) const {
+  // Under expert parallelism the experts' weights (a grouped matmul's) are a unit of their own,
+  // sharded over the expert shard group, as Fsdp2 shards them.
+  std::vector<ShardGroup> groups = {ShardGroup{Mesh::Axis::Shard, {}, Bytes(0)},
+                                    ShardGroup{Mesh::Axis::ExpertShard, {}, Bytes(0)}};
+  for (const auto& [b, h] : held) {
+    ShardGroup& g = groups[expert_params_.contains(b) ? 1 : 0];
+    g.held.push_back(h);
+    g.bytes += bufs_[h.value()].bytes;
+  }
+  std::erase_if(groups, [](const ShardGroup& g) { return g.held.empty(); });
+  return groups;
+}
+
+Bytes Executor::shard_of(const ShardGroup& g) const {
+  const std::int64_t size = std::max(1, mesh_.group(g.axis).size);
+  return Bytes((g.bytes.count() + size - 1) / size);
 }
 
 void Executor::gather_parameters() {
-  const CollectiveLinks& links = profile_.collectives;
-  const GroupPlacement group = mesh_.group(Mesh::Axis::Shard).placement();
   for (std::uint32_t d = 0; d < ndev_; ++d) {
     const StreamId compute = devices_[d]->compute_stream().id;
-    Bytes all(0);
-    for (const auto& [b, h] : resident_[d]) all += buf(h).bytes;
-    const TensorId shard = allocate(d, streams_->compute(d), shard_of(all), Kind::Static, 1,
-                                    "parameters (FSDP shard)");
-    param_shards_.push_back(shard);
-    launch(d, SimTime(1), {}, {Write{shard, mix_content(tag::kParam, d), 0}},
-           "init parameter shard");
-    stream_wait(d, fsdp_comm_[d], compute, faults_.skip_gather_launch_wait);
-    // In chunks of at most kMaxWrites parameters, as their initialization runs.
-    std::vector<std::pair<std::uint32_t, TensorId>> params(resident_[d].begin(),
-                                                           resident_[d].end());
-    for (std::size_t at = 0; at < params.size(); at += kMaxWrites) {
-      std::vector<Region> writes;
-      std::vector<std::uint64_t> values;
-      Bytes bytes(0);
-      for (std::size_t p = at; p < std::min(params.size(), at + kMaxWrites); ++p) {
-        writes.push_back(whole(params[p].second));
-        values.push_back(content(params[p].second));
-        bytes += buf(params[p].second).bytes;
-      }
-      const Region from = whole(shard);
-      const OpId op = sim_.collective(
-          fsdp_comm_[d], collective_time(CollectiveKind::AllGather, bytes, group, links),
-          std::span(&from, 1), writes, "all-gather parameters", values, CollectiveLane::Fsdp);
-      buf(shard).last_use = op;
-      for (std::size_t p = at; p < std::min(params.size(), at + kMaxWrites); ++p) {
-        buf(params[p].second).last_use = op;
+    param_shards_.emplace_back();
+    for (const ShardGroup& g : shard_groups(resident_[d])) {
+      const TensorId shard = allocate(d, streams_->compute(d), shard_of(g), Kind::Static, 1,
+                                      "parameters (FSDP shard)");
+      param_shards_.back().push_back(shard);
+      launch(d, SimTime(1), {}, {Write{shard, mix_content(tag::kParam, shard.value()), 0}},
+             "init parameter shard");
+      stream_wait(d, fsdp_comm_[d], compute, faults_.skip_gather_launch_wait);
+      // In chunks of at most kMaxWrites parameters, as their initialization runs.
+      for (std::size_t at = 0; at < g.held.size(); at += kMaxWrites) {
+        std::vector<Region> writes;
+        std::vector<std::uint64_t> values;
+        Bytes bytes(0);
+        for (std::size_t p = at; p < std::min(g.held.size(), at + kMaxWrites); ++p) {
+          writes.push_back(whole(g.held[p]));
+          values.push_back(content(g.held[p]));
+          bytes += buf(g.held[p]).bytes;
+        }
+        const Region from = whole(shard);
+        const SimTime time = collective_time(CollectiveKind::AllGather, bytes,
+                                             mesh_.group(g.axis).placement(), profile_.collectives);
+        const OpId op = sim_.collective(fsdp_comm_[d], time, std::span(&from, 1), writes,
+                                        "all-gather parameters", values, CollectiveLane::Fsdp);
+        buf(shard).last_use = op;
+        for (std::size_t p = at; p < std::min(g.held.size(), at + kMaxWrites); ++p) {
+          buf(g.held[p]).last_use = op;
+        }
       }
     }
     stream_wait(d, compute, fsdp_comm_[d], faults_.skip_gather_arrival_wait);
@@ -109,35 +133,39 @@ void Executor::gather_parameters() {
 std::vector<Executor::Read> Executor::reduce_gradients(std::uint32_t d) {
   const CollectiveLinks& links = profile_.collectives;
   const StreamId compute = devices_[d]->compute_stream().id;
-  std::vector<Region> reads;
-  Bytes all(0);
-  std::uint64_t value = grad_content(d);
-  for (const auto& [b, h] : param_grads_[d]) {
-    reads.push_back(whole(h));
-    all += buf(h).bytes;
-    value = mix_content(value, content(h));
-  }
-  const TensorId shard =
-      allocate(d, streams_->compute(d), shard_of(all), Kind::Static, 1, "gradients (FSDP shard)");
   stream_wait(d, fsdp_comm_[d], compute, faults_.skip_reduce_launch_wait);
-  const Region to = whole(shard);
-  sim_.collective(fsdp_comm_[d],
-                  collective_time(CollectiveKind::ReduceScatter, all,
-                                  mesh_.group(Mesh::Axis::Shard).placement(), links),
-                  reads, std::span(&to, 1), "reduce-scatter gradients", std::span(&value, 1),
-                  CollectiveLane::Fsdp);
-  const MeshGroup replicas = mesh_.group(Mesh::Axis::Replicate);
-  if (replicas.size > 1) {
-    sim_.collective(
-        fsdp_comm_[d],
-        collective_time(CollectiveKind::AllReduce, shard_of(all), replicas.placement(), links),
-        std::span(&to, 1), std::span(&to, 1), "all-reduce gradient shard", std::span(&value, 1),
-        CollectiveLane::Fsdp);
+  std::vector<Read> optimizer;
+  for (const ShardGroup& g : shard_groups(param_grads_[d])) {
+    std::vector<Region> reads;
+    std::uint64_t value = grad_content(g.held.front().value());
+    for (const TensorId h : g.held) {
+      reads.push_back(whole(h));
+      value = mix_content(value, content(h));
+    }
+    const TensorId shard =
+        allocate(d, streams_->compute(d), shard_of(g), Kind::Static, 1, "gradients (FSDP shard)");
+    const Region to = whole(shard);
+    sim_.collective(fsdp_comm_[d],
+                    collective_time(CollectiveKind::ReduceScatter, g.bytes,
+                                    mesh_.group(g.axis).placement(), links),
+                    reads, std::span(&to, 1), "reduce-scatter gradients", std::span(&value, 1),
+                    CollectiveLane::Fsdp);
+    const MeshGroup replicas = mesh_.group(Mesh::Axis::Replicate);
+    if (replicas.size > 1) {
+      sim_.collective(
+          fsdp_comm_[d],
+          collective_time(CollectiveKind::AllReduce, shard_of(g), replicas.placement(), links),
+          std::span(&to, 1), std::span(&to, 1), "all-reduce gradient shard", std::span(&value, 1),
+          CollectiveLane::Fsdp);
+    }
+    set_content(shard, value);
+    optimizer.push_back(Read{shard, whole(shard), value});
   }
-  set_content(shard, value);
   stream_wait(d, compute, fsdp_comm_[d], faults_.skip_reduce_arrival_wait);
-  const TensorId params = param_shards_[d];
-  return {Read{shard, whole(shard), value}, Read{params, whole(params), content(params)}};
+  for (const TensorId params : param_shards_[d]) {
+    optimizer.push_back(Read{params, whole(params), content(params)});
+  }
+  return optimizer;
 }
 
 }  // namespace ferry::sim::pipelining
