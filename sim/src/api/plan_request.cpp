@@ -13,6 +13,7 @@
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
 #include "ferry/sim/planner/variants.hpp"
+#include "ferry/sim/report/tables.hpp"
 #include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/horizon.hpp"
 #include "ferry/units.hpp"
@@ -326,10 +327,8 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
   if (r.steps != 2) return refuse("--steps: a pipeline's plan simulates one training step");
   auto parallelism = parallelism_of(r.mesh);
   if (!parallelism) return parallelism.error();
-  const Parallelism& p = parallelism.value();
-  for (const auto& [flag, asked] : {std::pair{"--fsdp", p.on()}, std::pair{"--tp", p.tp > 1},
-                                    std::pair{"--cp", p.cp > 1}, std::pair{"--ep", p.ep > 1}}) {
-    if (asked) return Error{fmt::format("{} excludes --devices", flag)};
+  if (auto allowed = pipeline_mesh_allowed(parallelism.value(), r.devices); !allowed) {
+    return allowed.error();
   }
   PipelinePlanOptions options;
   options.margin_permille = r.margin_permille.value_or(kDefaultPlanMarginPermille);
@@ -347,9 +346,15 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
         "--allocator expandable applies to a single-device or FSDP run; a pipeline runs the "
         "default allocator");
   }
-  auto timed = rank_of(whole.value(), Mesh{}, r.target.model.name);
+  // Each stage runs on the mesh: the rank's model, cut under it (Note [A pipeline on the mesh]).
+  auto mesh = Mesh::make(stage_parallelism(parallelism.value()), whole.value().device, kMeshFlags);
+  if (!mesh) return mesh.error();
+  auto timed = rank_of(whole.value(), mesh.value(), r.target.model.name);
   if (!timed) return timed.error();
-  const Workload& w = timed.value();
+  Workload w = std::move(timed).value();
+  const DeviceProfile device = w.device;
+  w.device = mesh.value().rank_profile(device);
+  options.mesh = mesh.value();
   options.devices = r.devices;
   options.micro_batches = r.micro_batches;
   options.virtual_stages = r.virtual_stages;
@@ -366,8 +371,13 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
     }
     return refused(std::move(out), options.margin_permille, w.device.memory);
   }
-  out.document = pipeline_plan_json(plan.value(), *w.model, w.device);
-  if (r.text) out.text = pipeline_plan_text(plan.value(), *w.model, w.device);
+  const Parallelism& p = options.mesh;
+  out.document =
+      with_parallelism(pipeline_plan_json(plan.value(), *w.model, w.device), p, device, *w.model);
+  if (r.text) {
+    out.text = pipeline_plan_text(plan.value(), *w.model, w.device) +
+               parallelism_text(p, device, *w.model) + stages_text(r.devices, p);
+  }
   return out;
 }
 
