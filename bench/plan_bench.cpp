@@ -8,7 +8,8 @@
 // BM_PlanPipeline: `ferry plan --devices 8 --schedule 1f1b --micro-batches 16 --margin 0` on the
 // 70B-like preset and H100 profile (plan_pipeline; counter per_stage: 1 when the plan is a
 // per-stage one), and BM_ComparePipeline the pipeline rows
-// `ferry compare --devices 8` runs for the same counts (smoke: gpt2-small-s1024 over 2 devices).
+// `ferry compare --devices 8` runs for the same counts (smoke: gpt2-small-s1024 over 2 devices);
+// BM_PipelineMesh both at `--fsdp 8 --tp 4` (the rank's cut made in each iteration).
 
 #include <benchmark/benchmark.h>
 
@@ -27,6 +28,7 @@
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/configurations.hpp"
+#include "ferry/sim/workload/rank_workload.hpp"
 
 namespace {
 
@@ -184,11 +186,61 @@ void BM_ComparePipeline(benchmark::State& state) {
   state.counters["hazards"] = static_cast<double>(hazards);
 }
 
+// The same pipeline with each stage a GPU of FSDP over 8 ranks times tensor parallelism over 4
+// (`--fsdp 8 --tp 4 --devices 8`, 256 GPUs; smoke: gpt2-small-s1024 at --fsdp 2 --tp 2 over 2
+// stages): the rank's model cut once, then compare's pipeline rows and the plan on it.
+void BM_PipelineMesh(benchmark::State& state) {
+  const auto c = pipeline_case(state);
+  if (!c) return;
+  const std::int32_t ranks = g_smoke ? 2 : 8;
+  const std::int32_t tp = g_smoke ? 2 : 4;
+  auto mesh = ferry::sim::Mesh::make(ferry::Parallelism{.ranks = ranks, .tp = tp}, c->device);
+  auto whole = ferry::sim::model_preset(g_smoke ? "gpt2-small-s1024" : "llama-70b-s8192");
+  if (!mesh.ok() || !whole.ok()) {
+    state.SkipWithError("mesh or preset");
+    return;
+  }
+  const ferry::sim::Workload w{ferry::sim::check_model(std::move(whole).value()).value(),
+                               c->device};
+  std::size_t hazards = 0;
+  ferry::Result<ferry::sim::PipelinePlan> plan = ferry::Error{"not run"};
+  for (auto _ : state) {
+    auto rank = ferry::sim::rank_workload(w, mesh.value());
+    if (!rank.ok()) {
+      state.SkipWithError(rank.error().message.c_str());
+      return;
+    }
+    const ferry::DeviceProfile device = mesh.value().rank_profile(c->device);
+    const auto rows =
+        ferry::sim::pipeline_rows(rank.value().model, device, c->devices, c->micro_batches,
+                                  ferry::sim::Schedule::OneFOneB, 1, mesh.value());
+    hazards = 0;
+    for (const auto& row : rows) hazards += row.hazards;
+    ferry::sim::PipelinePlanOptions options;
+    options.devices = c->devices;
+    options.micro_batches = c->micro_batches;
+    options.schedules = {ferry::sim::Schedule::OneFOneB};
+    options.budget = c->device.memory;
+    options.jobs = g_jobs;
+    options.mesh = mesh.value();
+    plan = ferry::sim::plan_pipeline(rank.value().model, device, options);
+    benchmark::DoNotOptimize(plan);
+  }
+  state.counters["hazards"] = static_cast<double>(hazards);
+  if (plan.ok()) {
+    const auto& p = plan.value();
+    state.counters["plan_step_s"] =
+        static_cast<double>(p.candidates[p.chosen].step_time.ns()) / 1e9;
+    state.counters["simulations"] = static_cast<double>(p.simulations);
+  }
+}
+
 BENCHMARK_CAPTURE(BM_Plan, llama3_8b, "llama3-8b-s8192")->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK(BM_PlanTraced)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Plan, llama_70b, "llama-70b-s8192")->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK(BM_PlanPipeline)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK(BM_ComparePipeline)->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK(BM_PipelineMesh)->Iterations(1)->Unit(benchmark::kSecond);
 
 }  // namespace
 
