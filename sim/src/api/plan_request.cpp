@@ -294,21 +294,8 @@ Result<std::vector<Schedule>> pipeline_schedules(const PlanRequest& r) {
   return std::vector<Schedule>{schedule.value()};
 }
 
-// `ferry plan --devices N`: the fastest pipeline configuration whose every stage fits the
-// budget (plan_pipeline), or the refusal that names the floor.
-Result<Response> pipeline_plan_response(const PlanRequest& r) {
-  if (auto bounded = first_error({in_bounds("--devices", r.devices, 1, 64),
-                                  in_bounds("--micro-batches", r.micro_batches, 1, 1024),
-                                  in_bounds("--virtual-stages", r.virtual_stages, 1, 64)});
-      !bounded) {
-    return bounded.error();
-  }
-  if (r.devices == 1) {
-    return Error{
-        "--schedule, --micro-batches and --virtual-stages apply to a pipeline; give --devices 2 "
-        "or more"};
-  }
-  // What a pipeline's plan cannot honour is refused rather than silently dropped.
+// What a pipeline's plan cannot honour, refused rather than silently dropped.
+Status pipeline_plan_refusals(const PlanRequest& r) {
   const auto refuse = [&](std::string_view what) {
     return Error{fmt::format("{} (--devices {})", what, r.devices)};
   };
@@ -325,6 +312,27 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
         "pin host memory as their offloaders do");
   }
   if (r.steps != 2) return refuse("--steps: a pipeline's plan simulates one training step");
+  return Ok{};
+}
+
+// `ferry plan --devices N`: the fastest pipeline configuration whose every stage fits the
+// budget (plan_pipeline), or the refusal that names the floor.
+Result<Response> pipeline_plan_response(const PlanRequest& r) {
+  if (auto bounded = first_error({in_bounds("--devices", r.devices, 1, 64),
+                                  in_bounds("--micro-batches", r.micro_batches, 1, 1024),
+                                  in_bounds("--virtual-stages", r.virtual_stages, 1, 64)});
+      !bounded) {
+    return bounded.error();
+  }
+  if (r.devices == 1) {
+    return Error{
+        "--schedule, --micro-batches and --virtual-stages apply to a pipeline; give --devices 2 "
+        "or more"};
+  }
+  const auto refuse = [&](std::string_view what) {
+    return Error{fmt::format("{} (--devices {})", what, r.devices)};
+  };
+  if (auto refused = pipeline_plan_refusals(r); !refused) return refused.error();
   auto parallelism = parallelism_of(r.mesh);
   if (!parallelism) return parallelism.error();
   if (auto allowed = pipeline_mesh_allowed(parallelism.value(), r.devices); !allowed) {
