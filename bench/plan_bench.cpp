@@ -187,7 +187,7 @@ void BM_ComparePipeline(benchmark::State& state) {
 }
 
 // The same pipeline with each stage a GPU of FSDP over 8 ranks times tensor parallelism over 4
-// (`--fsdp 8 --tp 4 --devices 8`, 256 GPUs; smoke: gpt2-small-s1024 at --fsdp 2 --tp 2 over 2
+// (`--fsdp 8 --tp 4 --devices 8`, 256 GPUs; smoke: tiny-llama at --fsdp 2 --tp 2 over 2
 // stages): the rank's model, cut once, and its device.
 struct MeshCase {
   ferry::sim::Mesh mesh;
@@ -197,7 +197,7 @@ struct MeshCase {
 std::optional<MeshCase> mesh_case(benchmark::State& state, const PipelineCase& c) {
   auto mesh = ferry::sim::Mesh::make(
       ferry::Parallelism{.ranks = g_smoke ? 2 : 8, .tp = g_smoke ? 2 : 4}, c.device);
-  auto whole = ferry::sim::model_preset(g_smoke ? "gpt2-small-s1024" : "llama-70b-s8192");
+  auto whole = ferry::sim::model_preset(g_smoke ? "tiny-llama" : "llama-70b-s8192");
   if (!mesh.ok() || !whole.ok()) {
     state.SkipWithError("mesh or preset");
     return std::nullopt;
