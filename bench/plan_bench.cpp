@@ -8,7 +8,8 @@
 // BM_PlanPipeline: `ferry plan --devices 8 --schedule 1f1b --micro-batches 16 --margin 0` on the
 // 70B-like preset and H100 profile (plan_pipeline; counter per_stage: 1 when the plan is a
 // per-stage one), and BM_ComparePipeline the pipeline rows
-// `ferry compare --devices 8` runs for the same counts (smoke: gpt2-small-s1024 over 2 devices).
+// `ferry compare --devices 8` runs for the same counts (smoke: gpt2-small-s1024 over 2 devices);
+// BM_ComparePipelineMesh and BM_PlanPipelineMesh the same at `--fsdp 8 --tp 4`.
 
 #include <benchmark/benchmark.h>
 
@@ -27,6 +28,7 @@
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/configurations.hpp"
+#include "ferry/sim/workload/rank_workload.hpp"
 
 namespace {
 
@@ -184,11 +186,88 @@ void BM_ComparePipeline(benchmark::State& state) {
   state.counters["hazards"] = static_cast<double>(hazards);
 }
 
+// The same pipeline with each stage a GPU of FSDP over 8 ranks times tensor parallelism over 4
+// (`--fsdp 8 --tp 4 --devices 8`, 256 GPUs; smoke: tiny-llama at --fsdp 2 --tp 2 over 2
+// stages): the rank's model, cut once, and its device.
+struct MeshCase {
+  ferry::sim::Mesh mesh;
+  ferry::sim::Workload rank;
+};
+
+std::optional<MeshCase> mesh_case(benchmark::State& state, const PipelineCase& c) {
+  auto mesh = ferry::sim::Mesh::make(
+      ferry::Parallelism{.ranks = g_smoke ? 2 : 8, .tp = g_smoke ? 2 : 4}, c.device);
+  auto whole = ferry::sim::model_preset(g_smoke ? "tiny-llama" : "llama-70b-s8192");
+  if (!mesh.ok() || !whole.ok()) {
+    state.SkipWithError("mesh or preset");
+    return std::nullopt;
+  }
+  const ferry::sim::Workload w{ferry::sim::check_model(std::move(whole).value()).value(), c.device};
+  auto rank = ferry::sim::rank_workload(w, mesh.value());
+  if (!rank.ok()) {
+    state.SkipWithError(rank.error().message.c_str());
+    return std::nullopt;
+  }
+  rank.value().device = mesh.value().rank_profile(c.device);
+  return MeshCase{mesh.value(), std::move(rank).value()};
+}
+
+// `ferry compare --fsdp 8 --tp 4 --devices 8`'s pipeline rows.
+void BM_ComparePipelineMesh(benchmark::State& state) {
+  const auto c = pipeline_case(state);
+  if (!c) return;
+  const auto m = mesh_case(state, *c);
+  if (!m) return;
+  std::size_t hazards = 0;
+  for (auto _ : state) {
+    const auto rows =
+        ferry::sim::pipeline_rows(m->rank.model, m->rank.device, c->devices, c->micro_batches,
+                                  ferry::sim::Schedule::OneFOneB, 1, m->mesh);
+    hazards = 0;
+    for (const auto& row : rows) hazards += row.hazards;
+    benchmark::DoNotOptimize(rows);
+  }
+  state.counters["hazards"] = static_cast<double>(hazards);
+}
+
+// `ferry plan --fsdp 8 --tp 4 --devices 8`.
+void BM_PlanPipelineMesh(benchmark::State& state) {
+  const auto c = pipeline_case(state);
+  if (!c) return;
+  const auto m = mesh_case(state, *c);
+  if (!m) return;
+  ferry::sim::PipelinePlanOptions options;
+  options.devices = c->devices;
+  options.micro_batches = c->micro_batches;
+  options.schedules = {ferry::sim::Schedule::OneFOneB};
+  options.budget = c->device.memory;
+  options.jobs = g_jobs;
+  options.mesh = m->mesh;
+  ferry::Result<ferry::sim::PipelinePlan> plan = ferry::Error{"not run"};
+  for (auto _ : state) {
+    plan = ferry::sim::plan_pipeline(m->rank.model, m->rank.device, options);
+    benchmark::DoNotOptimize(plan);
+  }
+  if (!plan.ok()) {
+    state.SkipWithError(plan.error().message.c_str());
+    return;
+  }
+  const auto& p = plan.value();
+  state.counters["plan_step_s"] = static_cast<double>(p.candidates[p.chosen].step_time.ns()) / 1e9;
+  if (p.best_fixed) {
+    state.counters["best_fixed_step_s"] =
+        static_cast<double>(p.candidates[*p.best_fixed].step_time.ns()) / 1e9;
+  }
+  state.counters["simulations"] = static_cast<double>(p.simulations);
+}
+
 BENCHMARK_CAPTURE(BM_Plan, llama3_8b, "llama3-8b-s8192")->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK(BM_PlanTraced)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Plan, llama_70b, "llama-70b-s8192")->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK(BM_PlanPipeline)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK(BM_ComparePipeline)->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK(BM_ComparePipelineMesh)->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK(BM_PlanPipelineMesh)->Iterations(1)->Unit(benchmark::kSecond);
 
 }  // namespace
 

@@ -169,14 +169,14 @@ void add_simulate_options(CLI::App* cmd, RunArgs& args) {
       ->capture_default_str();
 }
 
-// The pipeline's options, which exclude FSDP (`fsdp`); with `simulate`, its checkpoint mode.
-void add_pipeline_options(CLI::App* cmd, RunArgs& args, CLI::Option* fsdp, bool simulate) {
+// The pipeline's options (each stage on the mesh's options); with `simulate`, its checkpoint
+// mode.
+void add_pipeline_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   sim::RunKnobs& a = args.run;
   // Their bounds are the request's (Note [One check for both edges]).
   cmd->add_option("--devices", a.devices,
                   "Pipeline over N devices (--schedule), 1..64; 1: no pipeline")
-      ->capture_default_str()
-      ->excludes(fsdp);
+      ->capture_default_str();
   cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches, 1..1024")
       ->capture_default_str();
   cmd->add_option("--schedule", a.schedule,
@@ -241,9 +241,9 @@ void add_run_options(CLI::App* cmd, RunArgs& args, bool simulate) {
                 "(--expert-capacity) have their rows of data copied into pages of a device pool "
                 "at the end of their layer's forward and back before its backward, the padded "
                 "buffers freed between (docs/parallelism.md, Static capacity and the paged stash)");
-  CLI::Option* fsdp = add_mesh_options(cmd, a.mesh, args.text);
+  add_mesh_options(cmd, a.mesh, args.text);
   add_allocator_option(cmd, args.text);
-  add_pipeline_options(cmd, args, fsdp, simulate);
+  add_pipeline_options(cmd, args, simulate);
   add_offload_options(cmd, args);
   cmd->add_flag("--json", args.json, "Print the results as one JSON document");
   cmd->add_flag("--no-checker", args.no_checker, "Time only; skip hazard and content checks");

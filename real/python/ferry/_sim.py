@@ -231,7 +231,7 @@ def compare(
             ``allocator`` and the FSDP2 options, as ``simulate`` takes them; ``devices``
             (1..64) and ``micro_batches`` (1..1024), as ``ferry compare --devices N
             --micro-batches M`` takes them: with
-            ``devices`` > 1 the GPipe pipeline configurations too (no FSDP then).
+            ``devices`` > 1 the pipeline configurations too, each stage on the mesh asked for.
 
     Returns:
         The document ``ferry compare --json`` prints: one row per configuration, and the
@@ -287,8 +287,8 @@ def plan(
             (where it pads the routed rows, the plan is the faster of those with and without
             the paged stash); and ``allocator`` as ``simulate`` takes it. ``devices`` (2 or
             more), ``micro_batches``, ``schedule`` (or ``"auto"``) and ``virtual_stages`` plan
-            a pipeline instead: the report is a ``ferry.pipeline-plan/1`` document (docs/plan.md,
-            "A pipeline").
+            a pipeline instead, each stage on the mesh asked for: the report is a
+            ``ferry.pipeline-plan/1`` document (docs/plan.md, "A pipeline").
 
     The planner runs ``FERRY_JOBS`` simulations at once (unset or 0: one per hardware
     thread; the plan is the same for any count), and while stderr is a terminal it shows its

@@ -13,6 +13,7 @@
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
 #include "ferry/sim/planner/variants.hpp"
+#include "ferry/sim/report/tables.hpp"
 #include "ferry/sim/runs/compare_runs.hpp"
 #include "ferry/sim/runs/horizon.hpp"
 #include "ferry/units.hpp"
@@ -293,21 +294,8 @@ Result<std::vector<Schedule>> pipeline_schedules(const PlanRequest& r) {
   return std::vector<Schedule>{schedule.value()};
 }
 
-// `ferry plan --devices N`: the fastest pipeline configuration whose every stage fits the
-// budget (plan_pipeline), or the refusal that names the floor.
-Result<Response> pipeline_plan_response(const PlanRequest& r) {
-  if (auto bounded = first_error({in_bounds("--devices", r.devices, 1, 64),
-                                  in_bounds("--micro-batches", r.micro_batches, 1, 1024),
-                                  in_bounds("--virtual-stages", r.virtual_stages, 1, 64)});
-      !bounded) {
-    return bounded.error();
-  }
-  if (r.devices == 1) {
-    return Error{
-        "--schedule, --micro-batches and --virtual-stages apply to a pipeline; give --devices 2 "
-        "or more"};
-  }
-  // What a pipeline's plan cannot honour is refused rather than silently dropped.
+// What a pipeline's plan cannot honour, refused rather than silently dropped.
+Status pipeline_plan_refusals(const PlanRequest& r) {
   const auto refuse = [&](std::string_view what) {
     return Error{fmt::format("{} (--devices {})", what, r.devices)};
   };
@@ -324,12 +312,31 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
         "pin host memory as their offloaders do");
   }
   if (r.steps != 2) return refuse("--steps: a pipeline's plan simulates one training step");
+  return Ok{};
+}
+
+// `ferry plan --devices N`: the fastest pipeline configuration whose every stage fits the
+// budget (plan_pipeline), or the refusal that names the floor.
+Result<Response> pipeline_plan_response(const PlanRequest& r) {
+  if (auto bounded = first_error({in_bounds("--devices", r.devices, 1, 64),
+                                  in_bounds("--micro-batches", r.micro_batches, 1, 1024),
+                                  in_bounds("--virtual-stages", r.virtual_stages, 1, 64)});
+      !bounded) {
+    return bounded.error();
+  }
+  if (r.devices == 1) {
+    return Error{
+        "--schedule, --micro-batches and --virtual-stages apply to a pipeline; give --devices 2 "
+        "or more"};
+  }
+  const auto refuse = [&](std::string_view what) {
+    return Error{fmt::format("{} (--devices {})", what, r.devices)};
+  };
+  if (auto refused = pipeline_plan_refusals(r); !refused) return refused.error();
   auto parallelism = parallelism_of(r.mesh);
   if (!parallelism) return parallelism.error();
-  const Parallelism& p = parallelism.value();
-  for (const auto& [flag, asked] : {std::pair{"--fsdp", p.on()}, std::pair{"--tp", p.tp > 1},
-                                    std::pair{"--cp", p.cp > 1}, std::pair{"--ep", p.ep > 1}}) {
-    if (asked) return Error{fmt::format("{} excludes --devices", flag)};
+  if (auto allowed = pipeline_mesh_allowed(parallelism.value(), r.devices); !allowed) {
+    return allowed.error();
   }
   PipelinePlanOptions options;
   options.margin_permille = r.margin_permille.value_or(kDefaultPlanMarginPermille);
@@ -347,9 +354,15 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
         "--allocator expandable applies to a single-device or FSDP run; a pipeline runs the "
         "default allocator");
   }
-  auto timed = rank_of(whole.value(), Mesh{}, r.target.model.name);
+  // Each stage runs on the mesh: the rank's model, cut under it (Note [A pipeline on the mesh]).
+  auto mesh = Mesh::make(stage_parallelism(parallelism.value()), whole.value().device, kMeshFlags);
+  if (!mesh) return mesh.error();
+  auto timed = rank_of(whole.value(), mesh.value(), r.target.model.name);
   if (!timed) return timed.error();
-  const Workload& w = timed.value();
+  Workload w = std::move(timed).value();
+  const DeviceProfile device = w.device;
+  w.device = mesh.value().rank_profile(device);
+  options.mesh = mesh.value();
   options.devices = r.devices;
   options.micro_batches = r.micro_batches;
   options.virtual_stages = r.virtual_stages;
@@ -366,8 +379,13 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
     }
     return refused(std::move(out), options.margin_permille, w.device.memory);
   }
-  out.document = pipeline_plan_json(plan.value(), *w.model, w.device);
-  if (r.text) out.text = pipeline_plan_text(plan.value(), *w.model, w.device);
+  const Parallelism& p = options.mesh;
+  out.document =
+      with_parallelism(pipeline_plan_json(plan.value(), *w.model, w.device), p, device, *w.model);
+  if (r.text) {
+    out.text = pipeline_plan_text(plan.value(), *w.model, w.device) +
+               parallelism_text(p, device, *w.model) + stages_text(r.devices, p);
+  }
   return out;
 }
 

@@ -54,6 +54,16 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
 Status choose_parallelism(ParallelOptions& fsdp, const Parallelism& p, const DeviceProfile& device,
                           const std::optional<Mesh>& cut_under = std::nullopt);
 
+// What a pipeline of `devices` stages refuses of the mesh `p` each stage runs on (Note [A
+// pipeline on the mesh]): resharding to K ranks, and SimpleFSDP.
+Status pipeline_mesh_allowed(const Parallelism& p, std::int32_t devices);
+
+// The mesh a pipeline's stage runs: `p`, its gathered parameters kept for the step.
+Parallelism stage_parallelism(Parallelism p);
+
+// The line after a pipeline's report on a mesh: its GPUs in all (empty without a mesh).
+std::string stages_text(std::int32_t devices, const Parallelism& p);
+
 // A trainer setting's row, as `ferry simulate --for T` and `ferry plan --for T` name it.
 std::string trainer_row_name(const TrainerSetting& setting);
 

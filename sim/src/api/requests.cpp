@@ -54,17 +54,43 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
         k.schedule, k.virtual_stages)};
   }
   if (k.devices > 1) {
-    // A pipeline runs one whole model a device: no parallelism across GPUs beside it.
-    const Parallelism& p = parallelism.value();
-    for (const auto& [flag, asked] : {std::pair{"--fsdp", p.on()}, std::pair{"--tp", p.tp > 1},
-                                      std::pair{"--cp", p.cp > 1}, std::pair{"--ep", p.ep > 1}}) {
-      if (asked) return Error{fmt::format("{} excludes --devices", flag)};
+    if (auto allowed = pipeline_mesh_allowed(parallelism.value(), k.devices); !allowed) {
+      return allowed.error();
     }
+    return stage_parallelism(parallelism.value());
   }
   return parallelism;
 }
 
 }  // namespace
+
+Status pipeline_mesh_allowed(const Parallelism& p, std::int32_t devices) {
+  // Each stage keeps its gathered parameters for the step.
+  if (p.reshard_after_forward.kind() == Reshard::Kind::K) {
+    return Error{fmt::format(
+        "--reshard-after-forward {} with --devices {}: a pipeline's stages keep their gathered "
+        "parameters for the step (torchtitan's default under pipelining); give true or false",
+        p.reshard_after_forward.ranks(), devices)};
+  }
+  if (p.impl != FsdpImpl::Fsdp2) {
+    return Error{fmt::format("--fsdp-impl {} with --devices {}: a pipeline's stages run fsdp2",
+                             to_string(p.impl), devices)};
+  }
+  return Ok{};
+}
+
+Parallelism stage_parallelism(Parallelism p) {
+  if (p.on()) p.reshard_after_forward = Reshard::False();
+  return p;
+}
+
+std::string stages_text(std::int32_t devices, const Parallelism& p) {
+  if (!p.sharded()) return {};
+  return fmt::format(
+      "pipeline of {} stages, each run by the mesh above ({} GPUs): {} GPUs in all; a pipeline "
+      "row's figures are one GPU of each stage\n",
+      devices, p.world(), devices * p.world());
+}
 
 Result<Workload> load(const Target& target) {
   const ModelSource& m = target.model;
@@ -183,14 +209,15 @@ struct RankWorkload {
 Result<RankWorkload> rank_workload_of(const Workload& whole, const std::string& spec,
                                       MeshRequest fsdp, std::int32_t devices) {
   adopt_parallelism(fsdp, whole.model->parallelism, devices);
-  if ((fsdp.tp == 1 && fsdp.cp == 1 && fsdp.ep == 1) || devices > 1) {
+  if (fsdp.tp == 1 && fsdp.cp == 1 && fsdp.ep == 1) {
     auto timed = rank_of(whole, Mesh{}, spec);
     if (!timed) return timed.error();
     return RankWorkload{std::move(timed).value(), {}};
   }
   auto p = parallelism_of(fsdp);
   if (!p) return p.error();
-  auto mesh = Mesh::make(p.value(), whole.device, kMeshFlags);
+  auto mesh =
+      Mesh::make(devices > 1 ? stage_parallelism(p.value()) : p.value(), whole.device, kMeshFlags);
   if (!mesh) return mesh.error();
   auto cut = rank_of(whole, mesh.value(), spec);
   if (!cut) return cut.error();
@@ -267,7 +294,7 @@ std::optional<std::string_view> single_device_only(const TrainingOptions& base) 
   return std::nullopt;
 }
 
-// `ferry simulate --devices N`: one GPipe pipeline.
+// `ferry simulate --devices N`: one pipeline, each stage on `base`'s mesh.
 Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
                           const TrainingOptions& base) {
   // What draws or replays one device's run is refused rather than silently missing.
@@ -301,15 +328,21 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
   o.checkpoint = mode.value();
   o.sim = base.sim;
   o.offload = base.offload;
+  o.mesh = base.parallel.mesh;
   auto policy = policy_of(r.policy);
   if (!policy) return policy.error();
   o.offload.policy = policy.value();
-  const PipelineRow row = run_pipeline_row(w.model, w.device, pipeline_row_name(o), o);
+  const DeviceProfile device = o.mesh.rank_profile(w.device);
+  const PipelineRow row = run_pipeline_row(w.model, device, pipeline_row_name(o), o);
   if (row.failure && row.step_time.ns() == 0) return Error{row.failure->message};
   Response out;
   out.outcome = outcome_of(row.hazards == 0 && !row.failure);
-  out.document = pipeline_document({row});
-  if (r.text) out.text = pipeline_text({row});
+  const Parallelism& mesh = o.mesh;
+  out.document = with_parallelism(pipeline_document({row}), mesh, w.device, *w.model);
+  if (r.text) {
+    out.text = pipeline_text({row}) + parallelism_text(mesh, w.device, *w.model) +
+               stages_text(o.devices, mesh);
+  }
   return out;
 }
 
@@ -369,7 +402,15 @@ Result<Response> respond(const SimulateRequest& r) {
                     trainer_name(*r.trainer))};
   }
   if (r.plan) return api::replay(r, w, std::move(asked).value());
-  if (r.run.devices > 1) return api::pipeline(r, w, asked.value().base);
+  if (r.run.devices > 1) {
+    api::AskedRun& run = asked.value();
+    if (auto chosen =
+            api::choose_parallelism(run.base.parallel, run.parallelism, w.device, run.checked);
+        !chosen) {
+      return chosen.error();
+    }
+    return api::pipeline(r, w, run.base);
+  }
   return api::one_device(r, w, std::move(asked).value());
 }
 
@@ -410,14 +451,18 @@ Result<Response> respond(const CompareRequest& r) {
             static_cast<std::uint32_t>(r.run.virtual_stages))) {
       return Error{fmt::format("--schedule {}: {}", r.run.schedule, *why)};
     }
-    pipelines = pipeline_rows(w.model, w.device, r.run.devices, r.run.micro_batches,
-                              schedule.value(), r.run.virtual_stages);
+    pipelines = pipeline_rows(w.model, base.parallel.mesh.rank_profile(w.device), r.run.devices,
+                              r.run.micro_batches, schedule.value(), r.run.virtual_stages,
+                              base.parallel.mesh);
     for (const PipelineRow& p : pipelines) clean = clean && p.hazards == 0;
   }
   Response out;
   out.outcome = api::outcome_of(clean);
   out.document = compare_json(rows, *w.model, w.device, pipelines, parallelism);
-  if (r.text) out.text = compare_text(rows, *w.model, w.device, pipelines, parallelism);
+  if (r.text) {
+    out.text = compare_text(rows, *w.model, w.device, pipelines, parallelism) +
+               (pipelines.empty() ? std::string() : api::stages_text(r.run.devices, parallelism));
+  }
   return out;
 }
 

@@ -40,7 +40,8 @@ Executor::Executor(const Model& model, const DeviceProfile& profile, const Pipel
       ndev_(static_cast<std::uint32_t>(options.devices)),
       sim_(device_specs(profile, ndev_), {}, options.sim),
       portals_(faults.portal),
-      rng_(plan_.generators) {
+      rng_(plan_.generators),
+      mesh_(options.mesh) {
   FERRY_CHECK(ndev_ > 0 && parts_ % ndev_ == 0, "{} partitions over {} devices", parts_, ndev_);
   std::vector<StreamId> compute;
   for (std::uint32_t d = 0; d < ndev_; ++d) {
@@ -54,6 +55,7 @@ Executor::Executor(const Model& model, const DeviceProfile& profile, const Pipel
   std::vector<std::uint32_t> placement;
   for (std::uint32_t j = 0; j < parts_; ++j) placement.push_back(pipeline::rank_of_stage(j, ndev_));
   streams_ = std::make_unique<Streams>(std::move(devices), std::move(placement));
+  add_mesh_streams();
   holders_ = std::make_unique<Holders>(*streams_);
   FERRY_CHECK(checkpoint_stops_.size() == ndev_, "{} checkpoint stops for {} devices",
               checkpoint_stops_.size(), ndev_);
@@ -284,7 +286,8 @@ std::uint64_t Executor::read_value(TensorId h, std::uint32_t tensor) const {
 }
 
 OpId Executor::launch(std::uint32_t device, SimTime duration, const std::vector<Read>& reads,
-                      const std::vector<Write>& writes, const std::string& label) {
+                      const std::vector<Write>& writes, const std::string& label,
+                      std::optional<CollectiveLane> lane) {
   std::vector<Region> read_regions;
   std::vector<Region> write_regions;
   std::vector<std::uint64_t> values;
@@ -301,8 +304,17 @@ OpId Executor::launch(std::uint32_t device, SimTime duration, const std::vector<
     values.push_back(w.value);
   }
   const StreamRef stream = streams_->compute(device);
-  const OpId op = sim_.kernel(streams_->stream(stream).id, duration, read_regions, write_regions,
-                              label, values);
+  const StreamId compute = streams_->stream(stream).id;
+  OpId op;
+  if (lane) {
+    // Note [A pipeline on the mesh]: W1, the collective, W2.
+    const StreamId comm = mesh_comm_[device];
+    stream_wait(device, comm, compute, faults_.skip_collective_launch_wait);
+    op = sim_.collective(comm, duration, read_regions, write_regions, label, values, *lane);
+    stream_wait(device, compute, comm, faults_.skip_collective_output_wait);
+  } else {
+    op = sim_.kernel(compute, duration, read_regions, write_regions, label, values);
+  }
   for (const Read& r : reads) {
     if (r.handle.valid()) touched(r.handle, stream, op);
   }
@@ -356,6 +368,7 @@ void Executor::setup() {
              "init parameters and gradients");
     }
   }
+  if (mesh_.on()) gather_parameters();
 }
 
 PortalKey Executor::key(std::uint32_t skip, std::uint32_t i) const { return PortalKey{skip, i}; }

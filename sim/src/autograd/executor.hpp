@@ -209,8 +209,46 @@ class Executor {
     std::uint64_t sum = 0;
   };
 
+  /// A kernel on the device's compute stream; with `lane`, a collective on the device's stream
+  /// for the mesh's collectives between two waits (Note [A pipeline on the mesh]).
   OpId launch(std::uint32_t device, SimTime duration, const std::vector<Read>& reads,
-              const std::vector<Write>& writes, const std::string& label);
+              const std::vector<Write>& writes, const std::string& label,
+              std::optional<CollectiveLane> lane = std::nullopt);
+
+  // ----- the stage's mesh (executor_mesh.cpp) -----
+
+  /// The lane op k's forward (or backward) collective runs on; none when that direction runs
+  /// no collective, or the op is none.
+  [[nodiscard]] std::optional<CollectiveLane> collective_lane(std::uint32_t k, bool backward) const;
+
+  /// Adds each device's streams for its mesh's collectives and its FSDP collectives.
+  void add_mesh_streams();
+
+  /// `waiter` waits for what `on` has issued so far, on device d, unless `drop` (a fault).
+  void stream_wait(std::uint32_t d, StreamId waiter, StreamId on, bool drop);
+
+  /// Under FSDP: each device's shard of its parameters, all-gathered into the resident ones
+  /// before its first forward.
+  void gather_parameters();
+
+  /// Under FSDP: device d's gradients reduce-scattered into its shard after its last backward
+  /// (all-reduced over HSDP's replicas); returns what the optimizer reads.
+  std::vector<Read> reduce_gradients(std::uint32_t d);
+
+  /// Buffers FSDP shards over one group: `held`, `bytes` in all, over `axis`'s group.
+  struct ShardGroup {
+    Mesh::Axis axis = Mesh::Axis::Shard;
+    std::vector<TensorId> held;
+    Bytes bytes;
+  };
+
+  /// The parameters (or their gradients) `held` in FSDP's groups: the experts' weights over the
+  /// expert shard group, the rest over the shard group; the groups with none left out.
+  [[nodiscard]] std::vector<ShardGroup> shard_groups(
+      const std::map<std::uint32_t, TensorId>& held) const;
+
+  /// The shard of `g` one rank holds (rounded up).
+  [[nodiscard]] Bytes shard_of(const ShardGroup& g) const;
 
   void copy(StreamRef stream, TensorId src, TensorId dst, const std::string& label);
 
@@ -381,8 +419,13 @@ class Executor {
   /// Per device: live activation buffers per task (micro-batch, partition).
   std::vector<std::map<std::array<std::uint32_t, 2>, std::int32_t>> live_cells_;
   std::vector<std::int32_t> peak_in_flight_;
-  std::size_t first_task_op_ = 0;  ///< the first op the schedule issued
-  std::size_t last_task_op_ = 0;   ///< one past the last
+  std::size_t first_task_op_ = 0;    ///< the first op the schedule issued
+  std::size_t last_task_op_ = 0;     ///< one past the last
+  Mesh mesh_;                        ///< each stage's mesh
+  std::vector<StreamId> mesh_comm_;  ///< per device: tp/cp/ep collectives; empty: none
+  std::vector<StreamId> fsdp_comm_;  ///< per device: FSDP's; empty without FSDP
+  std::vector<std::vector<TensorId>> param_shards_;  ///< per device, under FSDP: per group
+  std::set<std::uint32_t> expert_params_;            ///< under expert parallelism
 };
 
 }  // namespace ferry::sim::pipelining

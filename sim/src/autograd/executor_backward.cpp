@@ -286,11 +286,13 @@ void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
     writes.push_back(Write{target, grad_content(before + c), before + c});
   }
   if (!split) {
-    launch(dev(j), op.backward_duration, reads, writes, mb_label(i, op.name + " backward"));
+    launch(dev(j), op.backward_duration, reads, writes, mb_label(i, op.name + " backward"),
+           collective_lane(k, true));
     let_go_after_backward(i, j, k, out_bases, targets, unpacked);
     return;
   }
-  launch(dev(j), input_share(k), reads, writes, mb_label(i, op.name + " backward input"));
+  launch(dev(j), input_share(k), reads, writes, mb_label(i, op.name + " backward input"),
+         collective_lane(k, true));
   // Kept for the weight step: the outputs' gradients (moved out of the task's) and the saved
   // tensors (left in task.saved).
   Task& task = tasks_[i][j];
@@ -364,9 +366,14 @@ void Executor::free_graph(std::uint32_t i, std::uint32_t j) {
 
 void Executor::finish_step() {
   // The optimizer reads every parameter gradient: each must hold its full sum.
+  // Under FSDP it reads the gradients' shard after their reduce-scatter, and the parameters'.
   for (std::uint32_t d = 0; d < ndev_; ++d) {
     std::vector<Read> reads;
-    for (const auto& [b, h] : param_grads_[d]) reads.push_back(Read{h, whole(h), content(h)});
+    if (mesh_.on()) {
+      reads = reduce_gradients(d);
+    } else {
+      for (const auto& [b, h] : param_grads_[d]) reads.push_back(Read{h, whole(h), content(h)});
+    }
     if (!reads.empty()) launch(d, SimTime(1), reads, {}, "optimizer step");
   }
   for (std::uint32_t d = 0; d < ndev_; ++d) sim_.sync_device(DeviceId(d));

@@ -237,7 +237,8 @@ void Executor::run_ops(std::uint32_t i, std::uint32_t j, Pass pass) {
     created.clear();
     const std::uint64_t value = gather_reads(i, task, j, k, reads);
     allocate_outputs(i, j, k, pass, value, task, writes, created);
-    launch(dev(j), op.duration, reads, writes, mb_label(i, op.name + pass_suffix(pass)));
+    launch(dev(j), op.duration, reads, writes, mb_label(i, op.name + pass_suffix(pass)),
+           collective_lane(k, false));
     if (recompute) recompute_time_ += op.duration;
     for (const Access& a : plan_.uses[k]) release(source(task, j, a));
     if (grad) save_for_backward(i, j, k, task, recompute);

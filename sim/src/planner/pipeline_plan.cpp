@@ -36,6 +36,7 @@ std::vector<PipelineCandidate> schedule_space(const PipelinePlanOptions& o, Sche
     c.options.schedule = schedule;
     c.options.virtual_stages = o.virtual_stages;
     c.options.checkpoint = mode;
+    c.options.mesh = o.mesh;
     if (policy != Policy::None) {
       c.options.offload = OffloadOptions{};
       c.options.offload.policy = policy;

@@ -169,7 +169,8 @@ std::string pipeline_row_name(const PipelineOptions& options) {
 
 std::vector<PipelineRow> pipeline_rows(const CheckedModel& model, const DeviceProfile& device,
                                        std::int32_t devices, std::int32_t micro_batches,
-                                       Schedule schedule, std::int32_t virtual_stages) {
+                                       Schedule schedule, std::int32_t virtual_stages,
+                                       const Mesh& mesh) {
   std::vector<PipelineOptions> configs;
   for (const CheckpointMode m :
        {CheckpointMode::Never, CheckpointMode::ExceptLast, CheckpointMode::Always}) {
@@ -179,6 +180,7 @@ std::vector<PipelineRow> pipeline_rows(const CheckedModel& model, const DevicePr
     o.schedule = schedule;
     o.virtual_stages = virtual_stages;
     o.checkpoint = m;
+    o.mesh = mesh;
     configs.push_back(o);
   }
   // Each stage offloading what its grad-mode forwards save (Note [Offload in stages]), with

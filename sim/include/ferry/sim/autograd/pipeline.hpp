@@ -18,6 +18,7 @@
 #include "ferry/portal.hpp"
 #include "ferry/result.hpp"
 #include "ferry/sim/engine/simulator.hpp"
+#include "ferry/sim/mesh/mesh.hpp"
 #include "ferry/sim/workload/model.hpp"
 #include "ferry/units.hpp"
 
@@ -52,6 +53,19 @@ struct PipelineFaults {
   bool skip_receive_wait = false;
   /// Under 1F1B and interleaved 1F1B, the receiving compute does not wait for the receive.
   bool skip_receive_arrival_wait = false;
+  /// A stage's collective op (tensor, context or expert parallelism) does not wait for the
+  /// compute stream before it runs, or the compute stream does not wait for it (Note
+  /// [A pipeline on the mesh] in sim/src/autograd/executor_mesh.cpp).
+  bool skip_collective_launch_wait = false;
+  bool skip_collective_output_wait = false;
+  /// Under FSDP: a stage's all-gather of its parameters does not wait for their
+  /// initialization, or its first forward does not wait for the all-gather; its reduce-scatter
+  /// of the gradients does not wait for the last backward, or the optimizer does not wait for
+  /// the reduce-scatter.
+  bool skip_gather_launch_wait = false;
+  bool skip_gather_arrival_wait = false;
+  bool skip_reduce_launch_wait = false;
+  bool skip_reduce_arrival_wait = false;
   PortalFaults portal;    ///< wrong tensor lives
   OffloadFaults offload;  ///< each stage's offloader (with an offload policy)
 };
@@ -83,6 +97,10 @@ struct PipelineOptions {
   /// Empty: every device runs `checkpoint` and `offload`. Else one entry a device (pipeline
   /// rank), each replacing both for every stage the device holds.
   std::vector<StagePolicy> stages;
+  /// Each stage's mesh (one GPU by default): the model is a rank's under its tensor, context
+  /// and expert parallelism (rank_workload), and under FSDP each stage gathers its parameters
+  /// once and reduces its gradients once a step (Note [A pipeline on the mesh]).
+  Mesh mesh;
   SimOptions sim;
 };
 

@@ -61,6 +61,8 @@ struct PipelinePlanOptions {
   std::int32_t margin_permille = 0;
   /// Simulations run at once (PlannerOptions::jobs); the plan is the same for any count.
   std::int32_t jobs = 0;
+  /// Each stage's mesh (the model is then its rank's): every candidate runs on it.
+  Mesh mesh;
   /// Test-only: planted faults every run (checked or not) is simulated with.
   PipelineFaults faults{};
 };

@@ -61,12 +61,10 @@ Result<Schedule> parse_schedule(std::string_view text);
 Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
 /// The pipeline rows of `ferry compare --devices N --micro-batches M`: each checkpoint mode,
 /// then trl and ferry offload in every stage, without checkpoint and except the last, all under
-/// `schedule` with `virtual_stages` stages a device.
-[[nodiscard]] std::vector<PipelineRow> pipeline_rows(const CheckedModel& model,
-                                                     const DeviceProfile& device,
-                                                     std::int32_t devices,
-                                                     std::int32_t micro_batches,
-                                                     Schedule schedule = Schedule::GPipe,
-                                                     std::int32_t virtual_stages = 1);
+/// `schedule` with `virtual_stages` stages a device, each stage on `mesh` (`model` the rank's).
+[[nodiscard]] std::vector<PipelineRow> pipeline_rows(
+    const CheckedModel& model, const DeviceProfile& device, std::int32_t devices,
+    std::int32_t micro_batches, Schedule schedule = Schedule::GPipe,
+    std::int32_t virtual_stages = 1, const Mesh& mesh = {});
 
 }  // namespace ferry::sim
