@@ -291,6 +291,11 @@ std::optional<std::string_view> single_device_only(const TrainingOptions& base) 
     return "--paged-stash applies to a single-device or FSDP run: a pipeline has no expert "
            "parallelism to pad";
   }
+  if (!base.checkpoint.regions.empty()) {
+    return "--checkpoint (or a --for trainer's checkpointing) applies to a single-device or FSDP "
+           "run; a pipeline checkpoints whole stages: use --pipeline-checkpoint always, "
+           "except_last or never";
+  }
   return std::nullopt;
 }
 
