@@ -549,7 +549,7 @@ std::string pipeline_plan_text(const PipelinePlan& p, const Model& model,
     }
     if (!k.probe_reserved.empty()) {
       note += fmt::format(
-          " (on twice the memory: {}, binding stage {})", format_time(k.probe_step),
+          " (on {}x the memory: {}, binding stage {})", kProbeScale, format_time(k.probe_step),
           format_bytes(*std::max_element(k.probe_reserved.begin(), k.probe_reserved.end())));
     }
     if (&k == &c) note += ", the plan";
