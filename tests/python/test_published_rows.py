@@ -227,7 +227,7 @@ def pr165(root, devices):
 
 @pytest.mark.parametrize(
     "row, measured, allocated_tol, reserved_tol, time_tol",
-    [("full", PR165_FULL, 0.08, 0.20, 0.20), ("sac", PR165_SAC, 0.08, 0.05, 0.20)],
+    [("full", PR165_FULL, 0.10, 0.20, 0.20), ("sac", PR165_SAC, 0.08, 0.05, 0.20)],
 )
 def test_torchtitan_pr165_fsdp2_llama2_7b(
     pr165, row, measured, allocated_tol, reserved_tol, time_tol
@@ -674,7 +674,7 @@ def test_axolotl3776_trl_offload_over_checkpointing_step_time(axolotl3776, mode,
     within(predicted, AXOLOTL3776[mode][0] / AXOLOTL3776["gc"][0], tolerance)
 
 
-@pytest.mark.parametrize("mode, tolerance", [("gc", 0.08), ("trl_gc", 0.08), ("trl_all", 0.30)])
+@pytest.mark.parametrize("mode, tolerance", [("gc", 0.03), ("trl_gc", 0.03), ("trl_all", 0.30)])
 def test_axolotl3776_peak_over_the_weights(axolotl3776, mode, tolerance):
     """Rows 35-37: the peak allocated over the weights, gradients included. Offloading everything
     keeps 9.2 GB less on the device than measured (docs/validation.md); held within 30 %."""
