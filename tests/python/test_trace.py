@@ -428,3 +428,24 @@ def test_hugging_face_models_match_a_real_run(make, tmp_path):
     assert document_saves(traced) == real_packs(lambda: model(ids, labels=ids).loss, held=True)
     assert traced.layers() == [0, 1]
     accepted_by_cli(traced, tmp_path)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-sequence", "packed"])
+def test_training_without_a_cache_builds_the_mask_the_positions_ask_for(packed):
+    """Note [Packed sequences as the device reads them]: without a cache transformers reads the
+    positions for packed sequences. Positions the model makes (one sequence a row) build no mask,
+    as in a real run; a caller's positions that restart (two sequences a row) build one there,
+    and the trace, which does not know a caller's values, keeps it. Without the Note's check the
+    first trace saves a sequence-squared mask in each layer that the real run does not."""
+    torch.manual_seed(0)
+    model = _hf_llama().train()
+    model.config.use_cache = False
+    ids = torch.randint(0, 512, (2, 64))
+    extra = {}
+    if packed:
+        extra["position_ids"] = torch.arange(32).repeat(2).expand(2, -1)
+    traced = trace(model, ids, labels=ids, target="host", **extra)
+    count, nbytes = real_packs(lambda: model(ids, labels=ids, **extra).loss)
+    assert (traced.packed_count, traced.packed_bytes) == (count, nbytes)
+    masks = [t for t in traced.document["tensors"] if "where" in t["name"]]
+    assert bool(masks) == packed

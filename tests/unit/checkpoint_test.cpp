@@ -9,6 +9,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/io/model_json.hpp"
@@ -61,6 +62,46 @@ TEST(Checkpoint, EveryLayerGivesTheSameGradientsWithLessMemory) {
   EXPECT_LT(peak(ck), peak(base));
   EXPECT_GT(ck.recompute_time.ns(), 0);
   EXPECT_EQ(ck.recomputations, 2 * static_cast<std::int64_t>(o.checkpoint.regions.size()));
+}
+
+// Note [A replay frees as the forward does]: a 1 MiB square that only the mean reads is gone
+// before the layer's 1 MiB output is computed again, in the replay as in forward. Held until
+// the replay's end it would sit beside the output and its gradient, 1 MiB above the plain step.
+TEST(Checkpoint, TheReplayFreesWhatNothingSavesAfterItsLastReader) {
+  constexpr std::string_view kModel = R"({
+  "format": "ferry.model/1", "name": "square-mean-scale",
+  "tensors": [
+    {"name": "x", "bytes": 1024, "dtype": "bf16", "role": "input"},
+    {"name": "w", "bytes": 1024, "dtype": "bf16", "role": "param"},
+    {"name": "sq", "bytes": 1048576, "dtype": "bf16", "role": "activation"},
+    {"name": "m", "bytes": 1024, "dtype": "bf16", "role": "activation"},
+    {"name": "y", "bytes": 1048576, "dtype": "bf16", "role": "activation"},
+    {"name": "loss", "bytes": 4, "dtype": "f32", "role": "activation"}
+  ],
+  "ops": [
+    {"name": "layers.0.square", "layer": 0, "flops": 1024, "bytes": 2048, "backward_flops": 0,
+     "backward_bytes": 0, "inputs": ["x"], "outputs": ["sq"], "saved": []},
+    {"name": "layers.0.mean", "layer": 0, "flops": 1024, "bytes": 2048, "backward_flops": 0,
+     "backward_bytes": 0, "inputs": ["sq"], "outputs": ["m"], "saved": []},
+    {"name": "layers.0.scale", "layer": 0, "flops": 1024, "bytes": 2048, "backward_flops": 2048,
+     "backward_bytes": 4096, "inputs": ["x", "m", "w"], "outputs": ["y"],
+     "saved": ["x", "m", "w"]},
+    {"name": "loss", "flops": 1024, "bytes": 2048, "backward_flops": 1024, "backward_bytes": 2048,
+     "inputs": ["y"], "outputs": ["loss"], "saved": ["y"]}
+  ],
+  "loss": "loss"
+})";
+  auto parsed = parse_model(kModel, "square-mean-scale");
+  ASSERT_TRUE(parsed.ok()) << parsed.error().message;
+  Model m = std::move(parsed).value();
+  assign_roofline_durations(m, testing::simple_profile());
+  const TrainingRun base = train(m, plain());
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_every(m, 1);
+  const TrainingRun ck = train(m, o);
+  expect_clean(ck);
+  EXPECT_EQ(ck.recomputations, 2);
+  EXPECT_LT(peak(ck), peak(base) + kMiB);
 }
 
 TEST(Checkpoint, EarlyStopEndsTheReplayAtTheLastSavedTensor) {

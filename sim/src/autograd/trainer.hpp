@@ -210,6 +210,10 @@ class Trainer final : private RankContext {
 
   // --- forward ops ----------------------------------------------------------------------------
 
+  // After replaying op i: drops the replay's references to what op i read last (Note [A replay
+  // frees as the forward does]).
+  void drop_dead_in_replay(std::uint32_t i);
+
   // Runs forward op i in the innermost scope. In a replay, outputs are owned by the scope.
   void run_op(std::uint32_t i, bool replay);
 

@@ -114,6 +114,7 @@ void Trainer::recompute(FrameId frame, std::uint32_t node) {
       begin_region(r);
     }
     replay_op(i, info);
+    drop_dead_in_replay(i);
     last_run = i;
     while (open_.size() > open_before &&
            options_.checkpoint.regions[open_.back().region].end_op == i + 1) {
@@ -128,6 +129,25 @@ void Trainer::recompute(FrameId frame, std::uint32_t node) {
   close_scope();  // the replay's own references go once its kernels are issued
   checkpointer_.recompute_end();
   switch_to(stream);
+}
+
+// Note [A replay frees as the forward does]
+// A checkpoint's recompute runs the region's forward again as Python runs it: an output nobody
+// holds (a norm's squares, its float32 product before the cast) is freed once its last reader
+// is done, not at the replay's end; what the replay saves the checkpointer holds. So a replayed
+// op's scope reference goes after the same op as in forward (drop_after_), unless the tensor
+// lives past the region (the region's outputs, dropped with the scope).
+void Trainer::drop_dead_in_replay(std::uint32_t i) {
+  Scope& scope = scopes_.back();
+  for (const std::uint32_t t : drop_after_[i]) {
+    const Bound* b = scope.bound.find(t);
+    if (b == nullptr) continue;
+    const auto owned = std::find_if(scope.owned.begin(), scope.owned.end(),
+                                    [&](const Device::Buffer& o) { return o.id == b->buffer.id; });
+    if (owned == scope.owned.end()) continue;
+    device_.drop(*owned);
+    scope.owned.erase(owned);
+  }
 }
 
 void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {

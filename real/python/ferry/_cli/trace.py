@@ -230,7 +230,8 @@ def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "c
             f"transformers {transformers_version} knows"
         )
     # `use_cache` stays the config's: transformers takes another attention-mask path without
-    # the cache (see docs/trace.md), and the trace shows the one the config asks for.
+    # the cache (Note [Packed sequences as the device reads them] in _trace), and the trace
+    # shows the one the config asks for.
     fields = {k: v for k, v in data.items() if k != "model_type"}
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     previous = torch.get_default_dtype()

@@ -180,6 +180,45 @@ def _device_attention() -> Iterator[None]:
         functional.scaled_dot_product_attention = host
 
 
+# Note [Packed sequences as the device reads them]
+# Without an attention mask or a cache (training with `use_cache=False`, as checkpointing and the
+# trainers set it), transformers looks for packed sequences in the position ids: it reads whether
+# any row restarts its positions, and where none does (one sequence a row) builds no mask, so
+# SDPA and flash attention run causal. On fake tensors it cannot read them and assumes packing:
+# a sequence-squared mask, turned into a bf16 bias each layer's attention saves, priced as full
+# rather than causal attention. Where the trace knows the positions' values (the model made them
+# from `arange`, `Values`), the check reads them as the device does; positions it does not know
+# (a caller's) keep transformers' answer.
+
+
+@contextlib.contextmanager
+def _device_packed_sequences(values: Values) -> Iterator[None]:
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    host = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if host is None:
+        yield
+        return
+
+    def find(position_ids):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        packed = host(position_ids)
+        known = values._value(packed) if isinstance(packed, torch.Tensor) else None
+        with _disable_current_modes():
+            single = known is not None and bool((known[0][:, -1] == 0).all())
+        return None if single else packed
+
+    masking_utils.find_packed_sequence_indices = find
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = host
+
+
 def allocator_setting(conf: str) -> str | None:
     """The ``"allocator"`` member a scenario traced under ``PYTORCH_CUDA_ALLOC_CONF=conf``
     records (docs/model-format.md): ``"expandable"`` when the configuration turns on
@@ -296,8 +335,9 @@ def trace(
         whole = whole_model(model)
         # The fake parameters stand in for the model's through backward too: a checkpointed
         # region runs its forward again there.
+        packed = _device_packed_sequences(tracer.values)
         with fake_mode, _reparametrize_module(model, state, tie_weights=True), dropout, attention:
-            with whole:
+            with whole, packed:
                 with TraceRecorder(tracer), saved_tensors_hooks(tracer.pack, tracer.unpack):
                     out = model(*args, **kw)
                     loss = loss_of(out, loss_fn)
