@@ -33,15 +33,13 @@ std::vector<std::uint32_t> Trainer::regions_starting(std::uint32_t i, std::uint3
   std::vector<std::uint32_t> out;
   const auto& regions = options_.checkpoint.regions;
   // Inside a replay of region `except`, only regions listed after it (nested in it) begin.
-  for (auto r = static_cast<std::uint32_t>(except + 1); r < regions.size(); ++r) {
-    if (regions[r].first_op == i && regions[r].first_op >= within_first &&
+  // starting_ lists them outermost first, and a stable order filtered keeps its order.
+  for (const std::uint32_t r : starting_[i]) {
+    if (static_cast<std::int64_t>(r) > except && regions[r].first_op >= within_first &&
         regions[r].end_op <= within_end) {
       out.push_back(r);
     }
   }
-  std::stable_sort(out.begin(), out.end(), [&](std::uint32_t a, std::uint32_t b) {
-    return regions[a].end_op > regions[b].end_op;  // outermost first
-  });
   return out;
 }
 
@@ -53,9 +51,8 @@ void Trainer::begin_region(std::uint32_t r) {
   const auto& chosen = options_.offload_selection.region_inputs;
   const bool keep_inputs = r < chosen.size() && !chosen[r];
   if (keep_inputs) offloader_.push_no_offload();
-  for (const std::uint32_t t : region_inputs(reg.first_op, reg.end_op)) {
-    info.inputs.push_back(pack(reg.end_op - 1, t));
-  }
+  if (!region_inputs_[r]) region_inputs_[r] = region_inputs(reg.first_op, reg.end_op);
+  for (const std::uint32_t t : *region_inputs_[r]) info.inputs.push_back(pack(reg.end_op - 1, t));
   if (keep_inputs) offloader_.pop_no_offload();
   if (reg.reentrant) {
     contexts_.push_back(Context{Context::Kind::NoGrad, FrameId()});
