@@ -251,6 +251,7 @@ void CachingAllocator::free(BlockId block, StreamMarkers& markers) {
   // See Note [record_stream deferral]. Markers are recorded in increasing stream order so that
   // the simulated device sees the same calls on every run.
   b.state = BlockInfo::State::PendingFree;
+  pending_bytes_ += b.size;
   b.id = BlockId{};
   pending_.defer(address, b.stream_uses, b.markers, markers);
   ++stats_.deferred_frees;
@@ -604,6 +605,7 @@ void CachingAllocator::release_pending(Bytes address) {
   const auto it = blocks_.find(address);
   FERRY_CHECK(it != blocks_.end() && it->second.state == BlockInfo::State::PendingFree,
               "pending free at {:#x} is missing", address.count());
+  pending_bytes_ -= it->second.size;
   release_block(it);
 }
 

@@ -156,13 +156,7 @@ class CachingAllocator {
   /// Allocated and pending-free blocks, in address order.
   [[nodiscard]] std::vector<BlockInfo> live_blocks() const;
   /// Bytes of the blocks whose free waits behind record_stream markers (PendingFree).
-  [[nodiscard]] Bytes pending_free_bytes() const {
-    Bytes pending;
-    for (const auto& [address, b] : blocks_) {
-      if (b.state == BlockInfo::State::PendingFree) pending += b.size;
-    }
-    return pending;
-  }
+  [[nodiscard]] Bytes pending_free_bytes() const { return pending_bytes_; }
   /// The block's current size and address; the block must be allocated.
   [[nodiscard]] DeviceAllocation describe(BlockId block) const;
   /// Bytes of device memory segments may occupy.
@@ -271,6 +265,7 @@ class CachingAllocator {
   std::vector<Bytes> live_;
   [[nodiscard]] std::optional<Bytes> live_address(BlockId block) const;
   DeferredFrees pending_;  // PendingFree blocks
+  Bytes pending_bytes_;    // their sizes, summed
   BlockId::rep_type next_id_ = 0;
   AllocatorStats stats_;
 };
