@@ -335,18 +335,21 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
   switch_to(op_stream(i, replay));
   if (replay) hooks_->before_replay(i);
   Scope& scope = scopes_.back();
+  auto reads = region_scratch_.borrow();
+  auto writes = region_scratch_.borrow();
+  auto values = value_scratch_.borrow();
   std::uint64_t seed = mix_content(0x6f70, i + 1);
-  for (const std::uint32_t t : op.inputs) seed = mix_content(seed, lookup(t).value);
+  for (const std::uint32_t t : op.inputs) {
+    const Bound b = lookup(t);
+    seed = mix_content(seed, b.value);
+    reads->push_back(Region{b.buffer.id, b.offset, model_.tensors[t].bytes});
+  }
   if (op.draws_rng) {
     if (!device_rng_initialized_) device_rng_initialized_ = true;
     seed = mix_content(seed, mix_content(tag::kRng, generators_.draw(kDeviceRng)));
   }
   if (op.draws_cpu_rng)
     seed = mix_content(seed, mix_content(tag::kCpuRng, generators_.draw(kCpuRng)));
-  auto reads = region_scratch_.borrow();
-  auto writes = region_scratch_.borrow();
-  auto values = value_scratch_.borrow();
-  for (const std::uint32_t t : op.inputs) reads->push_back(region(t));
   for (std::uint32_t k = 0; k < op.outputs.size(); ++k) {
     const std::uint32_t t = op.outputs[k];
     const ModelTensor& tensor = model_.tensors[t];

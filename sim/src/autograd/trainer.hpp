@@ -221,7 +221,7 @@ class Trainer final : private RankContext {
   SavedMeta meta_of(std::uint32_t t, std::uint64_t value) const;
 
   // Inputs of ops [first, end) produced before `first` (activations and the batch).
-  std::vector<std::uint32_t> region_inputs(std::uint32_t first, std::uint32_t end) const;
+  std::vector<std::uint32_t> region_inputs(std::uint32_t first, std::uint32_t end);
 
   OpPolicy policy(std::uint32_t op) const;
 
@@ -353,6 +353,8 @@ class Trainer final : private RankContext {
   std::vector<std::vector<std::uint32_t>> starting_;
   // By region: its inputs (region_inputs), made at its first begin.
   std::vector<std::optional<std::vector<std::uint32_t>>> region_inputs_;
+  std::vector<std::uint32_t> seen_;  // region_inputs' marks, by tensor
+  std::uint32_t seen_mark_ = 0;
   // By FrameId. A deque: replays begin new frames while references to older ones are held.
   std::deque<FrameInfo> frames_;
   std::map<std::uint32_t, FrameInfo> reentrant_inputs_;

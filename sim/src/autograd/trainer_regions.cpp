@@ -8,16 +8,18 @@ namespace ferry::sim::training {
 // Checkpoint regions in forward: which begin at an op, what each packs as its inputs, and the
 // frame (or, reentrant, the no-grad context) each opens and closes.
 
-std::vector<std::uint32_t> Trainer::region_inputs(std::uint32_t first, std::uint32_t end) const {
-  std::vector<std::uint32_t> produced;
+std::vector<std::uint32_t> Trainer::region_inputs(std::uint32_t first, std::uint32_t end) {
+  // seen_[t] == mark: t was produced or listed in this call.
+  if (seen_.size() != model_.tensors.size()) seen_.assign(model_.tensors.size(), 0);
+  const std::uint32_t mark = ++seen_mark_;
   std::vector<std::uint32_t> inputs;
   for (std::uint32_t i = first; i < end; ++i) {
     for (const std::uint32_t t : model_.ops[i].inputs) {
-      if (is_resident(model_.tensors[base(t)].role)) continue;
-      if (std::find(produced.begin(), produced.end(), t) != produced.end()) continue;
-      if (std::find(inputs.begin(), inputs.end(), t) == inputs.end()) inputs.push_back(t);
+      if (is_resident(model_.tensors[base(t)].role) || seen_[t] == mark) continue;
+      seen_[t] = mark;
+      inputs.push_back(t);
     }
-    for (const std::uint32_t t : model_.ops[i].outputs) produced.push_back(t);
+    for (const std::uint32_t t : model_.ops[i].outputs) seen_[t] = mark;
   }
   return inputs;
 }
