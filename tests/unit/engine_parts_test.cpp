@@ -302,6 +302,12 @@ TEST(TimelineMetrics, AnAttachedCollectorEqualsOneReplayedAfterTheRun) {
   EXPECT_EQ(live.stall(start, end), copy_end - ready);
   EXPECT_EQ(compute_stall(sim, compute, start, end), copy_end - ready);
   EXPECT_EQ(live.stall(end, end + SimTime(1)), SimTime(0));  // no wait issued then
+  // The planner's one pass over the records reads the same stall and bytes copied.
+  const StepFigures figures = step_figures(sim, compute, start, end);
+  EXPECT_EQ(figures.stall, copy_end - ready);
+  EXPECT_EQ(figures.d2h, Bytes(1 << 20));
+  EXPECT_EQ(step_figures(sim, compute, end, end + SimTime(1)).stall, SimTime(0));
+  EXPECT_EQ(step_figures(sim, side, start, end).stall, SimTime(0));  // side's work is no stall
 }
 
 }  // namespace

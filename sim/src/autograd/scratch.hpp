@@ -2,8 +2,12 @@
 // Private to the simulated autograd: vectors lent for one call and kept for their capacity.
 
 #include <cstddef>
+#include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
+
+#include "ferry/check.hpp"
 
 namespace ferry::sim {
 
@@ -56,6 +60,43 @@ class ScratchPool {
  private:
   std::vector<std::vector<T>> kept_;
   std::size_t lent_ = 0;
+};
+
+/// A value or none for each tensor index of a model, in place of a map keyed by tensor index:
+/// a look-up is an index, and for_each visits the entries in index order, as a map's iteration
+/// would.
+template <class T>
+class TensorSlots {
+ public:
+  explicit TensorSlots(std::size_t tensors = 0) : slots_(tensors) {}
+  [[nodiscard]] bool contains(std::uint32_t t) const {
+    return t < slots_.size() && slots_[t].has_value();
+  }
+  [[nodiscard]] const T& at(std::uint32_t t) const {
+    FERRY_CHECK(contains(t), "tensor {} has no entry", t);
+    return *slots_[t];
+  }
+  /// The entry of `t`, made (value-initialised) if it has none.
+  T& operator[](std::uint32_t t) {
+    FERRY_CHECK(t < slots_.size(), "tensor {} is outside the model", t);
+    if (!slots_[t]) slots_[t].emplace();
+    return *slots_[t];
+  }
+  void erase(std::uint32_t t) {
+    if (t < slots_.size()) slots_[t].reset();
+  }
+  void clear() {
+    for (std::optional<T>& s : slots_) s.reset();
+  }
+  template <class F>
+  void for_each(F f) const {
+    for (std::uint32_t t = 0; t < slots_.size(); ++t) {
+      if (slots_[t]) f(t, *slots_[t]);
+    }
+  }
+
+ private:
+  std::vector<std::optional<T>> slots_;
 };
 
 }  // namespace ferry::sim

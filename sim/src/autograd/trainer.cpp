@@ -41,6 +41,7 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
       faults_(faults),
       blas_workspace_(profile.blas_workspace) {
   run_.compute = compute_;
+  labels_ = rank.sim != nullptr || options.sim.timeline;
   reserve_calls();
   if (options.side.any()) side_ = sim_.add_stream(dev_, "side");
   const std::size_t n = model.tensors.size();
@@ -65,6 +66,10 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
   }
   grads_.resize(n);
   grad_values_.assign(n, 0);
+  params_ = TensorSlots<Bound>(n);
+  param_grads_ = TensorSlots<Device::Buffer>(n);
+  param_grad_values_ = TensorSlots<std::uint64_t>(n);
+  last_grad_node_ = TensorSlots<std::uint32_t>(n);
   const CheckpointPlan& plan = options.checkpoint;
   region_of_op_.assign(model.ops.size(), -1);
   for (std::size_t r = 0; r < plan.regions.size(); ++r) {
@@ -73,6 +78,17 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
       // The innermost region wins (regions are listed outer before inner).
       region_of_op_[i] = static_cast<std::int32_t>(r);
     }
+  }
+  region_inputs_.resize(plan.regions.size());
+  starting_.resize(model.ops.size());
+  for (std::uint32_t r = 0; r < plan.regions.size(); ++r) {
+    if (plan.regions[r].first_op < model.ops.size())
+      starting_[plan.regions[r].first_op].push_back(r);
+  }
+  for (auto& at : starting_) {
+    std::stable_sort(at.begin(), at.end(), [&](std::uint32_t a, std::uint32_t b) {
+      return plan.regions[a].end_op > plan.regions[b].end_op;  // outermost first
+    });
   }
   checkpointer_.set_global_early_stop(plan.global_early_stop);
   hooks_ = make_step_hooks(model_, graph_, options_, faults_, *this);
@@ -145,11 +161,7 @@ Status Trainer::validate_plan() const {
 
 Bytes Trainer::allocated() const {
   const CachingAllocator& alloc = sim_.device_allocator(dev_);
-  Bytes pending;
-  for (const BlockInfo& b : alloc.live_blocks()) {
-    if (b.state == BlockInfo::State::PendingFree) pending += b.size;
-  }
-  return alloc.stats().allocated - pending;
+  return alloc.stats().allocated - alloc.pending_free_bytes();
 }
 
 Device::Buffer Trainer::allocate_on(StreamId stream, Bytes bytes, std::string_view name) {
@@ -170,10 +182,9 @@ std::pair<Device::Buffer, std::uint64_t> Trainer::param_grad(std::uint32_t p) co
 }
 
 std::optional<Device::Buffer> Trainer::take_param_grad(std::uint32_t p) {
-  const auto it = param_grads_.find(p);
-  if (it == param_grads_.end()) return std::nullopt;
-  const Device::Buffer grad = it->second;
-  param_grads_.erase(it);
+  if (!param_grads_.contains(p)) return std::nullopt;
+  const Device::Buffer grad = param_grads_.at(p);
+  param_grads_.erase(p);
   return grad;
 }
 
@@ -252,8 +263,9 @@ void Trainer::setup() {
       writes.push_back(Region{buf.id, Bytes(0), tensor.bytes});
       values.push_back(params_[t].value);
       note_write(buf, Bytes(0), tensor.bytes, params_[t].value);
-      if (tensor.role == TensorRole::Param && !options_.grads_set_to_none) {
-        param_grads_.emplace(t, must_allocate(tensor.bytes, grad_label(t)));
+      if (tensor.role == TensorRole::Param && !options_.grads_set_to_none &&
+          !param_grads_.contains(t)) {
+        param_grads_[t] = must_allocate(tensor.bytes, grad_label(t));
       }
     }
   }
@@ -323,18 +335,21 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
   switch_to(op_stream(i, replay));
   if (replay) hooks_->before_replay(i);
   Scope& scope = scopes_.back();
+  auto reads = region_scratch_.borrow();
+  auto writes = region_scratch_.borrow();
+  auto values = value_scratch_.borrow();
   std::uint64_t seed = mix_content(0x6f70, i + 1);
-  for (const std::uint32_t t : op.inputs) seed = mix_content(seed, lookup(t).value);
+  for (const std::uint32_t t : op.inputs) {
+    const Bound b = lookup(t);
+    seed = mix_content(seed, b.value);
+    reads->push_back(Region{b.buffer.id, b.offset, model_.tensors[t].bytes});
+  }
   if (op.draws_rng) {
     if (!device_rng_initialized_) device_rng_initialized_ = true;
     seed = mix_content(seed, mix_content(tag::kRng, generators_.draw(kDeviceRng)));
   }
   if (op.draws_cpu_rng)
     seed = mix_content(seed, mix_content(tag::kCpuRng, generators_.draw(kCpuRng)));
-  auto reads = region_scratch_.borrow();
-  auto writes = region_scratch_.borrow();
-  auto values = value_scratch_.borrow();
-  for (const std::uint32_t t : op.inputs) reads->push_back(region(t));
   for (std::uint32_t k = 0; k < op.outputs.size(); ++k) {
     const std::uint32_t t = op.outputs[k];
     const ModelTensor& tensor = model_.tensors[t];
@@ -364,13 +379,14 @@ void Trainer::run_op(std::uint32_t i, bool replay) {
   }
   used_on_current(*reads);
   used_on_current(*writes);
-  if (replay) label_.assign(op.name).append(" recompute");
+  const bool replay_label = replay && labels_;
+  if (replay_label) label_.assign(op.name).append(" recompute");
   const Launch launch{.op = i,
                       .phase = replay ? Launch::Phase::Replay : Launch::Phase::Forward,
                       .reads = *reads,
                       .writes = *writes,
                       .values = *values,
-                      .label = replay ? std::string_view(label_) : std::string_view(op.name)};
+                      .label = replay_label ? std::string_view(label_) : std::string_view(op.name)};
   if (!hooks_->launch(launch)) {
     sim_.kernel(current_, op.duration, *reads, *writes, launch.label, *values);
   }

@@ -123,7 +123,9 @@ class Trainer final : private RankContext {
   Bytes allocated() const;
 
   // Tensor t's name and ".grad", in label_ until the next label is made there.
+  // Empty when the simulator keeps no labels (SimOptions::timeline off).
   std::string_view grad_label(std::uint32_t t) {
+    if (!labels_) return {};
     return label_.assign(model_.tensors[t].name).append(".grad");
   }
   // Allocates on the current stream, as the caching allocator does.
@@ -223,7 +225,7 @@ class Trainer final : private RankContext {
   SavedMeta meta_of(std::uint32_t t, std::uint64_t value) const;
 
   // Inputs of ops [first, end) produced before `first` (activations and the batch).
-  std::vector<std::uint32_t> region_inputs(std::uint32_t first, std::uint32_t end) const;
+  std::vector<std::uint32_t> region_inputs(std::uint32_t first, std::uint32_t end);
 
   OpPolicy policy(std::uint32_t op) const;
 
@@ -317,9 +319,9 @@ class Trainer final : private RankContext {
   DeviceId dev_;    // this rank's device in sim_
   std::function<void()> take_turn_;
   StreamId compute_;
-  StreamId side_;     // invalid unless options_.side asks for work there
-  StreamId current_;  // the stream current now: compute_ or side_
-  std::map<std::uint32_t, std::uint32_t> last_grad_node_;  // parameter -> node writing it last
+  StreamId side_;                              // invalid unless options_.side asks for work there
+  StreamId current_;                           // the stream current now: compute_ or side_
+  TensorSlots<std::uint32_t> last_grad_node_;  // parameter -> node writing it last
   Device device_;
   Offloader<Device> offloader_;
   TrainingFaults faults_;
@@ -329,9 +331,9 @@ class Trainer final : private RankContext {
   Checkpointer<Recomputed> checkpointer_;
   std::vector<Scope> scopes_;
   std::vector<Scope> spare_scopes_;  // closed, cleared, kept for their tables' capacity
-  std::map<std::uint32_t, Bound> params_;
-  std::map<std::uint32_t, Device::Buffer> param_grads_;
-  std::map<std::uint32_t, std::uint64_t> param_grad_values_;
+  TensorSlots<Bound> params_;
+  TensorSlots<Device::Buffer> param_grads_;
+  TensorSlots<std::uint64_t> param_grad_values_;
   ContentMap content_;
   std::vector<StreamId> alloc_stream_;  // by BufferId, for must_allocate's buffers
   std::set<std::pair<std::uint32_t, std::uint32_t>> recorded_;  // (buffer, stream) record_stream'ed
@@ -350,6 +352,13 @@ class Trainer final : private RankContext {
   ScratchPool<Device::Buffer> buffer_scratch_;
   ScratchPool<std::uint32_t> index_scratch_;
   std::string label_;
+  bool labels_ = true;  // the simulator keeps call labels (SimOptions::timeline)
+  // By op: the checkpoint regions that begin there, outermost first (regions_starting).
+  std::vector<std::vector<std::uint32_t>> starting_;
+  // By region: its inputs (region_inputs), made at its first begin.
+  std::vector<std::optional<std::vector<std::uint32_t>>> region_inputs_;
+  std::vector<std::uint32_t> seen_;  // region_inputs' marks, by tensor
+  std::uint32_t seen_mark_ = 0;
   // By FrameId. A deque: replays begin new frames while references to older ones are held.
   std::deque<FrameInfo> frames_;
   std::map<std::uint32_t, FrameInfo> reentrant_inputs_;

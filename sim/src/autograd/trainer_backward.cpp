@@ -311,7 +311,7 @@ void Trainer::write_input_grads(std::uint32_t n, std::uint64_t g, std::vector<Re
       // Allocated at its first write: FSDP's unsharded gradient (until its reduce), and every
       // gradient under set_to_none.
       if (!param_grads_.contains(b)) {
-        param_grads_.emplace(b, must_allocate(model_.tensors[b].bytes, grad_label(b)));
+        param_grads_[b] = must_allocate(model_.tensors[b].bytes, grad_label(b));
       }
       param_grad_values_[b] += mix_content(g, b);
       writes.push_back(Region{param_grads_.at(b).id, Bytes(0), model_.tensors[b].bytes});
@@ -372,20 +372,20 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
   write_input_grads(n, g, *writes, *values, *written);
   used_on_current(*reads);
   used_on_current(*writes);
-  label_.assign(op.name).append(" backward");
+  const std::string_view label =
+      labels_ ? std::string_view(label_.assign(op.name).append(" backward")) : std::string_view();
   const Launch launch{.op = n,
                       .phase = Launch::Phase::Backward,
                       .reads = *reads,
                       .writes = *writes,
                       .values = *values,
-                      .label = label_};
+                      .label = label};
   if (!hooks_->launch(launch)) {
-    sim_.kernel(current_, op.backward_duration, *reads, *writes, label_, *values);
+    sim_.kernel(current_, op.backward_duration, *reads, *writes, label, *values);
   }
   if (last_pass) {
     for (const std::uint32_t b : *written) {
-      const auto last = last_grad_node_.find(b);
-      if (last != last_grad_node_.end() && last->second == n) hooks_->grad_ready(b);
+      if (last_grad_node_.contains(b) && last_grad_node_.at(b) == n) hooks_->grad_ready(b);
     }
   }
   let_go_after_node(n, last_pass, k, *unpacked);
@@ -559,7 +559,8 @@ void Trainer::step() {
     // zero_grad(set_to_none=True): after the step, when the compute stream has waited for the
     // side and comm streams that used the gradients (backward's end), so the frees need no
     // record_stream.
-    for (const auto& [p, buffer] : param_grads_) device_.drop(buffer);
+    param_grads_.for_each(
+        [&](std::uint32_t, const Device::Buffer& buffer) { device_.drop(buffer); });
     param_grads_.clear();
   }
   times.end = sim_.host_time();
@@ -568,7 +569,8 @@ void Trainer::step() {
   run_.tracked_after.push_back(offloader_.tracked());
   hooks_->report(run_);
   run_.gradient_values.clear();
-  for (const auto& [p, v] : param_grad_values_) run_.gradient_values.push_back(v);
+  param_grad_values_.for_each(
+      [&](std::uint32_t, std::uint64_t v) { run_.gradient_values.push_back(v); });
   ++step_;
 }
 

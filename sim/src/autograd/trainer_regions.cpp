@@ -8,16 +8,18 @@ namespace ferry::sim::training {
 // Checkpoint regions in forward: which begin at an op, what each packs as its inputs, and the
 // frame (or, reentrant, the no-grad context) each opens and closes.
 
-std::vector<std::uint32_t> Trainer::region_inputs(std::uint32_t first, std::uint32_t end) const {
-  std::vector<std::uint32_t> produced;
+std::vector<std::uint32_t> Trainer::region_inputs(std::uint32_t first, std::uint32_t end) {
+  // seen_[t] == mark: t was produced or listed in this call.
+  if (seen_.size() != model_.tensors.size()) seen_.assign(model_.tensors.size(), 0);
+  const std::uint32_t mark = ++seen_mark_;
   std::vector<std::uint32_t> inputs;
   for (std::uint32_t i = first; i < end; ++i) {
     for (const std::uint32_t t : model_.ops[i].inputs) {
-      if (is_resident(model_.tensors[base(t)].role)) continue;
-      if (std::find(produced.begin(), produced.end(), t) != produced.end()) continue;
-      if (std::find(inputs.begin(), inputs.end(), t) == inputs.end()) inputs.push_back(t);
+      if (is_resident(model_.tensors[base(t)].role) || seen_[t] == mark) continue;
+      seen_[t] = mark;
+      inputs.push_back(t);
     }
-    for (const std::uint32_t t : model_.ops[i].outputs) produced.push_back(t);
+    for (const std::uint32_t t : model_.ops[i].outputs) seen_[t] = mark;
   }
   return inputs;
 }
@@ -33,15 +35,13 @@ std::vector<std::uint32_t> Trainer::regions_starting(std::uint32_t i, std::uint3
   std::vector<std::uint32_t> out;
   const auto& regions = options_.checkpoint.regions;
   // Inside a replay of region `except`, only regions listed after it (nested in it) begin.
-  for (auto r = static_cast<std::uint32_t>(except + 1); r < regions.size(); ++r) {
-    if (regions[r].first_op == i && regions[r].first_op >= within_first &&
+  // starting_ lists them outermost first, and a stable order filtered keeps its order.
+  for (const std::uint32_t r : starting_[i]) {
+    if (static_cast<std::int64_t>(r) > except && regions[r].first_op >= within_first &&
         regions[r].end_op <= within_end) {
       out.push_back(r);
     }
   }
-  std::stable_sort(out.begin(), out.end(), [&](std::uint32_t a, std::uint32_t b) {
-    return regions[a].end_op > regions[b].end_op;  // outermost first
-  });
   return out;
 }
 
@@ -53,9 +53,8 @@ void Trainer::begin_region(std::uint32_t r) {
   const auto& chosen = options_.offload_selection.region_inputs;
   const bool keep_inputs = r < chosen.size() && !chosen[r];
   if (keep_inputs) offloader_.push_no_offload();
-  for (const std::uint32_t t : region_inputs(reg.first_op, reg.end_op)) {
-    info.inputs.push_back(pack(reg.end_op - 1, t));
-  }
+  if (!region_inputs_[r]) region_inputs_[r] = region_inputs(reg.first_op, reg.end_op);
+  for (const std::uint32_t t : *region_inputs_[r]) info.inputs.push_back(pack(reg.end_op - 1, t));
   if (keep_inputs) offloader_.pop_no_offload();
   if (reg.reentrant) {
     contexts_.push_back(Context{Context::Kind::NoGrad, FrameId()});

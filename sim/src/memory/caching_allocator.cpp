@@ -25,6 +25,12 @@ Bytes round_down(Bytes size, Bytes unit) {
 
 std::size_t pool_index(PoolKind pool) { return static_cast<std::size_t>(pool); }
 
+// Erases `key` from the unique set `set`, if there, in one search (erase(key) makes two).
+template <class Set, class Key>
+void erase_key(Set& set, const Key& key) {
+  if (const auto it = set.find(key); it != set.end()) set.erase(it);
+}
+
 const char* state_name(BlockInfo::State state) {
   switch (state) {
     case BlockInfo::State::Allocated:
@@ -169,8 +175,8 @@ Result<DeviceAllocation> CachingAllocator::malloc(StreamId stream, Bytes request
   const PoolKind pool = pool_for(size);
   // See Note [record_stream deferral]: the next malloc is where deferred frees come back.
   process_pending(markers);
-  if (const auto address = take_free_block(stream, pool, size)) {
-    return hand_out(*address, size, requested, buffer);
+  if (const auto free = take_free_block(stream, pool, size)) {
+    return hand_out(*free, size, requested, buffer);
   }
   // A new segment, or with expandable segments more pages of the stream's range (Note
   // [Expandable segments]); `reserve` is what the device is asked for.
@@ -245,6 +251,7 @@ void CachingAllocator::free(BlockId block, StreamMarkers& markers) {
   // See Note [record_stream deferral]. Markers are recorded in increasing stream order so that
   // the simulated device sees the same calls on every run.
   b.state = BlockInfo::State::PendingFree;
+  pending_bytes_ += b.size;
   b.id = BlockId{};
   pending_.defer(address, b.stream_uses, b.markers, markers);
   ++stats_.deferred_frees;
@@ -308,14 +315,15 @@ std::optional<Bytes> CachingAllocator::live_address(BlockId block) const {
   return live_[block.value()];
 }
 
-std::optional<Bytes> CachingAllocator::take_free_block(StreamId stream, PoolKind pool, Bytes size) {
+std::optional<CachingAllocator::FreeSet::iterator> CachingAllocator::take_free_block(
+    StreamId stream, PoolKind pool, Bytes size) {
   // Best fit: the smallest free block of this pool and stream that is large enough, the lowest
   // address among equals (the key order).
   const auto it = free_.lower_bound(FreeKey{pool, stream, size, Bytes(0)});
   if (it == free_.end() || it->pool != pool || it->stream != stream) {
     return std::nullopt;
   }
-  return it->address;
+  return it;
 }
 
 std::optional<Bytes> CachingAllocator::new_segment(StreamId stream, PoolKind pool,
@@ -347,11 +355,25 @@ std::optional<Bytes> CachingAllocator::new_segment(StreamId stream, PoolKind poo
 DeviceAllocation CachingAllocator::hand_out(Bytes address, Bytes size, Bytes requested,
                                             BufferId buffer) {
   const auto it = blocks_.find(address);
+  if (it != blocks_.end())
+    erase_key(free_, FreeKey{it->second.pool, it->second.stream, it->second.size, address});
+  return hand_out(it, size, requested, buffer);
+}
+
+DeviceAllocation CachingAllocator::hand_out(FreeSet::iterator free, Bytes size, Bytes requested,
+                                            BufferId buffer) {
+  const auto it = blocks_.find(free->address);
+  free_.erase(free);
+  return hand_out(it, size, requested, buffer);
+}
+
+DeviceAllocation CachingAllocator::hand_out(BlockMap::iterator it, Bytes size, Bytes requested,
+                                            BufferId buffer) {
   FERRY_CHECK(
       it != blocks_.end() && it->second.state == BlockInfo::State::Free && it->second.size >= size,
-      "no free block of at least {} B at {:#x}", size.count(), address.count());
+      "no free block of at least {} B", size.count());
+  const Bytes address = it->first;
   Block& b = it->second;
-  free_.erase(FreeKey{b.pool, b.stream, b.size, address});
   const Bytes remainder = b.size - size;
   // should_split: an expandable segment splits off every remainder of at least 512 B.
   const bool split = b.pool == PoolKind::Small || mode_ == AllocatorMode::Expandable
@@ -407,7 +429,7 @@ CachingAllocator::BlockMap::iterator CachingAllocator::merge_free(BlockMap::iter
     const auto prev = std::prev(it);
     Block& p = prev->second;
     if (mergeable(p, it->second)) {
-      free_.erase(FreeKey{p.pool, p.stream, p.size, prev->first});
+      erase_key(free_, FreeKey{p.pool, p.stream, p.size, prev->first});
       p.size += it->second.size;
       blocks_.erase(it);
       it = prev;
@@ -416,7 +438,8 @@ CachingAllocator::BlockMap::iterator CachingAllocator::merge_free(BlockMap::iter
   Block& merged = it->second;
   const auto next = std::next(it);
   if (next != blocks_.end() && mergeable(next->second, merged)) {
-    free_.erase(FreeKey{next->second.pool, next->second.stream, next->second.size, next->first});
+    erase_key(free_,
+              FreeKey{next->second.pool, next->second.stream, next->second.size, next->first});
     merged.size += next->second.size;
     blocks_.erase(next);
   }
@@ -582,6 +605,7 @@ void CachingAllocator::release_pending(Bytes address) {
   const auto it = blocks_.find(address);
   FERRY_CHECK(it != blocks_.end() && it->second.state == BlockInfo::State::PendingFree,
               "pending free at {:#x} is missing", address.count());
+  pending_bytes_ -= it->second.size;
   release_block(it);
 }
 

@@ -214,11 +214,10 @@ class SimulatedCost final : public CostModel {
       e.time = r.steps.back().end - r.steps.back().start;
       e.reserved = r.sim.device_allocator(r.device).stats().reserved_peak;
       e.pinned = r.sim.pinned_allocator().stats().reserved_peak;
-      TimelineMetrics metrics(r.compute);
-      r.sim.replay(metrics);
       const StepTimes& last = r.steps.back();
-      e.stall = metrics.stall(last.start, last.end);
-      e.d2h = metrics.copied(CopyDirection::DeviceToHost, last.start, last.end);
+      const StepFigures figures = step_figures(r.sim, r.compute, last.start, last.end);
+      e.stall = figures.stall;
+      e.d2h = figures.d2h;
     }
     return e;
   }

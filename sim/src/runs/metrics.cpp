@@ -87,4 +87,27 @@ std::int64_t copy_overlap_permille(const Simulator& sim) {
   return metrics.copy_overlap_permille();
 }
 
+StepFigures step_figures(const Simulator& sim, StreamId compute, SimTime from, SimTime to) {
+  // TimelineMetrics's stall and copied over the records in op order, the order it sorts by.
+  std::int64_t stall = 0;
+  std::int64_t last_end = 0;
+  Bytes d2h;
+  for (const OpRecord& r : sim.ops()) {
+    if (r.collective) continue;
+    if (r.kind == OpKind::Copy && r.direction == CopyDirection::DeviceToHost && r.issued >= from &&
+        r.issued <= to) {
+      d2h += r.bytes;
+    }
+    if (r.stream != compute || (r.kind != OpKind::Kernel && r.kind != OpKind::Wait)) continue;
+    if (r.kind == OpKind::Kernel) {
+      last_end = r.end.ns();
+      continue;
+    }
+    const std::int64_t ready = std::max(r.issued.ns(), last_end);
+    if (r.end.ns() > ready && r.issued >= from && r.issued < to) stall += r.end.ns() - ready;
+    last_end = std::max(last_end, r.end.ns());
+  }
+  return StepFigures{SimTime(stall), d2h};
+}
+
 }  // namespace ferry::sim

@@ -155,6 +155,8 @@ class CachingAllocator {
   [[nodiscard]] std::vector<SegmentInfo> segments() const;
   /// Allocated and pending-free blocks, in address order.
   [[nodiscard]] std::vector<BlockInfo> live_blocks() const;
+  /// Bytes of the blocks whose free waits behind record_stream markers (PendingFree).
+  [[nodiscard]] Bytes pending_free_bytes() const { return pending_bytes_; }
   /// The block's current size and address; the block must be allocated.
   [[nodiscard]] DeviceAllocation describe(BlockId block) const;
   /// Bytes of device memory segments may occupy.
@@ -205,10 +207,15 @@ class CachingAllocator {
     friend auto operator<=>(const UnmappedKey&, const UnmappedKey&) = default;
   };
   using BlockMap = PooledMap<Bytes, Block>;
+  using FreeSet = PooledSet<FreeKey>;
 
-  std::optional<Bytes> take_free_block(StreamId stream, PoolKind pool, Bytes size);
+  std::optional<FreeSet::iterator> take_free_block(StreamId stream, PoolKind pool, Bytes size);
   std::optional<Bytes> new_segment(StreamId stream, PoolKind pool, Bytes segment_size);
   DeviceAllocation hand_out(Bytes address, Bytes size, Bytes requested, BufferId buffer);
+  // hand_out of the free block `free` names, found by the best-fit search.
+  DeviceAllocation hand_out(FreeSet::iterator free, Bytes size, Bytes requested, BufferId buffer);
+  // The rest of hand_out, once the block `it` (free, of at least `size`) has left free_.
+  DeviceAllocation hand_out(BlockMap::iterator it, Bytes size, Bytes requested, BufferId buffer);
   void track(AllocatorEvent::Action action, Bytes address, Bytes size, StreamId stream,
              BufferId buffer) const {
     if (tracker_ != nullptr) {
@@ -250,7 +257,7 @@ class CachingAllocator {
   PooledMap<Bytes, Segment> segments_{
       // by address
       PooledMap<Bytes, Segment>::allocator_type(segment_nodes_.get())};
-  PooledSet<FreeKey> free_{PooledSet<FreeKey>::allocator_type(free_nodes_.get())};  // Free only
+  FreeSet free_{FreeSet::allocator_type(free_nodes_.get())};  // Free only
   std::set<UnmappedKey> unmapped_;  // unmapped blocks of expandable segments
   // Each block id's address while it is allocated, by id (ids are handed out in order and
   // never again); kNotLive before and after.
@@ -258,6 +265,7 @@ class CachingAllocator {
   std::vector<Bytes> live_;
   [[nodiscard]] std::optional<Bytes> live_address(BlockId block) const;
   DeferredFrees pending_;  // PendingFree blocks
+  Bytes pending_bytes_;    // their sizes, summed
   BlockId::rep_type next_id_ = 0;
   AllocatorStats stats_;
 };

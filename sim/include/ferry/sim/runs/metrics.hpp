@@ -63,4 +63,13 @@ class TimelineMetrics final : public SimObserver {
 /// Thousandths of copy time that overlapped kernel time.
 [[nodiscard]] std::int64_t copy_overlap_permille(const Simulator& sim);
 
+/// What the planner reads of a step in [from, to): the stall (TimelineMetrics::stall) and the
+/// bytes copied device to host (TimelineMetrics::copied), in one pass over the records.
+struct StepFigures {
+  SimTime stall;
+  Bytes d2h;
+};
+[[nodiscard]] StepFigures step_figures(const Simulator& sim, StreamId compute, SimTime from,
+                                       SimTime to);
+
 }  // namespace ferry::sim
