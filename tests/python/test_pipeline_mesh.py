@@ -47,7 +47,7 @@ def test_traced_mixtral_at_ep_pp(cli):
     assert code == 0, err
     rows_hold(document, 2)
     code, report, err = cli_json(
-        cli, "plan", "--model", MIXTRAL, *mesh, "--budget", "6GiB", "--margin", "0"
+        cli, "plan", "--model", MIXTRAL, *mesh, "--budget", "6.5GiB", "--margin", "0"
     )
     assert code == 0, err
     plan_holds(report, 2)

@@ -72,6 +72,7 @@ Executor::Executor(const Model& model, const DeviceProfile& profile, const Pipel
   forward_values_.assign(micro_batches_, std::vector<std::uint64_t>(model.tensors.size(), 0));
   resident_.resize(ndev_);
   param_grads_.resize(ndev_);
+  state_.resize(ndev_);
   live_activations_.assign(ndev_, Bytes(0));
   peak_activations_.assign(ndev_, Bytes(0));
   live_cells_.resize(ndev_);
@@ -358,6 +359,16 @@ void Executor::setup() {
           allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Static, 1, t.name + ".grad");
       param_grads_[dev(j)][b] = h;
       writes.push_back(Write{h, grad_content(0), 0});
+    }
+    // The optimizer state of the stage's parameters (Note [A stage's optimizer state]); under
+    // FSDP that of their shards instead (gather_parameters), as Fsdp2 holds it.
+    for (const std::uint32_t b : mesh_.on() ? std::vector<std::uint32_t>{} : plan_.state_of[j]) {
+      if (state_[dev(j)].contains(b)) continue;
+      const ModelTensor& t = model_.tensors[b];
+      const TensorId h =
+          allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Static, 1, t.name);
+      state_[dev(j)][b] = h;
+      writes.push_back(Write{h, mix_content(tag::kParam, b), 0});
     }
     // Initialization runs as kernels of at most kMaxWrites ranges each.
     for (std::size_t at = 0; at < writes.size(); at += kMaxWrites) {

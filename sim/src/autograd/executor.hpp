@@ -380,6 +380,8 @@ class Executor {
   // ----- end of step -----
 
   void finish_step();
+  /// Device d's optimizer step, reading `reads` (its gradients) and its state.
+  void optimizer_step(std::uint32_t d, std::vector<Read> reads);
 
   /// Frees what is still held when the step ends (after a failure, or what a portal leaked);
   /// returns how many buffers that was.
@@ -408,6 +410,7 @@ class Executor {
   std::vector<std::vector<std::uint64_t>> forward_values_;      ///< [micro-batch][base]
   std::vector<std::map<std::uint32_t, TensorId>> resident_;     ///< per device
   std::vector<std::map<std::uint32_t, TensorId>> param_grads_;  ///< per device
+  std::vector<std::map<std::uint32_t, TensorId>> state_;        ///< per device: optimizer state
   Generators rng_;                                              ///< per generator: draws so far
   ContentMap content_;
   std::vector<Buf> bufs_;
@@ -424,8 +427,9 @@ class Executor {
   Mesh mesh_;                        ///< each stage's mesh
   std::vector<StreamId> mesh_comm_;  ///< per device: tp/cp/ep collectives; empty: none
   std::vector<StreamId> fsdp_comm_;  ///< per device: FSDP's; empty without FSDP
-  std::vector<std::vector<TensorId>> param_shards_;  ///< per device, under FSDP: per group
-  std::set<std::uint32_t> expert_params_;            ///< under expert parallelism
+  std::vector<std::vector<TensorId>> param_shards_;   ///< per device, under FSDP: per group
+  std::vector<std::vector<TensorId>> moment_shards_;  ///< per device, under FSDP: per group
+  std::set<std::uint32_t> expert_params_;             ///< under expert parallelism
 };
 
 }  // namespace ferry::sim::pipelining

@@ -7,6 +7,8 @@
 
 #include "executor.hpp"
 #include "ferry/check.hpp"
+#include "ferry/sim/workload/model.hpp"
+#include "ferry/units.hpp"
 #include "step_failure.hpp"
 
 namespace ferry::sim::pipelining {
@@ -374,9 +376,45 @@ void Executor::finish_step() {
     } else {
       for (const auto& [b, h] : param_grads_[d]) reads.push_back(Read{h, whole(h), content(h)});
     }
-    if (!reads.empty()) launch(d, SimTime(1), reads, {}, "optimizer step");
+    optimizer_step(d, std::move(reads));
   }
   for (std::uint32_t d = 0; d < ndev_; ++d) sim_.sync_device(DeviceId(d));
+}
+
+// The step of an optimizer with state (AdamW) reads the gradients, the parameters and the state
+// and writes the last two, a kernel bound by the device's memory bandwidth as Fsdp2's is
+// (Fsdp2::optimizer_step, Fsdp2::memory_time). A model with no optimizer state names no
+// optimizer: its step reads the gradients for 1 ns.
+void Executor::optimizer_step(std::uint32_t d, std::vector<Read> reads) {
+  if (reads.empty()) return;
+  std::vector<TensorId> updated;
+  if (mesh_.on()) {
+    updated = param_shards_[d];  // which reduce_gradients lists among the reads
+    for (const TensorId h : moment_shards_[d]) {
+      reads.push_back(Read{h, whole(h), content(h)});
+      updated.push_back(h);
+    }
+  } else if (!state_[d].empty()) {
+    for (const auto& [b, h] : param_grads_[d]) updated.push_back(resident_[d].at(b));
+    for (const auto& [b, h] : state_[d]) updated.push_back(h);
+    for (const TensorId h : updated) reads.push_back(Read{h, whole(h), content(h)});
+  }
+  if (updated.empty()) {
+    launch(d, SimTime(1), reads, {}, "optimizer step");
+    return;
+  }
+  Bytes moved(0);
+  for (const Read& r : reads) moved += r.region.bytes;
+  std::vector<Write> writes;
+  for (const TensorId h : updated) {
+    writes.push_back(Write{h, content(h), buf(h).sum});
+    moved += buf(h).bytes;
+  }
+  const std::int64_t rate =
+      profile_.memory_bandwidth.bytes_per_s() * memory_permille(profile_) / 1000;
+  const SimTime time =
+      std::max(SimTime(1), transfer_time(moved, Bandwidth(std::max<std::int64_t>(rate, 1))));
+  launch(d, time, reads, writes, "optimizer step");
 }
 
 std::int64_t Executor::release_leftovers() {

@@ -31,8 +31,9 @@ namespace ferry::sim::pipelining {
 // shard after their initialization (W3) and before its first forward (W4), and its summed
 // gradients reduce-scattered into a shard after its last backward (W5, all-reduced over HSDP's
 // replicas after) and before the optimizer reads that shard (W6). The faults skip_gather_* and
-// skip_reduce_* drop W3..W6. Not modelled: the units' separate all-gathers overlapping the
-// first forward, an optimizer state's shard.
+// skip_reduce_* drop W3..W6. The stage holds AdamW's moments of its shard from set-up, as Fsdp2
+// does (the rank model's optimizer state is FSDP's, Fsdp2::holds). Not modelled: the units'
+// separate all-gathers overlapping the first forward.
 
 std::optional<CollectiveLane> Executor::collective_lane(std::uint32_t k, bool backward) const {
   const OpCollective& c = model_.ops[k].collective;
@@ -98,11 +99,19 @@ void Executor::gather_parameters() {
   for (std::uint32_t d = 0; d < ndev_; ++d) {
     const StreamId compute = devices_[d]->compute_stream().id;
     param_shards_.emplace_back();
+    moment_shards_.emplace_back();
     for (const ShardGroup& g : shard_groups(resident_[d])) {
       const TensorId shard = allocate(d, streams_->compute(d), shard_of(g), Kind::Static, 1,
                                       "parameters (FSDP shard)");
       param_shards_.back().push_back(shard);
-      launch(d, SimTime(1), {}, {Write{shard, mix_content(tag::kParam, shard.value()), 0}},
+      // AdamW's two moments of the shard, held from set-up as Fsdp2 holds them from its first
+      // optimizer step on.
+      const TensorId moments = allocate(d, streams_->compute(d), 2 * shard_of(g), Kind::Static, 1,
+                                        "AdamW moments (FSDP shard)");
+      moment_shards_.back().push_back(moments);
+      launch(d, SimTime(1), {},
+             {Write{shard, mix_content(tag::kParam, shard.value()), 0},
+              Write{moments, mix_content(tag::kParam, moments.value()), 0}},
              "init parameter shard");
       stream_wait(d, fsdp_comm_[d], compute, faults_.skip_gather_launch_wait);
       // In chunks of at most kMaxWrites parameters, as their initialization runs.

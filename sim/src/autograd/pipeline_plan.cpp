@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <set>
+#include <string>
+#include <string_view>
 #include <utility>
 
 #include "ferry/check.hpp"
@@ -294,6 +297,39 @@ void plan_gradients(Plan& plan, const RoutesIn& routes) {
   }
 }
 
+// Note [A stage's optimizer state]
+// An optimizer's state tensor is named `optimizer.<parameter>.<key>` (AdamW's exp_avg and
+// exp_avg_sq, as the tracer writes them) and belongs to that parameter: the partition holding
+// the parameter's gradient holds it from set-up, as the single-device run holds it, and its
+// optimizer step updates it. A parameter two partitions read (tied weights) has its state on
+// each. State naming no parameter a partition updates is held by the first.
+void plan_optimizer_state(Plan& plan, const Model& model) {
+  constexpr std::string_view kPrefix = "optimizer.";
+  std::map<std::string, std::uint32_t, std::less<>> param_named;
+  for (std::uint32_t t = 0; t < model.tensors.size(); ++t) {
+    const ModelTensor& tensor = model.tensors[t];
+    if (tensor.role == TensorRole::Param && tensor.view_of < 0) param_named[tensor.name] = t;
+  }
+  plan.state_of.assign(plan.partitions(), {});
+  for (std::uint32_t t = 0; t < model.tensors.size(); ++t) {
+    const ModelTensor& tensor = model.tensors[t];
+    if (tensor.role != TensorRole::OptimizerState || tensor.view_of >= 0) continue;
+    const std::string_view name = tensor.name;
+    const std::size_t dot = name.rfind('.');
+    const auto param =
+        name.starts_with(kPrefix) && dot != std::string_view::npos && dot > kPrefix.size()
+            ? param_named.find(name.substr(kPrefix.size(), dot - kPrefix.size()))
+            : param_named.end();
+    bool held = false;
+    for (std::uint32_t j = 0; j < plan.partitions() && param != param_named.end(); ++j) {
+      if (!std::ranges::binary_search(plan.grads_of[j], param->second)) continue;
+      plan.state_of[j].push_back(t);
+      held = true;
+    }
+    if (!held) plan.state_of.front().push_back(t);
+  }
+}
+
 }  // namespace
 
 Plan make_plan(const Model& model, std::vector<std::uint32_t> starts,
@@ -318,6 +354,7 @@ Plan make_plan(const Model& model, std::vector<std::uint32_t> starts,
   plan.grad_flows = std::move(graph.grad_flows);
   plan_skips(plan, skips);
   plan_gradients(plan, plan_accesses(plan, model, skips.size()));
+  plan_optimizer_state(plan, model);
   return plan;
 }
 

@@ -77,6 +77,8 @@ struct Plan {
   std::vector<std::vector<std::uint32_t>> inputs_of;          ///< per partition: batch inputs used
   std::vector<std::vector<std::uint32_t>> params_of;  ///< per partition: resident tensors used
   std::vector<std::vector<std::uint32_t>> grads_of;   ///< per partition: params read (grads)
+  /// Per partition: the optimizer state it holds (Note [A stage's optimizer state]).
+  std::vector<std::vector<std::uint32_t>> state_of;
 
   [[nodiscard]] std::uint32_t partitions() const {
     return static_cast<std::uint32_t>(starts.size() - 1);
