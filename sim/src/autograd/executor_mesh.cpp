@@ -6,6 +6,7 @@
 
 #include "executor.hpp"
 #include "ferry/sim/engine/collective_cost.hpp"
+#include "mesh_collectives.hpp"
 #include "step_failure.hpp"
 
 namespace ferry::sim::pipelining {
@@ -38,15 +39,7 @@ namespace ferry::sim::pipelining {
 std::optional<CollectiveLane> Executor::collective_lane(std::uint32_t k, bool backward) const {
   const OpCollective& c = model_.ops[k].collective;
   if (!c.any() || !(backward ? c.backward : c.forward)) return std::nullopt;
-  switch (c.axis) {
-    case MeshAxis::Tensor:
-      return CollectiveLane::Tensor;
-    case MeshAxis::Context:
-      return CollectiveLane::Context;
-    case MeshAxis::Expert:
-      break;
-  }
-  return CollectiveLane::Expert;
+  return training::lane_of(c.axis);
 }
 
 void Executor::add_mesh_streams() {

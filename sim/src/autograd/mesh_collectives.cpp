@@ -28,6 +28,8 @@ namespace {
 
 constexpr std::array<MeshAxis, 3> kAxes = {MeshAxis::Tensor, MeshAxis::Context, MeshAxis::Expert};
 
+}  // namespace
+
 CollectiveLane lane_of(MeshAxis axis) {
   switch (axis) {
     case MeshAxis::Tensor:
@@ -39,8 +41,6 @@ CollectiveLane lane_of(MeshAxis axis) {
   }
   return CollectiveLane::Expert;
 }
-
-}  // namespace
 
 bool MeshCollectives::needed(const Model& model) {
   return std::ranges::any_of(model.ops, [](const ModelOp& op) { return op.collective.any(); });

@@ -11,6 +11,9 @@
 
 namespace ferry::sim::training {
 
+/// The collective lane that runs a mesh axis's process group.
+[[nodiscard]] CollectiveLane lane_of(MeshAxis axis);
+
 /// Issues each collective op of the model (ModelOp::collective) on a stream of its mesh
 /// axis's process group, run by that group's collective lane, between the two waits torch
 /// puts around a functional collective (Note [Mesh collectives]).

@@ -5,6 +5,36 @@
 
 namespace ferry::sim {
 
+namespace {
+
+// A wait stalls the stream from when it could have run (issued, and the stream's previous work
+// done) to when its event completed; fed the compute stream's kernels and waits in op order,
+// which is stream order.
+class StallSum {
+ public:
+  StallSum(SimTime from, SimTime to) : from_(from), to_(to) {}
+
+  void add(OpKind kind, SimTime issued, SimTime end) {
+    if (kind == OpKind::Kernel) {
+      last_end_ = end.ns();
+      return;
+    }
+    const std::int64_t ready = std::max(issued.ns(), last_end_);
+    if (end.ns() > ready && issued >= from_ && issued < to_) stall_ += end.ns() - ready;
+    last_end_ = std::max(last_end_, end.ns());
+  }
+
+  [[nodiscard]] SimTime total() const { return SimTime(stall_); }
+
+ private:
+  SimTime from_;
+  SimTime to_;
+  std::int64_t stall_ = 0;
+  std::int64_t last_end_ = 0;
+};
+
+}  // namespace
+
 void TimelineMetrics::op_finished(OpId op, const OpRecord& r) {
   if (r.collective) return;  // not compute: the link's time
   if (r.stream == compute_ && (r.kind == OpKind::Kernel || r.kind == OpKind::Wait)) {
@@ -19,23 +49,12 @@ void TimelineMetrics::op_finished(OpId op, const OpRecord& r) {
 }
 
 SimTime TimelineMetrics::stall(SimTime from, SimTime to) const {
-  // A wait stalls the stream from when it could have run (issued, and the stream's previous
-  // work done) to when its event completed. Stream order is op order.
   std::vector<ComputeOp> ops = compute_ops_;
   std::sort(ops.begin(), ops.end(),
             [](const ComputeOp& a, const ComputeOp& b) { return a.op < b.op; });
-  std::int64_t stall = 0;
-  std::int64_t last_end = 0;
-  for (const ComputeOp& r : ops) {
-    if (r.kind == OpKind::Kernel) {
-      last_end = r.end.ns();
-      continue;
-    }
-    const std::int64_t ready = std::max(r.issued.ns(), last_end);
-    if (r.end.ns() > ready && r.issued >= from && r.issued < to) stall += r.end.ns() - ready;
-    last_end = std::max(last_end, r.end.ns());
-  }
-  return SimTime(stall);
+  StallSum stall(from, to);
+  for (const ComputeOp& r : ops) stall.add(r.kind, r.issued, r.end);
+  return stall.total();
 }
 
 SimTime TimelineMetrics::kernels_done(SimTime from, SimTime to) const {
@@ -89,8 +108,7 @@ std::int64_t copy_overlap_permille(const Simulator& sim) {
 
 StepFigures step_figures(const Simulator& sim, StreamId compute, SimTime from, SimTime to) {
   // TimelineMetrics's stall and copied over the records in op order, the order it sorts by.
-  std::int64_t stall = 0;
-  std::int64_t last_end = 0;
+  StallSum stall(from, to);
   Bytes d2h;
   for (const OpRecord& r : sim.ops()) {
     if (r.collective) continue;
@@ -98,16 +116,11 @@ StepFigures step_figures(const Simulator& sim, StreamId compute, SimTime from, S
         r.issued <= to) {
       d2h += r.bytes;
     }
-    if (r.stream != compute || (r.kind != OpKind::Kernel && r.kind != OpKind::Wait)) continue;
-    if (r.kind == OpKind::Kernel) {
-      last_end = r.end.ns();
-      continue;
+    if (r.stream == compute && (r.kind == OpKind::Kernel || r.kind == OpKind::Wait)) {
+      stall.add(r.kind, r.issued, r.end);
     }
-    const std::int64_t ready = std::max(r.issued.ns(), last_end);
-    if (r.end.ns() > ready && r.issued >= from && r.issued < to) stall += r.end.ns() - ready;
-    last_end = std::max(last_end, r.end.ns());
   }
-  return StepFigures{SimTime(stall), d2h};
+  return StepFigures{stall.total(), d2h};
 }
 
 }  // namespace ferry::sim
