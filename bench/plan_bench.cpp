@@ -143,18 +143,24 @@ std::optional<PipelineCase> pipeline_case(benchmark::State& state) {
                       g_smoke ? 4 : 16};
 }
 
-void BM_PlanPipeline(benchmark::State& state) {
-  const auto c = pipeline_case(state);
-  if (!c) return;
+// The options of `ferry plan --devices N` on a pipeline case: 1F1B at the device's memory.
+ferry::sim::PipelinePlanOptions pipeline_plan_options(const PipelineCase& c) {
   ferry::sim::PipelinePlanOptions options;
-  options.devices = c->devices;
-  options.micro_batches = c->micro_batches;
+  options.devices = c.devices;
+  options.micro_batches = c.micro_batches;
   options.schedules = {ferry::sim::Schedule::OneFOneB};
-  options.budget = c->device.memory;
+  options.budget = c.device.memory;
   options.jobs = g_jobs;
+  return options;
+}
+
+// Plans the pipeline each iteration and reports the plan's and the best fixed row's step.
+void time_pipeline_plan(benchmark::State& state, const ferry::sim::CheckedModel& model,
+                        const ferry::DeviceProfile& device,
+                        const ferry::sim::PipelinePlanOptions& options) {
   ferry::Result<ferry::sim::PipelinePlan> plan = ferry::Error{"not run"};
   for (auto _ : state) {
-    plan = ferry::sim::plan_pipeline(c->model, c->device, options);
+    plan = ferry::sim::plan_pipeline(model, device, options);
     benchmark::DoNotOptimize(plan);
   }
   if (!plan.ok()) {
@@ -170,6 +176,12 @@ void BM_PlanPipeline(benchmark::State& state) {
   }
   state.counters["simulations"] = static_cast<double>(p.simulations);
   state.counters["per_stage"] = chosen.stage_configs.empty() ? 0.0 : 1.0;
+}
+
+void BM_PlanPipeline(benchmark::State& state) {
+  const auto c = pipeline_case(state);
+  if (!c) return;
+  time_pipeline_plan(state, c->model, c->device, pipeline_plan_options(*c));
 }
 
 void BM_ComparePipeline(benchmark::State& state) {
@@ -236,29 +248,9 @@ void BM_PlanPipelineMesh(benchmark::State& state) {
   if (!c) return;
   const auto m = mesh_case(state, *c);
   if (!m) return;
-  ferry::sim::PipelinePlanOptions options;
-  options.devices = c->devices;
-  options.micro_batches = c->micro_batches;
-  options.schedules = {ferry::sim::Schedule::OneFOneB};
-  options.budget = c->device.memory;
-  options.jobs = g_jobs;
+  ferry::sim::PipelinePlanOptions options = pipeline_plan_options(*c);
   options.mesh = m->mesh;
-  ferry::Result<ferry::sim::PipelinePlan> plan = ferry::Error{"not run"};
-  for (auto _ : state) {
-    plan = ferry::sim::plan_pipeline(m->rank.model, m->rank.device, options);
-    benchmark::DoNotOptimize(plan);
-  }
-  if (!plan.ok()) {
-    state.SkipWithError(plan.error().message.c_str());
-    return;
-  }
-  const auto& p = plan.value();
-  state.counters["plan_step_s"] = static_cast<double>(p.candidates[p.chosen].step_time.ns()) / 1e9;
-  if (p.best_fixed) {
-    state.counters["best_fixed_step_s"] =
-        static_cast<double>(p.candidates[*p.best_fixed].step_time.ns()) / 1e9;
-  }
-  state.counters["simulations"] = static_cast<double>(p.simulations);
+  time_pipeline_plan(state, m->rank.model, m->rank.device, options);
 }
 
 BENCHMARK_CAPTURE(BM_Plan, llama3_8b, "llama3-8b-s8192")->Iterations(1)->Unit(benchmark::kSecond);
