@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <string>
+#include <string_view>
 #include <utility>
 
 #include "executor.hpp"
@@ -343,33 +345,27 @@ void Executor::copy(StreamRef stream, TensorId src, TensorId dst, const std::str
 void Executor::setup() {
   for (std::uint32_t j = 0; j < parts_; ++j) {
     std::vector<Write> writes;
-    // A device holding several stages (interleaved) keeps one replica of what they share.
-    for (const std::uint32_t b : plan_.params_of[j]) {
-      if (resident_[dev(j)].contains(b)) continue;
-      const ModelTensor& t = model_.tensors[b];
-      const TensorId h =
-          allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Static, 1, t.name);
-      resident_[dev(j)][b] = h;
-      writes.push_back(Write{h, mix_content(tag::kParam, b), 0});
-    }
-    for (const std::uint32_t b : plan_.grads_of[j]) {
-      if (param_grads_[dev(j)].contains(b)) continue;
-      const ModelTensor& t = model_.tensors[b];
-      const TensorId h =
-          allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Static, 1, t.name + ".grad");
-      param_grads_[dev(j)][b] = h;
-      writes.push_back(Write{h, grad_content(0), 0});
-    }
+    // Allocates each tensor of `tensors` the device does not hold yet, into `held`. A device
+    // holding several stages (interleaved) keeps one replica of what they share.
+    const auto hold = [&](const std::vector<std::uint32_t>& tensors,
+                          std::map<std::uint32_t, TensorId>& held, std::string_view suffix,
+                          auto content) {
+      for (const std::uint32_t b : tensors) {
+        if (held.contains(b)) continue;
+        const ModelTensor& t = model_.tensors[b];
+        const TensorId h = allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Static, 1,
+                                    t.name + std::string(suffix));
+        held[b] = h;
+        writes.push_back(Write{h, content(b), 0});
+      }
+    };
+    const auto param = [](std::uint32_t b) { return mix_content(tag::kParam, b); };
+    hold(plan_.params_of[j], resident_[dev(j)], "", param);
+    hold(plan_.grads_of[j], param_grads_[dev(j)], ".grad",
+         [](std::uint32_t) { return grad_content(0); });
     // The optimizer state of the stage's parameters (Note [A stage's optimizer state]); under
     // FSDP that of their shards instead (gather_parameters), as Fsdp2 holds it.
-    for (const std::uint32_t b : mesh_.on() ? std::vector<std::uint32_t>{} : plan_.state_of[j]) {
-      if (state_[dev(j)].contains(b)) continue;
-      const ModelTensor& t = model_.tensors[b];
-      const TensorId h =
-          allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Static, 1, t.name);
-      state_[dev(j)][b] = h;
-      writes.push_back(Write{h, mix_content(tag::kParam, b), 0});
-    }
+    if (!mesh_.on()) hold(plan_.state_of[j], state_[dev(j)], "", param);
     // Initialization runs as kernels of at most kMaxWrites ranges each.
     for (std::size_t at = 0; at < writes.size(); at += kMaxWrites) {
       const auto end =
