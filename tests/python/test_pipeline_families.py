@@ -47,17 +47,27 @@ def traced(tmp_path_factory):
     return paths
 
 
-def simulate(cli, model, schedule):
-    virtual, policy = SCHEDULES[schedule]
-    code, result, err = cli_json(
+def pipeline_command(cli, command, model, *flags):
+    """`ferry COMMAND --model MODEL` over this file's devices and micro-batches, as JSON."""
+    return cli_json(
         cli,
-        "simulate",
+        command,
         "--model",
         model,
         "--devices",
         str(DEVICES),
         "--micro-batches",
         str(MICRO_BATCHES),
+        *flags,
+    )
+
+
+def simulate(cli, model, schedule):
+    virtual, policy = SCHEDULES[schedule]
+    code, result, err = pipeline_command(
+        cli,
+        "simulate",
+        model,
         "--schedule",
         schedule,
         "--virtual-stages",
@@ -96,15 +106,10 @@ def test_the_first_stage_holds_the_analytic_count_of_micro_batches(cli, traced, 
 
 
 def pipeline_plan(cli, model, budget):
-    return cli_json(
+    return pipeline_command(
         cli,
         "plan",
-        "--model",
         model,
-        "--devices",
-        str(DEVICES),
-        "--micro-batches",
-        str(MICRO_BATCHES),
         "--margin",
         "0",
         *(["--budget", f"{budget}B"] if budget else []),
