@@ -13,6 +13,7 @@ document on what the model lacks for it. No model constant is fitted to any row.
 """
 
 import json
+import math
 import subprocess
 
 import pytest
@@ -688,3 +689,60 @@ def test_axolotl3776_checkpointed_step_is_faster_than_measured(axolotl3776):
     the measurement, so that a compute model that closes the gap is seen here."""
     runs, _ = axolotl3776
     assert tokens_per_s(runs["gc"], 8192) > 8192 / (AXOLOTL3776["gc"][0] / 1e3)
+
+
+# --- The plan's margin and band follow the reserved rows --------------------------------------
+def reserved_rows(pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, bert):
+    """Every row of docs/validation.md's table that holds a peak reserved (NVML's used memory
+    less the context, for the BERT rows) against a measured one: {row: (predicted, measured)},
+    in bytes."""
+    rows = {
+        "6": (pr165["full"], PR165_FULL["reserved"] * GIB),
+        "9": (pr165["sac"], PR165_SAC["reserved"] * GIB),
+        "12": (dec2024[8], DEC2024[8][0] * GIB),
+        "14": (dec2024[128], DEC2024[128][0] * GIB),
+        "16": (pr3429["op-sac", "default"], PR3429["op-sac"][0] * GIB),
+        "17": (pr3429["op-sac", "expandable"], PR3429["op-sac"][0] * GIB),
+        "19": (pr3429["every:1", "default"], PR3429["every:1"][0] * GIB),
+        "20": (pr3429["every:1", "expandable"], PR3429["every:1"][0] * GIB),
+        "22a": (pr3429_traced["op-sac", "trace"], PR3429["op-sac"][0] * GIB),
+        "22b": (pr3429_traced["every:1", "trace"], PR3429["every:1"][0] * GIB),
+        "22g": (pr3429_graph_trainer["op-sac-all", "trace"], PR3429_GRAPH["op-sac-all"][0] * GIB),
+        "22h": (pr3429_graph_trainer["every:1", "trace"], PR3429_GRAPH["every:1"][0] * GIB),
+        "25": (bert["b4"], BERT_B4[0] * MIB),
+        "27": (bert["b1"], BERT_B1[0] * MIB),
+        "28": (bert["b1 checkpointed"], BERT_B1_CHECKPOINTED[0] * MIB),
+        "30": (bert["b4 adafactor"], BERT_B4_ADAFACTOR[0] * MIB),
+    }
+    return {
+        row: (result["peak_reserved_bytes"], measured) for row, (result, measured) in rows.items()
+    }
+
+
+def plan_band():
+    """The default margin and the band `ferry plan` prints for a GPU's peak, as fractions: the
+    largest underestimate and overestimate of a peak reserved it allows for."""
+    args = [ferry_cli(), "plan", "--model", "tiny-gpt", "--budget", "1GiB", "--json"]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    plan = json.loads(run.stdout)
+    predicted, band = plan["peak_reserved_bytes"], plan["expected_peak_reserved_bytes"]
+    return plan["margin_permille"] / 1000, 1 - predicted / band["high"], predicted / band["low"] - 1
+
+
+def test_the_plan_margin_and_band_follow_the_reserved_rows(
+    pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, bert
+):
+    """docs/plan.md, What "fits" promises: the band `ferry plan` prints spans every reserved row's
+    error, no wider than the largest of them (to 0.1 %), and the default margin is the largest
+    underestimate rounded up to a whole percent: a model change that moves a row moves them."""
+    rows = reserved_rows(pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, bert)
+    errors = {row: predicted / measured - 1 for row, (predicted, measured) in rows.items()}
+    under = max(-min(errors.values()), 0.0)
+    over = max(max(errors.values()), 0.0)
+    margin, band_under, band_over = plan_band()
+    table = ", ".join(f"{row} {error:+.2%}" for row, error in errors.items())
+    # The band's ends are whole permille: each within 0.1 % above the table's extreme.
+    assert under <= band_under < under + 0.001, (table, band_under)
+    assert over <= band_over < over + 0.001, (table, band_over)
+    assert margin == pytest.approx(math.ceil(under * 100) / 100), (table, margin)

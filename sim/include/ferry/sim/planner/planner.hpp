@@ -24,13 +24,15 @@ struct PlannerState;  // planner.cpp
 
 // Note [The plan margin]
 // A plan is made on the simulator's peak reserved memory, and the simulator is not the GPU:
-// docs/validation.md's table of published measurements finds its peaks between 15.0 % below
+// docs/validation.md's table of published measurements finds its peaks between 18.3 % below
 // and 15.7 % above what the real runs reserved. Below is what hurts: a plan predicted at the
-// budget would reserve up to 1 / (1 - 0.150) of it on the GPU and could fail there. So a plan
+// budget would reserve up to 1 / (1 - 0.183) of it on the GPU and could fail there. So a plan
 // for budget B is made to fit B less a margin, a share of B no smaller than the table's largest
 // underestimate: then the run's real peak stays within B wherever the table's rows are the
 // guide. `ferry plan --margin` and `margin=` choose it (0 plans to B itself); the report prints
 // the band, from the same table, in which the GPU's peak is expected.
+// tests/python/test_published_rows.py recomputes every reserved row and fails where the band
+// or the margin no longer follows them.
 
 /// How far the simulator's peak reserved was from real GPUs in docs/validation.md's table of
 /// published measurements, in thousandths of the measured peak: `under` the largest
@@ -39,12 +41,12 @@ struct PeakErrorBand {
   std::int32_t under_permille;
   std::int32_t over_permille;
 };
-inline constexpr PeakErrorBand kPeakReservedErrorBand{.under_permille = 150, .over_permille = 157};
+inline constexpr PeakErrorBand kPeakReservedErrorBand{.under_permille = 183, .over_permille = 157};
 
 /// The margin `ferry plan` and `ferry.plan` / `ferry.auto` keep below a budget unless told
-/// otherwise (Note [The plan margin]): the table's largest underestimate (15.02 %), rounded up
+/// otherwise (Note [The plan margin]): the table's largest underestimate (18.26 %), rounded up
 /// to whole percent.
-inline constexpr std::int32_t kDefaultPlanMarginPermille = 160;
+inline constexpr std::int32_t kDefaultPlanMarginPermille = 190;
 /// The largest margin one may ask for: half the budget.
 inline constexpr std::int32_t kMaxPlanMarginPermille = 500;
 
