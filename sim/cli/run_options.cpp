@@ -182,8 +182,7 @@ void add_pipeline_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   cmd->add_option("--schedule", a.schedule,
                   "Pipeline schedule: gpipe (torchgpipe), 1f1b, interleaved-1f1b, "
                   "interleaved-zero-bubble or zbv (torch's Schedule1F1B, ScheduleInterleaved1F1B, "
-                  "ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble: torchtitan's "
-                  "ZBVZeroBubble)")
+                  "ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)")
       ->capture_default_str();
   cmd->add_option("--virtual-stages", a.virtual_stages,
                   "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64; "
