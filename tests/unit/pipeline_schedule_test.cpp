@@ -229,13 +229,16 @@ TEST(PipelineSchedule, ZeroBubbleVBubbleIsBelowInterleavedOneFOneBs) {
 TEST(PipelineSchedule, TwoRunsAreIdentical) {
   const DeviceProfile device = simple_profile();
   const Model model = tiny_gpt(device);
-  const PipelineOptions o = options(Schedule::Interleaved1F1B, 2, 4, 2);
-  const PipelineRun a = simulate_pipeline(model, device, o).value();
-  const PipelineRun b = simulate_pipeline(model, device, o).value();
-  EXPECT_EQ(a.step_time, b.step_time);
-  EXPECT_EQ(a.busy, b.busy);
-  EXPECT_EQ(a.peak_allocated, b.peak_allocated);
-  EXPECT_EQ(a.sim.ops().size(), b.sim.ops().size());
+  for (const Schedule schedule : {Schedule::Interleaved1F1B, Schedule::ZeroBubbleV}) {
+    SCOPED_TRACE(schedule_name(schedule));
+    const PipelineOptions o = options(schedule, 2, 4, 2);
+    const PipelineRun a = simulate_pipeline(model, device, o).value();
+    const PipelineRun b = simulate_pipeline(model, device, o).value();
+    EXPECT_EQ(a.step_time, b.step_time);
+    EXPECT_EQ(a.busy, b.busy);
+    EXPECT_EQ(a.peak_allocated, b.peak_allocated);
+    EXPECT_EQ(a.sim.ops().size(), b.sim.ops().size());
+  }
 }
 
 TEST(PipelineSchedule, RefusesWhatTorchRefuses) {
