@@ -83,6 +83,8 @@ struct Task {
 // Streams, events and the holders of shared buffers are the core's: Note [Pipeline streams]
 // and Note [Receive buffers and record_stream] in ferry/pipeline/streams.hpp. With an offload
 // policy, each stage's saved tensors go through an Offloader on that stage's device: see
+// Note [Offload in stages].
+//
 // Note [Stages on one rank]
 // Under torch's V placement (ScheduleZBVZeroBubble) stages pp - 1 and pp run on one rank, and
 // torch's runtime passes their tensors without a send: the forward's outputs become the next
@@ -91,8 +93,6 @@ struct Task {
 // set_local_bwd_input). The receiving task takes the sender's buffer itself, with the holds a
 // received copy would have had; no copy stream, no event: both tasks run on the rank's compute
 // stream, so stream order is the only wait, and the hazard checker sees it.
-//
-// Note [Offload in stages].
 //
 // Note [Split backward]
 // Zero-bubble schedules split a stage's backward in two steps, as torch's stage does
