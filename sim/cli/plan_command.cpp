@@ -140,10 +140,12 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
   cmd->add_option("--micro-batches", r.micro_batches, "Pipeline micro-batches, 1..1024")
       ->capture_default_str();
   cmd->add_option("--schedule", r.schedule,
-                  "Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble, or "
-                  "auto (each, the fastest that fits); default: 1f1b (torchtitan's)");
+                  "Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble, zbv "
+                  "(torchtitan's ZBVZeroBubble), or auto (each, the fastest that fits); default: "
+                  "1f1b (torchtitan's)");
   cmd->add_option("--virtual-stages", r.virtual_stages,
-                  "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64")
+                  "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64; "
+                  "2 under zbv")
       ->capture_default_str();
 }
 

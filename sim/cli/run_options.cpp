@@ -180,12 +180,13 @@ void add_pipeline_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches, 1..1024")
       ->capture_default_str();
   cmd->add_option("--schedule", a.schedule,
-                  "Pipeline schedule: gpipe (torchgpipe), 1f1b, interleaved-1f1b or "
-                  "interleaved-zero-bubble (torch's Schedule1F1B, ScheduleInterleaved1F1B, "
-                  "ScheduleInterleavedZeroBubble)")
+                  "Pipeline schedule: gpipe (torchgpipe), 1f1b, interleaved-1f1b, "
+                  "interleaved-zero-bubble or zbv (torch's Schedule1F1B, ScheduleInterleaved1F1B, "
+                  "ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)")
       ->capture_default_str();
   cmd->add_option("--virtual-stages", a.virtual_stages,
-                  "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64")
+                  "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64; "
+                  "2 under zbv")
       ->capture_default_str();
   if (simulate) {
     cmd->add_option("--pipeline-checkpoint", args.simulate.pipeline_checkpoint,

@@ -208,17 +208,22 @@ rc::Gen<Case> gen_case() {
       rc::gen::inRange<std::uint32_t>(0, 3), rc::gen::element<std::int64_t>(0, 500, 3000));
 }
 
-// A case under torch's 1F1B, interleaved 1F1B or interleaved zero bubble: no skips (portals are
-// GPipe's), and counts the schedule takes (1F1B: at least as many micro-batches as devices;
+// A case under torch's 1F1B, interleaved 1F1B, interleaved zero bubble or ZBV: no skips (portals
+// are GPipe's), and counts the schedule takes (1F1B: at least as many micro-batches as devices;
 // interleaved: 2 devices or more, 2 or 3 stages each, 1 to 3 under zero bubble, micro-batches a
-// multiple of the rounds), the offload policy none, trl or ferry (none under zero bubble).
+// multiple of the rounds; ZBV: 2 stages a device, any micro-batches), the offload policy none,
+// trl or ferry (none under the zero-bubble schedules).
 rc::Gen<Case> gen_schedule_case() {
   return rc::gen::apply(
       [](Case c, std::uint32_t kind, std::int32_t v, std::uint32_t policy) {
         c.skips.clear();
         const auto parts = static_cast<std::int32_t>(c.ops.size()) + 1;
         const bool zero_bubble = kind == 2;
-        if (kind > 0 && parts >= 4) {
+        if (kind == 3 && parts >= 2) {
+          c.schedule = Schedule::ZeroBubbleV;
+          c.virtual_stages = 2;
+          c.devices = std::max(1, std::min(c.devices, parts / 2));
+        } else if (kind > 0 && parts >= 4) {
           c.schedule = zero_bubble ? Schedule::InterleavedZeroBubble : Schedule::Interleaved1F1B;
           c.virtual_stages = std::min(zero_bubble ? v - 1 : v, parts / 2);
           c.devices = std::max(2, std::min(c.devices, parts / c.virtual_stages));
@@ -228,14 +233,14 @@ rc::Gen<Case> gen_schedule_case() {
           c.schedule = Schedule::OneFOneB;
           c.micro_batches = std::max(c.micro_batches, c.devices);
         }
-        c.policy = policy == 0 || c.schedule == Schedule::InterleavedZeroBubble ? Policy::None
-                   : policy == 1                                                ? Policy::Trl
-                                                                                : Policy::Ferry;
+        c.policy = policy == 0 || pipeline::splits_backward(c.schedule) ? Policy::None
+                   : policy == 1                                        ? Policy::Trl
+                                                                        : Policy::Ferry;
         c.min_bytes = 600;
         c.window = 4096;
         return c;
       },
-      gen_case(), rc::gen::inRange<std::uint32_t>(0, 3), rc::gen::inRange<std::int32_t>(2, 4),
+      gen_case(), rc::gen::inRange<std::uint32_t>(0, 4), rc::gen::inRange<std::int32_t>(2, 4),
       rc::gen::inRange<std::uint32_t>(0, 3));
 }
 

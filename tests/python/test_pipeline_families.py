@@ -29,9 +29,10 @@ SCHEDULES = {
     "gpipe": (1, "ferry"),
     "1f1b": (1, "ferry"),
     "interleaved-1f1b": (2, "ferry"),
-    # Zero bubble keeps a node's saved tensors from its input-gradient step to its weight step,
-    # which the offloader does not model (ferry simulate refuses the pair).
+    # The zero-bubble schedules keep a node's saved tensors from its input-gradient step to its
+    # weight step, which the offloader does not model (ferry simulate refuses the pair).
     "interleaved-zero-bubble": (2, "none"),
+    "zbv": (2, "none"),
 }
 
 

@@ -92,6 +92,55 @@ TEST(PipelineOrder, ZeroBubbleSplitsBackwardsAndDefersWeightsAsTorchDoes) {
   EXPECT_EQ(actions(one[1]), "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1F3 1B3 1W2 1W3");
 }
 
+// torch 2.11's ScheduleZBVZeroBubble._calculate_single_rank_operations for each rank, its
+// padding (None) left out and its I (input-gradient) steps written B here. With pp = 3 and
+// m = 3 < 2 pp - 1 torch drops the micro-batches it padded with.
+TEST(PipelineOrder, ZeroBubbleVFollowsTorchsOrder) {
+  const auto two = rank_orders(Schedule::ZeroBubbleV, 4, 2, 2);
+  ASSERT_EQ(two.size(), 2U);
+  EXPECT_EQ(actions(two[0]),
+            "0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3 0B2 "
+            "0W2 0B3 0W3");
+  EXPECT_EQ(actions(two[1]),
+            "1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 1B2 2B3 1B3 "
+            "1W2 2W3 1W3");
+  const auto three = rank_orders(Schedule::ZeroBubbleV, 3, 3, 2);
+  EXPECT_EQ(actions(three[0]),
+            "0F0 0F1 0F2 5F0 5B0 5W0 5F1 5B1 5W1 5F2 5B2 5W2 0B0 0W0 0B1 0W1 0B2 0W2");
+  EXPECT_EQ(actions(three[1]),
+            "1F0 1F1 1F2 4F0 4F1 4B0 4W0 4F2 4B1 4W1 1B0 1W0 4B2 4W2 1B1 1W1 1B2 1W2");
+  EXPECT_EQ(actions(three[2]),
+            "2F0 3F0 2F1 3F1 2F2 3F2 3B0 3W0 2B0 2W0 3B1 3W1 2B1 2W1 3B2 3W2 2B2 2W2");
+  const auto four = rank_orders(Schedule::ZeroBubbleV, 8, 4, 2);
+  EXPECT_EQ(actions(four[1]),
+            "1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6B0 6W0 6F2 6B1 6W1 6F3 6B2 6W2 1F6 1B0 1W0 6F4 6B3 "
+            "6W3 1F7 1B1 1W1 6F5 6B4 6W4 1B2 1W2 6F6 6B5 6W5 1B3 1W3 6F7 6B6 6W6 1B4 6B7 1B5 1W4 "
+            "1B6 1W5 1B7 1W6 6W7 1W7");
+  EXPECT_EQ(actions(four[3]),
+            "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4B0 4W0 3F4 3B0 3W0 4F4 4B1 4W1 3F5 3B1 3W1 4F5 4B2 "
+            "4W2 3F6 3B2 3W2 4F6 4B3 4W3 3F7 3B3 3W3 4F7 4B4 4W4 3B4 4B5 3B5 4B6 3B6 4B7 3B7 3W4 "
+            "4W5 4W6 4W7 3W5 3W6 3W7");
+}
+
+// torch's generate_stage_to_rank_mapping: "loop" for the others, "v" for ZBV.
+TEST(PipelineOrder, ZeroBubbleVPlacesStagesInAV) {
+  std::vector<std::uint32_t> v;
+  std::vector<std::uint32_t> loop;
+  for (std::uint32_t s = 0; s < 8; ++s) {
+    v.push_back(rank_of_stage(Schedule::ZeroBubbleV, s, 4));
+    loop.push_back(rank_of_stage(Schedule::Interleaved1F1B, s, 4));
+  }
+  EXPECT_EQ(v, (std::vector<std::uint32_t>{0, 1, 2, 3, 3, 2, 1, 0}));
+  EXPECT_EQ(loop, (std::vector<std::uint32_t>{0, 1, 2, 3, 0, 1, 2, 3}));
+  // Each rank's list holds only its own two stages.
+  const auto orders = rank_orders(Schedule::ZeroBubbleV, 5, 4, 2);
+  for (std::uint32_t r = 0; r < 4; ++r) {
+    for (const Action& a : orders[r]) {
+      EXPECT_EQ(rank_of_stage(Schedule::ZeroBubbleV, a.cell.partition, 4), r);
+    }
+  }
+}
+
 TEST(PipelineOrder, RefusesCountsTorchRefuses) {
   EXPECT_NE(schedule_error(Schedule::OneFOneB, 3, 4, 1), std::nullopt);
   EXPECT_NE(schedule_error(Schedule::OneFOneB, 4, 4, 2), std::nullopt);
@@ -103,6 +152,13 @@ TEST(PipelineOrder, RefusesCountsTorchRefuses) {
   EXPECT_NE(nine->find("multiple of the rounds"), std::string::npos) << *nine;
   EXPECT_NE(schedule_error(Schedule::Interleaved1F1B, 4, 1, 2), std::nullopt);
   EXPECT_EQ(schedule_error(Schedule::OneFOneB, 4, 4, 1), std::nullopt);
+  // ScheduleZBVZeroBubble: exactly two stages a rank, any micro-batch count.
+  const auto zbv = schedule_error(Schedule::ZeroBubbleV, 8, 4, 1);
+  ASSERT_NE(zbv, std::nullopt);
+  EXPECT_NE(zbv->find("exactly 2 stages"), std::string::npos) << *zbv;
+  EXPECT_NE(schedule_error(Schedule::ZeroBubbleV, 8, 4, 3), std::nullopt);
+  EXPECT_EQ(schedule_error(Schedule::ZeroBubbleV, 1, 4, 2), std::nullopt);
+  EXPECT_EQ(schedule_error(Schedule::ZeroBubbleV, 9, 4, 2), std::nullopt);
 }
 
 TEST(PipelineOrder, IssueOrderKeepsEachRanksOrderAndEveryDependency) {
@@ -110,7 +166,10 @@ TEST(PipelineOrder, IssueOrderKeepsEachRanksOrderAndEveryDependency) {
        {std::tuple{Schedule::OneFOneB, 8U, 4U, 1U}, std::tuple{Schedule::GPipe, 3U, 3U, 1U},
         std::tuple{Schedule::Interleaved1F1B, 8U, 4U, 2U},
         std::tuple{Schedule::Interleaved1F1B, 6U, 3U, 3U},
-        std::tuple{Schedule::InterleavedZeroBubble, 8U, 4U, 2U}}) {
+        std::tuple{Schedule::InterleavedZeroBubble, 8U, 4U, 2U},
+        std::tuple{Schedule::ZeroBubbleV, 8U, 4U, 2U},
+        std::tuple{Schedule::ZeroBubbleV, 3U, 4U, 2U},
+        std::tuple{Schedule::ZeroBubbleV, 2U, 1U, 2U}}) {
     SCOPED_TRACE(std::string(schedule_name(schedule)) + " m" + std::to_string(m));
     const auto orders = rank_orders(schedule, m, ranks, v);
     const std::vector<Action> issued = issue_order(orders, ranks * v);
@@ -119,7 +178,7 @@ TEST(PipelineOrder, IssueOrderKeepsEachRanksOrderAndEveryDependency) {
     for (const Action& a : issued) {
       const std::uint32_t s = a.cell.partition;
       const std::uint32_t i = a.cell.micro_batch;
-      const std::uint32_t r = rank_of_stage(s, ranks);
+      const std::uint32_t r = rank_of_stage(schedule, s, ranks);
       ASSERT_LT(next[r], orders[r].size());
       EXPECT_EQ(orders[r][next[r]++], a);
       if (a.phase == Phase::Weight) {
@@ -136,7 +195,7 @@ TEST(PipelineOrder, IssueOrderKeepsEachRanksOrderAndEveryDependency) {
       }
       done.insert({a.phase, s, i});
     }
-    const std::size_t steps = schedule == Schedule::InterleavedZeroBubble ? 3U : 2U;
+    const std::size_t steps = splits_backward(schedule) ? 3U : 2U;
     EXPECT_EQ(done.size(), steps * m * ranks * v);
   }
 }

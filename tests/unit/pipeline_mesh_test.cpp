@@ -55,7 +55,8 @@ const std::vector<std::tuple<Schedule, std::int32_t>> kSchedules = {
     {Schedule::GPipe, 1},
     {Schedule::OneFOneB, 1},
     {Schedule::Interleaved1F1B, 2},
-    {Schedule::InterleavedZeroBubble, 1}};
+    {Schedule::InterleavedZeroBubble, 1},
+    {Schedule::ZeroBubbleV, 2}};
 
 TEST(PipelineMesh, FsdpTimesTpStagesAreCleanUnderEverySchedule) {
   const StageRank s = fsdp_tp_rank();

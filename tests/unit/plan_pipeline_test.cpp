@@ -166,6 +166,36 @@ TEST(PlanPipeline, AutoPlansEachScheduleAndSaysWhichFitAndTheirTimes) {
   EXPECT_NE(text.find("1f1b "), std::string::npos) << text;
 }
 
+// With two stages a device auto plans zbv beside the interleaved schedules (gpipe and 1f1b
+// skipped, as torch runs one stage a rank under them); zbv alone with one stage a device is
+// refused with torch's reason.
+TEST(PlanPipeline, AutoWithTwoStagesADevicePlansZbvToo) {
+  const DeviceProfile device = simple_profile();
+  const CheckedModel model = checked_tiny_gpt(device);
+  PipelinePlanOptions o = options(2, device.memory, Schedule::GPipe);
+  o.virtual_stages = 2;
+  o.schedules = {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
+                 Schedule::InterleavedZeroBubble, Schedule::ZeroBubbleV};
+  const PipelinePlan p = plan_pipeline(model, device, o).value();
+  ASSERT_EQ(p.skipped.size(), 2U);
+  std::size_t zbv = 0;
+  for (const PipelineCandidate& c : p.candidates) {
+    if (c.options.schedule != Schedule::ZeroBubbleV) continue;
+    ++zbv;
+    EXPECT_EQ(c.name.rfind("zbv 2x4x2 ", 0), 0U) << c.name;
+    EXPECT_FALSE(c.failure) << c.name;
+  }
+  EXPECT_EQ(zbv, 3U);  // the checkpoint modes, without offload (as zero bubble's)
+  EXPECT_EQ(p.candidates[p.chosen].hazards, 0U);
+  const std::string text = pipeline_plan_text(p, *model, device);
+  EXPECT_NE(text.find("zbv "), std::string::npos) << text;
+  PipelinePlanOptions one = options(2, device.memory, Schedule::ZeroBubbleV);
+  const auto refused = plan_pipeline(model, device, one);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find("exactly 2 stages"), std::string::npos)
+      << refused.error().message;
+}
+
 TEST(PlanPipeline, APlantedReceiveFaultIsCaughtByTheCheckedRunAndNeverPlanned) {
   const DeviceProfile device = simple_profile();
   const CheckedModel model = checked_tiny_gpt(device);

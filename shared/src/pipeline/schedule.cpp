@@ -31,6 +31,17 @@ namespace ferry::pipeline {
 //   and its weight-gradient step (Phase::Weight): rank r's steady and cool-down steps k with
 //   k - w >= r follow their backward with the weight step of the oldest backward still without
 //   one, and the weight steps left run at the end.
+// * ScheduleZBVZeroBubble (two stages a rank, rank r holding stage a = r and stage
+//   b = 2 pp - 1 - r, torch's V placement: rank_of_stage): its list is built for
+//   n = max(m, 2 pp - 1) micro-batches, then every action of a micro-batch >= m is dropped.
+//   Warm-up: 2 (pp - r) - 1 forwards of a; r times a forward of b then one of a; pp - r times
+//   a forward of b with its input and weight steps at once. Steady, while a has forwards left
+//   or b trails a: a forward of a (if any left), the input and weight steps of a's oldest
+//   micro-batch without them, a forward of b, the same two steps on b. Cool-down: r times an
+//   input step of a then one of b; pp - r times an input step of a then the oldest weight
+//   step of a still owed; then b's owed weight steps, then a's. Stages pp - 1 and pp (both on
+//   rank pp - 1) pass their tensors without a send (set_local_fwd_input and
+//   set_local_bwd_input): the receiving stage reads the sender's buffer.
 //
 // The simulator has one host thread, so the ranks' lists are merged into one issue order
 // (issue_order): the ranks in turn, each issuing its next action when what it receives has been
@@ -49,6 +60,8 @@ const char* schedule_name(Schedule schedule) {
       return "interleaved-1f1b";
     case Schedule::InterleavedZeroBubble:
       return "interleaved-zero-bubble";
+    case Schedule::ZeroBubbleV:
+      return "zbv";
   }
   return "gpipe";
 }
@@ -125,6 +138,16 @@ std::optional<std::string> schedule_error(Schedule schedule, std::uint32_t micro
       }
       return std::nullopt;
     }
+    case Schedule::ZeroBubbleV:
+      // torch's ScheduleZBVZeroBubble takes exactly two stages a rank and any micro-batch count
+      // (it pads its lists to 2 pp - 1 micro-batches and drops the padding).
+      if (virtual_stages != 2) {
+        return fmt::format(
+            "zbv runs exactly 2 stages a device, as torch's ScheduleZBVZeroBubble; got virtual "
+            "stages {} (use 2)",
+            virtual_stages);
+      }
+      return std::nullopt;
   }
   return std::nullopt;
 }
@@ -194,6 +217,50 @@ std::vector<Action> interleaved(std::uint32_t m, std::uint32_t ranks, std::uint3
   return out;
 }
 
+// ScheduleZBVZeroBubble's list for rank r: stages a = r and b = 2 ranks - 1 - r.
+std::vector<Action> zero_bubble_v(std::uint32_t m, std::uint32_t ranks, std::uint32_t r) {
+  const std::uint32_t n = std::max(m, 2 * ranks - 1);
+  const std::array<std::uint32_t, 2> stage{r, 2 * ranks - 1 - r};
+  std::array<std::uint32_t, 2> f{0, 0};  // next forward, per local stage
+  std::array<std::uint32_t, 2> b{0, 0};  // next input step
+  std::array<std::uint32_t, 2> w{0, 0};  // next weight step
+  std::vector<Action> out;
+  const auto add = [&](Phase phase, std::uint32_t local, std::uint32_t& next) {
+    const std::uint32_t mb = next++;
+    if (mb < m) out.push_back(Action{phase, Cell{mb, stage[local]}});
+  };
+  // The weight step right after its input step.
+  const auto input_and_weight = [&](std::uint32_t local) {
+    add(Phase::Backward, local, b[local]);
+    add(Phase::Weight, local, w[local]);
+  };
+  for (std::uint32_t k = 0; k < 2 * (ranks - r) - 1; ++k) add(Phase::Forward, 0, f[0]);
+  for (std::uint32_t k = 0; k < r; ++k) {
+    add(Phase::Forward, 1, f[1]);
+    add(Phase::Forward, 0, f[0]);
+  }
+  for (std::uint32_t k = 0; k < ranks - r; ++k) {
+    add(Phase::Forward, 1, f[1]);
+    input_and_weight(1);
+  }
+  while (f[1] < f[0] || f[0] < n) {
+    if (f[0] < n) add(Phase::Forward, 0, f[0]);
+    input_and_weight(0);
+    add(Phase::Forward, 1, f[1]);
+    input_and_weight(1);
+  }
+  for (std::uint32_t k = 0; k < r; ++k) {
+    add(Phase::Backward, 0, b[0]);
+    add(Phase::Backward, 1, b[1]);
+  }
+  for (std::uint32_t k = 0; k < ranks - r; ++k) input_and_weight(0);
+  while (w[1] < b[1]) add(Phase::Weight, 1, w[1]);
+  while (w[0] < b[0]) add(Phase::Weight, 0, w[0]);
+  FERRY_CHECK(f == b && b == w && f[0] == n && f[1] == n, "zbv's list for rank {} of {} is uneven",
+              r, ranks);
+  return out;
+}
+
 }  // namespace
 
 std::vector<std::vector<Action>> rank_orders(Schedule schedule, std::uint32_t micro_batches,
@@ -217,6 +284,9 @@ std::vector<std::vector<Action>> rank_orders(Schedule schedule, std::uint32_t mi
         out[r] = interleaved(micro_batches, ranks, virtual_stages, r,
                              schedule == Schedule::InterleavedZeroBubble);
       }
+      break;
+    case Schedule::ZeroBubbleV:
+      for (std::uint32_t r = 0; r < ranks; ++r) out[r] = zero_bubble_v(micro_batches, ranks, r);
       break;
   }
   return out;

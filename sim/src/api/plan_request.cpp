@@ -272,7 +272,7 @@ Result<std::vector<Schedule>> pipeline_schedules(const PlanRequest& r) {
   };
   if (r.schedule == "auto") {
     std::vector<Schedule> all = {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
-                                 Schedule::InterleavedZeroBubble};
+                                 Schedule::InterleavedZeroBubble, Schedule::ZeroBubbleV};
     for (const Schedule s : all) {
       if (!counts_error(s)) return all;
     }

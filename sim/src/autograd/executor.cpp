@@ -55,7 +55,9 @@ Executor::Executor(const Model& model, const DeviceProfile& profile, const Pipel
     devices.push_back(devices_.back().get());
   }
   std::vector<std::uint32_t> placement;
-  for (std::uint32_t j = 0; j < parts_; ++j) placement.push_back(pipeline::rank_of_stage(j, ndev_));
+  for (std::uint32_t j = 0; j < parts_; ++j) {
+    placement.push_back(pipeline::rank_of_stage(schedule_, j, ndev_));
+  }
   streams_ = std::make_unique<Streams>(std::move(devices), std::move(placement));
   add_mesh_streams();
   holders_ = std::make_unique<Holders>(*streams_);

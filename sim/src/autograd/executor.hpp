@@ -85,6 +85,15 @@ struct Task {
 // policy, each stage's saved tensors go through an Offloader on that stage's device: see
 // Note [Offload in stages].
 //
+// Note [Stages on one rank]
+// Under torch's V placement (ScheduleZBVZeroBubble) stages pp - 1 and pp run on one rank, and
+// torch's runtime passes their tensors without a send: the forward's outputs become the next
+// stage's inputs (set_local_fwd_input, a detached alias of the same storage), and the input
+// gradients become the previous stage's output gradients (get_local_bwd_output,
+// set_local_bwd_input). The receiving task takes the sender's buffer itself, with the holds a
+// received copy would have had; no copy stream, no event: both tasks run on the rank's compute
+// stream, so stream order is the only wait, and the hazard checker sees it.
+//
 // Note [Split backward]
 // Zero-bubble schedules split a stage's backward in two steps, as torch's stage does
 // (backward_one_chunk with the weights left out, then backward_weight_one_chunk): the
@@ -147,8 +156,12 @@ class Executor {
   }
 
   /// Each backward is split into an input-gradient and a weight-gradient step.
-  [[nodiscard]] bool split_backward() const {
-    return schedule_ == pipeline::Schedule::InterleavedZeroBubble;
+  [[nodiscard]] bool split_backward() const { return pipeline::splits_backward(schedule_); }
+
+  /// Partitions j - 1 and j share a device under sends and receives: torch's stage hands its
+  /// tensors over without a send (Note [Stages on one rank]).
+  [[nodiscard]] bool local_handoff(std::uint32_t j) const {
+    return point_to_point() && j > 0 && dev(j - 1) == dev(j);
   }
 
   /// The stream a receive into partition j from copy stream `s` allocates on, after the
@@ -398,7 +411,7 @@ class Executor {
   std::vector<std::int32_t> checkpoint_stops_;
   std::uint32_t micro_batches_;
   std::uint32_t parts_;
-  std::uint32_t ndev_;  ///< devices; partition j runs on device j % ndev_
+  std::uint32_t ndev_;  ///< devices; partition j runs on pipeline::rank_of_stage's device
   Simulator sim_;
   PortalTable portals_;
   std::vector<std::unique_ptr<Device>> devices_;  ///< one Backend per device

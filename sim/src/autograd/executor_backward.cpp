@@ -19,7 +19,15 @@ void Executor::backward_fence(std::uint32_t i, std::uint32_t j) {
   issuing(i, j);
   Task& task = tasks_[i][j];
   streams_->begin_fence();
-  if (j + 1 < parts_ && !plan_.grad_back[j + 1].empty()) {
+  if (j + 1 < parts_ && !plan_.grad_back[j + 1].empty() && local_handoff(j + 1)) {
+    // On one rank, the input gradients themselves, with their holder (Note [Stages on one
+    // rank]).
+    Task& next = tasks_[i][j + 1];
+    for (const std::uint32_t b : plan_.grad_back[j + 1]) {
+      task.grads[b] = next.grads.at(b);
+      next.grads.erase(b);
+    }
+  } else if (j + 1 < parts_ && !plan_.grad_back[j + 1].empty()) {
     Task& next = tasks_[i][j + 1];
     const StreamRef stream = streams_->copy_after(Phase::Backward, Cell{i, j + 1}, dev(j));
     const StreamRef home = receive_stream(j, stream);

@@ -33,8 +33,11 @@ void Executor::forward_fence(std::uint32_t i, std::uint32_t j) {
     if (!faults_.skip_portal_arrival_wait) streams_->arrived(Cell{i, j}, stream);
   }
   if (j == 0 || plan_.chain_in[j].empty()) return;
-  const StreamRef stream = streams_->copy_after(Phase::Forward, Cell{i, j - 1}, dev(j));
-  const StreamRef home = receive_stream(j, stream);
+  // On one rank, the sender's buffers themselves (Note [Stages on one rank]).
+  const bool local = local_handoff(j);
+  const StreamRef stream =
+      local ? StreamRef{0} : streams_->copy_after(Phase::Forward, Cell{i, j - 1}, dev(j));
+  const StreamRef home = local ? StreamRef{0} : receive_stream(j, stream);
   Task& prev = tasks_[i][j - 1];
   const bool checkpointed = this->checkpointed(i, j);
   for (const std::uint32_t b : plan_.chain_in[j]) {
@@ -44,15 +47,23 @@ void Executor::forward_fence(std::uint32_t i, std::uint32_t j) {
     const bool relay = j + 1 < parts_ && std::binary_search(plan_.chain_in[j + 1].begin(),
                                                             plan_.chain_in[j + 1].end(), b);
     const std::int32_t holds = counts.reads + (checkpointed ? 1 : counts.saves) + (relay ? 1 : 0);
-    const TensorId dst = allocate(dev(j), home, t.bytes, Kind::Activation, holds,
-                                  mb_label(i, fmt::format("{} (received)", t.name)));
     const bool produced_before =
         plan_.partition_of[static_cast<std::uint32_t>(plan_.producer[b])] == j - 1;
     const TensorId src = produced_before ? prev.local.at(b) : prev.chain.at(b);
+    if (local) {
+      // The send's holder hands over to this task's readers and savers.
+      hold(src, holds);
+      release(src);
+      task.chain[b] = src;
+      continue;
+    }
+    const TensorId dst = allocate(dev(j), home, t.bytes, Kind::Activation, holds,
+                                  mb_label(i, fmt::format("{} (received)", t.name)));
     copy(stream, src, dst, mb_label(i, fmt::format("{} gpu{}->gpu{}", t.name, j - 1, j)));
     release(src);
     task.chain[b] = dst;
   }
+  if (local) return;
   if (!point_to_point() || !faults_.skip_receive_arrival_wait)
     streams_->arrived(Cell{i, j}, stream);
 }

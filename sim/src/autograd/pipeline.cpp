@@ -54,10 +54,11 @@ Status check_options(const Model& model, const PipelineOptions& options) {
         "pipeline-wide checkpoint and offload",
         options.stages.size(), options.devices)};
   }
-  if (options.schedule == Schedule::InterleavedZeroBubble && any_offload(options)) {
-    return Error{
-        "offload in stages under interleaved-zero-bubble is not simulated (its weight steps "
-        "read saved tensors after their backward); use policy none or another schedule"};
+  if (pipeline::splits_backward(options.schedule) && any_offload(options)) {
+    return Error{fmt::format(
+        "offload in stages under {} is not simulated (its weight steps read saved tensors after "
+        "their backward); use policy none or another schedule",
+        pipeline::schedule_name(options.schedule))};
   }
   if (options.schedule != Schedule::GPipe && !options.skips.empty()) {
     return Error{fmt::format(

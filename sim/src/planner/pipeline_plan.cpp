@@ -51,7 +51,7 @@ std::vector<PipelineCandidate> schedule_space(const PipelinePlanOptions& o, Sche
                                   CheckpointMode::Always};
   for (const CheckpointMode m : modes) add(m, Policy::None, false, true);
   // Zero bubble's stages do not offload (pipeline_rows).
-  if (schedule == Schedule::InterleavedZeroBubble) return out;
+  if (pipeline::splits_backward(schedule)) return out;
   for (const CheckpointMode m : modes) {
     for (const Policy p : {Policy::Trl, Policy::Ferry}) {
       add(m, p, false, m != CheckpointMode::Always);

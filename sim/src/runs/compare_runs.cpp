@@ -137,11 +137,12 @@ std::int64_t bubble_permille(const PipelineRow& row, std::size_t device) {
 
 Result<Schedule> parse_schedule(std::string_view text) {
   for (const Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
-                           Schedule::InterleavedZeroBubble}) {
+                           Schedule::InterleavedZeroBubble, Schedule::ZeroBubbleV}) {
     if (text == pipeline::schedule_name(s)) return s;
   }
   return Error{fmt::format(
-      "unknown pipeline schedule \"{}\" (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble)",
+      "unknown pipeline schedule \"{}\" (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble, "
+      "zbv)",
       text)};
 }
 
@@ -158,7 +159,8 @@ std::string pipeline_row_name(const PipelineOptions& options) {
   std::string name = fmt::format("{} {}x{}", pipeline::schedule_name(options.schedule),
                                  options.devices, options.micro_batches);
   if (options.schedule == Schedule::Interleaved1F1B ||
-      options.schedule == Schedule::InterleavedZeroBubble) {
+      options.schedule == Schedule::InterleavedZeroBubble ||
+      options.schedule == Schedule::ZeroBubbleV) {
     name += fmt::format("x{}", options.virtual_stages);
   }
   name += fmt::format(" {}", checkpoint_mode_name(options.checkpoint));
@@ -187,7 +189,7 @@ std::vector<PipelineRow> pipeline_rows(const CheckedModel& model, const DevicePr
   // the knobs of the single-device trl and ferry rows.
   // (Not under zero bubble, whose stages do not offload.)
   for (const CheckpointMode m : {CheckpointMode::Never, CheckpointMode::ExceptLast}) {
-    if (schedule == Schedule::InterleavedZeroBubble) break;
+    if (pipeline::splits_backward(schedule)) break;
     for (const Policy policy : {Policy::Trl, Policy::Ferry}) {
       PipelineOptions o = configs[m == CheckpointMode::Never ? 0 : 1];
       o.offload = OffloadOptions{};

@@ -1,8 +1,9 @@
 #pragma once
 /// The order in which a pipeline runs its tasks: one task is one micro-batch on one stage
 /// (partition), forward or backward. GPipe runs clock ticks (each tick issues the fences of its
-/// tasks, then their compute); 1F1B and interleaved 1F1B run each rank's list of actions in
-/// the order torch.distributed.pipelining runs them. See Note [Schedule orders].
+/// tasks, then their compute); 1F1B, interleaved 1F1B and the zero-bubble schedules run each
+/// rank's list of actions in the order torch.distributed.pipelining runs them. See Note
+/// [Schedule orders].
 
 #include <cstdint>
 #include <optional>
@@ -38,9 +39,12 @@ enum class Schedule : std::uint8_t {
   /// torch's ScheduleInterleavedZeroBubble: as Interleaved1F1B, with each backward split into
   /// the input-gradient step and a deferred weight-gradient step
   InterleavedZeroBubble,
+  /// torch's ScheduleZBVZeroBubble (torchtitan's "ZBVZeroBubble"): two stages a rank placed in
+  /// a V (rank r holds stages r and 2 ranks - 1 - r), each backward split as above
+  ZeroBubbleV,
 };
 
-/// "gpipe", "sequential", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble".
+/// "gpipe", "sequential", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv".
 [[nodiscard]] const char* schedule_name(Schedule schedule);
 
 /// The ticks of one training step (GPipe and Sequential). GPipe tick k of forward runs the
@@ -66,15 +70,26 @@ struct Action {
                                                         std::uint32_t ranks,
                                                         std::uint32_t virtual_stages);
 
-/// Stage s of a schedule with `ranks` ranks runs on rank s % ranks (torch's looped placement:
-/// rank r holds stages r, r + ranks, ...).
-[[nodiscard]] constexpr std::uint32_t rank_of_stage(std::uint32_t stage, std::uint32_t ranks) {
-  return stage % ranks;
+/// Whether the schedule splits each backward into a Backward and a Weight step.
+[[nodiscard]] constexpr bool splits_backward(Schedule schedule) {
+  return schedule == Schedule::InterleavedZeroBubble || schedule == Schedule::ZeroBubbleV;
+}
+
+/// The rank stage `stage` of `schedule` runs on, with `ranks` ranks: s % ranks (torch's looped
+/// placement: rank r holds stages r, r + ranks, ...), or under ZeroBubbleV torch's V placement
+/// (style "v": stage s < ranks on rank s, stage s >= ranks on rank 2 ranks - 1 - s, so stages
+/// ranks - 1 and ranks share a rank, as do the first and the last).
+[[nodiscard]] constexpr std::uint32_t rank_of_stage(Schedule schedule, std::uint32_t stage,
+                                                    std::uint32_t ranks) {
+  if (schedule != Schedule::ZeroBubbleV) return stage % ranks;
+  const std::uint32_t lap = stage / ranks;
+  const std::uint32_t at = stage % ranks;
+  return lap % 2 == 0 ? at : ranks - 1 - at;
 }
 
 /// Each rank's actions in the order torch runs them, for `ranks * virtual_stages` stages
-/// (OneFOneB takes virtual_stages 1). GPipe and Sequential give their clocks' order per rank.
-/// The counts must pass schedule_error.
+/// (OneFOneB takes virtual_stages 1, ZeroBubbleV 2). GPipe and Sequential give their clocks' order
+/// per rank. The counts must pass schedule_error.
 [[nodiscard]] std::vector<std::vector<Action>> rank_orders(Schedule schedule,
                                                            std::uint32_t micro_batches,
                                                            std::uint32_t ranks,

@@ -126,7 +126,7 @@ struct RunKnobs {
   std::optional<AllocatorMode> allocator;  ///< none: the model file's, else default
   std::int32_t devices = 1;                ///< a GPipe pipeline over 1..64 devices; 1: none
   std::int32_t micro_batches = 4;          ///< the pipeline's, 1..1024
-  /// The pipeline's schedule: gpipe, 1f1b, interleaved-1f1b or interleaved-zero-bubble
+  /// The pipeline's schedule: gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble or zbv
   /// (parse_schedule).
   std::string schedule = "gpipe";
   std::int32_t virtual_stages = 1;  ///< stages a device when interleaved, 1..64

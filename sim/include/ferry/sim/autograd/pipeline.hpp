@@ -83,12 +83,13 @@ struct StagePolicy {
 struct PipelineOptions {
   std::int32_t devices = 2;        ///< devices (pipeline ranks)
   std::int32_t micro_batches = 4;  ///< micro-batches; the model describes one
-  /// GPipe (torchgpipe's clock, copies and portals), OneFOneB, Interleaved1F1B or
-  /// InterleavedZeroBubble (torch's Schedule1F1B, ScheduleInterleaved1F1B and
-  /// ScheduleInterleavedZeroBubble, with sends and receives).
+  /// GPipe (torchgpipe's clock, copies and portals), OneFOneB, Interleaved1F1B,
+  /// InterleavedZeroBubble or ZeroBubbleV (torch's Schedule1F1B, ScheduleInterleaved1F1B,
+  /// ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble, with sends and receives).
   Schedule schedule = Schedule::GPipe;
   /// Stages a device holds: devices * virtual_stages partitions, stage s on device
-  /// s % devices. Above 1 only with the interleaved schedules.
+  /// pipeline::rank_of_stage(schedule, s, devices). Above 1 only with the interleaved
+  /// schedules and ZeroBubbleV (exactly 2).
   std::int32_t virtual_stages = 1;
   CheckpointMode checkpoint = CheckpointMode::ExceptLast;
   std::vector<SkipConnection> skips;  ///< portal routes; see Note [Portal tensor life]

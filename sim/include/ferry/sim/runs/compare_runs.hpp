@@ -55,7 +55,7 @@ struct PipelineRow {
 /// "SCHEDULE DxM MODE" ("interleaved-1f1b DxMxV MODE"), and the offload policy when there is
 /// one.
 [[nodiscard]] std::string pipeline_row_name(const PipelineOptions& options);
-/// Parses "gpipe", "1f1b", "interleaved-1f1b" or "interleaved-zero-bubble".
+/// Parses "gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble" or "zbv".
 Result<Schedule> parse_schedule(std::string_view text);
 /// Parses "always", "except_last" or "never".
 Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
