@@ -691,8 +691,104 @@ def test_axolotl3776_checkpointed_step_is_faster_than_measured(axolotl3776):
     assert tokens_per_s(runs["gc"], 8192) > 8192 / (AXOLOTL3776["gc"][0] / 1e3)
 
 
+# --- torchao's float8 and MX READMEs: torchtitan's bfloat16 baseline, Llama 3 8B on 8 GPUs ---
+# torchao/float8/README.md ("Training benchmarks", pytorch/ao 8c81863, March 2025: 8 x H100,
+# torch 2.7.0a0, torchtitan 0.0.2) and torchao/prototype/mx_formats/README.md (d8bb51f, August
+# 2025: 8 x B200 limited to 750 W, torch 2.9.0.dev, torchtitan 6fc499f): torchtitan's
+# llama3_8b.toml (FSDP over 8, selective op AC, sequence 8192) with `--training.compile` and
+# batch 1 through run_train.sh (expandable segments); peak memory is torchtitan's logged
+# reserved GiB, the most over 100 steps; tokens/s the median. The H100's model is not named: the
+# bundled H100 SXM; the B200 profile holds the 1000 W datasheet's peak.
+TORCHAO = {"h100-sxm-pcie5": (47.65, 6150), "b200": (33.71, 8307.5)}
+
+
+@pytest.fixture(scope="module")
+def torchao_bf16(llama3_8b_compiled):
+    common = ("--fsdp", "8", "--checkpoint", "op-sac", "--allocator", "expandable")
+    return {device: simulate(llama3_8b_compiled, "--device", device, *common) for device in TORCHAO}
+
+
+@pytest.mark.parametrize("device, tolerance", [("h100-sxm-pcie5", 0.05), ("b200", 0.46)])
+def test_torchao_bf16_baseline_reserved(torchao_bf16, device, tolerance):
+    """Rows 39 and 41: the H100 run within the reserved target. The B200 run of the same trainer
+    config reserved 29 % less, under a later torchtitan that compiles the loss too, where the
+    compiled trace keeps the eager memory (docs/validation-sources.md); held within 46 %."""
+    within(torchao_bf16[device]["peak_reserved_bytes"] / GIB, TORCHAO[device][0], tolerance)
+
+
+def test_torchao_bf16_baseline_h100_throughput(torchao_bf16):
+    """Row 40: predicted 37 % faster than measured on the unnamed H100 (the flat 60 % roofline;
+    docs/validation.md); held within 38 %."""
+    within(tokens_per_s(torchao_bf16["h100-sxm-pcie5"], 8192), TORCHAO["h100-sxm-pcie5"][1], 0.38)
+
+
+def test_torchao_bf16_baseline_b200_is_faster_than_measured(torchao_bf16):
+    """Row 42, not kept within a tolerance: the B200 profile's datasheet peak is for 1000 W, the
+    run was limited to 750 W. Held above the measurement, so that a change that crosses it is
+    seen."""
+    assert tokens_per_s(torchao_bf16["b200"], 8192) > TORCHAO["b200"][1]
+
+
+# --- IBM and Meta's FSDP training of Llama 2: 128 A100s and 96 H100s, time only ---------------
+# PyTorch blog "Maximizing training throughput using PyTorch FSDP" (March 2024) and its code's
+# README (foundation-model-stack/fms-fsdp at 4ffb9bd, "Training throughput benchmarks"): eager
+# FSDP with bf16 mixed precision, AdamW, batch 2 of 4096 tokens (train_config's seq_length);
+# tokens/s per GPU on 128 A100 80 GB (16 nodes) and 96 H100 80 GB (12 nodes). 7B: HSDP (sharded
+# within each 8-GPU node, replicated across), no activation checkpointing; 34B and 70B: sharded
+# over every GPU, every block checkpointed (selective_checkpointing=1). fms's 7B and 70B are
+# Llama 2's shapes, its 34B Code Llama 34B's; its tokenizer has 32,000 tokens.
+CODELLAMA_34B = LLAMA2_7B | {
+    "hidden_size": 8192,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+LLAMA2_70B = CODELLAMA_34B | {"intermediate_size": 28672, "num_hidden_layers": 80}
+FMS_NODES = {"a100-pcie4": 16, "h100-sxm-pcie5": 12}
+FMS = {
+    "7b": {"a100-pcie4": 3700, "h100-sxm-pcie5": 7500},
+    "34b": {"a100-pcie4": 700, "h100-sxm-pcie5": 1550},
+    "70b": {"a100-pcie4": 370, "h100-sxm-pcie5": 800},
+}
+
+
+@pytest.fixture(scope="module")
+def fms(root):
+    configs = {"7b": LLAMA2_7B, "34b": CODELLAMA_34B, "70b": LLAMA2_70B}
+    rows = {}
+    for size, config in configs.items():
+        model = trace_config(root, f"fms-{size}", config, 4096, 2)
+        for device, nodes in FMS_NODES.items():
+            mesh = ["--fsdp", str(8 * nodes), "--nodes", str(nodes)]
+            if size == "7b":
+                mesh += ["--hsdp", str(nodes)]
+            else:
+                mesh += ["--checkpoint", "every:1"]
+            rows[size, device] = simulate(model, "--device", device, *mesh)
+    return rows
+
+
+@pytest.mark.parametrize(
+    "size, device, tolerance",
+    [
+        ("7b", "a100-pcie4", 0.24),
+        ("7b", "h100-sxm-pcie5", 0.30),
+        ("34b", "a100-pcie4", 0.17),
+        ("34b", "h100-sxm-pcie5", 0.14),
+        ("70b", "a100-pcie4", 0.21),
+        ("70b", "h100-sxm-pcie5", 0.18),
+    ],
+)
+def test_fms_fsdp_llama2_throughput(fms, size, device, tolerance):
+    """Rows 43-45, A100 and H100 each: the 7B off both ways (the A100 fleet faster than
+    predicted, the H100 fleet slower), the checkpointed 34B and 70B faster than predicted on both
+    (docs/validation-sources.md); each held within its error rounded up."""
+    within(tokens_per_s(fms[size, device], 2 * 4096), FMS[size][device], tolerance)
+
+
 # --- The plan's margin and band follow the reserved rows --------------------------------------
-def reserved_rows(pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, bert):
+def reserved_rows(pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, bert, torchao_bf16):
     """Every row of docs/validation.md's table that holds a peak reserved (NVML's used memory
     less the context, for the BERT rows) against a measured one: {row: (predicted, measured)},
     in bytes."""
@@ -713,6 +809,8 @@ def reserved_rows(pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, b
         "27": (bert["b1"], BERT_B1[0] * MIB),
         "28": (bert["b1 checkpointed"], BERT_B1_CHECKPOINTED[0] * MIB),
         "30": (bert["b4 adafactor"], BERT_B4_ADAFACTOR[0] * MIB),
+        "39": (torchao_bf16["h100-sxm-pcie5"], TORCHAO["h100-sxm-pcie5"][0] * GIB),
+        "41": (torchao_bf16["b200"], TORCHAO["b200"][0] * GIB),
     }
     return {
         row: (result["peak_reserved_bytes"], measured) for row, (result, measured) in rows.items()
@@ -731,12 +829,14 @@ def plan_band():
 
 
 def test_the_plan_margin_and_band_follow_the_reserved_rows(
-    pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, bert
+    pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, bert, torchao_bf16
 ):
     """docs/plan.md, What "fits" promises: the band `ferry plan` prints spans every reserved row's
     error, no wider than the largest of them (to 0.1 %), and the default margin is the largest
     underestimate rounded up to a whole percent: a model change that moves a row moves them."""
-    rows = reserved_rows(pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, bert)
+    rows = reserved_rows(
+        pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, bert, torchao_bf16
+    )
     errors = {row: predicted / measured - 1 for row, (predicted, measured) in rows.items()}
     under = max(-min(errors.values()), 0.0)
     over = max(max(errors.values()), 0.0)
