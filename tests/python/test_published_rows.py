@@ -708,12 +708,18 @@ def torchao_bf16(llama3_8b_compiled):
     return {device: simulate(llama3_8b_compiled, "--device", device, *common) for device in TORCHAO}
 
 
-@pytest.mark.parametrize("device, tolerance", [("h100-sxm-pcie5", 0.05), ("b200", 0.46)])
-def test_torchao_bf16_baseline_reserved(torchao_bf16, device, tolerance):
-    """Rows 39 and 41: the H100 run within the reserved target. The B200 run of the same trainer
-    config reserved 29 % less, under a later torchtitan that compiles the loss too, where the
-    compiled trace keeps the eager memory (docs/validation-sources.md); held within 46 %."""
-    within(torchao_bf16[device]["peak_reserved_bytes"] / GIB, TORCHAO[device][0], tolerance)
+def test_torchao_bf16_baseline_h100_reserved(torchao_bf16):
+    """Row 39: the H100 run within the reserved target."""
+    result = torchao_bf16["h100-sxm-pcie5"]
+    within(result["peak_reserved_bytes"] / GIB, TORCHAO["h100-sxm-pcie5"][0], 0.05)
+
+
+def test_torchao_bf16_baseline_b200_reserves_less_than_predicted(torchao_bf16):
+    """Row 41, not kept within a tolerance: the B200 run of the same trainer config reserved 29 %
+    less, under a later torchtitan that compiles the loss too, which the compiled trace does not
+    model (it keeps the eager memory; docs/validation-sources.md). Held above the measurement,
+    so that a model of the compiled loss that crosses it is seen here."""
+    assert torchao_bf16["b200"]["peak_reserved_bytes"] / GIB > TORCHAO["b200"][0]
 
 
 def test_torchao_bf16_baseline_h100_throughput(torchao_bf16):
@@ -790,8 +796,9 @@ def test_fms_fsdp_llama2_throughput(fms, size, device, tolerance):
 # --- The plan's margin and band follow the reserved rows --------------------------------------
 def reserved_rows(pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, bert, torchao_bf16):
     """Every row of docs/validation.md's table that holds a peak reserved (NVML's used memory
-    less the context, for the BERT rows) against a measured one: {row: (predicted, measured)},
-    in bytes."""
+    less the context, for the BERT rows) against a measured one and is kept within a tolerance:
+    {row: (predicted, measured)}, in bytes. Row 41 is not kept: its run compiles the loss, which
+    the model does not express."""
     rows = {
         "6": (pr165["full"], PR165_FULL["reserved"] * GIB),
         "9": (pr165["sac"], PR165_SAC["reserved"] * GIB),
@@ -810,7 +817,6 @@ def reserved_rows(pr165, dec2024, pr3429, pr3429_traced, pr3429_graph_trainer, b
         "28": (bert["b1 checkpointed"], BERT_B1_CHECKPOINTED[0] * MIB),
         "30": (bert["b4 adafactor"], BERT_B4_ADAFACTOR[0] * MIB),
         "39": (torchao_bf16["h100-sxm-pcie5"], TORCHAO["h100-sxm-pcie5"][0] * GIB),
-        "41": (torchao_bf16["b200"], TORCHAO["b200"][0] * GIB),
     }
     return {
         row: (result["peak_reserved_bytes"], measured) for row, (result, measured) in rows.items()
