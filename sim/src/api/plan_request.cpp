@@ -366,6 +366,9 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
   options.devices = r.devices;
   options.micro_batches = r.micro_batches;
   options.virtual_stages = r.virtual_stages;
+  auto split = parse_split(r.split);
+  if (!split) return split.error();
+  options.split = std::move(split).value();
   options.schedules = std::move(schedules).value();
   options.schedule_defaulted = r.schedule.empty();
   options.budget = r.budget.value_or(w.device.memory);
@@ -394,6 +397,10 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
 
 Result<Response> respond(const PlanRequest& r) {
   if (api::asks_pipeline(r)) return api::pipeline_plan_response(r);
+  if (r.split != "layers") {
+    if (auto split = parse_split(r.split); !split) return split.error();
+    return Error{fmt::format("--split {} applies to a pipeline of 2 or more devices", r.split)};
+  }
   auto setup = api::plan_setup(r);
   if (!setup) return setup.error();
   PlannerOptions& options = setup.value().options;
