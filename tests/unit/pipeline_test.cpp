@@ -291,16 +291,16 @@ TEST(Split, BadSplitsAreRefusedNamingTheFlag) {
   refused("even", 4, "give layers, balanced", llama);
   refused("-1,8,16", 4, "is not a layer index", llama);
   refused("layers", 35, "use --split balanced, or fewer stages", llama);
-  // A model of four layers and no op outside them: point 0 leaves the first stage nothing, and
-  // the layer split of five stages ([1, 1, 1, 1, 0]) the last.
-  Model layered = testing::equal_layers(4);
+  // A model of four layers of two ops each and no op outside them: point 0 leaves the first
+  // stage nothing, and the layer split of five stages ([1, 1, 1, 1, 0]) the last.
+  Model layered = testing::equal_layers(8);
   for (std::size_t k = 0; k < layered.ops.size(); ++k) {
-    layered.ops[k].layer = static_cast<std::int32_t>(k);
+    layered.ops[k].layer = static_cast<std::int32_t>(k / 2);
   }
   refused("0,2", 3, "stage 0 of 3 would hold no op", layered);
   refused("layers", 5, "stage 4 of 5 would hold no op", layered);
   EXPECT_EQ(partition_model(layered, 3, PipelineSplit{}).value().starts,
-            (std::vector<std::uint32_t>{0, 1, 3, 4}));
+            (std::vector<std::uint32_t>{0, 2, 6, 8}));
   refused("2,4", 3, "carry no layers", skip_model());
 }
 
@@ -465,9 +465,11 @@ TEST(Pipeline, CheckpointModesTradeMemoryForRecompute) {
   for (const std::int32_t devices : {2, 4}) {
     std::vector<PipelineRun> runs;
     for (const CheckpointMode mode : kModes) {
-      runs.push_back(
-          simulate_pipeline(model, device, options(devices, 4, mode, residual_skips(model)))
-              .value());
+      // Balanced, every stage holds a block to checkpoint; by layers tiny-gpt's first of four
+      // stages is the embedding alone, whose checkpoint keeps its input and saves nothing.
+      PipelineOptions o = options(devices, 4, mode, residual_skips(model));
+      o.split.rule = PipelineSplit::Rule::Balanced;
+      runs.push_back(simulate_pipeline(model, device, o).value());
       ASSERT_FALSE(runs.back().failure);
     }
     const PipelineRun& never = runs[0];

@@ -369,6 +369,10 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
   auto split = parse_split(r.split);
   if (!split) return split.error();
   options.split = std::move(split).value();
+  // A split the model cannot take is a bad request (exit 2), not a refusal of the budget.
+  if (auto parts = partition_model(*w.model, r.devices * r.virtual_stages, options.split); !parts) {
+    return parts.error();
+  }
   options.schedules = std::move(schedules).value();
   options.schedule_defaulted = r.schedule.empty();
   options.budget = r.budget.value_or(w.device.memory);

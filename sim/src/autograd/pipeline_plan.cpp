@@ -80,8 +80,8 @@ Result<std::vector<std::uint32_t>> balance_by_duration(const Model& model,
 // no layer (a hand-made graph), or whose layers are not contiguous in op order (an
 // encoder-decoder numbering each stack from 0), has nothing to count and is balanced by forward
 // time instead, the report saying why; a model whose layers cannot give every stage an op
-// (torchtitan refuses more stages than layers + 2) is refused, naming `--split balanced`. Points are torchtitan's pipeline_parallel_split_points:
-// the layer each stage after the first starts at.
+// (torchtitan refuses more stages than layers + 2) is refused, naming `--split balanced`. Points
+// are torchtitan's pipeline_parallel_split_points: the layer each stage after the first starts at.
 
 Result<PipelineSplit> parse_split(std::string_view text) {
   if (text == "layers") return PipelineSplit{};
@@ -177,19 +177,16 @@ Result<Partitions> partition_model(const Model& model, std::int32_t partitions,
                                    const PipelineSplit& split) {
   const std::string name = split_name(split);
   std::int32_t layers = 0;
-  const ModelOp* out_of_order = nullptr;  // an op of a layer after an op of a later one
+  std::string why;  // why the layers cannot be counted
   for (const ModelOp& op : model.ops) {
     if (op.layer < 0) continue;
-    if (op.layer < layers - 1 && out_of_order == nullptr) out_of_order = &op;
+    if (op.layer < layers - 1 && why.empty()) {
+      why = fmt::format("op '{}' of layer {} follows layer {}: its layers are not contiguous",
+                        op.name, op.layer, layers - 1);
+    }
     layers = std::max(layers, op.layer + 1);
   }
-  std::string why;  // why the layers cannot be counted
-  if (layers == 0) {
-    why = "the model's ops carry no layers";
-  } else if (out_of_order != nullptr) {
-    why = fmt::format("op '{}' of layer {} follows layer {}: its layers are not contiguous",
-                      out_of_order->name, out_of_order->layer, layers - 1);
-  }
+  if (layers == 0) why = "the model's ops carry no layers";
   if (split.rule == PipelineSplit::Rule::Balanced ||
       (split.rule == PipelineSplit::Rule::Layers && !why.empty())) {
     auto starts = balance_by_duration(model, partitions);
