@@ -138,7 +138,6 @@ Result<PipelineRun> simulate_pipeline(const CheckedModel& checked, const DeviceP
   if (!valid.ok()) return valid.error();
   auto parts = partition_model(model, options.devices * options.virtual_stages, options.split);
   if (!parts.ok()) return parts.error();
-  std::vector<StageSpan> spans = stage_spans(model, parts.value().starts);
   std::string split = std::move(parts.value().split);
   std::vector<std::uint32_t> generator_of = generators_by_partition(parts.value().starts);
   Executor executor(
@@ -146,7 +145,6 @@ Result<PipelineRun> simulate_pipeline(const CheckedModel& checked, const DeviceP
       make_plan(model, std::move(parts.value().starts), std::move(generator_of), options.skips),
       options.schedule, checkpoint_stops(options));
   PipelineRun run = executor.run();
-  run.stages = std::move(spans);
   run.split = std::move(split);
   return run;
 }
