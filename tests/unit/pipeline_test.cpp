@@ -233,6 +233,18 @@ TEST(Split, InterleavedStagesFollowTheLayerSplitAroundTheDevices) {
   EXPECT_EQ(run.param_grads, simulate_reference(model, device, o).value().param_grads);
   EXPECT_NE(stage_spans_text(run.stages, 2).find("s1 gpu1 ops"), std::string::npos);
   EXPECT_NE(stage_spans_text(run.stages, 2).find("s2 gpu0 ops"), std::string::npos);
+  // GPT-2 small's 12 layers on 4 devices x 2: torchtitan's 14 equivalents over 8 stages,
+  // [1, 2, 2, 2, 2, 2, 1, 0], the last stage the norm, head and loss alone.
+  Model gpt2 = model_preset("gpt2-small-s1024").value();
+  assign_roofline_durations(gpt2, h100());
+  o.devices = 4;
+  o.micro_batches = 8;
+  const PipelineRun interleaved = simulate_pipeline(gpt2, h100(), o).value();
+  ASSERT_FALSE(interleaved.failure) << interleaved.failure->message;
+  EXPECT_EQ(layer_counts(interleaved.stages), (std::vector<std::int32_t>{1, 2, 2, 2, 2, 2, 1, 0}));
+  EXPECT_EQ(layer_counts(interleaved.stages), layers_per_stage(12, 8).value());
+  EXPECT_TRUE(interleaved.hazards().empty());
+  EXPECT_EQ(interleaved.peak_allocated.size(), 4U);
 }
 
 TEST(Split, ExplicitPointsAreHonoured) {
