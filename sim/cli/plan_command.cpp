@@ -147,6 +147,11 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
                   "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64; "
                   "2 under zbv")
       ->capture_default_str();
+  cmd->add_option("--split", r.split,
+                  "How the model is cut into stages: layers (its transformer layers evenly, the "
+                  "input and output one layer each: torchtitan's default), balanced (by forward "
+                  "time), or the layer each stage after the first starts at, e.g. 8,16,24")
+      ->capture_default_str();
 }
 
 std::string PlanCommand::misuse() const {

@@ -188,6 +188,11 @@ void add_pipeline_options(CLI::App* cmd, RunArgs& args, bool simulate) {
                   "Stages a device under interleaved-1f1b and interleaved-zero-bubble, 1..64; "
                   "2 under zbv")
       ->capture_default_str();
+  cmd->add_option("--split", a.split,
+                  "How the model is cut into stages: layers (its transformer layers evenly, the "
+                  "input and output one layer each: torchtitan's default), balanced (by forward "
+                  "time), or the layer each stage after the first starts at, e.g. 8,16,24")
+      ->capture_default_str();
   if (simulate) {
     cmd->add_option("--pipeline-checkpoint", args.simulate.pipeline_checkpoint,
                     "Pipeline checkpoint mode: always, except_last or never (default except_last "

@@ -313,6 +313,7 @@ Keywords<sim::RunKnobs> knob_keywords(Runs command) {
       {Runs::Both, keyword("paged_stash", &RunKnobs::paged_stash)},
       {Runs::Compare, keyword("devices", &RunKnobs::devices)},
       {Runs::Compare, keyword("micro_batches", &RunKnobs::micro_batches)},
+      {Runs::Compare, keyword("split", &RunKnobs::split)},
   };
   Keywords<RunKnobs> out;
   for (const auto& [runs, row] : rows) {
@@ -383,6 +384,7 @@ Keywords<sim::PlanRequest> plan_keywords() {
       keyword("micro_batches", &PlanRequest::micro_batches),
       keyword("schedule", &PlanRequest::schedule),
       keyword("virtual_stages", &PlanRequest::virtual_stages),
+      keyword("split", &PlanRequest::split),
       keyword<std::optional<py::function>, PlanRequest>(
           "progress",
           [](PlanRequest& r, const std::optional<py::function>& progress) {

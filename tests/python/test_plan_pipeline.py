@@ -65,9 +65,9 @@ def test_pipeline_options_without_devices_are_refused():
 
 
 def test_a_per_stage_plan_is_the_cli_s_and_names_each_stage_s_configuration(cli):
-    # GPT-2 small over 4 stages at 1400 MiB: only the first stage, with the most micro-batches in
+    # GPT-2 small over 4 stages at 1300 MiB: only the first stage, with the most micro-batches in
     # flight under 1F1B, is over the budget without recompute.
-    args = dict(budget="1400MiB", margin=0, device=DEVICE, devices=4, micro_batches=8)
+    args = dict(budget="1300MiB", margin=0, device=DEVICE, devices=4, micro_batches=8)
     report = ferry.plan("gpt2-small-s1024", **args)
     stage_fits(report)
     plan = report["plan"]
@@ -77,7 +77,57 @@ def test_a_per_stage_plan_is_the_cli_s_and_names_each_stage_s_configuration(cli)
     assert uniform and all(plan["step_time_ns"] < c["step_time_ns"] for c in uniform)
     code, document, err = cli_json(
         cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--devices", "4",
-        "--micro-batches", "8", "--budget", "1400MiB", "--margin", "0",
+        "--micro-batches", "8", "--budget", "1300MiB", "--margin", "0",
     )  # fmt: skip
     assert code == 0, err
     assert document == report
+
+
+def test_the_split_is_the_cli_s_and_names_each_stage_s_layers(cli):
+    # GPT-2 small's 12 layers on 4 stages by torchtitan's default: 14 layer equivalents, 4, 4,
+    # 3, 3 less the input on the first and the output on the last.
+    args = dict(device=DEVICE, devices=4, micro_batches=4)
+    report = ferry.plan("gpt2-small-s1024", **args)
+    assert report["split"] == "layers"
+    stages = report["stages"]
+    assert [s["last_layer"] - s["first_layer"] + 1 for s in stages] == [3, 4, 3, 2]
+    assert [s["device"] for s in stages] == [0, 1, 2, 3]
+    assert stages[0]["first_op"] == 0
+    assert all(a["end_op"] == b["first_op"] for a, b in zip(stages, stages[1:]))
+    explicit = ferry.plan("gpt2-small-s1024", split="2,6,9", **args)
+    assert explicit["split"] == "2,6,9"
+    assert [s["first_layer"] for s in explicit["stages"]] == [0, 2, 6, 9]
+    balanced = ferry.plan("gpt2-small-s1024", split="balanced", **args)
+    assert balanced["split"] == "balanced"
+    assert balanced["stages"] != stages
+    code, document, err = cli_json(
+        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--devices", "4",
+        "--micro-batches", "4", "--split", "2,6,9",
+    )  # fmt: skip
+    assert code == 0, err
+    assert document == explicit
+    rows = ferry.compare("gpt2-small-s1024", DEVICE, devices=4, split="2,6,9", steps=1)
+    assert all(r["split"] == "2,6,9" for r in rows["pipeline"])
+    assert all(r["stages"] == explicit["stages"] for r in rows["pipeline"])
+
+
+@pytest.mark.parametrize(
+    ("split", "message"),
+    [
+        ("2,6", "--split 2,6 gives 2 split points for 4 stages; give 3"),
+        ("6,2,9", '--split "6,2,9": 2 does not follow 6'),
+        ("2,6,13", "--split 2,6,13: split point 13 is not an increasing layer index from 0 to 12"),
+        ("halves", '--split "halves": "halves" is not a layer index'),
+    ],
+)
+def test_a_bad_split_is_refused_on_both_edges(cli, split, message):
+    with pytest.raises(ferry.PlanError) as e:
+        ferry.plan("gpt2-small-s1024", device=DEVICE, devices=4, micro_batches=4, split=split)
+    assert e.value.exit_code == 2 and message in str(e.value)
+    with pytest.raises(ValueError, match="--split"):
+        ferry.compare("gpt2-small-s1024", DEVICE, devices=4, split=split, steps=1)
+    code, _, err = cli_json(
+        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--devices", "4",
+        "--micro-batches", "4", "--split", split,
+    )  # fmt: skip
+    assert code == 2 and message in err

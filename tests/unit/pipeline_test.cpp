@@ -1,6 +1,6 @@
-// GPipe on simulated devices: balance, the single-device reference, portals freed right after
-// their last use, the direct copy of a long skip, checkpoint modes, determinism, bad options,
-// planted faults, and the step times and peaks of two presets.
+// GPipe on simulated devices: balance, the layer split, the single-device reference, portals freed
+// right after their last use, the direct copy of a long skip, checkpoint modes, determinism, bad
+// options, planted faults, and the step times and peaks of two presets.
 
 #include <gtest/gtest.h>
 
@@ -8,6 +8,8 @@
 #include <iostream>
 #include <set>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "ferry/sim/autograd/pipeline.hpp"
 #include "ferry/sim/io/program_json.hpp"
@@ -165,6 +167,192 @@ TEST(Balance, RejectsMoreDevicesThanOps) {
   EXPECT_FALSE(balance_by_duration(skip_model(), 0).ok());
 }
 
+// torchtitan's default (generate_llm_fqn_per_model_part, input and output weight 1): layers + 2
+// equivalents over the stages, the first (layers + 2) % stages one more, less the input on the
+// first stage and the output on the last. 32 layers on 4 stages: 34 = 9 + 9 + 8 + 8.
+TEST(Split, LayerCountsAreTorchtitansDefault) {
+  EXPECT_EQ(layers_per_stage(32, 1).value(), (std::vector<std::int32_t>{32}));
+  EXPECT_EQ(layers_per_stage(32, 2).value(), (std::vector<std::int32_t>{16, 16}));
+  EXPECT_EQ(layers_per_stage(32, 4).value(), (std::vector<std::int32_t>{8, 9, 8, 7}));
+  EXPECT_EQ(layers_per_stage(32, 8).value(), (std::vector<std::int32_t>{4, 5, 4, 4, 4, 4, 4, 3}));
+  EXPECT_EQ(layers_per_stage(80, 8).value(),
+            (std::vector<std::int32_t>{10, 11, 10, 10, 10, 10, 10, 9}));
+  EXPECT_EQ(layers_per_stage(2, 4).value(), (std::vector<std::int32_t>{0, 1, 1, 0}));
+  const auto too_many = layers_per_stage(2, 5);
+  ASSERT_FALSE(too_many.ok());
+  EXPECT_NE(too_many.error().message.find("1 to 4 stages, not 5"), std::string::npos);
+}
+
+// The layers each stage of a preset holds, counted from its ops' ModelOp::layer.
+std::vector<std::int32_t> layer_counts(const std::vector<StageSpan>& spans) {
+  std::vector<std::int32_t> counts;
+  for (const StageSpan& s : spans) {
+    counts.push_back(s.first_layer < 0 ? 0 : s.last_layer - s.first_layer + 1);
+  }
+  return counts;
+}
+
+TEST(Split, LayersCutAPresetAsTorchtitanDoes) {
+  const Model model = model_preset("llama3-8b-s4096").value();
+  const auto n = static_cast<std::uint32_t>(model.ops.size());
+  for (const std::int32_t stages : {4, 8}) {
+    SCOPED_TRACE(stages);
+    const Partitions parts = partition_model(model, stages, PipelineSplit{}).value();
+    EXPECT_EQ(parts.split, "layers");
+    const std::vector<StageSpan> spans = stage_spans(model, parts.starts);
+    EXPECT_EQ(layer_counts(spans), layers_per_stage(32, stages).value());
+    // The embedding goes with the first stage, the norm, head and loss with the last; every
+    // other stage starts at its first layer's first op.
+    EXPECT_EQ(spans.front().begin, 0U);
+    EXPECT_LT(model.ops[0].layer, 0);
+    EXPECT_EQ(spans.back().end, n);
+    EXPECT_LT(model.ops[n - 1].layer, 0);
+    for (std::size_t s = 1; s < spans.size(); ++s) {
+      EXPECT_EQ(model.ops[spans[s].begin].layer, spans[s].first_layer);
+      EXPECT_NE(model.ops[spans[s].begin - 1].layer, spans[s].first_layer);
+      EXPECT_EQ(spans[s].first_layer, spans[s - 1].last_layer + 1);
+    }
+  }
+}
+
+TEST(Split, InterleavedStagesFollowTheLayerSplitAroundTheDevices) {
+  // tiny-gpt's 2 layers on 2 devices x 2 virtual stages: torchtitan's [0, 1, 1, 0], the
+  // embedding alone on stage 0 (gpu0) and the norm, head and loss alone on stage 3 (gpu1).
+  const DeviceProfile device = simple_profile();
+  const Model model = tiny_gpt(device);
+  PipelineOptions o;
+  o.devices = 2;
+  o.virtual_stages = 2;
+  o.micro_batches = 4;
+  o.schedule = Schedule::Interleaved1F1B;
+  const PipelineRun run = simulate_pipeline(model, device, o).value();
+  ASSERT_FALSE(run.failure) << run.failure->message;
+  EXPECT_EQ(run.split, "layers");
+  EXPECT_EQ(layer_counts(run.stages), (std::vector<std::int32_t>{0, 1, 1, 0}));
+  EXPECT_EQ(stage_spans(model, run.partition_starts), run.stages);
+  EXPECT_EQ(run.param_grads, simulate_reference(model, device, o).value().param_grads);
+  EXPECT_NE(stage_spans_text(run.stages, 2).find("s1 gpu1 ops"), std::string::npos);
+  EXPECT_NE(stage_spans_text(run.stages, 2).find("s2 gpu0 ops"), std::string::npos);
+  // GPT-2 small's 12 layers on 4 devices x 2: torchtitan's 14 equivalents over 8 stages,
+  // [1, 2, 2, 2, 2, 2, 1, 0], the last stage the norm, head and loss alone.
+  Model gpt2 = model_preset("gpt2-small-s1024").value();
+  assign_roofline_durations(gpt2, h100());
+  o.devices = 4;
+  o.micro_batches = 8;
+  const PipelineRun interleaved = simulate_pipeline(gpt2, h100(), o).value();
+  ASSERT_FALSE(interleaved.failure) << interleaved.failure->message;
+  EXPECT_EQ(layer_counts(interleaved.stages), (std::vector<std::int32_t>{1, 2, 2, 2, 2, 2, 1, 0}));
+  EXPECT_EQ(layer_counts(interleaved.stages), layers_per_stage(12, 8).value());
+  EXPECT_TRUE(interleaved.hazards().empty());
+  EXPECT_EQ(interleaved.peak_allocated.size(), 4U);
+}
+
+TEST(Split, ExplicitPointsAreHonoured) {
+  const Model model = model_preset("llama3-8b-s4096").value();
+  const PipelineSplit split = parse_split("4,20,28").value();
+  EXPECT_EQ(split.rule, PipelineSplit::Rule::Points);
+  EXPECT_EQ(split_name(split), "4,20,28");
+  const Partitions parts = partition_model(model, 4, split).value();
+  const std::vector<StageSpan> spans = stage_spans(model, parts.starts);
+  ASSERT_EQ(spans.size(), 4U);
+  EXPECT_EQ(spans[0].first_layer, 0);
+  EXPECT_EQ(spans[0].last_layer, 3);
+  EXPECT_EQ(spans[1].first_layer, 4);
+  EXPECT_EQ(spans[1].last_layer, 19);
+  EXPECT_EQ(spans[2].first_layer, 20);
+  EXPECT_EQ(spans[2].last_layer, 27);
+  EXPECT_EQ(spans[3].first_layer, 28);
+  EXPECT_EQ(spans[3].last_layer, 31);
+  // The layer split spelled out as points cuts the same ops.
+  EXPECT_EQ(partition_model(model, 4, parse_split("8,17,25").value()).value().starts,
+            partition_model(model, 4, PipelineSplit{}).value().starts);
+  // Point 0: the first stage holds the embedding alone; point 32, the last the output alone.
+  const auto ends =
+      stage_spans(model, partition_model(model, 3, parse_split("0,32").value()).value().starts);
+  EXPECT_EQ(ends[0].first_layer, -1);
+  EXPECT_EQ(ends[1].first_layer, 0);
+  EXPECT_EQ(ends[1].last_layer, 31);
+  EXPECT_EQ(ends[2].first_layer, -1);
+}
+
+TEST(Split, BadSplitsAreRefusedNamingTheFlag) {
+  const Model llama = model_preset("llama3-8b-s4096").value();
+  const auto refused = [](std::string_view text, std::int32_t stages, std::string_view what,
+                          const Model& model) {
+    SCOPED_TRACE(text);
+    auto split = parse_split(text);
+    std::string message;
+    if (!split.ok()) {
+      message = split.error().message;
+    } else {
+      auto parts = partition_model(model, stages, split.value());
+      ASSERT_FALSE(parts.ok());
+      message = parts.error().message;
+    }
+    EXPECT_NE(message.find("--split"), std::string::npos) << message;
+    EXPECT_NE(message.find(what), std::string::npos) << message;
+  };
+  refused("8,16", 4, "gives 2 split points for 4 stages; give 3", llama);
+  refused("8,16,24,30", 4, "gives 4 split points for 4 stages; give 3", llama);
+  refused("16,8,24", 4, "8 does not follow 16", llama);
+  refused("8,8,24", 4, "8 does not follow 8", llama);
+  refused("8,16,33", 4, "not an increasing layer index from 0 to 32", llama);
+  refused("8,x,24", 4, "\"x\" is not a layer index", llama);
+  refused("8,,24", 4, "\"\" is not a layer index", llama);
+  refused("", 4, "give layers, balanced", llama);
+  refused("even", 4, "give layers, balanced", llama);
+  refused("-1,8,16", 4, "is not a layer index", llama);
+  refused("layers", 35, "use --split balanced, or fewer stages", llama);
+  // A model of four layers of two ops each and no op outside them: point 0 leaves the first
+  // stage nothing, and the layer split of five stages ([1, 1, 1, 1, 0]) the last.
+  Model layered = testing::equal_layers(8);
+  for (std::size_t k = 0; k < layered.ops.size(); ++k) {
+    layered.ops[k].layer = static_cast<std::int32_t>(k / 2);
+  }
+  refused("0,2", 3, "stage 0 of 3 would hold no op", layered);
+  refused("layers", 5, "stage 4 of 5 would hold no op", layered);
+  EXPECT_EQ(partition_model(layered, 3, PipelineSplit{}).value().starts,
+            (std::vector<std::uint32_t>{0, 2, 6, 8}));
+  refused("2,4", 3, "carry no layers", skip_model());
+}
+
+TEST(Split, AModelWithoutLayersIsBalancedAndSaysSo) {
+  const Model model = skip_model();
+  const Partitions parts = partition_model(model, 3, PipelineSplit{}).value();
+  EXPECT_EQ(parts.starts, balance_by_duration(model, 3).value());
+  EXPECT_EQ(parts.split, "balanced (the model's ops carry no layers)");
+  // Points need layers to split at.
+  const auto points = partition_model(model, 3, parse_split("2,4").value());
+  ASSERT_FALSE(points.ok());
+  EXPECT_NE(points.error().message.find("--split 2,4: the model's ops carry no layers, so"),
+            std::string::npos);
+  const Partitions balanced = partition_model(model, 3, parse_split("balanced").value()).value();
+  EXPECT_EQ(balanced.starts, parts.starts);
+  EXPECT_EQ(balanced.split, "balanced");
+}
+
+// Layers out of op order (an encoder-decoder numbered twice) cannot be counted: the layer split
+// balances them instead and says why; explicit points are refused.
+TEST(Split, LayersOutOfOpOrderAreBalancedOrRefused) {
+  Model model = model_preset("tiny-gpt").value();
+  std::size_t last = 0;
+  for (std::size_t k = 0; k < model.ops.size(); ++k) {
+    if (model.ops[k].layer >= 0) last = k;
+  }
+  ASSERT_EQ(model.ops[last].layer, 1);
+  model.ops[last].layer = 0;  // a layer-0 op after layer 1's
+  const Partitions parts = partition_model(model, 2, PipelineSplit{}).value();
+  EXPECT_EQ(parts.starts, balance_by_duration(model, 2).value());
+  EXPECT_NE(parts.split.find("balanced (op '"), std::string::npos) << parts.split;
+  EXPECT_NE(parts.split.find("of layer 0 follows layer 1: its layers are not contiguous)"),
+            std::string::npos)
+      << parts.split;
+  const auto points = partition_model(model, 2, parse_split("1").value());
+  ASSERT_FALSE(points.ok());
+  EXPECT_NE(points.error().message.find("--split 1: op '"), std::string::npos);
+  EXPECT_NE(points.error().message.find("use --split balanced"), std::string::npos);
+}
+
 TEST(Pipeline, TinyGptMatchesTheSingleDeviceRunOnTwoToFourDevices) {
   const DeviceProfile device = simple_profile();
   const Model model = tiny_gpt(device);
@@ -289,9 +477,11 @@ TEST(Pipeline, CheckpointModesTradeMemoryForRecompute) {
   for (const std::int32_t devices : {2, 4}) {
     std::vector<PipelineRun> runs;
     for (const CheckpointMode mode : kModes) {
-      runs.push_back(
-          simulate_pipeline(model, device, options(devices, 4, mode, residual_skips(model)))
-              .value());
+      // Balanced, every stage holds a block to checkpoint; by layers tiny-gpt's first of four
+      // stages is the embedding alone, whose checkpoint keeps its input and saves nothing.
+      PipelineOptions o = options(devices, 4, mode, residual_skips(model));
+      o.split.rule = PipelineSplit::Rule::Balanced;
+      runs.push_back(simulate_pipeline(model, device, o).value());
       ASSERT_FALSE(runs.back().failure);
     }
     const PipelineRun& never = runs[0];

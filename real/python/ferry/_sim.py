@@ -232,6 +232,9 @@ def compare(
             (1..64) and ``micro_batches`` (1..1024), as ``ferry compare --devices N
             --micro-batches M`` takes them: with
             ``devices`` > 1 the pipeline configurations too, each stage on the mesh asked for.
+            ``split`` cuts the model into stages as ``--split`` does: ``"layers"`` (the
+            default), ``"balanced"`` or the layer each stage after the first starts at
+            (``"8,16,24"``).
 
     Returns:
         The document ``ferry compare --json`` prints: one row per configuration, and the
@@ -288,7 +291,8 @@ def plan(
             the paged stash); and ``allocator`` as ``simulate`` takes it. ``devices`` (2 or
             more), ``micro_batches``, ``schedule`` (or ``"auto"``) and ``virtual_stages`` plan
             a pipeline instead, each stage on the mesh asked for: the report is a
-            ``ferry.pipeline-plan/1`` document (docs/plan.md, "A pipeline").
+            ``ferry.pipeline-plan/1`` document (docs/plan.md, "A pipeline"); ``split`` as
+            ``compare`` takes it.
 
     The planner runs ``FERRY_JOBS`` simulations at once (unset or 0: one per hardware
     thread; the plan is the same for any count), and while stderr is a terminal it shows its

@@ -366,6 +366,13 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
   options.devices = r.devices;
   options.micro_batches = r.micro_batches;
   options.virtual_stages = r.virtual_stages;
+  auto split = parse_split(r.split);
+  if (!split) return split.error();
+  options.split = std::move(split).value();
+  // A split the model cannot take is a bad request (exit 2), not a refusal of the budget.
+  if (auto parts = partition_model(*w.model, r.devices * r.virtual_stages, options.split); !parts) {
+    return parts.error();
+  }
   options.schedules = std::move(schedules).value();
   options.schedule_defaulted = r.schedule.empty();
   options.budget = r.budget.value_or(w.device.memory);
@@ -394,6 +401,10 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
 
 Result<Response> respond(const PlanRequest& r) {
   if (api::asks_pipeline(r)) return api::pipeline_plan_response(r);
+  if (r.split != "layers") {
+    if (auto split = parse_split(r.split); !split) return split.error();
+    return Error{fmt::format("--split {} applies to a pipeline of 2 or more devices", r.split)};
+  }
   auto setup = api::plan_setup(r);
   if (!setup) return setup.error();
   PlannerOptions& options = setup.value().options;

@@ -53,6 +53,10 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
         "--schedule {} --virtual-stages {} applies to a pipeline; give --devices 2 or more",
         k.schedule, k.virtual_stages)};
   }
+  if (auto split = parse_split(k.split); !split) return split.error();
+  if (k.devices == 1 && k.split != "layers") {
+    return Error{fmt::format("--split {} applies to a pipeline of 2 or more devices", k.split)};
+  }
   if (k.devices > 1) {
     if (auto allowed = pipeline_mesh_allowed(parallelism.value(), k.devices); !allowed) {
       return allowed.error();
@@ -330,6 +334,9 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
   o.micro_batches = r.run.micro_batches;
   o.schedule = schedule.value();
   o.virtual_stages = r.run.virtual_stages;
+  auto split = parse_split(r.run.split);
+  if (!split) return split.error();
+  o.split = std::move(split).value();
   o.checkpoint = mode.value();
   o.sim = base.sim;
   o.offload = base.offload;
@@ -456,9 +463,16 @@ Result<Response> respond(const CompareRequest& r) {
             static_cast<std::uint32_t>(r.run.virtual_stages))) {
       return Error{fmt::format("--schedule {}: {}", r.run.schedule, *why)};
     }
+    auto split = parse_split(r.run.split);
+    if (!split) return split.error();
+    // A split the model cannot take is the request's error, not every row's failure.
+    if (auto parts = partition_model(*w.model, r.run.devices * r.run.virtual_stages, split.value());
+        !parts) {
+      return parts.error();
+    }
     pipelines = pipeline_rows(w.model, base.parallel.mesh.rank_profile(w.device), r.run.devices,
                               r.run.micro_batches, schedule.value(), r.run.virtual_stages,
-                              base.parallel.mesh);
+                              base.parallel.mesh, split.value());
     for (const PipelineRow& p : pipelines) clean = clean && p.hazards == 0;
   }
   Response out;

@@ -158,6 +158,8 @@ PipelineRun Executor::run() {
   return PipelineRun{.sim = std::move(sim_),
                      .failure = std::move(failure),
                      .partition_starts = plan_.starts,
+                     .stages = stage_spans(model_, plan_.starts),
+                     .split = {},  // simulate_pipeline's to name
                      .step_time = step_time,
                      .peak_allocated = std::move(peak_allocated),
                      .peak_activations = peak_activations_,

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <string>
 #include <utility>
 
 #include "executor.hpp"
@@ -136,14 +137,17 @@ Result<PipelineRun> simulate_pipeline(const CheckedModel& checked, const DeviceP
   const Model& model = *checked;
   Status valid = check_options(model, options);
   if (!valid.ok()) return valid.error();
-  auto starts = balance_by_duration(model, options.devices * options.virtual_stages);
-  if (!starts.ok()) return starts.error();
-  std::vector<std::uint32_t> generator_of = generators_by_partition(starts.value());
+  auto parts = partition_model(model, options.devices * options.virtual_stages, options.split);
+  if (!parts.ok()) return parts.error();
+  std::string split = std::move(parts.value().split);
+  std::vector<std::uint32_t> generator_of = generators_by_partition(parts.value().starts);
   Executor executor(
       model, device, options, faults,
-      make_plan(model, std::move(starts).value(), std::move(generator_of), options.skips),
+      make_plan(model, std::move(parts.value().starts), std::move(generator_of), options.skips),
       options.schedule, checkpoint_stops(options));
-  return executor.run();
+  PipelineRun run = executor.run();
+  run.split = std::move(split);
+  return run;
 }
 
 Result<PipelineRun> simulate_reference(const Model& model, const DeviceProfile& device,
@@ -151,9 +155,9 @@ Result<PipelineRun> simulate_reference(const Model& model, const DeviceProfile& 
   if (auto valid = validate_model(model); !valid) return valid.error();
   Status valid = check_options(model, options);
   if (!valid.ok()) return valid.error();
-  auto starts = balance_by_duration(model, options.devices * options.virtual_stages);
-  if (!starts.ok()) return starts.error();
-  std::vector<std::uint32_t> generator_of = generators_by_partition(starts.value());
+  auto parts = partition_model(model, options.devices * options.virtual_stages, options.split);
+  if (!parts.ok()) return parts.error();
+  std::vector<std::uint32_t> generator_of = generators_by_partition(parts.value().starts);
   PipelineOptions reference = options;
   reference.devices = 1;
   reference.virtual_stages = 1;

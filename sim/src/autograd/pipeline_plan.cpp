@@ -69,6 +69,197 @@ Result<std::vector<std::uint32_t>> balance_by_duration(const Model& model,
   return starts;
 }
 
+// Note [Pipeline splits]
+// What people run cuts a transformer by its layers, not by measured time: torchtitan's default
+// (generate_llm_fqn_per_model_part, no split points given) counts the input embedding and the
+// output (norm and head) as one layer each and spreads the layers + 2 equivalents evenly over the
+// stages, the first `(layers + 2) % stages` stages taking one more; Megatron-Core splits the
+// layers evenly too. PipelineSplit::Layers does the same with ModelOp::layer: stage s starts at
+// the first op of its first layer, so the ops before the first layer (the embedding) go with the
+// first stage and those after the last (norm, head, loss) with the last. A model whose ops carry
+// no layer (a hand-made graph), or whose layers are not contiguous in op order (an
+// encoder-decoder numbering each stack from 0), has nothing to count and is balanced by forward
+// time instead, the report saying why; a model whose layers cannot give every stage an op
+// (torchtitan refuses more stages than layers + 2) is refused, naming `--split balanced`. Points
+// are torchtitan's pipeline_parallel_split_points: the layer each stage after the first starts at.
+
+Result<PipelineSplit> parse_split(std::string_view text) {
+  if (text == "layers") return PipelineSplit{};
+  if (text == "balanced") return PipelineSplit{.rule = PipelineSplit::Rule::Balanced, .points = {}};
+  const auto bad = [&](std::string_view why) {
+    return Error{fmt::format(
+        "--split \"{}\": {}; give layers, balanced, or the layer each stage after the first "
+        "starts at, increasing (e.g. 8,16,24 for four stages)",
+        text, why)};
+  };
+  PipelineSplit split{.rule = PipelineSplit::Rule::Points, .points = {}};
+  std::size_t at = 0;
+  while (true) {
+    const std::size_t comma = std::min(text.find(',', at), text.size());
+    const std::string_view item = text.substr(at, comma - at);
+    if (item.empty() || item.size() > 6 ||
+        !std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      return bad(fmt::format("\"{}\" is not a layer index", item));
+    }
+    std::int32_t layer = 0;
+    for (const char c : item) layer = layer * 10 + (c - '0');
+    if (!split.points.empty() && layer <= split.points.back()) {
+      return bad(fmt::format("{} does not follow {}", layer, split.points.back()));
+    }
+    split.points.push_back(layer);
+    if (comma == text.size()) break;
+    at = comma + 1;
+  }
+  return split;
+}
+
+std::string split_name(const PipelineSplit& split) {
+  switch (split.rule) {
+    case PipelineSplit::Rule::Layers:
+      return "layers";
+    case PipelineSplit::Rule::Balanced:
+      return "balanced";
+    case PipelineSplit::Rule::Points:
+      break;
+  }
+  std::string out;
+  for (const std::int32_t p : split.points) out += fmt::format("{}{}", out.empty() ? "" : ",", p);
+  return out;
+}
+
+std::vector<StageSpan> stage_spans(const Model& model, const std::vector<std::uint32_t>& starts) {
+  std::vector<StageSpan> spans;
+  for (std::size_t j = 0; j + 1 < starts.size(); ++j) {
+    StageSpan span{.begin = starts[j], .end = starts[j + 1]};
+    for (std::uint32_t i = span.begin; i < span.end && i < model.ops.size(); ++i) {
+      const std::int32_t l = model.ops[i].layer;
+      if (l < 0) continue;
+      span.first_layer = span.first_layer < 0 ? l : std::min(span.first_layer, l);
+      span.last_layer = std::max(span.last_layer, l);
+    }
+    spans.push_back(span);
+  }
+  return spans;
+}
+
+std::string stage_spans_text(const std::vector<StageSpan>& spans, std::int32_t devices) {
+  std::string out;
+  for (std::size_t s = 0; s < spans.size(); ++s) {
+    const StageSpan& span = spans[s];
+    out += fmt::format("{}s{} gpu{} ops {}-{}", s == 0 ? "" : ", ", s,
+                       s % static_cast<std::size_t>(std::max(1, devices)), span.begin,
+                       span.end == 0 ? 0 : span.end - 1);
+    if (span.first_layer >= 0) {
+      out += span.first_layer == span.last_layer
+                 ? fmt::format(" layer {}", span.first_layer)
+                 : fmt::format(" layers {}-{}", span.first_layer, span.last_layer);
+    }
+  }
+  return out;
+}
+
+Result<std::vector<std::int32_t>> layers_per_stage(std::int32_t layers, std::int32_t stages) {
+  const std::int32_t equivalents = layers + 2;  // the input and the output, one layer each
+  if (stages < 1 || stages > equivalents) {
+    return Error{fmt::format(
+        "{} layers (and the input and output, one layer each) make {} layer equivalents; "
+        "they split into 1 to {} stages, not {}",
+        layers, equivalents, equivalents, stages)};
+  }
+  std::vector<std::int32_t> counts(static_cast<std::size_t>(stages), equivalents / stages);
+  for (std::int32_t s = 0; s < equivalents % stages; ++s) ++counts[static_cast<std::size_t>(s)];
+  --counts.front();  // the input's share
+  --counts.back();   // the output's share
+  return counts;
+}
+
+Result<Partitions> partition_model(const Model& model, std::int32_t partitions,
+                                   const PipelineSplit& split) {
+  const std::string name = split_name(split);
+  std::int32_t layers = 0;
+  std::string why;  // why the layers cannot be counted
+  for (const ModelOp& op : model.ops) {
+    if (op.layer < 0) continue;
+    if (op.layer < layers - 1 && why.empty()) {
+      why = fmt::format("op '{}' of layer {} follows layer {}: its layers are not contiguous",
+                        op.name, op.layer, layers - 1);
+    }
+    layers = std::max(layers, op.layer + 1);
+  }
+  if (layers == 0) why = "the model's ops carry no layers";
+  if (split.rule == PipelineSplit::Rule::Balanced ||
+      (split.rule == PipelineSplit::Rule::Layers && !why.empty())) {
+    auto starts = balance_by_duration(model, partitions);
+    if (!starts) return starts.error();
+    return Partitions{.starts = std::move(starts).value(),
+                      .split = split.rule == PipelineSplit::Rule::Balanced
+                                   ? name
+                                   : fmt::format("balanced ({})", why)};
+  }
+  if (!why.empty()) {
+    return Error{
+        fmt::format("--split {}: {}, so there are no layers to split at; use --split "
+                    "balanced",
+                    name, why)};
+  }
+  if (partitions < 1 || static_cast<std::size_t>(partitions) > model.ops.size()) {
+    return Error{fmt::format("cannot split {} ops into {} partitions (use between 1 and {})",
+                             model.ops.size(), partitions, model.ops.size())};
+  }
+  // The layer each stage starts at.
+  std::vector<std::int32_t> first(static_cast<std::size_t>(partitions), 0);
+  if (split.rule == PipelineSplit::Rule::Layers) {
+    auto counts = layers_per_stage(layers, partitions);
+    if (!counts) {
+      return Error{fmt::format("--split layers: {}; use --split balanced, or fewer stages",
+                               counts.error().message)};
+    }
+    for (std::size_t s = 1; s < first.size(); ++s) first[s] = first[s - 1] + counts.value()[s - 1];
+  } else {
+    if (split.points.size() + 1 != static_cast<std::size_t>(partitions)) {
+      return Error{fmt::format(
+          "--split {} gives {} split points for {} stages; give {} (the layer each stage after "
+          "the first starts at), or --split layers or balanced",
+          name, split.points.size(), partitions, partitions - 1)};
+    }
+    for (std::size_t s = 1; s < first.size(); ++s) {
+      const std::int32_t p = split.points[s - 1];
+      if (p < 0 || p > layers || (s > 1 && p <= first[s - 1])) {
+        return Error{fmt::format(
+            "--split {}: split point {} is not an increasing layer index from 0 to {} (the "
+            "model has layers 0-{})",
+            name, p, layers, layers - 1)};
+      }
+      first[s] = p;
+    }
+  }
+  const auto n = static_cast<std::uint32_t>(model.ops.size());
+  std::uint32_t after_last = 0;  // the op after the last one in a layer
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (model.ops[i].layer >= 0) after_last = i + 1;
+  }
+  std::vector<std::uint32_t> starts(first.size() + 1, n);
+  starts[0] = 0;
+  for (std::size_t s = 1; s < first.size(); ++s) {
+    starts[s] = after_last;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (model.ops[i].layer >= first[s]) {
+        starts[s] = i;
+        break;
+      }
+    }
+  }
+  for (std::size_t s = 0; s + 1 < starts.size(); ++s) {
+    if (starts[s] >= starts[s + 1]) {
+      return Error{fmt::format(
+          "--split {}: stage {} of {} would hold no op (it starts at layer {}, and the model "
+          "has {} layers); use --split balanced, or fewer stages",
+          name, s, partitions, first[s], layers)};
+    }
+  }
+  return Partitions{.starts = std::move(starts), .split = name};
+}
+
 namespace pipelining {
 
 Status check_skips(const Model& model, const std::vector<SkipConnection>& skips) {

@@ -35,6 +35,7 @@ std::vector<PipelineCandidate> schedule_space(const PipelinePlanOptions& o, Sche
     c.options.micro_batches = o.micro_batches;
     c.options.schedule = schedule;
     c.options.virtual_stages = o.virtual_stages;
+    c.options.split = o.split;
     c.options.checkpoint = mode;
     c.options.mesh = o.mesh;
     if (policy != Policy::None) {
@@ -417,6 +418,12 @@ Result<PipelinePlan> plan_pipeline(const CheckedModel& model, const DeviceProfil
   PipelinePlan p;
   p.options = options;
   p.planned_budget = budget_less_margin(options.budget, options.margin_permille);
+  // The cut is the same for every candidate: a split the model cannot take is the request's
+  // error, not every candidate's failure.
+  auto parts = partition_model(*model, options.devices * options.virtual_stages, options.split);
+  if (!parts) return parts.error();
+  p.stages = stage_spans(*model, parts.value().starts);
+  p.split = std::move(parts.value().split);
   for (const Schedule s : options.schedules) {
     if (const auto why =
             pipeline::schedule_error(s, static_cast<std::uint32_t>(options.micro_batches),
@@ -517,6 +524,7 @@ std::string pipeline_plan_text(const PipelinePlan& p, const Model& model,
                      bubble_text(c));
   out += fmt::format("binding stage: gpu{}, peak reserved {}\n", c.binding,
                      format_bytes(c.max_reserved));
+  out += fmt::format("split {}: {}\n", p.split, stage_spans_text(p.stages, o.devices));
   out += "stage peaks reserved (allocated, micro-batches in flight):";
   for (std::size_t d = 0; d < c.peak_reserved.size(); ++d) {
     out += fmt::format("{} gpu{} {} ({}, {})", d == 0 ? "" : ",", d,
@@ -573,6 +581,18 @@ nlohmann::ordered_json pipeline_plan_json(const PipelinePlan& p, const Model& mo
   j["devices"] = o.devices;
   j["micro_batches"] = o.micro_batches;
   j["virtual_stages"] = o.virtual_stages;
+  j["split"] = p.split;
+  Json stages = Json::array();
+  for (std::size_t s = 0; s < p.stages.size(); ++s) {
+    const StageSpan& span = p.stages[s];
+    stages.push_back({{"stage", s},
+                      {"device", s % static_cast<std::size_t>(std::max(1, o.devices))},
+                      {"first_op", span.begin},
+                      {"end_op", span.end},
+                      {"first_layer", span.first_layer},
+                      {"last_layer", span.last_layer}});
+  }
+  j["stages"] = std::move(stages);
   Json schedules = Json::array();
   for (const Schedule s : o.schedules) schedules.push_back(pipeline::schedule_name(s));
   j["schedules"] = std::move(schedules);

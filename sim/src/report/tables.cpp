@@ -226,6 +226,12 @@ std::string pipeline_text(const std::vector<PipelineRow>& rows) {
     }
     if (!stages.empty()) out += "  " + stages + "\n";
   }
+  // Every row of a compare cuts the model the same way: the split is printed once.
+  for (const PipelineRow& r : rows) {
+    if (r.stages.empty()) continue;
+    out += fmt::format("split {}: {}\n", r.split, stage_spans_text(r.stages, r.options.devices));
+    break;
+  }
   out +=
       "per-device peaks are allocated bytes; D2H is offloaded bytes, all stages; bubble is the "
       "devices' idle compute time over the span from the first task kernel to the last; in "
@@ -268,6 +274,18 @@ Json pipeline_list(const std::vector<PipelineRow>& rows) {
     Json in_flight = Json::array();
     for (const std::int32_t n : r.peak_in_flight) in_flight.push_back(n);
     j["device_peak_in_flight"] = std::move(in_flight);
+    j["split"] = r.split;
+    Json stages = Json::array();
+    for (std::size_t s = 0; s < r.stages.size(); ++s) {
+      const StageSpan& span = r.stages[s];
+      stages.push_back({{"stage", s},
+                        {"device", s % static_cast<std::size_t>(std::max(1, r.options.devices))},
+                        {"first_op", span.begin},
+                        {"end_op", span.end},
+                        {"first_layer", span.first_layer},
+                        {"last_layer", span.last_layer}});
+    }
+    j["stages"] = std::move(stages);
     list.push_back(std::move(j));
   }
   return list;

@@ -110,6 +110,8 @@ PipelineRow run_pipeline_row(const CheckedModel& model, const DeviceProfile& dev
   row.span = r.pipeline_span;
   row.busy = r.busy;
   row.peak_in_flight = r.peak_in_flight;
+  row.stages = r.stages;
+  row.split = r.split;
   return row;
 }
 
@@ -172,7 +174,7 @@ std::string pipeline_row_name(const PipelineOptions& options) {
 std::vector<PipelineRow> pipeline_rows(const CheckedModel& model, const DeviceProfile& device,
                                        std::int32_t devices, std::int32_t micro_batches,
                                        Schedule schedule, std::int32_t virtual_stages,
-                                       const Mesh& mesh) {
+                                       const Mesh& mesh, const PipelineSplit& split) {
   std::vector<PipelineOptions> configs;
   for (const CheckpointMode m :
        {CheckpointMode::Never, CheckpointMode::ExceptLast, CheckpointMode::Always}) {
@@ -181,6 +183,7 @@ std::vector<PipelineRow> pipeline_rows(const CheckedModel& model, const DevicePr
     o.micro_batches = micro_batches;
     o.schedule = schedule;
     o.virtual_stages = virtual_stages;
+    o.split = split;
     o.checkpoint = m;
     o.mesh = mesh;
     configs.push_back(o);

@@ -130,6 +130,8 @@ struct RunKnobs {
   /// (parse_schedule).
   std::string schedule = "gpipe";
   std::int32_t virtual_stages = 1;  ///< stages a device when interleaved, 1..64
+  /// How the model is cut into stages (parse_split): layers, balanced or "L1,L2,...".
+  std::string split = "layers";
 };
 
 /// `ferry simulate`: one run under one policy, on one device or a pipeline, or a plan replayed.
@@ -206,6 +208,8 @@ struct PlanRequest {
   std::string schedule;
   std::int32_t virtual_stages = 1;  ///< stages a device when interleaved, 1..64
   bool text = true;                 ///< report as text too (Response::text)
+  /// How the model is cut into stages (parse_split): layers, balanced or "L1,L2,...".
+  std::string split = "layers";
 };
 
 /// How a request's run ended, as the exit codes tell it.

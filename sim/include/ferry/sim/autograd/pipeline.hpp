@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferry/failure.hpp"
@@ -80,6 +81,47 @@ struct StagePolicy {
   OffloadOptions offload{.policy = Policy::None};  ///< none: the device offloads nothing
 };
 
+/// How the model is cut into its devices * virtual_stages contiguous partitions (stages).
+struct PipelineSplit {
+  enum class Rule : std::uint8_t {
+    /// torchtitan's default (generate_llm_fqn_per_model_part): the transformer layers
+    /// (ModelOp::layer) evenly over the stages, the input and the output each counted as one
+    /// layer; a model whose layers cannot be counted (none, or not contiguous in op order) is
+    /// balanced instead (Note [Pipeline splits]).
+    Layers,
+    Balanced,  ///< balance_by_duration: the smallest largest sum of forward durations
+    Points,    ///< `points`: torchtitan's pipeline_parallel_split_points, by layer index
+  };
+  Rule rule = Rule::Layers;
+  /// Points: the layer each stage after the first starts at, increasing.
+  std::vector<std::int32_t> points;
+
+  friend bool operator==(const PipelineSplit&, const PipelineSplit&) = default;
+};
+
+/// Parses `--split`: "layers", "balanced", or layer indices "L1,L2,..." (e.g. "8,17,25").
+Result<PipelineSplit> parse_split(std::string_view text);
+/// "layers", "balanced" or "8,17,25" (parse_split's spelling).
+[[nodiscard]] std::string split_name(const PipelineSplit& split);
+
+/// What one partition (stage) holds: ops [begin, end), and the transformer layers among them
+/// (first_layer -1: none).
+struct StageSpan {
+  std::uint32_t begin = 0;
+  std::uint32_t end = 0;
+  std::int32_t first_layer = -1;
+  std::int32_t last_layer = -1;
+
+  friend bool operator==(const StageSpan&, const StageSpan&) = default;
+};
+
+/// The spans of the partitions that `starts` (partitions + 1 op indices) gives.
+[[nodiscard]] std::vector<StageSpan> stage_spans(const Model& model,
+                                                 const std::vector<std::uint32_t>& starts);
+/// "s0 gpu0 ops 0-57 layers 0-7, s1 gpu1 ...": stage s on device s % devices.
+[[nodiscard]] std::string stage_spans_text(const std::vector<StageSpan>& spans,
+                                           std::int32_t devices);
+
 struct PipelineOptions {
   std::int32_t devices = 2;        ///< devices (pipeline ranks)
   std::int32_t micro_batches = 4;  ///< micro-batches; the model describes one
@@ -91,6 +133,8 @@ struct PipelineOptions {
   /// pipeline::rank_of_stage(schedule, s, devices). Above 1 only with the interleaved
   /// schedules and ZeroBubbleV (exactly 2).
   std::int32_t virtual_stages = 1;
+  /// How the model is cut into stages: by layers (torchtitan's default) unless given.
+  PipelineSplit split;
   CheckpointMode checkpoint = CheckpointMode::ExceptLast;
   std::vector<SkipConnection> skips;  ///< portal routes; see Note [Portal tensor life]
   /// Each stage's offload policy and knobs; none by default (Note [Offload in stages]).
@@ -144,6 +188,9 @@ struct PipelineRun {
   std::optional<Failure> failure;
   /// Partition j runs ops [partition_starts[j], partition_starts[j + 1]); devices + 1 entries.
   std::vector<std::uint32_t> partition_starts;
+  std::vector<StageSpan> stages;  ///< what each partition holds (stage_spans)
+  /// The split that cut them (split_name), with why when layers fell back to balanced.
+  std::string split;
   SimTime step_time;                    ///< from the first forward call to the end of the step
   std::vector<Bytes> peak_allocated;    ///< per device: the caching allocator's allocated peak
   std::vector<Bytes> peak_activations;  ///< per device: most forward-tensor bytes held at once
@@ -180,6 +227,23 @@ struct PipelineRun {
 /// Splits the ops into `partitions` contiguous non-empty ranges that minimize the largest sum
 /// of forward durations. Returns partitions + 1 start indices (the last is the op count).
 Result<std::vector<std::uint32_t>> balance_by_duration(const Model& model, std::int32_t partitions);
+
+/// The layer counts torchtitan's default gives `stages` stages of a model of `layers` layers
+/// (generate_llm_fqn_per_model_part with input and output weight 1): layers + 2 layer
+/// equivalents spread evenly, the first stages taking one more where they do not divide, the
+/// input counted on the first stage and the output on the last. An error where stages exceed
+/// layers + 2, as torchtitan refuses.
+Result<std::vector<std::int32_t>> layers_per_stage(std::int32_t layers, std::int32_t stages);
+
+/// The partitions `split` gives: partitions + 1 start indices (the last is the op count), and
+/// split_name with the reason where Layers fell back to balanced. Errors name `--split` and say
+/// what would be accepted.
+struct Partitions {
+  std::vector<std::uint32_t> starts;
+  std::string split;
+};
+Result<Partitions> partition_model(const Model& model, std::int32_t partitions,
+                                   const PipelineSplit& split);
 
 /// Simulates one pipeline training step (`options.schedule`) of `model` (durations assigned) on
 /// `options.devices` devices with the same profile. Bad options or models are errors; a failure

@@ -52,6 +52,7 @@ struct PipelinePlanOptions {
   std::int32_t devices = 2;        ///< stages, one a device (times virtual_stages)
   std::int32_t micro_batches = 4;  ///< the model describes one
   std::int32_t virtual_stages = 1;
+  PipelineSplit split;  ///< how the model is cut into stages, the same for every candidate
   /// The schedules to plan: one, or several (`--schedule auto`) to choose among.
   std::vector<Schedule> schedules{Schedule::OneFOneB};
   /// The request named no schedule: the report says which one the plan used and why.
@@ -112,6 +113,8 @@ struct PipelinePlan {
   std::size_t chosen = 0;
   std::optional<std::size_t> best_fixed;  ///< the fastest fixed row that fits
   std::int64_t simulations = 0;
+  std::vector<StageSpan> stages;  ///< what each stage holds (partition_model)
+  std::string split;              ///< Partitions::split
 };
 
 /// The fastest candidate that fits every stage and is hazard-free when checked. The error (a

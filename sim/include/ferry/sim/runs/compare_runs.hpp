@@ -42,6 +42,8 @@ struct PipelineRow {
   SimTime span;
   std::vector<SimTime> busy;                 ///< per device: its task kernels' time
   std::vector<std::int32_t> peak_in_flight;  ///< per device: most tasks holding activations
+  std::vector<StageSpan> stages;             ///< what each stage holds (PipelineRun::stages)
+  std::string split;                         ///< PipelineRun::split
 };
 
 /// The step's bubble of a row in permille: idle compute time over devices x span, rounded.
@@ -61,10 +63,11 @@ Result<Schedule> parse_schedule(std::string_view text);
 Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
 /// The pipeline rows of `ferry compare --devices N --micro-batches M`: each checkpoint mode,
 /// then trl and ferry offload in every stage, without checkpoint and except the last, all under
-/// `schedule` with `virtual_stages` stages a device, each stage on `mesh` (`model` the rank's).
+/// `schedule` with `virtual_stages` stages a device, each stage on `mesh` (`model` the rank's),
+/// the model cut by `split`.
 [[nodiscard]] std::vector<PipelineRow> pipeline_rows(
     const CheckedModel& model, const DeviceProfile& device, std::int32_t devices,
     std::int32_t micro_batches, Schedule schedule = Schedule::GPipe,
-    std::int32_t virtual_stages = 1, const Mesh& mesh = {});
+    std::int32_t virtual_stages = 1, const Mesh& mesh = {}, const PipelineSplit& split = {});
 
 }  // namespace ferry::sim
