@@ -1,4 +1,4 @@
-"""`ferry.plan(..., devices=N)` plans a pipeline as `ferry plan --devices N` does (docs/plan.md,
+"""`ferry.plan(..., pp=N)` plans a pipeline as `ferry plan --pp N` does (docs/plan.md,
 "A pipeline"): the same document on both edges, every stage within the planned budget and
 checked, a budget below the floor refused with the floor, which itself plans."""
 
@@ -20,14 +20,14 @@ def stage_fits(report):
     assert plan["stage_peak_reserved_bytes"][binding] == plan["max_stage_peak_reserved_bytes"]
 
 
-@pytest.mark.parametrize("devices", [2, 4])
-def test_the_plan_is_the_cli_s_and_fits_every_stage(cli, devices):
-    report = ferry.plan("tiny-gpt", device=DEVICE, devices=devices, micro_batches=2 * devices)
+@pytest.mark.parametrize("stages", [2, 4])
+def test_the_plan_is_the_cli_s_and_fits_every_stage(cli, stages):
+    report = ferry.plan("tiny-gpt", device=DEVICE, pp=stages, micro_batches=2 * stages)
     stage_fits(report)
     assert report["schedule_defaulted"] and report["schedules"] == ["1f1b"]
     code, document, err = cli_json(
-        cli, "plan", "--model", "tiny-gpt", "--device", DEVICE, "--devices", str(devices),
-        "--micro-batches", str(2 * devices),
+        cli, "plan", "--model", "tiny-gpt", "--device", DEVICE, "--pp", str(stages),
+        "--micro-batches", str(2 * stages),
     )  # fmt: skip
     assert code == 0, err
     assert document == report
@@ -38,18 +38,18 @@ def test_the_plan_is_the_cli_s_and_fits_every_stage(cli, devices):
 
 def test_a_budget_below_the_floor_is_refused_and_the_floor_plans():
     with pytest.raises(ferry.PlanError) as e:
-        ferry.plan("tiny-gpt", budget="1MiB", device=DEVICE, devices=2, micro_batches=4)
+        ferry.plan("tiny-gpt", budget="1MiB", device=DEVICE, pp=2, micro_batches=4)
     error = e.value
     assert error.exit_code == 1 and "no pipeline configuration" in str(error)
     assert error.floor is not None and error.peak_floor <= error.floor
-    report = ferry.plan("tiny-gpt", budget=error.floor, device=DEVICE, devices=2, micro_batches=4)
+    report = ferry.plan("tiny-gpt", budget=error.floor, device=DEVICE, pp=2, micro_batches=4)
     stage_fits(report)
     with pytest.raises(ferry.PlanError):
-        ferry.plan("tiny-gpt", budget=error.floor - 1, device=DEVICE, devices=2, micro_batches=4)
+        ferry.plan("tiny-gpt", budget=error.floor - 1, device=DEVICE, pp=2, micro_batches=4)
 
 
 def test_auto_names_each_schedule_and_keeps_the_fastest():
-    report = ferry.plan("tiny-gpt", device=DEVICE, devices=2, micro_batches=4, schedule="auto")
+    report = ferry.plan("tiny-gpt", device=DEVICE, pp=2, micro_batches=4, schedule="auto")
     stage_fits(report)
     reason = report["schedule_reason"]
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble"):
@@ -58,16 +58,16 @@ def test_auto_names_each_schedule_and_keeps_the_fastest():
     assert report["plan"]["step_time_ns"] == min(fits)
 
 
-def test_pipeline_options_without_devices_are_refused():
+def test_pipeline_options_without_pp_are_refused():
     with pytest.raises(ferry.PlanError) as e:
         ferry.plan("tiny-gpt", device=DEVICE, schedule="gpipe")
-    assert e.value.exit_code == 2 and "give --devices 2 or more" in str(e.value)
+    assert e.value.exit_code == 2 and "give --pp 2 or more" in str(e.value)
 
 
 def test_a_per_stage_plan_is_the_cli_s_and_names_each_stage_s_configuration(cli):
     # GPT-2 small over 4 stages at 1400 MiB: only the first stage, with the most micro-batches in
     # flight under 1F1B, is over the budget without recompute.
-    args = dict(budget="1400MiB", margin=0, device=DEVICE, devices=4, micro_batches=8)
+    args = dict(budget="1400MiB", margin=0, device=DEVICE, pp=4, micro_batches=8)
     report = ferry.plan("gpt2-small-s1024", **args)
     stage_fits(report)
     plan = report["plan"]
@@ -76,7 +76,7 @@ def test_a_per_stage_plan_is_the_cli_s_and_names_each_stage_s_configuration(cli)
     uniform = [c for c in report["configurations"] if c["stages"] is None and c["fits"]]
     assert uniform and all(plan["step_time_ns"] < c["step_time_ns"] for c in uniform)
     code, document, err = cli_json(
-        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--devices", "4",
+        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--pp", "4",
         "--micro-batches", "8", "--budget", "1400MiB", "--margin", "0",
     )  # fmt: skip
     assert code == 0, err
