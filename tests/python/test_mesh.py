@@ -71,6 +71,10 @@ def test_a_pipeline_is_a_mesh_field_bounded_by_its_row():
     got = ferry.compare("tiny-gpt", device=DEVICE, mesh=mesh, steps=1)
     assert got == ferry.compare("tiny-gpt", device=DEVICE, pp=2, steps=1)
     assert [row["devices"] for row in got["pipeline"]] == [2] * len(got["pipeline"])
+    # 1f1b is the default schedule, torchtitan's; gpipe is asked for by name.
+    assert {row["schedule"] for row in got["pipeline"]} == {"1f1b"}
+    gpipe = ferry.compare("tiny-gpt", device=DEVICE, pp=2, schedule="gpipe", steps=1)
+    assert {row["schedule"] for row in gpipe["pipeline"]} == {"gpipe"}
     piped = ferry.simulate("tiny-gpt", device=DEVICE, mesh=mesh)
     assert piped == ferry.simulate("tiny-gpt", device=DEVICE, pp=2)
     assert piped != ferry.simulate("tiny-gpt", device=DEVICE)

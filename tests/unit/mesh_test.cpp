@@ -93,7 +93,7 @@ TEST(MeshFields, ThePipelinesStagesAreBoundedByTheirRowEverywhere) {
   ASSERT_TRUE(staged.ok()) << staged.error().message;
   EXPECT_EQ(staged.value(), (Parallelism{.ranks = 4, .tp = 2, .pp = 3}));
   EXPECT_EQ(parallelism_json(staged.value()).dump(), R"({"fsdp":4,"tp":2,"pp":3})");
-  EXPECT_EQ(parallelism_json(Parallelism{.pp = 2}).dump(), R"({"tp":1,"pp":2})");
+  EXPECT_EQ(parallelism_json(Parallelism{.pp = 2}).dump(), R"({"pp":2})");
 }
 
 // Expert capacity 1..1024 needs ep 2 or more: the request, the file and the cut refuse it alike.

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "ferry/sim/io/model_json.hpp"
-#include "ferry/sim/mesh/axes.hpp"
 #include "ferry/sim/io/plan_json.hpp"
+#include "ferry/sim/mesh/axes.hpp"
 #include "ferry/sim/planner/lower.hpp"
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
@@ -50,9 +50,9 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
   }
   const MeshFieldRule& stages = mesh_field(MeshField::Pp);
   if (k.mesh.pp == 1 && (k.schedule != kDefaultSchedule || k.virtual_stages != 1)) {
-    return Error{fmt::format(
-        "--schedule {} --virtual-stages {} applies to a pipeline; give {} 2 or more", k.schedule,
-        k.virtual_stages, stages.flag)};
+    return Error{
+        fmt::format("--schedule {} --virtual-stages {} applies to a pipeline; give {} 2 or more",
+                    k.schedule, k.virtual_stages, stages.flag)};
   }
   if (k.mesh.pp > 1) {
     if (auto allowed = pipeline_mesh_allowed(parallelism.value()); !allowed) {
@@ -350,8 +350,8 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
   out.outcome = outcome_of(row.hazards == 0 && !row.failure);
   out.document = with_parallelism(pipeline_document({row}), mesh, w.device, *w.model);
   if (r.text) {
-    out.text = pipeline_text({row}) + parallelism_text(mesh, w.device, *w.model) +
-               stages_text(mesh);
+    out.text =
+        pipeline_text({row}) + parallelism_text(mesh, w.device, *w.model) + stages_text(mesh);
   }
   return out;
 }
@@ -407,9 +407,8 @@ Result<Response> respond(const SimulateRequest& r) {
   if (!asked) return asked.error();
   asked.value().checked = workload.value().checked;
   if (r.trainer && (r.plan || mesh.pp > 1)) {
-    return Error{fmt::format(
-        "--for {} runs one device's or one rank's step: not with --plan or {}",
-        trainer_name(*r.trainer), mesh_field(MeshField::Pp).flag)};
+    return Error{fmt::format("--for {} runs one device's or one rank's step: not with --plan or {}",
+                             trainer_name(*r.trainer), mesh_field(MeshField::Pp).flag)};
   }
   if (r.plan) return api::replay(r, w, std::move(asked).value());
   if (mesh.pp > 1) {
@@ -459,8 +458,7 @@ Result<Response> respond(const CompareRequest& r) {
     if (!schedule) return Error{fmt::format("--schedule: {}", schedule.error().message)};
     if (const auto why = pipeline::schedule_error(
             schedule.value(), static_cast<std::uint32_t>(r.run.micro_batches),
-            static_cast<std::uint32_t>(stages),
-            static_cast<std::uint32_t>(r.run.virtual_stages))) {
+            static_cast<std::uint32_t>(stages), static_cast<std::uint32_t>(r.run.virtual_stages))) {
       return Error{fmt::format("--schedule {}: {}", r.run.schedule, *why)};
     }
     pipelines = pipeline_rows(w.model, base.parallel.mesh.rank_profile(w.device), stages,

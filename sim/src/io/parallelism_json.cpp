@@ -88,7 +88,7 @@ Result<Parallelism> read_parallelism(const JsonValue& value) {
 nlohmann::ordered_json parallelism_json(const Parallelism& p) {
   nlohmann::ordered_json j;
   if (!p.on()) {
-    j["tp"] = p.tp;
+    if (p.tp > 1 || p.pp == 1) j["tp"] = p.tp;
     if (p.pp > 1) j["pp"] = p.pp;
     return j;
   }

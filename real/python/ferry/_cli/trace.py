@@ -306,9 +306,9 @@ def _check(args: argparse.Namespace) -> dict[str, Any] | None:
 def mesh_section(args: argparse.Namespace) -> dict[str, Any] | None:
     """The scenario's "parallelism" section (docs/model-format.md) that --fsdp, --nodes,
     --hsdp, --reshard-after-forward, --fsdp-impl, --tp, --cp, --ep and --pp record, or None
-    without --fsdp, --tp and --pp. The simulator writes it, checked by the mesh's rules as the commands that
-    read it check them (``ferry._simulator.parallelism_section``; --fsdp and --nodes 0: not
-    given)."""
+    without --fsdp, --tp and --pp. The simulator writes it, checked by the mesh's rules as the
+    commands that read it check them (``ferry._simulator.parallelism_section``; --fsdp and
+    --nodes 0: not given)."""
     from .. import _simulator
 
     try:

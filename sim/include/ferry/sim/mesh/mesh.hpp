@@ -33,7 +33,15 @@ class Mesh {
   /// tp-th), an HSDP replica group (one GPU of each shard group), the tensor-parallel group,
   /// the context-parallel group, the expert-parallel group, an expert's shard group (every
   /// ep-th GPU), and the pipeline group (rank 0 of each stage: pp GPUs, one stage's apart).
-  enum class Axis : std::uint8_t { Shard, Replicate, Tensor, Context, Expert, ExpertShard, Pipeline };
+  enum class Axis : std::uint8_t {
+    Shard,
+    Replicate,
+    Tensor,
+    Context,
+    Expert,
+    ExpertShard,
+    Pipeline
+  };
 
   Mesh() = default;
 
