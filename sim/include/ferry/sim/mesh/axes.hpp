@@ -14,13 +14,13 @@ namespace ferry::sim {
 
 // Note [One table of axes]
 // A mesh is asked for by data-parallel ranks and their options (--fsdp, --nodes, --hsdp,
-// --reshard-after-forward, --fsdp-impl), the axes' degrees (--tp, --cp, --ep) and an axis's
-// option (--expert-capacity). Every edge spells a field its own way (a file's "hsdp", the
-// flag --hsdp, Python's hsdp, the field Parallelism::replicas), bounds it, and refuses it
-// without the field it needs. Those are rows of kMeshFields, in the order every check visits
-// them, so the first error is the same whoever checks; each place that checks writes its own
-// sentence from the row. The pipeline axis (pp) is one more row, read by the same loops; how its
-// stages cut the model is its cut's (the pipeline's stages, each a mesh of the other axes).
+// --reshard-after-forward, --fsdp-impl), the axes' degrees (--tp, --cp, --ep), an axis's
+// option (--expert-capacity) and the pipeline's stages (--pp). Every edge spells a field its own
+// way (a file's "hsdp", the flag --hsdp, Python's hsdp, the field Parallelism::replicas), bounds
+// it, and refuses it without the field it needs. Those are rows of kMeshFields, in the order every
+// check visits them, so the first error is the same whoever checks; each place that checks writes
+// its own sentence from the row. The pipeline axis (pp) is one more row, read by the same loops;
+// how its stages cut the model is its cut's (the pipeline's stages, each a mesh of the other axes).
 
 /// A field of the mesh, in kMeshFields' order.
 enum class MeshField : std::uint8_t {
