@@ -5,10 +5,10 @@
 // 70B model is planned on the H100 profile with enough memory for its no-offload peak.
 //   bench_plan [--smoke] [--jobs=N] [google-benchmark flags]
 // --smoke plans gpt2-small-s1024 instead (a quick check that the benchmark still runs).
-// BM_PlanPipeline: `ferry plan --devices 8 --schedule 1f1b --micro-batches 16 --margin 0` on the
+// BM_PlanPipeline: `ferry plan --pp 8 --schedule 1f1b --micro-batches 16 --margin 0` on the
 // 70B-like preset and H100 profile (plan_pipeline; counter per_stage: 1 when the plan is a
 // per-stage one), and BM_ComparePipeline the pipeline rows
-// `ferry compare --devices 8` runs for the same counts (smoke: gpt2-small-s1024 over 2 devices);
+// `ferry compare --pp 8` runs for the same counts (smoke: gpt2-small-s1024 over 2 stages);
 // BM_ComparePipelineMesh and BM_PlanPipelineMesh the same at `--fsdp 8 --tp 4`.
 
 #include <benchmark/benchmark.h>
@@ -143,7 +143,7 @@ std::optional<PipelineCase> pipeline_case(benchmark::State& state) {
                       g_smoke ? 4 : 16};
 }
 
-// The options of `ferry plan --devices N` on a pipeline case: 1F1B at the device's memory.
+// The options of `ferry plan --pp N` on a pipeline case: 1F1B at the device's memory.
 ferry::sim::PipelinePlanOptions pipeline_plan_options(const PipelineCase& c) {
   ferry::sim::PipelinePlanOptions options;
   options.devices = c.devices;
@@ -199,7 +199,7 @@ void BM_ComparePipeline(benchmark::State& state) {
 }
 
 // The same pipeline with each stage a GPU of FSDP over 8 ranks times tensor parallelism over 4
-// (`--fsdp 8 --tp 4 --devices 8`, 256 GPUs; smoke: tiny-llama at --fsdp 2 --tp 2 over 2
+// (`--fsdp 8 --tp 4 --pp 8`, 256 GPUs; smoke: tiny-llama at --fsdp 2 --tp 2 over 2
 // stages): the rank's model, cut once, and its device.
 struct MeshCase {
   ferry::sim::Mesh mesh;
@@ -224,7 +224,7 @@ std::optional<MeshCase> mesh_case(benchmark::State& state, const PipelineCase& c
   return MeshCase{mesh.value(), std::move(rank).value()};
 }
 
-// `ferry compare --fsdp 8 --tp 4 --devices 8`'s pipeline rows.
+// `ferry compare --fsdp 8 --tp 4 --pp 8`'s pipeline rows.
 void BM_ComparePipelineMesh(benchmark::State& state) {
   const auto c = pipeline_case(state);
   if (!c) return;
@@ -242,7 +242,7 @@ void BM_ComparePipelineMesh(benchmark::State& state) {
   state.counters["hazards"] = static_cast<double>(hazards);
 }
 
-// `ferry plan --fsdp 8 --tp 4 --devices 8`.
+// `ferry plan --fsdp 8 --tp 4 --pp 8`.
 void BM_PlanPipelineMesh(benchmark::State& state) {
   const auto c = pipeline_case(state);
   if (!c) return;

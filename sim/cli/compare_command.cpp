@@ -1,5 +1,5 @@
 // `ferry compare`: the fixed configurations (no offload, checkpointing, each policy) of a model
-// side by side, and with --devices N the pipeline configurations too.
+// side by side, and with --pp N the pipeline configurations too.
 
 #include <fmt/format.h>
 

@@ -132,11 +132,10 @@ PlanCommand::PlanCommand(CLI::App* cmd) : Command(cmd) {
   cmd->add_option("--scenarios", a_.target.scenarios, "Folder with devices/ (bundled by default)");
   add_mesh_options(cmd, r.mesh, a_.text);
   add_allocator_option(cmd, a_.text);
+  add_stages_option(cmd, r.mesh,
+                    "Plan a pipeline of N stages, {bounds}, every stage within the budget "
+                    "(docs/plan.md, \"A pipeline\"); 1: no pipeline");
   // Their bounds are the request's (Note [One check for both edges]).
-  cmd->add_option("--devices", r.devices,
-                  "Plan a pipeline over N devices, 1..64, every stage within the budget "
-                  "(docs/plan.md, \"A pipeline\"); 1: no pipeline")
-      ->capture_default_str();
   cmd->add_option("--micro-batches", r.micro_batches, "Pipeline micro-batches, 1..1024")
       ->capture_default_str();
   cmd->add_option("--schedule", r.schedule,
@@ -170,7 +169,7 @@ std::string PlanCommand::misuse() const {
     return "--memory-snapshot: " + why;
   }
   if (a_.request.sweep == 0 && !a_.plot.empty()) return "--plot draws a sweep: give --sweep N";
-  if (a_.request.devices > 1 && !a_.out.empty()) {
+  if (a_.request.mesh.pp > 1 && !a_.out.empty()) {
     return "--out writes a ferry.plan/1 plan of one device or rank; a pipeline's plan is its "
            "configuration, in the report (--json)";
   }

@@ -4,6 +4,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "command.hpp"
 #include "ferry/sim/report/tables.hpp"
@@ -63,6 +64,12 @@ void add_axis_options(CLI::App* cmd, sim::MeshRequest& fsdp) {
 }
 
 }  // namespace
+
+void add_stages_option(CLI::App* cmd, sim::MeshRequest& mesh, std::string help) {
+  cmd->add_option(mesh_flag(sim::MeshField::Pp), mesh.pp,
+                  mesh_help(sim::MeshField::Pp, std::move(help)))
+      ->capture_default_str();
+}
 
 CLI::Option* add_mesh_options(CLI::App* cmd, sim::MeshRequest& fsdp, TextFlags& text) {
   using sim::MeshField;
@@ -173,10 +180,8 @@ void add_simulate_options(CLI::App* cmd, RunArgs& args) {
 // mode.
 void add_pipeline_options(CLI::App* cmd, RunArgs& args, bool simulate) {
   sim::RunKnobs& a = args.run;
+  add_stages_option(cmd, a.mesh, "Pipeline of N stages (--schedule), {bounds}; 1: no pipeline");
   // Their bounds are the request's (Note [One check for both edges]).
-  cmd->add_option("--devices", a.devices,
-                  "Pipeline over N devices (--schedule), 1..64; 1: no pipeline")
-      ->capture_default_str();
   cmd->add_option("--micro-batches", a.micro_batches, "Pipeline micro-batches, 1..1024")
       ->capture_default_str();
   cmd->add_option("--schedule", a.schedule,

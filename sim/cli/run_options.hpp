@@ -55,6 +55,8 @@ struct RunArgs {
 /// Adds `--fsdp`, `--nodes`, `--hsdp`, `--reshard-after-forward` and `--fsdp-impl` to `cmd`;
 /// returns `--fsdp`.
 CLI::Option* add_mesh_options(CLI::App* cmd, sim::MeshRequest& fsdp, TextFlags& text);
+/// `--pp` (kMeshFields' row), its help `help` with "{bounds}" the row's.
+void add_stages_option(CLI::App* cmd, sim::MeshRequest& mesh, std::string help);
 
 /// Adds `--allocator default|expandable` to `cmd`.
 void add_allocator_option(CLI::App* cmd, TextFlags& text);

@@ -58,7 +58,7 @@ int SimulateCommand::run() const {
   }
   request.trace = !a_.trace.empty();
   request.memory_snapshot = !a_.memory_snapshot.empty();
-  if (request.memory_snapshot && a_.plan.empty() && request.run.devices == 1) {
+  if (request.memory_snapshot && a_.plan.empty() && request.run.mesh.pp == 1) {
     if (const std::string why = unwritable(a_.memory_snapshot); !why.empty()) {
       return refuse("--memory-snapshot: " + why);
     }

@@ -280,6 +280,7 @@ Keywords<sim::MeshRequest> mesh_keywords() {
       keyword(name(MeshField::Cp), &MeshRequest::cp),
       keyword(name(MeshField::Ep), &MeshRequest::ep),
       keyword(name(MeshField::ExpertCapacity), &MeshRequest::expert_capacity),
+      keyword(name(MeshField::Pp), &MeshRequest::pp),
   };
 }
 
@@ -311,9 +312,9 @@ Keywords<sim::RunKnobs> knob_keywords(Runs command) {
       {Runs::Both, keyword("check", &RunKnobs::check)},
       {Runs::Both, keyword("set_to_none", &RunKnobs::set_to_none)},
       {Runs::Both, keyword("paged_stash", &RunKnobs::paged_stash)},
-      {Runs::Compare, keyword("devices", &RunKnobs::devices)},
       {Runs::Compare, keyword("micro_batches", &RunKnobs::micro_batches)},
       {Runs::Compare, keyword("split", &RunKnobs::split)},
+      {Runs::Compare, keyword("schedule", &RunKnobs::schedule)},
   };
   Keywords<RunKnobs> out;
   for (const auto& [runs, row] : rows) {
@@ -380,7 +381,6 @@ Keywords<sim::PlanRequest> plan_keywords() {
             if (trainer) r.trainer = value_or_raise(sim::parse_trainer(*trainer, "trainer"));
           }),
       keyword("jobs", &PlanRequest::jobs),
-      keyword("devices", &PlanRequest::devices),
       keyword("micro_batches", &PlanRequest::micro_batches),
       keyword("schedule", &PlanRequest::schedule),
       keyword("virtual_stages", &PlanRequest::virtual_stages),
@@ -443,7 +443,7 @@ py::dict options_dict(const OffloadOptions& o, const Plan& p) {
 // plan(...) -> {report, text, plan_text, offload_options}: `ferry plan --json`'s report (the
 // plan in it under "plan"), the text report, the plan as `--out` writes it, and the offload
 // options the planner lowered it to for its checked run (as plan_offload_options gives them);
-// with devices above 1 {report, text}, the report a `ferry.pipeline-plan/1` document;
+// with pp above 1 {report, text}, the report a `ferry.pipeline-plan/1` document;
 // or {refused, floor, smallest_budget, document} when no plan fits the budget (floor: the
 // smallest peak reserved reached, or None; smallest_budget: the smallest budget that plans, the
 // floor with the margin added back, or None; document: the `ferry.plan-refusal/1` document

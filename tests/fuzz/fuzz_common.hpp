@@ -61,7 +61,7 @@ inline TrainingOptions cli_training_options() {
   return o;
 }
 
-/// What `ferry compare` and `ferry simulate --checkpoint ... --devices 2` do with a model that
+/// What `ferry compare` and `ferry simulate --checkpoint ... --pp 2` do with a model that
 /// loaded and whose ops' roofline times on the device are within the format's bounds: every row of
 /// compare, the checkpoint specs compare leaves out, the pipeline rows, and every report. Durations
 /// come from the device's roofline, as in the CLI.

@@ -157,8 +157,8 @@ INSTANTIATE_TEST_SUITE_P(Presets, GoldenCompare, ::testing::Values("tiny-gpt", "
                            return name;
                          });
 
-// `ferry compare --devices 4` on gpt2-small: the pipeline rows, with and without offload in
-// every stage, are pinned too; every row runs hazard-free.
+// `ferry compare --pp 4 --schedule gpipe` on gpt2-small: the pipeline rows, with and without
+// offload in every stage, are pinned too; every row runs hazard-free.
 TEST(GoldenComparePipeline, Gpt2SmallOnFourDevicesMatchesExpectedBytes) {
   auto model = model_preset("gpt2-small-s1024");
   auto device = load_device_profile(kScenarios / "devices", "h100-sxm-pcie5");

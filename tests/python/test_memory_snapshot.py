@@ -432,7 +432,7 @@ def test_pipeline_says_it_has_no_snapshot(tmp_path):
             "simulate",
             "--model",
             "tiny-gpt",
-            "--devices",
+            "--pp",
             "2",
             "--memory-snapshot",
             str(tmp_path / "p.pickle"),

@@ -16,7 +16,7 @@ MODEL, DEVICE = "gpt2-small-s1024", "h100-sxm-pcie5"
 def test_the_fields_are_the_simulators_mesh_keywords_in_its_order():
     names = [f.name for f in dataclasses.fields(ferry.Mesh)]
     assert names == list(_simulator.mesh_fields)
-    assert {"fsdp", "nodes", "hsdp", "reshard_after_forward", "tp", "cp", "ep"} <= set(names)
+    assert {"fsdp", "nodes", "hsdp", "reshard_after_forward", "tp", "cp", "ep", "pp"} <= set(names)
     # Each is a keyword the functions take: the simulator names the field when its value is
     # wrong rather than refusing the keyword.
     for name in names:
@@ -61,6 +61,30 @@ def test_plan_takes_a_mesh_as_its_keywords():
     report = ferry.plan(MODEL, budget="1536MiB", device=DEVICE, mesh=ferry.Mesh(fsdp=8))
     assert report["plan"]["parallelism"] == {"fsdp": 8}
     assert report == ferry.plan(MODEL, budget="1536MiB", device=DEVICE, fsdp=8)
+
+
+def test_a_pipeline_is_a_mesh_field_bounded_by_its_row():
+    # pp is the table's row like the others: a Mesh takes it, and the three functions run it
+    # as they run the keyword, bounded 1..64 as the command line's --pp.
+    mesh = ferry.Mesh(pp=2)
+    assert mesh.pp == 2
+    got = ferry.compare("tiny-gpt", device=DEVICE, mesh=mesh, steps=1)
+    assert got == ferry.compare("tiny-gpt", device=DEVICE, pp=2, steps=1)
+    assert [row["devices"] for row in got["pipeline"]] == [2] * len(got["pipeline"])
+    # 1f1b is the default schedule, torchtitan's; gpipe is asked for by name.
+    assert {row["schedule"] for row in got["pipeline"]} == {"1f1b"}
+    gpipe = ferry.compare("tiny-gpt", device=DEVICE, pp=2, schedule="gpipe", steps=1)
+    assert {row["schedule"] for row in gpipe["pipeline"]} == {"gpipe"}
+    piped = ferry.simulate("tiny-gpt", device=DEVICE, mesh=mesh)
+    assert piped == ferry.simulate("tiny-gpt", device=DEVICE, pp=2)
+    assert piped != ferry.simulate("tiny-gpt", device=DEVICE)
+    for call in (ferry.simulate, ferry.compare):
+        with pytest.raises(ValueError, match=r"^--pp: 65 is not in 1\.\.64$"):
+            call("tiny-gpt", mesh=ferry.Mesh(pp=65))
+    with pytest.raises(ferry.PlanError, match=r"--pp: 0 is not in 1\.\.64"):
+        ferry.plan("tiny-gpt", mesh=ferry.Mesh(pp=0))
+    with pytest.raises(TypeError, match="devices"):
+        ferry.compare("tiny-gpt", devices=2)
 
 
 def test_a_mesh_value_is_refused_as_the_keyword_is():

@@ -5,7 +5,7 @@ transformer, each built tiny from transformers' own config and traced for one tr
 and runs hazard-free, with the gradients of the same micro-batches run one after another on one
 device (the row's failure names a mismatch), offloading its saved tensors where the schedule
 allows it; the first stage holds as many micro-batches as the schedule's analytic count. A
-pipeline plan (`ferry plan --devices`) under a budget the plan of everything kept exceeds fits
+pipeline plan (`ferry plan --pp`) under a budget the plan of everything kept exceeds fits
 every stage, checked hazard-free, no slower than the fixed rows that fit; below its floor it is
 refused with that floor named."""
 
@@ -55,7 +55,7 @@ def pipeline_command(cli, command, model, *flags):
         command,
         "--model",
         model,
-        "--devices",
+        "--pp",
         str(DEVICES),
         "--micro-batches",
         str(MICRO_BATCHES),

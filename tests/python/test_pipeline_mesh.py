@@ -1,5 +1,5 @@
 """A pipeline on the mesh (docs/parallelism.md, "The pipeline on the mesh"): `ferry compare` and
-`ferry plan --devices N` with FSDP x TP on the 70B-like preset and FSDP x EP on the traced
+`ferry plan --pp N` with FSDP x TP on the 70B-like preset and FSDP x EP on the traced
 Mixtral. Every pipeline row and the checked plan are hazard-free, each stage's peaks are
 reported, the plan is never slower than the fastest fixed row that fits every stage, and the
 report says why it runs its schedule."""
@@ -30,7 +30,7 @@ def rows_hold(document, stages):
 
 
 def test_llama_70b_at_fsdp_tp_pp_over_128_gpus(cli):
-    mesh = ["--fsdp", "8", "--tp", "4", "--devices", "4", "--micro-batches", "8"]
+    mesh = ["--fsdp", "8", "--tp", "4", "--pp", "4", "--micro-batches", "8"]
     code, document, err = cli_json(cli, "compare", "--model", "llama-70b-s8192", *mesh)
     assert code == 0, err
     rows_hold(document, 4)
@@ -42,7 +42,7 @@ def test_llama_70b_at_fsdp_tp_pp_over_128_gpus(cli):
 
 
 def test_traced_mixtral_at_ep_pp(cli):
-    mesh = ["--fsdp", "8", "--ep", "8", "--devices", "2", "--micro-batches", "8"]
+    mesh = ["--fsdp", "8", "--ep", "8", "--pp", "2", "--micro-batches", "8"]
     code, document, err = cli_json(cli, "compare", "--model", MIXTRAL, *mesh, "--schedule", "1f1b")
     assert code == 0, err
     rows_hold(document, 2)

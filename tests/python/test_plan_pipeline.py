@@ -1,4 +1,4 @@
-"""`ferry.plan(..., devices=N)` plans a pipeline as `ferry plan --devices N` does (docs/plan.md,
+"""`ferry.plan(..., pp=N)` plans a pipeline as `ferry plan --pp N` does (docs/plan.md,
 "A pipeline"): the same document on both edges, every stage within the planned budget and
 checked, a budget below the floor refused with the floor, which itself plans."""
 
@@ -20,14 +20,14 @@ def stage_fits(report):
     assert plan["stage_peak_reserved_bytes"][binding] == plan["max_stage_peak_reserved_bytes"]
 
 
-@pytest.mark.parametrize("devices", [2, 4])
-def test_the_plan_is_the_cli_s_and_fits_every_stage(cli, devices):
-    report = ferry.plan("tiny-gpt", device=DEVICE, devices=devices, micro_batches=2 * devices)
+@pytest.mark.parametrize("stages", [2, 4])
+def test_the_plan_is_the_cli_s_and_fits_every_stage(cli, stages):
+    report = ferry.plan("tiny-gpt", device=DEVICE, pp=stages, micro_batches=2 * stages)
     stage_fits(report)
     assert report["schedule_defaulted"] and report["schedules"] == ["1f1b"]
     code, document, err = cli_json(
-        cli, "plan", "--model", "tiny-gpt", "--device", DEVICE, "--devices", str(devices),
-        "--micro-batches", str(2 * devices),
+        cli, "plan", "--model", "tiny-gpt", "--device", DEVICE, "--pp", str(stages),
+        "--micro-batches", str(2 * stages),
     )  # fmt: skip
     assert code == 0, err
     assert document == report
@@ -38,18 +38,18 @@ def test_the_plan_is_the_cli_s_and_fits_every_stage(cli, devices):
 
 def test_a_budget_below_the_floor_is_refused_and_the_floor_plans():
     with pytest.raises(ferry.PlanError) as e:
-        ferry.plan("tiny-gpt", budget="1MiB", device=DEVICE, devices=2, micro_batches=4)
+        ferry.plan("tiny-gpt", budget="1MiB", device=DEVICE, pp=2, micro_batches=4)
     error = e.value
     assert error.exit_code == 1 and "no pipeline configuration" in str(error)
     assert error.floor is not None and error.peak_floor <= error.floor
-    report = ferry.plan("tiny-gpt", budget=error.floor, device=DEVICE, devices=2, micro_batches=4)
+    report = ferry.plan("tiny-gpt", budget=error.floor, device=DEVICE, pp=2, micro_batches=4)
     stage_fits(report)
     with pytest.raises(ferry.PlanError):
-        ferry.plan("tiny-gpt", budget=error.floor - 1, device=DEVICE, devices=2, micro_batches=4)
+        ferry.plan("tiny-gpt", budget=error.floor - 1, device=DEVICE, pp=2, micro_batches=4)
 
 
 def test_auto_names_each_schedule_and_keeps_the_fastest():
-    report = ferry.plan("tiny-gpt", device=DEVICE, devices=2, micro_batches=4, schedule="auto")
+    report = ferry.plan("tiny-gpt", device=DEVICE, pp=2, micro_batches=4, schedule="auto")
     stage_fits(report)
     reason = report["schedule_reason"]
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble"):
@@ -58,16 +58,16 @@ def test_auto_names_each_schedule_and_keeps_the_fastest():
     assert report["plan"]["step_time_ns"] == min(fits)
 
 
-def test_pipeline_options_without_devices_are_refused():
+def test_pipeline_options_without_pp_are_refused():
     with pytest.raises(ferry.PlanError) as e:
         ferry.plan("tiny-gpt", device=DEVICE, schedule="gpipe")
-    assert e.value.exit_code == 2 and "give --devices 2 or more" in str(e.value)
+    assert e.value.exit_code == 2 and "give --pp 2 or more" in str(e.value)
 
 
 def test_a_per_stage_plan_is_the_cli_s_and_names_each_stage_s_configuration(cli):
     # GPT-2 small over 4 stages at 1300 MiB: only the first stage, with the most micro-batches in
     # flight under 1F1B, is over the budget without recompute.
-    args = dict(budget="1300MiB", margin=0, device=DEVICE, devices=4, micro_batches=8)
+    args = dict(budget="1300MiB", margin=0, device=DEVICE, pp=4, micro_batches=8)
     report = ferry.plan("gpt2-small-s1024", **args)
     stage_fits(report)
     plan = report["plan"]
@@ -76,7 +76,7 @@ def test_a_per_stage_plan_is_the_cli_s_and_names_each_stage_s_configuration(cli)
     uniform = [c for c in report["configurations"] if c["stages"] is None and c["fits"]]
     assert uniform and all(plan["step_time_ns"] < c["step_time_ns"] for c in uniform)
     code, document, err = cli_json(
-        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--devices", "4",
+        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--pp", "4",
         "--micro-batches", "8", "--budget", "1300MiB", "--margin", "0",
     )  # fmt: skip
     assert code == 0, err
@@ -86,7 +86,7 @@ def test_a_per_stage_plan_is_the_cli_s_and_names_each_stage_s_configuration(cli)
 def test_the_split_is_the_cli_s_and_names_each_stage_s_layers(cli):
     # GPT-2 small's 12 layers on 4 stages by torchtitan's default: 14 layer equivalents, 4, 4,
     # 3, 3 less the input on the first and the output on the last.
-    args = dict(device=DEVICE, devices=4, micro_batches=4)
+    args = dict(device=DEVICE, pp=4, micro_batches=4)
     report = ferry.plan("gpt2-small-s1024", **args)
     assert report["split"] == "layers"
     stages = report["stages"]
@@ -101,12 +101,12 @@ def test_the_split_is_the_cli_s_and_names_each_stage_s_layers(cli):
     assert balanced["split"] == "balanced"
     assert balanced["stages"] != stages
     code, document, err = cli_json(
-        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--devices", "4",
+        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--pp", "4",
         "--micro-batches", "4", "--split", "2,6,9",
     )  # fmt: skip
     assert code == 0, err
     assert document == explicit
-    rows = ferry.compare("gpt2-small-s1024", DEVICE, devices=4, split="2,6,9", steps=1)
+    rows = ferry.compare("gpt2-small-s1024", DEVICE, pp=4, split="2,6,9", steps=1)
     assert all(r["split"] == "2,6,9" for r in rows["pipeline"])
     assert all(r["stages"] == explicit["stages"] for r in rows["pipeline"])
 
@@ -122,12 +122,12 @@ def test_the_split_is_the_cli_s_and_names_each_stage_s_layers(cli):
 )
 def test_a_bad_split_is_refused_on_both_edges(cli, split, message):
     with pytest.raises(ferry.PlanError) as e:
-        ferry.plan("gpt2-small-s1024", device=DEVICE, devices=4, micro_batches=4, split=split)
+        ferry.plan("gpt2-small-s1024", device=DEVICE, pp=4, micro_batches=4, split=split)
     assert e.value.exit_code == 2 and message in str(e.value)
     with pytest.raises(ValueError, match="--split"):
-        ferry.compare("gpt2-small-s1024", DEVICE, devices=4, split=split, steps=1)
+        ferry.compare("gpt2-small-s1024", DEVICE, pp=4, split=split, steps=1)
     code, _, err = cli_json(
-        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--devices", "4",
+        cli, "plan", "--model", "gpt2-small-s1024", "--device", DEVICE, "--pp", "4",
         "--micro-batches", "4", "--split", split,
     )  # fmt: skip
     assert code == 2 and message in err

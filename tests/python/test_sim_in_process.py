@@ -71,7 +71,7 @@ def test_compare_is_the_cli_document():
 
 
 def test_compare_has_the_cli_pipeline_rows():
-    got = ferry.compare("tiny-gpt", device=DEVICE, steps=1, devices=2, micro_batches=2)
+    got = ferry.compare("tiny-gpt", device=DEVICE, steps=1, pp=2, micro_batches=2)
     want = cli_json(
         "compare",
         "--model",
@@ -80,7 +80,7 @@ def test_compare_has_the_cli_pipeline_rows():
         DEVICE,
         "--steps",
         "1",
-        "--devices",
+        "--pp",
         "2",
         "--micro-batches",
         "2",

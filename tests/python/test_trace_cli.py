@@ -307,6 +307,18 @@ def test_tensor_and_context_parallelism_are_recorded_and_the_commands_cut_for_th
     assert "--tp 4: 2 key/value heads" in done.stderr
 
 
+def test_a_pipeline_is_recorded_and_the_commands_run_it(config, tmp_path, capsys):
+    # --pp is the mesh table's row: recorded alone, run by the commands as their own --pp, and
+    # bounded as they bound it.
+    out, traced = run(tmp_path, config, "--seq", "64", "--pp", "2")
+    assert traced.document["parallelism"] == {"pp": 2}
+    done = simulate(out)
+    assert done.returncode == 0, done.stderr
+    assert "\n1f1b 2x4 never ferry " in done.stdout
+    assert main([config, "--seq", "8", "--pp", "65", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--pp: 65 is not in 1..64" in capsys.readouterr().err
+
+
 def test_tensor_and_context_arguments_are_checked(config, tmp_path, capsys):
     x = str(tmp_path / "x.json")
     assert main([config, "--seq", "8", "--cp", "2", "--out", x]) == 2

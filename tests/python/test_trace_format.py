@@ -140,7 +140,7 @@ def test_pipeline_trace_is_refused_not_silently_missing(tmp_path):
         "simulate",
         "--model",
         os.path.join(MODELS, "mlp.json"),
-        "--devices",
+        "--pp",
         "2",
         "--trace",
         str(path),

@@ -586,9 +586,21 @@ TEST(MeshRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
                                                         .replicas = 2,
                                                         .reshard_after_forward = Reshard::K(4),
                                                         .impl = FsdpImpl::Simple}));
-  MeshRequest pipelined;
-  adopt_parallelism(pipelined, file, 2);
-  EXPECT_EQ(parallelism_of(pipelined).value(), Parallelism{});
+  // A pipeline asked for runs its stages on the mesh asked: nothing of the file's.
+  MeshRequest pipelined{.pp = 2};
+  adopt_parallelism(pipelined, file);
+  EXPECT_EQ(parallelism_of(pipelined).value(), Parallelism{.pp = 2});
+  // A file's pipeline where the flags ask none, with the file's mesh for each stage.
+  Parallelism staged = file;
+  staged.pp = 4;
+  MeshRequest unpiped;
+  adopt_parallelism(unpiped, staged);
+  EXPECT_EQ(parallelism_of(unpiped).value(), staged);
+  // The pipeline's bounds are its row's, and a file's stages do not hide a count out of them.
+  MeshRequest zero{.pp = 0};
+  adopt_parallelism(zero, staged);
+  EXPECT_EQ(parallelism_of(zero).error().message, "--pp: 0 is not in 1..64");
+  EXPECT_EQ(parallelism_of(MeshRequest{.pp = 65}).error().message, "--pp: 65 is not in 1..64");
 }
 
 TEST(MeshRequest, EdgesNameTheFlagsWhereTheSimulatorNamesTheFields) {

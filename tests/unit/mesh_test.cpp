@@ -73,6 +73,29 @@ TEST(MeshFields, EveryEdgeRefusesADegreeAboveTheTablesBound) {
             "ranks: 1000001 ranks (use 1 to 1000000)");
 }
 
+// The pipeline's stages are one more row: 1..64 at the request, in the file and in Mesh::make,
+// needing no other field.
+TEST(MeshFields, ThePipelinesStagesAreBoundedByTheirRowEverywhere) {
+  const MeshFieldRule& row = mesh_field(MeshField::Pp);
+  EXPECT_EQ(row.flag, "--pp");
+  EXPECT_FALSE(row.has_need());
+  EXPECT_EQ(request_error(MeshRequest{.pp = 0}), "--pp: 0 is not in 1..64");
+  EXPECT_EQ(request_error(MeshRequest{.pp = 65}), "--pp: 65 is not in 1..64");
+  EXPECT_EQ(request_error(MeshRequest{.pp = 64}), "");
+  EXPECT_EQ(mesh_error(Parallelism{.pp = 65}), "--pp: 65 stages (use 1 to 64)");
+  EXPECT_EQ(mesh_error(Parallelism{.pp = 0}, &MeshFieldRule::name), "pp: 0 stages (use 1 to 64)");
+  EXPECT_NE(file_error(R"({"pp": 65})").find("pp"), std::string::npos);
+  EXPECT_NE(file_error(R"({"pp": 0})"), "");
+  // A pipeline alone needs no "fsdp"; with it, each stage is that mesh.
+  EXPECT_EQ(file_error(R"({"pp": 64})"), "");
+  const auto json = nlohmann::json::parse(R"({"fsdp": 4, "tp": 2, "pp": 3})");
+  auto staged = read_parallelism(JsonValue(json, "parallelism"));
+  ASSERT_TRUE(staged.ok()) << staged.error().message;
+  EXPECT_EQ(staged.value(), (Parallelism{.ranks = 4, .tp = 2, .pp = 3}));
+  EXPECT_EQ(parallelism_json(staged.value()).dump(), R"({"fsdp":4,"tp":2,"pp":3})");
+  EXPECT_EQ(parallelism_json(Parallelism{.pp = 2}).dump(), R"({"pp":2})");
+}
+
 // Expert capacity 1..1024 needs ep 2 or more: the request, the file and the cut refuse it alike.
 TEST(MeshFields, ExpertCapacityNeedsExpertParallelismEverywhere) {
   EXPECT_EQ(request_error(MeshRequest{.ranks = 8, .expert_capacity = 2}),
@@ -113,8 +136,9 @@ TEST(Mesh, TheDefaultIsOneGpuOnAnyDevice) {
   const Mesh one;
   EXPECT_FALSE(one.on());
   EXPECT_FALSE(one.cuts());
-  for (const Mesh::Axis axis : {Mesh::Axis::Shard, Mesh::Axis::Replicate, Mesh::Axis::Tensor,
-                                Mesh::Axis::Context, Mesh::Axis::Expert, Mesh::Axis::ExpertShard}) {
+  for (const Mesh::Axis axis :
+       {Mesh::Axis::Shard, Mesh::Axis::Replicate, Mesh::Axis::Tensor, Mesh::Axis::Context,
+        Mesh::Axis::Expert, Mesh::Axis::ExpertShard, Mesh::Axis::Pipeline}) {
     EXPECT_EQ(one.group(axis).size, 1);
     EXPECT_EQ(one.group(axis).nodes, 1);
   }
@@ -140,6 +164,21 @@ TEST(Mesh, GroupsLieWhereTheLayoutPutsThem) {
   EXPECT_EQ(mesh.group(Mesh::Axis::Replicate), (MeshGroup{.size = 2, .nodes = 2, .stride = 16}));
   // An expert's shard group: 8 x 2 / 4 GPUs, every 4th.
   EXPECT_EQ(mesh.group(Mesh::Axis::ExpertShard), (MeshGroup{.size = 4, .nodes = 2, .stride = 4}));
+}
+
+// Four stages of ranks 2 x tp 2: stage s holds GPUs 4s..4s+3, so rank 0's pipeline group is
+// every 4th GPU, on two nodes of eight. A stage's world, and the nodes it spans, are its own.
+TEST(Mesh, ThePipelineGroupIsOneGpuOfEachStage) {
+  auto made = Mesh::make(Parallelism{.ranks = 2, .tp = 2, .pp = 4}, node_profile());
+  ASSERT_TRUE(made.ok()) << made.error().message;
+  const Mesh& mesh = made.value();
+  EXPECT_EQ(mesh.parallelism().world(), 4);
+  EXPECT_EQ(mesh.group(Mesh::Axis::Pipeline), (MeshGroup{.size = 4, .nodes = 2, .stride = 4}));
+  EXPECT_EQ(mesh.group(Mesh::Axis::Shard), (MeshGroup{.size = 2, .nodes = 1, .stride = 2}));
+  auto alone = Mesh::make(Parallelism{.pp = 3}, node_profile());
+  ASSERT_TRUE(alone.ok()) << alone.error().message;
+  EXPECT_EQ(alone.value().group(Mesh::Axis::Pipeline),
+            (MeshGroup{.size = 3, .nodes = 1, .stride = 1}));
 }
 
 TEST(Mesh, AContextGroupSpanningNodesCountsThem) {

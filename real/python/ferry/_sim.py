@@ -155,8 +155,8 @@ def simulate(
     Args:
         model: A preset name, a ``ferry.model/1`` file or a ``TracedModel``.
         device: A bundled device profile's name or a profile file.
-        mesh: A ``ferry.Mesh``: the mesh keywords below (``fsdp`` to ``expert_capacity``) as
-            one value; a field given both there and as a keyword is a TypeError.
+        mesh: A ``ferry.Mesh``: the mesh keywords below (``fsdp`` to ``pp``) as one value; a
+            field given both there and as a keyword is a TypeError.
         **options: The run's options, as ``ferry simulate`` names them: ``policy`` ("none",
             "trl", "trl-seed", "ferry"), ``checkpoint`` ("none", "every:K", "selective", ...),
             ``horizon`` ("auto", "none", bytes), ``steps``, ``min_bytes``, ``window_mib``,
@@ -177,7 +177,8 @@ def simulate(
             that pads each GPU's routed rows, with ``ep`` (``--expert-capacity``; 0: none), and
             ``paged_stash``, Megatron-Core's paged stash of the padded saved tensors
             (``--paged-stash``; docs/parallelism.md, Static capacity and the paged stash);
-            ``allocator``, "default" or
+            ``pp``, a pipeline of that many stages (1..64), each run by that mesh (``--pp``,
+            docs/pipeline.md); ``allocator``, "default" or
             "expandable" (the caching allocator with ``expandable_segments:True``, where a
             traced model's recorded setting is the default; docs/allocators.md). Numbers have
             the command line's bounds (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes``
@@ -228,17 +229,17 @@ def compare(
         mesh: A ``ferry.Mesh``, as ``simulate`` takes it.
         **options: ``steps``, ``min_bytes``, ``window_mib``, ``prefetch_mib``,
             ``host_cap_gib``, ``stash``, ``check``, ``set_to_none``, ``paged_stash``,
-            ``allocator`` and the FSDP2 options, as ``simulate`` takes them; ``devices``
-            (1..64) and ``micro_batches`` (1..1024), as ``ferry compare --devices N
-            --micro-batches M`` takes them: with
-            ``devices`` > 1 the pipeline configurations too, each stage on the mesh asked for.
+            ``allocator`` and the mesh options, as ``simulate`` takes them; ``micro_batches``
+            (1..1024) and ``schedule`` ("1f1b", torchtitan's default, "gpipe", ...), as
+            ``ferry compare --pp N --micro-batches M --schedule S`` takes them: with ``pp`` > 1
+            the pipeline configurations too, each stage on the mesh asked for.
             ``split`` cuts the model into stages as ``--split`` does: ``"layers"`` (the
             default), ``"balanced"`` or the layer each stage after the first starts at
             (``"8,16,24"``).
 
     Returns:
         The document ``ferry compare --json`` prints: one row per configuration, and the
-        pipeline rows under "pipeline" when ``devices`` > 1.
+        pipeline rows under "pipeline" when ``pp`` > 1.
 
     Raises:
         ValueError: A model, device or option the simulator refuses; the message names it.
@@ -288,9 +289,9 @@ def plan(
             ``reshard_after_forward``, ``fsdp_impl``): the plan is one rank's, ``budget`` per
             rank and ``host_budget`` per node; ``tp``, ``cp``, ``ep`` and ``expert_capacity``
             (where it pads the routed rows, the plan is the faster of those with and without
-            the paged stash); and ``allocator`` as ``simulate`` takes it. ``devices`` (2 or
-            more), ``micro_batches``, ``schedule`` (or ``"auto"``) and ``virtual_stages`` plan
-            a pipeline instead, each stage on the mesh asked for: the report is a
+            the paged stash); and ``allocator`` as ``simulate`` takes it. ``pp`` (2 or more),
+            ``micro_batches``, ``schedule`` (or ``"auto"``) and ``virtual_stages`` plan a
+            pipeline instead, each stage on the mesh asked for: the report is a
             ``ferry.pipeline-plan/1`` document (docs/plan.md, "A pipeline"); ``split`` as
             ``compare`` takes it.
 

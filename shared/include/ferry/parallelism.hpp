@@ -103,7 +103,8 @@ enum class FsdpImpl : std::uint8_t {
 /// the experts among `ep` consecutive GPUs, a multiple of the tensor-parallel group (whose GPUs
 /// each compute the routed rows of their share of the tokens: torchtitan's expert tensor
 /// parallel degree 1). ranks == 0: no FSDP (and no context or expert parallelism); with tp 1
-/// too, one GPU holds the model.
+/// too, one GPU holds the model. A pipeline of `pp` stages runs each stage on such a mesh
+/// (docs/pipeline.md): world() and what follows from it are one stage's.
 struct Parallelism {
   std::int32_t ranks = 0;     ///< data-parallel ranks in all (replicas x shard group); 0: no FSDP
   std::int32_t nodes = 0;     ///< nodes the GPUs span; 0: as few as gpus_per_node allow
@@ -119,12 +120,17 @@ struct Parallelism {
   /// allocated for this many times a balanced routing's (docs/parallelism.md, Static capacity
   /// and the paged stash); 0: allocated as routed.
   double expert_capacity = 0;
+  /// Pipeline stages (docs/pipeline.md), 1..64, each run by the mesh of the fields above, one
+  /// stage's GPUs after another's; 1: no pipeline.
+  std::int32_t pp = 1;
 
   /// Whether FSDP runs.
   [[nodiscard]] constexpr bool on() const { return ranks > 0; }
-  /// Whether the step runs on more than one GPU, by FSDP or tensor parallelism.
+  /// Whether a stage runs on more than one GPU, by FSDP or tensor parallelism.
   [[nodiscard]] constexpr bool sharded() const { return ranks > 0 || tp > 1 || cp > 1; }
-  /// The GPUs in all: data-parallel ranks times context- and tensor-parallel ones.
+  /// The GPUs of one stage (of all, without a pipeline): data-parallel ranks times context- and
+  /// tensor-parallel ones. The nodes and the node's share below are one stage's too, as a
+  /// stage's collectives and its GPUs' pinned host memory see them.
   [[nodiscard]] constexpr std::int32_t world() const { return (ranks > 0 ? ranks : 1) * cp * tp; }
   /// The GPUs one parameter is sharded over by FSDP: a shard group's data-parallel ranks times
   /// their context-parallel ones.

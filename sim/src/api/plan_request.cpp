@@ -156,6 +156,9 @@ struct PlanSetup {
   Workload whole;
   Workload rank;
   PlannerOptions options;
+  /// The model file's pipeline ("pp" 2 or more) where the request asks none: the request's mesh
+  /// with the file's, planned as a pipeline; `rank` is then the whole model, `options` unset.
+  std::optional<MeshRequest> file_pipeline{};
 };
 
 // The planner's options `r` asks for, the model file's parallelism and allocator where it
@@ -172,6 +175,11 @@ Result<PlanSetup> plan_setup(const PlanRequest& r) {
   // What the request left out is the model file's, whose reader bounded it as parallelism_of
   // bounded the request's (kMeshFields).
   adopt_parallelism(chosen, w.model->parallelism);
+  if (chosen.pp > 1) {
+    MeshRequest mesh = r.mesh;
+    adopt_parallelism(mesh, w.model->parallelism);
+    return PlanSetup{w, std::move(workload).value(), {}, mesh};
+  }
   options.allocator = allocator_of(r.allocator, *w.model);
   if (auto fsdp = choose_parallelism(options.parallel, chosen, w.device); !fsdp)
     return fsdp.error();
@@ -257,9 +265,9 @@ Response plan_response(const PlanRequest& r, Response out, PlanOutcome plan,
   return out;
 }
 
-// Whether `r` asks for a pipeline: more than one device, or a pipeline's option.
+// Whether `r` asks for a pipeline: more than one stage, or a pipeline's option.
 bool asks_pipeline(const PlanRequest& r) {
-  return r.devices != 1 || r.micro_batches != 4 || !r.schedule.empty() || r.virtual_stages != 1;
+  return r.mesh.pp != 1 || r.micro_batches != 4 || !r.schedule.empty() || r.virtual_stages != 1;
 }
 
 // The schedules `--schedule` names: one, every one torch runs for the counts ("auto"), or none
@@ -267,7 +275,7 @@ bool asks_pipeline(const PlanRequest& r) {
 Result<std::vector<Schedule>> pipeline_schedules(const PlanRequest& r) {
   const auto counts_error = [&](Schedule s) {
     return pipeline::schedule_error(s, static_cast<std::uint32_t>(r.micro_batches),
-                                    static_cast<std::uint32_t>(r.devices),
+                                    static_cast<std::uint32_t>(r.mesh.pp),
                                     static_cast<std::uint32_t>(r.virtual_stages));
   };
   if (r.schedule == "auto") {
@@ -277,11 +285,11 @@ Result<std::vector<Schedule>> pipeline_schedules(const PlanRequest& r) {
       if (!counts_error(s)) return all;
     }
     return Error{
-        fmt::format("--schedule auto: no schedule runs {} micro-batches over {} devices "
+        fmt::format("--schedule auto: no schedule runs {} micro-batches over {} stages "
                     "({})",
-                    r.micro_batches, r.devices, *counts_error(Schedule::OneFOneB))};
+                    r.micro_batches, r.mesh.pp, *counts_error(Schedule::OneFOneB))};
   }
-  const std::string name = r.schedule.empty() ? "1f1b" : r.schedule;
+  const std::string name = r.schedule.empty() ? std::string(kDefaultSchedule) : r.schedule;
   auto schedule = parse_schedule(name);
   if (!schedule) {
     return Error{fmt::format("--schedule: {} (or auto: each, the fastest that fits)",
@@ -295,10 +303,8 @@ Result<std::vector<Schedule>> pipeline_schedules(const PlanRequest& r) {
 }
 
 // What a pipeline's plan cannot honour, refused rather than silently dropped.
-Status pipeline_plan_refusals(const PlanRequest& r) {
-  const auto refuse = [&](std::string_view what) {
-    return Error{fmt::format("{} (--devices {})", what, r.devices)};
-  };
+Status pipeline_plan_refusals(const PlanRequest& r, const Parallelism& p) {
+  const auto refuse = [&](std::string_view what) { return Error{pipeline_refusal(what, p)}; };
   if (r.sweep != 0)
     return refuse("--sweep plans one device or rank; a pipeline plans at one budget");
   if (r.trainer) return refuse("--for plans one device's or one rank's step, not a pipeline's");
@@ -315,27 +321,28 @@ Status pipeline_plan_refusals(const PlanRequest& r) {
   return Ok{};
 }
 
-// `ferry plan --devices N`: the fastest pipeline configuration whose every stage fits the
-// budget (plan_pipeline), or the refusal that names the floor.
+// `ferry plan --pp N`: the fastest pipeline configuration whose every stage fits the budget
+// (plan_pipeline), or the refusal that names the floor.
 Result<Response> pipeline_plan_response(const PlanRequest& r) {
-  if (auto bounded = first_error({in_bounds("--devices", r.devices, 1, 64),
-                                  in_bounds("--micro-batches", r.micro_batches, 1, 1024),
+  auto parallelism = parallelism_of(r.mesh);
+  if (!parallelism) return parallelism.error();
+  if (auto bounded = first_error({in_bounds("--micro-batches", r.micro_batches, 1, 1024),
                                   in_bounds("--virtual-stages", r.virtual_stages, 1, 64)});
       !bounded) {
     return bounded.error();
   }
-  if (r.devices == 1) {
-    return Error{
-        "--schedule, --micro-batches and --virtual-stages apply to a pipeline; give --devices 2 "
-        "or more"};
+  if (r.mesh.pp == 1) {
+    return Error{fmt::format(
+        "--schedule, --micro-batches and --virtual-stages apply to a pipeline; give {} 2 or more",
+        mesh_field(MeshField::Pp).flag)};
   }
   const auto refuse = [&](std::string_view what) {
-    return Error{fmt::format("{} (--devices {})", what, r.devices)};
+    return Error{pipeline_refusal(what, parallelism.value())};
   };
-  if (auto refused = pipeline_plan_refusals(r); !refused) return refused.error();
-  auto parallelism = parallelism_of(r.mesh);
-  if (!parallelism) return parallelism.error();
-  if (auto allowed = pipeline_mesh_allowed(parallelism.value(), r.devices); !allowed) {
+  if (auto refused = pipeline_plan_refusals(r, parallelism.value()); !refused) {
+    return refused.error();
+  }
+  if (auto allowed = pipeline_mesh_allowed(parallelism.value()); !allowed) {
     return allowed.error();
   }
   PipelinePlanOptions options;
@@ -363,14 +370,14 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
   const DeviceProfile device = w.device;
   w.device = mesh.value().rank_profile(device);
   options.mesh = mesh.value();
-  options.devices = r.devices;
+  options.devices = r.mesh.pp;
   options.micro_batches = r.micro_batches;
   options.virtual_stages = r.virtual_stages;
   auto split = parse_split(r.split);
   if (!split) return split.error();
   options.split = std::move(split).value();
   // A split the model cannot take is a bad request (exit 2), not a refusal of the budget.
-  if (auto parts = partition_model(*w.model, r.devices * r.virtual_stages, options.split); !parts) {
+  if (auto parts = partition_model(*w.model, r.mesh.pp * r.virtual_stages, options.split); !parts) {
     return parts.error();
   }
   options.schedules = std::move(schedules).value();
@@ -391,7 +398,7 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
       with_parallelism(pipeline_plan_json(plan.value(), *w.model, w.device), p, device, *w.model);
   if (r.text) {
     out.text = pipeline_plan_text(plan.value(), *w.model, w.device) +
-               parallelism_text(p, device, *w.model) + stages_text(r.devices, p);
+               parallelism_text(p, device, *w.model) + stages_text(p);
   }
   return out;
 }
@@ -401,12 +408,18 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
 
 Result<Response> respond(const PlanRequest& r) {
   if (api::asks_pipeline(r)) return api::pipeline_plan_response(r);
-  if (r.split != "layers") {
-    if (auto split = parse_split(r.split); !split) return split.error();
-    return Error{fmt::format("--split {} applies to a pipeline of 2 or more devices", r.split)};
-  }
+  if (auto split = parse_split(r.split); !split) return split.error();
   auto setup = api::plan_setup(r);
   if (!setup) return setup.error();
+  if (const auto& mesh = setup.value().file_pipeline) {
+    PlanRequest pipelined = r;
+    pipelined.mesh = *mesh;
+    return api::pipeline_plan_response(pipelined);
+  }
+  if (r.split != "layers") {
+    return Error{fmt::format("--split {} applies to a pipeline; give {} 2 or more", r.split,
+                             mesh_field(MeshField::Pp).flag)};
+  }
   PlannerOptions& options = setup.value().options;
   const Workload& w = setup.value().whole;
   const Workload& rank = setup.value().rank;

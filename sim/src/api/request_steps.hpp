@@ -54,15 +54,19 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
 Status choose_parallelism(ParallelOptions& fsdp, const Parallelism& p, const DeviceProfile& device,
                           const std::optional<Mesh>& cut_under = std::nullopt);
 
-// What a pipeline of `devices` stages refuses of the mesh `p` each stage runs on (Note [A
-// pipeline on the mesh]): resharding to K ranks, and SimpleFSDP.
-Status pipeline_mesh_allowed(const Parallelism& p, std::int32_t devices);
+// What a pipeline of `p.pp` stages refuses of the mesh each stage runs on (Note [A pipeline on
+// the mesh]): resharding to K ranks, and SimpleFSDP.
+Status pipeline_mesh_allowed(const Parallelism& p);
+
+// `what` refused of a pipeline of `p.pp` stages, naming --pp.
+std::string pipeline_refusal(std::string_view what, const Parallelism& p);
 
 // The mesh a pipeline's stage runs: `p`, its gathered parameters kept for the step.
 Parallelism stage_parallelism(Parallelism p);
 
-// The line after a pipeline's report on a mesh: its GPUs in all (empty without a mesh).
-std::string stages_text(std::int32_t devices, const Parallelism& p);
+// The line after a pipeline's report on a mesh of `p.pp` stages: its GPUs in all (empty without
+// a mesh).
+std::string stages_text(const Parallelism& p);
 
 // A trainer setting's row, as `ferry simulate --for T` and `ferry plan --for T` name it.
 std::string trainer_row_name(const TrainerSetting& setting);

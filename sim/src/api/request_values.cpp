@@ -41,7 +41,8 @@ Parallelism as_asked(const MeshRequest& fsdp) {
                      .tp = fsdp.tp,
                      .cp = fsdp.cp,
                      .ep = fsdp.ep,
-                     .expert_capacity = fsdp.expert_capacity};
+                     .expert_capacity = fsdp.expert_capacity,
+                     .pp = fsdp.pp};
 }
 
 }  // namespace
@@ -74,6 +75,7 @@ Result<Parallelism> parallelism_of(const MeshRequest& fsdp) {
                                capacity.why)};
     }
   }
+  if (auto stages = bounded(MeshField::Pp, fsdp.pp); !stages) return stages.error();
   const Parallelism p = as_asked(fsdp);
   if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True() ||
                   p.impl != FsdpImpl::Fsdp2)) {
@@ -87,12 +89,16 @@ Result<nlohmann::ordered_json> parallelism_section(const MeshRequest& fsdp) {
   auto p = parallelism_of(fsdp);
   if (!p) return p.error();
   if (auto ruled = check_mesh_rules(p.value(), kMeshFlags); !ruled) return ruled.error();
-  if (!p.value().on() && p.value().tp == 1) return nlohmann::ordered_json{};
+  if (!p.value().on() && p.value().tp == 1 && p.value().pp == 1) return nlohmann::ordered_json{};
   return parallelism_json(p.value());
 }
 
-void adopt_parallelism(Parallelism& asked, const Parallelism& file, std::int32_t devices) {
-  if (!file.sharded() || devices > 1) return;
+void adopt_parallelism(Parallelism& asked, const Parallelism& file) {
+  // A pipeline asked for runs its stages on the mesh asked (Note [A pipeline on the mesh]); a
+  // stage count out of bounds is parallelism_of's to refuse.
+  if (asked.pp != 1) return;
+  asked.pp = file.pp;
+  if (!file.sharded()) return;
   if (asked.tp == 1) asked.tp = file.tp;
   if (asked.cp == 1) asked.cp = file.cp;
   if (asked.ep == 1) asked.ep = file.ep;
@@ -107,9 +113,9 @@ void adopt_parallelism(Parallelism& asked, const Parallelism& file, std::int32_t
   if (asked.impl == FsdpImpl::Fsdp2) asked.impl = file.impl;
 }
 
-void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file, std::int32_t devices) {
+void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file) {
   Parallelism asked = as_asked(fsdp);
-  adopt_parallelism(asked, file, devices);
+  adopt_parallelism(asked, file);
   if (!fsdp.ranks && asked.ranks != 0) fsdp.ranks = asked.ranks;
   if (!fsdp.nodes && asked.nodes != 0) fsdp.nodes = asked.nodes;
   fsdp.replicas = asked.replicas;
@@ -119,6 +125,7 @@ void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file, std::int32_t 
   fsdp.cp = asked.cp;
   fsdp.ep = asked.ep;
   fsdp.expert_capacity = asked.expert_capacity;
+  fsdp.pp = asked.pp;
 }
 
 Result<Reshard> parse_reshard(std::string_view text) {

@@ -12,6 +12,7 @@
 
 #include "ferry/sim/io/model_json.hpp"
 #include "ferry/sim/io/plan_json.hpp"
+#include "ferry/sim/mesh/axes.hpp"
 #include "ferry/sim/planner/lower.hpp"
 #include "ferry/sim/planner/report.hpp"
 #include "ferry/sim/planner/sweep.hpp"
@@ -42,23 +43,24 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
   }
   auto parallelism = parallelism_of(k.mesh);
   if (!parallelism) return parallelism;
-  if (auto pipeline = first_error({in_bounds("--devices", k.devices, 1, 64),
-                                   in_bounds("--micro-batches", k.micro_batches, 1, 1024),
+  if (auto pipeline = first_error({in_bounds("--micro-batches", k.micro_batches, 1, 1024),
                                    in_bounds("--virtual-stages", k.virtual_stages, 1, 64)});
       !pipeline) {
     return pipeline.error();
   }
-  if (k.devices == 1 && (k.schedule != "gpipe" || k.virtual_stages != 1)) {
-    return Error{fmt::format(
-        "--schedule {} --virtual-stages {} applies to a pipeline; give --devices 2 or more",
-        k.schedule, k.virtual_stages)};
+  const MeshFieldRule& stages = mesh_field(MeshField::Pp);
+  if (k.mesh.pp == 1 && (k.schedule != kDefaultSchedule || k.virtual_stages != 1)) {
+    return Error{
+        fmt::format("--schedule {} --virtual-stages {} applies to a pipeline; give {} 2 or more",
+                    k.schedule, k.virtual_stages, stages.flag)};
   }
   if (auto split = parse_split(k.split); !split) return split.error();
-  if (k.devices == 1 && k.split != "layers") {
-    return Error{fmt::format("--split {} applies to a pipeline of 2 or more devices", k.split)};
+  if (k.mesh.pp == 1 && k.split != "layers") {
+    return Error{fmt::format("--split {} applies to a pipeline; give {} 2 or more", k.split,
+                             stages.flag)};
   }
-  if (k.devices > 1) {
-    if (auto allowed = pipeline_mesh_allowed(parallelism.value(), k.devices); !allowed) {
+  if (k.mesh.pp > 1) {
+    if (auto allowed = pipeline_mesh_allowed(parallelism.value()); !allowed) {
       return allowed.error();
     }
     return stage_parallelism(parallelism.value());
@@ -68,19 +70,26 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
 
 }  // namespace
 
-Status pipeline_mesh_allowed(const Parallelism& p, std::int32_t devices) {
+Status pipeline_mesh_allowed(const Parallelism& p) {
+  const auto flag = [](MeshField field) { return mesh_field(field).flag; };
   // Each stage keeps its gathered parameters for the step.
   if (p.reshard_after_forward.kind() == Reshard::Kind::K) {
     return Error{fmt::format(
-        "--reshard-after-forward {} with --devices {}: a pipeline's stages keep their gathered "
-        "parameters for the step (torchtitan's default under pipelining); give true or false",
-        p.reshard_after_forward.ranks(), devices)};
+        "{} {} with {} {}: a pipeline's stages keep their gathered parameters for the step "
+        "(torchtitan's default under pipelining); give true or false",
+        flag(MeshField::ReshardAfterForward), p.reshard_after_forward.ranks(), flag(MeshField::Pp),
+        p.pp)};
   }
   if (p.impl != FsdpImpl::Fsdp2) {
-    return Error{fmt::format("--fsdp-impl {} with --devices {}: a pipeline's stages run fsdp2",
-                             to_string(p.impl), devices)};
+    return Error{fmt::format("{} {} with {} {}: a pipeline's stages run fsdp2",
+                             flag(MeshField::FsdpImpl), to_string(p.impl), flag(MeshField::Pp),
+                             p.pp)};
   }
   return Ok{};
+}
+
+std::string pipeline_refusal(std::string_view what, const Parallelism& p) {
+  return fmt::format("{} ({} {})", what, mesh_field(MeshField::Pp).flag, p.pp);
 }
 
 Parallelism stage_parallelism(Parallelism p) {
@@ -88,12 +97,12 @@ Parallelism stage_parallelism(Parallelism p) {
   return p;
 }
 
-std::string stages_text(std::int32_t devices, const Parallelism& p) {
+std::string stages_text(const Parallelism& p) {
   if (!p.sharded()) return {};
   return fmt::format(
       "pipeline of {} stages, each run by the mesh above ({} GPUs): {} GPUs in all; a pipeline "
       "row's figures are one GPU of each stage\n",
-      devices, p.world(), devices * p.world());
+      p.pp, p.world(), p.pp * p.world());
 }
 
 Result<Workload> load(const Target& target) {
@@ -123,7 +132,7 @@ Result<Workload> rank_of(const Workload& whole, const Mesh& mesh, std::string_vi
 // where `k` leaves them), checked; with `simulate`, its checkpoint plan, side streams and
 // horizon too.
 Result<AskedRun> training_options(RunKnobs k, const Model& model, const SimulateRequest* simulate) {
-  adopt_parallelism(k.mesh, model.parallelism, k.devices);
+  adopt_parallelism(k.mesh, model.parallelism);
   auto parallelism = checked_knobs(k);
   if (!parallelism) return parallelism.error();
   TrainingOptions o;
@@ -138,7 +147,7 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
   o.offload.trl_stash_count = k.stash;
   o.offload.prefetch = k.prefetch;
   o.offload.dedup = k.dedup;
-  o.grads_set_to_none = k.set_to_none.value_or(k.devices <= 1);
+  o.grads_set_to_none = k.set_to_none.value_or(k.mesh.pp <= 1);
   o.paged_stash.on = k.paged_stash;
   if (simulate == nullptr) {
     if (!k.early_stop) o.checkpoint.global_early_stop = false;
@@ -208,11 +217,10 @@ struct RankWorkload {
 };
 
 // The workload a rank runs under the tensor, context and expert parallelism `fsdp` asks for (the
-// model file's where it asks none), its mesh made first: what every option read against the
-// model (a checkpoint plan's layers and ops) is read against.
+// model file's where it asks none; adopted already), its mesh made first: what every option read
+// against the model (a checkpoint plan's layers and ops) is read against.
 Result<RankWorkload> rank_workload_of(const Workload& whole, const std::string& spec,
-                                      MeshRequest fsdp, std::int32_t devices) {
-  adopt_parallelism(fsdp, whole.model->parallelism, devices);
+                                      const MeshRequest& fsdp) {
   if (fsdp.tp == 1 && fsdp.cp == 1 && fsdp.ep == 1) {
     auto timed = rank_of(whole, Mesh{}, spec);
     if (!timed) return timed.error();
@@ -221,7 +229,7 @@ Result<RankWorkload> rank_workload_of(const Workload& whole, const std::string& 
   auto p = parallelism_of(fsdp);
   if (!p) return p.error();
   auto mesh =
-      Mesh::make(devices > 1 ? stage_parallelism(p.value()) : p.value(), whole.device, kMeshFlags);
+      Mesh::make(fsdp.pp > 1 ? stage_parallelism(p.value()) : p.value(), whole.device, kMeshFlags);
   if (!mesh) return mesh.error();
   auto cut = rank_of(whole, mesh.value(), spec);
   if (!cut) return cut.error();
@@ -244,7 +252,7 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   auto plan = parse_plan(text.value(), path);
   if (!plan) return plan.error();
   MeshRequest asked = r.run.mesh;
-  adopt_parallelism(asked, w.model->parallelism, r.run.devices);
+  adopt_parallelism(asked, w.model->parallelism);
   MeshRequest adopted = asked;
   adopt_parallelism(adopted, plan.value().parallelism);
   TrainingOptions& base = run.base;
@@ -280,7 +288,7 @@ Result<Response> replay(const SimulateRequest& r, const Workload& w, AskedRun ru
   return out;
 }
 
-// Why a pipeline refuses `base` (what simulate and compare both refuse over `--devices` > 1): an
+// Why a pipeline refuses `base` (what simulate and compare both refuse over `--pp` > 1): an
 // option of single-device and FSDP runs only. None: a pipeline takes it.
 std::optional<std::string_view> single_device_only(const TrainingOptions& base) {
   if (base.sim.allocator != AllocatorMode::Default) {
@@ -303,13 +311,12 @@ std::optional<std::string_view> single_device_only(const TrainingOptions& base) 
   return std::nullopt;
 }
 
-// `ferry simulate --devices N`: one pipeline, each stage on `base`'s mesh.
+// `ferry simulate --pp N`: one pipeline, each stage on `base`'s mesh.
 Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
                           const TrainingOptions& base) {
+  const Parallelism& mesh = base.parallel.mesh;
   // What draws or replays one device's run is refused rather than silently missing.
-  const auto refuse = [&](std::string_view what) {
-    return Error{fmt::format("{} (--devices {})", what, r.run.devices)};
-  };
+  const auto refuse = [&](std::string_view what) { return Error{pipeline_refusal(what, mesh)}; };
   if (base.side.any()) {
     return refuse(
         "--side-streams applies to a single-device run; a pipeline runs one compute stream per "
@@ -330,7 +337,7 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
   auto mode = parse_checkpoint_mode(checkpoint);
   if (!mode) return Error{fmt::format("--pipeline-checkpoint: {}", mode.error().message)};
   PipelineOptions o;
-  o.devices = r.run.devices;
+  o.devices = mesh.pp;
   o.micro_batches = r.run.micro_batches;
   o.schedule = schedule.value();
   o.virtual_stages = r.run.virtual_stages;
@@ -349,11 +356,10 @@ Result<Response> pipeline(const SimulateRequest& r, const Workload& w,
   if (row.failure && row.step_time.ns() == 0) return Error{row.failure->message};
   Response out;
   out.outcome = outcome_of(row.hazards == 0 && !row.failure);
-  const Parallelism& mesh = o.mesh;
   out.document = with_parallelism(pipeline_document({row}), mesh, w.device, *w.model);
   if (r.text) {
-    out.text = pipeline_text({row}) + parallelism_text(mesh, w.device, *w.model) +
-               stages_text(o.devices, mesh);
+    out.text =
+        pipeline_text({row}) + parallelism_text(mesh, w.device, *w.model) + stages_text(mesh);
   }
   return out;
 }
@@ -400,21 +406,20 @@ namespace ferry::sim {
 Result<Response> respond(const SimulateRequest& r) {
   auto whole = api::load(r.target);
   if (!whole) return whole.error();
-  auto workload =
-      api::rank_workload_of(whole.value(), r.target.model.name, r.run.mesh, r.run.devices);
+  MeshRequest mesh = r.run.mesh;
+  adopt_parallelism(mesh, whole.value().model->parallelism);
+  auto workload = api::rank_workload_of(whole.value(), r.target.model.name, mesh);
   if (!workload) return workload.error();
   const Workload& w = workload.value().workload;
   auto asked = api::training_options(r.run, *w.model, &r);
   if (!asked) return asked.error();
   asked.value().checked = workload.value().checked;
-  if (r.trainer && (r.plan || r.run.devices > 1)) {
-    return Error{
-        fmt::format("--for {} runs one device's or one rank's step: not with --plan or "
-                    "--devices",
-                    trainer_name(*r.trainer))};
+  if (r.trainer && (r.plan || mesh.pp > 1)) {
+    return Error{fmt::format("--for {} runs one device's or one rank's step: not with --plan or {}",
+                             trainer_name(*r.trainer), mesh_field(MeshField::Pp).flag)};
   }
   if (r.plan) return api::replay(r, w, std::move(asked).value());
-  if (r.run.devices > 1) {
+  if (mesh.pp > 1) {
     api::AskedRun& run = asked.value();
     if (auto chosen =
             api::choose_parallelism(run.base.parallel, run.parallelism, w.device, run.checked);
@@ -429,8 +434,9 @@ Result<Response> respond(const SimulateRequest& r) {
 Result<Response> respond(const CompareRequest& r) {
   auto whole = api::load(r.target);
   if (!whole) return whole.error();
-  auto workload =
-      api::rank_workload_of(whole.value(), r.target.model.name, r.run.mesh, r.run.devices);
+  MeshRequest mesh = r.run.mesh;
+  adopt_parallelism(mesh, whole.value().model->parallelism);
+  auto workload = api::rank_workload_of(whole.value(), r.target.model.name, mesh);
   if (!workload) return workload.error();
   const Workload& w = workload.value().workload;
   auto asked = api::training_options(r.run, *w.model, nullptr);
@@ -442,8 +448,9 @@ Result<Response> respond(const CompareRequest& r) {
     return chosen.error();
   }
   const Parallelism& parallelism = base.parallel.mesh;
-  if (const auto why = api::single_device_only(base); why && r.run.devices > 1) {
-    return Error{fmt::format("{} (--devices {})", *why, r.run.devices)};
+  const std::int32_t stages = parallelism.pp;
+  if (const auto why = api::single_device_only(base); why && stages > 1) {
+    return Error{api::pipeline_refusal(*why, parallelism)};
   }
   bool clean = true;
   std::vector<RowResult> rows;
@@ -453,24 +460,23 @@ Result<Response> respond(const CompareRequest& r) {
     clean = clean && rows.back().hazards == 0;
   }
   std::vector<PipelineRow> pipelines;
-  if (r.run.devices > 1) {
+  if (stages > 1) {
     if (r.progress) r.progress("pipelines");
     auto schedule = parse_schedule(r.run.schedule);
     if (!schedule) return Error{fmt::format("--schedule: {}", schedule.error().message)};
     if (const auto why = pipeline::schedule_error(
             schedule.value(), static_cast<std::uint32_t>(r.run.micro_batches),
-            static_cast<std::uint32_t>(r.run.devices),
-            static_cast<std::uint32_t>(r.run.virtual_stages))) {
+            static_cast<std::uint32_t>(stages), static_cast<std::uint32_t>(r.run.virtual_stages))) {
       return Error{fmt::format("--schedule {}: {}", r.run.schedule, *why)};
     }
     auto split = parse_split(r.run.split);
     if (!split) return split.error();
     // A split the model cannot take is the request's error, not every row's failure.
-    if (auto parts = partition_model(*w.model, r.run.devices * r.run.virtual_stages, split.value());
+    if (auto parts = partition_model(*w.model, stages * r.run.virtual_stages, split.value());
         !parts) {
       return parts.error();
     }
-    pipelines = pipeline_rows(w.model, base.parallel.mesh.rank_profile(w.device), r.run.devices,
+    pipelines = pipeline_rows(w.model, base.parallel.mesh.rank_profile(w.device), stages,
                               r.run.micro_batches, schedule.value(), r.run.virtual_stages,
                               base.parallel.mesh, split.value());
     for (const PipelineRow& p : pipelines) clean = clean && p.hazards == 0;
@@ -480,7 +486,7 @@ Result<Response> respond(const CompareRequest& r) {
   out.document = compare_json(rows, *w.model, w.device, pipelines, parallelism);
   if (r.text) {
     out.text = compare_text(rows, *w.model, w.device, pipelines, parallelism) +
-               (pipelines.empty() ? std::string() : api::stages_text(r.run.devices, parallelism));
+               (pipelines.empty() ? std::string() : api::stages_text(parallelism));
   }
   return out;
 }

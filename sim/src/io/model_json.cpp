@@ -455,7 +455,9 @@ std::string model_to_json(const Model& model) {
   for (const ModelOp& op : model.ops) ops.push_back(op_json(model, op));
   out["ops"] = std::move(ops);
   out["loss"] = tensor_name(model, model.loss);
-  if (model.parallelism.sharded()) out["parallelism"] = parallelism_json(model.parallelism);
+  if (model.parallelism.sharded() || model.parallelism.pp > 1) {
+    out["parallelism"] = parallelism_json(model.parallelism);
+  }
   if (model.allocator) out["allocator"] = std::string(allocator_mode_name(*model.allocator));
   if (!model.routing.assumption.empty()) out["routing"] = routing_json(model.routing);
   return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";

@@ -53,8 +53,13 @@ Result<Parallelism> read_parallelism(const JsonValue& value) {
     }
     p.expert_capacity = json.get<double>();
   }
-  // FSDP's ranks, which tensor parallelism alone leaves out.
-  if (!object.has(key(MeshField::Fsdp)) && object.has(key(MeshField::Tp))) return p;
+  FERRY_JSON_TRY(const auto pp, optional(MeshField::Pp, 1));
+  p.pp = static_cast<std::int32_t>(pp);
+  // FSDP's ranks, which tensor parallelism or a pipeline alone leaves out.
+  if (!object.has(key(MeshField::Fsdp)) &&
+      (object.has(key(MeshField::Tp)) || object.has(key(MeshField::Pp)))) {
+    return p;
+  }
   const MeshFieldRule& fsdp = mesh_field(MeshField::Fsdp);
   FERRY_JSON_TRY(const auto ranks, object.required_integer(fsdp.key, fsdp.least, fsdp.most));
   FERRY_JSON_TRY(const auto nodes, optional(MeshField::Nodes, 0));
@@ -83,7 +88,8 @@ Result<Parallelism> read_parallelism(const JsonValue& value) {
 nlohmann::ordered_json parallelism_json(const Parallelism& p) {
   nlohmann::ordered_json j;
   if (!p.on()) {
-    j["tp"] = p.tp;
+    if (p.tp > 1 || p.pp == 1) j["tp"] = p.tp;
+    if (p.pp > 1) j["pp"] = p.pp;
     return j;
   }
   j["fsdp"] = p.ranks;
@@ -97,6 +103,7 @@ nlohmann::ordered_json parallelism_json(const Parallelism& p) {
   if (p.cp > 1) j["cp"] = p.cp;
   if (p.ep > 1) j["ep"] = p.ep;
   if (p.expert_capacity > 0) j["expert_capacity"] = p.expert_capacity;
+  if (p.pp > 1) j["pp"] = p.pp;
   return j;
 }
 

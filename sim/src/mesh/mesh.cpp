@@ -70,6 +70,10 @@ Status bounds_met(const Parallelism& p, MeshNames names) {
     return Error{fmt::format("{} needs {} {} or more: {}", factor.*names,
                              named(names, factor.needs), factor.needs_least, factor.why)};
   }
+  if (const MeshFieldRule& stages = mesh_field(MeshField::Pp); !stages.in_bounds(p.pp)) {
+    return Error{fmt::format("{}: {} stages (use {} to {})", stages.*names, p.pp, stages.least,
+                             stages.most)};
+  }
   return Ok{};
 }
 
@@ -196,18 +200,31 @@ Result<Mesh> Mesh::make(const Parallelism& p, const DeviceProfile& device, MeshN
       return Error{fmt::format("{}: {} GPUs of tensor parallelism lie inside one node, not {}",
                                named(names, MeshField::Nodes), p.tp, p.nodes)};
     }
-    return Mesh(p, std::max(1, p.ranks_per_node(device.collectives.gpus_per_node)));
+    return Mesh(p, std::max(1, p.ranks_per_node(device.collectives.gpus_per_node)),
+                device.collectives.gpus_per_node);
   }
   auto per_node = ranks_per_node(p, device, names);
   if (!per_node) return per_node.error();
   if (auto linked = data_parallel_links(p, device, names); !linked) return linked.error();
-  return Mesh(p, per_node.value());
+  return Mesh(p, per_node.value(), device.collectives.gpus_per_node);
+}
+
+Mesh::Mesh(const Parallelism& p, std::int32_t per_node, std::int32_t gpus_per_node)
+    : p_(p), per_node_(per_node) {
+  if (p.pp <= 1) return;
+  // Stages are laid out one after another (the pipeline outermost): one that spans nodes fills
+  // its own, one inside a node shares it with as many whole stages as fit.
+  const std::int32_t world = p.world();
+  stages_per_node_ = p.node_count(std::max(1, gpus_per_node)) > 1
+                         ? per_node
+                         : std::max(1, gpus_per_node / world) * world;
 }
 
 MeshGroup Mesh::group(Axis axis) const {
   // Rank 0's groups, GPUs laid out tensor-parallel group by group, then shard group by shard
-  // group (Parallelism): a shard group is every tp-th GPU of consecutive ones, a replica group
-  // one member of each shard group, an expert's shard group every ep-th GPU.
+  // group, then stage by stage (Parallelism): a shard group is every tp-th GPU of consecutive
+  // ones, a replica group one member of each shard group, an expert's shard group every ep-th
+  // GPU, the pipeline group one GPU of each stage.
   const auto placed = [this](std::int32_t size, std::int32_t stride) {
     if (size < 1) size = 1;
     return MeshGroup{size, place_group(size, stride, per_node_).nodes, stride};
@@ -223,6 +240,8 @@ MeshGroup Mesh::group(Axis axis) const {
       return MeshGroup{p_.cp, span_nodes(p_.cp * p_.tp, per_node_), p_.tp};
     case Axis::Expert:
       return MeshGroup{p_.ep, span_nodes(p_.ep, per_node_), 1};
+    case Axis::Pipeline:
+      return MeshGroup{p_.pp, place_group(p_.pp, p_.world(), stages_per_node_).nodes, p_.world()};
     case Axis::ExpertShard:
       break;
   }

@@ -271,7 +271,7 @@ Error refusal(const PipelinePlan& p, const DeviceProfile& device, Bytes* floor) 
     if (floor != nullptr) *floor = Bytes(0);
     return Error{fmt::format(
         "{}: every configuration ran out of memory on the device's {}, so no floor is known; "
-        "more stages (--devices) hold fewer layers each",
+        "more stages (--pp) hold fewer layers each",
         head, format_bytes(device.memory))};
   }
   if (floor != nullptr) *floor = low->max_reserved;
@@ -291,7 +291,7 @@ Error refusal(const PipelinePlan& p, const DeviceProfile& device, Bytes* floor) 
       out += fmt::format(", or at its whole memory with a margin of at most {} (--margin {})",
                          percent, percent.substr(0, percent.size() - 2));
     }
-    return Error{out + "; more stages (--devices) hold fewer layers each"};
+    return Error{out + "; more stages (--pp) hold fewer layers each"};
   }
   return Error{fmt::format(
       "{}; the floor (the smallest budget that plans) is {} ({} bytes): the smallest binding "

@@ -145,6 +145,13 @@ def _parser() -> argparse.ArgumentParser:
         "tensor-parallel ones (a multiple of --tp), each holding 1/N of the experts "
         "(docs/parallelism.md, Expert parallelism)",
     )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="record a pipeline of N stages (docs/pipeline.md)",
+    )
     parser.add_argument("--name", help="the scenario's name (default: config, seq and batch)")
     parser.add_argument("--out", required=True, help="where to write the scenario ('-': stdout)")
     return parser
@@ -298,10 +305,10 @@ def _check(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def mesh_section(args: argparse.Namespace) -> dict[str, Any] | None:
     """The scenario's "parallelism" section (docs/model-format.md) that --fsdp, --nodes,
-    --hsdp, --reshard-after-forward, --fsdp-impl, --tp, --cp and --ep record, or None without
-    --fsdp and --tp. The simulator writes it, checked by the mesh's rules as the commands that
-    read it check them (``ferry._simulator.parallelism_section``; --fsdp and --nodes 0: not
-    given)."""
+    --hsdp, --reshard-after-forward, --fsdp-impl, --tp, --cp, --ep and --pp record, or None
+    without --fsdp, --tp and --pp. The simulator writes it, checked by the mesh's rules as the
+    commands that read it check them (``ferry._simulator.parallelism_section``; --fsdp and
+    --nodes 0: not given)."""
     from .. import _simulator
 
     try:
@@ -314,6 +321,7 @@ def mesh_section(args: argparse.Namespace) -> dict[str, Any] | None:
             tp=args.tp,
             cp=args.cp,
             ep=args.ep,
+            pp=args.pp,
         )
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -28,6 +28,9 @@ namespace ferry::sim {
 
 /// The policies a request names, as errors list them.
 inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
+/// The pipeline schedule a request runs unless it names one: 1f1b, torchtitan's default
+/// (JobConfig's parallelism.pipeline_parallel_schedule).
+inline constexpr std::string_view kDefaultSchedule = "1f1b";
 
 // Note [One check for both edges]
 // Each edge turns what it was given into a request's values: the command line parses its text
@@ -36,7 +39,7 @@ inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
 // text is refused with one message on both. The request's function then checks every number
 // against its bounds before anything runs: steps 1..1000 (a plan's 1..100), stash 1..2^20,
 // min_bytes 0..2^50, window_mib and prefetch_mib 0..2^30, host_cap_gib 0..2^20, fsdp, nodes and
-// hsdp 1..1000000, devices 1..64, micro_batches 1..1024, virtual_stages 1..64. An error names the
+// hsdp 1..1000000, pp 1..64, micro_batches 1..1024, virtual_stages 1..64. An error names the
 // option as the command line spells it, `--steps: 0 is not in 1..1000`; the CLI prints it after
 // "ferry simulate: error: " and exits 2, Python raises it as a ValueError.
 
@@ -56,9 +59,9 @@ struct Target {
 };
 
 /// The mesh as a request asks for it, each field named by kMeshFields (`--fsdp N --nodes M --hsdp
-/// R --reshard-after-forward X --fsdp-impl I --tp T --cp C --ep E --expert-capacity F`, Python's
-/// fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep and expert_capacity). What it
-/// leaves out (none, or the defaults) is the model file's.
+/// R --reshard-after-forward X --fsdp-impl I --tp T --cp C --ep E --expert-capacity F --pp P`,
+/// Python's fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep, expert_capacity and
+/// pp). What it leaves out (none, or the defaults) is the model file's.
 struct MeshRequest {
   std::optional<std::int32_t> ranks{};  ///< 1..1000000; none: the model file's, else no FSDP
   std::optional<std::int32_t> nodes{};  ///< 1..1000000; none: as few as gpus_per_node allow
@@ -77,6 +80,9 @@ struct MeshRequest {
   /// With ep 2 or more: a static dispatcher's capacity factor, 1..1024 (`--expert-capacity`;
   /// Parallelism::expert_capacity); 0: none.
   double expert_capacity = 0;
+  /// A pipeline of 1..64 stages (`--pp`, Python's pp), each run by the mesh of the fields above
+  /// (docs/pipeline.md); 1: none.
+  std::int32_t pp = 1;
 };
 
 /// How errors at the edges name a mesh's fields: as the command line's flags.
@@ -93,13 +99,14 @@ Result<Parallelism> parallelism_of(const MeshRequest& fsdp);
 /// into the model it traces (`_simulator.parallelism_section`).
 Result<nlohmann::ordered_json> parallelism_section(const MeshRequest& fsdp);
 
-/// Fills what `fsdp` leaves out from a file's parallelism section (unless a pipeline runs over
-/// `devices` > 1): its tensor parallelism where `fsdp` asks none, its ranks when none are asked,
-/// then its nodes, HSDP groups and resharding where `fsdp` kept the defaults.
-void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file, std::int32_t devices = 1);
+/// Fills what `fsdp` leaves out from a file's parallelism section (unless `fsdp` asks for a
+/// pipeline, pp 2 or more, whose stages run the mesh asked): its pipeline stages, its tensor
+/// parallelism where `fsdp` asks none, its ranks when none are asked, then its nodes, HSDP groups
+/// and resharding where `fsdp` kept the defaults.
+void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file);
 /// The same for a parallelism already read from a request (parallelism_of): a field left out
 /// is 0 (ranks, nodes) or its default.
-void adopt_parallelism(Parallelism& asked, const Parallelism& file, std::int32_t devices = 1);
+void adopt_parallelism(Parallelism& asked, const Parallelism& file);
 
 /// The options simulate and compare share: the offload knobs, the run's length and checks, FSDP2
 /// and the allocator.
@@ -124,11 +131,10 @@ struct RunKnobs {
   bool paged_stash = false;
   MeshRequest mesh{};
   std::optional<AllocatorMode> allocator;  ///< none: the model file's, else default
-  std::int32_t devices = 1;                ///< a GPipe pipeline over 1..64 devices; 1: none
-  std::int32_t micro_batches = 4;          ///< the pipeline's, 1..1024
+  std::int32_t micro_batches = 4;          ///< the pipeline's (mesh.pp stages), 1..1024
   /// The pipeline's schedule: gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble or zbv
-  /// (parse_schedule).
-  std::string schedule = "gpipe";
+  /// (parse_schedule); 1f1b is torchtitan's default.
+  std::string schedule{kDefaultSchedule};
   std::int32_t virtual_stages = 1;  ///< stages a device when interleaved, 1..64
   /// How the model is cut into stages (parse_split): layers, balanced or "L1,L2,...".
   std::string split = "layers";
@@ -161,7 +167,7 @@ struct SimulateRequest {
   bool text = true;              ///< report as text too (Response::text)
 };
 
-/// `ferry compare`: the fixed configurations side by side, and over `run.devices` > 1 the
+/// `ferry compare`: the fixed configurations side by side, and over `run.mesh.pp` > 1 stages the
 /// pipeline configurations too.
 struct CompareRequest {
   Target target{};
@@ -199,9 +205,8 @@ struct PlanRequest {
   /// as text (no sweep, no memory snapshot) is made by the planner kept for this target and
   /// these settings.
   PlannerCache* planners = nullptr;
-  /// A pipeline over 2..64 devices (`--devices`, Python's devices); 1: none. The plan is then
-  /// the fastest pipeline configuration whose every stage fits the budget (plan_pipeline).
-  std::int32_t devices = 1;
+  /// With mesh.pp 2 or more (`--pp`, Python's pp), the plan is the fastest pipeline
+  /// configuration whose every stage fits the budget (plan_pipeline).
   std::int32_t micro_batches = 4;  ///< the pipeline's, 1..1024
   /// The pipeline's schedule (parse_schedule), or "auto": each torch runs for the counts, the
   /// fastest that fits kept. Empty: 1f1b, torchtitan's default.

@@ -14,13 +14,13 @@ namespace ferry::sim {
 
 // Note [One table of axes]
 // A mesh is asked for by data-parallel ranks and their options (--fsdp, --nodes, --hsdp,
-// --reshard-after-forward, --fsdp-impl), the axes' degrees (--tp, --cp, --ep) and an axis's
-// option (--expert-capacity). Every edge spells a field its own way (a file's "hsdp", the
-// flag --hsdp, Python's hsdp, the field Parallelism::replicas), bounds it, and refuses it
-// without the field it needs. Those are rows of kMeshFields, in the order every check visits
-// them, so the first error is the same whoever checks; each place that checks writes its own
-// sentence from the row. A pipeline axis (pp) is one more row, read by the same loops; how its
-// stages cut the model is its cut's.
+// --reshard-after-forward, --fsdp-impl), the axes' degrees (--tp, --cp, --ep), an axis's
+// option (--expert-capacity) and the pipeline's stages (--pp). Every edge spells a field its own
+// way (a file's "hsdp", the flag --hsdp, Python's hsdp, the field Parallelism::replicas), bounds
+// it, and refuses it without the field it needs. Those are rows of kMeshFields, in the order every
+// check visits them, so the first error is the same whoever checks; each place that checks writes
+// its own sentence from the row. The pipeline axis (pp) is one more row, read by the same loops;
+// how its stages cut the model is its cut's (the pipeline's stages, each a mesh of the other axes).
 
 /// A field of the mesh, in kMeshFields' order.
 enum class MeshField : std::uint8_t {
@@ -33,6 +33,7 @@ enum class MeshField : std::uint8_t {
   Cp,                   ///< context-parallel GPUs a rank
   Ep,                   ///< expert-parallel GPUs of the shard group
   ExpertCapacity,       ///< a static dispatcher's capacity factor under expert parallelism
+  Pp,                   ///< pipeline stages, each a mesh of the other fields
 };
 
 /// One row of the table: how each edge names a field, its bounds, and what it needs.
@@ -64,9 +65,11 @@ struct MeshFieldRule {
 inline constexpr std::int64_t kMaxMeshRanks = 1'000'000;
 /// The most GPUs of one axis (tensor, context or expert parallelism).
 inline constexpr std::int64_t kMaxAxisRanks = 1024;
+/// The most stages of a pipeline.
+inline constexpr std::int64_t kMaxPipelineStages = 64;
 
 /// Every field, in MeshField's order.
-inline constexpr std::array<MeshFieldRule, 9> kMeshFields{{
+inline constexpr std::array<MeshFieldRule, 10> kMeshFields{{
     {.field = MeshField::Fsdp,
      .name = "ranks",
      .key = "fsdp",
@@ -149,6 +152,14 @@ inline constexpr std::array<MeshFieldRule, 9> kMeshFields{{
      .needs = MeshField::Ep,
      .needs_least = 2,
      .why = "a static dispatcher pads the rows expert parallelism exchanges"},
+    {.field = MeshField::Pp,
+     .name = "pp",
+     .key = "pp",
+     .flag = "--pp",
+     .python = "pp",
+     .least = 1,
+     .most = kMaxPipelineStages,
+     .needs = MeshField::Pp},
 }};
 
 /// The row of `field`.

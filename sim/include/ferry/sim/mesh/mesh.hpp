@@ -31,9 +31,17 @@ class Mesh {
  public:
   /// rank 0's groups: FSDP's shard group (data-parallel times context-parallel GPUs, every
   /// tp-th), an HSDP replica group (one GPU of each shard group), the tensor-parallel group,
-  /// the context-parallel group, the expert-parallel group, and an expert's shard group (every
-  /// ep-th GPU).
-  enum class Axis : std::uint8_t { Shard, Replicate, Tensor, Context, Expert, ExpertShard };
+  /// the context-parallel group, the expert-parallel group, an expert's shard group (every
+  /// ep-th GPU), and the pipeline group (rank 0 of each stage: pp GPUs, one stage's apart).
+  enum class Axis : std::uint8_t {
+    Shard,
+    Replicate,
+    Tensor,
+    Context,
+    Expert,
+    ExpertShard,
+    Pipeline
+  };
 
   Mesh() = default;
 
@@ -65,10 +73,13 @@ class Mesh {
   friend bool operator==(const Mesh&, const Mesh&) = default;
 
  private:
-  explicit Mesh(const Parallelism& p, std::int32_t per_node) : p_(p), per_node_(per_node) {}
+  Mesh(const Parallelism& p, std::int32_t per_node, std::int32_t gpus_per_node);
 
   Parallelism p_{};
   std::int32_t per_node_ = 1;
+  /// With pp 2 or more, the GPUs of a node as the stages fill it: a stage inside one node
+  /// shares it with the next stages that fit; 1 without a pipeline.
+  std::int32_t stages_per_node_ = 1;
 };
 
 }  // namespace ferry::sim

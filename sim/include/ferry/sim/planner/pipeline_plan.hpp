@@ -1,5 +1,5 @@
 #pragma once
-/// `ferry plan --devices N`: the fastest pipeline configuration whose every stage's simulated
+/// `ferry plan --pp N`: the fastest pipeline configuration whose every stage's simulated
 /// peak reserved memory fits the budget, with its per-stage peaks, among the uniform
 /// configurations the pipeline simulator runs and a per-stage mix of them (docs/plan.md, "A
 /// pipeline"). Each stage is a device: the budget is
@@ -124,7 +124,7 @@ struct PipelinePlan {
 Result<PipelinePlan> plan_pipeline(const CheckedModel& model, const DeviceProfile& device,
                                    const PipelinePlanOptions& options, Bytes* floor = nullptr);
 
-/// The report `ferry plan --devices N` prints, and its `--json` document
+/// The report `ferry plan --pp N` prints, and its `--json` document
 /// (`ferry.pipeline-plan/1`).
 [[nodiscard]] std::string pipeline_plan_text(const PipelinePlan& plan, const Model& model,
                                              const DeviceProfile& device);

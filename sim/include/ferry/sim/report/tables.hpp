@@ -44,7 +44,7 @@ namespace ferry::sim {
                                                    const Parallelism& parallelism = {});
 
 /// The comparison table as text (`ferry compare`); ratios are to the "none" row. The `pipeline`
-/// rows (`ferry compare --devices N`), when there are any, follow as pipeline_text's table.
+/// rows (`ferry compare --pp N`), when there are any, follow as pipeline_text's table.
 [[nodiscard]] std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
                                        const DeviceProfile& device,
                                        const std::vector<PipelineRow>& pipeline = {},
@@ -60,7 +60,7 @@ namespace ferry::sim {
 /// The pipeline table as text, and the rows as a JSON array.
 [[nodiscard]] std::string pipeline_text(const std::vector<PipelineRow>& rows);
 [[nodiscard]] std::string pipeline_json(const std::vector<PipelineRow>& rows);
-/// The document of `ferry simulate --devices N --json` ("ferry.pipeline/1"): the rows.
+/// The document of `ferry simulate --pp N --json` ("ferry.pipeline/1"): the rows.
 [[nodiscard]] nlohmann::ordered_json pipeline_document(const std::vector<PipelineRow>& rows);
 
 }  // namespace ferry::sim

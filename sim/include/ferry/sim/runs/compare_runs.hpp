@@ -27,7 +27,7 @@ Result<CheckpointPlan> parse_checkpoint_spec(std::string_view spec, const Model&
 /// "all-reduce" (parameter gradients all-reduced on a comm stream). The error names the forms.
 Result<SideStreamOptions> parse_side_streams(std::string_view spec);
 
-/// One pipeline configuration's cost (`ferry simulate --devices N`, `ferry compare --devices N`).
+/// One pipeline configuration's cost (`ferry simulate --pp N`, `ferry compare --pp N`).
 struct PipelineRow {
   std::string name;
   PipelineOptions options;
@@ -61,7 +61,7 @@ struct PipelineRow {
 Result<Schedule> parse_schedule(std::string_view text);
 /// Parses "always", "except_last" or "never".
 Result<CheckpointMode> parse_checkpoint_mode(std::string_view text);
-/// The pipeline rows of `ferry compare --devices N --micro-batches M`: each checkpoint mode,
+/// The pipeline rows of `ferry compare --pp N --micro-batches M`: each checkpoint mode,
 /// then trl and ferry offload in every stage, without checkpoint and except the last, all under
 /// `schedule` with `virtual_stages` stages a device, each stage on `mesh` (`model` the rank's),
 /// the model cut by `split`.
