@@ -269,7 +269,9 @@ TEST(ModelJson, ABadParallelismSectionIsNamed) {
            {R"({"fsdp": 8, "cp": 0})", "parallelism.cp"},
            {R"({"cp": 2})", "fsdp"},
            {R"({"fsdp": 8, "ep": 0})", "parallelism.ep"},
-           {R"({"fsdp": 8, "pp": 2})", "pp"},
+           {R"({"fsdp": 8, "pp": 0})", "parallelism.pp"},
+           {R"({"pp": 65})", "parallelism.pp"},
+           {R"({"fsdp": 8, "dp": 2})", "dp"},
        }) {
     auto model = parse_model(
         valid_with(R"("loss": "y")", R"("loss": "y", "parallelism": )" + section), "toy.json");
