@@ -41,6 +41,15 @@ std::string first_hazard(const PipelineRun& run) {
   return run.hazards().empty() ? std::string() : testing::hazard_lines(run.sim);
 }
 
+// `run` clean (no hazard, no content mismatch, nothing left held) with `reference`'s gradients.
+void expect_clean_with_reference_gradients(const PipelineRun& run, const PipelineRun& reference) {
+  ASSERT_FALSE(run.failure) << run.failure->message;
+  EXPECT_TRUE(run.hazards().empty()) << first_hazard(run);
+  EXPECT_TRUE(run.content_mismatches().empty());
+  EXPECT_EQ(run.param_grads, reference.param_grads);
+  EXPECT_EQ(run.buffers_left, 0);
+}
+
 TEST(PipelineSchedule, TinyGptMatchesTheReferenceUnderEachSchedule) {
   const DeviceProfile device = simple_profile();
   const Model model = tiny_gpt(device);
@@ -156,11 +165,7 @@ TEST(PipelineSchedule, ZeroBubbleFillsTheBubbleWithWeightSteps) {
     const PipelineRun loop =
         simulate_pipeline(model, device, options(Schedule::Interleaved1F1B, pp, m, v)).value();
     const PipelineRun reference = simulate_reference(model, device, zb).value();
-    ASSERT_FALSE(run.failure) << run.failure->message;
-    EXPECT_TRUE(run.hazards().empty()) << first_hazard(run);
-    EXPECT_TRUE(run.content_mismatches().empty());
-    EXPECT_EQ(run.param_grads, reference.param_grads);
-    EXPECT_EQ(run.buffers_left, 0);
+    expect_clean_with_reference_gradients(run, reference);
     std::cout << fmt::format(
         "zero bubble {}: bubble {:.4f}, analytic {:.4f}, interleaved 1f1b {:.4f}\n", name,
         step_bubble(run), static_cast<double>(pp - 1) / static_cast<double>(3 * v * m + pp - 1),
@@ -182,12 +187,8 @@ TEST(PipelineSchedule, ZeroBubbleVPassesTensorsBetweenStagesOnOneRankWithoutCopi
     const PipelineOptions o = options(Schedule::ZeroBubbleV, 1, 3, 2, mode);
     const PipelineRun run = simulate_pipeline(model, device, o).value();
     const PipelineRun reference = simulate_reference(model, device, o).value();
-    ASSERT_FALSE(run.failure) << run.failure->message;
+    expect_clean_with_reference_gradients(run, reference);
     EXPECT_EQ(run.partition_starts.size(), 3U);
-    EXPECT_TRUE(run.hazards().empty()) << first_hazard(run);
-    EXPECT_TRUE(run.content_mismatches().empty());
-    EXPECT_EQ(run.param_grads, reference.param_grads);
-    EXPECT_EQ(run.buffers_left, 0);
     EXPECT_EQ(run.sim.copied().peer.count(), 0);
   }
 }
@@ -212,11 +213,7 @@ TEST(PipelineSchedule, ZeroBubbleVBubbleIsBelowInterleavedOneFOneBs) {
         simulate_pipeline(model, device, options(Schedule::InterleavedZeroBubble, pp, m, 2))
             .value();
     const PipelineRun reference = simulate_reference(model, device, zbv).value();
-    ASSERT_FALSE(run.failure) << run.failure->message;
-    EXPECT_TRUE(run.hazards().empty()) << first_hazard(run);
-    EXPECT_TRUE(run.content_mismatches().empty());
-    EXPECT_EQ(run.param_grads, reference.param_grads);
-    EXPECT_EQ(run.buffers_left, 0);
+    expect_clean_with_reference_gradients(run, reference);
     std::cout << fmt::format(
         "zbv {}: bubble {:.4f}, interleaved 1f1b {:.4f}, interleaved zero bubble {:.4f}\n", name,
         step_bubble(run), step_bubble(loop), step_bubble(zb));
