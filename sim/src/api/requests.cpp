@@ -56,8 +56,8 @@ Result<Parallelism> checked_knobs(const RunKnobs& k) {
   }
   if (auto split = parse_split(k.split); !split) return split.error();
   if (k.mesh.pp == 1 && k.split != "layers") {
-    return Error{fmt::format("--split {} applies to a pipeline; give {} 2 or more", k.split,
-                             stages.flag)};
+    return Error{
+        fmt::format("--split {} applies to a pipeline; give {} 2 or more", k.split, stages.flag)};
   }
   if (k.mesh.pp > 1) {
     if (auto allowed = pipeline_mesh_allowed(parallelism.value()); !allowed) {
