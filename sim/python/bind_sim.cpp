@@ -312,9 +312,10 @@ Keywords<sim::RunKnobs> knob_keywords(Runs command) {
       {Runs::Both, keyword("check", &RunKnobs::check)},
       {Runs::Both, keyword("set_to_none", &RunKnobs::set_to_none)},
       {Runs::Both, keyword("paged_stash", &RunKnobs::paged_stash)},
-      {Runs::Compare, keyword("micro_batches", &RunKnobs::micro_batches)},
-      {Runs::Compare, keyword("split", &RunKnobs::split)},
-      {Runs::Compare, keyword("schedule", &RunKnobs::schedule)},
+      {Runs::Both, keyword("micro_batches", &RunKnobs::micro_batches)},
+      {Runs::Both, keyword("schedule", &RunKnobs::schedule)},
+      {Runs::Both, keyword("virtual_stages", &RunKnobs::virtual_stages)},
+      {Runs::Both, keyword("split", &RunKnobs::split)},
   };
   Keywords<RunKnobs> out;
   for (const auto& [runs, row] : rows) {
@@ -332,6 +333,7 @@ Keywords<sim::SimulateRequest> simulate_keywords() {
   rows += {
       keyword("policy", &SimulateRequest::policy),
       keyword("checkpoint", &SimulateRequest::checkpoint),
+      keyword("pipeline_checkpoint", &SimulateRequest::pipeline_checkpoint),
       keyword("horizon", &SimulateRequest::horizon),
       keyword("memory_snapshot", &SimulateRequest::memory_snapshot),
       keyword("trainer_flags", &SimulateRequest::trainer_flags),

@@ -46,6 +46,17 @@ def traced(tmp_path_factory):
             ["--checkpoint", "every:1", "--horizon", "none"],
         ),
         ({"prefetch": False, "check": False}, ["--no-prefetch", "--no-checker"]),
+        # A pipeline, as `ferry simulate --pp N` runs it (docs/pipeline.md).
+        (
+            {"pp": 2, "micro_batches": 6, "schedule": "gpipe", "pipeline_checkpoint": "always"},
+            ["--pp", "2", "--micro-batches", "6", "--schedule", "gpipe"]
+            + ["--pipeline-checkpoint", "always"],
+        ),
+        (
+            {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2, "split": "balanced"},
+            ["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"]
+            + ["--split", "balanced"],
+        ),
     ],
 )
 def test_simulate_is_the_cli_document(options, flags):
@@ -87,6 +98,18 @@ def test_compare_has_the_cli_pipeline_rows():
     )
     assert got == want
     assert [row["devices"] for row in got["pipeline"]] == [2] * len(got["pipeline"])
+
+
+def test_compare_takes_an_interleaved_schedule_as_the_cli_does():
+    options = {"pp": 2, "micro_batches": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2}
+    got = ferry.compare("tiny-gpt", device=DEVICE, steps=1, split="balanced", **options)
+    want = cli_json(
+        *("compare", "--model", "tiny-gpt", "--device", DEVICE, "--steps", "1"),
+        *("--pp", "2", "--micro-batches", "4", "--schedule", "interleaved-1f1b"),
+        *("--virtual-stages", "2", "--split", "balanced"),
+    )
+    assert got == want
+    assert {row["schedule"] for row in got["pipeline"]} == {"interleaved-1f1b"}
     assert "pipeline" not in ferry.compare("tiny-gpt", device=DEVICE, steps=1)
 
 

@@ -178,7 +178,8 @@ def simulate(
             ``paged_stash``, Megatron-Core's paged stash of the padded saved tensors
             (``--paged-stash``; docs/parallelism.md, Static capacity and the paged stash);
             ``pp``, a pipeline of that many stages (1..64), each run by that mesh (``--pp``,
-            docs/pipeline.md); ``allocator``, "default" or
+            docs/pipeline.md), with ``micro_batches``, ``schedule``, ``virtual_stages``,
+            ``split`` and ``pipeline_checkpoint`` as their flags; ``allocator``, "default" or
             "expandable" (the caching allocator with ``expandable_segments:True``, where a
             traced model's recorded setting is the default; docs/allocators.md). Numbers have
             the command line's bounds (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes``
@@ -230,9 +231,10 @@ def compare(
         **options: ``steps``, ``min_bytes``, ``window_mib``, ``prefetch_mib``,
             ``host_cap_gib``, ``stash``, ``check``, ``set_to_none``, ``paged_stash``,
             ``allocator`` and the mesh options, as ``simulate`` takes them; ``micro_batches``
-            (1..1024) and ``schedule`` ("1f1b", torchtitan's default, "gpipe", ...), as
-            ``ferry compare --pp N --micro-batches M --schedule S`` takes them: with ``pp`` > 1
-            the pipeline configurations too, each stage on the mesh asked for.
+            (1..1024), ``schedule`` ("1f1b", torchtitan's default, "gpipe", ...) and
+            ``virtual_stages``, as ``ferry compare --pp N --micro-batches M --schedule S
+            --virtual-stages V`` takes them: with ``pp`` > 1 the pipeline configurations too,
+            each stage on the mesh asked for.
             ``split`` cuts the model into stages as ``--split`` does: ``"layers"`` (the
             default), ``"balanced"`` or the layer each stage after the first starts at
             (``"8,16,24"``).
