@@ -231,8 +231,13 @@ TEST(Split, InterleavedStagesFollowTheLayerSplitAroundTheDevices) {
   EXPECT_EQ(layer_counts(run.stages), (std::vector<std::int32_t>{0, 1, 1, 0}));
   EXPECT_EQ(stage_spans(model, run.partition_starts), run.stages);
   EXPECT_EQ(run.param_grads, simulate_reference(model, device, o).value().param_grads);
-  EXPECT_NE(stage_spans_text(run.stages, 2).find("s1 gpu1 ops"), std::string::npos);
-  EXPECT_NE(stage_spans_text(run.stages, 2).find("s2 gpu0 ops"), std::string::npos);
+  const std::string looped = stage_spans_text(run.stages, Schedule::Interleaved1F1B, 2);
+  EXPECT_NE(looped.find("s1 gpu1 ops"), std::string::npos) << looped;
+  EXPECT_NE(looped.find("s2 gpu0 ops"), std::string::npos) << looped;
+  // Under zbv the stages sit in a V: stage 2 on gpu1, stage 3 on gpu0.
+  const std::string v = stage_spans_text(run.stages, Schedule::ZeroBubbleV, 2);
+  EXPECT_NE(v.find("s2 gpu1 ops"), std::string::npos) << v;
+  EXPECT_NE(v.find("s3 gpu0 ops"), std::string::npos) << v;
   // GPT-2 small's 12 layers on 4 devices x 2: torchtitan's 14 equivalents over 8 stages,
   // [1, 2, 2, 2, 2, 2, 1, 0], the last stage the norm, head and loss alone.
   Model gpt2 = model_preset("gpt2-small-s1024").value();

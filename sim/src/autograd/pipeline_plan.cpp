@@ -142,13 +142,15 @@ std::vector<StageSpan> stage_spans(const Model& model, const std::vector<std::ui
   return spans;
 }
 
-std::string stage_spans_text(const std::vector<StageSpan>& spans, std::int32_t devices) {
+std::string stage_spans_text(const std::vector<StageSpan>& spans, Schedule schedule,
+                             std::int32_t devices) {
   std::string out;
   for (std::size_t s = 0; s < spans.size(); ++s) {
     const StageSpan& span = spans[s];
     out += fmt::format("{}s{} gpu{} ops {}-{}", s == 0 ? "" : ", ", s,
-                       s % static_cast<std::size_t>(std::max(1, devices)), span.begin,
-                       span.end == 0 ? 0 : span.end - 1);
+                       pipeline::rank_of_stage(schedule, static_cast<std::uint32_t>(s),
+                                               static_cast<std::uint32_t>(std::max(1, devices))),
+                       span.begin, span.end == 0 ? 0 : span.end - 1);
     if (span.first_layer >= 0) {
       out += span.first_layer == span.last_layer
                  ? fmt::format(" layer {}", span.first_layer)

@@ -524,7 +524,8 @@ std::string pipeline_plan_text(const PipelinePlan& p, const Model& model,
                      bubble_text(c));
   out += fmt::format("binding stage: gpu{}, peak reserved {}\n", c.binding,
                      format_bytes(c.max_reserved));
-  out += fmt::format("split {}: {}\n", p.split, stage_spans_text(p.stages, o.devices));
+  out += fmt::format("split {}: {}\n", p.split,
+                     stage_spans_text(p.stages, c.options.schedule, o.devices));
   out += "stage peaks reserved (allocated, micro-batches in flight):";
   for (std::size_t d = 0; d < c.peak_reserved.size(); ++d) {
     out += fmt::format("{} gpu{} {} ({}, {})", d == 0 ? "" : ",", d,
@@ -585,12 +586,15 @@ nlohmann::ordered_json pipeline_plan_json(const PipelinePlan& p, const Model& mo
   Json stages = Json::array();
   for (std::size_t s = 0; s < p.stages.size(); ++s) {
     const StageSpan& span = p.stages[s];
-    stages.push_back({{"stage", s},
-                      {"device", s % static_cast<std::size_t>(std::max(1, o.devices))},
-                      {"first_op", span.begin},
-                      {"end_op", span.end},
-                      {"first_layer", span.first_layer},
-                      {"last_layer", span.last_layer}});
+    stages.push_back(
+        {{"stage", s},
+         {"device", pipeline::rank_of_stage(p.candidates[p.chosen].options.schedule,
+                                            static_cast<std::uint32_t>(s),
+                                            static_cast<std::uint32_t>(std::max(1, o.devices)))},
+         {"first_op", span.begin},
+         {"end_op", span.end},
+         {"first_layer", span.first_layer},
+         {"last_layer", span.last_layer}});
   }
   j["stages"] = std::move(stages);
   Json schedules = Json::array();

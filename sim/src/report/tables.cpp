@@ -229,7 +229,8 @@ std::string pipeline_text(const std::vector<PipelineRow>& rows) {
   // Every row of a compare cuts the model the same way: the split is printed once.
   for (const PipelineRow& r : rows) {
     if (r.stages.empty()) continue;
-    out += fmt::format("split {}: {}\n", r.split, stage_spans_text(r.stages, r.options.devices));
+    out += fmt::format("split {}: {}\n", r.split,
+                       stage_spans_text(r.stages, r.options.schedule, r.options.devices));
     break;
   }
   out +=
@@ -279,7 +280,9 @@ Json pipeline_list(const std::vector<PipelineRow>& rows) {
     for (std::size_t s = 0; s < r.stages.size(); ++s) {
       const StageSpan& span = r.stages[s];
       stages.push_back({{"stage", s},
-                        {"device", s % static_cast<std::size_t>(std::max(1, r.options.devices))},
+                        {"device", pipeline::rank_of_stage(
+                                       r.options.schedule, static_cast<std::uint32_t>(s),
+                                       static_cast<std::uint32_t>(std::max(1, r.options.devices)))},
                         {"first_op", span.begin},
                         {"end_op", span.end},
                         {"first_layer", span.first_layer},

@@ -118,8 +118,9 @@ struct StageSpan {
 /// The spans of the partitions that `starts` (partitions + 1 op indices) gives.
 [[nodiscard]] std::vector<StageSpan> stage_spans(const Model& model,
                                                  const std::vector<std::uint32_t>& starts);
-/// "s0 gpu0 ops 0-57 layers 0-7, s1 gpu1 ...": stage s on device s % devices.
-[[nodiscard]] std::string stage_spans_text(const std::vector<StageSpan>& spans,
+/// "s0 gpu0 ops 0-57 layers 0-7, s1 gpu1 ...": stage s on the device `schedule` places it on
+/// (pipeline::rank_of_stage).
+[[nodiscard]] std::string stage_spans_text(const std::vector<StageSpan>& spans, Schedule schedule,
                                            std::int32_t devices);
 
 struct PipelineOptions {
