@@ -175,6 +175,43 @@ Result<std::vector<std::int32_t>> layers_per_stage(std::int32_t layers, std::int
   return counts;
 }
 
+namespace {
+
+// The layer each of `partitions` stages starts at under `split` (Layers or Points, named
+// `name`), for a model of `layers` layers (Note [Pipeline splits]).
+Result<std::vector<std::int32_t>> first_layers(const PipelineSplit& split, const std::string& name,
+                                               std::int32_t layers, std::int32_t partitions) {
+  std::vector<std::int32_t> first(static_cast<std::size_t>(partitions), 0);
+  if (split.rule == PipelineSplit::Rule::Layers) {
+    auto counts = layers_per_stage(layers, partitions);
+    if (!counts) {
+      return Error{fmt::format("--split layers: {}; use --split balanced, or fewer stages",
+                               counts.error().message)};
+    }
+    for (std::size_t s = 1; s < first.size(); ++s) first[s] = first[s - 1] + counts.value()[s - 1];
+  } else {
+    if (split.points.size() + 1 != static_cast<std::size_t>(partitions)) {
+      return Error{fmt::format(
+          "--split {} gives {} split points for {} stages; give {} (the layer each stage after "
+          "the first starts at), or --split layers or balanced",
+          name, split.points.size(), partitions, partitions - 1)};
+    }
+    for (std::size_t s = 1; s < first.size(); ++s) {
+      const std::int32_t p = split.points[s - 1];
+      if (p < 0 || p > layers || (s > 1 && p <= first[s - 1])) {
+        return Error{fmt::format(
+            "--split {}: split point {} is not an increasing layer index from 0 to {} (the "
+            "model has layers 0-{})",
+            name, p, layers, layers - 1)};
+      }
+      first[s] = p;
+    }
+  }
+  return first;
+}
+
+}  // namespace
+
 Result<Partitions> partition_model(const Model& model, std::int32_t partitions,
                                    const PipelineSplit& split) {
   const std::string name = split_name(split);
@@ -208,33 +245,9 @@ Result<Partitions> partition_model(const Model& model, std::int32_t partitions,
     return Error{fmt::format("cannot split {} ops into {} partitions (use between 1 and {})",
                              model.ops.size(), partitions, model.ops.size())};
   }
-  // The layer each stage starts at.
-  std::vector<std::int32_t> first(static_cast<std::size_t>(partitions), 0);
-  if (split.rule == PipelineSplit::Rule::Layers) {
-    auto counts = layers_per_stage(layers, partitions);
-    if (!counts) {
-      return Error{fmt::format("--split layers: {}; use --split balanced, or fewer stages",
-                               counts.error().message)};
-    }
-    for (std::size_t s = 1; s < first.size(); ++s) first[s] = first[s - 1] + counts.value()[s - 1];
-  } else {
-    if (split.points.size() + 1 != static_cast<std::size_t>(partitions)) {
-      return Error{fmt::format(
-          "--split {} gives {} split points for {} stages; give {} (the layer each stage after "
-          "the first starts at), or --split layers or balanced",
-          name, split.points.size(), partitions, partitions - 1)};
-    }
-    for (std::size_t s = 1; s < first.size(); ++s) {
-      const std::int32_t p = split.points[s - 1];
-      if (p < 0 || p > layers || (s > 1 && p <= first[s - 1])) {
-        return Error{fmt::format(
-            "--split {}: split point {} is not an increasing layer index from 0 to {} (the "
-            "model has layers 0-{})",
-            name, p, layers, layers - 1)};
-      }
-      first[s] = p;
-    }
-  }
+  auto firsts = first_layers(split, name, layers, partitions);
+  if (!firsts) return firsts.error();
+  const std::vector<std::int32_t>& first = firsts.value();
   const auto n = static_cast<std::uint32_t>(model.ops.size());
   std::uint32_t after_last = 0;  // the op after the last one in a layer
   for (std::uint32_t i = 0; i < n; ++i) {
