@@ -410,6 +410,30 @@ std::string schedule_reason(const PipelinePlan& p) {
   return out;
 }
 
+// The fastest candidate that fits, checked: one with a hazard (or that no longer fits) is passed
+// over; none: every one was. Sets p.best_fixed, the fastest fixed row that fits.
+std::optional<std::size_t> choose_checked(PipelinePlan& p, const CheckedModel& model,
+                                          const DeviceProfile& device) {
+  std::vector<std::size_t> order;
+  for (std::size_t i = 0; i < p.candidates.size(); ++i) {
+    if (p.candidates[i].fits) order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return p.candidates[a].step_time < p.candidates[b].step_time;
+  });
+  for (const std::size_t i : order) {
+    if (p.candidates[i].fixed && !p.best_fixed) p.best_fixed = i;
+  }
+  for (const std::size_t i : order) {
+    PipelineCandidate& c = p.candidates[i];
+    run_candidate(c, model, device, p.options.faults, true);
+    ++p.simulations;
+    c.fits = !c.failure && c.max_reserved <= p.planned_budget && c.hazards == 0;
+    if (c.fits) return i;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 Result<PipelinePlan> plan_pipeline(const CheckedModel& model, const DeviceProfile& device,
@@ -469,28 +493,7 @@ Result<PipelinePlan> plan_pipeline(const CheckedModel& model, const DeviceProfil
     c.slower = within(c) && best_uniform && c.step_time > *best_uniform;
     c.fits = within(c) && !c.slower;
   }
-  std::vector<std::size_t> order;
-  for (std::size_t i = 0; i < p.candidates.size(); ++i) {
-    if (p.candidates[i].fits) order.push_back(i);
-  }
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return p.candidates[a].step_time < p.candidates[b].step_time;
-  });
-  for (const std::size_t i : order) {
-    if (p.candidates[i].fixed && !p.best_fixed) p.best_fixed = i;
-  }
-  // The fastest that fits, checked; one with a hazard (or that no longer fits) is passed over.
-  std::optional<std::size_t> chosen;
-  for (const std::size_t i : order) {
-    PipelineCandidate& c = p.candidates[i];
-    run_candidate(c, model, device, options.faults, true);
-    ++p.simulations;
-    c.fits = !c.failure && c.max_reserved <= p.planned_budget && c.hazards == 0;
-    if (c.fits) {
-      chosen = i;
-      break;
-    }
-  }
+  const std::optional<std::size_t> chosen = choose_checked(p, model, device);
   if (!chosen) return refusal(p, device, floor);
   p.chosen = *chosen;
   return p;
