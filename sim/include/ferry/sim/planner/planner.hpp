@@ -25,7 +25,7 @@ struct PlannerState;  // planner.cpp
 // Note [The plan margin]
 // A plan is made on the simulator's peak reserved memory, and the simulator is not the GPU:
 // docs/validation.md's table of published measurements finds its peaks between 18.3 % below
-// and 15.7 % above what the real runs reserved. Below is what hurts: a plan predicted at the
+// and 3.2 % above what the real runs reserved. Below is what hurts: a plan predicted at the
 // budget would reserve up to 1 / (1 - 0.183) of it on the GPU and could fail there. So a plan
 // for budget B is made to fit B less a margin, a share of B no smaller than the table's largest
 // underestimate: then the run's real peak stays within B wherever the table's rows are the
@@ -41,7 +41,7 @@ struct PeakErrorBand {
   std::int32_t under_permille;
   std::int32_t over_permille;
 };
-inline constexpr PeakErrorBand kPeakReservedErrorBand{.under_permille = 183, .over_permille = 157};
+inline constexpr PeakErrorBand kPeakReservedErrorBand{.under_permille = 183, .over_permille = 32};
 
 /// The margin `ferry plan` and `ferry.plan` / `ferry.auto` keep below a budget unless told
 /// otherwise (Note [The plan margin]): the table's largest underestimate (18.26 %), rounded up
