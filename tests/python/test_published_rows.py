@@ -210,7 +210,9 @@ def tokens_per_s(result, tokens):
 # --- torchtitan PR #165: FSDP2 on 8 H100s, Llama 2 7B, batch 8, sequence 2048 ----------------
 # "Used per-parameter FSDP" (pytorch/torchtitan#165, commit 83c879f, March 2024): eager, bf16
 # mixed precision, fp32 reduce-scatter, the default allocator; peak active and reserved as
-# percentages of 95.0396 GiB, WPS (tokens per second per GPU) as a range.
+# percentages of 95.0396 GiB, WPS (tokens per second per GPU) as a range. Its train.py keeps
+# `pred`, the model's float32 logits (the trace's `.float()` copy), through backward and the next
+# forward: no `del pred` until torchtitan's e29b6b4 (June 2024), so the trace holds it.
 PR165_GPU = 95.0396
 PR165_FULL = {"active": 0.2392 * PR165_GPU, "reserved": 0.3264 * PR165_GPU, "wps": (6100, 6300)}
 PR165_SAC = {"active": 0.5213 * PR165_GPU, "reserved": 0.6251 * PR165_GPU, "wps": (6600, 6800)}
@@ -218,7 +220,7 @@ PR165_SAC = {"active": 0.5213 * PR165_GPU, "reserved": 0.6251 * PR165_GPU, "wps"
 
 @pytest.fixture(scope="module")
 def pr165(root, devices):
-    model = trace_config(root, "llama2-7b", LLAMA2_7B, 2048, 8)
+    model = trace_config(root, "llama2-7b", LLAMA2_7B, 2048, 8, "--hold", "_to_copy.out")
     common = ["--device", str(devices["h100-96gb"]), "--fsdp", "8"]
     return {
         "full": simulate(model, *common, "--checkpoint", "every:1"),
@@ -228,7 +230,7 @@ def pr165(root, devices):
 
 @pytest.mark.parametrize(
     "row, measured, allocated_tol, reserved_tol, time_tol",
-    [("full", PR165_FULL, 0.10, 0.20, 0.20), ("sac", PR165_SAC, 0.08, 0.05, 0.20)],
+    [("full", PR165_FULL, 0.01, 0.13, 0.20), ("sac", PR165_SAC, 0.01, 0.07, 0.20)],
 )
 def test_torchtitan_pr165_fsdp2_llama2_7b(
     pr165, row, measured, allocated_tol, reserved_tol, time_tol

@@ -257,6 +257,29 @@ def test_bad_arguments_are_named(config, tmp_path, capsys):
         main([config, "--out", str(tmp_path / "x.json")])  # --seq is required
 
 
+def test_hold_marks_what_the_loop_keeps_and_the_simulator_keeps_it(config, tmp_path, capsys):
+    # The float32 copy of the logits the loss reads, kept as `pred = model(x)` keeps it.
+    out, held = run(tmp_path, config, "--seq", "64", "--hold", "_to_copy.out")
+    assert [t["name"] for t in held.document["tensors"] if t.get("held")] == ["_to_copy.out"]
+    (tmp_path / "plain").mkdir()
+    plain_out, plain = run(tmp_path / "plain", config, "--seq", "64")
+    assert not any("held" in t for t in plain.document["tensors"])
+    peaks = []
+    for path in (plain_out, out):
+        done = simulate(path, "--policy", "none", "--json")
+        assert done.returncode == 0, done.stderr
+        peaks.append(json.loads(done.stdout)["result"]["peak_allocated_bytes"])
+    assert peaks[1] > peaks[0]
+    capsys.readouterr()
+    for name, why in (
+        ("no-such-tensor", "the trace has no tensor of that name"),
+        ("model.embed_tokens.weight", "it is a param"),
+        (held.document["loss"], "it is the loss"),
+    ):
+        assert main([config, "--seq", "8", "--hold", name, "--out", str(tmp_path / "x.json")]) == 2
+        assert f"--hold {name}: {why}" in capsys.readouterr().err
+
+
 def test_fsdp_is_recorded_and_the_commands_run_it(config, tmp_path, capsys):
     out, traced = run(
         tmp_path, config, "--seq", "64", "--fsdp", "8", "--reshard-after-forward", "false"

@@ -108,6 +108,48 @@ TEST(Autograd, OffloadLowersPeakMemory) {
   EXPECT_GT(ferry.value().telemetry.offloaded, 0);
 }
 
+// Note [Held activations]: a head whose output is upcast (2 MiB) before the loss. Held by the
+// loop, the upcast copy outlives the loss node that saved it: through the rest of backward,
+// where the head's node adds its 1 MiB gradient to it (the peak 1 MiB above the plain run's,
+// whose peak is the loss node's), and through the next forward until the upcast runs again,
+// which frees it. So each step ends with one copy over the baseline, however many steps run.
+TEST(Autograd, AHeldActivationLivesUntilTheNextStepProducesIt) {
+  constexpr std::int64_t kMiB = 1 << 20;
+  const auto head = [&](bool held) {
+    testing::ModelBuilder b;
+    b.m.name = "head";
+    const std::uint32_t x = b.tensor("x", kMiB, TensorRole::Input);
+    const std::uint32_t w = b.tensor("w", 4096, TensorRole::Param);
+    const std::uint32_t logits = b.tensor("logits", kMiB, TensorRole::Activation);
+    const std::uint32_t up = b.tensor("up", 2 * kMiB, TensorRole::Activation);
+    const std::uint32_t loss = b.tensor("loss", 4, TensorRole::Activation);
+    b.m.tensors[up].held = held;
+    b.op("head", {x, w}, {logits}, {x, w}, SimTime(1000), SimTime(2000));
+    b.op("upcast", {logits}, {up}, {}, SimTime(1000), SimTime(1000));
+    b.op("loss", {up}, {loss}, {up}, SimTime(1000), SimTime(1000));
+    b.m.loss = loss;
+    EXPECT_TRUE(validate_model(b.m).ok());
+    TrainingOptions o = with(Policy::None);
+    o.steps = 3;
+    auto run = simulate_training(b.m, testing::simple_profile(), o);
+    EXPECT_TRUE(run.ok()) << run.error().message;
+    return std::move(run.value());
+  };
+  const TrainingRun plain = head(false);
+  const TrainingRun held = head(true);
+  EXPECT_FALSE(held.failure);
+  EXPECT_TRUE(held.sim.hazards().empty());
+  ASSERT_EQ(held.allocated_after.size(), 3U);
+  for (std::size_t s = 0; s < 3; ++s) {
+    EXPECT_EQ(plain.allocated_after[s], plain.baseline_allocated) << "step " << s;
+    EXPECT_EQ(held.allocated_after[s], held.baseline_allocated + Bytes(2 * kMiB)) << "step " << s;
+  }
+  const auto peak = [](const TrainingRun& r) {
+    return r.sim.device_allocator(DeviceId(0)).stats().allocated_peak;
+  };
+  EXPECT_EQ(peak(held) - peak(plain), Bytes(kMiB));
+}
+
 TEST(Autograd, RetainGraphWorksWithFerryAndFailsWithTrlAsTheReferenceDoes) {
   const Model m = testing::chain_model(4, 1 << 20);
   TrainingOptions o = with(Policy::Ferry);

@@ -317,6 +317,33 @@ TEST(ModelJson, AStaticCapacityIsReadWrittenBackAndChecked) {
   }
 }
 
+// A held activation (docs/model-format.md, Tensors): read, written back, and refused on a
+// view, a parameter and the loss, naming the member.
+TEST(ModelJson, AHeldActivationIsReadWrittenBackAndChecked) {
+  const std::string h = R"({"name": "h", "bytes": 64, "dtype": "bf16", "role": "activation")";
+  auto held = parse_model(valid_with(h, h + R"(, "held": true)"), "toy.json");
+  ASSERT_TRUE(held.ok()) << held.error().message;
+  EXPECT_TRUE(held.value().tensors[2].held);
+  expect_round_trip(held.value());
+  auto plain = parse_model(std::string(kValidModel), "toy.json");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain.value().tensors[2].held);
+  EXPECT_EQ(model_to_json(plain.value()).find("held"), std::string::npos);
+
+  for (const auto& [from, to, where] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {R"("view_offset": 0})", R"("view_offset": 0, "held": true})", "tensors[3].held"},
+           {R"("role": "param")", R"("role": "param", "held": true)", "tensors[1].held"},
+           {R"("dtype": "f32", "role": "activation")",
+            R"("dtype": "f32", "role": "activation", "held": true)", "tensors[4].held"},
+       }) {
+    auto bad = parse_model(valid_with(from, to), "toy.json");
+    ASSERT_FALSE(bad.ok()) << to;
+    EXPECT_NE(bad.error().message.find(where), std::string::npos)
+        << to << ": " << bad.error().message;
+  }
+}
+
 TEST(ModelJson, TheRoutingAssumptionIsReadAndWrittenBack) {
   for (const auto& [section, want] : std::vector<std::pair<std::string, RoutingAssumption>>{
            {R"({"assumption": "balanced"})", {.assumption = "balanced"}},

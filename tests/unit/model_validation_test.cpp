@@ -125,7 +125,7 @@ std::vector<BadCase> bad_cases() {
        "toy.json: tensors[1].bytes: expected a positive integer, got 0"},
       {"unknown key in a tensor", valid_with(R"("bytes": 128)", R"("size": 128)"),
        R"(toy.json: tensors[1]: unknown key "size" (allowed: name, bytes, dtype, role, view_of, )"
-       "view_offset, no_offload, capacity, rows)"},
+       "view_offset, no_offload, capacity, rows, held)"},
       {"unknown key in an op", valid_with(R"("saved": [])", R"("saves": [])"),
        R"(toy.json: ops[1]: unknown key "saves" (allowed: name, kind, layer, flops, bytes, )"
        "backward_flops, backward_bytes, duration_ns, backward_duration_ns, inputs, outputs, "

@@ -67,6 +67,7 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
   grads_.resize(n);
   grad_values_.assign(n, 0);
   params_ = TensorSlots<Bound>(n);
+  held_ = TensorSlots<Device::Buffer>(n);
   param_grads_ = TensorSlots<Device::Buffer>(n);
   param_grad_values_ = TensorSlots<std::uint64_t>(n);
   last_grad_node_ = TensorSlots<std::uint32_t>(n);
@@ -113,6 +114,7 @@ Result<TrainingRun> Trainer::run() {
     setup();
     run_.baseline_allocated = allocated();
     for (std::int32_t step = 0; step < options_.steps && !run_.failure; ++step) this->step();
+    if (!run_.failure) release_held();
   } catch (const StepFailure& e) {
     run_.failure = e.failure;
   } catch (const OffloadError& e) {
@@ -547,9 +549,34 @@ void Trainer::forward() {
       end_region();
     }
     hooks_->after_op(i);
-    for (const std::uint32_t b : drop_after_[i]) device_.drop(scopes_[0].bound.at(b).buffer);
+    for (const std::uint32_t b : drop_after_[i]) {
+      if (!model_.tensors[b].held) device_.drop(scopes_[0].bound.at(b).buffer);
+    }
+    hold_outputs(i);
   }
   switch_to(compute_);
+}
+
+// Note [Held activations]
+// A training loop that keeps the model's output in a variable (`pred = model(x)`, then `loss =
+// loss_fn(pred, y)` and `loss.backward()`, with no `del pred`: torchtitan's train.py until its
+// commit e29b6b4, June 2024) holds that tensor through backward, the optimizer step and the
+// next step's forward, until the assignment of the next step's output drops it. A held
+// tensor's forward reference moves to held_ after the op that produces it, where it replaces
+// (and frees) the previous step's; the loop's last reference goes when the run ends. A
+// recomputation of it inside a checkpoint region is no such reference: the replay drops it as
+// any other (drop_dead_in_replay).
+void Trainer::hold_outputs(std::uint32_t i) {
+  for (const std::uint32_t t : model_.ops[i].outputs) {
+    if (!model_.tensors[t].held) continue;
+    if (held_.contains(t)) device_.drop(held_.at(t));
+    held_[t] = scopes_[0].bound.at(t).buffer;
+  }
+}
+
+void Trainer::release_held() {
+  held_.for_each([&](std::uint32_t, const Device::Buffer& buffer) { device_.drop(buffer); });
+  held_.clear();
 }
 
 }  // namespace ferry::sim::training

@@ -243,6 +243,10 @@ class Trainer final : private RankContext {
   void save_op(std::uint32_t i);
 
   void forward();
+  // Note [Held activations]: the loop's reference to op i's held outputs replaces the previous
+  // step's; release_held drops them all when the run ends.
+  void hold_outputs(std::uint32_t i);
+  void release_held();
 
   // --- backward ---------------------------------------------------------------------------
 
@@ -341,6 +345,7 @@ class Trainer final : private RankContext {
   std::vector<std::uint64_t> grad_values_;
   std::vector<std::int32_t> last_use_;
   std::vector<std::vector<std::uint32_t>> drop_after_;
+  TensorSlots<Device::Buffer> held_;  // Note [Held activations]: the loop's references, by tensor
   std::vector<std::vector<Saved>> saved_;
   std::vector<std::int32_t> region_of_op_;
   std::vector<Context> contexts_;

@@ -162,7 +162,7 @@ class ModelReader {
     for (const JsonValue& value : tensors) {
       FERRY_JSON_TRY(const auto object,
                      value.object({"name", "bytes", "dtype", "role", "view_of", "view_offset",
-                                   "no_offload", "capacity", "rows"}));
+                                   "no_offload", "capacity", "rows", "held"}));
       ModelTensor tensor;
       FERRY_JSON_TRY(const auto name_value, object.required("name"));
       FERRY_JSON_RETURN_IF_ERROR(declare(name_value));
@@ -185,6 +185,7 @@ class ModelReader {
       FERRY_JSON_TRY(const auto capacity, object.optional_integer("capacity", 0, 0, kMaxJsonBytes));
       tensor.capacity = Bytes(capacity);
       FERRY_JSON_TRY(tensor.rows, object.optional_integer("rows", 0, 0, kMaxJsonBytes));
+      FERRY_JSON_TRY(tensor.held, object.optional_boolean("held", false));
       model_.tensors.push_back(std::move(tensor));
     }
     for (std::size_t i = 0; i < bases.size(); ++i) {
@@ -365,6 +366,7 @@ OrderedJson tensor_json(const Model& model, const ModelTensor& tensor) {
     out["capacity"] = tensor.capacity.count();
     out["rows"] = tensor.rows;
   }
+  if (tensor.held) out["held"] = true;
   return out;
 }
 

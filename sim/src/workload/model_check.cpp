@@ -130,6 +130,12 @@ Status check_tensor(const Model& model, std::size_t index) {
                     bytes, dtype_name(tensor.dtype), element);
   }
   if (auto padded = check_capacity(tensor, index); !padded) return padded;
+  if (tensor.held && (tensor.view_of != -1 || tensor.role != TensorRole::Activation)) {
+    const std::string what =
+        tensor.view_of != -1 ? std::string("a view of ") : fmt::format("{} ", article(tensor.role));
+    return error_at(at("held"), "only a base activation is held; {} is {}{}",
+                    json_quote(tensor.name), what, tensor_role_name(tensor.role));
+  }
   const std::int64_t offset = tensor.view_offset.count();
   if (tensor.view_of == -1) {
     if (offset != 0) {
@@ -490,6 +496,11 @@ Status validate_model(const Model& model) {
     return error_at(
         "loss", "{} is produced by {}, not by the last op ({})", json_quote(tensor.name),
         op_label(model, static_cast<std::size_t>(producer[loss])), op_label(model, last));
+  }
+  if (tensor.held) {
+    return error_at(tensor_member(loss, "held"),
+                    "the loss {} lives until backward ends in any case; hold another activation",
+                    json_quote(tensor.name));
   }
   return Ok{};
 }

@@ -152,6 +152,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="record a pipeline of N stages (docs/pipeline.md)",
     )
+    parser.add_argument(
+        "--hold",
+        action="append",
+        default=[],
+        metavar="TENSOR",
+        help="mark an activation of the trace, by its name, as held by the training loop past "
+        "backward until the next step's forward produces it again, as `pred = model(x)` "
+        "without `del pred` holds the output (repeatable; docs/model-format.md, Tensors)",
+    )
     parser.add_argument("--name", help="the scenario's name (default: config, seq and batch)")
     parser.add_argument("--out", required=True, help="where to write the scenario ('-': stdout)")
     return parser
@@ -303,6 +312,28 @@ def _check(args: argparse.Namespace) -> dict[str, Any] | None:
     return section
 
 
+def hold(document: dict[str, Any], names: Sequence[str]) -> None:
+    """Marks each named tensor of the traced ``document`` "held" (docs/model-format.md,
+    Tensors); raises UsageError naming --hold unless it names a base activation of the trace."""
+    tensors = {tensor["name"]: tensor for tensor in document["tensors"]}
+    for name in names:
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise UsageError(f"--hold {name}: the trace has no tensor of that name")
+        if tensor["role"] != "activation" or "view_of" in tensor or name == document["loss"]:
+            what = (
+                "the loss"
+                if name == document["loss"]
+                else f"a view of {tensor['view_of']}"
+                if "view_of" in tensor
+                else f"a {tensor['role']}"
+            )
+            raise UsageError(
+                f"--hold {name}: it is {what}; name an activation with storage of its own"
+            )
+        tensor["held"] = True
+
+
 def mesh_section(args: argparse.Namespace) -> dict[str, Any] | None:
     """The scenario's "parallelism" section (docs/model-format.md) that --fsdp, --nodes,
     --hsdp, --reshard-after-forward, --fsdp-impl, --tp, --cp, --ep and --pp record, or None
@@ -377,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not str(error).startswith("ferry.trace: routing "):
                 raise
             raise UsageError(f"--routing: {str(error).removeprefix('ferry.trace: ')}") from None
+        hold(traced.document, args.hold)
         section = parallelism(asked, traced.layers())
         if section is not None:
             traced.document["parallelism"] = section

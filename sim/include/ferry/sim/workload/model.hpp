@@ -65,6 +65,10 @@ struct ModelTensor {
   /// The rows of data in such a buffer (the routed rows its experts compute): a paged stash
   /// pages them. 0 exactly when there is no capacity.
   std::int64_t rows = 0;
+  /// The training loop keeps a reference to this base activation past backward (`pred =
+  /// model(x)` with no `del pred`): its storage lives until the next step's forward produces it
+  /// again (Note [Held activations] in sim/src/autograd/trainer.cpp).
+  bool held = false;
 
   friend bool operator==(const ModelTensor&, const ModelTensor&) = default;
 };
