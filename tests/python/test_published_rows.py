@@ -768,7 +768,7 @@ def fms(root):
 @pytest.mark.parametrize(
     "size, device, tolerance",
     [
-        ("7b", "a100-pcie4", 0.24),
+        ("7b", "a100-pcie4", 0.05),
         ("7b", "h100-sxm-pcie5", 0.30),
         ("34b", "a100-pcie4", 0.17),
         ("34b", "h100-sxm-pcie5", 0.14),
@@ -777,8 +777,8 @@ def fms(root):
     ],
 )
 def test_fms_fsdp_llama2_throughput(fms, size, device, tolerance):
-    """Rows 43-45, A100 and H100 each: the 7B off both ways (the A100 fleet faster than
-    predicted, the H100 fleet slower), the checkpointed 34B and 70B faster than predicted on both
+    """Rows 43-45, A100 and H100 each: the 7B within 5 % on the A100s and 29 % fast on the
+    H100s, the checkpointed 34B and 70B faster than predicted on both
     (docs/validation-sources.md); each held within its error rounded up."""
     within(tokens_per_s(fms[size, device], 2 * 4096), FMS[size][device], tolerance)
 
