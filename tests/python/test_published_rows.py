@@ -648,6 +648,12 @@ def trace_axolotl_step(root):
     )
     path = root / "qwen3-8b-axolotl.json"
     traced.save(str(path))
+    # The benchmark enters OffloadActivations itself: no NoOpManager keeps the output head's
+    # saved tensors, as the trace marks them for get_act_offloading_ctx_manager.
+    model_json = json.loads(path.read_text())
+    for op in model_json["ops"]:
+        op.pop("no_offload", None)
+    path.write_text(json.dumps(model_json))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return path, weights
 
@@ -665,20 +671,20 @@ def axolotl3776(root):
     return runs, weights
 
 
-@pytest.mark.parametrize("mode, tolerance", [("trl_gc", 0.04), ("trl_all", 0.15)])
+@pytest.mark.parametrize("mode, tolerance", [("trl_gc", 0.03), ("trl_all", 0.12)])
 def test_axolotl3776_trl_offload_over_checkpointing_step_time(axolotl3776, mode, tolerance):
     """Rows 33 and 34: TRL's offloader with and without checkpointing, each over checkpointing
-    alone. Offloading everything is predicted 13 % slower than measured (docs/validation.md
-    says why); held within 15 %, so that the gap does not grow unseen."""
+    alone. Offloading everything is predicted 11 % slower than measured (docs/validation.md
+    says why); held within 12 %, so that the gap does not grow unseen."""
     runs, _ = axolotl3776
     predicted = runs[mode]["step_time_ns"] / runs["gc"]["step_time_ns"]
     within(predicted, AXOLOTL3776[mode][0] / AXOLOTL3776["gc"][0], tolerance)
 
 
-@pytest.mark.parametrize("mode, tolerance", [("gc", 0.03), ("trl_gc", 0.03), ("trl_all", 0.30)])
+@pytest.mark.parametrize("mode, tolerance", [("gc", 0.03), ("trl_gc", 0.03), ("trl_all", 0.29)])
 def test_axolotl3776_peak_over_the_weights(axolotl3776, mode, tolerance):
     """Rows 35-37: the peak allocated over the weights, gradients included. Offloading everything
-    keeps 9.2 GB less on the device than measured (docs/validation.md); held within 30 %."""
+    keeps 9.2 GB less on the device than measured (docs/validation.md); held within 29 %."""
     runs, weights = axolotl3776
     within((runs[mode]["peak_allocated_bytes"] - weights) / 1e9, AXOLOTL3776[mode][1], tolerance)
 
