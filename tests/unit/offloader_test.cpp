@@ -262,6 +262,33 @@ TEST(TrlPolicy, AStorageWhoseOriginalLeftTheStashIsCopiedAgain) {
   EXPECT_EQ(seeded.telemetry().offloaded, 2);
 }
 
+// TRL 1.7 keys dedup by device address and dtype and keeps every key to the next forward: a
+// tensor of that dtype at a freed original's address stays on the device (Note [TRL 1.7's dedup
+// key]); today's lets the key go with the stash entry and copies it.
+TEST(Trl17Policy, ATensorAtAFreedOriginalsAddressStaysOnTheDevice) {
+  for (const Policy policy : {Policy::Trl17, Policy::Trl}) {
+    FakeBackend b;
+    OffloadOptions o = trl(1);
+    o.policy = policy;
+    Off off(b, o);
+    const auto at = [&](std::uint64_t address, std::uint32_t dtype) {
+      const auto t = b.tensor();
+      TensorFacts f = facts(4096, 0, static_cast<std::uint64_t>(t.id));
+      f.address = address;
+      f.dtype = dtype;
+      off.pack(f, t);
+      b.drop(t);
+    };
+    at(0x1000, 15);
+    at(0x2000, 15);  // the stash of one lets the first go: its address is free again
+    at(0x1000, 6);   // another dtype there: a different key
+    at(0x1000, 15);
+    const bool address_keys = policy == Policy::Trl17;
+    EXPECT_EQ(off.telemetry().deduplicated, address_keys ? 1 : 0) << policy_name(policy);
+    EXPECT_EQ(off.telemetry().offloaded, address_keys ? 3 : 4) << policy_name(policy);
+  }
+}
+
 // Leaving the context, the host waits for both streams; the stashes let go without waiting.
 TEST(TrlPolicy, LeavingTheContextSynchronizesAndEmptiesTheStashes) {
   FakeBackend b;

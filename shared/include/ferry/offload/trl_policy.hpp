@@ -3,7 +3,8 @@
 /// both directions, a forward stash of the last N offloaded tensors, reload on demand at unpack,
 /// the previous node's reloads freed after an event, record_stream when a view escaped, and a
 /// drain at the end of backward. `trl` is TRL as it ships today (see Note [TRL today]);
-/// `trl-seed` is the version first released (seed files 000 and 001).
+/// `trl-seed` is the version first released (seed files 000 and 001); `trl-1.7` is TRL 1.0 to
+/// 1.7.1 (Note [TRL 1.7's dedup key]).
 
 #include <fmt/format.h>
 
@@ -34,6 +35,14 @@ namespace ferry {
 //   stashes let go of what they hold. The tracker itself survives leaving, so backward may run
 //   after the context closed.
 
+// Note [TRL 1.7's dedup key]
+// TRL 1.0 to 1.7.1 (before TRL PR #6241, first released in 1.8.0) key dedup by where the storage
+// lies in device memory and its dtype, with or without streams, and let go of no key until the
+// next forward starts: every offload's key outlives its stash entry. Once the caching allocator
+// hands a freed original's address to a later tensor of that dtype, a save of it counts as a
+// view of the offloaded storage and stays on the device; so does every later save at that
+// address in the forward, and in backward's recomputation. The rest is today's.
+
 template <Backend B>
 class TrlPolicy {
  public:
@@ -49,8 +58,9 @@ class TrlPolicy {
   TensorId pack(const TensorFacts& facts, const Buffer& storage, bool in_region) {
     begin_forward_if_first();
     ++t_.telemetry.packed;
-    const Key key{facts.storage, facts.view_offset.count(),
-                  t_.faults.dedup_across_versions ? 0 : facts.version};
+    const Key key = address_keys() ? Key{facts.address, facts.view_offset.count(), facts.dtype}
+                                   : Key{facts.storage, facts.view_offset.count(),
+                                         t_.faults.dedup_across_versions ? 0 : facts.version};
     if (dedup() && keys_.contains(key)) {
       ++t_.telemetry.deduplicated;
       const RecordId kept = t_.keep(facts, storage);
@@ -305,8 +315,10 @@ class TrlPolicy {
     key_of_.insert_or_assign(r, key);
   }
 
-  // `r` lets go of its key, which goes unless another record took it over.
+  // `r` lets go of its key, which goes unless another record took it over; TRL 1.7 lets go
+  // of none.
   void release_key(RecordId r) {
+    if (address_keys()) return;
     auto it = key_of_.find(r);
     if (it == key_of_.end()) return;
     auto held = keys_.find(it->second);
@@ -376,8 +388,10 @@ class TrlPolicy {
   }
 
   // TRL as it ships today, not its first release (Note [TRL today]).
-  [[nodiscard]] bool today() const { return t_.options.policy == Policy::Trl; }
-  [[nodiscard]] bool dedup() const { return today() && t_.options.use_streams; }
+  [[nodiscard]] bool today() const { return t_.options.policy == Policy::Trl || address_keys(); }
+  [[nodiscard]] bool dedup() const { return address_keys() || (today() && t_.options.use_streams); }
+  // TRL 1.0 to 1.7.1 (Note [TRL 1.7's dedup key]).
+  [[nodiscard]] bool address_keys() const { return t_.options.policy == Policy::Trl17; }
 
   // Whether an entry forgot `id` while it was tracked.
   [[nodiscard]] bool cleared(TensorId id) const {
