@@ -130,6 +130,11 @@ class SessionImpl final : public SessionBase {
     facts.storage_bytes = Bytes(static_cast<std::int64_t>(t.storage().nbytes()));
     facts.view_offset = Bytes(t.storage_offset() * item);
     facts.storage = reinterpret_cast<std::uint64_t>(t.storage().unsafeGetStorageImpl());
+    if (options_.offload.policy == Policy::Trl17) {
+      // Note [TRL 1.7's dedup key] in trl_policy.hpp.
+      facts.address = reinterpret_cast<std::uint64_t>(t.storage().data());
+      facts.dtype = static_cast<std::uint32_t>(t.scalar_type());
+    }
     TensorMeta meta{t.sizes().vec(),
                     t.strides().vec(),
                     t.scalar_type(),

@@ -184,6 +184,7 @@ struct Pack final : Command {
       }
       facts.storage_bytes = sut.sizes.at(storage.id);
       facts.storage = static_cast<std::uint64_t>(storage.id);
+      facts.address = static_cast<std::uint64_t>(storage.id);  // the backend reuses no address
       sut.values.push_back(*sut.backend.value(storage, facts.view_offset));
       sut.ids.push_back(sut.off.pack(facts, storage));
     }
@@ -393,7 +394,8 @@ struct Enter final : Command {
   }
   void apply(Model& m) const override {
     m.open = true;
-    if (m.policy == Policy::Trl) m.stale = 0;  // today's reference clears what is left
+    // Today's reference (and TRL 1.7) clear what is left.
+    if (m.policy == Policy::Trl || m.policy == Policy::Trl17) m.stale = 0;
   }
   void run(const Model& m, Sut& sut) const override {
     sut.off.enter();
@@ -456,6 +458,10 @@ RC_GTEST_PROP(OffloaderState, TrlSeedFollowsTheModelAndIsSafeForEveryTiming, ())
   offloader_follows_the_model(Policy::TrlSeed, {});
 }
 
+RC_GTEST_PROP(OffloaderState, Trl17FollowsTheModelAndIsSafeForEveryTiming, ()) {
+  offloader_follows_the_model(Policy::Trl17, {});
+}
+
 RC_GTEST_PROP(OffloaderState, FerryFollowsTheModelAndIsSafeForEveryTiming, ()) {
   offloader_follows_the_model(Policy::Ferry, {});
 }
@@ -500,11 +506,12 @@ TEST(PlantedOffloaderFault, TrlLeavingTheContextWithoutTheHostSyncIsCaught) {
 
 INSTANTIATE_TEST_SUITE_P(BothPolicies, PlantedOffloaderFault,
                          ::testing::Combine(::testing::Values(Policy::Trl, Policy::TrlSeed,
-                                                              Policy::Ferry),
+                                                              Policy::Trl17, Policy::Ferry),
                                             ::testing::ValuesIn(kPlanted)),
                          [](const auto& test) {
                            std::string name = policy_name(std::get<0>(test.param));
                            std::replace(name.begin(), name.end(), '-', '_');
+                           std::replace(name.begin(), name.end(), '.', '_');
                            return name + "_" + std::get<1>(test.param).name;
                          });
 

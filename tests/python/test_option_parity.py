@@ -57,7 +57,7 @@ INT32 = {"steps", "stash", "fsdp", "nodes", "hsdp", "tp", "cp", "ep"}
 CHEAP = {"steps": 2, "fsdp": 16, "nodes": 16, "hsdp": 16}
 
 TEXT = {
-    "policy": ["none", "trl", "trl-seed", "ferry", "lifo", ""],
+    "policy": ["none", "trl", "trl-seed", "trl-1.7", "ferry", "lifo", ""],
     "checkpoint": ["none", "every:1", "every:zero", "selective", "segments:2", "bogus"],
     "horizon": ["auto", "none", "1GiB", "0", "lots", "-1"],
 }

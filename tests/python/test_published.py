@@ -50,9 +50,6 @@ COMPILED = (42.9, 9174)
 CHECKPOINTED = (24.9, 7210)
 FUSED_OPTIMIZER = (23.1, 7309)
 OFFLOADED = (21.8, 7301)
-#: One layer's input, batch 2 x 4096 x 3072 in bf16, and torchtune's forward stash of five.
-LAYER_INPUT_MIB = 2 * 4096 * 3072 * 2 >> 20
-TORCHTUNE_STASH_MIB = 5 * LAYER_INPUT_MIB
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +91,19 @@ def rows(tmp_path_factory):
     )
     assert run.returncode == 0, run.stderr
     rows = {r["name"]: r for r in json.loads(run.stdout)["rows"]}
-    # torchtune's offloader holds what it holds: up to max_fwd_stash_size = 5 saved tensors in
-    # its forward stash (5 layer inputs of 48 MiB) and one prefetched tensor in backward.
+    # torchtune's own offloader (its first release, policy trl-seed: a forward stash of 5
+    # tensors, reloads on demand). Its recipe runs the model under it, the output head under
+    # NoOpManager (the trace marks the head so), and the loss after it: the ops after the head
+    # keep their saved tensors too.
+    traced = json.loads(model.read_text())
+    head = max(i for i, op in enumerate(traced["ops"]) if op.get("no_offload"))
+    for op in traced["ops"][head + 1 :]:
+        op["no_offload"] = True
+    as_torchtune = root / "model-loss-outside.json"
+    as_torchtune.write_text(json.dumps(traced))
     run = subprocess.run(
-        [cli, "simulate", "--model", str(model), "--device", "a100-pcie4", "--json"]
-        + ["--policy", "ferry", "--checkpoint", "every:1", "--no-checker"]
-        + ["--window-mib", str(TORCHTUNE_STASH_MIB), "--prefetch-mib", str(LAYER_INPUT_MIB)],
+        [cli, "simulate", "--model", str(as_torchtune), "--device", "a100-pcie4", "--json"]
+        + ["--policy", "trl-seed", "--checkpoint", "every:1", "--no-checker"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -135,14 +139,14 @@ def test_offloading_checkpointed_inputs_costs_what_it_measured_within_1_percent(
     assert offloaded["peak_allocated_bytes"] < every["peak_allocated_bytes"]
 
 
-def test_offloading_as_torchtune_holds_saves_the_memory_it_measured_within_15_percent(rows):
-    """With the offloader holding what torchtune's holds (not ferry's 512 MiB forward window and
-    prefetch budget), the memory saved is within 15 % of the 1.3 GiB measured, at the time it
-    measured within 1 %."""
+def test_offloading_as_torchtune_holds_saves_the_memory_it_measured_within_2_percent(rows):
+    """torchtune's offloader (policy trl-seed) with the loss outside it, as torchtune's recipe
+    runs it: the memory saved is within 2 % of the 1.3 GiB measured, at the time it measured
+    within 1 %."""
     every = rows["checkpoint every layer"]
     offloaded = rows["torchtune offload"]
     saved = (every["peak_allocated_bytes"] - offloaded["peak_allocated_bytes"]) / GIB
     measured = FUSED_OPTIMIZER[0] - OFFLOADED[0]
-    assert abs(saved - measured) <= 0.15 * measured, (saved, measured)
+    assert abs(saved - measured) <= 0.02 * measured, (saved, measured)
     ratio = offloaded["step_time_ns"] / every["step_time_ns"]
     assert abs(ratio - FUSED_OPTIMIZER[1] / OFFLOADED[1]) <= 0.01, ratio

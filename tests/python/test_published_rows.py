@@ -606,7 +606,8 @@ def test_hf_bert_large_v100_adafactor(bert):
 # decoder layer, `trl_gc` that with TRL's `OffloadActivations(use_streams=True,
 # min_offload_size=0)`, `trl_all` the offloader alone. Milliseconds a step (one warm-up step, the
 # mean of two), and the peak allocated over the weights (the "CUDA peak delta", GB of 1e9 bytes).
-# The PR names no GPU; the rows run on the bundled H100 SXM.
+# The PR names no GPU; the rows run on the bundled H100 SXM. Its table is dated 2 July 2026, when
+# TRL's releases were 1.7.x, before TRL PR #6241 (1.8.0): policy trl-1.7.
 AXOLOTL3776 = {"gc": (2677.7, 17.16), "trl_gc": (2758.3, 17.16), "trl_all": (4956.2, 32.50)}
 
 
@@ -638,6 +639,12 @@ def trace_axolotl_step(root):
     )
     path = root / "qwen3-8b-axolotl.json"
     traced.save(str(path))
+    # The benchmark enters OffloadActivations itself: no NoOpManager keeps the output head's
+    # saved tensors, as the trace marks them for get_act_offloading_ctx_manager.
+    model_json = json.loads(path.read_text())
+    for op in model_json["ops"]:
+        op.pop("no_offload", None)
+    path.write_text(json.dumps(model_json))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return path, weights
 
@@ -649,26 +656,26 @@ def axolotl3776(root):
     trl = ("--device", "h100-sxm-pcie5", "--min-bytes", "0")
     runs = {
         "gc": simulate(traced, *gc),
-        "trl_gc": simulate(traced, *gc, "--min-bytes", "0", policy="trl"),
-        "trl_all": simulate(traced, *trl, policy="trl"),
+        "trl_gc": simulate(traced, *gc, "--min-bytes", "0", policy="trl-1.7"),
+        "trl_all": simulate(traced, *trl, policy="trl-1.7"),
     }
     return runs, weights
 
 
-@pytest.mark.parametrize("mode, tolerance", [("trl_gc", 0.04), ("trl_all", 0.15)])
+@pytest.mark.parametrize("mode, tolerance", [("trl_gc", 0.03), ("trl_all", 0.09)])
 def test_axolotl3776_trl_offload_over_checkpointing_step_time(axolotl3776, mode, tolerance):
     """Rows 33 and 34: TRL's offloader with and without checkpointing, each over checkpointing
-    alone. Offloading everything is predicted 13 % slower than measured (docs/validation.md
-    says why); held within 15 %, so that the gap does not grow unseen."""
+    alone. Offloading everything is predicted 8 % faster than measured (docs/validation.md
+    says why); held within 9 %, so that the gap does not grow unseen."""
     runs, _ = axolotl3776
     predicted = runs[mode]["step_time_ns"] / runs["gc"]["step_time_ns"]
     within(predicted, AXOLOTL3776[mode][0] / AXOLOTL3776["gc"][0], tolerance)
 
 
-@pytest.mark.parametrize("mode, tolerance", [("gc", 0.03), ("trl_gc", 0.03), ("trl_all", 0.30)])
+@pytest.mark.parametrize("mode, tolerance", [("gc", 0.03), ("trl_gc", 0.03), ("trl_all", 0.09)])
 def test_axolotl3776_peak_over_the_weights(axolotl3776, mode, tolerance):
     """Rows 35-37: the peak allocated over the weights, gradients included. Offloading everything
-    keeps 9.2 GB less on the device than measured (docs/validation.md); held within 30 %."""
+    keeps 2.7 GB more on the device than measured (docs/validation.md); held within 9 %."""
     runs, weights = axolotl3776
     within((runs[mode]["peak_allocated_bytes"] - weights) / 1e9, AXOLOTL3776[mode][1], tolerance)
 

@@ -173,7 +173,9 @@ def test_auto_applies_the_options_the_planner_lowered(monkeypatch):
 
 
 def test_bad_input_names_what_is_wrong():
-    with pytest.raises(ValueError, match=r'unknown policy "nope" \(none, trl, trl-seed, ferry\)'):
+    with pytest.raises(
+        ValueError, match=r'unknown policy "nope" \(none, trl, trl-seed, trl-1.7, ferry\)'
+    ):
         ferry.simulate("tiny-gpt", policy="nope")
     with pytest.raises(ValueError, match="--checkpoint: "):
         ferry.simulate("tiny-gpt", checkpoint="every:zero")

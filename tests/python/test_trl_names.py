@@ -13,7 +13,7 @@ from models import MLP, TinyLM, check_against_plain, loss_of
 from test_program import check
 
 
-@pytest.mark.parametrize("policy", ["ferry", "trl"])
+@pytest.mark.parametrize("policy", ["ferry", "trl", "trl-1.7"])
 def test_offload_activations_trains_like_plain(policy):
     ctx = ferry.OffloadActivations(
         min_offload_size=0, max_fwd_stash_size=1, policy=policy, loopback=True, window_bytes=0

@@ -216,20 +216,42 @@ TEST(TrlPolicy, PacksDuringBackwardAreNotTakenForANewForward) {
   EXPECT_THROW(forward(seeded, sb, 1), OffloadError);
 }
 
-// The same view of a storage still in the forward stash is not copied again: it stays.
+// The same view of a storage still in the forward stash is not copied again: it stays, and
+// takes the key over, so that later packs of the storage stay too, after the original left the
+// stash; the key goes when the pack that holds it is unpacked.
 TEST(TrlPolicy, DeduplicatesAViewWhoseOriginalIsStillStashed) {
   FakeBackend b;
   Off off(b, trl(2));
   const auto t = b.tensor();
-  off.pack(facts(4096, 0, 7), t);
-  off.pack(facts(4096, 1, 7), t);
-  b.drop(t);
+  const TensorId first = off.pack(facts(4096, 0, 1000), t);
+  const TensorId kept = off.pack(facts(4096, 1, 1000), t);
   EXPECT_EQ(off.telemetry().offloaded, 1);
   EXPECT_EQ(off.telemetry().deduplicated, 1);
-  forward(off, b, 2);  // the stash moves on: storage 7's original leaves, its key with it
-  const auto u = b.tensor();
-  off.pack(facts(4096, 5, 7), u);
+  const auto others = forward(off, b, 2);  // the stash moves on: storage 1000's original leaves
+  const TensorId later = off.pack(facts(4096, 5, 1000), t);
+  EXPECT_EQ(off.telemetry().offloaded, 3);
+  EXPECT_EQ(off.telemetry().deduplicated, 2);
+  // Unpacked, the last pack that took the key lets it go: storage 1000 is copied again.
+  b.drop(off.unpack(later, NodeId(5)).storage);
+  const TensorId again = off.pack(facts(4096, 6, 1000), t);
   EXPECT_EQ(off.telemetry().offloaded, 4);
+  b.drop(t);
+  for (const TensorId id : {again, others[1], others[0], kept, first}) {
+    b.drop(off.unpack(id, NodeId(id.value())).storage);
+  }
+}
+
+// Without a dedup hit, the key leaves with the stash entry: the storage is copied again.
+TEST(TrlPolicy, AStorageWhoseOriginalLeftTheStashIsCopiedAgain) {
+  FakeBackend b;
+  Off off(b, trl(2));
+  const auto t = b.tensor();
+  off.pack(facts(4096, 0, 1000), t);
+  forward(off, b, 2);
+  off.pack(facts(4096, 3, 1000), t);
+  b.drop(t);
+  EXPECT_EQ(off.telemetry().offloaded, 4);
+  EXPECT_EQ(off.telemetry().deduplicated, 0);
   OffloadOptions seed = trl(2);
   seed.policy = Policy::TrlSeed;
   FakeBackend sb;
@@ -238,6 +260,33 @@ TEST(TrlPolicy, DeduplicatesAViewWhoseOriginalIsStillStashed) {
   seeded.pack(facts(4096, 0, 7), st);
   seeded.pack(facts(4096, 1, 7), st);
   EXPECT_EQ(seeded.telemetry().offloaded, 2);
+}
+
+// TRL 1.7 keys dedup by device address and dtype and keeps every key to the next forward: a
+// tensor of that dtype at a freed original's address stays on the device (Note [TRL 1.7's dedup
+// key]); today's lets the key go with the stash entry and copies it.
+TEST(Trl17Policy, ATensorAtAFreedOriginalsAddressStaysOnTheDevice) {
+  for (const Policy policy : {Policy::Trl17, Policy::Trl}) {
+    FakeBackend b;
+    OffloadOptions o = trl(1);
+    o.policy = policy;
+    Off off(b, o);
+    const auto at = [&](std::uint64_t address, std::uint32_t dtype) {
+      const auto t = b.tensor();
+      TensorFacts f = facts(4096, 0, static_cast<std::uint64_t>(t.id));
+      f.address = address;
+      f.dtype = dtype;
+      off.pack(f, t);
+      b.drop(t);
+    };
+    at(0x1000, 15);
+    at(0x2000, 15);  // the stash of one lets the first go: its address is free again
+    at(0x1000, 6);   // another dtype there: a different key
+    at(0x1000, 15);
+    const bool address_keys = policy == Policy::Trl17;
+    EXPECT_EQ(off.telemetry().deduplicated, address_keys ? 1 : 0) << policy_name(policy);
+    EXPECT_EQ(off.telemetry().offloaded, address_keys ? 3 : 4) << policy_name(policy);
+  }
 }
 
 // Leaving the context, the host waits for both streams; the stashes let go without waiting.

@@ -65,7 +65,8 @@ class offload(Region):
 
     Args:
         policy: ``"ferry"`` (ferry's scheduler), ``"trl"`` (a faithful model of the reference
-            hook-based offloader as TRL ships it; ``"trl-seed"``: as first released) or
+            hook-based offloader as TRL ships it; ``"trl-seed"``: as first released;
+            ``"trl-1.7"``: as TRL 1.0 to 1.7.1 released it) or
             ``"none"`` (keep everything).
         min_bytes: Saved tensors under this many bytes stay (default 1024).
         max_fwd_stash_size: The reference's forward stash (``"trl"``).

@@ -157,38 +157,37 @@ def simulate(
         device: A bundled device profile's name or a profile file.
         mesh: A ``ferry.Mesh``: the mesh keywords below (``fsdp`` to ``pp``) as one value; a
             field given both there and as a keyword is a TypeError.
-        **options: The run's options, as ``ferry simulate`` names them: ``policy`` ("none",
-            "trl", "trl-seed", "ferry"), ``checkpoint`` ("none", "every:K", "selective", ...),
+        **options: The run's options, as ``ferry simulate`` names them: ``policy`` ("none", "trl",
+            "trl-seed", "trl-1.7", "ferry"), ``checkpoint`` ("none", "every:K", "selective", ...),
             ``horizon`` ("auto", "none", bytes), ``steps``, ``min_bytes``, ``window_mib``,
-            ``prefetch_mib``, ``host_cap_gib``, ``stash``, and the switches ``prefetch``,
-            ``dedup``, ``early_stop`` and ``check`` (hazard and content checks), all True by
-            default, and ``set_to_none`` (what ``optimizer.zero_grad()`` does between steps:
-            None, the default, is torch's, gradients freed, where the run models it (a pipeline
-            keeps them); True asks for it (``--set-to-none``); False keeps them from set-up on
-            (``--keep-grads``, as ``set_to_none=False`` and Megatron-Core's buffers do));
-            FSDP2 as ``--fsdp`` sets it: ``fsdp`` (ranks), ``nodes``, ``hsdp``,
-            ``reshard_after_forward`` (True, False or K) and ``fsdp_impl`` ("fsdp2", or
-            "simple": torchtitan's SimpleFSDP), where a traced model's recorded parallelism is
-            the default (docs/fsdp.md); ``tp``, tensor parallelism over that many GPUs a rank
-            (``--tp``, docs/parallelism.md); ``cp``, context parallelism over that many GPUs a
-            rank, with ``fsdp`` (``--cp``); ``ep``, expert parallelism over that many GPUs of the
-            shard group and their tensor-parallel ones (a multiple of ``tp``), with ``fsdp``
-            (``--ep``); ``expert_capacity``, a static dispatcher's capacity factor (1..1024)
-            that pads each GPU's routed rows, with ``ep`` (``--expert-capacity``; 0: none), and
-            ``paged_stash``, Megatron-Core's paged stash of the padded saved tensors
-            (``--paged-stash``; docs/parallelism.md, Static capacity and the paged stash);
-            ``pp``, a pipeline of that many stages (1..64), each run by that mesh (``--pp``,
-            docs/pipeline.md), with ``micro_batches``, ``schedule``, ``virtual_stages``,
-            ``split`` and ``pipeline_checkpoint`` as their flags; ``allocator``, "default" or
-            "expandable" (the caching allocator with ``expandable_segments:True``, where a
-            traced model's recorded setting is the default; docs/allocators.md). Numbers have
-            the command line's bounds (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes``
-            0..2^50, ``window_mib`` and ``prefetch_mib`` 0..2^30, ``host_cap_gib`` 0..2^20,
-            ``fsdp``, ``nodes`` and ``hsdp`` 1..1000000; None for ``fsdp``, ``nodes`` and
-            ``allocator``: not given). ``trainer`` ("hf", "torchtitan" or "megatron") with
-            ``trainer_flags`` (that trainer's command-line flags, as ``ferry plan --for``
-            writes them) runs the trainer's own activation checkpointing instead of
-            ``policy`` and ``checkpoint`` (``ferry simulate --for T --trainer-config FILE``).
+            ``prefetch_mib``, ``host_cap_gib``, ``stash``, and the switches ``prefetch``, ``dedup``,
+            ``early_stop`` and ``check`` (hazard and content checks), all True by default, and
+            ``set_to_none`` (what ``optimizer.zero_grad()`` does between steps: None, the default,
+            is torch's, gradients freed, where the run models it (a pipeline keeps them); True asks
+            for it (``--set-to-none``); False keeps them from set-up on (``--keep-grads``, as
+            ``set_to_none=False`` and Megatron-Core's buffers do)); FSDP2 as ``--fsdp`` sets it:
+            ``fsdp`` (ranks), ``nodes``, ``hsdp``, ``reshard_after_forward`` (True, False or K) and
+            ``fsdp_impl`` ("fsdp2", or "simple": torchtitan's SimpleFSDP), where a traced model's
+            recorded parallelism is the default (docs/fsdp.md); ``tp``, tensor parallelism over that
+            many GPUs a rank (``--tp``, docs/parallelism.md); ``cp``, context parallelism over that
+            many GPUs a rank, with ``fsdp`` (``--cp``); ``ep``, expert parallelism over that many
+            GPUs of the shard group and their tensor-parallel ones (a multiple of ``tp``), with
+            ``fsdp`` (``--ep``); ``expert_capacity``, a static dispatcher's capacity factor
+            (1..1024) that pads each GPU's routed rows, with ``ep`` (``--expert-capacity``; 0:
+            none), and ``paged_stash``, Megatron-Core's paged stash of the padded saved tensors
+            (``--paged-stash``; docs/parallelism.md, Static capacity and the paged stash); ``pp``, a
+            pipeline of that many stages (1..64), each run by that mesh (``--pp``,
+            docs/pipeline.md), with ``micro_batches``, ``schedule``, ``virtual_stages``, ``split``
+            and ``pipeline_checkpoint`` as their flags; ``allocator``, "default" or "expandable"
+            (the caching allocator with ``expandable_segments:True``, where a traced model's
+            recorded setting is the default; docs/allocators.md). Numbers have the command line's
+            bounds (``steps`` 1..1000, ``stash`` 1..2^20, ``min_bytes`` 0..2^50, ``window_mib`` and
+            ``prefetch_mib`` 0..2^30, ``host_cap_gib`` 0..2^20, ``fsdp``, ``nodes`` and ``hsdp``
+            1..1000000; None for ``fsdp``, ``nodes`` and ``allocator``: not given). ``trainer``
+            ("hf", "torchtitan" or "megatron") with ``trainer_flags`` (that trainer's command-line
+            flags, as ``ferry plan --for`` writes them) runs the trainer's own activation
+            checkpointing instead of ``policy`` and ``checkpoint`` (``ferry simulate --for T
+            --trainer-config FILE``).
 
     Returns:
         The document ``ferry simulate --json`` prints (``result`` holds the figures, one

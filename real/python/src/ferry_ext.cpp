@@ -36,7 +36,7 @@ PyObject* stop_type = nullptr;
 ferry::Policy parse_policy(const std::string& name) {
   if (auto policy = ferry::parse_policy(name)) return *policy;
   throw std::invalid_argument("ferry: unknown policy '" + name +
-                              "' (expected 'ferry', 'trl', 'trl-seed' or 'none')");
+                              "' (expected 'ferry', 'trl', 'trl-seed', 'trl-1.7' or 'none')");
 }
 
 Context::Kind parse_kind(const std::string& name) {

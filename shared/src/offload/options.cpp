@@ -10,6 +10,8 @@ const char* policy_name(Policy policy) {
       return "trl";
     case Policy::TrlSeed:
       return "trl-seed";
+    case Policy::Trl17:
+      return "trl-1.7";
     case Policy::Ferry:
       return "ferry";
   }
@@ -17,7 +19,8 @@ const char* policy_name(Policy policy) {
 }
 
 std::optional<Policy> parse_policy(std::string_view name) {
-  for (const Policy p : {Policy::None, Policy::Trl, Policy::TrlSeed, Policy::Ferry}) {
+  for (const Policy p :
+       {Policy::None, Policy::Trl, Policy::TrlSeed, Policy::Trl17, Policy::Ferry}) {
     if (name == policy_name(p)) return p;
   }
   return std::nullopt;

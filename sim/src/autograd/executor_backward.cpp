@@ -144,6 +144,8 @@ TensorId Executor::pack(std::uint32_t i, std::uint32_t j, std::uint32_t k, const
   facts.storage_bytes = b.bytes;
   facts.view_offset = t.view_of >= 0 ? t.view_offset : Bytes(0);
   facts.storage = b.id.value();
+  facts.address = static_cast<std::uint64_t>(sim_.buffers()[b.id.value()].address.count());
+  facts.dtype = static_cast<std::uint32_t>(t.dtype);
   facts.no_offload = t.no_offload;
   facts.node = node_id(i, k);
   Offloader<Device>& off = *offloaders_[dev(j)];

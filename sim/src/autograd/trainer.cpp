@@ -445,6 +445,9 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
       is_resident(tensor.role) ? storage.bytes : sim_.buffers()[where.buffer.id.value()].bytes;
   facts.view_offset = where.offset;
   facts.storage = where.buffer.id.value();
+  facts.address =
+      static_cast<std::uint64_t>(sim_.buffers()[where.buffer.id.value()].address.count());
+  facts.dtype = static_cast<std::uint32_t>(tensor.dtype);
   facts.is_param = is_resident(storage.role);
   facts.no_offload = tensor.no_offload;
   facts.node = NodeId(node);

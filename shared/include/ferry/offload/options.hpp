@@ -18,16 +18,17 @@ enum class Policy : std::uint8_t {
   None,     ///< keep every saved tensor on the device
   Trl,      ///< a faithful model of the reference hook-based offloader as TRL ships it today
   TrlSeed,  ///< the same, as first released (no dedup, no state cleared on entry)
+  Trl17,    ///< the same, as TRL 1.0 to 1.7.1 released it (dedup keyed by device address)
   Ferry,    ///< ferry's scheduler (the default)
 };
 
-/// "none", "trl", "trl-seed", "ferry".
+/// "none", "trl", "trl-seed", "trl-1.7", "ferry".
 [[nodiscard]] const char* policy_name(Policy policy);
 /// The policy named `name` (as policy_name() spells it), or nullopt.
 [[nodiscard]] std::optional<Policy> parse_policy(std::string_view name);
 /// Whether `policy` models the reference offloader (either version).
 [[nodiscard]] constexpr bool is_trl(Policy policy) {
-  return policy == Policy::Trl || policy == Policy::TrlSeed;
+  return policy == Policy::Trl || policy == Policy::TrlSeed || policy == Policy::Trl17;
 }
 
 struct OffloadOptions {
@@ -61,6 +62,8 @@ struct TensorFacts {
   /// The tensor's version counter when saved: packs of one storage deduplicate only at one
   /// version (an in-place change between two saves makes the second a different tensor).
   std::uint32_t version = 0;
+  std::uint64_t address = 0;  ///< where the storage starts in device memory (trl-1.7's dedup key)
+  std::uint32_t dtype = 0;    ///< element type, as the backend numbers it (trl-1.7's dedup key)
   bool on_device = true;
   bool is_param = false;    ///< parameters and module buffers are never offloaded
   bool no_offload = false;  ///< per-tensor opt-out

@@ -3,7 +3,8 @@
 /// both directions, a forward stash of the last N offloaded tensors, reload on demand at unpack,
 /// the previous node's reloads freed after an event, record_stream when a view escaped, and a
 /// drain at the end of backward. `trl` is TRL as it ships today (see Note [TRL today]);
-/// `trl-seed` is the version first released (seed files 000 and 001).
+/// `trl-seed` is the version first released (seed files 000 and 001); `trl-1.7` is TRL 1.0 to
+/// 1.7.1 (Note [TRL 1.7's dedup key]).
 
 #include <fmt/format.h>
 
@@ -23,15 +24,24 @@ namespace ferry {
 
 // Note [TRL today]
 // Three changes to the reference since its first release (docs/offload.md cites them):
-// * Dedup, with streams only: a pack whose (storage, view offset) is already offloaded and its
-//   original still in the forward stash keeps the tensor on the device (a new reference, no
-//   copy); the key goes when that stash entry retires.
+// * Dedup, with streams only: a pack whose (storage, view offset) is keyed keeps the tensor on
+//   the device (a new reference, no copy) and takes the key over. An offload keys its storage
+//   until its stash entry retires; a pack kept so keeps the key until it is unpacked, so every
+//   later pack of that storage in the forward stays too. Each forward starts without keys.
 // * The phase flag: the next pack starts a new forward only once the tracker is empty again,
 //   so recompute packs during backward (checkpointing) are not taken for a new forward.
 // * Entering the context clears what a previous step left (tracker, stashes, dedup keys,
 //   flags); leaving it, with streams, the host waits for the compute and side streams and the
 //   stashes let go of what they hold. The tracker itself survives leaving, so backward may run
 //   after the context closed.
+
+// Note [TRL 1.7's dedup key]
+// TRL 1.0 to 1.7.1 (before TRL PR #6241, first released in 1.8.0) key dedup by where the storage
+// lies in device memory and its dtype, with or without streams, and let go of no key until the
+// next forward starts: every offload's key outlives its stash entry. Once the caching allocator
+// hands a freed original's address to a later tensor of that dtype, a save of it counts as a
+// view of the offloaded storage and stays on the device; so does every later save at that
+// address in the forward, and in backward's recomputation. The rest is today's.
 
 template <Backend B>
 class TrlPolicy {
@@ -48,17 +58,19 @@ class TrlPolicy {
   TensorId pack(const TensorFacts& facts, const Buffer& storage, bool in_region) {
     begin_forward_if_first();
     ++t_.telemetry.packed;
-    const Key key{facts.storage, facts.view_offset.count(),
-                  t_.faults.dedup_across_versions ? 0 : facts.version};
-    if (dedup() &&
-        std::any_of(dedup_.begin(), dedup_.end(), [&](const auto& e) { return e.first == key; })) {
+    const Key key = address_keys() ? Key{facts.address, facts.view_offset.count(), facts.dtype}
+                                   : Key{facts.storage, facts.view_offset.count(),
+                                         t_.faults.dedup_across_versions ? 0 : facts.version};
+    if (dedup() && keys_.contains(key)) {
       ++t_.telemetry.deduplicated;
-      return t_.ids.add(t_.keep(facts, storage), facts.view_offset);
+      const RecordId kept = t_.keep(facts, storage);
+      take_key(key, kept);
+      return t_.ids.add(kept, facts.view_offset);
     }
     // The reference knows no per-tensor opt-out.
     const bool stays = t_.stays(facts, in_region, /*opt_out=*/false);
     const RecordId r = stays ? t_.keep(facts, storage) : offload(facts, storage, t_.ids.next());
-    if (!stays && dedup()) dedup_.emplace_back(key, r);
+    if (!stays && dedup()) take_key(key, r);
     return t_.ids.add(r, facts.view_offset);
   }
 
@@ -81,6 +93,7 @@ class TrlPolicy {
     const RecordId r = t_.find(id);
     auto& rec = t_.records[r];
     Unpacked<Buffer> out{rec.device, t_.ids.offset(id)};
+    release_key(r);
     if (rec.state == RecordState::Kept) {
       forget(id, r);  // the tracker's reference moves to the caller
       rec.move_to(RecordState::Dropped);
@@ -177,7 +190,8 @@ class TrlPolicy {
     bwd_stash_.clear();
     bwd_events_.clear();
     hooks_.clear();
-    dedup_.clear();
+    keys_.clear();
+    key_of_.clear();
     t_.records.reclaim([](RecordId) { return false; });
     first_forward_call_ = true;
     first_backward_call_ = false;
@@ -192,7 +206,8 @@ class TrlPolicy {
     }
     for (const auto& entry : fwd_stash_) let_go_stashed(entry.second);
     fwd_stash_.clear();
-    dedup_.clear();
+    keys_.clear();
+    key_of_.clear();
     for (const auto& [id, r] : bwd_stash_) drop_returned(r);
     bwd_stash_.clear();
     bwd_events_.clear();
@@ -219,6 +234,13 @@ class TrlPolicy {
   [[nodiscard]] const Tracker<B>& tracker() const { return t_; }
 
  private:
+  // A view's place: storage identity and offset in it (the reference adds the dtype, which
+  // views at one offset of one storage share in practice), and its version: unlike the
+  // reference, a storage changed in place between two saves is not deduplicated (the second
+  // save would get the first's bytes; see Note [Saved-tensor contract] in
+  // real/src/saved_tensors.hpp).
+  using Key = std::tuple<std::uint64_t, std::int64_t, std::uint32_t>;
+
   // What the reference's per-node post-hook remembers of one unpack.
   struct Hook {
     TensorId id;
@@ -242,6 +264,8 @@ class TrlPolicy {
     }
     first_forward_call_ = false;
     first_backward_call_ = true;
+    keys_.clear();
+    key_of_.clear();
   }
 
   RecordId offload(const TensorFacts& facts, const Buffer& storage, TensorId id) {
@@ -276,12 +300,30 @@ class TrlPolicy {
     let_go_stashed(r);
   }
 
-  // The stash drops its reference to an original (its copy is known done) and its dedup key.
+  // The stash drops its reference to an original (its copy is known done) and its dedup key,
+  // unless a later pack took the key over.
   void let_go_stashed(RecordId r) {
     auto& rec = t_.records[r];
     t_.backend.drop(rec.device);
     rec.move_to(rec.state == RecordState::Offloading ? RecordState::OnHost : RecordState::Dropped);
-    std::erase_if(dedup_, [&](const auto& e) { return e.second == r; });
+    release_key(r);
+  }
+
+  // `r` holds `key` now: a later pack of it stays on the device.
+  void take_key(const Key& key, RecordId r) {
+    keys_.insert_or_assign(key, r);
+    key_of_.insert_or_assign(r, key);
+  }
+
+  // `r` lets go of its key, which goes unless another record took it over; TRL 1.7 lets go
+  // of none.
+  void release_key(RecordId r) {
+    if (address_keys()) return;
+    auto it = key_of_.find(r);
+    if (it == key_of_.end()) return;
+    auto held = keys_.find(it->second);
+    if (held != keys_.end() && held->second == r) keys_.erase(held);
+    key_of_.erase(it);
   }
 
   // Copies the host copy back into a new buffer on the side stream; compute waits for it.
@@ -346,15 +388,10 @@ class TrlPolicy {
   }
 
   // TRL as it ships today, not its first release (Note [TRL today]).
-  [[nodiscard]] bool today() const { return t_.options.policy == Policy::Trl; }
-  [[nodiscard]] bool dedup() const { return today() && t_.options.use_streams; }
-
-  // A view's place: storage identity and offset in it (the reference adds the dtype, which
-  // views at one offset of one storage share in practice), and its version: unlike the
-  // reference, a storage changed in place between two saves is not deduplicated (the second
-  // save would get the first's bytes; see Note [Saved-tensor contract] in
-  // real/src/saved_tensors.hpp).
-  using Key = std::tuple<std::uint64_t, std::int64_t, std::uint32_t>;
+  [[nodiscard]] bool today() const { return t_.options.policy == Policy::Trl || address_keys(); }
+  [[nodiscard]] bool dedup() const { return address_keys() || (today() && t_.options.use_streams); }
+  // TRL 1.0 to 1.7.1 (Note [TRL 1.7's dedup key]).
+  [[nodiscard]] bool address_keys() const { return t_.options.policy == Policy::Trl17; }
 
   // Whether an entry forgot `id` while it was tracked.
   [[nodiscard]] bool cleared(TensorId id) const {
@@ -364,9 +401,10 @@ class TrlPolicy {
   }
 
   Tracker<B> t_;
-  // Offloaded views whose original is in the forward stash: at most max_fwd_stash_size, so a
-  // short list.
-  std::vector<std::pair<Key, RecordId>> dedup_;
+  // The keyed storages, each with the record that holds its key (Note [TRL today]), and the
+  // key each such record holds.
+  std::map<Key, RecordId> keys_;
+  std::map<RecordId, Key> key_of_;
   bool first_forward_call_ = true;
   bool first_backward_call_ = false;
   // The ids entries forgot while they were tracked, as increasing runs [first, end): an unpack

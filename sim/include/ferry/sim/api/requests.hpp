@@ -27,7 +27,7 @@
 namespace ferry::sim {
 
 /// The policies a request names, as errors list them.
-inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, ferry";
+inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, trl-1.7, ferry";
 /// The pipeline schedule a request runs unless it names one: 1f1b, torchtitan's default
 /// (JobConfig's parallelism.pipeline_parallel_schedule).
 inline constexpr std::string_view kDefaultSchedule = "1f1b";
@@ -147,7 +147,7 @@ struct RunKnobs {
 struct SimulateRequest {
   Target target;
   RunKnobs run;
-  std::string policy = "ferry";  ///< none, trl, trl-seed or ferry
+  std::string policy = "ferry";  ///< none, trl, trl-seed, trl-1.7 or ferry
   std::string checkpoint = "none";
   std::string side_streams = "none";
   std::string horizon = "auto";  ///< auto (derived), none, or a byte count
