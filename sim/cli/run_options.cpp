@@ -92,8 +92,10 @@ CLI::Option* add_mesh_options(CLI::App* cmd, sim::MeshRequest& fsdp, TextFlags& 
       ->capture_default_str();
   cmd->add_option(mesh_flag(MeshField::FsdpImpl), text.fsdp_impl,
                   mesh_help(MeshField::FsdpImpl,
-                            "fsdp2 (torch's fully_shard), or simple (torchtitan's SimpleFSDP: the "
-                            "collectives' buffers from the compute stream's pool; docs/fsdp.md)"))
+                            "fsdp2 (torch's fully_shard), simple (torchtitan's SimpleFSDP: the "
+                            "collectives' buffers from the compute stream's pool), or "
+                            "fsdp2-torch2.4 (fully_shard of torch 2.4 and before: the "
+                            "reduce-scatter's input from its stream's pool; docs/fsdp.md)"))
       ->capture_default_str();
   add_axis_options(cmd, fsdp);
   return ranks;

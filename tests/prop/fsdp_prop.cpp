@@ -1,16 +1,16 @@
 // FSDP2 with offload and checkpointing on random models (ParallelOptions, Note [FSDP2, one rank]):
-// random rank counts, nodes, HSDP replicas, reshard-after-forward settings, FSDP2 or SimpleFSDP
-// (Note [SimpleFSDP's pool]), one backward or two (retain_graph), offload policies, checkpoint
-// segments (reentrant or not), backward orders and device speeds, and models with a mixture of
-// experts' grouped matmuls split by expert parallelism (each layer's experts an FSDP unit of
-// their own over the expert shard group, the routed rows exchanged by all-to-alls; the tag
-// counts the cases by expert-parallel degree). With FSDP2's
-// waits there is no hazard, every unpacked tensor holds what was saved and the gradients are
-// those of the run without FSDP. Planted faults, each caught and shrunk: a unit's forward not
-// waiting for its all-gather (and a layer's experts alone not waiting for theirs), backward reading
-// parameters resharded after forward, the reduce-scatter reading gradients before backward wrote
-// them, an all-gather not waiting for its copy-in, SimpleFSDP's second backward accumulating before
-// the reduce-scatter is waited for, and each free FSDP2 orders behind a wait made without it (an
+// random rank counts, nodes, HSDP replicas, reshard-after-forward settings, FSDP2, SimpleFSDP
+// (Note [SimpleFSDP's pool]) or torch 2.4's FSDP2 (Note [torch 2.4's copy-in]), one backward or two
+// (retain_graph), offload policies, checkpoint segments (reentrant or not), backward orders and
+// device speeds, and models with a mixture of experts' grouped matmuls split by expert parallelism
+// (each layer's experts an FSDP unit of their own over the expert shard group, the routed rows
+// exchanged by all-to-alls; the tag counts the cases by expert-parallel degree). With FSDP2's waits
+// there is no hazard, every unpacked tensor holds what was saved and the gradients are those of the
+// run without FSDP. Planted faults, each caught and shrunk: a unit's forward not waiting for its
+// all-gather (and a layer's experts alone not waiting for theirs), backward reading parameters
+// resharded after forward, the reduce-scatter reading gradients before backward wrote them, an
+// all-gather not waiting for its copy-in, SimpleFSDP's second backward accumulating before the
+// reduce-scatter is waited for, and each free FSDP2 orders behind a wait made without it (an
 // all-gather output, a reduce-scatter input, the gradient shards at zero_grad). Two ranks of a node
 // side by side (simulate_node) share nothing, so no hazard; planted fault: their pinned pools at
 // the same addresses, one host buffer written by both ranks' offloads.
@@ -82,7 +82,8 @@ rc::Gen<Setup> gen_setup() {
         return s;
       },
       rc::gen::inRange<std::int32_t>(0, 7), rc::gen::arbitrary<bool>(),
-      rc::gen::inRange<std::int32_t>(-1, 2), rc::gen::element(FsdpImpl::Fsdp2, FsdpImpl::Simple),
+      rc::gen::inRange<std::int32_t>(-1, 2),
+      rc::gen::element(FsdpImpl::Fsdp2, FsdpImpl::Simple, FsdpImpl::Fsdp2Torch24),
       rc::gen::arbitrary<bool>(), rc::gen::element(Policy::None, Policy::Ferry),
       rc::gen::inRange<std::int32_t>(0, 4), rc::gen::arbitrary<bool>(),
       rc::gen::inRange<std::uint64_t>(0, 3), rc::gen::inRange<std::uint64_t>(1, 1000),
@@ -163,6 +164,8 @@ constexpr PlantedWait kPlantedWaits[] = {
      "a reduce-scatter input freed before the collective that reads it"},
     {"GradientShardsFreedBeforeTheOptimizer", &FsdpFaults::skip_grad_shard_free_wait,
      "zero_grad frees gradient shards the optimizer step still reads"},
+    {"GradientsFreedBeforeTheirCopyIn", &FsdpFaults::skip_copy_in_free_wait,
+     "torch 2.4's FSDP2 frees gradients its reduce-scatter stream still copies in"},
 };
 
 class PlantedFsdpFault : public ::testing::TestWithParam<PlantedWait> {};

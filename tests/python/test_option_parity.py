@@ -65,7 +65,7 @@ RESHARD = [True, False, 2, 4, 1, 0, -3]
 #: Mostly good names: a bad one refuses the run, and the draws must still reach "ok" often.
 ALLOCATORS = ["default", "expandable", "expandable", "default", "expandable", "expandable_segments"]
 #: Mostly good names, as ALLOCATORS.
-FSDP_IMPLS = ["fsdp2", "simple", "simple", "fsdp2", "SimpleFSDP"]
+FSDP_IMPLS = ["fsdp2", "simple", "simple", "fsdp2", "SimpleFSDP", "fsdp2-torch2.4"]
 BUDGETS = [None, "1GiB", "24MiB", " ", "40 parsecs", "-5", 2**30, "1KiB"]
 #: Plan margins, percent of the budget: numbers and text, in bounds (0..50) and not.
 MARGINS = [None, "6", "5.5%", 0, 12.5, 50, "50.1", 51, -1, "six", "5.55", " 7 % "]

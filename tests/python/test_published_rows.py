@@ -221,7 +221,10 @@ PR165_SAC = {"active": 0.5213 * PR165_GPU, "reserved": 0.6251 * PR165_GPU, "wps"
 @pytest.fixture(scope="module")
 def pr165(root, devices):
     model = trace_config(root, "llama2-7b", LLAMA2_7B, 2048, 8, "--hold", "_to_copy.out")
+    # The run's torch (a nightly of March 2024) copied gradients into the reduce-scatter input on
+    # the reduce-scatter stream (docs/fsdp.md, FSDP2 of torch 2.4).
     common = ["--device", str(devices["h100-96gb"]), "--fsdp", "8"]
+    common += ["--fsdp-impl", "fsdp2-torch2.4"]
     return {
         "full": simulate(model, *common, "--checkpoint", "every:1"),
         "sac": simulate(model, *common, "--checkpoint", "op-sac"),
@@ -230,7 +233,7 @@ def pr165(root, devices):
 
 @pytest.mark.parametrize(
     "row, measured, allocated_tol, reserved_tol, time_tol",
-    [("full", PR165_FULL, 0.01, 0.13, 0.20), ("sac", PR165_SAC, 0.01, 0.07, 0.20)],
+    [("full", PR165_FULL, 0.01, 0.07, 0.20), ("sac", PR165_SAC, 0.01, 0.09, 0.20)],
 )
 def test_torchtitan_pr165_fsdp2_llama2_7b(
     pr165, row, measured, allocated_tol, reserved_tol, time_tol

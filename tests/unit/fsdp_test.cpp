@@ -287,6 +287,32 @@ TEST(SimpleFsdp, PlantedFaultsAreReported) {
   expect_clean(train(m, simple_fsdp_options(4), f));
 }
 
+TEST(Fsdp2Torch24, CopiesGradientsInOnTheReduceScatterStreamAndKeepsItsInputInThatPool) {
+  // Note [torch 2.4's copy-in]: the same collectives and gradients as torch 2.11's FSDP2, the
+  // copy-in kernels on the reduce-scatter stream, whose pool then holds the inputs' blocks too
+  // (parameters of 8 MiB: reduce-scatter inputs of the large pool).
+  Model m = testing::chain_model(5, 1 << 20);
+  for (ModelTensor& t : m.tensors) {
+    if (t.role == TensorRole::Param) t.bytes = Bytes(8 << 20);
+  }
+  const TrainingRun fsdp2 = train(m, fsdp_options(4, Policy::Ferry));
+  TrainingOptions o = fsdp_options(4, Policy::Ferry);
+  o.parallel.mesh = on_fsdp_profile(Parallelism{.ranks = 4, .impl = FsdpImpl::Fsdp2Torch24});
+  const TrainingRun old = train(m, o);
+  expect_clean(old);
+  EXPECT_EQ(old.gradient_values, fsdp2.gradient_values);
+  EXPECT_EQ(ops_on(old, "reduce_scatter", true), ops_on(fsdp2, "reduce_scatter", true));
+  EXPECT_GT(ops_on(old, "reduce_scatter", false), ops_on(fsdp2, "reduce_scatter", false));
+  EXPECT_GT(reserved_by(old, "reduce_scatter"), reserved_by(fsdp2, "reduce_scatter"));
+  // Freeing the gradients before the current stream waits for their copy-in hands their blocks
+  // to the next backward op while the reduce-scatter stream may still read them.
+  TrainingFaults f;
+  f.fsdp.skip_copy_in_free_wait = true;
+  EXPECT_FALSE(train(m, o, f).sim.hazards().empty());
+  EXPECT_EQ(parse_fsdp_impl("fsdp2-torch2.4"), FsdpImpl::Fsdp2Torch24);
+  EXPECT_EQ(to_string(FsdpImpl::Fsdp2Torch24), "fsdp2-torch2.4");
+}
+
 // The summed durations of the collectives on `stream`.
 SimTime collective_time_on(const TrainingRun& run, const std::string& stream) {
   SimTime total;
@@ -569,7 +595,8 @@ TEST(MeshRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
             "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N");
   EXPECT_EQ(fsdp_impl("simple").value(), FsdpImpl::Simple);
   EXPECT_EQ(fsdp_impl("fsdp2").value(), FsdpImpl::Fsdp2);
-  EXPECT_EQ(fsdp_impl("FSDP2").error().message, "--fsdp-impl: \"FSDP2\" is not fsdp2 or simple");
+  EXPECT_EQ(fsdp_impl("FSDP2").error().message,
+            "--fsdp-impl: \"FSDP2\" is not fsdp2, simple or fsdp2-torch2.4");
   // The file's section where the flags kept the defaults; the flags' own values win.
   const Parallelism file{.ranks = 8,
                          .nodes = 1,

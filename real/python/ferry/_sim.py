@@ -167,10 +167,11 @@ def simulate(
             for it (``--set-to-none``); False keeps them from set-up on (``--keep-grads``, as
             ``set_to_none=False`` and Megatron-Core's buffers do)); FSDP2 as ``--fsdp`` sets it:
             ``fsdp`` (ranks), ``nodes``, ``hsdp``, ``reshard_after_forward`` (True, False or K) and
-            ``fsdp_impl`` ("fsdp2", or "simple": torchtitan's SimpleFSDP), where a traced model's
-            recorded parallelism is the default (docs/fsdp.md); ``tp``, tensor parallelism over that
-            many GPUs a rank (``--tp``, docs/parallelism.md); ``cp``, context parallelism over that
-            many GPUs a rank, with ``fsdp`` (``--cp``); ``ep``, expert parallelism over that many
+            ``fsdp_impl`` ("fsdp2", "simple": torchtitan's SimpleFSDP, or "fsdp2-torch2.4": torch
+            2.4's FSDP2), where a traced model's recorded parallelism is the default
+            (docs/fsdp.md); ``tp``, tensor parallelism over that many GPUs a rank (``--tp``,
+            docs/parallelism.md); ``cp``, context parallelism over that many GPUs a rank, with
+            ``fsdp`` (``--cp``); ``ep``, expert parallelism over that many
             GPUs of the shard group and their tensor-parallel ones (a multiple of ``tp``), with
             ``fsdp`` (``--ep``); ``expert_capacity``, a static dispatcher's capacity factor
             (1..1024) that pads each GPU's routed rows, with ``ep`` (``--expert-capacity``; 0:

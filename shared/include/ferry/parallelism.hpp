@@ -81,17 +81,31 @@ enum class FsdpImpl : std::uint8_t {
   /// collectives in the step's graph, whose copy-in runs and whose outputs are allocated on the
   /// compute stream, one pool for all.
   Simple,
+  /// FSDP2 as torch 2.4 and earlier ran it: the reduce-scatter's copy-in on the reduce-scatter
+  /// stream, its input allocated in that stream's pool (until pytorch/pytorch#129721).
+  Fsdp2Torch24,
 };
 
-/// `impl` as `--fsdp-impl` takes it and the files spell it: "fsdp2" or "simple".
+/// `impl` as `--fsdp-impl` takes it and the files spell it: "fsdp2", "simple" or
+/// "fsdp2-torch2.4".
 [[nodiscard]] inline std::string to_string(FsdpImpl impl) {
-  return impl == FsdpImpl::Simple ? "simple" : "fsdp2";
+  switch (impl) {
+    case FsdpImpl::Simple:
+      return "simple";
+    case FsdpImpl::Fsdp2Torch24:
+      return "fsdp2-torch2.4";
+    case FsdpImpl::Fsdp2:
+      break;
+  }
+  return "fsdp2";
 }
 
-/// The implementation `name` spells ("fsdp2" or "simple"); none for any other text.
+/// The implementation `name` spells ("fsdp2", "simple" or "fsdp2-torch2.4"); none for any
+/// other text.
 [[nodiscard]] inline std::optional<FsdpImpl> parse_fsdp_impl(std::string_view name) {
-  if (name == "fsdp2") return FsdpImpl::Fsdp2;
-  if (name == "simple") return FsdpImpl::Simple;
+  for (const FsdpImpl impl : {FsdpImpl::Fsdp2, FsdpImpl::Simple, FsdpImpl::Fsdp2Torch24}) {
+    if (name == to_string(impl)) return impl;
+  }
   return std::nullopt;
 }
 

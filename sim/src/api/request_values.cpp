@@ -151,7 +151,7 @@ Result<Reshard> reshard_ranks(std::int64_t k) {
 
 Result<FsdpImpl> fsdp_impl(std::string_view name) {
   if (const auto impl = parse_fsdp_impl(name)) return *impl;
-  return Error{fmt::format("--fsdp-impl: \"{}\" is not fsdp2 or simple", name)};
+  return Error{fmt::format("--fsdp-impl: \"{}\" is not fsdp2, simple or fsdp2-torch2.4", name)};
 }
 
 Result<AllocatorMode> allocator_mode(std::string_view name) {

@@ -373,6 +373,42 @@ void Fsdp2::reshard(std::size_t u, bool after_forward) {
   unit.unsharded.reset();
 }
 
+// Note [torch 2.4's copy-in]
+// FSDP2 copies a unit's gradients into the reduce-scatter input (in the reduce dtype) on the
+// current stream since pytorch/pytorch#129721 (June 2024, torch 2.5): the input comes from the
+// current stream's pool, one buffer in flight, freed once the current stream waited for its
+// reduce-scatter. Before it (torch 2.3 and 2.4, `foreach_reduce_scatter` in
+// `_fsdp_collectives.py`), the reduce-scatter stream waited for the current stream, allocated
+// the input and ran the copy-in itself; the current stream waited for that copy-in before the
+// gradients were freed; the input was freed on the reduce-scatter stream after its collective,
+// so it stayed in that stream's pool, which the current stream cannot reuse. `--fsdp-impl
+// fsdp2-torch2.4` runs the latter (PlantedFaultsAreReported drops its wait).
+Device::Buffer Fsdp2::copy_in(const FsdpUnit& unit, const std::vector<Region>& grads,
+                              const std::vector<Device::Buffer>& held, Bytes input_bytes,
+                              const std::string& name) {
+  const StreamId copy = copy_in_on_rs_stream() ? reduce_scatter_ : current();
+  if (copy_in_on_rs_stream()) {
+    if (!faults_.skip_reduce_scatter_wait) comm_wait(reduce_scatter_, current());
+  } else if (prev_rs_event_) {
+    if (!faults_.skip_reduce_input_free_wait) {
+      device_.wait(Device::Stream{current()}, *prev_rs_event_);
+    }
+    device_.drop(*prev_rs_input_);
+    prev_rs_input_.reset();
+  }
+  const Device::Buffer input = rank_.allocate_on(copy, input_bytes, name + " input");
+  sim_.kernel(copy, memory_time(unit.bytes + input_bytes), grads,
+              std::vector<Region>{Region{input.id, Bytes(0), input_bytes}}, name + " copy-in");
+  if (copy_in_on_rs_stream() && !faults_.skip_copy_in_free_wait) {
+    comm_wait(current(), reduce_scatter_);
+  }
+  for (const Device::Buffer& g : held) device_.drop(g);
+  if (!copy_in_on_rs_stream() && !faults_.skip_reduce_scatter_wait) {
+    comm_wait(reduce_scatter_, current());
+  }
+  return input;
+}
+
 void Fsdp2::reduce_gradients(std::size_t u) {
   FsdpUnit& unit = units_[u];
   std::vector<Region> grads;
@@ -384,20 +420,9 @@ void Fsdp2::reduce_gradients(std::size_t u) {
     held.push_back(*grad);
   }
   if (grads.empty()) return;
-  if (prev_rs_event_) {
-    if (!faults_.skip_reduce_input_free_wait) {
-      device_.wait(Device::Stream{current()}, *prev_rs_event_);
-    }
-    device_.drop(*prev_rs_input_);
-    prev_rs_input_.reset();
-  }
   const std::string name = fmt::format("unit {} reduce-scatter", unit.layer);
   const Bytes input_bytes = fsdp_.mixed_precision ? unit.master : unit.bytes;
-  const Device::Buffer input = rank_.allocate_on(current(), input_bytes, name + " input");
-  sim_.kernel(current(), memory_time(unit.bytes + input_bytes), grads,
-              std::vector<Region>{Region{input.id, Bytes(0), input_bytes}}, name + " copy-in");
-  for (const Device::Buffer& g : held) device_.drop(g);
-  if (!faults_.skip_reduce_scatter_wait) comm_wait(reduce_scatter_, current());
+  const Device::Buffer input = copy_in(unit, grads, held, input_bytes, name);
   const std::int32_t group = unit.group;
   const Bytes out_bytes = ceil_div(input_bytes, group);
   const Device::Buffer out = rank_.allocate_on(or_compute(reduce_scatter_), out_bytes,
@@ -414,9 +439,13 @@ void Fsdp2::reduce_gradients(std::size_t u) {
     sim_.kernel(reduce_scatter_, memory_time(input_bytes + out_bytes), rs_reads, rs_writes,
                 name + " (one rank: a copy)");
   }
-  prev_rs_event_ = device_.make_event();
-  device_.record(*prev_rs_event_, Device::Stream{reduce_scatter_});
-  prev_rs_input_ = input;
+  if (copy_in_on_rs_stream()) {
+    device_.drop(input);  // freed on the stream it was allocated on, after its last use there
+  } else {
+    prev_rs_event_ = device_.make_event();
+    device_.record(*prev_rs_event_, Device::Stream{reduce_scatter_});
+    prev_rs_input_ = input;
+  }
   StreamId last = reduce_scatter_;  // the stream that wrote the shard last
   if (unit.sharded_grad) {
     // A second backward (retain_graph): accumulate, on the reduce-scatter stream. SimpleFSDP's

@@ -63,6 +63,8 @@ class Fsdp2 final : public StepHooks {
   // Note [SimpleFSDP's pool]: the stream FSDP2 uses for a buffer (`stream`), or under
   // SimpleFSDP the compute stream, which allocates it and runs the kernels on it.
   bool simple() const { return parallelism_.impl == FsdpImpl::Simple; }
+  /// torch 2.4's FSDP2: the reduce-scatter's copy-in on its stream (Note [torch 2.4's copy-in]).
+  bool copy_in_on_rs_stream() const { return parallelism_.impl == FsdpImpl::Fsdp2Torch24; }
   StreamId or_compute(StreamId stream) const { return simple() ? current() : stream; }
   // The innermost unit op `i` runs under: its layer's experts' for the ops from the first to
   // the last that reads them, else its layer's, else the root's.
@@ -82,6 +84,11 @@ class Fsdp2 final : public StepHooks {
   void wait_for_unshard(std::size_t u, bool forward);
   void reshard(std::size_t u, bool after_forward);
   void reduce_gradients(std::size_t u);
+  /// A unit's gradients copied into a new reduce-scatter input, on the stream its FSDP2 runs
+  /// the copy-in on (Note [torch 2.4's copy-in]); the gradients freed.
+  Device::Buffer copy_in(const FsdpUnit& unit, const std::vector<Region>& grads,
+                         const std::vector<Device::Buffer>& held, Bytes input_bytes,
+                         const std::string& name);
   void bind_unit(std::size_t u, Device::Buffer buffer);
   SimTime memory_time(Bytes bytes);
   const CollectiveLinks& links() const { return sim_.device_profile(dev_).collectives; }

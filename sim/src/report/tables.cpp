@@ -132,7 +132,10 @@ std::string parallelism_text(const Parallelism& p, const DeviceProfile& device,
   return fmt::format(
       "{} over {} ranks on {} node{}{}, reshard after forward: {}{}; every figure is one "
       "rank's (its pinned memory: its part of the node's)\n",
-      p.impl == FsdpImpl::Simple ? "SimpleFSDP" : "FSDP2", p.ranks, nodes, nodes == 1 ? "" : "s",
+      p.impl == FsdpImpl::Simple         ? "SimpleFSDP"
+      : p.impl == FsdpImpl::Fsdp2Torch24 ? "FSDP2 (torch 2.4)"
+                                         : "FSDP2",
+      p.ranks, nodes, nodes == 1 ? "" : "s",
       p.replicas > 1 ? fmt::format(", {} HSDP replica groups", p.replicas) : "",
       to_string(p.reshard_after_forward), mesh.empty() ? mesh : ", each rank " + mesh);
 }

@@ -116,9 +116,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fsdp-impl",
         default="fsdp2",
-        choices=("fsdp2", "simple"),
-        help="with --fsdp: fsdp2 (torch's fully_shard, the default) or simple (torchtitan's "
-        "SimpleFSDP: the collectives' buffers from the compute stream's pool; docs/fsdp.md)",
+        choices=("fsdp2", "simple", "fsdp2-torch2.4"),
+        help="with --fsdp: fsdp2 (torch's fully_shard, the default), simple (torchtitan's "
+        "SimpleFSDP: the collectives' buffers from the compute stream's pool) or "
+        "fsdp2-torch2.4 (fully_shard of torch 2.4 and before; docs/fsdp.md)",
     )
     parser.add_argument(
         "--tp",

@@ -293,7 +293,7 @@ Result<Response> respond(const PlanRequest& request);
 Result<Reshard> parse_reshard(std::string_view text);
 /// A number of ranks K as resharding (2 or more; the error is parse_reshard's).
 Result<Reshard> reshard_ranks(std::int64_t k);
-/// `--fsdp-impl`'s text: fsdp2 or simple.
+/// `--fsdp-impl`'s text: fsdp2, simple or fsdp2-torch2.4.
 Result<FsdpImpl> fsdp_impl(std::string_view name);
 /// `--allocator`'s text: default or expandable.
 Result<AllocatorMode> allocator_mode(std::string_view name);

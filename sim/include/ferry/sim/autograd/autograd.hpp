@@ -171,6 +171,9 @@ struct FsdpFaults {
   bool skip_gather_free_wait = false;
   /// The previous reduce-scatter's input is freed before the current stream waits for it.
   bool skip_reduce_input_free_wait = false;
+  /// torch 2.4's FSDP2 frees the gradients before the current stream waits for their copy-in
+  /// on the reduce-scatter stream.
+  bool skip_copy_in_free_wait = false;
   /// zero_grad frees the gradient shards before the reduce-scatter stream waits for the
   /// optimizer step that reads them.
   bool skip_grad_shard_free_wait = false;

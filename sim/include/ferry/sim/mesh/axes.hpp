@@ -28,7 +28,7 @@ enum class MeshField : std::uint8_t {
   Nodes,                ///< nodes the GPUs span
   Hsdp,                 ///< HSDP replica groups (Parallelism::replicas)
   ReshardAfterForward,  ///< FSDP2's reshard_after_forward: true, false or K ranks
-  FsdpImpl,             ///< fsdp2 or simple
+  FsdpImpl,             ///< fsdp2, simple or fsdp2-torch2.4
   Tp,                   ///< tensor-parallel GPUs a rank
   Cp,                   ///< context-parallel GPUs a rank
   Ep,                   ///< expert-parallel GPUs of the shard group
