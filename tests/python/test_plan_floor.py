@@ -124,7 +124,7 @@ def test_a_floor_above_the_device_names_no_budget_and_the_margin_that_plans(tmp_
     assert small.peak_floor <= memory < small.device_memory_needed
     message = str(small)
     assert "no budget on small-gpu plans: " in message
-    assert f"({small.device_memory_needed} bytes, margin 12 %)" in message
+    assert f"({small.device_memory_needed} bytes, margin 7 %)" in message
     assert re.search(r"it plans on a device with at least [0-9.]+ [KMG]iB of memory", message)
     assert "(--fsdp N, --tp N)" in message
     found = re.search(r"with a margin of at most ([0-9.]+) % \(--margin \1\)", message)

@@ -24,9 +24,9 @@ struct PlannerState;  // planner.cpp
 
 // Note [The plan margin]
 // A plan is made on the simulator's peak reserved memory, and the simulator is not the GPU:
-// docs/validation.md's table of published measurements finds its peaks between 12.0 % below
-// and 6.3 % above what the real runs reserved. Below is what hurts: a plan predicted at the
-// budget would reserve up to 1 / (1 - 0.120) of it on the GPU and could fail there. So a plan
+// docs/validation.md's table of published measurements finds its peaks between 6.8 % below
+// and 9.0 % above what the real runs reserved. Below is what hurts: a plan predicted at the
+// budget would reserve up to 1 / (1 - 0.068) of it on the GPU and could fail there. So a plan
 // for budget B is made to fit B less a margin, a share of B no smaller than the table's largest
 // underestimate: then the run's real peak stays within B wherever the table's rows are the
 // guide. `ferry plan --margin` and `margin=` choose it (0 plans to B itself); the report prints
@@ -41,12 +41,12 @@ struct PeakErrorBand {
   std::int32_t under_permille;
   std::int32_t over_permille;
 };
-inline constexpr PeakErrorBand kPeakReservedErrorBand{.under_permille = 120, .over_permille = 63};
+inline constexpr PeakErrorBand kPeakReservedErrorBand{.under_permille = 68, .over_permille = 90};
 
 /// The margin `ferry plan` and `ferry.plan` / `ferry.auto` keep below a budget unless told
-/// otherwise (Note [The plan margin]): the table's largest underestimate (11.97 %), rounded up
+/// otherwise (Note [The plan margin]): the table's largest underestimate (6.77 %), rounded up
 /// to whole percent.
-inline constexpr std::int32_t kDefaultPlanMarginPermille = 120;
+inline constexpr std::int32_t kDefaultPlanMarginPermille = 70;
 /// The largest margin one may ask for: half the budget.
 inline constexpr std::int32_t kMaxPlanMarginPermille = 500;
 
