@@ -111,3 +111,23 @@ def tiny_bert():
         max_position_embeddings=256,
     )
     return transformers.BertForMaskedLM(config)
+
+
+def trace_for_offload_activations(model, ids, path):
+    """A causal LM's step as a benchmark that enters TRL's OffloadActivations itself runs it
+    (`model(input_ids, logits_to_keep=1)`, `logits.float().mean()` as the loss), traced to `path`
+    with every op offloadable: the trace marks the output head's saved tensors for the
+    NoOpManager of TRL's get_act_offloading_ctx_manager, which such a benchmark does not enter."""
+    import json
+
+    import ferry
+
+    traced = ferry.trace(
+        model, input_ids=ids, logits_to_keep=1, loss_fn=lambda out: out.logits.float().mean()
+    )
+    traced.save(str(path))
+    document = json.loads(path.read_text())
+    for op in document["ops"]:
+        op.pop("no_offload", None)
+    path.write_text(json.dumps(document))
+    return path

@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 from ferry._cli import trace as trace_cli  # noqa: E402
 from ferry_cli import REPO  # noqa: E402
 from ferry_cli import cli as ferry_cli  # noqa: E402
+from models import trace_for_offload_activations  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -620,8 +621,6 @@ def trace_axolotl_step(root):
     import torch
     import transformers
 
-    import ferry
-
     fields = {k: v for k, v in QWEN3_8B.items() if k != "model_type"}
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -637,17 +636,8 @@ def trace_axolotl_step(root):
     model.train()
     model.config.use_cache = False
     ids = torch.zeros((1, 8192), dtype=torch.long, device="meta")
-    traced = ferry.trace(
-        model, input_ids=ids, logits_to_keep=1, loss_fn=lambda out: out.logits.float().mean()
-    )
-    path = root / "qwen3-8b-axolotl.json"
-    traced.save(str(path))
-    # The benchmark enters OffloadActivations itself: no NoOpManager keeps the output head's
-    # saved tensors, as the trace marks them for get_act_offloading_ctx_manager.
-    model_json = json.loads(path.read_text())
-    for op in model_json["ops"]:
-        op.pop("no_offload", None)
-    path.write_text(json.dumps(model_json))
+    # The benchmark enters OffloadActivations itself: every saved tensor is offloadable.
+    path = trace_for_offload_activations(model, ids, root / "qwen3-8b-axolotl.json")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return path, weights
 

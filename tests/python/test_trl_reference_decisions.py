@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 
-import ferry
 from ferry_cli import cli as ferry_cli
+from models import trace_for_offload_activations
 
 trl_offload = pytest.importorskip("trl.models.activation_offloading")
 
@@ -132,17 +132,8 @@ def test_policy_trl_decides_each_saved_tensor_as_trl_does(monkeypatch, tmp_path)
     trl = _trl_counts(monkeypatch)
     model = _model("meta")
     ids = torch.zeros((1, SEQ), dtype=torch.long, device="meta")
-    traced = ferry.trace(
-        model, input_ids=ids, logits_to_keep=1, loss_fn=lambda out: out.logits.float().mean()
-    )
-    path = tmp_path / "qwen3-tiny.json"
-    traced.save(str(path))
-    # The trace keeps the output head's saved tensors on the device, as TRL's
-    # get_act_offloading_ctx_manager does; OffloadActivations alone, as here, offloads them.
-    model_json = json.loads(path.read_text())
-    for op in model_json["ops"]:
-        op.pop("no_offload", None)
-    path.write_text(json.dumps(model_json))
+    # OffloadActivations alone, as here, offloads the output head's saved tensors too.
+    path = trace_for_offload_activations(model, ids, tmp_path / "qwen3-tiny.json")
     args = [ferry_cli(), "simulate", "--model", str(path), "--policy", "trl", "--min-bytes", "0"]
     run = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
