@@ -131,3 +131,25 @@ def trace_for_offload_activations(model, ids, path):
         op.pop("no_offload", None)
     path.write_text(json.dumps(document))
     return path
+
+
+def bf16_causal_lm(config, device="meta", seed=None):
+    """The causal LM of a transformers `config` built in bfloat16 on `device` with SDPA, in
+    training mode without a KV cache, as a trainer runs it (`seed`: torch's, before it is built)."""
+    import transformers
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="sdpa"
+            )
+    finally:
+        torch.set_default_dtype(previous)
+    model.to(torch.bfloat16)
+    model.train()
+    model.config.use_cache = False
+    return model

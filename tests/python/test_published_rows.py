@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 from ferry._cli import trace as trace_cli  # noqa: E402
 from ferry_cli import REPO  # noqa: E402
 from ferry_cli import cli as ferry_cli  # noqa: E402
-from models import trace_for_offload_activations  # noqa: E402
+from models import bf16_causal_lm, trace_for_offload_activations  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -622,19 +622,7 @@ def trace_axolotl_step(root):
     import transformers
 
     fields = {k: v for k, v in QWEN3_8B.items() if k != "model_type"}
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        config = transformers.AutoConfig.for_model("qwen3", **fields)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="sdpa"
-            )
-    finally:
-        torch.set_default_dtype(previous)
-    model.to(torch.bfloat16)
-    model.train()
-    model.config.use_cache = False
+    model = bf16_causal_lm(transformers.AutoConfig.for_model("qwen3", **fields))
     ids = torch.zeros((1, 8192), dtype=torch.long, device="meta")
     # The benchmark enters OffloadActivations itself: every saved tensor is offloadable.
     path = trace_for_offload_activations(model, ids, root / "qwen3-8b-axolotl.json")

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from ferry_cli import cli as ferry_cli
-from models import trace_for_offload_activations
+from models import bf16_causal_lm, trace_for_offload_activations
 
 trl_offload = pytest.importorskip("trl.models.activation_offloading")
 
@@ -72,20 +72,7 @@ class _Streams:
 
 def _model(device):
     config = transformers.AutoConfig.for_model("qwen3", **CONFIG)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="sdpa"
-            )
-    finally:
-        torch.set_default_dtype(previous)
-    model.to(torch.bfloat16)
-    model.train()
-    model.config.use_cache = False
-    return model
+    return bf16_causal_lm(config, device, seed=0)
 
 
 def _trl_counts(monkeypatch):
