@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -599,6 +600,9 @@ PYBIND11_MODULE(_simulator, m) {
   m.doc() = "The simulator and planner, in-process (ferry.simulate, compare, plan)";
   m.attr("source_scenarios") = FERRY_DEFAULT_SCENARIOS_DIR;
   m.attr("policies") = std::string(ferry::sim::kPolicyNames);
+  py::tuple impls(std::size(ferry::kFsdpImpls));
+  for (std::size_t i = 0; i < impls.size(); ++i) impls[i] = to_string(ferry::kFsdpImpls[i]);
+  m.attr("fsdp_impls") = impls;
   m.attr("default_device") = std::string(ferry::sim::kDefaultDevice);
   ferry::python::bind_runs(m);
   ferry::python::bind_plans(m);

@@ -86,6 +86,10 @@ enum class FsdpImpl : std::uint8_t {
   Fsdp2Torch24,
 };
 
+/// Every implementation, in the order `--fsdp-impl` lists them.
+inline constexpr FsdpImpl kFsdpImpls[] = {FsdpImpl::Fsdp2, FsdpImpl::Simple,
+                                          FsdpImpl::Fsdp2Torch24};
+
 /// `impl` as `--fsdp-impl` takes it and the files spell it: "fsdp2", "simple" or
 /// "fsdp2-torch2.4".
 [[nodiscard]] inline std::string to_string(FsdpImpl impl) {
@@ -103,7 +107,7 @@ enum class FsdpImpl : std::uint8_t {
 /// The implementation `name` spells ("fsdp2", "simple" or "fsdp2-torch2.4"); none for any
 /// other text.
 [[nodiscard]] inline std::optional<FsdpImpl> parse_fsdp_impl(std::string_view name) {
-  for (const FsdpImpl impl : {FsdpImpl::Fsdp2, FsdpImpl::Simple, FsdpImpl::Fsdp2Torch24}) {
+  for (const FsdpImpl impl : kFsdpImpls) {
     if (name == to_string(impl)) return impl;
   }
   return std::nullopt;

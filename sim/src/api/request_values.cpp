@@ -2,7 +2,9 @@
 
 #include <charconv>
 #include <cmath>
+#include <cstddef>
 #include <initializer_list>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -151,7 +153,12 @@ Result<Reshard> reshard_ranks(std::int64_t k) {
 
 Result<FsdpImpl> fsdp_impl(std::string_view name) {
   if (const auto impl = parse_fsdp_impl(name)) return *impl;
-  return Error{fmt::format("--fsdp-impl: \"{}\" is not fsdp2, simple or fsdp2-torch2.4", name)};
+  std::string names;  // "a, b or c"
+  for (std::size_t i = 0; i < std::size(kFsdpImpls); ++i) {
+    if (i > 0) names += i + 1 == std::size(kFsdpImpls) ? " or " : ", ";
+    names += to_string(kFsdpImpls[i]);
+  }
+  return Error{fmt::format("--fsdp-impl: \"{}\" is not {}", name, names)};
 }
 
 Result<AllocatorMode> allocator_mode(std::string_view name) {

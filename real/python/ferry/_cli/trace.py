@@ -29,6 +29,8 @@ def bundled_configs() -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .. import _simulator
+
     parser = argparse.ArgumentParser(
         prog="python -m ferry trace",
         description="Trace a Hugging Face causal LM, built from its config.json without "
@@ -116,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fsdp-impl",
         default="fsdp2",
-        choices=("fsdp2", "simple", "fsdp2-torch2.4"),
+        choices=_simulator.fsdp_impls,
         help="with --fsdp: fsdp2 (torch's fully_shard, the default), simple (torchtitan's "
         "SimpleFSDP: the collectives' buffers from the compute stream's pool) or "
         "fsdp2-torch2.4 (fully_shard of torch 2.4 and before; docs/fsdp.md)",
