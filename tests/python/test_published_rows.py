@@ -269,7 +269,7 @@ def dec2024(root, devices):
     }
 
 
-@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.20), (128, 0.06, 0.20)])
+@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.20), (128, 0.06, 0.24)])
 def test_torchtitan_dec2024_fsdp_llama3_8b(dec2024, gpus, reserved_tol, time_tol):
     result = dec2024[gpus]
     memory, tps = DEC2024[gpus]
@@ -515,10 +515,13 @@ def a100(root):
 
 
 @pytest.mark.parametrize(
-    "model, tokens, wps", [("llama3-8b", 8192, 2973), ("llama2-13b", 8192, 1904)]
+    "model, tokens, wps, tolerance",
+    [("llama3-8b", 8192, 2973, 0.10), ("llama2-13b", 8192, 1904, 0.11)],
 )
-def test_torchtitan_apr2024_64_a100_throughput(a100, model, tokens, wps):
-    within(tokens_per_s(a100[model], tokens), wps, 0.20)
+def test_torchtitan_apr2024_64_a100_throughput(a100, model, tokens, wps, tolerance):
+    """Rows 23 and 24: 9.4 and 10.8 % slow, nearly all of it with the network free too
+    (docs/validation-sources.md); each held within its error rounded up."""
+    within(tokens_per_s(a100[model], tokens), wps, tolerance)
 
 
 # --- Hugging Face transformers docs: BERT-large on one V100 16 GB, float32 -------------------
@@ -730,6 +733,20 @@ CODELLAMA_34B = LLAMA2_7B | {
 }
 LLAMA2_70B = CODELLAMA_34B | {"intermediate_size": 28672, "num_hidden_layers": 80}
 FMS_NODES = {"a100-pcie4": 16, "h100-sxm-pcie5": 12}
+# The blog's networks: "400Gbps inter-node interconnect" (A100s), "800Gbps" (H100s), a node's
+# whole link; a ring across nodes moves about 92 % of it (46 GB/s on a 400 Gb/s NIC, NCCL's
+# expectation in NVIDIA/nccl-tests issue #290).
+FMS_NETWORK = {"a100-pcie4": 46_000_000_000, "h100-sxm-pcie5": 92_000_000_000}
+
+
+def fms_device(root, device):
+    """The bundled profile with the blog's network between nodes."""
+    with open(f"{REPO}/scenarios/devices/{device}.json") as f:
+        profile = json.load(f)
+    profile["collectives"]["inter_node"]["bytes_per_s"] = FMS_NETWORK[device]
+    path = root / f"{device}-fms.json"
+    path.write_text(json.dumps(profile))
+    return path
 FMS = {
     "7b": {"a100-pcie4": 3700, "h100-sxm-pcie5": 7500},
     "34b": {"a100-pcie4": 700, "h100-sxm-pcie5": 1550},
@@ -749,24 +766,25 @@ def fms(root):
                 mesh += ["--hsdp", str(nodes)]
             else:
                 mesh += ["--checkpoint", "every:1"]
-            rows[size, device] = simulate(model, "--device", device, *mesh)
+            rows[size, device] = simulate(model, "--device", str(fms_device(root, device)), *mesh)
     return rows
 
 
 @pytest.mark.parametrize(
     "size, device, tolerance",
     [
-        ("7b", "a100-pcie4", 0.05),
+        ("7b", "a100-pcie4", 0.04),
         ("7b", "h100-sxm-pcie5", 0.30),
-        ("34b", "a100-pcie4", 0.17),
-        ("34b", "h100-sxm-pcie5", 0.14),
+        ("34b", "a100-pcie4", 0.16),
+        ("34b", "h100-sxm-pcie5", 0.11),
         ("70b", "a100-pcie4", 0.21),
-        ("70b", "h100-sxm-pcie5", 0.18),
+        ("70b", "h100-sxm-pcie5", 0.08),
     ],
 )
 def test_fms_fsdp_llama2_throughput(fms, size, device, tolerance):
-    """Rows 43-45, A100 and H100 each: the 7B within 5 % on the A100s and 29 % fast on the
-    H100s, the checkpointed 34B and 70B faster than predicted on both
+    """Rows 43-45, A100 and H100 each: the 7B within 4 % on the A100s and 30 % fast on the
+    H100s; the checkpointed 34B and 70B 16 and 20 % slow on the A100s, whose runs reach more of
+    the peak than the flat roofline allows, 10 and 8 % fast on the H100s
     (docs/validation-sources.md); each held within its error rounded up."""
     within(tokens_per_s(fms[size, device], 2 * 4096), FMS[size][device], tolerance)
 

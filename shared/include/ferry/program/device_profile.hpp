@@ -45,7 +45,7 @@ struct CollectiveLink {
 /// The links collectives use, apart from the PCIe host link of the offload copies.
 struct CollectiveLinks {
   CollectiveLink intra_node;       ///< NVLink / NVSwitch between the GPUs of one node
-  CollectiveLink inter_node;       ///< the network between nodes, per GPU (the GPU's NIC)
+  CollectiveLink inter_node;       ///< the network between nodes: a ring over the node's NICs
   std::int32_t gpus_per_node = 8;  ///< GPUs that share a node's NVLink domain and host
 };
 
