@@ -150,6 +150,9 @@ def devices(root):
 
 def trace_config(root, name, config, seq, batch, *options):
     path = root / f"{name}.json"
+    # Fixtures hold their traces' paths for the module: a name traced twice would change the
+    # model under another fixture's rows.
+    assert not path.exists(), f"{name} is traced twice"
     (root / f"{name}.config.json").write_text(json.dumps(config))
     args = [str(root / f"{name}.config.json"), "--seq", str(seq), "--batch", str(batch)]
     args += ["--dtype", "bf16", "--optimizer", "adamw", *options, "--out", str(path)]
@@ -301,7 +304,7 @@ def pr3429(devices):
 def llama3_8b_compiled(root):
     """The compiled trace of the Hugging Face config, batch 1, sequence 8192 (`--compiled` keeps
     the eager trace's memory)."""
-    return trace_config(root, "llama3-8b-b1", LLAMA3_8B, 8192, 1, "--compiled")
+    return trace_config(root, "llama3-8b-b1-compiled", LLAMA3_8B, 8192, 1, "--compiled")
 
 
 @pytest.fixture(scope="module")
