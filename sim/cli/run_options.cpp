@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "command.hpp"
+#include "ferry/offload/options.hpp"
 #include "ferry/sim/report/tables.hpp"
 
 namespace ferry::cli {
@@ -151,8 +152,7 @@ namespace {
 // checkpointing and side streams.
 void add_simulate_options(CLI::App* cmd, RunArgs& args) {
   sim::SimulateRequest& s = args.simulate;
-  cmd->add_option("--policy", s.policy, "none, trl, trl-seed, trl-1.7 or ferry")
-      ->capture_default_str();
+  cmd->add_option("--policy", s.policy, policy_names(" or "))->capture_default_str();
   cmd->add_option("--trace", args.trace, "Write a Chrome/Perfetto trace JSON to FILE");
   cmd->add_option("--memory-snapshot", args.memory_snapshot,
                   "Write the device memory history to FILE as a PyTorch memory snapshot "

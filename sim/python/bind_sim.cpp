@@ -599,7 +599,7 @@ void bind_mesh(py::module_& m) {
 PYBIND11_MODULE(_simulator, m) {
   m.doc() = "The simulator and planner, in-process (ferry.simulate, compare, plan)";
   m.attr("source_scenarios") = FERRY_DEFAULT_SCENARIOS_DIR;
-  m.attr("policies") = std::string(ferry::sim::kPolicyNames);
+  m.attr("policies") = ferry::policy_names(", ");
   py::tuple impls(std::size(ferry::kFsdpImpls));
   for (std::size_t i = 0; i < impls.size(); ++i) impls[i] = to_string(ferry::kFsdpImpls[i]);
   m.attr("fsdp_impls") = impls;

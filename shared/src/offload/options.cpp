@@ -19,11 +19,19 @@ const char* policy_name(Policy policy) {
 }
 
 std::optional<Policy> parse_policy(std::string_view name) {
-  for (const Policy p :
-       {Policy::None, Policy::Trl, Policy::TrlSeed, Policy::Trl17, Policy::Ferry}) {
+  for (const Policy p : kPolicies) {
     if (name == policy_name(p)) return p;
   }
   return std::nullopt;
+}
+
+std::string policy_names(std::string_view last) {
+  std::string names;
+  for (std::size_t i = 0; i < std::size(kPolicies); ++i) {
+    if (i > 0) names += i + 1 == std::size(kPolicies) ? last : std::string_view(", ");
+    names += policy_name(kPolicies[i]);
+  }
+  return names;
 }
 
 void check_offload_options(const OffloadOptions& options) {

@@ -238,7 +238,7 @@ Result<RankWorkload> rank_workload_of(const Workload& whole, const std::string& 
 
 Result<Policy> policy_of(const std::string& name) {
   if (const auto policy = parse_policy(name)) return *policy;
-  return Error{fmt::format("unknown policy \"{}\" ({})", name, kPolicyNames)};
+  return Error{fmt::format("unknown policy \"{}\" ({})", name, policy_names(", "))};
 }
 
 Outcome outcome_of(bool clean) { return clean ? Outcome::Ok : Outcome::Failed; }

@@ -22,10 +22,17 @@ enum class Policy : std::uint8_t {
   Ferry,    ///< ferry's scheduler (the default)
 };
 
+/// Every policy, in the order `--policy` and errors list them.
+inline constexpr Policy kPolicies[] = {Policy::None, Policy::Trl, Policy::TrlSeed, Policy::Trl17,
+                                       Policy::Ferry};
+
 /// "none", "trl", "trl-seed", "trl-1.7", "ferry".
 [[nodiscard]] const char* policy_name(Policy policy);
 /// The policy named `name` (as policy_name() spells it), or nullopt.
 [[nodiscard]] std::optional<Policy> parse_policy(std::string_view name);
+/// Every policy's name, ", " between them and `last` before the last: "none, trl, trl-seed,
+/// trl-1.7 or ferry" with " or ".
+[[nodiscard]] std::string policy_names(std::string_view last);
 /// Whether `policy` models the reference offloader (either version).
 [[nodiscard]] constexpr bool is_trl(Policy policy) {
   return policy == Policy::Trl || policy == Policy::TrlSeed || policy == Policy::Trl17;

@@ -26,8 +26,6 @@
 
 namespace ferry::sim {
 
-/// The policies a request names, as errors list them.
-inline constexpr std::string_view kPolicyNames = "none, trl, trl-seed, trl-1.7, ferry";
 /// The pipeline schedule a request runs unless it names one: 1f1b, torchtitan's default
 /// (JobConfig's parallelism.pipeline_parallel_schedule).
 inline constexpr std::string_view kDefaultSchedule = "1f1b";
