@@ -386,26 +386,43 @@ void Fsdp2::reshard(std::size_t u, bool after_forward) {
 Device::Buffer Fsdp2::copy_in(const FsdpUnit& unit, const std::vector<Region>& grads,
                               const std::vector<Device::Buffer>& held, Bytes input_bytes,
                               const std::string& name) {
-  const StreamId copy = copy_in_on_rs_stream() ? reduce_scatter_ : current();
-  if (copy_in_on_rs_stream()) {
-    if (!faults_.skip_reduce_scatter_wait) comm_wait(reduce_scatter_, current());
-  } else if (prev_rs_event_) {
+  return copy_in_on_rs_stream() ? copy_in_on_reduce_scatter(unit, grads, held, input_bytes, name)
+                                : copy_in_on_current(unit, grads, held, input_bytes, name);
+}
+
+Device::Buffer Fsdp2::copy_in_on_current(const FsdpUnit& unit, const std::vector<Region>& grads,
+                                         const std::vector<Device::Buffer>& held, Bytes input_bytes,
+                                         const std::string& name) {
+  if (prev_rs_event_) {  // one input in flight: the previous one freed once its collective ran
     if (!faults_.skip_reduce_input_free_wait) {
       device_.wait(Device::Stream{current()}, *prev_rs_event_);
     }
     device_.drop(*prev_rs_input_);
     prev_rs_input_.reset();
   }
-  const Device::Buffer input = rank_.allocate_on(copy, input_bytes, name + " input");
-  sim_.kernel(copy, memory_time(unit.bytes + input_bytes), grads,
-              std::vector<Region>{Region{input.id, Bytes(0), input_bytes}}, name + " copy-in");
-  if (copy_in_on_rs_stream() && !faults_.skip_copy_in_free_wait) {
-    comm_wait(current(), reduce_scatter_);
-  }
+  const Device::Buffer input = copy_in_kernel(current(), unit, grads, input_bytes, name);
   for (const Device::Buffer& g : held) device_.drop(g);
-  if (!copy_in_on_rs_stream() && !faults_.skip_reduce_scatter_wait) {
-    comm_wait(reduce_scatter_, current());
-  }
+  if (!faults_.skip_reduce_scatter_wait) comm_wait(reduce_scatter_, current());
+  return input;
+}
+
+Device::Buffer Fsdp2::copy_in_on_reduce_scatter(const FsdpUnit& unit,
+                                                const std::vector<Region>& grads,
+                                                const std::vector<Device::Buffer>& held,
+                                                Bytes input_bytes, const std::string& name) {
+  if (!faults_.skip_reduce_scatter_wait) comm_wait(reduce_scatter_, current());
+  const Device::Buffer input = copy_in_kernel(reduce_scatter_, unit, grads, input_bytes, name);
+  if (!faults_.skip_copy_in_free_wait) comm_wait(current(), reduce_scatter_);
+  for (const Device::Buffer& g : held) device_.drop(g);
+  return input;
+}
+
+Device::Buffer Fsdp2::copy_in_kernel(StreamId stream, const FsdpUnit& unit,
+                                     const std::vector<Region>& grads, Bytes input_bytes,
+                                     const std::string& name) {
+  const Device::Buffer input = rank_.allocate_on(stream, input_bytes, name + " input");
+  sim_.kernel(stream, memory_time(unit.bytes + input_bytes), grads,
+              std::vector<Region>{Region{input.id, Bytes(0), input_bytes}}, name + " copy-in");
   return input;
 }
 

@@ -89,6 +89,18 @@ class Fsdp2 final : public StepHooks {
   Device::Buffer copy_in(const FsdpUnit& unit, const std::vector<Region>& grads,
                          const std::vector<Device::Buffer>& held, Bytes input_bytes,
                          const std::string& name);
+  /// copy_in as torch 2.5 on (and SimpleFSDP) runs it: on the current stream.
+  Device::Buffer copy_in_on_current(const FsdpUnit& unit, const std::vector<Region>& grads,
+                                    const std::vector<Device::Buffer>& held, Bytes input_bytes,
+                                    const std::string& name);
+  /// copy_in as torch 2.4 and before ran it: on the reduce-scatter stream.
+  Device::Buffer copy_in_on_reduce_scatter(const FsdpUnit& unit, const std::vector<Region>& grads,
+                                           const std::vector<Device::Buffer>& held,
+                                           Bytes input_bytes, const std::string& name);
+  /// The input allocated on `stream` and the copy-in kernel run there.
+  Device::Buffer copy_in_kernel(StreamId stream, const FsdpUnit& unit,
+                                const std::vector<Region>& grads, Bytes input_bytes,
+                                const std::string& name);
   void bind_unit(std::size_t u, Device::Buffer buffer);
   SimTime memory_time(Bytes bytes);
   const CollectiveLinks& links() const { return sim_.device_profile(dev_).collectives; }
