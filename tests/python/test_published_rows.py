@@ -754,6 +754,11 @@ FMS_NODES = {"a100-pcie4": 16, "h100-sxm-pcie5": 12}
 # whole link; a ring across nodes moves about 92 % of it (46 GB/s on a 400 Gb/s NIC, NCCL's
 # expectation in NVIDIA/nccl-tests issue #290).
 FMS_NETWORK = {"a100-pcie4": 46_000_000_000, "h100-sxm-pcie5": 92_000_000_000}
+FMS = {
+    "7b": {"a100-pcie4": 3700, "h100-sxm-pcie5": 7500},
+    "34b": {"a100-pcie4": 700, "h100-sxm-pcie5": 1550},
+    "70b": {"a100-pcie4": 370, "h100-sxm-pcie5": 800},
+}
 
 
 def fms_device(root, device):
@@ -764,11 +769,6 @@ def fms_device(root, device):
     path = root / f"{device}-fms.json"
     path.write_text(json.dumps(profile))
     return path
-FMS = {
-    "7b": {"a100-pcie4": 3700, "h100-sxm-pcie5": 7500},
-    "34b": {"a100-pcie4": 700, "h100-sxm-pcie5": 1550},
-    "70b": {"a100-pcie4": 370, "h100-sxm-pcie5": 800},
-}
 
 
 @pytest.fixture(scope="module")
