@@ -1,5 +1,7 @@
 #include "ferry/offload/options.hpp"
 
+#include "ferry/names.hpp"
+
 namespace ferry {
 
 const char* policy_name(Policy policy) {
@@ -25,14 +27,7 @@ std::optional<Policy> parse_policy(std::string_view name) {
   return std::nullopt;
 }
 
-std::string policy_names(std::string_view last) {
-  std::string names;
-  for (std::size_t i = 0; i < std::size(kPolicies); ++i) {
-    if (i > 0) names += i + 1 == std::size(kPolicies) ? last : std::string_view(", ");
-    names += policy_name(kPolicies[i]);
-  }
-  return names;
-}
+std::string policy_names(std::string_view last) { return names_of(kPolicies, policy_name, last); }
 
 void check_offload_options(const OffloadOptions& options) {
   if (is_trl(options.policy) && options.use_streams && options.trl_stash_count < 1) {

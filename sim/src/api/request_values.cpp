@@ -4,11 +4,11 @@
 #include <cmath>
 #include <cstddef>
 #include <initializer_list>
-#include <iterator>
 #include <optional>
 #include <string>
 #include <string_view>
 
+#include "ferry/names.hpp"
 #include "ferry/sim/api/requests.hpp"
 #include "ferry/sim/io/parallelism_json.hpp"
 #include "ferry/sim/mesh/rules.hpp"
@@ -153,12 +153,9 @@ Result<Reshard> reshard_ranks(std::int64_t k) {
 
 Result<FsdpImpl> fsdp_impl(std::string_view name) {
   if (const auto impl = parse_fsdp_impl(name)) return *impl;
-  std::string names;  // "a, b or c"
-  for (std::size_t i = 0; i < std::size(kFsdpImpls); ++i) {
-    if (i > 0) names += i + 1 == std::size(kFsdpImpls) ? " or " : ", ";
-    names += to_string(kFsdpImpls[i]);
-  }
-  return Error{fmt::format("--fsdp-impl: \"{}\" is not {}", name, names)};
+  const auto impl_name = [](FsdpImpl impl) { return to_string(impl); };
+  return Error{
+      fmt::format("--fsdp-impl: \"{}\" is not {}", name, names_of(kFsdpImpls, impl_name, " or "))};
 }
 
 Result<AllocatorMode> allocator_mode(std::string_view name) {
