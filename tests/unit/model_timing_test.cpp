@@ -118,6 +118,58 @@ TEST(KernelTiming, AttentionRunsAtItsKernelsFigureAndBytesAtTheMeasuredBandwidth
   EXPECT_EQ(model.ops[0].backward_duration, SimTime(5000));
 }
 
+TEST(KernelTiming, AnSdpaCallRunsTheKernelTheProfileSaysTorchPicks) {
+  Model model;
+  ModelOp sdpa;
+  sdpa.name = "attn";
+  sdpa.kind = "aten._scaled_dot_product_flash_attention.default";  // a traced SDPA call
+  sdpa.flops = 256'000'000;
+  sdpa.backward_flops = 640'000'000;
+  ModelOp flash = sdpa;  // flash's kernel called as such (varlen attention calls it)
+  flash.name = "attn2";
+  flash.kind = "aten._flash_attention_forward.default";
+  model.ops = {sdpa, flash};
+  DeviceProfile device = kernel_device();
+  device.kernels.cudnn_forward_permille = 500;
+  device.kernels.cudnn_backward_permille = 250;
+  assign_roofline_durations(model, device);         // flash, the default
+  EXPECT_EQ(model.ops[0].duration, SimTime(1000));  // 256 MFLOP at 256 TFLOP/s
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(5000));
+  device.kernels.sdpa_backend = SdpaBackend::Cudnn;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(500));            // 256 MFLOP at 512 TFLOP/s
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(2500));  // 640 MFLOP at 256 TFLOP/s
+  EXPECT_EQ(model.ops[1].duration, SimTime(1000));           // flash's still
+  // cuDNN without a figure: the flat 60 %.
+  device.kernels.cudnn_forward_permille = 0;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(417));
+}
+
+TEST(KernelTiming, AttentionFiguresAloneLeaveMatmulsToTheFlatRoofline) {
+  Model model;
+  ModelOp mm;
+  mm.name = "mm";
+  mm.kind = "aten.mm.default";
+  mm.flops = 2 * 1024 * 1024 * 1024LL;
+  mm.gemm = GemmShape{.m = 1024, .n = 1024, .k = 1024, .batch = 1};
+  ModelOp sdpa;
+  sdpa.name = "attn";
+  sdpa.kind = "aten._scaled_dot_product_flash_attention.default";
+  sdpa.flops = 256'000'000;
+  model.ops = {mm, sdpa};
+  DeviceProfile device = round_device(1'024'000'000'000'000, 1'000'000'000'000);
+  device.kernels.flash_forward_permille = 250;
+  ASSERT_FALSE(device.kernels.tiled());
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(3496));  // 2^31 FLOP at 614.4 TFLOP/s
+  EXPECT_EQ(model.ops[1].duration, SimTime(1000));
+  // A matmul figure without the tile model times every matmul at it.
+  device.kernels.matmul_permille = 500;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(4195));  // 2^31 FLOP at 512 TFLOP/s
+}
+
 TEST(KernelTiming, PresetsGiveTheirMatmulsShapes) {
   const auto model = model_preset("llama3-8b-s8192");
   ASSERT_TRUE(model.ok());

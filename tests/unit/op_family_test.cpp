@@ -62,8 +62,8 @@ TEST(OpFamily, TheRowsGiveEachFamilyItsOperators) {
   EXPECT_EQ(op_family("aten.baddbmm.default"), OpFamily::BatchedMatmul);
   EXPECT_EQ(op_family("aten._grouped_mm.default"), OpFamily::GroupedMatmul);
   EXPECT_EQ(op_family("aten._scaled_grouped_mm.default"), OpFamily::GroupedMatmul);
-  EXPECT_EQ(op_family("aten._scaled_dot_product_flash_attention.default"),
-            OpFamily::FlashAttention);
+  // The name a trace gives every fused SDPA call: the kernel is the device's choice.
+  EXPECT_EQ(op_family("aten._scaled_dot_product_flash_attention.default"), OpFamily::Sdpa);
   EXPECT_EQ(op_family("aten._flash_attention_forward.default"), OpFamily::FlashAttention);
   EXPECT_EQ(op_family("aten._scaled_dot_product_cudnn_attention.default"),
             OpFamily::CudnnAttention);
@@ -111,7 +111,7 @@ TEST(OpFamily, TraitsGroupTheFamilies) {
   for (const OpFamily f : {OpFamily::Matmul, OpFamily::BatchedMatmul, OpFamily::GroupedMatmul}) {
     EXPECT_TRUE(is_matmul(f)) << op_family_name(f);
   }
-  for (const OpFamily f : {OpFamily::FlashAttention, OpFamily::CudnnAttention,
+  for (const OpFamily f : {OpFamily::Sdpa, OpFamily::FlashAttention, OpFamily::CudnnAttention,
                            OpFamily::EfficientAttention, OpFamily::FusedAttention}) {
     EXPECT_TRUE(is_fused_attention(f)) << op_family_name(f);
     EXPECT_FALSE(is_matmul(f)) << op_family_name(f);
@@ -189,7 +189,7 @@ TEST(OpFamily, AWrongFamilyLosesAnAttentionCore) {
   ASSERT_GT(cores, 0U);
   std::size_t retagged = 0;
   for (ModelOp& op : m.ops) {
-    if (op.layer == 0 && op.kind.family() == OpFamily::FlashAttention) {
+    if (op.layer == 0 && op.kind.family() == OpFamily::Sdpa) {
       op.kind = "aten._scaled_dot_product_attention_math.default";  // not one kernel
       ++retagged;
     }

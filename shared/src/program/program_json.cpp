@@ -78,14 +78,16 @@ std::string profile(const DeviceProfile& p) {
                                .json());
   }
   const KernelFigures& k = p.kernels;
-  if (k.known()) {
+  if (k.any()) {
     Object kernels;
-    kernels.num("sm_count", k.sm_count)
-        .num("matmul_tile_m", k.matmul_tile_m)
-        .num("matmul_tile_n", k.matmul_tile_n)
-        .num("matmul_permille", k.matmul_permille);
+    if (k.tiled()) {
+      kernels.num("sm_count", k.sm_count)
+          .num("matmul_tile_m", k.matmul_tile_m)
+          .num("matmul_tile_n", k.matmul_tile_n);
+    }
     for (const auto& [key, value] :
-         {std::pair{"flash_forward_permille", k.flash_forward_permille},
+         {std::pair{"matmul_permille", k.matmul_permille},
+          std::pair{"flash_forward_permille", k.flash_forward_permille},
           std::pair{"flash_backward_permille", k.flash_backward_permille},
           std::pair{"cudnn_forward_permille", k.cudnn_forward_permille},
           std::pair{"cudnn_backward_permille", k.cudnn_backward_permille},
@@ -94,6 +96,7 @@ std::string profile(const DeviceProfile& p) {
           std::pair{"memory_permille", k.memory_permille}}) {
       if (value > 0) kernels.num(key, value);
     }
+    if (k.sdpa_backend == SdpaBackend::Cudnn) kernels.str("sdpa_backend", "cudnn");
     out.raw("kernels", kernels.json());
   }
   return out.json();

@@ -89,7 +89,8 @@ Result<CollectiveLinks> read_collectives(const JsonObject& profile) {
 }
 
 // "kernels": {"sm_count": 132, "matmul_tile_m": 128, "matmul_tile_n": 256, "matmul_permille":
-// 801, ...}, optional; the attention and memory figures optional inside it (0: none).
+// 801, ...}, optional, and every figure in it (0: none); the tile model's SMs and tile come
+// together, with the matmul figure they scale.
 Result<KernelFigures> read_kernels(const JsonObject& profile) {
   KernelFigures kernels;
   if (!profile.has("kernels")) return kernels;
@@ -99,7 +100,7 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
           "kernels", {"sm_count", "matmul_tile_m", "matmul_tile_n", "matmul_permille",
                       "flash_forward_permille", "flash_backward_permille", "cudnn_forward_permille",
                       "cudnn_backward_permille", "efficient_forward_permille",
-                      "efficient_backward_permille", "memory_permille"}));
+                      "efficient_backward_permille", "memory_permille", "sdpa_backend"}));
   const auto read = [&](std::string_view key, std::int32_t& field, bool required, std::int64_t min,
                         std::int64_t max) -> Status {
     if (required) {
@@ -111,10 +112,18 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
     }
     return Ok{};
   };
-  FERRY_JSON_RETURN_IF_ERROR(read("sm_count", kernels.sm_count, true, 1, 1024));
-  FERRY_JSON_RETURN_IF_ERROR(read("matmul_tile_m", kernels.matmul_tile_m, true, 1, 1024));
-  FERRY_JSON_RETURN_IF_ERROR(read("matmul_tile_n", kernels.matmul_tile_n, true, 1, 1024));
-  FERRY_JSON_RETURN_IF_ERROR(read("matmul_permille", kernels.matmul_permille, true, 1, 1000));
+  const bool tiled =
+      object.has("sm_count") || object.has("matmul_tile_m") || object.has("matmul_tile_n");
+  if (tiled && !(object.has("sm_count") && object.has("matmul_tile_m") &&
+                 object.has("matmul_tile_n") && object.has("matmul_permille"))) {
+    return object.error(
+        "the tile model takes \"sm_count\", \"matmul_tile_m\", \"matmul_tile_n\" and "
+        "\"matmul_permille\" together: give all four, or none for the flat roofline's matmuls");
+  }
+  FERRY_JSON_RETURN_IF_ERROR(read("sm_count", kernels.sm_count, tiled, 1, 1024));
+  FERRY_JSON_RETURN_IF_ERROR(read("matmul_tile_m", kernels.matmul_tile_m, tiled, 1, 1024));
+  FERRY_JSON_RETURN_IF_ERROR(read("matmul_tile_n", kernels.matmul_tile_n, tiled, 1, 1024));
+  FERRY_JSON_RETURN_IF_ERROR(read("matmul_permille", kernels.matmul_permille, tiled, 1, 1000));
   FERRY_JSON_RETURN_IF_ERROR(
       read("flash_forward_permille", kernels.flash_forward_permille, false, 1, 1000));
   FERRY_JSON_RETURN_IF_ERROR(
@@ -128,6 +137,12 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
   FERRY_JSON_RETURN_IF_ERROR(
       read("efficient_backward_permille", kernels.efficient_backward_permille, false, 1, 1000));
   FERRY_JSON_RETURN_IF_ERROR(read("memory_permille", kernels.memory_permille, false, 1, 1000));
+  FERRY_JSON_TRY(const std::string sdpa, object.optional_string("sdpa_backend", "flash"));
+  if (sdpa == "cudnn") {
+    kernels.sdpa_backend = SdpaBackend::Cudnn;
+  } else if (sdpa != "flash") {
+    return object.error("\"sdpa_backend\" is \"flash\" or \"cudnn\", not {}", json_quote(sdpa));
+  }
   return kernels;
 }
 

@@ -44,9 +44,11 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 // ~~~~~~~~~~~~~~~~~~~~
 // A profile without kernel figures times every op by the flat roofline: FLOPs at 60 % of the
 // peak, bytes at 80 % of the HBM bandwidth, the longer of the two. A profile with them
-// ("kernels", docs/devices.md) times each op by what its kernel class is measured to reach:
+// ("kernels", docs/devices.md) times each op whose kernel class has a figure by what that class
+// is measured to reach, and every other op by the flat roofline:
 //
-// * A matmul with a shape (ModelOp::gemm) runs as cuBLAS and CUTLASS do: the output is cut
+// * Where the profile gives the tile model (SMs, tile, large-GEMM figure), a matmul with a shape
+//   (ModelOp::gemm) runs as cuBLAS and CUTLASS do: the output is cut
 //   into Tm x Tn tiles, one thread block each, and the blocks run in waves of one per SM. A
 //   wave costs one tile's work, Tm Tn k 2 FLOPs, at one SM's share of the large-GEMM rate
 //   (peak x matmul_permille / sm_count), so a product whose tiles fill 1.1 waves pays for 2 and
@@ -54,10 +56,12 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 //   n) and dW (k x n over m), are timed the same way and scaled by the op's backward FLOPs over
 //   their nominal 4 m n k batch (a frozen weight's op has no dW).
 // * Flash, cuDNN and memory-efficient attention run at their kernel's measured fraction of the
-//   peak, forward and backward apart. Attention kernels without a figure (flex, or a backend the
-//   profile gives none) and every other op with FLOPs but no shape run at the flat 60 %, or, for
-//   a matmul kind, at matmul_permille. SDPA's math backend is no kernel of its own: its bmm and
-//   softmax ops are timed as matmuls with shapes and as streaming ops.
+//   peak, forward and backward apart; a fused SDPA call (the name a trace gives it is flash's)
+//   runs the kernel torch picks on the device, the profile's `sdpa_backend`. Attention kernels
+//   without a figure (flex, or a backend the profile gives none) and every other op with FLOPs run
+//   at the flat 60 %, or, for a matmul kind without a shape or without the tile model, at
+//   matmul_permille where given. SDPA's math backend is no kernel of its own: its bmm and softmax
+//   ops are timed as matmuls with shapes and as streaming ops.
 // * Bytes move at memory_permille of the bandwidth where the profile gives it, else 80 %.
 //
 // The figures are the sources' and no row of docs/validation.md's table set any of them.
@@ -73,8 +77,12 @@ Wide saturating_mul(Wide a, Wide b) {
 Wide ceil_div(Wide a, Wide b) { return (a + b - 1) / b; }
 
 /// Flash, cuDNN or memory-efficient attention's figure for `family` (forward or backward), 0:
-/// none.
+/// none. A fused SDPA call runs the kernel the profile's `sdpa_backend` names.
 std::int64_t attention_permille(OpFamily family, const KernelFigures& k, bool backward) {
+  if (family == OpFamily::Sdpa) {
+    family =
+        k.sdpa_backend == SdpaBackend::Cudnn ? OpFamily::CudnnAttention : OpFamily::FlashAttention;
+  }
   if (family == OpFamily::FlashAttention) {
     return backward ? k.flash_backward_permille : k.flash_forward_permille;
   }
@@ -120,17 +128,14 @@ ComputeTime compute_time(const ModelOp& op, bool backward, const DeviceProfile& 
   const std::int64_t flops = backward ? op.backward_flops : op.flops;
   const KernelFigures& k = device.kernels;
   if (flops == 0) return {};
-  if (!k.known()) {
-    return {roofline_ns_wide(flops, device.flops_per_s, kRooflineFlopsPermille),
-            kRooflineFlopsPermille};
-  }
   if (const std::int64_t permille = attention_permille(op.kind.family(), k, backward);
       permille > 0) {
     return {roofline_ns_wide(flops, device.flops_per_s, permille), permille};
   }
-  if (!op.gemm.known()) {
-    const std::int64_t permille =
-        is_matmul(op.kind.family()) ? k.matmul_permille : kRooflineFlopsPermille;
+  if (!op.gemm.known() || !k.tiled()) {
+    const std::int64_t permille = is_matmul(op.kind.family()) && k.matmul_permille > 0
+                                      ? k.matmul_permille
+                                      : kRooflineFlopsPermille;
     return {roofline_ns_wide(flops, device.flops_per_s, permille), permille};
   }
   const GemmShape& g = op.gemm;

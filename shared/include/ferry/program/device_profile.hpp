@@ -49,24 +49,33 @@ struct CollectiveLinks {
   std::int32_t gpus_per_node = 8;  ///< GPUs that share a node's NVLink domain and host
 };
 
+/// The kernel torch's scaled_dot_product_attention runs on a GPU where it may run either: torch
+/// 2.9 and later prefer cuDNN's on sm90 and sm100 (with CUDA 12.9 and later), flash's elsewhere
+/// (docs/devices.md, Kernel figures).
+enum class SdpaBackend : std::uint8_t { Flash, Cudnn };
+
 /// What the kernels of one GPU reach, each figure from a published measurement (docs/devices.md):
 /// the SM count and the tile of a large matmul, large-GEMM and attention (flash, cuDNN,
 /// memory-efficient) efficiencies against `flops_per_s`, and the fraction of HBM bandwidth a
-/// streaming kernel reaches. Optional in the file ("kernels"); absent, ops are timed by the flat
-/// roofline. A zero permille: no figure.
+/// streaming kernel reaches. Optional in the file ("kernels"), and each figure in it; an op whose
+/// kernel has no figure is timed by the flat roofline. A zero: no figure.
 struct KernelFigures {
-  std::int32_t sm_count = 0;                    ///< streaming multiprocessors; 0: no kernel figures
-  std::int32_t matmul_tile_m = 0;               ///< output rows of one thread block's matmul tile
-  std::int32_t matmul_tile_n = 0;               ///< output columns of one tile
-  std::int32_t matmul_permille = 0;             ///< large-GEMM FLOP/s over the peak, x 1000
-  std::int32_t flash_forward_permille = 0;      ///< flash attention forward, x 1000
-  std::int32_t flash_backward_permille = 0;     ///< flash attention backward, x 1000
-  std::int32_t cudnn_forward_permille = 0;      ///< cuDNN attention forward, x 1000
-  std::int32_t cudnn_backward_permille = 0;     ///< cuDNN attention backward, x 1000
-  std::int32_t efficient_forward_permille = 0;  ///< memory-efficient attention forward, x 1000
-  std::int32_t efficient_backward_permille = 0;  ///< memory-efficient attention backward, x 1000
-  std::int32_t memory_permille = 0;              ///< streaming kernels' HBM bandwidth, x 1000
-  [[nodiscard]] bool known() const { return sm_count > 0; }
+  std::int32_t sm_count = 0;                      ///< streaming multiprocessors; 0: no tile model
+  std::int32_t matmul_tile_m = 0;                 ///< output rows of one thread block's matmul tile
+  std::int32_t matmul_tile_n = 0;                 ///< output columns of one tile
+  std::int32_t matmul_permille = 0;               ///< large-GEMM FLOP/s over the peak, x 1000
+  std::int32_t flash_forward_permille = 0;        ///< flash attention forward, x 1000
+  std::int32_t flash_backward_permille = 0;       ///< flash attention backward, x 1000
+  std::int32_t cudnn_forward_permille = 0;        ///< cuDNN attention forward, x 1000
+  std::int32_t cudnn_backward_permille = 0;       ///< cuDNN attention backward, x 1000
+  std::int32_t efficient_forward_permille = 0;    ///< memory-efficient attention forward, x 1000
+  std::int32_t efficient_backward_permille = 0;   ///< memory-efficient attention backward, x 1000
+  std::int32_t memory_permille = 0;               ///< streaming kernels' HBM bandwidth, x 1000
+  SdpaBackend sdpa_backend = SdpaBackend::Flash;  ///< the kernel a fused SDPA call runs
+  /// Whether matmuls with a shape run as tiles in waves (SMs, tile and matmul figure given).
+  [[nodiscard]] bool tiled() const { return sm_count > 0; }
+  /// Whether any figure is given.
+  [[nodiscard]] bool any() const { return *this != KernelFigures{}; }
   friend bool operator==(const KernelFigures&, const KernelFigures&) = default;
 };
 

@@ -20,7 +20,9 @@ enum class OpFamily : std::uint8_t {
   Matmul,              ///< a matrix product: mm, addmm, _scaled_mm, matmul, linear
   BatchedMatmul,       ///< bmm, baddbmm: eager attention's scores and their product with V
   GroupedMatmul,       ///< _grouped_mm, _scaled_grouped_mm: a mixture's experts in one kernel
-  FlashAttention,      ///< attention in FlashAttention's kernel (SDPA's flash backend)
+  Sdpa,                ///< SDPA's fused kernel, the one the device picks (the profile's
+                       ///< `sdpa_backend`): the name a trace gives a fused SDPA call
+  FlashAttention,      ///< attention in FlashAttention's kernel, called as such
   CudnnAttention,      ///< attention in cuDNN's kernel (SDPA's cuDNN backend)
   EfficientAttention,  ///< attention in the memory-efficient kernel (SDPA's efficient backend)
   FusedAttention,      ///< other attention in one kernel: flash for the CPU, overrideable, varlen,
@@ -35,7 +37,7 @@ enum class OpFamily : std::uint8_t {
 };
 
 /// Number of OpFamily values.
-inline constexpr std::size_t kOpFamilyCount = 15;
+inline constexpr std::size_t kOpFamilyCount = 16;
 
 /// What the simulator knows of a family.
 struct OpFamilyTraits {
