@@ -148,9 +148,20 @@ def cmd_kernels(args):
         name: {"forward_flops_per_s": None, "backward_flops_per_s": None}
         for name in ("flash", "cudnn")
     }
+    out["sdpa_backend"] = None
     if cuda:
         batch, heads, seq, dim = 4, 16, 4096, 128
         flops_fwd = 4 * batch * heads * seq * seq * dim / 2  # causal: half the scores
+        # The kernel SDPA picks on this GPU by default (a profile's "sdpa_backend").
+        q = torch.randn(batch, heads, seq, dim, device=device, dtype=torch.bfloat16)
+        choice = torch._fused_sdp_choice(q, q, q, None, 0.0, True)
+        names = {SDPBackend.FLASH_ATTENTION: "flash"}
+        if hasattr(SDPBackend, "CUDNN_ATTENTION"):
+            names[SDPBackend.CUDNN_ATTENTION] = "cudnn"
+        out["sdpa_backend"] = next(
+            (name for backend, name in names.items() if int(backend) == choice), str(choice)
+        )
+        q = None
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", None)):
             if backend is None:
                 backend = getattr(SDPBackend, "CUDNN_ATTENTION", None)
@@ -193,6 +204,8 @@ def cmd_kernels(args):
                     permille[f"{name}_{side}_permille"] = round(1000 * rate / flops)
     if memory:
         permille["memory_permille"] = round(1000 * out["memory"]["bytes_per_s"] / memory)
+    if out["sdpa_backend"] in ("flash", "cudnn"):
+        permille["sdpa_backend"] = out["sdpa_backend"]
     out["permille"] = permille
     write_json(Path(args.work) / "parts" / "kernels.json", out)
     print(json.dumps(out, indent=2))

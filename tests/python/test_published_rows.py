@@ -108,7 +108,19 @@ def h100_96gb():
     #165), HBM2e at 2.4 TB/s (benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"),
     on-device copies at half that; the rest, the link and collective figures included, as the
     bundled H100 SXM profile (docs/devices.md)."""
-    with open(f"{REPO}/scenarios/devices/h100-sxm-96gb.json") as f:
+    return bundled("h100-sxm-96gb")
+
+
+def on_flash(profile):
+    """`profile` with fused attention on FlashAttention-2's kernel (`"sdpa_backend": "flash"`),
+    where the bundled Hopper profiles have SDPA's default since torch 2.9, cuDNN's
+    (pytorch/pytorch#162073; docs/devices.md, Kernel figures): SDPA under an earlier torch (the
+    runs of 2024 and early 2025), or flash-attention 2 called by name."""
+    return profile | {"kernels": profile["kernels"] | {"sdpa_backend": "flash"}}
+
+
+def bundled(name):
+    with open(f"{REPO}/scenarios/devices/{name}.json") as f:
         return json.load(f)
 
 
@@ -119,6 +131,7 @@ def v100_16gb():
     with open(f"{REPO}/scenarios/devices/a100-pcie4.json") as f:
         profile = json.load(f)
     profile.pop("collectives")
+    profile.pop("kernels")  # no V100 kernel figures: the flat roofline
     profile["name"] = "v100-sxm2-16gb"
     profile["description"] = "V100 SXM2 16 GB; datasheet peaks, PCIe Gen3 host"
     profile["memory_bytes"] = 16160 * MIB
@@ -142,7 +155,12 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def devices(root):
     paths = {}
-    for name, profile in (("h100-96gb", h100_96gb()), ("v100", v100_16gb())):
+    for name, profile in (
+        ("h100-96gb", h100_96gb()),
+        ("h100-96gb-flash", on_flash(h100_96gb())),
+        ("h100-sxm-pcie5-flash", on_flash(bundled("h100-sxm-pcie5"))),
+        ("v100", v100_16gb()),
+    ):
         paths[name] = root / f"{name}.json"
         paths[name].write_text(json.dumps(profile))
     return paths
@@ -226,8 +244,8 @@ PR165_SAC = {"active": 0.5213 * PR165_GPU, "reserved": 0.6251 * PR165_GPU, "wps"
 def pr165(root, devices):
     model = trace_config(root, "llama2-7b", LLAMA2_7B, 2048, 8, "--hold", "_to_copy.out")
     # The run's torch (a nightly of March 2024) copied gradients into the reduce-scatter input on
-    # the reduce-scatter stream (docs/fsdp.md, FSDP2 of torch 2.4).
-    common = ["--device", str(devices["h100-96gb"]), "--fsdp", "8"]
+    # the reduce-scatter stream (docs/fsdp.md, FSDP2 of torch 2.4), and ran SDPA's flash kernel.
+    common = ["--device", str(devices["h100-96gb-flash"]), "--fsdp", "8"]
     common += ["--fsdp-impl", "fsdp2-torch2.4"]
     return {
         "full": simulate(model, *common, "--checkpoint", "every:1"),
@@ -237,7 +255,7 @@ def pr165(root, devices):
 
 @pytest.mark.parametrize(
     "row, measured, allocated_tol, reserved_tol, time_tol",
-    [("full", PR165_FULL, 0.01, 0.07, 0.20), ("sac", PR165_SAC, 0.01, 0.09, 0.20)],
+    [("full", PR165_FULL, 0.01, 0.07, 0.14), ("sac", PR165_SAC, 0.01, 0.09, 0.18)],
 )
 def test_torchtitan_pr165_fsdp2_llama2_7b(
     pr165, row, measured, allocated_tol, reserved_tol, time_tol
@@ -267,7 +285,8 @@ DEC2024_COMPILED = (77.0, 6667)
 def dec2024(root, devices):
     model = trace_config(root, "llama3-8b-b2", LLAMA3_8B, 8192, 2)
     compiled = trace_config(root, "llama3-8b-b2-compiled", LLAMA3_8B, 8192, 2, "--compiled")
-    common = ["--device", str(devices["h100-96gb"]), "--checkpoint", "op-sac"]
+    # A torch nightly of December 2024: SDPA's flash kernel.
+    common = ["--device", str(devices["h100-96gb-flash"]), "--checkpoint", "op-sac"]
     common += ["--allocator", "expandable"]
     return {
         8: simulate(model, *common, "--fsdp", "8"),
@@ -276,7 +295,7 @@ def dec2024(root, devices):
     }
 
 
-@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.20), (128, 0.06, 0.24)])
+@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.12), (128, 0.06, 0.16)])
 def test_torchtitan_dec2024_fsdp_llama3_8b(dec2024, gpus, reserved_tol, time_tol):
     result = dec2024[gpus]
     memory, tps = DEC2024[gpus]
@@ -285,13 +304,13 @@ def test_torchtitan_dec2024_fsdp_llama3_8b(dec2024, gpus, reserved_tol, time_tol
 
 
 def test_torchtitan_dec2024_fsdp_compiled_llama3_8b(dec2024):
-    """Rows 13a-13c: the compiled run's reserved peak within 2 %; its time 25 % fast, as the
-    eager row is 19 % fast on the same hosts; what compiling gains within 5 %."""
+    """Rows 13a-13c: the compiled run's reserved peak within 2 %; its time 15 % fast, as the
+    eager row is 11 % fast on the same hosts; what compiling gains within 4 %."""
     compiled, eager = dec2024["compiled"], dec2024[8]
     memory, tps = DEC2024_COMPILED
     within(compiled["peak_reserved_bytes"] / GIB, memory, 0.02)
-    within(tokens_per_s(compiled, 2 * 8192), tps, 0.26)
-    within(eager["step_time_ns"] / compiled["step_time_ns"], tps / DEC2024[8][1], 0.05)
+    within(tokens_per_s(compiled, 2 * 8192), tps, 0.16)
+    within(eager["step_time_ns"] / compiled["step_time_ns"], tps / DEC2024[8][1], 0.04)
 
 
 # --- torchtitan PR #3429: FSDP8 Llama 3 8B, batch 1, sequence 8192 (docs/fsdp.md) -------------
@@ -386,7 +405,7 @@ def pr3429_tp2(devices):
 def test_torchtitan_pr3429_fsdp4_tp2_full_policy(pr3429_tp2):
     """docs/parallelism.md: the full policy's row within the issue's tolerances (memory 5 %,
     time 8 %), and the default policy's memory too. The default policy's throughput misses
-    (tokens/s +13 %): the doc says what the model lacks there, and this test holds the miss
+    (tokens/s +12 %): the doc says what the model lacks there, and this test holds the miss
     where it is, so that a change that widens it is seen."""
     memory, tps = PR3429_TP2["every:1"]
     result = pr3429_tp2["every:1"]
@@ -395,7 +414,7 @@ def test_torchtitan_pr3429_fsdp4_tp2_full_policy(pr3429_tp2):
     default = pr3429_tp2["op-sac-all"]
     memory, tps = PR3429_TP2["op-sac-all"]
     within(default["peak_reserved_bytes"] / GIB, memory, 0.05)
-    within(tokens_per_s(default, 8192) / 2, tps, 0.15)
+    within(tokens_per_s(default, 8192) / 2, tps, 0.12)
 
 
 # --- torchtitan PR #2564: DeepSeek-V3 16B at FSDP4 x TP2 x EP2 on 8 H100 96 GB ----------------
@@ -533,10 +552,10 @@ def a100(root):
 
 @pytest.mark.parametrize(
     "model, tokens, wps, tolerance",
-    [("llama3-8b", 8192, 2973, 0.10), ("llama2-13b", 8192, 1904, 0.11)],
+    [("llama3-8b", 8192, 2973, 0.09), ("llama2-13b", 8192, 1904, 0.11)],
 )
 def test_torchtitan_apr2024_64_a100_throughput(a100, model, tokens, wps, tolerance):
-    """Rows 23 and 24: 9.4 and 10.8 % slow, nearly all of it with the network free too
+    """Rows 23 and 24: 8.5 and 10.4 % slow, nearly all of it with the network free too
     (docs/validation-sources.md); each held within its error rounded up."""
     within(tokens_per_s(a100[model], tokens), wps, tolerance)
 
@@ -651,10 +670,12 @@ def trace_axolotl_step(root):
 
 
 @pytest.fixture(scope="module")
-def axolotl3776(root):
+def axolotl3776(root, devices):
     traced, weights = trace_axolotl_step(root)
-    gc = ("--device", "h100-sxm-pcie5", "--checkpoint", "every:1")
-    trl = ("--device", "h100-sxm-pcie5", "--min-bytes", "0")
+    # The benchmark's attention is flash-attention 2 (`attn_implementation="flash_attention_2"`).
+    h100 = str(devices["h100-sxm-pcie5-flash"])
+    gc = ("--device", h100, "--checkpoint", "every:1")
+    trl = ("--device", h100, "--min-bytes", "0")
     runs = {
         "gc": simulate(traced, *gc),
         "trl_gc": simulate(traced, *gc, "--min-bytes", "0", policy="trl-1.7"),
@@ -663,11 +684,11 @@ def axolotl3776(root):
     return runs, weights
 
 
-@pytest.mark.parametrize("mode, tolerance", [("trl_gc", 0.03), ("trl_all", 0.09)])
+@pytest.mark.parametrize("mode, tolerance", [("trl_gc", 0.03), ("trl_all", 0.13)])
 def test_axolotl3776_trl_offload_over_checkpointing_step_time(axolotl3776, mode, tolerance):
     """Rows 33 and 34: TRL's offloader with and without checkpointing, each over checkpointing
-    alone. Offloading everything is predicted 8 % faster than measured (docs/validation.md
-    says why); held within 9 %, so that the gap does not grow unseen."""
+    alone. Offloading everything is predicted 12.5 % faster than measured (docs/validation.md
+    says why); held within 13 %, so that the gap does not grow unseen."""
     runs, _ = axolotl3776
     predicted = runs[mode]["step_time_ns"] / runs["gc"]["step_time_ns"]
     within(predicted, AXOLOTL3776[mode][0] / AXOLOTL3776["gc"][0], tolerance)
@@ -682,8 +703,8 @@ def test_axolotl3776_peak_over_the_weights(axolotl3776, mode, tolerance):
 
 
 def test_axolotl3776_checkpointed_step_is_faster_than_measured(axolotl3776):
-    """Row 38, not kept within a tolerance: the H100 profile's checkpointed step is 53 % shorter
-    than the measured one (6,477 against 3,059 tokens/s), the cause of row 34's error. Held above
+    """Row 38, not kept within a tolerance: the H100 profile's checkpointed step is 48 % shorter
+    than the measured one (5,910 against 3,059 tokens/s), the cause of row 34's error. Held above
     the measurement, so that a compute model that closes the gap is seen here."""
     runs, _ = axolotl3776
     assert tokens_per_s(runs["gc"], 8192) > 8192 / (AXOLOTL3776["gc"][0] / 1e3)
@@ -701,9 +722,14 @@ TORCHAO = {"h100-sxm-pcie5": (47.65, 6150), "b200": (33.71, 8307.5)}
 
 
 @pytest.fixture(scope="module")
-def torchao_bf16(llama3_8b_compiled):
+def torchao_bf16(devices, llama3_8b_compiled):
+    # The H100 run's torch 2.7 ran SDPA's flash kernel; the B200 run's 2.9, cuDNN's.
     common = ("--fsdp", "8", "--checkpoint", "op-sac", "--allocator", "expandable")
-    return {device: simulate(llama3_8b_compiled, "--device", device, *common) for device in TORCHAO}
+    paths = {"h100-sxm-pcie5": str(devices["h100-sxm-pcie5-flash"]), "b200": "b200"}
+    return {
+        device: simulate(llama3_8b_compiled, "--device", paths[device], *common)
+        for device in TORCHAO
+    }
 
 
 def test_torchao_bf16_baseline_h100_reserved(torchao_bf16):
@@ -721,9 +747,9 @@ def test_torchao_bf16_baseline_b200_reserves_less_than_predicted(torchao_bf16):
 
 
 def test_torchao_bf16_baseline_h100_throughput(torchao_bf16):
-    """Row 40: predicted 37 % faster than measured on the unnamed H100 (the flat 60 % roofline;
-    docs/validation.md); held within 38 %."""
-    within(tokens_per_s(torchao_bf16["h100-sxm-pcie5"], 8192), TORCHAO["h100-sxm-pcie5"][1], 0.38)
+    """Row 40: predicted 26 % faster than measured on the unnamed H100 (the flat 60 % roofline
+    for matmuls; docs/validation.md); held within 27 %."""
+    within(tokens_per_s(torchao_bf16["h100-sxm-pcie5"], 8192), TORCHAO["h100-sxm-pcie5"][1], 0.27)
 
 
 def test_torchao_bf16_baseline_b200_is_faster_than_measured(torchao_bf16):
@@ -762,9 +788,9 @@ FMS = {
 
 
 def fms_device(root, device):
-    """The bundled profile with the blog's network between nodes."""
-    with open(f"{REPO}/scenarios/devices/{device}.json") as f:
-        profile = json.load(f)
+    """The bundled profile with the blog's network between nodes, SDPA as the runs' torch (of
+    early 2024) ran it."""
+    profile = on_flash(bundled(device))
     profile["collectives"]["inter_node"]["bytes_per_s"] = FMS_NETWORK[device]
     path = root / f"{device}-fms.json"
     path.write_text(json.dumps(profile))
@@ -791,17 +817,17 @@ def fms(root):
     "size, device, tolerance",
     [
         ("7b", "a100-pcie4", 0.04),
-        ("7b", "h100-sxm-pcie5", 0.30),
+        ("7b", "h100-sxm-pcie5", 0.24),
         ("34b", "a100-pcie4", 0.16),
-        ("34b", "h100-sxm-pcie5", 0.11),
-        ("70b", "a100-pcie4", 0.21),
-        ("70b", "h100-sxm-pcie5", 0.08),
+        ("34b", "h100-sxm-pcie5", 0.08),
+        ("70b", "a100-pcie4", 0.20),
+        ("70b", "h100-sxm-pcie5", 0.05),
     ],
 )
 def test_fms_fsdp_llama2_throughput(fms, size, device, tolerance):
-    """Rows 43-45, A100 and H100 each: the 7B within 4 % on the A100s and 30 % fast on the
-    H100s; the checkpointed 34B and 70B 16 and 20 % slow on the A100s, whose runs reach more of
-    the peak than the flat roofline allows, 10 and 8 % fast on the H100s
+    """Rows 43-45, A100 and H100 each: the 7B within 4 % on the A100s and 24 % fast on the
+    H100s; the checkpointed 34B and 70B 15 and 20 % slow on the A100s, whose runs reach more of
+    the peak than the flat roofline allows, 7 and 5 % fast on the H100s
     (docs/validation-sources.md); each held within its error rounded up."""
     within(tokens_per_s(fms[size, device], 2 * 4096), FMS[size][device], tolerance)
 

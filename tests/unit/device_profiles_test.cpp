@@ -14,6 +14,14 @@ namespace {
 
 using program_json_test::kProfileDir;
 
+/// `text` with `from`, which must be there, replaced by `to` once.
+std::string replaced(std::string text, const std::string& from, const std::string& to) {
+  const auto at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  if (at != std::string::npos) text.replace(at, from.size(), to);
+  return text;
+}
+
 TEST(DeviceProfiles, EveryBundledProfileLoadsAndNamesItsFile) {
   const std::vector<std::string> expected = {
       "a100-pcie4",    "a100-sxm4-40gb", "b200", "gh200", "gh200-quad", "h100-pcie-80gb",
@@ -115,6 +123,34 @@ TEST(DeviceProfiles, KernelFiguresRoundTripAndAnOutOfBoundsOneIsRefusedNamingIts
               std::string::npos)
         << refused.error().message;
   }
+}
+
+TEST(DeviceProfiles, AttentionFiguresAndTheSdpaBackendStandWithoutTheTileModel) {
+  const auto h100 = load_device_profile(kProfileDir, "h100-sxm-pcie5");
+  ASSERT_TRUE(h100.ok()) << h100.error().message;
+  // The bundled Hopper profiles: attention figures, SDPA on cuDNN's kernel, no tile model.
+  EXPECT_FALSE(h100.value().kernels.tiled());
+  EXPECT_EQ(h100.value().kernels.sdpa_backend, SdpaBackend::Cudnn);
+  EXPECT_EQ(h100.value().kernels.flash_forward_permille, 339);
+  const std::string written = device_profile_to_json(h100.value());
+  EXPECT_EQ(written.find("sm_count"), std::string::npos) << written;
+  const auto again = parse_device_profile(written, "p.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value().kernels, h100.value().kernels);
+  const auto backend = parse_device_profile(
+      replaced(written, "\"sdpa_backend\": \"cudnn\"", "\"sdpa_backend\": \"math\""), "p.json");
+  ASSERT_FALSE(backend.ok());
+  EXPECT_NE(
+      backend.error().message.find("\"sdpa_backend\" is \"flash\" or \"cudnn\", not \"math\""),
+      std::string::npos)
+      << backend.error().message;
+  // Half a tile model is refused, naming the four figures that go together.
+  const auto half = parse_device_profile(replaced(written, "\"flash_forward_permille\"",
+                                                  "\"sm_count\": 132, \"flash_forward_permille\""),
+                                         "p.json");
+  ASSERT_FALSE(half.ok());
+  EXPECT_NE(half.error().message.find("give all four"), std::string::npos) << half.error().message;
+  EXPECT_NE(half.error().message.find("kernels"), std::string::npos) << half.error().message;
 }
 
 TEST(DeviceProfiles, TheBlasWorkspaceIsOptionalAndBounded) {
