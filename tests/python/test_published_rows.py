@@ -128,8 +128,7 @@ def v100_16gb():
     """Tesla V100-SXM2 16 GB (the nvidia-smi output of the Hugging Face example: 16160 MiB):
     NVIDIA's V100 datasheet, FP32 15.7 TFLOP/s (the run trains in float32, no tensor cores),
     HBM2 900 GB/s, PCIe Gen3 x16 to the host (about 12 GB/s each way)."""
-    with open(f"{REPO}/scenarios/devices/a100-pcie4.json") as f:
-        profile = json.load(f)
+    profile = bundled("a100-pcie4")
     profile.pop("collectives")
     profile.pop("kernels")  # no V100 kernel figures: the flat roofline
     profile["name"] = "v100-sxm2-16gb"

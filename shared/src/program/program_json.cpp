@@ -96,7 +96,9 @@ std::string profile(const DeviceProfile& p) {
           std::pair{"memory_permille", k.memory_permille}}) {
       if (value > 0) kernels.num(key, value);
     }
-    if (k.sdpa_backend == SdpaBackend::Cudnn) kernels.str("sdpa_backend", "cudnn");
+    if (k.sdpa_backend != SdpaBackend{}) {
+      kernels.str("sdpa_backend", sdpa_backend_name(k.sdpa_backend));
+    }
     out.raw("kernels", kernels.json());
   }
   return out.json();

@@ -5,9 +5,12 @@
 
 #include <algorithm>
 #include <array>
+#include <iterator>
+#include <string>
 #include <system_error>
 #include <utility>
 
+#include "ferry/names.hpp"
 #include "ferry/sim/io/program_json.hpp"
 #include "ferry/sim/io/text_file.hpp"
 #include "json_files.hpp"
@@ -137,12 +140,16 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
   FERRY_JSON_RETURN_IF_ERROR(
       read("efficient_backward_permille", kernels.efficient_backward_permille, false, 1, 1000));
   FERRY_JSON_RETURN_IF_ERROR(read("memory_permille", kernels.memory_permille, false, 1, 1000));
-  FERRY_JSON_TRY(const std::string sdpa, object.optional_string("sdpa_backend", "flash"));
-  if (sdpa == "cudnn") {
-    kernels.sdpa_backend = SdpaBackend::Cudnn;
-  } else if (sdpa != "flash") {
-    return object.error("\"sdpa_backend\" is \"flash\" or \"cudnn\", not {}", json_quote(sdpa));
+  FERRY_JSON_TRY(const std::string sdpa,
+                 object.optional_string("sdpa_backend", std::string(sdpa_backend_name({}))));
+  const auto* backend = std::find_if(std::begin(kSdpaBackends), std::end(kSdpaBackends),
+                                     [&](SdpaBackend b) { return sdpa_backend_name(b) == sdpa; });
+  if (backend == std::end(kSdpaBackends)) {
+    const auto quoted = [](SdpaBackend b) { return json_quote(sdpa_backend_name(b)); };
+    return object.error("\"sdpa_backend\" is {}, not {}", names_of(kSdpaBackends, quoted, " or "),
+                        json_quote(sdpa));
   }
+  kernels.sdpa_backend = *backend;
   return kernels;
 }
 

@@ -48,13 +48,13 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 // is measured to reach, and every other op by the flat roofline:
 //
 // * Where the profile gives the tile model (SMs, tile, large-GEMM figure), a matmul with a shape
-//   (ModelOp::gemm) runs as cuBLAS and CUTLASS do: the output is cut
-//   into Tm x Tn tiles, one thread block each, and the blocks run in waves of one per SM. A
-//   wave costs one tile's work, Tm Tn k 2 FLOPs, at one SM's share of the large-GEMM rate
-//   (peak x matmul_permille / sm_count), so a product whose tiles fill 1.1 waves pays for 2 and
-//   a product smaller than a tile pays for a whole one. Backward's two products, dX (m x k over
-//   n) and dW (k x n over m), are timed the same way and scaled by the op's backward FLOPs over
-//   their nominal 4 m n k batch (a frozen weight's op has no dW).
+//   (ModelOp::gemm) runs as cuBLAS and CUTLASS do: the output is cut into Tm x Tn tiles, one
+//   thread block each, and the blocks run in waves of one per SM. A wave costs one tile's work,
+//   Tm Tn k 2 FLOPs, at one SM's share of the large-GEMM rate (peak x matmul_permille /
+//   sm_count), so a product whose tiles fill 1.1 waves pays for 2 and a product smaller than a
+//   tile pays for a whole one. Backward's two products, dX (m x k over n) and dW (k x n over m),
+//   are timed the same way and scaled by the op's backward FLOPs over their nominal 4 m n k
+//   batch (a frozen weight's op has no dW).
 // * Flash, cuDNN and memory-efficient attention run at their kernel's measured fraction of the
 //   peak, forward and backward apart; a fused SDPA call (the name a trace gives it is flash's)
 //   runs the kernel torch picks on the device, the profile's `sdpa_backend`. Attention kernels

@@ -54,6 +54,14 @@ struct CollectiveLinks {
 /// (docs/devices.md, Kernel figures).
 enum class SdpaBackend : std::uint8_t { Flash, Cudnn };
 
+/// Every SdpaBackend, in the order refusals list them.
+inline constexpr SdpaBackend kSdpaBackends[] = {SdpaBackend::Flash, SdpaBackend::Cudnn};
+
+/// "flash", "cudnn": the value of a profile's `sdpa_backend`.
+[[nodiscard]] constexpr std::string_view sdpa_backend_name(SdpaBackend backend) {
+  return backend == SdpaBackend::Cudnn ? "cudnn" : "flash";
+}
+
 /// What the kernels of one GPU reach, each figure from a published measurement (docs/devices.md):
 /// the SM count and the tile of a large matmul, large-GEMM and attention (flash, cuDNN,
 /// memory-efficient) efficiencies against `flops_per_s`, and the fraction of HBM bandwidth a
