@@ -5,6 +5,7 @@
 #include <set>
 #include <utility>
 
+#include "ferry/sim/planner/lower.hpp"
 #include "tensors.hpp"
 
 namespace ferry::sim {
