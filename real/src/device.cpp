@@ -1,8 +1,12 @@
 #include "ferry/real/device.hpp"
 
 #include <algorithm>
-#include <fstream>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <string>
+#include <string_view>
 
 #include "ferry/check.hpp"
 
@@ -31,13 +35,20 @@ BufferHandle DeviceBase::make_entry(at::Storage storage, Place place, Bytes byte
   return entry;
 }
 
+// Read with C stdio, not iostreams: the locale state an istream's number parsing consults is
+// not safe in a module whose libstdc++ is another copy than the process's.
 std::optional<std::int64_t> host_available_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  std::int64_t kib = 0;
-  std::string unit;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> meminfo(std::fopen("/proc/meminfo", "r"),
+                                                          &std::fclose);
+  if (!meminfo) return std::nullopt;
+  std::array<char, 256> line{};
+  constexpr std::string_view key = "MemAvailable:";
+  while (std::fgets(line.data(), static_cast<int>(line.size()), meminfo.get()) != nullptr) {
+    if (std::string_view(line.data()).substr(0, key.size()) != key) continue;
+    char* end = nullptr;
+    const long long kib = std::strtoll(line.data() + key.size(), &end, 10);
+    if (end == line.data() + key.size() || kib < 0) return std::nullopt;
+    return static_cast<std::int64_t>(kib) * 1024;
   }
   return std::nullopt;
 }
