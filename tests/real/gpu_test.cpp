@@ -105,16 +105,21 @@ TEST(GpuOverlap, OffloadCopiesOverlapCompute) {
   auto host = torch::empty({8, 4096, 4096}, torch::TensorOptions().pinned_memory(true));
   const double copies = timed([&] { host.copy_(saved, true); });
   torch::Tensor out;
-  const double both = timed([&] {
+  auto offloaded = [&] {
     ferry::OffloadGuard guard(offload);
     out = forward();
-  });
+  };
+  // The first offloaded forward pins the host pool (cudaHostAlloc); later ones reuse it.
+  const double first = timed(offloaded);
+  out = torch::Tensor();
+  const double both = timed(offloaded);
   out = torch::Tensor();
   RecordProperty("compute_ms", std::to_string(compute));
   RecordProperty("copies_ms", std::to_string(copies));
   RecordProperty("both_ms", std::to_string(both));
+  RecordProperty("first_ms", std::to_string(first));
   std::cout << "compute " << compute << " ms, copies " << copies << " ms, offloaded forward "
-            << both << " ms\n";
+            << both << " ms (the first, pinning its host pool: " << first << " ms)\n";
   EXPECT_GT(offload.telemetry().offloaded, 0);
   EXPECT_LT(both, 0.9 * (compute + copies));
 }
