@@ -46,7 +46,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, tokens):
-        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
