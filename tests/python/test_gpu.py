@@ -133,3 +133,22 @@ def test_validate_on_cuda_measures_peaks_and_step_time():
         assert real["peak_reserved_bytes"] >= real["peak_allocated_bytes"] > 0, name
         assert real["packed"] > 0, name
     assert report["policies"]["none"]["real"]["peak_allocated_bytes"] > saved
+
+
+def test_validate_on_cuda_leaves_out_what_was_live_before():
+    """A run's peaks are its own: a gigabyte another object holds on the device while validate
+    runs changes neither measured peak."""
+    from ferry._validate import validate
+
+    def peaks():
+        real = validate("gpt", policies=["none"], steps=2, real_device="cuda")["policies"]
+        return real["none"]["real"]["peak_allocated_bytes"], real["none"]["real"][
+            "peak_reserved_bytes"
+        ]
+
+    alone = peaks()
+    ballast = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    beside = peaks()
+    del ballast
+    for a, b in zip(alone, beside):
+        assert abs(a - b) < 16 << 20, (alone, beside)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import importlib
 import os
 import time
@@ -123,8 +124,9 @@ def train_steps(model, inputs, loss_fn, ctx, steps, real_device="loopback", on_s
     region spanning forward and backward, or None), gradients freed before each step. Returns
     the last step's wall time in ns and, on CUDA, its peak allocated and reserved bytes
     (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` from a reset at the start of
-    the last step, the device synchronized around it; None on the loopback device, whose host
-    memory has no allocator statistics). ``on_step`` is called before each step."""
+    the last step, the device synchronized around it, less what was live before ``_placed``
+    made the model: leftovers of earlier runs are not this run's; None on the loopback device,
+    whose host memory has no allocator statistics). ``on_step`` is called before each step."""
     cuda = real_device == "cuda"
     args, kwargs = _call_args(inputs)
     step_ns, peaks = 0, (None, None)
@@ -145,7 +147,11 @@ def train_steps(model, inputs, loss_fn, ctx, steps, real_device="loopback", on_s
             torch.cuda.synchronize()
         step_ns = time.perf_counter_ns() - start
     if cuda:
-        peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+        before = getattr(model, "_ferry_live_before", (0, 0))
+        peaks = (
+            torch.cuda.max_memory_allocated() - before[0],
+            torch.cuda.max_memory_reserved() - before[1],
+        )
     return {
         "step_time_ns": step_ns,
         "peak_allocated_bytes": peaks[0],
@@ -154,12 +160,18 @@ def train_steps(model, inputs, loss_fn, ctx, steps, real_device="loopback", on_s
 
 
 def _placed(model, inputs, real_device):
-    """A copy of ``model`` and ``inputs`` on the real run's device. On CUDA the allocator's
-    cached blocks are returned first, so that what the run reserves is its own."""
+    """A copy of ``model`` and ``inputs`` on the real run's device. On CUDA unreachable objects
+    are collected and the allocator's cached blocks returned first, and the bytes still
+    allocated and reserved then (another model, a caller's tensors) recorded on the copy, for
+    ``train_steps`` to leave out of the run's peaks."""
     model = copy.deepcopy(model)
     if real_device == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
-        return model.cuda(), _to(inputs, "cuda")
+        live = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+        model = model.cuda()
+        model._ferry_live_before = live
+        return model, _to(inputs, "cuda")
     return model, inputs
 
 
