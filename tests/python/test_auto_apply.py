@@ -358,3 +358,21 @@ def test_plans_over_a_random_routing_train_bitwise(family):
     doc = ferry.trace(base, *ids, loss_fn=loss_fn, target="host", routing=routing).document
     assert doc["routing"] == {"assumption": "random", "seed": 1, "capacity_factor": 1.25}
     check_random_plans_bitwise(family, doc, (0, 1))
+
+
+def test_every_fused_attention_kernel_is_the_call_the_trace_named():
+    """The CPU trace names an SDPA call by the CPU's flash kernel; a GPU runs flash, cuDNN's or
+    the memory-efficient kernel (by dtype and GPU). A plan finds the call by any of them; other
+    ops keep their own names."""
+    from ferry._names import OpNames
+
+    aten = torch.ops.aten
+    kernels = (
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+    )
+    name = "model.layers.0.self_attn/_scaled_dot_product_flash_attention_for_cpu"
+    assert {OpNames().next("model.layers.0.self_attn", k) for k in kernels} == {(name, name)}
+    assert OpNames().next("m", aten.mm.default) == ("m/mm", "m/mm")

@@ -1,6 +1,8 @@
 """ferry on a CUDA device (loopback=False): the same bitwise gradient checks, and copies that
 overlap compute. Marked `gpu`: skipped, with the reason shown, where torch sees no CUDA."""
 
+import copy
+
 import pytest
 import torch
 
@@ -152,3 +154,40 @@ def test_validate_on_cuda_leaves_out_what_was_live_before():
     del ballast
     for a, b in zip(alone, beside):
         assert abs(a - b) < 16 << 20, (alone, beside)
+
+
+def test_auto_plans_apply_to_sdpa_on_cuda():
+    """A plan made from the CPU trace of a Hugging Face decoder (SDPA attention, float32: the
+    GPU runs the memory-efficient kernel, the trace the CPU's flash) applies on CUDA at the
+    planner's floor, where it checkpoints, and trains as plain training does."""
+    transformers = pytest.importorskip("transformers")
+    from ferry import PlanError
+
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).cuda()
+    ids = torch.randint(0, 256, (2, 128), device="cuda")
+
+    def loss_fn(out):
+        return out.logits.float().mean()
+
+    loss_fn(ref(ids)).backward()
+    with pytest.raises(PlanError) as refused:
+        ferry.auto(copy.deepcopy(ref), ids, budget="1MiB", margin=0, loss_fn=loss_fn)
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    ctx = ferry.auto(model, ids, budget=refused.value.floor, margin=0, loss_fn=loss_fn)
+    assert ctx.plan["regions"]
+    with ctx:
+        loss = loss_fn(model(ids))
+    loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -28,6 +28,21 @@ def is_named(func: Any, outputs: list[torch.Tensor]) -> bool:
     return bool(outputs) or writes(func)
 
 
+#: The kernels ``F.scaled_dot_product_attention`` runs fused: one call whichever a device picks
+#: (by dtype, head size, mask and GPU: fp32 gets the memory-efficient kernel, bf16 on a Hopper
+#: cuDNN's), so each is named as the trace, run on the CPU, names the call. A plan made from a
+#: trace then finds its attention on any device.
+FUSED_ATTENTION = frozenset(
+    {
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    }
+)
+TRACED_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
+
+
 class OpNames:
     """The names of one forward's ops, given in the order they run."""
 
@@ -40,6 +55,8 @@ class OpNames:
         ``count``."""
         packet = getattr(func, "_overloadpacket", None)
         packet = packet.__name__ if packet is not None else func.name()
+        if packet in FUSED_ATTENTION:
+            packet = TRACED_ATTENTION
         base = f"{path}/{packet}" if path else packet
         count = self._counts.get(base, 0)
         return base, (base if count == 0 else f"{base}#{count}")
