@@ -245,3 +245,23 @@ def test_expanded_view_at_the_size_threshold():
         f"bytes_d2h: real {real['bytes_d2h']}, simulated {real['bytes_d2h'] - 512}",
         f"pinned_peak: real {real['pinned_peak']}, simulated {real['pinned_peak'] - 512}",
     ]
+
+
+def test_validate_leaves_no_tensor_of_its_runs_alive():
+    """What validate's runs made is freed when it returns: a tensor left alive (a forward's
+    activations held by a cycle through autograd) would sit on a GPU under every later run's
+    measured peak."""
+    import gc
+
+    def live_bytes():
+        gc.collect()
+        return sum(
+            o.untyped_storage().nbytes()
+            for o in gc.get_objects()
+            if isinstance(o, torch.Tensor) and not o.is_meta
+        )
+
+    model, inputs, loss_fn = _validate.load("gpt")
+    before = live_bytes()
+    validate(model, inputs, loss_fn, policies=["none", "ferry", "checkpoint"], steps=1)
+    assert live_bytes() == before

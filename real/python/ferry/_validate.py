@@ -233,7 +233,10 @@ def _saved_at_end_of_forward(model, inputs, loss_fn, real_device="loopback"):
         s = t.untyped_storage()
         if s.data_ptr() not in owned and s.nbytes() > 0:
             storages[s.data_ptr()] = s.nbytes()
-        return t
+        # Detached: a saved output returned as itself would hold its own node, a cycle through
+        # autograd's C++ that no collection frees (the forward's activations would stay on the
+        # device through every run after it).
+        return t.detach()
 
     args, kwargs = _call_args(inputs)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
