@@ -114,6 +114,10 @@ std::string profile_object(const ProbeResult& result, std::string_view name,
   line("description", json_quote(description_of(result)));
   line("memory_bytes", std::to_string(v("memory_bytes")));
   line("flops_per_s", std::to_string(v("flops_per_s")));
+  // Optional in the format: written where the float32 matmul ran.
+  if (const Measurement* fp32 = find(result.measurements, "matmul.fp32.flops_per_s")) {
+    line("fp32_flops_per_s", std::to_string(median_of(*fp32)));
+  }
   line("memory_bytes_per_s", std::to_string(v("memory_bytes_per_s")));
   line("h2d", path("h2d", true));
   line("d2h", path("d2h", true));

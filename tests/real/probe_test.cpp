@@ -196,6 +196,16 @@ TEST(ProbeJson, ProfileHasTheBundledLayout) {
   EXPECT_EQ(ferry::real::profile_json(fixed_result(), "probed"), expected);
 }
 
+TEST(ProbeJson, TheFloat32MatmulGivesTheProfilesFloat32Rate) {
+  ProbeResult r = fixed_result();  // no float32 matmul ran: the key is left out (above)
+  r.measurements.push_back(
+      {"matmul.fp32.flops_per_s", "FLOP/s", "", {7'000'000, 5'000'000, 6'000'000}});
+  const std::string json = ferry::real::profile_json(r, "probed");
+  EXPECT_NE(json.find("  \"flops_per_s\": 2000000,\n  \"fp32_flops_per_s\": 6000000,\n"),
+            std::string::npos)
+      << json;
+}
+
 TEST(ProbeJson, ReportCarriesSamplesSpreadsSourcesAndTheProfile) {
   const ProbeResult r = fixed_result();
   const std::string text = ferry::real::report_json(r, "probed");

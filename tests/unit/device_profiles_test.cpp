@@ -153,6 +153,31 @@ TEST(DeviceProfiles, AttentionFiguresAndTheSdpaBackendStandWithoutTheTileModel) 
   EXPECT_NE(half.error().message.find("kernels"), std::string::npos) << half.error().message;
 }
 
+TEST(DeviceProfiles, TheFloat32RateIsOptionalAndBounded) {
+  const auto h200 = load_device_profile(kProfileDir, "h200");
+  ASSERT_TRUE(h200.ok()) << h200.error().message;
+  EXPECT_EQ(h200.value().fp32_flops_per_s, 67'000'000'000'000);  // the datasheet's
+  const std::string written = device_profile_to_json(h200.value());
+  const auto again = parse_device_profile(written, "p.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value().fp32_flops_per_s, h200.value().fp32_flops_per_s);
+  DeviceProfile none = h200.value();
+  none.fp32_flops_per_s = 0;
+  const std::string without = device_profile_to_json(none);
+  EXPECT_EQ(without.find("fp32_flops_per_s"), std::string::npos);  // left out when 0
+  const auto read = parse_device_profile(without, "p.json");
+  ASSERT_TRUE(read.ok()) << read.error().message;
+  EXPECT_EQ(read.value().fp32_flops_per_s, 0);
+  for (const std::string bad : {"0", "-1", "\"67T\""}) {
+    const auto refused = parse_device_profile(
+        replaced(written, "\"fp32_flops_per_s\": 67000000000000", "\"fp32_flops_per_s\": " + bad),
+        "p.json");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.error().message.find("fp32_flops_per_s"), std::string::npos)
+        << refused.error().message;
+  }
+}
+
 TEST(DeviceProfiles, TheBlasWorkspaceIsOptionalAndBounded) {
   const auto h100 = load_device_profile(kProfileDir, "h100-sxm-pcie5");
   ASSERT_TRUE(h100.ok());

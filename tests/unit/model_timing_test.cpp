@@ -146,6 +146,44 @@ TEST(KernelTiming, AnSdpaCallRunsTheKernelTheProfileSaysTorchPicks) {
   EXPECT_EQ(model.ops[0].duration, SimTime(417));
 }
 
+TEST(KernelTiming, AFloat32ProductRunsOnTheCudaCores) {
+  Model model;
+  model.tensors.push_back(
+      {"f32", Bytes(4), DType::F32, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
+  model.tensors.push_back(
+      {"bf16", Bytes(2), DType::BF16, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
+  ModelOp mm;
+  mm.name = "mm";
+  mm.kind = "aten.mm.default";
+  mm.flops = 60'000'000'000;  // 1 ms at 60 % of 100 TFLOP/s
+  mm.backward_flops = 120'000'000'000;
+  mm.outputs = {0};
+  ModelOp mm16 = mm;  // the same product in bf16: the tensor cores' rate
+  mm16.name = "mm16";
+  mm16.outputs = {1};
+  ModelOp attention = mm;  // float32 SDPA: the memory-efficient kernel, on the CUDA cores
+  attention.name = "attn";
+  attention.kind = "aten._scaled_dot_product_flash_attention.default";
+  ModelOp add = mm;  // a float32 elementwise op: not a product
+  add.name = "add";
+  add.kind = "aten.add.Tensor";
+  model.ops = {mm, mm16, attention, add};
+  DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000'000);
+  device.kernels.flash_forward_permille = 500;
+  device.fp32_flops_per_s = 100'000'000'000'000;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(1'000'000));
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(2'000'000));
+  EXPECT_EQ(model.ops[1].duration, SimTime(100'000));  // 60 GFLOP at 600 TFLOP/s
+  EXPECT_EQ(model.ops[2].duration, SimTime(1'000'000));
+  EXPECT_EQ(model.ops[3].duration, SimTime(100'000));
+  // A profile without the figure times every product at flops_per_s, as before.
+  device.fp32_flops_per_s = 0;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(100'000));
+  EXPECT_EQ(model.ops[2].duration, SimTime(120'000));  // flash's 500 per mille
+}
+
 TEST(KernelTiming, AttentionFiguresAloneLeaveMatmulsToTheFlatRoofline) {
   Model model;
   ModelOp mm;

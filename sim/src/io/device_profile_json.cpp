@@ -161,11 +161,11 @@ namespace io_detail {
 constexpr std::int64_t kMaxBlasWorkspaceBytes = std::int64_t{1} << 30;
 
 Result<DeviceProfile> read_profile(const JsonValue& value) {
-  FERRY_JSON_TRY(
-      const auto object,
-      value.object({"name", "description", "memory_bytes", "flops_per_s", "memory_bytes_per_s",
-                    "h2d", "d2h", "pageable", "d2d", "peer", "pinned_host_capacity_bytes",
-                    "blas_workspace_bytes", "overheads_ns", "collectives", "kernels"}));
+  FERRY_JSON_TRY(const auto object,
+                 value.object({"name", "description", "memory_bytes", "flops_per_s",
+                               "fp32_flops_per_s", "memory_bytes_per_s", "h2d", "d2h", "pageable",
+                               "d2d", "peer", "pinned_host_capacity_bytes", "blas_workspace_bytes",
+                               "overheads_ns", "collectives", "kernels"}));
   DeviceProfile profile;
   FERRY_JSON_TRY(const auto name_value, object.required("name"));
   FERRY_JSON_TRY(profile.name, name_value.name());
@@ -178,6 +178,9 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
   FERRY_JSON_TRY(const auto memory, object.required_integer("memory_bytes", 1, kMaxJsonBytes));
   profile.memory = Bytes(memory);
   FERRY_JSON_TRY(profile.flops_per_s, read_rate(object, "flops_per_s"));
+  if (object.has("fp32_flops_per_s")) {
+    FERRY_JSON_TRY(profile.fp32_flops_per_s, read_rate(object, "fp32_flops_per_s"));
+  }
   FERRY_JSON_TRY(const auto hbm, read_rate(object, "memory_bytes_per_s"));
   profile.memory_bandwidth = Bandwidth(hbm);
   FERRY_JSON_TRY(profile.h2d, read_copy_path(object, "h2d", true));

@@ -63,6 +63,11 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 //   matmul_permille where given. SDPA's math backend is no kernel of its own: its bmm and softmax
 //   ops are timed as matmuls with shapes and as streaming ops.
 // * Bytes move at memory_permille of the bandwidth where the profile gives it, else 80 %.
+// * A float32 product (a matmul or fused attention whose first output is float32) runs on the
+//   CUDA cores, not the tensor cores: torch's default float32 matmul precision ("highest") uses
+//   no TF32, and neither flash nor cuDNN attention takes float32 (the memory-efficient kernel
+//   runs it). Where the profile gives fp32_flops_per_s, such an op runs at the flat 60 % of it,
+//   whatever its kernel figures.
 //
 // The figures are the sources' and no row of docs/validation.md's table set any of them.
 
@@ -117,26 +122,42 @@ Wide work_ns(Wide work, const DeviceProfile& device, std::int64_t permille) {
   return ceil_div(scaled, divisor);
 }
 
-/// The compute time of an op's forward or backward on `device` (Note [Kernel timing]), and the
-/// permille it ran at (0: the tile model, which has no single one).
+/// Whether `op` computes a float32 product on the CUDA cores of `device` (Note [Kernel
+/// timing]): a matmul or fused attention whose first output is float32, on a device whose
+/// profile gives that rate.
+bool computes_in_fp32(const Model& model, const ModelOp& op, const DeviceProfile& device) {
+  if (device.fp32_flops_per_s <= 0 || op.outputs.empty()) return false;
+  const OpFamily family = op.kind.family();
+  if (!is_matmul(family) && !is_fused_attention(family)) return false;
+  return model.tensors.at(op.outputs.front()).dtype == DType::F32;
+}
+
+/// The compute time of an op's forward or backward on `device` (Note [Kernel timing]), the
+/// permille it ran at and of which rate (0: the tile model, which has no single one).
 struct ComputeTime {
   Wide ns = 0;
   std::int64_t permille = 0;
+  std::int64_t rate = 0;
 };
 
-ComputeTime compute_time(const ModelOp& op, bool backward, const DeviceProfile& device) {
+ComputeTime compute_time(const Model& model, const ModelOp& op, bool backward,
+                         const DeviceProfile& device) {
   const std::int64_t flops = backward ? op.backward_flops : op.flops;
   const KernelFigures& k = device.kernels;
   if (flops == 0) return {};
+  if (computes_in_fp32(model, op, device)) {
+    return {roofline_ns_wide(flops, device.fp32_flops_per_s, kRooflineFlopsPermille),
+            kRooflineFlopsPermille, device.fp32_flops_per_s};
+  }
   if (const std::int64_t permille = attention_permille(op.kind.family(), k, backward);
       permille > 0) {
-    return {roofline_ns_wide(flops, device.flops_per_s, permille), permille};
+    return {roofline_ns_wide(flops, device.flops_per_s, permille), permille, device.flops_per_s};
   }
   if (!op.gemm.known() || !k.tiled()) {
     const std::int64_t permille = is_matmul(op.kind.family()) && k.matmul_permille > 0
                                       ? k.matmul_permille
                                       : kRooflineFlopsPermille;
-    return {roofline_ns_wide(flops, device.flops_per_s, permille), permille};
+    return {roofline_ns_wide(flops, device.flops_per_s, permille), permille, device.flops_per_s};
   }
   const GemmShape& g = op.gemm;
   if (!backward)
@@ -154,8 +175,8 @@ ComputeTime compute_time(const ModelOp& op, bool backward, const DeviceProfile& 
   return {ceil_div(saturating_mul(pair, static_cast<Wide>(flops)), nominal)};
 }
 
-SimTime op_time(const ModelOp& op, bool backward, const DeviceProfile& device) {
-  const Wide compute = compute_time(op, backward, device).ns;
+SimTime op_time(const Model& model, const ModelOp& op, bool backward, const DeviceProfile& device) {
+  const Wide compute = compute_time(model, op, backward, device).ns;
   FERRY_CHECK(compute <= static_cast<Wide>(kMaxJsonNanoseconds),
               "compute time of op {} is above {} ns: check_roofline first", op.name,
               kMaxJsonNanoseconds);
@@ -179,13 +200,13 @@ Status check_roofline_term(std::string_view path, std::string_view key, std::int
 }
 
 /// The same for the FLOPs of an op's forward or backward under Note [Kernel timing].
-Status check_compute_term(std::string_view path, const ModelOp& op, bool backward,
-                          const DeviceProfile& device) {
+Status check_compute_term(std::string_view path, const Model& model, const ModelOp& op,
+                          bool backward, const DeviceProfile& device) {
   const std::string_view key = backward ? "backward_flops" : "flops";
   const std::int64_t flops = backward ? op.backward_flops : op.flops;
-  const ComputeTime time = compute_time(op, backward, device);
+  const ComputeTime time = compute_time(model, op, backward, device);
   if (time.permille > 0) {
-    return check_roofline_term(path, key, flops, device.flops_per_s, time.permille, "FLOP", device);
+    return check_roofline_term(path, key, flops, time.rate, time.permille, "FLOP", device);
   }
   if (time.ns <= static_cast<Wide>(kMaxJsonNanoseconds)) return Ok{};
   return error_at(json_member_path(path, key),
@@ -278,10 +299,10 @@ Status check_roofline(const Model& model, const DeviceProfile& device) {
       continue;
     }
     const std::string path = op_path(i);
-    FERRY_JSON_RETURN_IF_ERROR(check_compute_term(path, op, false, device));
+    FERRY_JSON_RETURN_IF_ERROR(check_compute_term(path, model, op, false, device));
     FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "bytes", op.bytes.count(), byte_rate,
                                                    bytes_permille, "bytes", device));
-    FERRY_JSON_RETURN_IF_ERROR(check_compute_term(path, op, true, device));
+    FERRY_JSON_RETURN_IF_ERROR(check_compute_term(path, model, op, true, device));
     FERRY_JSON_RETURN_IF_ERROR(check_roofline_term(path, "backward_bytes",
                                                    op.backward_bytes.count(), byte_rate,
                                                    bytes_permille, "bytes", device));
@@ -310,8 +331,8 @@ void assign_roofline_durations(Model& model, const DeviceProfile& device) {
       op.backward_duration = collective_op_time(model, op, true, device);
       continue;
     }
-    op.duration = op_time(op, false, device);
-    op.backward_duration = op_time(op, true, device);
+    op.duration = op_time(model, op, false, device);
+    op.backward_duration = op_time(model, op, true, device);
   }
 }
 

@@ -93,14 +93,18 @@ struct DeviceProfile {
   std::string description;       ///< one line for humans, with the source of the figures
   Bytes memory;                  ///< device memory the caching allocator may reserve
   std::int64_t flops_per_s = 0;  ///< dense 16-bit peak, FLOP per second (for roofline timing)
-  Bandwidth memory_bandwidth;    ///< device memory bandwidth (HBM)
-  CopyPath h2d;                  ///< pinned host -> device copy engine
-  CopyPath d2h;                  ///< device -> pinned host copy engine
-  Bandwidth pageable_h2d;        ///< host -> device rate from pageable memory (host blocks)
-  Bandwidth pageable_d2h;        ///< device -> host rate into pageable memory (host blocks)
-  CopyPath d2d;                  ///< copy within this device's memory
-  CopyPath peer;                 ///< default link to another device (per direction)
-  Bytes pinned_host_capacity;    ///< cap on page-locked host memory (the node's, with FSDP)
+  /// Dense float32 peak of the CUDA cores, FLOP per second: a float32 matmul's under torch's
+  /// default float32 matmul precision ("highest", no TF32); optional in the file, 0: such a
+  /// matmul is timed at flops_per_s.
+  std::int64_t fp32_flops_per_s = 0;
+  Bandwidth memory_bandwidth;  ///< device memory bandwidth (HBM)
+  CopyPath h2d;                ///< pinned host -> device copy engine
+  CopyPath d2h;                ///< device -> pinned host copy engine
+  Bandwidth pageable_h2d;      ///< host -> device rate from pageable memory (host blocks)
+  Bandwidth pageable_d2h;      ///< device -> host rate into pageable memory (host blocks)
+  CopyPath d2d;                ///< copy within this device's memory
+  CopyPath peer;               ///< default link to another device (per direction)
+  Bytes pinned_host_capacity;  ///< cap on page-locked host memory (the node's, with FSDP)
   /// What one cuBLAS handle takes from the caching allocator on one stream for its workspace
   /// (torch's CUBLAS_WORKSPACE_CONFIG default for the architecture); optional in the file, 0.
   Bytes blas_workspace;
