@@ -164,15 +164,14 @@ def _placed(model, inputs, real_device):
     are collected and the allocator's cached blocks returned first, and the bytes still
     allocated and reserved then (another model, a caller's tensors) recorded on the copy, for
     ``train_steps`` to leave out of the run's peaks."""
-    model = copy.deepcopy(model)
-    if real_device == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
-        live = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
-        model = model.cuda()
-        model._ferry_live_before = live
-        return model, _to(inputs, "cuda")
-    return model, inputs
+    if real_device != "cuda":
+        return copy.deepcopy(model), inputs
+    gc.collect()
+    torch.cuda.empty_cache()
+    live = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+    model = copy.deepcopy(model).cuda()  # a model already on the device is copied there
+    model._ferry_live_before = live
+    return model, _to(inputs, "cuda")
 
 
 def _layer_list(model):
