@@ -10,8 +10,9 @@
 #     There (or here with --rehearse): unpacks the pack into a private prefix, configures with
 #     the machine's own torch (CUDA on where its wheel has it) against that prefix alone,
 #     builds what the visit runs, then runs each step under its own time limit, writing
-#     DIR/results.json, DIR/results.md and DIR/visit.log after every step, so that a visit cut
-#     short still returns what it measured. Steps: the gpu-labelled C++ and Python tests,
+#     DIR/results.json, DIR/results.md, DIR/visit.log and DIR/parts.tgz (every step's part and
+#     whole log) after every step, so that a visit cut short still returns what it measured.
+#     Steps: the gpu-labelled C++ and Python tests,
 #     `ferry probe` and the kernel figures, `python -m ferry validate`'s comparison of
 #     predicted and measured peak memory and step time for three models under five policies,
 #     and the offload benchmark (scripts/gpu_visit.py).
@@ -39,7 +40,7 @@ debs=(libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-d
 wheels=()
 
 usage() {
-  sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -175,6 +176,9 @@ run() {
     "$python" scripts/gpu_visit.py assemble --work "$work" --out "$out" \
       $( ((rehearse)) && echo --rehearse) >>"$logs/assemble.log" 2>&1 ||
       echo "gpu run: assembling the results failed (build/.../logs/assemble.log)" >&2
+    # Every step's whole log and part, beside visit.log's tails.
+    tar czf "$out/parts.tgz" -C "$work" parts logs steps.tsv 2>>"$logs/assemble.log" ||
+      echo "gpu run: packing the parts and logs failed" >&2
   }
 
   # What the steps run again by `scripts/gpu.sh _fn STATE STEP` read.
