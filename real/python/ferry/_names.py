@@ -37,6 +37,7 @@ FUSED_ATTENTION = frozenset(
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
         "_scaled_dot_product_flash_attention_for_cpu",
     }
 )

@@ -11,7 +11,7 @@ import math
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .._names import writes
+from .._names import FUSED_ATTENTION, writes
 
 
 def storage_key(t):
@@ -273,16 +273,8 @@ def flop_table():
         table[packet] = call
     aten = torch.ops.aten
     ours = {
-        "_scaled_dot_product_flash_attention": _sdpa(False),
-        "_scaled_dot_product_flash_attention_backward": _sdpa(True),
-        "_scaled_dot_product_flash_attention_for_cpu": _sdpa(False),
-        "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa(True),
-        "_scaled_dot_product_efficient_attention": _sdpa(False),
-        "_scaled_dot_product_efficient_attention_backward": _sdpa(True),
-        "_scaled_dot_product_cudnn_attention": _sdpa(False),
-        "_scaled_dot_product_cudnn_attention_backward": _sdpa(True),
-        "_scaled_dot_product_fused_attention_overrideable": _sdpa(False),
-        "_scaled_dot_product_fused_attention_overrideable_backward": _sdpa(True),
+        **{name: _sdpa(False) for name in FUSED_ATTENTION},
+        **{f"{name}_backward": _sdpa(True) for name in FUSED_ATTENTION},
         "_flash_attention_forward": _packed(False),
         "_flash_attention_backward": _packed(True),
         "_efficient_attention_forward": _packed(False),
