@@ -160,21 +160,13 @@ def test_auto_plans_apply_to_sdpa_on_cuda():
     """A plan made from the CPU trace of a Hugging Face decoder (SDPA attention, float32: the
     GPU runs the memory-efficient kernel, the trace the CPU's flash) applies on CUDA at the
     planner's floor, where it checkpoints, and trains as plain training does."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from ferry import PlanError
+    from ferry.examples._hf import llama
 
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(config).cuda()
-    ids = torch.randint(0, 256, (2, 128), device="cuda")
+    ref, inputs, _ = llama(batch=2, seq=128, layers=4)
+    ref = ref.cuda()
+    ids = inputs["input_ids"].cuda()
 
     def loss_fn(out):
         return out.logits.float().mean()

@@ -21,14 +21,15 @@ def _tokens(vocab, batch, seq):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def llama(batch=2, seq=64):
-    """A Llama of 2 layers, hidden 64, 4 heads over 2 key/value heads, MLP 128, SDPA."""
+def llama(batch=2, seq=64, layers=2):
+    """A Llama of ``layers`` layers (2), hidden 64, 4 heads over 2 key/value heads, MLP 128,
+    SDPA."""
     tf = _transformers()
     config = tf.LlamaConfig(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=seq,
