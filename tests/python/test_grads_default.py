@@ -4,6 +4,7 @@
 higher peak; Megatron-Core keeps them in its buffers whatever is asked (docs/offload.md)."""
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -56,3 +57,76 @@ def test_the_hf_trainer_frees_them():
     freed = allocated(trainer="hf", trainer_flags=flags)
     assert freed == allocated(policy="none")
     assert allocated(trainer="hf", trainer_flags=flags, set_to_none=False) > freed
+
+
+# --- the peak against torch's own allocations (torch.profiler on the CPU) -------------------
+# A two-layer Llama whose vocabulary (32,000 x 128, 16 MB of float32) outweighs the rest, so that
+# the step's peak is at the end of backward, where the embedding's gradient arrives. Tied, torch
+# holds the head's gradient of the shared weight, the embedding's and their sum at once (Note [A
+# parameter's gradients] in sim/src/autograd/trainer_backward.cpp); untied, the two weights'.
+
+
+def _llama(tied):
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").train()
+    ids = torch.randint(0, config.vocab_size, (1, 16))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _measured_peak(model, inputs, set_to_none):
+    """The step's peak allocated bytes: what is live before it (weights, inputs and, kept, the
+    gradients) and the most the profiler's allocation records add over that."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        model(**inputs).loss.backward()
+        model.zero_grad(set_to_none=set_to_none)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = over = 0
+    for e in sorted(records, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        over = max(over, live)
+    weights = sum({p.data_ptr(): p.nbytes for p in model.parameters()}.values())
+    before = weights * (1 if set_to_none else 2) + sum(t.nbytes for t in inputs.values())
+    return before + over
+
+
+@pytest.fixture(scope="module")
+def no_workspace_device(tmp_path_factory):
+    """The H100 profile without cuBLAS workspaces, which the CPU has not."""
+    from ferry_cli import REPO
+
+    with open(os.path.join(REPO, "scenarios", "devices", "h100-sxm-pcie5.json")) as f:
+        profile = json.load(f)
+    profile.pop("blas_workspace_bytes", None)
+    path = tmp_path_factory.mktemp("device") / "cpu-like.json"
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["freed", "kept"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_peak_at_the_end_of_backward_is_torchs(no_workspace_device, tied, set_to_none):
+    model, inputs = _llama(tied)
+    traced = ferry.trace(model, **inputs)
+    simulated = ferry.simulate(
+        traced, device=no_workspace_device, steps=2, set_to_none=set_to_none
+    )["result"]["peak_allocated_bytes"]
+    measured = _measured_peak(model, inputs, set_to_none)
+    assert abs(simulated - measured) / measured < 0.04, (simulated, measured)

@@ -616,13 +616,13 @@ def test_torch_1_10_softmax_adds_its_input_to_each_layers_saved_tensors(root):
 
 
 def test_hf_bert_large_v100_batch_4(bert):
-    within(bert["b4"]["peak_reserved_bytes"] / MIB, BERT_B4[0], 0.01)
+    within(bert["b4"]["peak_reserved_bytes"] / MIB, BERT_B4[0], 0.02)
     within(4 / (bert["b4"]["step_time_ns"] / 1e9), BERT_B4[1], 0.08)
 
 
 @pytest.mark.parametrize(
     "row, measured, tolerance",
-    [("b1", BERT_B1, 0.02), ("b1 checkpointed", BERT_B1_CHECKPOINTED, 0.025)],
+    [("b1", BERT_B1, 0.01), ("b1 checkpointed", BERT_B1_CHECKPOINTED, 0.01)],
 )
 def test_hf_bert_large_v100_batch_1_memory(bert, row, measured, tolerance):
     within(bert[row]["peak_reserved_bytes"] / MIB, measured[0], tolerance)
@@ -635,7 +635,7 @@ def test_hf_bert_large_v100_gradient_checkpointing_step_time(bert):
 
 def test_hf_bert_large_v100_adafactor(bert):
     adafactor = bert["b4 adafactor"]
-    within(adafactor["peak_reserved_bytes"] / MIB, BERT_B4_ADAFACTOR[0], 0.02)
+    within(adafactor["peak_reserved_bytes"] / MIB, BERT_B4_ADAFACTOR[0], 0.035)
     within(4 / (adafactor["step_time_ns"] / 1e9), BERT_B4_ADAFACTOR[1], 0.08)
     # What Adafactor saves over AdamW: the two moments of 335M float32 parameters, less its
     # factored state.

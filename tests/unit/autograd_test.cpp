@@ -108,6 +108,70 @@ TEST(Autograd, OffloadLowersPeakMemory) {
   EXPECT_GT(ferry.value().telemetry.offloaded, 0);
 }
 
+// Note [A parameter's gradients]: a weight read by an embedding and, through a whole view (the
+// transpose F.linear takes), by an output head. The head's gradient waits in the engine's input
+// buffer; the embedding's arrives at the end, and the two are summed into a third storage, as a
+// tied Llama's are (torch.profiler on the CPU: three weights' bytes over the step's start, two
+// when the head reads the weight itself and the sum is in place).
+Model tied_weight(bool head_through_view) {
+  testing::ModelBuilder b;
+  b.m.name = "tied";
+  constexpr std::int64_t kWeight = 1 << 20;
+  const std::uint32_t x = b.tensor("x", 1024, TensorRole::Input);
+  const std::uint32_t w = b.tensor("w", kWeight, TensorRole::Param);
+  std::uint32_t head_w = w;
+  if (head_through_view) {
+    head_w = b.tensor("w.t", kWeight, TensorRole::Param);
+    b.m.tensors[head_w].view_of = static_cast<std::int32_t>(w);
+  }
+  const std::uint32_t h = b.tensor("h", 1024, TensorRole::Activation);
+  const std::uint32_t logits = b.tensor("logits", 1024, TensorRole::Activation);
+  const std::uint32_t loss = b.tensor("loss", 4, TensorRole::Activation);
+  b.op("embed", {w, x}, {h}, {x}, SimTime(1000), SimTime(2000));
+  b.op("head", {h, head_w}, {logits}, {h, head_w}, SimTime(1000), SimTime(2000));
+  b.op("loss", {logits}, {loss}, {logits}, SimTime(1000), SimTime(1000));
+  b.m.loss = loss;
+  return b.m;
+}
+
+// The step's peak over its start, in weights (1 MiB each; the rest is a few KiB).
+double peak_in_weights(bool head_through_view, bool set_to_none) {
+  TrainingOptions o = with(Policy::None);
+  o.grads_set_to_none = set_to_none;
+  auto run = simulate_training(tied_weight(head_through_view), testing::simple_profile(), o);
+  EXPECT_TRUE(run.ok()) << run.error().message;
+  expect_clean(run.value());
+  const Bytes peak = run.value().sim.device_allocator(DeviceId(0)).stats().allocated_peak;
+  return static_cast<double>((peak - run.value().baseline_allocated).count()) / (1 << 20);
+}
+
+TEST(Autograd, AWeightsGradientsThroughAViewAreSummedIntoAThirdStorage) {
+  // Freed between steps: the two gradients and their sum; in place: the two.
+  EXPECT_NEAR(peak_in_weights(true, true), 3.0, 0.02);
+  EXPECT_NEAR(peak_in_weights(false, true), 2.0, 0.02);
+  // Kept: the same buffers, then added into the kept gradient in place.
+  EXPECT_NEAR(peak_in_weights(true, false), 3.0, 0.02);
+  EXPECT_NEAR(peak_in_weights(false, false), 2.0, 0.02);
+}
+
+TEST(Autograd, AKeptGradientTakesEachNewOneInPlaceAfterItIsMade) {
+  // chain_model's weights are 4 KiB, each written by one node: kept, each node's gradient is
+  // made and then added in; freed, the first one becomes the gradient.
+  const Model m = testing::chain_model(1, 1 << 20);
+  TrainingOptions kept = with(Policy::None);
+  TrainingOptions freed = kept;
+  freed.grads_set_to_none = true;
+  auto a = simulate_training(m, testing::simple_profile(), kept);
+  auto b = simulate_training(m, testing::simple_profile(), freed);
+  ASSERT_TRUE(a.ok() && b.ok());
+  expect_clean(a.value());
+  EXPECT_EQ(a.value().gradient_values, b.value().gradient_values);
+  const auto over_start = [](const TrainingRun& run) {
+    return run.sim.device_allocator(DeviceId(0)).stats().allocated_peak - run.baseline_allocated;
+  };
+  EXPECT_EQ(over_start(a.value()), over_start(b.value()));
+}
+
 // Note [Held activations]: a head whose output is upcast (2 MiB) before the loss. Held by the
 // loop, the upcast copy outlives the loss node that saved it: through the rest of backward,
 // where the head's node adds its 1 MiB gradient to it (the peak 1 MiB above the plain run's,

@@ -71,6 +71,7 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
   param_grads_ = TensorSlots<Device::Buffer>(n);
   param_grad_values_ = TensorSlots<std::uint64_t>(n);
   last_grad_node_ = TensorSlots<std::uint32_t>(n);
+  grad_sums_ = TensorSlots<GradSum>(n);
   const CheckpointPlan& plan = options.checkpoint;
   region_of_op_.assign(model.ops.size(), -1);
   for (std::size_t r = 0; r < plan.regions.size(); ++r) {

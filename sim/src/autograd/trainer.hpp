@@ -286,10 +286,18 @@ class Trainer final : private RankContext {
   void unpack_node(std::uint32_t n, std::vector<Region>& reads, std::uint64_t& g,
                    std::vector<Device::Buffer>& unpacked);
 
-  // The gradients node n writes for its inputs (each base once, summed over consumers); the
-  // bases written go into `written`.
-  void write_input_grads(std::uint32_t n, std::uint64_t g, std::vector<Region>& writes,
-                         std::vector<std::uint64_t>& values, std::vector<std::uint32_t>& written);
+  // The gradients node n writes for its inputs (each base once, summed over consumers), with
+  // the earlier sums they read; the bases written go into `written`, the storages its kernel
+  // leaves behind into `spent`.
+  void write_input_grads(std::uint32_t n, std::uint64_t g, std::vector<Region>& reads,
+                         std::vector<Region>& writes, std::vector<std::uint64_t>& values,
+                         std::vector<std::uint32_t>& written, std::vector<Device::Buffer>& spent);
+
+  // One backward node's gradient of parameter p, `through_view` when it comes back through a
+  // whole view of p (Note [A parameter's gradients]).
+  void receive_param_grad(std::uint32_t p, bool through_view, std::uint64_t v,
+                          std::vector<Region>& reads, std::vector<Region>& writes,
+                          std::vector<std::uint64_t>& values, std::vector<Device::Buffer>& spent);
 
   // After node n's kernel: the unpacked storages go (one may escape into the next node), so do
   // its outputs' gradients; the post-hook runs, and the last pass releases what it saved.
@@ -326,6 +334,15 @@ class Trainer final : private RankContext {
   StreamId side_;                              // invalid unless options_.side asks for work there
   StreamId current_;                           // the stream current now: compute_ or side_
   TensorSlots<std::uint32_t> last_grad_node_;  // parameter -> node writing it last
+  // A parameter's gradients in one backward pass (Note [A parameter's gradients]).
+  struct GradSum {
+    std::uint32_t producers = 0;           // the pass's nodes writing a gradient of it
+    std::uint32_t arrived = 0;             // of which have run
+    std::optional<Device::Buffer> buffer;  // the engine's input buffer: their sum so far
+    std::uint64_t value = 0;               // its content
+    bool in_place = false;                 // a later gradient is added into it in place
+  };
+  TensorSlots<GradSum> grad_sums_;
   Device device_;
   Offloader<Device> offloader_;
   TrainingFaults faults_;

@@ -292,9 +292,10 @@ void Trainer::unpack_node(std::uint32_t n, std::vector<Region>& reads, std::uint
   }
 }
 
-void Trainer::write_input_grads(std::uint32_t n, std::uint64_t g, std::vector<Region>& writes,
-                                std::vector<std::uint64_t>& values,
-                                std::vector<std::uint32_t>& written) {
+void Trainer::write_input_grads(std::uint32_t n, std::uint64_t g, std::vector<Region>& reads,
+                                std::vector<Region>& writes, std::vector<std::uint64_t>& values,
+                                std::vector<std::uint32_t>& written,
+                                std::vector<Device::Buffer>& spent) {
   for (const std::uint32_t t : model_.ops[n].inputs) {
     const std::uint32_t b = base(t);
     if (std::find(written.begin(), written.end(), b) != written.end()) continue;
@@ -308,16 +309,66 @@ void Trainer::write_input_grads(std::uint32_t n, std::uint64_t g, std::vector<Re
       values.push_back(grad_values_[b]);
     } else if (role == TensorRole::Param) {
       written.push_back(b);
-      // Allocated at its first write: FSDP's unsharded gradient (until its reduce), and every
-      // gradient under set_to_none.
-      if (!param_grads_.contains(b)) {
-        param_grads_[b] = must_allocate(model_.tensors[b].bytes, grad_label(b));
-      }
-      param_grad_values_[b] += mix_content(g, b);
-      writes.push_back(Region{param_grads_.at(b).id, Bytes(0), model_.tensors[b].bytes});
-      values.push_back(param_grad_values_[b]);
+      const ModelTensor& view = model_.tensors[t];
+      const bool whole_view =
+          t != b && view.view_offset == Bytes(0) && view.bytes == model_.tensors[b].bytes;
+      receive_param_grad(b, whole_view, mix_content(g, b), reads, writes, values, spent);
     }
   }
+}
+
+// Note [A parameter's gradients]
+// The autograd engine hands each backward node's gradient of a parameter to the parameter's
+// AccumulateGrad node, which runs once every node that writes one has run (a tied embedding's
+// weight has two: the embedding's and the output head's). In between, the engine's input buffer
+// sums them: in place when the first one is a tensor of its own, out of place when it is a view
+// (the head's gradient comes back through the transpose `F.linear` takes of the weight, and a
+// view shares its storage with its base): the sum is allocated while both addends live, three
+// gradients' bytes at once (torch/csrc/autograd/input_buffer.cpp, `accumulate`, and its
+// stealability test). AccumulateGrad then takes the sum as the parameter's gradient when there is
+// none, or adds it in place into the one there is (a kept gradient, the next micro-batch's), after
+// which it goes. A whole view (offset 0, the base's bytes: a transpose, a reshape) is taken as
+// such a view; a slice's or an expansion's backward makes a tensor of its own.
+void Trainer::receive_param_grad(std::uint32_t p, bool through_view, std::uint64_t v,
+                                 std::vector<Region>& reads, std::vector<Region>& writes,
+                                 std::vector<std::uint64_t>& values,
+                                 std::vector<Device::Buffer>& spent) {
+  const Bytes bytes = model_.tensors[p].bytes;
+  const auto region = [&](const Device::Buffer& b) { return Region{b.id, Bytes(0), bytes}; };
+  param_grad_values_[p] += v;
+  GradSum& sum = grad_sums_[p];
+  ++sum.arrived;
+  const Device::Buffer incoming = must_allocate(bytes, grad_label(p));
+  writes.push_back(region(incoming));
+  values.push_back(v);
+  if (!sum.buffer) {
+    sum.buffer = incoming;
+    sum.value = v;
+    sum.in_place = !through_view;
+  } else {
+    reads.push_back(region(*sum.buffer));
+    sum.value += v;
+    if (!sum.in_place) {  // old + new into a third storage, then both go
+      spent.push_back(*sum.buffer);
+      sum.buffer = must_allocate(bytes, grad_label(p));
+      sum.in_place = true;
+    }
+    spent.push_back(incoming);
+    writes.push_back(region(*sum.buffer));
+    values.push_back(sum.value);
+  }
+  if (sum.arrived < sum.producers) return;
+  // AccumulateGrad: the sum becomes the gradient, or is added into it and goes.
+  if (!param_grads_.contains(p)) {
+    param_grads_[p] = *sum.buffer;
+    values.back() = param_grad_values_[p];  // the last write was the sum's
+  } else {
+    spent.push_back(*sum.buffer);
+    writes.push_back(region(param_grads_.at(p)));
+    values.push_back(param_grad_values_[p]);
+  }
+  sum.arrived = 0;
+  sum.buffer.reset();
 }
 
 void Trainer::let_go_after_node(std::uint32_t n, bool last_pass, std::size_t k,
@@ -369,7 +420,8 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
       g = mix_content(g, grad_values_[b]);
     }
   }
-  write_input_grads(n, g, *writes, *values, *written);
+  auto spent = buffer_scratch_.borrow();
+  write_input_grads(n, g, *reads, *writes, *values, *written, *spent);
   used_on_current(*reads);
   used_on_current(*writes);
   const std::string_view label =
@@ -388,6 +440,7 @@ void Trainer::run_node(std::uint32_t n, bool last_pass, std::size_t k) {
       if (last_grad_node_.contains(b) && last_grad_node_.at(b) == n) hooks_->grad_ready(b);
     }
   }
+  for (const Device::Buffer& b : *spent) device_.drop(b);
   let_go_after_node(n, last_pass, k, *unpacked);
 }
 
@@ -465,9 +518,13 @@ void Trainer::backward(bool last_pass) {
   const std::vector<std::uint32_t> order = backward_order();
   run_.backward_order = order;
   last_grad_node_.clear();
+  grad_sums_.clear();
   for (const std::uint32_t n : order) {
     for (const std::uint32_t t : model_.ops[n].inputs) {
-      if (model_.tensors[base(t)].role == TensorRole::Param) last_grad_node_[base(t)] = n;
+      const std::uint32_t b = base(t);
+      if (model_.tensors[b].role != TensorRole::Param) continue;
+      if (!last_grad_node_.contains(b) || last_grad_node_.at(b) != n) ++grad_sums_[b].producers;
+      last_grad_node_[b] = n;
     }
   }
   std::vector<NodeId> nodes;
@@ -497,6 +554,10 @@ void Trainer::backward(bool last_pass) {
     hooks_->after_node(k, n);
   }
   switch_to(compute_);  // backward() returns on the caller's stream, synced with the leaves'
+  grad_sums_.for_each([&](std::uint32_t p, const GradSum& sum) {
+    FERRY_CHECK(!sum.buffer, "the gradient of '{}' waits for {} more nodes after backward",
+                model_.tensors[p].name, sum.producers - sum.arrived);
+  });
   hooks_->backward_end();
   if (escaped_) {
     device_.drop(*escaped_);
