@@ -512,6 +512,29 @@ TEST(Pipeline, CheckpointModesTradeMemoryForRecompute) {
   }
 }
 
+// Note [A parameter's gradients]: a stage keeps its gradients through the step, and each
+// backward node makes its gradient of a weight before adding it in. Stage 0 holds its 1 MiB
+// weight, the weight's kept gradient and, in the weight's backward, the new one.
+TEST(Pipeline, AWeightsNewGradientLivesBesideTheKeptOne) {
+  testing::ModelBuilder b;
+  b.m.name = "weights";
+  const auto x = b.tensor("x", 1024, TensorRole::Input);
+  const auto w0 = b.tensor("w0", 1 << 20, TensorRole::Param);
+  const auto w1 = b.tensor("w1", 1024, TensorRole::Param);
+  const auto h0 = b.tensor("h0", 1024, TensorRole::Activation);
+  const auto loss = b.tensor("loss", 4, TensorRole::Activation);
+  b.op("a", {x, w0}, {h0}, {x, w0}, SimTime(10'000), SimTime(20'000));
+  b.op("b", {h0, w1}, {loss}, {h0, w1}, SimTime(10'000), SimTime(20'000));
+  b.m.loss = loss;
+  const PipelineRun run =
+      simulate_pipeline(b.m, simple_profile(), options(2, 2, CheckpointMode::Never, {})).value();
+  ASSERT_FALSE(run.failure) << run.failure->message;
+  EXPECT_TRUE(run.hazards().empty()) << first_hazard(run);
+  const double mib = static_cast<double>(run.peak_allocated[0].count()) / (1 << 20);
+  EXPECT_GE(mib, 3.0);
+  EXPECT_LT(mib, 3.1);
+}
+
 TEST(Pipeline, OutOfMemoryStopsTheStepWithTheAllocatorsReport) {
   DeviceProfile small = simple_profile();
   small.memory = Bytes(4LL << 20);  // two small-pool segments: the first large one fails

@@ -367,6 +367,8 @@ class Executor {
   /// Node k's weight-gradient kernel: reads what its input-gradient step read, adds to the
   /// parameters' gradients, then lets go.
   void weight_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k);
+  std::vector<TensorId> new_param_grads(std::uint32_t i, std::uint32_t j, std::uint32_t k,
+                                        bool params, std::vector<Write>& writes);
 
   // The gradients one node's backward adds to.
   struct GradTargets {

@@ -297,9 +297,11 @@ void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
     if (!fresh) reads.push_back(Read{target, whole(target), content(target)});
     writes.push_back(Write{target, grad_content(before + c), before + c});
   }
+  const std::vector<TensorId> made = new_param_grads(i, j, k, !split, writes);
   if (!split) {
     launch(dev(j), op.backward_duration, reads, writes, mb_label(i, op.name + " backward"),
            collective_lane(k, true));
+    for (const TensorId g : made) release(g);
     let_go_after_backward(i, j, k, out_bases, targets, unpacked);
     return;
   }
@@ -315,6 +317,28 @@ void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
   }
   FERRY_CHECK(targets.portal_grads.empty() && unpacked.empty(),
               "a split backward with portals or offload");
+}
+
+// The gradients node k makes of its parameters, before they are added into the kept ones (Note
+// [A parameter's gradients] in trainer_backward.cpp): written by its kernel, released by the
+// caller once it is launched. None when `params` is false (a split backward's input step).
+std::vector<TensorId> Executor::new_param_grads(std::uint32_t i, std::uint32_t j, std::uint32_t k,
+                                                bool params, std::vector<Write>& writes) {
+  std::vector<TensorId> made;
+  if (!params) return made;
+  std::vector<std::uint32_t> bases;
+  for (const Access& a : plan_.reads[k]) {
+    if (model_.tensors[a.base].role != TensorRole::Param) continue;
+    if (std::find(bases.begin(), bases.end(), a.base) != bases.end()) continue;
+    bases.push_back(a.base);
+    const ModelTensor& t = model_.tensors[a.base];
+    const TensorId g = allocate(dev(j), streams_->compute(dev(j)), t.bytes, Kind::Gradient, 1,
+                                mb_label(i, t.name + ".grad (new)"));
+    const std::uint64_t c = mix_content(mix_content(tag::kBackward, k), a.base);
+    writes.push_back(Write{g, grad_content(c), c});
+    made.push_back(g);
+  }
+  return made;
 }
 
 void Executor::weight_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
@@ -342,8 +366,10 @@ void Executor::weight_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k
     reads.push_back(Read{target, whole(target), content(target)});
     writes.push_back(Write{target, grad_content(before + c), before + c});
   }
+  const std::vector<TensorId> made = new_param_grads(i, j, k, true, writes);
   launch(dev(j), op.backward_duration - input_share(k), reads, writes,
          mb_label(i, op.name + " backward weight"));
+  for (const TensorId g : made) release(g);
   std::vector<SavedRef>& saved = task.saved[k - plan_.starts[j]];
   for (const SavedRef& ref : saved) let_go_saved(j, ref);
   saved.clear();
