@@ -97,18 +97,20 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
 }
 
 void Trainer::reserve_calls() {
-  // The planner's runs of a traced Llama and of the presets make about 7 calls an op, 19 with
-  // the most recompute, and about 3 allocations a tensor in a step, and each parameter's
-  // gradient is made and, kept, freed again (Note [A parameter's gradients]): room for that up
-  // front spares the record vectors' regrowth, and a longer run grows them as before. A rank of
-  // a node run shares the node's simulator, which is left alone.
+  // Calls the planner's runs make a step: a traced Llama's at most about 10 an op, the
+  // presets', whose few ops hold many tensors each, at most about 12 a tensor (measured over
+  // BM_PlanTraced's and BM_Plan's runs); about 3 allocations a tensor. Room for that up front
+  // spares the record vectors' regrowth, which copies them into fresh pages; a longer run grows
+  // them as before. A rank of a node run shares the node's simulator, which is left alone.
   if (&sim_ != &run_.sim) return;
   const auto steps = static_cast<std::size_t>(std::max(options_.steps, 1));
+  const std::size_t ops = model_.ops.size();
+  const std::size_t tensors = model_.tensors.size();
   const auto params = static_cast<std::size_t>(
       std::count_if(model_.tensors.begin(), model_.tensors.end(),
                     [](const ModelTensor& t) { return t.role == TensorRole::Param; }));
-  sim_.reserve(steps * (8 * model_.ops.size() + 4 * model_.tensors.size() + 2 * params),
-               steps * (3 * model_.tensors.size() + params));
+  sim_.reserve(steps * std::max(8 * ops + 4 * tensors, 12 * tensors),
+               steps * (3 * tensors + params));
 }
 
 Result<TrainingRun> Trainer::run() {
