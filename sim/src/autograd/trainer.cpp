@@ -99,9 +99,10 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
 void Trainer::reserve_calls() {
   // Calls the planner's runs make a step: a traced Llama's at most about 10 an op, the
   // presets', whose few ops hold many tensors each, at most about 12 a tensor (measured over
-  // BM_PlanTraced's and BM_Plan's runs); about 3 allocations a tensor. Room for that up front
-  // spares the record vectors' regrowth, which copies them into fresh pages; a longer run grows
-  // them as before. A rank of a node run shares the node's simulator, which is left alone.
+  // BM_PlanTraced's and BM_Plan's runs); about 3 allocations a tensor, and a parameter's new
+  // gradient (Note [A parameter's gradients]). Room for that up front spares the record vectors'
+  // regrowth, which copies them into fresh pages; a longer run grows them as before. A rank of a
+  // node run shares the node's simulator, which is left alone.
   if (&sim_ != &run_.sim) return;
   const auto steps = static_cast<std::size_t>(std::max(options_.steps, 1));
   const std::size_t ops = model_.ops.size();
