@@ -60,29 +60,51 @@ def test_the_hf_trainer_frees_them():
 
 
 # --- the peak against torch's own allocations (torch.profiler on the CPU) -------------------
-# A two-layer Llama whose vocabulary (32,000 x 128, 16 MB of float32) outweighs the rest, so that
-# the step's peak is at the end of backward, where the embedding's gradient arrives. Tied, torch
-# holds the head's gradient of the shared weight, the embedding's and their sum at once (Note [A
-# parameter's gradients] in sim/src/autograd/trainer_backward.cpp); untied, the two weights'.
+# Two-layer models of several families whose vocabulary (32,000 x 64 or 128 of float32) outweighs
+# the rest, so that the step's peak is at the end of backward, where the embedding's gradient
+# arrives. Tied, torch holds the head's gradient of the shared weight, the embedding's and their
+# sum at once (Note [A parameter's gradients] in sim/src/autograd/trainer_backward.cpp); untied,
+# the two weights'. T5 shares its embedding between encoder and decoder as well: three nodes.
+
+VOCAB = 32000
 
 
-def _llama(tied):
+def _model(family):
     import torch
-    import transformers
+    import transformers as tf
 
-    config = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").train()
-    ids = torch.randint(0, config.vocab_size, (1, 16))
-    return model, {"input_ids": ids, "labels": ids}
+    small = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    if family in ("llama tied", "llama untied"):
+        config = tf.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            num_hidden_layers=2,
+            tie_word_embeddings=family == "llama tied",
+            **small,
+        )
+        model = tf.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    elif family == "qwen2 tied":
+        config = tf.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, tie_word_embeddings=True, **small
+        )
+        model = tf.Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
+    elif family == "gpt2":
+        config = tf.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        model = tf.GPT2LMHeadModel(config)
+    else:  # t5
+        config = tf.T5Config(
+            vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        model = tf.T5ForConditionalGeneration(config)
+        ids = torch.randint(0, VOCAB, (1, 16))
+        return model.train(), {"input_ids": ids, "labels": torch.randint(0, VOCAB, (1, 8))}
+    ids = torch.randint(0, VOCAB, (1, 16))
+    return model.train(), {"input_ids": ids, "labels": ids}
 
 
 def _measured_peak(model, inputs, set_to_none):
@@ -121,9 +143,9 @@ def no_workspace_device(tmp_path_factory):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["freed", "kept"])
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_the_peak_at_the_end_of_backward_is_torchs(no_workspace_device, tied, set_to_none):
-    model, inputs = _llama(tied)
+@pytest.mark.parametrize("family", ["llama tied", "llama untied", "qwen2 tied", "gpt2", "t5"])
+def test_the_peak_at_the_end_of_backward_is_torchs(no_workspace_device, family, set_to_none):
+    model, inputs = _model(family)
     traced = ferry.trace(model, **inputs)
     simulated = ferry.simulate(
         traced, device=no_workspace_device, steps=2, set_to_none=set_to_none
