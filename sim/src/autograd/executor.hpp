@@ -368,7 +368,7 @@ class Executor {
   /// parameters' gradients, then lets go.
   void weight_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k);
   std::vector<TensorId> new_param_grads(std::uint32_t i, std::uint32_t j, std::uint32_t k,
-                                        bool params, std::vector<Write>& writes);
+                                        std::vector<Write>& writes);
 
   // The gradients one node's backward adds to.
   struct GradTargets {

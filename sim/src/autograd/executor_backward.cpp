@@ -297,7 +297,8 @@ void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
     if (!fresh) reads.push_back(Read{target, whole(target), content(target)});
     writes.push_back(Write{target, grad_content(before + c), before + c});
   }
-  const std::vector<TensorId> made = new_param_grads(i, j, k, !split, writes);
+  const std::vector<TensorId> made =
+      split ? std::vector<TensorId>() : new_param_grads(i, j, k, writes);
   if (!split) {
     launch(dev(j), op.backward_duration, reads, writes, mb_label(i, op.name + " backward"),
            collective_lane(k, true));
@@ -321,11 +322,10 @@ void Executor::op_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k) {
 
 // The gradients node k makes of its parameters, before they are added into the kept ones (Note
 // [A parameter's gradients] in trainer_backward.cpp): written by its kernel, released by the
-// caller once it is launched. None when `params` is false (a split backward's input step).
+// caller once it is launched (a split backward's at its weight step).
 std::vector<TensorId> Executor::new_param_grads(std::uint32_t i, std::uint32_t j, std::uint32_t k,
-                                                bool params, std::vector<Write>& writes) {
+                                                std::vector<Write>& writes) {
   std::vector<TensorId> made;
-  if (!params) return made;
   std::vector<std::uint32_t> bases;
   for (const Access& a : plan_.reads[k]) {
     if (model_.tensors[a.base].role != TensorRole::Param) continue;
@@ -366,7 +366,7 @@ void Executor::weight_backward(std::uint32_t i, std::uint32_t j, std::uint32_t k
     reads.push_back(Read{target, whole(target), content(target)});
     writes.push_back(Write{target, grad_content(before + c), before + c});
   }
-  const std::vector<TensorId> made = new_param_grads(i, j, k, true, writes);
+  const std::vector<TensorId> made = new_param_grads(i, j, k, writes);
   launch(dev(j), op.backward_duration - input_share(k), reads, writes,
          mb_label(i, op.name + " backward weight"));
   for (const TensorId g : made) release(g);
