@@ -268,6 +268,30 @@ TEST(ValidateModel, RejectsIndicesOutOfRange) {
   EXPECT_EQ(validate_model(model).error().message, "loss: tensor index 5 out of range (5 tensors)");
 }
 
+TEST(ValidateModel, NamesTheFirstRepeatedNameInOrder) {
+  // tensors: x w h h_lo y. "w" again at 4 and "x" at 2 and 3: the first repeat, by index, is 2.
+  Model model = small_valid_model();
+  model.tensors[4].name = "w";
+  model.tensors[2].name = "x";
+  model.tensors[3].name = "x";
+  EXPECT_EQ(validate_model(model).error().message,
+            "tensors[2].name: duplicate tensor name \"x\" (first at tensors[0])");
+
+  // An empty name before the repeat is reported first; one after it, not.
+  model.tensors[1].name.clear();
+  EXPECT_EQ(validate_model(model).error().message,
+            "tensors[1].name: a tensor needs a non-empty name");
+  model.tensors[1].name = "w";
+  model.tensors[4].name.clear();
+  EXPECT_EQ(validate_model(model).error().message,
+            "tensors[2].name: duplicate tensor name \"x\" (first at tensors[0])");
+
+  model = small_valid_model();
+  model.ops[1].name = "fc";
+  EXPECT_EQ(validate_model(model).error().message,
+            "ops[1].name: duplicate op name \"fc\" (first at ops[0])");
+}
+
 TEST(ValidateModel, RejectsNegativeCountsAndEmptyModels) {
   Model model = small_valid_model();
   model.ops[0].backward_flops = -1;

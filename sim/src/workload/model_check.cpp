@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <limits>
-#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -71,17 +70,41 @@ std::string op_label(const Model& model, std::size_t index) {
   return fmt::format("{} {}", op_path(index), json_quote(model.ops[index].name));
 }
 
-/// Whether `name` is free in `seen`; otherwise an error at `path()` that names the first user.
-/// See Note [Paths on demand].
+/// The first place a name repeats: the later index, and the earlier one that took the name.
+struct Repeat {
+  std::size_t index = std::numeric_limits<std::size_t>::max();  // none
+  std::size_t first = 0;
+};
+
+/// The smallest index whose name an earlier index took: sorted rather than kept in an ordered
+/// map, which allocated a node a name and compared the names' long shared prefixes
+/// ("layers.12.attn.") at every level, and rather than hashed, so a file cannot make it
+/// quadratic.
+template <class Items>
+Repeat first_repeat(const Items& items) {
+  std::vector<std::pair<std::string_view, std::size_t>> names;
+  names.reserve(items.size());
+  for (std::size_t i = 0; i < items.size(); ++i) names.emplace_back(items[i].name, i);
+  std::sort(names.begin(), names.end());
+  Repeat repeat;
+  for (std::size_t k = 1; k < names.size(); ++k) {
+    // Within a run of one name the indices ascend: the run's second is its first repeat.
+    if (names[k].first != names[k - 1].first) continue;
+    if (k >= 2 && names[k - 2].first == names[k].first) continue;
+    if (names[k].second < repeat.index) repeat = {names[k].second, names[k - 1].second};
+  }
+  return repeat;
+}
+
+/// Whether `name`, at `index`, is non-empty and not `repeat`; otherwise an error at `path()`
+/// (a repeat names the first user). See Note [Paths on demand].
 template <class Path>
-Status declare_name(std::map<std::string_view, std::size_t, std::less<>>& seen,
-                    std::string_view name, std::size_t index, std::string_view what,
-                    const Path& path, std::string (*first_path)(std::size_t)) {
+Status check_name(const Repeat& repeat, std::string_view name, std::size_t index,
+                  std::string_view what, const Path& path, std::string (*first_path)(std::size_t)) {
   if (name.empty()) return error_at(path(), "a {} needs a non-empty name", what);
-  const auto [it, inserted] = seen.emplace(name, index);
-  if (!inserted) {
+  if (index == repeat.index) {
     return error_at(path(), "duplicate {} name {} (first at {})", what, json_quote(name),
-                    first_path(it->second));
+                    first_path(repeat.first));
   }
   return Ok{};
 }
@@ -386,15 +409,15 @@ bool contains(const std::vector<std::uint32_t>& list, std::uint32_t t) {
 /// Checks each op's references in forward order against the ops that produced each activation.
 /// `producer[t]` is the op that produced tensor t, or kNotProduced.
 Status check_ops(const Model& model, std::vector<std::int64_t>& producer) {
-  std::map<std::string_view, std::size_t, std::less<>> names;
+  const Repeat repeat = first_repeat(model.ops);
   for (std::size_t i = 0; i < model.ops.size(); ++i) {
     const ModelOp& op = model.ops[i];
     // See Note [Paths on demand].
     const auto element = [i](std::string_view list, std::size_t j) {
       return [i, list, j] { return json_element_path(op_member(i, list), j); };
     };
-    FERRY_JSON_RETURN_IF_ERROR(declare_name(
-        names, op.name, i, "op", [i] { return op_member(i, "name"); }, op_path));
+    FERRY_JSON_RETURN_IF_ERROR(check_name(
+        repeat, op.name, i, "op", [i] { return op_member(i, "name"); }, op_path));
     FERRY_JSON_RETURN_IF_ERROR(check_op_counts(op, i));
 
     for (std::size_t j = 0; j < op.inputs.size(); ++j) {
@@ -465,10 +488,10 @@ Status validate_model(const Model& model) {
     return Error{fmt::format("tensors: {} tensors is more than a model may have ({})",
                              model.tensors.size(), std::numeric_limits<std::int32_t>::max())};
   }
-  std::map<std::string_view, std::size_t, std::less<>> names;
+  const Repeat repeat = first_repeat(model.tensors);
   for (std::size_t i = 0; i < model.tensors.size(); ++i) {
-    FERRY_JSON_RETURN_IF_ERROR(declare_name(
-        names, model.tensors[i].name, i, "tensor", [i] { return tensor_member(i, "name"); },
+    FERRY_JSON_RETURN_IF_ERROR(check_name(
+        repeat, model.tensors[i].name, i, "tensor", [i] { return tensor_member(i, "name"); },
         tensor_path));
     FERRY_JSON_RETURN_IF_ERROR(check_tensor(model, i));
   }
