@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -76,22 +77,31 @@ struct Repeat {
   std::size_t first = 0;
 };
 
-/// The smallest index whose name an earlier index took: sorted rather than kept in an ordered
-/// map, which allocated a node a name and compared the names' long shared prefixes
-/// ("layers.12.attn.") at every level, and rather than hashed, so a file cannot make it
-/// quadratic.
+/// The smallest index whose name an earlier index took. The names are sorted by their hash,
+/// then by themselves: equal names end up side by side, most comparisons are of integers (the
+/// presets' and traces' names share long prefixes, "layers.12.attn."), and colliding hashes fall
+/// back to comparing names, so no file makes the check quadratic.
 template <class Items>
 Repeat first_repeat(const Items& items) {
-  std::vector<std::pair<std::string_view, std::size_t>> names;
+  struct Entry {
+    std::size_t hash;
+    std::string_view name;
+    std::size_t index;
+    auto operator<=>(const Entry&) const = default;
+  };
+  std::vector<Entry> names;
   names.reserve(items.size());
-  for (std::size_t i = 0; i < items.size(); ++i) names.emplace_back(items[i].name, i);
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const std::string_view name = items[i].name;
+    names.push_back({std::hash<std::string_view>{}(name), name, i});
+  }
   std::sort(names.begin(), names.end());
   Repeat repeat;
   for (std::size_t k = 1; k < names.size(); ++k) {
     // Within a run of one name the indices ascend: the run's second is its first repeat.
-    if (names[k].first != names[k - 1].first) continue;
-    if (k >= 2 && names[k - 2].first == names[k].first) continue;
-    if (names[k].second < repeat.index) repeat = {names[k].second, names[k - 1].second};
+    if (names[k].name != names[k - 1].name) continue;
+    if (k >= 2 && names[k - 2].name == names[k].name) continue;
+    if (names[k].index < repeat.index) repeat = {names[k].index, names[k - 1].index};
   }
   return repeat;
 }
@@ -334,33 +344,34 @@ bool collective_shape_fits(CollectiveKind kind, std::int64_t in, std::int64_t ou
 /// Checks op `index`'s collective (Note [Collective ops]); its tensor indices are in range.
 Status check_collective(const Model& model, const ModelOp& op, std::size_t index) {
   const OpCollective& c = op.collective;
-  const std::string at = op_member(index, "collective");
+  // See Note [Paths on demand]: most ops have no collective, and every op comes through here.
+  const auto at = [index] { return op_member(index, "collective"); };
   if (!c.any()) {
     if (c.forward || c.backward) {
-      return error_at(json_member_path(at, "ranks"),
+      return error_at(json_member_path(at(), "ranks"),
                       "a collective needs a group of 2 or more ranks");
     }
     return Ok{};
   }
   if (c.ranks < 2 || c.ranks > kMaxCollectiveRanks) {
-    return error_at(json_member_path(at, "ranks"), "expected an integer in [2, {}], got {}",
+    return error_at(json_member_path(at(), "ranks"), "expected an integer in [2, {}], got {}",
                     kMaxCollectiveRanks, c.ranks);
   }
   if (c.nodes < 1 || c.nodes > c.ranks) {
-    return error_at(json_member_path(at, "nodes"),
+    return error_at(json_member_path(at(), "nodes"),
                     "expected an integer in [1, {}] (the group's ranks), got {}", c.ranks, c.nodes);
   }
   if (!c.forward && !c.backward) {
-    return error_at(at, "a collective op runs a collective in its forward, its backward or both");
+    return error_at(at(), "a collective op runs a collective in its forward, its backward or both");
   }
   if (op.flops != 0 || op.backward_flops != 0 || op.bytes.count() != 0 ||
       op.backward_bytes.count() != 0 || op.gemm.known()) {
-    return error_at(at,
+    return error_at(at(),
                     "a collective op computes nothing: its time is its link's, so flops, bytes, "
                     "backward_flops and backward_bytes must be 0 and it has no gemm");
   }
   if (op.inputs.empty() || op.outputs.empty()) {
-    return error_at(at, "a collective op moves its inputs into its outputs: it needs both");
+    return error_at(at(), "a collective op moves its inputs into its outputs: it needs both");
   }
   const std::int64_t in = tensor_bytes(model, op.inputs);
   const std::int64_t out = tensor_bytes(model, op.outputs);
@@ -371,7 +382,7 @@ Status check_collective(const Model& model, const ModelOp& op, std::size_t index
     const std::int64_t from = backward ? out : in;
     const std::int64_t to = backward ? in : out;
     if (!collective_shape_fits(*kind, from, to, c.ranks)) {
-      return error_at(json_member_path(at, backward ? "backward" : "forward"),
+      return error_at(json_member_path(at(), backward ? "backward" : "forward"),
                       "{} over {} ranks cannot turn {} bytes into {} (the op's {} into its {})",
                       collective_kind_name(*kind), c.ranks, from, to,
                       backward ? "outputs' gradients" : "inputs",
