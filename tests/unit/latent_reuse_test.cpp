@@ -279,6 +279,42 @@ TEST(LatentReuse, WorkOnTheAllocationStreamNeedsNoGuard) {
 
 // Three layers each free their activation while the offload stream may still read it: one
 // defect, repeated. The text groups the three (count, first shown); the JSON lists each.
+// The checker keeps each buffer's latest access per stream in one row a buffer, laid out again
+// wider when a stream is made after buffers were used: a row written before that must survive
+// it. `early` is read on s1 and freed on compute with no wait; s2 comes after the read.
+TEST(LatentReuse, AStreamMadeLaterKeepsWhatEarlierStreamsDidToABuffer) {
+  for (const bool wait : {false, true}) {
+    Simulator sim = testing::simple_sim();
+    const StreamId compute = sim.add_stream(DeviceId(0), "compute");
+    const StreamId s1 = sim.add_stream(DeviceId(0), "s1");
+    const EventId produced = sim.add_event("produced");
+    const EventId consumed = sim.add_event("consumed");
+    const BufferId early = testing::device_buffer(sim, compute, 1 << 20, "early");
+    sim.kernel(compute, SimTime(1000), kNone, one(whole(sim, early)), "produce");
+    sim.record(produced, compute);
+    sim.wait(s1, produced);
+    const OpId read = sim.kernel(s1, SimTime(1000), one(whole(sim, early)), kNone, "read on s1");
+    if (wait) {
+      sim.record(consumed, s1);
+      sim.wait(compute, consumed);
+    }
+    const StreamId s2 = sim.add_stream(DeviceId(0), "s2");
+    const BufferId later = testing::device_buffer(sim, s2, 1 << 20, "later");
+    sim.kernel(s2, SimTime(1000), kNone, one(whole(sim, later)), "write on s2");
+    sim.free(early, "free early");
+    const OpId freed = last_op(sim);
+    sim.finish();
+    if (wait) {
+      EXPECT_TRUE(sim.hazards().empty());
+      continue;
+    }
+    ASSERT_EQ(sim.hazards().size(), 1U);
+    EXPECT_EQ(sim.hazards()[0].kind, HazardKind::LatentReuse);
+    EXPECT_EQ(sim.hazards()[0].first, read);
+    EXPECT_EQ(sim.hazards()[0].second, freed);
+  }
+}
+
 TEST(LatentReuse, RepeatedDefectsAreGroupedInTextAndListedInJson) {
   Program p;
   p.devices.push_back(ProgramDevice{"gpu0", testing::simple_profile()});

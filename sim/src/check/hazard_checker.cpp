@@ -146,10 +146,21 @@ inline const HazardChecker::Clock& HazardChecker::access_clock(ThreadIndex threa
 }
 
 inline void HazardChecker::note_last_access(const Access& self) {
-  if (last_access_.size() <= self.buffer.value()) last_access_.resize(self.buffer.value() + 1);
-  std::vector<std::uint32_t>& last = last_access_[self.buffer.value()];
-  if (last.size() <= self.thread) last.resize(self.thread + 1, 0);
-  last[self.thread] = self.epoch;
+  if (self.thread >= last_stride_) {
+    // A thread added after buffers were accessed (streams are usually made first): lay the
+    // rows out again, wider.
+    const std::size_t stride = clocks_.size();
+    std::vector<std::uint32_t> wider(last_access_.size() / last_stride_ * stride, 0);
+    for (std::size_t b = 0; b * last_stride_ < last_access_.size(); ++b) {
+      std::copy_n(last_access_.begin() + static_cast<std::ptrdiff_t>(b * last_stride_),
+                  last_stride_, wider.begin() + static_cast<std::ptrdiff_t>(b * stride));
+    }
+    last_access_ = std::move(wider);
+    last_stride_ = stride;
+  }
+  const std::size_t row = self.buffer.value() * last_stride_;
+  if (last_access_.size() < row + last_stride_) last_access_.resize(row + last_stride_, 0);
+  last_access_[row + self.thread] = self.epoch;
 }
 
 void HazardChecker::emit(const Access& earlier, const Access& self, SpaceIndex space,
@@ -266,14 +277,15 @@ void HazardChecker::release(OpId free_op, BufferId buffer, SpaceIndex space, Byt
     floors.ranges.emplace(lo, Floor{hi, static_cast<std::uint32_t>(snapshots_.size() - 1)});
     floors.longest = std::max(floors.longest, hi - lo);
   }
-  if (lo >= hi || space >= spaces_.size() || buffer.value() >= last_access_.size()) return;
+  const std::size_t row = buffer.value() * last_stride_;
+  if (lo >= hi || space >= spaces_.size() || row >= last_access_.size()) return;
   // Each thread's latest access to the buffer follows its earlier ones: when all of those are
   // ordered before the reuse point, so is every access.
-  std::vector<std::uint32_t> last = std::move(last_access_[buffer.value()]);
-  last_access_[buffer.value()] = {};
   bool unordered = false;
-  for (ThreadIndex t = 0; t < last.size(); ++t) {
-    unordered = unordered || (last[t] != 0 && (t >= reuse.size() || last[t] > reuse[t]));
+  for (ThreadIndex t = 0; t < last_stride_; ++t) {
+    std::uint32_t& last = last_access_[row + t];
+    unordered = unordered || (last != 0 && (t >= reuse.size() || last > reuse[t]));
+    last = 0;
   }
   if (!unordered) return;
   Shadow& shadow = spaces_[space];

@@ -219,9 +219,11 @@ class HazardChecker {
   std::vector<std::uint32_t> buffer_floor_;  // per buffer: snapshot, or kNoFloor
   Clock scratch_;                            // a thread's clock joined with a floor
   Clock reuse_;                              // a free's reuse point
-  // Per buffer, per thread: the epoch of the thread's latest access to it (0: none). A free
-  // whose reuse point is after every one needs no look at the shadow.
-  std::vector<std::vector<std::uint32_t>> last_access_;
+  // Per buffer, per thread: the epoch of the thread's latest access to it (0: none), buffer b's
+  // at [b * last_stride_, (b + 1) * last_stride_), one row a buffer rather than an allocation
+  // each. A free whose reuse point is after every one needs no look at the shadow.
+  std::vector<std::uint32_t> last_access_;
+  std::size_t last_stride_ = 1;  // the threads' count when last_access_ was laid out
   // LatentReuse reports by (access op, its buffer, whether it wrote): an observed reuse of
   // the same access adds to that report rather than making a second one.
   std::map<std::tuple<std::uint32_t, std::uint32_t, bool>, std::size_t> latent_;
