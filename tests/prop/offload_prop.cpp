@@ -108,19 +108,34 @@ std::string describe(const Model& m) {
   return out.str();
 }
 
+Bytes storage_bytes(const Model& m, std::uint32_t t) {
+  const ModelTensor& tensor = m.tensors[t];
+  return tensor.view_of >= 0 ? m.tensors[static_cast<std::size_t>(tensor.view_of)].bytes
+                             : tensor.bytes;
+}
+
 // Largest storage bytes saved by one op (a node's worth of tensors).
 Bytes node_bytes(const Model& m) {
   Bytes most;
   for (const ModelOp& op : m.ops) {
     Bytes sum;
-    for (const auto t : op.saved) {
-      const ModelTensor& tensor = m.tensors[t];
-      sum += tensor.view_of >= 0 ? m.tensors[static_cast<std::size_t>(tensor.view_of)].bytes
-                                 : tensor.bytes;
-    }
+    for (const auto t : op.saved) sum += storage_bytes(m, t);
     most = std::max(most, sum);
   }
   return most;
+}
+
+// The most the ferry policy's prefetch may hold: its byte budget, or `min_in_flight` tensors
+// whatever their bytes (Note [Tensors in flight] in ferry_policy.hpp). A prefetched reload
+// need not be one the no-offload run holds once: without dedup each node that saved a storage
+// reloads its own copy, and a node the backward never runs (an unused branch) keeps its
+// prefetched copy until backward's end.
+Bytes prefetch_bound(const Model& m, Bytes prefetch) {
+  Bytes largest;
+  for (const ModelOp& op : m.ops) {
+    for (const auto t : op.saved) largest = std::max(largest, storage_bytes(m, t));
+  }
+  return std::max(prefetch, OffloadOptions{}.min_in_flight * largest);
 }
 
 void offload_is_safe(const std::vector<LayerChoice>& choices, const Knobs& knobs,
@@ -148,10 +163,10 @@ void offload_is_safe(const std::vector<LayerChoice>& choices, const Knobs& knobs
     RC_ASSERT(r.allocated_after[s] == r.baseline_allocated);
     RC_ASSERT(r.tracked_after[s] == 0U);
   }
-  // Peak requested bytes: no worse than keeping everything, plus the prefetch budget (ferry)
-  // and two nodes' tensors (a reload outlives its node until the next post-hook; trl reloads
-  // a storage saved by two nodes twice). Not with escaped views: their storage is freed with
-  // record_stream, whose memory returns only once the device caught up and the next malloc
+  // Peak requested bytes: no worse than keeping everything, plus what the prefetch may hold
+  // (ferry) and two nodes' tensors (a reload outlives its node until the next post-hook; trl
+  // reloads a storage saved by two nodes twice). Not with escaped views: their storage is freed
+  // with record_stream, whose memory returns only once the device caught up and the next malloc
   // polled it (PyTorch's caching allocator), so the peak then depends on timing.
   if (knobs.escape_period > 0) return;
   Knobs none = knobs;
@@ -161,7 +176,7 @@ void offload_is_safe(const std::vector<LayerChoice>& choices, const Knobs& knobs
   const Bytes peak = r.sim.device_allocator(DeviceId(0)).stats().requested_peak;
   const Bytes base_peak = base.value().sim.device_allocator(DeviceId(0)).stats().requested_peak;
   Bytes slack = 2 * node_bytes(model);
-  if (knobs.policy == Policy::Ferry) slack += Bytes(knobs.prefetch);
+  if (knobs.policy == Policy::Ferry) slack += prefetch_bound(model, Bytes(knobs.prefetch));
   RC_ASSERT(peak <= base_peak + slack);
 }
 
