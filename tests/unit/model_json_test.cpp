@@ -226,6 +226,26 @@ TEST(ModelJson, TheAllocatorMemberIsReadAsItsModeAndWrittenBack) {
   EXPECT_EQ(model_to_json(plain.value()).find("allocator"), std::string::npos);
 }
 
+// A trace's measured optimizer step (Note [The optimizer step] in model.cpp): read, written back
+// and read again unchanged; a file without one has none.
+TEST(ModelJson, TheOptimizerStepIsReadAndWrittenBack) {
+  auto model = parse_model(
+      valid_with(R"("loss": "y")",
+                 R"("loss": "y", "optimizer_step": {"bytes": 320, "temporaries": [16, 8]})"),
+      "toy.json");
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  ASSERT_TRUE(model.value().optimizer_step);
+  EXPECT_EQ(model.value().optimizer_step->bytes, Bytes(320));
+  EXPECT_EQ(model.value().optimizer_step->temporaries, (std::vector<Bytes>{Bytes(16), Bytes(8)}));
+  auto back = parse_model(model_to_json(model.value()), "again.json");
+  ASSERT_TRUE(back.ok()) << back.error().message;
+  EXPECT_EQ(back.value(), model.value());
+  auto plain = parse_model(std::string(kValidModel), "toy.json");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain.value().optimizer_step, std::nullopt);
+  EXPECT_EQ(model_to_json(plain.value()).find("optimizer_step"), std::string::npos);
+}
+
 // Note [Optimizer state in earlier traces] in model_json.cpp.
 TEST(ModelJson, AnEarlierTracesOptimizerStateIsReadByItsNameUntilTheRoleIsUsed) {
   const std::string param = R"({"name": "w", "bytes": 128, "dtype": "bf16", "role": "param"},)";

@@ -146,6 +146,41 @@ TEST(PipelineOptimizer, TheStepEndsWithAnOptimizerStepAtTheMemoryBandwidth) {
   EXPECT_GT(run.step_time, base.step_time);
 }
 
+// With a traced step (Note [The optimizer step] in model.cpp) each stage steps its parameters'
+// share of it: the bytes moved, and each of the step's temporaries, allocated for the step.
+TEST(PipelineOptimizer, EachStageStepsItsParametersShareOfATracedStep) {
+  const DeviceProfile device = simple_profile();
+  Model with = with_adamw_state(testing::tiny_gpt(device));
+  const Bytes whole = trainable_param_bytes(with);
+  std::vector<Bytes> foreach_sqrt;  // torch's foreach AdamW: a tensor a parameter
+  for (const ModelTensor& t : with.tensors) {
+    if (t.role == TensorRole::Param && t.view_of < 0) foreach_sqrt.push_back(t.bytes);
+  }
+  with.optimizer_step = OptimizerStep{.bytes = 20 * whole, .temporaries = foreach_sqrt};
+  const PipelineRun run = simulate_pipeline(with, device, options(2)).value();
+  ASSERT_FALSE(run.failure) << run.failure->message;
+  EXPECT_TRUE(run.hazards().empty());
+  EXPECT_TRUE(run.content_mismatches().empty());
+  const Owned o = owned(with, run);
+  std::map<std::uint32_t, Bytes> temporaries;
+  for (const BufferInfo& b : run.sim.buffers()) {
+    if (run.sim.label(b.label) == "optimizer step temporaries") {
+      temporaries[b.device.value()] += b.bytes;
+    }
+  }
+  const std::vector<const OpRecord*> steps = optimizer_steps(run);
+  ASSERT_EQ(steps.size(), 2U);
+  for (const OpRecord* step : steps) {
+    const std::uint32_t d = run.sim.stream_device(step->stream).value();
+    Bytes expected(0);
+    for (const Bytes t : foreach_sqrt) expected += share_of(t, o.params[d], whole);
+    EXPECT_EQ(temporaries[d], expected) << "gpu" << d;
+    EXPECT_EQ(step->end - step->start,
+              streaming_time(device, share_of(20 * whole, o.params[d], whole)))
+        << "gpu" << d;
+  }
+}
+
 // On the mesh a stage holds AdamW's moments of its parameters' shard, twice the shard, as FSDP
 // on one rank holds them (Fsdp2::optimizer_step), and not the rank model's own state.
 TEST(PipelineOptimizer, AStageOnTheMeshHoldsTheMomentsOfItsShard) {

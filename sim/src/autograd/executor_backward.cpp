@@ -417,40 +417,56 @@ void Executor::finish_step() {
   for (std::uint32_t d = 0; d < ndev_; ++d) sim_.sync_device(DeviceId(d));
 }
 
-// The step of an optimizer with state (AdamW) reads the gradients, the parameters and the state
-// and writes the last two, a kernel bound by the device's memory bandwidth as Fsdp2's is
-// (Fsdp2::optimizer_step, Fsdp2::memory_time). A model with no optimizer state names no
-// optimizer: its step reads the gradients for 1 ns.
+// The optimizer's step reads the gradients, the parameters and the state and writes the last
+// two, a kernel bound by the device's memory bandwidth, with what the optimizer makes and frees
+// on the way (Note [The optimizer step] in model.cpp, as Fsdp2::optimizer_step). A model that
+// names no optimizer (no state, no traced step) reads the gradients for 1 ns.
 void Executor::optimizer_step(std::uint32_t d, std::vector<Read> reads) {
   if (reads.empty()) return;
   std::vector<TensorId> updated;
+  Bytes grads;
+  Bytes params;
+  Bytes state;
+  for (const Read& r : reads) grads += r.region.bytes;
   if (mesh_.on()) {
     updated = param_shards_[d];  // which reduce_gradients lists among the reads
+    for (const TensorId h : updated) params += buf(h).bytes;
+    grads -= params;
     for (const TensorId h : moment_shards_[d]) {
       reads.push_back(Read{h, whole(h), content(h)});
       updated.push_back(h);
+      state += buf(h).bytes;
     }
-  } else if (!state_[d].empty()) {
-    for (const auto& [b, h] : param_grads_[d]) updated.push_back(resident_[d].at(b));
-    for (const auto& [b, h] : state_[d]) updated.push_back(h);
-    for (const TensorId h : updated) reads.push_back(Read{h, whole(h), content(h)});
+  } else {
+    for (const auto& [b, h] : param_grads_[d]) {
+      updated.push_back(resident_[d].at(b));
+      params += buf(resident_[d].at(b)).bytes;
+    }
+    for (const auto& [b, h] : state_[d]) {
+      updated.push_back(h);
+      state += buf(h).bytes;
+    }
+    for (std::size_t i = 0; i < updated.size(); ++i) {
+      const TensorId h = updated[i];
+      reads.push_back(Read{h, whole(h), content(h)});
+    }
   }
-  if (updated.empty()) {
+  const StepCost cost = optimizer_step_cost(model_, params, grads, state);
+  if (cost.moved <= Bytes(0)) {
     launch(d, SimTime(1), reads, {}, "optimizer step");
     return;
   }
-  Bytes moved(0);
-  for (const Read& r : reads) moved += r.region.bytes;
   std::vector<Write> writes;
-  for (const TensorId h : updated) {
-    writes.push_back(Write{h, content(h), buf(h).sum});
-    moved += buf(h).bytes;
+  for (const TensorId h : updated) writes.push_back(Write{h, content(h), buf(h).sum});
+  std::vector<TensorId> temporaries;
+  for (const Bytes bytes : cost.temporaries) {
+    temporaries.push_back(
+        allocate(d, streams_->compute(d), bytes, Kind::Static, 1, "optimizer step temporaries"));
+    writes.push_back(
+        Write{temporaries.back(), mix_content(tag::kGrad, temporaries.back().value()), 0});
   }
-  const std::int64_t rate =
-      profile_.memory_bandwidth.bytes_per_s() * memory_permille(profile_) / 1000;
-  const SimTime time =
-      std::max(SimTime(1), transfer_time(moved, Bandwidth(std::max<std::int64_t>(rate, 1))));
-  launch(d, time, reads, writes, "optimizer step");
+  launch(d, streaming_time(profile_, cost.moved), reads, writes, "optimizer step");
+  for (const TensorId h : temporaries) release(h);
 }
 
 std::int64_t Executor::release_leftovers() {

@@ -315,6 +315,10 @@ class Trainer final : private RankContext {
 
   void backward(bool last_pass);
 
+  // The optimizer's step over the parameters this rank holds whole (Note [The optimizer step]
+  // in model.cpp); FSDP's shards step in Fsdp2::optimizer_step.
+  void optimizer_step();
+
   void step();
 
   struct OpenRegion {

@@ -592,6 +592,43 @@ void Trainer::backward(bool last_pass) {
   scopes_[0].bound.clear();
 }
 
+void Trainer::optimizer_step() {
+  auto reads = region_scratch_.borrow();
+  auto writes = region_scratch_.borrow();
+  auto values = value_scratch_.borrow();
+  Bytes params;
+  Bytes grads;
+  Bytes state;
+  for (std::uint32_t t = 0; t < model_.tensors.size(); ++t) {
+    const ModelTensor& tensor = model_.tensors[t];
+    const bool param = tensor.role == TensorRole::Param;
+    if (tensor.view_of >= 0 || !params_.contains(t)) continue;
+    if (!param && tensor.role != TensorRole::OptimizerState) continue;
+    const Region where = region(t);
+    reads->push_back(where);
+    writes->push_back(where);
+    values->push_back(params_.at(t).value);  // what a tensor holds is named by the tensor
+    (param ? params : state) += tensor.bytes;
+    if (param && param_grads_.contains(t)) {
+      reads->push_back(Region{param_grads_.at(t).id, Bytes(0), tensor.bytes});
+      grads += tensor.bytes;
+    }
+  }
+  const StepCost cost = optimizer_step_cost(model_, params, grads, state);
+  if (cost.moved <= Bytes(0)) return;
+  std::vector<Device::Buffer> temporaries;
+  for (const Bytes bytes : cost.temporaries) {
+    temporaries.push_back(must_allocate(bytes, "optimizer step temporaries"));
+    writes->push_back(Region{temporaries.back().id, Bytes(0), bytes});
+    values->push_back(mix_content(tag::kGrad, temporaries.back().id.value()));
+  }
+  used_on_current(*reads);
+  used_on_current(*writes);
+  sim_.kernel(current_, streaming_time(sim_.device_profile(dev_), cost.moved), *reads, *writes,
+              "optimizer step", *values);
+  for (const Device::Buffer& b : temporaries) device_.drop(b);
+}
+
 void Trainer::step() {
   in_last_step_ = step_ + 1 == options_.steps;
   // The offloader's counters and decisions are reported for the last step run, like every
@@ -614,6 +651,7 @@ void Trainer::step() {
   const int passes = options_.retain_graph ? 2 : 1;
   for (int pass = 0; pass < passes; ++pass) backward(pass == passes - 1);
   offloader_.exit();
+  if (!options_.parallel.on()) optimizer_step();
   hooks_->optimizer_step();
   if (options_.sync_each_step) sim_.sync_device(dev_);
   if (options_.grads_set_to_none) {

@@ -73,8 +73,9 @@ class ModelReader {
       return format_value.error("expected {}, got {}", json_quote(kModelFormat),
                                 json_quote(format));
     }
-    FERRY_JSON_TRY(const auto object, root.object({"format", "name", "tensors", "ops", "loss",
-                                                   "parallelism", "allocator", "routing"}));
+    FERRY_JSON_TRY(const auto object,
+                   root.object({"format", "name", "tensors", "ops", "loss", "parallelism",
+                                "allocator", "routing", "optimizer_step"}));
     FERRY_JSON_TRY(model_.name, object.required_name("name"));
     FERRY_JSON_RETURN_IF_ERROR(read_tensors(object));
     FERRY_JSON_RETURN_IF_ERROR(read_ops(object));
@@ -95,6 +96,9 @@ class ModelReader {
     if (auto routing = object.optional("routing")) {
       FERRY_JSON_TRY(model_.routing, read_routing(*routing));
     }
+    if (auto step = object.optional("optimizer_step")) {
+      FERRY_JSON_TRY(model_.optimizer_step, read_optimizer_step(*step));
+    }
     // The checks that need the whole model: producers, views inside their bases, the loss.
     // Its paths are the document's, since tensors and ops keep their order.
     if (auto status = validate_model(model_); !status.ok()) {
@@ -111,6 +115,24 @@ class ModelReader {
       return value.error("expected a number >= {}", min);
     }
     return json.get<double>();
+  }
+
+  static Result<OptimizerStep> read_optimizer_step(const JsonValue& value) {
+    FERRY_JSON_TRY(const auto members, value.object({"bytes", "temporaries"}));
+    OptimizerStep step;
+    FERRY_JSON_TRY(const auto bytes, members.required_integer("bytes", 0, kMaxJsonBytes));
+    step.bytes = Bytes(bytes);
+    FERRY_JSON_TRY(const auto list, members.required_array("temporaries"));
+    Bytes total;
+    for (const JsonValue& element : list) {
+      FERRY_JSON_TRY(const auto size, element.integer(1, kMaxJsonBytes));
+      total += Bytes(size);
+      if (total.count() > kMaxJsonBytes) {
+        return element.error("the temporaries exceed {} bytes together", kMaxJsonBytes);
+      }
+      step.temporaries.push_back(Bytes(size));
+    }
+    return step;
   }
 
   static Result<RoutingAssumption> read_routing(const JsonValue& value) {
@@ -462,6 +484,14 @@ std::string model_to_json(const Model& model) {
   }
   if (model.allocator) out["allocator"] = std::string(allocator_mode_name(*model.allocator));
   if (!model.routing.assumption.empty()) out["routing"] = routing_json(model.routing);
+  if (model.optimizer_step) {
+    OrderedJson step;
+    step["bytes"] = model.optimizer_step->bytes.count();
+    OrderedJson temporaries = OrderedJson::array();
+    for (const Bytes t : model.optimizer_step->temporaries) temporaries.push_back(t.count());
+    step["temporaries"] = std::move(temporaries);
+    out["optimizer_step"] = std::move(step);
+  }
   return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
 }
 

@@ -76,6 +76,58 @@ const char* tensor_role_name(TensorRole role) {
 // base, both saved), so an offloader that moves storages may move fewer or more bytes; the
 // transformer generator never saves both a view and its base, so here the two counts agree.
 
+Bytes trainable_param_bytes(const Model& model) {
+  Bytes total;
+  for (const ModelTensor& t : model.tensors) {
+    if (t.role == TensorRole::Param && t.view_of < 0) total += t.bytes;
+  }
+  return total;
+}
+
+// Note [The optimizer step]
+// torch's optimizers step over the parameters after backward, a pass bound by memory bandwidth.
+// What it moves and what it allocates depend on the implementation the loop runs, which a trace
+// measures (Note [The optimizer step as the device runs it] in ferry/_trace): for AdamW, the
+// fused kernel reads the parameters, gradients and both moments and writes the parameters and
+// moments once (7 bytes a parameter byte; a trace counts 8, its schema marking the gradients
+// written too); the foreach kernels make eight passes, 20 bytes a parameter byte, and hold
+// `exp_avg_sq_sqrt`, a tensor per parameter,
+// all at once: one parameter set more at the step's peak, as torch.optim.AdamW's documentation
+// says of foreach; the loop over parameters holds two of the largest parameter's. The trace
+// records those tensors, and the simulated step makes each (the caching allocator places them
+// as it places torch's, in the blocks backward left free). The figures are the whole model's; a
+// rank that steps part of the parameters (a shard under FSDP, a stage of a pipeline, a
+// tensor-parallel slice) pays the part's share by bytes, of each tensor too. Without figures (a
+// preset, a file written by hand) a model with optimizer state steps as fused AdamW does.
+
+StepCost optimizer_step_cost(const Model& model, Bytes params, Bytes grads, Bytes state) {
+  if (!model.optimizer_step) {
+    if (state <= Bytes(0)) return {};
+    return StepCost{.moved = std::int64_t{2} * params + grads + std::int64_t{2} * state};
+  }
+  const Bytes whole = trainable_param_bytes(model);
+  if (whole <= Bytes(0) || params <= Bytes(0)) return {};
+  StepCost cost{.moved = share_of(model.optimizer_step->bytes, params, whole)};
+  for (const Bytes t : model.optimizer_step->temporaries) {
+    cost.temporaries.push_back(share_of(t, params, whole));
+  }
+  return cost;
+}
+
+Bytes share_of(Bytes figure, Bytes part, Bytes whole) {
+  FERRY_CHECK(part.count() > 0 && whole.count() > 0, "a share of {} in {} bytes", part.count(),
+              whole.count());
+  // Exact: figure and part are at most 2^50 (kMaxJsonBytes), their product fits 128 bits.
+  __extension__ using Wide = __int128;
+  const Wide product = static_cast<Wide>(figure.count()) * part.count();
+  return Bytes(static_cast<std::int64_t>((product + whole.count() - 1) / whole.count()));
+}
+
+SimTime streaming_time(const DeviceProfile& device, Bytes bytes) {
+  const std::int64_t rate = device.memory_bandwidth.bytes_per_s() * memory_permille(device) / 1000;
+  return std::max(SimTime(1), transfer_time(bytes, Bandwidth(std::max<std::int64_t>(rate, 1))));
+}
+
 Bytes saved_activation_bytes(const Model& model, std::int32_t layer) {
   std::vector<bool> counted(model.tensors.size(), false);
   Bytes total;

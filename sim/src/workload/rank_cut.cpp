@@ -34,6 +34,17 @@ ModelOp RankCut::collective_op(std::string name, const Exchange& x,
 }
 
 Result<Model> RankCut::checked(Model out) const {
+  // The traced optimizer step is the whole model's: the rank steps its parameters' share
+  // (Note [The optimizer step] in model.cpp).
+  if (out.optimizer_step) {
+    const Bytes whole = trainable_param_bytes(whole_);
+    const Bytes part = trainable_param_bytes(out);
+    if (whole > Bytes(0) && part > Bytes(0)) {
+      OptimizerStep& step = *out.optimizer_step;
+      step.bytes = share_of(step.bytes, part, whole);
+      for (Bytes& t : step.temporaries) t = share_of(t, part, whole);
+    }
+  }
   if (!validate_) return out;
   if (auto valid = validate_model(out); !valid) {
     return refuse("the cut model is not valid ({})", valid.error().message);

@@ -153,6 +153,18 @@ struct RoutingAssumption {
   friend bool operator==(const RoutingAssumption&, const RoutingAssumption&) = default;
 };
 
+/// What one optimizer step costs, as a trace measured it over the whole model's parameters (the
+/// file's "optimizer_step" member, docs/model-format.md): the bytes its kernels move and the
+/// tensors it makes that are alive together at its peak (torch's foreach AdamW: one a
+/// parameter, Note [The optimizer step] in sim/src/workload/model.cpp). A rank that steps part
+/// of the parameters (a shard, a stage) pays their share.
+struct OptimizerStep {
+  Bytes bytes;                     ///< read and written by the step's kernels
+  std::vector<Bytes> temporaries;  ///< the step's tensors alive at its peak, in creation order
+
+  friend bool operator==(const OptimizerStep&, const OptimizerStep&) = default;
+};
+
 /// A training step's forward: tensors, ops in forward order and the loss.
 struct Model {
   std::string name;                  ///< e.g. the preset name
@@ -172,6 +184,9 @@ struct Model {
   /// The file's "routing" member, if any (`ferry.trace` of a model whose shapes follow its
   /// routing).
   RoutingAssumption routing{};
+  /// The file's "optimizer_step" member: none when absent, and then a model with optimizer
+  /// state steps as fused AdamW does (Note [The optimizer step]).
+  std::optional<OptimizerStep> optimizer_step;
 
   friend bool operator==(const Model&, const Model&) = default;
 };
@@ -230,6 +245,33 @@ inline constexpr std::int32_t kMaxGroups = std::int32_t{1} << 20;
   return device.kernels.memory_permille > 0 ? device.kernels.memory_permille
                                             : kRooflineBandwidthPermille;
 }
+
+/// Bytes of the parameters an optimizer steps: the tensors of role Param (a frozen parameter is
+/// a Buffer), each storage once.
+[[nodiscard]] Bytes trainable_param_bytes(const Model& model);
+
+/// `figure` scaled by `part` / `whole` (both positive), rounded up: a part's share of a whole
+/// model's measured figure.
+[[nodiscard]] Bytes share_of(Bytes figure, Bytes part, Bytes whole);
+
+/// What a rank's optimizer step costs: the bytes its kernels move and the tensors it makes and
+/// frees, alive together at its peak (Note [The optimizer step] in model.cpp).
+struct StepCost {
+  Bytes moved;
+  std::vector<Bytes> temporaries;
+};
+
+/// The step of `params` bytes of `model`'s parameters, with `grads` bytes of their gradients and
+/// `state` bytes of optimizer state: their share of the traced figures (Model::optimizer_step),
+/// or, without them, what fused AdamW moves (reads parameters, gradients and state, writes
+/// parameters and state) and no temporaries. Nothing when the model names no optimizer (no
+/// figures and no state).
+[[nodiscard]] StepCost optimizer_step_cost(const Model& model, Bytes params, Bytes grads,
+                                           Bytes state);
+
+/// The time of a kernel bound by `device`'s memory bandwidth that moves `bytes`: at
+/// memory_permille of the bandwidth, at least 1 ns.
+[[nodiscard]] SimTime streaming_time(const DeviceProfile& device, Bytes bytes);
 
 /// Whether every op's roofline times on `device` are at most kMaxJsonNanoseconds, the longest
 /// duration the format allows (a slow device profile and a large op can give more), and the
