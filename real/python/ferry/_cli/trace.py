@@ -84,8 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--optimizer",
         default="none",
-        choices=("none", "adamw", "sgd"),
-        help="add this optimizer's state as static memory (default none)",
+        choices=("none", "adamw", "adamw-for-loop", "adamw-fused", "sgd"),
+        help="the optimizer the loop steps: its state is static memory, its step's cost and "
+        "temporaries are the step's (adamw and sgd as torch defaults them: foreach on a "
+        "device; adamw-for-loop: AdamW(foreach=False); adamw-fused: AdamW(fused=True)); "
+        "default none",
     )
     parser.add_argument(
         "--target",
@@ -389,10 +392,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             ids = torch.zeros((args.batch, args.seq), dtype=torch.long)
         optimizer = None
         trainable = [p for p in model.parameters() if p.requires_grad]
-        if args.optimizer == "adamw":
+        if args.optimizer in ("adamw", "adamw-fused"):
+            optimizer = torch.optim.AdamW(trainable)
+            if args.optimizer == "adamw-fused":
+                # The parameters are meta tensors, which AdamW(fused=True) refuses: the group
+                # asks for the fused kernel the device's step runs.
+                for group in optimizer.param_groups:
+                    group["fused"] = True
+        elif args.optimizer == "adamw-for-loop":
             optimizer = torch.optim.AdamW(trainable, foreach=False)
         elif args.optimizer == "sgd":
-            optimizer = torch.optim.SGD(trainable, lr=1e-3, momentum=0.9, foreach=False)
+            optimizer = torch.optim.SGD(trainable, lr=1e-3, momentum=0.9)
         stem = os.path.splitext(os.path.basename(path))[0]
         name = args.name or f"{stem}-s{args.seq}-b{args.batch}"
         try:

@@ -19,11 +19,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .._modules import head_of
 from .._tensor_parallel import is_dtensor, whole_model
+from ._costs import moves_data, storage_key
 from ._document import TracedModel, traced_model
-from ._record import Tracer, TraceRecorder, layer_of
+from ._record import Tracer, TraceRecorder, byte_count, layer_of
 from ._values import Routing, Values
 
 __all__ = ["trace", "TracedModel", "Routing", "layer_of", "loss_of"]
@@ -92,19 +96,101 @@ def _module_hooks(model: torch.nn.Module, tracer: Tracer) -> list[Any]:
     return handles
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.Tensor]) -> Any:
-    """The optimizer's state tensors after one step over the fake parameters, by parameter."""
+# Note [The optimizer step as the device runs it]
+# A torch optimizer whose `foreach` and `fused` are both left None picks its implementation by
+# the parameters' device (torch.optim.optimizer `_default_to_fused_or_foreach`): the foreach
+# kernels on an accelerator, a loop over the parameters on the CPU. The trace's parameters are
+# CPU fakes, so for a device scenario the copy that steps takes foreach, as the device would
+# (not where the step is differentiable, or where torch declines foreach: a tensor `lr` without
+# `capturable`). Foreach costs memory: `_multi_tensor_adam` makes `exp_avg_sq_sqrt`, one tensor
+# per parameter of the group, all alive at once (the documented "~ sizeof(params) more peak
+# memory" of torch.optim.AdamW); the loop makes one parameter's at a time, the fused kernel
+# none. So the copy steps twice: the first makes the state, the second, a step as every later
+# one is, is measured (`_StepMeter`): the bytes its kernels read and write, and the storages it
+# makes that are alive together at its peak.
+
+
+class _StepMeter(TorchDispatchMode):
+    """Counts what one optimizer step's kernels move, and the storages it makes that are alive
+    together at its peak (their bytes, in the order they were made)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.traffic = 0
+        self.peak: list[int] = []
+        self._made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if moves_data(func, args, kwargs, out):
+            self.traffic += _step_traffic(func, args, kwargs, out)
+        inputs = {storage_key(t) for t in _tensors((args, kwargs))}
+        for o in _tensors(out):
+            if storage_key(o) not in inputs:
+                storage = o.untyped_storage()
+                self._made.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        self._made = {k: v for k, v in self._made.items() if not v[0].expired()}
+        live = sum(nbytes for _, nbytes in self._made.values())
+        if live > sum(self.peak):
+            self.peak = [nbytes for _, nbytes in self._made.values()]
+        return out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(byte_count(t) for t in {id(t): t for t in tensors}.values())
+
+
+def _step_traffic(func, args, kwargs, out) -> int:
+    """Bytes a kernel of the step moves: every tensor it reads, every argument its schema marks
+    written, and every new tensor it returns."""
+    inputs = _tensors((args, kwargs))
+    written = []
+    for argument, value in zip(func._schema.arguments, args):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written += _tensors(value)
+    keys = {storage_key(t) for t in inputs}
+    fresh = [o for o in _tensors(out) if storage_key(o) not in keys]
+    return _distinct_bytes(inputs) + _distinct_bytes(written) + _distinct_bytes(fresh)
+
+
+def _on_device(group: dict[str, Any]) -> dict[str, Any]:
+    """The group as an accelerator's step would run it (Note [The optimizer step as the device
+    runs it])."""
+    if "foreach" not in group or group["foreach"] is not None or group.get("fused"):
+        return group
+    if group.get("differentiable", False):
+        return group
+    if isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable", False):
+        return group
+    return {**group, "foreach": True}
+
+
+def _optimizer_state(
+    optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.Tensor], on_device: bool
+) -> tuple[Any, dict[str, int]]:
+    """The optimizer's state tensors after a step over the fake parameters, by parameter, and
+    what a step costs: ``{"bytes": moved, "temporaries": [bytes of each tensor alive at the
+    peak]}``."""
     groups = []
     for group in optimizer.param_groups:
         params = [fake_of[id(p)] for p in group["params"] if id(p) in fake_of]
-        groups.append({**group, "params": params})
+        group = {**group, "params": params}
+        groups.append(_on_device(group) if on_device else group)
     # A shallow copy with its own groups and an empty state: the user's optimizer keeps its own.
     twin = object.__new__(type(optimizer))
     twin.__dict__.update(optimizer.__dict__)
     twin.param_groups = groups
     twin.state = collections.defaultdict(dict)
     twin.step()
-    return twin.state
+    meter = _StepMeter()
+    with meter:
+        twin.step()
+    return twin.state, {"bytes": meter.traffic, "temporaries": meter.peak}
 
 
 # Note [Dropout as the device runs it]
@@ -346,7 +432,9 @@ def trace(
                 with TraceRecorder(tracer):
                     loss.backward()
                 tracer.phase = "done"
-                optimizer_state = _optimizer_state(optimizer, fake_of) if optimizer else {}
+                optimizer_state, step = {}, None
+                if optimizer is not None:
+                    optimizer_state, step = _optimizer_state(optimizer, fake_of, target == "device")
     finally:
         for handle in handles:
             handle.remove()
@@ -360,4 +448,6 @@ def trace(
         # The shapes follow the assumption: the document says which (docs/model-format.md).
         traced.routing = routing.to_json()
         traced.document["routing"] = traced.routing
+    if step is not None:
+        traced.document["optimizer_step"] = step
     return traced
