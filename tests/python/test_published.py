@@ -69,8 +69,9 @@ def rows(tmp_path_factory):
                 "2",
                 "--dtype",
                 "bf16",
+                # torchtune's recipe configurations step AdamW with `fused: True`.
                 "--optimizer",
-                "adamw",
+                "adamw-fused",
                 # torchtune's attention copies the 8 key and value heads to all 24 query heads
                 # before the kernel, which saves the copies (docs/validation.md, row 1).
                 "--attention",

@@ -168,6 +168,10 @@ def devices(root):
 
 
 def trace_config(root, name, config, seq, batch, *options):
+    """The trace of `config` at `batch` x `seq` in bf16, stepped by torch's AdamW as its users
+    construct it (`--optimizer adamw`: foreach on a device, as torchtitan stepped it until its PR
+    #881 of February 2025 and fms-fsdp does); a row whose trainer steps otherwise passes its own
+    `--optimizer` among `options`."""
     path = root / f"{name}.json"
     # Fixtures hold their traces' paths for the module: a name traced twice would change the
     # model under another fixture's rows.
@@ -177,6 +181,43 @@ def trace_config(root, name, config, seq, batch, *options):
     args += ["--dtype", "bf16", "--optimizer", "adamw", *options, "--out", str(path)]
     assert trace_cli.main(args) == 0
     return path
+
+
+def _loop_adamw():
+    import torch
+
+    class LoopAdamW(torch.optim.Optimizer):
+        """AdamW as the Trainer of 2022 stepped it by default (`optim="adamw_hf"`, transformers'
+        own AdamW, since removed): parameter by parameter, in place but for the denominator's
+        square root, one parameter's tensor at a time (torch's AdamW(foreach=False) holds two:
+        its square root and the quotient by the bias correction)."""
+
+        def __init__(self, params, lr=5e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+            super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                beta1, beta2 = group["betas"]
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = 0
+                        state["exp_avg"] = torch.zeros_like(p)
+                        state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["step"] += 1
+                    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                    exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                    exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                    denom = exp_avg_sq.sqrt().add_(group["eps"])
+                    step_size = group["lr"] * (1 - beta2 ** state["step"]) ** 0.5
+                    p.addcdiv_(exp_avg, denom, value=-step_size / (1 - beta1 ** state["step"]))
+                    if group["weight_decay"] > 0:
+                        p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+
+    return LoopAdamW
 
 
 def trace_bert(root, batch, optimizer="adamw"):
@@ -199,7 +240,7 @@ def trace_bert(root, batch, optimizer="adamw"):
     if optimizer == "adafactor":
         step = Adafactor(model.parameters(), lr=5e-5, scale_parameter=False, relative_step=False)
     else:
-        step = torch.optim.AdamW(model.parameters())
+        step = _loop_adamw()(model.parameters())
     traced = ferry.trace(model, input_ids=ids, labels=labels, optimizer=step)
     path = root / f"bert-large-b{batch}-{optimizer}.json"
     traced.save(str(path))
@@ -256,7 +297,7 @@ def pr165(root, devices):
 
 @pytest.mark.parametrize(
     "row, measured, allocated_tol, reserved_tol, time_tol",
-    [("full", PR165_FULL, 0.01, 0.07, 0.14), ("sac", PR165_SAC, 0.01, 0.09, 0.18)],
+    [("full", PR165_FULL, 0.01, 0.07, 0.13), ("sac", PR165_SAC, 0.01, 0.09, 0.17)],
 )
 def test_torchtitan_pr165_fsdp2_llama2_7b(
     pr165, row, measured, allocated_tol, reserved_tol, time_tol
@@ -296,7 +337,7 @@ def dec2024(root, devices):
     }
 
 
-@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.12), (128, 0.06, 0.16)])
+@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.11), (128, 0.06, 0.16)])
 def test_torchtitan_dec2024_fsdp_llama3_8b(dec2024, gpus, reserved_tol, time_tol):
     result = dec2024[gpus]
     memory, tps = DEC2024[gpus]
@@ -310,7 +351,7 @@ def test_torchtitan_dec2024_fsdp_compiled_llama3_8b(dec2024):
     compiled, eager = dec2024["compiled"], dec2024[8]
     memory, tps = DEC2024_COMPILED
     within(compiled["peak_reserved_bytes"] / GIB, memory, 0.02)
-    within(tokens_per_s(compiled, 2 * 8192), tps, 0.16)
+    within(tokens_per_s(compiled, 2 * 8192), tps, 0.14)
     within(eager["step_time_ns"] / compiled["step_time_ns"], tps / DEC2024[8][1], 0.04)
 
 
@@ -337,8 +378,18 @@ def pr3429(devices):
 @pytest.fixture(scope="module")
 def llama3_8b_compiled(root):
     """The compiled trace of the Hugging Face config, batch 1, sequence 8192 (`--compiled` keeps
-    the eager trace's memory)."""
-    return trace_config(root, "llama3-8b-b1-compiled", LLAMA3_8B, 8192, 1, "--compiled")
+    the eager trace's memory), stepped by fused AdamW: torchtitan's default since its PR #881
+    (February 2025), before the runs of PR #3429 and torchao's README (rows 22g-22k, 39-42)."""
+    return trace_config(
+        root,
+        "llama3-8b-b1-compiled",
+        LLAMA3_8B,
+        8192,
+        1,
+        "--compiled",
+        "--optimizer",
+        "adamw-fused",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -406,7 +457,7 @@ def pr3429_tp2(devices):
 def test_torchtitan_pr3429_fsdp4_tp2_full_policy(pr3429_tp2):
     """docs/parallelism.md: the full policy's row within the issue's tolerances (memory 5 %,
     time 8 %), and the default policy's memory too. The default policy's throughput misses
-    (tokens/s +12 %): the doc says what the model lacks there, and this test holds the miss
+    (tokens/s +12.2 %): the doc says what the model lacks there, and this test holds the miss
     where it is, so that a change that widens it is seen."""
     memory, tps = PR3429_TP2["every:1"]
     result = pr3429_tp2["every:1"]
@@ -415,7 +466,7 @@ def test_torchtitan_pr3429_fsdp4_tp2_full_policy(pr3429_tp2):
     default = pr3429_tp2["op-sac-all"]
     memory, tps = PR3429_TP2["op-sac-all"]
     within(default["peak_reserved_bytes"] / GIB, memory, 0.05)
-    within(tokens_per_s(default, 8192) / 2, tps, 0.12)
+    within(tokens_per_s(default, 8192) / 2, tps, 0.13)
 
 
 # --- torchtitan PR #2564: DeepSeek-V3 16B at FSDP4 x TP2 x EP2 on 8 H100 96 GB ----------------
@@ -452,7 +503,8 @@ PR2564 = {"none": 88.22, "op-sac-all": 52.03}
 
 @pytest.fixture(scope="module")
 def pr2564(root, devices):
-    traced = trace_config(root, "dsv3-16b-b2", DSV3_16B, 4096, 2)
+    # torchtitan steps AdamW fused by default since its PR #881 (February 2025).
+    traced = trace_config(root, "dsv3-16b-b2", DSV3_16B, 4096, 2, "--optimizer", "adamw-fused")
     mesh = ("--fsdp", "4", "--tp", "2", "--ep", "2", "--fsdp-impl", "simple")
     common = ("--device", str(devices["h100-96gb"]), *mesh, "--allocator", "expandable")
     return {
@@ -617,7 +669,7 @@ def test_torch_1_10_softmax_adds_its_input_to_each_layers_saved_tensors(root):
 
 def test_hf_bert_large_v100_batch_4(bert):
     within(bert["b4"]["peak_reserved_bytes"] / MIB, BERT_B4[0], 0.02)
-    within(4 / (bert["b4"]["step_time_ns"] / 1e9), BERT_B4[1], 0.08)
+    within(4 / (bert["b4"]["step_time_ns"] / 1e9), BERT_B4[1], 0.11)
 
 
 @pytest.mark.parametrize(
@@ -635,12 +687,12 @@ def test_hf_bert_large_v100_gradient_checkpointing_step_time(bert):
 
 def test_hf_bert_large_v100_adafactor(bert):
     adafactor = bert["b4 adafactor"]
-    within(adafactor["peak_reserved_bytes"] / MIB, BERT_B4_ADAFACTOR[0], 0.035)
+    within(adafactor["peak_reserved_bytes"] / MIB, BERT_B4_ADAFACTOR[0], 0.045)
     within(4 / (adafactor["step_time_ns"] / 1e9), BERT_B4_ADAFACTOR[1], 0.08)
     # What Adafactor saves over AdamW: the two moments of 335M float32 parameters, less its
     # factored state.
     saved = (bert["b4"]["peak_reserved_bytes"] - adafactor["peak_reserved_bytes"]) / MIB
-    within(saved, BERT_B4[0] - BERT_B4_ADAFACTOR[0], 0.06)
+    within(saved, BERT_B4[0] - BERT_B4_ADAFACTOR[0], 0.09)
 
 
 # --- axolotl PR #3776: TRL's offloader against checkpointing, Qwen3-8B, one GPU, 8192 tokens --
@@ -817,8 +869,8 @@ def fms(root):
 @pytest.mark.parametrize(
     "size, device, tolerance",
     [
-        ("7b", "a100-pcie4", 0.04),
-        ("7b", "h100-sxm-pcie5", 0.24),
+        ("7b", "a100-pcie4", 0.05),
+        ("7b", "h100-sxm-pcie5", 0.22),
         ("34b", "a100-pcie4", 0.16),
         ("34b", "h100-sxm-pcie5", 0.08),
         ("70b", "a100-pcie4", 0.20),
@@ -826,7 +878,7 @@ def fms(root):
     ],
 )
 def test_fms_fsdp_llama2_throughput(fms, size, device, tolerance):
-    """Rows 43-45, A100 and H100 each: the 7B within 4 % on the A100s and 24 % fast on the
+    """Rows 43-45, A100 and H100 each: the 7B within 5 % on the A100s and 22 % fast on the
     H100s; the checkpointed 34B and 70B 15 and 20 % slow on the A100s, whose runs reach more of
     the peak than the flat roofline allows, 7 and 5 % fast on the H100s
     (docs/validation-sources.md); each held within its error rounded up."""
