@@ -12,6 +12,7 @@ from torch import nn
 import ferry
 from ferry._cli.trace import main
 from ferry._trace import trace
+from traced_families import SIZED_FAMILIES, sized_path
 
 
 def mlp():
@@ -116,3 +117,17 @@ def test_the_cli_steps_the_optimizer_it_names(tmp_path, choice, temporaries):
         assert held == []
     else:
         assert 0 < len(held) <= 3
+
+
+@pytest.mark.parametrize("family", SIZED_FAMILIES)
+def test_each_familys_trace_holds_a_parameter_set_at_foreach_adamws_step(family):
+    """The sized traces of Hugging Face families (decoders, a tied head, experts), stepped by
+    torch's default AdamW: a temporary for each trainable parameter, tied ones once."""
+    with open(sized_path(family), encoding="utf-8") as f:
+        document = json.load(f)
+    params = [
+        t["bytes"] for t in document["tensors"] if t["role"] == "param" and "view_of" not in t
+    ]
+    step = document["optimizer_step"]
+    assert sorted(step["temporaries"]) == sorted(params)
+    assert 20 * sum(params) <= step["bytes"] <= 20 * sum(params) + 16 * len(params)

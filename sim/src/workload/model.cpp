@@ -87,18 +87,18 @@ Bytes trainable_param_bytes(const Model& model) {
 // Note [The optimizer step]
 // torch's optimizers step over the parameters after backward, a pass bound by memory bandwidth.
 // What it moves and what it allocates depend on the implementation the loop runs, which a trace
-// measures (Note [The optimizer step as the device runs it] in ferry/_trace): for AdamW, the
-// fused kernel reads the parameters, gradients and both moments and writes the parameters and
-// moments once (7 bytes a parameter byte; a trace counts 8, its schema marking the gradients
-// written too); the foreach kernels make eight passes, 20 bytes a parameter byte, and hold
-// `exp_avg_sq_sqrt`, a tensor per parameter,
-// all at once: one parameter set more at the step's peak, as torch.optim.AdamW's documentation
-// says of foreach; the loop over parameters holds two of the largest parameter's. The trace
-// records those tensors, and the simulated step makes each (the caching allocator places them
-// as it places torch's, in the blocks backward left free). The figures are the whole model's; a
-// rank that steps part of the parameters (a shard under FSDP, a stage of a pipeline, a
-// tensor-parallel slice) pays the part's share by bytes, of each tensor too. Without figures (a
-// preset, a file written by hand) a model with optimizer state steps as fused AdamW does.
+// measures (Note [The optimizer step as the device runs it] in ferry/_trace). For AdamW the fused
+// kernel reads the parameters, gradients and both moments and writes the parameters and moments
+// once (7 bytes a parameter byte; a trace counts 8, the schema marking the gradients written
+// too); the foreach kernels make eight passes, 20 bytes a parameter byte, and hold
+// `exp_avg_sq_sqrt`, a tensor per parameter, all at once: one parameter set more at the step's
+// peak, as torch.optim.AdamW's documentation says of foreach; the loop over the parameters holds
+// two tensors of the parameter it is at. The trace records those tensors and the simulated step
+// makes each, so the caching allocator places them as it places torch's, in the blocks backward
+// left free. The figures are the whole model's: a rank that steps part of the parameters (a
+// shard under FSDP, a pipeline stage, a tensor-parallel slice) pays the part's share by bytes, of
+// each tensor too. Without figures (a preset, a file written by hand) a model with optimizer
+// state steps as fused AdamW does.
 
 StepCost optimizer_step_cost(const Model& model, Bytes params, Bytes grads, Bytes state) {
   if (!model.optimizer_step) {

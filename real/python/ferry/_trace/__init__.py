@@ -104,8 +104,8 @@ def _module_hooks(model: torch.nn.Module, tracer: Tracer) -> list[Any]:
 # (not where the step is differentiable, or where torch declines foreach: a tensor `lr` without
 # `capturable`). Foreach costs memory: `_multi_tensor_adam` makes `exp_avg_sq_sqrt`, one tensor
 # per parameter of the group, all alive at once (the documented "~ sizeof(params) more peak
-# memory" of torch.optim.AdamW); the loop makes one parameter's at a time, the fused kernel
-# none. So the copy steps twice: the first makes the state, the second, a step as every later
+# memory" of torch.optim.AdamW); the loop makes them for one parameter at a time, the fused
+# kernel none. So the copy steps twice: the first makes the state, the second, a step as every later
 # one is, is measured (`_StepMeter`): the bytes its kernels read and write, and the storages it
 # makes that are alive together at its peak.
 
@@ -172,7 +172,7 @@ def _on_device(group: dict[str, Any]) -> dict[str, Any]:
 
 def _optimizer_state(
     optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.Tensor], on_device: bool
-) -> tuple[Any, dict[str, int]]:
+) -> tuple[Any, dict[str, Any]]:
     """The optimizer's state tensors after a step over the fake parameters, by parameter, and
     what a step costs: ``{"bytes": moved, "temporaries": [bytes of each tensor alive at the
     peak]}``."""
