@@ -95,7 +95,7 @@ Bytes peak(const TrainingRun& run) {
 
 TEST(OptimizerStep, ForeachTemporariesRaiseTheStepsPeakByTheParameters) {
   const Bytes params = 4 * kParam;
-  const TrainingRun fused = train(stepped(OptimizerStep{.bytes = 8 * params}));
+  const TrainingRun fused = train(stepped(OptimizerStep{.bytes = 8 * params, .temporaries = {}}));
   const TrainingRun foreach =
       train(stepped(OptimizerStep{.bytes = 20 * params, .temporaries = foreach_sqrt()}));
   // Wide weights, narrow activations: the foreach step holds the weights, their gradients,
@@ -135,7 +135,8 @@ TEST(OptimizerStep, AnFsdpRankStepsItsShardsShare) {
   EXPECT_EQ(temporaries(run), (Temporaries{.count = 8, .bytes = 4 * kParam}));
   EXPECT_EQ(durations(run, "optimizer step (AdamW)"),
             std::vector<SimTime>(2, streaming_time(testing::node_profile(), 10 * params)));
-  const TrainingRun fused = train(stepped(OptimizerStep{.bytes = 8 * params}), fsdp(4));
+  const TrainingRun fused =
+      train(stepped(OptimizerStep{.bytes = 8 * params, .temporaries = {}}), fsdp(4));
   EXPECT_EQ(temporaries(fused), Temporaries{});
 }
 

@@ -103,11 +103,12 @@ Bytes trainable_param_bytes(const Model& model) {
 StepCost optimizer_step_cost(const Model& model, Bytes params, Bytes grads, Bytes state) {
   if (!model.optimizer_step) {
     if (state <= Bytes(0)) return {};
-    return StepCost{.moved = std::int64_t{2} * params + grads + std::int64_t{2} * state};
+    return StepCost{.moved = std::int64_t{2} * params + grads + std::int64_t{2} * state,
+                    .temporaries = {}};
   }
   const Bytes whole = trainable_param_bytes(model);
   if (whole <= Bytes(0) || params <= Bytes(0)) return {};
-  StepCost cost{.moved = share_of(model.optimizer_step->bytes, params, whole)};
+  StepCost cost{.moved = share_of(model.optimizer_step->bytes, params, whole), .temporaries = {}};
   for (const Bytes t : model.optimizer_step->temporaries) {
     cost.temporaries.push_back(share_of(t, params, whole));
   }
