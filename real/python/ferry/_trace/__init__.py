@@ -335,8 +335,10 @@ def trace(
     itself when it is a scalar, its ``.loss`` or its first element) and ``loss.backward()``
     under ``FakeTensorMode``: nothing is allocated, parameters on the meta device are welcome,
     and the model is left untouched (no gradients, no optimizer step). Autocast and dtypes in
-    effect around the call are traced as they run. With ``optimizer``, a copy of it steps once
-    over the fake parameters and its state (Adam's moments, ...) becomes static memory.
+    effect around the call are traced as they run. With ``optimizer``, a copy of it steps over
+    the fake parameters as the target would run it: its state (Adam's moments, ...) becomes
+    static memory, and what its step moves and holds the document's ``optimizer_step`` (Note
+    [The optimizer step as the device runs it]).
     ``target`` is where the scenario runs: ``"device"`` (an accelerator: random ops draw from
     the device's generator, dropout is the device's fused kernel, Note [Dropout as the device
     runs it], and so is attention whose values' head size differs from the queries', Note
@@ -357,7 +359,8 @@ def trace(
         model: The model; its parameters may be on the meta device.
         *example_inputs: The positional inputs of one step.
         loss_fn: A function of the model's output that returns the scalar loss.
-        optimizer: An optimizer whose state becomes static memory.
+        optimizer: The optimizer the loop steps: its state becomes static memory, its step the
+            document's ``optimizer_step``.
         name: The document's name (default: the model's class name).
         target: ``"device"`` or ``"host"``.
         routing: ``"balanced"``, ``"loads=W0,W1,..."`` or ``"random[,seed=S][,capacity=C]"``
