@@ -35,11 +35,23 @@ Bytes pool_span(Bytes capacity) { return Bytes((capacity.count() + 511) / 512 * 
 
 }  // namespace
 
+// Note [Recycled records] in simulator_state.hpp.
+Simulator::State::~State() {
+  engine_detail::recycle_records(buffers);
+  engine_detail::recycle_records(ops);
+  engine_detail::recycle_records(exec);
+  engine_detail::recycle_records(write_ranges);
+}
+
 Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> link_list,
                         SimOptions opts, SimFaults planted)
     : options(opts),
       faults(planted),
       links(std::move(link_list)),
+      buffers(engine_detail::take_records<BufferInfo>()),
+      ops(engine_detail::take_records<OpRecord>()),
+      exec(engine_detail::take_records<Exec>()),
+      write_ranges(engine_detail::take_records<engine_detail::WriteRange>()),
       pinned(opts.process_per_device && !specs.empty() ? specs.front().profile.pinned_host_capacity
                                                        : pinned_capacity(specs),
              kPinnedBase),

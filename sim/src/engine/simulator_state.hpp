@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -48,6 +49,56 @@ class LabelTable {
   std::vector<std::size_t> ends_{0};  ///< where label i ends in text_ (label 0 is empty)
 };
 
+// Note [Recycled records]
+// A simulation appends a record per call (OpRecord, Exec, write ranges, buffers): a pipeline
+// step of a large model makes half a million, and a planner runs thousands of simulations on
+// short-lived worker threads. Fresh vectors map, fault in and unmap their pages again for every
+// simulation, a fifth of a pipeline plan's time. The process keeps the record vectors of the
+// last few finished simulations, emptied but with their capacity, for the next ones to start:
+// at most kKeptRecords vectors of a type, kKeptRecordBytes of capacity in all.
+inline constexpr std::size_t kKeptRecords = 4;
+inline constexpr std::size_t kKeptRecordBytes = std::size_t{128} << 20U;
+
+template <class T>
+struct RecordPool {
+  std::mutex mutex;
+  std::vector<std::vector<T>> kept;
+  std::size_t bytes = 0;  // the kept vectors' capacity
+};
+
+template <class T>
+RecordPool<T>& record_pool() {
+  // Never destroyed: a simulation that ends during static destruction still finds it.
+  static auto* const pool = new RecordPool<T>();
+  return *pool;
+}
+
+/// A kept vector, emptied, or a new one.
+template <class T>
+std::vector<T> take_records() {
+  RecordPool<T>& pool = record_pool<T>();
+  std::vector<T> taken;
+  const std::scoped_lock lock(pool.mutex);
+  if (pool.kept.empty()) return taken;
+  taken.swap(pool.kept.back());
+  pool.kept.pop_back();
+  pool.bytes -= taken.capacity() * sizeof(T);
+  return taken;
+}
+
+/// Keeps `records`' capacity for a later simulation when the pool has room for it.
+template <class T>
+void recycle_records(std::vector<T>& records) {
+  const std::size_t bytes = records.capacity() * sizeof(T);
+  if (bytes == 0) return;
+  records.clear();
+  RecordPool<T>& pool = record_pool<T>();
+  const std::scoped_lock lock(pool.mutex);
+  if (pool.kept.size() == kKeptRecords || pool.bytes + bytes > kKeptRecordBytes) return;
+  pool.bytes += bytes;
+  pool.kept.push_back(std::move(records));
+}
+
 enum class ExecKind : std::uint8_t { None, Kernel, Collective, Copy };
 
 /// How a submitted kernel or copy executes and what it does to shadow content when it
@@ -56,15 +107,15 @@ enum class ExecKind : std::uint8_t { None, Kernel, Collective, Copy };
 struct Exec {
   ExecKind kind = ExecKind::None;
   std::uint8_t lane = 0;  ///< Collective: its CollectiveLane
-  SimTime duration;       ///< Kernel, Collective
-  Bandwidth rate;         ///< Copy, uncontended
-  SimTime latency;        ///< Copy
-  SpaceIndex src_space = 0;
-  SpaceIndex dst_space = 0;
-  Bytes src_addr;
-  Bytes dst_addr;
   std::uint32_t first_write = 0;
   std::uint32_t write_count = 0;
+  SpaceIndex src_space = 0;
+  SpaceIndex dst_space = 0;
+  SimTime duration;  ///< Kernel, Collective
+  Bandwidth rate;    ///< Copy, uncontended
+  SimTime latency;   ///< Copy
+  Bytes src_addr;
+  Bytes dst_addr;
 };
 
 /// A kernel's write: bytes [lo, hi) of `space` receive value `content`.
@@ -114,6 +165,11 @@ struct Simulator::State final : StreamMarkers {
 
   State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> link_list, SimOptions opts,
         SimFaults planted);
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+  State(State&&) = delete;
+  State& operator=(State&&) = delete;
+  ~State() override;
 
   SimOptions options;
   SimFaults faults;

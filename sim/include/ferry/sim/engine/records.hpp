@@ -35,21 +35,21 @@ inline constexpr std::size_t kCollectiveLanes = 4;
 /// One API call as the simulator saw it; stream work also has its execution interval.
 struct OpRecord {
   OpKind kind = OpKind::Kernel;
-  StreamId stream;          ///< stream ops, record, record_stream, alloc (device)
-  std::uint32_t label = 0;  ///< index into labels(); 0 is the empty label
-  EngineId engine;          ///< the copy engine, for copies
   CopyDirection direction = CopyDirection::HostToDevice;
-  SimTime issued;   ///< host time at which the call took effect
-  SimTime start;    ///< stream ops: start on the engine; host ops: issued
-  SimTime end;      ///< stream ops: completion; host ops: when the host went on
-  Bytes bytes;      ///< copies and allocations
-  BufferId buffer;  ///< alloc, free, record_stream
   /// The call returned device memory segments (cudaFree), which synchronizes the device:
   /// the host went on only after all of that device's work (alloc, empty_cache).
   bool device_synchronized = false;
   /// A kernel that ran on the device's collective engine (Simulator::collective), not on its
   /// compute engine.
   bool collective = false;
+  StreamId stream;          ///< stream ops, record, record_stream, alloc (device)
+  std::uint32_t label = 0;  ///< index into labels(); 0 is the empty label
+  EngineId engine;          ///< the copy engine, for copies
+  BufferId buffer;          ///< alloc, free, record_stream
+  SimTime issued;           ///< host time at which the call took effect
+  SimTime start;            ///< stream ops: start on the engine; host ops: issued
+  SimTime end;              ///< stream ops: completion; host ops: when the host went on
+  Bytes bytes;              ///< copies and allocations
 };
 
 /// The content id the `index`-th write range of op `op` gives its bytes (kernels and host
