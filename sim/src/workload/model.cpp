@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "ferry/check.hpp"
@@ -108,11 +109,15 @@ StepCost optimizer_step_cost(const Model& model, Bytes params, Bytes grads, Byte
   }
   const Bytes whole = trainable_param_bytes(model);
   if (whole <= Bytes(0) || params <= Bytes(0)) return {};
-  StepCost cost{.moved = share_of(model.optimizer_step->bytes, params, whole), .temporaries = {}};
-  for (const Bytes t : model.optimizer_step->temporaries) {
-    cost.temporaries.push_back(share_of(t, params, whole));
-  }
-  return cost;
+  OptimizerStep share = share_of(*model.optimizer_step, params, whole);
+  return StepCost{.moved = share.bytes, .temporaries = std::move(share.temporaries)};
+}
+
+OptimizerStep share_of(const OptimizerStep& step, Bytes part, Bytes whole) {
+  OptimizerStep out = step;
+  out.bytes = share_of(step.bytes, part, whole);
+  for (Bytes& t : out.temporaries) t = share_of(t, part, whole);
+  return out;
 }
 
 Bytes share_of(Bytes figure, Bytes part, Bytes whole) {

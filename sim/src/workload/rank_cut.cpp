@@ -40,9 +40,7 @@ Result<Model> RankCut::checked(Model out) const {
     const Bytes whole = trainable_param_bytes(whole_);
     const Bytes part = trainable_param_bytes(out);
     if (whole > Bytes(0) && part > Bytes(0)) {
-      OptimizerStep& step = *out.optimizer_step;
-      step.bytes = share_of(step.bytes, part, whole);
-      for (Bytes& t : step.temporaries) t = share_of(t, part, whole);
+      out.optimizer_step = share_of(*out.optimizer_step, part, whole);
     }
   }
   if (!validate_) return out;

@@ -253,6 +253,8 @@ inline constexpr std::int32_t kMaxGroups = std::int32_t{1} << 20;
 /// `figure` scaled by `part` / `whole` (both positive), rounded up: a part's share of a whole
 /// model's measured figure.
 [[nodiscard]] Bytes share_of(Bytes figure, Bytes part, Bytes whole);
+/// Each figure of `step` (its bytes, each temporary) scaled so.
+[[nodiscard]] OptimizerStep share_of(const OptimizerStep& step, Bytes part, Bytes whole);
 
 /// What a rank's optimizer step costs: the bytes its kernels move and the tensors it makes and
 /// frees, alive together at its peak (Note [The optimizer step] in model.cpp).
