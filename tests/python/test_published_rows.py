@@ -869,8 +869,8 @@ def fms(root):
 @pytest.mark.parametrize(
     "size, device, tolerance",
     [
-        ("7b", "a100-pcie4", 0.05),
-        ("7b", "h100-sxm-pcie5", 0.22),
+        ("7b", "a100-pcie4", 0.07),
+        ("7b", "h100-sxm-pcie5", 0.12),
         ("34b", "a100-pcie4", 0.16),
         ("34b", "h100-sxm-pcie5", 0.08),
         ("70b", "a100-pcie4", 0.20),
@@ -878,10 +878,11 @@ def fms(root):
     ],
 )
 def test_fms_fsdp_llama2_throughput(fms, size, device, tolerance):
-    """Rows 43-45, A100 and H100 each: the 7B within 5 % on the A100s and 22 % fast on the
-    H100s; the checkpointed 34B and 70B 15 and 20 % slow on the A100s, whose runs reach more of
-    the peak than the flat roofline allows, 7 and 5 % fast on the H100s
-    (docs/validation-sources.md); each held within its error rounded up."""
+    """Rows 43-45, A100 and H100 each: the 7B 7 % slow on the A100s and 11 % fast on the H100s,
+    its replica groups' all-reduces sharing each node's network; the checkpointed 34B and 70B 15
+    and 20 % slow on the A100s, whose runs reach more of the peak than the flat roofline allows,
+    7 and 5 % fast on the H100s (docs/validation-sources.md); each held within its error rounded
+    up."""
     within(tokens_per_s(fms[size, device], 2 * 4096), FMS[size][device], tolerance)
 
 

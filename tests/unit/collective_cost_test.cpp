@@ -25,10 +25,27 @@ TEST(GroupPlacement, ConsecutiveRanksShareANodeUntilItIsFull) {
 
 TEST(GroupPlacement, StridedMembersSpanTheNodesTheirRanksLieOn) {
   // One member of each shard group: HSDP's replica groups.
-  EXPECT_EQ(place_group(2, 4, 8), (GroupPlacement{2, 1}));   // ranks 0, 4
-  EXPECT_EQ(place_group(4, 4, 8), (GroupPlacement{4, 2}));   // ranks 0, 4, 8, 12
-  EXPECT_EQ(place_group(2, 8, 8), (GroupPlacement{2, 2}));   // a shard group fills a node
-  EXPECT_EQ(place_group(4, 16, 8), (GroupPlacement{4, 4}));  // each member a node of its own
+  // Across nodes, the node's ranks each run one of min(stride, 8) such groups at once (Note
+  // [Groups sharing a node's links]); inside a node none shares.
+  EXPECT_EQ(place_group(2, 4, 8), (GroupPlacement{2, 1, 1}));    // ranks 0, 4
+  EXPECT_EQ(place_group(4, 4, 8), (GroupPlacement{4, 2, 4}));    // ranks 0, 4, 8, 12
+  EXPECT_EQ(place_group(2, 8, 8), (GroupPlacement{2, 2, 8}));    // a shard group fills a node
+  EXPECT_EQ(place_group(4, 16, 8), (GroupPlacement{4, 4, 8}));   // each member a node of its own
+  EXPECT_EQ(place_group(16, 1, 8), (GroupPlacement{16, 2, 1}));  // the one group of its kind
+  EXPECT_EQ(place_group(1, 16, 8), (GroupPlacement{1, 1, 1}));   // one rank crosses nothing
+}
+
+TEST(CollectiveTime, GroupsSharingANodesLinksEachHaveTheirShare) {
+  const Bytes gib(std::int64_t{1} << 30);
+  const std::int64_t moved = (std::int64_t{1} << 30) / 4 * 3;
+  // Four ranks on four nodes, the node's eight ranks each in one such group: 10 GB/s / 8.
+  EXPECT_EQ(collective_time(CollectiveKind::AllGather, gib, {4, 4, 8}, links()),
+            transfer_time(Bytes(moved), Bandwidth(1'250'000'000)) + SimTime(15'000));
+  EXPECT_GT(collective_time(CollectiveKind::AllReduce, gib, {4, 4, 8}, links()),
+            collective_time(CollectiveKind::AllReduce, gib, {4, 4, 1}, links()));
+  // Inside a node each GPU has its own NVLink rate: sharing is not counted.
+  EXPECT_EQ(collective_time(CollectiveKind::AllGather, gib, {4, 1, 8}, links()),
+            collective_time(CollectiveKind::AllGather, gib, {4, 1, 1}, links()));
 }
 
 TEST(CollectiveTime, TheRingFormulaOverTheGroupsLink) {

@@ -158,12 +158,17 @@ TEST(Mesh, GroupsLieWhereTheLayoutPutsThem) {
   // cp x tp = 4 consecutive GPUs: inside a node.
   EXPECT_EQ(mesh.group(Mesh::Axis::Context), (MeshGroup{.size = 2, .nodes = 1, .stride = 2}));
   EXPECT_EQ(mesh.group(Mesh::Axis::Expert), (MeshGroup{.size = 4, .nodes = 1, .stride = 1}));
-  // The shard group: 8 / 2 data-parallel ranks times cp 2, every 2nd GPU of 15: two nodes.
-  EXPECT_EQ(mesh.group(Mesh::Axis::Shard), (MeshGroup{.size = 8, .nodes = 2, .stride = 2}));
-  // A replica group: one GPU of each shard group's 16, so on two nodes.
-  EXPECT_EQ(mesh.group(Mesh::Axis::Replicate), (MeshGroup{.size = 2, .nodes = 2, .stride = 16}));
+  // The shard group: 8 / 2 data-parallel ranks times cp 2, every 2nd GPU of 15: two nodes,
+  // whose links it shares with the other tensor-parallel rank's shard group.
+  EXPECT_EQ(mesh.group(Mesh::Axis::Shard),
+            (MeshGroup{.size = 8, .nodes = 2, .stride = 2, .sharing = 2}));
+  // A replica group: one GPU of each shard group's 16, so on two nodes; each of a node's eight
+  // GPUs is in one.
+  EXPECT_EQ(mesh.group(Mesh::Axis::Replicate),
+            (MeshGroup{.size = 2, .nodes = 2, .stride = 16, .sharing = 8}));
   // An expert's shard group: 8 x 2 / 4 GPUs, every 4th.
-  EXPECT_EQ(mesh.group(Mesh::Axis::ExpertShard), (MeshGroup{.size = 4, .nodes = 2, .stride = 4}));
+  EXPECT_EQ(mesh.group(Mesh::Axis::ExpertShard),
+            (MeshGroup{.size = 4, .nodes = 2, .stride = 4, .sharing = 4}));
 }
 
 // Four stages of ranks 2 x tp 2: stage s holds GPUs 4s..4s+3, so rank 0's pipeline group is
@@ -185,6 +190,8 @@ TEST(Mesh, AContextGroupSpanningNodesCountsThem) {
   auto made = Mesh::make(Parallelism{.ranks = 1, .tp = 2, .cp = 8}, node_profile());
   ASSERT_TRUE(made.ok()) << made.error().message;
   EXPECT_EQ(made.value().group(Mesh::Axis::Context).nodes, 2);
+  // Both tensor-parallel ranks of a node run a context group across the nodes at once.
+  EXPECT_EQ(made.value().group(Mesh::Axis::Context).sharing, 2);
   EXPECT_EQ(made.value().kept_shard(Mesh::Axis::Shard).size, 1);
 }
 

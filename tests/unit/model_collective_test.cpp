@@ -107,6 +107,20 @@ TEST(CollectiveOps, AreReadAndWrittenBack) {
   ASSERT_TRUE(forward_only.ok()) << forward_only.error().message;
   EXPECT_EQ(forward_only.value().ops[1].collective.backward, std::nullopt);
   EXPECT_EQ(forward_only.value().ops[1].collective.nodes, 1);
+  EXPECT_EQ(forward_only.value().ops[1].collective.sharing, 1);
+  // Groups sharing a node's links: read, and written back when more than one.
+  auto shared =
+      parse_model(collective_with(R"("nodes": 1)", R"("nodes": 2, "sharing": 4)"), "sp.json");
+  ASSERT_TRUE(shared.ok()) << shared.error().message;
+  EXPECT_EQ(shared.value().ops[1].collective.sharing, 4);
+  const std::string shared_written = model_to_json(shared.value());
+  EXPECT_NE(shared_written.find(R"("nodes": 2,
+        "sharing": 4)"),
+            std::string::npos)
+      << shared_written;
+  auto shared_again = parse_model(shared_written, "again.json");
+  ASSERT_TRUE(shared_again.ok()) << shared_again.error().message;
+  EXPECT_EQ(shared_again.value(), shared.value());
 }
 
 TEST(CollectiveOps, RejectsACollectiveThatDoesNotFitItsOp) {
@@ -141,7 +155,9 @@ TEST(CollectiveOps, RejectsACollectiveThatDoesNotFitItsOp) {
        "64 (the op's outputs' gradients into its inputs' gradients)"},
       {"unknown key", collective_with(R"("nodes": 1)", R"("nodes": 1, "stride": 2)"),
        R"(sp.json: ops[1].collective: unknown key "stride" (allowed: forward, backward, axis, )"
-       R"(ranks, nodes))"},
+       R"(ranks, nodes, sharing))"},
+      {"no group shares", collective_with(R"("nodes": 1)", R"("nodes": 2, "sharing": 0)"),
+       "sp.json: ops[1].collective.sharing: expected an integer in [1, 1024], got 0"},
   };
   for (const BadCase& bad : cases) {
     SCOPED_TRACE(bad.name);
@@ -156,17 +172,18 @@ TEST(CollectiveOps, TakeTheirLinksTimeInEachDirection) {
   auto parsed = parse_model(kCollectiveModel, "sp.json");
   ASSERT_TRUE(parsed.ok()) << parsed.error().message;
   const DeviceProfile device = linked_device();
-  for (const std::int32_t nodes : {1, 2}) {
-    SCOPED_TRACE(nodes);
+  for (const auto& [nodes, sharing] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 4}}) {
+    SCOPED_TRACE(testing::Message() << nodes << " nodes, " << sharing << " sharing them");
     Model model = parsed.value();
     model.ops[1].collective.nodes = nodes;
+    model.ops[1].collective.sharing = sharing;
     ASSERT_TRUE(check_roofline(model, device).ok());
     assign_roofline_durations(model, device);
     // Forward: an all-gather whose output is 128 bytes; backward: a reduce-scatter of the
     // output's 128-byte gradient.
     EXPECT_EQ(collective_op_bytes(model, model.ops[1], false), Bytes(128));
     EXPECT_EQ(collective_op_bytes(model, model.ops[1], true), Bytes(128));
-    const GroupPlacement group{2, nodes};
+    const GroupPlacement group{2, nodes, sharing};
     EXPECT_EQ(model.ops[1].duration,
               collective_time(CollectiveKind::AllGather, Bytes(128), group, device.collectives));
     EXPECT_EQ(

@@ -1,17 +1,32 @@
 #include "ferry/sim/engine/collective_cost.hpp"
 
+#include <algorithm>
+
 #include "ferry/check.hpp"
 
 namespace ferry::sim {
 
+// Note [Groups sharing a node's links]
+// A ring across nodes has the node's NICs together (docs/fsdp.md, "The link model") only when
+// it is the one group of its kind crossing them. Groups of one kind run their collectives at
+// the same time (every rank runs the same step), and a node's per_node consecutive ranks belong
+// to min(stride, per_node) groups whose members are stride ranks apart: HSDP's replica groups
+// (one rank of each shard group), eight to a node of eight; the shard groups under tensor
+// parallelism, tp to a node. They move their bytes through the same NICs at once, so each has
+// 1 / min(stride, per_node) of the node's inter-node link (the profile's figure is the node's
+// NICs together). A group inside a node has NVLink's per-GPU rate, shared by none. The IBM and
+// Meta FSDP blog's H100 HSDP runs see the network "peeking out" about 10 % of the step
+// (docs/validation.md, row 43): an HSDP replica group with the whole node's link hides it.
 GroupPlacement place_group(std::int32_t ranks, std::int32_t stride, std::int32_t per_node) {
   FERRY_CHECK(ranks >= 1 && stride >= 1 && per_node >= 1,
               "a group of {} ranks {} apart, {} to a node", ranks, stride, per_node);
-  if (stride >= per_node) return GroupPlacement{ranks, ranks};
+  if (ranks == 1) return GroupPlacement{};
+  const std::int32_t sharing = std::min(stride, per_node);
+  if (stride >= per_node) return GroupPlacement{ranks, ranks, sharing};
   // The members span (ranks - 1) x stride + 1 consecutive ranks, on nodes of per_node.
   const std::int64_t span = std::int64_t{ranks - 1} * stride + 1;
   const auto nodes = static_cast<std::int32_t>((span + per_node - 1) / per_node);
-  return GroupPlacement{ranks, nodes};
+  return GroupPlacement{ranks, nodes, nodes > 1 ? sharing : 1};
 }
 
 SimTime collective_time(CollectiveKind kind, Bytes bytes, GroupPlacement group,
@@ -24,7 +39,9 @@ SimTime collective_time(CollectiveKind kind, Bytes bytes, GroupPlacement group,
   // result, which saturates at kLongestCollective).
   __extension__ using Wide = unsigned __int128;
   const Wide moved = static_cast<Wide>(bytes.count() / g) * static_cast<Wide>(g - 1);
-  const Wide rate = static_cast<Wide>(link.bandwidth.bytes_per_s());
+  const std::int32_t sharing = group.nodes > 1 ? std::max(group.sharing, 1) : 1;
+  const Wide rate = std::max<Wide>(
+      static_cast<Wide>(link.bandwidth.bytes_per_s()) / static_cast<Wide>(sharing), 1);
   const Wide once = (moved * 1'000'000'000U + rate - 1) / rate +
                     static_cast<Wide>(link.latency.ns()) * static_cast<Wide>(g - 1);
   const Wide passes = kind == CollectiveKind::AllReduce ? 2 : 1;

@@ -287,7 +287,7 @@ class ModelReader {
   // fits the op.
   static Result<OpCollective> read_collective(const JsonValue& value) {
     FERRY_JSON_TRY(const auto object,
-                   value.object({"forward", "backward", "axis", "ranks", "nodes"}));
+                   value.object({"forward", "backward", "axis", "ranks", "nodes", "sharing"}));
     OpCollective c;
     FERRY_JSON_TRY(c.forward, read_collective_kind(object, "forward"));
     FERRY_JSON_TRY(c.backward, read_collective_kind(object, "backward"));
@@ -306,6 +306,9 @@ class ModelReader {
     c.ranks = static_cast<std::int32_t>(ranks);
     FERRY_JSON_TRY(const auto nodes, object.optional_integer("nodes", 1, 1, ranks));
     c.nodes = static_cast<std::int32_t>(nodes);
+    FERRY_JSON_TRY(const auto sharing,
+                   object.optional_integer("sharing", 1, 1, kMaxGroupsSharingANode));
+    c.sharing = static_cast<std::int32_t>(sharing);
     return c;
   }
 
@@ -425,6 +428,7 @@ OrderedJson op_json(const Model& model, const ModelOp& op) {
     collective["axis"] = mesh_axis_name(c.axis);
     collective["ranks"] = c.ranks;
     collective["nodes"] = c.nodes;
+    if (c.sharing != 1) collective["sharing"] = c.sharing;
     out["collective"] = std::move(collective);
   }
   if (!op.group_rows.empty()) out["group_rows"] = op.group_rows;

@@ -227,7 +227,8 @@ MeshGroup Mesh::group(Axis axis) const {
   // GPU, the pipeline group one GPU of each stage.
   const auto placed = [this](std::int32_t size, std::int32_t stride) {
     if (size < 1) size = 1;
-    return MeshGroup{size, place_group(size, stride, per_node_).nodes, stride};
+    const GroupPlacement at = place_group(size, stride, per_node_);
+    return MeshGroup{size, at.nodes, stride, at.sharing};
   };
   switch (axis) {
     case Axis::Shard:
@@ -236,8 +237,11 @@ MeshGroup Mesh::group(Axis axis) const {
       return placed(p_.replicas, std::max(1, p_.shard_group() * p_.tp));
     case Axis::Tensor:
       return MeshGroup{p_.tp, 1, 1};
-    case Axis::Context:
-      return MeshGroup{p_.cp, span_nodes(p_.cp * p_.tp, per_node_), p_.tp};
+    case Axis::Context: {
+      // Its members tp apart: the node's tensor-parallel ranks each run one across nodes.
+      const std::int32_t nodes = span_nodes(p_.cp * p_.tp, per_node_);
+      return MeshGroup{p_.cp, nodes, p_.tp, nodes > 1 ? std::min(p_.tp, per_node_) : 1};
+    }
     case Axis::Expert:
       return MeshGroup{p_.ep, span_nodes(p_.ep, per_node_), 1};
     case Axis::Pipeline:
@@ -251,7 +255,8 @@ MeshGroup Mesh::group(Axis axis) const {
 MeshGroup Mesh::kept_shard(Axis shard) const {
   const std::int32_t keep = std::max(1, p_.reshard_after_forward.ranks());
   const std::int32_t stride = group(shard).stride;
-  return MeshGroup{keep, place_group(keep, stride, per_node_).nodes, stride};
+  const GroupPlacement at = place_group(keep, stride, per_node_);
+  return MeshGroup{keep, at.nodes, stride, at.sharing};
 }
 
 DeviceProfile Mesh::rank_profile(DeviceProfile profile) const {

@@ -47,8 +47,8 @@ using rank_cut_detail::RankCut;
 
 class ContextParallelCut : RankCut {
  public:
-  ContextParallelCut(const Model& whole, std::int32_t cp, std::int32_t nodes)
-      : RankCut(whole, "--cp", cp), cp_(cp), nodes_(nodes) {}
+  ContextParallelCut(const Model& whole, std::int32_t cp, GroupPlacement group)
+      : RankCut(whole, "--cp", cp), cp_(cp), group_(group) {}
   using RankCut::skip_validation;
 
   Result<Model> run();
@@ -66,7 +66,7 @@ class ContextParallelCut : RankCut {
   Status size_tensors();
 
   std::int32_t cp_;
-  std::int32_t nodes_;
+  GroupPlacement group_;  // the context-parallel group's nodes and sharing
   std::int64_t tokens_ = 0;
   Model out_;                   // the rank's model
   std::vector<bool> split_;     // by tensor of out_: split by tokens
@@ -142,8 +142,12 @@ void ContextParallelCut::gather_kv(ModelOp& o) {
     split_.push_back(false);
     assigned_.push_back(true);
   }
-  const Exchange gathers{kAllGatherKind, CollectiveKind::AllGather, CollectiveKind::ReduceScatter,
-                         MeshAxis::Context, nodes_};
+  const Exchange gathers{kAllGatherKind,
+                         CollectiveKind::AllGather,
+                         CollectiveKind::ReduceScatter,
+                         MeshAxis::Context,
+                         group_.nodes,
+                         group_.sharing};
   ModelOp gather = collective_op(o.name + "/cp.all_gather", gathers, {k, v}, whole, o);
   o.inputs[1] = whole[0];
   o.inputs[2] = whole[1];
@@ -227,12 +231,14 @@ Result<Model> context_parallel_model(const Model& whole, std::int32_t cp, std::i
     return Error{fmt::format("{} {}: use {} or more ranks", degree.flag, cp, degree.least)};
   }
   if (cp == 1) return whole;
-  return rank_cut_detail::context_parallel_cut(whole, cp, nodes, true);
+  return rank_cut_detail::context_parallel_cut(whole, cp, GroupPlacement{cp, nodes, 1}, true);
 }
 
 Result<Model> rank_cut_detail::context_parallel_cut(const Model& whole, std::int32_t cp,
-                                                    std::int32_t nodes, bool validate) {
-  ContextParallelCut cut(whole, cp, std::max(1, nodes));
+                                                    GroupPlacement group, bool validate) {
+  group.nodes = std::max(1, group.nodes);
+  group.sharing = std::max(1, group.sharing);
+  ContextParallelCut cut(whole, cp, group);
   if (!validate) cut.skip_validation();
   return cut.run();
 }

@@ -248,9 +248,10 @@ SimTime collective_op_time(const Model& model, const ModelOp& op, bool backward,
   const std::optional<CollectiveKind>& kind =
       backward ? op.collective.backward : op.collective.forward;
   if (!kind) return SimTime(1);
-  const SimTime t =
-      collective_time(*kind, collective_op_bytes(model, op, backward),
-                      GroupPlacement{op.collective.ranks, op.collective.nodes}, device.collectives);
+  const SimTime t = collective_time(
+      *kind, collective_op_bytes(model, op, backward),
+      GroupPlacement{op.collective.ranks, op.collective.nodes, op.collective.sharing},
+      device.collectives);
   return std::max(t, SimTime(1));
 }
 

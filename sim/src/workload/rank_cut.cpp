@@ -30,6 +30,7 @@ ModelOp RankCut::collective_op(std::string name, const Exchange& x,
   c.collective.axis = x.axis;
   c.collective.ranks = degree_;
   c.collective.nodes = x.nodes;
+  c.collective.sharing = x.sharing;
   return c;
 }
 

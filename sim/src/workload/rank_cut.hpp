@@ -53,6 +53,7 @@ class RankCut {
     CollectiveKind backward;
     MeshAxis axis;
     std::int32_t nodes;
+    std::int32_t sharing = 1;
   };
   ModelOp collective_op(std::string name, const Exchange& x, std::vector<std::uint32_t> inputs,
                         std::vector<std::uint32_t> outputs, const ModelOp& near) const;
@@ -71,7 +72,7 @@ class RankCut {
 // (the degree 2 or more); with `validate` false the cut model is returned unvalidated, as
 // rank_workload validates the last of its cuts once.
 Result<Model> tensor_parallel_cut(const Model& whole, std::int32_t tp, bool validate);
-Result<Model> context_parallel_cut(const Model& whole, std::int32_t cp, std::int32_t nodes,
+Result<Model> context_parallel_cut(const Model& whole, std::int32_t cp, GroupPlacement group,
                                    bool validate);
 Result<Model> expert_parallel_cut(const Model& whole, std::int32_t ep, std::int32_t nodes,
                                   double capacity, bool validate);

@@ -41,7 +41,7 @@ Result<Workload> rank_workload(const Workload& whole, const Mesh& mesh, CutAxes 
   }
   if (cp > 1) {
     const MeshGroup group = mesh.group(Mesh::Axis::Context);
-    if (auto done = apply(rank_cut_detail::context_parallel_cut(at(), cp, group.nodes, false),
+    if (auto done = apply(rank_cut_detail::context_parallel_cut(at(), cp, group.placement(), false),
                           mesh_field(MeshField::Cp).flag, cp);
         !done) {
       return done.error();

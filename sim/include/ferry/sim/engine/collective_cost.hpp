@@ -35,17 +35,20 @@ enum class CollectiveKind : std::uint8_t {
   return "all_to_all";
 }
 
-/// Where a process group's ranks lie: how many there are, and how many nodes they span.
+/// Where a process group's ranks lie: how many there are, how many nodes they span, and how
+/// many groups of its kind cross a node's links at once (Note [Groups sharing a node's links]).
 struct GroupPlacement {
   std::int32_t ranks = 1;
   std::int32_t nodes = 1;
+  std::int32_t sharing = 1;
   friend bool operator==(const GroupPlacement&, const GroupPlacement&) = default;
 };
 
 /// The placement of rank 0's group of `ranks` ranks whose members are `stride` ranks apart
 /// (ranks 0, stride, 2 x stride, ...), in a world laid out `per_node` consecutive ranks to a
 /// node: members `per_node` or more apart are each on a node of their own, nearer ones share
-/// nodes. All three are at least 1.
+/// nodes; a group across nodes shares each node's links with the other min(stride, per_node)
+/// - 1 groups of its kind there. All three are at least 1.
 [[nodiscard]] GroupPlacement place_group(std::int32_t ranks, std::int32_t stride,
                                          std::int32_t per_node);
 
@@ -54,7 +57,8 @@ inline constexpr SimTime kLongestCollective{std::int64_t{1} << 60};
 
 /// The ring formula for `kind` moving `bytes` over `group`: each rank sends (g - 1) / g of
 /// `bytes` at the link's bus bandwidth, one latency per ring step, over the profile's
-/// intra-node link when the group lies inside one node, else its inter-node link; an
+/// intra-node link when the group lies inside one node, else its inter-node link, of which the
+/// group has 1 / `group.sharing`; an
 /// all-reduce is two passes, an all-to-all one (each rank keeps 1/g of its data). A group of
 /// one rank moves nothing: 1 ns. The link must be known (CollectiveLink::known).
 [[nodiscard]] SimTime collective_time(CollectiveKind kind, Bytes bytes, GroupPlacement group,

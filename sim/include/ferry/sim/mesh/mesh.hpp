@@ -19,8 +19,11 @@ struct MeshGroup {
   std::int32_t size = 1;
   std::int32_t nodes = 1;
   std::int32_t stride = 1;
+  /// Groups of its axis crossing a node's links at once (Note [Groups sharing a node's links]
+  /// in collective_cost.cpp); 1 inside a node.
+  std::int32_t sharing = 1;
   /// The group as the link model prices a collective over it.
-  [[nodiscard]] GroupPlacement placement() const { return GroupPlacement{size, nodes}; }
+  [[nodiscard]] GroupPlacement placement() const { return GroupPlacement{size, nodes, sharing}; }
   friend bool operator==(const MeshGroup&, const MeshGroup&) = default;
 };
 

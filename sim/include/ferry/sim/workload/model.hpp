@@ -100,9 +100,16 @@ struct OpCollective {
   MeshAxis axis = MeshAxis::Tensor;
   std::int32_t ranks = 0;  ///< the group's size; 0: the op runs no collective
   std::int32_t nodes = 1;  ///< nodes the group spans: one is the intra-node link
+  /// groups of its axis crossing a node's links at once, each with that share of the
+  /// inter-node link (Note [Groups sharing a node's links] in collective_cost.cpp)
+  std::int32_t sharing = 1;
   [[nodiscard]] bool any() const { return ranks > 0; }
   friend bool operator==(const OpCollective&, const OpCollective&) = default;
 };
+
+/// Most groups of one axis crossing a node's links at once (OpCollective::sharing): a node's
+/// GPUs, at most 1024.
+inline constexpr std::int32_t kMaxGroupsSharingANode = 1024;
 
 /// Largest group a collective op may run over: 2^20 ranks.
 inline constexpr std::int32_t kMaxCollectiveRanks = std::int32_t{1} << 20;
