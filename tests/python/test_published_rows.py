@@ -297,7 +297,7 @@ def pr165(root, devices):
 
 @pytest.mark.parametrize(
     "row, measured, allocated_tol, reserved_tol, time_tol",
-    [("full", PR165_FULL, 0.01, 0.07, 0.13), ("sac", PR165_SAC, 0.01, 0.09, 0.17)],
+    [("full", PR165_FULL, 0.01, 0.07, 0.12), ("sac", PR165_SAC, 0.01, 0.09, 0.15)],
 )
 def test_torchtitan_pr165_fsdp2_llama2_7b(
     pr165, row, measured, allocated_tol, reserved_tol, time_tol
@@ -337,7 +337,7 @@ def dec2024(root, devices):
     }
 
 
-@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.11), (128, 0.06, 0.16)])
+@pytest.mark.parametrize("gpus, reserved_tol, time_tol", [(8, 0.08, 0.09), (128, 0.06, 0.13)])
 def test_torchtitan_dec2024_fsdp_llama3_8b(dec2024, gpus, reserved_tol, time_tol):
     result = dec2024[gpus]
     memory, tps = DEC2024[gpus]
@@ -346,13 +346,13 @@ def test_torchtitan_dec2024_fsdp_llama3_8b(dec2024, gpus, reserved_tol, time_tol
 
 
 def test_torchtitan_dec2024_fsdp_compiled_llama3_8b(dec2024):
-    """Rows 13a-13c: the compiled run's reserved peak within 2 %; its time 15 % fast, as the
-    eager row is 11 % fast on the same hosts; what compiling gains within 4 %."""
+    """Rows 13a-13c: the compiled run's reserved peak within 2 %; its time 12 % fast, as the
+    eager row is 9 % fast on the same hosts; what compiling gains within 3 %."""
     compiled, eager = dec2024["compiled"], dec2024[8]
     memory, tps = DEC2024_COMPILED
     within(compiled["peak_reserved_bytes"] / GIB, memory, 0.02)
-    within(tokens_per_s(compiled, 2 * 8192), tps, 0.14)
-    within(eager["step_time_ns"] / compiled["step_time_ns"], tps / DEC2024[8][1], 0.04)
+    within(tokens_per_s(compiled, 2 * 8192), tps, 0.13)
+    within(eager["step_time_ns"] / compiled["step_time_ns"], tps / DEC2024[8][1], 0.03)
 
 
 # --- torchtitan PR #3429: FSDP8 Llama 3 8B, batch 1, sequence 8192 (docs/fsdp.md) -------------
@@ -457,7 +457,7 @@ def pr3429_tp2(devices):
 def test_torchtitan_pr3429_fsdp4_tp2_full_policy(pr3429_tp2):
     """docs/parallelism.md: the full policy's row within the issue's tolerances (memory 5 %,
     time 8 %), and the default policy's memory too. The default policy's throughput misses
-    (tokens/s +12.2 %): the doc says what the model lacks there, and this test holds the miss
+    (tokens/s +10.6 %): the doc says what the model lacks there, and this test holds the miss
     where it is, so that a change that widens it is seen."""
     memory, tps = PR3429_TP2["every:1"]
     result = pr3429_tp2["every:1"]
@@ -466,7 +466,7 @@ def test_torchtitan_pr3429_fsdp4_tp2_full_policy(pr3429_tp2):
     default = pr3429_tp2["op-sac-all"]
     memory, tps = PR3429_TP2["op-sac-all"]
     within(default["peak_reserved_bytes"] / GIB, memory, 0.05)
-    within(tokens_per_s(default, 8192) / 2, tps, 0.13)
+    within(tokens_per_s(default, 8192) / 2, tps, 0.11)
 
 
 # --- torchtitan PR #2564: DeepSeek-V3 16B at FSDP4 x TP2 x EP2 on 8 H100 96 GB ----------------
@@ -539,23 +539,26 @@ def pr3429_graph_trainer(devices, llama3_8b_compiled):
 def test_torchtitan_pr3429_graph_trainer_memory_and_throughput(
     pr3429_graph_trainer, checkpoint, model
 ):
-    """Rows 22g-22j: peak reserved within 5 %, tokens per second within 8 %."""
+    """Rows 22g-22j: peak reserved within 5 %, tokens per second within 8 % (the preset's full
+    policy 8.5 % slow: its collectives slow the compute they overlap, Note [Contended compute],
+    more than the graph trainer's bucketed ones may)."""
     result = pr3429_graph_trainer[checkpoint, model]
     memory, tps = PR3429_GRAPH[checkpoint]
     within(result["peak_reserved_bytes"] / GIB, memory, 0.05)
-    within(tokens_per_s(result, 8192), tps, 0.08)
+    slow_preset = (checkpoint, model) == ("every:1", "preset")
+    within(tokens_per_s(result, 8192), tps, 0.09 if slow_preset else 0.08)
 
 
 @pytest.mark.parametrize("model", ["trace", "preset"])
 def test_torchtitan_pr3429_graph_trainer_full_over_default(pr3429_graph_trainer, model):
-    """Row 22k: full over default, predicted 8-9 % above the measured 1.126 (outside the 2 % the
-    ratios are held to; docs/validation.md says what is known). Held within 10 %, so that the
+    """Row 22k: full over default, predicted 8 % above the measured 1.126 (outside the 2 % the
+    ratios are held to; docs/validation.md says what is known). Held within 9 %, so that the
     gap does not grow unseen."""
     predicted = (
         pr3429_graph_trainer["every:1", model]["step_time_ns"]
         / pr3429_graph_trainer["op-sac-all", model]["step_time_ns"]
     )
-    within(predicted, PR3429_GRAPH["op-sac-all"][1] / PR3429_GRAPH["every:1"][1], 0.10)
+    within(predicted, PR3429_GRAPH["op-sac-all"][1] / PR3429_GRAPH["every:1"][1], 0.09)
 
 
 def layers_forward_flops(config, seq, batch):
@@ -800,9 +803,9 @@ def test_torchao_bf16_baseline_b200_reserves_less_than_predicted(torchao_bf16):
 
 
 def test_torchao_bf16_baseline_h100_throughput(torchao_bf16):
-    """Row 40: predicted 26 % faster than measured on the unnamed H100 (the flat 60 % roofline
-    for matmuls; docs/validation.md); held within 27 %."""
-    within(tokens_per_s(torchao_bf16["h100-sxm-pcie5"], 8192), TORCHAO["h100-sxm-pcie5"][1], 0.27)
+    """Row 40: predicted 23 % faster than measured on the unnamed H100 (the flat 60 % roofline
+    for matmuls; docs/validation.md); held within 23 %."""
+    within(tokens_per_s(torchao_bf16["h100-sxm-pcie5"], 8192), TORCHAO["h100-sxm-pcie5"][1], 0.23)
 
 
 def test_torchao_bf16_baseline_b200_is_faster_than_measured(torchao_bf16):
@@ -870,19 +873,19 @@ def fms(root):
     "size, device, tolerance",
     [
         ("7b", "a100-pcie4", 0.07),
-        ("7b", "h100-sxm-pcie5", 0.12),
+        ("7b", "h100-sxm-pcie5", 0.02),
         ("34b", "a100-pcie4", 0.16),
-        ("34b", "h100-sxm-pcie5", 0.08),
+        ("34b", "h100-sxm-pcie5", 0.07),
         ("70b", "a100-pcie4", 0.20),
-        ("70b", "h100-sxm-pcie5", 0.05),
+        ("70b", "h100-sxm-pcie5", 0.09),
     ],
 )
 def test_fms_fsdp_llama2_throughput(fms, size, device, tolerance):
-    """Rows 43-45, A100 and H100 each: the 7B 7 % slow on the A100s and 11 % fast on the H100s,
+    """Rows 43-45, A100 and H100 each: the 7B 7 % slow on the A100s and 2 % fast on the H100s,
     its replica groups' all-reduces sharing each node's network; the checkpointed 34B and 70B 15
     and 20 % slow on the A100s, whose runs reach more of the peak than the flat roofline allows,
-    7 and 5 % fast on the H100s (docs/validation-sources.md); each held within its error rounded
-    up."""
+    7 and 9 % slow on the H100s, whose compute the collectives slow (docs/validation-sources.md);
+    each held within its error rounded up."""
     within(tokens_per_s(fms[size, device], 2 * 4096), FMS[size][device], tolerance)
 
 

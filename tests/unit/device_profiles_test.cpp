@@ -107,21 +107,24 @@ TEST(DeviceProfiles, KernelFiguresRoundTripAndAnOutOfBoundsOneIsRefusedNamingIts
                                     .matmul_tile_n = 128,
                                     .matmul_permille = 800,
                                     .efficient_forward_permille = 300,
-                                    .efficient_backward_permille = 250};
+                                    .efficient_backward_permille = 250,
+                                    .collective_overlap_permille = 769};
   const std::string written = device_profile_to_json(efficient);
   const auto again = parse_device_profile(written, "p.json");
   ASSERT_TRUE(again.ok()) << again.error().message;
   EXPECT_EQ(again.value().kernels, efficient.kernels);
-  for (const std::string bad : {"0", "1001", "-5", "\"fast\""}) {
-    std::string text = written;
-    const std::string key = "\"efficient_backward_permille\": 250";
-    ASSERT_NE(text.find(key), std::string::npos) << text;
-    text.replace(text.find(key), key.size(), "\"efficient_backward_permille\": " + bad);
-    const auto refused = parse_device_profile(text, "p.json");
-    ASSERT_FALSE(refused.ok()) << bad;
-    EXPECT_NE(refused.error().message.find("kernels.efficient_backward_permille"),
-              std::string::npos)
-        << refused.error().message;
+  for (const std::string field : {"efficient_backward_permille", "collective_overlap_permille"}) {
+    for (const std::string bad : {"0", "1001", "-5", "\"fast\""}) {
+      std::string text = written;
+      const std::size_t at = text.find("\"" + field + "\": ");
+      ASSERT_NE(at, std::string::npos) << text;
+      const std::size_t end = text.find_first_of(",}\n", at + field.size() + 4);
+      text.replace(at, end - at, "\"" + field + "\": " + bad);
+      const auto refused = parse_device_profile(text, "p.json");
+      ASSERT_FALSE(refused.ok()) << field << " " << bad;
+      EXPECT_NE(refused.error().message.find("kernels." + field), std::string::npos)
+          << refused.error().message;
+    }
   }
 }
 

@@ -72,6 +72,35 @@ TEST(Simulator, ACollectiveRunsBesideComputeKernels) {
   EXPECT_EQ(sim.makespan().ns(), 300);
 }
 
+// Note [Contended compute]: with the profile's figure, compute kernels run at that fraction of
+// their rate while a collective runs on the device, keeping the work they have done.
+TEST(Simulator, ComputeSlowsWhileACollectiveRunsWhereTheProfileSaysSo) {
+  const auto makespan = [](std::int32_t permille, bool later) {
+    DeviceProfile profile = simple_profile();
+    profile.kernels.collective_overlap_permille = permille;
+    Simulator sim = simple_sim(1, {}, profile);
+    const StreamId compute = sim.add_stream(DeviceId(0), "compute");
+    const StreamId comm = sim.add_stream(DeviceId(0), "comm");
+    if (later) {  // the collective starts when a first kernel ends, in the second's run
+      const EventId first = sim.add_event("first");
+      sim.kernel(compute, SimTime(100), kNone, kNone);
+      sim.record(first, compute);
+      sim.wait(comm, first);
+    }
+    sim.kernel(compute, SimTime(300), kNone, kNone);
+    sim.collective(comm, SimTime(100), kNone, kNone);
+    sim.finish();
+    return sim.makespan().ns();
+  };
+  EXPECT_EQ(makespan(0, false), 300);
+  EXPECT_EQ(makespan(1000, false), 300);
+  // 0..100 at half the rate (50 ns of work), then the 250 left: 350.
+  EXPECT_EQ(makespan(500, false), 350);
+  // The first kernel alone, then 100..200 shared: 100 + 50 + 250.
+  EXPECT_EQ(makespan(0, true), 400);
+  EXPECT_EQ(makespan(500, true), 450);
+}
+
 // Note [Collectives]: one engine per lane (process group) on each device.
 TEST(Simulator, CollectivesOfOneLaneQueueAndOfTwoLanesOverlap) {
   for (const CollectiveLane second : {CollectiveLane::Fsdp, CollectiveLane::Tensor,

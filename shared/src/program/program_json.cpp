@@ -93,7 +93,8 @@ std::string profile(const DeviceProfile& p) {
           std::pair{"cudnn_backward_permille", k.cudnn_backward_permille},
           std::pair{"efficient_forward_permille", k.efficient_forward_permille},
           std::pair{"efficient_backward_permille", k.efficient_backward_permille},
-          std::pair{"memory_permille", k.memory_permille}}) {
+          std::pair{"memory_permille", k.memory_permille},
+          std::pair{"collective_overlap_permille", k.collective_overlap_permille}}) {
       if (value > 0) kernels.num(key, value);
     }
     if (k.sdpa_backend != SdpaBackend{}) {

@@ -284,6 +284,9 @@ struct Simulator::State final : StreamMarkers {
   void submit(OpId op, std::optional<StreamPosition> until = std::nullopt);
   void start_op(OpId op, bool wait_done);
   void start_kernel(ComputeEngines& engines, DeviceId device, std::uint8_t lane);
+  // The compute engine's rate as the device's running collectives leave it (Note [Contended
+  // compute] in simulator_state.cpp).
+  void contend(DeviceId device);
   // Simulator::kernel and Simulator::collective: one call, on the engine `kind` and `lane` name.
   OpId launch(engine_detail::ExecKind kind, StreamId stream, SimTime duration,
               std::span<const Region> reads, std::span<const Region> writes, std::string_view label,

@@ -100,10 +100,11 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
   FERRY_JSON_TRY(
       const auto object,
       profile.required_object(
-          "kernels", {"sm_count", "matmul_tile_m", "matmul_tile_n", "matmul_permille",
-                      "flash_forward_permille", "flash_backward_permille", "cudnn_forward_permille",
-                      "cudnn_backward_permille", "efficient_forward_permille",
-                      "efficient_backward_permille", "memory_permille", "sdpa_backend"}));
+          "kernels",
+          {"sm_count", "matmul_tile_m", "matmul_tile_n", "matmul_permille",
+           "flash_forward_permille", "flash_backward_permille", "cudnn_forward_permille",
+           "cudnn_backward_permille", "efficient_forward_permille", "efficient_backward_permille",
+           "memory_permille", "collective_overlap_permille", "sdpa_backend"}));
   const auto read = [&](std::string_view key, std::int32_t& field, bool required, std::int64_t min,
                         std::int64_t max) -> Status {
     if (required) {
@@ -140,6 +141,8 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
   FERRY_JSON_RETURN_IF_ERROR(
       read("efficient_backward_permille", kernels.efficient_backward_permille, false, 1, 1000));
   FERRY_JSON_RETURN_IF_ERROR(read("memory_permille", kernels.memory_permille, false, 1, 1000));
+  FERRY_JSON_RETURN_IF_ERROR(
+      read("collective_overlap_permille", kernels.collective_overlap_permille, false, 1, 1000));
   FERRY_JSON_TRY(const std::string sdpa,
                  object.optional_string("sdpa_backend", std::string(sdpa_backend_name({}))));
   const auto* backend = std::find_if(std::begin(kSdpaBackends), std::end(kSdpaBackends),

@@ -68,17 +68,20 @@ inline constexpr SdpaBackend kSdpaBackends[] = {SdpaBackend::Flash, SdpaBackend:
 /// streaming kernel reaches. Optional in the file ("kernels"), and each figure in it; an op whose
 /// kernel has no figure is timed by the flat roofline. A zero: no figure.
 struct KernelFigures {
-  std::int32_t sm_count = 0;                      ///< streaming multiprocessors; 0: no tile model
-  std::int32_t matmul_tile_m = 0;                 ///< output rows of one thread block's matmul tile
-  std::int32_t matmul_tile_n = 0;                 ///< output columns of one tile
-  std::int32_t matmul_permille = 0;               ///< large-GEMM FLOP/s over the peak, x 1000
-  std::int32_t flash_forward_permille = 0;        ///< flash attention forward, x 1000
-  std::int32_t flash_backward_permille = 0;       ///< flash attention backward, x 1000
-  std::int32_t cudnn_forward_permille = 0;        ///< cuDNN attention forward, x 1000
-  std::int32_t cudnn_backward_permille = 0;       ///< cuDNN attention backward, x 1000
-  std::int32_t efficient_forward_permille = 0;    ///< memory-efficient attention forward, x 1000
-  std::int32_t efficient_backward_permille = 0;   ///< memory-efficient attention backward, x 1000
-  std::int32_t memory_permille = 0;               ///< streaming kernels' HBM bandwidth, x 1000
+  std::int32_t sm_count = 0;                     ///< streaming multiprocessors; 0: no tile model
+  std::int32_t matmul_tile_m = 0;                ///< output rows of one thread block's matmul tile
+  std::int32_t matmul_tile_n = 0;                ///< output columns of one tile
+  std::int32_t matmul_permille = 0;              ///< large-GEMM FLOP/s over the peak, x 1000
+  std::int32_t flash_forward_permille = 0;       ///< flash attention forward, x 1000
+  std::int32_t flash_backward_permille = 0;      ///< flash attention backward, x 1000
+  std::int32_t cudnn_forward_permille = 0;       ///< cuDNN attention forward, x 1000
+  std::int32_t cudnn_backward_permille = 0;      ///< cuDNN attention backward, x 1000
+  std::int32_t efficient_forward_permille = 0;   ///< memory-efficient attention forward, x 1000
+  std::int32_t efficient_backward_permille = 0;  ///< memory-efficient attention backward, x 1000
+  std::int32_t memory_permille = 0;              ///< streaming kernels' HBM bandwidth, x 1000
+  /// Compute kernels' rate while a collective's kernel runs on the device (its SMs are NCCL's),
+  /// x 1000 of their own; 0: unslowed.
+  std::int32_t collective_overlap_permille = 0;
   SdpaBackend sdpa_backend = SdpaBackend::Flash;  ///< the kernel a fused SDPA call runs
   /// Whether matmuls with a shape run as tiles in waves (SMs, tile and matmul figure given).
   [[nodiscard]] bool tiled() const { return sm_count > 0; }

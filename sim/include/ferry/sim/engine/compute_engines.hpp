@@ -1,6 +1,7 @@
 #pragma once
 /// The compute engine of each device: one kernel at a time, in the order streams hand them over.
-/// A kernel takes the duration it was issued with (the resource model of compute). The same
+/// A kernel takes the duration it was issued with (the resource model of compute), longer while
+/// the device runs a collective where its profile says so (Note [Contended compute]). The same
 /// model, with engines of its own, runs each device's collectives, one engine per lane
 /// (Note [Collectives]).
 
@@ -16,7 +17,8 @@
 
 namespace ferry::sim {
 
-/// `lanes` engines per device, each one kernel at a time.
+/// `lanes` engines per device, each one kernel at a time, at a rate its device may lower while
+/// it runs (Note [Contended compute]).
 class ComputeEngines {
  public:
   /// Engines for `devices` devices, `lanes` each, all idle; a finished kernel is announced as
@@ -30,8 +32,8 @@ class ComputeEngines {
     engine(device, lane).ready.push_back(Kernel{op, duration});
   }
 
-  /// When the engine is idle, starts its next kernel at `now`, schedules its completion and
-  /// returns it.
+  /// When the engine is idle, starts its next kernel at `now` at the engine's rate, schedules
+  /// its completion and returns it.
   std::optional<OpId> try_start(DeviceId device, std::uint8_t lane, SimTime now,
                                 DeviceEventQueue& queue) {
     Engine& e = engine(device, lane);
@@ -39,19 +41,48 @@ class ComputeEngines {
     const Kernel k = e.ready.front();
     e.ready.pop_front();
     e.running = k.op;
-    queue.schedule(now + k.duration, DeviceEvent{.kind = done_, .lane = lane, .device = device});
+    e.remaining = static_cast<Wide>(k.duration.ns()) * kFullRate;
+    e.since = now;
+    schedule_end(e, device, lane, now, queue);
     return k.op;
   }
 
-  /// The engine's running kernel completed: the engine is idle; returns the kernel.
-  OpId finish(DeviceId device, std::uint8_t lane) {
+  /// Runs the engine's kernels at `permille` of their full rate from `now` on: the running
+  /// kernel keeps the work it has done and ends later or sooner.
+  void set_rate(DeviceId device, std::uint8_t lane, std::int32_t permille, SimTime now,
+                DeviceEventQueue& queue) {
     Engine& e = engine(device, lane);
+    if (e.permille == permille) return;
+    if (e.running) {
+      e.remaining -= static_cast<Wide>((now - e.since).ns()) * e.permille;
+      if (e.remaining < 0) e.remaining = 0;
+      e.since = now;
+    }
+    e.permille = permille;
+    if (e.running) schedule_end(e, device, lane, now, queue);
+  }
+
+  /// Whether any of `device`'s engines runs a kernel.
+  [[nodiscard]] bool busy(DeviceId device) const {
+    for (std::size_t l = 0; l < lanes_; ++l) {
+      if (engines_[device.value() * lanes_ + l].running) return true;
+    }
+    return false;
+  }
+
+  /// The engine's running kernel completed (its end event of `generation`): the engine is idle;
+  /// returns the kernel. None for an end a change of rate superseded.
+  std::optional<OpId> finish(DeviceId device, std::uint8_t lane, std::uint32_t generation) {
+    Engine& e = engine(device, lane);
+    if (generation != e.generation || !e.running) return std::nullopt;
     const OpId op = *e.running;
     e.running.reset();
     return op;
   }
 
  private:
+  __extension__ using Wide = __int128;
+  static constexpr std::int32_t kFullRate = 1000;
   struct Kernel {
     OpId op;
     SimTime duration;
@@ -59,9 +90,20 @@ class ComputeEngines {
   struct Engine {
     std::deque<Kernel> ready;
     std::optional<OpId> running;
+    Wide remaining = 0;  // the running kernel's work left: ns at the full rate x 1000
+    SimTime since;       // when `remaining` was settled
+    std::int32_t permille = kFullRate;  // the rate kernels run at now
+    std::uint32_t generation = 0;       // of the running kernel's end event
   };
   Engine& engine(DeviceId device, std::uint8_t lane) {
     return engines_[device.value() * lanes_ + lane];
+  }
+  void schedule_end(Engine& e, DeviceId device, std::uint8_t lane, SimTime now,
+                    DeviceEventQueue& queue) {
+    const auto wait = static_cast<std::int64_t>((e.remaining + e.permille - 1) / e.permille);
+    queue.schedule(
+        now + SimTime(wait),
+        DeviceEvent{.kind = done_, .lane = lane, .device = device, .generation = ++e.generation});
   }
 
   std::vector<Engine> engines_;

@@ -56,7 +56,7 @@ struct DeviceEvent {
   std::uint8_t lane = 0;         ///< CollectiveDone: the device's engine (CollectiveLane)
   DeviceId device{};             ///< KernelDone, CollectiveDone
   EngineId engine{};             ///< CopyPhaseDone
-  std::uint32_t generation = 0;  ///< CopyPhaseDone: stale when the engine re-rated since
+  std::uint32_t generation = 0;  ///< stale when the engine re-rated since it was scheduled
 };
 static_assert(sizeof(DeviceEvent) == 16);
 
