@@ -17,16 +17,20 @@ namespace ferry::sim {
 // NICs together). A group inside a node has NVLink's per-GPU rate, shared by none. The IBM and
 // Meta FSDP blog's H100 HSDP runs see the network "peeking out" about 10 % of the step
 // (docs/validation.md, row 43): an HSDP replica group with the whole node's link hides it.
+std::int32_t groups_sharing_a_node(std::int32_t stride, std::int32_t per_node, std::int32_t nodes) {
+  return nodes > 1 ? std::min(stride, per_node) : 1;
+}
+
 GroupPlacement place_group(std::int32_t ranks, std::int32_t stride, std::int32_t per_node) {
   FERRY_CHECK(ranks >= 1 && stride >= 1 && per_node >= 1,
               "a group of {} ranks {} apart, {} to a node", ranks, stride, per_node);
   if (ranks == 1) return GroupPlacement{};
-  const std::int32_t sharing = std::min(stride, per_node);
-  if (stride >= per_node) return GroupPlacement{ranks, ranks, sharing};
-  // The members span (ranks - 1) x stride + 1 consecutive ranks, on nodes of per_node.
+  // Members per_node or more apart are on a node each; nearer ones span (ranks - 1) x stride +
+  // 1 consecutive ranks, on nodes of per_node.
   const std::int64_t span = std::int64_t{ranks - 1} * stride + 1;
-  const auto nodes = static_cast<std::int32_t>((span + per_node - 1) / per_node);
-  return GroupPlacement{ranks, nodes, nodes > 1 ? sharing : 1};
+  const auto nodes =
+      stride >= per_node ? ranks : static_cast<std::int32_t>((span + per_node - 1) / per_node);
+  return GroupPlacement{ranks, nodes, groups_sharing_a_node(stride, per_node, nodes)};
 }
 
 SimTime collective_time(CollectiveKind kind, Bytes bytes, GroupPlacement group,

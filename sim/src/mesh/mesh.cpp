@@ -238,9 +238,8 @@ MeshGroup Mesh::group(Axis axis) const {
     case Axis::Tensor:
       return MeshGroup{p_.tp, 1, 1};
     case Axis::Context: {
-      // Its members tp apart: the node's tensor-parallel ranks each run one across nodes.
       const std::int32_t nodes = span_nodes(p_.cp * p_.tp, per_node_);
-      return MeshGroup{p_.cp, nodes, p_.tp, nodes > 1 ? std::min(p_.tp, per_node_) : 1};
+      return MeshGroup{p_.cp, nodes, p_.tp, groups_sharing_a_node(p_.tp, per_node_, nodes)};
     }
     case Axis::Expert:
       return MeshGroup{p_.ep, span_nodes(p_.ep, per_node_), 1};

@@ -44,6 +44,12 @@ struct GroupPlacement {
   friend bool operator==(const GroupPlacement&, const GroupPlacement&) = default;
 };
 
+/// How many groups of one axis, each of members `stride` apart, cross a node's links at once
+/// when each spans `nodes` nodes of `per_node` ranks: min(stride, per_node) across nodes, 1
+/// inside one (Note [Groups sharing a node's links]).
+[[nodiscard]] std::int32_t groups_sharing_a_node(std::int32_t stride, std::int32_t per_node,
+                                                 std::int32_t nodes);
+
 /// The placement of rank 0's group of `ranks` ranks whose members are `stride` ranks apart
 /// (ranks 0, stride, 2 x stride, ...), in a world laid out `per_node` consecutive ranks to a
 /// node: members `per_node` or more apart are each on a node of their own, nearer ones share
