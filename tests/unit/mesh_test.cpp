@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "ferry/sim/api/requests.hpp"
 #include "ferry/sim/io/parallelism_json.hpp"
@@ -184,6 +186,24 @@ TEST(Mesh, ThePipelineGroupIsOneGpuOfEachStage) {
   ASSERT_TRUE(alone.ok()) << alone.error().message;
   EXPECT_EQ(alone.value().group(Mesh::Axis::Pipeline),
             (MeshGroup{.size = 3, .nodes = 1, .stride = 1}));
+}
+
+// Stages fill nodes one after another: four stages of 4 GPUs two to a node of eight, stages of
+// 8 GPUs a node each, one-GPU stages eight to a node.
+TEST(Mesh, StagesFillNodesOneAfterAnother) {
+  const auto nodes_of = [](const Parallelism& p, std::int32_t stages) {
+    const Mesh mesh = Mesh::make(p, node_profile()).value();
+    std::vector<std::int32_t> nodes;
+    for (std::int32_t s = 0; s < stages; ++s) nodes.push_back(mesh.node_of_stage(s));
+    return nodes;
+  };
+  EXPECT_EQ(nodes_of(Parallelism{.ranks = 2, .tp = 2, .pp = 4}, 4),
+            (std::vector<std::int32_t>{0, 0, 1, 1}));
+  EXPECT_EQ(nodes_of(Parallelism{.ranks = 8, .pp = 3}, 3), (std::vector<std::int32_t>{0, 1, 2}));
+  EXPECT_EQ(nodes_of(Parallelism{.ranks = 16, .pp = 2}, 2), (std::vector<std::int32_t>{0, 2}));
+  EXPECT_EQ(nodes_of(Parallelism{.pp = 10}, 10),
+            (std::vector<std::int32_t>{0, 0, 0, 0, 0, 0, 0, 0, 1, 1}));
+  EXPECT_EQ(nodes_of(Parallelism{.ranks = 8}, 1), (std::vector<std::int32_t>{0}));
 }
 
 TEST(Mesh, AContextGroupSpanningNodesCountsThem) {

@@ -110,6 +110,38 @@ TEST(PipelineMesh, ExpertParallelStagesOfTheTracedMixtralAreClean) {
   }
 }
 
+// Note [Sends between nodes]: two stages of FSDP over 8 GPUs fill a node each, and their sends
+// run at a NIC's share of the node's inter-node link (10 GB/s over 8 GPUs) and its latency; two
+// stages of 2 GPUs share a node and send over the peer link (2 GB/s).
+TEST(PipelineMesh, SendsBetweenNodesRunAtOneNicsRate) {
+  const DeviceProfile device = testing::node_profile();
+  const Workload whole{check_model(model_preset("tiny-llama").value()).value(), device};
+  const auto sends = [&](std::int32_t ranks) {
+    const Mesh mesh = Mesh::make(Parallelism{.ranks = ranks, .pp = 2}, device).value();
+    const Workload rank = rank_workload(whole, mesh).value();
+    const PipelineRun run =
+        simulate_pipeline(rank.model, rank.device, options(Schedule::OneFOneB, 1, mesh)).value();
+    EXPECT_FALSE(run.failure);
+    EXPECT_TRUE(run.hazards().empty()) << testing::hazard_lines(run.sim);
+    std::vector<OpRecord> out;
+    for (const OpRecord& r : run.sim.ops()) {
+      if (r.kind == OpKind::Copy && r.direction == CopyDirection::Peer) out.push_back(r);
+    }
+    return out;
+  };
+  const Bandwidth nic(device.collectives.inter_node.bandwidth.bytes_per_s() / 8);
+  const std::vector<OpRecord> across = sends(8);
+  ASSERT_FALSE(across.empty());
+  for (const OpRecord& r : across) {
+    EXPECT_EQ(r.end - r.start, device.collectives.inter_node.latency + transfer_time(r.bytes, nic));
+  }
+  const std::vector<OpRecord> within = sends(2);
+  ASSERT_EQ(within.size(), across.size());
+  for (const OpRecord& r : within) {
+    EXPECT_EQ(r.end - r.start, device.peer.latency + transfer_time(r.bytes, device.peer.bandwidth));
+  }
+}
+
 // Each wait, dropped (PipelineFaults), is a race: a collective op's two, the all-gather's two
 // and the reduce-scatter's two.
 TEST(PipelineMesh, EachDroppedWaitIsARace) {

@@ -40,7 +40,7 @@ Executor::Executor(const Model& model, const DeviceProfile& profile, const Pipel
       micro_batches_(static_cast<std::uint32_t>(options.micro_batches)),
       parts_(plan_.partitions()),
       ndev_(static_cast<std::uint32_t>(options.devices)),
-      sim_(device_specs(profile, ndev_), {}, options.sim),
+      sim_(device_specs(profile, ndev_), stage_links(profile, options.mesh, ndev_), options.sim),
       portals_(faults.portal),
       rng_(plan_.generators),
       mesh_(options.mesh) {

@@ -251,6 +251,11 @@ MeshGroup Mesh::group(Axis axis) const {
   return placed(p_.expert_shard_group(), p_.ep);
 }
 
+std::int32_t Mesh::node_of_stage(std::int32_t stage) const {
+  if (p_.pp <= 1) return 0;
+  return static_cast<std::int32_t>(std::int64_t{stage} * p_.world() / stages_per_node_);
+}
+
 MeshGroup Mesh::kept_shard(Axis shard) const {
   const std::int32_t keep = std::max(1, p_.reshard_after_forward.ranks());
   const std::int32_t stride = group(shard).stride;

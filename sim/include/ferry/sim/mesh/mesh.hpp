@@ -66,6 +66,9 @@ class Mesh {
   [[nodiscard]] std::int32_t per_node() const { return per_node_; }
   /// rank 0's group along `axis`.
   [[nodiscard]] MeshGroup group(Axis axis) const;
+  /// The node, counted from 0, that holds rank 0 of pipeline stage `stage` (0 without a
+  /// pipeline): the stages fill nodes one after another.
+  [[nodiscard]] std::int32_t node_of_stage(std::int32_t stage) const;
   /// The group a 1/K shard kept after forward spans (reshard_after_forward K), for a unit
   /// sharded along `shard` (Axis::Shard, or Axis::ExpertShard for a layer's experts).
   [[nodiscard]] MeshGroup kept_shard(Axis shard) const;
