@@ -119,9 +119,9 @@ struct Task {
 // portal), parameters, the batch, and what a recompute saves stay as they are: a recompute's
 // saved tensors are used at once, and a checkpointed forward saves nothing.
 
-/// The links between the stage devices of a pipeline whose stages lie on different nodes
-/// (Note [Sends between nodes] in executor_mesh.cpp); empty when every stage shares a node,
-/// and the sends take the profile's peer link.
+/// The links between the devices of a pipeline's stages that lie on different nodes, each way
+/// (Note [Sends between nodes] in executor_mesh.cpp); sends between the others take the
+/// profile's peer link.
 [[nodiscard]] std::vector<ProgramLink> stage_links(const DeviceProfile& profile, const Mesh& mesh,
                                                    std::uint32_t devices);
 

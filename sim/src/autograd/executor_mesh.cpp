@@ -37,33 +37,28 @@ namespace ferry::sim::pipelining {
 // separate all-gathers overlapping the first forward.
 
 // Note [Sends between nodes]
-// A stage sends its activations forward, and its input gradients back, over the profile's peer
-// link (NVLink) while the next stage shares its node. Stages lie one after another (the pipeline
-// outermost: Mesh::node_of_stage); where two neighbours (and, for the interleaved schedules, the
-// last device and the first) are on different nodes, a send crosses the network. NCCL's
-// point-to-point transfer between nodes goes through the sending GPU's own NIC, and the
-// profile's inter-node figure is the node's NICs together (docs/fsdp.md, "The link model"), so a
-// send runs at that figure over the node's GPUs (45 GB/s of the H100 profile's 360), at the
-// inter-node latency; every GPU of a stage sending at once has a NIC of its own.
+// A stage sends its activations forward, and its input gradients back (a skip connection's
+// portal, further), over the profile's peer link (NVLink) to a device on its node. Stages lie
+// one after another (the pipeline outermost: Mesh::node_of_stage); a send to a device on another
+// node crosses the network. NCCL's point-to-point transfer between nodes goes through the sending
+// GPU's own NIC, and the profile's inter-node figure is the node's NICs together (docs/fsdp.md,
+// "The link model"), so such a send runs at that figure over the node's GPUs (45 GB/s of the H100
+// profile's 360), at the inter-node latency; every GPU of a stage sending at once has a NIC of
+// its own.
 std::vector<ProgramLink> stage_links(const DeviceProfile& profile, const Mesh& mesh,
                                      std::uint32_t devices) {
   const CollectiveLinks& network = profile.collectives;
   std::vector<ProgramLink> links;
-  if (mesh.group(Mesh::Axis::Pipeline).nodes <= 1 || !network.inter_node.known() || devices < 2) {
-    return links;
-  }
+  if (mesh.group(Mesh::Axis::Pipeline).nodes <= 1 || !network.inter_node.known()) return links;
   const Bandwidth rate(std::max<std::int64_t>(
       1, network.inter_node.bandwidth.bytes_per_s() / std::max(1, network.gpus_per_node)));
-  for (std::uint32_t d = 0; d < devices; ++d) {
-    const std::uint32_t next = (d + 1) % devices;
-    if (next < d && devices == 2) break;  // the pair (1, 0) is (0, 1) already
-    if (mesh.node_of_stage(static_cast<std::int32_t>(d)) ==
-        mesh.node_of_stage(static_cast<std::int32_t>(next))) {
-      continue;
+  for (std::uint32_t a = 0; a < devices; ++a) {
+    for (std::uint32_t b = 0; b < devices; ++b) {
+      if (mesh.node_of_stage(static_cast<std::int32_t>(a)) !=
+          mesh.node_of_stage(static_cast<std::int32_t>(b))) {
+        links.push_back(ProgramLink{DeviceId(a), DeviceId(b), rate, network.inter_node.latency});
+      }
     }
-    const SimTime latency = network.inter_node.latency;
-    links.push_back(ProgramLink{DeviceId(d), DeviceId(next), rate, latency});
-    links.push_back(ProgramLink{DeviceId(next), DeviceId(d), rate, latency});
   }
   return links;
 }

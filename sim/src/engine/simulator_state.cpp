@@ -47,7 +47,6 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
                         SimOptions opts, SimFaults planted)
     : options(opts),
       faults(planted),
-      links(std::move(link_list)),
       buffers(engine_detail::take_records<BufferInfo>()),
       ops(engine_detail::take_records<OpRecord>()),
       exec(engine_detail::take_records<Exec>()),
@@ -62,6 +61,7 @@ Simulator::State::State(std::vector<DeviceSpec> specs, std::vector<ProgramLink> 
       collectives(specs.size(), kCollectiveLanes, DeviceEvent::Kind::CollectiveDone),
       copies(queue) {
   FERRY_CHECK(!specs.empty(), "a simulation needs at least one device");
+  for (const ProgramLink& l : link_list) links.insert_or_assign({l.from, l.to}, l);
   for (auto& spec : specs) {
     const Bytes capacity = spec.profile.memory;
     devices.push_back(
@@ -228,11 +228,9 @@ EngineId Simulator::State::copy_engine(OpRecord& rec, Exec& e, const BufferInfo&
     rec.direction = CopyDirection::Peer;
     e.rate = dev.profile.peer.bandwidth;
     e.latency = dev.profile.peer.latency;
-    for (const ProgramLink& l : links) {
-      if (l.from == from.device && l.to == to.device) {
-        e.rate = l.bandwidth;
-        e.latency = l.latency;
-      }
+    if (auto l = links.find({from.device, to.device}); l != links.end()) {
+      e.rate = l->second.bandwidth;
+      e.latency = l->second.latency;
     }
     if (auto engine = copies.peer(from.device, to.device)) return *engine;
     const EngineInfo info{dev.name + "->" + devices[to.device.value()].name, from.device};

@@ -174,7 +174,8 @@ struct Simulator::State final : StreamMarkers {
   SimOptions options;
   SimFaults faults;
   std::vector<DeviceState> devices;
-  std::vector<ProgramLink> links;
+  // The program's links by (from, to) device; of two for one pair, the later given.
+  std::map<std::pair<DeviceId, DeviceId>, ProgramLink> links;
   std::vector<EventState> events;
   std::vector<BufferInfo> buffers;
   std::vector<BlockId> device_blocks;  // per buffer, Device kind
