@@ -186,14 +186,18 @@ std::string compare_text(const std::vector<RowResult>& rows, const Model& model,
     } else if (r.hazards > 0) {
       note = fmt::format("{} hazards", r.hazards);
     }
-    out += fmt::format(
-        "{:<22} {:>9} {:>6} {:>10} {:>6} {:>11} {:>9} {:>9} {:>9} {:>9} {:>7} {}\n", r.name,
-        format_time(r.step_time), base ? ratio_text(r.step_time.ns(), base->step_time.ns()) : "-",
-        format_bytes(r.peak_allocated),
-        base ? ratio_text(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
-        format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
-        format_time(r.recompute_time), format_time(r.backward_stall),
-        percent_text(r.overlap_permille), note);
+    // A run out of memory reports its run with room ("does not fit"); one that completed no step
+    // has no step time (its memory is what it reached).
+    const bool stepped = r.step_time.ns() > 0;
+    out +=
+        fmt::format("{:<22} {:>9} {:>6} {:>10} {:>6} {:>11} {:>9} {:>9} {:>9} {:>9} {:>7} {}\n",
+                    r.name, stepped ? format_time(r.step_time) : "-",
+                    base && stepped ? ratio_text(r.step_time.ns(), base->step_time.ns()) : "-",
+                    format_bytes(r.peak_allocated),
+                    base ? ratio_text(r.peak_allocated.count(), base->peak_allocated.count()) : "-",
+                    format_bytes(r.pinned_peak), format_bytes(r.d2h), format_bytes(r.h2d),
+                    format_time(r.recompute_time), format_time(r.backward_stall),
+                    percent_text(r.overlap_permille), note);
   }
   out +=
       "time and memory are ratios to the none row; step (simulated device time), bytes moved, "
@@ -217,14 +221,19 @@ std::string pipeline_text(const std::vector<PipelineRow>& rows) {
     const std::int64_t mb = std::max(1, r.options.micro_batches);
     const std::string in_flight =
         r.peak_in_flight.empty() ? std::string("-") : std::to_string(r.peak_in_flight.front());
+    // A failed pipeline step stopped part way: its time and bubble are none, its peaks what it
+    // reached.
+    const bool stepped = !r.failure;
     out += fmt::format("{:<40} {:>9} {:>15} {:>12} {:>9} {:>9} {:>7} {:>9} {}\n", r.name,
-                       format_time(r.step_time), format_time(SimTime(r.step_time.ns() / mb)),
+                       stepped ? format_time(r.step_time) : "-",
+                       stepped ? format_time(SimTime(r.step_time.ns() / mb)) : "-",
                        format_bytes(r.max_device_peak), format_time(r.recompute_time),
-                       format_bytes(r.d2h), percent(bubble_permille(r)), in_flight, note);
+                       format_bytes(r.d2h), stepped ? percent(bubble_permille(r)) : "-", in_flight,
+                       note);
     std::string stages;
     for (std::size_t d = 0; d < r.device_peaks.size(); ++d) {
-      stages += fmt::format("{}gpu{} {} bubble {}", d == 0 ? "" : ", ", d,
-                            format_bytes(r.device_peaks[d]), percent(bubble_permille(r, d)));
+      stages += fmt::format("{}gpu{} {}", d == 0 ? "" : ", ", d, format_bytes(r.device_peaks[d]));
+      if (stepped) stages += fmt::format(" bubble {}", percent(bubble_permille(r, d)));
       if (d < r.peak_in_flight.size()) stages += fmt::format(" in flight {}", r.peak_in_flight[d]);
     }
     if (!stages.empty()) out += "  " + stages + "\n";
