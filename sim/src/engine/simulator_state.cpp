@@ -134,13 +134,12 @@ void Simulator::State::process(const DeviceEventQueue::Entry& ev) {
   now = ev.time;
   if (ev.payload.kind != DeviceEvent::Kind::CopyPhaseDone) {
     const DeviceId device = ev.payload.device;
-    const bool kernel = ev.payload.kind == DeviceEvent::Kind::KernelDone;
-    ComputeEngines& engines = kernel ? compute : collectives;
+    ComputeEngines& engines =
+        ev.payload.kind == DeviceEvent::Kind::KernelDone ? compute : collectives;
     const std::optional<OpId> done = engines.finish(device, ev.payload.lane, ev.payload.generation);
     if (!done) return;  // superseded by a change of rate
     complete(*done);
     start_kernel(engines, device, ev.payload.lane);
-    if (!kernel) contend(device);
     return;
   }
   const EngineId engine = ev.payload.engine;
@@ -180,10 +179,11 @@ void Simulator::State::start_op(OpId op, bool wait_done) {
 
 void Simulator::State::start_kernel(ComputeEngines& engines, DeviceId device, std::uint8_t lane) {
   const std::optional<OpId> op = engines.try_start(device, lane, now, queue);
+  // A collective lane that started a kernel, or went idle, changes what compute runs beside.
+  if (&engines == &collectives) contend(device);
   if (!op) return;
   ops[op->value()].start = now;
   if (!expectations.empty()) check_expectations(*op);
-  if (&engines == &collectives) contend(device);
 }
 
 // Note [Contended compute]
