@@ -178,16 +178,17 @@ void run_probes_ahead(Search& search, std::size_t lo, std::size_t mid, std::size
 // The fastest uniform plan that fits (Note [Planner search]): every layer at level k, the last
 // m layers offloaded; for each k from 0 up, the smallest m that fits, found by bisection (the
 // peak falls as m grows, and as k does: the bisection for k starts from the m found for the
-// last level that fit). Stops at the first k that fits with nothing offloaded (a higher
-// level only recomputes more), and at the first k whose plan without offload is already no
-// faster than the best plan found so far (offload does not make a step faster, and a higher
-// level is slower still).
+// last level that fit); a bisection stops at a probe that does not fit and is already slower
+// than the fastest plan found so far (each m left offloads more). Stops at the first k that
+// fits with nothing offloaded (a higher level only recomputes more), and at the first k whose
+// plan without offload is already no faster than the best plan found so far (offload does not
+// make a step faster, and a higher level is slower still).
 std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
   const std::size_t n = search.layers().size();
   std::size_t top = 0;
   for (const Layer& layer : search.layers()) top = std::max(top, layer.levels.size() - 1);
   std::optional<Position> best;
-  std::size_t most = n;  // the fewest offloaded layers that fit at the last level that fit
+  std::size_t most = n;  // the fewest offloaded layers known to fit at the last level that fit
   for (std::size_t k = 0; k <= top && n > 0; ++k) {
     auto config = [&](std::size_t m) {
       std::vector<LayerConfig> c(n);
@@ -196,8 +197,10 @@ std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
       }
       return c;
     };
+    Evaluation last;  // try_m's last
     auto try_m = [&](std::size_t m) {
       const Evaluation e = search.evaluate(search.plan_of(config(m), knobs));
+      last = e;
       if (search.fits(e) && (!best || e.time < best->evaluation.time))
         best = Position{config(m), e};
       return search.fits(e);
@@ -228,9 +231,13 @@ std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
       }
       if (try_m(mid)) {
         hi = mid;
-      } else {
-        lo = mid + 1;
+        continue;
       }
+      // Every m that may still fit offloads more than mid and is no faster: when mid is
+      // already slower than the fastest plan, none of them can be the plan.
+      const std::optional<SimTime> now = search.best_time();
+      if (last.ok && now && last.time > *now) break;
+      lo = mid + 1;
     }
     if (hi == 0) break;
     most = hi;
