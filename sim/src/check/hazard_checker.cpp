@@ -146,21 +146,28 @@ inline const HazardChecker::Clock& HazardChecker::access_clock(ThreadIndex threa
 }
 
 inline void HazardChecker::note_last_access(const Access& self) {
-  if (self.thread >= last_stride_) {
-    // A thread added after buffers were accessed (streams are usually made first): lay the
-    // rows out again, wider.
-    const std::size_t stride = clocks_.size();
-    std::vector<std::uint32_t> wider(last_access_.size() / last_stride_ * stride, 0);
-    for (std::size_t b = 0; b * last_stride_ < last_access_.size(); ++b) {
-      std::copy_n(last_access_.begin() + static_cast<std::ptrdiff_t>(b * last_stride_),
-                  last_stride_, wider.begin() + static_cast<std::ptrdiff_t>(b * stride));
+  if (last_access_.size() <= self.buffer.value()) last_access_.resize(self.buffer.value() + 1);
+  LastAccess& last = last_access_[self.buffer.value()];
+  // The inline slots fill in order and empty together: the first that is this thread's or
+  // empty is the one.
+  for (std::size_t s = 0; s < 2; ++s) {
+    if (last.thread[s] == self.thread || last.thread[s] == LastAccess::kNone) {
+      last.thread[s] = self.thread;
+      last.epoch[s] = self.epoch;
+      return;
     }
-    last_access_ = std::move(wider);
-    last_stride_ = stride;
   }
-  const std::size_t row = self.buffer.value() * last_stride_;
-  if (last_access_.size() < row + last_stride_) last_access_.resize(row + last_stride_, 0);
-  last_access_[row + self.thread] = self.epoch;
+  if (last.spill == 0) {
+    if (free_spills_.empty()) {
+      spills_.emplace_back();
+      free_spills_.push_back(static_cast<std::uint32_t>(spills_.size() - 1));
+    }
+    last.spill = free_spills_.back() + 1;
+    free_spills_.pop_back();
+  }
+  std::vector<std::uint32_t>& row = spills_[last.spill - 1];
+  if (row.size() <= self.thread) row.resize(self.thread + 1, 0);
+  row[self.thread] = self.epoch;
 }
 
 void HazardChecker::emit(const Access& earlier, const Access& self, SpaceIndex space,
@@ -277,16 +284,24 @@ void HazardChecker::release(OpId free_op, BufferId buffer, SpaceIndex space, Byt
     floors.ranges.emplace(lo, Floor{hi, static_cast<std::uint32_t>(snapshots_.size() - 1)});
     floors.longest = std::max(floors.longest, hi - lo);
   }
-  const std::size_t row = buffer.value() * last_stride_;
-  if (lo >= hi || space >= spaces_.size() || row >= last_access_.size()) return;
+  if (lo >= hi || space >= spaces_.size() || buffer.value() >= last_access_.size()) return;
   // Each thread's latest access to the buffer follows its earlier ones: when all of those are
   // ordered before the reuse point, so is every access.
+  LastAccess& last = last_access_[buffer.value()];
+  const auto after_reuse = [&](ThreadIndex t, std::uint32_t epoch) {
+    return epoch != 0 && (t >= reuse.size() || epoch > reuse[t]);
+  };
   bool unordered = false;
-  for (ThreadIndex t = 0; t < last_stride_; ++t) {
-    std::uint32_t& last = last_access_[row + t];
-    unordered = unordered || (last != 0 && (t >= reuse.size() || last > reuse[t]));
-    last = 0;
+  for (std::size_t s = 0; s < 2 && last.thread[s] != LastAccess::kNone; ++s) {
+    unordered = unordered || after_reuse(last.thread[s], last.epoch[s]);
   }
+  if (last.spill != 0) {
+    std::vector<std::uint32_t>& row = spills_[last.spill - 1];
+    for (ThreadIndex t = 0; t < row.size(); ++t) unordered = unordered || after_reuse(t, row[t]);
+    std::fill(row.begin(), row.end(), 0);
+    free_spills_.push_back(last.spill - 1);
+  }
+  last = LastAccess{};
   if (!unordered) return;
   Shadow& shadow = spaces_[space];
   const std::size_t first_new = hazards_.size();

@@ -219,11 +219,19 @@ class HazardChecker {
   std::vector<std::uint32_t> buffer_floor_;  // per buffer: snapshot, or kNoFloor
   Clock scratch_;                            // a thread's clock joined with a floor
   Clock reuse_;                              // a free's reuse point
-  // Per buffer, per thread: the epoch of the thread's latest access to it (0: none), buffer b's
-  // at [b * last_stride_, (b + 1) * last_stride_), one row a buffer rather than an allocation
-  // each. A free whose reuse point is after every one needs no look at the shadow.
-  std::vector<std::uint32_t> last_access_;
-  std::size_t last_stride_ = 1;  // the threads' count when last_access_ was laid out
+  // Per buffer: the epoch of each thread's latest access to it. A free whose reuse point is
+  // after every one needs no look at the shadow. A buffer is mostly touched by one or two
+  // threads (the stream that made it, a copy engine), kept inline; a third and later ones go
+  // to a row of every thread's epoch (0: none) in `spills_`, given back at the free.
+  struct LastAccess {
+    static constexpr ThreadIndex kNone = ~ThreadIndex{0};
+    ThreadIndex thread[2] = {kNone, kNone};
+    std::uint32_t epoch[2] = {0, 0};
+    std::uint32_t spill = 0;  // 1 + the row in spills_, or 0
+  };
+  std::vector<LastAccess> last_access_;
+  std::vector<std::vector<std::uint32_t>> spills_;
+  std::vector<std::uint32_t> free_spills_;  // rows of spills_ given back, all zero
   // LatentReuse reports by (access op, its buffer, whether it wrote): an observed reuse of
   // the same access adds to that report rather than making a second one.
   std::map<std::tuple<std::uint32_t, std::uint32_t, bool>, std::size_t> latent_;
