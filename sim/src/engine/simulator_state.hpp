@@ -304,6 +304,9 @@ struct Simulator::State final : StreamMarkers {
   // StreamMarkers: what the allocators use to defer frees.
   MarkerId record(StreamId stream) override;
   bool query(MarkerId id) override;
+  [[nodiscard]] std::optional<std::uint64_t> completions() const override {
+    return streams.completions();
+  }
   void synchronize(MarkerId id) override;
 };
 

@@ -52,6 +52,8 @@ class StreamScheduler {
   [[nodiscard]] bool reached(StreamPosition position) const {
     return streams_[position.stream.value()].completed >= position.count;
   }
+  /// The ops completed so far on every stream: reached() answers as before while it stays.
+  [[nodiscard]] std::uint64_t completions() const { return completions_; }
 
   /// Submits `op` to `stream`; a wait (`until` set) holds the stream until `until` is reached.
   template <class Start>
@@ -68,6 +70,7 @@ class StreamScheduler {
     Stream& s = streams_[stream.value()];
     s.busy = false;
     ++s.completed;
+    ++completions_;
     if (!s.waiters.empty()) notify_waiters(stream, start);
     advance(stream, start);
   }
@@ -102,6 +105,7 @@ class StreamScheduler {
         }
         s.queue.pop_front();
         ++s.completed;
+        ++completions_;
         start(head.op, true);
         if (!s.waiters.empty()) notify_waiters(stream, start);
         continue;
@@ -126,6 +130,7 @@ class StreamScheduler {
 
   std::vector<Stream> streams_;
   bool ignore_waits_;
+  std::uint64_t completions_ = 0;  // completed ops, every stream's
 };
 
 }  // namespace ferry::sim

@@ -2,6 +2,8 @@
 /// The device services an allocator needs to defer frees behind streams' outstanding work.
 
 #include <algorithm>
+#include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -33,6 +35,9 @@ class StreamMarkers {
   virtual bool query(MarkerId marker) = 0;
   /// Blocks the host until the captured work has completed.
   virtual void synchronize(MarkerId marker) = 0;
+  /// A count that stays the same only while no query's answer can change (no captured work
+  /// completed), or none when the device does not keep one.
+  [[nodiscard]] virtual std::optional<std::uint64_t> completions() const { return std::nullopt; }
 };
 
 /// The blocks an allocator has freed behind markers (Note [record_stream deferral]), by address
@@ -61,11 +66,16 @@ class DeferredFrees {
   [[nodiscard]] const std::vector<Deferred>& pending() const { return pending_; }
 
   /// Drops the markers that answer "done" (each is observed once, as PyTorch drops a completed
-  /// event) and releases the blocks left with none; the others stay, in order.
+  /// event) and releases the blocks left with none; the others stay, in order. The blocks a
+  /// call found waiting are not asked again until some work completed (`completions`): the
+  /// answers would be the same.
   template <class Release>
   void process(StreamMarkers& markers, Release&& release) {
-    std::size_t kept = 0;
-    for (std::size_t i = 0; i < pending_.size(); ++i) {
+    const std::optional<std::uint64_t> completions = markers.completions();
+    const std::size_t from = completions && completions == asked_at_ ? asked_ : 0;
+    asked_at_ = completions;
+    std::size_t kept = from;
+    for (std::size_t i = from; i < pending_.size(); ++i) {
       const Deferred d = pending_[i];
       std::erase_if(*d.markers, [&markers](MarkerId m) { return markers.query(m); });
       if (d.markers->empty()) {
@@ -75,6 +85,7 @@ class DeferredFrees {
       }
     }
     pending_.resize(kept);
+    asked_ = kept;
   }
 
   /// Blocks the host on every outstanding marker and releases every block.
@@ -85,10 +96,13 @@ class DeferredFrees {
       release(d.address);
     }
     pending_.clear();
+    asked_ = 0;
   }
 
  private:
   std::vector<Deferred> pending_;
+  std::size_t asked_ = 0;  // the first blocks of pending_, which waited at completions asked_at_
+  std::optional<std::uint64_t> asked_at_;
 };
 
 }  // namespace ferry::sim
