@@ -1,6 +1,8 @@
 #pragma once
 // Test doubles shared by the allocator tests.
 
+#include <cstdint>
+#include <optional>
 #include <ostream>
 #include <vector>
 
@@ -30,11 +32,23 @@ class FakeMarkers final : public StreamMarkers {
     ++synchronizes;
     done.at(marker.value()) = true;
   }
-  void complete(MarkerId marker) { done.at(marker.value()) = true; }
-  void complete_all() { done.assign(done.size(), true); }
+  void complete(MarkerId marker) {
+    done.at(marker.value()) = true;
+    ++completed;
+  }
+  void complete_all() {
+    done.assign(done.size(), true);
+    ++completed;
+  }
+  /// The completed count when `counts_completions` (as the simulated device keeps one).
+  [[nodiscard]] std::optional<std::uint64_t> completions() const override {
+    return counts_completions ? std::optional<std::uint64_t>(completed) : std::nullopt;
+  }
 
   std::vector<StreamId> recorded;  // stream of each marker, indexed by marker id
   std::vector<bool> done;
+  bool counts_completions = false;
+  std::uint64_t completed = 0;
   int queries = 0;
   int synchronizes = 0;
 };

@@ -276,6 +276,33 @@ TEST(CachingAllocator, PendingBlockReturnsOnlyWhenAllMarkersComplete) {
   EXPECT_EQ(again.address, x.address);
 }
 
+// A device that counts completed work: the blocks a malloc found waiting are asked again only
+// once some work completed; a block deferred since is asked at once.
+TEST(CachingAllocator, WaitingBlocksAreNotAskedAgainUntilWorkCompletes) {
+  CachingAllocator alloc(kGiB, kBase);
+  FakeMarkers markers;
+  markers.counts_completions = true;
+  const DeviceAllocation x = must(alloc.malloc(kS0, 4 * kMiB, markers));
+  alloc.record_stream(x.block, kS1);
+  alloc.free(x.block, markers);
+  (void)must(alloc.malloc(kS0, Bytes(512), markers));
+  EXPECT_EQ(markers.queries, 1);
+  (void)must(alloc.malloc(kS0, Bytes(512), markers));
+  EXPECT_EQ(markers.queries, 1);  // nothing completed: the same answer
+
+  const DeviceAllocation y = must(alloc.malloc(kS0, 8 * kMiB, markers));
+  alloc.record_stream(y.block, kS2);
+  alloc.free(y.block, markers);
+  (void)must(alloc.malloc(kS0, Bytes(512), markers));
+  EXPECT_EQ(markers.queries, 2);  // only the block deferred since
+
+  markers.complete(MarkerId(0));
+  const DeviceAllocation again = must(alloc.malloc(kS0, 4 * kMiB, markers));
+  EXPECT_EQ(markers.queries, 4);  // both asked once work completed; x's bytes come back
+  EXPECT_EQ(again.address, x.address);
+  ASSERT_EQ(alloc.live_blocks().size(), 5U);
+}
+
 TEST(CachingAllocator, RecordStreamOnAllocationStreamIsANoOp) {
   CachingAllocator alloc(kGiB, kBase);
   FakeMarkers markers;
