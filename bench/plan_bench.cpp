@@ -1,8 +1,9 @@
 // Planning time: `ferry plan` on the Llama-3-8B-like (32 layers) and Llama-3-70B-like
 // (80 layers) presets at sequence 8192 on the H100 profile, at the budget of checkpointing every
 // layer (its peak reserved). Counters: the plan's step time and the checkpointed one's as
-// ratios to no offload, the gap to the lower bound, and the simulations the search ran. The
-// 70B model is planned on the H100 profile with enough memory for its no-offload peak.
+// ratios to no offload, the gap to the lower bound, and the simulations the search ran (and the
+// runs it reused). The 70B model is planned on the H100 profile with enough memory for its
+// no-offload peak.
 //   bench_plan [--smoke] [--jobs=N] [google-benchmark flags]
 // --smoke plans gpt2-small-s1024 instead (a quick check that the benchmark still runs).
 // BM_PlanPipeline: `ferry plan --pp 8 --schedule 1f1b --micro-batches 16 --margin 0` on the
@@ -58,6 +59,7 @@ std::optional<ferry::sim::PlanOutcome> timed_plan(benchmark::State& state,
   state.counters["plan_vs_bound"] =
       static_cast<double>(o.row.step_time.ns()) / static_cast<double>(o.lower_bound.ns());
   state.counters["simulations"] = static_cast<double>(o.simulations);
+  state.counters["reused"] = static_cast<double>(o.reused);
   return o;
 }
 
