@@ -32,11 +32,12 @@ void ContentShadow::write(Bytes lo, Bytes hi, std::uint64_t id, Bytes base) {
     const Bytes start = it->first;
     it = runs_.erase(it);
     if (old.hi > hi) {
-      runs_.emplace(hi, Run{old.hi, old.id, old.base + (hi - start)});
+      it = runs_.emplace_hint(it, hi, Run{old.hi, old.id, old.base + (hi - start)});
       break;
     }
   }
-  if (id != 0) runs_.emplace(lo, Run{hi, id, base});
+  // `it` is the first run at or after hi: the new run goes just before it.
+  if (id != 0) runs_.emplace_hint(it, lo, Run{hi, id, base});
 }
 
 void ContentShadow::copy_from(const ContentShadow& from, Bytes src, Bytes dst, Bytes bytes) {
