@@ -197,13 +197,11 @@ std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
       }
       return c;
     };
-    Evaluation last;  // try_m's last
     auto try_m = [&](std::size_t m) {
       const Evaluation e = search.evaluate(search.plan_of(config(m), knobs));
-      last = e;
       if (search.fits(e) && (!best || e.time < best->evaluation.time))
         best = Position{config(m), e};
-      return search.fits(e);
+      return e;
     };
     std::vector<Plan> first = {search.plan_of(config(0), knobs)};
     if (search.cost().width() > 1) {
@@ -220,7 +218,7 @@ std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
     }
     if (none.ok && fastest && none.time >= *fastest) break;
     // A higher level holds less: the fewest offloaded layers that fit do not grow with k.
-    if (!try_m(most)) continue;
+    if (!search.fits(try_m(most))) continue;
     std::size_t lo = 0;
     std::size_t hi = most;
     while (lo < hi) {
@@ -229,14 +227,15 @@ std::optional<Position> best_uniform(Search& search, const PlanKnobs& knobs) {
         run_probes_ahead(search, lo, mid, hi,
                          [&](std::size_t m) { return search.plan_of(config(m), knobs); });
       }
-      if (try_m(mid)) {
+      const Evaluation probe = try_m(mid);
+      if (search.fits(probe)) {
         hi = mid;
         continue;
       }
       // Every m that may still fit offloads more than mid and is no faster: when mid is
       // already slower than the fastest plan, none of them can be the plan.
-      const std::optional<SimTime> now = search.best_time();
-      if (last.ok && now && last.time > *now) break;
+      const std::optional<SimTime> best_so_far = search.best_time();
+      if (probe.ok && best_so_far && probe.time > *best_so_far) break;
       lo = mid + 1;
     }
     if (hi == 0) break;
