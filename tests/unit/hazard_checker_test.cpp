@@ -1,4 +1,7 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <vector>
 
 #include "sim_fixtures.hpp"
 
@@ -260,6 +263,42 @@ TEST(HazardChecker, ANewOwnerOnAnUnorderedStreamIsStillAReuse) {
   ASSERT_EQ(sim.hazards().size(), 1U);
   EXPECT_EQ(sim.hazards()[0].kind, HazardKind::Reuse);
   EXPECT_EQ(sim.hazards()[0].second, write);
+}
+
+// A buffer read on three side streams after its kernel wrote it: the third reader's access is
+// past the two a buffer keeps inline (HazardChecker's last accesses). Freed while the compute
+// stream has not waited for that reader, the block's next owner is a latent reuse; waited, safe.
+Simulator read_on_three_streams(bool wait_for_every_reader) {
+  Simulator sim = simple_sim();
+  const StreamId compute = sim.add_stream(DeviceId(0), "compute");
+  const EventId produced = sim.add_event("produced");
+  const BufferId act0 = testing::device_buffer(sim, compute, 4LL << 20, "act0");
+  sim.kernel(compute, SimTime(10), kNone, one(whole(sim, act0)));
+  sim.record(produced, compute);
+  std::vector<EventId> read;
+  for (int i = 0; i < 3; ++i) {
+    const StreamId side = sim.add_stream(DeviceId(0), fmt::format("side{}", i));
+    read.push_back(sim.add_event(fmt::format("read{}", i)));
+    sim.wait(side, produced);
+    sim.kernel(side, SimTime(10), one(whole(sim, act0)), kNone);
+    sim.record(read.back(), side);
+  }
+  for (std::size_t i = 0; i < read.size(); ++i) {
+    if (i + 1 < read.size() || wait_for_every_reader) sim.wait(compute, read[i]);
+  }
+  sim.free(act0);
+  const BufferId act1 = testing::device_buffer(sim, compute, 4LL << 20, "act1");
+  sim.kernel(compute, SimTime(10), kNone, one(whole(sim, act1)));
+  sim.finish();
+  return sim;
+}
+
+TEST(HazardChecker, AThirdReaderOfABufferStillOrdersItsReuse) {
+  const Simulator unsafe = read_on_three_streams(false);
+  ASSERT_EQ(unsafe.hazards().size(), 1U);
+  EXPECT_EQ(unsafe.hazards()[0].kind, HazardKind::LatentReuse);
+  EXPECT_EQ(unsafe.hazards()[0].conflict, Conflict::WriteAfterRead);
+  EXPECT_TRUE(read_on_three_streams(true).hazards().empty());
 }
 
 TEST(HazardChecker, RecordStreamDefersTheReuseAndMakesItSafe) {
