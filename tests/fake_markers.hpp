@@ -31,6 +31,7 @@ class FakeMarkers final : public StreamMarkers {
   void synchronize(MarkerId marker) override {
     ++synchronizes;
     done.at(marker.value()) = true;
+    ++completed;
   }
   void complete(MarkerId marker) {
     done.at(marker.value()) = true;
