@@ -72,6 +72,46 @@ TEST_P(EveryPolicy, CountersAreOfTheLastStep) {
   EXPECT_EQ(a.value().layer_decisions, b.value().layer_decisions);
 }
 
+// The planner's unchecked runs keep no content values (TrainingOptions::content_values): a
+// checkpointed, offloaded, set-to-none run of tiny-gpt times and allocates exactly as the
+// checked run of the same options, and reports no gradient values.
+TEST_P(EveryPolicy, ARunWithoutContentValuesTimesAndAllocatesAsTheCheckedRun) {
+  const DeviceProfile device = testing::simple_profile();
+  const Model m = testing::tiny_gpt(device);
+  TrainingOptions checked = with(GetParam());
+  checked.checkpoint = checkpoint_every(m, 2);
+  checked.grads_set_to_none = true;
+  TrainingOptions unchecked = checked;
+  unchecked.content_values = false;
+  unchecked.sim.track_content = false;
+  unchecked.sim.check_hazards = false;
+  auto a = simulate_training(m, device, checked);
+  auto b = simulate_training(m, device, unchecked);
+  ASSERT_TRUE(a.ok() && b.ok());
+  expect_clean(a.value());
+  ASSERT_EQ(a.value().steps.size(), b.value().steps.size());
+  for (std::size_t s = 0; s < a.value().steps.size(); ++s) {
+    EXPECT_EQ(a.value().steps[s].start, b.value().steps[s].start);
+    EXPECT_EQ(a.value().steps[s].end, b.value().steps[s].end);
+  }
+  const AllocatorStats& x = a.value().sim.device_allocator(DeviceId(0)).stats();
+  const AllocatorStats& y = b.value().sim.device_allocator(DeviceId(0)).stats();
+  EXPECT_EQ(x.reserved_peak, y.reserved_peak);
+  EXPECT_EQ(x.allocated_peak, y.allocated_peak);
+  EXPECT_EQ(x.segment_allocs, y.segment_allocs);
+  EXPECT_EQ(a.value().sim.pinned_allocator().stats().reserved_peak,
+            b.value().sim.pinned_allocator().stats().reserved_peak);
+  EXPECT_EQ(a.value().recompute_time, b.value().recompute_time);
+  EXPECT_EQ(a.value().telemetry.bytes_d2h, b.value().telemetry.bytes_d2h);
+  EXPECT_FALSE(a.value().gradient_values.empty());
+  EXPECT_TRUE(b.value().gradient_values.empty());
+  // What reads the values must be off too.
+  unchecked.sim.track_content = true;
+  auto refused = simulate_training(m, device, unchecked);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find("content_values"), std::string::npos);
+}
+
 INSTANTIATE_TEST_SUITE_P(Policies, EveryPolicy,
                          ::testing::Values(Policy::None, Policy::Trl, Policy::Ferry),
                          [](const auto& p) { return std::string(policy_name(p.param)); });

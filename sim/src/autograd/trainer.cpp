@@ -39,7 +39,8 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
       device_(sim_, dev_, compute_),
       offloader_(device_, options.offload, faults.offload),
       faults_(faults),
-      blas_workspace_(profile.blas_workspace) {
+      blas_workspace_(profile.blas_workspace),
+      content_(options.content_values) {
   run_.compute = compute_;
   labels_ = rank.sim != nullptr || options.sim.timeline;
   reserve_calls();
@@ -140,6 +141,12 @@ Result<TrainingRun> Trainer::run() {
 }
 
 Status Trainer::validate_plan() const {
+  if (!options_.content_values &&
+      (options_.sim.track_content || options_.checkpoint.content_check)) {
+    return Error{
+        "content_values is off, but sim.track_content or checkpoint.content_check reads the "
+        "values: turn those off too, or keep content_values on"};
+  }
   const auto& regions = options_.checkpoint.regions;
   for (std::size_t r = 0; r < regions.size(); ++r) {
     const CheckpointRegion& a = regions[r];

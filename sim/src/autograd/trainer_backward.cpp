@@ -668,8 +668,10 @@ void Trainer::step() {
   run_.tracked_after.push_back(offloader_.tracked());
   hooks_->report(run_);
   run_.gradient_values.clear();
-  param_grad_values_.for_each(
-      [&](std::uint32_t, std::uint64_t v) { run_.gradient_values.push_back(v); });
+  if (options_.content_values) {
+    param_grad_values_.for_each(
+        [&](std::uint32_t, std::uint64_t v) { run_.gradient_values.push_back(v); });
+  }
   ++step_;
 }
 

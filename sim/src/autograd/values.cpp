@@ -79,10 +79,12 @@ const Pieces* ContentMap::find(BufferId buffer) const {
 }
 
 void ContentMap::write(BufferId buffer, Bytes offset, Bytes bytes, std::uint64_t value) {
+  if (!kept_) return;
   overwrite(pieces_of(buffer), offset.count(), (offset + bytes).count(), value, 0);
 }
 
 void ContentMap::arrive(BufferId buffer, Bytes offset, const Pieces& saved) {
+  if (!kept_) return;
   Pieces& pieces = pieces_of(buffer);
   for (const ContentPiece& p : saved) {
     const std::int64_t lo = (offset + p.offset).count();
@@ -92,12 +94,14 @@ void ContentMap::arrive(BufferId buffer, Bytes offset, const Pieces& saved) {
 
 Pieces ContentMap::slice(BufferId buffer, Bytes offset, Bytes bytes) const {
   Pieces out;
+  if (!kept_) return out;
   for_each_piece(find(buffer), offset.count(), (offset + bytes).count(),
                  [&](const ContentPiece& p) { out.push_back(p); });
   return out;
 }
 
 std::uint64_t ContentMap::value(BufferId buffer, Bytes offset, Bytes bytes) const {
+  if (!kept_) return 0;
   PieceValue v;  // value_of(slice(...)), without the list
   for_each_piece(find(buffer), offset.count(), (offset + bytes).count(),
                  [&](const ContentPiece& p) { v.add(p); });

@@ -28,7 +28,9 @@ namespace ferry::sim {
 // A ContentMap follows what each storage holds, piece by piece (a storage may hold views
 // written by different ops, and a tensor may come back into another storage), as the
 // simulator's content shadow does; a kernel that reads a tensor asks the simulator to verify
-// that the bytes it reads are the pieces recorded here.
+// that the bytes it reads are the pieces recorded here. A run that reads no value (the
+// planner's unchecked runs: TrainingOptions::content_values off) keeps no map, and its times and
+// memory are those of a run that keeps one.
 
 /// The tags content values start from (Note [Content values]), one per kind of origin, for the
 /// Trainer and the pipeline Executor alike. Each is its name's ASCII bytes.
@@ -52,6 +54,9 @@ using Pieces = SmallVector<ContentPiece, 1>;
 /// What each storage holds, by buffer id: pieces of content values.
 class ContentMap {
  public:
+  /// `kept` false: writes and arrivals are dropped, a slice has no piece and a value is 0.
+  explicit ContentMap(bool kept = true) : kept_(kept) {}
+
   /// Bytes [offset, offset + bytes) of `buffer` now hold value `value` (from its start).
   void write(BufferId buffer, Bytes offset, Bytes bytes, std::uint64_t value);
   /// A tensor came back into `buffer` at `offset`: it holds the pieces it held when saved.
@@ -71,6 +76,7 @@ class ContentMap {
 
   std::vector<Pieces> pieces_;  // by buffer id
   Pieces scratch_;              // overwrite's, kept for its capacity
+  bool kept_ = true;
 };
 
 /// What a tensor's bytes amount to, from their pieces: one whole value is that value, else a

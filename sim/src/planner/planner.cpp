@@ -206,6 +206,8 @@ class SimulatedCost final : public CostModel {
     TrainingOptions options = base_;
     options.sim.timeline = false;
     lowered.apply(options);
+    // Nothing here reads a value: times and memory are the same without them.
+    options.content_values = options.sim.track_content || options.checkpoint.content_check;
     auto run = simulate_training(model_, roomy_, options);
     Evaluation e;
     if (run.ok() && !run.value().failure && !run.value().steps.empty()) {

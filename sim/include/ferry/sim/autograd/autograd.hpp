@@ -92,6 +92,11 @@ struct TrainingOptions {
   /// torchtune, torchtitan and the Hugging Face Trainer on torch 2 run). Off: every gradient is
   /// allocated at set-up and kept, zeroed in place between steps (`set_to_none=False`).
   bool grads_set_to_none = false;
+  /// Follow what each storage holds (Note [Content values] in values.hpp). Off, the run's
+  /// times and memory are the same, its values are not: gradient_values comes back empty, and
+  /// what reads them (sim.track_content, checkpoint.content_check) must be off too. The
+  /// planner's unchecked runs turn it off.
+  bool content_values = true;
   /// Right after this op's forward, run its backward node in a graph task of its own, as
   /// torch.autograd.grad inside a checkpointed function would (-1: never).
   std::int32_t backward_inside_op = -1;
@@ -146,7 +151,8 @@ struct TrainingRun {
   /// For each replay in the last step: the last op it ran and the last op of its region
   /// that saves a tensor (equal with early stop).
   std::vector<std::pair<std::uint32_t, std::uint32_t>> replay_stops{};
-  /// Content value of every parameter's gradient and of the batch's gradient, last step.
+  /// Content value of every parameter's gradient and of the batch's gradient, last step
+  /// (none without TrainingOptions::content_values).
   std::vector<std::uint64_t> gradient_values{};
   /// What the offloader decided for the saved tensors packed in forward, per layer of the
   /// packing op (ModelOp::layer; -1 outside the layers), and the replays of the regions each
