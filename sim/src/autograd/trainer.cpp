@@ -506,9 +506,9 @@ void Trainer::save_op(std::uint32_t i) {
         info.cache[t] = b;
       } else {
         // Offloaded through the ambient offloader, not through the frame.
-        const std::vector<Context> saved_contexts = std::exchange(contexts_, {});
+        std::vector<Context> saved_contexts = std::exchange(contexts_, {});
         info.offloaded[t] = pack(i, t);
-        contexts_ = saved_contexts;
+        contexts_ = std::move(saved_contexts);
       }
     }
   }
@@ -544,7 +544,9 @@ void Trainer::forward() {
     scopes_[0].bound[t] = Bound{whole.buffer, tensor.view_offset, whole.value};
   }
 
-  saved_.assign(model_.ops.size(), {});
+  // Each op's list is emptied, not freed: the next step saves as many again.
+  saved_.resize(model_.ops.size());
+  for (auto& list : saved_) list.clear();
   for (std::uint32_t i = 0; i < model_.ops.size(); ++i) {
     const ModelOp& op = model_.ops[i];
     current_op_ = i;
