@@ -13,20 +13,28 @@ namespace ferry::sim::planning {
 
 namespace {
 
+// Whether an op of [first, end) names tensor `t` (a base) in its `list` (inputs or saved), as
+// itself or through a view of it. A layer's ops list a few tensors each: a scan, not a set.
+bool lists(const Model& model, std::uint32_t t, std::uint32_t first, std::uint32_t end,
+           std::vector<std::uint32_t> ModelOp::*list) {
+  for (std::uint32_t j = first; j < end; ++j) {
+    for (const std::uint32_t u : model.ops[j].*list) {
+      if (base_of(model, u) == t) return true;
+    }
+  }
+  return false;
+}
+
 // Bytes a region over [first, end) holds for op `p` when it serves the op from forward: its
 // outputs that ops of the region read or save (an output only later layers read, the layer's
 // output, is the next region's input and held there anyway).
 Bytes held_by(const Model& model, std::uint32_t p, std::uint32_t first, std::uint32_t end) {
-  std::set<std::uint32_t> used;
-  for (std::uint32_t j = p + 1; j < end; ++j) {
-    for (const std::uint32_t t : model.ops[j].inputs) used.insert(base_of(model, t));
-  }
-  for (std::uint32_t j = first; j < end; ++j) {
-    for (const std::uint32_t t : model.ops[j].saved) used.insert(base_of(model, t));
-  }
   Bytes bytes;
   for (const std::uint32_t t : model.ops[p].outputs) {
-    if (model.tensors[t].view_of < 0 && used.contains(t)) bytes += model.tensors[t].bytes;
+    if (model.tensors[t].view_of < 0 && (lists(model, t, p + 1, end, &ModelOp::inputs) ||
+                                         lists(model, t, first, end, &ModelOp::saved))) {
+      bytes += model.tensors[t].bytes;
+    }
   }
   return bytes;
 }
@@ -146,13 +154,11 @@ std::vector<std::uint32_t> tails_of(const Model& model, const Layer& layer) {
 }  // namespace
 
 Bytes freed_by(const Model& model, std::uint32_t p, std::uint32_t first, std::uint32_t end) {
-  std::set<std::uint32_t> saved;
-  for (std::uint32_t j = first; j < end; ++j) {
-    for (const std::uint32_t t : model.ops[j].saved) saved.insert(base_of(model, t));
-  }
   Bytes bytes;
   for (const std::uint32_t t : model.ops[p].outputs) {
-    if (model.tensors[t].view_of < 0 && saved.contains(t)) bytes += model.tensors[t].bytes;
+    if (model.tensors[t].view_of < 0 && lists(model, t, first, end, &ModelOp::saved)) {
+      bytes += model.tensors[t].bytes;
+    }
   }
   return bytes;
 }
