@@ -209,10 +209,10 @@ Result<DeviceAllocation> CachingAllocator::malloc(StreamId stream, Bytes request
 
 void CachingAllocator::record_stream(BlockId block, StreamId stream) {
   FERRY_CHECK(stream.valid(), "record_stream of block {} on an invalid stream", block.value());
-  const auto found = live_address(block);
-  FERRY_CHECK(found.has_value(), "record_stream on block {}, which is not allocated",
+  const auto entry = live_entry(block);
+  FERRY_CHECK(entry.has_value(), "record_stream on block {}, which is not allocated",
               block.value());
-  Block& b = blocks_.at(*found);
+  Block& b = (*entry)->second;
   if (stream == b.stream) {
     return;
   }
@@ -223,25 +223,23 @@ void CachingAllocator::record_stream(BlockId block, StreamId stream) {
 }
 
 std::span<const StreamId> CachingAllocator::deferring_streams(BlockId block) const {
-  const auto found = live_address(block);
-  FERRY_CHECK(found.has_value(), "block {} is not allocated", block.value());
+  const auto entry = live_entry(block);
+  FERRY_CHECK(entry.has_value(), "block {} is not allocated", block.value());
   if (faults_.ignore_record_stream) {
     return {};
   }
-  return blocks_.at(*found).stream_uses;
+  return (*entry)->second.stream_uses;
 }
 
 void CachingAllocator::free(BlockId block, StreamMarkers& markers) {
-  const auto found = live_address(block);
-  FERRY_CHECK(found.has_value(),
+  const auto entry = live_entry(block);
+  FERRY_CHECK(entry.has_value(),
               "free of block {}, which is not allocated (unknown id or "
               "already freed)",
               block.value());
-  const Bytes address = *found;
-  live_[block.value()] = kNotLive;
-  const auto it = blocks_.find(address);
-  FERRY_CHECK(it != blocks_.end(), "allocated block {} has no entry at {:#x}", block.value(),
-              address.count());
+  live_[block.value()].reset();
+  const auto it = *entry;
+  const Bytes address = it->first;
   Block& b = it->second;
   track(AllocatorEvent::Action::FreeRequested, address, b.size, b.stream, b.buffer);
   if (b.stream_uses.empty() || faults_.ignore_record_stream) {
@@ -303,24 +301,23 @@ std::vector<BlockInfo> CachingAllocator::live_blocks() const {
 }
 
 DeviceAllocation CachingAllocator::describe(BlockId block) const {
-  const auto found = live_address(block);
-  FERRY_CHECK(found.has_value(), "describe of block {}, which is not allocated", block.value());
-  return DeviceAllocation{block, *found, blocks_.at(*found).size};
+  const auto entry = live_entry(block);
+  FERRY_CHECK(entry.has_value(), "describe of block {}, which is not allocated", block.value());
+  return DeviceAllocation{block, (*entry)->first, (*entry)->second.size};
 }
 
-std::optional<Bytes> CachingAllocator::live_address(BlockId block) const {
-  if (!block.valid() || block.value() >= live_.size() || live_[block.value()] == kNotLive) {
-    return std::nullopt;
-  }
+std::optional<CachingAllocator::BlockMap::iterator> CachingAllocator::live_entry(
+    BlockId block) const {
+  if (!block.valid() || block.value() >= live_.size()) return std::nullopt;
   return live_[block.value()];
 }
 
-std::optional<CachingAllocator::FreeSet::iterator> CachingAllocator::take_free_block(
+std::optional<CachingAllocator::FreeMap::iterator> CachingAllocator::take_free_block(
     StreamId stream, PoolKind pool, Bytes size) {
   // Best fit: the smallest free block of this pool and stream that is large enough, the lowest
   // address among equals (the key order).
   const auto it = free_.lower_bound(FreeKey{pool, stream, size, Bytes(0)});
-  if (it == free_.end() || it->pool != pool || it->stream != stream) {
+  if (it == free_.end() || it->first.pool != pool || it->first.stream != stream) {
     return std::nullopt;
   }
   return it;
@@ -341,8 +338,8 @@ std::optional<Bytes> CachingAllocator::new_segment(StreamId stream, PoolKind poo
   block.segment = *address;
   block.stream = stream;
   block.pool = pool;
-  blocks_.emplace(*address, std::move(block));
-  free_.insert(FreeKey{pool, stream, segment_size, *address});
+  const auto entry = blocks_.emplace(*address, std::move(block)).first;
+  free_.emplace(FreeKey{pool, stream, segment_size, *address}, entry);
   track(AllocatorEvent::Action::SegmentAlloc, *address, segment_size, stream, BufferId());
   ++stats_.segment_allocs;
   stats_.reserved += segment_size;
@@ -360,9 +357,9 @@ DeviceAllocation CachingAllocator::hand_out(Bytes address, Bytes size, Bytes req
   return hand_out(it, size, requested, buffer);
 }
 
-DeviceAllocation CachingAllocator::hand_out(FreeSet::iterator free, Bytes size, Bytes requested,
+DeviceAllocation CachingAllocator::hand_out(FreeMap::iterator free, Bytes size, Bytes requested,
                                             BufferId buffer) {
-  const auto it = blocks_.find(free->address);
+  const auto it = free->second;
   free_.erase(free);
   return hand_out(it, size, requested, buffer);
 }
@@ -385,8 +382,8 @@ DeviceAllocation CachingAllocator::hand_out(BlockMap::iterator it, Bytes size, B
     rest.segment = b.segment;
     rest.stream = b.stream;
     rest.pool = b.pool;
-    blocks_.emplace_hint(std::next(it), address + size, std::move(rest));
-    free_.insert(FreeKey{b.pool, b.stream, remainder, address + size});
+    const auto entry = blocks_.emplace_hint(std::next(it), address + size, std::move(rest));
+    free_.emplace(FreeKey{b.pool, b.stream, remainder, address + size}, entry);
     b.size = size;
   }
   FERRY_CHECK(next_id_ < BlockId::kInvalid, "block ids exhausted");
@@ -394,7 +391,7 @@ DeviceAllocation CachingAllocator::hand_out(BlockMap::iterator it, Bytes size, B
   b.requested = requested;
   b.id = BlockId(next_id_++);
   b.buffer = buffer;
-  live_.push_back(address);  // at index b.id
+  live_.push_back(it);  // at index b.id
   stats_.allocated += b.size;
   stats_.requested += requested;
   stats_.requested_peak = std::max(stats_.requested_peak, stats_.requested);
@@ -443,7 +440,7 @@ CachingAllocator::BlockMap::iterator CachingAllocator::merge_free(BlockMap::iter
     merged.size += next->second.size;
     blocks_.erase(next);
   }
-  free_.insert(FreeKey{merged.pool, merged.stream, merged.size, it->first});
+  free_.emplace(FreeKey{merged.pool, merged.stream, merged.size, it->first}, it);
   return it;
 }
 
@@ -555,7 +552,7 @@ void CachingAllocator::unmap_block(Bytes address) {
   free_.erase(FreeKey{proto.pool, proto.stream, proto.size, address});
   if (begin > address) {
     it->second.size = begin - address;
-    free_.insert(FreeKey{proto.pool, proto.stream, it->second.size, address});
+    free_.emplace(FreeKey{proto.pool, proto.stream, it->second.size, address}, it);
     Block middle = proto;
     it = blocks_.emplace_hint(std::next(it), begin, std::move(middle));
   }
@@ -564,8 +561,8 @@ void CachingAllocator::unmap_block(Bytes address) {
   if (end < end_address) {
     Block after = proto;
     after.size = end_address - end;
-    blocks_.emplace_hint(std::next(it), end, std::move(after));
-    free_.insert(FreeKey{proto.pool, proto.stream, end_address - end, end});
+    const auto entry = blocks_.emplace_hint(std::next(it), end, std::move(after));
+    free_.emplace(FreeKey{proto.pool, proto.stream, end_address - end, end}, entry);
   }
   track(AllocatorEvent::Action::SegmentUnmap, begin, end - begin, proto.stream, BufferId());
   ++stats_.segment_frees;
@@ -624,7 +621,7 @@ void CachingAllocator::release_free_segments() {
     // leaves the others where they are.
     std::vector<Bytes> to_unmap;
     for (const PoolKind pool : {PoolKind::Large, PoolKind::Small}) {
-      for (const FreeKey& key : free_) {
+      for (const auto& [key, entry] : free_) {
         if (key.pool == pool) to_unmap.push_back(key.address);
       }
     }

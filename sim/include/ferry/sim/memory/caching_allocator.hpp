@@ -207,13 +207,14 @@ class CachingAllocator {
     friend auto operator<=>(const UnmappedKey&, const UnmappedKey&) = default;
   };
   using BlockMap = PooledMap<Bytes, Block>;
-  using FreeSet = PooledSet<FreeKey>;
+  // Free blocks in best-fit order, each with its entry in blocks_.
+  using FreeMap = PooledMap<FreeKey, BlockMap::iterator>;
 
-  std::optional<FreeSet::iterator> take_free_block(StreamId stream, PoolKind pool, Bytes size);
+  std::optional<FreeMap::iterator> take_free_block(StreamId stream, PoolKind pool, Bytes size);
   std::optional<Bytes> new_segment(StreamId stream, PoolKind pool, Bytes segment_size);
   DeviceAllocation hand_out(Bytes address, Bytes size, Bytes requested, BufferId buffer);
   // hand_out of the free block `free` names, found by the best-fit search.
-  DeviceAllocation hand_out(FreeSet::iterator free, Bytes size, Bytes requested, BufferId buffer);
+  DeviceAllocation hand_out(FreeMap::iterator free, Bytes size, Bytes requested, BufferId buffer);
   // The rest of hand_out, once the block `it` (free, of at least `size`) has left free_.
   DeviceAllocation hand_out(BlockMap::iterator it, Bytes size, Bytes requested, BufferId buffer);
   void track(AllocatorEvent::Action action, Bytes address, Bytes size, StreamId stream,
@@ -257,13 +258,13 @@ class CachingAllocator {
   PooledMap<Bytes, Segment> segments_{
       // by address
       PooledMap<Bytes, Segment>::allocator_type(segment_nodes_.get())};
-  FreeSet free_{FreeSet::allocator_type(free_nodes_.get())};  // Free only
+  FreeMap free_{FreeMap::allocator_type(free_nodes_.get())};  // Free only
   std::set<UnmappedKey> unmapped_;  // unmapped blocks of expandable segments
-  // Each block id's address while it is allocated, by id (ids are handed out in order and
-  // never again); kNotLive before and after.
-  static constexpr Bytes kNotLive{-1};
-  std::vector<Bytes> live_;
-  [[nodiscard]] std::optional<Bytes> live_address(BlockId block) const;
+  // Each block id's entry in blocks_ while it is allocated, by id (ids are handed out in order
+  // and never again); none before and after. An allocated block is never merged away, so its
+  // entry stays where it is (and stays valid when the allocator moves, as a map's do).
+  std::vector<std::optional<BlockMap::iterator>> live_;
+  [[nodiscard]] std::optional<BlockMap::iterator> live_entry(BlockId block) const;
   DeferredFrees pending_;  // PendingFree blocks
   Bytes pending_bytes_;    // their sizes, summed
   BlockId::rep_type next_id_ = 0;
