@@ -56,14 +56,20 @@ Trainer::Trainer(const Model& model, const DeviceProfile& profile, const Trainin
     for (const std::uint32_t t : model.ops[i].inputs)
       last_use_[base(t)] = static_cast<std::int32_t>(i);
   }
-  drop_after_.resize(model.ops.size());
-  for (std::uint32_t t = 0; t < n; ++t) {
+  const auto dropped = [&](std::uint32_t t) {
     const ModelTensor& tensor = model.tensors[t];
-    if (tensor.view_of >= 0 || tensor.role != TensorRole::Activation || t == base(model.loss) ||
-        last_use_[t] < 0) {
-      continue;
-    }
-    drop_after_[static_cast<std::size_t>(last_use_[t])].push_back(t);
+    return tensor.view_of < 0 && tensor.role == TensorRole::Activation && t != base(model.loss) &&
+           last_use_[t] >= 0;
+  };
+  drop_start_.assign(model.ops.size() + 1, 0);
+  for (std::uint32_t t = 0; t < n; ++t) {
+    if (dropped(t)) ++drop_start_[static_cast<std::size_t>(last_use_[t]) + 1];
+  }
+  for (std::size_t i = 1; i < drop_start_.size(); ++i) drop_start_[i] += drop_start_[i - 1];
+  drop_list_.resize(drop_start_.back());
+  std::vector<std::uint32_t> next(drop_start_.begin(), drop_start_.end() - 1);
+  for (std::uint32_t t = 0; t < n; ++t) {
+    if (dropped(t)) drop_list_[next[static_cast<std::size_t>(last_use_[t])]++] = t;
   }
   grads_.resize(n);
   grad_values_.assign(n, 0);
@@ -186,7 +192,7 @@ Device::Buffer Trainer::allocate_on(StreamId stream, Bytes bytes, std::string_vi
   auto buf = device_.try_allocate(Place::Device, bytes, Device::Stream{stream}, name);
   if (!buf) out_of_memory(buf.error().message);
   const std::uint32_t id = buf.value().id.value();
-  if (alloc_stream_.size() <= id) alloc_stream_.resize(id + 1);
+  cover(alloc_stream_, id);
   alloc_stream_[id] = stream;
   return buf.value();
 }
@@ -513,6 +519,7 @@ void Trainer::save_op(std::uint32_t i) {
     }
   }
   auto& list = saved_[i];
+  list.reserve(list.size() + op.saved.size());
   for (const std::uint32_t t : op.saved) list.push_back(pack(i, t));
 }
 
@@ -570,7 +577,7 @@ void Trainer::forward() {
       end_region();
     }
     hooks_->after_op(i);
-    for (const std::uint32_t b : drop_after_[i]) {
+    for (const std::uint32_t b : dropped_after(i)) {
       if (!model_.tensors[b].held) device_.drop(scopes_[0].bound.at(b).buffer);
     }
     hold_outputs(i);

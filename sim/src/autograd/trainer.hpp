@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "ferry/offload/offloader.hpp"
 #include "ferry/sim/autograd/autograd.hpp"
 #include "ferry/sim/device/device.hpp"
+#include "ferry/sim/support/by_id.hpp"
 #include "graph.hpp"
 #include "scratch.hpp"
 #include "step_hooks.hpp"
@@ -365,7 +367,14 @@ class Trainer final : private RankContext {
   std::vector<std::optional<Device::Buffer>> grads_;
   std::vector<std::uint64_t> grad_values_;
   std::vector<std::int32_t> last_use_;
-  std::vector<std::vector<std::uint32_t>> drop_after_;
+  // The activations whose forward reference ends after op i: drop_list_[drop_start_[i],
+  // drop_start_[i + 1]) (dropped_after).
+  std::vector<std::uint32_t> drop_start_;
+  std::vector<std::uint32_t> drop_list_;
+  [[nodiscard]] std::span<const std::uint32_t> dropped_after(std::uint32_t i) const {
+    return std::span<const std::uint32_t>(drop_list_)
+        .subspan(drop_start_[i], drop_start_[i + 1] - drop_start_[i]);
+  }
   TensorSlots<Device::Buffer> held_;  // Note [Held activations]: the loop's references, by tensor
   std::vector<std::vector<Saved>> saved_;
   std::vector<std::int32_t> region_of_op_;

@@ -33,7 +33,7 @@ Bound Trainer::unpack(const Saved& s, std::uint32_t node) {
     // that backward reads on a side stream) is the caller's to record, as for what it
     // allocates itself (Note [Side streams]).
     const std::uint32_t id = u.storage.id.value();
-    if (alloc_stream_.size() <= id) alloc_stream_.resize(id + 1);
+    cover(alloc_stream_, id);
     if (!alloc_stream_[id].valid()) alloc_stream_[id] = current_;
     const Bound b{u.storage, u.offset, value_of(s.expected)};
     note_arrival(b, s.expected);
@@ -135,11 +135,11 @@ void Trainer::recompute(FrameId frame, std::uint32_t node) {
 // A checkpoint's recompute runs the region's forward again as Python runs it: an output nobody
 // holds (a norm's squares, its float32 product before the cast) is freed once its last reader
 // is done, not at the replay's end; what the replay saves the checkpointer holds. So a replayed
-// op's scope reference goes after the same op as in forward (drop_after_), unless the tensor
+// op's scope reference goes after the same op as in forward (dropped_after), unless the tensor
 // lives past the region (the region's outputs, dropped with the scope).
 void Trainer::drop_dead_in_replay(std::uint32_t i) {
   Scope& scope = scopes_.back();
-  for (const std::uint32_t t : drop_after_[i]) {
+  for (const std::uint32_t t : dropped_after(i)) {
     const Bound* b = scope.bound.find(t);
     if (b == nullptr) continue;
     const auto owned = std::find_if(scope.owned.begin(), scope.owned.end(),

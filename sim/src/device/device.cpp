@@ -1,6 +1,7 @@
 #include "ferry/sim/device/device.hpp"
 
 #include "ferry/check.hpp"
+#include "ferry/sim/support/by_id.hpp"
 
 namespace ferry::sim {
 
@@ -38,7 +39,7 @@ Result<Device::Buffer> Device::try_allocate(Place place, Bytes bytes, Stream str
       sim_.alloc(kind, device_, bytes, place == Place::Device ? stream.id : StreamId(), pool, name);
   if (!got) return got.error();
   const BufferId id = got.value();
-  if (refs_.size() <= id.value()) refs_.resize(id.value() + 1, 0);
+  cover(refs_, id.value());
   refs_[id.value()] = 1;
   return Buffer{id};
 }
