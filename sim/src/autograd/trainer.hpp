@@ -3,6 +3,7 @@
 // and backward as PyTorch's engine would, with the offloader's hooks and checkpoint frames,
 // on the toolkit it shares with the pipeline executor (graph.hpp, values.hpp).
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -67,16 +68,41 @@ struct Context {
 constexpr std::size_t kDeviceRng = 0;
 constexpr std::size_t kCpuRng = 1;
 
+// A frame's entries by tensor, in tensor order as a std::map keeps them, in one vector: a frame
+// holds a layer's few outputs, and a map took a node for each.
+template <class V>
+class ByTensor {
+ public:
+  using Items = std::vector<std::pair<std::uint32_t, V>>;
+  V& operator[](std::uint32_t t) {
+    auto it = std::lower_bound(items_.begin(), items_.end(), t, before);
+    if (it == items_.end() || it->first != t) it = items_.emplace(it, t, V{});
+    return it->second;
+  }
+  [[nodiscard]] typename Items::const_iterator find(std::uint32_t t) const {
+    const auto it = std::lower_bound(items_.begin(), items_.end(), t, before);
+    return it != items_.end() && it->first == t ? it : items_.end();
+  }
+  [[nodiscard]] typename Items::const_iterator begin() const { return items_.begin(); }
+  [[nodiscard]] typename Items::const_iterator end() const { return items_.end(); }
+
+ private:
+  static bool before(const std::pair<std::uint32_t, V>& item, std::uint32_t t) {
+    return item.first < t;
+  }
+  Items items_;
+};
+
 struct FrameInfo {
   std::uint32_t region = 0;
-  std::vector<Saved> inputs;                           // the region's inputs, saved by the parent
-  Generators generators{2};                            // at the region's start
-  std::map<std::uint32_t, Bound> cache;                // MustSave outputs (forward references)
-  std::map<std::uint32_t, Saved> offloaded;            // Offload-policy outputs
-  std::map<std::uint32_t, std::uint64_t> view_values;  // their views' forward content values
-  std::uint32_t last_pack_op = 0;                      // op during which its last holder was packed
-  std::size_t taken = 0;                               // holders taken in the current backward
-  bool released = false;                               // inputs and caches let go
+  std::vector<Saved> inputs;            // the region's inputs, saved by the parent
+  Generators generators{2};             // at the region's start
+  ByTensor<Bound> cache;                // MustSave outputs (forward references)
+  ByTensor<Saved> offloaded;            // Offload-policy outputs
+  ByTensor<std::uint64_t> view_values;  // their views' forward content values
+  std::uint32_t last_pack_op = 0;       // op during which its last holder was packed
+  std::size_t taken = 0;                // holders taken in the current backward
+  bool released = false;                // inputs and caches let go
 };
 
 // One rank of a node run (Note [Node run] in node_run.cpp): the simulator the ranks share,
