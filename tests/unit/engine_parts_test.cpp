@@ -225,7 +225,7 @@ TEST(SimObserver, HearsEveryOpOnceWhenItsRecordIsFinal) {
   const StreamId b = sim.add_stream(DeviceId(1), "b");
   const BufferId d0 = testing::device_buffer(sim, a, 1000);
   const BufferId d1 = testing::device_buffer(sim, b, 1000);
-  const EventId e = sim.add_event("e");
+  const EventId e = sim.add_event();
   sim.kernel(a, SimTime(500), {}, std::vector<Region>{testing::whole(sim, d0)}, "k");
   sim.record(e, a);
   sim.wait(b, e);
@@ -250,7 +250,7 @@ TEST(ChromeTrace, AnAttachedTraceEqualsOneReplayedAfterTheRun) {
   const BufferId d0 = testing::device_buffer(sim, a, 4000);
   const BufferId d1 = testing::device_buffer(sim, b, 4000);
   const BufferId h = testing::pinned_buffer(sim, 4000);
-  const EventId e = sim.add_event("e");
+  const EventId e = sim.add_event();
   for (int i = 0; i < 5; ++i) {
     sim.kernel(a, SimTime(100 + i), {}, std::vector<Region>{testing::whole(sim, d0)}, "k");
     sim.copy(a, testing::whole(sim, d0), testing::whole(sim, h), "d2h");
@@ -271,7 +271,7 @@ TEST(TimelineMetrics, AnAttachedCollectorEqualsOneReplayedAfterTheRun) {
   sim.observe(live);
   const BufferId d = testing::device_buffer(sim, compute, 1 << 20);
   const BufferId h = testing::pinned_buffer(sim, 1 << 20);
-  const EventId e = sim.add_event("copied");
+  const EventId e = sim.add_event();
   const SimTime start = sim.host_time();
   sim.kernel(compute, SimTime(1000), {}, std::vector<Region>{testing::whole(sim, d)}, "k0");
   sim.copy(side, testing::whole(sim, d), testing::whole(sim, h), "d2h");

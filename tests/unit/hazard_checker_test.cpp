@@ -28,7 +28,7 @@ Reload reload(bool wait, CheckerFaults faults = {}) {
   Simulator& sim = r.sim;
   r.compute = sim.add_stream(DeviceId(0), "compute");
   r.h2d = sim.add_stream(DeviceId(0), "h2d");
-  const EventId done = sim.add_event("reloaded");
+  const EventId done = sim.add_event();
   const BufferId host = testing::pinned_buffer(sim, 4096);
   const BufferId act = testing::device_buffer(sim, r.compute, 4096, "act");
   r.copy = sim.copy(r.h2d, whole(sim, host), whole(sim, act), "reload");
@@ -78,7 +78,7 @@ TEST(HazardChecker, WriteAfterReadAcrossStreams) {
   Simulator sim = simple_sim();
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
-  const EventId e = sim.add_event("e");
+  const EventId e = sim.add_event();
   const BufferId act = testing::device_buffer(sim, compute, 1024);
   const BufferId host = testing::pinned_buffer(sim, 1024);
   sim.kernel(compute, SimTime(10), kNone, one(whole(sim, act)));
@@ -135,7 +135,7 @@ TEST(HazardChecker, PartialOverlapReportsOnlyTheSharedBytes) {
 TEST(HazardChecker, HostReadingPinnedMemoryBeforeTheCopyCompletes) {
   Simulator sim = simple_sim();
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
-  const EventId done = sim.add_event("done");
+  const EventId done = sim.add_event();
   const BufferId act = testing::device_buffer(sim, d2h, 256);
   const BufferId host = testing::pinned_buffer(sim, 256);
   sim.copy(d2h, whole(sim, act), whole(sim, host));
@@ -153,7 +153,7 @@ TEST(HazardChecker, SuccessfulQueryOrdersTheHostAfterTheEvent) {
   Simulator sim = simple_sim();
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
   const StreamId other = sim.add_stream(DeviceId(0), "other");
-  const EventId done = sim.add_event("done");
+  const EventId done = sim.add_event();
   const BufferId act = testing::device_buffer(sim, d2h, 256);
   const BufferId host = testing::pinned_buffer(sim, 256);
   sim.copy(d2h, whole(sim, act), whole(sim, host));
@@ -213,7 +213,7 @@ FreeDuringOffload free_during_offload(bool record_stream) {
   Simulator& sim = f.sim;
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
-  const EventId produced = sim.add_event("produced");
+  const EventId produced = sim.add_event();
   f.act0 = testing::device_buffer(sim, compute, 4LL << 20, "act0");
   const BufferId host = testing::pinned_buffer(sim, 4LL << 20);
   sim.kernel(compute, SimTime(10), kNone, one(whole(sim, f.act0)));
@@ -250,7 +250,7 @@ TEST(HazardChecker, ANewOwnerOnAnUnorderedStreamIsStillAReuse) {
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
   const StreamId other = sim.add_stream(DeviceId(0), "other");
-  const EventId copied = sim.add_event("copied");
+  const EventId copied = sim.add_event();
   const BufferId act0 = testing::device_buffer(sim, compute, 4096, "act0");
   const BufferId host = testing::pinned_buffer(sim, 4096);
   sim.copy(d2h, whole(sim, act0), whole(sim, host));
@@ -271,14 +271,14 @@ TEST(HazardChecker, ANewOwnerOnAnUnorderedStreamIsStillAReuse) {
 Simulator read_on_three_streams(bool wait_for_every_reader) {
   Simulator sim = simple_sim();
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
-  const EventId produced = sim.add_event("produced");
+  const EventId produced = sim.add_event();
   const BufferId act0 = testing::device_buffer(sim, compute, 4LL << 20, "act0");
   sim.kernel(compute, SimTime(10), kNone, one(whole(sim, act0)));
   sim.record(produced, compute);
   std::vector<EventId> read;
   for (int i = 0; i < 3; ++i) {
     const StreamId side = sim.add_stream(DeviceId(0), fmt::format("side{}", i));
-    read.push_back(sim.add_event(fmt::format("read{}", i)));
+    read.push_back(sim.add_event());
     sim.wait(side, produced);
     sim.kernel(side, SimTime(10), one(whole(sim, act0)), kNone);
     sim.record(read.back(), side);

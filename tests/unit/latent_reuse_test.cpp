@@ -54,8 +54,8 @@ Traced free_while_side_reads(std::int64_t side_ns, bool reuse, bool guard,
   Simulator& sim = r.sim;
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId side = sim.add_stream(DeviceId(0), "side");
-  const EventId produced = sim.add_event("produced");
-  const EventId consumed = sim.add_event("consumed");
+  const EventId produced = sim.add_event();
+  const EventId consumed = sim.add_event();
   const BufferId act = testing::device_buffer(sim, compute, 1 << 20, "act");
   sim.kernel(compute, SimTime(1000), kNone, one(whole(sim, act)), "produce");
   sim.record(produced, compute);
@@ -120,7 +120,7 @@ Traced record_stream_on_one_reader(std::int64_t s1_bytes, std::int64_t s2_ns, bo
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId s1 = sim.add_stream(DeviceId(0), "s1");
   const StreamId s2 = sim.add_stream(DeviceId(0), "s2");
-  const EventId produced = sim.add_event("produced");
+  const EventId produced = sim.add_event();
   const BufferId act = testing::device_buffer(sim, compute, 1 << 20, "act");
   const BufferId ballast = testing::device_buffer(sim, s1, s1_bytes, "ballast");
   const BufferId ballast_host = testing::pinned_buffer(sim, s1_bytes, "ballast on host");
@@ -231,7 +231,7 @@ Traced pinned_freed_during_copy(std::int64_t bytes, bool record, bool sync) {
   Simulator& sim = r.sim;
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId d2h = sim.add_stream(DeviceId(0), "d2h");
-  const EventId copied = sim.add_event("copied");
+  const EventId copied = sim.add_event();
   const BufferId act = testing::device_buffer(sim, compute, bytes, "act");
   const BufferId host = testing::pinned_buffer(sim, bytes, "host");
   r.marks.push_back(sim.copy(d2h, whole(sim, act), whole(sim, host), "offload"));

@@ -82,7 +82,7 @@ TEST(Simulator, ComputeSlowsWhileACollectiveRunsWhereTheProfileSaysSo) {
     const StreamId compute = sim.add_stream(DeviceId(0), "compute");
     const StreamId comm = sim.add_stream(DeviceId(0), "comm");
     if (later) {  // the collective starts when a first kernel ends, in the second's run
-      const EventId first = sim.add_event("first");
+      const EventId first = sim.add_event();
       sim.kernel(compute, SimTime(100), kNone, kNone);
       sim.record(first, compute);
       sim.wait(comm, first);
@@ -195,7 +195,7 @@ TEST(Simulator, StreamWaitsForRecordedEvent) {
   const StreamId b = sim.add_stream(DeviceId(0), "b");
   const BufferId d = device_buffer(sim, b, 100);
   const BufferId h = pinned_buffer(sim, 100);
-  const EventId e = sim.add_event("e");
+  const EventId e = sim.add_event();
   sim.kernel(a, SimTime(700), kNone, kNone);
   sim.record(e, a);
   sim.wait(b, e);
@@ -210,7 +210,7 @@ TEST(Simulator, RecordCapturesOnlyWorkSubmittedBeforeIt) {
   const StreamId b = sim.add_stream(DeviceId(0), "b");
   const BufferId d = device_buffer(sim, b, 100);
   const BufferId h = pinned_buffer(sim, 100);
-  const EventId e = sim.add_event("e");
+  const EventId e = sim.add_event();
   sim.kernel(a, SimTime(300), kNone, kNone);
   sim.record(e, a);
   sim.kernel(a, SimTime(5000), kNone, kNone);
@@ -226,7 +226,7 @@ TEST(Simulator, WaitingOnANeverRecordedEventDoesNothing) {
   const StreamId b = sim.add_stream(DeviceId(0), "b");
   const BufferId d = device_buffer(sim, b, 100);
   const BufferId h = pinned_buffer(sim, 100);
-  const EventId e = sim.add_event("e");
+  const EventId e = sim.add_event();
   sim.wait(b, e);
   sim.kernel(a, SimTime(300), kNone, kNone);
   sim.record(e, a);
@@ -247,8 +247,8 @@ TEST(Simulator, StreamSynchronizeBlocksTheHostUntilTheWorkIsDone) {
 TEST(Simulator, QueryAnswersWhetherTheEventCompletedAtHostTime) {
   Simulator sim = simple_sim();
   const StreamId s = sim.add_stream(DeviceId(0), "s");
-  const EventId e = sim.add_event("e");
-  const EventId never = sim.add_event("never");
+  const EventId e = sim.add_event();
+  const EventId never = sim.add_event();
   sim.kernel(s, SimTime(900), kNone, kNone);
   sim.record(e, s);
   EXPECT_FALSE(sim.query(e));
@@ -264,7 +264,7 @@ TEST(Simulator, LaunchOverheadsAdvanceTheHostClock) {
   p.overheads.event_record = SimTime(2);
   Simulator sim = simple_sim(1, {}, p);
   const StreamId s = sim.add_stream(DeviceId(0), "s");
-  const EventId e = sim.add_event("e");
+  const EventId e = sim.add_event();
   const OpId k = sim.kernel(s, SimTime(10), kNone, kNone);
   sim.record(e, s);
   const OpId k2 = sim.kernel(s, SimTime(1), kNone, kNone);
@@ -306,8 +306,8 @@ TEST(Simulator, ContentFollowsCopiesSoAReloadEqualsWhatWasSaved) {
   Simulator sim = simple_sim();
   const StreamId compute = sim.add_stream(DeviceId(0), "compute");
   const StreamId side = sim.add_stream(DeviceId(0), "side");
-  const EventId produced = sim.add_event("produced");
-  const EventId offloaded = sim.add_event("offloaded");
+  const EventId produced = sim.add_event();
+  const EventId offloaded = sim.add_event();
   const BufferId act = device_buffer(sim, compute, 4096, "act");
   const BufferId host = pinned_buffer(sim, 4096);
   const BufferId reload = device_buffer(sim, side, 4096, "reload");
@@ -362,7 +362,7 @@ TEST(Simulator, SameProgramGivesByteIdenticalTraces) {
     Simulator sim = simple_sim();
     const StreamId a = sim.add_stream(DeviceId(0), "a");
     const StreamId b = sim.add_stream(DeviceId(0), "b");
-    const EventId e = sim.add_event("e");
+    const EventId e = sim.add_event();
     const BufferId d = device_buffer(sim, a, 3000);
     const BufferId h = pinned_buffer(sim, 3000);
     for (int i = 0; i < 20; ++i) {
@@ -391,7 +391,7 @@ TEST(Simulator, ContentExpectationIsCheckedWhenTheKernelStarts) {
   const StreamId h2d = sim.add_stream(DeviceId(0), "h2d");
   const BufferId host = testing::pinned_buffer(sim, 1000);
   const BufferId act = testing::device_buffer(sim, compute, 1000, "act");
-  const EventId done = sim.add_event("done");
+  const EventId done = sim.add_event();
   sim.host_write(std::vector<Region>{testing::whole(sim, host)});
   const OpId write = OpId(static_cast<std::uint32_t>(sim.ops().size() - 1));
   const std::vector<ContentPiece> saved{

@@ -19,9 +19,7 @@ Device::Stream Device::make_stream(std::string_view name) {
   return Stream{sim_.add_stream(device_, std::string(name))};
 }
 
-Device::Event Device::make_event() {
-  return Event{sim_.add_event("e" + std::to_string(sim_.event_count()))};
-}
+Device::Event Device::make_event() { return Event{sim_.add_event()}; }
 
 std::optional<Device::Buffer> Device::allocate(Place place, Bytes bytes, Stream stream,
                                                std::string_view name) {

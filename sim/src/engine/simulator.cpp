@@ -56,9 +56,9 @@ void Simulator::reserve(std::size_t calls, std::size_t buffers) {
 
 void Simulator::observe(SimObserver& observer) { state_->attach(observer); }
 
-EventId Simulator::add_event(std::string name) {
+EventId Simulator::add_event() {
   State& s = *state_;
-  s.events.push_back(State::EventState{.name = std::move(name)});
+  s.events.emplace_back();
   return EventId(static_cast<std::uint32_t>(s.events.size() - 1));
 }
 
@@ -450,7 +450,6 @@ const DeviceProfile& Simulator::device_profile(DeviceId device) const {
   return state_->devices.at(device.value()).profile;
 }
 std::size_t Simulator::stream_count() const { return state_->streams.size(); }
-std::size_t Simulator::event_count() const { return state_->events.size(); }
 const std::string& Simulator::stream_name(StreamId stream) const {
   state_->streams.check(stream);
   return state_->streams.name(stream);

@@ -136,7 +136,6 @@ struct DeviceState {
 };
 
 struct EventState {
-  std::string name;
   std::optional<StreamPosition> recorded{};  ///< what the last record captured
   std::uint32_t snapshot = 0;                ///< the checker's clock at that record
 };

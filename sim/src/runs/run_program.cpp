@@ -172,7 +172,7 @@ Result<ProgramRun> run_program(const Program& program, SimOptions options, SimFa
   Simulator& sim = run.sim;
   if (observer != nullptr) sim.observe(*observer);
   for (const ProgramStream& s : program.streams) sim.add_stream(s.device, s.name);
-  for (const ProgramEvent& e : program.events) sim.add_event(e.name);
+  for (std::size_t e = 0; e < program.events.size(); ++e) sim.add_event();
   sim.reserve(program.ops.size());
   Issuer issuer(program, sim);
   for (std::size_t i = 0; i < program.ops.size(); ++i) {

@@ -70,7 +70,7 @@ class Simulator {
 
   // Set-up (free of simulated cost).
   StreamId add_stream(DeviceId device, std::string name);
-  EventId add_event(std::string name);
+  EventId add_event();
 
   /// Reserves room for `calls` API calls and `buffers` allocations (avoids regrowth on long
   /// programs; more are taken as before).
@@ -140,7 +140,6 @@ class Simulator {
   [[nodiscard]] const std::string& device_name(DeviceId device) const;
   [[nodiscard]] const DeviceProfile& device_profile(DeviceId device) const;
   [[nodiscard]] std::size_t stream_count() const;
-  [[nodiscard]] std::size_t event_count() const;
   [[nodiscard]] const std::string& stream_name(StreamId stream) const;
   [[nodiscard]] DeviceId stream_device(StreamId stream) const;
   [[nodiscard]] const CachingAllocator& device_allocator(DeviceId device) const;
