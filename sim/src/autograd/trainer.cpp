@@ -348,8 +348,7 @@ void Trainer::note_arrival(const Bound& where, const Pieces& saved) {
   content_.arrive(where.buffer.id, where.offset, saved);
 }
 
-Pieces Trainer::expected_of(std::uint32_t t) const {
-  const Bound b = lookup(t);
+Pieces Trainer::expected_of(std::uint32_t t, const Bound& b) const {
   return content_.slice(b.buffer.id, b.offset, model_.tensors[t].bytes);
 }
 
@@ -423,7 +422,7 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
   const Bound where = lookup(t);
   Saved saved;
   saved.tensor = t;
-  saved.expected = expected_of(t);
+  saved.expected = expected_of(t, where);
   const Context* top = contexts_.empty() ? nullptr : &contexts_.back();
   if (top != nullptr && top->kind == Context::Kind::Frame) {
     saved.kind = Saved::Kind::Holder;
@@ -441,7 +440,7 @@ Saved Trainer::pack(std::uint32_t node, std::uint32_t t) {
     }
     SavedMeta meta = meta_of(t, where.value);
     if (faults_.alter_recomputed_meta) meta.bytes += Bytes(1);
-    const Recomputed kept{where.buffer, where.offset, value_of(expected_of(t))};
+    const Recomputed kept{where.buffer, where.offset, value_of(expected_of(t, where))};
     const RecomputePack done = checkpointer_.recompute_pack(meta, kept);
     if (done != RecomputePack::Ignored) device_.hold(where.buffer);  // the checkpointer's
     if (done == RecomputePack::KeptLast) stop_replay_ = true;

@@ -194,7 +194,8 @@ class Trainer final : private RankContext {
   // when it was saved.
   void note_arrival(const Bound& where, const Pieces& saved);
 
-  Pieces expected_of(std::uint32_t t) const;
+  // What tensor t, bound at `b` (its lookup), holds now.
+  Pieces expected_of(std::uint32_t t, const Bound& b) const;
 
   // Where each tensor bound in a scope lives, by tensor index: a look-up is an index, and
   // clearing resets only what was bound (scopes are kept and reused, Note [Scratch]). Sized for
