@@ -230,7 +230,8 @@ OpId Simulator::State::launch(engine_detail::ExecKind kind, StreamId stream, Sim
               values.size(), writes.size());
   for (std::uint32_t i = 0; i < writes.size(); ++i) {
     const Region& r = writes[i];
-    if (!s.touch(op, thread, AccessOrigin::Kernel, r, true)) continue;
+    // What the kernel writes is kept for the content shadow alone (apply_content).
+    if (!s.touch(op, thread, AccessOrigin::Kernel, r, true) || !s.options.track_content) continue;
     const BufferInfo& b = s.buffer(r.buffer);
     const Bytes lo = b.address + r.offset;
     s.write_ranges.push_back(engine_detail::WriteRange{
