@@ -1,5 +1,5 @@
 #pragma once
-/// Tables indexed by ids that are handed out in order (buffers, blocks): each new id is one past
+/// Tables indexed by ids that are handed out in order (buffers): each new id is one past
 /// the table's end.
 
 #include <algorithm>
