@@ -4,6 +4,8 @@
 #include <optional>
 #include <utility>
 
+#include "ferry/sim/support/by_id.hpp"
+
 namespace ferry::sim {
 
 // Note [Content pieces]
@@ -70,7 +72,7 @@ void ContentMap::overwrite(Pieces& pieces, std::int64_t lo, std::int64_t hi, std
 }
 
 Pieces& ContentMap::pieces_of(BufferId buffer) {
-  if (buffer.value() >= pieces_.size()) pieces_.resize(buffer.value() + 1);
+  cover(pieces_, buffer.value());
   return pieces_[buffer.value()];
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "ferry/check.hpp"
+#include "ferry/sim/support/by_id.hpp"
 
 namespace ferry::sim {
 
@@ -146,7 +147,7 @@ inline const HazardChecker::Clock& HazardChecker::access_clock(ThreadIndex threa
 }
 
 inline void HazardChecker::note_last_access(const Access& self) {
-  if (last_access_.size() <= self.buffer.value()) last_access_.resize(self.buffer.value() + 1);
+  cover(last_access_, self.buffer.value());
   LastAccess& last = last_access_[self.buffer.value()];
   // The inline slots fill in order and empty together: the first that is this thread's or
   // empty is the one.
