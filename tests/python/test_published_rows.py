@@ -599,21 +599,19 @@ def test_torchtitan_pr3429_full_policy_costs_at_least_its_recompute_at_peak(
 
 @pytest.fixture(scope="module")
 def a100(root):
+    # Both configs set `norm_type = "fused_rmsnorm"`: traced with fused norms.
     common = ["--device", "a100-pcie4", "--fsdp", "64", "--nodes", "8", "--checkpoint", "op-sac"]
-    return {
-        "llama3-8b": simulate(trace_config(root, "llama3-8b-b1", LLAMA3_8B, 8192, 1), *common),
-        "llama2-13b": simulate(trace_config(root, "llama2-13b", LLAMA2_13B, 4096, 2), *common),
-    }
+    llama3 = trace_config(root, "llama3-8b-b1", LLAMA3_8B, 8192, 1, "--fused-norms")
+    llama2 = trace_config(root, "llama2-13b", LLAMA2_13B, 4096, 2, "--fused-norms")
+    return {"llama3-8b": simulate(llama3, *common), "llama2-13b": simulate(llama2, *common)}
 
 
 @pytest.mark.parametrize(
-    "model, tokens, wps, tolerance",
-    [("llama3-8b", 8192, 2973, 0.09), ("llama2-13b", 8192, 1904, 0.11)],
+    "model, tokens, wps", [("llama3-8b", 8192, 2973), ("llama2-13b", 8192, 1904)]
 )
-def test_torchtitan_apr2024_64_a100_throughput(a100, model, tokens, wps, tolerance):
-    """Rows 23 and 24: 8.5 and 10.4 % slow, nearly all of it with the network free too
-    (docs/validation-sources.md); each held within its error rounded up."""
-    within(tokens_per_s(a100[model], tokens), wps, tolerance)
+def test_torchtitan_apr2024_64_a100_throughput(a100, model, tokens, wps):
+    """Rows 23 and 24 within the time target (docs/validation-sources.md)."""
+    within(tokens_per_s(a100[model], tokens), wps, 0.08)
 
 
 # --- Hugging Face transformers docs: BERT-large on one V100 16 GB, float32 -------------------

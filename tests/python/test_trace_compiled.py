@@ -1,6 +1,7 @@
 """`ferry.trace(..., compiled=True)` and `python -m ferry trace --compiled`: the eager trace with
 each chain of fusible ops timed as one fused kernel (docs/trace.md, Compiled; Note [Costs of a
-compiled step] in ferry/_trace/_compiled.py)."""
+compiled step] in ferry/_trace/_compiled.py); `fused_norms=True` and `--fused-norms`: each call
+of a normalization module so (Note [Fused norms])."""
 
 import argparse
 import copy
@@ -16,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from ferry._cli import trace as trace_cli  # noqa: E402
 from ferry._trace import trace  # noqa: E402
-from ferry._trace._compiled import fuse, fused_groups  # noqa: E402
+from ferry._trace._compiled import fuse, fused_groups, is_normalization  # noqa: E402
+from traced_families import build  # noqa: E402
 
 #: Two Llama layers large enough that the simulated step is bound by the device, not by
 #: launching its ops (a compiled trace keeps every op, and launches are not fused): hidden 1024,
@@ -44,11 +46,11 @@ def small_llama():
     return trace_cli.build_model(SMALL_LLAMA, args)
 
 
-def trace_llama(compiled):
+def trace_llama(compiled, fused_norms=False):
     model = small_llama()
     with torch.device("meta"):
         ids = torch.zeros((1, SEQ), dtype=torch.long)
-    return trace(model, ids, labels=ids, name="small", compiled=compiled)
+    return trace(model, ids, labels=ids, name="small", compiled=compiled, fused_norms=fused_norms)
 
 
 @pytest.fixture(scope="module")
@@ -315,3 +317,119 @@ def test_fuse_changes_nothing_but_the_costs(llama):
     assert fused.groups == () and doc == eager.document
     with pytest.raises(ValueError, match="fusible flags"):
         fuse(doc, fusible[1:], needs_grad=set())
+
+
+# --- Fused norms -------------------------------------------------------------------------------
+
+
+def norm_paths(model):
+    """The test's oracle: the paths of the model's norm modules, by their classes' names (the
+    trace decides by what a module is: Note [Fused norms])."""
+    return {
+        path
+        for path, m in model.named_modules()
+        if type(m).__name__.endswith(("RMSNorm", "LayerNorm")) or isinstance(m, torch.nn.LayerNorm)
+    }
+
+
+def check_fused_norms(eager, fused, paths):
+    """What fused norms must be: the eager trace but for the norms' bytes; one group a norm
+    call, holding every op of the call and nothing else; each group moves less than its ops
+    did, or as much where the norm is one kernel already."""
+    e, f = eager.document, fused.document
+    assert f["tensors"] == e["tensors"]
+    assert [without_costs(op) for op in f["ops"]] == [without_costs(op) for op in e["ops"]]
+    groups = fused.compiled.groups
+    grouped = {i for group in groups for i in group}
+    module = [op["name"].rpartition("/")[0] for op in e["ops"]]
+    calls = {}
+    for group in groups:
+        assert {module[i] for i in group} <= paths, [e["ops"][i]["name"] for i in group]
+        calls[module[group.start]] = calls.get(module[group.start], 0) + 1
+        before = sum(e["ops"][i]["bytes"] + e["ops"][i]["backward_bytes"] for i in group)
+        after = sum(f["ops"][i]["bytes"] + f["ops"][i]["backward_bytes"] for i in group)
+        assert after < before or len(group) == 1, module[group.start]
+    assert set(calls) == paths and set(calls.values()) == {1}
+    for i, (before, after) in enumerate(zip(e["ops"], f["ops"])):
+        assert (i in grouped) == (module[i] in paths), before["name"]
+        if i not in grouped:
+            assert (after["bytes"], after["backward_bytes"]) == (
+                before["bytes"],
+                before["backward_bytes"],
+            ), before["name"]
+
+
+def test_fused_norms_fuse_each_call_of_a_norm_and_nothing_else(llama):
+    fused = trace_llama(False, fused_norms=True)
+    paths = norm_paths(small_llama())
+    assert len(paths) == 2 * SMALL_LLAMA["num_hidden_layers"] + 1
+    check_fused_norms(llama[0], fused, paths)
+    assert fused.compiled.bytes_after < fused.compiled.bytes_before
+
+
+def test_the_check_of_fused_norms_catches_a_norm_left_eager_or_a_projection_fused(llama):
+    """Planted faults: a norm call missing from the groups, and a group over the ops of a
+    projection that is no norm, are each caught."""
+    fused = trace_llama(False, fused_norms=True)
+    paths = norm_paths(small_llama())
+    missing = copy.copy(fused)
+    missing.compiled = fused.compiled._replace(groups=fused.compiled.groups[1:])
+    with pytest.raises(AssertionError):
+        check_fused_norms(llama[0], missing, paths)
+    ops = fused.document["ops"]
+    mm = next(i for i, op in enumerate(ops) if op["name"].endswith("q_proj/mm"))
+    extra = copy.copy(fused)
+    extra.compiled = fused.compiled._replace(groups=(*fused.compiled.groups, range(mm, mm + 1)))
+    with pytest.raises(AssertionError):
+        check_fused_norms(llama[0], extra, paths)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt2", "mixtral", "deepseek_v3"])
+def test_fused_norms_in_other_families(family):
+    """Gemma-2's norms scale by one plus their weight, GPT-2's LayerNorm is one kernel already,
+    DeepSeek-V3's attention normalizes its low-rank projections, Mixtral routes to experts."""
+    model = build(family)
+    with torch.device("meta"):
+        ids = torch.zeros((1, 32), dtype=torch.long)
+    eager = trace(model, ids, labels=ids, name=family)
+    fused = trace(model, ids, labels=ids, name=family, fused_norms=True)
+    check_fused_norms(eager, fused, norm_paths(model))
+
+
+def test_a_norm_is_a_module_without_submodules_whose_parameters_are_vectors():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for norm in (torch.nn.LayerNorm(8), torch.nn.RMSNorm(8), LlamaRMSNorm(8)):
+        assert is_normalization(norm), norm
+    others = (
+        torch.nn.LayerNorm(8, elementwise_affine=False),  # no parameter: one kernel already
+        torch.nn.Linear(8, 8),
+        torch.nn.Embedding(8, 8),
+        torch.nn.SiLU(),
+        torch.nn.Sequential(torch.nn.LayerNorm(8)),
+    )
+    for other in others:
+        assert not is_normalization(other), other
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "op-sac"])
+def test_fused_norms_make_a_step_faster_with_the_same_memory(llama, tmp_path, checkpoint):
+    paths = [tmp_path / "eager.json", tmp_path / "fused.json"]
+    llama[0].save(paths[0])
+    trace_llama(False, fused_norms=True).save(paths[1])
+    eager, fused = (simulate(path, "--checkpoint", checkpoint) for path in paths)
+    assert fused["step_time_ns"] < eager["step_time_ns"]
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+        assert fused[key] == eager[key], key
+
+
+def test_the_fused_norms_command_and_the_keyword_agree(tmp_path, capsys):
+    config = tmp_path / "small.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+    out = tmp_path / "out.json"
+    argv = [str(config), "--seq", str(SEQ), "--name", "small", "--fused-norms"]
+    assert trace_cli.main([*argv, "--out", str(out)]) == 0
+    fused = trace_llama(False, fused_norms=True)
+    assert out.read_text() == fused.to_json()
+    groups = len(fused.compiled.groups)
+    assert f"small: fused norms: {groups} fused groups;" in capsys.readouterr().err

@@ -103,6 +103,13 @@ def _parser() -> argparse.ArgumentParser:
         "fused kernel; memory stays the eager trace's (docs/trace.md, Compiled steps)",
     )
     parser.add_argument(
+        "--fused-norms",
+        action="store_true",
+        help="time each call of a normalization module as one fused kernel, as a trainer with "
+        "fused norms runs it (torchtitan's fused_rmsnorm, Liger Kernel); memory stays the eager "
+        "trace's (docs/trace.md, Fused norms)",
+    )
+    parser.add_argument(
         "--fsdp",
         type=int,
         default=0,
@@ -415,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 target=args.target,
                 routing=args.routing,
                 compiled=args.compiled,
+                fused_norms=args.fused_norms,
             )
         except ValueError as error:
             # Loads for another number of experts than a router of this model chooses among.
@@ -454,11 +462,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if traced.compiled is not None:
         fused = traced.compiled
+        what = "compiled" if args.compiled else "fused norms"
+        section = "Compiled steps" if args.compiled else "Fused norms"
         print(
-            f"{name}: compiled: {len(fused.groups)} fused groups; forward bytes "
+            f"{name}: {what}: {len(fused.groups)} fused groups; forward bytes "
             f"{fused.bytes_before} -> {fused.bytes_after}, backward bytes "
             f"{fused.backward_bytes_before} -> "
-            f"{fused.backward_bytes_after} (docs/trace.md, Compiled steps)",
+            f"{fused.backward_bytes_after} (docs/trace.md, {section})",
             file=sys.stderr,
         )
     if traced.routing is not None:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from .._modules import head_of
 from .._tensor_parallel import is_dtensor, whole_model
+from ._compiled import is_normalization
 from ._costs import moves_data, storage_key
 from ._document import TracedModel, traced_model
 from ._record import Tracer, TraceRecorder, byte_count, layer_of
@@ -82,14 +83,18 @@ def _module_hooks(model: torch.nn.Module, tracer: Tracer) -> list[Any]:
     handles = []
     for path, module in model.named_modules():  # a shared module under its first name
         is_head = module is head
+        is_norm = is_normalization(module)
 
-        def enter(module, args, path=path, is_head=is_head):
+        def enter(module, args, path=path, is_head=is_head, is_norm=is_norm):
             tracer.modules.append(path)
             tracer.heads += is_head
+            tracer.norm_calls.append(tracer.norm_call_count if is_norm else None)
+            tracer.norm_call_count += is_norm
 
         def leave(module, args, output, is_head=is_head):
             tracer.modules.pop()
             tracer.heads -= is_head
+            tracer.norm_calls.pop()
 
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave, always_call=True))
@@ -327,6 +332,7 @@ def trace(
     target: str = "device",
     routing: str | Routing = "balanced",
     compiled: bool = False,
+    fused_norms: bool = False,
     **kwargs: Any,
 ) -> TracedModel:
     """Traces one training step of ``model`` into a ``ferry.model/1`` document (docs/trace.md).
@@ -350,7 +356,8 @@ def trace(
     document records it (Note [Routing as a stated assumption] in ``_values``). With
     ``compiled``, each chain of ops torch.compile fuses between two library kernels costs what
     its fused kernel reads and writes; tensors, ops and saved lists stay the eager trace's
-    (Note [Costs of a compiled step] in ``_compiled``). A model that ``parallelize_module``
+    (Note [Costs of a compiled step] in ``_compiled``); with ``fused_norms`` only each call of a
+    normalization module does (Note [Fused norms]). A model that ``parallelize_module``
     parallelized is traced as the whole model: its DTensor parameters at their global shapes,
     the hooks its parallel styles registered left out (``ferry plan --tp N`` then cuts it for
     one rank).
@@ -366,6 +373,8 @@ def trace(
         routing: ``"balanced"``, ``"loads=W0,W1,..."`` or ``"random[,seed=S][,capacity=C]"``
             (``Routing``).
         compiled: Time each chain of fusible ops as one fused kernel.
+        fused_norms: Time each call of a normalization module as one fused kernel (a trainer's
+            fused RMSNorm or LayerNorm); implied by ``compiled``.
         **kwargs: The keyword inputs of one step.
 
     Returns:
@@ -442,7 +451,7 @@ def trace(
         for handle in handles:
             handle.remove()
     traced = traced_model(
-        tracer, name or type(model).__name__, loss, state, optimizer_state, compiled
+        tracer, name or type(model).__name__, loss, state, optimizer_state, compiled, fused_norms
     )
     allocator = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     if allocator is not None:

@@ -1,11 +1,14 @@
 """The costs of a compiled step: a traced document whose chains of fusible ops are timed as the
 fused kernels torch.compile makes of them (``ferry.trace(..., compiled=True)``,
-docs/trace.md, Compiled steps)."""
+docs/trace.md, Compiled steps); and of an eager step whose norms are fused kernels
+(``fused_norms=True``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
+
+import torch
 
 # Note [Costs of a compiled step]
 # torch.compile (Inductor) runs a library kernel for each matmul, convolution, attention and
@@ -50,6 +53,33 @@ from typing import Any, NamedTuple
 # fused here like the others.
 
 
+# Note [Fused norms]
+# Trainers run a norm as one kernel forward and one backward where the model writes it in
+# PyTorch ops: torchtitan's `norm_type = "fused_rmsnorm"` (a Triton kernel, its Llama configs of
+# April 2024), Liger Kernel's RMSNorm and LayerNorm (`use_liger_kernel` in TRL and axolotl), apex
+# and Transformer Engine. With `fused_norms=True` each call of a normalization module is one
+# group of Note [Costs of a compiled step], costed as there; nothing else fuses.
+#
+# * A normalization module is known by what it is, not by its name: a module without
+#   submodules whose parameters, at least one, are all vectors (an RMSNorm's weight, a
+#   LayerNorm's weight and bias, Gemma's offset scale). A module with a matrix (a projection, an
+#   embedding, a convolution) or without parameters (an activation, dropout) is none.
+# * A group is a run of consecutive fusible ops of one call (`OpRecord.norm_call`): a library
+#   kernel inside the module would end it, as an extern op ends a compiled group.
+# * Tensors, saved lists and FLOPs stay the eager trace's, as with `compiled`: a fused RMSNorm
+#   saves its input and the per-row statistics where the eager trace lists a float32 copy of
+#   the input and the normalized tensor too, so the trace's memory is the eager step's.
+
+
+def is_normalization(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a normalization (Note [Fused norms]): no submodules, and parameters,
+    at least one, that are all vectors."""
+    if next(module.children(), None) is not None:
+        return False
+    shapes = [p.dim() for p in module.parameters(recurse=False)]
+    return bool(shapes) and all(d == 1 for d in shapes)
+
+
 class FusedCosts(NamedTuple):
     """What fusing changed in a document: its groups and its bytes before and after."""
 
@@ -60,24 +90,37 @@ class FusedCosts(NamedTuple):
     backward_bytes_after: int  #: total backward bytes with every group fused
 
 
-def fused_groups(ops: Sequence[dict[str, Any]], fusible: Sequence[bool]) -> list[range]:
-    """The groups torch.compile fuses (Note [Costs of a compiled step]).
+def fused_groups(
+    ops: Sequence[dict[str, Any]],
+    fusible: Sequence[bool],
+    norm_calls: Sequence[int | None] | None = None,
+) -> list[range]:
+    """The groups torch.compile fuses (Note [Costs of a compiled step]), or with ``norm_calls``
+    the fused norms (Note [Fused norms]).
 
     Args:
         ops: The document's ops, in forward order.
         fusible: For each op, whether it is one Inductor fuses (not a library kernel).
+        norm_calls: For each op, the call of a normalization module it ran in, or None.
 
     Returns:
-        Each maximal run of consecutive fusible ops of one layer, as a range of op indices.
+        Each maximal run of consecutive fusible ops of one layer (and of one norm call, with
+        ``norm_calls``), as a range of op indices.
     """
+
+    def key(i: int) -> tuple[int, int | None]:
+        return ops[i].get("layer", -1), None if norm_calls is None else norm_calls[i]
+
+    def fuses(i: int) -> bool:
+        return fusible[i] and (norm_calls is None or norm_calls[i] is not None)
+
     groups = []
     start = None
-    for i, op in enumerate(ops):
-        same_layer = start is not None and ops[start].get("layer", -1) == op.get("layer", -1)
-        if start is not None and not (fusible[i] and same_layer):
+    for i in range(len(ops)):
+        if start is not None and not (fuses(i) and key(start) == key(i)):
             groups.append(range(start, i))
             start = None
-        if fusible[i] and start is None:
+        if fuses(i) and start is None:
             start = i
     if start is not None:
         groups.append(range(start, len(ops)))
@@ -155,14 +198,21 @@ def _group_costs(facts: _Facts, group: range) -> tuple[int, int]:
     return forward, backward
 
 
-def fuse(document: dict[str, Any], fusible: Sequence[bool], needs_grad: set[str]) -> FusedCosts:
+def fuse(
+    document: dict[str, Any],
+    fusible: Sequence[bool],
+    needs_grad: set[str],
+    norm_calls: Sequence[int | None] | None = None,
+) -> FusedCosts:
     """Times each group of fusible ops as one fused kernel: rewrites the document's ``bytes``
-    and ``backward_bytes`` in place, and nothing else (Note [Costs of a compiled step]).
+    and ``backward_bytes`` in place, and nothing else (Note [Costs of a compiled step]); with
+    ``norm_calls``, only the norms' groups (Note [Fused norms]).
 
     Args:
         document: An eager ``ferry.model/1`` document.
         fusible: For each op, whether it is one Inductor fuses.
         needs_grad: The tensors that get a gradient.
+        norm_calls: For each op, the call of a normalization module it ran in, or None.
 
     Returns:
         The groups and the document's bytes before and after.
@@ -170,8 +220,10 @@ def fuse(document: dict[str, Any], fusible: Sequence[bool], needs_grad: set[str]
     ops = document["ops"]
     if len(fusible) != len(ops):
         raise ValueError(f"ferry.trace: {len(fusible)} fusible flags for {len(ops)} ops")
+    if norm_calls is not None and len(norm_calls) != len(ops):
+        raise ValueError(f"ferry.trace: {len(norm_calls)} norm calls for {len(ops)} ops")
     before = (sum(op["bytes"] for op in ops), sum(op["backward_bytes"] for op in ops))
-    groups = fused_groups(ops, fusible)
+    groups = fused_groups(ops, fusible, norm_calls)
     facts = _Facts(document, needs_grad)
     costs = [_group_costs(facts, group) for group in groups]
     for group, (forward, backward) in zip(groups, costs):

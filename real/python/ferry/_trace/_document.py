@@ -25,10 +25,11 @@ class TracedModel:
     (gradient accumulation), which no op carries, and ``uncosted`` the operators, forward or
     backward, that move data but have no cost model (Note [What an op costs] in ``_costs``),
     each with its number of calls: their time is counted too low. ``compiled`` is what fusing
-    changed where the costs are a compiled step's (``ferry.trace(..., compiled=True)``), else
-    None. ``planners`` are the planners ``ferry.plan`` and ``ferry.auto`` keep for the model,
-    made at its first plan: planning it again at another budget reuses the simulations the
-    earlier budgets ran (a copy or a pickle starts without them).
+    changed where the costs are a compiled step's (``ferry.trace(..., compiled=True)``) or its
+    norms are fused (``fused_norms=True``), else None. ``planners`` are the planners
+    ``ferry.plan`` and ``ferry.auto`` keep for the model, made at its first plan: planning it
+    again at another budget reuses the simulations the earlier budgets ran (a copy or a pickle
+    starts without them).
 
     Args:
         document: The ``ferry.model/1`` document.
@@ -37,7 +38,8 @@ class TracedModel:
         optimizer_state_bytes: The optimizer state written as static memory.
         unattributed_backward_flops: Backward FLOPs no op carries.
         uncosted: Operator name (``aten._grouped_mm.default``) -> calls with no cost model.
-        compiled: The fused groups and the bytes before and after, for a compiled step.
+        compiled: The fused groups and the bytes before and after, for a compiled step or fused
+            norms.
     """
 
     def __init__(
@@ -148,10 +150,12 @@ def traced_model(
     state: dict[str, torch.Tensor],
     optimizer_state: Any,
     compiled: bool = False,
+    fused_norms: bool = False,
 ) -> TracedModel:
     """The ``TracedModel`` of a finished trace: its ops, the tensors they name, the optimizer
     state as static memory, and the loss; with ``compiled``, each group of fusible ops costs
-    what its fused kernel moves (Note [Costs of a compiled step] in ``_compiled``)."""
+    what its fused kernel moves (Note [Costs of a compiled step] in ``_compiled``), with
+    ``fused_norms`` each norm's (Note [Fused norms])."""
     ops = [op for op in tracer.ops if _kept(op)]
     loss_record = tracer.tensors.get(id(loss))
     if loss_record is None or loss_record.producer is None:
@@ -211,6 +215,10 @@ def traced_model(
     fused = None
     if compiled:
         fused = fuse(document, [op.fusible for op in ops], _needs_grad(tracer.order))
+    elif fused_norms:
+        fusible = [op.fusible for op in ops]
+        norm_calls = [op.norm_call for op in ops]
+        fused = fuse(document, fusible, _needs_grad(tracer.order), norm_calls)
     packed_bytes = sum(byte_count(p.tensor) for p in tracer.packs)
     return TracedModel(
         document,

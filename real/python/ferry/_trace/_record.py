@@ -110,6 +110,7 @@ class OpRecord:
         "group_rows",
         "rng",
         "fusible",
+        "norm_call",
         "out_refs",
         "mine",
     )
@@ -133,6 +134,8 @@ class OpRecord:
         # An op torch.compile fuses with its neighbours rather than a library kernel (Note
         # [Costs of a compiled step] in ``_compiled``).
         self.fusible = False
+        # The call of a normalization module the op ran in (``Tracer.norm_calls``), else None.
+        self.norm_call = None
         self.out_refs = []
 
 
@@ -216,6 +219,10 @@ class Tracer:
         self.ops = []
         self.op_names = OpNames()
         self.modules = []  # stack of module paths
+        # Beside each module on that stack: a number for this call where the module is a
+        # normalization (Note [Fused norms] in ``_compiled``), else None.
+        self.norm_calls = []
+        self.norm_call_count = 0
         self.heads = 0  # depth inside the output head
         self.phase = "forward"
         self.packs = []
@@ -329,6 +336,7 @@ class Tracer:
         if self.rng == "device":
             kind = _DEVICE_KERNELS.get(kind, kind)
         op = OpRecord(name, layer_of(path), self.heads > 0, mine, kind)
+        op.norm_call = self.norm_calls[-1] if self.norm_calls else None
         seen = set()
         traffic = 0
         for t in flat_in:
