@@ -213,11 +213,9 @@ def traced_model(
         "loss": loss_record.name,
     }
     fused = None
-    if compiled:
-        fused = fuse(document, [op.fusible for op in ops], _needs_grad(tracer.order))
-    elif fused_norms:
+    if compiled or fused_norms:
+        norm_calls = None if compiled else [op.norm_call for op in ops]
         fusible = [op.fusible for op in ops]
-        norm_calls = [op.norm_call for op in ops]
         fused = fuse(document, fusible, _needs_grad(tracer.order), norm_calls)
     packed_bytes = sum(byte_count(p.tensor) for p in tracer.packs)
     return TracedModel(
