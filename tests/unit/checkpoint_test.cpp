@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -115,6 +116,61 @@ TEST(Checkpoint, EarlyStopEndsTheReplayAtTheLastSavedTensor) {
   const TrainingRun full = train(m, o);
   expect_clean(full);
   EXPECT_GE(full.recompute_time, early.recompute_time);
+  EXPECT_EQ(full.gradient_values, early.gradient_values);
+}
+
+Model traced_llama() {
+  const std::filesystem::path path =
+      std::filesystem::path(FERRY_TESTS_DIR) / "data" / "traced" / "llama.json";
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  auto model = parse_model(text.str(), path.string());
+  EXPECT_TRUE(model.ok()) << (model.ok() ? "" : model.error().message);
+  Model m = std::move(model).value();
+  assign_roofline_durations(m, testing::simple_profile());
+  return m;
+}
+
+// Note [A replay ends before the op it no longer needs]. A traced Llama layer's last op that
+// saves a tensor is its down projection's matmul, which saves its inputs alone: with early stop
+// the replay packs them and ends without running it (torch 2.11's non-reentrant checkpoint of
+// `x + silu(x @ w1) @ w2` recomputes `x @ w1` and the SiLU, not the last matmul); without early
+// stop every op of the region runs again.
+TEST(Checkpoint, TheReplayEndsBeforeAnOpThatSavesItsInputsAlone) {
+  const Model m = traced_llama();
+  TrainingOptions o = plain();
+  o.checkpoint = checkpoint_every(m, 1);
+  ASSERT_FALSE(o.checkpoint.regions.empty());
+  SimTime before_last{};
+  SimTime whole{};
+  for (const CheckpointRegion& r : o.checkpoint.regions) {
+    std::uint32_t last = r.end_op;
+    for (std::uint32_t i = r.end_op; i-- > r.first_op;) {
+      if (!m.ops[i].saved.empty()) {
+        last = i;
+        break;
+      }
+    }
+    ASSERT_LT(last, r.end_op);
+    const ModelOp& op = m.ops[last];
+    ASSERT_GT(op.flops, 0) << op.name << ": the layer's last saving op is a matmul";
+    for (const std::uint32_t t : op.saved) {
+      ASSERT_NE(std::find(op.inputs.begin(), op.inputs.end(), t), op.inputs.end())
+          << op.name << " saves " << m.tensors[t].name << ", not an input";
+    }
+    for (std::uint32_t i = r.first_op; i < r.end_op; ++i) {
+      whole += m.ops[i].duration;
+      if (i < last) before_last += m.ops[i].duration;
+    }
+  }
+  const TrainingRun early = train(m, o);
+  expect_clean(early);
+  EXPECT_EQ(early.recompute_time, before_last);
+  o.checkpoint.global_early_stop = false;
+  const TrainingRun full = train(m, o);
+  expect_clean(full);
+  EXPECT_EQ(full.recompute_time, whole);
   EXPECT_EQ(full.gradient_values, early.gradient_values);
 }
 

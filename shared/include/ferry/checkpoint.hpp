@@ -130,6 +130,15 @@ class Checkpointer {
     recompute_stack_.push_back(std::make_pair(frame, gid));
   }
 
+  /// During recomputation: the holders the innermost replay still fills before early stop
+  /// ends it; nullopt where nothing ends it early (early stop off, or every holder filled).
+  [[nodiscard]] std::optional<std::size_t> holders_left() const {
+    FERRY_CHECK(!recompute_stack_.empty(), "holders_left outside a recomputation");
+    const Frame& f = frames_.at(recompute_stack_.back().first.value());
+    if (!f.options.early_stop || f.counter >= f.metas.size()) return std::nullopt;
+    return f.metas.size() - f.counter;
+  }
+
   /// During recomputation: the replay saved `tensor`.
   RecomputePack recompute_pack(const SavedMeta& meta, const Tensor& tensor) {
     FERRY_CHECK(!recompute_stack_.empty(), "recompute_pack outside a recomputation");

@@ -204,11 +204,42 @@ void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {
     for (const std::uint32_t t : op.saved) (void)pack(i, t);
     return;
   }
+  // Note [A replay ends before the op it no longer needs]
+  // torch's autograd kernel of an op saves its inputs before the op runs and its outputs after
+  // (the generated VariableType code), and a trace lists an op's saved tensors in the order they
+  // were packed. With early stop a replay ends in the pack hook that fills the frame's last
+  // holder, so where that holder is one of the op's inputs the op never runs: the replay of a
+  // checkpointed Llama layer ends before its down projection's matmul.
+  std::size_t packed = 0;
+  const std::size_t before = saved_before_running(op);
+  if (before > 0 && !contexts_.empty() && contexts_.back().kind == Context::Kind::Recompute) {
+    const std::optional<std::size_t> left = checkpointer_.holders_left();
+    if (left && *left <= before) {
+      hooks_->before_replay(i);  // the module's pre-forward hooks run before the op
+      for (; packed < before; ++packed) {
+        (void)pack(i, op.saved[packed]);
+        if (stop_replay_) return;
+      }
+      // Past here only where a holder went unfilled (a planted fault drops one).
+    }
+  }
   run_op(i, true);
-  for (const std::uint32_t t : op.saved) {
-    (void)pack(i, t);
+  for (; packed < op.saved.size(); ++packed) {
+    (void)pack(i, op.saved[packed]);
     if (stop_replay_) break;
   }
+}
+
+std::size_t Trainer::saved_before_running(const ModelOp& op) const {
+  std::size_t n = 0;
+  for (const std::uint32_t t : op.saved) {
+    const auto is = [t](const std::vector<std::uint32_t>& list) {
+      return std::find(list.begin(), list.end(), t) != list.end();
+    };
+    if (!is(op.inputs) || is(op.outputs)) break;
+    ++n;
+  }
+  return n;
 }
 
 std::vector<std::uint32_t> Trainer::backward_order() {

@@ -151,11 +151,14 @@ SimTime options_lower_bound(const planning::PlanSpace& space,
   const std::vector<planning::Layer>& layers = space.layers();
   for (std::size_t l = 0; l < layers.size(); ++l) {
     std::vector<std::int64_t> next(best.size(), kNone);
+    // Ops the replay never reaches cost nothing (Note [A replay ends before the op it no
+    // longer needs]).
+    const std::uint32_t reached = layers[l].replayed_end;
     for (const std::vector<std::uint32_t>& ops : sets[l]) {
       std::int64_t time = 0;
       std::int64_t freed = 0;
       for (const std::uint32_t p : ops) {
-        time += model.ops[p].duration.ns();
+        if (p < reached) time += model.ops[p].duration.ns();
         freed += planning::freed_by(model, p, layers[l].first, layers[l].end).count();
       }
       const std::int64_t units = (freed + unit - 1) / unit;

@@ -466,12 +466,14 @@ class SingleOps {
   }
 
  private:
-  // The ops the regions [first, end) recompute in the plan, the longest first.
+  // The ops the regions [first, end) recompute in the plan and their replays run, the longest
+  // first: keeping an op the replay never reaches saves no time.
   template <typename It>
   std::vector<std::uint32_t> recomputed_longest_first(It first, It end) const {
     std::vector<std::uint32_t> ops;
     for (auto r = first; r != end; ++r) {
-      for (std::uint32_t i = r->first_op; i < r->end_op; ++i) {
+      const std::uint32_t stop = replay_end(model_, r->first_op, r->end_op);
+      for (std::uint32_t i = r->first_op; i < stop; ++i) {
         if (plan_.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
       }
     }

@@ -163,6 +163,21 @@ Bytes freed_by(const Model& model, std::uint32_t p, std::uint32_t first, std::ui
   return bytes;
 }
 
+std::uint32_t replay_end(const Model& model, std::uint32_t first, std::uint32_t end) {
+  const auto has = [](const std::vector<std::uint32_t>& list, std::uint32_t t) {
+    return std::find(list.begin(), list.end(), t) != list.end();
+  };
+  for (std::uint32_t i = end; i-- > first;) {
+    const ModelOp& op = model.ops[i];
+    if (op.saved.empty()) continue;
+    const bool inputs_alone = std::all_of(op.saved.begin(), op.saved.end(), [&](std::uint32_t t) {
+      return has(op.inputs, t) && !has(op.outputs, t);
+    });
+    return inputs_alone ? i : i + 1;
+  }
+  return first;
+}
+
 std::vector<Layer> find_layers(const Model& model) {
   std::vector<Layer> layers;
   for (std::uint32_t i = 0; i < model.ops.size(); ++i) {
@@ -175,8 +190,11 @@ std::vector<Layer> find_layers(const Model& model) {
     }
   }
   for (Layer& layer : layers) {
+    // The ops a region's replay never reaches cost no recompute: they rank first, in order.
+    layer.replayed_end = replay_end(model, layer.first, layer.end);
+    for (std::uint32_t p = layer.replayed_end; p < layer.end; ++p) layer.ranking.push_back(p);
     std::vector<std::pair<std::uint32_t, Bytes>> scored;
-    for (std::uint32_t p = layer.first; p < layer.end; ++p) {
+    for (std::uint32_t p = layer.first; p < layer.replayed_end; ++p) {
       scored.emplace_back(p, held_by(model, p, layer.first, layer.end));
     }
     rank(model, scored);

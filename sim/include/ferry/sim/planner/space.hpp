@@ -23,6 +23,9 @@ struct Layer {
   /// tails[0] is `end` (no tail), the others op indices of the layer, latest first (Note
   /// [Layer options] in exact.cpp).
   std::vector<std::uint32_t> tails;
+  /// One past the last op its region's replay runs (replay_end): the ops from there to `end`
+  /// recompute for free, first in the ranking.
+  std::uint32_t replayed_end = 0;
 };
 
 /// What a plan does with one layer: a recompute level (0: no region), whether the layer's
@@ -38,6 +41,12 @@ struct LayerConfig {
 /// The layers of `model` that a plan may change (ops in a layer, outside no-offload regions),
 /// each with its ranking and levels.
 [[nodiscard]] std::vector<Layer> find_layers(const Model& model);
+
+/// The first op of a region over [first, end) that its replay does not run: early stop ends
+/// the replay at the pack of the region's last saved tensor, before that tensor's op where the
+/// op saves its inputs alone (Note [A replay ends before the op it no longer needs] in
+/// sim/src/autograd/trainer_backward.cpp).
+[[nodiscard]] std::uint32_t replay_end(const Model& model, std::uint32_t first, std::uint32_t end);
 
 /// Bytes of op `p`'s outputs that ops of [first, end) save (its share of the layer's saved
 /// activations).
