@@ -297,7 +297,7 @@ def pr165(root, devices):
 
 @pytest.mark.parametrize(
     "row, measured, allocated_tol, reserved_tol, time_tol",
-    [("full", PR165_FULL, 0.01, 0.07, 0.12), ("sac", PR165_SAC, 0.01, 0.09, 0.15)],
+    [("full", PR165_FULL, 0.01, 0.07, 0.15), ("sac", PR165_SAC, 0.01, 0.09, 0.15)],
 )
 def test_torchtitan_pr165_fsdp2_llama2_7b(
     pr165, row, measured, allocated_tol, reserved_tol, time_tol
@@ -311,7 +311,7 @@ def test_torchtitan_pr165_fsdp2_llama2_7b(
 def test_torchtitan_pr165_full_over_selective_step_time(pr165):
     predicted = pr165["full"]["step_time_ns"] / pr165["sac"]["step_time_ns"]
     measured = (sum(PR165_SAC["wps"]) / 2) / (sum(PR165_FULL["wps"]) / 2)
-    within(predicted, measured, 0.04)
+    within(predicted, measured, 0.02)
 
 
 # --- torchtitan benchmarks, December 2024: Llama 3.1 8B, FSDP, batch 2, sequence 8192 --------
@@ -539,35 +539,33 @@ def pr3429_graph_trainer(devices, llama3_8b_compiled):
 def test_torchtitan_pr3429_graph_trainer_memory_and_throughput(
     pr3429_graph_trainer, checkpoint, model
 ):
-    """Rows 22g-22j: peak reserved within 5 %, tokens per second within 8 % (the preset's full
-    policy 8.5 % slow: its collectives slow the compute they overlap, Note [Contended compute],
-    more than the graph trainer's bucketed ones may)."""
+    """Rows 22g-22j: peak reserved within 5 %, tokens per second within 8 %."""
     result = pr3429_graph_trainer[checkpoint, model]
     memory, tps = PR3429_GRAPH[checkpoint]
     within(result["peak_reserved_bytes"] / GIB, memory, 0.05)
-    slow_preset = (checkpoint, model) == ("every:1", "preset")
-    within(tokens_per_s(result, 8192), tps, 0.09 if slow_preset else 0.08)
+    within(tokens_per_s(result, 8192), tps, 0.08)
 
 
 @pytest.mark.parametrize("model", ["trace", "preset"])
 def test_torchtitan_pr3429_graph_trainer_full_over_default(pr3429_graph_trainer, model):
-    """Row 22k: full over default, predicted 8 % above the measured 1.126 (outside the 2 % the
-    ratios are held to; docs/validation.md says what is known). Held within 9 %, so that the
+    """Row 22k: full over default, predicted 3.7 % above the measured 1.126 (outside the 2 % the
+    ratios are held to; docs/validation.md says what is known). Held within 4 %, so that the
     gap does not grow unseen."""
     predicted = (
         pr3429_graph_trainer["every:1", model]["step_time_ns"]
         / pr3429_graph_trainer["op-sac-all", model]["step_time_ns"]
     )
-    within(predicted, PR3429_GRAPH["op-sac-all"][1] / PR3429_GRAPH["every:1"][1], 0.09)
+    within(predicted, PR3429_GRAPH["op-sac-all"][1] / PR3429_GRAPH["every:1"][1], 0.04)
 
 
-def layers_forward_flops(config, seq, batch):
-    """The FLOPs of one forward of every decoder layer of a Llama-shaped config: its seven
-    matmuls and causal attention over s(s+1)/2 (query, key) pairs. The full policy recomputes
-    exactly this in backward, which the default policy saves."""
+def layers_recompute_flops(config, seq, batch):
+    """The FLOPs the full policy recomputes in backward, which the default policy saves: every
+    decoder layer's forward of a Llama-shaped config but its down projection, whose input is
+    the last tensor the layer saves (the replay ends there: Note [A replay ends before the op
+    it no longer needs]), six matmuls, and causal attention over s(s+1)/2 (query, key) pairs."""
     hidden, ffn = config["hidden_size"], config["intermediate_size"]
     kv = hidden * config["num_key_value_heads"] // config["num_attention_heads"]
-    weights = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn
+    weights = 2 * hidden * hidden + 2 * hidden * kv + 2 * hidden * ffn
     tokens = seq * batch
     matmuls = 2 * weights * tokens
     attention = 4 * hidden * batch * seq * (seq + 1) // 2
@@ -579,12 +577,14 @@ def test_torchtitan_pr3429_full_policy_costs_at_least_its_recompute_at_peak(
     pr3429_graph_trainer, devices, model
 ):
     """Row 22k's floor. Whatever the kernels reach, the full policy's step is longer than the
-    default's by at least the layers' forward FLOPs at the device's peak (1.32e14 FLOP, 0.133 s
-    at 989 TFLOP/s). The published steps differ by 0.131 s, under that floor: the reason no
-    model that prices recomputation can come within 2 % of the measured 1.126
-    (docs/fsdp.md, Validation against torchtitan)."""
+    default's by at least the FLOPs it recomputes at the device's peak (1.01e14 FLOP, 0.102 s at
+    989 TFLOP/s); the published steps differ by 0.131 s (docs/fsdp.md, Validation against
+    torchtitan)."""
     peak = json.loads(devices["h100-96gb"].read_text())["flops_per_s"]
-    floor_ns = layers_forward_flops(LLAMA3_8B, 8192, 1) / peak * 1e9
+    floor_ns = layers_recompute_flops(LLAMA3_8B, 8192, 1) / peak * 1e9
+    assert (
+        floor_ns < (8192 / PR3429_GRAPH["every:1"][1] - 8192 / PR3429_GRAPH["op-sac-all"][1]) * 1e9
+    )
     extra_ns = (
         pr3429_graph_trainer["every:1", model]["step_time_ns"]
         - pr3429_graph_trainer["op-sac-all", model]["step_time_ns"]
@@ -738,11 +738,11 @@ def axolotl3776(root, devices):
     return runs, weights
 
 
-@pytest.mark.parametrize("mode, tolerance", [("trl_gc", 0.03), ("trl_all", 0.13)])
+@pytest.mark.parametrize("mode, tolerance", [("trl_gc", 0.03), ("trl_all", 0.10)])
 def test_axolotl3776_trl_offload_over_checkpointing_step_time(axolotl3776, mode, tolerance):
     """Rows 33 and 34: TRL's offloader with and without checkpointing, each over checkpointing
-    alone. Offloading everything is predicted 12.5 % faster than measured (docs/validation.md
-    says why); held within 13 %, so that the gap does not grow unseen."""
+    alone. Offloading everything is predicted 9.3 % faster than measured (docs/validation.md
+    says why); held within 10 %, so that the gap does not grow unseen."""
     runs, _ = axolotl3776
     predicted = runs[mode]["step_time_ns"] / runs["gc"]["step_time_ns"]
     within(predicted, AXOLOTL3776[mode][0] / AXOLOTL3776["gc"][0], tolerance)
@@ -757,8 +757,8 @@ def test_axolotl3776_peak_over_the_weights(axolotl3776, mode, tolerance):
 
 
 def test_axolotl3776_checkpointed_step_is_faster_than_measured(axolotl3776):
-    """Row 38, not kept within a tolerance: the H100 profile's checkpointed step is 48 % shorter
-    than the measured one (5,910 against 3,059 tokens/s), the cause of row 34's error. Held above
+    """Row 38, not kept within a tolerance: the H100 profile's checkpointed step is 50 % shorter
+    than the measured one (6,131 against 3,059 tokens/s), the cause of row 34's error. Held above
     the measurement, so that a compute model that closes the gap is seen here."""
     runs, _ = axolotl3776
     assert tokens_per_s(runs["gc"], 8192) > 8192 / (AXOLOTL3776["gc"][0] / 1e3)
@@ -872,18 +872,18 @@ def fms(root):
     [
         ("7b", "a100-pcie4", 0.07),
         ("7b", "h100-sxm-pcie5", 0.02),
-        ("34b", "a100-pcie4", 0.16),
-        ("34b", "h100-sxm-pcie5", 0.07),
-        ("70b", "a100-pcie4", 0.20),
-        ("70b", "h100-sxm-pcie5", 0.09),
+        ("34b", "a100-pcie4", 0.11),
+        ("34b", "h100-sxm-pcie5", 0.03),
+        ("70b", "a100-pcie4", 0.15),
+        ("70b", "h100-sxm-pcie5", 0.05),
     ],
 )
 def test_fms_fsdp_llama2_throughput(fms, size, device, tolerance):
     """Rows 43-45, A100 and H100 each: the 7B 7 % slow on the A100s and 2 % fast on the H100s,
-    its replica groups' all-reduces sharing each node's network; the checkpointed 34B and 70B 15
-    and 20 % slow on the A100s, whose runs reach more of the peak than the flat roofline allows,
-    7 and 9 % slow on the H100s, whose compute the collectives slow (docs/validation-sources.md);
-    each held within its error rounded up."""
+    its replica groups' all-reduces sharing each node's network; the checkpointed 34B and 70B 10
+    and 15 % slow on the A100s, whose runs reach more of the peak than the flat roofline allows,
+    2 and 4 % slow on the H100s (docs/validation-sources.md); each held within its error rounded
+    up."""
     within(tokens_per_s(fms[size, device], 2 * 4096), FMS[size][device], tolerance)
 
 
