@@ -228,7 +228,7 @@ void add_offload_options(CLI::App* cmd, RunArgs& args) {
       ->capture_default_str();
   cmd->add_flag("--no-prefetch", args.no_prefetch, "ferry: reload on demand only");
   cmd->add_flag("--no-dedup", args.no_dedup, "ferry: copy views sharing a storage separately");
-  cmd->add_option("--horizon", args.simulate.horizon,
+  cmd->add_option("--horizon", a.horizon,
                   "ferry: bytes a forward may copy out before the rest stays on the device: "
                   "auto (what the link can hide, derived), none, or a byte count")
       ->capture_default_str();

@@ -311,6 +311,7 @@ Keywords<sim::RunKnobs> knob_keywords(Runs command) {
       {Runs::Simulate, keyword("dedup", &RunKnobs::dedup)},
       {Runs::Simulate, keyword("early_stop", &RunKnobs::early_stop)},
       {Runs::Both, keyword("check", &RunKnobs::check)},
+      {Runs::Both, keyword("horizon", &RunKnobs::horizon)},
       {Runs::Both, keyword("set_to_none", &RunKnobs::set_to_none)},
       {Runs::Both, keyword("paged_stash", &RunKnobs::paged_stash)},
       {Runs::Both, keyword("micro_batches", &RunKnobs::micro_batches)},
@@ -335,7 +336,6 @@ Keywords<sim::SimulateRequest> simulate_keywords() {
       keyword("policy", &SimulateRequest::policy),
       keyword("checkpoint", &SimulateRequest::checkpoint),
       keyword("pipeline_checkpoint", &SimulateRequest::pipeline_checkpoint),
-      keyword("horizon", &SimulateRequest::horizon),
       keyword("memory_snapshot", &SimulateRequest::memory_snapshot),
       keyword("trainer_flags", &SimulateRequest::trainer_flags),
       // The trainer's settings are its command-line flags in `trainer_flags`.

@@ -81,6 +81,24 @@ def test_compare_is_the_cli_document():
     )
 
 
+def test_compare_runs_ferry_under_the_horizon_asked_as_simulate_does():
+    # gpt2-small-s1024 on the H100 profile: the derived horizon keeps 179 MiB of 1 GiB off the
+    # link (docs/offload.md), so `none` changes the ferry row.
+    model, device = "gpt2-small-s1024", "h100-sxm-pcie5"
+    for horizon in ("none", "auto"):
+        rows = {r["name"]: r for r in ferry.compare(model, device=device, horizon=horizon)["rows"]}
+        alone = ferry.simulate(model, device=device, policy="ferry", horizon=horizon)["result"]
+        assert rows["ferry"]["step_time_ns"] == alone["step_time_ns"], horizon
+        assert rows["ferry"]["d2h_bytes"] == alone["d2h_bytes"], horizon
+    flags = ("compare", "--model", model, "--device", device, "--horizon", "none")
+    assert ferry.compare(model, device=device, horizon="none") == cli_json(*flags)
+    none, auto = (
+        {r["name"]: r for r in ferry.compare(model, device=device, horizon=h)["rows"]}["ferry"]
+        for h in ("none", "auto")
+    )
+    assert none["d2h_bytes"] > auto["d2h_bytes"]
+
+
 def test_compare_has_the_cli_pipeline_rows():
     got = ferry.compare("tiny-gpt", device=DEVICE, steps=1, pp=2, micro_batches=2)
     want = cli_json(

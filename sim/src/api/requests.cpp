@@ -129,8 +129,7 @@ Result<Workload> rank_of(const Workload& whole, const Mesh& mesh, std::string_vi
 }
 
 // The training options `k` asks for on `model` (the model file's parallelism and allocator
-// where `k` leaves them), checked; with `simulate`, its checkpoint plan, side streams and
-// horizon too.
+// where `k` leaves them), checked; with `simulate`, its checkpoint plan and side streams too.
 Result<AskedRun> training_options(RunKnobs k, const Model& model, const SimulateRequest* simulate) {
   adopt_parallelism(k.mesh, model.parallelism);
   auto parallelism = checked_knobs(k);
@@ -149,6 +148,13 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
   o.offload.dedup = k.dedup;
   o.grads_set_to_none = k.set_to_none.value_or(k.mesh.pp <= 1);
   o.paged_stash.on = k.paged_stash;
+  if (k.horizon == "none") {
+    o.offload.horizon_bytes = Bytes(std::numeric_limits<std::int64_t>::max());
+  } else if (k.horizon != "auto") {
+    auto horizon = parse_bytes(k.horizon, "--horizon");
+    if (!horizon) return Error{fmt::format("{} (or auto, none)", horizon.error().message)};
+    o.offload.horizon_bytes = horizon.value();
+  }
   if (simulate == nullptr) {
     if (!k.early_stop) o.checkpoint.global_early_stop = false;
     return AskedRun{std::move(o), parallelism.value()};
@@ -178,13 +184,6 @@ Result<AskedRun> training_options(RunKnobs k, const Model& model, const Simulate
   auto side = parse_side_streams(simulate->side_streams);
   if (!side) return Error{fmt::format("--side-streams: {}", side.error().message)};
   o.side = std::move(side).value();
-  if (simulate->horizon == "none") {
-    o.offload.horizon_bytes = Bytes(std::numeric_limits<std::int64_t>::max());
-  } else if (simulate->horizon != "auto") {
-    auto horizon = parse_bytes(simulate->horizon, "--horizon");
-    if (!horizon) return Error{fmt::format("{} (or auto, none)", horizon.error().message)};
-    o.offload.horizon_bytes = horizon.value();
-  }
   return AskedRun{std::move(o), parallelism.value(), std::nullopt, std::move(trainer)};
 }
 

@@ -119,6 +119,9 @@ struct RunKnobs {
   bool dedup = true;
   bool early_stop = true;
   bool check = true;  ///< hazard and content checks; off: time only
+  /// ferry: bytes a forward may copy out before the rest stays on the device: auto (derived
+  /// from the link), none, or a byte count.
+  std::string horizon = "auto";
   /// What `optimizer.zero_grad()` does between steps (TrainingOptions::grads_set_to_none).
   /// None: torch's default since 2.0, set_to_none=True, where the run models it (single-device
   /// and FSDP runs; a pipeline keeps its gradients). True asks for it (a pipeline refuses);
@@ -139,16 +142,15 @@ struct RunKnobs {
 };
 
 /// `ferry simulate`: one run under one policy, on one device or a pipeline, or a plan replayed.
-/// The policy, checkpoint plan, side streams and horizon are the option languages both edges
-/// take ("ferry", "every:K", "0-3,recompute", "auto"): a checkpoint plan is read against the
-/// model, so each is read where the model is known.
+/// The policy, checkpoint plan and side streams are the option languages both edges take
+/// ("ferry", "every:K", "0-3,recompute"): a checkpoint plan is read against the model, so each
+/// is read where the model is known.
 struct SimulateRequest {
   Target target;
   RunKnobs run;
   std::string policy = "ferry";  ///< none, trl, trl-seed, trl-1.7 or ferry
   std::string checkpoint = "none";
   std::string side_streams = "none";
-  std::string horizon = "auto";  ///< auto (derived), none, or a byte count
   /// The pipeline's checkpoint mode; empty: the schedule's default, except_last under gpipe
   /// (torchgpipe's), never under 1f1b and interleaved-1f1b (torch.distributed.pipelining
   /// checkpoints nothing itself).
