@@ -132,7 +132,7 @@ SpaceCheck check_space(const std::string& name, const Model& model, const Device
 }
 
 TEST(PlanOptions, ThePlanIsWithinHalfAPercentOfEveryPlanOfOptionsWithoutOffload) {
-  // Offload left out (it multiplies the 104,976 plans by 16); at 1.1x everything kept fits.
+  // Offload left out (it multiplies the 65,536 plans by 16); at 1.1x everything kept fits.
   TransformerShape shape = model_preset_shape("tiny-llama").value();
   shape.layers = 4;
   const DeviceProfile device = device_named("h100-sxm-pcie5");
