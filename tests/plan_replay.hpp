@@ -44,17 +44,22 @@ inline Replay replay(const Plan& plan, const CheckedModel& model, const DevicePr
 inline constexpr std::array<const char*, 6> kSizedFamilies = {"gpt2",  "llama",  "mistral",
                                                               "qwen2", "gemma2", "mixtral"};
 
-/// The sized traced family `family` (one of kSizedFamilies: its published config cut to two
-/// layers, tests/data/traced/sized) as its file gives it.
-inline Model sized_family(const std::string& family) {
+/// The traced model file `name` of tests/data/traced as it gives it.
+inline Model traced_file(const std::string& name) {
   const std::filesystem::path path =
-      std::filesystem::path(FERRY_TESTS_DIR) / "data" / "traced" / "sized" / (family + ".json");
+      std::filesystem::path(FERRY_TESTS_DIR) / "data" / "traced" / name;
   std::ifstream in(path);
   std::stringstream text;
   text << in.rdbuf();
   auto model = parse_model(text.str(), path.string());
   EXPECT_TRUE(model.ok()) << (model.ok() ? "" : model.error().message);
   return model.ok() ? std::move(model).value() : Model{};
+}
+
+/// The sized traced family `family` (one of kSizedFamilies: its published config cut to two
+/// layers, tests/data/traced/sized) as its file gives it.
+inline Model sized_family(const std::string& family) {
+  return traced_file("sized/" + family + ".json");
 }
 
 /// A bundled device profile by name.

@@ -119,26 +119,14 @@ TEST(Checkpoint, EarlyStopEndsTheReplayAtTheLastSavedTensor) {
   EXPECT_EQ(full.gradient_values, early.gradient_values);
 }
 
-Model traced_llama() {
-  const std::filesystem::path path =
-      std::filesystem::path(FERRY_TESTS_DIR) / "data" / "traced" / "llama.json";
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  auto model = parse_model(text.str(), path.string());
-  EXPECT_TRUE(model.ok()) << (model.ok() ? "" : model.error().message);
-  Model m = std::move(model).value();
-  assign_roofline_durations(m, testing::simple_profile());
-  return m;
-}
-
 // Note [A replay ends before the op it no longer needs]. A traced Llama layer's last op that
 // saves a tensor is its down projection's matmul, which saves its inputs alone: with early stop
 // the replay packs them and ends without running it (torch 2.11's non-reentrant checkpoint of
 // `x + silu(x @ w1) @ w2` recomputes `x @ w1` and the SiLU, not the last matmul); without early
 // stop every op of the region runs again.
 TEST(Checkpoint, TheReplayEndsBeforeAnOpThatSavesItsInputsAlone) {
-  const Model m = traced_llama();
+  Model m = testing::traced_file("llama.json");
+  assign_roofline_durations(m, testing::simple_profile());
   TrainingOptions o = plain();
   o.checkpoint = checkpoint_every(m, 1);
   ASSERT_FALSE(o.checkpoint.regions.empty());
