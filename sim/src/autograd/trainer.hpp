@@ -299,9 +299,6 @@ class Trainer final : private RankContext {
   void recompute(FrameId frame, std::uint32_t node);
 
   void replay_op(std::uint32_t i, FrameInfo& info);
-  /// How many of `op`'s saved tensors, in order, are its inputs, which torch packs before the
-  /// op runs (Note [A replay ends before the op it no longer needs]).
-  [[nodiscard]] std::size_t saved_before_running(const ModelOp& op) const;
 
   std::vector<std::uint32_t> backward_order();
 

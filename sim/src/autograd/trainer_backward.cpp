@@ -230,18 +230,6 @@ void Trainer::replay_op(std::uint32_t i, FrameInfo& info) {
   }
 }
 
-std::size_t Trainer::saved_before_running(const ModelOp& op) const {
-  std::size_t n = 0;
-  for (const std::uint32_t t : op.saved) {
-    const auto is = [t](const std::vector<std::uint32_t>& list) {
-      return std::find(list.begin(), list.end(), t) != list.end();
-    };
-    if (!is(op.inputs) || is(op.outputs)) break;
-    ++n;
-  }
-  return n;
-}
-
 std::vector<std::uint32_t> Trainer::backward_order() {
   std::vector<std::uint32_t> order;
   if (options_.order_seed == 0) {

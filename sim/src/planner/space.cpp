@@ -164,16 +164,10 @@ Bytes freed_by(const Model& model, std::uint32_t p, std::uint32_t first, std::ui
 }
 
 std::uint32_t replay_end(const Model& model, std::uint32_t first, std::uint32_t end) {
-  const auto has = [](const std::vector<std::uint32_t>& list, std::uint32_t t) {
-    return std::find(list.begin(), list.end(), t) != list.end();
-  };
   for (std::uint32_t i = end; i-- > first;) {
     const ModelOp& op = model.ops[i];
     if (op.saved.empty()) continue;
-    const bool inputs_alone = std::all_of(op.saved.begin(), op.saved.end(), [&](std::uint32_t t) {
-      return has(op.inputs, t) && !has(op.outputs, t);
-    });
-    return inputs_alone ? i : i + 1;
+    return saved_before_running(op) == op.saved.size() ? i : i + 1;
   }
   return first;
 }

@@ -155,4 +155,13 @@ bool has_static_capacity(const Model& model) {
   return std::ranges::any_of(model.tensors, [](const ModelTensor& t) { return t.rows > 0; });
 }
 
+std::size_t saved_before_running(const ModelOp& op) {
+  const auto has = [](const std::vector<std::uint32_t>& list, std::uint32_t t) {
+    return std::find(list.begin(), list.end(), t) != list.end();
+  };
+  std::size_t n = 0;
+  while (n < op.saved.size() && has(op.inputs, op.saved[n]) && !has(op.outputs, op.saved[n])) ++n;
+  return n;
+}
+
 }  // namespace ferry::sim

@@ -341,6 +341,11 @@ class CheckedModel {
   std::shared_ptr<Model> model_;  // changed only by with_roofline_durations, while unshared
 };
 
+/// How many of `op`'s saved tensors, in order, are its inputs (and not its outputs): torch's
+/// autograd kernel packs those before the op runs (Note [A replay ends before the op it no
+/// longer needs] in sim/src/autograd/trainer_backward.cpp).
+[[nodiscard]] std::size_t saved_before_running(const ModelOp& op);
+
 /// `model` as a CheckedModel, or validate_model's error.
 Result<CheckedModel> check_model(Model model);
 
