@@ -127,6 +127,13 @@ SpaceCheck check_space(const std::string& name, const Model& model, const Device
     EXPECT_LE(ratio, 1.005) << name << " on " << device.name << " at " << at << "x";
     EXPECT_LE(o.lower_bound, *best) << name << " on " << device.name << " at " << at << "x";
     EXPECT_LE(o.options_bound, *best) << name << " on " << device.name << " at " << at << "x";
+    // The plan itself, which may keep single ops outside the space, is bounded by the first.
+    EXPECT_LE(o.lower_bound.ns(), o.row.step_time.ns())
+        << name << " on " << device.name << " at " << at << "x";
+    if (o.in_option_space) {
+      EXPECT_LE(o.options_bound.ns(), o.row.step_time.ns())
+          << name << " on " << device.name << " at " << at << "x";
+    }
   }
   return check;
 }

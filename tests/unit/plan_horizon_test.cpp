@@ -68,10 +68,12 @@ TEST(LowerBound, TheLinkCarriesOnlyWhatForwardHasSavedSoFar) {
   RowResult none;
   none.step_time = SimTime(90'000'000);
   none.forward_time = SimTime(30'000'000);
-  none.peak_reserved = Bytes(std::int64_t{5} << 30);
-  // 512 MiB to free: 30 ms of a 25.5 GB/s link would carry 765 MB, but nothing is saved before
-  // the last op ends, so the link must have a longer forward: 512 MiB at its bandwidth.
-  const Bytes budget = none.peak_reserved - Bytes(512LL << 20);
+  none.peak_allocated = Bytes(std::int64_t{5} << 30);
+  none.peak_reserved = none.peak_allocated;
+  // 512 MiB to free (Note [The bytes a plan must free]): 30 ms of a 25.5 GB/s link would carry
+  // 765 MB, but nothing is saved before the last op ends, so the link must have a longer
+  // forward: 512 MiB at its bandwidth.
+  const Bytes budget = none.peak_allocated - Bytes(512LL << 20);
   const SimTime bound = step_lower_bound(b.m, device, none, budget);
   const std::int64_t link = (512LL << 20) * 1'000'000'000 / device.d2h.bandwidth.bytes_per_s();
   EXPECT_NEAR(static_cast<double>((bound - none.step_time).ns()), static_cast<double>(link), 1e3);
