@@ -201,6 +201,38 @@ TEST(PlanExact, ATailKeepsTheHeadAndRecomputesTheRest) {
   EXPECT_EQ(keys.size(), options.size());
 }
 
+// Note [What a replay never reaches ranks first] in sim/src/planner/space.cpp: a Llama layer's
+// down projection, which its replay never reaches, ranks first; the residual add after it,
+// which saves nothing, is not ranked and follows the layer: recomputed when the layer keeps,
+// served and offloaded when it offloads, at every level.
+TEST(PlanSpace, TheOpsAfterTheReplaysEndFollowTheLayer) {
+  const Fixture f("tiny-llama", 4);
+  const PlanSpace space(f.model, f.device);
+  const Layer& layer = space.layers()[1];
+  ASSERT_LT(layer.replayed_end, layer.end);
+  EXPECT_FALSE(f.model.ops[layer.replayed_end].saved.empty());
+  EXPECT_EQ(layer.ranking.front(), layer.replayed_end);
+  std::vector<std::uint32_t> after;
+  for (std::uint32_t i = layer.replayed_end + 1; i < layer.end; ++i) {
+    EXPECT_TRUE(f.model.ops[i].saved.empty()) << f.model.ops[i].name;
+    EXPECT_EQ(std::count(layer.ranking.begin(), layer.ranking.end(), i), 0) << i;
+    after.push_back(i);
+  }
+  ASSERT_FALSE(after.empty());
+  std::vector<LayerConfig> configs(space.layers().size());
+  for (std::size_t k = 1; k < layer.levels.size(); ++k) {
+    for (const bool offload : {false, true}) {
+      configs[1] = LayerConfig{k, offload, 0};
+      const Plan plan = space.plan_of(configs, PlanKnobs{}, std::nullopt);
+      EXPECT_EQ(plan.ops[layer.replayed_end].saved, SavedDecision::Recompute) << k;
+      for (const std::uint32_t i : after) {
+        EXPECT_EQ(plan.ops[i].saved, offload ? SavedDecision::Offload : SavedDecision::Recompute)
+            << "level " << k << ", op " << f.model.ops[i].name;
+      }
+    }
+  }
+}
+
 // A cost model that is additive over the layers (Note [The cost model]): each op a layer
 // recomputes frees and costs by its place in the layer, unevenly, so that the fastest plan can
 // take a level from one layer and give another two, which the local moves do not try. Plans

@@ -120,17 +120,21 @@ std::vector<std::vector<std::vector<std::uint32_t>>> option_recompute_sets(
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const planning::Layer& layer = layers[l];
     std::set<std::vector<std::uint32_t>> distinct;
+    // Offloaded or not: an offloaded layer's ops after its replay's end are served, not
+    // recomputed (Note [What a replay never reaches ranks first] in space.cpp).
     for (std::size_t k = 0; k < layer.levels.size(); ++k) {
       for (std::size_t t = 0; t < layer.tails.size(); ++t) {
-        if (space.configure_layer(plan, l, planning::LayerConfig{k, false, t})) {
-          recompute_random_prefix(plan, space.model(), plan.regions.back());
-          plan.regions.pop_back();
+        for (const bool offload : {false, true}) {
+          if (space.configure_layer(plan, l, planning::LayerConfig{k, offload, t})) {
+            recompute_random_prefix(plan, space.model(), plan.regions.back());
+            plan.regions.pop_back();
+          }
+          std::vector<std::uint32_t> ops;
+          for (std::uint32_t i = layer.first; i < layer.end; ++i) {
+            if (plan.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
+          }
+          distinct.insert(std::move(ops));
         }
-        std::vector<std::uint32_t> ops;
-        for (std::uint32_t i = layer.first; i < layer.end; ++i) {
-          if (plan.ops[i].saved == SavedDecision::Recompute) ops.push_back(i);
-        }
-        distinct.insert(std::move(ops));
       }
     }
     for (std::uint32_t i = layer.first; i < layer.end; ++i) {

@@ -24,7 +24,8 @@ struct Layer {
   /// [Layer options] in exact.cpp).
   std::vector<std::uint32_t> tails;
   /// One past the last op its region's replay runs (replay_end): the ops from there to `end`
-  /// recompute for free, first in the ranking.
+  /// recompute for free; those that save something rank first (Note [What a replay never
+  /// reaches ranks first] in space.cpp).
   std::uint32_t replayed_end = 0;
 };
 
