@@ -58,7 +58,8 @@ Wide carried_in_forward(const Model& model, const DeviceProfile& device, SimTime
 // and segment reuse let a plan's reserved peak fall by more than the bytes it frees: on the
 // traced Mixtral (two layers, a100-pcie4) a plan fits 1.14 GB under the no-offload reserved
 // peak at the no-offload step time, the allocated peak (31.66 GB) being under that budget
-// already (tests/prop/plan_options_prop.cpp holds every plan at or above both bounds).
+// already (tests/prop/plan_options_prop.cpp holds every plan at or above the bound, and at or
+// above the options bound where it is a plan of options).
 Bytes must_free(const RowResult& none, Bytes budget) { return none.peak_allocated - budget; }
 
 }  // namespace
