@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -106,6 +108,124 @@ TEST(PlanExact, TheDynamicProgramMatchesBruteForce) {
   // Both outcomes were exercised.
   EXPECT_GT(solved, 100);
   EXPECT_GT(refused, 10);
+}
+
+// The dynamic program without pruning: every option of every layer tried at every state (units
+// freed, capped at need, by units moved), ties to the first in (state, option) order, and the
+// end state of least cost, the first of equal ones.
+std::optional<std::vector<std::size_t>> every_option_program(const OptionProblem& raw) {
+  OptionProblem p = raw;
+  for (auto& options : p.options) {
+    std::int64_t least_freed = options.front().freed;
+    std::int64_t least_moved = options.front().moved;
+    for (const LayerOption& o : options) {
+      least_freed = std::min(least_freed, o.freed);
+      least_moved = std::min(least_moved, o.moved);
+    }
+    for (LayerOption& o : options) {
+      o.freed -= least_freed;
+      o.moved -= least_moved;
+    }
+    p.need -= least_freed;
+  }
+  const OptionUnits u = units_of(raw);
+  const auto freed = [&](const LayerOption& o) { return o.freed / u.memory; };
+  const auto moved = [&](const LayerOption& o) { return (o.moved + u.moved - 1) / u.moved; };
+  const std::int64_t need = (std::max<std::int64_t>(0, p.need) + u.memory - 1) / u.memory;
+  std::int64_t k_size = 1;
+  for (const auto& options : p.options) {
+    std::int64_t most = 0;
+    for (const LayerOption& o : options) most = std::max(most, moved(o));
+    k_size += most;
+  }
+  constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::max();
+  struct Cell {
+    std::int64_t time = kNone;
+    std::size_t option = 0;
+    std::int64_t from_m = 0;
+  };
+  using Table = std::vector<std::vector<Cell>>;
+  std::vector<Table> tables(p.options.size() + 1,
+                            Table(static_cast<std::size_t>(need + 1),
+                                  std::vector<Cell>(static_cast<std::size_t>(k_size))));
+  tables[0][0][0].time = 0;
+  for (std::size_t l = 0; l < p.options.size(); ++l) {
+    for (std::int64_t m = 0; m <= need; ++m) {
+      for (std::int64_t k = 0; k < k_size; ++k) {
+        const std::int64_t t = tables[l][m][k].time;
+        if (t == kNone) continue;
+        for (std::size_t o = 0; o < p.options[l].size(); ++o) {
+          const LayerOption& option = p.options[l][o];
+          Cell& to = tables[l + 1][std::min(need, m + freed(option))][k + moved(option)];
+          if (t + option.time_ns < to.time) to = Cell{t + option.time_ns, o, m};
+        }
+      }
+    }
+  }
+  std::optional<std::vector<std::size_t>> out;
+  std::int64_t out_cost = 0;
+  for (std::int64_t k = 0; k < k_size; ++k) {
+    if (tables.back()[need][k].time == kNone) continue;
+    std::vector<std::size_t> picked(p.options.size());
+    std::int64_t m = need;
+    std::int64_t at = k;
+    for (std::size_t l = p.options.size(); l-- > 0;) {
+      const Cell& cell = tables[l + 1][m][at];
+      picked[l] = cell.option;
+      at -= moved(p.options[l][cell.option]);
+      m = cell.from_m;
+    }
+    const std::optional<std::int64_t> cost = option_cost(raw, u, picked);
+    if (cost && (!out || *cost < out_cost)) {
+      out = picked;
+      out_cost = *cost;
+    }
+  }
+  return out;
+}
+
+TEST(PlanExact, TheProgramPicksWhatTheProgramOverEveryOptionPicks) {
+  // Options that free, move and cost alike in units, so that ties and options another beats
+  // (which the program sets aside) are common: its choice is the same, option for option.
+  std::mt19937_64 rng(5);
+  std::uniform_int_distribution<std::int64_t> bytes(0, 12);
+  std::uniform_int_distribution<std::int64_t> time(0, 6);
+  std::uniform_int_distribution<int> count(1, 8);
+  std::uniform_int_distribution<int> coin(0, 2);
+  std::int32_t compared = 0;
+  for (int trial = 0; trial < 600; ++trial) {
+    OptionProblem p;
+    std::int64_t most_freed = 0;
+    std::int64_t most_moved = 0;
+    for (int l = 0; l < 5; ++l) {
+      std::vector<LayerOption> options;
+      const int n = count(rng);
+      std::int64_t freed = 0;
+      std::int64_t moved = 0;
+      for (int o = 0; o < n; ++o) {
+        const std::int64_t f = bytes(rng) << 20;
+        const std::int64_t m = coin(rng) == 0 ? bytes(rng) << 20 : 0;
+        options.push_back(LayerOption{LayerConfig{static_cast<std::size_t>(o), false, 0},
+                                      time(rng) * 1000, f, m});
+        freed = std::max(freed, f);
+        moved = std::max(moved, m);
+      }
+      most_freed += freed;
+      most_moved += moved;
+      p.options.push_back(std::move(options));
+    }
+    p.need = std::uniform_int_distribution<std::int64_t>(-(1LL << 20), most_freed)(rng);
+    p.link = std::uniform_int_distribution<std::int64_t>(0, most_moved)(rng);
+    p.bandwidth = 1LL << 30;
+    if (coin(rng) == 0) p.host = std::uniform_int_distribution<std::int64_t>(0, most_moved)(rng);
+    const std::optional<OptionChoice> found = solve_options(p);
+    const std::optional<std::vector<std::size_t>> plain = every_option_program(p);
+    ASSERT_EQ(found.has_value(), plain.has_value()) << "trial " << trial;
+    if (!found) continue;
+    EXPECT_EQ(found->picked, *plain) << "trial " << trial;
+    ++compared;
+  }
+  EXPECT_GT(compared, 300);
 }
 
 TEST(PlanExact, ABruteForceThatSkipsTheLinkTimeIsCaught) {

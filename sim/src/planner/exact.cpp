@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <utility>
 
@@ -82,6 +83,18 @@ namespace ferry::sim::planning {
 // state (units freed, capped at need; units moved) and keeps the least time for each state:
 // it is exact for this model, which PlanExact.TheDynamicProgramMatchesBruteForce checks
 // against every choice of a 4-layer model's options.
+
+// Note [Options another beats]
+// An option that another option of its layer beats in units (strictly faster, freeing as many
+// units and moving as few) is set aside before the program runs: in a choice, swapping it for
+// the other frees as much, moves as little (the link's time does not grow with fewer bytes) and
+// takes less time, so no choice of least cost holds it. Setting it aside leaves the choice the
+// program picks unchanged: along the picked choice's states, the option taken at each was the
+// first of least time, other candidates only get slower without it, and the end state of least
+// cost is still the first. An option only as fast as one that beats it stays (the first of
+// equal times is the one picked). PlanExact.TheProgramPicksWhatTheProgramOverEveryOptionPicks
+// compares the picks with a program over every option. In a traced stack's units a third to a
+// half of a layer's options are beaten so.
 
 namespace {
 
@@ -187,45 +200,82 @@ std::optional<std::int64_t> option_cost(const OptionProblem& raw, const OptionUn
 std::optional<OptionChoice> solve_options(const OptionProblem& raw) {
   const OptionProblem problem = normalized(raw);
   const OptionUnits units = units_in(problem);
+  const std::size_t n = problem.options.size();
   const std::int64_t m_size = need_units(problem, units) + 1;
-  std::int64_t k_size = 1;
-  for (const auto& options : problem.options) {
-    std::int64_t most = 0;
-    for (const LayerOption& o : options) most = std::max(most, moved_units(o, units));
-    k_size += most;
+  // Each layer's options in units, less those another option beats: as fast or faster
+  // strictly, freeing as many units and moving as few (Note [Options another beats]).
+  struct Unit {
+    std::int64_t freed;
+    std::int64_t moved;
+    std::int64_t time_ns;
+    std::uint32_t option;  // its index in the layer's options
+  };
+  std::vector<std::vector<Unit>> layers(n);
+  for (std::size_t l = 0; l < n; ++l) {
+    std::vector<Unit> all;
+    for (std::size_t o = 0; o < problem.options[l].size(); ++o) {
+      const LayerOption& option = problem.options[l][o];
+      all.push_back(Unit{freed_units(option, units), moved_units(option, units), option.time_ns,
+                         static_cast<std::uint32_t>(o)});
+    }
+    for (const Unit& u : all) {
+      const bool beaten = std::any_of(all.begin(), all.end(), [&](const Unit& v) {
+        return v.time_ns < u.time_ns && v.freed >= u.freed && v.moved <= u.moved;
+      });
+      if (!beaten) layers[l].push_back(u);
+    }
   }
+  // The states the first l layers reach: units freed up to m_reach[l] (capped at need) and
+  // moved up to k_reach[l]. Every other state's time is infinite, so the loops skip it.
+  std::vector<std::int64_t> m_reach(n + 1, 0);
+  std::vector<std::int64_t> k_reach(n + 1, 0);
+  for (std::size_t l = 0; l < n; ++l) {
+    std::int64_t freed = 0;
+    std::int64_t moved = 0;
+    for (const Unit& u : layers[l]) {
+      freed = std::max(freed, u.freed);
+      moved = std::max(moved, u.moved);
+    }
+    m_reach[l + 1] = std::min(m_size - 1, m_reach[l] + freed);
+    k_reach[l + 1] = k_reach[l] + moved;
+  }
+  const std::int64_t k_size = k_reach[n] + 1;
   const auto index = [&](std::int64_t m, std::int64_t k) {
     return static_cast<std::size_t>(m * k_size + k);
   };
   const std::size_t states = static_cast<std::size_t>(m_size * k_size);
   std::vector<std::int64_t> best(states, kInfinity);
+  std::vector<std::int64_t> next(states, kInfinity);
   best[index(0, 0)] = 0;
-  // Per layer and state: the option taken there and the units freed before it.
+  // Per layer and reached state: the option taken there and the units freed before it. Only
+  // states a layer reaches are written, and only those are read back.
   struct Step {
-    std::uint32_t option = 0;
-    std::int32_t from_m = -1;
+    std::uint32_t option;
+    std::int32_t from_m;
   };
-  std::vector<std::vector<Step>> steps(problem.options.size(), std::vector<Step>(states));
-  for (std::size_t l = 0; l < problem.options.size(); ++l) {
-    std::vector<std::int64_t> next(states, kInfinity);
-    const auto& options = problem.options[l];
-    for (std::int64_t m = 0; m < m_size; ++m) {
-      for (std::int64_t k = 0; k < k_size; ++k) {
+  std::vector<std::unique_ptr<Step[]>> steps(n);
+  for (std::size_t l = 0; l < n; ++l) {
+    const std::vector<Unit>& options = layers[l];
+    steps[l] = std::make_unique_for_overwrite<Step[]>(index(m_reach[l + 1], k_size - 1) + 1);
+    for (std::int64_t m = 0; m <= m_reach[l + 1]; ++m) {
+      std::fill_n(next.begin() + static_cast<std::ptrdiff_t>(index(m, 0)), k_reach[l + 1] + 1,
+                  kInfinity);
+    }
+    for (std::int64_t m = 0; m <= m_reach[l]; ++m) {
+      for (std::int64_t k = 0; k <= k_reach[l]; ++k) {
         const std::int64_t t = best[index(m, k)];
         if (t >= kInfinity) continue;
-        for (std::size_t o = 0; o < options.size(); ++o) {
-          const std::int64_t m2 = std::min(m_size - 1, m + freed_units(options[o], units));
-          const std::int64_t k2 = k + moved_units(options[o], units);
-          const std::int64_t t2 = t + options[o].time_ns;
-          if (t2 < next[index(m2, k2)]) {
-            next[index(m2, k2)] = t2;
-            steps[l][index(m2, k2)] =
-                Step{static_cast<std::uint32_t>(o), static_cast<std::int32_t>(m)};
+        for (const Unit& u : options) {
+          const std::size_t at = index(std::min(m_size - 1, m + u.freed), k + u.moved);
+          const std::int64_t t2 = t + u.time_ns;
+          if (t2 < next[at]) {
+            next[at] = t2;
+            steps[l][at] = Step{u.option, static_cast<std::int32_t>(m)};
           }
         }
       }
     }
-    best = std::move(next);
+    std::swap(best, next);
   }
   std::optional<OptionChoice> choice;
   std::int64_t end_k = -1;
