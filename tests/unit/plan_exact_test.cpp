@@ -112,23 +112,10 @@ TEST(PlanExact, TheDynamicProgramMatchesBruteForce) {
 
 // The dynamic program without pruning: every option of every layer tried at every state (units
 // freed, capped at need, by units moved), ties to the first in (state, option) order, and the
-// end state of least cost, the first of equal ones.
-std::optional<std::vector<std::size_t>> every_option_program(const OptionProblem& raw) {
-  OptionProblem p = raw;
-  for (auto& options : p.options) {
-    std::int64_t least_freed = options.front().freed;
-    std::int64_t least_moved = options.front().moved;
-    for (const LayerOption& o : options) {
-      least_freed = std::min(least_freed, o.freed);
-      least_moved = std::min(least_moved, o.moved);
-    }
-    for (LayerOption& o : options) {
-      o.freed -= least_freed;
-      o.moved -= least_moved;
-    }
-    p.need -= least_freed;
-  }
-  const OptionUnits u = units_of(raw);
+// end state of least cost, the first of equal ones. For problems whose every layer has an option
+// that frees and moves nothing (so that the program counts freed and moved bytes as given).
+std::optional<std::vector<std::size_t>> every_option_program(const OptionProblem& p) {
+  const OptionUnits u = units_of(p);
   const auto freed = [&](const LayerOption& o) { return o.freed / u.memory; };
   const auto moved = [&](const LayerOption& o) { return (o.moved + u.moved - 1) / u.moved; };
   const std::int64_t need = (std::max<std::int64_t>(0, p.need) + u.memory - 1) / u.memory;
@@ -175,7 +162,7 @@ std::optional<std::vector<std::size_t>> every_option_program(const OptionProblem
       at -= moved(p.options[l][cell.option]);
       m = cell.from_m;
     }
-    const std::optional<std::int64_t> cost = option_cost(raw, u, picked);
+    const std::optional<std::int64_t> cost = option_cost(p, u, picked);
     if (cost && (!out || *cost < out_cost)) {
       out = picked;
       out_cost = *cost;
@@ -203,8 +190,9 @@ TEST(PlanExact, TheProgramPicksWhatTheProgramOverEveryOptionPicks) {
       std::int64_t freed = 0;
       std::int64_t moved = 0;
       for (int o = 0; o < n; ++o) {
-        const std::int64_t f = bytes(rng) << 20;
-        const std::int64_t m = coin(rng) == 0 ? bytes(rng) << 20 : 0;
+        // The first option frees and moves nothing (as keeping a layer as it is does).
+        const std::int64_t f = o == 0 ? 0 : bytes(rng) << 20;
+        const std::int64_t m = o == 0 || coin(rng) != 0 ? 0 : bytes(rng) << 20;
         options.push_back(LayerOption{LayerConfig{static_cast<std::size_t>(o), false, 0},
                                       time(rng) * 1000, f, m});
         freed = std::max(freed, f);
