@@ -202,8 +202,8 @@ std::optional<OptionChoice> solve_options(const OptionProblem& raw) {
   const OptionUnits units = units_in(problem);
   const std::size_t n = problem.options.size();
   const std::int64_t m_size = need_units(problem, units) + 1;
-  // Each layer's options in units, less those another option beats: as fast or faster
-  // strictly, freeing as many units and moving as few (Note [Options another beats]).
+  // Each layer's options in units, less those another option beats: strictly faster, freeing
+  // as many units and moving as few (Note [Options another beats]).
   struct Unit {
     std::int64_t freed;
     std::int64_t moved;
