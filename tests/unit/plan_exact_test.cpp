@@ -1,7 +1,8 @@
 // The planner's exact stage (Note [Layer options] in sim/src/planner/exact.cpp): its dynamic
-// program against brute force over every choice of a 4-layer model's options, the Pareto
-// filter, the classes of alike layers, the tails (keep the head, recompute the tail), and the
-// stage on a table cost model where the search's local moves alone miss the fastest plan.
+// program against brute force over every choice of a 4-layer model's options, and its picks
+// against a program over every option; the Pareto filter, the classes of alike layers, the tails
+// (keep the head, recompute the tail), and the stage on a table cost model where the search's
+// local moves alone miss the fastest plan.
 
 #include <gtest/gtest.h>
 
@@ -35,13 +36,28 @@ std::vector<std::vector<std::size_t>> every_choice(const OptionProblem& problem)
   return all;
 }
 
-// A random problem of `layers` layers: options that free, move and cost at random (a few of
-// them faster than nothing, as a measurement can be), a need, a link and sometimes a host
+// What a random problem's options draw: bytes in steps of `byte_step` up to `bytes_most`, times
+// in steps of `time_step` in [time_least, time_most], up to `count_most` options a layer, and
+// with `first_keeps` each layer's first option freeing and moving nothing (as keeping a layer as
+// it is does).
+struct Draws {
+  std::int64_t bytes_most = 64LL << 20;
+  std::int64_t byte_step = 1;
+  std::int64_t time_least = -2'000;
+  std::int64_t time_most = 400'000;
+  std::int64_t time_step = 1;
+  int count_most = 6;
+  bool first_keeps = false;
+};
+
+// A random problem of `layers` layers: options that free, move and cost at random (by default a
+// few of them faster than nothing, as a measurement can be), a need, a link and sometimes a host
 // budget between none and everything.
-OptionProblem random_problem(std::mt19937_64& rng, std::size_t layers) {
-  std::uniform_int_distribution<std::int64_t> bytes(0, 64LL << 20);
-  std::uniform_int_distribution<std::int64_t> time(-2'000, 400'000);
-  std::uniform_int_distribution<int> count(1, 6);
+OptionProblem random_problem(std::mt19937_64& rng, std::size_t layers, const Draws& d = {}) {
+  std::uniform_int_distribution<std::int64_t> bytes(0, d.bytes_most / d.byte_step);
+  std::uniform_int_distribution<std::int64_t> time(d.time_least / d.time_step,
+                                                   d.time_most / d.time_step);
+  std::uniform_int_distribution<int> count(1, d.count_most);
   std::uniform_int_distribution<int> coin(0, 2);
   OptionProblem p;
   std::int64_t most_freed = 0;
@@ -54,9 +70,11 @@ OptionProblem random_problem(std::mt19937_64& rng, std::size_t layers) {
     for (int o = 0; o < n; ++o) {
       LayerOption option;
       option.config = LayerConfig{static_cast<std::size_t>(o), false, 0};
-      option.freed = bytes(rng);
-      option.moved = coin(rng) == 0 ? bytes(rng) : 0;
-      option.time_ns = time(rng);
+      if (o > 0 || !d.first_keeps) {
+        option.freed = bytes(rng) * d.byte_step;
+        option.moved = coin(rng) == 0 ? bytes(rng) * d.byte_step : 0;
+      }
+      option.time_ns = time(rng) * d.time_step;
       freed = std::max(freed, option.freed);
       moved = std::max(moved, option.moved);
       options.push_back(option);
@@ -172,40 +190,14 @@ std::optional<std::vector<std::size_t>> every_option_program(const OptionProblem
 }
 
 TEST(PlanExact, TheProgramPicksWhatTheProgramOverEveryOptionPicks) {
-  // Options that free, move and cost alike in units, so that ties and options another beats
-  // (which the program sets aside) are common: its choice is the same, option for option.
+  // Options that free, move and cost alike in units (whole MiB, whole microseconds), so that
+  // ties and options another beats (which the program sets aside) are common: its choice is the
+  // same, option for option.
+  const Draws alike{12LL << 20, 1LL << 20, 0, 6'000, 1'000, 8, true};
   std::mt19937_64 rng(5);
-  std::uniform_int_distribution<std::int64_t> bytes(0, 12);
-  std::uniform_int_distribution<std::int64_t> time(0, 6);
-  std::uniform_int_distribution<int> count(1, 8);
-  std::uniform_int_distribution<int> coin(0, 2);
   std::int32_t compared = 0;
   for (int trial = 0; trial < 600; ++trial) {
-    OptionProblem p;
-    std::int64_t most_freed = 0;
-    std::int64_t most_moved = 0;
-    for (int l = 0; l < 5; ++l) {
-      std::vector<LayerOption> options;
-      const int n = count(rng);
-      std::int64_t freed = 0;
-      std::int64_t moved = 0;
-      for (int o = 0; o < n; ++o) {
-        // The first option frees and moves nothing (as keeping a layer as it is does).
-        const std::int64_t f = o == 0 ? 0 : bytes(rng) << 20;
-        const std::int64_t m = o == 0 || coin(rng) != 0 ? 0 : bytes(rng) << 20;
-        options.push_back(LayerOption{LayerConfig{static_cast<std::size_t>(o), false, 0},
-                                      time(rng) * 1000, f, m});
-        freed = std::max(freed, f);
-        moved = std::max(moved, m);
-      }
-      most_freed += freed;
-      most_moved += moved;
-      p.options.push_back(std::move(options));
-    }
-    p.need = std::uniform_int_distribution<std::int64_t>(-(1LL << 20), most_freed)(rng);
-    p.link = std::uniform_int_distribution<std::int64_t>(0, most_moved)(rng);
-    p.bandwidth = 1LL << 30;
-    if (coin(rng) == 0) p.host = std::uniform_int_distribution<std::int64_t>(0, most_moved)(rng);
+    const OptionProblem p = random_problem(rng, 5, alike);
     const std::optional<OptionChoice> found = solve_options(p);
     const std::optional<std::vector<std::size_t>> plain = every_option_program(p);
     ASSERT_EQ(found.has_value(), plain.has_value()) << "trial " << trial;
