@@ -93,8 +93,8 @@ namespace ferry::sim::planning {
 // first of least time, other candidates only get slower without it, and the end state of least
 // cost is still the first. An option only as fast as one that beats it stays (the first of
 // equal times is the one picked). PlanExact.TheProgramPicksWhatTheProgramOverEveryOptionPicks
-// compares the picks with a program over every option. In a traced stack's units a third to a
-// half of a layer's options are beaten so.
+// compares the picks with a program over every option. On the traced Llama-3.2-3B at 41 GiB
+// (bench_plan), 6 to 11 of a layer's 17 to 22 options are beaten so.
 
 namespace {
 
@@ -203,7 +203,9 @@ std::optional<OptionChoice> solve_options(const OptionProblem& raw) {
   const std::size_t n = problem.options.size();
   const std::int64_t m_size = need_units(problem, units) + 1;
   // Each layer's options in units, less those another option beats: strictly faster, freeing
-  // as many units and moving as few (Note [Options another beats]).
+  // as many units and moving as few (Note [Options another beats]). And the states the first l
+  // layers reach: units freed up to m_reach[l] (capped at need) and moved up to k_reach[l];
+  // every other state's time is infinite, so the loops below skip it.
   struct Unit {
     std::int64_t freed;
     std::int64_t moved;
@@ -211,6 +213,8 @@ std::optional<OptionChoice> solve_options(const OptionProblem& raw) {
     std::uint32_t option;  // its index in the layer's options
   };
   std::vector<std::vector<Unit>> layers(n);
+  std::vector<std::int64_t> m_reach(n + 1, 0);
+  std::vector<std::int64_t> k_reach(n + 1, 0);
   for (std::size_t l = 0; l < n; ++l) {
     std::vector<Unit> all;
     for (std::size_t o = 0; o < problem.options[l].size(); ++o) {
@@ -218,21 +222,14 @@ std::optional<OptionChoice> solve_options(const OptionProblem& raw) {
       all.push_back(Unit{freed_units(option, units), moved_units(option, units), option.time_ns,
                          static_cast<std::uint32_t>(o)});
     }
+    std::int64_t freed = 0;
+    std::int64_t moved = 0;
     for (const Unit& u : all) {
       const bool beaten = std::any_of(all.begin(), all.end(), [&](const Unit& v) {
         return v.time_ns < u.time_ns && v.freed >= u.freed && v.moved <= u.moved;
       });
-      if (!beaten) layers[l].push_back(u);
-    }
-  }
-  // The states the first l layers reach: units freed up to m_reach[l] (capped at need) and
-  // moved up to k_reach[l]. Every other state's time is infinite, so the loops skip it.
-  std::vector<std::int64_t> m_reach(n + 1, 0);
-  std::vector<std::int64_t> k_reach(n + 1, 0);
-  for (std::size_t l = 0; l < n; ++l) {
-    std::int64_t freed = 0;
-    std::int64_t moved = 0;
-    for (const Unit& u : layers[l]) {
+      if (beaten) continue;
+      layers[l].push_back(u);
       freed = std::max(freed, u.freed);
       moved = std::max(moved, u.moved);
     }
