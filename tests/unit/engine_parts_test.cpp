@@ -285,6 +285,9 @@ TEST(TimelineMetrics, AnAttachedCollectorEqualsOneReplayedAfterTheRun) {
   sim.replay(replayed);
   EXPECT_EQ(live.stall(start, end), replayed.stall(start, end));
   EXPECT_EQ(live.copy_overlap_permille(), replayed.copy_overlap_permille());
+  // A span counts the copies issued in it: all of them here, none after the end.
+  EXPECT_EQ(live.copy_overlap_permille(start, end), live.copy_overlap_permille());
+  EXPECT_EQ(live.copy_overlap_permille(end + SimTime(1), end + SimTime(2)), 0);
   EXPECT_EQ(live.copied(CopyDirection::DeviceToHost, start, end), Bytes(1 << 20));
   EXPECT_EQ(live.copied(CopyDirection::HostToDevice, start, end), Bytes(0));
 

@@ -31,9 +31,9 @@ RowResult measure(const TrainingRun& run, const PolicyRow& row) {
     r.backward_stall = metrics.stall(last.forward_end, last.end);
     r.d2h = metrics.copied(CopyDirection::DeviceToHost, last.start, last.end);
     r.h2d = metrics.copied(CopyDirection::HostToDevice, last.start, last.end);
+    r.overlap_permille = metrics.copy_overlap_permille(last.start, last.end);
   }
   r.recompute_time = run.recompute_time;
-  r.overlap_permille = metrics.copy_overlap_permille();
   const AllocatorStats& st = sim.device_allocator(run.device).stats();
   r.peak_allocated = st.allocated_peak;
   r.peak_reserved = st.reserved_peak;

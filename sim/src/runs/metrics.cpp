@@ -1,6 +1,7 @@
 #include "ferry/sim/runs/metrics.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 namespace ferry::sim {
@@ -44,8 +45,9 @@ void TimelineMetrics::op_finished(OpId op, const OpRecord& r) {
     copies_.push_back({.issued = r.issued, .direction = r.direction, .bytes = r.bytes});
   }
   if (r.end <= r.start) return;
-  if (r.kind == OpKind::Kernel) kernels_.push_back({.start = r.start, .end = r.end});
-  if (r.kind == OpKind::Copy) copy_intervals_.push_back({.start = r.start, .end = r.end});
+  const Interval interval{.start = r.start, .end = r.end, .issued = r.issued};
+  if (r.kind == OpKind::Kernel) kernels_.push_back(interval);
+  if (r.kind == OpKind::Copy) copy_intervals_.push_back(interval);
 }
 
 SimTime TimelineMetrics::stall(SimTime from, SimTime to) const {
@@ -66,6 +68,10 @@ SimTime TimelineMetrics::kernels_done(SimTime from, SimTime to) const {
 }
 
 std::int64_t TimelineMetrics::copy_overlap_permille() const {
+  return copy_overlap_permille(SimTime(0), SimTime(std::numeric_limits<std::int64_t>::max()));
+}
+
+std::int64_t TimelineMetrics::copy_overlap_permille(SimTime from, SimTime to) const {
   std::vector<std::pair<std::int64_t, std::int64_t>> kernels;
   kernels.reserve(kernels_.size());
   for (const Interval& k : kernels_) kernels.emplace_back(k.start.ns(), k.end.ns());
@@ -74,6 +80,7 @@ std::int64_t TimelineMetrics::copy_overlap_permille() const {
   std::int64_t total = 0;
   std::int64_t overlapped = 0;
   for (const Interval& c : copy_intervals_) {
+    if (c.issued < from || c.issued > to) continue;
     const std::int64_t lo = c.start.ns();
     const std::int64_t hi = c.end.ns();
     total += hi - lo;

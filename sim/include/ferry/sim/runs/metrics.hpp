@@ -28,8 +28,10 @@ class TimelineMetrics final : public SimObserver {
   /// when there is none. The host issues ahead of the device, so this is when work the host
   /// issued in the span is done, not when the host got past it.
   [[nodiscard]] SimTime kernels_done(SimTime from, SimTime to) const;
-  /// Thousandths of copy time that overlapped kernel time.
+  /// Thousandths of copy time that overlapped kernel time, of every copy or of the copies
+  /// issued in [from, to].
   [[nodiscard]] std::int64_t copy_overlap_permille() const;
+  [[nodiscard]] std::int64_t copy_overlap_permille(SimTime from, SimTime to) const;
   /// Bytes copied in `direction` by copies issued in [from, to].
   [[nodiscard]] Bytes copied(CopyDirection direction, SimTime from, SimTime to) const;
 
@@ -37,6 +39,7 @@ class TimelineMetrics final : public SimObserver {
   struct Interval {
     SimTime start;
     SimTime end;
+    SimTime issued;
   };
   struct ComputeOp {  // a kernel or wait of the compute stream
     OpId op;
