@@ -261,8 +261,8 @@ rc::Gen<Case> gen_offload_case() {
 DeviceProfile profile(const Case& c) {
   DeviceProfile p = testing::simple_profile();
   const SimTime launch(c.launch_ns);
-  p.overheads =
-      LaunchOverheads{launch, launch, launch, launch, launch, launch, launch, launch, launch};
+  p.overheads = LaunchOverheads{launch, launch, launch, launch, launch,
+                                launch, launch, launch, launch, launch};
   return p;
 }
 

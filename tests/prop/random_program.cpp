@@ -213,10 +213,10 @@ DeviceProfile random_profile(std::mt19937_64& rng) {
   p.d2d = CopyPath{Bandwidth(pick(100, 2000) * 1'000'000'000), SimTime(pick(0, 1000)), 1000};
   p.peer = CopyPath{Bandwidth(pick(10, 400) * 1'000'000'000), SimTime(pick(0, 5000)), 1000};
   p.pinned_host_capacity = Bytes(1LL << 30);
-  p.overheads =
-      LaunchOverheads{SimTime(pick(0, 5000)), SimTime(pick(0, 7000)), SimTime(pick(0, 500)),
-                      SimTime(pick(0, 500)),  SimTime(pick(0, 1000)), SimTime(pick(0, 2000)),
-                      SimTime(pick(0, 500)),  SimTime(pick(0, 500)),  SimTime(pick(0, 500))};
+  p.overheads = LaunchOverheads{
+      SimTime(pick(0, 5000)), SimTime(pick(0, 7000)), SimTime(pick(0, 500)), SimTime(pick(0, 500)),
+      SimTime(pick(0, 1000)), SimTime(pick(0, 2000)), SimTime(pick(0, 500)), SimTime(pick(0, 500)),
+      SimTime(pick(0, 500)),  SimTime(pick(0, 20000))};
   return p;
 }
 

@@ -71,6 +71,10 @@ Bounds bounds(const Program& p) {
     const std::int64_t overhead = overhead_of(prof.overheads, op.kind);
     issue += overhead;
     b.upper += overhead;
+    // A pinned allocation may pin a new block (cudaHostAlloc), or take a cached one.
+    if (op.kind == OpKind::Alloc && p.buffers[op.slot.value()].kind == MemoryKind::Pinned) {
+      b.upper += prof.overheads.host_alloc.ns();
+    }
     std::int64_t fast = 0;
     std::int64_t slow = 0;
     if (op.kind == OpKind::Kernel) {

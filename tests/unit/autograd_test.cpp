@@ -148,6 +148,28 @@ TEST(Autograd, OffloadLowersPeakMemory) {
   EXPECT_GT(ferry.value().telemetry.offloaded, 0);
 }
 
+// Pinning a new host block (cudaHostAlloc) holds up the host: the first step, which pins the
+// offloader's blocks, is slower; the second reuses them from the pool and runs as with no cost.
+TEST(Autograd, PinningHostBlocksSlowsTheFirstStepAlone) {
+  const Model m = testing::chain_model(8, 8 << 20);
+  DeviceProfile pins = testing::simple_profile();
+  pins.overheads.host_alloc = SimTime(1'000'000);
+  for (const Policy policy : {Policy::Ferry, Policy::Trl}) {
+    auto free = simulate_training(m, testing::simple_profile(), with(policy));
+    auto paid = simulate_training(m, pins, with(policy));
+    ASSERT_TRUE(free.ok() && paid.ok());
+    const std::int64_t allocs = paid.value().sim.pinned_allocator().stats().host_allocs;
+    ASSERT_GT(allocs, 0);
+    const auto step = [](const TrainingRun& run, std::size_t s) {
+      return (run.steps.at(s).end - run.steps.at(s).start).ns();
+    };
+    const std::int64_t first_extra = step(paid.value(), 0) - step(free.value(), 0);
+    EXPECT_GT(first_extra, 0);
+    EXPECT_LE(first_extra, allocs * 1'000'000);
+    EXPECT_EQ(step(paid.value(), 1), step(free.value(), 1));
+  }
+}
+
 // Note [A parameter's gradients]: a weight read by an embedding and, through a whole view (the
 // transpose F.linear takes), by an output head. The head's gradient waits in the engine's input
 // buffer; the embedding's arrives at the end, and the two are summed into a third storage, as a

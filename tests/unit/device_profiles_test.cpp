@@ -65,6 +65,34 @@ TEST(DeviceProfiles, BundledFiguresMatchTheDocumentedSources) {
   EXPECT_GT(gh200.value().h2d.bandwidth, gh200.value().d2h.bandwidth);
   EXPECT_GT(gh200.value().pageable_h2d.bytes_per_s() * 10,
             gh200.value().h2d.bandwidth.bytes_per_s() * 9);
+
+  // pytorch/pytorch PR #186161: about 3 ms a cudaHostAlloc, on every bundled GPU.
+  for (const std::string& name : list_device_profiles(kProfileDir)) {
+    const auto profile = load_device_profile(kProfileDir, name);
+    ASSERT_TRUE(profile.ok()) << profile.error().message;
+    EXPECT_EQ(profile.value().overheads.host_alloc, SimTime(3'000'000)) << name;
+  }
+}
+
+// `host_alloc` is optional: absent, pinning costs nothing; present, it is written back; out of
+// range, refused naming its path.
+TEST(DeviceProfiles, TheHostAllocationCostIsOptionalAndBounded) {
+  const auto h100 = load_device_profile(kProfileDir, "h100-sxm-pcie5");
+  ASSERT_TRUE(h100.ok()) << h100.error().message;
+  const std::string written = device_profile_to_json(h100.value());
+  EXPECT_NE(written.find("\"host_alloc\": 3000000"), std::string::npos) << written;
+  const auto parsed =
+      parse_device_profile(replaced(written, ", \"host_alloc\": 3000000", ""), "p.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.error().message;
+  EXPECT_EQ(parsed.value().overheads.host_alloc, SimTime(0));
+  EXPECT_EQ(parsed.value().overheads.malloc, h100.value().overheads.malloc);
+  for (const std::string bad : {"-1", "1000000000000001", "\"3ms\""}) {
+    const auto refused = parse_device_profile(
+        replaced(written, "\"host_alloc\": 3000000", "\"host_alloc\": " + bad), "p.json");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_EQ(refused.error().message.rfind("p.json: overheads_ns.host_alloc: ", 0), 0U)
+        << refused.error().message;
+  }
 }
 
 TEST(DeviceProfiles, TrainingGpuFiguresMatchTheDocumentedSources) {

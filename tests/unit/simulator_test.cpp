@@ -274,6 +274,36 @@ TEST(Simulator, LaunchOverheadsAdvanceTheHostClock) {
   EXPECT_EQ(sim.ops()[k2.value()].start.ns(), 15);
 }
 
+// A pinned allocation that no cached block serves pins a new one (cudaHostAlloc): the host pays
+// `host_alloc` on top of `malloc`; a cached block of the size costs `malloc` alone, in either pool.
+TEST(Simulator, PinningANewHostBlockCostsTheHostItsAllocation) {
+  DeviceProfile p = simple_profile();
+  p.overheads.malloc = SimTime(10);
+  p.overheads.host_alloc = SimTime(1000);
+  p.pinned_host_capacity = Bytes(8192);
+  Simulator sim = simple_sim(1, {}, p);
+  const auto pinned = [&](std::int64_t bytes, PinnedPool pool) {
+    return sim.alloc(MemoryKind::Pinned, DeviceId(), Bytes(bytes), StreamId(), pool, "h").value();
+  };
+  const BufferId a = pinned(4096, PinnedPool::Caching);
+  EXPECT_EQ(sim.host_time().ns(), 1010);
+  sim.free(a);
+  const BufferId b = pinned(4096, PinnedPool::Caching);  // the cached block
+  EXPECT_EQ(sim.host_time().ns(), 1020);
+  const BufferId c = pinned(1024, PinnedPool::Exact);  // a new size
+  EXPECT_EQ(sim.host_time().ns(), 2030);
+  sim.free(c);
+  const BufferId d = pinned(1024, PinnedPool::Exact);
+  EXPECT_EQ(sim.host_time().ns(), 2040);
+  sim.free(b);
+  sim.free(d);
+  // Over the cap the cached blocks are unpinned and the request pinned anew.
+  (void)pinned(8192, PinnedPool::Exact);
+  EXPECT_EQ(sim.host_time().ns(), 3050);
+  EXPECT_EQ(sim.pinned_allocator().stats().host_allocs, 3);
+  EXPECT_EQ(sim.pinned_allocator().stats().host_frees, 2);
+}
+
 TEST(Simulator, PageableCopyBlocksTheHostAndRunsAtPageableBandwidth) {
   Simulator sim = simple_sim();
   const StreamId s = sim.add_stream(DeviceId(0), "s");

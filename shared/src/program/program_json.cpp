@@ -62,6 +62,7 @@ std::string profile(const DeviceProfile& p) {
   for (const OverheadField& field : kOverheadFields) {
     overheads.num(field.key, (p.overheads.*field.field).ns());
   }
+  if (p.overheads.host_alloc.ns() > 0) overheads.num(kHostAllocKey, p.overheads.host_alloc.ns());
   out.raw("overheads_ns", overheads.json());
   const CollectiveLinks& c = p.collectives;
   if (c.intra_node.known() || c.inter_node.known()) {

@@ -98,7 +98,14 @@ Result<BufferId> Simulator::alloc(MemoryKind kind, DeviceId device, Bytes bytes,
     info.address = got.value().address;
     block = got.value().block;
   } else if (kind == MemoryKind::Pinned) {
-    auto got = s.pinned_of(s.caller).malloc(bytes, pool, s);
+    PinnedHostAllocator& pinned = s.pinned_of(s.caller);
+    const std::int64_t pins = pinned.stats().host_allocs;
+    auto got = pinned.malloc(bytes, pool, s);
+    if (pinned.stats().host_allocs != pins) {
+      // No cached block of the size: the host pins a new one (cudaHostAlloc) before it goes on.
+      s.host_time += s.overheads(DeviceId(0)).host_alloc;
+      s.advance_to(s.host_time);
+    }
     if (!got) {
       s.end_host_call(op);
       return got.error();

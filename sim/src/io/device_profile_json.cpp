@@ -18,9 +18,11 @@
 namespace ferry::sim {
 namespace {
 
+// The required keys, then the optional one.
 constexpr auto kOverheadKeys = [] {
-  std::array<std::string_view, kOverheadFields.size()> keys{};
+  std::array<std::string_view, kOverheadFields.size() + 1> keys{};
   for (std::size_t i = 0; i < kOverheadFields.size(); ++i) keys[i] = kOverheadFields[i].key;
+  keys.back() = kHostAllocKey;
   return keys;
 }();
 
@@ -209,6 +211,9 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
     FERRY_JSON_TRY(const auto ns, read_nanoseconds(overheads, field.key));
     profile.overheads.*field.field = SimTime(ns);
   }
+  FERRY_JSON_TRY(const auto host_alloc,
+                 overheads.optional_integer(kHostAllocKey, 0, 0, kMaxJsonNanoseconds));
+  profile.overheads.host_alloc = SimTime(host_alloc);
   FERRY_JSON_TRY(profile.collectives, read_collectives(object));
   FERRY_JSON_TRY(profile.kernels, read_kernels(object));
   return profile;

@@ -30,6 +30,10 @@ struct LaunchOverheads {
   SimTime malloc;        ///< caching-allocator malloc (a cache hit)
   SimTime free;          ///< caching-allocator free
   SimTime host_access;   ///< a host read or write of a buffer, per call
+  /// cudaHostAlloc: pinning a new block of page-locked host memory, when neither pinned pool
+  /// has a cached block of the size (on top of `malloc`). Optional in the file ("host_alloc");
+  /// absent, 0: not modelled.
+  SimTime host_alloc;
 };
 
 /// A link collectives run over, as a ring uses it: the bus bandwidth (NCCL's "busbw": the
@@ -116,7 +120,8 @@ struct DeviceProfile {
   KernelFigures kernels{};        ///< optional in the file ("kernels")
 };
 
-/// The keys of LaunchOverheads in the profile format ("overheads_ns"), in file order.
+/// The required keys of LaunchOverheads in the profile format ("overheads_ns"), in file order;
+/// the optional "host_alloc" (kHostAllocKey) follows them.
 struct OverheadField {
   std::string_view key;
   SimTime LaunchOverheads::*field;
@@ -132,5 +137,6 @@ inline constexpr std::array kOverheadFields{
     OverheadField{"free", &LaunchOverheads::free},
     OverheadField{"host_access", &LaunchOverheads::host_access},
 };
+inline constexpr std::string_view kHostAllocKey = "host_alloc";
 
 }  // namespace ferry
