@@ -23,7 +23,7 @@ constexpr std::int64_t kMinRate = 1'000'000;
 constexpr std::int64_t kMaxRate = 1'000'000'000'000'000'000;
 constexpr std::int64_t kMaxNanoseconds = 1'000'000'000'000'000;
 
-constexpr std::array<std::string_view, 26> kProfileKeys = {
+constexpr std::array<std::string_view, 27> kProfileKeys = {
     "memory_bytes",
     "flops_per_s",
     "memory_bytes_per_s",
@@ -50,6 +50,7 @@ constexpr std::array<std::string_view, 26> kProfileKeys = {
     "overheads_ns.malloc",
     "overheads_ns.free",
     "overheads_ns.host_access",
+    "overheads_ns.host_alloc",
 };
 
 struct Bounds {
@@ -128,9 +129,9 @@ std::string profile_object(const ProbeResult& result, std::string_view name,
   line("pinned_host_capacity_bytes", std::to_string(v("pinned_host_capacity_bytes")));
   line("blas_workspace_bytes", std::to_string(v("blas_workspace_bytes")));
   out += fmt::format("{}  \"overheads_ns\": {{\n", indent);
-  constexpr std::array<std::string_view, 9> kOverheads = {
+  constexpr std::array<std::string_view, 10> kOverheads = {
       "kernel",      "copy",   "event_record", "stream_wait", "event_query",
-      "synchronize", "malloc", "free",         "host_access"};
+      "synchronize", "malloc", "free",         "host_access", "host_alloc"};
   for (std::size_t i = 0; i < kOverheads.size(); ++i) {
     out += fmt::format("{}    \"{}\": {}{}\n", indent, kOverheads[i],
                        v(fmt::format("overheads_ns.{}", kOverheads[i])),

@@ -194,6 +194,11 @@ class CudaTarget {
                              "caching allocator), mean over 100",
                              kAllocBytes),
                  [this] { return alloc_ns(false); }});
+    p.push_back({"overheads_ns.host_alloc", "ns",
+                 fmt::format("host time of one cudaHostAlloc of {} bytes (a new page-locked "
+                             "block; freed untimed), mean over {}",
+                             kPinBytes, kPins),
+                 [] { return host_alloc_ns(); }});
   }
 
   [[nodiscard]] Readings readings() const {
@@ -334,6 +339,24 @@ class CudaTarget {
     stream_a_.synchronize();
     return per_second(matmul_flops(shape_),
                       device_ns(stream_a_, [&] { at::mm_out(o.c, o.a, o.b); }));
+  }
+
+  // cudaHostAlloc of an activation-sized block (8192 tokens x 4096 bf16), each freed before
+  // the next: what a pinned pool pays for a block it has no cached one of.
+  static constexpr std::int64_t kPinBytes = std::int64_t{64} << 20;
+  static constexpr std::int64_t kPins = 5;
+  static std::int64_t host_alloc_ns() {
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    std::int64_t total = 0;
+    for (std::int64_t i = 0; i < kPins; ++i) {
+      void* block = nullptr;
+      total += per_call_ns(1, [&] {
+        check_cuda(cudaHostAlloc(&block, static_cast<std::size_t>(kPinBytes), cudaHostAllocDefault),
+                   "cudaHostAlloc");
+      });
+      check_cuda(cudaFreeHost(block), "cudaFreeHost");
+    }
+    return total / kPins;
   }
 
   std::int64_t alloc_ns(bool malloc) {

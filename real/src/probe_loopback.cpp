@@ -133,6 +133,8 @@ class LoopbackTarget {
          "loopback: the device has no event query; its streams run synchronously"},
         {"overheads_ns.host_access", 0,
          "loopback: host access is a plain load or store of CPU memory, the data aside"},
+        {"overheads_ns.host_alloc", 0,
+         "loopback: its pinned buffers are ordinary host memory; nothing is page-locked"},
         {"blas_workspace_bytes", 0,
          "loopback: CPU matmuls take no cuBLAS workspace from the device's allocator"},
         // Only where /proc/meminfo is silent (readings() notes it).

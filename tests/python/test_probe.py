@@ -20,6 +20,7 @@ LOOPBACK_ASSUMED = {
     "peer.latency_ns",
     "overheads_ns.event_query",
     "overheads_ns.host_access",
+    "overheads_ns.host_alloc",
     "blas_workspace_bytes",
 }
 
@@ -46,7 +47,7 @@ def layout(value, prefix=""):
 
 def test_loopback_profile_is_accepted_by_the_cli(tmp_path, cli):
     out, profile_text, _ = probe_files(tmp_path)
-    assert 'profile "probed-cpu": 21 keys measured, 5 assumed' in out.stdout
+    assert 'profile "probed-cpu": 21 keys measured, 6 assumed' in out.stdout
     path = tmp_path / "probed-cpu.json"
     for command in (["simulate", "--model", "tiny-gpt"], ["compare", "--model", "tiny-gpt"]):
         run = subprocess.run(

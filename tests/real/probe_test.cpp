@@ -169,7 +169,7 @@ ProbeResult fixed_result() {
 TEST(ProbeJson, ProfileHasTheBundledLayout) {
   const std::string expected = R"json({
   "name": "probed",
-  "description": "measured by ferry probe on CPU \"loopback\" (cpu), median of 2 repeats; 0 of 26 keys assumed (see the probe report)",
+  "description": "measured by ferry probe on CPU \"loopback\" (cpu), median of 2 repeats; 0 of 27 keys assumed (see the probe report)",
   "memory_bytes": 2000000,
   "flops_per_s": 2000000,
   "memory_bytes_per_s": 2000000,
@@ -189,7 +189,8 @@ TEST(ProbeJson, ProfileHasTheBundledLayout) {
     "synchronize": 2000000,
     "malloc": 2000000,
     "free": 2000000,
-    "host_access": 2000000
+    "host_access": 2000000,
+    "host_alloc": 2000000
   }
 }
 )json";
@@ -266,7 +267,8 @@ TEST(ProbeRun, LoopbackMeasuresEveryFigureWithItsSpread) {
   for (const ProfileFigure& f : r.figures) {
     const bool loopback_assumption =
         f.key.starts_with("peer.") || f.key == "overheads_ns.event_query" ||
-        f.key == "overheads_ns.host_access" || f.key == "blas_workspace_bytes";
+        f.key == "overheads_ns.host_access" || f.key == "overheads_ns.host_alloc" ||
+        f.key == "blas_workspace_bytes";
     EXPECT_EQ(f.measured, !loopback_assumption) << f.key << ": " << f.source;
   }
 }
