@@ -205,11 +205,12 @@ def traced_model(
         if held or id(record) in used:
             tensors.append(_tensor_json(record))
     tensors.extend(static)
+    offsets = tracer.layer_offsets()
     document = {
         "format": FORMAT,
         "name": name,
         "tensors": tensors,
-        "ops": [_op_json(op, tracer.rng) for op in ops],
+        "ops": [_op_json(op, tracer.rng, offsets) for op in ops],
         "loss": loss_record.name,
     }
     fused = None
@@ -263,12 +264,12 @@ def _tensor_json(record):
     return out
 
 
-def _op_json(op, rng):
+def _op_json(op, rng, offsets):
     out = {"name": op.name}
     if op.kind is not None:
         out["kind"] = op.kind
     if op.layer != -1:
-        out["layer"] = op.layer
+        out["layer"] = op.layer + (offsets[op.stack] if op.stack is not None else 0)
     out["flops"] = op.flops
     out["bytes"] = op.bytes
     out["backward_flops"] = op.backward_flops

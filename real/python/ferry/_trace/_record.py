@@ -45,6 +45,30 @@ def layer_of(path: str) -> int:
     return int(match.group(1)) if match else -1
 
 
+def layer_stack_of(path: str) -> tuple[str, int] | None:
+    """The stack of layers a module path is in, and its index there.
+
+    Args:
+        path: A module path such as ``"model.encoder.block.3.layer.0"``.
+
+    Returns:
+        The path up to its first integer component and that integer
+        (``("model.encoder.block.", 3)``); None if it has none.
+    """
+    match = _LAYER.search(path)
+    return (path[: match.start(1)], int(match.group(1))) if match else None
+
+
+# Note [Layers of several stacks]
+# A layer is an element of a stack of repeated blocks: the first integer of a module path
+# indexes it. A model may run several stacks: an encoder-decoder its encoder's blocks, then its
+# decoder's; a vision-language model its vision tower's, then its language model's. Their
+# indices restart at 0, but their layers are different modules, saving different tensors, so
+# each stack's layers are numbered after those of the stacks that ran before it (in the order
+# of their first ops): a T5 of 6 + 6 blocks has layers 0..5 (encoder) and 6..11 (decoder). A
+# model of one stack keeps its indices.
+
+
 def byte_count(t: torch.Tensor) -> int:
     """The tensor's logical bytes (elements times element size)."""
     return t.numel() * t.element_size()
@@ -113,6 +137,7 @@ class OpRecord:
         "norm_call",
         "out_refs",
         "mine",
+        "stack",
     )
 
     def __init__(self, name, layer, head, mine, kind=None):
@@ -121,6 +146,7 @@ class OpRecord:
         self.layer = layer
         self.head = head
         self.mine = mine  # the trace's pack hook was the innermost when the op ran
+        self.stack = None  # the stack of layers ``layer`` indexes (Note [Layers of several stacks])
         self.inputs = []
         self.outputs = []
         self.saved = []
@@ -219,6 +245,8 @@ class Tracer:
         self.ops = []
         self.op_names = OpNames()
         self.modules = []  # stack of module paths
+        # Note [Layers of several stacks]: stack -> [order of its first op, its largest index].
+        self.layer_stacks = {}
         # Beside each module on that stack: a number for this call where the module is a
         # normalization (Note [Fused norms] in ``_compiled``), else None.
         self.norm_calls = []
@@ -237,6 +265,16 @@ class Tracer:
         self.unattributed_backward_flops = 0
         self.uncosted = collections.Counter()  # operator -> calls with no cost model
         self.values = None  # the values known beside the fake tensors (``_values.Values``)
+
+    def layer_offsets(self) -> dict[str, int]:
+        """Each stack's first layer number: the layers of the stacks that ran before it
+        (Note [Layers of several stacks])."""
+        offsets = {}
+        offset = 0
+        for stack, (_, most) in sorted(self.layer_stacks.items(), key=lambda item: item[1][0]):
+            offsets[stack] = offset
+            offset += most + 1
+        return offsets
 
     # Tensors ---------------------------------------------------------------------------
 
@@ -335,7 +373,12 @@ class Tracer:
         kind = operator_name(func)
         if self.rng == "device":
             kind = _DEVICE_KERNELS.get(kind, kind)
-        op = OpRecord(name, layer_of(path), self.heads > 0, mine, kind)
+        stack = layer_stack_of(path)
+        op = OpRecord(name, -1 if stack is None else stack[1], self.heads > 0, mine, kind)
+        if stack is not None:
+            op.stack = stack[0]
+            seen = self.layer_stacks.setdefault(stack[0], [len(self.layer_stacks), -1])
+            seen[1] = max(seen[1], stack[1])
         op.norm_call = self.norm_calls[-1] if self.norm_calls else None
         seen = set()
         traffic = 0
