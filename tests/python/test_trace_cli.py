@@ -54,6 +54,65 @@ def test_writes_a_scenario_the_simulator_accepts(config, tmp_path):
     accepted_by_cli(traced_from(out), tmp_path)
 
 
+#: google-t5/t5-small's config.json, cut to two encoder and two decoder blocks and a smaller
+#: vocabulary.
+TINY_T5 = {
+    "model_type": "t5",
+    "d_model": 64,
+    "d_kv": 16,
+    "d_ff": 128,
+    "num_heads": 4,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "vocab_size": 512,
+    "feed_forward_proj": "relu",
+    "relative_attention_num_buckets": 32,
+    "decoder_start_token_id": 0,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
+def test_an_encoder_decoder_config_traces_its_seq2seq_lm_one_layer_a_block(tmp_path):
+    """A T5 config builds T5ForConditionalGeneration, whose decoder reads --seq tokens too; the
+    encoder's blocks are layers 0 and 1, the decoder's 2 and 3 (Note [Layers of several stacks]),
+    and the planner checkpoints or offloads each block on its own."""
+    path = tmp_path / "t5.json"
+    path.write_text(json.dumps(TINY_T5))
+    out, traced = run(tmp_path, str(path), "--seq", "256", "--batch", "8", "--optimizer", "adamw")
+    assert traced.layers() == [0, 1, 2, 3]
+    layers = {}
+    for op in traced.document["ops"]:
+        if "layer" in op:
+            layers.setdefault(op["name"].split(".layer.")[0], set()).add(op["layer"])
+    assert layers["encoder.block.0"] == {0} and layers["encoder.block.1"] == {1}
+    assert layers["decoder.block.0"] == {2} and layers["decoder.block.1"] == {3}
+    names = {t["name"] for t in traced.document["tensors"]}
+    assert "input.0" in names and any(n.startswith("decoder.block.1.") for n in names)
+    accepted_by_cli(traced_from(out), tmp_path)
+    # Each block is a layer of the plan: halfway between the peaks of keeping everything and of
+    # checkpointing every layer, the plan keeps some blocks and recomputes others.
+    peaks = [
+        json.loads(simulate(out, "--policy", "none", *extra, "--json").stdout)["result"]
+        for extra in ([], ["--checkpoint", "every:1"])
+    ]
+    budget = sum(p["peak_reserved_bytes"] for p in peaks) // 2
+    plan = subprocess.run(
+        [cli(), "plan", "--model", str(out), "--device", "h100-sxm-pcie5", "--json"]
+        + ["--budget", str(budget)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert plan.returncode == 0, plan.stderr
+    report = json.loads(plan.stdout)
+    assert report["hazards"] == 0
+    layers = {row["layer"]: row for row in report["layers"] if row["layer"] >= 0}
+    assert sorted(layers) == [0, 1, 2, 3]
+    recomputed = {layer for layer, row in layers.items() if row["recomputed_bytes"] > 0}
+    assert recomputed and recomputed != set(layers)
+
+
 def traced_from(path):
     return TracedModel(json.loads(path.read_text()))
 
@@ -248,6 +307,12 @@ def test_bad_arguments_are_named(config, tmp_path, capsys):
     bad.write_text('{"model_type": "no-such-architecture"}')
     assert main([str(bad), "--seq", "8", "--out", str(tmp_path / "x.json")]) == 2
     assert "model_type: 'no-such-architecture' is not an architecture" in capsys.readouterr().err
+    # An architecture with neither a causal nor a sequence-to-sequence language-model class.
+    bad.write_text(json.dumps({"model_type": "vit", "hidden_size": 16, "num_hidden_layers": 1}))
+    assert main([str(bad), "--seq", "8", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "model_type: 'vit' has no causal language-model class" in err and "ferry.trace" in err
+    assert len(err.splitlines()) == 1
     bad.write_text(json.dumps({**TINY_LLAMA, "hidden_size": 66}))  # not a multiple of 4 heads
     assert main([str(bad), "--seq", "8", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err

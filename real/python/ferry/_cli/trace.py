@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="python -m ferry trace",
-        description="Trace a Hugging Face causal LM, built from its config.json without "
+        description="Trace a Hugging Face language model, built from its config.json without "
         "weights, into a ferry.model/1 scenario for `ferry simulate` / `ferry compare --model`.",
     )
     parser.add_argument(
@@ -242,12 +242,18 @@ def _attention_implementation(choice: str) -> str:
 
 
 def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "config") -> Any:
-    """The causal LM of config ``data`` (read from ``source``) on the meta device, in training
-    mode, as ``args`` ask."""
+    """The language model of config ``data`` (read from ``source``) on the meta device, in
+    training mode, as ``args`` ask: its sequence-to-sequence LM where the config is an
+    encoder-decoder's (``is_encoder_decoder``), else its causal LM."""
     import torch
 
     try:
-        from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+        from transformers import (
+            CONFIG_MAPPING,
+            AutoConfig,
+            AutoModelForCausalLM,
+            AutoModelForSeq2SeqLM,
+        )
         from transformers import __version__ as transformers_version
     except ImportError:
         raise UsageError(
@@ -270,8 +276,16 @@ def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "c
         implementations = {"attn_implementation": _attention_implementation(args.attention)}
         if getattr(args, "experts", None) is not None:
             implementations["experts_implementation"] = args.experts
+        auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+        head = "sequence-to-sequence" if config.is_encoder_decoder else "causal"
+        if type(config) not in auto._model_mapping:
+            raise UsageError(
+                f"{source}: model_type: {data['model_type']!r} has no {head} language-model "
+                f"class in transformers {transformers_version}; trace another head from "
+                "Python with ferry.trace (docs/trace.md)"
+            )
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, **implementations)
+            model = auto.from_config(config, **implementations)
     except _config_errors() as error:
         message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
         raise UsageError(f"{source}: {message}") from None
@@ -298,7 +312,7 @@ def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "c
             lora_alpha=2 * args.lora_rank,
             lora_dropout=0.0,
             target_modules=targets,
-            task_type="CAUSAL_LM",
+            task_type="SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM",
         )
         with torch.device("meta"):
             model = get_peft_model(model, lora)
@@ -412,11 +426,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer = torch.optim.SGD(trainable, lr=1e-3, momentum=0.9)
         stem = os.path.splitext(os.path.basename(path))[0]
         name = args.name or f"{stem}-s{args.seq}-b{args.batch}"
+        # An encoder-decoder's decoder reads --seq tokens too, given rather than shifted from
+        # the labels (a config may name no decoder start token).
+        decoder = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
         try:
             traced = trace(
                 model,
                 ids,
                 labels=ids,
+                **decoder,
                 optimizer=optimizer,
                 name=name,
                 target=args.target,
