@@ -336,6 +336,50 @@ def test_attention_with_narrower_values_runs_the_kernel_the_target_runs():
     assert "aten._scaled_dot_product_efficient_attention.default" not in kinds(grouped)
 
 
+class _Biased(nn.Module):
+    """Attention with dropout (``dropout``), over a learned bias a head (``bias``), as T5's."""
+
+    def __init__(self, dropout, bias):
+        super().__init__()
+        self.dropout = dropout
+        self.qkv = nn.Linear(16, 3 * 16)
+        self.bias = nn.Parameter(torch.zeros(1, 2, 32, 32)) if bias else None
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.bias, dropout_p=self.dropout
+        ).sum()
+
+
+@pytest.mark.parametrize(
+    ("dropout", "bias", "kernel"),
+    [
+        (0.1, False, "aten._scaled_dot_product_flash_attention.default"),
+        (0.0, True, "aten._scaled_dot_product_efficient_attention.default"),
+        (0.1, True, "aten._scaled_dot_product_efficient_attention.default"),
+    ],
+)
+def test_attention_the_cpu_runs_on_its_math_path_runs_cudas_kernel(dropout, bias, kernel):
+    """Note [Attention as the device runs it]: under dropout, or over a bias that needs a
+    gradient, the CPU takes the math path (saving the softmax of every pair); a device trace
+    runs the kernel CUDA picks, flash without a mask, the memory-efficient kernel with one."""
+    x = torch.randn(2, 32, 16)
+
+    def kinds(traced):
+        return {op["kind"] for op in traced.document["ops"]}
+
+    device = trace(_Biased(dropout, bias), x)
+    assert kernel in kinds(device)
+    assert not any("softmax" in kind or kind == "aten.bmm.default" for kind in kinds(device))
+    host = trace(_Biased(dropout, bias), x, target="host")
+    assert "aten._safe_softmax.default" in kinds(host)
+    assert device.saved_bytes() < host.saved_bytes()
+    attention = [op for op in device.document["ops"] if op["kind"] == kernel]
+    assert [("bias" in op["inputs"]) for op in attention] == [bias]
+
+
 def test_ops_after_the_loss_get_a_last_op_that_hands_it_on(tmp_path):
     model, x = tiny_lm()
 

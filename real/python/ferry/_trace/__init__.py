@@ -228,8 +228,11 @@ def _device_dropout() -> Iterator[None]:
 # it: the CPU falls back to the math path, which saves the whole attention matrix (2 GiB a layer
 # for DeepSeek-V3 16B at 2 x 4096 tokens), while a CUDA device runs the memory-efficient kernel
 # (torch's sdp_utils: flash needs equal head sizes, the efficient kernel does not), which saves
-# its output and log-sum-exp. For a device scenario such a call runs that kernel, for the trace
-# only; with as many key/value heads as query heads (grouped queries take the usual path).
+# its output and log-sum-exp. The CPU takes the math path too under dropout, or over a mask that
+# needs a gradient (T5's learned position bias), where a CUDA device runs flash (no mask: flash
+# keeps dropout) or the memory-efficient kernel (a mask, and its gradient). For a device scenario
+# such a call runs that kernel, for the trace only; with as many key/value heads as query heads
+# (grouped queries take the usual path).
 
 
 @contextlib.contextmanager
@@ -247,9 +250,15 @@ def _device_attention() -> Iterator[None]:
         scale=None,
         enable_gqa=False,
     ):
-        unequal = query.dim() == 4 and value.shape[-1] != query.shape[-1]
-        if unequal and key.shape[-3] == query.shape[-3] == value.shape[-3]:
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        unequal = value.shape[-1] != query.shape[-1]
+        mask_grad = attn_mask is not None and torch.is_grad_enabled() and attn_mask.requires_grad
+        fused = query.dim() == 4 and key.shape[-3] == query.shape[-3] == value.shape[-3]
+        if fused and not unequal and attn_mask is None and dropout_p > 0:
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, scale=scale
+            )[0]
+        if fused and (unequal or dropout_p > 0 or mask_grad):
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale
             )[0]
