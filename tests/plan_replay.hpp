@@ -39,10 +39,10 @@ inline Replay replay(const Plan& plan, const CheckedModel& model, const DevicePr
                 r.sim.device_allocator(r.device).stats().reserved_peak};
 }
 
-/// The sized traced families (tests/data/traced/sized): five dense decoders and a mixture of
-/// experts.
-inline constexpr std::array<const char*, 6> kSizedFamilies = {"gpt2",  "llama",  "mistral",
-                                                              "qwen2", "gemma2", "mixtral"};
+/// The sized traced families (tests/data/traced/sized): five dense decoders, a mixture of
+/// experts and an encoder-decoder.
+inline constexpr std::array<const char*, 7> kSizedFamilies = {
+    "gpt2", "llama", "mistral", "qwen2", "gemma2", "mixtral", "t5"};
 
 /// The traced model file `name` of tests/data/traced as it gives it.
 inline Model traced_file(const std::string& name) {

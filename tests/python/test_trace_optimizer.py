@@ -121,8 +121,9 @@ def test_the_cli_steps_the_optimizer_it_names(tmp_path, choice, temporaries):
 
 @pytest.mark.parametrize("family", SIZED_FAMILIES)
 def test_each_familys_trace_holds_a_parameter_set_at_foreach_adamws_step(family):
-    """The sized traces of Hugging Face families (decoders, a tied head, experts), stepped by
-    torch's default AdamW: a temporary for each trainable parameter, tied ones once."""
+    """The sized traces of Hugging Face families (decoders, a tied head, experts, an
+    encoder-decoder), stepped by torch's default AdamW: a temporary for each trainable
+    parameter, tied ones once."""
     with open(sized_path(family), encoding="utf-8") as f:
         document = json.load(f)
     params = [

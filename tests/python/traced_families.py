@@ -137,10 +137,37 @@ GEMMA2_2B = {
     "eos_token_id": 1,
 }
 
+#: google/flan-t5-base's config.json: an encoder-decoder of 12 + 12 blocks 768 wide, gated-GELU
+#: feed-forward layers and relative position buckets.
+FLAN_T5_BASE = {
+    "architectures": ["T5ForConditionalGeneration"],
+    "model_type": "t5",
+    "is_encoder_decoder": True,
+    "d_model": 768,
+    "d_ff": 2048,
+    "d_kv": 64,
+    "num_heads": 12,
+    "num_layers": 12,
+    "num_decoder_layers": 12,
+    "vocab_size": 32128,
+    "n_positions": 512,
+    "feed_forward_proj": "gated-gelu",
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "layer_norm_epsilon": 1e-06,
+    "dropout_rate": 0.1,
+    "initializer_factor": 1.0,
+    "tie_word_embeddings": False,
+    "decoder_start_token_id": 0,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+}
+
 #: family -> (published config: a bundled one's name or a dict, attention implementation,
 #: batch, sequence, extra trace arguments) of the sized fixtures: each config cut to two
-#: layers, traced in bf16 with AdamW's state, at a sequence its positions allow; the mixture of
-#: experts with seeded random routing at capacity 1.25.
+#: layers (an encoder-decoder to one block a stack), traced in bf16 with AdamW's state, at a
+#: sequence its positions allow; the mixture of experts with seeded random routing at capacity
+#: 1.25.
 SIZED = {
     "llama": ("llama3-8b", "sdpa", 1, 4096, ()),
     "qwen2": ("qwen2.5-7b", "sdpa", 1, 4096, ()),
@@ -148,7 +175,25 @@ SIZED = {
     "gemma2": (GEMMA2_2B, "eager", 1, 4096, ()),
     "gpt2": ("gpt2", "eager", 8, 1024, ()),
     "mixtral": ("mixtral-8x7b", "sdpa", 1, 4096, ("--routing", "random,seed=1,capacity=1.25")),
+    "t5": (FLAN_T5_BASE, "sdpa", 8, 512, ()),
 }
+
+#: The config fields that count an encoder-decoder's blocks, each stack's.
+_STACK_COUNTS = (("num_layers", "num_decoder_layers"), ("encoder_layers", "decoder_layers"))
+
+
+def cut_to_two_layers(config):
+    """``config`` with two layers: a decoder's two blocks, an encoder-decoder's one block a
+    stack."""
+    config = dict(config)
+    for keys in _STACK_COUNTS:
+        if all(key in config for key in keys):
+            config.update(dict.fromkeys(keys, 1))
+            return config
+    config["n_layer" if "n_layer" in config else "num_hidden_layers"] = 2
+    return config
+
+
 #: The families with a sized fixture (tests/data/traced/sized).
 SIZED_FAMILIES = tuple(SIZED)
 
@@ -231,8 +276,7 @@ def trace_sized(family, tmp_dir):
     if isinstance(config, str):
         with open(os.path.join(trace_cli.CONFIG_DIR, config + ".json"), encoding="utf-8") as f:
             config = json.load(f)
-    config = dict(config)
-    config["n_layer" if "n_layer" in config else "num_hidden_layers"] = 2
+    config = cut_to_two_layers(config)
     cfg = os.path.join(tmp_dir, f"{family}.json")
     out = os.path.join(tmp_dir, f"{family}.model.json")
     with open(cfg, "w", encoding="utf-8") as f:

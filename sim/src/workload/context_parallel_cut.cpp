@@ -34,7 +34,9 @@ namespace ferry::sim {
 //     same volume. The kernel saves the local K and V, not the gathered ones, as torch's
 //     does, and does 1/cp of the whole attention's FLOPs (the load-balanced causal layout).
 //   * Attention written as matrix products of two split activations is refused: torch's
-//     context_parallel parallelizes the fused kernel only.
+//     context_parallel parallelizes the fused kernel only. So is a fused kernel that reads a
+//     tensor beyond Q, K and V, a mask or bias (T5's relative position bias): torch's ring
+//     kernels raise on an attention bias (only causal masking, or none).
 //
 // Not modelled: the second all-gather of K and V that torch's backward issues (overlapped with
 // the first chunk's attention backward), and the float32 accumulation of their gradients, which
@@ -172,6 +174,15 @@ Status ContextParallelCut::cut_op(ModelOp o) {
         "products); context parallelism runs attention as one fused kernel "
         "(scaled_dot_product_attention), as torch's context_parallel does",
         o.name);
+  }
+  if (is_fused_attention_kind(o.kind)) {
+    for (std::size_t i = 3; i < o.inputs.size(); ++i) {
+      if (out_.tensors[base(o.inputs[i])].role == TensorRole::Param) continue;
+      return refuse(
+          "op \"{}\" attends with a mask or bias (\"{}\"); context parallelism runs fused "
+          "attention causal or unmasked, as torch's context_parallel does",
+          o.name, out_.tensors[o.inputs[i]].name);
+    }
   }
   FERRY_JSON_RETURN_IF_ERROR(share_work(o, params));
   for (const std::uint32_t t : o.outputs) {
