@@ -41,8 +41,8 @@ def layer_of(path: str) -> int:
     Returns:
         Its first integer component (-1 if none).
     """
-    match = _LAYER.search(path)
-    return int(match.group(1)) if match else -1
+    stack = layer_stack_of(path)
+    return -1 if stack is None else stack[1]
 
 
 def layer_stack_of(path: str) -> tuple[str, int] | None:
@@ -245,7 +245,8 @@ class Tracer:
         self.ops = []
         self.op_names = OpNames()
         self.modules = []  # stack of module paths
-        # Note [Layers of several stacks]: stack -> [order of its first op, its largest index].
+        # Note [Layers of several stacks]: stack -> its largest index, in the order of the
+        # stacks' first ops.
         self.layer_stacks = {}
         # Beside each module on that stack: a number for this call where the module is a
         # normalization (Note [Fused norms] in ``_compiled``), else None.
@@ -271,7 +272,7 @@ class Tracer:
         (Note [Layers of several stacks])."""
         offsets = {}
         offset = 0
-        for stack, (_, most) in sorted(self.layer_stacks.items(), key=lambda item: item[1][0]):
+        for stack, most in self.layer_stacks.items():
             offsets[stack] = offset
             offset += most + 1
         return offsets
@@ -377,8 +378,7 @@ class Tracer:
         op = OpRecord(name, -1 if stack is None else stack[1], self.heads > 0, mine, kind)
         if stack is not None:
             op.stack = stack[0]
-            seen = self.layer_stacks.setdefault(stack[0], [len(self.layer_stacks), -1])
-            seen[1] = max(seen[1], stack[1])
+            self.layer_stacks[stack[0]] = max(self.layer_stacks.get(stack[0], -1), stack[1])
         op.norm_call = self.norm_calls[-1] if self.norm_calls else None
         seen = set()
         traffic = 0
