@@ -250,6 +250,8 @@ def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "c
     try:
         from transformers import (
             CONFIG_MAPPING,
+            MODEL_FOR_CAUSAL_LM_MAPPING,
+            MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
             AutoConfig,
             AutoModelForCausalLM,
             AutoModelForSeq2SeqLM,
@@ -276,9 +278,13 @@ def build_model(data: dict[str, Any], args: argparse.Namespace, source: str = "c
         implementations = {"attn_implementation": _attention_implementation(args.attention)}
         if getattr(args, "experts", None) is not None:
             implementations["experts_implementation"] = args.experts
-        auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-        head = "sequence-to-sequence" if config.is_encoder_decoder else "causal"
-        if type(config) not in auto._model_mapping:
+        if config.is_encoder_decoder:
+            auto, mapping = AutoModelForSeq2SeqLM, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
+            head = "sequence-to-sequence"
+        else:
+            auto, mapping = AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING
+            head = "causal"
+        if type(config) not in mapping:
             raise UsageError(
                 f"{source}: model_type: {data['model_type']!r} has no {head} language-model "
                 f"class in transformers {transformers_version}; trace another head from "
