@@ -393,6 +393,7 @@ def test_tensor_and_context_parallelism_are_recorded_and_the_commands_cut_for_th
     # The tiny model's 2 key/value heads do not split among 4 ranks: the file's 2 was overridden.
     assert done.returncode == 2
     assert "--tp 4: 2 key/value heads" in done.stderr
+    assert "; --tp 2 cuts this model" in done.stderr
 
 
 def test_a_pipeline_is_recorded_and_the_commands_run_it(config, tmp_path, capsys):

@@ -130,11 +130,15 @@ TEST(TensorParallelModel, WhatDoesNotSplitIsRefusedNamingItAndTheFlag) {
     return cut.ok() ? std::string() : cut.error().message;
   };
   EXPECT_EQ(refused(preset("llama3-8b-s8192"), 16),
-            R"(--tp 16: 8 key/value heads (op "layers.0.attn") do not split among 16 ranks)");
+            R"(--tp 16: 8 key/value heads (op "layers.0.attn") do not split among 16 ranks; )"
+            R"(--tp 2, 4 or 8 cut this model)");
   EXPECT_EQ(refused(preset("tiny-llama"), 3),
-            R"(--tp 3: 4 attention heads (op "layers.0.attn") do not split among 3 ranks)");
-  EXPECT_EQ(refused(preset("gpt2-small-s1024"), 2),
-            R"(--tp 2: the 50257 features of op "head" do not split among 2 ranks)");
+            R"(--tp 3: 4 attention heads (op "layers.0.attn") do not split among 3 ranks; )"
+            R"(--tp 2 cuts this model)");
+  EXPECT_EQ(
+      refused(preset("gpt2-small-s1024"), 2),
+      R"(--tp 2: the 50257 features of op "head" do not split among 2 ranks; none of --tp 2, )"
+      R"(4 or 8 cuts this model: plan it without --tp)");
   EXPECT_EQ(refused(preset("tiny-llama"), 0), "--tp 0: use 1 or more ranks");
   Model mlp = preset("tiny-llama");
   for (ModelOp& op : mlp.ops) {
@@ -142,7 +146,8 @@ TEST(TensorParallelModel, WhatDoesNotSplitIsRefusedNamingItAndTheFlag) {
   }
   EXPECT_EQ(refused(mlp, 2),
             R"(--tp 2: tensor parallelism cuts the projections of transformer layers, and model )"
-            R"("tiny-llama" has no layer whose projections add to a residual stream)");
+            R"("tiny-llama" has no layer whose projections add to a residual stream; none of )"
+            R"(--tp 2, 4 or 8 cuts this model: plan it without --tp)");
 }
 
 // A rank's model trains: its collectives on the tensor-parallel stream, no hazard, with
@@ -235,14 +240,15 @@ TEST(TensorParallelModel, TracedHuggingFaceModelsCutOrAreRefusedByName) {
       EXPECT_EQ(cut.error().message,
                 R"(--tp 2: op "encoder.block.0.layer.0.SelfAttention/)"
                 R"(_scaled_dot_product_flash_attention_for_cpu" reads tensors split by features )"
-                R"(and by tokens)");
+                R"(and by tokens; none of --tp 2, 4 or 8 cuts this model: plan it without --tp)");
       continue;
     }
     if (std::string(family) == "gpt2") {
       // GPT-2's 50257 tokens do not split in two (Megatron pads the vocabulary first).
       ASSERT_FALSE(cut.ok());
       EXPECT_EQ(cut.error().message,
-                R"(--tp 2: the 50257 features of op "lm_head/mm" do not split among 2 ranks)");
+                R"(--tp 2: the 50257 features of op "lm_head/mm" do not split among 2 ranks; )"
+                R"(none of --tp 2, 4 or 8 cuts this model: plan it without --tp)");
       continue;
     }
     ASSERT_TRUE(cut.ok()) << cut.error().message;

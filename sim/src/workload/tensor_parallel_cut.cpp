@@ -1,4 +1,5 @@
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -6,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -341,13 +343,50 @@ Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp) {
   return rank_cut_detail::tensor_parallel_cut(whole, tp, true);
 }
 
-Result<Model> rank_cut_detail::tensor_parallel_cut(const Model& whole, std::int32_t tp,
-                                                   bool validate) {
-  auto plan = TensorParallelRoles(whole, tp).run();
+namespace {
+
+Result<Model> cut_at(const Model& whole, std::int32_t tp, bool validate) {
+  auto plan = rank_cut_detail::TensorParallelRoles(whole, tp).run();
   if (!plan) return plan.error();
-  TensorParallelRewrite rewrite(whole, tp, plan.value());
+  rank_cut_detail::TensorParallelRewrite rewrite(whole, tp, plan.value());
   if (!validate) rewrite.skip_validation();
   return rewrite.run();
+}
+
+// The degrees a refusal offers instead: a tensor-parallel group lies inside a node, and the
+// node's GPUs hold whole groups (tensor_group_fits in mesh.cpp), so on nodes of 8 GPUs, as every
+// bundled device's, these are the degrees there are.
+constexpr std::int32_t kOfferedDegrees[] = {2, 4, 8};
+
+// What --tp accepts of `whole`, said after a refusal at `refused`: the offered degrees that cut
+// it, or, where none does, that it plans without tensor parallelism.
+std::string accepted_degrees(const Model& whole, std::int32_t refused) {
+  std::vector<std::int32_t> cut;
+  for (const std::int32_t tp : kOfferedDegrees) {
+    if (tp != refused && cut_at(whole, tp, true)) cut.push_back(tp);
+  }
+  const auto listed = [](std::span<const std::int32_t> degrees) {
+    if (degrees.size() == 1) return fmt::format("{}", degrees.front());
+    return fmt::format("{} or {}", fmt::join(degrees.first(degrees.size() - 1), ", "),
+                       degrees.back());
+  };
+  const std::string_view flag = mesh_field(MeshField::Tp).flag;
+  if (cut.empty()) {
+    return fmt::format("none of {} {} cuts this model: plan it without {}", flag,
+                       listed(kOfferedDegrees), flag);
+  }
+  return fmt::format("{} {} {} this model", flag, listed(cut), cut.size() == 1 ? "cuts" : "cut");
+}
+
+}  // namespace
+
+// A refusal names what would be accepted instead (the model's other degrees are tried only
+// then: a cut that succeeds costs one rewrite).
+Result<Model> rank_cut_detail::tensor_parallel_cut(const Model& whole, std::int32_t tp,
+                                                   bool validate) {
+  auto cut = cut_at(whole, tp, validate);
+  if (cut) return cut;
+  return Error{fmt::format("{}; {}", cut.error().message, accepted_degrees(whole, tp))};
 }
 
 }  // namespace ferry::sim
