@@ -40,6 +40,8 @@ _LAYERS = (
     "decoder_layers",
     "num_encoder_layers",
     "num_decoder_layers",
+    "num_blocks",  # xLSTM's
+    "num_layers_per_stack",  # HRM's, each stack run once a cycle
 )
 _EXPERTS = {
     "num_experts": 4,
@@ -155,10 +157,16 @@ def _cut(fields):
             continue
         # Per-layer lists (layer types, MLP types) and per-layer dicts (keyed by the layer's
         # index) keep the entries of the layers kept.
-        lists = [k for k, v in out.items() if isinstance(v, list) and len(v) == count]
+        indices = [k for k, v in out.items() if _layer_indices(v, count)]
+        lists = [
+            k
+            for k, v in out.items()
+            if isinstance(v, list) and len(v) == count and k not in indices
+        ]
         dicts = [k for k, v in out.items() if _by_layer(v, count)]
         per_layer = [out[k] for k in lists]
         per_layer += [[_by_layer(out[k], count).get(i) for i in range(count)] for k in dicts]
+        per_layer += [[i in out[k] for i in range(count)] for k in indices]
         kept = _kept_layers(per_layer, count, least)
         shared = out.get("num_kv_shared_layers")
         if isinstance(shared, int) and shared:
@@ -168,6 +176,8 @@ def _cut(fields):
         out[key] = len(kept)
         for k in lists:
             out[k] = [out[k][i] for i in kept]
+        for k in indices:
+            out[k] = [new for new, i in enumerate(kept) if i in out[k]]
         for k in dicts:
             entries = out[k]
             width = len(next(iter(entries))) if isinstance(next(iter(entries)), str) else 0
@@ -178,6 +188,19 @@ def _cut(fields):
                 if int(old) == i
             }
     return out
+
+
+def _layer_indices(value, count):
+    """Whether ``value`` lists layers by index (Llama 4's ``moe_layers``): increasing ints below
+    ``count``, named once each."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(type(i) is int for i in value)
+        and all(a < b for a, b in zip(value, value[1:]))
+        and 0 <= value[0]
+        and value[-1] < count
+    )
 
 
 def _by_layer(value, count):
