@@ -139,6 +139,10 @@ TEST(TensorParallelModel, WhatDoesNotSplitIsRefusedNamingItAndTheFlag) {
       refused(preset("gpt2-small-s1024"), 2),
       R"(--tp 2: the 50257 features of op "head" do not split among 2 ranks; none of --tp 2, )"
       R"(4 or 8 cuts this model: plan it without --tp)");
+  EXPECT_EQ(
+      refused(preset("gpt2-small-s1024"), 4),
+      R"(--tp 4: the 50257 features of op "head" do not split among 4 ranks; none of --tp 2, )"
+      R"(4 or 8 cuts this model: plan it without --tp)");
   EXPECT_EQ(refused(preset("tiny-llama"), 0), "--tp 0: use 1 or more ranks");
   Model mlp = preset("tiny-llama");
   for (ModelOp& op : mlp.ops) {
