@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include "ferry/sim/mesh/mesh.hpp"
+#include "ferry/sim/workload/rank_workload.hpp"
 #include "rank_cut_test_support.hpp"
 
 namespace ferry::sim::rank_cut_test {
@@ -152,6 +154,29 @@ TEST(TensorParallelModel, WhatDoesNotSplitIsRefusedNamingItAndTheFlag) {
             R"(--tp 2: tensor parallelism cuts the projections of transformer layers, and model )"
             R"("tiny-llama" has no layer whose projections add to a residual stream; none of )"
             R"(--tp 2, 4 or 8 cuts this model: plan it without --tp)");
+}
+
+// On a device, a refusal offers the degrees its node holds whole groups of (a node of 4: 2 and
+// 4; of 16: up to 16), not those of a node of 8.
+TEST(TensorParallelModel, ARefusalOffersTheDegreesTheDevicesNodeHolds) {
+  const auto refused = [](const char* name, std::int32_t node_gpus, std::int32_t tp) {
+    DeviceProfile device = testing::node_profile();
+    device.collectives.gpus_per_node = node_gpus;
+    const Mesh mesh = Mesh::make(Parallelism{.ranks = 1, .tp = tp}, device).value();
+    const Workload whole{check_model(preset(name)).value(), device};
+    auto rank = rank_workload(whole, mesh);
+    EXPECT_FALSE(rank.ok());
+    return rank.ok() ? std::string() : rank.error().message;
+  };
+  EXPECT_EQ(refused("gpt2-small-s1024", 4, 4),
+            R"(--tp 4: the 50257 features of op "head" do not split among 4 ranks; none of --tp )"
+            R"(2 or 4 cuts this model: plan it without --tp)");
+  EXPECT_EQ(refused("gpt2-small-s1024", 16, 2),
+            R"(--tp 2: the 50257 features of op "head" do not split among 2 ranks; none of --tp )"
+            R"(2, 4, 8 or 16 cuts this model: plan it without --tp)");
+  EXPECT_EQ(refused("llama3-8b-s8192", 16, 16),
+            R"(--tp 16: 8 key/value heads (op "layers.0.attn") do not split among 16 ranks; )"
+            R"(--tp 2, 4 or 8 cut this model)");
 }
 
 // A rank's model trains: its collectives on the tensor-parallel stream, no hazard, with

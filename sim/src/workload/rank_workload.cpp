@@ -33,7 +33,8 @@ Result<Workload> rank_workload(const Workload& whole, const Mesh& mesh, CutAxes 
   };
   const auto at = [&]() -> const Model& { return cut ? *cut : *whole.model; };
   if (tp > 1) {
-    if (auto done = apply(rank_cut_detail::tensor_parallel_cut(at(), tp, false),
+    if (auto done = apply(rank_cut_detail::tensor_parallel_cut(
+                              at(), tp, whole.device.collectives.gpus_per_node, false),
                           mesh_field(MeshField::Tp).flag, tp);
         !done) {
       return done.error();

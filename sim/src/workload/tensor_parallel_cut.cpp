@@ -335,14 +335,6 @@ Result<Model> TensorParallelRewrite::run() {
 
 }  // namespace rank_cut_detail
 
-Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp) {
-  if (const MeshFieldRule& degree = mesh_field(MeshField::Tp); tp < degree.least) {
-    return Error{fmt::format("{} {}: use {} or more ranks", degree.flag, tp, degree.least)};
-  }
-  if (tp == 1) return whole;
-  return rank_cut_detail::tensor_parallel_cut(whole, tp, true);
-}
-
 namespace {
 
 Result<Model> cut_at(const Model& whole, std::int32_t tp, bool validate) {
@@ -353,16 +345,20 @@ Result<Model> cut_at(const Model& whole, std::int32_t tp, bool validate) {
   return rewrite.run();
 }
 
-// The degrees a refusal offers instead: a tensor-parallel group lies inside a node, and the
-// node's GPUs hold whole groups (tensor_group_fits in mesh.cpp), so on nodes of 8 GPUs, as every
-// bundled device's, these are the degrees there are.
-constexpr std::int32_t kOfferedDegrees[] = {2, 4, 8};
+// The GPUs of a node where no device is named (tensor_parallel_model): every bundled device with
+// intra-node links has nodes of 8.
+constexpr std::int32_t kNodeGpus = 8;
 
-// What --tp accepts of `whole`, said after a refusal at `refused`: the offered degrees that cut
-// it, or, where none does, that it plans without tensor parallelism.
-std::string accepted_degrees(const Model& whole, std::int32_t refused) {
+// What --tp accepts of `whole`, said after a refusal at `refused`: the degrees a node of
+// `node_gpus` holds whole groups of (tensor_group_fits in mesh.cpp) that cut it, or, where none
+// does, that it plans without tensor parallelism.
+std::string accepted_degrees(const Model& whole, std::int32_t refused, std::int32_t node_gpus) {
+  std::vector<std::int32_t> offered;
+  for (std::int32_t tp = 2; tp <= node_gpus; ++tp) {
+    if (node_gpus % tp == 0) offered.push_back(tp);
+  }
   std::vector<std::int32_t> cut;
-  for (const std::int32_t tp : kOfferedDegrees) {
+  for (const std::int32_t tp : offered) {
     if (tp != refused && cut_at(whole, tp, true)) cut.push_back(tp);
   }
   const auto listed = [](std::span<const std::int32_t> degrees) {
@@ -372,8 +368,9 @@ std::string accepted_degrees(const Model& whole, std::int32_t refused) {
   };
   const std::string_view flag = mesh_field(MeshField::Tp).flag;
   if (cut.empty()) {
-    return fmt::format("none of {} {} cuts this model: plan it without {}", flag,
-                       listed(kOfferedDegrees), flag);
+    return offered.empty() ? fmt::format("plan it without {}", flag)
+                           : fmt::format("none of {} {} cuts this model: plan it without {}", flag,
+                                         listed(offered), flag);
   }
   return fmt::format("{} {} {} this model", flag, listed(cut), cut.size() == 1 ? "cuts" : "cut");
 }
@@ -383,10 +380,18 @@ std::string accepted_degrees(const Model& whole, std::int32_t refused) {
 // A refusal names what would be accepted instead (the model's other degrees are tried only
 // then: a cut that succeeds costs one rewrite).
 Result<Model> rank_cut_detail::tensor_parallel_cut(const Model& whole, std::int32_t tp,
-                                                   bool validate) {
+                                                   std::int32_t node_gpus, bool validate) {
   auto cut = cut_at(whole, tp, validate);
   if (cut) return cut;
-  return Error{fmt::format("{}; {}", cut.error().message, accepted_degrees(whole, tp))};
+  return Error{fmt::format("{}; {}", cut.error().message, accepted_degrees(whole, tp, node_gpus))};
+}
+
+Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp) {
+  if (const MeshFieldRule& degree = mesh_field(MeshField::Tp); tp < degree.least) {
+    return Error{fmt::format("{} {}: use {} or more ranks", degree.flag, tp, degree.least)};
+  }
+  if (tp == 1) return whole;
+  return rank_cut_detail::tensor_parallel_cut(whole, tp, kNodeGpus, true);
 }
 
 }  // namespace ferry::sim
