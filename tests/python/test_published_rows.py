@@ -132,6 +132,7 @@ def v100_16gb():
     profile = bundled("a100-pcie4")
     profile.pop("collectives")
     profile.pop("kernels")  # no V100 kernel figures: the flat roofline
+    profile.pop("tf32_flops_per_s")  # Volta's tensor cores have no TF32
     profile["name"] = "v100-sxm2-16gb"
     profile["description"] = "V100 SXM2 16 GB; datasheet peaks, PCIe Gen3 host"
     profile["memory_bytes"] = 16160 * MIB

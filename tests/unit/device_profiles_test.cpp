@@ -209,6 +209,32 @@ TEST(DeviceProfiles, TheFloat32RateIsOptionalAndBounded) {
   }
 }
 
+// Every bundled profile gives a dense TF32 rate, at least its CUDA cores' float32 and below its
+// 16-bit peak (each datasheet's; docs/devices.md); written back, and left out when 0.
+TEST(DeviceProfiles, EveryBundledProfileGivesATF32RateBetweenItsFloat32AndItsPeak) {
+  for (const std::string& name : list_device_profiles(kProfileDir)) {
+    SCOPED_TRACE(name);
+    const auto profile = load_device_profile(kProfileDir, name);
+    ASSERT_TRUE(profile.ok()) << profile.error().message;
+    EXPECT_GE(profile.value().tf32_flops_per_s, profile.value().fp32_flops_per_s);
+    EXPECT_LT(profile.value().tf32_flops_per_s, profile.value().flops_per_s);
+    const auto again = parse_device_profile(device_profile_to_json(profile.value()), "p.json");
+    ASSERT_TRUE(again.ok()) << again.error().message;
+    EXPECT_EQ(again.value().tf32_flops_per_s, profile.value().tf32_flops_per_s);
+  }
+  auto none = load_device_profile(kProfileDir, "h200");
+  ASSERT_TRUE(none.ok());
+  none.value().tf32_flops_per_s = 0;
+  const std::string without = device_profile_to_json(none.value());
+  EXPECT_EQ(without.find("tf32_flops_per_s"), std::string::npos);
+  const auto refused = parse_device_profile(
+      replaced(without, "\"fp32_flops_per_s\"", "\"tf32_flops_per_s\": 0, \"fp32_flops_per_s\""),
+      "p.json");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find("tf32_flops_per_s"), std::string::npos)
+      << refused.error().message;
+}
+
 TEST(DeviceProfiles, TheBlasWorkspaceIsOptionalAndBounded) {
   const auto h100 = load_device_profile(kProfileDir, "h100-sxm-pcie5");
   ASSERT_TRUE(h100.ok());

@@ -226,6 +226,34 @@ TEST(ModelJson, TheAllocatorMemberIsReadAsItsModeAndWrittenBack) {
   EXPECT_EQ(model_to_json(plain.value()).find("allocator"), std::string::npos);
 }
 
+// The file's "matmul_fp32_precision" member (torch.backends.cuda.matmul.fp32_precision at trace
+// time): "tf32" is read and written back, "ieee" is torch's default and written as no member,
+// anything else is refused naming the member and what it accepts.
+TEST(ModelJson, TheMatmulPrecisionIsReadAndWrittenBackAndABadOneRefused) {
+  auto tf32 = parse_model(
+      valid_with(R"("loss": "y")", R"("loss": "y", "matmul_fp32_precision": "tf32")"), "toy.json");
+  ASSERT_TRUE(tf32.ok()) << tf32.error().message;
+  EXPECT_TRUE(tf32.value().matmul_tf32);
+  const std::string written = model_to_json(tf32.value());
+  EXPECT_NE(written.find(R"("matmul_fp32_precision": "tf32")"), std::string::npos);
+  auto back = parse_model(written, "again.json");
+  ASSERT_TRUE(back.ok()) << back.error().message;
+  EXPECT_EQ(back.value(), tf32.value());
+  auto ieee = parse_model(
+      valid_with(R"("loss": "y")", R"("loss": "y", "matmul_fp32_precision": "ieee")"), "toy.json");
+  ASSERT_TRUE(ieee.ok()) << ieee.error().message;
+  EXPECT_FALSE(ieee.value().matmul_tf32);
+  EXPECT_EQ(model_to_json(ieee.value()).find("matmul_fp32_precision"), std::string::npos);
+  for (const std::string bad : {R"("high")", R"("TF32")", "true", "1"}) {
+    auto refused =
+        parse_model(valid_with(R"("loss": "y")", R"("loss": "y", "matmul_fp32_precision": )" + bad),
+                    "toy.json");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.error().message.find("matmul_fp32_precision"), std::string::npos)
+        << refused.error().message;
+  }
+}
+
 // A trace's measured optimizer step (Note [The optimizer step] in model.cpp): read, written back
 // and read again unchanged; a file without one has none.
 TEST(ModelJson, TheOptimizerStepIsReadAndWrittenBack) {

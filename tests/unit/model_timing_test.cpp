@@ -184,6 +184,52 @@ TEST(KernelTiming, AFloat32ProductRunsOnTheCudaCores) {
   EXPECT_EQ(model.ops[2].duration, SimTime(120'000));  // flash's 500 per mille
 }
 
+// A model traced with TF32 allowed runs its float32 matmuls on the tensor cores at the profile's
+// TF32 rate; its float32 attention and a profile without the rate keep the CUDA cores'.
+TEST(KernelTiming, TF32RunsFloat32MatmulsAtTheTensorCoresTF32Rate) {
+  Model model;
+  model.tensors.push_back(
+      {"f32", Bytes(4), DType::F32, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
+  model.tensors.push_back(
+      {"bf16", Bytes(2), DType::BF16, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
+  ModelOp mm;
+  mm.name = "mm";
+  mm.kind = "aten.mm.default";
+  mm.flops = 60'000'000'000;  // 1 ms at 60 % of 100 TFLOP/s
+  mm.backward_flops = 120'000'000'000;
+  mm.outputs = {0};
+  ModelOp bmm = mm;  // a batched product follows the same cuBLAS setting
+  bmm.name = "bmm";
+  bmm.kind = "aten.bmm.default";
+  ModelOp mm16 = mm;
+  mm16.name = "mm16";
+  mm16.outputs = {1};
+  ModelOp attention = mm;
+  attention.name = "attn";
+  attention.kind = "aten._scaled_dot_product_efficient_attention.default";
+  model.ops = {mm, bmm, mm16, attention};
+  DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000'000);
+  device.fp32_flops_per_s = 100'000'000'000'000;
+  device.tf32_flops_per_s = 500'000'000'000'000;
+  model.matmul_tf32 = true;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(200'000));  // 60 GFLOP at 60 % of 500 TFLOP/s
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(400'000));
+  EXPECT_EQ(model.ops[1].duration, SimTime(200'000));
+  EXPECT_EQ(model.ops[2].duration, SimTime(100'000));    // bf16: the 16-bit peak
+  EXPECT_EQ(model.ops[3].duration, SimTime(1'000'000));  // attention: the CUDA cores
+  // A profile without a TF32 rate (no TF32 tensor cores): the CUDA cores.
+  device.tf32_flops_per_s = 0;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(1'000'000));
+  // torch's default precision: the CUDA cores, whatever the profile gives.
+  device.tf32_flops_per_s = 500'000'000'000'000;
+  model.matmul_tf32 = false;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(1'000'000));
+  EXPECT_EQ(model.ops[1].duration, SimTime(1'000'000));
+}
+
 TEST(KernelTiming, AttentionFiguresAloneLeaveMatmulsToTheFlatRoofline) {
   Model model;
   ModelOp mm;

@@ -47,6 +47,7 @@ std::string profile(const DeviceProfile& p) {
   if (!p.description.empty()) out.str("description", p.description);
   out.num("memory_bytes", p.memory.count()).num("flops_per_s", p.flops_per_s);
   if (p.fp32_flops_per_s > 0) out.num("fp32_flops_per_s", p.fp32_flops_per_s);
+  if (p.tf32_flops_per_s > 0) out.num("tf32_flops_per_s", p.tf32_flops_per_s);
   out.num("memory_bytes_per_s", p.memory_bandwidth.bytes_per_s())
       .raw("h2d", copy_path(p.h2d, true))
       .raw("d2h", copy_path(p.d2h, true))

@@ -168,9 +168,9 @@ constexpr std::int64_t kMaxBlasWorkspaceBytes = std::int64_t{1} << 30;
 Result<DeviceProfile> read_profile(const JsonValue& value) {
   FERRY_JSON_TRY(const auto object,
                  value.object({"name", "description", "memory_bytes", "flops_per_s",
-                               "fp32_flops_per_s", "memory_bytes_per_s", "h2d", "d2h", "pageable",
-                               "d2d", "peer", "pinned_host_capacity_bytes", "blas_workspace_bytes",
-                               "overheads_ns", "collectives", "kernels"}));
+                               "fp32_flops_per_s", "tf32_flops_per_s", "memory_bytes_per_s", "h2d",
+                               "d2h", "pageable", "d2d", "peer", "pinned_host_capacity_bytes",
+                               "blas_workspace_bytes", "overheads_ns", "collectives", "kernels"}));
   DeviceProfile profile;
   FERRY_JSON_TRY(const auto name_value, object.required("name"));
   FERRY_JSON_TRY(profile.name, name_value.name());
@@ -185,6 +185,9 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
   FERRY_JSON_TRY(profile.flops_per_s, read_rate(object, "flops_per_s"));
   if (object.has("fp32_flops_per_s")) {
     FERRY_JSON_TRY(profile.fp32_flops_per_s, read_rate(object, "fp32_flops_per_s"));
+  }
+  if (object.has("tf32_flops_per_s")) {
+    FERRY_JSON_TRY(profile.tf32_flops_per_s, read_rate(object, "tf32_flops_per_s"));
   }
   FERRY_JSON_TRY(const auto hbm, read_rate(object, "memory_bytes_per_s"));
   profile.memory_bandwidth = Bandwidth(hbm);

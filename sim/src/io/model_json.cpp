@@ -73,9 +73,9 @@ class ModelReader {
       return format_value.error("expected {}, got {}", json_quote(kModelFormat),
                                 json_quote(format));
     }
-    FERRY_JSON_TRY(const auto object,
-                   root.object({"format", "name", "tensors", "ops", "loss", "parallelism",
-                                "allocator", "routing", "optimizer_step"}));
+    FERRY_JSON_TRY(const auto object, root.object({"format", "name", "tensors", "ops", "loss",
+                                                   "parallelism", "allocator", "routing",
+                                                   "optimizer_step", "matmul_fp32_precision"}));
     FERRY_JSON_TRY(model_.name, object.required_name("name"));
     FERRY_JSON_RETURN_IF_ERROR(read_tensors(object));
     FERRY_JSON_RETURN_IF_ERROR(read_ops(object));
@@ -98,6 +98,16 @@ class ModelReader {
     }
     if (auto step = object.optional("optimizer_step")) {
       FERRY_JSON_TRY(model_.optimizer_step, read_optimizer_step(*step));
+    }
+    if (auto precision = object.optional("matmul_fp32_precision")) {
+      FERRY_JSON_TRY(const std::string name, precision->string());
+      if (name != "ieee" && name != "tf32") {
+        return precision->error(
+            "expected \"ieee\" or \"tf32\" (torch.backends.cuda.matmul."
+            "fp32_precision), got {}",
+            json_quote(name));
+      }
+      model_.matmul_tf32 = name == "tf32";
     }
     // The checks that need the whole model: producers, views inside their bases, the loss.
     // Its paths are the document's, since tensors and ops keep their order.
@@ -496,6 +506,7 @@ std::string model_to_json(const Model& model) {
     step["temporaries"] = std::move(temporaries);
     out["optimizer_step"] = std::move(step);
   }
+  if (model.matmul_tf32) out["matmul_fp32_precision"] = "tf32";
   return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
 }
 

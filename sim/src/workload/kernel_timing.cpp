@@ -67,7 +67,10 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 //   CUDA cores, not the tensor cores: torch's default float32 matmul precision ("highest") uses
 //   no TF32, and neither flash nor cuDNN attention takes float32 (the memory-efficient kernel
 //   runs it). Where the profile gives fp32_flops_per_s, such an op runs at the flat 60 % of it,
-//   whatever its kernel figures.
+//   whatever its kernel figures. A model traced with TF32 allowed (Model::matmul_tf32: torch's
+//   precision "high" or "medium", cuBLAS's TF32 math for every matmul and bmm) runs its float32
+//   matmuls at the flat 60 % of tf32_flops_per_s where the profile gives it; its float32
+//   attention stays on the CUDA cores (torch's setting is cuBLAS's, not the attention kernels').
 //
 // The figures are the sources' and no row of docs/validation.md's table set any of them.
 
@@ -122,14 +125,20 @@ Wide work_ns(Wide work, const DeviceProfile& device, std::int64_t permille) {
   return ceil_div(scaled, divisor);
 }
 
-/// Whether `op` computes a float32 product on the CUDA cores of `device` (Note [Kernel
-/// timing]): a matmul or fused attention whose first output is float32, on a device whose
-/// profile gives that rate.
-bool computes_in_fp32(const Model& model, const ModelOp& op, const DeviceProfile& device) {
-  if (device.fp32_flops_per_s <= 0 || op.outputs.empty()) return false;
+/// The rate at which `op` computes a float32 product on `device` (Note [Kernel timing]): for a
+/// matmul or fused attention whose first output is float32, the TF32 tensor cores' (a matmul of
+/// a model traced with TF32 allowed) or the CUDA cores', where the profile gives it; 0 for any
+/// other op, or a profile without that rate.
+std::int64_t float32_product_rate(const Model& model, const ModelOp& op,
+                                  const DeviceProfile& device) {
+  if (op.outputs.empty()) return 0;
   const OpFamily family = op.kind.family();
-  if (!is_matmul(family) && !is_fused_attention(family)) return false;
-  return model.tensors.at(op.outputs.front()).dtype == DType::F32;
+  if (!is_matmul(family) && !is_fused_attention(family)) return 0;
+  if (model.tensors.at(op.outputs.front()).dtype != DType::F32) return 0;
+  if (is_matmul(family) && model.matmul_tf32 && device.tf32_flops_per_s > 0) {
+    return device.tf32_flops_per_s;
+  }
+  return device.fp32_flops_per_s;
 }
 
 /// The compute time of an op's forward or backward on `device` (Note [Kernel timing]), the
@@ -145,9 +154,8 @@ ComputeTime compute_time(const Model& model, const ModelOp& op, bool backward,
   const std::int64_t flops = backward ? op.backward_flops : op.flops;
   const KernelFigures& k = device.kernels;
   if (flops == 0) return {};
-  if (computes_in_fp32(model, op, device)) {
-    return {roofline_ns_wide(flops, device.fp32_flops_per_s, kRooflineFlopsPermille),
-            kRooflineFlopsPermille, device.fp32_flops_per_s};
+  if (const std::int64_t rate = float32_product_rate(model, op, device); rate > 0) {
+    return {roofline_ns_wide(flops, rate, kRooflineFlopsPermille), kRooflineFlopsPermille, rate};
   }
   if (const std::int64_t permille = attention_permille(op.kind.family(), k, backward);
       permille > 0) {

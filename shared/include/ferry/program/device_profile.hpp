@@ -104,6 +104,10 @@ struct DeviceProfile {
   /// default float32 matmul precision ("highest", no TF32); optional in the file, 0: such a
   /// matmul is timed at flops_per_s.
   std::int64_t fp32_flops_per_s = 0;
+  /// Dense TF32 peak of the tensor cores, FLOP per second: a float32 matmul's where the model
+  /// was traced with TF32 allowed (Model::matmul_tf32); optional in the file, 0: no TF32, such a
+  /// matmul runs on the CUDA cores.
+  std::int64_t tf32_flops_per_s = 0;
   Bandwidth memory_bandwidth;  ///< device memory bandwidth (HBM)
   CopyPath h2d;                ///< pinned host -> device copy engine
   CopyPath d2h;                ///< device -> pinned host copy engine

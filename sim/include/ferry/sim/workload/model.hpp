@@ -194,6 +194,11 @@ struct Model {
   /// The file's "optimizer_step" member: none when absent, and then a model with optimizer
   /// state steps as fused AdamW does (Note [The optimizer step]).
   std::optional<OptimizerStep> optimizer_step;
+  /// The file's "matmul_fp32_precision" member: true for "tf32" (the trace ran with torch's
+  /// float32 matmul precision at "high" or "medium"), when a float32 product runs on the tensor
+  /// cores at the profile's tf32_flops_per_s (Note [Kernel timing]); false for "ieee" or absent,
+  /// torch's default.
+  bool matmul_tf32 = false;
 
   friend bool operator==(const Model&, const Model&) = default;
 };
