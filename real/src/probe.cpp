@@ -119,6 +119,10 @@ std::string profile_object(const ProbeResult& result, std::string_view name,
   if (const Measurement* fp32 = find(result.measurements, "matmul.fp32.flops_per_s")) {
     line("fp32_flops_per_s", std::to_string(median_of(*fp32)));
   }
+  // And where TF32 did (compute capability 8.0 and later).
+  if (const Measurement* tf32 = find(result.measurements, "matmul.tf32.flops_per_s")) {
+    line("tf32_flops_per_s", std::to_string(median_of(*tf32)));
+  }
   line("memory_bytes_per_s", std::to_string(v("memory_bytes_per_s")));
   line("h2d", path("h2d", true));
   line("d2h", path("d2h", true));

@@ -1,5 +1,6 @@
 // ferry probe on a CUDA device (Note [Probe protocol]). Built only with CUDA.
 
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -36,6 +37,7 @@ class CudaTarget {
     cudaDeviceProp prop{};
     check_cuda(cudaGetDeviceProperties(&prop, index_), "cudaGetDeviceProperties");
     name_ = prop.name;
+    tf32_ = prop.major >= 8;  // TF32 tensor cores: Ampere (compute capability 8.0) and later
     const auto device = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, index_);
     const auto pinned = at::TensorOptions().dtype(at::kByte).pinned_memory(true);
     for (at::Tensor* t : {&pinned_a_, &pinned_b_}) *t = at::empty({bytes_}, pinned).fill_(1);
@@ -142,6 +144,13 @@ class CudaTarget {
                                  "(cuBLAS through torch, default precision settings), "
                                  "CUDA events"),
                    [this, d = dtype] { return matmul_rate(d); }, true});
+    }
+    if (tf32_) {
+      p.push_back({"matmul.tf32.flops_per_s", "FLOP/s",
+                   matmul_method(shape_,
+                                 "of float32 with torch's CUDA matmul precision at tf32 for the "
+                                 "run (cuBLAS's TF32 tensor-op math), CUDA events"),
+                   [this] { return tf32_matmul_rate(); }, true});
     }
   }
 
@@ -341,6 +350,23 @@ class CudaTarget {
                       device_ns(stream_a_, [&] { at::mm_out(o.c, o.a, o.b); }));
   }
 
+  // A float32 matmul with TF32 allowed, torch's setting restored after.
+  std::int64_t tf32_matmul_rate() {
+    at::Context& context = at::globalContext();
+    const at::Float32Precision before =
+        context.float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL);
+    context.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL,
+                                at::Float32Precision::TF32);
+    try {
+      const std::int64_t rate = matmul_rate(at::kFloat);
+      context.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, before);
+      return rate;
+    } catch (...) {
+      context.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, before);
+      throw;
+    }
+  }
+
   // cudaHostAlloc of an activation-sized block (8192 tokens x 4096 bf16), each freed before
   // the next: what a pinned pool pays for a block it has no cached one of.
   static constexpr std::int64_t kPinBytes = std::int64_t{64} << 20;
@@ -373,6 +399,7 @@ class CudaTarget {
   std::size_t free_ = 0;
   std::size_t total_ = 0;
   std::string name_;
+  bool tf32_ = false;
   at::Tensor pinned_a_, pinned_b_, pageable_a_, pageable_b_, device_a_, device_b_;
   at::Tensor pinned_small_, device_small_, device_small_b_, tiny_;
   std::optional<c10::DeviceIndex> peer_;
