@@ -91,6 +91,13 @@ def _parser() -> argparse.ArgumentParser:
         "default none",
     )
     parser.add_argument(
+        "--tf32",
+        action="store_true",
+        help="the loop lets float32 matmuls (every one under --dtype f32) use TF32, as "
+        "Trainer's --tf32 and torch.set_float32_matmul_precision('high') do; default: torch's "
+        "full float32",
+    )
+    parser.add_argument(
         "--target",
         default="device",
         choices=("device", "host"),
@@ -335,6 +342,8 @@ def _check(args: argparse.Namespace) -> dict[str, Any] | None:
     ):
         if value < low:
             raise UsageError(f"{flag}: expected an integer >= {low}, got {value}")
+    if args.tf32 and args.target == "host":
+        raise UsageError("--tf32: TF32 is cuBLAS's; a --target host scenario runs on the CPU")
     section = mesh_section(args)
     from .._trace import Routing
 
@@ -435,7 +444,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # An encoder-decoder's decoder reads --seq tokens too, given rather than shifted from
         # the labels (a config may name no decoder start token).
         decoder = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
+        precision = torch.backends.cuda.matmul.fp32_precision
         try:
+            if args.tf32:
+                torch.backends.cuda.matmul.fp32_precision = "tf32"
             traced = trace(
                 model,
                 ids,
@@ -453,6 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not str(error).startswith("ferry.trace: routing "):
                 raise
             raise UsageError(f"--routing: {str(error).removeprefix('ferry.trace: ')}") from None
+        finally:
+            torch.backends.cuda.matmul.fp32_precision = precision
         hold(traced.document, args.hold)
         section = parallelism(asked, traced.layers())
         if section is not None:

@@ -332,6 +332,15 @@ def allocator_setting(conf: str) -> str | None:
     return "expandable" if expandable else None
 
 
+def matmul_precision_setting() -> str | None:
+    """The ``"matmul_fp32_precision"`` member a scenario traced now records (docs/model-format.md):
+    ``"tf32"`` when torch's float32 matmul precision lets cuBLAS use TF32 (``"high"`` or
+    ``"medium"``, ``torch.backends.cuda.matmul.fp32_precision = "tf32"``, or the legacy
+    ``allow_tf32``), else None: torch's default, full float32, nothing recorded. Read from
+    ``torch.backends.cuda.matmul.fp32_precision``, which reflects every way of setting it."""
+    return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else None
+
+
 def trace(
     model: torch.nn.Module,
     *example_inputs: Any,
@@ -359,7 +368,10 @@ def trace(
     runs it], and so is attention whose values' head size differs from the queries', Note
     [Attention as the device runs it]) or ``"host"`` (the CPU, as the trace itself runs). When
     ``PYTORCH_CUDA_ALLOC_CONF`` turns on ``expandable_segments``, the document records
-    ``"allocator": "expandable"``, and ferry's commands simulate that allocator. Where the
+    ``"allocator": "expandable"``, and ferry's commands simulate that allocator; when torch's
+    float32 matmul precision allows TF32 (``torch.set_float32_matmul_precision("high")``), a
+    ``"device"`` trace records ``"matmul_fp32_precision": "tf32"``, and float32 matmuls run at
+    the profile's TF32 rate. Where the
     model's shapes follow a router's choice (a mixture of experts that gathers each expert's
     tokens), or its grouped matmuls' rows per expert do, the choice is ``routing``'s, and the
     document records it (Note [Routing as a stated assumption] in ``_values``). With
@@ -465,6 +477,8 @@ def trace(
     allocator = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     if allocator is not None:
         traced.document["allocator"] = allocator
+    if target == "device" and matmul_precision_setting() is not None:
+        traced.document["matmul_fp32_precision"] = matmul_precision_setting()
     if tracer.values.decided:
         # The shapes follow the assumption: the document says which (docs/model-format.md).
         traced.routing = routing.to_json()
