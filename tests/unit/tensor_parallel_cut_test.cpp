@@ -159,10 +159,11 @@ TEST(TensorParallelModel, WhatDoesNotSplitIsRefusedNamingItAndTheFlag) {
 // On a device, a refusal offers the degrees its node holds whole groups of (a node of 4: 2 and
 // 4; of 16: up to 16), not those of a node of 8.
 TEST(TensorParallelModel, ARefusalOffersTheDegreesTheDevicesNodeHolds) {
-  const auto refused = [](const char* name, std::int32_t node_gpus, std::int32_t tp) {
+  const auto refused = [](const char* name, std::int32_t node_gpus, std::int32_t tp,
+                          std::int32_t fsdp = 1) {
     DeviceProfile device = testing::node_profile();
     device.collectives.gpus_per_node = node_gpus;
-    const Mesh mesh = Mesh::make(Parallelism{.ranks = 1, .tp = tp}, device).value();
+    const Mesh mesh = Mesh::make(Parallelism{.ranks = fsdp, .tp = tp}, device).value();
     const Workload whole{check_model(preset(name)).value(), device};
     auto rank = rank_workload(whole, mesh);
     EXPECT_FALSE(rank.ok());
@@ -177,6 +178,10 @@ TEST(TensorParallelModel, ARefusalOffersTheDegreesTheDevicesNodeHolds) {
   EXPECT_EQ(refused("llama3-8b-s8192", 16, 16),
             R"(--tp 16: 8 key/value heads (op "layers.0.attn") do not split among 16 ranks; )"
             R"(--tp 2, 4 or 8 cut this model)");
+  // Three FSDP ranks: 3 x 8 GPUs do not lie evenly on nodes of 16, so --tp 8 is not offered.
+  EXPECT_EQ(refused("llama3-8b-s8192", 16, 16, 3),
+            R"(--tp 16: 8 key/value heads (op "layers.0.attn") do not split among 16 ranks; )"
+            R"(--tp 2 or 4 cut this model)");
 }
 
 // A rank's model trains: its collectives on the tensor-parallel stream, no hazard, with

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -71,9 +72,10 @@ class RankCut {
 // The cuts as the public functions of rank_model.hpp make them, past their arguments' checks
 // (the degree 2 or more); with `validate` false the cut model is returned unvalidated, as
 // rank_workload validates the last of its cuts once. A tensor-parallel refusal names the degrees
-// a node of `node_gpus` GPUs holds that cut the model.
+// that cut the model among those `fits` accepts (the mesh's rules at that degree), from 2 to
+// `node_gpus`.
 Result<Model> tensor_parallel_cut(const Model& whole, std::int32_t tp, std::int32_t node_gpus,
-                                  bool validate);
+                                  const std::function<bool(std::int32_t)>& fits, bool validate);
 Result<Model> context_parallel_cut(const Model& whole, std::int32_t cp, GroupPlacement group,
                                    bool validate);
 Result<Model> expert_parallel_cut(const Model& whole, std::int32_t ep, std::int32_t nodes,

@@ -33,8 +33,15 @@ Result<Workload> rank_workload(const Workload& whole, const Mesh& mesh, CutAxes 
   };
   const auto at = [&]() -> const Model& { return cut ? *cut : *whole.model; };
   if (tp > 1) {
+    // A refusal offers the degrees the rest of this mesh takes too (--ep a multiple of --tp, the
+    // nodes holding the ranks evenly).
+    const auto fits = [&p, &whole](std::int32_t other_tp) {
+      Parallelism other = p;
+      other.tp = other_tp;
+      return Mesh::make(other, whole.device).ok();
+    };
     if (auto done = apply(rank_cut_detail::tensor_parallel_cut(
-                              at(), tp, whole.device.collectives.gpus_per_node, false),
+                              at(), tp, whole.device.collectives.gpus_per_node, fits, false),
                           mesh_field(MeshField::Tp).flag, tp);
         !done) {
       return done.error();

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -349,13 +350,14 @@ Result<Model> cut_at(const Model& whole, std::int32_t tp, bool validate) {
 // intra-node links has nodes of 8.
 constexpr std::int32_t kNodeGpus = 8;
 
-// What --tp accepts of `whole`, said after a refusal at `refused`: the degrees a node of
-// `node_gpus` holds whole groups of (tensor_group_fits in mesh.cpp) that cut it, or, where none
-// does, that it plans without tensor parallelism.
-std::string accepted_degrees(const Model& whole, std::int32_t refused, std::int32_t node_gpus) {
+// What --tp accepts of `whole`, said after a refusal at `refused`: the degrees up to `node_gpus`
+// the mesh takes (`fits`: a node holds whole groups, tensor_group_fits in mesh.cpp, and the other
+// axes' rules hold) that cut it, or, where none does, that it plans without tensor parallelism.
+std::string accepted_degrees(const Model& whole, std::int32_t refused, std::int32_t node_gpus,
+                             const std::function<bool(std::int32_t)>& fits) {
   std::vector<std::int32_t> offered;
   for (std::int32_t tp = 2; tp <= node_gpus; ++tp) {
-    if (node_gpus % tp == 0) offered.push_back(tp);
+    if (node_gpus % tp == 0 && fits(tp)) offered.push_back(tp);
   }
   std::vector<std::int32_t> cut;
   for (const std::int32_t tp : offered) {
@@ -380,10 +382,13 @@ std::string accepted_degrees(const Model& whole, std::int32_t refused, std::int3
 // A refusal names what would be accepted instead (the model's other degrees are tried only
 // then: a cut that succeeds costs one rewrite).
 Result<Model> rank_cut_detail::tensor_parallel_cut(const Model& whole, std::int32_t tp,
-                                                   std::int32_t node_gpus, bool validate) {
+                                                   std::int32_t node_gpus,
+                                                   const std::function<bool(std::int32_t)>& fits,
+                                                   bool validate) {
   auto cut = cut_at(whole, tp, validate);
   if (cut) return cut;
-  return Error{fmt::format("{}; {}", cut.error().message, accepted_degrees(whole, tp, node_gpus))};
+  return Error{
+      fmt::format("{}; {}", cut.error().message, accepted_degrees(whole, tp, node_gpus, fits))};
 }
 
 Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp) {
@@ -391,7 +396,8 @@ Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp) {
     return Error{fmt::format("{} {}: use {} or more ranks", degree.flag, tp, degree.least)};
   }
   if (tp == 1) return whole;
-  return rank_cut_detail::tensor_parallel_cut(whole, tp, kNodeGpus, true);
+  return rank_cut_detail::tensor_parallel_cut(
+      whole, tp, kNodeGpus, [](std::int32_t) { return true; }, true);
 }
 
 }  // namespace ferry::sim
