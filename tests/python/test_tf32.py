@@ -119,22 +119,12 @@ def test_a_bad_precision_in_a_document_names_the_member(tmp_path):
 transformers = pytest.importorskip("transformers")
 
 from ferry._cli.trace import main  # noqa: E402
-
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 176,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-}
+from test_trace_cli import TINY_LLAMA  # noqa: E402
 
 
 def test_the_cli_traces_under_tf32_and_leaves_torch_as_it_was(tmp_path, capsys):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(TINY), encoding="utf-8")
+    config.write_text(json.dumps(TINY_LLAMA), encoding="utf-8")
     documents = {}
     for flags in ([], ["--tf32"]):
         out = tmp_path / f"scenario{len(flags)}.json"

@@ -146,7 +146,9 @@ TEST(KernelTiming, AnSdpaCallRunsTheKernelTheProfileSaysTorchPicks) {
   EXPECT_EQ(model.ops[0].duration, SimTime(417));
 }
 
-TEST(KernelTiming, AFloat32ProductRunsOnTheCudaCores) {
+// A model with a float32 output (tensor 0) and a bf16 one (tensor 1), and a float32 matmul of
+// 60 GFLOP forward and 120 backward: 1 ms forward at 60 % of 100 TFLOP/s.
+std::pair<Model, ModelOp> float32_matmul() {
   Model model;
   model.tensors.push_back(
       {"f32", Bytes(4), DType::F32, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
@@ -155,9 +157,14 @@ TEST(KernelTiming, AFloat32ProductRunsOnTheCudaCores) {
   ModelOp mm;
   mm.name = "mm";
   mm.kind = "aten.mm.default";
-  mm.flops = 60'000'000'000;  // 1 ms at 60 % of 100 TFLOP/s
+  mm.flops = 60'000'000'000;
   mm.backward_flops = 120'000'000'000;
   mm.outputs = {0};
+  return {model, mm};
+}
+
+TEST(KernelTiming, AFloat32ProductRunsOnTheCudaCores) {
+  auto [model, mm] = float32_matmul();
   ModelOp mm16 = mm;  // the same product in bf16: the tensor cores' rate
   mm16.name = "mm16";
   mm16.outputs = {1};
@@ -187,17 +194,7 @@ TEST(KernelTiming, AFloat32ProductRunsOnTheCudaCores) {
 // A model traced with TF32 allowed runs its float32 matmuls on the tensor cores at the profile's
 // TF32 rate; its float32 attention and a profile without the rate keep the CUDA cores'.
 TEST(KernelTiming, TF32RunsFloat32MatmulsAtTheTensorCoresTF32Rate) {
-  Model model;
-  model.tensors.push_back(
-      {"f32", Bytes(4), DType::F32, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
-  model.tensors.push_back(
-      {"bf16", Bytes(2), DType::BF16, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
-  ModelOp mm;
-  mm.name = "mm";
-  mm.kind = "aten.mm.default";
-  mm.flops = 60'000'000'000;  // 1 ms at 60 % of 100 TFLOP/s
-  mm.backward_flops = 120'000'000'000;
-  mm.outputs = {0};
+  auto [model, mm] = float32_matmul();
   ModelOp bmm = mm;  // a batched product follows the same cuBLAS setting
   bmm.name = "bmm";
   bmm.kind = "aten.bmm.default";
