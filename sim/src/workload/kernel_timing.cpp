@@ -68,7 +68,7 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 //   no TF32, and neither flash nor cuDNN attention takes float32 (the memory-efficient kernel
 //   runs it). Where the profile gives fp32_flops_per_s, such an op runs at the flat 60 % of it,
 //   whatever its kernel figures. A model traced with TF32 allowed (Model::matmul_tf32: torch's
-//   precision "high" or "medium", cuBLAS's TF32 math for every matmul and bmm) runs its float32
+//   precision "high" or "medium", cuBLAS's TF32 math for every matrix product) runs its float32
 //   matmuls at the flat 60 % of tf32_flops_per_s where the profile gives it; its float32
 //   attention stays on the CUDA cores (torch's setting is cuBLAS's, not the attention kernels').
 //

@@ -72,8 +72,8 @@ class RankCut {
 // The cuts as the public functions of rank_model.hpp make them, past their arguments' checks
 // (the degree 2 or more); with `validate` false the cut model is returned unvalidated, as
 // rank_workload validates the last of its cuts once. A tensor-parallel refusal names the degrees
-// that cut the model among those `fits` accepts (the mesh's rules at that degree), from 2 to
-// `node_gpus`.
+// that cut the model among those from 2 to `node_gpus` that `fits` accepts (the mesh's rules at
+// that degree: a node holds whole groups, and the other axes' rules hold).
 Result<Model> tensor_parallel_cut(const Model& whole, std::int32_t tp, std::int32_t node_gpus,
                                   const std::function<bool(std::int32_t)>& fits, bool validate);
 Result<Model> context_parallel_cut(const Model& whole, std::int32_t cp, GroupPlacement group,

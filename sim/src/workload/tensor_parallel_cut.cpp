@@ -351,13 +351,13 @@ Result<Model> cut_at(const Model& whole, std::int32_t tp, bool validate) {
 constexpr std::int32_t kNodeGpus = 8;
 
 // What --tp accepts of `whole`, said after a refusal at `refused`: the degrees up to `node_gpus`
-// the mesh takes (`fits`: a node holds whole groups, tensor_group_fits in mesh.cpp, and the other
-// axes' rules hold) that cut it, or, where none does, that it plans without tensor parallelism.
+// the mesh takes (`fits`) that cut it, or, where none does, that it plans without tensor
+// parallelism.
 std::string accepted_degrees(const Model& whole, std::int32_t refused, std::int32_t node_gpus,
                              const std::function<bool(std::int32_t)>& fits) {
   std::vector<std::int32_t> offered;
   for (std::int32_t tp = 2; tp <= node_gpus; ++tp) {
-    if (node_gpus % tp == 0 && fits(tp)) offered.push_back(tp);
+    if (fits(tp)) offered.push_back(tp);
   }
   std::vector<std::int32_t> cut;
   for (const std::int32_t tp : offered) {
@@ -396,8 +396,10 @@ Result<Model> tensor_parallel_model(const Model& whole, std::int32_t tp) {
     return Error{fmt::format("{} {}: use {} or more ranks", degree.flag, tp, degree.least)};
   }
   if (tp == 1) return whole;
+  // Without a device, the node's rule alone (tensor_group_fits in mesh.cpp): its GPUs hold whole
+  // groups.
   return rank_cut_detail::tensor_parallel_cut(
-      whole, tp, kNodeGpus, [](std::int32_t) { return true; }, true);
+      whole, tp, kNodeGpus, [](std::int32_t degree) { return kNodeGpus % degree == 0; }, true);
 }
 
 }  // namespace ferry::sim

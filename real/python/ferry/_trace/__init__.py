@@ -477,8 +477,9 @@ def trace(
     allocator = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     if allocator is not None:
         traced.document["allocator"] = allocator
-    if target == "device" and matmul_precision_setting() is not None:
-        traced.document["matmul_fp32_precision"] = matmul_precision_setting()
+    precision = matmul_precision_setting() if target == "device" else None
+    if precision is not None:
+        traced.document["matmul_fp32_precision"] = precision
     if tracer.values.decided:
         # The shapes follow the assumption: the document says which (docs/model-format.md).
         traced.routing = routing.to_json()
