@@ -1,7 +1,7 @@
-"""TF32 from torch's float32 matmul precision: `ferry.trace` records it as the document's
-"matmul_fp32_precision", `python -m ferry trace --tf32` sets it for the trace, and the simulator
-runs such a model's float32 matmuls at the profile's TF32 rate (docs/model-format.md,
-docs/workload.md)."""
+"""TF32 from torch's float32 matmul and convolution precisions: `ferry.trace` records them as
+the document's "matmul_fp32_precision" and "conv_fp32_precision", `python -m ferry trace --tf32`
+sets the first for the trace, and the simulator runs such a model's float32 matmuls and
+convolutions at the profile's TF32 rate (docs/model-format.md, docs/workload.md)."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ferry
-from ferry._trace import matmul_precision_setting
+from ferry._trace import conv_precision_setting, matmul_precision_setting
 
 #: The ways torch lets a loop allow TF32 for float32 matmuls, each tried in a forked child:
 #: torch refuses to read its legacy flags once both its APIs have set them.
@@ -28,15 +28,30 @@ WAYS = {
 }
 
 
-def in_child(statement):
-    """matmul_precision_setting() after `statement`, run in a forked child of this process."""
+#: The ways torch lets a loop keep cuDNN's convolutions from TF32, which it allows by default.
+CONV_WAYS = {
+    "pass": None,
+    "torch.backends.cudnn.conv.fp32_precision = 'ieee'": "ieee",
+    "torch.backends.cudnn.allow_tf32 = False": "ieee",
+    "torch.backends.cudnn.conv.fp32_precision = 'none'": "ieee",
+    "torch.backends.cudnn.allow_tf32 = False; torch.backends.cudnn.allow_tf32 = True": None,
+    "torch.backends.cudnn.conv.fp32_precision = 'none'; torch.backends.fp32_precision = 'tf32'": (
+        None
+    ),
+    "torch.backends.cudnn.fp32_precision = 'tf32'; torch.backends.cudnn.allow_tf32 = False": None,
+    "torch.set_float32_matmul_precision('highest')": None,  # cuBLAS's, not cuDNN's
+}
+
+
+def in_child(statement, setting=matmul_precision_setting):
+    """setting() after `statement`, run in a forked child of this process."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: nothing of it reaches this process but the answer
         os.close(read)
         try:
             exec(statement, {"torch": torch})
-            answer = repr(matmul_precision_setting())
+            answer = repr(setting())
         except BaseException as error:  # noqa: BLE001 - reported to the parent
             answer = f"error: {error}"
         os.write(write, answer.encode())
@@ -52,6 +67,12 @@ def in_child(statement):
 def test_every_way_torch_sets_the_precision_is_read(statement, expected):
     assert in_child(statement) == repr(expected)
     assert matmul_precision_setting() is None  # this process: torch's default
+
+
+@pytest.mark.parametrize("statement, expected", list(CONV_WAYS.items()))
+def test_every_way_torch_sets_the_convolution_precision_is_read(statement, expected):
+    assert in_child(statement, conv_precision_setting) == repr(expected)
+    assert conv_precision_setting() is None
 
 
 def traced(target="device"):
@@ -105,6 +126,34 @@ def test_a_trace_under_tf32_records_it_and_its_float32_matmuls_run_faster(tf32, 
     path = tmp_path / "h100-no-tf32.json"
     path.write_text(json.dumps(profile), encoding="utf-8")
     assert step_ns(under, str(path)) == step_ns(plain, str(path))
+
+
+def test_a_trace_without_tf32_convolutions_records_it_and_they_run_slower():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 256, 4, stride=4), torch.nn.ReLU(), torch.nn.Conv2d(256, 256, 3)
+    )
+    x = torch.randn(64, 3, 224, 224)
+
+    def trace(target="device"):
+        return ferry.trace(model, x, loss_fn=lambda out: out.sum(), target=target)
+
+    default = trace()
+    before = torch.backends.cudnn.conv.fp32_precision
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    try:
+        ieee = trace()
+        host = trace("host")
+    finally:
+        torch.backends.cudnn.conv.fp32_precision = before
+    assert "conv_fp32_precision" not in default.document  # torch's default: TF32
+    assert ieee.document["conv_fp32_precision"] == "ieee"
+    assert "conv_fp32_precision" not in host.document  # the CPU's convolutions are not cuDNN's
+    assert {k: v for k, v in ieee.document.items() if k != "conv_fp32_precision"} == (
+        default.document
+    )
+    # h100-sxm-pcie5: TF32 at 494.5 TFLOP/s, float32 on the CUDA cores at 67.
+    assert step_ns(ieee, "h100-sxm-pcie5") > 2 * step_ns(default, "h100-sxm-pcie5")
 
 
 def test_a_bad_precision_in_a_document_names_the_member(tmp_path):

@@ -254,6 +254,36 @@ TEST(ModelJson, TheMatmulPrecisionIsReadAndWrittenBackAndABadOneRefused) {
   }
 }
 
+// The file's "conv_fp32_precision" member (torch.backends.cudnn.conv.fp32_precision at trace
+// time): absent or "tf32" is torch's default and written as no member, "ieee" is read and
+// written back, anything else is refused naming the member and what it accepts.
+TEST(ModelJson, TheConvolutionPrecisionIsReadAndWrittenBackAndABadOneRefused) {
+  auto plain = parse_model(std::string(kValidModel), "toy.json");
+  ASSERT_TRUE(plain.ok()) << plain.error().message;
+  EXPECT_TRUE(plain.value().conv_tf32);
+  auto tf32 = parse_model(
+      valid_with(R"("loss": "y")", R"("loss": "y", "conv_fp32_precision": "tf32")"), "toy.json");
+  ASSERT_TRUE(tf32.ok()) << tf32.error().message;
+  EXPECT_EQ(tf32.value(), plain.value());
+  EXPECT_EQ(model_to_json(tf32.value()).find("conv_fp32_precision"), std::string::npos);
+  auto ieee = parse_model(
+      valid_with(R"("loss": "y")", R"("loss": "y", "conv_fp32_precision": "ieee")"), "toy.json");
+  ASSERT_TRUE(ieee.ok()) << ieee.error().message;
+  EXPECT_FALSE(ieee.value().conv_tf32);
+  const std::string written = model_to_json(ieee.value());
+  EXPECT_NE(written.find(R"("conv_fp32_precision": "ieee")"), std::string::npos);
+  auto back = parse_model(written, "again.json");
+  ASSERT_TRUE(back.ok()) << back.error().message;
+  EXPECT_EQ(back.value(), ieee.value());
+  for (const std::string bad : {R"("none")", R"("highest")", "false", "0"}) {
+    auto refused = parse_model(
+        valid_with(R"("loss": "y")", R"("loss": "y", "conv_fp32_precision": )" + bad), "toy.json");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.error().message.find("conv_fp32_precision"), std::string::npos)
+        << refused.error().message;
+  }
+}
+
 // A trace's measured optimizer step (Note [The optimizer step] in model.cpp): read, written back
 // and read again unchanged; a file without one has none.
 TEST(ModelJson, TheOptimizerStepIsReadAndWrittenBack) {

@@ -227,6 +227,37 @@ TEST(KernelTiming, TF32RunsFloat32MatmulsAtTheTensorCoresTF32Rate) {
   EXPECT_EQ(model.ops[1].duration, SimTime(1'000'000));
 }
 
+// A float32 convolution is cuDNN's, which torch lets use TF32 by default
+// (torch.backends.cudnn.conv.fp32_precision "tf32"): the TF32 rate whatever the matmul setting,
+// the CUDA cores' at "ieee" or on a profile without TF32, and a bf16 one the 16-bit peak.
+TEST(KernelTiming, AFloat32ConvolutionRunsAtTF32UnlessTracedWithIeee) {
+  auto [model, conv] = float32_matmul();
+  conv.name = "conv";
+  conv.kind = "aten.convolution.default";
+  ModelOp conv16 = conv;
+  conv16.name = "conv16";
+  conv16.outputs = {1};
+  model.ops = {conv, conv16};
+  DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000'000);
+  device.fp32_flops_per_s = 100'000'000'000'000;
+  device.tf32_flops_per_s = 500'000'000'000'000;
+  ASSERT_TRUE(model.conv_tf32);  // torch's default
+  ASSERT_FALSE(model.matmul_tf32);
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(200'000));  // 60 GFLOP at 60 % of 500 TFLOP/s
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(400'000));
+  EXPECT_EQ(model.ops[1].duration, SimTime(100'000));  // bf16: the 16-bit peak
+  device.tf32_flops_per_s = 0;                         // no TF32 tensor cores: the CUDA cores
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(1'000'000));
+  device.tf32_flops_per_s = 500'000'000'000'000;
+  model.conv_tf32 = false;
+  model.matmul_tf32 = true;  // cuBLAS's setting is not cuDNN's
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(1'000'000));
+  EXPECT_EQ(model.ops[1].duration, SimTime(100'000));
+}
+
 TEST(KernelTiming, AttentionFiguresAloneLeaveMatmulsToTheFlatRoofline) {
   Model model;
   ModelOp mm;

@@ -160,7 +160,7 @@ std::vector<BadCase> bad_cases() {
       {"unknown top-level key", valid_with(R"("loss": "y")", R"("loss": "y", "step": 1)"),
        R"(toy.json: unknown key "step" (allowed: format, name, tensors, ops, loss, parallelism, )"
        "allocator, routing, optimizer_step, "
-       "matmul_fp32_precision)"},
+       "matmul_fp32_precision, conv_fp32_precision)"},
       {"optimizer step of negative bytes",
        valid_with(R"("loss": "y")",
                   R"("loss": "y", "optimizer_step": {"bytes": -1, "temporaries": []})"),

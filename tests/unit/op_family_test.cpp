@@ -77,6 +77,7 @@ TEST(OpFamily, TheRowsGiveEachFamilyItsOperators) {
             OpFamily::FusedAttention);
   EXPECT_EQ(op_family("torch_attn._varlen_attn.default"), OpFamily::FusedAttention);
   EXPECT_EQ(op_family("higher_order.flex_attention"), OpFamily::FusedAttention);
+  EXPECT_EQ(op_family("aten.convolution.default"), OpFamily::Convolution);
   EXPECT_EQ(op_family("aten._softmax.default"), OpFamily::Softmax);
   EXPECT_EQ(op_family("aten._safe_softmax.default"), OpFamily::Softmax);
   EXPECT_EQ(op_family("aten.topk.default"), OpFamily::TopK);
@@ -119,11 +120,13 @@ TEST(OpFamily, TraitsGroupTheFamilies) {
   for (const OpFamily f : {OpFamily::Add, OpFamily::Sum, OpFamily::Copy, OpFamily::Reshape}) {
     EXPECT_TRUE(is_linear_in_sums(f)) << op_family_name(f);
   }
+  // A convolution is no matmul: it keeps its own kernels' timing and no parallel cut splits it.
   for (const OpFamily f : {OpFamily::Other, OpFamily::Softmax, OpFamily::TopK, OpFamily::Embedding,
-                           OpFamily::Matmul}) {
+                           OpFamily::Matmul, OpFamily::Convolution}) {
     EXPECT_FALSE(is_linear_in_sums(f)) << op_family_name(f);
     EXPECT_FALSE(is_fused_attention(f)) << op_family_name(f);
   }
+  EXPECT_FALSE(is_matmul(OpFamily::Convolution));
   EXPECT_TRUE(is_grouped_matmul_kind("aten._grouped_mm.default"));
   EXPECT_FALSE(is_grouped_matmul_kind("aten.mm.default"));
 }

@@ -73,9 +73,10 @@ class ModelReader {
       return format_value.error("expected {}, got {}", json_quote(kModelFormat),
                                 json_quote(format));
     }
-    FERRY_JSON_TRY(const auto object, root.object({"format", "name", "tensors", "ops", "loss",
-                                                   "parallelism", "allocator", "routing",
-                                                   "optimizer_step", "matmul_fp32_precision"}));
+    FERRY_JSON_TRY(
+        const auto object,
+        root.object({"format", "name", "tensors", "ops", "loss", "parallelism", "allocator",
+                     "routing", "optimizer_step", "matmul_fp32_precision", "conv_fp32_precision"}));
     FERRY_JSON_TRY(model_.name, object.required_name("name"));
     FERRY_JSON_RETURN_IF_ERROR(read_tensors(object));
     FERRY_JSON_RETURN_IF_ERROR(read_ops(object));
@@ -108,6 +109,15 @@ class ModelReader {
             json_quote(name));
       }
       model_.matmul_tf32 = name == "tf32";
+    }
+    if (auto precision = object.optional("conv_fp32_precision")) {
+      FERRY_JSON_TRY(const std::string name, precision->string());
+      if (name != "ieee" && name != "tf32") {
+        return precision->error(
+            "expected \"ieee\" or \"tf32\" (torch.backends.cudnn.conv.fp32_precision), got {}",
+            json_quote(name));
+      }
+      model_.conv_tf32 = name == "tf32";
     }
     // The checks that need the whole model: producers, views inside their bases, the loss.
     // Its paths are the document's, since tensors and ops keep their order.
@@ -507,6 +517,7 @@ std::string model_to_json(const Model& model) {
     out["optimizer_step"] = std::move(step);
   }
   if (model.matmul_tf32) out["matmul_fp32_precision"] = "tf32";
+  if (!model.conv_tf32) out["conv_fp32_precision"] = "ieee";
   return out.dump(2, ' ', false, OrderedJson::error_handler_t::replace) + "\n";
 }
 

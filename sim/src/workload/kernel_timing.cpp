@@ -71,6 +71,9 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 //   precision "high" or "medium", cuBLAS's TF32 math for every matrix product) runs its float32
 //   matmuls at the flat 60 % of tf32_flops_per_s where the profile gives it; its float32
 //   attention stays on the CUDA cores (torch's setting is cuBLAS's, not the attention kernels').
+//   A float32 convolution is cuDNN's, whose TF32 torch allows by default (Model::conv_tf32,
+//   torch.backends.cudnn.conv.fp32_precision): the flat 60 % of tf32_flops_per_s, or of
+//   fp32_flops_per_s for a model traced with it at "ieee" or a profile without TF32.
 //
 // The figures are the sources' and no row of docs/validation.md's table set any of them.
 
@@ -126,18 +129,18 @@ Wide work_ns(Wide work, const DeviceProfile& device, std::int64_t permille) {
 }
 
 /// The rate at which `op` computes a float32 product on `device` (Note [Kernel timing]): for a
-/// matmul or fused attention whose first output is float32, the TF32 tensor cores' (a matmul of
-/// a model traced with TF32 allowed) or the CUDA cores', where the profile gives it; 0 for any
-/// other op, or a profile without that rate.
+/// matmul, convolution or fused attention whose first output is float32, the TF32 tensor cores'
+/// (a matmul or convolution of a model whose setting allows TF32) or the CUDA cores', where the
+/// profile gives it; 0 for any other op, or a profile without that rate.
 std::int64_t float32_product_rate(const Model& model, const ModelOp& op,
                                   const DeviceProfile& device) {
   if (op.outputs.empty()) return 0;
   const OpFamily family = op.kind.family();
-  if (!is_matmul(family) && !is_fused_attention(family)) return 0;
+  const bool convolution = family == OpFamily::Convolution;
+  if (!is_matmul(family) && !is_fused_attention(family) && !convolution) return 0;
   if (model.tensors.at(op.outputs.front()).dtype != DType::F32) return 0;
-  if (is_matmul(family) && model.matmul_tf32 && device.tf32_flops_per_s > 0) {
-    return device.tf32_flops_per_s;
-  }
+  const bool tf32 = (is_matmul(family) && model.matmul_tf32) || (convolution && model.conv_tf32);
+  if (tf32 && device.tf32_flops_per_s > 0) return device.tf32_flops_per_s;
   return device.fp32_flops_per_s;
 }
 

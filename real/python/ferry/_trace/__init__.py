@@ -341,6 +341,16 @@ def matmul_precision_setting() -> str | None:
     return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else None
 
 
+def conv_precision_setting() -> str | None:
+    """The ``"conv_fp32_precision"`` member a scenario traced now records (docs/model-format.md):
+    ``"ieee"`` when torch's cuDNN convolutions may not use TF32
+    (``torch.backends.cudnn.conv.fp32_precision`` other than ``"tf32"``, or the legacy
+    ``torch.backends.cudnn.allow_tf32 = False``), else None: torch's default, TF32, nothing
+    recorded. Read from ``torch.backends.cudnn.conv.fp32_precision``, which resolves an unset
+    setting through its parents as cuDNN's convolutions do."""
+    return None if torch.backends.cudnn.conv.fp32_precision == "tf32" else "ieee"
+
+
 def trace(
     model: torch.nn.Module,
     *example_inputs: Any,
@@ -371,7 +381,8 @@ def trace(
     ``"allocator": "expandable"``, and ferry's commands simulate that allocator; when torch's
     float32 matmul precision allows TF32 (``torch.set_float32_matmul_precision("high")``), a
     ``"device"`` trace records ``"matmul_fp32_precision": "tf32"``, and float32 matmuls run at
-    the profile's TF32 rate. Where the
+    the profile's TF32 rate; when cuDNN's convolutions may not use TF32 (torch's default lets
+    them), it records ``"conv_fp32_precision": "ieee"``. Where the
     model's shapes follow a router's choice (a mixture of experts that gathers each expert's
     tokens), or its grouped matmuls' rows per expert do, the choice is ``routing``'s, and the
     document records it (Note [Routing as a stated assumption] in ``_values``). With
@@ -480,6 +491,9 @@ def trace(
     precision = matmul_precision_setting() if target == "device" else None
     if precision is not None:
         traced.document["matmul_fp32_precision"] = precision
+    precision = conv_precision_setting() if target == "device" else None
+    if precision is not None:
+        traced.document["conv_fp32_precision"] = precision
     if tracer.values.decided:
         # The shapes follow the assumption: the document says which (docs/model-format.md).
         traced.routing = routing.to_json()

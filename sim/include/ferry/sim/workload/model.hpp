@@ -199,6 +199,10 @@ struct Model {
   /// cores at the profile's tf32_flops_per_s (Note [Kernel timing]); false for "ieee" or absent,
   /// torch's default.
   bool matmul_tf32 = false;
+  /// The file's "conv_fp32_precision" member: true for "tf32" or absent (torch's default,
+  /// torch.backends.cudnn.conv.fp32_precision "tf32"), when a float32 convolution runs on the
+  /// tensor cores at the profile's tf32_flops_per_s (Note [Kernel timing]); false for "ieee".
+  bool conv_tf32 = true;
 
   friend bool operator==(const Model&, const Model&) = default;
 };

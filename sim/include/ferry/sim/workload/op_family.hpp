@@ -20,6 +20,7 @@ enum class OpFamily : std::uint8_t {
   Matmul,              ///< a matrix product: mm, addmm, _scaled_mm, matmul, linear
   BatchedMatmul,       ///< bmm, baddbmm: eager attention's scores and their product with V
   GroupedMatmul,       ///< _grouped_mm, _scaled_grouped_mm: a mixture's experts in one kernel
+  Convolution,         ///< convolution: cuDNN's kernels (a vision model's patches and stages)
   Sdpa,                ///< SDPA's fused kernel, the one the device picks (the profile's
                        ///< `sdpa_backend`): the name a trace gives a fused SDPA call
   FlashAttention,      ///< attention in FlashAttention's kernel, called as such
@@ -37,7 +38,7 @@ enum class OpFamily : std::uint8_t {
 };
 
 /// Number of OpFamily values.
-inline constexpr std::size_t kOpFamilyCount = 16;
+inline constexpr std::size_t kOpFamilyCount = 17;
 
 /// What the simulator knows of a family.
 struct OpFamilyTraits {
