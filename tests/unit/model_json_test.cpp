@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -226,32 +227,42 @@ TEST(ModelJson, TheAllocatorMemberIsReadAsItsModeAndWrittenBack) {
   EXPECT_EQ(model_to_json(plain.value()).find("allocator"), std::string::npos);
 }
 
+// The valid model with the top-level member `member` set to `value` (JSON text), parsed.
+Result<Model> with_member(std::string_view member, std::string_view value) {
+  return parse_model(
+      valid_with(R"("loss": "y")", fmt::format(R"("loss": "y", "{}": {})", member, value)),
+      "toy.json");
+}
+
+// Each of `values` for `member` is refused, the error naming the member.
+void expect_refused(std::string_view member, std::initializer_list<std::string_view> values) {
+  for (const std::string_view value : values) {
+    auto refused = with_member(member, value);
+    ASSERT_FALSE(refused.ok()) << value;
+    EXPECT_NE(refused.error().message.find(member), std::string::npos) << refused.error().message;
+  }
+}
+
+// The valid model with `member` set to `value`, parsed: the text written back names the member
+// when `written`, and reads back as the model either way.
+Model read_member(std::string_view member, std::string_view value, bool written) {
+  auto model = with_member(member, value);
+  EXPECT_TRUE(model.ok()) << model.error().message;
+  if (!model.ok()) return Model{};
+  const std::string text = model_to_json(model.value());
+  EXPECT_EQ(text.find(fmt::format(R"("{}": {})", member, value)) != std::string::npos, written)
+      << text;
+  expect_round_trip(model.value());
+  return model.value();
+}
+
 // The file's "matmul_fp32_precision" member (torch.backends.cuda.matmul.fp32_precision at trace
 // time): "tf32" is read and written back, "ieee" is torch's default and written as no member,
 // anything else is refused naming the member and what it accepts.
 TEST(ModelJson, TheMatmulPrecisionIsReadAndWrittenBackAndABadOneRefused) {
-  auto tf32 = parse_model(
-      valid_with(R"("loss": "y")", R"("loss": "y", "matmul_fp32_precision": "tf32")"), "toy.json");
-  ASSERT_TRUE(tf32.ok()) << tf32.error().message;
-  EXPECT_TRUE(tf32.value().matmul_tf32);
-  const std::string written = model_to_json(tf32.value());
-  EXPECT_NE(written.find(R"("matmul_fp32_precision": "tf32")"), std::string::npos);
-  auto back = parse_model(written, "again.json");
-  ASSERT_TRUE(back.ok()) << back.error().message;
-  EXPECT_EQ(back.value(), tf32.value());
-  auto ieee = parse_model(
-      valid_with(R"("loss": "y")", R"("loss": "y", "matmul_fp32_precision": "ieee")"), "toy.json");
-  ASSERT_TRUE(ieee.ok()) << ieee.error().message;
-  EXPECT_FALSE(ieee.value().matmul_tf32);
-  EXPECT_EQ(model_to_json(ieee.value()).find("matmul_fp32_precision"), std::string::npos);
-  for (const std::string bad : {R"("high")", R"("TF32")", "true", "1"}) {
-    auto refused =
-        parse_model(valid_with(R"("loss": "y")", R"("loss": "y", "matmul_fp32_precision": )" + bad),
-                    "toy.json");
-    ASSERT_FALSE(refused.ok()) << bad;
-    EXPECT_NE(refused.error().message.find("matmul_fp32_precision"), std::string::npos)
-        << refused.error().message;
-  }
+  EXPECT_TRUE(read_member("matmul_fp32_precision", R"("tf32")", true).matmul_tf32);
+  EXPECT_FALSE(read_member("matmul_fp32_precision", R"("ieee")", false).matmul_tf32);
+  expect_refused("matmul_fp32_precision", {R"("high")", R"("TF32")", "true", "1"});
 }
 
 // The file's "conv_fp32_precision" member (torch.backends.cudnn.conv.fp32_precision at trace
@@ -261,27 +272,9 @@ TEST(ModelJson, TheConvolutionPrecisionIsReadAndWrittenBackAndABadOneRefused) {
   auto plain = parse_model(std::string(kValidModel), "toy.json");
   ASSERT_TRUE(plain.ok()) << plain.error().message;
   EXPECT_TRUE(plain.value().conv_tf32);
-  auto tf32 = parse_model(
-      valid_with(R"("loss": "y")", R"("loss": "y", "conv_fp32_precision": "tf32")"), "toy.json");
-  ASSERT_TRUE(tf32.ok()) << tf32.error().message;
-  EXPECT_EQ(tf32.value(), plain.value());
-  EXPECT_EQ(model_to_json(tf32.value()).find("conv_fp32_precision"), std::string::npos);
-  auto ieee = parse_model(
-      valid_with(R"("loss": "y")", R"("loss": "y", "conv_fp32_precision": "ieee")"), "toy.json");
-  ASSERT_TRUE(ieee.ok()) << ieee.error().message;
-  EXPECT_FALSE(ieee.value().conv_tf32);
-  const std::string written = model_to_json(ieee.value());
-  EXPECT_NE(written.find(R"("conv_fp32_precision": "ieee")"), std::string::npos);
-  auto back = parse_model(written, "again.json");
-  ASSERT_TRUE(back.ok()) << back.error().message;
-  EXPECT_EQ(back.value(), ieee.value());
-  for (const std::string bad : {R"("none")", R"("highest")", "false", "0"}) {
-    auto refused = parse_model(
-        valid_with(R"("loss": "y")", R"("loss": "y", "conv_fp32_precision": )" + bad), "toy.json");
-    ASSERT_FALSE(refused.ok()) << bad;
-    EXPECT_NE(refused.error().message.find("conv_fp32_precision"), std::string::npos)
-        << refused.error().message;
-  }
+  EXPECT_EQ(read_member("conv_fp32_precision", R"("tf32")", false), plain.value());
+  EXPECT_FALSE(read_member("conv_fp32_precision", R"("ieee")", true).conv_tf32);
+  expect_refused("conv_fp32_precision", {R"("none")", R"("highest")", "false", "0"});
 }
 
 // A trace's measured optimizer step (Note [The optimizer step] in model.cpp): read, written back
