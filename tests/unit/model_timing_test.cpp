@@ -192,7 +192,7 @@ TEST(KernelTiming, AFloat32ProductRunsOnTheCudaCores) {
 }
 
 // A model traced with TF32 allowed runs its float32 matmuls on the tensor cores at the profile's
-// TF32 rate; its float32 attention and a profile without the rate keep the CUDA cores'.
+// TF32 rate; a profile without the rate keeps the CUDA cores'.
 TEST(KernelTiming, TF32RunsFloat32MatmulsAtTheTensorCoresTF32Rate) {
   auto [model, mm] = float32_matmul();
   ModelOp bmm = mm;  // a batched product follows the same cuBLAS setting
@@ -201,10 +201,7 @@ TEST(KernelTiming, TF32RunsFloat32MatmulsAtTheTensorCoresTF32Rate) {
   ModelOp mm16 = mm;
   mm16.name = "mm16";
   mm16.outputs = {1};
-  ModelOp attention = mm;
-  attention.name = "attn";
-  attention.kind = "aten._scaled_dot_product_efficient_attention.default";
-  model.ops = {mm, bmm, mm16, attention};
+  model.ops = {mm, bmm, mm16};
   DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000'000);
   device.fp32_flops_per_s = 100'000'000'000'000;
   device.tf32_flops_per_s = 500'000'000'000'000;
@@ -213,8 +210,7 @@ TEST(KernelTiming, TF32RunsFloat32MatmulsAtTheTensorCoresTF32Rate) {
   EXPECT_EQ(model.ops[0].duration, SimTime(200'000));  // 60 GFLOP at 60 % of 500 TFLOP/s
   EXPECT_EQ(model.ops[0].backward_duration, SimTime(400'000));
   EXPECT_EQ(model.ops[1].duration, SimTime(200'000));
-  EXPECT_EQ(model.ops[2].duration, SimTime(100'000));    // bf16: the 16-bit peak
-  EXPECT_EQ(model.ops[3].duration, SimTime(1'000'000));  // attention: the CUDA cores
+  EXPECT_EQ(model.ops[2].duration, SimTime(100'000));  // bf16: the 16-bit peak
   // A profile without a TF32 rate (no TF32 tensor cores): the CUDA cores.
   device.tf32_flops_per_s = 0;
   assign_roofline_durations(model, device);
@@ -222,6 +218,44 @@ TEST(KernelTiming, TF32RunsFloat32MatmulsAtTheTensorCoresTF32Rate) {
   // torch's default precision: the CUDA cores, whatever the profile gives.
   device.tf32_flops_per_s = 500'000'000'000'000;
   model.matmul_tf32 = false;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(1'000'000));
+  EXPECT_EQ(model.ops[1].duration, SimTime(1'000'000));
+}
+
+// A float32 SDPA call runs the memory-efficient kernel, whose float32 products are three TF32
+// products each on a GPU with TF32 tensor cores, whatever torch's precision settings: a third of
+// the TF32 rate, forward and backward; the CUDA cores' without TF32. Flex attention keeps the
+// CUDA cores', and a bf16 call its kernel's figure.
+TEST(KernelTiming, Float32SdpaRunsTheEfficientKernelAtAThirdOfTheTF32Rate) {
+  auto [model, sdpa] = float32_matmul();
+  sdpa.name = "sdpa";
+  sdpa.kind = "aten._scaled_dot_product_flash_attention.default";
+  ModelOp efficient = sdpa;
+  efficient.name = "efficient";
+  efficient.kind = "aten._scaled_dot_product_efficient_attention.default";
+  ModelOp flex = sdpa;
+  flex.name = "flex";
+  flex.kind = "higher_order.flex_attention";
+  ModelOp sdpa16 = sdpa;
+  sdpa16.name = "sdpa16";
+  sdpa16.outputs = {1};
+  model.ops = {sdpa, efficient, flex, sdpa16};
+  DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000'000);
+  device.kernels.flash_forward_permille = 500;
+  device.fp32_flops_per_s = 100'000'000'000'000;
+  device.tf32_flops_per_s = 600'000'000'000'000;
+  for (const bool tf32 : {false, true}) {
+    model.matmul_tf32 = tf32;
+    assign_roofline_durations(model, device);
+    EXPECT_EQ(model.ops[0].duration, SimTime(500'000));  // 60 GFLOP at 60 % of 200 TFLOP/s
+    EXPECT_EQ(model.ops[0].backward_duration, SimTime(1'000'000));
+    EXPECT_EQ(model.ops[1].duration, SimTime(500'000));
+    EXPECT_EQ(model.ops[1].backward_duration, SimTime(1'000'000));
+    EXPECT_EQ(model.ops[2].duration, SimTime(1'000'000));  // flex: the CUDA cores
+    EXPECT_EQ(model.ops[3].duration, SimTime(120'000));    // bf16: flash's 500 per mille
+  }
+  device.tf32_flops_per_s = 0;  // no TF32 tensor cores (Volta): the CUDA cores
   assign_roofline_durations(model, device);
   EXPECT_EQ(model.ops[0].duration, SimTime(1'000'000));
   EXPECT_EQ(model.ops[1].duration, SimTime(1'000'000));

@@ -69,8 +69,13 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 //   runs it). Where the profile gives fp32_flops_per_s, such an op runs at the flat 60 % of it,
 //   whatever its kernel figures. A model traced with TF32 allowed (Model::matmul_tf32: torch's
 //   precision "high" or "medium", cuBLAS's TF32 math for every matrix product) runs its float32
-//   matmuls at the flat 60 % of tf32_flops_per_s where the profile gives it; its float32
-//   attention stays on the CUDA cores (torch's setting is cuBLAS's, not the attention kernels').
+//   matmuls at the flat 60 % of tf32_flops_per_s where the profile gives it.
+// * A float32 SDPA call (and flash's or cuDNN's name for one: neither kernel takes float32) runs
+//   the memory-efficient kernel, which on a GPU with TF32 tensor cores (a profile with
+//   tf32_flops_per_s) computes each float32 product as three TF32 products (CUTLASS's 3xTF32,
+//   built in whatever torch's precision settings say): the flat 60 % of a third of
+//   tf32_flops_per_s, forward and backward; without TF32, the CUDA cores' rate. Other fused
+//   attention (flex, varlen) keeps the CUDA cores'.
 //   A float32 convolution is cuDNN's, whose TF32 torch allows by default (Model::conv_tf32,
 //   torch.backends.cudnn.conv.fp32_precision): the flat 60 % of tf32_flops_per_s, or of
 //   fp32_flops_per_s for a model traced with it at "ieee" or a profile without TF32.
@@ -128,10 +133,15 @@ Wide work_ns(Wide work, const DeviceProfile& device, std::int64_t permille) {
   return ceil_div(scaled, divisor);
 }
 
+/// The TF32 products the memory-efficient attention kernel computes for one float32 product on
+/// a GPU with TF32 tensor cores (CUTLASS's 3xTF32, Note [Kernel timing]).
+constexpr std::int64_t kTF32ProductsPerFloat32 = 3;
+
 /// The rate at which `op` computes a float32 product on `device` (Note [Kernel timing]): for a
 /// matmul, convolution or fused attention whose first output is float32, the TF32 tensor cores'
-/// (a matmul or convolution of a model whose setting allows TF32) or the CUDA cores', where the
-/// profile gives it; 0 for any other op, or a profile without that rate.
+/// (a matmul or convolution of a model whose setting allows TF32; a third of it for SDPA's
+/// memory-efficient kernel) or the CUDA cores', where the profile gives it; 0 for any other op,
+/// or a profile without that rate.
 std::int64_t float32_product_rate(const Model& model, const ModelOp& op,
                                   const DeviceProfile& device) {
   if (op.outputs.empty()) return 0;
@@ -139,6 +149,10 @@ std::int64_t float32_product_rate(const Model& model, const ModelOp& op,
   const bool convolution = family == OpFamily::Convolution;
   if (!is_matmul(family) && !is_fused_attention(family) && !convolution) return 0;
   if (model.tensors.at(op.outputs.front()).dtype != DType::F32) return 0;
+  if (is_fused_attention(family) && family != OpFamily::FusedAttention &&
+      device.tf32_flops_per_s > 0) {
+    return std::max<std::int64_t>(1, device.tf32_flops_per_s / kTF32ProductsPerFloat32);
+  }
   const bool tf32 = (is_matmul(family) && model.matmul_tf32) || (convolution && model.conv_tf32);
   if (tf32 && device.tf32_flops_per_s > 0) return device.tf32_flops_per_s;
   return device.fp32_flops_per_s;
