@@ -63,22 +63,21 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 //   matmul_permille where given. SDPA's math backend is no kernel of its own: its bmm and softmax
 //   ops are timed as matmuls with shapes and as streaming ops.
 // * Bytes move at memory_permille of the bandwidth where the profile gives it, else 80 %.
-// * A float32 product (a matmul or fused attention whose first output is float32) runs on the
-//   CUDA cores, not the tensor cores: torch's default float32 matmul precision ("highest") uses
-//   no TF32, and neither flash nor cuDNN attention takes float32 (the memory-efficient kernel
-//   runs it). Where the profile gives fp32_flops_per_s, such an op runs at the flat 60 % of it,
-//   whatever its kernel figures. A model traced with TF32 allowed (Model::matmul_tf32: torch's
-//   precision "high" or "medium", cuBLAS's TF32 math for every matrix product) runs its float32
-//   matmuls at the flat 60 % of tf32_flops_per_s where the profile gives it.
+// * A float32 product (a matmul, convolution or fused attention whose first output is float32)
+//   runs on the CUDA cores, not the tensor cores, unless torch lets it use TF32: where the
+//   profile gives fp32_flops_per_s, at the flat 60 % of it, whatever its kernel figures.
+//   torch's default float32 matmul precision ("highest") uses no TF32; a model traced with TF32
+//   allowed (Model::matmul_tf32: precision "high" or "medium", cuBLAS's TF32 math for every
+//   matrix product) runs its float32 matmuls at the flat 60 % of tf32_flops_per_s where the
+//   profile gives it, and its float32 flex attention too (its Triton kernel follows the same
+//   setting). A float32 convolution is cuDNN's, whose TF32 torch allows by default
+//   (Model::conv_tf32, torch.backends.cudnn.conv.fp32_precision): the flat 60 % of
+//   tf32_flops_per_s, or of fp32_flops_per_s for a model traced with it at "ieee".
 // * A float32 SDPA call (and flash's or cuDNN's name for one: neither kernel takes float32) runs
 //   the memory-efficient kernel, which on a GPU with TF32 tensor cores (a profile with
 //   tf32_flops_per_s) computes each float32 product as three TF32 products (CUTLASS's 3xTF32,
-//   built in whatever torch's precision settings say): the flat 60 % of a third of
-//   tf32_flops_per_s, forward and backward; without TF32, the CUDA cores' rate. Other fused
-//   attention (flex, varlen) keeps the CUDA cores'.
-//   A float32 convolution is cuDNN's, whose TF32 torch allows by default (Model::conv_tf32,
-//   torch.backends.cudnn.conv.fp32_precision): the flat 60 % of tf32_flops_per_s, or of
-//   fp32_flops_per_s for a model traced with it at "ieee" or a profile without TF32.
+//   built in whatever torch's settings say): the flat 60 % of a third of tf32_flops_per_s,
+//   forward and backward; without TF32, the CUDA cores' rate.
 //
 // The figures are the sources' and no row of docs/validation.md's table set any of them.
 
@@ -139,9 +138,9 @@ constexpr std::int64_t kTF32ProductsPerFloat32 = 3;
 
 /// The rate at which `op` computes a float32 product on `device` (Note [Kernel timing]): for a
 /// matmul, convolution or fused attention whose first output is float32, the TF32 tensor cores'
-/// (a matmul or convolution of a model whose setting allows TF32; a third of it for SDPA's
-/// memory-efficient kernel) or the CUDA cores', where the profile gives it; 0 for any other op,
-/// or a profile without that rate.
+/// (a matmul, flex attention or convolution of a model whose setting allows TF32; a third of it for
+/// SDPA's memory-efficient kernel) or the CUDA cores', where the profile gives it; 0 for any other
+/// op, or a profile without that rate.
 std::int64_t float32_product_rate(const Model& model, const ModelOp& op,
                                   const DeviceProfile& device) {
   if (op.outputs.empty()) return 0;
@@ -153,7 +152,10 @@ std::int64_t float32_product_rate(const Model& model, const ModelOp& op,
       device.tf32_flops_per_s > 0) {
     return std::max<std::int64_t>(1, device.tf32_flops_per_s / kTF32ProductsPerFloat32);
   }
-  const bool tf32 = (is_matmul(family) && model.matmul_tf32) || (convolution && model.conv_tf32);
+  // Flex attention's Triton kernel takes cuBLAS's setting too; other fused attention (varlen,
+  // the CPU's) takes no float32 on a GPU.
+  const bool follows_matmul = is_matmul(family) || family == OpFamily::FusedAttention;
+  const bool tf32 = (follows_matmul && model.matmul_tf32) || (convolution && model.conv_tf32);
   if (tf32 && device.tf32_flops_per_s > 0) return device.tf32_flops_per_s;
   return device.fp32_flops_per_s;
 }
