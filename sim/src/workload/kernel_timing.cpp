@@ -63,7 +63,8 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 //   matmul_permille where given. SDPA's math backend is no kernel of its own: its bmm and softmax
 //   ops are timed as matmuls with shapes and as streaming ops.
 // * Bytes move at memory_permille of the bandwidth where the profile gives it, else 80 %.
-// * A float32 product (a matmul, convolution or fused attention whose first output is float32)
+// * A float32 product (a matmul, convolution or fused attention whose first output is float32;
+//   its family's OpFamilyTraits::float32_math says which of the rules below it follows)
 //   runs on the CUDA cores, not the tensor cores, unless torch lets it use TF32: where the
 //   profile gives fp32_flops_per_s, at the flat 60 % of it, whatever its kernel figures.
 //   torch's default float32 matmul precision ("highest") uses no TF32; a model traced with TF32
@@ -136,28 +137,22 @@ Wide work_ns(Wide work, const DeviceProfile& device, std::int64_t permille) {
 /// a GPU with TF32 tensor cores (CUTLASS's 3xTF32, Note [Kernel timing]).
 constexpr std::int64_t kTF32ProductsPerFloat32 = 3;
 
-/// The rate at which `op` computes a float32 product on `device` (Note [Kernel timing]): for a
-/// matmul, convolution or fused attention whose first output is float32, the TF32 tensor cores'
-/// (a matmul, flex attention or convolution of a model whose setting allows TF32; a third of it for
-/// SDPA's memory-efficient kernel) or the CUDA cores', where the profile gives it; 0 for any other
-/// op, or a profile without that rate.
+/// The rate at which `op` computes a float32 product on `device` (Note [Kernel timing]): for an
+/// op whose family computes products (Float32Math) and whose first output is float32, the TF32
+/// tensor cores' where its family and the model's settings use them (a third of it for three
+/// TF32 products each) and the profile gives that rate, else the CUDA cores'; 0 for any other
+/// op, or a profile without the rate.
 std::int64_t float32_product_rate(const Model& model, const ModelOp& op,
                                   const DeviceProfile& device) {
-  if (op.outputs.empty()) return 0;
-  const OpFamily family = op.kind.family();
-  const bool convolution = family == OpFamily::Convolution;
-  if (!is_matmul(family) && !is_fused_attention(family) && !convolution) return 0;
+  const Float32Math math = op_family_traits(op.kind.family()).float32_math;
+  if (math == Float32Math::None || op.outputs.empty()) return 0;
   if (model.tensors.at(op.outputs.front()).dtype != DType::F32) return 0;
-  if (is_fused_attention(family) && family != OpFamily::FusedAttention &&
-      device.tf32_flops_per_s > 0) {
-    return std::max<std::int64_t>(1, device.tf32_flops_per_s / kTF32ProductsPerFloat32);
-  }
-  // Flex attention's Triton kernel takes cuBLAS's setting too; other fused attention (varlen,
-  // the CPU's) takes no float32 on a GPU.
-  const bool follows_matmul = is_matmul(family) || family == OpFamily::FusedAttention;
-  const bool tf32 = (follows_matmul && model.matmul_tf32) || (convolution && model.conv_tf32);
-  if (tf32 && device.tf32_flops_per_s > 0) return device.tf32_flops_per_s;
-  return device.fp32_flops_per_s;
+  const bool tf32 = math == Float32Math::ThreeTF32 ||
+                    (math == Float32Math::MatmulPrecision && model.matmul_tf32) ||
+                    (math == Float32Math::ConvolutionPrecision && model.conv_tf32);
+  if (!tf32 || device.tf32_flops_per_s == 0) return device.fp32_flops_per_s;
+  return math == Float32Math::ThreeTF32 ? device.tf32_flops_per_s / kTF32ProductsPerFloat32
+                                        : device.tf32_flops_per_s;
 }
 
 /// The compute time of an op's forward or backward on `device` (Note [Kernel timing]), the

@@ -35,15 +35,26 @@ namespace {
 
 constexpr std::array kTraits{
     OpFamilyTraits{.name = "other"},
-    OpFamilyTraits{.name = "matmul", .matmul = true},
-    OpFamilyTraits{.name = "batched_matmul", .matmul = true},
-    OpFamilyTraits{.name = "grouped_matmul", .matmul = true},
-    OpFamilyTraits{.name = "convolution"},
-    OpFamilyTraits{.name = "sdpa", .fused_attention = true},
-    OpFamilyTraits{.name = "flash_attention", .fused_attention = true},
-    OpFamilyTraits{.name = "cudnn_attention", .fused_attention = true},
-    OpFamilyTraits{.name = "efficient_attention", .fused_attention = true},
-    OpFamilyTraits{.name = "fused_attention", .fused_attention = true},
+    OpFamilyTraits{.name = "matmul", .matmul = true, .float32_math = Float32Math::MatmulPrecision},
+    OpFamilyTraits{
+        .name = "batched_matmul", .matmul = true, .float32_math = Float32Math::MatmulPrecision},
+    OpFamilyTraits{
+        .name = "grouped_matmul", .matmul = true, .float32_math = Float32Math::MatmulPrecision},
+    OpFamilyTraits{.name = "convolution", .float32_math = Float32Math::ConvolutionPrecision},
+    // Flash and cuDNN take no float32: SDPA runs such a call on the memory-efficient kernel.
+    OpFamilyTraits{.name = "sdpa", .fused_attention = true, .float32_math = Float32Math::ThreeTF32},
+    OpFamilyTraits{
+        .name = "flash_attention", .fused_attention = true, .float32_math = Float32Math::ThreeTF32},
+    OpFamilyTraits{
+        .name = "cudnn_attention", .fused_attention = true, .float32_math = Float32Math::ThreeTF32},
+    OpFamilyTraits{.name = "efficient_attention",
+                   .fused_attention = true,
+                   .float32_math = Float32Math::ThreeTF32},
+    // Of the others only flex takes float32 on a GPU, and its Triton kernel follows cuBLAS's
+    // setting.
+    OpFamilyTraits{.name = "fused_attention",
+                   .fused_attention = true,
+                   .float32_math = Float32Math::MatmulPrecision},
     OpFamilyTraits{.name = "softmax"},
     OpFamilyTraits{.name = "topk"},
     OpFamilyTraits{.name = "embedding"},

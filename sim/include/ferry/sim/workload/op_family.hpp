@@ -40,6 +40,15 @@ enum class OpFamily : std::uint8_t {
 /// Number of OpFamily values.
 inline constexpr std::size_t kOpFamilyCount = 17;
 
+/// How a family's float32 product computes on a GPU (Note [Kernel timing] in kernel_timing.cpp).
+enum class Float32Math : std::uint8_t {
+  None,                  ///< not a product the tensor cores may run
+  MatmulPrecision,       ///< TF32 where torch's matmul precision allows it (cuBLAS; flex's
+                         ///< Triton kernel), else the CUDA cores
+  ConvolutionPrecision,  ///< TF32 where torch's cuDNN convolution precision allows it
+  ThreeTF32,             ///< SDPA's memory-efficient kernel: three TF32 products each, always
+};
+
 /// What the simulator knows of a family.
 struct OpFamilyTraits {
   std::string_view name;  ///< "matmul", "flash_attention", ... (docs/model-format.md, Op kinds)
@@ -52,6 +61,8 @@ struct OpFamilyTraits {
   /// Linear in partial sums: an op of it that reads only partial sums writes one (tensor
   /// parallelism of a mixture of experts).
   bool linear_in_sums = false;
+  /// How its float32 product computes (None: it is not a product).
+  Float32Math float32_math = Float32Math::None;
 };
 
 /// The traits of `family`.
