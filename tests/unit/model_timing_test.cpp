@@ -163,18 +163,28 @@ std::pair<Model, ModelOp> float32_matmul() {
   return {model, mm};
 }
 
+// A copy of `op` named `name`, of operator `kind`.
+ModelOp as_kind(ModelOp op, std::string name, std::string_view kind) {
+  op.name = std::move(name);
+  op.kind = kind;
+  return op;
+}
+
+// A copy of `op` named `name`, writing float32_matmul()'s bf16 tensor.
+ModelOp in_bf16(ModelOp op, std::string name) {
+  op.name = std::move(name);
+  op.outputs = {1};
+  return op;
+}
+
 TEST(KernelTiming, AFloat32ProductRunsOnTheCudaCores) {
   auto [model, mm] = float32_matmul();
-  ModelOp mm16 = mm;  // the same product in bf16: the tensor cores' rate
-  mm16.name = "mm16";
-  mm16.outputs = {1};
-  ModelOp attention = mm;  // float32 SDPA: the memory-efficient kernel, on the CUDA cores
-  attention.name = "attn";
-  attention.kind = "aten._scaled_dot_product_flash_attention.default";
-  ModelOp add = mm;  // a float32 elementwise op: not a product
-  add.name = "add";
-  add.kind = "aten.add.Tensor";
-  model.ops = {mm, mm16, attention, add};
+  model.ops = {
+      mm, in_bf16(mm, "mm16"),  // the same product in bf16: the tensor cores' rate
+      // float32 SDPA: the memory-efficient kernel, on the CUDA cores of a GPU without TF32
+      as_kind(mm, "attn", "aten._scaled_dot_product_flash_attention.default"),
+      as_kind(mm, "add", "aten.add.Tensor"),  // a float32 elementwise op: not a product
+  };
   DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000'000);
   device.kernels.flash_forward_permille = 500;
   device.fp32_flops_per_s = 100'000'000'000'000;
@@ -195,13 +205,8 @@ TEST(KernelTiming, AFloat32ProductRunsOnTheCudaCores) {
 // TF32 rate; a profile without the rate keeps the CUDA cores'.
 TEST(KernelTiming, TF32RunsFloat32MatmulsAtTheTensorCoresTF32Rate) {
   auto [model, mm] = float32_matmul();
-  ModelOp bmm = mm;  // a batched product follows the same cuBLAS setting
-  bmm.name = "bmm";
-  bmm.kind = "aten.bmm.default";
-  ModelOp mm16 = mm;
-  mm16.name = "mm16";
-  mm16.outputs = {1};
-  model.ops = {mm, bmm, mm16};
+  // A batched product follows the same cuBLAS setting.
+  model.ops = {mm, as_kind(mm, "bmm", "aten.bmm.default"), in_bf16(mm, "mm16")};
   DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000'000);
   device.fp32_flops_per_s = 100'000'000'000'000;
   device.tf32_flops_per_s = 500'000'000'000'000;
@@ -228,19 +233,14 @@ TEST(KernelTiming, TF32RunsFloat32MatmulsAtTheTensorCoresTF32Rate) {
 // the TF32 rate, forward and backward; the CUDA cores' without TF32. Flex attention follows the
 // matmul setting, and a bf16 call runs at its kernel's figure.
 TEST(KernelTiming, Float32SdpaRunsTheEfficientKernelAtAThirdOfTheTF32Rate) {
-  auto [model, sdpa] = float32_matmul();
-  sdpa.name = "sdpa";
-  sdpa.kind = "aten._scaled_dot_product_flash_attention.default";
-  ModelOp efficient = sdpa;
-  efficient.name = "efficient";
-  efficient.kind = "aten._scaled_dot_product_efficient_attention.default";
-  ModelOp flex = sdpa;
-  flex.name = "flex";
-  flex.kind = "higher_order.flex_attention";
-  ModelOp sdpa16 = sdpa;
-  sdpa16.name = "sdpa16";
-  sdpa16.outputs = {1};
-  model.ops = {sdpa, efficient, flex, sdpa16};
+  auto [model, mm] = float32_matmul();
+  const ModelOp sdpa = as_kind(mm, "sdpa", "aten._scaled_dot_product_flash_attention.default");
+  model.ops = {
+      sdpa,
+      as_kind(mm, "efficient", "aten._scaled_dot_product_efficient_attention.default"),
+      as_kind(mm, "flex", "higher_order.flex_attention"),
+      in_bf16(sdpa, "sdpa16"),
+  };
   DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000'000);
   device.kernels.flash_forward_permille = 500;
   device.fp32_flops_per_s = 100'000'000'000'000;
@@ -266,13 +266,9 @@ TEST(KernelTiming, Float32SdpaRunsTheEfficientKernelAtAThirdOfTheTF32Rate) {
 // (torch.backends.cudnn.conv.fp32_precision "tf32"): the TF32 rate whatever the matmul setting,
 // the CUDA cores' at "ieee" or on a profile without TF32, and a bf16 one the 16-bit peak.
 TEST(KernelTiming, AFloat32ConvolutionRunsAtTF32UnlessTracedWithIeee) {
-  auto [model, conv] = float32_matmul();
-  conv.name = "conv";
-  conv.kind = "aten.convolution.default";
-  ModelOp conv16 = conv;
-  conv16.name = "conv16";
-  conv16.outputs = {1};
-  model.ops = {conv, conv16};
+  auto [model, mm] = float32_matmul();
+  const ModelOp conv = as_kind(mm, "conv", "aten.convolution.default");
+  model.ops = {conv, in_bf16(conv, "conv16")};
   DeviceProfile device = round_device(1'000'000'000'000'000, 1'000'000'000'000'000);
   device.fp32_flops_per_s = 100'000'000'000'000;
   device.tf32_flops_per_s = 500'000'000'000'000;
