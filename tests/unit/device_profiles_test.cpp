@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/sim/io/program_json.hpp"
@@ -154,6 +155,35 @@ TEST(DeviceProfiles, KernelFiguresRoundTripAndAnOutOfBoundsOneIsRefusedNamingIts
           << refused.error().message;
     }
   }
+}
+
+TEST(DeviceProfiles, TheGroupedMatmulsKernelFollowsTheComputeCapability) {
+  // torch's grouped kernel runs on compute capability 9.x and 10.x; the bundled profiles of
+  // other GPUs name its fallback.
+  for (const auto& [name, kernel] :
+       {std::pair{"h100-sxm-pcie5", GroupedMmKernel::Cutlass},
+        std::pair{"b200", GroupedMmKernel::Cutlass},
+        std::pair{"a100-sxm4-40gb", GroupedMmKernel::Loop}, std::pair{"l4", GroupedMmKernel::Loop},
+        std::pair{"rtx-4090", GroupedMmKernel::Loop}}) {
+    const auto profile = load_device_profile(kProfileDir, name);
+    ASSERT_TRUE(profile.ok()) << profile.error().message;
+    EXPECT_EQ(profile.value().kernels.grouped_mm, kernel) << name;
+  }
+  const auto a100 = load_device_profile(kProfileDir, "a100-pcie4");
+  ASSERT_TRUE(a100.ok()) << a100.error().message;
+  const std::string written = device_profile_to_json(a100.value());
+  const auto again = parse_device_profile(written, "p.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value().kernels, a100.value().kernels);
+  const auto refused = parse_device_profile(
+      replaced(written, "\"grouped_mm\": \"loop\"", "\"grouped_mm\": \"triton\""), "p.json");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find(
+                "\"grouped_mm\" is \"cutlass\" or \"loop\" (compute capability 9.x or 10.x: "
+                "\"cutlass\"), not \"triton\""),
+            std::string::npos)
+      << refused.error().message;
+  EXPECT_NE(refused.error().message.find("kernels"), std::string::npos) << refused.error().message;
 }
 
 TEST(DeviceProfiles, AttentionFiguresAndTheSdpaBackendStandWithoutTheTileModel) {

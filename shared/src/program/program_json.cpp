@@ -102,6 +102,9 @@ std::string profile(const DeviceProfile& p) {
     if (k.sdpa_backend != SdpaBackend{}) {
       kernels.str("sdpa_backend", sdpa_backend_name(k.sdpa_backend));
     }
+    if (k.grouped_mm != GroupedMmKernel{}) {
+      kernels.str("grouped_mm", grouped_mm_kernel_name(k.grouped_mm));
+    }
     out.raw("kernels", kernels.json());
   }
   return out.json();

@@ -106,7 +106,7 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
           {"sm_count", "matmul_tile_m", "matmul_tile_n", "matmul_permille",
            "flash_forward_permille", "flash_backward_permille", "cudnn_forward_permille",
            "cudnn_backward_permille", "efficient_forward_permille", "efficient_backward_permille",
-           "memory_permille", "collective_overlap_permille", "sdpa_backend"}));
+           "memory_permille", "collective_overlap_permille", "sdpa_backend", "grouped_mm"}));
   const auto read = [&](std::string_view key, std::int32_t& field, bool required, std::int64_t min,
                         std::int64_t max) -> Status {
     if (required) {
@@ -155,6 +155,18 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
                         json_quote(sdpa));
   }
   kernels.sdpa_backend = *backend;
+  FERRY_JSON_TRY(const std::string grouped,
+                 object.optional_string("grouped_mm", std::string(grouped_mm_kernel_name({}))));
+  const auto* kernel =
+      std::find_if(std::begin(kGroupedMmKernels), std::end(kGroupedMmKernels),
+                   [&](GroupedMmKernel k) { return grouped_mm_kernel_name(k) == grouped; });
+  if (kernel == std::end(kGroupedMmKernels)) {
+    const auto quoted = [](GroupedMmKernel k) { return json_quote(grouped_mm_kernel_name(k)); };
+    return object.error(
+        "\"grouped_mm\" is {} (compute capability 9.x or 10.x: \"cutlass\"), not {}",
+        names_of(kGroupedMmKernels, quoted, " or "), json_quote(grouped));
+  }
+  kernels.grouped_mm = *kernel;
   return kernels;
 }
 

@@ -66,6 +66,22 @@ inline constexpr SdpaBackend kSdpaBackends[] = {SdpaBackend::Flash, SdpaBackend:
   return backend == SdpaBackend::Cudnn ? "cudnn" : "flash";
 }
 
+/// How torch 2.11 runs a bfloat16 grouped matmul (`aten._grouped_mm`, a mixture's experts) on a
+/// GPU: CUTLASS's grouped kernel, one launch for every group, on compute capability 9.x and 10.x;
+/// elsewhere its fallback, which copies the groups' offsets to the host and waits for them, then
+/// launches one `mm` a group (docs/devices.md, Kernel figures). A float32 or float16 grouped
+/// matmul takes the fallback on every GPU.
+enum class GroupedMmKernel : std::uint8_t { Cutlass, Loop };
+
+/// Every GroupedMmKernel, in the order refusals list them.
+inline constexpr GroupedMmKernel kGroupedMmKernels[] = {GroupedMmKernel::Cutlass,
+                                                        GroupedMmKernel::Loop};
+
+/// "cutlass", "loop": the value of a profile's `grouped_mm`.
+[[nodiscard]] constexpr std::string_view grouped_mm_kernel_name(GroupedMmKernel kernel) {
+  return kernel == GroupedMmKernel::Loop ? "loop" : "cutlass";
+}
+
 /// What the kernels of one GPU reach, each figure from a published measurement (docs/devices.md):
 /// the SM count and the tile of a large matmul, large-GEMM and attention (flash, cuDNN,
 /// memory-efficient) efficiencies against `flops_per_s`, and the fraction of HBM bandwidth a
@@ -87,6 +103,8 @@ struct KernelFigures {
   /// x 1000 of their own; 0: unslowed.
   std::int32_t collective_overlap_permille = 0;
   SdpaBackend sdpa_backend = SdpaBackend::Flash;  ///< the kernel a fused SDPA call runs
+  /// What a bfloat16 grouped matmul runs
+  GroupedMmKernel grouped_mm = GroupedMmKernel::Cutlass;
   /// Whether matmuls with a shape run as tiles in waves (SMs, tile and matmul figure given).
   [[nodiscard]] bool tiled() const { return sm_count > 0; }
   /// Whether any figure is given.
