@@ -396,6 +396,118 @@ TEST(CheckedModel, DurationsAreAssignedToTheCheckedModelWithoutAnotherCheck) {
   EXPECT_TRUE(validate_model(*timed.value()).ok());
 }
 
+// ---------------------------------------------------------------------------------------------
+// Grouped matmuls: one kernel, or torch's fallback of a matmul a group
+
+// A model of one grouped matmul of `m` rows in `dtype` against `experts` weight matrices of
+// k x n (tensor 1, a parameter), its gemm m x n over k, backward dX and dW.
+Model grouped_matmul(DType dtype, std::int64_t m, std::int64_t n, std::int64_t k,
+                     std::int64_t experts) {
+  Model model;
+  const std::int64_t size = dtype_size(dtype);
+  model.tensors.push_back(
+      {"x", Bytes(m * k * size), dtype, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
+  model.tensors.push_back({"w", Bytes(experts * k * n * size), dtype, TensorRole::Param, -1,
+                           Bytes(0), false, Bytes(0), 0});
+  model.tensors.push_back(
+      {"y", Bytes(m * n * size), dtype, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
+  ModelOp op;
+  op.name = "experts";
+  op.kind = "aten._grouped_mm.default";
+  op.flops = 2 * m * n * k;
+  op.backward_flops = 4 * m * n * k;
+  op.gemm = GemmShape{.m = m, .n = n, .k = k, .batch = 1};
+  op.inputs = {0, 1};
+  op.outputs = {2};
+  model.ops = {op};
+  return model;
+}
+
+// `device` with host costs for the fallback's wait: a launch of 100 ns, a copy's submission of
+// 5 us, its device-to-host latency 2 us, a synchronize 2 us: 9.1 us before the first group.
+DeviceProfile with_host_costs(DeviceProfile device) {
+  device.overheads.kernel = SimTime(100);
+  device.overheads.copy = SimTime(5'000);
+  device.overheads.synchronize = SimTime(2'000);
+  device.d2h.latency = SimTime(2'000);
+  return device;
+}
+
+TEST(KernelTiming, ABfloat16GroupedMatmulIsOneKernelWhereTorchHasOne) {
+  Model model = grouped_matmul(DType::BF16, 1024, 128, 1000, 2);
+  model.ops[0].group_rows = {513, 511};
+  DeviceProfile device = with_host_costs(kernel_device());
+  ASSERT_EQ(device.kernels.grouped_mm, GroupedMmKernel::Cutlass);
+  assign_roofline_durations(model, device);
+  // 1024 x 128 in 128 x 128 tiles: 8 tiles, two waves of 256 ns (AMatmulPaysForWholeWavesOfTiles).
+  EXPECT_EQ(model.ops[0].duration, SimTime(512));
+}
+
+TEST(KernelTiming, TorchsFallbackWaitsForTheOffsetsThenRunsAMatmulAGroup) {
+  Model model = grouped_matmul(DType::BF16, 1024, 128, 1000, 2);
+  model.ops[0].group_rows = {513, 511};
+  DeviceProfile device = with_host_costs(kernel_device());
+  device.kernels.grouped_mm = GroupedMmKernel::Loop;
+  assign_roofline_durations(model, device);
+  // The wait, 9.1 us; then 513 rows (5 tiles: two waves, 512 ns) and 511 (4: one, 256 ns).
+  EXPECT_EQ(model.ops[0].duration, SimTime(9'100 + 512 + 256));
+  // Backward: two loops, each its own wait. dX, rows x 1000 over 128: 40 tiles (10 waves of
+  // 32.768 ns, 328 rounded up) and 32 (8 waves, 263); dW, 1000 x 128 over the group's rows: two
+  // waves of 128 x 128 x 513 x 2 FLOP (263) and of 511 (262).
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(2 * 9'100 + 328 + 263 + 263 + 262));
+  // Frozen experts (the backward's FLOPs one product's): dX only.
+  model.ops[0].backward_flops /= 2;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].backward_duration, SimTime(9'100 + 328 + 263));
+  // A group no longer than its launch takes the launch: an empty one, 100 ns.
+  model.ops[0].group_rows = {1024, 0};
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(9'100 + 512 + 100));
+}
+
+TEST(KernelTiming, AFloat32GroupedMatmulFallsBackOnEveryGpu) {
+  // Four experts of 1000 x 1000, 4000 rows spread evenly (no rows per group given): each group
+  // 2 GFLOP at 60 % of the CUDA cores' 100 TFLOP/s, 33,334 ns.
+  Model model = grouped_matmul(DType::F32, 4000, 1000, 1000, 4);
+  DeviceProfile device =
+      with_host_costs(round_device(1'000'000'000'000'000, 1'000'000'000'000'000));
+  device.fp32_flops_per_s = 100'000'000'000'000;
+  ASSERT_EQ(device.kernels.grouped_mm, GroupedMmKernel::Cutlass);
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(9'100 + 4 * 33'334));
+  // bfloat16 on the same profile: one kernel, 8 GFLOP at 600 TFLOP/s.
+  model = grouped_matmul(DType::BF16, 4000, 1000, 1000, 4);
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(13'334));
+}
+
+TEST(KernelTiming, TheFallbacksGroupsAreTheWeightsMatricesWhereTheRowsGivenAreNotOneEach) {
+  // Rows for four groups, but the weights hold two matrices (an expert-parallel rank's half):
+  // two groups of 2000 rows, 4 GFLOP each at 600 TFLOP/s, 6,667 ns.
+  Model model = grouped_matmul(DType::BF16, 4000, 1000, 1000, 2);
+  model.ops[0].group_rows = {1000, 1000, 1000, 1000};
+  DeviceProfile device =
+      with_host_costs(round_device(1'000'000'000'000'000, 1'000'000'000'000'000));
+  device.kernels.grouped_mm = GroupedMmKernel::Loop;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(9'100 + 2 * 6'667));
+  // Uneven rows spread evenly: 4001 over 2, 2001 and 2000.
+  model = grouped_matmul(DType::BF16, 4001, 1000, 1000, 2);
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(9'100 + 6'670 + 6'667));
+  // A float8 grouped matmul (operands recorded as bytes, a bfloat16 output): the scaled kernel.
+  model = grouped_matmul(DType::BF16, 4000, 1000, 1000, 2);
+  model.ops[0].kind = "aten._scaled_grouped_mm.default";
+  model.tensors[0].dtype = DType::U8;
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(13'334));
+  // A grouped product of batched operands (3-D by 3-D, a gemm of batch 2): one bmm, no wait.
+  model = grouped_matmul(DType::BF16, 2000, 1000, 1000, 2);
+  model.ops[0].gemm = GemmShape{.m = 1000, .n = 1000, .k = 1000, .batch = 2};
+  assign_roofline_durations(model, device);
+  EXPECT_EQ(model.ops[0].duration, SimTime(6'667));
+}
+
 TEST(CheckedModel, ASharedModelIsCopiedAndADurationPastTheFormatIsRefused) {
   Model model = small_valid_model();
   model.ops[1].backward_flops = kMaxModelFlops;

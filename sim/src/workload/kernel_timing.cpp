@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "ferry/check.hpp"
 #include "ferry/sim/json/json_reader.hpp"
@@ -79,8 +80,24 @@ std::int64_t roofline_ns(std::int64_t amount, std::int64_t rate, std::int64_t pe
 //   tf32_flops_per_s) computes each float32 product as three TF32 products (CUTLASS's 3xTF32,
 //   built in whatever torch's settings say): the flat 60 % of a third of tf32_flops_per_s,
 //   forward and backward; without TF32, the CUDA cores' rate.
+// * A grouped matmul of rows against one weight matrix a group (a mixture's experts; a gemm of
+//   batch 1) runs as torch 2.11's `_grouped_mm` does: bfloat16 on a profile whose `grouped_mm`
+//   is "cutlass" (compute capability 9.x and 10.x) as one kernel, timed as any matmul; anything
+//   else as its fallback (Note [The grouped matmul's fallback]).
 //
 // The figures are the sources' and no row of docs/validation.md's table set any of them.
+
+// Note [The grouped matmul's fallback]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Where torch has no grouped kernel for the GPU or the dtype, `_grouped_mm` copies the groups'
+// offsets to the host, waits for them, and launches one `mm` a group on that group's rows
+// (GroupedMMUtils.h's fallback; the backward's two products the same, each its own wait). The
+// simulator times the op as that loop on its stream: the wait (the copy's submission and
+// latency, the synchronize, the first launch), then the groups one after the other, each a
+// product of its own rows (the tile model's waves, or the flat roofline's rate) and none shorter
+// than the host takes to launch it. The groups are the trace's rows per group where they are
+// one a weight matrix, else the weights' matrices (the largest parameter the op reads) with the
+// rows spread evenly. The wait stalls only the op: the host's own delay is not modelled.
 
 /// `a` x `b`, or kSaturated when the product would pass it.
 constexpr Wide kSaturated = Wide{1} << 120;
@@ -155,6 +172,109 @@ std::int64_t float32_product_rate(const Model& model, const ModelOp& op,
                                         : device.tf32_flops_per_s;
 }
 
+/// The time of one product of a matmul `op`'s dtype, `rows` x `cols` over `depth`, as its op
+/// would run it alone (Note [Kernel timing]).
+Wide product_ns(const Model& model, const ModelOp& op, std::int64_t rows, std::int64_t cols,
+                std::int64_t depth, const DeviceProfile& device) {
+  const KernelFigures& k = device.kernels;
+  const Wide flops = saturating_mul(
+      saturating_mul(saturating_mul(2, static_cast<Wide>(rows)), static_cast<Wide>(cols)),
+      static_cast<Wide>(depth));
+  const auto at = [&](std::int64_t rate, std::int64_t permille) {
+    return ceil_div(saturating_mul(flops, Wide{1'000'000'000'000U}),
+                    static_cast<Wide>(rate) * static_cast<Wide>(permille));
+  };
+  if (const std::int64_t rate = float32_product_rate(model, op, device); rate > 0) {
+    return at(rate, kRooflineFlopsPermille);
+  }
+  if (k.tiled()) return work_ns(product_work(rows, cols, depth, 1, k), device, k.matmul_permille);
+  return at(device.flops_per_s, k.matmul_permille > 0 ? k.matmul_permille : kRooflineFlopsPermille);
+}
+
+/// The groups of a grouped matmul `op` run as torch's fallback on `device`, each group's rows;
+/// empty where it runs as one kernel (Note [The grouped matmul's fallback]).
+struct Groups {
+  std::vector<std::int64_t> rows;  // each group's, where the trace gives them
+  std::int64_t count = 0;          // else this many groups, the rows spread evenly
+};
+
+std::optional<Groups> fallback_groups(const Model& model, const ModelOp& op,
+                                      const DeviceProfile& device) {
+  if (op.kind.family() != OpFamily::GroupedMatmul || op.gemm.batch != 1 || op.outputs.empty() ||
+      op.gemm.n <= 0 || op.gemm.k <= 0) {
+    return std::nullopt;
+  }
+  // A float8 product (its operands recorded as bytes) is the scaled kernel's, never the loop.
+  const auto is_float = [](DType d) {
+    return d == DType::F32 || d == DType::F16 || d == DType::BF16;
+  };
+  const DType dtype = model.tensors.at(op.outputs.front()).dtype;
+  if (!is_float(dtype) ||
+      (!op.inputs.empty() && !is_float(model.tensors.at(op.inputs.front()).dtype)) ||
+      (dtype == DType::BF16 && device.kernels.grouped_mm == GroupedMmKernel::Cutlass)) {
+    return std::nullopt;
+  }
+  std::int64_t matrices = 0;
+  for (const std::uint32_t t : op.inputs) {
+    const ModelTensor& tensor = model.tensors.at(t);
+    const ModelTensor& base =
+        tensor.view_of >= 0 ? model.tensors.at(static_cast<std::size_t>(tensor.view_of)) : tensor;
+    if (base.role != TensorRole::Param) continue;
+    const Wide matrix = static_cast<Wide>(op.gemm.n) * static_cast<Wide>(op.gemm.k);
+    const Wide elements = static_cast<Wide>(tensor.bytes.count() / dtype_size(tensor.dtype));
+    matrices = std::max(matrices, static_cast<std::int64_t>(elements / matrix));
+  }
+  Groups groups;
+  std::int64_t given = 0;
+  for (const std::int64_t r : op.group_rows) given += r;
+  if (!op.group_rows.empty() && given <= op.gemm.m &&
+      (matrices == 0 || std::cmp_equal(op.group_rows.size(), matrices))) {
+    groups.rows = op.group_rows;
+  } else {
+    groups.count = std::max<std::int64_t>(1, matrices);
+  }
+  return groups;
+}
+
+/// The products the fallback runs a group (Note [The grouped matmul's fallback]): the forward's,
+/// and backward's dX (the group's rows x k over n) and dW (k x n over its rows).
+enum class GroupProduct : std::uint8_t { Forward, InputGradient, WeightGradient };
+
+/// The fallback's loop of `product` over `groups`: the wait, then each group's product.
+Wide loop_ns(const Model& model, const ModelOp& op, const Groups& groups, GroupProduct product,
+             const DeviceProfile& device) {
+  const LaunchOverheads& o = device.overheads;
+  const Wide launch = static_cast<Wide>(o.kernel.ns());
+  const GemmShape& g = op.gemm;
+  const auto one = [&](std::int64_t rows) {
+    Wide ns = 0;
+    switch (product) {
+      case GroupProduct::Forward:
+        ns = product_ns(model, op, rows, g.n, g.k, device);
+        break;
+      case GroupProduct::InputGradient:
+        ns = product_ns(model, op, rows, g.k, g.n, device);
+        break;
+      case GroupProduct::WeightGradient:
+        ns = product_ns(model, op, g.k, g.n, rows, device);
+        break;
+    }
+    return std::max(ns, launch);
+  };
+  Wide ns = static_cast<Wide>(o.copy.ns()) + static_cast<Wide>(device.d2h.latency.ns()) +
+            static_cast<Wide>(o.synchronize.ns()) + launch;
+  if (!groups.rows.empty()) {
+    for (const std::int64_t rows : groups.rows) ns = std::min(ns + one(rows), kSaturated);
+    return ns;
+  }
+  // Balanced: m / count rows a group, the remainder's groups one row more.
+  const std::int64_t each = g.m / groups.count;
+  const std::int64_t more = g.m % groups.count;
+  ns += saturating_mul(one(each), static_cast<Wide>(groups.count - more));
+  if (more > 0) ns += saturating_mul(one(each + 1), static_cast<Wide>(more));
+  return std::min(ns, kSaturated);
+}
+
 /// The compute time of an op's forward or backward on `device` (Note [Kernel timing]), the
 /// permille it ran at and of which rate (0: the tile model, which has no single one).
 struct ComputeTime {
@@ -168,6 +288,19 @@ ComputeTime compute_time(const Model& model, const ModelOp& op, bool backward,
   const std::int64_t flops = backward ? op.backward_flops : op.flops;
   const KernelFigures& k = device.kernels;
   if (flops == 0) return {};
+  if (const std::optional<Groups> groups = fallback_groups(model, op, device)) {
+    if (!backward) return {loop_ns(model, op, *groups, GroupProduct::Forward, device)};
+    // dX; and dW unless the weights are frozen (the backward's FLOPs one product's).
+    Wide ns = loop_ns(model, op, *groups, GroupProduct::InputGradient, device);
+    const GemmShape& g = op.gemm;
+    const Wide forward = saturating_mul(
+        saturating_mul(saturating_mul(2, static_cast<Wide>(g.m)), static_cast<Wide>(g.n)),
+        static_cast<Wide>(g.k));
+    if (static_cast<Wide>(flops) > forward) {
+      ns += loop_ns(model, op, *groups, GroupProduct::WeightGradient, device);
+    }
+    return {std::min(ns, kSaturated)};
+  }
   if (const std::int64_t rate = float32_product_rate(model, op, device); rate > 0) {
     return {roofline_ns_wide(flops, rate, kRooflineFlopsPermille), kRooflineFlopsPermille, rate};
   }
@@ -231,6 +364,14 @@ Status check_compute_term(std::string_view path, const Model& model, const Model
     return check_roofline_term(path, key, flops, time.rate, time.permille, "FLOP", device);
   }
   if (time.ns <= static_cast<Wide>(kMaxJsonNanoseconds)) return Ok{};
+  if (fallback_groups(model, op, device)) {
+    return error_at(json_member_path(path, key),
+                    "{} FLOP of a {} x {} x {} grouped matmul, a matmul a group (torch's "
+                    "fallback on device {}), take over {} ns, the longest duration a model op "
+                    "may have",
+                    flops, op.gemm.m, op.gemm.n, op.gemm.k, json_quote(device.name),
+                    kMaxJsonNanoseconds);
+  }
   return error_at(json_member_path(path, key),
                   "{} FLOP of a {} x {} x {} (batch {}) matmul in {} x {} tiles on {} SMs of "
                   "device {} take over {} ns, the longest duration a model op may have",
