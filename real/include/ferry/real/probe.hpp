@@ -98,6 +98,9 @@ struct ProbeResult {
   std::vector<Measurement> measurements;  ///< in the order taken
   std::vector<ProfileFigure> figures;     ///< every profile key, in the format's order
   std::vector<std::string> notes;         ///< what could not be measured, and why
+  /// The profile's `kernels.grouped_mm`: "loop" on a GPU whose compute capability torch's
+  /// grouped kernel does not take (neither 9.x nor 10.x); empty elsewhere (docs/devices.md).
+  std::string grouped_mm;
 };
 
 /// Measures the device. Errors: an unknown or absent device, or sizes out of range. CUDA and
