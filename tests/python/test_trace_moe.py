@@ -310,6 +310,60 @@ def test_a_deepseek_v3_style_moe_compares_and_plans_under_expert_parallelism(cli
         assert fitting and plan["step_time_ns"] <= min(fitting)
 
 
+def _bundled_profile(name, **kernels):
+    """A bundled device profile with `kernels` figures replaced (None: removed)."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(repo, "scenarios", "devices", f"{name}.json")) as f:
+        profile = json.load(f)
+    figures = profile.get("kernels", {}) | kernels
+    profile["kernels"] = {k: v for k, v in figures.items() if v is not None}
+    profile["name"] = f"{name}-x"
+    return profile
+
+
+def _step_ns(cli, model, profile, tmp_path):
+    device = tmp_path / f"{profile['name']}.json"
+    device.write_text(json.dumps(profile))
+    result = _cli_json(cli, "simulate", "--model", str(model), "--device", str(device))
+    return result["result"]["step_time_ns"]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_grouped_experts_run_torchs_fallback_where_it_has_no_grouped_kernel(cli, tmp_path, family):
+    """docs/devices.md, Kernel figures: a bfloat16 grouped matmul is one kernel on a profile
+    whose `grouped_mm` is "cutlass", and torch's fallback on an A100 (a wait for the offsets, a
+    matmul an expert, in the forward and in each of the backward's two products); a float32 one
+    is the fallback on every GPU."""
+    traced = trace_family(family, BATCH, SEQ, torch.bfloat16, "grouped_mm")
+    model = tmp_path / f"{family}.json"
+    traced.save(model)
+    grouped = [op for op in traced.document["ops"] if op.get("kind") == "aten._grouped_mm.default"]
+    assert grouped and all(op.get("group_rows") for op in grouped)
+    a100 = _bundled_profile("a100-pcie4")
+    assert a100["kernels"]["grouped_mm"] == "loop"
+    loop = _step_ns(cli, model, a100, tmp_path)
+    one = _step_ns(cli, model, _bundled_profile("a100-pcie4", grouped_mm=None), tmp_path)
+    # Each loop waits for its offsets first: the copy's submission, its latency, a synchronize
+    # and a launch (12 us on the bundled profiles), besides a launch an expert.
+    overheads = a100["overheads_ns"]
+    wait = overheads["copy"] + a100["d2h"]["latency_ns"] + overheads["synchronize"]
+    wait += overheads["kernel"]
+    assert loop - one >= 3 * len(grouped) * wait
+    # float32 on an H100: the fallback, against the same products as one matmul each.
+    traced = trace_family(family, BATCH, SEQ, torch.float32, "grouped_mm")
+    traced.save(model)
+    h100 = _bundled_profile("h100-sxm-pcie5")
+    assert h100["kernels"].get("grouped_mm", "cutlass") == "cutlass"
+    loop = _step_ns(cli, model, h100, tmp_path)
+    doc = json.loads(model.read_text())
+    for op in doc["ops"]:
+        if op.get("kind") == "aten._grouped_mm.default":
+            op["kind"] = "aten.mm.default"
+            del op["group_rows"]
+    model.write_text(json.dumps(doc))
+    assert loop - _step_ns(cli, model, h100, tmp_path) >= 3 * len(grouped) * wait
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_families_page_their_static_capacity_under_every_policy(cli, tmp_path, family):
     """docs/parallelism.md, Static capacity and the paged stash: each family's mixture of
