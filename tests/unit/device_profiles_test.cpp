@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -157,6 +158,26 @@ TEST(DeviceProfiles, KernelFiguresRoundTripAndAnOutOfBoundsOneIsRefusedNamingIts
   }
 }
 
+// `profile` written as JSON, which reads back with the same kernel figures.
+std::string written_again(const DeviceProfile& profile) {
+  const std::string written = device_profile_to_json(profile);
+  const auto again = parse_device_profile(written, "p.json");
+  EXPECT_TRUE(again.ok()) << again.error().message;
+  if (again.ok()) {
+    EXPECT_EQ(again.value().kernels, profile.kernels);
+  }
+  return written;
+}
+
+// `written` with `from` replaced by `to` is refused with `message`, under "kernels".
+void expect_refused(const std::string& written, const std::string& from, const std::string& to,
+                    std::string_view message) {
+  const auto refused = parse_device_profile(replaced(written, from, to), "p.json");
+  ASSERT_FALSE(refused.ok()) << to;
+  EXPECT_NE(refused.error().message.find(message), std::string::npos) << refused.error().message;
+  EXPECT_NE(refused.error().message.find("kernels"), std::string::npos) << refused.error().message;
+}
+
 TEST(DeviceProfiles, TheGroupedMatmulsKernelFollowsTheComputeCapability) {
   // torch's grouped kernel runs on compute capability 9.x and 10.x; the bundled profiles of
   // other GPUs name its fallback.
@@ -171,19 +192,10 @@ TEST(DeviceProfiles, TheGroupedMatmulsKernelFollowsTheComputeCapability) {
   }
   const auto a100 = load_device_profile(kProfileDir, "a100-pcie4");
   ASSERT_TRUE(a100.ok()) << a100.error().message;
-  const std::string written = device_profile_to_json(a100.value());
-  const auto again = parse_device_profile(written, "p.json");
-  ASSERT_TRUE(again.ok()) << again.error().message;
-  EXPECT_EQ(again.value().kernels, a100.value().kernels);
-  const auto refused = parse_device_profile(
-      replaced(written, "\"grouped_mm\": \"loop\"", "\"grouped_mm\": \"triton\""), "p.json");
-  ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.error().message.find(
-                "\"grouped_mm\" is \"cutlass\" or \"loop\" (compute capability 9.x or 10.x: "
-                "\"cutlass\"), not \"triton\""),
-            std::string::npos)
-      << refused.error().message;
-  EXPECT_NE(refused.error().message.find("kernels"), std::string::npos) << refused.error().message;
+  const std::string written = written_again(a100.value());
+  expect_refused(written, "\"grouped_mm\": \"loop\"", "\"grouped_mm\": \"triton\"",
+                 "\"grouped_mm\" is \"cutlass\" or \"loop\" (compute capability 9.x or 10.x: "
+                 "\"cutlass\"), not \"triton\"");
 }
 
 TEST(DeviceProfiles, AttentionFiguresAndTheSdpaBackendStandWithoutTheTileModel) {
@@ -193,18 +205,10 @@ TEST(DeviceProfiles, AttentionFiguresAndTheSdpaBackendStandWithoutTheTileModel) 
   EXPECT_FALSE(h100.value().kernels.tiled());
   EXPECT_EQ(h100.value().kernels.sdpa_backend, SdpaBackend::Cudnn);
   EXPECT_EQ(h100.value().kernels.flash_forward_permille, 339);
-  const std::string written = device_profile_to_json(h100.value());
+  const std::string written = written_again(h100.value());
   EXPECT_EQ(written.find("sm_count"), std::string::npos) << written;
-  const auto again = parse_device_profile(written, "p.json");
-  ASSERT_TRUE(again.ok()) << again.error().message;
-  EXPECT_EQ(again.value().kernels, h100.value().kernels);
-  const auto backend = parse_device_profile(
-      replaced(written, "\"sdpa_backend\": \"cudnn\"", "\"sdpa_backend\": \"math\""), "p.json");
-  ASSERT_FALSE(backend.ok());
-  EXPECT_NE(
-      backend.error().message.find("\"sdpa_backend\" is \"flash\" or \"cudnn\", not \"math\""),
-      std::string::npos)
-      << backend.error().message;
+  expect_refused(written, "\"sdpa_backend\": \"cudnn\"", "\"sdpa_backend\": \"math\"",
+                 "\"sdpa_backend\" is \"flash\" or \"cudnn\", not \"math\"");
   // Half a tile model is refused, naming the four figures that go together.
   const auto half = parse_device_profile(replaced(written, "\"flash_forward_permille\"",
                                                   "\"sm_count\": 132, \"flash_forward_permille\""),

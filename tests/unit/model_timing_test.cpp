@@ -411,12 +411,9 @@ Model grouped_matmul(DType dtype, std::int64_t m, std::int64_t n, std::int64_t k
                            Bytes(0), false, Bytes(0), 0});
   model.tensors.push_back(
       {"y", Bytes(m * n * size), dtype, TensorRole::Activation, -1, Bytes(0), false, Bytes(0), 0});
-  ModelOp op;
+  ModelOp op = gemm_op(m, n, k);
   op.name = "experts";
   op.kind = "aten._grouped_mm.default";
-  op.flops = 2 * m * n * k;
-  op.backward_flops = 4 * m * n * k;
-  op.gemm = GemmShape{.m = m, .n = n, .k = k, .batch = 1};
   op.inputs = {0, 1};
   op.outputs = {2};
   model.ops = {op};
