@@ -233,21 +233,17 @@ Status ExpertParallelCut::find_experts() {
   for (std::size_t i = 0; i < whole_.ops.size(); ++i) {
     const ModelOp& o = whole_.ops[i];
     if (!is_grouped_matmul_kind(o.kind)) continue;
-    // The experts' weights: its largest parameter, one (k x n) matrix per expert.
-    std::optional<std::uint32_t> weights;
     for (const std::uint32_t t : o.inputs) {
-      if (whole_.tensors[base(t)].role != TensorRole::Param) continue;
-      experts_.insert({t, base(t)});
-      if (!weights || whole_.tensors[t].bytes > whole_.tensors[*weights].bytes) weights = t;
+      if (whole_.tensors[base(t)].role == TensorRole::Param) experts_.insert({t, base(t)});
     }
-    if (!weights || !o.gemm.known() || o.gemm.n * o.gemm.k <= 0) {
+    const std::optional<std::int64_t> experts = grouped_matmul_experts(whole_, o);
+    if (!experts) {
       return refuse(
           "op \"{}\", a grouped matmul, has no weights or no \"gemm\" shape to count its "
           "experts by",
           o.name);
     }
-    const ModelTensor& w = whole_.tensors[*weights];
-    const std::int64_t count = w.bytes.count() / dtype_size(w.dtype) / (o.gemm.n * o.gemm.k);
+    const std::int64_t count = *experts;
     if (count < 1 || count % ep_ != 0) {
       return refuse("{} experts (op \"{}\") do not split among {} ranks", count, o.name, ep_);
     }

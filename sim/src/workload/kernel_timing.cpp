@@ -2,12 +2,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
-#include <vector>
 
 #include "ferry/check.hpp"
 #include "ferry/sim/json/json_reader.hpp"
@@ -172,30 +173,40 @@ std::int64_t float32_product_rate(const Model& model, const ModelOp& op,
                                         : device.tf32_flops_per_s;
 }
 
+/// 2 x rows x cols x depth: one product's FLOPs (saturating).
+Wide product_flops(std::int64_t rows, std::int64_t cols, std::int64_t depth) {
+  return saturating_mul(
+      saturating_mul(saturating_mul(2, static_cast<Wide>(rows)), static_cast<Wide>(cols)),
+      static_cast<Wide>(depth));
+}
+
+/// The fraction of the peak an op with FLOPs runs at on the flat roofline: a matmul kind at the
+/// profile's matmul figure where it gives one, everything else at the flat 60 %.
+std::int64_t flat_permille(const ModelOp& op, const KernelFigures& k) {
+  return is_matmul(op.kind.family()) && k.matmul_permille > 0 ? k.matmul_permille
+                                                              : kRooflineFlopsPermille;
+}
+
 /// The time of one product of a matmul `op`'s dtype, `rows` x `cols` over `depth`, as its op
 /// would run it alone (Note [Kernel timing]).
 Wide product_ns(const Model& model, const ModelOp& op, std::int64_t rows, std::int64_t cols,
                 std::int64_t depth, const DeviceProfile& device) {
   const KernelFigures& k = device.kernels;
-  const Wide flops = saturating_mul(
-      saturating_mul(saturating_mul(2, static_cast<Wide>(rows)), static_cast<Wide>(cols)),
-      static_cast<Wide>(depth));
-  const auto at = [&](std::int64_t rate, std::int64_t permille) {
-    return ceil_div(saturating_mul(flops, Wide{1'000'000'000'000U}),
-                    static_cast<Wide>(rate) * static_cast<Wide>(permille));
-  };
+  // No larger than the op's own product, whose FLOPs the model validated.
+  const auto flops = static_cast<std::int64_t>(
+      std::min<Wide>(product_flops(rows, cols, depth), std::numeric_limits<std::int64_t>::max()));
   if (const std::int64_t rate = float32_product_rate(model, op, device); rate > 0) {
-    return at(rate, kRooflineFlopsPermille);
+    return roofline_ns_wide(flops, rate, kRooflineFlopsPermille);
   }
   if (k.tiled()) return work_ns(product_work(rows, cols, depth, 1, k), device, k.matmul_permille);
-  return at(device.flops_per_s, k.matmul_permille > 0 ? k.matmul_permille : kRooflineFlopsPermille);
+  return roofline_ns_wide(flops, device.flops_per_s, flat_permille(op, k));
 }
 
 /// The groups of a grouped matmul `op` run as torch's fallback on `device`, each group's rows;
 /// empty where it runs as one kernel (Note [The grouped matmul's fallback]).
 struct Groups {
-  std::vector<std::int64_t> rows;  // each group's, where the trace gives them
-  std::int64_t count = 0;          // else this many groups, the rows spread evenly
+  std::span<const std::int64_t> rows;  // each group's, where the trace gives them
+  std::int64_t count = 0;              // else this many groups, the rows spread evenly
 };
 
 std::optional<Groups> fallback_groups(const Model& model, const ModelOp& op,
@@ -214,16 +225,7 @@ std::optional<Groups> fallback_groups(const Model& model, const ModelOp& op,
       (dtype == DType::BF16 && device.kernels.grouped_mm == GroupedMmKernel::Cutlass)) {
     return std::nullopt;
   }
-  std::int64_t matrices = 0;
-  for (const std::uint32_t t : op.inputs) {
-    const ModelTensor& tensor = model.tensors.at(t);
-    const ModelTensor& base =
-        tensor.view_of >= 0 ? model.tensors.at(static_cast<std::size_t>(tensor.view_of)) : tensor;
-    if (base.role != TensorRole::Param) continue;
-    const Wide matrix = static_cast<Wide>(op.gemm.n) * static_cast<Wide>(op.gemm.k);
-    const Wide elements = static_cast<Wide>(tensor.bytes.count() / dtype_size(tensor.dtype));
-    matrices = std::max(matrices, static_cast<std::int64_t>(elements / matrix));
-  }
+  const std::int64_t matrices = grouped_matmul_experts(model, op).value_or(0);
   Groups groups;
   std::int64_t given = 0;
   for (const std::int64_t r : op.group_rows) given += r;
@@ -292,11 +294,7 @@ ComputeTime compute_time(const Model& model, const ModelOp& op, bool backward,
     if (!backward) return {loop_ns(model, op, *groups, GroupProduct::Forward, device)};
     // dX; and dW unless the weights are frozen (the backward's FLOPs one product's).
     Wide ns = loop_ns(model, op, *groups, GroupProduct::InputGradient, device);
-    const GemmShape& g = op.gemm;
-    const Wide forward = saturating_mul(
-        saturating_mul(saturating_mul(2, static_cast<Wide>(g.m)), static_cast<Wide>(g.n)),
-        static_cast<Wide>(g.k));
-    if (static_cast<Wide>(flops) > forward) {
+    if (static_cast<Wide>(flops) > product_flops(op.gemm.m, op.gemm.n, op.gemm.k)) {
       ns += loop_ns(model, op, *groups, GroupProduct::WeightGradient, device);
     }
     return {std::min(ns, kSaturated)};
@@ -309,9 +307,7 @@ ComputeTime compute_time(const Model& model, const ModelOp& op, bool backward,
     return {roofline_ns_wide(flops, device.flops_per_s, permille), permille, device.flops_per_s};
   }
   if (!op.gemm.known() || !k.tiled()) {
-    const std::int64_t permille = is_matmul(op.kind.family()) && k.matmul_permille > 0
-                                      ? k.matmul_permille
-                                      : kRooflineFlopsPermille;
+    const std::int64_t permille = flat_permille(op, k);
     return {roofline_ns_wide(flops, device.flops_per_s, permille), permille, device.flops_per_s};
   }
   const GemmShape& g = op.gemm;
@@ -322,11 +318,8 @@ ComputeTime compute_time(const Model& model, const ModelOp& op, bool backward,
               device, k.matmul_permille);
   // 4 m n k batch: the two products' nominal FLOPs (at most 2^123 with dims below 2^40 each, and
   // the validated FLOPs keep it near 2 x 10^18).
-  const Wide nominal = saturating_mul(
-      saturating_mul(
-          saturating_mul(saturating_mul(4, static_cast<Wide>(g.m)), static_cast<Wide>(g.n)),
-          static_cast<Wide>(g.k)),
-      static_cast<Wide>(g.batch));
+  const Wide nominal =
+      saturating_mul(saturating_mul(2, product_flops(g.m, g.n, g.k)), static_cast<Wide>(g.batch));
   return {ceil_div(saturating_mul(pair, static_cast<Wide>(flops)), nominal)};
 }
 

@@ -77,6 +77,23 @@ const char* tensor_role_name(TensorRole role) {
 // base, both saved), so an offloader that moves storages may move fewer or more bytes; the
 // transformer generator never saves both a view and its base, so here the two counts agree.
 
+std::optional<std::int64_t> grouped_matmul_experts(const Model& model, const ModelOp& op) {
+  if (!op.gemm.known() || op.gemm.n <= 0 || op.gemm.k <= 0) return std::nullopt;
+  std::optional<std::uint32_t> weights;
+  for (const std::uint32_t t : op.inputs) {
+    const ModelTensor& tensor = model.tensors.at(t);
+    const std::uint32_t base = tensor.view_of >= 0 ? static_cast<std::uint32_t>(tensor.view_of) : t;
+    if (model.tensors.at(base).role != TensorRole::Param) continue;
+    if (!weights || tensor.bytes > model.tensors.at(*weights).bytes) weights = t;
+  }
+  if (!weights) return std::nullopt;
+  const ModelTensor& w = model.tensors.at(*weights);
+  __extension__ using Wide = unsigned __int128;
+  const Wide matrix = static_cast<Wide>(op.gemm.n) * static_cast<Wide>(op.gemm.k);
+  return static_cast<std::int64_t>(static_cast<Wide>(w.bytes.count() / dtype_size(w.dtype)) /
+                                   matrix);
+}
+
 Bytes trainable_param_bytes(const Model& model) {
   Bytes total;
   for (const ModelTensor& t : model.tensors) {

@@ -262,6 +262,11 @@ inline constexpr std::int32_t kMaxGroups = std::int32_t{1} << 20;
                                             : kRooflineBandwidthPermille;
 }
 
+/// The experts a grouped matmul's weights hold: one `gemm` k x n matrix each in its largest
+/// parameter input (or a view of one); nullopt where it reads no parameter or has no shape.
+[[nodiscard]] std::optional<std::int64_t> grouped_matmul_experts(const Model& model,
+                                                                 const ModelOp& op);
+
 /// Bytes of the parameters an optimizer steps: the tensors of role Param (a frozen parameter is
 /// a Buffer), each storage once.
 [[nodiscard]] Bytes trainable_param_bytes(const Model& model);
