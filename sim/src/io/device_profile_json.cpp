@@ -93,6 +93,21 @@ Result<CollectiveLinks> read_collectives(const JsonObject& profile) {
   return links;
 }
 
+// The optional member `key` of `object`, one of `values` by its `name` (absent: the first);
+// anything else is refused listing them, `hint` after the list.
+template <class Value, std::size_t N, class Name>
+Result<Value> read_named(const JsonObject& object, std::string_view key, const Value (&values)[N],
+                         Name name, std::string_view hint) {
+  FERRY_JSON_TRY(const std::string given,
+                 object.optional_string(key, std::string(name(values[0]))));
+  const auto* found =
+      std::find_if(std::begin(values), std::end(values), [&](Value v) { return name(v) == given; });
+  if (found != std::end(values)) return *found;
+  const auto quoted = [&](Value v) { return json_quote(name(v)); };
+  return object.error("\"{}\" is {}{}, not {}", key, names_of(values, quoted, " or "), hint,
+                      json_quote(given));
+}
+
 // "kernels": {"sm_count": 132, "matmul_tile_m": 128, "matmul_tile_n": 256, "matmul_permille":
 // 801, ...}, optional, and every figure in it (0: none); the tile model's SMs and tile come
 // together, with the matmul figure they scale.
@@ -145,28 +160,11 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
   FERRY_JSON_RETURN_IF_ERROR(read("memory_permille", kernels.memory_permille, false, 1, 1000));
   FERRY_JSON_RETURN_IF_ERROR(
       read("collective_overlap_permille", kernels.collective_overlap_permille, false, 1, 1000));
-  FERRY_JSON_TRY(const std::string sdpa,
-                 object.optional_string("sdpa_backend", std::string(sdpa_backend_name({}))));
-  const auto* backend = std::find_if(std::begin(kSdpaBackends), std::end(kSdpaBackends),
-                                     [&](SdpaBackend b) { return sdpa_backend_name(b) == sdpa; });
-  if (backend == std::end(kSdpaBackends)) {
-    const auto quoted = [](SdpaBackend b) { return json_quote(sdpa_backend_name(b)); };
-    return object.error("\"sdpa_backend\" is {}, not {}", names_of(kSdpaBackends, quoted, " or "),
-                        json_quote(sdpa));
-  }
-  kernels.sdpa_backend = *backend;
-  FERRY_JSON_TRY(const std::string grouped,
-                 object.optional_string("grouped_mm", std::string(grouped_mm_kernel_name({}))));
-  const auto* kernel =
-      std::find_if(std::begin(kGroupedMmKernels), std::end(kGroupedMmKernels),
-                   [&](GroupedMmKernel k) { return grouped_mm_kernel_name(k) == grouped; });
-  if (kernel == std::end(kGroupedMmKernels)) {
-    const auto quoted = [](GroupedMmKernel k) { return json_quote(grouped_mm_kernel_name(k)); };
-    return object.error(
-        "\"grouped_mm\" is {} (compute capability 9.x or 10.x: \"cutlass\"), not {}",
-        names_of(kGroupedMmKernels, quoted, " or "), json_quote(grouped));
-  }
-  kernels.grouped_mm = *kernel;
+  FERRY_JSON_TRY(kernels.sdpa_backend,
+                 read_named(object, "sdpa_backend", kSdpaBackends, sdpa_backend_name, ""));
+  FERRY_JSON_TRY(kernels.grouped_mm,
+                 read_named(object, "grouped_mm", kGroupedMmKernels, grouped_mm_kernel_name,
+                            " (compute capability 9.x or 10.x: \"cutlass\")"));
   return kernels;
 }
 
