@@ -132,8 +132,9 @@ std::string profile_object(const ProbeResult& result, std::string_view name,
   line("peer", path("peer", false));
   line("pinned_host_capacity_bytes", std::to_string(v("pinned_host_capacity_bytes")));
   line("blas_workspace_bytes", std::to_string(v("blas_workspace_bytes")));
-  if (!result.grouped_mm.empty()) {
-    line("kernels", fmt::format(R"({{"grouped_mm": {}}})", json_quote(result.grouped_mm)));
+  if (result.grouped_mm != GroupedMmKernel{}) {
+    line("kernels", fmt::format(R"({{"grouped_mm": {}}})",
+                                json_quote(grouped_mm_kernel_name(result.grouped_mm))));
   }
   out += fmt::format("{}  \"overheads_ns\": {{\n", indent);
   constexpr std::array<std::string_view, 10> kOverheads = {

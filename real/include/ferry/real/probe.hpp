@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ferry/program/device_profile.hpp"
 #include "ferry/result.hpp"
 #include "ferry/units.hpp"
 
@@ -98,9 +99,9 @@ struct ProbeResult {
   std::vector<Measurement> measurements;  ///< in the order taken
   std::vector<ProfileFigure> figures;     ///< every profile key, in the format's order
   std::vector<std::string> notes;         ///< what could not be measured, and why
-  /// The profile's `kernels.grouped_mm`: "loop" on a GPU whose compute capability torch's
-  /// grouped kernel does not take (neither 9.x nor 10.x); empty elsewhere (docs/devices.md).
-  std::string grouped_mm;
+  /// The profile's `kernels.grouped_mm` (docs/devices.md): the GPU's by its compute capability;
+  /// the default on the loopback device.
+  GroupedMmKernel grouped_mm = GroupedMmKernel::Cutlass;
 };
 
 /// Measures the device. Errors: an unknown or absent device, or sizes out of range. CUDA and

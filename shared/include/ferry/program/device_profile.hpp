@@ -82,6 +82,11 @@ inline constexpr GroupedMmKernel kGroupedMmKernels[] = {GroupedMmKernel::Cutlass
   return kernel == GroupedMmKernel::Loop ? "loop" : "cutlass";
 }
 
+/// What a bfloat16 grouped matmul runs on a GPU of compute capability `major`.x.
+[[nodiscard]] constexpr GroupedMmKernel grouped_mm_kernel_on(int major) {
+  return major == 9 || major == 10 ? GroupedMmKernel::Cutlass : GroupedMmKernel::Loop;
+}
+
 /// What the kernels of one GPU reach, each figure from a published measurement (docs/devices.md):
 /// the SM count and the tile of a large matmul, large-GEMM and attention (flash, cuDNN,
 /// memory-efficient) efficiencies against `flops_per_s`, and the fraction of HBM bandwidth a
@@ -103,7 +108,7 @@ struct KernelFigures {
   /// x 1000 of their own; 0: unslowed.
   std::int32_t collective_overlap_permille = 0;
   SdpaBackend sdpa_backend = SdpaBackend::Flash;  ///< the kernel a fused SDPA call runs
-  /// What a bfloat16 grouped matmul runs
+  /// What a bfloat16 grouped matmul runs (`grouped_mm`).
   GroupedMmKernel grouped_mm = GroupedMmKernel::Cutlass;
   /// Whether matmuls with a shape run as tiles in waves (SMs, tile and matmul figure given).
   [[nodiscard]] bool tiled() const { return sm_count > 0; }
