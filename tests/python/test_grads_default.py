@@ -136,7 +136,7 @@ def no_workspace_device(tmp_path_factory):
 
     with open(os.path.join(REPO, "scenarios", "devices", "h100-sxm-pcie5.json")) as f:
         profile = json.load(f)
-    profile.pop("blas_workspace_bytes", None)
+    profile["blas_workspace_bytes"] = 0
     path = tmp_path_factory.mktemp("device") / "cpu-like.json"
     path.write_text(json.dumps(profile))
     return str(path)

@@ -330,19 +330,19 @@ def _step_ns(cli, model, profile, tmp_path):
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_grouped_experts_run_torchs_fallback_where_it_has_no_grouped_kernel(cli, tmp_path, family):
-    """docs/devices.md, Kernel figures: a bfloat16 grouped matmul is one kernel on a profile
-    whose `grouped_mm` is "cutlass", and torch's fallback on an A100 (a wait for the offsets, a
-    matmul an expert, in the forward and in each of the backward's two products); a float32 one
-    is the fallback on every GPU."""
+    """docs/devices.md, Kernel figures: a bfloat16 grouped matmul is one kernel on a GPU of
+    compute capability 9.x or 10.x (or a profile whose `grouped_mm` is "cutlass"), and torch's
+    fallback on an A100 (a wait for the offsets, a matmul an expert, in the forward and in each
+    of the backward's two products); a float32 one is the fallback on every GPU."""
     traced = trace_family(family, BATCH, SEQ, torch.bfloat16, "grouped_mm")
     model = tmp_path / f"{family}.json"
     traced.save(model)
     grouped = [op for op in traced.document["ops"] if op.get("kind") == "aten._grouped_mm.default"]
     assert grouped and all(op.get("group_rows") for op in grouped)
     a100 = _bundled_profile("a100-pcie4")
-    assert a100["kernels"]["grouped_mm"] == "loop"
+    assert a100["compute_capability"] == "8.0" and "grouped_mm" not in a100["kernels"]
     loop = _step_ns(cli, model, a100, tmp_path)
-    one = _step_ns(cli, model, _bundled_profile("a100-pcie4", grouped_mm=None), tmp_path)
+    one = _step_ns(cli, model, _bundled_profile("a100-pcie4", grouped_mm="cutlass"), tmp_path)
     # Each loop waits for its offsets first: the copy's submission, its latency, a synchronize
     # and a launch (12 us on the bundled profiles), besides a launch an expert.
     overheads = a100["overheads_ns"]
@@ -353,7 +353,7 @@ def test_grouped_experts_run_torchs_fallback_where_it_has_no_grouped_kernel(cli,
     traced = trace_family(family, BATCH, SEQ, torch.float32, "grouped_mm")
     traced.save(model)
     h100 = _bundled_profile("h100-sxm-pcie5")
-    assert h100["kernels"].get("grouped_mm", "cutlass") == "cutlass"
+    assert h100["compute_capability"] == "9.0" and "grouped_mm" not in h100["kernels"]
     loop = _step_ns(cli, model, h100, tmp_path)
     doc = json.loads(model.read_text())
     for op in doc["ops"]:

@@ -1,6 +1,7 @@
 // The bundled device profiles (docs/devices.md): each loads and names its file, their figures
 // match the documented sources, and the names that cannot be loaded are refused.
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -123,8 +124,9 @@ TEST(DeviceProfiles, TrainingGpuFiguresMatchTheDocumentedSources) {
   EXPECT_EQ(figures("rtx-4090").d2h.bandwidth, Bandwidth(26'800'000'000));
   // No NVLink on the Ada cards: no collectives, and FSDP over ranks is refused.
   EXPECT_FALSE(figures("l40s").collectives.intra_node.known());
-  // torch's cuBLAS workspace: 32 MiB on Hopper and Blackwell, :4096:2:16:8 on Ampere and Ada.
-  EXPECT_EQ(figures("b200").blas_workspace, Bytes(32 * kMiB));
+  // torch 2.11's cuBLAS workspace: 32 MiB on compute capability 9.0 only, :4096:2:16:8 on
+  // Blackwell (10.0), Ampere and Ada.
+  EXPECT_EQ(figures("b200").blas_workspace, 8 * kMiB + Bytes(128 * 1024));
   EXPECT_EQ(figures("l4").blas_workspace, 8 * kMiB + Bytes(128 * 1024));
 }
 
@@ -179,8 +181,8 @@ void expect_refused(const std::string& written, const std::string& from, const s
 }
 
 TEST(DeviceProfiles, TheGroupedMatmulsKernelFollowsTheComputeCapability) {
-  // torch's grouped kernel runs on compute capability 9.x and 10.x; the bundled profiles of
-  // other GPUs name its fallback.
+  // torch's grouped kernel runs on compute capability 9.x and 10.x, its fallback elsewhere; the
+  // bundled profiles give the compute capability and leave `grouped_mm` to it.
   for (const auto& [name, kernel] :
        {std::pair{"h100-sxm-pcie5", GroupedMmKernel::Cutlass},
         std::pair{"b200", GroupedMmKernel::Cutlass},
@@ -193,9 +195,75 @@ TEST(DeviceProfiles, TheGroupedMatmulsKernelFollowsTheComputeCapability) {
   const auto a100 = load_device_profile(kProfileDir, "a100-pcie4");
   ASSERT_TRUE(a100.ok()) << a100.error().message;
   const std::string written = written_again(a100.value());
-  expect_refused(written, "\"grouped_mm\": \"loop\"", "\"grouped_mm\": \"triton\"",
-                 "\"grouped_mm\" is \"cutlass\" or \"loop\" (compute capability 9.x or 10.x: "
-                 "\"cutlass\"), not \"triton\"");
+  EXPECT_EQ(written.find("grouped_mm"), std::string::npos) << written;
+  // A profile may name the other kernel (another torch's choice): written back, and read.
+  DeviceProfile cutlass = a100.value();
+  cutlass.kernels.grouped_mm = GroupedMmKernel::Cutlass;
+  EXPECT_NE(written_again(cutlass).find(R"("grouped_mm": "cutlass")"), std::string::npos);
+  expect_refused(written, "\"flash_forward_permille\"",
+                 "\"grouped_mm\": \"triton\", \"flash_forward_permille\"",
+                 "\"grouped_mm\" is \"cutlass\" or \"loop\", not \"triton\"");
+}
+
+TEST(DeviceProfiles, TorchsOwnChoicesFollowTheComputeCapability) {
+  // torch 2.11's CublasHandlePool.cpp, sdp_utils.cpp and GroupedBlas.cpp (docs/devices.md).
+  constexpr Bytes k32MiB(std::int64_t{32} << 20);
+  constexpr Bytes kSmall((std::int64_t{8} << 20) + (std::int64_t{128} << 10));
+  struct Row {
+    ComputeCapability cc;
+    Bytes workspace;
+    SdpaBackend sdpa;
+    GroupedMmKernel grouped;
+  };
+  for (const Row& row : {
+           Row{{7, 0}, kSmall, SdpaBackend::Flash, GroupedMmKernel::Loop},      // V100
+           Row{{8, 0}, kSmall, SdpaBackend::Flash, GroupedMmKernel::Loop},      // A100
+           Row{{8, 9}, kSmall, SdpaBackend::Flash, GroupedMmKernel::Loop},      // L4, RTX 4090
+           Row{{9, 0}, k32MiB, SdpaBackend::Cudnn, GroupedMmKernel::Cutlass},   // H100, GH200
+           Row{{10, 0}, kSmall, SdpaBackend::Cudnn, GroupedMmKernel::Cutlass},  // B200
+           Row{{10, 3}, kSmall, SdpaBackend::Cudnn, GroupedMmKernel::Cutlass},  // B300
+           Row{{12, 0}, kSmall, SdpaBackend::Flash, GroupedMmKernel::Loop},     // RTX 5090
+           Row{{}, Bytes(0), SdpaBackend::Flash, GroupedMmKernel::Cutlass},     // not given
+       }) {
+    SCOPED_TRACE(fmt::format("{}.{}", row.cc.major, row.cc.minor));
+    const TorchDefaults d = torch_defaults_on(row.cc);
+    EXPECT_EQ(d.blas_workspace, row.workspace);
+    EXPECT_EQ(d.sdpa_backend, row.sdpa);
+    EXPECT_EQ(d.grouped_mm, row.grouped);
+  }
+  // A profile reads them from its compute capability, and writes back what differs.
+  auto profile = load_device_profile(kProfileDir, "l4");
+  ASSERT_TRUE(profile.ok()) << profile.error().message;
+  const std::string l4 = device_profile_to_json(profile.value());
+  const auto as_b200 = parse_device_profile(
+      replaced(l4, R"("compute_capability": "8.9")", R"("compute_capability": "10.0")"), "p.json");
+  ASSERT_TRUE(as_b200.ok()) << as_b200.error().message;
+  EXPECT_EQ(as_b200.value().compute_capability, (ComputeCapability{10, 0}));
+  EXPECT_EQ(as_b200.value().kernels.sdpa_backend, SdpaBackend::Cudnn);
+  EXPECT_EQ(as_b200.value().kernels.grouped_mm, GroupedMmKernel::Cutlass);
+  const auto unknown =
+      parse_device_profile(replaced(l4, R"("compute_capability": "8.9", )", ""), "p.json");
+  ASSERT_TRUE(unknown.ok()) << unknown.error().message;
+  EXPECT_FALSE(unknown.value().compute_capability.known());
+  EXPECT_EQ(unknown.value().blas_workspace, Bytes(0));
+  EXPECT_EQ(unknown.value().kernels.grouped_mm, GroupedMmKernel::Cutlass);
+  // Choices other than torch's on the GPU are written back.
+  DeviceProfile overridden = profile.value();
+  overridden.kernels.sdpa_backend = SdpaBackend::Cudnn;
+  overridden.blas_workspace = k32MiB;
+  const auto again = parse_device_profile(device_profile_to_json(overridden), "p.json");
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_EQ(again.value().kernels.sdpa_backend, SdpaBackend::Cudnn);
+  EXPECT_EQ(again.value().blas_workspace, k32MiB);
+  for (const std::string bad :
+       {R"("9")", R"("09.0")", R"("9.10")", R"("sm_90")", R"(".0")", R"("100.0")", "9.0", "null"}) {
+    const auto refused = parse_device_profile(
+        replaced(l4, R"("compute_capability": "8.9")", R"("compute_capability": )" + bad),
+        "p.json");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.error().message.find("compute_capability"), std::string::npos)
+        << refused.error().message;
+  }
 }
 
 TEST(DeviceProfiles, AttentionFiguresAndTheSdpaBackendStandWithoutTheTileModel) {
@@ -207,7 +275,8 @@ TEST(DeviceProfiles, AttentionFiguresAndTheSdpaBackendStandWithoutTheTileModel) 
   EXPECT_EQ(h100.value().kernels.flash_forward_permille, 339);
   const std::string written = written_again(h100.value());
   EXPECT_EQ(written.find("sm_count"), std::string::npos) << written;
-  expect_refused(written, "\"sdpa_backend\": \"cudnn\"", "\"sdpa_backend\": \"math\"",
+  expect_refused(written, "\"flash_forward_permille\"",
+                 "\"sdpa_backend\": \"math\", \"flash_forward_permille\"",
                  "\"sdpa_backend\" is \"flash\" or \"cudnn\", not \"math\"");
   // Half a tile model is refused, naming the four figures that go together.
   const auto half = parse_device_profile(replaced(written, "\"flash_forward_permille\"",
@@ -272,19 +341,20 @@ TEST(DeviceProfiles, EveryBundledProfileGivesATF32RateBetweenItsFloat32AndItsPea
 TEST(DeviceProfiles, TheBlasWorkspaceIsOptionalAndBounded) {
   const auto h100 = load_device_profile(kProfileDir, "h100-sxm-pcie5");
   ASSERT_TRUE(h100.ok());
+  const std::string text = device_profile_to_json(h100.value());
+  EXPECT_EQ(text.find("blas_workspace_bytes"), std::string::npos);  // left out: torch's default
   DeviceProfile none = h100.value();
   none.blas_workspace = Bytes(0);
   const std::string written = device_profile_to_json(none);
-  EXPECT_EQ(written.find("blas_workspace_bytes"), std::string::npos);  // left out when 0
+  EXPECT_NE(written.find("\"blas_workspace_bytes\": 0"), std::string::npos) << written;
   const auto again = parse_device_profile(written, "p.json");
   ASSERT_TRUE(again.ok()) << again.error().message;
   EXPECT_EQ(again.value().blas_workspace, Bytes(0));
   for (const std::string bad : {"-1", "1073741825", "\"32MiB\"", "1.5"}) {
-    std::string text = device_profile_to_json(h100.value());
-    const std::string key = "\"blas_workspace_bytes\": 33554432";
-    ASSERT_NE(text.find(key), std::string::npos) << text;
-    text.replace(text.find(key), key.size(), "\"blas_workspace_bytes\": " + bad);
-    const auto refused = parse_device_profile(text, "p.json");
+    const auto refused =
+        parse_device_profile(replaced(text, "\"overheads_ns\"",
+                                      "\"blas_workspace_bytes\": " + bad + ", \"overheads_ns\""),
+                             "p.json");
     ASSERT_FALSE(refused.ok()) << bad;
     EXPECT_NE(refused.error().message.find("blas_workspace_bytes"), std::string::npos)
         << refused.error().message;

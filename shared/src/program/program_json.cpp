@@ -45,6 +45,11 @@ std::string profile(const DeviceProfile& p) {
   Object out;
   out.str("name", p.name);
   if (!p.description.empty()) out.str("description", p.description);
+  if (p.compute_capability.known()) {
+    out.str("compute_capability",
+            fmt::format("{}.{}", p.compute_capability.major, p.compute_capability.minor));
+  }
+  const TorchDefaults defaults = torch_defaults_on(p.compute_capability);
   out.num("memory_bytes", p.memory.count()).num("flops_per_s", p.flops_per_s);
   if (p.fp32_flops_per_s > 0) out.num("fp32_flops_per_s", p.fp32_flops_per_s);
   if (p.tf32_flops_per_s > 0) out.num("tf32_flops_per_s", p.tf32_flops_per_s);
@@ -58,7 +63,9 @@ std::string profile(const DeviceProfile& p) {
       .raw("d2d", copy_path(p.d2d, false))
       .raw("peer", copy_path(p.peer, false))
       .num("pinned_host_capacity_bytes", p.pinned_host_capacity.count());
-  if (p.blas_workspace.count() > 0) out.num("blas_workspace_bytes", p.blas_workspace.count());
+  if (p.blas_workspace != defaults.blas_workspace) {
+    out.num("blas_workspace_bytes", p.blas_workspace.count());
+  }
   Object overheads;
   for (const OverheadField& field : kOverheadFields) {
     overheads.num(field.key, (p.overheads.*field.field).ns());
@@ -80,7 +87,11 @@ std::string profile(const DeviceProfile& p) {
                                .json());
   }
   const KernelFigures& k = p.kernels;
-  if (k.any()) {
+  const bool figures_given =
+      k != KernelFigures{.sdpa_backend = k.sdpa_backend, .grouped_mm = k.grouped_mm};
+  const bool choices_given =
+      k.sdpa_backend != defaults.sdpa_backend || k.grouped_mm != defaults.grouped_mm;
+  if (figures_given || choices_given) {
     Object kernels;
     if (k.tiled()) {
       kernels.num("sm_count", k.sm_count)
@@ -99,10 +110,10 @@ std::string profile(const DeviceProfile& p) {
           std::pair{"collective_overlap_permille", k.collective_overlap_permille}}) {
       if (value > 0) kernels.num(key, value);
     }
-    if (k.sdpa_backend != SdpaBackend{}) {
+    if (k.sdpa_backend != defaults.sdpa_backend) {
       kernels.str("sdpa_backend", sdpa_backend_name(k.sdpa_backend));
     }
-    if (k.grouped_mm != GroupedMmKernel{}) {
+    if (k.grouped_mm != defaults.grouped_mm) {
       kernels.str("grouped_mm", grouped_mm_kernel_name(k.grouped_mm));
     }
     out.raw("kernels", kernels.json());

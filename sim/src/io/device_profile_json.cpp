@@ -93,26 +93,49 @@ Result<CollectiveLinks> read_collectives(const JsonObject& profile) {
   return links;
 }
 
-// The optional member `key` of `object`, one of `values` by its `name` (absent: the first);
-// anything else is refused listing them, `hint` after the list.
+// The optional member `key` of `object`, one of `values` by its `name` (absent: `fallback`);
+// anything else is refused listing them.
 template <class Value, std::size_t N, class Name>
 Result<Value> read_named(const JsonObject& object, std::string_view key, const Value (&values)[N],
-                         Name name, std::string_view hint) {
-  FERRY_JSON_TRY(const std::string given,
-                 object.optional_string(key, std::string(name(values[0]))));
+                         Name name, Value fallback) {
+  FERRY_JSON_TRY(const std::string given, object.optional_string(key, std::string(name(fallback))));
   const auto* found =
       std::find_if(std::begin(values), std::end(values), [&](Value v) { return name(v) == given; });
   if (found != std::end(values)) return *found;
   const auto quoted = [&](Value v) { return json_quote(name(v)); };
-  return object.error("\"{}\" is {}{}, not {}", key, names_of(values, quoted, " or "), hint,
+  return object.error("\"{}\" is {}, not {}", key, names_of(values, quoted, " or "),
                       json_quote(given));
+}
+
+// "compute_capability": "9.0", optional: a major of 1..99 without a leading zero, a minor digit.
+Result<ComputeCapability> read_compute_capability(const JsonObject& profile) {
+  if (!profile.has("compute_capability")) return ComputeCapability{};
+  FERRY_JSON_TRY(const auto value, profile.required("compute_capability"));
+  FERRY_JSON_TRY(const std::string text, value.string());
+  const auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  const std::size_t dot = text.find('.');
+  const bool well_formed =
+      dot != std::string::npos && (dot == 1 || dot == 2) && text.size() == dot + 2 &&
+      text.front() != '0' &&
+      std::all_of(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(dot), digit) &&
+      digit(text.back());
+  if (!well_formed) {
+    return value.error(
+        "a compute capability is major.minor as `nvidia-smi --query-gpu=compute_cap` prints it "
+        "(\"8.0\" for an A100, \"9.0\" for an H100), not {}",
+        json_quote(text));
+  }
+  return ComputeCapability{.major = std::stoi(text.substr(0, dot)), .minor = text.back() - '0'};
 }
 
 // "kernels": {"sm_count": 132, "matmul_tile_m": 128, "matmul_tile_n": 256, "matmul_permille":
 // 801, ...}, optional, and every figure in it (0: none); the tile model's SMs and tile come
 // together, with the matmul figure they scale.
-Result<KernelFigures> read_kernels(const JsonObject& profile) {
+// The kernel choices absent from the file are torch's on the GPU (`defaults`).
+Result<KernelFigures> read_kernels(const JsonObject& profile, const TorchDefaults& defaults) {
   KernelFigures kernels;
+  kernels.sdpa_backend = defaults.sdpa_backend;
+  kernels.grouped_mm = defaults.grouped_mm;
   if (!profile.has("kernels")) return kernels;
   FERRY_JSON_TRY(
       const auto object,
@@ -160,11 +183,10 @@ Result<KernelFigures> read_kernels(const JsonObject& profile) {
   FERRY_JSON_RETURN_IF_ERROR(read("memory_permille", kernels.memory_permille, false, 1, 1000));
   FERRY_JSON_RETURN_IF_ERROR(
       read("collective_overlap_permille", kernels.collective_overlap_permille, false, 1, 1000));
-  FERRY_JSON_TRY(kernels.sdpa_backend,
-                 read_named(object, "sdpa_backend", kSdpaBackends, sdpa_backend_name, ""));
-  FERRY_JSON_TRY(kernels.grouped_mm,
-                 read_named(object, "grouped_mm", kGroupedMmKernels, grouped_mm_kernel_name,
-                            " (compute capability 9.x or 10.x: \"cutlass\")"));
+  FERRY_JSON_TRY(kernels.sdpa_backend, read_named(object, "sdpa_backend", kSdpaBackends,
+                                                  sdpa_backend_name, defaults.sdpa_backend));
+  FERRY_JSON_TRY(kernels.grouped_mm, read_named(object, "grouped_mm", kGroupedMmKernels,
+                                                grouped_mm_kernel_name, defaults.grouped_mm));
   return kernels;
 }
 
@@ -176,11 +198,12 @@ namespace io_detail {
 constexpr std::int64_t kMaxBlasWorkspaceBytes = std::int64_t{1} << 30;
 
 Result<DeviceProfile> read_profile(const JsonValue& value) {
-  FERRY_JSON_TRY(const auto object,
-                 value.object({"name", "description", "memory_bytes", "flops_per_s",
-                               "fp32_flops_per_s", "tf32_flops_per_s", "memory_bytes_per_s", "h2d",
-                               "d2h", "pageable", "d2d", "peer", "pinned_host_capacity_bytes",
-                               "blas_workspace_bytes", "overheads_ns", "collectives", "kernels"}));
+  FERRY_JSON_TRY(
+      const auto object,
+      value.object({"name", "description", "compute_capability", "memory_bytes", "flops_per_s",
+                    "fp32_flops_per_s", "tf32_flops_per_s", "memory_bytes_per_s", "h2d", "d2h",
+                    "pageable", "d2d", "peer", "pinned_host_capacity_bytes", "blas_workspace_bytes",
+                    "overheads_ns", "collectives", "kernels"}));
   DeviceProfile profile;
   FERRY_JSON_TRY(const auto name_value, object.required("name"));
   FERRY_JSON_TRY(profile.name, name_value.name());
@@ -190,6 +213,8 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
         json_quote(profile.name));
   }
   FERRY_JSON_TRY(profile.description, object.optional_string("description", {}));
+  FERRY_JSON_TRY(profile.compute_capability, read_compute_capability(object));
+  const TorchDefaults defaults = torch_defaults_on(profile.compute_capability);
   FERRY_JSON_TRY(const auto memory, object.required_integer("memory_bytes", 1, kMaxJsonBytes));
   profile.memory = Bytes(memory);
   FERRY_JSON_TRY(profile.flops_per_s, read_rate(object, "flops_per_s"));
@@ -215,7 +240,8 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
                  object.required_integer("pinned_host_capacity_bytes", 0, kMaxJsonBytes));
   profile.pinned_host_capacity = Bytes(pinned);
   FERRY_JSON_TRY(const auto workspace,
-                 object.optional_integer("blas_workspace_bytes", 0, 0, kMaxBlasWorkspaceBytes));
+                 object.optional_integer("blas_workspace_bytes", defaults.blas_workspace.count(), 0,
+                                         kMaxBlasWorkspaceBytes));
   profile.blas_workspace = Bytes(workspace);
   FERRY_JSON_TRY(const auto overheads_value, object.required("overheads_ns"));
   FERRY_JSON_TRY(const auto overheads,
@@ -228,7 +254,7 @@ Result<DeviceProfile> read_profile(const JsonValue& value) {
                  overheads.optional_integer(kHostAllocKey, 0, 0, kMaxJsonNanoseconds));
   profile.overheads.host_alloc = SimTime(host_alloc);
   FERRY_JSON_TRY(profile.collectives, read_collectives(object));
-  FERRY_JSON_TRY(profile.kernels, read_kernels(object));
+  FERRY_JSON_TRY(profile.kernels, read_kernels(object, defaults));
   return profile;
 }
 

@@ -53,9 +53,8 @@ struct CollectiveLinks {
   std::int32_t gpus_per_node = 8;  ///< GPUs that share a node's NVLink domain and host
 };
 
-/// The kernel torch's scaled_dot_product_attention runs on a GPU where it may run either: torch
-/// 2.9 and later prefer cuDNN's on sm90 and sm100 (with CUDA 12.9 and later), flash's elsewhere
-/// (docs/devices.md, Kernel figures).
+/// The kernel torch's scaled_dot_product_attention runs on a GPU where it may run either: cuDNN's
+/// or flash's (TorchDefaults; docs/devices.md, Kernel figures).
 enum class SdpaBackend : std::uint8_t { Flash, Cudnn };
 
 /// Every SdpaBackend, in the order refusals list them.
@@ -67,10 +66,10 @@ inline constexpr SdpaBackend kSdpaBackends[] = {SdpaBackend::Flash, SdpaBackend:
 }
 
 /// How torch 2.11 runs a bfloat16 grouped matmul (`aten._grouped_mm`, a mixture's experts) on a
-/// GPU: CUTLASS's grouped kernel, one launch for every group, on compute capability 9.x and 10.x;
-/// elsewhere its fallback, which copies the groups' offsets to the host and waits for them, then
-/// launches one `mm` a group (docs/devices.md, Kernel figures). A float32 or float16 grouped
-/// matmul takes the fallback on every GPU.
+/// GPU: CUTLASS's grouped kernel, one launch for every group, or its fallback, which copies the
+/// groups' offsets to the host and waits for them, then launches one `mm` a group (TorchDefaults;
+/// docs/devices.md, Kernel figures). A float32 or float16 grouped matmul takes the fallback on
+/// every GPU.
 enum class GroupedMmKernel : std::uint8_t { Cutlass, Loop };
 
 /// Every GroupedMmKernel, in the order refusals list them.
@@ -82,9 +81,39 @@ inline constexpr GroupedMmKernel kGroupedMmKernels[] = {GroupedMmKernel::Cutlass
   return kernel == GroupedMmKernel::Loop ? "loop" : "cutlass";
 }
 
-/// What a bfloat16 grouped matmul runs on a GPU of compute capability `major`.x.
-[[nodiscard]] constexpr GroupedMmKernel grouped_mm_kernel_on(int major) {
-  return major == 9 || major == 10 ? GroupedMmKernel::Cutlass : GroupedMmKernel::Loop;
+/// A GPU's compute capability, major.minor, as `nvidia-smi --query-gpu=compute_cap` prints it
+/// ("9.0"); torch picks some of its kernels and workspaces by it. Major 0: not given.
+struct ComputeCapability {
+  std::int32_t major = 0;
+  std::int32_t minor = 0;
+  [[nodiscard]] constexpr bool known() const { return major > 0; }
+  friend bool operator==(const ComputeCapability&, const ComputeCapability&) = default;
+};
+
+/// What torch 2.11 (CUDA 13 build) chooses by itself on a GPU, by its compute capability
+/// (docs/devices.md): the cuBLAS workspace each handle takes on each stream
+/// (`parseChosenWorkspaceSize`: `:4096:8` on 9.0, `:4096:2:16:8` elsewhere), the kernel a fused
+/// SDPA call runs (`check_prefer_cudnn_attention`: cuDNN's on 9.0, 10.0 and 10.3, flash's
+/// elsewhere) and a bfloat16 grouped matmul's (CUTLASS's on 9.x and 10.x, the fallback
+/// elsewhere). A profile's own `blas_workspace_bytes`, `sdpa_backend` and `grouped_mm` override
+/// them; without a compute capability: no workspace, flash, CUTLASS.
+struct TorchDefaults {
+  Bytes blas_workspace;
+  SdpaBackend sdpa_backend = SdpaBackend::Flash;
+  GroupedMmKernel grouped_mm = GroupedMmKernel::Cutlass;
+};
+
+[[nodiscard]] constexpr TorchDefaults torch_defaults_on(ComputeCapability cc) {
+  if (!cc.known()) return {};
+  const bool hopper_or_blackwell = cc.major == 9 || cc.major == 10;
+  const bool sm90 = cc.major == 9 && cc.minor == 0;
+  return TorchDefaults{
+      .blas_workspace = sm90 ? Bytes(std::int64_t{4096} * 8 * 1024)
+                             : Bytes(std::int64_t{4096} * 2 * 1024 + std::int64_t{16} * 8 * 1024),
+      .sdpa_backend = hopper_or_blackwell && (cc.minor == 0 || cc.minor == 3) ? SdpaBackend::Cudnn
+                                                                              : SdpaBackend::Flash,
+      .grouped_mm = hopper_or_blackwell ? GroupedMmKernel::Cutlass : GroupedMmKernel::Loop,
+  };
 }
 
 /// What the kernels of one GPU reach, each figure from a published measurement (docs/devices.md):
@@ -112,16 +141,15 @@ struct KernelFigures {
   GroupedMmKernel grouped_mm = GroupedMmKernel::Cutlass;
   /// Whether matmuls with a shape run as tiles in waves (SMs, tile and matmul figure given).
   [[nodiscard]] bool tiled() const { return sm_count > 0; }
-  /// Whether any figure is given.
-  [[nodiscard]] bool any() const { return *this != KernelFigures{}; }
   friend bool operator==(const KernelFigures&, const KernelFigures&) = default;
 };
 
 /// A device profile: everything the simulator needs to time work on one GPU.
 struct DeviceProfile {
-  std::string name;              ///< short id, e.g. "h100-sxm-pcie5"
-  std::string description;       ///< one line for humans, with the source of the figures
-  Bytes memory;                  ///< device memory the caching allocator may reserve
+  std::string name;                      ///< short id, e.g. "h100-sxm-pcie5"
+  std::string description;               ///< one line for humans, with the source of the figures
+  ComputeCapability compute_capability;  ///< optional in the file; gives TorchDefaults
+  Bytes memory;                          ///< device memory the caching allocator may reserve
   std::int64_t flops_per_s = 0;  ///< dense 16-bit peak, FLOP per second (for roofline timing)
   /// Dense float32 peak of the CUDA cores, FLOP per second: a float32 matmul's under torch's
   /// default float32 matmul precision ("highest", no TF32); optional in the file, 0: such a
@@ -139,8 +167,8 @@ struct DeviceProfile {
   CopyPath d2d;                ///< copy within this device's memory
   CopyPath peer;               ///< default link to another device (per direction)
   Bytes pinned_host_capacity;  ///< cap on page-locked host memory (the node's, with FSDP)
-  /// What one cuBLAS handle takes from the caching allocator on one stream for its workspace
-  /// (torch's CUBLAS_WORKSPACE_CONFIG default for the architecture); optional in the file, 0.
+  /// What one cuBLAS handle takes from the caching allocator on one stream for its workspace;
+  /// optional in the file, absent: TorchDefaults'.
   Bytes blas_workspace;
   LaunchOverheads overheads;
   CollectiveLinks collectives{};  ///< optional in the file ("collectives")
