@@ -149,12 +149,12 @@ def cmd_kernels(args):
         for name in ("flash", "cudnn")
     }
     out["sdpa_backend"] = None
-    # The kernel a bfloat16 grouped matmul runs (a profile's "grouped_mm"): torch's grouped
-    # kernel on compute capability 9.x and 10.x, its loop of matmuls elsewhere.
-    out["grouped_mm"] = None
+    # The GPU's compute capability (a profile's "compute_capability"), from which the simulator
+    # takes torch's kernel choices; the SDPA choice below checks it.
+    out["compute_capability"] = None
     if cuda:
-        major = torch.cuda.get_device_capability(device)[0]
-        out["grouped_mm"] = "cutlass" if major in (9, 10) else "loop"
+        major, minor = torch.cuda.get_device_capability(device)
+        out["compute_capability"] = f"{major}.{minor}"
         batch, heads, seq, dim = 4, 16, 4096, 128
         flops_fwd = 4 * batch * heads * seq * seq * dim / 2  # causal: half the scores
         # The kernel SDPA picks on this GPU by default (a profile's "sdpa_backend").
@@ -211,8 +211,6 @@ def cmd_kernels(args):
         permille["memory_permille"] = round(1000 * out["memory"]["bytes_per_s"] / memory)
     if out["sdpa_backend"] in ("flash", "cudnn"):
         permille["sdpa_backend"] = out["sdpa_backend"]
-    if out["grouped_mm"] == "loop":
-        permille["grouped_mm"] = out["grouped_mm"]
     out["permille"] = permille
     write_json(Path(args.work) / "parts" / "kernels.json", out)
     print(json.dumps(out, indent=2))

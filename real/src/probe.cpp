@@ -113,6 +113,10 @@ std::string profile_object(const ProbeResult& result, std::string_view name,
   };
   line("name", json_quote(name));
   line("description", json_quote(description_of(result)));
+  if (result.compute_capability.known()) {
+    line("compute_capability", fmt::format(R"("{}.{}")", result.compute_capability.major,
+                                           result.compute_capability.minor));
+  }
   line("memory_bytes", std::to_string(v("memory_bytes")));
   line("flops_per_s", std::to_string(v("flops_per_s")));
   // Optional in the format: written where the float32 matmul ran.
@@ -132,10 +136,6 @@ std::string profile_object(const ProbeResult& result, std::string_view name,
   line("peer", path("peer", false));
   line("pinned_host_capacity_bytes", std::to_string(v("pinned_host_capacity_bytes")));
   line("blas_workspace_bytes", std::to_string(v("blas_workspace_bytes")));
-  if (result.grouped_mm != GroupedMmKernel{}) {
-    line("kernels", fmt::format(R"({{"grouped_mm": {}}})",
-                                json_quote(grouped_mm_kernel_name(result.grouped_mm))));
-  }
   out += fmt::format("{}  \"overheads_ns\": {{\n", indent);
   constexpr std::array<std::string_view, 10> kOverheads = {
       "kernel",      "copy",   "event_record", "stream_wait", "event_query",

@@ -38,7 +38,7 @@ class CudaTarget {
     check_cuda(cudaGetDeviceProperties(&prop, index_), "cudaGetDeviceProperties");
     name_ = prop.name;
     tf32_ = prop.major >= 8;  // TF32 tensor cores: Ampere (compute capability 8.0) and later
-    grouped_mm_ = grouped_mm_kernel_on(prop.major);
+    compute_capability_ = ComputeCapability{.major = prop.major, .minor = prop.minor};
     const auto device = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, index_);
     const auto pinned = at::TensorOptions().dtype(at::kByte).pinned_memory(true);
     for (at::Tensor* t : {&pinned_a_, &pinned_b_}) *t = at::empty({bytes_}, pinned).fill_(1);
@@ -69,8 +69,7 @@ class CudaTarget {
   }
 
   [[nodiscard]] std::string name() const { return name_; }
-  /// What torch runs a bfloat16 grouped matmul as here.
-  [[nodiscard]] GroupedMmKernel grouped_mm() const { return grouped_mm_; }
+  [[nodiscard]] ComputeCapability compute_capability() const { return compute_capability_; }
 
   std::vector<Probe> probes() {
     std::vector<Probe> p;
@@ -403,7 +402,7 @@ class CudaTarget {
   std::size_t total_ = 0;
   std::string name_;
   bool tf32_ = false;
-  GroupedMmKernel grouped_mm_ = GroupedMmKernel::Cutlass;
+  ComputeCapability compute_capability_;
   at::Tensor pinned_a_, pinned_b_, pageable_a_, pageable_b_, device_a_, device_b_;
   at::Tensor pinned_small_, device_small_, device_small_b_, tiny_;
   std::optional<c10::DeviceIndex> peer_;
@@ -424,7 +423,7 @@ Result<ProbeResult> probe_cuda(const ProbeOptions& options, ProbeResult result,
   result.matmul = default_shape ? MatmulShape{8192, 4096, 14336} : s;
   CudaTarget target(device, result.copy_bytes.count(), result.matmul);
   result.device_name = target.name();
-  result.grouped_mm = target.grouped_mm();
+  result.compute_capability = target.compute_capability();
   result = measure(target, options, std::move(result));
   return finish(std::move(result), target.readings(), &CudaTarget::assumptions);
 }

@@ -99,9 +99,8 @@ struct ProbeResult {
   std::vector<Measurement> measurements;  ///< in the order taken
   std::vector<ProfileFigure> figures;     ///< every profile key, in the format's order
   std::vector<std::string> notes;         ///< what could not be measured, and why
-  /// The profile's `kernels.grouped_mm` (docs/devices.md): the GPU's by its compute capability;
-  /// the default on the loopback device.
-  GroupedMmKernel grouped_mm = GroupedMmKernel::Cutlass;
+  /// The GPU's (`cudaDeviceProp`); not known on the loopback device.
+  ComputeCapability compute_capability;
 };
 
 /// Measures the device. Errors: an unknown or absent device, or sizes out of range. CUDA and
