@@ -368,7 +368,12 @@ TEST(Roofline, AnOpLongerThanTheFormatAllowsOnTheDeviceIsAnError) {
   EXPECT_EQ(check_roofline(model, slow).error().message,
             "ops[1].backward_flops: 1000000000000000000 FLOP at 1000000 FLOP/s x 600/1000 on "
             "device \"slow\" take over 1000000000000000 ns, the longest duration a model op may "
-            "have");
+            "have; a profile of 1666666666667 FLOP/s or more times it");
+  // And at that rate it is timed; a FLOP/s less is refused.
+  DeviceProfile least = round_device(1'666'666'666'667, 1'000'000'000'000);
+  EXPECT_TRUE(check_roofline(model, least).ok());
+  least.flops_per_s -= 1;
+  EXPECT_FALSE(check_roofline(model, least).ok());
   model.ops[1].backward_flops = 0;
   model.ops[0].bytes = Bytes(std::int64_t{1} << 50);
   EXPECT_EQ(check_roofline(model, round_device(1'000'000'000'000'000, 1'000'000))
