@@ -114,8 +114,7 @@ std::string profile_object(const ProbeResult& result, std::string_view name,
   line("name", json_quote(name));
   line("description", json_quote(description_of(result)));
   if (result.compute_capability.known()) {
-    line("compute_capability", fmt::format(R"("{}.{}")", result.compute_capability.major,
-                                           result.compute_capability.minor));
+    line("compute_capability", json_quote(result.compute_capability.text()));
   }
   line("memory_bytes", std::to_string(v("memory_bytes")));
   line("flops_per_s", std::to_string(v("flops_per_s")));

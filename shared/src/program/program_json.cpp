@@ -45,10 +45,7 @@ std::string profile(const DeviceProfile& p) {
   Object out;
   out.str("name", p.name);
   if (!p.description.empty()) out.str("description", p.description);
-  if (p.compute_capability.known()) {
-    out.str("compute_capability",
-            fmt::format("{}.{}", p.compute_capability.major, p.compute_capability.minor));
-  }
+  if (p.compute_capability.known()) out.str("compute_capability", p.compute_capability.text());
   const TorchDefaults defaults = torch_defaults_on(p.compute_capability);
   out.num("memory_bytes", p.memory.count()).num("flops_per_s", p.flops_per_s);
   if (p.fp32_flops_per_s > 0) out.num("fp32_flops_per_s", p.fp32_flops_per_s);

@@ -335,16 +335,15 @@ SimTime op_time(const Model& model, const ModelOp& op, bool backward, const Devi
 }
 
 /// An error when `amount` (the op's member `key`) takes longer than the format's longest
-/// duration at `permille` of `rate` (`unit` per second), naming the least rate that times it:
-/// ceil(amount x 10^12 / (longest x permille)), as roofline_ns_wide rounds up.
+/// duration at `permille` of `rate` (`unit` per second), naming the least rate that times it
+/// (the roofline solved for the rate: the same ceiling with the longest duration for the rate).
 Status check_roofline_term(std::string_view path, std::string_view key, std::int64_t amount,
                            std::int64_t rate, std::int64_t permille, std::string_view unit,
                            const DeviceProfile& device) {
   const Wide ns = roofline_ns_wide(amount, rate, permille);
   if (ns <= static_cast<Wide>(kMaxJsonNanoseconds)) return Ok{};
-  const Wide scaled = static_cast<Wide>(amount) * 1'000'000'000'000U;
-  const Wide divisor = static_cast<Wide>(kMaxJsonNanoseconds) * static_cast<Wide>(permille);
-  const auto least = static_cast<std::uint64_t>((scaled + divisor - 1) / divisor);
+  const auto least =
+      static_cast<std::uint64_t>(roofline_ns_wide(amount, kMaxJsonNanoseconds, permille));
   return error_at(json_member_path(path, key),
                   "{} {} at {} {}/s x {}/1000 on device {} take over {} ns, the longest duration "
                   "a model op may have; a profile of {} {}/s or more times it",

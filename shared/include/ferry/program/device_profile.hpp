@@ -87,6 +87,10 @@ struct ComputeCapability {
   std::int32_t major = 0;
   std::int32_t minor = 0;
   [[nodiscard]] constexpr bool known() const { return major > 0; }
+  /// "9.0": the value of a profile's `compute_capability`.
+  [[nodiscard]] std::string text() const {
+    return std::to_string(major) + "." + std::to_string(minor);
+  }
   friend bool operator==(const ComputeCapability&, const ComputeCapability&) = default;
 };
 
