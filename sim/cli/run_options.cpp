@@ -98,6 +98,11 @@ CLI::Option* add_mesh_options(CLI::App* cmd, sim::MeshRequest& fsdp, TextFlags& 
                             "fsdp2-torch2.4 (fully_shard of torch 2.4 and before: the "
                             "reduce-scatter's input from its stream's pool; docs/fsdp.md)"))
       ->capture_default_str();
+  cmd->add_option(mesh_flag(MeshField::ReduceDtype), text.reduce_dtype,
+                  mesh_help(MeshField::ReduceDtype,
+                            "the gradients' reduce dtype: param (torch's default) or float32 "
+                            "(torchtitan's)"))
+      ->capture_default_str();
   add_axis_options(cmd, fsdp);
   return ranks;
 }
@@ -124,6 +129,9 @@ Status apply_text_flags(const TextFlags& text, sim::MeshRequest& fsdp,
   auto impl = sim::fsdp_impl(text.fsdp_impl);
   if (!impl) return impl.error();
   fsdp.impl = impl.value();
+  auto reduce = sim::reduce_dtype(text.reduce_dtype);
+  if (!reduce) return reduce.error();
+  fsdp.reduce = reduce.value();
   if (text.allocator) {
     auto mode = sim::allocator_mode(*text.allocator);
     if (!mode) return mode.error();

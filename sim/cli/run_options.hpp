@@ -15,11 +15,13 @@
 namespace ferry::cli {
 
 /// The flags as the command line gives them, where a request's value has a text form:
-/// `--reshard-after-forward true|false|K`, `--fsdp-impl fsdp2|simple` and
+/// `--reshard-after-forward true|false|K`, `--fsdp-impl fsdp2|simple`, `--reduce-dtype
+/// param|float32` and
 /// `--allocator default|expandable`.
 struct TextFlags {
   std::string reshard_after_forward = "true";
   std::string fsdp_impl = "fsdp2";
+  std::string reduce_dtype = "param";
   std::optional<std::string> allocator;
 };
 

@@ -277,6 +277,10 @@ Keywords<sim::MeshRequest> mesh_keywords() {
                                         [](MeshRequest& r, const std::string& impl) {
                                           r.impl = value_or_raise(sim::fsdp_impl(impl));
                                         }),
+      keyword<std::string, MeshRequest>(name(MeshField::ReduceDtype),
+                                        [](MeshRequest& r, const std::string& dtype) {
+                                          r.reduce = value_or_raise(sim::reduce_dtype(dtype));
+                                        }),
       keyword(name(MeshField::Tp), &MeshRequest::tp),
       keyword(name(MeshField::Cp), &MeshRequest::cp),
       keyword(name(MeshField::Ep), &MeshRequest::ep),
@@ -603,6 +607,11 @@ PYBIND11_MODULE(_simulator, m) {
   py::tuple impls(std::size(ferry::kFsdpImpls));
   for (std::size_t i = 0; i < impls.size(); ++i) impls[i] = to_string(ferry::kFsdpImpls[i]);
   m.attr("fsdp_impls") = impls;
+  py::tuple reduce_dtypes(std::size(ferry::kReduceDtypes));
+  for (std::size_t i = 0; i < reduce_dtypes.size(); ++i) {
+    reduce_dtypes[i] = to_string(ferry::kReduceDtypes[i]);
+  }
+  m.attr("reduce_dtypes") = reduce_dtypes;
   m.attr("default_device") = std::string(ferry::sim::kDefaultDevice);
   ferry::python::bind_runs(m);
   ferry::python::bind_plans(m);

@@ -1,7 +1,8 @@
 // FSDP2 with offload and checkpointing on random models (ParallelOptions, Note [FSDP2, one rank]):
 // random rank counts, nodes, HSDP replicas, reshard-after-forward settings, FSDP2, SimpleFSDP
 // (Note [SimpleFSDP's pool]) or torch 2.4's FSDP2 (Note [torch 2.4's copy-in]), one backward or two
-// (retain_graph), offload policies, checkpoint segments (reentrant or not), backward orders and
+// (retain_graph), gradients reduced in the compute dtype or in float32 (Note [The reduce dtype]),
+// offload policies, checkpoint segments (reentrant or not), backward orders and
 // device speeds, and models with a mixture of experts' grouped matmuls split by expert parallelism
 // (each layer's experts an FSDP unit of their own over the expert shard group, the routed rows
 // exchanged by all-to-alls; the tag counts the cases by expert-parallel degree). With FSDP2's waits
@@ -11,7 +12,8 @@
 // resharded after forward, the reduce-scatter reading gradients before backward wrote them, an
 // all-gather not waiting for its copy-in, SimpleFSDP's second backward accumulating before the
 // reduce-scatter is waited for, and each free FSDP2 orders behind a wait made without it (an
-// all-gather output, a reduce-scatter input, the gradient shards at zero_grad). Two ranks of a node
+// all-gather output, a reduce-scatter input, the gradient shards at zero_grad, HSDP's all-reduced
+// gradients in the compute dtype). Two ranks of a node
 // side by side (simulate_node) share nothing, so no hazard; planted fault: their pinned pools at
 // the same addresses, one host buffer written by both ranks' offloads.
 
@@ -38,6 +40,7 @@ struct Setup : testing::TrainingDraw {
   std::int32_t replicas = 1;
   Reshard reshard{};
   FsdpImpl impl = FsdpImpl::Fsdp2;
+  ReduceDtype reduce = ReduceDtype::Param;
   bool retain_graph = false;
   bool experts = false;  // every second op a grouped expert matmul
   std::int32_t ep = 1;   // expert parallelism over the shard group's GPUs
@@ -45,7 +48,8 @@ struct Setup : testing::TrainingDraw {
 
 void showValue(const Setup& s, std::ostream& os) {
   os << s.ranks << " ranks, " << s.replicas << " replicas, reshard " << to_string(s.reshard) << ", "
-     << to_string(s.impl) << (s.retain_graph ? ", two backwards" : "") << ", ";
+     << to_string(s.impl) << ", reduce " << to_string(s.reduce)
+     << (s.retain_graph ? ", two backwards" : "") << ", ";
   testing::show_draw(s, os);
   os << (s.experts ? fmt::format(", experts, ep {}", s.ep) : "");
 }
@@ -54,8 +58,9 @@ rc::Gen<Setup> gen_setup() {
   return rc::gen::apply(
       [](std::int32_t ranks_log2, bool hsdp, std::int32_t reshard, FsdpImpl impl, bool retain_graph,
          Policy policy, std::int32_t segments, bool reentrant, std::uint64_t order,
-         std::uint64_t device, std::int32_t ep_log2) {
+         std::uint64_t device, std::int32_t ep_log2, ReduceDtype reduce) {
         Setup s;
+        s.reduce = reduce;
         s.ranks = 1 << ranks_log2;
         s.replicas = hsdp && s.ranks >= 4 ? 2 : 1;
         s.impl = impl;
@@ -87,7 +92,8 @@ rc::Gen<Setup> gen_setup() {
       rc::gen::arbitrary<bool>(), rc::gen::element(Policy::None, Policy::Ferry),
       rc::gen::inRange<std::int32_t>(0, 4), rc::gen::arbitrary<bool>(),
       rc::gen::inRange<std::uint64_t>(0, 3), rc::gen::inRange<std::uint64_t>(1, 1000),
-      rc::gen::inRange<std::int32_t>(-1, 4));
+      rc::gen::inRange<std::int32_t>(-1, 4),
+      rc::gen::element(ReduceDtype::Param, ReduceDtype::Float32));
 }
 
 void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
@@ -113,6 +119,7 @@ void fsdp_is_clean(const std::vector<LayerChoice>& layers, const Setup& setup,
                                             .replicas = setup.replicas,
                                             .reshard_after_forward = setup.reshard,
                                             .impl = setup.impl,
+                                            .reduce = setup.reduce,
                                             .ep = ep},
                                 device);
   if (!parallelism.ok()) RC_FAIL("refused: " + parallelism.error().message);
@@ -166,6 +173,9 @@ constexpr PlantedWait kPlantedWaits[] = {
      "zero_grad frees gradient shards the optimizer step still reads"},
     {"GradientsFreedBeforeTheirCopyIn", &FsdpFaults::skip_copy_in_free_wait,
      "torch 2.4's FSDP2 frees gradients its reduce-scatter stream still copies in"},
+    {"AllReducedGradientsFreedBeforeTheirCast", &FsdpFaults::skip_reduced_free_wait,
+     "HSDP's all-reduced gradients freed into the reduce-scatter stream's pool while the "
+     "all-reduce stream may still cast them"},
 };
 
 class PlantedFsdpFault : public ::testing::TestWithParam<PlantedWait> {};

@@ -353,7 +353,7 @@ def python_edge_raw(command, options):
     return getattr(ferry, command)(MODEL, device=DEVICE, check=False, **options)
 
 
-NEED_FSDP = "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N"
+NEED_FSDP = "--nodes, --hsdp, --reshard-after-forward, --fsdp-impl and --reduce-dtype need --fsdp N"
 
 
 @pytest.mark.parametrize(

@@ -423,7 +423,7 @@ def test_tensor_and_context_arguments_are_checked(config, tmp_path, capsys):
 def test_fsdp_arguments_are_checked(config, tmp_path, capsys):
     x = str(tmp_path / "x.json")
     assert main([config, "--seq", "8", "--nodes", "2", "--out", x]) == 2
-    need = "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N"
+    need = "--nodes, --hsdp, --reshard-after-forward, --fsdp-impl and --reduce-dtype need --fsdp N"
     assert need in capsys.readouterr().err
     assert main([config, "--seq", "8", "--fsdp-impl", "simple", "--out", x]) == 2
     assert need in capsys.readouterr().err

@@ -4,6 +4,7 @@
 // without FSDP, and each planted fault is reported. Also the parallelism as the edges are given
 // it (MeshRequest) and as JSON writes it (parallelism_json).
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -206,11 +207,14 @@ TEST(Fsdp, PlantedFaultsAreReported) {
   EXPECT_TRUE(reported_on(train(m, fsdp_options(4), f), "all_gather"));
 }
 
+// SimpleFSDP as torchtitan's graph trainer runs it: gradients reduced in float32.
 TrainingOptions simple_fsdp_options(std::int32_t ranks, Policy policy = Policy::None,
                                     Reshard reshard = Reshard::True()) {
   TrainingOptions o = testing::two_steps(policy);
-  o.parallel.mesh = on_fsdp_profile(
-      Parallelism{.ranks = ranks, .reshard_after_forward = reshard, .impl = FsdpImpl::Simple});
+  o.parallel.mesh = on_fsdp_profile(Parallelism{.ranks = ranks,
+                                                .reshard_after_forward = reshard,
+                                                .impl = FsdpImpl::Simple,
+                                                .reduce = ReduceDtype::Float32});
   return o;
 }
 
@@ -295,9 +299,12 @@ TEST(Fsdp2Torch24, CopiesGradientsInOnTheReduceScatterStreamAndKeepsItsInputInTh
   for (ModelTensor& t : m.tensors) {
     if (t.role == TensorRole::Param) t.bytes = Bytes(8 << 20);
   }
-  const TrainingRun fsdp2 = train(m, fsdp_options(4, Policy::Ferry));
+  // Gradients reduced in float32, as torchtitan's runs of that torch did.
   TrainingOptions o = fsdp_options(4, Policy::Ferry);
-  o.parallel.mesh = on_fsdp_profile(Parallelism{.ranks = 4, .impl = FsdpImpl::Fsdp2Torch24});
+  o.parallel.mesh = on_fsdp_profile(Parallelism{.ranks = 4, .reduce = ReduceDtype::Float32});
+  const TrainingRun fsdp2 = train(m, o);
+  o.parallel.mesh = on_fsdp_profile(
+      Parallelism{.ranks = 4, .impl = FsdpImpl::Fsdp2Torch24, .reduce = ReduceDtype::Float32});
   const TrainingRun old = train(m, o);
   expect_clean(old);
   EXPECT_EQ(old.gradient_values, fsdp2.gradient_values);
@@ -322,6 +329,64 @@ SimTime collective_time_on(const TrainingRun& run, const std::string& stream) {
     }
   }
   return total;
+}
+
+// Note [The reduce dtype]: by default (torch's) a bf16 model's gradients are reduce-scattered,
+// and with HSDP all-reduced, in bf16 and cast to their float32 shards after; --reduce-dtype
+// float32 moves twice the bytes. The gradients and the shards' bytes are the same either way.
+TEST(Fsdp, GradientsReduceInTheirOwnDtypeUnlessFloat32IsAsked) {
+  Model m = testing::chain_model(4, 1 << 20);
+  for (ModelTensor& t : m.tensors) {
+    if (t.role == TensorRole::Param) t.bytes = Bytes(8 << 20);
+  }
+  const TrainingRun reference = train(m, testing::two_steps(Policy::None));
+  for (const std::int32_t replicas : {1, 2}) {
+    for (const FsdpImpl impl : {FsdpImpl::Fsdp2, FsdpImpl::Simple}) {
+      SCOPED_TRACE(fmt::format("{} replicas, {}", replicas, to_string(impl)));
+      const auto run = [&](ReduceDtype reduce) {
+        TrainingOptions o = testing::two_steps(Policy::None);
+        o.parallel.mesh = on_fsdp_profile(
+            Parallelism{.ranks = 8, .replicas = replicas, .impl = impl, .reduce = reduce});
+        return train(m, o);
+      };
+      const TrainingRun param = run(ReduceDtype::Param);
+      const TrainingRun float32 = run(ReduceDtype::Float32);
+      expect_clean(param);
+      expect_clean(float32);
+      EXPECT_EQ(param.gradient_values, reference.gradient_values);
+      EXPECT_EQ(float32.gradient_values, reference.gradient_values);
+      EXPECT_EQ(param.allocated_after.back(), float32.allocated_after.back());
+      EXPECT_LT(collective_time_on(param, "reduce_scatter"),
+                collective_time_on(float32, "reduce_scatter"));
+      if (replicas > 1) {
+        EXPECT_LT(collective_time_on(param, "all_reduce"),
+                  collective_time_on(float32, "all_reduce"));
+      }
+      // Four layers, two steps: a cast each reduce-scatter in bf16, none in float32.
+      const auto casts = [](const TrainingRun& r) {
+        return std::ranges::count_if(r.sim.ops(), [&](const OpRecord& op) {
+          return r.sim.label(op.label).ends_with("reduce-scatter cast");
+        });
+      };
+      EXPECT_EQ(casts(param), 2 * 4);
+      EXPECT_EQ(casts(float32), 0);
+    }
+  }
+  // A float32 model has nothing to cast: both reduce in float32.
+  Model f32 = m;
+  for (ModelTensor& t : f32.tensors) t.dtype = DType::F32;
+  TrainingOptions o = testing::two_steps(Policy::None);
+  o.parallel.mesh = on_fsdp_profile(Parallelism{.ranks = 8});
+  const TrainingRun plain = train(f32, o);
+  o.parallel.mesh = on_fsdp_profile(Parallelism{.ranks = 8, .reduce = ReduceDtype::Float32});
+  EXPECT_EQ(collective_time_on(plain, "reduce_scatter"),
+            collective_time_on(train(f32, o), "reduce_scatter"));
+  EXPECT_EQ(parse_reduce_dtype("float32"), ReduceDtype::Float32);
+  EXPECT_EQ(parse_reduce_dtype("param"), ReduceDtype::Param);
+  EXPECT_EQ(parse_reduce_dtype("bf16"), std::nullopt);
+  EXPECT_EQ(reduce_dtype("fp32").error().message,
+            "--reduce-dtype: \"fp32\" is not param (the gradients' dtype, torch's default) or "
+            "float32");
 }
 
 TEST(Fsdp, EachGroupsCollectivesTakeTheLinkItsRanksLieOn) {
@@ -589,10 +654,12 @@ TEST(MeshRequest, TheFlagsGiveOneParallelismAndTheFileFillsWhatTheyLeaveOut) {
             (Parallelism{.ranks = 16, .replicas = 2, .reshard_after_forward = Reshard::K(4)}));
   EXPECT_EQ(parallelism_of(MeshRequest{.ranks = 0}).error().message,
             "--fsdp: 0 is not in 1..1000000");
-  EXPECT_EQ(parallelism_of(MeshRequest{.nodes = 2}).error().message,
-            "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N");
-  EXPECT_EQ(parallelism_of(MeshRequest{.impl = FsdpImpl::Simple}).error().message,
-            "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N");
+  EXPECT_EQ(
+      parallelism_of(MeshRequest{.nodes = 2}).error().message,
+      "--nodes, --hsdp, --reshard-after-forward, --fsdp-impl and --reduce-dtype need --fsdp N");
+  EXPECT_EQ(
+      parallelism_of(MeshRequest{.impl = FsdpImpl::Simple}).error().message,
+      "--nodes, --hsdp, --reshard-after-forward, --fsdp-impl and --reduce-dtype need --fsdp N");
   EXPECT_EQ(fsdp_impl("simple").value(), FsdpImpl::Simple);
   EXPECT_EQ(fsdp_impl("fsdp2").value(), FsdpImpl::Fsdp2);
   EXPECT_EQ(fsdp_impl("FSDP2").error().message,
@@ -657,6 +724,19 @@ TEST(ParallelismJson, TheFileSectionAndTheReportMemberAreWrittenFromOneValue) {
   EXPECT_EQ(parallelism_report_json(simple, 8).dump(),
             R"({"ranks":8,"nodes":1,"hsdp":1,"reshard_after_forward":true,"fsdp_impl":"simple",)"
             R"("per_rank":true})");
+  // So is a float32 reduce; the gradients' own dtype, the default, is left out. Read back, the
+  // section is the value written.
+  const Parallelism float32{.ranks = 8, .reduce = ReduceDtype::Float32};
+  EXPECT_EQ(parallelism_json(float32).dump(), R"({"fsdp":8,"reduce_dtype":"float32"})");
+  const auto written = nlohmann::json::parse(parallelism_json(float32).dump());
+  auto read = read_parallelism(JsonValue(written, "parallelism"));
+  ASSERT_TRUE(read.ok()) << read.error().message;
+  EXPECT_EQ(read.value(), float32);
+  const auto bad = nlohmann::json::parse(R"({"fsdp": 8, "reduce_dtype": "bf16"})");
+  EXPECT_NE(read_parallelism(JsonValue(bad, "parallelism"))
+                .error()
+                .message.find(R"(expected "param" or "float32", got "bf16")"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -48,9 +48,9 @@ TEST(MeshFields, EachRowIsItsFieldAndEveryNameIsUnique) {
     EXPECT_LE(row.least, row.most);
   }
   EXPECT_EQ(fsdp_option_list(&MeshFieldRule::flag),
-            "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl");
+            "--nodes, --hsdp, --reshard-after-forward, --fsdp-impl and --reduce-dtype");
   EXPECT_EQ(fsdp_option_list(&MeshFieldRule::python),
-            "nodes, hsdp, reshard_after_forward and fsdp_impl");
+            "nodes, hsdp, reshard_after_forward, fsdp_impl and reduce_dtype");
 }
 
 // Each axis's upper bound is the table's, at the request, in the file and in Mesh::make.
@@ -117,15 +117,16 @@ TEST(MeshFields, ExpertCapacityNeedsExpertParallelismEverywhere) {
   EXPECT_EQ(cut.error().message.rfind("--expert-capacity 2 needs --ep 2 or more", 0), 0U);
 }
 
-// --nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp, at the request; --cp
-// and --ep need it at Mesh::make, each with its reason.
+// --nodes, --hsdp, --reshard-after-forward, --fsdp-impl and --reduce-dtype need --fsdp, at the
+// request; --cp and --ep need it at Mesh::make, each with its reason.
 TEST(MeshFields, WhatNeedsFsdpIsRefusedWithoutIt) {
   const std::string plain =
-      "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl need --fsdp N";
+      "--nodes, --hsdp, --reshard-after-forward, --fsdp-impl and --reduce-dtype need --fsdp N";
   EXPECT_EQ(request_error(MeshRequest{.nodes = 2}), plain);
   EXPECT_EQ(request_error(MeshRequest{.replicas = 2}), plain);
   EXPECT_EQ(request_error(MeshRequest{.reshard_after_forward = Reshard::False()}), plain);
   EXPECT_EQ(request_error(MeshRequest{.impl = FsdpImpl::Simple}), plain);
+  EXPECT_EQ(request_error(MeshRequest{.reduce = ReduceDtype::Float32}), plain);
   EXPECT_EQ(mesh_error(Parallelism{.cp = 2}).rfind("--cp 2 needs --fsdp N: FSDP2 shards", 0), 0U);
   EXPECT_EQ(mesh_error(Parallelism{.ep = 2}).rfind("--ep 2 needs --fsdp N: expert parallelism", 0),
             0U);

@@ -168,7 +168,9 @@ def simulate(
             ``set_to_none=False`` and Megatron-Core's buffers do)); FSDP2 as ``--fsdp`` sets it:
             ``fsdp`` (ranks), ``nodes``, ``hsdp``, ``reshard_after_forward`` (True, False or K) and
             ``fsdp_impl`` ("fsdp2", "simple": torchtitan's SimpleFSDP, or "fsdp2-torch2.4": torch
-            2.4's FSDP2), where a traced model's recorded parallelism is the default
+            2.4's FSDP2) and ``reduce_dtype`` (the gradients' reduce-scatter dtype: "param", the
+            parameters' compute dtype as torch's and accelerate's policies reduce, or "float32",
+            torchtitan's), where a traced model's recorded parallelism is the default
             (docs/fsdp.md); ``tp``, tensor parallelism over that many GPUs a rank (``--tp``,
             docs/parallelism.md); ``cp``, context parallelism over that many GPUs a rank, with
             ``fsdp`` (``--cp``); ``ep``, expert parallelism over that many
@@ -288,8 +290,9 @@ def plan(
             budget at which some setting fits). None: ferry's plan only.
         mesh: A ``ferry.Mesh``, as ``simulate`` takes it: the mesh keywords of ``**fsdp``.
         **fsdp: FSDP2, as ``simulate`` takes it (``fsdp``, ``nodes``, ``hsdp``,
-            ``reshard_after_forward``, ``fsdp_impl``): the plan is one rank's, ``budget`` per
-            rank and ``host_budget`` per node; ``tp``, ``cp``, ``ep`` and ``expert_capacity``
+            ``reshard_after_forward``, ``fsdp_impl``, ``reduce_dtype``): the plan is one rank's,
+            ``budget`` per rank and ``host_budget`` per node; ``tp``, ``cp``, ``ep`` and
+            ``expert_capacity``
             (where it pads the routed rows, the plan is the faster of those with and without
             the paged stash); and ``allocator`` as ``simulate`` takes it. ``pp`` (2 or more),
             ``micro_batches``, ``schedule`` (or ``"auto"``) and ``virtual_stages`` plan a

@@ -113,6 +113,34 @@ inline constexpr FsdpImpl kFsdpImpls[] = {FsdpImpl::Fsdp2, FsdpImpl::Simple,
   return std::nullopt;
 }
 
+/// The dtype FSDP reduces gradients in (MixedPrecisionPolicy's reduce_dtype), with bf16 or
+/// fp16 compute over float32 sharded parameters (docs/fsdp.md, The reduce dtype).
+enum class ReduceDtype : std::uint8_t {
+  /// The gradients' own dtype, the parameters' compute dtype: torch's when reduce_dtype is None
+  /// or equals param_dtype (`_fsdp_collectives.py`, foreach_reduce), as accelerate's and the
+  /// Hugging Face Trainer's bf16 policy set it. The reduced shard is cast to float32 after.
+  Param,
+  /// float32: the gradients are cast into a float32 reduce-scatter input (torchtitan's
+  /// `mixed_precision_reduce = "float32"`, its default).
+  Float32,
+};
+
+/// Every reduce dtype, in the order `--reduce-dtype` lists them.
+inline constexpr ReduceDtype kReduceDtypes[] = {ReduceDtype::Param, ReduceDtype::Float32};
+
+/// `dtype` as `--reduce-dtype` takes it and the files spell it: "param" or "float32".
+[[nodiscard]] inline std::string to_string(ReduceDtype dtype) {
+  return dtype == ReduceDtype::Float32 ? "float32" : "param";
+}
+
+/// The reduce dtype `name` spells ("param" or "float32"); none for any other text.
+[[nodiscard]] inline std::optional<ReduceDtype> parse_reduce_dtype(std::string_view name) {
+  for (const ReduceDtype dtype : kReduceDtypes) {
+    if (name == to_string(dtype)) return dtype;
+  }
+  return std::nullopt;
+}
+
 /// FSDP2 (or HSDP) over `ranks` symmetric data-parallel ranks, each of them `cp` x `tp` GPUs of
 /// context and tensor parallelism (torchtitan's mesh [dp_replicate, dp_shard, cp, tp], tp
 /// innermost: a tensor-parallel group is `tp` consecutive GPUs, a context-parallel group every
@@ -129,6 +157,7 @@ struct Parallelism {
   std::int32_t replicas = 1;  ///< HSDP replica groups; parameters shard over ranks / replicas
   Reshard reshard_after_forward{};
   FsdpImpl impl = FsdpImpl::Fsdp2;
+  ReduceDtype reduce = ReduceDtype::Param;  ///< the gradients' reduce-scatter dtype
   std::int32_t tp = 1;  ///< tensor-parallel GPUs per data-parallel rank (docs/parallelism.md)
   std::int32_t cp = 1;  ///< context-parallel GPUs per data-parallel rank (docs/parallelism.md)
   /// Expert-parallel GPUs: a mixture of experts' experts split among `ep` consecutive GPUs,

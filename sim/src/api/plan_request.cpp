@@ -28,11 +28,11 @@ namespace {
 // budgets and margin, which each plan takes.
 std::string planner_key(const PlanRequest& r) {
   const MeshRequest& f = r.mesh;
-  return fmt::format("{}\n{}\n{}\n{} {} {} {} {} {} {} {} {} {} {}", r.target.model.name,
+  return fmt::format("{}\n{}\n{}\n{} {} {} {} {} {} {} {} {} {} {} {}", r.target.model.name,
                      r.target.device, r.target.scenarios.string(), r.steps, f.ranks ? *f.ranks : 0,
                      f.nodes ? *f.nodes : 0, f.replicas, to_string(f.reshard_after_forward),
-                     r.allocator ? static_cast<int>(*r.allocator) : -1, to_string(f.impl), f.tp,
-                     f.cp, f.ep, f.expert_capacity);
+                     r.allocator ? static_cast<int>(*r.allocator) : -1, to_string(f.impl),
+                     to_string(f.reduce), f.tp, f.cp, f.ep, f.expert_capacity);
 }
 
 // `ferry plan --for T`: every setting of the trainer's space run as `ferry simulate --for T

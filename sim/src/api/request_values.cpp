@@ -40,6 +40,7 @@ Parallelism as_asked(const MeshRequest& fsdp) {
                      .replicas = fsdp.replicas,
                      .reshard_after_forward = fsdp.reshard_after_forward,
                      .impl = fsdp.impl,
+                     .reduce = fsdp.reduce,
                      .tp = fsdp.tp,
                      .cp = fsdp.cp,
                      .ep = fsdp.ep,
@@ -80,7 +81,7 @@ Result<Parallelism> parallelism_of(const MeshRequest& fsdp) {
   if (auto stages = bounded(MeshField::Pp, fsdp.pp); !stages) return stages.error();
   const Parallelism p = as_asked(fsdp);
   if (!p.on() && (fsdp.nodes || p.replicas != 1 || p.reshard_after_forward != Reshard::True() ||
-                  p.impl != FsdpImpl::Fsdp2)) {
+                  p.impl != FsdpImpl::Fsdp2 || p.reduce != ReduceDtype::Param)) {
     return Error{fmt::format("{} need {} N", fsdp_option_list(&MeshFieldRule::flag),
                              mesh_field(MeshField::Fsdp).flag)};
   }
@@ -113,6 +114,7 @@ void adopt_parallelism(Parallelism& asked, const Parallelism& file) {
     asked.reshard_after_forward = file.reshard_after_forward;
   }
   if (asked.impl == FsdpImpl::Fsdp2) asked.impl = file.impl;
+  if (asked.reduce == ReduceDtype::Param) asked.reduce = file.reduce;
 }
 
 void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file) {
@@ -123,6 +125,7 @@ void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file) {
   fsdp.replicas = asked.replicas;
   fsdp.reshard_after_forward = asked.reshard_after_forward;
   fsdp.impl = asked.impl;
+  fsdp.reduce = asked.reduce;
   fsdp.tp = asked.tp;
   fsdp.cp = asked.cp;
   fsdp.ep = asked.ep;
@@ -156,6 +159,13 @@ Result<FsdpImpl> fsdp_impl(std::string_view name) {
   const auto impl_name = [](FsdpImpl impl) { return to_string(impl); };
   return Error{
       fmt::format("--fsdp-impl: \"{}\" is not {}", name, names_of(kFsdpImpls, impl_name, " or "))};
+}
+
+Result<ReduceDtype> reduce_dtype(std::string_view name) {
+  if (const auto dtype = parse_reduce_dtype(name)) return *dtype;
+  return Error{fmt::format(
+      "--reduce-dtype: \"{}\" is not param (the gradients' dtype, torch's default) or float32",
+      name)};
 }
 
 Result<AllocatorMode> allocator_mode(std::string_view name) {

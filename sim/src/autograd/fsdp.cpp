@@ -434,12 +434,17 @@ void Fsdp2::reduce_gradients(std::size_t u) {
   }
   if (grads.empty()) return;
   const std::string name = fmt::format("unit {} reduce-scatter", unit.layer);
-  const Bytes input_bytes = fsdp_.mixed_precision ? unit.master : unit.bytes;
+  // Note [The reduce dtype]
+  const bool float32 = fsdp_.mixed_precision && parallelism_.reduce == ReduceDtype::Float32;
+  const Bytes input_bytes = float32 ? unit.master : unit.bytes;
   const Device::Buffer input = copy_in(unit, grads, held, input_bytes, name);
   const std::int32_t group = unit.group;
   const Bytes out_bytes = ceil_div(input_bytes, group);
-  const Device::Buffer out = rank_.allocate_on(or_compute(reduce_scatter_), out_bytes,
-                                               fmt::format("unit {} grad shard", unit.layer));
+  const Bytes shard_bytes = fsdp_.mixed_precision ? ceil_div(unit.master, group) : out_bytes;
+  const bool cast = shard_bytes != out_bytes;
+  const Device::Buffer out = rank_.allocate_on(
+      or_compute(reduce_scatter_), out_bytes,
+      fmt::format("unit {} {}", unit.layer, cast ? "reduced gradients" : "grad shard"));
   const Region out_region{out.id, Bytes(0), out_bytes};
   const std::vector<Region> rs_reads{Region{input.id, Bytes(0), input_bytes}};
   const std::vector<Region> rs_writes{out_region};
@@ -460,31 +465,75 @@ void Fsdp2::reduce_gradients(std::size_t u) {
     prev_rs_input_ = input;
   }
   StreamId last = reduce_scatter_;  // the stream that wrote the shard last
+  if (parallelism_.replicas > 1) {
+    comm_wait(all_reduce_, last);
+    sim_.collective(all_reduce_,
+                    collective_time(CollectiveKind::AllReduce, out_bytes, replica_group_, links()),
+                    std::vector<Region>{out_region}, std::vector<Region>{out_region},
+                    fmt::format("unit {} all-reduce", unit.layer));
+    last = all_reduce_;
+  }
+  const Device::Buffer shard = cast ? cast_to_shard(unit, out, shard_bytes, last) : out;
+  if (cast) last = or_compute(last);
   if (unit.sharded_grad) {
     // A second backward (retain_graph): accumulate, on the reduce-scatter stream. SimpleFSDP's
     // graph accumulates on the compute stream once it waited for the reduce-scatter, and the
     // new shard goes back to that stream's pool.
-    last = or_compute(reduce_scatter_);
-    if (simple() && !faults_.skip_accumulate_wait) comm_wait(last, reduce_scatter_);
-    const Region acc{unit.sharded_grad->id, Bytes(0), out_bytes};
-    sim_.kernel(last, memory_time(std::int64_t{3} * out_bytes),
-                std::vector<Region>{out_region, acc}, std::vector<Region>{acc},
-                name + " accumulate");
-    device_.drop(out);
+    const StreamId written = last;
+    last = or_compute(written);
+    if (simple() && !faults_.skip_accumulate_wait) comm_wait(last, written);
+    const Region acc{unit.sharded_grad->id, Bytes(0), shard_bytes};
+    sim_.kernel(last, memory_time(std::int64_t{3} * shard_bytes),
+                std::vector<Region>{Region{shard.id, Bytes(0), shard_bytes}, acc},
+                std::vector<Region>{acc}, name + " accumulate");
+    // Under HSDP, FSDP2 accumulates on the all-reduce stream a shard from the reduce-scatter
+    // stream's pool (uncast): it is held as a cast one is (Note [The reduce dtype]).
+    if (!cast && !simple() && last != reduce_scatter_) {
+      reduced_held_.push_back(shard);
+    } else {
+      device_.drop(shard);
+    }
   } else {
-    unit.sharded_grad = out;
-  }
-  if (parallelism_.replicas > 1) {
-    comm_wait(all_reduce_, last);
-    const Region shard{unit.sharded_grad->id, Bytes(0), out_bytes};
-    sim_.collective(all_reduce_,
-                    collective_time(CollectiveKind::AllReduce, out_bytes, replica_group_, links()),
-                    std::vector<Region>{shard}, std::vector<Region>{shard},
-                    fmt::format("unit {} all-reduce", unit.layer));
-    last = all_reduce_;
+    unit.sharded_grad = shard;
   }
   last_reduce_ = device_.make_event();
   device_.record(*last_reduce_, Device::Stream{last});
+}
+
+// Note [The reduce dtype]
+// FSDP2 reduces a unit's gradients in its MixedPrecisionPolicy's reduce_dtype, else in the
+// gradients' own dtype, the parameters' compute dtype (`foreach_reduce` in
+// `_fsdp_collectives.py`: reduce_dtype or grad_dtype; a reduce_dtype equal to param_dtype is
+// dropped in `_fsdp_param.py`). Under `--reduce-dtype float32` (torchtitan's
+// `mixed_precision_reduce` default) the copy-in casts the gradients into a float32 input, the
+// collective moves float32 and writes the float32 shard. Under `param` (torch's default, and the
+// bf16 policy of accelerate and the Hugging Face Trainer) the input, the collective and, with
+// HSDP, the all-reduce are in the compute dtype, half the bytes with bf16; after them, on the
+// stream that ran the last, the reduced shard is cast to the float32 sharded parameter's dtype
+// (`_to_dtype_if_needed`) into a new buffer and freed. Without mixed precision the two agree.
+
+// SimpleFSDP's graph casts on the compute stream once it waited for the collective (the wait
+// its accumulation takes too), so the reduced buffer, from that stream's pool, goes at once.
+// FSDP2 casts on the collective's stream: without HSDP the reduce-scatter's, whose pool the
+// reduced buffer came from; with HSDP the all-reduce's, so the buffer is held, as FSDP2 holds
+// its all-reduce input, until the current stream waited for the last reduction (backward_end).
+Device::Buffer Fsdp2::cast_to_shard(const FsdpUnit& unit, const Device::Buffer& reduced,
+                                    Bytes shard_bytes, StreamId stream) {
+  const Bytes reduced_bytes = ceil_div(unit.bytes, unit.group);
+  const StreamId on = or_compute(stream);
+  const Device::Buffer shard =
+      rank_.allocate_on(on, shard_bytes, fmt::format("unit {} grad shard", unit.layer));
+  if (simple() && !faults_.skip_accumulate_wait) comm_wait(on, stream);
+  sim_.kernel(on, memory_time(reduced_bytes + shard_bytes),
+              std::vector<Region>{Region{reduced.id, Bytes(0), reduced_bytes}},
+              std::vector<Region>{Region{shard.id, Bytes(0), shard_bytes}},
+              fmt::format("unit {} reduce-scatter cast", unit.layer));
+  if (on == reduce_scatter_ || simple()) {
+    device_.drop(reduced);
+  } else {
+    reduced_held_.push_back(reduced);
+  }
+  return shard;
 }
 
 void Fsdp2::before_op(std::uint32_t i) {
@@ -563,6 +612,13 @@ void Fsdp2::backward_end() {
   if (prev_rs_input_) device_.drop(*prev_rs_input_);
   prev_rs_input_.reset();
   prev_rs_event_.reset();
+  // HSDP's held gradients came from the reduce-scatter stream's pool: it waits, as it does
+  // before its next allocation (the checker judges a free where it is issued).
+  if (!reduced_held_.empty() && !faults_.skip_reduced_free_wait) {
+    comm_wait(reduce_scatter_, current());
+  }
+  for (const Device::Buffer& reduced : reduced_held_) device_.drop(reduced);
+  reduced_held_.clear();
   // It reshards what is still unsharded (a unit no backward node reached).
   for (std::size_t u = 0; u < units_.size(); ++u) {
     wait_for_unshard(u, false);
@@ -619,7 +675,11 @@ void Fsdp2::optimizer_step() {
   // stream's pool: that stream waits for the optimizer first. FSDP2 makes this wait before
   // the next reduce-scatter allocates (foreach_reduce); the checker judges a free where it is
   // issued (Note [Latent reuse]), so it is made here.
-  if (!faults_.skip_grad_shard_free_wait) comm_wait(reduce_scatter_, current());
+  // With HSDP a cast shard came from the all-reduce stream's pool (Note [The reduce dtype]).
+  if (!faults_.skip_grad_shard_free_wait) {
+    comm_wait(reduce_scatter_, current());
+    if (parallelism_.replicas > 1) comm_wait(all_reduce_, current());
+  }
   for (FsdpUnit& unit : units_) {
     if (unit.sharded_grad) device_.drop(*unit.sharded_grad);
     unit.sharded_grad.reset();

@@ -97,6 +97,10 @@ class Fsdp2 final : public StepHooks {
   Device::Buffer copy_in_on_reduce_scatter(const FsdpUnit& unit, const std::vector<Region>& grads,
                                            const std::vector<Device::Buffer>& held,
                                            Bytes input_bytes, const std::string& name);
+  /// The gradients `reduced` in the compute dtype cast into a new float32 shard of
+  /// `shard_bytes`, after the collective on `stream` (Note [The reduce dtype]).
+  Device::Buffer cast_to_shard(const FsdpUnit& unit, const Device::Buffer& reduced,
+                               Bytes shard_bytes, StreamId stream);
   /// The input allocated on `stream` and the copy-in kernel run there.
   Device::Buffer copy_in_kernel(StreamId stream, const FsdpUnit& unit,
                                 const std::vector<Region>& grads, Bytes input_bytes,
@@ -128,6 +132,10 @@ class Fsdp2 final : public StepHooks {
   std::optional<Device::Event> prev_copy_out_;
   // FSDP2's reduce_scatter_state: the previous reduce-scatter's input and its event.
   std::optional<Device::Buffer> prev_rs_input_;
+  /// HSDP's all-reduced gradients from the reduce-scatter stream's pool, cast to their shards
+  /// or accumulated already on the all-reduce stream, until the current stream waits for the
+  /// last reduction (Note [The reduce dtype]).
+  std::vector<Device::Buffer> reduced_held_;
   std::optional<Device::Event> prev_rs_event_;
   std::optional<Device::Event> last_reduce_;  // the last reduce (and all-reduce) of backward
   std::vector<std::size_t> backward_units_;   // units by first node in backward order

@@ -82,6 +82,12 @@ Result<Parallelism> read_parallelism(const JsonValue& value) {
     if (!parsed) return impl->error("expected \"fsdp2\" or \"simple\", got \"{}\"", name);
     p.impl = *parsed;
   }
+  if (auto reduce = object.optional(key(MeshField::ReduceDtype))) {
+    FERRY_JSON_TRY(const auto name, reduce->string());
+    const auto parsed = parse_reduce_dtype(name);
+    if (!parsed) return reduce->error("expected \"param\" or \"float32\", got \"{}\"", name);
+    p.reduce = *parsed;
+  }
   return p;
 }
 
@@ -99,6 +105,7 @@ nlohmann::ordered_json parallelism_json(const Parallelism& p) {
     j["reshard_after_forward"] = reshard_json(p.reshard_after_forward);
   }
   if (p.impl != FsdpImpl::Fsdp2) j["fsdp_impl"] = to_string(p.impl);
+  if (p.reduce != ReduceDtype::Param) j["reduce_dtype"] = to_string(p.reduce);
   if (p.tp > 1) j["tp"] = p.tp;
   if (p.cp > 1) j["cp"] = p.cp;
   if (p.ep > 1) j["ep"] = p.ep;
@@ -114,6 +121,7 @@ nlohmann::ordered_json parallelism_report_json(const Parallelism& p, std::int32_
   j["hsdp"] = p.replicas;
   j["reshard_after_forward"] = reshard_json(p.reshard_after_forward);
   if (p.impl != FsdpImpl::Fsdp2) j["fsdp_impl"] = to_string(p.impl);
+  if (p.reduce != ReduceDtype::Param) j["reduce_dtype"] = to_string(p.reduce);
   j["per_rank"] = true;
   return j;
 }

@@ -130,14 +130,16 @@ std::string parallelism_text(const Parallelism& p, const DeviceProfile& device,
         "{}; every figure is one GPU's (its pinned memory: its part of the node's)\n", mesh);
   }
   return fmt::format(
-      "{} over {} ranks on {} node{}{}, reshard after forward: {}{}; every figure is one "
+      "{} over {} ranks on {} node{}{}, reshard after forward: {}{}{}; every figure is one "
       "rank's (its pinned memory: its part of the node's)\n",
       p.impl == FsdpImpl::Simple         ? "SimpleFSDP"
       : p.impl == FsdpImpl::Fsdp2Torch24 ? "FSDP2 (torch 2.4)"
                                          : "FSDP2",
       p.ranks, nodes, nodes == 1 ? "" : "s",
       p.replicas > 1 ? fmt::format(", {} HSDP replica groups", p.replicas) : "",
-      to_string(p.reshard_after_forward), mesh.empty() ? mesh : ", each rank " + mesh);
+      to_string(p.reshard_after_forward),
+      p.reduce == ReduceDtype::Float32 ? ", gradients reduced in float32" : "",
+      mesh.empty() ? mesh : ", each rank " + mesh);
 }
 
 Json simulate_json(const RowResult& r, const Model& model, const DeviceProfile& device,

@@ -141,6 +141,13 @@ def _parser() -> argparse.ArgumentParser:
         "fsdp2-torch2.4 (fully_shard of torch 2.4 and before; docs/fsdp.md)",
     )
     parser.add_argument(
+        "--reduce-dtype",
+        default="param",
+        choices=_simulator.reduce_dtypes,
+        help="with --fsdp: the gradients' reduce dtype, param (torch's default) or float32 "
+        "(torchtitan's)",
+    )
+    parser.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -378,7 +385,8 @@ def hold(document: dict[str, Any], names: Sequence[str]) -> None:
 
 def mesh_section(args: argparse.Namespace) -> dict[str, Any] | None:
     """The scenario's "parallelism" section (docs/model-format.md) that --fsdp, --nodes,
-    --hsdp, --reshard-after-forward, --fsdp-impl, --tp, --cp, --ep and --pp record, or None
+    --hsdp, --reshard-after-forward, --fsdp-impl, --reduce-dtype, --tp, --cp, --ep and --pp
+    record, or None
     without --fsdp, --tp and --pp. The simulator writes it, checked by the mesh's rules as the
     commands that read it check them (``ferry._simulator.parallelism_section``; --fsdp and
     --nodes 0: not given)."""
@@ -391,6 +399,7 @@ def mesh_section(args: argparse.Namespace) -> dict[str, Any] | None:
             hsdp=args.hsdp,
             reshard_after_forward=args.reshard_after_forward,
             fsdp_impl=args.fsdp_impl,
+            reduce_dtype=args.reduce_dtype,
             tp=args.tp,
             cp=args.cp,
             ep=args.ep,

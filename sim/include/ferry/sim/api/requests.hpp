@@ -57,15 +57,17 @@ struct Target {
 };
 
 /// The mesh as a request asks for it, each field named by kMeshFields (`--fsdp N --nodes M --hsdp
-/// R --reshard-after-forward X --fsdp-impl I --tp T --cp C --ep E --expert-capacity F --pp P`,
-/// Python's fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl, tp, cp, ep, expert_capacity and
-/// pp). What it leaves out (none, or the defaults) is the model file's.
+/// R --reshard-after-forward X --fsdp-impl I --reduce-dtype D --tp T --cp C --ep E
+/// --expert-capacity F --pp P`, Python's fsdp, nodes, hsdp, reshard_after_forward, fsdp_impl,
+/// reduce_dtype, tp, cp, ep, expert_capacity and pp). What it leaves out (none, or the defaults) is
+/// the model file's.
 struct MeshRequest {
   std::optional<std::int32_t> ranks{};  ///< 1..1000000; none: the model file's, else no FSDP
   std::optional<std::int32_t> nodes{};  ///< 1..1000000; none: as few as gpus_per_node allow
   std::int32_t replicas = 1;            ///< 1..1000000
   Reshard reshard_after_forward{};
   FsdpImpl impl = FsdpImpl::Fsdp2;
+  ReduceDtype reduce = ReduceDtype::Param;
   /// Tensor parallelism over 1..1024 GPUs a rank (`--tp`, Python's tp): each runs its cut of the
   /// model (tensor_parallel_model); 1: none.
   std::int32_t tp = 1;
@@ -295,6 +297,8 @@ Result<Reshard> parse_reshard(std::string_view text);
 Result<Reshard> reshard_ranks(std::int64_t k);
 /// `--fsdp-impl`'s text: fsdp2, simple or fsdp2-torch2.4.
 Result<FsdpImpl> fsdp_impl(std::string_view name);
+/// `--reduce-dtype`'s text: param or float32.
+Result<ReduceDtype> reduce_dtype(std::string_view name);
 /// `--allocator`'s text: default or expandable.
 Result<AllocatorMode> allocator_mode(std::string_view name);
 /// A byte count's text for the option `option` ("--budget"); blank is an error, not "none"

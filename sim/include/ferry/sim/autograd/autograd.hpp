@@ -183,6 +183,10 @@ struct FsdpFaults {
   /// zero_grad frees the gradient shards before the reduce-scatter stream waits for the
   /// optimizer step that reads them.
   bool skip_grad_shard_free_wait = false;
+  /// With HSDP and gradients reduced in the compute dtype, the all-reduced gradients (cast to
+  /// their shards) are freed before the reduce-scatter stream, whose pool they came from, waits
+  /// for the current stream that waited for the last all-reduce.
+  bool skip_reduced_free_wait = false;
 };
 
 /// The planted faults of the collective ops of a rank's model (docs/model-format.md, Collective

@@ -1,8 +1,8 @@
 #pragma once
 /// Parallelism as JSON, read and written here only: the "parallelism" section of model and plan
 /// files, {"fsdp": N, "nodes": M, "hsdp": R, "reshard_after_forward": true | false | K,
-/// "fsdp_impl": I, "tp": T, "cp": C, "pp": P} ("fsdp" may be left out when "tp" or "pp" alone is
-/// given), and the "fsdp", "tp" and "cp" members of reports.
+/// "fsdp_impl": I, "reduce_dtype": D, "tp": T, "cp": C, "pp": P} ("fsdp" may be left out when
+/// "tp" or "pp" alone is given), and the "fsdp", "tp" and "cp" members of reports.
 
 #include <cstdint>
 #include <nlohmann/json.hpp>

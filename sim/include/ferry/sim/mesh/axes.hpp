@@ -14,13 +14,14 @@ namespace ferry::sim {
 
 // Note [One table of axes]
 // A mesh is asked for by data-parallel ranks and their options (--fsdp, --nodes, --hsdp,
-// --reshard-after-forward, --fsdp-impl), the axes' degrees (--tp, --cp, --ep), an axis's
-// option (--expert-capacity) and the pipeline's stages (--pp). Every edge spells a field its own
-// way (a file's "hsdp", the flag --hsdp, Python's hsdp, the field Parallelism::replicas), bounds
-// it, and refuses it without the field it needs. Those are rows of kMeshFields, in the order every
-// check visits them, so the first error is the same whoever checks; each place that checks writes
-// its own sentence from the row. The pipeline axis (pp) is one more row, read by the same loops;
-// how its stages cut the model is its cut's (the pipeline's stages, each a mesh of the other axes).
+// --reshard-after-forward, --fsdp-impl, --reduce-dtype), the axes' degrees (--tp, --cp, --ep), an
+// axis's option (--expert-capacity) and the pipeline's stages (--pp). Every edge spells a field its
+// own way (a file's "hsdp", the flag --hsdp, Python's hsdp, the field Parallelism::replicas),
+// bounds it, and refuses it without the field it needs. Those are rows of kMeshFields, in the order
+// every check visits them, so the first error is the same whoever checks; each place that checks
+// writes its own sentence from the row. The pipeline axis (pp) is one more row, read by the same
+// loops; how its stages cut the model is its cut's (the pipeline's stages, each a mesh of the other
+// axes).
 
 /// A field of the mesh, in kMeshFields' order.
 enum class MeshField : std::uint8_t {
@@ -29,6 +30,7 @@ enum class MeshField : std::uint8_t {
   Hsdp,                 ///< HSDP replica groups (Parallelism::replicas)
   ReshardAfterForward,  ///< FSDP2's reshard_after_forward: true, false or K ranks
   FsdpImpl,             ///< fsdp2, simple or fsdp2-torch2.4
+  ReduceDtype,          ///< the gradients' reduce dtype: param or float32
   Tp,                   ///< tensor-parallel GPUs a rank
   Cp,                   ///< context-parallel GPUs a rank
   Ep,                   ///< expert-parallel GPUs of the shard group
@@ -69,7 +71,7 @@ inline constexpr std::int64_t kMaxAxisRanks = 1024;
 inline constexpr std::int64_t kMaxPipelineStages = 64;
 
 /// Every field, in MeshField's order.
-inline constexpr std::array<MeshFieldRule, 10> kMeshFields{{
+inline constexpr std::array<MeshFieldRule, 11> kMeshFields{{
     {.field = MeshField::Fsdp,
      .name = "ranks",
      .key = "fsdp",
@@ -110,6 +112,13 @@ inline constexpr std::array<MeshFieldRule, 10> kMeshFields{{
      .key = "fsdp_impl",
      .flag = "--fsdp-impl",
      .python = "fsdp_impl",
+     .needs = MeshField::Fsdp,
+     .needs_least = 1},
+    {.field = MeshField::ReduceDtype,
+     .name = "reduce",
+     .key = "reduce_dtype",
+     .flag = "--reduce-dtype",
+     .python = "reduce_dtype",
      .needs = MeshField::Fsdp,
      .needs_least = 1},
     {.field = MeshField::Tp,
@@ -172,7 +181,7 @@ inline constexpr std::array<MeshFieldRule, 10> kMeshFields{{
 using MeshNames = std::string_view MeshFieldRule::*;
 
 /// The fields FSDP's own options are: those that need --fsdp and give no reason of their own,
-/// as "--nodes, --hsdp, --reshard-after-forward and --fsdp-impl" (in `names`).
+/// as "--nodes, --hsdp, --reshard-after-forward, --fsdp-impl and --reduce-dtype" (in `names`).
 [[nodiscard]] std::string fsdp_option_list(MeshNames names);
 
 }  // namespace ferry::sim
