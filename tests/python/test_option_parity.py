@@ -66,6 +66,7 @@ RESHARD = [True, False, 2, 4, 1, 0, -3]
 ALLOCATORS = ["default", "expandable", "expandable", "default", "expandable", "expandable_segments"]
 #: Mostly good names, as ALLOCATORS.
 FSDP_IMPLS = ["fsdp2", "simple", "simple", "fsdp2", "SimpleFSDP", "fsdp2-torch2.4"]
+REDUCE_DTYPES = ["param", "float32", "float32", "float32", "bf16"]
 BUDGETS = [None, "1GiB", "24MiB", " ", "40 parsecs", "-5", 2**30, "1KiB"]
 #: Plan margins, percent of the budget: numbers and text, in bounds (0..50) and not.
 MARGINS = [None, "6", "5.5%", 0, 12.5, 50, "50.1", 51, -1, "six", "5.55", " 7 % "]
@@ -118,6 +119,8 @@ def draw_fsdp(rng, options):
     # Mostly with fsdp: without it, any but the default is refused.
     if rng.random() < (0.4 if "fsdp" in options else 0.03):
         options["fsdp_impl"] = rng.choice(FSDP_IMPLS)
+    if rng.random() < (0.15 if "fsdp" in options else 0.01):
+        options["reduce_dtype"] = rng.choice(REDUCE_DTYPES)
     if rng.random() < 0.25:
         options["allocator"] = rng.choice(ALLOCATORS)
     if rng.random() < 0.1:
@@ -364,6 +367,7 @@ NEED_FSDP = "--nodes, --hsdp, --reshard-after-forward, --fsdp-impl and --reduce-
         ("compare", {"hsdp": 2}, NEED_FSDP),
         ("plan", {"reshard_after_forward": False}, NEED_FSDP),
         ("simulate", {"fsdp_impl": "simple"}, NEED_FSDP),
+        ("plan", {"reduce_dtype": "float32"}, NEED_FSDP),
     ],
 )
 def test_fsdp_only_options_need_fsdp_on_both_edges(command, options, message):
@@ -372,7 +376,13 @@ def test_fsdp_only_options_need_fsdp_on_both_edges(command, options, message):
 
 
 @pytest.mark.parametrize(
-    "options", [{"hsdp": 1}, {"reshard_after_forward": True}, {"fsdp_impl": "fsdp2"}]
+    "options",
+    [
+        {"hsdp": 1},
+        {"reshard_after_forward": True},
+        {"fsdp_impl": "fsdp2"},
+        {"reduce_dtype": "param"},
+    ],
 )
 def test_the_fsdp_defaults_need_no_fsdp(options):
     # hsdp 1 and resharding after forward are the defaults: given, they need no fsdp.

@@ -372,6 +372,16 @@ def test_fsdp_is_recorded_and_the_commands_run_it(config, tmp_path, capsys):
     assert done.returncode == 0, done.stderr
     assert "SimpleFSDP over 8 ranks on 1 node" in done.stdout
     assert "hazards: 0" in done.stdout
+    # So is a float32 reduce (torchtitan's), which the commands report and run: the same shards,
+    # twice the reduce-scatter's bytes.
+    out32, float32 = run(
+        tmp_path, config, "--seq", "64", "--fsdp", "8", "--reduce-dtype", "float32"
+    )
+    assert float32.document["parallelism"] == {"fsdp": 8, "reduce_dtype": "float32"}
+    done = simulate(out32)
+    assert done.returncode == 0, done.stderr
+    assert "gradients reduced in float32" in done.stdout
+    assert "hazards: 0" in done.stdout
 
 
 def test_tensor_and_context_parallelism_are_recorded_and_the_commands_cut_for_them(
@@ -426,6 +436,8 @@ def test_fsdp_arguments_are_checked(config, tmp_path, capsys):
     need = "--nodes, --hsdp, --reshard-after-forward, --fsdp-impl and --reduce-dtype need --fsdp N"
     assert need in capsys.readouterr().err
     assert main([config, "--seq", "8", "--fsdp-impl", "simple", "--out", x]) == 2
+    assert need in capsys.readouterr().err
+    assert main([config, "--seq", "8", "--reduce-dtype", "float32", "--out", x]) == 2
     assert need in capsys.readouterr().err
     assert main([config, "--seq", "8", "--fsdp", "8", "--hsdp", "3", "--out", x]) == 2
     assert "--hsdp: 3 replica groups do not divide 8 ranks" in capsys.readouterr().err

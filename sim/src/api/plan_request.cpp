@@ -406,7 +406,9 @@ Result<Response> pipeline_plan_response(const PlanRequest& r) {
 }  // namespace
 }  // namespace api
 
-Result<Response> respond(const PlanRequest& r) {
+Result<Response> respond(const PlanRequest& asked) {
+  PlanRequest r = asked;
+  r.mesh = trainer_mesh(r.mesh, r.trainer);
   if (api::asks_pipeline(r)) return api::pipeline_plan_response(r);
   if (auto split = parse_split(r.split); !split) return split.error();
   auto setup = api::plan_setup(r);

@@ -117,6 +117,13 @@ void adopt_parallelism(Parallelism& asked, const Parallelism& file) {
   if (asked.reduce == ReduceDtype::Param) asked.reduce = file.reduce;
 }
 
+MeshRequest trainer_mesh(MeshRequest fsdp, const std::optional<Trainer>& trainer) {
+  if (trainer == Trainer::Torchtitan && fsdp.ranks && fsdp.reduce == ReduceDtype::Param) {
+    fsdp.reduce = ReduceDtype::Float32;
+  }
+  return fsdp;
+}
+
 void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file) {
   Parallelism asked = as_asked(fsdp);
   adopt_parallelism(asked, file);

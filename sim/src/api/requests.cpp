@@ -402,7 +402,9 @@ Result<Response> one_device(const SimulateRequest& r, const Workload& w, AskedRu
 
 namespace ferry::sim {
 
-Result<Response> respond(const SimulateRequest& r) {
+Result<Response> respond(const SimulateRequest& asked_request) {
+  SimulateRequest r = asked_request;
+  r.run.mesh = trainer_mesh(r.run.mesh, r.trainer);
   auto whole = api::load(r.target);
   if (!whole) return whole.error();
   MeshRequest mesh = r.run.mesh;

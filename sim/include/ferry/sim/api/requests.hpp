@@ -107,6 +107,10 @@ void adopt_parallelism(MeshRequest& fsdp, const Parallelism& file);
 /// The same for a parallelism already read from a request (parallelism_of): a field left out
 /// is 0 (ranks, nodes) or its default.
 void adopt_parallelism(Parallelism& asked, const Parallelism& file);
+/// `fsdp` as `--for trainer` runs it: torchtitan reduces gradients in float32 (its
+/// `mixed_precision_reduce` default) where `fsdp` asks for FSDP and keeps the default reduce
+/// dtype.
+MeshRequest trainer_mesh(MeshRequest fsdp, const std::optional<Trainer>& trainer);
 
 /// The options simulate and compare share: the offload knobs, the run's length and checks, FSDP2
 /// and the allocator.
