@@ -473,12 +473,15 @@ void Fsdp2::reduce_gradients(std::size_t u) {
                     fmt::format("unit {} all-reduce", unit.layer));
     last = all_reduce_;
   }
-  const Device::Buffer shard = cast ? cast_to_shard(unit, out, shard_bytes, last) : out;
-  if (cast) last = or_compute(last);
+  StreamId shard_pool = or_compute(reduce_scatter_);  // the pool the new shard came from
+  Device::Buffer shard = out;
+  if (cast) {
+    shard = cast_to_shard(unit, out, shard_bytes, last);
+    last = shard_pool = or_compute(last);
+  }
   if (unit.sharded_grad) {
-    // A second backward (retain_graph): accumulate, on the reduce-scatter stream. SimpleFSDP's
-    // graph accumulates on the compute stream once it waited for the reduce-scatter, and the
-    // new shard goes back to that stream's pool.
+    // A second backward (retain_graph): accumulate on the stream that wrote the new shard last.
+    // SimpleFSDP's graph accumulates on the compute stream once it waited for the collective.
     const StreamId written = last;
     last = or_compute(written);
     if (simple() && !faults_.skip_accumulate_wait) comm_wait(last, written);
@@ -486,13 +489,7 @@ void Fsdp2::reduce_gradients(std::size_t u) {
     sim_.kernel(last, memory_time(std::int64_t{3} * shard_bytes),
                 std::vector<Region>{Region{shard.id, Bytes(0), shard_bytes}, acc},
                 std::vector<Region>{acc}, name + " accumulate");
-    // Under HSDP, FSDP2 accumulates on the all-reduce stream a shard from the reduce-scatter
-    // stream's pool (uncast): it is held as a cast one is (Note [The reduce dtype]).
-    if (!cast && !simple() && last != reduce_scatter_) {
-      reduced_held_.push_back(shard);
-    } else {
-      device_.drop(shard);
-    }
+    release_reduced(shard, shard_pool, last);
   } else {
     unit.sharded_grad = shard;
   }
@@ -513,10 +510,8 @@ void Fsdp2::reduce_gradients(std::size_t u) {
 // (`_to_dtype_if_needed`) into a new buffer and freed. Without mixed precision the two agree.
 
 // SimpleFSDP's graph casts on the compute stream once it waited for the collective (the wait
-// its accumulation takes too), so the reduced buffer, from that stream's pool, goes at once.
-// FSDP2 casts on the collective's stream: without HSDP the reduce-scatter's, whose pool the
-// reduced buffer came from; with HSDP the all-reduce's, so the buffer is held, as FSDP2 holds
-// its all-reduce input, until the current stream waited for the last reduction (backward_end).
+// its accumulation takes too); FSDP2 casts on the collective's stream. The reduced buffer is
+// released as release_reduced says.
 Device::Buffer Fsdp2::cast_to_shard(const FsdpUnit& unit, const Device::Buffer& reduced,
                                     Bytes shard_bytes, StreamId stream) {
   const Bytes reduced_bytes = ceil_div(unit.bytes, unit.group);
@@ -528,12 +523,20 @@ Device::Buffer Fsdp2::cast_to_shard(const FsdpUnit& unit, const Device::Buffer& 
               std::vector<Region>{Region{reduced.id, Bytes(0), reduced_bytes}},
               std::vector<Region>{Region{shard.id, Bytes(0), shard_bytes}},
               fmt::format("unit {} reduce-scatter cast", unit.layer));
-  if (on == reduce_scatter_ || simple()) {
-    device_.drop(reduced);
-  } else {
-    reduced_held_.push_back(reduced);
-  }
+  release_reduced(reduced, or_compute(reduce_scatter_), on);
   return shard;
+}
+
+// A buffer last read on its own pool's stream goes at once. One read on another (HSDP's
+// all-reduce stream reading a buffer of the reduce-scatter stream's pool) is held, as FSDP2
+// holds its all-reduce input, until the current stream waited for the last reduction
+// (backward_end).
+void Fsdp2::release_reduced(const Device::Buffer& buffer, StreamId pool, StreamId last_reader) {
+  if (pool == last_reader) {
+    device_.drop(buffer);
+  } else {
+    reduced_held_.push_back(buffer);
+  }
 }
 
 void Fsdp2::before_op(std::uint32_t i) {

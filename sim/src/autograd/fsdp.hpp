@@ -101,6 +101,9 @@ class Fsdp2 final : public StepHooks {
   /// `shard_bytes`, after the collective on `stream` (Note [The reduce dtype]).
   Device::Buffer cast_to_shard(const FsdpUnit& unit, const Device::Buffer& reduced,
                                Bytes shard_bytes, StreamId stream);
+  /// `buffer`, from `pool`'s pool, dropped if `last_reader` is that stream, else held in
+  /// reduced_held_ (Note [The reduce dtype]).
+  void release_reduced(const Device::Buffer& buffer, StreamId pool, StreamId last_reader);
   /// The input allocated on `stream` and the copy-in kernel run there.
   Device::Buffer copy_in_kernel(StreamId stream, const FsdpUnit& unit,
                                 const std::vector<Region>& grads, Bytes input_bytes,
